@@ -1,0 +1,31 @@
+"""pagedlm: high-throughput, memory-efficient LLM inference in pure Python.
+
+Importing this package loads only the core dependencies (torch, transformers, pluggy);
+the server, gguf and grammar libraries are imported when a feature needs them.
+"""
+
+from pagedlm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedlm.plugins.hookspecs import hookimpl
+from pagedlm.sampling_params import RequestOutputKind, SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+    "__version__",
+    "hookimpl",
+]
+
+
+def __getattr__(name: str):
+    # LLM pulls in the engine; import it on first use so `import pagedlm` stays light.
+    if name == "LLM":
+        from pagedlm.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'pagedlm' has no attribute {name!r}")

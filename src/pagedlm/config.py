@@ -1,0 +1,196 @@
+"""Engine configuration: frozen dataclasses, validated once at the edge.
+
+``EngineConfig.create(...)`` is the single place user-facing arguments become a
+configuration; every error it raises names the argument to change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[str(name).removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(
+            f"Unknown dtype {name!r}; use 'auto', 'float32', 'bfloat16' or 'float16'."
+        ) from None
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """The shape of a decoder-only transformer, independent of how the file spelled it.
+
+    Built from a HF ``config.json`` dict (both the transformers-5 spelling with
+    ``rope_parameters``/``dtype`` and the older ``rope_theta``/``torch_dtype``) or from
+    GGUF metadata. ``raw`` keeps the original dict for architecture-specific extras.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    torch_dtype: str | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ValueError(
+                "config.json has no 'architectures' entry; add e.g. "
+                '"architectures": ["LlamaForCausalLM"].'
+            )
+        # transformers 5 nests rope settings in rope_parameters; older files use rope_theta
+        # plus an optional rope_scaling dict.
+        rope_params = dict(cfg.get("rope_parameters") or {})
+        rope_scaling = cfg.get("rope_scaling") or None
+        rope_theta = rope_params.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
+        if rope_params:
+            rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
+            if rope_type != "default":
+                rope_scaling = rope_params
+        if rope_scaling is not None:
+            rope_scaling = dict(rope_scaling)
+            rope_scaling.setdefault("rope_type", rope_scaling.get("type", "default"))
+            if rope_scaling["rope_type"] == "default":
+                rope_scaling = None
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        arch = archs[0]
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            intermediate_size=cfg["intermediate_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(
+                cfg.get("attention_bias", arch == "Qwen2ForCausalLM")
+            ),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            hidden_act=cfg.get("hidden_act", "silu"),
+            sliding_window=sliding,
+            torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+            raw=cfg,
+        )
+
+    @classmethod
+    def from_directory(cls, path: str | os.PathLike[str]) -> ArchConfig:
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise ValueError(
+                f"{path} has no config.json; pass a Hugging Face model directory "
+                "(config.json + *.safetensors) or a .gguf file."
+            )
+        return cls.from_hf_dict(json.loads(config_file.read_text()))
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        if self.eos_token_id is None:
+            return set()
+        if isinstance(self.eos_token_id, int):
+            return {self.eos_token_id}
+        return set(self.eos_token_id)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    """Local HF directory or .gguf file (resolved; never None here)."""
+    tokenizer: str | None
+    arch: ArchConfig
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int = 0
+    skip_tokenizer_init: bool = False
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.model.endswith(".gguf")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    """None: the platform sizes the cache from its memory budget."""
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None
+    """Memory budget for the KV cache when ``num_kv_blocks`` is None (platform default)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+
+    @property
+    def chunked_prefill(self) -> bool:
+        return self.max_num_batched_tokens < self.max_model_len
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    platform: str
+    """Name of the selected platform (resolved through the plugin registry)."""
+
+    def with_num_kv_blocks(self, num_kv_blocks: int) -> EngineConfig:
+        return replace(self, cache=replace(self.cache, num_kv_blocks=num_kv_blocks))
+
+
+def validate_positive(name: str, value: int | None, *, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or int(value) < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")

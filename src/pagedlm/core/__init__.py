@@ -1,0 +1,1 @@
+"""The engine core: requests, scheduler, and the step loop that drives the executor."""

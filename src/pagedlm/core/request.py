@@ -1,0 +1,105 @@
+"""A request as the engine core sees it: token ids, progress, and its place in the cache."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedlm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_IGNORED = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+}
+
+
+class Request:
+    """One sequence being generated (a child of an n>1 request is its own Request).
+
+    Invariants:
+    - ``all_token_ids == prompt_token_ids + output_token_ids``.
+    - ``0 <= num_computed_tokens <= num_tokens``: tokens whose K/V are in the cache.
+    - ``num_tokens - num_computed_tokens`` tokens are still to be fed to the model; for a
+      running request in decode that is exactly one (the last sampled token).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: set[int] | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = set() if sampling_params.ignore_eos else set(eos_token_ids or ())
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.cache_salt = cache_salt
+
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1
+        """Prompt tokens served from the prefix cache at first scheduling (-1: not yet)."""
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []
+        """Chained digests of this request's full blocks, maintained by the KV manager."""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        assert self.sampling_params.max_tokens is not None, "set by the input processor"
+        return self.sampling_params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

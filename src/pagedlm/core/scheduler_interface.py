@@ -1,0 +1,65 @@
+"""The Scheduler interface: decides, each step, which tokens of which requests run."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pagedlm.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from pagedlm.core.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot for metrics. Prefix-cache figures are token counts, cumulative."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    """Fraction of KV blocks held by requests, in [0, 1]."""
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class Scheduler(ABC):
+    """Owns every unfinished request and the KV blocks they hold.
+
+    Invariants:
+    - ``schedule()`` never hands out more than ``max_num_batched_tokens`` tokens or more
+      than ``max_num_seqs`` requests in one step.
+    - A scheduled request holds blocks for every token it will have computed after the step.
+    - ``update_from_output`` is called exactly once per non-empty ``schedule()``, with the
+      runner's output for it, before the next ``schedule()``.
+    - Once a request finishes or is aborted, all its blocks are released.
+    """
+
+    @abstractmethod
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError if it can never fit in the KV cache."""
+
+    @abstractmethod
+    def abort_requests(
+        self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> list[Request]:
+        """Finish the given requests (unknown ids are ignored) and free their blocks."""
+
+    @abstractmethod
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work under the token budget."""
+
+    @abstractmethod
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Record sampled tokens, apply token-level stops, free finished requests."""
+
+    @abstractmethod
+    def has_unfinished_requests(self) -> bool: ...
+
+    @abstractmethod
+    def get_num_unfinished_requests(self) -> int: ...
+
+    @abstractmethod
+    def make_stats(self) -> SchedulerStats: ...

@@ -1,0 +1,68 @@
+"""Device storage for keys and values, in blocks of ``block_size`` token slots."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class KVCache(ABC):
+    """Per-layer key/value storage shared by all requests.
+
+    Invariants:
+    - Slot ``s`` is offset ``s % block_size`` of block ``s // block_size``.
+    - A block id names the same slot range in every layer; the scheduler's block tables
+      are therefore valid for the whole model.
+    - The cache never interprets block ownership: the KV-cache manager decides which
+      request may read or write which block.
+    """
+
+    num_blocks: int
+    block_size: int
+
+    @abstractmethod
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key_cache, value_cache) of one layer, in the attention backend's layout."""
+
+    @property
+    @abstractmethod
+    def num_bytes(self) -> int:
+        """Total device memory held."""
+
+
+class TensorKVCache(KVCache):
+    """One key and one value tensor per layer, allocated up front."""
+
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        num_layers: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_blocks = shape[0]
+        self.block_size = block_size
+        self._layers = [
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(num_layers)
+        ]
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._layers[layer_idx]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self._layers)
+
+
+def kv_bytes_per_block(
+    block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes one block takes across all layers, keys and values together."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element

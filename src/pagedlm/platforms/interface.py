@@ -1,0 +1,64 @@
+"""What core code may ask of the hardware it runs on.
+
+Core code never branches on a device name: it asks the platform a capability question
+(``supports_cuda_graphs``, ``dist_backend``, ``check_dtype``) and uses the answer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+
+class Platform(ABC):
+    """One kind of hardware. Instances are created by the registry after the probe passed.
+
+    Invariants:
+    - ``device`` is where model weights, activations and the KV cache live.
+    - ``check_dtype`` raises ``ValueError`` naming a dtype that works for any it rejects.
+    - ``kv_cache_memory_bytes`` is a budget the KV cache may fill entirely, with model
+      weights already loaded.
+    """
+
+    name: ClassVar[str]
+    device_type: ClassVar[str]
+    """torch device type: "cpu", "cuda" (ROCm also reports "cuda")."""
+    dist_backend: ClassVar[str] = "gloo"
+    """torch.distributed backend for tensor parallelism on this platform."""
+    supports_cuda_graphs: ClassVar[bool] = False
+    default_attention_backend: ClassVar[str]
+    default_executor: ClassVar[str] = "uniproc"
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.device_type)
+
+    @property
+    @abstractmethod
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        """Dtypes the platform can run models in, preferred first."""
+
+    def default_dtype(self, config_dtype: torch.dtype | None) -> torch.dtype:
+        """The dtype for ``dtype="auto"``: the checkpoint's own if supported, else the first."""
+        if config_dtype in self.supported_dtypes:
+            return config_dtype
+        return self.supported_dtypes[0]
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        if dtype not in self.supported_dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.supported_dtypes)
+            raise ValueError(
+                f"The {self.name} platform cannot run dtype {dtype}; use one of: {names}."
+            )
+
+    @abstractmethod
+    def kv_cache_memory_bytes(self) -> int:
+        """How many bytes the KV cache may take when the user did not fix ``num_kv_blocks``."""
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (no-op where execution is synchronous)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"

@@ -1,0 +1,127 @@
+"""Per-request sampling parameters, with vLLM's names, defaults and error semantics.
+
+Validation happens here, once, when the object is built: a bad value raises
+``ValueError`` naming the field and the fix before the request reaches the engine.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+"""Upper bound for ``logprobs`` and ``prompt_logprobs`` (the OpenAI API's cap)."""
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0
+    """Every output carries the whole text and token ids generated so far."""
+    DELTA = 1
+    """Every output carries only what is new since the previous one."""
+    FINAL_ONLY = 2
+    """Only the finished output is returned."""
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. Field names and defaults follow vLLM.
+
+    ``temperature == 0`` means greedy. ``top_k == -1`` and ``top_p == 1`` disable those
+    filters. ``seed`` makes the request's samples independent of what else is batched.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Filled by the engine from the tokenizer/model: EOS plus any extra ids that end the request.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.seed is not None:
+            self.seed = int(self.seed)
+        self._validate()
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _validate(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.temperature < 0.0:
+            raise ValueError(
+                f"temperature must be non-negative, got {self.temperature}; "
+                "use temperature=0 for greedy decoding."
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}; use 1 to disable it.")
+        if self.top_k < -1 or self.top_k == 0:
+            raise ValueError(
+                f"top_k must be -1 (disable), or at least 1, got {self.top_k}."
+            )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}; use 0 to disable it.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}."
+            )
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(
+                f"repetition_penalty must be greater than 0, got {self.repetition_penalty}; "
+                "use 1 to disable it."
+            )
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}; "
+                "lower min_tokens or raise max_tokens."
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}."
+                )
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty.")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True; use stop_token_ids instead.")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def clone(self) -> SamplingParams:
+        from copy import deepcopy
+
+        return deepcopy(self)

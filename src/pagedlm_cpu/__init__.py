@@ -1,0 +1,1 @@
+"""pagedlm's CPU platform: runs everywhere torch runs; the reference for other backends."""

@@ -1,0 +1,56 @@
+"""The CPU platform."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pagedlm.platforms import Platform
+
+KVCACHE_SPACE_ENV = "PAGEDLM_CPU_KVCACHE_SPACE"
+"""GiB the KV cache may take on CPU (like vLLM's VLLM_CPU_KVCACHE_SPACE); default 4."""
+
+
+def _available_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    device_type = "cpu"
+    dist_backend = "gloo"
+    supports_cuda_graphs = False
+    default_attention_backend = "cpu_sdpa"
+
+    @property
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        # float16 matmuls on CPU are slow or missing in many torch builds.
+        return (torch.float32, torch.bfloat16)
+
+    def default_dtype(self, config_dtype: torch.dtype | None) -> torch.dtype:
+        # Like vLLM's CPU backend, run half-precision checkpoints in float32 unless asked.
+        return torch.float32 if config_dtype != torch.bfloat16 else torch.bfloat16
+
+    def kv_cache_memory_bytes(self) -> int:
+        if KVCACHE_SPACE_ENV in os.environ:
+            try:
+                gib = float(os.environ[KVCACHE_SPACE_ENV])
+            except ValueError:
+                raise ValueError(
+                    f"{KVCACHE_SPACE_ENV} must be a number of GiB, "
+                    f"got {os.environ[KVCACHE_SPACE_ENV]!r}."
+                ) from None
+            return int(gib * 2**30)
+        budget = 4 * 2**30
+        available = _available_memory_bytes()
+        if available is not None:
+            budget = min(budget, available // 4)
+        return budget

@@ -1,0 +1,1 @@
+"""pagedlm's NVIDIA CUDA platform (Triton kernels and CUDA graphs come with its backend)."""

@@ -1,0 +1,28 @@
+"""Entry point of the CUDA hardware package (``[project.entry-points.pagedlm] cuda``)."""
+
+from __future__ import annotations
+
+from pagedlm import hookimpl
+from pagedlm.plugins import PlatformSpec
+
+
+def cuda_is_available() -> bool:
+    """True for a CUDA (not HIP) build of torch that sees at least one device."""
+    import torch
+
+    return torch.version.cuda is not None and torch.version.hip is None and (
+        torch.cuda.is_available()
+    )
+
+
+@hookimpl
+def pagedlm_register_platforms() -> list[PlatformSpec]:
+    return [
+        PlatformSpec(
+            name="cuda",
+            target="pagedlm_cuda.platform:CudaPlatform",
+            is_available=cuda_is_available,
+            priority=10,
+            description="NVIDIA GPUs through CUDA.",
+        )
+    ]
