@@ -184,6 +184,10 @@ class EngineConfig:
     scheduler: SchedulerConfig
     platform: str
     """Name of the selected platform (resolved through the plugin registry)."""
+    attention_backend: str | None = None
+    """None: the platform's default attention backend."""
+    executor: str | None = None
+    """None: the platform's default executor ("uniproc")."""
 
     def with_num_kv_blocks(self, num_kv_blocks: int) -> EngineConfig:
         return replace(self, cache=replace(self.cache, num_kv_blocks=num_kv_blocks))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import os
 
+import numpy as np
 import torch
 
 from pagedlm.platforms import Platform
@@ -38,6 +40,13 @@ class CpuPlatform(Platform):
     def default_dtype(self, config_dtype: torch.dtype | None) -> torch.dtype:
         # Like vLLM's CPU backend, run half-precision checkpoints in float32 unless asked.
         return torch.float32 if config_dtype != torch.bfloat16 else torch.bfloat16
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        # numpy's zeros comes from calloc: the OS hands out zero pages lazily, so a
+        # multi-GiB KV cache costs nothing until it is written (torch.zeros memsets it all).
+        element = torch.empty((), dtype=dtype).element_size()
+        raw = np.zeros(math.prod(shape) * element, dtype=np.uint8)
+        return torch.from_numpy(raw).view(dtype).view(shape)
 
     def kv_cache_memory_bytes(self) -> int:
         if KVCACHE_SPACE_ENV in os.environ:

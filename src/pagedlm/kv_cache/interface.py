@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -40,17 +41,12 @@ class TensorKVCache(KVCache):
         num_layers: int,
         block_size: int,
         dtype: torch.dtype,
-        device: torch.device,
+        zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor],
     ) -> None:
+        """``zeros(shape, dtype)`` allocates a zeroed tensor on the device (``Platform.zeros``)."""
         self.num_blocks = shape[0]
         self.block_size = block_size
-        self._layers = [
-            (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
-            for _ in range(num_layers)
-        ]
+        self._layers = [(zeros(shape, dtype), zeros(shape, dtype)) for _ in range(num_layers)]
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._layers[layer_idx]

@@ -57,6 +57,10 @@ class Platform(ABC):
     def kv_cache_memory_bytes(self) -> int:
         """How many bytes the KV cache may take when the user did not fix ``num_kv_blocks``."""
 
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled tensor on ``device`` (the KV cache is allocated through this)."""
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
     def synchronize(self) -> None:
         """Wait for queued device work (no-op where execution is synchronous)."""
 

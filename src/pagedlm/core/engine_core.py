@@ -1,0 +1,55 @@
+"""The engine core loop: schedule -> execute -> update, one step at a time."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from pagedlm.config import EngineConfig
+from pagedlm.core.outputs import EngineCoreOutput
+from pagedlm.core.request import Request
+from pagedlm.core.scheduler import OneBudgetScheduler
+from pagedlm.core.scheduler_interface import Scheduler, SchedulerStats
+from pagedlm.executor import Executor
+from pagedlm.platforms import Platform
+from pagedlm.plugins.registry import select_executor
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Owns the scheduler and the executor. Knows token ids only, never text."""
+
+    def __init__(self, config: EngineConfig, platform: Platform) -> None:
+        self.config = config
+        executor_cls = select_executor(platform, config.executor)
+        self.executor: Executor = executor_cls(config, platform)
+        num_blocks = self.executor.determine_num_kv_blocks()
+        self.executor.initialize_kv_cache(num_blocks)
+        self.num_kv_blocks = num_blocks
+        self.scheduler: Scheduler = OneBudgetScheduler(config.scheduler, config.cache, num_blocks)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            if scheduler_output.finished_req_ids:
+                # Nothing to run, but workers must still drop finished requests' state.
+                self.executor.execute_model(scheduler_output)
+            return []
+        runner_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,141 @@
+"""Turns a user prompt and SamplingParams into validated engine-core requests.
+
+Every check happens here, before anything enters the engine, so a bad request raises
+``ValueError`` without disturbing the others.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Union
+
+from pagedlm.config import ModelConfig
+from pagedlm.core.request import Request
+from pagedlm.sampling_params import SamplingParams
+
+PromptType = Union[str, Mapping[str, Any]]
+"""A string, ``{"prompt": str}`` or ``{"prompt_token_ids": list[int]}``."""
+
+
+@dataclass(frozen=True)
+class ProcessedRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    """Resolved: max_tokens set, stop token ids filled in."""
+    children: list[Request]
+    """One engine-core request per sample (``n`` of them)."""
+    arrival_time: float
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+class InputProcessor:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.vocab_size = model_config.arch.vocab_size
+        eos = set(model_config.arch.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = eos
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            text, token_ids = prompt, None
+        elif isinstance(prompt, Mapping):
+            text = prompt.get("prompt")
+            token_ids = prompt.get("prompt_token_ids")
+            if text is None and token_ids is None:
+                raise ValueError(
+                    "A prompt dict needs 'prompt' (text) or 'prompt_token_ids' (list of ints)."
+                )
+        else:
+            raise ValueError(
+                f"Unsupported prompt of type {type(prompt).__name__}; pass a string, "
+                "{'prompt': str} or {'prompt_token_ids': [int, ...]}."
+            )
+        if token_ids is None:
+            if self.tokenizer is None:
+                raise ValueError(
+                    "skip_tokenizer_init=True: text prompts cannot be tokenized; pass "
+                    "{'prompt_token_ids': [...]} instead."
+                )
+            token_ids = self.tokenizer.encode(text)
+        token_ids = [int(t) for t in token_ids]
+        if not token_ids:
+            raise ValueError("The prompt is empty; pass at least one token.")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"Prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size}); "
+                "check that the token ids come from this model's tokenizer."
+            )
+        return text, token_ids
+
+    def resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        max_model_len = self.model_config.max_model_len
+        if num_prompt_tokens >= max_model_len:
+            raise ValueError(
+                f"The prompt has {num_prompt_tokens} tokens, which leaves no room to generate "
+                f"within max_model_len={max_model_len}; shorten the prompt or raise "
+                "max_model_len."
+            )
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = max_model_len - num_prompt_tokens
+        elif num_prompt_tokens + max_tokens > max_model_len:
+            raise ValueError(
+                f"max_tokens={max_tokens} exceeds the context: the prompt has "
+                f"{num_prompt_tokens} tokens and max_model_len is {max_model_len}; lower "
+                f"max_tokens to at most {max_model_len - num_prompt_tokens} or raise "
+                "max_model_len."
+            )
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"logit_bias token id {bad[0]} is outside the vocabulary "
+                    f"[0, {self.vocab_size})."
+                )
+        if params.detokenize and self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer; use stop_token_ids instead.")
+        resolved = params.clone()
+        resolved.max_tokens = max_tokens
+        stop_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        resolved.all_stop_token_ids = stop_ids
+        if self.tokenizer is None:
+            resolved.detokenize = False
+        return resolved
+
+    def process(
+        self, request_id: str, prompt: PromptType, params: SamplingParams
+    ) -> ProcessedRequest:
+        text, token_ids = self.tokenize(prompt)
+        resolved = self.resolve_params(params, len(token_ids))
+        arrival = time.monotonic()
+        children = []
+        for i in range(resolved.n):
+            child_params = resolved
+            if resolved.n > 1:
+                child_params = resolved.clone()
+                child_params.n = 1
+                if resolved.seed is not None:
+                    child_params.seed = resolved.seed + i
+            children.append(
+                Request(
+                    child_request_id(request_id, i, resolved.n),
+                    token_ids,
+                    child_params,
+                    eos_token_ids=self.eos_token_ids,
+                    arrival_time=arrival,
+                )
+            )
+        return ProcessedRequest(request_id, text, token_ids, resolved, children, arrival)

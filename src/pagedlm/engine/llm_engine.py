@@ -1,0 +1,95 @@
+"""The synchronous engine: input processing, the engine core, and output processing in
+one process. ``LLM`` drives it; the async front end reuses its pieces."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from pagedlm.config import EngineConfig
+from pagedlm.core.engine_core import EngineCore
+from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
+from pagedlm.engine.output_processor import OutputProcessor
+from pagedlm.metrics import EngineMetrics, Metric
+from pagedlm.outputs import RequestOutput
+from pagedlm.platforms import Platform
+from pagedlm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, platform: Platform) -> None:
+        self.config = config
+        self.platform = platform
+        self.tokenizer = None
+        if not config.model.skip_tokenizer_init:
+            from pagedlm.tokenizer import get_tokenizer
+
+            self.tokenizer = get_tokenizer(config.model.model, config.model.tokenizer)
+        self.input_processor = InputProcessor(config.model, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCore(config, platform)
+        self.metrics = EngineMetrics()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        config, platform = args.create_engine_config()
+        return cls(config, platform)
+
+    def process_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams
+    ) -> ProcessedRequest:
+        """Validate and tokenize without touching the engine (raises ValueError)."""
+        return self.input_processor.process(request_id, prompt, params)
+
+    def add_processed_request(self, request: ProcessedRequest) -> None:
+        # Check every child fits before queueing any, so a rejection leaves no trace.
+        self.output_processor.add_request(
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            request.params,
+            [child.request_id for child in request.children],
+            request.arrival_time,
+        )
+        try:
+            for child in request.children:
+                self.engine_core.add_request(child)
+        except ValueError:
+            child_ids = self.output_processor.abort_requests([request.request_id])
+            self.engine_core.abort_requests(child_ids)
+            raise
+        self.metrics.record_prompt(len(request.prompt_token_ids), len(request.children))
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        self.add_processed_request(self.process_request(request_id, prompt, params))
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        child_ids = self.output_processor.abort_requests(request_ids)
+        self.engine_core.abort_requests(child_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.engine_core.step()
+        self.metrics.record_outputs(outputs)
+        processed = self.output_processor.process_outputs(outputs)
+        if processed.reqs_to_abort:
+            # Finished by a stop string, which only the output processor can see.
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+            self.metrics.request_success["stop"] += len(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    def get_metrics(self) -> list[Metric]:
+        return self.metrics.snapshot(self.engine_core.make_stats())
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+

@@ -1,0 +1,173 @@
+"""``LLM``: offline batch generation and chat, with vLLM's names and defaults."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.input_processor import PromptType
+from pagedlm.engine.llm_engine import LLMEngine
+from pagedlm.metrics import Metric
+from pagedlm.outputs import RequestOutput
+from pagedlm.sampling_params import RequestOutputKind, SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    if params.output_kind is RequestOutputKind.FINAL_ONLY:
+        return params
+    params = copy.copy(params)
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    return params
+
+
+class LLM:
+    """An in-process engine for batch inference.
+
+    >>> llm = LLM()                       # the embedded SmolLM2-135M-Instruct
+    >>> llm.generate("Hello, my name is")[0].outputs[0].text
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        seed: int = 0,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        skip_tokenizer_init: bool = False,
+        platform: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(
+                f"LLM() got unknown argument(s) {sorted(unknown)}; known engine arguments: "
+                f"{sorted(EngineArgs.field_names())}."
+            )
+        args = EngineArgs(
+            model=model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            seed=seed,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            skip_tokenizer_init=skip_tokenizer_init,
+            platform=platform,
+            **kwargs,
+        )
+        self.llm_engine = LLMEngine.from_engine_args(args)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def get_metrics(self) -> list[Metric]:
+        return self.llm_engine.get_metrics()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass "
+                    "one SamplingParams or exactly one per prompt."
+                )
+        # The offline API returns finished outputs only; skip building intermediate ones.
+        params_list = [_final_only(p) for p in params_list]
+        engine = self.llm_engine
+        # Validate everything first: one bad prompt must not leave the others queued.
+        processed = [
+            engine.process_request(str(next(self._request_counter)), prompt, params)
+            for prompt, params in zip(prompts, params_list)
+        ]
+        for request in processed:
+            engine.add_processed_request(request)
+        return self._run_engine([r.request_id for r in processed], use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat() needs a tokenizer; do not set skip_tokenizer_init=True.")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message=True continues the last message; set "
+                "add_generation_prompt=False with it."
+            )
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            token_ids = tokenizer.apply_chat_template(
+                list(conversation),
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=True,
+                return_dict=False,
+                **(chat_template_kwargs or {}),
+            )
+            prompts.append({"prompt_token_ids": list(token_ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(
+            total=len(request_ids),
+            desc="Processed prompts",
+            dynamic_ncols=True,
+            disable=not use_tqdm,
+            postfix="output: 0 toks/s",
+        )
+        output_tokens = 0
+        with bar:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        output_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        elapsed = bar.format_dict.get("elapsed") or 0
+                        if elapsed > 0:
+                            bar.set_postfix_str(
+                                f"output: {output_tokens / elapsed:.0f} toks/s", refresh=False
+                            )
+        return [final[r] for r in request_ids]

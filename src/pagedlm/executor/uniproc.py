@@ -1,0 +1,32 @@
+"""The default executor: one worker in the engine's own process."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagedlm.executor.interface import Executor
+from pagedlm.plugins.registry import select_attention_backend
+from pagedlm.worker.worker import Worker
+
+if TYPE_CHECKING:
+    from pagedlm.config import EngineConfig
+    from pagedlm.core.outputs import ModelRunnerOutput, SchedulerOutput
+    from pagedlm.platforms import Platform
+
+
+class UniprocExecutor(Executor):
+    name = "uniproc"
+
+    def __init__(self, config: EngineConfig, platform: Platform) -> None:
+        super().__init__(config, platform)
+        backend_cls = select_attention_backend(platform, config.attention_backend)
+        self.worker = Worker(config, platform, backend_cls)
+
+    def determine_num_kv_blocks(self) -> int:
+        return self.worker.determine_num_kv_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)

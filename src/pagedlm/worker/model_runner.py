@@ -1,0 +1,235 @@
+"""Runs one step: flattens the scheduled tokens into one batch, runs the model, samples.
+
+Per step: update per-request state from the SchedulerOutput, build ``input_ids``,
+``positions`` and the ``BatchLayout`` (query offsets, sequence lengths, block tables, slot
+mapping), let the attention backend build its metadata once, run the model, compute
+logits only for rows that are sampled or asked for prompt logprobs, and sample.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pagedlm.attention import AttentionBackend, BatchLayout
+from pagedlm.config import EngineConfig
+from pagedlm.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from pagedlm.kv_cache.interface import KVCache, TensorKVCache, kv_bytes_per_block
+from pagedlm.model_executor.forward_context import ForwardContext
+from pagedlm.model_executor.loader import load_model
+from pagedlm.platforms import Platform
+from pagedlm.sample.logprobs import compute_logprobs
+from pagedlm.sample.metadata import SamplingMetadata, SamplingRow
+from pagedlm.sample.sampler import Sampler
+from pagedlm.worker.request_state import CachedRequestState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _PromptLogprobsRows:
+    req_id: str
+    num_logprobs: int
+    rows: range
+    """Rows of the flattened batch whose next token is a prompt token."""
+    target_token_ids: list[int]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        platform: Platform,
+        attn_backend_cls: type[AttentionBackend],
+    ) -> None:
+        self.config = config
+        self.platform = platform
+        self.device = platform.device
+        self.block_size = config.cache.block_size
+        self.arch = config.model.arch
+        self.model = load_model(config.model, self.device)
+        self.attn_backend = attn_backend_cls(self.device)
+        self.sampler = Sampler()
+        self.default_generator = torch.Generator(device=self.device)
+        self.default_generator.manual_seed(config.model.seed)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_cache: KVCache | None = None
+
+    # ---- KV cache -------------------------------------------------------------------
+
+    def kv_bytes_per_block(self) -> int:
+        arch = self.arch
+        return kv_bytes_per_block(
+            self.block_size,
+            arch.num_hidden_layers,
+            arch.num_key_value_heads,
+            arch.head_dim,
+            self.config.model.dtype,
+        )
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        arch = self.arch
+        shape = self.attn_backend.kv_cache_shape(
+            num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim
+        )
+        self.kv_cache = TensorKVCache(
+            shape,
+            arch.num_hidden_layers,
+            self.block_size,
+            self.config.model.dtype,
+            self.platform.zeros,
+        )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            num_blocks,
+            self.block_size,
+            self.kv_cache.num_bytes / 2**30,
+        )
+
+    # ---- one step -------------------------------------------------------------------
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for data in scheduler_output.scheduled_new_reqs:
+            state = self.requests.get(data.req_id)
+            if state is None:
+                self.requests[data.req_id] = CachedRequestState.from_new(data, self.device)
+            else:
+                state.resume(data)
+        for data in scheduler_output.scheduled_cached_reqs:
+            state = self.requests[data.req_id]
+            state.block_ids.extend(data.new_block_ids)
+            state.num_computed_tokens = data.num_computed_tokens
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        req_ids = [r.req_id for r in scheduler_output.scheduled_new_reqs] + [
+            r.req_id for r in scheduler_output.scheduled_cached_reqs
+        ]
+        if not req_ids:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        states = [self.requests[r] for r in req_ids]
+        num_scheduled = [scheduler_output.num_scheduled_tokens[r] for r in req_ids]
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        sampled_states: list[CachedRequestState] = []
+        prompt_logprob_rows: list[_PromptLogprobsRows] = []
+        bs = self.block_size
+        for state, n in zip(states, num_scheduled):
+            start = state.num_computed_tokens
+            end = start + n
+            input_ids.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            blocks = state.block_ids
+            slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            row0 = query_start_loc[-1]
+            query_start_loc.append(row0 + n)
+            seq_lens.append(end)
+            if end >= len(state.token_ids):
+                sample_rows.append(row0 + n - 1)
+                sampled_states.append(state)
+            k = state.sampling_params.prompt_logprobs
+            last_prompt_row = min(end, state.num_prompt_tokens - 1)
+            if k is not None and start < last_prompt_row:
+                prompt_logprob_rows.append(
+                    _PromptLogprobsRows(
+                        state.req_id,
+                        k,
+                        range(row0, row0 + last_prompt_row - start),
+                        state.token_ids[start + 1 : last_prompt_row + 1],
+                    )
+                )
+
+        layout = BatchLayout(
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=[s.block_ids for s in states],
+            slot_mapping=slot_mapping,
+            block_size=bs,
+        )
+        assert self.kv_cache is not None, "initialize_kv_cache must run first"
+        ctx = ForwardContext(
+            attn_backend=self.attn_backend,
+            attn_metadata=self.attn_backend.build_metadata(layout),
+            kv_cache=self.kv_cache,
+        )
+        device = self.device
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            ctx,
+        )
+
+        logit_rows = list(sample_rows)
+        for p in prompt_logprob_rows:
+            logit_rows.extend(p.rows)
+        logits = self.model.compute_logits(
+            hidden[torch.tensor(logit_rows, dtype=torch.long, device=device)]
+        )
+        sampled_logits = logits[: len(sample_rows)]
+
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, LogprobsLists] = {}
+        if sampled_states:
+            metadata = SamplingMetadata.build(
+                [
+                    SamplingRow(
+                        s.sampling_params, s.generator, s.prompt_token_ids, s.output_token_ids
+                    )
+                    for s in sampled_states
+                ],
+                vocab_size=sampled_logits.shape[-1],
+                device=device,
+                default_generator=self.default_generator,
+            )
+            out = self.sampler(sampled_logits, metadata)
+            token_ids = out.sampled_token_ids.tolist()
+            if out.logprobs is not None:
+                per_row = out.logprobs.to_lists(
+                    [s.sampling_params.logprobs or 0 for s in sampled_states]
+                )
+                for s, lists in zip(sampled_states, per_row):
+                    if s.sampling_params.logprobs is not None:
+                        logprobs[s.req_id] = lists
+            for s, token_id in zip(sampled_states, token_ids):
+                s.token_ids.append(token_id)
+                sampled[s.req_id] = [token_id]
+
+        prompt_logprobs = self._prompt_logprobs(
+            logits[len(sample_rows) :], prompt_logprob_rows
+        )
+        for state, n in zip(states, num_scheduled):
+            state.num_computed_tokens += n
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            sampled_token_ids=[sampled.get(r, []) for r in req_ids],
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _prompt_logprobs(
+        self, logits: torch.Tensor, requests: list[_PromptLogprobsRows]
+    ) -> dict[str, LogprobsLists]:
+        result: dict[str, LogprobsLists] = {}
+        offset = 0
+        for p in requests:
+            n = len(p.rows)
+            targets = torch.tensor(p.target_token_ids, dtype=torch.long, device=logits.device)
+            rows = compute_logprobs(logits[offset : offset + n], targets, p.num_logprobs)
+            offset += n
+            lists = rows.to_lists([p.num_logprobs] * n)
+            result[p.req_id] = LogprobsLists(
+                token_ids=[t for row in lists for t in row.token_ids],
+                logprobs=[lp for row in lists for lp in row.logprobs],
+                ranks=[r for row in lists for r in row.ranks],
+            )
+        return result

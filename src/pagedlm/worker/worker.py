@@ -1,0 +1,50 @@
+"""A worker owns one device and its model runner (one per tensor-parallel rank)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pagedlm.attention import AttentionBackend
+from pagedlm.config import EngineConfig
+from pagedlm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedlm.platforms import Platform
+from pagedlm.worker.model_runner import ModelRunner
+
+
+class Worker:
+    def __init__(
+        self,
+        config: EngineConfig,
+        platform: Platform,
+        attn_backend_cls: type[AttentionBackend],
+    ) -> None:
+        self.config = config
+        self.platform = platform
+        torch.manual_seed(config.model.seed)
+        self.model_runner = ModelRunner(config, platform, attn_backend_cls)
+
+    def determine_num_kv_blocks(self) -> int:
+        """Blocks that fit in the platform's KV budget, capped at what could ever be used."""
+        cache, sched = self.config.cache, self.config.scheduler
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        per_block = self.model_runner.kv_bytes_per_block()
+        budget = cache.kv_cache_memory_bytes or self.platform.kv_cache_memory_bytes()
+        blocks_per_seq = math.ceil(sched.max_model_len / cache.block_size)
+        num_blocks = min(budget // per_block, blocks_per_seq * sched.max_num_seqs)
+        if num_blocks < blocks_per_seq:
+            fits = num_blocks * cache.block_size
+            raise ValueError(
+                f"The KV cache budget ({budget / 2**30:.2f} GiB) holds {fits} tokens, fewer "
+                f"than max_model_len={sched.max_model_len}; lower max_model_len to at most "
+                f"{fits} or give the KV cache more memory."
+            )
+        return int(num_blocks)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)
