@@ -1,0 +1,93 @@
+"""Sparse per-(row, token) logit edits: ``logit_bias`` and the ``min_tokens`` stop mask.
+
+Both touch a handful of (row, token) pairs out of ``[num_rows, vocab_size]``, so they are
+stored as coordinate lists and applied with one ``index_put_`` each, never as dense
+``[num_rows, vocab_size]`` tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from pagedlm.sample.metadata import SamplingRow
+
+
+@dataclass(frozen=True)
+class LogitAdjustments:
+    """Coordinates of the sparse edits for one batch.
+
+    ``bias_rows``/``bias_token_ids``/``bias_values``: ``[num_bias]`` each; the value is added.
+    ``masked_rows``/``masked_token_ids``: ``[num_masked]`` each; the logit becomes ``-inf``.
+    Invariant: every token id is in ``[0, vocab_size)``; either list may be empty.
+    """
+
+    bias_rows: torch.Tensor
+    bias_token_ids: torch.Tensor
+    bias_values: torch.Tensor
+    masked_rows: torch.Tensor
+    masked_token_ids: torch.Tensor
+
+    @classmethod
+    def build(
+        cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
+    ) -> LogitAdjustments | None:
+        """Collect the edits of every row; ``None`` when no row has any."""
+        bias_rows: list[int] = []
+        bias_token_ids: list[int] = []
+        bias_values: list[float] = []
+        masked_rows: list[int] = []
+        masked_token_ids: list[int] = []
+        for row_index, row in enumerate(rows):
+            params = row.params
+            for token_id, value in (params.logit_bias or {}).items():
+                if not 0 <= token_id < vocab_size:
+                    raise ValueError(
+                        f"logit_bias names token id {token_id}, outside the model's vocabulary "
+                        f"[0, {vocab_size}); remove it from logit_bias."
+                    )
+                bias_rows.append(row_index)
+                bias_token_ids.append(token_id)
+                bias_values.append(value)
+            if len(row.output_token_ids) < params.min_tokens:
+                for token_id in params.all_stop_token_ids:
+                    # An id the LM head cannot produce can never be sampled: nothing to mask.
+                    if 0 <= token_id < vocab_size:
+                        masked_rows.append(row_index)
+                        masked_token_ids.append(token_id)
+        if not bias_rows and not masked_rows:
+            return None
+
+        def as_index(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return cls(
+            bias_rows=as_index(bias_rows),
+            bias_token_ids=as_index(bias_token_ids),
+            bias_values=torch.tensor(bias_values, dtype=torch.float32, device=device),
+            masked_rows=as_index(masked_rows),
+            masked_token_ids=as_index(masked_token_ids),
+        )
+
+
+def apply_logit_adjustments(logits: torch.Tensor, adjustments: LogitAdjustments) -> None:
+    """Add the biases, then mask the stop tokens, in place. ``logits``: ``[num_rows, vocab]``.
+
+    The mask is written after the bias (not accumulated) so that a stop token stays
+    unsamplable under ``min_tokens`` whatever bias the request put on it.
+    """
+    if adjustments.bias_rows.numel():
+        logits.index_put_(
+            (adjustments.bias_rows, adjustments.bias_token_ids),
+            adjustments.bias_values,
+            accumulate=True,
+        )
+    if adjustments.masked_rows.numel():
+        logits.index_put_(
+            (adjustments.masked_rows, adjustments.masked_token_ids),
+            torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device),
+        )

@@ -1,0 +1,137 @@
+"""Repetition, frequency and presence penalties, batched over the rows that ask for them.
+
+Semantics (those of vLLM, which follow HF and OpenAI):
+
+- repetition (HF): every token seen in the prompt *or* the output so far has its logit
+  divided by the penalty when positive and multiplied by it when not, so a penalty > 1
+  always makes a seen token less likely.
+- frequency and presence (OpenAI), over *output* tokens only:
+  ``logit -= frequency * count + presence * (count > 0)``.
+
+Token histories are shipped as padded ``[num_penalized_rows, max_len]`` id tensors (padding
+id = ``vocab_size``) and turned into counts with one ``scatter_add_`` into a
+``[num_penalized_rows, vocab_size + 1]`` buffer whose last column swallows the padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from pagedlm.sample.metadata import SamplingRow
+
+
+@dataclass(frozen=True)
+class PenaltyTensors:
+    """Penalty inputs for the rows that have any penalty.
+
+    ``row_indices``: ``[P]`` int64 rows of the batch, or ``None`` when every row (P = N) is
+    penalized. ``frequency``/``presence``: ``[P]`` float32, or ``None`` when all are 0.
+    ``repetition``: ``[P]`` float32, or ``None`` when all are 1. ``output_token_ids``:
+    ``[P, max_output_len]`` int64; ``prompt_token_ids``: ``[P, max_prompt_len]`` int64, only
+    kept when ``repetition`` is set. Padding is ``vocab_size``.
+    """
+
+    row_indices: torch.Tensor | None
+    repetition: torch.Tensor | None
+    frequency: torch.Tensor | None
+    presence: torch.Tensor | None
+    output_token_ids: torch.Tensor
+    prompt_token_ids: torch.Tensor | None
+    vocab_size: int
+
+    @classmethod
+    def build(
+        cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
+    ) -> PenaltyTensors | None:
+        """Gather the penalized rows; ``None`` when no row has a penalty."""
+        penalized = [
+            index
+            for index, row in enumerate(rows)
+            if row.params.repetition_penalty != 1.0
+            or row.params.frequency_penalty != 0.0
+            or row.params.presence_penalty != 0.0
+        ]
+        if not penalized:
+            return None
+        params = [rows[index].params for index in penalized]
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        repetition = [p.repetition_penalty for p in params]
+        frequency = [p.frequency_penalty for p in params]
+        presence = [p.presence_penalty for p in params]
+        has_repetition = any(value != 1.0 for value in repetition)
+        has_additive = any(value != 0.0 for value in chain(frequency, presence))
+        output_ids = [rows[index].output_token_ids for index in penalized]
+        prompt_ids = [rows[index].prompt_token_ids for index in penalized]
+        return cls(
+            row_indices=(
+                None
+                if len(penalized) == len(rows)
+                else torch.tensor(penalized, dtype=torch.int64, device=device)
+            ),
+            repetition=floats(repetition) if has_repetition else None,
+            frequency=floats(frequency) if has_additive else None,
+            presence=floats(presence) if has_additive else None,
+            output_token_ids=pad_token_ids(output_ids, vocab_size, device),
+            prompt_token_ids=(
+                pad_token_ids(prompt_ids, vocab_size, device) if has_repetition else None
+            ),
+            vocab_size=vocab_size,
+        )
+
+
+def pad_token_ids(
+    token_ids: Sequence[Sequence[int]], pad_id: int, device: torch.device
+) -> torch.Tensor:
+    """Right-pad ragged id lists into ``[len(token_ids), max_len]`` int64 with ``pad_id``.
+
+    One flat conversion and one masked assignment, so the Python work is a single pass
+    over the ids rather than one tensor per row.
+    """
+    lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64)
+    max_len = int(lengths.max()) if len(token_ids) else 0
+    padded = torch.full((len(token_ids), max_len), pad_id, dtype=torch.int64)
+    if max_len:
+        flat = torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.int64)
+        padded[torch.arange(max_len) < lengths.unsqueeze(1)] = flat
+    return padded.to(device)
+
+
+def _token_counts(token_ids: torch.Tensor, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[P, L]`` padded ids -> ``[P, vocab_size]`` occurrence counts."""
+    counts = torch.zeros((token_ids.shape[0], vocab_size + 1), dtype=dtype, device=token_ids.device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=dtype))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> None:
+    """Apply every penalty in place. ``logits``: ``[N, vocab_size]`` float32."""
+    rows = penalties.row_indices
+    penalized = logits if rows is None else logits[rows]
+    vocab_size = penalties.vocab_size
+    output_counts = _token_counts(penalties.output_token_ids, vocab_size, logits.dtype)
+    if penalties.repetition is not None:
+        assert penalties.prompt_token_ids is not None
+        seen = output_counts > 0
+        seen |= _token_counts(penalties.prompt_token_ids, vocab_size, logits.dtype) > 0
+        factor = penalties.repetition.unsqueeze(1)
+        rescaled = torch.where(penalized > 0, penalized / factor, penalized * factor)
+        penalized = torch.where(seen, rescaled, penalized)
+    if penalties.frequency is not None and penalties.presence is not None:
+        penalized = (
+            penalized
+            - penalties.frequency.unsqueeze(1) * output_counts
+            - penalties.presence.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
+        )
+    if rows is None:
+        logits.copy_(penalized)
+    else:
+        logits.index_copy_(0, rows, penalized)

@@ -1,0 +1,109 @@
+"""The batched sampler: logits ``[N, vocab]`` -> one token id per row, plus logprobs.
+
+Pipeline (vLLM order), each stage skipped when no row of the batch needs it:
+
+1. logit bias (added), then the ``min_tokens`` mask on stop tokens;
+2. repetition / frequency / presence penalties;
+3. greedy rows take ``argmax`` here (lowest index on ties, like ``torch.argmax``);
+4. temperature, then min-p, top-k, top-p;
+5. sample with the exponential race: ``argmax(probs / E)``, ``E ~ Exp(1)`` per token,
+   which draws exactly from ``probs``. A seeded row fills its noise row with one
+   ``exponential_`` call on its own generator, so its token depends only on its seed,
+   its step and its logits, never on what else is in the batch.
+
+The caller's logits are never modified: the sampler works on a float32 copy once a stage
+needs to write.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from pagedlm.sample.logit_bias import apply_logit_adjustments
+from pagedlm.sample.logprobs import LogprobsTensors, compute_logprobs
+from pagedlm.sample.metadata import SamplingMetadata
+from pagedlm.sample.penalties import apply_penalties
+from pagedlm.sample.topk_topp import apply_filters
+
+
+class SamplerOutput(NamedTuple):
+    """``sampled_token_ids``: ``[N]`` int64. ``logprobs``: raw logprobs of the sampled
+    tokens plus the top ``metadata.max_num_logprobs``, or ``None`` if no row asked."""
+
+    sampled_token_ids: torch.Tensor
+    logprobs: LogprobsTensors | None
+
+
+class Sampler:
+    """Stateless; one instance serves every step. Call with ``(logits, metadata)``."""
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """``logits``: ``[N, vocab]`` float (one row per ``SamplingRow``, same order)."""
+        if logits.dim() != 2 or logits.shape[0] != metadata.num_rows:
+            raise ValueError(
+                f"logits have shape {tuple(logits.shape)} but the metadata describes "
+                f"{metadata.num_rows} rows; pass one logits row per SamplingRow."
+            )
+        raw_logits = logits
+        logits = self._adjust_logits(logits, metadata)
+        if metadata.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = self._sample_random(logits, metadata)
+            if metadata.greedy_mask is not None:
+                sampled = torch.where(metadata.greedy_mask, logits.argmax(dim=-1), sampled)
+        logprobs = None
+        if metadata.max_num_logprobs is not None:
+            logprobs = compute_logprobs(raw_logits, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def _adjust_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Stages 1-2. Returns float32 logits that the later stages may write in place.
+
+        The result is always a fresh tensor unless the batch is all-greedy and untouched,
+        in which case the caller's tensor is returned only to be read by ``argmax``.
+        """
+        adjusted = logits.float()
+        needs_write = (
+            metadata.logit_adjustments is not None
+            or metadata.penalties is not None
+            or (
+                not metadata.all_greedy
+                and metadata.temperature is None
+                and not metadata.filters.is_empty
+            )
+        )
+        if adjusted is logits and needs_write:
+            adjusted = adjusted.clone()
+        if metadata.logit_adjustments is not None:
+            apply_logit_adjustments(adjusted, metadata.logit_adjustments)
+        if metadata.penalties is not None:
+            apply_penalties(adjusted, metadata.penalties)
+        return adjusted
+
+    @staticmethod
+    def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Stages 4-5 over every row (greedy rows ride along with neutral values).
+
+        ``logits`` is not modified when temperature applies (division makes a new
+        tensor); otherwise it is owned by the sampler and filtered in place.
+        """
+        if metadata.temperature is not None:
+            logits = logits / metadata.temperature.unsqueeze(1)
+        if not metadata.filters.is_empty:
+            apply_filters(logits, metadata.filters)
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        if metadata.has_unseeded_random_rows:
+            noise.exponential_(generator=metadata.default_generator)
+        elif not metadata.all_random:
+            noise.fill_(1.0)  # only greedy rows are left unseeded; their draw is discarded
+        for row, generator in metadata.seeded_rows:
+            noise[row].exponential_(generator=generator)
+        # exponential_ may return 0 on some backends; 0 prob / 0 noise would be nan, which
+        # argmax ranks highest. A tiny floor keeps zero-probability tokens unsamplable.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return probs.div_(noise).argmax(dim=-1)
