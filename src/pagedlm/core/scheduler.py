@@ -1,0 +1,293 @@
+"""The one-budget scheduler.
+
+Scheduling model
+----------------
+There are no prefill and decode phases. Every request has ``num_tokens`` (prompt plus
+outputs so far) and ``num_computed_tokens`` (tokens whose K/V are in the cache); a step
+feeds each scheduled request some of its ``num_tokens - num_computed_tokens`` missing
+tokens. One step hands out one token budget, ``max_num_batched_tokens``:
+
+1. Running requests first, in admission order. Each gets
+   ``min(num_tokens - num_computed_tokens, remaining budget)`` tokens: normally 1 in
+   decode, the rest of its prompt if it is still being prefilled, more than 1 once
+   speculative decoding proposes drafts.
+2. Then waiting requests, first come first served, while fewer than ``max_num_seqs``
+   run: each first takes its longest cached prefix (prefix caching), then gets
+   ``min(uncached tokens, remaining budget)`` tokens. A prompt longer than the budget is
+   therefore chunked over several steps with no special case.
+
+KV memory is ``num_blocks`` blocks of ``block_size`` slots. Allocation is
+check-then-commit. If a running request cannot get its blocks, the *last* running
+request is preempted: its blocks are freed, ``num_computed_tokens`` drops to 0 and it
+goes to the front of the waiting queue, to be recomputed (usually largely from the
+prefix cache) when memory allows. If the victim is the request itself, the running pass
+stops. Waiting requests never cause preemption; they are admitted only while free blocks
+last, and not at all in a step that preempted (memory is short then). FCFS is strict:
+when the head of the queue does not fit, nothing behind it is admitted either.
+
+A request that could never fit (``prompt + max_tokens`` tokens need more than
+``num_blocks`` blocks) is rejected in ``add_request`` instead of waiting forever.
+
+Progress bookkeeping: ``schedule()`` advances ``num_computed_tokens`` of every scheduled
+request by its scheduled count right after building the ``SchedulerOutput`` (whose
+entries carry the values *before* the step). ``update_from_output`` then only appends
+sampled tokens and applies stops. A request whose prompt is still partially prefilled
+has ``num_computed_tokens < num_tokens`` and samples nothing.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from pagedlm.config import CacheConfig, SchedulerConfig
+from pagedlm.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    LogprobsLists,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from pagedlm.core.request import Request, RequestStatus
+from pagedlm.core.scheduler_interface import Scheduler, SchedulerStats
+from pagedlm.core.stop_checker import append_token_ids
+from pagedlm.kv_cache.manager import KVCacheManager
+
+
+class OneBudgetScheduler(Scheduler):
+    """Running-first, then FCFS-waiting, under one token budget per step (see module doc)."""
+
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+    ) -> None:
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.num_blocks = num_blocks
+        self.kv_manager = KVCacheManager(
+            cache_config.block_size, num_blocks, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._finished_req_ids: set[str] = set()
+        """Requests that ended since the last ``schedule()``; reported to the workers."""
+
+    # ----------------------------------------------------------------- requests in / out
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(
+                f"request id {request.request_id!r} is already in use; give every "
+                "request a unique id."
+            )
+        num_tokens = request.num_prompt_tokens + request.max_tokens
+        num_blocks_needed = -(-num_tokens // self.block_size)
+        if num_blocks_needed > self.num_blocks:
+            capacity = self.num_blocks * self.block_size
+            raise ValueError(
+                f"request {request.request_id!r} can never fit in the KV cache: "
+                f"{request.num_prompt_tokens} prompt tokens + max_tokens={request.max_tokens} "
+                f"need {num_blocks_needed} blocks of {self.block_size} tokens, but the cache "
+                f"has {self.num_blocks} blocks ({capacity} tokens). Lower max_tokens or "
+                f"shorten the prompt, or raise num_kv_blocks (or the KV-cache memory)."
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(
+        self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> list[Request]:
+        if not status.is_finished:
+            raise ValueError(f"abort status must be a finished status, got {status.name}.")
+        aborted = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request in self.running:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._finish(request)
+            aborted.append(request)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_manager.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.kv_manager.prefix_cache_queries,
+            prefix_cache_hits=self.kv_manager.prefix_cache_hits,
+        )
+
+    # ------------------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        cached_reqs: list[CachedRequestData] = []
+        new_reqs: list[NewRequestData] = []
+        preempted: list[Request] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new_tokens <= 0:
+                index += 1
+                continue
+            new_block_ids = self._allocate_or_preempt(request, num_new_tokens, preempted)
+            if new_block_ids is None:
+                break  # the request preempted itself; everything after it is gone too
+            cached_reqs.append(
+                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
+            )
+            num_scheduled[request.request_id] = num_new_tokens
+            budget -= num_new_tokens
+            index += 1
+
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            num_new_tokens = self._admit(request, budget)
+            if num_new_tokens is None:
+                break
+            self.waiting.popleft()
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    token_ids=list(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling_params=request.sampling_params,
+                    block_ids=self.kv_manager.get_block_ids(request),
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+            num_scheduled[request.request_id] = num_new_tokens
+            budget -= num_new_tokens
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids={request.request_id for request in preempted},
+        )
+        self._finished_req_ids = set()
+        for request_id, num_tokens in num_scheduled.items():
+            self.requests[request_id].num_computed_tokens += num_tokens
+        return output
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new_tokens: int, preempted: list[Request]
+    ) -> list[int] | None:
+        """Blocks for a running request, preempting from the back until they fit.
+
+        Returns the new block ids, or None if ``request`` itself had to be preempted.
+        Victims come from after ``request`` in ``running``: earlier requests are
+        already scheduled this step and keep their blocks.
+        """
+        while True:
+            new_block_ids = self.kv_manager.allocate_slots(request, num_new_tokens)
+            if new_block_ids is not None:
+                return new_block_ids
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        # Front of the queue: it was admitted before anything still waiting. Victims are
+        # taken newest first, so pushing each to the front keeps admission order.
+        self.waiting.appendleft(request)
+
+    def _admit(self, request: Request, budget: int) -> int | None:
+        """Try to move the head of the waiting queue to running.
+
+        Returns the number of tokens scheduled for it, or None (nothing changed) if its
+        blocks do not fit.
+        """
+        computed = self.kv_manager.get_computed_blocks(request)
+        num_new_tokens = min(request.num_tokens - computed.num_computed_tokens, budget)
+        if self.kv_manager.allocate_slots(request, num_new_tokens, computed) is None:
+            return None
+        request.num_computed_tokens = computed.num_computed_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = computed.num_computed_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return num_new_tokens
+
+    # --------------------------------------------------------------- update from output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        max_model_len = self.config.max_model_len
+        for req_id, sampled in zip(
+            runner_output.req_ids, runner_output.sampled_token_ids, strict=True
+        ):
+            request = self.requests.get(req_id)
+            if request is None or req_id not in scheduler_output.num_scheduled_tokens:
+                continue  # aborted after this step was scheduled
+            new_token_ids = append_token_ids(request, sampled, max_model_len) if sampled else []
+            prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
+            if not new_token_ids and not request.is_finished and prompt_logprobs is None:
+                continue
+            logprobs = runner_output.logprobs.get(req_id)
+            if logprobs is not None and len(new_token_ids) < len(logprobs.token_ids):
+                logprobs = _truncate(logprobs, len(new_token_ids))
+            if request.is_finished:
+                self.running.remove(request)
+                self._finish(request)
+            outputs.append(
+                EngineCoreOutput(
+                    req_id=req_id,
+                    new_token_ids=new_token_ids,
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                    new_logprobs=logprobs,
+                    new_prompt_logprobs=prompt_logprobs,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+        return outputs
+
+    def _finish(self, request: Request) -> None:
+        """Release a request that has left ``running``/``waiting`` with a finished status."""
+        self.kv_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_req_ids.add(request.request_id)
+
+
+def _truncate(logprobs: LogprobsLists, num_rows: int) -> LogprobsLists:
+    """Keep the rows of the tokens that were appended (the rest followed a stop)."""
+    return LogprobsLists(
+        token_ids=logprobs.token_ids[:num_rows],
+        logprobs=logprobs.logprobs[:num_rows],
+        ranks=logprobs.ranks[:num_rows],
+    )

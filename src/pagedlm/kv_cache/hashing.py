@@ -1,0 +1,82 @@
+"""Content digests of full KV blocks, chained so that a hash names a whole prefix.
+
+The hash of block ``i`` covers the hash of block ``i - 1``, the ``block_size`` token ids of
+block ``i`` and the block's extra keys (cache salt, later LoRA id ...). Two requests
+therefore share a block hash only if they share every token before and inside it, and
+the same extra keys. Digests are sha256 over a canonical byte encoding: stable across
+processes and runs, unlike Python's ``hash()``, which is salted per process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedlm.core.request import Request
+
+BlockHash = bytes
+"""A 32-byte sha256 digest."""
+
+ExtraKey = str | int
+
+ROOT_HASH: BlockHash = hashlib.sha256(b"pagedlm-prefix-cache-root").digest()
+"""Parent of the first block of every request; fixed so hashes are reproducible."""
+
+_TAG_STR = b"s"
+_TAG_INT = b"i"
+
+
+def _encode_extra_key(key: ExtraKey) -> bytes:
+    # A type tag and a length prefix keep ("ab",) and ("a", "b") or 1 and "1" distinct.
+    if isinstance(key, bool) or not isinstance(key, (str, int)):
+        raise TypeError(f"extra keys must be str or int, got {type(key).__name__}: {key!r}")
+    if isinstance(key, int):
+        return _TAG_INT + struct.pack("<q", key)
+    raw = key.encode("utf-8")
+    return _TAG_STR + struct.pack("<I", len(raw)) + raw
+
+
+def hash_block_tokens(
+    parent_hash: BlockHash | None,
+    token_ids: Sequence[int],
+    extra_keys: Sequence[ExtraKey] = (),
+) -> BlockHash:
+    """Digest of one full block, chained from ``parent_hash`` (None: first block)."""
+    digest = hashlib.sha256()
+    digest.update(ROOT_HASH if parent_hash is None else parent_hash)
+    digest.update(struct.pack("<I", len(token_ids)))
+    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    digest.update(struct.pack("<I", len(extra_keys)))
+    for key in extra_keys:
+        digest.update(_encode_extra_key(key))
+    return digest.digest()
+
+
+def block_extra_keys(request: Request, block_index: int) -> tuple[ExtraKey, ...]:
+    """Extra keys of one block of ``request``.
+
+    The cache salt goes into the first block only: the chain carries it into every
+    later hash, so repeating it would cost time and change nothing.
+    """
+    if block_index == 0 and request.cache_salt is not None:
+        return (request.cache_salt,)
+    return ()
+
+
+def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
+    """Extend ``request.block_hashes`` to cover every full block of ``request.all_token_ids``.
+
+    Output tokens count too, so a preempted request finds its own blocks again.
+    Returns ``request.block_hashes`` (the same list, updated in place).
+    """
+    hashes = request.block_hashes
+    num_full_blocks = request.num_tokens // block_size
+    tokens = request.all_token_ids
+    for index in range(len(hashes), num_full_blocks):
+        parent = hashes[index - 1] if index > 0 else None
+        block_tokens = tokens[index * block_size : (index + 1) * block_size]
+        hashes.append(hash_block_tokens(parent, block_tokens, block_extra_keys(request, index)))
+    return hashes

@@ -1,0 +1,163 @@
+"""Per-request block tables on top of the ``BlockPool``, with prefix caching.
+
+The scheduler asks two questions: which leading blocks of a waiting request are already
+cached (``get_computed_blocks``), and whether a request can get slots for its next
+tokens (``allocate_slots``, check-then-commit: it either commits everything or changes
+nothing).
+
+Blocks are hashed and indexed as soon as they are full of *scheduled* tokens, at
+allocation time. Within a step the attention backend writes every new token's K/V before
+any attention reads, so a request admitted later in the same step may already hit them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from pagedlm.core.request import Request
+from pagedlm.kv_cache.block_pool import BlockPool, KVCacheBlock
+from pagedlm.kv_cache.hashing import update_block_hashes
+
+
+class ComputedBlocks(NamedTuple):
+    """The cached prefix found for a request, to hand back to ``allocate_slots``.
+
+    ``num_computed_tokens == len(blocks) * block_size``; ``num_queried_tokens`` is the
+    number of tokens looked up (0 when no lookup happened), for the hit-rate counters.
+    """
+
+    blocks: tuple[KVCacheBlock, ...]
+    num_computed_tokens: int
+    num_queried_tokens: int
+
+
+_NO_HIT = ComputedBlocks((), 0, 0)
+
+
+class KVCacheManager:
+    """Maps requests to blocks.
+
+    Invariants:
+    - A request's block table covers ``ceil(tokens_with_slots / block_size)`` blocks,
+      where ``tokens_with_slots`` is its computed plus scheduled tokens.
+    - The first ``_num_hashed[req_id]`` blocks of a table are full and were offered to
+      the index (a block may stay unhashed when another block already holds its hash).
+    - ``free`` returns every reference a request took, so after all requests finish
+      every block has ``ref_cnt == 0``.
+    """
+
+    def __init__(self, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}.")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self._tables: dict[str, list[KVCacheBlock]] = {}
+        self._num_hashed: dict[str, int] = {}
+        self.prefix_cache_queries = 0
+        """Tokens looked up in the prefix cache by admitted requests (cumulative)."""
+        self.prefix_cache_hits = 0
+        """Of those, tokens served from the cache (cumulative)."""
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests, in [0, 1]."""
+        return self.pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """The longest run of cached full blocks at the start of ``request``'s tokens.
+
+        At most ``(num_tokens - 1) // block_size`` blocks are returned, so at least the
+        last token is always computed again and produces logits to sample from.
+        Requests that want prompt logprobs skip the cache: they need every prompt
+        position's logits. Nothing changes until the result is passed to
+        ``allocate_slots``.
+        """
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return _NO_HIT
+        block_hashes = update_block_hashes(request, self.block_size)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in block_hashes[:max_hit_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return ComputedBlocks(tuple(hits), len(hits) * self.block_size, request.num_tokens)
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: ComputedBlocks | None = None,
+    ) -> list[int] | None:
+        """Give ``request`` slots for ``num_new_tokens`` more tokens.
+
+        The new tokens start after ``request.num_computed_tokens`` plus the cached prefix
+        in ``new_computed_blocks`` (only for a request being admitted from waiting).
+        Returns the ids of the freshly allocated blocks (cache hits not included; see
+        ``get_block_ids`` for the whole table), or None when the free blocks do not
+        suffice, in which case nothing changed.
+        """
+        computed = new_computed_blocks or _NO_HIT
+        table = self._tables.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + computed.num_computed_tokens
+        num_tokens_with_slots = num_computed + num_new_tokens
+        num_required = -(-num_tokens_with_slots // self.block_size)
+        num_new_blocks = max(0, num_required - len(table) - len(computed.blocks))
+        # Hits on free cached blocks take those blocks out of the free queue, so they
+        # are no longer available for the fresh blocks.
+        num_free_hits = sum(1 for block in computed.blocks if block.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
+            return None
+
+        self.pool.touch(computed.blocks)
+        new_blocks = self.pool.allocate(num_new_blocks)
+        table = self._tables.setdefault(request.request_id, [])
+        table.extend(computed.blocks)
+        table.extend(new_blocks)
+        self.prefix_cache_queries += computed.num_queried_tokens
+        self.prefix_cache_hits += computed.num_computed_tokens
+        self._cache_full_blocks(request, table, num_tokens_with_slots)
+        return [block.block_id for block in new_blocks]
+
+    def free(self, request: Request) -> None:
+        """Release every block of ``request`` (no-op if it holds none).
+
+        Tail blocks are released first so they are evicted first: a block deep into one
+        request's context is less likely to be shared than its leading blocks.
+        """
+        table = self._tables.pop(request.request_id, None)
+        self._num_hashed.pop(request.request_id, None)
+        if table:
+            self.pool.free(reversed(table))
+
+    def get_block_ids(self, request: Request) -> list[int]:
+        """The request's whole block table (empty if it holds no blocks)."""
+        return [block.block_id for block in self._tables.get(request.request_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; only possible while no request holds blocks."""
+        return self.pool.reset_prefix_cache()
+
+    def _cache_full_blocks(
+        self, request: Request, table: Sequence[KVCacheBlock], num_tokens_with_slots: int
+    ) -> None:
+        if not self.enable_prefix_caching:
+            return
+        # Slots may later be given to tokens not yet known (draft tokens of speculative
+        # decoding); only blocks full of known tokens can be hashed.
+        num_full = min(num_tokens_with_slots, request.num_tokens) // self.block_size
+        start = self._num_hashed.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        block_hashes = update_block_hashes(request, self.block_size)
+        for index in range(start, num_full):
+            self.pool.cache(table[index], block_hashes[index])
+        self._num_hashed[request.request_id] = num_full
