@@ -43,6 +43,7 @@ def test_greedy_is_argmax_and_leaves_logits_untouched() -> None:
     logits[2, 7] = logits[2, 30] = logits[2].max() + 1.0  # tie: lowest index wins
     before = logits.clone()
     rows = [make_row(temperature=0.0) for _ in range(5)] + [make_row(temperature=1e-6)]
+    assert SamplingMetadata.build(rows, 50, CPU).all_greedy  # 1e-6 counts as greedy
     sampled = sample(logits, rows)
     assert sampled.dtype == torch.int64
     assert torch.equal(sampled, logits.argmax(dim=-1))
@@ -118,7 +119,8 @@ def test_top_p_restricts_support(logits_row: torch.Tensor, temperature: float) -
 
 
 def test_tiny_top_p_keeps_the_most_likely_token(logits_row: torch.Tensor) -> None:
-    assert _sampled_support(logits_row, top_p=1e-6) == {int(logits_row.argmax())}
+    # In float32 1 - 1e-9 == 1.0: without a guard the whole row would be dropped.
+    assert _sampled_support(logits_row, top_p=1e-9) == {int(logits_row.argmax())}
 
 
 def test_min_p_restricts_support_after_temperature(logits_row: torch.Tensor) -> None:
@@ -138,6 +140,18 @@ def test_top_k_then_top_p_combined(logits_row: torch.Tensor) -> None:
     support = _sampled_support(logits_row, top_k=8, top_p=0.7)
     assert support <= allowed
     assert len(support) > 1
+
+
+def test_filters_apply_only_to_rows_that_set_them(logits_row: torch.Tensor) -> None:
+    kinds = [{"top_k": 2}, {"top_p": 0.3}, {"min_p": 0.5}, {}]
+    rows = [make_row(**kinds[i % 4]) for i in range(800)]
+    sampled = sample(logits_row.expand(800, -1).clone(), rows, default_seed=10)
+    probs = logits_row.softmax(-1)
+    supports = [set(sampled[i::4].tolist()) for i in range(4)]
+    assert supports[0] <= set(logits_row.topk(2).indices.tolist())
+    assert supports[1] <= _top_p_support(probs, 0.3)
+    assert supports[2] <= set(torch.nonzero(probs >= 0.5 * probs.max()).flatten().tolist())
+    assert len(supports[3]) > 8  # unfiltered rows keep the whole vocabulary
 
 
 def test_temperature_sampling_matches_softmax() -> None:
