@@ -1,0 +1,210 @@
+"""Paged attention on CPU: gather each request's keys and values, then torch SDPA.
+
+Per step, ``build_metadata`` turns the block tables into index tensors and masks once, so
+the per-layer work is one scatter (the new K/V), a gather of whole blocks and the
+attention itself. Requests are split in two groups because they want different shapes:
+
+- decodes (one query token each) are padded to the longest context and run as a single
+  batched SDPA call with a key-padding mask;
+- chunks of more than one token (prompts, chunked prefills) run one SDPA call each, with a
+  causal mask shifted by the request's cached context length; a chunk without cached
+  context attends to its own new K/V directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagedlm.attention.backend import AttentionBackend, BatchLayout
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """All requests of the step that schedule exactly one token, attended in one call."""
+
+    num_decodes: int
+    token_rows: torch.Tensor | None
+    """[num_decodes] their query rows in the flattened batch; None when they are rows
+    ``0 .. num_decodes-1`` (no gather needed)."""
+    block_ids: torch.Tensor
+    """[num_decodes * max_blocks] each decode's block table, padded with block 0 to
+    ``max_blocks`` (the longest one's), flattened for ``index_select``."""
+    key_mask: torch.Tensor | None
+    """[num_decodes, 1, 1, max_blocks * block_size] True where the key position exists
+    (< seq_len); None when no position is padding."""
+
+
+@dataclass(frozen=True)
+class ChunkRequest:
+    """One request scheduling several tokens: query rows ``query_start .. query_end-1``."""
+
+    query_start: int
+    query_end: int
+    seq_len: int
+    block_ids: torch.Tensor
+    """[ceil(seq_len / block_size)] the blocks holding key positions ``0 .. seq_len-1``."""
+    causal_mask: torch.Tensor | None
+    """[query_len, seq_len] True where row i may attend (key position <= context_len + i);
+    None when there is no cached context, so plain ``is_causal`` applies."""
+
+
+@dataclass(frozen=True)
+class CpuSdpaMetadata:
+    slot_mapping: torch.Tensor
+    """[num_tokens] where each new token's K/V are written."""
+    decodes: DecodeGroup | None
+    chunks: tuple[ChunkRequest, ...]
+
+
+def _blocks_needed(tables: list[list[int]], num_blocks: int) -> list[list[int]]:
+    """The first ``num_blocks`` ids of each table, padded with block 0 (masked out later)."""
+    return [table[:num_blocks] + [0] * (num_blocks - len(table[:num_blocks])) for table in tables]
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[len(block_ids) * block_size, kv_heads, head_dim] the keys (or values) of the blocks."""
+    blocks = cache.index_select(0, block_ids)
+    return blocks.view(-1, cache.shape[-2], cache.shape[-1]).to(dtype)
+
+
+class CpuSdpaBackend(AttentionBackend):
+    """Gather + ``scaled_dot_product_attention``; the reference every other backend matches.
+
+    Keys are gathered by whole blocks (``index_select`` of ``[block_size, kv_heads,
+    head_dim]`` rows), which copies far larger contiguous pieces than a per-slot gather.
+    """
+
+    name = "cpu_sdpa"
+
+    def build_metadata(self, layout: BatchLayout) -> CpuSdpaMetadata:
+        self._check_block_tables(layout)
+        query_lens = layout.query_lens
+        decode_reqs = [i for i, n in enumerate(query_lens) if n == 1]
+        chunks = tuple(self._chunk(layout, i) for i, n in enumerate(query_lens) if n > 1)
+        return CpuSdpaMetadata(
+            slot_mapping=self._to_device(layout.slot_mapping),
+            decodes=self._decode_group(layout, decode_reqs) if decode_reqs else None,
+            chunks=chunks,
+        )
+
+    def _decode_group(self, layout: BatchLayout, reqs: list[int]) -> DecodeGroup:
+        block_size = layout.block_size
+        seq_lens = [layout.seq_lens[i] for i in reqs]
+        max_blocks = -(-max(seq_lens) // block_size)
+        tables = _blocks_needed([layout.block_tables[i] for i in reqs], max_blocks)
+        rows = [layout.query_start_loc[i] for i in reqs]
+        key_mask = None
+        if any(n != max_blocks * block_size for n in seq_lens):
+            positions = torch.arange(max_blocks * block_size)
+            key_mask = positions < torch.tensor(seq_lens)[:, None]
+            key_mask = key_mask[:, None, None, :].to(self.device)
+        return DecodeGroup(
+            num_decodes=len(reqs),
+            token_rows=None if rows == list(range(len(rows))) else self._to_device(rows),
+            block_ids=self._to_device([b for table in tables for b in table]),
+            key_mask=key_mask,
+        )
+
+    def _chunk(self, layout: BatchLayout, i: int) -> ChunkRequest:
+        seq_len = layout.seq_lens[i]
+        context_len = seq_len - layout.query_lens[i]
+        num_blocks = -(-seq_len // layout.block_size)
+        causal_mask = None
+        if context_len > 0:
+            query_positions = torch.arange(context_len, seq_len)[:, None]
+            causal_mask = (torch.arange(seq_len)[None, :] <= query_positions).to(self.device)
+        return ChunkRequest(
+            query_start=layout.query_start_loc[i],
+            query_end=layout.query_start_loc[i + 1],
+            seq_len=seq_len,
+            block_ids=self._to_device(layout.block_tables[i][:num_blocks]),
+            causal_mask=causal_mask,
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: CpuSdpaMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_kv_heads, head_dim = key.shape[1], key.shape[2]
+        # Write first: a request may read slots that another request fills in this step.
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(
+            0, metadata.slot_mapping, key.to(key_cache.dtype)
+        )
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(
+            0, metadata.slot_mapping, value.to(value_cache.dtype)
+        )
+
+        output = torch.empty_like(query)
+        if metadata.decodes is not None:
+            self._decode(query, key_cache, value_cache, metadata.decodes, scale, output)
+        for chunk in metadata.chunks:
+            rows = slice(chunk.query_start, chunk.query_end)
+            if chunk.causal_mask is None:
+                # No cached context: the keys are exactly this step's, no gather needed.
+                k, v = key[rows], value[rows]
+            else:
+                k = _gather(key_cache, chunk.block_ids, query.dtype)[: chunk.seq_len]
+                v = _gather(value_cache, chunk.block_ids, query.dtype)[: chunk.seq_len]
+            # [tokens, heads, head_dim] -> [heads, tokens, head_dim]
+            out = F.scaled_dot_product_attention(
+                query[rows].transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                attn_mask=chunk.causal_mask,
+                is_causal=chunk.causal_mask is None,
+                scale=scale,
+                enable_gqa=True,
+            )
+            output[rows] = out.transpose(0, 1)
+        return output
+
+    @staticmethod
+    def _decode(
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        group: DecodeGroup,
+        scale: float,
+        output: torch.Tensor,
+    ) -> None:
+        """One batched SDPA for every single-token query; writes its rows of ``output``."""
+        num_decodes = group.num_decodes
+        if group.token_rows is None:
+            q = query[:num_decodes]
+        else:
+            q = query.index_select(0, group.token_rows)
+        shape = (num_decodes, -1, key_cache.shape[-2], key_cache.shape[-1])
+        # [B, max_blocks * block_size, kv_heads, head_dim] -> [B, kv_heads, L, head_dim]
+        k = _gather(key_cache, group.block_ids, query.dtype).view(shape).transpose(1, 2)
+        v = _gather(value_cache, group.block_ids, query.dtype).view(shape).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k, v, attn_mask=group.key_mask, scale=scale, enable_gqa=True
+        ).squeeze(2)
+        if group.token_rows is None:
+            output[:num_decodes] = out
+        else:
+            output.index_copy_(0, group.token_rows, out)
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    @staticmethod
+    def _check_block_tables(layout: BatchLayout) -> None:
+        for i, (seq_len, table) in enumerate(
+            zip(layout.seq_lens, layout.block_tables, strict=True)
+        ):
+            if len(table) * layout.block_size < seq_len:
+                raise ValueError(
+                    f"request {i} has seq_len {seq_len} but only {len(table)} blocks of "
+                    f"{layout.block_size} slots; the model runner must pass a block table "
+                    "covering every position."
+                )

@@ -1,0 +1,132 @@
+"""CpuSdpaBackend against a naive float64 attention over each request's full K/V."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedlm.attention.backend import BatchLayout
+from pagedlm_cpu.attention import CpuSdpaBackend
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_BLOCKS = 4, 2, 16, 64
+
+
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float
+) -> torch.Tensor:
+    """q: [query_len, heads, d]; k, v: [seq_len, kv_heads, d] -> [query_len, heads, d]."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = NUM_HEADS // NUM_KV_HEADS
+    out = torch.empty_like(q)
+    for i in range(q.shape[0]):
+        visible = context_len + i + 1
+        for h in range(NUM_HEADS):
+            scores = (k[:visible, h // group] @ q[i, h]) * scale
+            out[i, h] = torch.softmax(scores, 0) @ v[:visible, h // group]
+    return out
+
+
+def run_step(
+    requests: list[tuple[int, int]], block_size: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Run one step; requests are (context_len, query_len). Returns output, reference,
+    the new keys per request, and the key cache."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    free_blocks = list(range(NUM_BLOCKS))
+    rng.shuffle(free_blocks)
+    cache_shape = CpuSdpaBackend.kv_cache_shape(NUM_BLOCKS, block_size, NUM_KV_HEADS, HEAD_DIM)
+    key_cache = torch.randn(cache_shape)  # garbage in unused slots must not leak in
+    value_cache = torch.randn(cache_shape)
+    flat_k = key_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)
+    flat_v = value_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)
+
+    query_start, seq_lens, tables, slot_mapping = [0], [], [], []
+    queries, keys, values, full_k, full_v = [], [], [], [], []
+    for context_len, query_len in requests:
+        seq_len = context_len + query_len
+        num_blocks = -(-seq_len // block_size) + rng.randint(0, 1)  # tables may be longer
+        table = [free_blocks.pop() for _ in range(num_blocks)]
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
+        k_all = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM)
+        v_all = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM)
+        flat_k[slots[:context_len]] = k_all[:context_len]
+        flat_v[slots[:context_len]] = v_all[:context_len]
+        query_start.append(query_start[-1] + query_len)
+        seq_lens.append(seq_len)
+        tables.append(table)
+        slot_mapping += slots[context_len:]
+        queries.append(torch.randn(query_len, NUM_HEADS, HEAD_DIM))
+        keys.append(k_all[context_len:])
+        values.append(v_all[context_len:])
+        full_k.append(k_all)
+        full_v.append(v_all)
+
+    layout = BatchLayout(query_start, seq_lens, tables, slot_mapping, block_size)
+    backend = CpuSdpaBackend(torch.device("cpu"))
+    scale = HEAD_DIM**-0.5
+    metadata = backend.build_metadata(layout)
+    out = backend.forward(
+        torch.cat(queries),
+        torch.cat(keys),
+        torch.cat(values),
+        key_cache,
+        value_cache,
+        metadata,
+        scale,
+    )
+    reference = torch.cat(
+        [
+            reference_attention(q, k, v, context_len, scale)
+            for q, k, v, (context_len, _) in zip(queries, full_k, full_v, requests, strict=True)
+        ]
+    )
+    return out, reference, keys, key_cache, torch.tensor(slot_mapping)
+
+
+SCENARIOS = {
+    "mixed": [(20, 7), (30, 1), (0, 9), (0, 1), (5, 1), (3, 13)],
+    "decodes_first_same_length": [(17, 1), (17, 1), (17, 1), (0, 33)],
+    "decodes_only_ragged": [(0, 1), (40, 1), (15, 1), (16, 1)],
+    "prompts_only": [(0, 5), (0, 2), (0, 40)],
+    "chunk_on_block_boundary": [(16, 16), (8, 4)],
+    "decodes_filling_whole_blocks": [(15, 1), (15, 1), (0, 16)],
+}
+
+
+@pytest.mark.parametrize("block_size", [16, 4])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_matches_float64_reference(scenario: str, block_size: int) -> None:
+    out, reference, keys, key_cache, slot_mapping = run_step(SCENARIOS[scenario], block_size)
+    assert out.shape == reference.shape
+    torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=1e-5)
+    written = key_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slot_mapping]
+    torch.testing.assert_close(written, torch.cat(keys), atol=0, rtol=0)
+
+
+def test_request_reads_blocks_another_request_writes_in_the_same_step() -> None:
+    """A prefix-cache hit on blocks being filled this step sees this step's K/V."""
+    torch.manual_seed(0)
+    block_size = 4
+    shape = CpuSdpaBackend.kv_cache_shape(8, block_size, NUM_KV_HEADS, HEAD_DIM)
+    key_cache, value_cache = torch.zeros(shape), torch.zeros(shape)
+    # Request 0 computes 8 prompt tokens into blocks [5, 2]; request 1 shares those two
+    # blocks as its cached prefix and computes 3 more tokens into block 7.
+    prefix_slots = [5 * 4 + i for i in range(4)] + [2 * 4 + i for i in range(4)]
+    tail_slots = [7 * 4 + i for i in range(3)]
+    layout = BatchLayout([0, 8, 11], [8, 11], [[5, 2], [5, 2, 7]], prefix_slots + tail_slots, 4)
+    q = torch.randn(11, NUM_HEADS, HEAD_DIM)
+    k = torch.randn(11, NUM_KV_HEADS, HEAD_DIM)
+    v = torch.randn(11, NUM_KV_HEADS, HEAD_DIM)
+    backend = CpuSdpaBackend(torch.device("cpu"))
+    out = backend.forward(q, k, v, key_cache, value_cache, backend.build_metadata(layout), 0.25)
+    expected_tail = reference_attention(q[8:], k, v, 8, 0.25)
+    torch.testing.assert_close(out[8:].double(), expected_tail, atol=1e-5, rtol=1e-5)
+
+
+def test_short_block_table_is_rejected() -> None:
+    layout = BatchLayout([0, 5], [5], [[0]], [0, 1, 2, 3, 4], block_size=4)
+    with pytest.raises(ValueError, match="block table covering every position"):
+        CpuSdpaBackend(torch.device("cpu")).build_metadata(layout)
