@@ -1,0 +1,28 @@
+"""Gated activations of the MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """forward: x [num_tokens, 2 * d] (gate then up) -> silu(gate) * up [num_tokens, d]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+_ACTIVATIONS = {"silu": SiluAndMul}
+
+
+def get_act_and_mul(hidden_act: str) -> nn.Module:
+    """The gated activation for config.json's ``hidden_act``."""
+    try:
+        return _ACTIVATIONS[hidden_act]()
+    except KeyError:
+        raise ValueError(
+            f"hidden_act={hidden_act!r} is not supported; supported: {sorted(_ACTIVATIONS)}."
+        ) from None

@@ -1,0 +1,36 @@
+"""RMSNorm, optionally fused with the residual add that precedes it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim, computed in float32.
+
+    ``forward(x)`` returns the normalized ``x``; ``forward(x, residual)`` first forms
+    ``x + residual`` (the block's skip connection) and returns ``(normalized, x + residual)``,
+    the sum being the next residual. Shapes: [num_tokens, hidden_size] (or any [..., hidden]).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            # Summed in the activation dtype, like the reference models do.
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * x32.to(dtype)
+        return out if residual is None else (out, residual)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

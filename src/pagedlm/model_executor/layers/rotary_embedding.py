@@ -1,0 +1,95 @@
+"""Rotary position embedding (neox style: the head's two halves form the rotated pairs).
+
+HF Llama-family checkpoints store q/k weights in the layout this style expects
+(``rotate_half``), so no permutation is needed. The cos/sin table is computed once per
+model for every position up to ``max_position`` and indexed by each token's position.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
+    """[head_dim / 2] the rotation frequency of each pair: ``base^(-2i / head_dim)``."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (base**exponents)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's context extension: slow frequencies divided by ``factor``, fast ones
+    kept, and the band between interpolated smoothly (by wavelength)."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling.get("low_freq_factor", 1.0)
+    high_freq_factor = scaling.get("high_freq_factor", 4.0)
+    original_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = original_len / low_freq_factor
+    high_freq_wavelen = original_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Frequencies for a config's ``rope_scaling`` (None, or a dict with ``rope_type``)."""
+    inv_freq = default_inv_freq(head_dim, base)
+    rope_type = "default" if scaling is None else scaling.get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        return llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(
+        f"rope_type={rope_type!r} is not supported; supported: 'default', 'linear', 'llama3'."
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q and k by their tokens' positions.
+
+    forward(positions [T], query [T, num_heads * head_dim], key [T, num_kv_heads * head_dim])
+    -> (query, key) of the same shapes. Positions must be < ``max_position``.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_position = max_position
+        inv_freq = rope_inv_freq(head_dim, base, scaling)
+        angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        # [max_position, head_dim]: cos of each pair's angle, then sin. Kept in float32 (like
+        # the reference) and cast per step; not saved, it is derived from the config.
+        self.register_buffer(
+            "cos_sin_cache", torch.cat([angles.cos(), angles.sin()], dim=-1), persistent=False
+        )
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin_cache.index_select(0, positions).to(query.dtype).chunk(2, dim=-1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, head_dim / 2]
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(shape[0], -1, self.head_dim)
+        first, second = x.chunk(2, dim=-1)
+        rotated = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+        return rotated.view(shape)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, max_position={self.max_position}"

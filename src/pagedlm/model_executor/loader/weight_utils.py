@@ -1,0 +1,41 @@
+"""Copying checkpoint tensors into parameters: shape checks and tensor-parallel slicing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+WeightLoader = Callable[..., None]
+"""``loader(param, loaded_weight)`` or ``loader(param, loaded_weight, shard_id)``."""
+
+
+def set_weight_loader(param: torch.nn.Parameter, loader: WeightLoader) -> None:
+    """Attach how ``param`` takes a checkpoint tensor (read by ``load_weights``)."""
+    param.weight_loader = loader  # type: ignore[attr-defined]
+
+
+def get_weight_loader(param: torch.nn.Parameter) -> WeightLoader:
+    return getattr(param, "weight_loader", default_weight_loader)
+
+
+def copy_checked(target: torch.Tensor, loaded_weight: torch.Tensor, what: Any = "") -> None:
+    """``target.copy_(loaded_weight)`` (casting dtype/device) after checking the shapes."""
+    if target.shape != loaded_weight.shape:
+        raise ValueError(
+            f"checkpoint tensor {what} has shape {tuple(loaded_weight.shape)} but the model "
+            f"expects {tuple(target.shape)}; the checkpoint does not match its config.json."
+        )
+    with torch.no_grad():
+        target.copy_(loaded_weight)
+
+
+def default_weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    """Load an unsharded (replicated) parameter."""
+    copy_checked(param.data, loaded_weight)
+
+
+def shard_of(loaded_weight: torch.Tensor, dim: int, rank: int, shard_size: int) -> torch.Tensor:
+    """Rank ``rank``'s slice of ``shard_size`` rows (``dim=0``) or columns (``dim=1``)."""
+    return loaded_weight.narrow(dim, rank * shard_size, shard_size)
