@@ -1,0 +1,257 @@
+"""Llama-family decoders: Llama (1-3), Mistral, Qwen2 and Qwen3.
+
+They share one pre-norm block — RMSNorm, attention with rotary q/k and grouped kv heads,
+RMSNorm, SwiGLU MLP — and differ only in which projections carry a bias and whether q and
+k are RMS-normalized per head before the rotation (Qwen3). Each architecture is a subclass
+that states those differences in ``block_options``.
+
+Layout: one flattened batch, ``input_ids``/``positions`` [num_tokens]; activations
+[num_tokens, hidden_size]. Parameter names follow HF's except the merged projections
+(``qkv_proj``, ``gate_up_proj``), which ``load_weights`` fills from the separate HF tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from pagedlm.config import ArchConfig
+from pagedlm.model_executor.forward_context import ForwardContext
+from pagedlm.model_executor.layers.activation import get_act_and_mul
+from pagedlm.model_executor.layers.attention import Attention
+from pagedlm.model_executor.layers.layernorm import RMSNorm
+from pagedlm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedlm.model_executor.loader.weight_utils import get_weight_loader
+
+
+@dataclass(frozen=True)
+class BlockOptions:
+    """What distinguishes one Llama-family architecture's decoder block from another's."""
+
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    """RMSNorm over each head's q and k (weights [head_dim]) before the rotation."""
+
+
+class LlamaMLP(nn.Module):
+    """x [T, hidden] -> down(silu(gate(x)) * up(x)) [T, hidden]."""
+
+    def __init__(self, arch: ArchConfig, bias: bool) -> None:
+        super().__init__()
+        size = arch.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [size, size], bias=bias)
+        self.act_fn = get_act_and_mul(arch.hidden_act)
+        self.down_proj = RowParallelLinear(size, arch.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    """x [T, hidden] -> o_proj(attention(rope(q), rope(k), v)) [T, hidden]."""
+
+    def __init__(
+        self,
+        arch: ArchConfig,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        options: BlockOptions,
+    ) -> None:
+        super().__init__()
+        head_dim = arch.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            arch.hidden_size,
+            head_dim,
+            arch.num_attention_heads,
+            arch.num_key_value_heads,
+            bias=options.qkv_bias,
+        )
+        self.o_proj = RowParallelLinear(
+            arch.num_attention_heads * head_dim, arch.hidden_size, bias=options.o_proj_bias
+        )
+        self.q_norm = RMSNorm(head_dim, arch.rms_norm_eps) if options.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, arch.rms_norm_eps) if options.qk_norm else None
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(
+            layer_idx,
+            num_heads=self.qkv_proj.num_heads,
+            num_kv_heads=self.qkv_proj.num_kv_heads,
+            head_dim=head_dim,
+            scale=head_dim**-0.5,
+        )
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        if self.q_norm is not None and self.k_norm is not None:
+            head_dim = self.attn.head_dim
+            q = self.q_norm(q.reshape(-1, head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, head_dim)).view(k.shape)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, ctx))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """One pre-norm block; the residual stream travels separately so the add fuses into
+    the next RMSNorm. forward(positions, x, residual | None, ctx) -> (x, residual)."""
+
+    def __init__(
+        self,
+        arch: ArchConfig,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        options: BlockOptions,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = LlamaAttention(arch, layer_idx, rotary_emb, options)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = LlamaMLP(arch, bias=options.mlp_bias)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
+
+    def __init__(self, arch: ArchConfig, options: BlockOptions) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
+        # One cos/sin table for all layers: it can be tens of MB for long contexts.
+        rotary_emb = RotaryEmbedding(
+            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, i, rotary_emb, options) for i in range(arch.num_hidden_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, ctx)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model runner's entry point for every Llama-family architecture."""
+
+    # (our merged parameter, the HF projection it contains, that projection's shard id)
+    stacked_params: ClassVar[tuple[tuple[str, str, str | int], ...]] = (
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    )
+
+    @classmethod
+    def block_options(cls, arch: ArchConfig) -> BlockOptions:
+        return BlockOptions(
+            qkv_bias=arch.attention_bias,
+            o_proj_bias=arch.attention_bias,
+            mlp_bias=bool(arch.raw.get("mlp_bias", False)),
+        )
+
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch, self.block_options(arch))
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
+        if arch.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size]."""
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [N, hidden_size] (only the sampled rows) -> float32 [N, vocab]."""
+        return self.lm_head(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the parameters; returns the parameter names filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # derived from the config; some old checkpoints saved it
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue  # the head shares the embedding table
+            for merged, part, shard_id in self.stacked_params:
+                if f".{part}." in name:
+                    param_name = name.replace(f".{part}.", f".{merged}.")
+                    self._param(params, param_name, name).weight_loader(
+                        params[param_name], tensor, shard_id
+                    )
+                    break
+            else:
+                param_name = name
+                param = self._param(params, name, name)
+                get_weight_loader(param)(param, tensor)
+            loaded.add(param_name)
+        return loaded
+
+    def _param(
+        self, params: dict[str, nn.Parameter], param_name: str, hf_name: str
+    ) -> nn.Parameter:
+        if param_name not in params:
+            raise ValueError(
+                f"checkpoint tensor {hf_name!r} has no parameter in {type(self).__name__}; "
+                f"the file does not match architecture {self.arch.architecture!r} "
+                "(check config.json's 'architectures' and its bias/qk-norm settings)."
+            )
+        return params[param_name]
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def block_options(cls, arch: ArchConfig) -> BlockOptions:
+        return BlockOptions()
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def block_options(cls, arch: ArchConfig) -> BlockOptions:
+        return BlockOptions(qkv_bias=True)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def block_options(cls, arch: ArchConfig) -> BlockOptions:
+        return BlockOptions(
+            qkv_bias=arch.attention_bias, o_proj_bias=arch.attention_bias, qk_norm=True
+        )

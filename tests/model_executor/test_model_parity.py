@@ -1,0 +1,232 @@
+"""Llama-family models loaded by load_model against transformers, on tiny random checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from pagedlm.attention.backend import BatchLayout
+from pagedlm.config import ArchConfig, ModelConfig
+from pagedlm.kv_cache.interface import TensorKVCache
+from pagedlm.model_executor.forward_context import ForwardContext
+from pagedlm.model_executor.loader import load_model
+from pagedlm_cpu.attention import CpuSdpaBackend
+
+BLOCK_SIZE = 4
+PROMPT_LENS = [1, 7, 40, 13, 25, 2]
+SMALL = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 50000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # Small, so that positions < 40 reach the scaled and the interpolated frequencies.
+    "original_max_position_embeddings": 16,
+}
+
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {}),
+    "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "llama3_rope": ("LlamaConfig", {"rope_parameters": LLAMA3_ROPE}),
+    "llama3_rope_tied": (
+        "LlamaConfig",
+        {"rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": True, "num_hidden_layers": 3},
+    ),
+    "llama_linear_rope_biases": (
+        "LlamaConfig",
+        {
+            "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+            "attention_bias": True,
+            "mlp_bias": True,
+        },
+    ),
+    "mistral": ("MistralConfig", {"sliding_window": None, "head_dim": 32}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": False}),
+}
+
+
+def save_random_model(path: Path, config_class: str, overrides: dict[str, Any]) -> torch.nn.Module:
+    """A random transformers model saved as safetensors in ``path`` (returned, eval, fp32)."""
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{**SMALL, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # Larger than the default init so every weight visibly moves the logits;
+            # norm weights away from 1 so a missing norm weight is caught.
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(path)
+    return model.eval()
+
+
+def model_config(path: Path, dtype: torch.dtype = torch.float32) -> ModelConfig:
+    arch = ArchConfig.from_directory(path)
+    return ModelConfig(model=str(path), tokenizer=None, arch=arch, dtype=dtype, max_model_len=128)
+
+
+def make_kv_cache(arch: ArchConfig, dtype: torch.dtype, num_blocks: int = 64) -> TensorKVCache:
+    shape = CpuSdpaBackend.kv_cache_shape(
+        num_blocks, BLOCK_SIZE, arch.num_key_value_heads, arch.head_dim
+    )
+    return TensorKVCache(
+        shape, arch.num_hidden_layers, BLOCK_SIZE, dtype, lambda s, d: torch.zeros(s, dtype=d)
+    )
+
+
+class PagedRunner:
+    """Drives a model step by step the way the model runner does, one block table per prompt."""
+
+    def __init__(self, model: torch.nn.Module, arch: ArchConfig, dtype: torch.dtype) -> None:
+        self.model = model
+        self.backend = CpuSdpaBackend(torch.device("cpu"))
+        self.kv_cache = make_kv_cache(arch, dtype)
+        self.block_tables: list[list[int]] = []
+        self.next_block = 0
+
+    def add_request(self, max_len: int) -> None:
+        num_blocks = -(-max_len // BLOCK_SIZE)
+        # Interleave requests' blocks so a wrong block table reads another request's K/V.
+        self.block_tables.append(
+            [self.next_block + i * len(PROMPT_LENS) for i in range(num_blocks)]
+        )
+        self.next_block += 1
+
+    def step(self, chunks: list[tuple[int, list[int]]], context_lens: list[int]) -> torch.Tensor:
+        """chunks: (request index, token ids) -> float32 logits of every token [T, vocab]."""
+        input_ids, positions, slots, query_start, seq_lens, tables = [], [], [], [0], [], []
+        for (req, tokens), context_len in zip(chunks, context_lens, strict=True):
+            table = self.block_tables[req]
+            for pos in range(context_len, context_len + len(tokens)):
+                positions.append(pos)
+                slots.append(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+            input_ids += tokens
+            query_start.append(len(input_ids))
+            seq_lens.append(context_len + len(tokens))
+            tables.append(table)
+        layout = BatchLayout(query_start, seq_lens, tables, slots, BLOCK_SIZE)
+        ctx = ForwardContext(self.backend, self.backend.build_metadata(layout), self.kv_cache)
+        with torch.no_grad():
+            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), ctx)
+            return self.model.compute_logits(hidden)
+
+
+def random_prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        torch.randint(0, SMALL["vocab_size"], (n,), generator=generator).tolist()
+        for n in PROMPT_LENS
+    ]
+
+
+def hf_logits(hf_model: torch.nn.Module, prompts: list[list[int]]) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [hf_model(torch.tensor([p])).logits[0].float() for p in prompts]
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp(request.param)
+    config_class, overrides = CASES[request.param]
+    hf_model = save_random_model(path, config_class, overrides)
+    prompts = random_prompts()
+    return path, prompts, hf_logits(hf_model, prompts)
+
+
+def test_one_step_matches_transformers(checkpoint) -> None:
+    path, prompts, expected = checkpoint
+    config = model_config(path)
+    runner = PagedRunner(load_model(config, torch.device("cpu")), config.arch, torch.float32)
+    for p in prompts:
+        runner.add_request(len(p))
+    logits = runner.step(list(enumerate(prompts)), [0] * len(prompts))
+    assert logits.dtype == torch.float32
+    assert logits.shape == (sum(PROMPT_LENS), SMALL["vocab_size"])
+    torch.testing.assert_close(logits, torch.cat(expected), atol=1e-4, rtol=0)
+    last_rows = torch.tensor(PROMPT_LENS).cumsum(0) - 1
+    last = torch.stack([e[-1] for e in expected])
+    torch.testing.assert_close(logits[last_rows], last, atol=1e-4, rtol=0)
+
+
+def test_two_steps_read_the_cache(checkpoint) -> None:
+    """First step: a prefix of every prompt; second: the rest (1 token for some: decodes)."""
+    path, prompts, expected = checkpoint
+    config = model_config(path)
+    runner = PagedRunner(load_model(config, torch.device("cpu")), config.arch, torch.float32)
+    for p in prompts:
+        runner.add_request(len(p))
+    split = [max(1, n - 1) if n <= 7 else n // 2 + 1 for n in PROMPT_LENS]
+    first = runner.step(
+        [(i, p[:s]) for i, (p, s) in enumerate(zip(prompts, split, strict=True))], [0] * 6
+    )
+    rest = [(i, p[s:]) for i, (p, s) in enumerate(zip(prompts, split, strict=True)) if s < len(p)]
+    second = runner.step(rest, [split[i] for i, _ in rest])
+
+    starts = [0, *torch.tensor(split).cumsum(0).tolist()]
+    got = [first[starts[i] : starts[i + 1]] for i in range(len(prompts))]
+    offset = 0
+    for i, tokens in rest:
+        got[i] = torch.cat([got[i], second[offset : offset + len(tokens)]])
+        offset += len(tokens)
+    torch.testing.assert_close(torch.cat(got), torch.cat(expected), atol=1e-4, rtol=0)
+
+
+def test_bfloat16_load_stays_close(tmp_path: Path) -> None:
+    save_random_model(tmp_path, "Qwen3Config", {"head_dim": 32})
+    prompts = random_prompts()
+    outputs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        config = model_config(tmp_path, dtype)
+        model = load_model(config, torch.device("cpu"))
+        assert {p.dtype for p in model.parameters()} == {dtype}
+        runner = PagedRunner(model, config.arch, dtype)
+        for p in prompts:
+            runner.add_request(len(p))
+        outputs[dtype] = runner.step(list(enumerate(prompts)), [0] * len(prompts))
+    assert torch.get_default_dtype() == torch.float32
+    assert outputs[torch.bfloat16].dtype == torch.float32
+    torch.testing.assert_close(
+        outputs[torch.bfloat16], outputs[torch.float32], atol=0.15, rtol=0.05
+    )
+
+
+def test_old_and_new_config_spellings_give_the_same_model(tmp_path: Path) -> None:
+    save_random_model(tmp_path, "LlamaConfig", {"rope_parameters": LLAMA3_ROPE})
+    config_file = tmp_path / "config.json"
+    new = json.loads(config_file.read_text())
+    assert "rope_parameters" in new and "dtype" in new  # what transformers 5 writes
+    old = dict(new)
+    rope = dict(old.pop("rope_parameters"))
+    old["rope_theta"] = rope.pop("rope_theta")
+    old["rope_scaling"] = rope
+    old["torch_dtype"] = old.pop("dtype")
+
+    prompts = random_prompts()
+    logits = {}
+    for name, spelling in (("new", new), ("old", old)):
+        config_file.write_text(json.dumps(spelling))
+        config = model_config(tmp_path)
+        assert config.arch.rope_theta == LLAMA3_ROPE["rope_theta"]
+        assert config.arch.rope_scaling is not None
+        runner = PagedRunner(load_model(config, torch.device("cpu")), config.arch, torch.float32)
+        for p in prompts:
+            runner.add_request(len(p))
+        logits[name] = runner.step(list(enumerate(prompts)), [0] * len(prompts))
+    torch.testing.assert_close(logits["old"], logits["new"], atol=0, rtol=0)
