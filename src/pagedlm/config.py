@@ -109,9 +109,7 @@ class ArchConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(
-                cfg.get("attention_bias", arch == "Qwen2ForCausalLM")
-            ),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch == "Qwen3ForCausalLM",
             hidden_act=cfg.get("hidden_act", "silu"),
             sliding_window=sliding,

@@ -81,17 +81,13 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}; use 1 to disable it.")
         if self.top_k < -1 or self.top_k == 0:
-            raise ValueError(
-                f"top_k must be -1 (disable), or at least 1, got {self.top_k}."
-            )
+            raise ValueError(f"top_k must be -1 (disable), or at least 1, got {self.top_k}.")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}; use 0 to disable it.")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(
-                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}."
-            )
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
         if self.repetition_penalty <= 0.0:
             raise ValueError(
                 f"repetition_penalty must be greater than 0, got {self.repetition_penalty}; "
@@ -109,9 +105,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise ValueError(
-                    f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}."
-                )
+                raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}.")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty.")
         if self.stop and not self.detokenize:

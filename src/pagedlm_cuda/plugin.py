@@ -10,8 +10,8 @@ def cuda_is_available() -> bool:
     """True for a CUDA (not HIP) build of torch that sees at least one device."""
     import torch
 
-    return torch.version.cuda is not None and torch.version.hip is None and (
-        torch.cuda.is_available()
+    return (
+        torch.version.cuda is not None and torch.version.hip is None and (torch.cuda.is_available())
     )
 
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from pagedlm.config import ModelConfig
 from pagedlm.core.request import Request
 from pagedlm.sampling_params import SamplingParams
 
-PromptType = Union[str, Mapping[str, Any]]
+PromptType = str | Mapping[str, Any]
 """A string, ``{"prompt": str}`` or ``{"prompt_token_ids": list[int]}``."""
 
 

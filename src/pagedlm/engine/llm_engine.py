@@ -92,4 +92,3 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
-

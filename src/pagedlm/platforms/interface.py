@@ -61,7 +61,7 @@ class Platform(ABC):
         """A zero-filled tensor on ``device`` (the KV cache is allocated through this)."""
         return torch.zeros(shape, dtype=dtype, device=self.device)
 
-    def synchronize(self) -> None:
+    def synchronize(self) -> None:  # noqa: B027 - optional, a no-op by default
         """Wait for queued device work (no-op where execution is synchronous)."""
 
     def __repr__(self) -> str:

@@ -80,9 +80,7 @@ def _describe(probes: dict[str, tuple[bool, str]]) -> str:
     )
 
 
-def select_platform(
-    name: str | None = None, pm: pluggy.PluginManager | None = None
-) -> Platform:
+def select_platform(name: str | None = None, pm: pluggy.PluginManager | None = None) -> Platform:
     """The platform named (argument, then ``PAGEDLM_PLATFORM``) or the best available."""
     pm = pm or get_plugin_manager()
     specs = _collect(pm.hook.pagedlm_register_platforms())
@@ -104,9 +102,7 @@ def select_platform(
             raise PluginError(f"Unknown platform {name!r}; known platforms: {_describe(probes)}.")
         ok, why = probes[name]
         if not ok:
-            raise PluginError(
-                f"Platform {name!r} is {why}; known platforms: {_describe(probes)}."
-            )
+            raise PluginError(f"Platform {name!r} is {why}; known platforms: {_describe(probes)}.")
         chosen = by_name[name]
     else:
         available = [s for s in by_name.values() if probes[s.name][0]]

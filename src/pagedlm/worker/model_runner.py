@@ -204,9 +204,7 @@ class ModelRunner:
                 s.token_ids.append(token_id)
                 sampled[s.req_id] = [token_id]
 
-        prompt_logprobs = self._prompt_logprobs(
-            logits[len(sample_rows) :], prompt_logprob_rows
-        )
+        prompt_logprobs = self._prompt_logprobs(logits[len(sample_rows) :], prompt_logprob_rows)
         for state, n in zip(states, num_scheduled):
             state.num_computed_tokens += n
         return ModelRunnerOutput(
