@@ -64,20 +64,21 @@ def _blocks_needed(tables: list[list[int]], num_blocks: int) -> list[list[int]]:
     return [table[:num_blocks] + [0] * (num_blocks - len(table[:num_blocks])) for table in tables]
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[len(block_ids) * block_size, kv_heads, head_dim] the keys (or values) of the blocks."""
-    blocks = cache.index_select(0, block_ids)
-    return blocks.view(-1, cache.shape[-2], cache.shape[-1]).to(dtype)
-
-
 class CpuSdpaBackend(AttentionBackend):
     """Gather + ``scaled_dot_product_attention``; the reference every other backend matches.
 
     Keys are gathered by whole blocks (``index_select`` of ``[block_size, kv_heads,
-    head_dim]`` rows), which copies far larger contiguous pieces than a per-slot gather.
+    head_dim]`` rows), which copies far larger contiguous pieces than a per-slot gather,
+    into two workspaces kept across calls: a fresh multi-MB tensor per layer costs more in
+    page faults (transparent huge pages are zeroed on first touch) than the copy itself.
+    ``forward`` is therefore not reentrant: one backend instance serves one model runner.
     """
 
     name = "cpu_sdpa"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self._workspaces: list[torch.Tensor | None] = [None, None]
 
     def build_metadata(self, layout: BatchLayout) -> CpuSdpaMetadata:
         self._check_block_tables(layout)
@@ -152,13 +153,13 @@ class CpuSdpaBackend(AttentionBackend):
                 # No cached context: the keys are exactly this step's, no gather needed.
                 k, v = key[rows], value[rows]
             else:
-                k = _gather(key_cache, chunk.block_ids, query.dtype)[: chunk.seq_len]
-                v = _gather(value_cache, chunk.block_ids, query.dtype)[: chunk.seq_len]
+                k = self._gather(0, key_cache, chunk.block_ids)[: chunk.seq_len]
+                v = self._gather(1, value_cache, chunk.block_ids)[: chunk.seq_len]
             # [tokens, heads, head_dim] -> [heads, tokens, head_dim]
             out = F.scaled_dot_product_attention(
                 query[rows].transpose(0, 1),
-                k.transpose(0, 1),
-                v.transpose(0, 1),
+                k.transpose(0, 1).to(query.dtype),
+                v.transpose(0, 1).to(query.dtype),
                 attn_mask=chunk.causal_mask,
                 is_causal=chunk.causal_mask is None,
                 scale=scale,
@@ -167,8 +168,8 @@ class CpuSdpaBackend(AttentionBackend):
             output[rows] = out.transpose(0, 1)
         return output
 
-    @staticmethod
     def _decode(
+        self,
         query: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
@@ -176,23 +177,54 @@ class CpuSdpaBackend(AttentionBackend):
         scale: float,
         output: torch.Tensor,
     ) -> None:
-        """One batched SDPA for every single-token query; writes its rows of ``output``."""
+        """One batched SDPA for every single-token query; writes its rows of ``output``.
+
+        Grouped-query heads are folded into the query length: query head ``h`` reads kv
+        head ``h // group``, so [B, heads, d] viewed as [B, kv_heads, group, d] is a batch
+        of ``group``-token queries per kv head, with no causal mask among them (they share
+        one position). That avoids SDPA's own GQA expansion.
+        """
         num_decodes = group.num_decodes
         if group.token_rows is None:
             q = query[:num_decodes]
         else:
             q = query.index_select(0, group.token_rows)
-        shape = (num_decodes, -1, key_cache.shape[-2], key_cache.shape[-1])
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = key_cache.shape[-2]
+        shape = (num_decodes, -1, num_kv_heads, head_dim)
         # [B, max_blocks * block_size, kv_heads, head_dim] -> [B, kv_heads, L, head_dim]
-        k = _gather(key_cache, group.block_ids, query.dtype).view(shape).transpose(1, 2)
-        v = _gather(value_cache, group.block_ids, query.dtype).view(shape).transpose(1, 2)
+        k = self._gather(0, key_cache, group.block_ids).view(shape).transpose(1, 2)
+        v = self._gather(1, value_cache, group.block_ids).view(shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k, v, attn_mask=group.key_mask, scale=scale, enable_gqa=True
-        ).squeeze(2)
+            q.reshape(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim),
+            k.to(query.dtype),
+            v.to(query.dtype),
+            attn_mask=group.key_mask,
+            scale=scale,
+        ).reshape(num_decodes, num_heads, head_dim)
         if group.token_rows is None:
             output[:num_decodes] = out
         else:
             output.index_copy_(0, group.token_rows, out)
+
+    def _gather(self, which: int, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """[len(block_ids) * block_size, kv_heads, head_dim] the cache rows of the blocks,
+        in workspace ``which`` (0 keys, 1 values); valid until the next gather into it."""
+        numel = block_ids.shape[0] * cache[0].numel()
+        workspace = self._workspaces[which]
+        if (
+            workspace is None
+            or workspace.numel() < numel
+            or workspace.dtype != cache.dtype
+            or workspace.device != cache.device
+        ):
+            # Headroom: contexts grow a block at a time, reallocating each time would be
+            # the cost the workspace exists to avoid.
+            workspace = torch.empty(numel * 5 // 4, dtype=cache.dtype, device=cache.device)
+            self._workspaces[which] = workspace
+        blocks = workspace[:numel].view(block_ids.shape[0], *cache.shape[1:])
+        torch.index_select(cache, 0, block_ids, out=blocks)
+        return blocks.view(-1, cache.shape[-2], cache.shape[-1])
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -29,7 +29,11 @@ def reference_attention(
 
 
 def run_step(
-    requests: list[tuple[int, int]], block_size: int, seed: int = 0
+    requests: list[tuple[int, int]],
+    block_size: int,
+    seed: int = 0,
+    backend: CpuSdpaBackend | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Run one step; requests are (context_len, query_len). Returns output, reference,
     the new keys per request, and the key cache."""
@@ -38,8 +42,9 @@ def run_step(
     free_blocks = list(range(NUM_BLOCKS))
     rng.shuffle(free_blocks)
     cache_shape = CpuSdpaBackend.kv_cache_shape(NUM_BLOCKS, block_size, NUM_KV_HEADS, HEAD_DIM)
-    key_cache = torch.randn(cache_shape)  # garbage in unused slots must not leak in
-    value_cache = torch.randn(cache_shape)
+    # Garbage in unused slots must not leak in.
+    key_cache = torch.randn(cache_shape).to(dtype)
+    value_cache = torch.randn(cache_shape).to(dtype)
     flat_k = key_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)
     flat_v = value_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)
 
@@ -50,22 +55,22 @@ def run_step(
         num_blocks = -(-seq_len // block_size) + rng.randint(0, 1)  # tables may be longer
         table = [free_blocks.pop() for _ in range(num_blocks)]
         slots = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
-        k_all = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM)
-        v_all = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM)
+        k_all = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM).to(dtype)
+        v_all = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM).to(dtype)
         flat_k[slots[:context_len]] = k_all[:context_len]
         flat_v[slots[:context_len]] = v_all[:context_len]
         query_start.append(query_start[-1] + query_len)
         seq_lens.append(seq_len)
         tables.append(table)
         slot_mapping += slots[context_len:]
-        queries.append(torch.randn(query_len, NUM_HEADS, HEAD_DIM))
+        queries.append(torch.randn(query_len, NUM_HEADS, HEAD_DIM).to(dtype))
         keys.append(k_all[context_len:])
         values.append(v_all[context_len:])
         full_k.append(k_all)
         full_v.append(v_all)
 
     layout = BatchLayout(query_start, seq_lens, tables, slot_mapping, block_size)
-    backend = CpuSdpaBackend(torch.device("cpu"))
+    backend = backend or CpuSdpaBackend(torch.device("cpu"))
     scale = HEAD_DIM**-0.5
     metadata = backend.build_metadata(layout)
     out = backend.forward(
@@ -104,6 +109,20 @@ def test_matches_float64_reference(scenario: str, block_size: int) -> None:
     torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=1e-5)
     written = key_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slot_mapping]
     torch.testing.assert_close(written, torch.cat(keys), atol=0, rtol=0)
+
+
+def test_bfloat16_stays_close_to_reference() -> None:
+    out, reference, *_ = run_step(SCENARIOS["mixed"], 4, dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), reference, atol=2e-2, rtol=2e-2)
+
+
+def test_one_backend_serves_steps_of_changing_size() -> None:
+    """The gather workspaces are reused and regrown across steps."""
+    backend = CpuSdpaBackend(torch.device("cpu"))
+    for seed, scenario in enumerate(["prompts_only", "mixed", "decodes_only_ragged", "mixed"]):
+        out, reference, *_ = run_step(SCENARIOS[scenario], 4, seed=seed, backend=backend)
+        torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=1e-5)
 
 
 def test_request_reads_blocks_another_request_writes_in_the_same_step() -> None:
