@@ -155,17 +155,18 @@ class CpuSdpaBackend(AttentionBackend):
             else:
                 k = self._gather(0, key_cache, chunk.block_ids)[: chunk.seq_len]
                 v = self._gather(1, value_cache, chunk.block_ids)[: chunk.seq_len]
-            # [tokens, heads, head_dim] -> [heads, tokens, head_dim]
+            # [tokens, heads, head_dim] -> [1, heads, tokens, head_dim]: with 3-d inputs
+            # torch falls back from its fused CPU kernel to the ~3x slower math path.
             out = F.scaled_dot_product_attention(
-                query[rows].transpose(0, 1),
-                k.transpose(0, 1).to(query.dtype),
-                v.transpose(0, 1).to(query.dtype),
+                query[rows].transpose(0, 1)[None],
+                k.transpose(0, 1).to(query.dtype)[None],
+                v.transpose(0, 1).to(query.dtype)[None],
                 attn_mask=chunk.causal_mask,
                 is_causal=chunk.causal_mask is None,
                 scale=scale,
                 enable_gqa=True,
             )
-            output[rows] = out.transpose(0, 1)
+            output[rows] = out[0].transpose(0, 1)
         return output
 
     def _decode(
