@@ -41,6 +41,11 @@ class CpuPlatform(Platform):
         # Like vLLM's CPU backend, run half-precision checkpoints in float32 unless asked.
         return torch.float32 if config_dtype != torch.bfloat16 else torch.bfloat16
 
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        from pagedlm_cpu.linear import prepack_linears
+
+        prepack_linears(model)
+
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         # numpy's zeros comes from calloc: the OS hands out zero pages lazily, so a
         # multi-GiB KV cache costs nothing until it is written (torch.zeros memsets it all).

@@ -22,7 +22,5 @@ def pagedlm_register_platforms() -> list[PlatformSpec]:
 @hookimpl
 def pagedlm_register_attention_backends(platform: object) -> list[BackendSpec]:
     return [
-        BackendSpec(
-            name="cpu_sdpa", target="pagedlm_cpu.attention:CpuSdpaBackend", platform="cpu"
-        )
+        BackendSpec(name="cpu_sdpa", target="pagedlm_cpu.attention:CpuSdpaBackend", platform="cpu")
     ]

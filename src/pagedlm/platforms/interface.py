@@ -57,6 +57,11 @@ class Platform(ABC):
     def kv_cache_memory_bytes(self) -> int:
         """How many bytes the KV cache may take when the user did not fix ``num_kv_blocks``."""
 
+    def prepare_model(self, model: torch.nn.Module) -> None:  # noqa: B027 - optional
+        """Adapt a freshly loaded model to this platform, e.g. hand its linear layers a
+        faster kernel (``LinearBase.set_kernel``). Must not change the model's results
+        beyond floating-point rounding."""
+
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled tensor on ``device`` (the KV cache is allocated through this)."""
         return torch.zeros(shape, dtype=dtype, device=self.device)

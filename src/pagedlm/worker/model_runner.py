@@ -50,6 +50,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.arch = config.model.arch
         self.model = load_model(config.model, self.device)
+        platform.prepare_model(self.model)
         self.attn_backend = attn_backend_cls(self.device)
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=self.device)

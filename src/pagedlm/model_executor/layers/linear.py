@@ -14,7 +14,6 @@ slices this rank's shard out of a full checkpoint tensor.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedlm.distributed import (
@@ -24,6 +23,7 @@ from pagedlm.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from pagedlm.model_executor.layers.linear_base import LinearBase
 from pagedlm.model_executor.loader.weight_utils import (
     copy_checked,
     set_weight_loader,
@@ -31,7 +31,7 @@ from pagedlm.model_executor.loader.weight_utils import (
 )
 
 
-class _ShardedLinear(nn.Module):
+class _ShardedLinear(LinearBase):
     """Holds ``weight [out_per_rank, in_per_rank]`` and an optional bias."""
 
     def __init__(self, in_per_rank: int, out_per_rank: int, bias_size: int | None) -> None:
@@ -74,7 +74,7 @@ class ColumnParallelLinear(_ShardedLinear):
         copy_checked(param.data, shard_of(loaded_weight, 0, self.tp_rank, shard_size), "column")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = self.apply_linear(x)
         return tensor_model_parallel_all_gather(out) if self.gather_output else out
 
 
@@ -167,6 +167,11 @@ class RowParallelLinear(_ShardedLinear):
         self.output_size = output_size
         self.reduce_results = reduce_results
 
+    @property
+    def linear_bias(self) -> torch.Tensor | None:
+        # Only rank 0 adds the bias, so it appears once in the sum over ranks.
+        return self.bias if self.tp_rank == 0 else None
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         if param is self.bias:
             copy_checked(param.data, loaded_weight, "row bias")
@@ -175,6 +180,5 @@ class RowParallelLinear(_ShardedLinear):
         copy_checked(param.data, shard_of(loaded_weight, 1, self.tp_rank, shard_size), "row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Only rank 0 adds the bias, so it appears once in the sum over ranks.
-        out = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        out = self.apply_linear(x)
         return tensor_model_parallel_all_reduce(out) if self.reduce_results else out

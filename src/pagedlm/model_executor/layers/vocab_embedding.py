@@ -17,6 +17,7 @@ from pagedlm.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from pagedlm.model_executor.layers.linear_base import LinearBase
 from pagedlm.model_executor.loader.weight_utils import copy_checked, set_weight_loader
 
 
@@ -60,7 +61,7 @@ class VocabParallelEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, tp_size={self.tp_size}"
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, LinearBase):
     """forward: hidden_states [N, hidden] -> float32 logits [N, vocab_size].
 
     For tied embeddings, call ``tie_to(embedding)``: both then share one parameter.
@@ -70,7 +71,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)
+        logits = self.apply_linear(hidden_states)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits)[:, : self.num_embeddings]
         return logits.float()
