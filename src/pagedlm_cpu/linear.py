@@ -8,6 +8,7 @@ row, SmolLM2-135M shapes, fp32), and it runs bf16 natively on CPUs with AVX-512 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import torch
 from torch import nn
@@ -37,13 +38,20 @@ class OneDnnLinear:
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Give every packable linear layer of ``model`` a oneDNN kernel; returns how many."""
+    """Give every packable linear layer of ``model`` a oneDNN kernel; returns how many.
+
+    The plain weight of a layer is released once packed (the packed copy is the only one
+    used from then on), unless another module shares it (a tied embedding).
+    """
     if not onednn_available():
         logger.info("oneDNN is not available in this torch build; using F.linear.")
         return 0
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     count = 0
     for module in model.modules():
         if isinstance(module, LinearBase) and module.weight.dtype in _PACKABLE_DTYPES:
             module.set_kernel(OneDnnLinear(module.weight, module.linear_bias))
+            if uses[id(module.weight)] == 1:
+                module.weight.data = module.weight.data.new_empty(0)
             count += 1
     return count

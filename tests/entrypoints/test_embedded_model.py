@@ -53,3 +53,67 @@ def test_logits_match_transformers_gguf_loader(llm, smollm2_path):
         theirs = model(torch.tensor([token_ids])).logits[0].float()
     assert (ours - theirs).abs().max().item() <= 1e-3
     assert ours[-1].argmax() == theirs[-1].argmax()
+
+
+def test_stop_strings_and_tokens(llm):
+    prompt = "Count: 1, 2, 3, 4,"
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    full = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0]
+    assert " 6" in full.text
+    stop = " 6"
+    cut = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=24, stop=stop), use_tqdm=False
+    )[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == full.text[: full.text.index(stop)]
+    kept = llm.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=24, stop=stop, include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert kept.text == full.text[: full.text.index(stop) + len(stop)]
+
+    stop_token = full.token_ids[3]
+    by_token = llm.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_token]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert by_token.token_ids == full.token_ids[: full.token_ids.index(stop_token) + 1]
+    assert by_token.finish_reason == "stop" and by_token.stop_reason == stop_token
+
+
+def test_eos_min_tokens_and_decoded_logprobs(llm):
+    eos = llm.get_tokenizer().eos_token_id
+    params = SamplingParams(temperature=0, max_tokens=64)
+    answer = llm.chat(QUESTION, params, use_tqdm=False)[0].outputs[0]
+    assert answer.finish_reason == "stop" and answer.stop_reason is None
+    assert answer.token_ids[-1] == eos
+    longer = llm.chat(
+        QUESTION,
+        SamplingParams(temperature=0, max_tokens=64, min_tokens=20, logprobs=2),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert len(longer.token_ids) >= 20
+    assert eos not in longer.token_ids[:20]
+    first = longer.logprobs[0][longer.token_ids[0]]
+    assert first.decoded_token == llm.get_tokenizer().decode([longer.token_ids[0]])
+    assert first.rank >= 1 and first.logprob <= 0
+
+
+def test_batch_of_conversations_and_continue_final_message(llm):
+    conversations = [
+        QUESTION,
+        [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue"}],
+    ]
+    outs = llm.chat(conversations[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert len(outs) == 1
+    cont = llm.chat(
+        conversations[1],
+        SamplingParams(temperature=0, max_tokens=8),
+        add_generation_prompt=False,
+        continue_final_message=True,
+        use_tqdm=False,
+    )[0]
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer.decode(cont.prompt_token_ids).rstrip().endswith("Blue")
