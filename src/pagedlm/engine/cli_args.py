@@ -1,0 +1,122 @@
+"""Command-line flags for ``EngineArgs``, generated from its dataclass fields.
+
+The flags are derived once from ``dataclasses.fields(EngineArgs)``: a field added to
+``EngineArgs`` becomes a ``--kebab-case`` flag of every subcommand without touching this
+module. Help text comes from the attribute docstrings in ``arg_utils.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import itertools
+import textwrap
+import types
+import typing
+from typing import Any
+
+from pagedlm.engine.arg_utils import EngineArgs
+
+# Fields that the subcommands take as a positional argument as well as a flag.
+POSITIONAL_MODEL_DEST = "model_tag"
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings (the string literal right after ``name: type = default``)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    docs: dict[str, str] = {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    for node, following in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def _scalar_type(annotation: Any) -> tuple[type, bool]:
+    """(the non-None type, whether None is allowed) of ``int | None`` style annotations."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"EngineArgs field type {annotation} has no single CLI type.")
+        return args[0], True
+    return annotation, False
+
+
+def _parse_bool_or_none(text: str) -> bool | None:
+    lowered = text.lower()
+    if lowered in ("none", ""):
+        return None
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false/none, got {text!r}")
+
+
+def _none_or(convert: type) -> Any:
+    def parse(text: str) -> Any:
+        return None if text.lower() == "none" else convert(text)
+
+    parse.__name__ = convert.__name__
+    return parse
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add one ``--flag`` per ``EngineArgs`` field (``--no-flag`` for booleans)."""
+    hints = typing.get_type_hints(EngineArgs)
+    docs = _field_docs(EngineArgs)
+    group = parser.add_argument_group("engine arguments")
+    for field in dataclasses.fields(EngineArgs):
+        flag = "--" + field.name.replace("_", "-")
+        kind, nullable = _scalar_type(hints[field.name])
+        default = field.default
+        if default is dataclasses.MISSING and field.default_factory is not dataclasses.MISSING:
+            default = field.default_factory()
+        help_text = docs.get(field.name, field.name.replace("_", " "))
+        help_text = f"{help_text} (default: {default})".replace("%", "%%")
+        if kind is bool and not nullable:
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
+            )
+            continue
+        if kind is bool:
+            converter: Any = _parse_bool_or_none
+        elif kind in (int, float, str):
+            converter = _none_or(kind) if nullable else kind
+        else:
+            raise TypeError(
+                f"EngineArgs.{field.name} has type {kind}, which the CLI cannot parse; use "
+                "bool, int, float or str (optionally | None)."
+            )
+        group.add_argument(flag, type=converter, default=default, help=help_text)
+    return parser
+
+
+def engine_args_from_cli(namespace: argparse.Namespace) -> EngineArgs:
+    """``EngineArgs`` from parsed flags; a positional MODEL wins over ``--model``."""
+    values = {
+        field.name: getattr(namespace, field.name)
+        for field in dataclasses.fields(EngineArgs)
+        if hasattr(namespace, field.name)
+    }
+    positional = getattr(namespace, POSITIONAL_MODEL_DEST, None)
+    if positional is not None:
+        if values.get("model") not in (None, positional):
+            raise SystemExit(
+                f"error: MODEL given twice ({positional!r} and --model {values['model']!r}); "
+                "pass it once."
+            )
+        values["model"] = positional
+    return EngineArgs(**values)

@@ -1,0 +1,1 @@
+"""The ``pagedlm`` command: ``serve``, ``generate``, ``chat`` and ``bench serve``."""

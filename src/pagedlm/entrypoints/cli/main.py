@@ -1,0 +1,103 @@
+"""``pagedlm`` command line: ``serve``, ``generate``, ``chat``, ``bench serve``.
+
+Every subcommand that runs an engine takes the same engine flags, generated from
+``EngineArgs`` (``pagedlm.engine.cli_args``), plus an optional positional MODEL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pagedlm.engine.cli_args import POSITIONAL_MODEL_DEST, add_engine_args
+
+
+def _add_model_positional(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        POSITIONAL_MODEL_DEST,
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct).",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pagedlm import __version__
+    from pagedlm.entrypoints.cli import bench, interactive
+    from pagedlm.entrypoints.openai.api_server import add_server_args
+
+    parser = argparse.ArgumentParser(
+        prog="pagedlm", description="pagedlm: LLM inference and an OpenAI-compatible server."
+    )
+    parser.add_argument("--version", action="version", version=f"pagedlm {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve",
+        help="Serve a model over OpenAI- and Anthropic-compatible HTTP APIs.",
+        description="Serve a model over HTTP (/v1/completions, /v1/chat/completions, "
+        "/v1/messages, /metrics, ...).",
+    )
+    _add_model_positional(serve)
+    add_server_args(serve)
+    add_engine_args(serve)
+
+    generate = commands.add_parser(
+        "generate",
+        help="Generate from one prompt, streamed to stdout.",
+        description="Generate from one prompt in this process, streaming text to stdout.",
+    )
+    _add_model_positional(generate)
+    interactive.add_generate_args(generate)
+    add_engine_args(generate)
+
+    chat = commands.add_parser(
+        "chat",
+        help="Chat interactively, in-process or against a server (--url).",
+        description="Interactive chat. Without --url the model runs in this process.",
+    )
+    _add_model_positional(chat)
+    interactive.add_chat_args(chat)
+    add_engine_args(chat)
+
+    bench_parser = commands.add_parser(
+        "bench", help="Benchmarks.", description="Benchmarks against a running server."
+    )
+    bench_commands = bench_parser.add_subparsers(
+        dest="bench_command", required=True, metavar="BENCH"
+    )
+    bench.add_bench_serve_args(
+        bench_commands.add_parser(
+            "serve",
+            help="Load a running server (Poisson or burst) and report latencies.",
+            description="Send requests to a running server at a given rate and report request "
+            "throughput, output tokens/s and TTFT / TPOT / ITL (mean, p50, p99).",
+        )
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from pagedlm.entrypoints.openai.api_server import run_server
+
+        run_server(args)
+    elif args.command == "generate":
+        from pagedlm.entrypoints.cli.interactive import run_generate
+
+        run_generate(args)
+    elif args.command == "chat":
+        from pagedlm.entrypoints.cli.interactive import run_chat
+
+        run_chat(args)
+    elif args.command == "bench":
+        from pagedlm.entrypoints.cli.bench import run_bench_serve
+
+        run_bench_serve(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""``pagedlm serve``: server flags, engine start-up, uvicorn, and draining on SIGTERM.
+
+uvicorn handles SIGINT/SIGTERM: it stops accepting connections, lets in-flight requests
+finish for up to ``--shutdown-timeout`` seconds, cancels the rest (which aborts their
+engine requests) and runs the app's shutdown, which stops the engine-core process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+from pagedlm.engine.cli_args import engine_args_from_cli
+
+logger = logging.getLogger("pagedlm.server")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+API_KEY_ENV = "PAGEDLM_API_KEY"
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("server arguments")
+    group.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="Address to bind (default: %(default)s; 0.0.0.0 for all interfaces).",
+    )
+    group.add_argument("--port", type=int, default=8000, help="Port (default: %(default)s).")
+    group.add_argument(
+        "--api-key",
+        default=None,
+        help=f"Require this key as 'Authorization: Bearer <key>' or 'x-api-key' (default: ${API_KEY_ENV} if set). /health and /metrics stay open.",
+    )
+    group.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="Name(s) clients use in 'model'; the first is reported (default: the model argument).",
+    )
+    group.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja chat template: a file path or the template itself (default: the tokenizer's).",
+    )
+    group.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=10 << 20,
+        help="Larger request bodies get 413 (default: %(default)s).",
+    )
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="Seconds in-flight requests may take to finish after SIGTERM (default: %(default)s).",
+    )
+    group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def _chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as file:
+            return file.read()
+    if "{" not in value:
+        raise SystemExit(
+            f"error: --chat-template {value!r} is neither a file nor a Jinja template."
+        )
+    return value
+
+
+def _uvicorn_server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM after its graceful shutdown, killing the process
+        before the engine's own shutdown has run; here the signal only starts the drain,
+        and ``pagedlm serve`` exits 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            signals = (signal.SIGINT, signal.SIGTERM)
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """Start the engine, then serve until SIGINT/SIGTERM."""
+    import uvicorn
+
+    from pagedlm.engine.async_llm import AsyncLLM
+    from pagedlm.entrypoints.openai.app import build_app
+    from pagedlm.entrypoints.openai.serving_engine import ServingContext
+    from pagedlm.metrics.prometheus import PrometheusMetrics
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    started = time.monotonic()
+    engine_args = engine_args_from_cli(args)
+    chat_template = _chat_template(args.chat_template)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    names = args.served_model_name or [engine_args.model or DEFAULT_MODEL_NAME]
+    engine = AsyncLLM.from_engine_args(engine_args)
+    try:
+        ctx = ServingContext(
+            engine=engine,
+            model_names=list(names),
+            metrics=PrometheusMetrics(names[0]),
+            chat_template=chat_template,
+            tokenizer=engine.get_tokenizer(),
+            max_model_len=engine.config.model.max_model_len,
+        )
+        app = build_app(ctx, api_key=api_key, max_body_bytes=args.max_request_body_bytes)
+        logger.info(
+            "Engine ready in %.1f s; serving %s on http://%s:%d%s",
+            time.monotonic() - started,
+            names,
+            args.host,
+            args.port,
+            " (API key required)" if api_key else "",
+        )
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=args.shutdown_timeout,
+            lifespan="on",
+        )
+        _uvicorn_server_class()(config).run()
+    finally:
+        engine.shutdown()

@@ -1,0 +1,235 @@
+"""The HTTP application: routes, error mapping and middleware around one engine.
+
+``build_app(ctx, api_key, max_body_bytes)`` takes a ready ``ServingContext`` (so tests
+can serve any engine with AsyncLLM's interface); ``run_server(...)`` is what
+``pagedlm serve`` runs: build the engine, serve with uvicorn until SIGINT/SIGTERM, let
+in-flight requests finish within ``shutdown_timeout`` seconds, shut the engine down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pagedlm.engine.exceptions import EngineDeadError
+from pagedlm.entrypoints.openai.errors import APIError, error_response, sse_error_event
+from pagedlm.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from pagedlm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from pagedlm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
+from pagedlm.entrypoints.openai.serving_chat import ChatServer
+from pagedlm.entrypoints.openai.serving_completion import CompletionServer
+from pagedlm.entrypoints.openai.serving_engine import ServingContext, parse_body, until_disconnected
+from pagedlm.entrypoints.openai.serving_messages import MessagesServer
+
+logger = logging.getLogger("pagedlm.server")
+
+HEALTH_TIMEOUT_S = 5.0
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _engine_dead_message(error: BaseException) -> str:
+    return f"The engine core is not running ({error}); restart the server."
+
+
+def _guarded(anthropic: bool) -> Callable[[Handler], Handler]:
+    """Map exceptions raised by a handler to error responses of the right shape."""
+
+    def decorate(handler: Handler) -> Handler:
+        @functools.wraps(handler)
+        async def wrapper(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except APIError as error:
+                return error_response(error.message, error.status, error.param, anthropic=anthropic)
+            except EngineDeadError as error:
+                return error_response(_engine_dead_message(error), 500, anthropic=anthropic)
+            except Exception:
+                logger.exception("Unhandled error in %s", request.url.path)
+                return error_response(
+                    "Internal server error; see the server log.", 500, anthropic=anthropic
+                )
+
+        return wrapper
+
+    return decorate
+
+
+async def _guard_stream(events: AsyncIterator[str], anthropic: bool) -> AsyncIterator[str]:
+    """Errors after the stream started become an error event (then [DONE] for OpenAI)."""
+    try:
+        async for event in events:
+            yield event
+        return
+    except APIError as error:
+        yield sse_error_event(error.message, error.status, anthropic)
+    except EngineDeadError as error:
+        yield sse_error_event(_engine_dead_message(error), 500, anthropic)
+    except Exception:
+        logger.exception("Unhandled error while streaming")
+        yield sse_error_event("Internal server error; see the server log.", 500, anthropic)
+    if not anthropic:
+        yield "data: [DONE]\n\n"
+
+
+async def _respond(
+    request: Request, create: Awaitable[tuple[dict | None, Any]], anthropic: bool
+) -> Response:
+    result = await until_disconnected(request, create)
+    if result is None:  # the client went away; nobody reads this
+        return Response(status_code=499)
+    body, events = result
+    if events is not None:
+        headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+        return StreamingResponse(
+            _guard_stream(events, anthropic), media_type="text/event-stream", headers=headers
+        )
+    return JSONResponse(body)
+
+
+def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
+    completions, chat, messages = CompletionServer(ctx), ChatServer(ctx), MessagesServer(ctx)
+
+    @app.post("/v1/completions")
+    @_guarded(anthropic=False)
+    async def create_completion(request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest)
+        return await _respond(request, completions.create(body), anthropic=False)
+
+    @app.post("/v1/chat/completions")
+    @_guarded(anthropic=False)
+    async def create_chat_completion(request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest)
+        return await _respond(request, chat.create(body), anthropic=False)
+
+    @app.post("/v1/messages")
+    @_guarded(anthropic=True)
+    async def create_message(request: Request) -> Response:
+        body = await parse_body(request, MessagesRequest)
+        return await _respond(request, messages.create(body), anthropic=True)
+
+    @app.post("/v1/messages/count_tokens")
+    @_guarded(anthropic=True)
+    async def count_tokens(request: Request) -> Response:
+        return JSONResponse(
+            await messages.count_tokens(await parse_body(request, CountTokensRequest))
+        )
+
+
+def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
+    from pagedlm import __version__
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": ctx.created,
+                "owned_by": "pagedlm",
+                "root": ctx.model_name,
+                "max_model_len": ctx.max_model_len,
+            }
+            for name in ctx.model_names
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            if ctx.engine.errored:
+                raise EngineDeadError("the engine reported an error")
+            await asyncio.wait_for(ctx.engine.check_health(), HEALTH_TIMEOUT_S)
+        except (EngineDeadError, asyncio.TimeoutError) as error:
+            return error_response(_engine_dead_message(error), 503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        with contextlib.suppress(EngineDeadError, asyncio.TimeoutError):
+            await asyncio.wait_for(ctx.engine.get_scheduler_stats(), HEALTH_TIMEOUT_S)
+        ctx.metrics.update_engine_metrics(ctx.engine.get_metrics())
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    @_guarded(anthropic=False)
+    async def tokenize(request: Request) -> Response:
+        body = await parse_body(request, TokenizeRequest)
+        ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("Send exactly one of prompt or messages.")
+        if body.messages is not None:
+            conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+            tokens = ctx.apply_chat_template(
+                conversation, None, body.add_generation_prompt, False, {}
+            )
+        else:
+            tokenizer = ctx.require_tokenizer()
+            tokens = list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        return JSONResponse(
+            {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len}
+        )
+
+    @app.post("/detokenize")
+    @_guarded(anthropic=False)
+    async def detokenize(request: Request) -> Response:
+        body = await parse_body(request, DetokenizeRequest)
+        ctx.check_model(body.model)
+        tokenizer = ctx.require_tokenizer()
+        if any(not 0 <= t < len(tokenizer) for t in body.tokens):
+            raise APIError(f"tokens must be ids in [0, {len(tokenizer)}).", param="tokens")
+        return JSONResponse({"prompt": tokenizer.decode(body.tokens)})
+
+    @app.get("/tokenizer_info")
+    @_guarded(anthropic=False)
+    async def tokenizer_info(request: Request) -> Response:
+        tokenizer = ctx.require_tokenizer()
+        return JSONResponse(
+            {
+                "tokenizer_class": type(tokenizer).__name__,
+                "eos_token": tokenizer.eos_token,
+                "eos_token_id": tokenizer.eos_token_id,
+                "bos_token": tokenizer.bos_token,
+                "pad_token": tokenizer.pad_token,
+                "vocab_size": len(tokenizer),
+                "model_max_length": ctx.max_model_len,
+                "chat_template": ctx.chat_template or getattr(tokenizer, "chat_template", None),
+            }
+        )
+
+
+def build_app(
+    ctx: ServingContext, api_key: str | None = None, max_body_bytes: int = 10 << 20
+) -> Any:
+    """The ASGI app: FastAPI routes inside the body-size and API-key middleware."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        ctx.engine.shutdown()
+
+    app = FastAPI(title="pagedlm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+    _add_generation_routes(app, ctx)
+    _add_info_routes(app, ctx)
+    outer: Any = BodySizeLimitMiddleware(app, max_body_bytes)
+    if api_key:
+        outer = APIKeyMiddleware(outer, api_key)
+    return outer

@@ -1,0 +1,129 @@
+"""Pure ASGI middleware: API-key check and request-body size limit.
+
+Both decide on the raw ASGI scope, before routing, so no route (or a route added later)
+can forget them. Neither ever logs the key or the body.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from pagedlm.entrypoints.openai.errors import error_bytes
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+"""Paths answered without an API key: probes and scrapers carry none."""
+
+
+async def _send_error(send: Send, status: int, message: str, path: str) -> None:
+    body = error_bytes(message, status, path)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value
+    return None
+
+
+class APIKeyMiddleware:
+    """401 unless ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` matches.
+
+    The comparison is constant-time (``hmac.compare_digest``) on bytes; only the exact
+    paths in ``OPEN_PATHS`` skip it.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    def _authorized(self, scope: Scope) -> bool:
+        presented = b""
+        authorization = _header(scope, b"authorization")
+        if authorization is not None and authorization[:7].lower() == b"bearer ":
+            presented = authorization[7:].strip()
+        elif (x_api_key := _header(scope, b"x-api-key")) is not None:
+            presented = x_api_key.strip()
+        return hmac.compare_digest(presented, self._key)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        if not self._authorized(scope):
+            await _send_error(
+                send,
+                401,
+                "Missing or invalid API key: send 'Authorization: Bearer <key>' (or "
+                "'x-api-key: <key>') with the key the server was started with.",
+                scope["path"],
+            )
+            return
+        await self.app(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """413 for bodies over ``max_bytes``, whether announced by Content-Length or chunked.
+
+    The body is read here in full (at most ``max_bytes``) and replayed to the app as one
+    message; later ``receive()`` calls go to the server, so disconnects still reach the app.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> str:
+        return (
+            f"Request body exceeds the server's limit of {self.max_bytes} bytes; send a "
+            "smaller request or restart the server with a larger --max-request-body-bytes."
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = _header(scope, b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await _send_error(send, 413, self._too_large(), scope["path"])
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                await self.app(scope, _replay([message], receive), send)
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await _send_error(send, 413, self._too_large(), scope["path"])
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replay([body], receive), send)
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    pending = list(messages)
+
+    async def replayed() -> Message:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replayed

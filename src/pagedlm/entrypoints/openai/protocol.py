@@ -1,0 +1,236 @@
+"""Request bodies of the OpenAI-compatible endpoints (pydantic), with vLLM's extra fields.
+
+Unknown fields are ignored, as OpenAI's SDKs send fields a server may not know. Range
+checks live in ``SamplingParams``; the models here check only types and API-level limits,
+and ``to_sampling_params`` turns a request into engine parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagedlm.entrypoints.openai.errors import APIError
+from pagedlm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+
+MAX_N = 64
+"""The most samples one request may ask for (``n``)."""
+LOGIT_BIAS_LIMIT = 100.0
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(OpenAIModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's and vLLM's)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    cache_salt: str | None = Field(None, min_length=1)
+    priority: int = 0
+
+    def base_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Engine parameters for this request; bad values -> ``APIError`` 400."""
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=-1 if self.top_k is None else self.top_k,
+                min_p=0.0 if self.min_p is None else self.min_p,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=(
+                    1.0 if self.repetition_penalty is None else self.repetition_penalty
+                ),
+                seed=self.seed,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=self.prompt_logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
+                logit_bias=self._logit_bias(),
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                output_kind=RequestOutputKind.DELTA,
+            )
+        except ValueError as error:
+            raise APIError(str(error)) from error
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        bias: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise APIError(
+                    f"logit_bias key {key!r} is not a token id; use token ids as keys.",
+                    param="logit_bias",
+                ) from None
+            bias[token_id] = min(max(float(value), -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)
+        return bias
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    suffix: str | None = None
+    max_tokens: int | None = Field(16, ge=0)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | dict[str, Any]]:
+        """The prompt field as a list of engine prompts (text or token ids)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise APIError("prompt is empty; pass a string or token ids.", param="prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [{"prompt_token_ids": list(prompt)}]
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(isinstance(p, list) for p in prompt):
+            return [{"prompt_token_ids": list(p)} for p in prompt]
+        raise APIError(
+            "prompt must be a string, a list of strings, a list of token ids or a list of "
+            "token-id lists; do not mix them.",
+            param="prompt",
+        )
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise APIError(
+                    f"Content part of type {part.type!r} is not supported; this server "
+                    "accepts text parts only.",
+                    param="messages",
+                )
+            texts.append(part.text)
+        return "\n".join(texts)
+
+
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "chat_template",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tools",
+        "documents",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+        "return_assistant_tokens_mask",
+    }
+)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(self.chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise APIError(
+                f"chat_template_kwargs may not set {reserved}: the server sets these itself; "
+                "use the request's own fields (e.g. add_generation_prompt) instead.",
+                param="chat_template_kwargs",
+            )
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(
+                "continue_final_message=true continues the last message; send "
+                "add_generation_prompt=false with it.",
+                param="continue_final_message",
+            )
+        return kwargs
+
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise APIError("top_logprobs needs logprobs=true.", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
+
+
+class TokenizeRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]

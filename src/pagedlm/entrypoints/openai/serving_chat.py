@@ -1,0 +1,130 @@
+"""``POST /v1/chat/completions``: chat through the tokenizer's (or the server's) template.
+
+Streaming sends, per choice, a first chunk with ``{"role": "assistant", "content": ""}``,
+then content deltas, then an empty delta with ``finish_reason``; with
+``stream_options.include_usage`` a last chunk with no choices carries the usage.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pagedlm.entrypoints.openai.logprobs_format import chat_logprobs
+from pagedlm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedlm.entrypoints.openai.serving_engine import ServingContext, merge_streams
+
+
+@dataclass
+class _ChatChoice:
+    index: int
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatServer:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    def _decode(self, token_id: int) -> str:
+        return self.ctx.tokenizer.decode([token_id]) if self.ctx.tokenizer is not None else ""
+
+    async def create(
+        self, request: ChatCompletionRequest
+    ) -> tuple[dict | None, AsyncIterator[str] | None]:
+        """(response body, None) or (None, SSE event stream); raises ``APIError``."""
+        ctx = self.ctx
+        ctx.check_model(request.model)
+        prompt_token_ids = ctx.apply_chat_template(
+            request.conversation(),
+            request.chat_template,
+            request.add_generation_prompt,
+            request.continue_final_message,
+            request.template_kwargs(),
+        )
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        params = request.base_sampling_params(max_tokens, request.num_logprobs())
+        request_id = ctx.request_id("chatcmpl")
+        started = await ctx.start([{"prompt_token_ids": prompt_token_ids}], params, request_id)
+        events = self._events(request, request_id, started)
+        if request.stream:
+            return None, events
+        body = None
+        async for event in events:
+            body = event
+        return body, None
+
+    async def _events(
+        self, request: ChatCompletionRequest, request_id: str, started
+    ) -> AsyncIterator:
+        num_top = request.top_logprobs or 0
+        choices: dict[int, _ChatChoice] = {}
+        prompt_tokens = len(started[0][0].prompt_token_ids)
+        base = {"id": request_id, "created": self.ctx.created, "model": self.ctx.model_name}
+        chunk_base = {**base, "object": "chat.completion.chunk"}
+
+        def chunk(index: int, delta: dict, finish: str | None = None, **extra) -> str:
+            body = {
+                **chunk_base,
+                "choices": [
+                    {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+                ],
+            }
+            body["choices"][0].update(extra)
+            return f"data: {json.dumps(body)}\n\n"
+
+        async for _, output in merge_streams(started):
+            for sample in output.outputs:
+                choice = choices.get(sample.index)
+                if choice is None:
+                    choice = choices[sample.index] = _ChatChoice(sample.index)
+                    if request.stream:
+                        yield chunk(sample.index, {"role": "assistant", "content": ""})
+                choice.text.append(sample.text)
+                choice.num_tokens += len(sample.token_ids)
+                new_logprobs = None
+                if request.logprobs and sample.logprobs is not None:
+                    new_logprobs = chat_logprobs(
+                        sample.token_ids, sample.logprobs, num_top, self._decode
+                    )
+                    choice.logprobs.extend(new_logprobs)
+                if request.stream and (sample.text or new_logprobs):
+                    logprobs = {"content": new_logprobs} if new_logprobs is not None else None
+                    yield chunk(sample.index, {"content": sample.text}, logprobs=logprobs)
+                if sample.finish_reason is not None:
+                    choice.finish_reason = sample.finish_reason
+                    choice.stop_reason = sample.stop_reason
+                    if request.stream:
+                        yield chunk(
+                            sample.index, {}, sample.finish_reason, stop_reason=sample.stop_reason
+                        )
+        completion_tokens = sum(c.num_tokens for c in choices.values())
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        if request.stream:
+            if request.include_usage:
+                yield f"data: {json.dumps({**chunk_base, 'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        yield {
+            **base,
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": "".join(c.text)},
+                    "logprobs": {"content": c.logprobs} if request.logprobs else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                for c in sorted(choices.values(), key=lambda c: c.index)
+            ],
+            "usage": usage,
+        }

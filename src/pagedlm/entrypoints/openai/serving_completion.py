@@ -1,0 +1,180 @@
+"""``POST /v1/completions``: text completions, streamed (SSE) or whole.
+
+Choice ``i * n + j`` is sample ``j`` of prompt ``i``. ``echo`` prepends each prompt (and,
+with ``logprobs``, the prompt tokens' logprobs, the first one ``None``).
+``max_tokens=0`` with ``echo`` scores the prompt without generating (lm-eval's
+loglikelihood requests): the engine samples one token, which is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pagedlm.entrypoints.openai.errors import APIError
+from pagedlm.entrypoints.openai.logprobs_format import LegacyLogprobs
+from pagedlm.entrypoints.openai.protocol import CompletionRequest
+from pagedlm.entrypoints.openai.serving_engine import ServingContext, merge_streams
+from pagedlm.outputs import CompletionOutput, RequestOutput
+
+
+@dataclass
+class _Choice:
+    index: int
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: LegacyLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    echoed: bool = False
+
+
+class CompletionServer:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    def _decode(self, token_id: int) -> str:
+        tokenizer = self.ctx.tokenizer
+        return "" if tokenizer is None else tokenizer.decode([token_id])
+
+    async def create(self, request: CompletionRequest) -> tuple[dict | None, AsyncIterator[str]]:
+        """(response body, None) or (None, SSE event stream); raises ``APIError``."""
+        ctx = self.ctx
+        ctx.check_model(request.model)
+        if request.suffix:
+            raise APIError("suffix is not supported by this server.", param="suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise APIError("best_of is not supported; use n.", param="best_of")
+        score_only = request.max_tokens == 0
+        if score_only and not request.echo:
+            raise APIError(
+                "max_tokens=0 generates nothing; set echo=true to score the prompt or raise "
+                "max_tokens.",
+                param="max_tokens",
+            )
+        params = request.base_sampling_params(
+            max_tokens=1 if score_only else request.max_tokens, logprobs=request.logprobs
+        )
+        if request.echo and request.logprobs is not None:
+            params.prompt_logprobs = max(params.prompt_logprobs or 0, request.logprobs)
+        request_id = ctx.request_id("cmpl")
+        started = await ctx.start(request.prompts(), params, request_id)
+        events = self._events(request, request_id, started, score_only)
+        if request.stream:
+            return None, events
+        body = None
+        async for event in events:
+            body = event
+        return body, None
+
+    def _new_choice(self, request: CompletionRequest, index: int) -> _Choice:
+        logprobs = None
+        if request.logprobs is not None:
+            logprobs = LegacyLogprobs(request.logprobs, self._decode)
+        return _Choice(index, logprobs=logprobs)
+
+    def _fold(
+        self,
+        request: CompletionRequest,
+        choice: _Choice,
+        output: RequestOutput,
+        sample: CompletionOutput,
+        prompt_logprobs: list | None,
+        score_only: bool,
+    ) -> str:
+        """Add one DELTA sample to ``choice``; returns the new text."""
+        new_text = ""
+        if request.echo and not choice.echoed:
+            choice.echoed = True
+            prompt_text = output.prompt
+            if prompt_text is None:
+                prompt_text = (
+                    self.ctx.tokenizer.decode(output.prompt_token_ids)
+                    if self.ctx.tokenizer is not None
+                    else ""
+                )
+            new_text += prompt_text
+            if choice.logprobs is not None:
+                positions = prompt_logprobs or [None] * len(output.prompt_token_ids)
+                choice.logprobs.add(output.prompt_token_ids, positions)
+        if not score_only:
+            new_text += sample.text
+            choice.num_tokens += len(sample.token_ids)
+            if choice.logprobs is not None and sample.logprobs is not None:
+                choice.logprobs.add(sample.token_ids, sample.logprobs)
+        if sample.finish_reason is not None:
+            choice.finish_reason = sample.finish_reason
+            choice.stop_reason = sample.stop_reason
+        choice.text.append(new_text)
+        return new_text
+
+    async def _events(
+        self, request: CompletionRequest, request_id: str, started, score_only: bool
+    ) -> AsyncIterator:
+        """SSE strings when streaming; otherwise yields the one response body at the end."""
+        n = request.n
+        choices: dict[int, _Choice] = {}
+        prompt_tokens = [len(first.prompt_token_ids) for first, _ in started]
+        base = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": self.ctx.created,
+            "model": self.ctx.model_name,
+        }
+        prompt_logprobs: dict[int, list] = {}
+        async for prompt_index, output in merge_streams(started):
+            # DELTA outputs carry the prompt's logprobs once; later samples still echo them.
+            if output.prompt_logprobs is not None:
+                prompt_logprobs.setdefault(prompt_index, output.prompt_logprobs)
+            for sample in output.outputs:
+                index = prompt_index * n + sample.index
+                choice = choices.get(index) or choices.setdefault(
+                    index, self._new_choice(request, index)
+                )
+                text = self._fold(
+                    request, choice, output, sample, prompt_logprobs.get(prompt_index), score_only
+                )
+                if not request.stream:
+                    continue
+                finish = choice.finish_reason if sample.finish_reason is not None else None
+                chunk_logprobs = choice.logprobs.take() if choice.logprobs is not None else None
+                if not text and finish is None and not chunk_logprobs:
+                    continue
+                body = {
+                    **base,
+                    "choices": [
+                        {
+                            "index": index,
+                            "text": text,
+                            "logprobs": chunk_logprobs,
+                            "finish_reason": finish,
+                            "stop_reason": choice.stop_reason if finish else None,
+                        }
+                    ],
+                }
+                yield f"data: {json.dumps(body)}\n\n"
+        usage = {
+            "prompt_tokens": sum(prompt_tokens),
+            "completion_tokens": sum(c.num_tokens for c in choices.values()),
+        }
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        if request.stream:
+            if request.include_usage:
+                yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        yield {
+            **base,
+            "choices": [
+                {
+                    "index": c.index,
+                    "text": "".join(c.text),
+                    "logprobs": c.logprobs.to_dict() if c.logprobs is not None else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                for c in sorted(choices.values(), key=lambda c: c.index)
+            ],
+            "usage": usage,
+        }

@@ -1,0 +1,234 @@
+"""What every endpoint shares: body parsing, model-name checks, the chat template, and
+streaming generation that always ends (finished, failed, or aborted on disconnect).
+
+``ServingContext.generate`` asks the engine for DELTA outputs; endpoints accumulate them
+for non-streaming responses, so latency metrics see every step either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from pagedlm.engine.exceptions import EngineDeadError
+from pagedlm.entrypoints.openai.errors import APIError
+from pagedlm.metrics.prometheus import PrometheusMetrics, RequestLatencyTracker
+from pagedlm.outputs import RequestOutput
+from pagedlm.sampling_params import SamplingParams
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+T = TypeVar("T")
+
+
+@dataclass
+class ServingContext:
+    """State shared by the handlers of one server."""
+
+    engine: Any
+    """An ``AsyncLLM`` (or anything with its interface)."""
+    model_names: list[str]
+    """Names a request's ``model`` may use; the first is reported in responses."""
+    metrics: PrometheusMetrics
+    chat_template: str | None = None
+    tokenizer: Any = None
+    max_model_len: int = 0
+    created: int = field(default_factory=lambda: int(time.time()))
+    _counter: itertools.count = field(default_factory=itertools.count)
+    _background: set[asyncio.Task] = field(default_factory=set)
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    def request_id(self, prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex[:16]}-{next(self._counter)}"
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise APIError(
+                f"The model {name!r} does not exist; this server serves {self.model_names}.",
+                status=404,
+                param="model",
+            )
+
+    def require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise APIError(
+                "This server runs without a tokenizer (--skip-tokenizer-init); send token ids."
+            )
+        return self.tokenizer
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, str]],
+        chat_template: str | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        template_kwargs: dict[str, Any],
+    ) -> list[int]:
+        """Prompt token ids of ``conversation`` rendered with the (request's or server's) template."""
+        tokenizer = self.require_tokenizer()
+        template = chat_template or self.chat_template
+        if template is None and getattr(tokenizer, "chat_template", None) is None:
+            raise APIError(
+                "The model's tokenizer has no chat template; start the server with "
+                "--chat-template <file or string>, or use /v1/completions."
+            )
+        try:
+            text = tokenizer.apply_chat_template(
+                conversation,
+                chat_template=template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **template_kwargs,
+            )
+        except Exception as error:  # jinja2 errors, template raise_exception(...)
+            raise APIError(f"The chat template failed on these messages: {error}") from error
+        # The template already wrote BOS and other special tokens as text.
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    def spawn(self, awaitable: Awaitable[Any]) -> None:
+        """Run ``awaitable`` in the background, keeping a reference until it is done."""
+        task = asyncio.ensure_future(awaitable)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def generate(
+        self, prompt: Any, params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """The engine's DELTA outputs for one prompt, observed for metrics.
+
+        Leaving early (client gone, error elsewhere) aborts the request, even from inside a
+        cancelled task, because the abort runs as its own task.
+        """
+        tracker = RequestLatencyTracker(self.metrics)
+        stream = self.engine.generate(prompt, params, request_id)
+        finished = False
+        try:
+            async for output in stream:
+                tracker.observe(output)
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self.spawn(self._abort_quietly(request_id))
+            await stream.aclose()
+
+    async def _abort_quietly(self, request_id: str) -> None:
+        with contextlib.suppress(EngineDeadError):
+            await self.engine.abort(request_id)
+
+    async def start(
+        self, prompts: list[Any], params: SamplingParams, request_id: str
+    ) -> list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]:
+        """Start one request per prompt and wait for each one's first output.
+
+        Input errors surface here (``APIError`` 400) before any response is sent; then no
+        request of the batch stays in the engine.
+        """
+        streams = [
+            self.generate(prompt, params, f"{request_id}-{i}") for i, prompt in enumerate(prompts)
+        ]
+        firsts = await asyncio.gather(
+            *(anext(stream) for stream in streams), return_exceptions=True
+        )
+        failure = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failure is not None:
+            for stream in streams:
+                await stream.aclose()
+            if isinstance(failure, ValueError):
+                raise APIError(str(failure)) from failure
+            raise failure
+        return list(zip(firsts, streams))
+
+
+async def merge_streams(
+    started: list[tuple[RequestOutput, AsyncIterator[RequestOutput]]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several started streams, in arrival order."""
+    for index, (first, _) in enumerate(started):
+        yield index, first
+    if len(started) == 1:
+        async for output in started[0][1]:
+            yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output, None))
+            queue.put_nowait((index, None, None))
+        except Exception as error:
+            queue.put_nowait((index, None, error))
+
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, (_, stream) in enumerate(started)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, output, error = await queue.get()
+            if error is not None:
+                raise error
+            if output is None:
+                remaining -= 1
+                continue
+            yield index, output
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
+    """The JSON body validated as ``model``; every failure -> ``APIError`` 400."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.split(";")[0].strip().lower() != "application/json":
+        raise APIError(f"Content-Type must be application/json, got {content_type or 'none'!r}.")
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise APIError(f"The request body is not valid JSON: {error}.") from error
+    if not isinstance(body, dict):
+        raise APIError(f"The request body must be a JSON object, got {type(body).__name__}.")
+    try:
+        return model.model_validate(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        message = f"{param}: {first['msg']}" if param else first["msg"]
+        raise APIError(message, param=param) from None
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """``await work``, but cancel it (aborting its requests) if the client goes away."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        return None
+    return task.result()

@@ -1,0 +1,130 @@
+"""A real ``pagedlm serve`` in a subprocess, over a tiny random llama with a byte-level
+tokenizer and a ChatML chat template.
+
+The tokenizer has one token per byte (no merges), so random outputs exercise multi-byte
+UTF-8 handling; ids 0-2 are ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` (EOS).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "{% if not (loop.last and continue_final_message) %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB_SIZE = 384
+EOS_ID = 2
+
+
+def _write_tokenizer(path: Path) -> None:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    fillers = [f"{a}{b}" for a in "abcdefghijklmnop" for b in "qrstuvwxyz0123456"]
+    tokens = SPECIAL_TOKENS + byte_chars
+    tokens += fillers[: VOCAB_SIZE - len(tokens)]
+    assert len(tokens) == VOCAB_SIZE
+    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML,
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.save_pretrained(path)
+
+
+def write_chat_checkpoint(path: Path) -> Path:
+    """A tiny random llama with tokenizer and chat template (fp32, seeded) in ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+        bos_token_id=0,
+        eos_token_id=EOS_ID,
+    )
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
+    _write_tokenizer(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    url: str
+    model: str
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+
+def start_server(model: Path | str, log: Path, *extra: str, wait: bool = True) -> Server:
+    """``pagedlm serve`` on a free port; waits until /health answers 200."""
+    import httpx
+
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "pagedlm.entrypoints.cli.main", "serve", str(model),
+        "--port", str(port), "--served-model-name", "tiny", "--num-kv-blocks", "64",
+        "--max-num-seqs", "64", "--log-level", "warning", *extra,
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    out = open(log, "wb")  # noqa: SIM115 - the server writes it until it exits
+    process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    server = Server(process, f"http://127.0.0.1:{port}", "tiny", log)
+    deadline = time.monotonic() + 180
+    while wait:
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"pagedlm serve exited with {process.returncode}:\n{server.log_text()}"
+            )
+        try:
+            if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError(f"pagedlm serve did not become healthy:\n{server.log_text()}")
+        time.sleep(0.2)
+    return server

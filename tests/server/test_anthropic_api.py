@@ -1,0 +1,76 @@
+"""The Anthropic Messages endpoints, spoken to with the unmodified ``anthropic`` SDK."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import pytest
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=tiny_server.url, api_key="unused", max_retries=0)
+
+
+MESSAGES = [{"role": "user", "content": "Hello there"}]
+# This SDK version has no sampling arguments; the API fields still exist.
+GREEDY = {"temperature": 0}
+
+
+def test_messages(client):
+    message = client.messages.create(
+        model="tiny", max_tokens=5, messages=MESSAGES, system="Be brief.", extra_body=GREEDY
+    )
+    assert message.type == "message" and message.role == "assistant"
+    assert message.content[0].type == "text"
+    assert message.stop_reason == "max_tokens"
+    assert message.usage.output_tokens == 5
+    counted = client.messages.count_tokens(model="tiny", messages=MESSAGES, system="Be brief.")
+    assert counted.input_tokens == message.usage.input_tokens
+
+
+def test_messages_stream(client):
+    kwargs = dict(model="tiny", max_tokens=6, messages=MESSAGES, extra_body=GREEDY)
+    whole = client.messages.create(**kwargs)
+    events = list(client.messages.create(**kwargs, stream=True))
+    types = [event.type for event in events]
+    assert types[:2] == ["message_start", "content_block_start"]
+    assert types[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(types[2:-3]) <= {"content_block_delta"}
+    text = "".join(e.delta.text for e in events if e.type == "content_block_delta")
+    assert text == whole.content[0].text
+    assert events[-2].delta.stop_reason == "max_tokens"
+    assert events[-2].usage.output_tokens == 6
+    with client.messages.stream(**kwargs) as stream:
+        assert stream.get_final_text() == whole.content[0].text
+
+
+def test_stop_sequence(client):
+    whole = client.messages.create(
+        model="tiny", max_tokens=12, messages=MESSAGES, extra_body=GREEDY
+    )
+    text = whole.content[0].text
+    start = next(i for i in range(1, len(text) - 1) if text[i : i + 2].isascii())
+    stop = text[start : start + 2]
+    stopped = client.messages.create(
+        model="tiny", max_tokens=12, messages=MESSAGES, extra_body=GREEDY, stop_sequences=[stop]
+    )
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == stop
+    assert stopped.content[0].text == text[: text.find(stop)]
+
+
+def test_errors(client, tiny_server):
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="claude-x", max_tokens=5, messages=MESSAGES)
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(
+            model="tiny", max_tokens=5, messages=MESSAGES, extra_body={"temperature": 3}
+        )
+    response = httpx.post(
+        f"{tiny_server.url}/v1/messages", json={"model": "tiny", "messages": MESSAGES}
+    )
+    assert response.status_code == 400
+    body = response.json()
+    assert body["type"] == "error"
+    assert body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in body["error"]["message"]
