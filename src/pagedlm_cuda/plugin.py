@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pagedlm import hookimpl
-from pagedlm.plugins import PlatformSpec
+from pagedlm.plugins import BackendSpec, PlatformSpec
 
 
 def cuda_is_available() -> bool:
@@ -24,5 +24,14 @@ def pagedlm_register_platforms() -> list[PlatformSpec]:
             is_available=cuda_is_available,
             priority=10,
             description="NVIDIA GPUs through CUDA.",
+        )
+    ]
+
+
+@hookimpl
+def pagedlm_register_attention_backends(platform: object) -> list[BackendSpec]:
+    return [
+        BackendSpec(
+            name="triton", target="pagedlm_cuda.attention:TritonAttentionBackend", platform="cuda"
         )
     ]

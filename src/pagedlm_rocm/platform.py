@@ -1,26 +1,16 @@
-"""The ROCm platform (HIP builds of torch expose devices as "cuda")."""
+"""The ROCm platform (HIP builds of torch expose devices as "cuda").
+
+It reuses the CUDA package's Triton kernels, fused layers and graph runner; nothing here
+has run on AMD hardware.
+"""
 
 from __future__ import annotations
 
-import torch
-
-from pagedlm.platforms import Platform
+from pagedlm_cuda.platform import CudaPlatform
 
 
-class RocmPlatform(Platform):
+class RocmPlatform(CudaPlatform):
     name = "rocm"
     device_type = "cuda"
     dist_backend = "nccl"  # RCCL answers to the nccl backend name
-    supports_cuda_graphs = True
     default_attention_backend = "triton"
-
-    @property
-    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
-        return (torch.bfloat16, torch.float16, torch.float32)
-
-    def kv_cache_memory_bytes(self, gpu_memory_utilization: float = 0.9) -> int:
-        free, total = torch.cuda.mem_get_info()
-        return max(0, int(total * gpu_memory_utilization) - (total - free))
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize()

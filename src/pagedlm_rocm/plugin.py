@@ -1,9 +1,13 @@
-"""Entry point of the ROCm hardware package (``[project.entry-points.pagedlm] rocm``)."""
+"""Entry point of the ROCm hardware package (``[project.entry-points.pagedlm] rocm``).
+
+The attention backend and fused kernels are ``pagedlm_cuda``'s Triton kernels, which
+Triton compiles for AMD GPUs as well. Untested on AMD hardware.
+"""
 
 from __future__ import annotations
 
 from pagedlm import hookimpl
-from pagedlm.plugins import PlatformSpec
+from pagedlm.plugins import BackendSpec, PlatformSpec
 
 
 def rocm_is_available() -> bool:
@@ -21,6 +25,15 @@ def pagedlm_register_platforms() -> list[PlatformSpec]:
             target="pagedlm_rocm.platform:RocmPlatform",
             is_available=rocm_is_available,
             priority=10,
-            description="AMD GPUs through ROCm/HIP.",
+            description="AMD GPUs through ROCm/HIP (untested on AMD hardware).",
+        )
+    ]
+
+
+@hookimpl
+def pagedlm_register_attention_backends(platform: object) -> list[BackendSpec]:
+    return [
+        BackendSpec(
+            name="triton", target="pagedlm_cuda.attention:TritonAttentionBackend", platform="rocm"
         )
     ]

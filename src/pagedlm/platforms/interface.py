@@ -11,6 +11,20 @@ from typing import ClassVar
 
 import torch
 
+from pagedlm.attention.backend import BatchLayout
+
+
+class DecodeGraphRunner(ABC):
+    """Replays captured decode steps (every request schedules exactly one token)."""
+
+    @abstractmethod
+    def can_run(self, layout: BatchLayout) -> bool:
+        """True if this step's batch is decode-only and fits a captured batch size."""
+
+    @abstractmethod
+    def run(self, input_ids: list[int], positions: list[int], layout: BatchLayout) -> torch.Tensor:
+        """The model's hidden states [num_reqs, hidden_size] for this decode step."""
+
 
 class Platform(ABC):
     """One kind of hardware. Instances are created by the registry after the probe passed.
@@ -28,6 +42,10 @@ class Platform(ABC):
     dist_backend: ClassVar[str] = "gloo"
     """torch.distributed backend for tensor parallelism on this platform."""
     supports_cuda_graphs: ClassVar[bool] = False
+    """Decode steps may be replayed from graphs (``capture_decode_graphs``)."""
+    profiles_memory: ClassVar[bool] = False
+    """The model runner should run one forward at the largest batch before sizing the KV
+    cache, so that ``kv_cache_memory_bytes`` can leave room for the activation peak."""
     default_attention_backend: ClassVar[str]
     default_executor: ClassVar[str] = "uniproc"
 
@@ -61,6 +79,12 @@ class Platform(ABC):
         """Adapt a freshly loaded model to this platform, e.g. hand its linear layers a
         faster kernel (``LinearBase.set_kernel``). Must not change the model's results
         beyond floating-point rounding."""
+
+    def capture_decode_graphs(self, runner: object) -> DecodeGraphRunner | None:
+        """Capture decode steps for the model runner ``runner`` (weights loaded, KV cache
+        allocated) and return what replays them, or None to stay eager. Only called when
+        ``supports_cuda_graphs`` is True and the user did not ask for eager mode."""
+        return None
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled tensor on ``device`` (the KV cache is allocated through this)."""

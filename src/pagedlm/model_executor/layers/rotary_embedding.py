@@ -8,6 +8,7 @@ model for every position up to ``max_position`` and indexed by each token's posi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,12 +53,23 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) ->
     )
 
 
+RotaryKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+"""(positions, query, key, cos_sin_cache, head_dim, is_neox_style) -> (query, key); may
+rotate in place."""
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by their tokens' positions.
 
     forward(positions [T], query [T, num_heads * head_dim], key [T, num_kv_heads * head_dim])
-    -> (query, key) of the same shapes. Positions must be < ``max_position``.
+    -> (query, key) of the same shapes. Positions must be < ``max_position``. A platform
+    may hand it a fused kernel (``set_kernel``, from ``Platform.prepare_model``); the
+    kernel may rotate ``query`` and ``key`` in place.
     """
+
+    kernel: RotaryKernel | None = None
+    is_neox_style: bool = True
+    """Pairs are the head's two halves (True; HF Llama layout) or adjacent elements."""
 
     def __init__(
         self,
@@ -80,6 +92,10 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kernel is not None:
+            return self.kernel(
+                positions, query, key, self.cos_sin_cache, self.head_dim, self.is_neox_style
+            )
         cos, sin = self.cos_sin_cache.index_select(0, positions).to(query.dtype).chunk(2, dim=-1)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, head_dim / 2]
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
@@ -87,9 +103,18 @@ class RotaryEmbedding(nn.Module):
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.view(shape[0], -1, self.head_dim)
-        first, second = x.chunk(2, dim=-1)
-        rotated = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
-        return rotated.view(shape)
+        if self.is_neox_style:
+            first, second = x.chunk(2, dim=-1)
+            rotated = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+        else:
+            first, second = x[..., 0::2], x[..., 1::2]
+            pairs = [first * cos - second * sin, second * cos + first * sin]
+            rotated = torch.stack(pairs, dim=-1).flatten(-2)
+        return rotated.reshape(shape)
+
+    def set_kernel(self, kernel: RotaryKernel | None) -> None:
+        """Rotate with ``kernel`` from now on (None: back to the torch code)."""
+        self.kernel = kernel
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}"

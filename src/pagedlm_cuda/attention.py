@@ -1,0 +1,138 @@
+"""The Triton attention backend: paged KV cache on the GPU, one metadata build per step.
+
+``build_metadata`` packs the step's index arrays (slot mapping, query offsets, sequence
+lengths, block tables) into one pinned host buffer and copies it to the device in one
+asynchronous transfer. ``forward`` writes the new K/V by slot, then runs the decode kernel
+(split-K, GQA-grouped) when every request schedules one token, else the varlen prefill
+kernel, which also serves mixed batches and prefix/chunked prefills.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedlm.attention.backend import AttentionBackend, BatchLayout
+
+
+@dataclass(frozen=True)
+class TritonMetadata:
+    """Device views of one step's layout (all int32)."""
+
+    slot_mapping: torch.Tensor
+    """[num_tokens] cache slot of each new token; -1 skips the write (graph padding)."""
+    query_start_loc: torch.Tensor
+    """[num_reqs + 1] row offsets of each request's queries."""
+    seq_lens: torch.Tensor
+    """[num_reqs] context length after this step; 0 marks a padding row."""
+    block_tables: torch.Tensor
+    """[num_reqs, max_blocks] block ids, padded with 0."""
+    max_query_len: int
+    max_seq_len: int
+    """An upper bound of ``seq_lens`` (max_model_len under a CUDA graph)."""
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+def pack_layout(layout: BatchLayout, num_reqs: int, width: int) -> np.ndarray:
+    """The int32 array ``[slot_mapping | query_start_loc | seq_lens | block_tables]`` for
+    ``num_reqs`` rows (>= layout.num_reqs; extra rows are padding) of ``width`` blocks."""
+    num_tokens = layout.num_tokens
+    pad_tokens = num_reqs - layout.num_reqs  # padding rows are one-token decodes
+    total_tokens = num_tokens + pad_tokens
+    packed = np.zeros(total_tokens + 2 * num_reqs + 1 + num_reqs * width, dtype=np.int32)
+    packed[:num_tokens] = layout.slot_mapping
+    packed[num_tokens:total_tokens] = -1
+    qsl = packed[total_tokens : total_tokens + num_reqs + 1]
+    qsl[: layout.num_reqs + 1] = layout.query_start_loc
+    qsl[layout.num_reqs + 1 :] = np.arange(num_tokens + 1, total_tokens + 1)
+    seq_lens = packed[total_tokens + num_reqs + 1 : total_tokens + 2 * num_reqs + 1]
+    seq_lens[: layout.num_reqs] = layout.seq_lens
+    tables = packed[total_tokens + 2 * num_reqs + 1 :].reshape(num_reqs, width)
+    for row, table in enumerate(layout.block_tables):
+        n = min(len(table), width)
+        tables[row, :n] = table[:n]
+    return packed
+
+
+def unpack(
+    device_buffer: torch.Tensor, num_tokens: int, num_reqs: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views (slot_mapping, query_start_loc, seq_lens, block_tables) of a packed buffer."""
+    a = num_tokens
+    b = a + num_reqs + 1
+    c = b + num_reqs
+    tables = device_buffer[c : c + num_reqs * width].view(num_reqs, width)
+    return device_buffer[:a], device_buffer[a:b], device_buffer[b:c], tables
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention through the Triton kernels of ``pagedlm_cuda.kernels``."""
+
+    name = "triton"
+
+    def build_metadata(self, layout: BatchLayout) -> TritonMetadata:
+        seq_lens = layout.seq_lens
+        blocks_needed = [-(-s // layout.block_size) for s in seq_lens]
+        width = max(blocks_needed, default=1) or 1
+        layout_tables = [t[:n] for t, n in zip(layout.block_tables, blocks_needed)]
+        layout = BatchLayout(
+            layout.query_start_loc, seq_lens, layout_tables, layout.slot_mapping, layout.block_size
+        )
+        packed = torch.from_numpy(pack_layout(layout, layout.num_reqs, width))
+        if self.device.type != "cpu":
+            packed = packed.pin_memory().to(self.device, non_blocking=True)
+        slots, qsl, lens, tables = unpack(packed, layout.num_tokens, layout.num_reqs, width)
+        return TritonMetadata(
+            slot_mapping=slots,
+            query_start_loc=qsl,
+            seq_lens=lens,
+            block_tables=tables,
+            max_query_len=max(layout.query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: TritonMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        from pagedlm_cuda.kernels import (
+            paged_decode_attention,
+            paged_prefill_attention,
+            write_kv_cache,
+        )
+
+        write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if metadata.is_decode_only:
+            return paged_decode_attention(
+                query,
+                key_cache,
+                value_cache,
+                metadata.block_tables,
+                metadata.seq_lens,
+                scale,
+                metadata.max_seq_len,
+                out,
+            )
+        return paged_prefill_attention(
+            query,
+            key_cache,
+            value_cache,
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            scale,
+            metadata.max_query_len,
+            out,
+        )

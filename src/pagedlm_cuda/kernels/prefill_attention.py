@@ -1,0 +1,116 @@
+"""Varlen causal attention over the paged cache: prompts, chunked prefills, prefix hits.
+
+Request ``i`` owns query rows ``query_start_loc[i] .. query_start_loc[i+1]-1``; they are
+the tokens at positions ``seq_lens[i] - query_len .. seq_lens[i]-1``, and every key they
+may see (the cached prefix and the chunk's own tokens, already written) is read from the
+paged cache through the block table. Each program handles ``BLOCK_M`` query rows of one
+request and one query head, walking key tiles up to the tile's last causal position.
+Decode rows (query_len 1) are handled too, so a mixed batch needs this kernel only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    query_start_loc_ptr, out_ptr,
+    q_stride_token, q_stride_head, out_stride_token, out_stride_head,
+    cache_stride_block, cache_stride_slot, cache_stride_head, block_table_stride,
+    qk_scale, group_size, head_dim, block_size,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    req = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
+    kv_head = head // group_size
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < q_len
+    q_pos = context_len + rows
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    tokens = (q_start + rows).to(tl.int64)
+    q = tl.load(
+        q_ptr + tokens[:, None] * q_stride_token + head * q_stride_head + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)  # noqa: E741 - the softmax denominator's usual name
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kv_end = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_M)
+    table = block_tables_ptr + req * block_table_stride
+    for n0 in range(0, kv_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pos_mask = pos < kv_end
+        block = tl.load(table + pos // block_size, mask=pos_mask, other=0).to(tl.int64)
+        cache_rows = block * cache_stride_block + (pos % block_size) * cache_stride_slot
+        offsets = cache_rows[:, None] + kv_head * cache_stride_head + dims[None, :]
+        kv_mask = pos_mask[:, None] & dim_mask[None, :]
+        k = tl.load(key_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        visible = pos_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        # Key position 0 is visible to every row, so m is finite after the first tile.
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / l[:, None]
+    dst = out_ptr + tokens[:, None] * out_stride_token + head * out_stride_head + dims[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    out: torch.Tensor | None = None,
+    block_m: int = 64,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Causal attention of every scheduled token over its request's cached keys.
+
+    query: [num_tokens, num_heads, head_dim]; key_cache, value_cache: [num_blocks,
+    block_size, num_kv_heads, head_dim] already holding this step's K/V; block_tables:
+    [num_reqs, max_blocks] int32; seq_lens: [num_reqs] int32; query_start_loc:
+    [num_reqs + 1] int32; max_query_len: the longest query of the batch (sizes the grid).
+    Returns [num_tokens, num_heads, head_dim].
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_reqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(query)
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    group_size = num_heads // key_cache.shape[2]
+    grid = (num_reqs, triton.cdiv(max_query_len, block_m), num_heads)
+    _prefill_kernel[grid](
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        scale * LOG2E, group_size, head_dim, key_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
+    return out

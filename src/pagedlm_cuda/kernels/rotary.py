@@ -1,0 +1,96 @@
+"""Rotary position embedding applied in place to q and k, neox or gptj pairing.
+
+neox: pair ``i`` is (x[i], x[i + rot/2]) — the head's two halves (HF Llama layout).
+gptj: pair ``i`` is (x[2i], x[2i + 1]) — interleaved.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, stride_token, stride_head, token, num_heads, cos, sin,
+    IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    pairs = tl.arange(0, HALF)[None, :]
+    mask = heads < num_heads
+    base = x_ptr + token * stride_token + heads * stride_head
+    if IS_NEOX:
+        first_ptr = base + pairs
+        second_ptr = base + HALF + pairs
+    else:
+        first_ptr = base + 2 * pairs
+        second_ptr = base + 2 * pairs + 1
+    first = tl.load(first_ptr, mask=mask, other=0.0)
+    second = tl.load(second_ptr, mask=mask, other=0.0)
+    f32 = first.to(tl.float32)
+    s32 = second.to(tl.float32)
+    tl.store(first_ptr, (f32 * cos - s32 * sin).to(first.dtype), mask=mask)
+    tl.store(second_ptr, (s32 * cos + f32 * sin).to(first.dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr, query_ptr, key_ptr, cos_sin_ptr,
+    q_stride_token, q_stride_head, k_stride_token, k_stride_head, cos_sin_stride,
+    num_heads, num_kv_heads,
+    IS_NEOX: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    pairs = tl.arange(0, HALF)[None, :]
+    cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + pairs).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + pairs).to(tl.float32)
+    _rotate_heads(query_ptr, q_stride_token, q_stride_head, token, num_heads, cos, sin,
+                  IS_NEOX, BLOCK_HQ, HALF)  # fmt: skip
+    _rotate_heads(key_ptr, k_stride_token, k_stride_head, token, num_kv_heads, cos, sin,
+                  IS_NEOX, BLOCK_HK, HALF)  # fmt: skip
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_dim: int,
+    is_neox_style: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k in place by their tokens' positions and return them.
+
+    positions: [T] int; query: [T, num_heads * head_dim]; key: [T, num_kv_heads * head_dim]
+    (each may be a strided view, e.g. a slice of the fused qkv output, but rows must have a
+    unit-stride last dim); cos_sin_cache: [max_position, head_dim] float32, the cos of each
+    pair's angle followed by its sin. head_dim must be a power of two.
+    """
+    num_tokens = query.shape[0]
+    if num_tokens == 0:
+        return query, key
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"rotary_embedding needs a power-of-two head_dim, got {head_dim}.")
+    if query.stride(-1) != 1 or key.stride(-1) != 1:
+        raise ValueError("rotary_embedding needs query and key rows with a unit-stride last dim.")
+    num_heads = query.shape[1] // head_dim
+    num_kv_heads = key.shape[1] // head_dim
+    _rotary_kernel[(num_tokens,)](
+        positions,
+        query,
+        key,
+        cos_sin_cache,
+        query.stride(0),
+        head_dim,
+        key.stride(0),
+        head_dim,
+        cos_sin_cache.stride(0),
+        num_heads,
+        num_kv_heads,
+        IS_NEOX=is_neox_style,
+        BLOCK_HQ=triton.next_power_of_2(num_heads),
+        BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        HALF=head_dim // 2,
+    )
+    return query, key
