@@ -9,6 +9,7 @@ logits only for rows that are sampled or asked for prompt logprobs, and sample.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -20,12 +21,16 @@ from pagedlm.kv_cache.interface import KVCache, TensorKVCache, kv_bytes_per_bloc
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.loader import load_model
 from pagedlm.platforms import Platform
+from pagedlm.platforms.interface import DecodeGraphRunner
 from pagedlm.sample.logprobs import compute_logprobs
 from pagedlm.sample.metadata import SamplingMetadata, SamplingRow
 from pagedlm.sample.sampler import Sampler
 from pagedlm.worker.request_state import CachedRequestState
 
 logger = logging.getLogger(__name__)
+
+ENFORCE_EAGER_ENV = "PAGEDLM_ENFORCE_EAGER"
+"""Set to 1 to never replay decode steps from CUDA graphs (also ``enforce_eager``)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,44 @@ class ModelRunner:
         self.default_generator.manual_seed(config.model.seed)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_cache: KVCache | None = None
+        self.graph_runner: DecodeGraphRunner | None = None
+        self.enforce_eager = bool(getattr(config.model, "enforce_eager", False)) or (
+            os.environ.get(ENFORCE_EAGER_ENV, "0") not in ("", "0")
+        )
+        if platform.profiles_memory:
+            self.profile_run()
+
+    def profile_run(self) -> None:
+        """One forward at the step's largest shape (``max_num_batched_tokens`` tokens, then
+        logits for ``max_num_seqs`` rows) over a throwaway KV cache, so the platform sees
+        the activation peak before it sizes the real cache."""
+        sched = self.config.scheduler
+        num_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)
+        bs = self.block_size
+        num_blocks = -(-num_tokens // bs)
+        arch = self.arch
+        shape = self.attn_backend.kv_cache_shape(
+            num_blocks, bs, arch.num_key_value_heads, arch.head_dim
+        )
+        cache = TensorKVCache(
+            shape, arch.num_hidden_layers, bs, self.config.model.dtype, self.platform.zeros
+        )
+        layout = BatchLayout(
+            query_start_loc=[0, num_tokens],
+            seq_lens=[num_tokens],
+            block_tables=[list(range(num_blocks))],
+            slot_mapping=list(range(num_tokens)),
+            block_size=bs,
+        )
+        ctx = ForwardContext(self.attn_backend, self.attn_backend.build_metadata(layout), cache)
+        with torch.inference_mode():
+            ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+            positions = torch.arange(num_tokens, device=self.device)
+            hidden = self.model(ids, positions, ctx)
+            rows = hidden[: min(sched.max_num_seqs, num_tokens)]
+            rows = rows.repeat(-(-sched.max_num_seqs // rows.shape[0]), 1)
+            self.model.compute_logits(rows[: sched.max_num_seqs]).softmax(-1)
+        self.platform.synchronize()
 
     # ---- KV cache -------------------------------------------------------------------
 
@@ -88,6 +131,8 @@ class ModelRunner:
             self.block_size,
             self.kv_cache.num_bytes / 2**30,
         )
+        if self.platform.supports_cuda_graphs and not self.enforce_eager:
+            self.graph_runner = self.platform.capture_decode_graphs(self)
 
     # ---- one step -------------------------------------------------------------------
 
@@ -158,17 +203,20 @@ class ModelRunner:
             block_size=bs,
         )
         assert self.kv_cache is not None, "initialize_kv_cache must run first"
-        ctx = ForwardContext(
-            attn_backend=self.attn_backend,
-            attn_metadata=self.attn_backend.build_metadata(layout),
-            kv_cache=self.kv_cache,
-        )
         device = self.device
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
-            ctx,
-        )
+        if self.graph_runner is not None and self.graph_runner.can_run(layout):
+            hidden = self.graph_runner.run(input_ids, positions, layout)
+        else:
+            ctx = ForwardContext(
+                attn_backend=self.attn_backend,
+                attn_metadata=self.attn_backend.build_metadata(layout),
+                kv_cache=self.kv_cache,
+            )
+            hidden = self.model(
+                torch.tensor(input_ids, dtype=torch.long, device=device),
+                torch.tensor(positions, dtype=torch.long, device=device),
+                ctx,
+            )
 
         logit_rows = list(sample_rows)
         for p in prompt_logprob_rows:
