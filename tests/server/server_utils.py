@@ -128,3 +128,12 @@ def start_server(model: Path | str, log: Path, *extra: str, wait: bool = True) -
             raise RuntimeError(f"pagedlm serve did not become healthy:\n{server.log_text()}")
         time.sleep(0.2)
     return server
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux /proc)."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        children.extend(int(c) for c in text)
+    return children
