@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
     "CompletionOutput",
     "Logprob",
     "RequestOutput",
@@ -28,4 +29,8 @@ def __getattr__(name: str):
         from pagedlm.entrypoints.llm import LLM
 
         return LLM
+    if name == "AsyncLLM":
+        from pagedlm.engine.async_llm import AsyncLLM
+
+        return AsyncLLM
     raise AttributeError(f"module 'pagedlm' has no attribute {name!r}")

@@ -1,0 +1,311 @@
+"""``AsyncLLM``: streamed generation for asyncio code, the engine core in its own process.
+
+The front end (this process) tokenizes and validates (``InputProcessor``), and
+detokenizes, applies stop strings and assembles ``RequestOutput`` objects
+(``OutputProcessor``); the engine core only sees token ids (see ``core_client``).
+
+One background task per event loop pulls every ``CoreMessage`` and dispatches it: step
+outputs go through the output processor into one ``RequestStream`` per user request;
+utility answers resolve their futures. When the core dies (the process exits, or it
+reports ``CoreFailed``) that task fails every stream and future with
+``EngineDeadError`` within ``DEATH_POLL_MS``, and every later call raises it at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagedlm.config import EngineConfig
+from pagedlm.core.scheduler_interface import SchedulerStats
+from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.core_client import CoreClient
+from pagedlm.engine.exceptions import EngineDeadError
+from pagedlm.engine.input_processor import InputProcessor, PromptType
+from pagedlm.engine.messages import (
+    AbortRequests,
+    AddRequests,
+    CoreFailed,
+    CoreOutputs,
+    Ready,
+    RequestRejected,
+    UtilityCall,
+    UtilityResult,
+    core_output_from_wire,
+    request_to_wire,
+)
+from pagedlm.engine.output_processor import OutputProcessor
+from pagedlm.engine.request_stream import RequestStream
+from pagedlm.metrics import EngineMetrics, Metric
+from pagedlm.outputs import RequestOutput
+from pagedlm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEATH_POLL_MS = 200
+"""The output task checks that the core process is alive at least this often."""
+HEALTH_TIMEOUT_S = 5.0
+"""A core that does not answer a ping within this time counts as dead for ``check_health``."""
+READY_TIMEOUT_S = 600.0
+
+
+class AsyncLLM:
+    """An asyncio engine whose core runs in a child process.
+
+    >>> engine = AsyncLLM.from_engine_args(EngineArgs(model="/path/to/model"))
+    >>> async for output in engine.generate("Hello", SamplingParams(), "req-0"):
+    ...     print(output.outputs[0].text)
+    >>> engine.shutdown()
+    """
+
+    def __init__(self, config: EngineConfig, tokenizer: Any, client: CoreClient, ready: Ready):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.input_processor = InputProcessor(config.model, tokenizer)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.metrics = EngineMetrics()
+        self.num_kv_blocks = ready.num_kv_blocks
+        self._client = client
+        self._last_stats: SchedulerStats = ready.stats
+        self._streams: dict[str, RequestStream] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._output_task: asyncio.Task | None = None
+        self._dead_error: EngineDeadError | None = None
+        self._shut_down = False
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
+        """Resolve the configuration, start the engine-core process and wait until it has
+        loaded the model (the tokenizer loads here meanwhile)."""
+        config, _ = args.create_engine_config()
+        # The core resolves the same arguments again; pin the model path it resolved here.
+        client = CoreClient(dataclasses.replace(args, model=config.model.model))
+        try:
+            tokenizer = None
+            if not config.model.skip_tokenizer_init:
+                from pagedlm.tokenizer import get_tokenizer
+
+                tokenizer = get_tokenizer(config.model.model, config.model.tokenizer)
+            ready = client.wait_ready(READY_TIMEOUT_S)
+        except BaseException:
+            client.shutdown()
+            raise
+        return cls(config, tokenizer, client, ready)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    @property
+    def errored(self) -> bool:
+        """True once the engine core is dead or the engine was shut down."""
+        return self._dead_error is not None
+
+    @property
+    def core_pid(self) -> int:
+        """Process id of the engine core (for monitoring and fault tests)."""
+        return self._client.process.pid
+
+    # ------------------------------------------------------------------------- requests
+
+    async def generate(
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of one request, following ``sampling_params.output_kind``.
+
+        Bad input raises ``ValueError`` at the first ``__anext__``, before anything reaches
+        the core. Closing the iterator early (or cancelling its task) aborts the request;
+        ``abort(request_id)`` ends it without a further output. A dead core raises
+        ``EngineDeadError``.
+        """
+        self._check_alive()
+        self._ensure_output_task()
+        if request_id in self._streams:
+            raise ValueError(
+                f"Request id {request_id!r} is already in use; give each request a unique id."
+            )
+        processed = self.input_processor.process(request_id, prompt, sampling_params)
+        self.output_processor.add_request(
+            request_id,
+            processed.prompt,
+            processed.prompt_token_ids,
+            processed.params,
+            [child.request_id for child in processed.children],
+            processed.arrival_time,
+        )
+        num_prompt_tokens = len(processed.prompt_token_ids)
+        stream = RequestStream(processed.params.output_kind, num_prompt_tokens * processed.params.n)
+        self._streams[request_id] = stream
+        finished = False
+        try:
+            self._client.send(
+                AddRequests(request_id, [request_to_wire(c) for c in processed.children])
+            )
+            self.metrics.record_prompt(num_prompt_tokens, processed.params.n)
+            while True:
+                output = await stream.get()
+                if output is None:  # aborted through abort()
+                    finished = True
+                    return
+                finished = output.finished
+                yield output
+                if finished:
+                    return
+        finally:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+            if not finished:
+                self._abort_now(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its ``generate`` iterator ends. Unknown ids are ignored."""
+        self._abort_now(request_id)
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(None)
+
+    def _abort_now(self, request_id: str) -> None:
+        child_ids = self.output_processor.abort_requests([request_id])
+        if child_ids and not self.errored:
+            try:
+                self._client.send(AbortRequests(child_ids))
+            except EngineDeadError as error:
+                self._fail(error)
+
+    # ------------------------------------------------------------------------- health and stats
+
+    async def check_health(self) -> None:
+        """Raise ``EngineDeadError`` if the core is dead or does not answer a ping within
+        ``HEALTH_TIMEOUT_S``."""
+        await self._call("ping", HEALTH_TIMEOUT_S)
+
+    async def get_scheduler_stats(self) -> SchedulerStats:
+        """A fresh snapshot from the core (ordered after every earlier add and abort)."""
+        return await self._call("get_stats", HEALTH_TIMEOUT_S)
+
+    def get_metrics(self) -> list[Metric]:
+        """Front-end counters plus the scheduler stats the core sent with its last step."""
+        return self.metrics.snapshot(self._last_stats)
+
+    async def _call(self, method: str, timeout_s: float) -> Any:
+        self._check_alive()
+        self._ensure_output_task()
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        try:
+            self._client.send(UtilityCall(call_id, method))
+            return await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:  # not yet TimeoutError itself on Python 3.10
+            raise EngineDeadError(
+                f"The engine core did not answer {method!r} within {timeout_s:.0f} s; it is "
+                "hung or overloaded."
+            ) from None
+        finally:
+            self._calls.pop(call_id, None)
+
+    def _check_alive(self) -> None:
+        if self._dead_error is None and not self._client.is_alive():
+            self._fail(EngineDeadError(f"The engine core died: {self._client.exit_description()}."))
+        if self._dead_error is not None:
+            raise self._dead_error
+
+    # ------------------------------------------------------------------------- output task
+
+    def _ensure_output_task(self) -> None:
+        loop = asyncio.get_running_loop()
+        task = self._output_task
+        if task is None or task.done() or task.get_loop() is not loop:
+            # A task from an earlier, finished event loop (asyncio.run) is replaced.
+            self._output_task = loop.create_task(self._output_loop(), name="pagedlm-output")
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                message = await self._client.recv(DEATH_POLL_MS)
+                if message is None:
+                    if not self._client.is_alive():
+                        description = self._client.exit_description()
+                        self._fail(EngineDeadError(f"The engine core died: {description}."))
+                        return
+                    continue
+                self._handle(message)
+                if self._dead_error is not None:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            logger.exception("pagedlm output task failed")
+            self._fail(EngineDeadError(f"The engine's output handler failed: {error!r}"))
+
+    def _handle(self, message: Any) -> None:
+        if isinstance(message, CoreOutputs):
+            self._handle_outputs(message)
+        elif isinstance(message, UtilityResult):
+            if message.stats is not None:
+                self._last_stats = message.stats
+            future = self._calls.pop(message.call_id, None)
+            if future is not None and not future.done():
+                if message.error is not None:
+                    future.set_exception(RuntimeError(message.error))
+                else:
+                    future.set_result(message.stats)
+        elif isinstance(message, RequestRejected):
+            self.output_processor.abort_requests([message.parent_id])
+            stream = self._streams.get(message.parent_id)
+            if stream is not None:
+                self.metrics.prompt_tokens -= stream.num_prompt_tokens
+                stream.put(ValueError(message.message))
+        elif isinstance(message, CoreFailed):
+            self._fail(EngineDeadError(f"The engine core failed:\n{message.message}"))
+        else:
+            logger.warning("ignoring unexpected engine-core message %s", type(message).__name__)
+
+    def _handle_outputs(self, message: CoreOutputs) -> None:
+        self._last_stats = message.stats
+        outputs = [core_output_from_wire(wire) for wire in message.outputs]
+        self.metrics.record_outputs(outputs)
+        processed = self.output_processor.process_outputs(outputs)
+        if processed.reqs_to_abort:
+            # Finished by a stop string, which only the front end can see.
+            self.metrics.request_success["stop"] += len(processed.reqs_to_abort)
+            self._client.send(AbortRequests(processed.reqs_to_abort))
+        for output in processed.request_outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put(output)
+
+    def _fail(self, error: EngineDeadError) -> None:
+        """Mark the engine dead and wake every waiter with ``error`` (first error wins)."""
+        if self._dead_error is not None:
+            return
+        self._dead_error = error
+        if not self._shut_down:
+            logger.error("%s", error)
+        for stream in self._streams.values():
+            stream.put(error)
+        for future in self._calls.values():
+            if not future.done():
+                with contextlib.suppress(RuntimeError):  # its event loop is already closed
+                    future.set_exception(error)
+        self._calls.clear()
+
+    # ------------------------------------------------------------------------- shutdown
+
+    def shutdown(self) -> None:
+        """Stop the engine core and release the sockets; idempotent. Pending requests end
+        with ``EngineDeadError``."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self._fail(EngineDeadError("The engine has been shut down."))
+        task = self._output_task
+        if task is not None and not task.done():
+            with contextlib.suppress(RuntimeError):  # its event loop is already closed
+                task.cancel()
+        self._client.shutdown()

@@ -1,0 +1,216 @@
+"""Messages between the front end and the engine-core process, as msgspec structs.
+
+Everything that crosses the ZMQ sockets is one of the structs below, encoded with
+msgpack; nothing is pickled. Two tagged unions describe the two directions:
+``FrontendMessage`` (front end -> core) and ``CoreMessage`` (core -> front end).
+
+``WireSamplingParams`` is derived from the ``SamplingParams`` dataclass fields, so a field
+added there travels without touching this module; ``WireRequest``, ``WireCoreOutput`` and
+``WireLogprobs`` mirror ``Request``'s constructor, ``EngineCoreOutput`` and
+``LogprobsLists`` (tests check they stay in step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import msgspec
+
+from pagedlm.core.outputs import EngineCoreOutput, LogprobsLists
+from pagedlm.core.request import Request
+from pagedlm.core.scheduler_interface import SchedulerStats
+from pagedlm.sampling_params import SamplingParams
+
+_SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
+_SAMPLING_HINTS = typing.get_type_hints(SamplingParams)
+
+WireSamplingParams = msgspec.defstruct(
+    "WireSamplingParams",
+    [(name, _SAMPLING_HINTS[name]) for name in _SAMPLING_FIELDS],
+    array_like=True,
+    module=__name__,
+)
+"""A msgspec mirror of every ``SamplingParams`` dataclass field, in declaration order."""
+
+
+def sampling_params_to_wire(params: SamplingParams) -> msgspec.Struct:
+    return WireSamplingParams(*(getattr(params, name) for name in _SAMPLING_FIELDS))
+
+
+def sampling_params_from_wire(wire: msgspec.Struct) -> SamplingParams:
+    values = {name: getattr(wire, name) for name in _SAMPLING_FIELDS}
+    params = SamplingParams(**values)
+    # __post_init__ recomputes derived fields (all_stop_token_ids from stop_token_ids);
+    # the front end already resolved them, so its values win.
+    for name, value in values.items():
+        setattr(params, name, value)
+    return params
+
+
+class WireRequest(msgspec.Struct, array_like=True):
+    """The constructor arguments of one engine-core ``Request`` (one child of ``n``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: WireSamplingParams  # type: ignore[valid-type]
+    eos_token_ids: list[int]
+    arrival_time: float
+    cache_salt: str | None = None
+
+
+def request_to_wire(request: Request) -> WireRequest:
+    return WireRequest(
+        request.request_id,
+        request.prompt_token_ids,
+        sampling_params_to_wire(request.sampling_params),
+        sorted(request.eos_token_ids),
+        request.arrival_time,
+        request.cache_salt,
+    )
+
+
+def request_from_wire(wire: WireRequest) -> Request:
+    return Request(
+        wire.request_id,
+        wire.prompt_token_ids,
+        sampling_params_from_wire(wire.sampling_params),
+        eos_token_ids=set(wire.eos_token_ids),
+        arrival_time=wire.arrival_time,
+        cache_salt=wire.cache_salt,
+    )
+
+
+class WireLogprobs(msgspec.Struct, array_like=True):
+    """Mirror of ``LogprobsLists``."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class WireCoreOutput(msgspec.Struct, array_like=True):
+    """Mirror of ``EngineCoreOutput``."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: WireLogprobs | None = None
+    new_prompt_logprobs: WireLogprobs | None = None
+    num_cached_tokens: int = 0
+
+
+def _logprobs_to_wire(lists: LogprobsLists | None) -> WireLogprobs | None:
+    return None if lists is None else WireLogprobs(lists.token_ids, lists.logprobs, lists.ranks)
+
+
+def _logprobs_from_wire(wire: WireLogprobs | None) -> LogprobsLists | None:
+    return None if wire is None else LogprobsLists(wire.token_ids, wire.logprobs, wire.ranks)
+
+
+def core_output_to_wire(output: EngineCoreOutput) -> WireCoreOutput:
+    return WireCoreOutput(
+        output.req_id,
+        output.new_token_ids,
+        output.finish_reason,
+        output.stop_reason,
+        _logprobs_to_wire(output.new_logprobs),
+        _logprobs_to_wire(output.new_prompt_logprobs),
+        output.num_cached_tokens,
+    )
+
+
+def core_output_from_wire(wire: WireCoreOutput) -> EngineCoreOutput:
+    return EngineCoreOutput(
+        req_id=wire.req_id,
+        new_token_ids=wire.new_token_ids,
+        finish_reason=wire.finish_reason,
+        stop_reason=wire.stop_reason,
+        new_logprobs=_logprobs_from_wire(wire.new_logprobs),
+        new_prompt_logprobs=_logprobs_from_wire(wire.new_prompt_logprobs),
+        num_cached_tokens=wire.num_cached_tokens,
+    )
+
+
+# ----------------------------------------------------------------- front end -> core
+
+
+class AddRequests(msgspec.Struct, tag=True):
+    """The ``n`` children of one user request: the core adds all of them or none."""
+
+    parent_id: str
+    requests: list[WireRequest]
+
+
+class AbortRequests(msgspec.Struct, tag=True):
+    request_ids: list[str]
+    """Engine-core (child) request ids; unknown ids are ignored."""
+
+
+class UtilityCall(msgspec.Struct, tag=True):
+    """A question answered by ``UtilityResult`` with the same ``call_id``."""
+
+    call_id: int
+    method: str
+    """"ping" (liveness) or "get_stats" (a fresh ``SchedulerStats``)."""
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    """Leave the loop and exit cleanly."""
+
+
+FrontendMessage = AddRequests | AbortRequests | UtilityCall | Shutdown
+
+
+# ----------------------------------------------------------------- core -> front end
+
+
+class Ready(msgspec.Struct, tag=True):
+    """Sent once, after the model is loaded and the KV cache allocated."""
+
+    num_kv_blocks: int
+    stats: SchedulerStats
+
+
+class CoreOutputs(msgspec.Struct, tag=True):
+    """One step's outputs and the scheduler's stats right after it."""
+
+    outputs: list[WireCoreOutput]
+    stats: SchedulerStats
+
+
+class RequestRejected(msgspec.Struct, tag=True):
+    """The core refused a user request (e.g. it can never fit in the KV cache)."""
+
+    parent_id: str
+    message: str
+
+
+class UtilityResult(msgspec.Struct, tag=True):
+    call_id: int
+    stats: SchedulerStats | None = None
+    error: str | None = None
+
+
+class CoreFailed(msgspec.Struct, tag=True):
+    """The core hit an unrecoverable error (startup or inside a step) and is exiting."""
+
+    message: str
+
+
+CoreMessage = Ready | CoreOutputs | RequestRejected | UtilityResult | CoreFailed
+
+
+def make_encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def make_frontend_decoder() -> msgspec.msgpack.Decoder:
+    """Decodes what the front end sends (used in the core process)."""
+    return msgspec.msgpack.Decoder(FrontendMessage)
+
+
+def make_core_decoder() -> msgspec.msgpack.Decoder:
+    """Decodes what the core sends (used in the front end)."""
+    return msgspec.msgpack.Decoder(CoreMessage)

@@ -1,0 +1,115 @@
+"""The msgspec messages between the front end and the engine core: round trips and mirrors."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from pagedlm.core.outputs import EngineCoreOutput, LogprobsLists
+from pagedlm.core.request import Request
+from pagedlm.core.scheduler_interface import SchedulerStats
+from pagedlm.engine import messages
+from pagedlm.sampling_params import RequestOutputKind, SamplingParams
+
+
+def _round_trip(message):
+    encoded = messages.make_encoder().encode(message)
+    if isinstance(message, messages.FrontendMessage.__args__):
+        return messages.make_frontend_decoder().decode(encoded)
+    return messages.make_core_decoder().decode(encoded)
+
+
+def test_sampling_params_round_trip_keeps_resolved_fields():
+    params = SamplingParams(
+        n=3,
+        temperature=0,
+        top_k=5,
+        seed=7,
+        stop=["x", "yz"],
+        stop_token_ids=[4],
+        max_tokens=9,
+        logprobs=2,
+        logit_bias={3: 1.5, 10: -100},
+        output_kind=RequestOutputKind.DELTA,
+    )
+    params.all_stop_token_ids = {4, 2, 99}  # resolved by the input processor, not derivable
+    wire = messages.sampling_params_to_wire(params)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(wire), type=messages.WireSamplingParams)
+    restored = messages.sampling_params_from_wire(decoded)
+    assert restored == params
+    assert restored.all_stop_token_ids == {2, 4, 99}
+    assert restored.output_kind is RequestOutputKind.DELTA
+    assert restored.logit_bias == {3: 1.5, 10: -100.0}
+
+
+def test_wire_sampling_params_mirrors_every_field():
+    names = [f.name for f in dataclasses.fields(SamplingParams)]
+    assert list(messages.WireSamplingParams.__struct_fields__) == names
+
+
+def test_request_round_trip():
+    params = SamplingParams(max_tokens=4, ignore_eos=False)
+    request = Request(
+        "r1", [5, 6, 7], params, eos_token_ids={2}, arrival_time=12.5, cache_salt="salt"
+    )
+    message = messages.AddRequests("parent", [messages.request_to_wire(request)])
+    decoded = _round_trip(message)
+    assert isinstance(decoded, messages.AddRequests) and decoded.parent_id == "parent"
+    restored = messages.request_from_wire(decoded.requests[0])
+    assert restored.request_id == "r1"
+    assert restored.prompt_token_ids == [5, 6, 7]
+    assert restored.eos_token_ids == {2}
+    assert restored.arrival_time == 12.5
+    assert restored.cache_salt == "salt"
+    assert restored.sampling_params == params
+
+
+def test_wire_request_mirrors_request_constructor():
+    constructor = list(inspect.signature(Request.__init__).parameters)[1:]
+    assert list(messages.WireRequest.__struct_fields__) == constructor
+
+
+@pytest.mark.parametrize(
+    "mirror, original",
+    [
+        (messages.WireCoreOutput, EngineCoreOutput),
+        (messages.WireLogprobs, LogprobsLists),
+    ],
+)
+def test_output_mirrors_match_dataclasses(mirror, original):
+    assert list(mirror.__struct_fields__) == [f.name for f in dataclasses.fields(original)]
+
+
+def test_core_outputs_round_trip():
+    logprobs = LogprobsLists([[3, 1, 2]], [[-0.1, -2.5, -3.0]], [1])
+    outputs = [
+        EngineCoreOutput("a", [3], new_logprobs=logprobs, num_cached_tokens=16),
+        EngineCoreOutput("b", [9, 8], finish_reason="stop", stop_reason=8),
+        EngineCoreOutput("c", [], new_prompt_logprobs=logprobs),
+    ]
+    stats = SchedulerStats(2, 1, 0.25, 3, 40, 16)
+    message = messages.CoreOutputs([messages.core_output_to_wire(o) for o in outputs], stats)
+    decoded = _round_trip(message)
+    assert decoded.stats == stats
+    assert [messages.core_output_from_wire(w) for w in decoded.outputs] == outputs
+
+
+def test_decoders_reject_the_other_direction():
+    encoded = messages.make_encoder().encode(messages.Shutdown())
+    with pytest.raises(msgspec.ValidationError):
+        messages.make_core_decoder().decode(encoded)
+
+
+def test_import_pagedlm_does_not_load_zmq_or_msgspec():
+    bare = "import sys, pagedlm; print('zmq' in sys.modules, 'msgspec' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", bare], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.split() == ["False", "False"]
+    used = "import sys, pagedlm; pagedlm.AsyncLLM; assert 'zmq' in sys.modules"
+    subprocess.run([sys.executable, "-c", used], check=True)
