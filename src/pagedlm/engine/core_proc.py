@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 1000
 """How often an idle core checks that its parent is alive."""
+IDLE_WAIT_MS = 1
+"""How long a core with requests but nothing to run waits for input before stepping again."""
 
 
 class EngineCoreProc:
@@ -80,6 +82,11 @@ class EngineCoreProc:
                 if outputs or send_stats:
                     wire = [core_output_to_wire(output) for output in outputs]
                     self.send(CoreOutputs(wire, self.core.make_stats()))
+                if not outputs and self.core.has_unfinished_requests():
+                    # A step without outputs is a prefill chunk or one where nothing could
+                    # run (a request waiting for its grammar): yield briefly to new input
+                    # instead of spinning.
+                    self.input_socket.poll(IDLE_WAIT_MS)
             if os.getppid() != self.parent_pid:
                 logger.warning("engine core: the front-end process is gone; exiting")
                 return
