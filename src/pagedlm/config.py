@@ -37,6 +37,30 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         ) from None
 
 
+# GPT-2-era config keys -> the names every later config uses (transformers' attribute_map).
+_GPT2_NAMES = {
+    "n_embd": "hidden_size",
+    "n_layer": "num_hidden_layers",
+    "n_head": "num_attention_heads",
+    "n_positions": "max_position_embeddings",
+    "n_inner": "intermediate_size",
+    "activation_function": "hidden_act",
+}
+
+
+def _with_standard_names(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` with GPT-2-style keys also given their standard names (originals kept)."""
+    if "n_embd" not in cfg:
+        return cfg
+    out = dict(cfg)
+    for old, new in _GPT2_NAMES.items():
+        if out.get(new) is None and out.get(old) is not None:
+            out[new] = out[old]
+    if out.get("intermediate_size") is None:
+        out["intermediate_size"] = 4 * out["hidden_size"]  # GPT-2's n_inner=None default
+    return out
+
+
 @dataclass(frozen=True)
 class ArchConfig:
     """The shape of a decoder-only transformer, independent of how the file spelled it.
@@ -70,6 +94,7 @@ class ArchConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
+        cfg = _with_standard_names(cfg)
         archs = cfg.get("architectures") or []
         if not archs:
             raise ValueError(

@@ -9,11 +9,16 @@ attention itself. Requests are split in two groups because they want different s
 - chunks of more than one token (prompts, chunked prefills) run one SDPA call each, with a
   causal mask shifted by the request's cached context length; a chunk without cached
   context attends to its own new K/V directly.
+
+Sliding windows (per layer) and logit soft-capping (Gemma 2) change only the mask and the
+score function: window masks are built on first use per step and window size, and shared
+by every layer with that window; soft-capped scores are computed explicitly, because SDPA
+has no hook between the scores and the softmax.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +40,10 @@ class DecodeGroup:
     key_mask: torch.Tensor | None
     """[num_decodes, 1, 1, max_blocks * block_size] True where the key position exists
     (< seq_len); None when no position is padding."""
+    seq_lens: torch.Tensor
+    """[num_decodes] each decode's context length after this step (for window masks)."""
+    num_key_slots: int
+    """``max_blocks * block_size``, the gathered key length."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,7 @@ class ChunkRequest:
     query_start: int
     query_end: int
     seq_len: int
+    context_len: int
     block_ids: torch.Tensor
     """[ceil(seq_len / block_size)] the blocks holding key positions ``0 .. seq_len-1``."""
     causal_mask: torch.Tensor | None
@@ -57,6 +67,11 @@ class CpuSdpaMetadata:
     """[num_tokens] where each new token's K/V are written."""
     decodes: DecodeGroup | None
     chunks: tuple[ChunkRequest, ...]
+    window_masks: dict[tuple[int, int], torch.Tensor] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+    """(chunk index or -1 for the decodes, window) -> that group's sliding-window mask,
+    filled by the first layer that asks; later layers of the step reuse it."""
 
 
 def _blocks_needed(tables: list[list[int]], num_blocks: int) -> list[list[int]]:
@@ -75,6 +90,8 @@ class CpuSdpaBackend(AttentionBackend):
     """
 
     name = "cpu_sdpa"
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
@@ -107,6 +124,8 @@ class CpuSdpaBackend(AttentionBackend):
             token_rows=None if rows == list(range(len(rows))) else self._to_device(rows),
             block_ids=self._to_device([b for table in tables for b in table]),
             key_mask=key_mask,
+            seq_lens=torch.tensor(seq_lens, device=self.device),
+            num_key_slots=max_blocks * block_size,
         )
 
     def _chunk(self, layout: BatchLayout, i: int) -> ChunkRequest:
@@ -121,6 +140,7 @@ class CpuSdpaBackend(AttentionBackend):
             query_start=layout.query_start_loc[i],
             query_end=layout.query_start_loc[i + 1],
             seq_len=seq_len,
+            context_len=context_len,
             block_ids=self._to_device(layout.block_tables[i][:num_blocks]),
             causal_mask=causal_mask,
         )
@@ -134,6 +154,9 @@ class CpuSdpaBackend(AttentionBackend):
         value_cache: torch.Tensor,
         metadata: CpuSdpaMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
         # Write first: a request may read slots that another request fills in this step.
@@ -146,8 +169,20 @@ class CpuSdpaBackend(AttentionBackend):
 
         output = torch.empty_like(query)
         if metadata.decodes is not None:
-            self._decode(query, key_cache, value_cache, metadata.decodes, scale, output)
-        for chunk in metadata.chunks:
+            mask = metadata.decodes.key_mask
+            if sliding_window is not None:
+                mask = _decode_window_mask(metadata, sliding_window)
+            self._decode(
+                query,
+                key_cache,
+                value_cache,
+                metadata.decodes,
+                scale,
+                output,
+                mask,
+                logits_soft_cap,
+            )
+        for index, chunk in enumerate(metadata.chunks):
             rows = slice(chunk.query_start, chunk.query_end)
             if chunk.causal_mask is None:
                 # No cached context: the keys are exactly this step's, no gather needed.
@@ -155,16 +190,18 @@ class CpuSdpaBackend(AttentionBackend):
             else:
                 k = self._gather(0, key_cache, chunk.block_ids)[: chunk.seq_len]
                 v = self._gather(1, value_cache, chunk.block_ids)[: chunk.seq_len]
+            mask = chunk.causal_mask
+            if sliding_window is not None and sliding_window < chunk.seq_len:
+                mask = _chunk_window_mask(metadata, index, sliding_window)
             # [tokens, heads, head_dim] -> [1, heads, tokens, head_dim]: with 3-d inputs
             # torch falls back from its fused CPU kernel to the ~3x slower math path.
-            out = F.scaled_dot_product_attention(
+            out = _attend(
                 query[rows].transpose(0, 1)[None],
                 k.transpose(0, 1).to(query.dtype)[None],
                 v.transpose(0, 1).to(query.dtype)[None],
-                attn_mask=chunk.causal_mask,
-                is_causal=chunk.causal_mask is None,
-                scale=scale,
-                enable_gqa=True,
+                mask,
+                scale,
+                logits_soft_cap,
             )
             output[rows] = out[0].transpose(0, 1)
         return output
@@ -177,6 +214,8 @@ class CpuSdpaBackend(AttentionBackend):
         group: DecodeGroup,
         scale: float,
         output: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        logits_soft_cap: float | None,
     ) -> None:
         """One batched SDPA for every single-token query; writes its rows of ``output``.
 
@@ -196,12 +235,14 @@ class CpuSdpaBackend(AttentionBackend):
         # [B, max_blocks * block_size, kv_heads, head_dim] -> [B, kv_heads, L, head_dim]
         k = self._gather(0, key_cache, group.block_ids).view(shape).transpose(1, 2)
         v = self._gather(1, value_cache, group.block_ids).view(shape).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
+        out = _attend(
             q.reshape(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim),
             k.to(query.dtype),
             v.to(query.dtype),
-            attn_mask=group.key_mask,
-            scale=scale,
+            key_mask,
+            scale,
+            logits_soft_cap,
+            causal=False,
         ).reshape(num_decodes, num_heads, head_dim)
         if group.token_rows is None:
             output[:num_decodes] = out
@@ -241,3 +282,72 @@ class CpuSdpaBackend(AttentionBackend):
                     f"{layout.block_size} slots; the model runner must pass a block table "
                     "covering every position."
                 )
+
+
+def _decode_window_mask(metadata: CpuSdpaMetadata, window: int) -> torch.Tensor:
+    """[num_decodes, 1, 1, num_key_slots]: key positions ``seq_len - window .. seq_len - 1``."""
+    key = (-1, window)
+    mask = metadata.window_masks.get(key)
+    if mask is None:
+        group = metadata.decodes
+        assert group is not None
+        positions = torch.arange(group.num_key_slots, device=group.seq_lens.device)
+        seq_lens = group.seq_lens[:, None]
+        mask = ((positions < seq_lens) & (positions >= seq_lens - window))[:, None, None, :]
+        metadata.window_masks[key] = mask
+    return mask
+
+
+def _chunk_window_mask(metadata: CpuSdpaMetadata, index: int, window: int) -> torch.Tensor:
+    """[query_len, seq_len]: row i (position context_len + i) sees keys in
+    ``(position - window, position]``."""
+    key = (index, window)
+    mask = metadata.window_masks.get(key)
+    if mask is None:
+        chunk = metadata.chunks[index]
+        device = chunk.block_ids.device
+        query_positions = torch.arange(chunk.context_len, chunk.seq_len, device=device)[:, None]
+        key_positions = torch.arange(chunk.seq_len, device=device)[None, :]
+        mask = (key_positions <= query_positions) & (key_positions > query_positions - window)
+        metadata.window_masks[key] = mask
+    return mask
+
+
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    logits_soft_cap: float | None,
+    causal: bool = True,
+) -> torch.Tensor:
+    """query [N, heads, Q, d], key/value [N, kv_heads, S, d] -> [N, heads, Q, d].
+
+    ``mask`` (bool, broadcastable to [N, heads, Q, S], True = attend) or, when None and
+    ``causal``, the plain causal mask (Q == S). Soft-capping needs the scores themselves,
+    so it takes the explicit path: scores in the activation dtype, softmax in float32.
+    """
+    if logits_soft_cap is None:
+        return F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=mask,
+            is_causal=causal and mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+    group = query.shape[1] // key.shape[1]
+    if group > 1:
+        key = key.repeat_interleave(group, dim=1)
+        value = value.repeat_interleave(group, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+    if mask is None and causal:
+        num_queries, num_keys = scores.shape[-2:]
+        mask = torch.ones(num_queries, num_keys, dtype=torch.bool, device=scores.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, value)

@@ -40,8 +40,8 @@ def config_for(path: Path, max_model_len: int = 64) -> ModelConfig:
 
 
 def test_unknown_architecture_lists_the_supported_ones() -> None:
-    with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported") as error:
-        get_model_class("GPT2LMHeadModel")
+    with pytest.raises(ValueError, match="'BertForMaskedLM' is not supported") as error:
+        get_model_class("BertForMaskedLM")
     for name in SUPPORTED_ARCHITECTURES:
         assert name in str(error.value)
 
@@ -129,13 +129,15 @@ def test_directory_without_safetensors_is_explained(tmp_path: Path) -> None:
         load_model(config_for(tmp_path), torch.device("cpu"))
 
 
-def test_sliding_window_longer_context_is_refused(tmp_path: Path) -> None:
+def test_sliding_window_reaches_every_attention_layer(tmp_path: Path) -> None:
+    """Contexts longer than the window load (the backend applies it; parity is tested in
+    tests/entrypoints/test_llm_parity_zoo.py)."""
     torch.manual_seed(0)
     config = transformers.MistralConfig(**TINY, sliding_window=16)
     transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="max_model_len <= 16"):
-        load_model(config_for(tmp_path, max_model_len=64), torch.device("cpu"))
-    load_model(config_for(tmp_path, max_model_len=16), torch.device("cpu"))
+    model = load_model(config_for(tmp_path, max_model_len=64), torch.device("cpu"))
+    windows = [layer.self_attn.attn.sliding_window for layer in model.model.layers]
+    assert windows == [16] * TINY["num_hidden_layers"]
 
 
 def test_default_dtype_is_restored_when_construction_fails(tmp_path: Path) -> None:

@@ -62,10 +62,17 @@ class AttentionBackend(ABC):
     - ``forward`` first writes the step's new K/V into the cache at ``slot_mapping``, then
       reads. A request may therefore read blocks that another request of the same step
       fills (prefix-cache hits on blocks scheduled in that step rely on this).
-    - Query row ``t`` attends to key positions ``<= its own position`` of its request only.
+    - Query row ``t`` attends to key positions ``<= its own position`` of its request only;
+      with a ``sliding_window`` of ``w``, only to the ``w`` positions ``> position - w``.
+
+    Optional features a model may ask for per layer (``forward``'s keyword arguments); a
+    backend that implements one sets the matching flag, and the attention layer refuses
+    to call a backend without it rather than silently attending over the wrong keys.
     """
 
     name: ClassVar[str]
+    supports_sliding_window: ClassVar[bool] = False
+    supports_logits_soft_cap: ClassVar[bool] = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -91,10 +98,20 @@ class AttentionBackend(ABC):
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Attention for every scheduled token.
 
         query: [num_tokens, num_heads, head_dim]; key, value: [num_tokens, num_kv_heads,
         head_dim]; returns [num_tokens, num_heads, head_dim]. ``num_heads`` is a multiple
         of ``num_kv_heads`` (grouped-query attention).
+
+        ``sliding_window``: None, or ``w`` so that the query at position ``p`` sees keys at
+        positions ``p - w + 1 .. p`` only (Mistral, Gemma 2/3 local layers). All positions'
+        K/V are still written; which blocks may be freed early is the KV manager's concern.
+        ``logits_soft_cap``: None, or ``c`` so that scores become ``c * tanh(scores / c)``
+        before the softmax (Gemma 2). Only passed when set, and only to backends whose
+        ``supports_*`` flag says so.
         """

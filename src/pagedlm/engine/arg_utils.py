@@ -139,10 +139,4 @@ class EngineArgs:
             )
         else:
             max_model_len = self.max_model_len
-        if arch.sliding_window is not None and arch.sliding_window < max_model_len:
-            raise ValueError(
-                f"This model uses sliding-window attention (window {arch.sliding_window}), "
-                "which pagedlm does not implement yet; pass "
-                f"max_model_len={arch.sliding_window} or less."
-            )
         return max_model_len

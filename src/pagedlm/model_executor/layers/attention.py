@@ -13,10 +13,19 @@ class Attention(nn.Module):
 
     forward(q [T, num_heads * head_dim], k, v [T, num_kv_heads * head_dim], ctx)
     -> [T, num_heads * head_dim]. Holds no weights; ``layer_idx`` picks this layer's cache.
+    ``sliding_window`` (keys within the last ``w`` positions only) and ``logits_soft_cap``
+    (scores squashed to ``c * tanh(s / c)``) are per layer; None means off.
     """
 
     def __init__(
-        self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+        self,
+        layer_idx: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
@@ -29,12 +38,22 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        # Keyword arguments only when set, so backends that predate them keep working.
+        self._extra_kwargs: dict[str, int | float] = {}
+        if sliding_window is not None:
+            self._extra_kwargs["sliding_window"] = sliding_window
+        if logits_soft_cap is not None:
+            self._extra_kwargs["logits_soft_cap"] = logits_soft_cap
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         num_tokens = q.shape[0]
         key_cache, value_cache = ctx.kv_cache.layer(self.layer_idx)
+        if self._extra_kwargs:
+            self._check_backend(ctx)
         out = ctx.attn_backend.forward(
             q.view(num_tokens, self.num_heads, self.head_dim),
             k.view(num_tokens, self.num_kv_heads, self.head_dim),
@@ -43,11 +62,26 @@ class Attention(nn.Module):
             value_cache,
             ctx.attn_metadata,
             self.scale,
+            **self._extra_kwargs,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def _check_backend(self, ctx: ForwardContext) -> None:
+        backend = ctx.attn_backend
+        for feature, flag in (
+            ("sliding_window", "supports_sliding_window"),
+            ("logits_soft_cap", "supports_logits_soft_cap"),
+        ):
+            if feature in self._extra_kwargs and not getattr(backend, flag, False):
+                raise ValueError(
+                    f"layer {self.layer_idx} needs {feature}={self._extra_kwargs[feature]}, "
+                    f"which the {backend.name!r} attention backend does not implement; choose "
+                    "a backend that does (e.g. attention_backend='cpu_sdpa') or another model."
+                )
 
     def extra_repr(self) -> str:
         return (
             f"layer_idx={self.layer_idx}, num_heads={self.num_heads}, "
-            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, scale={self.scale}"
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, scale={self.scale}, "
+            f"sliding_window={self.sliding_window}, logits_soft_cap={self.logits_soft_cap}"
         )

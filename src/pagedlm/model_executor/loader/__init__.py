@@ -32,16 +32,6 @@ def iter_model_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.T
     return iter_safetensors_weights(model_config.model)
 
 
-def _check_supported(model_config: ModelConfig) -> None:
-    window = model_config.arch.sliding_window
-    if window is not None and window < model_config.max_model_len:
-        raise ValueError(
-            f"{model_config.arch.architecture} uses sliding-window attention over "
-            f"{window} tokens, which pagedlm does not implement; set max_model_len <= "
-            f"{window} (e.g. --max-model-len {window}) so the window never matters."
-        )
-
-
 def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     """The model of ``model_config``, in ``model_config.dtype`` on ``device``, in eval mode.
 
@@ -50,7 +40,6 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     """
     from pagedlm.model_executor.models.registry import get_model_class
 
-    _check_supported(model_config)
     model_class = get_model_class(model_config.arch.architecture)
     with _default_dtype(model_config.dtype), torch.device(device):
         model = model_class(model_config.arch)

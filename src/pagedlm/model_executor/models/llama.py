@@ -12,7 +12,7 @@ Layout: one flattened batch, ``input_ids``/``positions`` [num_tokens]; activatio
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -30,8 +30,13 @@ from pagedlm.model_executor.layers.linear import (
     RowParallelLinear,
 )
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from pagedlm.model_executor.layers.rotary_scaled import get_rope_for_arch
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlm.model_executor.loader.weight_utils import get_weight_loader
+from pagedlm.model_executor.models.sliding_window import layer_sliding_windows
+
+MlpFactory = Callable[[int], nn.Module | None]
+"""layer index -> that layer's MLP (None: the dense SwiGLU ``LlamaMLP``)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,7 @@ class LlamaAttention(nn.Module):
         layer_idx: int,
         rotary_emb: RotaryEmbedding,
         options: BlockOptions,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         head_dim = arch.head_dim
@@ -90,6 +96,7 @@ class LlamaAttention(nn.Module):
             num_kv_heads=self.qkv_proj.num_kv_heads,
             head_dim=head_dim,
             scale=head_dim**-0.5,
+            sliding_window=sliding_window,
         )
 
     def forward(
@@ -106,7 +113,8 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     """One pre-norm block; the residual stream travels separately so the add fuses into
-    the next RMSNorm. forward(positions, x, residual | None, ctx) -> (x, residual)."""
+    the next RMSNorm. forward(positions, x, residual | None, ctx) -> (x, residual).
+    ``mlp`` replaces the dense SwiGLU MLP (a mixture of experts, say)."""
 
     def __init__(
         self,
@@ -114,12 +122,14 @@ class LlamaDecoderLayer(nn.Module):
         layer_idx: int,
         rotary_emb: RotaryEmbedding,
         options: BlockOptions,
+        sliding_window: int | None = None,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, layer_idx, rotary_emb, options)
+        self.self_attn = LlamaAttention(arch, layer_idx, rotary_emb, options, sliding_window)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch, bias=options.mlp_bias)
+        self.mlp = mlp if mlp is not None else LlamaMLP(arch, bias=options.mlp_bias)
 
     def forward(
         self,
@@ -141,15 +151,19 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
 
-    def __init__(self, arch: ArchConfig, options: BlockOptions) -> None:
+    def __init__(
+        self, arch: ArchConfig, options: BlockOptions, make_mlp: MlpFactory | None = None
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
         # One cos/sin table for all layers: it can be tens of MB for long contexts.
-        rotary_emb = RotaryEmbedding(
-            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
-        )
+        rotary_emb = get_rope_for_arch(arch)
+        windows = layer_sliding_windows(arch)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, i, rotary_emb, options) for i in range(arch.num_hidden_layers)
+            LlamaDecoderLayer(
+                arch, i, rotary_emb, options, windows[i], make_mlp(i) if make_mlp else None
+            )
+            for i in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -184,10 +198,14 @@ class LlamaForCausalLM(nn.Module):
             mlp_bias=bool(arch.raw.get("mlp_bias", False)),
         )
 
+    def mlp_factory(self, arch: ArchConfig) -> MlpFactory | None:
+        """Builds each layer's MLP when it is not the dense SwiGLU one (MoE subclasses)."""
+        return None
+
     def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch, self.block_options(arch))
+        self.model = LlamaModel(arch, self.block_options(arch), self.mlp_factory(arch))
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
         if arch.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)

@@ -6,13 +6,20 @@ import importlib
 
 from torch import nn
 
-_LLAMA = "pagedlm.model_executor.models.llama"
+_MODELS = "pagedlm.model_executor.models"
+_LLAMA = f"{_MODELS}.llama"
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": f"{_LLAMA}:LlamaForCausalLM",
     "MistralForCausalLM": f"{_LLAMA}:MistralForCausalLM",
     "Qwen2ForCausalLM": f"{_LLAMA}:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": f"{_LLAMA}:Qwen3ForCausalLM",
+    "Phi3ForCausalLM": f"{_MODELS}.phi3:Phi3ForCausalLM",
+    "MixtralForCausalLM": f"{_MODELS}.mixtral:MixtralForCausalLM",
+    "Qwen3MoeForCausalLM": f"{_MODELS}.qwen3_moe:Qwen3MoeForCausalLM",
+    "Gemma2ForCausalLM": f"{_MODELS}.gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": f"{_MODELS}.gemma3:Gemma3ForCausalLM",
+    "GPT2LMHeadModel": f"{_MODELS}.gpt2:GPT2LMHeadModel",
 }
 """HF architecture name -> ``"module:Class"``."""
 

@@ -1,0 +1,155 @@
+"""A sparse mixture-of-experts MLP: a top-k router and SwiGLU experts in stacked weights.
+
+One component for every MoE architecture: Mixtral (top-2, always renormalized) and
+Qwen3-MoE (top-k, renormalized when ``norm_topk_prob``) differ only in ``renormalize``
+and in their checkpoints' tensor names, which the model maps to ``(expert_id, shard)``.
+
+Parallelism: each rank holds the experts ``expert_start .. expert_start +
+num_local_experts - 1`` (expert parallelism; today one group holds them all) and, of
+each, its tensor-parallel slice of the intermediate dimension. A rank computes only its
+experts' contributions for its slice, so the layer's output is a partial sum that one
+all-reduce completes — the same contract as a row-parallel linear.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedlm.distributed import (
+    divide,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+)
+from pagedlm.model_executor.layers.activation import get_act_and_mul
+from pagedlm.model_executor.layers.linear_base import LinearBase
+from pagedlm.model_executor.loader.weight_utils import (
+    copy_checked,
+    set_weight_loader,
+    shard_of,
+)
+
+
+class MoERouter(LinearBase):
+    """Router logits, replicated on every rank: x [T, hidden] -> [T, num_experts]."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.apply_linear(x)
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, num_experts] -> (weights float32 [T, top_k], expert ids [T, top_k]).
+
+    Softmax over all experts in float32, then the ``top_k`` largest; with ``renormalize``
+    the chosen weights are divided by their sum (so they add up to 1).
+    """
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, expert_ids
+
+
+class FusedMoE(nn.Module):
+    """forward(x [T, hidden]) -> [T, hidden]: sum over each token's top-k experts of
+    ``weight * down(act(gate(x)) * up(x))``.
+
+    Parameters: ``gate.weight`` [num_experts, hidden] (the router), ``w13``
+    [num_local_experts, 2 * intermediate / tp, hidden] (gate rows, then up rows) and
+    ``w2`` [num_local_experts, hidden, intermediate / tp]. ``load_expert(name, tensor,
+    expert_id, shard)`` fills them from per-expert checkpoint tensors, shard being
+    "gate", "up" or "down"; experts of other ranks are skipped.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        hidden_act: str = "silu",
+        expert_start: int = 0,
+        num_local_experts: int | None = None,
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={top_k} must be between 1 and the number of experts "
+                f"({num_experts}); check config.json."
+            )
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.expert_start = expert_start
+        self.num_local_experts = num_experts if num_local_experts is None else num_local_experts
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.intermediate_per_rank = divide(intermediate_size, self.tp_size)
+        self.gate = MoERouter(hidden_size, num_experts)
+        self.w13 = nn.Parameter(
+            torch.empty(self.num_local_experts, 2 * self.intermediate_per_rank, hidden_size),
+            requires_grad=False,
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(self.num_local_experts, hidden_size, self.intermediate_per_rank),
+            requires_grad=False,
+        )
+        set_weight_loader(self.w13, self.weight_loader)
+        set_weight_loader(self.w2, self.weight_loader)
+        self.act_fn = get_act_and_mul(hidden_act)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, expert_id: int, shard: str
+    ) -> None:
+        """Copy expert ``expert_id``'s full ``shard`` tensor into this rank's slice."""
+        local = expert_id - self.expert_start
+        if not 0 <= local < self.num_local_experts:
+            return  # another rank's expert
+        size = self.intermediate_per_rank
+        if shard == "down":
+            copy_checked(
+                param.data[local], shard_of(loaded_weight, 1, self.tp_rank, size), "expert down"
+            )
+            return
+        if shard not in ("gate", "up"):
+            raise ValueError(f"unknown expert shard {shard!r}; use 'gate', 'up' or 'down'.")
+        target = param.data[local].narrow(0, 0 if shard == "gate" else size, size)
+        copy_checked(target, shard_of(loaded_weight, 0, self.tp_rank, size), f"expert {shard}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        out = torch.zeros_like(x)
+        # Sort the (token, slot) pairs by expert so each expert runs one matmul on its rows.
+        flat_ids = expert_ids.flatten()
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        token_rows = order // self.top_k
+        flat_weights = weights.flatten()
+        start = sum(counts[: self.expert_start])
+        for local in range(self.num_local_experts):
+            count = counts[self.expert_start + local]
+            if count == 0:
+                continue
+            rows = token_rows[start : start + count]
+            hidden = self.act_fn(F.linear(x[rows], self.w13[local]))
+            hidden = F.linear(hidden, self.w2[local])
+            hidden = hidden * flat_weights[order[start : start + count], None]
+            out.index_add_(0, rows, hidden.to(out.dtype))
+            start += count
+        return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, top_k={self.top_k}, "
+            f"renormalize={self.renormalize}, local_experts={self.expert_start}.."
+            f"{self.expert_start + self.num_local_experts - 1}, tp_size={self.tp_size}"
+        )

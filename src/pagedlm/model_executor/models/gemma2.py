@@ -1,0 +1,229 @@
+"""Gemma 2: a pre/post-norm decoder with GeGLU MLPs, local/global attention and soft caps.
+
+Against Llama: embeddings are scaled by ``sqrt(hidden_size)``; every sublayer has a norm
+before *and* after it (``GemmaRMSNorm``, weights stored as offsets from 1); attention is
+scaled by ``query_pre_attn_scalar ** -0.5`` rather than ``head_dim ** -0.5``; attention
+scores are soft-capped (``attn_logit_softcapping``) and so are the final logits
+(``final_logit_softcapping``); layers alternate between a sliding window and full
+attention (``layer_types``); the LM head is tied to the embedding.
+
+Gemma 3 (``gemma3.py``) adds q/k RMSNorm and a rope base per layer type to the same block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedlm.config import ArchConfig
+from pagedlm.model_executor.forward_context import ForwardContext
+from pagedlm.model_executor.layers.attention import Attention
+from pagedlm.model_executor.layers.gelu import get_gated_act
+from pagedlm.model_executor.layers.gemma_norm import GemmaRMSNorm
+from pagedlm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedlm.model_executor.models.llama import LlamaForCausalLM
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def gemma_layer_types(arch: ArchConfig, default_pattern: int) -> list[str]:
+    """Each layer's attention kind: ``layer_types`` if the config lists them, else the
+    older spelling (every ``sliding_window_pattern``-th layer is global; Gemma 2: every
+    second)."""
+    raw = arch.raw
+    layer_types = raw.get("layer_types")
+    if layer_types:
+        if len(layer_types) != arch.num_hidden_layers:
+            raise ValueError(
+                f"config.json lists {len(layer_types)} layer_types for "
+                f"{arch.num_hidden_layers} layers; fix one of them."
+            )
+        return list(layer_types)
+    pattern = int(
+        raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or default_pattern
+    )
+    return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(arch.num_hidden_layers)]
+
+
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(x / cap)``: squashes x into (-cap, cap), ~identity near 0."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+class GemmaMLP(nn.Module):
+    """x [T, hidden] -> down(gelu_tanh(gate(x)) * up(x)) [T, hidden]."""
+
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        size = arch.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [size, size])
+        act = arch.raw.get("hidden_activation") or arch.raw.get("hidden_act") or "gelu_pytorch_tanh"
+        self.act_fn = get_gated_act(act)
+        self.down_proj = RowParallelLinear(size, arch.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class GemmaAttention(nn.Module):
+    """x [T, hidden] -> o_proj(attention(rope(q), rope(k), v)) [T, hidden]; q and k are
+    RMS-normalized per head first when ``qk_norm`` (Gemma 3)."""
+
+    def __init__(
+        self,
+        arch: ArchConfig,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        sliding_window: int | None,
+        qk_norm: bool,
+    ) -> None:
+        super().__init__()
+        head_dim = arch.head_dim
+        bias = arch.attention_bias
+        self.qkv_proj = QKVParallelLinear(
+            arch.hidden_size,
+            head_dim,
+            arch.num_attention_heads,
+            arch.num_key_value_heads,
+            bias=bias,
+        )
+        self.o_proj = RowParallelLinear(
+            arch.num_attention_heads * head_dim, arch.hidden_size, bias=bias
+        )
+        self.q_norm = GemmaRMSNorm(head_dim, arch.rms_norm_eps) if qk_norm else None
+        self.k_norm = GemmaRMSNorm(head_dim, arch.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = rotary_emb
+        scalar = arch.raw.get("query_pre_attn_scalar") or head_dim
+        self.attn = Attention(
+            layer_idx,
+            num_heads=self.qkv_proj.num_heads,
+            num_kv_heads=self.qkv_proj.num_kv_heads,
+            head_dim=head_dim,
+            scale=float(scalar) ** -0.5,
+            sliding_window=sliding_window,
+            logits_soft_cap=arch.raw.get("attn_logit_softcapping"),
+        )
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        if self.q_norm is not None and self.k_norm is not None:
+            head_dim = self.attn.head_dim
+            q = self.q_norm(q.reshape(-1, head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, head_dim)).view(k.shape)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, ctx))
+
+
+class GemmaDecoderLayer(nn.Module):
+    """x [T, hidden] -> x + post_ff(mlp(pre_ff(h))), h = x + post_attn(attn(input_norm(x)))."""
+
+    def __init__(
+        self,
+        arch: ArchConfig,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        sliding_window: int | None,
+        qk_norm: bool,
+    ) -> None:
+        super().__init__()
+        hidden, eps = arch.hidden_size, arch.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(hidden, eps)
+        self.self_attn = GemmaAttention(arch, layer_idx, rotary_emb, sliding_window, qk_norm)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.mlp = GemmaMLP(arch)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        attn_out = self.self_attn(positions, self.input_layernorm(x), ctx)
+        x = x + self.post_attention_layernorm(attn_out)
+        mlp_out = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(mlp_out)
+
+
+class GemmaModel(nn.Module):
+    """input_ids, positions [T] -> final-normed hidden states [T, hidden].
+
+    ``rotary_embs`` maps each layer type to its rotary module (one table per type).
+    """
+
+    def __init__(
+        self,
+        arch: ArchConfig,
+        layer_types: list[str],
+        rotary_embs: dict[str, RotaryEmbedding],
+        qk_norm: bool,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
+        # Kept as a Python float: the reference multiplies by it cast to the weight dtype.
+        self.normalizer = arch.hidden_size**0.5
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(
+                arch,
+                i,
+                rotary_embs[kind],
+                arch.sliding_window if kind == SLIDING else None,
+                qk_norm,
+            )
+            for i, kind in enumerate(layer_types)
+        )
+        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        x = x * torch.tensor(self.normalizer, dtype=x.dtype)
+        for layer in self.layers:
+            x = layer(positions, x, ctx)
+        return self.norm(x)
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    """Gemma 2. Inherits only the checkpoint loading (same q/k/v and gate/up names) from
+    ``LlamaForCausalLM``; the modules are built here."""
+
+    qk_norm = False
+    default_sliding_window_pattern = 2
+
+    def rotary_embs(self, arch: ArchConfig) -> dict[str, RotaryEmbedding]:
+        rope = RotaryEmbedding(
+            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
+        )
+        return {SLIDING: rope, FULL: rope}
+
+    def __init__(self, arch: ArchConfig) -> None:
+        nn.Module.__init__(self)
+        # Gemma always ties the head; old config files leave the flag out.
+        self.arch = arch
+        self.tied = bool(arch.raw.get("tie_word_embeddings", True))
+        layer_types = gemma_layer_types(arch, self.default_sliding_window_pattern)
+        self.model = GemmaModel(arch, layer_types, self.rotary_embs(arch), self.qk_norm)
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
+        if self.tied:
+            self.lm_head.tie_to(self.model.embed_tokens)
+        self.final_logit_softcapping = arch.raw.get("final_logit_softcapping")
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [N, hidden_size] -> float32 [N, vocab], soft-capped."""
+        return soft_cap(self.lm_head(hidden_states), self.final_logit_softcapping)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(
+            (name, tensor)
+            for name, tensor in weights
+            if not (name == "lm_head.weight" and self.tied)
+        )

@@ -1,0 +1,224 @@
+"""Gemma 2/3, Phi-3, Mixtral, Qwen3-MoE, GPT-2 and windowed Mistral/Qwen2 against transformers.
+
+Logits of tiny random checkpoints, fp32, through the paged CPU backend: one prefill step
+for all prompts, then the same prompts as a prefix chunk followed by single-token decode
+steps (which read the cache). Windows are 8 tokens and prompts reach 40, so every sliding
+layer drops keys.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from pagedlm.attention.backend import BatchLayout
+from pagedlm.config import ArchConfig, ModelConfig
+from pagedlm.kv_cache.interface import TensorKVCache
+from pagedlm.model_executor.forward_context import ForwardContext
+from pagedlm.model_executor.loader import load_model
+from pagedlm_cpu.attention import CpuSdpaBackend
+
+BLOCK_SIZE = 4
+PROMPT_LENS = [1, 7, 40, 13, 25, 2]
+WINDOW = 8
+SMALL = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    # head_dim 16 -> 8 frequencies; long factors stretch the slow ones.
+    "short_factor": [1.0, 1.0, 1.1, 1.2, 1.3, 1.5, 1.8, 2.0],
+    "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+}
+ORIGINAL_MAX = 16
+
+# name -> (config class, overrides, transformers' own hidden_act key if not hidden_act)
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 3.0,
+            "final_logit_softcapping": 5.0,
+        },
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 24,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0},
+            },
+        },
+    ),
+    "phi3_longrope": (
+        "Phi3Config",
+        {
+            "rope_parameters": LONGROPE,
+            "original_max_position_embeddings": ORIGINAL_MAX,
+            "pad_token_id": 0,
+            "eos_token_id": 2,
+            "bos_token_id": 1,
+        },
+    ),
+    "phi3_window": (
+        "Phi3Config",
+        {"sliding_window": WINDOW, "pad_token_id": 0, "eos_token_id": 2, "bos_token_id": 1},
+    ),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "sliding_window": WINDOW}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {
+            "head_dim": 16,
+            "num_experts": 6,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "qwen3_moe_unnormalized": (
+        "Qwen3MoeConfig",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48},
+    ),
+    "gpt2": ("GPT2Config", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128}),
+    "mistral_window": ("MistralConfig", {"sliding_window": WINDOW}),
+    "qwen2_window": (
+        "Qwen2Config",
+        {"sliding_window": WINDOW, "use_sliding_window": True, "max_window_layers": 1},
+    ),
+}
+
+
+def save_random_model(path: Path, config_class: str, overrides: dict[str, Any]) -> torch.nn.Module:
+    torch.manual_seed(0)
+    base = {} if config_class == "GPT2Config" else SMALL
+    config = getattr(transformers, config_class)(**{**base, "vocab_size": 320, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # Norm weights away from their identity value, so a missing or misread norm
+            # shows; other weights large enough to move the logits visibly.
+            if "norm" in name or ".ln_" in name:
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(path)
+    return model.eval()
+
+
+def hf_logits(
+    model: torch.nn.Module, prompt: list[int], incremental_from: int | None
+) -> torch.Tensor:
+    """[len(prompt), vocab]: one forward, or (``incremental_from``) a prefill of that many
+    tokens then one token at a time through transformers' cache."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        if incremental_from is None or len(prompt) <= incremental_from:
+            return model(ids).logits[0].float()
+        out = model(ids[:, :incremental_from], use_cache=True)
+        logits, cache = [out.logits[0]], out.cache
+        for i in range(incremental_from, len(prompt)):
+            out = model(ids[:, i : i + 1], cache=cache, use_cache=True)
+            logits.append(out.logits[0])
+            cache = out.cache
+        return torch.cat(logits).float()
+
+
+class PagedRunner:
+    """Drives a model step by step as the model runner does, one block table per prompt."""
+
+    def __init__(self, model: torch.nn.Module, arch: ArchConfig) -> None:
+        self.model = model
+        self.backend = CpuSdpaBackend(torch.device("cpu"))
+        shape = self.backend.kv_cache_shape(96, BLOCK_SIZE, arch.num_key_value_heads, arch.head_dim)
+        self.kv_cache = TensorKVCache(
+            shape, arch.num_hidden_layers, BLOCK_SIZE, torch.float32, lambda s, d: torch.zeros(s)
+        )
+        # Interleaved blocks, so reading another request's table shows as wrong logits.
+        self.tables = [
+            [r + i * len(PROMPT_LENS) for i in range(-(-max(PROMPT_LENS) // BLOCK_SIZE))]
+            for r in range(len(PROMPT_LENS))
+        ]
+
+    def step(self, chunks: list[tuple[int, int, list[int]]]) -> list[torch.Tensor]:
+        """chunks: (request, context_len, token ids) -> per chunk float32 logits [n, vocab]."""
+        input_ids, positions, slots, starts, seq_lens, tables = [], [], [], [0], [], []
+        for req, context_len, tokens in chunks:
+            table = self.tables[req]
+            for pos in range(context_len, context_len + len(tokens)):
+                positions.append(pos)
+                slots.append(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+            input_ids += tokens
+            starts.append(len(input_ids))
+            seq_lens.append(context_len + len(tokens))
+            tables.append(table)
+        layout = BatchLayout(starts, seq_lens, tables, slots, BLOCK_SIZE)
+        ctx = ForwardContext(self.backend, self.backend.build_metadata(layout), self.kv_cache)
+        with torch.no_grad():
+            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), ctx)
+            logits = self.model.compute_logits(hidden)
+        return [logits[starts[i] : starts[i + 1]] for i in range(len(chunks))]
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp(request.param)
+    config_class, overrides = CASES[request.param]
+    hf_model = save_random_model(path, config_class, overrides)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 320, (n,), generator=generator).tolist() for n in PROMPT_LENS]
+    # LongRoPE switches factors per position in pagedlm and per forward call in
+    # transformers; token-by-token past the pretraining length the two agree.
+    incremental_from = ORIGINAL_MAX if "longrope" in request.param else None
+    expected = [hf_logits(hf_model, p, incremental_from) for p in prompts]
+    arch = ArchConfig.from_directory(path)
+    config = ModelConfig(str(path), None, arch, torch.float32, max_model_len=128)
+    return load_model(config, torch.device("cpu")), arch, prompts, expected
+
+
+def test_prefill_matches_transformers(case) -> None:
+    model, arch, prompts, expected = case
+    if arch.rope_scaling and arch.rope_scaling.get("rope_type") == "longrope":
+        prompts = [p[:ORIGINAL_MAX] for p in prompts]
+        expected = [e[:ORIGINAL_MAX] for e in expected]
+    runner = PagedRunner(model, arch)
+    got = runner.step([(i, 0, p) for i, p in enumerate(prompts)])
+    torch.testing.assert_close(torch.cat(got), torch.cat(expected), atol=1e-4, rtol=0)
+
+
+def test_chunk_then_decodes_read_the_cache(case) -> None:
+    """Each prompt: a first chunk, then its last (up to) 3 tokens as separate decode steps,
+    all requests batched together in every step."""
+    model, arch, prompts, expected = case
+    runner = PagedRunner(model, arch)
+    split = [max(1, len(p) - 3) for p in prompts]
+    got = runner.step([(i, 0, p[: split[i]]) for i, p in enumerate(prompts)])
+    for offset in range(3):
+        chunks = [
+            (i, split[i] + offset, [p[split[i] + offset]])
+            for i, p in enumerate(prompts)
+            if split[i] + offset < len(p)
+        ]
+        if not chunks:
+            break
+        for (i, _, _), logits in zip(chunks, runner.step(chunks), strict=True):
+            got[i] = torch.cat([got[i], logits])
+    torch.testing.assert_close(torch.cat(got), torch.cat(expected), atol=1e-4, rtol=0)
