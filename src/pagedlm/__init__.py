@@ -6,7 +6,7 @@ the server, gguf and grammar libraries are imported when a feature needs them.
 
 from pagedlm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedlm.plugins.hookspecs import hookimpl
-from pagedlm.sampling_params import RequestOutputKind, SamplingParams
+from pagedlm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -18,6 +18,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
     "hookimpl",
 ]

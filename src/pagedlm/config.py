@@ -211,6 +211,8 @@ class EngineConfig:
     """None: the platform's default attention backend."""
     executor: str | None = None
     """None: the platform's default executor ("uniproc")."""
+    structured_outputs_backend: str = "xgrammar"
+    """Grammar backend for structured outputs: "xgrammar" or "outlines"."""
 
     def with_num_kv_blocks(self, num_kv_blocks: int) -> EngineConfig:
         return replace(self, cache=replace(self.cache, num_kv_blocks=num_kv_blocks))

@@ -7,7 +7,9 @@ Validation happens here, once, when the object is built: a bad value raises
 from __future__ import annotations
 
 import enum
+import json as _json
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
 """Upper bound for ``logprobs`` and ``prompt_logprobs`` (the OpenAI API's cap)."""
@@ -20,6 +22,69 @@ class RequestOutputKind(enum.Enum):
     """Every output carries only what is new since the previous one."""
     FINAL_ONLY = 2
     """Only the finished output is returned."""
+
+
+_STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a JSON schema, any JSON object, a regex, a choice or an EBNF grammar.
+
+    Exactly one of ``json`` (a schema as dict or JSON string), ``json_object=True``,
+    ``regex``, ``choice`` (list of strings) or ``grammar`` (EBNF) must be set. Field names
+    follow vLLM. Checks that need a grammar backend (is the regex valid? does the grammar
+    parse?) run in the input processor, before the request enters the engine.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    """JSON only: emit compact JSON (no free whitespace between tokens); small models may
+    otherwise spend their tokens on whitespace."""
+
+    def __post_init__(self) -> None:
+        given = [name for name in _STRUCTURED_KINDS if self._is_set(name)]
+        if len(given) != 1:
+            found = ", ".join(given) if given else "none"
+            raise ValueError(
+                "StructuredOutputsParams needs exactly one of json, json_object=True, regex, "
+                f"choice or grammar; got {found}."
+            )
+        if self.json_object is False:
+            raise ValueError("json_object must be True or None.")
+        if isinstance(self.json, str):
+            try:
+                parsed = _json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            if not isinstance(parsed, dict | bool):
+                raise ValueError("structured_outputs.json must be a JSON schema object.")
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(
+                f"structured_outputs.json must be a dict or a JSON string, got "
+                f"{type(self.json).__name__}."
+            )
+        if self.choice is not None:
+            self.choice = list(self.choice)
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string.")
+
+    def _is_set(self, name: str) -> bool:
+        value = getattr(self, name)
+        return value is not None and (name != "json_object" or value is not False)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "json", "json_object", "regex", "choice" or "grammar"."""
+        return next(name for name in _STRUCTURED_KINDS if self._is_set(name))
 
 
 @dataclass
@@ -52,6 +117,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the tokenizer/model: EOS plus any extra ids that end the request.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -110,6 +176,13 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty.")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True; use stop_token_ids instead.")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams, e.g. "
+                "StructuredOutputsParams(json=schema)."
+            )
 
     @property
     def is_greedy(self) -> bool:

@@ -13,6 +13,7 @@ from pagedlm.core.scheduler_interface import Scheduler, SchedulerStats
 from pagedlm.executor import Executor
 from pagedlm.platforms import Platform
 from pagedlm.plugins.registry import select_executor
+from pagedlm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,11 @@ class EngineCore:
         num_blocks = self.executor.determine_num_kv_blocks()
         self.executor.initialize_kv_cache(num_blocks)
         self.num_kv_blocks = num_blocks
-        self.scheduler: Scheduler = OneBudgetScheduler(config.scheduler, config.cache, num_blocks)
+        # Builds nothing heavy until the first constrained request (then on a thread).
+        self.structured_output = StructuredOutputManager(config)
+        self.scheduler: Scheduler = OneBudgetScheduler(
+            config.scheduler, config.cache, num_blocks, self.structured_output
+        )
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -52,4 +57,5 @@ class EngineCore:
         return self.scheduler.make_stats()
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         self.executor.shutdown()

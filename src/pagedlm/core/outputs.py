@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from pagedlm.sampling_params import SamplingParams
 
 
@@ -42,6 +44,18 @@ class CachedRequestData:
 
 
 @dataclass(frozen=True)
+class GrammarBitmask:
+    """Allowed next tokens of the structured-output requests that sample this step.
+
+    Row ``i`` of ``bitmask`` (numpy int32 ``[len(req_ids), ceil(vocab_size / 32)]``)
+    belongs to ``req_ids[i]``; bit ``j`` of word ``w`` set = token ``32 * w + j`` allowed.
+    """
+
+    req_ids: list[str]
+    bitmask: np.ndarray
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     """What to compute this step.
 
@@ -57,6 +71,8 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     """Requests that ended since the last step: workers drop their state."""
     preempted_req_ids: set[str] = field(default_factory=set)
+    grammar_bitmask: GrammarBitmask | None = None
+    """Token masks for constrained requests (None when no sampled request has a grammar)."""
 
     @property
     def is_empty(self) -> bool:

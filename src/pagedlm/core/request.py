@@ -12,12 +12,14 @@ if TYPE_CHECKING:
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_IGNORED = 6
+    WAITING_FOR_GRAMMAR = 1
+    """Its structured-output grammar is compiling; other requests are admitted meanwhile."""
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_IGNORED = 7
 
     @property
     def is_finished(self) -> bool:

@@ -25,6 +25,13 @@ stops. Waiting requests never cause preemption; they are admitted only while fre
 last, and not at all in a step that preempted (memory is short then). FCFS is strict:
 when the head of the queue does not fit, nothing behind it is admitted either.
 
+Structured outputs (optional component, ``StructuredOutputManager``): a constrained
+request waits with status ``WAITING_FOR_GRAMMAR`` while its grammar compiles on a thread;
+it is skipped, and requests behind it are admitted. Each step ships the allowed-token
+bitmask of the constrained requests that sample with the ``SchedulerOutput``;
+``update_from_output`` advances their matchers by the appended tokens and finishes a
+request whose grammar has terminated. Matchers are not touched by preemption.
+
 A request that could never fit (``prompt + max_tokens`` tokens need more than
 ``num_blocks`` blocks) is rejected in ``add_request`` instead of waiting forever.
 
@@ -39,11 +46,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from pagedlm.config import CacheConfig, SchedulerConfig
 from pagedlm.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
+    GrammarBitmask,
     LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
@@ -54,12 +63,22 @@ from pagedlm.core.scheduler_interface import Scheduler, SchedulerStats
 from pagedlm.core.stop_checker import append_token_ids
 from pagedlm.kv_cache.manager import KVCacheManager
 
+if TYPE_CHECKING:
+    from pagedlm.structured_output.manager import StructuredOutputManager
+
+GRAMMAR_WAIT_S = 0.05
+"""How long an idle step blocks for a compiling grammar before returning empty."""
+
 
 class OneBudgetScheduler(Scheduler):
     """Running-first, then FCFS-waiting, under one token budget per step (see module doc)."""
 
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
@@ -71,6 +90,7 @@ class OneBudgetScheduler(Scheduler):
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.structured_output = structured_output
         self._finished_req_ids: set[str] = set()
         """Requests that ended since the last ``schedule()``; reported to the workers."""
 
@@ -94,6 +114,14 @@ class OneBudgetScheduler(Scheduler):
                 f"shorten the prompt, or raise num_kv_blocks (or the KV-cache memory)."
             )
         request.status = RequestStatus.WAITING
+        if request.sampling_params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise ValueError(
+                    f"request {request.request_id!r} asks for structured outputs, but this "
+                    "scheduler was built without a StructuredOutputManager."
+                )
+            self.structured_output.add_request(request)
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -140,6 +168,8 @@ class OneBudgetScheduler(Scheduler):
         cached_reqs: list[CachedRequestData] = []
         new_reqs: list[NewRequestData] = []
         preempted: list[Request] = []
+        if not self.running:
+            self._wait_for_grammars()
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -158,6 +188,7 @@ class OneBudgetScheduler(Scheduler):
             budget -= num_new_tokens
             index += 1
 
+        compiling: list[Request] = []
         while (
             not preempted
             and self.waiting
@@ -165,6 +196,9 @@ class OneBudgetScheduler(Scheduler):
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            if not self._grammar_ready(request):
+                compiling.append(self.waiting.popleft())
+                continue
             num_new_tokens = self._admit(request, budget)
             if num_new_tokens is None:
                 break
@@ -181,6 +215,7 @@ class OneBudgetScheduler(Scheduler):
             )
             num_scheduled[request.request_id] = num_new_tokens
             budget -= num_new_tokens
+        self.waiting.extendleft(reversed(compiling))
 
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -189,11 +224,43 @@ class OneBudgetScheduler(Scheduler):
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids={request.request_id for request in preempted},
+            grammar_bitmask=self._grammar_bitmask(num_scheduled),
         )
         self._finished_req_ids = set()
         for request_id, num_tokens in num_scheduled.items():
             self.requests[request_id].num_computed_tokens += num_tokens
         return output
+
+    def _grammar_ready(self, request: Request) -> bool:
+        if request.status is not RequestStatus.WAITING_FOR_GRAMMAR:
+            return True
+        assert self.structured_output is not None
+        if not self.structured_output.is_ready(request.request_id):
+            return False
+        request.status = RequestStatus.WAITING
+        return True
+
+    def _wait_for_grammars(self) -> None:
+        """With nothing running, block briefly on compiling grammars instead of spinning."""
+        compiling = [
+            r.request_id for r in self.waiting if r.status is RequestStatus.WAITING_FOR_GRAMMAR
+        ]
+        if self.structured_output is not None and len(compiling) == len(self.waiting) > 0:
+            self.structured_output.wait_for_any(compiling, GRAMMAR_WAIT_S)
+
+    def _grammar_bitmask(self, num_scheduled: dict[str, int]) -> GrammarBitmask | None:
+        """Masks for the constrained requests that sample this step (prompt fully fed)."""
+        if self.structured_output is None:
+            return None
+        sampling = []
+        for request_id, num_tokens in num_scheduled.items():
+            request = self.requests[request_id]
+            if (
+                request.sampling_params.structured_outputs is not None
+                and request.num_computed_tokens + num_tokens >= request.num_tokens
+            ):
+                sampling.append(request_id)
+        return self.structured_output.grammar_bitmask(sampling) if sampling else None
 
     def _allocate_or_preempt(
         self, request: Request, num_new_tokens: int, preempted: list[Request]
@@ -254,7 +321,11 @@ class OneBudgetScheduler(Scheduler):
             request = self.requests.get(req_id)
             if request is None or req_id not in scheduler_output.num_scheduled_tokens:
                 continue  # aborted after this step was scheduled
+            if sampled and request.sampling_params.structured_outputs is not None:
+                sampled = self._check_grammar_failed(request, sampled)
             new_token_ids = append_token_ids(request, sampled, max_model_len) if sampled else []
+            if new_token_ids and not request.is_finished and self.structured_output is not None:
+                self._advance_grammar(request, new_token_ids)
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if not new_token_ids and not request.is_finished and prompt_logprobs is None:
                 continue
@@ -277,8 +348,32 @@ class OneBudgetScheduler(Scheduler):
             )
         return outputs
 
+    def _check_grammar_failed(self, request: Request, sampled: list[int]) -> list[int]:
+        """A request whose grammar failed to compile ends with "abort", its token dropped."""
+        assert self.structured_output is not None
+        error = self.structured_output.error(request.request_id)
+        if error is None:
+            return sampled
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.stop_reason = error
+        return []
+
+    def _advance_grammar(self, request: Request, token_ids: list[int]) -> None:
+        assert self.structured_output is not None
+        if request.sampling_params.structured_outputs is None:
+            return
+        if not self.structured_output.accept_tokens(request.request_id, token_ids):
+            # Only possible if the mask was not applied; never emit text that breaks it.
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.stop_reason = "sampled a token the grammar does not allow"
+        elif self.structured_output.is_terminated(request.request_id):
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = None
+
     def _finish(self, request: Request) -> None:
         """Release a request that has left ``running``/``waiting`` with a finished status."""
+        if self.structured_output is not None:
+            self.structured_output.remove(request.request_id)
         self.kv_manager.free(request)
         del self.requests[request.request_id]
         self._finished_req_ids.add(request.request_id)

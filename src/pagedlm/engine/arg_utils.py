@@ -46,6 +46,8 @@ class EngineArgs:
     attention_backend: str | None = None
     kv_cache_memory_bytes: int | None = None
     trust_remote_code: bool = False
+    structured_outputs_backend: str = "xgrammar"
+    """Grammar backend for structured outputs: "xgrammar" or "outlines"."""
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -76,6 +78,13 @@ class EngineArgs:
         for name in ("num_kv_blocks", "max_num_batched_tokens", "max_model_len"):
             validate_positive(name, getattr(self, name))
 
+        from pagedlm.structured_output.backend import BACKENDS
+
+        if self.structured_outputs_backend not in BACKENDS:
+            raise ValueError(
+                f"structured_outputs_backend={self.structured_outputs_backend!r} is unknown; "
+                f"use one of {sorted(BACKENDS)}."
+            )
         model = self.resolve_model()
         if model.endswith(".gguf"):
             from pagedlm.model_executor.loader.gguf_loader import gguf_arch_config
@@ -125,6 +134,7 @@ class EngineArgs:
             ),
             platform=platform.name,
             attention_backend=self.attention_backend,
+            structured_outputs_backend=self.structured_outputs_backend,
         )
         return configure(config, platform), platform
 

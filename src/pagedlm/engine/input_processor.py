@@ -36,9 +36,15 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        tokenizer: Any | None,
+        structured_outputs_backend: str = "xgrammar",
+    ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
+        self.structured_outputs_backend = structured_outputs_backend
         self.vocab_size = model_config.arch.vocab_size
         eos = set(model_config.arch.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -105,6 +111,8 @@ class InputProcessor:
                 )
         if params.detokenize and self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids instead.")
+        if params.structured_outputs is not None:
+            self._validate_structured_outputs(params)
         resolved = params.clone()
         resolved.max_tokens = max_tokens
         stop_ids = set(params.stop_token_ids or ())
@@ -114,6 +122,17 @@ class InputProcessor:
         if self.tokenizer is None:
             resolved.detokenize = False
         return resolved
+
+    def _validate_structured_outputs(self, params: SamplingParams) -> None:
+        from pagedlm.structured_output.params import validate_structured_outputs
+
+        if self.tokenizer is None:
+            raise ValueError(
+                "structured_outputs need the tokenizer to map grammars to tokens; do not "
+                "pass skip_tokenizer_init=True."
+            )
+        assert params.structured_outputs is not None
+        validate_structured_outputs(params.structured_outputs, self.structured_outputs_backend)
 
     def process(
         self, request_id: str, prompt: PromptType, params: SamplingParams

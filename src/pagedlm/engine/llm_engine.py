@@ -29,7 +29,9 @@ class LLMEngine:
             from pagedlm.tokenizer import get_tokenizer
 
             self.tokenizer = get_tokenizer(config.model.model, config.model.tokenizer)
-        self.input_processor = InputProcessor(config.model, self.tokenizer)
+        self.input_processor = InputProcessor(
+            config.model, self.tokenizer, config.structured_outputs_backend
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(config, platform)
         self.metrics = EngineMetrics()

@@ -2,6 +2,9 @@
 
 Pipeline (vLLM order), each stage skipped when no row of the batch needs it:
 
+0. the structured-output token bitmask, if any row is constrained: disallowed tokens
+   become ``-inf`` in one batched call, before everything else, so logprobs describe
+   the distribution actually sampled from (as in vLLM);
 1. logit bias (added), then the ``min_tokens`` mask on stop tokens;
 2. repetition / frequency / presence penalties;
 3. greedy rows take ``argmax`` here (lowest index on ties, like ``torch.argmax``);
@@ -26,6 +29,7 @@ from pagedlm.sample.logprobs import LogprobsTensors, compute_logprobs
 from pagedlm.sample.metadata import SamplingMetadata
 from pagedlm.sample.penalties import apply_penalties
 from pagedlm.sample.topk_topp import apply_filters
+from pagedlm.structured_output.bitmask import apply_token_bitmask
 
 
 class SamplerOutput(NamedTuple):
@@ -39,13 +43,24 @@ class SamplerOutput(NamedTuple):
 class Sampler:
     """Stateless; one instance serves every step. Call with ``(logits, metadata)``."""
 
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """``logits``: ``[N, vocab]`` float (one row per ``SamplingRow``, same order)."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        metadata: SamplingMetadata,
+        token_bitmask: torch.Tensor | None = None,
+    ) -> SamplerOutput:
+        """``logits``: ``[N, vocab]`` float (one row per ``SamplingRow``, same order).
+
+        ``token_bitmask``: ``[N, ceil(vocab / 32)]`` int32 on the logits' device, or
+        ``None``; unconstrained rows hold ``-1`` (all tokens allowed).
+        """
         if logits.dim() != 2 or logits.shape[0] != metadata.num_rows:
             raise ValueError(
                 f"logits have shape {tuple(logits.shape)} but the metadata describes "
                 f"{metadata.num_rows} rows; pass one logits row per SamplingRow."
             )
+        if token_bitmask is not None:
+            logits = apply_token_bitmask(logits, token_bitmask)
         raw_logits = logits
         logits = self._adjust_logits(logits, metadata)
         if metadata.all_greedy:

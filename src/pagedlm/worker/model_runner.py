@@ -4,6 +4,10 @@ Per step: update per-request state from the SchedulerOutput, build ``input_ids``
 ``positions`` and the ``BatchLayout`` (query offsets, sequence lengths, block tables, slot
 mapping), let the attention backend build its metadata once, run the model, compute
 logits only for rows that are sampled or asked for prompt logprobs, and sample.
+
+Structured outputs: the scheduler owns the grammar matchers and ships the bitmask of the
+constrained requests that sample with the ``SchedulerOutput`` (``grammar_bitmask``, as in
+vLLM); the runner only lays its rows out in sampling order and hands it to the sampler.
 """
 
 from __future__ import annotations
@@ -16,7 +20,12 @@ import torch
 
 from pagedlm.attention import AttentionBackend, BatchLayout
 from pagedlm.config import EngineConfig
-from pagedlm.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from pagedlm.core.outputs import (
+    GrammarBitmask,
+    LogprobsLists,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from pagedlm.kv_cache.interface import KVCache, TensorKVCache, kv_bytes_per_block
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.loader import load_model
@@ -240,7 +249,10 @@ class ModelRunner:
                 device=device,
                 default_generator=self.default_generator,
             )
-            out = self.sampler(sampled_logits, metadata)
+            token_bitmask = _batch_bitmask(scheduler_output.grammar_bitmask, sampled_states)
+            if token_bitmask is not None:
+                token_bitmask = token_bitmask.to(device, non_blocking=True)
+            out = self.sampler(sampled_logits, metadata, token_bitmask)
             token_ids = out.sampled_token_ids.tolist()
             if out.logprobs is not None:
                 per_row = out.logprobs.to_lists(
@@ -280,3 +292,27 @@ class ModelRunner:
                 ranks=[r for row in lists for r in row.ranks],
             )
         return result
+
+
+def _batch_bitmask(
+    grammar_bitmask: GrammarBitmask | None, sampled_states: list[CachedRequestState]
+) -> torch.Tensor | None:
+    """The scheduler's bitmask rows in sampling order; ``-1`` (allow all) elsewhere.
+
+    Returns ``[len(sampled_states), W]`` int32 on the host, or None if no row is constrained.
+    """
+    if grammar_bitmask is None:
+        return None
+    source = torch.from_numpy(grammar_bitmask.bitmask)
+    row_of = {req_id: row for row, req_id in enumerate(grammar_bitmask.req_ids)}
+    src_rows, dst_rows = [], []
+    for dst, state in enumerate(sampled_states):
+        src = row_of.get(state.req_id)
+        if src is not None:
+            src_rows.append(src)
+            dst_rows.append(dst)
+    if not src_rows:
+        return None
+    batch = torch.full((len(sampled_states), source.shape[1]), -1, dtype=torch.int32)
+    batch[dst_rows] = source[src_rows]
+    return batch

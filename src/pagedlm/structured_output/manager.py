@@ -1,0 +1,144 @@
+"""The scheduler's view of structured outputs: compile futures, matchers, the bitmask.
+
+Lifecycle of a constrained request:
+
+1. ``add_request``: its spec is submitted to the :class:`GrammarCompiler` (a thread) and
+   the request waits (status ``WAITING_FOR_GRAMMAR``); the scheduler admits others.
+2. ``is_ready``: once the future is done, a fresh matcher is made (or the failure is
+   recorded, and the scheduler finishes the request with "abort": the engine never
+   crashes on a grammar).
+3. ``grammar_bitmask``: each step, the allowed next tokens of the constrained requests
+   that sample, in one ``[M, ceil(vocab / 32)]`` int32 array shipped with the
+   ``SchedulerOutput``.
+4. ``accept_tokens`` on every token the scheduler appends; ``is_terminated`` ends the
+   request when its grammar is complete.
+
+Matchers live here, keyed by request id, and are never reset by preemption: a preempted
+request recomputes the same tokens, so its grammar state is still right.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pagedlm.core.outputs import GrammarBitmask
+from pagedlm.structured_output.backend import (
+    GrammarMatcher,
+    StructuredOutputBackend,
+    backend_class,
+    bitmask_width,
+)
+from pagedlm.structured_output.compiler import GrammarCompiler
+from pagedlm.structured_output.params import backend_error, grammar_spec
+
+if TYPE_CHECKING:
+    from pagedlm.config import EngineConfig
+    from pagedlm.core.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _RequestGrammar:
+    future: Future[Any]
+    matcher: GrammarMatcher | None = None
+    error: str | None = None
+
+
+class StructuredOutputManager:
+    """Owns the compiler and one matcher per constrained request (see module doc)."""
+
+    def __init__(self, config: EngineConfig, max_workers: int = 1) -> None:
+        self.backend_name = config.structured_outputs_backend
+        self.vocab_size = config.model.arch.vocab_size
+        self._model_config = config.model
+        self.compiler = GrammarCompiler(self._make_backend, max_workers=max_workers)
+        self._requests: dict[str, _RequestGrammar] = {}
+
+    def _make_backend(self) -> StructuredOutputBackend:
+        from pagedlm.tokenizer import get_tokenizer
+
+        model = self._model_config
+        tokenizer = get_tokenizer(model.model, model.tokenizer)
+        stop_ids = list(dict.fromkeys([tokenizer.eos_token_id, *model.arch.eos_token_ids]))
+        stop_ids = [t for t in stop_ids if t is not None]
+        return backend_class(self.backend_name)(tokenizer, self.vocab_size, stop_ids)
+
+    # ---- per request ---------------------------------------------------------------
+
+    def uses_grammar(self, request: Request) -> bool:
+        return request.sampling_params.structured_outputs is not None
+
+    def add_request(self, request: Request) -> None:
+        params = request.sampling_params.structured_outputs
+        assert params is not None, "only constrained requests are added"
+        future = self.compiler.submit(grammar_spec(params))
+        self._requests[request.request_id] = _RequestGrammar(future)
+
+    def is_ready(self, request_id: str) -> bool:
+        """Compiled (or failed): the request may be scheduled."""
+        state = self._requests[request_id]
+        if state.matcher is not None or state.error is not None:
+            return True
+        if not state.future.done():
+            return False
+        try:
+            state.matcher = self.compiler.backend.make_matcher(state.future.result())
+        except Exception as exc:  # any backend failure ends this request, not the engine
+            state.error = f"grammar compilation failed: {backend_error(exc)}"
+            logger.warning("request %s: %s", request_id, state.error)
+        return True
+
+    def error(self, request_id: str) -> str | None:
+        state = self._requests.get(request_id)
+        return None if state is None else state.error
+
+    def wait_for_any(self, request_ids: list[str], timeout: float) -> None:
+        """Block until one of these requests' grammars is compiled (idle engine only)."""
+        pending = [
+            self._requests[r].future
+            for r in request_ids
+            if r in self._requests and not self._requests[r].future.done()
+        ]
+        if pending:
+            wait_futures(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
+        """Advance the request's matcher; False if a token was not allowed."""
+        matcher = self._requests[request_id].matcher
+        assert matcher is not None, "a request samples only once its grammar is ready"
+        return all(matcher.accept_token(t) for t in token_ids)
+
+    def is_terminated(self, request_id: str) -> bool:
+        matcher = self._requests[request_id].matcher
+        return matcher is not None and matcher.is_terminated()
+
+    def remove(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    # ---- per step ------------------------------------------------------------------
+
+    def grammar_bitmask(self, request_ids: list[str]) -> GrammarBitmask | None:
+        """Allowed next tokens for the given sampling requests that have a matcher."""
+        rows = [r for r in request_ids if self._matcher_of(r) is not None]
+        if not rows:
+            return None
+        bitmask = np.full((len(rows), bitmask_width(self.vocab_size)), -1, dtype=np.int32)
+        for row, request_id in enumerate(rows):
+            matcher = self._matcher_of(request_id)
+            assert matcher is not None
+            matcher.fill_bitmask(bitmask, row)
+        return GrammarBitmask(req_ids=rows, bitmask=bitmask)
+
+    def _matcher_of(self, request_id: str) -> GrammarMatcher | None:
+        state = self._requests.get(request_id)
+        return None if state is None else state.matcher
+
+    def shutdown(self) -> None:
+        self.compiler.shutdown()

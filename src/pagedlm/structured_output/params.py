@@ -1,0 +1,65 @@
+"""From user-facing :class:`StructuredOutputsParams` to a canonical :class:`GrammarSpec`.
+
+The spec is the cache key of compiled grammars, so two requests with the same schema
+(dict or string) share one compilation. Property order is kept, not sorted: backends
+emit object properties in schema order.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pagedlm.sampling_params import StructuredOutputsParams
+from pagedlm.structured_output.backend import GrammarSpec, backend_class
+
+
+def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
+    """The canonical spec of ``params`` (already checked to hold exactly one kind)."""
+    kind = params.kind
+    compact = params.disable_any_whitespace
+    if kind == "json":
+        schema = params.json if isinstance(params.json, dict) else json.loads(params.json)
+        return GrammarSpec("json", json.dumps(schema, ensure_ascii=False), compact)
+    if kind == "json_object":
+        return GrammarSpec("json_object", "", compact)
+    if kind == "choice":
+        return GrammarSpec("choice", json.dumps(params.choice, ensure_ascii=False))
+    text = params.regex if kind == "regex" else params.grammar
+    assert text is not None
+    return GrammarSpec(kind, text)
+
+
+def validate_structured_outputs(params: StructuredOutputsParams, backend: str) -> GrammarSpec:
+    """Check ``params`` against ``backend`` before the request enters the engine.
+
+    Raises ``ValueError`` that names the problem (an invalid schema, regex or grammar, or
+    a kind the backend cannot enforce). Returns the spec for convenience.
+    """
+    spec = grammar_spec(params)
+    if spec.kind == "json":
+        _check_json_schema(spec.spec)
+    backend_class(backend).validate(spec)
+    return spec
+
+
+def _check_json_schema(schema_text: str) -> None:
+    """Meta-validate with ``jsonschema`` when it is installed (catches e.g. a misspelt type)."""
+    try:
+        import jsonschema
+    except ImportError:
+        return  # the backend's own conversion still rejects what it cannot compile
+    schema = json.loads(schema_text)
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        path = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+        raise ValueError(f"Invalid JSON schema at {path}: {exc.message}") from None
+
+
+def backend_error(exc: Exception) -> str:
+    """A backend exception's message without the C++ file/line prefix xgrammar adds."""
+    text = str(exc).strip()
+    # xgrammar: "[03:39:19] /project/cpp/x.cc:94: message"
+    if text.startswith("[") and ".cc:" in text:
+        text = text.split(": ", 1)[-1]
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,73 @@
+"""The xgrammar backend (the default): JSON schema, any JSON, regex, choice and EBNF."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+from pagedlm.structured_output.backend import GrammarMatcher, GrammarSpec, StructuredOutputBackend
+from pagedlm.structured_output.params import backend_error
+
+
+def _choice_ebnf(choices: list[str]) -> str:
+    # JSON string escapes are also valid EBNF string-literal escapes in xgrammar.
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+def _grammar(spec: GrammarSpec) -> xgr.Grammar:
+    if spec.kind == "json":
+        return xgr.Grammar.from_json_schema(spec.spec, any_whitespace=not spec.compact)
+    if spec.kind == "json_object":
+        return xgr.Grammar.builtin_json_grammar()
+    if spec.kind == "regex":
+        return xgr.Grammar.from_regex(spec.spec)
+    if spec.kind == "choice":
+        return xgr.Grammar.from_ebnf(_choice_ebnf(json.loads(spec.spec)))
+    if spec.kind == "grammar":
+        return xgr.Grammar.from_ebnf(spec.spec)
+    raise ValueError(f"Unknown structured output kind {spec.kind!r}.")
+
+
+class XgrammarMatcher(GrammarMatcher):
+    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+        self._matcher = matcher
+
+    def accept_token(self, token_id: int) -> bool:
+        return bool(self._matcher.accept_token(token_id))
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(torch.from_numpy(bitmask), row)
+
+    def is_terminated(self) -> bool:
+        return bool(self._matcher.is_terminated())
+
+
+class XgrammarBackend(StructuredOutputBackend):
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        super().__init__(tokenizer, vocab_size, stop_token_ids)
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+        )
+        # Our own compiler caches by spec; xgrammar's cache would hold a second copy.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+    @staticmethod
+    def validate(spec: GrammarSpec) -> None:
+        try:
+            _grammar(spec)
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(
+                f"Invalid structured_outputs.{spec.kind}: {backend_error(exc)}"
+            ) from None
+
+    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        return self._compiler.compile_grammar(_grammar(spec))
+
+    def make_matcher(self, compiled: xgr.CompiledGrammar) -> GrammarMatcher:
+        return XgrammarMatcher(xgr.GrammarMatcher(compiled))

@@ -1,0 +1,235 @@
+"""The scheduler with structured outputs, driven by a fake grammar backend and runner.
+
+The fake grammar of a request is a fixed token sequence (given as a regex spec of
+space-separated ids); the fake runner samples the lowest token the shipped bitmask allows
+(an unconstrained request samples FILLER), so these tests check what the scheduler sends
+and how it reacts, with no model and no grammar library.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from pagedlm.config import CacheConfig, SchedulerConfig
+from pagedlm.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from pagedlm.core.request import Request, RequestStatus
+from pagedlm.core.scheduler import OneBudgetScheduler
+from pagedlm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedlm.structured_output.backend import GrammarMatcher, StructuredOutputBackend
+from pagedlm.structured_output.compiler import GrammarCompiler
+from pagedlm.structured_output.manager import StructuredOutputManager
+
+BLOCK = 4
+EOS = 2
+FILLER = 7
+VOCAB = 64
+
+
+class _SequenceMatcher(GrammarMatcher):
+    def __init__(self, sequence: list[int]) -> None:
+        self.sequence = sequence
+        self.position = 0
+
+    def accept_token(self, token_id: int) -> bool:
+        if self.position >= len(self.sequence) or token_id != self.sequence[self.position]:
+            return False
+        self.position += 1
+        return True
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        bitmask[row] = 0
+        if self.position < len(self.sequence):
+            token = self.sequence[self.position]
+            bitmask[row, token // 32] = np.int32(np.uint32(1 << (token % 32)).view(np.int32))
+
+    def is_terminated(self) -> bool:
+        return self.position == len(self.sequence)
+
+
+class _SequenceBackend(StructuredOutputBackend):
+    name = "sequence"
+
+    def __init__(self) -> None:
+        super().__init__(None, VOCAB, [EOS])
+        self.release = threading.Event()
+        self.release.set()
+
+    @staticmethod
+    def validate(spec):
+        pass
+
+    def compile(self, spec):
+        assert self.release.wait(10)
+        if spec.spec == "fail":
+            raise RuntimeError("fake compiler error")
+        return [int(t) for t in spec.spec.split()]
+
+    def make_matcher(self, compiled):
+        return _SequenceMatcher(compiled)
+
+
+@pytest.fixture
+def backend() -> _SequenceBackend:
+    return _SequenceBackend()
+
+
+def _scheduler(backend: _SequenceBackend, *, budget: int = 64, num_blocks: int = 64):
+    config = SimpleNamespace(
+        structured_outputs_backend="sequence",
+        model=SimpleNamespace(arch=SimpleNamespace(vocab_size=VOCAB)),
+    )
+    manager = StructuredOutputManager(config)  # type: ignore[arg-type]
+    manager.compiler = GrammarCompiler(lambda: backend)
+    return OneBudgetScheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=256),
+        CacheConfig(block_size=BLOCK),
+        num_blocks,
+        manager,
+    )
+
+
+def _request(request_id: str, grammar: str | None, num_prompt: int = 5, **params) -> Request:
+    params.setdefault("max_tokens", 6)
+    if grammar is not None:
+        params["structured_outputs"] = StructuredOutputsParams(regex=grammar)
+    return Request(request_id, list(range(10, 10 + num_prompt)), SamplingParams(**params), {EOS})
+
+
+def _lowest_allowed(bitmask: np.ndarray) -> int:
+    bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")
+    return int(np.flatnonzero(bits)[0])
+
+
+def _step(scheduler, ignore_mask: bool = False) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+    output = scheduler.schedule()
+    req_ids = [r.req_id for r in output.scheduled_new_reqs + output.scheduled_cached_reqs]
+    masks = {}
+    if output.grammar_bitmask is not None:
+        for row, req_id in enumerate(output.grammar_bitmask.req_ids):
+            masks[req_id] = output.grammar_bitmask.bitmask[row]
+    sampled = []
+    for req_id in req_ids:
+        request = scheduler.requests[req_id]
+        if request.num_computed_tokens < request.num_tokens:
+            assert req_id not in masks, "no mask for a partial prefill chunk"
+            sampled.append([])
+        elif req_id in masks and not ignore_mask:
+            sampled.append([_lowest_allowed(masks[req_id])])
+        else:
+            sampled.append([FILLER])
+    return output, scheduler.update_from_output(output, ModelRunnerOutput(req_ids, sampled))
+
+
+def _run(scheduler, max_steps: int = 50) -> dict[str, EngineCoreOutput]:
+    finished, tokens = {}, {}
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return {r: (tokens.get(r, []), out) for r, out in finished.items()}
+        for out in _step(scheduler)[1]:
+            tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finished[out.req_id] = out
+    raise AssertionError("requests did not finish")
+
+
+def test_waits_for_its_grammar_while_others_run(backend):
+    scheduler = _scheduler(backend)
+    backend.release.clear()
+    scheduler.add_request(_request("json", "20 21 2"))
+    scheduler.add_request(_request("plain", None))
+    assert scheduler.requests["json"].status is RequestStatus.WAITING_FOR_GRAMMAR
+    for _ in range(2):
+        output, _ = _step(scheduler)
+        assert set(output.num_scheduled_tokens) == {"plain"}
+        assert output.grammar_bitmask is None
+    assert [r.request_id for r in scheduler.waiting] == ["json"], "keeps its place in line"
+    backend.release.set()
+    results = _run(scheduler)
+    assert results["json"][0] == [20, 21, EOS] and results["json"][1].finish_reason == "stop"
+    assert results["plain"][0] == [FILLER] * 4  # plus the 2 sampled while "json" waited
+
+
+def test_idle_engine_blocks_briefly_instead_of_spinning(backend):
+    scheduler = _scheduler(backend)
+    backend.release.clear()
+    scheduler.add_request(_request("json", "20 2"))
+    threading.Timer(0.01, backend.release.set).start()
+    output = scheduler.schedule()  # waits for the compile, then admits the request
+    assert set(output.num_scheduled_tokens) == {"json"}
+    assert output.grammar_bitmask is not None
+
+
+def test_bitmask_only_on_the_step_that_samples(backend):
+    scheduler = _scheduler(backend, budget=3)  # a 7-token prompt takes 3 steps
+    scheduler.add_request(_request("json", "30 31 2", num_prompt=7))
+    shipped = []
+    for _ in range(3):
+        output, _ = _step(scheduler)
+        shipped.append(output.grammar_bitmask is not None)
+    assert shipped == [False, False, True]
+    output, _ = _step(scheduler)
+    assert output.grammar_bitmask is not None and output.grammar_bitmask.req_ids == ["json"]
+
+
+def test_request_ends_when_its_grammar_terminates(backend):
+    scheduler = _scheduler(backend)
+    # ignore_eos: EOS does not stop it, so only the grammar's end can.
+    scheduler.add_request(_request("json", "40 41", ignore_eos=True, max_tokens=10))
+    tokens, out = _run(scheduler)["json"]
+    assert tokens == [40, 41] and out.finish_reason == "stop" and out.stop_reason is None
+
+
+def test_preemption_keeps_the_matcher_state(backend):
+    scheduler = _scheduler(backend)
+    scheduler.add_request(_request("json", "50 51 52 53 2", max_tokens=10))
+    _step(scheduler)
+    _step(scheduler)
+    request = scheduler.requests["json"]
+    assert request.output_token_ids == [50, 51]
+    scheduler.running.remove(request)
+    scheduler._preempt(request)  # what a memory-starved step does to the last request
+    assert request.num_computed_tokens == 0
+    output, _ = _step(scheduler)  # recompute prompt + outputs, then sample the next token
+    assert output.scheduled_new_reqs[0].token_ids[-2:] == [50, 51]
+    out = _run(scheduler)["json"][1]
+    assert request.output_token_ids == [50, 51, 52, 53, EOS] and out.finish_reason == "stop"
+
+
+def test_failed_compilation_aborts_only_that_request(backend):
+    scheduler = _scheduler(backend)
+    scheduler.add_request(_request("bad", "fail"))
+    scheduler.add_request(_request("plain", None, max_tokens=2))
+    results = _run(scheduler)
+    tokens, out = results["bad"]
+    assert tokens == [] and out.finish_reason == "abort"
+    assert "grammar compilation failed: fake compiler error" in out.stop_reason
+    assert results["plain"][0] == [FILLER, FILLER]
+    assert not scheduler.structured_output._requests, "grammar state is released"
+
+
+def test_token_outside_the_grammar_aborts(backend):
+    scheduler = _scheduler(backend)
+    scheduler.add_request(_request("json", "60 2"))
+    _, outputs = _step(scheduler, ignore_mask=True)
+    assert outputs[0].finish_reason == "abort"
+    assert "does not allow" in outputs[0].stop_reason
+
+
+def test_abort_while_compiling(backend):
+    scheduler = _scheduler(backend)
+    backend.release.clear()
+    scheduler.add_request(_request("json", "20 2"))
+    scheduler.abort_requests(["json"])
+    backend.release.set()
+    assert not scheduler.has_unfinished_requests()
+    assert not scheduler.structured_output._requests
+
+
+def test_scheduler_without_manager_rejects_constrained_requests():
+    scheduler = OneBudgetScheduler(SchedulerConfig(), CacheConfig(block_size=BLOCK), 16)
+    with pytest.raises(ValueError, match="without a StructuredOutputManager"):
+        scheduler.add_request(_request("json", "1 2"))
