@@ -128,6 +128,31 @@ def test_disconnect_aborts(server):
     )
 
 
+def _wait_idle(url: str, idle: float) -> dict:
+    deadline = time.monotonic() + 15
+    while True:
+        samples = scrape(url)
+        state = tuple(
+            value(samples, f"pagedlm:{name}")
+            for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+        )
+        if state == (0, 0, idle):
+            return samples
+        assert time.monotonic() < deadline, state
+        time.sleep(0.2)
+
+
+def test_disconnect_aborts_non_streaming(server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    idle = value(scrape(server.url), "pagedlm:kv_cache_usage_perc")
+    before = value(scrape(server.url), "pagedlm:generation_tokens_total")
+    body = {"model": "tiny", "prompt": "wait", "max_tokens": 500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=0.5)
+    samples = _wait_idle(server.url, idle)
+    assert value(samples, "pagedlm:generation_tokens_total") - before < 500
+
+
 def test_sigterm_drains_in_flight_requests(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
     children = child_pids(server.process.pid)
