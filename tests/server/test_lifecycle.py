@@ -96,38 +96,6 @@ async def _open_and_drop(client: httpx.AsyncClient, url: str) -> None:
                 return  # leaving the block closes the connection mid-stream
 
 
-def test_disconnect_aborts(server):
-    headers = {"Authorization": f"Bearer {KEY}"}
-    idle = value(scrape(server.url), "pagedlm:kv_cache_usage_perc")
-
-    async def run() -> None:
-        async with httpx.AsyncClient(headers=headers, timeout=60) as client:
-            await asyncio.gather(
-                *(_open_and_drop(client, f"{server.url}/v1/completions") for _ in range(50))
-            )
-
-    asyncio.run(run())
-    deadline = time.monotonic() + 15
-    while True:
-        samples = scrape(server.url)
-        running = value(samples, "pagedlm:num_requests_running")
-        waiting = value(samples, "pagedlm:num_requests_waiting")
-        usage = value(samples, "pagedlm:kv_cache_usage_perc")
-        if (running, waiting, usage) == (0, 0, idle):
-            break
-        assert time.monotonic() < deadline, (running, waiting, usage)
-        time.sleep(0.2)
-    generated = value(samples, "pagedlm:generation_tokens_total")
-    assert generated < 50 * 200  # the requests really stopped early
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
-    assert (
-        client.completions.create(
-            model="tiny", prompt="after", max_tokens=3
-        ).usage.completion_tokens
-        == 3
-    )
-
-
 def _wait_idle(url: str, idle: float) -> dict:
     deadline = time.monotonic() + 15
     while True:
@@ -140,6 +108,29 @@ def _wait_idle(url: str, idle: float) -> dict:
             return samples
         assert time.monotonic() < deadline, state
         time.sleep(0.2)
+
+
+def test_disconnect_aborts(server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    idle = value(scrape(server.url), "pagedlm:kv_cache_usage_perc")
+
+    async def run() -> None:
+        async with httpx.AsyncClient(headers=headers, timeout=60) as client:
+            await asyncio.gather(
+                *(_open_and_drop(client, f"{server.url}/v1/completions") for _ in range(50))
+            )
+
+    asyncio.run(run())
+    samples = _wait_idle(server.url, idle)
+    generated = value(samples, "pagedlm:generation_tokens_total")
+    assert generated < 50 * 200  # the requests really stopped early
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+    assert (
+        client.completions.create(
+            model="tiny", prompt="after", max_tokens=3
+        ).usage.completion_tokens
+        == 3
+    )
 
 
 def test_disconnect_aborts_non_streaming(server):

@@ -17,11 +17,17 @@ from typing import Any
 
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagedlm.engine.exceptions import EngineDeadError
-from pagedlm.entrypoints.openai.errors import APIError, error_response, sse_error_event
+from pagedlm.entrypoints.openai.errors import (
+    APIError,
+    error_response,
+    is_anthropic_path,
+    sse_error_event,
+)
 from pagedlm.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from pagedlm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -227,6 +233,14 @@ def build_app(
 
     app = FastAPI(title="pagedlm", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
+
+    async def http_error(request: Request, error: Exception) -> Response:
+        # Unknown paths and wrong methods, in the API's error shape rather than FastAPI's.
+        assert isinstance(error, HTTPException)
+        anthropic = is_anthropic_path(request.url.path)
+        return error_response(str(error.detail), error.status_code, anthropic=anthropic)
+
+    app.add_exception_handler(HTTPException, http_error)
     _add_generation_routes(app, ctx)
     _add_info_routes(app, ctx)
     outer: Any = BodySizeLimitMiddleware(app, max_body_bytes)

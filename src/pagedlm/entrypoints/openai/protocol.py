@@ -25,7 +25,6 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class SamplingFields(OpenAIModel):
