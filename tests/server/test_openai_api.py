@@ -173,6 +173,15 @@ def test_vllm_extras(client, tiny_server):
         },
     )
     assert extras.usage.completion_tokens == 4
+    prompt_logprobs = extras.choices[0].model_extra["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == 1
+    scored = client.completions.create(
+        model="tiny", prompt="abc", max_tokens=1, stream=True, extra_body={"prompt_logprobs": 2}
+    )
+    first = next(iter(scored)).choices[0].model_extra["prompt_logprobs"]
+    assert len(first) == 3 and first[0] is None
+    assert all(len(position) in (2, 3) for position in first[1:])
+    assert all(entry["logprob"] <= 0 for position in first[1:] for entry in position.values())
 
 
 def test_chat(client):
@@ -191,8 +200,11 @@ def test_chat(client):
     assert result.usage.completion_tokens == len(choice.logprobs.content) == 4
     assert all(len(item.top_logprobs) == 3 for item in choice.logprobs.content)
     assert result.usage.prompt_tokens > len("Be brief.Hi!")
-    several = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, n=3)
+    several = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=3, n=3, extra_body={"prompt_logprobs": 0}
+    )
     assert [c.index for c in several.choices] == [0, 1, 2]
+    assert len(several.model_extra["prompt_logprobs"]) == several.usage.prompt_tokens
     stream = client.chat.completions.create(
         model="tiny",
         messages=messages,

@@ -101,3 +101,21 @@ def chat_logprobs(
         ]
         content.append(item)
     return content
+
+
+def prompt_logprobs_json(prompt_logprobs: Sequence[PositionLogprobs]) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` field: per prompt position, token id -> logprob, rank and
+    text (``None`` for the first position)."""
+    return [
+        None
+        if position is None
+        else {
+            str(token_id): {
+                "logprob": entry.logprob,
+                "rank": entry.rank,
+                "decoded_token": entry.decoded_token,
+            }
+            for token_id, entry in position.items()
+        }
+        for position in prompt_logprobs
+    ]

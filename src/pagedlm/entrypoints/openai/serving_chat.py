@@ -11,7 +11,7 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from pagedlm.entrypoints.openai.logprobs_format import chat_logprobs
+from pagedlm.entrypoints.openai.logprobs_format import chat_logprobs, prompt_logprobs_json
 from pagedlm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedlm.entrypoints.openai.serving_engine import ServingContext, merge_streams
 
@@ -77,7 +77,10 @@ class ChatServer:
             body["choices"][0].update(extra)
             return f"data: {json.dumps(body)}\n\n"
 
+        prompt_logprobs = None
         async for _, output in merge_streams(started):
+            if output.prompt_logprobs is not None and prompt_logprobs is None:
+                prompt_logprobs = prompt_logprobs_json(output.prompt_logprobs)
             for sample in output.outputs:
                 choice = choices.get(sample.index)
                 if choice is None:
@@ -127,4 +130,5 @@ class ChatServer:
                 for c in sorted(choices.values(), key=lambda c: c.index)
             ],
             "usage": usage,
+            **({"prompt_logprobs": prompt_logprobs} if request.prompt_logprobs is not None else {}),
         }

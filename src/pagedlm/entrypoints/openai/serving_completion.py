@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from pagedlm.entrypoints.openai.errors import APIError
-from pagedlm.entrypoints.openai.logprobs_format import LegacyLogprobs
+from pagedlm.entrypoints.openai.logprobs_format import LegacyLogprobs, prompt_logprobs_json
 from pagedlm.entrypoints.openai.protocol import CompletionRequest
 from pagedlm.entrypoints.openai.serving_engine import ServingContext, merge_streams
 from pagedlm.outputs import CompletionOutput, RequestOutput
@@ -28,6 +28,8 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     echoed: bool = False
+    prompt_logprobs: list[dict | None] | None = None
+    """vLLM extra, when the request asked for ``prompt_logprobs``."""
 
 
 class CompletionServer:
@@ -85,6 +87,8 @@ class CompletionServer:
     ) -> str:
         """Add one DELTA sample to ``choice``; returns the new text."""
         new_text = ""
+        if request.prompt_logprobs is not None and choice.prompt_logprobs is None:
+            choice.prompt_logprobs = prompt_logprobs_json(prompt_logprobs or [])
         if request.echo and not choice.echoed:
             choice.echoed = True
             prompt_text = output.prompt
@@ -123,6 +127,7 @@ class CompletionServer:
             "model": self.ctx.model_name,
         }
         prompt_logprobs: dict[int, list] = {}
+        announced: set[int] = set()
         async for prompt_index, output in merge_streams(started):
             # DELTA outputs carry the prompt's logprobs once; later samples still echo them.
             if output.prompt_logprobs is not None:
@@ -139,8 +144,10 @@ class CompletionServer:
                     continue
                 finish = choice.finish_reason if sample.finish_reason is not None else None
                 chunk_logprobs = choice.logprobs.take() if choice.logprobs is not None else None
-                if not text and finish is None and not chunk_logprobs:
+                first_chunk = index not in announced
+                if not text and finish is None and not chunk_logprobs and not first_chunk:
                     continue
+                announced.add(index)
                 body = {
                     **base,
                     "choices": [
@@ -153,6 +160,8 @@ class CompletionServer:
                         }
                     ],
                 }
+                if first_chunk and choice.prompt_logprobs is not None:
+                    body["choices"][0]["prompt_logprobs"] = choice.prompt_logprobs
                 yield f"data: {json.dumps(body)}\n\n"
         usage = {
             "prompt_tokens": sum(prompt_tokens),
@@ -173,6 +182,7 @@ class CompletionServer:
                     "logprobs": c.logprobs.to_dict() if c.logprobs is not None else None,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
+                    **({"prompt_logprobs": c.prompt_logprobs} if c.prompt_logprobs else {}),
                 }
                 for c in sorted(choices.values(), key=lambda c: c.index)
             ],
