@@ -21,6 +21,11 @@ TINY_COMMON = dict(
     initializer_range=0.3,
 )
 
+ZOO_WINDOW = 16
+"""Sliding window of the zoo checkpoints: far shorter than the parity prompts."""
+PHI3_ORIGINAL_MAX = 64
+"""LongRoPE's pretraining length in the tiny Phi-3: generation crosses it."""
+
 
 def _hf_config(arch: str, **overrides):
     import transformers
@@ -45,6 +50,62 @@ def _hf_config(arch: str, **overrides):
         cfg = transformers.Qwen2Config(**kwargs)
     elif arch == "qwen3":
         cfg = transformers.Qwen3Config(head_dim=16, **kwargs)
+    elif arch == "mistral_window":
+        cfg = transformers.MistralConfig(sliding_window=ZOO_WINDOW, **kwargs)
+    elif arch == "gemma2":
+        # Caps wide enough for the peaky logits not to saturate into near-ties.
+        cfg = transformers.Gemma2Config(
+            head_dim=16,
+            sliding_window=ZOO_WINDOW,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=100.0,
+            query_pre_attn_scalar=24,
+            **kwargs,
+        )
+    elif arch == "gemma3":
+        cfg = transformers.Gemma3TextConfig(
+            head_dim=16,
+            sliding_window=ZOO_WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            **kwargs,
+        )
+    elif arch == "phi3_longrope":
+        rotary_pairs = kwargs["hidden_size"] // kwargs["num_attention_heads"] // 2
+        cfg = transformers.Phi3Config(
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.1 * i for i in range(rotary_pairs)],
+                "long_factor": [1.0 + 1.5 * i for i in range(rotary_pairs)],
+            },
+            original_max_position_embeddings=PHI3_ORIGINAL_MAX,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            **kwargs,
+        )
+    elif arch == "mixtral":
+        cfg = transformers.MixtralConfig(num_local_experts=4, sliding_window=ZOO_WINDOW, **kwargs)
+    elif arch == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(
+            head_dim=16,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            **kwargs,
+        )
+    elif arch == "gpt2":
+        cfg = transformers.GPT2Config(
+            vocab_size=kwargs["vocab_size"],
+            n_embd=kwargs["hidden_size"],
+            n_layer=kwargs["num_hidden_layers"],
+            n_head=kwargs["num_attention_heads"],
+            n_positions=kwargs["max_position_embeddings"],
+            initializer_range=kwargs["initializer_range"],
+            bos_token_id=0,
+            eos_token_id=0,
+        )
     else:
         raise ValueError(arch)
     for key, value in overrides.items():

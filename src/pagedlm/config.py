@@ -49,15 +49,21 @@ _GPT2_NAMES = {
 
 
 def _with_standard_names(cfg: dict[str, Any]) -> dict[str, Any]:
-    """``cfg`` with GPT-2-style keys also given their standard names (originals kept)."""
+    """``cfg`` with GPT-2-style keys also given their standard names (originals kept).
+
+    In such a file the GPT-2 keys are the ones transformers reads, so they win over any
+    stray standard-named key; GPT-2 has no grouped-query attention.
+    """
     if "n_embd" not in cfg:
         return cfg
     out = dict(cfg)
     for old, new in _GPT2_NAMES.items():
-        if out.get(new) is None and out.get(old) is not None:
+        if out.get(old) is not None:
             out[new] = out[old]
-    if out.get("intermediate_size") is None:
+    if out.get("n_inner") is None:
         out["intermediate_size"] = 4 * out["hidden_size"]  # GPT-2's n_inner=None default
+    out["num_key_value_heads"] = out["num_attention_heads"]
+    out.pop("head_dim", None)
     return out
 
 

@@ -124,29 +124,18 @@ def save_random_model(path: Path, config_class: str, overrides: dict[str, Any]) 
     return model.eval()
 
 
-def hf_logits(
-    model: torch.nn.Module, prompt: list[int], incremental_from: int | None
-) -> torch.Tensor:
-    """[len(prompt), vocab]: one forward, or (``incremental_from``) a prefill of that many
-    tokens then one token at a time through transformers' cache."""
+def hf_logits(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt), vocab] from one transformers forward."""
     with torch.no_grad():
-        ids = torch.tensor([prompt])
-        if incremental_from is None or len(prompt) <= incremental_from:
-            return model(ids).logits[0].float()
-        out = model(ids[:, :incremental_from], use_cache=True)
-        logits, cache = [out.logits[0]], out.cache
-        for i in range(incremental_from, len(prompt)):
-            out = model(ids[:, i : i + 1], cache=cache, use_cache=True)
-            logits.append(out.logits[0])
-            cache = out.cache
-        return torch.cat(logits).float()
+        return model(torch.tensor([prompt])).logits[0].float()
 
 
 class PagedRunner:
     """Drives a model step by step as the model runner does, one block table per prompt."""
 
-    def __init__(self, model: torch.nn.Module, arch: ArchConfig) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
+        arch = model.arch
         self.backend = CpuSdpaBackend(torch.device("cpu"))
         shape = self.backend.kv_cache_shape(96, BLOCK_SIZE, arch.num_key_value_heads, arch.head_dim)
         self.kv_cache = TensorKVCache(
@@ -183,23 +172,38 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     path = tmp_path_factory.mktemp(request.param)
     config_class, overrides = CASES[request.param]
     hf_model = save_random_model(path, config_class, overrides)
+    prompts = random_prompts()
+    expected = [hf_logits(hf_model, p) for p in prompts]
+    return load_model(model_config(path, 128), torch.device("cpu")), prompts, expected
+
+
+def random_prompts() -> list[list[int]]:
     generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 320, (n,), generator=generator).tolist() for n in PROMPT_LENS]
-    # LongRoPE switches factors per position in pagedlm and per forward call in
-    # transformers; token-by-token past the pretraining length the two agree.
-    incremental_from = ORIGINAL_MAX if "longrope" in request.param else None
-    expected = [hf_logits(hf_model, p, incremental_from) for p in prompts]
+    return [torch.randint(0, 320, (n,), generator=generator).tolist() for n in PROMPT_LENS]
+
+
+def model_config(path: Path, max_model_len: int) -> ModelConfig:
     arch = ArchConfig.from_directory(path)
-    config = ModelConfig(str(path), None, arch, torch.float32, max_model_len=128)
-    return load_model(config, torch.device("cpu")), arch, prompts, expected
+    return ModelConfig(str(path), None, arch, torch.float32, max_model_len=max_model_len)
+
+
+def _longrope_long_only(
+    model: torch.nn.Module, prompts: list[list[int]], expected: list[torch.Tensor]
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """With max_model_len past the pretraining length pagedlm rotates every position with
+    the long factors; transformers does so for sequences longer than it (only those)."""
+    arch = model.arch
+    if not arch.rope_scaling or arch.rope_scaling.get("rope_type") != "longrope":
+        return prompts, expected
+    keep = [i for i, p in enumerate(prompts) if len(p) > ORIGINAL_MAX]
+    assert keep
+    return [prompts[i] for i in keep], [expected[i] for i in keep]
 
 
 def test_prefill_matches_transformers(case) -> None:
-    model, arch, prompts, expected = case
-    if arch.rope_scaling and arch.rope_scaling.get("rope_type") == "longrope":
-        prompts = [p[:ORIGINAL_MAX] for p in prompts]
-        expected = [e[:ORIGINAL_MAX] for e in expected]
-    runner = PagedRunner(model, arch)
+    model, prompts, expected = case
+    prompts, expected = _longrope_long_only(model, prompts, expected)
+    runner = PagedRunner(model)
     got = runner.step([(i, 0, p) for i, p in enumerate(prompts)])
     torch.testing.assert_close(torch.cat(got), torch.cat(expected), atol=1e-4, rtol=0)
 
@@ -207,8 +211,9 @@ def test_prefill_matches_transformers(case) -> None:
 def test_chunk_then_decodes_read_the_cache(case) -> None:
     """Each prompt: a first chunk, then its last (up to) 3 tokens as separate decode steps,
     all requests batched together in every step."""
-    model, arch, prompts, expected = case
-    runner = PagedRunner(model, arch)
+    model, prompts, expected = case
+    prompts, expected = _longrope_long_only(model, prompts, expected)
+    runner = PagedRunner(model)
     split = [max(1, len(p) - 3) for p in prompts]
     got = runner.step([(i, 0, p[: split[i]]) for i, p in enumerate(prompts)])
     for offset in range(3):
@@ -222,3 +227,16 @@ def test_chunk_then_decodes_read_the_cache(case) -> None:
         for (i, _, _), logits in zip(chunks, runner.step(chunks), strict=True):
             got[i] = torch.cat([got[i], logits])
     torch.testing.assert_close(torch.cat(got), torch.cat(expected), atol=1e-4, rtol=0)
+
+
+def test_longrope_uses_short_factors_when_max_model_len_fits(tmp_path: Path) -> None:
+    config_class, overrides = CASES["phi3_longrope"]
+    hf_model = save_random_model(tmp_path, config_class, overrides)
+    prompts = [p for p in random_prompts() if len(p) <= ORIGINAL_MAX]
+    expected = [hf_logits(hf_model, p) for p in prompts]
+    model = load_model(model_config(tmp_path, ORIGINAL_MAX), torch.device("cpu"))
+    got = PagedRunner(model).step([(i, 0, p) for i, p in enumerate(prompts)])
+    torch.testing.assert_close(torch.cat(got), torch.cat(expected), atol=1e-4, rtol=0)
+    long_model = load_model(model_config(tmp_path, ORIGINAL_MAX + 1), torch.device("cpu"))
+    got_long = PagedRunner(long_model).step([(i, 0, p) for i, p in enumerate(prompts)])
+    assert not torch.allclose(torch.cat(got_long), torch.cat(expected), atol=1e-2)

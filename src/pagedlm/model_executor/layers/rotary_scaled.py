@@ -68,16 +68,16 @@ def _table(inv_freq_per_position: torch.Tensor, scale: float = 1.0) -> torch.Ten
 
 
 def longrope_table(
-    rotary_dim: int, max_position: int, base: float, scaling: dict[str, Any]
+    rotary_dim: int, max_position: int, base: float, scaling: dict[str, Any], use_long: bool
 ) -> torch.Tensor:
-    """Phi-3's LongRoPE: per-frequency rescaling, ``short_factor`` below the pretraining
-    length and ``long_factor`` from it on, with cos/sin scaled by the attention factor.
+    """Phi-3's LongRoPE: per-frequency rescaling by ``long_factor`` (``use_long``) or
+    ``short_factor``, with cos/sin scaled by the attention factor.
 
-    The choice is made per token position. Transformers decides per forward call (the
-    long factors for every token once the sequence exceeds the pretraining length), which
-    makes a token's keys depend on the request around it; per position they do not, so
-    prefix-cached blocks stay valid for every request. Both agree on any sequence whose
-    prompt fits in ``original_max_position_embeddings``, including decodes past it.
+    One factor set for every position, chosen once for the served context length (see
+    ``get_rope_for_arch``). Transformers switches per sequence instead — short while the
+    sequence fits in the pretraining length, long (recomputing the whole cache) once it
+    does not — which a paged cache shared between requests cannot do: a cached block's
+    keys must not depend on how long the request that wrote them grew.
     """
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or max_position / original
@@ -86,20 +86,16 @@ def longrope_table(
         attention_factor = (
             1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
         )
+    kind = "long" if use_long else "short"
+    factors = torch.tensor(scaling[f"{kind}_factor"], dtype=torch.float32)
+    if factors.shape[0] != rotary_dim // 2:
+        raise ValueError(
+            f"rope {kind}_factor has {factors.shape[0]} entries but the rotary dimension "
+            f"{rotary_dim} needs {rotary_dim // 2}; the config.json is inconsistent."
+        )
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
-    inv_freq = {
-        kind: 1.0 / (torch.tensor(scaling[f"{kind}_factor"], dtype=torch.float32) * base**exponents)
-        for kind in ("short", "long")
-    }
-    for kind, freqs in inv_freq.items():
-        if freqs.shape[0] != rotary_dim // 2:
-            raise ValueError(
-                f"rope {kind}_factor has {freqs.shape[0]} entries but the rotary dimension "
-                f"{rotary_dim} needs {rotary_dim // 2}; the config.json is inconsistent."
-            )
-    is_long = torch.arange(max_position)[:, None] >= original
-    per_position = torch.where(is_long, inv_freq["long"], inv_freq["short"])
-    return _table(per_position, attention_factor)
+    inv_freq = 1.0 / (factors * base**exponents)
+    return _table(inv_freq.expand(max_position, -1), attention_factor)
 
 
 def get_rope(
@@ -108,14 +104,19 @@ def get_rope(
     base: float,
     scaling: dict[str, Any] | None = None,
     rotary_dim: int | None = None,
+    max_model_len: int | None = None,
 ) -> RotaryEmbedding:
     """The rotary module for a config: ``scaling`` is its rope dict (None: plain RoPE),
-    ``rotary_dim`` the rotated features per head (None: all of them)."""
+    ``rotary_dim`` the rotated features per head (None: all of them), ``max_model_len``
+    the longest sequence served (None: ``max_position``); LongRoPE uses its long factors
+    exactly when that exceeds the pretraining length."""
     rotary_dim = head_dim if rotary_dim is None else rotary_dim
     rope_type = "default" if scaling is None else scaling.get("rope_type", "default")
     if rope_type == "longrope":
         assert scaling is not None
-        table = longrope_table(rotary_dim, max_position, base, scaling)
+        served = max_position if max_model_len is None else max_model_len
+        use_long = served > scaling["original_max_position_embeddings"]
+        table = longrope_table(rotary_dim, max_position, base, scaling, use_long)
         return TableRotaryEmbedding(head_dim, rotary_dim, table)
     if rotary_dim == head_dim:
         return RotaryEmbedding(head_dim, max_position, base, scaling)
@@ -123,7 +124,7 @@ def get_rope(
     return TableRotaryEmbedding(head_dim, rotary_dim, _table(inv_freq.expand(max_position, -1)))
 
 
-def get_rope_for_arch(arch: ArchConfig) -> RotaryEmbedding:
+def get_rope_for_arch(arch: ArchConfig, max_model_len: int | None = None) -> RotaryEmbedding:
     """``get_rope`` with a config's rope settings, including the ones some configs keep
     outside the rope dict (``partial_rotary_factor``, ``original_max_position_embeddings``)."""
     raw = arch.raw
@@ -146,6 +147,7 @@ def get_rope_for_arch(arch: ArchConfig) -> RotaryEmbedding:
         arch.rope_theta,
         scaling,
         rotary_dim=int(arch.head_dim * partial),
+        max_model_len=max_model_len,
     )
 
 

@@ -42,7 +42,7 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
 
     model_class = get_model_class(model_config.arch.architecture)
     with _default_dtype(model_config.dtype), torch.device(device):
-        model = model_class(model_config.arch)
+        model = model_class(model_config.arch, max_model_len=model_config.max_model_len)
     with torch.no_grad():
         loaded = model.load_weights(iter_model_weights(model_config))
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)

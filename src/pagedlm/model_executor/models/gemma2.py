@@ -205,7 +205,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         )
         return {SLIDING: rope, FULL: rope}
 
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, max_model_len: int | None = None) -> None:
         nn.Module.__init__(self)
         # Gemma always ties the head; old config files leave the flag out.
         self.arch = arch

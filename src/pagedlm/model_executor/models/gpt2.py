@@ -109,7 +109,7 @@ class GPT2Model(nn.Module):
 
 
 class GPT2LMHeadModel(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, max_model_len: int | None = None) -> None:
         super().__init__()
         self.arch = arch
         self.transformer = GPT2Model(arch)

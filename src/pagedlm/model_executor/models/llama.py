@@ -152,12 +152,16 @@ class LlamaModel(nn.Module):
     """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
 
     def __init__(
-        self, arch: ArchConfig, options: BlockOptions, make_mlp: MlpFactory | None = None
+        self,
+        arch: ArchConfig,
+        options: BlockOptions,
+        make_mlp: MlpFactory | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
         # One cos/sin table for all layers: it can be tens of MB for long contexts.
-        rotary_emb = get_rope_for_arch(arch)
+        rotary_emb = get_rope_for_arch(arch, max_model_len)
         windows = layer_sliding_windows(arch)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(
@@ -202,10 +206,14 @@ class LlamaForCausalLM(nn.Module):
         """Builds each layer's MLP when it is not the dense SwiGLU one (MoE subclasses)."""
         return None
 
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, max_model_len: int | None = None) -> None:
+        """``max_model_len``: the longest sequence served (None: the config's limit);
+        only context-dependent rope variants (LongRoPE) read it."""
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch, self.block_options(arch), self.mlp_factory(arch))
+        self.model = LlamaModel(
+            arch, self.block_options(arch), self.mlp_factory(arch), max_model_len
+        )
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
         if arch.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
