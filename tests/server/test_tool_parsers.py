@@ -138,7 +138,7 @@ REQUIRED_TEXT = (
 def test_required_parser():
     _check_every_split(RequiredToolCallsParser, REQUIRED_TEXT, "", [WEATHER, TIME])
     truncated = REQUIRED_TEXT[:-20]
-    rest = truncated[truncated.index('{"name": "get_time"') :]
+    rest = truncated[truncated.index(', {"name": "get_time"') :]
     _check_every_split(RequiredToolCallsParser, truncated, rest, [WEATHER])
     _check_every_split(RequiredToolCallsParser, "no calls", "no calls", [])
 

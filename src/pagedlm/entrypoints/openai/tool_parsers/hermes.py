@@ -12,6 +12,7 @@ import json
 
 from pagedlm.entrypoints.openai.tool_parsers.abstract import (
     ParsedDelta,
+    ToolCall,
     ToolCallDelta,
     ToolParser,
     call_from_json,
@@ -78,7 +79,7 @@ class HermesToolParser(ToolParser):
         return ParsedDelta("".join(content), tuple(calls))
 
 
-def _decode_call(body: str):
+def _decode_call(body: str) -> ToolCall | None:
     try:
         return call_from_json(json.loads(body))
     except ValueError:
