@@ -240,3 +240,27 @@ def test_longrope_uses_short_factors_when_max_model_len_fits(tmp_path: Path) -> 
     long_model = load_model(model_config(tmp_path, ORIGINAL_MAX + 1), torch.device("cpu"))
     got_long = PagedRunner(long_model).step([(i, 0, p) for i, p in enumerate(prompts)])
     assert not torch.allclose(torch.cat(got_long), torch.cat(expected), atol=1e-2)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "qwen3_moe", "gpt2"])
+def test_bfloat16_stays_close_to_float32(tmp_path: Path, name: str) -> None:
+    config_class, overrides = CASES[name]
+    save_random_model(tmp_path, config_class, overrides)
+    prompts = random_prompts()
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        arch = ArchConfig.from_directory(tmp_path)
+        config = ModelConfig(str(tmp_path), None, arch, dtype, max_model_len=128)
+        model = load_model(config, torch.device("cpu"))
+        assert {p.dtype for p in model.parameters()} == {dtype}
+        runner = PagedRunner(model)
+        runner.kv_cache = TensorKVCache(
+            runner.kv_cache.layer(0)[0].shape,
+            arch.num_hidden_layers,
+            BLOCK_SIZE,
+            dtype,
+            lambda s, d: torch.zeros(s, dtype=d),
+        )
+        logits[dtype] = torch.cat(runner.step([(i, 0, p) for i, p in enumerate(prompts)]))
+    assert logits[torch.bfloat16].dtype == torch.float32
+    torch.testing.assert_close(logits[torch.bfloat16], logits[torch.float32], atol=0.2, rtol=0.05)
