@@ -11,6 +11,8 @@ the step runs eagerly or from a CUDA graph.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -111,6 +113,24 @@ def _decode_merge_kernel(
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
 
 
+# Tile size and pipelining are tuned once per model (the key holds only model constants),
+# never per batch: every call of one engine then uses the same configuration, so results
+# do not depend on batch size or on graph replay. The partition size stays fixed above.
+_TUNING_CONFIGS = [
+    triton.Config({"BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+    for block_n, warps, stages in (
+        (32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2),
+    )
+]  # fmt: skip
+_decode_partition_tuned = triton.autotune(
+    configs=_TUNING_CONFIGS, key=["group_size", "head_dim", "block_size"]
+)(_decode_partition_kernel)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -121,7 +141,7 @@ def paged_decode_attention(
     max_seq_len: int,
     out: torch.Tensor | None = None,
     partition_size: int = DEFAULT_PARTITION,
-    block_n: int = 64,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's one new token over its cached keys (positions
     ``0 .. seq_lens[i]-1``, the new token's own K/V already written).
@@ -130,7 +150,9 @@ def paged_decode_attention(
     block_size, num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks] int32;
     seq_lens: [num_seqs] int32; max_seq_len: an upper bound of ``seq_lens`` (it sizes the
     grid; under a CUDA graph pass max_model_len). Returns [num_seqs, num_heads, head_dim].
-    A sequence with ``seq_len == 0`` (padding) gets zeros.
+    A sequence with ``seq_len == 0`` (padding) gets zeros. ``block_n`` None: the key tile
+    is autotuned on the GPU (64 under the interpreter); ``partition_size`` must be a
+    multiple of 128 then.
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
@@ -139,6 +161,9 @@ def paged_decode_attention(
         out = torch.empty_like(query)
     if num_seqs == 0:
         return out
+    tuned = block_n is None and not _interpreting()
+    if block_n is None:
+        block_n = 128 if tuned else 64
     if partition_size % block_n:
         raise ValueError(f"partition_size={partition_size} must be a multiple of {block_n}.")
     max_partitions = max(1, triton.cdiv(max_seq_len, partition_size))
@@ -155,15 +180,24 @@ def paged_decode_attention(
             (num_seqs, num_heads, max_partitions), dtype=torch.float32, device=query.device
         )
     block_d = triton.next_power_of_2(head_dim)
-    _decode_partition_kernel[(num_seqs, num_kv_heads, max_partitions)](
+    args = (
         query, key_cache, value_cache, block_tables, seq_lens,
         out, partial_out, partial_lse,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         max_partitions, num_heads, scale * LOG2E, group_size, head_dim, key_cache.shape[1],
-        PARTITION=partition_size, BLOCK_N=block_n,
-        BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_D=block_d, DIRECT=direct,
     )  # fmt: skip
+    grid = (num_seqs, num_kv_heads, max_partitions)
+    block_g = max(16, triton.next_power_of_2(group_size))
+    if tuned:
+        _decode_partition_tuned[grid](
+            *args, PARTITION=partition_size, BLOCK_G=block_g, BLOCK_D=block_d, DIRECT=direct
+        )
+    else:
+        _decode_partition_kernel[grid](
+            *args, PARTITION=partition_size, BLOCK_N=block_n, BLOCK_G=block_g,
+            BLOCK_D=block_d, DIRECT=direct,
+        )  # fmt: skip
     if not direct:
         _decode_merge_kernel[(num_seqs, num_heads)](
             out, partial_out, partial_lse, seq_lens,

@@ -1,0 +1,119 @@
+"""``pagedlm bench latency``: time to generate ``--output-len`` tokens for a batch of
+``--batch-size`` prompts of ``--input-len`` tokens (prefill included); mean and
+percentiles over ``--num-iters`` runs, the % of speed-of-light, and optionally
+transformers' eager ``generate`` on the same prompt."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from pagedlm.benchmarks.common import add_engine_args, build_llm, profile_steps
+from pagedlm.benchmarks.speed_of_light import speed_of_light
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--num-iters", type=int, default=5)
+    parser.add_argument("--num-iters-warmup", type=int, default=1)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100
+    low, high = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
+
+
+def transformers_latency(model_dir: str, prompt: list[int], batch: int, output_len: int) -> float:
+    """Seconds for transformers' eager ``generate`` (greedy, no early stop)."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.eval()
+    ids = torch.tensor([prompt] * batch, device="cuda")
+    kwargs = dict(
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=output_len,
+        min_new_tokens=output_len,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    with torch.inference_mode():
+        model.generate(ids, **{**kwargs, "max_new_tokens": 8, "min_new_tokens": 8})
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, **kwargs)
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    del model
+    torch.cuda.empty_cache()
+    return elapsed
+
+
+def run(args: argparse.Namespace) -> dict[str, float]:
+    from pagedlm import SamplingParams
+
+    rng = random.Random(0)
+    prompts = [
+        [rng.randint(0, 10000) for _ in range(args.input_len)] for _ in range(args.batch_size)
+    ]
+    llm, model_dir = build_llm(args)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
+    # Prefix caching would turn every timed run after the first into a cache hit, so
+    # each run changes the prompts' first token.
+    times: list[float] = []
+    for i in range(args.num_iters_warmup + args.num_iters):
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": [i] + p[1:]} for p in prompts], params, use_tqdm=False)
+        if i >= args.num_iters_warmup:
+            times.append(time.perf_counter() - start)
+    mean = statistics.mean(times)
+    tokens = args.batch_size * args.output_len
+    print(
+        f"latency [{args.model}, batch {args.batch_size}, in {args.input_len}, out "
+        f"{args.output_len}]: mean {mean:.3f} s, p50 {percentile(times, 50):.3f}, "
+        f"p90 {percentile(times, 90):.3f}, p99 {percentile(times, 99):.3f} "
+        f"({tokens / mean:.1f} output tok/s, {mean / args.output_len * 1e3:.2f} ms/token)",
+        flush=True,
+    )
+    arch = llm.llm_engine.config.model.arch
+    sol = speed_of_light(
+        arch,
+        [args.input_len] * args.batch_size,
+        [args.output_len] * args.batch_size,
+        bandwidth=args.bandwidth,
+        flops=args.flops,
+    )
+    print(sol.describe(mean), flush=True)
+    result = {"mean_s": mean, "tok_per_s": tokens / mean}
+    if args.profile_steps:
+        print(profile_steps(llm, prompts, [params] * len(prompts), args.profile_steps), flush=True)
+    if args.compare_transformers:
+        del llm
+        import gc
+
+        gc.collect()
+        hf = transformers_latency(model_dir, prompts[0], args.batch_size, args.output_len)
+        result["transformers_tok_per_s"] = tokens / hf
+        print(f"transformers eager generate: {hf:.3f} s = {tokens / hf:.1f} tok/s; "
+              f"pagedlm is {hf / mean:.1f}x faster", flush=True)  # fmt: skip
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_args(parser)
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""``pagedlm bench throughput``: offline generation throughput (output tokens / wall time,
+prefill included), with the run's % of speed-of-light and an optional transformers
+``generate_batch`` comparison on the same prompts.
+
+``--dataset nanovllm`` is nano-vllm's benchmark exactly: ``random.seed(0)``; 256 prompts of
+``randint(100, 1024)`` ids each ``randint(0, 10000)``; then 256 output lengths
+``randint(100, 1024)``; temperature 0.6, ``ignore_eos``; one warm-up request first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+from pagedlm.benchmarks.common import add_engine_args, build_llm, profile_steps
+from pagedlm.benchmarks.speed_of_light import speed_of_light
+
+
+def nanovllm_dataset() -> tuple[list[list[int]], list[int]]:
+    random.seed(0)
+    num_seqs, max_input_len, max_output_len = 256, 1024, 1024
+    prompts = [
+        [random.randint(0, 10000) for _ in range(random.randint(100, max_input_len))]
+        for _ in range(num_seqs)
+    ]
+    output_lens = [random.randint(100, max_output_len) for _ in range(num_seqs)]
+    return prompts, output_lens
+
+
+def random_dataset(
+    num_prompts: int, input_len: int, output_len: int, range_ratio: float, seed: int = 0
+) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+
+    def length(center: int) -> int:
+        low = max(1, int(center * (1 - range_ratio)))
+        return rng.randint(low, max(low, int(center * (1 + range_ratio))))
+
+    prompts = [
+        [rng.randint(0, 10000) for _ in range(length(input_len))] for _ in range(num_prompts)
+    ]
+    return prompts, [length(output_len) for _ in range(num_prompts)]
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)
+    parser.add_argument("--dataset", choices=["random", "nanovllm"], default="nanovllm")
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--range-ratio", type=float, default=0.0)
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--hf-num-prompts", type=int, default=64)
+    parser.add_argument("--hf-max-new-tokens", type=int, default=256)
+
+
+def transformers_generate_batch(
+    model_dir: str, prompts: list[list[int]], max_new_tokens: int, temperature: float
+) -> float:
+    """Output tok/s of transformers' continuous batching (``generate_batch``) on the same
+    prompts, random weights of the same shape, every output ``max_new_tokens`` long."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.eval()
+    gen = transformers.GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=True,
+        temperature=temperature,
+        eos_token_id=-1,
+        pad_token_id=0,
+    )
+    model.generate_batch(inputs=prompts[:2], generation_config=gen)  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    results = model.generate_batch(inputs=prompts, generation_config=gen)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    produced = sum(len(r.generated_tokens) for r in results.values())
+    print(f"transformers generate_batch: {len(prompts)} prompts, {produced} output tokens "
+          f"in {elapsed:.2f} s = {produced / elapsed:.1f} tok/s", flush=True)  # fmt: skip
+    del model
+    torch.cuda.empty_cache()
+    return produced / elapsed
+
+
+def run(args: argparse.Namespace) -> dict[str, float]:
+    from pagedlm import SamplingParams
+
+    if args.dataset == "nanovllm":
+        prompts, output_lens = nanovllm_dataset()
+    else:
+        prompts, output_lens = random_dataset(
+            args.num_prompts, args.input_len, args.output_len, args.range_ratio
+        )
+    llm, model_dir = build_llm(args)
+    params = [
+        SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n)
+        for n in output_lens
+    ]
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=8), use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    arch = llm.llm_engine.config.model.arch
+    sol = speed_of_light(
+        arch, [len(p) for p in prompts], output_lens, bandwidth=args.bandwidth, flops=args.flops
+    )
+    result = {"output_tokens": produced, "seconds": elapsed, "tok_per_s": produced / elapsed}
+    print(
+        f"throughput [{args.dataset}, {args.model}]: {len(prompts)} requests, {produced} output "
+        f"tokens in {elapsed:.2f} s = {produced / elapsed:.1f} output tok/s "
+        f"({sum(len(p) for p in prompts) + produced} total tokens)",
+        flush=True,
+    )
+    print(sol.describe(elapsed), flush=True)
+    if args.profile_steps:
+        print(profile_steps(llm, prompts, params, args.profile_steps), flush=True)
+    if args.compare_transformers:
+        del llm
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        hf = transformers_generate_batch(
+            model_dir, prompts[: args.hf_num_prompts], args.hf_max_new_tokens, args.temperature
+        )
+        result["transformers_tok_per_s"] = hf
+        print(f"pagedlm / transformers: {result['tok_per_s'] / hf:.1f}x", flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_args(parser)
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
