@@ -35,10 +35,10 @@ def _bitmask(allowed_rows: list[list[int] | None]) -> torch.Tensor:
 
 
 def test_unpack_matches_reference():
-    allowed = [[0, 31, 32, 69], None, []]
+    allowed = [[0, 31, 32, 63, 69], None, []]
     mask = unpack_bitmask(_bitmask(allowed), VOCAB)
     assert mask.shape == (3, VOCAB)
-    assert mask[0].nonzero().flatten().tolist() == [0, 31, 32, 69]
+    assert mask[0].nonzero().flatten().tolist() == [0, 31, 32, 63, 69]  # 31, 63: sign bits
     assert mask[1].all() and not mask[2].any()
     with pytest.raises(ValueError, match="too few"):
         unpack_bitmask(_bitmask(allowed)[:, :2], 100)
@@ -94,6 +94,8 @@ def test_runner_lays_out_rows_in_sampling_order():
     assert (batch[0] == -1).all() and (batch[2] == -1).all()
     assert torch.equal(batch[1], torch.from_numpy(source[0]))
     assert torch.equal(batch[3], torch.from_numpy(source[1]))
+    in_order = _batch_bitmask(grammar, [_State("b"), _State("d")])  # type: ignore[arg-type]
+    assert in_order is not None and torch.equal(in_order, torch.from_numpy(source))
     assert _batch_bitmask(None, states) is None  # type: ignore[arg-type]
     assert _batch_bitmask(grammar, [_State("x")]) is None  # type: ignore[arg-type]
 

@@ -304,6 +304,8 @@ def _batch_bitmask(
     if grammar_bitmask is None:
         return None
     source = torch.from_numpy(grammar_bitmask.bitmask)
+    if grammar_bitmask.req_ids == [state.req_id for state in sampled_states]:
+        return source  # every sampled row is constrained, already in order
     row_of = {req_id: row for row, req_id in enumerate(grammar_bitmask.req_ids)}
     src_rows, dst_rows = [], []
     for dst, state in enumerate(sampled_states):
