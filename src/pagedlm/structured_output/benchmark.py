@@ -42,7 +42,7 @@ def large_schema(num_properties: int = 60) -> dict:
     return {"type": "object", "properties": properties, "required": list(properties)[::2]}
 
 
-def bench_decode(model: str | None, batch: int, tokens: int) -> dict[str, float]:
+def bench_decode(model: str | None, batch: int, tokens: int, repeats: int = 3) -> dict[str, float]:
     from pagedlm import LLM
 
     llm = LLM(model, max_model_len=512)
@@ -55,16 +55,20 @@ def bench_decode(model: str | None, batch: int, tokens: int) -> dict[str, float]
     )
     # Warm up: compile the grammar (cached afterwards) and the kernels.
     llm.generate(prompts[:2], [free, constrained], use_tqdm=False)
-    result = {}
-    for name, params in (("unconstrained", free), ("json_schema", constrained)):
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-        result[name] = produced / elapsed
-        print(f"{name:>14}: {produced} tokens in {elapsed:.2f} s = {produced / elapsed:.1f} tok/s")
+    # Interleaved repeats, best of each: the CPU may be shared, and noise only slows down.
+    result = {"unconstrained": 0.0, "json_schema": 0.0}
+    for _ in range(repeats):
+        for name, params in (("unconstrained", free), ("json_schema", constrained)):
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
+            produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+            print(
+                f"{name:>14}: {produced} tokens in {elapsed:.2f} s = {produced / elapsed:.1f} tok/s"
+            )
+            result[name] = max(result[name], produced / elapsed)
     slowdown = 1 - result["json_schema"] / result["unconstrained"]
-    print(f"constrained is {100 * slowdown:.1f} % slower")
+    print(f"best of {repeats}: constrained is {100 * slowdown:.1f} % slower")
     return result
 
 
@@ -102,12 +106,13 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--backends", nargs="+", default=["xgrammar", "outlines"])
     args = parser.parse_args()
     bench_compile(args.model, args.backends)
     if not args.skip_decode:
-        bench_decode(args.model, args.batch, args.tokens)
+        bench_decode(args.model, args.batch, args.tokens, args.repeats)
 
 
 if __name__ == "__main__":
