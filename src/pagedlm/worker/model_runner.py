@@ -83,27 +83,32 @@ class ModelRunner:
         logits for ``max_num_seqs`` rows) over a throwaway KV cache, so the platform sees
         the activation peak before it sizes the real cache."""
         sched = self.config.scheduler
-        num_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)
+        num_tokens = sched.max_num_batched_tokens
+        # As many max_model_len-long prompts as fill the token budget (positions stay
+        # within the rotary table).
+        lens = [sched.max_model_len] * (num_tokens // sched.max_model_len)
+        if num_tokens % sched.max_model_len:
+            lens.append(num_tokens % sched.max_model_len)
         bs = self.block_size
-        num_blocks = -(-num_tokens // bs)
+        tables, slots, query_start_loc, next_block = [], [], [0], 0
+        for n in lens:
+            blocks = list(range(next_block, next_block + -(-n // bs)))
+            next_block += len(blocks)
+            tables.append(blocks)
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(n))
+            query_start_loc.append(query_start_loc[-1] + n)
         arch = self.arch
         shape = self.attn_backend.kv_cache_shape(
-            num_blocks, bs, arch.num_key_value_heads, arch.head_dim
+            next_block, bs, arch.num_key_value_heads, arch.head_dim
         )
         cache = TensorKVCache(
             shape, arch.num_hidden_layers, bs, self.config.model.dtype, self.platform.zeros
         )
-        layout = BatchLayout(
-            query_start_loc=[0, num_tokens],
-            seq_lens=[num_tokens],
-            block_tables=[list(range(num_blocks))],
-            slot_mapping=list(range(num_tokens)),
-            block_size=bs,
-        )
+        layout = BatchLayout(query_start_loc, lens, tables, slots, bs)
         ctx = ForwardContext(self.attn_backend, self.attn_backend.build_metadata(layout), cache)
         with torch.inference_mode():
             ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-            positions = torch.arange(num_tokens, device=self.device)
+            positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
             hidden = self.model(ids, positions, ctx)
             rows = hidden[: min(sched.max_num_seqs, num_tokens)]
             rows = rows.repeat(-(-sched.max_num_seqs // rows.shape[0]), 1)
