@@ -179,6 +179,15 @@ class ModelConfig:
     max_model_len: int
     seed: int = 0
     skip_tokenizer_init: bool = False
+    load_format: str = "auto"
+    """"auto" (by file type), "safetensors", "gguf", or "dummy" (random weights, no files)."""
+    revision: str | None = None
+    """The hub revision ``model`` was resolved at (None: a local path or the default branch)."""
+    quantization: str | None = None
+    """None, or "bitsandbytes": linear layers quantized at load (see ``bnb_quant_type``)."""
+    bnb_quant_type: str = "nf4"
+    """With bitsandbytes: "nf4" or "fp4" (4-bit, blocks of 64) or "int8" (per-row 8-bit)."""
+    trust_remote_code: bool = False
 
     @property
     def is_gguf(self) -> bool:

@@ -30,9 +30,18 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 @dataclass
 class EngineArgs:
     model: str | None = None
-    """Local HF directory (config.json + safetensors) or .gguf file; None: the embedded
-    default model (SmolLM2-135M-Instruct)."""
+    """Local HF directory (config.json + safetensors), .gguf file, or hub id (``org/name``,
+    fetched with huggingface_hub); None: the embedded default model (SmolLM2-135M-Instruct)."""
     tokenizer: str | None = None
+    revision: str | None = None
+    """Branch, tag or commit of a hub id (model and, when it is a hub id too, tokenizer)."""
+    load_format: str = "auto"
+    """"auto" (by file type), "safetensors", "gguf", or "dummy": random weights of the
+    configured shapes, no weight files needed (a directory with only config.json works)."""
+    quantization: str | None = None
+    """None, or "bitsandbytes" to quantize linear layers at load (needs pagedlm[bnb])."""
+    bnb_quant_type: str = "nf4"
+    """With quantization="bitsandbytes": "nf4" or "fp4" (4-bit), or "int8"."""
     dtype: str = "auto"
     seed: int = 0
     block_size: int = 16
@@ -54,20 +63,19 @@ class EngineArgs:
         return {f.name for f in dataclasses.fields(cls)}
 
     def resolve_model(self) -> str:
+        """A local directory or .gguf path for ``model`` (downloading a hub id if needed)."""
         if self.model is None:
+            if self.revision is not None:
+                raise ValueError("revision= needs model=<a hub id>; the default model has none.")
             from pagedlm.model_executor.loader.default_model import default_model_path
 
             return default_model_path()
-        path = os.path.expanduser(str(self.model))
-        if not os.path.exists(path):
-            raise ValueError(
-                f"Model {self.model!r} not found: pass a local Hugging Face model directory "
-                "(config.json + *.safetensors) or a .gguf file, or model=None for the "
-                "embedded default model."
-            )
-        if os.path.isfile(path) and not path.endswith(".gguf"):
-            raise ValueError(f"Model file {path!r} is not a .gguf file; pass a directory or .gguf.")
-        return path
+        return _resolve_path("Model", str(self.model), self.revision)
+
+    def resolve_tokenizer(self) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return _resolve_path("Tokenizer", str(self.tokenizer), self.revision, weights=False)
 
     def create_engine_config(self) -> tuple[EngineConfig, Platform]:
         from pagedlm.model_executor.models.registry import SUPPORTED_ARCHITECTURES
@@ -78,6 +86,7 @@ class EngineArgs:
         for name in ("num_kv_blocks", "max_num_batched_tokens", "max_model_len"):
             validate_positive(name, getattr(self, name))
 
+        self._check_loading_options()
         from pagedlm.structured_output.backend import BACKENDS
 
         if self.structured_outputs_backend not in BACKENDS:
@@ -86,6 +95,7 @@ class EngineArgs:
                 f"use one of {sorted(BACKENDS)}."
             )
         model = self.resolve_model()
+        self._check_weight_files(model)
         if model.endswith(".gguf"):
             from pagedlm.model_executor.loader.gguf_loader import gguf_arch_config
 
@@ -94,11 +104,21 @@ class EngineArgs:
             arch = ArchConfig.from_directory(model)
         if arch.architecture not in SUPPORTED_ARCHITECTURES:
             supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+            remote = (
+                " It ships its own modeling code (auto_map), which pagedlm never executes."
+                if "auto_map" in arch.raw
+                else ""
+            )
             raise ValueError(
                 f"Architecture {arch.architecture!r} of {model} is not supported; "
-                f"supported architectures: {supported}."
+                f"supported architectures: {supported}.{remote}"
             )
+        if self.load_format in ("auto", "safetensors") and not model.endswith(".gguf"):
+            from pagedlm.model_executor.loader.safetensors_loader import safetensors_files
 
+            safetensors_files(model)  # before any memory is allocated
+
+        quantization, bnb_quant_type = self._quantization(arch)
         platform = select_platform(self.platform)
         if self.dtype == "auto":
             config_dtype = parse_dtype(arch.torch_dtype) if arch.torch_dtype else None
@@ -114,12 +134,17 @@ class EngineArgs:
         config = EngineConfig(
             model=ModelConfig(
                 model=model,
-                tokenizer=self.tokenizer,
+                tokenizer=self.resolve_tokenizer(),
                 arch=arch,
                 dtype=dtype,
                 max_model_len=max_model_len,
                 seed=self.seed,
                 skip_tokenizer_init=self.skip_tokenizer_init,
+                load_format=self.load_format,
+                revision=self.revision,
+                quantization=quantization,
+                bnb_quant_type=bnb_quant_type,
+                trust_remote_code=self.trust_remote_code,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -138,6 +163,61 @@ class EngineArgs:
         )
         return configure(config, platform), platform
 
+    def _check_loading_options(self) -> None:
+        from pagedlm.model_executor.loader import LOAD_FORMATS
+
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format={self.load_format!r} is unknown; use one of "
+                f"{', '.join(LOAD_FORMATS)}."
+            )
+        if self.quantization not in (None, "bitsandbytes"):
+            raise ValueError(
+                f"quantization={self.quantization!r} is not supported; use None or 'bitsandbytes'."
+            )
+        if self.quantization == "bitsandbytes":
+            from pagedlm.model_executor.loader.bitsandbytes import (
+                BNB_QUANT_TYPES,
+                import_bitsandbytes,
+            )
+
+            if self.bnb_quant_type not in BNB_QUANT_TYPES:
+                raise ValueError(
+                    f"bnb_quant_type={self.bnb_quant_type!r} is unknown; use one of "
+                    f"{', '.join(BNB_QUANT_TYPES)}."
+                )
+            import_bitsandbytes()
+
+    def _quantization(self, arch: ArchConfig) -> tuple[str | None, str]:
+        """The requested quantization, or the one a pre-quantized checkpoint was saved with."""
+        if "quantization_config" not in arch.raw:
+            return self.quantization, self.bnb_quant_type
+        from pagedlm.model_executor.loader.bitsandbytes import (
+            checkpoint_quant_type,
+            import_bitsandbytes,
+        )
+
+        saved = checkpoint_quant_type(arch.raw)
+        if saved is None:
+            method = arch.raw["quantization_config"].get("quant_method")
+            raise ValueError(
+                f"The checkpoint is quantized with {method!r}, which pagedlm cannot load; it "
+                "loads float checkpoints and bitsandbytes ones (or quantization='bitsandbytes')."
+            )
+        import_bitsandbytes()
+        return "bitsandbytes", saved
+
+    def _check_weight_files(self, model: str) -> None:
+        """Fails early when ``load_format`` does not fit the file type (before parsing it)."""
+        is_gguf = model.endswith(".gguf")
+        if self.load_format == "gguf" and not is_gguf:
+            raise ValueError(f"load_format='gguf' needs a .gguf file, but {model} is a directory.")
+        if self.load_format == "safetensors" and is_gguf:
+            raise ValueError(
+                f"load_format='safetensors' needs a model directory, but {model} is a .gguf file; "
+                "use load_format='auto' or 'gguf'."
+            )
+
     def _max_model_len(self, arch: ArchConfig) -> int:
         limit = arch.max_position_embeddings
         if self.max_model_len is None:
@@ -150,3 +230,28 @@ class EngineArgs:
         else:
             max_model_len = self.max_model_len
         return max_model_len
+
+
+def _resolve_path(what: str, name: str, revision: str | None, weights: bool = True) -> str:
+    """A local path as given, else a hub id's snapshot directory; errors name the fix."""
+    path = os.path.expanduser(name)
+    if os.path.exists(path):
+        if revision is not None and weights:
+            raise ValueError(
+                f"revision={revision!r} applies to hub ids, but {name} is a local path; "
+                "drop revision or check out that revision into the directory."
+            )
+        if os.path.isfile(path) and not path.endswith(".gguf"):
+            raise ValueError(
+                f"{what} file {path!r} is not a .gguf file; pass a directory or a .gguf file."
+            )
+        return path
+    from pagedlm.model_executor.loader.hub import looks_like_hub_id, resolve_hub_model
+
+    if looks_like_hub_id(name):
+        return resolve_hub_model(name, revision)
+    raise ValueError(
+        f"{what} {name!r} not found: pass a local Hugging Face model directory "
+        "(config.json + *.safetensors), a .gguf file, a hub id (org/name), or model=None "
+        "for the embedded default model."
+    )

@@ -21,8 +21,16 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
 def iter_model_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs of the checkpoint: a .gguf file or a safetensors directory."""
+    if model_config.load_format not in ("auto", "safetensors", "gguf"):
+        raise ValueError(
+            f"load_format={model_config.load_format!r} reads no weights; "
+            f"use one of {', '.join(LOAD_FORMATS)}."
+        )
     if model_config.is_gguf:
         from pagedlm.model_executor.loader.gguf_loader import iter_gguf_weights
 
@@ -36,15 +44,42 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     """The model of ``model_config``, in ``model_config.dtype`` on ``device``, in eval mode.
 
     Parameters are allocated once, directly on the device and uninitialized, then
-    overwritten from the checkpoint tensor by tensor. Every parameter must be filled.
+    overwritten from the checkpoint tensor by tensor (or with random values for
+    ``load_format="dummy"``). Every parameter must be filled. With
+    ``quantization="bitsandbytes"`` the linear layers are then quantized one by one.
     """
     from pagedlm.model_executor.models.registry import get_model_class
 
     model_class = get_model_class(model_config.arch.architecture)
     with _default_dtype(model_config.dtype), torch.device(device):
         model = model_class(model_config.arch, max_model_len=model_config.max_model_len)
-    with torch.no_grad():
-        loaded = model.load_weights(iter_model_weights(model_config))
+    if model_config.load_format == "dummy":
+        from pagedlm.model_executor.loader.dummy import fill_dummy_weights
+
+        fill_dummy_weights(model, model_config.seed)
+    else:
+        weights = iter_model_weights(model_config)
+        if "quantization_config" in model_config.arch.raw:
+            from pagedlm.model_executor.loader import bitsandbytes
+
+            if bitsandbytes.checkpoint_quant_type(model_config.arch.raw):
+                weights = bitsandbytes.dequantize_checkpoint(weights)
+        with torch.no_grad():
+            loaded = model.load_weights(weights)
+        _check_all_loaded(model, loaded, model_config)
+    if model_config.quantization == "bitsandbytes":
+        from pagedlm.model_executor.loader.bitsandbytes import quantize_model
+
+        quantize_model(model, model_config.bnb_quant_type)
+    elif model_config.quantization is not None:
+        raise ValueError(
+            f"quantization={model_config.quantization!r} is not supported; use None or "
+            "'bitsandbytes'."
+        )
+    return model.eval()
+
+
+def _check_all_loaded(model: nn.Module, loaded: set[str], model_config: ModelConfig) -> None:
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (
@@ -55,7 +90,6 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
             f"of {model_config.arch.architecture}: {shown}. The file is incomplete or does "
             "not match config.json (for a tied LM head set tie_word_embeddings: true)."
         )
-    return model.eval()
 
 
-__all__ = ["iter_model_weights", "load_model"]
+__all__ = ["LOAD_FORMATS", "iter_model_weights", "load_model"]

@@ -1,39 +1,28 @@
-"""GGUF files: read the header, map llama metadata to ``ArchConfig``, yield HF-layout weights.
+"""GGUF models: map llama.cpp metadata to ``ArchConfig`` and tensors to HF-layout weights.
 
-A GGUF file is a little-endian header (magic, version, key/value metadata, tensor infos)
-followed by aligned tensor data. We parse the header ourselves with ``struct`` because
-``gguf.GGUFReader`` builds a numpy view per array element and takes seconds on a 49k-token
-vocabulary; the ``gguf`` package is imported only to dequantize tensor data.
+The container itself (header parsing, reading and dequantizing one tensor) lives in
+``gguf_reader``. Here: which llama.cpp architectures we accept, what HF architecture each
+becomes, and how its tensor names and layouts differ from the HF checkpoint's.
 
-GGUF lists dimensions fastest-varying first, so a ``[out_features, in_features]`` HF matrix is
-stored with dims ``(in_features, out_features)``; ``GGUFTensorInfo.shape`` is already reversed
-into HF (row-major) order.
+llama.cpp's converter permutes the q/k rows of *llama* models only (its llama rotary kernel
+rotates interleaved pairs); qwen2/qwen3 use the NeoX rotation, like HF, and are stored as is.
 """
 
 from __future__ import annotations
 
-import mmap
-import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from pagedlm.config import ArchConfig
-
-SUPPORTED_ARCHITECTURES = ("llama",)
-
-_MAGIC = b"GGUF"
-_DEFAULT_ALIGNMENT = 32
-_BOOL, _STRING, _ARRAY = 7, 8, 9
-_LENGTH = struct.Struct("<Q")
-# GGUF value type -> struct format of one scalar (little-endian).
-_SCALAR_FORMATS = {
-    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i",
-    6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
-}  # fmt: skip
+from pagedlm.model_executor.loader.gguf_reader import (
+    GGUFHeader,
+    GGUFTensorInfo,
+    read_gguf_header,
+    read_gguf_tensor,
+)
 
 # llama.cpp tensor name -> HF name (without the ".weight"/".bias" suffix).
 _GLOBAL_TENSORS = {
@@ -41,7 +30,7 @@ _GLOBAL_TENSORS = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-_LAYER_TENSORS = {
+_LLAMA_LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -55,122 +44,37 @@ _LAYER_TENSORS = {
 
 
 @dataclass(frozen=True)
-class GGUFTensorInfo:
-    """Where one tensor lives in the file. ``shape`` is in HF order, e.g. ``[out, in]``."""
+class GGUFArchitecture:
+    """How one llama.cpp ``general.architecture`` maps onto a pagedlm / HF architecture."""
 
-    name: str
-    shape: tuple[int, ...]
-    ggml_type: int
-    offset: int
-    """Absolute byte offset of the tensor data in the file."""
-
-
-@dataclass(frozen=True)
-class GGUFHeader:
-    """Everything before the tensor data: metadata (arrays as Python lists) and tensor infos."""
-
-    path: str
-    version: int
-    metadata: dict[str, Any]
-    tensors: dict[str, GGUFTensorInfo]
+    hf_architecture: str
+    layer_tensors: dict[str, str]
+    """llama.cpp per-layer tensor stem (``attn_q``) -> HF module path (``self_attn.q_proj``)."""
+    permuted_qk: bool = False
+    """Whether the converter interleaved q/k rows (undone with ``unpermute_rotary_rows``)."""
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+    """ArchConfig fields that follow from the architecture rather than the metadata."""
 
 
-class _Cursor:
-    """Sequential little-endian reader over the mapped file; a clear error past its end."""
-
-    def __init__(self, buffer: mmap.mmap, path: str) -> None:
-        self.buffer = buffer
-        self.path = path
-        self.pos = 0
-
-    def _truncated(self) -> ValueError:
-        return ValueError(f"{self.path} is truncated (header ends early); download it again.")
-
-    def scalar(self, fmt: str) -> Any:
-        try:
-            (value,) = struct.unpack_from(fmt, self.buffer, self.pos)
-        except struct.error:
-            raise self._truncated() from None
-        self.pos += struct.calcsize(fmt)
-        if fmt == "<f":
-            # The shortest decimal that round-trips through float32 is the value the writer
-            # meant (1e-05, not 9.999999747378752e-06).
-            return float(str(np.float32(value)))
-        return value
-
-    def strings(self, count: int) -> list[str]:
-        # Vocabularies hold ~10^5 strings; a tight loop keeps header parsing near 0.1 s.
-        buffer, pos, unpack_length = self.buffer, self.pos, _LENGTH.unpack_from
-        strings = []
-        try:
-            for _ in range(count):
-                (length,) = unpack_length(buffer, pos)
-                strings.append(buffer[pos + 8 : pos + 8 + length].decode("utf-8"))
-                pos += 8 + length
-        except struct.error:
-            raise self._truncated() from None
-        if pos > len(buffer):
-            raise self._truncated()
-        self.pos = pos
-        return strings
-
-    def value(self, value_type: int) -> Any:
-        if value_type == _STRING:
-            return self.strings(1)[0]
-        if value_type == _ARRAY:
-            item_type, count = self.scalar("<I"), self.scalar("<Q")
-            if item_type == _STRING:
-                return self.strings(count)
-            if item_type in _SCALAR_FORMATS and item_type != _BOOL:
-                # Numeric arrays (scores, token types) in one numpy call instead of a loop.
-                dtype = np.dtype(_SCALAR_FORMATS[item_type])
-                if self.pos + dtype.itemsize * count > len(self.buffer):
-                    raise self._truncated()
-                items = np.frombuffer(self.buffer, dtype, count, self.pos).tolist()
-                self.pos += dtype.itemsize * count
-                return items
-            return [self.value(item_type) for _ in range(count)]
-        if value_type not in _SCALAR_FORMATS:
-            raise ValueError(f"{self.path}: unknown GGUF value type {value_type}; is it GGUF?")
-        return self.scalar(_SCALAR_FORMATS[value_type])
-
-
-def read_gguf_header(path: str) -> GGUFHeader:
-    """Parse the metadata and tensor infos of a GGUF (version 2 or 3) file; reads no tensor data."""
-    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
-        cursor = _Cursor(buffer, path)
-        if buffer[:4] != _MAGIC:
-            raise ValueError(f"{path} is not a GGUF file (it does not start with b'GGUF').")
-        cursor.pos = 4
-        version = cursor.scalar("<I")
-        if version not in (2, 3):
-            hint = " (a big-endian file?)" if version & 0xFFFF == 0 else ""
-            raise ValueError(
-                f"{path} has GGUF version {version}{hint}; only little-endian versions 2 and 3 "
-                "are supported. Re-convert it with a recent llama.cpp convert_hf_to_gguf.py."
-            )
-        num_tensors, num_metadata = cursor.scalar("<Q"), cursor.scalar("<Q")
-        metadata: dict[str, Any] = {}
-        for _ in range(num_metadata):
-            key = cursor.strings(1)[0]
-            metadata[key] = cursor.value(cursor.scalar("<I"))
-        infos = []
-        for _ in range(num_tensors):
-            name = cursor.strings(1)[0]
-            dims = [cursor.scalar("<Q") for _ in range(cursor.scalar("<I"))]
-            infos.append((name, tuple(reversed(dims)), cursor.scalar("<I"), cursor.scalar("<Q")))
-        alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
-        data_start = -(-cursor.pos // alignment) * alignment
-    tensors = {
-        name: GGUFTensorInfo(name, shape, ggml_type, data_start + offset)
-        for name, shape, ggml_type, offset in infos
-    }
-    return GGUFHeader(path=path, version=version, metadata=metadata, tensors=tensors)
+GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
+    "llama": GGUFArchitecture("LlamaForCausalLM", _LLAMA_LAYER_TENSORS, permuted_qk=True),
+    "qwen2": GGUFArchitecture("Qwen2ForCausalLM", _LLAMA_LAYER_TENSORS),
+    "qwen3": GGUFArchitecture(
+        "Qwen3ForCausalLM",
+        {
+            **_LLAMA_LAYER_TENSORS,
+            "attn_q_norm": "self_attn.q_norm",
+            "attn_k_norm": "self_attn.k_norm",
+        },
+        config_overrides={"qk_norm": True},
+    ),
+}
+SUPPORTED_ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
 
 
 def _check_architecture(header: GGUFHeader) -> str:
     arch = header.metadata.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
             f"{header.path} holds a {arch!r} model; the GGUF loader supports "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}. Pass the original Hugging Face model "
@@ -197,9 +101,10 @@ def _rope_scaling(meta: dict[str, Any], prefix: str, path: str) -> dict[str, Any
 
 
 def gguf_arch_config(path: str) -> ArchConfig:
-    """The model shape from a llama GGUF's metadata (reads only the header)."""
+    """The model shape from a GGUF's metadata (reads only the header)."""
     header = read_gguf_header(path)
     arch = _check_architecture(header)
+    spec = GGUF_ARCHITECTURES[arch]
     meta = header.metadata
 
     def require(key: str) -> Any:
@@ -218,7 +123,7 @@ def gguf_arch_config(path: str) -> ArchConfig:
     num_heads = int(require("attention.head_count"))
     num_kv_heads = meta.get(f"{arch}.attention.head_count_kv", num_heads)
     if isinstance(num_kv_heads, list):
-        raise ValueError(f"{path} has a per-layer KV head count, which llama models never use.")
+        raise ValueError(f"{path} has a per-layer KV head count, which {arch} models never use.")
     vocab_size = meta.get(f"{arch}.vocab_size")
     if vocab_size is None:
         tokens = meta.get("tokenizer.ggml.tokens")
@@ -227,8 +132,8 @@ def gguf_arch_config(path: str) -> ArchConfig:
     eot = meta.get("tokenizer.ggml.eot_token_id")
     # llama.cpp stops on end-of-turn as well as end-of-sequence; keep both when they differ.
     eos_ids: int | list[int] | None = [eos, eot] if None not in (eos, eot) and eos != eot else eos
-    return ArchConfig(
-        architecture="LlamaForCausalLM",
+    fields: dict[str, Any] = dict(
+        architecture=spec.hf_architecture,
         vocab_size=int(vocab_size),
         hidden_size=hidden,
         num_hidden_layers=int(require("block_count")),
@@ -247,10 +152,12 @@ def gguf_arch_config(path: str) -> ArchConfig:
         eos_token_id=eos_ids,
         raw={key: value for key, value in meta.items() if not isinstance(value, list)},
     )
+    return ArchConfig(**{**fields, **spec.config_overrides})
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (llama names)."""
+def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    layer_tensors = GGUF_ARCHITECTURES[architecture].layer_tensors
     stem, _, suffix = gguf_name.rpartition(".")
     if suffix in ("weight", "bias"):
         if stem in _GLOBAL_TENSORS:
@@ -260,10 +167,13 @@ def hf_tensor_name(gguf_name: str) -> str:
             len(parts) == 3
             and parts[0] == "blk"
             and parts[1].isdigit()
-            and parts[2] in _LAYER_TENSORS
+            and parts[2] in layer_tensors
         ):
-            return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no llama equivalent; is this a llama model?")
+            return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{suffix}"
+    raise ValueError(
+        f"GGUF tensor {gguf_name!r} has no {architecture} equivalent; is this really a "
+        f"{architecture} model?"
+    )
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -282,47 +192,37 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return paired.transpose(1, 2).reshape(weight.shape)
 
 
-def _dequantize(data: np.memmap, info: GGUFTensorInfo, path: str) -> torch.Tensor:
-    import gguf
-
-    qtype = gguf.GGMLQuantizationType(info.ggml_type)
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    num_elements = int(np.prod(info.shape))
-    nbytes = num_elements // block_size * type_size
-    if info.offset + nbytes > data.shape[0]:
-        raise ValueError(
-            f"{path} is truncated (tensor {info.name} runs past the end); download it again."
-        )
-    raw = data[info.offset : info.offset + nbytes]
-    byte_shape = gguf.quant_shape_to_byte_shape(info.shape, qtype)
-    try:
-        values = gguf.dequantize(raw.reshape(byte_shape), qtype)
-    except NotImplementedError as error:
-        raise ValueError(
-            f"{path}: tensor {info.name} uses {qtype.name}, which the installed gguf package "
-            "cannot dequantize; upgrade gguf or use a file quantized with another type."
-        ) from error
-    values = values.astype(np.float32, copy=False).reshape(info.shape)
-    if not values.flags.writeable:  # F32 data is a view into the read-only memory map
-        values = values.copy()
-    return torch.from_numpy(values)
-
-
 def iter_gguf_weights(path: str, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, float32 tensor)`` in HF layout, one tensor at a time, in file order.
 
-    Quantized tensors are dequantized; q/k projections are un-permuted with
-    ``arch.num_attention_heads`` / ``arch.num_key_value_heads``. ``lm_head.weight`` appears only
-    when the file has an ``output.weight`` (otherwise the embeddings are tied).
+    Quantized tensors are dequantized; for llama the q/k projections are un-permuted with
+    ``arch.num_attention_heads`` / ``arch.num_key_value_heads``. ``lm_head.weight`` appears
+    only when the file has an ``output.weight`` (otherwise the embeddings are tied).
     """
     header = read_gguf_header(path)
-    _check_architecture(header)
-    data = np.memmap(path, dtype=np.uint8, mode="r")
+    architecture = _check_architecture(header)
+    spec = GGUF_ARCHITECTURES[architecture]
     heads = {"attn_q": arch.num_attention_heads, "attn_k": arch.num_key_value_heads}
-    for info in header.tensors.values():
-        name = hf_tensor_name(info.name)
-        tensor = _dequantize(data, info, path)
-        kind = info.name.split(".")[-2]
-        if info.name.startswith("blk.") and kind in heads:
-            tensor = unpermute_rotary_rows(tensor, heads[kind])
-        yield name, tensor
+    with open(path, "rb", buffering=0) as file:
+        for info in header.tensors.values():
+            name = hf_tensor_name(info.name, architecture)
+            tensor = read_gguf_tensor(file, info, path)
+            kind = info.name.split(".")[-2]
+            if spec.permuted_qk and info.name.startswith("blk.") and kind in heads:
+                tensor = unpermute_rotary_rows(tensor, heads[kind])
+            yield name, tensor
+            del tensor
+
+
+__all__ = [
+    "GGUF_ARCHITECTURES",
+    "SUPPORTED_ARCHITECTURES",
+    "GGUFArchitecture",
+    "GGUFHeader",
+    "GGUFTensorInfo",
+    "gguf_arch_config",
+    "hf_tensor_name",
+    "iter_gguf_weights",
+    "read_gguf_header",
+    "unpermute_rotary_rows",
+]

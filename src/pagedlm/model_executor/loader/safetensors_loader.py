@@ -1,15 +1,56 @@
-"""Reading a HF model directory's ``*.safetensors`` files, one tensor at a time."""
+"""Reading a HF model directory's ``*.safetensors`` files (one or many shards), tensor by tensor.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header mapping each
+tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the
+end of the header), then the raw little-endian tensor bytes.
+
+We read each tensor with ``readinto`` into a buffer of its own instead of going through
+``safetensors.safe_open``: ``safe_open`` memory-maps the file, and every page it touches
+counts as resident until the handle closes, so a single-file checkpoint peaks at twice its
+size (measured: 2.0x for a 400 MB file). Plain reads leave the data in the page cache, which
+is not charged to the process, so peak RSS stays at the model plus one tensor.
+"""
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
+import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
 INDEX_FILE = "model.safetensors.index.json"
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+_OWN_MAPPING_BYTES = 1 << 20
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class SafetensorsEntry:
+    """One tensor of a file: dtype, HF-order shape and absolute byte range."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
 
 
 def safetensors_files(directory: str | os.PathLike[str]) -> list[Path]:
@@ -21,35 +62,91 @@ def safetensors_files(directory: str | os.PathLike[str]) -> list[Path]:
     directory = Path(directory)
     index = directory / INDEX_FILE
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(
+                f"{index} is not a valid safetensors index (no 'weight_map': {error}); "
+                "download it again or delete it so every *.safetensors file is read."
+            ) from None
         files = [directory / name for name in sorted(set(weight_map.values()))]
-        missing = [str(f) for f in files if not f.is_file()]
+        missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ValueError(
-                f"{index} names weight files that are not there: {missing}; "
-                "download the complete model directory."
+                f"{index} lists shard files that are not in {directory}: {', '.join(missing)}; "
+                "download the complete model directory (every shard the index names)."
             )
         return files
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ValueError(
             f"{directory} has no *.safetensors files; pagedlm reads safetensors or GGUF. "
-            "Convert the weights with transformers (model.save_pretrained(dir)) or pass a .gguf."
+            "Convert the weights with transformers (model.save_pretrained(dir)), pass a .gguf, "
+            'or use load_format="dummy" for random weights.'
         )
     return files
+
+
+def read_safetensors_header(path: str | os.PathLike[str]) -> list[SafetensorsEntry]:
+    """The tensors of one file in file order; checks that every byte range lies in the file."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as file:
+        prefix = file.read(8)
+        (header_len,) = struct.unpack("<Q", prefix) if len(prefix) == 8 else (-1,)
+        if not 0 < header_len <= min(_MAX_HEADER_BYTES, size - 8):
+            raise ValueError(f"{path} is not a safetensors file (bad header length); re-save it.")
+        try:
+            header = json.loads(file.read(header_len))
+        except ValueError:
+            raise ValueError(f"{path} has a corrupt safetensors header; re-save it.") from None
+    data_start = 8 + header_len
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(
+                f"{path}: tensor {name} has dtype {info['dtype']}, which pagedlm does not read; "
+                "re-save the checkpoint in float32, bfloat16 or float16."
+            )
+        begin, end = (data_start + offset for offset in info["data_offsets"])
+        if end > size:
+            raise ValueError(
+                f"{path} is truncated (tensor {name} runs past the end); download it again."
+            )
+        entries.append(
+            SafetensorsEntry(name, _DTYPES[info["dtype"]], tuple(info["shape"]), begin, end)
+        )
+    return sorted(entries, key=lambda entry: entry.begin)
+
+
+def _read_tensor(file: BinaryIO, entry: SafetensorsEntry) -> torch.Tensor:
+    nbytes = entry.end - entry.begin
+    # Large tensors get their own anonymous mapping, unmapped as soon as the tensor is
+    # freed. Through malloc, glibc's adaptive thresholds would keep up to 64 MB of freed
+    # read buffers resident for the rest of the load (measured: +29% on a 59 MB model).
+    buffer = mmap.mmap(-1, nbytes) if nbytes >= _OWN_MAPPING_BYTES else bytearray(nbytes)
+    file.seek(entry.begin)
+    if nbytes and file.readinto(buffer) != nbytes:
+        raise ValueError(f"{file.name} ended inside tensor {entry.name}; download it again.")
+    raw = (
+        torch.frombuffer(buffer, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+    )
+    return raw.view(entry.dtype).reshape(entry.shape)
 
 
 def iter_safetensors_weights(
     directory: str | os.PathLike[str],
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (HF tensor name, CPU tensor) for every tensor of every weight file.
+    """Yields (HF tensor name, CPU tensor in the file's dtype) for every tensor of every shard.
 
-    Files are memory-mapped and tensors produced one at a time, so loading never holds
-    a second full copy of the model in memory.
+    Each tensor is read into its own buffer just before it is yielded; the consumer copies it
+    into its parameter and drops it, so at most about two tensors exist besides the model.
     """
-    from safetensors import safe_open
-
     for path in safetensors_files(directory):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
+        entries = read_safetensors_header(path)
+        with open(path, "rb", buffering=0) as file:
+            for entry in entries:
+                tensor = _read_tensor(file, entry)
+                yield entry.name, tensor
+                del tensor  # before reading the next one, so two never pile up here

@@ -38,4 +38,13 @@ def default_weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor
 
 def shard_of(loaded_weight: torch.Tensor, dim: int, rank: int, shard_size: int) -> torch.Tensor:
     """Rank ``rank``'s slice of ``shard_size`` rows (``dim=0``) or columns (``dim=1``)."""
+    # A full tensor always splits into whole shards (kv heads replicated across ranks
+    # included), so a size that does not is a config/checkpoint mismatch, not a slicing bug.
+    full = loaded_weight.shape[dim] if loaded_weight.dim() > dim else 0
+    if full < (rank + 1) * shard_size or full % shard_size:
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(loaded_weight.shape)} does not split into "
+            f"slices of {shard_size} along dim {dim} as the model expects; the checkpoint "
+            "does not match its config.json."
+        )
     return loaded_weight.narrow(dim, rank * shard_size, shard_size)
