@@ -207,8 +207,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, arch: ArchConfig, max_model_len: int | None = None) -> None:
         nn.Module.__init__(self)
-        # Gemma always ties the head; old config files leave the flag out.
         self.arch = arch
+        # Gemma always ties the head; old config files leave the flag out.
         self.tied = bool(arch.raw.get("tie_word_embeddings", True))
         layer_types = gemma_layer_types(arch, self.default_sliding_window_pattern)
         self.model = GemmaModel(arch, layer_types, self.rotary_embs(arch), self.qk_norm)
