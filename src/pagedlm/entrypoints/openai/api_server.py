@@ -60,7 +60,34 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Seconds in-flight requests may take to finish after SIGTERM (default: %(default)s).",
     )
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_tool_args(group)
     return parser
+
+
+def _add_tool_args(group: argparse._ArgumentGroup) -> None:
+    from pagedlm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+    from pagedlm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    group.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="How tool calls are read from the model's text for tool_choice='auto' "
+        "(hermes: <tool_call>{...}</tool_call>; llama3_json: Llama 3.x JSON calls).",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="Allow tool_choice='auto' (needs --tool-call-parser); it is then the default "
+        "when a request has tools. 'required' and named tools work without it.",
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="Return <think>...</think> as reasoning_content in chat responses "
+        "(deepseek_r1: output starts inside the thought; qwen3: only after <think>).",
+    )
 
 
 def _chat_template(value: str | None) -> str | None:
@@ -106,6 +133,8 @@ def run_server(args: argparse.Namespace) -> None:
     from pagedlm.entrypoints.openai.serving_engine import ServingContext
     from pagedlm.metrics.prometheus import PrometheusMetrics
 
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser (e.g. hermes).")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
     engine_args = engine_args_from_cli(args)
@@ -121,6 +150,9 @@ def run_server(args: argparse.Namespace) -> None:
             chat_template=chat_template,
             tokenizer=engine.get_tokenizer(),
             max_model_len=engine.config.model.max_model_len,
+            tool_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            reasoning_parser=args.reasoning_parser,
         )
         app = build_app(ctx, api_key=api_key, max_body_bytes=args.max_request_body_bytes)
         logger.info(

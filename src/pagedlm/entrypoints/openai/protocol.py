@@ -7,12 +7,19 @@ and ``to_sampling_params`` turns a request into engine parameters.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedlm.entrypoints.openai.errors import APIError
-from pagedlm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from pagedlm.entrypoints.openai.structured_request import structured_outputs_from_request
+from pagedlm.sampling_params import (
+    MAX_LOGPROBS,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 MAX_N = 64
 """The most samples one request may ask for (``n``)."""
@@ -55,9 +62,24 @@ class SamplingFields(OpenAIModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     cache_salt: str | None = Field(None, min_length=1)
     priority: int = 0
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
-    def base_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Engine parameters for this request; bad values -> ``APIError`` 400."""
+    def base_sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        structured_outputs: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
+        """Engine parameters for this request; bad values -> ``APIError`` 400.
+
+        ``structured_outputs`` (forced tool calls) replaces the request's own
+        ``response_format``/``structured_outputs``.
+        """
+        if structured_outputs is None:
+            structured_outputs = structured_outputs_from_request(
+                self.response_format, self.structured_outputs
+            )
         try:
             return SamplingParams(
                 n=self.n,
@@ -83,6 +105,7 @@ class SamplingFields(OpenAIModel):
                 logit_bias=self._logit_bias(),
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 output_kind=RequestOutputKind.DELTA,
+                structured_outputs=structured_outputs,
             )
         except ValueError as error:
             raise APIError(str(error)) from error
@@ -145,6 +168,19 @@ class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as chat templates expect it (tool-call arguments as objects)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [_template_tool_call(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            message["name"] = self.name
+        return message
 
     def text(self) -> str:
         if self.content is None:
@@ -161,6 +197,21 @@ class ChatMessage(OpenAIModel):
                 )
             texts.append(part.text)
         return "\n".join(texts)
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    # Templates (Qwen, Hermes, Llama 3) render arguments with tojson: they need an object.
+    function = call.get("function")
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError:
+            raise APIError(
+                "An assistant message's tool_calls[].function.arguments is not valid JSON.",
+                param="messages",
+            ) from None
+        return {**call, "function": {**function, "arguments": arguments}}
+    return call
 
 
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -193,9 +244,12 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        return [m.template_message() for m in self.messages]
 
     def template_kwargs(self) -> dict[str, Any]:
         kwargs = dict(self.chat_template_kwargs or {})

@@ -11,15 +11,19 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from pagedlm.entrypoints.openai.chat_output import ChatOutputParser
+from pagedlm.entrypoints.openai.errors import APIError
 from pagedlm.entrypoints.openai.logprobs_format import chat_logprobs, prompt_logprobs_json
 from pagedlm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedlm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from pagedlm.entrypoints.openai.serving_engine import ServingContext, merge_streams
+from pagedlm.entrypoints.openai.structured_request import ToolPlan, plan_tools
 
 
 @dataclass
 class _ChatChoice:
     index: int
-    text: list[str] = field(default_factory=list)
+    parser: ChatOutputParser
     num_tokens: int = 0
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
@@ -39,18 +43,38 @@ class ChatServer:
         """(response body, None) or (None, SSE event stream); raises ``APIError``."""
         ctx = self.ctx
         ctx.check_model(request.model)
+        plan = plan_tools(
+            request.tools,
+            request.tool_choice,
+            request.parallel_tool_calls,
+            ctx.tool_parser,
+            ctx.enable_auto_tool_choice,
+        )
+        if plan.structured_outputs is not None and (
+            request.response_format or request.structured_outputs
+        ):
+            raise APIError(
+                f'tool_choice="{plan.mode}" constrains the output itself; drop '
+                "response_format/structured_outputs or use tool_choice='auto'.",
+                param="tool_choice",
+            )
+        template_kwargs = request.template_kwargs()
+        if plan.template_tools is not None:
+            template_kwargs["tools"] = plan.template_tools
         prompt_token_ids = ctx.apply_chat_template(
             request.conversation(),
             request.chat_template,
             request.add_generation_prompt,
             request.continue_final_message,
-            request.template_kwargs(),
+            template_kwargs,
         )
         max_tokens = request.max_completion_tokens or request.max_tokens
-        params = request.base_sampling_params(max_tokens, request.num_logprobs())
+        params = request.base_sampling_params(
+            max_tokens, request.num_logprobs(), plan.structured_outputs
+        )
         request_id = ctx.request_id("chatcmpl")
         started = await ctx.start([{"prompt_token_ids": prompt_token_ids}], params, request_id)
-        events = self._events(request, request_id, started)
+        events = self._events(request, request_id, started, plan)
         if request.stream:
             return None, events
         body = None
@@ -58,8 +82,15 @@ class ChatServer:
             body = event
         return body, None
 
+    def _new_choice(self, index: int, plan: ToolPlan) -> _ChatChoice:
+        name = self.ctx.reasoning_parser
+        # A forced tool call is all the output (its grammar leaves no room for a thought).
+        forced = plan.structured_outputs is not None
+        new_reasoning_parser = get_reasoning_parser(name) if name and not forced else None
+        return _ChatChoice(index, ChatOutputParser.build(new_reasoning_parser, plan.new_parser))
+
     async def _events(
-        self, request: ChatCompletionRequest, request_id: str, started
+        self, request: ChatCompletionRequest, request_id: str, started, plan: ToolPlan
     ) -> AsyncIterator:
         num_top = request.top_logprobs or 0
         choices: dict[int, _ChatChoice] = {}
@@ -84,10 +115,10 @@ class ChatServer:
             for sample in output.outputs:
                 choice = choices.get(sample.index)
                 if choice is None:
-                    choice = choices[sample.index] = _ChatChoice(sample.index)
+                    choice = choices[sample.index] = self._new_choice(sample.index, plan)
                     if request.stream:
                         yield chunk(sample.index, {"role": "assistant", "content": ""})
-                choice.text.append(sample.text)
+                delta = choice.parser.feed(sample.text)
                 choice.num_tokens += len(sample.token_ids)
                 new_logprobs = None
                 if request.logprobs and sample.logprobs is not None:
@@ -95,15 +126,21 @@ class ChatServer:
                         sample.token_ids, sample.logprobs, num_top, self._decode
                     )
                     choice.logprobs.extend(new_logprobs)
-                if request.stream and (sample.text or new_logprobs):
+                if request.stream and (delta or new_logprobs):
                     logprobs = {"content": new_logprobs} if new_logprobs is not None else None
-                    yield chunk(sample.index, {"content": sample.text}, logprobs=logprobs)
+                    yield chunk(sample.index, delta, logprobs=logprobs)
                 if sample.finish_reason is not None:
+                    last = choice.parser.finish()
+                    if request.stream and last:
+                        yield chunk(sample.index, last)
                     choice.finish_reason = sample.finish_reason
+                    called = choice.parser.has_tool_calls and plan.mode in ("auto", "required")
+                    if called and choice.finish_reason == "stop":
+                        choice.finish_reason = "tool_calls"
                     choice.stop_reason = sample.stop_reason
                     if request.stream:
                         yield chunk(
-                            sample.index, {}, sample.finish_reason, stop_reason=sample.stop_reason
+                            sample.index, {}, choice.finish_reason, stop_reason=sample.stop_reason
                         )
         completion_tokens = sum(c.num_tokens for c in choices.values())
         usage = {
@@ -122,7 +159,7 @@ class ChatServer:
             "choices": [
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": "".join(c.text)},
+                    "message": c.parser.message(),
                     "logprobs": {"content": c.logprobs} if request.logprobs else None,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,

@@ -42,6 +42,11 @@ class ServingContext:
     chat_template: str | None = None
     tokenizer: Any = None
     max_model_len: int = 0
+    tool_parser: str | None = None
+    """``--tool-call-parser``: how ``tool_choice="auto"`` reads calls from the text."""
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
+    """``--reasoning-parser``: splits ``reasoning_content`` from chat answers."""
     created: int = field(default_factory=lambda: int(time.time()))
     _counter: itertools.count = field(default_factory=itertools.count)
     _background: set[asyncio.Task] = field(default_factory=set)

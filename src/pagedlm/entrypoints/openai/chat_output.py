@@ -1,0 +1,112 @@
+"""One chat choice's text turned into OpenAI message fields: reasoning, content, tool calls.
+
+The model's text goes through the reasoning parser (if the server has one), and the
+content that comes out goes through the tool parser (if the request uses one). Streaming
+and non-streaming responses use the same deltas, so they always agree.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedlm.entrypoints.openai.reasoning_parsers import ReasoningParser
+from pagedlm.entrypoints.openai.tool_parsers import ParsedDelta, ToolParser
+
+
+def new_tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ChatOutputParser:
+    """Per-choice parser chain; ``feed``/``finish`` return an OpenAI ``delta`` dict (or {})."""
+
+    reasoning_parser: ReasoningParser | None = None
+    tool_parser: ToolParser | None = None
+    reasoning: list[str] = field(default_factory=list)
+    content: list[str] = field(default_factory=list)
+    call_ids: list[str] = field(default_factory=list)
+    call_names: list[str] = field(default_factory=list)
+    call_arguments: list[list[str]] = field(default_factory=list)
+
+    @classmethod
+    def build(
+        cls,
+        new_reasoning_parser: Callable[[], ReasoningParser] | None,
+        new_tool_parser: Callable[[], ToolParser] | None,
+    ) -> ChatOutputParser:
+        return cls(
+            new_reasoning_parser() if new_reasoning_parser else None,
+            new_tool_parser() if new_tool_parser else None,
+        )
+
+    def feed(self, text: str) -> dict[str, Any]:
+        return self._step(text, final=False)
+
+    def finish(self) -> dict[str, Any]:
+        return self._step("", final=True)
+
+    def _step(self, text: str, final: bool) -> dict[str, Any]:
+        reasoning, content = "", text
+        if self.reasoning_parser is not None:
+            piece = self.reasoning_parser.finish() if final else self.reasoning_parser.feed(text)
+            reasoning, content = piece.reasoning, piece.content
+        parsed = ParsedDelta(content)
+        if self.tool_parser is not None:
+            parsed = self.tool_parser.feed(content)
+            if final:
+                last = self.tool_parser.finish()
+                parsed = ParsedDelta(parsed.content + last.content, parsed.calls + last.calls)
+        delta: dict[str, Any] = {}
+        if reasoning:
+            self.reasoning.append(reasoning)
+            delta["reasoning_content"] = reasoning
+        if parsed.content:
+            self.content.append(parsed.content)
+            delta["content"] = parsed.content
+        if parsed.calls:
+            delta["tool_calls"] = [self._call_delta(call) for call in parsed.calls]
+        return delta
+
+    def _call_delta(self, call) -> dict[str, Any]:
+        if call.name is not None:
+            self.call_ids.append(new_tool_call_id())
+            self.call_names.append(call.name)
+            self.call_arguments.append([])
+            self.call_arguments[call.index].append(call.arguments)
+            return {
+                "index": call.index,
+                "id": self.call_ids[call.index],
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+        self.call_arguments[call.index].append(call.arguments)
+        return {"index": call.index, "function": {"arguments": call.arguments}}
+
+    @property
+    def has_tool_calls(self) -> bool:
+        return bool(self.call_ids)
+
+    def message(self) -> dict[str, Any]:
+        """The whole ``message`` of a non-streaming response."""
+        content = "".join(self.content)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if self.reasoning_parser is not None:
+            message["reasoning_content"] = "".join(self.reasoning) or None
+        if self.tool_parser is not None:
+            message["tool_calls"] = [
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": name, "arguments": "".join(arguments)},
+                }
+                for call_id, name, arguments in zip(
+                    self.call_ids, self.call_names, self.call_arguments
+                )
+            ]
+            if self.has_tool_calls and not content:
+                message["content"] = None
+        return message

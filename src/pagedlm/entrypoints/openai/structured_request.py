@@ -1,0 +1,188 @@
+"""Request fields that constrain the output: ``response_format``, vLLM's
+``structured_outputs``, and ``tools`` with ``tool_choice``.
+
+Everything is checked here, before the request reaches the engine: a bad field is an
+``APIError`` (400) naming it. The grammar itself is compiled (and checked again) by the
+engine's input processor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pagedlm.entrypoints.openai.errors import APIError
+from pagedlm.entrypoints.openai.tool_parsers import (
+    NamedToolCallParser,
+    RequiredToolCallsParser,
+    ToolParser,
+    get_tool_parser,
+    required_calls_schema,
+)
+from pagedlm.entrypoints.openai.tool_parsers.forced import parameters_schema
+from pagedlm.sampling_params import StructuredOutputsParams
+
+_STRUCTURED_FIELDS = frozenset(f.name for f in dataclasses.fields(StructuredOutputsParams))
+
+
+def _params(param: str, **fields: Any) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**fields)
+    except ValueError as error:
+        raise APIError(f"{param}: {error}", param=param) from None
+
+
+def structured_outputs_from_request(
+    response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None
+) -> StructuredOutputsParams | None:
+    """The constraint asked for by ``response_format`` or ``structured_outputs`` (not both)."""
+    from_format = _from_response_format(response_format) if response_format else None
+    if structured_outputs is None:
+        return from_format
+    if from_format is not None:
+        raise APIError(
+            "Send either response_format or structured_outputs, not both.",
+            param="structured_outputs",
+        )
+    unknown = sorted(set(structured_outputs) - _STRUCTURED_FIELDS)
+    if unknown:
+        raise APIError(
+            f"structured_outputs has unknown fields {unknown}; use {sorted(_STRUCTURED_FIELDS)}.",
+            param="structured_outputs",
+        )
+    return _params("structured_outputs", **structured_outputs)
+
+
+def _from_response_format(response_format: dict[str, Any]) -> StructuredOutputsParams | None:
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _params("response_format", json_object=True)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(
+                'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}.',
+                param="response_format",
+            )
+        _check_schema(schema, "response_format.json_schema.schema")
+        return _params("response_format", json=schema)
+    raise APIError(
+        f"response_format type {kind!r} is not supported; use 'text', 'json_object' or "
+        "'json_schema'.",
+        param="response_format",
+    )
+
+
+def _check_schema(schema: Any, param: str) -> None:
+    import jsonschema
+
+    if not isinstance(schema, dict):
+        raise APIError(f"{param} must be a JSON schema object.", param=param)
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as error:
+        raise APIError(
+            f"{param} is not a valid JSON schema: {error.message}", param=param
+        ) from None
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How one chat request handles tools.
+
+    ``mode`` is "none", "auto", "required" or "named"; ``template_tools`` go to the chat
+    template; ``structured_outputs`` forces the calls (required/named); ``new_parser``
+    makes a parser per choice (None: the output is plain content).
+    """
+
+    mode: str
+    template_tools: list[dict[str, Any]] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    new_parser: Callable[[], ToolParser] | None = None
+
+
+def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    functions = []
+    for i, tool in enumerate(tools):
+        param = f"tools.{i}"
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type", "function") != "function":
+            raise APIError(
+                f'{param} must be {{"type": "function", "function": {{"name": ..., '
+                '"parameters": {...}}}.',
+                param=param,
+            )
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise APIError(f"{param}.function.name must be a non-empty string.", param=param)
+        if function.get("parameters") is not None:
+            _check_schema(function["parameters"], f"{param}.function.parameters")
+        functions.append(function)
+    names = [f["name"] for f in functions]
+    if len(set(names)) != len(names):
+        raise APIError(f"tools have duplicate function names: {names}.", param="tools")
+    return functions
+
+
+def plan_tools(
+    tools: list[dict[str, Any]] | None,
+    tool_choice: str | dict[str, Any] | None,
+    parallel_tool_calls: bool,
+    tool_parser: str | None,
+    enable_auto_tool_choice: bool,
+) -> ToolPlan:
+    """Check ``tools``/``tool_choice`` and decide how the output is constrained and parsed.
+
+    ``tool_choice`` left out means "auto" when the server parses tool calls
+    (``--enable-auto-tool-choice``), else "none".
+    """
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise APIError("tool_choice needs tools.", param="tool_choice")
+        return ToolPlan("none")
+    functions = _functions(tools)
+    if tool_choice is None:
+        tool_choice = "auto" if enable_auto_tool_choice else "none"
+    if tool_choice == "none":
+        return ToolPlan("none")
+    if tool_choice == "auto":
+        if not (enable_auto_tool_choice and tool_parser):
+            raise APIError(
+                'tool_choice="auto" needs a server started with --enable-auto-tool-choice '
+                "and --tool-call-parser; use 'required' or a named function instead.",
+                param="tool_choice",
+            )
+        return ToolPlan("auto", tools, None, get_tool_parser(tool_parser))
+    if tool_choice == "required":
+        schema = required_calls_schema(functions)
+        if not parallel_tool_calls:
+            schema["maxItems"] = 1
+        structured = _params("tools", json=schema, disable_any_whitespace=True)
+        return ToolPlan("required", tools, structured, RequiredToolCallsParser)
+    name = _named_choice(tool_choice)
+    function = next((f for f in functions if f["name"] == name), None)
+    if function is None:
+        raise APIError(
+            f"tool_choice names {name!r}, which is not among the tools "
+            f"{[f['name'] for f in functions]}.",
+            param="tool_choice",
+        )
+    structured = _params("tools", json=parameters_schema(function), disable_any_whitespace=True)
+    return ToolPlan("named", tools, structured, lambda: NamedToolCallParser(name))
+
+
+def _named_choice(tool_choice: str | dict[str, Any]) -> str:
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise APIError(
+            'tool_choice must be "none", "auto", "required" or {"type": "function", '
+            '"function": {"name": ...}}.',
+            param="tool_choice",
+        )
+    return name
