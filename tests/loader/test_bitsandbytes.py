@@ -14,6 +14,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import bitsandbytes.functional as bnb_functional
 import pytest
 import torch
 import transformers
@@ -25,10 +26,6 @@ from pagedlm.model_executor.layers.linear_base import LinearBase
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead
 from pagedlm.model_executor.loader import load_model
 from pagedlm_cpu.attention import CpuSdpaBackend
-
-bnb_functional = pytest.importorskip(
-    "bitsandbytes.functional", reason="pip install 'pagedlm[bnb]' to test bitsandbytes"
-)
 
 PROMPT = list(range(1, 30))
 _BLOCK_ERROR = 0.17

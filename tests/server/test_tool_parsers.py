@@ -144,7 +144,8 @@ def test_required_parser():
 
 
 def test_required_schema_accepts_calls_to_the_tools_only():
-    jsonschema = pytest.importorskip("jsonschema")
+    import jsonschema
+
     functions = [
         {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
         {"name": "get_time"},
