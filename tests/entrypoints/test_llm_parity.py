@@ -89,3 +89,22 @@ def test_prefix_cache_hits_keep_outputs(tiny_checkpoint):
     assert [o.outputs[0].token_ids for o in second] == expected
     assert all(o.num_cached_tokens > 0 for o in second)
     assert _metric(llm, "pagedlm:prefix_cache_hits") > 0
+
+
+def test_cache_salt_isolates_prefix_cache(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint("llama")), skip_tokenizer_init=True)
+    prompt = list(range(1, 70))
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+    def cached(salt: str | None) -> int:
+        request = {"prompt_token_ids": prompt}
+        if salt is not None:
+            request["cache_salt"] = salt
+        return llm.generate(request, params, use_tqdm=False)[0].num_cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0  # same tokens, other salt: no hit
+    assert cached("tenant-a") > 0
+    assert cached(None) == 0
+    with pytest.raises(ValueError, match="cache_salt"):
+        cached("")

@@ -16,7 +16,8 @@ from pagedlm.core.request import Request
 from pagedlm.sampling_params import SamplingParams
 
 PromptType = str | Mapping[str, Any]
-"""A string, ``{"prompt": str}`` or ``{"prompt_token_ids": list[int]}``."""
+"""A string, ``{"prompt": str}`` or ``{"prompt_token_ids": list[int]}``; a dict may also
+carry ``"cache_salt"``: requests with different salts never share prefix-cache blocks."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,9 @@ class InputProcessor:
     ) -> ProcessedRequest:
         text, token_ids = self.tokenize(prompt)
         resolved = self.resolve_params(params, len(token_ids))
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt must be a non-empty string.")
         arrival = time.monotonic()
         children = []
         for i in range(resolved.n):
@@ -155,6 +159,7 @@ class InputProcessor:
                     child_params,
                     eos_token_ids=self.eos_token_ids,
                     arrival_time=arrival,
+                    cache_salt=cache_salt,
                 )
             )
         return ProcessedRequest(request_id, text, token_ids, resolved, children, arrival)
