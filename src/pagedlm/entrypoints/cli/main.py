@@ -1,4 +1,4 @@
-"""``pagedlm`` command line: ``serve``, ``generate``, ``chat``, ``bench serve``.
+"""``pagedlm`` command line: ``serve``, ``generate``, ``chat``, ``bench serve|throughput|latency``.
 
 Every subcommand that runs an engine takes the same engine flags, generated from
 ``EngineArgs`` (``pagedlm.engine.cli_args``), plus an optional positional MODEL.
@@ -75,6 +75,24 @@ def build_parser() -> argparse.ArgumentParser:
             "throughput, output tokens/s and TTFT / TPOT / ITL (mean, p50, p99).",
         )
     )
+    from pagedlm.benchmarks import latency, throughput
+
+    throughput.add_args(
+        bench_commands.add_parser(
+            "throughput",
+            help="Offline throughput (random or nano-vllm dataset), with % of speed-of-light.",
+            description=throughput.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
+    latency.add_args(
+        bench_commands.add_parser(
+            "latency",
+            help="Offline latency of one batch (mean and percentiles), with % of speed-of-light.",
+            description=latency.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
     return parser
 
 
@@ -92,10 +110,14 @@ def main(argv: list[str] | None = None) -> int:
         from pagedlm.entrypoints.cli.interactive import run_chat
 
         run_chat(args)
-    elif args.command == "bench":
+    elif args.command == "bench" and args.bench_command == "serve":
         from pagedlm.entrypoints.cli.bench import run_bench_serve
 
         run_bench_serve(args)
+    elif args.command == "bench":
+        from pagedlm.benchmarks import latency, throughput
+
+        {"throughput": throughput, "latency": latency}[args.bench_command].run(args)
     return 0
 
 
