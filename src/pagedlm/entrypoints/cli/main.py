@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_args(
         bench_commands.add_parser(
             "throughput",
-            help="Offline throughput (random or nano-vllm dataset), with % of speed-of-light.",
+            help="Offline throughput (random or nano-vllm dataset), with %% of speed-of-light.",
             description=throughput.__doc__,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     latency.add_args(
         bench_commands.add_parser(
             "latency",
-            help="Offline latency of one batch (mean and percentiles), with % of speed-of-light.",
+            help="Offline latency of one batch (mean and percentiles), with %% of speed-of-light.",
             description=latency.__doc__,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
