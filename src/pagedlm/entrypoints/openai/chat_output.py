@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedlm.entrypoints.openai.reasoning_parsers import ReasoningParser
-from pagedlm.entrypoints.openai.tool_parsers import ParsedDelta, ToolParser
+from pagedlm.entrypoints.openai.tool_parsers import ParsedDelta, ToolCallDelta, ToolParser
 
 
 def new_tool_call_id() -> str:
@@ -71,7 +71,7 @@ class ChatOutputParser:
             delta["tool_calls"] = [self._call_delta(call) for call in parsed.calls]
         return delta
 
-    def _call_delta(self, call) -> dict[str, Any]:
+    def _call_delta(self, call: ToolCallDelta) -> dict[str, Any]:
         if call.name is not None:
             self.call_ids.append(new_tool_call_id())
             self.call_names.append(call.name)

@@ -1,7 +1,8 @@
 """``POST /v1/chat/completions``: chat through the tokenizer's (or the server's) template.
 
 Streaming sends, per choice, a first chunk with ``{"role": "assistant", "content": ""}``,
-then content deltas, then an empty delta with ``finish_reason``; with
+then content deltas (with ``reasoning_content`` and ``tool_calls`` pieces when a reasoning
+parser or tools apply, see ``chat_output``), then an empty delta with ``finish_reason``; with
 ``stream_options.include_usage`` a last chunk with no choices carries the usage.
 """
 
