@@ -66,7 +66,9 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, tokenizer: Any, client: CoreClient, ready: Ready):
         self.config = config
         self.tokenizer = tokenizer
-        self.input_processor = InputProcessor(config.model, tokenizer)
+        self.input_processor = InputProcessor(
+            config.model, tokenizer, config.structured_outputs_backend
+        )
         self.output_processor = OutputProcessor(tokenizer)
         self.metrics = EngineMetrics()
         self.num_kv_blocks = ready.num_kv_blocks
