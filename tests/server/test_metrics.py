@@ -40,6 +40,7 @@ def test_counters_match_requests(tiny_server):
     assert delta("pagedlm:request_success_total", finished_reason="length") == len(prompts)
     assert delta("pagedlm:time_to_first_token_seconds_count") == len(prompts)
     assert delta("pagedlm:e2e_request_latency_seconds_count") == len(prompts)
+    assert delta("pagedlm:request_queue_time_seconds_count") == len(prompts)
     assert delta("pagedlm:inter_token_latency_seconds_count") == 3 * len(prompts)
     assert value(after, "pagedlm:num_requests_running") == 0
     assert value(after, "pagedlm:num_requests_waiting") == 0

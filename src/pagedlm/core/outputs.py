@@ -118,6 +118,8 @@ class EngineCoreOutput:
     new_logprobs: LogprobsLists | None = None
     new_prompt_logprobs: LogprobsLists | None = None
     num_cached_tokens: int = 0
+    queued_seconds: float | None = None
+    """Seconds from arrival to first scheduling (None until the request was scheduled)."""
 
     @property
     def finished(self) -> bool:

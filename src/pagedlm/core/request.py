@@ -72,6 +72,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.queued_seconds: float | None = None
+        """Seconds between arrival and first scheduling, set when first scheduled."""
         self.block_hashes: list[bytes] = []
         """Chained digests of this request's full blocks, maintained by the KV manager."""
 

@@ -44,6 +44,7 @@ has ``num_computed_tokens < num_tokens`` and samples nothing.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -304,6 +305,7 @@ class OneBudgetScheduler(Scheduler):
         request.num_computed_tokens = computed.num_computed_tokens
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = computed.num_computed_tokens
+            request.queued_seconds = time.monotonic() - request.arrival_time
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         return num_new_tokens
@@ -344,6 +346,7 @@ class OneBudgetScheduler(Scheduler):
                     new_logprobs=logprobs,
                     new_prompt_logprobs=prompt_logprobs,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    queued_seconds=request.queued_seconds,
                 )
             )
         return outputs

@@ -99,6 +99,7 @@ class WireCoreOutput(msgspec.Struct, array_like=True):
     new_logprobs: WireLogprobs | None = None
     new_prompt_logprobs: WireLogprobs | None = None
     num_cached_tokens: int = 0
+    queued_seconds: float | None = None
 
 
 def _logprobs_to_wire(lists: LogprobsLists | None) -> WireLogprobs | None:
@@ -118,6 +119,7 @@ def core_output_to_wire(output: EngineCoreOutput) -> WireCoreOutput:
         _logprobs_to_wire(output.new_logprobs),
         _logprobs_to_wire(output.new_prompt_logprobs),
         output.num_cached_tokens,
+        output.queued_seconds,
     )
 
 
@@ -130,6 +132,7 @@ def core_output_from_wire(wire: WireCoreOutput) -> EngineCoreOutput:
         new_logprobs=_logprobs_from_wire(wire.new_logprobs),
         new_prompt_logprobs=_logprobs_from_wire(wire.new_prompt_logprobs),
         num_cached_tokens=wire.num_cached_tokens,
+        queued_seconds=wire.queued_seconds,
     )
 
 

@@ -193,6 +193,11 @@ class OutputProcessor:
             if entry is None:
                 continue
             parent, child = entry
+            if output.queued_seconds is not None:
+                # Arrival and scheduling times share the host's monotonic clock.
+                parent.metrics.setdefault(
+                    "first_scheduled_time", parent.metrics["arrival_time"] + output.queued_seconds
+                )
             num_tokens_before = len(child.token_ids)
             result = child.update(output)
             if result.stopped_by_string:
