@@ -13,6 +13,8 @@ slices this rank's shard out of a full checkpoint tensor.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 from torch import nn
 
@@ -31,7 +33,7 @@ from pagedlm.model_executor.loader.weight_utils import (
 )
 
 
-class _ShardedLinear(LinearBase):
+class _ShardedLinear(LinearBase, ABC):
     """Holds ``weight [out_per_rank, in_per_rank]`` and an optional bias."""
 
     def __init__(self, in_per_rank: int, out_per_rank: int, bias_size: int | None) -> None:
@@ -45,8 +47,9 @@ class _ShardedLinear(LinearBase):
             self.bias = nn.Parameter(torch.empty(bias_size), requires_grad=False)
             set_weight_loader(self.bias, self.weight_loader)
 
+    @abstractmethod
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        raise NotImplementedError
+        """Copy this rank's shard of a full checkpoint tensor into ``param``."""
 
     def extra_repr(self) -> str:
         out_features, in_features = self.weight.shape
