@@ -5,12 +5,16 @@ The container itself (header parsing, reading and dequantizing one tensor) lives
 becomes, and how its tensor names and layouts differ from the HF checkpoint's.
 
 llama.cpp's converter permutes the q/k rows of *llama* models only (its llama rotary kernel
-rotates interleaved pairs); qwen2/qwen3 use the NeoX rotation, like HF, and are stored as is.
+rotates interleaved pairs); qwen2/qwen3/gemma2/phi3 use the NeoX rotation, like HF, and are
+stored as is. Gemma's converter stores every RMSNorm weight as ``1 + w`` (llama.cpp multiplies
+by the stored weight) where HF and ``GemmaRMSNorm`` keep ``w``; the offset is taken off here.
+Phi-3 keeps its fused ``qkv_proj``/``gate_up_proj`` (``Phi3ForCausalLM`` splits them) and its
+LongRoPE factors as two small tensors, which become ``rope_scaling`` rather than weights.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +58,79 @@ class GGUFArchitecture:
     """Whether the converter interleaved q/k rows (undone with ``unpermute_rotary_rows``)."""
     config_overrides: dict[str, Any] = field(default_factory=dict)
     """ArchConfig fields that follow from the architecture rather than the metadata."""
+    norm_offset: float = 0.0
+    """What the converter added to every norm weight (Gemma: 1.0); subtracted on load."""
+    config_tensors: tuple[str, ...] = ()
+    """Tensors that are configuration, not weights (Phi-3's rope factors); never yielded."""
+    extras: Callable[[GGUFHeader, str], dict[str, Any]] | None = None
+    """``(header, arch_name) -> {field: value}`` for metadata beyond the common keys; a
+    ``"raw"`` entry is merged into ``ArchConfig.raw`` (where model code reads its extras)."""
+
+
+def _gemma2_extras(header: GGUFHeader, arch: str) -> dict[str, Any]:
+    meta = header.metadata
+    hidden = int(meta[f"{arch}.embedding_length"])
+    heads = int(meta[f"{arch}.attention.head_count"])
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    scale = meta.get(f"{arch}.attention.scale")
+    if scale:
+        scalar = 1.0 / float(scale) ** 2
+    else:
+        # Gemma 2 GGUFs do not store the query scale; llama.cpp hard-codes it the same way:
+        # hidden / heads for the 27B model (46 layers), head_dim for the others.
+        scalar = hidden // heads if int(meta[f"{arch}.block_count"]) == 46 else head_dim
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "sliding_window": meta.get(f"{arch}.attention.sliding_window"),
+        "raw": {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "attn_logit_softcapping": meta.get(f"{arch}.attn_logit_softcapping"),
+            "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping"),
+            "query_pre_attn_scalar": scalar,
+        },
+    }
+
+
+def _phi3_extras(header: GGUFHeader, arch: str) -> dict[str, Any]:
+    meta = header.metadata
+    hidden = int(meta[f"{arch}.embedding_length"])
+    head_dim = int(
+        meta.get(f"{arch}.attention.key_length", hidden // meta[f"{arch}.attention.head_count"])
+    )
+    rotary_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    raw: dict[str, Any] = {"partial_rotary_factor": rotary_dim / head_dim}
+    extras: dict[str, Any] = {
+        "sliding_window": meta.get(f"{arch}.attention.sliding_window"),
+        "raw": raw,
+    }
+    if original is not None:
+        raw["original_max_position_embeddings"] = int(original)
+    factors = ("rope_factors_long", "rope_factors_short")
+    present = [f"{name}.weight" in header.tensors for name in factors]
+    if any(present):
+        if not all(present) or original is None:
+            raise ValueError(
+                f"{header.path} has incomplete LongRoPE data (needs rope_factors_long, "
+                f"rope_factors_short and {arch}.rope.scaling.original_context_length); "
+                "re-convert the model."
+            )
+        with open(header.path, "rb", buffering=0) as file:
+            long, short = (
+                read_gguf_tensor(file, header.tensors[f"{name}.weight"], header.path).tolist()
+                for name in factors
+            )
+        scaling: dict[str, Any] = {
+            "rope_type": "longrope",
+            "long_factor": long,
+            "short_factor": short,
+            "original_max_position_embeddings": int(original),
+        }
+        attention_factor = meta.get(f"{arch}.rope.scaling.attn_factor")
+        if attention_factor is not None:
+            scaling["attention_factor"] = float(attention_factor)
+        extras["rope_scaling"] = scaling
+    return extras
 
 
 GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
@@ -67,6 +144,27 @@ GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
             "attn_k_norm": "self_attn.k_norm",
         },
         config_overrides={"qk_norm": True},
+    ),
+    "gemma2": GGUFArchitecture(
+        "Gemma2ForCausalLM",
+        {
+            **_LLAMA_LAYER_TENSORS,
+            "post_attention_norm": "post_attention_layernorm",
+            "ffn_norm": "pre_feedforward_layernorm",
+            "post_ffw_norm": "post_feedforward_layernorm",
+        },
+        norm_offset=1.0,
+        extras=_gemma2_extras,
+    ),
+    "phi3": GGUFArchitecture(
+        "Phi3ForCausalLM",
+        {
+            **_LLAMA_LAYER_TENSORS,
+            "attn_qkv": "self_attn.qkv_proj",
+            "ffn_up": "mlp.gate_up_proj",
+        },
+        config_tensors=("rope_factors_long.weight", "rope_factors_short.weight"),
+        extras=_phi3_extras,
     ),
 }
 SUPPORTED_ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
@@ -152,7 +250,10 @@ def gguf_arch_config(path: str) -> ArchConfig:
         eos_token_id=eos_ids,
         raw={key: value for key, value in meta.items() if not isinstance(value, list)},
     )
-    return ArchConfig(**{**fields, **spec.config_overrides})
+    fields["raw"]["tie_word_embeddings"] = fields["tie_word_embeddings"]
+    extras = dict(spec.extras(header, arch)) if spec.extras is not None else {}
+    fields["raw"].update(extras.pop("raw", {}))
+    return ArchConfig(**{**fields, **extras, **spec.config_overrides})
 
 
 def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str:
@@ -196,7 +297,8 @@ def iter_gguf_weights(path: str, arch: ArchConfig) -> Iterator[tuple[str, torch.
     """Yield ``(hf_name, float32 tensor)`` in HF layout, one tensor at a time, in file order.
 
     Quantized tensors are dequantized; for llama the q/k projections are un-permuted with
-    ``arch.num_attention_heads`` / ``arch.num_key_value_heads``. ``lm_head.weight`` appears
+    ``arch.num_attention_heads`` / ``arch.num_key_value_heads``; Gemma norms lose their +1;
+    configuration tensors (Phi-3's rope factors) are skipped. ``lm_head.weight`` appears
     only when the file has an ``output.weight`` (otherwise the embeddings are tied).
     """
     header = read_gguf_header(path)
@@ -205,11 +307,15 @@ def iter_gguf_weights(path: str, arch: ArchConfig) -> Iterator[tuple[str, torch.
     heads = {"attn_q": arch.num_attention_heads, "attn_k": arch.num_key_value_heads}
     with open(path, "rb", buffering=0) as file:
         for info in header.tensors.values():
+            if info.name in spec.config_tensors:
+                continue
             name = hf_tensor_name(info.name, architecture)
             tensor = read_gguf_tensor(file, info, path)
             kind = info.name.split(".")[-2]
             if spec.permuted_qk and info.name.startswith("blk.") and kind in heads:
                 tensor = unpermute_rotary_rows(tensor, heads[kind])
+            if spec.norm_offset and kind.endswith("norm"):
+                tensor = tensor - spec.norm_offset
             yield name, tensor
             del tensor
 
