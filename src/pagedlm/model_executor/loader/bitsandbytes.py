@@ -74,7 +74,8 @@ class Int8Kernel:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         from bitsandbytes import functional
 
-        x_codes, x_scales, _ = functional.int8_vectorwise_quant(x)
+        # bitsandbytes' CUDA int8 ops take float16 only (as LLM.int8 always did).
+        x_codes, x_scales, _ = functional.int8_vectorwise_quant(x.to(torch.float16))
         accumulated = functional.int8_linear_matmul(x_codes, self.codes)  # int32 [tokens, out]
         # Both operands were scaled to [-127, 127] by their absmax.
         scale = x_scales.float()[:, None] * (self.weight_scales[None, :] / (127.0 * 127.0))
@@ -92,7 +93,7 @@ def quantize_linear(module: LinearBase, quant_type: str) -> None:
     bias = module.linear_bias
     bias = None if bias is None else bias.detach()
     if quant_type == "int8":
-        codes, scales, _ = functional.int8_vectorwise_quant(weight)
+        codes, scales, _ = functional.int8_vectorwise_quant(weight.to(torch.float16))
         packed, kernel = codes, Int8Kernel(codes, scales, bias)
     else:
         packed, state = functional.quantize_4bit(
