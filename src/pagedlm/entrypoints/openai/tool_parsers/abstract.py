@@ -71,6 +71,29 @@ class ToolParser(ABC):
         return delta
 
 
+class BufferedToolParser(ToolParser):
+    """A parser that keeps all text in ``_buffer`` and decides it left to right.
+
+    Everything before ``_buffer[_pos]`` has been decided and returned; ``_advance`` decides
+    what it can of the rest (everything, when ``final``).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._buffer = ""
+        self._pos = 0
+
+    def feed(self, text: str) -> ParsedDelta:
+        self._buffer += text
+        return self._advance(final=False)
+
+    def finish(self) -> ParsedDelta:
+        return self._advance(final=True)
+
+    @abstractmethod
+    def _advance(self, final: bool) -> ParsedDelta: ...
+
+
 @dataclass
 class ToolCallAccumulator:
     """Joins deltas into content and whole calls (the non-streaming response)."""

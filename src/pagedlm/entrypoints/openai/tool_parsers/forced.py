@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from pagedlm.entrypoints.openai.tool_parsers.abstract import (
+    BufferedToolParser,
     ParsedDelta,
     ToolCallDelta,
     ToolParser,
@@ -69,23 +70,14 @@ class NamedToolCallParser(ToolParser):
         return ParsedDelta()
 
 
-class RequiredToolCallsParser(ToolParser):
+class RequiredToolCallsParser(BufferedToolParser):
     """Reads ``[{"name": ..., "parameters": {...}}, ...]`` item by item; what is left
     unread when the output ends (a truncated item) becomes content."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._buffer = ""
-        self._pos = 0
         self._opened = False
         self._broken = False
-
-    def feed(self, text: str) -> ParsedDelta:
-        self._buffer += text
-        return self._advance(final=False)
-
-    def finish(self) -> ParsedDelta:
-        return self._advance(final=True)
 
     def _advance(self, final: bool) -> ParsedDelta:
         calls: list[ToolCallDelta] = []

@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 
 from pagedlm.entrypoints.openai.tool_parsers.abstract import (
+    BufferedToolParser,
     ParsedDelta,
     ToolCall,
     ToolCallDelta,
-    ToolParser,
     call_from_json,
     held_tag_prefix,
 )
@@ -23,20 +23,10 @@ START = "<tool_call>"
 END = "</tool_call>"
 
 
-class HermesToolParser(ToolParser):
+class HermesToolParser(BufferedToolParser):
     def __init__(self) -> None:
         super().__init__()
-        self._buffer = ""
-        self._pos = 0
-        """Everything before this index of ``_buffer`` has been decided and returned."""
         self._after_call = False
-
-    def feed(self, text: str) -> ParsedDelta:
-        self._buffer += text
-        return self._advance(final=False)
-
-    def finish(self) -> ParsedDelta:
-        return self._advance(final=True)
 
     def _advance(self, final: bool) -> ParsedDelta:
         content: list[str] = []

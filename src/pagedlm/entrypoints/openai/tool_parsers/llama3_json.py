@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 
 from pagedlm.entrypoints.openai.tool_parsers.abstract import (
+    BufferedToolParser,
     ParsedDelta,
     ToolCallDelta,
-    ToolParser,
     call_from_json,
 )
 
@@ -22,20 +22,11 @@ PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()
 
 
-class Llama3JsonToolParser(ToolParser):
+class Llama3JsonToolParser(BufferedToolParser):
     def __init__(self) -> None:
         super().__init__()
-        self._buffer = ""
-        self._pos = 0
         self._content_mode = False
         self._started = False
-
-    def feed(self, text: str) -> ParsedDelta:
-        self._buffer += text
-        return self._advance(final=False)
-
-    def finish(self) -> ParsedDelta:
-        return self._advance(final=True)
 
     def _advance(self, final: bool) -> ParsedDelta:
         calls: list[ToolCallDelta] = []
