@@ -4,7 +4,13 @@
 lengths, block tables) into one pinned host buffer and copies it to the device in one
 asynchronous transfer. ``forward`` writes the new K/V by slot, then runs the decode kernel
 (split-K, GQA-grouped) when every request schedules one token, else the varlen prefill
-kernel, which also serves mixed batches and prefix/chunked prefills.
+kernel, which also serves mixed batches and prefix/chunked prefills. Both kernels take a
+per-layer sliding window and logit soft-cap.
+
+Cache layout: ``[num_blocks, num_kv_heads, block_size, head_dim]`` per layer (not the
+interface's default ``[num_blocks, block_size, num_kv_heads, head_dim]``), so one kv
+head's keys of one block are one contiguous ``block_size * head_dim`` run for the kernels
+to stream. Slot ``s`` is still offset ``s % block_size`` of block ``s // block_size``.
 """
 
 from __future__ import annotations
@@ -74,6 +80,15 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged attention through the Triton kernels of ``pagedlm_cuda.kernels``."""
 
     name = "triton"
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
+
+    @staticmethod
+    def kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        """[num_blocks, num_kv_heads, block_size, head_dim]: heads outside slots."""
+        return (num_blocks, num_kv_heads, block_size, head_dim)
 
     def build_metadata(self, layout: BatchLayout) -> TritonMetadata:
         seq_lens = layout.seq_lens
@@ -105,6 +120,9 @@ class TritonAttentionBackend(AttentionBackend):
         value_cache: torch.Tensor,
         metadata: TritonMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         from pagedlm_cuda.kernels import (
             paged_decode_attention,
@@ -124,6 +142,8 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 metadata.max_seq_len,
                 out,
+                sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
             )
         return paged_prefill_attention(
             query,
@@ -135,4 +155,6 @@ class TritonAttentionBackend(AttentionBackend):
             scale,
             metadata.max_query_len,
             out,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
         )

@@ -2,7 +2,9 @@
 
 On CPU these run under ``TRITON_INTERPRET=1`` at small sizes; on a GPU (``-m cuda``) the
 ``full`` cases add long contexts. Every case draws fresh random inputs, scatters the
-blocks of each request randomly over the cache and poisons the output first.
+blocks of each request randomly over the cache (layout ``[num_blocks, num_kv_heads,
+block_size, head_dim]``) and poisons the output first. Sliding windows and soft-caps are
+checked against the same reference with the window mask / ``c * tanh(s / c)`` applied.
 """
 
 from __future__ import annotations
@@ -36,32 +38,42 @@ def make_cache(
     for n in blocks_per_req:
         tables.append(ids[cursor : cursor + n])
         cursor += n
-    width = max(blocks_per_req)
+    width = max(max(blocks_per_req), 1)
     table_tensor = torch.zeros((len(seq_lens), width), dtype=torch.int32)
     for i, t in enumerate(tables):
         table_tensor[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
     key_cache = torch.randn(shape, generator=gen).to(dtype)
     value_cache = torch.randn(shape, generator=gen).to(dtype)
     return key_cache.to(DEVICE), value_cache.to(DEVICE), table_tensor.to(DEVICE), tables
 
 
-def reference(query, key_cache, value_cache, tables, seq_lens, query_lens, scale):
+def reference(
+    query, key_cache, value_cache, tables, seq_lens, query_lens, scale, window=None, cap=None
+):
     """float64 causal attention, one request at a time. query: [T, H, D] (CPU)."""
     q64 = query.double().cpu()
-    kc, vc = key_cache.double().cpu(), value_cache.double().cpu()
-    num_kv_heads = kc.shape[2]
+    # [blocks, kv_heads, block_size, D] -> [blocks, block_size, kv_heads, D]
+    kc = key_cache.double().cpu().transpose(1, 2)
+    vc = value_cache.double().cpu().transpose(1, 2)
+    num_kv_heads, head_dim = kc.shape[2], kc.shape[3]
     group = q64.shape[1] // num_kv_heads
     outs, row = [], 0
     for table, seq_len, q_len in zip(tables, seq_lens, query_lens):
-        k = kc[table].reshape(-1, num_kv_heads, kc.shape[-1])[:seq_len]
-        v = vc[table].reshape(-1, num_kv_heads, kc.shape[-1])[:seq_len]
+        k = kc[table].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        v = vc[table].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)
         q = q64[row : row + q_len].transpose(0, 1)  # [H, Q, D]
         scores = q @ k.transpose(1, 2) * scale
+        if cap is not None:
+            scores = cap * torch.tanh(scores / cap)
         q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
+        k_pos = torch.arange(seq_len)[None, :]
+        hidden = k_pos > q_pos
+        if window is not None:
+            hidden |= k_pos <= q_pos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         outs.append((scores.softmax(-1) @ v).transpose(0, 1))
         row += q_len
     return torch.cat(outs)
@@ -78,28 +90,45 @@ FULL_DECODE_CASES = [
     (16, 128, 8, 4, [8192, 1, 3000, 4097], torch.bfloat16),
     (32, 64, 8, 8, [7000, 513, 256], torch.bfloat16),
     (16, 128, 8, 1, [2048] * 8, torch.float16),
+    (16, 128, 8, 4, [1100], torch.bfloat16),  # batch 1: the smallest partitions
+    (32, 128, 8, 4, [1100, 37, 2000, 5], torch.bfloat16),
+    (16, 128, 8, 4, [700 + 13 * i for i in range(40)], torch.bfloat16),  # bucket 40
 ]
 
 
-def check_decode(block_size, head_dim, num_kv_heads, group, seq_lens, dtype, partition=256):
+def check_decode(
+    block_size, head_dim, num_kv_heads, group, seq_lens, dtype,
+    partition=None, window=None, cap=None, q_scale=1.0, max_seq_len=None,
+):  # fmt: skip
     key_cache, value_cache, table, tables = make_cache(
         seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=sum(seq_lens)
     )
     num_heads = num_kv_heads * group
-    query = torch.randn(len(seq_lens), num_heads, head_dim).to(dtype).to(DEVICE)
+    query = (q_scale * torch.randn(len(seq_lens), num_heads, head_dim)).to(dtype).to(DEVICE)
     seq_tensor = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     out = torch.full_like(query, float("nan"))
     scale = head_dim**-0.5
     paged_decode_attention(
-        query, key_cache, value_cache, table, seq_tensor, scale, max(seq_lens), out, partition
-    )
-    ref = reference(query, key_cache, value_cache, tables, seq_lens, [1] * len(seq_lens), scale)
+        query, key_cache, value_cache, table, seq_tensor, scale,
+        max_seq_len or max(seq_lens), out, partition,
+        sliding_window=window, logits_soft_cap=cap,
+    )  # fmt: skip
+    args = (query, key_cache, value_cache, tables, seq_lens, [1] * len(seq_lens), scale)
+    ref = reference(*args, window=window, cap=cap)
     assert rel_error(out, ref) < tolerance(dtype)
+    return ref, reference(*args)
 
 
 @pytest.mark.parametrize("case", DECODE_CASES)
 def test_decode_attention(case) -> None:
     check_decode(*case, partition=128)
+
+
+def test_decode_attention_batch_sized_partitions() -> None:
+    """No partition given: small batches split into 32-key partitions (17 of them at 530
+    keys, so the merge loops over more than one chunk of partitions with 16-key ones)."""
+    check_decode(32, 64, 2, 4, [530, 3, 77], torch.float32)
+    check_decode(16, 64, 1, 4, [600], torch.float32, partition=16)
 
 
 def test_decode_attention_single_partition_and_padding_rows() -> None:
@@ -109,9 +138,37 @@ def test_decode_attention_single_partition_and_padding_rows() -> None:
     query = torch.randn(2, 4, 64, device=DEVICE)
     seq = torch.tensor([40, 0], dtype=torch.int32, device=DEVICE)
     table = torch.cat([table, table])
-    for max_len in (64, 4096):  # direct and split paths
-        out = paged_decode_attention(query, key_cache, value_cache, table, seq, 0.1, max_len)
-        assert torch.equal(out[1], torch.zeros_like(out[1]))
+    for max_len in (32, 4096):  # direct and split paths
+        for window in (None, 8):
+            out = paged_decode_attention(
+                query, key_cache, value_cache, table, seq, 0.1, max_len, sliding_window=window
+            )
+            assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+WINDOW_DECODE_CASES = [
+    # block_size, head_dim, num_kv_heads, group, seq_lens, dtype, partition, window
+    (16, 64, 2, 1, [1, 17, 40, 90], torch.float32, 32, 5),  # window < block_size
+    (16, 128, 1, 4, [300, 33, 100], torch.float32, 32, 100),  # spans 4-5 partitions
+    (32, 64, 1, 8, [530, 64, 65], SMALL_BF16, 64, 64),  # window == partition
+    (16, 64, 2, 4, [40, 7], torch.float32, 128, 1),  # only the token itself
+]
+
+
+@pytest.mark.parametrize("case", WINDOW_DECODE_CASES)
+def test_decode_attention_sliding_window(case) -> None:
+    *shape, partition, window = case
+    windowed, full = check_decode(*shape, partition=partition, window=window)
+    if window < max(shape[4]):
+        assert rel_error(windowed, full) > 0.05  # the window is not a no-op here
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_decode_attention_soft_cap_and_window(group: int) -> None:
+    # Queries scaled up so scores reach the cap's bend (|s| ~ 6 > c = 3).
+    capped, plain = check_decode(16, 64, 2, group, [45, 200], torch.float32, cap=3.0, q_scale=6)
+    assert rel_error(capped, plain) > 0.05
+    check_decode(32, 128, 1, group, [45, 200], torch.float32, 32, window=50, cap=3.0, q_scale=6)
 
 
 @cuda_only
@@ -119,6 +176,9 @@ def test_decode_attention_single_partition_and_padding_rows() -> None:
 @pytest.mark.parametrize("case", FULL_DECODE_CASES)
 def test_decode_attention_full(case) -> None:
     check_decode(*case)
+    check_decode(*case, window=4096, cap=30.0, q_scale=8)
+    check_decode(*case, window=700)
+    check_decode(*case, max_seq_len=16384)  # graph-sized grid
 
 
 PREFILL_CASES = [
@@ -135,34 +195,33 @@ FULL_PREFILL_CASES = [
 ]
 
 
-def check_prefill(block_size, head_dim, num_kv_heads, group, chunks, dtype, block_m=64):
+def check_prefill(
+    block_size, head_dim, num_kv_heads, group, chunks, dtype,
+    block_m=64, window=None, cap=None, q_scale=1.0,
+):  # fmt: skip
     query_lens = [q for q, _ in chunks]
     seq_lens = [q + c for q, c in chunks]
     key_cache, value_cache, table, tables = make_cache(
         seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=sum(seq_lens)
     )
     num_heads = num_kv_heads * group
-    query = torch.randn(sum(query_lens), num_heads, head_dim).to(dtype).to(DEVICE)
+    query = (q_scale * torch.randn(sum(query_lens), num_heads, head_dim)).to(dtype).to(DEVICE)
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)
     out = torch.full_like(query, float("nan"))
     scale = head_dim**-0.5
     paged_prefill_attention(
-        query,
-        key_cache,
-        value_cache,
-        table,
+        query, key_cache, value_cache, table,
         torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
         torch.tensor(starts, dtype=torch.int32, device=DEVICE),
-        scale,
-        max(query_lens),
-        out,
-        block_m=block_m,
-        block_n=block_m,
-    )
-    ref = reference(query, key_cache, value_cache, tables, seq_lens, query_lens, scale)
+        scale, max(query_lens), out, block_m=block_m, block_n=block_m,
+        sliding_window=window, logits_soft_cap=cap,
+    )  # fmt: skip
+    args = (query, key_cache, value_cache, tables, seq_lens, query_lens, scale)
+    ref = reference(*args, window=window, cap=cap)
     assert rel_error(out, ref) < tolerance(dtype)
+    return ref, reference(*args)
 
 
 @pytest.mark.parametrize("case", PREFILL_CASES)
@@ -170,18 +229,49 @@ def test_prefill_attention(case) -> None:
     check_prefill(*case, block_m=16)
 
 
+WINDOW_PREFILL_CASES = [
+    # block_size, head_dim, num_kv_heads, group, chunks, dtype, window
+    (16, 64, 2, 1, [(37, 0), (1, 20), (5, 0)], torch.float32, 5),  # window < block_size
+    (16, 128, 1, 4, [(40, 35), (3, 0)], torch.float32, 20),  # chunk over a prefix
+    (32, 64, 1, 8, [(40, 33), (1, 70)], SMALL_BF16, 33),  # spans key tiles and blocks
+    (16, 64, 2, 4, [(20, 10)], torch.float32, 1),
+]
+
+
+@pytest.mark.parametrize("case", WINDOW_PREFILL_CASES)
+def test_prefill_attention_sliding_window(case) -> None:
+    *shape, window = case
+    windowed, full = check_prefill(*shape, block_m=16, window=window)
+    assert rel_error(windowed, full) > 0.05
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_prefill_attention_soft_cap_and_window(group: int) -> None:
+    chunks = [(30, 0), (12, 25)]
+    capped, plain = check_prefill(
+        16, 64, 2, group, chunks, torch.float32, block_m=16, cap=3.0, q_scale=6
+    )
+    assert rel_error(capped, plain) > 0.05
+    check_prefill(
+        32, 128, 1, group, chunks, torch.float32, block_m=16, window=9, cap=3.0, q_scale=6
+    )
+
+
 @cuda_only
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", FULL_PREFILL_CASES)
 def test_prefill_attention_full(case) -> None:
     check_prefill(*case)
+    check_prefill(*case, window=4096, cap=30.0, q_scale=8)
+    check_prefill(*case, window=700)
+    check_prefill(*case, window=100)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_write_kv_cache_by_slot(block_size: int) -> None:
     torch.manual_seed(block_size)
     num_blocks, num_kv_heads, head_dim = 6, 2, 64
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
     key_cache = torch.randn(shape, device=DEVICE)
     value_cache = torch.randn(shape, device=DEVICE)
     expected_k, expected_v = key_cache.clone(), value_cache.clone()
@@ -198,7 +288,14 @@ def test_write_kv_cache_by_slot(block_size: int) -> None:
     for t, slot in enumerate(slots):
         if slot < 0:
             continue
-        expected_k[slot // block_size, slot % block_size] = key[t]
-        expected_v[slot // block_size, slot % block_size] = value[t]
+        expected_k[slot // block_size, :, slot % block_size] = key[t]
+        expected_v[slot // block_size, :, slot % block_size] = value[t]
     assert torch.equal(key_cache, expected_k)
     assert torch.equal(value_cache, expected_v)
+
+
+def test_write_kv_cache_refuses_the_slot_major_layout() -> None:
+    cache = torch.zeros(4, 16, 2, 64, device=DEVICE)  # [blocks, block_size, heads, dim]
+    kv = torch.zeros(1, 2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="kv_cache_shape"):
+        write_kv_cache(kv, kv, cache, cache, torch.zeros(1, dtype=torch.long, device=DEVICE))

@@ -1,17 +1,24 @@
-"""The Triton attention backend against the CPU reference backend on mixed batches, and
-the graph runner's host-side pieces (batch-size ladder, packed layout)."""
+"""The Triton attention backend against the CPU reference backend on mixed batches (each
+in its own cache layout), with sliding windows and soft-caps through the attention layer,
+and the graph runner's host-side pieces (batch-size ladder, packed layout)."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from triton_env import DEVICE, rel_error
 
 from pagedlm.attention.backend import BatchLayout
+from pagedlm.kv_cache.interface import TensorKVCache
+from pagedlm.model_executor.forward_context import ForwardContext
+from pagedlm.model_executor.layers.attention import Attention
 from pagedlm_cpu.attention import CpuSdpaBackend
 from pagedlm_cuda.attention import TritonAttentionBackend, pack_layout, unpack
 from pagedlm_cuda.graph_runner import capture_sizes
+
+BLOCK_SIZE, NUM_BLOCKS, KV_HEADS, HEADS, HEAD_DIM = 16, 40, 2, 8, 64
 
 
 def make_layout(chunks: list[tuple[int, int]], block_size: int, num_blocks: int) -> BatchLayout:
@@ -30,28 +37,45 @@ def make_layout(chunks: list[tuple[int, int]], block_size: int, num_blocks: int)
     return BatchLayout(qsl, seq_lens, tables, slots, block_size)
 
 
-def run_backend(backend, layout, q, k, v, key_cache, value_cache):
+def to_triton_layout(cache: torch.Tensor) -> torch.Tensor:
+    """[blocks, block_size, kv_heads, d] (CPU backend) -> [blocks, kv_heads, block_size, d]."""
+    return cache.transpose(1, 2).contiguous()
+
+
+def run_backend(backend, layout, q, k, v, key_cache, value_cache, **features):
     kc, vc = key_cache.clone(), value_cache.clone()
-    out = backend.forward(q, k, v, kc, vc, backend.build_metadata(layout), 0.125)
+    out = backend.forward(q, k, v, kc, vc, backend.build_metadata(layout), 0.125, **features)
     return out, kc, vc
 
 
-def check_against_cpu(chunks: list[tuple[int, int]]) -> None:
+def check_against_cpu(chunks: list[tuple[int, int]], **features) -> None:
     torch.manual_seed(len(chunks))
-    block_size, num_blocks, kv_heads, heads, head_dim = 16, 40, 2, 8, 64
-    layout = make_layout(chunks, block_size, num_blocks)
-    shape = (num_blocks, block_size, kv_heads, head_dim)
+    layout = make_layout(chunks, BLOCK_SIZE, NUM_BLOCKS)
+    shape = CpuSdpaBackend.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     key_cache, value_cache = torch.randn(shape), torch.randn(shape)
-    q = torch.randn(layout.num_tokens, heads, head_dim)
-    k = torch.randn(layout.num_tokens, kv_heads, head_dim)
-    v = torch.randn(layout.num_tokens, kv_heads, head_dim)
+    q = 3 * torch.randn(layout.num_tokens, HEADS, HEAD_DIM)  # scores past a cap of 2
+    k = torch.randn(layout.num_tokens, KV_HEADS, HEAD_DIM)
+    v = torch.randn(layout.num_tokens, KV_HEADS, HEAD_DIM)
     ref, ref_kc, ref_vc = run_backend(
-        CpuSdpaBackend(torch.device("cpu")), layout, q, k, v, key_cache, value_cache
+        CpuSdpaBackend(torch.device("cpu")), layout, q, k, v, key_cache, value_cache, **features
     )
-    tensors = [t.to(DEVICE) for t in (q, k, v, key_cache, value_cache)]
-    out, kc, vc = run_backend(TritonAttentionBackend(DEVICE), layout, *tensors)
+    tensors = [t.to(DEVICE) for t in (q, k, v)]
+    caches = [to_triton_layout(c).to(DEVICE) for c in (key_cache, value_cache)]
+    out, kc, vc = run_backend(TritonAttentionBackend(DEVICE), layout, *tensors, *caches, **features)
     assert rel_error(out, ref) < 2e-3
-    assert torch.equal(kc.cpu(), ref_kc) and torch.equal(vc.cpu(), ref_vc)
+    assert torch.equal(kc.cpu(), to_triton_layout(ref_kc))
+    assert torch.equal(vc.cpu(), to_triton_layout(ref_vc))
+    if features:  # the features change this batch's result, so the check above means something
+        plain = run_backend(
+            CpuSdpaBackend(torch.device("cpu")), layout, q, k, v, key_cache, value_cache
+        )[0]
+        assert rel_error(plain, ref) > 0.05
+
+
+def test_kv_cache_shape_puts_heads_outside_slots() -> None:
+    assert TritonAttentionBackend.kv_cache_shape(10, 16, 8, 128) == (10, 8, 16, 128)
+    assert TritonAttentionBackend.supports_sliding_window
+    assert TritonAttentionBackend.supports_logits_soft_cap
 
 
 def test_mixed_batch_matches_cpu_backend() -> None:
@@ -60,6 +84,45 @@ def test_mixed_batch_matches_cpu_backend() -> None:
 
 def test_decode_only_batch_matches_cpu_backend() -> None:
     check_against_cpu([(1, 300), (1, 5), (1, 64)])
+
+
+@pytest.mark.parametrize(
+    "features",
+    [
+        {"sliding_window": 12},
+        {"logits_soft_cap": 2.0},
+        {"sliding_window": 5, "logits_soft_cap": 2.0},
+    ],
+)
+def test_window_and_soft_cap_match_cpu_backend(features) -> None:
+    check_against_cpu([(1, 30), (20, 0), (7, 33), (1, 0)], **features)
+    check_against_cpu([(1, 100), (1, 5), (1, 40)], **features)
+
+
+def test_attention_layer_runs_windowed_soft_capped_layers_on_triton() -> None:
+    """The attention layer refuses a backend without the features; Triton now has them,
+    and the layer's output through it matches the CPU backend's."""
+    torch.manual_seed(0)
+    layout = make_layout([(9, 20), (1, 50)], BLOCK_SIZE, NUM_BLOCKS)
+    layer = Attention(0, HEADS, KV_HEADS, HEAD_DIM, 0.125, sliding_window=7, logits_soft_cap=2.0)
+    q = 3 * torch.randn(layout.num_tokens, HEADS * HEAD_DIM)
+    k = torch.randn(layout.num_tokens, KV_HEADS * HEAD_DIM)
+    v = torch.randn(layout.num_tokens, KV_HEADS * HEAD_DIM)
+    cpu_cache = torch.randn(
+        CpuSdpaBackend.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    )
+    outs = []
+    for backend, cache in (
+        (CpuSdpaBackend(torch.device("cpu")), cpu_cache),
+        (TritonAttentionBackend(DEVICE), to_triton_layout(cpu_cache).to(DEVICE)),
+    ):
+        kv = TensorKVCache(
+            tuple(cache.shape), 1, BLOCK_SIZE, cache.dtype, lambda s, d, c=cache: c.clone()
+        )
+        ctx = ForwardContext(backend, backend.build_metadata(layout), kv)
+        device = cache.device
+        outs.append(layer(q.to(device), k.to(device), v.to(device), ctx).cpu())
+    assert rel_error(outs[1], outs[0]) < 2e-3
 
 
 def test_capture_sizes_ladder() -> None:

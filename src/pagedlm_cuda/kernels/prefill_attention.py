@@ -6,6 +6,10 @@ may see (the cached prefix and the chunk's own tokens, already written) is read 
 paged cache through the block table. Each program handles ``BLOCK_M`` query rows of one
 request and one query head, walking key tiles up to the tile's last causal position.
 Decode rows (query_len 1) are handled too, so a mixed batch needs this kernel only.
+
+Sliding window ``w`` (constexpr switch): the row at position ``p`` sees keys ``p - w + 1
+.. p``; a tile's walk starts at its first row's window, so keys before it are never read.
+Soft-cap ``c``: scores become ``c * tanh(s / c)`` before the softmax.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+from pagedlm_cuda.kernels.score_mod import scaled_scores, score_args
 
 
 @triton.jit
@@ -22,9 +26,10 @@ def _prefill_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, out_ptr,
     q_stride_token, q_stride_head, out_stride_token, out_stride_head,
-    cache_stride_block, cache_stride_slot, cache_stride_head, block_table_stride,
-    qk_scale, group_size, head_dim, block_size,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    cache_stride_block, cache_stride_head, cache_stride_slot, block_table_stride,
+    score_scale, cap_log2e, window, group_size, head_dim,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
@@ -52,27 +57,38 @@ def _prefill_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)  # noqa: E741 - the softmax denominator's usual name
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     kv_end = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_M)
+    kv_start = 0
+    if USE_WINDOW:
+        kv_start = tl.maximum(context_len + tile * BLOCK_M - window + 1, 0)
     table = block_tables_ptr + req * block_table_stride
-    for n0 in range(0, kv_end, BLOCK_N):
+    head_base = kv_head.to(tl.int64) * cache_stride_head
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pos_mask = pos < kv_end
-        block = tl.load(table + pos // block_size, mask=pos_mask, other=0).to(tl.int64)
-        cache_rows = block * cache_stride_block + (pos % block_size) * cache_stride_slot
-        offsets = cache_rows[:, None] + kv_head * cache_stride_head + dims[None, :]
+        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
+        cache_rows = block * cache_stride_block + head_base + (pos % BLOCK_SIZE) * cache_stride_slot
+        offsets = cache_rows[:, None] + dims[None, :]
         kv_mask = pos_mask[:, None] & dim_mask[None, :]
         k = tl.load(key_cache_ptr + offsets, mask=kv_mask, other=0.0)
         v = tl.load(value_cache_ptr + offsets, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = scaled_scores(tl.dot(q, tl.trans(k)), score_scale, cap_log2e, USE_SOFT_CAP)
         visible = pos_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-        # Key position 0 is visible to every row, so m is finite after the first tile.
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
+        # Without a window key position 0 is visible to every row, so m_new is finite.
+        m_ref = m_new
+        if USE_WINDOW:
+            # A row may see nothing in a tile its window has not reached yet: subtract a
+            # finite stand-in so exp2(-inf - -inf) makes no NaN; m itself stays -inf.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m - m_ref)
         l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
-    out = acc / l[:, None]
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
     dst = out_ptr + tokens[:, None] * out_stride_token + head * out_stride_head + dims[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 
@@ -88,15 +104,20 @@ def paged_prefill_attention(
     max_query_len: int,
     out: torch.Tensor | None = None,
     block_m: int = 64,
-    block_n: int = 64,
+    block_n: int | None = None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of every scheduled token over its request's cached keys.
 
     query: [num_tokens, num_heads, head_dim]; key_cache, value_cache: [num_blocks,
-    block_size, num_kv_heads, head_dim] already holding this step's K/V; block_tables:
+    num_kv_heads, block_size, head_dim] already holding this step's K/V; block_tables:
     [num_reqs, max_blocks] int32; seq_lens: [num_reqs] int32; query_start_loc:
     [num_reqs + 1] int32; max_query_len: the longest query of the batch (sizes the grid).
-    Returns [num_tokens, num_heads, head_dim].
+    ``sliding_window`` ``w``: row at position ``p`` sees keys ``p - w + 1 .. p`` only;
+    ``logits_soft_cap`` ``c``: scores ``c * tanh(s / c)``. ``block_n`` None: 64, or 32
+    for head_dim > 128 (shared memory; those also run 8 warps). Returns [num_tokens, num_heads, head_dim].
     """
     num_tokens, num_heads, head_dim = query.shape
     num_reqs = seq_lens.shape[0]
@@ -104,13 +125,21 @@ def paged_prefill_attention(
         out = torch.empty_like(query)
     if num_tokens == 0 or num_reqs == 0:
         return out
-    group_size = num_heads // key_cache.shape[2]
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}.")
+    if block_n is None:
+        block_n = 64 if head_dim <= 128 else 32
+    group_size = num_heads // key_cache.shape[1]
+    score_scale, cap_log2e = score_args(scale, logits_soft_cap)
     grid = (num_reqs, triton.cdiv(max_query_len, block_m), num_heads)
     _prefill_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        scale * LOG2E, group_size, head_dim, key_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+        score_scale, cap_log2e, sliding_window or 0, group_size, head_dim,
+        BLOCK_SIZE=key_cache.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logits_soft_cap is not None,
+        num_warps=4 if head_dim <= 128 else 8,  # a 64 x 256 float32 accumulator needs more
     )  # fmt: skip
     return out
