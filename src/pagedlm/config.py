@@ -209,6 +209,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 2048
+    num_scheduler_steps: int = 1
+    """Decode steps one schedule may run back to back on the workers (multi-step
+    decoding; 1 = every step goes through the scheduler)."""
 
     @property
     def chunked_prefill(self) -> bool:

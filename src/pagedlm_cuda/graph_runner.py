@@ -4,6 +4,10 @@ A decode step launches a few hundred small kernels; replaying them as one graph 
 the per-launch CPU cost, which dominates at small batches. Everything a captured step
 reads lives in static device buffers: one packed int32 buffer holds input ids, positions
 and the attention metadata, refilled each step by a single pinned, asynchronous copy.
+Multi-step decoding replays several steps back to back without waiting for the host: a
+step's input ids may be a device tensor (the previous step's sampled tokens), and the
+pinned host buffers form a ring guarded by events, so the host can fill the next step's
+metadata while the device still copies an earlier one.
 A batch of ``n`` requests runs in the smallest captured size ``>= n``; the padding rows
 write no K/V (slot -1) and attend to nothing (seq_len 0). Attention splits keys into
 fixed partitions whose grid is sized by ``max_model_len``, so a request's result does not
@@ -24,6 +28,9 @@ from pagedlm.platforms.interface import DecodeGraphRunner
 from pagedlm_cuda.attention import TritonAttentionBackend, TritonMetadata, pack_layout, unpack
 
 logger = logging.getLogger(__name__)
+
+HOST_RING_SIZE = 3
+"""Pinned host buffers in flight: how many steps the host may fill ahead of the device."""
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -60,8 +67,13 @@ class CudaGraphRunner(DecodeGraphRunner):
         # [input_ids | positions | packed layout] for the largest batch; smaller sizes use
         # prefixes of each section, so every section is laid out for ``largest`` rows.
         self._layout_len = 3 * largest + 1 + largest * self.width
-        self._host = torch.zeros(2 * largest + self._layout_len, dtype=torch.int32).pin_memory()
-        self._device = self._host.to(device)
+        length = 2 * largest + self._layout_len
+        self._ring = [
+            (torch.zeros(length, dtype=torch.int32).pin_memory(), torch.cuda.Event())
+            for _ in range(HOST_RING_SIZE)
+        ]
+        self._next = 0
+        self._device = torch.zeros(length, dtype=torch.int32, device=device)
         self._largest = largest
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -101,13 +113,26 @@ class CudaGraphRunner(DecodeGraphRunner):
         metadata = TritonMetadata(slots, qsl, seq_lens, tables, 1, self.max_model_len)
         return input_ids, positions, metadata
 
-    def _fill(self, input_ids: list[int], positions: list[int], layout: BatchLayout, size: int):
-        """Write one step into the pinned buffer (padded to ``size`` rows) and copy it."""
+    def _fill(
+        self,
+        input_ids: list[int] | torch.Tensor,
+        positions: list[int],
+        layout: BatchLayout,
+        size: int,
+    ) -> None:
+        """Write one step into the next pinned ring buffer (padded to ``size`` rows) and
+        copy it to the static device buffer; device ``input_ids`` are copied on the device."""
         largest = self._largest
-        host = self._host.numpy()
-        n = len(input_ids)
-        host[:n] = input_ids
-        host[n:size] = 0
+        pinned, copied = self._ring[self._next]
+        self._next = (self._next + 1) % len(self._ring)
+        copied.synchronize()  # the device has finished reading this buffer's last contents
+        host = pinned.numpy()
+        n = len(positions)
+        if isinstance(input_ids, torch.Tensor):
+            host[:size] = 0
+        else:
+            host[:n] = input_ids
+            host[n:size] = 0
         host[largest : largest + n] = positions
         host[largest + n : largest + size] = 0
         packed = pack_layout(layout, size, self.width)
@@ -118,9 +143,12 @@ class CudaGraphRunner(DecodeGraphRunner):
         host[base + 2 * largest + 1 : base + 2 * largest + 1 + size] = lens.numpy()
         tables_start = base + 3 * largest + 1
         host[tables_start : tables_start + size * self.width] = tables.numpy().reshape(-1)
-        # Copy only the touched prefix of each section? One copy of the whole buffer is a
-        # few hundred KB at most and keeps this to a single transfer.
-        self._device.copy_(self._host, non_blocking=True)
+        # One copy of the whole buffer (a few hundred KB at most) keeps this to a single
+        # transfer; copying only the touched prefix of each section would take five.
+        self._device.copy_(pinned, non_blocking=True)
+        copied.record()
+        if isinstance(input_ids, torch.Tensor):
+            self._device[:n].copy_(input_ids, non_blocking=True)
 
     def capture(self) -> None:
         start = time.perf_counter()
@@ -152,7 +180,9 @@ class CudaGraphRunner(DecodeGraphRunner):
             return False
         return max(layout.seq_lens) <= self.max_model_len
 
-    def run(self, input_ids: list[int], positions: list[int], layout: BatchLayout) -> torch.Tensor:
+    def run(
+        self, input_ids: list[int] | torch.Tensor, positions: list[int], layout: BatchLayout
+    ) -> torch.Tensor:
         num_reqs = layout.num_reqs
         size = self.sizes[int(np.searchsorted(self.sizes, num_reqs))]
         self._fill(input_ids, positions, layout, size)

@@ -137,6 +137,32 @@ def test_cuda_graphs_on_and_off_identical(tiny_checkpoint, arch, monkeypatch) ->
     assert with_graphs == eager
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_multi_step_decoding_identical(tiny_checkpoint, arch) -> None:
+    """Eight decode steps per schedule, fed from the device, give the single-step tokens
+    (greedy) and, with per-request seeds, the same samples."""
+    path = tiny_checkpoint(arch)
+    batch = prompts(384)
+    assert run(path, batch, num_scheduler_steps=8) == run(path, batch)
+    llm = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=1024)
+    seeded = [
+        SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=NEW_TOKENS, ignore_eos=True)
+        for i in range(len(batch))
+    ]
+    inputs = [{"prompt_token_ids": p} for p in batch]
+    single = [o.outputs[0].token_ids for o in llm.generate(inputs, seeded, use_tqdm=False)]
+    del llm
+    llm = LLM(
+        str(path),
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        max_model_len=1024,
+        num_scheduler_steps=8,
+    )
+    multi = [o.outputs[0].token_ids for o in llm.generate(inputs, seeded, use_tqdm=False)]
+    assert multi == single
+
+
 def test_qwen3_0_6b_shape_parity_and_graphs(tmp_path, monkeypatch) -> None:
     """The 0.6B shape with random weights (wider init so greedy has no near-ties)."""
     import transformers

@@ -73,6 +73,10 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     grammar_bitmask: GrammarBitmask | None = None
     """Token masks for constrained requests (None when no sampled request has a grammar)."""
+    num_steps: int = 1
+    """Decode steps to run back to back (multi-step decoding). Above 1, every request
+    schedules one token, holds slots for ``num_steps`` tokens, and each step feeds the
+    token the previous step sampled; the workers return ``num_steps`` tokens per request."""
 
     @property
     def is_empty(self) -> bool:

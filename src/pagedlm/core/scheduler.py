@@ -32,6 +32,16 @@ bitmask of the constrained requests that sample with the ``SchedulerOutput``;
 ``update_from_output`` advances their matchers by the appended tokens and finishes a
 request whose grammar has terminated. Matchers are not touched by preemption.
 
+Multi-step decoding (``num_scheduler_steps`` = K > 1, vLLM's name): when every running
+request is decoding, nothing waiting could be admitted, and no request needs per-token
+host work between steps (penalties, logprobs, a grammar, a ``min_tokens`` still to reach),
+one ``SchedulerOutput`` runs up to K decode steps on the workers without a round trip
+through the host. Each request gets slots for the K tokens at once (if they fit; else the
+step runs one token as usual). ``update_from_output`` receives up to K tokens per request,
+applies stops token by token (tokens after a stop are dropped: at most K - 1 wasted
+forward rows per finished request), and advances ``num_computed_tokens`` by the K - 1
+extra tokens that were fed.
+
 A request that could never fit (``prompt + max_tokens`` tokens need more than
 ``num_blocks`` blocks) is rejected in ``add_request`` instead of waiting forever.
 
@@ -171,6 +181,7 @@ class OneBudgetScheduler(Scheduler):
         preempted: list[Request] = []
         if not self.running:
             self._wait_for_grammars()
+        num_steps = self._plan_num_steps()
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -179,7 +190,13 @@ class OneBudgetScheduler(Scheduler):
             if num_new_tokens <= 0:
                 index += 1
                 continue
-            new_block_ids = self._allocate_or_preempt(request, num_new_tokens, preempted)
+            new_block_ids = None
+            if num_steps > 1:
+                new_block_ids = self.kv_manager.allocate_slots(request, num_steps)
+                if new_block_ids is None:
+                    num_steps = 1  # memory is short: this step feeds one token each
+            if new_block_ids is None:
+                new_block_ids = self._allocate_or_preempt(request, num_new_tokens, preempted)
             if new_block_ids is None:
                 break  # the request preempted itself; everything after it is gone too
             cached_reqs.append(
@@ -226,11 +243,42 @@ class OneBudgetScheduler(Scheduler):
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids={request.request_id for request in preempted},
             grammar_bitmask=self._grammar_bitmask(num_scheduled),
+            num_steps=num_steps if num_steps > 1 and not new_reqs and not preempted else 1,
         )
         self._finished_req_ids = set()
         for request_id, num_tokens in num_scheduled.items():
             self.requests[request_id].num_computed_tokens += num_tokens
         return output
+
+    def _plan_num_steps(self) -> int:
+        """How many decode steps this step may run back to back (see module doc); 1 when
+        any running request needs the host between tokens or a waiting one could start."""
+        max_steps = self.config.num_scheduler_steps
+        if max_steps <= 1 or not self.running:
+            return 1
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            return 1
+        if len(self.running) > self.config.max_num_batched_tokens:
+            return 1
+        max_model_len = self.config.max_model_len
+        most_remaining = 1
+        for request in self.running:
+            num_tokens = request.num_tokens
+            params = request.sampling_params
+            if (
+                num_tokens - request.num_computed_tokens != 1
+                or params.logprobs is not None
+                or params.structured_outputs is not None
+                or request.num_output_tokens < params.min_tokens
+                or params.repetition_penalty != 1.0
+                or params.frequency_penalty != 0.0
+                or params.presence_penalty != 0.0
+            ):
+                return 1
+            # Step k feeds position num_tokens - 1 + k, which must stay below max_model_len.
+            max_steps = min(max_steps, max_model_len - num_tokens + 1)
+            most_remaining = max(most_remaining, request.max_tokens - request.num_output_tokens)
+        return max(1, min(max_steps, most_remaining))
 
     def _grammar_ready(self, request: Request) -> bool:
         if request.status is not RequestStatus.WAITING_FOR_GRAMMAR:
@@ -326,6 +374,9 @@ class OneBudgetScheduler(Scheduler):
             if sampled and request.sampling_params.structured_outputs is not None:
                 sampled = self._check_grammar_failed(request, sampled)
             new_token_ids = append_token_ids(request, sampled, max_model_len) if sampled else []
+            if scheduler_output.num_steps > 1 and not request.is_finished:
+                # Every token but the last was fed to a later step of this one.
+                request.num_computed_tokens += len(new_token_ids) - 1
             if new_token_ids and not request.is_finished and self.structured_output is not None:
                 self._advance_grammar(request, new_token_ids)
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)

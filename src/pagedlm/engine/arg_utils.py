@@ -49,6 +49,10 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
+    num_scheduler_steps: int = 1
+    """Decode steps per schedule (multi-step decoding, vLLM's flag): above 1, pure decode
+    batches run up to this many steps on the device without a host round trip, which
+    hides the host's per-step work; new requests wait at most that many steps to start."""
     enable_prefix_caching: bool = True
     skip_tokenizer_init: bool = False
     platform: str | None = None
@@ -81,7 +85,7 @@ class EngineArgs:
         from pagedlm.model_executor.models.registry import SUPPORTED_ARCHITECTURES
         from pagedlm.plugins.registry import configure, select_platform
 
-        for name in ("block_size", "max_num_seqs"):
+        for name in ("block_size", "max_num_seqs", "num_scheduler_steps"):
             validate_positive(name, getattr(self, name), allow_none=False)
         for name in ("num_kv_blocks", "max_num_batched_tokens", "max_model_len"):
             validate_positive(name, getattr(self, name))
@@ -154,6 +158,7 @@ class EngineArgs:
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
+                num_scheduler_steps=self.num_scheduler_steps,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
             ),

@@ -22,8 +22,14 @@ class DecodeGraphRunner(ABC):
         """True if this step's batch is decode-only and fits a captured batch size."""
 
     @abstractmethod
-    def run(self, input_ids: list[int], positions: list[int], layout: BatchLayout) -> torch.Tensor:
-        """The model's hidden states [num_reqs, hidden_size] for this decode step."""
+    def run(
+        self, input_ids: list[int] | torch.Tensor, positions: list[int], layout: BatchLayout
+    ) -> torch.Tensor:
+        """The model's hidden states [num_reqs, hidden_size] for this decode step.
+
+        ``input_ids`` may be a device tensor ``[num_reqs]`` (the previous step's sampled
+        tokens during multi-step decoding); the call must not wait for the device.
+        """
 
 
 class Platform(ABC):

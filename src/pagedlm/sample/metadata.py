@@ -7,6 +7,7 @@ greedy rows neutral filter values so that they never trigger a stage on their ow
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,13 +27,14 @@ class SamplingRow:
 
     ``generator`` is the request's own seeded generator (``params.seed`` set), on the
     logits' device, else ``None``. ``output_token_ids`` are the tokens generated so far
-    (read for penalties and ``min_tokens``).
+    (read for penalties and ``min_tokens``), ``prompt_token_ids`` the prompt (read for the
+    repetition penalty); a caller may pass empty sequences for a row no such stage reads.
     """
 
     params: SamplingParams
     generator: torch.Generator | None
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
 
 
 def is_greedy(params: SamplingParams) -> bool:

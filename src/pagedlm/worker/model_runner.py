@@ -32,7 +32,7 @@ from pagedlm.model_executor.loader import load_model
 from pagedlm.platforms import Platform
 from pagedlm.platforms.interface import DecodeGraphRunner
 from pagedlm.sample.logprobs import compute_logprobs
-from pagedlm.sample.metadata import SamplingMetadata, SamplingRow
+from pagedlm.sample.metadata import SamplingMetadata
 from pagedlm.sample.sampler import Sampler
 from pagedlm.worker.request_state import CachedRequestState
 
@@ -173,6 +173,8 @@ class ModelRunner:
         if not req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         states = [self.requests[r] for r in req_ids]
+        if scheduler_output.num_steps > 1:
+            return self._execute_decode_steps(req_ids, states, scheduler_output.num_steps)
         num_scheduled = [scheduler_output.num_scheduled_tokens[r] for r in req_ids]
 
         input_ids: list[int] = []
@@ -244,12 +246,7 @@ class ModelRunner:
         logprobs: dict[str, LogprobsLists] = {}
         if sampled_states:
             metadata = SamplingMetadata.build(
-                [
-                    SamplingRow(
-                        s.sampling_params, s.generator, s.prompt_token_ids, s.output_token_ids
-                    )
-                    for s in sampled_states
-                ],
+                [s.sampling_row() for s in sampled_states],
                 vocab_size=sampled_logits.shape[-1],
                 device=device,
                 default_generator=self.default_generator,
@@ -279,6 +276,63 @@ class ModelRunner:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _execute_decode_steps(
+        self, req_ids: list[str], states: list[CachedRequestState], num_steps: int
+    ) -> ModelRunnerOutput:
+        """Run ``num_steps`` decode steps back to back, each feeding the tokens the previous
+        one sampled (still on the device), and wait for the device once at the end.
+
+        The scheduler guarantees: every request feeds one token per step, holds slots for
+        all ``num_steps`` positions, and needs nothing sampled on the host in between (no
+        penalties, logprobs, grammar or pending ``min_tokens``), so one SamplingMetadata
+        serves every step. Each step computes exactly what a single step would.
+        """
+        assert self.kv_cache is not None, "initialize_kv_cache must run first"
+        device = self.device
+        bs = self.block_size
+        first_positions = [s.num_computed_tokens for s in states]
+        block_tables = [s.block_ids for s in states]
+        rows = [s.sampling_row() for s in states]
+        metadata: SamplingMetadata | None = None
+        input_ids: list[int] | torch.Tensor = [s.token_ids[-1] for s in states]
+        query_start_loc = list(range(len(states) + 1))
+        sampled_steps = []
+        for step in range(num_steps):
+            positions = [p + step for p in first_positions]
+            layout = BatchLayout(
+                query_start_loc=query_start_loc,
+                seq_lens=[p + 1 for p in positions],
+                block_tables=block_tables,
+                slot_mapping=[t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions)],
+                block_size=bs,
+            )
+            if self.graph_runner is not None and self.graph_runner.can_run(layout):
+                hidden = self.graph_runner.run(input_ids, positions, layout)
+            else:
+                ctx = ForwardContext(
+                    attn_backend=self.attn_backend,
+                    attn_metadata=self.attn_backend.build_metadata(layout),
+                    kv_cache=self.kv_cache,
+                )
+                if not isinstance(input_ids, torch.Tensor):
+                    input_ids = torch.tensor(input_ids, dtype=torch.long, device=device)
+                hidden = self.model(
+                    input_ids, torch.tensor(positions, dtype=torch.long, device=device), ctx
+                )
+            logits = self.model.compute_logits(hidden)
+            if metadata is None:
+                metadata = SamplingMetadata.build(
+                    rows, logits.shape[-1], device, default_generator=self.default_generator
+                )
+            input_ids = self.sampler(logits, metadata).sampled_token_ids
+            sampled_steps.append(input_ids)
+        per_step = torch.stack(sampled_steps).tolist()  # the one wait for the device
+        sampled = [list(tokens) for tokens in zip(*per_step)]
+        for state, tokens in zip(states, sampled):
+            state.token_ids.extend(tokens)
+            state.num_computed_tokens += num_steps
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 
     def _prompt_logprobs(
         self, logits: torch.Tensor, requests: list[_PromptLogprobsRows]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedlm.core.outputs import NewRequestData
+from pagedlm.sample.metadata import SamplingRow
 from pagedlm.sampling_params import SamplingParams
 
 
@@ -56,3 +57,20 @@ class CachedRequestState:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    def sampling_row(self) -> SamplingRow:
+        """This request's row for the sampler. The token lists are copied only when a stage
+        reads them (penalties; the ``min_tokens`` mask): slicing every prompt each step
+        would cost more than the rest of the batch's host work."""
+        params = self.sampling_params
+        penalized = (
+            params.repetition_penalty != 1.0
+            or params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0
+        )
+        return SamplingRow(
+            params,
+            self.generator,
+            self.prompt_token_ids if penalized else (),
+            self.output_token_ids if penalized or params.min_tokens else (),
+        )

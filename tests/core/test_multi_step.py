@@ -1,0 +1,197 @@
+"""Multi-step decoding (``num_scheduler_steps``): when the scheduler plans several steps,
+and what they give back — the same tokens as one step at a time."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedlm import LLM, SamplingParams
+from pagedlm.config import CacheConfig, SchedulerConfig
+from pagedlm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedlm.core.request import Request
+from pagedlm.core.scheduler import OneBudgetScheduler
+
+BLOCK = 4
+EOS = 2
+
+
+def _scheduler(
+    steps: int = 4, *, max_seqs: int = 8, num_blocks: int = 64, max_model_len=256, caching=True
+):
+    return OneBudgetScheduler(
+        SchedulerConfig(
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=64,
+            max_model_len=max_model_len,
+            num_scheduler_steps=steps,
+        ),
+        CacheConfig(block_size=BLOCK, enable_prefix_caching=caching),
+        num_blocks,
+    )
+
+
+def _request(request_id: str, num_prompt: int = 6, **params) -> Request:
+    params.setdefault("max_tokens", 20)
+    return Request(
+        request_id, list(range(10, 10 + num_prompt)), SamplingParams(**params), eos_token_ids={EOS}
+    )
+
+
+def _step(scheduler: OneBudgetScheduler, token: int = 7) -> SchedulerOutput:
+    """Schedule and answer with ``token`` repeated once per planned step for each sampler."""
+    output = scheduler.schedule()
+    req_ids = [r.req_id for r in output.scheduled_new_reqs + output.scheduled_cached_reqs]
+    sampled = []
+    for req_id in req_ids:
+        request = scheduler.requests[req_id]
+        done = request.num_computed_tokens >= request.num_tokens
+        sampled.append([token] * output.num_steps if done else [])
+    scheduler.update_from_output(output, ModelRunnerOutput(req_ids, sampled))
+    return output
+
+
+def test_pure_decode_runs_several_steps_with_slots_for_all():
+    scheduler = _scheduler(steps=4)
+    for i in range(3):
+        scheduler.add_request(_request(f"r{i}"))
+    assert _step(scheduler).num_steps == 1  # prefill
+    output = _step(scheduler)
+    assert output.num_steps == 4
+    assert output.total_num_scheduled_tokens == 3  # one fed token each; the rest follow
+    for request in scheduler.running:
+        # 6 prompt tokens + 1 + 4 sampled; every token but the last has its K/V.
+        assert request.num_tokens == 11
+        assert request.num_computed_tokens == 10
+        # Slots covered positions 6..9 (the four fed tokens) when the steps ran.
+        assert len(scheduler.kv_manager.get_block_ids(request)) * BLOCK >= 10
+
+
+def test_one_step_when_a_waiting_request_could_start():
+    scheduler = _scheduler(steps=4, max_seqs=8)
+    scheduler.add_request(_request("a"))
+    _step(scheduler)
+    scheduler.add_request(_request("b"))
+    assert _step(scheduler).num_steps == 1  # b is admitted (prefill) this step
+    assert _step(scheduler).num_steps == 4
+
+
+def test_full_batch_still_runs_several_steps_with_requests_waiting():
+    scheduler = _scheduler(steps=4, max_seqs=2)
+    for i in range(3):
+        scheduler.add_request(_request(f"r{i}"))
+    _step(scheduler)
+    assert len(scheduler.waiting) == 1
+    assert _step(scheduler).num_steps == 4  # nothing could start anyway
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"logprobs": 2},
+        {"presence_penalty": 0.5},
+        {"repetition_penalty": 1.2},
+        {"min_tokens": 5},
+    ],
+)
+def test_requests_needing_the_host_between_tokens_run_one_step(params):
+    scheduler = _scheduler(steps=4)
+    scheduler.add_request(_request("plain"))
+    scheduler.add_request(_request("special", **params))
+    _step(scheduler)
+    assert _step(scheduler).num_steps == 1
+
+
+def test_min_tokens_reached_allows_several_steps():
+    scheduler = _scheduler(steps=4)
+    scheduler.add_request(_request("a", min_tokens=2))
+    _step(scheduler)  # first token
+    assert _step(scheduler).num_steps == 1  # 1 < min_tokens
+    assert _step(scheduler).num_steps == 4
+
+
+def test_steps_capped_by_remaining_tokens_and_model_length():
+    scheduler = _scheduler(steps=8)
+    scheduler.add_request(_request("short", max_tokens=4))
+    scheduler.add_request(_request("shorter", max_tokens=2))
+    _step(scheduler)
+    assert _step(scheduler).num_steps == 3  # the longest has 3 tokens left
+    assert not scheduler.has_unfinished_requests()
+
+    scheduler = _scheduler(steps=8, max_model_len=12)
+    scheduler.add_request(_request("long", num_prompt=6, max_tokens=100))
+    _step(scheduler)  # 7 tokens now; positions 6..11 may still be fed
+    assert _step(scheduler).num_steps == 6
+    assert not scheduler.has_unfinished_requests()  # reached max_model_len exactly
+
+
+def test_tokens_after_a_stop_are_dropped():
+    scheduler = _scheduler(steps=4)
+    scheduler.add_request(_request("a"))
+    _step(scheduler)
+    output = scheduler.schedule()
+    assert output.num_steps == 4
+    runner = ModelRunnerOutput(["a"], [[7, EOS, 7, 7]])
+    (result,) = scheduler.update_from_output(output, runner)
+    assert result.new_token_ids == [7, EOS]
+    assert result.finish_reason == "stop"
+    assert scheduler.kv_manager.num_free_blocks == scheduler.kv_manager.num_blocks
+
+
+def test_short_memory_falls_back_to_one_step():
+    # 2 requests of 6 prompt tokens + 1 sampled: 2 blocks each of the 5; 4 more tokens
+    # would need a third block for each, and only one is free (no prefix sharing).
+    scheduler = _scheduler(steps=4, num_blocks=5, caching=False)
+    scheduler.add_request(_request("a", max_tokens=6))
+    scheduler.add_request(_request("b", max_tokens=6))
+    _step(scheduler)
+    output = _step(scheduler)
+    assert output.num_steps == 1
+    assert scheduler.num_preemptions == 0
+
+
+def _prompts(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [
+        {"prompt_token_ids": [rng.randrange(384) for _ in range(rng.randint(3, 60))]}
+        for _ in range(n)
+    ]
+
+
+def test_multi_step_generates_what_single_steps_generate(tiny_checkpoint):
+    path = str(tiny_checkpoint("llama"))
+    rng = random.Random(0)
+    prompts = _prompts(12, 1)
+    params = (
+        [SamplingParams(temperature=0, max_tokens=rng.randint(1, 40), ignore_eos=True)] * 4
+        + [
+            SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=30, ignore_eos=True)
+            for i in range(4)
+        ]
+        + [SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[3, 5, 8, 13, 21])] * 4
+    )
+    results = {}
+    planned: list[int] = []
+    for steps in (1, 8):
+        # 24 blocks of 16 tokens for 12 requests of up to 100 tokens: preemption happens.
+        llm = LLM(
+            path,
+            skip_tokenizer_init=True,
+            num_scheduler_steps=steps,
+            max_num_seqs=8,
+            num_kv_blocks=24,
+        )
+        scheduler = llm.llm_engine.engine_core.scheduler
+        schedule = scheduler.schedule
+
+        def counting_schedule(schedule=schedule):
+            output = schedule()
+            planned.append(output.num_steps)
+            return output
+
+        scheduler.schedule = counting_schedule
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results[steps] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+    assert results[8] == results[1]
+    assert max(planned) > 1  # the multi-step path did run
