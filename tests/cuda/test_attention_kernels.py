@@ -93,6 +93,8 @@ FULL_DECODE_CASES = [
     (16, 128, 8, 4, [1100], torch.bfloat16),  # batch 1: the smallest partitions
     (32, 128, 8, 4, [1100, 37, 2000, 5], torch.bfloat16),
     (16, 128, 8, 4, [700 + 13 * i for i in range(40)], torch.bfloat16),  # bucket 40
+    (16, 256, 4, 2, [4000, 1, 900], torch.bfloat16),  # Gemma 2/3 head_dim
+    (16, 96, 8, 4, [3000, 17], torch.bfloat16),  # Phi-3 head_dim
 ]
 
 
@@ -152,6 +154,7 @@ WINDOW_DECODE_CASES = [
     (16, 128, 1, 4, [300, 33, 100], torch.float32, 32, 100),  # spans 4-5 partitions
     (32, 64, 1, 8, [530, 64, 65], SMALL_BF16, 64, 64),  # window == partition
     (16, 64, 2, 4, [40, 7], torch.float32, 128, 1),  # only the token itself
+    (16, 96, 1, 2, [70, 20], torch.float32, 32, 30),  # head_dim not a power of two
 ]
 
 
@@ -192,6 +195,8 @@ FULL_PREFILL_CASES = [
     (16, 128, 8, 4, [(1024, 0), (512, 3000), (1, 8191), (777, 7)], torch.bfloat16),
     (32, 64, 8, 8, [(2048, 2048), (100, 0)], torch.bfloat16),
     (16, 128, 4, 1, [(300, 5000)], torch.float16),
+    (16, 256, 4, 2, [(1000, 0), (200, 3000)], torch.bfloat16),
+    (16, 96, 8, 4, [(1000, 50), (7, 100)], torch.bfloat16),
 ]
 
 
@@ -235,6 +240,7 @@ WINDOW_PREFILL_CASES = [
     (16, 128, 1, 4, [(40, 35), (3, 0)], torch.float32, 20),  # chunk over a prefix
     (32, 64, 1, 8, [(40, 33), (1, 70)], SMALL_BF16, 33),  # spans key tiles and blocks
     (16, 64, 2, 4, [(20, 10)], torch.float32, 1),
+    (16, 96, 1, 2, [(20, 10)], torch.float32, 12),
 ]
 
 
