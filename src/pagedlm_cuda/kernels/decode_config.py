@@ -4,20 +4,21 @@ A decode step has one query token per sequence, so the kernel's parallelism is
 ``num_seqs * num_kv_heads * partitions``. At batch 256 that is thousands of programs even
 with long partitions; at batch 1 on an 8-kv-head model a 256-key partition leaves a
 132-SM GPU mostly idle (8 heads x 5 partitions at 1,100 tokens). So the partition shrinks
-as the batch does, aiming at >= ~512 programs for a 1,024-token context:
-``partition`` is the largest power of two <= ``2 * bucket * num_kv_heads``, clamped to
-32 .. 256.
+as the batch does, aiming at ~512 programs for a 1,024-token context (fewer at the
+smallest batches, where the 32-key floor binds): ``partition`` is the largest power of two
+<= ``2 * bucket * num_kv_heads``, clamped to 32 .. 256.
 
 The choice depends on the batch size, never on the data (sequence lengths), and only
 through ``batch_bucket``: the smallest size of the CUDA-graph ladder
 (``pagedlm_cuda.graph_runner.capture_sizes``) that holds ``num_seqs``. A graph captured
 for a padded size and an eager step of any batch that pads to it therefore use the same
-configuration and compute bit-identical results. Sizes of that ladder below 256 include
-every power of two, so padding to a ``max_num_seqs`` that is not itself on the full ladder
-never crosses a bucket boundary either (``tests/cuda/test_decode_config.py`` checks both).
+configuration and compute bit-identical results. A runner's ladder is the full ladder cut
+at ``max_num_seqs`` plus ``max_num_seqs`` itself, so padding up to a ``max_num_seqs`` off
+the full ladder stays within one bucket too (``tests/cuda/test_decode_config.py`` checks
+every ``max_num_seqs`` below 600).
 
 Tiles: large batches keep many programs resident per SM, where a 32-key tile (fewer
-registers) measured best; small batches have few programs, each of which should keep
+registers) was the autotuner's pick at batch 256 (docs/performance.md, earlier layout); small batches have few programs, each of which should keep
 more bytes in flight, so they take 64-key tiles (32 with head_dim > 128, for shared
 memory) and two pipeline stages.
 """
