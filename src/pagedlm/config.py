@@ -188,6 +188,8 @@ class ModelConfig:
     bnb_quant_type: str = "nf4"
     """With bitsandbytes: "nf4" or "fp4" (4-bit, blocks of 64) or "int8" (per-row 8-bit)."""
     trust_remote_code: bool = False
+    enforce_eager: bool = False
+    """Never replay decode steps from CUDA graphs (platforms without graphs are always eager)."""
 
     @property
     def is_gguf(self) -> bool:
@@ -202,6 +204,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None
     """Memory budget for the KV cache when ``num_kv_blocks`` is None (platform default)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction in (0, 1] of the device's memory the engine may use in all (weights,
+    activations, KV cache); read by GPU platforms when they size the KV cache."""
 
 
 @dataclass(frozen=True)
@@ -234,6 +239,15 @@ class EngineConfig:
 
     def with_num_kv_blocks(self, num_kv_blocks: int) -> EngineConfig:
         return replace(self, cache=replace(self.cache, num_kv_blocks=num_kv_blocks))
+
+
+def validate_fraction(name: str, value: float) -> None:
+    """``value`` must lie in (0, 1]; the error names the ``--kebab-case`` flag too."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        flag = "--" + name.replace("_", "-")
+        raise ValueError(
+            f"{name} must be a fraction in (0, 1], got {value!r}; pass e.g. {flag} 0.9."
+        )
 
 
 def validate_positive(name: str, value: int | None, *, allow_none: bool = True) -> None:

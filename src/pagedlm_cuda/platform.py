@@ -4,30 +4,84 @@ and a KV-cache budget taken from the memory left after a profiling forward."""
 from __future__ import annotations
 
 import logging
+import math
 import os
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from pagedlm.kv_cache.interface import kv_bytes_per_block
 from pagedlm.platforms import Platform
+
+if TYPE_CHECKING:
+    from pagedlm.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
-GPU_MEMORY_UTILIZATION_ENV = "PAGEDLM_GPU_MEMORY_UTILIZATION"
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+RETIRED_GPU_MEMORY_UTILIZATION_ENV = "PAGEDLM_GPU_MEMORY_UTILIZATION"
+"""No longer read: ``--gpu-memory-utilization`` / ``gpu_memory_utilization=`` replace it."""
 
 
-def gpu_memory_utilization() -> float:
-    """Fraction of the device's memory pagedlm may use in all (``gpu_memory_utilization``)."""
-    raw = os.environ.get(GPU_MEMORY_UTILIZATION_ENV)
-    if raw is None:
-        return DEFAULT_GPU_MEMORY_UTILIZATION
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0.0 < value <= 1.0:
-        raise ValueError(f"{GPU_MEMORY_UTILIZATION_ENV} must be a fraction in (0, 1], got {raw!r}.")
-    return value
+class GpuMemory(NamedTuple):
+    """Device memory in bytes, measured after the weights loaded and the profiling forward."""
+
+    total: int
+    in_use: int
+    """``total - free``: weights, other processes, and the caching allocator's reserve."""
+    activation_peak: int
+    """How far the profiling forward's peak rose above what is allocated now."""
+
+
+def kv_cache_budget(memory: GpuMemory, gpu_memory_utilization: float) -> int:
+    """Bytes the KV cache may take: ``utilization * total`` minus what is in use now and
+    minus room for the activation peak of the largest step (never negative)."""
+    allowed = int(memory.total * gpu_memory_utilization)
+    return max(0, allowed - memory.in_use - memory.activation_peak)
+
+
+def check_kv_cache_fits(
+    memory: GpuMemory,
+    gpu_memory_utilization: float,
+    bytes_per_block: int,
+    block_size: int,
+    max_model_len: int,
+) -> None:
+    """Raise ``ValueError`` if the budget cannot hold one ``max_model_len``-token sequence.
+
+    The message says how many tokens fit and which flags change that: a shorter
+    ``--max-model-len``, a larger ``--gpu-memory-utilization`` (with the smallest value
+    that would do, when one exists), or a smaller ``--max-num-batched-tokens``.
+    """
+    budget = kv_cache_budget(memory, gpu_memory_utilization)
+    tokens_that_fit = budget // bytes_per_block * block_size
+    if tokens_that_fit >= max_model_len:
+        return
+    gib = 2**30
+    needed = (
+        memory.in_use
+        + memory.activation_peak
+        + math.ceil(max_model_len / block_size) * (bytes_per_block)
+    )
+    # Rounded up to hundredths so that the suggested value is enough as printed.
+    needed_fraction = math.ceil(needed / memory.total * 100) / 100
+    if needed_fraction <= 1.0:
+        raise_hint = f"raise --gpu-memory-utilization to at least {needed_fraction:.2f}"
+    else:
+        raise_hint = "--gpu-memory-utilization cannot help (even 1.0 is too little)"
+    shorten = (
+        f"lower --max-model-len to at most {tokens_that_fit}"
+        if tokens_that_fit > 0
+        else "no --max-model-len is short enough; free GPU memory held by other processes"
+    )
+    raise ValueError(
+        f"Not enough GPU memory for max_model_len={max_model_len}: the KV cache budget is "
+        f"{budget / gib:.2f} GiB ({gpu_memory_utilization} x {memory.total / gib:.1f} GiB, "
+        f"minus {memory.in_use / gib:.2f} GiB in use by weights and other processes, minus a "
+        f"{memory.activation_peak / gib:.2f} GiB activation peak), which holds "
+        f"{tokens_that_fit} tokens. To start: {shorten}; or {raise_hint}; or lower "
+        "--max-num-batched-tokens to shrink the activation peak."
+    )
 
 
 class CudaPlatform(Platform):
@@ -38,9 +92,22 @@ class CudaPlatform(Platform):
     profiles_memory = True
     default_attention_backend = "triton"
 
+    def __init__(self) -> None:
+        self.config: EngineConfig | None = None
+
     @property
     def supported_dtypes(self) -> tuple[torch.dtype, ...]:
         return (torch.bfloat16, torch.float16, torch.float32)
+
+    def bind_config(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @property
+    def gpu_memory_utilization(self) -> float:
+        """Fraction of the device's memory pagedlm may use in all (the bound config's)."""
+        if self.config is None:
+            return DEFAULT_GPU_MEMORY_UTILIZATION
+        return self.config.cache.gpu_memory_utilization
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         from pagedlm_cuda.fused_layers import install_fused_kernels
@@ -52,23 +119,53 @@ class CudaPlatform(Platform):
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=self.device)
 
-    def kv_cache_memory_bytes(self) -> int:
-        """``utilization * total`` minus what is in use now (weights, other processes) and
-        minus the activation peak that the profiling forward reached above it."""
+    def measure_memory(self) -> GpuMemory:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         activation_peak = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
-        budget = int(total * gpu_memory_utilization()) - (total - free) - activation_peak
+        return GpuMemory(total=total, in_use=total - free, activation_peak=activation_peak)
+
+    def kv_cache_memory_bytes(self) -> int:
+        """``gpu_memory_utilization * total`` minus what is in use now (weights, other
+        processes) and minus the activation peak that the profiling forward reached above
+        it. With a bound config, fails with the fix when one sequence cannot fit."""
+        if RETIRED_GPU_MEMORY_UTILIZATION_ENV in os.environ:
+            logger.warning(
+                "%s is no longer read; pass --gpu-memory-utilization (LLM("
+                "gpu_memory_utilization=...)) instead.",
+                RETIRED_GPU_MEMORY_UTILIZATION_ENV,
+            )
+        memory = self.measure_memory()
+        utilization = self.gpu_memory_utilization
+        budget = kv_cache_budget(memory, utilization)
         logger.info(
             "GPU memory: %.1f GiB total, %.1f GiB in use, %.2f GiB activation peak; "
-            "KV cache budget %.1f GiB",
-            total / 2**30,
-            (total - free) / 2**30,
-            activation_peak / 2**30,
+            "KV cache budget %.1f GiB (gpu_memory_utilization=%s)",
+            memory.total / 2**30,
+            memory.in_use / 2**30,
+            memory.activation_peak / 2**30,
             budget / 2**30,
+            utilization,
         )
-        return max(0, budget)
+        if self.config is not None:
+            model, cache = self.config.model, self.config.cache
+            arch = model.arch
+            per_block = kv_bytes_per_block(
+                cache.block_size,
+                arch.num_hidden_layers,
+                arch.num_key_value_heads,
+                arch.head_dim,
+                model.dtype,
+            )
+            check_kv_cache_fits(
+                memory,
+                utilization,
+                per_block,
+                cache.block_size,
+                self.config.scheduler.max_model_len,
+            )
+        return budget
 
     def capture_decode_graphs(self, runner: object) -> object | None:
         from pagedlm_cuda.graph_runner import CudaGraphRunner

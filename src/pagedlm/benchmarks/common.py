@@ -1,57 +1,82 @@
-"""What the throughput and latency benchmarks share: engine flags, building the engine
-from a shape name or directory, the speed-of-light line, and a per-step profile."""
+"""What the throughput and latency benchmarks share: engine flags (``pagedlm serve``'s,
+generated from ``EngineArgs``, with benchmark defaults), building the engine from a shape
+name or directory, the speed-of-light line, and a per-step profile."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from collections import defaultdict
 from typing import Any
 
-from pagedlm.benchmarks.shapes import resolve_model
+from pagedlm.benchmarks.shapes import BUILTIN_SHAPES, resolve_model
 from pagedlm.benchmarks.speed_of_light import DEFAULT_BANDWIDTH, DEFAULT_FLOPS
+from pagedlm.engine import cli_args
+
+BENCH_ENGINE_DEFAULTS: dict[str, Any] = {
+    "model": "qwen3-0.6b",
+    "load_format": "dummy",
+    "dtype": "bfloat16",
+    "max_num_seqs": 256,
+    "max_num_batched_tokens": 16384,
+    "max_model_len": 4096,
+    # Prompts are token ids and outputs are counted, never detokenized.
+    "skip_tokenizer_init": True,
+}
+"""The benchmarks' own engine defaults, pinned whatever ``pagedlm serve``'s are: random
+weights of a built-in shape, bf16, 256 sequences and a 16k-token budget per step (the
+issue's measurement setup)."""
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default="qwen3-0.6b",
-        help="built-in shape (qwen3-0.6b, llama-3.2-1b, llama-3-8b) or a model directory",
+    """Every engine flag of ``pagedlm serve`` (generated from ``EngineArgs``), with the
+    benchmark defaults above, plus the flags that only the benchmarks have."""
+    cli_args.add_engine_args(
+        parser,
+        defaults=BENCH_ENGINE_DEFAULTS,
+        help_texts={
+            "model": f"A built-in shape ({', '.join(BUILTIN_SHAPES)}; no download) or a model "
+            "directory (config.json, plus weights unless --load-format dummy).",
+            "load_format": "As for serve; dummy: random weights of the model's shapes.",
+        },
     )
-    parser.add_argument("--load-format", default="dummy", help="dummy: random weights")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH, help="bytes/s")
-    parser.add_argument("--flops", type=float, default=DEFAULT_FLOPS, help="FLOP/s")
-    parser.add_argument(
-        "--profile-steps", type=int, default=0, help="profile this many steps after the run"
+    group = parser.add_argument_group("benchmark arguments")
+    group.add_argument(
+        "--bandwidth",
+        type=float,
+        default=DEFAULT_BANDWIDTH,
+        help="memory bandwidth in bytes/s for the speed-of-light line (default: %(default)s)",
     )
-    parser.add_argument("--compare-transformers", action="store_true")
+    group.add_argument(
+        "--flops",
+        type=float,
+        default=DEFAULT_FLOPS,
+        help="FLOP/s for the speed-of-light line (default: %(default)s)",
+    )
+    group.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="profile this many decode steps after the run (default: %(default)s)",
+    )
+    group.add_argument(
+        "--compare-transformers",
+        action="store_true",
+        help="also time transformers on the same prompts (needs a GPU)",
+    )
 
 
 def build_llm(args: argparse.Namespace):
-    import os
-
+    """The engine for a benchmark run: the engine flags with ``--model`` resolved from a
+    shape name to a config directory. Returns ``(llm, model_dir)``."""
     from pagedlm import LLM
 
-    if args.enforce_eager:
-        os.environ["PAGEDLM_ENFORCE_EAGER"] = "1"
-    model_dir = resolve_model(args.model)
+    engine_args = cli_args.engine_args_from_cli(args)
+    model_dir = resolve_model(engine_args.model or BENCH_ENGINE_DEFAULTS["model"])
+    engine_args = dataclasses.replace(engine_args, model=model_dir)
     start = time.perf_counter()
-    llm = LLM(
-        model_dir,
-        dtype=args.dtype,
-        load_format=args.load_format,
-        skip_tokenizer_init=True,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-    )
+    llm = LLM(**dataclasses.asdict(engine_args))
     print(f"engine ready in {time.perf_counter() - start:.1f} s ({model_dir})", flush=True)
     return llm, model_dir
 

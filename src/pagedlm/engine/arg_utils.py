@@ -18,6 +18,7 @@ from pagedlm.config import (
     ModelConfig,
     SchedulerConfig,
     parse_dtype,
+    validate_fraction,
     validate_positive,
 )
 
@@ -58,6 +59,14 @@ class EngineArgs:
     platform: str | None = None
     attention_backend: str | None = None
     kv_cache_memory_bytes: int | None = None
+    """Bytes the KV cache may take (overrides the platform's sizing; ignored with
+    num_kv_blocks)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction in (0, 1] of GPU memory the engine may use in all (weights, activations,
+    KV cache); the KV cache gets what is left after the profiling forward. CPU platforms
+    accept and ignore it (their KV budget is PAGEDLM_CPU_KVCACHE_SPACE GiB)."""
+    enforce_eager: bool = False
+    """Never replay decode steps from CUDA graphs (skips capturing them at start-up)."""
     trust_remote_code: bool = False
     structured_outputs_backend: str = "xgrammar"
     """Grammar backend for structured outputs: "xgrammar" or "outlines"."""
@@ -89,6 +98,7 @@ class EngineArgs:
             validate_positive(name, getattr(self, name), allow_none=False)
         for name in ("num_kv_blocks", "max_num_batched_tokens", "max_model_len"):
             validate_positive(name, getattr(self, name))
+        validate_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
 
         self._check_loading_options()
         from pagedlm.structured_output.backend import BACKENDS
@@ -149,12 +159,14 @@ class EngineArgs:
                 quantization=quantization,
                 bnb_quant_type=bnb_quant_type,
                 trust_remote_code=self.trust_remote_code,
+                enforce_eager=self.enforce_eager,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                gpu_memory_utilization=self.gpu_memory_utilization,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -166,7 +178,9 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             structured_outputs_backend=self.structured_outputs_backend,
         )
-        return configure(config, platform), platform
+        config = configure(config, platform)
+        platform.bind_config(config)
+        return config, platform
 
     def _check_loading_options(self) -> None:
         from pagedlm.model_executor.loader import LOAD_FORMATS

@@ -15,6 +15,7 @@ import itertools
 import textwrap
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 from pagedlm.engine.arg_utils import EngineArgs
@@ -73,10 +74,23 @@ def _none_or(convert: type) -> Any:
     return parse
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add one ``--flag`` per ``EngineArgs`` field (``--no-flag`` for booleans)."""
+def add_engine_args(
+    parser: argparse.ArgumentParser,
+    defaults: Mapping[str, Any] | None = None,
+    help_texts: Mapping[str, str] | None = None,
+) -> argparse.ArgumentParser:
+    """Add one ``--flag`` per ``EngineArgs`` field (``--no-flag`` for booleans).
+
+    ``defaults`` and ``help_texts`` (keyed by field name) replace a field's default or
+    help for this parser only, e.g. a benchmark's ``load_format="dummy"``; the help
+    shows the default in force.
+    """
     hints = typing.get_type_hints(EngineArgs)
     docs = _field_docs(EngineArgs)
+    defaults, help_texts = dict(defaults or {}), dict(help_texts or {})
+    unknown = (set(defaults) | set(help_texts)) - EngineArgs.field_names()
+    if unknown:
+        raise ValueError(f"Not EngineArgs fields: {sorted(unknown)}.")
     group = parser.add_argument_group("engine arguments")
     for field in dataclasses.fields(EngineArgs):
         flag = "--" + field.name.replace("_", "-")
@@ -84,8 +98,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default = field.default
         if default is dataclasses.MISSING and field.default_factory is not dataclasses.MISSING:
             default = field.default_factory()
-        help_text = docs.get(field.name, field.name.replace("_", " "))
-        help_text = f"{help_text} (default: {default})".replace("%", "%%")
+        default = defaults.get(field.name, default)
+        help_text = help_texts.get(field.name) or docs.get(field.name, field.name.replace("_", " "))
+        help_text = help_text.replace("%", "%%") + " (default: %(default)s)"
         if kind is bool and not nullable:
             group.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=default, help=help_text

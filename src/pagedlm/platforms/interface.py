@@ -7,11 +7,14 @@ Core code never branches on a device name: it asks the platform a capability que
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from pagedlm.attention.backend import BatchLayout
+
+if TYPE_CHECKING:
+    from pagedlm.config import EngineConfig
 
 
 class DecodeGraphRunner(ABC):
@@ -76,6 +79,10 @@ class Platform(ABC):
             raise ValueError(
                 f"The {self.name} platform cannot run dtype {dtype}; use one of: {names}."
             )
+
+    def bind_config(self, config: EngineConfig) -> None:  # noqa: B027 - optional
+        """Called once with the final engine configuration, before the engine starts, so
+        the platform can act on settings meant for it (``cache.gpu_memory_utilization``)."""
 
     @abstractmethod
     def kv_cache_memory_bytes(self) -> int:

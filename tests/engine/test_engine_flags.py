@@ -1,0 +1,92 @@
+"""enforce_eager and gpu_memory_utilization: EngineArgs fields with vLLM's names and
+defaults, generated CLI flags, validated at the edge, carried in the frozen config."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pagedlm import LLM
+from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.cli_args import engine_args_from_cli
+from pagedlm.entrypoints.cli.main import build_parser
+from pagedlm_cuda.platform import CudaPlatform
+
+
+def test_defaults_are_vllms() -> None:
+    args = EngineArgs()
+    assert args.enforce_eager is False
+    assert args.gpu_memory_utilization == 0.9
+
+
+def test_serve_flags_parse_to_engine_args() -> None:
+    parser = build_parser()
+    defaults = engine_args_from_cli(parser.parse_args(["serve"]))
+    assert (defaults.enforce_eager, defaults.gpu_memory_utilization) == (False, 0.9)
+    args = engine_args_from_cli(
+        parser.parse_args(["serve", "--enforce-eager", "--gpu-memory-utilization", "0.55"])
+    )
+    assert args.enforce_eager is True
+    assert args.gpu_memory_utilization == 0.55
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--gpu-memory-utilization", "most"])
+
+
+def test_flag_help_says_cpu_ignores_the_fraction(capsys) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--gpu-memory-utilization" in help_text
+    assert "CPU platforms accept and ignore it" in help_text
+    assert "--enforce-eager, --no-enforce-eager" in help_text
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -0.5, 1.01, 90, math.nan, math.inf])
+def test_bad_fraction_is_rejected_naming_the_flag(value: float) -> None:
+    # Validation comes before the model is resolved: no model is needed to fail.
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization.*\(0, 1\].*--gpu-memory-util"):
+        EngineArgs(model="/nonexistent", gpu_memory_utilization=value).create_engine_config()
+
+
+def test_config_carries_the_values_and_cuda_platform_reads_them(tiny_checkpoint) -> None:
+    args = EngineArgs(
+        model=str(tiny_checkpoint("llama")),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        gpu_memory_utilization=0.25,
+        platform="cpu",  # a CPU platform accepts and ignores the fraction
+    )
+    config, platform = args.create_engine_config()
+    assert config.model.enforce_eager is True
+    assert config.cache.gpu_memory_utilization == 0.25
+    assert platform.name == "cpu"
+    cuda = CudaPlatform()  # constructing it needs no GPU
+    assert cuda.gpu_memory_utilization == 0.9
+    cuda.bind_config(config)
+    assert cuda.gpu_memory_utilization == 0.25
+
+
+def test_llm_kwargs_reach_the_config(tiny_checkpoint) -> None:
+    llm = LLM(
+        str(tiny_checkpoint("llama")),
+        skip_tokenizer_init=True,
+        num_kv_blocks=8,
+        max_model_len=64,
+        enforce_eager=True,
+        gpu_memory_utilization=1.0,
+    )
+    config = llm.llm_engine.config
+    assert config.model.enforce_eager is True
+    assert config.cache.gpu_memory_utilization == 1.0
+    with pytest.raises(ValueError, match="--gpu-memory-utilization"):
+        LLM(str(tiny_checkpoint("llama")), gpu_memory_utilization=1.5)
+
+
+def test_per_parser_defaults_must_name_engine_fields() -> None:
+    import argparse
+
+    from pagedlm.engine.cli_args import add_engine_args
+
+    with pytest.raises(ValueError, match="no_such_field"):
+        add_engine_args(argparse.ArgumentParser(), defaults={"no_such_field": 1})
