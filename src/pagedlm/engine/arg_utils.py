@@ -34,6 +34,7 @@ class EngineArgs:
     """Local HF directory (config.json + safetensors), .gguf file, or hub id (``org/name``,
     fetched with huggingface_hub); None: the embedded default model (SmolLM2-135M-Instruct)."""
     tokenizer: str | None = None
+    """Tokenizer directory or hub id; None: the model's own."""
     revision: str | None = None
     """Branch, tag or commit of a hub id (model and, when it is a hub id too, tokenizer)."""
     load_format: str = "auto"
@@ -44,20 +45,36 @@ class EngineArgs:
     bnb_quant_type: str = "nf4"
     """With quantization="bitsandbytes": "nf4" or "fp4" (4-bit), or "int8"."""
     dtype: str = "auto"
+    """"auto" (the checkpoint's dtype if the platform runs it), "float32", "bfloat16" or
+    "float16"."""
     seed: int = 0
+    """Seed of the model's random state and of requests sampled without their own seed."""
     block_size: int = 16
+    """Tokens per KV-cache block."""
     num_kv_blocks: int | None = None
+    """Fixed number of KV-cache blocks; None: as many as the platform's memory budget holds."""
     max_num_seqs: int = 256
+    """Most requests in one step's batch."""
     max_num_batched_tokens: int | None = None
+    """Token budget of one step (longer prompts are prefilled in chunks); None: 8192, or
+    max_num_seqs if larger."""
     max_model_len: int | None = None
+    """Longest prompt + output a request may have; None: the model's context length. Every
+    request must fit the KV cache at this length, so lowering it helps a cache that is too
+    small."""
     num_scheduler_steps: int = 1
     """Decode steps per schedule (multi-step decoding, vLLM's flag): above 1, pure decode
     batches run up to this many steps on the device without a host round trip, which
     hides the host's per-step work; new requests wait at most that many steps to start."""
     enable_prefix_caching: bool = True
+    """Reuse the KV blocks of prompt prefixes seen before."""
     skip_tokenizer_init: bool = False
+    """Load no tokenizer: prompts must be token ids, and outputs carry no text."""
     platform: str | None = None
+    """Platform name (cpu, cuda, rocm or a plugin's); None: PAGEDLM_PLATFORM, else the best
+    available."""
     attention_backend: str | None = None
+    """Attention backend name; None: the platform's default."""
     kv_cache_memory_bytes: int | None = None
     """Bytes the KV cache may take (overrides the platform's sizing; ignored with
     num_kv_blocks)."""
@@ -68,6 +85,8 @@ class EngineArgs:
     enforce_eager: bool = False
     """Never replay decode steps from CUDA graphs (skips capturing them at start-up)."""
     trust_remote_code: bool = False
+    """Let the tokenizer run code shipped with the checkpoint (transformers' flag); a
+    checkpoint's model code is never run."""
     structured_outputs_backend: str = "xgrammar"
     """Grammar backend for structured outputs: "xgrammar" or "outlines"."""
 
