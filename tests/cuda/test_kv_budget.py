@@ -78,3 +78,12 @@ def test_platform_checks_the_bound_config(tiny_checkpoint, monkeypatch) -> None:
     monkeypatch.setattr(platform, "measure_memory", lambda: tight)
     with pytest.raises(ValueError, match=r"holds 512 tokens.*--max-model-len to at most 512"):
         platform.kv_cache_memory_bytes()
+
+
+def test_retired_env_var_is_reported_not_read(monkeypatch, caplog) -> None:
+    monkeypatch.setenv("PAGEDLM_GPU_MEMORY_UTILIZATION", "0.5")
+    platform = CudaPlatform()  # unbound: the default fraction, not the variable's
+    monkeypatch.setattr(platform, "measure_memory", lambda: MEMORY)
+    with caplog.at_level("WARNING", logger="pagedlm_cuda.platform"):
+        assert platform.kv_cache_memory_bytes() == kv_cache_budget(MEMORY, 0.9)
+    assert "--gpu-memory-utilization" in caplog.text
