@@ -167,6 +167,11 @@ class CudaPlatform(Platform):
             )
         return budget
 
+    def fused_sampler(self):
+        from pagedlm_cuda.kernels.sampling import gumbel_sample
+
+        return gumbel_sample
+
     def capture_decode_graphs(self, runner: object) -> object | None:
         from pagedlm_cuda.graph_runner import CudaGraphRunner
 

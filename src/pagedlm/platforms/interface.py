@@ -15,6 +15,7 @@ from pagedlm.attention.backend import BatchLayout
 
 if TYPE_CHECKING:
     from pagedlm.config import EngineConfig
+    from pagedlm.sample.sampler import FusedRandomSampler
 
 
 class DecodeGraphRunner(ABC):
@@ -97,6 +98,11 @@ class Platform(ABC):
         """Capture decode steps for the model runner ``runner`` (weights loaded, KV cache
         allocated) and return what replays them, or None to stay eager. Only called when
         ``supports_cuda_graphs`` is True and the user did not ask for eager mode."""
+        return None
+
+    def fused_sampler(self) -> FusedRandomSampler | None:
+        """A kernel doing temperature, noise and argmax in one pass (see
+        ``pagedlm.sample.sampler.FusedRandomSampler``), or None for the torch stages."""
         return None
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

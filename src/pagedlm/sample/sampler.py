@@ -14,12 +14,17 @@ Pipeline (vLLM order), each stage skipped when no row of the batch needs it:
    ``exponential_`` call on its own generator, so its token depends only on its seed,
    its step and its logits, never on what else is in the batch.
 
+A platform may fuse stages 3-5 into one kernel (``fused_random``, e.g. Gumbel-max on the
+GPU): used for batches with random rows and no filter or seeded row, it draws from the
+same distribution from a different random stream.
+
 The caller's logits are never modified: the sampler works on a float32 copy once a stage
 needs to write.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -40,8 +45,24 @@ class SamplerOutput(NamedTuple):
     logprobs: LogprobsTensors | None
 
 
+FusedRandomSampler = Callable[
+    [torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor], torch.Tensor
+]
+"""``(logits [N, V], temperature [N] | None, noise_scale [N] | None, seed [1] int64) ->
+[N] int64``: stages 4-5 in one kernel, for batches without filters or seeded rows; rows
+with ``noise_scale`` 0 take the argmax. A platform may provide one (Gumbel-max, which
+draws from the same distribution as the exponential race)."""
+
+
 class Sampler:
-    """Stateless; one instance serves every step. Call with ``(logits, metadata)``."""
+    """Stateless; one instance serves every step. Call with ``(logits, metadata)``.
+
+    ``fused_random``: the platform's fused stages 4-5, used when a batch has random rows
+    but no top-k/top-p/min-p filter and no row with its own seed.
+    """
+
+    def __init__(self, fused_random: FusedRandomSampler | None = None) -> None:
+        self.fused_random = fused_random
 
     def __call__(
         self,
@@ -62,17 +83,46 @@ class Sampler:
         if token_bitmask is not None:
             logits = apply_token_bitmask(logits, token_bitmask)
         raw_logits = logits
-        logits = self._adjust_logits(logits, metadata)
-        if metadata.all_greedy:
-            sampled = logits.argmax(dim=-1)
+        if self._can_fuse(metadata):
+            if metadata.logit_adjustments is not None or metadata.penalties is not None:
+                logits = self._adjust_logits(logits, metadata)
+            sampled = self._sample_fused(logits, metadata)
         else:
-            sampled = self._sample_random(logits, metadata)
-            if metadata.greedy_mask is not None:
-                sampled = torch.where(metadata.greedy_mask, logits.argmax(dim=-1), sampled)
+            logits = self._adjust_logits(logits, metadata)
+            if metadata.all_greedy:
+                sampled = logits.argmax(dim=-1)
+            else:
+                sampled = self._sample_random(logits, metadata)
+                if metadata.greedy_mask is not None:
+                    sampled = torch.where(metadata.greedy_mask, logits.argmax(dim=-1), sampled)
         logprobs = None
         if metadata.max_num_logprobs is not None:
             logprobs = compute_logprobs(raw_logits, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _can_fuse(self, metadata: SamplingMetadata) -> bool:
+        return (
+            self.fused_random is not None
+            and not metadata.all_greedy
+            and metadata.filters.is_empty
+            and not metadata.seeded_rows
+        )
+
+    def _sample_fused(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        assert self.fused_random is not None
+        noise_scale = None
+        if metadata.greedy_mask is not None:
+            noise_scale = (~metadata.greedy_mask).to(torch.float32)
+        # The step's seed comes from the default generator, on the device (no sync).
+        seed = torch.randint(
+            0,
+            2**31 - 1,
+            (1,),
+            dtype=torch.int64,
+            device=logits.device,
+            generator=metadata.default_generator,
+        )
+        return self.fused_random(logits, metadata.temperature, noise_scale, seed)
 
     @staticmethod
     def _adjust_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

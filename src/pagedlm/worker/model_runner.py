@@ -66,7 +66,7 @@ class ModelRunner:
         self.model = load_model(config.model, self.device)
         platform.prepare_model(self.model)
         self.attn_backend = attn_backend_cls(self.device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(fused_random=platform.fused_sampler())
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(config.model.seed)
         self.requests: dict[str, CachedRequestState] = {}

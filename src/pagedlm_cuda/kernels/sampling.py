@@ -1,0 +1,106 @@
+"""Fused random sampling: temperature, Gumbel noise and argmax in one pass over the logits.
+
+The sampler's exponential race ``argmax(probs / E)`` with ``E ~ Exp(1)`` is the Gumbel-max
+trick in another form: ``log(probs / E) = logits / T - logsumexp - log(E)`` and
+``-log(E) = -log(-log(U))`` is Gumbel noise, so the drawn token is
+``argmax(logits / T + G)``, which needs neither the softmax nor a float32 copy of the
+logits. Done with torch ops the race reads and writes ``[N, vocab]`` float32 about ten
+times per step (cast, divide, softmax, noise, clamp, divide, argmax); here each program
+reads one slice of one row once, draws its uniforms with Triton's counter-based Philox
+(``tl.rand``), and writes its best (value, index); a tiny second pass picks each row's
+winner. Greedy rows (``noise_scale`` 0) take the plain argmax of their logits.
+
+Random streams: the noise depends on ``seed`` (drawn from the engine's default generator
+each step, on the device) and on the (row, token) position only, so a row's draw is a
+deterministic function of the step's seed. Rows with their own seeded generator are not
+sampled here (the torch path keeps their per-request streams).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_V = 2048
+"""Vocabulary entries per loop iteration of one program."""
+SPLIT_V = 16384
+"""Vocabulary entries per program: rows are split so that small batches fill the GPU."""
+
+
+@triton.jit
+def _gumbel_argmax_kernel(
+    logits_ptr, logits_stride, inv_temperature_ptr, noise_scale_ptr, seed_ptr,
+    best_value_ptr, best_index_ptr, vocab_size, num_splits,
+    HAS_TEMPERATURE: tl.constexpr, HAS_NOISE_SCALE: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    inv_temperature = 1.0
+    if HAS_TEMPERATURE:
+        inv_temperature = tl.load(inv_temperature_ptr + row)
+    noise_scale = 1.0
+    if HAS_NOISE_SCALE:
+        noise_scale = tl.load(noise_scale_ptr + row)
+    seed = tl.load(seed_ptr)
+    row_ptr = logits_ptr + row.to(tl.int64) * logits_stride
+    best_value = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_index = tl.zeros([BLOCK], tl.int32)
+    start = split * SPLIT
+    for v0 in range(start, tl.minimum(start + SPLIT, vocab_size), BLOCK):
+        cols = v0 + tl.arange(0, BLOCK)
+        mask = cols < vocab_size
+        x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        # Offsets stay below 2**31 for any batch x vocabulary this engine schedules.
+        u = tl.rand(seed, row * vocab_size + cols)
+        # Keep u inside (0, 1): u = 0 gives -inf noise (never drawn), and a uniform that
+        # rounds to 1.0 in float32 would give +inf (always drawn).
+        u = tl.minimum(tl.maximum(u, 1.0e-12), 0.99999994)
+        gumbel = -tl.log(-tl.log(u))
+        score = x * inv_temperature + noise_scale * gumbel
+        score = tl.where(mask, score, float("-inf"))
+        better = score > best_value  # strict: the earlier index wins ties, as torch.argmax
+        best_value = tl.where(better, score, best_value)
+        best_index = tl.where(better, cols, best_index)
+    top = tl.max(best_value, axis=0)
+    # The lowest index among the lanes holding the maximum.
+    index = tl.min(tl.where(best_value == top, best_index, 2147483647), axis=0)
+    out = row * num_splits + split
+    tl.store(best_value_ptr + out, top)
+    tl.store(best_index_ptr + out, index)
+
+
+def gumbel_sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor | None,
+    noise_scale: torch.Tensor | None,
+    seed: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row of ``logits`` ``[N, vocab]`` (any float dtype, last dim contiguous).
+
+    ``temperature``: ``[N]`` float32 or None (all 1). ``noise_scale``: ``[N]`` float32 of 1
+    (sample) and 0 (greedy: plain argmax) or None (all sample). ``seed``: int64 tensor of one
+    element on the logits' device. Returns ``[N]`` int64 token ids.
+    """
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(
+            f"logits must be [N, vocab] with a contiguous last dim, got {logits.shape}."
+        )
+    num_rows, vocab_size = logits.shape
+    num_splits = triton.cdiv(vocab_size, SPLIT_V)
+    best_value = torch.empty((num_rows, num_splits), dtype=torch.float32, device=logits.device)
+    best_index = torch.empty((num_rows, num_splits), dtype=torch.int32, device=logits.device)
+    if num_rows == 0:
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
+    inv_temperature = None if temperature is None else temperature.reciprocal()
+    _gumbel_argmax_kernel[(num_rows, num_splits)](
+        logits, logits.stride(0),
+        inv_temperature if inv_temperature is not None else best_value,
+        noise_scale if noise_scale is not None else best_value,
+        seed, best_value, best_index, vocab_size, num_splits,
+        HAS_TEMPERATURE=inv_temperature is not None, HAS_NOISE_SCALE=noise_scale is not None,
+        SPLIT=SPLIT_V, BLOCK=min(BLOCK_V, triton.next_power_of_2(vocab_size)),
+    )  # fmt: skip
+    winner = best_value.argmax(dim=1, keepdim=True)
+    return best_index.gather(1, winner).squeeze(1).to(torch.int64)
