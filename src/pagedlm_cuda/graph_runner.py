@@ -9,9 +9,10 @@ step's input ids may be a device tensor (the previous step's sampled tokens), an
 pinned host buffers form a ring guarded by events, so the host can fill the next step's
 metadata while the device still copies an earlier one.
 A batch of ``n`` requests runs in the smallest captured size ``>= n``; the padding rows
-write no K/V (slot -1) and attend to nothing (seq_len 0). Attention splits keys into
-fixed partitions whose grid is sized by ``max_model_len``, so a request's result does not
-depend on the padding or on whether the step ran from a graph.
+write no K/V (slot -1) and attend to nothing (seq_len 0). The decode attention split
+depends on the batch only through its capture-size bucket (``kernels/decode_config.py``)
+and its grid is sized by ``max_model_len``, so a request's result does not depend on the
+padding or on whether the step ran from a graph.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ def test_partition_shrinks_for_small_batches() -> None:
     # llama-3-8b (8 kv heads): batch 1 gets 32-key partitions, 1,100 tokens -> 280 programs.
     assert decode_config(1, 8, 128).partition == 32
     assert decode_config(4, 8, 128).partition == 64
-    assert decode_config(256, 8, 128).partition == 256
+    assert decode_config(256, 8, 128).partition == 512
     for n in (1, 2, 5, 16, 100, 256, 512):
         config = decode_config(n, 8, 256)
         assert config.partition % config.block_n == 0 and config.block_n <= 32
