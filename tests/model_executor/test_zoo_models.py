@@ -111,7 +111,11 @@ def save_random_model(path: Path, config_class: str, overrides: dict[str, Any]) 
     torch.manual_seed(0)
     base = {} if config_class == "GPT2Config" else SMALL
     config = getattr(transformers, config_class)(**{**base, "vocab_size": 320, **overrides})
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Eager attention is transformers' exact reference: its SDPA path drops Gemma 2's
+    # attention soft-cap (the default in some versions, e.g. 5.17 on the GPU machine).
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="eager"
+    )
     with torch.no_grad():
         for name, param in model.named_parameters():
             # Norm weights away from their identity value, so a missing or misread norm
