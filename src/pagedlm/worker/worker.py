@@ -38,8 +38,9 @@ class Worker:
             fits = num_blocks * cache.block_size
             raise ValueError(
                 f"The KV cache budget ({budget / 2**30:.2f} GiB) holds {fits} tokens, fewer "
-                f"than max_model_len={sched.max_model_len}; lower max_model_len to at most "
-                f"{fits} or give the KV cache more memory."
+                f"than max_model_len={sched.max_model_len}; lower --max-model-len to at most "
+                f"{fits}, or give the KV cache more memory (--kv-cache-memory-bytes or "
+                "--num-kv-blocks; PAGEDLM_CPU_KVCACHE_SPACE GiB on CPU)."
             )
         return int(num_blocks)
 
