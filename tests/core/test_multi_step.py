@@ -60,6 +60,7 @@ def test_pure_decode_runs_several_steps_with_slots_for_all():
     output = _step(scheduler)
     assert output.num_steps == 4
     assert output.total_num_scheduled_tokens == 3  # one fed token each; the rest follow
+    assert scheduler.num_model_steps == 1 + 4
     for request in scheduler.running:
         # 6 prompt tokens + 1 + 4 sampled; every token but the last has its K/V.
         assert request.num_tokens == 11
@@ -195,3 +196,39 @@ def test_multi_step_generates_what_single_steps_generate(tiny_checkpoint):
         results[steps] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
     assert results[8] == results[1]
     assert max(planned) > 1  # the multi-step path did run
+
+
+def _append_one_by_one(request: Request, token_ids: list[int], max_model_len: int) -> list[int]:
+    from pagedlm.core.stop_checker import check_stop
+
+    appended = []
+    for token_id in token_ids:
+        request.append_output_token_ids([token_id])
+        appended.append(token_id)
+        if check_stop(request, max_model_len):
+            break
+    return appended
+
+
+def test_appending_several_tokens_stops_where_one_by_one_would():
+    from pagedlm.core.stop_checker import append_token_ids
+
+    rng = random.Random(0)
+    for trial in range(400):
+        params = {
+            "max_tokens": rng.randint(1, 12),
+            "min_tokens": rng.choice([0, 0, 3]),
+            "ignore_eos": rng.random() < 0.5,
+            "stop_token_ids": rng.choice([None, [5], [5, 6]]),
+        }
+        params["min_tokens"] = min(params["min_tokens"], params["max_tokens"])
+        tokens = [rng.choice([2, 5, 6, 7, 8, 9]) for _ in range(rng.randint(1, 10))]
+        prefix = [7] * rng.randint(0, 4)
+        max_model_len = rng.choice([16, 12, 9])
+        results = []
+        for append in (append_token_ids, _append_one_by_one):
+            request = _request(f"r{trial}", num_prompt=4, **params)
+            request.append_output_token_ids(prefix[: params["max_tokens"] - 1])
+            appended = append(request, tokens, max_model_len)
+            results.append((appended, request.status, request.stop_reason, request.num_tokens))
+        assert results[0] == results[1], (params, prefix, tokens, max_model_len)

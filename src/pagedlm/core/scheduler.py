@@ -104,6 +104,8 @@ class OneBudgetScheduler(Scheduler):
         self.structured_output = structured_output
         self._finished_req_ids: set[str] = set()
         """Requests that ended since the last ``schedule()``; reported to the workers."""
+        self.num_model_steps = 0
+        """Model forward steps scheduled so far (a multi-step schedule counts K)."""
 
     # ----------------------------------------------------------------- requests in / out
 
@@ -246,6 +248,8 @@ class OneBudgetScheduler(Scheduler):
             num_steps=num_steps if num_steps > 1 and not new_reqs and not preempted else 1,
         )
         self._finished_req_ids = set()
+        if num_scheduled:
+            self.num_model_steps += output.num_steps
         for request_id, num_tokens in num_scheduled.items():
             self.requests[request_id].num_computed_tokens += num_tokens
         return output

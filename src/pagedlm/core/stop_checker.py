@@ -44,10 +44,28 @@ def check_stop(request: Request, max_model_len: int) -> bool:
 def append_token_ids(request: Request, token_ids: Sequence[int], max_model_len: int) -> list[int]:
     """Append sampled tokens one by one, stopping at the first that finishes the request.
 
-    Several tokens arrive at once when speculative decoding accepts drafts; tokens after
-    a stop are dropped. Returns the tokens actually appended (a prefix of ``token_ids``).
+    Several tokens arrive at once with multi-step decoding (or accepted speculative
+    drafts); tokens after a stop are dropped. Returns the tokens actually appended (a
+    prefix of ``token_ids``).
     """
-    appended: list[int] = []
+    params = request.sampling_params
+    if (
+        len(token_ids) > 1
+        and request.num_output_tokens >= params.min_tokens
+        and request.eos_token_ids.isdisjoint(token_ids)
+        and not (params.stop_token_ids and not set(params.stop_token_ids).isdisjoint(token_ids))
+    ):
+        # No stop token among them (the common multi-step case): only a length limit can
+        # end the request, so append up to it at once instead of checking token by token.
+        room = min(
+            request.max_tokens - request.num_output_tokens, max_model_len - request.num_tokens
+        )
+        appended = list(token_ids[:room])
+        request.append_output_token_ids(appended)
+        if len(appended) == room:
+            request.status = RequestStatus.FINISHED_LENGTH
+        return appended
+    appended = []
     for token_id in token_ids:
         request.append_output_token_ids([token_id])
         appended.append(token_id)
