@@ -7,8 +7,8 @@ trick in another form: ``log(probs / E) = logits / T - logsumexp - log(E)`` and
 logits. Done with torch ops the race reads and writes ``[N, vocab]`` float32 about ten
 times per step (cast, divide, softmax, noise, clamp, divide, argmax); here each program
 reads one slice of one row once, draws its uniforms with Triton's counter-based Philox
-(``tl.rand``), and writes its best (value, index); a tiny second pass picks each row's
-winner. Greedy rows (``noise_scale`` 0) take the plain argmax of their logits.
+(``tl.rand4x``: four uniforms per call, since Philox rounds would otherwise dominate), and
+writes its best (value, index); a tiny second pass picks each row's winner. Greedy rows (``noise_scale`` 0) take the plain argmax of their logits.
 
 Random streams: the noise depends on ``seed`` (drawn from the engine's default generator
 each step, on the device) and on the (row, token) position only, so a row's draw is a
@@ -29,6 +29,20 @@ SPLIT_V = 16384
 
 
 @triton.jit
+def _race(best_value, best_index, row_ptr, cols, u, vocab_size, inv_temperature, noise_scale):
+    """Fold one slice of a row into the running (best score, its index) per lane."""
+    mask = cols < vocab_size
+    x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    # Keep u inside (0, 1): u = 0 gives -inf noise (never drawn), and a uniform that
+    # rounds to 1.0 in float32 would give +inf (always drawn).
+    u = tl.minimum(tl.maximum(u, 1.0e-12), 0.99999994)
+    score = x * inv_temperature + noise_scale * -tl.log(-tl.log(u))
+    score = tl.where(mask, score, float("-inf"))
+    better = score > best_value  # strict: the earlier index wins ties, as torch.argmax
+    return tl.where(better, score, best_value), tl.where(better, cols, best_index)
+
+
+@triton.jit
 def _gumbel_argmax_kernel(
     logits_ptr, logits_stride, inv_temperature_ptr, noise_scale_ptr, seed_ptr,
     best_value_ptr, best_index_ptr, vocab_size, num_splits,
@@ -45,24 +59,33 @@ def _gumbel_argmax_kernel(
         noise_scale = tl.load(noise_scale_ptr + row)
     seed = tl.load(seed_ptr)
     row_ptr = logits_ptr + row.to(tl.int64) * logits_stride
-    best_value = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_index = tl.zeros([BLOCK], tl.int32)
+    QUARTER: tl.constexpr = BLOCK // 4
+    lanes = tl.arange(0, QUARTER)
+    best_value = tl.full([QUARTER], float("-inf"), tl.float32)
+    best_index = tl.zeros([QUARTER], tl.int32)
+    # One Philox call yields four uniforms: counter c serves tokens 4c .. 4c + 3 of the
+    # row's own counter range (rows never share counters). Offsets stay below 2**31 for
+    # any batch x vocabulary this engine schedules.
+    row_counter = row * ((vocab_size + 3) // 4)
     start = split * SPLIT
     for v0 in range(start, tl.minimum(start + SPLIT, vocab_size), BLOCK):
-        cols = v0 + tl.arange(0, BLOCK)
-        mask = cols < vocab_size
-        x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        # Offsets stay below 2**31 for any batch x vocabulary this engine schedules.
-        u = tl.rand(seed, row * vocab_size + cols)
-        # Keep u inside (0, 1): u = 0 gives -inf noise (never drawn), and a uniform that
-        # rounds to 1.0 in float32 would give +inf (always drawn).
-        u = tl.minimum(tl.maximum(u, 1.0e-12), 0.99999994)
-        gumbel = -tl.log(-tl.log(u))
-        score = x * inv_temperature + noise_scale * gumbel
-        score = tl.where(mask, score, float("-inf"))
-        better = score > best_value  # strict: the earlier index wins ties, as torch.argmax
-        best_value = tl.where(better, score, best_value)
-        best_index = tl.where(better, cols, best_index)
+        u0, u1, u2, u3 = tl.rand4x(seed, row_counter + v0 // 4 + lanes)
+        base = v0 + lanes
+        best_value, best_index = _race(
+            best_value, best_index, row_ptr, base, u0, vocab_size, inv_temperature, noise_scale
+        )
+        best_value, best_index = _race(
+            best_value, best_index, row_ptr, base + QUARTER, u1, vocab_size,
+            inv_temperature, noise_scale,
+        )  # fmt: skip
+        best_value, best_index = _race(
+            best_value, best_index, row_ptr, base + 2 * QUARTER, u2, vocab_size,
+            inv_temperature, noise_scale,
+        )  # fmt: skip
+        best_value, best_index = _race(
+            best_value, best_index, row_ptr, base + 3 * QUARTER, u3, vocab_size,
+            inv_temperature, noise_scale,
+        )  # fmt: skip
     top = tl.max(best_value, axis=0)
     # The lowest index among the lanes holding the maximum.
     index = tl.min(tl.where(best_value == top, best_index, 2147483647), axis=0)
@@ -100,7 +123,7 @@ def gumbel_sample(
         noise_scale if noise_scale is not None else best_value,
         seed, best_value, best_index, vocab_size, num_splits,
         HAS_TEMPERATURE=inv_temperature is not None, HAS_NOISE_SCALE=noise_scale is not None,
-        SPLIT=SPLIT_V, BLOCK=min(BLOCK_V, triton.next_power_of_2(vocab_size)),
+        SPLIT=SPLIT_V, BLOCK=max(16, min(BLOCK_V, triton.next_power_of_2(vocab_size))),
     )  # fmt: skip
     winner = best_value.argmax(dim=1, keepdim=True)
     return best_index.gather(1, winner).squeeze(1).to(torch.int64)
