@@ -43,7 +43,7 @@ from free_running import (
 )
 
 TASK = PeriodicTask()
-TRAIN_STEPS = 700
+TRAIN_STEPS = 1000
 BAR = 0.99
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -59,7 +59,8 @@ def trained(tmp_path_factory):
             report = train_periodic_model(arch, path, TASK, steps=TRAIN_STEPS, device=device)
             print(f"\ntrained {arch} on {device}: {report}")
             # Fails loudly if training broke: the margins the parity check relies on need
-            # a model that has actually learned the task.
+            # a model that has learned the task (an untrained one has loss ~6). Seeds 0 and
+            # 2 on CPU reach loss 0.001-0.007 and accuracy 0.9987-1.0.
             assert report.eval_loss < 0.05, report
             assert report.eval_accuracy >= 0.995, report
             made[arch, device] = path
@@ -97,7 +98,7 @@ def test_trained_model_bf16_greedy_agrees_with_transformers(trained, arch) -> No
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_trained_model_greedy_agrees_with_transformers_on_cpu(trained, arch, dtype) -> None:
-    """The harness on the CPU platform (training ~1 min per arch on 2 cores)."""
+    """The harness on the CPU platform (training ~1-1.5 min per arch on a busy 2-core CPU)."""
     check_trained(trained(arch, "cpu"), dtype, "cpu", "cpu", f"cpu: trained {arch} {dtype}")
 
 
