@@ -15,6 +15,7 @@ from pagedlm.platforms import Platform
 
 if TYPE_CHECKING:
     from pagedlm.config import EngineConfig
+    from pagedlm.sample.sampler import FusedRandomSampler
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ class CudaPlatform(Platform):
             )
         return budget
 
-    def fused_sampler(self):
+    def fused_sampler(self) -> FusedRandomSampler:
         from pagedlm_cuda.kernels.sampling import gumbel_sample
 
         return gumbel_sample

@@ -232,3 +232,22 @@ def test_appending_several_tokens_stops_where_one_by_one_would():
             appended = append(request, tokens, max_model_len)
             results.append((appended, request.status, request.stop_reason, request.num_tokens))
         assert results[0] == results[1], (params, prefix, tokens, max_model_len)
+
+
+def test_multi_step_stop_strings_cut_where_single_steps_do(smollm2_path):
+    """Stop strings are found by the output processor, which now sees up to eight tokens
+    at once: text, token ids and reasons must match one token at a time."""
+    prompts = ["The capital of France is", "List three colors:", "Once upon a time", "def f(n):"]
+    params = SamplingParams(temperature=0, max_tokens=40, stop=[".", "\n\n", " a "])
+    results = []
+    for steps in (1, 8):
+        llm = LLM(smollm2_path, num_scheduler_steps=steps)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append(
+            [
+                (c.text, c.token_ids, c.finish_reason, c.stop_reason)
+                for c in (o.outputs[0] for o in outs)
+            ]
+        )
+    assert results[0] == results[1]
+    assert {stop for _, _, _, stop in results[0]} >= {".", " a "}  # stops did cut
