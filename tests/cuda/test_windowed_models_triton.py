@@ -18,17 +18,13 @@ import torch
 from triton_env import DEVICE, ON_GPU, rel_error
 
 from model_executor.test_zoo_models import (
-    BLOCK_SIZE,
     CASES,
-    PROMPT_LENS,
+    PagedRunner,
     hf_logits,
     model_config,
     random_prompts,
     save_random_model,
 )
-from pagedlm.attention.backend import BatchLayout
-from pagedlm.kv_cache.interface import TensorKVCache
-from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.loader import load_model
 from pagedlm_cuda.attention import TritonAttentionBackend
 
@@ -37,46 +33,9 @@ WINDOWED = ["gemma2", "gemma3", "phi3_window", "mistral_window", "qwen2_window",
 TOLERANCE = 1e-2  # float32 on the GPU runs the kernels' dots in tf32
 
 
-class TritonRunner:
+def triton_runner(model: torch.nn.Module) -> PagedRunner:
     """Steps a model through the Triton backend as the model runner does."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        arch = model.arch
-        self.backend = TritonAttentionBackend(DEVICE)
-        shape = self.backend.kv_cache_shape(96, BLOCK_SIZE, arch.num_key_value_heads, arch.head_dim)
-        self.kv_cache = TensorKVCache(
-            shape,
-            arch.num_hidden_layers,
-            BLOCK_SIZE,
-            torch.float32,
-            lambda s, d: torch.zeros(s, dtype=d, device=DEVICE),
-        )
-        # Interleaved blocks, so reading another request's table shows as wrong logits.
-        self.tables = [
-            [r + i * len(PROMPT_LENS) for i in range(-(-max(PROMPT_LENS) // BLOCK_SIZE))]
-            for r in range(len(PROMPT_LENS))
-        ]
-
-    def step(self, chunks: list[tuple[int, int, list[int]]]) -> list[torch.Tensor]:
-        """chunks: (request, context_len, token ids) -> per chunk float32 logits [n, vocab]."""
-        input_ids, positions, slots, starts, seq_lens, tables = [], [], [], [0], [], []
-        for req, context_len, tokens in chunks:
-            table = self.tables[req]
-            for pos in range(context_len, context_len + len(tokens)):
-                positions.append(pos)
-                slots.append(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
-            input_ids += tokens
-            starts.append(len(input_ids))
-            seq_lens.append(context_len + len(tokens))
-            tables.append(table)
-        layout = BatchLayout(starts, seq_lens, tables, slots, BLOCK_SIZE)
-        ctx = ForwardContext(self.backend, self.backend.build_metadata(layout), self.kv_cache)
-        with torch.no_grad():
-            ids = torch.tensor(input_ids, device=DEVICE)
-            hidden = self.model(ids, torch.tensor(positions, device=DEVICE), ctx)
-            logits = self.model.compute_logits(hidden).float().cpu()
-        return [logits[starts[i] : starts[i + 1]] for i in range(len(chunks))]
+    return PagedRunner(model, TritonAttentionBackend(DEVICE), DEVICE)
 
 
 @pytest.fixture(scope="module", params=WINDOWED)
@@ -92,13 +51,13 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 def test_prefill_matches_transformers(case) -> None:
     _, model, prompts, expected = case
-    got = TritonRunner(model).step([(i, 0, p) for i, p in enumerate(prompts)])
+    got = triton_runner(model).step([(i, 0, p) for i, p in enumerate(prompts)])
     assert rel_error(torch.cat(got), torch.cat(expected)) < TOLERANCE
 
 
 def test_chunk_then_decodes_match_transformers(case) -> None:
     _, model, prompts, expected = case
-    runner = TritonRunner(model)
+    runner = triton_runner(model)
     split = [max(1, len(p) - 3) for p in prompts]
     got = runner.step([(i, 0, p[: split[i]]) for i, p in enumerate(prompts)])
     for offset in range(3):

@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from pagedlm.attention.backend import BatchLayout
+from pagedlm.attention.backend import AttentionBackend, BatchLayout
 from pagedlm.config import ArchConfig, ModelConfig
 from pagedlm.kv_cache.interface import TensorKVCache
 from pagedlm.model_executor.forward_context import ForwardContext
@@ -135,15 +135,26 @@ def hf_logits(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
 
 
 class PagedRunner:
-    """Drives a model step by step as the model runner does, one block table per prompt."""
+    """Drives a model step by step as the model runner does, one block table per prompt,
+    through ``backend`` (the CPU one by default) with the model and cache on ``device``."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: AttentionBackend | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.model = model
+        self.device = torch.device(device)
         arch = model.arch
-        self.backend = CpuSdpaBackend(torch.device("cpu"))
+        self.backend = backend or CpuSdpaBackend(self.device)
         shape = self.backend.kv_cache_shape(96, BLOCK_SIZE, arch.num_key_value_heads, arch.head_dim)
         self.kv_cache = TensorKVCache(
-            shape, arch.num_hidden_layers, BLOCK_SIZE, torch.float32, lambda s, d: torch.zeros(s)
+            shape,
+            arch.num_hidden_layers,
+            BLOCK_SIZE,
+            torch.float32,
+            lambda s, d: torch.zeros(s, dtype=d, device=self.device),
         )
         # Interleaved blocks, so reading another request's table shows as wrong logits.
         self.tables = [
@@ -166,8 +177,9 @@ class PagedRunner:
         layout = BatchLayout(starts, seq_lens, tables, slots, BLOCK_SIZE)
         ctx = ForwardContext(self.backend, self.backend.build_metadata(layout), self.kv_cache)
         with torch.no_grad():
-            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), ctx)
-            logits = self.model.compute_logits(hidden)
+            ids = torch.tensor(input_ids, device=self.device)
+            hidden = self.model(ids, torch.tensor(positions, device=self.device), ctx)
+            logits = self.model.compute_logits(hidden).float().cpu()
         return [logits[starts[i] : starts[i + 1]] for i in range(len(chunks))]
 
 
