@@ -32,15 +32,12 @@ bitmask of the constrained requests that sample with the ``SchedulerOutput``;
 ``update_from_output`` advances their matchers by the appended tokens and finishes a
 request whose grammar has terminated. Matchers are not touched by preemption.
 
-Multi-step decoding (``num_scheduler_steps`` = K > 1, vLLM's name): when every running
-request is decoding, nothing waiting could be admitted, and no request needs per-token
-host work between steps (penalties, logprobs, a grammar, a ``min_tokens`` still to reach),
-one ``SchedulerOutput`` runs up to K decode steps on the workers without a round trip
-through the host. Each request gets slots for the K tokens at once (if they fit; else the
-step runs one token as usual). ``update_from_output`` receives up to K tokens per request,
-applies stops token by token (tokens after a stop are dropped: at most K - 1 wasted
-forward rows per finished request), and advances ``num_computed_tokens`` by the K - 1
-extra tokens that were fed.
+Multi-step decoding (``num_scheduler_steps`` = K > 1): when ``multi_step.plan_num_steps``
+allows it, one ``SchedulerOutput`` runs up to K decode steps on the workers. Each request
+gets slots for the K tokens at once (if they fit; else the step runs one token as usual).
+``update_from_output`` receives up to K tokens per request, applies stops token by token
+(tokens after a stop are dropped), and advances ``num_computed_tokens`` by the K - 1 extra
+tokens that were fed.
 
 A request that could never fit (``prompt + max_tokens`` tokens need more than
 ``num_blocks`` blocks) is rejected in ``add_request`` instead of waiting forever.
@@ -60,6 +57,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pagedlm.config import CacheConfig, SchedulerConfig
+from pagedlm.core.multi_step import plan_num_steps
 from pagedlm.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -183,7 +181,7 @@ class OneBudgetScheduler(Scheduler):
         preempted: list[Request] = []
         if not self.running:
             self._wait_for_grammars()
-        num_steps = self._plan_num_steps()
+        num_steps = plan_num_steps(self.config, self.running, self.waiting)
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -253,36 +251,6 @@ class OneBudgetScheduler(Scheduler):
         for request_id, num_tokens in num_scheduled.items():
             self.requests[request_id].num_computed_tokens += num_tokens
         return output
-
-    def _plan_num_steps(self) -> int:
-        """How many decode steps this step may run back to back (see module doc); 1 when
-        any running request needs the host between tokens or a waiting one could start."""
-        max_steps = self.config.num_scheduler_steps
-        if max_steps <= 1 or not self.running:
-            return 1
-        if self.waiting and len(self.running) < self.config.max_num_seqs:
-            return 1
-        if len(self.running) > self.config.max_num_batched_tokens:
-            return 1
-        max_model_len = self.config.max_model_len
-        most_remaining = 1
-        for request in self.running:
-            num_tokens = request.num_tokens
-            params = request.sampling_params
-            if (
-                num_tokens - request.num_computed_tokens != 1
-                or params.logprobs is not None
-                or params.structured_outputs is not None
-                or request.num_output_tokens < params.min_tokens
-                or params.repetition_penalty != 1.0
-                or params.frequency_penalty != 0.0
-                or params.presence_penalty != 0.0
-            ):
-                return 1
-            # Step k feeds position num_tokens - 1 + k, which must stay below max_model_len.
-            max_steps = min(max_steps, max_model_len - num_tokens + 1)
-            most_remaining = max(most_remaining, request.max_tokens - request.num_output_tokens)
-        return max(1, min(max_steps, most_remaining))
 
     def _grammar_ready(self, request: Request) -> bool:
         if request.status is not RequestStatus.WAITING_FOR_GRAMMAR:
