@@ -33,3 +33,68 @@ def full_logits(model, arch, backend, token_ids: list[int], block_size: int = 16
     ctx = ForwardContext(backend, backend.build_metadata(layout), cache)
     hidden = model(torch.tensor(token_ids), torch.arange(n), ctx)
     return model.compute_logits(hidden)
+
+
+class PagedRunner:
+    """Drives a model step by step as the model runner does, one block table per request,
+    through ``backend`` (the CPU one by default) with the model and KV cache on ``device``;
+    the cache holds the model's dtype.
+
+    Request ``r`` owns blocks ``r, r + R, r + 2R, ...`` for ``R`` requests: interleaved, so a
+    request reading another's block table shows up as wrong logits.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_requests: int,
+        max_len: int,
+        block_size: int,
+        backend=None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        from pagedlm_cpu.attention import CpuSdpaBackend
+
+        self.model = model
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.backend = backend or CpuSdpaBackend(self.device)
+        blocks_per_request = math.ceil(max_len / block_size)
+        self.tables = [
+            [r + i * num_requests for i in range(blocks_per_request)] for r in range(num_requests)
+        ]
+        arch = model.arch
+        self.kv_cache = TensorKVCache(
+            self.backend.kv_cache_shape(
+                num_requests * blocks_per_request,
+                block_size,
+                arch.num_key_value_heads,
+                arch.head_dim,
+            ),
+            arch.num_hidden_layers,
+            block_size,
+            next(model.parameters()).dtype,
+            lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=self.device),
+        )
+
+    def step(self, chunks: list[tuple[int, int, list[int]]]) -> list[torch.Tensor]:
+        """chunks: (request, context_len, token ids) -> per chunk float32 logits [n, vocab]
+        on the CPU."""
+        bs = self.block_size
+        input_ids, positions, slots, starts, seq_lens, tables = [], [], [], [0], [], []
+        for req, context_len, tokens in chunks:
+            table = self.tables[req]
+            for pos in range(context_len, context_len + len(tokens)):
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+            input_ids += tokens
+            starts.append(len(input_ids))
+            seq_lens.append(context_len + len(tokens))
+            tables.append(table)
+        layout = BatchLayout(starts, seq_lens, tables, slots, bs)
+        ctx = ForwardContext(self.backend, self.backend.build_metadata(layout), self.kv_cache)
+        with torch.no_grad():
+            ids = torch.tensor(input_ids, device=self.device)
+            hidden = self.model(ids, torch.tensor(positions, device=self.device), ctx)
+            logits = self.model.compute_logits(hidden).float().cpu()
+        return [logits[starts[i] : starts[i + 1]] for i in range(len(chunks))]

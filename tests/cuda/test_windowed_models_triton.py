@@ -19,9 +19,9 @@ from triton_env import DEVICE, ON_GPU, rel_error
 
 from model_executor.test_zoo_models import (
     CASES,
-    PagedRunner,
     hf_logits,
     model_config,
+    paged_runner,
     random_prompts,
     save_random_model,
 )
@@ -33,9 +33,9 @@ WINDOWED = ["gemma2", "gemma3", "phi3_window", "mistral_window", "qwen2_window",
 TOLERANCE = 1e-2  # float32 on the GPU runs the kernels' dots in tf32
 
 
-def triton_runner(model: torch.nn.Module) -> PagedRunner:
+def triton_runner(model: torch.nn.Module):
     """Steps a model through the Triton backend as the model runner does."""
-    return PagedRunner(model, TritonAttentionBackend(DEVICE), DEVICE)
+    return paged_runner(model, TritonAttentionBackend(DEVICE), DEVICE)
 
 
 @pytest.fixture(scope="module", params=WINDOWED)

@@ -10,12 +10,9 @@ import pytest
 import torch
 import transformers
 
-from pagedlm.attention.backend import BatchLayout
+from model_utils import PagedRunner
 from pagedlm.config import ArchConfig, ModelConfig
-from pagedlm.kv_cache.interface import TensorKVCache
-from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.loader import load_model
-from pagedlm_cpu.attention import CpuSdpaBackend
 
 BLOCK_SIZE = 4
 PROMPT_LENS = [1, 7, 40, 13, 25, 2]
@@ -82,50 +79,10 @@ def model_config(path: Path, dtype: torch.dtype = torch.float32) -> ModelConfig:
     return ModelConfig(model=str(path), tokenizer=None, arch=arch, dtype=dtype, max_model_len=128)
 
 
-def make_kv_cache(arch: ArchConfig, dtype: torch.dtype, num_blocks: int = 64) -> TensorKVCache:
-    shape = CpuSdpaBackend.kv_cache_shape(
-        num_blocks, BLOCK_SIZE, arch.num_key_value_heads, arch.head_dim
-    )
-    return TensorKVCache(
-        shape, arch.num_hidden_layers, BLOCK_SIZE, dtype, lambda s, d: torch.zeros(s, dtype=d)
-    )
-
-
-class PagedRunner:
-    """Drives a model step by step the way the model runner does, one block table per prompt."""
-
-    def __init__(self, model: torch.nn.Module, arch: ArchConfig, dtype: torch.dtype) -> None:
-        self.model = model
-        self.backend = CpuSdpaBackend(torch.device("cpu"))
-        self.kv_cache = make_kv_cache(arch, dtype)
-        self.block_tables: list[list[int]] = []
-        self.next_block = 0
-
-    def add_request(self, max_len: int) -> None:
-        num_blocks = -(-max_len // BLOCK_SIZE)
-        # Interleave requests' blocks so a wrong block table reads another request's K/V.
-        self.block_tables.append(
-            [self.next_block + i * len(PROMPT_LENS) for i in range(num_blocks)]
-        )
-        self.next_block += 1
-
-    def step(self, chunks: list[tuple[int, list[int]]], context_lens: list[int]) -> torch.Tensor:
-        """chunks: (request index, token ids) -> float32 logits of every token [T, vocab]."""
-        input_ids, positions, slots, query_start, seq_lens, tables = [], [], [], [0], [], []
-        for (req, tokens), context_len in zip(chunks, context_lens, strict=True):
-            table = self.block_tables[req]
-            for pos in range(context_len, context_len + len(tokens)):
-                positions.append(pos)
-                slots.append(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
-            input_ids += tokens
-            query_start.append(len(input_ids))
-            seq_lens.append(context_len + len(tokens))
-            tables.append(table)
-        layout = BatchLayout(query_start, seq_lens, tables, slots, BLOCK_SIZE)
-        ctx = ForwardContext(self.backend, self.backend.build_metadata(layout), self.kv_cache)
-        with torch.no_grad():
-            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), ctx)
-            return self.model.compute_logits(hidden)
+def prefill_all(model: torch.nn.Module, prompts: list[list[int]]) -> torch.Tensor:
+    """Every prompt in one step: float32 logits of every token [T, vocab]."""
+    runner = PagedRunner(model, len(prompts), max(map(len, prompts)), BLOCK_SIZE)
+    return torch.cat(runner.step([(i, 0, p) for i, p in enumerate(prompts)]))
 
 
 def random_prompts() -> list[list[int]]:
@@ -153,10 +110,7 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 def test_one_step_matches_transformers(checkpoint) -> None:
     path, prompts, expected = checkpoint
     config = model_config(path)
-    runner = PagedRunner(load_model(config, torch.device("cpu")), config.arch, torch.float32)
-    for p in prompts:
-        runner.add_request(len(p))
-    logits = runner.step(list(enumerate(prompts)), [0] * len(prompts))
+    logits = prefill_all(load_model(config, torch.device("cpu")), prompts)
     assert logits.dtype == torch.float32
     assert logits.shape == (sum(PROMPT_LENS), SMALL["vocab_size"])
     torch.testing.assert_close(logits, torch.cat(expected), atol=1e-4, rtol=0)
@@ -169,22 +123,15 @@ def test_two_steps_read_the_cache(checkpoint) -> None:
     """First step: a prefix of every prompt; second: the rest (1 token for some: decodes)."""
     path, prompts, expected = checkpoint
     config = model_config(path)
-    runner = PagedRunner(load_model(config, torch.device("cpu")), config.arch, torch.float32)
-    for p in prompts:
-        runner.add_request(len(p))
+    model = load_model(config, torch.device("cpu"))
+    runner = PagedRunner(model, len(prompts), max(PROMPT_LENS), BLOCK_SIZE)
     split = [max(1, n - 1) if n <= 7 else n // 2 + 1 for n in PROMPT_LENS]
-    first = runner.step(
-        [(i, p[:s]) for i, (p, s) in enumerate(zip(prompts, split, strict=True))], [0] * 6
-    )
-    rest = [(i, p[s:]) for i, (p, s) in enumerate(zip(prompts, split, strict=True)) if s < len(p)]
-    second = runner.step(rest, [split[i] for i, _ in rest])
-
-    starts = [0, *torch.tensor(split).cumsum(0).tolist()]
-    got = [first[starts[i] : starts[i + 1]] for i in range(len(prompts))]
-    offset = 0
-    for i, tokens in rest:
-        got[i] = torch.cat([got[i], second[offset : offset + len(tokens)]])
-        offset += len(tokens)
+    got = runner.step([(i, 0, p[:s]) for i, (p, s) in enumerate(zip(prompts, split, strict=True))])
+    rest = [
+        (i, s, p[s:]) for i, (p, s) in enumerate(zip(prompts, split, strict=True)) if s < len(p)
+    ]
+    for (i, _, _), logits in zip(rest, runner.step(rest), strict=True):
+        got[i] = torch.cat([got[i], logits])
     torch.testing.assert_close(torch.cat(got), torch.cat(expected), atol=1e-4, rtol=0)
 
 
@@ -196,10 +143,7 @@ def test_bfloat16_load_stays_close(tmp_path: Path) -> None:
         config = model_config(tmp_path, dtype)
         model = load_model(config, torch.device("cpu"))
         assert {p.dtype for p in model.parameters()} == {dtype}
-        runner = PagedRunner(model, config.arch, dtype)
-        for p in prompts:
-            runner.add_request(len(p))
-        outputs[dtype] = runner.step(list(enumerate(prompts)), [0] * len(prompts))
+        outputs[dtype] = prefill_all(model, prompts)
     assert torch.get_default_dtype() == torch.float32
     assert outputs[torch.bfloat16].dtype == torch.float32
     torch.testing.assert_close(
@@ -225,8 +169,5 @@ def test_old_and_new_config_spellings_give_the_same_model(tmp_path: Path) -> Non
         config = model_config(tmp_path)
         assert config.arch.rope_theta == LLAMA3_ROPE["rope_theta"]
         assert config.arch.rope_scaling is not None
-        runner = PagedRunner(load_model(config, torch.device("cpu")), config.arch, torch.float32)
-        for p in prompts:
-            runner.add_request(len(p))
-        logits[name] = runner.step(list(enumerate(prompts)), [0] * len(prompts))
+        logits[name] = prefill_all(load_model(config, torch.device("cpu")), prompts)
     torch.testing.assert_close(logits["old"], logits["new"], atol=0, rtol=0)

@@ -15,12 +15,9 @@ import pytest
 import torch
 import transformers
 
-from pagedlm.attention.backend import AttentionBackend, BatchLayout
+from model_utils import PagedRunner
 from pagedlm.config import ArchConfig, ModelConfig
-from pagedlm.kv_cache.interface import TensorKVCache
-from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.loader import load_model
-from pagedlm_cpu.attention import CpuSdpaBackend
 
 BLOCK_SIZE = 4
 PROMPT_LENS = [1, 7, 40, 13, 25, 2]
@@ -134,53 +131,9 @@ def hf_logits(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
         return model(torch.tensor([prompt])).logits[0].float()
 
 
-class PagedRunner:
-    """Drives a model step by step as the model runner does, one block table per prompt,
-    through ``backend`` (the CPU one by default) with the model and cache on ``device``."""
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        backend: AttentionBackend | None = None,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        self.model = model
-        self.device = torch.device(device)
-        arch = model.arch
-        self.backend = backend or CpuSdpaBackend(self.device)
-        shape = self.backend.kv_cache_shape(96, BLOCK_SIZE, arch.num_key_value_heads, arch.head_dim)
-        self.kv_cache = TensorKVCache(
-            shape,
-            arch.num_hidden_layers,
-            BLOCK_SIZE,
-            torch.float32,
-            lambda s, d: torch.zeros(s, dtype=d, device=self.device),
-        )
-        # Interleaved blocks, so reading another request's table shows as wrong logits.
-        self.tables = [
-            [r + i * len(PROMPT_LENS) for i in range(-(-max(PROMPT_LENS) // BLOCK_SIZE))]
-            for r in range(len(PROMPT_LENS))
-        ]
-
-    def step(self, chunks: list[tuple[int, int, list[int]]]) -> list[torch.Tensor]:
-        """chunks: (request, context_len, token ids) -> per chunk float32 logits [n, vocab]."""
-        input_ids, positions, slots, starts, seq_lens, tables = [], [], [], [0], [], []
-        for req, context_len, tokens in chunks:
-            table = self.tables[req]
-            for pos in range(context_len, context_len + len(tokens)):
-                positions.append(pos)
-                slots.append(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
-            input_ids += tokens
-            starts.append(len(input_ids))
-            seq_lens.append(context_len + len(tokens))
-            tables.append(table)
-        layout = BatchLayout(starts, seq_lens, tables, slots, BLOCK_SIZE)
-        ctx = ForwardContext(self.backend, self.backend.build_metadata(layout), self.kv_cache)
-        with torch.no_grad():
-            ids = torch.tensor(input_ids, device=self.device)
-            hidden = self.model(ids, torch.tensor(positions, device=self.device), ctx)
-            logits = self.model.compute_logits(hidden).float().cpu()
-        return [logits[starts[i] : starts[i + 1]] for i in range(len(chunks))]
+def paged_runner(model: torch.nn.Module, backend=None, device="cpu") -> PagedRunner:
+    """A runner for the prompts of ``random_prompts``."""
+    return PagedRunner(model, len(PROMPT_LENS), max(PROMPT_LENS), BLOCK_SIZE, backend, device)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -219,7 +172,7 @@ def _longrope_long_only(
 def test_prefill_matches_transformers(case) -> None:
     model, prompts, expected = case
     prompts, expected = _longrope_long_only(model, prompts, expected)
-    runner = PagedRunner(model)
+    runner = paged_runner(model)
     got = runner.step([(i, 0, p) for i, p in enumerate(prompts)])
     torch.testing.assert_close(torch.cat(got), torch.cat(expected), atol=1e-4, rtol=0)
 
@@ -229,7 +182,7 @@ def test_chunk_then_decodes_read_the_cache(case) -> None:
     all requests batched together in every step."""
     model, prompts, expected = case
     prompts, expected = _longrope_long_only(model, prompts, expected)
-    runner = PagedRunner(model)
+    runner = paged_runner(model)
     split = [max(1, len(p) - 3) for p in prompts]
     got = runner.step([(i, 0, p[: split[i]]) for i, p in enumerate(prompts)])
     for offset in range(3):
@@ -251,10 +204,10 @@ def test_longrope_uses_short_factors_when_max_model_len_fits(tmp_path: Path) -> 
     prompts = [p for p in random_prompts() if len(p) <= ORIGINAL_MAX]
     expected = [hf_logits(hf_model, p) for p in prompts]
     model = load_model(model_config(tmp_path, ORIGINAL_MAX), torch.device("cpu"))
-    got = PagedRunner(model).step([(i, 0, p) for i, p in enumerate(prompts)])
+    got = paged_runner(model).step([(i, 0, p) for i, p in enumerate(prompts)])
     torch.testing.assert_close(torch.cat(got), torch.cat(expected), atol=1e-4, rtol=0)
     long_model = load_model(model_config(tmp_path, ORIGINAL_MAX + 1), torch.device("cpu"))
-    got_long = PagedRunner(long_model).step([(i, 0, p) for i, p in enumerate(prompts)])
+    got_long = paged_runner(long_model).step([(i, 0, p) for i, p in enumerate(prompts)])
     assert not torch.allclose(torch.cat(got_long), torch.cat(expected), atol=1e-2)
 
 
@@ -269,14 +222,7 @@ def test_bfloat16_stays_close_to_float32(tmp_path: Path, name: str) -> None:
         config = ModelConfig(str(tmp_path), None, arch, dtype, max_model_len=128)
         model = load_model(config, torch.device("cpu"))
         assert {p.dtype for p in model.parameters()} == {dtype}
-        runner = PagedRunner(model)
-        runner.kv_cache = TensorKVCache(
-            runner.kv_cache.layer(0)[0].shape,
-            arch.num_hidden_layers,
-            BLOCK_SIZE,
-            dtype,
-            lambda s, d: torch.zeros(s, dtype=d),
-        )
+        runner = paged_runner(model)
         logits[dtype] = torch.cat(runner.step([(i, 0, p) for i, p in enumerate(prompts)]))
     assert logits[torch.bfloat16].dtype == torch.float32
     torch.testing.assert_close(logits[torch.bfloat16], logits[torch.float32], atol=0.2, rtol=0.05)
