@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from tiny_gguf import finish, tiny_causal_lm, write_gguf
 
 from model_utils import full_logits
 from pagedlm.config import ArchConfig, ModelConfig
@@ -24,61 +25,19 @@ from pagedlm.model_executor.loader import load_model
 from pagedlm.model_executor.loader.gguf_loader import gguf_arch_config, iter_gguf_weights
 from pagedlm_cpu.attention import CpuSdpaBackend
 
-# HF module path -> llama.cpp stem, per architecture, written independently of the loader.
-_LAYER_NAMES = {
-    "gemma2": {
-        "input_layernorm": "attn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "post_attention_layernorm": "post_attention_norm",
-        "pre_feedforward_layernorm": "ffn_norm",
-        "post_feedforward_layernorm": "post_ffw_norm",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    },
-    "phi3": {
-        "input_layernorm": "attn_norm",
-        "self_attn.qkv_proj": "attn_qkv",
-        "self_attn.o_proj": "attn_output",
-        "post_attention_layernorm": "ffn_norm",
-        "mlp.gate_up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    },
-}
-_GLOBAL_NAMES = {
-    "model.embed_tokens": "token_embd",
-    "model.norm": "output_norm",
-    "lm_head": "output",
-}
 PROMPT = [1, 5, 17, 33, 2, 64, 90, 7, 7, 41, 12, 3, 88, 60, 25, 9]
 HEAD_DIM = 16
 ROTARY_DIM = 12  # Phi-3 partial rotation: 0.75 of each head
 ORIGINAL_CONTEXT = 128
 
 
-def gguf_name(arch: str, hf_name: str) -> str:
-    stem, suffix = hf_name.rsplit(".", 1)
-    if stem in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
-    _, _, layer, rest = stem.split(".", 3)
-    return f"blk.{layer}.{_LAYER_NAMES[arch][rest]}.{suffix}"
-
-
 def tiny_gemma2():
-    torch.manual_seed(0)
-    config = transformers.Gemma2Config(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    return tiny_causal_lm(
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        norm_center=0.0,  # Gemma stores 1 + w: a missing or doubled +1 must show
         head_dim=HEAD_DIM,
         query_pre_attn_scalar=HEAD_DIM,
-        max_position_embeddings=256,
         sliding_window=8,  # shorter than PROMPT, so the sliding layer really slides
         # Larger than default weights and small caps, so that both caps change the logits
         # (at the default 0.02 the attention scores never come near 5).
@@ -86,24 +45,15 @@ def tiny_gemma2():
         attn_logit_softcapping=5.0,
         final_logit_softcapping=3.0,
         rms_norm_eps=1e-6,
-        bos_token_id=1,
-        eos_token_id=2,
         attn_implementation="eager",  # transformers' SDPA path ignores the attention cap
     )
-    return config, _randomized(transformers.Gemma2ForCausalLM(config).eval(), norm_center=0.0)
 
 
 def tiny_phi3():
-    torch.manual_seed(0)
     rng = np.random.default_rng(0)
-    config = transformers.Phi3Config(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
+    return tiny_causal_lm(
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
         original_max_position_embeddings=ORIGINAL_CONTEXT,
         rope_parameters={
             "rope_type": "longrope",
@@ -114,74 +64,44 @@ def tiny_phi3():
         },
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
         pad_token_id=0,
     )
-    return config, _randomized(transformers.Phi3ForCausalLM(config).eval(), norm_center=1.0)
 
 
-def _randomized(model, norm_center: float):
-    """Random norms (around 0 for Gemma's offset weights, 1 otherwise), so a missing or
-    doubled +1, or a norm/projection mix-up, cannot hide behind default weights."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(norm_center - 0.5, norm_center + 0.5)
-    return model
-
-
-def write_gguf(path: Path, arch: str, config, model, qtype_name: str) -> None:
+def write_converted_gguf(path: Path, arch: str, config, model, qtype_name: str) -> None:
     """What convert_hf_to_gguf writes for ``arch`` (the parts pagedlm and transformers read)."""
-    qtype = gguf.GGMLQuantizationType[qtype_name]
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_bos_token_id(config.bos_token_id)
-    writer.add_eos_token_id(config.eos_token_id)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
-    writer.add_token_merges([])
-    tensors = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    state_dict = dict(model.state_dict())
     if arch == "gemma2":
-        writer.add_key_length(HEAD_DIM)
-        writer.add_value_length(HEAD_DIM)
-        writer.add_rope_dimension_count(HEAD_DIM)
-        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
-        writer.add_final_logit_softcapping(config.final_logit_softcapping)
-        writer.add_sliding_window(config.sliding_window)
-        tensors.pop("lm_head.weight")
-        tensors = {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in tensors.items()}
-    else:
-        rope = config.rope_parameters
+        state_dict.pop("lm_head.weight")  # tied: the file has no ``output`` tensor
+        state_dict = {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in state_dict.items()}
+
+        def add_extras(writer: gguf.GGUFWriter) -> None:
+            writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
+            writer.add_sliding_window(config.sliding_window)
+
+        write_gguf(path, arch, config, state_dict, qtype_name, add_extras=add_extras)
+        return
+
+    def add_rope_scaling(writer: gguf.GGUFWriter) -> None:
         factor = config.max_position_embeddings / ORIGINAL_CONTEXT
-        writer.add_rope_dimension_count(ROTARY_DIM)
         writer.add_rope_scaling_orig_ctx_len(ORIGINAL_CONTEXT)
         writer.add_rope_scaling_attn_factors(
             float(np.sqrt(1 + np.log(factor) / np.log(ORIGINAL_CONTEXT)))
         )
         for kind in ("long", "short"):
-            factors = np.asarray(rope[f"{kind}_factor"], dtype=np.float32)
+            factors = np.asarray(config.rope_parameters[f"{kind}_factor"], dtype=np.float32)
             writer.add_tensor(f"rope_factors_{kind}.weight", factors)
-    for hf_name, array in tensors.items():
-        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(
-                gguf_name(arch, hf_name), gguf.quants.quantize(array, qtype), raw_dtype=qtype
-            )
-        else:
-            writer.add_tensor(gguf_name(arch, hf_name), np.ascontiguousarray(array))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+
+    write_gguf(
+        path,
+        arch,
+        config,
+        state_dict,
+        qtype_name,
+        rope_dims=ROTARY_DIM,
+        add_extras=add_rope_scaling,
+    )
 
 
 def pagedlm_logits(path: Path, max_model_len: int = 64) -> torch.Tensor:
@@ -216,7 +136,7 @@ _MODELS = {"gemma2": tiny_gemma2, "phi3": tiny_phi3}
 def test_logits_match_hf_and_transformers_gguf(tmp_path: Path, arch: str, qtype: str) -> None:
     config, model = _MODELS[arch]()
     path = tmp_path / f"{arch}-{qtype}.gguf"
-    write_gguf(path, arch, config, model, qtype)
+    write_converted_gguf(path, arch, config, model, qtype)
     ours = pagedlm_logits(path)
     reference = transformers_gguf_logits(path, type(model), config)
     torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
@@ -229,7 +149,7 @@ def test_logits_match_hf_and_transformers_gguf(tmp_path: Path, arch: str, qtype:
 def test_gemma2_config_and_norms(tmp_path: Path) -> None:
     config, model = tiny_gemma2()
     path = tmp_path / "gemma2.gguf"
-    write_gguf(path, "gemma2", config, model, "F32")
+    write_converted_gguf(path, "gemma2", config, model, "F32")
     arch = gguf_arch_config(str(path))
     assert arch.architecture == "Gemma2ForCausalLM"
     assert (arch.head_dim, arch.sliding_window) == (HEAD_DIM, 8)
@@ -248,7 +168,7 @@ def test_gemma2_config_and_norms(tmp_path: Path) -> None:
 def test_phi3_longrope_config_and_long_factors(tmp_path: Path) -> None:
     config, model = tiny_phi3()
     path = tmp_path / "phi3.gguf"
-    write_gguf(path, "phi3", config, model, "F32")
+    write_converted_gguf(path, "phi3", config, model, "F32")
     arch = gguf_arch_config(str(path))
     assert arch.architecture == "Phi3ForCausalLM"
     assert arch.raw["partial_rotary_factor"] == ROTARY_DIM / HEAD_DIM
@@ -280,9 +200,6 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> No
     writer = gguf.GGUFWriter(str(path), "falcon")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     with pytest.raises(ValueError, match=r"'falcon'.*gemma2, phi3"):
         gguf_arch_config(str(path))

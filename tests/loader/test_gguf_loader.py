@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from tiny_gguf import finish, interleave_rotary_rows
 
 from pagedlm.config import ArchConfig
 from pagedlm.model_executor.loader.gguf_loader import (
@@ -106,11 +107,11 @@ def test_matches_transformers_gguf_loader(llama_gguf_factory, qtype):
 
 
 @pytest.mark.parametrize(("num_heads", "head_dim", "columns"), [(4, 16, 8), (3, 64, 1), (1, 2, 5)])
-def test_unpermute_inverts_llama_cpp_permutation(llama_cpp_permute, num_heads, head_dim, columns):
+def test_unpermute_inverts_llama_cpp_permutation(num_heads, head_dim, columns):
     torch.manual_seed(0)
     shape = (num_heads * head_dim, columns) if columns > 1 else (num_heads * head_dim,)
     original = torch.randn(shape)
-    permuted = torch.from_numpy(llama_cpp_permute(original.numpy(), num_heads))
+    permuted = torch.from_numpy(interleave_rotary_rows(original.numpy(), num_heads))
     assert not torch.equal(permuted, original) or head_dim == 2
     torch.testing.assert_close(unpermute_rotary_rows(permuted, num_heads), original, rtol=0, atol=0)
 
@@ -128,10 +129,7 @@ def _write(path, arch: str, tensors: dict[str, np.ndarray], **metadata) -> str:
         writer.add_key_value(key, *value)
     for name, array in tensors.items():
         writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return str(path)
 
 

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from tiny_gguf import finish
 
 from pagedlm.tokenizer import get_tokenizer
 
@@ -81,10 +82,7 @@ def write_tokenizer_gguf(path, truth, pre: str, add_bos: bool) -> str:
     writer.add_add_bos_token(add_bos)
     writer.add_chat_template(CHATML)
     writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return str(path)
 
 
@@ -155,10 +153,7 @@ def test_sentencepiece_vocabulary_goes_through_transformers(tmp_path):
     writer.add_token_types([2, 3, 3, *[1] * (len(tokens) - 3)])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     ours = get_tokenizer(str(tmp_path / "spm.gguf"))
     theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
     assert ours.encode("ab c abc") == theirs.encode("ab c abc")
