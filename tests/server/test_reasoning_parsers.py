@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from stream_splits import assert_every_split_gives
 
 from pagedlm.entrypoints.openai.reasoning_parsers import (
     DeepSeekR1ReasoningParser,
@@ -38,25 +39,14 @@ QWEN3_CASES = [
 ]
 
 
-def _split(parser_class, text: str, cuts: list[int]) -> ReasoningDelta:
-    parser = parser_class()
-    reasoning, content = [], []
-    previous = 0
-    for cut in [*cuts, len(text)]:
-        delta = parser.feed(text[previous:cut])
-        reasoning.append(delta.reasoning)
-        content.append(delta.content)
-        previous = cut
-    delta = parser.finish()
-    return ReasoningDelta("".join(reasoning) + delta.reasoning, "".join(content) + delta.content)
+def _joined(deltas: list[ReasoningDelta]) -> ReasoningDelta:
+    return ReasoningDelta("".join(d.reasoning for d in deltas), "".join(d.content for d in deltas))
 
 
 def _check(parser_class, text, reasoning, content):
     expected = ReasoningDelta(reasoning, content)
     assert split_reasoning(parser_class(), text) == expected
-    for cut in range(len(text) + 1):
-        assert _split(parser_class, text, [cut]) == expected, cut
-    assert _split(parser_class, text, list(range(1, len(text)))) == expected
+    assert_every_split_gives(parser_class, text, expected, _joined)
 
 
 @pytest.mark.parametrize("text, reasoning, content", R1_CASES)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from stream_splits import assert_every_split_gives
 
 from pagedlm.entrypoints.openai.tool_parsers import (
     HermesToolParser,
@@ -75,24 +76,17 @@ LLAMA3_CASES = [
 ]  # fmt: skip
 
 
-def _parse_split(parser_factory, text: str, cuts: list[int]) -> ParsedOutput:
-    parser = parser_factory()
+def _accumulated(deltas: list) -> ParsedOutput:
     accumulator = ToolCallAccumulator()
-    previous = 0
-    for cut in [*cuts, len(text)]:
-        accumulator.add(parser.feed(text[previous:cut]))
-        previous = cut
-    accumulator.add(parser.finish())
+    for delta in deltas:
+        accumulator.add(delta)
     return accumulator.result()
 
 
 def _check_every_split(parser_factory, text: str, content: str, calls: list[ToolCall]) -> None:
     expected = ParsedOutput(content, tuple(calls))
     assert parse_all(parser_factory(), text) == expected
-    for cut in range(len(text) + 1):
-        assert _parse_split(parser_factory, text, [cut]) == expected, cut
-    # one character at a time
-    assert _parse_split(parser_factory, text, list(range(1, len(text)))) == expected
+    assert_every_split_gives(parser_factory, text, expected, _accumulated)
 
 
 @pytest.mark.parametrize("text, content, calls", HERMES_CASES)
