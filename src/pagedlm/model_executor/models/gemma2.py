@@ -12,24 +12,17 @@ Gemma 3 (``gemma3.py``) adds q/k RMSNorm and a rope base per layer type to the s
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
 from pagedlm.config import ArchConfig
 from pagedlm.model_executor.forward_context import ForwardContext
-from pagedlm.model_executor.layers.attention import Attention
 from pagedlm.model_executor.layers.gelu import get_gated_act
 from pagedlm.model_executor.layers.gemma_norm import GemmaRMSNorm
-from pagedlm.model_executor.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
+from pagedlm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
-from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedlm.model_executor.models.llama import LlamaForCausalLM
+from pagedlm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
+from pagedlm.model_executor.models.llama import BlockOptions, LlamaAttention, LlamaForCausalLM
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -73,9 +66,10 @@ class GemmaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-class GemmaAttention(nn.Module):
-    """x [T, hidden] -> o_proj(attention(rope(q), rope(k), v)) [T, hidden]; q and k are
-    RMS-normalized per head first when ``qk_norm`` (Gemma 3)."""
+class GemmaAttention(LlamaAttention):
+    """Llama's attention with Gemma's scale (``query_pre_attn_scalar ** -0.5``), soft-capped
+    scores and, when ``qk_norm`` (Gemma 3), per-head q/k norms with offset weights.
+    x [T, hidden] -> [T, hidden]."""
 
     def __init__(
         self,
@@ -85,60 +79,28 @@ class GemmaAttention(nn.Module):
         sliding_window: int | None,
         qk_norm: bool,
     ) -> None:
-        super().__init__()
-        head_dim = arch.head_dim
         bias = arch.attention_bias
-        self.qkv_proj = QKVParallelLinear(
-            arch.hidden_size,
-            head_dim,
-            arch.num_attention_heads,
-            arch.num_key_value_heads,
-            bias=bias,
-        )
-        self.o_proj = RowParallelLinear(
-            arch.num_attention_heads * head_dim, arch.hidden_size, bias=bias
-        )
-        self.q_norm = GemmaRMSNorm(head_dim, arch.rms_norm_eps) if qk_norm else None
-        self.k_norm = GemmaRMSNorm(head_dim, arch.rms_norm_eps) if qk_norm else None
-        self.rotary_emb = rotary_emb
-        scalar = arch.raw.get("query_pre_attn_scalar") or head_dim
-        self.attn = Attention(
+        scalar = arch.raw.get("query_pre_attn_scalar") or arch.head_dim
+        super().__init__(
+            arch,
             layer_idx,
-            num_heads=self.qkv_proj.num_heads,
-            num_kv_heads=self.qkv_proj.num_kv_heads,
-            head_dim=head_dim,
+            rotary_emb,
+            BlockOptions(qkv_bias=bias, o_proj_bias=bias, qk_norm=qk_norm),
+            sliding_window,
             scale=float(scalar) ** -0.5,
-            sliding_window=sliding_window,
             logits_soft_cap=arch.raw.get("attn_logit_softcapping"),
+            head_norm=GemmaRMSNorm,
         )
-
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        if self.q_norm is not None and self.k_norm is not None:
-            head_dim = self.attn.head_dim
-            q = self.q_norm(q.reshape(-1, head_dim)).view(q.shape)
-            k = self.k_norm(k.reshape(-1, head_dim)).view(k.shape)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, ctx))
 
 
 class GemmaDecoderLayer(nn.Module):
     """x [T, hidden] -> x + post_ff(mlp(pre_ff(h))), h = x + post_attn(attn(input_norm(x)))."""
 
-    def __init__(
-        self,
-        arch: ArchConfig,
-        layer_idx: int,
-        rotary_emb: RotaryEmbedding,
-        sliding_window: int | None,
-        qk_norm: bool,
-    ) -> None:
+    def __init__(self, arch: ArchConfig, self_attn: GemmaAttention) -> None:
         super().__init__()
         hidden, eps = arch.hidden_size, arch.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
-        self.self_attn = GemmaAttention(arch, layer_idx, rotary_emb, sliding_window, qk_norm)
+        self.self_attn = self_attn
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
         self.mlp = GemmaMLP(arch)
@@ -173,10 +135,13 @@ class GemmaModel(nn.Module):
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(
                 arch,
-                i,
-                rotary_embs[kind],
-                arch.sliding_window if kind == SLIDING else None,
-                qk_norm,
+                GemmaAttention(
+                    arch,
+                    i,
+                    rotary_embs[kind],
+                    arch.sliding_window if kind == SLIDING else None,
+                    qk_norm,
+                ),
             )
             for i, kind in enumerate(layer_types)
         )
@@ -194,7 +159,7 @@ class GemmaModel(nn.Module):
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
     """Gemma 2. Inherits only the checkpoint loading (same q/k/v and gate/up names) from
-    ``LlamaForCausalLM``; the modules are built here."""
+    ``LlamaForCausalLM``; the modules and the soft-capped logits are Gemma's own."""
 
     qk_norm = False
     default_sliding_window_pattern = 2
@@ -208,22 +173,12 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     def __init__(self, arch: ArchConfig, max_model_len: int | None = None) -> None:
         nn.Module.__init__(self)
         self.arch = arch
-        # Gemma always ties the head; old config files leave the flag out.
-        self.tied = bool(arch.raw.get("tie_word_embeddings", True))
         layer_types = gemma_layer_types(arch, self.default_sliding_window_pattern)
         self.model = GemmaModel(arch, layer_types, self.rotary_embs(arch), self.qk_norm)
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
-        if self.tied:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        # Gemma always ties the head; old config files leave the flag out.
+        self.add_lm_head(self.model.embed_tokens, bool(arch.raw.get("tie_word_embeddings", True)))
         self.final_logit_softcapping = arch.raw.get("final_logit_softcapping")
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [N, hidden_size] -> float32 [N, vocab], soft-capped."""
-        return soft_cap(self.lm_head(hidden_states), self.final_logit_softcapping)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(
-            (name, tensor)
-            for name, tensor in weights
-            if not (name == "lm_head.weight" and self.tied)
-        )
+        return soft_cap(super().compute_logits(hidden_states), self.final_logit_softcapping)

@@ -24,8 +24,9 @@ from pagedlm.model_executor.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedlm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 from pagedlm.model_executor.loader.weight_utils import get_weight_loader
+from pagedlm.model_executor.models.causal_lm import CausalLM
 
 # Conv1D weights ([in, out] in the file) that must be transposed on load.
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -108,25 +109,16 @@ class GPT2Model(nn.Module):
         return self.ln_f(x)
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(CausalLM):
     def __init__(self, arch: ArchConfig, max_model_len: int | None = None) -> None:
         super().__init__()
         self.arch = arch
         self.transformer = GPT2Model(arch)
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
-        self.tied = bool(arch.raw.get("tie_word_embeddings", True))
-        if self.tied:
-            self.lm_head.tie_to(self.transformer.wte)
+        self.add_lm_head(self.transformer.wte, bool(arch.raw.get("tie_word_embeddings", True)))
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size]."""
-        return self.transformer(input_ids, positions, ctx)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states [N, hidden_size] -> float32 [N, vocab]."""
-        return self.lm_head(hidden_states)
+    @property
+    def decoder(self) -> nn.Module:
+        return self.transformer
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the parameters; returns the parameter names filled."""

@@ -31,8 +31,9 @@ from pagedlm.model_executor.layers.linear import (
 )
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from pagedlm.model_executor.layers.rotary_scaled import get_rope_for_arch
-from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedlm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 from pagedlm.model_executor.loader.weight_utils import get_weight_loader
+from pagedlm.model_executor.models.causal_lm import CausalLM
 from pagedlm.model_executor.models.sliding_window import layer_sliding_windows
 
 MlpFactory = Callable[[int], nn.Module | None]
@@ -65,7 +66,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """x [T, hidden] -> o_proj(attention(rope(q), rope(k), v)) [T, hidden]."""
+    """x [T, hidden] -> o_proj(attention(rope(q), rope(k), v)) [T, hidden]; q and k are
+    normalized per head first when ``options.qk_norm``.
+
+    Defaults are Llama's: ``head_dim ** -0.5`` scale, no score cap, ``RMSNorm`` on q/k.
+    Gemma passes its own scale, cap and ``head_norm`` class (``GemmaAttention``).
+    """
 
     def __init__(
         self,
@@ -74,6 +80,10 @@ class LlamaAttention(nn.Module):
         rotary_emb: RotaryEmbedding,
         options: BlockOptions,
         sliding_window: int | None = None,
+        *,
+        scale: float | None = None,
+        logits_soft_cap: float | None = None,
+        head_norm: Callable[[int, float], nn.Module] = RMSNorm,
     ) -> None:
         super().__init__()
         head_dim = arch.head_dim
@@ -87,16 +97,17 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             arch.num_attention_heads * head_dim, arch.hidden_size, bias=options.o_proj_bias
         )
-        self.q_norm = RMSNorm(head_dim, arch.rms_norm_eps) if options.qk_norm else None
-        self.k_norm = RMSNorm(head_dim, arch.rms_norm_eps) if options.qk_norm else None
+        self.q_norm = head_norm(head_dim, arch.rms_norm_eps) if options.qk_norm else None
+        self.k_norm = head_norm(head_dim, arch.rms_norm_eps) if options.qk_norm else None
         self.rotary_emb = rotary_emb
         self.attn = Attention(
             layer_idx,
             num_heads=self.qkv_proj.num_heads,
             num_kv_heads=self.qkv_proj.num_kv_heads,
             head_dim=head_dim,
-            scale=head_dim**-0.5,
+            scale=head_dim**-0.5 if scale is None else scale,
             sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
         )
 
     def forward(
@@ -112,24 +123,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """One pre-norm block; the residual stream travels separately so the add fuses into
-    the next RMSNorm. forward(positions, x, residual | None, ctx) -> (x, residual).
-    ``mlp`` replaces the dense SwiGLU MLP (a mixture of experts, say)."""
+    """One pre-norm block around ``self_attn`` and ``mlp`` (the dense SwiGLU MLP, or a
+    mixture of experts); the residual stream travels separately so the add fuses into the
+    next RMSNorm. forward(positions, x, residual | None, ctx) -> (x, residual)."""
 
-    def __init__(
-        self,
-        arch: ArchConfig,
-        layer_idx: int,
-        rotary_emb: RotaryEmbedding,
-        options: BlockOptions,
-        sliding_window: int | None = None,
-        mlp: nn.Module | None = None,
-    ) -> None:
+    def __init__(self, arch: ArchConfig, self_attn: LlamaAttention, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, layer_idx, rotary_emb, options, sliding_window)
+        self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = mlp if mlp is not None else LlamaMLP(arch, bias=options.mlp_bias)
+        self.mlp = mlp
 
     def forward(
         self,
@@ -165,11 +168,20 @@ class LlamaModel(nn.Module):
         windows = layer_sliding_windows(arch)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(
-                arch, i, rotary_emb, options, windows[i], make_mlp(i) if make_mlp else None
+                arch,
+                LlamaAttention(arch, i, rotary_emb, options, windows[i]),
+                self._layer_mlp(arch, options, make_mlp, i),
             )
             for i in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    @staticmethod
+    def _layer_mlp(
+        arch: ArchConfig, options: BlockOptions, make_mlp: MlpFactory | None, layer_idx: int
+    ) -> nn.Module:
+        mlp = make_mlp(layer_idx) if make_mlp is not None else None
+        return mlp if mlp is not None else LlamaMLP(arch, bias=options.mlp_bias)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
@@ -182,7 +194,7 @@ class LlamaModel(nn.Module):
         return x
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """The model runner's entry point for every Llama-family architecture."""
 
     # (our merged parameter, the HF projection it contains, that projection's shard id)
@@ -214,19 +226,11 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(
             arch, self.block_options(arch), self.mlp_factory(arch), max_model_len
         )
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size)
-        if arch.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.add_lm_head(self.model.embed_tokens, arch.tie_word_embeddings)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size]."""
-        return self.model(input_ids, positions, ctx)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states [N, hidden_size] (only the sampled rows) -> float32 [N, vocab]."""
-        return self.lm_head(hidden_states)
+    @property
+    def decoder(self) -> nn.Module:
+        return self.model
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the parameters; returns the parameter names filled."""
@@ -235,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue  # derived from the config; some old checkpoints saved it
-            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+            if name == "lm_head.weight" and self.tied:
                 continue  # the head shares the embedding table
             for merged, part, shard_id in self.stacked_params:
                 if f".{part}." in name:

@@ -1,0 +1,57 @@
+"""What every model class gives the model runner: hidden states, logits and weight loading.
+
+A model is a decoder stack, named as in its checkpoint (``model`` for Llama and Gemma,
+``transformer`` for GPT-2), plus an LM head that may share the token embedding's table.
+``CausalLM`` holds what is the same for all of them; the stack and the checkpoint layout
+(``load_weights``) are each architecture's own.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedlm.config import ArchConfig
+from pagedlm.model_executor.forward_context import ForwardContext
+from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+
+class CausalLM(nn.Module, ABC):
+    """Base of the model classes: ``forward`` runs the stack, ``compute_logits`` the head.
+
+    A subclass builds its stack, then calls ``add_lm_head``. Invariant: when ``tied``, the
+    head's weight *is* the embedding's, and ``load_weights`` skips ``lm_head.weight``.
+    """
+
+    arch: ArchConfig
+    tied: bool
+    lm_head: ParallelLMHead
+
+    @property
+    @abstractmethod
+    def decoder(self) -> nn.Module:
+        """The stack: (input_ids, positions [num_tokens], ctx) -> [num_tokens, hidden_size]."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the parameters; returns the parameter names filled."""
+
+    def add_lm_head(self, embedding: VocabParallelEmbedding, tied: bool) -> None:
+        """Create ``lm_head`` [vocab, hidden], sharing ``embedding``'s table when ``tied``."""
+        self.tied = tied
+        self.lm_head = ParallelLMHead(self.arch.vocab_size, self.arch.hidden_size)
+        if tied:
+            self.lm_head.tie_to(embedding)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size]."""
+        return self.decoder(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [N, hidden_size] (only the sampled rows) -> float32 [N, vocab]."""
+        return self.lm_head(hidden_states)
