@@ -98,3 +98,23 @@ class PagedRunner:
             hidden = self.model(ids, torch.tensor(positions, device=self.device), ctx)
             logits = self.model.compute_logits(hidden).float().cpu()
         return [logits[starts[i] : starts[i + 1]] for i in range(len(chunks))]
+
+    def chunk_then_decodes(
+        self, prompts: list[list[int]], num_decodes: int = 3
+    ) -> list[torch.Tensor]:
+        """Request ``i`` runs ``prompts[i]``: all but its last ``num_decodes`` tokens (at least
+        its first) in one batched step, then those tokens one per step, every request batched
+        in each. Per prompt float32 logits [len(prompt), vocab], as one prefill would give."""
+        split = [max(1, len(p) - num_decodes) for p in prompts]
+        got = self.step([(i, 0, p[: split[i]]) for i, p in enumerate(prompts)])
+        for offset in range(num_decodes):
+            chunks = [
+                (i, split[i] + offset, [p[split[i] + offset]])
+                for i, p in enumerate(prompts)
+                if split[i] + offset < len(p)
+            ]
+            if not chunks:
+                break
+            for (i, _, _), logits in zip(chunks, self.step(chunks), strict=True):
+                got[i] = torch.cat([got[i], logits])
+        return got

@@ -5,10 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
-import transformers
 
 from pagedlm import LLM, SamplingParams
+from tiny_checkpoints import hf_greedy, load_hf_model
 
 PROMPT_LENS = [1, 3, 17, 33, 64, 100, 150, 230]
 NEW_TOKENS = 32
@@ -20,21 +19,7 @@ def _prompts(vocab_size: int, lens=PROMPT_LENS, seed: int = 0) -> list[list[int]
 
 
 def _hf_greedy(path, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:
-            input_ids = torch.tensor([ids])
-            gen = model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),  # token 0 is data, not padding
-                max_new_tokens=new_tokens,
-                do_sample=False,
-            )
-            outs.append(gen[0, len(ids) :].tolist())
-    return outs
+    return hf_greedy(load_hf_model(path), prompts, new_tokens)
 
 
 def _run(llm: LLM, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:

@@ -11,9 +11,9 @@ import random
 
 import pytest
 import torch
-import transformers
 
 from pagedlm import LLM, SamplingParams
+from tiny_checkpoints import hf_greedy, hf_logits, load_hf_model
 
 PROMPT_LENS = [1, 3, 17, 40, 90, 130]
 NEW_TOKENS = 24
@@ -45,23 +45,9 @@ def _prompts(vocab_size: int, lens: list[int]) -> list[list[int]]:
 
 def _hf_reference(path, prompts: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy continuations and the prompts' log-softmax rows [len - 1, vocab]."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    tokens, logprobs = [], []
-    with torch.no_grad():
-        for ids in prompts:
-            input_ids = torch.tensor([ids])
-            gen = model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),  # token 0 is data, not padding
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-            )
-            tokens.append(gen[0, len(ids) :].tolist())
-            logits = model(input_ids).logits[0, :-1].float()
-            logprobs.append(torch.log_softmax(logits, dim=-1))
-    return tokens, logprobs
+    model = load_hf_model(path)
+    logprobs = [torch.log_softmax(hf_logits(model, ids)[:-1], dim=-1) for ids in prompts]
+    return hf_greedy(model, prompts, NEW_TOKENS), logprobs
 
 
 @pytest.mark.parametrize("case", list(CASES))

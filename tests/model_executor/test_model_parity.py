@@ -8,23 +8,19 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 
 from model_utils import PagedRunner
-from pagedlm.config import ArchConfig, ModelConfig
 from pagedlm.model_executor.loader import load_model
+from tiny_checkpoints import (
+    PROMPT_LENS,
+    SMALL,
+    hf_logits,
+    model_config,
+    random_prompts,
+    save_random_model,
+)
 
 BLOCK_SIZE = 4
-PROMPT_LENS = [1, 7, 40, 13, 25, 2]
-SMALL = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 50000.0,
@@ -57,45 +53,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def save_random_model(path: Path, config_class: str, overrides: dict[str, Any]) -> torch.nn.Module:
-    """A random transformers model saved as safetensors in ``path`` (returned, eval, fp32)."""
-    torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**{**SMALL, **overrides})
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            # Larger than the default init so every weight visibly moves the logits;
-            # norm weights away from 1 so a missing norm weight is caught.
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0.0, 0.08)
-    model.save_pretrained(path)
-    return model.eval()
-
-
-def model_config(path: Path, dtype: torch.dtype = torch.float32) -> ModelConfig:
-    arch = ArchConfig.from_directory(path)
-    return ModelConfig(model=str(path), tokenizer=None, arch=arch, dtype=dtype, max_model_len=128)
-
-
 def prefill_all(model: torch.nn.Module, prompts: list[list[int]]) -> torch.Tensor:
     """Every prompt in one step: float32 logits of every token [T, vocab]."""
     runner = PagedRunner(model, len(prompts), max(map(len, prompts)), BLOCK_SIZE)
     return torch.cat(runner.step([(i, 0, p) for i, p in enumerate(prompts)]))
-
-
-def random_prompts() -> list[list[int]]:
-    generator = torch.Generator().manual_seed(1)
-    return [
-        torch.randint(0, SMALL["vocab_size"], (n,), generator=generator).tolist()
-        for n in PROMPT_LENS
-    ]
-
-
-def hf_logits(hf_model: torch.nn.Module, prompts: list[list[int]]) -> list[torch.Tensor]:
-    with torch.no_grad():
-        return [hf_model(torch.tensor([p])).logits[0].float() for p in prompts]
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -104,7 +65,7 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     config_class, overrides = CASES[request.param]
     hf_model = save_random_model(path, config_class, overrides)
     prompts = random_prompts()
-    return path, prompts, hf_logits(hf_model, prompts)
+    return path, prompts, [hf_logits(hf_model, p) for p in prompts]
 
 
 def test_one_step_matches_transformers(checkpoint) -> None:
@@ -140,7 +101,7 @@ def test_bfloat16_load_stays_close(tmp_path: Path) -> None:
     prompts = random_prompts()
     outputs = {}
     for dtype in (torch.float32, torch.bfloat16):
-        config = model_config(tmp_path, dtype)
+        config = model_config(tmp_path, dtype=dtype)
         model = load_model(config, torch.device("cpu"))
         assert {p.dtype for p in model.parameters()} == {dtype}
         outputs[dtype] = prefill_all(model, prompts)

@@ -13,24 +13,19 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 
 from model_utils import PagedRunner
-from pagedlm.config import ArchConfig, ModelConfig
 from pagedlm.model_executor.loader import load_model
+from tiny_checkpoints import (
+    PROMPT_LENS,
+    hf_logits,
+    model_config,
+    random_prompts,
+    save_random_model,
+)
 
 BLOCK_SIZE = 4
-PROMPT_LENS = [1, 7, 40, 13, 25, 2]
 WINDOW = 8
-SMALL = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
 LONGROPE = {
     "rope_type": "longrope",
     "rope_theta": 10000.0,
@@ -104,33 +99,6 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def save_random_model(path: Path, config_class: str, overrides: dict[str, Any]) -> torch.nn.Module:
-    torch.manual_seed(0)
-    base = {} if config_class == "GPT2Config" else SMALL
-    config = getattr(transformers, config_class)(**{**base, "vocab_size": 320, **overrides})
-    # Eager attention is transformers' exact reference: its SDPA path drops Gemma 2's
-    # attention soft-cap (the default in some versions, e.g. 5.17 on the GPU machine).
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, dtype=torch.float32, attn_implementation="eager"
-    )
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            # Norm weights away from their identity value, so a missing or misread norm
-            # shows; other weights large enough to move the logits visibly.
-            if "norm" in name or ".ln_" in name:
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0.0, 0.08)
-    model.save_pretrained(path)
-    return model.eval()
-
-
-def hf_logits(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
-    """[len(prompt), vocab] from one transformers forward."""
-    with torch.no_grad():
-        return model(torch.tensor([prompt])).logits[0].float()
-
-
 def paged_runner(model: torch.nn.Module, backend=None, device="cpu") -> PagedRunner:
     """A runner for the prompts of ``random_prompts``."""
     return PagedRunner(model, len(PROMPT_LENS), max(PROMPT_LENS), BLOCK_SIZE, backend, device)
@@ -144,16 +112,6 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     prompts = random_prompts()
     expected = [hf_logits(hf_model, p) for p in prompts]
     return load_model(model_config(path, 128), torch.device("cpu")), prompts, expected
-
-
-def random_prompts() -> list[list[int]]:
-    generator = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 320, (n,), generator=generator).tolist() for n in PROMPT_LENS]
-
-
-def model_config(path: Path, max_model_len: int) -> ModelConfig:
-    arch = ArchConfig.from_directory(path)
-    return ModelConfig(str(path), None, arch, torch.float32, max_model_len=max_model_len)
 
 
 def _longrope_long_only(
@@ -182,19 +140,7 @@ def test_chunk_then_decodes_read_the_cache(case) -> None:
     all requests batched together in every step."""
     model, prompts, expected = case
     prompts, expected = _longrope_long_only(model, prompts, expected)
-    runner = paged_runner(model)
-    split = [max(1, len(p) - 3) for p in prompts]
-    got = runner.step([(i, 0, p[: split[i]]) for i, p in enumerate(prompts)])
-    for offset in range(3):
-        chunks = [
-            (i, split[i] + offset, [p[split[i] + offset]])
-            for i, p in enumerate(prompts)
-            if split[i] + offset < len(p)
-        ]
-        if not chunks:
-            break
-        for (i, _, _), logits in zip(chunks, runner.step(chunks), strict=True):
-            got[i] = torch.cat([got[i], logits])
+    got = paged_runner(model).chunk_then_decodes(prompts)
     torch.testing.assert_close(torch.cat(got), torch.cat(expected), atol=1e-4, rtol=0)
 
 
@@ -218,9 +164,7 @@ def test_bfloat16_stays_close_to_float32(tmp_path: Path, name: str) -> None:
     prompts = random_prompts()
     logits = {}
     for dtype in (torch.float32, torch.bfloat16):
-        arch = ArchConfig.from_directory(tmp_path)
-        config = ModelConfig(str(tmp_path), None, arch, dtype, max_model_len=128)
-        model = load_model(config, torch.device("cpu"))
+        model = load_model(model_config(tmp_path, dtype=dtype), torch.device("cpu"))
         assert {p.dtype for p in model.parameters()} == {dtype}
         runner = paged_runner(model)
         logits[dtype] = torch.cat(runner.step([(i, 0, p) for i, p in enumerate(prompts)]))
