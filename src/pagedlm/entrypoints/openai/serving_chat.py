@@ -17,7 +17,11 @@ from pagedlm.entrypoints.openai.errors import APIError
 from pagedlm.entrypoints.openai.logprobs_format import chat_logprobs, prompt_logprobs_json
 from pagedlm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedlm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
-from pagedlm.entrypoints.openai.serving_engine import ServingContext, merge_streams
+from pagedlm.entrypoints.openai.serving_engine import (
+    ServingContext,
+    merge_streams,
+    stream_or_collect,
+)
 from pagedlm.entrypoints.openai.structured_request import ToolPlan, plan_tools
 
 
@@ -76,12 +80,7 @@ class ChatServer:
         request_id = ctx.request_id("chatcmpl")
         started = await ctx.start([{"prompt_token_ids": prompt_token_ids}], params, request_id)
         events = self._events(request, request_id, started, plan)
-        if request.stream:
-            return None, events
-        body = None
-        async for event in events:
-            body = event
-        return body, None
+        return await stream_or_collect(events, request.stream)
 
     def _new_choice(self, index: int, plan: ToolPlan) -> _ChatChoice:
         name = self.ctx.reasoning_parser

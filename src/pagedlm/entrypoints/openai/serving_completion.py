@@ -15,7 +15,11 @@ from dataclasses import dataclass, field
 from pagedlm.entrypoints.openai.errors import APIError
 from pagedlm.entrypoints.openai.logprobs_format import LegacyLogprobs, prompt_logprobs_json
 from pagedlm.entrypoints.openai.protocol import CompletionRequest
-from pagedlm.entrypoints.openai.serving_engine import ServingContext, merge_streams
+from pagedlm.entrypoints.openai.serving_engine import (
+    ServingContext,
+    merge_streams,
+    stream_or_collect,
+)
 from pagedlm.outputs import CompletionOutput, RequestOutput
 
 
@@ -63,12 +67,7 @@ class CompletionServer:
         request_id = ctx.request_id("cmpl")
         started = await ctx.start(request.prompts(), params, request_id)
         events = self._events(request, request_id, started, score_only)
-        if request.stream:
-            return None, events
-        body = None
-        async for event in events:
-            body = event
-        return body, None
+        return await stream_or_collect(events, request.stream)
 
     def _new_choice(self, request: CompletionRequest, index: int) -> _Choice:
         logprobs = None

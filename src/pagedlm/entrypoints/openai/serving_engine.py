@@ -195,6 +195,20 @@ async def merge_streams(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def stream_or_collect(
+    events: AsyncIterator[T], stream: bool
+) -> tuple[T | None, AsyncIterator[T] | None]:
+    """A handler's answer: ``(None, events)`` when ``stream`` (sent as they come); else the
+    events run to the end here and the last one, the whole response body, is ``(body, None)``.
+    """
+    if stream:
+        return None, events
+    body = None
+    async for event in events:
+        body = event
+    return body, None
+
+
 async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
     """The JSON body validated as ``model``; every failure -> ``APIError`` 400."""
     content_type = request.headers.get("content-type", "")
