@@ -93,6 +93,16 @@ def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int)
     return continuations
 
 
+def save_with_reference_logits(
+    path: Path, config_class: str, overrides: dict[str, Any]
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """``save_random_model`` in ``path``; then ``random_prompts()`` and transformers' logits
+    [len(prompt), vocab] for each, the expected side of a logits comparison."""
+    hf_model = save_random_model(path, config_class, overrides)
+    prompts = random_prompts()
+    return prompts, [hf_logits(hf_model, p) for p in prompts]
+
+
 def load_hf_model(path: Path | str) -> torch.nn.Module:
     """transformers' own fp32 load of the checkpoint in ``path``."""
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

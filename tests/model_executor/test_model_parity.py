@@ -14,10 +14,10 @@ from pagedlm.model_executor.loader import load_model
 from tiny_checkpoints import (
     PROMPT_LENS,
     SMALL,
-    hf_logits,
     model_config,
     random_prompts,
     save_random_model,
+    save_with_reference_logits,
 )
 
 BLOCK_SIZE = 4
@@ -62,10 +62,7 @@ def prefill_all(model: torch.nn.Module, prompts: list[list[int]]) -> torch.Tenso
 @pytest.fixture(scope="module", params=list(CASES))
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     path = tmp_path_factory.mktemp(request.param)
-    config_class, overrides = CASES[request.param]
-    hf_model = save_random_model(path, config_class, overrides)
-    prompts = random_prompts()
-    return path, prompts, [hf_logits(hf_model, p) for p in prompts]
+    return path, *save_with_reference_logits(path, *CASES[request.param])
 
 
 def test_one_step_matches_transformers(checkpoint) -> None:

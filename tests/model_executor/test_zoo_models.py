@@ -18,10 +18,11 @@ from model_utils import PagedRunner
 from pagedlm.model_executor.loader import load_model
 from tiny_checkpoints import (
     PROMPT_LENS,
-    hf_logits,
+    hf_logits,  # noqa: F401 (the Triton model tests import it from this module)
     model_config,
     random_prompts,
     save_random_model,
+    save_with_reference_logits,
 )
 
 BLOCK_SIZE = 4
@@ -107,10 +108,7 @@ def paged_runner(model: torch.nn.Module, backend=None, device="cpu") -> PagedRun
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     path = tmp_path_factory.mktemp(request.param)
-    config_class, overrides = CASES[request.param]
-    hf_model = save_random_model(path, config_class, overrides)
-    prompts = random_prompts()
-    expected = [hf_logits(hf_model, p) for p in prompts]
+    prompts, expected = save_with_reference_logits(path, *CASES[request.param])
     return load_model(model_config(path, 128), torch.device("cpu")), prompts, expected
 
 
@@ -145,10 +143,9 @@ def test_chunk_then_decodes_read_the_cache(case) -> None:
 
 
 def test_longrope_uses_short_factors_when_max_model_len_fits(tmp_path: Path) -> None:
-    config_class, overrides = CASES["phi3_longrope"]
-    hf_model = save_random_model(tmp_path, config_class, overrides)
-    prompts = [p for p in random_prompts() if len(p) <= ORIGINAL_MAX]
-    expected = [hf_logits(hf_model, p) for p in prompts]
+    prompts, expected = save_with_reference_logits(tmp_path, *CASES["phi3_longrope"])
+    fits = [i for i, p in enumerate(prompts) if len(p) <= ORIGINAL_MAX]
+    prompts, expected = [prompts[i] for i in fits], [expected[i] for i in fits]
     model = load_model(model_config(tmp_path, ORIGINAL_MAX), torch.device("cpu"))
     got = paged_runner(model).step([(i, 0, p) for i, p in enumerate(prompts)])
     torch.testing.assert_close(torch.cat(got), torch.cat(expected), atol=1e-4, rtol=0)
