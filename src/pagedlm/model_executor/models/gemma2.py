@@ -158,8 +158,8 @@ class GemmaModel(nn.Module):
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
-    """Gemma 2. Inherits only the checkpoint loading (same q/k/v and gate/up names) from
-    ``LlamaForCausalLM``; the modules and the soft-capped logits are Gemma's own."""
+    """Gemma 2. Takes the checkpoint loading (same q/k/v and gate/up names) and ``forward``
+    from ``LlamaForCausalLM``; builds its own modules and soft-caps the logits."""
 
     qk_norm = False
     default_sliding_window_pattern = 2
