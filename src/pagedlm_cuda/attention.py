@@ -44,21 +44,41 @@ class TritonMetadata:
         return self.max_query_len == 1
 
 
+SECTION_ALIGN = 4
+"""Sections of a packed layout start at multiples of 4 int32 (16 bytes): Triton compiles
+a kernel variant per pointer alignment, so unaligned views would recompile mid-run."""
+
+
+def section_offsets(num_tokens: int, num_reqs: int, width: int) -> tuple[int, int, int, int]:
+    """Where ``query_start_loc``, ``seq_lens`` and ``block_tables`` start in a packed
+    layout of ``num_tokens`` slots and ``num_reqs`` rows of ``width`` blocks (the slot
+    mapping starts at 0), and the packed length."""
+
+    def aligned(n: int) -> int:
+        return -(-n // SECTION_ALIGN) * SECTION_ALIGN
+
+    qsl = aligned(num_tokens)
+    lens = qsl + aligned(num_reqs + 1)
+    tables = lens + aligned(num_reqs)
+    return qsl, lens, tables, tables + num_reqs * width
+
+
 def pack_layout(layout: BatchLayout, num_reqs: int, width: int) -> np.ndarray:
     """The int32 array ``[slot_mapping | query_start_loc | seq_lens | block_tables]`` for
-    ``num_reqs`` rows (>= layout.num_reqs; extra rows are padding) of ``width`` blocks."""
+    ``num_reqs`` rows (>= layout.num_reqs; extra rows are padding) of ``width`` blocks,
+    each section aligned as ``section_offsets`` says."""
     num_tokens = layout.num_tokens
     pad_tokens = num_reqs - layout.num_reqs  # padding rows are one-token decodes
     total_tokens = num_tokens + pad_tokens
-    packed = np.zeros(total_tokens + 2 * num_reqs + 1 + num_reqs * width, dtype=np.int32)
+    qsl_at, lens_at, tables_at, length = section_offsets(total_tokens, num_reqs, width)
+    packed = np.zeros(length, dtype=np.int32)
     packed[:num_tokens] = layout.slot_mapping
     packed[num_tokens:total_tokens] = -1
-    qsl = packed[total_tokens : total_tokens + num_reqs + 1]
+    qsl = packed[qsl_at : qsl_at + num_reqs + 1]
     qsl[: layout.num_reqs + 1] = layout.query_start_loc
     qsl[layout.num_reqs + 1 :] = np.arange(num_tokens + 1, total_tokens + 1)
-    seq_lens = packed[total_tokens + num_reqs + 1 : total_tokens + 2 * num_reqs + 1]
-    seq_lens[: layout.num_reqs] = layout.seq_lens
-    tables = packed[total_tokens + 2 * num_reqs + 1 :].reshape(num_reqs, width)
+    packed[lens_at : lens_at + layout.num_reqs] = layout.seq_lens
+    tables = packed[tables_at:].reshape(num_reqs, width)
     for row, table in enumerate(layout.block_tables):
         n = min(len(table), width)
         tables[row, :n] = table[:n]
@@ -66,14 +86,16 @@ def pack_layout(layout: BatchLayout, num_reqs: int, width: int) -> np.ndarray:
 
 
 def unpack(
-    device_buffer: torch.Tensor, num_tokens: int, num_reqs: int, width: int
+    buffer: torch.Tensor, num_tokens: int, num_reqs: int, width: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Views (slot_mapping, query_start_loc, seq_lens, block_tables) of a packed buffer."""
-    a = num_tokens
-    b = a + num_reqs + 1
-    c = b + num_reqs
-    tables = device_buffer[c : c + num_reqs * width].view(num_reqs, width)
-    return device_buffer[:a], device_buffer[a:b], device_buffer[b:c], tables
+    qsl_at, lens_at, tables_at, length = section_offsets(num_tokens, num_reqs, width)
+    return (
+        buffer[:num_tokens],
+        buffer[qsl_at : qsl_at + num_reqs + 1],
+        buffer[lens_at : lens_at + num_reqs],
+        buffer[tables_at:length].view(num_reqs, width),
+    )
 
 
 class TritonAttentionBackend(AttentionBackend):

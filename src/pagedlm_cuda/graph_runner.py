@@ -26,12 +26,20 @@ import torch
 from pagedlm.attention.backend import BatchLayout
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.platforms.interface import DecodeGraphRunner
-from pagedlm_cuda.attention import TritonAttentionBackend, TritonMetadata, pack_layout, unpack
+from pagedlm_cuda.attention import (
+    SECTION_ALIGN,
+    TritonAttentionBackend,
+    TritonMetadata,
+    pack_layout,
+    section_offsets,
+    unpack,
+)
 
 logger = logging.getLogger(__name__)
 
-HOST_RING_SIZE = 3
-"""Pinned host buffers in flight: how many steps the host may fill ahead of the device."""
+HOST_RING_SIZE = 8
+"""Pinned host buffers in flight: how many steps the host may fill ahead of the device
+(a chained multi-step window is queued while the previous one still runs)."""
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -66,9 +74,11 @@ class CudaGraphRunner(DecodeGraphRunner):
         self.attn_backend = attn_backend
         largest = self.sizes[-1]
         # [input_ids | positions | packed layout] for the largest batch; smaller sizes use
-        # prefixes of each section, so every section is laid out for ``largest`` rows.
-        self._layout_len = 3 * largest + 1 + largest * self.width
-        length = 2 * largest + self._layout_len
+        # prefixes of each section, so every section is laid out for ``largest`` rows
+        # (and starts aligned, as in ``section_offsets``).
+        self._rows = -(-largest // SECTION_ALIGN) * SECTION_ALIGN
+        self._sections = section_offsets(largest, largest, self.width)
+        length = 2 * self._rows + self._sections[-1]
         self._ring = [
             (torch.zeros(length, dtype=torch.int32).pin_memory(), torch.cuda.Event())
             for _ in range(HOST_RING_SIZE)
@@ -99,19 +109,20 @@ class CudaGraphRunner(DecodeGraphRunner):
         return graphs
 
     def _views(self, num_reqs: int) -> tuple[torch.Tensor, torch.Tensor, TritonMetadata]:
-        largest = self._largest
         buf = self._device
         input_ids = buf[:num_reqs]
-        positions = buf[largest : largest + num_reqs]
-        layout = buf[2 * largest :]
-        slots = layout[:num_reqs]
-        qsl = layout[largest : largest + num_reqs + 1]
-        seq_lens = layout[2 * largest + 1 : 2 * largest + 1 + num_reqs]
-        tables_start = 3 * largest + 1
-        tables = layout[tables_start : tables_start + num_reqs * self.width].view(
-            num_reqs, self.width
+        positions = buf[self._rows : self._rows + num_reqs]
+        layout = buf[2 * self._rows :]
+        qsl_at, lens_at, tables_at, _ = self._sections
+        tables = layout[tables_at : tables_at + num_reqs * self.width].view(num_reqs, self.width)
+        metadata = TritonMetadata(
+            slot_mapping=layout[:num_reqs],
+            query_start_loc=layout[qsl_at : qsl_at + num_reqs + 1],
+            seq_lens=layout[lens_at : lens_at + num_reqs],
+            block_tables=tables,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
         )
-        metadata = TritonMetadata(slots, qsl, seq_lens, tables, 1, self.max_model_len)
         return input_ids, positions, metadata
 
     def _fill(
@@ -123,7 +134,7 @@ class CudaGraphRunner(DecodeGraphRunner):
     ) -> None:
         """Write one step into the next pinned ring buffer (padded to ``size`` rows) and
         copy it to the static device buffer; device ``input_ids`` are copied on the device."""
-        largest = self._largest
+        rows = self._rows
         pinned, copied = self._ring[self._next]
         self._next = (self._next + 1) % len(self._ring)
         copied.synchronize()  # the device has finished reading this buffer's last contents
@@ -134,19 +145,20 @@ class CudaGraphRunner(DecodeGraphRunner):
         else:
             host[:n] = input_ids
             host[n:size] = 0
-        host[largest : largest + n] = positions
-        host[largest + n : largest + size] = 0
+        host[rows : rows + n] = positions
+        host[rows + n : rows + size] = 0
         packed = pack_layout(layout, size, self.width)
         slots, qsl, lens, tables = unpack(torch.from_numpy(packed), size, size, self.width)
-        base = 2 * largest
+        base = 2 * rows
+        qsl_at, lens_at, tables_at, _ = self._sections
         host[base : base + size] = slots.numpy()
-        host[base + largest : base + largest + size + 1] = qsl.numpy()
-        host[base + 2 * largest + 1 : base + 2 * largest + 1 + size] = lens.numpy()
-        tables_start = base + 3 * largest + 1
-        host[tables_start : tables_start + size * self.width] = tables.numpy().reshape(-1)
-        # One copy of the whole buffer (a few hundred KB at most) keeps this to a single
-        # transfer; copying only the touched prefix of each section would take five.
-        self._device.copy_(pinned, non_blocking=True)
+        host[base + qsl_at : base + qsl_at + size + 1] = qsl.numpy()
+        host[base + lens_at : base + lens_at + size] = lens.numpy()
+        host[base + tables_at : base + tables_at + size * self.width] = tables.numpy().reshape(-1)
+        # One transfer, up to the end of this size's block tables: everything the step
+        # reads lies before it (at batch 1 a few KB instead of the whole few hundred).
+        end = base + tables_at + size * self.width
+        self._device[:end].copy_(pinned[:end], non_blocking=True)
         copied.record()
         if isinstance(input_ids, torch.Tensor):
             self._device[:n].copy_(input_ids, non_blocking=True)

@@ -33,7 +33,9 @@ MERGE_BLOCK_P = 32
 not depend on the grid (eager ``max_seq_len`` vs a graph's ``max_model_len``)."""
 
 
-@triton.jit
+# Per-step sizes are not specialized on (Triton would compile a variant for each value's
+# divisibility by 16), so an eager step never compiles mid-run.
+@triton.jit(do_not_specialize=["block_table_stride", "max_partitions"])
 def _decode_partition_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr,
@@ -101,7 +103,7 @@ def _decode_partition_kernel(
         tl.store(partial_lse_ptr + row, m + tl.log2(safe_l), mask=head_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_partitions"])
 def _decode_merge_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr, seq_lens_ptr,
     out_stride_token, out_stride_head, max_partitions, num_heads, head_dim, window,

@@ -21,7 +21,9 @@ import triton.language as tl
 from pagedlm_cuda.kernels.score_mod import scaled_scores, score_args
 
 
-@triton.jit
+# The block-table width changes from step to step: not specialized on, so it never
+# triggers a compile mid-run.
+@triton.jit(do_not_specialize=["block_table_stride"])
 def _prefill_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, out_ptr,
