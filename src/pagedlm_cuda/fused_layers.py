@@ -1,4 +1,4 @@
-"""Hands the model's norm, rotary and activation layers their fused Triton kernels.
+"""Hands the model's norm, rotary, activation and linear layers their Triton kernels.
 
 Called from ``CudaPlatform.prepare_model`` (and ROCm's): the layers keep their weights and
 torch code; only their ``kernel`` hook changes, so core model code never asks which device
@@ -8,10 +8,12 @@ it runs on.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedlm.model_executor.layers.activation import SiluAndMul
 from pagedlm.model_executor.layers.layernorm import RMSNorm
+from pagedlm.model_executor.layers.linear_base import LinearBase
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 
@@ -32,10 +34,13 @@ def _rotary_kernel(
     cos_sin_cache: torch.Tensor,
     head_dim: int,
     is_neox_style: bool,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from pagedlm_cuda.kernels import rotary_embedding
 
-    return rotary_embedding(positions, query, key, cos_sin_cache, head_dim, is_neox_style)
+    return rotary_embedding(
+        positions, query, key, cos_sin_cache, head_dim, is_neox_style, qk_norm=qk_norm
+    )
 
 
 def _silu_and_mul_kernel(x: torch.Tensor) -> torch.Tensor:
@@ -44,13 +49,40 @@ def _silu_and_mul_kernel(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul(x)
 
 
+class SingleRowLinear:
+    """A linear layer's kernel: one-row inputs (a lone sequence's decode step) through the
+    Triton GEMV, which streams the weight faster than cuBLAS at that shape; every other
+    batch through ``F.linear``. The choice depends on the row count only, so a step gives
+    the same result from a CUDA graph or eagerly."""
+
+    def __init__(self, layer: LinearBase) -> None:
+        self.layer = layer
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from pagedlm_cuda.kernels.gemv import gemv
+
+        layer = self.layer
+        if x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1:
+            return gemv(x, layer.weight, layer.linear_bias)
+        return F.linear(x, layer.weight, layer.linear_bias)
+
+
+_GEMV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def install_fused_kernels(model: nn.Module) -> int:
     """Point every RMSNorm, RotaryEmbedding and SiluAndMul of ``model`` at the Triton
-    kernels; returns how many layers were switched. Rotary layers whose head_dim is not a
-    power of two keep the torch code (the kernel tiles whole halves)."""
+    kernels, and every plain linear layer (float weights, no kernel of its own such as a
+    bitsandbytes one) at ``SingleRowLinear``; returns how many layers were switched.
+    Rotary layers whose head_dim is not a power of two keep the torch code (the kernel
+    tiles whole halves)."""
     switched = 0
     for module in model.modules():
-        if isinstance(module, RMSNorm) and type(module) is RMSNorm:
+        if isinstance(module, LinearBase):
+            if module.kernel is not None or module.weight.dtype not in _GEMV_DTYPES:
+                continue
+            module.set_kernel(SingleRowLinear(module))
+        elif isinstance(module, RMSNorm) and type(module) is RMSNorm:
             module.set_kernel(_rms_norm_kernel)
         elif isinstance(module, RotaryEmbedding) and type(module) is RotaryEmbedding:
             if module.head_dim & (module.head_dim - 1):

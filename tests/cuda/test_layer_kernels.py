@@ -79,6 +79,61 @@ def test_rotary_in_place_on_strided_views(neox: bool, dtype: torch.dtype, head_d
     assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim :], v_before)
 
 
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_with_qk_norm_normalizes_each_head_first(neox: bool, dtype: torch.dtype):
+    """Qwen3's per-head q/k RMSNorm fused into the rotation, on views of one qkv tensor."""
+    torch.manual_seed(7)
+    head_dim, num_heads, num_kv_heads, tokens = 64, 4, 2, 5
+    rope = RotaryEmbedding(head_dim, 256, 10000.0).to(DEVICE)
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE).to(dtype)
+    q, k, _ = qkv.split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1
+    )
+    q_weight = (1 + 0.2 * torch.randn(head_dim, device=DEVICE)).to(dtype)
+    k_weight = (1 + 0.2 * torch.randn(head_dim, device=DEVICE)).to(dtype)
+    positions = torch.tensor([0, 3, 255, 17, 100], device=DEVICE)
+
+    def normed(x, weight):
+        heads = x.double().cpu().view(tokens, -1, head_dim)
+        return rms_reference(heads, weight.cpu(), 1e-6).reshape(tokens, -1)
+
+    q_ref = rope_reference(normed(q, q_weight), positions, rope.cos_sin_cache, head_dim, neox)
+    k_ref = rope_reference(normed(k, k_weight), positions, rope.cos_sin_cache, head_dim, neox)
+    v_before = qkv[:, (num_heads + num_kv_heads) * head_dim :].clone()
+    out_q, out_k = rotary_embedding(
+        positions, q, k, rope.cos_sin_cache, head_dim, neox, qk_norm=(q_weight, k_weight, 1e-6)
+    )
+    assert out_q.data_ptr() == q.data_ptr()
+    assert rel_error(out_q, q_ref) < TOL[dtype]
+    assert rel_error(out_k, k_ref) < TOL[dtype]
+    assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim :], v_before)
+
+
+def test_rotary_layer_fuses_plain_qk_norms_only() -> None:
+    """With q/k norms the layer gives the torch result whether the kernel fuses them (plain
+    RMSNorm) or they run first on their own (any other norm)."""
+
+    class OffsetNorm(RMSNorm):  # a norm the kernel must not fold in
+        def forward(self, x, residual=None):
+            return super().forward(x, residual) * 2
+
+    torch.manual_seed(3)
+    head_dim = 32
+    positions = torch.tensor([1, 2, 3, 60, 0], device=DEVICE)
+    q, k = torch.randn(5, 4 * head_dim, device=DEVICE), torch.randn(5, 2 * head_dim, device=DEVICE)
+    for norm_cls in (RMSNorm, OffsetNorm):
+        norms = (norm_cls(head_dim, 1e-6).to(DEVICE), norm_cls(head_dim, 1e-6).to(DEVICE))
+        for norm in norms:
+            norm.weight.data.normal_()
+        rope = RotaryEmbedding(head_dim, 64, 10000.0).to(DEVICE)
+        expected = rope(positions, q.clone(), k.clone(), qk_norm=norms)
+        install_fused_kernels(torch.nn.ModuleList([rope, *norms]))
+        fused = rope(positions, q.clone(), k.clone(), qk_norm=norms)
+        for a, b in zip(expected, fused):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 1500])
 def test_silu_and_mul(dtype: torch.dtype, d: int) -> None:

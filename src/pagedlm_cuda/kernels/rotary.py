@@ -13,33 +13,45 @@ import triton.language as tl
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, stride_token, stride_head, token, num_heads, cos, sin,
-    IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+    x_ptr, stride_token, stride_head, token, num_heads, cos, sin, norm_weight_ptr, eps,
+    IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
     heads = tl.arange(0, BLOCK_H)[:, None]
     pairs = tl.arange(0, HALF)[None, :]
     mask = heads < num_heads
     base = x_ptr + token * stride_token + heads * stride_head
     if IS_NEOX:
-        first_ptr = base + pairs
-        second_ptr = base + HALF + pairs
+        first_offsets = pairs
+        second_offsets = HALF + pairs
     else:
-        first_ptr = base + 2 * pairs
-        second_ptr = base + 2 * pairs + 1
-    first = tl.load(first_ptr, mask=mask, other=0.0)
-    second = tl.load(second_ptr, mask=mask, other=0.0)
+        first_offsets = 2 * pairs
+        second_offsets = 2 * pairs + 1
+    first = tl.load(base + first_offsets, mask=mask, other=0.0)
+    second = tl.load(base + second_offsets, mask=mask, other=0.0)
     f32 = first.to(tl.float32)
     s32 = second.to(tl.float32)
-    tl.store(first_ptr, (f32 * cos - s32 * sin).to(first.dtype), mask=mask)
-    tl.store(second_ptr, (s32 * cos + f32 * sin).to(first.dtype), mask=mask)
+    if NORM:
+        # RMSNorm over each head (Qwen3's q/k norms), rounded exactly as the unfused
+        # norm kernel rounds its output before the rotary kernel would read it.
+        sum_sq = tl.sum(f32 * f32, axis=1) + tl.sum(s32 * s32, axis=1)
+        rstd = tl.rsqrt(sum_sq / (2 * HALF) + eps)[:, None]
+        w_first = tl.load(norm_weight_ptr + first_offsets).to(tl.float32)
+        w_second = tl.load(norm_weight_ptr + second_offsets).to(tl.float32)
+        f32 = ((f32 * rstd).to(first.dtype).to(tl.float32) * w_first).to(first.dtype)
+        s32 = ((s32 * rstd).to(first.dtype).to(tl.float32) * w_second).to(first.dtype)
+        f32 = f32.to(tl.float32)
+        s32 = s32.to(tl.float32)
+    tl.store(base + first_offsets, (f32 * cos - s32 * sin).to(first.dtype), mask=mask)
+    tl.store(base + second_offsets, (s32 * cos + f32 * sin).to(first.dtype), mask=mask)
 
 
 @triton.jit
 def _rotary_kernel(
-    positions_ptr, query_ptr, key_ptr, cos_sin_ptr,
+    positions_ptr, query_ptr, key_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr,
     q_stride_token, q_stride_head, k_stride_token, k_stride_head, cos_sin_stride,
-    num_heads, num_kv_heads,
+    num_heads, num_kv_heads, eps,
     IS_NEOX: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
+    NORM: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -47,9 +59,9 @@ def _rotary_kernel(
     cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + pairs).to(tl.float32)
     sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + pairs).to(tl.float32)
     _rotate_heads(query_ptr, q_stride_token, q_stride_head, token, num_heads, cos, sin,
-                  IS_NEOX, BLOCK_HQ, HALF)  # fmt: skip
+                  q_norm_ptr, eps, IS_NEOX, BLOCK_HQ, HALF, NORM)  # fmt: skip
     _rotate_heads(key_ptr, k_stride_token, k_stride_head, token, num_kv_heads, cos, sin,
-                  IS_NEOX, BLOCK_HK, HALF)  # fmt: skip
+                  k_norm_ptr, eps, IS_NEOX, BLOCK_HK, HALF, NORM)  # fmt: skip
 
 
 def rotary_embedding(
@@ -59,8 +71,12 @@ def rotary_embedding(
     cos_sin_cache: torch.Tensor,
     head_dim: int,
     is_neox_style: bool = True,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k in place by their tokens' positions and return them.
+
+    ``qk_norm`` = (q_weight [head_dim], k_weight [head_dim], eps): first RMS-normalize each
+    head of q and k with those weights (Qwen3), in the same pass.
 
     positions: [T] int; query: [T, num_heads * head_dim]; key: [T, num_kv_heads * head_dim]
     (each may be a strided view, e.g. a slice of the fused qkv output, but rows must have a
@@ -76,11 +92,16 @@ def rotary_embedding(
         raise ValueError("rotary_embedding needs query and key rows with a unit-stride last dim.")
     num_heads = query.shape[1] // head_dim
     num_kv_heads = key.shape[1] // head_dim
+    q_weight, k_weight, eps = (
+        qk_norm if qk_norm is not None else (cos_sin_cache, cos_sin_cache, 0.0)
+    )
     _rotary_kernel[(num_tokens,)](
         positions,
         query,
         key,
         cos_sin_cache,
+        q_weight,
+        k_weight,
         query.stride(0),
         head_dim,
         key.stride(0),
@@ -88,9 +109,11 @@ def rotary_embedding(
         cos_sin_cache.stride(0),
         num_heads,
         num_kv_heads,
+        eps,
         IS_NEOX=is_neox_style,
         BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         HALF=head_dim // 2,
+        NORM=qk_norm is not None,
     )
     return query, key

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedlm.model_executor.layers.layernorm import RMSNorm
+
 
 def default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
     """[head_dim / 2] the rotation frequency of each pair: ``base^(-2i / head_dim)``."""
@@ -54,8 +56,19 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) ->
 
 
 RotaryKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-"""(positions, query, key, cos_sin_cache, head_dim, is_neox_style) -> (query, key); may
-rotate in place."""
+"""(positions, query, key, cos_sin_cache, head_dim, is_neox_style, qk_norm=None) ->
+(query, key); may rotate in place. ``qk_norm`` = (q_weight, k_weight, eps): RMS-normalize
+each head first (only passed for plain ``RMSNorm`` q/k norms)."""
+
+
+def _fusable_norms(qk_norm: tuple[RMSNorm, RMSNorm]) -> bool:
+    q_norm, k_norm = qk_norm
+    return type(q_norm) is RMSNorm and type(k_norm) is RMSNorm and q_norm.eps == k_norm.eps
+
+
+def _norm_heads(norm: RMSNorm, x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """x [T, heads * head_dim] (may be a column slice) -> each head normalized."""
+    return norm(x.view(x.shape[0], -1, head_dim)).view(x.shape[0], -1)
 
 
 class RotaryEmbedding(nn.Module):
@@ -90,12 +103,24 @@ class RotaryEmbedding(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``qk_norm``: (q_norm, k_norm) over each head of q and k before the rotation
+        (Qwen3); a kernel does both in one pass where the norms are plain RMSNorms."""
+        if qk_norm is not None and (self.kernel is None or not _fusable_norms(qk_norm)):
+            query = _norm_heads(qk_norm[0], query, self.head_dim)
+            key = _norm_heads(qk_norm[1], key, self.head_dim)
+            qk_norm = None
         if self.kernel is not None:
-            return self.kernel(
-                positions, query, key, self.cos_sin_cache, self.head_dim, self.is_neox_style
-            )
+            args = (positions, query, key, self.cos_sin_cache, self.head_dim, self.is_neox_style)
+            if qk_norm is None:
+                return self.kernel(*args)
+            q_norm, k_norm = qk_norm
+            return self.kernel(*args, qk_norm=(q_norm.weight, k_norm.weight, q_norm.eps))
         cos, sin = self.cos_sin_cache.index_select(0, positions).to(query.dtype).chunk(2, dim=-1)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, head_dim / 2]
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

@@ -114,11 +114,10 @@ class LlamaAttention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        qk_norm = None
         if self.q_norm is not None and self.k_norm is not None:
-            head_dim = self.attn.head_dim
-            q = self.q_norm(q.reshape(-1, head_dim)).view(q.shape)
-            k = self.k_norm(k.reshape(-1, head_dim)).view(k.shape)
-        q, k = self.rotary_emb(positions, q, k)
+            qk_norm = (self.q_norm, self.k_norm)  # per head, before the rotation
+        q, k = self.rotary_emb(positions, q, k, qk_norm)
         return self.o_proj(self.attn(q, k, v, ctx))
 
 

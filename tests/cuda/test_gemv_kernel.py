@@ -1,0 +1,74 @@
+"""The single-row GEMV kernel against a float64 reference, and the linear-layer hook that
+routes one-row inputs to it (everything else stays on ``F.linear``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from triton_env import DEVICE, rel_error, tolerance
+
+from pagedlm.model_executor.layers.linear import RowParallelLinear
+from pagedlm_cuda.fused_layers import SingleRowLinear, install_fused_kernels
+from pagedlm_cuda.kernels.gemv import gemv
+
+# Rows not a multiple of the 16-row tile; columns not a multiple of the slice; and each
+# of the three tile configurations (up to 4k, 8k and beyond 8k outputs).
+SHAPES = [(1, 64), (40, 600), (96, 1100), (5000, 64), (8200, 64)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_float64(dtype: torch.dtype, shape: tuple[int, int], with_bias: bool):
+    n, k = shape
+    torch.manual_seed(n * 7 + k)
+    x = torch.randn(1, k, device=DEVICE).to(dtype)
+    weight = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
+    bias = torch.randn(n, device=DEVICE).to(dtype) if with_bias else None
+    out = gemv(x, weight, bias)
+    ref = x.double() @ weight.double().T
+    if bias is not None:
+        ref += bias.double()
+    assert out.shape == (1, n) and out.dtype == dtype
+    assert rel_error(out, ref) < tolerance(dtype)
+
+
+def test_gemv_reads_a_strided_weight_view() -> None:
+    """Rows of a wider matrix (a shard of a fused weight) work without a copy."""
+    torch.manual_seed(0)
+    full = torch.randn(24, 200, device=DEVICE)
+    weight = full[:, :130]
+    x = torch.randn(1, 130, device=DEVICE)
+    assert rel_error(gemv(x, weight), x.double() @ weight.double().T) < tolerance(torch.float32)
+
+
+def test_gemv_rejects_what_it_cannot_compute() -> None:
+    weight = torch.randn(8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"one row"):
+        gemv(torch.randn(2, 16, device=DEVICE), weight)
+    with pytest.raises(ValueError, match=r"features"):
+        gemv(torch.randn(1, 12, device=DEVICE), weight)
+
+
+def test_linear_layers_route_one_row_to_the_gemv() -> None:
+    torch.manual_seed(1)
+    layer = RowParallelLinear(48, 40, bias=True).to(DEVICE)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()
+    model = torch.nn.Sequential(layer)
+    install_fused_kernels(model)
+    assert isinstance(layer.kernel, SingleRowLinear)
+    for rows in (1, 3):
+        x = torch.randn(rows, 48, device=DEVICE)
+        expected = F.linear(x, layer.weight, layer.bias)
+        assert rel_error(layer.apply_linear(x), expected) < tolerance(torch.float32)
+
+
+def test_layers_with_their_own_kernel_keep_it() -> None:
+    layer = RowParallelLinear(16, 8, bias=False)
+    own = object()
+    layer.set_kernel(own)
+    install_fused_kernels(torch.nn.Sequential(layer))
+    assert layer.kernel is own
