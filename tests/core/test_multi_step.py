@@ -251,3 +251,88 @@ def test_multi_step_stop_strings_cut_where_single_steps_do(smollm2_path):
         )
     assert results[0] == results[1]
     assert {stop for _, _, _, stop in results[0]} >= {".", " a "}  # stops did cut
+
+
+def _answer(output: SchedulerOutput, tokens: dict[str, list[int]]) -> ModelRunnerOutput:
+    req_ids = [r.req_id for r in output.scheduled_new_reqs + output.scheduled_cached_reqs]
+    return ModelRunnerOutput(req_ids, [tokens.get(r, [7] * output.num_steps) for r in req_ids])
+
+
+def test_chained_window_continues_before_the_tokens_are_known():
+    scheduler = _scheduler(steps=4)
+    scheduler.add_request(_request("long", max_tokens=20))
+    scheduler.add_request(_request("short", max_tokens=5))  # ends by length in window 1
+    scheduler.add_request(_request("eos", max_tokens=20))  # ends on EOS in window 1
+    _step(scheduler)  # prefill: one token each
+    first = scheduler.schedule()
+    assert first.num_steps == 4
+    computed = {r: scheduler.requests[r].num_computed_tokens for r in ("long", "eos")}
+    following = scheduler.schedule_continuation(first)
+    assert following is not None and following.inputs_from_previous
+    # "short" reaches max_tokens inside the first window: it is not continued.
+    assert [d.req_id for d in following.scheduled_cached_reqs] == ["long", "eos"]
+    for data in following.scheduled_cached_reqs:
+        # It starts where the first window ends (which fed 4 tokens from `computed - 1`).
+        assert data.num_computed_tokens == computed[data.req_id] + 3
+    assert following.num_steps == 4
+    scheduler.update_from_output(first, _answer(first, {"eos": [7, EOS, 7, 7]}))
+    eos = [o for o in scheduler.update_from_output(following, _answer(following, {}))]
+    # The chained window's tokens for the request that stopped are dropped.
+    assert [o.req_id for o in eos] == ["long"] and len(eos[0].new_token_ids) == 4
+    long = scheduler.requests["long"]
+    assert long.num_output_tokens == 9 and long.num_computed_tokens == long.num_tokens - 1
+    assert set(scheduler.requests) == {"long"}
+    table = scheduler.kv_manager.get_block_ids(long)
+    assert len(table) * BLOCK >= long.num_computed_tokens + 1
+
+
+def test_no_chained_window_while_requests_wait_or_memory_is_short():
+    scheduler = _scheduler(steps=4)
+    scheduler.add_request(_request("a"))
+    _step(scheduler)
+    first = scheduler.schedule()
+    scheduler.add_request(_request("b"))  # arrives while the window runs
+    assert scheduler.schedule_continuation(first) is None
+    scheduler.update_from_output(first, _answer(first, {}))
+
+    # 7 blocks of 4: two requests fit one window (3 blocks each), not a second one.
+    tight = _scheduler(steps=4, num_blocks=7, caching=False)
+    tight.add_request(_request("a"))
+    tight.add_request(_request("b"))
+    _step(tight)
+    first = tight.schedule()
+    free_before = tight.kv_manager.num_free_blocks
+    assert tight.schedule_continuation(first) is None
+    assert tight.kv_manager.num_free_blocks == free_before  # nothing half-allocated
+
+
+def test_chained_windows_generate_what_single_steps_generate(tiny_checkpoint):
+    path = str(tiny_checkpoint("llama"))
+    rng = random.Random(3)
+    prompts = _prompts(10, 2)
+    params = (
+        [SamplingParams(temperature=0, max_tokens=rng.randint(5, 60), ignore_eos=True)] * 3
+        + [
+            SamplingParams(temperature=0.8, seed=i, max_tokens=rng.randint(5, 60), ignore_eos=True)
+            for i in range(3)
+        ]
+        + [SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[3, 5, 8, 13, 21])] * 4
+    )
+    results = {}
+    chained = []
+    for steps in (1, 8):
+        llm = LLM(path, skip_tokenizer_init=True, num_scheduler_steps=steps, max_num_seqs=16)
+        scheduler = llm.llm_engine.engine_core.scheduler
+        continuation = scheduler.schedule_continuation
+
+        def counting(previous, continuation=continuation):
+            output = continuation(previous)
+            chained.append(output is not None)
+            return output
+
+        scheduler.schedule_continuation = counting
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results[steps] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+        assert scheduler.kv_manager.usage == 0  # every block came back
+    assert results[8] == results[1]
+    assert sum(chained) >= 2  # windows did chain

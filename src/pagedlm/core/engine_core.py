@@ -1,4 +1,11 @@
-"""The engine core loop: schedule -> execute -> update, one step at a time."""
+"""The engine core loop: schedule -> execute -> update, one step at a time.
+
+Multi-step windows chain: once a window is queued on the device, the scheduler is asked
+for the next one (``Scheduler.schedule_continuation``) and that is queued too before the
+host waits for the first window's tokens. The host's work between windows (stops,
+outputs, the next schedule) then overlaps the device's next window instead of leaving
+the device idle. A chained window is collected by the next ``step()``.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +13,12 @@ import logging
 from collections.abc import Iterable
 
 from pagedlm.config import EngineConfig
-from pagedlm.core.outputs import EngineCoreOutput
+from pagedlm.core.outputs import EngineCoreOutput, SchedulerOutput
 from pagedlm.core.request import Request
 from pagedlm.core.scheduler import OneBudgetScheduler
 from pagedlm.core.scheduler_interface import Scheduler, SchedulerStats
 from pagedlm.executor import Executor
+from pagedlm.executor.interface import StepResult
 from pagedlm.platforms import Platform
 from pagedlm.plugins.registry import select_executor
 from pagedlm.structured_output.manager import StructuredOutputManager
@@ -33,6 +41,8 @@ class EngineCore:
         self.scheduler: Scheduler = OneBudgetScheduler(
             config.scheduler, config.cache, num_blocks, self.structured_output
         )
+        self._queued: tuple[SchedulerOutput, StepResult] | None = None
+        """A chained window launched by the last step, collected by the next."""
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -41,17 +51,25 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self._queued is not None or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            if scheduler_output.finished_req_ids:
-                # Nothing to run, but workers must still drop finished requests' state.
-                self.executor.execute_model(scheduler_output)
-            return []
-        runner_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self._queued is not None:
+            scheduler_output, launched = self._queued
+            self._queued = None
+        else:
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.is_empty:
+                if scheduler_output.finished_req_ids:
+                    # Nothing to run, but workers must still drop finished requests' state.
+                    self.executor.execute_model(scheduler_output)
+                return []
+            launched = self.executor.launch_model(scheduler_output)
+        if scheduler_output.num_steps > 1:
+            following = self.scheduler.schedule_continuation(scheduler_output)
+            if following is not None:
+                self._queued = (following, self.executor.launch_model(following))
+        return self.scheduler.update_from_output(scheduler_output, launched.result())
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

@@ -15,6 +15,13 @@ tokens. That is only allowed when it cannot change what is generated:
 
 Stops are applied afterwards by the scheduler, token by token, so a request that stops
 early wastes at most K - 1 forward rows.
+
+Chained windows (``plan_continuation``): the next window may be scheduled while the
+current one still runs, before the host has seen its tokens, so the device never waits
+for the host between windows. That assumes no request stops inside the current window
+except by length (known in advance: such requests are left out); one that does stop on a
+token runs through the next window too, and the scheduler drops those tokens. It is only
+done while nothing waits at all, so a new request is never held back by the chain.
 """
 
 from __future__ import annotations
@@ -60,3 +67,34 @@ def plan_num_steps(
         max_steps = min(max_steps, config.max_model_len - num_tokens + 1)
         most_remaining = max(most_remaining, request.max_tokens - request.num_output_tokens)
     return max(1, min(max_steps, most_remaining))
+
+
+def plan_continuation(
+    config: SchedulerConfig,
+    window: list[Request],
+    in_flight: int,
+    waiting: Collection[Request],
+) -> tuple[list[Request], int]:
+    """Which of ``window``'s requests (all decoding, ``in_flight`` tokens each still on
+    the device) the next window feeds, and how many steps it runs; ``([], 0)`` when it
+    must wait for the host instead. Same limits as ``plan_num_steps``, counted as if
+    every in-flight token had been appended."""
+    if config.num_scheduler_steps <= 1 or waiting:
+        return [], 0
+    max_steps = config.num_scheduler_steps
+    most_remaining = 0
+    continuing = []
+    for request in window:
+        if _needs_host_between_tokens(request):
+            return [], 0
+        num_tokens = request.num_tokens + in_flight
+        num_output = request.num_output_tokens + in_flight
+        if num_output >= request.max_tokens or num_tokens >= config.max_model_len:
+            continue  # finishes by length within the window in flight
+        max_steps = min(max_steps, config.max_model_len - num_tokens + 1)
+        most_remaining = max(most_remaining, request.max_tokens - num_output)
+        continuing.append(request)
+    num_steps = min(max_steps, most_remaining)
+    if not continuing or num_steps < 2:
+        return [], 0  # one step left is as cheap through the host
+    return continuing, num_steps

@@ -77,6 +77,11 @@ class SchedulerOutput:
     """Decode steps to run back to back (multi-step decoding). Above 1, every request
     schedules one token, holds slots for ``num_steps`` tokens, and each step feeds the
     token the previous step sampled; the workers return ``num_steps`` tokens per request."""
+    inputs_from_previous: bool = False
+    """A window scheduled while the previous SchedulerOutput's window still runs (its
+    tokens not yet seen by the host): each request's first input is the token the
+    previous window sampled last, still on the workers' device. Its requests are a subset
+    of the previous window's, and ``num_computed_tokens`` already counts that window."""
 
     @property
     def is_empty(self) -> bool:

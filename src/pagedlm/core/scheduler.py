@@ -39,6 +39,16 @@ gets slots for the K tokens at once (if they fit; else the step runs one token a
 (tokens after a stop are dropped), and advances ``num_computed_tokens`` by the K - 1 extra
 tokens that were fed.
 
+Chained windows (``schedule_continuation``): while a multi-step window runs, the engine
+core may schedule the next one before the window's tokens reach the host
+(``multi_step.plan_continuation`` says when). Each continuing request gets slots for the
+next window; its ``num_computed_tokens`` moves by 1 as for any scheduled step, and
+``update_from_output`` of the running window adds the rest: additions commute, so the
+order in which the two happen does not matter. A request that stops on a token in the
+running window is finished and freed there; the next window's tokens for it are dropped
+(it is no longer known). Freed blocks may be handed out again only in a later schedule,
+whose steps run on the device after the window that still writes them.
+
 A request that could never fit (``prompt + max_tokens`` tokens need more than
 ``num_blocks`` blocks) is rejected in ``add_request`` instead of waiting forever.
 
@@ -57,7 +67,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pagedlm.config import CacheConfig, SchedulerConfig
-from pagedlm.core.multi_step import plan_num_steps
+from pagedlm.core.multi_step import plan_continuation, plan_num_steps
 from pagedlm.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -250,6 +260,51 @@ class OneBudgetScheduler(Scheduler):
             self.num_model_steps += output.num_steps
         for request_id, num_tokens in num_scheduled.items():
             self.requests[request_id].num_computed_tokens += num_tokens
+        return output
+
+    def schedule_continuation(self, previous: SchedulerOutput) -> SchedulerOutput | None:
+        """The window after ``previous`` (a multi-step window still running, its tokens not
+        yet passed to ``update_from_output``), or None when the next step must wait for
+        them. The result feeds each request the token ``previous`` sampled last."""
+        if previous.num_steps <= 1 or previous.scheduled_new_reqs:
+            return None
+        window = [self.requests.get(data.req_id) for data in previous.scheduled_cached_reqs]
+        window = [r for r in window if r is not None and r.status is RequestStatus.RUNNING]
+        requests, num_steps = plan_continuation(
+            self.config, window, previous.num_steps, self.waiting
+        )
+        if not requests:
+            return None
+        # Slots up to the end of the next window: num_computed_tokens still lacks the
+        # previous window's last num_steps - 1 tokens.
+        num_new_tokens = previous.num_steps - 1 + num_steps
+        needed = sum(self.kv_manager.num_blocks_needed(r, num_new_tokens) for r in requests)
+        if needed > self.kv_manager.num_free_blocks:
+            return None  # memory is short: the host decides (and may preempt) after it
+        cached_reqs = []
+        for request in requests:
+            new_block_ids = self.kv_manager.allocate_slots(request, num_new_tokens)
+            assert new_block_ids is not None, "checked to fit above"
+            cached_reqs.append(
+                CachedRequestData(
+                    request.request_id,
+                    new_block_ids,
+                    request.num_computed_tokens + previous.num_steps - 1,
+                )
+            )
+        output = SchedulerOutput(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens={request.request_id: 1 for request in requests},
+            total_num_scheduled_tokens=len(requests),
+            finished_req_ids=self._finished_req_ids,
+            num_steps=num_steps,
+            inputs_from_previous=True,
+        )
+        self._finished_req_ids = set()
+        self.num_model_steps += num_steps
+        for request in requests:
+            request.num_computed_tokens += 1
         return output
 
     def _grammar_ready(self, request: Request) -> bool:

@@ -30,8 +30,9 @@ class Scheduler(ABC):
     - ``schedule()`` never hands out more than ``max_num_batched_tokens`` tokens or more
       than ``max_num_seqs`` requests in one step.
     - A scheduled request holds blocks for every token it will have computed after the step.
-    - ``update_from_output`` is called exactly once per non-empty ``schedule()``, with the
-      runner's output for it, before the next ``schedule()``.
+    - ``update_from_output`` is called exactly once per non-empty ``schedule()`` or
+      ``schedule_continuation()`` result, with the runner's output for it, in the order
+      they were scheduled, and before the next ``schedule()``.
     - Once a request finishes or is aborted, all its blocks are released.
     """
 
@@ -48,6 +49,12 @@ class Scheduler(ABC):
     @abstractmethod
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work under the token budget."""
+
+    def schedule_continuation(self, previous: SchedulerOutput) -> SchedulerOutput | None:
+        """The next multi-step window, scheduled while ``previous`` still runs and before
+        its output is known; None (the default: no chaining) when the next step must
+        wait for ``update_from_output(previous, ...)``."""
+        return None
 
     @abstractmethod
     def update_from_output(

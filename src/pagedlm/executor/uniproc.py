@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pagedlm.executor.interface import Executor
+from pagedlm.executor.interface import Executor, StepResult
 from pagedlm.plugins.registry import select_attention_backend
 from pagedlm.worker.worker import Worker
 
@@ -30,3 +30,6 @@ class UniprocExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def launch_model(self, scheduler_output: SchedulerOutput) -> StepResult:
+        return self.worker.launch_model(scheduler_output)

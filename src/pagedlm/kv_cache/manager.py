@@ -91,6 +91,13 @@ class KVCacheManager:
             hits.append(block)
         return ComputedBlocks(tuple(hits), len(hits) * self.block_size, request.num_tokens)
 
+    def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        """Fresh blocks ``allocate_slots(request, num_new_tokens)`` would take (no prefix
+        hits): lets a caller check that several allocations all fit before making any."""
+        num_tokens_with_slots = request.num_computed_tokens + num_new_tokens
+        held = len(self._tables.get(request.request_id, ()))
+        return max(0, -(-num_tokens_with_slots // self.block_size) - held)
+
     def allocate_slots(
         self,
         request: Request,

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagedlm.sample.host_copy import to_device
+
 if TYPE_CHECKING:
     from pagedlm.sample.metadata import SamplingRow
 
@@ -63,12 +65,12 @@ class LogitAdjustments:
             return None
 
         def as_index(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
+            return to_device(values, torch.int64, device)
 
         return cls(
             bias_rows=as_index(bias_rows),
             bias_token_ids=as_index(bias_token_ids),
-            bias_values=torch.tensor(bias_values, dtype=torch.float32, device=device),
+            bias_values=to_device(bias_values, torch.float32, device),
             masked_rows=as_index(masked_rows),
             masked_token_ids=as_index(masked_token_ids),
         )

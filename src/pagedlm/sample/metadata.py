@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedlm.sample.host_copy import to_device
 from pagedlm.sample.logit_bias import LogitAdjustments
 from pagedlm.sample.penalties import PenaltyTensors
 from pagedlm.sample.topk_topp import FilterTensors
@@ -108,14 +109,10 @@ class SamplingMetadata:
             all_greedy=all_greedy,
             all_random=all_random,
             greedy_mask=(
-                None
-                if all_greedy or all_random
-                else torch.tensor(greedy, dtype=torch.bool, device=device)
+                None if all_greedy or all_random else to_device(greedy, torch.bool, device)
             ),
             temperature=(
-                torch.tensor(temperatures, dtype=torch.float32, device=device)
-                if needs_temperature
-                else None
+                to_device(temperatures, torch.float32, device) if needs_temperature else None
             ),
             filters=filters,
             penalties=PenaltyTensors.build(rows, vocab_size, device),

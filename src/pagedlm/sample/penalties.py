@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pagedlm.sample.host_copy import to_device
+
 if TYPE_CHECKING:
     from pagedlm.sample.metadata import SamplingRow
 
@@ -63,7 +65,7 @@ class PenaltyTensors:
         params = [rows[index].params for index in penalized]
 
         def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return to_device(values, torch.float32, device)
 
         repetition = [p.repetition_penalty for p in params]
         frequency = [p.frequency_penalty for p in params]
@@ -74,9 +76,7 @@ class PenaltyTensors:
         prompt_ids = [rows[index].prompt_token_ids for index in penalized]
         return cls(
             row_indices=(
-                None
-                if len(penalized) == len(rows)
-                else torch.tensor(penalized, dtype=torch.int64, device=device)
+                None if len(penalized) == len(rows) else to_device(penalized, torch.int64, device)
             ),
             repetition=floats(repetition) if has_repetition else None,
             frequency=floats(frequency) if has_additive else None,

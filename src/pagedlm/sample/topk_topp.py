@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedlm.sample.host_copy import to_device
+
 _NEG_INF = float("-inf")
 
 
@@ -53,13 +55,11 @@ class FilterTensors:
         top_k = [k if 0 < k < vocab_size else 0 for k in top_k]
         top_p_rows = [row for row, p in enumerate(top_p) if p < 1.0]
         min_p_tensor = (
-            torch.tensor(min_p, dtype=torch.float32, device=device)
-            if any(p > 0.0 for p in min_p)
-            else None
+            to_device(min_p, torch.float32, device) if any(p > 0.0 for p in min_p) else None
         )
-        top_k_tensor = torch.tensor(top_k, dtype=torch.int64, device=device) if any(top_k) else None
+        top_k_tensor = to_device(top_k, torch.int64, device) if any(top_k) else None
         top_p_tensor = (
-            torch.tensor([top_p[row] for row in top_p_rows], dtype=torch.float32, device=device)
+            to_device([top_p[row] for row in top_p_rows], torch.float32, device)
             if top_p_rows
             else None
         )
@@ -70,7 +70,7 @@ class FilterTensors:
             top_p_rows=(
                 None
                 if len(top_p_rows) == len(top_p)
-                else torch.tensor(top_p_rows, dtype=torch.int64, device=device)
+                else to_device(top_p_rows, torch.int64, device)
             ),
             top_p=top_p_tensor,
         )

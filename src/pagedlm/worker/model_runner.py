@@ -26,11 +26,13 @@ from pagedlm.core.outputs import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from pagedlm.executor.interface import FinishedStep, StepResult
 from pagedlm.kv_cache.interface import KVCache, TensorKVCache, kv_bytes_per_block
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.loader import load_model
 from pagedlm.platforms import Platform
 from pagedlm.platforms.interface import DecodeGraphRunner
+from pagedlm.sample.host_copy import to_device
 from pagedlm.sample.logprobs import compute_logprobs
 from pagedlm.sample.metadata import SamplingMetadata
 from pagedlm.sample.sampler import Sampler
@@ -72,6 +74,8 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_cache: KVCache | None = None
         self.graph_runner: DecodeGraphRunner | None = None
+        self._last_window: tuple[list[str], torch.Tensor] | None = None
+        """The latest multi-step window's request ids and last sampled tokens (device)."""
         self.enforce_eager = bool(getattr(config.model, "enforce_eager", False)) or (
             os.environ.get(ENFORCE_EAGER_ENV, "0") not in ("", "0")
         )
@@ -164,17 +168,32 @@ class ModelRunner:
             state.block_ids.extend(data.new_block_ids)
             state.num_computed_tokens = data.num_computed_tokens
 
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(scheduler_output).result()
+
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput) -> StepResult:
+        """Start the step. A multi-step window returns as soon as its steps are queued on
+        the device (its ``result()`` waits); any other step has finished on return."""
         self._update_states(scheduler_output)
         req_ids = [r.req_id for r in scheduler_output.scheduled_new_reqs] + [
             r.req_id for r in scheduler_output.scheduled_cached_reqs
         ]
         if not req_ids:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return FinishedStep(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         states = [self.requests[r] for r in req_ids]
         if scheduler_output.num_steps > 1:
-            return self._execute_decode_steps(req_ids, states, scheduler_output.num_steps)
+            return self._launch_decode_steps(
+                req_ids, states, scheduler_output.num_steps, scheduler_output.inputs_from_previous
+            )
+        return FinishedStep(self._execute_step(scheduler_output, req_ids, states))
+
+    def _execute_step(
+        self,
+        scheduler_output: SchedulerOutput,
+        req_ids: list[str],
+        states: list[CachedRequestState],
+    ) -> ModelRunnerOutput:
         num_scheduled = [scheduler_output.num_scheduled_tokens[r] for r in req_ids]
 
         input_ids: list[int] = []
@@ -277,16 +296,24 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
         )
 
-    def _execute_decode_steps(
-        self, req_ids: list[str], states: list[CachedRequestState], num_steps: int
-    ) -> ModelRunnerOutput:
-        """Run ``num_steps`` decode steps back to back, each feeding the tokens the previous
-        one sampled (still on the device), and wait for the device once at the end.
+    def _launch_decode_steps(
+        self,
+        req_ids: list[str],
+        states: list[CachedRequestState],
+        num_steps: int,
+        inputs_from_previous: bool,
+    ) -> _DecodeWindow:
+        """Queue ``num_steps`` decode steps back to back, each feeding the tokens the
+        previous one sampled (still on the device); the returned window's ``result()`` is
+        the one wait for the device.
 
         The scheduler guarantees: every request feeds one token per step, holds slots for
         all ``num_steps`` positions, and needs nothing sampled on the host in between (no
         penalties, logprobs, grammar or pending ``min_tokens``), so one SamplingMetadata
-        serves every step. Each step computes exactly what a single step would.
+        serves every step. Each step computes exactly what a single step would. With
+        ``inputs_from_previous`` the first step feeds what the previous window sampled
+        last: that window's tokens are not in the request states yet (its ``result()``
+        comes first), and ``num_computed_tokens`` already counts them.
         """
         assert self.kv_cache is not None, "initialize_kv_cache must run first"
         device = self.device
@@ -295,7 +322,11 @@ class ModelRunner:
         block_tables = [s.block_ids for s in states]
         rows = [s.sampling_row() for s in states]
         metadata: SamplingMetadata | None = None
-        input_ids: list[int] | torch.Tensor = [s.token_ids[-1] for s in states]
+        input_ids: list[int] | torch.Tensor
+        if inputs_from_previous:
+            input_ids = self._previous_window_tokens(req_ids)
+        else:
+            input_ids = [s.token_ids[-1] for s in states]
         query_start_loc = list(range(len(states) + 1))
         sampled_steps = []
         for step in range(num_steps):
@@ -327,12 +358,23 @@ class ModelRunner:
                 )
             input_ids = self.sampler(logits, metadata).sampled_token_ids
             sampled_steps.append(input_ids)
-        per_step = torch.stack(sampled_steps).tolist()  # the one wait for the device
-        sampled = [list(tokens) for tokens in zip(*per_step)]
-        for state, tokens in zip(states, sampled):
-            state.token_ids.extend(tokens)
+        for state in states:
             state.num_computed_tokens += num_steps
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+        self._last_window = (req_ids, sampled_steps[-1])
+        # Queue the copy to the host now, right behind this window's last step: its
+        # result() must not wait for a window queued after it.
+        return _DecodeWindow(req_ids, states, *_copy_to_host(torch.stack(sampled_steps)))
+
+    def _previous_window_tokens(self, req_ids: list[str]) -> torch.Tensor:
+        """The last tokens the previous window sampled, in ``req_ids``' order (a subset
+        of that window's requests)."""
+        if self._last_window is None:
+            raise RuntimeError("a chained window needs a multi-step window launched before it")
+        previous_ids, tokens = self._last_window
+        if previous_ids == req_ids:
+            return tokens
+        row_of = {req_id: row for row, req_id in enumerate(previous_ids)}
+        return tokens[to_device([row_of[r] for r in req_ids], torch.long, tokens.device)]
 
     def _prompt_logprobs(
         self, logits: torch.Tensor, requests: list[_PromptLogprobsRows]
@@ -351,6 +393,45 @@ class ModelRunner:
                 ranks=[r for row in lists for r in row.ranks],
             )
         return result
+
+
+def _copy_to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Event | None]:
+    """Start copying ``tokens`` to (pinned) host memory; returns the host tensor and the
+    event that marks the copy done (None when ``tokens`` already is on the host)."""
+    if tokens.device.type == "cpu":
+        return tokens, None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    done = torch.Event(device=tokens.device)
+    done.record()
+    return host, done
+
+
+class _DecodeWindow:
+    """A multi-step window queued on the device; ``result()`` waits for its tokens once
+    and appends them to the request states (windows are collected in launch order)."""
+
+    def __init__(
+        self,
+        req_ids: list[str],
+        states: list[CachedRequestState],
+        tokens: torch.Tensor,
+        copied: torch.Event | None,
+    ) -> None:
+        self.req_ids = req_ids
+        self.states = states
+        self.tokens = tokens
+        """[num_steps, num_reqs] sampled ids on the host, valid once ``copied`` is done."""
+        self.copied = copied
+
+    def result(self) -> ModelRunnerOutput:
+        if self.copied is not None:
+            self.copied.synchronize()  # the one wait for the device
+        per_step = self.tokens.tolist()
+        sampled = [list(tokens) for tokens in zip(*per_step)]
+        for state, tokens in zip(self.states, sampled):
+            state.token_ids.extend(tokens)
+        return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=sampled)
 
 
 def _batch_bitmask(

@@ -9,6 +9,7 @@ import torch
 from pagedlm.attention import AttentionBackend
 from pagedlm.config import EngineConfig
 from pagedlm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedlm.executor.interface import StepResult
 from pagedlm.platforms import Platform
 from pagedlm.worker.model_runner import ModelRunner
 
@@ -49,3 +50,6 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def launch_model(self, scheduler_output: SchedulerOutput) -> StepResult:
+        return self.model_runner.launch(scheduler_output)
