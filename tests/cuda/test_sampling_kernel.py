@@ -30,6 +30,18 @@ def test_greedy_rows_take_the_argmax_lowest_index_on_ties() -> None:
     assert got[:2].tolist() == [5, SPLIT_V + 10]
 
 
+def test_all_greedy_batch_without_a_seed_is_a_plain_argmax() -> None:
+    torch.manual_seed(2)
+    vocab = SPLIT_V + 500
+    logits = torch.randn(3, vocab)
+    logits[0, 7] = logits[0, SPLIT_V + 7] = 40.0  # tie across splits: the lower index
+    logits[2] = float("-inf")  # nothing allowed: index 0, as torch.argmax
+    logits = logits.to(DEVICE, torch.bfloat16)
+    got = gumbel_sample(logits, torch.full((3,), 0.7, device=DEVICE), None, None).cpu()
+    assert got.tolist() == logits.float().argmax(dim=1).cpu().tolist()
+    assert got.tolist()[0] == 7 and got.tolist()[2] == 0
+
+
 def test_random_rows_follow_the_softmax() -> None:
     # Under the interpreter every row costs ~14 ms, so CPU runs draw fewer samples.
     rows, tolerance = (20000, 0.015) if ON_GPU else (400, 0.08)
@@ -74,6 +86,29 @@ def test_sampler_uses_the_kernel_for_plain_random_batches() -> None:
     assert len(calls) == 1
     assert out.sampled_token_ids[:2].tolist() == logits[:2].argmax(dim=1).tolist()
     assert out.sampled_token_ids.dtype == torch.int64
+
+
+def test_sampler_uses_the_kernel_for_all_greedy_batches_with_penalties_applied() -> None:
+    torch.manual_seed(4)
+    vocab = 300
+    logits = torch.randn(2, vocab, device=DEVICE)
+    logits[0, 11] = logits[0].max() + 0.5  # the argmax, unless penalized
+    rows = [
+        SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=10.0), None, [11], []),
+        SamplingRow(SamplingParams(temperature=0.0), None, [], []),
+    ]
+    metadata = SamplingMetadata.build(rows, vocab, torch.device(DEVICE))
+    calls = []
+
+    def spy(*args):
+        calls.append(args)
+        return gumbel_sample(*args)
+
+    out = Sampler(fused_random=spy)(logits, metadata)
+    torch_out = Sampler()(logits, metadata)
+    assert len(calls) == 1 and calls[0][3] is None  # no noise for an all-greedy batch
+    assert out.sampled_token_ids.tolist() == torch_out.sampled_token_ids.tolist()
+    assert out.sampled_token_ids[0].item() != 11
 
 
 @pytest.mark.parametrize("params", [{"top_p": 0.9}, {"top_k": 5}, {"min_p": 0.1}, {"seed": 3}])

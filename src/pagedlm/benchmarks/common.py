@@ -120,7 +120,7 @@ def profile_steps(llm, prompts: list[list[int]], params: list[Any], num_steps: i
         name = event.key.lower()
         if "decode" in name or "prefill" in name or "write_kv" in name:
             kind = "attention"
-        elif any(k in name for k in ("gemm", "nvjet", "cutlass", "matmul", "sm90", "xmma")):
+        elif any(k in name for k in ("gemm", "gemv", "nvjet", "cutlass", "matmul", "sm90", "xmma")):
             kind = "GEMM"
         elif any(
             k in name
@@ -141,5 +141,5 @@ def profile_steps(llm, prompts: list[list[int]], params: list[Any], num_steps: i
         lines.append(f"  {kind:14s} {us / model_steps / 1e3:8.3f} ms/step")
     idle = max(0.0, wall - device_total)
     lines.append(f"  {'GPU idle (CPU)':14s} {idle / model_steps * 1e3:8.3f} ms/step")
-    top = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15)
+    top = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
     return "\n".join(lines) + "\n" + top

@@ -46,19 +46,20 @@ class SamplerOutput(NamedTuple):
 
 
 FusedRandomSampler = Callable[
-    [torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor], torch.Tensor
+    [torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None], torch.Tensor
 ]
-"""``(logits [N, V], temperature [N] | None, noise_scale [N] | None, seed [1] int64) ->
-[N] int64``: stages 4-5 in one kernel, for batches without filters or seeded rows; rows
-with ``noise_scale`` 0 take the argmax. A platform may provide one (Gumbel-max, which
-draws from the same distribution as the exponential race)."""
+"""``(logits [N, V], temperature [N] | None, noise_scale [N] | None, seed [1] int64 | None)
+-> [N] int64``: stages 4-5 in one kernel, for batches without filters or seeded rows; rows
+with ``noise_scale`` 0 take the argmax, and with ``seed`` None every row does (an
+all-greedy batch). A platform may provide one (Gumbel-max, which draws from the same
+distribution as the exponential race)."""
 
 
 class Sampler:
     """Stateless; one instance serves every step. Call with ``(logits, metadata)``.
 
-    ``fused_random``: the platform's fused stages 4-5, used when a batch has random rows
-    but no top-k/top-p/min-p filter and no row with its own seed.
+    ``fused_random``: the platform's fused stages 4-5, used when a batch has no
+    top-k/top-p/min-p filter and no row with its own seed (all-greedy batches included).
     """
 
     def __init__(self, fused_random: FusedRandomSampler | None = None) -> None:
@@ -102,14 +103,13 @@ class Sampler:
 
     def _can_fuse(self, metadata: SamplingMetadata) -> bool:
         return (
-            self.fused_random is not None
-            and not metadata.all_greedy
-            and metadata.filters.is_empty
-            and not metadata.seeded_rows
+            self.fused_random is not None and metadata.filters.is_empty and not metadata.seeded_rows
         )
 
     def _sample_fused(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         assert self.fused_random is not None
+        if metadata.all_greedy:
+            return self.fused_random(logits, None, None, None)
         noise_scale = None
         if metadata.greedy_mask is not None:
             noise_scale = (~metadata.greedy_mask).to(torch.float32)

@@ -62,7 +62,9 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding, LinearBase):
-    """forward: hidden_states [N, hidden] -> float32 logits [N, vocab_size].
+    """forward: hidden_states [N, hidden] -> logits [N, vocab_size] in the weights' dtype
+    (the sampler computes in float32 where it needs to; a float32 copy of a batch's logits
+    would cost a full extra pass over them every step).
 
     For tied embeddings, call ``tie_to(embedding)``: both then share one parameter.
     """
@@ -74,4 +76,4 @@ class ParallelLMHead(VocabParallelEmbedding, LinearBase):
         logits = self.apply_linear(hidden_states)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits)[:, : self.num_embeddings]
-        return logits.float()
+        return logits

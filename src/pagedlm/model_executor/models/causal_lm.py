@@ -53,5 +53,6 @@ class CausalLM(nn.Module, ABC):
         return self.decoder(input_ids, positions, ctx)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states [N, hidden_size] (only the sampled rows) -> float32 [N, vocab]."""
+        """hidden_states [N, hidden_size] (only the sampled rows) -> [N, vocab] logits in
+        the model's dtype."""
         return self.lm_head(hidden_states)
