@@ -138,6 +138,24 @@ def test_cuda_graphs_on_and_off_identical(tiny_checkpoint, arch, monkeypatch) ->
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_programmatic_dependent_launch_changes_no_token(tiny_checkpoint, arch, monkeypatch):
+    """Kernels that start while the previous one drains (PDL) compute what plainly
+    launched ones do: batch 1 (the GEMV chain) and a batch, graphs and multi-step on."""
+    from pagedlm_cuda.kernels import pdl
+
+    path = tiny_checkpoint(arch)
+    batch = prompts(384)
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv(pdl.PDL_ENV, flag)
+        pdl.enabled.cache_clear()
+        assert pdl.enabled() == (flag == "1")  # an H100/H200-class GPU
+        runs[flag] = [run(path, rows, num_scheduler_steps=8) for rows in (batch[:1], batch)]
+    pdl.enabled.cache_clear()
+    assert runs["1"] == runs["0"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_multi_step_decoding_identical(tiny_checkpoint, arch) -> None:
     """Eight decode steps per schedule, fed from the device, give the single-step tokens
     (greedy) and, with per-request seeds, the same samples."""

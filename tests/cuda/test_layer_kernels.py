@@ -176,3 +176,18 @@ def test_install_fused_kernels_matches_torch_layers(neox: bool) -> None:
         b = b if isinstance(b, tuple) else (b,)
         for ta, tb in zip(a, b):
             assert torch.allclose(ta, tb, atol=1e-5, rtol=1e-5)
+
+
+def test_dependent_launch_is_off_where_it_cannot_run(monkeypatch) -> None:
+    from pagedlm_cuda.kernels import pdl
+
+    monkeypatch.setenv(pdl.PDL_ENV, "0")
+    pdl.enabled.cache_clear()
+    try:
+        assert not pdl.enabled() and pdl.launch_options() == {"USE_PDL": False}
+        monkeypatch.delenv(pdl.PDL_ENV)
+        pdl.enabled.cache_clear()
+        if not ON_GPU:  # the interpreter has no grid dependency control
+            assert not pdl.enabled()
+    finally:
+        pdl.enabled.cache_clear()

@@ -6,9 +6,12 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedlm_cuda.kernels import pdl
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, d, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, d, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -31,5 +34,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows == 0:
         return out
     block = min(1024, triton.next_power_of_2(d))
-    _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](x, out, x.stride(0), d, BLOCK=block)
+    _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](
+        x, out, x.stride(0), d, BLOCK=block, **pdl.launch_options()
+    )
     return out

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedlm_cuda.kernels import pdl
 from pagedlm_cuda.kernels.decode_config import decode_config
 from pagedlm_cuda.kernels.score_mod import scaled_scores, score_args
 
@@ -44,8 +45,9 @@ def _decode_partition_kernel(
     max_partitions, num_heads, score_scale, cap_log2e, window, group_size, head_dim,
     BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.start(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -108,8 +110,9 @@ def _decode_merge_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr, seq_lens_ptr,
     out_stride_token, out_stride_head, max_partitions, num_heads, head_dim, window,
     PARTITION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.start(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -215,13 +218,13 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, PARTITION=partition, BLOCK_N=block_n,
         BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_D=block_d, DIRECT=direct,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logits_soft_cap is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(),
     )  # fmt: skip
     if not direct:
         _decode_merge_kernel[(num_seqs, num_heads)](
             out, partial_out, partial_lse, seq_lens,
             out.stride(0), out.stride(1), max_partitions, num_heads, head_dim, window,
             PARTITION=partition, BLOCK_P=MERGE_BLOCK_P, BLOCK_D=block_d,
-            USE_WINDOW=sliding_window is not None,
+            USE_WINDOW=sliding_window is not None, **pdl.launch_options(),
         )  # fmt: skip
     return out

@@ -21,18 +21,28 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedlm_cuda.kernels import pdl
+
 
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.allow_next(USE_PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
     cols = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # The first weight slice is read before waiting for the kernel that produces x:
+    # weights never change, so this overlaps the previous kernel's tail.
+    k_mask = cols < K
+    w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+    pdl.wait_for_previous(USE_PDL)
+    x = tl.load(x_ptr + cols, mask=k_mask, other=0.0)
+    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + cols
         k_mask = k < K
         w = tl.load(w_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -71,6 +81,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(),
     )  # fmt: skip
     return out

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedlm_cuda.kernels import pdl
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -19,8 +21,9 @@ def _write_kv_kernel(
     key_stride_token, key_stride_head, value_stride_token, value_stride_head,
     cache_stride_block, cache_stride_head, cache_stride_slot,
     num_kv_heads, head_dim, block_size,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.start(USE_PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -70,4 +73,5 @@ def write_kv_cache(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         num_kv_heads, head_dim, key_cache.shape[2],
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        **pdl.launch_options(),
     )  # fmt: skip

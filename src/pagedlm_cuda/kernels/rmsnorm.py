@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedlm_cuda.kernels import pdl
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -20,7 +22,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
@@ -67,6 +71,7 @@ def _launch(
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK=triton.next_power_of_2(hidden),
+            **pdl.launch_options(),
         )
     out = out.view(x.shape)
     return out, None if residual_out is None else residual_out.view(x.shape)

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedlm_cuda.kernels import pdl
+
 
 @triton.jit
 def _rotate_heads(
@@ -51,8 +53,9 @@ def _rotary_kernel(
     q_stride_token, q_stride_head, k_stride_token, k_stride_head, cos_sin_stride,
     num_heads, num_kv_heads, eps,
     IS_NEOX: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
-    NORM: tl.constexpr,
+    NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.start(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     pairs = tl.arange(0, HALF)[None, :]
@@ -115,5 +118,6 @@ def rotary_embedding(
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         HALF=head_dim // 2,
         NORM=qk_norm is not None,
+        **pdl.launch_options(),
     )
     return query, key

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedlm_cuda.kernels import pdl
+
 BLOCK_V = 2048
 """Vocabulary entries per loop iteration of one program."""
 SPLIT_V = 16384
@@ -56,8 +58,9 @@ def _gumbel_argmax_kernel(
     logits_ptr, logits_stride, inv_temperature_ptr, noise_scale_ptr, seed_ptr,
     best_value_ptr, best_index_ptr, vocab_size, num_splits,
     HAS_TEMPERATURE: tl.constexpr, HAS_NOISE_SCALE: tl.constexpr, HAS_NOISE: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.start(USE_PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     inv_temperature = 1.0
@@ -151,6 +154,7 @@ def gumbel_sample(
         HAS_TEMPERATURE=inv_temperature is not None, HAS_NOISE_SCALE=noise_scale is not None,
         HAS_NOISE=seed is not None,
         SPLIT=SPLIT_V, BLOCK=max(16, min(BLOCK_V, triton.next_power_of_2(vocab_size))),
+        **pdl.launch_options(),
     )  # fmt: skip
     winner = best_value.argmax(dim=1, keepdim=True)
     return best_index.gather(1, winner).squeeze(1).to(torch.int64)
