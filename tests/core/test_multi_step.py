@@ -336,3 +336,28 @@ def test_chained_windows_generate_what_single_steps_generate(tiny_checkpoint):
         assert scheduler.kv_manager.usage == 0  # every block came back
     assert results[8] == results[1]
     assert sum(chained) >= 2  # windows did chain
+
+
+def test_abort_while_a_chained_window_is_queued(tiny_checkpoint):
+    """A request aborted between steps, while the window after the current one is
+    already queued, reports nothing more; the others finish and every block comes back."""
+    llm = LLM(str(tiny_checkpoint("llama")), skip_tokenizer_init=True, num_scheduler_steps=4)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for i, prompt in enumerate(_prompts(3, 5)):
+        engine.add_request(f"r{i}", prompt, params)
+    tokens: dict[str, int] = {}
+    aborted_at = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = len(out.outputs[0].token_ids)
+        core = engine.engine_core
+        if aborted_at is None and core.has_queued_window:
+            aborted_at = tokens.get("r1", 0)
+            engine.abort_request(["r1"])
+    assert aborted_at is not None  # a window was queued when r1 was aborted
+    assert tokens["r1"] == aborted_at
+    assert tokens["r0"] == tokens["r2"] == 30
+    while core.has_unfinished_requests():  # collect a window queued for aborted work
+        core.step()
+    assert core.scheduler.kv_manager.usage == 0

@@ -50,8 +50,13 @@ class EngineCore:
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self.scheduler.abort_requests(request_ids)
 
+    @property
+    def has_queued_window(self) -> bool:
+        """A chained window is on the device; the next ``step()`` collects it."""
+        return self._queued is not None
+
     def has_unfinished_requests(self) -> bool:
-        return self._queued is not None or self.scheduler.has_unfinished_requests()
+        return self.has_queued_window or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
         if self._queued is not None:
