@@ -208,7 +208,7 @@ def test_failed_compilation_aborts_only_that_request(backend):
     assert tokens == [] and out.finish_reason == "abort"
     assert "grammar compilation failed: fake compiler error" in out.stop_reason
     assert results["plain"][0] == [FILLER, FILLER]
-    assert not scheduler.structured_output._requests, "grammar state is released"
+    assert not scheduler.grammars.manager._requests, "grammar state is released"
 
 
 def test_token_outside_the_grammar_aborts(backend):
@@ -226,7 +226,7 @@ def test_abort_while_compiling(backend):
     scheduler.abort_requests(["json"])
     backend.release.set()
     assert not scheduler.has_unfinished_requests()
-    assert not scheduler.structured_output._requests
+    assert not scheduler.grammars.manager._requests
 
 
 def test_scheduler_without_manager_rejects_constrained_requests():

@@ -25,12 +25,13 @@ stops. Waiting requests never cause preemption; they are admitted only while fre
 last, and not at all in a step that preempted (memory is short then). FCFS is strict:
 when the head of the queue does not fit, nothing behind it is admitted either.
 
-Structured outputs (optional component, ``StructuredOutputManager``): a constrained
-request waits with status ``WAITING_FOR_GRAMMAR`` while its grammar compiles on a thread;
-it is skipped, and requests behind it are admitted. Each step ships the allowed-token
-bitmask of the constrained requests that sample with the ``SchedulerOutput``;
-``update_from_output`` advances their matchers by the appended tokens and finishes a
-request whose grammar has terminated. Matchers are not touched by preemption.
+Structured outputs (optional component, ``StructuredOutputManager``, driven through
+``grammar_gate.GrammarGate``): a constrained request waits with status
+``WAITING_FOR_GRAMMAR`` while its grammar compiles on a thread; it is skipped, and requests
+behind it are admitted. Each step ships the allowed-token bitmask of the constrained
+requests that sample with the ``SchedulerOutput``; ``update_from_output`` advances their
+matchers by the appended tokens and finishes a request whose grammar has terminated.
+Matchers are not touched by preemption.
 
 Multi-step decoding (``num_scheduler_steps`` = K > 1): when ``multi_step.plan_num_steps``
 allows it, one ``SchedulerOutput`` runs up to K decode steps on the workers. Each request
@@ -67,11 +68,11 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pagedlm.config import CacheConfig, SchedulerConfig
+from pagedlm.core.grammar_gate import GrammarGate
 from pagedlm.core.multi_step import plan_continuation, plan_num_steps
 from pagedlm.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
-    GrammarBitmask,
     LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
@@ -84,9 +85,6 @@ from pagedlm.kv_cache.manager import KVCacheManager
 
 if TYPE_CHECKING:
     from pagedlm.structured_output.manager import StructuredOutputManager
-
-GRAMMAR_WAIT_S = 0.05
-"""How long an idle step blocks for a compiling grammar before returning empty."""
 
 
 class OneBudgetScheduler(Scheduler):
@@ -109,7 +107,7 @@ class OneBudgetScheduler(Scheduler):
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.structured_output = structured_output
+        self.grammars = GrammarGate(structured_output)
         self._finished_req_ids: set[str] = set()
         """Requests that ended since the last ``schedule()``; reported to the workers."""
         self.num_model_steps = 0
@@ -136,13 +134,7 @@ class OneBudgetScheduler(Scheduler):
             )
         request.status = RequestStatus.WAITING
         if request.sampling_params.structured_outputs is not None:
-            if self.structured_output is None:
-                raise ValueError(
-                    f"request {request.request_id!r} asks for structured outputs, but this "
-                    "scheduler was built without a StructuredOutputManager."
-                )
-            self.structured_output.add_request(request)
-            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.grammars.add(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -190,7 +182,7 @@ class OneBudgetScheduler(Scheduler):
         new_reqs: list[NewRequestData] = []
         preempted: list[Request] = []
         if not self.running:
-            self._wait_for_grammars()
+            self.grammars.wait_while_idle(self.waiting)
         num_steps = plan_num_steps(self.config, self.running, self.waiting)
 
         index = 0
@@ -224,7 +216,7 @@ class OneBudgetScheduler(Scheduler):
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            if not self._grammar_ready(request):
+            if not self.grammars.ready(request):
                 compiling.append(self.waiting.popleft())
                 continue
             num_new_tokens = self._admit(request, budget)
@@ -252,7 +244,9 @@ class OneBudgetScheduler(Scheduler):
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids={request.request_id for request in preempted},
-            grammar_bitmask=self._grammar_bitmask(num_scheduled),
+            grammar_bitmask=self.grammars.bitmask(
+                (self.requests[request_id], n) for request_id, n in num_scheduled.items()
+            ),
             num_steps=num_steps if num_steps > 1 and not new_reqs and not preempted else 1,
         )
         self._finished_req_ids = set()
@@ -306,37 +300,6 @@ class OneBudgetScheduler(Scheduler):
         for request in requests:
             request.num_computed_tokens += 1
         return output
-
-    def _grammar_ready(self, request: Request) -> bool:
-        if request.status is not RequestStatus.WAITING_FOR_GRAMMAR:
-            return True
-        assert self.structured_output is not None
-        if not self.structured_output.is_ready(request.request_id):
-            return False
-        request.status = RequestStatus.WAITING
-        return True
-
-    def _wait_for_grammars(self) -> None:
-        """With nothing running, block briefly on compiling grammars instead of spinning."""
-        compiling = [
-            r.request_id for r in self.waiting if r.status is RequestStatus.WAITING_FOR_GRAMMAR
-        ]
-        if self.structured_output is not None and len(compiling) == len(self.waiting) > 0:
-            self.structured_output.wait_for_any(compiling, GRAMMAR_WAIT_S)
-
-    def _grammar_bitmask(self, num_scheduled: dict[str, int]) -> GrammarBitmask | None:
-        """Masks for the constrained requests that sample this step (prompt fully fed)."""
-        if self.structured_output is None:
-            return None
-        sampling = []
-        for request_id, num_tokens in num_scheduled.items():
-            request = self.requests[request_id]
-            if (
-                request.sampling_params.structured_outputs is not None
-                and request.num_computed_tokens + num_tokens >= request.num_tokens
-            ):
-                sampling.append(request_id)
-        return self.structured_output.grammar_bitmask(sampling) if sampling else None
 
     def _allocate_or_preempt(
         self, request: Request, num_new_tokens: int, preempted: list[Request]
@@ -398,14 +361,14 @@ class OneBudgetScheduler(Scheduler):
             request = self.requests.get(req_id)
             if request is None or req_id not in scheduler_output.num_scheduled_tokens:
                 continue  # aborted after this step was scheduled
-            if sampled and request.sampling_params.structured_outputs is not None:
-                sampled = self._check_grammar_failed(request, sampled)
+            if sampled:
+                sampled = self.grammars.check_failed(request, sampled)
             new_token_ids = append_token_ids(request, sampled, max_model_len) if sampled else []
             if scheduler_output.num_steps > 1 and not request.is_finished:
                 # Every token but the last was fed to a later step of this one.
                 request.num_computed_tokens += len(new_token_ids) - 1
-            if new_token_ids and not request.is_finished and self.structured_output is not None:
-                self._advance_grammar(request, new_token_ids)
+            if new_token_ids and not request.is_finished:
+                self.grammars.advance(request, new_token_ids)
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if not new_token_ids and not request.is_finished and prompt_logprobs is None:
                 continue
@@ -429,32 +392,9 @@ class OneBudgetScheduler(Scheduler):
             )
         return outputs
 
-    def _check_grammar_failed(self, request: Request, sampled: list[int]) -> list[int]:
-        """A request whose grammar failed to compile ends with "abort", its token dropped."""
-        assert self.structured_output is not None
-        error = self.structured_output.error(request.request_id)
-        if error is None:
-            return sampled
-        request.status = RequestStatus.FINISHED_ABORTED
-        request.stop_reason = error
-        return []
-
-    def _advance_grammar(self, request: Request, token_ids: list[int]) -> None:
-        assert self.structured_output is not None
-        if request.sampling_params.structured_outputs is None:
-            return
-        if not self.structured_output.accept_tokens(request.request_id, token_ids):
-            # Only possible if the mask was not applied; never emit text that breaks it.
-            request.status = RequestStatus.FINISHED_ABORTED
-            request.stop_reason = "sampled a token the grammar does not allow"
-        elif self.structured_output.is_terminated(request.request_id):
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = None
-
     def _finish(self, request: Request) -> None:
         """Release a request that has left ``running``/``waiting`` with a finished status."""
-        if self.structured_output is not None:
-            self.structured_output.remove(request.request_id)
+        self.grammars.remove(request)
         self.kv_manager.free(request)
         del self.requests[request.request_id]
         self._finished_req_ids.add(request.request_id)

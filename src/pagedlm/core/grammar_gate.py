@@ -1,0 +1,97 @@
+"""What the scheduler does for structured-output requests, in one place.
+
+A constrained request waits with status ``WAITING_FOR_GRAMMAR`` while its grammar compiles
+on the manager's thread, and is skipped (requests behind it are admitted) until it is
+ready. Each step ships the allowed-token bitmask of the constrained requests that sample.
+Sampled tokens advance the request's matcher; a terminated grammar finishes the request
+("stop"), a grammar that failed to compile aborts it with the compiler's message. Without a
+``StructuredOutputManager`` every method is a no-op except ``add``, which refuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from pagedlm.core.outputs import GrammarBitmask
+from pagedlm.core.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from pagedlm.structured_output.manager import StructuredOutputManager
+
+GRAMMAR_WAIT_S = 0.05
+"""How long an idle step blocks for a compiling grammar before returning empty."""
+
+
+class GrammarGate:
+    def __init__(self, manager: StructuredOutputManager | None) -> None:
+        self.manager = manager
+
+    def add(self, request: Request) -> None:
+        """Start compiling ``request``'s grammar; it waits until that is done."""
+        if self.manager is None:
+            raise ValueError(
+                f"request {request.request_id!r} asks for structured outputs, but this "
+                "scheduler was built without a StructuredOutputManager."
+            )
+        self.manager.add_request(request)
+        request.status = RequestStatus.WAITING_FOR_GRAMMAR
+
+    def ready(self, request: Request) -> bool:
+        """Whether a waiting request may be admitted (its grammar, if any, compiled)."""
+        if request.status is not RequestStatus.WAITING_FOR_GRAMMAR:
+            return True
+        assert self.manager is not None
+        if not self.manager.is_ready(request.request_id):
+            return False
+        request.status = RequestStatus.WAITING
+        return True
+
+    def wait_while_idle(self, waiting: Iterable[Request]) -> None:
+        """With nothing running and every waiting request compiling, block briefly on the
+        compiler instead of spinning."""
+        waiting = list(waiting)
+        compiling = [r.request_id for r in waiting if r.status is RequestStatus.WAITING_FOR_GRAMMAR]
+        if self.manager is not None and len(compiling) == len(waiting) > 0:
+            self.manager.wait_for_any(compiling, GRAMMAR_WAIT_S)
+
+    def bitmask(self, scheduled: Iterable[tuple[Request, int]]) -> GrammarBitmask | None:
+        """Masks for the constrained requests among ``(request, tokens scheduled)`` that
+        sample this step (their prompt fully fed)."""
+        if self.manager is None:
+            return None
+        sampling = [
+            request.request_id
+            for request, num_tokens in scheduled
+            if request.sampling_params.structured_outputs is not None
+            and request.num_computed_tokens + num_tokens >= request.num_tokens
+        ]
+        return self.manager.grammar_bitmask(sampling) if sampling else None
+
+    def check_failed(self, request: Request, sampled: list[int]) -> list[int]:
+        """``sampled``, or nothing if the request's grammar failed to compile (the request
+        then ends with "abort" and the compiler's message)."""
+        if self.manager is None or request.sampling_params.structured_outputs is None:
+            return sampled
+        error = self.manager.error(request.request_id)
+        if error is None:
+            return sampled
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.stop_reason = error
+        return []
+
+    def advance(self, request: Request, token_ids: list[int]) -> None:
+        """Feed appended tokens to the request's matcher; finish it if the grammar ends."""
+        if self.manager is None or request.sampling_params.structured_outputs is None:
+            return
+        if not self.manager.accept_tokens(request.request_id, token_ids):
+            # Only possible if the mask was not applied; never emit text that breaks it.
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.stop_reason = "sampled a token the grammar does not allow"
+        elif self.manager.is_terminated(request.request_id):
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = None
+
+    def remove(self, request: Request) -> None:
+        if self.manager is not None:
+            self.manager.remove(request.request_id)
