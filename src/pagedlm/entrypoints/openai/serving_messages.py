@@ -11,7 +11,11 @@ from collections.abc import AsyncIterator
 
 from pagedlm.entrypoints.openai.errors import APIError
 from pagedlm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
-from pagedlm.entrypoints.openai.serving_engine import ServingContext, merge_streams
+from pagedlm.entrypoints.openai.serving_engine import (
+    ServingContext,
+    merge_streams,
+    stream_or_collect,
+)
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -67,12 +71,7 @@ class MessagesServer:
         message_id = self.ctx.request_id("msg")
         started = await self.ctx.start([{"prompt_token_ids": prompt_token_ids}], params, message_id)
         events = self._events(request, message_id, started, len(prompt_token_ids))
-        if request.stream:
-            return None, events
-        body = None
-        async for event in events:
-            body = event
-        return body, None
+        return await stream_or_collect(events, request.stream)
 
     async def _events(
         self, request: MessagesRequest, message_id: str, started, input_tokens: int
