@@ -5,6 +5,10 @@ Per step: update per-request state from the SchedulerOutput, build ``input_ids``
 mapping), let the attention backend build its metadata once, run the model, compute
 logits only for rows that are sampled or asked for prompt logprobs, and sample.
 
+A multi-step window (``num_steps`` > 1) is queued without waiting: its steps feed each
+other's samples on the device, and ``launch`` returns a ``DecodeWindow`` handle
+(``decode_window.py``) whose ``result()`` is the one wait. Any other step runs to the end.
+
 Structured outputs: the scheduler owns the grammar matchers and ships the bitmask of the
 constrained requests that sample with the ``SchedulerOutput`` (``grammar_bitmask``, as in
 vLLM); the runner only lays its rows out in sampling order and hands it to the sampler.
@@ -14,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 
@@ -33,24 +36,16 @@ from pagedlm.model_executor.loader import load_model
 from pagedlm.platforms import Platform
 from pagedlm.platforms.interface import DecodeGraphRunner
 from pagedlm.sample.host_copy import to_device
-from pagedlm.sample.logprobs import compute_logprobs
 from pagedlm.sample.metadata import SamplingMetadata
 from pagedlm.sample.sampler import Sampler
+from pagedlm.worker.decode_window import DecodeWindow, copy_to_host
+from pagedlm.worker.prompt_logprobs import PromptLogprobsRows, compute_prompt_logprobs
 from pagedlm.worker.request_state import CachedRequestState
 
 logger = logging.getLogger(__name__)
 
 ENFORCE_EAGER_ENV = "PAGEDLM_ENFORCE_EAGER"
 """Set to 1 to never replay decode steps from CUDA graphs (also ``enforce_eager``)."""
-
-
-@dataclass(frozen=True)
-class _PromptLogprobsRows:
-    req_id: str
-    num_logprobs: int
-    rows: range
-    """Rows of the flattened batch whose next token is a prompt token."""
-    target_token_ids: list[int]
 
 
 class ModelRunner:
@@ -154,6 +149,24 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------
 
+    def _forward(
+        self, input_ids: list[int] | torch.Tensor, positions: list[int], layout: BatchLayout
+    ) -> torch.Tensor:
+        """Hidden states of one flattened step: replayed from a captured graph when one
+        fits the batch, else run eagerly. ``input_ids`` may already be on the device."""
+        if self.graph_runner is not None and self.graph_runner.can_run(layout):
+            return self.graph_runner.run(input_ids, positions, layout)
+        assert self.kv_cache is not None, "initialize_kv_cache must run first"
+        ctx = ForwardContext(
+            attn_backend=self.attn_backend,
+            attn_metadata=self.attn_backend.build_metadata(layout),
+            kv_cache=self.kv_cache,
+        )
+        if not isinstance(input_ids, torch.Tensor):
+            input_ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return self.model(input_ids, positions_t, ctx)
+
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
@@ -203,7 +216,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sampled_states: list[CachedRequestState] = []
-        prompt_logprob_rows: list[_PromptLogprobsRows] = []
+        prompt_logprob_rows: list[PromptLogprobsRows] = []
         bs = self.block_size
         for state, n in zip(states, num_scheduled):
             start = state.num_computed_tokens
@@ -222,7 +235,7 @@ class ModelRunner:
             last_prompt_row = min(end, state.num_prompt_tokens - 1)
             if k is not None and start < last_prompt_row:
                 prompt_logprob_rows.append(
-                    _PromptLogprobsRows(
+                    PromptLogprobsRows(
                         state.req_id,
                         k,
                         range(row0, row0 + last_prompt_row - start),
@@ -237,21 +250,8 @@ class ModelRunner:
             slot_mapping=slot_mapping,
             block_size=bs,
         )
-        assert self.kv_cache is not None, "initialize_kv_cache must run first"
         device = self.device
-        if self.graph_runner is not None and self.graph_runner.can_run(layout):
-            hidden = self.graph_runner.run(input_ids, positions, layout)
-        else:
-            ctx = ForwardContext(
-                attn_backend=self.attn_backend,
-                attn_metadata=self.attn_backend.build_metadata(layout),
-                kv_cache=self.kv_cache,
-            )
-            hidden = self.model(
-                torch.tensor(input_ids, dtype=torch.long, device=device),
-                torch.tensor(positions, dtype=torch.long, device=device),
-                ctx,
-            )
+        hidden = self._forward(input_ids, positions, layout)
 
         logit_rows = list(sample_rows)
         for p in prompt_logprob_rows:
@@ -286,7 +286,7 @@ class ModelRunner:
                 s.token_ids.append(token_id)
                 sampled[s.req_id] = [token_id]
 
-        prompt_logprobs = self._prompt_logprobs(logits[len(sample_rows) :], prompt_logprob_rows)
+        prompt_logprobs = compute_prompt_logprobs(logits[len(sample_rows) :], prompt_logprob_rows)
         for state, n in zip(states, num_scheduled):
             state.num_computed_tokens += n
         return ModelRunnerOutput(
@@ -302,7 +302,7 @@ class ModelRunner:
         states: list[CachedRequestState],
         num_steps: int,
         inputs_from_previous: bool,
-    ) -> _DecodeWindow:
+    ) -> DecodeWindow:
         """Queue ``num_steps`` decode steps back to back, each feeding the tokens the
         previous one sampled (still on the device); the returned window's ``result()`` is
         the one wait for the device.
@@ -338,20 +338,7 @@ class ModelRunner:
                 slot_mapping=[t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions)],
                 block_size=bs,
             )
-            if self.graph_runner is not None and self.graph_runner.can_run(layout):
-                hidden = self.graph_runner.run(input_ids, positions, layout)
-            else:
-                ctx = ForwardContext(
-                    attn_backend=self.attn_backend,
-                    attn_metadata=self.attn_backend.build_metadata(layout),
-                    kv_cache=self.kv_cache,
-                )
-                if not isinstance(input_ids, torch.Tensor):
-                    input_ids = torch.tensor(input_ids, dtype=torch.long, device=device)
-                hidden = self.model(
-                    input_ids, torch.tensor(positions, dtype=torch.long, device=device), ctx
-                )
-            logits = self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(self._forward(input_ids, positions, layout))
             if metadata is None:
                 metadata = SamplingMetadata.build(
                     rows, logits.shape[-1], device, default_generator=self.default_generator
@@ -363,7 +350,7 @@ class ModelRunner:
         self._last_window = (req_ids, sampled_steps[-1])
         # Queue the copy to the host now, right behind this window's last step: its
         # result() must not wait for a window queued after it.
-        return _DecodeWindow(req_ids, states, *_copy_to_host(torch.stack(sampled_steps)))
+        return DecodeWindow(req_ids, states, *copy_to_host(torch.stack(sampled_steps)))
 
     def _previous_window_tokens(self, req_ids: list[str]) -> torch.Tensor:
         """The last tokens the previous window sampled, in ``req_ids``' order (a subset
@@ -375,63 +362,6 @@ class ModelRunner:
             return tokens
         row_of = {req_id: row for row, req_id in enumerate(previous_ids)}
         return tokens[to_device([row_of[r] for r in req_ids], torch.long, tokens.device)]
-
-    def _prompt_logprobs(
-        self, logits: torch.Tensor, requests: list[_PromptLogprobsRows]
-    ) -> dict[str, LogprobsLists]:
-        result: dict[str, LogprobsLists] = {}
-        offset = 0
-        for p in requests:
-            n = len(p.rows)
-            targets = torch.tensor(p.target_token_ids, dtype=torch.long, device=logits.device)
-            rows = compute_logprobs(logits[offset : offset + n], targets, p.num_logprobs)
-            offset += n
-            lists = rows.to_lists([p.num_logprobs] * n)
-            result[p.req_id] = LogprobsLists(
-                token_ids=[t for row in lists for t in row.token_ids],
-                logprobs=[lp for row in lists for lp in row.logprobs],
-                ranks=[r for row in lists for r in row.ranks],
-            )
-        return result
-
-
-def _copy_to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Event | None]:
-    """Start copying ``tokens`` to (pinned) host memory; returns the host tensor and the
-    event that marks the copy done (None when ``tokens`` already is on the host)."""
-    if tokens.device.type == "cpu":
-        return tokens, None
-    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-    host.copy_(tokens, non_blocking=True)
-    done = torch.Event(device=tokens.device)
-    done.record()
-    return host, done
-
-
-class _DecodeWindow:
-    """A multi-step window queued on the device; ``result()`` waits for its tokens once
-    and appends them to the request states (windows are collected in launch order)."""
-
-    def __init__(
-        self,
-        req_ids: list[str],
-        states: list[CachedRequestState],
-        tokens: torch.Tensor,
-        copied: torch.Event | None,
-    ) -> None:
-        self.req_ids = req_ids
-        self.states = states
-        self.tokens = tokens
-        """[num_steps, num_reqs] sampled ids on the host, valid once ``copied`` is done."""
-        self.copied = copied
-
-    def result(self) -> ModelRunnerOutput:
-        if self.copied is not None:
-            self.copied.synchronize()  # the one wait for the device
-        per_step = self.tokens.tolist()
-        sampled = [list(tokens) for tokens in zip(*per_step)]
-        for state, tokens in zip(self.states, sampled):
-            state.token_ids.extend(tokens)
-        return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=sampled)
 
 
 def _batch_bitmask(
