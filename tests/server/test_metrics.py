@@ -51,3 +51,27 @@ def test_counters_match_requests(tiny_server):
         "pagedlm:prefix_cache_hits_total",
     ):
         assert value(after, name) >= 0
+
+
+def test_cache_salt_keeps_prefix_caches_apart(tiny_server):
+    """Requests share prefix-cache blocks only under the same ``cache_salt``."""
+    prompt = "salted prefix, long enough for several full blocks of the cache " * 2
+
+    def hits_after(salt: str) -> float:
+        before = scrape(tiny_server.url)
+        for endpoint, body in (
+            ("completions", {"prompt": prompt}),
+            ("chat/completions", {"messages": [{"role": "user", "content": prompt}]}),
+        ):
+            response = httpx.post(
+                f"{tiny_server.url}/v1/{endpoint}",
+                json={"model": "tiny", "max_tokens": 1, "cache_salt": salt, **body},
+            )
+            assert response.status_code == 200, response.text
+        after = scrape(tiny_server.url)
+        name = "pagedlm:prefix_cache_hits_total"
+        return value(after, name) - value(before, name)
+
+    assert hits_after("tenant-a") == 0  # first sight of both prompts under this salt
+    assert hits_after("tenant-a") > 0  # the same prompts again: their blocks are reused
+    assert hits_after("tenant-b") == 0  # another tenant's salt shares nothing

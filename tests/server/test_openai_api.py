@@ -169,7 +169,7 @@ def test_vllm_extras(client, tiny_server):
             "include_stop_str_in_output": True,
             "prompt_logprobs": 1,
             "cache_salt": "tenant-a",
-            "priority": 1,
+            "priority": 0,
         },
     )
     assert extras.usage.completion_tokens == 4
@@ -260,6 +260,10 @@ def test_sdk_errors(client):
         )
     with pytest.raises(openai.BadRequestError, match="vocabulary"):
         client.completions.create(model="tiny", prompt=[10_000], max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="priority scheduling is not enabled"):
+        client.completions.create(
+            model="tiny", prompt="x", max_tokens=1, extra_body={"priority": 1}
+        )
 
 
 @pytest.mark.parametrize(

@@ -76,6 +76,13 @@ class SamplingFields(OpenAIModel):
         ``structured_outputs`` (forced tool calls) replaces the request's own
         ``response_format``/``structured_outputs``.
         """
+        if self.priority != 0:
+            # vLLM's answer under its default first-come-first-served policy.
+            raise APIError(
+                f"Got priority {self.priority} but priority scheduling is not enabled: this "
+                "server schedules first come, first served; leave priority out or send 0.",
+                param="priority",
+            )
         if structured_outputs is None:
             structured_outputs = structured_outputs_from_request(
                 self.response_format, self.structured_outputs
@@ -109,6 +116,18 @@ class SamplingFields(OpenAIModel):
             )
         except ValueError as error:
             raise APIError(str(error)) from error
+
+    def engine_prompts(self, prompts: list[str | dict[str, Any]]) -> list[str | dict[str, Any]]:
+        """``prompts`` as the engine takes them, each carrying this request's
+        ``cache_salt`` (requests with different salts never share prefix-cache blocks)."""
+        if self.cache_salt is None:
+            return prompts
+        return [
+            {"prompt": p, "cache_salt": self.cache_salt}
+            if isinstance(p, str)
+            else {**p, "cache_salt": self.cache_salt}
+            for p in prompts
+        ]
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:

@@ -78,7 +78,8 @@ class ChatServer:
             max_tokens, request.num_logprobs(), plan.structured_outputs
         )
         request_id = ctx.request_id("chatcmpl")
-        started = await ctx.start([{"prompt_token_ids": prompt_token_ids}], params, request_id)
+        prompts = request.engine_prompts([{"prompt_token_ids": prompt_token_ids}])
+        started = await ctx.start(prompts, params, request_id)
         events = self._events(request, request_id, started, plan)
         return await stream_or_collect(events, request.stream)
 
