@@ -217,6 +217,9 @@ class SchedulerConfig:
     num_scheduler_steps: int = 1
     """Decode steps one schedule may run back to back on the workers (multi-step
     decoding; 1 = every step goes through the scheduler)."""
+    scheduling_policy: str = "fcfs"
+    """"fcfs" (arrival order) or "priority" (lowest ``priority`` value first, then
+    arrival; preemption takes the lowest-priority running request)."""
 
     @property
     def chunked_prefill(self) -> bool:

@@ -393,3 +393,65 @@ def test_prompt_logprobs_of_a_partial_chunk_are_passed_through():
     assert result.new_token_ids == []
     assert result.new_prompt_logprobs is chunk
     assert not result.finished
+
+
+def _priority_scheduler(**kwargs) -> OneBudgetScheduler:
+    scheduler = _scheduler(**kwargs)
+    config = scheduler.config
+    return OneBudgetScheduler(
+        SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            scheduling_policy="priority",
+        ),
+        CacheConfig(block_size=BLOCK),
+        scheduler.num_blocks,
+    )
+
+
+def _prioritized(request_id: str, priority: int, arrival: float, **params) -> Request:
+    request = _request(request_id, 4, first_token=10 + 10 * arrival, **params)
+    request.priority = priority
+    request.arrival_time = arrival
+    return request
+
+
+def test_priority_policy_admits_lower_values_first_then_by_arrival():
+    scheduler = _priority_scheduler(max_seqs=1)
+    for request_id, priority, arrival in [("late-low", 5, 1), ("high", 0, 2), ("low", 5, 0)]:
+        scheduler.add_request(_prioritized(request_id, priority, arrival, max_tokens=2))
+    started = []
+    for output in _run_to_completion(scheduler):
+        started += [r.req_id for r in output.scheduled_new_reqs]
+    assert started == ["high", "low", "late-low"]
+    _assert_all_free(scheduler)
+
+
+def test_fcfs_policy_ignores_priority_order():
+    scheduler = _scheduler(max_seqs=1)
+    for request_id, priority, arrival in [("first", 5, 0), ("second", 0, 1)]:
+        scheduler.add_request(_prioritized(request_id, priority, arrival, max_tokens=2))
+    started = []
+    for output in _run_to_completion(scheduler):
+        started += [r.req_id for r in output.scheduled_new_reqs]
+    assert started == ["first", "second"]
+
+
+def test_priority_policy_preempts_the_least_urgent_running_request():
+    # 6 blocks of 4: two 4-token prompts fit, their growth to 4 + 10 tokens does not.
+    scheduler = _priority_scheduler(num_blocks=6)
+    scheduler.add_request(_prioritized("low", 3, 0, max_tokens=10, ignore_eos=True))
+    _step(scheduler)  # "low" starts alone
+    scheduler.add_request(_prioritized("high", 1, 1, max_tokens=10, ignore_eos=True))
+    _step(scheduler)
+    assert [r.request_id for r in scheduler.running] == ["high", "low"]
+    preempted = set()
+    for _ in range(40):
+        if not scheduler.has_unfinished_requests():
+            break
+        output, _ = _step(scheduler)
+        preempted |= output.preempted_req_ids
+    assert preempted == {"low"}  # admitted first, but the less urgent one
+    assert scheduler.requests == {}
+    _assert_all_free(scheduler)

@@ -55,7 +55,13 @@ def test_wire_sampling_params_mirrors_every_field():
 def test_request_round_trip():
     params = SamplingParams(max_tokens=4, ignore_eos=False)
     request = Request(
-        "r1", [5, 6, 7], params, eos_token_ids={2}, arrival_time=12.5, cache_salt="salt"
+        "r1",
+        [5, 6, 7],
+        params,
+        eos_token_ids={2},
+        arrival_time=12.5,
+        cache_salt="salt",
+        priority=-3,
     )
     message = messages.AddRequests("parent", [messages.request_to_wire(request)])
     decoded = _round_trip(message)
@@ -66,6 +72,7 @@ def test_request_round_trip():
     assert restored.eos_token_ids == {2}
     assert restored.arrival_time == 12.5
     assert restored.cache_salt == "salt"
+    assert restored.priority == -3
     assert restored.sampling_params == params
 
 

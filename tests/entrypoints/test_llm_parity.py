@@ -93,3 +93,24 @@ def test_cache_salt_isolates_prefix_cache(tiny_checkpoint):
     assert cached(None) == 0
     with pytest.raises(ValueError, match="cache_salt"):
         cached("")
+
+
+def test_priority_needs_its_policy_and_then_orders_requests(tiny_checkpoint):
+    path = str(tiny_checkpoint("llama"))
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}]
+    fcfs = LLM(path, skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="priority scheduling is not enabled"):
+        fcfs.generate(prompts, params, use_tqdm=False, priority=[0, 1])
+    with pytest.raises(ValueError, match="one per prompt"):
+        fcfs.generate(prompts, params, use_tqdm=False, priority=[0])
+    same = fcfs.generate(prompts, params, use_tqdm=False, priority=[0, 0])
+    del fcfs
+
+    llm = LLM(path, skip_tokenizer_init=True, scheduling_policy="priority", max_num_seqs=1)
+    outs = llm.generate(prompts, params, use_tqdm=False, priority=[2, 1])
+    # One sequence at a time: the second prompt, more urgent, runs (and ends) first.
+    assert outs[1].metrics["finished_time"] < outs[0].metrics["finished_time"]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in same]
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        LLM(path, skip_tokenizer_init=True, scheduling_policy="lifo")

@@ -56,6 +56,7 @@ class Request:
         eos_token_ids: set[int] | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -63,6 +64,8 @@ class Request:
         self.eos_token_ids = set() if sampling_params.ignore_eos else set(eos_token_ids or ())
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
+        self.priority = priority
+        """Under the "priority" scheduling policy, lower values are served first."""
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)

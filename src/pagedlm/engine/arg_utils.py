@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass
 class EngineArgs:
     model: str | None = None
@@ -66,6 +69,10 @@ class EngineArgs:
     """Decode steps per schedule (multi-step decoding, vLLM's flag): above 1, pure decode
     batches run up to this many steps on the device without a host round trip, which
     hides the host's per-step work; new requests wait at most that many steps to start."""
+    scheduling_policy: str = "fcfs"
+    """"fcfs": requests start in arrival order; "priority": by each request's ``priority``
+    (lower first, ties in arrival order), and memory pressure preempts the
+    lowest-priority running request first."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of prompt prefixes seen before."""
     skip_tokenizer_init: bool = False
@@ -118,6 +125,11 @@ class EngineArgs:
         for name in ("num_kv_blocks", "max_num_batched_tokens", "max_model_len"):
             validate_positive(name, getattr(self, name))
         validate_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy={self.scheduling_policy!r} is unknown; use one of "
+                f"{list(SCHEDULING_POLICIES)}."
+            )
 
         self._check_loading_options()
         from pagedlm.structured_output.backend import BACKENDS
@@ -190,6 +202,7 @@ class EngineArgs:
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 num_scheduler_steps=self.num_scheduler_steps,
+                scheduling_policy=self.scheduling_policy,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
             ),

@@ -67,7 +67,10 @@ class AsyncLLM:
         self.config = config
         self.tokenizer = tokenizer
         self.input_processor = InputProcessor(
-            config.model, tokenizer, config.structured_outputs_backend
+            config.model,
+            tokenizer,
+            config.structured_outputs_backend,
+            config.scheduler.scheduling_policy,
         )
         self.output_processor = OutputProcessor(tokenizer)
         self.metrics = EngineMetrics()
@@ -116,9 +119,14 @@ class AsyncLLM:
     # ------------------------------------------------------------------------- requests
 
     async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request, following ``sampling_params.output_kind``.
+        ``priority`` (lower first) needs the engine's "priority" scheduling policy.
 
         Bad input raises ``ValueError`` at the first ``__anext__``, before anything reaches
         the core. Closing the iterator early (or cancelling its task) aborts the request;
@@ -131,7 +139,7 @@ class AsyncLLM:
             raise ValueError(
                 f"Request id {request_id!r} is already in use; give each request a unique id."
             )
-        processed = self.input_processor.process(request_id, prompt, sampling_params)
+        processed = self.input_processor.process(request_id, prompt, sampling_params, priority)
         self.output_processor.add_request(
             request_id,
             processed.prompt,

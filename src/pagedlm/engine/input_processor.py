@@ -42,8 +42,10 @@ class InputProcessor:
         model_config: ModelConfig,
         tokenizer: Any | None,
         structured_outputs_backend: str = "xgrammar",
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.model_config = model_config
+        self.scheduling_policy = scheduling_policy
         self.tokenizer = tokenizer
         self.structured_outputs_backend = structured_outputs_backend
         self.vocab_size = model_config.arch.vocab_size
@@ -136,8 +138,16 @@ class InputProcessor:
         validate_structured_outputs(params.structured_outputs, self.structured_outputs_backend)
 
     def process(
-        self, request_id: str, prompt: PromptType, params: SamplingParams
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
     ) -> ProcessedRequest:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}.")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(
+                f"Got priority {priority} but priority scheduling is not enabled; start the "
+                "engine with scheduling_policy='priority' (--scheduling-policy priority), or "
+                "send priority 0."
+            )
         text, token_ids = self.tokenize(prompt)
         resolved = self.resolve_params(params, len(token_ids))
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
@@ -160,6 +170,7 @@ class InputProcessor:
                     eos_token_ids=self.eos_token_ids,
                     arrival_time=arrival,
                     cache_salt=cache_salt,
+                    priority=priority,
                 )
             )
         return ProcessedRequest(request_id, text, token_ids, resolved, children, arrival)

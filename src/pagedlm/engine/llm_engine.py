@@ -30,7 +30,10 @@ class LLMEngine:
 
             self.tokenizer = get_tokenizer(config.model.model, config.model.tokenizer)
         self.input_processor = InputProcessor(
-            config.model, self.tokenizer, config.structured_outputs_backend
+            config.model,
+            self.tokenizer,
+            config.structured_outputs_backend,
+            config.scheduler.scheduling_policy,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(config, platform)
@@ -42,10 +45,10 @@ class LLMEngine:
         return cls(config, platform)
 
     def process_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
     ) -> ProcessedRequest:
         """Validate and tokenize without touching the engine (raises ValueError)."""
-        return self.input_processor.process(request_id, prompt, params)
+        return self.input_processor.process(request_id, prompt, params, priority)
 
     def add_processed_request(self, request: ProcessedRequest) -> None:
         # Check every child fits before queueing any, so a rejection leaves no trace.
@@ -66,8 +69,10 @@ class LLMEngine:
             raise
         self.metrics.record_prompt(len(request.prompt_token_ids), len(request.children))
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
-        self.add_processed_request(self.process_request(request_id, prompt, params))
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+    ) -> None:
+        self.add_processed_request(self.process_request(request_id, prompt, params, priority))
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         child_ids = self.output_processor.abort_requests(request_ids)

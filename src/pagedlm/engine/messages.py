@@ -57,6 +57,7 @@ class WireRequest(msgspec.Struct, array_like=True):
     eos_token_ids: list[int]
     arrival_time: float
     cache_salt: str | None = None
+    priority: int = 0
 
 
 def request_to_wire(request: Request) -> WireRequest:
@@ -67,6 +68,7 @@ def request_to_wire(request: Request) -> WireRequest:
         sorted(request.eos_token_ids),
         request.arrival_time,
         request.cache_salt,
+        request.priority,
     )
 
 
@@ -78,6 +80,7 @@ def request_from_wire(wire: WireRequest) -> Request:
         eos_token_ids=set(wire.eos_token_ids),
         arrival_time=wire.arrival_time,
         cache_salt=wire.cache_salt,
+        priority=wire.priority,
     )
 
 

@@ -85,8 +85,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; results come back in input order."""
+        """Generate for every prompt; results come back in input order. ``priority``: one
+        value per prompt (lower first), for an engine with ``scheduling_policy="priority"``."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -101,13 +103,19 @@ class LLM:
                     f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass "
                     "one SamplingParams or exactly one per prompt."
                 )
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(
+                f"Got {len(priorities)} priorities for {len(prompts)} prompts; pass exactly "
+                "one per prompt."
+            )
         # The offline API returns finished outputs only; skip building intermediate ones.
         params_list = [_final_only(p) for p in params_list]
         engine = self.llm_engine
         # Validate everything first: one bad prompt must not leave the others queued.
         processed = [
-            engine.process_request(str(next(self._request_counter)), prompt, params)
-            for prompt, params in zip(prompts, params_list)
+            engine.process_request(str(next(self._request_counter)), prompt, params, rank)
+            for prompt, params, rank in zip(prompts, params_list, priorities)
         ]
         for request in processed:
             engine.add_processed_request(request)

@@ -76,13 +76,6 @@ class SamplingFields(OpenAIModel):
         ``structured_outputs`` (forced tool calls) replaces the request's own
         ``response_format``/``structured_outputs``.
         """
-        if self.priority != 0:
-            # vLLM's answer under its default first-come-first-served policy.
-            raise APIError(
-                f"Got priority {self.priority} but priority scheduling is not enabled: this "
-                "server schedules first come, first served; leave priority out or send 0.",
-                param="priority",
-            )
         if structured_outputs is None:
             structured_outputs = structured_outputs_from_request(
                 self.response_format, self.structured_outputs

@@ -79,7 +79,7 @@ class ChatServer:
         )
         request_id = ctx.request_id("chatcmpl")
         prompts = request.engine_prompts([{"prompt_token_ids": prompt_token_ids}])
-        started = await ctx.start(prompts, params, request_id)
+        started = await ctx.start(prompts, params, request_id, request.priority)
         events = self._events(request, request_id, started, plan)
         return await stream_or_collect(events, request.stream)
 

@@ -65,7 +65,8 @@ class CompletionServer:
         if request.echo and request.logprobs is not None:
             params.prompt_logprobs = max(params.prompt_logprobs or 0, request.logprobs)
         request_id = ctx.request_id("cmpl")
-        started = await ctx.start(request.engine_prompts(request.prompts()), params, request_id)
+        prompts = request.engine_prompts(request.prompts())
+        started = await ctx.start(prompts, params, request_id, request.priority)
         events = self._events(request, request_id, started, score_only)
         return await stream_or_collect(events, request.stream)
 

@@ -110,7 +110,7 @@ class ServingContext:
         task.add_done_callback(self._background.discard)
 
     async def generate(
-        self, prompt: Any, params: SamplingParams, request_id: str
+        self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """The engine's DELTA outputs for one prompt, observed for metrics.
 
@@ -118,7 +118,7 @@ class ServingContext:
         cancelled task, because the abort runs as its own task.
         """
         tracker = RequestLatencyTracker(self.metrics)
-        stream = self.engine.generate(prompt, params, request_id)
+        stream = self.engine.generate(prompt, params, request_id, priority)
         finished = False
         try:
             async for output in stream:
@@ -135,7 +135,7 @@ class ServingContext:
             await self.engine.abort(request_id)
 
     async def start(
-        self, prompts: list[Any], params: SamplingParams, request_id: str
+        self, prompts: list[Any], params: SamplingParams, request_id: str, priority: int = 0
     ) -> list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]:
         """Start one request per prompt and wait for each one's first output.
 
@@ -143,7 +143,8 @@ class ServingContext:
         request of the batch stays in the engine.
         """
         streams = [
-            self.generate(prompt, params, f"{request_id}-{i}") for i, prompt in enumerate(prompts)
+            self.generate(prompt, params, f"{request_id}-{i}", priority)
+            for i, prompt in enumerate(prompts)
         ]
         firsts = await asyncio.gather(
             *(anext(stream) for stream in streams), return_exceptions=True
