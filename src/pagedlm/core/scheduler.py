@@ -51,9 +51,9 @@ running window is finished and freed there; the next window's tokens for it are 
 whose steps run on the device after the window that still writes them.
 
 Priority policy (``scheduling_policy="priority"``, vLLM's): ``waiting`` and ``running``
-are kept in ``(priority, arrival_time)`` order instead of arrival/admission order, so the
-same passes serve lower priority values first, the head of the queue is the most urgent
-request, and preemption from the back of ``running`` takes the least urgent one.
+are kept in ``(priority, arrival_time)`` order instead of arrival/admission order
+(``queue_order.py``), so the same passes serve lower priority values first and
+preemption from the back of ``running`` takes the least urgent request.
 
 A request that could never fit (``prompt + max_tokens`` tokens need more than
 ``num_blocks`` blocks) is rejected in ``add_request`` instead of waiting forever.
@@ -67,7 +67,6 @@ has ``num_computed_tokens < num_tokens`` and samples nothing.
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -84,6 +83,7 @@ from pagedlm.core.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagedlm.core.queue_order import QueueOrder
 from pagedlm.core.request import Request, RequestStatus
 from pagedlm.core.scheduler_interface import Scheduler, SchedulerStats
 from pagedlm.core.stop_checker import append_token_ids
@@ -116,8 +116,7 @@ class OneBudgetScheduler(Scheduler):
         self.grammars = GrammarGate(structured_output)
         self._finished_req_ids: set[str] = set()
         """Requests that ended since the last ``schedule()``; reported to the workers."""
-        self.by_priority = scheduler_config.scheduling_policy == "priority"
-        """Order ``waiting`` and ``running`` by ``(priority, arrival_time)`` (see module doc)."""
+        self.order = QueueOrder(scheduler_config.scheduling_policy)
         self.num_model_steps = 0
         """Model forward steps scheduled so far (a multi-step schedule counts K)."""
 
@@ -144,7 +143,7 @@ class OneBudgetScheduler(Scheduler):
         if request.sampling_params.structured_outputs is not None:
             self.grammars.add(request)
         self.requests[request.request_id] = request
-        self._enqueue(request)
+        self.order.wait(self.waiting, request)
 
     def abort_requests(
         self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
@@ -334,19 +333,7 @@ class OneBudgetScheduler(Scheduler):
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self._enqueue(request, preempted=True)
-
-    def _enqueue(self, request: Request, preempted: bool = False) -> None:
-        """Queue a request to wait. FCFS: at the back, or at the front when preempted (it
-        was admitted before anything still waiting; victims are taken newest first, so
-        pushing each to the front keeps admission order). Priority: in rank order."""
-        if self.by_priority:
-            index = bisect.bisect_right([_rank(r) for r in self.waiting], _rank(request))
-            self.waiting.insert(index, request)
-        elif preempted:
-            self.waiting.appendleft(request)
-        else:
-            self.waiting.append(request)
+        self.order.wait(self.waiting, request, preempted=True)
 
     def _admit(self, request: Request, budget: int) -> int | None:
         """Try to move the head of the waiting queue to running.
@@ -363,11 +350,7 @@ class OneBudgetScheduler(Scheduler):
             request.num_cached_tokens = computed.num_computed_tokens
             request.queued_seconds = time.monotonic() - request.arrival_time
         request.status = RequestStatus.RUNNING
-        if self.by_priority:
-            index = bisect.bisect_right([_rank(r) for r in self.running], _rank(request))
-            self.running.insert(index, request)
-        else:
-            self.running.append(request)
+        self.order.run(self.running, request)
         return num_new_tokens
 
     # --------------------------------------------------------------- update from output
@@ -420,11 +403,6 @@ class OneBudgetScheduler(Scheduler):
         self.kv_manager.free(request)
         del self.requests[request.request_id]
         self._finished_req_ids.add(request.request_id)
-
-
-def _rank(request: Request) -> tuple[int, float]:
-    """Scheduling order under the priority policy: lower priority value, then arrival."""
-    return (request.priority, request.arrival_time)
 
 
 def _truncate(logprobs: LogprobsLists, num_rows: int) -> LogprobsLists:
