@@ -74,3 +74,83 @@ def test_errors(client, tiny_server):
     assert body["type"] == "error"
     assert body["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in body["error"]["message"]
+
+
+HOUR = {
+    "type": "object",
+    "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23}},
+    "required": ["hour"],
+    "additionalProperties": False,
+}
+TOOLS = [{"name": "get_time", "description": "The hour now.", "input_schema": HOUR}]
+
+
+def test_forced_tool_use(client):
+    """A named tool and "any" force a grammar-valid call (the random model cannot be asked
+    to choose); streamed and whole replies agree."""
+    import jsonschema
+
+    for tool_choice in ({"type": "tool", "name": "get_time"}, {"type": "any"}):
+        kwargs = dict(
+            model="tiny",
+            max_tokens=60,
+            messages=[{"role": "user", "content": "What time is it?"}],
+            tools=TOOLS,
+            tool_choice=tool_choice,
+            extra_body=GREEDY,
+        )
+        whole = client.messages.create(**kwargs)
+        assert whole.stop_reason == "tool_use", whole
+        (call,) = [block for block in whole.content if block.type == "tool_use"]
+        assert call.name == "get_time" and call.id.startswith("toolu_")
+        jsonschema.validate(call.input, HOUR)
+        with client.messages.stream(**kwargs) as stream:
+            streamed = stream.get_final_message()
+        (streamed_call,) = [block for block in streamed.content if block.type == "tool_use"]
+        assert streamed_call.input == call.input and streamed.stop_reason == "tool_use"
+
+
+def test_tool_results_go_back_into_the_conversation(client):
+    messages = [
+        {"role": "user", "content": "What time is it?"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "Let me check."},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_time", "input": {"hour": 9}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "9 am"}],
+        },
+    ]
+    without_result = client.messages.count_tokens(model="tiny", messages=messages[:1])
+    counted = client.messages.count_tokens(model="tiny", messages=messages, tools=TOOLS)
+    assert counted.input_tokens > without_result.input_tokens
+    reply = client.messages.create(
+        model="tiny",
+        max_tokens=3,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice={"type": "none"},
+        extra_body=GREEDY,
+    )
+    assert [block.type for block in reply.content] == ["text"]
+    assert reply.stop_reason == "max_tokens"
+
+
+def test_bad_tools_are_400(client):
+    question = [{"role": "user", "content": "Hi"}]
+    cases = [
+        ({"tools": [{"name": "f"}]}, "input_schema"),
+        ({"tools": TOOLS, "tool_choice": {"type": "auto"}}, "enable-auto-tool-choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "sometimes"}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "other"}}, "not among"),
+    ]
+    for extra, needle in cases:
+        with pytest.raises(anthropic.BadRequestError, match=needle):
+            client.messages.create(model="tiny", max_tokens=3, messages=question, **extra)
+    bad_block = [{"role": "user", "content": [{"type": "tool_use", "id": "x", "name": "f"}]}]
+    with pytest.raises(anthropic.BadRequestError, match="tool_use"):
+        client.messages.create(model="tiny", max_tokens=3, messages=bad_block)

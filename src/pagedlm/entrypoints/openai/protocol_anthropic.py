@@ -1,4 +1,11 @@
-"""Request bodies of the Anthropic Messages API (``/v1/messages``, ``/count_tokens``)."""
+"""Request bodies of the Anthropic Messages API (``/v1/messages``, ``/count_tokens``).
+
+Tools arrive in Anthropic's shapes and are turned into the OpenAI ones the chat templates
+and ``structured_request.plan_tools`` already take: a tool ``{name, description,
+input_schema}`` becomes a function tool; ``tool_choice`` auto/any/tool/none becomes
+"auto"/"required"/a named function/"none"; an assistant ``tool_use`` block becomes a
+``tool_calls`` entry and a user ``tool_result`` block a ``tool`` message.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +24,13 @@ class ContentBlock(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
+    # tool_use (assistant turns)
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    # tool_result (user turns)
+    tool_use_id: str | None = None
+    content: str | list[dict[str, Any]] | None = None
 
 
 def _blocks_text(content: str | list[ContentBlock], where: str) -> str:
@@ -26,11 +40,22 @@ def _blocks_text(content: str | list[ContentBlock], where: str) -> str:
     for block in content:
         if block.type != "text" or block.text is None:
             raise APIError(
-                f"{where}: content blocks of type {block.type!r} are not supported; this "
-                "server accepts text blocks only.",
+                f"{where}: content blocks of type {block.type!r} are not supported here; "
+                "send text blocks.",
                 param=where,
             )
         texts.append(block.text)
+    return "".join(texts)
+
+
+def _result_text(content: str | list[dict[str, Any]] | None, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for block in content:
+        if block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise APIError(f"{where}: a tool_result holds text blocks only.", param=where)
+        texts.append(block["text"])
     return "".join(texts)
 
 
@@ -38,25 +63,98 @@ class AnthropicMessage(AnthropicModel):
     role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
 
+    def template_messages(self, where: str) -> list[dict[str, Any]]:
+        """This turn as chat-template messages: tool results (as ``tool`` messages) first,
+        then the turn's text and tool calls."""
+        if isinstance(self.content, str):
+            return [{"role": self.role, "content": self.content}]
+        texts, calls, results = [], [], []
+        for j, block in enumerate(self.content):
+            at = f"{where}.{j}"
+            if block.type == "text" and block.text is not None:
+                texts.append(block.text)
+            elif block.type == "tool_use" and self.role == "assistant":
+                if not block.name or block.id is None:
+                    raise APIError(f"{at}: a tool_use block needs id and name.", param=at)
+                function = {"name": block.name, "arguments": block.input or {}}
+                calls.append({"id": block.id, "type": "function", "function": function})
+            elif block.type == "tool_result" and self.role == "user":
+                if block.tool_use_id is None:
+                    raise APIError(f"{at}: a tool_result block needs tool_use_id.", param=at)
+                text = _result_text(block.content, at)
+                results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": text})
+            else:
+                raise APIError(
+                    f"{at}: content blocks of type {block.type!r} are not supported in a "
+                    f"{self.role} turn; send text, tool_use (assistant) or tool_result (user).",
+                    param=at,
+                )
+        messages = results
+        if texts or calls or not results:
+            message: dict[str, Any] = {"role": self.role, "content": "".join(texts)}
+            if calls:
+                message["tool_calls"] = calls
+            messages.append(message)
+        return messages
+
 
 class CountTokensRequest(AnthropicModel):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[ContentBlock] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         conversation = []
         if self.system:
             conversation.append({"role": "system", "content": _blocks_text(self.system, "system")})
         for i, message in enumerate(self.messages):
-            text = _blocks_text(message.content, f"messages.{i}.content")
-            conversation.append({"role": message.role, "content": text})
+            conversation.extend(message.template_messages(f"messages.{i}.content"))
         return conversation
 
     @property
     def continues_assistant(self) -> bool:
         """A final assistant message is a prefill: the reply continues it."""
         return self.messages[-1].role == "assistant"
+
+    def function_tools(self) -> list[dict[str, Any]] | None:
+        """``tools`` as OpenAI function tools."""
+        if not self.tools:
+            return None
+        functions = []
+        for i, tool in enumerate(self.tools):
+            name, schema = tool.get("name"), tool.get("input_schema")
+            if not isinstance(name, str) or not isinstance(schema, dict):
+                raise APIError(
+                    f"tools.{i} must be {{'name': ..., 'input_schema': {{...}}}} (a custom "
+                    "tool); server tools are not supported.",
+                    param=f"tools.{i}",
+                )
+            function = {"name": name, "parameters": schema}
+            if tool.get("description") is not None:
+                function["description"] = tool["description"]
+            functions.append({"type": "function", "function": function})
+        return functions
+
+    def function_tool_choice(self) -> tuple[str | dict[str, Any] | None, bool]:
+        """(OpenAI ``tool_choice``, ``parallel_tool_calls``) for ``tool_choice``."""
+        choice = self.tool_choice
+        if choice is None:
+            return None, True
+        parallel = not choice.get("disable_parallel_tool_use", False)
+        kind = choice.get("type")
+        if kind in ("auto", "none"):
+            return kind, parallel
+        if kind == "any":
+            return "required", parallel
+        if kind == "tool" and isinstance(choice.get("name"), str):
+            return {"type": "function", "function": {"name": choice["name"]}}, parallel
+        raise APIError(
+            'tool_choice must be {"type": "auto"}, {"type": "any"}, {"type": "none"} or '
+            '{"type": "tool", "name": ...}.',
+            param="tool_choice",
+        )
 
 
 class MessagesRequest(CountTokensRequest):

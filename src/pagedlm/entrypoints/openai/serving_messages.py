@@ -1,14 +1,21 @@
 """``POST /v1/messages`` and ``/v1/messages/count_tokens``: the Anthropic Messages API.
 
 A stream is the event sequence message_start, content_block_start, content_block_delta*,
-content_block_stop, message_delta (stop reason, output tokens), message_stop.
+content_block_stop, message_delta (stop reason, output tokens), message_stop. The reply is
+a text block (index 0), then one ``tool_use`` block per tool call; tools are planned, forced
+and parsed exactly as for chat completions (``structured_request.plan_tools`` and the
+server's ``--tool-call-parser``), and a streamed tool call arrives whole, as one
+``input_json_delta``, once the model has finished it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
+from pagedlm.entrypoints.openai.chat_output import ChatOutputParser
 from pagedlm.entrypoints.openai.errors import APIError
 from pagedlm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
 from pagedlm.entrypoints.openai.serving_engine import (
@@ -16,7 +23,10 @@ from pagedlm.entrypoints.openai.serving_engine import (
     merge_streams,
     stream_or_collect,
 )
+from pagedlm.entrypoints.openai.structured_request import ToolPlan, plan_tools
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 def _stop_reason(
@@ -34,29 +44,58 @@ def _event(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(data)}\n\n"
 
 
+def _tool_use_blocks(parser: ChatOutputParser) -> list[dict[str, Any]]:
+    """The parser's finished tool calls as Anthropic ``tool_use`` blocks."""
+    blocks = []
+    for call_id, name, pieces in zip(parser.call_ids, parser.call_names, parser.call_arguments):
+        arguments = "".join(pieces)
+        try:
+            tool_input = json.loads(arguments) if arguments else {}
+        except ValueError:
+            logger.warning("tool call %s has arguments that are not JSON: %r", name, arguments)
+            tool_input = {}
+        if not isinstance(tool_input, dict):
+            tool_input = {"value": tool_input}
+        tool_id = "toolu_" + call_id.removeprefix("call_")
+        blocks.append({"type": "tool_use", "id": tool_id, "name": name, "input": tool_input})
+    return blocks
+
+
 class MessagesServer:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    def _prompt(self, request: CountTokensRequest) -> list[int]:
+    def _plan(self, request: CountTokensRequest) -> ToolPlan:
+        tool_choice, parallel = request.function_tool_choice()
+        return plan_tools(
+            request.function_tools(),
+            tool_choice,
+            parallel,
+            self.ctx.tool_parser,
+            self.ctx.enable_auto_tool_choice,
+        )
+
+    def _prompt(self, request: CountTokensRequest, plan: ToolPlan) -> list[int]:
         continues = request.continues_assistant
+        template_kwargs = {} if plan.template_tools is None else {"tools": plan.template_tools}
         return self.ctx.apply_chat_template(
             request.conversation(),
             None,
             add_generation_prompt=not continues,
             continue_final_message=continues,
-            template_kwargs={},
+            template_kwargs=template_kwargs,
         )
 
     async def count_tokens(self, request: CountTokensRequest) -> dict:
         self.ctx.check_model(request.model)
-        return {"input_tokens": len(self._prompt(request))}
+        return {"input_tokens": len(self._prompt(request, self._plan(request)))}
 
     async def create(
         self, request: MessagesRequest
     ) -> tuple[dict | None, AsyncIterator[str] | None]:
         self.ctx.check_model(request.model)
-        prompt_token_ids = self._prompt(request)
+        plan = self._plan(request)
+        prompt_token_ids = self._prompt(request, plan)
         try:
             params = SamplingParams(
                 temperature=request.temperature,
@@ -65,16 +104,17 @@ class MessagesServer:
                 stop=request.stop_sequences,
                 max_tokens=request.max_tokens,
                 output_kind=RequestOutputKind.DELTA,
+                structured_outputs=plan.structured_outputs,
             )
         except ValueError as error:
             raise APIError(str(error)) from error
         message_id = self.ctx.request_id("msg")
         started = await self.ctx.start([{"prompt_token_ids": prompt_token_ids}], params, message_id)
-        events = self._events(request, message_id, started, len(prompt_token_ids))
+        events = self._events(request, message_id, started, len(prompt_token_ids), plan)
         return await stream_or_collect(events, request.stream)
 
     async def _events(
-        self, request: MessagesRequest, message_id: str, started, input_tokens: int
+        self, request: MessagesRequest, message_id: str, started, input_tokens: int, plan: ToolPlan
     ) -> AsyncIterator:
         message = {
             "id": message_id,
@@ -96,7 +136,7 @@ class MessagesServer:
                     "content_block": {"type": "text", "text": ""},
                 },
             )
-        texts: list[str] = []
+        parser = ChatOutputParser.build(None, plan.new_parser)
         output_tokens = 0
         finish: tuple[str, str | None] = ("end_turn", None)
         async for _, output in merge_streams(started):
@@ -104,18 +144,34 @@ class MessagesServer:
             if sample is None:
                 continue
             output_tokens += len(sample.token_ids)
-            texts.append(sample.text)
+            text = parser.feed(sample.text).get("content", "")
             if sample.finish_reason is not None:
+                text += parser.finish().get("content", "")
                 finish = _stop_reason(sample.finish_reason, sample.stop_reason)
-            if request.stream and sample.text:
-                delta = {"type": "text_delta", "text": sample.text}
+            if request.stream and text:
+                delta = {"type": "text_delta", "text": text}
                 yield _event(
                     "content_block_delta",
                     {"type": "content_block_delta", "index": 0, "delta": delta},
                 )
+        tool_uses = _tool_use_blocks(parser)
+        if tool_uses and finish[0] != "max_tokens":
+            finish = ("tool_use", None)
         stop_reason, stop_sequence = finish
         if request.stream:
             yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+            for index, block in enumerate(tool_uses, start=1):
+                start = {**block, "input": {}}
+                yield _event(
+                    "content_block_start",
+                    {"type": "content_block_start", "index": index, "content_block": start},
+                )
+                delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+                yield _event(
+                    "content_block_delta",
+                    {"type": "content_block_delta", "index": index, "delta": delta},
+                )
+                yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
             yield _event(
                 "message_delta",
                 {
@@ -128,7 +184,7 @@ class MessagesServer:
             return
         yield {
             **message,
-            "content": [{"type": "text", "text": "".join(texts)}],
+            "content": [{"type": "text", "text": "".join(parser.content)}, *tool_uses],
             "stop_reason": stop_reason,
             "stop_sequence": stop_sequence,
             "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
