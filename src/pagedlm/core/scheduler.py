@@ -366,13 +366,14 @@ class OneBudgetScheduler(Scheduler):
             request = self.requests.get(req_id)
             if request is None or req_id not in scheduler_output.num_scheduled_tokens:
                 continue  # aborted after this step was scheduled
-            if sampled:
+            constrained = request.sampling_params.structured_outputs is not None
+            if sampled and constrained:
                 sampled = self.grammars.check_failed(request, sampled)
             new_token_ids = append_token_ids(request, sampled, max_model_len) if sampled else []
             if scheduler_output.num_steps > 1 and not request.is_finished:
                 # Every token but the last was fed to a later step of this one.
                 request.num_computed_tokens += len(new_token_ids) - 1
-            if new_token_ids and not request.is_finished:
+            if new_token_ids and constrained and not request.is_finished:
                 self.grammars.advance(request, new_token_ids)
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if not new_token_ids and not request.is_finished and prompt_logprobs is None:

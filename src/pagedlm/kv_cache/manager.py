@@ -112,8 +112,15 @@ class KVCacheManager:
         ``get_block_ids`` for the whole table), or None when the free blocks do not
         suffice, in which case nothing changed.
         """
-        computed = new_computed_blocks or _NO_HIT
         table = self._tables.get(request.request_id, [])
+        if new_computed_blocks is None:
+            # The common decode step: the slots are already held (a block lasts
+            # block_size steps), so only a block that just filled may need hashing.
+            num_tokens_with_slots = request.num_computed_tokens + num_new_tokens
+            if num_tokens_with_slots <= len(table) * self.block_size:
+                self._cache_full_blocks(request, table, num_tokens_with_slots)
+                return []
+        computed = new_computed_blocks or _NO_HIT
         num_computed = request.num_computed_tokens + computed.num_computed_tokens
         num_tokens_with_slots = num_computed + num_new_tokens
         num_required = -(-num_tokens_with_slots // self.block_size)
