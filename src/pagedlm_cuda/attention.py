@@ -2,10 +2,10 @@
 
 ``build_metadata`` packs the step's index arrays (slot mapping, query offsets, sequence
 lengths, block tables) into one pinned host buffer and copies it to the device in one
-asynchronous transfer. ``forward`` writes the new K/V by slot, then runs the decode kernel
-(split-K, GQA-grouped) when every request schedules one token, else the varlen prefill
-kernel, which also serves mixed batches and prefix/chunked prefills. Both kernels take a
-per-layer sliding window and logit soft-cap.
+asynchronous transfer. ``forward`` runs the decode kernel (split-K, GQA-grouped, writing
+the new K/V by slot itself) when every request schedules one token, else writes the new
+K/V by slot and runs the varlen prefill kernel, which also serves mixed batches and
+prefix/chunked prefills. Both kernels take a per-layer sliding window and logit soft-cap.
 
 Cache layout: ``[num_blocks, num_kv_heads, block_size, head_dim]`` per layer (not the
 interface's default ``[num_blocks, block_size, num_kv_heads, head_dim]``), so one kv
@@ -152,9 +152,9 @@ class TritonAttentionBackend(AttentionBackend):
             write_kv_cache,
         )
 
-        write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if metadata.is_decode_only:
+            # The decode kernel writes the new K/V itself (one launch per layer).
             return paged_decode_attention(
                 query,
                 key_cache,
@@ -164,9 +164,11 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 metadata.max_seq_len,
                 out,
+                new_kv=(key, value, metadata.slot_mapping),
                 sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap,
             )
+        write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
         return paged_prefill_attention(
             query,
             key_cache,

@@ -98,13 +98,35 @@ FULL_DECODE_CASES = [
 ]
 
 
+def take_new_kv(key_cache, value_cache, tables, seq_lens):
+    """Each sequence's last K/V moved out of the cache (its slots poisoned with NaN), as a
+    decode step's new token: (key, value, slot_mapping), and the intact caches."""
+    block_size = key_cache.shape[2]
+    slots = [t[(s - 1) // block_size] * block_size + (s - 1) % block_size for t, s in
+             zip(tables, seq_lens)]  # fmt: skip
+    blocks = torch.tensor([s // block_size for s in slots])
+    offsets = torch.tensor([s % block_size for s in slots])
+    key = key_cache[blocks, :, offsets].clone()  # [num_seqs, num_kv_heads, head_dim]
+    value = value_cache[blocks, :, offsets].clone()
+    intact = key_cache.clone(), value_cache.clone()
+    key_cache[blocks, :, offsets] = float("nan")
+    value_cache[blocks, :, offsets] = float("nan")
+    slot_mapping = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    return (key, value, slot_mapping), intact
+
+
 def check_decode(
     block_size, head_dim, num_kv_heads, group, seq_lens, dtype,
-    partition=None, window=None, cap=None, q_scale=1.0, max_seq_len=None,
+    partition=None, window=None, cap=None, q_scale=1.0, max_seq_len=None, write_new=False,
 ):  # fmt: skip
+    """Decode attention against the reference; ``write_new``: the last K/V come in as
+    ``new_kv`` (the cache holds NaN there) and must land in the cache."""
     key_cache, value_cache, table, tables = make_cache(
         seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=sum(seq_lens)
     )
+    new_kv = None
+    if write_new:
+        new_kv, intact = take_new_kv(key_cache, value_cache, tables, seq_lens)
     num_heads = num_kv_heads * group
     query = (q_scale * torch.randn(len(seq_lens), num_heads, head_dim)).to(dtype).to(DEVICE)
     seq_tensor = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
@@ -113,8 +135,10 @@ def check_decode(
     paged_decode_attention(
         query, key_cache, value_cache, table, seq_tensor, scale,
         max_seq_len or max(seq_lens), out, partition,
-        sliding_window=window, logits_soft_cap=cap,
+        new_kv=new_kv, sliding_window=window, logits_soft_cap=cap,
     )  # fmt: skip
+    if write_new:
+        assert torch.equal(key_cache, intact[0]) and torch.equal(value_cache, intact[1])
     args = (query, key_cache, value_cache, tables, seq_lens, [1] * len(seq_lens), scale)
     ref = reference(*args, window=window, cap=cap)
     assert rel_error(out, ref) < tolerance(dtype)
@@ -128,9 +152,12 @@ def test_decode_attention(case) -> None:
 
 def test_decode_attention_batch_sized_partitions() -> None:
     """No partition given: small batches split into 32-key partitions (17 of them at 530
-    keys, so the merge loops over more than one chunk of partitions with 16-key ones)."""
+    keys). With a group of 8 and head_dim 128 the merge takes 16 partitions at a time, so
+    19 of them (and a window's last 13) take more than one chunk."""
     check_decode(32, 64, 2, 4, [530, 3, 77], torch.float32)
     check_decode(16, 64, 1, 4, [600], torch.float32, partition=16)
+    check_decode(16, 128, 1, 8, [300, 45], torch.float32, partition=16)
+    check_decode(16, 128, 1, 8, [300, 45], torch.float32, partition=16, window=190)
 
 
 def test_decode_attention_single_partition_and_padding_rows() -> None:
@@ -146,6 +173,53 @@ def test_decode_attention_single_partition_and_padding_rows() -> None:
                 query, key_cache, value_cache, table, seq, 0.1, max_len, sliding_window=window
             )
             assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+@pytest.mark.parametrize("partition", [16, 128])
+@pytest.mark.parametrize("window", [None, 20])
+def test_decode_attention_writes_the_new_kv(partition: int, window: int | None) -> None:
+    """The new token's K/V, passed along, are used for the last position and written at
+    their slots by the program that holds that position (split and direct paths)."""
+    check_decode(16, 64, 2, 4, [1, 17, 40, 90], torch.float32, partition, window, write_new=True)
+    check_decode(32, 128, 1, 8, [64, 33], SMALL_BF16, partition, window, write_new=True)
+
+
+def test_decode_attention_new_kv_padding_rows_write_nothing() -> None:
+    key_cache, value_cache, table, _ = make_cache([40], 16, 1, 64, torch.float32, seed=2)
+    before = key_cache.clone(), value_cache.clone()
+    query = torch.randn(1, 4, 64, device=DEVICE)
+    new = torch.randn(1, 1, 64, device=DEVICE)
+    slot = torch.tensor([-1], dtype=torch.int32, device=DEVICE)
+    for max_len in (32, 4096):
+        out = paged_decode_attention(
+            query, key_cache, value_cache, table, torch.zeros(1, dtype=torch.int32, device=DEVICE),
+            0.1, max_len, new_kv=(new, new, slot),
+        )  # fmt: skip
+        assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(key_cache, before[0]) and torch.equal(value_cache, before[1])
+
+
+@pytest.mark.parametrize("window", [None, 150])
+def test_decode_merge_kernel_and_in_kernel_merge_agree(monkeypatch, window) -> None:
+    """Small batches merge in the attention kernel (last ticket), large ones in a merge
+    kernel: the same merge code in the same order, so the same bits (padding row too)."""
+    from pagedlm_cuda.kernels import decode_config
+
+    seq_lens = [300, 0, 45, 1]
+    key_cache, value_cache, table, _ = make_cache(seq_lens, 16, 2, 64, torch.float32, seed=3)
+    query = torch.randn(len(seq_lens), 8, 64, device=DEVICE)
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    outs = []
+    for limit in (0, 1 << 30):  # every batch through the merge kernel, then none
+        monkeypatch.setattr(decode_config, "MERGE_IN_KERNEL_PROGRAMS", limit)
+        decode_config.decode_config.cache_clear()
+        assert decode_config.decode_config(4, 2, 64).merge_in_kernel == bool(limit)
+        outs.append(paged_decode_attention(
+            query, key_cache, value_cache, table, seq, 0.1, 4096, sliding_window=window
+        ))  # fmt: skip
+    decode_config.decode_config.cache_clear()
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0][1], torch.zeros_like(outs[0][1]))
 
 
 WINDOW_DECODE_CASES = [
@@ -182,6 +256,7 @@ def test_decode_attention_full(case) -> None:
     check_decode(*case, window=4096, cap=30.0, q_scale=8)
     check_decode(*case, window=700)
     check_decode(*case, max_seq_len=16384)  # graph-sized grid
+    check_decode(*case, max_seq_len=16384, write_new=True)
 
 
 PREFILL_CASES = [

@@ -3,15 +3,30 @@
 Each program takes one (sequence, kv head, partition of ``PARTITION`` key positions) and
 computes attention of all ``num_heads // num_kv_heads`` query heads sharing that kv head
 at once (the group is the M dimension of the dot product, so keys are read once per group).
-Long contexts are split into partitions that run in parallel; a second kernel merges the
-partial results by their log-sum-exp.
+Long contexts are split into partitions that run in parallel, each storing its partial
+result and log-sum-exp; the partials are then merged by log-sum-exp in a fixed order:
 
-The partition size and tile come from ``decode_config``: a function of the batch size
-*bucket* (the CUDA-graph capture ladder) and the model's shapes, never of the data. So a
-sequence's result does depend on how many sequences share its step, but only through the
-bucket: a graph replayed at padded size ``P`` and an eager step of any batch that pads to
-``P`` agree bit for bit. The grid is sized by ``max_seq_len`` (max_model_len under a
-graph); partitions past a sequence's end exit at once.
+- small batches (``decode_config``'s ``merge_in_kernel``): in the same kernel. Each
+  program takes a ticket from a per-(sequence, kv head) counter after storing; the one
+  that draws the last ticket merges the group's partials and resets the counter to 0.
+  One launch per layer: at batch 1 a separate merge kernel cost ~4 us per layer.
+- large batches: in a merge kernel after it (there, a ticket and fence in every program
+  cost more than the launch).
+
+The step's new keys and values may be passed along (``new_kv``): the program whose
+partition holds the last position writes them into the cache by slot and attends to that
+position from them, which saves the separate KV-write kernel. The cached tiles stop before
+that position and the new key is one extra step of the online softmax, so no tile is
+edited between its load and its dot (editing them cost 25% of the kernel at batch 256:
+the loads stopped being pipelined).
+
+The partition size, tile and merge mode come from ``decode_config``: a function of the
+batch size *bucket* (the CUDA-graph capture ladder) and the model's shapes, never of the
+data, and so does the merge width. A sequence's result does depend on how many sequences
+share its step, but only through the bucket: a graph replayed at padded size ``P`` and an
+eager step of any batch that pads to ``P`` agree bit for bit. The grid is sized by
+``max_seq_len`` (max_model_len under a graph); partitions past a sequence's end exit at
+once.
 
 Sliding window ``w``: the query at position ``seq_len - 1`` sees keys ``seq_len - w ..
 seq_len - 1``; partitions wholly before that exit at once and the merge skips them.
@@ -29,25 +44,125 @@ from pagedlm_cuda.kernels import pdl
 from pagedlm_cuda.kernels.decode_config import decode_config
 from pagedlm_cuda.kernels.score_mod import scaled_scores, score_args
 
-MERGE_BLOCK_P = 32
-"""Partitions merged per loop iteration: a constant, so the merge's summation order does
-not depend on the grid (eager ``max_seq_len`` vs a graph's ``max_model_len``)."""
+MERGE_TILE = 16384
+"""Most fp32 partials the merging program holds at once (group x partitions x head_dim).
+Measured at W2's shape (batch 1, group 4, head_dim 128, 1,280 keys in 40 partitions, 32
+layers in a graph): 8,192 (3 chunks) 8.5 us per layer, 16,384 (2 chunks) 6.6, 32,768 (1
+chunk, registers spilled) 11.4."""
+
+MERGE_CONTEXT = 2048
+"""No more partitions per chunk than a 2k-token context has: with long partitions (large
+batches) a wide chunk would only cost registers in the whole kernel."""
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def merge_counters(device: torch.device, size: int) -> torch.Tensor:
+    """The zeroed int32 ticket counters of ``device`` (at least ``size``). Every decode
+    call leaves them at 0 again, so one buffer serves every layer and step. It only grows,
+    and never while a graph is captured: the CUDA-graph runner runs each size once
+    eagerly before capturing it, largest first."""
+    counters = _counters.get(device)
+    if counters is None or counters.numel() < size:
+        counters = torch.zeros(max(size, 1024), dtype=torch.int32, device=device)
+        _counters[device] = counters
+    return counters
+
+
+@triton.jit
+def _merge_group(
+    out_ptr, partial_out_ptr, partial_lse_ptr, seq, kv_head, first, num_parts,
+    out_stride_token, out_stride_head, max_partitions, num_heads, group_size, head_dim,
+    MERGE_G: tl.constexpr, MERGE_P: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Combine partitions ``first .. num_parts - 1`` of the group's heads by their
+    log-sum-exp, ``MERGE_P`` partitions at a time in order, with a running max."""
+    groups = tl.arange(0, MERGE_G)
+    heads = kv_head * group_size + groups
+    head_mask = groups < group_size
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    base = (seq * num_heads + heads) * max_partitions  # [G]
+    top = tl.full([MERGE_G], float("-inf"), tl.float32)
+    denom = tl.zeros([MERGE_G], tl.float32)
+    acc = tl.zeros([MERGE_G, BLOCK_D], tl.float32)
+    for p0 in range(first, num_parts, MERGE_P):
+        parts = p0 + tl.arange(0, MERGE_P)
+        mask = head_mask[:, None] & (parts < num_parts)[None, :]  # [G, P]
+        rows = base[:, None] + parts[None, :]
+        # Other programs wrote these: read through to L2, past this SM's L1.
+        lse = tl.load(partial_lse_ptr + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        partial = tl.load(
+            partial_out_ptr + rows[:, :, None] * head_dim + dims[None, None, :],
+            mask=mask[:, :, None] & dim_mask[None, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        # Every chunk holds at least one real partition per real head, so the new max
+        # is finite there; padded head rows stay at -inf and are masked out below.
+        new_top = tl.maximum(top, tl.max(lse, axis=1))
+        safe_top = tl.where(head_mask, new_top, 0.0)
+        alpha = tl.where(head_mask, tl.exp2(top - safe_top), 0.0)
+        weight = tl.where(mask, tl.exp2(lse - safe_top[:, None]), 0.0)
+        denom = denom * alpha + tl.sum(weight, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(partial * weight[:, :, None], axis=1)
+        top = new_top
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    dst = out_ptr + seq * out_stride_token + heads[:, None] * out_stride_head + dims[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
+
+
+@triton.jit
+def _load_tile(
+    key_cache_ptr, value_cache_ptr, table, head_base, n0, end, dims, dim_mask,
+    cache_stride_block, cache_stride_slot, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Keys and values of positions ``n0 .. n0 + BLOCK_N - 1`` (below ``end``)."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    pos_mask = pos < end
+    block = tl.load(table + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
+    rows = block * cache_stride_block + head_base + (pos % BLOCK_SIZE) * cache_stride_slot
+    offsets = rows[:, None] + dims[None, :]
+    kv_mask = pos_mask[:, None] & dim_mask[None, :]
+    k = tl.load(key_cache_ptr + offsets, mask=kv_mask, other=0.0)
+    v = tl.load(value_cache_ptr + offsets, mask=kv_mask, other=0.0)
+    return pos_mask, k, v
+
+
+@triton.jit
+def _attend_tile(
+    q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, USE_SOFT_CAP: tl.constexpr
+):
+    """One online-softmax step over a tile; the tile holds at least one visible key."""
+    s = scaled_scores(tl.dot(q, tl.trans(k)), score_scale, cap_log2e, USE_SOFT_CAP)
+    s = tl.where(pos_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    denom = denom * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, denom, acc
 
 
 # Per-step sizes are not specialized on (Triton would compile a variant for each value's
 # divisibility by 16), so an eager step never compiles mid-run.
 @triton.jit(do_not_specialize=["block_table_stride", "max_partitions"])
-def _decode_partition_kernel(
+def _decode_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, partial_out_ptr, partial_lse_ptr,
+    new_key_ptr, new_value_ptr, slot_mapping_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
     q_stride_token, q_stride_head, out_stride_token, out_stride_head,
+    new_key_stride_token, new_key_stride_head, new_value_stride_token, new_value_stride_head,
     cache_stride_block, cache_stride_head, cache_stride_slot, block_table_stride,
-    max_partitions, num_heads, score_scale, cap_log2e, window, group_size, head_dim,
+    max_partitions, num_heads, num_kv_heads, score_scale, cap_log2e, window, group_size,
+    head_dim,
     BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_G: tl.constexpr,
+    MERGE_P: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, DIRECT: tl.constexpr,
+    WRITE_NEW: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl.start(USE_PDL)
+    pdl.allow_next(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -56,45 +171,96 @@ def _decode_partition_kernel(
     end = tl.minimum(start + PARTITION, seq_len)
     if USE_WINDOW:
         start = tl.maximum(start, seq_len - window)
-    if not DIRECT and start >= end:
-        return  # the merge reads only partitions that hold a visible key
-
     groups = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, BLOCK_D)
     heads = kv_head * group_size + groups
     head_mask = groups < group_size
     dim_mask = dims < head_dim
+    if not DIRECT and start >= end:
+        if seq_len == 0 and part == 0:  # a padding row: zeros, as the direct path gives
+            pdl.wait_for_previous(USE_PDL)
+            dst = out_ptr + seq * out_stride_token + heads[:, None] * out_stride_head
+            zeros = tl.zeros([BLOCK_G, BLOCK_D], out_ptr.dtype.element_ty)
+            tl.store(dst + dims[None, :], zeros, mask=head_mask[:, None] & dim_mask[None, :])
+        return  # the merge reads only partitions that hold a visible key
+
+    # With new_kv the last position comes from there, not from the cache: the tiles stop
+    # before it (a tile is never edited between its load and its dot, which keeps the
+    # loads pipelined) and it is attended to as one extra key below.
+    last = seq_len - 1
+    cached_end = end
+    if WRITE_NEW:
+        cached_end = tl.minimum(end, last)
+    # The first tile's keys and values are read before waiting for the kernel that
+    # produced q: the metadata comes from host copies and the cached positions from earlier
+    # steps (each forward begins with a torch kernel, which waits for everything before it).
+    head_base = kv_head.to(tl.int64) * cache_stride_head
+    table = block_tables_ptr + seq * block_table_stride
+    pos_mask, k, v = _load_tile(
+        key_cache_ptr, value_cache_ptr, table, head_base, start, cached_end, dims, dim_mask,
+        cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N,
+    )  # fmt: skip
+    pdl.wait_for_previous(USE_PDL)
+
+    owns_last = (start <= last) & (last < end)
+    if WRITE_NEW:
+        # Only the partition holding the new token's position writes it (no other reads it).
+        slot = tl.load(slot_mapping_ptr + seq, mask=owns_last, other=-1).to(tl.int64)
+        new_k = tl.load(
+            new_key_ptr + seq * new_key_stride_token + kv_head * new_key_stride_head + dims,
+            mask=dim_mask & owns_last,
+            other=0.0,
+        ).to(key_cache_ptr.dtype.element_ty)
+        new_v = tl.load(
+            new_value_ptr + seq * new_value_stride_token + kv_head * new_value_stride_head + dims,
+            mask=dim_mask & owns_last,
+            other=0.0,
+        ).to(value_cache_ptr.dtype.element_ty)
+        slot_row = (
+            (slot // BLOCK_SIZE) * cache_stride_block
+            + head_base
+            + (slot % BLOCK_SIZE) * cache_stride_slot
+        )
+        write_mask = dim_mask & (slot >= 0)  # a padding row's slot is -1
+        tl.store(key_cache_ptr + slot_row + dims, new_k, mask=write_mask)
+        tl.store(value_cache_ptr + slot_row + dims, new_v, mask=write_mask)
+
     q = tl.load(
         q_ptr + seq * q_stride_token + heads[:, None] * q_stride_head + dims[None, :],
         mask=head_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)  # noqa: E741 - the softmax denominator's usual name
+    denom = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    table = block_tables_ptr + seq * block_table_stride
-    head_base = kv_head.to(tl.int64) * cache_stride_head
     # Every tile starts at a visible key (start is the window's first when windowed), so
-    # each row's running max is finite after the first tile.
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        pos_mask = pos < end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
-        rows = block * cache_stride_block + head_base + (pos % BLOCK_SIZE) * cache_stride_slot
-        offsets = rows[:, None] + dims[None, :]
-        kv_mask = pos_mask[:, None] & dim_mask[None, :]
-        k = tl.load(key_cache_ptr + offsets, mask=kv_mask, other=0.0)
-        v = tl.load(value_cache_ptr + offsets, mask=kv_mask, other=0.0)
-        s = scaled_scores(tl.dot(q, tl.trans(k)), score_scale, cap_log2e, USE_SOFT_CAP)
-        s = tl.where(pos_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
-    safe_l = tl.where(l > 0, l, 1.0)
-    out = acc / safe_l[:, None]
+    # each row's running max is finite after the first tile. A partition may have no
+    # cached tile (only the new key, or a padding row of the direct path).
+    if start < cached_end:
+        m, denom, acc = _attend_tile(
+            q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, USE_SOFT_CAP
+        )
+    for n0 in range(start + BLOCK_N, cached_end, BLOCK_N):
+        pos_mask, k, v = _load_tile(
+            key_cache_ptr, value_cache_ptr, table, head_base, n0, cached_end, dims, dim_mask,
+            cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N,
+        )  # fmt: skip
+        m, denom, acc = _attend_tile(
+            q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, USE_SOFT_CAP
+        )
+    if WRITE_NEW:  # noqa: SIM102 - a compile-time switch around a runtime test
+        if owns_last:
+            # The new key, in float32 (the tiles' dots take bf16 p; here p stays float32).
+            dots = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], axis=1)
+            s_new = scaled_scores(dots, score_scale, cap_log2e, USE_SOFT_CAP)
+            m_new = tl.maximum(m, s_new)
+            p_new = tl.exp2(s_new - m_new)
+            alpha = tl.exp2(m - m_new)
+            denom = denom * alpha + p_new
+            acc = acc * alpha[:, None] + p_new[:, None] * new_v.to(tl.float32)[None, :]
+            m = m_new
+    safe_denom = tl.where(denom > 0, denom, 1.0)
+    out = acc / safe_denom[:, None]
     mask = head_mask[:, None] & dim_mask[None, :]
     if DIRECT:
         dst = out_ptr + seq * out_stride_token + heads[:, None] * out_stride_head + dims[None, :]
@@ -102,53 +268,47 @@ def _decode_partition_kernel(
     else:
         row = (seq * num_heads + heads) * max_partitions + part
         tl.store(partial_out_ptr + row[:, None] * head_dim + dims[None, :], out, mask=mask)
-        tl.store(partial_lse_ptr + row, m + tl.log2(safe_l), mask=head_mask)
+        tl.store(partial_lse_ptr + row, m + tl.log2(safe_denom), mask=head_mask)
+    if not DIRECT and MERGE_IN_KERNEL:
+        # Every thread's stores land before the ticket (release); the last ticket's holder
+        # sees all of them (acquire).
+        tl.debug_barrier()
+        counter = counters_ptr + seq * num_kv_heads + kv_head
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        first = 0
+        if USE_WINDOW:
+            first = tl.maximum(seq_len - window, 0) // PARTITION
+        num_parts = tl.cdiv(seq_len, PARTITION)
+        if ticket == num_parts - first - 1:
+            tl.store(counter, 0)
+            _merge_group(
+                out_ptr, partial_out_ptr, partial_lse_ptr, seq, kv_head, first, num_parts,
+                out_stride_token, out_stride_head, max_partitions, num_heads, group_size,
+                head_dim, MERGE_G=MERGE_G, MERGE_P=MERGE_P, BLOCK_D=BLOCK_D,
+            )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["max_partitions"])
 def _decode_merge_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr, seq_lens_ptr,
-    out_stride_token, out_stride_head, max_partitions, num_heads, head_dim, window,
-    PARTITION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
+    out_stride_token, out_stride_head, max_partitions, num_heads, group_size, head_dim,
+    window, PARTITION: tl.constexpr, MERGE_G: tl.constexpr, MERGE_P: tl.constexpr,
+    BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    """The merge as a kernel of its own, one program per (sequence, kv head); a padding
+    row (no partitions) gets zeros."""
     pdl.start(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_parts = tl.cdiv(seq_len, PARTITION)
     first = 0
     if USE_WINDOW:
         first = tl.maximum(seq_len - window, 0) // PARTITION
-    base = (seq * num_heads + head) * max_partitions
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < head_dim
-    # Two passes over the partials (max, then weighted sum) rather than an online
-    # rescale: the partials are few and cached, and this keeps one rounding per term.
-    top = tl.full([BLOCK_P], float("-inf"), tl.float32)
-    for p0 in range(first, num_parts, BLOCK_P):
-        parts = p0 + tl.arange(0, BLOCK_P)
-        lse = tl.load(partial_lse_ptr + base + parts, mask=parts < num_parts, other=float("-inf"))
-        top = tl.maximum(top, lse)
-    top_all = tl.max(top, axis=0)
-    total = tl.zeros([BLOCK_P], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for p0 in range(first, num_parts, BLOCK_P):
-        parts = p0 + tl.arange(0, BLOCK_P)
-        part_mask = parts < num_parts
-        lse = tl.load(partial_lse_ptr + base + parts, mask=part_mask, other=float("-inf"))
-        weight = tl.where(part_mask, tl.exp2(lse - top_all), 0.0)
-        total += weight
-        partial = tl.load(
-            partial_out_ptr + (base + parts)[:, None] * head_dim + dims[None, :],
-            mask=part_mask[:, None] & dim_mask[None, :],
-            other=0.0,
-        )
-        acc += tl.sum(partial * weight[:, None], axis=0)
-    denom = tl.sum(total, axis=0)
-    out = acc / tl.where(denom > 0, denom, 1.0)  # an empty (padding) sequence yields zeros
-    dst = out_ptr + seq * out_stride_token + head * out_stride_head + dims
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+    _merge_group(
+        out_ptr, partial_out_ptr, partial_lse_ptr, seq, kv_head, first,
+        tl.cdiv(seq_len, PARTITION), out_stride_token, out_stride_head, max_partitions,
+        num_heads, group_size, head_dim, MERGE_G=MERGE_G, MERGE_P=MERGE_P, BLOCK_D=BLOCK_D,
+    )  # fmt: skip
 
 
 def paged_decode_attention(
@@ -163,20 +323,25 @@ def paged_decode_attention(
     partition_size: int | None = None,
     block_n: int | None = None,
     *,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's one new token over its cached keys (positions
-    ``0 .. seq_lens[i]-1``, the new token's own K/V already written).
+    ``0 .. seq_lens[i]-1``).
 
     query: [num_seqs, num_heads, head_dim]; key_cache, value_cache: [num_blocks,
     num_kv_heads, block_size, head_dim]; block_tables: [num_seqs, max_blocks] int32;
     seq_lens: [num_seqs] int32; max_seq_len: an upper bound of ``seq_lens`` (it sizes the
     grid; under a CUDA graph pass max_model_len). Returns [num_seqs, num_heads, head_dim].
-    A sequence with ``seq_len == 0`` (padding) gets zeros. ``sliding_window`` ``w``: only
-    the last ``w`` keys; ``logits_soft_cap`` ``c``: scores ``c * tanh(s / c)``.
-    ``partition_size`` / ``block_n`` None: from ``decode_config(num_seqs, ...)``; given,
-    they override it (tests), and ``partition_size`` must be a multiple of ``block_n``.
+    ``new_kv`` None: the new token's K/V must already be in the cache; else ``(key,
+    value, slot_mapping)`` ([num_seqs, num_kv_heads, head_dim] each, unit-stride last
+    dim; [num_seqs] slots, -1 for none) are written at their slots here and used for
+    the last position. A sequence with ``seq_len == 0`` (padding) gets zeros.
+    ``sliding_window`` ``w``: only the last ``w`` keys; ``logits_soft_cap`` ``c``: scores
+    ``c * tanh(s / c)``. ``partition_size`` / ``block_n`` None: from
+    ``decode_config(num_seqs, ...)``; given, they override it (tests), and
+    ``partition_size`` must be a multiple of ``block_n``.
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
@@ -193,8 +358,16 @@ def paged_decode_attention(
         block_n = min(config.block_n, partition)
     if partition % block_n:
         raise ValueError(f"partition_size={partition} must be a multiple of block_n={block_n}.")
+    if new_kv is not None:
+        new_key, new_value, slot_mapping = new_kv
+        if new_key.stride(-1) != 1 or new_value.stride(-1) != 1:
+            raise ValueError("new_kv's key and value need a unit-stride head dim.")
+    else:
+        new_key = new_value = query  # unused
+        slot_mapping = seq_lens
     max_partitions = max(1, triton.cdiv(max_seq_len, partition))
     direct = max_partitions == 1
+    counters = seq_lens  # unused unless the kernel merges its own partitions
     if direct:
         partial_out = partial_lse = out  # unused
     else:
@@ -206,25 +379,36 @@ def paged_decode_attention(
         partial_lse = torch.empty(
             (num_seqs, num_heads, max_partitions), dtype=torch.float32, device=query.device
         )
+        if config.merge_in_kernel:
+            counters = merge_counters(query.device, num_seqs * num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
+    merge_g = triton.next_power_of_2(group_size)
+    # A function of the config only (not of the grid), so the merge's order is the same
+    # in a graph and eagerly.
+    merge_p = max(1, min(MERGE_TILE // (merge_g * block_d), MERGE_CONTEXT // partition))
     score_scale, cap_log2e = score_args(scale, logits_soft_cap)
     window = sliding_window or 0
-    _decode_partition_kernel[(num_seqs, num_kv_heads, max_partitions)](
+    _decode_kernel[(num_seqs, num_kv_heads, max_partitions)](
         query, key_cache, value_cache, block_tables, seq_lens,
-        out, partial_out, partial_lse,
+        new_key, new_value, slot_mapping,
+        out, partial_out, partial_lse, counters,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        new_key.stride(0), new_key.stride(1), new_value.stride(0), new_value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        max_partitions, num_heads, score_scale, cap_log2e, window, group_size, head_dim,
+        max_partitions, num_heads, num_kv_heads, score_scale, cap_log2e, window, group_size,
+        head_dim,
         BLOCK_SIZE=block_size, PARTITION=partition, BLOCK_N=block_n,
-        BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_D=block_d, DIRECT=direct,
+        BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_D=block_d,
+        MERGE_G=merge_g, MERGE_P=merge_p, MERGE_IN_KERNEL=config.merge_in_kernel,
+        DIRECT=direct, WRITE_NEW=new_kv is not None,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logits_soft_cap is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(),
     )  # fmt: skip
-    if not direct:
-        _decode_merge_kernel[(num_seqs, num_heads)](
+    if not direct and not config.merge_in_kernel:
+        _decode_merge_kernel[(num_seqs, num_kv_heads)](
             out, partial_out, partial_lse, seq_lens,
-            out.stride(0), out.stride(1), max_partitions, num_heads, head_dim, window,
-            PARTITION=partition, BLOCK_P=MERGE_BLOCK_P, BLOCK_D=block_d,
+            out.stride(0), out.stride(1), max_partitions, num_heads, group_size, head_dim,
+            window, PARTITION=partition, MERGE_G=merge_g, MERGE_P=merge_p, BLOCK_D=block_d,
             USE_WINDOW=sliding_window is not None, **pdl.launch_options(),
         )  # fmt: skip
     return out

@@ -3,11 +3,16 @@ the kernel before it still drains.
 
 Every kernel launched this way first lets the next kernel launch, then waits for the
 previous kernel to complete (``griddepcontrol.wait``: its writes are visible afterwards)
-before it reads an activation or writes anything. Only reads of data no kernel writes
-(weights) may come before the wait, which is how the batch-1 GEMV starts streaming its
-weight while the previous kernel finishes. Because every such kernel waits, completion
-stays ordered along the whole chain; a kernel launched without it (any torch kernel)
-waits for everything before it as usual.
+before it reads an activation or writes anything. Because every such kernel waits,
+completion stays ordered along the whole chain; a kernel launched without it (any torch
+kernel, a copy) starts only after everything before it has completed, as usual.
+
+So a read may come before the wait when what it reads was last written before the most
+recent torch kernel or copy: weights; the step's metadata and positions (host copies);
+the KV cache of earlier steps (each forward begins with the embedding, a torch kernel).
+That is how the batch-1 GEMV streams its first weight slice, the rotary kernel fetches
+its cos/sin rows and the decode attention its first keys and values while the previous
+kernel finishes. Writes always come after the wait.
 
 A decode step at batch 1 is a chain of ~400 short kernels; without this each one starts
 only after the last program of the previous one has exited.

@@ -24,10 +24,12 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl.start(USE_PDL)
+    pdl.allow_next(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)  # a weight: read before the wait
+    pdl.wait_for_previous(USE_PDL)
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
@@ -37,7 +39,6 @@ def _rms_norm_kernel(
     x32 = x.to(tl.float32)
     variance = tl.sum(x32 * x32, axis=0) / hidden_size
     normed = (x32 * tl.rsqrt(variance + eps)).to(x.dtype)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     out = normed.to(tl.float32) * w.to(tl.float32)
     tl.store(out_ptr + row * hidden_size + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -55,12 +55,15 @@ def _rotary_kernel(
     IS_NEOX: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
     NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl.start(USE_PDL)
+    pdl.allow_next(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
+    # Positions come from a host copy and the table never changes: both are read before
+    # waiting for the kernel that produced q and k.
     pos = tl.load(positions_ptr + token).to(tl.int64)
     pairs = tl.arange(0, HALF)[None, :]
     cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + pairs).to(tl.float32)
     sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + pairs).to(tl.float32)
+    pdl.wait_for_previous(USE_PDL)
     _rotate_heads(query_ptr, q_stride_token, q_stride_head, token, num_heads, cos, sin,
                   q_norm_ptr, eps, IS_NEOX, BLOCK_HQ, HALF, NORM)  # fmt: skip
     _rotate_heads(key_ptr, k_stride_token, k_stride_head, token, num_kv_heads, cos, sin,
