@@ -42,6 +42,7 @@ import triton.language as tl
 
 from pagedlm_cuda.kernels import pdl
 from pagedlm_cuda.kernels.decode_config import decode_config
+from pagedlm_cuda.kernels.kv_tile import load_kv_tile
 from pagedlm_cuda.kernels.score_mod import scaled_scores, score_args
 
 MERGE_TILE = 16384
@@ -113,23 +114,6 @@ def _merge_group(
 
 
 @triton.jit
-def _load_tile(
-    key_cache_ptr, value_cache_ptr, table, head_base, n0, end, dims, dim_mask,
-    cache_stride_block, cache_stride_slot, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """Keys and values of positions ``n0 .. n0 + BLOCK_N - 1`` (below ``end``)."""
-    pos = n0 + tl.arange(0, BLOCK_N)
-    pos_mask = pos < end
-    block = tl.load(table + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
-    rows = block * cache_stride_block + head_base + (pos % BLOCK_SIZE) * cache_stride_slot
-    offsets = rows[:, None] + dims[None, :]
-    kv_mask = pos_mask[:, None] & dim_mask[None, :]
-    k = tl.load(key_cache_ptr + offsets, mask=kv_mask, other=0.0)
-    v = tl.load(value_cache_ptr + offsets, mask=kv_mask, other=0.0)
-    return pos_mask, k, v
-
-
-@triton.jit
 def _attend_tile(
     q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, USE_SOFT_CAP: tl.constexpr
 ):
@@ -196,7 +180,7 @@ def _decode_kernel(
     # steps (each forward begins with a torch kernel, which waits for everything before it).
     head_base = kv_head.to(tl.int64) * cache_stride_head
     table = block_tables_ptr + seq * block_table_stride
-    pos_mask, k, v = _load_tile(
+    _pos, pos_mask, k, v = load_kv_tile(
         key_cache_ptr, value_cache_ptr, table, head_base, start, cached_end, dims, dim_mask,
         cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N,
     )  # fmt: skip
@@ -241,7 +225,7 @@ def _decode_kernel(
             q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, USE_SOFT_CAP
         )
     for n0 in range(start + BLOCK_N, cached_end, BLOCK_N):
-        pos_mask, k, v = _load_tile(
+        _pos, pos_mask, k, v = load_kv_tile(
             key_cache_ptr, value_cache_ptr, table, head_base, n0, cached_end, dims, dim_mask,
             cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N,
         )  # fmt: skip

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedlm_cuda.kernels.kv_tile import load_kv_tile
 from pagedlm_cuda.kernels.score_mod import scaled_scores, score_args
 
 
@@ -65,14 +66,10 @@ def _prefill_kernel(
     table = block_tables_ptr + req * block_table_stride
     head_base = kv_head.to(tl.int64) * cache_stride_head
     for n0 in range(kv_start, kv_end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        pos_mask = pos < kv_end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
-        cache_rows = block * cache_stride_block + head_base + (pos % BLOCK_SIZE) * cache_stride_slot
-        offsets = cache_rows[:, None] + dims[None, :]
-        kv_mask = pos_mask[:, None] & dim_mask[None, :]
-        k = tl.load(key_cache_ptr + offsets, mask=kv_mask, other=0.0)
-        v = tl.load(value_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        pos, pos_mask, k, v = load_kv_tile(
+            key_cache_ptr, value_cache_ptr, table, head_base, n0, kv_end, dims, dim_mask,
+            cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N,
+        )  # fmt: skip
         s = scaled_scores(tl.dot(q, tl.trans(k)), score_scale, cap_log2e, USE_SOFT_CAP)
         visible = pos_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
