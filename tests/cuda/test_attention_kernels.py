@@ -182,6 +182,8 @@ def test_decode_attention_writes_the_new_kv(partition: int, window: int | None) 
     their slots by the program that holds that position (split and direct paths)."""
     check_decode(16, 64, 2, 4, [1, 17, 40, 90], torch.float32, partition, window, write_new=True)
     check_decode(32, 128, 1, 8, [64, 33], SMALL_BF16, partition, window, write_new=True)
+    check_decode(16, 64, 2, 4, [45, 200], torch.float32, partition, window, cap=3.0,
+                 q_scale=6, write_new=True)  # fmt: skip
 
 
 def test_decode_attention_new_kv_padding_rows_write_nothing() -> None:

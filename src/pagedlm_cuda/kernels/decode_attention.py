@@ -60,8 +60,9 @@ _counters: dict[torch.device, torch.Tensor] = {}
 
 def merge_counters(device: torch.device, size: int) -> torch.Tensor:
     """The zeroed int32 ticket counters of ``device`` (at least ``size``). Every decode
-    call leaves them at 0 again, so one buffer serves every layer and step. It only grows,
-    and never while a graph is captured: the CUDA-graph runner runs each size once
+    call leaves them at 0 again, so one buffer serves every layer and step; calls on one
+    device must not overlap (one stream per device, as the model runner has). It only
+    grows, and never while a graph is captured: the CUDA-graph runner runs each size once
     eagerly before capturing it, largest first."""
     counters = _counters.get(device)
     if counters is None or counters.numel() < size:
