@@ -23,7 +23,7 @@ def full_logits(model, arch, backend, token_ids: list[int], block_size: int = 16
         next(model.parameters()).dtype,
         lambda shape, dtype: torch.zeros(shape, dtype=dtype),
     )
-    layout = BatchLayout(
+    layout = BatchLayout.from_lists(
         query_start_loc=[0, n],
         seq_lens=[n],
         block_tables=[list(range(num_blocks))],
@@ -91,7 +91,7 @@ class PagedRunner:
             starts.append(len(input_ids))
             seq_lens.append(context_len + len(tokens))
             tables.append(table)
-        layout = BatchLayout(starts, seq_lens, tables, slots, bs)
+        layout = BatchLayout.from_lists(starts, seq_lens, tables, slots, bs)
         ctx = ForwardContext(self.backend, self.backend.build_metadata(layout), self.kv_cache)
         with torch.no_grad():
             ids = torch.tensor(input_ids, device=self.device)

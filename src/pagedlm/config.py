@@ -214,9 +214,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 2048
-    num_scheduler_steps: int = 1
-    """Decode steps one schedule may run back to back on the workers (multi-step
-    decoding; 1 = every step goes through the scheduler)."""
+    async_scheduling: bool = False
+    """Schedule step N+1 while step N runs (one step in flight), so the host's per-step
+    work overlaps the device's; resolved from the platform's default at the edge."""
     scheduling_policy: str = "fcfs"
     """"fcfs" (arrival order) or "priority" (lowest ``priority`` value first, then
     arrival; preemption takes the lowest-priority running request)."""

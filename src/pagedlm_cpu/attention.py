@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -35,8 +36,9 @@ class DecodeGroup:
     """[num_decodes] their query rows in the flattened batch; None when they are rows
     ``0 .. num_decodes-1`` (no gather needed)."""
     block_ids: torch.Tensor
-    """[num_decodes * max_blocks] each decode's block table, padded with block 0 to
-    ``max_blocks`` (the longest one's), flattened for ``index_select``."""
+    """[num_decodes * max_blocks] each decode's block table, cut to ``max_blocks`` (the
+    longest one's; shorter tables read valid but unused blocks there, masked out),
+    flattened for ``index_select``."""
     key_mask: torch.Tensor | None
     """[num_decodes, 1, 1, max_blocks * block_size] True where the key position exists
     (< seq_len); None when no position is padding."""
@@ -74,11 +76,6 @@ class CpuSdpaMetadata:
     filled by the first layer that asks; later layers of the step reuse it."""
 
 
-def _blocks_needed(tables: list[list[int]], num_blocks: int) -> list[list[int]]:
-    """The first ``num_blocks`` ids of each table, padded with block 0 (masked out later)."""
-    return [table[:num_blocks] + [0] * (num_blocks - len(table[:num_blocks])) for table in tables]
-
-
 class CpuSdpaBackend(AttentionBackend):
     """Gather + ``scaled_dot_product_attention``; the reference every other backend matches.
 
@@ -98,50 +95,56 @@ class CpuSdpaBackend(AttentionBackend):
         self._workspaces: list[torch.Tensor | None] = [None, None]
 
     def build_metadata(self, layout: BatchLayout) -> CpuSdpaMetadata:
-        self._check_block_tables(layout)
-        query_lens = layout.query_lens
-        decode_reqs = [i for i, n in enumerate(query_lens) if n == 1]
-        chunks = tuple(self._chunk(layout, i) for i, n in enumerate(query_lens) if n > 1)
+        query_lens = layout.query_lens_cpu
+        decode_reqs = np.flatnonzero(query_lens == 1)
+        chunks = tuple(self._chunk(layout, int(i)) for i in np.flatnonzero(query_lens > 1))
         return CpuSdpaMetadata(
-            slot_mapping=self._to_device(layout.slot_mapping),
-            decodes=self._decode_group(layout, decode_reqs) if decode_reqs else None,
+            slot_mapping=layout.slot_mapping.to(self.device, torch.long),
+            decodes=self._decode_group(layout, decode_reqs) if len(decode_reqs) else None,
             chunks=chunks,
         )
 
-    def _decode_group(self, layout: BatchLayout, reqs: list[int]) -> DecodeGroup:
+    def _decode_group(self, layout: BatchLayout, reqs: np.ndarray) -> DecodeGroup:
         block_size = layout.block_size
-        seq_lens = [layout.seq_lens[i] for i in reqs]
-        max_blocks = -(-max(seq_lens) // block_size)
-        tables = _blocks_needed([layout.block_tables[i] for i in reqs], max_blocks)
-        rows = [layout.query_start_loc[i] for i in reqs]
+        seq_lens = layout.seq_lens_cpu[reqs]
+        max_blocks = -(-int(seq_lens.max()) // block_size)
+        self._check_width(layout, max_blocks)
+        rows = layout.query_start_loc_cpu[reqs]
+        contiguous = len(reqs) == layout.num_reqs and bool((rows == np.arange(len(rows))).all())
         key_mask = None
-        if any(n != max_blocks * block_size for n in seq_lens):
-            positions = torch.arange(max_blocks * block_size)
-            key_mask = positions < torch.tensor(seq_lens)[:, None]
-            key_mask = key_mask[:, None, None, :].to(self.device)
+        seq_lens_t = torch.from_numpy(seq_lens.astype(np.int64)).to(self.device)
+        if (seq_lens != max_blocks * block_size).any():
+            positions = torch.arange(max_blocks * block_size, device=self.device)
+            key_mask = (positions < seq_lens_t[:, None])[:, None, None, :]
+        # Padding past a table's last needed block reads whatever block id is there: those
+        # keys are masked out, and block ids are always valid.
+        tables = layout.block_table.to(self.device)[torch.from_numpy(reqs), :max_blocks]
         return DecodeGroup(
             num_decodes=len(reqs),
-            token_rows=None if rows == list(range(len(rows))) else self._to_device(rows),
-            block_ids=self._to_device([b for table in tables for b in table]),
+            token_rows=None if contiguous else self._to_device(rows),
+            block_ids=tables.reshape(-1).to(torch.long),
             key_mask=key_mask,
-            seq_lens=torch.tensor(seq_lens, device=self.device),
+            seq_lens=seq_lens_t,
             num_key_slots=max_blocks * block_size,
         )
 
     def _chunk(self, layout: BatchLayout, i: int) -> ChunkRequest:
-        seq_len = layout.seq_lens[i]
-        context_len = seq_len - layout.query_lens[i]
+        seq_len = int(layout.seq_lens_cpu[i])
+        query_start = int(layout.query_start_loc_cpu[i])
+        query_end = int(layout.query_start_loc_cpu[i + 1])
+        context_len = seq_len - (query_end - query_start)
         num_blocks = -(-seq_len // layout.block_size)
+        self._check_width(layout, num_blocks)
         causal_mask = None
         if context_len > 0:
             query_positions = torch.arange(context_len, seq_len)[:, None]
             causal_mask = (torch.arange(seq_len)[None, :] <= query_positions).to(self.device)
         return ChunkRequest(
-            query_start=layout.query_start_loc[i],
-            query_end=layout.query_start_loc[i + 1],
+            query_start=query_start,
+            query_end=query_end,
             seq_len=seq_len,
             context_len=context_len,
-            block_ids=self._to_device(layout.block_tables[i][:num_blocks]),
+            block_ids=layout.block_table[i, :num_blocks].to(self.device, torch.long),
             causal_mask=causal_mask,
         )
 
@@ -268,20 +271,17 @@ class CpuSdpaBackend(AttentionBackend):
         torch.index_select(cache, 0, block_ids, out=blocks)
         return blocks.view(-1, cache.shape[-2], cache.shape[-1])
 
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+    def _to_device(self, values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(values.astype(np.int64)).to(self.device)
 
     @staticmethod
-    def _check_block_tables(layout: BatchLayout) -> None:
-        for i, (seq_len, table) in enumerate(
-            zip(layout.seq_lens, layout.block_tables, strict=True)
-        ):
-            if len(table) * layout.block_size < seq_len:
-                raise ValueError(
-                    f"request {i} has seq_len {seq_len} but only {len(table)} blocks of "
-                    f"{layout.block_size} slots; the model runner must pass a block table "
-                    "covering every position."
-                )
+    def _check_width(layout: BatchLayout, num_blocks: int) -> None:
+        if layout.block_table.shape[1] < num_blocks:
+            raise ValueError(
+                f"a request needs {num_blocks} blocks of {layout.block_size} slots but the "
+                f"block table has {layout.block_table.shape[1]} columns; the model runner "
+                "must pass a block table covering every position."
+            )
 
 
 def _decode_window_mask(metadata: CpuSdpaMetadata, window: int) -> torch.Tensor:

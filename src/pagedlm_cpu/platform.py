@@ -53,7 +53,7 @@ class CpuPlatform(Platform):
         raw = np.zeros(math.prod(shape) * element, dtype=np.uint8)
         return torch.from_numpy(raw).view(dtype).view(shape)
 
-    def kv_cache_memory_bytes(self) -> int:
+    def kv_cache_memory_bytes(self, bytes_per_block: int | None = None) -> int:
         if KVCACHE_SPACE_ENV in os.environ:
             try:
                 gib = float(os.environ[KVCACHE_SPACE_ENV])

@@ -15,6 +15,7 @@ from pagedlm.platforms import Platform
 
 if TYPE_CHECKING:
     from pagedlm.config import EngineConfig
+    from pagedlm.platforms.interface import GraphRunner
     from pagedlm.sample.sampler import FusedRandomSampler
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class CudaPlatform(Platform):
     device_type = "cuda"
     dist_backend = "nccl"
     supports_cuda_graphs = True
+    async_scheduling_default = True
     profiles_memory = True
     default_attention_backend = "triton"
 
@@ -127,7 +129,7 @@ class CudaPlatform(Platform):
         activation_peak = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
         return GpuMemory(total=total, in_use=total - free, activation_peak=activation_peak)
 
-    def kv_cache_memory_bytes(self) -> int:
+    def kv_cache_memory_bytes(self, bytes_per_block: int | None = None) -> int:
         """``gpu_memory_utilization * total`` minus what is in use now (weights, other
         processes) and minus the activation peak that the profiling forward reached above
         it. With a bound config, fails with the fix when one sequence cannot fit."""
@@ -152,7 +154,7 @@ class CudaPlatform(Platform):
         if self.config is not None:
             model, cache = self.config.model, self.config.cache
             arch = model.arch
-            per_block = kv_bytes_per_block(
+            per_block = bytes_per_block or kv_bytes_per_block(
                 cache.block_size,
                 arch.num_hidden_layers,
                 arch.num_key_value_heads,
@@ -173,7 +175,7 @@ class CudaPlatform(Platform):
 
         return gumbel_sample
 
-    def capture_decode_graphs(self, runner: object) -> object | None:
+    def capture_graphs(self, runner: object) -> GraphRunner | None:
         from pagedlm_cuda.graph_runner import CudaGraphRunner
 
         return CudaGraphRunner.for_model_runner(runner)

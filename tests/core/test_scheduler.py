@@ -7,11 +7,12 @@ from collections.abc import Callable
 import pytest
 
 from pagedlm.config import CacheConfig, SchedulerConfig
-from pagedlm.core.outputs import EngineCoreOutput, LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.core.request import Request, RequestStatus
 from pagedlm.core.scheduler import OneBudgetScheduler
 from pagedlm.core.stop_checker import append_token_ids
 from pagedlm.sampling_params import SamplingParams
+from pagedlm.step import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 
 BLOCK = 4
 EOS = 2

@@ -69,7 +69,7 @@ def run_step(
         full_k.append(k_all)
         full_v.append(v_all)
 
-    layout = BatchLayout(query_start, seq_lens, tables, slot_mapping, block_size)
+    layout = BatchLayout.from_lists(query_start, seq_lens, tables, slot_mapping, block_size)
     backend = backend or CpuSdpaBackend(torch.device("cpu"))
     scale = HEAD_DIM**-0.5
     metadata = backend.build_metadata(layout)
@@ -135,7 +135,9 @@ def test_request_reads_blocks_another_request_writes_in_the_same_step() -> None:
     # blocks as its cached prefix and computes 3 more tokens into block 7.
     prefix_slots = [5 * 4 + i for i in range(4)] + [2 * 4 + i for i in range(4)]
     tail_slots = [7 * 4 + i for i in range(3)]
-    layout = BatchLayout([0, 8, 11], [8, 11], [[5, 2], [5, 2, 7]], prefix_slots + tail_slots, 4)
+    layout = BatchLayout.from_lists(
+        [0, 8, 11], [8, 11], [[5, 2], [5, 2, 7]], prefix_slots + tail_slots, 4
+    )
     q = torch.randn(11, NUM_HEADS, HEAD_DIM)
     k = torch.randn(11, NUM_KV_HEADS, HEAD_DIM)
     v = torch.randn(11, NUM_KV_HEADS, HEAD_DIM)
@@ -146,6 +148,6 @@ def test_request_reads_blocks_another_request_writes_in_the_same_step() -> None:
 
 
 def test_short_block_table_is_rejected() -> None:
-    layout = BatchLayout([0, 5], [5], [[0]], [0, 1, 2, 3, 4], block_size=4)
+    layout = BatchLayout.from_lists([0, 5], [5], [[0]], [0, 1, 2, 3, 4], 4)
     with pytest.raises(ValueError, match="block table covering every position"):
         CpuSdpaBackend(torch.device("cpu")).build_metadata(layout)

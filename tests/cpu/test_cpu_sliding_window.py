@@ -59,7 +59,7 @@ def run(
         per_request.append((context_len, slots))
     backend = CpuSdpaBackend(torch.device("cpu"))
     metadata = backend.build_metadata(
-        BatchLayout(query_start, seq_lens, tables, slots_all, BLOCK_SIZE)
+        BatchLayout.from_lists(query_start, seq_lens, tables, slots_all, BLOCK_SIZE)
     )
     for _ in range(layers):
         key_cache, value_cache = torch.randn(shape), torch.randn(shape)
@@ -122,7 +122,7 @@ def test_attention_layer_refuses_a_backend_without_the_feature():
         supports_sliding_window = False
 
     backend = NoWindowBackend(torch.device("cpu"))
-    layout = BatchLayout([0, 2], [2], [[0]], [0, 1], BLOCK_SIZE)
+    layout = BatchLayout.from_lists([0, 2], [2], [[0]], [0, 1], BLOCK_SIZE)
     shape = backend.kv_cache_shape(1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     cache = TensorKVCache(shape, 1, BLOCK_SIZE, torch.float32, lambda s, d: torch.zeros(s))
     ctx = ForwardContext(backend, backend.build_metadata(layout), cache)

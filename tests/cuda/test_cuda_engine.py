@@ -140,7 +140,7 @@ def test_cuda_graphs_on_and_off_identical(tiny_checkpoint, arch, monkeypatch) ->
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_programmatic_dependent_launch_changes_no_token(tiny_checkpoint, arch, monkeypatch):
     """Kernels that start while the previous one drains (PDL) compute what plainly
-    launched ones do: batch 1 (the GEMV chain) and a batch, graphs and multi-step on."""
+    launched ones do: batch 1 (the GEMV chain) and a batch, graphs and async scheduling on."""
     from pagedlm_cuda.kernels import pdl
 
     path = tiny_checkpoint(arch)
@@ -150,35 +150,39 @@ def test_programmatic_dependent_launch_changes_no_token(tiny_checkpoint, arch, m
         monkeypatch.setenv(pdl.PDL_ENV, flag)
         pdl.enabled.cache_clear()
         assert pdl.enabled() == (flag == "1")  # an H100/H200-class GPU
-        runs[flag] = [run(path, rows, num_scheduler_steps=8) for rows in (batch[:1], batch)]
+        runs[flag] = [run(path, rows) for rows in (batch[:1], batch)]
     pdl.enabled.cache_clear()
     assert runs["1"] == runs["0"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_multi_step_decoding_identical(tiny_checkpoint, arch) -> None:
-    """Eight decode steps per schedule, fed from the device, give the single-step tokens
-    (greedy) and, with per-request seeds, the same samples."""
+@pytest.mark.parametrize("eager", ["0", "1"])
+def test_async_scheduling_identical(tiny_checkpoint, arch, eager, monkeypatch) -> None:
+    """Scheduling each step while the previous one runs (the default here), its inputs fed
+    from the device, gives the synchronous tokens (greedy) and, with per-request seeds,
+    the same samples; with CUDA graphs and without."""
+    monkeypatch.setenv("PAGEDLM_ENFORCE_EAGER", eager)
     path = tiny_checkpoint(arch)
     batch = prompts(384)
-    assert run(path, batch, num_scheduler_steps=8) == run(path, batch)
-    llm = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=1024)
+    assert run(path, batch) == run(path, batch, async_scheduling=False)
     seeded = [
         SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=NEW_TOKENS, ignore_eos=True)
         for i in range(len(batch))
     ]
     inputs = [{"prompt_token_ids": p} for p in batch]
-    single = [o.outputs[0].token_ids for o in llm.generate(inputs, seeded, use_tqdm=False)]
-    del llm
-    llm = LLM(
-        str(path),
-        dtype="bfloat16",
-        skip_tokenizer_init=True,
-        max_model_len=1024,
-        num_scheduler_steps=8,
-    )
-    multi = [o.outputs[0].token_ids for o in llm.generate(inputs, seeded, use_tqdm=False)]
-    assert multi == single
+    samples = []
+    for async_scheduling in (True, False):
+        llm = LLM(
+            str(path),
+            dtype="bfloat16",
+            skip_tokenizer_init=True,
+            max_model_len=1024,
+            async_scheduling=async_scheduling,
+        )
+        assert llm.llm_engine.engine_core.async_scheduling == async_scheduling
+        samples.append([o.outputs[0].token_ids for o in llm.generate(inputs, seeded, use_tqdm=False)])
+        del llm
+    assert samples[0] == samples[1]
 
 
 def test_qwen3_0_6b_shape_parity_and_graphs(tmp_path, monkeypatch) -> None:

@@ -11,7 +11,7 @@ import torch
 from test_attention_kernels import make_cache
 from triton_env import DEVICE
 
-from pagedlm_cuda.graph_runner import capture_sizes
+from pagedlm_cuda.batch_sizes import capture_sizes
 from pagedlm_cuda.kernels import paged_decode_attention
 from pagedlm_cuda.kernels.decode_config import batch_bucket, decode_config
 

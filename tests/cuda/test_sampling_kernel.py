@@ -7,7 +7,7 @@ import pytest
 import torch
 from triton_env import DEVICE, ON_GPU
 
-from pagedlm.sample.metadata import SamplingMetadata, SamplingRow
+from pagedlm.sample import SamplingMetadata, SamplingRow, token_history_from_lists
 from pagedlm.sample.sampler import Sampler
 from pagedlm.sampling_params import SamplingParams
 from pagedlm_cuda.kernels.sampling import SPLIT_V, gumbel_sample
@@ -67,7 +67,7 @@ def test_same_seed_same_tokens_other_seed_other_tokens() -> None:
 
 def _metadata(params: list[SamplingParams], vocab: int, generators=None) -> SamplingMetadata:
     generators = generators or [None] * len(params)
-    rows = [SamplingRow(p, g, [1, 2], []) for p, g in zip(params, generators)]
+    rows = [SamplingRow(p, g) for p, g in zip(params, generators)]
     return SamplingMetadata.build(rows, vocab, torch.device(DEVICE))
 
 
@@ -94,10 +94,11 @@ def test_sampler_uses_the_kernel_for_all_greedy_batches_with_penalties_applied()
     logits = torch.randn(2, vocab, device=DEVICE)
     logits[0, 11] = logits[0].max() + 0.5  # the argmax, unless penalized
     rows = [
-        SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=10.0), None, [11], []),
-        SamplingRow(SamplingParams(temperature=0.0), None, [], []),
+        SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=10.0), None),
+        SamplingRow(SamplingParams(temperature=0.0), None),
     ]
-    metadata = SamplingMetadata.build(rows, vocab, torch.device(DEVICE))
+    history = token_history_from_lists([[11], []], [[], []], torch.device(DEVICE))
+    metadata = SamplingMetadata.build(rows, vocab, torch.device(DEVICE), token_history=history)
     calls = []
 
     def spy(*args):

@@ -1,6 +1,6 @@
 """The Triton attention backend against the CPU reference backend on mixed batches (each
 in its own cache layout), with sliding windows and soft-caps through the attention layer,
-and the graph runner's host-side pieces (batch-size ladder, packed layout)."""
+and the graph runner's batch-size ladder."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pagedlm.kv_cache.interface import TensorKVCache
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.layers.attention import Attention
 from pagedlm_cpu.attention import CpuSdpaBackend
-from pagedlm_cuda.attention import TritonAttentionBackend, pack_layout, unpack
-from pagedlm_cuda.graph_runner import capture_sizes
+from pagedlm_cuda.attention import TritonAttentionBackend
+from pagedlm_cuda.batch_sizes import capture_sizes
 
 BLOCK_SIZE, NUM_BLOCKS, KV_HEADS, HEADS, HEAD_DIM = 16, 40, 2, 8, 64
 
@@ -34,7 +34,7 @@ def make_layout(chunks: list[tuple[int, int]], block_size: int, num_blocks: int)
         seq_lens.append(seq)
         tables.append(table + [0])  # longer than needed, like a request's reserved blocks
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx, seq))
-    return BatchLayout(qsl, seq_lens, tables, slots, block_size)
+    return BatchLayout.from_lists(qsl, seq_lens, tables, slots, block_size)
 
 
 def to_triton_layout(cache: torch.Tensor) -> torch.Tensor:
@@ -132,13 +132,3 @@ def test_capture_sizes_ladder() -> None:
     assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 512
     assert sizes == sorted(set(sizes))
     assert 264 not in sizes and 272 in sizes  # steps of 16 above 256
-
-
-def test_pack_layout_pads_rows_as_empty_decodes() -> None:
-    layout = BatchLayout([0, 1, 2], [5, 17], [[3], [4, 9]], [3 * 16 + 4, 9 * 16], 16)
-    packed = torch.from_numpy(pack_layout(layout, 4, 3))
-    slots, qsl, lens, tables = unpack(packed, 4, 4, 3)
-    assert slots.tolist() == [52, 144, -1, -1]
-    assert qsl.tolist() == [0, 1, 2, 3, 4]
-    assert lens.tolist() == [5, 17, 0, 0]
-    assert tables.tolist() == [[3, 0, 0], [4, 9, 0], [0, 0, 0], [0, 0, 0]]

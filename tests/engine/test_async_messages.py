@@ -10,11 +10,12 @@ import sys
 import msgspec
 import pytest
 
-from pagedlm.core.outputs import EngineCoreOutput, LogprobsLists
+from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.core.request import Request
 from pagedlm.core.scheduler_interface import SchedulerStats
 from pagedlm.engine import messages
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
+from pagedlm.step import LogprobsLists
 
 
 def _round_trip(message):

@@ -6,11 +6,12 @@ import math
 
 import pytest
 
-from pagedlm.core.outputs import EngineCoreOutput, LogprobsLists
+from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.engine.logprobs_processor import TokenTextCache, logprobs_row_to_dict
 from pagedlm.engine.output_processor import OutputProcessor
 from pagedlm.outputs import Logprob
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
+from pagedlm.step import LogprobsLists
 
 
 def rows(*entries: tuple[list[int], list[float], int]) -> LogprobsLists:

@@ -44,7 +44,7 @@ def paged_logits(model_dir: str, tp_size: int) -> torch.Tensor:
         slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(len(prompt))]
         starts.append(len(ids))
         tables.append(table)
-    layout = BatchLayout(starts, [len(p) for p in PROMPTS], tables, slots, BLOCK_SIZE)
+    layout = BatchLayout.from_lists(starts, [len(p) for p in PROMPTS], tables, slots, BLOCK_SIZE)
     backend = CpuSdpaBackend(torch.device("cpu"))
     ctx = ForwardContext(backend, backend.build_metadata(layout), cache)
     with torch.no_grad():

@@ -28,7 +28,7 @@ class FakePlatform(Platform):
     def supported_dtypes(self):
         return (torch.float32,)
 
-    def kv_cache_memory_bytes(self) -> int:
+    def kv_cache_memory_bytes(self, bytes_per_block: int | None = None) -> int:
         return 1 << 20
 
 

@@ -5,31 +5,27 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedlm.sample import Sampler, SamplingMetadata, SamplingRow
+from pagedlm.sample import Sampler, SamplingMetadata, SamplingRow, token_history_from_lists
 from pagedlm.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 
 
 def make_row(
-    prompt: list[int] | None = None,
-    output: list[int] | None = None,
-    generator: torch.Generator | None = None,
-    **params,
+    num_output: int = 0, generator: torch.Generator | None = None, **params
 ) -> SamplingRow:
-    return SamplingRow(
-        params=SamplingParams(**params),
-        generator=generator,
-        prompt_token_ids=list(prompt or [0]),
-        output_token_ids=list(output or []),
-    )
+    return SamplingRow(SamplingParams(**params), generator, num_output)
 
 
 def sample(
     logits: torch.Tensor, rows: list[SamplingRow], default_seed: int | None = 0
 ) -> torch.Tensor:
     generator = None if default_seed is None else torch.Generator().manual_seed(default_seed)
-    metadata = SamplingMetadata.build(rows, logits.shape[1], CPU, generator)
+    # Every row's history: prompt [0], outputs [1] * num_output_tokens.
+    history = token_history_from_lists(
+        [[0]] * len(rows), [[1] * row.num_output_tokens for row in rows], CPU
+    )
+    metadata = SamplingMetadata.build(rows, logits.shape[1], CPU, generator, history)
     return Sampler()(logits, metadata).sampled_token_ids
 
 
@@ -248,7 +244,7 @@ def test_min_tokens_masks_stop_tokens_until_reached() -> None:
     logits[:, 2] = 30.0
 
     def row(num_output: int, **params) -> SamplingRow:
-        r = make_row(output=[1] * num_output, min_tokens=3, stop_token_ids=[stop_id], **params)
+        r = make_row(num_output, min_tokens=3, stop_token_ids=[stop_id], **params)
         r.params.all_stop_token_ids = {eos, stop_id}
         return r
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedlm.sample import Sampler, SamplingMetadata, SamplingRow, compute_logprobs
+from pagedlm.sample import (
+    Sampler,
+    SamplingMetadata,
+    SamplingRow,
+    compute_logprobs,
+    token_history_from_lists,
+)
 from pagedlm.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.cuda
@@ -14,12 +20,13 @@ VOCAB = 4096
 
 
 def make_row(generator: torch.Generator | None = None, **params) -> SamplingRow:
-    return SamplingRow(SamplingParams(**params), generator, [1, 2, 3], [4, 4])
+    return SamplingRow(SamplingParams(**params), generator, 2)
 
 
 def run(logits: torch.Tensor, rows: list[SamplingRow], seed: int = 0) -> torch.Tensor:
     default = torch.Generator(device=CUDA).manual_seed(seed)
-    metadata = SamplingMetadata.build(rows, logits.shape[1], CUDA, default)
+    history = token_history_from_lists([[1, 2, 3]] * len(rows), [[4, 4]] * len(rows), CUDA)
+    metadata = SamplingMetadata.build(rows, logits.shape[1], CUDA, default, history)
     return Sampler()(logits, metadata).sampled_token_ids
 
 

@@ -5,9 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedlm.core.outputs import LogprobsLists
-from pagedlm.sample import Sampler, SamplingMetadata, SamplingRow, compute_logprobs
+from pagedlm.sample import (
+    Sampler,
+    SamplingMetadata,
+    SamplingRow,
+    compute_logprobs,
+    token_history_from_lists,
+)
 from pagedlm.sampling_params import SamplingParams
+from pagedlm.step import LogprobsLists
 
 CPU = torch.device("cpu")
 
@@ -78,13 +84,13 @@ def test_sampler_returns_raw_logprobs_of_sampled_tokens() -> None:
                 temperature=0.5, repetition_penalty=1.5, logit_bias={3: 5.0}, logprobs=2
             ),
             None,
-            [1, 2],
-            [3],
+            1,
         ),
-        SamplingRow(SamplingParams(temperature=0.0, top_k=3), None, [1], []),
-        SamplingRow(SamplingParams(logprobs=4, top_p=0.5), None, [1], []),
+        SamplingRow(SamplingParams(temperature=0.0, top_k=3), None),
+        SamplingRow(SamplingParams(logprobs=4, top_p=0.5), None),
     ]
-    metadata = SamplingMetadata.build(rows, 30, CPU, torch.Generator().manual_seed(0))
+    history = token_history_from_lists([[1, 2], [1], [1]], [[3], [], []], CPU)
+    metadata = SamplingMetadata.build(rows, 30, CPU, torch.Generator().manual_seed(0), history)
     assert metadata.max_num_logprobs == 4
     output = Sampler()(logits, metadata)
     assert output.logprobs is not None
@@ -97,9 +103,9 @@ def test_sampler_returns_raw_logprobs_of_sampled_tokens() -> None:
 
 
 def test_no_logprobs_requested() -> None:
-    rows = [SamplingRow(SamplingParams(), None, [1], [])]
+    rows = [SamplingRow(SamplingParams(), None)]
     metadata = SamplingMetadata.build(rows, 8, CPU)
     assert metadata.max_num_logprobs is None
     assert Sampler()(torch.randn(1, 8), metadata).logprobs is None
-    rows = [SamplingRow(SamplingParams(logprobs=0), None, [1], [])]
+    rows = [SamplingRow(SamplingParams(logprobs=0), None)]
     assert SamplingMetadata.build(rows, 8, CPU).max_num_logprobs == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedlm.sample import Sampler, SamplingMetadata, SamplingRow
+from pagedlm.sample import Sampler, SamplingMetadata, SamplingRow, token_history_from_lists
 from pagedlm.sample.penalties import apply_penalties, pad_token_ids
 from pagedlm.sampling_params import SamplingParams
 
@@ -15,8 +15,13 @@ PROMPT = [0, 2, 2]
 OUTPUT = [4, 4, 1]
 
 
+def history(rows: list[SamplingRow], prompt=PROMPT, output=OUTPUT):
+    """Every row's tokens: ``prompt``, then ``output``."""
+    return token_history_from_lists([prompt] * len(rows), [output] * len(rows), CPU)
+
+
 def penalized(rows: list[SamplingRow], logits: torch.Tensor) -> torch.Tensor:
-    metadata = SamplingMetadata.build(rows, logits.shape[1], CPU)
+    metadata = SamplingMetadata.build(rows, logits.shape[1], CPU, token_history=history(rows))
     assert metadata.penalties is not None
     result = logits.clone()
     apply_penalties(result, metadata.penalties)
@@ -24,7 +29,7 @@ def penalized(rows: list[SamplingRow], logits: torch.Tensor) -> torch.Tensor:
 
 
 def row(**params) -> SamplingRow:
-    return SamplingRow(SamplingParams(**params), None, list(PROMPT), list(OUTPUT))
+    return SamplingRow(SamplingParams(**params), None, len(OUTPUT))
 
 
 @pytest.mark.parametrize("penalty", [2.0, 0.5])
@@ -67,7 +72,7 @@ def test_only_penalized_rows_change() -> None:
     torch.manual_seed(0)
     logits = torch.randn(4, 7)
     rows = [row(), row(repetition_penalty=2.0), row(), row(presence_penalty=1.0)]
-    metadata = SamplingMetadata.build(rows, 7, CPU)
+    metadata = SamplingMetadata.build(rows, 7, CPU, token_history=history(rows))
     assert metadata.penalties is not None
     assert metadata.penalties.row_indices.tolist() == [1, 3]
     result = penalized(rows, logits)
@@ -83,11 +88,11 @@ def test_no_penalties_means_no_stage() -> None:
 def test_penalty_changes_greedy_choice() -> None:
     # Token 5 leads; a frequency penalty on it (sampled twice) hands the argmax to token 4.
     rows = [
-        SamplingRow(SamplingParams(temperature=0.0, frequency_penalty=1.0), None, [0], [5, 5]),
-        SamplingRow(SamplingParams(temperature=0.0), None, [0], [5, 5]),
+        SamplingRow(SamplingParams(temperature=0.0, frequency_penalty=1.0), None, 2),
+        SamplingRow(SamplingParams(temperature=0.0), None, 2),
     ]
     logits = LOGITS.expand(2, -1).clone()
-    metadata = SamplingMetadata.build(rows, 7, CPU)
+    metadata = SamplingMetadata.build(rows, 7, CPU, token_history=history(rows, [0], [5, 5]))
     assert Sampler()(logits, metadata).sampled_token_ids.tolist() == [4, 5]
 
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from pagedlm.core.outputs import GrammarBitmask
-from pagedlm.sample.metadata import SamplingMetadata, SamplingRow
+from pagedlm.sample import SamplingMetadata, SamplingRow
 from pagedlm.sample.sampler import Sampler
 from pagedlm.sampling_params import SamplingParams
+from pagedlm.step import GrammarBitmask
 from pagedlm.structured_output.backend import GrammarSpec, StructuredOutputBackend
 from pagedlm.structured_output.bitmask import apply_token_bitmask, unpack_bitmask
 from pagedlm.structured_output.compiler import GrammarCompiler
@@ -66,9 +66,8 @@ def test_sampler_respects_bitmask_for_greedy_and_random_rows():
         SamplingParams(temperature=0),
         SamplingParams(temperature=0.7, top_k=5, logprobs=2),
     ]
-    rows = [SamplingRow(p, None, [1], []) for p in params]
-    for row in rows[1:2]:
-        row.generator = torch.Generator().manual_seed(3)
+    generators = [None, torch.Generator().manual_seed(3), None, None]
+    rows = [SamplingRow(p, g) for p, g in zip(params, generators)]
     metadata = SamplingMetadata.build(rows, VOCAB, torch.device("cpu"))
     allowed = [[7, 8], [60, 61, 62], None, [1]]
     out = Sampler()(logits, metadata, _bitmask(allowed))
@@ -80,24 +79,18 @@ def test_sampler_respects_bitmask_for_greedy_and_random_rows():
     assert out.logprobs.logprobs[3, 0].item() == pytest.approx(0.0)
 
 
-class _State:
-    def __init__(self, req_id: str) -> None:
-        self.req_id = req_id
-
-
 def test_runner_lays_out_rows_in_sampling_order():
     source = _bitmask([[1], [2]]).numpy()
     grammar = GrammarBitmask(req_ids=["b", "d"], bitmask=source)
-    states = [_State(r) for r in ["a", "b", "c", "d"]]
-    batch = _batch_bitmask(grammar, states)  # type: ignore[arg-type]
+    batch = _batch_bitmask(grammar, ["a", "b", "c", "d"])
     assert batch is not None and batch.shape == (4, source.shape[1])
     assert (batch[0] == -1).all() and (batch[2] == -1).all()
     assert torch.equal(batch[1], torch.from_numpy(source[0]))
     assert torch.equal(batch[3], torch.from_numpy(source[1]))
-    in_order = _batch_bitmask(grammar, [_State("b"), _State("d")])  # type: ignore[arg-type]
+    in_order = _batch_bitmask(grammar, ["b", "d"])
     assert in_order is not None and torch.equal(in_order, torch.from_numpy(source))
-    assert _batch_bitmask(None, states) is None  # type: ignore[arg-type]
-    assert _batch_bitmask(grammar, [_State("x")]) is None  # type: ignore[arg-type]
+    assert _batch_bitmask(None, ["a"]) is None
+    assert _batch_bitmask(grammar, ["x"]) is None
 
 
 class _SlowBackend(StructuredOutputBackend):

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from pagedlm.config import CacheConfig, SchedulerConfig
-from pagedlm.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.core.request import Request, RequestStatus
 from pagedlm.core.scheduler import OneBudgetScheduler
 from pagedlm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedlm.step import ModelRunnerOutput, SchedulerOutput
 from pagedlm.structured_output.backend import GrammarMatcher, StructuredOutputBackend
 from pagedlm.structured_output.compiler import GrammarCompiler
 from pagedlm.structured_output.manager import StructuredOutputManager
@@ -106,11 +107,12 @@ def _lowest_allowed(bitmask: np.ndarray) -> int:
 
 def _step(scheduler, ignore_mask: bool = False) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
     output = scheduler.schedule()
-    req_ids = [r.req_id for r in output.scheduled_new_reqs + output.scheduled_cached_reqs]
+    req_ids = output.req_ids
     masks = {}
-    if output.grammar_bitmask is not None:
-        for row, req_id in enumerate(output.grammar_bitmask.req_ids):
-            masks[req_id] = output.grammar_bitmask.bitmask[row]
+    bitmask = scheduler.get_grammar_bitmask(output)
+    if bitmask is not None:
+        for row, req_id in enumerate(bitmask.req_ids):
+            masks[req_id] = bitmask.bitmask[row]
     sampled = []
     for req_id in req_ids:
         request = scheduler.requests[req_id]
@@ -145,7 +147,7 @@ def test_waits_for_its_grammar_while_others_run(backend):
     for _ in range(2):
         output, _ = _step(scheduler)
         assert set(output.num_scheduled_tokens) == {"plain"}
-        assert output.grammar_bitmask is None
+        assert scheduler.get_grammar_bitmask(output) is None
     assert [r.request_id for r in scheduler.waiting] == ["json"], "keeps its place in line"
     backend.release.set()
     results = _run(scheduler)
@@ -160,7 +162,7 @@ def test_idle_engine_blocks_briefly_instead_of_spinning(backend):
     threading.Timer(0.01, backend.release.set).start()
     output = scheduler.schedule()  # waits for the compile, then admits the request
     assert set(output.num_scheduled_tokens) == {"json"}
-    assert output.grammar_bitmask is not None
+    assert scheduler.get_grammar_bitmask(output) is not None
 
 
 def test_bitmask_only_on_the_step_that_samples(backend):
@@ -169,10 +171,11 @@ def test_bitmask_only_on_the_step_that_samples(backend):
     shipped = []
     for _ in range(3):
         output, _ = _step(scheduler)
-        shipped.append(output.grammar_bitmask is not None)
+        shipped.append(output.structured_output_req_ids == ["json"])
     assert shipped == [False, False, True]
-    output, _ = _step(scheduler)
-    assert output.grammar_bitmask is not None and output.grammar_bitmask.req_ids == ["json"]
+    output = scheduler.schedule()
+    bitmask = scheduler.get_grammar_bitmask(output)
+    assert bitmask is not None and bitmask.req_ids == ["json"]
 
 
 def test_request_ends_when_its_grammar_terminates(backend):

@@ -9,45 +9,92 @@ positions ``0 .. seq_lens[i]-1`` are read from the blocks in ``block_table[i]``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 
 @dataclass(frozen=True)
 class BatchLayout:
-    """The shape of one step's flattened batch, in host lists (built by the model runner).
+    """The shape of one step's flattened batch, built once per step by the model runner.
 
-    ``slot_mapping[t] = block_id * block_size + offset`` is where token ``t``'s K/V go.
+    The tensors are int32 on the platform's device, views of the runner's persistent step
+    buffers (under a CUDA graph, the same memory at every replay); the ``*_cpu`` arrays
+    are host copies of the same values, for backends that plan on the host.
+
+    Invariants:
+    - ``query_start_loc[0] == 0``, ``query_start_loc[num_reqs] == num_tokens``.
+    - ``block_table[i, j]`` is the ``j``-th block of request ``i`` for every
+      ``j < ceil(seq_lens[i] / block_size)``; entries past that hold some valid block id
+      whose contents must not be read.
+    - ``slot_mapping[t] = block * block_size + offset`` is where token ``t``'s K/V go;
+      ``-1`` (a padding row of a captured graph) writes nothing. Padding rows have
+      ``seq_lens`` 0 and attend to nothing.
+    - ``max_query_len``/``max_seq_len`` bound the query and sequence lengths (under a
+      graph, the captured query length and ``max_model_len``).
     """
 
-    query_start_loc: list[int]
-    """[num_reqs + 1] offsets into the flattened tokens."""
-    seq_lens: list[int]
-    """[num_reqs] context length after this step (computed before + scheduled now)."""
-    block_tables: list[list[int]]
-    """[num_reqs][num_blocks_i] the request's block ids (at least ceil(seq_len/block_size))."""
-    slot_mapping: list[int]
-    """[num_tokens] cache slot of every scheduled token."""
+    num_reqs: int
+    num_tokens: int
+    max_query_len: int
+    max_seq_len: int
     block_size: int
+    query_start_loc: torch.Tensor
+    """[num_reqs + 1] offsets into the flattened tokens."""
+    seq_lens: torch.Tensor
+    """[num_reqs] context length after this step (computed before + scheduled now)."""
+    block_table: torch.Tensor
+    """[num_reqs, max_blocks_per_req] block ids."""
+    slot_mapping: torch.Tensor
+    """[num_tokens] cache slot of every scheduled token."""
+    query_start_loc_cpu: np.ndarray
+    seq_lens_cpu: np.ndarray
 
     @property
-    def num_reqs(self) -> int:
-        return len(self.seq_lens)
+    def query_lens_cpu(self) -> np.ndarray:
+        return np.diff(self.query_start_loc_cpu)
 
     @property
-    def num_tokens(self) -> int:
-        return self.query_start_loc[-1]
+    def context_lens_cpu(self) -> np.ndarray:
+        return self.seq_lens_cpu - self.query_lens_cpu
 
-    @property
-    def query_lens(self) -> list[int]:
-        q = self.query_start_loc
-        return [q[i + 1] - q[i] for i in range(len(q) - 1)]
+    @classmethod
+    def from_lists(
+        cls,
+        query_start_loc: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        slot_mapping: Sequence[int],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> BatchLayout:
+        """A layout from host lists (tests, the profiling run): block tables padded with 0."""
+        width = max((len(table) for table in block_tables), default=0) or 1
+        tables = np.zeros((len(block_tables), width), dtype=np.int32)
+        for row, table in enumerate(block_tables):
+            tables[row, : len(table)] = table
+        qsl = np.asarray(query_start_loc, dtype=np.int32)
+        lens = np.asarray(seq_lens, dtype=np.int32)
 
-    @property
-    def context_lens(self) -> list[int]:
-        return [s - q for s, q in zip(self.seq_lens, self.query_lens)]
+        def on_device(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(values).to(device)
+
+        return cls(
+            num_reqs=len(lens),
+            num_tokens=int(qsl[-1]),
+            max_query_len=int(np.diff(qsl).max(initial=0)),
+            max_seq_len=int(lens.max(initial=0)),
+            block_size=block_size,
+            query_start_loc=on_device(qsl),
+            seq_lens=on_device(lens),
+            block_table=on_device(tables),
+            slot_mapping=on_device(np.asarray(slot_mapping, dtype=np.int32)),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=lens,
+        )
 
 
 AttentionMetadata = Any
@@ -68,6 +115,13 @@ class AttentionBackend(ABC):
     Optional features a model may ask for per layer (``forward``'s keyword arguments); a
     backend that implements one sets the matching flag, and the attention layer refuses
     to call a backend without it rather than silently attending over the wrong keys.
+
+    Graph hooks: a platform that replays steps from captured graphs asks the backend
+    whether a uniform batch (every request ``query_len`` tokens) can be captured
+    (``supports_graph``), builds the capture's metadata through ``build_graph_metadata``
+    over the runner's static buffers, and calls ``prepare_graph_replay`` before each
+    replay with that step's real layout. A backend with no graph support needs none of
+    them.
     """
 
     name: ClassVar[str]
@@ -87,6 +141,22 @@ class AttentionBackend(ABC):
     @abstractmethod
     def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
         """Turn the step's layout into whatever ``forward`` needs (device tensors, ...)."""
+
+    def supports_graph(self, query_len: int) -> bool:
+        """Whether steps where every request has ``query_len`` tokens can be captured."""
+        return False
+
+    def build_graph_metadata(self, layout: BatchLayout) -> AttentionMetadata:
+        """Metadata for capturing ``layout``, whose tensors are static buffers that every
+        replay refills: what it returns must read them at replay, never copies made now.
+        Default: ``build_metadata``, right for backends whose metadata are views."""
+        return self.build_metadata(layout)
+
+    def prepare_graph_replay(  # noqa: B027 - optional hook
+        self, metadata: AttentionMetadata, layout: BatchLayout
+    ) -> None:
+        """Host-side work before replaying a graph captured with ``metadata``; ``layout``
+        is the step's (padded) layout, its static buffers already filled. Default: none."""
 
     @abstractmethod
     def forward(

@@ -104,7 +104,6 @@ def profile_steps(llm, prompts: list[list[int]], params: list[Any], num_steps: i
             engine.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    # An engine step runs num_scheduler_steps decode steps when it can.
     model_steps = scheduler.num_model_steps - steps_before
     engine.abort_request([f"prof-{i}" for i in range(len(prompts))])
     while engine.has_unfinished_requests():

@@ -1,38 +1,58 @@
-"""The engine core loop: schedule -> execute -> update, one step at a time.
+"""The engine core loop: schedule -> launch -> collect, with at most one step in flight.
 
-Multi-step windows chain: once a window is queued on the device, the scheduler is asked
-for the next one (``Scheduler.schedule_continuation``) and that is queued too before the
-host waits for the first window's tokens. The host's work between windows (stops,
-outputs, the next schedule) then overlaps the device's next window instead of leaving
-the device idle. A chained window is collected by the next ``step()``.
+One ``step()``:
+
+1. schedule step N+1 (under asynchronous scheduling step N still runs: the scheduler counts
+   its tokens as placeholders) and launch its forward;
+2. collect step N, the one in flight, and update the scheduler with its tokens (stops,
+   grammars, outputs) while step N+1's forward runs on the device;
+3. launch step N+1's sampling with its grammar bitmask, built from matchers that have now
+   seen step N's tokens;
+4. return step N's outputs; step N+1 is collected by the next ``step()``.
+
+Synchronous scheduling (``async_scheduling=False``) runs the same calls with step N+1
+collected in the same ``step()`` (nothing stays in flight). Both give the same tokens
+for greedy and seeded requests; the asynchronous order keeps the device busy while the
+host does its per-step work (mini-sglang's overlap loop, vLLM's async scheduling).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from pagedlm.config import EngineConfig
-from pagedlm.core.outputs import EngineCoreOutput, SchedulerOutput
+from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.core.request import Request
 from pagedlm.core.scheduler import OneBudgetScheduler
 from pagedlm.core.scheduler_interface import Scheduler, SchedulerStats
 from pagedlm.executor import Executor
-from pagedlm.executor.interface import StepResult
 from pagedlm.platforms import Platform
 from pagedlm.plugins.registry import select_executor
+from pagedlm.step import SchedulerOutput, StepResult
 from pagedlm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
 
+class _InFlight(NamedTuple):
+    scheduler_output: SchedulerOutput
+    result: StepResult
+
+
 class EngineCore:
     """Owns the scheduler and the executor. Knows token ids only, never text."""
 
-    def __init__(self, config: EngineConfig, platform: Platform) -> None:
+    def __init__(
+        self, config: EngineConfig, platform: Platform, executor: Executor | None = None
+    ) -> None:
+        """``executor``: an executor already built (tests); by default the platform's,
+        selected through the plugin registry."""
         self.config = config
-        executor_cls = select_executor(platform, config.executor)
-        self.executor: Executor = executor_cls(config, platform)
+        if executor is None:
+            executor = select_executor(platform, config.executor)(config, platform)
+        self.executor = executor
         num_blocks = self.executor.determine_num_kv_blocks()
         self.executor.initialize_kv_cache(num_blocks)
         self.num_kv_blocks = num_blocks
@@ -41,8 +61,9 @@ class EngineCore:
         self.scheduler: Scheduler = OneBudgetScheduler(
             config.scheduler, config.cache, num_blocks, self.structured_output
         )
-        self._queued: tuple[SchedulerOutput, StepResult] | None = None
-        """A chained window launched by the last step, collected by the next."""
+        self.async_scheduling = config.scheduler.async_scheduling
+        self._in_flight: _InFlight | None = None
+        """The step launched by the last ``step()`` and not collected yet (async only)."""
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -51,30 +72,34 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     @property
-    def has_queued_window(self) -> bool:
-        """A chained window is on the device; the next ``step()`` collects it."""
-        return self._queued is not None
+    def has_step_in_flight(self) -> bool:
+        """A launched step awaits collection by the next ``step()``."""
+        return self._in_flight is not None
 
     def has_unfinished_requests(self) -> bool:
-        return self.has_queued_window or self.scheduler.has_unfinished_requests()
+        return self.has_step_in_flight or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
-        if self._queued is not None:
-            scheduler_output, launched = self._queued
-            self._queued = None
-        else:
-            scheduler_output = self.scheduler.schedule()
-            if scheduler_output.is_empty:
-                if scheduler_output.finished_req_ids:
-                    # Nothing to run, but workers must still drop finished requests' state.
-                    self.executor.execute_model(scheduler_output)
-                return []
-            launched = self.executor.launch_model(scheduler_output)
-        if scheduler_output.num_steps > 1:
-            following = self.scheduler.schedule_continuation(scheduler_output)
-            if following is not None:
-                self._queued = (following, self.executor.launch_model(following))
-        return self.scheduler.update_from_output(scheduler_output, launched.result())
+        scheduler_output = self.scheduler.schedule()
+        # An empty step still tells the workers which requests ended.
+        self.executor.execute_model(scheduler_output)
+        outputs = self._collect()
+        if scheduler_output.is_empty:
+            self.executor.sample_tokens(None)
+            return outputs
+        bitmask = self.scheduler.get_grammar_bitmask(scheduler_output)
+        self._in_flight = _InFlight(scheduler_output, self.executor.sample_tokens(bitmask))
+        if not self.async_scheduling:
+            outputs += self._collect()
+        return outputs
+
+    def _collect(self) -> list[EngineCoreOutput]:
+        """Wait for the step in flight, if any, and update the scheduler with it."""
+        if self._in_flight is None:
+            return []
+        scheduler_output, result = self._in_flight
+        self._in_flight = None
+        return self.scheduler.update_from_output(scheduler_output, result.result())
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

@@ -2,7 +2,8 @@
 
 A constrained request waits with status ``WAITING_FOR_GRAMMAR`` while its grammar compiles
 on the manager's thread, and is skipped (requests behind it are admitted) until it is
-ready. Each step ships the allowed-token bitmask of the constrained requests that sample.
+ready. Each step's sampling gets the allowed-token bitmask of the constrained requests that
+sample, computed once the previous step's tokens have advanced their matchers.
 Sampled tokens advance the request's matcher; a terminated grammar finishes the request
 ("stop"), a grammar that failed to compile aborts it with the compiler's message. Without a
 ``StructuredOutputManager`` every method is a no-op except ``add``, which refuses.
@@ -13,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from pagedlm.core.outputs import GrammarBitmask
 from pagedlm.core.request import Request, RequestStatus
+from pagedlm.step import GrammarBitmask
 
 if TYPE_CHECKING:
     from pagedlm.structured_output.manager import StructuredOutputManager
@@ -55,18 +56,12 @@ class GrammarGate:
         if self.manager is not None and len(compiling) == len(waiting) > 0:
             self.manager.wait_for_any(compiling, GRAMMAR_WAIT_S)
 
-    def bitmask(self, scheduled: Iterable[tuple[Request, int]]) -> GrammarBitmask | None:
-        """Masks for the constrained requests among ``(request, tokens scheduled)`` that
-        sample this step (their prompt fully fed)."""
+    def bitmask(self, request_ids: Iterable[str]) -> GrammarBitmask | None:
+        """Masks for constrained requests that sample now (their matchers as they stand)."""
         if self.manager is None:
             return None
-        sampling = [
-            request.request_id
-            for request, num_tokens in scheduled
-            if request.sampling_params.structured_outputs is not None
-            and request.num_computed_tokens + num_tokens >= request.num_tokens
-        ]
-        return self.manager.grammar_bitmask(sampling) if sampling else None
+        request_ids = list(request_ids)
+        return self.manager.grammar_bitmask(request_ids) if request_ids else None
 
     def check_failed(self, request: Request, sampled: list[int]) -> list[int]:
         """``sampled``, or nothing if the request's grammar failed to compile (the request

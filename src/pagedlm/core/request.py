@@ -42,10 +42,15 @@ class Request:
     """One sequence being generated (a child of an n>1 request is its own Request).
 
     Invariants:
-    - ``all_token_ids == prompt_token_ids + output_token_ids``.
-    - ``0 <= num_computed_tokens <= num_tokens``: tokens whose K/V are in the cache.
-    - ``num_tokens - num_computed_tokens`` tokens are still to be fed to the model; for a
-      running request in decode that is exactly one (the last sampled token).
+    - ``all_token_ids`` is the one list of the request's tokens: the prompt, then the
+      outputs sampled so far (``prompt_token_ids`` and ``output_token_ids`` are copies of
+      its two parts, for callers off the hot path).
+    - ``num_output_placeholders`` tokens have been sampled by launched steps whose results
+      the scheduler has not seen yet (asynchronous scheduling: at most one step ahead).
+      The workers hold their values; the scheduler counts them, as tokens to come.
+    - ``0 <= num_computed_tokens <= num_tokens + num_output_placeholders``: tokens whose
+      K/V are in the cache or being written by a launched step. For a running request in
+      decode, exactly one token is still to be fed: the last sampled one (known or not).
     """
 
     def __init__(
@@ -59,7 +64,6 @@ class Request:
         priority: int = 0,
     ) -> None:
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = set() if sampling_params.ignore_eos else set(eos_token_ids or ())
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -67,22 +71,30 @@ class Request:
         self.priority = priority
         """Under the "priority" scheduling policy, lower values are served first."""
 
-        self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.all_token_ids)
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1
         """Prompt tokens served from the prefix cache at first scheduling (-1: not yet)."""
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.num_prompt_logprobs_reported = 0
+        """Prompt positions whose logprobs went to the front end (a preempted request
+        computes some again; they are not reported twice)."""
         self.queued_seconds: float | None = None
         """Seconds between arrival and first scheduling, set when first scheduled."""
         self.block_hashes: list[bytes] = []
         """Chained digests of this request's full blocks, maintained by the KV manager."""
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
 
     @property
     def num_tokens(self) -> int:
@@ -90,7 +102,7 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
     def max_tokens(self) -> int:
@@ -101,8 +113,11 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def last_token_id(self) -> int:
+        return self.all_token_ids[-1]
+
     def append_output_token_ids(self, token_ids: list[int]) -> None:
-        self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
 
     def __repr__(self) -> str:

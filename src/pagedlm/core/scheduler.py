@@ -28,27 +28,26 @@ when the head of the queue does not fit, nothing behind it is admitted either.
 Structured outputs (optional component, ``StructuredOutputManager``, driven through
 ``grammar_gate.GrammarGate``): a constrained request waits with status
 ``WAITING_FOR_GRAMMAR`` while its grammar compiles on a thread; it is skipped, and requests
-behind it are admitted. Each step ships the allowed-token bitmask of the constrained
-requests that sample with the ``SchedulerOutput``; ``update_from_output`` advances their
+behind it are admitted. The allowed-token bitmask of the constrained requests that sample
+goes with each step's sampling (see below); ``update_from_output`` advances their
 matchers by the appended tokens and finishes a request whose grammar has terminated.
 Matchers are not touched by preemption.
 
-Multi-step decoding (``num_scheduler_steps`` = K > 1): when ``multi_step.plan_num_steps``
-allows it, one ``SchedulerOutput`` runs up to K decode steps on the workers. Each request
-gets slots for the K tokens at once (if they fit; else the step runs one token as usual).
-``update_from_output`` receives up to K tokens per request, applies stops token by token
-(tokens after a stop are dropped), and advances ``num_computed_tokens`` by the K - 1 extra
-tokens that were fed.
+Asynchronous scheduling (one step in flight): ``schedule()`` may run while the previous
+step still computes, before its sampled tokens reach the host. Each request counts the
+tokens sampled by launched but uncollected steps in ``num_output_placeholders``: the
+next step feeds them (the workers hold their values on the device), so a decoding
+request is scheduled one token as usual. A request whose in-flight token is its last by
+length (``max_tokens``, ``max_model_len``) is not scheduled again. ``update_from_output``
+resolves the placeholders into real tokens and applies stops; a request that stops on a
+token of the step in flight has the next step's token dropped (it is no longer known).
+Blocks freed then are handed out only by later schedules, whose steps run on the device
+after every launched step that may still write them. Synchronous scheduling is the same
+code with every step collected before the next is scheduled (no placeholder survives).
 
-Chained windows (``schedule_continuation``): while a multi-step window runs, the engine
-core may schedule the next one before the window's tokens reach the host
-(``multi_step.plan_continuation`` says when). Each continuing request gets slots for the
-next window; its ``num_computed_tokens`` moves by 1 as for any scheduled step, and
-``update_from_output`` of the running window adds the rest: additions commute, so the
-order in which the two happen does not matter. A request that stops on a token in the
-running window is finished and freed there; the next window's tokens for it are dropped
-(it is no longer known). Freed blocks may be handed out again only in a later schedule,
-whose steps run on the device after the window that still writes them.
+Structured outputs in that order: the bitmask of step N+1 needs step N's tokens in the
+matchers, so it is asked for after ``update_from_output`` of step N
+(``get_grammar_bitmask``) and travels with the step's sampling, not its schedule.
 
 Priority policy (``scheduling_policy="priority"``, vLLM's): ``waiting`` and ``running``
 are kept in ``(priority, arrival_time)`` order instead of arrival/admission order
@@ -74,20 +73,20 @@ from typing import TYPE_CHECKING
 
 from pagedlm.config import CacheConfig, SchedulerConfig
 from pagedlm.core.grammar_gate import GrammarGate
-from pagedlm.core.multi_step import plan_continuation, plan_num_steps
-from pagedlm.core.outputs import (
-    CachedRequestData,
-    EngineCoreOutput,
-    LogprobsLists,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.core.queue_order import QueueOrder
 from pagedlm.core.request import Request, RequestStatus
 from pagedlm.core.scheduler_interface import Scheduler, SchedulerStats
 from pagedlm.core.stop_checker import append_token_ids
 from pagedlm.kv_cache.manager import KVCacheManager
+from pagedlm.step import (
+    CachedRequestData,
+    GrammarBitmask,
+    LogprobsLists,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 if TYPE_CHECKING:
     from pagedlm.structured_output.manager import StructuredOutputManager
@@ -118,7 +117,7 @@ class OneBudgetScheduler(Scheduler):
         """Requests that ended since the last ``schedule()``; reported to the workers."""
         self.order = QueueOrder(scheduler_config.scheduling_policy)
         self.num_model_steps = 0
-        """Model forward steps scheduled so far (a multi-step schedule counts K)."""
+        """Non-empty steps scheduled so far."""
 
     # ----------------------------------------------------------------- requests in / out
 
@@ -155,10 +154,7 @@ class OneBudgetScheduler(Scheduler):
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            if request in self.running:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
+            self._remove_from_queues(request)
             request.status = status
             self._finish(request)
             aborted.append(request)
@@ -190,22 +186,20 @@ class OneBudgetScheduler(Scheduler):
         preempted: list[Request] = []
         if not self.running:
             self.grammars.wait_while_idle(self.waiting)
-        num_steps = plan_num_steps(self.config, self.running, self.waiting)
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new_tokens <= 0:
-                index += 1
+            index += 1
+            if self._finishes_in_flight(request):
                 continue
-            new_block_ids = None
-            if num_steps > 1:
-                new_block_ids = self.kv_manager.allocate_slots(request, num_steps)
-                if new_block_ids is None:
-                    num_steps = 1  # memory is short: this step feeds one token each
-            if new_block_ids is None:
-                new_block_ids = self._allocate_or_preempt(request, num_new_tokens, preempted)
+            num_new_tokens = min(
+                request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
+                budget,
+            )
+            if num_new_tokens <= 0:
+                continue
+            new_block_ids = self._allocate_or_preempt(request, num_new_tokens, preempted)
             if new_block_ids is None:
                 break  # the request preempted itself; everything after it is gone too
             cached_reqs.append(
@@ -213,7 +207,6 @@ class OneBudgetScheduler(Scheduler):
             )
             num_scheduled[request.request_id] = num_new_tokens
             budget -= num_new_tokens
-            index += 1
 
         compiling: list[Request] = []
         while (
@@ -244,6 +237,14 @@ class OneBudgetScheduler(Scheduler):
             budget -= num_new_tokens
         self.waiting.extendleft(reversed(compiling))
 
+        constrained: list[str] = []
+        for request_id, num_tokens in num_scheduled.items():
+            request = self.requests[request_id]
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # this step samples its next token
+                if request.sampling_params.structured_outputs is not None:
+                    constrained.append(request_id)
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -251,62 +252,32 @@ class OneBudgetScheduler(Scheduler):
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids={request.request_id for request in preempted},
-            grammar_bitmask=self.grammars.bitmask(
-                (self.requests[request_id], n) for request_id, n in num_scheduled.items()
-            ),
-            num_steps=num_steps if num_steps > 1 and not new_reqs and not preempted else 1,
+            structured_output_req_ids=constrained,
         )
         self._finished_req_ids = set()
         if num_scheduled:
-            self.num_model_steps += output.num_steps
-        for request_id, num_tokens in num_scheduled.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
+            self.num_model_steps += 1
         return output
 
-    def schedule_continuation(self, previous: SchedulerOutput) -> SchedulerOutput | None:
-        """The window after ``previous`` (a multi-step window still running, its tokens not
-        yet passed to ``update_from_output``), or None when the next step must wait for
-        them. The result feeds each request the token ``previous`` sampled last."""
-        if previous.num_steps <= 1 or previous.scheduled_new_reqs:
-            return None
-        window = [self.requests.get(data.req_id) for data in previous.scheduled_cached_reqs]
-        window = [r for r in window if r is not None and r.status is RequestStatus.RUNNING]
-        requests, num_steps = plan_continuation(
-            self.config, window, previous.num_steps, self.waiting
+    def _finishes_in_flight(self, request: Request) -> bool:
+        """Whether the token a launched step samples for ``request`` is its last by length,
+        so that scheduling it again would only compute a token to drop."""
+        if request.num_output_placeholders == 0:
+            return False
+        num_tokens = request.num_tokens + request.num_output_placeholders
+        return (
+            num_tokens - request.num_prompt_tokens >= request.max_tokens
+            or num_tokens >= self.config.max_model_len
         )
-        if not requests:
-            return None
-        # Slots up to the end of the next window: num_computed_tokens still lacks the
-        # previous window's last num_steps - 1 tokens.
-        num_new_tokens = previous.num_steps - 1 + num_steps
-        needed = sum(self.kv_manager.num_blocks_needed(r, num_new_tokens) for r in requests)
-        if needed > self.kv_manager.num_free_blocks:
-            return None  # memory is short: the host decides (and may preempt) after it
-        cached_reqs = []
-        for request in requests:
-            new_block_ids = self.kv_manager.allocate_slots(request, num_new_tokens)
-            assert new_block_ids is not None, "checked to fit above"
-            cached_reqs.append(
-                CachedRequestData(
-                    request.request_id,
-                    new_block_ids,
-                    request.num_computed_tokens + previous.num_steps - 1,
-                )
-            )
-        output = SchedulerOutput(
-            scheduled_new_reqs=[],
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens={request.request_id: 1 for request in requests},
-            total_num_scheduled_tokens=len(requests),
-            finished_req_ids=self._finished_req_ids,
-            num_steps=num_steps,
-            inputs_from_previous=True,
+
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
+        """Token masks for the step's constrained requests that sample, from their matchers
+        as they are now: ask after ``update_from_output`` of the step before."""
+        return self.grammars.bitmask(
+            request_id
+            for request_id in scheduler_output.structured_output_req_ids
+            if request_id in self.requests
         )
-        self._finished_req_ids = set()
-        self.num_model_steps += num_steps
-        for request in requests:
-            request.num_computed_tokens += 1
-        return output
 
     def _allocate_or_preempt(
         self, request: Request, num_new_tokens: int, preempted: list[Request]
@@ -341,6 +312,7 @@ class OneBudgetScheduler(Scheduler):
         Returns the number of tokens scheduled for it, or None (nothing changed) if its
         blocks do not fit.
         """
+        assert request.num_output_placeholders == 0, "admitted only once its tokens are known"
         computed = self.kv_manager.get_computed_blocks(request)
         num_new_tokens = min(request.num_tokens - computed.num_computed_tokens, budget)
         if self.kv_manager.allocate_slots(request, num_new_tokens, computed) is None:
@@ -365,24 +337,27 @@ class OneBudgetScheduler(Scheduler):
         ):
             request = self.requests.get(req_id)
             if request is None or req_id not in scheduler_output.num_scheduled_tokens:
-                continue  # aborted after this step was scheduled
+                continue  # finished or aborted after this step was scheduled
+            if sampled:
+                request.num_output_placeholders -= 1
             constrained = request.sampling_params.structured_outputs is not None
             if sampled and constrained:
                 sampled = self.grammars.check_failed(request, sampled)
             new_token_ids = append_token_ids(request, sampled, max_model_len) if sampled else []
-            if scheduler_output.num_steps > 1 and not request.is_finished:
-                # Every token but the last was fed to a later step of this one.
-                request.num_computed_tokens += len(new_token_ids) - 1
             if new_token_ids and constrained and not request.is_finished:
                 self.grammars.advance(request, new_token_ids)
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
+            if prompt_logprobs is not None:
+                prompt_logprobs = _unreported_prompt_logprobs(
+                    request, scheduler_output, prompt_logprobs
+                )
             if not new_token_ids and not request.is_finished and prompt_logprobs is None:
                 continue
             logprobs = runner_output.logprobs.get(req_id)
             if logprobs is not None and len(new_token_ids) < len(logprobs.token_ids):
                 logprobs = _truncate(logprobs, len(new_token_ids))
             if request.is_finished:
-                self.running.remove(request)
+                self._remove_from_queues(request)
                 self._finish(request)
             outputs.append(
                 EngineCoreOutput(
@@ -398,12 +373,46 @@ class OneBudgetScheduler(Scheduler):
             )
         return outputs
 
+    def _remove_from_queues(self, request: Request) -> None:
+        """Take ``request`` out of ``running``, or of ``waiting`` where a schedule made while
+        its last step was in flight preempted it."""
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+
     def _finish(self, request: Request) -> None:
         """Release a request that has left ``running``/``waiting`` with a finished status."""
         self.grammars.remove(request)
         self.kv_manager.free(request)
         del self.requests[request.request_id]
         self._finished_req_ids.add(request.request_id)
+
+
+def _unreported_prompt_logprobs(
+    request: Request, scheduler_output: SchedulerOutput, logprobs: LogprobsLists
+) -> LogprobsLists | None:
+    """The rows of a chunk's prompt logprobs not reported before: a request preempted
+    after part of its prompt ran computes that part again (row ``i`` of a chunk starting at
+    position ``start`` is the logprob of prompt token ``start + 1 + i``)."""
+    start = next(
+        data.num_computed_tokens
+        for data in (*scheduler_output.scheduled_new_reqs, *scheduler_output.scheduled_cached_reqs)
+        if data.req_id == request.request_id
+    )
+    skip = max(0, request.num_prompt_logprobs_reported - start)
+    request.num_prompt_logprobs_reported = max(
+        request.num_prompt_logprobs_reported, start + len(logprobs.token_ids)
+    )
+    if skip >= len(logprobs.token_ids):
+        return None
+    if skip == 0:
+        return logprobs
+    return LogprobsLists(
+        token_ids=logprobs.token_ids[skip:],
+        logprobs=logprobs.logprobs[skip:],
+        ranks=logprobs.ranks[skip:],
+    )
 
 
 def _truncate(logprobs: LogprobsLists, num_rows: int) -> LogprobsLists:

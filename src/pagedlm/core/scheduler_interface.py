@@ -6,8 +6,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pagedlm.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.core.request import Request, RequestStatus
+from pagedlm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -30,9 +31,10 @@ class Scheduler(ABC):
     - ``schedule()`` never hands out more than ``max_num_batched_tokens`` tokens or more
       than ``max_num_seqs`` requests in one step.
     - A scheduled request holds blocks for every token it will have computed after the step.
-    - ``update_from_output`` is called exactly once per non-empty ``schedule()`` or
-      ``schedule_continuation()`` result, with the runner's output for it, in the order
-      they were scheduled, and before the next ``schedule()``.
+    - ``update_from_output`` is called exactly once per non-empty ``schedule()`` result,
+      with the runner's output for it, in the order they were scheduled. At most one
+      step is in flight: step N is updated before step N+2 is scheduled (before N+1 is,
+      under synchronous scheduling).
     - Once a request finishes or is aborted, all its blocks are released.
     """
 
@@ -50,11 +52,10 @@ class Scheduler(ABC):
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work under the token budget."""
 
-    def schedule_continuation(self, previous: SchedulerOutput) -> SchedulerOutput | None:
-        """The next multi-step window, scheduled while ``previous`` still runs and before
-        its output is known; None (the default: no chaining) when the next step must
-        wait for ``update_from_output(previous, ...)``."""
-        return None
+    @abstractmethod
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
+        """The token masks for ``scheduler_output``'s sampling, asked for once every earlier
+        step was updated (None when no sampling request is constrained)."""
 
     @abstractmethod
     def update_from_output(

@@ -26,7 +26,7 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     """
     params = request.sampling_params
     if request.num_output_tokens >= params.min_tokens:
-        last_token_id = request.output_token_ids[-1]
+        last_token_id = request.last_token_id
         if last_token_id in request.eos_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = None
@@ -44,8 +44,8 @@ def check_stop(request: Request, max_model_len: int) -> bool:
 def append_token_ids(request: Request, token_ids: Sequence[int], max_model_len: int) -> list[int]:
     """Append sampled tokens one by one, stopping at the first that finishes the request.
 
-    Several tokens arrive at once with multi-step decoding (or accepted speculative
-    drafts); tokens after a stop are dropped. Returns the tokens actually appended (a
+    Several tokens arrive at once when speculative decoding accepts drafts; tokens after
+    a stop are dropped. Returns the tokens actually appended (a
     prefix of ``token_ids``).
     """
     params = request.sampling_params
@@ -55,7 +55,7 @@ def append_token_ids(request: Request, token_ids: Sequence[int], max_model_len: 
         and request.eos_token_ids.isdisjoint(token_ids)
         and not (params.stop_token_ids and not set(params.stop_token_ids).isdisjoint(token_ids))
     ):
-        # No stop token among them (the common multi-step case): only a length limit can
+        # No stop token among them (the common case with accepted drafts): only a length limit can
         # end the request, so append up to it at once instead of checking token by token.
         room = min(
             request.max_tokens - request.num_output_tokens, max_model_len - request.num_tokens

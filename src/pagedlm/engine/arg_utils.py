@@ -65,10 +65,10 @@ class EngineArgs:
     """Longest prompt + output a request may have; None: the model's context length. Every
     request must fit the KV cache at this length, so lowering it helps a cache that is too
     small."""
-    num_scheduler_steps: int = 1
-    """Decode steps per schedule (multi-step decoding, vLLM's flag): above 1, pure decode
-    batches run up to this many steps on the device without a host round trip, which
-    hides the host's per-step work; new requests wait at most that many steps to start."""
+    async_scheduling: bool | None = None
+    """Schedule each step while the previous one still runs on the device (vLLM's flag), so
+    the host's per-step work (scheduling, stops, outputs) hides behind the device's; None:
+    the platform's default (on for CUDA and ROCm, off on CPU, where nothing overlaps)."""
     scheduling_policy: str = "fcfs"
     """"fcfs": requests start in arrival order; "priority": by each request's ``priority``
     (lower first, ties in arrival order), and memory pressure preempts the
@@ -120,7 +120,7 @@ class EngineArgs:
         from pagedlm.model_executor.models.registry import SUPPORTED_ARCHITECTURES
         from pagedlm.plugins.registry import configure, select_platform
 
-        for name in ("block_size", "max_num_seqs", "num_scheduler_steps"):
+        for name in ("block_size", "max_num_seqs"):
             validate_positive(name, getattr(self, name), allow_none=False)
         for name in ("num_kv_blocks", "max_num_batched_tokens", "max_model_len"):
             validate_positive(name, getattr(self, name))
@@ -201,7 +201,11 @@ class EngineArgs:
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
-                num_scheduler_steps=self.num_scheduler_steps,
+                async_scheduling=(
+                    platform.async_scheduling_default
+                    if self.async_scheduling is None
+                    else self.async_scheduling
+                ),
                 scheduling_policy=self.scheduling_policy,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,

@@ -55,17 +55,6 @@ def _scalar_type(annotation: Any) -> tuple[type, bool]:
     return annotation, False
 
 
-def _parse_bool_or_none(text: str) -> bool | None:
-    lowered = text.lower()
-    if lowered in ("none", ""):
-        return None
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false/none, got {text!r}")
-
-
 def _none_or(convert: type) -> Any:
     def parse(text: str) -> Any:
         return None if text.lower() == "none" else convert(text)
@@ -79,7 +68,7 @@ def add_engine_args(
     defaults: Mapping[str, Any] | None = None,
     help_texts: Mapping[str, str] | None = None,
 ) -> argparse.ArgumentParser:
-    """Add one ``--flag`` per ``EngineArgs`` field (``--no-flag`` for booleans).
+    """Add one ``--flag`` per ``EngineArgs`` field (and ``--no-flag`` for booleans).
 
     ``defaults`` and ``help_texts`` (keyed by field name) replace a field's default or
     help for this parser only, e.g. a benchmark's ``load_format="dummy"``; the help
@@ -101,15 +90,14 @@ def add_engine_args(
         default = defaults.get(field.name, default)
         help_text = help_texts.get(field.name) or docs.get(field.name, field.name.replace("_", " "))
         help_text = help_text.replace("%", "%%") + " (default: %(default)s)"
-        if kind is bool and not nullable:
+        if kind is bool:
+            # --flag / --no-flag; a nullable one stays None (auto) when neither is given.
             group.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
             )
             continue
-        if kind is bool:
-            converter: Any = _parse_bool_or_none
-        elif kind in (int, float, str):
-            converter = _none_or(kind) if nullable else kind
+        if kind in (int, float, str):
+            converter: Any = _none_or(kind) if nullable else kind
         else:
             raise TypeError(
                 f"EngineArgs.{field.name} has type {kind}, which the CLI cannot parse; use "

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from pagedlm.core.outputs import LogprobsLists
 from pagedlm.engine.detokenizer import tokenizers_backend
 from pagedlm.outputs import Logprob, PromptLogprobs, SampleLogprobs
 from pagedlm.sampling_params import SamplingParams
+from pagedlm.step import LogprobsLists
 
 
 class TokenTextCache:

@@ -17,10 +17,11 @@ import typing
 
 import msgspec
 
-from pagedlm.core.outputs import EngineCoreOutput, LogprobsLists
+from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.core.request import Request
 from pagedlm.core.scheduler_interface import SchedulerStats
 from pagedlm.sampling_params import SamplingParams
+from pagedlm.step import LogprobsLists
 
 _SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
 _SAMPLING_HINTS = typing.get_type_hints(SamplingParams)

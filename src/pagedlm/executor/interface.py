@@ -3,28 +3,12 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from pagedlm.config import EngineConfig
-    from pagedlm.core.outputs import ModelRunnerOutput, SchedulerOutput
     from pagedlm.platforms import Platform
-
-
-class StepResult(Protocol):
-    """A launched step; ``result()`` waits for it (once, in launch order)."""
-
-    def result(self) -> ModelRunnerOutput: ...
-
-
-class FinishedStep:
-    """A step that already ran: ``result()`` returns its output."""
-
-    def __init__(self, output: ModelRunnerOutput) -> None:
-        self.output = output
-
-    def result(self) -> ModelRunnerOutput:
-        return self.output
+    from pagedlm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, StepResult
 
 
 class Executor(ABC):
@@ -32,11 +16,16 @@ class Executor(ABC):
 
     Lifecycle: ``__init__`` loads the model on every worker; ``determine_num_kv_blocks``
     sizes the cache (the minimum over workers); ``initialize_kv_cache`` allocates it;
-    then ``execute_model`` (or ``launch_model``) once per step; ``shutdown`` last
-    (idempotent).
+    then, once per step, ``execute_model`` followed by ``sample_tokens``; ``shutdown``
+    last (idempotent).
 
-    Invariant: ``execute_model`` returns one entry per scheduled request, in the order
-    of the SchedulerOutput, and every worker has applied the same SchedulerOutput.
+    Invariants:
+    - Every worker applies the same ``SchedulerOutput``s in the same order.
+    - ``execute_model`` and ``sample_tokens`` alternate, and neither waits for the
+      device where the workers can avoid it: the engine may queue step N+1 before it
+      collects step N's ``StepResult``. Results are collected in launch order.
+    - A step's ``ModelRunnerOutput`` has one entry per scheduled request, in the order of
+      the ``SchedulerOutput``.
     """
 
     name: ClassVar[str]
@@ -53,13 +42,18 @@ class Executor(ABC):
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Launch the step's forward (an empty step only updates the workers' requests)."""
 
-    def launch_model(self, scheduler_output: SchedulerOutput) -> StepResult:
-        """Start a step and return without waiting for the device where the workers can
-        (a multi-step window), so the engine may schedule the next window meanwhile.
-        Results are taken in launch order. Default: run the step to completion."""
-        return FinishedStep(self.execute_model(scheduler_output))
+    @abstractmethod
+    def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> StepResult:
+        """Launch the sampling of the step ``execute_model`` launched last, with the
+        structured-output masks of its constrained requests."""
+
+    def execute_and_sample(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One whole unconstrained step, waited for (tests and simple drivers)."""
+        self.execute_model(scheduler_output)
+        return self.sample_tokens(None).result()
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release workers and device memory."""

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pagedlm.executor.interface import Executor, StepResult
+from pagedlm.executor.interface import Executor
 from pagedlm.plugins.registry import select_attention_backend
 from pagedlm.worker.worker import Worker
 
 if TYPE_CHECKING:
     from pagedlm.config import EngineConfig
-    from pagedlm.core.outputs import ModelRunnerOutput, SchedulerOutput
     from pagedlm.platforms import Platform
+    from pagedlm.step import GrammarBitmask, SchedulerOutput, StepResult
 
 
 class UniprocExecutor(Executor):
@@ -28,8 +28,8 @@ class UniprocExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        self.worker.execute_model(scheduler_output)
 
-    def launch_model(self, scheduler_output: SchedulerOutput) -> StepResult:
-        return self.worker.launch_model(scheduler_output)
+    def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> StepResult:
+        return self.worker.sample_tokens(grammar_bitmask)

@@ -18,22 +18,24 @@ if TYPE_CHECKING:
     from pagedlm.sample.sampler import FusedRandomSampler
 
 
-class DecodeGraphRunner(ABC):
-    """Replays captured decode steps (every request schedules exactly one token)."""
+class GraphRunner(ABC):
+    """Replays captured forwards of uniform batches: every request feeds the same number of
+    tokens (1 for decode, 1 + k when speculative tokens are verified).
+
+    Invariant: a replay reads the model runner's persistent step buffers, which the runner
+    fills for the padded batch before calling ``run``; the result equals an eager forward
+    of the same step up to floating-point rounding, whatever the padding.
+    """
 
     @abstractmethod
-    def can_run(self, layout: BatchLayout) -> bool:
-        """True if this step's batch is decode-only and fits a captured batch size."""
+    def padded_num_reqs(self, num_reqs: int, query_len: int) -> int | None:
+        """The captured batch size (>= ``num_reqs``) a step of ``num_reqs`` requests of
+        ``query_len`` tokens each replays at, or None when no graph serves it."""
 
     @abstractmethod
-    def run(
-        self, input_ids: list[int] | torch.Tensor, positions: list[int], layout: BatchLayout
-    ) -> torch.Tensor:
-        """The model's hidden states [num_reqs, hidden_size] for this decode step.
-
-        ``input_ids`` may be a device tensor ``[num_reqs]`` (the previous step's sampled
-        tokens during multi-step decoding); the call must not wait for the device.
-        """
+    def run(self, layout: BatchLayout) -> torch.Tensor:
+        """Replay the graph of ``layout``'s (padded) shape; returns the hidden states
+        ``[layout.num_tokens, hidden_size]``. Must not wait for the device."""
 
 
 class Platform(ABC):
@@ -51,8 +53,11 @@ class Platform(ABC):
     """torch device type: "cpu", "cuda" (ROCm also reports "cuda")."""
     dist_backend: ClassVar[str] = "gloo"
     """torch.distributed backend for tensor parallelism on this platform."""
+    async_scheduling_default: ClassVar[bool] = False
+    """Whether ``async_scheduling`` is on unless the user says otherwise: True where the
+    device runs a step while the host prepares the next (an asynchronous stream)."""
     supports_cuda_graphs: ClassVar[bool] = False
-    """Decode steps may be replayed from graphs (``capture_decode_graphs``)."""
+    """Uniform steps may be replayed from captured graphs (``capture_graphs``)."""
     profiles_memory: ClassVar[bool] = False
     """The model runner should run one forward at the largest batch before sizing the KV
     cache, so that ``kv_cache_memory_bytes`` can leave room for the activation peak."""
@@ -86,18 +91,22 @@ class Platform(ABC):
         the platform can act on settings meant for it (``cache.gpu_memory_utilization``)."""
 
     @abstractmethod
-    def kv_cache_memory_bytes(self) -> int:
-        """How many bytes the KV cache may take when the user did not fix ``num_kv_blocks``."""
+    def kv_cache_memory_bytes(self, bytes_per_block: int | None = None) -> int:
+        """How many bytes the KV cache may take when the user did not fix ``num_kv_blocks``.
+
+        ``bytes_per_block``: the size of one block on the asking worker (its share of the
+        KV heads), so that a platform can say how many tokens fit when that is too few."""
 
     def prepare_model(self, model: torch.nn.Module) -> None:  # noqa: B027 - optional
         """Adapt a freshly loaded model to this platform, e.g. hand its linear layers a
         faster kernel (``LinearBase.set_kernel``). Must not change the model's results
         beyond floating-point rounding."""
 
-    def capture_decode_graphs(self, runner: object) -> DecodeGraphRunner | None:
-        """Capture decode steps for the model runner ``runner`` (weights loaded, KV cache
-        allocated) and return what replays them, or None to stay eager. Only called when
-        ``supports_cuda_graphs`` is True and the user did not ask for eager mode."""
+    def capture_graphs(self, runner: object) -> GraphRunner | None:
+        """Capture the model runner ``runner``'s uniform steps (weights loaded, KV cache
+        allocated; ``pagedlm.worker.model_runner.ModelRunner``) through its attention
+        backend's graph hooks, and return what replays them, or None to stay eager. Only
+        called when ``supports_cuda_graphs`` is True and the user did not ask for eager."""
         return None
 
     def fused_sampler(self) -> FusedRandomSampler | None:

@@ -1,7 +1,9 @@
 """Batched sampling: per-request parameters as tensors, seeded generators, raw logprobs."""
 
 from pagedlm.sample.logprobs import LogprobsTensors, compute_logprobs
-from pagedlm.sample.metadata import SamplingMetadata, SamplingRow
+from pagedlm.sample.metadata import SamplingMetadata
+from pagedlm.sample.penalties import TokenHistory, token_history_from_lists
+from pagedlm.sample.row import SamplingRow
 from pagedlm.sample.sampler import Sampler, SamplerOutput
 
 __all__ = [
@@ -10,5 +12,7 @@ __all__ = [
     "SamplerOutput",
     "SamplingMetadata",
     "SamplingRow",
+    "TokenHistory",
     "compute_logprobs",
+    "token_history_from_lists",
 ]

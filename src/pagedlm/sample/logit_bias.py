@@ -9,14 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from pagedlm.sample.host_copy import to_device
-
-if TYPE_CHECKING:
-    from pagedlm.sample.metadata import SamplingRow
+from pagedlm.sample.row import SamplingRow
 
 
 @dataclass(frozen=True)
@@ -55,7 +52,7 @@ class LogitAdjustments:
                 bias_rows.append(row_index)
                 bias_token_ids.append(token_id)
                 bias_values.append(value)
-            if len(row.output_token_ids) < params.min_tokens:
+            if row.num_output_tokens < params.min_tokens:
                 for token_id in params.all_stop_token_ids:
                     # An id the LM head cannot produce can never be sampled: nothing to mask.
                     if 0 <= token_id < vocab_size:

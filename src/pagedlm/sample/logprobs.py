@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from pagedlm.core.outputs import LogprobsLists
+from pagedlm.step import LogprobsLists
 
 
 class LogprobsTensors(NamedTuple):

@@ -7,39 +7,15 @@ greedy rows neutral filter values so that they never trigger a stage on their ow
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pagedlm.sample.host_copy import to_device
 from pagedlm.sample.logit_bias import LogitAdjustments
-from pagedlm.sample.penalties import PenaltyTensors
+from pagedlm.sample.penalties import PenaltyTensors, TokenHistory
+from pagedlm.sample.row import SamplingRow, is_greedy
 from pagedlm.sample.topk_topp import FilterTensors
-from pagedlm.sampling_params import SamplingParams
-
-GREEDY_TEMPERATURE = 1e-5
-"""Temperatures below this are greedy: dividing by them would overflow to inf/nan."""
-
-
-@dataclass
-class SamplingRow:
-    """One row of the batch to sample (one request).
-
-    ``generator`` is the request's own seeded generator (``params.seed`` set), on the
-    logits' device, else ``None``. ``output_token_ids`` are the tokens generated so far
-    (read for penalties and ``min_tokens``), ``prompt_token_ids`` the prompt (read for the
-    repetition penalty); a caller may pass empty sequences for a row no such stage reads.
-    """
-
-    params: SamplingParams
-    generator: torch.Generator | None
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-
-
-def is_greedy(params: SamplingParams) -> bool:
-    return params.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass(frozen=True)
@@ -77,8 +53,11 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device,
         default_generator: torch.Generator | None = None,
+        token_history: TokenHistory | None = None,
     ) -> SamplingMetadata:
-        """Build the batch tensors for ``rows`` (one per logits row, same order)."""
+        """Build the batch tensors for ``rows`` (one per logits row, same order);
+        ``token_history`` gives the penalized rows' tokens (needed only if any row has a
+        penalty)."""
         if not rows:
             raise ValueError("SamplingMetadata.build needs at least one row to sample.")
         device = torch.device(device)
@@ -115,7 +94,7 @@ class SamplingMetadata:
                 to_device(temperatures, torch.float32, device) if needs_temperature else None
             ),
             filters=filters,
-            penalties=PenaltyTensors.build(rows, vocab_size, device),
+            penalties=PenaltyTensors.build(rows, vocab_size, device, token_history),
             logit_adjustments=LogitAdjustments.build(rows, vocab_size, device),
             seeded_rows=seeded_rows,
             has_unseeded_random_rows=len(rows) - sum(greedy) > len(seeded_rows),

@@ -8,25 +8,43 @@ Semantics (those of vLLM, which follow HF and OpenAI):
 - frequency and presence (OpenAI), over *output* tokens only:
   ``logit -= frequency * count + presence * (count > 0)``.
 
-Token histories are shipped as padded ``[num_penalized_rows, max_len]`` id tensors (padding
-id = ``vocab_size``) and turned into counts with one ``scatter_add_`` into a
+Token histories come from a ``TokenHistory`` as padded ``[num_penalized_rows, max_len]`` id
+tensors on the device (padding id = ``vocab_size``; the model runner gathers them from its
+device token table, so the tokens the step in flight sampled count without the host seeing
+them) and become counts with one ``scatter_add_`` into a
 ``[num_penalized_rows, vocab_size + 1]`` buffer whose last column swallows the padding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pagedlm.sample.host_copy import to_device
+from pagedlm.sample.row import SamplingRow
 
-if TYPE_CHECKING:
-    from pagedlm.sample.metadata import SamplingRow
+TokenHistory = Callable[[Sequence[int], int], tuple[torch.Tensor, torch.Tensor]]
+"""``(rows, pad_id) -> (prompt_token_ids [P, Lp], output_token_ids [P, Lo])``: the prompt
+and the output tokens so far of the given rows of the batch, int64 on the logits' device,
+right-padded with ``pad_id``."""
+
+
+def token_history_from_lists(
+    prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], device: torch.device
+) -> TokenHistory:
+    """A ``TokenHistory`` over host lists, one prompt and one output list per batch row."""
+
+    def history(rows: Sequence[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            pad_token_ids([prompts[r] for r in rows], pad_id, device),
+            pad_token_ids([outputs[r] for r in rows], pad_id, device),
+        )
+
+    return history
 
 
 @dataclass(frozen=True)
@@ -50,18 +68,18 @@ class PenaltyTensors:
 
     @classmethod
     def build(
-        cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
+        cls,
+        rows: Sequence[SamplingRow],
+        vocab_size: int,
+        device: torch.device,
+        token_history: TokenHistory | None,
     ) -> PenaltyTensors | None:
         """Gather the penalized rows; ``None`` when no row has a penalty."""
-        penalized = [
-            index
-            for index, row in enumerate(rows)
-            if row.params.repetition_penalty != 1.0
-            or row.params.frequency_penalty != 0.0
-            or row.params.presence_penalty != 0.0
-        ]
+        penalized = [index for index, row in enumerate(rows) if row.is_penalized]
         if not penalized:
             return None
+        if token_history is None:
+            raise ValueError("penalized rows need a token_history to read their tokens from.")
         params = [rows[index].params for index in penalized]
 
         def floats(values: list[float]) -> torch.Tensor:
@@ -72,8 +90,7 @@ class PenaltyTensors:
         presence = [p.presence_penalty for p in params]
         has_repetition = any(value != 1.0 for value in repetition)
         has_additive = any(value != 0.0 for value in chain(frequency, presence))
-        output_ids = [rows[index].output_token_ids for index in penalized]
-        prompt_ids = [rows[index].prompt_token_ids for index in penalized]
+        prompt_ids, output_ids = token_history(penalized, vocab_size)
         return cls(
             row_indices=(
                 None if len(penalized) == len(rows) else to_device(penalized, torch.int64, device)
@@ -81,10 +98,8 @@ class PenaltyTensors:
             repetition=floats(repetition) if has_repetition else None,
             frequency=floats(frequency) if has_additive else None,
             presence=floats(presence) if has_additive else None,
-            output_token_ids=pad_token_ids(output_ids, vocab_size, device),
-            prompt_token_ids=(
-                pad_token_ids(prompt_ids, vocab_size, device) if has_repetition else None
-            ),
+            output_token_ids=output_ids,
+            prompt_token_ids=prompt_ids if has_repetition else None,
             vocab_size=vocab_size,
         )
 

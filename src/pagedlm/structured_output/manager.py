@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pagedlm.core.outputs import GrammarBitmask
+from pagedlm.step import GrammarBitmask
 from pagedlm.structured_output.backend import (
     GrammarMatcher,
     StructuredOutputBackend,

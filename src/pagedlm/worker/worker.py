@@ -8,9 +8,8 @@ import torch
 
 from pagedlm.attention import AttentionBackend
 from pagedlm.config import EngineConfig
-from pagedlm.core.outputs import ModelRunnerOutput, SchedulerOutput
-from pagedlm.executor.interface import StepResult
 from pagedlm.platforms import Platform
+from pagedlm.step import GrammarBitmask, SchedulerOutput, StepResult
 from pagedlm.worker.model_runner import ModelRunner
 
 
@@ -27,12 +26,13 @@ class Worker:
         self.model_runner = ModelRunner(config, platform, attn_backend_cls)
 
     def determine_num_kv_blocks(self) -> int:
-        """Blocks that fit in the platform's KV budget, capped at what could ever be used."""
+        """Blocks that fit in the platform's KV budget, capped at what could ever be used.
+        A block's size is this worker's: the KV heads it holds, every layer."""
         cache, sched = self.config.cache, self.config.scheduler
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         per_block = self.model_runner.kv_bytes_per_block()
-        budget = cache.kv_cache_memory_bytes or self.platform.kv_cache_memory_bytes()
+        budget = cache.kv_cache_memory_bytes or self.platform.kv_cache_memory_bytes(per_block)
         blocks_per_seq = math.ceil(sched.max_model_len / cache.block_size)
         num_blocks = min(budget // per_block, blocks_per_seq * sched.max_num_seqs)
         if num_blocks < blocks_per_seq:
@@ -48,8 +48,8 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        self.model_runner.execute_model(scheduler_output)
 
-    def launch_model(self, scheduler_output: SchedulerOutput) -> StepResult:
-        return self.model_runner.launch(scheduler_output)
+    def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> StepResult:
+        return self.model_runner.sample_tokens(grammar_bitmask)

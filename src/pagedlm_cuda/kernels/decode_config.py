@@ -10,7 +10,7 @@ smallest batches, where the 32-key floor binds): ``partition`` is the largest po
 
 The choice depends on the batch size, never on the data (sequence lengths), and only
 through ``batch_bucket``: the smallest size of the CUDA-graph ladder
-(``pagedlm_cuda.graph_runner.capture_sizes``) that holds ``num_seqs``. A graph captured
+(``pagedlm_cuda.batch_sizes.capture_sizes``) that holds ``num_seqs``. A graph captured
 for a padded size and an eager step of any batch that pads to it therefore use the same
 configuration and compute bit-identical results. A runner's ladder is the full ladder cut
 at ``max_num_seqs`` plus ``max_num_seqs`` itself, so padding up to a ``max_num_seqs`` off
@@ -30,6 +30,8 @@ from __future__ import annotations
 import bisect
 import functools
 from typing import NamedTuple
+
+from pagedlm_cuda.batch_sizes import capture_sizes
 
 MIN_PARTITION = 32
 MAX_PARTITION = 512
@@ -53,9 +55,6 @@ class DecodeConfig(NamedTuple):
 
 @functools.cache
 def _ladder() -> tuple[int, ...]:
-    # Imported lazily: graph_runner imports the attention backend, which imports kernels.
-    from pagedlm_cuda.graph_runner import capture_sizes
-
     return tuple(capture_sizes(1 << 16))
 
 

@@ -1,0 +1,37 @@
+"""The step protocol: what crosses the scheduler/worker boundary once per step.
+
+A leaf package: it imports nothing of pagedlm but ``sampling_params`` (itself a leaf), so
+the scheduler, the KV-cache manager, the sampler, structured outputs, workers and
+executors may all import it without cycles. Everything in it is plain data (dataclasses
+of ints, strings, lists and dicts, a numpy bitmask) that ``codec`` serializes with
+msgspec, because workers will live in other processes (tensor/pipeline-parallel ranks,
+Ray actors).
+
+One step is two calls on the workers (``Executor.execute_model`` with the
+``SchedulerOutput``, then ``Executor.sample_tokens`` with the step's ``GrammarBitmask``),
+answered by one ``ModelRunnerOutput``, collected through a ``StepResult`` handle.
+"""
+
+from pagedlm.step.runner_output import (
+    FinishedStep,
+    LogprobsLists,
+    ModelRunnerOutput,
+    StepResult,
+)
+from pagedlm.step.scheduler_output import (
+    CachedRequestData,
+    GrammarBitmask,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+__all__ = [
+    "CachedRequestData",
+    "FinishedStep",
+    "GrammarBitmask",
+    "LogprobsLists",
+    "ModelRunnerOutput",
+    "NewRequestData",
+    "SchedulerOutput",
+    "StepResult",
+]

@@ -1,0 +1,54 @@
+"""Workers -> scheduler: what one step computed, and the handle that delivers it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class LogprobsLists:
+    """Logprobs for a run of positions of one request.
+
+    Row i holds ``token_ids[i]`` (the sampled or actual token first, then the top-k),
+    their ``logprobs[i]`` and the first token's rank in ``ranks[i]``.
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """One step's results, one entry per scheduled request (in batch order).
+
+    ``sampled_token_ids[i]`` is empty for a request whose prompt is still being
+    prefilled (a partial chunk); it holds one token per sampled position, so more than
+    one once speculative decoding accepts drafts (then ``len - 1`` drafts were accepted).
+    ``logprobs[req_id]`` has one row per sampled token. ``pooler_output[req_id]`` is a
+    pooling model's vector for a request whose prompt finished this step.
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
+
+
+class StepResult(Protocol):
+    """A launched step; ``result()`` waits for it and returns its output. Handles are
+    collected once each, in launch order."""
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
+class FinishedStep:
+    """A step whose output is already known: ``result()`` returns it."""
+
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self.output = output
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output

@@ -1,0 +1,90 @@
+"""Scheduler -> workers: which tokens of which requests one step computes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagedlm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the workers have not seen yet, or one resumed after preemption.
+
+    ``token_ids`` holds every token known so far (prompt + outputs); ``block_ids`` the
+    request's whole block table.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the workers already hold: only what changed since its last step.
+
+    The workers know the tokens they sampled for it themselves (on the device), also
+    those the scheduler has not seen yet under asynchronous scheduling.
+    """
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What to compute this step.
+
+    ``num_scheduled_tokens[req_id]`` tokens of each request are fed, starting at its
+    ``num_computed_tokens``; of those, the last ``len(scheduled_spec_decode_tokens[req_id])``
+    are drafted (speculative) tokens, which the workers verify. The order of
+    ``scheduled_new_reqs + scheduled_cached_reqs`` is the order of rows in the flattened
+    batch. A request samples this step when its scheduled tokens reach the end of every
+    token it has (known, in flight or drafted); the others are prefill chunks.
+    """
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """Draft tokens per request (none until a proposer is configured)."""
+    finished_req_ids: set[str] = field(default_factory=set)
+    """Requests that ended since the last step: workers drop their state."""
+    preempted_req_ids: set[str] = field(default_factory=set)
+    """Requests preempted this step: workers release their rows, keeping what must survive
+    a resume (a seeded request's generator)."""
+    structured_output_req_ids: list[str] = field(default_factory=list)
+    """Constrained requests that sample this step: ``sample_tokens`` gets their bitmask."""
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+    @property
+    def req_ids(self) -> list[str]:
+        """Every scheduled request, in batch order."""
+        return [r.req_id for r in self.scheduled_new_reqs] + [
+            r.req_id for r in self.scheduled_cached_reqs
+        ]
+
+
+@dataclass(frozen=True)
+class GrammarBitmask:
+    """Allowed next tokens of the structured-output requests that sample this step.
+
+    Row ``i`` of ``bitmask`` (numpy int32 ``[len(req_ids), ceil(vocab_size / 32)]``)
+    belongs to ``req_ids[i]``; bit ``j`` of word ``w`` set = token ``32 * w + j`` allowed.
+    Built after the previous step's tokens advanced the grammars, so it travels with
+    ``sample_tokens``, not with the ``SchedulerOutput``.
+    """
+
+    req_ids: list[str]
+    bitmask: np.ndarray

@@ -1,0 +1,59 @@
+"""What the sampler reads about a step's sampling requests, taken from the input batch.
+
+Nothing here needs the host to know the tokens of the step in flight: ``min_tokens`` needs
+only how many outputs a request has (its length after the step, minus its prompt), and the
+penalties read the tokens on the device, from ``InputBatch.token_ids``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from pagedlm.sample.row import SamplingRow
+from pagedlm.worker.input_batch import InputBatch, RequestState
+
+
+def sampling_rows(states: Sequence[RequestState], seq_lens: np.ndarray) -> list[SamplingRow]:
+    """One row per sampling request; ``seq_lens[i]``: tokens of ``states[i]`` before the one
+    it samples now."""
+    return [
+        SamplingRow(state.sampling_params, state.generator, int(n) - state.num_prompt_tokens)
+        for state, n in zip(states, seq_lens, strict=True)
+    ]
+
+
+class DeviceTokenHistory:
+    """A ``TokenHistory`` (``pagedlm.sample.penalties``) over the batch's token table."""
+
+    def __init__(
+        self, batch: InputBatch, states: Sequence[RequestState], seq_lens: np.ndarray
+    ) -> None:
+        self.batch = batch
+        self.states = states
+        self.seq_lens = seq_lens
+
+    def __call__(self, rows: Sequence[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = np.array([self.states[r].slot for r in rows], dtype=np.int64)
+        prompt_lens = np.array([self.states[r].num_prompt_tokens for r in rows], dtype=np.int64)
+        seq_lens = self.seq_lens[list(rows)].astype(np.int64)
+        prompt = self._gather(slots, np.zeros_like(prompt_lens), prompt_lens, pad_id)
+        output = self._gather(slots, prompt_lens, seq_lens, pad_id)
+        return prompt, output
+
+    def _gather(
+        self, slots: np.ndarray, starts: np.ndarray, ends: np.ndarray, pad_id: int
+    ) -> torch.Tensor:
+        """``[len(slots), max(ends - starts)]``: token_ids[slot, start:end] right-padded."""
+        device = self.batch.device
+        width = int((ends - starts).max(initial=0))
+        table = self.batch.token_ids
+        base = torch.from_numpy(slots * table.shape[1] + starts).to(device)
+        lengths = torch.from_numpy(ends - starts).to(device)
+        offsets = torch.arange(width, device=device)
+        index = base[:, None] + offsets[None, :]
+        valid = offsets[None, :] < lengths[:, None]
+        tokens = table.view(-1)[torch.where(valid, index, 0)].to(torch.int64)
+        return torch.where(valid, tokens, pad_id)

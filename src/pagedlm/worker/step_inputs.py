@@ -1,0 +1,328 @@
+"""One step's flattened inputs, built with array operations and kept in persistent buffers.
+
+``StepInputBuilder.build`` turns a ``SchedulerOutput`` into the step's device tensors. The
+host computes, vectorized over requests and tokens, each token's position and its flat
+indices into the input batch's tables, and sends them in two copies: the layout the model
+and a captured graph read (query offsets, sequence lengths, positions), then the gather
+indices. The device gathers the input ids from ``InputBatch.token_ids`` (so the tokens the
+step in flight samples arrive without the host) and the slot mapping and per-row block
+tables from ``InputBatch.block_table``.
+
+Every tensor the model reads lives at a fixed address (a prefix of a persistent buffer),
+so a CUDA graph captured over these buffers replays any later step of its shape. A step
+run from a graph of ``padded_num_reqs`` rows gets padding rows: one token each at position
+0, no K/V written (slot -1), ``seq_len`` 0, the batch's padding block-table row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedlm.attention.backend import BatchLayout
+from pagedlm.step import SchedulerOutput
+from pagedlm.worker.host_to_device import HostToDevice
+from pagedlm.worker.input_batch import InputBatch, RequestState
+from pagedlm.worker.prompt_logprobs import PromptLogprobRows
+
+ALIGN = 4
+"""Sections start at multiples of 4 int32 (16 bytes): Triton compiles a kernel variant per
+pointer alignment, so unaligned views would recompile mid-run."""
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What one step feeds the model, and which of its rows produce logits."""
+
+    req_ids: list[str]
+    states: list[RequestState]
+    input_ids: torch.Tensor
+    """[num_tokens] int32, padding rows included."""
+    positions: torch.Tensor
+    """[num_tokens] int32."""
+    layout: BatchLayout
+    sampled: np.ndarray
+    """Indices into ``req_ids`` of the requests that sample this step, in batch order."""
+    logits_indices: torch.Tensor | None
+    """Hidden-state rows to compute logits for: the sampled requests' last rows, then the
+    prompt-logprob rows; None when the sampled rows are exactly the first rows (every
+    request feeds one token and samples)."""
+    sample_token_index: torch.Tensor
+    """[len(sampled)] flat indices into ``InputBatch.token_ids`` for the sampled tokens."""
+    prompt_logprob_rows: list[PromptLogprobRows]
+    prompt_target_index: torch.Tensor | None
+    """Flat indices into ``InputBatch.token_ids`` of the next prompt token of every
+    prompt-logprob row, or None."""
+    seq_lens: np.ndarray
+    """[num_reqs] each request's length after the step (no padding)."""
+    padded_num_reqs: int | None
+    """The captured graph size this step runs at, or None (eager)."""
+
+
+class StepInputBuilder:
+    """Owns the persistent step buffers of one model runner (see the module docstring)."""
+
+    def __init__(self, batch: InputBatch, max_num_tokens: int) -> None:
+        self.batch = batch
+        device = batch.device
+        max_reqs = batch.max_num_reqs
+        self.max_num_tokens = max_num_tokens
+        self._lens_at = _aligned(max_reqs + 1)
+        self._positions_at = self._lens_at + _aligned(max_reqs)
+        self._layout = HostToDevice(
+            self._positions_at + max_num_tokens, torch.int32, device, fixed=True
+        )
+        self._indices = HostToDevice(6 * max_num_tokens, torch.int32, device)
+        self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
+        self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(
+            (max_reqs, batch.max_blocks_per_req), dtype=torch.int32, device=device
+        )
+
+    def build(
+        self, scheduler_output: SchedulerOutput, padded_num_reqs: int | None = None
+    ) -> StepInputs:
+        """The step's inputs; ``padded_num_reqs`` rows when it replays a captured graph
+        (the batch is then uniform and each padding row feeds as many tokens as a real one)."""
+        batch = self.batch
+        req_ids = scheduler_output.req_ids
+        states = [batch.requests[r] for r in req_ids]
+        scheduled = scheduler_output.num_scheduled_tokens
+        starts = np.array(
+            [d.num_computed_tokens for d in scheduler_output.scheduled_new_reqs]
+            + [d.num_computed_tokens for d in scheduler_output.scheduled_cached_reqs],
+            dtype=np.int64,
+        )
+        num_new = np.fromiter((scheduled[r] for r in req_ids), np.int64, len(req_ids))
+        pad_len = int(num_new[0]) if len(num_new) else 1
+        return self._build(req_ids, states, starts, num_new, padded_num_reqs, pad_len)
+
+    def capture_inputs(self, num_reqs: int, query_len: int) -> StepInputs:
+        """A step of ``num_reqs`` padding rows of ``query_len`` tokens each, written into the
+        persistent buffers: what a graph of that shape is captured over."""
+        empty = np.zeros(0, dtype=np.int64)
+        return self._build([], [], empty, empty, num_reqs, query_len)
+
+    def _build(
+        self,
+        req_ids: list[str],
+        states: list[RequestState],
+        starts: np.ndarray,
+        num_new: np.ndarray,
+        padded_num_reqs: int | None,
+        pad_len: int,
+    ) -> StepInputs:
+        batch = self.batch
+        num_reqs = len(req_ids)
+        slots = np.fromiter((s.slot for s in states), np.int64, num_reqs)
+        tokens_before = np.fromiter((s.num_tokens for s in states), np.int64, num_reqs)
+        seq_lens = starts + num_new
+        num_tokens = int(num_new.sum())
+        rows = padded_num_reqs or num_reqs
+        total = num_tokens + (rows - num_reqs) * pad_len
+
+        qsl, lens, positions, device_layout = self._stage_layout(
+            num_new, starts, seq_lens, rows, pad_len
+        )
+        # A request samples once its scheduled tokens reach the end of every token it has.
+        sampled = np.flatnonzero(seq_lens >= tokens_before)
+        prompt_rows, prompt_row_index, prompt_target_index = _prompt_logprob_rows(
+            states, starts, seq_lens, qsl, slots, batch.row_length
+        )
+        uniform_decode = len(sampled) == num_reqs == num_tokens and not prompt_rows
+        logits_rows = None
+        if not uniform_decode:
+            logits_rows = np.concatenate([qsl[1 : num_reqs + 1][sampled] - 1, prompt_row_index])
+        sections = _Sections(
+            total, rows, len(sampled), 0 if logits_rows is None else len(logits_rows)
+        )
+        token_req = np.repeat(np.arange(num_reqs), num_new)
+        indices = self._stage_indices(
+            sections,
+            slots[token_req],
+            positions,
+            slots,
+            logits_rows,
+            slots[sampled] * batch.row_length + seq_lens[sampled],
+            prompt_target_index,
+        )
+        batch.flush()
+        self._gather(sections, indices)
+        for index in sampled:
+            states[index].num_tokens += 1
+
+        max_query_len = int(num_new.max(initial=0))
+        layout = BatchLayout(
+            num_reqs=rows,
+            num_tokens=total,
+            max_query_len=max(max_query_len, pad_len if rows > num_reqs else 0),
+            max_seq_len=int(seq_lens.max(initial=0)),
+            block_size=batch.block_size,
+            query_start_loc=device_layout[: rows + 1],
+            seq_lens=device_layout[self._lens_at : self._lens_at + rows],
+            block_table=self.block_table[:rows],
+            slot_mapping=self.slot_mapping[:total],
+            query_start_loc_cpu=qsl.copy(),
+            seq_lens_cpu=lens.copy(),
+        )
+        return StepInputs(
+            req_ids=req_ids,
+            states=states,
+            input_ids=self.input_ids[:total],
+            positions=device_layout[self._positions_at : self._positions_at + total],
+            layout=layout,
+            sampled=sampled,
+            logits_indices=None if uniform_decode else sections.view(indices, "logits"),
+            sample_token_index=sections.view(indices, "sample"),
+            prompt_logprob_rows=prompt_rows,
+            prompt_target_index=sections.view(indices, "targets") if prompt_rows else None,
+            seq_lens=seq_lens,
+            padded_num_reqs=padded_num_reqs,
+        )
+
+    def _stage_layout(
+        self,
+        num_new: np.ndarray,
+        starts: np.ndarray,
+        seq_lens: np.ndarray,
+        rows: int,
+        pad_len: int,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, torch.Tensor]:
+        """Write [query_start_loc | seq_lens | positions] and queue their copy; returns the
+        host query offsets, sequence lengths and (unpadded) positions, and the device
+        buffer."""
+        num_reqs = len(num_new)
+        num_tokens = int(num_new.sum())
+        total = num_tokens + (rows - num_reqs) * pad_len
+        host = self._layout.host(self._positions_at + total)
+        qsl = host[: rows + 1]
+        qsl[0] = 0
+        np.cumsum(num_new, out=qsl[1 : num_reqs + 1])
+        qsl[num_reqs + 1 :] = num_tokens + pad_len * np.arange(1, rows - num_reqs + 1)
+        lens = host[self._lens_at : self._lens_at + rows]
+        lens[:num_reqs] = seq_lens
+        lens[num_reqs:] = 0
+        positions = np.arange(num_tokens) + np.repeat(starts - qsl[:num_reqs], num_new)
+        host_positions = host[self._positions_at : self._positions_at + total]
+        host_positions[:num_tokens] = positions
+        host_positions[num_tokens:] = 0
+        return qsl, lens, positions, self._layout.copy(self._positions_at + total)
+
+    def _stage_indices(
+        self,
+        sections: _Sections,
+        token_slots: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        logits_rows: np.ndarray | None,
+        sample_index: np.ndarray,
+        prompt_target_index: np.ndarray,
+    ) -> torch.Tensor:
+        """Write and queue the gather indices (see ``_Sections`` for their order)."""
+        batch = self.batch
+        num_tokens = len(positions)
+        host = self._indices.host(sections.length + len(prompt_target_index))
+        width = batch.max_blocks_per_req
+        token_index = sections.host(host, "token")
+        token_index[:num_tokens] = token_slots * batch.row_length + positions
+        token_index[num_tokens:] = 0
+        block_index = sections.host(host, "block")
+        block_index[:num_tokens] = token_slots * width + positions // batch.block_size
+        block_index[num_tokens:] = batch.padding_slot * width
+        block_offset = sections.host(host, "offset")
+        block_offset[:num_tokens] = positions % batch.block_size
+        block_offset[num_tokens:] = -1  # the padding row's block 0: slot 0 * size - 1 = -1
+        req_slots = sections.host(host, "slots")
+        req_slots[: len(slots)] = slots
+        req_slots[len(slots) :] = batch.padding_slot
+        sections.host(host, "sample")[:] = sample_index
+        if logits_rows is not None:
+            sections.host(host, "logits")[:] = logits_rows
+        host[sections.length :] = prompt_target_index
+        return self._indices.copy(sections.length + len(prompt_target_index))
+
+    def _gather(self, sections: _Sections, indices: torch.Tensor) -> None:
+        """Input ids, slot mapping and per-row block tables from the batch's tables."""
+        batch = self.batch
+        total, rows = sections.total, sections.rows
+        torch.index_select(
+            batch.token_ids.view(-1), 0, sections.view(indices, "token"), out=self.input_ids[:total]
+        )
+        slot_mapping = self.slot_mapping[:total]
+        block_ids = batch.block_table.view(-1)
+        torch.index_select(block_ids, 0, sections.view(indices, "block"), out=slot_mapping)
+        slot_mapping.mul_(batch.block_size).add_(sections.view(indices, "offset"))
+        torch.index_select(
+            batch.block_table, 0, sections.view(indices, "slots"), out=self.block_table[:rows]
+        )
+
+
+class _Sections:
+    """Where each gather index lives in the packed index buffer:
+    ``[token | block | offset]`` (``total`` each), ``slots`` (``rows``), ``sample``,
+    ``logits``, then the prompt-logprob targets."""
+
+    def __init__(self, total: int, rows: int, num_sampled: int, num_logits: int) -> None:
+        self.total = total
+        self.rows = rows
+        sizes = {
+            "token": total,
+            "block": total,
+            "offset": total,
+            "slots": rows,
+            "sample": num_sampled,
+            "logits": num_logits,
+        }
+        self.spans: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, size in sizes.items():
+            self.spans[name] = (offset, offset + size)
+            offset += size
+        self.spans["targets"] = (offset, -1)
+        self.length = offset
+
+    def host(self, host: np.ndarray, name: str) -> np.ndarray:
+        start, end = self.spans[name]
+        return host[start:end]
+
+    def view(self, device: torch.Tensor, name: str) -> torch.Tensor:
+        start, end = self.spans[name]
+        return device[start:] if end < 0 else device[start:end]
+
+
+def _prompt_logprob_rows(
+    states: list[RequestState],
+    starts: np.ndarray,
+    seq_lens: np.ndarray,
+    qsl: np.ndarray,
+    slots: np.ndarray,
+    row_length: int,
+) -> tuple[list[PromptLogprobRows], np.ndarray, np.ndarray]:
+    """Rows whose next token is a prompt token, for requests that asked for prompt
+    logprobs: (per request, their hidden-state rows, the flat token-table indices of the
+    tokens they predict)."""
+    per_request: list[PromptLogprobRows] = []
+    rows: list[np.ndarray] = []
+    targets: list[np.ndarray] = []
+    for index, state in enumerate(states):
+        k = state.sampling_params.prompt_logprobs
+        if k is None:
+            continue
+        start = int(starts[index])
+        last = min(int(seq_lens[index]), state.num_prompt_tokens - 1)
+        if start >= last:
+            continue
+        positions = np.arange(start, last)
+        per_request.append(PromptLogprobRows(state.req_id, k, last - start))
+        rows.append(qsl[index] + positions - start)
+        targets.append(int(slots[index]) * row_length + positions + 1)
+    if not rows:
+        empty = np.zeros(0, dtype=np.int64)
+        return per_request, empty, empty
+    return per_request, np.concatenate(rows), np.concatenate(targets)
