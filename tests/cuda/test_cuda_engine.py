@@ -180,7 +180,9 @@ def test_async_scheduling_identical(tiny_checkpoint, arch, eager, monkeypatch) -
             async_scheduling=async_scheduling,
         )
         assert llm.llm_engine.engine_core.async_scheduling == async_scheduling
-        samples.append([o.outputs[0].token_ids for o in llm.generate(inputs, seeded, use_tqdm=False)])
+        samples.append(
+            [o.outputs[0].token_ids for o in llm.generate(inputs, seeded, use_tqdm=False)]
+        )
         del llm
     assert samples[0] == samples[1]
 
