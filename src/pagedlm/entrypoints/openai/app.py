@@ -53,15 +53,6 @@ logger = logging.getLogger("pagedlm.server")
 HEALTH_TIMEOUT_S = 5.0
 Handler = Callable[[Request], Awaitable[Response]]
 BodyHandler = Callable[[Request, Any], Awaitable[Response]]
-BODY_MODELS: list[type[BaseModel]] = [
-    CompletionRequest,
-    ChatCompletionRequest,
-    MessagesRequest,
-    CountTokensRequest,
-    TokenizeRequest,
-    DetokenizeRequest,
-]
-"""Every route's request body, for /openapi.json."""
 
 
 def _engine_dead_message(error: BaseException) -> str:
@@ -102,9 +93,12 @@ async def _answer(handler: Handler, request: Request, anthropic: bool) -> Respon
 def _body_route(
     app: FastAPI, ctx: ServingContext, path: str, model: type[BaseModel], anthropic: bool
 ) -> Callable[[BodyHandler], BodyHandler]:
-    """Register ``handler(request, body)`` for POST ``path`` with a ``model`` body."""
+    """Register ``handler(request, body)`` for POST ``path`` with a ``model`` body (and
+    ``model`` in ``app.state.body_models``, for /openapi.json)."""
 
     def decorate(handler: BodyHandler) -> BodyHandler:
+        app.state.body_models.append(model)
+
         async def route(request: Request) -> Response:
             return await handler(request, await parse_body(request, model, ctx.limits))
 
@@ -268,6 +262,7 @@ def build_app(
 
     app = FastAPI(title="pagedlm", version=__version__, lifespan=lifespan)
     app.state.ctx = ctx
+    app.state.body_models = []
 
     async def http_error(request: Request, error: Exception) -> Response:
         # Unknown paths and wrong methods, in the API's error shape rather than FastAPI's.
@@ -278,7 +273,7 @@ def build_app(
     app.add_exception_handler(HTTPException, http_error)
     _add_generation_routes(app, ctx)
     _add_info_routes(app, ctx)
-    install_openapi(app, BODY_MODELS)
+    install_openapi(app, app.state.body_models)
     outer: Any = BodySizeLimitMiddleware(app, max_body_bytes)
     if api_key:
         outer = APIKeyMiddleware(outer, api_key)

@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic), with vLLM's extra fields.
 
 Unknown fields are ignored (and reported, see ``request_body``), as OpenAI's SDKs send
-fields a server may not know. Sampling ranges live in ``SamplingParams``; the models here
-check types, API-level limits and what must fit the engine's 64-bit wire format, and
+fields a server may not know. The documented ranges of the sampling fields are declared
+here too, so ``/openapi.json`` shows them (``SamplingParams`` checks them again for Python
+callers), with API-level limits and what must fit the engine's 64-bit wire format;
 ``base_sampling_params`` turns a request into engine parameters.
 """
 
