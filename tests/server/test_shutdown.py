@@ -18,6 +18,7 @@ from fake_engine import FakeEngine
 from server_utils import start_server
 
 from pagedlm.entrypoints.openai.app import build_app
+from pagedlm.entrypoints.openai.middleware import CancelledRequestMiddleware
 from pagedlm.entrypoints.openai.serving_engine import ServingContext
 from pagedlm.metrics.prometheus import PrometheusMetrics
 
@@ -125,3 +126,42 @@ def test_sigterm_past_the_timeout_ends_streams_with_an_error(short_drain_server)
     assert status == 503 and "shutting down" in body["error"]["message"]
     log = server.log_text()
     assert "Traceback" not in log and "Exception in ASGI" not in log, log
+
+
+@pytest.mark.parametrize(
+    ("path", "stream", "expected"),
+    [
+        ("/v1/completions", False, b'"code": 503'),
+        ("/v1/completions", True, b"data: [DONE]\n\n"),
+        ("/v1/messages", True, b'event: error\ndata: {"type": "error"'),
+    ],
+)
+def test_a_request_uvicorn_cancels_still_gets_an_answer(path, stream, expected):
+    async def stuck_app(scope, receive, send) -> None:
+        if stream:
+            headers = [(b"content-type", b"text/event-stream")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        await asyncio.sleep(3600)
+
+    sent: list[dict] = []
+
+    async def send(message) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def run() -> None:
+        app = CancelledRequestMiddleware(stuck_app)
+        task = asyncio.ensure_future(app({"type": "http", "path": path}, receive, send))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await task  # answered, not re-raised: uvicorn logs no traceback
+
+    asyncio.run(run())
+    assert sent[-1]["type"] == "http.response.body" and not sent[-1].get("more_body")
+    assert expected in sent[-1]["body"]
+    if not stream:
+        assert sent[-2]["status"] == 503
