@@ -8,11 +8,24 @@ from __future__ import annotations
 
 import enum
 import json as _json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 MAX_LOGPROBS = 20
 """Upper bound for ``logprobs`` and ``prompt_logprobs`` (the OpenAI API's cap)."""
+MAX_TEMPERATURE = 2.0
+"""vLLM's (and OpenAI's) upper bound: hotter sampling is noise."""
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+"""What a torch generator's ``manual_seed`` takes (and the engine's wire format carries)."""
+_FLOAT_FIELDS = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "temperature",
+    "top_p",
+    "min_p",
+)
 
 
 class RequestOutputKind(enum.Enum):
@@ -92,7 +105,8 @@ class SamplingParams:
     """How to sample one request. Field names and defaults follow vLLM.
 
     ``temperature == 0`` means greedy. ``top_k == -1`` and ``top_p == 1`` disable those
-    filters. ``seed`` makes the request's samples independent of what else is batched.
+    filters (``top_k == 0`` means -1, as in vLLM). ``seed`` makes the request's samples
+    independent of what else is batched; it may be any 64-bit integer, signed or unsigned.
     """
 
     n: int = 1
@@ -128,26 +142,30 @@ class SamplingParams:
             self.stop = [self.stop]
         else:
             self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        # Order kept, duplicates dropped (vLLM's semantics).
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if self.seed is not None:
             self.seed = int(self.seed)
+        if self.top_k == 0:
+            self.top_k = -1
         self._validate()
         self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _validate(self) -> None:
+        self._validate_numbers()
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
-        if self.temperature < 0.0:
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise ValueError(
-                f"temperature must be non-negative, got {self.temperature}; "
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}; "
                 "use temperature=0 for greedy decoding."
             )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}; use 1 to disable it.")
-        if self.top_k < -1 or self.top_k == 0:
-            raise ValueError(f"top_k must be -1 (disable), or at least 1, got {self.top_k}.")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}; use 0 to disable it.")
         if not -2.0 <= self.presence_penalty <= 2.0:
@@ -183,6 +201,29 @@ class SamplingParams:
                 "structured_outputs must be a StructuredOutputsParams, e.g. "
                 "StructuredOutputsParams(json=schema)."
             )
+
+    def _validate_numbers(self) -> None:
+        """Types and finiteness first: NaN passes every range comparison."""
+        for name in ("n", "top_k", "min_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}.")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{name} must be a number, got {value!r}.")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}.")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(
+                f"seed must be a 64-bit integer (in [-2**63, 2**64 - 1]), got {self.seed}."
+            )
+        if self.logit_bias and not all(math.isfinite(v) for v in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be finite numbers (-100 to 100).")
+        if not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids or ()
+        ):
+            raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids}.")
 
     @property
     def is_greedy(self) -> bool:

@@ -18,8 +18,18 @@ def llm(tiny_checkpoint):
         ({"temperature": -0.5}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
-        ({"top_k": 0}, "top_k"),
         ({"top_k": -2}, "top_k"),
+        ({"top_k": 2.5}, "top_k must be an integer"),
+        ({"temperature": float("nan")}, "temperature must be a finite"),
+        ({"temperature": float("inf")}, "temperature must be a finite"),
+        ({"temperature": 2.5}, r"temperature must be in \[0, 2\]"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty must be a finite"),
+        ({"top_p": float("nan")}, "top_p must be a finite"),
+        ({"presence_penalty": "1"}, "presence_penalty must be a number"),
+        ({"seed": 2**64}, "seed must be a 64-bit integer"),
+        ({"seed": -(2**63) - 1}, "seed must be a 64-bit integer"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias values must be finite"),
+        ({"stop_token_ids": [1, "2"]}, "stop_token_ids must be integers"),
         ({"min_p": 1.5}, "min_p"),
         ({"n": 0}, "n must be"),
         ({"logprobs": 21}, "logprobs"),
@@ -29,6 +39,44 @@ def llm(tiny_checkpoint):
 def test_sampling_params_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_sampling_params_normalization():
+    params = SamplingParams(top_k=0, stop_token_ids=[7, 3, 7, 9, 3], seed=2**64 - 1)
+    assert params.top_k == -1  # vLLM: 0 disables top-k, like -1
+    assert params.stop_token_ids == [7, 3, 9]
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+
+
+def test_token_ids_and_ranges_checked_against_the_model(llm):
+    # The tiny llama has a vocabulary of 384.
+    good = {"prompt_token_ids": [1, 2, 3]}
+    for params, match in [
+        (SamplingParams(top_k=385), "top_k=385 exceeds the vocabulary size"),
+        (SamplingParams(stop_token_ids=[2**70]), "stop_token_ids token id"),
+        (SamplingParams(stop_token_ids=[-1]), "stop_token_ids token id -1"),
+        (SamplingParams(logit_bias={384: 1.0}), "logit_bias token id 384"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            llm.generate(good, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="priority must be a 64-bit integer"):
+        llm.llm_engine.input_processor.process("r", good, SamplingParams(), priority=2**63)
+    assert not llm.llm_engine.has_unfinished_requests()
+    top = SamplingParams(top_k=384, max_tokens=2, ignore_eos=True, seed=1)
+    assert len(llm.generate(good, top, use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
+def test_seeds_at_the_64_bit_edges_run(llm):
+    # n samples get seeds seed, seed + 1, ...; at the top of the range they wrap around.
+    good = {"prompt_token_ids": [1, 2, 3]}
+    for seed in (2**64 - 1, -(2**63)):
+        params = SamplingParams(n=3, seed=seed, max_tokens=2, ignore_eos=True)
+        outputs = llm.generate(good, params, use_tqdm=False)[0].outputs
+        assert [len(o.token_ids) for o in outputs] == [2, 2, 2]
+    processed = llm.llm_engine.input_processor.process(
+        "wrap", good, SamplingParams(n=3, seed=2**64 - 2)
+    )
+    assert [c.sampling_params.seed for c in processed.children] == [2**64 - 2, 2**64 - 1, 0]
 
 
 def test_bad_prompts_leave_the_engine_untouched(llm):

@@ -15,6 +15,9 @@ from pagedlm.config import ModelConfig
 from pagedlm.core.request import Request
 from pagedlm.sampling_params import SamplingParams
 
+UINT64_RANGE = 2**64
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
 PromptType = str | Mapping[str, Any]
 """A string, ``{"prompt": str}`` or ``{"prompt_token_ids": list[int]}``; a dict may also
 carry ``"cache_salt"``: requests with different salts never share prefix-cache blocks."""
@@ -34,6 +37,12 @@ class ProcessedRequest:
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
+
+
+def _child_seed(seed: int, index: int) -> int:
+    """Sample ``index``'s seed: ``seed + index``, wrapped to stay a 64-bit seed."""
+    child = seed + index
+    return child - UINT64_RANGE if child >= UINT64_RANGE else child
 
 
 class InputProcessor:
@@ -105,13 +114,7 @@ class InputProcessor:
                 f"max_tokens to at most {max_model_len - num_prompt_tokens} or raise "
                 "max_model_len."
             )
-        if params.logit_bias:
-            bad = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"logit_bias token id {bad[0]} is outside the vocabulary "
-                    f"[0, {self.vocab_size})."
-                )
+        self._check_token_ids(params)
         if params.detokenize and self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids instead.")
         if params.structured_outputs is not None:
@@ -125,6 +128,24 @@ class InputProcessor:
         if self.tokenizer is None:
             resolved.detokenize = False
         return resolved
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """Everything that names a token must name one of this model's."""
+        vocab = self.vocab_size
+        if params.top_k > vocab:
+            raise ValueError(
+                f"top_k={params.top_k} exceeds the vocabulary size ({vocab}); use at most "
+                f"{vocab}, or -1 to disable top-k."
+            )
+        for name, token_ids in (
+            ("logit_bias", params.logit_bias or ()),
+            ("stop_token_ids", params.stop_token_ids or ()),
+        ):
+            bad = [t for t in token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(
+                    f"{name} token id {bad[0]} is outside the vocabulary [0, {vocab})."
+                )
 
     def _validate_structured_outputs(self, params: SamplingParams) -> None:
         from pagedlm.structured_output.params import validate_structured_outputs
@@ -142,6 +163,8 @@ class InputProcessor:
     ) -> ProcessedRequest:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}.")
+        if not INT64_MIN <= priority <= INT64_MAX:
+            raise ValueError(f"priority must be a 64-bit integer, got {priority}.")
         if priority != 0 and self.scheduling_policy != "priority":
             raise ValueError(
                 f"Got priority {priority} but priority scheduling is not enabled; start the "
@@ -161,7 +184,7 @@ class InputProcessor:
                 child_params = resolved.clone()
                 child_params.n = 1
                 if resolved.seed is not None:
-                    child_params.seed = resolved.seed + i
+                    child_params.seed = _child_seed(resolved.seed, i)
             children.append(
                 Request(
                     child_request_id(request_id, i, resolved.n),

@@ -1,8 +1,10 @@
 """``pagedlm serve``: server flags, engine start-up, uvicorn, and draining on SIGTERM.
 
-uvicorn handles SIGINT/SIGTERM: it stops accepting connections, lets in-flight requests
-finish for up to ``--shutdown-timeout`` seconds, cancels the rest (which aborts their
-engine requests) and runs the app's shutdown, which stops the engine-core process.
+On SIGINT/SIGTERM uvicorn stops accepting connections and the serving context gives
+in-flight requests ``--shutdown-timeout`` seconds; then it aborts those still generating,
+which end with an error (an error event and ``[DONE]`` in a stream, a JSON 503
+otherwise). uvicorn waits ``SHUTDOWN_GRACE_S`` more for those answers to be sent, cancels
+whatever is left, and runs the app's shutdown, which stops the engine-core process.
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from pagedlm.engine.cli_args import engine_args_from_cli
+from pagedlm.entrypoints.openai.limits import add_limit_args, limits_from_args
 
 logger = logging.getLogger("pagedlm.server")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 API_KEY_ENV = "PAGEDLM_API_KEY"
+SHUTDOWN_GRACE_S = 3.0
+"""After --shutdown-timeout, how long cut requests have to send their error answers."""
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -57,9 +62,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--shutdown-timeout",
         type=float,
         default=30.0,
-        help="Seconds in-flight requests may take to finish after SIGTERM (default: %(default)s).",
+        help="Seconds in-flight requests may take to finish after SIGTERM; then they end "
+        "with an error (default: %(default)s).",
     )
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_limit_args(group)
     _add_tool_args(group)
     return parser
 
@@ -109,7 +116,14 @@ def _uvicorn_server_class() -> type:
     class Server(uvicorn.Server):
         """uvicorn re-raises SIGTERM after its graceful shutdown, killing the process
         before the engine's own shutdown has run; here the signal only starts the drain,
-        and ``pagedlm serve`` exits 0."""
+        and ``pagedlm serve`` exits 0. ``on_shutdown`` runs as the drain starts."""
+
+        on_shutdown: Callable[[], None] | None = None
+
+        async def shutdown(self, sockets=None) -> None:  # type: ignore[no-untyped-def]
+            if self.on_shutdown is not None:
+                self.on_shutdown()
+            await super().shutdown(sockets)
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
@@ -135,6 +149,10 @@ def run_server(args: argparse.Namespace) -> None:
 
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser (e.g. hermes).")
+    try:
+        limits = limits_from_args(args)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
     engine_args = engine_args_from_cli(args)
@@ -153,6 +171,7 @@ def run_server(args: argparse.Namespace) -> None:
             tool_parser=args.tool_call_parser,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             reasoning_parser=args.reasoning_parser,
+            limits=limits,
         )
         app = build_app(ctx, api_key=api_key, max_body_bytes=args.max_request_body_bytes)
         logger.info(
@@ -168,9 +187,11 @@ def run_server(args: argparse.Namespace) -> None:
             host=args.host,
             port=args.port,
             log_level=args.log_level,
-            timeout_graceful_shutdown=args.shutdown_timeout,
+            timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S,
             lifespan="on",
         )
-        _uvicorn_server_class()(config).run()
+        server = _uvicorn_server_class()(config)
+        server.on_shutdown = lambda: ctx.begin_shutdown(args.shutdown_timeout)
+        server.run()
     finally:
         engine.shutdown()

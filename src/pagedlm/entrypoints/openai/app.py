@@ -1,9 +1,9 @@
 """The HTTP application: routes, error mapping and middleware around one engine.
 
 ``build_app(ctx, api_key, max_body_bytes)`` takes a ready ``ServingContext`` (so tests
-can serve any engine with AsyncLLM's interface); ``run_server(...)`` is what
-``pagedlm serve`` runs: build the engine, serve with uvicorn until SIGINT/SIGTERM, let
-in-flight requests finish within ``shutdown_timeout`` seconds, shut the engine down.
+can serve any engine with AsyncLLM's interface); ``api_server.run_server`` serves it with
+uvicorn. Every route with a body parses it with ``request_body.parse_body`` and declares
+its model for ``/openapi.json`` (``/docs`` and ``/redoc`` render it).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -28,7 +29,12 @@ from pagedlm.entrypoints.openai.errors import (
     is_anthropic_path,
     sse_error_event,
 )
-from pagedlm.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from pagedlm.entrypoints.openai.middleware import (
+    APIKeyMiddleware,
+    BodySizeLimitMiddleware,
+    CancelledRequestMiddleware,
+)
+from pagedlm.entrypoints.openai.openapi import install_openapi, request_body_spec
 from pagedlm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,15 +42,17 @@ from pagedlm.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from pagedlm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
+from pagedlm.entrypoints.openai.request_body import parse_body, warning_header
 from pagedlm.entrypoints.openai.serving_chat import ChatServer
 from pagedlm.entrypoints.openai.serving_completion import CompletionServer
-from pagedlm.entrypoints.openai.serving_engine import ServingContext, parse_body, until_disconnected
+from pagedlm.entrypoints.openai.serving_engine import ServingContext, until_disconnected
 from pagedlm.entrypoints.openai.serving_messages import MessagesServer
 
 logger = logging.getLogger("pagedlm.server")
 
 HEALTH_TIMEOUT_S = 5.0
 Handler = Callable[[Request], Awaitable[Response]]
+BodyHandler = Callable[[Request, Any], Awaitable[Response]]
 
 
 def _engine_dead_message(error: BaseException) -> str:
@@ -57,19 +65,47 @@ def _guarded(anthropic: bool) -> Callable[[Handler], Handler]:
     def decorate(handler: Handler) -> Handler:
         @functools.wraps(handler)
         async def wrapper(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except APIError as error:
-                return error_response(error.message, error.status, error.param, anthropic=anthropic)
-            except EngineDeadError as error:
-                return error_response(_engine_dead_message(error), 500, anthropic=anthropic)
-            except Exception:
-                logger.exception("Unhandled error in %s", request.url.path)
-                return error_response(
-                    "Internal server error; see the server log.", 500, anthropic=anthropic
-                )
+            response = await _answer(handler, request, anthropic)
+            warnings = getattr(request.state, "warnings", None)
+            if warnings:  # ignored and deprecated fields (see request_body)
+                response.headers["warning"] = warning_header(warnings)
+            return response
 
         return wrapper
+
+    return decorate
+
+
+async def _answer(handler: Handler, request: Request, anthropic: bool) -> Response:
+    try:
+        return await handler(request)
+    except APIError as error:
+        return error_response(error.message, error.status, error.param, anthropic=anthropic)
+    except EngineDeadError as error:
+        return error_response(_engine_dead_message(error), 500, anthropic=anthropic)
+    except Exception:
+        logger.exception("Unhandled error in %s", request.url.path)
+        return error_response(
+            "Internal server error; see the server log.", 500, anthropic=anthropic
+        )
+
+
+def _body_route(
+    app: FastAPI, ctx: ServingContext, path: str, model: type[BaseModel], anthropic: bool
+) -> Callable[[BodyHandler], BodyHandler]:
+    """Register ``handler(request, body)`` for POST ``path`` with a ``model`` body (and
+    ``model`` in ``app.state.body_models``, for /openapi.json)."""
+
+    def decorate(handler: BodyHandler) -> BodyHandler:
+        app.state.body_models.append(model)
+
+        async def route(request: Request) -> Response:
+            return await handler(request, await parse_body(request, model, ctx.limits))
+
+        app.post(path, name=handler.__name__, openapi_extra=request_body_spec(model))(
+            _guarded(anthropic)(route)
+        )
+        return handler
 
     return decorate
 
@@ -109,30 +145,21 @@ async def _respond(
 def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
     completions, chat, messages = CompletionServer(ctx), ChatServer(ctx), MessagesServer(ctx)
 
-    @app.post("/v1/completions")
-    @_guarded(anthropic=False)
-    async def create_completion(request: Request) -> Response:
-        body = await parse_body(request, CompletionRequest)
+    @_body_route(app, ctx, "/v1/completions", CompletionRequest, anthropic=False)
+    async def create_completion(request: Request, body: CompletionRequest) -> Response:
         return await _respond(request, completions.create(body), anthropic=False)
 
-    @app.post("/v1/chat/completions")
-    @_guarded(anthropic=False)
-    async def create_chat_completion(request: Request) -> Response:
-        body = await parse_body(request, ChatCompletionRequest)
+    @_body_route(app, ctx, "/v1/chat/completions", ChatCompletionRequest, anthropic=False)
+    async def create_chat_completion(request: Request, body: ChatCompletionRequest) -> Response:
         return await _respond(request, chat.create(body), anthropic=False)
 
-    @app.post("/v1/messages")
-    @_guarded(anthropic=True)
-    async def create_message(request: Request) -> Response:
-        body = await parse_body(request, MessagesRequest)
+    @_body_route(app, ctx, "/v1/messages", MessagesRequest, anthropic=True)
+    async def create_message(request: Request, body: MessagesRequest) -> Response:
         return await _respond(request, messages.create(body), anthropic=True)
 
-    @app.post("/v1/messages/count_tokens")
-    @_guarded(anthropic=True)
-    async def count_tokens(request: Request) -> Response:
-        return JSONResponse(
-            await messages.count_tokens(await parse_body(request, CountTokensRequest))
-        )
+    @_body_route(app, ctx, "/v1/messages/count_tokens", CountTokensRequest, anthropic=True)
+    async def count_tokens(request: Request, body: CountTokensRequest) -> Response:
+        return JSONResponse(await messages.count_tokens(body))
 
 
 def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
@@ -174,15 +201,16 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
         ctx.metrics.update_engine_metrics(ctx.engine.get_metrics())
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize")
-    @_guarded(anthropic=False)
-    async def tokenize(request: Request) -> Response:
-        body = await parse_body(request, TokenizeRequest)
+    @_body_route(app, ctx, "/tokenize", TokenizeRequest, anthropic=False)
+    async def tokenize(request: Request, body: TokenizeRequest) -> Response:
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("Send exactly one of prompt or messages.")
         if body.messages is not None:
-            conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+            conversation = [
+                {"role": m.role, "content": m.text(f"messages.{i}")}
+                for i, m in enumerate(body.messages)
+            ]
             tokens = ctx.apply_chat_template(
                 conversation, None, body.add_generation_prompt, False, {}
             )
@@ -193,10 +221,8 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
             {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len}
         )
 
-    @app.post("/detokenize")
-    @_guarded(anthropic=False)
-    async def detokenize(request: Request) -> Response:
-        body = await parse_body(request, DetokenizeRequest)
+    @_body_route(app, ctx, "/detokenize", DetokenizeRequest, anthropic=False)
+    async def detokenize(request: Request, body: DetokenizeRequest) -> Response:
         ctx.check_model(body.model)
         tokenizer = ctx.require_tokenizer()
         if any(not 0 <= t < len(tokenizer) for t in body.tokens):
@@ -224,15 +250,19 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
 def build_app(
     ctx: ServingContext, api_key: str | None = None, max_body_bytes: int = 10 << 20
 ) -> Any:
-    """The ASGI app: FastAPI routes inside the body-size and API-key middleware."""
+    """The ASGI app: FastAPI routes inside the body-size and API-key middleware, and
+    outermost the one that answers requests cancelled at shutdown."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         ctx.engine.shutdown()
 
-    app = FastAPI(title="pagedlm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    from pagedlm import __version__
+
+    app = FastAPI(title="pagedlm", version=__version__, lifespan=lifespan)
     app.state.ctx = ctx
+    app.state.body_models = []
 
     async def http_error(request: Request, error: Exception) -> Response:
         # Unknown paths and wrong methods, in the API's error shape rather than FastAPI's.
@@ -243,7 +273,8 @@ def build_app(
     app.add_exception_handler(HTTPException, http_error)
     _add_generation_routes(app, ctx)
     _add_info_routes(app, ctx)
+    install_openapi(app, app.state.body_models)
     outer: Any = BodySizeLimitMiddleware(app, max_body_bytes)
     if api_key:
         outer = APIKeyMiddleware(outer, api_key)
-    return outer
+    return CancelledRequestMiddleware(outer)

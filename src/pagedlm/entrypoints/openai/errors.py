@@ -7,10 +7,14 @@ The SDKs turn these into their exception classes by status code.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from http import HTTPStatus
 
 from starlette.responses import JSONResponse
+
+from pagedlm.sampling_params import SamplingParams
 
 ANTHROPIC_PATH_PREFIX = "/v1/messages"
 
@@ -40,6 +44,22 @@ class APIError(Exception):
         self.message = message
         self.status = status
         self.param = param
+
+
+_REQUEST_FIELDS = frozenset(
+    {"prompt", "priority", "cache_salt", "messages", "model"}
+    | {f.name for f in dataclasses.fields(SamplingParams)}
+)
+_LEADING_NAME = re.compile(r"([a-z][a-z_]*)\b")
+
+
+def from_value_error(error: ValueError) -> APIError:
+    """A 400 for an engine-side validation error, ``param`` set to the request field the
+    message starts with ("top_k=500 exceeds ...", "temperature must be ...")."""
+    message = str(error)
+    match = _LEADING_NAME.match(message)
+    param = match.group(1) if match and match.group(1) in _REQUEST_FIELDS else None
+    return APIError(message, param=param)
 
 
 def is_anthropic_path(path: str) -> bool:

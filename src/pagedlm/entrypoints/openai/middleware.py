@@ -1,16 +1,18 @@
-"""Pure ASGI middleware: API-key check and request-body size limit.
+"""Pure ASGI middleware: API-key check, request-body size limit, and the last word for
+requests cancelled at shutdown.
 
-Both decide on the raw ASGI scope, before routing, so no route (or a route added later)
-can forget them. Neither ever logs the key or the body.
+They decide on the raw ASGI scope, before routing, so no route (or a route added later)
+can forget them. None ever logs the key or the body.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from pagedlm.entrypoints.openai.errors import error_bytes
+from pagedlm.entrypoints.openai.errors import error_bytes, is_anthropic_path, sse_error_event
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -18,8 +20,15 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
-"""Paths answered without an API key: probes and scrapers carry none."""
+OPEN_PATHS = frozenset(
+    {"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+)
+"""Paths answered without an API key: probes, scrapers and browsers (the API's own
+description) carry none."""
+CANCELLED_MESSAGE = (
+    "The server shut down before this request finished (its --shutdown-timeout ran out); "
+    "send it again."
+)
 
 
 async def _send_error(send: Send, status: int, message: str, path: str) -> None:
@@ -127,3 +136,46 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
         return await receive()
 
     return replayed
+
+
+class CancelledRequestMiddleware:
+    """Ends a request that uvicorn cancels (past its graceful-shutdown timeout) cleanly:
+    a JSON 503 if nothing was sent yet, else an error event (then ``[DONE]`` for OpenAI
+    paths) to close an event stream; no traceback is logged.
+
+    ``ServingContext.begin_shutdown`` normally ends generation first; this covers a
+    request cancelled anywhere else (a slow reader, a long template render).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state: dict[str, Any] = {"started": False, "ended": False, "stream": False}
+
+        async def tracking_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                state["started"] = True
+                headers = dict(message.get("headers", ()))
+                state["stream"] = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                state["ended"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except asyncio.CancelledError:
+            if state["ended"]:
+                return
+            path = scope["path"]
+            if not state["started"]:
+                await _send_error(send, 503, CANCELLED_MESSAGE, path)
+            elif state["stream"]:
+                anthropic = is_anthropic_path(path)
+                event = sse_error_event(CANCELLED_MESSAGE, 503, anthropic)
+                tail = event if anthropic else event + "data: [DONE]\n\n"
+                body = {"type": "http.response.body", "body": tail.encode(), "more_body": False}
+                await send(body)

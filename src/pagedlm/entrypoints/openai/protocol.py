@@ -1,21 +1,25 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic), with vLLM's extra fields.
 
-Unknown fields are ignored, as OpenAI's SDKs send fields a server may not know. Range
-checks live in ``SamplingParams``; the models here check only types and API-level limits,
-and ``to_sampling_params`` turns a request into engine parameters.
+Unknown fields are ignored (and reported, see ``request_body``), as OpenAI's SDKs send
+fields a server may not know. The documented ranges of the sampling fields are declared
+here too, so ``/openapi.json`` shows them (``SamplingParams`` checks them again for Python
+callers), with API-level limits and what must fit the engine's 64-bit wire format;
+``base_sampling_params`` turns a request into engine parameters.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any, Literal
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from pagedlm.entrypoints.openai.errors import APIError
+from pagedlm.entrypoints.openai.chat_message import ChatMessage
+from pagedlm.entrypoints.openai.errors import APIError, from_value_error
+from pagedlm.entrypoints.openai.request_body import RequestModel
 from pagedlm.entrypoints.openai.structured_request import structured_outputs_from_request
 from pagedlm.sampling_params import (
     MAX_LOGPROBS,
+    MAX_TEMPERATURE,
     RequestOutputKind,
     SamplingParams,
     StructuredOutputsParams,
@@ -24,13 +28,23 @@ from pagedlm.sampling_params import (
 MAX_N = 64
 """The most samples one request may ask for (``n``)."""
 LOGIT_BIAS_LIMIT = 100.0
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""``seed`` and ``priority`` range (vLLM's: a torch.long)."""
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_choice": "choice",
+    "guided_regex": "regex",
+    "guided_grammar": "grammar",
+}
+"""vLLM's older names for ``structured_outputs`` keys, still accepted."""
 
 
-class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class OpenAIModel(RequestModel):
+    """Every request model of this API."""
 
 
 class StreamOptions(OpenAIModel):
+    field_path = "stream_options"
     include_usage: bool = False
 
 
@@ -39,31 +53,41 @@ class SamplingFields(OpenAIModel):
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     cache_salt: str | None = Field(None, min_length=1)
-    priority: int = 0
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's deprecated spellings of structured_outputs
+    guided_json: dict[str, Any] | str | None = Field(None, json_schema_extra={"deprecated": True})
+    guided_choice: list[str] | None = Field(None, json_schema_extra={"deprecated": True})
+    guided_regex: str | None = Field(None, json_schema_extra={"deprecated": True})
+    guided_grammar: str | None = Field(None, json_schema_extra={"deprecated": True})
+
+    deprecated_fields: ClassVar[dict[str, str]] = {
+        name: f'send structured_outputs={{"{key}": ...}} instead'
+        for name, key in GUIDED_FIELDS.items()
+    }
 
     def base_sampling_params(
         self,
@@ -78,7 +102,7 @@ class SamplingFields(OpenAIModel):
         """
         if structured_outputs is None:
             structured_outputs = structured_outputs_from_request(
-                self.response_format, self.structured_outputs
+                self.response_format, self.requested_structured_outputs()
             )
         try:
             return SamplingParams(
@@ -108,7 +132,24 @@ class SamplingFields(OpenAIModel):
                 structured_outputs=structured_outputs,
             )
         except ValueError as error:
-            raise APIError(str(error)) from error
+            raise from_value_error(error) from error
+
+    def requested_structured_outputs(self) -> dict[str, Any] | None:
+        """``structured_outputs``, or the same built from the deprecated ``guided_*`` fields."""
+        guided = {
+            key: getattr(self, name)
+            for name, key in GUIDED_FIELDS.items()
+            if getattr(self, name) is not None
+        }
+        if not guided:
+            return self.structured_outputs
+        if self.structured_outputs is not None:
+            raise APIError(
+                f"Send structured_outputs or the deprecated {sorted(GUIDED_FIELDS)} fields, "
+                "not both.",
+                param="structured_outputs",
+            )
+        return guided
 
     def engine_prompts(self, prompts: list[str | dict[str, Any]]) -> list[str | dict[str, Any]]:
         """``prompts`` as the engine takes them, each carrying this request's
@@ -170,62 +211,6 @@ class CompletionRequest(SamplingFields):
         )
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-
-    def template_message(self) -> dict[str, Any]:
-        """The message as chat templates expect it (tool-call arguments as objects)."""
-        message: dict[str, Any] = {"role": self.role, "content": self.text()}
-        if self.tool_calls:
-            message["tool_calls"] = [_template_tool_call(call) for call in self.tool_calls]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        if self.name is not None and self.role == "tool":
-            message["name"] = self.name
-        return message
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        texts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise APIError(
-                    f"Content part of type {part.type!r} is not supported; this server "
-                    "accepts text parts only.",
-                    param="messages",
-                )
-            texts.append(part.text)
-        return "\n".join(texts)
-
-
-def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
-    # Templates (Qwen, Hermes, Llama 3) render arguments with tojson: they need an object.
-    function = call.get("function")
-    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-        try:
-            arguments = json.loads(function["arguments"])
-        except ValueError:
-            raise APIError(
-                "An assistant message's tool_calls[].function.arguments is not valid JSON.",
-                param="messages",
-            ) from None
-        return {**call, "function": {**function, "arguments": arguments}}
-    return call
-
-
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {
         "conversation",
@@ -261,7 +246,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
 
     def conversation(self) -> list[dict[str, Any]]:
-        return [m.template_message() for m in self.messages]
+        return [m.template_message(f"messages.{i}") for i, m in enumerate(self.messages)]
 
     def template_kwargs(self) -> dict[str, Any]:
         kwargs = dict(self.chat_template_kwargs or {})

@@ -14,16 +14,17 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedlm.entrypoints.openai.errors import APIError
+from pagedlm.entrypoints.openai.request_body import RequestModel
 
 
-class AnthropicModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class AnthropicModel(RequestModel):
+    """Every request model of this API."""
 
 
 class ContentBlock(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str
-    text: str | None = None
+    text: Any = None
     # tool_use (assistant turns)
     id: str | None = None
     name: str | None = None
@@ -33,18 +34,37 @@ class ContentBlock(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
+def _block_text(block: ContentBlock, where: str) -> str:
+    """The text of a ``text`` block; a 400 naming ``where`` for a malformed one."""
+    if not isinstance(block.text, str):
+        got = "none" if block.text is None else type(block.text).__name__
+        raise APIError(
+            f'{where}: a "text" block needs "text" to be a string, got {got}.', param=where
+        )
+    return block.text
+
+
+def _unsupported_block(block: ContentBlock, where: str, allowed: str) -> APIError:
+    why = (
+        "this server serves a text-only model"
+        if block.type in ("image", "document")
+        else "this server does not support them here"
+    )
+    return APIError(
+        f"{where}: content blocks of type {block.type!r} are not supported ({why}); send "
+        f"{allowed}.",
+        param=where,
+    )
+
+
 def _blocks_text(content: str | list[ContentBlock], where: str) -> str:
     if isinstance(content, str):
         return content
     texts = []
-    for block in content:
-        if block.type != "text" or block.text is None:
-            raise APIError(
-                f"{where}: content blocks of type {block.type!r} are not supported here; "
-                "send text blocks.",
-                param=where,
-            )
-        texts.append(block.text)
+    for j, block in enumerate(content):
+        if block.type != "text":
+            raise _unsupported_block(block, f"{where}.{j}", "text blocks")
+        texts.append(_block_text(block, f"{where}.{j}"))
     return "".join(texts)
 
 
@@ -60,6 +80,7 @@ def _result_text(content: str | list[dict[str, Any]] | None, where: str) -> str:
 
 
 class AnthropicMessage(AnthropicModel):
+    field_path = "messages[]"
     role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
 
@@ -71,8 +92,8 @@ class AnthropicMessage(AnthropicModel):
         texts, calls, results = [], [], []
         for j, block in enumerate(self.content):
             at = f"{where}.{j}"
-            if block.type == "text" and block.text is not None:
-                texts.append(block.text)
+            if block.type == "text":
+                texts.append(_block_text(block, at))
             elif block.type == "tool_use" and self.role == "assistant":
                 if not block.name or block.id is None:
                     raise APIError(f"{at}: a tool_use block needs id and name.", param=at)
@@ -84,10 +105,8 @@ class AnthropicMessage(AnthropicModel):
                 text = _result_text(block.content, at)
                 results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": text})
             else:
-                raise APIError(
-                    f"{at}: content blocks of type {block.type!r} are not supported in a "
-                    f"{self.role} turn; send text, tool_use (assistant) or tool_result (user).",
-                    param=at,
+                raise _unsupported_block(
+                    block, at, "text, tool_use (assistant) or tool_result (user) blocks"
                 )
         messages = results
         if texts or calls or not results:

@@ -56,7 +56,7 @@ class ChatServer:
             ctx.enable_auto_tool_choice,
         )
         if plan.structured_outputs is not None and (
-            request.response_format or request.structured_outputs
+            request.response_format or request.requested_structured_outputs()
         ):
             raise APIError(
                 f'tool_choice="{plan.mode}" constrains the output itself; drop '

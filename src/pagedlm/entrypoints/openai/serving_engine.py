@@ -1,8 +1,13 @@
-"""What every endpoint shares: body parsing, model-name checks, the chat template, and
-streaming generation that always ends (finished, failed, or aborted on disconnect).
+"""What every endpoint shares: model-name checks, the chat template, and streaming
+generation that always ends (finished, failed, aborted on disconnect, or cut at shutdown).
 
 ``ServingContext.generate`` asks the engine for DELTA outputs; endpoints accumulate them
 for non-streaming responses, so latency metrics see every step either way.
+
+Shutdown: ``begin_shutdown(timeout_s)`` (on SIGTERM) lets in-flight requests run for
+``timeout_s`` seconds, then aborts those still generating, whose handlers get
+``APIError`` 503: a stream ends with an error event (and ``[DONE]`` for OpenAI), a
+plain request answers the JSON error.
 """
 
 from __future__ import annotations
@@ -10,24 +15,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from pagedlm.engine.exceptions import EngineDeadError
-from pagedlm.entrypoints.openai.errors import APIError
+from pagedlm.entrypoints.openai.errors import APIError, from_value_error
+from pagedlm.entrypoints.openai.limits import RequestLimits
 from pagedlm.metrics.prometheus import PrometheusMetrics, RequestLatencyTracker
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling_params import SamplingParams
 
-ModelT = TypeVar("ModelT", bound=BaseModel)
 T = TypeVar("T")
+
+SHUTDOWN_MESSAGE = (
+    "The server is shutting down and its --shutdown-timeout ran out before this request "
+    "finished; send it again (to another replica)."
+)
 
 
 @dataclass
@@ -47,9 +55,14 @@ class ServingContext:
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
     """``--reasoning-parser``: splits ``reasoning_content`` from chat answers."""
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    """The ``--max-...`` caps on a request's list sizes."""
     created: int = field(default_factory=lambda: int(time.time()))
     _counter: itertools.count = field(default_factory=itertools.count)
     _background: set[asyncio.Task] = field(default_factory=set)
+    _generating: set[str] = field(default_factory=set)
+    """Engine request ids with a ``generate`` running (what shutdown must cut)."""
+    _shutdown_expired: bool = False
 
     @property
     def model_name(self) -> str:
@@ -117,18 +130,34 @@ class ServingContext:
         Leaving early (client gone, error elsewhere) aborts the request, even from inside a
         cancelled task, because the abort runs as its own task.
         """
+        if self._shutdown_expired:
+            raise APIError(SHUTDOWN_MESSAGE, status=503)
         tracker = RequestLatencyTracker(self.metrics)
         stream = self.engine.generate(prompt, params, request_id, priority)
         finished = False
+        self._generating.add(request_id)
         try:
             async for output in stream:
                 tracker.observe(output)
                 finished = output.finished
                 yield output
+            if not finished and self._shutdown_expired:
+                raise APIError(SHUTDOWN_MESSAGE, status=503)
         finally:
+            self._generating.discard(request_id)
             if not finished:
                 self.spawn(self._abort_quietly(request_id))
             await stream.aclose()
+
+    def begin_shutdown(self, timeout_s: float) -> None:
+        """Called once the server stops accepting connections: in ``timeout_s`` seconds,
+        abort what still generates (its handlers then answer 503)."""
+        asyncio.get_running_loop().call_later(max(timeout_s, 0.0), self._expire_requests)
+
+    def _expire_requests(self) -> None:
+        self._shutdown_expired = True
+        for request_id in list(self._generating):
+            self.spawn(self._abort_quietly(request_id))
 
     async def _abort_quietly(self, request_id: str) -> None:
         with contextlib.suppress(EngineDeadError):
@@ -154,7 +183,7 @@ class ServingContext:
             for stream in streams:
                 await stream.aclose()
             if isinstance(failure, ValueError):
-                raise APIError(str(failure)) from failure
+                raise from_value_error(failure) from failure
             raise failure
         return list(zip(firsts, streams))
 
@@ -208,27 +237,6 @@ async def stream_or_collect(
     async for event in events:
         body = event
     return body, None
-
-
-async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
-    """The JSON body validated as ``model``; every failure -> ``APIError`` 400."""
-    content_type = request.headers.get("content-type", "")
-    if content_type.split(";")[0].strip().lower() != "application/json":
-        raise APIError(f"Content-Type must be application/json, got {content_type or 'none'!r}.")
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise APIError(f"The request body is not valid JSON: {error}.") from error
-    if not isinstance(body, dict):
-        raise APIError(f"The request body must be a JSON object, got {type(body).__name__}.")
-    try:
-        return model.model_validate(body)
-    except ValidationError as error:
-        first = error.errors()[0]
-        param = ".".join(str(part) for part in first["loc"]) or None
-        message = f"{param}: {first['msg']}" if param else first["msg"]
-        raise APIError(message, param=param) from None
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T | None:

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedlm.entrypoints.openai.chat_output import ChatOutputParser
-from pagedlm.entrypoints.openai.errors import APIError
+from pagedlm.entrypoints.openai.errors import from_value_error
 from pagedlm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
 from pagedlm.entrypoints.openai.serving_engine import (
     ServingContext,
@@ -107,7 +107,7 @@ class MessagesServer:
                 structured_outputs=plan.structured_outputs,
             )
         except ValueError as error:
-            raise APIError(str(error)) from error
+            raise from_value_error(error) from error
         message_id = self.ctx.request_id("msg")
         started = await self.ctx.start([{"prompt_token_ids": prompt_token_ids}], params, message_id)
         events = self._events(request, message_id, started, len(prompt_token_ids), plan)

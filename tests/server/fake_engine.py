@@ -1,0 +1,120 @@
+"""An engine with ``AsyncLLM``'s interface and no model, for in-process app tests.
+
+Requests go through the real ``InputProcessor`` (every validation the server relies on)
+and the real ``OutputProcessor`` (detokenization, stop strings, logprobs); only the
+engine core is fake: each step it gives every live request one random token (with
+logprob rows when asked) and finishes it after ``num_tokens`` tokens or at its
+``max_tokens``. ``step_s`` slows the steps down (shutdown tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedlm.config import ArchConfig, ModelConfig
+from pagedlm.core.outputs import EngineCoreOutput, LogprobsLists
+from pagedlm.core.scheduler_interface import SchedulerStats
+from pagedlm.engine.input_processor import InputProcessor
+from pagedlm.engine.output_processor import OutputProcessor
+from pagedlm.metrics import EngineMetrics
+from pagedlm.outputs import RequestOutput
+from pagedlm.sampling_params import SamplingParams
+from pagedlm.tokenizer import get_tokenizer
+
+IDLE_STATS = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+
+
+class FakeEngine:
+    def __init__(
+        self, checkpoint: Path, max_model_len: int = 512, num_tokens: int = 3, step_s: float = 0.0
+    ) -> None:
+        arch = ArchConfig.from_directory(str(checkpoint))
+        config = ModelConfig(str(checkpoint), None, arch, torch.float32, max_model_len)
+        self.tokenizer = get_tokenizer(str(checkpoint))
+        self.input_processor = InputProcessor(config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.metrics = EngineMetrics()
+        self.num_tokens = num_tokens
+        self.step_s = step_s
+        self.vocab_size = arch.vocab_size
+        self.errored = False
+        self._aborted: set[str] = set()
+        self._random = random.Random(0)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    async def generate(
+        self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        processed = self.input_processor.process(request_id, prompt, params, priority)
+        children = processed.children
+        self.output_processor.add_request(
+            request_id,
+            processed.prompt,
+            processed.prompt_token_ids,
+            processed.params,
+            [c.request_id for c in children],
+            processed.arrival_time,
+        )
+        step = 0
+        try:
+            while request_id not in self._aborted:
+                await asyncio.sleep(self.step_s)
+                if request_id in self._aborted:
+                    break
+                outputs = [self._step(child.request_id, processed, step) for child in children]
+                step += 1
+                for output in self.output_processor.process_outputs(outputs).request_outputs:
+                    yield output
+                    if output.finished:
+                        return
+        finally:
+            self.output_processor.abort_requests([request_id])
+            self._aborted.discard(request_id)
+
+    def _step(self, child_id: str, processed: Any, step: int) -> EngineCoreOutput:
+        params = processed.params
+        token = self._random.randrange(3, self.vocab_size)
+        length = step + 1 >= params.max_tokens
+        done = length or step + 1 >= self.num_tokens
+        finish = None if not done else ("length" if length else "stop")
+        return EngineCoreOutput(
+            child_id,
+            [token],
+            finish_reason=finish,
+            new_logprobs=self._rows([token], params.logprobs),
+            new_prompt_logprobs=(
+                self._rows(processed.prompt_token_ids[1:], params.prompt_logprobs)
+                if step == 0
+                else None
+            ),
+        )
+
+    def _rows(self, token_ids: list[int], num_top: int | None) -> LogprobsLists | None:
+        if num_top is None or not token_ids:
+            return None
+        rows = [[t, *range(3, 3 + num_top)] for t in token_ids]
+        logprobs = [[-1.0 - i for i in range(len(row))] for row in rows]
+        return LogprobsLists(rows, logprobs, [1] * len(rows))
+
+    async def abort(self, request_id: str) -> None:
+        self._aborted.add(request_id)
+
+    async def check_health(self) -> None:
+        return None
+
+    async def get_scheduler_stats(self) -> SchedulerStats:
+        return IDLE_STATS
+
+    def get_metrics(self) -> list:
+        return self.metrics.snapshot(IDLE_STATS)
+
+    def shutdown(self) -> None:
+        """The app's lifespan calls this; a test client may run it for every call."""

@@ -1,0 +1,106 @@
+"""The strict body parser, pydantic error messages, the Warning header and the list caps,
+without a server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from pagedlm.entrypoints.openai.errors import APIError
+from pagedlm.entrypoints.openai.limits import RequestLimits
+from pagedlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedlm.entrypoints.openai.request_body import (
+    MAX_JSON_DEPTH,
+    loads_strict,
+    validation_message,
+    warning_header,
+)
+
+
+def _nested(depth: int) -> bytes:
+    return b'{"a": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (b'{"t": NaN}', "NaN is not a JSON value"),
+        (b'{"t": -Infinity}', "-Infinity is not a JSON value"),
+        (b'{"t": 1e400}', "1e400 is out of range"),
+        (b'{"a": 1, "b": {"c": 1, "c": 2}}', "'c' appears more than once"),
+        (b'{"s": "\\udc00x"}', "lone UTF-16 surrogate \\udc00"),
+        (b'{"\\ud800": 1}', "lone UTF-16 surrogate"),
+        (_nested(MAX_JSON_DEPTH + 1), f"deeper than {MAX_JSON_DEPTH} levels"),
+        (b"[" * 100_000 + b"]" * 100_000, "deeper than"),
+        (b"[1]", "got an array"),
+        (b"null", "got null"),
+        (b"\xff\xfe{", "not valid JSON"),
+        (b'{"n": ' + b"9" * 5000 + b"}", "not valid JSON"),
+    ],
+)
+def test_strict_json_refuses(raw, needle):
+    with pytest.raises(APIError) as caught:
+        loads_strict(raw)
+    assert needle in caught.value.message and caught.value.status == 400
+
+
+def test_strict_json_accepts_what_the_standard_allows():
+    assert loads_strict(_nested(MAX_JSON_DEPTH)) is not None
+    body = {"s": "héllo 😀", "f": 1.5e308, "i": 2**64, "n": None, "l": [True, {}]}
+    assert loads_strict(json.dumps(body).encode()) == body
+    assert loads_strict(json.dumps(body, ensure_ascii=False).encode("utf-8")) == body
+
+
+def _error(model, body) -> tuple[str, str | None]:
+    with pytest.raises(ValidationError) as caught:
+        model.model_validate(body)
+    return validation_message(caught.value)
+
+
+def test_validation_messages_name_the_field():
+    message, param = _error(CompletionRequest, {"prompt": {"a": 1}})
+    assert param == "prompt"
+    assert message == "prompt: expected one of: str, list[str], list[int], list[list[int]]"
+    message, param = _error(
+        ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"text": "x"}]}]}
+    )
+    assert (message, param) == (
+        "messages.0.content.0.type: Field required",
+        "messages.0.content.0.type",
+    )
+    assert _error(CompletionRequest, {"prompt": "x", "seed": 2**63})[1] == "seed"
+    assert _error(CompletionRequest, {"prompt": "x", "top_p": "nan"})[0].startswith("top_p:")
+
+
+def test_unknown_and_deprecated_fields_are_noted():
+    context: dict = {}
+    ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": "x", "mood": "calm"}],
+            "frobnicate": 1,
+            "guided_regex": "a+",
+            "guided_json": None,
+        },
+        context=context,
+    )
+    assert list(context["ignored"]) == ["frobnicate", "messages[].mood"]
+    assert list(context["deprecated"]) == ["guided_regex"]  # null means "not sent"
+
+
+def test_warning_header_is_printable_ascii():
+    header = warning_header(['ignored unknown fields: é"\n\x00'])
+    assert header.isascii() and header.isprintable()
+    assert header == '299 pagedlm "ignored unknown fields: \\u00e9\\"\\n\\u0000"'
+
+
+def test_list_caps():
+    limits = RequestLimits(max_stop_strings=2, max_completion_prompts=2)
+    limits.check(CompletionRequest(prompt=[1, 2, 3, 4], stop=["a", "b"]))  # one prompt
+    with pytest.raises(APIError, match=r"stop has 3 entries.*--max-stop-strings"):
+        limits.check(CompletionRequest(prompt="x", stop=["a", "b", "c"]))
+    with pytest.raises(APIError, match=r"prompt has 3 entries.*--max-completion-prompts"):
+        limits.check(CompletionRequest(prompt=["a", "b", "c"]))
+    with pytest.raises(ValueError, match="--max-tools must be at least 1"):
+        RequestLimits(max_tools=0)
