@@ -49,15 +49,12 @@ class HostModelExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
             self.tokens.pop(req_id, None)
-        starts = {}
         for data in scheduler_output.scheduled_new_reqs:
             known = self.tokens.get(data.req_id)
             if known is not None:  # resumed: the scheduler knows everything sampled
                 assert data.token_ids == known, "a resumed request lost or gained tokens"
             self.tokens[data.req_id] = list(data.token_ids)
-            starts[data.req_id] = data.num_computed_tokens
-        for data in scheduler_output.scheduled_cached_reqs:
-            starts[data.req_id] = data.num_computed_tokens
+        starts = dict(zip(scheduler_output.req_ids, scheduler_output.num_computed_tokens))
         sampled = []
         for req_id in scheduler_output.req_ids:
             tokens = self.tokens[req_id]

@@ -43,9 +43,7 @@ def _request(request_id: str, num_prompt: int, first_token: int = 10, **params) 
 
 
 def _row_order(output: SchedulerOutput) -> list[str]:
-    return [r.req_id for r in output.scheduled_new_reqs] + [
-        r.req_id for r in output.scheduled_cached_reqs
-    ]
+    return output.req_ids
 
 
 def _step(
@@ -118,7 +116,7 @@ def test_long_prompt_is_chunked_across_steps():
     assert new_tokens == [[], [], [[FILLER]]]  # partial chunks sample nothing
     assert request.num_computed_tokens == 40
     output, _ = _step(scheduler)
-    assert output.scheduled_cached_reqs[0].num_computed_tokens == 40
+    assert output.scheduled_cached_reqs.num_computed_tokens[0] == 40
     assert output.num_scheduled_tokens == {"long": 1}
 
 
@@ -128,7 +126,7 @@ def test_running_requests_come_before_waiting_ones():
     _step(scheduler)
     scheduler.add_request(_request("second", 20, first_token=300))
     output, _ = _step(scheduler)
-    assert [r.req_id for r in output.scheduled_cached_reqs] == ["first"]
+    assert output.scheduled_cached_reqs.req_ids == ["first"]
     assert output.num_scheduled_tokens == {"first": 1, "second": 7}
 
 
@@ -152,7 +150,7 @@ def test_request_that_needs_several_tokens_gets_them():
     _step(scheduler)
     output, _ = _step(scheduler)
     assert output.num_scheduled_tokens == {"a": 4}
-    assert output.scheduled_cached_reqs[0].num_computed_tokens == 8
+    assert output.scheduled_cached_reqs.num_computed_tokens[0] == 8
 
 
 # ------------------------------------------------------------------------ preemption

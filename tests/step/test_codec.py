@@ -27,7 +27,7 @@ def test_scheduler_output_round_trips() -> None:
     )
     output = SchedulerOutput(
         scheduled_new_reqs=[NewRequestData("a", [1, 2, 3], 3, params, [7, 8], 0)],
-        scheduled_cached_reqs=[CachedRequestData("b", [9], 41)],
+        scheduled_cached_reqs=CachedRequestData(["b"], [[9]], [41]),
         num_scheduled_tokens={"a": 3, "b": 1},
         total_num_scheduled_tokens=4,
         scheduled_spec_decode_tokens={"b": [5, 6]},

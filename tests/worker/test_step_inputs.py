@@ -25,9 +25,12 @@ def new(req_id: str, tokens: list[int], blocks: list[int], computed: int = 0, **
 
 def schedule(new_reqs=(), cached=(), counts=None, finished=(), preempted=()) -> SchedulerOutput:
     counts = counts or {}
+    cached_data = CachedRequestData(
+        [r for r, _, _ in cached], [b for _, b, _ in cached], [n for _, _, n in cached]
+    )
     return SchedulerOutput(
         list(new_reqs),
-        list(cached),
+        cached_data,
         counts,
         sum(counts.values()),
         {},
@@ -57,7 +60,7 @@ def test_prefill_chunks_then_decode_reads_sampled_tokens_from_the_table() -> Non
     )
 
     output = schedule(
-        cached=[CachedRequestData("a", [], 4), CachedRequestData("b", [], 3)],
+        cached=[("a", [], 4), ("b", [], 3)],
         counts={"a": 2, "b": 1},
     )
     batch.update(output)
@@ -76,7 +79,7 @@ def test_graph_padding_rows_write_nothing_and_attend_to_nothing() -> None:
     batch.update(output)
     builder.build(output)
     output = schedule(
-        cached=[CachedRequestData("a", [], 2), CachedRequestData("b", [9], 1)],
+        cached=[("a", [], 2), ("b", [9], 1)],
         counts={"a": 1, "b": 1},
     )
     batch.update(output)
@@ -129,7 +132,7 @@ def test_prompt_logprob_rows_and_their_targets() -> None:
     assert step.logits_indices.tolist() == [0, 1, 2]  # nothing samples yet
     targets = batch.token_ids.view(-1)[step.prompt_target_index]
     assert targets.tolist() == [11, 12, 13]
-    output = schedule(cached=[CachedRequestData("a", [], 3)], counts={"a": 2})
+    output = schedule(cached=[("a", [], 3)], counts={"a": 2})
     batch.update(output)
     step = builder.build(output)
     # Rows: the sampled last row first, then the prompt rows of positions 3 (predicting 14).

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from pagedlm.step import LogprobsLists
 
 
-@dataclass(frozen=True)
-class EngineCoreOutput:
-    """What happened to one request in one step, as reported to the front end."""
+class EngineCoreOutput(NamedTuple):
+    """What happened to one request in one step, as reported to the front end.
+
+    A named tuple: a step makes one per request that produced something, and a tuple is
+    built several times faster than a frozen dataclass.
+    """
 
     req_id: str
     new_token_ids: list[int]

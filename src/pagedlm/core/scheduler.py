@@ -181,7 +181,7 @@ class OneBudgetScheduler(Scheduler):
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
-        cached_reqs: list[CachedRequestData] = []
+        cached_reqs = CachedRequestData()
         new_reqs: list[NewRequestData] = []
         preempted: list[Request] = []
         if not self.running:
@@ -202,9 +202,9 @@ class OneBudgetScheduler(Scheduler):
             new_block_ids = self._allocate_or_preempt(request, num_new_tokens, preempted)
             if new_block_ids is None:
                 break  # the request preempted itself; everything after it is gone too
-            cached_reqs.append(
-                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
-            )
+            cached_reqs.req_ids.append(request.request_id)
+            cached_reqs.new_block_ids.append(new_block_ids)
+            cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
             num_scheduled[request.request_id] = num_new_tokens
             budget -= num_new_tokens
 
@@ -395,11 +395,8 @@ def _unreported_prompt_logprobs(
     """The rows of a chunk's prompt logprobs not reported before: a request preempted
     after part of its prompt ran computes that part again (row ``i`` of a chunk starting at
     position ``start`` is the logprob of prompt token ``start + 1 + i``)."""
-    start = next(
-        data.num_computed_tokens
-        for data in (*scheduler_output.scheduled_new_reqs, *scheduler_output.scheduled_cached_reqs)
-        if data.req_id == request.request_id
-    )
+    batch_row = scheduler_output.req_ids.index(request.request_id)
+    start = scheduler_output.num_computed_tokens[batch_row]
     skip = max(0, request.num_prompt_logprobs_reported - start)
     request.num_prompt_logprobs_reported = max(
         request.num_prompt_logprobs_reported, start + len(logprobs.token_ids)

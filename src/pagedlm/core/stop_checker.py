@@ -25,8 +25,11 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     Call after appending each output token (``num_output_tokens >= 1``).
     """
     params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
-        last_token_id = request.last_token_id
+    tokens = request.all_token_ids
+    num_tokens = len(tokens)
+    num_output_tokens = num_tokens - request.num_prompt_tokens
+    if num_output_tokens >= params.min_tokens:
+        last_token_id = tokens[-1]
         if last_token_id in request.eos_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = None
@@ -35,7 +38,7 @@ def check_stop(request: Request, max_model_len: int) -> bool:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last_token_id
             return True
-    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+    if num_output_tokens >= request.max_tokens or num_tokens >= max_model_len:
         request.status = RequestStatus.FINISHED_LENGTH
         return True
     return False
@@ -48,6 +51,10 @@ def append_token_ids(request: Request, token_ids: Sequence[int], max_model_len: 
     a stop are dropped. Returns the tokens actually appended (a
     prefix of ``token_ids``).
     """
+    if len(token_ids) == 1:  # the common case: one sampled token, no draft accepted
+        request.append_output_token_ids(token_ids)
+        check_stop(request, max_model_len)
+        return list(token_ids)
     params = request.sampling_params
     if (
         len(token_ids) > 1

@@ -27,15 +27,21 @@ class NewRequestData:
 
 @dataclass(frozen=True)
 class CachedRequestData:
-    """A request the workers already hold: only what changed since its last step.
+    """The requests the workers already hold, as columns (entry ``i`` of each list is
+    ``req_ids[i]``'s): only what changed since their last step. One object per step, not
+    one per request: a step of a few hundred decoding requests builds three lists.
 
-    The workers know the tokens they sampled for it themselves (on the device), also
-    those the scheduler has not seen yet under asynchronous scheduling.
+    The workers know the tokens they sampled for a request themselves (on the device),
+    also those the scheduler has not seen yet under asynchronous scheduling.
     """
 
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    """Blocks appended to each request's table (mostly empty)."""
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
 
 
 @dataclass(frozen=True)
@@ -44,14 +50,13 @@ class SchedulerOutput:
 
     ``num_scheduled_tokens[req_id]`` tokens of each request are fed, starting at its
     ``num_computed_tokens``; of those, the last ``len(scheduled_spec_decode_tokens[req_id])``
-    are drafted (speculative) tokens, which the workers verify. The order of
-    ``scheduled_new_reqs + scheduled_cached_reqs`` is the order of rows in the flattened
-    batch. A request samples this step when its scheduled tokens reach the end of every
+    are drafted (speculative) tokens, which the workers verify. The new requests, then the
+    cached ones, are the rows of the flattened batch, in that order (``req_ids``). A request samples this step when its scheduled tokens reach the end of every
     token it has (known, in flight or drafted); the others are prefill chunks.
     """
 
     scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: list[CachedRequestData]
+    scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
@@ -71,9 +76,14 @@ class SchedulerOutput:
     @property
     def req_ids(self) -> list[str]:
         """Every scheduled request, in batch order."""
-        return [r.req_id for r in self.scheduled_new_reqs] + [
-            r.req_id for r in self.scheduled_cached_reqs
-        ]
+        return [r.req_id for r in self.scheduled_new_reqs] + self.scheduled_cached_reqs.req_ids
+
+    @property
+    def num_computed_tokens(self) -> list[int]:
+        """Where each request's scheduled tokens start, in batch order."""
+        return [
+            r.num_computed_tokens for r in self.scheduled_new_reqs
+        ] + self.scheduled_cached_reqs.num_computed_tokens
 
 
 @dataclass(frozen=True)

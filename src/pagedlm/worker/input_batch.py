@@ -12,13 +12,15 @@ Invariants:
 - A slot belongs to at most one request; it is freed when the request finishes, is
   aborted or is preempted, and reused only by a later step. Device work runs in launch
   order, so a step that wrote a freed slot's row has run before the next owner's writes.
-- ``RequestState.num_tokens`` counts the tokens in the request's row: known at admission
-  plus one per step that sampled for it (launched, not necessarily finished).
+- ``num_tokens[slot]`` counts the tokens in a request's row: known at admission plus one
+  per step that sampled for it (launched, not necessarily finished). Per-slot numbers
+  live in numpy arrays, so a step reads and updates them for all its requests at once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,8 +42,9 @@ class RequestState:
     generator: torch.Generator | None
     """A seeded request's own generator; it survives preemption, so a seeded request
     samples the same tokens whether or not it was preempted."""
-    num_tokens: int
     num_blocks: int
+    serial: int = field(default_factory=itertools.count().__next__)
+    """Unique over the process's lifetime (request ids may be reused once finished)."""
 
     @property
     def needs_token_history(self) -> bool:
@@ -78,6 +81,8 @@ class InputBatch:
         )
         self.padding_slot = max_num_reqs
         """The all-zero block-table row that padding rows read."""
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        """[slot] tokens in the slot's row of ``token_ids`` (see the invariants)."""
         self.requests: dict[str, RequestState] = {}
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
         self._writes = HostToDevice(4096, torch.int64, device)
@@ -96,11 +101,12 @@ class InputBatch:
                 self._release(state)
         for data in scheduler_output.scheduled_new_reqs:
             self._admit(data)
-        for data in scheduler_output.scheduled_cached_reqs:
-            if data.new_block_ids:
-                state = self.requests[data.req_id]
-                self._block_writes.append((state.slot, state.num_blocks, data.new_block_ids))
-                state.num_blocks += len(data.new_block_ids)
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if new_block_ids:
+                state = self.requests[req_id]
+                self._block_writes.append((state.slot, state.num_blocks, new_block_ids))
+                state.num_blocks += len(new_block_ids)
 
     def _admit(self, data: NewRequestData) -> None:
         state = self.requests.get(data.req_id)
@@ -110,7 +116,7 @@ class InputBatch:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(data.sampling_params.seed)
             state = RequestState(
-                data.req_id, -1, data.num_prompt_tokens, data.sampling_params, generator, 0, 0
+                data.req_id, -1, data.num_prompt_tokens, data.sampling_params, generator, 0
             )
             self.requests[data.req_id] = state
         elif state.slot >= 0:
@@ -121,7 +127,7 @@ class InputBatch:
                 "must release a request (finish or preempt) before admitting another"
             )
         state.slot = self._free_slots.pop()
-        state.num_tokens = len(data.token_ids)
+        self.num_tokens[state.slot] = len(data.token_ids)
         state.num_blocks = len(data.block_ids)
         self._token_writes.append((state.slot, data.token_ids))
         self._block_writes.append((state.slot, 0, data.block_ids))

@@ -43,7 +43,11 @@ from pagedlm.step import (
 )
 from pagedlm.worker.input_batch import InputBatch
 from pagedlm.worker.launched_step import LaunchedStep
-from pagedlm.worker.sampling_inputs import DeviceTokenHistory, sampling_rows
+from pagedlm.worker.sampling_inputs import (
+    DeviceTokenHistory,
+    SamplingMetadataCache,
+    sampling_rows,
+)
 from pagedlm.worker.step_inputs import StepInputBuilder, StepInputs
 
 logger = logging.getLogger(__name__)
@@ -98,6 +102,7 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None
         self.graph_runner: GraphRunner | None = None
         self._forward_done: _ForwardDone | None = None
+        self._sampling_metadata = SamplingMetadataCache()
         self.enforce_eager = bool(getattr(config.model, "enforce_eager", False)) or (
             os.environ.get(ENFORCE_EAGER_ENV, "0") not in ("", "0")
         )
@@ -230,12 +235,16 @@ class ModelRunner:
         logprobs = None
         if num_sampled:
             seq_lens = inputs.seq_lens[sampled]
-            metadata = SamplingMetadata.build(
-                sampling_rows(states, seq_lens),
-                vocab_size=logits.shape[-1],
-                device=self.device,
-                default_generator=self.default_generator,
-                token_history=DeviceTokenHistory(batch, states, seq_lens),
+            metadata = self._sampling_metadata.get(
+                states,
+                seq_lens,
+                lambda: SamplingMetadata.build(
+                    sampling_rows(states, seq_lens),
+                    vocab_size=logits.shape[-1],
+                    device=self.device,
+                    default_generator=self.default_generator,
+                    token_history=DeviceTokenHistory(batch, states, seq_lens),
+                ),
             )
             bitmask = _batch_bitmask(grammar_bitmask, [s.req_id for s in states])
             if bitmask is not None:

@@ -7,11 +7,12 @@ penalties read the tokens on the device, from ``InputBatch.token_ids``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
+from pagedlm.sample.metadata import SamplingMetadata
 from pagedlm.sample.row import SamplingRow
 from pagedlm.worker.input_batch import InputBatch, RequestState
 
@@ -23,6 +24,34 @@ def sampling_rows(states: Sequence[RequestState], seq_lens: np.ndarray) -> list[
         SamplingRow(state.sampling_params, state.generator, int(n) - state.num_prompt_tokens)
         for state, n in zip(states, seq_lens, strict=True)
     ]
+
+
+class SamplingMetadataCache:
+    """Hands out the previous step's ``SamplingMetadata`` again when building it anew would
+    give the same: the same requests sample, in the same order, and no row reads state that
+    changes per step (penalties read the tokens so far; ``min_tokens`` masks the stop tokens
+    until a request has enough outputs). A decode batch is built once, not every step."""
+
+    def __init__(self) -> None:
+        self._key: tuple[int, ...] | None = None
+        self._metadata: SamplingMetadata | None = None
+
+    def get(
+        self,
+        states: Sequence[RequestState],
+        seq_lens: np.ndarray,
+        build: Callable[[], SamplingMetadata],
+    ) -> SamplingMetadata:
+        per_step = any(
+            state.needs_token_history
+            or int(n) - state.num_prompt_tokens < state.sampling_params.min_tokens
+            for state, n in zip(states, seq_lens, strict=True)
+        )
+        key = None if per_step else tuple(state.serial for state in states)
+        if key is not None and key == self._key and self._metadata is not None:
+            return self._metadata
+        self._key, self._metadata = key, build()
+        return self._metadata
 
 
 class DeviceTokenHistory:

@@ -94,11 +94,7 @@ class StepInputBuilder:
         req_ids = scheduler_output.req_ids
         states = [batch.requests[r] for r in req_ids]
         scheduled = scheduler_output.num_scheduled_tokens
-        starts = np.array(
-            [d.num_computed_tokens for d in scheduler_output.scheduled_new_reqs]
-            + [d.num_computed_tokens for d in scheduler_output.scheduled_cached_reqs],
-            dtype=np.int64,
-        )
+        starts = np.array(scheduler_output.num_computed_tokens, dtype=np.int64)
         num_new = np.fromiter((scheduled[r] for r in req_ids), np.int64, len(req_ids))
         pad_len = int(num_new[0]) if len(num_new) else 1
         return self._build(req_ids, states, starts, num_new, padded_num_reqs, pad_len)
@@ -121,7 +117,7 @@ class StepInputBuilder:
         batch = self.batch
         num_reqs = len(req_ids)
         slots = np.fromiter((s.slot for s in states), np.int64, num_reqs)
-        tokens_before = np.fromiter((s.num_tokens for s in states), np.int64, num_reqs)
+        tokens_before = batch.num_tokens[slots]
         seq_lens = starts + num_new
         num_tokens = int(num_new.sum())
         rows = padded_num_reqs or num_reqs
@@ -154,8 +150,7 @@ class StepInputBuilder:
         )
         batch.flush()
         self._gather(sections, indices)
-        for index in sampled:
-            states[index].num_tokens += 1
+        batch.num_tokens[slots[sampled]] += 1
 
         max_query_len = int(num_new.max(initial=0))
         layout = BatchLayout(
