@@ -182,7 +182,9 @@ def main() -> None:
         f"medians of {args.repeats}, interleaved"
         + (f"; llama-cpp-python {llama.version}" if llama else "")
     )
-    print("batch  engine           tok/s (median)  runs                      load  vs llama.cpp  vs transformers")
+    print(
+        "batch  engine           tok/s (median)  runs                      load  vs llama.cpp  vs transformers"
+    )
     for batch_size in args.batch_sizes:
         prompts = random_prompts(vocab_size, [args.prompt_len] * batch_size, seed=batch_size)
         results = interleaved(engines, prompts, args.repeats)
