@@ -118,7 +118,7 @@ class Int4Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
             return self._dense(x)
-        inputs = x.to(_KERNEL_DTYPE)
+        inputs = x.to(_KERNEL_DTYPE).contiguous()
         if self.num_planes == 2:
             inputs = torch.cat([inputs, inputs], dim=1)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(

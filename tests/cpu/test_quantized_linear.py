@@ -49,6 +49,14 @@ def test_int4_kernel_matches_dequantized_weights(bits, rows, dtype):
     assert relative_error(out, expected) < 6e-3
 
 
+def test_strided_and_empty_inputs():
+    blocks = random_blocks(32, 64, 4)
+    layer = Int4Linear(blocks, None, DequantScratch())
+    x = torch.randn(64, 6).t().to(torch.bfloat16)  # a transposed view, not contiguous
+    assert relative_error(layer(x), F.linear(x.float(), blocks.dequantize())) < 6e-3
+    assert layer(torch.randn(0, 64)).shape == (0, 32)
+
+
 def test_rows_past_max_rows_take_the_dequantized_path():
     blocks = random_blocks(48, 64, 8, seed=1)
     scratch = DequantScratch()

@@ -16,7 +16,6 @@ is cleared before each request.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import sys
 import time
@@ -86,7 +85,6 @@ def main() -> None:
     args = parser.parse_args()
 
     llama_cpp.llama_backend_init()
-    llama_cpp.llama_log_set(llama_cpp.llama_log_callback(lambda *_: None), ctypes.c_void_p())
     model = llama_cpp.llama_model_load_from_file(
         args.model.encode(), llama_cpp.llama_model_default_params()
     )

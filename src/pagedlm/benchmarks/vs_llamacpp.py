@@ -32,6 +32,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -56,8 +57,12 @@ class LlamaCpp:
     def __init__(self, python: str, model: str, threads: int, max_seqs: int, n_ctx: int) -> None:
         command = [python, str(_WORKER), "--model", model, "--threads", str(threads),
                    "--max-seqs", str(max_seqs), "--n-ctx", str(n_ctx)]  # fmt: skip
+        # llama.cpp logs a lot on stderr: into a file, named if the worker fails.
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - open as long as the worker
+            "w", prefix="llamacpp-", suffix=".log", delete=False
+        )
         self.process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True
         )
         self.version = self._answer()["version"]
 
@@ -65,7 +70,9 @@ class LlamaCpp:
         assert self.process.stdout is not None
         line = self.process.stdout.readline()
         if not line:
-            raise RuntimeError(f"the llama.cpp worker exited ({self.process.wait()})")
+            raise RuntimeError(
+                f"the llama.cpp worker exited ({self.process.wait()}); see {self.log.name}"
+            )
         return json.loads(line)
 
     def run(self, prompts: list[list[int]], output_len: int) -> float:
@@ -81,6 +88,7 @@ class LlamaCpp:
         if self.process.stdin is not None:
             self.process.stdin.close()
         self.process.wait(timeout=60)
+        self.log.close()
 
 
 def _dequantized_llm(model: str | None, dtype: str) -> LLM:
