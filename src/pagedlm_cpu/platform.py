@@ -31,7 +31,8 @@ def has_native_bf16() -> bool:
     """True where the CPU computes bf16 in hardware (AVX512-BF16 or AMX): there bf16 GEMMs
     run at twice the float32 rate and move half the bytes. Elsewhere torch emulates them,
     and at batch sizes past a few rows they are slower than float32."""
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private torch API
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
 
 def _available_memory_bytes() -> int | None:
@@ -110,7 +111,13 @@ class CpuPlatform(Platform):
         if not int4_kernel_available():
             logger.info("This torch build has no CPU int4 kernel; GGUF weights stay dequantized.")
             return 0
-        max_rows = int(os.environ.get(INT4_MAX_ROWS_ENV, DEFAULT_MAX_ROWS))
+        try:
+            max_rows = int(os.environ.get(INT4_MAX_ROWS_ENV, DEFAULT_MAX_ROWS))
+        except ValueError:
+            raise ValueError(
+                f"{INT4_MAX_ROWS_ENV} must be a whole number of rows, "
+                f"got {os.environ[INT4_MAX_ROWS_ENV]!r}."
+            ) from None
         return install_int4_kernels(model, gguf_linear_blocks(model, config.model), max_rows)
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
