@@ -78,12 +78,13 @@ def instrument(llm: LLM, clock: Callable[[], float] = time.perf_counter) -> dict
     runner = getattr(getattr(core.executor, "worker", None), "model_runner", None)
     if runner is not None:  # the in-process executor: its runner's parts too
         targets += [
-            ("  of which step inputs", runner.step_inputs, "build"),
+            ("  of which step inputs", getattr(runner, "step_inputs", None), "build"),
             ("  of which forward (device work on a CPU)", runner, "_forward"),
             ("  of which sampler (device work on a CPU)", runner, "sampler"),
         ]
     for name, owner, attribute in targets:
-        setattr(owner, attribute, _timed(phases, name, getattr(owner, attribute), clock))
+        if hasattr(owner, attribute):  # earlier versions of the engine lack some phases
+            setattr(owner, attribute, _timed(phases, name, getattr(owner, attribute), clock))
     return phases
 
 
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         steps = scheduler.num_model_steps - steps_before
     result = {
         "engine_args": engine_args,
-        "async_scheduling": llm.llm_engine.config.scheduler.async_scheduling,
+        "async_scheduling": getattr(llm.llm_engine.config.scheduler, "async_scheduling", None),
         "requests": args.num_requests,
         "steps": steps,
         "clock": args.clock,
