@@ -22,9 +22,14 @@ class GraphRunner(ABC):
     """Replays captured forwards of uniform batches: every request feeds the same number of
     tokens (1 for decode, 1 + k when speculative tokens are verified).
 
-    Invariant: a replay reads the model runner's persistent step buffers, which the runner
-    fills for the padded batch before calling ``run``; the result equals an eager forward
-    of the same step up to floating-point rounding, whatever the padding.
+    Invariants:
+    - A replay reads the model runner's persistent step buffers, which the runner fills
+      for the padded batch before calling ``run``: the layout and the gather indices, not
+      the gathered inputs. The replay runs the step's gathers itself
+      (``StepInputBuilder.gather``: input ids, slot mapping and block-table rows from the
+      input batch's tables), then the forward; for an eager step the runner gathers.
+    - The result equals an eager forward of the same step up to floating-point rounding,
+      whatever the padding.
     """
 
     @abstractmethod
