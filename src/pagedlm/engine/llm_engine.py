@@ -36,7 +36,14 @@ class LLMEngine:
             config.scheduler.scheduling_policy,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCore(config, platform)
+        if config.parallel.data_parallel_size > 1:
+            from pagedlm.engine.data_parallel import DataParallelEngineCore
+
+            self.engine_core: EngineCore | DataParallelEngineCore = DataParallelEngineCore(
+                config, platform
+            )
+        else:
+            self.engine_core = EngineCore(config, platform)
         self.metrics = EngineMetrics()
 
     @classmethod
