@@ -31,7 +31,7 @@ def stage_layer_range(num_layers: int, stage: int, num_stages: int) -> tuple[int
         )
     sizes = [num_layers // num_stages] * num_stages
     for i in range(num_layers % num_stages):
-        sizes[-2 - i if num_stages > 1 else 0] += 1
+        sizes[-2 - i] += 1  # a remainder exists only with two stages or more
     start = sum(sizes[:stage])
     return start, start + sizes[stage]
 
