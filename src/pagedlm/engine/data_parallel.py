@@ -1,5 +1,8 @@
 """Data parallelism in one process: ``data_parallel_size`` engine cores behind one front end.
 
+``LLM`` runs them in its own process; ``AsyncLLM`` and the API server in the engine-core
+process (``core_proc.py``), so one front end serves them all either way.
+
 Each replica is a whole ``EngineCore`` (its own scheduler, KV cache and executor, the
 config's ``data_parallel_rank`` set to its index, so an executor with worker processes
 places them on that replica's devices). ``DataParallelEngineCore`` offers the interface
@@ -52,6 +55,15 @@ def replica_config(config: EngineConfig, rank: int) -> EngineConfig:
     return dataclasses.replace(
         config, parallel=dataclasses.replace(config.parallel, data_parallel_rank=rank)
     )
+
+
+def make_engine_core(
+    config: EngineConfig, platform: Platform
+) -> EngineCore | DataParallelEngineCore:
+    """The engine core of ``config``: one, or one per data-parallel replica."""
+    if config.parallel.data_parallel_size > 1:
+        return DataParallelEngineCore(config, platform)
+    return EngineCore(config, platform)
 
 
 class DataParallelEngineCore:

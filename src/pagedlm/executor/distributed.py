@@ -143,7 +143,9 @@ class DistributedExecutor(Executor):
         with contextlib.suppress(zmq.ZMQError):
             self._calls.send(wire.encode(wire.Shutdown()), flags=zmq.NOBLOCK)
         try:
-            self._stop_workers(SHUTDOWN_TIMEOUT_S)
+            # After a failure nothing is left to finish: stop the rest at once, so that
+            # whoever waits for this shutdown (the engine reporting its death) does not.
+            self._stop_workers(0.0 if self._failure is not None else SHUTDOWN_TIMEOUT_S)
         finally:
             self._calls.close(linger=0)
             self._replies.close(linger=0)
