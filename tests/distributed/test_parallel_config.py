@@ -229,3 +229,13 @@ def test_worker_config_round_trips(tiny_checkpoint) -> None:
     decoded = wire.decode_config(wire.encode_config(config))
     assert decoded == config and decoded.model.dtype is torch.bfloat16
     assert decoded.model.arch.raw == config.model.arch.raw
+
+
+def test_worker_processes_need_zmq_and_msgspec(monkeypatch) -> None:
+    real = setup_checks.importlib.util.find_spec
+    monkeypatch.setattr(
+        setup_checks.importlib.util, "find_spec", lambda name: None if name == "zmq" else real(name)
+    )
+    with pytest.raises(ValueError, match=r"needs zmq; .*pagedlm\[distributed\]"):
+        setup_checks.check_worker_transport("mp")
+    setup_checks.check_worker_transport("uni")

@@ -36,6 +36,18 @@ def import_ray() -> Any:
     return ray
 
 
+def check_worker_transport(backend: str) -> None:
+    """Executors with worker processes need pyzmq and msgspec (not core dependencies)."""
+    if backend not in ("mp", "ray"):
+        return
+    missing = [m for m in ("zmq", "msgspec") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(
+            f"distributed_executor_backend={backend!r} needs {' and '.join(missing)}; install "
+            "them with pip install 'pagedlm[distributed]'."
+        )
+
+
 def _in_ray_placement_group() -> bool:
     """Whether this process is a Ray task or actor inside a placement group (only asked
     when Ray is already imported: importing it just to ask costs seconds)."""

@@ -255,6 +255,7 @@ class EngineArgs:
         backend = setup_checks.resolve_executor_backend(
             self.distributed_executor_backend, world_size, self.data_parallel_size, platform
         )
+        setup_checks.check_worker_transport(backend)
         if backend == "ray":
             setup_checks.import_ray()
         parallel = ParallelConfig(
