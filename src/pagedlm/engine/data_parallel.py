@@ -10,9 +10,12 @@ places them on that replica's devices). ``DataParallelEngineCore`` offers the in
 score: four times its waiting requests plus its running ones, then KV-cache usage); an
 abort goes to the replica that holds the request; stats are summed.
 
-One ``step()`` steps every replica that has work. With worker processes (the "mp"
-executor, the default for replicas on a device platform) the replicas' devices run at the
-same time: a replica's step launches its next step before it waits for the previous one.
+One ``step()`` steps every replica that has work, in turn. With worker processes (the
+"mp" executor, the default for replicas on a device platform) and asynchronous scheduling
+(the default there) the replicas' devices run at the same time: a replica's step launches
+its next step before it waits for the previous one, so while one replica's host waits the
+others' devices compute. Under synchronous scheduling each replica's step is waited for
+before the next replica's is launched.
 """
 
 from __future__ import annotations
