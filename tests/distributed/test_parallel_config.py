@@ -128,6 +128,10 @@ def test_more_ranks_than_devices() -> None:
         setup_checks.check_devices(parallel, DevicePlatform(3))
     setup_checks.check_devices(parallel, DevicePlatform(4))
     setup_checks.check_devices(parallel, DevicePlatform(None))
+    shared = ParallelConfig(data_parallel_size=2, distributed_executor_backend="uni")
+    with pytest.raises(ValueError, match="every replica on one fakegpu device"):
+        setup_checks.check_devices(shared, DevicePlatform(2))
+    setup_checks.check_devices(shared, DevicePlatform(None))  # CPU: replicas share the host
 
 
 @pytest.mark.parametrize(

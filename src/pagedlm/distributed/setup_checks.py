@@ -104,6 +104,12 @@ def check_devices(parallel: ParallelConfig, platform: Platform) -> None:
     devices = platform.device_count()
     if devices is None or parallel.distributed_executor_backend == "ray":
         return
+    if parallel.data_parallel_size > 1 and parallel.distributed_executor_backend == "uni":
+        raise ValueError(
+            f"data_parallel_size={parallel.data_parallel_size} with the 'uni' executor would "
+            f"put every replica on one {platform.name} device; use "
+            "distributed_executor_backend='mp' (the default) so each replica gets its own."
+        )
     needed = parallel.first_local_device + parallel.world_size
     if needed > devices:
         raise ValueError(

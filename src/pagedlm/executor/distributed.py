@@ -18,6 +18,7 @@ Subclasses start the workers (``_start_workers``) and say which are dead
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import logging
@@ -93,6 +94,7 @@ class DistributedExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
+        atexit.register(self.shutdown)  # an engine never shut down still stops its workers
 
     # ---- subclass hooks -----------------------------------------------------------
 
@@ -140,6 +142,7 @@ class DistributedExecutor(Executor):
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.shutdown)
         with contextlib.suppress(zmq.ZMQError):
             self._calls.send(wire.encode(wire.Shutdown()), flags=zmq.NOBLOCK)
         try:

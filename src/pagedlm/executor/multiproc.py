@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -78,6 +79,7 @@ class MultiprocExecutor(DistributedExecutor):
                 broadcast_address=broadcast_address,
                 reply_address=reply_address,
                 parent_pid=os.getpid(),
+                die_with_parent=threading.current_thread() is threading.main_thread(),
                 config=msgspec.Raw(config),
             )
             process = subprocess.Popen(

@@ -82,6 +82,14 @@ class RayExecutor(DistributedExecutor):
             self._started_ray = True
         uses_devices = self.platform.device_count() is not None
         bundle = {"GPU": 1.0, "CPU": 1.0} if uses_devices else {"CPU": 1.0}
+        total = ray.cluster_resources()
+        for resource, amount in bundle.items():
+            if total.get(resource, 0) < amount * self.world_size:
+                raise RuntimeError(
+                    f"{self.world_size} workers need {amount * self.world_size:g} {resource} "
+                    f"but the Ray cluster has {total.get(resource, 0):g}; add nodes (ray start "
+                    "--address=...) or lower tensor_parallel_size or pipeline_parallel_size."
+                )
         from ray.util.placement_group import placement_group
 
         self._placement_group = placement_group([bundle] * self.world_size, strategy="PACK")
@@ -137,6 +145,7 @@ class RayExecutor(DistributedExecutor):
                 broadcast_address=broadcast_address,
                 reply_address=reply_address,
                 parent_pid=0,  # Ray ends actors whose driver exits
+                die_with_parent=False,
                 config=msgspec.Raw(config),
             )
             self._runs.append(actor.run.remote(wire.encode_spec(spec), env))

@@ -100,6 +100,9 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     """Where workers push ``WorkerReply``s (ZMQ)."""
     parent_pid: int
     """The engine process; a worker whose parent changes exits (0: do not watch)."""
+    die_with_parent: bool
+    """Have the kernel kill the worker with the thread that started it (Linux): only
+    when that is the engine's main thread, which lives as long as the engine."""
     config: msgspec.Raw
     """The ``EngineConfig``, as ``encode_config`` wrote it."""
 

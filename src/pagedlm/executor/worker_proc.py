@@ -8,8 +8,9 @@ for the device and pushes the ``ModelRunnerOutput``; the main thread meanwhile t
 next call, so a step in flight never holds up the launch of the next one.
 
 Exits: on ``Shutdown``; with status 1 after reporting ``Failed`` on any exception; and on
-its own when the engine process goes away (it polls the parent's pid, and on Linux asks
-the kernel to kill it with its parent).
+its own when the engine process goes away (it polls the parent's pid, and on Linux, when
+the engine's main thread started it, asks the kernel to kill it with its parent: a worker
+blocked in a collective cannot poll).
 """
 
 from __future__ import annotations
@@ -163,10 +164,10 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=os.environ.get("PAGEDLM_LOG_LEVEL", "WARNING"))
     spec = wire.decode_spec(sys.stdin.buffer.read())
-    if spec.parent_pid:
+    if spec.die_with_parent:
         _die_with_parent()
-        if os.getppid() != spec.parent_pid:
-            return 0  # the parent died before the kernel was told
+    if spec.parent_pid and os.getppid() != spec.parent_pid:
+        return 0  # the parent died before the kernel was told
     return run_worker(spec)
 
 
