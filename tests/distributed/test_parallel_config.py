@@ -243,3 +243,19 @@ def test_worker_processes_need_zmq_and_msgspec(monkeypatch) -> None:
     with pytest.raises(ValueError, match=r"needs zmq; .*pagedlm\[distributed\]"):
         setup_checks.check_worker_transport("mp")
     setup_checks.check_worker_transport("uni")
+
+
+def test_workers_split_the_cores_they_may_run_on(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from pagedlm.executor.multiproc import THREADS_ENV, MultiprocExecutor
+
+    parallel = ParallelConfig(tensor_parallel_size=2, data_parallel_size=2)
+    executor = SimpleNamespace(config=SimpleNamespace(parallel=parallel))
+    monkeypatch.setattr(
+        "pagedlm.executor.multiproc.os.sched_getaffinity", lambda pid: set(range(10))
+    )
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    assert MultiprocExecutor._worker_env(executor)[THREADS_ENV] == "2"  # 10 cores, 4 ranks
+    monkeypatch.setenv(THREADS_ENV, "7")
+    assert MultiprocExecutor._worker_env(executor)[THREADS_ENV] == "7"  # the user's

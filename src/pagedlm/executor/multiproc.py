@@ -37,6 +37,15 @@ def free_loopback_port() -> int:
         return probe.getsockname()[1]
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask: taskset, container CPU sets),
+    which its workers inherit."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def describe_exit(rank: int, status: int) -> str:
     if status < 0:
         return f"worker rank {rank} was killed by signal {-status}"
@@ -64,7 +73,7 @@ class MultiprocExecutor(DistributedExecutor):
         if THREADS_ENV not in env:
             parallel = self.config.parallel
             ranks = parallel.world_size * parallel.data_parallel_size
-            env[THREADS_ENV] = str(max(1, (os.cpu_count() or 1) // ranks))
+            env[THREADS_ENV] = str(max(1, usable_cores() // ranks))
         return env
 
     def _start_workers(self, broadcast_address: str, reply_address: str, config: bytes) -> None:
