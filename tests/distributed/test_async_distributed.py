@@ -1,6 +1,6 @@
 """AsyncLLM (the engine core in its own process) over worker processes: a killed worker
-fails every stream within 2 s and no process stays behind; two data-parallel replicas
-serve one front end."""
+fails every stream within 2 s, health checks fail and no process stays behind; two
+data-parallel replicas serve one front end."""
 
 from __future__ import annotations
 
@@ -66,6 +66,10 @@ def test_killed_worker_fails_every_stream(llama):
         killed_at = asyncio.run(main())
         assert len(failures) == 4
         assert max(failures) - killed_at < 2.0
+        # What the server's /health answers from: 503 once the engine is dead.
+        assert engine.errored
+        with pytest.raises(EngineDeadError):
+            asyncio.run(engine.check_health())
     finally:
         core = engine.core_pid
         engine.shutdown()
