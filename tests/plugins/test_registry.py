@@ -79,7 +79,7 @@ def test_cpu_platform_found_through_entry_point():
     platform = select_platform(pm=pm)
     assert platform.name == "cpu"
     assert select_attention_backend(platform, pm=pm).name == "cpu_sdpa"
-    assert select_executor(platform, pm=pm).name == "uniproc"
+    assert select_executor(platform, pm=pm).name == "uni"
 
 
 def test_cuda_and_rocm_report_unavailable_here():

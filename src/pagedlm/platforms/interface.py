@@ -72,7 +72,8 @@ class Platform(ABC):
     """The model runner should run one forward at the largest batch before sizing the KV
     cache, so that ``kv_cache_memory_bytes`` can leave room for the activation peak."""
     default_attention_backend: ClassVar[str]
-    default_executor: ClassVar[str] = "uniproc"
+    default_executor: ClassVar[str] = "uni"
+    """The executor of a one-worker engine unless the user names another."""
 
     @property
     def device(self) -> torch.device:
@@ -132,6 +133,15 @@ class Platform(ABC):
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled tensor on ``device`` (the KV cache is allocated through this)."""
         return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def device_count(self) -> int | None:
+        """Devices of this kind on this node that ranks can be placed on, or None where
+        ranks share the host (CPU: any number of worker processes fit)."""
+        return None
+
+    def set_device(self, local_rank: int) -> None:  # noqa: B027 - optional
+        """Make device ``local_rank`` of this node the one ``device`` names in this
+        process (called once per worker process, before the model is built)."""
 
     def synchronize(self) -> None:  # noqa: B027 - optional, a no-op by default
         """Wait for queued device work (no-op where execution is synchronous)."""
