@@ -36,7 +36,6 @@ from pagedlm.engine.messages import (
     RequestRejected,
     UtilityCall,
     UtilityResult,
-    core_output_from_wire,
     request_to_wire,
 )
 from pagedlm.engine.output_processor import OutputProcessor
@@ -278,7 +277,7 @@ class AsyncLLM:
 
     def _handle_outputs(self, message: CoreOutputs) -> None:
         self._last_stats = message.stats
-        outputs = [core_output_from_wire(wire) for wire in message.outputs]
+        outputs = message.outputs
         self.metrics.record_outputs(outputs)
         processed = self.output_processor.process_outputs(outputs)
         if processed.reqs_to_abort:
