@@ -85,16 +85,21 @@ def test_chat_against_server(tiny_server):
     assert out.getvalue().count("> ") == 3
 
 
-@pytest.mark.parametrize("rate", ["inf", "50"])
-def test_bench_serve(tiny_server, rate, capsys):
+@pytest.mark.parametrize(
+    "rate, extra",
+    [("inf", []), ("50", []), ("inf", ["--max-concurrency", "2"]),
+     ("50", ["--client-processes", "2"])],
+)  # fmt: skip
+def test_bench_serve(tiny_server, rate, extra, capsys):
     from pagedlm.entrypoints.cli.bench import run_bench_serve
 
     args = build_parser().parse_args(
         ["bench", "serve", "--base-url", tiny_server.url, "--num-prompts", "4",
-         "--request-rate", rate, "--input-len", "8", "--output-len", "6"]
+         "--request-rate", rate, "--input-len", "8", "--output-len", "6", *extra]
     )  # fmt: skip
     summary = run_bench_serve(args)
     assert summary["completed"] == 4 and summary["failed"] == 0
+    assert summary["client_processes"] == (2 if "--client-processes" in extra else 1)
     assert summary["output_token_throughput"] > 0
     for name in ("ttft", "tpot", "itl", "e2e"):
         assert 0 < summary[name]["p50_ms"] <= summary[name]["p99_ms"]

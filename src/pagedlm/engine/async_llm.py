@@ -36,7 +36,6 @@ from pagedlm.engine.messages import (
     RequestRejected,
     UtilityCall,
     UtilityResult,
-    core_output_from_wire,
     request_to_wire,
 )
 from pagedlm.engine.output_processor import OutputProcessor
@@ -52,6 +51,9 @@ DEATH_POLL_MS = 200
 HEALTH_TIMEOUT_S = 5.0
 """A core that does not answer a ping within this time counts as dead for ``check_health``."""
 READY_TIMEOUT_S = 600.0
+MAX_MESSAGES_PER_WAKEUP = 32
+"""The output task handles at most this many waiting core messages before it lets the
+consumers run (a bound on how long it holds the event loop: a few ms per message)."""
 
 
 class AsyncLLM:
@@ -245,6 +247,17 @@ class AsyncLLM:
                         return
                     continue
                 self._handle(message)
+                # Take every step that is already waiting before the consumers run: their
+                # outputs then merge in the streams (one SSE event per request per wake-up,
+                # not per step), so a front end that falls behind catches up instead of
+                # handing out one step's tokens per pass of the event loop.
+                for _ in range(MAX_MESSAGES_PER_WAKEUP - 1):
+                    if self._dead_error is not None:
+                        break
+                    message = self._client.recv_nowait()
+                    if message is None:
+                        break
+                    self._handle(message)
                 if self._dead_error is not None:
                     return
         except asyncio.CancelledError:
@@ -278,7 +291,7 @@ class AsyncLLM:
 
     def _handle_outputs(self, message: CoreOutputs) -> None:
         self._last_stats = message.stats
-        outputs = [core_output_from_wire(wire) for wire in message.outputs]
+        outputs = message.outputs
         self.metrics.record_outputs(outputs)
         processed = self.output_processor.process_outputs(outputs)
         if processed.reqs_to_abort:

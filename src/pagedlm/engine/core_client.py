@@ -151,6 +151,16 @@ class CoreClient:
         frame = await self._output.recv(copy=False)
         return self._decoder.decode(frame.buffer)
 
+    def recv_nowait(self) -> msgspec.Struct | None:
+        """The next message from the core if one is already here, else None."""
+        if self._output is None or self._closed:
+            raise EngineDeadError("The engine has been shut down.")
+        try:
+            frame = self._output_sync.recv(flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        return self._decoder.decode(frame.buffer)
+
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop the core (politely, then SIGTERM, then SIGKILL), wait for it, and remove
         the sockets. Idempotent; safe at interpreter exit."""

@@ -36,7 +36,6 @@ from pagedlm.engine.messages import (
     Shutdown,
     UtilityCall,
     UtilityResult,
-    core_output_to_wire,
     make_encoder,
     make_frontend_decoder,
     request_from_wire,
@@ -81,8 +80,7 @@ class EngineCoreProc:
                 self.flush_pending = False
                 outputs = self.core.step()
                 if outputs or send_stats:
-                    wire = [core_output_to_wire(output) for output in outputs]
-                    self.send(CoreOutputs(wire, self.core.make_stats()))
+                    self.send(CoreOutputs(outputs, self.core.make_stats()))
                 if not outputs and self.core.has_unfinished_requests():
                     # A step without outputs is a prefill chunk or one where nothing could
                     # run (a request waiting for its grammar): yield briefly to new input

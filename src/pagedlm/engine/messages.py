@@ -5,9 +5,10 @@ msgpack; nothing is pickled. Two tagged unions describe the two directions:
 ``FrontendMessage`` (front end -> core) and ``CoreMessage`` (core -> front end).
 
 ``WireSamplingParams`` is derived from the ``SamplingParams`` dataclass fields, so a field
-added there travels without touching this module; ``WireRequest``, ``WireCoreOutput`` and
-``WireLogprobs`` mirror ``Request``'s constructor, ``EngineCoreOutput`` and
-``LogprobsLists`` (tests check they stay in step).
+added there travels without touching this module; ``WireRequest`` mirrors ``Request``'s
+constructor (a test checks they stay in step). Step outputs travel as what they are:
+msgspec encodes the ``EngineCoreOutput`` named tuple (an array) and its ``LogprobsLists``
+natively, so neither side converts them per request per step.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.core.request import Request
 from pagedlm.core.scheduler_interface import SchedulerStats
 from pagedlm.sampling_params import SamplingParams
-from pagedlm.step import LogprobsLists
 
 _SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
 _SAMPLING_HINTS = typing.get_type_hints(SamplingParams)
@@ -85,61 +85,6 @@ def request_from_wire(wire: WireRequest) -> Request:
     )
 
 
-class WireLogprobs(msgspec.Struct, array_like=True):
-    """Mirror of ``LogprobsLists``."""
-
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]
-
-
-class WireCoreOutput(msgspec.Struct, array_like=True):
-    """Mirror of ``EngineCoreOutput``."""
-
-    req_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    new_logprobs: WireLogprobs | None = None
-    new_prompt_logprobs: WireLogprobs | None = None
-    num_cached_tokens: int = 0
-    queued_seconds: float | None = None
-
-
-def _logprobs_to_wire(lists: LogprobsLists | None) -> WireLogprobs | None:
-    return None if lists is None else WireLogprobs(lists.token_ids, lists.logprobs, lists.ranks)
-
-
-def _logprobs_from_wire(wire: WireLogprobs | None) -> LogprobsLists | None:
-    return None if wire is None else LogprobsLists(wire.token_ids, wire.logprobs, wire.ranks)
-
-
-def core_output_to_wire(output: EngineCoreOutput) -> WireCoreOutput:
-    return WireCoreOutput(
-        output.req_id,
-        output.new_token_ids,
-        output.finish_reason,
-        output.stop_reason,
-        _logprobs_to_wire(output.new_logprobs),
-        _logprobs_to_wire(output.new_prompt_logprobs),
-        output.num_cached_tokens,
-        output.queued_seconds,
-    )
-
-
-def core_output_from_wire(wire: WireCoreOutput) -> EngineCoreOutput:
-    return EngineCoreOutput(
-        req_id=wire.req_id,
-        new_token_ids=wire.new_token_ids,
-        finish_reason=wire.finish_reason,
-        stop_reason=wire.stop_reason,
-        new_logprobs=_logprobs_from_wire(wire.new_logprobs),
-        new_prompt_logprobs=_logprobs_from_wire(wire.new_prompt_logprobs),
-        num_cached_tokens=wire.num_cached_tokens,
-        queued_seconds=wire.queued_seconds,
-    )
-
-
 # ----------------------------------------------------------------- front end -> core
 
 
@@ -183,7 +128,7 @@ class Ready(msgspec.Struct, tag=True):
 class CoreOutputs(msgspec.Struct, tag=True):
     """One step's outputs and the scheduler's stats right after it."""
 
-    outputs: list[WireCoreOutput]
+    outputs: list[EngineCoreOutput]
     stats: SchedulerStats
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from pagedlm.outputs import RequestOutput
+from pagedlm.outputs import CompletionOutput, RequestOutput
 from pagedlm.sampling_params import RequestOutputKind
 
 StreamItem = RequestOutput | BaseException | None
@@ -15,10 +15,12 @@ StreamItem = RequestOutput | BaseException | None
 class RequestStream:
     """Outputs of one user request, waiting for its consumer.
 
-    Invariant: items come out in the order they went in, except that in CUMULATIVE mode a
-    newer unfinished output replaces an older one the consumer has not taken yet (each
-    carries everything so far, so a slow consumer skips stale snapshots instead of
-    falling behind). DELTA outputs are never merged or dropped.
+    Invariant: items come out in the order they went in, except that an output the
+    consumer has not taken yet absorbs the next one. In CUMULATIVE mode the newer snapshot
+    replaces it (each carries everything so far); in DELTA mode the two deltas are
+    concatenated, so nothing is lost and a consumer that falls behind takes one output per
+    wake-up instead of one per engine step: what a slow consumer (an SSE stream, say) pays
+    per output then scales with its own pace, not with the number of tokens.
     """
 
     def __init__(self, output_kind: RequestOutputKind, num_prompt_tokens: int) -> None:
@@ -31,15 +33,18 @@ class RequestStream:
     def put(self, item: StreamItem) -> None:
         items = self._items
         if (
-            self.output_kind is RequestOutputKind.CUMULATIVE
-            and isinstance(item, RequestOutput)
+            isinstance(item, RequestOutput)
             and items
             and isinstance(items[-1], RequestOutput)
             and not items[-1].finished
         ):
-            items[-1] = item
-        else:
-            items.append(item)
+            if self.output_kind is RequestOutputKind.CUMULATIVE:
+                items[-1] = item
+                return
+            if self.output_kind is RequestOutputKind.DELTA:
+                merge_delta(items[-1], item)
+                return
+        items.append(item)
         self._ready.set()
 
     async def get(self) -> RequestOutput | None:
@@ -51,3 +56,34 @@ class RequestStream:
         if isinstance(item, BaseException):
             raise item
         return item
+
+
+def merge_delta(pending: RequestOutput, newer: RequestOutput) -> None:
+    """Fold DELTA output ``newer`` into ``pending`` (not yet seen by anyone), in place."""
+    samples = {sample.index: sample for sample in pending.outputs}
+    for sample in newer.outputs:
+        old = samples.get(sample.index)
+        samples[sample.index] = sample if old is None else _concat(old, sample)
+    pending.outputs = [samples[index] for index in sorted(samples)]
+    if pending.prompt_logprobs is None:
+        pending.prompt_logprobs = newer.prompt_logprobs
+    pending.finished = newer.finished
+    pending.num_cached_tokens = newer.num_cached_tokens
+    pending.metrics = newer.metrics
+
+
+def _concat(old: CompletionOutput, new: CompletionOutput) -> CompletionOutput:
+    logprobs = old.logprobs
+    if logprobs is None:
+        logprobs = new.logprobs
+    elif new.logprobs is not None:
+        logprobs = logprobs + new.logprobs
+    return CompletionOutput(
+        index=old.index,
+        text=old.text + new.text,
+        token_ids=old.token_ids + new.token_ids,
+        cumulative_logprob=new.cumulative_logprob,
+        logprobs=logprobs,
+        finish_reason=new.finish_reason,
+        stop_reason=new.stop_reason,
+    )

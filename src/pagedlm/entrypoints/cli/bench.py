@@ -15,6 +15,8 @@ import argparse
 import asyncio
 import itertools
 import json
+import multiprocessing
+import os
 import random
 import statistics
 import time
@@ -57,6 +59,8 @@ class RequestResult:
     output_tokens: int = 0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    end: float = 0.0
+    """When the request ended (monotonic clock, shared by the client processes)."""
 
 
 def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -78,36 +82,60 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output-len", type=int, default=32, help="Tokens per request (default: %(default)s)."
     )
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="At most this many requests in flight at once (default: no limit).",
+    )
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=None,
+        help="Client processes sharing the load (default: 1 up to 64 prompts, else up to 4, "
+        "a quarter of the cores).",
+    )
     parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     parser.add_argument("--result-json", default=None, help="Also write the summary here.")
 
 
+def prompt_texts(rng: random.Random, num_prompts: int, input_len: int) -> list[str]:
+    """The benchmark's prompts: ``input_len`` words drawn from a fixed list, by ``rng``."""
+    return [" ".join(rng.choice(_WORDS) for _ in range(input_len)) for _ in range(num_prompts)]
+
+
 async def _one_request(client: Any, url: str, body: dict) -> RequestResult:
-    start = time.perf_counter()
+    start = time.monotonic()
     chunk_times: list[float] = []
     tokens = 0
     try:
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
                 await response.aread()
-                return RequestResult(False, error=f"{response.status_code}: {response.text[:200]}")
+                return RequestResult(
+                    False,
+                    error=f"{response.status_code}: {response.text[:200]}",
+                    end=time.monotonic(),
+                )
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    return RequestResult(False, error=chunk["error"]["message"])
+                    return RequestResult(
+                        False, error=chunk["error"]["message"], end=time.monotonic()
+                    )
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
                 if any(choice.get("text") for choice in chunk.get("choices", [])):
-                    chunk_times.append(time.perf_counter())
+                    chunk_times.append(time.monotonic())
     except Exception as error:  # connection refused/reset: report, keep benchmarking
-        return RequestResult(False, error=repr(error))
-    end = time.perf_counter()
+        return RequestResult(False, error=repr(error), end=time.monotonic())
+    end = time.monotonic()
     if not chunk_times:
-        return RequestResult(False, error="no output")
+        return RequestResult(False, error="no output", end=end)
     itl = [b - a for a, b in itertools.pairwise(chunk_times)]
-    return RequestResult(True, chunk_times[0] - start, end - start, tokens, itl)
+    return RequestResult(True, chunk_times[0] - start, end - start, tokens, itl, end=end)
 
 
 def _summary(values_s: list[float]) -> dict[str, float]:
@@ -125,43 +153,137 @@ def _summary(values_s: list[float]) -> dict[str, float]:
     }
 
 
-async def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
+def client_processes(requested: int | None, num_prompts: int) -> int:
+    """How many client processes share the load: one parses ~10k streamed events/s, less
+    than a fast server sends, so big runs spread over up to four (a core each, leaving
+    the rest to the server)."""
+    if requested is not None:
+        return max(1, requested)
+    if num_prompts <= 64:
+        return 1
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+async def _send_all(
+    base: str,
+    headers: dict[str, str],
+    bodies: list[dict],
+    offsets: list[float],
+    start: float,
+    max_concurrency: int | None,
+) -> list[RequestResult]:
+    """Send ``bodies[i]`` at ``start + offsets[i]`` (monotonic clock) and collect results."""
+    import httpx
+
+    # httpx's default pool holds 100 connections: a burst of more would queue in the
+    # client, and its waits would count as the server's time to first token.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # With a concurrency limit a request's clock starts once it may be sent (as vLLM's).
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    url = f"{base}/v1/completions"
+    async with httpx.AsyncClient(headers=headers, timeout=None, limits=limits) as client:
+
+        async def send(body: dict, offset: float) -> RequestResult:
+            delay = start + offset - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if gate is None:
+                return await _one_request(client, url, body)
+            async with gate:
+                return await _one_request(client, url, body)
+
+        return await asyncio.gather(*(send(b, o) for b, o in zip(bodies, offsets)))
+
+
+def _client_process(share, headers, max_concurrency, barrier, start_time, results) -> None:
+    base, bodies, offsets = share
+    barrier.wait()  # every client is up ...
+    barrier.wait()  # ... and the start time is set
+    results.put(
+        asyncio.run(_send_all(base, headers, bodies, offsets, start_time.value, max_concurrency))
+    )
+
+
+def _send_from_processes(
+    base: str,
+    headers: dict[str, str],
+    bodies: list[dict],
+    offsets: list[float],
+    max_concurrency: int | None,
+    num_processes: int,
+) -> tuple[float, list[RequestResult]]:
+    """(start time, results): request ``i`` goes from process ``i % num_processes``."""
+    if num_processes == 1:
+        start = time.monotonic()
+        return start, asyncio.run(_send_all(base, headers, bodies, offsets, start, max_concurrency))
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(num_processes + 1)
+    start_time = context.Value("d", 0.0)
+    results = context.Queue()
+    share_limit = -(-max_concurrency // num_processes) if max_concurrency else None
+    shares = [
+        (base, bodies[i::num_processes], offsets[i::num_processes]) for i in range(num_processes)
+    ]
+    workers = [
+        context.Process(
+            target=_client_process,
+            args=(share, headers, share_limit, barrier, start_time, results),
+            daemon=True,
+        )
+        for share in shares
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        barrier.wait(timeout=120)
+        start_time.value = time.monotonic()
+        barrier.wait(timeout=10)
+        gathered = [result for _ in workers for result in results.get()]
+    finally:
+        for worker in workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.kill()
+    return start_time.value, gathered
+
+
+def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
     rng = random.Random(args.seed)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     base = args.base_url.rstrip("/")
-    async with httpx.AsyncClient(headers=headers, timeout=None) as client:
-        model = args.model
-        if model is None:
-            model = (await client.get(f"{base}/v1/models")).json()["data"][0]["id"]
-        bodies = [
-            {
-                "model": model,
-                "prompt": " ".join(rng.choice(_WORDS) for _ in range(args.input_len)),
-                "max_tokens": args.output_len,
-                "ignore_eos": True,
-                "temperature": 0.0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            for _ in range(args.num_prompts)
-        ]
-        tasks = []
-        start = time.perf_counter()
-        for body in bodies:
-            tasks.append(
-                asyncio.ensure_future(_one_request(client, f"{base}/v1/completions", body))
-            )
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+    model = args.model
+    if model is None:
+        model = httpx.get(f"{base}/v1/models", headers=headers).json()["data"][0]["id"]
+    bodies = [
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": args.output_len,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        for prompt in prompt_texts(rng, args.num_prompts, args.input_len)
+    ]
+    offsets = list(itertools.accumulate(
+        (0.0 if args.request_rate == float("inf") else rng.expovariate(args.request_rate)
+         for _ in bodies[1:]),
+        initial=0.0,
+    ))  # fmt: skip
+    num_processes = client_processes(getattr(args, "client_processes", None), len(bodies))
+    start, results = _send_from_processes(
+        base, headers, bodies, offsets, args.max_concurrency, num_processes
+    )
+    duration = max((r.end for r in results), default=start) - start
     ok = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in ok)
     return {
         "request_rate": args.request_rate,
         "num_prompts": args.num_prompts,
+        "client_processes": num_processes,
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
@@ -194,7 +316,7 @@ def _print(summary: dict[str, Any]) -> None:
 
 
 def run_bench_serve(args: argparse.Namespace) -> dict[str, Any]:
-    summary = asyncio.run(bench_serve(args))
+    summary = bench_serve(args)
     _print(summary)
     if args.result_json:
         with open(args.result_json, "w") as file:
