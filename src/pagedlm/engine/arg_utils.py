@@ -7,6 +7,7 @@ platform and validates everything, raising ``ValueError`` that names the argumen
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -15,6 +16,7 @@ from pagedlm.config import (
     ArchConfig,
     CacheConfig,
     EngineConfig,
+    KVEventsConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -97,6 +99,10 @@ class EngineArgs:
     checkpoint's model code is never run."""
     structured_outputs_backend: str = "xgrammar"
     """Grammar backend for structured outputs: "xgrammar" or "outlines"."""
+    kv_events_config: str | None = None
+    """Publish prefix-cache block events as vLLM does, as a JSON object (a dict from
+    Python), e.g. '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557",
+    "replay_endpoint": "tcp://*:5558"}'; off by default."""
     tensor_parallel_size: int = 1
     """Ranks each layer's heads, MLP and vocabulary are split over (one all-reduce per
     attention and per MLP block)."""
@@ -114,6 +120,14 @@ class EngineArgs:
     (Ray actors, for several nodes) or a plugin's executor; None: "uni" for one worker,
     "mp" for several on one node, "ray" when the node has too few devices or this process
     is in a Ray placement group."""
+
+    def __post_init__(self) -> None:
+        # A dict (or KVEventsConfig) from Python travels as the CLI's JSON text, so the
+        # arguments stay JSON-serializable for the engine-core process.
+        if self.kv_events_config is not None and not isinstance(self.kv_events_config, str):
+            self.kv_events_config = json.dumps(
+                dataclasses.asdict(KVEventsConfig.parse(self.kv_events_config))
+            )
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -243,6 +257,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             parallel=self._parallel_config(arch, platform),
             structured_outputs_backend=self.structured_outputs_backend,
+            kv_events=KVEventsConfig.parse(self.kv_events_config),
         )
         config = configure(config, platform)
         platform.bind_config(config)
