@@ -96,6 +96,19 @@ class EngineArgs:
     checkpoint's model code is never run."""
     structured_outputs_backend: str = "xgrammar"
     """Grammar backend for structured outputs: "xgrammar" or "outlines"."""
+    structured_outputs_max_spec_chars: int = 65536
+    """Longest JSON schema, regex, grammar or choice list (as canonical JSON text) a
+    request may constrain with; longer ones get 400 before compiling (0: no limit)."""
+    structured_outputs_compile_timeout_s: float = 10.0
+    """A request whose grammar has compiled this long fails with 400 (0: no limit); the
+    compile itself runs on, off the engine loop, and other grammars do not wait for it."""
+    engine_iteration_timeout_s: float = 60.0
+    """/health says the engine core is hung when one step runs longer than this per
+    started 1024 tokens it computes (at least 10x the slowest per-token time seen so far);
+    vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S."""
+    engine_heartbeat_timeout_s: float = 5.0
+    """/health says the engine core is unresponsive (stopped, frozen or dead) after this
+    many seconds without its heartbeat, which it sends every 0.5 s, during steps too."""
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -125,6 +138,7 @@ class EngineArgs:
         for name in ("num_kv_blocks", "max_num_batched_tokens", "max_model_len"):
             validate_positive(name, getattr(self, name))
         validate_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
+        self._check_operability_limits()
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy={self.scheduling_policy!r} is unknown; use one of "
@@ -217,6 +231,24 @@ class EngineArgs:
         config = configure(config, platform)
         platform.bind_config(config)
         return config, platform
+
+    def _check_operability_limits(self) -> None:
+        for name in ("structured_outputs_max_spec_chars", "structured_outputs_compile_timeout_s"):
+            value = getattr(self, name)
+            if not value >= 0:  # NaN fails too
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{name}={value} must be >= 0 (0: no limit); fix {flag}.")
+        for name, least in (
+            ("engine_iteration_timeout_s", 0.0),
+            ("engine_heartbeat_timeout_s", 1.0),
+        ):
+            value = getattr(self, name)
+            if not least < value < float("inf"):
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"{name}={value} must be a number of seconds above {least:g} (heartbeats "
+                    f"come every 0.5 s); fix {flag}."
+                )
 
     def _check_loading_options(self) -> None:
         from pagedlm.model_executor.loader import LOAD_FORMATS
