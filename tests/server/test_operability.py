@@ -57,6 +57,10 @@ def test_trusted_request_template_renders_like_the_servers(server):
     assert same == own and marked == own + 3  # one token per byte
     failing = _chat(server.url, chat_template="{{ raise_exception('no system role') }}")
     assert failing.status_code == 400 and "no system role" in failing.text
+    greedy = _chat(server.url, chat_template="{{ 'a' * 10**10 }}")
+    assert greedy.status_code == 400 and "more memory than a template may use" in greedy.text
+    huge = _chat(server.url, chat_template="{# #}" * 20000)
+    assert huge.status_code == 400 and "at most 65536 are accepted" in huge.text
 
 
 def test_slow_request_template_is_stopped_without_blocking_health(server):

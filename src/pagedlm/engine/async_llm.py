@@ -23,6 +23,8 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
+import threading
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -68,6 +70,13 @@ FRESH_HEARTBEAT_WAIT_S = 0.5
 not read yet (it may have been busy), before calling the core unresponsive."""
 
 
+def _lower_thread_priority() -> None:
+    """Run this thread at nice 10 (Linux: a thread id works as a process id here), so a
+    long tokenization yields the CPU to the event loop and the engine core."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
 class AsyncLLM:
     """An asyncio engine whose core runs in a child process.
 
@@ -95,7 +104,9 @@ class AsyncLLM:
             config.scheduler.scheduling_policy,
             args.structured_outputs_max_spec_chars,
         )
-        self._input_pool = ThreadPoolExecutor(2, thread_name_prefix="pagedlm-input")
+        self._input_pool = ThreadPoolExecutor(
+            2, thread_name_prefix="pagedlm-input", initializer=_lower_thread_priority
+        )
         self._liveness = CoreLiveness(
             args.engine_heartbeat_timeout_s, busy_num_waiting=config.scheduler.max_num_seqs
         )

@@ -48,7 +48,8 @@ from pagedlm.engine.messages import (
     make_frontend_decoder,
     request_from_wire,
 )
-from pagedlm.structured_output.manager import GrammarLimits, grammar_failure
+from pagedlm.structured_output.manager import grammar_failure
+from pagedlm.structured_output.params import GrammarLimits
 
 logger = logging.getLogger(__name__)
 
