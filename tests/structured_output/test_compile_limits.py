@@ -209,3 +209,26 @@ def test_spec_size_limit_names_the_flag():
         validate_structured_outputs(params, "xgrammar", max_spec_chars=100)
     assert validate_structured_outputs(params, "xgrammar", max_spec_chars=0).kind == "json"
     assert validate_structured_outputs(params, "xgrammar").kind == "json"
+
+
+def test_offline_engine_takes_the_limits_from_its_arguments(tiny_checkpoint):
+    from pagedlm.engine.arg_utils import EngineArgs
+    from pagedlm.engine.llm_engine import LLMEngine
+
+    args = EngineArgs(
+        model=str(tiny_checkpoint("llama")),
+        skip_tokenizer_init=True,
+        num_kv_blocks=8,
+        structured_outputs_max_spec_chars=100,
+        structured_outputs_compile_timeout_s=3.0,
+    )
+    engine = LLMEngine.from_engine_args(args)
+    try:
+        assert engine.input_processor.structured_outputs_max_spec_chars == 100
+        assert engine.engine_core.structured_output.limits == GrammarLimits(100, 3.0)
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="structured_outputs_compile_timeout_s=-1"):
+        EngineArgs(
+            model="/nonexistent", structured_outputs_compile_timeout_s=-1
+        ).create_engine_config()

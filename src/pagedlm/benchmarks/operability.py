@@ -8,6 +8,7 @@ generator's own event loop does not inflate its latencies.
 - ``load``: 200 streaming clients, 30% of them hanging up mid-stream, twice; /health
   status and latency, completions, and the gauges afterwards.
 - ``long-prompt``: a 2.5M-character prompt while another request streams.
+- ``prefill``: one 7.5k-token prompt, computed in one long step.
 - ``sigstop``: SIGSTOP the engine core for 20 s; when /health turns 503, and 200 again.
 - ``schema``: a 5,000-property JSON schema, and a small schema right after it.
 - ``kill``: SIGKILL the engine core under 20 streams; how they end, what new requests
@@ -32,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from pagedlm.structured_output.benchmark import large_schema
+
+MODULE = "pagedlm.benchmarks.operability"
 
 
 def _free_port() -> int:
@@ -85,13 +88,13 @@ class Server:
 
 
 class HealthPoller:
-    """``/health`` every ``interval_s`` from another process; ``stop()`` returns
+    """``path`` (/health) every ``interval_s`` from another process; ``stop()`` returns
     ``[(time.monotonic() when sent, status or 0, latency in seconds), ...]`` (Linux's
     monotonic clock is one clock for all processes)."""
 
-    def __init__(self, url: str, interval_s: float = 0.1) -> None:
+    def __init__(self, url: str, interval_s: float = 0.1, path: str = "/health") -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "pagedlm.benchmarks.operability", "_poll", url, str(interval_s)],
+            [sys.executable, "-m", MODULE, "_poll", url + path, str(interval_s)],
             stdout=subprocess.PIPE,
             stdin=subprocess.PIPE,
             text=True,
@@ -114,7 +117,7 @@ def _poll(url: str, interval_s: float) -> None:
         while not stop.is_set():
             sent = time.monotonic()
             try:
-                status = client.get(f"{url}/health").status_code
+                status = client.get(url).status_code
             except httpx.HTTPError:
                 status = 0
             rows.append((sent, status, time.monotonic() - sent))
@@ -281,6 +284,33 @@ def scenario_long_prompt(model: str | None, chars: int = 2_500_000) -> dict[str,
         server.stop()
 
 
+def scenario_prefill(model: str | None, num_words: int = 7400) -> dict[str, Any]:
+    """One long but healthy prefill step (about 7.5k tokens in one step): /health should
+    stay 200 throughout, /ready may say busy."""
+    import httpx
+
+    server = Server(model, "--served-model-name", "m")
+    try:
+        health, ready = HealthPoller(server.url, 0.2), HealthPoller(server.url, 0.2, "/ready")
+        time.sleep(1.0)
+        body = {"model": "m", "prompt": "word " * num_words, "max_tokens": 2}
+        started = time.monotonic()
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=900)
+        seconds = time.monotonic() - started
+        time.sleep(1.0)
+        ready_rows = ready.stop()
+        return {
+            "prefill_status": response.status_code,
+            "prefill_seconds": round(seconds, 1),
+            "prompt_tokens": response.json().get("usage", {}).get("prompt_tokens"),
+            "health": _health_summary(health.stop()),
+            "ready_non_200": sum(1 for row in ready_rows if row[1] != 200),
+            "ready_polls": len(ready_rows),
+        }
+    finally:
+        server.stop()
+
+
 def scenario_sigstop(model: str | None, stop_s: float = 20.0) -> dict[str, Any]:
     server = Server(model)
     try:
@@ -329,7 +359,7 @@ def scenario_schema(model: str | None, num_properties: int = 5000) -> dict[str, 
         return {
             "model": "m",
             "prompt": "JSON:",
-            "max_tokens": 8,
+            "max_tokens": 1,
             "structured_outputs": {"json": schema},
         }
 
@@ -408,6 +438,7 @@ def scenario_kill(model: str | None, streams: int = 20) -> dict[str, Any]:
 SCENARIOS = {
     "load": scenario_load,
     "long-prompt": scenario_long_prompt,
+    "prefill": scenario_prefill,
     "sigstop": scenario_sigstop,
     "schema": scenario_schema,
     "kill": scenario_kill,

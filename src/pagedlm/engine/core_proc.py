@@ -212,9 +212,7 @@ def main(argv: list[str]) -> int:
         args = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineArgs)
         config, platform = args.create_engine_config()
         core = EngineCore(config, platform)
-        core.structured_output.set_limits(
-            GrammarLimits(compile_timeout_s=args.structured_outputs_compile_timeout_s)
-        )
+        core.structured_output.set_limits(GrammarLimits.of(args))
         scheduler = config.scheduler
         work = InFlightWork(scheduler.max_num_batched_tokens, scheduler.num_scheduler_steps)
         watch = StepWatch(args.engine_iteration_timeout_s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
+from typing import Any
 
 from pagedlm.sampling_params import StructuredOutputsParams
 from pagedlm.structured_output.backend import GrammarSpec, backend_class
@@ -31,6 +32,13 @@ class GrammarLimits:
 
     max_spec_chars: int = DEFAULT_MAX_SPEC_CHARS
     compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
+
+    @classmethod
+    def of(cls, args: Any) -> GrammarLimits:
+        """The limits an ``EngineArgs`` asks for."""
+        return cls(
+            args.structured_outputs_max_spec_chars, args.structured_outputs_compile_timeout_s
+        )
 
 
 def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
