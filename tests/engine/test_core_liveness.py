@@ -27,7 +27,7 @@ def _stats(running: int = 0, waiting: int = 0) -> SchedulerStats:
 
 
 def test_in_flight_work_bounds_the_next_step():
-    work = InFlightWork(max_num_batched_tokens=8192, num_scheduler_steps=4)
+    work = InFlightWork(max_num_batched_tokens=8192)
     assert work.step_tokens() == 0
     work.add("long", 7500)
     work.add("short", 20)
@@ -39,9 +39,12 @@ def test_in_flight_work_bounds_the_next_step():
     work.remove(["huge"])
     assert work.step_tokens() == 20 + 1  # "short" still prefills, "long" decodes
     work.update([EngineCoreOutput("short", [7])])
-    assert work.step_tokens() == 2 * 4  # pure decode: a multi-step window of 4
+    assert work.step_tokens() == 2
     work.update([EngineCoreOutput("short", [8], finish_reason="stop")])
-    assert work.step_tokens() == 4
+    assert work.step_tokens() == 1
+    in_flight = InFlightWork(max_num_batched_tokens=8192, async_scheduling=True)
+    in_flight.add("a", 100)
+    assert in_flight.step_tokens() == 200  # a call also finishes the step before
 
 
 def test_step_allowance_scales_with_work_and_learns_slow_steps():

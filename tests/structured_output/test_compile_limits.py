@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 from pagedlm.config import CacheConfig, SchedulerConfig
-from pagedlm.core.outputs import ModelRunnerOutput
 from pagedlm.core.request import Request
 from pagedlm.core.scheduler import OneBudgetScheduler
 from pagedlm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedlm.step import ModelRunnerOutput
 from pagedlm.structured_output.backend import GrammarSpec, StructuredOutputBackend
 from pagedlm.structured_output.compiler import SMALL_SPEC_CHARS, GrammarCompiler
 from pagedlm.structured_output.manager import (
@@ -158,7 +158,7 @@ def _request(request_id: str, grammar: str | None) -> Request:
 
 def _step(scheduler: OneBudgetScheduler):
     output = scheduler.schedule()
-    ids = [r.req_id for r in output.scheduled_new_reqs + output.scheduled_cached_reqs]
+    ids = output.req_ids
     return scheduler.update_from_output(output, ModelRunnerOutput(ids, [[5] for _ in ids]))
 
 

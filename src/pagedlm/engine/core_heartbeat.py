@@ -41,17 +41,19 @@ FROZEN_GAP_S = 1.0
 
 
 class InFlightWork:
-    """An upper bound on the tokens the next step computes, from what the core was sent.
+    """An upper bound on the tokens one ``EngineCore.step()`` call computes, from what the
+    core was sent.
 
     A request computes its whole prompt before its first output token (at most
-    ``max_num_batched_tokens`` of it per step), then one token per step (``num_steps`` in
-    a multi-step window). Preemption recomputes more than this; the timeout's floor
-    covers that.
+    ``max_num_batched_tokens`` of it per step), then one token per step. Under
+    asynchronous scheduling a call also waits for the step launched by the call before,
+    so the bound covers two steps. Preemption recomputes more than this; the timeout's
+    floor covers that.
     """
 
-    def __init__(self, max_num_batched_tokens: int, num_scheduler_steps: int = 1) -> None:
+    def __init__(self, max_num_batched_tokens: int, async_scheduling: bool = False) -> None:
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.num_scheduler_steps = num_scheduler_steps
+        self.steps_per_call = 2 if async_scheduling else 1
         self._prefill: dict[str, int] = {}
         self._decoding: set[str] = set()
 
@@ -71,10 +73,10 @@ class InFlightWork:
                 self._decoding.add(output.req_id)
 
     def step_tokens(self) -> int:
-        pending_prefill = sum(self._prefill.values())
-        if pending_prefill:
-            return min(self.max_num_batched_tokens, pending_prefill + len(self._decoding))
-        return len(self._decoding) * self.num_scheduler_steps
+        one_step = min(
+            self.max_num_batched_tokens, sum(self._prefill.values()) + len(self._decoding)
+        )
+        return one_step * self.steps_per_call
 
 
 class StepWatch:

@@ -214,7 +214,7 @@ def main(argv: list[str]) -> int:
         core = EngineCore(config, platform)
         core.structured_output.set_limits(GrammarLimits.of(args))
         scheduler = config.scheduler
-        work = InFlightWork(scheduler.max_num_batched_tokens, scheduler.num_scheduler_steps)
+        work = InFlightWork(scheduler.max_num_batched_tokens, scheduler.async_scheduling)
         watch = StepWatch(args.engine_iteration_timeout_s)
         output_socket.send(encoder.encode(Ready(core.num_kv_blocks, core.make_stats())))
         heartbeat = HeartbeatThread(context, output_address, watch)
