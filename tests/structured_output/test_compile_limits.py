@@ -186,6 +186,26 @@ def test_a_compile_past_the_timeout_fails_its_request_and_frees_the_lane():
     gate.set()
 
 
+def test_a_request_queued_behind_written_off_compiles_fails_after_the_timeout():
+    backend = _GatedBackend()
+    stuck = [backend.gate(name) for name in ("s1", "s2")]
+    scheduler = _scheduler(backend, GrammarLimits(compile_timeout_s=0.2), small_workers=2)
+    scheduler.grammars.manager.compiler._max_threads = 2
+    for name in ("s1", "s2"):
+        scheduler.add_request(_request(name, name))
+    _wait_until(lambda: sorted(backend.started) == ["s1", "s2"])
+    time.sleep(0.3)
+    _step(scheduler)  # both fail their timeout and are written off; the cap stays reached
+    scheduler.add_request(_request("late", "7"))
+    _step(scheduler)
+    assert "7" not in backend.started
+    time.sleep(0.3)
+    (failed,) = _step(scheduler)
+    assert failed.req_id == "late" and "the compiler is busy" in failed.stop_reason
+    for gate in stuck:
+        gate.set()
+
+
 def test_aborting_a_request_cancels_its_queued_compile():
     backend = _GatedBackend()
     backend.gate("a")

@@ -367,8 +367,10 @@ def scenario_schema(model: str | None, num_properties: int = 5000) -> dict[str, 
         return {"type": "object", "properties": {name: {"type": "integer"}}, "required": [name]}
 
     try:
+        free = {"model": "m", "prompt": "JSON:", "max_tokens": 1}
         result: dict[str, Any] = {
-            "first_constrained_request": _post(server.url, body(small("warm")))
+            "unconstrained_one_token": _post(server.url, free)[:2],
+            "first_constrained_request": _post(server.url, body(small("warm"))),
         }
         big: dict[str, Any] = {}
         thread = threading.Thread(

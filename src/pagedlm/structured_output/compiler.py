@@ -132,6 +132,11 @@ class GrammarCompiler:
             since = None if job is None else job.compiling_since
             return None if since is None else time.monotonic() - since
 
+    def at_thread_cap(self) -> bool:
+        """Every compile thread allowed is running: queued jobs wait for one to end."""
+        with self._lock:
+            return self._num_threads >= self._max_threads
+
     def write_off(self, spec: GrammarSpec) -> None:
         """Stop counting the running compile of ``spec`` against its lane."""
         with self._lock:

@@ -24,9 +24,10 @@ request recomputes the same tokens, so its grammar state is still right.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -66,6 +67,7 @@ def grammar_failure(finish_reason: str | None, stop_reason: int | str | None) ->
 class _RequestGrammar:
     spec: GrammarSpec
     future: Future[Any]
+    added: float = field(default_factory=time.monotonic)
     matcher: GrammarMatcher | None = None
     error: str | None = None
 
@@ -121,15 +123,29 @@ class StructuredOutputManager:
 
     def _check_timeout(self, request_id: str, state: _RequestGrammar) -> bool:
         timeout_s = self.limits.compile_timeout_s
-        running_s = self.compiler.running_s(state.spec)
-        if timeout_s <= 0 or running_s is None or running_s <= timeout_s:
+        if timeout_s <= 0:
             return False
-        self.compiler.write_off(state.spec)
-        state.error = (
-            f"{GRAMMAR_FAILED}it took longer than {timeout_s:g} s "
-            "(--structured-outputs-compile-timeout-s); simplify the schema or grammar "
-            "(fewer properties, alternatives or nesting levels) or raise the limit."
-        )
+        running_s = self.compiler.running_s(state.spec)
+        if running_s is not None and running_s > timeout_s:
+            self.compiler.write_off(state.spec)
+            state.error = (
+                f"{GRAMMAR_FAILED}it took longer than {timeout_s:g} s "
+                "(--structured-outputs-compile-timeout-s); simplify the schema or grammar "
+                "(fewer properties, alternatives or nesting levels) or raise the limit."
+            )
+        elif (
+            running_s is None
+            and self.compiler.at_thread_cap()
+            and time.monotonic() - state.added > timeout_s
+        ):
+            # Every compile thread is busy with grammars that ran past the timeout: this
+            # one could wait for hours.
+            state.error = (
+                f"{GRAMMAR_FAILED}the compiler is busy with grammars that ran past the "
+                f"{timeout_s:g} s timeout; send the request again later."
+            )
+        else:
+            return False
         logger.warning("request %s: %s", request_id, state.error)
         return True
 
