@@ -58,8 +58,8 @@ A request that could never fit (``prompt + max_tokens`` tokens need more than
 ``num_blocks`` blocks) is rejected in ``add_request`` instead of waiting forever.
 
 Progress bookkeeping: ``schedule()`` advances ``num_computed_tokens`` of every scheduled
-request by its scheduled count right after building the ``SchedulerOutput`` (whose
-entries carry the values *before* the step). ``update_from_output`` then only appends
+request by its scheduled count as soon as the request's step data is recorded (which
+carries the value *before* the step). ``update_from_output`` then only appends
 sampled tokens and applies stops. A request whose prompt is still partially prefilled
 has ``num_computed_tokens < num_tokens`` and samples nothing.
 """
@@ -184,29 +184,47 @@ class OneBudgetScheduler(Scheduler):
         cached_reqs = CachedRequestData()
         new_reqs: list[NewRequestData] = []
         preempted: list[Request] = []
+        constrained: list[str] = []
         if not self.running:
             self.grammars.wait_while_idle(self.waiting)
 
+        # The running pass is the per-request hot loop of every step: locals, no helpers
+        # on the common path (a decode whose blocks already hold its next slot).
+        running, allocate_slots = self.running, self.kv_manager.allocate_slots
+        cached_ids, cached_blocks, cached_computed = (
+            cached_reqs.req_ids,
+            cached_reqs.new_block_ids,
+            cached_reqs.num_computed_tokens,
+        )
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        while index < len(running) and budget > 0:
+            request = running[index]
             index += 1
-            if self._finishes_in_flight(request):
+            placeholders = request.num_output_placeholders
+            if placeholders and self._finishes_in_flight(request):
                 continue
-            num_new_tokens = min(
-                request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
-                budget,
-            )
+            num_tokens = len(request.all_token_ids) + placeholders
+            computed = request.num_computed_tokens
+            num_new_tokens = min(num_tokens - computed, budget)
             if num_new_tokens <= 0:
                 continue
-            new_block_ids = self._allocate_or_preempt(request, num_new_tokens, preempted)
+            new_block_ids = allocate_slots(request, num_new_tokens)
             if new_block_ids is None:
-                break  # the request preempted itself; everything after it is gone too
-            cached_reqs.req_ids.append(request.request_id)
-            cached_reqs.new_block_ids.append(new_block_ids)
-            cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
-            num_scheduled[request.request_id] = num_new_tokens
+                new_block_ids = self._allocate_or_preempt(request, num_new_tokens, preempted)
+                if new_block_ids is None:
+                    break  # the request preempted itself; everything after it is gone too
+            request_id = request.request_id
+            cached_ids.append(request_id)
+            cached_blocks.append(new_block_ids)
+            cached_computed.append(computed)
+            num_scheduled[request_id] = num_new_tokens
             budget -= num_new_tokens
+            request.num_computed_tokens = computed + num_new_tokens
+            if computed + num_new_tokens >= num_tokens:
+                # This step samples its next token: a placeholder until update_from_output.
+                request.num_output_placeholders = placeholders + 1
+                if request.sampling_params.structured_outputs is not None:
+                    constrained.append(request_id)
 
         compiling: list[Request] = []
         while (
@@ -235,16 +253,9 @@ class OneBudgetScheduler(Scheduler):
             )
             num_scheduled[request.request_id] = num_new_tokens
             budget -= num_new_tokens
+            self._advance(request, num_new_tokens, constrained)
         self.waiting.extendleft(reversed(compiling))
 
-        constrained: list[str] = []
-        for request_id, num_tokens in num_scheduled.items():
-            request = self.requests[request_id]
-            request.num_computed_tokens += num_tokens
-            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
-                request.num_output_placeholders += 1  # this step samples its next token
-                if request.sampling_params.structured_outputs is not None:
-                    constrained.append(request_id)
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -258,6 +269,20 @@ class OneBudgetScheduler(Scheduler):
         if num_scheduled:
             self.num_model_steps += 1
         return output
+
+    @staticmethod
+    def _advance(request: Request, num_new_tokens: int, constrained: list[str]) -> None:
+        """Count an admitted request's tokens as computed (its step data already carries
+        where they start); if the step samples its next token, that token is a
+        placeholder until ``update_from_output``. (The running pass inlines this.)"""
+        request.num_computed_tokens += num_new_tokens
+        if (
+            request.num_computed_tokens
+            >= len(request.all_token_ids) + request.num_output_placeholders
+        ):
+            request.num_output_placeholders += 1
+            if request.sampling_params.structured_outputs is not None:
+                constrained.append(request.request_id)
 
     def _finishes_in_flight(self, request: Request) -> bool:
         """Whether the token a launched step samples for ``request`` is its last by length,
@@ -332,46 +357,59 @@ class OneBudgetScheduler(Scheduler):
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         max_model_len = self.config.max_model_len
+        scheduled = scheduler_output.num_scheduled_tokens
+        all_logprobs = runner_output.logprobs
+        all_prompt_logprobs = runner_output.prompt_logprobs
         for req_id, sampled in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, strict=True
         ):
             request = self.requests.get(req_id)
-            if request is None or req_id not in scheduler_output.num_scheduled_tokens:
+            if request is None or req_id not in scheduled:
                 continue  # finished or aborted after this step was scheduled
+            new_token_ids: list[int] = []
             if sampled:
                 request.num_output_placeholders -= 1
-            constrained = request.sampling_params.structured_outputs is not None
-            if sampled and constrained:
-                sampled = self.grammars.check_failed(request, sampled)
-            new_token_ids = append_token_ids(request, sampled, max_model_len) if sampled else []
-            if new_token_ids and constrained and not request.is_finished:
-                self.grammars.advance(request, new_token_ids)
-            prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
-            if prompt_logprobs is not None:
+                if request.sampling_params.structured_outputs is None:
+                    new_token_ids = append_token_ids(request, sampled, max_model_len)
+                else:
+                    new_token_ids = self._append_constrained(request, sampled, max_model_len)
+            prompt_logprobs = None
+            if all_prompt_logprobs and req_id in all_prompt_logprobs:
                 prompt_logprobs = _unreported_prompt_logprobs(
-                    request, scheduler_output, prompt_logprobs
+                    request, scheduler_output, all_prompt_logprobs[req_id]
                 )
-            if not new_token_ids and not request.is_finished and prompt_logprobs is None:
+            finished = request.status >= RequestStatus.FINISHED_STOPPED
+            if not new_token_ids and not finished and prompt_logprobs is None:
                 continue
-            logprobs = runner_output.logprobs.get(req_id)
+            logprobs = all_logprobs.get(req_id) if all_logprobs else None
             if logprobs is not None and len(new_token_ids) < len(logprobs.token_ids):
                 logprobs = _truncate(logprobs, len(new_token_ids))
-            if request.is_finished:
+            if finished:
                 self._remove_from_queues(request)
                 self._finish(request)
             outputs.append(
                 EngineCoreOutput(
-                    req_id=req_id,
-                    new_token_ids=new_token_ids,
-                    finish_reason=request.status.finish_reason,
-                    stop_reason=request.stop_reason,
-                    new_logprobs=logprobs,
-                    new_prompt_logprobs=prompt_logprobs,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                    queued_seconds=request.queued_seconds,
+                    req_id,
+                    new_token_ids,
+                    request.status.finish_reason,
+                    request.stop_reason,
+                    logprobs,
+                    prompt_logprobs,
+                    max(request.num_cached_tokens, 0),
+                    request.queued_seconds,
                 )
             )
         return outputs
+
+    def _append_constrained(
+        self, request: Request, sampled: list[int], max_model_len: int
+    ) -> list[int]:
+        """Append a structured-output request's tokens and advance its grammar."""
+        sampled = self.grammars.check_failed(request, sampled)
+        new_token_ids = append_token_ids(request, sampled, max_model_len) if sampled else []
+        if new_token_ids and not request.is_finished:
+            self.grammars.advance(request, new_token_ids)
+        return new_token_ids
 
     def _remove_from_queues(self, request: Request) -> None:
         """Take ``request`` out of ``running``, or of ``waiting`` where a schedule made while

@@ -8,10 +8,12 @@ indices. The device gathers the input ids from ``InputBatch.token_ids`` (so the 
 step in flight samples arrive without the host) and the slot mapping and per-row block
 tables from ``InputBatch.block_table``.
 
-Every tensor the model reads lives at a fixed address (a prefix of a persistent buffer),
-so a CUDA graph captured over these buffers replays any later step of its shape. A step
-run from a graph of ``padded_num_reqs`` rows gets padding rows: one token each at position
-0, no K/V written (slot -1), ``seq_len`` 0, the batch's padding block-table row.
+Every tensor the model reads, and every index the gathers read, lives at a fixed address (a
+prefix of a persistent buffer), so a CUDA graph captured over these buffers replays any
+later step of its shape, the gathers included: a step run from a graph leaves them to the
+graph (``StepInputBuilder.gather``), so the host queues two copies and a replay. A step run
+from a graph of ``padded_num_reqs`` rows gets padding rows: as many tokens each as a real
+row, at position 0, no K/V written (slot -1), ``seq_len`` 0, the padding block-table row.
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ class StepInputs:
     """[num_reqs] each request's length after the step (no padding)."""
     padded_num_reqs: int | None
     """The captured graph size this step runs at, or None (eager)."""
+    gather_indices: torch.Tensor
+    """The device index buffer ``gather`` reads (see ``_Sections``)."""
+    sections: _Sections
 
 
 class StepInputBuilder:
@@ -78,7 +83,11 @@ class StepInputBuilder:
         self._layout = HostToDevice(
             self._positions_at + max_num_tokens, torch.int32, device, fixed=True
         )
-        self._indices = HostToDevice(6 * max_num_tokens, torch.int32, device)
+        # token, block and offset indices for every token, then per row and per logits row:
+        # at most 5 per token and 3 per request (prompt-logprob rows are tokens).
+        self._indices = HostToDevice(
+            5 * max_num_tokens + 3 * max_reqs, torch.int32, device, fixed=True
+        )
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
         self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(
@@ -149,7 +158,6 @@ class StepInputBuilder:
             prompt_target_index,
         )
         batch.flush()
-        self._gather(sections, indices)
         batch.num_tokens[slots[sampled]] += 1
 
         max_query_len = int(num_new.max(initial=0))
@@ -166,7 +174,7 @@ class StepInputBuilder:
             query_start_loc_cpu=qsl.copy(),
             seq_lens_cpu=lens.copy(),
         )
-        return StepInputs(
+        step = StepInputs(
             req_ids=req_ids,
             states=states,
             input_ids=self.input_ids[:total],
@@ -179,7 +187,12 @@ class StepInputBuilder:
             prompt_target_index=sections.view(indices, "targets") if prompt_rows else None,
             seq_lens=seq_lens,
             padded_num_reqs=padded_num_reqs,
+            gather_indices=indices,
+            sections=sections,
         )
+        if padded_num_reqs is None:
+            self.gather(step)
+        return step
 
     def _stage_layout(
         self,
@@ -242,9 +255,12 @@ class StepInputBuilder:
         host[sections.length :] = prompt_target_index
         return self._indices.copy(sections.length + len(prompt_target_index))
 
-    def _gather(self, sections: _Sections, indices: torch.Tensor) -> None:
-        """Input ids, slot mapping and per-row block tables from the batch's tables."""
+    def gather(self, step: StepInputs) -> None:
+        """Queue the gathers of ``step``'s input ids, slot mapping and per-row block tables
+        from the batch's tables. ``build`` runs them for an eager step; a captured graph
+        runs them itself (they read and write only persistent buffers)."""
         batch = self.batch
+        sections, indices = step.sections, step.gather_indices
         total, rows = sections.total, sections.rows
         torch.index_select(
             batch.token_ids.view(-1), 0, sections.view(indices, "token"), out=self.input_ids[:total]
