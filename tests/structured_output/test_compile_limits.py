@@ -110,6 +110,24 @@ def test_a_queued_compile_nobody_wants_is_cancelled():
     compiler.shutdown()
 
 
+def test_a_running_compile_nobody_wants_leaves_its_lane():
+    backend = _GatedBackend()
+    compiler = GrammarCompiler(lambda: backend, large_workers=1)
+    abandoned, waiting = LARGE, LARGE + "2"
+    backend.gate(abandoned)
+    first = compiler.acquire(_spec(abandoned))
+    second = compiler.acquire(_spec(waiting))
+    _wait_until(lambda: backend.started == [abandoned])
+    compiler.release(_spec(abandoned), first)  # its request was aborted mid-compile
+    assert second.result(5) == waiting, "the lane moved on without waiting for it"
+    again = compiler.acquire(_spec(abandoned))  # a retry joins the running compile
+    assert again is first and not again.done()
+    backend.gates[abandoned].set()
+    assert again.result(5) == abandoned
+    assert backend.started.count(abandoned) == 1
+    compiler.shutdown()
+
+
 def test_write_off_lets_the_lane_move_on_within_the_thread_cap():
     backend = _GatedBackend()
     compiler = GrammarCompiler(lambda: backend, large_workers=1, max_threads=2)

@@ -10,7 +10,8 @@ the future is done and keeps running everything else. Invariants:
   schema therefore never queues behind a large one.
 - ``release`` by the last request that wanted a job still in the queue cancels it: it
   never starts. A running compile cannot be interrupted (xgrammar has no way to), so it
-  runs to its end and its result is cached.
+  runs to its end and its result is cached; but once nobody wants it, it is written off
+  its lane (below), so an aborted or disconnected request never holds up the next spec.
 - ``write_off`` (the manager's compile timeout) stops a running compile from counting
   against its lane, so the lane starts its next job; the thread runs on. At most
   ``MAX_COMPILE_THREADS`` compile threads exist at once, written-off ones included;
@@ -113,16 +114,22 @@ class GrammarCompiler:
 
     def release(self, spec: GrammarSpec, future: Future[Any]) -> None:
         """The user that acquired ``future`` for ``spec`` no longer needs it; a queued job
-        nobody needs is cancelled."""
+        nobody needs is cancelled, a running one written off."""
         with self._lock:
             job = self._jobs.get(spec)
             if job is None or job.future is not future:
                 return  # compiled (or failed) meanwhile: nothing to give back
             job.users -= 1
-            if job.users <= 0 and not job.started:
+            if job.users > 0:
+                return
+            if not job.started:
                 job.lane.queue.remove(job)
                 del self._jobs[spec]
                 job.future.cancel()
+            else:
+                # Still in _jobs: a new request for the same spec joins it (and its
+                # result is cached), but the lane starts its next job now.
+                self._leave_lane(job)
 
     def running_s(self, spec: GrammarSpec) -> float | None:
         """Seconds the compile of ``spec`` has been running (building the backend does not
@@ -141,9 +148,14 @@ class GrammarCompiler:
         """Stop counting the running compile of ``spec`` against its lane."""
         with self._lock:
             job = self._jobs.get(spec)
-            if job is not None and job in job.lane.running:
-                job.lane.running.discard(job)
-                self._start_jobs()
+            if job is not None:
+                self._leave_lane(job)
+
+    def _leave_lane(self, job: _Job) -> None:
+        """A running ``job`` stops counting against its lane (holding the lock)."""
+        if job in job.lane.running:
+            job.lane.running.discard(job)
+            self._start_jobs()
 
     def _start_jobs(self) -> None:
         """Start queued jobs while lanes and the thread cap allow (holding the lock)."""
