@@ -110,8 +110,14 @@ def test_silence_is_unresponsive_and_a_new_heartbeat_recovers():
     health = liveness.assess(None, _stats())
     assert (health.status, health.live) == ("unresponsive", False)
     assert "no heartbeat for 5.1 s" in health.reason
+    assert not liveness.silence_confirmed()
+    liveness.confirm_silence()
+    assert liveness.silence_confirmed()
     liveness.record(Heartbeat(1, None, 0, 60.0))
     assert liveness.assess(None, _stats()).status == "ok"
+    assert not liveness.silence_confirmed()
+    clock.now += 5.1  # a new silence must be confirmed anew
+    assert liveness.is_silent() and not liveness.silence_confirmed()
 
 
 def test_dead_wins_and_a_full_queue_is_busy():

@@ -67,7 +67,8 @@ INLINE_PROMPT_CHARS = 4096
 longer ones, and requests with a grammar to check, on ``_input_pool``."""
 FRESH_HEARTBEAT_WAIT_S = 0.5
 """``health()`` of a silent core first waits this long for heartbeats the event loop has
-not read yet (it may have been busy), before calling the core unresponsive."""
+not read yet (it may have been busy), before calling the core unresponsive; once per
+silence, so a stopped core's later 503s come at once."""
 
 
 def _lower_thread_priority() -> None:
@@ -255,10 +256,12 @@ class AsyncLLM:
             self._fail(EngineDeadError(f"The engine core died: {self._client.exit_description()}."))
         if self._dead_error is None:
             self._ensure_output_task()
-            waited = 0.0
-            while self._liveness.is_silent() and waited < FRESH_HEARTBEAT_WAIT_S:
-                await asyncio.sleep(0.05)
-                waited += 0.05
+            if self._liveness.is_silent() and not self._liveness.silence_confirmed():
+                waited = 0.0
+                while self._liveness.is_silent() and waited < FRESH_HEARTBEAT_WAIT_S:
+                    await asyncio.sleep(0.05)
+                    waited += 0.05
+                self._liveness.confirm_silence()
         dead = None if self._dead_error is None else str(self._dead_error)
         return self._liveness.assess(dead, self._last_stats)
 

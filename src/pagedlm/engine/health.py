@@ -66,10 +66,22 @@ class CoreLiveness:
         self._heartbeat: Heartbeat | None = None
         self._received = clock()
         """The core counts as heard from at start-up (it just sent Ready)."""
+        self._confirmed_silence: float | None = None
+        """``_received`` when a caller last confirmed the silence (see ``confirm_silence``)."""
 
     def record(self, heartbeat: Heartbeat) -> None:
         self._heartbeat = heartbeat
         self._received = self._clock()
+
+    def silence_confirmed(self) -> bool:
+        """Silent, and already confirmed so since the last heartbeat."""
+        return self.is_silent() and self._confirmed_silence == self._received
+
+    def confirm_silence(self) -> None:
+        """The caller gave unread heartbeats a chance to arrive and none came: later
+        checks need not wait again until a heartbeat arrives."""
+        if self.is_silent():
+            self._confirmed_silence = self._received
 
     def heartbeat_age_s(self) -> float:
         return self._clock() - self._received
