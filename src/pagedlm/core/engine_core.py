@@ -32,6 +32,7 @@ from pagedlm.platforms import Platform
 from pagedlm.plugins.registry import select_executor
 from pagedlm.step import SchedulerOutput, StepResult
 from pagedlm.structured_output.manager import StructuredOutputManager
+from pagedlm.structured_output.params import GrammarLimits
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,10 @@ class EngineCore:
         scheduler_output, result = self._in_flight
         self._in_flight = None
         return self.scheduler.update_from_output(scheduler_output, result.result())
+
+    def set_grammar_limits(self, limits: GrammarLimits) -> None:
+        """The configured bounds on grammar compiles (the defaults until called)."""
+        self.structured_output.set_limits(limits)
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
