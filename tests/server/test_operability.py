@@ -17,6 +17,11 @@ SLOW_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}{% endf
 MESSAGES = [{"role": "user", "content": "hello"}]
 
 
+MAX_SPEC_CHARS = 200_000
+"""Room for a schema (1,800 properties, 166k characters) that compiles for seconds even
+on a fast machine, well past the 0.5 s compile timeout; 2,500 properties (232k) is over."""
+
+
 @pytest.fixture(scope="module")
 def server(chat_checkpoint, tmp_path_factory):
     server = start_server(
@@ -24,6 +29,7 @@ def server(chat_checkpoint, tmp_path_factory):
         tmp_path_factory.mktemp("logs") / "operability.log",
         "--trust-request-chat-template",
         "--structured-outputs-compile-timeout-s", "0.5",
+        "--structured-outputs-max-spec-chars", str(MAX_SPEC_CHARS),
     )  # fmt: skip
     yield server
     server.stop()
@@ -101,14 +107,14 @@ def _structured(url: str, schema: dict) -> httpx.Response:
 
 
 def test_grammar_limits_answer_400_and_small_schemas_do_not_wait(server):
-    too_big = _structured(server.url, large_schema(700))
+    too_big = _structured(server.url, large_schema(2500))
     assert too_big.status_code == 400
     assert "--structured-outputs-max-spec-chars" in too_big.json()["error"]["message"]
 
     slow = {}
 
     def compile_slowly() -> None:
-        slow["response"] = _structured(server.url, large_schema(600))  # ~1.6 s to compile
+        slow["response"] = _structured(server.url, large_schema(1800))  # seconds to compile
 
     thread = threading.Thread(target=compile_slowly)
     thread.start()
