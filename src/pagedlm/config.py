@@ -260,6 +260,57 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's ``KVEventsConfig``: publish the prefix cache's block events
+    (``kv_cache/events.py``) on a ZMQ PUB socket, with a replay socket for missed ones."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None
+    """"zmq" or "null" (record nothing); None: "zmq" when events are enabled."""
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    """A ROUTER socket answering "everything from sequence number N" (None: no replay)."""
+    buffer_steps: int = 10_000
+    """How many recent batches the replay socket can still send."""
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
+
+    @classmethod
+    def parse(cls, value: object) -> KVEventsConfig:
+        """From None, a dict, a JSON object string (the CLI's form) or an instance."""
+        import dataclasses
+        import json
+
+        if value is None or isinstance(value, cls):
+            return value or cls()
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"kv_events_config is not valid JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise ValueError(
+                "kv_events_config must be a JSON object, e.g. "
+                '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'.'
+            )
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"Unknown kv_events_config key(s) {unknown}; known: {sorted(known)}.")
+        config = cls(**value)
+        if config.publisher not in (None, "zmq", "null"):
+            raise ValueError(
+                f'kv_events_config publisher must be "zmq" or "null", got {config.publisher!r}.'
+            )
+        return config
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -271,6 +322,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs_backend: str = "xgrammar"
     """Grammar backend for structured outputs: "xgrammar" or "outlines"."""
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     def with_num_kv_blocks(self, num_kv_blocks: int) -> EngineConfig:
         return replace(self, cache=replace(self.cache, num_kv_blocks=num_kv_blocks))

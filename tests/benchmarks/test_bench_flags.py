@@ -4,6 +4,7 @@ names, generated from EngineArgs), with the benchmark defaults that differ on pu
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -101,4 +102,35 @@ def test_engine_flags_reach_the_engine_and_latency_runs_on_cpu(tmp_path, capsys)
     args.input_len, args.output_len, args.num_iters, args.num_iters_warmup = 8, 4, 1, 0
     result = latency.run(args)
     assert result["tok_per_s"] > 0
-    assert "latency [" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "latency [" in out
+    assert "speed of light" not in out  # the H200's ceilings say nothing about a CPU
+    args.bandwidth, args.flops = 1e11, 1e12
+    latency.run(args)
+    assert "speed of light" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags, dataset, num_prompts",
+    [([], "nanovllm", 256), (["--num-prompts", "7"], "random", 7),
+     (["--dataset", "random"], "random", 256), (["--input-len", "9"], "random", 256)],
+)  # fmt: skip
+def test_a_size_flag_means_the_random_dataset(flags, dataset, num_prompts) -> None:
+    args = build_parser().parse_args(["bench", "throughput", *flags])
+    throughput.resolve_dataset(args)
+    assert (args.dataset, args.num_prompts) == (dataset, num_prompts)
+
+
+def test_sizes_with_the_nanovllm_dataset_are_refused() -> None:
+    args = build_parser().parse_args(["bench", "throughput", "--dataset", "nanovllm",
+                                      "--output-len", "5"])  # fmt: skip
+    with pytest.raises(SystemExit, match="--output-len size the random dataset"):
+        throughput.resolve_dataset(args)
+
+
+def test_builtin_shape_directories_are_removed_at_exit(tmp_path) -> None:
+    code = "from pagedlm.benchmarks.shapes import resolve_model; print(resolve_model('qwen3-0.6b'))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    directory = done.stdout.strip()
+    assert directory and not os.path.exists(directory)

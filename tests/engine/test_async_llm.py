@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -230,3 +231,35 @@ def test_bad_requests_raise_value_error_at_first_anext(engine):
         assert not engine.errored
 
     asyncio.run(main())
+
+
+def test_long_prompt_is_tokenized_off_the_event_loop(engine):
+    """A prompt too long for the model is still tokenized first (to count it); that must
+    not stall the event loop, which streams other requests and answers health checks."""
+    prompt = "Hello world, this is a test of streaming text. " * 20000  # ~1M characters
+    started = time.perf_counter()
+    engine.get_tokenizer().encode(prompt)
+    tokenize_s = time.perf_counter() - started
+
+    async def main():
+        gaps = []
+
+        async def tick():
+            last = time.perf_counter()
+            while True:
+                await asyncio.sleep(0.01)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.ensure_future(tick())
+        await asyncio.sleep(0.05)
+        with pytest.raises(ValueError, match="leaves no room to generate"):
+            await _collect(engine, prompt, SamplingParams(max_tokens=1), "too-long")
+        await asyncio.sleep(0.05)  # the ticker records the pause it is in, if any
+        ticker.cancel()
+        return max(gaps)
+
+    worst_gap = asyncio.run(main())
+    print(f"tokenizing took {tokenize_s:.2f} s; the event loop's longest pause {worst_gap:.3f} s")
+    assert worst_gap < max(0.1, tokenize_s / 3)

@@ -20,6 +20,7 @@ import torch
 from pagedlm.config import ArchConfig, ModelConfig
 from pagedlm.core.outputs import EngineCoreOutput, LogprobsLists
 from pagedlm.core.scheduler_interface import SchedulerStats
+from pagedlm.engine.health import EngineHealth
 from pagedlm.engine.input_processor import InputProcessor
 from pagedlm.engine.output_processor import OutputProcessor
 from pagedlm.metrics import EngineMetrics
@@ -109,6 +110,9 @@ class FakeEngine:
 
     async def check_health(self) -> None:
         return None
+
+    async def health(self) -> EngineHealth:
+        return EngineHealth("ok", None)
 
     async def get_scheduler_stats(self) -> SchedulerStats:
         return IDLE_STATS

@@ -63,6 +63,7 @@ def server(smollm2_path, tmp_path_factory):
         "--tool-call-parser", "hermes",
         "--enable-auto-tool-choice",
         "--reasoning-parser", "qwen3",
+        "--trust-request-chat-template",
     )  # fmt: skip
     print(f"pagedlm serve healthy after {time.monotonic() - started:.1f} s")
     yield server

@@ -120,17 +120,17 @@ class _SlowBackend(StructuredOutputBackend):
 
 def test_compiler_is_async_cached_and_does_not_cache_failures():
     backend = _SlowBackend()
-    compiler = GrammarCompiler(lambda: backend, max_workers=2, cache_size=2)
+    compiler = GrammarCompiler(lambda: backend, small_workers=2, cache_size=2)
     spec = GrammarSpec("regex", "a+")
-    first = compiler.submit(spec)
-    assert not first.done(), "submit returns before the grammar is compiled"
-    assert compiler.submit(GrammarSpec("regex", "a+")) is first
-    failing = compiler.submit(GrammarSpec("regex", "boom"))
+    first = compiler.acquire(spec)
+    assert not first.done(), "acquire returns before the grammar is compiled"
+    assert compiler.acquire(GrammarSpec("regex", "a+")) is first
+    failing = compiler.acquire(GrammarSpec("regex", "boom"))
     backend.release.set()
     assert first.result(5) == ("compiled", "a+")
     with pytest.raises(RuntimeError, match="boom"):
         failing.result(5)
-    assert compiler.submit(GrammarSpec("regex", "boom")) is not failing
+    assert compiler.acquire(GrammarSpec("regex", "boom")) is not failing
     assert compiler.compile_now(spec) == ("compiled", "a+")
     assert backend.compiled.count(spec) == 1
     for text in ("b", "c"):  # evicts "a+" (least recently used) from a cache of 2

@@ -45,14 +45,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--bandwidth",
         type=float,
-        default=DEFAULT_BANDWIDTH,
-        help="memory bandwidth in bytes/s for the speed-of-light line (default: %(default)s)",
+        default=None,
+        help="memory bandwidth in bytes/s for the speed-of-light line (default: the H200's "
+        f"{DEFAULT_BANDWIDTH:.3g} on CUDA; elsewhere no line unless given)",
     )
     group.add_argument(
         "--flops",
         type=float,
-        default=DEFAULT_FLOPS,
-        help="FLOP/s for the speed-of-light line (default: %(default)s)",
+        default=None,
+        help=f"FLOP/s for the speed-of-light line (default: the H200's {DEFAULT_FLOPS:.3g} "
+        "on CUDA; elsewhere no line unless given)",
     )
     group.add_argument(
         "--profile-steps",
@@ -65,6 +67,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also time transformers on the same prompts (needs a GPU)",
     )
+
+
+def speed_of_light_line(args: argparse.Namespace, llm, prompt_lens, output_lens, seconds):
+    """The run's share of the speed of light, or None where the ceilings are unknown: they
+    were measured on the H200 (the CUDA platform's defaults); another device needs
+    ``--bandwidth`` and ``--flops``."""
+    from pagedlm.benchmarks.speed_of_light import speed_of_light
+
+    config = llm.llm_engine.config
+    on_cuda = config.platform == "cuda"
+    if not on_cuda and args.bandwidth is None and args.flops is None:
+        return None
+    sol = speed_of_light(
+        config.model.arch,
+        prompt_lens,
+        output_lens,
+        bandwidth=args.bandwidth or DEFAULT_BANDWIDTH,
+        flops=args.flops or DEFAULT_FLOPS,
+    )
+    return sol.describe(seconds)
 
 
 def build_llm(args: argparse.Namespace):

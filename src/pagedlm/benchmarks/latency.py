@@ -10,8 +10,12 @@ import random
 import statistics
 import time
 
-from pagedlm.benchmarks.common import add_engine_args, build_llm, profile_steps
-from pagedlm.benchmarks.speed_of_light import speed_of_light
+from pagedlm.benchmarks.common import (
+    add_engine_args,
+    build_llm,
+    profile_steps,
+    speed_of_light_line,
+)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -85,15 +89,11 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         f"({tokens / mean:.1f} output tok/s, {mean / args.output_len * 1e3:.2f} ms/token)",
         flush=True,
     )
-    arch = llm.llm_engine.config.model.arch
-    sol = speed_of_light(
-        arch,
-        [args.input_len] * args.batch_size,
-        [args.output_len] * args.batch_size,
-        bandwidth=args.bandwidth,
-        flops=args.flops,
+    line = speed_of_light_line(
+        args, llm, [args.input_len] * args.batch_size, [args.output_len] * args.batch_size, mean
     )
-    print(sol.describe(mean), flush=True)
+    if line is not None:
+        print(line, flush=True)
     result = {"mean_s": mean, "tok_per_s": tokens / mean}
     if args.profile_steps:
         print(profile_steps(llm, prompts, [params] * len(prompts), args.profile_steps), flush=True)

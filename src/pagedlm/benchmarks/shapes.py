@@ -1,13 +1,16 @@
 """Built-in model shapes for benchmarks: HF config dicts written in code (no download).
 
-``resolve_model("qwen3-0.6b")`` writes the config to a temporary directory that
-``load_format="dummy"`` fills with random weights; a directory passes through unchanged.
+``resolve_model("qwen3-0.6b")`` writes the config to a temporary directory (removed when
+the process exits) that ``load_format="dummy"`` fills with random weights; a directory
+passes through unchanged.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -87,6 +90,7 @@ def resolve_model(model: str) -> str:
     """A config directory for a built-in shape name, or ``model`` itself (a directory)."""
     if model in BUILTIN_SHAPES:
         directory = tempfile.mkdtemp(prefix=f"pagedlm-{model}-")
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
         with open(os.path.join(directory, "config.json"), "w") as f:
             json.dump(BUILTIN_SHAPES[model], f, indent=1)
         return directory

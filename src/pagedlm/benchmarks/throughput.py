@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 
-from pagedlm.benchmarks.common import add_engine_args, build_llm, profile_steps
-from pagedlm.benchmarks.speed_of_light import speed_of_light
+from pagedlm.benchmarks.common import (
+    add_engine_args,
+    build_llm,
+    profile_steps,
+    speed_of_light_line,
+)
 
 
 def nanovllm_dataset() -> tuple[list[list[int]], list[int]]:
@@ -44,16 +49,57 @@ def random_dataset(
     return prompts, [length(output_len) for _ in range(num_prompts)]
 
 
+RANDOM_DATASET_DEFAULTS = {
+    "input_len": 512,
+    "output_len": 256,
+    "num_prompts": 256,
+    "range_ratio": 0.0,
+}
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
-    parser.add_argument("--dataset", choices=["random", "nanovllm"], default="nanovllm")
-    parser.add_argument("--input-len", type=int, default=512)
-    parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--num-prompts", type=int, default=256)
-    parser.add_argument("--range-ratio", type=float, default=0.0)
-    parser.add_argument("--temperature", type=float, default=0.6)
-    parser.add_argument("--hf-num-prompts", type=int, default=64)
-    parser.add_argument("--hf-max-new-tokens", type=int, default=256)
+    parser.add_argument(
+        "--dataset",
+        choices=["random", "nanovllm"],
+        default=None,
+        help="nano-vllm's benchmark (fixed sizes), or random prompts of the sizes below "
+        "(default: random if any size flag is given, else nanovllm)",
+    )
+    for flag, default in RANDOM_DATASET_DEFAULTS.items():
+        parser.add_argument(
+            f"--{flag.replace('_', '-')}",
+            type=type(default),
+            default=None,
+            help=f"random dataset (default: {default})",
+        )
+    parser.add_argument("--temperature", type=float, default=0.6, help="(default: %(default)s)")
+    parser.add_argument(
+        "--hf-num-prompts", type=int, default=64, help="with --compare-transformers (default: 64)"
+    )
+    parser.add_argument(
+        "--hf-max-new-tokens",
+        type=int,
+        default=256,
+        help="with --compare-transformers (default: 256)",
+    )
+
+
+def resolve_dataset(args: argparse.Namespace) -> None:
+    """Fill in ``--dataset`` and the random dataset's sizes: a size flag alone means the
+    random dataset; sizes given with ``--dataset nanovllm`` are an error, not ignored."""
+    given = [flag for flag in RANDOM_DATASET_DEFAULTS if getattr(args, flag) is not None]
+    if args.dataset is None:
+        args.dataset = "random" if given else "nanovllm"
+    if args.dataset == "nanovllm" and given:
+        flags = ", ".join("--" + flag.replace("_", "-") for flag in given)
+        raise SystemExit(
+            f"{flags} size the random dataset; nano-vllm's has fixed sizes. Drop them, or "
+            "pass --dataset random."
+        )
+    for flag, default in RANDOM_DATASET_DEFAULTS.items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, default)
 
 
 def transformers_generate_batch(
@@ -92,6 +138,7 @@ def transformers_generate_batch(
 def run(args: argparse.Namespace) -> dict[str, float]:
     from pagedlm import SamplingParams
 
+    resolve_dataset(args)
     if args.dataset == "nanovllm":
         prompts, output_lens = nanovllm_dataset()
     else:
@@ -107,13 +154,12 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     warm_up = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=8)
     llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], warm_up, use_tqdm=False)
     start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    # A progress bar where someone watches; none in logs, where it would only cost time.
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=sys.stderr.isatty()
+    )
     elapsed = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    arch = llm.llm_engine.config.model.arch
-    sol = speed_of_light(
-        arch, [len(p) for p in prompts], output_lens, bandwidth=args.bandwidth, flops=args.flops
-    )
     result = {"output_tokens": produced, "seconds": elapsed, "tok_per_s": produced / elapsed}
     print(
         f"throughput [{args.dataset}, {args.model}]: {len(prompts)} requests, {produced} output "
@@ -121,7 +167,9 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         f"({sum(len(p) for p in prompts) + produced} total tokens)",
         flush=True,
     )
-    print(sol.describe(elapsed), flush=True)
+    line = speed_of_light_line(args, llm, [len(p) for p in prompts], output_lens, elapsed)
+    if line is not None:
+        print(line, flush=True)
     if args.profile_steps:
         print(profile_steps(llm, prompts, params, args.profile_steps), flush=True)
     if args.compare_transformers:

@@ -32,6 +32,7 @@ from pagedlm.platforms import Platform
 from pagedlm.plugins.registry import select_executor
 from pagedlm.step import SchedulerOutput, StepResult
 from pagedlm.structured_output.manager import StructuredOutputManager
+from pagedlm.structured_output.params import GrammarLimits
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +61,21 @@ class EngineCore:
         self.num_kv_blocks = num_blocks
         # Builds nothing heavy until the first constrained request (then on a thread).
         self.structured_output = StructuredOutputManager(config)
+        kv_events = config.kv_events
         self.scheduler: Scheduler = OneBudgetScheduler(
-            config.scheduler, config.cache, num_blocks, self.structured_output
+            config.scheduler,
+            config.cache,
+            num_blocks,
+            self.structured_output,
+            record_kv_cache_events=kv_events.publishes,
         )
+        self._kv_event_publisher = None
+        if kv_events.publishes:
+            from pagedlm.kv_cache.event_publisher import ZmqEventPublisher
+
+            self._kv_event_publisher = ZmqEventPublisher(
+                kv_events, config.parallel.data_parallel_rank
+            )
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight: _InFlight | None = None
         """The step launched by the last ``step()`` and not collected yet (async only)."""
@@ -82,6 +95,14 @@ class EngineCore:
         return self.has_step_in_flight or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        outputs = self._step()
+        if self._kv_event_publisher is not None:
+            events = self.scheduler.take_kv_cache_events()
+            if events:
+                self._kv_event_publisher.publish(events)
+        return outputs
+
+    def _step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         # An empty step still tells the workers which requests ended.
         self.executor.execute_model(scheduler_output)
@@ -103,9 +124,15 @@ class EngineCore:
         self._in_flight = None
         return self.scheduler.update_from_output(scheduler_output, result.result())
 
+    def set_grammar_limits(self, limits: GrammarLimits) -> None:
+        """The configured bounds on grammar compiles (the defaults until called)."""
+        self.structured_output.set_limits(limits)
+
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
     def shutdown(self) -> None:
+        if self._kv_event_publisher is not None:
+            self._kv_event_publisher.shutdown()
         self.structured_output.shutdown()
         self.executor.shutdown()

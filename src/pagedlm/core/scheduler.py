@@ -78,6 +78,7 @@ from pagedlm.core.queue_order import QueueOrder
 from pagedlm.core.request import Request, RequestStatus
 from pagedlm.core.scheduler_interface import Scheduler, SchedulerStats
 from pagedlm.core.stop_checker import append_token_ids
+from pagedlm.kv_cache.events import EventLog, KVCacheEvent
 from pagedlm.kv_cache.manager import KVCacheManager
 from pagedlm.step import (
     CachedRequestData,
@@ -101,6 +102,7 @@ class OneBudgetScheduler(Scheduler):
         cache_config: CacheConfig,
         num_blocks: int,
         structured_output: StructuredOutputManager | None = None,
+        record_kv_cache_events: bool = False,
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
@@ -108,6 +110,8 @@ class OneBudgetScheduler(Scheduler):
         self.kv_manager = KVCacheManager(
             cache_config.block_size, num_blocks, cache_config.enable_prefix_caching
         )
+        if record_kv_cache_events:
+            self.kv_manager.pool.event_log = EventLog()
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -165,6 +169,10 @@ class OneBudgetScheduler(Scheduler):
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def take_kv_cache_events(self) -> list[KVCacheEvent]:
+        log = self.kv_manager.pool.event_log
+        return [] if log is None else log.take()
 
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.core.request import Request, RequestStatus
+from pagedlm.kv_cache.events import KVCacheEvent
 from pagedlm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 
 
@@ -71,3 +72,8 @@ class Scheduler(ABC):
 
     @abstractmethod
     def make_stats(self) -> SchedulerStats: ...
+
+    def take_kv_cache_events(self) -> list[KVCacheEvent]:
+        """The KV-cache events since the last call, oldest first (empty unless the
+        scheduler was asked to record them)."""
+        return []

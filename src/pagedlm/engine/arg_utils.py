@@ -7,6 +7,7 @@ platform and validates everything, raising ``ValueError`` that names the argumen
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -15,6 +16,7 @@ from pagedlm.config import (
     ArchConfig,
     CacheConfig,
     EngineConfig,
+    KVEventsConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -97,6 +99,10 @@ class EngineArgs:
     checkpoint's model code is never run."""
     structured_outputs_backend: str = "xgrammar"
     """Grammar backend for structured outputs: "xgrammar" or "outlines"."""
+    kv_events_config: str | None = None
+    """Publish prefix-cache block events as vLLM does, as a JSON object (a dict from
+    Python), e.g. '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557",
+    "replay_endpoint": "tcp://*:5558"}'; off by default."""
     tensor_parallel_size: int = 1
     """Ranks each layer's heads, MLP and vocabulary are split over (one all-reduce per
     attention and per MLP block)."""
@@ -114,6 +120,28 @@ class EngineArgs:
     (Ray actors, for several nodes) or a plugin's executor; None: "uni" for one worker,
     "mp" for several on one node, "ray" when the node has too few devices or this process
     is in a Ray placement group."""
+
+    def __post_init__(self) -> None:
+        # A dict (or KVEventsConfig) from Python travels as the CLI's JSON text, so the
+        # arguments stay JSON-serializable for the engine-core process.
+        if self.kv_events_config is not None and not isinstance(self.kv_events_config, str):
+            self.kv_events_config = json.dumps(
+                dataclasses.asdict(KVEventsConfig.parse(self.kv_events_config))
+            )
+
+    structured_outputs_max_spec_chars: int = 65536
+    """Longest JSON schema, regex, grammar or choice list (as canonical JSON text) a
+    request may constrain with; longer ones get 400 before compiling (0: no limit)."""
+    structured_outputs_compile_timeout_s: float = 10.0
+    """A request whose grammar has compiled this long fails with 400 (0: no limit); the
+    compile itself runs on, off the engine loop, and other grammars do not wait for it."""
+    engine_iteration_timeout_s: float = 60.0
+    """/health says the engine core is hung when one step runs longer than this per
+    started 1024 tokens it computes (at least 10x the slowest per-token time seen so far);
+    vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S."""
+    engine_heartbeat_timeout_s: float = 5.0
+    """/health says the engine core is unresponsive (stopped, frozen or dead) after this
+    many seconds without its heartbeat, which it sends every 0.5 s, during steps too."""
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -154,6 +182,7 @@ class EngineArgs:
         for name in ("num_kv_blocks", "max_num_batched_tokens", "max_model_len"):
             validate_positive(name, getattr(self, name))
         validate_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
+        self._check_operability_limits()
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy={self.scheduling_policy!r} is unknown; use one of "
@@ -243,6 +272,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             parallel=self._parallel_config(arch, platform),
             structured_outputs_backend=self.structured_outputs_backend,
+            kv_events=KVEventsConfig.parse(self.kv_events_config),
         )
         config = configure(config, platform)
         platform.bind_config(config)
@@ -270,6 +300,24 @@ class EngineArgs:
         setup_checks.check_devices(parallel, platform)
         setup_checks.check_dist_backend(parallel, platform)
         return parallel
+
+    def _check_operability_limits(self) -> None:
+        for name in ("structured_outputs_max_spec_chars", "structured_outputs_compile_timeout_s"):
+            value = getattr(self, name)
+            if not value >= 0:  # NaN fails too
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{name}={value} must be >= 0 (0: no limit); fix {flag}.")
+        for name, least in (
+            ("engine_iteration_timeout_s", 0.0),
+            ("engine_heartbeat_timeout_s", 1.0),
+        ):
+            value = getattr(self, name)
+            if not least < value < float("inf"):
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"{name}={value} must be a number of seconds above {least:g} (heartbeats "
+                    f"come every 0.5 s); fix {flag}."
+                )
 
     def _check_loading_options(self) -> None:
         from pagedlm.model_executor.loader import LOAD_FORMATS

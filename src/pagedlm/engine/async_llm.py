@@ -6,9 +6,13 @@ detokenizes, applies stop strings and assembles ``RequestOutput`` objects
 
 One background task per event loop pulls every ``CoreMessage`` and dispatches it: step
 outputs go through the output processor into one ``RequestStream`` per user request;
-utility answers resolve their futures. When the core dies (the process exits, or it
-reports ``CoreFailed``) that task fails every stream and future with
-``EngineDeadError`` within ``DEATH_POLL_MS``, and every later call raises it at once.
+utility answers resolve their futures; heartbeats feed ``CoreLiveness`` (``health()``).
+When the core dies (the process exits, or it reports ``CoreFailed``) that task fails
+every stream and future with ``EngineDeadError`` within ``DEATH_POLL_MS``, and every
+later call raises it at once.
+
+Tokenizing a long prompt and checking a grammar run on a worker thread
+(``INLINE_PROMPT_CHARS``), so they never hold up other requests' streams or ``health()``.
 """
 
 from __future__ import annotations
@@ -16,22 +20,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pagedlm.config import EngineConfig
 from pagedlm.core.scheduler_interface import SchedulerStats
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.core_client import CoreClient
-from pagedlm.engine.exceptions import EngineDeadError
-from pagedlm.engine.input_processor import InputProcessor, PromptType
+from pagedlm.engine.exceptions import EngineDeadError, EngineStalledError
+from pagedlm.engine.health import CoreLiveness, EngineHealth
+from pagedlm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagedlm.engine.messages import (
     AbortRequests,
     AddRequests,
     CoreFailed,
     CoreOutputs,
+    Heartbeat,
     Ready,
     RequestRejected,
     UtilityCall,
@@ -49,11 +57,18 @@ logger = logging.getLogger(__name__)
 DEATH_POLL_MS = 200
 """The output task checks that the core process is alive at least this often."""
 HEALTH_TIMEOUT_S = 5.0
-"""A core that does not answer a ping within this time counts as dead for ``check_health``."""
+"""How long ``get_scheduler_stats`` waits for the core's answer."""
 READY_TIMEOUT_S = 600.0
 MAX_MESSAGES_PER_WAKEUP = 32
 """The output task handles at most this many waiting core messages before it lets the
 consumers run (a bound on how long it holds the event loop: a few ms per message)."""
+INLINE_PROMPT_CHARS = 4096
+"""Prompts up to this long are tokenized on the event loop (well under a millisecond);
+longer ones, and requests with a grammar to check, on ``_input_pool``."""
+FRESH_HEARTBEAT_WAIT_S = 0.5
+"""``health()`` of a silent core first waits this long for heartbeats the event loop has
+not read yet (it may have been busy), before calling the core unresponsive; once per
+silence, so a stopped core's later 503s come at once."""
 
 
 class AsyncLLM:
@@ -65,7 +80,15 @@ class AsyncLLM:
     >>> engine.shutdown()
     """
 
-    def __init__(self, config: EngineConfig, tokenizer: Any, client: CoreClient, ready: Ready):
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Any,
+        client: CoreClient,
+        ready: Ready,
+        args: EngineArgs | None = None,
+    ):
+        args = args or EngineArgs()
         self.config = config
         self.tokenizer = tokenizer
         self.input_processor = InputProcessor(
@@ -73,7 +96,15 @@ class AsyncLLM:
             tokenizer,
             config.structured_outputs_backend,
             config.scheduler.scheduling_policy,
+            args.structured_outputs_max_spec_chars,
         )
+        # Not at a lower priority: a niced thread descheduled while it holds the GIL stalls
+        # the event loop (a 2.5M-character prompt: /health p99 202 ms niced, 57 ms not).
+        self._input_pool = ThreadPoolExecutor(2, thread_name_prefix="pagedlm-input")
+        self._liveness = CoreLiveness(
+            args.engine_heartbeat_timeout_s, busy_num_waiting=config.scheduler.max_num_seqs
+        )
+        self._death_waiters: list[asyncio.Future] = []
         self.output_processor = OutputProcessor(tokenizer)
         self.metrics = EngineMetrics()
         self.num_kv_blocks = ready.num_kv_blocks
@@ -103,7 +134,7 @@ class AsyncLLM:
         except BaseException:
             client.shutdown()
             raise
-        return cls(config, tokenizer, client, ready)
+        return cls(config, tokenizer, client, ready, args)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -137,11 +168,10 @@ class AsyncLLM:
         """
         self._check_alive()
         self._ensure_output_task()
-        if request_id in self._streams:
-            raise ValueError(
-                f"Request id {request_id!r} is already in use; give each request a unique id."
-            )
-        processed = self.input_processor.process(request_id, prompt, sampling_params, priority)
+        self._check_unique(request_id)
+        processed = await self._process(request_id, prompt, sampling_params, priority)
+        self._check_alive()
+        self._check_unique(request_id)  # the same id may have started while we tokenized
         self.output_processor.add_request(
             request_id,
             processed.prompt,
@@ -174,6 +204,27 @@ class AsyncLLM:
             if not finished:
                 self._abort_now(request_id)
 
+    def _check_unique(self, request_id: str) -> None:
+        if request_id in self._streams:
+            raise ValueError(
+                f"Request id {request_id!r} is already in use; give each request a unique id."
+            )
+
+    async def _process(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int
+    ) -> ProcessedRequest:
+        """``InputProcessor.process``: inline when cheap, else on a worker thread (it has no
+        side effects, so a caller that gives up mid-way leaves nothing behind)."""
+        text = prompt.get("prompt") if isinstance(prompt, Mapping) else prompt
+        token_ids = prompt.get("prompt_token_ids") if isinstance(prompt, Mapping) else None
+        size = len(text) if isinstance(text, str) else len(token_ids or ())
+        process = functools.partial(
+            self.input_processor.process, request_id, prompt, params, priority
+        )
+        if size <= INLINE_PROMPT_CHARS and params.structured_outputs is None:
+            return process()
+        return await asyncio.get_running_loop().run_in_executor(self._input_pool, process)
+
     async def abort(self, request_id: str) -> None:
         """Stop a request; its ``generate`` iterator ends. Unknown ids are ignored."""
         self._abort_now(request_id)
@@ -191,10 +242,40 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------------- health and stats
 
+    async def health(self) -> EngineHealth:
+        """The core's state from its heartbeat thread, answered without waiting for a step
+        (see ``engine.health``); never raises."""
+        if self._dead_error is None and not self._client.is_alive():
+            self._fail(EngineDeadError(f"The engine core died: {self._client.exit_description()}."))
+        if self._dead_error is None:
+            self._ensure_output_task()
+            if self._liveness.is_silent() and not self._liveness.silence_confirmed():
+                waited = 0.0
+                while self._liveness.is_silent() and waited < FRESH_HEARTBEAT_WAIT_S:
+                    await asyncio.sleep(0.05)
+                    waited += 0.05
+                self._liveness.confirm_silence()
+        dead = None if self._dead_error is None else str(self._dead_error)
+        return self._liveness.assess(dead, self._last_stats)
+
     async def check_health(self) -> None:
-        """Raise ``EngineDeadError`` if the core is dead or does not answer a ping within
-        ``HEALTH_TIMEOUT_S``."""
-        await self._call("ping", HEALTH_TIMEOUT_S)
+        """Raise ``EngineDeadError`` if the core is dead, ``EngineStalledError`` if it is
+        alive but makes no progress (stopped, frozen or hung in a step)."""
+        self._check_alive()
+        health = await self.health()
+        if health.status == "dead":
+            self._check_alive()
+        if not health.live:
+            raise EngineStalledError(health.reason)
+
+    async def wait_until_dead(self) -> EngineDeadError:
+        """Return the error once the core has died (or the engine was shut down)."""
+        if self._dead_error is None:
+            self._ensure_output_task()
+            future = asyncio.get_running_loop().create_future()
+            self._death_waiters.append(future)
+            return await future
+        return self._dead_error
 
     async def get_scheduler_stats(self) -> SchedulerStats:
         """A fresh snapshot from the core (ordered after every earlier add and abort)."""
@@ -284,6 +365,8 @@ class AsyncLLM:
             if stream is not None:
                 self.metrics.prompt_tokens -= stream.num_prompt_tokens
                 stream.put(ValueError(message.message))
+        elif isinstance(message, Heartbeat):
+            self._liveness.record(message)
         elif isinstance(message, CoreFailed):
             self._fail(EngineDeadError(f"The engine core failed:\n{message.message}"))
         else:
@@ -317,6 +400,11 @@ class AsyncLLM:
                 with contextlib.suppress(RuntimeError):  # its event loop is already closed
                     future.set_exception(error)
         self._calls.clear()
+        for future in self._death_waiters:
+            if not future.done():
+                with contextlib.suppress(RuntimeError):
+                    future.set_result(error)
+        self._death_waiters.clear()
 
     # ------------------------------------------------------------------------- shutdown
 
@@ -331,4 +419,5 @@ class AsyncLLM:
         if task is not None and not task.done():
             with contextlib.suppress(RuntimeError):  # its event loop is already closed
                 task.cancel()
+        self._input_pool.shutdown(wait=False, cancel_futures=True)
         self._client.shutdown()

@@ -5,12 +5,14 @@ directory (mode 0700), so no other user can reach them:
 
 - ``input``  PUSH -> core's PULL: ``FrontendMessage`` structs.
 - ``output`` PULL <- core's PUSH: ``CoreMessage`` structs, read through a ``zmq.asyncio``
-  shadow of the socket by the front end's single output task.
+  shadow of the socket by the front end's single output task. The core's heartbeat
+  thread connects a second PUSH socket of its own here (``core_heartbeat``).
 
 The core is a fresh interpreter (``subprocess``, ``python -m pagedlm.engine.core_proc``),
 so it never inherits the parent's threads; the ``EngineArgs`` reach it as JSON on stdin.
-Liveness is the process itself: ``is_alive()`` polls it, and a send to a core that has
-gone away raises ``EngineDeadError`` instead of blocking.
+Death is the process itself: ``is_alive()`` polls it, and a send to a core that has gone
+away raises ``EngineDeadError`` instead of blocking. Whether a live core makes progress
+is its heartbeats' business (``engine.health``).
 """
 
 from __future__ import annotations

@@ -8,6 +8,12 @@ with the ``EngineArgs`` as JSON on stdin. The loop:
 - busy: drain every pending input message without blocking, then run one step and send
   its outputs, with the scheduler's stats, as one ``CoreOutputs`` message.
 
+A heartbeat thread (``core_heartbeat``) reports liveness every half second, also while a
+step computes; the loop tells it when steps start and end and what they may compute.
+A request whose grammar cannot be compiled (an error, or longer than the compile timeout)
+is reported as ``RequestRejected`` rather than as an aborted output, so the front end
+answers 400 before any response has started.
+
 Any exception escaping a step is reported as ``CoreFailed`` and the process exits with
 status 1; the front end then fails every waiter.
 """
@@ -24,7 +30,9 @@ import msgspec
 import zmq
 
 from pagedlm.core.engine_core import EngineCore
+from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.core_heartbeat import HeartbeatThread, InFlightWork, StepWatch
 from pagedlm.engine.data_parallel import make_engine_core
 from pagedlm.engine.messages import (
     AbortRequests,
@@ -40,6 +48,8 @@ from pagedlm.engine.messages import (
     make_frontend_decoder,
     request_from_wire,
 )
+from pagedlm.structured_output.manager import grammar_failure
+from pagedlm.structured_output.params import GrammarLimits
 
 logger = logging.getLogger(__name__)
 
@@ -53,16 +63,26 @@ class EngineCoreProc:
     """Serves one ``EngineCore`` over a PULL (input) and a PUSH (output) socket."""
 
     def __init__(
-        self, core: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket, parent_pid: int
+        self,
+        core: EngineCore,
+        input_socket: zmq.Socket,
+        output_socket: zmq.Socket,
+        parent_pid: int,
+        watch: StepWatch,
+        work: InFlightWork,
     ) -> None:
         self.core = core
         self.input_socket = input_socket
         self.output_socket = output_socket
         self.parent_pid = parent_pid
+        self.watch = watch
+        self.work = work
         self.encoder = make_encoder()
         self.decoder = make_frontend_decoder()
         self.flush_pending = False
         """Aborted requests whose worker state still needs one (possibly empty) step."""
+        self.constrained_parent: dict[str, str] = {}
+        """Child id -> user request id, for requests with a grammar (which may fail)."""
 
     def send(self, message: msgspec.Struct) -> None:
         self.output_socket.send(self.encoder.encode(message), copy=False)
@@ -78,7 +98,11 @@ class EngineCoreProc:
                 # them so the front end's metrics never show freed requests as running.
                 send_stats = self.flush_pending
                 self.flush_pending = False
+                self.watch.start(self.work.step_tokens())
                 outputs = self.core.step()
+                self.watch.finish()
+                self.work.update(outputs)
+                outputs = self.reject_failed_grammars(outputs)
                 if outputs or send_stats:
                     self.send(CoreOutputs(outputs, self.core.make_stats()))
                 if not outputs and self.core.has_unfinished_requests():
@@ -112,12 +136,18 @@ class EngineCoreProc:
         if isinstance(message, AddRequests):
             self.add_requests(message)
         elif isinstance(message, AbortRequests):
-            self.core.abort_requests(message.request_ids)
-            self.flush_pending = True
+            self.abort(message.request_ids)
         elif isinstance(message, UtilityCall):
             self.send(self.answer(message))
         else:
             raise TypeError(f"engine core: unexpected message {type(message).__name__}")
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.core.abort_requests(request_ids)
+        self.work.remove(request_ids)
+        for request_id in request_ids:
+            self.constrained_parent.pop(request_id, None)
+        self.flush_pending = True
 
     def add_requests(self, message: AddRequests) -> None:
         added: list[str] = []
@@ -125,11 +155,36 @@ class EngineCoreProc:
             for wire in message.requests:
                 self.core.add_request(request_from_wire(wire))
                 added.append(wire.request_id)
+                self.work.add(wire.request_id, len(wire.prompt_token_ids))
+                if wire.sampling_params.structured_outputs is not None:
+                    self.constrained_parent[wire.request_id] = message.parent_id
         except ValueError as error:
             # All children or none: a rejected request must leave no trace in the core.
-            self.core.abort_requests(added)
-            self.flush_pending = bool(added)
+            if added:
+                self.abort(added)
             self.send(RequestRejected(message.parent_id, str(error)))
+
+    def reject_failed_grammars(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """``outputs`` minus those of user requests whose grammar failed; each such request
+        gets one ``RequestRejected`` instead, and its other children are aborted."""
+        if not self.constrained_parent:
+            return outputs
+        parents = {output.req_id: self.constrained_parent.get(output.req_id) for output in outputs}
+        rejected: dict[str, str] = {}
+        for output in outputs:
+            parent_id = parents[output.req_id]
+            if parent_id is None or not output.finished:
+                continue
+            del self.constrained_parent[output.req_id]
+            failure = grammar_failure(output.finish_reason, output.stop_reason)
+            if failure is not None and not output.new_token_ids:
+                rejected.setdefault(parent_id, failure)
+        for parent_id, failure in rejected.items():
+            siblings = [c for c, p in self.constrained_parent.items() if p == parent_id]
+            if siblings:
+                self.abort(siblings)
+            self.send(RequestRejected(parent_id, failure))
+        return [output for output in outputs if parents[output.req_id] not in rejected]
 
     def answer(self, call: UtilityCall) -> UtilityResult:
         if call.method == "ping":
@@ -156,10 +211,17 @@ def main(argv: list[str]) -> int:
         args = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineArgs)
         config, platform = args.create_engine_config()
         core = make_engine_core(config, platform)  # one, or one per data-parallel replica
+        core.set_grammar_limits(GrammarLimits.of(args))
+        scheduler = config.scheduler
+        work = InFlightWork(scheduler.max_num_batched_tokens, scheduler.async_scheduling)
+        watch = StepWatch(args.engine_iteration_timeout_s)
         output_socket.send(encoder.encode(Ready(core.num_kv_blocks, core.make_stats())))
+        heartbeat = HeartbeatThread(context, output_address, watch)
+        heartbeat.start()
         try:
-            EngineCoreProc(core, input_socket, output_socket, parent_pid).run()
+            EngineCoreProc(core, input_socket, output_socket, parent_pid, watch, work).run()
         finally:
+            heartbeat.stop()
             core.shutdown()
     except Exception:
         message = traceback.format_exc()

@@ -29,6 +29,7 @@ from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.core.request import Request
 from pagedlm.core.scheduler_interface import SchedulerStats
 from pagedlm.platforms import Platform
+from pagedlm.structured_output.params import GrammarLimits
 
 
 def load_score(stats: SchedulerStats) -> tuple[int, float]:
@@ -118,6 +119,10 @@ class DataParallelEngineCore:
 
     def make_stats(self) -> SchedulerStats:
         return sum_stats([core.make_stats() for core in self.replicas])
+
+    def set_grammar_limits(self, limits: GrammarLimits) -> None:
+        for core in self.replicas:
+            core.set_grammar_limits(limits)
 
     def shutdown(self) -> None:
         for core in self.replicas:

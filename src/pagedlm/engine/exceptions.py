@@ -9,3 +9,8 @@ class EngineDeadError(RuntimeError):
     Every pending and future call on the engine raises this; build a new engine to
     continue.
     """
+
+
+class EngineStalledError(RuntimeError):
+    """The engine-core process is alive but makes no progress: it is stopped (SIGSTOP),
+    frozen, or hung inside a step. It may recover (SIGCONT); requests are not failed."""

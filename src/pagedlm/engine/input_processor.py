@@ -52,11 +52,19 @@ class InputProcessor:
         tokenizer: Any | None,
         structured_outputs_backend: str = "xgrammar",
         scheduling_policy: str = "fcfs",
+        structured_outputs_max_spec_chars: int | None = None,
     ) -> None:
+        from pagedlm.structured_output.params import DEFAULT_MAX_SPEC_CHARS
+
         self.model_config = model_config
         self.scheduling_policy = scheduling_policy
         self.tokenizer = tokenizer
         self.structured_outputs_backend = structured_outputs_backend
+        self.structured_outputs_max_spec_chars = (
+            DEFAULT_MAX_SPEC_CHARS
+            if structured_outputs_max_spec_chars is None
+            else structured_outputs_max_spec_chars
+        )
         self.vocab_size = model_config.arch.vocab_size
         eos = set(model_config.arch.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -156,7 +164,11 @@ class InputProcessor:
                 "pass skip_tokenizer_init=True."
             )
         assert params.structured_outputs is not None
-        validate_structured_outputs(params.structured_outputs, self.structured_outputs_backend)
+        validate_structured_outputs(
+            params.structured_outputs,
+            self.structured_outputs_backend,
+            self.structured_outputs_max_spec_chars,
+        )
 
     def process(
         self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0

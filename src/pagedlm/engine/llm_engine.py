@@ -41,8 +41,14 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        from pagedlm.structured_output.params import GrammarLimits
+
         config, platform = args.create_engine_config()
-        return cls(config, platform)
+        engine = cls(config, platform)
+        limits = GrammarLimits.of(args)
+        engine.input_processor.structured_outputs_max_spec_chars = limits.max_spec_chars
+        engine.engine_core.set_grammar_limits(limits)
+        return engine
 
     def process_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0

@@ -151,7 +151,22 @@ class CoreFailed(msgspec.Struct, tag=True):
     message: str
 
 
-CoreMessage = Ready | CoreOutputs | RequestRejected | UtilityResult | CoreFailed
+class Heartbeat(msgspec.Struct, tag=True):
+    """Sent every half second by a thread of the core, whether or not a step is running
+    (``core_heartbeat``); silence means the process is stopped, frozen or gone."""
+
+    num_steps: int
+    """Steps finished since the core started."""
+    step_running_s: float | None
+    """How long the current step has been computing (None between steps), not counting
+    time the process was stopped."""
+    step_tokens: int
+    """An upper bound on the tokens the current step computes."""
+    step_allowed_s: float
+    """How long the current step may compute before the core counts as hung."""
+
+
+CoreMessage = Ready | CoreOutputs | RequestRejected | UtilityResult | CoreFailed | Heartbeat
 
 
 def make_encoder() -> msgspec.msgpack.Encoder:

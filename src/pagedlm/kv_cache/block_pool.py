@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from pagedlm.kv_cache.events import EventLog
 from pagedlm.kv_cache.hashing import BlockHash
 
 
@@ -54,6 +55,8 @@ class BlockPool:
             (block.block_id, block) for block in self.blocks
         )
         self._cached: dict[BlockHash, KVCacheBlock] = {}
+        self.event_log: EventLog | None = None
+        """Where evictions and resets are recorded for KV-cache events (None: not kept)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -107,19 +110,20 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free_queue[block.block_id] = block
 
-    def cache(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Index a full block under ``block_hash``.
+    def cache(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
+        """Index a full block under ``block_hash``; True if it entered the index now.
 
         If another block already holds that hash (two requests filled the same prefix
         before either was indexed), the index keeps the first and this one stays
         unhashed: it is still valid for its owner, just not shared.
         """
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self._cached:
-            return
+            return False
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        return True
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (returns False) while any block is in use,
@@ -129,9 +133,13 @@ class BlockPool:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        if self.event_log is not None:
+            self.event_log.cleared()
         return True
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
+            if self.event_log is not None:
+                self.event_log.removed(block.block_hash)
             block.block_hash = None

@@ -172,6 +172,28 @@ class KVCacheManager:
         if num_full <= start:
             return
         block_hashes = update_block_hashes(request, self.block_size)
-        for index in range(start, num_full):
-            self.pool.cache(table[index], block_hashes[index])
+        if self.pool.event_log is None:
+            for index in range(start, num_full):
+                self.pool.cache(table[index], block_hashes[index])
+        else:
+            stored: list[int] = []
+            for index in range(start, num_full):
+                if self.pool.cache(table[index], block_hashes[index]):
+                    stored.append(index)
+                elif stored:
+                    self._log_stored(request, block_hashes, stored)
+                    stored = []
+            if stored:
+                self._log_stored(request, block_hashes, stored)
         self._num_hashed[request.request_id] = num_full
+
+    def _log_stored(self, request: Request, block_hashes: list, indices: list[int]) -> None:
+        """One ``BlockStored`` for a run of consecutive blocks that entered the index."""
+        first, end = indices[0], indices[-1] + 1
+        size = self.block_size
+        self.pool.event_log.stored(
+            block_hashes[first:end],
+            block_hashes[first - 1] if first > 0 else None,
+            list(request.all_token_ids[first * size : end * size]),
+            size,
+        )

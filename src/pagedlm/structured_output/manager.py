@@ -6,12 +6,16 @@ Lifecycle of a constrained request:
    the request waits (status ``WAITING_FOR_GRAMMAR``); the scheduler admits others.
 2. ``is_ready``: once the future is done, a fresh matcher is made (or the failure is
    recorded, and the scheduler finishes the request with "abort": the engine never
-   crashes on a grammar).
+   crashes on a grammar). A compile running longer than ``GrammarLimits.compile_timeout_s``
+   is a failure too (and is written off its compiler lane). Failure messages start with
+   ``GRAMMAR_FAILED``, which ``grammar_failure`` recognizes in an output.
 3. ``grammar_bitmask``: each step, the allowed next tokens of the constrained requests
    that sample, in one ``[M, ceil(vocab / 32)]`` int32 array shipped with the
    ``SchedulerOutput``.
 4. ``accept_tokens`` on every token the scheduler appends; ``is_terminated`` ends the
    request when its grammar is complete.
+5. ``remove`` (finished or aborted): a compile that no other request waits for and that
+   has not started is cancelled.
 
 Matchers live here, keyed by request id, and are never reset by preemption: a preempted
 request recomputes the same tokens, so its grammar state is still right.
@@ -20,9 +24,10 @@ request recomputes the same tokens, so its grammar state is still right.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,12 +35,13 @@ import numpy as np
 from pagedlm.step import GrammarBitmask
 from pagedlm.structured_output.backend import (
     GrammarMatcher,
+    GrammarSpec,
     StructuredOutputBackend,
     backend_class,
     bitmask_width,
 )
 from pagedlm.structured_output.compiler import GrammarCompiler
-from pagedlm.structured_output.params import backend_error, grammar_spec
+from pagedlm.structured_output.params import GrammarLimits, backend_error, grammar_spec
 
 if TYPE_CHECKING:
     from pagedlm.config import EngineConfig
@@ -44,9 +50,24 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+GRAMMAR_FAILED = "grammar compilation failed: "
+
+
+def grammar_failure(finish_reason: str | None, stop_reason: int | str | None) -> str | None:
+    """The message of an output that ended because its grammar failed, else None."""
+    failed = (
+        finish_reason == "abort"
+        and isinstance(stop_reason, str)
+        and stop_reason.startswith(GRAMMAR_FAILED)
+    )
+    return stop_reason if failed else None
+
+
 @dataclass
 class _RequestGrammar:
+    spec: GrammarSpec
     future: Future[Any]
+    added: float = field(default_factory=time.monotonic)
     matcher: GrammarMatcher | None = None
     error: str | None = None
 
@@ -54,12 +75,17 @@ class _RequestGrammar:
 class StructuredOutputManager:
     """Owns the compiler and one matcher per constrained request (see module doc)."""
 
-    def __init__(self, config: EngineConfig, max_workers: int = 1) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.backend_name = config.structured_outputs_backend
         self.vocab_size = config.model.arch.vocab_size
         self._model_config = config.model
-        self.compiler = GrammarCompiler(self._make_backend, max_workers=max_workers)
+        self.compiler = GrammarCompiler(self._make_backend)
+        self.limits = GrammarLimits()
         self._requests: dict[str, _RequestGrammar] = {}
+
+    def set_limits(self, limits: GrammarLimits) -> None:
+        """Replace the default limits (the engine-core process sets the configured ones)."""
+        self.limits = limits
 
     def _make_backend(self) -> StructuredOutputBackend:
         from pagedlm.tokenizer import get_tokenizer
@@ -78,21 +104,49 @@ class StructuredOutputManager:
     def add_request(self, request: Request) -> None:
         params = request.sampling_params.structured_outputs
         assert params is not None, "only constrained requests are added"
-        future = self.compiler.submit(grammar_spec(params))
-        self._requests[request.request_id] = _RequestGrammar(future)
+        spec = grammar_spec(params)
+        self._requests[request.request_id] = _RequestGrammar(spec, self.compiler.acquire(spec))
 
     def is_ready(self, request_id: str) -> bool:
-        """Compiled (or failed): the request may be scheduled."""
+        """Compiled (or failed, or past the compile timeout): the request may be scheduled."""
         state = self._requests[request_id]
         if state.matcher is not None or state.error is not None:
             return True
         if not state.future.done():
-            return False
+            return self._check_timeout(request_id, state)
         try:
             state.matcher = self.compiler.backend.make_matcher(state.future.result())
         except Exception as exc:  # any backend failure ends this request, not the engine
-            state.error = f"grammar compilation failed: {backend_error(exc)}"
+            state.error = f"{GRAMMAR_FAILED}{backend_error(exc)}"
             logger.warning("request %s: %s", request_id, state.error)
+        return True
+
+    def _check_timeout(self, request_id: str, state: _RequestGrammar) -> bool:
+        timeout_s = self.limits.compile_timeout_s
+        if timeout_s <= 0:
+            return False
+        running_s = self.compiler.running_s(state.spec)
+        if running_s is not None and running_s > timeout_s:
+            self.compiler.write_off(state.spec)
+            state.error = (
+                f"{GRAMMAR_FAILED}it took longer than {timeout_s:g} s "
+                "(--structured-outputs-compile-timeout-s); simplify the schema or grammar "
+                "(fewer properties, alternatives or nesting levels) or raise the limit."
+            )
+        elif (
+            running_s is None
+            and self.compiler.at_thread_cap()
+            and time.monotonic() - state.added > timeout_s
+        ):
+            # Every compile thread is busy with grammars that ran past the timeout: this
+            # one could wait for hours.
+            state.error = (
+                f"{GRAMMAR_FAILED}the compiler is busy with grammars that ran past the "
+                f"{timeout_s:g} s timeout; send the request again later."
+            )
+        else:
+            return False
+        logger.warning("request %s: %s", request_id, state.error)
         return True
 
     def error(self, request_id: str) -> str | None:
@@ -120,7 +174,9 @@ class StructuredOutputManager:
         return matcher is not None and matcher.is_terminated()
 
     def remove(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
+        state = self._requests.pop(request_id, None)
+        if state is not None and not state.future.done():
+            self.compiler.release(state.spec, state.future)
 
     # ---- per step ------------------------------------------------------------------
 

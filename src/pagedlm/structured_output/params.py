@@ -9,9 +9,36 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
+from typing import Any
 
 from pagedlm.sampling_params import StructuredOutputsParams
 from pagedlm.structured_output.backend import GrammarSpec, backend_class
+
+DEFAULT_MAX_SPEC_CHARS = 65536
+"""About 650 JSON-schema properties: a few seconds of xgrammar compile on a slow CPU.
+Compile time grows faster than the schema (2,000 properties: 11 s; 5,000: minutes)."""
+DEFAULT_COMPILE_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """What a server spends on one request's grammar (vLLM-style flags; 0 turns one off).
+
+    ``max_spec_chars`` is checked in the front end (the request gets 400 before it enters
+    the engine); ``compile_timeout_s`` in the engine core, which fails the request (also
+    400) when its compile has run that long.
+    """
+
+    max_spec_chars: int = DEFAULT_MAX_SPEC_CHARS
+    compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
+
+    @classmethod
+    def of(cls, args: Any) -> GrammarLimits:
+        """The limits an ``EngineArgs`` asks for."""
+        return cls(
+            args.structured_outputs_max_spec_chars, args.structured_outputs_compile_timeout_s
+        )
 
 
 def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
@@ -30,13 +57,24 @@ def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
     return GrammarSpec(kind, text)
 
 
-def validate_structured_outputs(params: StructuredOutputsParams, backend: str) -> GrammarSpec:
+def validate_structured_outputs(
+    params: StructuredOutputsParams,
+    backend: str,
+    max_spec_chars: int = DEFAULT_MAX_SPEC_CHARS,
+) -> GrammarSpec:
     """Check ``params`` against ``backend`` before the request enters the engine.
 
-    Raises ``ValueError`` that names the problem (an invalid schema, regex or grammar, or
-    a kind the backend cannot enforce). Returns the spec for convenience.
+    Raises ``ValueError`` that names the problem (a spec longer than ``max_spec_chars``
+    (0: no limit), an invalid schema, regex or grammar, or a kind the backend cannot
+    enforce). Returns the spec for convenience.
     """
     spec = grammar_spec(params)
+    if max_spec_chars and len(spec.spec) > max_spec_chars:
+        raise ValueError(
+            f"structured_outputs.{spec.kind} is {len(spec.spec)} characters long, more than "
+            f"the {max_spec_chars} this server compiles (--structured-outputs-max-spec-chars); "
+            "send a smaller schema or grammar, or raise the limit."
+        )
     _validate_spec(spec, backend)
     return spec
 

@@ -5,17 +5,24 @@ in-flight requests ``--shutdown-timeout`` seconds; then it aborts those still ge
 which end with an error (an error event and ``[DONE]`` in a stream, a JSON 503
 otherwise). uvicorn waits ``SHUTDOWN_GRACE_S`` more for those answers to be sent, cancels
 whatever is left, and runs the app's shutdown, which stops the engine-core process.
+
+If the engine core dies, the server answers 503 for ``--engine-death-grace-period``
+seconds (so clients and probes see why) and then exits with ``ENGINE_DEATH_EXIT_STATUS``
+for its supervisor to restart it, unless ``--keep-alive-on-engine-death``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from pagedlm.engine.cli_args import engine_args_from_cli
 from pagedlm.entrypoints.openai.limits import add_limit_args, limits_from_args
@@ -26,6 +33,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 API_KEY_ENV = "PAGEDLM_API_KEY"
 SHUTDOWN_GRACE_S = 3.0
 """After --shutdown-timeout, how long cut requests have to send their error answers."""
+ENGINE_DEATH_EXIT_STATUS = 1
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -39,7 +47,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--api-key",
         default=None,
-        help=f"Require this key as 'Authorization: Bearer <key>' or 'x-api-key' (default: ${API_KEY_ENV} if set). /health and /metrics stay open.",
+        help=f"Require this key as 'Authorization: Bearer <key>' or 'x-api-key' (default: ${API_KEY_ENV} if set). /health, /ready and /metrics stay open.",
     )
     group.add_argument(
         "--served-model-name",
@@ -67,6 +75,26 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_limit_args(group)
+    group.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="Accept a chat_template in requests (vLLM's flag; refused with 400 otherwise). "
+        "Trusted request templates render in a sandboxed worker process with a time and "
+        "size limit.",
+    )
+    group.add_argument(
+        "--engine-death-grace-period",
+        type=float,
+        default=2.0,
+        help="Seconds the server keeps answering 503 after the engine core died, before "
+        f"it exits with status {ENGINE_DEATH_EXIT_STATUS} (default: %(default)s).",
+    )
+    group.add_argument(
+        "--keep-alive-on-engine-death",
+        action="store_true",
+        help="Stay up (answering 503) after the engine core died instead of exiting "
+        "(vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH).",
+    )
     _add_tool_args(group)
     return parser
 
@@ -138,8 +166,36 @@ def _uvicorn_server_class() -> type:
     return Server
 
 
+class _EngineDeathExit:
+    """Stops uvicorn ``grace_s`` after the engine died (unless ``keep_alive``); ``died``
+    tells ``run_server`` to exit non-zero."""
+
+    def __init__(self, grace_s: float, keep_alive: bool) -> None:
+        self.grace_s = grace_s
+        self.keep_alive = keep_alive
+        self.server: Any = None
+        self.died = False
+
+    def __call__(self, error: BaseException) -> None:
+        self.died = True
+        if self.keep_alive:
+            logger.error("Staying up after the engine's death (--keep-alive-on-engine-death).")
+            return
+        logger.error(
+            "Exiting with status %d in %.1f s so that a supervisor restarts the server "
+            "(--keep-alive-on-engine-death to stay up).",
+            ENGINE_DEATH_EXIT_STATUS,
+            self.grace_s,
+        )
+        asyncio.get_running_loop().call_later(self.grace_s, self._stop)
+
+    def _stop(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+
+
 def run_server(args: argparse.Namespace) -> None:
-    """Start the engine, then serve until SIGINT/SIGTERM."""
+    """Start the engine, then serve until SIGINT/SIGTERM (or the engine's death)."""
     import uvicorn
 
     from pagedlm.engine.async_llm import AsyncLLM
@@ -153,6 +209,8 @@ def run_server(args: argparse.Namespace) -> None:
         limits = limits_from_args(args)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
+    if not args.engine_death_grace_period >= 0:
+        raise SystemExit("error: --engine-death-grace-period must be >= 0 seconds.")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
     engine_args = engine_args_from_cli(args)
@@ -172,8 +230,15 @@ def run_server(args: argparse.Namespace) -> None:
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             reasoning_parser=args.reasoning_parser,
             limits=limits,
+            trust_request_chat_template=args.trust_request_chat_template,
         )
-        app = build_app(ctx, api_key=api_key, max_body_bytes=args.max_request_body_bytes)
+        on_death = _EngineDeathExit(args.engine_death_grace_period, args.keep_alive_on_engine_death)
+        app = build_app(
+            ctx,
+            api_key=api_key,
+            max_body_bytes=args.max_request_body_bytes,
+            on_engine_death=on_death,
+        )
         logger.info(
             "Engine ready in %.1f s; serving %s on http://%s:%d%s",
             time.monotonic() - started,
@@ -190,8 +255,15 @@ def run_server(args: argparse.Namespace) -> None:
             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S,
             lifespan="on",
         )
-        server = _uvicorn_server_class()(config)
+        server = on_death.server = _uvicorn_server_class()(config)
         server.on_shutdown = lambda: ctx.begin_shutdown(args.shutdown_timeout)
         server.run()
     finally:
         engine.shutdown()
+    if on_death.died and not on_death.keep_alive:
+        # Everything is shut down; skip the interpreter's teardown (seconds, mostly torch
+        # unloading) so that the supervisor restarts the server sooner.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(ENGINE_DEATH_EXIT_STATUS)

@@ -4,6 +4,15 @@
 can serve any engine with AsyncLLM's interface); ``api_server.run_server`` serves it with
 uvicorn. Every route with a body parses it with ``request_body.parse_body`` and declares
 its model for ``/openapi.json`` (``/docs`` and ``/redoc`` render it).
+
+Health: ``/health`` is 200 while the engine core is alive and progressing (busy
+included) and 503 with the reason when it is dead, stopped or hung; ``/ready`` is 200
+only when it could start a new request now, else 503 with the reason ("busy" among
+them). Both answer from the core's heartbeat, never waiting for a step.
+
+Engine death: requests get 503 naming the cause, streams end with an error event, and
+``build_app``'s ``on_engine_death(error)`` runs once (``pagedlm serve`` exits non-zero
+after a grace period).
 """
 
 from __future__ import annotations
@@ -51,12 +60,17 @@ from pagedlm.entrypoints.openai.serving_messages import MessagesServer
 logger = logging.getLogger("pagedlm.server")
 
 HEALTH_TIMEOUT_S = 5.0
+ENGINE_DEAD_STATUS = 503
 Handler = Callable[[Request], Awaitable[Response]]
 BodyHandler = Callable[[Request, Any], Awaitable[Response]]
 
 
 def _engine_dead_message(error: BaseException) -> str:
     return f"The engine core is not running ({error}); restart the server."
+
+
+def _health_message(state: Any) -> str:
+    return _engine_dead_message(state.reason) if state.status == "dead" else state.reason
 
 
 def _guarded(anthropic: bool) -> Callable[[Handler], Handler]:
@@ -82,7 +96,7 @@ async def _answer(handler: Handler, request: Request, anthropic: bool) -> Respon
     except APIError as error:
         return error_response(error.message, error.status, error.param, anthropic=anthropic)
     except EngineDeadError as error:
-        return error_response(_engine_dead_message(error), 500, anthropic=anthropic)
+        return error_response(_engine_dead_message(error), ENGINE_DEAD_STATUS, anthropic=anthropic)
     except Exception:
         logger.exception("Unhandled error in %s", request.url.path)
         return error_response(
@@ -119,7 +133,7 @@ async def _guard_stream(events: AsyncIterator[str], anthropic: bool) -> AsyncIte
     except APIError as error:
         yield sse_error_event(error.message, error.status, anthropic)
     except EngineDeadError as error:
-        yield sse_error_event(_engine_dead_message(error), 500, anthropic)
+        yield sse_error_event(_engine_dead_message(error), ENGINE_DEAD_STATUS, anthropic)
     except Exception:
         logger.exception("Unhandled error while streaming")
         yield sse_error_event("Internal server error; see the server log.", 500, anthropic)
@@ -186,13 +200,15 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        try:
-            if ctx.engine.errored:
-                raise EngineDeadError("the engine reported an error")
-            await asyncio.wait_for(ctx.engine.check_health(), HEALTH_TIMEOUT_S)
-        except (EngineDeadError, asyncio.TimeoutError) as error:
-            return error_response(_engine_dead_message(error), 503)
+        state = await ctx.engine.health()
+        if not state.live:
+            return error_response(_health_message(state), 503)
         return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        state = await ctx.engine.health()
+        return JSONResponse(state.to_json(), status_code=200 if state.ready else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -211,12 +227,15 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
                 {"role": m.role, "content": m.text(f"messages.{i}")}
                 for i, m in enumerate(body.messages)
             ]
-            tokens = ctx.apply_chat_template(
+            tokens = await ctx.apply_chat_template(
                 conversation, None, body.add_generation_prompt, False, {}
             )
         else:
             tokenizer = ctx.require_tokenizer()
-            tokens = list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+            encoded = await asyncio.to_thread(
+                tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+            )
+            tokens = list(encoded)
         return JSONResponse(
             {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len}
         )
@@ -247,16 +266,37 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
         )
 
 
+async def _watch_engine(ctx: ServingContext, on_death: Callable[[BaseException], None]) -> None:
+    on_death(await ctx.engine.wait_until_dead())  # the engine has logged the cause
+
+
 def build_app(
-    ctx: ServingContext, api_key: str | None = None, max_body_bytes: int = 10 << 20
+    ctx: ServingContext,
+    api_key: str | None = None,
+    max_body_bytes: int = 10 << 20,
+    on_engine_death: Callable[[BaseException], None] | None = None,
 ) -> Any:
     """The ASGI app: FastAPI routes inside the body-size and API-key middleware, and
-    outermost the one that answers requests cancelled at shutdown."""
+    outermost the one that answers requests cancelled at shutdown.
+
+    ``on_engine_death(error)`` is called once if the engine core dies while serving.
+    """
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
-        ctx.engine.shutdown()
+        watcher = None
+        if on_engine_death is not None:
+            watcher = asyncio.ensure_future(_watch_engine(ctx, on_engine_death))
+        if ctx.tokenizer is not None:
+            ctx.chat_templates().start()  # sandbox workers start meanwhile, if trusted
+        try:
+            yield
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            if ctx.tokenizer is not None:
+                ctx.chat_templates().close()
+            ctx.engine.shutdown()
 
     from pagedlm import __version__
 

@@ -66,7 +66,7 @@ class ChatServer:
         template_kwargs = request.template_kwargs()
         if plan.template_tools is not None:
             template_kwargs["tools"] = plan.template_tools
-        prompt_token_ids = ctx.apply_chat_template(
+        prompt_token_ids = await ctx.apply_chat_template(
             request.conversation(),
             request.chat_template,
             request.add_generation_prompt,

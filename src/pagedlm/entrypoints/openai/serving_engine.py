@@ -1,5 +1,6 @@
-"""What every endpoint shares: model-name checks, the chat template, and streaming
-generation that always ends (finished, failed, aborted on disconnect, or cut at shutdown).
+"""What every endpoint shares: model-name checks, the chat template (off the event loop:
+``chat_template.py``), and streaming generation that always ends (finished, failed,
+aborted on disconnect, or cut at shutdown).
 
 ``ServingContext.generate`` asks the engine for DELTA outputs; endpoints accumulate them
 for non-streaming responses, so latency metrics see every step either way.
@@ -24,6 +25,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from pagedlm.engine.exceptions import EngineDeadError
+from pagedlm.entrypoints.openai.chat_template import ChatTemplateRenderer
 from pagedlm.entrypoints.openai.errors import APIError, from_value_error
 from pagedlm.entrypoints.openai.limits import RequestLimits
 from pagedlm.metrics.prometheus import PrometheusMetrics, RequestLatencyTracker
@@ -57,12 +59,15 @@ class ServingContext:
     """``--reasoning-parser``: splits ``reasoning_content`` from chat answers."""
     limits: RequestLimits = field(default_factory=RequestLimits)
     """The ``--max-...`` caps on a request's list sizes."""
+    trust_request_chat_template: bool = False
+    """``--trust-request-chat-template``: render a request's own chat_template (sandboxed)."""
     created: int = field(default_factory=lambda: int(time.time()))
     _counter: itertools.count = field(default_factory=itertools.count)
     _background: set[asyncio.Task] = field(default_factory=set)
     _generating: set[str] = field(default_factory=set)
     """Engine request ids with a ``generate`` running (what shutdown must cut)."""
     _shutdown_expired: bool = False
+    _templates: ChatTemplateRenderer | None = None
 
     @property
     def model_name(self) -> str:
@@ -86,7 +91,14 @@ class ServingContext:
             )
         return self.tokenizer
 
-    def apply_chat_template(
+    def chat_templates(self) -> ChatTemplateRenderer:
+        if self._templates is None:
+            self._templates = ChatTemplateRenderer(
+                self.require_tokenizer(), self.chat_template, self.trust_request_chat_template
+            )
+        return self._templates
+
+    async def apply_chat_template(
         self,
         conversation: list[dict[str, str]],
         chat_template: str | None,
@@ -94,27 +106,15 @@ class ServingContext:
         continue_final_message: bool,
         template_kwargs: dict[str, Any],
     ) -> list[int]:
-        """Prompt token ids of ``conversation`` rendered with the (request's or server's) template."""
-        tokenizer = self.require_tokenizer()
-        template = chat_template or self.chat_template
-        if template is None and getattr(tokenizer, "chat_template", None) is None:
-            raise APIError(
-                "The model's tokenizer has no chat template; start the server with "
-                "--chat-template <file or string>, or use /v1/completions."
-            )
-        try:
-            text = tokenizer.apply_chat_template(
-                conversation,
-                chat_template=template,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tokenize=False,
-                **template_kwargs,
-            )
-        except Exception as error:  # jinja2 errors, template raise_exception(...)
-            raise APIError(f"The chat template failed on these messages: {error}") from error
-        # The template already wrote BOS and other special tokens as text.
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        """Prompt token ids of ``conversation`` rendered with the (request's or server's)
+        template, off the event loop."""
+        return await self.chat_templates().render(
+            conversation,
+            chat_template,
+            add_generation_prompt,
+            continue_final_message,
+            template_kwargs,
+        )
 
     def spawn(self, awaitable: Awaitable[Any]) -> None:
         """Run ``awaitable`` in the background, keeping a reference until it is done."""

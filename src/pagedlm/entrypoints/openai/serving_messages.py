@@ -75,10 +75,10 @@ class MessagesServer:
             self.ctx.enable_auto_tool_choice,
         )
 
-    def _prompt(self, request: CountTokensRequest, plan: ToolPlan) -> list[int]:
+    async def _prompt(self, request: CountTokensRequest, plan: ToolPlan) -> list[int]:
         continues = request.continues_assistant
         template_kwargs = {} if plan.template_tools is None else {"tools": plan.template_tools}
-        return self.ctx.apply_chat_template(
+        return await self.ctx.apply_chat_template(
             request.conversation(),
             None,
             add_generation_prompt=not continues,
@@ -88,14 +88,14 @@ class MessagesServer:
 
     async def count_tokens(self, request: CountTokensRequest) -> dict:
         self.ctx.check_model(request.model)
-        return {"input_tokens": len(self._prompt(request, self._plan(request)))}
+        return {"input_tokens": len(await self._prompt(request, self._plan(request)))}
 
     async def create(
         self, request: MessagesRequest
     ) -> tuple[dict | None, AsyncIterator[str] | None]:
         self.ctx.check_model(request.model)
         plan = self._plan(request)
-        prompt_token_ids = self._prompt(request, plan)
+        prompt_token_ids = await self._prompt(request, plan)
         try:
             params = SamplingParams(
                 temperature=request.temperature,

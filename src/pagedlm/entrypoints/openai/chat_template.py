@@ -1,0 +1,104 @@
+"""Conversation -> prompt token ids, never on the event loop.
+
+The server's own template (``--chat-template``, else the tokenizer's) is trusted: it
+renders and the text is tokenized on a worker thread. A request's ``chat_template`` is
+code written by the client: it is refused (vLLM's message and flag) unless the server
+runs with ``--trust-request-chat-template``, and then renders in a ``TemplateSandbox``
+worker process with time and size limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pagedlm.entrypoints.openai.errors import APIError
+from pagedlm.entrypoints.openai.template_sandbox import TemplateError, TemplateSandbox
+
+UNTRUSTED_TEMPLATE_MESSAGE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
+"""vLLM's words, so clients that handle vLLM's refusal handle ours."""
+
+
+class ChatTemplateRenderer:
+    def __init__(
+        self, tokenizer: Any, server_template: str | None, trust_request_templates: bool
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.server_template = server_template
+        self.trust_request_templates = trust_request_templates
+        self._sandbox: TemplateSandbox | None = None
+
+    def start(self) -> None:
+        """Start the sandbox's workers in the background if request templates are trusted
+        (needs a running event loop)."""
+        if self.trust_request_templates:
+            self._get_sandbox().start()
+
+    def close(self) -> None:
+        if self._sandbox is not None:
+            self._sandbox.shutdown()
+
+    async def render(
+        self,
+        conversation: list[dict[str, Any]],
+        request_template: str | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        template_kwargs: dict[str, Any],
+    ) -> list[int]:
+        """Raises ``APIError`` (400) for a refused, failing or too costly template."""
+        tokenizer = self.tokenizer
+        if request_template is not None:
+            if not self.trust_request_templates:
+                raise APIError(UNTRUSTED_TEMPLATE_MESSAGE, param="chat_template")
+            try:
+                text = await self._get_sandbox().render(
+                    request_template,
+                    conversation,
+                    add_generation_prompt,
+                    continue_final_message,
+                    template_kwargs,
+                )
+            except TemplateError as error:
+                raise APIError(str(error), param="chat_template") from error
+            return await asyncio.to_thread(_encode, tokenizer, text)
+        if self.server_template is None and getattr(tokenizer, "chat_template", None) is None:
+            raise APIError(
+                "The model's tokenizer has no chat template; start the server with "
+                "--chat-template <file or string>, or use /v1/completions."
+            )
+
+        def render_and_encode() -> list[int]:
+            try:
+                text = tokenizer.apply_chat_template(
+                    conversation,
+                    chat_template=self.server_template,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    tokenize=False,
+                    **template_kwargs,
+                )
+            except Exception as error:  # jinja2 errors, template raise_exception(...)
+                raise APIError(f"The chat template failed on these messages: {error}") from error
+            return _encode(tokenizer, text)
+
+        return await asyncio.to_thread(render_and_encode)
+
+    def _get_sandbox(self) -> TemplateSandbox:
+        if self._sandbox is None:
+            tokens = self.tokenizer.special_tokens_map
+            self._sandbox = TemplateSandbox({k: _plain(v) for k, v in tokens.items()})
+        return self._sandbox
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    # The template already wrote BOS and other special tokens as text.
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _plain(value: Any) -> Any:
+    """A special token (str, AddedToken, or a list of them) as JSON for the sandbox."""
+    return [str(v) for v in value] if isinstance(value, list | tuple) else str(value)
