@@ -59,7 +59,7 @@ class EngineCore:
         # Builds nothing heavy until the first constrained request (then on a thread).
         self.structured_output = StructuredOutputManager(config)
         self.scheduler: Scheduler = OneBudgetScheduler(
-            config.scheduler, config.cache, num_blocks, self.structured_output
+            config.scheduler, config.cache, num_blocks, self.structured_output, config.speculative
         )
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight: _InFlight | None = None

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from pagedlm.config import (
     ArchConfig,
@@ -21,6 +21,7 @@ from pagedlm.config import (
     validate_fraction,
     validate_positive,
 )
+from pagedlm.engine.speculative_args import parse_speculative_config
 
 if TYPE_CHECKING:
     from pagedlm.platforms import Platform
@@ -96,6 +97,10 @@ class EngineArgs:
     checkpoint's model code is never run."""
     structured_outputs_backend: str = "xgrammar"
     """Grammar backend for structured outputs: "xgrammar" or "outlines"."""
+    speculative_config: dict[str, Any] | str | None = None
+    """Speculative decoding, vLLM's keys as a dict or JSON, e.g. '{"method": "ngram",
+    "num_speculative_tokens": 4}'; methods ngram (prompt_lookup_min/max), draft_model,
+    eagle and eagle3 (with "model"). None: off."""
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -213,6 +218,15 @@ class EngineArgs:
             platform=platform.name,
             attention_backend=self.attention_backend,
             structured_outputs_backend=self.structured_outputs_backend,
+        )
+        config = replace(
+            config,
+            speculative=parse_speculative_config(
+                self.speculative_config,
+                config.model,
+                max_num_batched_tokens,
+                lambda what, name, revision: _resolve_path(what, name, revision),
+            ),
         )
         config = configure(config, platform)
         platform.bind_config(config)
