@@ -48,6 +48,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    reads_host_lengths = False  # kernels read lengths on the device; max_* are bounds
 
     @staticmethod
     def kv_cache_shape(
