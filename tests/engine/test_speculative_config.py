@@ -125,5 +125,5 @@ def test_a_draft_that_cannot_serve_the_target_fails_at_start_up(checkpoints) -> 
         _config(
             checkpoints, {"method": "ngram", "num_speculative_tokens": 8}, max_num_batched_tokens=8
         )
-    with pytest.raises(ValueError, match="Draft model .* not found"):
+    with pytest.raises(ValueError, match=r"Draft model .* not found"):
         _config(checkpoints, {"model": "/no/such/dir", "num_speculative_tokens": 2})
