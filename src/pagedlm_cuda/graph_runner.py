@@ -3,7 +3,7 @@
 A decode step launches a few hundred small kernels; replaying them as one graph removes
 the per-launch CPU cost, which dominates at small batches. A graph is keyed by (requests,
 tokens per request): every request of a step it replays feeds the same number of tokens
-(1 for decode; 1 + k for speculative verification, once a backend can capture that).
+(1 for decode; 1 + k for speculative verification, where the backend captures it).
 
 Everything a captured forward reads lives in the model runner's persistent step buffers
 (``pagedlm.worker.step_inputs``): the runner fills them for the padded batch, then
@@ -69,7 +69,11 @@ class CudaGraphRunner(GraphRunner):
         """Graphs for ``pagedlm.worker.model_runner.ModelRunner``, or None when its
         attention backend captures no step shape."""
         backend = runner.attn_backend
-        query_lens = tuple(q for q in (1,) if backend.supports_graph(q))
+        wanted = [1]
+        speculative = getattr(runner.config, "speculative", None)
+        if speculative is not None:  # verification steps: 1 + k tokens per request
+            wanted.append(1 + speculative.num_speculative_tokens)
+        query_lens = tuple(q for q in wanted if backend.supports_graph(q))
         if not query_lens:
             logger.info("CUDA graphs off: attention backend %s captures no step", backend.name)
             return None

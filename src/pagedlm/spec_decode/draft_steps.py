@@ -7,9 +7,13 @@ those forwards and builds their ``BatchLayout``: positions, lengths and slot map
 computed on the device from the positions and the batch's block table; the host copies
 of the lengths are exact when the caller knows the positions, else upper bounds (for
 backends that read only device tensors, ``AttentionBackend.reads_host_lengths`` False).
+The buffers' addresses never change, so the platform can capture these forwards as graphs
+(``capture_inputs`` gives the padding-only step a capture runs over).
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -43,9 +47,12 @@ class DraftSteps:
         token_ids: torch.Tensor,
         positions: torch.Tensor,
         positions_host: np.ndarray,
+        padded_num_reqs: int | None = None,
     ) -> BatchLayout:
         """A step feeding ``token_ids[i]`` at ``positions[i]`` (device ``[m]`` each) for the
-        request in slot ``slots[i]``; ``positions_host``: the same, or upper bounds."""
+        request in slot ``slots[i]``; ``positions_host``: the same, or upper bounds. With
+        ``padded_num_reqs`` (a captured graph's size) the rows after the real ones are
+        padding: token 0 at position 0, no K/V written, nothing attended."""
         batch = self.batch
         num_reqs = len(positions_host)
         self.input_ids[:num_reqs] = token_ids
@@ -56,17 +63,41 @@ class DraftSteps:
         self.block_table[:num_reqs] = tables
         blocks = tables.gather(1, (positions // block_size).long()[:, None])[:, 0]
         self.slot_mapping[:num_reqs] = blocks * block_size + positions % block_size
-        lens = positions_host.astype(np.int32) + 1
+        rows = padded_num_reqs or num_reqs
+        self._pad(num_reqs, rows)
+        lens = np.zeros(rows, dtype=np.int32)
+        lens[:num_reqs] = positions_host + 1
+        return self._layout(rows, lens)
+
+    def capture_inputs(self, num_reqs: int, query_len: int) -> SimpleNamespace:
+        """``num_reqs`` padding rows: what a graph of that size is captured over (the
+        interface of ``StepInputBuilder.capture_inputs`` that graph runners use)."""
+        assert query_len == 1, "drafts are one token per request"
+        self._pad(0, num_reqs)
+        layout = self._layout(num_reqs, np.zeros(num_reqs, dtype=np.int32))
+        return SimpleNamespace(
+            input_ids=self.input_ids[:num_reqs], positions=self.positions[:num_reqs], layout=layout
+        )
+
+    def _pad(self, start: int, end: int) -> None:
+        if end > start:
+            self.input_ids[start:end] = 0
+            self.positions[start:end] = 0
+            self.seq_lens[start:end] = 0
+            self.slot_mapping[start:end] = -1
+            self.block_table[start:end] = 0
+
+    def _layout(self, rows: int, lens: np.ndarray) -> BatchLayout:
         return BatchLayout(
-            num_reqs=num_reqs,
-            num_tokens=num_reqs,
+            num_reqs=rows,
+            num_tokens=rows,
             max_query_len=1,
             max_seq_len=int(lens.max(initial=0)),
-            block_size=block_size,
-            query_start_loc=self.query_start_loc[: num_reqs + 1],
-            seq_lens=self.seq_lens[:num_reqs],
-            block_table=self.block_table[:num_reqs],
-            slot_mapping=self.slot_mapping[:num_reqs],
-            query_start_loc_cpu=self._arange[: num_reqs + 1].copy(),
+            block_size=self.batch.block_size,
+            query_start_loc=self.query_start_loc[: rows + 1],
+            seq_lens=self.seq_lens[:rows],
+            block_table=self.block_table[:rows],
+            slot_mapping=self.slot_mapping[:rows],
+            query_start_loc_cpu=self._arange[: rows + 1].copy(),
             seq_lens_cpu=lens,
         )

@@ -18,6 +18,7 @@ from torch import nn
 
 from pagedlm.attention.backend import BatchLayout
 from pagedlm.config import ModelConfig
+from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.layers.attention import model_kv_heads
 from pagedlm.model_executor.loader import check_all_loaded, iter_model_weights
 from pagedlm.model_executor.models.eagle import Eagle3LlamaHead, EagleLlamaHead
@@ -77,6 +78,10 @@ class EagleProposer(ModelDrafter):
         embedding = head.embed_tokens
         self.embed = embedding if embedding is not None else target.model.decoder.embed_tokens
         self._output: torch.Tensor | None = None
+        hidden_buffer = torch.zeros(
+            (batch.max_num_reqs, arch.hidden_size), dtype=target.dtype, device=batch.device
+        )
+        self._step = _EagleStep(head, self.embed, hidden_buffer)
         if self.eagle3:
             self._capture_aux_hidden(layers, arch.raw, target)
 
@@ -141,14 +146,31 @@ class EagleProposer(ModelDrafter):
         self.decode(requests, drafts, 1, drafts[:, 0], output, -2, self._draft_step)
         return drafts, tensor_to_device(torch.from_numpy(requests.num_drafts), device)
 
+    @property
+    def step_module(self) -> nn.Module:
+        return self._step
+
     def _draft_step(
-        self,
-        layout: BatchLayout,
-        token_ids: torch.Tensor,
-        positions: torch.Tensor,
-        hidden: torch.Tensor | None,
+        self, layout: BatchLayout, num_reqs: int, hidden: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert hidden is not None
-        ids, step_positions = self.step_inputs(layout)
-        output = self.head(self.embed(ids), hidden, step_positions, self.context(layout))
+        self._step.hidden[:num_reqs] = hidden
+        output = self.forward_step(layout, num_reqs)
         return self._draft(output), output
+
+
+class _EagleStep(nn.Module):
+    """One draft forward over persistent buffers: ``hidden`` holds each row's hidden
+    input (the head's previous output), filled before the call or the graph's replay."""
+
+    def __init__(self, head: nn.Module, embed: nn.Module, hidden: torch.Tensor) -> None:
+        super().__init__()
+        self.head = head
+        self.embed = embed
+        self.hidden = hidden
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        num_tokens = input_ids.shape[0]
+        return self.head(self.embed(input_ids), self.hidden[:num_tokens], positions, ctx)

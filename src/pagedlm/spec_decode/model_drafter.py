@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from pagedlm.attention.backend import AttentionBackend, BatchLayout
 from pagedlm.kv_cache.interface import KVCache, kv_bytes_per_block
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.platforms import Platform
+from pagedlm.platforms.interface import GraphRunner
 from pagedlm.sample.host_copy import tensor_to_device
 from pagedlm.spec_decode.draft_steps import DraftSteps
 from pagedlm.spec_decode.proposer import Allocate, ProposalRequests, Proposer
@@ -40,11 +42,10 @@ class TargetParts:
 
 
 DraftStep = Callable[
-    [BatchLayout, torch.Tensor, torch.Tensor, torch.Tensor | None],
-    tuple[torch.Tensor, torch.Tensor | None],
+    [BatchLayout, int, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]
 ]
-"""``(layout, token_ids [n], positions [n], hidden [n, H] | None) -> (next draft [n],
-hidden for the next forward | None)``: one draft forward."""
+"""``(layout, n, hidden [n, H] | None) -> (next draft [n], hidden for the next forward |
+None)``: one draft forward over the first ``n`` rows of ``layout`` (the rest padding)."""
 
 
 class ModelDrafter(Proposer):
@@ -64,6 +65,40 @@ class ModelDrafter(Proposer):
         self.kv_shape = (num_layers, num_kv_heads, head_dim)
         self.steps = DraftSteps(batch)
         self.kv_cache: KVCache | None = None
+        self.graphs: GraphRunner | None = None
+
+    @property
+    def step_module(self) -> nn.Module:
+        """``(input_ids, positions, ctx) -> hidden``: one draft forward over the persistent
+        step buffers (what graphs capture)."""
+        raise NotImplementedError
+
+    def capture_graphs(self, runner: object) -> None:
+        """Capture the draft forwards through the platform's graph hooks (they see this
+        proposer as a model runner of one token per request)."""
+        config = runner.config  # type: ignore[attr-defined]
+        drafts = SimpleNamespace(
+            model=self.step_module,
+            kv_cache=self.kv_cache,
+            attn_backend=self.attn_backend,
+            step_inputs=self.steps,
+            config=SimpleNamespace(scheduler=config.scheduler, speculative=None),
+        )
+        self.graphs = self.target.platform.capture_graphs(drafts)
+
+    def forward_step(self, layout: BatchLayout, num_reqs: int) -> torch.Tensor:
+        """The step module over ``layout`` (from a graph when it is padded to one), the
+        first ``num_reqs`` rows of its output."""
+        if (
+            self.graphs is not None
+            and self.graphs.padded_num_reqs(layout.num_reqs, 1) == layout.num_reqs
+        ):
+            return self.graphs.run(layout)[:num_reqs]
+        ids, positions = (
+            self.steps.input_ids[: layout.num_reqs],
+            self.steps.positions[: layout.num_reqs],
+        )
+        return self.step_module(ids, positions, self.context(layout))[:num_reqs]
 
     def kv_bytes_per_block(self) -> int:
         num_layers, num_kv_heads, head_dim = self.kv_shape
@@ -108,14 +143,14 @@ class ModelDrafter(Proposer):
                 hidden = None if hidden is None else hidden[keep]
             num_tokens_host = requests.num_tokens_host[active]
             positions = num_tokens + position_offset + j
+            padded = None if self.graphs is None else self.graphs.padded_num_reqs(len(active), 1)
             layout = self.steps.layout(
-                slots, token_ids, positions.to(torch.int32), num_tokens_host + position_offset + j
+                slots,
+                token_ids,
+                positions.to(torch.int32),
+                num_tokens_host + position_offset + j,
+                padded,
             )
-            token_ids, hidden = step(layout, token_ids, positions, hidden)
+            token_ids, hidden = step(layout, len(active), hidden)
             drafts[tensor_to_device(torch.from_numpy(active), device), j] = token_ids
         return drafts
-
-    def step_inputs(self, layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """The persistent token ids and positions a ``decode`` forward reads."""
-        num_reqs = layout.num_reqs
-        return self.steps.input_ids[:num_reqs], self.steps.positions[:num_reqs]

@@ -89,6 +89,10 @@ class Proposer(ABC):
     def initialize_kv_cache(self, num_blocks: int, allocate: Allocate) -> None:  # noqa: B027
         """Allocate its own KV for ``num_blocks`` blocks (the target's block ids)."""
 
+    def capture_graphs(self, runner: object) -> None:  # noqa: B027
+        """Capture its forwards as graphs, where the platform replays graphs; ``runner``
+        is the model runner (its ``config`` and persistent ``step_inputs``)."""
+
     def admit(self, data: NewRequestData, slot: int) -> None:  # noqa: B027
         """A request (re)admitted into ``slot``."""
 

@@ -188,6 +188,7 @@ class ModelRunner:
         )
         if self.platform.supports_cuda_graphs and not self.enforce_eager:
             self.graph_runner = self.platform.capture_graphs(self)
+            self.speculator.capture_graphs(self)
 
     # ---- one step -------------------------------------------------------------------
 

@@ -77,6 +77,11 @@ class Speculator:
         if self.proposer is not None:
             self.proposer.initialize_kv_cache(num_blocks, allocate)
 
+    def capture_graphs(self, runner: object) -> None:
+        """Let the proposer capture its forwards (the platform replays graphs)."""
+        if self.proposer is not None:
+            self.proposer.capture_graphs(runner)
+
     def admit(self, scheduler_output: SchedulerOutput) -> None:
         """Requests (re)admitted this step hold no drafts yet."""
         if self.proposer is None or not scheduler_output.scheduled_new_reqs:
