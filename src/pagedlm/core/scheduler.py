@@ -291,6 +291,8 @@ class OneBudgetScheduler(Scheduler):
         """Slots for a running request's tokens, plus the drafts it verifies and the slots
         its proposer writes ahead when they fit too (drafts never cost a preemption);
         records the drafts in ``spec``. None: even the tokens alone do not fit."""
+        if not self.speculation.enabled:  # the common case: nothing more than the tokens
+            return self.kv_manager.allocate_slots(request, num_new_tokens)
         drafts: list[int] = []
         num_proposals = 0
         if num_new_tokens == 1:  # decoding: only its last sampled token is left to feed
