@@ -17,7 +17,6 @@ from pagedlm.model_executor.layers.linear_base import LinearBase
 
 logger = logging.getLogger(__name__)
 
-_PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 _BATCH_SIZE_HINT = 32
 """oneDNN picks its blocking for this many rows; measured fastest for 1..256 rows."""
 
@@ -37,21 +36,40 @@ class OneDnnLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def prepack_linears(model: nn.Module) -> int:
-    """Give every packable linear layer of ``model`` a oneDNN kernel; returns how many.
+def weight_uses(model: nn.Module) -> Counter[int]:
+    """How many modules hold each parameter (by id): a tied table counts twice."""
+    return Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
 
-    The plain weight of a layer is released once packed (the packed copy is the only one
-    used from then on), unless another module shares it (a tied embedding).
-    """
+
+def release_weight(module: LinearBase, uses: Counter[int]) -> None:
+    """Drop a layer's float weight once its kernel holds its own copy, unless another module
+    shares it (a tied embedding still looks its rows up)."""
+    if uses[id(module.weight)] == 1:
+        module.weight.data = module.weight.data.new_empty(0)
+
+
+def _packable(dtype: torch.dtype) -> bool:
+    # oneDNN reorders bf16 weights only where the CPU has AVX512 or AVX-NE-CONVERT.
+    return dtype == torch.float32 or (
+        dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Give every packable linear layer of ``model`` that has no kernel yet a oneDNN one;
+    returns how many. The plain weight of a layer is released once packed."""
     if not onednn_available():
         logger.info("oneDNN is not available in this torch build; using F.linear.")
         return 0
-    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    uses = weight_uses(model)
     count = 0
     for module in model.modules():
-        if isinstance(module, LinearBase) and module.weight.dtype in _PACKABLE_DTYPES:
+        if (
+            isinstance(module, LinearBase)
+            and module.kernel is None
+            and _packable(module.weight.dtype)
+        ):
             module.set_kernel(OneDnnLinear(module.weight, module.linear_bias))
-            if uses[id(module.weight)] == 1:
-                module.weight.data = module.weight.data.new_empty(0)
+            release_weight(module, uses)
             count += 1
     return count

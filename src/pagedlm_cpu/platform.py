@@ -2,16 +2,37 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pagedlm.platforms import Platform
 
+if TYPE_CHECKING:
+    from pagedlm.config import EngineConfig, ModelConfig
+
+logger = logging.getLogger(__name__)
+
 KVCACHE_SPACE_ENV = "PAGEDLM_CPU_KVCACHE_SPACE"
 """GiB the KV cache may take on CPU (like vLLM's VLLM_CPU_KVCACHE_SPACE); default 4."""
+DEQUANTIZE_GGUF_ENV = "PAGEDLM_CPU_DEQUANTIZE_GGUF"
+"""Set to 1 to compute GGUF models with dequantized weights (the parity reference) instead
+of the file's quantized blocks."""
+INT4_MAX_ROWS_ENV = "PAGEDLM_CPU_INT4_MAX_ROWS"
+"""Input rows up to which quantized layers use the int4 kernel (default
+``quantized_linear.DEFAULT_MAX_ROWS``); above, they dequantize and call F.linear."""
+
+
+def has_native_bf16() -> bool:
+    """True where the CPU computes bf16 in hardware (AVX512-BF16 or AMX): there bf16 GEMMs
+    run at twice the float32 rate and move half the bytes. Elsewhere torch emulates them,
+    and at batch sizes past a few rows they are slower than float32."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private torch API
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
 
 def _available_memory_bytes() -> int | None:
@@ -37,14 +58,67 @@ class CpuPlatform(Platform):
         # float16 matmuls on CPU are slow or missing in many torch builds.
         return (torch.float32, torch.bfloat16)
 
+    _model_config: ModelConfig | None = None
+
     def default_dtype(self, config_dtype: torch.dtype | None) -> torch.dtype:
-        # Like vLLM's CPU backend, run half-precision checkpoints in float32 unless asked.
-        return torch.float32 if config_dtype != torch.bfloat16 else torch.bfloat16
+        # For speed within the parity bounds, whatever the checkpoint says: bf16 where the
+        # hardware has it, float32 elsewhere (float16 matmuls are slow on most CPUs).
+        if has_native_bf16():
+            logger.info("CPU dtype: bfloat16 (native bf16 in this CPU); dtype= overrides it.")
+            return torch.bfloat16
+        logger.info(
+            "CPU dtype: float32 (this CPU has no native bf16: no AVX512-BF16 or AMX); "
+            "dtype='bfloat16' overrides it."
+        )
+        return torch.float32
+
+    def bind_config(self, config: EngineConfig) -> None:
+        self._model_config = config.model
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         from pagedlm_cpu.linear import prepack_linears
+        from pagedlm_cpu.threads import configure_threads
 
-        prepack_linears(model)
+        logger.info("CPU threads: %s", configure_threads().describe())
+        quantized = self._install_quantized_kernels(model)
+        packed = prepack_linears(model)
+        logger.info(
+            "CPU linear layers: %d on the GGUF file's quantized blocks (int4 kernel), %d dense "
+            "on oneDNN (%s=1 computes on dequantized weights).",
+            quantized,
+            packed,
+            DEQUANTIZE_GGUF_ENV,
+        )
+
+    def _install_quantized_kernels(self, model: torch.nn.Module) -> int:
+        """Give the layers of a GGUF model int4 kernels over the file's blocks; how many."""
+        config = self._model_config
+        if (
+            config is None
+            or not config.is_gguf
+            or config.load_format == "dummy"
+            or config.quantization is not None
+            or os.environ.get(DEQUANTIZE_GGUF_ENV, "0") not in ("", "0")
+        ):
+            return 0
+        from pagedlm.model_executor.loader.gguf_quantized import gguf_linear_blocks
+        from pagedlm_cpu.quantized_linear import (
+            DEFAULT_MAX_ROWS,
+            install_int4_kernels,
+            int4_kernel_available,
+        )
+
+        if not int4_kernel_available():
+            logger.info("This torch build has no CPU int4 kernel; GGUF weights stay dequantized.")
+            return 0
+        try:
+            max_rows = int(os.environ.get(INT4_MAX_ROWS_ENV, DEFAULT_MAX_ROWS))
+        except ValueError:
+            raise ValueError(
+                f"{INT4_MAX_ROWS_ENV} must be a whole number of rows, "
+                f"got {os.environ[INT4_MAX_ROWS_ENV]!r}."
+            ) from None
+        return install_int4_kernels(model, gguf_linear_blocks(model, config.model), max_rows)
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         # numpy's zeros comes from calloc: the OS hands out zero pages lazily, so a

@@ -5,9 +5,10 @@ the per-launch CPU cost, which dominates at small batches. A graph is keyed by (
 tokens per request): every request of a step it replays feeds the same number of tokens
 (1 for decode; 1 + k for speculative verification, where the backend captures it).
 
-Everything a captured forward reads lives in the model runner's persistent step buffers
-(``pagedlm.worker.step_inputs``): the runner fills them for the padded batch, then
-``run`` replays. Which query lengths can be captured, and the metadata a capture holds,
+Everything a captured step reads lives in the model runner's persistent step buffers
+(``pagedlm.worker.step_inputs``): the runner copies the step's layout and gather indices
+there for the padded batch, then ``run`` replays the gathers (input ids, slot mapping, block
+tables from the input batch's tables) and the forward. Which query lengths can be captured, and the metadata a capture holds,
 are the attention backend's to say (``supports_graph``, ``build_graph_metadata``,
 ``prepare_graph_replay``); this module knows no backend. A batch of ``n`` requests runs in
 the smallest captured size ``>= n``; padding rows write no K/V (slot -1) and attend to
@@ -111,12 +112,18 @@ class CudaGraphRunner(GraphRunner):
         layout = replace(inputs.layout, max_query_len=query_len, max_seq_len=self.max_model_len)
         metadata = self.attn_backend.build_graph_metadata(layout)
         ctx = ForwardContext(self.attn_backend, metadata, self.kv_cache)
+
+        def step() -> torch.Tensor:
+            # The step's gathers from the input batch's tables, then the forward.
+            self.step_inputs.gather(inputs)
+            return self.model(inputs.input_ids, inputs.positions, ctx)
+
         with torch.inference_mode():
-            self.model(inputs.input_ids, inputs.positions, ctx)  # compiles, warms allocators
+            step()  # compiles, warms allocators
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+                hidden = step()
         return _Captured(graph, hidden, metadata)
 
     def padded_num_reqs(self, num_reqs: int, query_len: int) -> int | None:

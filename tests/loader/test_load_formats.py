@@ -115,10 +115,14 @@ def test_safetensors_format_refuses_a_gguf(tmp_path: Path) -> None:
         EngineArgs(model=str(gguf_file), load_format="safetensors").create_engine_config()
 
 
-def test_dtype_auto_follows_the_config_and_float32_on_request(tmp_path: Path) -> None:
+def test_dtype_auto_follows_the_cpu_and_float32_on_request(tmp_path: Path) -> None:
+    # On CPU "auto" means bf16 where the hardware has it, float32 elsewhere, whatever the
+    # checkpoint's dtype (tests/cpu/test_cpu_dtype.py covers both kinds of CPU).
+    from pagedlm_cpu.platform import has_native_bf16
+
     transformers.LlamaConfig(**TINY, dtype="bfloat16").save_pretrained(tmp_path)
     config, _ = EngineArgs(model=str(tmp_path), load_format="dummy").create_engine_config()
-    assert config.model.dtype == torch.bfloat16
+    assert config.model.dtype == (torch.bfloat16 if has_native_bf16() else torch.float32)
     config, _ = EngineArgs(
         model=str(tmp_path), load_format="dummy", dtype="float32"
     ).create_engine_config()

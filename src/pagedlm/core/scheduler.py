@@ -58,8 +58,8 @@ A request that could never fit (``prompt + max_tokens`` tokens need more than
 ``num_blocks`` blocks) is rejected in ``add_request`` instead of waiting forever.
 
 Progress bookkeeping: ``schedule()`` advances ``num_computed_tokens`` of every scheduled
-request by its scheduled count right after building the ``SchedulerOutput`` (whose
-entries carry the values *before* the step). ``update_from_output`` then only appends
+request by its scheduled count as soon as the request's step data is recorded (which
+carries the value *before* the step). ``update_from_output`` then only appends
 sampled tokens and applies stops. A request whose prompt is still partially prefilled
 has ``num_computed_tokens < num_tokens`` and samples nothing.
 """
@@ -188,35 +188,56 @@ class OneBudgetScheduler(Scheduler):
         cached_reqs = CachedRequestData()
         new_reqs: list[NewRequestData] = []
         preempted: list[Request] = []
+        constrained: list[str] = []
         spec = StepDrafts()
         if not self.running:
             self.grammars.wait_while_idle(self.waiting)
         self.speculation.begin_step(len(self.running))
 
+        # The running pass is the per-request hot loop of every step: locals, no helpers
+        # on the common path (a decode whose blocks already hold its next slot).
+        running, allocate_slots = self.running, self.kv_manager.allocate_slots
+        cached_ids, cached_blocks, cached_computed = (
+            cached_reqs.req_ids,
+            cached_reqs.new_block_ids,
+            cached_reqs.num_computed_tokens,
+        )
+        speculating = self.speculation.enabled
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        while index < len(running) and budget > 0:
+            request = running[index]
             index += 1
-            if self._finishes_in_flight(request):
+            placeholders = request.num_output_placeholders
+            if placeholders and self._finishes_in_flight(request):
                 continue
-            num_new_tokens = min(
-                request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
-                budget,
-            )
+            num_tokens = len(request.all_token_ids) + placeholders
+            computed = request.num_computed_tokens
+            num_new_tokens = min(num_tokens - computed, budget)
             if num_new_tokens <= 0:
                 continue
-            new_block_ids = self._allocate_with_drafts(request, num_new_tokens, budget, spec)
+            if speculating:
+                new_block_ids = self._allocate_with_drafts(request, num_new_tokens, budget, spec)
+            else:
+                new_block_ids = allocate_slots(request, num_new_tokens)
             if new_block_ids is None:
                 new_block_ids = self._allocate_or_preempt(request, num_new_tokens, preempted)
-            if new_block_ids is None:
-                spec.discard(request)
-                break  # the request preempted itself; everything after it is gone too
-            cached_reqs.req_ids.append(request.request_id)
-            cached_reqs.new_block_ids.append(new_block_ids)
-            cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
-            num_new_tokens += request.num_scheduled_drafts
-            num_scheduled[request.request_id] = num_new_tokens
-            budget -= num_new_tokens
+                if new_block_ids is None:
+                    spec.discard(request)
+                    break  # the request preempted itself; everything after it is gone too
+            request_id = request.request_id
+            cached_ids.append(request_id)
+            cached_blocks.append(new_block_ids)
+            cached_computed.append(computed)
+            num_drafts = request.num_scheduled_drafts  # 0 unless speculating
+            num_scheduled[request_id] = num_new_tokens + num_drafts
+            budget -= num_new_tokens + num_drafts
+            request.num_computed_tokens = computed + num_new_tokens + num_drafts
+            if computed + num_new_tokens >= num_tokens:
+                # This step samples its next token, and as many more as drafts it accepts:
+                # placeholders until update_from_output.
+                request.num_output_placeholders = placeholders + 1 + num_drafts
+                if request.sampling_params.structured_outputs is not None:
+                    constrained.append(request_id)
 
         compiling: list[Request] = []
         while (
@@ -246,17 +267,9 @@ class OneBudgetScheduler(Scheduler):
             )
             num_scheduled[request.request_id] = num_new_tokens
             budget -= num_new_tokens
+            self._advance(request, num_new_tokens, constrained)
         self.waiting.extendleft(reversed(compiling))
 
-        constrained: list[str] = []
-        for request_id, num_tokens in num_scheduled.items():
-            request = self.requests[request_id]
-            request.num_computed_tokens += num_tokens
-            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
-                # This step samples its next token, and as many more as drafts it accepts.
-                request.num_output_placeholders += 1 + request.num_scheduled_drafts
-                if request.sampling_params.structured_outputs is not None:
-                    constrained.append(request_id)
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -273,6 +286,20 @@ class OneBudgetScheduler(Scheduler):
         if num_scheduled:
             self.num_model_steps += 1
         return output
+
+    @staticmethod
+    def _advance(request: Request, num_new_tokens: int, constrained: list[str]) -> None:
+        """Count an admitted request's tokens as computed (its step data already carries
+        where they start); if the step samples its next token, that token is a
+        placeholder until ``update_from_output``. (The running pass inlines this.)"""
+        request.num_computed_tokens += num_new_tokens
+        if (
+            request.num_computed_tokens
+            >= len(request.all_token_ids) + request.num_output_placeholders
+        ):
+            request.num_output_placeholders += 1
+            if request.sampling_params.structured_outputs is not None:
+                constrained.append(request.request_id)
 
     def _finishes_in_flight(self, request: Request) -> bool:
         """Whether the token a launched step samples for ``request`` is its last by length,
@@ -291,8 +318,6 @@ class OneBudgetScheduler(Scheduler):
         """Slots for a running request's tokens, plus the drafts it verifies and the slots
         its proposer writes ahead when they fit too (drafts never cost a preemption);
         records the drafts in ``spec``. None: even the tokens alone do not fit."""
-        if not self.speculation.enabled:  # the common case: nothing more than the tokens
-            return self.kv_manager.allocate_slots(request, num_new_tokens)
         drafts: list[int] = []
         num_proposals = 0
         if num_new_tokens == 1:  # decoding: only its last sampled token is left to feed
@@ -378,54 +403,69 @@ class OneBudgetScheduler(Scheduler):
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         max_model_len = self.config.max_model_len
+        scheduled = scheduler_output.num_scheduled_tokens
         scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
         speculating = self.speculation.enabled
+        all_logprobs = runner_output.logprobs
+        all_prompt_logprobs = runner_output.prompt_logprobs
         for req_id, sampled in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, strict=True
         ):
             request = self.requests.get(req_id)
-            if request is None or req_id not in scheduler_output.num_scheduled_tokens:
+            if request is None or req_id not in scheduled:
                 continue  # finished or aborted after this step was scheduled
-            if sampled and speculating:
-                num_drafts = len(scheduled_drafts.get(req_id, ()))
-                request.num_output_placeholders -= 1 + num_drafts
-                request.num_computed_tokens -= self.speculation.on_sampled(
-                    request, num_drafts, len(sampled), runner_output.draft_token_ids.get(req_id)
-                )
-            elif sampled:
-                request.num_output_placeholders -= 1
-            constrained = request.sampling_params.structured_outputs is not None
-            if sampled and constrained:
-                sampled = self.grammars.check_failed(request, sampled)
-            new_token_ids = append_token_ids(request, sampled, max_model_len) if sampled else []
-            if new_token_ids and constrained and not request.is_finished:
-                del new_token_ids[self.grammars.advance(request, new_token_ids) :]
-            prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
-            if prompt_logprobs is not None:
+            new_token_ids: list[int] = []
+            if sampled:
+                if speculating:
+                    num_drafts = len(scheduled_drafts.get(req_id, ()))
+                    request.num_output_placeholders -= 1 + num_drafts
+                    request.num_computed_tokens -= self.speculation.on_sampled(
+                        request, num_drafts, len(sampled), runner_output.draft_token_ids.get(req_id)
+                    )
+                else:
+                    request.num_output_placeholders -= 1
+                if request.sampling_params.structured_outputs is None:
+                    new_token_ids = append_token_ids(request, sampled, max_model_len)
+                else:
+                    new_token_ids = self._append_constrained(request, sampled, max_model_len)
+            prompt_logprobs = None
+            if all_prompt_logprobs and req_id in all_prompt_logprobs:
                 prompt_logprobs = _unreported_prompt_logprobs(
-                    request, scheduler_output, prompt_logprobs
+                    request, scheduler_output, all_prompt_logprobs[req_id]
                 )
-            if not new_token_ids and not request.is_finished and prompt_logprobs is None:
+            finished = request.status >= RequestStatus.FINISHED_STOPPED
+            if not new_token_ids and not finished and prompt_logprobs is None:
                 continue
-            logprobs = runner_output.logprobs.get(req_id)
+            logprobs = all_logprobs.get(req_id) if all_logprobs else None
             if logprobs is not None and len(new_token_ids) < len(logprobs.token_ids):
                 logprobs = _truncate(logprobs, len(new_token_ids))
-            if request.is_finished:
+            if finished:
                 self._remove_from_queues(request)
                 self._finish(request)
             outputs.append(
                 EngineCoreOutput(
-                    req_id=req_id,
-                    new_token_ids=new_token_ids,
-                    finish_reason=request.status.finish_reason,
-                    stop_reason=request.stop_reason,
-                    new_logprobs=logprobs,
-                    new_prompt_logprobs=prompt_logprobs,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                    queued_seconds=request.queued_seconds,
+                    req_id,
+                    new_token_ids,
+                    request.status.finish_reason,
+                    request.stop_reason,
+                    logprobs,
+                    prompt_logprobs,
+                    max(request.num_cached_tokens, 0),
+                    request.queued_seconds,
                 )
             )
         return outputs
+
+    def _append_constrained(
+        self, request: Request, sampled: list[int], max_model_len: int
+    ) -> list[int]:
+        """Append a structured-output request's tokens and advance its grammar."""
+        sampled = self.grammars.check_failed(request, sampled)
+        new_token_ids = append_token_ids(request, sampled, max_model_len) if sampled else []
+        if new_token_ids and not request.is_finished:
+            # Tokens after one that ends the grammar (an accepted run of drafts) are dropped.
+            del new_token_ids[self.grammars.advance(request, new_token_ids) :]
+        return new_token_ids
 
     def _remove_from_queues(self, request: Request) -> None:
         """Take ``request`` out of ``running``, or of ``waiting`` where a schedule made while

@@ -65,6 +65,11 @@ class CompletionState:
         """Whether any engine-core output reached this child yet."""
         self._sent_tokens = 0
         self._sent_text = 0
+        self._ids_only = detokenizer is None and not (
+            logprobs.wants_logprobs or logprobs.wants_prompt_logprobs
+        )
+        """No text and no logprobs to keep: an update only appends ids (the common case
+        of offline benchmarks and ``skip_tokenizer_init``)."""
 
     @property
     def finished(self) -> bool:
@@ -72,6 +77,14 @@ class CompletionState:
 
     def update(self, output: EngineCoreOutput) -> UpdateResult:
         """Fold one step's engine-core output into this completion."""
+        if self._ids_only:
+            self.has_output = True
+            if output.num_cached_tokens > self.num_cached_tokens:
+                self.num_cached_tokens = output.num_cached_tokens
+            self.token_ids += output.new_token_ids
+            if output.finish_reason is not None:
+                self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
+            return UpdateResult(bool(output.new_token_ids) or self.finished, False)
         self.has_output = True
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         self.logprobs.add_prompt_rows(output.new_prompt_logprobs)

@@ -36,13 +36,18 @@ class DraftModelProposer(ModelDrafter):
     def capture_graphs(self, runner: object) -> None:
         super().capture_graphs(runner)
         # Its forward over each step's own tokens replays from graphs over the runner's
-        # step buffers, at the shapes the target's graphs have.
+        # step buffers, at the shapes the target's graphs have. The target's step has
+        # gathered those buffers already (and its sampling may since have overwritten the
+        # token table's drafts), so these graphs gather nothing.
+        step_inputs = runner.step_inputs  # type: ignore[attr-defined]
         self.observe_graphs = self.target.platform.capture_graphs(
             SimpleNamespace(
                 model=self.model,
                 kv_cache=self.kv_cache,
                 attn_backend=self.attn_backend,
-                step_inputs=runner.step_inputs,  # type: ignore[attr-defined]
+                step_inputs=SimpleNamespace(
+                    capture_inputs=step_inputs.capture_inputs, gather=lambda inputs: None
+                ),
                 config=runner.config,  # type: ignore[attr-defined]
             )
         )

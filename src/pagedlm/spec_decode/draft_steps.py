@@ -79,6 +79,10 @@ class DraftSteps:
             input_ids=self.input_ids[:num_reqs], positions=self.positions[:num_reqs], layout=layout
         )
 
+    def gather(self, inputs: object) -> None:
+        """Nothing to gather before a replay: ``layout`` writes the buffers itself (the
+        interface of ``StepInputBuilder.gather`` that graph runners call)."""
+
     def _pad(self, start: int, end: int) -> None:
         if end > start:
             self.input_ids[start:end] = 0

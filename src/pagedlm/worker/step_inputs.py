@@ -8,10 +8,12 @@ indices. The device gathers the input ids from ``InputBatch.token_ids`` (so the 
 step in flight samples arrive without the host) and the slot mapping and per-row block
 tables from ``InputBatch.block_table``.
 
-Every tensor the model reads lives at a fixed address (a prefix of a persistent buffer),
-so a CUDA graph captured over these buffers replays any later step of its shape. A step
-run from a graph of ``padded_num_reqs`` rows gets padding rows: one token each at position
-0, no K/V written (slot -1), ``seq_len`` 0, the batch's padding block-table row.
+Every tensor the model reads, and every index the gathers read, lives at a fixed address (a
+prefix of a persistent buffer), so a CUDA graph captured over these buffers replays any
+later step of its shape, the gathers included: a step run from a graph leaves them to the
+graph (``StepInputBuilder.gather``), so the host queues two copies and a replay. A step run
+from a graph of ``padded_num_reqs`` rows gets padding rows: as many tokens each as a real
+row, at position 0, no K/V written (slot -1), ``seq_len`` 0, the padding block-table row.
 
 Speculative decoding: a verifying request feeds its last sampled token and ``k`` drafts
 (already in its row of the token table) and produces logits at all ``1 + k`` positions.
@@ -20,7 +22,8 @@ accepted (``SchedulerOutput.num_drafts_in_flight``); that step's rejections are 
 device only. The builder then either waits for them and corrects on the host, when the
 attention backend plans from the host lengths or a sampling row needs its exact output
 count (penalties, ``min_tokens``), or corrects positions, lengths and gather indices on
-the device (``spec_positions.py``), leaving the host lengths as upper bounds.
+the device (``spec_positions.py``), leaving the host lengths as upper bounds; the gathers
+(in a graph or not) read the corrected indices.
 """
 
 from __future__ import annotations
@@ -79,6 +82,9 @@ class StepInputs:
     upper bound unless ``exact_lengths``."""
     padded_num_reqs: int | None
     """The captured graph size this step runs at, or None (eager)."""
+    gather_indices: torch.Tensor
+    """The device index buffer ``gather`` reads (see ``_Sections``)."""
+    sections: _Sections
     exact_lengths: bool = True
     """False when in-flight rejections were subtracted on the device only: the device
     positions and lengths are right, the host ``seq_lens`` (and the layout's) too long."""
@@ -107,7 +113,12 @@ class StepInputBuilder:
         self._layout = HostToDevice(
             self._positions_at + max_num_tokens, torch.int32, device, fixed=True
         )
-        self._indices = HostToDevice(8 * max_num_tokens, torch.int32, device)
+        # token, block and offset indices for every token, then per row: slots, sampled
+        # rows, in-flight flags and sampled indices; logits rows and prompt-logprob targets
+        # are at most one per token each (a sampling row is never a prompt-logprob row).
+        self._indices = HostToDevice(
+            5 * max_num_tokens + 4 * max_reqs, torch.int32, device, fixed=True
+        )
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
         self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(
@@ -242,7 +253,6 @@ class StepInputBuilder:
                 batch.block_size,
             )
         batch.flush()
-        self._gather(sections, indices)
 
         max_query_len = int(num_new.max(initial=0))
         layout = BatchLayout(
@@ -258,7 +268,7 @@ class StepInputBuilder:
             query_start_loc_cpu=qsl.copy(),
             seq_lens_cpu=lens.copy(),
         )
-        return StepInputs(
+        step = StepInputs(
             req_ids=req_ids,
             states=states,
             input_ids=self.input_ids[:total],
@@ -273,8 +283,13 @@ class StepInputBuilder:
             padded_num_reqs=padded_num_reqs,
             num_drafts=num_drafts,
             token_index=sections.view(indices, "token"),
+            gather_indices=indices,
+            sections=sections,
             exact_lengths=in_flight is None,
         )
+        if padded_num_reqs is None:
+            self.gather(step)
+        return step
 
     def _stage_layout(
         self,
@@ -342,9 +357,12 @@ class StepInputBuilder:
         host[sections.length :] = prompt_target_index
         return self._indices.copy(sections.length + len(prompt_target_index))
 
-    def _gather(self, sections: _Sections, indices: torch.Tensor) -> None:
-        """Input ids, slot mapping and per-row block tables from the batch's tables."""
+    def gather(self, step: StepInputs) -> None:
+        """Queue the gathers of ``step``'s input ids, slot mapping and per-row block tables
+        from the batch's tables. ``build`` runs them for an eager step; a captured graph
+        runs them itself (they read and write only persistent buffers)."""
         batch = self.batch
+        sections, indices = step.sections, step.gather_indices
         total, rows = sections.total, sections.rows
         torch.index_select(
             batch.token_ids.view(-1), 0, sections.view(indices, "token"), out=self.input_ids[:total]

@@ -293,28 +293,54 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return paired.transpose(1, 2).reshape(weight.shape)
 
 
-def iter_gguf_weights(path: str, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` in HF layout, one tensor at a time, in file order.
+RowFix = Callable[[torch.Tensor], torch.Tensor]
+"""Reorders the rows of a tensor read from the file into HF order (any trailing shape)."""
 
-    Quantized tensors are dequantized; for llama the q/k projections are un-permuted with
-    ``arch.num_attention_heads`` / ``arch.num_key_value_heads``; Gemma norms lose their +1;
-    configuration tensors (Phi-3's rope factors) are skipped. ``lm_head.weight`` appears
-    only when the file has an ``output.weight`` (otherwise the embeddings are tied).
+
+def _no_fix(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def iter_gguf_entries(
+    header: GGUFHeader, arch: ArchConfig
+) -> Iterator[tuple[str, GGUFTensorInfo, RowFix]]:
+    """``(hf_name, info, fix_rows)`` for every weight tensor of the file, in file order.
+
+    ``fix_rows`` undoes llama's q/k row permutation (with ``arch.num_attention_heads`` /
+    ``arch.num_key_value_heads``) and is the identity elsewhere; it applies to anything
+    with one row per weight row (values, quantization codes, per-row block scales).
+    Configuration tensors (Phi-3's rope factors) are skipped.
     """
-    header = read_gguf_header(path)
     architecture = _check_architecture(header)
     spec = GGUF_ARCHITECTURES[architecture]
     heads = {"attn_q": arch.num_attention_heads, "attn_k": arch.num_key_value_heads}
+    for info in header.tensors.values():
+        if info.name in spec.config_tensors:
+            continue
+        kind = info.name.split(".")[-2]
+        fix: RowFix = _no_fix
+        if spec.permuted_qk and info.name.startswith("blk.") and kind in heads:
+            num_heads = heads[kind]
+
+            def fix(tensor: torch.Tensor, num_heads: int = num_heads) -> torch.Tensor:
+                return unpermute_rotary_rows(tensor, num_heads)
+
+        yield hf_tensor_name(info.name, architecture), info, fix
+
+
+def iter_gguf_weights(path: str, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` in HF layout, one tensor at a time, in file order.
+
+    Quantized tensors are dequantized; rows are fixed as ``iter_gguf_entries`` says; Gemma
+    norms lose their +1. ``lm_head.weight`` appears only when the file has an
+    ``output.weight`` (otherwise the embeddings are tied).
+    """
+    header = read_gguf_header(path)
+    spec = GGUF_ARCHITECTURES[_check_architecture(header)]
     with open(path, "rb", buffering=0) as file:
-        for info in header.tensors.values():
-            if info.name in spec.config_tensors:
-                continue
-            name = hf_tensor_name(info.name, architecture)
-            tensor = read_gguf_tensor(file, info, path)
-            kind = info.name.split(".")[-2]
-            if spec.permuted_qk and info.name.startswith("blk.") and kind in heads:
-                tensor = unpermute_rotary_rows(tensor, heads[kind])
-            if spec.norm_offset and kind.endswith("norm"):
+        for name, info, fix_rows in iter_gguf_entries(header, arch):
+            tensor = fix_rows(read_gguf_tensor(file, info, path))
+            if spec.norm_offset and info.name.split(".")[-2].endswith("norm"):
                 tensor = tensor - spec.norm_offset
             yield name, tensor
             del tensor
@@ -328,6 +354,7 @@ __all__ = [
     "GGUFTensorInfo",
     "gguf_arch_config",
     "hf_tensor_name",
+    "iter_gguf_entries",
     "iter_gguf_weights",
     "read_gguf_header",
     "unpermute_rotary_rows",

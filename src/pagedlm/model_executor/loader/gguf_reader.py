@@ -145,12 +145,11 @@ def read_gguf_header(path: str) -> GGUFHeader:
     return GGUFHeader(path=path, version=version, metadata=metadata, tensors=tensors)
 
 
-def read_gguf_tensor(file: BinaryIO, info: GGUFTensorInfo, path: str) -> torch.Tensor:
-    """One tensor as float32 in HF shape, dequantized from any type ``gguf`` understands.
+def read_gguf_raw(file: BinaryIO, info: GGUFTensorInfo, path: str) -> tuple[np.ndarray, str]:
+    """One tensor's bytes exactly as stored (uint8) and its GGML type name (``"Q4_1"``).
 
-    Reads the tensor's bytes with a plain ``readinto`` (no memory map), so the bytes of
-    tensors already loaded do not stay resident: loading peaks at the model plus about
-    two float32 copies of the largest tensor.
+    Reads with a plain ``readinto`` (no memory map), so the bytes of tensors already
+    loaded do not stay resident.
     """
     import gguf
 
@@ -173,6 +172,18 @@ def read_gguf_tensor(file: BinaryIO, info: GGUFTensorInfo, path: str) -> torch.T
         raise ValueError(
             f"{path} is truncated (tensor {info.name} runs past the end); download it again."
         )
+    return raw, qtype.name
+
+
+def read_gguf_tensor(file: BinaryIO, info: GGUFTensorInfo, path: str) -> torch.Tensor:
+    """One tensor as float32 in HF shape, dequantized from any type ``gguf`` understands.
+
+    Loading peaks at the model plus about two float32 copies of the largest tensor.
+    """
+    import gguf
+
+    raw, type_name = read_gguf_raw(file, info, path)
+    qtype = gguf.GGMLQuantizationType[type_name]
     if qtype == gguf.GGMLQuantizationType.F32:
         return torch.from_numpy(raw.view(np.float32).reshape(info.shape))
     byte_shape = gguf.quant_shape_to_byte_shape(info.shape, qtype)

@@ -1,0 +1,164 @@
+"""GGUF block quantization in affine form: integer codes, and a scale and a minimum per 32.
+
+Every type handled here stores a tensor row as blocks of 32 weights (or super-blocks of 256
+made of eight 32-weight sub-blocks) whose values are ``scale * code + minimum`` with one
+``scale`` and one ``minimum`` per 32 weights and an unsigned integer ``code``:
+
+| type | code bits | scale | minimum |
+| --- | --- | --- | --- |
+| Q4_0 | 4 | d | -8 d |
+| Q4_1 | 4 | d | m |
+| Q5_0 | 5 | d | -16 d |
+| Q5_1 | 5 | d | m |
+| Q8_0 | 8 (the int8 value + 128) | d | -128 d |
+| Q4_K | 4 | d * sc[j] | -dmin * m[j] |
+| Q5_K | 5 | d * sc[j] | -dmin * m[j] |
+
+That is the form weight-only quantized matmul kernels take (torch's int4 kernels compute
+``(code - 8) * scale + zero`` per group of 32), so a kernel can use the file's own codes
+instead of re-quantizing dequantized weights. ``scale * code + minimum`` in float32 gives
+exactly what ``gguf.dequantize`` gives: every product is exact in float32 (an 11-bit float16
+scale, or a float16 times a 6-bit sub-scale, times a code of at most 8 bits), and the one
+addition rounds the same way. Types whose groups are not 32 weights (Q2_K, Q3_K, Q6_K use
+16) or that are not affine (IQ*) have no such form: ``decode_blocks`` returns None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+GROUP_SIZE = 32
+"""Weights sharing one scale and one minimum."""
+
+
+@dataclass(frozen=True)
+class AffineBlocks:
+    """``w[r, c] = scales[r, c // 32] * codes[r, c] + mins[r, c // 32]`` for a [rows, cols] tensor."""
+
+    codes: torch.Tensor
+    """uint8 [rows, cols]."""
+    scales: torch.Tensor
+    """float32 [rows, cols // 32]."""
+    mins: torch.Tensor
+    """float32 [rows, cols // 32]."""
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [rows, cols]: the values these blocks stand for."""
+        rows, cols = self.codes.shape
+        grouped = self.codes.view(rows, -1, GROUP_SIZE).float()
+        return (grouped * self.scales[..., None] + self.mins[..., None]).view(rows, cols)
+
+
+_Decoded = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""(codes [blocks, elements], scales and mins [blocks, elements // 32]), per block."""
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Two bytes per block as float16 -> float32 [blocks, 1]."""
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, groups: int) -> np.ndarray:
+    """[blocks, groups * 16] bytes -> [blocks, groups * 32] codes: in each run of 16 bytes
+    the low nibbles are elements 0..15 and the high nibbles elements 16..31."""
+    split = qs.reshape(qs.shape[0], groups, 1, 16) >> np.array([0, 4], np.uint8)[:, None]
+    return (split & 0x0F).reshape(qs.shape[0], -1)
+
+
+def _high_bits_32(qh: np.ndarray) -> np.ndarray:
+    """[blocks, 4] bytes (a little-endian uint32) -> [blocks, 32] bit i as 0 or 16."""
+    bits = np.ascontiguousarray(qh).view(np.uint32) >> np.arange(32, dtype=np.uint32)
+    return ((bits & 1) << 4).astype(np.uint8)
+
+
+def _q4_0(blocks: np.ndarray) -> _Decoded:
+    d = _f16(blocks[:, :2])
+    return _nibbles(blocks[:, 2:], 1), d, -8 * d
+
+
+def _q4_1(blocks: np.ndarray) -> _Decoded:
+    return _nibbles(blocks[:, 4:], 1), _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+
+
+def _q5_0(blocks: np.ndarray) -> _Decoded:
+    d = _f16(blocks[:, :2])
+    return _nibbles(blocks[:, 6:], 1) | _high_bits_32(blocks[:, 2:6]), d, -16 * d
+
+
+def _q5_1(blocks: np.ndarray) -> _Decoded:
+    codes = _nibbles(blocks[:, 8:], 1) | _high_bits_32(blocks[:, 4:8])
+    return codes, _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+
+
+def _q8_0(blocks: np.ndarray) -> _Decoded:
+    d = _f16(blocks[:, :2])
+    codes = (np.ascontiguousarray(blocks[:, 2:]).view(np.int8).astype(np.int16) + 128).astype(
+        np.uint8
+    )
+    return codes, d, -128 * d
+
+
+def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K super-block header -> per-sub-block scale and minimum [blocks, 8]."""
+    import gguf
+
+    d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    sub_scales, sub_mins = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+    sub_scales = sub_scales.reshape(blocks.shape[0], 8).astype(np.float32)
+    sub_mins = sub_mins.reshape(blocks.shape[0], 8).astype(np.float32)
+    return d * sub_scales, -(dmin * sub_mins)
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """[blocks, 128] -> [blocks, 256]: each 32 bytes hold sub-block 2c in their low nibbles
+    and 2c + 1 in their high nibbles."""
+    split = qs.reshape(qs.shape[0], 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
+    return (split & 0x0F).reshape(qs.shape[0], -1)
+
+
+def _q4_k(blocks: np.ndarray) -> _Decoded:
+    scales, mins = _k_scales(blocks)
+    return _k_nibbles(blocks[:, 16:]), scales, mins
+
+
+def _q5_k(blocks: np.ndarray) -> _Decoded:
+    scales, mins = _k_scales(blocks)
+    # Bit j of qh[l] is the fifth bit of element l of sub-block j.
+    qh = blocks[:, 16:48].reshape(blocks.shape[0], 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
+    high = ((qh & 1) << 4).reshape(blocks.shape[0], -1)
+    return _k_nibbles(blocks[:, 48:]) | high, scales, mins
+
+
+_DECODERS: dict[str, Callable[[np.ndarray], _Decoded]] = {
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q8_0": _q8_0,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+}
+AFFINE_TYPES = tuple(_DECODERS)
+"""GGUF types with an affine form (groups of 32)."""
+
+
+def decode_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> AffineBlocks | None:
+    """The affine form of one tensor's bytes (``raw``: uint8, the tensor's data in file
+    order), or None when ``type_name`` has none. ``shape``: [rows, cols] in HF order."""
+    decoder = _DECODERS.get(type_name)
+    if decoder is None:
+        return None
+    import gguf
+
+    rows, cols = shape
+    _, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    codes, scales, mins = decoder(raw.reshape(-1, type_size))
+    return AffineBlocks(
+        codes=torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, cols)),
+        scales=torch.from_numpy(np.ascontiguousarray(scales, np.float32).reshape(rows, -1)),
+        mins=torch.from_numpy(np.ascontiguousarray(mins, np.float32).reshape(rows, -1)),
+    )

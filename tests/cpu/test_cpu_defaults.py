@@ -1,0 +1,60 @@
+"""CPU defaults: dtype by native bf16 support, one thread per core given, one OpenMP pool."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+import torch
+
+from pagedlm_cpu import platform as cpu_platform
+from pagedlm_cpu import threads
+
+
+@pytest.mark.parametrize(("native", "expected"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_dtype_is_bf16_only_with_native_bf16(monkeypatch, caplog, native, expected):
+    monkeypatch.setattr(cpu_platform, "has_native_bf16", lambda: native)
+    with caplog.at_level(logging.INFO, logger="pagedlm_cpu.platform"):
+        # Whatever the checkpoint says: float16 and bf16 checkpoints alike.
+        for config_dtype in (None, torch.float16, torch.bfloat16):
+            assert cpu_platform.CpuPlatform().default_dtype(config_dtype) == expected
+    assert f"CPU dtype: {str(expected).removeprefix('torch.')}" in caplog.text
+    assert "overrides it" in caplog.text
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_the_pool_is_sized_to_the_cores_given(monkeypatch, restore_threads):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "cores_given", lambda: 1)
+    torch.set_num_threads(2)
+    report = threads.configure_threads()
+    assert torch.get_num_threads() == 1
+    assert report.torch_threads == 1 and report.cores_given == 1 and not report.set_by_user
+    assert "1 torch threads (the cores given" in report.describe()
+
+
+def test_omp_num_threads_is_the_users_choice(monkeypatch, restore_threads):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setattr(threads, "cores_given", lambda: 1)
+    torch.set_num_threads(2)
+    report = threads.configure_threads()
+    assert torch.get_num_threads() == 2 and report.set_by_user
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_one_openmp_runtime_is_loaded_and_a_second_is_reported(
+    monkeypatch, caplog, restore_threads
+):
+    torch.ones(64).sum()  # the pool exists once torch has run a parallel op
+    assert len(threads.loaded_openmp_runtimes()) == 1
+    monkeypatch.setattr(threads, "loaded_openmp_runtimes", lambda: ("gomp", "iomp5"))
+    with caplog.at_level(logging.WARNING, logger="pagedlm_cpu.threads"):
+        threads.configure_threads()
+    assert "Several OpenMP runtimes are loaded (gomp, iomp5)" in caplog.text

@@ -1,0 +1,86 @@
+"""The GGUF file's blocks routed into each linear layer's layout (stacked, un-permuted, tied)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_gguf import tiny_causal_lm, write_gguf
+
+from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.model_executor.layers.linear_base import LinearBase
+from pagedlm.model_executor.loader import load_model
+from pagedlm.model_executor.loader.gguf_quantized import gguf_linear_blocks
+
+# One type per 2-D tensor, in state-dict order: embed, then q k v o gate up down per layer,
+# then lm_head. Layer 0 mixes types inside qkv (v in Q6_K, which has no affine form) and
+# inside gate_up (Q4_0 + Q4_1); the LM head is F16.
+MIXED = [
+    "Q8_0",
+    *("Q4_K", "Q4_K", "Q6_K", "Q5_K", "Q4_0", "Q4_1", "Q5_0"),
+    *("Q5_1", "Q8_0", "Q4_1", "Q4_K", "Q5_K", "Q8_0", "Q4_0"),
+    "F16",
+]
+
+
+def _load(tmp_path: Path, qtypes, tie: bool, dtype: str = "float32"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # Rows of 256 so that K-quants (256-weight super-blocks) fit.
+    _, hf_model = tiny_causal_lm(
+        LlamaConfig,
+        LlamaForCausalLM,
+        hidden_size=256,
+        intermediate_size=512,
+        vocab_size=64,
+        tie_word_embeddings=tie,
+    )
+    state_dict = dict(hf_model.state_dict())
+    if tie:
+        state_dict.pop("lm_head.weight")
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, "llama", hf_model.config, state_dict, qtypes, tokenizer_pre=None)
+    config, _ = EngineArgs(model=str(path), dtype=dtype, platform="cpu").create_engine_config()
+    return load_model(config.model, torch.device("cpu")), str(path)
+
+
+def _linears(model) -> dict[str, LinearBase]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, LinearBase)}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_layer_gets_its_blocks_and_the_weights_stay(tmp_path, dtype):
+    model, path = _load(tmp_path, ["Q8_0", "Q4_0", "Q5_1", "Q4_K"], tie=False, dtype=dtype)
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    found = gguf_linear_blocks(model, path)
+    assert set(found) == set(_linears(model))  # qkv and gate_up included, and the LM head
+    for name, module in _linears(model).items():
+        blocks = found[name]
+        assert blocks.codes.shape == module.weight.shape
+        assert torch.equal(blocks.dequantize().to(module.weight.dtype), module.weight)
+    # The stand-ins are gone: same parameters, same values.
+    after = dict(model.named_parameters())
+    assert set(after) == set(before)
+    assert all(torch.equal(after[name], value) for name, value in before.items())
+
+
+def test_a_tied_head_gets_the_embedding_blocks(tmp_path):
+    model, path = _load(tmp_path, "Q8_0", tie=True)
+    found = gguf_linear_blocks(model, path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert "lm_head" in found
+    assert torch.equal(found["lm_head"].dequantize(), model.lm_head.weight)
+    assert int(found["lm_head"].codes.max()) > 15  # 8-bit codes
+
+
+def test_layers_fed_by_a_type_without_affine_form_are_left_out(tmp_path):
+    model, path = _load(tmp_path, MIXED, tie=False)
+    found = gguf_linear_blocks(model, path)
+    assert "model.layers.0.self_attn.qkv_proj" not in found  # v_proj is Q6_K
+    assert "lm_head" not in found  # F16
+    expected = set(_linears(model)) - {"model.layers.0.self_attn.qkv_proj", "lm_head"}
+    assert set(found) == expected
+    for name in expected:
+        weight = _linears(model)[name].weight
+        assert torch.equal(found[name].dequantize(), weight)
