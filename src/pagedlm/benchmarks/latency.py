@@ -63,20 +63,19 @@ def transformers_latency(model_dir: str, prompt: list[int], batch: int, output_l
     return elapsed
 
 
+def random_prompts(args: argparse.Namespace) -> list[list[int]]:
+    """``--batch-size`` prompts of ``--input-len`` random ids (seeded)."""
+    rng = random.Random(0)
+    return [[rng.randint(0, 10000) for _ in range(args.input_len)] for _ in range(args.batch_size)]
+
+
 def run(args: argparse.Namespace) -> dict[str, float]:
     from pagedlm import SamplingParams
 
-    rng = random.Random(0)
-    prompts = [
-        [rng.randint(0, 10000) for _ in range(args.input_len)] for _ in range(args.batch_size)
-    ]
+    prompts = random_prompts(args)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
     if args.spec_acceptance is not None:
-        batches = [
-            ([{"prompt_token_ids": [i] + p[1:]} for p in prompts], i >= args.num_iters_warmup)
-            for i in range(args.num_iters_warmup + args.num_iters)
-        ]
-        return spec_acceptance.run(args, batches, params)
+        return spec_acceptance.run(args, prompts, params)
     llm, model_dir = build_llm(args)
     # Prefix caching would turn every timed run after the first into a cache hit, so
     # each run changes the prompts' first token.

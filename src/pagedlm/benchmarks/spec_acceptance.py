@@ -1,27 +1,55 @@
-"""``pagedlm bench latency --speculative-config ... --spec-acceptance A``: speculative
-decoding's machinery measured at a known acceptance rate.
+"""Speculative decoding's machinery measured at a known acceptance rate, against no
+speculation, with random weights.
 
-Random weights make any real proposer's acceptance meaningless, so this runs the
-benchmark's prompts twice in one process: first without speculation (timed, and its greedy
-continuations kept), then with the benchmarks' "acceptance" proposer, which drafts those
-continuations and corrupts each drafted token with probability ``1 - A``. Greedy
-verification then accepts a run of drafts ending at the first corrupted one, so a step
-yields ``(1 - A^(k+1)) / (1 - A)`` tokens on average (the ideal speedup, before the cost of
-a verification step over a plain one, which is measured too).
+Random weights make any real proposer's acceptance meaningless, so each comparison runs
+the prompts first without speculation (timed, their greedy continuations kept), then with
+the benchmarks' "acceptance" proposer, which drafts those continuations and corrupts each
+drafted token with probability ``1 - A``. Greedy verification accepts a run of drafts
+ending at the first corrupted one, so a step yields ``(1 - A^(k+1)) / (1 - A)`` tokens on
+average. The ideal speedup is that divided by the measured cost of a verification step
+over a plain one (decode steps only: each engine also times the prompts' prefill alone,
+``max_tokens=1``, and that time and step are taken off).
+
+Two entry points:
+
+- ``pagedlm bench latency --speculative-config '{"num_speculative_tokens": 4}'
+  --spec-acceptance 1.0``: one comparison on the latency benchmark's prompts;
+- ``python -m pagedlm.benchmarks.spec_acceptance --output-json out.json``: every H200
+  target of speculative decoding in one call, written to a JSON file after each target:
+  ``acceptance`` (Llama-3-8B shape, bf16, batch 1, 1024 in / 256 out; A = 1.0 with k = 4,
+  A = 0.7 with k = 3) and ``w1`` (the nano-vllm throughput run with n-gram speculation
+  against without). Flags it does not know go to every engine (``--enforce-eager``, ...).
+
+Every engine runs in a process of its own (spawned), so the next one gets all of the
+device's memory; ``--in-process`` keeps them in this one (tests, CPU).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import dataclasses
 import json
+import multiprocessing
 import os
+import shlex
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from pagedlm.benchmarks.common import build_llm
+
+ACCEPTANCE_ARGS = (
+    "--model llama-3-8b --batch-size 1 --input-len 1024 --output-len 256 --num-iters 3"
+)
+ACCEPTANCE_CASES = "1.0:4,0.7:3"
+W1_ARGS = "--dataset nanovllm --model qwen3-0.6b"
+W1_SPECULATIVE_CONFIG = '{"method": "ngram", "num_speculative_tokens": 4}'
+PREFILL_OFFSET = 10000
+"""The prefill-only runs' prompts start with ``PREFILL_OFFSET + i``, so no run of either
+kind hits the prefix cache of another."""
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -35,86 +63,199 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _timed_runs(llm, batches: list[list[dict]], params) -> tuple[list[float], list, int]:
-    """(seconds per timed run, the outputs of every run, model steps of the timed runs)."""
-    times, outputs = [], []
-    scheduler = llm.llm_engine.engine_core.scheduler
-    steps = 0
-    for batch, timed in batches:
-        before = scheduler.num_model_steps
-        start = time.perf_counter()
-        outputs.append(llm.generate(batch, params, use_tqdm=False))
-        if timed:
-            times.append(time.perf_counter() - start)
-            steps += scheduler.num_model_steps - before
-    return times, outputs, steps
-
-
-def _release(llm) -> None:
-    llm.llm_engine.shutdown()
-    del llm
-    gc.collect()
+def _measure(args: argparse.Namespace, prompts: list[list[int]], params: Any) -> dict[str, Any]:
+    """One engine over ``args.num_iters_warmup + args.num_iters`` runs of ``prompts`` (run
+    ``i`` starts each prompt with token ``i``), each timed run also as a prefill alone."""
+    llm, _ = build_llm(args)
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.scheduler
+    prefill = dataclasses.replace(params, max_tokens=1)
+    figures: dict[str, Any] = {"times": [], "steps": 0, "prefill_times": [], "prefill_steps": 0}
+    pairs = []
     try:
-        import torch
+        for i in range(args.num_iters_warmup + args.num_iters):
+            for offset, run_params, key in ((0, params, ""), (PREFILL_OFFSET, prefill, "prefill_")):
+                batch = [{"prompt_token_ids": [i + offset] + p[1:]} for p in prompts]
+                before = scheduler.num_model_steps
+                start = time.perf_counter()
+                outputs = llm.generate(batch, run_params, use_tqdm=False)
+                if i >= args.num_iters_warmup:
+                    figures[key + "times"].append(time.perf_counter() - start)
+                    figures[key + "steps"] += scheduler.num_model_steps - before
+                if not offset:
+                    pairs += [
+                        [r["prompt_token_ids"], list(o.outputs[0].token_ids)]
+                        for r, o in zip(batch, outputs)
+                    ]
+        stats = engine.engine_core.make_stats().spec_decoding
+    finally:
+        engine.shutdown()
+    figures["pairs"] = pairs
+    figures["mean_acceptance_length"] = stats.mean_acceptance_length if stats else 1.0
+    return figures
 
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
+
+def _call(in_process: bool, fn: Callable[..., dict], *fn_args: Any) -> dict:
+    """``fn(*fn_args)`` here, or in a fresh process whose exit frees the device."""
+    if in_process:
+        return fn(*fn_args)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *fn_args).result()
 
 
-def run(args: argparse.Namespace, batches: list[tuple[list[dict], bool]], params) -> dict[str, Any]:
-    """``batches``: (prompts, timed?) per run, warm-up first; returns the figures."""
+def _decode_seconds_per_step(run: dict[str, Any]) -> float:
+    decode = statistics.mean(run["times"]) - statistics.mean(run["prefill_times"])
+    return decode / max(1, run["steps"] - run["prefill_steps"])
+
+
+def compare(
+    args: argparse.Namespace,
+    prompts: list[list[int]],
+    params: Any,
+    cases: list[tuple[float, int]],
+    in_process: bool = False,
+) -> dict[str, Any]:
+    """No speculation, then the acceptance proposer at each ``(A, k)`` of ``cases``."""
+    plain = _call(in_process, _measure, _with(args, speculative_config=None), prompts, params)
+    plain_s = statistics.mean(plain["times"])
+    result: dict[str, Any] = {"plain_s": plain_s, "plain_steps": plain["steps"], "cases": []}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
+        json.dump(plain["pairs"], file)
+    try:
+        for rate, k in cases:
+            config = {
+                "method": "acceptance",
+                "num_speculative_tokens": k,
+                "acceptance_rate": rate,
+                "reference_path": file.name,
+                "disable_by_batch_size": None,
+                "min_acceptance_rate": 0,  # the machinery at this rate, never switched off
+            }
+            spec_args = _with(args, speculative_config=config)
+            spec = _call(in_process, _measure, spec_args, prompts, params)
+            result["cases"].append(_figures(plain, spec, rate, k))
+    finally:
+        os.unlink(file.name)
+    return result
+
+
+def _figures(plain: dict, spec: dict, rate: float, k: int) -> dict[str, Any]:
+    plain_s, spec_s = statistics.mean(plain["times"]), statistics.mean(spec["times"])
+    step_cost = _decode_seconds_per_step(spec) / _decode_seconds_per_step(plain)
+    expected = (k + 1) if rate == 1 else (1 - rate ** (k + 1)) / (1 - rate)
+    plain_decode = plain_s - statistics.mean(plain["prefill_times"])
+    spec_decode = spec_s - statistics.mean(spec["prefill_times"])
+    figures = {
+        "acceptance_rate": rate,
+        "num_speculative_tokens": k,
+        "spec_s": spec_s,
+        "spec_steps": spec["steps"],
+        "speedup": plain_s / spec_s,
+        "decode_speedup": plain_decode / spec_decode,
+        "mean_acceptance_length": spec["mean_acceptance_length"],
+        "expected_acceptance_length": expected,
+        "verify_step_cost": step_cost,
+        "ideal_speedup": expected / step_cost,
+        "greedy_identical": spec["pairs"] == plain["pairs"],
+    }
+    figures["fraction_of_ideal"] = figures["decode_speedup"] / figures["ideal_speedup"]
+    figures["fraction_of_ideal_end_to_end"] = figures["speedup"] / figures["ideal_speedup"]
+    print(
+        f"speculative decoding at acceptance {rate} with k={k}: {figures['speedup']:.2f}x the "
+        f"tokens/s without speculation ({plain_s:.3f} s -> {spec_s:.3f} s per run; decode "
+        f"alone {figures['decode_speedup']:.2f}x); mean acceptance length "
+        f"{figures['mean_acceptance_length']:.2f} (expected {expected:.2f}); a verification "
+        f"step costs {step_cost:.2f}x a plain one, so the ideal is "
+        f"{figures['ideal_speedup']:.2f}x: {figures['fraction_of_ideal']:.0%} of it "
+        f"({figures['fraction_of_ideal_end_to_end']:.0%} end to end); greedy identical: "
+        f"{figures['greedy_identical']}",
+        flush=True,
+    )
+    return figures
+
+
+def _with(args: argparse.Namespace, **changes: Any) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), **changes})
+
+
+def run(args: argparse.Namespace, prompts: list[list[int]], params: Any) -> dict[str, Any]:
+    """``pagedlm bench latency --spec-acceptance A``: one comparison at the configured k."""
     spec = args.speculative_config
     if not spec:
         raise SystemExit("error: --spec-acceptance needs --speculative-config (for its k).")
     if isinstance(spec, str):
         spec = json.loads(spec)
     k = int(spec.get("num_speculative_tokens", 0))
-    rate = args.spec_acceptance
-    llm, _ = build_llm(argparse.Namespace(**{**vars(args), "speculative_config": None}))
-    plain_times, outputs, plain_steps = _timed_runs(llm, batches, params)
-    _release(llm)
-    pairs = [
-        [request["prompt_token_ids"], out.outputs[0].token_ids]
-        for (batch, _), run_outputs in zip(batches, outputs)
-        for request, out in zip(batch, run_outputs)
-    ]
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
-        json.dump(pairs, file)
-    try:
-        config = {
-            "method": "acceptance",
-            "num_speculative_tokens": k,
-            "acceptance_rate": rate,
-            "reference_path": file.name,
-            "disable_by_batch_size": None,
-            "min_acceptance_rate": 0,  # measure the machinery at this rate, never off
-        }
-        llm, _ = build_llm(argparse.Namespace(**{**vars(args), "speculative_config": config}))
-        spec_times, _, spec_steps = _timed_runs(llm, batches, params)
-        stats = llm.llm_engine.engine_core.make_stats().spec_decoding
-        _release(llm)
-    finally:
-        os.unlink(file.name)
-    plain, speculative = statistics.mean(plain_times), statistics.mean(spec_times)
-    step_cost = (speculative / spec_steps) / (plain / plain_steps)
-    ideal = (k + 1) if rate == 1 else (1 - rate ** (k + 1)) / (1 - rate)
-    figures = {
-        "plain_s": plain,
-        "spec_s": speculative,
-        "speedup": plain / speculative,
-        "mean_acceptance_length": stats.mean_acceptance_length if stats else 1.0,
-        "verify_step_cost": step_cost,
-        "ideal_speedup": ideal / step_cost,
+    result = compare(args, prompts, params, [(args.spec_acceptance, k)])
+    return {**result["cases"][0], "plain_s": result["plain_s"]}
+
+
+def _acceptance_target(options: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
+    from pagedlm import SamplingParams
+    from pagedlm.benchmarks import latency
+
+    parser = argparse.ArgumentParser()
+    latency.add_args(parser)
+    args = parser.parse_args(shlex.split(options.acceptance_args) + extra)
+    prompts = latency.random_prompts(args)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
+    cases = [(float(a), int(k)) for a, k in (c.split(":") for c in options.cases.split(","))]
+    result = compare(args, prompts, params, cases, options.in_process)
+    for case in result["cases"]:
+        if case["acceptance_rate"] == 1.0 and case["num_speculative_tokens"] == 4:
+            case["target"], case["met"] = "speedup >= 4.2", case["speedup"] >= 4.2
+        elif case["acceptance_rate"] == 0.7 and case["num_speculative_tokens"] == 3:
+            case["target"] = "fraction_of_ideal >= 0.85"
+            case["met"] = case["fraction_of_ideal"] >= 0.85
+    return {"args": options.acceptance_args, **result}
+
+
+def _throughput(argv: list[str]) -> dict[str, Any]:
+    from pagedlm.benchmarks import throughput
+
+    parser = argparse.ArgumentParser()
+    throughput.add_args(parser)
+    return throughput.run(parser.parse_args(argv))
+
+
+def _w1_target(options: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
+    base = shlex.split(options.w1_args) + extra
+    plain = _call(options.in_process, _throughput, base)
+    spec_argv = [*base, "--speculative-config", options.w1_speculative_config]
+    spec = _call(options.in_process, _throughput, spec_argv)
+    ratio = spec["tok_per_s"] / plain["tok_per_s"]
+    print(f"W1 with speculation: {ratio:.1%} of the tokens/s without", flush=True)
+    return {
+        "args": options.w1_args,
+        "speculative_config": json.loads(options.w1_speculative_config),
+        "plain_tok_per_s": plain["tok_per_s"],
+        "spec_tok_per_s": spec["tok_per_s"],
+        "ratio": ratio,
+        "target": "ratio >= 0.97",
+        "met": ratio >= 0.97,
     }
-    figures["fraction_of_ideal"] = figures["speedup"] / figures["ideal_speedup"]
-    print(
-        f"speculative decoding at acceptance {rate} with k={k}: {figures['speedup']:.2f}x the "
-        f"tokens/s without speculation ({plain:.3f} s -> {speculative:.3f} s per run); mean "
-        f"acceptance length {figures['mean_acceptance_length']:.2f} (expected {ideal:.2f}); a "
-        f"verification step costs {step_cost:.2f}x a plain one, so the ideal is "
-        f"{figures['ideal_speedup']:.2f}x: {figures['fraction_of_ideal']:.0%} of it",
-        flush=True,
-    )
-    return figures
+
+
+TARGETS = {"acceptance": _acceptance_target, "w1": _w1_target}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--output-json", required=True, help="where the figures go")
+    parser.add_argument("--targets", default="acceptance,w1", help="(default: %(default)s)")
+    parser.add_argument("--acceptance-args", default=ACCEPTANCE_ARGS, help="latency flags")
+    parser.add_argument("--cases", default=ACCEPTANCE_CASES, help="A:k,... (%(default)s)")
+    parser.add_argument("--w1-args", default=W1_ARGS, help="throughput flags (%(default)s)")
+    parser.add_argument("--w1-speculative-config", default=W1_SPECULATIVE_CONFIG)
+    parser.add_argument("--in-process", action="store_true", help="no process per engine")
+    options, extra = parser.parse_known_args(argv)
+    results: dict[str, Any] = {}
+    for name in options.targets.split(","):
+        results[name] = TARGETS[name](options, extra)
+        with open(options.output_json, "w") as file:  # after each target: partial runs count
+            json.dump(results, file, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()
