@@ -267,6 +267,39 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is spread over processes and devices (vLLM's names).
+
+    One engine core drives ``world_size = tensor_parallel_size * pipeline_parallel_size``
+    workers, rank ``r`` on pipeline stage ``r // tensor_parallel_size``; with
+    ``data_parallel_size > 1`` that many engine cores run side by side, each with its own
+    scheduler, KV cache and workers, and this config belongs to replica
+    ``data_parallel_rank``.
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    enable_expert_parallel: bool = False
+    """Shard MoE experts whole across the tensor-parallel ranks instead of slicing each."""
+    distributed_executor_backend: str = "uni"
+    """The executor: "uni" (one worker in the engine's process), "mp" (a process per
+    rank), "ray" (Ray actors), or a plugin's name; resolved at the edge."""
+
+    @property
+    def world_size(self) -> int:
+        """Workers of one engine core."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def first_local_device(self) -> int:
+        """Index of this replica's first device on the node: replicas take consecutive
+        runs of ``world_size`` devices."""
+        return self.data_parallel_rank * self.world_size
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -275,8 +308,7 @@ class EngineConfig:
     """Name of the selected platform (resolved through the plugin registry)."""
     attention_backend: str | None = None
     """None: the platform's default attention backend."""
-    executor: str | None = None
-    """None: the platform's default executor ("uniproc")."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs_backend: str = "xgrammar"
     """Grammar backend for structured outputs: "xgrammar" or "outlines"."""
     speculative: SpeculativeConfig | None = None

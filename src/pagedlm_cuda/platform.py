@@ -180,5 +180,11 @@ class CudaPlatform(Platform):
 
         return CudaGraphRunner.for_model_runner(runner)
 
+    def device_count(self) -> int | None:
+        return torch.cuda.device_count()
+
+    def set_device(self, local_rank: int) -> None:
+        torch.cuda.set_device(local_rank)
+
     def synchronize(self) -> None:
         torch.cuda.synchronize()

@@ -5,6 +5,9 @@ from __future__ import annotations
 from pagedlm import hookimpl
 from pagedlm.plugins import BackendSpec, PlatformSpec
 
+PAGEDLM_CONTRACT_VERSION = "1.0"
+"""The plugin contract this package is built for (``pagedlm.plugins.contract``)."""
+
 
 def cuda_is_available() -> bool:
     """True for a CUDA (not HIP) build of torch that sees at least one device."""

@@ -9,7 +9,7 @@ import torch
 
 from pagedlm import hookimpl
 from pagedlm.platforms import Platform
-from pagedlm.plugins import BackendSpec, PlatformSpec
+from pagedlm.plugins import CONTRACT_VERSION, BackendSpec, PlatformSpec
 from pagedlm.plugins.registry import (
     PluginError,
     create_plugin_manager,
@@ -33,6 +33,8 @@ class FakePlatform(Platform):
 
 
 class FakePlugin:
+    PAGEDLM_CONTRACT_VERSION = CONTRACT_VERSION
+
     def __init__(self, priority: int = 0, available: bool = True) -> None:
         self.priority = priority
         self.available = available
@@ -54,6 +56,8 @@ class FakePlugin:
 
 
 class BrokenProbePlugin:
+    PAGEDLM_CONTRACT_VERSION = CONTRACT_VERSION
+
     @hookimpl
     def pagedlm_register_platforms(self):
         def probe():
@@ -75,7 +79,7 @@ def test_cpu_platform_found_through_entry_point():
     platform = select_platform(pm=pm)
     assert platform.name == "cpu"
     assert select_attention_backend(platform, pm=pm).name == "cpu_sdpa"
-    assert select_executor(platform, pm=pm).name == "uniproc"
+    assert select_executor(platform, pm=pm).name == "uni"
 
 
 def test_cuda_and_rocm_report_unavailable_here():
@@ -118,7 +122,7 @@ def test_unknown_and_unavailable_names_list_known_ones():
     pm.register(FakePlugin(available=False))
     with pytest.raises(PluginError, match=r"Unknown platform 'tpu'.*cpu \(available\)"):
         select_platform("tpu", pm=pm)
-    with pytest.raises(PluginError, match="'fake' is not available"):
+    with pytest.raises(PluginError, match="'fake' cannot be used: not available on this machine"):
         select_platform("fake", pm=pm)
     platform = select_platform("cpu", pm=pm)
     with pytest.raises(PluginError, match="known for this platform: cpu_sdpa"):
@@ -128,7 +132,9 @@ def test_unknown_and_unavailable_names_list_known_ones():
 def test_probe_failure_is_reported(caplog):
     pm = create_plugin_manager(autoload=True)
     pm.register(BrokenProbePlugin())
-    with pytest.raises(PluginError, match="driver exploded"):
+    with pytest.raises(
+        PluginError, match=r"'broken' cannot be used: its probe failed: .*driver exploded"
+    ):
         select_platform("broken", pm=pm)
     assert "driver exploded" in caplog.text
 
@@ -147,6 +153,8 @@ def test_configure_hook_runs_in_order():
     from dataclasses import replace
 
     class Shrink:
+        PAGEDLM_CONTRACT_VERSION = CONTRACT_VERSION
+
         def __init__(self, size: int) -> None:
             self.size = size
 

@@ -32,7 +32,9 @@ class BatchLayout:
       whose contents must not be read.
     - ``slot_mapping[t] = block * block_size + offset`` is where token ``t``'s K/V go;
       ``-1`` (a padding row of a captured graph) writes nothing. Padding rows have
-      ``seq_lens`` 0 and attend to nothing.
+      ``seq_lens`` 0 and attend to nothing; their outputs are never read. They occur only
+      in steps replayed from a captured graph, so only for query lengths the backend's
+      ``supports_graph`` accepts.
     - ``max_query_len``/``max_seq_len`` bound the query and sequence lengths (under a
       graph, the captured query length and ``max_model_len``).
     """
@@ -105,6 +107,9 @@ class AttentionBackend(ABC):
     """Computes causal attention over the paged KV cache for one flattened batch.
 
     Invariants:
+    - ``name`` equals the name of the ``BackendSpec`` that registers the class; the model
+      runner creates one instance (``cls(device)``) and uses it alone, so ``forward`` need
+      not be reentrant.
     - ``build_metadata`` runs once per step, never per layer.
     - ``forward`` first writes the step's new K/V into the cache at ``slot_mapping``, then
       reads. A request may therefore read blocks that another request of the same step
@@ -140,7 +145,11 @@ class AttentionBackend(ABC):
     def kv_cache_shape(
         num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
     ) -> tuple[int, ...]:
-        """Shape of one layer's key (and value) cache tensor."""
+        """Shape of one layer's key (and value) cache tensor, allocated zeroed by
+        ``Platform.zeros``. The first dimension is the block id (``TensorKVCache`` reads
+        ``num_blocks`` from it) and the tensor holds exactly ``num_blocks * block_size *
+        num_kv_heads * head_dim`` elements, as ``kv_bytes_per_block`` counts for KV
+        sizing; how a block's slots, heads and dims are laid out is the backend's."""
         return (num_blocks, block_size, num_kv_heads, head_dim)
 
     @abstractmethod

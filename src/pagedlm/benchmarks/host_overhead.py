@@ -136,8 +136,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
@@ -152,6 +151,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--profile", type=int, default=0, help="print cProfile's top N functions (default: off)"
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    add_args(parser)
     run(parser.parse_args(argv))
 
 

@@ -51,7 +51,9 @@ class EngineCore:
         selected through the plugin registry."""
         self.config = config
         if executor is None:
-            executor = select_executor(platform, config.executor)(config, platform)
+            executor = select_executor(platform, config.parallel.distributed_executor_backend)(
+                config, platform
+            )
         self.executor = executor
         num_blocks = self.executor.determine_num_kv_blocks()
         self.executor.initialize_kv_cache(num_blocks)

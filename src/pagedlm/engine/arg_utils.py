@@ -16,6 +16,7 @@ from pagedlm.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     parse_dtype,
     validate_fraction,
@@ -97,6 +98,23 @@ class EngineArgs:
     checkpoint's model code is never run."""
     structured_outputs_backend: str = "xgrammar"
     """Grammar backend for structured outputs: "xgrammar" or "outlines"."""
+    tensor_parallel_size: int = 1
+    """Ranks each layer's heads, MLP and vocabulary are split over (one all-reduce per
+    attention and per MLP block)."""
+    pipeline_parallel_size: int = 1
+    """Stages the layers are split over (intermediate activations go stage to stage)."""
+    data_parallel_size: int = 1
+    """Engine replicas, each with its own scheduler, KV cache and workers, behind one
+    front end that sends each request to the least loaded."""
+    data_parallel_rank: int = 0
+    """Which replica this engine is (set by the front end for each replica it starts)."""
+    enable_expert_parallel: bool = False
+    """Shard MoE experts whole over the tensor-parallel ranks instead of slicing each."""
+    distributed_executor_backend: str | None = None
+    """"uni" (one worker in the engine's process), "mp" (a worker process per rank), "ray"
+    (Ray actors, for several nodes) or a plugin's executor; None: "uni" for one worker,
+    "mp" for several on one node, "ray" when the node has too few devices or this process
+    is in a Ray placement group."""
     speculative_config: dict[str, Any] | str | None = None
     """Speculative decoding, vLLM's keys as a dict or JSON, e.g. '{"method": "ngram",
     "num_speculative_tokens": 4}'; methods ngram (prompt_lookup_min/max), draft_model,
@@ -125,8 +143,19 @@ class EngineArgs:
         from pagedlm.model_executor.models.registry import SUPPORTED_ARCHITECTURES
         from pagedlm.plugins.registry import configure, select_platform
 
-        for name in ("block_size", "max_num_seqs"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "data_parallel_size",
+        ):
             validate_positive(name, getattr(self, name), allow_none=False)
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank={self.data_parallel_rank} is outside 0 .. "
+                f"data_parallel_size - 1 = {self.data_parallel_size - 1}."
+            )
         for name in ("num_kv_blocks", "max_num_batched_tokens", "max_model_len"):
             validate_positive(name, getattr(self, name))
         validate_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
@@ -217,6 +246,7 @@ class EngineArgs:
             ),
             platform=platform.name,
             attention_backend=self.attention_backend,
+            parallel=self._parallel_config(arch, platform),
             structured_outputs_backend=self.structured_outputs_backend,
         )
         config = replace(
@@ -228,9 +258,38 @@ class EngineArgs:
                 lambda what, name, revision: _resolve_path(what, name, revision),
             ),
         )
+        if config.speculative is not None and config.parallel.pipeline_parallel_size > 1:
+            raise ValueError(
+                "speculative_config is not supported with pipeline_parallel_size > 1 (a "
+                "verification's accepted counts would have to reach every stage); drop one "
+                "of them."
+            )
         config = configure(config, platform)
         platform.bind_config(config)
         return config, platform
+
+    def _parallel_config(self, arch: ArchConfig, platform: Platform) -> ParallelConfig:
+        from pagedlm.distributed import setup_checks
+
+        world_size = self.tensor_parallel_size * self.pipeline_parallel_size
+        backend = setup_checks.resolve_executor_backend(
+            self.distributed_executor_backend, world_size, self.data_parallel_size, platform
+        )
+        setup_checks.check_worker_transport(backend)
+        if backend == "ray":
+            setup_checks.import_ray()
+        parallel = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            data_parallel_rank=self.data_parallel_rank,
+            enable_expert_parallel=self.enable_expert_parallel,
+            distributed_executor_backend=backend,
+        )
+        setup_checks.check_model_fits(arch, parallel)
+        setup_checks.check_devices(parallel, platform)
+        setup_checks.check_dist_backend(parallel, platform)
+        return parallel
 
     def _check_loading_options(self) -> None:
         from pagedlm.model_executor.loader import LOAD_FORMATS

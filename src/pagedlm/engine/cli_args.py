@@ -23,6 +23,13 @@ from pagedlm.engine.arg_utils import EngineArgs
 
 # Fields that the subcommands take as a positional argument as well as a flag.
 POSITIONAL_MODEL_DEST = "model_tag"
+SHORT_FLAGS = {
+    "tensor_parallel_size": "-tp",
+    "pipeline_parallel_size": "-pp",
+    "data_parallel_size": "-dp",
+    "data_parallel_rank": "-dpr",
+}
+"""vLLM's short spellings of the parallelism flags."""
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -103,6 +110,7 @@ def add_engine_args(
     group = parser.add_argument_group("engine arguments")
     for field in dataclasses.fields(EngineArgs):
         flag = "--" + field.name.replace("_", "-")
+        flags = (flag, SHORT_FLAGS[field.name]) if field.name in SHORT_FLAGS else (flag,)
         kind, nullable = _scalar_type(hints[field.name])
         default = field.default
         if default is dataclasses.MISSING and field.default_factory is not dataclasses.MISSING:
@@ -125,7 +133,7 @@ def add_engine_args(
                 f"EngineArgs.{field.name} has type {kind}, which the CLI cannot parse; use "
                 "bool, int, float or str (optionally | None)."
             )
-        group.add_argument(flag, type=converter, default=default, help=help_text)
+        group.add_argument(*flags, type=converter, default=default, help=help_text)
     return parser
 
 

@@ -25,6 +25,7 @@ import zmq
 
 from pagedlm.core.engine_core import EngineCore
 from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.data_parallel import make_engine_core
 from pagedlm.engine.messages import (
     AbortRequests,
     AddRequests,
@@ -156,7 +157,7 @@ def main(argv: list[str]) -> int:
     try:
         args = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineArgs)
         config, platform = args.create_engine_config()
-        core = EngineCore(config, platform)
+        core = make_engine_core(config, platform)  # one, or one per data-parallel replica
         output_socket.send(encoder.encode(Ready(core.num_kv_blocks, core.make_stats())))
         try:
             EngineCoreProc(core, input_socket, output_socket, parent_pid).run()

@@ -8,8 +8,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from pagedlm.config import EngineConfig
-from pagedlm.core.engine_core import EngineCore
 from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.data_parallel import make_engine_core
 from pagedlm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagedlm.engine.output_processor import OutputProcessor
 from pagedlm.metrics import EngineMetrics, Metric
@@ -36,7 +36,7 @@ class LLMEngine:
             config.scheduler.scheduling_policy,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCore(config, platform)
+        self.engine_core = make_engine_core(config, platform)
         self.metrics = EngineMetrics()
 
     @classmethod

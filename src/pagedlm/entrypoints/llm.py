@@ -48,6 +48,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         skip_tokenizer_init: bool = False,
         platform: str | None = None,
+        tensor_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
         unknown = set(kwargs) - EngineArgs.field_names()
@@ -69,6 +70,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             skip_tokenizer_init=skip_tokenizer_init,
             platform=platform,
+            tensor_parallel_size=tensor_parallel_size,
             **kwargs,
         )
         self.llm_engine = LLMEngine.from_engine_args(args)

@@ -20,6 +20,10 @@ class Executor(ABC):
     last (idempotent).
 
     Invariants:
+    - ``name`` equals the name of the ``ExecutorSpec`` that registers the class; the engine
+      core creates it as ``cls(config, platform)``. Executors in plugins may build on
+      ``pagedlm.worker.worker.Worker(config, platform, attn_backend_cls)``, as the uniproc
+      executor does.
     - Every worker applies the same ``SchedulerOutput``s in the same order.
     - ``execute_model`` and ``sample_tokens`` alternate, and neither waits for the
       device where the workers can avoid it: the engine may queue step N+1 before it

@@ -8,4 +8,8 @@ from pagedlm.plugins.specs import ExecutorSpec
 
 @hookimpl
 def pagedlm_register_executors(platform: object) -> list[ExecutorSpec]:
-    return [ExecutorSpec(name="uniproc", target="pagedlm.executor.uniproc:UniprocExecutor")]
+    return [
+        ExecutorSpec(name="uni", target="pagedlm.executor.uniproc:UniprocExecutor"),
+        ExecutorSpec(name="mp", target="pagedlm.executor.multiproc:MultiprocExecutor"),
+        ExecutorSpec(name="ray", target="pagedlm.executor.ray_executor:RayExecutor"),
+    ]

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 class UniprocExecutor(Executor):
-    name = "uniproc"
+    name = "uni"
 
     def __init__(self, config: EngineConfig, platform: Platform) -> None:
         super().__init__(config, platform)
@@ -33,3 +33,6 @@ class UniprocExecutor(Executor):
 
     def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> StepResult:
         return self.worker.sample_tokens(grammar_bitmask)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

@@ -42,14 +42,18 @@ class TensorKVCache(KVCache):
         block_size: int,
         dtype: torch.dtype,
         zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor],
+        first_layer: int = 0,
     ) -> None:
-        """``zeros(shape, dtype)`` allocates a zeroed tensor on the device (``Platform.zeros``)."""
+        """``zeros(shape, dtype)`` allocates a zeroed tensor on the device (``Platform.zeros``);
+        the cache holds layers ``first_layer .. first_layer + num_layers - 1`` (a pipeline
+        stage's), looked up by their global index."""
         self.num_blocks = shape[0]
         self.block_size = block_size
+        self.first_layer = first_layer
         self._layers = [(zeros(shape, dtype), zeros(shape, dtype)) for _ in range(num_layers)]
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._layers[layer_idx]
+        return self._layers[layer_idx - self.first_layer]
 
     @property
     def num_bytes(self) -> int:

@@ -22,9 +22,14 @@ class GraphRunner(ABC):
     """Replays captured forwards of uniform batches: every request feeds the same number of
     tokens (1 for decode, 1 + k when speculative tokens are verified).
 
-    Invariant: a replay reads the model runner's persistent step buffers, which the runner
-    fills for the padded batch before calling ``run``; the result equals an eager forward
-    of the same step up to floating-point rounding, whatever the padding.
+    Invariants:
+    - A replay reads the model runner's persistent step buffers, which the runner fills
+      for the padded batch before calling ``run``: the layout and the gather indices, not
+      the gathered inputs. The replay runs the step's gathers itself
+      (``StepInputBuilder.gather``: input ids, slot mapping and block-table rows from the
+      input batch's tables), then the forward; for an eager step the runner gathers.
+    - The result equals an eager forward of the same step up to floating-point rounding,
+      whatever the padding.
     """
 
     @abstractmethod
@@ -39,9 +44,14 @@ class GraphRunner(ABC):
 
 
 class Platform(ABC):
-    """One kind of hardware. Instances are created by the registry after the probe passed.
+    """One kind of hardware. Instances are created by the registry after the probe passed,
+    with no arguments (``cls()``).
 
     Invariants:
+    - ``name`` equals the name of the ``PlatformSpec`` that registers the class, and
+      ``default_attention_backend`` and ``default_executor`` name components registered
+      for it (``BackendSpec.platform == name``; an ``ExecutorSpec`` whose ``platforms``
+      is empty or holds ``name``).
     - ``device`` is where model weights, activations and the KV cache live.
     - ``check_dtype`` raises ``ValueError`` naming a dtype that works for any it rejects.
     - ``kv_cache_memory_bytes`` is a budget the KV cache may fill entirely, with model
@@ -62,7 +72,8 @@ class Platform(ABC):
     """The model runner should run one forward at the largest batch before sizing the KV
     cache, so that ``kv_cache_memory_bytes`` can leave room for the activation peak."""
     default_attention_backend: ClassVar[str]
-    default_executor: ClassVar[str] = "uniproc"
+    default_executor: ClassVar[str] = "uni"
+    """The executor of a one-worker engine unless the user names another."""
 
     @property
     def device(self) -> torch.device:
@@ -92,10 +103,13 @@ class Platform(ABC):
 
     @abstractmethod
     def kv_cache_memory_bytes(self, bytes_per_block: int | None = None) -> int:
-        """How many bytes the KV cache may take when the user did not fix ``num_kv_blocks``.
+        """How many bytes the KV cache may take when the user did not fix ``num_kv_blocks``:
+        an ``int >= 0``, or ``ValueError`` saying which setting to change when the platform
+        can tell that too little fits.
 
         ``bytes_per_block``: the size of one block on the asking worker (its share of the
-        KV heads), so that a platform can say how many tokens fit when that is too few."""
+        KV heads), so that a platform can say how many tokens fit when that is too few;
+        None when the caller has no model yet."""
 
     def prepare_model(self, model: torch.nn.Module) -> None:  # noqa: B027 - optional
         """Adapt a freshly loaded model to this platform, e.g. hand its linear layers a
@@ -111,12 +125,23 @@ class Platform(ABC):
 
     def fused_sampler(self) -> FusedRandomSampler | None:
         """A kernel doing temperature, noise and argmax in one pass (see
-        ``pagedlm.sample.sampler.FusedRandomSampler``), or None for the torch stages."""
+        ``pagedlm.sample.sampler.FusedRandomSampler``), or None for the torch stages. Its
+        greedy rows get ``torch.argmax``'s answer (the first index among ties, which greedy
+        parity across platforms relies on), and it never writes into the logits."""
         return None
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled tensor on ``device`` (the KV cache is allocated through this)."""
         return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def device_count(self) -> int | None:
+        """Devices of this kind on this node that ranks can be placed on, or None where
+        ranks share the host (CPU: any number of worker processes fit)."""
+        return None
+
+    def set_device(self, local_rank: int) -> None:  # noqa: B027 - optional
+        """Make device ``local_rank`` of this node the one ``device`` names in this
+        process (called once per worker process, before the model is built)."""
 
     def synchronize(self) -> None:  # noqa: B027 - optional, a no-op by default
         """Wait for queued device work (no-op where execution is synchronous)."""

@@ -1,13 +1,16 @@
 """Every hook a pagedlm plugin can implement.
 
-A plugin is a module (or any object) with functions decorated by ``pagedlm.hookimpl``,
-made known through the ``pagedlm`` entry-point group::
+A plugin is a module (or any object) with functions decorated by ``pagedlm.hookimpl`` and
+the contract version it is built for (``PAGEDLM_CONTRACT_VERSION = "1.0"``; a plugin built
+for another major version is refused, see ``contract.py``), made known through the
+``pagedlm`` entry-point group::
 
     [project.entry-points.pagedlm]
     my_tpu = "my_tpu_plugin.plugin"
 
 The in-tree hardware packages (``pagedlm_cpu``, ``pagedlm_cuda``, ``pagedlm_rocm``) are
-registered exactly this way. Set ``PAGEDLM_DISABLE_PLUGIN_AUTOLOAD=1`` to load no entry
+registered exactly this way; ``docs/plugins.md`` is the author's guide, and
+``pagedlm.testing`` checks a plugin against the contract. Set ``PAGEDLM_DISABLE_PLUGIN_AUTOLOAD=1`` to load no entry
 points; ``PAGEDLM_PLUGINS=mod1,mod2`` then names modules to load explicitly.
 """
 
@@ -43,13 +46,18 @@ def pagedlm_register_platforms() -> list[PlatformSpec]:
 def pagedlm_register_attention_backends(platform: Platform) -> list[BackendSpec]:
     """Return attention backends that run on ``platform`` (return [] for others).
 
-    The platform's ``default_attention_backend`` is used unless the user names another.
+    The platform's ``default_attention_backend`` is used unless the user names another
+    (``attention_backend=``); a spec's ``name`` must equal its class's ``name``.
     """
 
 
 @hookspec
 def pagedlm_register_executors(platform: Platform) -> list[ExecutorSpec]:
-    """Return executors that can drive ``platform`` (e.g. uniproc, multiproc, ray)."""
+    """Return executors that can drive ``platform`` (e.g. uniproc, multiproc, ray).
+
+    The one named by the engine config's ``executor`` is used, else the platform's
+    ``default_executor``.
+    """
 
 
 @hookspec

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, TypeVar
 import pluggy
 
 from pagedlm.plugins import hookspecs
+from pagedlm.plugins.contract import contract_refusal
 from pagedlm.plugins.specs import BackendSpec, ExecutorSpec, PlatformSpec, import_target
 
 if TYPE_CHECKING:
@@ -35,13 +36,39 @@ class PluginError(ValueError):
     """A component was asked for that no plugin provides or that cannot run here."""
 
 
-def create_plugin_manager(autoload: bool | None = None) -> pluggy.PluginManager:
+class PluginManager(pluggy.PluginManager):
+    """pluggy's manager, refusing plugins built for another contract version.
+
+    Every registration goes through ``register`` (entry points, ``PAGEDLM_PLUGINS``, tests),
+    so a refused plugin contributes no hook; the reason is logged and kept in ``refused``
+    (name -> reason) for the selection errors to repeat. Core's own modules
+    (``_BUILTIN_PLUGINS``) are versioned with core and not checked.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(hookspecs.PROJECT_NAME)
+        self.add_hookspecs(hookspecs)
+        self.refused: dict[str, str] = {}
+
+    def register(self, plugin: object, name: str | None = None) -> str | None:
+        plugin_name = name or self.get_canonical_name(plugin)
+        if plugin_name not in _BUILTIN_PLUGINS:
+            reason = contract_refusal(plugin, plugin_name)
+            if reason is not None:
+                logger.warning("Refusing plugin %r: %s", plugin_name, reason)
+                self.refused[plugin_name] = reason
+                # Blocked, so that loading entry points again does not import it again.
+                self.set_blocked(plugin_name)
+                return None
+        return super().register(plugin, name)
+
+
+def create_plugin_manager(autoload: bool | None = None) -> PluginManager:
     """A fresh manager with the built-ins, entry points (unless disabled) and
     ``PAGEDLM_PLUGINS`` modules registered."""
     import importlib
 
-    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
-    pm.add_hookspecs(hookspecs)
+    pm = PluginManager()
     for name in _BUILTIN_PLUGINS:
         pm.register(importlib.import_module(name), name=name)
     if autoload is None:
@@ -50,13 +77,13 @@ def create_plugin_manager(autoload: bool | None = None) -> pluggy.PluginManager:
         pm.load_setuptools_entrypoints(hookspecs.PROJECT_NAME)
     for name in filter(None, os.environ.get(EXPLICIT_PLUGINS_ENV, "").split(",")):
         name = name.strip()
-        if pm.get_plugin(name) is None:
+        if pm.get_plugin(name) is None and not pm.is_blocked(name):
             pm.register(importlib.import_module(name), name=name)
     return pm
 
 
 @functools.lru_cache(maxsize=1)
-def get_plugin_manager() -> pluggy.PluginManager:
+def get_plugin_manager() -> PluginManager:
     """The process-wide manager (built on first use)."""
     return create_plugin_manager()
 
@@ -70,44 +97,68 @@ def _probe(spec: PlatformSpec) -> tuple[bool, str]:
         ok = bool(spec.is_available())
     except Exception as exc:  # a broken probe is reported, never swallowed silently
         logger.warning("Platform %r probe failed: %s", spec.name, exc)
-        return False, f"probe failed: {type(exc).__name__}: {exc}"
-    return ok, "" if ok else "not available on this machine"
+        return False, f"its probe failed: {type(exc).__name__}: {exc}"
+    return ok, "" if ok else "not available on this machine (its probe returned False)"
 
 
-def _describe(probes: dict[str, tuple[bool, str]]) -> str:
-    return ", ".join(
+def _describe(probes: dict[str, tuple[bool, str]], pm: pluggy.PluginManager) -> str:
+    known = ", ".join(
         f"{name} ({'available' if ok else why})" for name, (ok, why) in sorted(probes.items())
     )
+    return (known or "none") + _refusals(pm)
+
+
+def _refusals(pm: pluggy.PluginManager) -> str:
+    """The refused plugins, for error messages: a platform a user asks for may be in one."""
+    refused = getattr(pm, "refused", {})
+    if not refused:
+        return ""
+    return "; refused plugins: " + "; ".join(
+        reason.rstrip(".") for _, reason in sorted(refused.items())
+    )
+
+
+def registered_platforms(pm: pluggy.PluginManager | None = None) -> dict[str, PlatformSpec]:
+    """Every registered platform by name, available or not (probes are not run)."""
+    pm = pm or get_plugin_manager()
+    by_name: dict[str, PlatformSpec] = {}
+    for spec in _collect(pm.hook.pagedlm_register_platforms()):
+        if spec.name in by_name:
+            raise PluginError(f"Two plugins register a platform named {spec.name!r}.")
+        by_name[spec.name] = spec
+    return by_name
 
 
 def select_platform(name: str | None = None, pm: pluggy.PluginManager | None = None) -> Platform:
     """The platform named (argument, then ``PAGEDLM_PLATFORM``) or the best available."""
     pm = pm or get_plugin_manager()
-    specs = _collect(pm.hook.pagedlm_register_platforms())
-    by_name: dict[str, PlatformSpec] = {}
-    for spec in specs:
-        if spec.name in by_name:
-            raise PluginError(f"Two plugins register a platform named {spec.name!r}.")
-        by_name[spec.name] = spec
+    by_name = registered_platforms(pm)
     if not by_name:
         raise PluginError(
             "No platform is registered. Install pagedlm with its hardware packages, or if "
             f"{AUTOLOAD_ENV} is set, name plugins in {EXPLICIT_PLUGINS_ENV} "
-            "(e.g. PAGEDLM_PLUGINS=pagedlm_cpu.plugin)."
+            f"(e.g. PAGEDLM_PLUGINS=pagedlm_cpu.plugin){_refusals(pm)}."
         )
     name = name or os.environ.get(PLATFORM_ENV) or None
     probes = {spec.name: _probe(spec) for spec in by_name.values()}
     if name is not None:
         if name not in by_name:
-            raise PluginError(f"Unknown platform {name!r}; known platforms: {_describe(probes)}.")
+            raise PluginError(
+                f"Unknown platform {name!r}; known platforms: {_describe(probes, pm)}."
+            )
         ok, why = probes[name]
         if not ok:
-            raise PluginError(f"Platform {name!r} is {why}; known platforms: {_describe(probes)}.")
+            raise PluginError(
+                f"Platform {name!r} cannot be used: {why}; known platforms: "
+                f"{_describe(probes, pm)}."
+            )
         chosen = by_name[name]
     else:
         available = [s for s in by_name.values() if probes[s.name][0]]
         if not available:
-            raise PluginError(f"No platform is available; known platforms: {_describe(probes)}.")
+            raise PluginError(
+                f"No platform is available; known platforms: {_describe(probes, pm)}."
+            )
         best = max(s.priority for s in available)
         top = [s for s in available if s.priority == best]
         if len(top) > 1:
@@ -144,16 +195,23 @@ def _select_component(
 def select_attention_backend(
     platform: Platform, name: str | None = None, pm: pluggy.PluginManager | None = None
 ) -> type[AttentionBackend]:
-    pm = pm or get_plugin_manager()
-    specs = _collect(pm.hook.pagedlm_register_attention_backends(platform=platform))
     spec = _select_component(
         "attention backend",
-        specs,
+        attention_backends_for(platform, pm),
         name,
         getattr(platform, "default_attention_backend", None),
-        lambda s: s.platform == platform.name,
+        lambda s: True,
     )
     return import_target(spec.target)
+
+
+def attention_backends_for(
+    platform: Platform, pm: pluggy.PluginManager | None = None
+) -> list[BackendSpec]:
+    """The attention backends registered for ``platform`` (its name in ``spec.platform``)."""
+    pm = pm or get_plugin_manager()
+    specs = _collect(pm.hook.pagedlm_register_attention_backends(platform=platform))
+    return [spec for spec in specs if spec.platform == platform.name]
 
 
 def select_executor(

@@ -25,6 +25,8 @@ import torch
 
 from pagedlm.attention import AttentionBackend, BatchLayout
 from pagedlm.config import EngineConfig
+from pagedlm.distributed.parallel_state import get_pipeline_state
+from pagedlm.distributed.pipeline import broadcast_sampled_ids
 from pagedlm.kv_cache.interface import KVCache, TensorKVCache, kv_bytes_per_block
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.layers.attention import model_kv_heads
@@ -45,6 +47,7 @@ from pagedlm.step import (
 )
 from pagedlm.worker.input_batch import InputBatch
 from pagedlm.worker.launched_step import LaunchedStep, Verified
+from pagedlm.worker.pipeline_stage import run_stage
 from pagedlm.worker.sampling_inputs import (
     DeviceTokenHistory,
     SamplingMetadataCache,
@@ -65,12 +68,20 @@ class _ForwardDone:
     """A step between ``execute_model`` and ``sample_tokens``."""
 
     inputs: StepInputs
-    logits: torch.Tensor
-    """[num_sampling_rows + num_prompt_logprob_rows, vocab]."""
-    hidden: torch.Tensor
+    logits: torch.Tensor | None
+    """[num_sampling_rows + num_prompt_logprob_rows, vocab]; None on a pipeline stage
+    before the last (the last one samples)."""
+    hidden: torch.Tensor | None
     """[num_tokens, hidden] the step's hidden states (proposers read them)."""
     to_propose: dict[str, int]
     """``SchedulerOutput.num_drafts_to_propose``."""
+
+
+def model_attention_layers(model: torch.nn.Module) -> list[int]:
+    """Global indices of the attention layers this worker holds (its pipeline stage's)."""
+    from pagedlm.model_executor.layers.attention import Attention
+
+    return sorted(m.layer_idx for m in model.modules() if isinstance(m, Attention))
 
 
 class ModelRunner:
@@ -88,6 +99,8 @@ class ModelRunner:
         self.model = load_model(config.model, self.device)
         platform.prepare_model(self.model)
         self.num_kv_heads = model_kv_heads(self.model, self.arch.num_key_value_heads)
+        layers = model_attention_layers(self.model) or [0]
+        self.first_layer, self.num_layers = layers[0], len(layers)
         self.attn_backend = attn_backend_cls(self.device)
         self.sampler = Sampler(fused_random=platform.fused_sampler())
         self.default_generator = torch.Generator(device=self.device)
@@ -143,20 +156,21 @@ class ModelRunner:
         with torch.inference_mode():
             ids = torch.zeros(num_tokens, dtype=torch.int32, device=self.device)
             positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-            hidden = self.model(ids, positions, ctx)
-            rows = hidden[: min(sched.max_num_seqs, num_tokens)]
-            rows = rows.repeat(-(-sched.max_num_seqs // rows.shape[0]), 1)
-            self.model.compute_logits(rows[: sched.max_num_seqs]).softmax(-1)
+            hidden = run_stage(self.model, ids, positions, ctx, self.config.model.dtype)
+            if hidden is not None:
+                rows = hidden[: min(sched.max_num_seqs, num_tokens)]
+                rows = rows.repeat(-(-sched.max_num_seqs // rows.shape[0]), 1)
+                self.model.compute_logits(rows[: sched.max_num_seqs]).softmax(-1)
         self.platform.synchronize()
 
     # ---- KV cache -------------------------------------------------------------------
 
     def kv_bytes_per_block(self) -> int:
-        """Bytes of one block on this worker: its own KV heads, every layer."""
+        """Bytes of one block on this worker: its own KV heads, its own layers."""
         arch = self.arch
         target = kv_bytes_per_block(
             self.block_size,
-            arch.num_hidden_layers,
+            self.num_layers,
             self.num_kv_heads,
             arch.head_dim,
             self.config.model.dtype,
@@ -165,16 +179,28 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> TensorKVCache:
         arch = self.arch
-        return self._allocate(num_blocks, arch.num_hidden_layers, self.num_kv_heads, arch.head_dim)
+        return self._allocate(
+            num_blocks, self.num_layers, self.num_kv_heads, arch.head_dim, self.first_layer
+        )
 
     def _allocate(
-        self, num_blocks: int, num_layers: int, num_kv_heads: int, head_dim: int
+        self,
+        num_blocks: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        first_layer: int = 0,
     ) -> TensorKVCache:
         shape = self.attn_backend.kv_cache_shape(
             num_blocks, self.block_size, num_kv_heads, head_dim
         )
         return TensorKVCache(
-            shape, num_layers, self.block_size, self.config.model.dtype, self.platform.zeros
+            shape,
+            num_layers,
+            self.block_size,
+            self.config.model.dtype,
+            self.platform.zeros,
+            first_layer=first_layer,
         )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -186,7 +212,9 @@ class ModelRunner:
             self.block_size,
             self.kv_cache.num_bytes / 2**30,
         )
-        if self.platform.supports_cuda_graphs and not self.enforce_eager:
+        # Graphs capture one forward; a pipeline stage also waits on its neighbours.
+        pipelined = get_pipeline_state().world_size > 1
+        if self.platform.supports_cuda_graphs and not self.enforce_eager and not pipelined:
             self.graph_runner = self.platform.capture_graphs(self)
             self.speculator.capture_graphs(self)
 
@@ -208,6 +236,9 @@ class ModelRunner:
             self.speculator.num_rejected,
         )
         hidden = self._forward(inputs)
+        if hidden is None:  # a pipeline stage before the last: no logits here
+            self._forward_done = _ForwardDone(inputs, None, None, {})
+            return
         if inputs.logits_indices is None:
             rows = hidden[: len(inputs.sampled)]
         else:
@@ -228,8 +259,9 @@ class ModelRunner:
             return None
         return self.graph_runner.padded_num_reqs(num_reqs, query_len)
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states of the step's (padded) tokens."""
+    def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Hidden states of the step's (padded) tokens (None on a pipeline stage before
+        the last)."""
         if inputs.padded_num_reqs is not None:
             assert self.graph_runner is not None
             return self.graph_runner.run(inputs.layout)
@@ -237,7 +269,9 @@ class ModelRunner:
         ctx = ForwardContext(
             self.attn_backend, self.attn_backend.build_metadata(inputs.layout), self.kv_cache
         )
-        return self.model(inputs.input_ids, inputs.positions, ctx)
+        return run_stage(
+            self.model, inputs.input_ids, inputs.positions, ctx, self.config.model.dtype
+        )
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> StepResult:
@@ -247,6 +281,8 @@ class ModelRunner:
         if done is None:
             return FinishedStep(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         inputs, logits = done.inputs, done.logits
+        if logits is None:
+            return self._store_last_stage_ids(inputs)
         batch = self.input_batch
         sampled = inputs.sampled
         states = [inputs.states[i] for i in sampled]
@@ -280,6 +316,7 @@ class ModelRunner:
             else:
                 out = self.sampler(logits[: len(sampled)], metadata, bitmask)
                 token_ids, logprobs = out.sampled_token_ids, out.logprobs
+                token_ids = broadcast_sampled_ids(token_ids, len(sampled), self.device)
                 batch.token_ids.view(-1).index_put_(
                     (inputs.sample_token_index,), token_ids.to(torch.int32)
                 )
@@ -303,6 +340,16 @@ class ModelRunner:
             verified=verified,
             proposals=proposals,
         )
+
+    def _store_last_stage_ids(self, inputs: StepInputs) -> StepResult:
+        """A stage before the last: its token table takes the ids the last stage sampled,
+        as the last stage's does; the step's output comes from the last stage."""
+        if len(inputs.sampled):
+            token_ids = broadcast_sampled_ids(None, len(inputs.sampled), self.device)
+            self.input_batch.token_ids.view(-1).index_put_(
+                (inputs.sample_token_index,), token_ids.to(torch.int32)
+            )
+        return FinishedStep(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
 
     def execute_and_sample(
         self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None

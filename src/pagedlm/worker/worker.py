@@ -1,29 +1,79 @@
-"""A worker owns one device and its model runner (one per tensor-parallel rank)."""
+"""A worker owns one device and its model runner (one per tensor/pipeline-parallel rank)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from pagedlm.attention import AttentionBackend
 from pagedlm.config import EngineConfig
+from pagedlm.distributed import (
+    destroy_model_parallel,
+    get_pipeline_state,
+    get_tensor_model_parallel_rank,
+    init_worker_distributed,
+)
 from pagedlm.platforms import Platform
 from pagedlm.step import GrammarBitmask, SchedulerOutput, StepResult
 from pagedlm.worker.model_runner import ModelRunner
 
 
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where a worker of a multi-rank engine sits."""
+
+    rank: int
+    """Global rank: tensor-parallel rank ``rank % tp`` of stage ``rank // tp``."""
+    local_rank: int
+    """Index of its device on its node."""
+    distributed_init_method: str
+    """``torch.distributed`` rendezvous shared by every rank (``tcp://host:port``)."""
+
+
 class Worker:
+    """Builds the model for its rank and runs steps on it.
+
+    With a ``placement`` it first takes its device and joins the engine's
+    ``torch.distributed`` world (TP and PP groups, over ``platform.dist_backend``); every
+    rank then receives the same calls in the same order, and every rank samples the same
+    tokens (identical logits, identical seeds), so their device token tables agree.
+    """
+
     def __init__(
         self,
         config: EngineConfig,
         platform: Platform,
         attn_backend_cls: type[AttentionBackend],
+        placement: RankPlacement | None = None,
     ) -> None:
         self.config = config
         self.platform = platform
+        self.placement = placement
+        if placement is not None:
+            parallel = config.parallel
+            platform.set_device(placement.local_rank)
+            init_worker_distributed(
+                placement.rank,
+                parallel.tensor_parallel_size,
+                parallel.pipeline_parallel_size,
+                platform.dist_backend,
+                placement.distributed_init_method,
+                parallel.enable_expert_parallel,
+            )
         torch.manual_seed(config.model.seed)
         self.model_runner = ModelRunner(config, platform, attn_backend_cls)
+
+    @property
+    def is_output_rank(self) -> bool:
+        """The rank whose ``ModelRunnerOutput`` the executor reads: TP rank 0 of the last
+        pipeline stage (every other rank computes the same or nothing)."""
+        return get_pipeline_state().is_last and get_tensor_model_parallel_rank() == 0
+
+    def shutdown(self) -> None:
+        if self.placement is not None:
+            destroy_model_parallel()
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks that fit in the platform's KV budget, capped at what could ever be used.

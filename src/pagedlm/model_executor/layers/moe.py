@@ -5,10 +5,12 @@ Qwen3-MoE (top-k, renormalized when ``norm_topk_prob``) differ only in ``renorma
 and in their checkpoints' tensor names, which the model maps to ``(expert_id, shard)``.
 
 Parallelism: each rank holds the experts ``expert_start .. expert_start +
-num_local_experts - 1`` (expert parallelism; today one group holds them all) and, of
-each, its tensor-parallel slice of the intermediate dimension. A rank computes only its
-experts' contributions for its slice, so the layer's output is a partial sum that one
-all-reduce completes — the same contract as a row-parallel linear.
+num_local_experts - 1`` and, of each, a slice of the intermediate dimension. Without
+expert parallelism every tensor-parallel rank holds every expert and slices each; with
+it (``enable_expert_parallel``) rank ``r`` of ``tp`` holds experts ``r * E / tp ..``
+whole. Either way a rank computes only its experts' contributions for its slice, so the
+layer's output is a partial sum that one all-reduce over the TP group completes — the same
+contract as a row-parallel linear.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 
 from pagedlm.distributed import (
     divide,
+    expert_parallel_enabled,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
@@ -89,11 +92,17 @@ class FusedMoE(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
-        self.expert_start = expert_start
-        self.num_local_experts = num_experts if num_local_experts is None else num_local_experts
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
-        self.intermediate_per_rank = divide(intermediate_size, self.tp_size)
+        # (rank, ranks) among which each expert's intermediate dimension is sliced.
+        self.slice_rank, self.slice_size = self.tp_rank, self.tp_size
+        if expert_parallel_enabled() and num_local_experts is None:
+            num_local_experts = divide(num_experts, self.tp_size)
+            expert_start = self.tp_rank * num_local_experts
+            self.slice_rank, self.slice_size = 0, 1
+        self.expert_start = expert_start
+        self.num_local_experts = num_experts if num_local_experts is None else num_local_experts
+        self.intermediate_per_rank = divide(intermediate_size, self.slice_size)
         self.gate = MoERouter(hidden_size, num_experts)
         self.w13 = nn.Parameter(
             torch.empty(self.num_local_experts, 2 * self.intermediate_per_rank, hidden_size),
@@ -117,13 +126,13 @@ class FusedMoE(nn.Module):
         size = self.intermediate_per_rank
         if shard == "down":
             copy_checked(
-                param.data[local], shard_of(loaded_weight, 1, self.tp_rank, size), "expert down"
+                param.data[local], shard_of(loaded_weight, 1, self.slice_rank, size), "expert down"
             )
             return
         if shard not in ("gate", "up"):
             raise ValueError(f"unknown expert shard {shard!r}; use 'gate', 'up' or 'down'.")
         target = param.data[local].narrow(0, 0 if shard == "gate" else size, size)
-        copy_checked(target, shard_of(loaded_weight, 0, self.tp_rank, size), f"expert {shard}")
+        copy_checked(target, shard_of(loaded_weight, 0, self.slice_rank, size), f"expert {shard}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
@@ -151,5 +160,6 @@ class FusedMoE(nn.Module):
         return (
             f"num_experts={self.num_experts}, top_k={self.top_k}, "
             f"renormalize={self.renormalize}, local_experts={self.expert_start}.."
-            f"{self.expert_start + self.num_local_experts - 1}, tp_size={self.tp_size}"
+            f"{self.expert_start + self.num_local_experts - 1}, tp_size={self.tp_size}, "
+            f"slices={self.slice_size}"
         )

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from pagedlm.config import ArchConfig
+from pagedlm.distributed.parallel_state import get_pipeline_state
+from pagedlm.distributed.pipeline import IntermediateTensors
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedlm.model_executor.models.stages import PPMissingLayer, missing_prefixes
 
 
 class CausalLM(nn.Module, ABC):
@@ -24,11 +28,19 @@ class CausalLM(nn.Module, ABC):
 
     A subclass builds its stack, then calls ``add_lm_head``. Invariant: when ``tied``, the
     head's weight *is* the embedding's, and ``load_weights`` skips ``lm_head.weight``.
+
+    Under pipeline parallelism a model holds one stage (``stages.py``): the stack takes
+    the previous stage's ``IntermediateTensors`` (named ``intermediate_names``) instead of
+    token ids, and every stage but the last returns its own instead of hidden states;
+    only the last stage has an LM head. ``load_weights`` skips tensors of other stages
+    (``is_other_stage``).
     """
 
     arch: ArchConfig
     tied: bool
     lm_head: ParallelLMHead
+    intermediate_names: ClassVar[tuple[str, ...]] = ("hidden_states",)
+    """What one stage of this model hands the next, each ``[num_tokens, hidden_size]``."""
 
     @property
     @abstractmethod
@@ -42,15 +54,31 @@ class CausalLM(nn.Module, ABC):
     def add_lm_head(self, embedding: VocabParallelEmbedding, tied: bool) -> None:
         """Create ``lm_head`` [vocab, hidden], sharing ``embedding``'s table when ``tied``."""
         self.tied = tied
+        if not get_pipeline_state().is_last:
+            self.lm_head = PPMissingLayer()  # type: ignore[assignment]
+            return
         self.lm_head = ParallelLMHead(self.arch.vocab_size, self.arch.hidden_size)
         if tied:
             self.lm_head.tie_to(embedding)
 
+    def is_other_stage(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to another pipeline stage."""
+        prefixes = self.__dict__.get("_other_stage_prefixes")
+        if prefixes is None:
+            prefixes = self.__dict__["_other_stage_prefixes"] = missing_prefixes(self)
+        return bool(prefixes) and name.startswith(prefixes)
+
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size]."""
-        return self.decoder(input_ids, positions, ctx)
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size]
+        (a pipeline stage but the last: its ``IntermediateTensors``; a stage but the
+        first reads ``intermediate`` instead of ``input_ids``)."""
+        return self.decoder(input_ids, positions, ctx, intermediate)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [N, hidden_size] (only the sampled rows) -> [N, vocab] logits in

@@ -12,10 +12,14 @@ Gemma 3 (``gemma3.py``) adds q/k RMSNorm and a rope base per layer type to the s
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
 from pagedlm.config import ArchConfig
+from pagedlm.distributed.parallel_state import get_pipeline_state
+from pagedlm.distributed.pipeline import IntermediateTensors, this_stage_layers
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.layers.gelu import get_gated_act
 from pagedlm.model_executor.layers.gemma_norm import GemmaRMSNorm
@@ -23,6 +27,7 @@ from pagedlm.model_executor.layers.linear import MergedColumnParallelLinear, Row
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from pagedlm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 from pagedlm.model_executor.models.llama import BlockOptions, LlamaAttention, LlamaForCausalLM
+from pagedlm.model_executor.models.stages import on_first_stage, on_last_stage, stage_layers
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -129,31 +134,45 @@ class GemmaModel(nn.Module):
         qk_norm: bool,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
+        # Gemma ties its head to the embedding, so the last stage holds the table too.
+        self.embed_tokens = on_first_stage(
+            lambda: VocabParallelEmbedding(arch.vocab_size, arch.hidden_size), also_last=True
+        )
         # Kept as a Python float: the reference multiplies by it cast to the weight dtype.
         self.normalizer = arch.hidden_size**0.5
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(
+        self.layers = stage_layers(
+            len(layer_types),
+            lambda i: GemmaDecoderLayer(
                 arch,
                 GemmaAttention(
                     arch,
                     i,
-                    rotary_embs[kind],
-                    arch.sliding_window if kind == SLIDING else None,
+                    rotary_embs[layer_types[i]],
+                    arch.sliding_window if layer_types[i] == SLIDING else None,
                     qk_norm,
                 ),
-            )
-            for i, kind in enumerate(layer_types)
+            ),
         )
-        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.start_layer, self.end_layer = this_stage_layers(len(layer_types))
+        self.is_last_stage = get_pipeline_state().is_last
+        self.norm = on_last_stage(lambda: GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps))
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.normalizer, dtype=x.dtype)
-        for layer in self.layers:
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if intermediate is None:
+            x = self.embed_tokens(input_ids)
+            x = x * torch.tensor(self.normalizer, dtype=x.dtype)
+        else:
+            x = intermediate["hidden_states"]
+        for layer in itertools.islice(self.layers, self.start_layer, self.end_layer):
             x = layer(positions, x, ctx)
+        if not self.is_last_stage:
+            return {"hidden_states": x}
         return self.norm(x)
 
 
@@ -163,6 +182,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     qk_norm = False
     default_sliding_window_pattern = 2
+    intermediate_names = ("hidden_states",)
 
     def rotary_embs(self, arch: ArchConfig) -> dict[str, RotaryEmbedding]:
         rope = RotaryEmbedding(

@@ -10,12 +10,15 @@ tensor parallelism slices heads exactly as for Llama. Parameter names keep HF's
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from pagedlm.config import ArchConfig
+from pagedlm.distributed.parallel_state import get_pipeline_state
+from pagedlm.distributed.pipeline import IntermediateTensors, this_stage_layers
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.layers.attention import Attention
 from pagedlm.model_executor.layers.gelu import get_gelu
@@ -27,6 +30,7 @@ from pagedlm.model_executor.layers.linear import (
 from pagedlm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 from pagedlm.model_executor.loader.weight_utils import get_weight_loader
 from pagedlm.model_executor.models.causal_lm import CausalLM
+from pagedlm.model_executor.models.stages import on_first_stage, on_last_stage, stage_layers
 
 # Conv1D weights ([in, out] in the file) that must be transposed on load.
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -95,17 +99,33 @@ class GPT2Model(nn.Module):
 
     def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
-        self.wte = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
-        self.wpe = VocabParallelEmbedding(arch.max_position_embeddings, arch.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(arch, i) for i in range(arch.num_hidden_layers))
-        self.ln_f = nn.LayerNorm(arch.hidden_size, eps=_layer_norm_eps(arch))
+        tied = bool(arch.raw.get("tie_word_embeddings", True))
+        self.wte = on_first_stage(
+            lambda: VocabParallelEmbedding(arch.vocab_size, arch.hidden_size), also_last=tied
+        )
+        self.wpe = on_first_stage(
+            lambda: VocabParallelEmbedding(arch.max_position_embeddings, arch.hidden_size)
+        )
+        self.h = stage_layers(arch.num_hidden_layers, lambda i: GPT2Block(arch, i))
+        self.start_layer, self.end_layer = this_stage_layers(arch.num_hidden_layers)
+        self.is_last_stage = get_pipeline_state().is_last
+        self.ln_f = on_last_stage(lambda: nn.LayerNorm(arch.hidden_size, eps=_layer_norm_eps(arch)))
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        x = self.wte(input_ids) + self.wpe(positions)
-        for block in self.h:
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if intermediate is None:
+            x = self.wte(input_ids) + self.wpe(positions)
+        else:
+            x = intermediate["hidden_states"]
+        for block in itertools.islice(self.h, self.start_layer, self.end_layer):
             x = block(x, ctx)
+        if not self.is_last_stage:
+            return {"hidden_states": x}
         return self.ln_f(x)
 
 
@@ -131,6 +151,8 @@ class GPT2LMHeadModel(CausalLM):
                 continue
             if not name.startswith(("transformer.", "lm_head.")):
                 name = f"transformer.{name}"
+            if self.is_other_stage(name):
+                continue
             if name not in params:
                 raise ValueError(
                     f"checkpoint tensor {name!r} has no parameter in GPT2LMHeadModel; the "

@@ -12,6 +12,7 @@ Layout: one flattened batch, ``input_ids``/``positions`` [num_tokens]; activatio
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -20,6 +21,8 @@ import torch
 from torch import nn
 
 from pagedlm.config import ArchConfig
+from pagedlm.distributed.parallel_state import get_pipeline_state
+from pagedlm.distributed.pipeline import IntermediateTensors, this_stage_layers
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.layers.activation import get_act_and_mul
 from pagedlm.model_executor.layers.attention import Attention
@@ -35,6 +38,7 @@ from pagedlm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 from pagedlm.model_executor.loader.weight_utils import get_weight_loader
 from pagedlm.model_executor.models.causal_lm import CausalLM
 from pagedlm.model_executor.models.sliding_window import layer_sliding_windows
+from pagedlm.model_executor.models.stages import on_first_stage, on_last_stage, stage_layers
 
 MlpFactory = Callable[[int], nn.Module | None]
 """layer index -> that layer's MLP (None: the dense SwiGLU ``LlamaMLP``)."""
@@ -151,7 +155,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
+    """input_ids, positions [T] -> final-normed hidden states [T, hidden]; a pipeline
+    stage holds only its layers (``stages.py``)."""
 
     def __init__(
         self,
@@ -161,19 +166,24 @@ class LlamaModel(nn.Module):
         max_model_len: int | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = on_first_stage(
+            lambda: VocabParallelEmbedding(arch.vocab_size, arch.hidden_size),
+            also_last=arch.tie_word_embeddings,  # the LM head shares its table
+        )
         # One cos/sin table for all layers: it can be tens of MB for long contexts.
         rotary_emb = get_rope_for_arch(arch, max_model_len)
         windows = layer_sliding_windows(arch)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(
+        self.layers = stage_layers(
+            arch.num_hidden_layers,
+            lambda i: LlamaDecoderLayer(
                 arch,
                 LlamaAttention(arch, i, rotary_emb, options, windows[i]),
                 self._layer_mlp(arch, options, make_mlp, i),
-            )
-            for i in range(arch.num_hidden_layers)
+            ),
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.start_layer, self.end_layer = this_stage_layers(arch.num_hidden_layers)
+        self.is_last_stage = get_pipeline_state().is_last
+        self.norm = on_last_stage(lambda: RMSNorm(arch.hidden_size, arch.rms_norm_eps))
 
     @staticmethod
     def _layer_mlp(
@@ -183,18 +193,28 @@ class LlamaModel(nn.Module):
         return mlp if mlp is not None else LlamaMLP(arch, bias=options.mlp_bias)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if intermediate is None:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate["hidden_states"], intermediate["residual"]
+        for layer in itertools.islice(self.layers, self.start_layer, self.end_layer):
             x, residual = layer(positions, x, residual, ctx)
+        if not self.is_last_stage:
+            return {"hidden_states": x, "residual": residual}
         x, _ = self.norm(x, residual)
         return x
 
 
 class LlamaForCausalLM(CausalLM):
     """The model runner's entry point for every Llama-family architecture."""
+
+    intermediate_names = ("hidden_states", "residual")
 
     # (our merged parameter, the HF projection it contains, that projection's shard id)
     stacked_params: ClassVar[tuple[tuple[str, str, str | int], ...]] = (
@@ -236,8 +256,8 @@ class LlamaForCausalLM(CausalLM):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue  # derived from the config; some old checkpoints saved it
+            if "rotary_emb.inv_freq" in name or self.is_other_stage(name):
+                continue  # derived from the config (some old checkpoints saved it)
             if name == "lm_head.weight" and self.tied:
                 continue  # the head shares the embedding table
             for merged, part, shard_id in self.stacked_params:

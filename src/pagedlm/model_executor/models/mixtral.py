@@ -79,6 +79,8 @@ class MoEForCausalLM(LlamaForCausalLM):
             weights: Iterable[tuple[str, torch.Tensor]],
         ) -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
+                if self.is_other_stage(name):
+                    continue
                 match = pattern.match(name)
                 if match is None:
                     # The router: <prefix>.gate.weight -> mlp.gate.weight.

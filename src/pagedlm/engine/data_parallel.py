@@ -1,0 +1,124 @@
+"""Data parallelism in one process: ``data_parallel_size`` engine cores behind one front end.
+
+``LLM`` runs them in its own process; ``AsyncLLM`` and the API server in the engine-core
+process (``core_proc.py``), so one front end serves them all either way.
+
+Each replica is a whole ``EngineCore`` (its own scheduler, KV cache and executor, the
+config's ``data_parallel_rank`` set to its index, so an executor with worker processes
+places them on that replica's devices). ``DataParallelEngineCore`` offers the interface
+``LLMEngine`` uses of one core: a new request goes to the least loaded replica (vLLM's
+score: four times its waiting requests plus its running ones, then KV-cache usage); an
+abort goes to the replica that holds the request; stats are summed.
+
+One ``step()`` steps every replica that has work, in turn. With worker processes (the
+"mp" executor, the default for replicas on a device platform) and asynchronous scheduling
+(the default there) the replicas' devices run at the same time: a replica's step launches
+its next step before it waits for the previous one, so while one replica's host waits the
+others' devices compute. Under synchronous scheduling each replica's step is waited for
+before the next replica's is launched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+from pagedlm.config import EngineConfig
+from pagedlm.core.engine_core import EngineCore
+from pagedlm.core.outputs import EngineCoreOutput
+from pagedlm.core.request import Request
+from pagedlm.core.scheduler_interface import SchedulerStats
+from pagedlm.platforms import Platform
+
+
+def load_score(stats: SchedulerStats) -> tuple[int, float]:
+    """Smaller is less loaded: queue length first (a waiting request counts four times,
+    as in vLLM's balancer), then the fraction of KV blocks in use."""
+    return 4 * stats.num_waiting_reqs + stats.num_running_reqs, stats.kv_cache_usage
+
+
+def least_loaded(stats: Sequence[SchedulerStats]) -> int:
+    """Index of the replica a new request should go to (the lowest index on a tie)."""
+    return min(range(len(stats)), key=lambda i: load_score(stats[i]))
+
+
+def sum_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
+    """One snapshot for the whole engine: counts added, KV usage averaged."""
+    return SchedulerStats(
+        num_running_reqs=sum(s.num_running_reqs for s in stats),
+        num_waiting_reqs=sum(s.num_waiting_reqs for s in stats),
+        kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
+        num_preemptions=sum(s.num_preemptions for s in stats),
+        prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
+        prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
+    )
+
+
+def replica_config(config: EngineConfig, rank: int) -> EngineConfig:
+    return dataclasses.replace(
+        config, parallel=dataclasses.replace(config.parallel, data_parallel_rank=rank)
+    )
+
+
+def make_engine_core(
+    config: EngineConfig, platform: Platform
+) -> EngineCore | DataParallelEngineCore:
+    """The engine core of ``config``: one, or one per data-parallel replica."""
+    if config.parallel.data_parallel_size > 1:
+        return DataParallelEngineCore(config, platform)
+    return EngineCore(config, platform)
+
+
+class DataParallelEngineCore:
+    """``data_parallel_size`` engine cores with the interface of one."""
+
+    def __init__(self, config: EngineConfig, platform: Platform) -> None:
+        self.config = config
+        self.replicas: list[EngineCore] = []
+        try:
+            for rank in range(config.parallel.data_parallel_size):
+                self.replicas.append(EngineCore(replica_config(config, rank), platform))
+        except BaseException:
+            self.shutdown()
+            raise
+        self.num_kv_blocks = min(core.num_kv_blocks for core in self.replicas)
+        self._owner: dict[str, int] = {}
+        """Unfinished request id -> index of the replica that holds it."""
+
+    def add_request(self, request: Request) -> None:
+        index = least_loaded([core.make_stats() for core in self.replicas])
+        self.replicas[index].add_request(request)
+        self._owner[request.request_id] = index
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        by_replica: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            index = self._owner.pop(request_id, None)
+            if index is not None:
+                by_replica.setdefault(index, []).append(request_id)
+        for index, ids in by_replica.items():
+            self.replicas[index].abort_requests(ids)
+
+    def owner_of(self, request_id: str) -> int | None:
+        """The replica holding an unfinished request (None: unknown or finished)."""
+        return self._owner.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return any(core.has_unfinished_requests() for core in self.replicas)
+
+    def step(self) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for core in self.replicas:
+            if core.has_unfinished_requests():
+                outputs += core.step()
+        for output in outputs:
+            if output.finished:
+                self._owner.pop(output.req_id, None)
+        return outputs
+
+    def make_stats(self) -> SchedulerStats:
+        return sum_stats([core.make_stats() for core in self.replicas])
+
+    def shutdown(self) -> None:
+        for core in self.replicas:
+            core.shutdown()

@@ -1,0 +1,54 @@
+"""Data parallelism behind one LLM: two replicas (each its own scheduler, KV cache and
+worker) share the requests by load, give one engine's tokens, and route aborts."""
+
+from __future__ import annotations
+
+import pytest
+from parity import assert_same_run, greedy_run, make_llm
+
+from pagedlm import SamplingParams
+from pagedlm.core.scheduler_interface import SchedulerStats
+from pagedlm.engine.data_parallel import DataParallelEngineCore, least_loaded, sum_stats
+
+
+def _stats(waiting: int, running: int, usage: float = 0.0) -> SchedulerStats:
+    return SchedulerStats(running, waiting, usage, 0, 0, 0)
+
+
+def test_least_loaded_counts_waiting_four_times_then_kv_usage() -> None:
+    assert least_loaded([_stats(1, 0), _stats(0, 3)]) == 1
+    assert least_loaded([_stats(0, 5), _stats(1, 0)]) == 1
+    assert least_loaded([_stats(0, 2, 0.5), _stats(0, 2, 0.1)]) == 1
+    assert least_loaded([_stats(0, 2), _stats(0, 2)]) == 0
+    total = sum_stats([_stats(1, 2, 0.2), _stats(3, 4, 0.4)])
+    assert (total.num_waiting_reqs, total.num_running_reqs) == (4, 6)
+    assert total.kv_cache_usage == pytest.approx(0.3)
+
+
+@pytest.fixture(scope="module")
+def dp_llm(llama):
+    llm = make_llm(llama, data_parallel_size=2)
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+def test_two_replicas_give_one_engines_tokens(dp_llm, llama_reference) -> None:
+    core = dp_llm.llm_engine.engine_core
+    assert isinstance(core, DataParallelEngineCore)
+    ranks = [replica.config.parallel.data_parallel_rank for replica in core.replicas]
+    assert ranks == [0, 1]
+    assert_same_run(greedy_run(dp_llm), llama_reference)
+
+
+def test_requests_spread_and_aborts_reach_their_replica(dp_llm) -> None:
+    engine = dp_llm.llm_engine
+    core = engine.engine_core
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    for i in range(6):
+        engine.add_request(f"dp-{i}", {"prompt_token_ids": [3, 4, 5 + i]}, params)
+    owners = [core.owner_of(f"dp-{i}") for i in range(6)]  # n=1: the request's own id
+    assert sorted(owners) == [0, 0, 0, 1, 1, 1]
+    assert engine.get_metrics()[1].value == 6  # waiting, summed over the replicas
+    engine.abort_request([f"dp-{i}" for i in range(6)])
+    assert all(not r.scheduler.has_unfinished_requests() for r in core.replicas)
+    assert not engine.has_unfinished_requests()

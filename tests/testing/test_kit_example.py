@@ -1,0 +1,83 @@
+"""The example out-of-tree plugin passes the conformance kit, run the documented way:
+``PAGEDLM_PLATFORM=example python -m pytest --pyargs pagedlm.testing``.
+
+The example is installed for these tests through its entry points (``plugin_kit``), not
+with pip: the discovery path is the same, and the environment is left as it was.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pagedlm.plugins.registry import create_plugin_manager, get_plugin_manager, select_platform
+from pagedlm.testing import TINY_MODELS, NotApplicable, check_greedy_parity
+from plugin_kit import install_example, kit_checkpoints, subprocess_env
+
+pytest_plugins = ["pytester"]
+
+KIT_COMMAND = [
+    sys.executable,
+    "-m",
+    "pytest",
+    "--pyargs",
+    "pagedlm.testing",
+    "-p",
+    "no:cacheprovider",
+]
+
+
+def run_kit(tmp_path, *args: str) -> str:
+    result = subprocess.run(
+        [*KIT_COMMAND, "-q", "-rs", *args],
+        cwd=tmp_path,
+        env=subprocess_env(tmp_path / "site-packages", PAGEDLM_PLATFORM="example"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    return result.stdout
+
+
+def test_documented_command_passes_for_the_example(example_platform, pytester, monkeypatch) -> None:
+    """Every platform and attention check, through the kit's pytest module, in this process
+    (parity is the next test; the whole command in a child process is the slow one)."""
+    monkeypatch.setenv("PAGEDLM_PLATFORM", "example")
+    result = pytester.runpytest_inprocess(
+        "--pyargs", "pagedlm.testing", "-p", "no:cacheprovider", "-v", "-rs", "-k", "not parity"
+    )
+    result.assert_outcomes(passed=12, skipped=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*test_attention_backend?example_attention-slot_mapping? PASSED*",
+            "*test_attention_backend?example_attention-sliding_window? PASSED*",
+            "*platform 'example' hands the sampler no fused kernel*",
+            "*'example_attention' * captures no graph*",
+        ]
+    )
+
+
+@pytest.fixture
+def example_platform(monkeypatch, tmp_path):
+    install_example(monkeypatch, tmp_path / "site-packages")
+    yield select_platform("example", pm=create_plugin_manager(autoload=True))
+    get_plugin_manager.cache_clear()
+
+
+@pytest.mark.parametrize("arch", list(TINY_MODELS))
+def test_greedy_parity_with_the_cpu(example_platform, arch, tmp_path_factory) -> None:
+    checkpoints = kit_checkpoints(tmp_path_factory)
+    if arch == "gemma2_soft_cap":  # its backend has no soft-cap: refused, by name
+        with pytest.raises(NotApplicable, match=r"refuses tiny gemma2_soft_cap.*logits_soft_cap"):
+            check_greedy_parity(example_platform, arch, checkpoints)
+    else:
+        check_greedy_parity(example_platform, arch, checkpoints)
+
+
+@pytest.mark.slow
+def test_whole_documented_command_passes_for_the_example(tmp_path) -> None:
+    out = run_kit(tmp_path)
+    assert "14 passed, 3 skipped" in out, out
