@@ -1,6 +1,6 @@
 """The speculative-decoding benchmark end to end on a tiny random model (CPU): the
 acceptance proposer reaches the acceptance length its rate predicts, greedy outputs match
-no speculation, and the JSON holds every target's figures."""
+the verification-shaped reference run and no speculation, and the JSON holds every target's figures."""
 
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ def test_every_target_lands_in_the_json(model_dir, tmp_path) -> None:
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))
     always, never = results["acceptance"]["cases"]
     assert always["greedy_identical"] and never["greedy_identical"]
+    # On the CPU verification computes decode steps' logits to the bit.
+    assert always["plain_common_prefix"] == never["plain_common_prefix"] == 1.0
     # 24 tokens: the prefill's, then steps of 1 + 4 (the last ones shortened by max_tokens).
     assert always["mean_acceptance_length"] > 4.0
     assert never["mean_acceptance_length"] == 1.0  # every draft corrupted
