@@ -8,26 +8,23 @@ no speculation instead (``spec_acceptance.py``)."""
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 
 from pagedlm.benchmarks import spec_acceptance
 from pagedlm.benchmarks.common import (
     add_engine_args,
+    add_latency_args,
     build_llm,
     profile_steps,
+    random_prompts,
     speed_of_light_line,
 )
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--input-len", type=int, default=1024)
-    parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--num-iters", type=int, default=5)
-    parser.add_argument("--num-iters-warmup", type=int, default=1)
+    add_latency_args(parser)
     spec_acceptance.add_args(parser)
 
 
@@ -65,12 +62,6 @@ def transformers_latency(model_dir: str, prompt: list[int], batch: int, output_l
     del model
     torch.cuda.empty_cache()
     return elapsed
-
-
-def random_prompts(args: argparse.Namespace) -> list[list[int]]:
-    """``--batch-size`` prompts of ``--input-len`` random ids (seeded)."""
-    rng = random.Random(0)
-    return [[rng.randint(0, 10000) for _ in range(args.input_len)] for _ in range(args.batch_size)]
 
 
 def run(args: argparse.Namespace) -> dict[str, float]:

@@ -222,12 +222,14 @@ def run(args: argparse.Namespace, prompts: list[list[int]], params: Any) -> dict
 
 def _acceptance_target(options: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
     from pagedlm import SamplingParams
-    from pagedlm.benchmarks import latency
+    from pagedlm.benchmarks.common import add_engine_args, add_latency_args, random_prompts
 
-    parser = argparse.ArgumentParser()
-    latency.add_args(parser)
+    parser = argparse.ArgumentParser()  # bench latency's flags (that module imports this one)
+    add_engine_args(parser)
+    add_latency_args(parser)
+    add_args(parser)
     args = parser.parse_args(shlex.split(options.acceptance_args) + extra)
-    prompts = latency.random_prompts(args)
+    prompts = random_prompts(args)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
     cases = [(float(a), int(k)) for a, k in (c.split(":") for c in options.cases.split(","))]
     result = compare(args, prompts, params, cases, options.in_process)
