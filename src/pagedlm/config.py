@@ -226,6 +226,46 @@ class SchedulerConfig:
         return self.max_num_batched_tokens < self.max_model_len
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "acceptance")
+"""``speculative_config["method"]`` values; "acceptance" is the benchmarks' proposer."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config``), built and validated from the
+    user's dict by ``pagedlm.engine.speculative_args``.
+
+    Every step a decoding request may verify up to ``num_speculative_tokens`` drafted
+    tokens; the proposer (``method``) drafts them on the workers after each step's
+    sampling. The never-hurts policy (``core/speculation.py``) stops proposing in steps
+    with more than ``disable_by_batch_size`` running requests, and for a request whose
+    running acceptance rate is below ``min_acceptance_rate``.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    draft_model: ModelConfig | None = None
+    """The draft model or EAGLE head ("draft_model", "eagle", "eagle3"), loaded like the
+    target (same dtype and ``max_model_len``)."""
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    """"ngram": the shortest and longest suffix looked up in the request's tokens."""
+    disable_by_batch_size: int | None = 32
+    """No request proposes in a step with more running requests than this (None: never off)."""
+    min_acceptance_rate: float = 0.25
+    """A request stops proposing (but probes now and then) while the running mean of its
+    drafts' acceptance rate is below this (0: always propose)."""
+    acceptance_rate: float | None = None
+    """"acceptance" (benchmarks only): the chance that each drafted token is right."""
+    reference_path: str | None = None
+    """"acceptance": a JSON file of ``[prompt_token_ids, greedy_continuation]`` pairs."""
+
+    @property
+    def proposer_writes_kv(self) -> bool:
+        """The proposer keeps its own KV in the paged cache (so drafts need slots ahead)."""
+        return self.method in ("draft_model", "eagle", "eagle3")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the model is spread over processes and devices (vLLM's names).
@@ -323,6 +363,8 @@ class EngineConfig:
     structured_outputs_backend: str = "xgrammar"
     """Grammar backend for structured outputs: "xgrammar" or "outlines"."""
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding, or None (off)."""
 
     def with_num_kv_blocks(self, num_kv_blocks: int) -> EngineConfig:
         return replace(self, cache=replace(self.cache, num_kv_blocks=num_kv_blocks))

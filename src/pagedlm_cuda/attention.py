@@ -20,6 +20,9 @@ import torch
 
 from pagedlm.attention.backend import AttentionBackend, BatchLayout
 
+GRAPH_MAX_QUERY_LEN = 64
+"""Query lengths a captured graph replays: at most one prefill-kernel row tile (BLOCK_M)."""
+
 
 @dataclass(frozen=True)
 class TritonMetadata:
@@ -48,6 +51,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    reads_host_lengths = False  # kernels read lengths on the device; max_* are bounds
 
     @staticmethod
     def kv_cache_shape(
@@ -70,8 +74,10 @@ class TritonAttentionBackend(AttentionBackend):
 
     def supports_graph(self, query_len: int) -> bool:
         # The decode kernel's grid depends only on the batch size and max_seq_len
-        # (max_model_len under a graph); the prefill kernel's on the step's lengths.
-        return query_len == 1
+        # (max_model_len under a graph). A uniform step of a few tokens per request (a
+        # speculative verification) runs the prefill kernel, whose grid depends on the
+        # batch size and max_query_len only: the captured query length, one row tile.
+        return 1 <= query_len <= GRAPH_MAX_QUERY_LEN
 
     def forward(
         self,

@@ -3,7 +3,7 @@
 A decode step launches a few hundred small kernels; replaying them as one graph removes
 the per-launch CPU cost, which dominates at small batches. A graph is keyed by (requests,
 tokens per request): every request of a step it replays feeds the same number of tokens
-(1 for decode; 1 + k for speculative verification, once a backend can capture that).
+(1 for decode; 1 + k for speculative verification, where the backend captures it).
 
 Everything a captured step reads lives in the model runner's persistent step buffers
 (``pagedlm.worker.step_inputs``): the runner copies the step's layout and gather indices
@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -38,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class _Captured:
-    graph: torch.cuda.CUDAGraph
+    graph: Any
+    """A ``torch.cuda.CUDAGraph`` (anything with ``replay()``)."""
     hidden: torch.Tensor
     metadata: Any
 
@@ -70,7 +72,11 @@ class CudaGraphRunner(GraphRunner):
         """Graphs for ``pagedlm.worker.model_runner.ModelRunner``, or None when its
         attention backend captures no step shape."""
         backend = runner.attn_backend
-        query_lens = tuple(q for q in (1,) if backend.supports_graph(q))
+        wanted = [1]
+        speculative = getattr(runner.config, "speculative", None)
+        if speculative is not None:  # verification steps: 1 + k tokens per request
+            wanted.append(1 + speculative.num_speculative_tokens)
+        query_lens = tuple(q for q in wanted if backend.supports_graph(q))
         if not query_lens:
             logger.info("CUDA graphs off: attention backend %s captures no step", backend.name)
             return None
@@ -90,11 +96,11 @@ class CudaGraphRunner(GraphRunner):
 
     def capture(self) -> None:
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool = self._new_pool()
         for query_len in self.query_lens:
             for size in reversed(self.sizes):
                 self._graphs[size, query_len] = self._capture_one(size, query_len, pool)
-        torch.cuda.synchronize()
+        self._synchronize()
         logger.info(
             "Captured CUDA graphs for %d batch sizes (1..%d) x query lengths %s in %.1f s",
             len(self.sizes),
@@ -115,12 +121,25 @@ class CudaGraphRunner(GraphRunner):
             return self.model(inputs.input_ids, inputs.positions, ctx)
 
         with torch.inference_mode():
-            step()  # compiles, warms allocators
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = step()
+            graph, hidden = self._record(step, pool)
         return _Captured(graph, hidden, metadata)
+
+    # The three device-specific parts, overridable where graphs are emulated (the CPU
+    # tests replay a "graph" by calling its step again over the same buffers).
+    def _new_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def _synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def _record(self, step: Callable[[], torch.Tensor], pool: Any) -> tuple[Any, torch.Tensor]:
+        """(something with ``replay()`` that reruns ``step``, the tensor it writes into)."""
+        step()  # compiles, warms allocators
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            hidden = step()
+        return graph, hidden
 
     def padded_num_reqs(self, num_reqs: int, query_len: int) -> int | None:
         if query_len not in self.query_lens or num_reqs > self.sizes[-1]:

@@ -132,6 +132,11 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     supports_sliding_window: ClassVar[bool] = False
     supports_logits_soft_cap: ClassVar[bool] = False
+    reads_host_lengths: ClassVar[bool] = True
+    """Whether ``build_metadata`` plans from the layout's host arrays (``*_cpu``). A backend
+    that reads only its device tensors, taking ``max_*`` as bounds, sets False: the model
+    runner may then correct a step's lengths on the device after the host arrays were
+    written (speculative decoding under asynchronous scheduling) instead of waiting."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -69,6 +69,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_latency_args(parser: argparse.ArgumentParser) -> None:
+    """``bench latency``'s own sizes (beside the engine flags)."""
+    parser.add_argument("--batch-size", type=int, default=1, help="(default: %(default)s)")
+    parser.add_argument("--input-len", type=int, default=1024, help="(default: %(default)s)")
+    parser.add_argument("--output-len", type=int, default=256, help="(default: %(default)s)")
+    parser.add_argument("--num-iters", type=int, default=5, help="(default: %(default)s)")
+    parser.add_argument("--num-iters-warmup", type=int, default=1, help="(default: %(default)s)")
+
+
+def random_prompts(args: argparse.Namespace) -> list[list[int]]:
+    """``--batch-size`` prompts of ``--input-len`` random ids (seeded)."""
+    import random
+
+    rng = random.Random(0)
+    return [[rng.randint(0, 10000) for _ in range(args.input_len)] for _ in range(args.batch_size)]
+
+
 def speed_of_light_line(args: argparse.Namespace, llm, prompt_lens, output_lens, seconds):
     """The run's share of the speed of light, or None where the ceilings are unknown: they
     were measured on the H200 (the CUDA platform's defaults); another device needs

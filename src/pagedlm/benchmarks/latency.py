@@ -1,30 +1,31 @@
 """``pagedlm bench latency``: time to generate ``--output-len`` tokens for a batch of
 ``--batch-size`` prompts of ``--input-len`` tokens (prefill included); mean and
 percentiles over ``--num-iters`` runs, the % of speed-of-light, and optionally
-transformers' eager ``generate`` on the same prompt."""
+transformers' eager ``generate`` on the same prompt. With ``--spec-acceptance A`` (and
+``--speculative-config``) it compares speculative decoding at a known acceptance rate with
+no speculation instead (``spec_acceptance.py``)."""
 
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 
+from pagedlm.benchmarks import spec_acceptance
 from pagedlm.benchmarks.common import (
     add_engine_args,
+    add_latency_args,
     build_llm,
     profile_steps,
+    random_prompts,
     speed_of_light_line,
 )
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--input-len", type=int, default=1024)
-    parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--num-iters", type=int, default=5)
-    parser.add_argument("--num-iters-warmup", type=int, default=1)
+    add_latency_args(parser)
+    spec_acceptance.add_args(parser)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -66,12 +67,11 @@ def transformers_latency(model_dir: str, prompt: list[int], batch: int, output_l
 def run(args: argparse.Namespace) -> dict[str, float]:
     from pagedlm import SamplingParams
 
-    rng = random.Random(0)
-    prompts = [
-        [rng.randint(0, 10000) for _ in range(args.input_len)] for _ in range(args.batch_size)
-    ]
-    llm, model_dir = build_llm(args)
+    prompts = random_prompts(args)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
+    if args.spec_acceptance is not None:
+        return spec_acceptance.run(args, prompts, params)
+    llm, model_dir = build_llm(args)
     # Prefix caching would turn every timed run after the first into a cache hit, so
     # each run changes the prompts' first token.
     times: list[float] = []

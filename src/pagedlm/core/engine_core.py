@@ -67,6 +67,7 @@ class EngineCore:
             config.cache,
             num_blocks,
             self.structured_output,
+            config.speculative,
             record_kv_cache_events=kv_events.publishes,
         )
         self._kv_event_publisher = None

@@ -56,12 +56,15 @@ class GrammarGate:
         if self.manager is not None and len(compiling) == len(waiting) > 0:
             self.manager.wait_for_any(compiling, GRAMMAR_WAIT_S)
 
-    def bitmask(self, request_ids: Iterable[str]) -> GrammarBitmask | None:
-        """Masks for constrained requests that sample now (their matchers as they stand)."""
+    def bitmask(
+        self, request_ids: Iterable[str], drafts: dict[str, list[int]] | None = None
+    ) -> GrammarBitmask | None:
+        """Masks for constrained requests that sample now (their matchers as they stand),
+        one row per position for those verifying ``drafts``."""
         if self.manager is None:
             return None
         request_ids = list(request_ids)
-        return self.manager.grammar_bitmask(request_ids) if request_ids else None
+        return self.manager.grammar_bitmask(request_ids, drafts) if request_ids else None
 
     def check_failed(self, request: Request, sampled: list[int]) -> list[int]:
         """``sampled``, or nothing if the request's grammar failed to compile (the request
@@ -75,17 +78,28 @@ class GrammarGate:
         request.stop_reason = error
         return []
 
-    def advance(self, request: Request, token_ids: list[int]) -> None:
-        """Feed appended tokens to the request's matcher; finish it if the grammar ends."""
+    def advance(self, request: Request, token_ids: list[int]) -> int:
+        """Feed appended tokens to the request's matcher; finish it if the grammar ends.
+
+        Returns how many of ``token_ids`` stay: tokens after the one that ended the grammar
+        (several arrive at once with speculative decoding) are taken off the request."""
         if self.manager is None or request.sampling_params.structured_outputs is None:
-            return
-        if not self.manager.accept_tokens(request.request_id, token_ids):
-            # Only possible if the mask was not applied; never emit text that breaks it.
-            request.status = RequestStatus.FINISHED_ABORTED
-            request.stop_reason = "sampled a token the grammar does not allow"
-        elif self.manager.is_terminated(request.request_id):
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = None
+            return len(token_ids)
+        request_id = request.request_id
+        for index, token_id in enumerate(token_ids):
+            if not self.manager.accept_tokens(request_id, [token_id]):
+                # Only possible if the mask was not applied; never emit text that breaks it.
+                request.status = RequestStatus.FINISHED_ABORTED
+                request.stop_reason = "sampled a token the grammar does not allow"
+                return len(token_ids)
+            if self.manager.is_terminated(request_id):
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = None
+                extra = len(token_ids) - index - 1
+                if extra:
+                    del request.all_token_ids[-extra:]
+                return index + 1
+        return len(token_ids)
 
     def remove(self, request: Request) -> None:
         if self.manager is not None:

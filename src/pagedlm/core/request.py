@@ -51,6 +51,9 @@ class Request:
     - ``0 <= num_computed_tokens <= num_tokens + num_output_placeholders``: tokens whose
       K/V are in the cache or being written by a launched step. For a running request in
       decode, exactly one token is still to be fed: the last sampled one (known or not).
+    - A step that verifies ``k`` drafts counts ``1 + k`` placeholders and advances
+      ``num_computed_tokens`` by ``1 + k`` as if every draft were accepted; collecting it
+      takes back the rejected ones. Draft tokens never enter ``all_token_ids``.
     """
 
     def __init__(
@@ -87,6 +90,19 @@ class Request:
         """Seconds between arrival and first scheduling, set when first scheduled."""
         self.block_hashes: list[bytes] = []
         """Chained digests of this request's full blocks, maintained by the KV manager."""
+        # Speculative decoding (``core/speculation.py``); all unused when it is off.
+        self.spec_token_ids: list[int] = []
+        """Drafts its proposer made after its last collected sampling step: what its next
+        step verifies (none right after admission)."""
+        self.num_scheduled_drafts = 0
+        """Drafts the last step scheduled for it verifies."""
+        self.num_requested_drafts = 0
+        """Drafts its last sampling step asked the proposer for (asynchronous scheduling
+        verifies that many placeholders before they reach the host)."""
+        self.spec_acceptance = 1.0
+        """Running mean of its drafts' acceptance rate (the never-hurts policy reads it)."""
+        self.num_steps_without_drafts = 0
+        """Steps the policy kept it from proposing since it last did (for its probes)."""
 
     @property
     def prompt_token_ids(self) -> list[int]:

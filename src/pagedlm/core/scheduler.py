@@ -71,12 +71,13 @@ from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from pagedlm.config import CacheConfig, SchedulerConfig
+from pagedlm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedlm.core.grammar_gate import GrammarGate
 from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.core.queue_order import QueueOrder
 from pagedlm.core.request import Request, RequestStatus
 from pagedlm.core.scheduler_interface import Scheduler, SchedulerStats
+from pagedlm.core.speculation import Speculation, StepDrafts
 from pagedlm.core.stop_checker import append_token_ids
 from pagedlm.kv_cache.events import EventLog, KVCacheEvent
 from pagedlm.kv_cache.manager import KVCacheManager
@@ -102,6 +103,7 @@ class OneBudgetScheduler(Scheduler):
         cache_config: CacheConfig,
         num_blocks: int,
         structured_output: StructuredOutputManager | None = None,
+        speculative_config: SpeculativeConfig | None = None,
         record_kv_cache_events: bool = False,
     ) -> None:
         self.config = scheduler_config
@@ -122,6 +124,7 @@ class OneBudgetScheduler(Scheduler):
         self.order = QueueOrder(scheduler_config.scheduling_policy)
         self.num_model_steps = 0
         """Non-empty steps scheduled so far."""
+        self.speculation = Speculation(speculative_config, scheduler_config.max_model_len)
 
     # ----------------------------------------------------------------- requests in / out
 
@@ -182,6 +185,7 @@ class OneBudgetScheduler(Scheduler):
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_manager.prefix_cache_hits,
+            spec_decoding=self.speculation.stats(),
         )
 
     # ------------------------------------------------------------------------- schedule
@@ -193,8 +197,10 @@ class OneBudgetScheduler(Scheduler):
         new_reqs: list[NewRequestData] = []
         preempted: list[Request] = []
         constrained: list[str] = []
+        spec = StepDrafts()
         if not self.running:
             self.grammars.wait_while_idle(self.waiting)
+        self.speculation.begin_step(len(self.running))
 
         # The running pass is the per-request hot loop of every step: locals, no helpers
         # on the common path (a decode whose blocks already hold its next slot).
@@ -204,6 +210,7 @@ class OneBudgetScheduler(Scheduler):
             cached_reqs.new_block_ids,
             cached_reqs.num_computed_tokens,
         )
+        speculating = self.speculation.enabled
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
@@ -216,21 +223,27 @@ class OneBudgetScheduler(Scheduler):
             num_new_tokens = min(num_tokens - computed, budget)
             if num_new_tokens <= 0:
                 continue
-            new_block_ids = allocate_slots(request, num_new_tokens)
+            if speculating:
+                new_block_ids = self._allocate_with_drafts(request, num_new_tokens, budget, spec)
+            else:
+                new_block_ids = allocate_slots(request, num_new_tokens)
             if new_block_ids is None:
                 new_block_ids = self._allocate_or_preempt(request, num_new_tokens, preempted)
                 if new_block_ids is None:
+                    spec.discard(request)
                     break  # the request preempted itself; everything after it is gone too
             request_id = request.request_id
             cached_ids.append(request_id)
             cached_blocks.append(new_block_ids)
             cached_computed.append(computed)
-            num_scheduled[request_id] = num_new_tokens
-            budget -= num_new_tokens
-            request.num_computed_tokens = computed + num_new_tokens
+            num_drafts = request.num_scheduled_drafts  # 0 unless speculating
+            num_scheduled[request_id] = num_new_tokens + num_drafts
+            budget -= num_new_tokens + num_drafts
+            request.num_computed_tokens = computed + num_new_tokens + num_drafts
             if computed + num_new_tokens >= num_tokens:
-                # This step samples its next token: a placeholder until update_from_output.
-                request.num_output_placeholders = placeholders + 1
+                # This step samples its next token, and as many more as drafts it accepts:
+                # placeholders until update_from_output.
+                request.num_output_placeholders = placeholders + 1 + num_drafts
                 if request.sampling_params.structured_outputs is not None:
                     constrained.append(request_id)
 
@@ -249,6 +262,7 @@ class OneBudgetScheduler(Scheduler):
             if num_new_tokens is None:
                 break
             self.waiting.popleft()
+            request.num_scheduled_drafts = request.num_requested_drafts = 0
             new_reqs.append(
                 NewRequestData(
                     req_id=request.request_id,
@@ -272,6 +286,9 @@ class OneBudgetScheduler(Scheduler):
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids={request.request_id for request in preempted},
             structured_output_req_ids=constrained,
+            num_drafts_to_propose=spec.to_propose,
+            num_drafts_in_flight=spec.in_flight,
+            scheduled_spec_decode_tokens=spec.drafts,
         )
         self._finished_req_ids = set()
         if num_scheduled:
@@ -303,14 +320,42 @@ class OneBudgetScheduler(Scheduler):
             or num_tokens >= self.config.max_model_len
         )
 
+    def _allocate_with_drafts(
+        self, request: Request, num_new_tokens: int, budget: int, spec: StepDrafts
+    ) -> list[int] | None:
+        """Slots for a running request's tokens, plus the drafts it verifies and the slots
+        its proposer writes ahead when they fit too (drafts never cost a preemption);
+        records the drafts in ``spec``. None: even the tokens alone do not fit."""
+        drafts: list[int] = []
+        num_proposals = 0
+        if num_new_tokens == 1:  # decoding: only its last sampled token is left to feed
+            drafts = self.speculation.drafts_to_verify(request, budget - 1)
+            num_proposals = self.speculation.drafts_to_propose(request, len(drafts))
+        extra = len(drafts) + self.speculation.lookahead(num_proposals)
+        new_block_ids = self.kv_manager.allocate_slots(request, num_new_tokens + extra)
+        if new_block_ids is None and extra:
+            drafts, num_proposals = [], 0
+            new_block_ids = self.kv_manager.allocate_slots(request, num_new_tokens)
+        spec.record(request, drafts, num_proposals)
+        return new_block_ids
+
     def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
         """Token masks for the step's constrained requests that sample, from their matchers
-        as they are now: ask after ``update_from_output`` of the step before."""
-        return self.grammars.bitmask(
+        as they are now: ask after ``update_from_output`` of the step before. A request
+        that verifies drafts gets a mask per position (its drafts resolved by now)."""
+        request_ids = [
             request_id
             for request_id in scheduler_output.structured_output_req_ids
             if request_id in self.requests
-        )
+        ]
+        scheduled = scheduler_output.scheduled_spec_decode_tokens
+        drafts = {}
+        for request_id in request_ids:
+            if request_id in scheduled:
+                request = self.requests[request_id]
+                known = Speculation.known_drafts(request, scheduled[request_id])
+                drafts[request_id] = known + [-1] * (len(scheduled[request_id]) - len(known))
+        return self.grammars.bitmask(request_ids, drafts)
 
     def _allocate_or_preempt(
         self, request: Request, num_new_tokens: int, preempted: list[Request]
@@ -333,6 +378,7 @@ class OneBudgetScheduler(Scheduler):
 
     def _preempt(self, request: Request) -> None:
         self.kv_manager.free(request)
+        self.speculation.on_preempted(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -366,6 +412,8 @@ class OneBudgetScheduler(Scheduler):
         outputs: list[EngineCoreOutput] = []
         max_model_len = self.config.max_model_len
         scheduled = scheduler_output.num_scheduled_tokens
+        scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
+        speculating = self.speculation.enabled
         all_logprobs = runner_output.logprobs
         all_prompt_logprobs = runner_output.prompt_logprobs
         for req_id, sampled in zip(
@@ -376,7 +424,14 @@ class OneBudgetScheduler(Scheduler):
                 continue  # finished or aborted after this step was scheduled
             new_token_ids: list[int] = []
             if sampled:
-                request.num_output_placeholders -= 1
+                if speculating:
+                    num_drafts = len(scheduled_drafts.get(req_id, ()))
+                    request.num_output_placeholders -= 1 + num_drafts
+                    request.num_computed_tokens -= self.speculation.on_sampled(
+                        request, num_drafts, len(sampled), runner_output.draft_token_ids.get(req_id)
+                    )
+                else:
+                    request.num_output_placeholders -= 1
                 if request.sampling_params.structured_outputs is None:
                     new_token_ids = append_token_ids(request, sampled, max_model_len)
                 else:
@@ -416,7 +471,8 @@ class OneBudgetScheduler(Scheduler):
         sampled = self.grammars.check_failed(request, sampled)
         new_token_ids = append_token_ids(request, sampled, max_model_len) if sampled else []
         if new_token_ids and not request.is_finished:
-            self.grammars.advance(request, new_token_ids)
+            # Tokens after one that ends the grammar (an accepted run of drafts) are dropped.
+            del new_token_ids[self.grammars.advance(request, new_token_ids) :]
         return new_token_ids
 
     def _remove_from_queues(self, request: Request) -> None:

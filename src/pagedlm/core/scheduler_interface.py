@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.core.request import Request, RequestStatus
+from pagedlm.core.speculation import SpecDecodingStats
 from pagedlm.kv_cache.events import KVCacheEvent
 from pagedlm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 
@@ -23,6 +24,8 @@ class SchedulerStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    spec_decoding: SpecDecodingStats | None = None
+    """Speculative decoding's counts (None when it is off)."""
 
 
 class Scheduler(ABC):

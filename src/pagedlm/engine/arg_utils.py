@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from pagedlm.config import (
     ArchConfig,
@@ -24,6 +24,7 @@ from pagedlm.config import (
     validate_fraction,
     validate_positive,
 )
+from pagedlm.engine.speculative_args import parse_speculative_config
 
 if TYPE_CHECKING:
     from pagedlm.platforms import Platform
@@ -120,6 +121,10 @@ class EngineArgs:
     (Ray actors, for several nodes) or a plugin's executor; None: "uni" for one worker,
     "mp" for several on one node, "ray" when the node has too few devices or this process
     is in a Ray placement group."""
+    speculative_config: dict[str, Any] | str | None = None
+    """Speculative decoding, vLLM's keys as a dict or JSON, e.g. '{"method": "ngram",
+    "num_speculative_tokens": 4}'; methods ngram (prompt_lookup_min/max), draft_model,
+    eagle and eagle3 (with "model"). None: off."""
 
     def __post_init__(self) -> None:
         # A dict (or KVEventsConfig) from Python travels as the CLI's JSON text, so the
@@ -274,6 +279,21 @@ class EngineArgs:
             structured_outputs_backend=self.structured_outputs_backend,
             kv_events=KVEventsConfig.parse(self.kv_events_config),
         )
+        config = replace(
+            config,
+            speculative=parse_speculative_config(
+                self.speculative_config,
+                config.model,
+                max_num_batched_tokens,
+                lambda what, name, revision: _resolve_path(what, name, revision),
+            ),
+        )
+        if config.speculative is not None and config.parallel.pipeline_parallel_size > 1:
+            raise ValueError(
+                "speculative_config is not supported with pipeline_parallel_size > 1 (a "
+                "verification's accepted counts would have to reach every stage); drop one "
+                "of them."
+            )
         config = configure(config, platform)
         platform.bind_config(config)
         return config, platform

@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import inspect
 import itertools
+import json
 import textwrap
 import types
 import typing
@@ -51,11 +52,30 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def _json_object(text: str) -> dict[str, Any] | None:
+    """A flag that takes a JSON object (``--speculative-config '{"method": "ngram"}'``)."""
+    if text.lower() in ("", "none"):
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+_json_object.__name__ = "JSON"
+
+
 def _scalar_type(annotation: Any) -> tuple[type, bool]:
-    """(the non-None type, whether None is allowed) of ``int | None`` style annotations."""
+    """(the non-None type, whether None is allowed) of ``int | None`` style annotations;
+    ``dict``-typed fields (a dict or its JSON) give ``dict``."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if any(typing.get_origin(a) is dict or a is dict for a in args):
+            return dict, True
         if len(args) != 1:
             raise TypeError(f"EngineArgs field type {annotation} has no single CLI type.")
         return args[0], True
@@ -104,8 +124,10 @@ def add_engine_args(
                 flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
             )
             continue
-        if kind in (int, float, str):
-            converter: Any = _none_or(kind) if nullable else kind
+        if kind is dict:
+            converter: Any = _json_object
+        elif kind in (int, float, str):
+            converter = _none_or(kind) if nullable else kind
         else:
             raise TypeError(
                 f"EngineArgs.{field.name} has type {kind}, which the CLI cannot parse; use "

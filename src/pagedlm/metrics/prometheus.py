@@ -31,6 +31,10 @@ _DOCS = {
     "pagedlm:prompt_tokens": "Number of prefill tokens processed.",
     "pagedlm:generation_tokens": "Number of generation tokens processed.",
     "pagedlm:request_success": "Count of successfully finished requests.",
+    "pagedlm:spec_decode_num_drafts": "Number of spec decoding drafts (verification steps).",
+    "pagedlm:spec_decode_num_draft_tokens": "Number of draft tokens verified.",
+    "pagedlm:spec_decode_num_accepted_tokens": "Number of accepted draft tokens.",
+    "pagedlm:spec_decode_num_accepted_tokens_per_pos": "Accepted draft tokens per position.",
 }
 
 _LATENCY_BUCKETS = (

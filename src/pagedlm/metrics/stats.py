@@ -56,4 +56,19 @@ class EngineMetrics:
                     labels={"finished_reason": reason},
                 )
             )
+        spec = stats.spec_decoding
+        if spec is not None:
+            metrics += [
+                Metric("pagedlm:spec_decode_num_drafts", spec.num_drafts),
+                Metric("pagedlm:spec_decode_num_draft_tokens", spec.num_draft_tokens),
+                Metric("pagedlm:spec_decode_num_accepted_tokens", spec.num_accepted_tokens),
+            ]
+            metrics += [
+                Metric(
+                    "pagedlm:spec_decode_num_accepted_tokens_per_pos",
+                    count,
+                    labels={"position": str(position)},
+                )
+                for position, count in enumerate(spec.num_accepted_tokens_per_pos)
+            ]
         return metrics

@@ -86,10 +86,10 @@ class Sampler:
         raw_logits = logits
         if self._can_fuse(metadata):
             if metadata.logit_adjustments is not None or metadata.penalties is not None:
-                logits = self._adjust_logits(logits, metadata)
+                logits = self.adjust_logits(logits, metadata)
             sampled = self._sample_fused(logits, metadata)
         else:
-            logits = self._adjust_logits(logits, metadata)
+            logits = self.adjust_logits(logits, metadata)
             if metadata.all_greedy:
                 sampled = logits.argmax(dim=-1)
             else:
@@ -125,7 +125,7 @@ class Sampler:
         return self.fused_random(logits, metadata.temperature, noise_scale, seed)
 
     @staticmethod
-    def _adjust_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def adjust_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Stages 1-2. Returns float32 logits that the later stages may write in place.
 
         The result is always a fresh tensor unless the batch is all-greedy and untouched,
@@ -156,11 +156,23 @@ class Sampler:
         ``logits`` is not modified when temperature applies (division makes a new
         tensor); otherwise it is owned by the sampler and filtered in place.
         """
+        probs = Sampler.random_probs(logits, metadata)
+        return Sampler.race(probs, metadata)
+
+    @staticmethod
+    def random_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Stage 4: the distribution each random row samples from (temperature, min-p,
+        top-k, top-p), ``[N, vocab]`` float32; ``logits`` come from ``adjust_logits``."""
         if metadata.temperature is not None:
             logits = logits / metadata.temperature.unsqueeze(1)
         if not metadata.filters.is_empty:
             apply_filters(logits, metadata.filters)
-        probs = logits.softmax(dim=-1)
+        return logits.softmax(dim=-1)
+
+    @staticmethod
+    def race(probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Stage 5: one token per row drawn from ``probs`` (unnormalized rows are fine) by
+        the exponential race; ``probs`` is overwritten."""
         noise = torch.empty_like(probs)
         if metadata.has_unseeded_random_rows:
             noise.exponential_(generator=metadata.default_generator)

@@ -28,6 +28,8 @@ class ModelRunnerOutput:
     one once speculative decoding accepts drafts (then ``len - 1`` drafts were accepted).
     ``logprobs[req_id]`` has one row per sampled token. ``pooler_output[req_id]`` is a
     pooling model's vector for a request whose prompt finished this step.
+    ``draft_token_ids[req_id]`` are the tokens its proposer drafted for its next step (only
+    for requests in ``SchedulerOutput.num_drafts_to_propose``; possibly fewer, or none).
     """
 
     req_ids: list[str]
@@ -35,6 +37,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 class StepResult(Protocol):

@@ -60,7 +60,10 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-    """Draft tokens per request (none until a proposer is configured)."""
+    """Draft tokens each verifying request feeds after its last sampled token: the ids its
+    workers' proposer drafted after the request's previous sampling step, or ``-1`` where
+    the host has not seen them yet (asynchronous scheduling). The workers hold the drafts
+    in their token table either way; they verify the first ``min(len, drafts they hold)``."""
     finished_req_ids: set[str] = field(default_factory=set)
     """Requests that ended since the last step: workers drop their state."""
     preempted_req_ids: set[str] = field(default_factory=set)
@@ -68,6 +71,13 @@ class SchedulerOutput:
     a resume (a seeded request's generator)."""
     structured_output_req_ids: list[str] = field(default_factory=list)
     """Constrained requests that sample this step: ``sample_tokens`` gets their bitmask."""
+    num_drafts_to_propose: dict[str, int] = field(default_factory=dict)
+    """Requests that sample this step and whose proposer drafts up to this many tokens for
+    their next step (speculative decoding; the drafts come back in the runner output)."""
+    num_drafts_in_flight: dict[str, int] = field(default_factory=dict)
+    """Requests whose ``num_computed_tokens`` counts every draft of the step still in flight
+    as accepted (asynchronous scheduling): how many drafts that step verifies. The workers
+    subtract the ones it rejects from where the request's tokens start."""
 
     @property
     def is_empty(self) -> bool:
@@ -92,6 +102,8 @@ class GrammarBitmask:
 
     Row ``i`` of ``bitmask`` (numpy int32 ``[len(req_ids), ceil(vocab_size / 32)]``)
     belongs to ``req_ids[i]``; bit ``j`` of word ``w`` set = token ``32 * w + j`` allowed.
+    A request that verifies ``k`` drafts has ``1 + k`` consecutive rows (the same id):
+    the tokens allowed at each of its positions, given the drafts before it.
     Built after the previous step's tokens advanced the grammars, so it travels with
     ``sample_tokens``, not with the ``SchedulerOutput``.
     """

@@ -61,6 +61,12 @@ class GrammarMatcher(ABC):
     def is_terminated(self) -> bool:
         """The grammar has ended (its stop token was accepted): the request must finish."""
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (at most 32): speculative decoding
+        checks its drafts by accepting them, then rolls them back. A matcher that cannot
+        serves constrained requests without drafts only."""
+        raise NotImplementedError(f"{type(self).__name__} cannot roll back accepted tokens")
+
 
 class StructuredOutputBackend(ABC):
     """Compiles grammars for one tokenizer and vocabulary size (the logits' width)."""

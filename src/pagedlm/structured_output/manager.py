@@ -180,16 +180,39 @@ class StructuredOutputManager:
 
     # ---- per step ------------------------------------------------------------------
 
-    def grammar_bitmask(self, request_ids: list[str]) -> GrammarBitmask | None:
-        """Allowed next tokens for the given sampling requests that have a matcher."""
-        rows = [r for r in request_ids if self._matcher_of(r) is not None]
-        if not rows:
+    def grammar_bitmask(
+        self, request_ids: list[str], drafts: dict[str, list[int]] | None = None
+    ) -> GrammarBitmask | None:
+        """Allowed next tokens for the given sampling requests that have a matcher.
+
+        A request with ``drafts[request_id]`` (speculative decoding: the ``k`` drafts its
+        step verifies, ``-1`` where unknown) gets ``1 + k`` rows: row ``j`` allows what may
+        follow its first ``j`` drafts. Past a draft the grammar rejects (or an unknown
+        one), rows allow everything: that draft is rejected by its own row's mask, so
+        the positions after it are never used."""
+        drafts = drafts or {}
+        requests = [r for r in request_ids if self._matcher_of(r) is not None]
+        if not requests:
             return None
-        bitmask = np.full((len(rows), bitmask_width(self.vocab_size)), -1, dtype=np.int32)
-        for row, request_id in enumerate(rows):
+        num_rows = sum(1 + len(drafts.get(r, ())) for r in requests)
+        bitmask = np.full((num_rows, bitmask_width(self.vocab_size)), -1, dtype=np.int32)
+        rows: list[str] = []
+        for request_id in requests:
             matcher = self._matcher_of(request_id)
             assert matcher is not None
+            row = len(rows)
+            request_drafts = drafts.get(request_id, ())
+            rows.extend([request_id] * (1 + len(request_drafts)))
             matcher.fill_bitmask(bitmask, row)
+            accepted = 0
+            for token_id in request_drafts:
+                if token_id < 0 or matcher.is_terminated() or not matcher.accept_token(token_id):
+                    break
+                accepted += 1
+                if not matcher.is_terminated():
+                    matcher.fill_bitmask(bitmask, row + accepted)
+            if accepted:
+                matcher.rollback(accepted)
         return GrammarBitmask(req_ids=rows, bitmask=bitmask)
 
     def _matcher_of(self, request_id: str) -> GrammarMatcher | None:

@@ -93,11 +93,18 @@ def _probe_vocabulary() -> Any:
     return _PROBE_VOCABULARY
 
 
+_MAX_ROLLBACK = 32
+"""Tokens a matcher can take back (speculative decoding verifies at most 31 drafts)."""
+
+
 class OutlinesMatcher(GrammarMatcher):
     def __init__(self, index: Any, eos_token_id: int) -> None:
-        self._guide = outlines_core.Guide(index)
+        self._guide = outlines_core.Guide(index, max_rollback=_MAX_ROLLBACK)
         self._eos_token_id = eos_token_id
         self._finished = False
+        self._advanced: list[bool] = []
+        """Per accepted token (the last ``_MAX_ROLLBACK``): whether it moved the guide (EOS
+        does not), so ``rollback`` knows how far to take the guide back."""
 
     def accept_token(self, token_id: int) -> bool:
         if self._finished:
@@ -106,11 +113,30 @@ class OutlinesMatcher(GrammarMatcher):
             # The guide has no transition on EOS: it is allowed exactly in accepting states
             # (Guide.is_finished), and accepting it is what ends the grammar.
             self._finished = self._guide.is_finished()
+            if self._finished:
+                self._remember(False)
             return self._finished
         if not self._guide.accepts_tokens([token_id]):
             return False
         self._guide.advance(token_id, return_tokens=False)
+        self._remember(True)
         return True
+
+    def _remember(self, advanced: bool) -> None:
+        self._advanced.append(advanced)
+        if len(self._advanced) > _MAX_ROLLBACK:
+            del self._advanced[0]
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens > len(self._advanced):
+            raise ValueError(f"cannot roll back {num_tokens} tokens (at most {_MAX_ROLLBACK})")
+        undone = self._advanced[len(self._advanced) - num_tokens :]
+        del self._advanced[len(self._advanced) - num_tokens :]
+        if undone and not undone[-1]:
+            self._finished = False  # the EOS that ended the grammar is undone
+        steps = sum(undone)
+        if steps:
+            self._guide.rollback_state(steps)
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         target = bitmask[row]

@@ -45,6 +45,10 @@ class XgrammarMatcher(GrammarMatcher):
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
 
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+
 
 class XgrammarBackend(StructuredOutputBackend):
     name = "xgrammar"

@@ -12,9 +12,13 @@ Invariants:
 - A slot belongs to at most one request; it is freed when the request finishes, is
   aborted or is preempted, and reused only by a later step. Device work runs in launch
   order, so a step that wrote a freed slot's row has run before the next owner's writes.
-- ``num_tokens[slot]`` counts the tokens in a request's row: known at admission plus one
-  per step that sampled for it (launched, not necessarily finished). Per-slot numbers
-  live in numpy arrays, so a step reads and updates them for all its requests at once.
+- ``num_admitted_tokens[slot]`` is how many tokens the request had when (re)admitted: a
+  step samples for it once the tokens it feeds, drafts aside, reach past them (every step
+  after its prompt does). Per-slot numbers live in numpy arrays, so a step reads them for
+  all its requests at once.
+- Speculative decoding writes a verifying step's outputs and the drafts for the next step
+  into the row too, at positions the host may not know yet (asynchronous scheduling); a
+  step reads a row only up to positions earlier steps have written.
 """
 
 from __future__ import annotations
@@ -81,8 +85,8 @@ class InputBatch:
         )
         self.padding_slot = max_num_reqs
         """The all-zero block-table row that padding rows read."""
-        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        """[slot] tokens in the slot's row of ``token_ids`` (see the invariants)."""
+        self.num_admitted_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        """[slot] tokens the slot's request had when admitted (see the invariants)."""
         self.requests: dict[str, RequestState] = {}
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
         self._writes = HostToDevice(4096, torch.int64, device)
@@ -127,7 +131,7 @@ class InputBatch:
                 "must release a request (finish or preempt) before admitting another"
             )
         state.slot = self._free_slots.pop()
-        self.num_tokens[state.slot] = len(data.token_ids)
+        self.num_admitted_tokens[state.slot] = len(data.token_ids)
         state.num_blocks = len(data.block_ids)
         self._token_writes.append((state.slot, data.token_ids))
         self._block_writes.append((state.slot, 0, data.block_ids))

@@ -7,11 +7,17 @@ collecting step N never waits for step N+1, which asynchronous scheduling queues
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
 from pagedlm.sample.logprobs import LogprobsTensors
 from pagedlm.step import LogprobsLists, ModelRunnerOutput
 from pagedlm.worker.prompt_logprobs import PromptLogprobRows
+
+if TYPE_CHECKING:
+    from pagedlm.worker.speculative import Proposals
 
 
 def copy_to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Event | None]:
@@ -29,11 +35,22 @@ def copy_to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch
     return hosts, done
 
 
+@dataclass(frozen=True)
+class Verified:
+    """A verification's device results: request ``i`` of the sampled ones emitted
+    ``token_ids[i, :num_emitted[i]]``; it had ``num_rows[i]`` logprobs rows."""
+
+    num_emitted: torch.Tensor
+    num_rows: list[int]
+
+
 class LaunchedStep:
     """``result()`` waits for the step's copies once and builds its ``ModelRunnerOutput``.
 
-    ``sampled[i]`` is the index in ``req_ids`` of the request that sampled
-    ``token_ids[i]``; ``logprobs`` and ``prompt_logprobs`` are trimmed per request.
+    ``sampled[i]`` is the index in ``req_ids`` of the request that sampled row ``i`` of
+    ``token_ids`` (``[n]``, or ``[n, W]`` with ``verified``); ``logprobs`` (one row per
+    logits row) and ``prompt_logprobs`` are trimmed per request. ``proposals``: drafts for
+    the next step, reported as ``draft_token_ids``.
     """
 
     def __init__(
@@ -45,15 +62,23 @@ class LaunchedStep:
         num_logprobs: list[int | None],
         prompt_logprobs: LogprobsTensors | None,
         prompt_parts: list[PromptLogprobRows],
+        verified: Verified | None = None,
+        proposals: Proposals | None = None,
     ) -> None:
         self.req_ids = req_ids
         self.sampled = sampled
         self.num_logprobs = num_logprobs
         self.prompt_parts = prompt_parts
-        tensors = [token_ids]
+        self.num_rows = None if verified is None else verified.num_rows
+        self.draft_owners = None if proposals is None else proposals.req_index
+        tensors = [token_ids.reshape(len(sampled), -1) if sampled else token_ids.reshape(0, 1)]
         for group in (logprobs, prompt_logprobs):
             if group is not None:
                 tensors.extend(group)
+        if verified is not None:
+            tensors.append(verified.num_emitted)
+        if proposals is not None:
+            tensors.extend([proposals.drafts, proposals.num_valid])
         self._host, self._copied = copy_to_host(tensors)
         self._has_logprobs = logprobs is not None
         self._has_prompt_logprobs = prompt_logprobs is not None
@@ -63,19 +88,29 @@ class LaunchedStep:
             self._copied.synchronize()  # the one wait for the device
         host = iter(self._host)
         token_ids = next(host).tolist()
-        sampled: list[list[int]] = [[] for _ in self.req_ids]
-        for index, token_id in zip(self.sampled, token_ids, strict=True):
-            sampled[index] = [token_id]
-        logprobs: dict[str, LogprobsLists] = {}
+        logprob_rows = None
         if self._has_logprobs:
-            rows = LogprobsTensors(next(host), next(host), next(host))
-            counts = [n or 0 for n in self.num_logprobs]
-            for index, lists, count in zip(self.sampled, rows.to_lists(counts), self.num_logprobs):
-                if count is not None:
-                    logprobs[self.req_ids[index]] = lists
-        prompt_logprobs: dict[str, LogprobsLists] = {}
+            logprob_rows = LogprobsTensors(next(host), next(host), next(host))
+        prompt_rows = None
         if self._has_prompt_logprobs:
-            rows = LogprobsTensors(next(host), next(host), next(host))
+            prompt_rows = LogprobsTensors(next(host), next(host), next(host))
+        num_emitted = [1] * len(self.sampled)
+        if self.num_rows is not None:
+            num_emitted = next(host).tolist()
+        sampled: list[list[int]] = [[] for _ in self.req_ids]
+        for index, tokens, count in zip(self.sampled, token_ids, num_emitted, strict=True):
+            sampled[index] = tokens[:count]
+        logprobs: dict[str, LogprobsLists] = {}
+        if logprob_rows is not None:
+            logprobs = self._logprobs(logprob_rows, num_emitted)
+        draft_token_ids: dict[str, list[int]] = {}
+        if self.draft_owners is not None:
+            drafts, num_valid = next(host).tolist(), next(host).tolist()
+            for index, row, count in zip(self.draft_owners, drafts, num_valid, strict=True):
+                draft_token_ids[self.req_ids[index]] = row[:count]
+        prompt_logprobs: dict[str, LogprobsLists] = {}
+        if prompt_rows is not None:
+            rows = prompt_rows
             offset = 0
             for part in self.prompt_parts:
                 end = offset + part.num_rows
@@ -88,4 +123,29 @@ class LaunchedStep:
             sampled_token_ids=sampled,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            draft_token_ids=draft_token_ids,
         )
+
+    def _logprobs(self, rows: LogprobsTensors, num_emitted: list[int]) -> dict[str, LogprobsLists]:
+        """Per request with logprobs, the rows of the tokens it emitted."""
+        logprobs: dict[str, LogprobsLists] = {}
+        if self.num_rows is None:  # one row each: one host conversion for all
+            counts = [n or 0 for n in self.num_logprobs]
+            for index, lists, count in zip(self.sampled, rows.to_lists(counts), self.num_logprobs):
+                if count is not None:
+                    logprobs[self.req_ids[index]] = lists
+            return logprobs
+        num_rows = self.num_rows
+        offset = 0
+        for index, count, rows_of, emitted in zip(
+            self.sampled, self.num_logprobs, num_rows, num_emitted, strict=True
+        ):
+            if count is not None:
+                part = LogprobsTensors(
+                    rows.token_ids[offset : offset + emitted],
+                    rows.logprobs[offset : offset + emitted],
+                    rows.ranks[offset : offset + emitted],
+                )
+                logprobs[self.req_ids[index]] = part.to_position_lists(count)
+            offset += rows_of
+        return logprobs

@@ -29,6 +29,7 @@ from pagedlm.distributed.parallel_state import get_pipeline_state
 from pagedlm.distributed.pipeline import broadcast_sampled_ids
 from pagedlm.kv_cache.interface import KVCache, TensorKVCache, kv_bytes_per_block
 from pagedlm.model_executor.forward_context import ForwardContext
+from pagedlm.model_executor.layers.attention import model_kv_heads
 from pagedlm.model_executor.loader import load_model
 from pagedlm.platforms import Platform
 from pagedlm.platforms.interface import GraphRunner
@@ -36,6 +37,7 @@ from pagedlm.sample.host_copy import tensor_to_device
 from pagedlm.sample.logprobs import compute_logprobs
 from pagedlm.sample.metadata import SamplingMetadata
 from pagedlm.sample.sampler import Sampler
+from pagedlm.spec_decode.model_drafter import TargetParts
 from pagedlm.step import (
     FinishedStep,
     GrammarBitmask,
@@ -44,13 +46,15 @@ from pagedlm.step import (
     StepResult,
 )
 from pagedlm.worker.input_batch import InputBatch
-from pagedlm.worker.launched_step import LaunchedStep
+from pagedlm.worker.launched_step import LaunchedStep, Verified
 from pagedlm.worker.pipeline_stage import run_stage
 from pagedlm.worker.sampling_inputs import (
     DeviceTokenHistory,
     SamplingMetadataCache,
     sampling_rows,
+    verification_rows,
 )
+from pagedlm.worker.speculative import Speculator
 from pagedlm.worker.step_inputs import StepInputBuilder, StepInputs
 
 logger = logging.getLogger(__name__)
@@ -65,18 +69,12 @@ class _ForwardDone:
 
     inputs: StepInputs
     logits: torch.Tensor | None
-    """[num_sampled + num_prompt_logprob_rows, vocab]; None on a pipeline stage before
-    the last (the last one samples)."""
-
-
-def model_kv_heads(model: torch.nn.Module, default: int) -> int:
-    """KV heads this worker's attention layers hold (its shard under tensor parallelism)."""
-    from pagedlm.model_executor.layers.attention import Attention
-
-    for module in model.modules():
-        if isinstance(module, Attention):
-            return module.num_kv_heads
-    return default
+    """[num_sampling_rows + num_prompt_logprob_rows, vocab]; None on a pipeline stage
+    before the last (the last one samples)."""
+    hidden: torch.Tensor | None
+    """[num_tokens, hidden] the step's hidden states (proposers read them)."""
+    to_propose: dict[str, int]
+    """``SchedulerOutput.num_drafts_to_propose``."""
 
 
 def model_attention_layers(model: torch.nn.Module) -> list[int]:
@@ -111,7 +109,18 @@ class ModelRunner:
         self.input_batch = InputBatch(
             sched.max_num_seqs, sched.max_model_len, self.block_size, self.device
         )
-        self.step_inputs = StepInputBuilder(self.input_batch, sched.max_num_batched_tokens)
+        host_lengths = self.attn_backend.reads_host_lengths
+        self.step_inputs = StepInputBuilder(
+            self.input_batch, sched.max_num_batched_tokens, host_lengths
+        )
+        target = TargetParts(
+            self.model,
+            self.attn_backend,
+            platform,
+            config.model.dtype,
+            sched.max_num_batched_tokens,
+        )
+        self.speculator = Speculator(config, self.input_batch, target, self.sampler, host_lengths)
         self.kv_cache: KVCache | None = None
         self.graph_runner: GraphRunner | None = None
         self._forward_done: _ForwardDone | None = None
@@ -159,30 +168,44 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block on this worker: its own KV heads, its own layers."""
         arch = self.arch
-        return kv_bytes_per_block(
+        target = kv_bytes_per_block(
             self.block_size,
             self.num_layers,
             self.num_kv_heads,
             arch.head_dim,
             self.config.model.dtype,
         )
+        return target + self.speculator.kv_bytes_per_block()  # a proposer's own KV too
 
     def _allocate_kv_cache(self, num_blocks: int) -> TensorKVCache:
         arch = self.arch
+        return self._allocate(
+            num_blocks, self.num_layers, self.num_kv_heads, arch.head_dim, self.first_layer
+        )
+
+    def _allocate(
+        self,
+        num_blocks: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        first_layer: int = 0,
+    ) -> TensorKVCache:
         shape = self.attn_backend.kv_cache_shape(
-            num_blocks, self.block_size, self.num_kv_heads, arch.head_dim
+            num_blocks, self.block_size, num_kv_heads, head_dim
         )
         return TensorKVCache(
             shape,
-            self.num_layers,
+            num_layers,
             self.block_size,
             self.config.model.dtype,
             self.platform.zeros,
-            first_layer=self.first_layer,
+            first_layer=first_layer,
         )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = self._allocate_kv_cache(num_blocks)
+        self.speculator.initialize_kv_cache(num_blocks, self._allocate)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",
             num_blocks,
@@ -193,6 +216,7 @@ class ModelRunner:
         pipelined = get_pipeline_state().world_size > 1
         if self.platform.supports_cuda_graphs and not self.enforce_eager and not pipelined:
             self.graph_runner = self.platform.capture_graphs(self)
+            self.speculator.capture_graphs(self)
 
     # ---- one step -------------------------------------------------------------------
 
@@ -202,21 +226,27 @@ class ModelRunner:
         if self._forward_done is not None:
             raise RuntimeError("sample_tokens must be called after every execute_model")
         self.input_batch.update(scheduler_output)
+        self.speculator.admit(scheduler_output)
         if scheduler_output.is_empty:
             self.input_batch.flush()
             return
-        inputs = self.step_inputs.build(scheduler_output, self._padded_num_reqs(scheduler_output))
+        inputs = self.step_inputs.build(
+            scheduler_output,
+            self._padded_num_reqs(scheduler_output),
+            self.speculator.num_rejected,
+        )
         hidden = self._forward(inputs)
         if hidden is None:  # a pipeline stage before the last: no logits here
-            self._forward_done = _ForwardDone(inputs, None)
+            self._forward_done = _ForwardDone(inputs, None, None, {})
             return
-        num_sampled = len(inputs.sampled)
         if inputs.logits_indices is None:
-            rows = hidden[:num_sampled]
+            rows = hidden[: len(inputs.sampled)]
         else:
             rows = hidden.index_select(0, inputs.logits_indices)
         logits = self.model.compute_logits(rows) if rows.shape[0] else rows
-        self._forward_done = _ForwardDone(inputs, logits)
+        self._forward_done = _ForwardDone(
+            inputs, logits, hidden, scheduler_output.num_drafts_to_propose
+        )
 
     def _padded_num_reqs(self, scheduler_output: SchedulerOutput) -> int | None:
         """The captured graph size this step replays at, if its batch is uniform (every
@@ -245,7 +275,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> StepResult:
-        """Sample the step ``execute_model`` queued; the result is collected later."""
+        """Sample (or verify) the step ``execute_model`` queued, then let the proposer draft
+        the next step's tokens; the result is collected later."""
         done, self._forward_done = self._forward_done, None
         if done is None:
             return FinishedStep(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
@@ -254,38 +285,50 @@ class ModelRunner:
             return self._store_last_stage_ids(inputs)
         batch = self.input_batch
         sampled = inputs.sampled
-        num_sampled = len(sampled)
         states = [inputs.states[i] for i in sampled]
+        num_rows = inputs.num_sampling_rows
+        num_sampling_rows = int(num_rows.sum())
         token_ids = torch.zeros(0, dtype=torch.int64, device=self.device)
-        logprobs = None
-        if num_sampled:
-            seq_lens = inputs.seq_lens[sampled]
+        logprobs, verified = None, None
+        if len(sampled):
+            # One sampling row per logits row: a verifying request's rows follow its drafts.
+            row_states, row_lens = verification_rows(
+                states, inputs.seq_lens[sampled] - inputs.num_drafts[sampled], num_rows
+            )
             metadata = self._sampling_metadata.get(
-                states,
-                seq_lens,
+                row_states,
+                row_lens,
                 lambda: SamplingMetadata.build(
-                    sampling_rows(states, seq_lens),
+                    sampling_rows(row_states, row_lens),
                     vocab_size=logits.shape[-1],
                     device=self.device,
                     default_generator=self.default_generator,
-                    token_history=DeviceTokenHistory(batch, states, seq_lens),
+                    token_history=DeviceTokenHistory(batch, row_states, row_lens),
                 ),
             )
-            bitmask = _batch_bitmask(grammar_bitmask, [s.req_id for s in states])
+            bitmask = _batch_bitmask(grammar_bitmask, [s.req_id for s in row_states])
             if bitmask is not None:
                 bitmask = tensor_to_device(bitmask, self.device)
-            out = self.sampler(logits[:num_sampled], metadata, bitmask)
-            token_ids, logprobs = out.sampled_token_ids, out.logprobs
-            token_ids = broadcast_sampled_ids(token_ids, num_sampled, self.device)
-            batch.token_ids.view(-1).index_put_(
-                (inputs.sample_token_index,), token_ids.to(torch.int32)
-            )
+            if num_sampling_rows > len(sampled):
+                out = self.speculator.verify(logits[:num_sampling_rows], metadata, bitmask, inputs)
+                token_ids, logprobs = out.token_ids, out.logprobs
+                verified = Verified(out.num_emitted, num_rows.tolist())
+            else:
+                out = self.sampler(logits[: len(sampled)], metadata, bitmask)
+                token_ids, logprobs = out.sampled_token_ids, out.logprobs
+                token_ids = broadcast_sampled_ids(token_ids, len(sampled), self.device)
+                batch.token_ids.view(-1).index_put_(
+                    (inputs.sample_token_index,), token_ids.to(torch.int32)
+                )
+        proposals = self.speculator.after_step(
+            inputs, done.hidden, None if verified is None else verified.num_emitted, done.to_propose
+        )
         prompt_logprobs = None
         if inputs.prompt_logprob_rows:
             assert inputs.prompt_target_index is not None
             targets = batch.token_ids.view(-1)[inputs.prompt_target_index]
             num_top = max(rows.num_logprobs for rows in inputs.prompt_logprob_rows)
-            prompt_logprobs = compute_logprobs(logits[num_sampled:], targets, num_top)
+            prompt_logprobs = compute_logprobs(logits[num_sampling_rows:], targets, num_top)
         return LaunchedStep(
             req_ids=inputs.req_ids,
             sampled=sampled.tolist(),
@@ -294,6 +337,8 @@ class ModelRunner:
             num_logprobs=[s.sampling_params.logprobs for s in states],
             prompt_logprobs=prompt_logprobs,
             prompt_parts=inputs.prompt_logprob_rows,
+            verified=verified,
+            proposals=proposals,
         )
 
     def _store_last_stage_ids(self, inputs: StepInputs) -> StepResult:
@@ -327,12 +372,18 @@ def _batch_bitmask(
     source = torch.from_numpy(grammar_bitmask.bitmask)
     if grammar_bitmask.req_ids == sampled_req_ids:
         return source  # every sampled row is constrained, already in order
-    row_of = {req_id: row for row, req_id in enumerate(grammar_bitmask.req_ids)}
+    # A request verifying drafts has consecutive rows on both sides, one per position.
+    row_of: dict[str, int] = {}
+    for row, req_id in enumerate(grammar_bitmask.req_ids):
+        row_of.setdefault(req_id, row)
     src_rows, dst_rows = [], []
+    previous, offset = None, 0
     for dst, req_id in enumerate(sampled_req_ids):
+        offset = offset + 1 if req_id == previous else 0
+        previous = req_id
         src = row_of.get(req_id)
         if src is not None:
-            src_rows.append(src)
+            src_rows.append(src + offset)
             dst_rows.append(dst)
     if not src_rows:
         return None

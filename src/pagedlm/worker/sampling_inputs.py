@@ -26,6 +26,21 @@ def sampling_rows(states: Sequence[RequestState], seq_lens: np.ndarray) -> list[
     ]
 
 
+def verification_rows(
+    states: Sequence[RequestState], first_output: np.ndarray, num_rows: np.ndarray
+) -> tuple[list[RequestState], np.ndarray]:
+    """One entry per logits row: a request with ``num_rows[i]`` rows (its drafts plus one)
+    repeats, its row ``j`` predicting the token after ``first_output[i] + j`` tokens (the
+    drafts before it count as outputs, and penalties see them in the token table)."""
+    if len(num_rows) == 0 or int(num_rows.max()) == 1:
+        return list(states), first_output
+    row_states = [
+        state for state, count in zip(states, num_rows, strict=True) for _ in range(count)
+    ]
+    offsets = np.arange(int(num_rows.sum())) - np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
+    return row_states, np.repeat(first_output, num_rows) + offsets
+
+
 class SamplingMetadataCache:
     """Hands out the previous step's ``SamplingMetadata`` again when building it anew would
     give the same: the same requests sample, in the same order, and no row reads state that

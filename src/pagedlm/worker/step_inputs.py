@@ -14,6 +14,16 @@ later step of its shape, the gathers included: a step run from a graph leaves th
 graph (``StepInputBuilder.gather``), so the host queues two copies and a replay. A step run
 from a graph of ``padded_num_reqs`` rows gets padding rows: as many tokens each as a real
 row, at position 0, no K/V written (slot -1), ``seq_len`` 0, the padding block-table row.
+
+Speculative decoding: a verifying request feeds its last sampled token and ``k`` drafts
+(already in its row of the token table) and produces logits at all ``1 + k`` positions.
+Under asynchronous scheduling a request's start may count the in-flight step's drafts as
+accepted (``SchedulerOutput.num_drafts_in_flight``); that step's rejections are on the
+device only. The builder then either waits for them and corrects on the host, when the
+attention backend plans from the host lengths or a sampling row needs its exact output
+count (penalties, ``min_tokens``), or corrects positions, lengths and gather indices on
+the device (``spec_positions.py``), leaving the host lengths as upper bounds; the gathers
+(in a graph or not) read the corrected indices.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from pagedlm.step import SchedulerOutput
 from pagedlm.worker.host_to_device import HostToDevice
 from pagedlm.worker.input_batch import InputBatch, RequestState
 from pagedlm.worker.prompt_logprobs import PromptLogprobRows
+from pagedlm.worker.spec_positions import correct_on_device, needs_exact_lengths
 
 ALIGN = 4
 """Sections start at multiples of 4 int32 (16 bytes): Triton compiles a kernel variant per
@@ -52,29 +63,48 @@ class StepInputs:
     sampled: np.ndarray
     """Indices into ``req_ids`` of the requests that sample this step, in batch order."""
     logits_indices: torch.Tensor | None
-    """Hidden-state rows to compute logits for: the sampled requests' last rows, then the
-    prompt-logprob rows; None when the sampled rows are exactly the first rows (every
-    request feeds one token and samples)."""
+    """Hidden-state rows to compute logits for: each sampled request's last ``1 + k`` rows
+    (``k`` drafts), then the prompt-logprob rows; None when the sampled rows are exactly the
+    first rows (every request feeds one token and samples)."""
     sample_token_index: torch.Tensor
-    """[len(sampled)] flat indices into ``InputBatch.token_ids`` for the sampled tokens."""
+    """[len(sampled)] flat indices into ``InputBatch.token_ids`` where each sampled
+    request's first output goes (a verifying request's others follow it)."""
+    num_drafts: np.ndarray
+    """[num_reqs] drafts each request verifies (zeros without speculative decoding)."""
+    token_index: torch.Tensor
+    """[num_tokens] flat indices into ``InputBatch.token_ids`` of the tokens fed."""
     prompt_logprob_rows: list[PromptLogprobRows]
     prompt_target_index: torch.Tensor | None
     """Flat indices into ``InputBatch.token_ids`` of the next prompt token of every
     prompt-logprob row, or None."""
     seq_lens: np.ndarray
-    """[num_reqs] each request's length after the step (no padding)."""
+    """[num_reqs] each request's length after the step, drafts included (no padding); an
+    upper bound unless ``exact_lengths``."""
     padded_num_reqs: int | None
     """The captured graph size this step runs at, or None (eager)."""
     gather_indices: torch.Tensor
     """The device index buffer ``gather`` reads (see ``_Sections``)."""
     sections: _Sections
+    exact_lengths: bool = True
+    """False when in-flight rejections were subtracted on the device only: the device
+    positions and lengths are right, the host ``seq_lens`` (and the layout's) too long."""
+
+    @property
+    def num_sampling_rows(self) -> np.ndarray:
+        """[len(sampled)] logits rows per sampled request: ``1 + k``."""
+        return 1 + self.num_drafts[self.sampled]
 
 
 class StepInputBuilder:
     """Owns the persistent step buffers of one model runner (see the module docstring)."""
 
-    def __init__(self, batch: InputBatch, max_num_tokens: int) -> None:
+    def __init__(
+        self, batch: InputBatch, max_num_tokens: int, host_lengths_exact: bool = True
+    ) -> None:
+        """``host_lengths_exact``: the attention backend plans from the layout's host
+        lengths, so in-flight rejections are always resolved on the host."""
         self.batch = batch
+        self.host_lengths_exact = host_lengths_exact
         device = batch.device
         max_reqs = batch.max_num_reqs
         self.max_num_tokens = max_num_tokens
@@ -83,10 +113,11 @@ class StepInputBuilder:
         self._layout = HostToDevice(
             self._positions_at + max_num_tokens, torch.int32, device, fixed=True
         )
-        # token, block and offset indices for every token, then per row and per logits row:
-        # at most 5 per token and 3 per request (prompt-logprob rows are tokens).
+        # token, block and offset indices for every token, then per row: slots, sampled
+        # rows, in-flight flags and sampled indices; logits rows and prompt-logprob targets
+        # are at most one per token each (a sampling row is never a prompt-logprob row).
         self._indices = HostToDevice(
-            5 * max_num_tokens + 3 * max_reqs, torch.int32, device, fixed=True
+            5 * max_num_tokens + 4 * max_reqs, torch.int32, device, fixed=True
         )
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
         self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
@@ -95,24 +126,58 @@ class StepInputBuilder:
         )
 
     def build(
-        self, scheduler_output: SchedulerOutput, padded_num_reqs: int | None = None
+        self,
+        scheduler_output: SchedulerOutput,
+        padded_num_reqs: int | None = None,
+        num_rejected: torch.Tensor | None = None,
     ) -> StepInputs:
         """The step's inputs; ``padded_num_reqs`` rows when it replays a captured graph
-        (the batch is then uniform and each padding row feeds as many tokens as a real one)."""
+        (the batch is then uniform and each padding row feeds as many tokens as a real one).
+        ``num_rejected`` ([max_num_reqs] int32 on the device, by slot): the drafts each
+        request's last verification rejected, needed when ``num_drafts_in_flight`` is set."""
         batch = self.batch
         req_ids = scheduler_output.req_ids
         states = [batch.requests[r] for r in req_ids]
         scheduled = scheduler_output.num_scheduled_tokens
         starts = np.array(scheduler_output.num_computed_tokens, dtype=np.int64)
         num_new = np.fromiter((scheduled[r] for r in req_ids), np.int64, len(req_ids))
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        num_drafts = np.zeros(len(req_ids), dtype=np.int64)
+        if drafts:
+            num_drafts[:] = [len(drafts.get(r, ())) for r in req_ids]
+        in_flight = None
+        if scheduler_output.num_drafts_in_flight:
+            assert num_rejected is not None, "in-flight drafts need the rejection counts"
+            in_flight = self._in_flight(scheduler_output, states, starts, num_rejected)
         pad_len = int(num_new[0]) if len(num_new) else 1
-        return self._build(req_ids, states, starts, num_new, padded_num_reqs, pad_len)
+        return self._build(
+            req_ids, states, starts, num_new, num_drafts, padded_num_reqs, pad_len, in_flight
+        )
+
+    def _in_flight(
+        self,
+        scheduler_output: SchedulerOutput,
+        states: list[RequestState],
+        starts: np.ndarray,
+        num_rejected: torch.Tensor,
+    ) -> tuple[np.ndarray, torch.Tensor] | None:
+        """Resolve the in-flight step's rejections: on the host (``starts`` corrected in
+        place; returns None) or later on the device (returns the requests' mask and the
+        per-slot counts)."""
+        counts = scheduler_output.num_drafts_in_flight
+        mask = np.fromiter((s.req_id in counts for s in states), bool, len(states))
+        if self.host_lengths_exact or needs_exact_lengths(states, starts, mask, counts):
+            slots = [s.slot for s, m in zip(states, mask, strict=True) if m]
+            # Waits for the in-flight step (free where the device is the host).
+            starts[mask] -= num_rejected[slots].cpu().numpy()
+            return None
+        return mask, num_rejected
 
     def capture_inputs(self, num_reqs: int, query_len: int) -> StepInputs:
         """A step of ``num_reqs`` padding rows of ``query_len`` tokens each, written into the
         persistent buffers: what a graph of that shape is captured over."""
         empty = np.zeros(0, dtype=np.int64)
-        return self._build([], [], empty, empty, num_reqs, query_len)
+        return self._build([], [], empty, empty, empty, num_reqs, query_len, None)
 
     def _build(
         self,
@@ -120,13 +185,14 @@ class StepInputBuilder:
         states: list[RequestState],
         starts: np.ndarray,
         num_new: np.ndarray,
+        num_drafts: np.ndarray,
         padded_num_reqs: int | None,
         pad_len: int,
+        in_flight: tuple[np.ndarray, torch.Tensor] | None,
     ) -> StepInputs:
         batch = self.batch
         num_reqs = len(req_ids)
         slots = np.fromiter((s.slot for s in states), np.int64, num_reqs)
-        tokens_before = batch.num_tokens[slots]
         seq_lens = starts + num_new
         num_tokens = int(num_new.sum())
         rows = padded_num_reqs or num_reqs
@@ -135,17 +201,28 @@ class StepInputBuilder:
         qsl, lens, positions, device_layout = self._stage_layout(
             num_new, starts, seq_lens, rows, pad_len
         )
-        # A request samples once its scheduled tokens reach the end of every token it has.
-        sampled = np.flatnonzero(seq_lens >= tokens_before)
+        # A request samples once the tokens it feeds, drafts aside, reach past those it had
+        # when admitted: every step after its prompt.
+        first_output = seq_lens - num_drafts
+        sampled = np.flatnonzero(first_output >= batch.num_admitted_tokens[slots])
         prompt_rows, prompt_row_index, prompt_target_index = _prompt_logprob_rows(
             states, starts, seq_lens, qsl, slots, batch.row_length
         )
         uniform_decode = len(sampled) == num_reqs == num_tokens and not prompt_rows
         logits_rows = None
         if not uniform_decode:
-            logits_rows = np.concatenate([qsl[1 : num_reqs + 1][sampled] - 1, prompt_row_index])
+            logits_rows = np.concatenate(
+                [
+                    _last_rows(qsl[1 : num_reqs + 1][sampled], 1 + num_drafts[sampled]),
+                    prompt_row_index,
+                ]
+            )
         sections = _Sections(
-            total, rows, len(sampled), 0 if logits_rows is None else len(logits_rows)
+            total,
+            rows,
+            len(sampled),
+            0 if logits_rows is None else len(logits_rows),
+            0 if in_flight is None else num_reqs,
         )
         token_req = np.repeat(np.arange(num_reqs), num_new)
         indices = self._stage_indices(
@@ -154,11 +231,28 @@ class StepInputBuilder:
             positions,
             slots,
             logits_rows,
-            slots[sampled] * batch.row_length + seq_lens[sampled],
+            slots[sampled] * batch.row_length + first_output[sampled],
             prompt_target_index,
+            (in_flight[0], sampled) if in_flight is not None else None,
         )
+        if in_flight is not None:
+            correct_on_device(
+                sections.view(indices, "token"),
+                sections.view(indices, "block"),
+                sections.view(indices, "offset"),
+                sections.view(indices, "sample"),
+                sections.view(indices, "slots")[:num_reqs],
+                sections.view(indices, "in_flight"),
+                sections.view(indices, "sampled"),
+                device_layout[self._lens_at : self._lens_at + num_reqs],
+                device_layout[self._positions_at : self._positions_at + num_tokens],
+                device_layout[: num_reqs + 1],
+                in_flight[1],
+                batch.row_length,
+                batch.max_blocks_per_req,
+                batch.block_size,
+            )
         batch.flush()
-        batch.num_tokens[slots[sampled]] += 1
 
         max_query_len = int(num_new.max(initial=0))
         layout = BatchLayout(
@@ -187,8 +281,11 @@ class StepInputBuilder:
             prompt_target_index=sections.view(indices, "targets") if prompt_rows else None,
             seq_lens=seq_lens,
             padded_num_reqs=padded_num_reqs,
+            num_drafts=num_drafts,
+            token_index=sections.view(indices, "token"),
             gather_indices=indices,
             sections=sections,
+            exact_lengths=in_flight is None,
         )
         if padded_num_reqs is None:
             self.gather(step)
@@ -231,8 +328,10 @@ class StepInputBuilder:
         logits_rows: np.ndarray | None,
         sample_index: np.ndarray,
         prompt_target_index: np.ndarray,
+        in_flight: tuple[np.ndarray, np.ndarray] | None,
     ) -> torch.Tensor:
-        """Write and queue the gather indices (see ``_Sections`` for their order)."""
+        """Write and queue the gather indices (see ``_Sections`` for their order);
+        ``in_flight``: (the requests' in-flight mask, the sampled requests' indices)."""
         batch = self.batch
         num_tokens = len(positions)
         host = self._indices.host(sections.length + len(prompt_target_index))
@@ -252,6 +351,9 @@ class StepInputBuilder:
         sections.host(host, "sample")[:] = sample_index
         if logits_rows is not None:
             sections.host(host, "logits")[:] = logits_rows
+        if in_flight is not None:
+            sections.host(host, "in_flight")[:] = in_flight[0]
+            sections.host(host, "sampled")[:] = in_flight[1]
         host[sections.length :] = prompt_target_index
         return self._indices.copy(sections.length + len(prompt_target_index))
 
@@ -277,9 +379,13 @@ class StepInputBuilder:
 class _Sections:
     """Where each gather index lives in the packed index buffer:
     ``[token | block | offset]`` (``total`` each), ``slots`` (``rows``), ``sample``,
-    ``logits``, then the prompt-logprob targets."""
+    ``logits``, with in-flight drafts to correct on the device ``in_flight`` (a 0/1 per
+    request) and ``sampled`` (the sampled requests' indices), then the prompt-logprob
+    targets."""
 
-    def __init__(self, total: int, rows: int, num_sampled: int, num_logits: int) -> None:
+    def __init__(
+        self, total: int, rows: int, num_sampled: int, num_logits: int, num_in_flight: int
+    ) -> None:
         self.total = total
         self.rows = rows
         sizes = {
@@ -289,6 +395,8 @@ class _Sections:
             "slots": rows,
             "sample": num_sampled,
             "logits": num_logits,
+            "in_flight": num_in_flight,
+            "sampled": num_sampled if num_in_flight else 0,
         }
         self.spans: dict[str, tuple[int, int]] = {}
         offset = 0
@@ -305,6 +413,14 @@ class _Sections:
     def view(self, device: torch.Tensor, name: str) -> torch.Tensor:
         start, end = self.spans[name]
         return device[start:] if end < 0 else device[start:end]
+
+
+def _last_rows(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The last ``counts[i]`` rows before each ``ends[i]``, in order, concatenated."""
+    if len(counts) == 0 or counts.max() == 1:
+        return ends - 1
+    firsts = np.repeat(ends - counts, counts)
+    return firsts + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def _prompt_logprob_rows(

@@ -366,7 +366,7 @@ def paged_decode_attention(
         )
         if config.merge_in_kernel:
             counters = merge_counters(query.device, num_seqs * num_kv_heads)
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # q @ k^T is a tl.dot: K >= 16
     merge_g = triton.next_power_of_2(group_size)
     # A function of the config only (not of the grid), so the merge's order is the same
     # in a graph and eagerly.

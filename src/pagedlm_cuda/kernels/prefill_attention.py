@@ -137,7 +137,7 @@ def paged_prefill_attention(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         score_scale, cap_log2e, sliding_window or 0, group_size, head_dim,
         BLOCK_SIZE=key_cache.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs K >= 16
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logits_soft_cap is not None,
         num_warps=4 if head_dim <= 128 else 8,  # a 64 x 256 float32 accumulator needs more
     )  # fmt: skip

@@ -85,3 +85,12 @@ class Attention(nn.Module):
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, scale={self.scale}, "
             f"sliding_window={self.sliding_window}, logits_soft_cap={self.logits_soft_cap}"
         )
+
+
+def model_kv_heads(model: nn.Module, default: int) -> int:
+    """KV heads ``model``'s attention layers hold on this worker (its shard under tensor
+    parallelism); ``default`` for a model without any."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            return module.num_kv_heads
+    return default

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -36,7 +37,12 @@ def iter_model_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.T
 
         return iter_gguf_weights(model_config.model, model_config.arch)
     from pagedlm.model_executor.loader.safetensors_loader import iter_safetensors_weights
+    from pagedlm.model_executor.loader.torch_bin import iter_torch_bin_weights, torch_bin_files
 
+    # Safetensors first; some draft heads (EAGLE's) are published as pytorch_model.bin only.
+    no_safetensors = not any(Path(model_config.model).glob("*.safetensors"))
+    if no_safetensors and torch_bin_files(model_config.model):
+        return iter_torch_bin_weights(model_config.model)
     return iter_safetensors_weights(model_config.model)
 
 
@@ -66,7 +72,7 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
                 weights = bitsandbytes.dequantize_checkpoint(weights)
         with torch.no_grad():
             loaded = model.load_weights(weights)
-        _check_all_loaded(model, loaded, model_config)
+        check_all_loaded(model, loaded, model_config)
     if model_config.quantization == "bitsandbytes":
         from pagedlm.model_executor.loader.bitsandbytes import quantize_model
 
@@ -79,7 +85,8 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     return model.eval()
 
 
-def _check_all_loaded(model: nn.Module, loaded: set[str], model_config: ModelConfig) -> None:
+def check_all_loaded(model: nn.Module, loaded: set[str], model_config: ModelConfig) -> None:
+    """Every parameter of ``model`` was filled from the checkpoint (a clear error if not)."""
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (
@@ -92,4 +99,4 @@ def _check_all_loaded(model: nn.Module, loaded: set[str], model_config: ModelCon
         )
 
 
-__all__ = ["LOAD_FORMATS", "iter_model_weights", "load_model"]
+__all__ = ["LOAD_FORMATS", "check_all_loaded", "iter_model_weights", "load_model"]

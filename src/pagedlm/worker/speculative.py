@@ -1,0 +1,192 @@
+"""The model runner's speculative-decoding component: verification, then proposals.
+
+Per slot it keeps on the device how many drafts the request's proposer holds in its row
+(``num_valid``: a verification checks no more, whatever was scheduled) and how many its
+last verification rejected (``num_rejected``: what ``StepInputBuilder`` subtracts for a
+request whose start counted an in-flight step's drafts as accepted).
+
+``verify`` runs the rejection sampler over a step's ``1 + k`` rows per sampled request and
+writes what each request emitted into its row of the token table; ``after_step`` lets the
+proposer see the step and draft the next step's tokens into the rows, after the emitted
+ones. Without a speculative config there is no proposer, no step ever has drafts, and
+``after_step`` returns at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedlm.config import EngineConfig
+from pagedlm.sample.host_copy import tensor_to_device
+from pagedlm.sample.metadata import SamplingMetadata
+from pagedlm.sample.rejection_sampler import RejectionOutput, RejectionSampler
+from pagedlm.sample.sampler import Sampler
+from pagedlm.spec_decode import build_proposer
+from pagedlm.spec_decode.model_drafter import TargetParts
+from pagedlm.spec_decode.proposer import Allocate, ProposalRequests, SampledStep
+from pagedlm.step import SchedulerOutput
+from pagedlm.worker.input_batch import InputBatch
+from pagedlm.worker.step_inputs import StepInputs
+
+
+@dataclass(frozen=True)
+class Proposals:
+    """Drafts made after a step, still on the device: request ``req_index[i]`` (an index
+    into the step's ``req_ids``) drafted ``drafts[i, :num_valid[i]]``."""
+
+    req_index: list[int]
+    drafts: torch.Tensor
+    num_valid: torch.Tensor
+
+
+def _on_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    return tensor_to_device(torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)), device)
+
+
+class Speculator:
+    def __init__(
+        self,
+        config: EngineConfig,
+        batch: InputBatch,
+        target: TargetParts,
+        sampler: Sampler,
+        host_lengths_exact: bool,
+    ) -> None:
+        """``host_lengths_exact``: the attention backend plans from host lengths, so the
+        proposers' layouts must carry exact ones (read from the device, a wait)."""
+        self.batch = batch
+        self.host_lengths_exact = host_lengths_exact
+        spec = config.speculative
+        self.proposer = (
+            None
+            if spec is None
+            else build_proposer(spec, batch, target, config.model.arch.vocab_size)
+        )
+        device = batch.device
+        self.num_valid = torch.zeros(batch.max_num_reqs, dtype=torch.int64, device=device)
+        self.num_rejected = torch.zeros(batch.max_num_reqs, dtype=torch.int32, device=device)
+        self.rejection_sampler = RejectionSampler(sampler)
+
+    def kv_bytes_per_block(self) -> int:
+        return 0 if self.proposer is None else self.proposer.kv_bytes_per_block()
+
+    def initialize_kv_cache(self, num_blocks: int, allocate: Allocate) -> None:
+        if self.proposer is not None:
+            self.proposer.initialize_kv_cache(num_blocks, allocate)
+
+    def capture_graphs(self, runner: object) -> None:
+        """Let the proposer capture its forwards (the platform replays graphs)."""
+        if self.proposer is not None:
+            self.proposer.capture_graphs(runner)
+
+    def admit(self, scheduler_output: SchedulerOutput) -> None:
+        """Requests (re)admitted this step hold no drafts yet."""
+        if self.proposer is None or not scheduler_output.scheduled_new_reqs:
+            return
+        slots = []
+        for data in scheduler_output.scheduled_new_reqs:
+            slot = self.batch.requests[data.req_id].slot
+            self.proposer.admit(data, slot)
+            slots.append(slot)
+        self.num_valid[_on_device(np.array(slots), self.batch.device)] = 0
+
+    def verify(
+        self,
+        logits: torch.Tensor,
+        metadata: SamplingMetadata,
+        bitmask: torch.Tensor | None,
+        inputs: StepInputs,
+    ) -> RejectionOutput:
+        """Verify the step's drafts; emitted tokens go into the token table."""
+        device = self.batch.device
+        sampled = inputs.sampled
+        rows = inputs.num_sampling_rows
+        slots = _on_device(np.array([inputs.states[i].slot for i in sampled]), device)
+        num_drafts = _on_device(rows - 1, device)
+        num_verified = torch.minimum(num_drafts, self.num_valid[slots])
+        assert inputs.logits_indices is not None, "a verifying step has explicit logits rows"
+        num_rows = int(rows.sum())
+        last = inputs.layout.num_tokens - 1
+        draft_ids = inputs.input_ids[(inputs.logits_indices[:num_rows] + 1).clamp(max=last)]
+        out = self.rejection_sampler(
+            logits, metadata, draft_ids.to(torch.int64), rows, num_verified, bitmask
+        )
+        request = np.repeat(np.arange(len(rows)), rows)
+        position = np.arange(num_rows) - np.repeat(np.cumsum(rows) - rows, rows)
+        request_dev, position_dev = _on_device(request, device), _on_device(position, device)
+        flat = inputs.sample_token_index[request_dev] + position_dev
+        emitted = out.token_ids[request_dev, position_dev].to(torch.int32)
+        self.batch.token_ids.view(-1).index_put_((flat,), emitted)
+        self.num_rejected[slots] = (num_drafts + 1 - out.num_emitted).to(torch.int32)
+        return out
+
+    def after_step(
+        self,
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+        num_emitted: torch.Tensor | None,
+        to_propose: dict[str, int],
+    ) -> Proposals | None:
+        """Show the proposer the step (its emitted tokens in the table), then draft for
+        the requests in ``to_propose``."""
+        if self.proposer is None:
+            return None
+        device = self.batch.device
+        sampled = inputs.sampled
+        if num_emitted is None:
+            num_emitted = torch.ones(len(sampled), dtype=torch.int64, device=device)
+        step = SampledStep(inputs, hidden, num_emitted)
+        self.proposer.observe(step)
+        index = np.array(
+            [i for i, r in enumerate(sampled) if inputs.req_ids[r] in to_propose], dtype=np.int64
+        )
+        if not len(index):
+            return None
+        request = sampled[index]
+        requests = self._requests(inputs, step, index, request, to_propose)
+        drafts, num_valid = self.proposer.propose(step, requests)
+        # Into the rows, after each request's emitted tokens (the scheduler left room).
+        counts = requests.num_drafts
+        owner = np.repeat(np.arange(len(counts)), counts)
+        column = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        owner_dev, column_dev = _on_device(owner, device), _on_device(column, device)
+        slots = _on_device(requests.slots, device)
+        flat = (
+            slots[owner_dev] * self.batch.row_length + requests.num_tokens[owner_dev] + column_dev
+        )
+        self.batch.token_ids.view(-1)[flat] = drafts[owner_dev, column_dev].to(torch.int32)
+        self.num_valid[slots] = num_valid
+        return Proposals(request.tolist(), drafts, num_valid)
+
+    def _requests(
+        self,
+        inputs: StepInputs,
+        step: SampledStep,
+        index: np.ndarray,
+        request: np.ndarray,
+        to_propose: dict[str, int],
+    ) -> ProposalRequests:
+        device = self.batch.device
+        first_output = inputs.seq_lens[request] - inputs.num_drafts[request]
+        request_dev = _on_device(request, device)
+        lengths = inputs.layout.seq_lens[request_dev].to(torch.int64)
+        first_output_dev = lengths - _on_device(inputs.num_drafts[request], device)
+        num_tokens = first_output_dev + step.num_emitted[_on_device(index, device)]
+        exact = self.host_lengths_exact
+        if exact:  # the backend plans from host lengths: read how many were emitted
+            num_tokens_host = (
+                first_output + step.num_emitted[_on_device(index, device)].cpu().numpy()
+            )
+        else:
+            num_tokens_host = first_output + 1 + inputs.num_drafts[request]
+        return ProposalRequests(
+            sampled_index=index,
+            slots=np.array([inputs.states[r].slot for r in request], dtype=np.int64),
+            num_drafts=np.array([to_propose[inputs.req_ids[r]] for r in request], dtype=np.int64),
+            num_tokens=num_tokens,
+            num_tokens_host=num_tokens_host.astype(np.int64),
+            exact=exact,
+        )

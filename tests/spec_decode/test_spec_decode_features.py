@@ -1,0 +1,84 @@
+"""Speculative decoding with every per-request feature in one batch: grammars (a mask per
+drafted position), stop strings and stop tokens inside an accepted run, ``min_tokens``,
+penalties and logit bias (per position, the drafts counted as outputs), logprobs of every
+emitted token, prompt logprobs; greedy outputs equal those without speculation, and
+random requests run alongside."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedlm import LLM, SamplingParams
+from pagedlm.sampling_params import StructuredOutputsParams
+from server.server_utils import write_chat_checkpoint
+
+PROMPTS = ["Hello world, hello world, hello", "abcabcabcabc", "Café résumé", "short", "xyz"]
+
+
+def _params() -> list[SamplingParams]:
+    greedy = dict(temperature=0.0)
+    return [
+        SamplingParams(max_tokens=24, logprobs=3, prompt_logprobs=1, stop=["lo"], **greedy),
+        SamplingParams(
+            max_tokens=16, structured_outputs=StructuredOutputsParams(regex="(ab|cd)+e"), **greedy
+        ),
+        SamplingParams(
+            max_tokens=20,
+            repetition_penalty=1.4,
+            frequency_penalty=0.4,
+            presence_penalty=0.2,
+            logit_bias={40: 3.0},
+            min_tokens=6,
+            **greedy,
+        ),
+        SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=[101], **greedy),
+        SamplingParams(temperature=0.9, top_p=0.9, max_tokens=12, seed=4),
+    ]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    return str(write_chat_checkpoint(tmp_path_factory.mktemp("spec-features")))
+
+
+def _summary(model_path: str, speculative_config=None, **engine_args) -> list:
+    llm = LLM(model_path, max_model_len=128, speculative_config=speculative_config, **engine_args)
+    outputs = llm.generate(PROMPTS, _params(), use_tqdm=False)
+    spec = llm.llm_engine.engine_core.make_stats().spec_decoding
+    if speculative_config is not None:
+        assert spec is not None and spec.num_accepted_tokens > 0
+    llm.llm_engine.shutdown()
+    summary = []
+    for out in outputs[:-1]:  # the random request differs once drafts change its draws
+        completion = out.outputs[0]
+        # Verification computes in other shapes than decoding: the last digits may differ.
+        logprobs = completion.logprobs and [
+            sorted((t, pytest.approx(lp.logprob, abs=1e-3)) for t, lp in row.items())
+            for row in completion.logprobs
+        ]
+        prompt = out.prompt_logprobs and [row and sorted(row) for row in out.prompt_logprobs]
+        summary.append(
+            (completion.token_ids, completion.text, completion.finish_reason, logprobs, prompt)
+        )
+    last = outputs[-1].outputs[0]
+    assert 1 <= len(last.token_ids) <= 12
+    return summary
+
+
+@pytest.fixture(scope="module")
+def expected(model_path: str) -> list:
+    summary = _summary(model_path)
+    assert summary[1][1] and set(summary[1][1]) <= set("abcde")  # the grammar held
+    return summary
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_every_feature_gives_the_outputs_without_speculation(
+    model_path: str, expected: list, async_scheduling: bool
+) -> None:
+    config = {
+        "method": "draft_model",
+        "model": model_path,  # the target drafts for itself: long accepted runs
+        "num_speculative_tokens": 4,
+    }
+    assert _summary(model_path, config, async_scheduling=async_scheduling) == expected
