@@ -61,7 +61,11 @@ class EngineCore:
         # Builds nothing heavy until the first constrained request (then on a thread).
         self.structured_output = StructuredOutputManager(config)
         self.scheduler: Scheduler = OneBudgetScheduler(
-            config.scheduler, config.cache, num_blocks, self.structured_output
+            config.scheduler,
+            config.cache,
+            num_blocks,
+            self.structured_output,
+            max_loras=None if config.lora is None else config.lora.max_loras,
         )
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight: _InFlight | None = None

@@ -79,6 +79,7 @@ from pagedlm.core.request import Request, RequestStatus
 from pagedlm.core.scheduler_interface import Scheduler, SchedulerStats
 from pagedlm.core.stop_checker import append_token_ids
 from pagedlm.kv_cache.manager import KVCacheManager
+from pagedlm.lora.scheduler_gate import LoRAGate
 from pagedlm.step import (
     CachedRequestData,
     GrammarBitmask,
@@ -101,7 +102,9 @@ class OneBudgetScheduler(Scheduler):
         cache_config: CacheConfig,
         num_blocks: int,
         structured_output: StructuredOutputManager | None = None,
+        max_loras: int | None = None,
     ) -> None:
+        """``max_loras``: distinct adapters that may run at once (None: LoRA is off)."""
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
@@ -113,6 +116,7 @@ class OneBudgetScheduler(Scheduler):
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.grammars = GrammarGate(structured_output)
+        self.loras = LoRAGate(max_loras)
         self._finished_req_ids: set[str] = set()
         """Requests that ended since the last ``schedule()``; reported to the workers."""
         self.order = QueueOrder(scheduler_config.scheduling_policy)
@@ -226,7 +230,8 @@ class OneBudgetScheduler(Scheduler):
                 if request.sampling_params.structured_outputs is not None:
                     constrained.append(request_id)
 
-        compiling: list[Request] = []
+        skipped: list[Request] = []  # grammars compiling, or one adapter too many
+        active_loras = self.loras.active(self.running) if self.waiting else set()
         while (
             not preempted
             and self.waiting
@@ -234,8 +239,8 @@ class OneBudgetScheduler(Scheduler):
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            if not self.grammars.ready(request):
-                compiling.append(self.waiting.popleft())
+            if not self.grammars.ready(request) or not self.loras.admits(request, active_loras):
+                skipped.append(self.waiting.popleft())
                 continue
             num_new_tokens = self._admit(request, budget)
             if num_new_tokens is None:
@@ -249,12 +254,13 @@ class OneBudgetScheduler(Scheduler):
                     sampling_params=request.sampling_params,
                     block_ids=self.kv_manager.get_block_ids(request),
                     num_computed_tokens=request.num_computed_tokens,
+                    lora_request=request.lora_request,
                 )
             )
             num_scheduled[request.request_id] = num_new_tokens
             budget -= num_new_tokens
             self._advance(request, num_new_tokens, constrained)
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.extendleft(reversed(skipped))
 
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,

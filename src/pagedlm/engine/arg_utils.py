@@ -15,6 +15,7 @@ from pagedlm.config import (
     ArchConfig,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -114,6 +115,16 @@ class EngineArgs:
     (Ray actors, for several nodes) or a plugin's executor; None: "uni" for one worker,
     "mp" for several on one node, "ray" when the node has too few devices or this process
     is in a Ray placement group."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT directories) named per request, batched with the base
+    model and with each other in the same steps."""
+    max_loras: int = 1
+    """With enable_lora: most distinct adapters in one step (device slots)."""
+    max_lora_rank: int = 16
+    """With enable_lora: largest adapter rank accepted (device slots are this wide)."""
+    max_cpu_loras: int | None = None
+    """With enable_lora: adapters cached in host memory (None: max_loras); at least
+    max_loras."""
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -243,6 +254,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             parallel=self._parallel_config(arch, platform),
             structured_outputs_backend=self.structured_outputs_backend,
+            lora=self._lora_config(arch),
         )
         config = configure(config, platform)
         platform.bind_config(config)
@@ -270,6 +282,18 @@ class EngineArgs:
         setup_checks.check_devices(parallel, platform)
         setup_checks.check_dist_backend(parallel, platform)
         return parallel
+
+    def _lora_config(self, arch: ArchConfig) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        from pagedlm.lora.targets import check_lora_architecture
+
+        check_lora_architecture(arch)
+        return LoRAConfig(
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_cpu_loras,
+        )
 
     def _check_loading_options(self) -> None:
         from pagedlm.model_executor.loader import LOAD_FORMATS

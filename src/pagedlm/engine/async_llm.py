@@ -40,6 +40,7 @@ from pagedlm.engine.messages import (
 )
 from pagedlm.engine.output_processor import OutputProcessor
 from pagedlm.engine.request_stream import RequestStream
+from pagedlm.lora.request import LoRARequest
 from pagedlm.metrics import EngineMetrics, Metric
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling_params import SamplingParams
@@ -73,6 +74,7 @@ class AsyncLLM:
             tokenizer,
             config.structured_outputs_backend,
             config.scheduler.scheduling_policy,
+            config.lora,
         )
         self.output_processor = OutputProcessor(tokenizer)
         self.metrics = EngineMetrics()
@@ -126,6 +128,7 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request, following ``sampling_params.output_kind``.
         ``priority`` (lower first) needs the engine's "priority" scheduling policy.
@@ -141,7 +144,9 @@ class AsyncLLM:
             raise ValueError(
                 f"Request id {request_id!r} is already in use; give each request a unique id."
             )
-        processed = self.input_processor.process(request_id, prompt, sampling_params, priority)
+        processed = self.input_processor.process(
+            request_id, prompt, sampling_params, priority, lora_request
+        )
         self.output_processor.add_request(
             request_id,
             processed.prompt,

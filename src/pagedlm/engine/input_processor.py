@@ -11,8 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagedlm.config import ModelConfig
+from pagedlm.config import LoRAConfig, ModelConfig
 from pagedlm.core.request import Request
+from pagedlm.lora.frontend import AdapterChecker
+from pagedlm.lora.request import LoRARequest
 from pagedlm.sampling_params import SamplingParams
 
 UINT64_RANGE = 2**64
@@ -52,8 +54,10 @@ class InputProcessor:
         tokenizer: Any | None,
         structured_outputs_backend: str = "xgrammar",
         scheduling_policy: str = "fcfs",
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.model_config = model_config
+        self.adapters = AdapterChecker(lora_config, model_config.arch)
         self.scheduling_policy = scheduling_policy
         self.tokenizer = tokenizer
         self.structured_outputs_backend = structured_outputs_backend
@@ -159,7 +163,12 @@ class InputProcessor:
         validate_structured_outputs(params.structured_outputs, self.structured_outputs_backend)
 
     def process(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}.")
@@ -171,6 +180,7 @@ class InputProcessor:
                 "engine with scheduling_policy='priority' (--scheduling-policy priority), or "
                 "send priority 0."
             )
+        self.adapters.check(lora_request)
         text, token_ids = self.tokenize(prompt)
         resolved = self.resolve_params(params, len(token_ids))
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
@@ -194,6 +204,7 @@ class InputProcessor:
                     arrival_time=arrival,
                     cache_salt=cache_salt,
                     priority=priority,
+                    lora_request=lora_request,
                 )
             )
         return ProcessedRequest(request_id, text, token_ids, resolved, children, arrival)
