@@ -14,6 +14,7 @@ from pagedlm.kv_cache.manager import KVCacheManager
 from pagedlm.lora.manager import LoRAManager
 from pagedlm.lora.ops import TorchLoRAOps
 from pagedlm.lora.request import LoRARequest
+from pagedlm.metrics import EngineMetrics
 from pagedlm.model_executor.models.llama import LlamaForCausalLM
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.step import NewRequestData, SchedulerOutput, codec
@@ -47,6 +48,17 @@ def test_scheduler_runs_no_more_adapters_than_max_loras():
     assert [r.req_id for r in first.scheduled_new_reqs] == ["r1", "r2", "r4", "r5"]
     assert [r.lora_request for r in first.scheduled_new_reqs][-1] is None
     assert [r.request_id for r in scheduler.waiting] == ["r3"]
+    stats = scheduler.make_stats()
+    assert (stats.running_lora_adapters, stats.waiting_lora_adapters) == (
+        {"a1": 2, "a2": 1},
+        {"a3": 1},
+    )
+    (info,) = [m for m in EngineMetrics().snapshot(stats) if m.name == "pagedlm:lora_requests_info"]
+    assert info.labels == {
+        "max_lora": "2",
+        "running_lora_adapters": "a1,a2",
+        "waiting_lora_adapters": "a3",
+    }
     assert scheduler.schedule().scheduled_new_reqs == []  # still two adapters running
     scheduler.abort_requests(["r2"])
     assert [r.req_id for r in scheduler.schedule().scheduled_new_reqs] == ["r3"]

@@ -178,6 +178,9 @@ class OneBudgetScheduler(Scheduler):
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_manager.prefix_cache_hits,
+            max_loras=self.loras.max_loras or 0,
+            running_lora_adapters=self.loras.count_names(self.running),
+            waiting_lora_adapters=self.loras.count_names(self.waiting),
         )
 
     # ------------------------------------------------------------------------- schedule

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.core.request import Request, RequestStatus
@@ -22,6 +22,11 @@ class SchedulerStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    max_loras: int = 0
+    """Device slots for LoRA adapters (0: LoRA is off)."""
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    """Adapter name -> running requests that use it (vLLM's ``lora_requests_info``)."""
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler(ABC):

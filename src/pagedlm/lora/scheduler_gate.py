@@ -8,6 +8,7 @@ does the same); it starts once a running adapter's requests have all finished.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 from pagedlm.core.request import Request
@@ -36,3 +37,9 @@ class LoRAGate:
             return False
         active.add(lora.lora_int_id)
         return True
+
+    def count_names(self, requests: Iterable[Request]) -> dict[str, int]:
+        """Adapter name -> how many of ``requests`` use it (for metrics)."""
+        if self.max_loras is None:
+            return {}
+        return dict(Counter(r.lora_request.lora_name for r in requests if r.lora_request))

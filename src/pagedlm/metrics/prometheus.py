@@ -31,6 +31,7 @@ _DOCS = {
     "pagedlm:prompt_tokens": "Number of prefill tokens processed.",
     "pagedlm:generation_tokens": "Number of generation tokens processed.",
     "pagedlm:request_success": "Count of successfully finished requests.",
+    "pagedlm:lora_requests_info": "Running and waiting LoRA adapters (value: update time).",
 }
 
 _LATENCY_BUCKETS = (
