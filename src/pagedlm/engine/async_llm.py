@@ -201,6 +201,12 @@ class AsyncLLM:
         ``HEALTH_TIMEOUT_S``."""
         await self._call("ping", HEALTH_TIMEOUT_S)
 
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check an adapter against the model (ValueError naming the problem); workers
+        read its weights with the first request that names it."""
+        self.input_processor.adapters.check(lora_request)
+        return True
+
     async def get_scheduler_stats(self) -> SchedulerStats:
         """A fresh snapshot from the core (ordered after every earlier add and abort)."""
         return await self._call("get_stats", HEALTH_TIMEOUT_S)

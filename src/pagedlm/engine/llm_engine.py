@@ -88,6 +88,12 @@ class LLMEngine:
             self.process_request(request_id, prompt, params, priority, lora_request)
         )
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check an adapter against the model (ValueError naming the problem); workers
+        read its weights with the first request that names it."""
+        self.input_processor.adapters.check(lora_request)
+        return True
+
     def abort_request(self, request_ids: Iterable[str]) -> None:
         child_ids = self.output_processor.abort_requests(request_ids)
         self.engine_core.abort_requests(child_ids)

@@ -10,6 +10,7 @@ whatever is left, and runs the app's shutdown, which stops the engine-core proce
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterator
 
 from pagedlm.engine.cli_args import engine_args_from_cli
 from pagedlm.entrypoints.openai.limits import add_limit_args, limits_from_args
+from pagedlm.entrypoints.openai.serving_lora import add_lora_args, registry_from_args
 
 logger = logging.getLogger("pagedlm.server")
 
@@ -68,6 +70,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_limit_args(group)
     _add_tool_args(group)
+    add_lora_args(group)
     return parser
 
 
@@ -161,6 +164,10 @@ def run_server(args: argparse.Namespace) -> None:
     names = args.served_model_name or [engine_args.model or DEFAULT_MODEL_NAME]
     engine = AsyncLLM.from_engine_args(engine_args)
     try:
+        try:
+            loras = asyncio.run(registry_from_args(args, engine, names[0]))
+        except ValueError as error:
+            raise SystemExit(f"error: {error}") from None
         ctx = ServingContext(
             engine=engine,
             model_names=list(names),
@@ -172,6 +179,7 @@ def run_server(args: argparse.Namespace) -> None:
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             reasoning_parser=args.reasoning_parser,
             limits=limits,
+            loras=loras,
         )
         app = build_app(ctx, api_key=api_key, max_body_bytes=args.max_request_body_bytes)
         logger.info(
