@@ -8,7 +8,8 @@ output columns. Ranks below ``max_rank`` are zero-padded, so they add exact zero
 
 ``LoRAOps`` is what a platform provides (``Platform.lora_ops``); ``TorchLoRAOps`` is the
 default: per adapter in the step, one gather, two matmuls per slice and an ``index_add_``
-(batched over all of that adapter's tokens). It reads the step's token groups, which are
+(batched over all of that adapter's tokens; no gather or scatter when one adapter has
+every row). It reads the step's token groups, which are
 host-built Python state, so it is not ``graph_safe``; a kernel that reads only the
 fixed-address ``token_slots`` buffer is (``pagedlm_cuda.kernels.lora``).
 """
@@ -79,12 +80,17 @@ class TorchLoRAOps:
         for slot, rows in state.groups:
             if not active_slots[slot]:
                 continue
-            shrunk = x.index_select(0, rows) @ lora_a[slot].t()  # [n, slices * max_rank]
+            every_row = rows.shape[0] == x.shape[0]  # one adapter for the whole step
+            shrunk = (x if every_row else x.index_select(0, rows)) @ lora_a[slot].t()
             for index, spec in enumerate(slices):
                 delta = shrunk[:, index * max_rank : (index + 1) * max_rank] @ (
                     lora_b[slot, spec.start : spec.start + spec.size].t()
                 )
-                out[:, spec.start : spec.start + spec.size].index_add_(0, rows, delta)
+                columns = out[:, spec.start : spec.start + spec.size]
+                if every_row:
+                    columns.add_(delta)
+                else:
+                    columns.index_add_(0, rows, delta)
 
 
 def reference_delta(
