@@ -33,6 +33,10 @@ goes with each step's sampling (see below); ``update_from_output`` advances thei
 matchers by the appended tokens and finishes a request whose grammar has terminated.
 Matchers are not touched by preemption.
 
+LoRA (optional component, ``LoRAGate``): the running requests use at most ``max_loras``
+distinct adapters, so every step's adapters fit the workers' device slots; a waiting
+request whose adapter would be one too many is skipped like a compiling one.
+
 Asynchronous scheduling (one step in flight): ``schedule()`` may run while the previous
 step still computes, before its sampled tokens reach the host. Each request counts the
 tokens sampled by launched but uncollected steps in ``num_output_placeholders``: the
