@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from peft_adapters import LLAMA_MODULES, edit_config, make_adapter
 from safetensors.torch import save_file
 
 from pagedlm import LLM, LoRARequest, SamplingParams
 from pagedlm.config import ArchConfig
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.lora.peft_format import check_adapter
+from peft_adapters import LLAMA_MODULES, edit_config, make_adapter
 from tiny_checkpoints import save_random_model
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
@@ -59,6 +59,8 @@ def test_bad_adapters_fail_only_their_request(engine, tmp_path):
     for index, (name, message) in enumerate(cases.items(), start=2):
         with pytest.raises(ValueError, match=message):
             _generate(llm, LoRARequest(name, index, str(tmp_path / name)))
+    with pytest.raises(ValueError, match="lora_int_id 1 already names the adapter"):
+        _generate(llm, LoRARequest("other", 1, str(tmp_path / "r16")))
     assert not llm.llm_engine.has_unfinished_requests()
     assert _generate(llm, good) == before
 

@@ -23,7 +23,8 @@ class AdapterChecker:
     def __init__(self, config: LoRAConfig | None, arch: ArchConfig) -> None:
         self.config = config
         self.arch = arch
-        self._checked: OrderedDict[tuple[int, str], PeftAdapterConfig] = OrderedDict()
+        self._checked: OrderedDict[int, tuple[str, PeftAdapterConfig]] = OrderedDict()
+        """Adapter id -> (its path, its checked config), oldest first."""
 
     def check(self, lora_request: LoRARequest | None) -> PeftAdapterConfig | None:
         if lora_request is None:
@@ -38,11 +39,18 @@ class AdapterChecker:
                 f"LoRA adapter {lora_request.lora_name!r} was requested but LoRA is not "
                 "enabled; start the engine with enable_lora=True (--enable-lora)."
             )
-        key = (lora_request.lora_int_id, lora_request.lora_path)
-        checked = self._checked.get(key)
-        if checked is None:
-            checked = check_adapter(lora_request.lora_path, self.arch, self.config.max_lora_rank)
-            self._checked[key] = checked
+        lora_id, path = lora_request.lora_int_id, lora_request.lora_path
+        remembered = self._checked.get(lora_id)
+        if remembered is not None and remembered[0] != path:
+            # The workers cache weights by id: a second path under one id would be served
+            # the first path's weights.
+            raise ValueError(
+                f"lora_int_id {lora_id} already names the adapter at {remembered[0]!r}, not "
+                f"{path!r}; give every adapter its own lora_int_id."
+            )
+        if remembered is None:
+            remembered = (path, check_adapter(path, self.arch, self.config.max_lora_rank))
+            self._checked[lora_id] = remembered
             if len(self._checked) > _MAX_REMEMBERED:
                 self._checked.popitem(last=False)
-        return checked
+        return remembered[1]
