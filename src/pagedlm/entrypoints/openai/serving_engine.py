@@ -90,7 +90,9 @@ class ServingContext:
         return model if model in self.loras else self.model_name
 
     def lora_request(self, model: str | None) -> LoRARequest | None:
-        """The adapter a request's ``model`` names (None: the base model)."""
+        """The adapter a request's ``model`` names (None: the base model); 404 for a name
+        unloaded since ``check_model``."""
+        self.check_model(model)
         return self.loras.get(model)
 
     def require_tokenizer(self) -> Any:
