@@ -350,6 +350,7 @@ class KVEventsConfig:
         return config
 
 
+@dataclass(frozen=True)
 class LoRAConfig:
     """Multi-LoRA serving (vLLM's names and defaults); present only with ``enable_lora``."""
 
