@@ -4,6 +4,7 @@ Importing this package loads only the core dependencies (torch, transformers, pl
 the server, gguf and grammar libraries are imported when a feature needs them.
 """
 
+from pagedlm.lora.request import LoRARequest
 from pagedlm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedlm.plugins.hookspecs import hookimpl
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -14,6 +15,7 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "CompletionOutput",
+    "LoRARequest",
     "Logprob",
     "RequestOutput",
     "RequestOutputKind",

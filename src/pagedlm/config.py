@@ -351,6 +351,32 @@ class KVEventsConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's names and defaults); present only with ``enable_lora``."""
+
+    max_loras: int = 1
+    """Adapters one step may use (device slots): the scheduler admits no more."""
+    max_lora_rank: int = 16
+    """Largest adapter rank accepted; device slots are this wide."""
+    max_cpu_loras: int | None = None
+    """Adapters kept in host memory after leaving a device slot (None: ``max_loras``)."""
+
+    def __post_init__(self) -> None:
+        validate_positive("max_loras", self.max_loras, allow_none=False)
+        validate_positive("max_lora_rank", self.max_lora_rank, allow_none=False)
+        validate_positive("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                f"({self.max_loras}); raise --max-cpu-loras or lower --max-loras."
+            )
+
+    @property
+    def host_cache_size(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -365,6 +391,8 @@ class EngineConfig:
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     speculative: SpeculativeConfig | None = None
     """Speculative decoding, or None (off)."""
+    lora: LoRAConfig | None = None
+    """Multi-LoRA serving; None: ``enable_lora`` is off and requests may name no adapter."""
 
     def with_num_kv_blocks(self, num_kv_blocks: int) -> EngineConfig:
         return replace(self, cache=replace(self.cache, num_kv_blocks=num_kv_blocks))

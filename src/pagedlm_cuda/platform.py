@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from pagedlm.config import EngineConfig
     from pagedlm.platforms.interface import GraphRunner
     from pagedlm.sample.sampler import FusedRandomSampler
+    from pagedlm_cuda.kernels.lora import TritonLoRAOps
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,11 @@ class CudaPlatform(Platform):
         install_fused_kernels(model)
         # The model runner's profiling forward comes next; its peak is measured from here.
         torch.cuda.reset_peak_memory_stats()
+
+    def lora_ops(self) -> TritonLoRAOps:
+        from pagedlm_cuda.kernels.lora import TritonLoRAOps
+
+        return TritonLoRAOps()
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=self.device)

@@ -52,9 +52,14 @@ class FakeEngine:
         return self.tokenizer
 
     async def generate(
-        self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput]:
-        processed = self.input_processor.process(request_id, prompt, params, priority)
+        processed = self.input_processor.process(request_id, prompt, params, priority, lora_request)
         children = processed.children
         self.output_processor.add_request(
             request_id,

@@ -104,6 +104,8 @@ def test_every_body_route_is_described(fast_schema):
         "/v1/messages/count_tokens": "#/components/schemas/CountTokensRequest",
         "/tokenize": "#/components/schemas/TokenizeRequest",
         "/detokenize": "#/components/schemas/DetokenizeRequest",
+        "/v1/load_lora_adapter": "#/components/schemas/LoadLoRAAdapterRequest",
+        "/v1/unload_lora_adapter": "#/components/schemas/UnloadLoRAAdapterRequest",
     }
     schemas = raw["components"]["schemas"]
     assert {"ChatMessage", "AnthropicMessage", "TextPart"} <= set(schemas)

@@ -69,6 +69,7 @@ class EngineCore:
             self.structured_output,
             config.speculative,
             record_kv_cache_events=kv_events.publishes,
+            max_loras=None if config.lora is None else config.lora.max_loras,
         )
         self._kv_event_publisher = None
         if kv_events.publishes:

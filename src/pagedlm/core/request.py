@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pagedlm.lora.request import LoRARequest
     from pagedlm.sampling_params import SamplingParams
 
 
@@ -65,6 +66,7 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -73,6 +75,8 @@ class Request:
         self.cache_salt = cache_salt
         self.priority = priority
         """Under the "priority" scheduling policy, lower values are served first."""
+        self.lora_request = lora_request
+        """The adapter it runs with (None: the base model)."""
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.all_token_ids)

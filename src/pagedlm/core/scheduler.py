@@ -33,6 +33,10 @@ goes with each step's sampling (see below); ``update_from_output`` advances thei
 matchers by the appended tokens and finishes a request whose grammar has terminated.
 Matchers are not touched by preemption.
 
+LoRA (optional component, ``LoRAGate``): the running requests use at most ``max_loras``
+distinct adapters, so every step's adapters fit the workers' device slots; a waiting
+request whose adapter would be one too many is skipped like a compiling one.
+
 Asynchronous scheduling (one step in flight): ``schedule()`` may run while the previous
 step still computes, before its sampled tokens reach the host. Each request counts the
 tokens sampled by launched but uncollected steps in ``num_output_placeholders``: the
@@ -81,6 +85,7 @@ from pagedlm.core.speculation import Speculation, StepDrafts
 from pagedlm.core.stop_checker import append_token_ids
 from pagedlm.kv_cache.events import EventLog, KVCacheEvent
 from pagedlm.kv_cache.manager import KVCacheManager
+from pagedlm.lora.scheduler_gate import LoRAGate
 from pagedlm.step import (
     CachedRequestData,
     GrammarBitmask,
@@ -105,7 +110,9 @@ class OneBudgetScheduler(Scheduler):
         structured_output: StructuredOutputManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
         record_kv_cache_events: bool = False,
+        max_loras: int | None = None,
     ) -> None:
+        """``max_loras``: distinct adapters that may run at once (None: LoRA is off)."""
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
@@ -119,6 +126,7 @@ class OneBudgetScheduler(Scheduler):
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.grammars = GrammarGate(structured_output)
+        self.loras = LoRAGate(max_loras)
         self._finished_req_ids: set[str] = set()
         """Requests that ended since the last ``schedule()``; reported to the workers."""
         self.order = QueueOrder(scheduler_config.scheduling_policy)
@@ -186,6 +194,9 @@ class OneBudgetScheduler(Scheduler):
             prefix_cache_queries=self.kv_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_manager.prefix_cache_hits,
             spec_decoding=self.speculation.stats(),
+            max_loras=self.loras.max_loras or 0,
+            running_lora_adapters=self.loras.count_names(self.running),
+            waiting_lora_adapters=self.loras.count_names(self.waiting),
         )
 
     # ------------------------------------------------------------------------- schedule
@@ -247,7 +258,8 @@ class OneBudgetScheduler(Scheduler):
                 if request.sampling_params.structured_outputs is not None:
                     constrained.append(request_id)
 
-        compiling: list[Request] = []
+        skipped: list[Request] = []  # grammars compiling, or one adapter too many
+        active_loras = self.loras.active(self.running) if self.waiting else set()
         while (
             not preempted
             and self.waiting
@@ -255,8 +267,8 @@ class OneBudgetScheduler(Scheduler):
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            if not self.grammars.ready(request):
-                compiling.append(self.waiting.popleft())
+            if not self.grammars.ready(request) or not self.loras.admits(request, active_loras):
+                skipped.append(self.waiting.popleft())
                 continue
             num_new_tokens = self._admit(request, budget)
             if num_new_tokens is None:
@@ -271,12 +283,13 @@ class OneBudgetScheduler(Scheduler):
                     sampling_params=request.sampling_params,
                     block_ids=self.kv_manager.get_block_ids(request),
                     num_computed_tokens=request.num_computed_tokens,
+                    lora_request=request.lora_request,
                 )
             )
             num_scheduled[request.request_id] = num_new_tokens
             budget -= num_new_tokens
             self._advance(request, num_new_tokens, constrained)
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.extendleft(reversed(skipped))
 
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,

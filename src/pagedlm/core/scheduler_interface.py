@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.core.request import Request, RequestStatus
@@ -26,6 +26,11 @@ class SchedulerStats:
     prefix_cache_hits: int
     spec_decoding: SpecDecodingStats | None = None
     """Speculative decoding's counts (None when it is off)."""
+    max_loras: int = 0
+    """Device slots for LoRA adapters (0: LoRA is off)."""
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    """Adapter name -> running requests that use it (vLLM's ``lora_requests_info``)."""
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler(ABC):

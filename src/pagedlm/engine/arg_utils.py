@@ -17,6 +17,7 @@ from pagedlm.config import (
     CacheConfig,
     EngineConfig,
     KVEventsConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -125,6 +126,17 @@ class EngineArgs:
     """Speculative decoding, vLLM's keys as a dict or JSON, e.g. '{"method": "ngram",
     "num_speculative_tokens": 4}'; methods ngram (prompt_lookup_min/max), draft_model,
     eagle and eagle3 (with "model"). None: off."""
+
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT directories) named per request, batched with the base
+    model and with each other in the same steps."""
+    max_loras: int = 1
+    """With enable_lora: most distinct adapters in one step (device slots)."""
+    max_lora_rank: int = 16
+    """With enable_lora: largest adapter rank accepted (device slots are this wide)."""
+    max_cpu_loras: int | None = None
+    """With enable_lora: adapters cached in host memory (None: max_loras); at least
+    max_loras."""
 
     def __post_init__(self) -> None:
         # A dict (or KVEventsConfig) from Python travels as the CLI's JSON text, so the
@@ -278,6 +290,7 @@ class EngineArgs:
             parallel=self._parallel_config(arch, platform),
             structured_outputs_backend=self.structured_outputs_backend,
             kv_events=KVEventsConfig.parse(self.kv_events_config),
+            lora=self._lora_config(arch),
         )
         config = replace(
             config,
@@ -338,6 +351,18 @@ class EngineArgs:
                     f"{name}={value} must be a number of seconds above {least:g} (heartbeats "
                     f"come every 0.5 s); fix {flag}."
                 )
+
+    def _lora_config(self, arch: ArchConfig) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        from pagedlm.lora.targets import check_lora_architecture
+
+        check_lora_architecture(arch)
+        return LoRAConfig(
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_cpu_loras,
+        )
 
     def _check_loading_options(self) -> None:
         from pagedlm.model_executor.loader import LOAD_FORMATS

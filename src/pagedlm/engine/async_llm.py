@@ -48,6 +48,7 @@ from pagedlm.engine.messages import (
 )
 from pagedlm.engine.output_processor import OutputProcessor
 from pagedlm.engine.request_stream import RequestStream
+from pagedlm.lora.request import LoRARequest
 from pagedlm.metrics import EngineMetrics, Metric
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling_params import SamplingParams
@@ -97,6 +98,7 @@ class AsyncLLM:
             config.structured_outputs_backend,
             config.scheduler.scheduling_policy,
             args.structured_outputs_max_spec_chars,
+            lora_config=config.lora,
         )
         # Not at a lower priority: a niced thread descheduled while it holds the GIL stalls
         # the event loop (a 2.5M-character prompt: /health p99 202 ms niced, 57 ms not).
@@ -157,6 +159,7 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request, following ``sampling_params.output_kind``.
         ``priority`` (lower first) needs the engine's "priority" scheduling policy.
@@ -169,7 +172,7 @@ class AsyncLLM:
         self._check_alive()
         self._ensure_output_task()
         self._check_unique(request_id)
-        processed = await self._process(request_id, prompt, sampling_params, priority)
+        processed = await self._process(request_id, prompt, sampling_params, priority, lora_request)
         self._check_alive()
         self._check_unique(request_id)  # the same id may have started while we tokenized
         self.output_processor.add_request(
@@ -211,7 +214,12 @@ class AsyncLLM:
             )
 
     async def _process(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """``InputProcessor.process``: inline when cheap, else on a worker thread (it has no
         side effects, so a caller that gives up mid-way leaves nothing behind)."""
@@ -219,7 +227,7 @@ class AsyncLLM:
         token_ids = prompt.get("prompt_token_ids") if isinstance(prompt, Mapping) else None
         size = len(text) if isinstance(text, str) else len(token_ids or ())
         process = functools.partial(
-            self.input_processor.process, request_id, prompt, params, priority
+            self.input_processor.process, request_id, prompt, params, priority, lora_request
         )
         if size <= INLINE_PROMPT_CHARS and params.structured_outputs is None:
             return process()
@@ -276,6 +284,12 @@ class AsyncLLM:
             self._death_waiters.append(future)
             return await future
         return self._dead_error
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check an adapter against the model (ValueError naming the problem); workers
+        read its weights with the first request that names it."""
+        self.input_processor.adapters.check(lora_request)
+        return True
 
     async def get_scheduler_stats(self) -> SchedulerStats:
         """A fresh snapshot from the core (ordered after every earlier add and abort)."""

@@ -21,6 +21,7 @@ before the next replica's is launched.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from pagedlm.config import EngineConfig
@@ -52,7 +53,17 @@ def sum_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
         num_preemptions=sum(s.num_preemptions for s in stats),
         prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
         prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
+        max_loras=max(s.max_loras for s in stats),
+        running_lora_adapters=_sum_counts(s.running_lora_adapters for s in stats),
+        waiting_lora_adapters=_sum_counts(s.waiting_lora_adapters for s in stats),
     )
+
+
+def _sum_counts(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    total: Counter[str] = Counter()
+    for count in counts:
+        total.update(count)
+    return dict(total)
 
 
 def replica_config(config: EngineConfig, rank: int) -> EngineConfig:

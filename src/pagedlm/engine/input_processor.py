@@ -11,8 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagedlm.config import ModelConfig
+from pagedlm.config import LoRAConfig, ModelConfig
 from pagedlm.core.request import Request
+from pagedlm.lora.frontend import AdapterChecker
+from pagedlm.lora.request import LoRARequest
 from pagedlm.sampling_params import SamplingParams
 
 UINT64_RANGE = 2**64
@@ -53,10 +55,12 @@ class InputProcessor:
         structured_outputs_backend: str = "xgrammar",
         scheduling_policy: str = "fcfs",
         structured_outputs_max_spec_chars: int | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         from pagedlm.structured_output.params import DEFAULT_MAX_SPEC_CHARS
 
         self.model_config = model_config
+        self.adapters = AdapterChecker(lora_config, model_config.arch)
         self.scheduling_policy = scheduling_policy
         self.tokenizer = tokenizer
         self.structured_outputs_backend = structured_outputs_backend
@@ -171,7 +175,12 @@ class InputProcessor:
         )
 
     def process(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}.")
@@ -183,6 +192,7 @@ class InputProcessor:
                 "engine with scheduling_policy='priority' (--scheduling-policy priority), or "
                 "send priority 0."
             )
+        self.adapters.check(lora_request)
         text, token_ids = self.tokenize(prompt)
         resolved = self.resolve_params(params, len(token_ids))
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
@@ -206,6 +216,7 @@ class InputProcessor:
                     arrival_time=arrival,
                     cache_salt=cache_salt,
                     priority=priority,
+                    lora_request=lora_request,
                 )
             )
         return ProcessedRequest(request_id, text, token_ids, resolved, children, arrival)

@@ -12,6 +12,7 @@ from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.data_parallel import make_engine_core
 from pagedlm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagedlm.engine.output_processor import OutputProcessor
+from pagedlm.lora.request import LoRARequest
 from pagedlm.metrics import EngineMetrics, Metric
 from pagedlm.outputs import RequestOutput
 from pagedlm.platforms import Platform
@@ -34,6 +35,7 @@ class LLMEngine:
             self.tokenizer,
             config.structured_outputs_backend,
             config.scheduler.scheduling_policy,
+            lora_config=config.lora,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = make_engine_core(config, platform)
@@ -51,10 +53,15 @@ class LLMEngine:
         return engine
 
     def process_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Validate and tokenize without touching the engine (raises ValueError)."""
-        return self.input_processor.process(request_id, prompt, params, priority)
+        return self.input_processor.process(request_id, prompt, params, priority, lora_request)
 
     def add_processed_request(self, request: ProcessedRequest) -> None:
         # Check every child fits before queueing any, so a rejection leaves no trace.
@@ -76,9 +83,22 @@ class LLMEngine:
         self.metrics.record_prompt(len(request.prompt_token_ids), len(request.children))
 
     def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        self.add_processed_request(self.process_request(request_id, prompt, params, priority))
+        self.add_processed_request(
+            self.process_request(request_id, prompt, params, priority, lora_request)
+        )
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check an adapter against the model (ValueError naming the problem); workers
+        read its weights with the first request that names it."""
+        self.input_processor.adapters.check(lora_request)
+        return True
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         child_ids = self.output_processor.abort_requests(request_ids)

@@ -21,6 +21,7 @@ import msgspec
 from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.core.request import Request
 from pagedlm.core.scheduler_interface import SchedulerStats
+from pagedlm.lora.request import LoRARequest
 from pagedlm.sampling_params import SamplingParams
 
 _SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
@@ -59,6 +60,7 @@ class WireRequest(msgspec.Struct, array_like=True):
     arrival_time: float
     cache_salt: str | None = None
     priority: int = 0
+    lora_request: LoRARequest | None = None
 
 
 def request_to_wire(request: Request) -> WireRequest:
@@ -70,6 +72,7 @@ def request_to_wire(request: Request) -> WireRequest:
         request.arrival_time,
         request.cache_salt,
         request.priority,
+        request.lora_request,
     )
 
 
@@ -82,6 +85,7 @@ def request_from_wire(wire: WireRequest) -> Request:
         arrival_time=wire.arrival_time,
         cache_salt=wire.cache_salt,
         priority=wire.priority,
+        lora_request=wire.lora_request,
     )
 
 

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.input_processor import PromptType
 from pagedlm.engine.llm_engine import LLMEngine
+from pagedlm.lora.request import LoRARequest
 from pagedlm.metrics import Metric
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
@@ -25,6 +26,20 @@ def _final_only(params: SamplingParams) -> SamplingParams:
     params = copy.copy(params)
     params.output_kind = RequestOutputKind.FINAL_ONLY
     return params
+
+
+def _per_prompt(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(
+            f"Got {len(loras)} LoRA requests for {num_prompts} prompts; pass one "
+            "LoRARequest or exactly one (or None) per prompt."
+        )
+    return loras
 
 
 class LLM:
@@ -88,9 +103,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in input order. ``priority``: one
-        value per prompt (lower first), for an engine with ``scheduling_policy="priority"``."""
+        value per prompt (lower first), for an engine with ``scheduling_policy="priority"``.
+        ``lora_request``: the adapter of every prompt, or one (or None) per prompt; needs
+        ``enable_lora=True``."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -111,13 +129,14 @@ class LLM:
                 f"Got {len(priorities)} priorities for {len(prompts)} prompts; pass exactly "
                 "one per prompt."
             )
+        loras = _per_prompt(lora_request, len(prompts))
         # The offline API returns finished outputs only; skip building intermediate ones.
         params_list = [_final_only(p) for p in params_list]
         engine = self.llm_engine
         # Validate everything first: one bad prompt must not leave the others queued.
         processed = [
-            engine.process_request(str(next(self._request_counter)), prompt, params, rank)
-            for prompt, params, rank in zip(prompts, params_list, priorities)
+            engine.process_request(str(next(self._request_counter)), prompt, params, rank, lora)
+            for prompt, params, rank, lora in zip(prompts, params_list, priorities, loras)
         ]
         for request in processed:
             engine.add_processed_request(request)
@@ -132,6 +151,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate."""
         tokenizer = self.get_tokenizer()
@@ -155,7 +175,7 @@ class LLM:
                 **(chat_template_kwargs or {}),
             )
             prompts.append({"prompt_token_ids": list(token_ids)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -1,7 +1,7 @@
 """Content digests of full KV blocks, chained so that a hash names a whole prefix.
 
 The hash of block ``i`` covers the hash of block ``i - 1``, the ``block_size`` token ids of
-block ``i`` and the block's extra keys (cache salt, later LoRA id ...). Two requests
+block ``i`` and the block's extra keys (LoRA adapter id, cache salt). Two requests
 therefore share a block hash only if they share every token before and inside it, and
 the same extra keys. Digests are sha256 over a canonical byte encoding: stable across
 processes and runs, unlike Python's ``hash()``, which is salted per process.
@@ -58,12 +58,18 @@ def hash_block_tokens(
 def block_extra_keys(request: Request, block_index: int) -> tuple[ExtraKey, ...]:
     """Extra keys of one block of ``request``.
 
-    The cache salt goes into the first block only: the chain carries it into every
-    later hash, so repeating it would cost time and change nothing.
+    The adapter id and the cache salt go into the first block only: the chain carries
+    them into every later hash, so repeating them would cost time and change nothing.
+    Two adapters therefore never share a block (their K/V differ from the first token).
     """
-    if block_index == 0 and request.cache_salt is not None:
-        return (request.cache_salt,)
-    return ()
+    if block_index != 0:
+        return ()
+    keys: tuple[ExtraKey, ...] = ()
+    if request.lora_request is not None:
+        keys = (request.lora_request.lora_int_id,)
+    if request.cache_salt is not None:
+        keys += (request.cache_salt,)
+    return keys
 
 
 def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:

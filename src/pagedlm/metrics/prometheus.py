@@ -35,6 +35,7 @@ _DOCS = {
     "pagedlm:spec_decode_num_draft_tokens": "Number of draft tokens verified.",
     "pagedlm:spec_decode_num_accepted_tokens": "Number of accepted draft tokens.",
     "pagedlm:spec_decode_num_accepted_tokens_per_pos": "Accepted draft tokens per position.",
+    "pagedlm:lora_requests_info": "Running and waiting LoRA adapters (value: update time).",
 }
 
 _LATENCY_BUCKETS = (

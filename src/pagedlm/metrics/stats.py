@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -48,6 +49,8 @@ class EngineMetrics:
             Metric("pagedlm:prompt_tokens", self.prompt_tokens),
             Metric("pagedlm:generation_tokens", self.generation_tokens),
         ]
+        if stats.max_loras:
+            metrics.append(_lora_requests_info(stats))
         for reason in ("stop", "length"):
             metrics.append(
                 Metric(
@@ -72,3 +75,17 @@ class EngineMetrics:
                 for position, count in enumerate(spec.num_accepted_tokens_per_pos)
             ]
         return metrics
+
+
+def _lora_requests_info(stats: SchedulerStats) -> Metric:
+    """vLLM's ``lora_requests_info``: the adapters in use as labels, the time as value."""
+    return Metric(
+        "pagedlm:lora_requests_info",
+        time.time(),
+        "gauge",
+        labels={
+            "max_lora": str(stats.max_loras),
+            "running_lora_adapters": ",".join(sorted(stats.running_lora_adapters)),
+            "waiting_lora_adapters": ",".join(sorted(stats.waiting_lora_adapters)),
+        },
+    )

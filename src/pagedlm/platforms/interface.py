@@ -15,6 +15,7 @@ from pagedlm.attention.backend import BatchLayout
 
 if TYPE_CHECKING:
     from pagedlm.config import EngineConfig
+    from pagedlm.lora.ops import LoRAOps
     from pagedlm.sample.sampler import FusedRandomSampler
 
 
@@ -115,6 +116,14 @@ class Platform(ABC):
         """Adapt a freshly loaded model to this platform, e.g. hand its linear layers a
         faster kernel (``LinearBase.set_kernel``). Must not change the model's results
         beyond floating-point rounding."""
+
+    def lora_ops(self) -> LoRAOps:
+        """How LoRA layers add their batched adapter deltas (``pagedlm.lora.ops``); the
+        default is batched torch ops, which are not CUDA-graph safe, so a model runner
+        using them stays eager."""
+        from pagedlm.lora.ops import TorchLoRAOps
+
+        return TorchLoRAOps()
 
     def capture_graphs(self, runner: object) -> GraphRunner | None:
         """Capture the model runner ``runner``'s uniform steps (weights loaded, KV cache

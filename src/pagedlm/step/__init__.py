@@ -1,6 +1,7 @@
 """The step protocol: what crosses the scheduler/worker boundary once per step.
 
-A leaf package: it imports nothing of pagedlm but ``sampling_params`` (itself a leaf), so
+A leaf package: it imports nothing of pagedlm but ``sampling_params`` and
+``lora.request`` (leaves themselves), so
 the scheduler, the KV-cache manager, the sampler, structured outputs, workers and
 executors may all import it without cycles. Everything in it is plain data (dataclasses
 of ints, strings, lists and dicts, a numpy bitmask) that ``codec`` serializes with

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedlm.lora.request import LoRARequest
 from pagedlm.sampling_params import SamplingParams
 
 
@@ -23,6 +24,9 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None
+    """The adapter the request runs with (None: the base model); workers remember it, so
+    cached requests carry nothing."""
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedlm.lora.request import LoRARequest
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.step import NewRequestData, SchedulerOutput
 from pagedlm.worker.host_to_device import HostToDevice
@@ -47,6 +48,7 @@ class RequestState:
     """A seeded request's own generator; it survives preemption, so a seeded request
     samples the same tokens whether or not it was preempted."""
     num_blocks: int
+    lora_request: LoRARequest | None = None
     serial: int = field(default_factory=itertools.count().__next__)
     """Unique over the process's lifetime (request ids may be reused once finished)."""
 
@@ -120,7 +122,13 @@ class InputBatch:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(data.sampling_params.seed)
             state = RequestState(
-                data.req_id, -1, data.num_prompt_tokens, data.sampling_params, generator, 0
+                data.req_id,
+                -1,
+                data.num_prompt_tokens,
+                data.sampling_params,
+                generator,
+                0,
+                data.lora_request,
             )
             self.requests[data.req_id] = state
         elif state.slot >= 0:

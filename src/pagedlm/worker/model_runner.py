@@ -28,6 +28,7 @@ from pagedlm.config import EngineConfig
 from pagedlm.distributed.parallel_state import get_pipeline_state
 from pagedlm.distributed.pipeline import broadcast_sampled_ids
 from pagedlm.kv_cache.interface import KVCache, TensorKVCache, kv_bytes_per_block
+from pagedlm.lora.manager import make_lora
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.layers.attention import model_kv_heads
 from pagedlm.model_executor.loader import load_model
@@ -98,6 +99,7 @@ class ModelRunner:
         self.arch = config.model.arch
         self.model = load_model(config.model, self.device)
         platform.prepare_model(self.model)
+        self.lora = make_lora(config, platform, self.model)
         self.num_kv_heads = model_kv_heads(self.model, self.arch.num_key_value_heads)
         layers = model_attention_layers(self.model) or [0]
         self.first_layer, self.num_layers = layers[0], len(layers)
@@ -125,8 +127,10 @@ class ModelRunner:
         self.graph_runner: GraphRunner | None = None
         self._forward_done: _ForwardDone | None = None
         self._sampling_metadata = SamplingMetadataCache()
-        self.enforce_eager = bool(getattr(config.model, "enforce_eager", False)) or (
-            os.environ.get(ENFORCE_EAGER_ENV, "0") not in ("", "0")
+        self.enforce_eager = (
+            bool(getattr(config.model, "enforce_eager", False))
+            or os.environ.get(ENFORCE_EAGER_ENV, "0") not in ("", "0")
+            or not self.lora.graph_safe
         )
         if platform.profiles_memory:
             self.profile_run()
@@ -235,6 +239,8 @@ class ModelRunner:
             self._padded_num_reqs(scheduler_output),
             self.speculator.num_rejected,
         )
+        layout = inputs.layout
+        self.lora.prepare_step(inputs.states, layout.query_start_loc_cpu, layout.num_tokens)
         hidden = self._forward(inputs)
         if hidden is None:  # a pipeline stage before the last: no logits here
             self._forward_done = _ForwardDone(inputs, None, None, {})

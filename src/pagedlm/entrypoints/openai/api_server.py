@@ -26,6 +26,7 @@ from typing import Any
 
 from pagedlm.engine.cli_args import engine_args_from_cli
 from pagedlm.entrypoints.openai.limits import add_limit_args, limits_from_args
+from pagedlm.entrypoints.openai.serving_lora import add_lora_args, registry_from_args
 
 logger = logging.getLogger("pagedlm.server")
 
@@ -96,6 +97,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH).",
     )
     _add_tool_args(group)
+    add_lora_args(group)
     return parser
 
 
@@ -219,6 +221,10 @@ def run_server(args: argparse.Namespace) -> None:
     names = args.served_model_name or [engine_args.model or DEFAULT_MODEL_NAME]
     engine = AsyncLLM.from_engine_args(engine_args)
     try:
+        try:
+            loras = asyncio.run(registry_from_args(args, engine, names[0]))
+        except ValueError as error:
+            raise SystemExit(f"error: {error}") from None
         ctx = ServingContext(
             engine=engine,
             model_names=list(names),
@@ -231,6 +237,7 @@ def run_server(args: argparse.Namespace) -> None:
             reasoning_parser=args.reasoning_parser,
             limits=limits,
             trust_request_chat_template=args.trust_request_chat_template,
+            loras=loras,
         )
         on_death = _EngineDeathExit(args.engine_death_grace_period, args.keep_alive_on_engine_death)
         app = build_app(

@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from pagedlm.engine.exceptions import EngineDeadError
 from pagedlm.entrypoints.openai.errors import (
@@ -55,6 +55,10 @@ from pagedlm.entrypoints.openai.request_body import parse_body, warning_header
 from pagedlm.entrypoints.openai.serving_chat import ChatServer
 from pagedlm.entrypoints.openai.serving_completion import CompletionServer
 from pagedlm.entrypoints.openai.serving_engine import ServingContext, until_disconnected
+from pagedlm.entrypoints.openai.serving_lora import (
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
 from pagedlm.entrypoints.openai.serving_messages import MessagesServer
 
 logger = logging.getLogger("pagedlm.server")
@@ -192,6 +196,7 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
             }
             for name in ctx.model_names
         ]
+        data += ctx.loras.model_cards(ctx.created, ctx.max_model_len)
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/version")
@@ -270,6 +275,22 @@ async def _watch_engine(ctx: ServingContext, on_death: Callable[[BaseException],
     on_death(await ctx.engine.wait_until_dead())  # the engine has logged the cause
 
 
+def _add_lora_routes(app: FastAPI, ctx: ServingContext) -> None:
+    loras = ctx.loras
+
+    @_body_route(app, ctx, "/v1/load_lora_adapter", LoadLoRAAdapterRequest, anthropic=False)
+    async def load_lora_adapter(request: Request, body: LoadLoRAAdapterRequest) -> Response:
+        loras.require_runtime_updating()
+        await loras.load(ctx.engine, body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @_body_route(app, ctx, "/v1/unload_lora_adapter", UnloadLoRAAdapterRequest, anthropic=False)
+    async def unload_lora_adapter(request: Request, body: UnloadLoRAAdapterRequest) -> Response:
+        loras.require_runtime_updating()
+        loras.unload(body.lora_name, body.lora_int_id)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
 def build_app(
     ctx: ServingContext,
     api_key: str | None = None,
@@ -313,6 +334,7 @@ def build_app(
     app.add_exception_handler(HTTPException, http_error)
     _add_generation_routes(app, ctx)
     _add_info_routes(app, ctx)
+    _add_lora_routes(app, ctx)
     install_openapi(app, app.state.body_models)
     outer: Any = BodySizeLimitMiddleware(app, max_body_bytes)
     if api_key:

@@ -79,7 +79,9 @@ class ChatServer:
         )
         request_id = ctx.request_id("chatcmpl")
         prompts = request.engine_prompts([{"prompt_token_ids": prompt_token_ids}])
-        started = await ctx.start(prompts, params, request_id, request.priority)
+        started = await ctx.start(
+            prompts, params, request_id, request.priority, ctx.lora_request(request.model)
+        )
         events = self._events(request, request_id, started, plan)
         return await stream_or_collect(events, request.stream)
 
@@ -96,7 +98,11 @@ class ChatServer:
         num_top = request.top_logprobs or 0
         choices: dict[int, _ChatChoice] = {}
         prompt_tokens = len(started[0][0].prompt_token_ids)
-        base = {"id": request_id, "created": self.ctx.created, "model": self.ctx.model_name}
+        base = {
+            "id": request_id,
+            "created": self.ctx.created,
+            "model": self.ctx.response_model(request.model),
+        }
         chunk_base = {**base, "object": "chat.completion.chunk"}
 
         def chunk(index: int, delta: dict, finish: str | None = None, **extra) -> str:

@@ -66,7 +66,9 @@ class CompletionServer:
             params.prompt_logprobs = max(params.prompt_logprobs or 0, request.logprobs)
         request_id = ctx.request_id("cmpl")
         prompts = request.engine_prompts(request.prompts())
-        started = await ctx.start(prompts, params, request_id, request.priority)
+        started = await ctx.start(
+            prompts, params, request_id, request.priority, ctx.lora_request(request.model)
+        )
         events = self._events(request, request_id, started, score_only)
         return await stream_or_collect(events, request.stream)
 
@@ -124,7 +126,7 @@ class CompletionServer:
             "id": request_id,
             "object": "text_completion",
             "created": self.ctx.created,
-            "model": self.ctx.model_name,
+            "model": self.ctx.response_model(request.model),
         }
         prompt_logprobs: dict[int, list] = {}
         announced: set[int] = set()

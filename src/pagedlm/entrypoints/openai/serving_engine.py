@@ -28,6 +28,8 @@ from pagedlm.engine.exceptions import EngineDeadError
 from pagedlm.entrypoints.openai.chat_template import ChatTemplateRenderer
 from pagedlm.entrypoints.openai.errors import APIError, from_value_error
 from pagedlm.entrypoints.openai.limits import RequestLimits
+from pagedlm.entrypoints.openai.serving_lora import LoRARegistry
+from pagedlm.lora.request import LoRARequest
 from pagedlm.metrics.prometheus import PrometheusMetrics, RequestLatencyTracker
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling_params import SamplingParams
@@ -61,6 +63,8 @@ class ServingContext:
     """The ``--max-...`` caps on a request's list sizes."""
     trust_request_chat_template: bool = False
     """``--trust-request-chat-template``: render a request's own chat_template (sandboxed)."""
+    loras: LoRARegistry = field(default_factory=LoRARegistry)
+    """The LoRA adapters a request's ``model`` may name."""
     created: int = field(default_factory=lambda: int(time.time()))
     _counter: itertools.count = field(default_factory=itertools.count)
     _background: set[asyncio.Task] = field(default_factory=set)
@@ -77,12 +81,24 @@ class ServingContext:
         return f"{prefix}-{uuid.uuid4().hex[:16]}-{next(self._counter)}"
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
+        if name is not None and name not in self.model_names and name not in self.loras:
+            served = self.model_names + list(self.loras.adapters)
             raise APIError(
-                f"The model {name!r} does not exist; this server serves {self.model_names}.",
+                f"The model {name!r} does not exist; this server serves {served}.",
                 status=404,
                 param="model",
             )
+
+    def response_model(self, model: str | None) -> str:
+        """The ``model`` a response reports: the adapter's name for an adapter (as vLLM),
+        else the first served name."""
+        return model if model in self.loras else self.model_name
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names (None: the base model); 404 for a name
+        unloaded since ``check_model``."""
+        self.check_model(model)
+        return self.loras.get(model)
 
     def require_tokenizer(self) -> Any:
         if self.tokenizer is None:
@@ -123,7 +139,12 @@ class ServingContext:
         task.add_done_callback(self._background.discard)
 
     async def generate(
-        self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The engine's DELTA outputs for one prompt, observed for metrics.
 
@@ -133,7 +154,7 @@ class ServingContext:
         if self._shutdown_expired:
             raise APIError(SHUTDOWN_MESSAGE, status=503)
         tracker = RequestLatencyTracker(self.metrics)
-        stream = self.engine.generate(prompt, params, request_id, priority)
+        stream = self.engine.generate(prompt, params, request_id, priority, lora_request)
         finished = False
         self._generating.add(request_id)
         try:
@@ -164,7 +185,12 @@ class ServingContext:
             await self.engine.abort(request_id)
 
     async def start(
-        self, prompts: list[Any], params: SamplingParams, request_id: str, priority: int = 0
+        self,
+        prompts: list[Any],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]:
         """Start one request per prompt and wait for each one's first output.
 
@@ -172,7 +198,7 @@ class ServingContext:
         request of the batch stays in the engine.
         """
         streams = [
-            self.generate(prompt, params, f"{request_id}-{i}", priority)
+            self.generate(prompt, params, f"{request_id}-{i}", priority, lora_request)
             for i, prompt in enumerate(prompts)
         ]
         firsts = await asyncio.gather(

@@ -109,7 +109,12 @@ class MessagesServer:
         except ValueError as error:
             raise from_value_error(error) from error
         message_id = self.ctx.request_id("msg")
-        started = await self.ctx.start([{"prompt_token_ids": prompt_token_ids}], params, message_id)
+        started = await self.ctx.start(
+            [{"prompt_token_ids": prompt_token_ids}],
+            params,
+            message_id,
+            lora_request=self.ctx.lora_request(request.model),
+        )
         events = self._events(request, message_id, started, len(prompt_token_ids), plan)
         return await stream_or_collect(events, request.stream)
 
@@ -120,7 +125,7 @@ class MessagesServer:
             "id": message_id,
             "type": "message",
             "role": "assistant",
-            "model": self.ctx.model_name,
+            "model": self.ctx.response_model(request.model),
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,

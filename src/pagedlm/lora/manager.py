@@ -1,0 +1,191 @@
+"""The worker's adapters: ``max_loras`` device slots, LRU over a host cache.
+
+Every step, ``prepare_step`` makes sure each adapter the step's requests name sits in a
+device slot (from the host cache, else read from its directory), evicting the least
+recently used adapter the step does not need, then writes each token's slot into the
+fixed-address ``token_slots`` buffer every ``LoRALinear`` reads.
+
+Invariants:
+- At most ``max_loras`` distinct adapters per step (the scheduler's ``LoRAGate`` admits no
+  more), so a step's adapters always find slots.
+- An adapter's id names the same weights for the engine's lifetime (``LoRARequest``).
+- A slot rewritten for step N+1 while step N is in flight is safe: the copies are queued
+  on the device after step N's kernels, which read the old weights first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pagedlm.config import ArchConfig, EngineConfig, LoRAConfig
+from pagedlm.lora.layers import LoRALinear
+from pagedlm.lora.ops import LoRAOps, LoRAStepState
+from pagedlm.lora.peft_format import AdapterWeights, load_adapter
+from pagedlm.lora.request import LoRARequest
+from pagedlm.lora.targets import LoRATarget, lora_targets
+from pagedlm.model_executor.layers.linear_base import LinearBase
+from pagedlm.worker.host_to_device import HostToDevice
+
+if TYPE_CHECKING:
+    from pagedlm.platforms import Platform
+    from pagedlm.worker.input_batch import RequestState
+
+logger = logging.getLogger(__name__)
+
+
+class NoLoRA:
+    """The component when ``enable_lora`` is off: nothing to prepare."""
+
+    graph_safe = True
+
+    def prepare_step(
+        self, states: list[RequestState], query_start_loc: np.ndarray, num_tokens: int
+    ) -> None:
+        pass
+
+
+class LoRAManager:
+    def __init__(
+        self,
+        config: LoRAConfig,
+        arch: ArchConfig,
+        model: torch.nn.Module,
+        max_num_tokens: int,
+        ops: LoRAOps,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.arch = arch
+        self.graph_safe = ops.graph_safe
+        self._token_slots = HostToDevice(max_num_tokens, torch.int32, device, fixed=True)
+        self._token_slots.device.fill_(-1)
+        self._clean_rows = max_num_tokens
+        """Leading rows of ``token_slots`` known to be -1 (a step without adapters that
+        fits them writes nothing)."""
+        self.state = LoRAStepState(self._token_slots.device)
+        self.targets: dict[str, LoRATarget] = lora_targets(model)
+        self.layers: dict[str, LoRALinear] = {}
+        modules = dict(model.named_modules())
+        for target in self.targets.values():
+            if target.module_name in self.layers:
+                continue
+            layer = modules[target.module_name]
+            assert isinstance(layer, LinearBase)
+            wrapper = LoRALinear(
+                layer, config.max_loras, config.max_lora_rank, self.state, ops, dtype, device
+            )
+            layer.set_kernel(wrapper)
+            self.layers[target.module_name] = wrapper
+        self._host_cache: OrderedDict[int, AdapterWeights] = OrderedDict()
+        self._slot_of: OrderedDict[int, int] = OrderedDict()
+        """Adapter id -> device slot, least recently used first."""
+        self._free_slots = list(range(config.max_loras - 1, -1, -1))
+
+    @property
+    def slot_of(self) -> dict[int, int]:
+        return dict(self._slot_of)
+
+    @property
+    def cached_ids(self) -> list[int]:
+        """Adapter ids in the host cache, least recently used first."""
+        return list(self._host_cache)
+
+    def prepare_step(
+        self, states: list[RequestState], query_start_loc: np.ndarray, num_tokens: int
+    ) -> None:
+        """Slots for the step's adapters and ``token_slots[:num_tokens]``; rows past the
+        requests' (``query_start_loc[len(states)]``) are padding: -1."""
+        wanted: dict[int, LoRARequest] = {}
+        for state in states:
+            if state.lora_request is not None:
+                wanted.setdefault(state.lora_request.lora_int_id, state.lora_request)
+        if not wanted and num_tokens <= self._clean_rows:
+            self.state.groups = []
+            return
+        slots = self._activate(wanted)
+        req_slots = np.fromiter(
+            (-1 if s.lora_request is None else slots[s.lora_request.lora_int_id] for s in states),
+            np.int64,
+            len(states),
+        )
+        num_real = int(query_start_loc[len(states)])
+        host = self._token_slots.host(num_tokens)
+        host[:num_real] = np.repeat(req_slots, np.diff(query_start_loc[: len(states) + 1]))
+        host[num_real:] = -1
+        groups = []
+        if not self.graph_safe:
+            device = self.state.token_slots.device
+            groups = [
+                (slot, torch.from_numpy(np.flatnonzero(host[:num_tokens] == slot)).to(device))
+                for slot in sorted(set(slots.values()))
+            ]
+        self._token_slots.copy(num_tokens)
+        self._clean_rows = 0 if wanted else num_tokens
+        self.state.groups = groups
+
+    def _activate(self, wanted: dict[int, LoRARequest]) -> dict[int, int]:
+        """A device slot for each wanted adapter, loading and evicting as needed."""
+        if len(wanted) > self.config.max_loras:
+            raise RuntimeError(
+                f"a step uses {len(wanted)} adapters but max_loras={self.config.max_loras}; "
+                "the scheduler must admit no more distinct adapters than slots"
+            )
+        for lora_id in wanted:
+            if lora_id in self._slot_of:
+                self._slot_of.move_to_end(lora_id)
+        for lora_id, lora in wanted.items():
+            if lora_id in self._slot_of:
+                continue
+            if self._free_slots:
+                slot = self._free_slots.pop()
+            else:
+                victim = next(i for i in self._slot_of if i not in wanted)
+                slot = self._slot_of.pop(victim)
+            self._load_into(slot, self._host_weights(lora))
+            self._slot_of[lora_id] = slot
+        return {lora_id: self._slot_of[lora_id] for lora_id in wanted}
+
+    def _host_weights(self, lora: LoRARequest) -> AdapterWeights:
+        weights = self._host_cache.get(lora.lora_int_id)
+        if weights is None:
+            weights = load_adapter(lora.lora_path, self.arch, self.config.max_lora_rank)
+            logger.info("LoRA adapter %r (id %d) loaded", lora.lora_name, lora.lora_int_id)
+            self._host_cache[lora.lora_int_id] = weights
+            while len(self._host_cache) > self.config.host_cache_size:
+                self._host_cache.popitem(last=False)
+        else:
+            self._host_cache.move_to_end(lora.lora_int_id)
+        return weights
+
+    def _load_into(self, slot: int, weights: AdapterWeights) -> None:
+        for layer in self.layers.values():
+            layer.clear(slot)
+        for module, (lora_a, lora_b) in weights.modules.items():
+            target = self.targets.get(module)
+            if target is None:
+                continue  # a layer of another pipeline stage
+            self.layers[target.module_name].write_module(slot, target.slices, lora_a, lora_b)
+
+
+def make_lora(
+    config: EngineConfig, platform: Platform, model: torch.nn.Module
+) -> LoRAManager | NoLoRA:
+    """The model runner's LoRA component; call after ``platform.prepare_model`` (the
+    wrappers wrap the kernels it installed)."""
+    if config.lora is None:
+        return NoLoRA()
+    return LoRAManager(
+        config.lora,
+        config.model.arch,
+        model,
+        config.scheduler.max_num_batched_tokens,
+        platform.lora_ops(),
+        config.model.dtype,
+        platform.device,
+    )

@@ -1,0 +1,191 @@
+"""PEFT adapter directories: ``adapter_config.json`` + ``adapter_model.safetensors``.
+
+``check_adapter`` validates an adapter against a model's shapes from the config and the
+safetensors *header* only (no tensor is read), so the front end can refuse a bad adapter
+before its request enters the engine. ``load_adapter`` then reads the tensors, with the
+scaling (``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA) folded into B, so
+applying an adapter is ``x A^T B^T`` with no per-step scale.
+
+PEFT stores ``base_model.model.<module>.lora_A.weight`` [r, in_features] and
+``...lora_B.weight`` [out_features, r] per targeted module.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pagedlm.config import ArchConfig
+from pagedlm.lora.targets import MOE_MODULE_NAMES, module_shapes
+
+if TYPE_CHECKING:
+    import torch
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<kind>A|B)\.weight$")
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class PeftAdapterConfig:
+    """What pagedlm reads from ``adapter_config.json``."""
+
+    rank: int
+    lora_alpha: float
+    use_rslora: bool
+    modules: tuple[str, ...]
+    """HF module paths the weights file adapts (``model.layers.0.self_attn.q_proj``)."""
+
+    @property
+    def scaling(self) -> float:
+        root = math.sqrt(self.rank) if self.use_rslora else self.rank
+        return self.lora_alpha / root
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """One adapter's tensors on the host: module path -> (A [r, in], B [out, r] * scaling)."""
+
+    rank: int
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def _files(path: str) -> tuple[Path, Path]:
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise ValueError(
+            f"LoRA adapter path {path!r} does not exist or is not a directory; pass a local "
+            f"PEFT adapter directory ({CONFIG_FILE} + {WEIGHTS_FILE})."
+        )
+    config, weights = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    for file in (config, weights):
+        if not file.is_file():
+            hint = (
+                " (adapter_model.bin is not read: resave it with safetensors)"
+                if file is weights and (directory / "adapter_model.bin").exists()
+                else ""
+            )
+            raise ValueError(f"LoRA adapter {path!r} has no {file.name}{hint}.")
+    return config, weights
+
+
+def _read_config(file: Path, max_lora_rank: int) -> dict:
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {file}: {exc}") from None
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{file}: peft_type {raw['peft_type']!r} is not LORA.")
+    unsupported = {
+        "use_dora": "DoRA adapters",
+        "fan_in_fan_out": "fan_in_fan_out (Conv1D) adapters",
+        "modules_to_save": "modules_to_save (fully trained extra modules)",
+        "rank_pattern": "rank_pattern (per-module ranks)",
+        "alpha_pattern": "alpha_pattern (per-module alphas)",
+    }
+    for key, what in unsupported.items():
+        if raw.get(key):
+            raise ValueError(f"{file}: {what} are not supported ({key}={raw[key]!r}).")
+    if raw.get("bias", "none") != "none":
+        raise ValueError(f"{file}: LoRA bias={raw['bias']!r} is not supported; use 'none'.")
+    rank = raw.get("r")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"{file}: r must be a positive integer, got {rank!r}.")
+    if rank > max_lora_rank:
+        raise ValueError(
+            f"LoRA rank {rank} is greater than max_lora_rank {max_lora_rank}; start the "
+            f"engine with --max-lora-rank {rank} (max_lora_rank={rank}) or higher."
+        )
+    return raw
+
+
+def _check_module(module: str, arch: ArchConfig, shapes: dict[str, tuple[int, int]]) -> str:
+    """The projection name of ``module``, after refusing what the model lacks."""
+    parts = module.split(".")
+    if any(part in MOE_MODULE_NAMES for part in parts):
+        raise ValueError(
+            f"LoRA adapters for MoE experts ({module}) are not supported; adapt the "
+            "attention projections only."
+        )
+    leaf = parts[-1]
+    layer = _LAYER.search(f".{module}.")
+    if leaf not in shapes or layer is None or int(layer.group(1)) >= arch.num_hidden_layers:
+        raise ValueError(
+            f"LoRA target module {module!r} does not exist in {arch.architecture} "
+            f"({arch.num_hidden_layers} layers); supported target modules: "
+            f"{', '.join(sorted(shapes))}."
+        )
+    return leaf
+
+
+def check_adapter(path: str, arch: ArchConfig, max_lora_rank: int) -> PeftAdapterConfig:
+    """Validate ``path`` for ``arch`` without reading tensors; raises ValueError naming
+    the problem (missing files, rank above ``max_lora_rank``, a module the model lacks, a
+    shape of another base model, MoE experts)."""
+    from safetensors import safe_open
+
+    config_file, weights_file = _files(path)
+    raw = _read_config(config_file, max_lora_rank)
+    rank = raw["r"]
+    shapes = module_shapes(arch)
+    targets = raw.get("target_modules")
+    if isinstance(targets, list):
+        for target in targets:
+            _check_module(f"model.layers.0.{target}", arch, shapes)
+    found: dict[str, set[str]] = {}
+    with safe_open(str(weights_file), framework="pt") as tensors:
+        for key in tensors.keys():  # noqa: SIM118 - safe_open has no __iter__
+            match = _KEY.match(key)
+            if match is None:
+                raise ValueError(
+                    f"LoRA adapter {path!r}: tensor {key!r} is not a lora_A/lora_B weight "
+                    "(embedding, bias or DoRA tensors are not supported)."
+                )
+            module, kind = match["module"], match["kind"]
+            in_features, out_features = shapes[_check_module(module, arch, shapes)]
+            expected = (rank, in_features) if kind == "A" else (out_features, rank)
+            shape = tuple(tensors.get_slice(key).get_shape())
+            if shape != expected:
+                raise ValueError(
+                    f"LoRA adapter {path!r}: {key} has shape {list(shape)} but "
+                    f"{arch.architecture} with r={rank} needs {list(expected)}; the adapter "
+                    "was trained for another base model."
+                )
+            found.setdefault(module, set()).add(kind)
+    incomplete = sorted(m for m, kinds in found.items() if kinds != {"A", "B"})
+    if incomplete:
+        raise ValueError(f"LoRA adapter {path!r}: {incomplete[0]} lacks lora_A or lora_B.")
+    if not found:
+        raise ValueError(f"LoRA adapter {path!r} has no LoRA tensors.")
+    return PeftAdapterConfig(
+        rank=rank,
+        lora_alpha=float(raw.get("lora_alpha", rank)),
+        use_rslora=bool(raw.get("use_rslora", False)),
+        modules=tuple(sorted(found)),
+    )
+
+
+def load_adapter(path: str, arch: ArchConfig, max_lora_rank: int) -> AdapterWeights:
+    """Check, then read the adapter's tensors (float32, host), B scaled."""
+    import torch
+    from safetensors.torch import load_file
+
+    config = check_adapter(path, arch, max_lora_rank)
+    tensors = load_file(str(_files(path)[1]), device="cpu")
+    modules = {}
+    for key, tensor in tensors.items():
+        match = _KEY.match(key)
+        assert match is not None, "check_adapter accepted every key"
+        if match["kind"] == "A":
+            module = match["module"]
+            lora_b = tensors[key[: -len("lora_A.weight")] + "lora_B.weight"]
+            modules[module] = (
+                tensor.to(torch.float32),
+                lora_b.to(torch.float32) * config.scaling,
+            )
+    return AdapterWeights(config.rank, modules)

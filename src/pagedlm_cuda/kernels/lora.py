@@ -1,0 +1,136 @@
+"""Multi-LoRA shrink and expand over a step's tokens (Punica's BGMV, in Triton).
+
+``lora_shrink``: ``y[t] = A[slot[t]] x[t]`` ([T, num_slices * max_rank], float32);
+``lora_expand``: ``out[t, slice cols] += B[slot[t], slice cols] y[t, slice's ranks]``.
+One launch each per projection covers the whole batch, every adapter and every slice (q, k
+and v of a fused layer are the grid's third axis). A token whose slot is -1 (base model,
+padding row) returns at once, so base-model rows of ``out`` are never touched.
+
+The kernels read the slots from the model runner's fixed-address ``token_slots`` buffer and
+nothing host-side, so a CUDA graph captured over them replays any later step's adapter mix.
+Each program reads one token's adapter rows; tokens of the same adapter in a step share
+those rows through the L2 cache. Launched plainly (no programmatic dependent launch), so
+each starts after the kernel before it has completed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedlm.lora.ops import LoRAStepState, SliceSpec
+
+MAX_SLICES = 3
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a_ptr, slots_ptr, y_ptr, K, N, stride_x, stride_a_slot, stride_a_row, stride_y,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    slot = tl.load(slots_ptr + token)
+    if slot < 0:
+        return
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    a_rows = a_ptr + slot.to(tl.int64) * stride_a_slot + rows[:, None].to(tl.int64) * stride_a_row
+    x_row = x_ptr + token.to(tl.int64) * stride_x
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_mask = cols < K
+        x = tl.load(x_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+        a = tl.load(a_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+        acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
+    tl.store(y_ptr + token.to(tl.int64) * stride_y + rows, acc, mask=row_mask)
+
+
+@triton.jit
+def _expand_kernel(
+    y_ptr, b_ptr, slots_ptr, out_ptr, R, stride_y, stride_b_slot, stride_b_row, stride_out,
+    start0, start1, start2, size0, size1, size2,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    slot = tl.load(slots_ptr + token)
+    if slot < 0:
+        return
+    s = tl.program_id(2)
+    start = tl.where(s == 0, start0, tl.where(s == 1, start1, start2))
+    size = tl.where(s == 0, size0, tl.where(s == 1, size1, size2))
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < size
+    ranks = tl.arange(0, BLOCK_R)
+    rank_mask = ranks < R
+    y = tl.load(y_ptr + token.to(tl.int64) * stride_y + s * R + ranks, mask=rank_mask, other=0.0)
+    b_rows = (
+        b_ptr
+        + slot.to(tl.int64) * stride_b_slot
+        + (start + cols)[:, None].to(tl.int64) * stride_b_row
+    )
+    b = tl.load(b_rows + ranks[None, :], mask=col_mask[:, None] & rank_mask[None, :], other=0.0)
+    delta = tl.sum(b.to(tl.float32) * y[None, :], axis=1)
+    out_cols = out_ptr + token.to(tl.int64) * stride_out + start + cols
+    current = tl.load(out_cols, mask=col_mask, other=0.0)
+    tl.store(out_cols, (current.to(tl.float32) + delta).to(current.dtype), mask=col_mask)
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """x [T, K], lora_a [L, N, K], token_slots [T] int32 -> y [T, N] float32 (rows of
+    tokens with slot -1 are left unwritten)."""
+    num_tokens, k = x.shape
+    n = lora_a.shape[1]
+    assert x.stride(1) == 1 and lora_a.stride(2) == 1 and lora_a.shape[2] == k
+    y = torch.empty((num_tokens, n), dtype=torch.float32, device=x.device)
+    block_n = min(64, triton.next_power_of_2(n))
+    grid = (num_tokens, triton.cdiv(n, block_n))
+    _shrink_kernel[grid](
+        x, lora_a, token_slots, y, k, n, x.stride(0), lora_a.stride(0), lora_a.stride(1),
+        y.stride(0), BLOCK_N=block_n, BLOCK_K=128,
+    )  # fmt: skip
+    return y
+
+
+def lora_expand(
+    out: torch.Tensor,
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    slices: tuple[SliceSpec, ...],
+) -> None:
+    """out [T, N] += per slice ``B[slot, slice cols] y[:, slice ranks]`` in place;
+    lora_b [L, N, R], y [T, len(slices) * R]."""
+    if not 1 <= len(slices) <= MAX_SLICES:
+        raise ValueError(f"lora_expand takes 1 to {MAX_SLICES} slices, got {len(slices)}")
+    num_tokens = out.shape[0]
+    rank = lora_b.shape[2]
+    assert out.stride(1) == 1 and lora_b.stride(2) == 1 and y.shape[1] == len(slices) * rank
+    padded = list(slices) + [SliceSpec(0, 0)] * (MAX_SLICES - len(slices))
+    block_n = 128
+    grid = (num_tokens, triton.cdiv(max(s.size for s in slices), block_n), len(slices))
+    _expand_kernel[grid](
+        y, lora_b, token_slots, out, rank, y.stride(0), lora_b.stride(0), lora_b.stride(1),
+        out.stride(0), *(s.start for s in padded), *(s.size for s in padded),
+        BLOCK_N=block_n, BLOCK_R=triton.next_power_of_2(rank),
+    )  # fmt: skip
+
+
+class TritonLoRAOps:
+    """``LoRAOps`` for CUDA/ROCm: two launches per projection, CUDA-graph safe."""
+
+    graph_safe = True
+
+    def add_lora(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        slices: tuple[SliceSpec, ...],
+        state: LoRAStepState,
+        active_slots: list[bool],
+    ) -> None:
+        token_slots = state.token_slots[: x.shape[0]]
+        lora_expand(out, lora_shrink(x, lora_a, token_slots), lora_b, token_slots, slices)

@@ -1,0 +1,34 @@
+"""LoRA under tensor parallelism: two worker processes (gloo), each holding its shard of
+every adapter (B rows of column-parallel layers, A columns of row-parallel ones), give one
+worker's tokens and prompt logprobs; the adapters reach the workers over the step codec."""
+
+from __future__ import annotations
+
+from parity import PROMPTS, assert_same_run, make_llm, processes_gone
+
+from pagedlm import LoRARequest, SamplingParams
+from peft_adapters import LLAMA_MODULES, make_adapter
+
+
+def _run(path, lora: LoRARequest, **parallel):
+    llm = make_llm(path, enable_lora=True, max_loras=2, **parallel)
+    try:
+        params = SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=0, ignore_eos=True)
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        loras = [lora, None, lora]
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        executor = llm.llm_engine.engine_core.executor
+        return outputs, list(getattr(executor, "worker_pids", []))
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_lora_over_two_tensor_parallel_ranks(llama, llama_reference, tmp_path):
+    make_adapter(llama, tmp_path / "adapter", LLAMA_MODULES, rank=8)
+    lora = LoRARequest("adapter", 1, str(tmp_path / "adapter"))
+    single, _ = _run(llama, lora)
+    sharded, pids = _run(llama, lora, tensor_parallel_size=2)
+    assert_same_run(sharded, single)
+    assert single[0].outputs[0].token_ids != llama_reference[0].outputs[0].token_ids
+    assert_same_run(single[1:2], llama_reference[1:2])  # the base-model request
+    assert len(pids) == 2 and processes_gone(pids)

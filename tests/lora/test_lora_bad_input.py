@@ -1,0 +1,99 @@
+"""Bad adapters fail their own request with a clear ValueError, before the engine sees
+it; the engine keeps serving (the same adapter directory, fixed, works afterwards)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import save_file
+
+from pagedlm import LLM, LoRARequest, SamplingParams
+from pagedlm.config import ArchConfig
+from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.lora.peft_format import check_adapter
+from peft_adapters import LLAMA_MODULES, edit_config, make_adapter
+from tiny_checkpoints import save_random_model
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint, tmp_path_factory):
+    base = tiny_checkpoint("llama")
+    root = tmp_path_factory.mktemp("adapters")
+    make_adapter(base, root / "good", LLAMA_MODULES, rank=8)
+    llm = LLM(
+        str(base), skip_tokenizer_init=True, enable_lora=True, max_lora_rank=8, num_kv_blocks=32
+    )
+    return llm, base, root
+
+
+def _generate(llm: LLM, lora: LoRARequest | None) -> list[int]:
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9]}]
+    outs = llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=[lora, None])
+    return outs[0].outputs[0].token_ids
+
+
+def test_bad_adapters_fail_only_their_request(engine, tmp_path):
+    llm, base, root = engine
+    good = LoRARequest("good", 1, str(root / "good"))
+    before = _generate(llm, good)
+
+    make_adapter(base, tmp_path / "r16", LLAMA_MODULES, rank=16)
+    make_adapter(base, tmp_path / "unknown", LLAMA_MODULES)
+    edit_config(tmp_path / "unknown", target_modules=["q_proj", "lm_proj"])
+    save_random_model(tmp_path / "other", "LlamaConfig", {"intermediate_size": 96})
+    make_adapter(tmp_path / "other", tmp_path / "mismatch", LLAMA_MODULES)
+    make_adapter(base, tmp_path / "dora", LLAMA_MODULES)
+    edit_config(tmp_path / "dora", use_dora=True)
+    cases = {
+        "r16": "LoRA rank 16 is greater than max_lora_rank 8; start the engine with --max-lora-rank 16",
+        "unknown": "target module 'model.layers.0.lm_proj' does not exist",
+        "mismatch": r"mlp\.\w+_proj\.lora_[AB]\.weight has shape \[(8, )?96(, 8)?\] but "
+        r"LlamaForCausalLM with r=8 needs \[(8, )?128(, 8)?\]; the adapter was trained for "
+        "another base model",
+        "missing": "does not exist or is not a directory",
+        "dora": "DoRA adapters are not supported",
+    }
+    for index, (name, message) in enumerate(cases.items(), start=2):
+        with pytest.raises(ValueError, match=message):
+            _generate(llm, LoRARequest(name, index, str(tmp_path / name)))
+    with pytest.raises(ValueError, match="lora_int_id 1 already names the adapter"):
+        _generate(llm, LoRARequest("other", 1, str(tmp_path / "r16")))
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert _generate(llm, good) == before
+
+
+def test_lora_needs_enable_lora_and_a_supported_model(tiny_checkpoint, tmp_path):
+    base = tiny_checkpoint("llama")
+    make_adapter(base, tmp_path / "a", LLAMA_MODULES)
+    llm = LLM(str(base), skip_tokenizer_init=True, num_kv_blocks=16)
+    with pytest.raises(ValueError, match="LoRA is not enabled; start the engine with enable_lora"):
+        _generate(llm, LoRARequest("a", 1, str(tmp_path / "a")))
+    with pytest.raises(ValueError, match="enable_lora does not support GPT2LMHeadModel"):
+        EngineArgs(model=str(tiny_checkpoint("gpt2")), enable_lora=True).create_engine_config()
+
+
+def test_moe_expert_adapters_are_refused(tiny_checkpoint, tmp_path):
+    import torch
+
+    arch = ArchConfig.from_directory(tiny_checkpoint("mixtral"))
+    adapter = tmp_path / "moe"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["w1"]})
+    )
+    prefix = "base_model.model.model.layers.0.block_sparse_moe.experts.0.w1"
+    save_file(
+        {
+            f"{prefix}.lora_A.weight": torch.zeros(4, arch.hidden_size),
+            f"{prefix}.lora_B.weight": torch.zeros(arch.intermediate_size, 4),
+        },
+        str(adapter / "adapter_model.safetensors"),
+    )
+    with pytest.raises(ValueError, match="adapters for MoE experts"):
+        check_adapter(str(adapter), arch, 16)
+    edit_config(adapter, target_modules=["q_proj"])
+    with pytest.raises(ValueError, match="adapters for MoE experts"):
+        check_adapter(str(adapter), arch, 16)
