@@ -16,27 +16,15 @@ reads none: it could not be captured otherwise).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
+from triton_setup import load_triton_env
 
-def _load_triton_env():
-    if "triton_env" not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "cuda" / "triton_env.py"
-        spec = importlib.util.spec_from_file_location("triton_env", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["triton_env"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["triton_env"]
-
-
-ON_GPU = _load_triton_env().ON_GPU
+ON_GPU = load_triton_env().ON_GPU
 
 from pagedlm import hookimpl  # noqa: E402
 from pagedlm.plugins import CONTRACT_VERSION, BackendSpec, PlatformSpec  # noqa: E402

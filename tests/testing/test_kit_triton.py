@@ -9,28 +9,13 @@ fused sampler, every attention check at the default sizes, and greedy parity wit
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from plugin_kit import kit_checkpoints
+from triton_setup import load_triton_env
 
-
-def _triton_env():
-    """tests/cuda/triton_env.py, which must be imported before any Triton kernel is."""
-    if "triton_env" not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "cuda" / "triton_env.py"
-        spec = importlib.util.spec_from_file_location("triton_env", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["triton_env"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["triton_env"]
-
-
-ON_GPU = _triton_env().ON_GPU
+ON_GPU = load_triton_env().ON_GPU
 
 from pagedlm.testing import (  # noqa: E402
     BACKEND_CHECKS,
