@@ -108,6 +108,8 @@ async def _one_request(client: Any, url: str, body: dict) -> RequestResult:
     start = time.monotonic()
     chunk_times: list[float] = []
     tokens = 0
+    events = 0
+    finish_reason = None
     try:
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
@@ -121,19 +123,25 @@ async def _one_request(client: Any, url: str, body: dict) -> RequestResult:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                events += 1
                 if "error" in chunk:
                     return RequestResult(
                         False, error=chunk["error"]["message"], end=time.monotonic()
                     )
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
-                if any(choice.get("text") for choice in chunk.get("choices", [])):
+                choices = chunk.get("choices", [])
+                if any(choice.get("text") for choice in choices):
                     chunk_times.append(time.monotonic())
+                for choice in choices:
+                    finish_reason = choice.get("finish_reason") or finish_reason
     except Exception as error:  # connection refused/reset: report, keep benchmarking
         return RequestResult(False, error=repr(error), end=time.monotonic())
     end = time.monotonic()
     if not chunk_times:
-        return RequestResult(False, error="no output", end=end)
+        # Say what the stream did carry, so a failure seen once on a GPU run can be traced.
+        error = f"no output ({events} events, {tokens} tokens in usage, finish {finish_reason})"
+        return RequestResult(False, error=error, end=end)
     itl = [b - a for a, b in itertools.pairwise(chunk_times)]
     return RequestResult(True, chunk_times[0] - start, end - start, tokens, itl, end=end)
 
