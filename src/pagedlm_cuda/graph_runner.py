@@ -33,6 +33,7 @@ from pagedlm.attention.backend import AttentionBackend, BatchLayout
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.platforms.interface import GraphRunner
 from pagedlm_cuda.batch_sizes import capture_sizes
+from pagedlm_cuda.piecewise_graphs import PiecewiseGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,9 @@ class CudaGraphRunner(GraphRunner):
         self.query_lens = query_lens
         self.max_model_len = max_model_len
         self._graphs: dict[tuple[int, int], _Captured] = {}
+        self.pool: Any = None
+        self.pieces: PiecewiseGraphs | None = None
+        """Steps no uniform graph serves (``run_mixed``), captured into the same pool."""
 
     @classmethod
     def for_model_runner(cls, runner: Any) -> CudaGraphRunner | None:
@@ -92,11 +96,12 @@ class CudaGraphRunner(GraphRunner):
             sched.max_model_len,
         )
         graphs.capture()
+        graphs.pieces = graphs._capture_pieces(runner)
         return graphs
 
     def capture(self) -> None:
         start = time.perf_counter()
-        pool = self._new_pool()
+        pool = self.pool = self._new_pool()
         for query_len in self.query_lens:
             for size in reversed(self.sizes):
                 self._graphs[size, query_len] = self._capture_one(size, query_len, pool)
@@ -132,6 +137,9 @@ class CudaGraphRunner(GraphRunner):
     def _synchronize(self) -> None:
         torch.cuda.synchronize()
 
+    def _capture_pieces(self, runner: Any) -> PiecewiseGraphs | None:
+        return PiecewiseGraphs.for_model_runner(runner, self.pool)
+
     def _record(self, step: Callable[[], torch.Tensor], pool: Any) -> tuple[Any, torch.Tensor]:
         """(something with ``replay()`` that reruns ``step``, the tensor it writes into)."""
         step()  # compiles, warms allocators
@@ -145,6 +153,9 @@ class CudaGraphRunner(GraphRunner):
         if query_len not in self.query_lens or num_reqs > self.sizes[-1]:
             return None
         return self.sizes[bisect.bisect_left(self.sizes, num_reqs)]
+
+    def run_mixed(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
+        return None if self.pieces is None else self.pieces.run(input_ids, ctx)
 
     def run(self, layout: BatchLayout) -> torch.Tensor:
         captured = self._graphs[layout.num_reqs, layout.num_tokens // layout.num_reqs]

@@ -138,6 +138,27 @@ def test_cuda_graphs_on_and_off_identical(tiny_checkpoint, arch, monkeypatch) ->
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_piecewise_graphs_serve_mixed_steps_with_the_eager_tokens(
+    tiny_checkpoint, arch, monkeypatch
+) -> None:
+    """Prefills (and prefills mixed with decodes: a small token budget splits them) replay
+    the pieces, and give the tokens of the same steps run eagerly."""
+    path = tiny_checkpoint(arch)
+    batch = prompts(384)
+    llm = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=1024,
+              max_num_batched_tokens=512)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    pieces = llm.llm_engine.engine_core.executor.worker.model_runner.graph_runner.pieces
+    assert pieces is not None and pieces.num_replays > 0
+    del llm
+    torch.cuda.empty_cache()
+    monkeypatch.setenv("PAGEDLM_PIECEWISE_MAX_TOKENS", "0")
+    eager = run(path, batch, max_num_batched_tokens=512)
+    assert [o.outputs[0].token_ids for o in outs] == eager
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_programmatic_dependent_launch_changes_no_token(tiny_checkpoint, arch, monkeypatch):
     """Kernels that start while the previous one drains (PDL) compute what plainly
     launched ones do: batch 1 (the GEMV chain) and a batch, graphs and async scheduling on."""

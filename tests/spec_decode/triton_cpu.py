@@ -58,6 +58,9 @@ class InterpretedGraphRunner(CudaGraphRunner):
         hidden = step().clone()
         return _Replay(step, hidden), hidden
 
+    def _capture_pieces(self, runner: Any) -> None:
+        return None  # pieces split one capture at each attention call: no emulation of that
+
     def num_replays(self, query_len: int) -> int:
         return sum(c.graph.num_replays for (_, q), c in self._graphs.items() if q == query_len)
 

@@ -16,6 +16,7 @@ from pagedlm.attention.backend import BatchLayout
 if TYPE_CHECKING:
     from pagedlm.config import EngineConfig
     from pagedlm.lora.ops import LoRAOps
+    from pagedlm.model_executor.forward_context import ForwardContext
     from pagedlm.sample.sampler import FusedRandomSampler
 
 
@@ -42,6 +43,13 @@ class GraphRunner(ABC):
     def run(self, layout: BatchLayout) -> torch.Tensor:
         """Replay the graph of ``layout``'s (padded) shape; returns the hidden states
         ``[layout.num_tokens, hidden_size]``. Must not wait for the device."""
+
+    def run_mixed(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
+        """Hidden states (padding rows after the real ones) of a step no uniform graph
+        serves, from captured pieces of the forward around eager attention calls, or None
+        to run it eagerly (the default). ``input_ids`` are the step's gathered inputs (the
+        persistent buffer's prefix), ``ctx`` holds its attention metadata."""
+        return None
 
 
 class Platform(ABC):

@@ -275,6 +275,10 @@ class ModelRunner:
         ctx = ForwardContext(
             self.attn_backend, self.attn_backend.build_metadata(inputs.layout), self.kv_cache
         )
+        if self.graph_runner is not None:  # never under pipeline parallelism
+            hidden = self.graph_runner.run_mixed(inputs.input_ids, ctx)
+            if hidden is not None:
+                return hidden
         return run_stage(
             self.model, inputs.input_ids, inputs.positions, ctx, self.config.model.dtype
         )

@@ -173,6 +173,12 @@ class StepInputBuilder:
             return None
         return mask, num_rejected
 
+    def token_buffers(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input ids and positions of a step of ``num_tokens`` tokens: the prefixes of
+        the persistent buffers that every step's ``input_ids`` and ``positions`` are."""
+        start = self._positions_at
+        return self.input_ids[:num_tokens], self._layout.device[start : start + num_tokens]
+
     def capture_inputs(self, num_reqs: int, query_len: int) -> StepInputs:
         """A step of ``num_reqs`` padding rows of ``query_len`` tokens each, written into the
         persistent buffers: what a graph of that shape is captured over."""

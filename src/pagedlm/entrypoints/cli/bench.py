@@ -1,7 +1,8 @@
 """``pagedlm bench serve``: load a running server and report throughput and latencies.
 
-Requests go to ``/v1/completions`` with ``stream=true``, ``ignore_eos`` and a fixed
-``max_tokens``, so every request produces the same number of tokens. Arrivals are
+Requests go to ``/v1/completions`` with ``stream=true``, ``ignore_eos``, special tokens
+shown as text and a fixed ``max_tokens``, so every request produces the same number of
+tokens, each visible in the stream. Arrivals are
 Poisson at ``--request-rate`` requests/s, or all at once (``inf``, a burst).
 
 - TTFT: request sent -> first streamed text.
@@ -270,6 +271,9 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
             "prompt": prompt,
             "max_tokens": args.output_len,
             "ignore_eos": True,
+            # Every token shows as text, so TTFT and ITL see every token: a random-weight
+            # model may repeat a special token, whose text is otherwise skipped.
+            "skip_special_tokens": False,
             "temperature": 0.0,
             "stream": True,
             "stream_options": {"include_usage": True},

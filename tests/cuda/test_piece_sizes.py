@@ -1,0 +1,22 @@
+"""The token counts piecewise graphs are captured at (plain Python: runs on any host)."""
+
+from __future__ import annotations
+
+import itertools
+
+from pagedlm_cuda.piecewise_graphs import MAX_TOKENS_ENV, max_piece_tokens, piece_sizes
+
+
+def test_sizes_ascend_in_multiples_of_16_up_to_the_cap() -> None:
+    sizes = piece_sizes(2048)
+    assert sizes == sorted(set(sizes)) and all(s % 16 == 0 for s in sizes)
+    assert sizes[0] == 16 and sizes[-1] == 2048
+    # Above 64 tokens a padded step is at most a third padding rows.
+    assert all(b / a <= 1.5 for a, b in itertools.pairwise(sizes[3:]))
+    assert piece_sizes(300)[-1] == 256 and piece_sizes(8) == []
+
+
+def test_the_cap_follows_the_budget_and_the_environment(monkeypatch) -> None:
+    assert max_piece_tokens(512) == 512
+    monkeypatch.setenv(MAX_TOKENS_ENV, "0")
+    assert max_piece_tokens(8192) == 0 and piece_sizes(0) == []
