@@ -1,14 +1,17 @@
 """The example out-of-tree plugin passes the conformance kit, run the documented way:
 ``PAGEDLM_PLATFORM=example python -m pytest --pyargs pagedlm.testing``.
 
-The example is installed for these tests through its entry points (``plugin_kit``), not
-with pip: the discovery path is the same, and the environment is left as it was.
+The example is installed for most of these tests through its entry points
+(``plugin_kit``), not with pip: the discovery path is the same, and the environment is left
+as it was. One test pip-installs it into a fresh virtual environment and runs the kit there.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -75,6 +78,46 @@ def test_greedy_parity_with_the_cpu(example_platform, arch, tmp_path_factory) ->
             check_greedy_parity(example_platform, arch, checkpoints)
     else:
         check_greedy_parity(example_platform, arch, checkpoints)
+
+
+def test_pip_installed_example_passes_the_kit_in_a_fresh_venv(tmp_path) -> None:
+    """The plugin author's path for real: ``pip install ./examples/platform_plugin`` into
+    a new virtual environment (it sees this one's packages, pagedlm included: nothing is
+    downloaded), then the documented command there (parity aside, as above)."""
+    venv = tmp_path / "venv"
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+        check=True,
+        timeout=120,
+    )
+    python = str(venv / "bin" / "python")
+    example = Path(__file__).resolve().parents[2] / "examples" / "platform_plugin"
+    pip = [sys.executable, "-m", "pip", "--python", python, "install", "-q"]
+    subprocess.run(
+        [*pip, "--no-deps", "--no-build-isolation", "--no-index", str(example)],
+        check=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    env = {**os.environ, "PAGEDLM_PLATFORM": "example"}
+    env.pop("PAGEDLM_PLUGINS", None)
+    env.pop("PAGEDLM_DISABLE_PLUGIN_AUTOLOAD", None)
+    result = subprocess.run(
+        [python, *KIT_COMMAND[1:], "-q", "-rs", "-k", "not parity"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "12 passed, 2 skipped" in result.stdout, result.stdout[-2000:]
+    # The example came from the venv's site-packages, not from a path this test set up.
+    origin = subprocess.run(
+        [python, "-c", "import pagedlm_example_platform as m; print(m.__file__)"],
+        capture_output=True, text=True, timeout=60, env=env, check=True,
+    )  # fmt: skip
+    assert origin.stdout.startswith(str(venv)), origin.stdout
 
 
 @pytest.mark.slow
