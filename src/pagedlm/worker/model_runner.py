@@ -24,13 +24,16 @@ from dataclasses import dataclass
 import torch
 
 from pagedlm.attention import AttentionBackend, BatchLayout
+from pagedlm.batch_invariant import make_batch_invariant
 from pagedlm.config import EngineConfig
 from pagedlm.distributed.parallel_state import get_pipeline_state
 from pagedlm.distributed.pipeline import broadcast_sampled_ids
+from pagedlm.kv_cache import fp8
+from pagedlm.kv_cache.fp8 import kv_cache_torch_dtype
 from pagedlm.kv_cache.interface import KVCache, TensorKVCache, kv_bytes_per_block
 from pagedlm.lora.manager import make_lora
 from pagedlm.model_executor.forward_context import ForwardContext
-from pagedlm.model_executor.layers.attention import model_kv_heads
+from pagedlm.model_executor.layers.attention import arm_kv_scale_calculation, model_kv_heads
 from pagedlm.model_executor.loader import load_model
 from pagedlm.platforms import Platform
 from pagedlm.platforms.interface import GraphRunner
@@ -99,11 +102,21 @@ class ModelRunner:
         self.arch = config.model.arch
         self.model = load_model(config.model, self.device)
         platform.prepare_model(self.model)
+        if config.batch_invariant:
+            make_batch_invariant(self.model)
         self.lora = make_lora(config, platform, self.model)
         self.num_kv_heads = model_kv_heads(self.model, self.arch.num_key_value_heads)
         layers = model_attention_layers(self.model) or [0]
         self.first_layer, self.num_layers = layers[0], len(layers)
         self.attn_backend = attn_backend_cls(self.device)
+        self.attn_backend.set_batch_invariant(config.batch_invariant)
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.cache.cache_dtype, config.model.dtype)
+        if fp8.is_fp8(self.kv_cache_dtype) and not self.attn_backend.supports_fp8_kv_cache:
+            raise ValueError(
+                f"kv_cache_dtype={config.cache.cache_dtype!r} needs an attention backend "
+                f"that reads an FP8 cache; {self.attn_backend.name!r} does not. Use "
+                "kv_cache_dtype='auto' or another attention_backend."
+            )
         self.sampler = Sampler(fused_random=platform.fused_sampler())
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(config.model.seed)
@@ -177,7 +190,7 @@ class ModelRunner:
             self.num_layers,
             self.num_kv_heads,
             arch.head_dim,
-            self.config.model.dtype,
+            self.kv_cache_dtype,
         )
         return target + self.speculator.kv_bytes_per_block()  # a proposer's own KV too
 
@@ -202,7 +215,7 @@ class ModelRunner:
             shape,
             num_layers,
             self.block_size,
-            self.config.model.dtype,
+            self.kv_cache_dtype,
             self.platform.zeros,
             first_layer=first_layer,
         )
@@ -221,6 +234,9 @@ class ModelRunner:
         if self.platform.supports_cuda_graphs and not self.enforce_eager and not pipelined:
             self.graph_runner = self.platform.capture_graphs(self)
             self.speculator.capture_graphs(self)
+        if self.config.cache.calculate_kv_scales and fp8.is_fp8(self.kv_cache_dtype):
+            # After the profiling run and the captures, so real keys set the scales.
+            arm_kv_scale_calculation(self.model)
 
     # ---- one step -------------------------------------------------------------------
 
