@@ -13,11 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 from test_attention_kernels import make_cache, reference
-from test_triton_backend import make_layout
+from test_triton_backend import make_layout, run_backend, to_triton_layout
 from triton_env import DEVICE, ON_GPU, rel_error, tolerance
 
 from pagedlm.attention.backend import BatchLayout
 from pagedlm.kv_cache import fp8
+from pagedlm_cpu.attention import CpuSdpaBackend
 from pagedlm_cuda.attention import TritonAttentionBackend
 from pagedlm_cuda.kernels import paged_decode_attention, paged_prefill_attention, write_kv_cache
 
@@ -118,6 +119,39 @@ def test_decode_on_fp8_cache_writes_and_reads_the_new_kv(partition):
     kc, vc = dequantized(key_cache, value_cache)
     ref = reference(query, kc, vc, tables, seq_lens, [1] * num_seqs, 0.15)
     assert rel_error(out, ref) < tolerance(COMPUTE)
+
+
+@pytest.mark.parametrize(
+    "chunks", [[(1, 30), (20, 0), (7, 33), (1, 0)], [(1, 100), (1, 5), (1, 40)]]
+)
+def test_triton_backend_matches_cpu_backend_on_fp8_caches(chunks):
+    """Mixed and decode-only batches: the same stored bytes (after the layout change) and
+    the same outputs as the CPU backend's emulation, both quantizing with the same scales."""
+    block_size, num_blocks, kv_heads, heads, head_dim = 16, 40, 2, 8, 64
+    torch.manual_seed(len(chunks))
+    layout = make_layout(chunks, block_size, num_blocks)
+    scales = {name: t.cpu() for name, t in _scales().items()}
+    shape = CpuSdpaBackend.kv_cache_shape(num_blocks, block_size, kv_heads, head_dim)
+    key_cache = fp8.quantize(torch.randn(shape) * 2, scales["k_scale"])
+    value_cache = fp8.quantize(torch.randn(shape) * 2, scales["v_scale"])
+    q = torch.randn(layout.num_tokens, heads, head_dim)
+    k = torch.randn(layout.num_tokens, kv_heads, head_dim) * 2
+    v = torch.randn(layout.num_tokens, kv_heads, head_dim) * 2
+    cpu = CpuSdpaBackend(torch.device("cpu"))
+    ref, ref_kc, ref_vc = run_backend(cpu, layout, q, k, v, key_cache, value_cache, **scales)
+    tensors = [t.to(DEVICE) for t in (q, k, v)]
+    caches = [
+        to_triton_layout(c.view(torch.uint8)).view(c.dtype).to(DEVICE)
+        for c in (key_cache, value_cache)
+    ]
+    out, kc, vc = run_backend(
+        TritonAttentionBackend(DEVICE), layout, *tensors, *caches, **_scales()
+    )
+    assert rel_error(out, ref) < 2e-3
+    for got, expected in ((kc, ref_kc), (vc, ref_vc)):
+        assert torch.equal(
+            got.cpu().view(torch.uint8), to_triton_layout(expected.view(torch.uint8))
+        )
 
 
 def _invariant_backend() -> TritonAttentionBackend:
