@@ -112,6 +112,7 @@ def test_row_tiled_linear_feeds_fixed_tiles():
     assert out.shape == (37, 24)
     assert inner.shapes == [(16, 40)] * 3
     torch.testing.assert_close(out, F.linear(x, layer.weight))
+    assert torch.equal(tiled(x.view(37, 1, 40)).view(37, 24), out)
     # A row's bits do not depend on the other rows of its call.
     for rows in (1, 5, 16, 17, 37):
         assert torch.equal(tiled(x[:rows]), out[:rows])

@@ -66,6 +66,8 @@ class RowTiledLinear:
         return F.linear(x, self.layer.weight, self.layer.linear_bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:  # [..., in_features]: tile the flattened rows
+            return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
         num_rows = x.shape[0]
         tile = self.tile
         padded = -(-num_rows // tile) * tile
