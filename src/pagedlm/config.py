@@ -207,6 +207,13 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     """Fraction in (0, 1] of the device's memory the engine may use in all (weights,
     activations, KV cache); read by GPU platforms when they size the KV cache."""
+    cache_dtype: str = "auto"
+    """vLLM's ``kv_cache_dtype``: "auto" (the model's dtype) or "fp8" (= "fp8_e4m3"):
+    keys and values stored in float8 E4M3 with per-layer ``k_scale``/``v_scale``
+    (``pagedlm.kv_cache.fp8``)."""
+    calculate_kv_scales: bool = False
+    """With an fp8 cache: each layer's scales from the first real step's keys and values,
+    instead of the checkpoint's ``k_scale``/``v_scale`` tensors (or 1.0 without them)."""
 
 
 @dataclass(frozen=True)
@@ -393,6 +400,9 @@ class EngineConfig:
     """Speculative decoding, or None (off)."""
     lora: LoRAConfig | None = None
     """Multi-LoRA serving; None: ``enable_lora`` is off and requests may name no adapter."""
+    batch_invariant: bool = False
+    """A request's logits are bitwise the same whatever batch it shares and however its
+    prompt is chunked (``pagedlm.batch_invariant``); costs speed."""
 
     def with_num_kv_blocks(self, num_kv_blocks: int) -> EngineConfig:
         return replace(self, cache=replace(self.cache, num_kv_blocks=num_kv_blocks))

@@ -10,6 +10,11 @@ attention itself. Requests are split in two groups because they want different s
   causal mask shifted by the request's cached context length; a chunk without cached
   context attends to its own new K/V directly.
 
+An FP8 cache (``kv_cache_dtype="fp8"``) is emulated: the new K/V are quantized on write,
+the gathered blocks stay float8 (half the copy) and are dequantized to the compute dtype
+just before SDPA; chunks then always read their own K/V back from the cache, so a token
+sees the same (quantized) keys whether it is computed in a prefill or in a decode.
+
 Sliding windows (per layer) and logit soft-capping (Gemma 2) change only the mask and the
 score function: window masks are built on first use per step and window size, and shared
 by every layer with that window; soft-capped scores are computed explicitly, because SDPA
@@ -22,9 +27,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from pagedlm.attention.backend import AttentionBackend, BatchLayout
+from pagedlm.kv_cache import fp8
+from pagedlm_cpu.invariant_attention import attend_per_token
+from pagedlm_cpu.sdpa import attend as _attend
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,8 @@ class CpuSdpaBackend(AttentionBackend):
     name = "cpu_sdpa"
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    supports_fp8_kv_cache = True
+    supports_batch_invariant = True
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
@@ -160,15 +169,17 @@ class CpuSdpaBackend(AttentionBackend):
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        num_kv_heads, head_dim = key.shape[1], key.shape[2]
         # Write first: a request may read slots that another request fills in this step.
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(
-            0, metadata.slot_mapping, key.to(key_cache.dtype)
-        )
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(
-            0, metadata.slot_mapping, value.to(value_cache.dtype)
-        )
+        _write(key_cache, key, metadata.slot_mapping, k_scale)
+        _write(value_cache, value, metadata.slot_mapping, v_scale)
+        if self.batch_invariant:
+            return attend_per_token(
+                self._read, query, key_cache, value_cache, metadata, scale,
+                sliding_window, logits_soft_cap, (k_scale, v_scale),
+            )  # fmt: skip
 
         output = torch.empty_like(query)
         if metadata.decodes is not None:
@@ -184,15 +195,17 @@ class CpuSdpaBackend(AttentionBackend):
                 output,
                 mask,
                 logits_soft_cap,
+                (k_scale, v_scale),
             )
         for index, chunk in enumerate(metadata.chunks):
             rows = slice(chunk.query_start, chunk.query_end)
-            if chunk.causal_mask is None:
+            if chunk.causal_mask is None and k_scale is None:
                 # No cached context: the keys are exactly this step's, no gather needed.
                 k, v = key[rows], value[rows]
             else:
-                k = self._gather(0, key_cache, chunk.block_ids)[: chunk.seq_len]
-                v = self._gather(1, value_cache, chunk.block_ids)[: chunk.seq_len]
+                k = self._read(0, key_cache, chunk.block_ids, query.dtype, k_scale)
+                v = self._read(1, value_cache, chunk.block_ids, query.dtype, v_scale)
+                k, v = k[: chunk.seq_len], v[: chunk.seq_len]
             mask = chunk.causal_mask
             if sliding_window is not None and sliding_window < chunk.seq_len:
                 mask = _chunk_window_mask(metadata, index, sliding_window)
@@ -200,8 +213,8 @@ class CpuSdpaBackend(AttentionBackend):
             # torch falls back from its fused CPU kernel to the ~3x slower math path.
             out = _attend(
                 query[rows].transpose(0, 1)[None],
-                k.transpose(0, 1).to(query.dtype)[None],
-                v.transpose(0, 1).to(query.dtype)[None],
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
                 mask,
                 scale,
                 logits_soft_cap,
@@ -219,6 +232,7 @@ class CpuSdpaBackend(AttentionBackend):
         output: torch.Tensor,
         key_mask: torch.Tensor | None,
         logits_soft_cap: float | None,
+        scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     ) -> None:
         """One batched SDPA for every single-token query; writes its rows of ``output``.
 
@@ -236,12 +250,12 @@ class CpuSdpaBackend(AttentionBackend):
         num_kv_heads = key_cache.shape[-2]
         shape = (num_decodes, -1, num_kv_heads, head_dim)
         # [B, max_blocks * block_size, kv_heads, head_dim] -> [B, kv_heads, L, head_dim]
-        k = self._gather(0, key_cache, group.block_ids).view(shape).transpose(1, 2)
-        v = self._gather(1, value_cache, group.block_ids).view(shape).transpose(1, 2)
+        k = self._read(0, key_cache, group.block_ids, query.dtype, scales[0])
+        v = self._read(1, value_cache, group.block_ids, query.dtype, scales[1])
         out = _attend(
             q.reshape(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim),
-            k.to(query.dtype),
-            v.to(query.dtype),
+            k.view(shape).transpose(1, 2),
+            v.view(shape).transpose(1, 2),
             key_mask,
             scale,
             logits_soft_cap,
@@ -271,6 +285,21 @@ class CpuSdpaBackend(AttentionBackend):
         torch.index_select(cache, 0, block_ids, out=blocks)
         return blocks.view(-1, cache.shape[-2], cache.shape[-1])
 
+    def _read(
+        self,
+        which: int,
+        cache: torch.Tensor,
+        block_ids: torch.Tensor,
+        dtype: torch.dtype,
+        scale: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The blocks' keys or values in ``dtype`` (dequantized from FP8 with ``scale``)."""
+        if scale is None:
+            return self._gather(which, cache, block_ids).to(dtype)
+        # torch's CPU index kernels have no float8 variants: gather the bytes.
+        rows = self._gather(which, cache.view(torch.uint8), block_ids)
+        return fp8.dequantize(rows.view(cache.dtype), scale, dtype)
+
     def _to_device(self, values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(values.astype(np.int64)).to(self.device)
 
@@ -282,6 +311,20 @@ class CpuSdpaBackend(AttentionBackend):
                 f"block table has {layout.block_table.shape[1]} columns; the model runner "
                 "must pass a block table covering every position."
             )
+
+
+def _write(
+    cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor, scale: torch.Tensor | None
+) -> None:
+    """Store ``new`` [num_tokens, kv_heads, head_dim] at its slots; an FP8 cache gets it
+    quantized (saturating), copied as bytes (CPU ``index_copy_`` has no float8 kernel)."""
+    rows = cache.view(-1, *new.shape[1:])
+    if scale is None:
+        rows.index_copy_(0, slot_mapping, new.to(cache.dtype))
+    else:
+        rows.view(torch.uint8).index_copy_(
+            0, slot_mapping, fp8.quantize(new, scale).view(torch.uint8)
+        )
 
 
 def _decode_window_mask(metadata: CpuSdpaMetadata, window: int) -> torch.Tensor:
@@ -311,43 +354,3 @@ def _chunk_window_mask(metadata: CpuSdpaMetadata, index: int, window: int) -> to
         mask = (key_positions <= query_positions) & (key_positions > query_positions - window)
         metadata.window_masks[key] = mask
     return mask
-
-
-def _attend(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    logits_soft_cap: float | None,
-    causal: bool = True,
-) -> torch.Tensor:
-    """query [N, heads, Q, d], key/value [N, kv_heads, S, d] -> [N, heads, Q, d].
-
-    ``mask`` (bool, broadcastable to [N, heads, Q, S], True = attend) or, when None and
-    ``causal``, the plain causal mask (Q == S). Soft-capping needs the scores themselves,
-    so it takes the explicit path: scores in the activation dtype, softmax in float32.
-    """
-    if logits_soft_cap is None:
-        return F.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=mask,
-            is_causal=causal and mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )
-    group = query.shape[1] // key.shape[1]
-    if group > 1:
-        key = key.repeat_interleave(group, dim=1)
-        value = value.repeat_interleave(group, dim=1)
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
-    if mask is None and causal:
-        num_queries, num_keys = scores.shape[-2:]
-        mask = torch.ones(num_queries, num_keys, dtype=torch.bool, device=scores.device).tril()
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(probs, value)

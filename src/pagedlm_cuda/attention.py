@@ -6,6 +6,13 @@ runs the decode kernel (split-K, GQA-grouped, writing the new K/V by slot itself
 every request schedules one token, else writes the new K/V by slot and runs the varlen
 prefill kernel, which also serves mixed batches and prefix/chunked prefills. Both kernels take a per-layer sliding window and logit soft-cap.
 
+FP8 cache: the kernels quantize on write and dequantize tiles in registers, with the
+layer's per-tensor ``k_scale``/``v_scale`` read from device memory (a graph replays them
+in place). Batch-invariant mode (``set_batch_invariant``): the new K/V are always written
+first, and every token, decode or prefill row, runs through the decode kernel with one
+fixed split (``decode_config.batch_invariant_config``), one "sequence" per token ending
+at its own position; only decode-only steps are captured in graphs then.
+
 Cache layout: ``[num_blocks, num_kv_heads, block_size, head_dim]`` per layer (not the
 interface's default ``[num_blocks, block_size, num_kv_heads, head_dim]``), so one kv
 head's keys of one block are one contiguous ``block_size * head_dim`` run for the kernels
@@ -14,11 +21,13 @@ to stream. Slot ``s`` is still offset ``s % block_size`` of block ``s // block_s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 
 import torch
 
 from pagedlm.attention.backend import AttentionBackend, BatchLayout
+from pagedlm.kv_cache.fp8 import is_fp8
 
 GRAPH_MAX_QUERY_LEN = 64
 """Query lengths a captured graph replays: at most one prefill-kernel row tile (BLOCK_M)."""
@@ -39,6 +48,11 @@ class TritonMetadata:
     max_query_len: int
     max_seq_len: int
     """An upper bound of ``seq_lens`` (max_model_len under a CUDA graph)."""
+    token_seq_lens: torch.Tensor | None = None
+    """Batch-invariant mode, steps with a chunk: [num_tokens] each token's position + 1."""
+    token_block_tables: torch.Tensor | None = None
+    """Batch-invariant mode, steps with a chunk: [num_tokens, max_blocks] each token's
+    request's block table."""
 
     @property
     def is_decode_only(self) -> bool:
@@ -51,6 +65,8 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    supports_fp8_kv_cache = True
+    supports_batch_invariant = True
     reads_host_lengths = False  # kernels read lengths on the device; max_* are bounds
 
     @staticmethod
@@ -63,7 +79,7 @@ class TritonAttentionBackend(AttentionBackend):
     def build_metadata(self, layout: BatchLayout) -> TritonMetadata:
         """Views of the layout's device tensors: nothing is copied, so the same metadata
         serve a captured graph at every replay."""
-        return TritonMetadata(
+        metadata = TritonMetadata(
             slot_mapping=layout.slot_mapping,
             query_start_loc=layout.query_start_loc,
             seq_lens=layout.seq_lens,
@@ -71,12 +87,18 @@ class TritonAttentionBackend(AttentionBackend):
             max_query_len=layout.max_query_len,
             max_seq_len=layout.max_seq_len,
         )
+        if self.batch_invariant and not metadata.is_decode_only:
+            seq_lens, tables = per_token_layout(layout)
+            metadata = replace(metadata, token_seq_lens=seq_lens, token_block_tables=tables)
+        return metadata
 
     def supports_graph(self, query_len: int) -> bool:
         # The decode kernel's grid depends only on the batch size and max_seq_len
         # (max_model_len under a graph). A uniform step of a few tokens per request (a
         # speculative verification) runs the prefill kernel, whose grid depends on the
         # batch size and max_query_len only: the captured query length, one row tile.
+        if self.batch_invariant:
+            return query_len == 1  # chunk steps build per-token tables (copies)
         return 1 <= query_len <= GRAPH_MAX_QUERY_LEN
 
     def forward(
@@ -91,6 +113,8 @@ class TritonAttentionBackend(AttentionBackend):
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         from pagedlm_cuda.kernels import (
             paged_decode_attention,
@@ -98,7 +122,15 @@ class TritonAttentionBackend(AttentionBackend):
             write_kv_cache,
         )
 
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
+        if is_fp8(key_cache.dtype):
+            check_fp8_device(query.device)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if self.batch_invariant:
+            return self._invariant(
+                query, key, value, key_cache, value_cache, metadata, scale, out,
+                sliding_window, logits_soft_cap, scales,
+            )  # fmt: skip
         if metadata.is_decode_only:
             # The decode kernel writes the new K/V itself (one launch per layer).
             return paged_decode_attention(
@@ -113,8 +145,9 @@ class TritonAttentionBackend(AttentionBackend):
                 new_kv=(key, value, metadata.slot_mapping),
                 sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap,
+                **scales,
             )
-        write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping, **scales)
         return paged_prefill_attention(
             query,
             key_cache,
@@ -127,4 +160,64 @@ class TritonAttentionBackend(AttentionBackend):
             out,
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
+            **scales,
+        )
+
+    @staticmethod
+    def _invariant(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: TritonMetadata,
+        scale: float,
+        out: torch.Tensor,
+        sliding_window: int | None,
+        logits_soft_cap: float | None,
+        scales: dict[str, torch.Tensor | None],
+    ) -> torch.Tensor:
+        """Every token through the decode kernel with the fixed split, after the write (so
+        the last key is read from the cache like every other, never attended from
+        registers, which would sum it in another order)."""
+        from pagedlm_cuda.kernels import paged_decode_attention, write_kv_cache
+        from pagedlm_cuda.kernels.decode_config import batch_invariant_config
+
+        write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping, **scales)
+        tables, seq_lens = metadata.block_tables, metadata.seq_lens
+        if metadata.token_seq_lens is not None:
+            tables, seq_lens = metadata.token_block_tables, metadata.token_seq_lens
+        return paged_decode_attention(
+            query, key_cache, value_cache, tables, seq_lens, scale, metadata.max_seq_len, out,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            config=batch_invariant_config(query.shape[-1]), **scales,
+        )  # fmt: skip
+
+
+def per_token_layout(layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """([num_tokens] int32 position + 1, [num_tokens, max_blocks] block table) of every
+    token of the step, computed on the device without a host sync: token ``t`` of request
+    ``i`` is a "sequence" of its own that ends at its position."""
+    num_reqs, num_tokens = layout.num_reqs, layout.num_tokens
+    device = layout.seq_lens.device
+    starts = layout.query_start_loc[: num_reqs + 1].long()
+    query_lens = starts[1:] - starts[:-1]
+    request = torch.repeat_interleave(
+        torch.arange(num_reqs, device=device), query_lens, output_size=num_tokens
+    )
+    offset = torch.arange(num_tokens, device=device) - starts[request]
+    context = layout.seq_lens[:num_reqs].long() - query_lens
+    seq_lens = (context[request] + offset + 1).to(torch.int32)
+    return seq_lens, layout.block_table[:num_reqs].index_select(0, request)
+
+
+@functools.cache
+def check_fp8_device(device: torch.device) -> None:
+    """Triton's float8 E4M3 conversions need compute capability 8.9 (Ada, Hopper) or later
+    (checked once per device)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(
+            f"kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or later; {name} "
+            "is older. Use kv_cache_dtype='auto'."
         )

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from pagedlm.kv_cache.fp8 import kv_cache_torch_dtype
 from pagedlm.kv_cache.interface import kv_bytes_per_block
 from pagedlm.platforms import Platform
 
@@ -165,7 +166,7 @@ class CudaPlatform(Platform):
                 arch.num_hidden_layers,
                 arch.num_key_value_heads,
                 arch.head_dim,
-                model.dtype,
+                kv_cache_torch_dtype(cache.cache_dtype, model.dtype),
             )
             check_kv_cache_fits(
                 memory,

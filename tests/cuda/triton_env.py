@@ -32,8 +32,33 @@ def _patch_interpreter_index() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _patch_interpreter_fp8_rounding() -> None:
+    """Triton 3.6's interpreter rounds float -> float8 E4M3 without carrying into the
+    exponent (31.0 becomes 16, 1.97 becomes 1.0), unlike the GPU's conversion; round
+    those through torch (round to nearest even, as the hardware does)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_fp_to_fp
+    if getattr(original, "_pagedlm_patched", False):
+        return
+
+    def patched(self, src, dst_type, rounding_mode):
+        if dst_type.scalar == tl.float8e4nv and src.dtype.scalar in (tl.float32, tl.float16):
+            values = torch.from_numpy(np.ascontiguousarray(src.data).astype(np.float32))
+            data = values.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+            return interpreter.TensorHandle(data, dst_type.scalar)
+        return original(self, src, dst_type, rounding_mode)
+
+    patched._pagedlm_patched = True
+    builder.create_fp_to_fp = patched
+
+
 if not ON_GPU:
     _patch_interpreter_index()
+    _patch_interpreter_fp8_rounding()
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 

@@ -132,6 +132,14 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     supports_sliding_window: ClassVar[bool] = False
     supports_logits_soft_cap: ClassVar[bool] = False
+    supports_fp8_kv_cache: ClassVar[bool] = False
+    """Whether ``forward`` takes a float8 E4M3 cache with ``k_scale``/``v_scale``
+    (``pagedlm.kv_cache.fp8``): it quantizes the new K/V on write and dequantizes on read."""
+    supports_batch_invariant: ClassVar[bool] = False
+    """Whether ``set_batch_invariant(True)`` is implemented: every query token's output
+    then depends only on its own query and keys, never on the batch or on the chunk it
+    was scheduled in (``pagedlm.batch_invariant``)."""
+    batch_invariant: bool = False
     reads_host_lengths: ClassVar[bool] = True
     """Whether ``build_metadata`` plans from the layout's host arrays (``*_cpu``). A backend
     that reads only its device tensors, taking ``max_*`` as bounds, sets False: the model
@@ -155,6 +163,16 @@ class AttentionBackend(ABC):
     @abstractmethod
     def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
         """Turn the step's layout into whatever ``forward`` needs (device tensors, ...)."""
+
+    def set_batch_invariant(self, enabled: bool) -> None:
+        """Switch the batch-invariant mode (before the first step); refused unless the
+        backend sets ``supports_batch_invariant``."""
+        if enabled and not self.supports_batch_invariant:
+            raise ValueError(
+                f"the {self.name!r} attention backend has no batch-invariant mode; drop "
+                "batch_invariant or choose a backend that has one."
+            )
+        self.batch_invariant = enabled
 
     def supports_graph(self, query_len: int) -> bool:
         """Whether steps where every request has ``query_len`` tokens can be captured."""
@@ -185,6 +203,8 @@ class AttentionBackend(ABC):
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention for every scheduled token.
 
@@ -197,5 +217,7 @@ class AttentionBackend(ABC):
         K/V are still written; which blocks may be freed early is the KV manager's concern.
         ``logits_soft_cap``: None, or ``c`` so that scores become ``c * tanh(scores / c)``
         before the softmax (Gemma 2). Only passed when set, and only to backends whose
-        ``supports_*`` flag says so.
+        ``supports_*`` flag says so. ``k_scale``/``v_scale``: float32 [1] tensors, passed
+        exactly when the caches are float8 (``supports_fp8_kv_cache``): the new K/V are
+        stored as ``saturate(k / k_scale)`` and cached ones read as ``stored * k_scale``.
         """

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from pagedlm.batch_invariant import batch_invariant_from_env
 from pagedlm.config import (
     ArchConfig,
     CacheConfig,
@@ -26,6 +27,7 @@ from pagedlm.config import (
     validate_positive,
 )
 from pagedlm.engine.speculative_args import parse_speculative_config
+from pagedlm.kv_cache.fp8 import validate_kv_cache_dtype
 
 if TYPE_CHECKING:
     from pagedlm.platforms import Platform
@@ -94,6 +96,16 @@ class EngineArgs:
     """Fraction in (0, 1] of GPU memory the engine may use in all (weights, activations,
     KV cache); the KV cache gets what is left after the profiling forward. CPU platforms
     accept and ignore it (their KV budget is PAGEDLM_CPU_KVCACHE_SPACE GiB)."""
+    kv_cache_dtype: str = "auto"
+    """"auto" (the model's dtype) or "fp8" (= "fp8_e4m3", vLLM's names): keys and values
+    stored in float8 E4M3 with per-layer scales, half the bytes, twice the blocks."""
+    calculate_kv_scales: bool = False
+    """With kv_cache_dtype="fp8": measure each layer's k/v scales on the first step (vLLM's
+    flag) instead of reading the checkpoint's k_scale/v_scale (default 1.0)."""
+    batch_invariant: bool = False
+    """Make each request's logits bitwise independent of the batch it shares and of how its
+    prompt is chunked (fixed reduction orders; slower). The VLLM_BATCH_INVARIANT=1
+    environment variable (vLLM's switch) turns it on too."""
     enforce_eager: bool = False
     """Never replay decode steps from CUDA graphs (skips capturing them at start-up)."""
     trust_remote_code: bool = False
@@ -273,6 +285,8 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
+                cache_dtype=validate_kv_cache_dtype(self.kv_cache_dtype),
+                calculate_kv_scales=self.calculate_kv_scales,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -291,6 +305,7 @@ class EngineArgs:
             structured_outputs_backend=self.structured_outputs_backend,
             kv_events=KVEventsConfig.parse(self.kv_events_config),
             lora=self._lora_config(arch),
+            batch_invariant=self.batch_invariant or batch_invariant_from_env(),
         )
         config = replace(
             config,

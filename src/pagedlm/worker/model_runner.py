@@ -24,13 +24,20 @@ from dataclasses import dataclass
 import torch
 
 from pagedlm.attention import AttentionBackend, BatchLayout
+from pagedlm.batch_invariant import make_batch_invariant
 from pagedlm.config import EngineConfig
 from pagedlm.distributed.parallel_state import get_pipeline_state
 from pagedlm.distributed.pipeline import broadcast_sampled_ids
+from pagedlm.kv_cache import fp8
+from pagedlm.kv_cache.fp8 import kv_cache_torch_dtype
 from pagedlm.kv_cache.interface import KVCache, TensorKVCache, kv_bytes_per_block
 from pagedlm.lora.manager import make_lora
 from pagedlm.model_executor.forward_context import ForwardContext
-from pagedlm.model_executor.layers.attention import model_kv_heads
+from pagedlm.model_executor.layers.attention import (
+    arm_kv_scale_calculation,
+    kv_scales_pending,
+    model_kv_heads,
+)
 from pagedlm.model_executor.loader import load_model
 from pagedlm.platforms import Platform
 from pagedlm.platforms.interface import GraphRunner
@@ -99,11 +106,21 @@ class ModelRunner:
         self.arch = config.model.arch
         self.model = load_model(config.model, self.device)
         platform.prepare_model(self.model)
+        if config.batch_invariant:
+            make_batch_invariant(self.model)
         self.lora = make_lora(config, platform, self.model)
         self.num_kv_heads = model_kv_heads(self.model, self.arch.num_key_value_heads)
         layers = model_attention_layers(self.model) or [0]
         self.first_layer, self.num_layers = layers[0], len(layers)
         self.attn_backend = attn_backend_cls(self.device)
+        self.attn_backend.set_batch_invariant(config.batch_invariant)
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.cache.cache_dtype, config.model.dtype)
+        if fp8.is_fp8(self.kv_cache_dtype) and not self.attn_backend.supports_fp8_kv_cache:
+            raise ValueError(
+                f"kv_cache_dtype={config.cache.cache_dtype!r} needs an attention backend "
+                f"that reads an FP8 cache; {self.attn_backend.name!r} does not. Use "
+                "kv_cache_dtype='auto' or another attention_backend."
+            )
         self.sampler = Sampler(fused_random=platform.fused_sampler())
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(config.model.seed)
@@ -125,6 +142,7 @@ class ModelRunner:
         self.speculator = Speculator(config, self.input_batch, target, self.sampler, host_lengths)
         self.kv_cache: KVCache | None = None
         self.graph_runner: GraphRunner | None = None
+        self._measuring_kv_scales = False
         self._forward_done: _ForwardDone | None = None
         self._sampling_metadata = SamplingMetadataCache()
         self.enforce_eager = (
@@ -177,7 +195,7 @@ class ModelRunner:
             self.num_layers,
             self.num_kv_heads,
             arch.head_dim,
-            self.config.model.dtype,
+            self.kv_cache_dtype,
         )
         return target + self.speculator.kv_bytes_per_block()  # a proposer's own KV too
 
@@ -202,7 +220,7 @@ class ModelRunner:
             shape,
             num_layers,
             self.block_size,
-            self.config.model.dtype,
+            self.kv_cache_dtype,
             self.platform.zeros,
             first_layer=first_layer,
         )
@@ -221,6 +239,10 @@ class ModelRunner:
         if self.platform.supports_cuda_graphs and not self.enforce_eager and not pipelined:
             self.graph_runner = self.platform.capture_graphs(self)
             self.speculator.capture_graphs(self)
+        if self.config.cache.calculate_kv_scales and fp8.is_fp8(self.kv_cache_dtype):
+            # After the profiling run and the captures, so real keys set the scales.
+            arm_kv_scale_calculation(self.model)
+            self._measuring_kv_scales = True
 
     # ---- one step -------------------------------------------------------------------
 
@@ -275,13 +297,18 @@ class ModelRunner:
         ctx = ForwardContext(
             self.attn_backend, self.attn_backend.build_metadata(inputs.layout), self.kv_cache
         )
-        if self.graph_runner is not None:  # never under pipeline parallelism
+        # Never under pipeline parallelism; nor while attention layers still have to see a
+        # real step's keys to measure their FP8 scales (a replay runs no layer code).
+        if self.graph_runner is not None and not self._measuring_kv_scales:
             hidden = self.graph_runner.run_mixed(inputs.input_ids, ctx)
             if hidden is not None:
                 return hidden
-        return run_stage(
+        hidden = run_stage(
             self.model, inputs.input_ids, inputs.positions, ctx, self.config.model.dtype
         )
+        if self._measuring_kv_scales:
+            self._measuring_kv_scales = kv_scales_pending(self.model)
+        return hidden
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> StepResult:

@@ -32,6 +32,11 @@ Sliding window ``w``: the query at position ``seq_len - 1`` sees keys ``seq_len 
 seq_len - 1``; partitions wholly before that exit at once and the merge skips them.
 Soft-cap ``c``: scores become ``c * tanh(s / c)`` before the softmax. Both are constexpr
 switches, so the common path compiles without them.
+
+FP8 cache (a third switch): tiles are cast to the query's dtype after loading; the dots
+are multiplied by ``k_scale`` and each partition's output by ``v_scale``. The new token's
+K/V are quantized (saturating) before they are written, and the new key is attended to
+from its quantized value, as a later step reads it from the cache.
 """
 
 from __future__ import annotations
@@ -40,9 +45,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedlm.kv_cache.fp8 import is_fp8
 from pagedlm_cuda.kernels import pdl
-from pagedlm_cuda.kernels.decode_config import decode_config
-from pagedlm_cuda.kernels.kv_tile import load_kv_tile
+from pagedlm_cuda.kernels.decode_config import DecodeConfig, decode_config
+from pagedlm_cuda.kernels.kv_tile import fp8_scales, fp8_store_value, load_kv_tile
 from pagedlm_cuda.kernels.score_mod import scaled_scores, score_args
 
 MERGE_TILE = 16384
@@ -116,10 +122,14 @@ def _merge_group(
 
 @triton.jit
 def _attend_tile(
-    q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, USE_SOFT_CAP: tl.constexpr
-):
+    q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, k_scale,
+    USE_SOFT_CAP: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
     """One online-softmax step over a tile; the tile holds at least one visible key."""
-    s = scaled_scores(tl.dot(q, tl.trans(k)), score_scale, cap_log2e, USE_SOFT_CAP)
+    dots = tl.dot(q, tl.trans(k))
+    if FP8:
+        dots = dots * k_scale
+    s = scaled_scores(dots, score_scale, cap_log2e, USE_SOFT_CAP)
     s = tl.where(pos_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     p = tl.exp2(s - m_new[:, None])
@@ -134,7 +144,7 @@ def _attend_tile(
 @triton.jit(do_not_specialize=["block_table_stride", "max_partitions"])
 def _decode_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    new_key_ptr, new_value_ptr, slot_mapping_ptr,
+    new_key_ptr, new_value_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
     q_stride_token, q_stride_head, out_stride_token, out_stride_head,
     new_key_stride_token, new_key_stride_head, new_value_stride_token, new_value_stride_head,
@@ -145,7 +155,7 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_G: tl.constexpr,
     MERGE_P: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, DIRECT: tl.constexpr,
     WRITE_NEW: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.allow_next(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
@@ -181,10 +191,12 @@ def _decode_kernel(
     # steps (each forward begins with a torch kernel, which waits for everything before it).
     head_base = kv_head.to(tl.int64) * cache_stride_head
     table = block_tables_ptr + seq * block_table_stride
+    compute_dtype = q_ptr.dtype.element_ty
     _pos, pos_mask, k, v = load_kv_tile(
         key_cache_ptr, value_cache_ptr, table, head_base, start, cached_end, dims, dim_mask,
-        cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N,
+        cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N, compute_dtype,
     )  # fmt: skip
+    k_scale, v_scale = fp8_scales(k_scale_ptr, v_scale_ptr, FP8)
     pdl.wait_for_previous(USE_PDL)
 
     owns_last = (start <= last) & (last < end)
@@ -195,12 +207,14 @@ def _decode_kernel(
             new_key_ptr + seq * new_key_stride_token + kv_head * new_key_stride_head + dims,
             mask=dim_mask & owns_last,
             other=0.0,
-        ).to(key_cache_ptr.dtype.element_ty)
+        )
+        new_k = fp8_store_value(new_k, k_scale, key_cache_ptr.dtype.element_ty, FP8)
         new_v = tl.load(
             new_value_ptr + seq * new_value_stride_token + kv_head * new_value_stride_head + dims,
             mask=dim_mask & owns_last,
             other=0.0,
-        ).to(value_cache_ptr.dtype.element_ty)
+        )
+        new_v = fp8_store_value(new_v, v_scale, value_cache_ptr.dtype.element_ty, FP8)
         slot_row = (
             (slot // BLOCK_SIZE) * cache_stride_block
             + head_base
@@ -223,20 +237,22 @@ def _decode_kernel(
     # cached tile (only the new key, or a padding row of the direct path).
     if start < cached_end:
         m, denom, acc = _attend_tile(
-            q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, USE_SOFT_CAP
+            q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, k_scale, USE_SOFT_CAP, FP8
         )
     for n0 in range(start + BLOCK_N, cached_end, BLOCK_N):
         _pos, pos_mask, k, v = load_kv_tile(
             key_cache_ptr, value_cache_ptr, table, head_base, n0, cached_end, dims, dim_mask,
-            cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N,
+            cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N, compute_dtype,
         )  # fmt: skip
         m, denom, acc = _attend_tile(
-            q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, USE_SOFT_CAP
+            q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, k_scale, USE_SOFT_CAP, FP8
         )
     if WRITE_NEW:  # noqa: SIM102 - a compile-time switch around a runtime test
         if owns_last:
             # The new key, in float32 (the tiles' dots take bf16 p; here p stays float32).
             dots = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], axis=1)
+            if FP8:
+                dots = dots * k_scale
             s_new = scaled_scores(dots, score_scale, cap_log2e, USE_SOFT_CAP)
             m_new = tl.maximum(m, s_new)
             p_new = tl.exp2(s_new - m_new)
@@ -246,6 +262,8 @@ def _decode_kernel(
             m = m_new
     safe_denom = tl.where(denom > 0, denom, 1.0)
     out = acc / safe_denom[:, None]
+    if FP8:
+        out = out * v_scale
     mask = head_mask[:, None] & dim_mask[None, :]
     if DIRECT:
         dst = out_ptr + seq * out_stride_token + heads[:, None] * out_stride_head + dims[None, :]
@@ -311,6 +329,9 @@ def paged_decode_attention(
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's one new token over its cached keys (positions
     ``0 .. seq_lens[i]-1``).
@@ -326,7 +347,9 @@ def paged_decode_attention(
     ``sliding_window`` ``w``: only the last ``w`` keys; ``logits_soft_cap`` ``c``: scores
     ``c * tanh(s / c)``. ``partition_size`` / ``block_n`` None: from
     ``decode_config(num_seqs, ...)``; given, they override it (tests), and
-    ``partition_size`` must be a multiple of ``block_n``.
+    ``partition_size`` must be a multiple of ``block_n``. ``config`` None: the batch
+    bucket's; given, every launch uses it whatever the batch (batch-invariant mode). A
+    float8 cache needs ``k_scale``/``v_scale`` (float32 [1]).
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
@@ -337,7 +360,11 @@ def paged_decode_attention(
         return out
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}.")
-    config = decode_config(num_seqs, num_kv_heads, head_dim)
+    if config is None:
+        config = decode_config(num_seqs, num_kv_heads, head_dim)
+    fp8 = is_fp8(key_cache.dtype)
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an FP8 KV cache needs k_scale and v_scale.")
     partition = partition_size or config.partition
     if block_n is None:
         block_n = min(config.block_n, partition)
@@ -376,6 +403,7 @@ def paged_decode_attention(
     _decode_kernel[(num_seqs, num_kv_heads, max_partitions)](
         query, key_cache, value_cache, block_tables, seq_lens,
         new_key, new_value, slot_mapping,
+        k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,
         out, partial_out, partial_lse, counters,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         new_key.stride(0), new_key.stride(1), new_value.stride(0), new_value.stride(1),
@@ -387,7 +415,7 @@ def paged_decode_attention(
         MERGE_G=merge_g, MERGE_P=merge_p, MERGE_IN_KERNEL=config.merge_in_kernel,
         DIRECT=direct, WRITE_NEW=new_kv is not None,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logits_soft_cap is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(),
+        FP8=fp8, num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(),
     )  # fmt: skip
     if not direct and not config.merge_in_kernel:
         _decode_merge_kernel[(num_seqs, num_kv_heads)](

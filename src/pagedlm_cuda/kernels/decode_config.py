@@ -76,3 +76,14 @@ def decode_config(num_seqs: int, num_kv_heads: int, head_dim: int) -> DecodeConf
     merge_in_kernel = programs <= MERGE_IN_KERNEL_PROGRAMS
     return DecodeConfig(partition, block_n, num_warps=4, num_stages=2,
                         merge_in_kernel=merge_in_kernel)  # fmt: skip
+
+
+def batch_invariant_config(head_dim: int) -> DecodeConfig:
+    """The one split every launch uses in batch-invariant mode, whatever the batch: a
+    token's keys are cut at the same partition boundaries, walked in the same tiles and
+    merged in the same order whether it is a decode or a row of a prefill chunk (which
+    that mode runs through the decode kernel too). 256-key partitions keep a long context
+    parallel at batch 1 without many partials at batch 256; the merge is a kernel of its
+    own, so no ticket counters are involved."""
+    return DecodeConfig(256, 64 if head_dim <= 128 else 32, num_warps=4, num_stages=2,
+                        merge_in_kernel=False)  # fmt: skip

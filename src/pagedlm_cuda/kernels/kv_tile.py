@@ -1,7 +1,9 @@
 """Reading a tile of keys and values from the paged cache, shared by both attention kernels.
 
 The cache layout is ``[num_blocks, num_kv_heads, block_size, head_dim]``; position ``p`` of
-a sequence lives at offset ``p % block_size`` of block ``table[p // block_size]``.
+a sequence lives at offset ``p % block_size`` of block ``table[p // block_size]``. An FP8
+cache's tiles are converted to the compute dtype in registers right after the load; the
+kernels fold the per-tensor scales into the scores and the output (``fp8_scales``).
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import triton.language as tl
 def load_kv_tile(
     key_cache_ptr, value_cache_ptr, table, head_base, n0, end, dims, dim_mask,
     cache_stride_block, cache_stride_slot, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
 ):  # fmt: skip
     """Positions ``n0 .. n0 + BLOCK_N - 1``, which of them are below ``end``, and their
-    keys and values ([BLOCK_N, BLOCK_D]; zeros at or past ``end``) of the kv head whose
-    offset in a block is ``head_base``; ``table`` points at the sequence's block ids."""
+    keys and values ([BLOCK_N, BLOCK_D] in ``COMPUTE_DTYPE``, the query's; zeros at or
+    past ``end``) of the kv head whose offset in a block is ``head_base``; ``table``
+    points at the sequence's block ids. An FP8 cache's raw (unscaled) values are cast."""
     pos = n0 + tl.arange(0, BLOCK_N)
     pos_mask = pos < end
     block = tl.load(table + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
@@ -26,4 +30,24 @@ def load_kv_tile(
     kv_mask = pos_mask[:, None] & dim_mask[None, :]
     k = tl.load(key_cache_ptr + offsets, mask=kv_mask, other=0.0)
     v = tl.load(value_cache_ptr + offsets, mask=kv_mask, other=0.0)
-    return pos, pos_mask, k, v
+    return pos, pos_mask, k.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE)
+
+
+@triton.jit
+def fp8_scales(k_scale_ptr, v_scale_ptr, FP8: tl.constexpr):
+    """(k_scale, v_scale) as float32 scalars for an FP8 cache; (1.0, 1.0) otherwise
+    (nothing is loaded, and the kernels skip the multiplies under ``FP8`` anyway)."""
+    if FP8:
+        return tl.load(k_scale_ptr).to(tl.float32), tl.load(v_scale_ptr).to(tl.float32)
+    else:
+        return 1.0, 1.0
+
+
+@triton.jit
+def fp8_store_value(x, scale, out_dtype: tl.constexpr, FP8: tl.constexpr):
+    """A new key or value as the cache stores it: ``saturate(x / scale)`` in float8 for an
+    FP8 cache (E4M3FN has no infinity: an unclamped cast of a large value is NaN)."""
+    if FP8:
+        return tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0).to(out_dtype)
+    else:
+        return x.to(out_dtype)

@@ -10,6 +10,10 @@ Decode rows (query_len 1) are handled too, so a mixed batch needs this kernel on
 Sliding window ``w`` (constexpr switch): the row at position ``p`` sees keys ``p - w + 1
 .. p``; a tile's walk starts at its first row's window, so keys before it are never read.
 Soft-cap ``c``: scores become ``c * tanh(s / c)`` before the softmax.
+
+FP8 cache (constexpr switch): tiles are cast to the query's dtype after loading, the dots
+are multiplied by ``k_scale`` and the output by ``v_scale`` (both per tensor, so they
+commute with the softmax's sums).
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedlm_cuda.kernels.kv_tile import load_kv_tile
+from pagedlm.kv_cache.fp8 import is_fp8
+from pagedlm_cuda.kernels.kv_tile import fp8_scales, load_kv_tile
 from pagedlm_cuda.kernels.score_mod import scaled_scores, score_args
 
 
@@ -27,12 +32,13 @@ from pagedlm_cuda.kernels.score_mod import scaled_scores, score_args
 @triton.jit(do_not_specialize=["block_table_stride"])
 def _prefill_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    query_start_loc_ptr, out_ptr,
+    query_start_loc_ptr, out_ptr, k_scale_ptr, v_scale_ptr,
     q_stride_token, q_stride_head, out_stride_token, out_stride_head,
     cache_stride_block, cache_stride_head, cache_stride_slot, block_table_stride,
     score_scale, cap_log2e, window, group_size, head_dim,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    FP8: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
@@ -65,12 +71,16 @@ def _prefill_kernel(
         kv_start = tl.maximum(context_len + tile * BLOCK_M - window + 1, 0)
     table = block_tables_ptr + req * block_table_stride
     head_base = kv_head.to(tl.int64) * cache_stride_head
+    k_scale, v_scale = fp8_scales(k_scale_ptr, v_scale_ptr, FP8)
     for n0 in range(kv_start, kv_end, BLOCK_N):
         pos, pos_mask, k, v = load_kv_tile(
             key_cache_ptr, value_cache_ptr, table, head_base, n0, kv_end, dims, dim_mask,
-            cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N,
+            cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N, q_ptr.dtype.element_ty,
         )  # fmt: skip
-        s = scaled_scores(tl.dot(q, tl.trans(k)), score_scale, cap_log2e, USE_SOFT_CAP)
+        dots = tl.dot(q, tl.trans(k))
+        if FP8:
+            dots = dots * k_scale
+        s = scaled_scores(dots, score_scale, cap_log2e, USE_SOFT_CAP)
         visible = pos_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
@@ -88,6 +98,8 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    if FP8:
+        out = out * v_scale
     dst = out_ptr + tokens[:, None] * out_stride_token + head * out_stride_head + dims[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 
@@ -107,6 +119,8 @@ def paged_prefill_attention(
     *,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every scheduled token over its request's cached keys.
 
@@ -116,7 +130,8 @@ def paged_prefill_attention(
     [num_reqs + 1] int32; max_query_len: the longest query of the batch (sizes the grid).
     ``sliding_window`` ``w``: row at position ``p`` sees keys ``p - w + 1 .. p`` only;
     ``logits_soft_cap`` ``c``: scores ``c * tanh(s / c)``. ``block_n`` None: 64, or 32
-    for head_dim > 128 (shared memory; those also run 8 warps). Returns [num_tokens, num_heads, head_dim].
+    for head_dim > 128 (shared memory; those also run 8 warps). A float8 cache needs
+    ``k_scale``/``v_scale`` (float32 [1]). Returns [num_tokens, num_heads, head_dim].
     """
     num_tokens, num_heads, head_dim = query.shape
     num_reqs = seq_lens.shape[0]
@@ -130,15 +145,19 @@ def paged_prefill_attention(
         block_n = 64 if head_dim <= 128 else 32
     group_size = num_heads // key_cache.shape[1]
     score_scale, cap_log2e = score_args(scale, logits_soft_cap)
+    fp8 = is_fp8(key_cache.dtype)
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an FP8 KV cache needs k_scale and v_scale.")
     grid = (num_reqs, triton.cdiv(max_query_len, block_m), num_heads)
     _prefill_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
+        k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         score_scale, cap_log2e, sliding_window or 0, group_size, head_dim,
         BLOCK_SIZE=key_cache.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs K >= 16
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logits_soft_cap is not None,
-        num_warps=4 if head_dim <= 128 else 8,  # a 64 x 256 float32 accumulator needs more
+        FP8=fp8, num_warps=4 if head_dim <= 128 else 8,  # a 64 x 256 float32 accumulator needs more
     )  # fmt: skip
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedlm.kv_cache import fp8
 from pagedlm.model_executor.forward_context import ForwardContext
 
 
@@ -15,7 +16,13 @@ class Attention(nn.Module):
     -> [T, num_heads * head_dim]. Holds no weights; ``layer_idx`` picks this layer's cache.
     ``sliding_window`` (keys within the last ``w`` positions only) and ``logits_soft_cap``
     (scores squashed to ``c * tanh(s / c)``) are per layer; None means off.
+
+    ``k_scale``/``v_scale`` (float32 [1] buffers, 1.0 by default) dequantize an FP8 KV
+    cache (``pagedlm.kv_cache.fp8``); they are passed to the backend only when this
+    layer's cache is FP8. ``calculate_kv_scales`` set: the next forward measures them.
     """
+
+    calculate_kv_scales: bool = False
 
     def __init__(
         self,
@@ -46,6 +53,8 @@ class Attention(nn.Module):
             self._extra_kwargs["sliding_window"] = sliding_window
         if logits_soft_cap is not None:
             self._extra_kwargs["logits_soft_cap"] = logits_soft_cap
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
@@ -54,6 +63,9 @@ class Attention(nn.Module):
         key_cache, value_cache = ctx.kv_cache.layer(self.layer_idx)
         if self._extra_kwargs:
             self._check_backend(ctx)
+        extra = self._extra_kwargs
+        if fp8.is_fp8(key_cache.dtype):
+            extra = {**extra, **self._fp8_kwargs(k, v, ctx)}
         out = ctx.attn_backend.forward(
             q.view(num_tokens, self.num_heads, self.head_dim),
             k.view(num_tokens, self.num_kv_heads, self.head_dim),
@@ -62,9 +74,25 @@ class Attention(nn.Module):
             value_cache,
             ctx.attn_metadata,
             self.scale,
-            **self._extra_kwargs,
+            **extra,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def _fp8_kwargs(
+        self, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+    ) -> dict[str, torch.Tensor]:
+        if not getattr(ctx.attn_backend, "supports_fp8_kv_cache", False):
+            raise ValueError(
+                f"the {ctx.attn_backend.name!r} attention backend cannot read an FP8 KV "
+                "cache; use kv_cache_dtype='auto' or a backend that can."
+            )
+        if self.calculate_kv_scales:
+            scales = fp8.measured_scales(k, v)
+            if scales is not None:
+                self.k_scale.fill_(scales[0])
+                self.v_scale.fill_(scales[1])
+                self.calculate_kv_scales = False
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
 
     def _check_backend(self, ctx: ForwardContext) -> None:
         backend = ctx.attn_backend
@@ -94,3 +122,24 @@ def model_kv_heads(model: nn.Module, default: int) -> int:
         if isinstance(module, Attention):
             return module.num_kv_heads
     return default
+
+
+def install_kv_scales(model: torch.nn.Module, found: dict[tuple[int, str], float]) -> None:
+    """Copy ``split_kv_scales``' scales into the attention layers of ``model``."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            for kind in ("k_scale", "v_scale"):
+                if (module.layer_idx, kind) in found:
+                    getattr(module, kind).fill_(found[(module.layer_idx, kind)])
+
+
+def arm_kv_scale_calculation(model: torch.nn.Module) -> None:
+    """Have every attention layer measure its scales on its next forward (once)."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.calculate_kv_scales = True
+
+
+def kv_scales_pending(model: torch.nn.Module) -> bool:
+    """Whether an attention layer of ``model`` still waits to measure its scales."""
+    return any(m.calculate_kv_scales for m in model.modules() if isinstance(m, Attention))

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from pagedlm.config import ModelConfig
+from pagedlm.kv_cache import fp8
+from pagedlm.model_executor.layers.attention import install_kv_scales
 
 
 @contextmanager
@@ -70,8 +72,11 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
 
             if bitsandbytes.checkpoint_quant_type(model_config.arch.raw):
                 weights = bitsandbytes.dequantize_checkpoint(weights)
+        kv_scales: dict[tuple[int, str], float] = {}
+        weights = fp8.split_kv_scales(weights, kv_scales)  # the models have no parameter
         with torch.no_grad():
             loaded = model.load_weights(weights)
+            install_kv_scales(model, kv_scales)
         check_all_loaded(model, loaded, model_config)
     if model_config.quantization == "bitsandbytes":
         from pagedlm.model_executor.loader.bitsandbytes import quantize_model
