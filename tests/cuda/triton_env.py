@@ -32,8 +32,31 @@ def _patch_interpreter_index() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _patch_interpreter_fp8_rounding() -> None:
+    """Triton 3.6's interpreter rounds float32 -> E4M3 wrongly where rounding up carries
+    into the exponent (126.2 becomes 64, not 128); the GPU's conversion rounds to nearest
+    even. Convert through torch, which does that too."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+    if getattr(original, "_pagedlm_patched", False):
+        return
+
+    def patched(data, input_dtype, output_dtype, rounding_mode):
+        if output_dtype == tl.float8e4nv and input_dtype == tl.float32:
+            values = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+            return values.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return original(data, input_dtype, output_dtype, rounding_mode)
+
+    patched._pagedlm_patched = True
+    interpreter._convert_float = patched
+
+
 if not ON_GPU:
     _patch_interpreter_index()
+    _patch_interpreter_fp8_rounding()
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 

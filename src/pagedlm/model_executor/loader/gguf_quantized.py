@@ -116,7 +116,7 @@ def gguf_linear_blocks(model: nn.Module, path: str) -> dict[str, AffineBlocks]:
         if torch.isnan(blocks.scales).any():
             continue  # some rows came from a tensor without an affine form
         weight = module.weight
-        if not torch.equal(blocks.dequantize().to(weight.dtype), weight):
+        if not torch.equal(blocks.dequantize().to(weight.device, weight.dtype), weight):
             logger.warning(
                 "%s: the GGUF blocks do not reproduce the loaded weight; it stays dense.", name
             )

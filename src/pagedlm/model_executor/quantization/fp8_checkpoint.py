@@ -129,7 +129,9 @@ def _probe(model: nn.Module) -> Iterator[dict[int, set[torch.dtype]]]:
             setattr(module, attr, param)
 
 
-def _fp8_layers(model: nn.Module, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]):
+def _fp8_layers(
+    model: nn.Module, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+) -> list[LinearBase]:
     """The linear layers every weight tensor of which is E4M3 in the checkpoint."""
     weights = [(n, s) for n, s in shapes.items() if not n.endswith(_SCALE_SUFFIXES)]
     weights = [(n, s) for n, s in weights if not n.endswith(_DROPPED_SUFFIXES)]
