@@ -77,7 +77,6 @@ class Fp8CudaLinear:
         self.scale_row = self.scale_column.view(1, -1)
         bias = layer.linear_bias
         self.bias = None if bias is None else bias.detach()
-        self.bias_bf16 = None if bias is None else bias.detach().to(torch.bfloat16)
         n, k = weight.shape
         self.fits_scaled_mm = n % 16 == 0 and k % 16 == 0
         self.row_wise = torch.cuda.get_device_capability(weight.device) >= (9, 0)
@@ -94,17 +93,20 @@ class Fp8CudaLinear:
             return self.reference(x)
         codes, x_scales = self._quantize(x.contiguous())
         if self.row_wise:
+            # The bias is added afterwards: which bias dtypes row-wise scaling takes has
+            # changed between torch releases, and llama-family layers have none.
             out = torch._scaled_mm(
                 codes, weight.t(), scale_a=x_scales, scale_b=self.scale_row,
-                bias=self.bias_bf16, out_dtype=torch.bfloat16,
+                out_dtype=torch.bfloat16,
             )  # fmt: skip
-            return out.to(x.dtype)
-        out = torch._scaled_mm(
-            codes, weight.t(), scale_a=self.unit_scale, scale_b=self.unit_scale,
-            out_dtype=torch.float32,
-        )  # fmt: skip
-        out = out * x_scales * self.scale_row
-        return (out if self.bias is None else out + self.bias).to(x.dtype)
+        else:
+            out = torch._scaled_mm(
+                codes, weight.t(), scale_a=self.unit_scale, scale_b=self.unit_scale,
+                out_dtype=torch.float32,
+            )  # fmt: skip
+            out = out * x_scales * self.scale_row
+        out = out.to(x.dtype)
+        return out if self.bias is None else out + self.bias
 
     def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from pagedlm_cuda.kernels.fp8_gemv import quantize_per_token

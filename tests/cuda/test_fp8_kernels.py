@@ -87,3 +87,15 @@ def test_cuda_linear_matches_the_reference_at_every_row_count(static: bool, laye
         else:
             want = reference(x)
         assert out.dtype == torch.bfloat16 and rel_error(out, want) < 1e-2, rows
+
+
+def test_gpus_without_fp8_are_refused_with_the_fix(monkeypatch) -> None:
+    from pagedlm_cuda import quantized_linear
+
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=r"compute capability 8.9 or newer.*A100 is 8.0"):
+        quantized_linear.check_fp8_device(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    quantized_linear.check_fp8_device(torch.device("cuda"))
