@@ -18,7 +18,11 @@ one rounding, as in ``AffineBlocks.dequantize``); kernels accumulate in float32.
 
 The GEMV gives each program ``BLOCK_N`` whole rows, streams them in ``BLOCK_K`` slices
 (whole groups of 32), dequantizes each slice in registers and accumulates
-``w * x`` per column as the bf16 GEMV does, summing once at the end.
+``w * x`` per column as the bf16 GEMV does, summing once at the end. Per weight that is
+a nibble extraction, an integer-to-float conversion and two FMAs: at 0.56 byte per weight
+the H200's conversion rate, not its bandwidth, may bound it (to be read off the
+benchmark's achieved bandwidth; a conversion-free variant would build the floats from
+their bits, or dequantize to float16 for ``tl.dot``).
 """
 
 from __future__ import annotations
@@ -111,12 +115,13 @@ def load_weight_tile(
     group_mask = row_mask[:, None] & (groups[None, :] < K // 32)
     group_offsets = row_offsets * stride_groups + groups[None, :]
     scales = tl.load(scales_ptr + group_offsets, mask=group_mask, other=0.0).to(tl.float32)
-    codes = tl.reshape(codes, (BLOCK_N, GROUPS, 32))
     if HAS_MINS:
         mins = tl.load(mins_ptr + group_offsets, mask=group_mask, other=0.0).to(tl.float32)
-        weights = codes * scales[:, :, None] + mins[:, :, None]
     else:
-        weights = (codes - OFFSET) * scales[:, :, None]
+        mins = scales * -OFFSET  # exact: OFFSET is a power of two
+    # One FMA per weight: at 4 bits the GEMV's arithmetic per byte read is what bounds it.
+    codes = tl.reshape(codes, (BLOCK_N, GROUPS, 32))
+    weights = codes * scales[:, :, None] + mins[:, :, None]
     return tl.reshape(weights, (BLOCK_N, BLOCK_K))
 
 
