@@ -1,8 +1,8 @@
 """FP8 (E4M3) weights on the GPU: the batch-1 GEMV, and per-token activation quantization
 for ``torch._scaled_mm`` at larger batches.
 
-``fp8_gemv``: ``y = (x . W[r]) * weight_scale[r] + b[r]`` for one row of ``x``. It is the
-bf16 GEMV (``gemv.py``) with 1-byte weights: each program owns ``BLOCK_N`` whole rows of
+``fp8_gemv``: ``y = (x . W[r]) * weight_scale[r] + b[r]`` for one row of ``x``: the bf16
+GEMV (``gemv.py``) run over 1-byte weights: each program owns ``BLOCK_N`` whole rows of
 ``W``, streams them in ``BLOCK_K`` slices, converts the codes to float32 in registers and
 accumulates in float32; the row's scale is applied once, at the end. ``x`` stays in its
 own dtype (no activation rounding at batch 1: the weights' bytes are the whole cost, so
@@ -23,53 +23,11 @@ import triton
 import triton.language as tl
 
 from pagedlm_cuda.kernels import pdl
+from pagedlm_cuda.kernels.gemv import GemvConfig, gemv
 
 FP8_MAX = 448.0
 _MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 """Matches ``pagedlm.model_executor.quantization.fp8``: an all-zero row gets codes 0."""
-
-
-@triton.jit
-def _fp8_gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_w,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):  # fmt: skip
-    pdl.allow_next(USE_PDL)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
-    cols = tl.arange(0, BLOCK_K)
-    k_mask = cols < K
-    # Weights never change: the first slice is read before waiting for x's producer.
-    w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-    scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
-    pdl.wait_for_previous(USE_PDL)
-    x = tl.load(x_ptr + cols, mask=k_mask, other=0.0)
-    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        k = k0 + cols
-        k_mask = k < K
-        w = tl.load(w_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_ptr + k, mask=k_mask, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1) * scale
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
-
-
-GemvConfig = tuple[int, int, int, int]
-"""(BLOCK_N, BLOCK_K, num_warps, num_stages)."""
-
-
-def default_config(n: int) -> GemvConfig:
-    """The bf16 GEMV's tiles (its H200 sweep), elements per slice unchanged."""
-    if n <= 4096:
-        return 16, 1024, 8, 4
-    if n <= 8192:
-        return 16, 512, 8, 4
-    return 16, 256, 4, 4
 
 
 def fp8_gemv(
@@ -81,24 +39,9 @@ def fp8_gemv(
 ) -> torch.Tensor:
     """x [1, K] (unit-stride row, any float dtype), weight [N, K] float8_e4m3fn (unit-stride
     rows), weight_scale float32 [N] or [N, 1], bias [N] or None -> [1, N] in x's dtype."""
-    if x.dim() != 2 or x.shape[0] != 1:
-        raise ValueError(f"fp8_gemv takes one row, x of shape [1, K]; got {tuple(x.shape)}.")
-    n, k = weight.shape
-    if x.shape[1] != k or weight_scale.numel() != n:
-        raise ValueError(
-            f"x has {x.shape[1]} features and {weight_scale.numel()} scales, but the weight "
-            f"is [{n}, {k}]."
-        )
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("fp8_gemv needs unit-stride rows in x and weight.")
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    block_n, block_k, num_warps, num_stages = config or default_config(n)
-    _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, weight_scale, bias if bias is not None else weight_scale, out, n, k,
-        weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(),
-    )  # fmt: skip
-    return out
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_gemv takes a float8_e4m3fn weight; got {weight.dtype}.")
+    return gemv(x, weight, bias, weight_scale, config)
 
 
 @triton.jit

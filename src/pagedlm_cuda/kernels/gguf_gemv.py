@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from pagedlm_cuda.kernels import pdl
+from pagedlm_cuda.kernels.gemv import GemvConfig, gemv_config
 
 GROUP_SIZE = 32
 
@@ -157,19 +158,10 @@ def _gguf_gemv_kernel(
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-GemvConfig = tuple[int, int, int, int]
-"""(BLOCK_N, BLOCK_K, num_warps, num_stages)."""
-
-
 def default_gemv_config(weight: PackedGguf) -> GemvConfig:
     """A first guess, not yet swept on the H200 (``pagedlm.benchmarks.quantized_gpu
     --gemv-sweep``): the bf16 GEMV's tiles, whose slices hold as many weights."""
-    n = weight.out_features
-    if n <= 4096:
-        return 16, 1024, 8, 4
-    if n <= 8192:
-        return 16, 512, 8, 4
-    return 16, 256, 4, 4
+    return gemv_config(weight.out_features)
 
 
 def gguf_gemv(
