@@ -167,7 +167,12 @@ def _expand_scales(
         ):
             continue
         if name.endswith(".weight_scale"):
-            rows = rows_of[name.removesuffix("_scale")]
+            rows = rows_of.get(name.removesuffix("_scale"))
+            if rows is None:
+                raise ValueError(
+                    f"the FP8 checkpoint has {name} but no {name.removesuffix('_scale')}; "
+                    "it is incomplete (download it again)."
+                )
             if tensor.numel() == 1:
                 tensor = tensor.reshape(1).expand(rows)
             elif tensor.numel() != rows:
