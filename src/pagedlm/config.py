@@ -184,7 +184,8 @@ class ModelConfig:
     revision: str | None = None
     """The hub revision ``model`` was resolved at (None: a local path or the default branch)."""
     quantization: str | None = None
-    """None, or "bitsandbytes": linear layers quantized at load (see ``bnb_quant_type``)."""
+    """None, "bitsandbytes" (linear layers quantized at load, see ``bnb_quant_type``) or "fp8"
+    (E4M3 weights: quantized at load, or read from an FP8 checkpoint)."""
     bnb_quant_type: str = "nf4"
     """With bitsandbytes: "nf4" or "fp4" (4-bit, blocks of 64) or "int8" (per-row 8-bit)."""
     trust_remote_code: bool = False

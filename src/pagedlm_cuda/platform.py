@@ -116,7 +116,10 @@ class CudaPlatform(Platform):
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         from pagedlm_cuda.fused_layers import install_fused_kernels
+        from pagedlm_cuda.quantized_linear import install_quantized_kernels
 
+        # Quantized layers first: install_fused_kernels leaves layers with a kernel alone.
+        install_quantized_kernels(model, None if self.config is None else self.config.model)
         install_fused_kernels(model)
         # The model runner's profiling forward comes next; its peak is measured from here.
         torch.cuda.reset_peak_memory_stats()

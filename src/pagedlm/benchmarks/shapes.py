@@ -94,7 +94,7 @@ def resolve_model(model: str) -> str:
         with open(os.path.join(directory, "config.json"), "w") as f:
             json.dump(BUILTIN_SHAPES[model], f, indent=1)
         return directory
-    if os.path.isdir(model):
+    if os.path.isdir(model) or (model.endswith(".gguf") and os.path.isfile(model)):
         return model
     raise ValueError(
         f"Model {model!r} is neither a built-in shape ({', '.join(BUILTIN_SHAPES)}) nor a "

@@ -38,6 +38,10 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
+_FP8_NAMES = ("fp8", "compressed-tensors")
+"""Values of ``quantization`` meaning FP8 weights (vLLM's names)."""
+
+
 @dataclass
 class EngineArgs:
     model: str | None = None
@@ -51,7 +55,9 @@ class EngineArgs:
     """"auto" (by file type), "safetensors", "gguf", or "dummy": random weights of the
     configured shapes, no weight files needed (a directory with only config.json works)."""
     quantization: str | None = None
-    """None, or "bitsandbytes" to quantize linear layers at load (needs pagedlm[bnb])."""
+    """None, "bitsandbytes" to quantize linear layers at load (needs pagedlm[bnb]), or "fp8":
+    E4M3 weights with per-channel scales (float checkpoints quantized at load; FP8
+    checkpoints, vLLM "fp8" or "compressed-tensors", are read as FP8 without it)."""
     bnb_quant_type: str = "nf4"
     """With quantization="bitsandbytes": "nf4" or "fp4" (4-bit), or "int8"."""
     dtype: str = "auto"
@@ -387,9 +393,10 @@ class EngineArgs:
                 f"load_format={self.load_format!r} is unknown; use one of "
                 f"{', '.join(LOAD_FORMATS)}."
             )
-        if self.quantization not in (None, "bitsandbytes"):
+        if self.quantization not in (None, "bitsandbytes", *_FP8_NAMES):
             raise ValueError(
-                f"quantization={self.quantization!r} is not supported; use None or 'bitsandbytes'."
+                f"quantization={self.quantization!r} is not supported; use None, "
+                "'bitsandbytes' or 'fp8'."
             )
         if self.quantization == "bitsandbytes":
             from pagedlm.model_executor.loader.bitsandbytes import (
@@ -407,18 +414,35 @@ class EngineArgs:
     def _quantization(self, arch: ArchConfig) -> tuple[str | None, str]:
         """The requested quantization, or the one a pre-quantized checkpoint was saved with."""
         if "quantization_config" not in arch.raw:
-            return self.quantization, self.bnb_quant_type
+            if self.quantization == "compressed-tensors":
+                raise ValueError(
+                    "quantization='compressed-tensors' needs a compressed-tensors checkpoint; "
+                    "to quantize a float checkpoint to FP8 use quantization='fp8'."
+                )
+            fp8 = self.quantization in _FP8_NAMES
+            return ("fp8" if fp8 else self.quantization), self.bnb_quant_type
         from pagedlm.model_executor.loader.bitsandbytes import (
             checkpoint_quant_type,
             import_bitsandbytes,
         )
+        from pagedlm.model_executor.quantization.fp8_checkpoint import fp8_checkpoint_scheme
 
+        fp8_scheme = fp8_checkpoint_scheme(arch.raw)  # refuses FP8 variants it cannot read
+        if fp8_scheme is not None:
+            if self.quantization not in (None, "fp8", fp8_scheme.method):
+                raise ValueError(
+                    f"The checkpoint is quantized with {fp8_scheme.method!r} (FP8) but "
+                    f"quantization={self.quantization!r} was asked for; drop --quantization "
+                    "or pass 'fp8'."
+                )
+            return "fp8", self.bnb_quant_type
         saved = checkpoint_quant_type(arch.raw)
         if saved is None:
             method = arch.raw["quantization_config"].get("quant_method")
             raise ValueError(
                 f"The checkpoint is quantized with {method!r}, which pagedlm cannot load; it "
-                "loads float checkpoints and bitsandbytes ones (or quantization='bitsandbytes')."
+                "loads float checkpoints, bitsandbytes ones (or quantization='bitsandbytes') "
+                "and FP8 ones ('fp8', 'compressed-tensors')."
             )
         import_bitsandbytes()
         return "bitsandbytes", saved

@@ -54,7 +54,8 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     Parameters are allocated once, directly on the device and uninitialized, then
     overwritten from the checkpoint tensor by tensor (or with random values for
     ``load_format="dummy"``). Every parameter must be filled. With
-    ``quantization="bitsandbytes"`` the linear layers are then quantized one by one.
+    ``quantization="bitsandbytes"`` or ``"fp8"`` the linear layers are then quantized one
+    by one (an FP8 checkpoint's layers are loaded quantized).
     """
     from pagedlm.model_executor.models.registry import get_model_class
 
@@ -67,13 +68,10 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         fill_dummy_weights(model, model_config.seed)
     else:
         weights = iter_model_weights(model_config)
-        if "quantization_config" in model_config.arch.raw:
-            from pagedlm.model_executor.loader import bitsandbytes
-
-            if bitsandbytes.checkpoint_quant_type(model_config.arch.raw):
-                weights = bitsandbytes.dequantize_checkpoint(weights)
         kv_scales: dict[tuple[int, str], float] = {}
         weights = fp8.split_kv_scales(weights, kv_scales)  # the models have no parameter
+        if "quantization_config" in model_config.arch.raw:
+            weights = _prequantized_weights(model, model_config, weights)
         with torch.no_grad():
             loaded = model.load_weights(weights)
             install_kv_scales(model, kv_scales)
@@ -82,12 +80,39 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         from pagedlm.model_executor.loader.bitsandbytes import quantize_model
 
         quantize_model(model, model_config.bnb_quant_type)
+    elif model_config.quantization == "fp8":
+        from pagedlm.model_executor.quantization import fp8 as fp8_weights
+
+        fp8_weights.quantize_model(model)  # leaves the layers a pre-quantized checkpoint filled
     elif model_config.quantization is not None:
         raise ValueError(
-            f"quantization={model_config.quantization!r} is not supported; use None or "
-            "'bitsandbytes'."
+            f"quantization={model_config.quantization!r} is not supported; use None, "
+            "'bitsandbytes' or 'fp8'."
         )
     return model.eval()
+
+
+def _prequantized_weights(
+    model: nn.Module, model_config: ModelConfig, weights: Iterator[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weight stream of a bitsandbytes checkpoint (dequantized) or an FP8 one (the
+    model's quantized layers prepared to take its codes and scales)."""
+    from pagedlm.model_executor.loader import bitsandbytes
+    from pagedlm.model_executor.quantization.fp8_checkpoint import (
+        fp8_checkpoint_scheme,
+        prepare_fp8_checkpoint,
+    )
+
+    raw = model_config.arch.raw
+    if bitsandbytes.checkpoint_quant_type(raw):
+        return bitsandbytes.dequantize_checkpoint(weights)
+    scheme = fp8_checkpoint_scheme(raw)
+    if scheme is None or model_config.is_gguf:
+        return weights
+    from pagedlm.model_executor.loader.safetensors_loader import safetensors_shapes
+
+    shapes = safetensors_shapes(model_config.model)
+    return prepare_fp8_checkpoint(model, scheme, shapes, weights)
 
 
 def check_all_loaded(model: nn.Module, loaded: set[str], model_config: ModelConfig) -> None:

@@ -116,7 +116,9 @@ def gguf_linear_blocks(model: nn.Module, path: str) -> dict[str, AffineBlocks]:
         if torch.isnan(blocks.scales).any():
             continue  # some rows came from a tensor without an affine form
         weight = module.weight
-        if not torch.equal(blocks.dequantize().to(weight.dtype), weight):
+        # Checked where the weight lives (the GPU dequantizes an 8B model in moments).
+        on_device = AffineBlocks(*(getattr(blocks, p).to(weight.device) for p in _PARTS))
+        if not torch.equal(on_device.dequantize().to(weight.dtype), weight):
             logger.warning(
                 "%s: the GGUF blocks do not reproduce the loaded weight; it stays dense.", name
             )

@@ -39,6 +39,7 @@ _DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,  # FP8 checkpoints (quantization/fp8_checkpoint.py)
 }
 
 
@@ -118,6 +119,17 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> list[SafetensorsEnt
             SafetensorsEntry(name, _DTYPES[info["dtype"]], tuple(info["shape"]), begin, end)
         )
     return sorted(entries, key=lambda entry: entry.begin)
+
+
+def safetensors_shapes(
+    directory: str | os.PathLike[str],
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """HF tensor name -> (shape, dtype) over every shard, from the headers only."""
+    return {
+        entry.name: (entry.shape, entry.dtype)
+        for path in safetensors_files(directory)
+        for entry in read_safetensors_header(path)
+    }
 
 
 def _read_tensor(file: BinaryIO, entry: SafetensorsEntry) -> torch.Tensor:

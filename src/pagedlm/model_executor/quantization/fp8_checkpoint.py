@@ -1,0 +1,206 @@
+"""Pre-quantized FP8 checkpoints: vLLM's ``fp8`` layout and ``compressed-tensors``.
+
+Both store a quantized linear layer's weight as an ``F8_E4M3`` safetensors tensor
+``<layer>.weight`` beside a float32 ``<layer>.weight_scale`` (one per tensor, or one per
+output row), and with static activation scales an ``<layer>.input_scale``. Which layers
+are quantized is read off the file itself (the dtypes in the safetensors headers), routed
+through the model's own ``load_weights`` once over shape-only tensors (``_probe``), so no
+model's name mapping (q/k/v into ``qkv_proj``, ...) is repeated here and ignore lists of
+either layout need no parsing. Per-tensor scales are repeated over their tensor's rows
+while streaming (a merged q/k/v layer then holds each projection's scale on its rows), so
+every layer ends up with per-row scales.
+
+Refused with a message: block-wise or per-group weight scales, integer or non-8-bit
+compressed-tensors schemes, E4M3 tensors feeding anything but a linear layer (embeddings,
+mixture-of-experts weights) or the LM head, and a layer fed by both E4M3 and float tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedlm.model_executor.layers.linear_base import LinearBase
+from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead
+from pagedlm.model_executor.quantization.fp8 import FP8_DTYPE, add_fp8_parameters
+
+logger = logging.getLogger(__name__)
+
+FP8_CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
+_SCALE_SUFFIXES = (".weight_scale", ".input_scale")
+_DROPPED_SUFFIXES = (".k_scale", ".v_scale", ".q_scale", ".kv_scale", ".output_scale")
+"""KV-cache and output scales some FP8 checkpoints carry; the weights do not use them."""
+
+
+@dataclass(frozen=True)
+class Fp8CheckpointScheme:
+    method: str
+    """ "fp8" (vLLM's layout) or "compressed-tensors"."""
+    static_input_scales: bool
+    """Activations use the checkpoint's per-tensor ``input_scale`` (else: per token)."""
+
+
+def _unsupported(what: str) -> ValueError:
+    return ValueError(
+        f"This FP8 checkpoint uses {what}, which pagedlm does not read; it reads E4M3 weights "
+        "with per-tensor or per-channel scales (vLLM 'fp8' or compressed-tensors "
+        "'float-quantized'). Load the float checkpoint with quantization='fp8' instead."
+    )
+
+
+def _compressed_tensors_scheme(config: dict[str, Any]) -> bool:
+    """Whether the activations have static scales; refuses what is not E4M3 per tensor/row."""
+    if config.get("format") not in ("float-quantized", "naive-quantized"):
+        raise _unsupported(f"compressed-tensors format {config.get('format')!r}")
+    groups = config.get("config_groups") or {}
+    if not groups:
+        raise _unsupported("compressed-tensors without config_groups")
+    static = set()
+    for group in groups.values():
+        weights = group.get("weights") or {}
+        if (weights.get("type"), weights.get("num_bits")) != ("float", 8):
+            raise _unsupported(f"{weights.get('num_bits')}-bit {weights.get('type')} weights")
+        if weights.get("strategy") not in ("tensor", "channel"):
+            raise _unsupported(f"{weights.get('strategy')!r} weight scales")
+        if weights.get("symmetric") is False:
+            raise _unsupported("asymmetric weights (zero points)")
+        activations = group.get("input_activations")
+        if activations is None:  # weight-only: activations are quantized per token here
+            static.add(False)
+            continue
+        if (activations.get("type"), activations.get("num_bits")) != ("float", 8):
+            raise _unsupported(f"{activations.get('num_bits')}-bit activations")
+        static.add(not activations.get("dynamic", True))
+    if len(static) > 1:
+        raise _unsupported("static activation scales for some layers and dynamic for others")
+    return static.pop()
+
+
+def fp8_checkpoint_scheme(hf_config: dict[str, Any]) -> Fp8CheckpointScheme | None:
+    """The FP8 scheme of a pre-quantized checkpoint's config.json, None for other ones."""
+    config = hf_config.get("quantization_config") or {}
+    method = config.get("quant_method")
+    if method == "fp8":
+        if config.get("weight_block_size"):
+            raise _unsupported(
+                f"block-wise scales (weight_block_size {config['weight_block_size']})"
+            )
+        scheme = config.get("activation_scheme", "dynamic")
+        if scheme not in ("dynamic", "static"):
+            raise _unsupported(f"activation_scheme {scheme!r}")
+        return Fp8CheckpointScheme(method, static_input_scales=scheme == "static")
+    if method == "compressed-tensors":
+        return Fp8CheckpointScheme(method, static_input_scales=_compressed_tensors_scheme(config))
+    return None
+
+
+def _meta_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+@contextmanager
+def _probe(model: nn.Module) -> Iterator[dict[int, set[torch.dtype]]]:
+    """Every parameter replaced by one whose loader records the dtypes it is given and copies
+    nothing; yields ``{id(original parameter): dtypes}`` and puts the originals back."""
+    seen: dict[int, set[torch.dtype]] = {}
+    holders: list[tuple[nn.Module, str, nn.Parameter]] = []
+    probes: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for attr, param in list(module.named_parameters(recurse=False)):
+            if id(param) not in probes:
+                key = id(param)
+                probe = nn.Parameter(_meta_tensor(param.shape, param.dtype), requires_grad=False)
+                probe.weight_loader = lambda _p, loaded, *_s, key=key: seen.setdefault(
+                    key, set()
+                ).add(loaded.dtype)
+                probes[key] = probe
+            holders.append((module, attr, param))
+            setattr(module, attr, probes[id(param)])
+    try:
+        yield seen
+    finally:
+        for module, attr, param in holders:
+            setattr(module, attr, param)
+
+
+def _fp8_layers(
+    model: nn.Module, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+) -> list[LinearBase]:
+    """The linear layers every weight tensor of which is E4M3 in the checkpoint."""
+    weights = [(n, s) for n, s in shapes.items() if not n.endswith(_SCALE_SUFFIXES)]
+    weights = [(n, s) for n, s in weights if not n.endswith(_DROPPED_SUFFIXES)]
+    with _probe(model) as seen:
+        model.load_weights((name, _meta_tensor(*spec)) for name, spec in weights)
+    owners = {id(p): (name, p) for name, p in model.named_parameters(remove_duplicate=False)}
+    layers = []
+    for name, module in model.named_modules():
+        dtypes = seen.get(id(getattr(module, "weight", None)), set())
+        is_linear = isinstance(module, LinearBase) and not isinstance(module, ParallelLMHead)
+        if FP8_DTYPE not in dtypes:
+            continue
+        if not is_linear or dtypes != {FP8_DTYPE}:
+            what = "a mix of E4M3 and float tensors" if is_linear else "E4M3 tensors"
+            raise _unsupported(f"{what} for {name or 'the model'} ({type(module).__name__})")
+        layers.append(module)
+    linear_weights = {id(m.weight) for m in layers}
+    for key, dtypes in seen.items():
+        if FP8_DTYPE in dtypes and key not in linear_weights:
+            raise _unsupported(f"E4M3 tensors for {owners[key][0]}, which is no linear layer")
+    return layers
+
+
+def _expand_scales(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    rows_of: dict[str, int],
+    static_input_scales: bool,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with each weight scale as float32 ``[rows]`` of its weight."""
+    for name, tensor in weights:
+        if name.endswith(_DROPPED_SUFFIXES) or (
+            name.endswith(".input_scale") and not static_input_scales
+        ):
+            continue
+        if name.endswith(".weight_scale"):
+            rows = rows_of.get(name.removesuffix("_scale"))
+            if rows is None:
+                raise ValueError(
+                    f"the FP8 checkpoint has {name} but no {name.removesuffix('_scale')}; "
+                    "it is incomplete (download it again)."
+                )
+            if tensor.numel() == 1:
+                tensor = tensor.reshape(1).expand(rows)
+            elif tensor.numel() != rows:
+                raise _unsupported(f"{tuple(tensor.shape)} scales for {rows} rows ({name})")
+            tensor = tensor.float().reshape(rows)
+        yield name, tensor
+
+
+def prepare_fp8_checkpoint(
+    model: nn.Module,
+    scheme: Fp8CheckpointScheme,
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Give the layers the checkpoint stores in E4M3 their quantized parameters; returns the
+    weight stream to feed ``model.load_weights``. ``shapes``: HF name -> (shape, dtype) of
+    every tensor, from the files' headers."""
+    layers = _fp8_layers(model, shapes)
+    for layer in layers:
+        add_fp8_parameters(layer, scheme.static_input_scales)
+    logger.info("FP8 checkpoint (%s): %d linear layers in E4M3", scheme.method, len(layers))
+    rows_of = {name: spec[0][0] for name, spec in shapes.items() if name.endswith(".weight")}
+    return _expand_scales(weights, rows_of, scheme.static_input_scales)
+
+
+__all__ = [
+    "FP8_CHECKPOINT_METHODS",
+    "Fp8CheckpointScheme",
+    "fp8_checkpoint_scheme",
+    "prepare_fp8_checkpoint",
+]

@@ -1,0 +1,98 @@
+"""GGUF weights kept quantized on the GPU: the device layout, the GEMV, the tiled GEMM and
+the dequantizing kernel, against the loader's affine form (``AffineBlocks.dequantize``,
+itself exactly ``gguf.dequantize``). Under ``TRITON_INTERPRET=1`` on CPU without a GPU."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from triton_env import DEVICE, rel_error
+
+from loader.tiny_gguf import k_quant_bytes
+from pagedlm.model_executor.loader.gguf_blocks import AffineBlocks, decode_blocks
+from pagedlm_cuda.kernels.gguf_gemm import dequantize_into, gguf_gemm
+from pagedlm_cuda.kernels.gguf_gemv import gguf_gemv, pack_blocks
+from pagedlm_cuda.quantized_linear import DenseScratch, GgufCudaLinear
+
+# type -> (code bits stored, implicit minimum offset or 0, scale dtype)
+LAYOUTS = {
+    "Q4_0": (4, 8, torch.float16),
+    "Q4_1": (4, 0, torch.float16),
+    "Q5_0": (8, 16, torch.float16),
+    "Q8_0": (8, 128, torch.float16),
+    "Q4_K": (4, 0, torch.float32),
+    "Q5_K": (8, 0, torch.float32),
+}
+
+
+def blocks_of(type_name: str, n: int, k: int, seed: int = 0) -> AffineBlocks:
+    rng = np.random.default_rng(seed)
+    values = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2, (n, 1)) + 0.2).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    if type_name.endswith("_K"):
+        raw = k_quant_bytes(values, qtype)
+    else:
+        raw = gguf.quants.quantize(values, qtype)
+    return decode_blocks(np.asarray(raw).reshape(-1), type_name, (n, k))
+
+
+@pytest.mark.parametrize("type_name", list(LAYOUTS))
+def test_layout_and_exact_dequantization(type_name: str) -> None:
+    blocks = blocks_of(type_name, 24, 256)
+    packed = pack_blocks(blocks.codes, blocks.scales, blocks.mins, DEVICE)
+    bits, offset, scale_dtype = LAYOUTS[type_name]
+    assert (packed.bits, packed.offset, packed.scales.dtype) == (bits, offset, scale_dtype)
+    assert (packed.mins is None) == (offset != 0)
+    assert packed.codes.shape == (24, 256 * bits // 8)
+    dense = dequantize_into(packed, torch.empty(24 * 256 + 5, device=DEVICE))
+    assert torch.equal(dense.cpu(), blocks.dequantize())
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("shape", [(40, 256), (20, 1280)])  # K past one 1024 slice
+def test_gemv_matches_the_dequantized_weight(type_name: str, shape: tuple[int, int]) -> None:
+    n, k = shape
+    blocks = blocks_of(type_name, n, k, seed=n)
+    packed = pack_blocks(blocks.codes, blocks.scales, blocks.mins, DEVICE)
+    x = torch.randn(1, k, device=DEVICE)
+    bias = torch.randn(n, device=DEVICE)
+    out = gguf_gemv(x, packed, bias)
+    ref = x.double().cpu() @ blocks.dequantize().double().T + bias.double().cpu()
+    assert out.shape == (1, n) and rel_error(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_K"])
+@pytest.mark.parametrize("rows", [2, 17, 40])
+def test_tiled_gemm_matches_the_dequantized_weight(type_name: str, rows: int) -> None:
+    blocks = blocks_of(type_name, 72, 512, seed=rows)
+    packed = pack_blocks(blocks.codes, blocks.scales, blocks.mins, DEVICE)
+    x = torch.randn(rows, 512, device=DEVICE)
+    out = gguf_gemm(x, packed)
+    ref = x.double().cpu() @ blocks.dequantize().double().T
+    # tf32 tensor-core products on the GPU; exact float32 in the interpreter.
+    assert out.shape == (rows, 72) and rel_error(out, ref) < 2e-3
+
+
+def test_layer_kernel_routes_each_row_count_and_keeps_its_results() -> None:
+    blocks = blocks_of("Q4_1", 48, 128, seed=5)
+    bias = torch.randn(48, device=DEVICE)
+    kernel = GgufCudaLinear(blocks, bias, DEVICE, DenseScratch(), max_tiled_rows=4)
+    dense = blocks.dequantize().double()
+    for rows in (1, 3, 9):  # GEMV, tiled GEMM, dequantize + F.linear
+        x = torch.randn(rows, 128, device=DEVICE)
+        ref = x.double().cpu() @ dense.T + bias.double().cpu()
+        assert rel_error(kernel(x), ref) < 2e-3, rows
+    assert kernel.scratch.buffer is not None and kernel.scratch.buffer.numel() == 48 * 128
+
+
+def test_refuses_what_it_cannot_compute() -> None:
+    blocks = blocks_of("Q4_0", 16, 64)
+    packed = pack_blocks(blocks.codes, blocks.scales, blocks.mins, DEVICE)
+    with pytest.raises(ValueError, match="features"):
+        gguf_gemv(torch.randn(1, 32, device=DEVICE), packed)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        pack_blocks(
+            torch.zeros(2, 40, dtype=torch.uint8), torch.ones(2, 1), torch.ones(2, 1), DEVICE
+        )
