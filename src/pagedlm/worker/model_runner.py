@@ -26,7 +26,6 @@ import torch
 from pagedlm.attention import AttentionBackend, BatchLayout
 from pagedlm.config import EngineConfig
 from pagedlm.distributed.parallel_state import get_pipeline_state
-from pagedlm.distributed.pipeline import broadcast_sampled_ids
 from pagedlm.kv_cache.interface import KVCache, TensorKVCache, kv_bytes_per_block
 from pagedlm.lora.manager import make_lora
 from pagedlm.model_executor.forward_context import ForwardContext
@@ -48,7 +47,7 @@ from pagedlm.step import (
 )
 from pagedlm.worker.input_batch import InputBatch
 from pagedlm.worker.launched_step import LaunchedStep, Verified
-from pagedlm.worker.pipeline_stage import run_stage
+from pagedlm.worker.pipeline_stage import run_stage, write_new_token_ids
 from pagedlm.worker.sampling_inputs import (
     DeviceTokenHistory,
     SamplingMetadataCache,
@@ -230,6 +229,7 @@ class ModelRunner:
         if self._forward_done is not None:
             raise RuntimeError("sample_tokens must be called after every execute_model")
         self.input_batch.update(scheduler_output)
+        write_new_token_ids(self.input_batch, scheduler_output)
         self.speculator.admit(scheduler_output)
         if scheduler_output.is_empty:
             self.input_batch.flush()
@@ -287,8 +287,8 @@ class ModelRunner:
         if done is None:
             return FinishedStep(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         inputs, logits = done.inputs, done.logits
-        if logits is None:
-            return self._store_last_stage_ids(inputs)
+        if logits is None:  # a stage before the last: the last one samples and reports
+            return FinishedStep(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         batch = self.input_batch
         sampled = inputs.sampled
         states = [inputs.states[i] for i in sampled]
@@ -322,7 +322,6 @@ class ModelRunner:
             else:
                 out = self.sampler(logits[: len(sampled)], metadata, bitmask)
                 token_ids, logprobs = out.sampled_token_ids, out.logprobs
-                token_ids = broadcast_sampled_ids(token_ids, len(sampled), self.device)
                 batch.token_ids.view(-1).index_put_(
                     (inputs.sample_token_index,), token_ids.to(torch.int32)
                 )
@@ -346,16 +345,6 @@ class ModelRunner:
             verified=verified,
             proposals=proposals,
         )
-
-    def _store_last_stage_ids(self, inputs: StepInputs) -> StepResult:
-        """A stage before the last: its token table takes the ids the last stage sampled,
-        as the last stage's does; the step's output comes from the last stage."""
-        if len(inputs.sampled):
-            token_ids = broadcast_sampled_ids(None, len(inputs.sampled), self.device)
-            self.input_batch.token_ids.view(-1).index_put_(
-                (inputs.sample_token_index,), token_ids.to(torch.int32)
-            )
-        return FinishedStep(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
 
     def execute_and_sample(
         self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
