@@ -43,7 +43,11 @@ def iter_model_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.T
     no_safetensors = not any(Path(model_config.model).glob("*.safetensors"))
     if no_safetensors and torch_bin_files(model_config.model):
         return iter_torch_bin_weights(model_config.model)
-    return iter_safetensors_weights(model_config.model)
+    # Tensor-parallel ranks read only the slices their layers keep.
+    from pagedlm.distributed import get_tensor_model_parallel_world_size
+
+    slices = get_tensor_model_parallel_world_size() > 1
+    return iter_safetensors_weights(model_config.model, slices=slices)
 
 
 def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:

@@ -24,6 +24,8 @@ from typing import BinaryIO
 
 import torch
 
+from pagedlm.model_executor.loader.safetensors_slice import SafetensorsSlice
+
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 _OWN_MAPPING_BYTES = 1 << 20
@@ -136,15 +138,26 @@ def _read_tensor(file: BinaryIO, entry: SafetensorsEntry) -> torch.Tensor:
 
 
 def iter_safetensors_weights(
-    directory: str | os.PathLike[str],
+    directory: str | os.PathLike[str], slices: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (HF tensor name, CPU tensor in the file's dtype) for every tensor of every shard.
 
     Each tensor is read into its own buffer just before it is yielded; the consumer copies it
     into its parameter and drops it, so at most about two tensors exist besides the model.
+    With ``slices`` (tensor parallelism) each is a ``SafetensorsSlice`` instead, read only
+    when used, and only the part the weight loader narrowed it to.
     """
     for path in safetensors_files(directory):
         entries = read_safetensors_header(path)
+        if slices:
+            for entry in entries:
+                yield (
+                    entry.name,
+                    SafetensorsSlice(  # type: ignore[misc]
+                        path, entry.name, entry.dtype, entry.begin, entry.shape
+                    ),
+                )
+            continue
         with open(path, "rb", buffering=0) as file:
             for entry in entries:
                 tensor = _read_tensor(file, entry)
