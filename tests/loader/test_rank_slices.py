@@ -46,7 +46,13 @@ def _param_bytes(model: torch.nn.Module) -> int:
 
 @pytest.mark.parametrize(
     ("arch", "expert_parallel"),
-    [("llama", False), ("mixtral", False), ("mixtral", True), ("gpt2", False)],
+    [
+        ("llama", False),
+        ("phi3_longrope", False),
+        ("mixtral", False),
+        ("mixtral", True),
+        ("gpt2", False),
+    ],
 )
 def test_rank_reads_only_its_slice(tiny_checkpoint, monkeypatch, arch, expert_parallel):
     path = tiny_checkpoint(arch)
@@ -79,6 +85,9 @@ def test_slice_reads_the_box_it_was_narrowed_to(tmp_path):
     torch.testing.assert_close(a[2:].narrow(2, 1, 3).materialize(), full[2:, :, 1:4])
     torch.testing.assert_close(1 - a.narrow(2, 4, 1) * 2, 1 - full[:, :, 4:] * 2)  # ops read
     torch.testing.assert_close(a.transpose(0, 1), full.transpose(0, 1))
+    parts = [p.materialize() for p in a.split([1, 3], dim=0) + a.chunk(3, dim=2)]
+    for got, want in zip(parts, full.split([1, 3], dim=0) + full.chunk(3, dim=2), strict=True):
+        torch.testing.assert_close(got, want)
     target = torch.empty(3, 5)
     target.copy_(a.narrow(0, 3, 1).narrow(1, 0, 3).reshape(3, 5))
     torch.testing.assert_close(target, full[3, :3])

@@ -1,7 +1,7 @@
 """A checkpoint tensor not read yet, so that a tensor-parallel rank reads only its slice.
 
-``SafetensorsSlice`` knows a tensor's place in its file. ``narrow`` (and ``[a:b]`` on the
-first dimension) return smaller slices without reading; any other use (``copy_`` into a
+``SafetensorsSlice`` knows a tensor's place in its file. ``narrow``, ``split``, ``chunk`` and
+``[a:b]`` on the first dimension return smaller slices without reading; any other use (``copy_`` into a
 parameter, an arithmetic operation, a method such as ``.t()``) reads the slice's bytes
 and works on a plain tensor. The layers' weight loaders narrow before they copy
 (``weight_utils.shard_of``), so a column-parallel weight reads its output rows, a
@@ -80,6 +80,21 @@ class SafetensorsSlice:
             tuple(starts),
             tuple(shape),
         )
+
+    def split(self, split_size: int | list[int], dim: int = 0) -> tuple[SafetensorsSlice, ...]:
+        """``torch.split`` without reading (fused checkpoint tensors: Phi-3's qkv)."""
+        total = self.shape[dim]
+        if isinstance(split_size, int):
+            sizes = [min(split_size, total - start) for start in range(0, total, split_size)]
+        else:
+            sizes = list(split_size)
+        if sum(sizes) != total:
+            raise ValueError(f"split sizes {sizes} do not add up to {total} rows of {self.name}")
+        starts = itertools.accumulate(sizes, initial=0)
+        return tuple(self.narrow(dim, start, size) for start, size in zip(starts, sizes))
+
+    def chunk(self, chunks: int, dim: int = 0) -> tuple[SafetensorsSlice, ...]:
+        return self.split(-(-self.shape[dim] // chunks), dim)
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice) and index.step in (None, 1) and self.dim():
