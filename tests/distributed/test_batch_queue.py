@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.test_async_scheduling import VOCAB, HostModelExecutor, make_requests, run
+from core.test_async_scheduling import (
+    VOCAB,
+    HostModelExecutor,
+    make_requests,
+    requests_of_twenty_tokens,
+    run,
+)
 from pagedlm.config import ArchConfig, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagedlm.core.engine_core import EngineCore
 from pagedlm.core.request import Request
@@ -104,14 +110,7 @@ def test_batch_queue_gives_the_sync_results(num_blocks: int, policy: str, seed: 
 
 
 def test_request_aborted_in_flight_reports_nothing_more() -> None:
-    requests = make_requests(3)
-    for request in requests:
-        request.sampling_params.max_tokens = 20
-        request.sampling_params.ignore_eos = True
-        request.eos_token_ids = set()
-        request.sampling_params.stop_token_ids = []
-        request.sampling_params.all_stop_token_ids = set()
-    results = run(make_core(True), requests, abort="r1")
+    results = run(make_core(True), requests_of_twenty_tokens(3), abort="r1")
     assert results["r1"][1] == "aborted here"
     assert 2 <= len(results["r1"][0]) < 20
 

@@ -1,9 +1,9 @@
 """A checkpoint tensor not read yet, so that a tensor-parallel rank reads only its slice.
 
-``SafetensorsSlice`` knows a tensor's place in its file. ``narrow``, ``split``, ``chunk`` and
-``[a:b]`` on the first dimension return smaller slices without reading; any other use (``copy_`` into a
-parameter, an arithmetic operation, a method such as ``.t()``) reads the slice's bytes
-and works on a plain tensor. The layers' weight loaders narrow before they copy
+``SafetensorsSlice`` knows a tensor's place in its file. ``narrow``, ``split``, ``chunk``
+and ``[a:b]`` on the first dimension return smaller slices without reading; any other use
+(``copy_`` into a parameter, an arithmetic operation, a method such as ``.t()``) reads the
+slice's bytes and works on a plain tensor. The layers' weight loaders narrow before they copy
 (``weight_utils.shard_of``), so a column-parallel weight reads its output rows, a
 row-parallel one its input columns, a vocabulary its rows, a fused qkv / gate_up each
 part's rows, and a MoE layer under expert parallelism never touches another rank's
@@ -24,8 +24,16 @@ from typing import Any
 
 import torch
 
-_OWN_MAPPING_BYTES = 1 << 20
-"""Results this large get an anonymous mapping of their own (see safetensors_loader)."""
+OWN_MAPPING_BYTES = 1 << 20
+"""Read buffers this large get an anonymous mapping of their own."""
+
+
+def read_buffer(nbytes: int) -> mmap.mmap | bytearray:
+    """A buffer to read ``nbytes`` of a tensor into. Large tensors get their own anonymous
+    mapping, unmapped as soon as the tensor is freed: through malloc, glibc's adaptive
+    thresholds would keep up to 64 MB of freed read buffers resident for the rest of the
+    load (measured: +29% on a 59 MB model)."""
+    return mmap.mmap(-1, nbytes) if nbytes >= OWN_MAPPING_BYTES else bytearray(nbytes)
 
 
 class SafetensorsSlice:
@@ -108,11 +116,10 @@ class SafetensorsSlice:
         """The slice's values, read from the file (a CPU tensor in the file's dtype)."""
         element = torch.empty(0, dtype=self.dtype).element_size()
         nbytes = self.numel() * element
-        buffer = mmap.mmap(-1, nbytes) if nbytes >= _OWN_MAPPING_BYTES else bytearray(nbytes)
-        if nbytes:
-            self._read_into(memoryview(buffer), element)
         if not nbytes:
             return torch.empty(self.shape, dtype=self.dtype)
+        buffer = read_buffer(nbytes)
+        self._read_into(memoryview(buffer), element)
         return torch.frombuffer(buffer, dtype=torch.uint8).view(self.dtype).reshape(self.shape)
 
     def _read_into(self, out: memoryview, element: int) -> None:
