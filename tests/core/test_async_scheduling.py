@@ -155,15 +155,20 @@ def test_async_gives_the_sync_results(num_blocks: int, policy: str, seed: int) -
     assert async_core.executor.num_steps >= sync_core.executor.num_steps
 
 
-def test_request_aborted_with_a_step_in_flight_reports_nothing_more() -> None:
-    requests = make_requests(3)
+def requests_of_twenty_tokens(seed: int) -> list[Request]:
+    """``make_requests(seed)``, each running to exactly 20 output tokens (no stops)."""
+    requests = make_requests(seed)
     for request in requests:
         request.sampling_params.max_tokens = 20
         request.sampling_params.ignore_eos = True
         request.eos_token_ids = set()
         request.sampling_params.stop_token_ids = []
         request.sampling_params.all_stop_token_ids = set()
-    results = run(make_core(True), requests, abort="r1")
+    return requests
+
+
+def test_request_aborted_with_a_step_in_flight_reports_nothing_more() -> None:
+    results = run(make_core(True), requests_of_twenty_tokens(3), abort="r1")
     assert results["r1"][1] == "aborted here"
     assert 2 <= len(results["r1"][0]) < 20
 

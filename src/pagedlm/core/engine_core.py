@@ -1,4 +1,5 @@
-"""The engine core loop: schedule -> launch -> collect, with at most one step in flight.
+"""The engine core loop: schedule -> launch -> collect, with one step in flight (one per
+pipeline stage under pipeline parallelism).
 
 One ``step()``:
 
@@ -14,11 +15,19 @@ Synchronous scheduling (``async_scheduling=False``) runs the same calls with ste
 collected in the same ``step()`` (nothing stays in flight). Both give the same tokens
 for greedy and seeded requests; the asynchronous order keeps the device busy while the
 host does its per-step work (mini-sglang's overlap loop, vLLM's async scheduling).
+
+Pipeline parallelism (the executor's ``max_concurrent_batches`` = P > 1; vLLM's batch
+queue): ``step()`` launches a step (forward and sampling) while fewer than P are in flight,
+over requests no step in flight holds (the scheduler's ``disjoint_steps``), and returns
+without waiting until P are; otherwise, or when nothing new could be scheduled, it collects
+the oldest. Stage 0 thus computes step N+1 while stage 1 computes step N. The steps are
+disjoint, so a step's grammar bitmask is asked for right after its schedule.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -70,6 +79,7 @@ class EngineCore:
             config.speculative,
             record_kv_cache_events=kv_events.publishes,
             max_loras=None if config.lora is None else config.lora.max_loras,
+            disjoint_steps=executor.max_concurrent_batches > 1,
         )
         self._kv_event_publisher = None
         if kv_events.publishes:
@@ -81,6 +91,11 @@ class EngineCore:
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight: _InFlight | None = None
         """The step launched by the last ``step()`` and not collected yet (async only)."""
+        self.max_concurrent_batches = executor.max_concurrent_batches
+        self._batch_queue: deque[_InFlight] = deque()
+        """Pipeline parallelism: the steps in flight, oldest first."""
+        self.max_steps_in_flight_seen = 0
+        """The most steps that were launched and not collected at once (diagnostics)."""
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -91,13 +106,18 @@ class EngineCore:
     @property
     def has_step_in_flight(self) -> bool:
         """A launched step awaits collection by the next ``step()``."""
-        return self._in_flight is not None
+        return self._in_flight is not None or bool(self._batch_queue)
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        return len(self._batch_queue) + (self._in_flight is not None)
 
     def has_unfinished_requests(self) -> bool:
         return self.has_step_in_flight or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
-        outputs = self._step()
+        pipelined = self.max_concurrent_batches > 1
+        outputs = self._step_with_batch_queue() if pipelined else self._step()
         if self._kv_event_publisher is not None:
             events = self.scheduler.take_kv_cache_events()
             if events:
@@ -117,6 +137,24 @@ class EngineCore:
         if not self.async_scheduling:
             outputs += self._collect()
         return outputs
+
+    def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        queue = self._batch_queue
+        if len(queue) < self.max_concurrent_batches:
+            scheduler_output = self.scheduler.schedule()
+            self.executor.execute_model(scheduler_output)
+            if scheduler_output.is_empty:
+                self.executor.sample_tokens(None)
+            else:
+                bitmask = self.scheduler.get_grammar_bitmask(scheduler_output)
+                queue.append(_InFlight(scheduler_output, self.executor.sample_tokens(bitmask)))
+                self.max_steps_in_flight_seen = max(self.max_steps_in_flight_seen, len(queue))
+                if len(queue) < self.max_concurrent_batches:
+                    return []  # a stage is still free: launch another before waiting
+        if not queue:
+            return []
+        scheduler_output, result = queue.popleft()
+        return self.scheduler.update_from_output(scheduler_output, result.result())
 
     def _collect(self) -> list[EngineCoreOutput]:
         """Wait for the step in flight, if any, and update the scheduler with it."""

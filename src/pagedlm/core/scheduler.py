@@ -49,6 +49,14 @@ Blocks freed then are handed out only by later schedules, whose steps run on the
 after every launched step that may still write them. Synchronous scheduling is the same
 code with every step collected before the next is scheduled (no placeholder survives).
 
+Pipeline parallelism (``disjoint_steps``, vLLM's batch queue): the engine keeps up to one
+step per stage in flight, and steps in flight share no request. A request whose step was
+launched but not collected is skipped by both passes (a preempted one stays in ``waiting``
+until then), so it is never scheduled with a placeholder, and its blocks, if it is
+preempted or aborted meanwhile, are rewritten only by later steps, which every stage runs
+after the earlier ones. Stages before the last never see sampled ids: each scheduled
+cached request carries its output tokens among the fed ones (``new_token_ids``).
+
 Structured outputs in that order: the bitmask of step N+1 needs step N's tokens in the
 matchers, so it is asked for after ``update_from_output`` of step N
 (``get_grammar_bitmask``) and travels with the step's sampling, not its schedule.
@@ -111,8 +119,10 @@ class OneBudgetScheduler(Scheduler):
         speculative_config: SpeculativeConfig | None = None,
         record_kv_cache_events: bool = False,
         max_loras: int | None = None,
+        disjoint_steps: bool = False,
     ) -> None:
-        """``max_loras``: distinct adapters that may run at once (None: LoRA is off)."""
+        """``max_loras``: distinct adapters that may run at once (None: LoRA is off).
+        ``disjoint_steps``: the pipeline-parallel batch queue (see the module doc)."""
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
@@ -133,6 +143,9 @@ class OneBudgetScheduler(Scheduler):
         self.num_model_steps = 0
         """Non-empty steps scheduled so far."""
         self.speculation = Speculation(speculative_config, scheduler_config.max_model_len)
+        self.disjoint_steps = disjoint_steps
+        self._in_flight_req_ids: set[str] = set()
+        """``disjoint_steps``: requests of the launched steps not collected yet."""
 
     # ----------------------------------------------------------------- requests in / out
 
@@ -222,10 +235,14 @@ class OneBudgetScheduler(Scheduler):
             cached_reqs.num_computed_tokens,
         )
         speculating = self.speculation.enabled
+        in_flight = self._in_flight_req_ids  # empty unless disjoint_steps
+        new_token_ids = cached_reqs.new_token_ids if self.disjoint_steps else None
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
             index += 1
+            if in_flight and request.request_id in in_flight:
+                continue
             placeholders = request.num_output_placeholders
             if placeholders and self._finishes_in_flight(request):
                 continue
@@ -247,6 +264,11 @@ class OneBudgetScheduler(Scheduler):
             cached_ids.append(request_id)
             cached_blocks.append(new_block_ids)
             cached_computed.append(computed)
+            if new_token_ids is not None:
+                first_output = max(computed, request.num_prompt_tokens)
+                new_token_ids.append(
+                    request.all_token_ids[first_output : computed + num_new_tokens]
+                )
             num_drafts = request.num_scheduled_drafts  # 0 unless speculating
             num_scheduled[request_id] = num_new_tokens + num_drafts
             budget -= num_new_tokens + num_drafts
@@ -258,7 +280,7 @@ class OneBudgetScheduler(Scheduler):
                 if request.sampling_params.structured_outputs is not None:
                     constrained.append(request_id)
 
-        skipped: list[Request] = []  # grammars compiling, or one adapter too many
+        skipped: list[Request] = []  # grammars compiling, one adapter too many, in flight
         active_loras = self.loras.active(self.running) if self.waiting else set()
         while (
             not preempted
@@ -267,7 +289,11 @@ class OneBudgetScheduler(Scheduler):
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            if not self.grammars.ready(request) or not self.loras.admits(request, active_loras):
+            if (
+                not self.grammars.ready(request)
+                or not self.loras.admits(request, active_loras)
+                or (in_flight and request.request_id in in_flight)
+            ):
                 skipped.append(self.waiting.popleft())
                 continue
             num_new_tokens = self._admit(request, budget)
@@ -306,6 +332,8 @@ class OneBudgetScheduler(Scheduler):
         self._finished_req_ids = set()
         if num_scheduled:
             self.num_model_steps += 1
+            if self.disjoint_steps:
+                in_flight.update(num_scheduled)
         return output
 
     @staticmethod
@@ -429,6 +457,8 @@ class OneBudgetScheduler(Scheduler):
         speculating = self.speculation.enabled
         all_logprobs = runner_output.logprobs
         all_prompt_logprobs = runner_output.prompt_logprobs
+        if self._in_flight_req_ids:
+            self._in_flight_req_ids.difference_update(scheduled)
         for req_id, sampled in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, strict=True
         ):

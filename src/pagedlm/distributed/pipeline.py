@@ -3,9 +3,9 @@
 Per step, stage ``s`` receives the previous stage's intermediate tensors (each
 ``[num_tokens, hidden_size]`` in the model's dtype, named by the model: Llama sends its
 hidden states and residual stream), runs its layers and sends its own to stage ``s + 1``;
-the last stage computes logits and samples, then broadcasts the sampled ids to the other
-stages, whose device token tables must hold them for the next step. Both sides know every
-shape from the step itself, so only tensor data crosses.
+the last stage computes logits and samples; the sampled ids reach the other stages through
+the scheduler's next step (``CachedRequestData.new_token_ids``), so no stage waits for a
+later one. Both sides know every shape from the step itself, so only tensor data crosses.
 """
 
 from __future__ import annotations
@@ -70,22 +70,3 @@ def recv_intermediate(
         dist.recv(buffer, src=source, group=pp.group)
         received[name] = buffer
     return received
-
-
-def broadcast_sampled_ids(token_ids: torch.Tensor | None, num_sampled: int, device: torch.device):
-    """The last stage's sampled ids ``[num_sampled]`` (int64), on every stage.
-
-    The last stage passes its ``token_ids``; the others pass None and get a copy.
-    """
-    pp = get_pipeline_state()
-    if pp.world_size == 1:
-        assert token_ids is not None
-        return token_ids
-    import torch.distributed as dist
-
-    if token_ids is None:
-        token_ids = torch.empty(num_sampled, dtype=torch.int64, device=device)
-    else:
-        token_ids = token_ids.to(torch.int64).contiguous()
-    dist.broadcast(token_ids, src=pp.ranks[-1], group=pp.group)
-    return token_ids

@@ -116,6 +116,10 @@ class DistributedExecutor(Executor):
 
     # ---- the Executor interface ---------------------------------------------------
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.config.parallel.pipeline_parallel_size
+
     def determine_num_kv_blocks(self) -> int:
         self._broadcast(wire.DetermineKvBlocks())
         replies = self._gather(wire.KvBlocks, READY_TIMEOUT_S)

@@ -54,6 +54,12 @@ class Executor(ABC):
         """Launch the sampling of the step ``execute_model`` launched last, with the
         structured-output masks of its constrained requests."""
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps the engine may keep in flight over disjoint requests: one per pipeline
+        stage (vLLM's name). 1: the one-step-ahead path of asynchronous scheduling."""
+        return 1
+
     def execute_and_sample(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One whole unconstrained step, waited for (tests and simple drivers)."""
         self.execute_model(scheduler_output)

@@ -43,6 +43,10 @@ class CachedRequestData:
     new_block_ids: list[list[int]] = field(default_factory=list)
     """Blocks appended to each request's table (mostly empty)."""
     num_computed_tokens: list[int] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    """Pipeline parallelism only (else empty): each request's output tokens among the tokens
+    this step feeds, the last ``len(new_token_ids[i])`` of them. Stages before the last never
+    see the ids the last stage samples, so the scheduler hands them on (vLLM's field)."""
 
     def __len__(self) -> int:
         return len(self.req_ids)

@@ -27,7 +27,6 @@ from pagedlm.attention import AttentionBackend, BatchLayout
 from pagedlm.batch_invariant import make_batch_invariant
 from pagedlm.config import EngineConfig
 from pagedlm.distributed.parallel_state import get_pipeline_state
-from pagedlm.distributed.pipeline import broadcast_sampled_ids
 from pagedlm.kv_cache import fp8
 from pagedlm.kv_cache.fp8 import kv_cache_torch_dtype
 from pagedlm.kv_cache.interface import KVCache, TensorKVCache, kv_bytes_per_block
@@ -55,7 +54,7 @@ from pagedlm.step import (
 )
 from pagedlm.worker.input_batch import InputBatch
 from pagedlm.worker.launched_step import LaunchedStep, Verified
-from pagedlm.worker.pipeline_stage import run_stage
+from pagedlm.worker.pipeline_stage import run_stage, write_new_token_ids
 from pagedlm.worker.sampling_inputs import (
     DeviceTokenHistory,
     SamplingMetadataCache,
@@ -252,6 +251,7 @@ class ModelRunner:
         if self._forward_done is not None:
             raise RuntimeError("sample_tokens must be called after every execute_model")
         self.input_batch.update(scheduler_output)
+        write_new_token_ids(self.input_batch, scheduler_output)
         self.speculator.admit(scheduler_output)
         if scheduler_output.is_empty:
             self.input_batch.flush()
@@ -318,8 +318,8 @@ class ModelRunner:
         if done is None:
             return FinishedStep(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         inputs, logits = done.inputs, done.logits
-        if logits is None:
-            return self._store_last_stage_ids(inputs)
+        if logits is None:  # a stage before the last: the last one samples and reports
+            return FinishedStep(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         batch = self.input_batch
         sampled = inputs.sampled
         states = [inputs.states[i] for i in sampled]
@@ -353,7 +353,6 @@ class ModelRunner:
             else:
                 out = self.sampler(logits[: len(sampled)], metadata, bitmask)
                 token_ids, logprobs = out.sampled_token_ids, out.logprobs
-                token_ids = broadcast_sampled_ids(token_ids, len(sampled), self.device)
                 batch.token_ids.view(-1).index_put_(
                     (inputs.sample_token_index,), token_ids.to(torch.int32)
                 )
@@ -377,16 +376,6 @@ class ModelRunner:
             verified=verified,
             proposals=proposals,
         )
-
-    def _store_last_stage_ids(self, inputs: StepInputs) -> StepResult:
-        """A stage before the last: its token table takes the ids the last stage sampled,
-        as the last stage's does; the step's output comes from the last stage."""
-        if len(inputs.sampled):
-            token_ids = broadcast_sampled_ids(None, len(inputs.sampled), self.device)
-            self.input_batch.token_ids.view(-1).index_put_(
-                (inputs.sample_token_index,), token_ids.to(torch.int32)
-            )
-        return FinishedStep(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
 
     def execute_and_sample(
         self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None

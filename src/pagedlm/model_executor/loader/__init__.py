@@ -45,7 +45,13 @@ def iter_model_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.T
     no_safetensors = not any(Path(model_config.model).glob("*.safetensors"))
     if no_safetensors and torch_bin_files(model_config.model):
         return iter_torch_bin_weights(model_config.model)
-    return iter_safetensors_weights(model_config.model)
+    # Tensor-parallel ranks read only the slices their layers keep; a pre-quantized
+    # checkpoint's parts go to bitsandbytes, which takes plain tensors only.
+    from pagedlm.distributed import get_tensor_model_parallel_world_size
+
+    quantized = "quantization_config" in model_config.arch.raw
+    slices = get_tensor_model_parallel_world_size() > 1 and not quantized
+    return iter_safetensors_weights(model_config.model, slices=slices)
 
 
 def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:

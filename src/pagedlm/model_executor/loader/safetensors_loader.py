@@ -14,7 +14,6 @@ is not charged to the process, so peak RSS stays at the model plus one tensor.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 from collections.abc import Iterator
@@ -24,9 +23,10 @@ from typing import BinaryIO
 
 import torch
 
+from pagedlm.model_executor.loader.safetensors_slice import SafetensorsSlice, read_buffer
+
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
-_OWN_MAPPING_BYTES = 1 << 20
 
 _DTYPES = {
     "F64": torch.float64,
@@ -134,10 +134,7 @@ def safetensors_shapes(
 
 def _read_tensor(file: BinaryIO, entry: SafetensorsEntry) -> torch.Tensor:
     nbytes = entry.end - entry.begin
-    # Large tensors get their own anonymous mapping, unmapped as soon as the tensor is
-    # freed. Through malloc, glibc's adaptive thresholds would keep up to 64 MB of freed
-    # read buffers resident for the rest of the load (measured: +29% on a 59 MB model).
-    buffer = mmap.mmap(-1, nbytes) if nbytes >= _OWN_MAPPING_BYTES else bytearray(nbytes)
+    buffer = read_buffer(nbytes)
     file.seek(entry.begin)
     if nbytes and file.readinto(buffer) != nbytes:
         raise ValueError(f"{file.name} ended inside tensor {entry.name}; download it again.")
@@ -148,15 +145,22 @@ def _read_tensor(file: BinaryIO, entry: SafetensorsEntry) -> torch.Tensor:
 
 
 def iter_safetensors_weights(
-    directory: str | os.PathLike[str],
+    directory: str | os.PathLike[str], slices: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (HF tensor name, CPU tensor in the file's dtype) for every tensor of every shard.
 
     Each tensor is read into its own buffer just before it is yielded; the consumer copies it
     into its parameter and drops it, so at most about two tensors exist besides the model.
+    With ``slices`` (tensor parallelism) each is a ``SafetensorsSlice`` instead, read only
+    when used, and only the part the weight loader narrowed it to.
     """
     for path in safetensors_files(directory):
         entries = read_safetensors_header(path)
+        if slices:
+            for entry in entries:
+                lazy = SafetensorsSlice(path, entry.name, entry.dtype, entry.begin, entry.shape)
+                yield entry.name, lazy  # type: ignore[misc]
+            continue
         with open(path, "rb", buffering=0) as file:
             for entry in entries:
                 tensor = _read_tensor(file, entry)
