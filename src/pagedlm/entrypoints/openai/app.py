@@ -38,6 +38,7 @@ from pagedlm.entrypoints.openai.errors import (
     is_anthropic_path,
     sse_error_event,
 )
+from pagedlm.entrypoints.openai.extras import missing_package_error
 from pagedlm.entrypoints.openai.middleware import (
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
@@ -101,6 +102,9 @@ async def _answer(handler: Handler, request: Request, anthropic: bool) -> Respon
         return error_response(error.message, error.status, error.param, anthropic=anthropic)
     except EngineDeadError as error:
         return error_response(_engine_dead_message(error), ENGINE_DEAD_STATUS, anthropic=anthropic)
+    except ImportError as error:  # an optional package: name the extra, never a bare 500
+        missing = missing_package_error(error)
+        return error_response(missing.message, missing.status, anthropic=anthropic)
     except Exception:
         logger.exception("Unhandled error in %s", request.url.path)
         return error_response(
@@ -138,6 +142,9 @@ async def _guard_stream(events: AsyncIterator[str], anthropic: bool) -> AsyncIte
         yield sse_error_event(error.message, error.status, anthropic)
     except EngineDeadError as error:
         yield sse_error_event(_engine_dead_message(error), ENGINE_DEAD_STATUS, anthropic)
+    except ImportError as error:
+        missing = missing_package_error(error)
+        yield sse_error_event(missing.message, missing.status, anthropic)
     except Exception:
         logger.exception("Unhandled error while streaming")
         yield sse_error_event("Internal server error; see the server log.", 500, anthropic)
