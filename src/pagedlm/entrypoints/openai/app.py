@@ -52,7 +52,9 @@ from pagedlm.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from pagedlm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
+from pagedlm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedlm.entrypoints.openai.request_body import parse_body, warning_header
+from pagedlm.entrypoints.openai.responses_store import owner_of
 from pagedlm.entrypoints.openai.serving_chat import ChatServer
 from pagedlm.entrypoints.openai.serving_completion import CompletionServer
 from pagedlm.entrypoints.openai.serving_engine import ServingContext, until_disconnected
@@ -61,6 +63,7 @@ from pagedlm.entrypoints.openai.serving_lora import (
     UnloadLoRAAdapterRequest,
 )
 from pagedlm.entrypoints.openai.serving_messages import MessagesServer
+from pagedlm.entrypoints.openai.serving_responses import ResponsesServer
 
 logger = logging.getLogger("pagedlm.server")
 
@@ -185,6 +188,27 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
     @_body_route(app, ctx, "/v1/messages/count_tokens", CountTokensRequest, anthropic=True)
     async def count_tokens(request: Request, body: CountTokensRequest) -> Response:
         return JSONResponse(await messages.count_tokens(body))
+
+
+def _add_responses_routes(app: FastAPI, ctx: ServingContext) -> None:
+    responses = ResponsesServer(ctx)
+
+    def owner(request: Request) -> str:  # stored responses belong to the caller's API key
+        return owner_of(request.headers.get("authorization"))
+
+    @_body_route(app, ctx, "/v1/responses", ResponsesRequest, anthropic=False)
+    async def create_response(request: Request, body: ResponsesRequest) -> Response:
+        return await _respond(request, responses.create(body, owner(request)), anthropic=False)
+
+    @app.get("/v1/responses/{response_id}")
+    @_guarded(anthropic=False)
+    async def retrieve_response(request: Request) -> Response:
+        return JSONResponse(responses.retrieve(owner(request), request.path_params["response_id"]))
+
+    @app.delete("/v1/responses/{response_id}")
+    @_guarded(anthropic=False)
+    async def delete_response(request: Request) -> Response:
+        return JSONResponse(responses.delete(owner(request), request.path_params["response_id"]))
 
 
 def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
@@ -340,6 +364,7 @@ def build_app(
 
     app.add_exception_handler(HTTPException, http_error)
     _add_generation_routes(app, ctx)
+    _add_responses_routes(app, ctx)
     _add_info_routes(app, ctx)
     _add_lora_routes(app, ctx)
     install_openapi(app, app.state.body_models)
