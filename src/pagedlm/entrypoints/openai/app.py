@@ -175,10 +175,12 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @_body_route(app, ctx, "/v1/completions", CompletionRequest, anthropic=False)
     async def create_completion(request: Request, body: CompletionRequest) -> Response:
+        body.check_backend(ctx.structured_outputs_backend)
         return await _respond(request, completions.create(body), anthropic=False)
 
     @_body_route(app, ctx, "/v1/chat/completions", ChatCompletionRequest, anthropic=False)
     async def create_chat_completion(request: Request, body: ChatCompletionRequest) -> Response:
+        body.check_backend(ctx.structured_outputs_backend)
         return await _respond(request, chat.create(body), anthropic=False)
 
     @_body_route(app, ctx, "/v1/messages", MessagesRequest, anthropic=True)
