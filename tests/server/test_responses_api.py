@@ -213,3 +213,47 @@ def test_store_is_bounded_least_recently_used_first():
     assert store.get("a", "r3") is None and store.get("b", "r3") is entry
     with pytest.raises(ValueError, match="max_entries"):
         ResponseStore(max_entries=0)
+
+
+def test_output_builder_regroups_reasoning_text_and_calls_in_order():
+    from pagedlm.entrypoints.openai.responses_output import OutputBuilder
+
+    def chunk(delta: dict, finish: str | None = None) -> dict:
+        return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    call = {
+        "index": 0,
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "f", "arguments": '{"a"'},
+    }
+    builder = OutputBuilder()
+    events = [
+        *builder.feed(chunk({"role": "assistant", "content": ""})),
+        *builder.feed(chunk({"reasoning_content": "think"})),
+        *builder.feed(chunk({"content": "Hel"})),
+        *builder.feed(chunk({"content": "lo"})),
+        *builder.feed(chunk({"tool_calls": [call]})),
+        *builder.feed(chunk({"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]})),
+        *builder.feed(chunk({}, "tool_calls")),
+        *builder.feed({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}),
+        *builder.finish(),
+    ]  # fmt: skip
+    assert [e["type"].removeprefix("response.") for e in events] == [
+        "output_item.added", "reasoning_text.delta", "reasoning_text.done", "output_item.done",
+        "output_item.added", "content_part.added", "output_text.delta", "output_text.delta",
+        "output_text.done", "content_part.done", "output_item.done",
+        "output_item.added", "function_call_arguments.delta", "function_call_arguments.delta",
+        "function_call_arguments.done", "output_item.done",
+    ]  # fmt: skip
+    reasoning, message, function_call = builder.items
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "think"}]
+    assert message["content"][0]["text"] == "Hello" and message["status"] == "completed"
+    assert function_call["arguments"] == '{"a": 1}' and function_call["call_id"] == "call_1"
+    assert [e["output_index"] for e in events if e["type"].endswith("item.done")] == [0, 1, 2]
+    assert builder.usage["total_tokens"] == 3 and builder.finish_reason == "tool_calls"
+    assert builder.assistant_message() == {
+        "role": "assistant",
+        "content": "Hello",
+        "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}],
+    }  # fmt: skip
