@@ -120,7 +120,7 @@ class ResponsesServer:
             "previous_response_id": request.previous_response_id,
             "temperature": 1.0 if request.temperature is None else request.temperature,
             "top_p": 1.0 if request.top_p is None else request.top_p,
-            "tool_choice": request.tool_choice or ("auto" if request.tools else "none"),
+            "tool_choice": request.tool_choice or self._default_tool_choice(request),
             "tools": request.tools or [],
             "text": {"format": text_format or {"type": "text"}},
             "store": request.store,
@@ -128,6 +128,10 @@ class ResponsesServer:
             "background": False,
             "user": request.user,
         }
+
+    def _default_tool_choice(self, request: ResponsesRequest) -> str:
+        # as chat's: "auto" only where the server parses calls from free text
+        return "auto" if request.tools and self.ctx.enable_auto_tool_choice else "none"
 
     async def _events(
         self,
