@@ -257,3 +257,34 @@ def test_output_builder_regroups_reasoning_text_and_calls_in_order():
         "content": "Hello",
         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}],
     }  # fmt: skip
+
+
+def test_request_maps_onto_the_chat_request():
+    from pagedlm.entrypoints.openai.protocol_responses import ResponsesRequest
+
+    tool = {"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"}}
+    request = ResponsesRequest.model_validate(
+        {
+            "input": "hi",
+            "instructions": "sys",
+            "max_output_tokens": 7,
+            "tools": [tool],
+            "tool_choice": {"type": "function", "name": "f"},
+            "parallel_tool_calls": False,
+            "text": {"format": {"type": "json_object"}},
+        }
+    )
+    chat = request.chat_request(request.input_messages())
+    assert [(m.role, m.content) for m in chat.messages] == [("system", "sys"), ("user", "hi")]
+    assert chat.max_completion_tokens == 7 and chat.stream and chat.include_usage
+    assert chat.tools == [
+        {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
+    ]  # fmt: skip
+    assert chat.tool_choice == {"type": "function", "function": {"name": "f"}}
+    assert chat.parallel_tool_calls is False and chat.response_format == {"type": "json_object"}
+    schema = {"type": "json_schema", "name": "n", "schema": {"type": "object"}, "strict": True}
+    request = ResponsesRequest.model_validate({"input": "hi", "text": {"format": schema}})
+    assert request.chat_request([{"role": "user", "content": "hi"}]).response_format == {
+        "type": "json_schema",
+        "json_schema": {"name": "n", "schema": {"type": "object"}},
+    }

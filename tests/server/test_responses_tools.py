@@ -105,7 +105,7 @@ def test_tool_result_round_trip(client, prompt_len):
     assert chained.usage.input_tokens == stateless.usage.input_tokens == prompt_len(expected)
 
 
-def test_text_format_json_schema_and_json_object(client):
+def test_text_format_json_schema(client):
     when = {"enum": ["morning", "evening"]}  # no room for whitespace a random model would fill
     spec = {"type": "json_schema", "name": "when", "schema": when, "strict": True}
     response = _ask(client, text={"format": spec})
