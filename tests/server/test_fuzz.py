@@ -106,6 +106,7 @@ def test_every_body_route_is_described(fast_schema):
         "/detokenize": "#/components/schemas/DetokenizeRequest",
         "/v1/load_lora_adapter": "#/components/schemas/LoadLoRAAdapterRequest",
         "/v1/unload_lora_adapter": "#/components/schemas/UnloadLoRAAdapterRequest",
+        "/v1/responses": "#/components/schemas/ResponsesRequest",
     }
     schemas = raw["components"]["schemas"]
     assert {"ChatMessage", "AnthropicMessage", "TextPart"} <= set(schemas)

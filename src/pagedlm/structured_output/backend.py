@@ -109,7 +109,8 @@ def backend_class(name: str) -> type[StructuredOutputBackend]:
         package = "outlines-core" if name == "outlines" else name
         raise ValueError(
             f"structured_outputs_backend={name!r} needs the {package} package "
-            f"({exc}); install it with pip, or choose another backend."
+            f"({exc}); install it with pip install 'pagedlm[structured]', or choose "
+            "another backend."
         ) from exc
     return getattr(module, class_name)
 

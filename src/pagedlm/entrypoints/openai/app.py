@@ -38,6 +38,7 @@ from pagedlm.entrypoints.openai.errors import (
     is_anthropic_path,
     sse_error_event,
 )
+from pagedlm.entrypoints.openai.extras import missing_package_error
 from pagedlm.entrypoints.openai.middleware import (
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
@@ -51,7 +52,9 @@ from pagedlm.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from pagedlm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
+from pagedlm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedlm.entrypoints.openai.request_body import parse_body, warning_header
+from pagedlm.entrypoints.openai.responses_store import owner_of
 from pagedlm.entrypoints.openai.serving_chat import ChatServer
 from pagedlm.entrypoints.openai.serving_completion import CompletionServer
 from pagedlm.entrypoints.openai.serving_engine import ServingContext, until_disconnected
@@ -60,6 +63,7 @@ from pagedlm.entrypoints.openai.serving_lora import (
     UnloadLoRAAdapterRequest,
 )
 from pagedlm.entrypoints.openai.serving_messages import MessagesServer
+from pagedlm.entrypoints.openai.serving_responses import ResponsesServer
 
 logger = logging.getLogger("pagedlm.server")
 
@@ -101,6 +105,9 @@ async def _answer(handler: Handler, request: Request, anthropic: bool) -> Respon
         return error_response(error.message, error.status, error.param, anthropic=anthropic)
     except EngineDeadError as error:
         return error_response(_engine_dead_message(error), ENGINE_DEAD_STATUS, anthropic=anthropic)
+    except ImportError as error:  # an optional package: name the extra, never a bare 500
+        missing = missing_package_error(error)
+        return error_response(missing.message, missing.status, anthropic=anthropic)
     except Exception:
         logger.exception("Unhandled error in %s", request.url.path)
         return error_response(
@@ -138,6 +145,9 @@ async def _guard_stream(events: AsyncIterator[str], anthropic: bool) -> AsyncIte
         yield sse_error_event(error.message, error.status, anthropic)
     except EngineDeadError as error:
         yield sse_error_event(_engine_dead_message(error), ENGINE_DEAD_STATUS, anthropic)
+    except ImportError as error:
+        missing = missing_package_error(error)
+        yield sse_error_event(missing.message, missing.status, anthropic)
     except Exception:
         logger.exception("Unhandled error while streaming")
         yield sse_error_event("Internal server error; see the server log.", 500, anthropic)
@@ -165,10 +175,12 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @_body_route(app, ctx, "/v1/completions", CompletionRequest, anthropic=False)
     async def create_completion(request: Request, body: CompletionRequest) -> Response:
+        body.check_backend(ctx.structured_outputs_backend)
         return await _respond(request, completions.create(body), anthropic=False)
 
     @_body_route(app, ctx, "/v1/chat/completions", ChatCompletionRequest, anthropic=False)
     async def create_chat_completion(request: Request, body: ChatCompletionRequest) -> Response:
+        body.check_backend(ctx.structured_outputs_backend)
         return await _respond(request, chat.create(body), anthropic=False)
 
     @_body_route(app, ctx, "/v1/messages", MessagesRequest, anthropic=True)
@@ -178,6 +190,27 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
     @_body_route(app, ctx, "/v1/messages/count_tokens", CountTokensRequest, anthropic=True)
     async def count_tokens(request: Request, body: CountTokensRequest) -> Response:
         return JSONResponse(await messages.count_tokens(body))
+
+
+def _add_responses_routes(app: FastAPI, ctx: ServingContext) -> None:
+    responses = ResponsesServer(ctx)
+
+    def owner(request: Request) -> str:  # stored responses belong to the caller's API key
+        return owner_of(request.headers.get("authorization"))
+
+    @_body_route(app, ctx, "/v1/responses", ResponsesRequest, anthropic=False)
+    async def create_response(request: Request, body: ResponsesRequest) -> Response:
+        return await _respond(request, responses.create(body, owner(request)), anthropic=False)
+
+    @app.get("/v1/responses/{response_id}")
+    @_guarded(anthropic=False)
+    async def retrieve_response(request: Request) -> Response:
+        return JSONResponse(responses.retrieve(owner(request), request.path_params["response_id"]))
+
+    @app.delete("/v1/responses/{response_id}")
+    @_guarded(anthropic=False)
+    async def delete_response(request: Request) -> Response:
+        return JSONResponse(responses.delete(owner(request), request.path_params["response_id"]))
 
 
 def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
@@ -333,6 +366,7 @@ def build_app(
 
     app.add_exception_handler(HTTPException, http_error)
     _add_generation_routes(app, ctx)
+    _add_responses_routes(app, ctx)
     _add_info_routes(app, ctx)
     _add_lora_routes(app, ctx)
     install_openapi(app, app.state.body_models)

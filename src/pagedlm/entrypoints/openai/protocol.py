@@ -83,11 +83,27 @@ class SamplingFields(OpenAIModel):
     guided_choice: list[str] | None = Field(None, json_schema_extra={"deprecated": True})
     guided_regex: str | None = Field(None, json_schema_extra={"deprecated": True})
     guided_grammar: str | None = Field(None, json_schema_extra={"deprecated": True})
+    guided_decoding_backend: str | None = Field(None, json_schema_extra={"deprecated": True})
 
     deprecated_fields: ClassVar[dict[str, str]] = {
-        name: f'send structured_outputs={{"{key}": ...}} instead'
-        for name, key in GUIDED_FIELDS.items()
+        **{
+            name: f'send structured_outputs={{"{key}": ...}} instead'
+            for name, key in GUIDED_FIELDS.items()
+        },
+        "guided_decoding_backend": "the server's --structured-outputs-backend is used; drop it",
     }
+
+    def check_backend(self, server_backend: str) -> None:
+        """vLLM's rule for ``guided_decoding_backend``: a request cannot pick its grammar
+        backend; naming the server's own (options after ":" aside) is accepted."""
+        requested = self.guided_decoding_backend
+        if requested is not None and requested.split(":")[0] != server_backend:
+            raise APIError(
+                f"guided_decoding_backend={requested!r}: a request cannot choose the grammar "
+                f"backend; this server uses {server_backend!r} (--structured-outputs-backend). "
+                "Drop the field.",
+                param="guided_decoding_backend",
+            )
 
     def base_sampling_params(
         self,

@@ -65,6 +65,8 @@ class ServingContext:
     """``--trust-request-chat-template``: render a request's own chat_template (sandboxed)."""
     loras: LoRARegistry = field(default_factory=LoRARegistry)
     """The LoRA adapters a request's ``model`` may name."""
+    structured_outputs_backend: str = "xgrammar"
+    """The engine's grammar backend (what a request's ``guided_decoding_backend`` must name)."""
     created: int = field(default_factory=lambda: int(time.time()))
     _counter: itertools.count = field(default_factory=itertools.count)
     _background: set[asyncio.Task] = field(default_factory=set)

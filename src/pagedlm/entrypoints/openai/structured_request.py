@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedlm.entrypoints.openai.errors import APIError
+from pagedlm.entrypoints.openai.extras import missing_package_error
 from pagedlm.entrypoints.openai.tool_parsers import (
     NamedToolCallParser,
     RequiredToolCallsParser,
@@ -79,7 +80,10 @@ def _from_response_format(response_format: dict[str, Any]) -> StructuredOutputsP
 
 
 def _check_schema(schema: Any, param: str) -> None:
-    import jsonschema
+    try:
+        import jsonschema
+    except ImportError as error:
+        raise missing_package_error(error, f"Checking {param}") from None
 
     if not isinstance(schema, dict):
         raise APIError(f"{param} must be a JSON schema object.", param=param)

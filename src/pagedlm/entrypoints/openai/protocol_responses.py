@@ -1,0 +1,230 @@
+"""The body of ``POST /v1/responses`` (OpenAI's Responses API) and its mapping onto chat.
+
+A Responses request is served by the chat path: ``input`` items become chat messages,
+flat function tools become chat tools, ``text.format`` becomes ``response_format``
+(``ResponsesRequest.chat_request``). Fields of OpenAI's API this server does not serve
+(``background``, hosted tools such as ``web_search``, ``conversation``, ...) are a 400
+naming the field, never silently dropped: they change what the client gets back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, ValidationError
+
+from pagedlm.entrypoints.openai.errors import APIError
+from pagedlm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIModel
+from pagedlm.entrypoints.openai.request_body import validation_message
+from pagedlm.sampling_params import MAX_TEMPERATURE
+
+TEXT_PART_TYPES = frozenset({"input_text", "output_text", "text"})
+UNSERVED_PART_TYPES = frozenset({"input_image", "input_file", "input_audio"})
+MESSAGE_ROLES = frozenset({"user", "assistant", "system", "developer"})
+SKIPPED_ITEM_TYPES = frozenset({"reasoning"})
+"""Input items sent back from an earlier output that the prompt leaves out (as chat
+leaves out ``reasoning_content``)."""
+
+
+class TextConfig(OpenAIModel):
+    field_path = "text"
+    format: dict[str, Any] | None = None
+    verbosity: str | None = None
+
+
+class ResponsesRequest(OpenAIModel):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    # OpenAI fields this server does not serve: sent with a value, they are a 400.
+    background: bool | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
+    truncation: str | None = None
+
+    def check_served(self) -> None:
+        """400 naming the first field whose value asks for what this server cannot do."""
+        refused = {
+            "background": self.background is True,
+            "conversation": self.conversation is not None,
+            "prompt": self.prompt is not None,
+            "reasoning": bool(
+                self.reasoning and any(v is not None for v in self.reasoning.values())
+            ),
+            "include": bool(self.include),
+            "max_tool_calls": self.max_tool_calls is not None,
+            "top_logprobs": bool(self.top_logprobs),
+            "truncation": self.truncation not in (None, "disabled"),
+        }
+        for name, sent in refused.items():
+            if sent:
+                raise APIError(
+                    f"{name} is not supported by this server's /v1/responses; leave it out.",
+                    param=name,
+                )
+
+    def input_messages(self) -> list[dict[str, Any]]:
+        """``input`` as chat messages (``ChatMessage`` dicts), instructions excluded."""
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        messages: list[dict[str, Any]] = []
+        for i, item in enumerate(self.input):
+            _append_item(messages, item, f"input.{i}")
+        return messages
+
+    def chat_request(self, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+        """The streaming chat request that generates this response from ``messages``."""
+        if self.instructions:
+            messages = [{"role": "system", "content": self.instructions}, *messages]
+        if not messages:
+            raise APIError("input is empty; send a string or at least one item.", param="input")
+        try:
+            return self._chat_request(messages)
+        except ValidationError as error:  # an item that maps onto a malformed chat field
+            message, param = validation_message(error)
+            raise APIError(message, param=param) from None
+
+    def _chat_request(self, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+        return ChatCompletionRequest.model_validate(
+            {
+                "model": self.model,
+                "messages": messages,
+                "max_completion_tokens": self.max_output_tokens,
+                "temperature": self.temperature,
+                "top_p": self.top_p,
+                "tools": _chat_tools(self.tools) if self.tools else None,
+                "tool_choice": _chat_tool_choice(self.tool_choice),
+                "parallel_tool_calls": self.parallel_tool_calls,
+                "response_format": _response_format(self.text),
+                "user": self.user,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        )
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's or tool output's content (a string or text parts) as text."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(f"{where} must be a string or a list of content parts.", param=where)
+    texts = []
+    for j, part in enumerate(content):
+        place = f"{where}.{j}"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in TEXT_PART_TYPES and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind in UNSERVED_PART_TYPES:
+            raise APIError(
+                f"{place}: {kind!r} parts are not supported: this server serves a text-only "
+                'model; send {"type": "input_text", "text": ...} parts.',
+                param=place,
+            )
+        else:
+            raise APIError(
+                f'{place} must be {{"type": "input_text", "text": ...}} (or "output_text").',
+                param=place,
+            )
+    return "\n".join(texts)
+
+
+def _append_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
+    if not isinstance(item, dict):
+        raise APIError(
+            f"{where} must be an object (a message or a function call item).", param=where
+        )
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        if role not in MESSAGE_ROLES:
+            raise APIError(
+                f"{where}.role must be one of {sorted(MESSAGE_ROLES)}, got {role!r}.", param=where
+            )
+        messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+    elif kind == "function_call":
+        call_id, name, arguments = (item.get(key) for key in ("call_id", "name", "arguments"))
+        if not all(isinstance(value, str) for value in (call_id, name, arguments)):
+            raise APIError(
+                f"{where}: a function_call needs call_id, name and arguments.", param=where
+            )
+        call = {
+            "id": call_id,
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant":
+            last.setdefault("tool_calls", []).append(call)  # one turn: text then its calls
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "function_call_output":
+        if not isinstance(item.get("call_id"), str):
+            raise APIError(f"{where}: a function_call_output needs its call_id.", param=where)
+        output = _text(item.get("output"), f"{where}.output")
+        messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+    elif kind not in SKIPPED_ITEM_TYPES:
+        raise APIError(
+            f"{where}: input items of type {kind!r} are not supported; send message, "
+            "function_call or function_call_output items.",
+            param=where,
+        )
+
+
+def _chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    chat_tools = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise APIError(
+                f"tools.{i}: tools of type {kind!r} are not supported; this server serves "
+                'function tools ({"type": "function", "name": ..., "parameters": {...}}).',
+                param=f"tools.{i}.type",
+            )
+        function = {key: tool[key] for key in ("name", "description", "parameters") if key in tool}
+        chat_tools.append({"type": "function", "function": function})
+    return chat_tools
+
+
+def _chat_tool_choice(tool_choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if tool_choice is None or isinstance(tool_choice, str):
+        return tool_choice  # "none" / "auto" / "required"; chat checks the value
+    if tool_choice.get("type") == "function" and isinstance(tool_choice.get("name"), str):
+        return {"type": "function", "function": {"name": tool_choice["name"]}}
+    raise APIError(
+        'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}.',
+        param="tool_choice",
+    )
+
+
+def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
+    spec = text.format if text is not None else None
+    if spec is None or spec.get("type") == "text":
+        return None
+    if spec.get("type") == "json_object":
+        return {"type": "json_object"}
+    if spec.get("type") == "json_schema":
+        schema = {"name": spec.get("name", "output"), "schema": spec.get("schema")}
+        return {"type": "json_schema", "json_schema": schema}
+    raise APIError(
+        f"text.format type {spec.get('type')!r} is not supported; use 'text', 'json_object' "
+        "or 'json_schema'.",
+        param="text.format",
+    )

@@ -1,0 +1,170 @@
+"""``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``: OpenAI's Responses API.
+
+There is one generation path: the request becomes a streaming chat request
+(``protocol_responses``), ``ChatServer`` serves it (chat template, tool plan and parsers,
+structured outputs, reasoning parser, metrics), and its chunks become output items
+(``responses_output``). A stream sends ``response.created``, ``response.in_progress``, the
+items' events, then ``response.completed`` (``response.incomplete`` when
+``max_output_tokens`` cut it), each with a ``sequence_number`` counting from 0.
+
+``store`` (default true, as OpenAI's) keeps the finished response and its conversation
+for ``previous_response_id`` and GET/DELETE, per API key (``responses_store``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagedlm.entrypoints.openai.errors import APIError
+from pagedlm.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagedlm.entrypoints.openai.responses_output import OutputBuilder, new_item_id
+from pagedlm.entrypoints.openai.responses_store import ResponseStore, StoredResponse
+from pagedlm.entrypoints.openai.serving_chat import ChatServer
+from pagedlm.entrypoints.openai.serving_engine import ServingContext, stream_or_collect
+
+
+async def _chat_chunks(events: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
+    """The chat stream's chunks as dicts (its SSE lines are ``data: {json}``)."""
+    async for event in events:
+        payload = event.removeprefix("data: ").strip()
+        if payload == "[DONE]":
+            return
+        yield json.loads(payload)
+
+
+def _usage(chat_usage: dict[str, int] | None) -> dict[str, Any]:
+    usage = chat_usage or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    return {
+        "input_tokens": usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage["total_tokens"],
+    }
+
+
+class ResponsesServer:
+    def __init__(self, ctx: ServingContext, store: ResponseStore | None = None) -> None:
+        self.ctx = ctx
+        self.chat = ChatServer(ctx)
+        self.store = store if store is not None else ResponseStore()
+
+    def _stored(self, owner: str, response_id: str, param: str | None = None) -> StoredResponse:
+        entry = self.store.get(owner, response_id)
+        if entry is None:
+            raise APIError(
+                f"No stored response {response_id!r} for this API key (never stored with "
+                "store=true, deleted, or evicted from the server's bounded store).",
+                status=404,
+                param=param,
+            )
+        return entry
+
+    def retrieve(self, owner: str, response_id: str) -> dict[str, Any]:
+        return self._stored(owner, response_id).response
+
+    def delete(self, owner: str, response_id: str) -> dict[str, Any]:
+        self._stored(owner, response_id)
+        self.store.delete(owner, response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def create(
+        self, request: ResponsesRequest, owner: str
+    ) -> tuple[dict | None, AsyncIterator[str] | None]:
+        """(response body, None) or (None, SSE event stream); raises ``APIError``."""
+        self.ctx.check_model(request.model)
+        request.check_served()
+        conversation = []
+        if request.previous_response_id is not None:
+            previous = self._stored(owner, request.previous_response_id, "previous_response_id")
+            conversation = list(previous.conversation)
+        conversation += request.input_messages()
+        _, chunks = await self.chat.create(request.chat_request(conversation))
+        assert chunks is not None  # the chat request streams
+        events = self._events(request, owner, conversation, _chat_chunks(chunks))
+        return await stream_or_collect(events, request.stream)
+
+    def _body(
+        self,
+        request: ResponsesRequest,
+        response_id: str,
+        created_at: int,
+        builder: OutputBuilder | None,
+    ) -> dict[str, Any]:
+        """The response object; ``builder`` None: one that has just started."""
+        status, incomplete = "in_progress", None
+        if builder is not None:
+            status = "completed"
+            if builder.finish_reason == "length":
+                status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+        text_format = request.text.format if request.text and request.text.format else None
+        return {
+            "id": response_id,
+            "object": "response",
+            "created_at": created_at,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "status": status,
+            "model": self.ctx.response_model(request.model),
+            "output": builder.items if builder is not None else [],
+            "usage": _usage(builder.usage) if builder is not None else None,
+            "error": None,
+            "incomplete_details": incomplete,
+            "instructions": request.instructions,
+            "max_output_tokens": request.max_output_tokens,
+            "metadata": request.metadata or {},
+            "parallel_tool_calls": request.parallel_tool_calls,
+            "previous_response_id": request.previous_response_id,
+            "temperature": 1.0 if request.temperature is None else request.temperature,
+            "top_p": 1.0 if request.top_p is None else request.top_p,
+            "tool_choice": request.tool_choice or self._default_tool_choice(request),
+            "tools": request.tools or [],
+            "text": {"format": text_format or {"type": "text"}},
+            "store": request.store,
+            "truncation": "disabled",
+            "background": False,
+            "user": request.user,
+        }
+
+    def _default_tool_choice(self, request: ResponsesRequest) -> str:
+        # as chat's: "auto" only where the server parses calls from free text
+        return "auto" if request.tools and self.ctx.enable_auto_tool_choice else "none"
+
+    async def _events(
+        self,
+        request: ResponsesRequest,
+        owner: str,
+        conversation: list[dict[str, Any]],
+        chunks: AsyncIterator[dict[str, Any]],
+    ) -> AsyncIterator:
+        response_id, created_at = new_item_id("resp"), int(time.time())
+        numbers = itertools.count()
+
+        def sse(event: dict[str, Any]) -> str:
+            event["sequence_number"] = next(numbers)
+            return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+        if request.stream:
+            started = self._body(request, response_id, created_at, None)
+            yield sse({"type": "response.created", "response": started})
+            yield sse({"type": "response.in_progress", "response": started})
+        builder = OutputBuilder()
+        async for chunk in chunks:
+            for event in builder.feed(chunk):
+                if request.stream:
+                    yield sse(event)
+        for event in builder.finish():
+            if request.stream:
+                yield sse(event)
+        response = self._body(request, response_id, created_at, builder)
+        if request.store:  # before the last event: a client may GET it right after
+            history = [*conversation, builder.assistant_message()]
+            self.store.put(owner, response_id, StoredResponse(response, history))
+        if not request.stream:
+            yield response
+            return
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        yield sse({"type": kind, "response": response})

@@ -1,0 +1,41 @@
+"""The app in process over ``FakeEngine``, served to the unmodified ``openai`` SDK.
+
+Starlette's ``TestClient`` is an ``httpx.Client``, so the SDK sends its requests straight
+into the ASGI app (no port, no subprocess); each SDK client may present its own API key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import openai
+from fake_engine import FakeEngine
+from starlette.testclient import TestClient
+
+from pagedlm.entrypoints.openai.app import build_app
+from pagedlm.entrypoints.openai.serving_engine import ServingContext
+from pagedlm.metrics.prometheus import PrometheusMetrics
+
+BASE_URL = "http://testserver"
+
+
+@contextmanager
+def in_process_app(checkpoint: Path, num_tokens: int = 3) -> Iterator[TestClient]:
+    engine = FakeEngine(checkpoint, num_tokens=num_tokens)
+    ctx = ServingContext(
+        engine=engine,
+        model_names=["tiny"],
+        metrics=PrometheusMetrics("tiny"),
+        tokenizer=engine.tokenizer,
+        max_model_len=512,
+    )
+    with TestClient(build_app(ctx), base_url=BASE_URL) as http:
+        yield http
+
+
+def sdk_client(http: TestClient, api_key: str = "key-a") -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{BASE_URL}/v1", api_key=api_key, http_client=http, max_retries=0
+    )
