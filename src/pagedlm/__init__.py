@@ -7,6 +7,7 @@ the server, gguf and grammar libraries are imported when a feature needs them.
 from pagedlm.lora.request import LoRARequest
 from pagedlm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedlm.plugins.hookspecs import hookimpl
+from pagedlm.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
@@ -15,8 +16,11 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "LoRARequest",
     "Logprob",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",

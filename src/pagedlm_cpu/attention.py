@@ -13,7 +13,8 @@ attention itself. Requests are split in two groups because they want different s
 Sliding windows (per layer) and logit soft-capping (Gemma 2) change only the mask and the
 score function: window masks are built on first use per step and window size, and shared
 by every layer with that window; soft-capped scores are computed explicitly, because SDPA
-has no hook between the scores and the softmax.
+has no hook between the scores and the softmax. ``causal=False`` (encoders) drops the
+causal mask: every row of a request sees all its keys (a decode's single row already does).
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class CpuSdpaBackend(AttentionBackend):
     name = "cpu_sdpa"
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    supports_non_causal = True
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
@@ -160,7 +162,13 @@ class CpuSdpaBackend(AttentionBackend):
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        causal: bool = True,
     ) -> torch.Tensor:
+        if not causal and sliding_window is not None:
+            raise ValueError(
+                "cpu_sdpa has no bidirectional sliding-window attention; a layer asks for "
+                "causal=False together with a sliding window."
+            )
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
         # Write first: a request may read slots that another request fills in this step.
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(
@@ -193,7 +201,7 @@ class CpuSdpaBackend(AttentionBackend):
             else:
                 k = self._gather(0, key_cache, chunk.block_ids)[: chunk.seq_len]
                 v = self._gather(1, value_cache, chunk.block_ids)[: chunk.seq_len]
-            mask = chunk.causal_mask
+            mask = chunk.causal_mask if causal else None
             if sliding_window is not None and sliding_window < chunk.seq_len:
                 mask = _chunk_window_mask(metadata, index, sliding_window)
             # [tokens, heads, head_dim] -> [1, heads, tokens, head_dim]: with 3-d inputs
@@ -205,6 +213,7 @@ class CpuSdpaBackend(AttentionBackend):
                 mask,
                 scale,
                 logits_soft_cap,
+                causal=causal,
             )
             output[rows] = out[0].transpose(0, 1)
         return output

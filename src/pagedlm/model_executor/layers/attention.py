@@ -9,12 +9,15 @@ from pagedlm.model_executor.forward_context import ForwardContext
 
 
 class Attention(nn.Module):
-    """Causal attention of one decoder layer over the paged KV cache.
+    """Attention of one layer over the paged KV cache (causal unless ``causal=False``).
 
     forward(q [T, num_heads * head_dim], k, v [T, num_kv_heads * head_dim], ctx)
     -> [T, num_heads * head_dim]. Holds no weights; ``layer_idx`` picks this layer's cache.
     ``sliding_window`` (keys within the last ``w`` positions only) and ``logits_soft_cap``
     (scores squashed to ``c * tanh(s / c)``) are per layer; None means off.
+    ``causal=False`` (encoders such as BERT) lets every token of a request attend to every
+    token of it, only for backends with ``supports_non_causal``, and only for steps that
+    feed each request's whole prompt (the pooling runner schedules no chunks).
     """
 
     def __init__(
@@ -26,6 +29,7 @@ class Attention(nn.Module):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        causal: bool = True,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
@@ -40,12 +44,15 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self.causal = causal
         # Keyword arguments only when set, so backends that predate them keep working.
-        self._extra_kwargs: dict[str, int | float] = {}
+        self._extra_kwargs: dict[str, int | float | bool] = {}
         if sliding_window is not None:
             self._extra_kwargs["sliding_window"] = sliding_window
         if logits_soft_cap is not None:
             self._extra_kwargs["logits_soft_cap"] = logits_soft_cap
+        if not causal:
+            self._extra_kwargs["causal"] = False
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
@@ -71,6 +78,7 @@ class Attention(nn.Module):
         for feature, flag in (
             ("sliding_window", "supports_sliding_window"),
             ("logits_soft_cap", "supports_logits_soft_cap"),
+            ("causal", "supports_non_causal"),
         ):
             if feature in self._extra_kwargs and not getattr(backend, flag, False):
                 raise ValueError(
@@ -83,7 +91,8 @@ class Attention(nn.Module):
         return (
             f"layer_idx={self.layer_idx}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, scale={self.scale}, "
-            f"sliding_window={self.sliding_window}, logits_soft_cap={self.logits_soft_cap}"
+            f"sliding_window={self.sliding_window}, logits_soft_cap={self.logits_soft_cap}, "
+            f"causal={self.causal}"
         )
 
 
