@@ -7,7 +7,6 @@ the server, gguf and grammar libraries are imported when a feature needs them.
 from pagedlm.lora.request import LoRARequest
 from pagedlm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedlm.plugins.hookspecs import hookimpl
-from pagedlm.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
@@ -36,6 +35,10 @@ def __getattr__(name: str):
         from pagedlm.entrypoints.llm import LLM
 
         return LLM
+    if name in ("PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput"):
+        import pagedlm.pooling  # torch, which `import pagedlm` alone does not load
+
+        return getattr(pagedlm.pooling, name)
     if name == "AsyncLLM":
         from pagedlm.engine.async_llm import AsyncLLM
 

@@ -51,9 +51,11 @@ from pagedlm.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from pagedlm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
+from pagedlm.entrypoints.openai.protocol_embedding import EmbeddingRequest
 from pagedlm.entrypoints.openai.request_body import parse_body, warning_header
 from pagedlm.entrypoints.openai.serving_chat import ChatServer
 from pagedlm.entrypoints.openai.serving_completion import CompletionServer
+from pagedlm.entrypoints.openai.serving_embedding import EmbeddingServer
 from pagedlm.entrypoints.openai.serving_engine import ServingContext, until_disconnected
 from pagedlm.entrypoints.openai.serving_lora import (
     LoadLoRAAdapterRequest,
@@ -178,6 +180,14 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
     @_body_route(app, ctx, "/v1/messages/count_tokens", CountTokensRequest, anthropic=True)
     async def count_tokens(request: Request, body: CountTokensRequest) -> Response:
         return JSONResponse(await messages.count_tokens(body))
+
+
+def _add_embedding_routes(app: FastAPI, ctx: ServingContext) -> None:
+    embeddings = EmbeddingServer(ctx)
+
+    @_body_route(app, ctx, "/v1/embeddings", EmbeddingRequest, anthropic=False)
+    async def create_embedding(request: Request, body: EmbeddingRequest) -> Response:
+        return await _respond(request, embeddings.create(body), anthropic=False)
 
 
 def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
@@ -333,6 +343,7 @@ def build_app(
 
     app.add_exception_handler(HTTPException, http_error)
     _add_generation_routes(app, ctx)
+    _add_embedding_routes(app, ctx)
     _add_info_routes(app, ctx)
     _add_lora_routes(app, ctx)
     install_openapi(app, app.state.body_models)

@@ -65,6 +65,8 @@ class ServingContext:
     """``--trust-request-chat-template``: render a request's own chat_template (sandboxed)."""
     loras: LoRARegistry = field(default_factory=LoRARegistry)
     """The LoRA adapters a request's ``model`` may name."""
+    runner: str = "generate"
+    """The engine's runner: "pooling" serves /v1/embeddings and answers 400 to generation."""
     created: int = field(default_factory=lambda: int(time.time()))
     _counter: itertools.count = field(default_factory=itertools.count)
     _background: set[asyncio.Task] = field(default_factory=set)
@@ -153,6 +155,11 @@ class ServingContext:
         """
         if self._shutdown_expired:
             raise APIError(SHUTDOWN_MESSAGE, status=503)
+        if self.runner == "pooling":
+            raise APIError(
+                "This model is served with --runner pooling, which embeds and does not "
+                "generate; use /v1/embeddings, or restart the server with --runner generate."
+            )
         tracker = RequestLatencyTracker(self.metrics)
         stream = self.engine.generate(prompt, params, request_id, priority, lora_request)
         finished = False
