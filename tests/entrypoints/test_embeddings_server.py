@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import sys
 from pathlib import Path
 
 import httpx
@@ -15,15 +14,13 @@ import openai
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "pooling"))
-from embedding_checkpoints import TEXTS, hf_hidden, reference_vector, write_bert  # noqa: E402
-
-from pagedlm import AsyncLLM  # noqa: E402
-from pagedlm.engine.arg_utils import EngineArgs  # noqa: E402
-from pagedlm.entrypoints.openai.app import build_app  # noqa: E402
-from pagedlm.entrypoints.openai.serving_embedding import encode_vector  # noqa: E402
-from pagedlm.entrypoints.openai.serving_engine import ServingContext  # noqa: E402
-from pagedlm.metrics.prometheus import PrometheusMetrics  # noqa: E402
+from embedding_checkpoints import TEXTS, hf_hidden, reference_vector, write_bert
+from pagedlm import AsyncLLM
+from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.entrypoints.openai.app import build_app
+from pagedlm.entrypoints.openai.serving_embedding import encode_vector
+from pagedlm.entrypoints.openai.serving_engine import ServingContext
+from pagedlm.metrics.prometheus import PrometheusMetrics
 
 MODEL = "tiny-bert"
 
