@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from embedding_checkpoints import (
     TEXTS,
     hf_hidden,
@@ -13,9 +14,9 @@ from embedding_checkpoints import (
     write_bert,
     write_decoder,
 )
-
 from pagedlm import LLM, PoolingParams, PoolingRequestOutput
 from pagedlm.config import PoolerConfig
+from pagedlm.engine.arg_utils import EngineArgs
 
 TOLERANCE = 1e-4
 ENGINE = dict(num_kv_blocks=64, block_size=16)
@@ -125,3 +126,29 @@ def test_more_prompts_than_one_step_holds_still_match(tmp_path):
     for ids, output in zip(prompts, outputs, strict=True):
         want = reference_vector(hf_hidden(model, ids), "lasttoken", True)
         _assert_close(torch.tensor(output.outputs.embedding), want)
+
+
+def test_the_edge_refuses_what_pooling_cannot_do(tmp_path):
+    write_decoder(tmp_path, "LlamaConfig", "LlamaForCausalLM")
+    path = str(tmp_path)
+    with pytest.raises(ValueError, match="--max-num-batched-tokens"):
+        EngineArgs(
+            model=path, runner="pooling", max_model_len=64, max_num_batched_tokens=16
+        ).create_engine_config()
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="does not support speculative_config"):
+        EngineArgs(model=path, runner="pooling", speculative_config=spec).create_engine_config()
+    generative = LLM(path, skip_tokenizer_init=True, **ENGINE)
+    with pytest.raises(ValueError, match=r"runner='pooling' \(--runner pooling\)"):
+        generative.embed({"prompt_token_ids": [1, 2]}, use_tqdm=False)
+    generative.llm_engine.shutdown()
+    pooling = LLM(path, runner="pooling", skip_tokenizer_init=True, max_model_len=64, **ENGINE)
+    config = pooling.llm_engine.config
+    assert config.scheduler.whole_prompts and not config.cache.enable_prefix_caching
+    with pytest.raises(ValueError, match=r"LLM.embed\(\)"):
+        pooling.generate({"prompt_token_ids": [1, 2]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="more than max_model_len=64"):
+        pooling.embed({"prompt_token_ids": [1] * 65}, use_tqdm=False)
+    # A prompt of exactly max_model_len tokens has room: pooling generates nothing.
+    (full,) = pooling.embed({"prompt_token_ids": [1] * 64}, use_tqdm=False)
+    assert len(full.outputs.embedding) == 32
