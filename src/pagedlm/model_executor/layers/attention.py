@@ -84,7 +84,8 @@ class Attention(nn.Module):
                 raise ValueError(
                     f"layer {self.layer_idx} needs {feature}={self._extra_kwargs[feature]}, "
                     f"which the {backend.name!r} attention backend does not implement; choose "
-                    "a backend that does (e.g. attention_backend='cpu_sdpa') or another model."
+                    "a backend that does (e.g. the CPU platform's attention_backend='cpu_sdpa') "
+                    "or another model."
                 )
 
     def extra_repr(self) -> str:
