@@ -28,5 +28,5 @@ def test_decoder_embeddings_match_transformers_on_the_gpu(tmp_path):
 
 def test_bert_is_refused_by_a_backend_without_bidirectional_attention(tmp_path):
     write_bert(tmp_path, "cls")
-    with pytest.raises(ValueError, match="causal=False.*'triton'"):
+    with pytest.raises(ValueError, match=r"causal=False.*'triton'"):
         LLM(str(tmp_path), num_kv_blocks=64)
