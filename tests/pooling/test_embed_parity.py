@@ -111,14 +111,17 @@ def test_decoder_last_token_embeddings_match_transformers(
     _assert_close(raw.outputs.data, hf_hidden(model, TOKEN_PROMPTS[2])[-1])
 
 
-def test_more_prompts_than_one_step_holds_still_match(tmp_path):
-    """A small token budget: prompts wait for a step with room instead of being chunked."""
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_more_prompts_than_one_step_holds_still_match(tmp_path, async_scheduling):
+    """A small token budget: prompts wait for a step with room instead of being chunked
+    (also with a step in flight, as on GPUs by default)."""
     model = write_decoder(tmp_path, "Qwen3Config", "Qwen3Model")
     llm = LLM(
         str(tmp_path),
         skip_tokenizer_init=True,
         max_model_len=32,
         max_num_batched_tokens=32,
+        async_scheduling=async_scheduling,
         **ENGINE,
     )
     prompts = [list(range(1 + i, 25 + i)) for i in range(5)]  # 24 tokens: one per step

@@ -113,7 +113,8 @@ class LLM:
         if self.llm_engine.config.model.runner == "pooling":
             raise ValueError(
                 "This model runs with runner='pooling', which embeds and does not generate; "
-                "use LLM.embed() or LLM.encode(), or start it with runner='generate'."
+                "use LLM.embed() or LLM.encode() (to generate, load a generative model with "
+                "runner='generate')."
             )
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]

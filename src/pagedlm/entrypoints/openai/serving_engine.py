@@ -158,7 +158,8 @@ class ServingContext:
         if self.runner == "pooling":
             raise APIError(
                 "This model is served with --runner pooling, which embeds and does not "
-                "generate; use /v1/embeddings, or restart the server with --runner generate."
+                "generate; use /v1/embeddings (to generate, serve a generative model "
+                "with --runner generate)."
             )
         tracker = RequestLatencyTracker(self.metrics)
         stream = self.engine.generate(prompt, params, request_id, priority, lora_request)
