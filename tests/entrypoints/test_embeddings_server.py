@@ -134,7 +134,7 @@ def test_bad_requests_get_400_naming_the_fix(app):
     assert "Matryoshka" in answers["dimensions"][1]
     assert "input is empty" in answers["empty"][1]
     assert answers["mixed"][1].startswith("input")
-    assert "non-empty token-id lists" in answers["empty_ids"][1]
+    assert "The prompt is empty" in answers["empty_ids"][1]
     assert "outside the vocabulary" in answers["vocab"][1]
     assert "--runner" in answers["generate"][1] and "/v1/embeddings" in answers["generate"][1]
     assert len(ok.data[0].embedding) == 32  # the server still serves after the errors

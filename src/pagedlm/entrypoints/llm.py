@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from tqdm.auto import tqdm
 
@@ -27,6 +27,27 @@ def _final_only(params: SamplingParams) -> SamplingParams:
     params = copy.copy(params)
     params.output_kind = RequestOutputKind.FINAL_ONLY
     return params
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    return [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+
+
+ParamsT = TypeVar("ParamsT", SamplingParams, PoolingParams)
+
+
+def _one_per_prompt(params: ParamsT | Sequence[ParamsT], num_prompts: int) -> list[ParamsT]:
+    """``params`` for every prompt, or the list of one per prompt it already is."""
+    if isinstance(params, (SamplingParams, PoolingParams)):
+        return [params] * num_prompts  # type: ignore[list-item]
+    params_list = list(params)
+    if len(params_list) != num_prompts:
+        name = type(params_list[0]).__name__ if params_list else "params"
+        raise ValueError(
+            f"Got {len(params_list)} {name} for {num_prompts} prompts; pass one {name} or "
+            "exactly one per prompt."
+        )
+    return params_list
 
 
 def _per_prompt(
@@ -116,20 +137,8 @@ class LLM:
                 "use LLM.embed() or LLM.encode() (to generate, load a generative model with "
                 "runner='generate')."
             )
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass "
-                    "one SamplingParams or exactly one per prompt."
-                )
+        prompts = _prompt_list(prompts)
+        params_list = _one_per_prompt(sampling_params or SamplingParams(), len(prompts))
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(
@@ -160,18 +169,8 @@ class LLM:
         a pooling model (``runner="pooling"``, or "auto" on an embedding checkpoint)."""
         from pagedlm.pooling.requests import process_pooling_request
 
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            params_list = [pooling_params or PoolingParams()] * len(prompts)
-        else:
-            params_list = list(pooling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"Got {len(params_list)} PoolingParams for {len(prompts)} prompts; pass "
-                    "one PoolingParams or exactly one per prompt."
-                )
+        prompts = _prompt_list(prompts)
+        params_list = _one_per_prompt(pooling_params or PoolingParams(), len(prompts))
         engine = self.llm_engine
         processed = [
             process_pooling_request(

@@ -6,8 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from pagedlm.entrypoints.openai.errors import APIError
-from pagedlm.entrypoints.openai.protocol import INT64_MAX, INT64_MIN, OpenAIModel
+from pagedlm.entrypoints.openai.protocol import OpenAIModel, engine_prompts
 
 
 class EmbeddingRequest(OpenAIModel):
@@ -22,23 +21,7 @@ class EmbeddingRequest(OpenAIModel):
     # vLLM extras
     normalize: bool | None = None
     """L2-normalize (None: as the model's sentence-transformers config says)."""
-    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
 
     def prompts(self) -> list[str | dict[str, Any]]:
         """The input field as engine prompts (text or token ids)."""
-        data = self.input
-        if isinstance(data, str):
-            return [data]
-        if not data:
-            raise APIError("input is empty; pass a string or token ids.", param="input")
-        if all(isinstance(item, int) for item in data):
-            return [{"prompt_token_ids": list(data)}]
-        if all(isinstance(item, str) for item in data):
-            return list(data)
-        if all(isinstance(item, list) and item for item in data):
-            return [{"prompt_token_ids": list(item)} for item in data]
-        raise APIError(
-            "input must be a string, a list of strings, a list of token ids or a list of "
-            "non-empty token-id lists; do not mix them.",
-            param="input",
-        )
+        return engine_prompts(self.input, "input")
