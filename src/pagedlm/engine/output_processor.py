@@ -12,8 +12,8 @@ processor is where they meet again. Each step it folds every child's new tokens 
 A parent is finished when all its children are. ``prompt_logprobs`` (``[None]`` plus
 one dict per later prompt position, gathered across prefill chunks) ride on the first
 output in DELTA mode and on every output otherwise. A pooling request's one output is a
-``PoolingRequestOutput`` holding the raw vector its finishing step carried. Metrics use ``time.monotonic()``,
-the clock ``arrival_time`` comes from.
+``PoolingRequestOutput`` holding the raw vector its finishing step carried. Metrics use
+``time.monotonic()``, the clock ``arrival_time`` comes from.
 """
 
 from __future__ import annotations

@@ -31,6 +31,8 @@ class Pooler:
     ) -> torch.Tensor:
         """Pool requests ``rows`` (batch indices) of the step; ``query_start_loc``
         [num_reqs + 1] host offsets of each request's rows in ``hidden``."""
+        if len(rows) == 0:
+            return hidden.new_zeros(0, hidden.shape[1], dtype=torch.float32)
         starts = query_start_loc[rows].astype(np.int64)
         ends = query_start_loc[rows + 1].astype(np.int64)
         device = hidden.device
