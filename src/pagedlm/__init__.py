@@ -15,8 +15,11 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "LoRARequest",
     "Logprob",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
@@ -32,6 +35,10 @@ def __getattr__(name: str):
         from pagedlm.entrypoints.llm import LLM
 
         return LLM
+    if name in ("PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput"):
+        import pagedlm.pooling  # torch, which `import pagedlm` alone does not load
+
+        return getattr(pagedlm.pooling, name)
     if name == "AsyncLLM":
         from pagedlm.engine.async_llm import AsyncLLM
 

@@ -169,6 +169,30 @@ class ArchConfig:
         return set(self.eos_token_id)
 
 
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+RUNNERS = ("auto", "generate", "pooling")
+"""``runner`` values (vLLM's); "auto" resolves to one of the other two at the edge."""
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How a pooling model turns a prompt's final hidden states into one vector
+    (``pagedlm.pooling``): from the sentence-transformers config when the checkpoint has
+    one, else vLLM's default for a decoder (the last token's, L2-normalized)."""
+
+    pooling_type: str = "LAST"
+    """"LAST" (the last token's hidden state), "MEAN" (the average over the prompt) or
+    "CLS" (the first token's)."""
+    normalize: bool = True
+    """L2-normalize the vector (a request's ``normalize`` may override it)."""
+    is_matryoshka: bool = False
+    """The model was trained so that a prefix of its vector is an embedding too, so a
+    request's ``dimensions`` may cut it (config.json's ``is_matryoshka`` or
+    ``matryoshka_dimensions``)."""
+    matryoshka_dimensions: tuple[int, ...] | None = None
+    """The prefix lengths ``dimensions`` may take (None: any up to the hidden size)."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str
@@ -191,6 +215,10 @@ class ModelConfig:
     trust_remote_code: bool = False
     enforce_eager: bool = False
     """Never replay decode steps from CUDA graphs (platforms without graphs are always eager)."""
+    runner: str = "generate"
+    """"generate" (sample tokens) or "pooling" (one vector per prompt, no decoding)."""
+    pooler: PoolerConfig | None = None
+    """With ``runner="pooling"``: how prompts are pooled."""
 
     @property
     def is_gguf(self) -> bool:
@@ -228,6 +256,9 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
     """"fcfs" (arrival order) or "priority" (lowest ``priority`` value first, then
     arrival; preemption takes the lowest-priority running request)."""
+    whole_prompts: bool = False
+    """A prompt is scheduled in one step or waits (the pooling runner: mean and CLS pooling
+    and bidirectional attention need every token of the prompt in the same forward)."""
 
     @property
     def chunked_prefill(self) -> bool:

@@ -18,7 +18,8 @@ sees the same (quantized) keys whether it is computed in a prefill or in a decod
 Sliding windows (per layer) and logit soft-capping (Gemma 2) change only the mask and the
 score function: window masks are built on first use per step and window size, and shared
 by every layer with that window; soft-capped scores are computed explicitly, because SDPA
-has no hook between the scores and the softmax.
+has no hook between the scores and the softmax. ``causal=False`` (encoders) drops the
+causal mask: every row of a request sees all its keys (a decode's single row already does).
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class CpuSdpaBackend(AttentionBackend):
     supports_logits_soft_cap = True
     supports_fp8_kv_cache = True
     supports_batch_invariant = True
+    supports_non_causal = True
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
@@ -171,7 +173,13 @@ class CpuSdpaBackend(AttentionBackend):
         logits_soft_cap: float | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        causal: bool = True,
     ) -> torch.Tensor:
+        if not causal and (sliding_window is not None or self.batch_invariant):
+            raise ValueError(
+                "cpu_sdpa has no bidirectional sliding-window or batch-invariant attention; "
+                "a layer asks for causal=False together with one of them."
+            )
         # Write first: a request may read slots that another request fills in this step.
         _write(key_cache, key, metadata.slot_mapping, k_scale)
         _write(value_cache, value, metadata.slot_mapping, v_scale)
@@ -206,7 +214,7 @@ class CpuSdpaBackend(AttentionBackend):
                 k = self._read(0, key_cache, chunk.block_ids, query.dtype, k_scale)
                 v = self._read(1, value_cache, chunk.block_ids, query.dtype, v_scale)
                 k, v = k[: chunk.seq_len], v[: chunk.seq_len]
-            mask = chunk.causal_mask
+            mask = chunk.causal_mask if causal else None
             if sliding_window is not None and sliding_window < chunk.seq_len:
                 mask = _chunk_window_mask(metadata, index, sliding_window)
             # [tokens, heads, head_dim] -> [1, heads, tokens, head_dim]: with 3-d inputs
@@ -218,6 +226,7 @@ class CpuSdpaBackend(AttentionBackend):
                 mask,
                 scale,
                 logits_soft_cap,
+                causal=causal,
             )
             output[rows] = out[0].transpose(0, 1)
         return output

@@ -14,14 +14,19 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_BLOCKS = 4, 2, 16, 64
 
 
 def reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    context_len: int,
+    scale: float,
+    causal: bool = True,
 ) -> torch.Tensor:
     """q: [query_len, heads, d]; k, v: [seq_len, kv_heads, d] -> [query_len, heads, d]."""
     q, k, v = q.double(), k.double(), v.double()
     group = NUM_HEADS // NUM_KV_HEADS
     out = torch.empty_like(q)
     for i in range(q.shape[0]):
-        visible = context_len + i + 1
+        visible = context_len + i + 1 if causal else k.shape[0]
         for h in range(NUM_HEADS):
             scores = (k[:visible, h // group] @ q[i, h]) * scale
             out[i, h] = torch.softmax(scores, 0) @ v[:visible, h // group]
@@ -34,9 +39,10 @@ def run_step(
     seed: int = 0,
     backend: CpuSdpaBackend | None = None,
     dtype: torch.dtype = torch.float32,
+    causal: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Run one step; requests are (context_len, query_len). Returns output, reference,
-    the new keys per request, and the key cache."""
+    the new keys per request, and the key cache. ``causal=False``: bidirectional."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     free_blocks = list(range(NUM_BLOCKS))
@@ -81,10 +87,11 @@ def run_step(
         value_cache,
         metadata,
         scale,
+        **({} if causal else {"causal": False}),
     )
     reference = torch.cat(
         [
-            reference_attention(q, k, v, context_len, scale)
+            reference_attention(q, k, v, context_len, scale, causal)
             for q, k, v, (context_len, _) in zip(queries, full_k, full_v, requests, strict=True)
         ]
     )
@@ -99,6 +106,13 @@ SCENARIOS = {
     "chunk_on_block_boundary": [(16, 16), (8, 4)],
     "decodes_filling_whole_blocks": [(15, 1), (15, 1), (0, 16)],
 }
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_bidirectional_matches_float64_reference(scenario: str) -> None:
+    """``causal=False``: every row sees all of its request's keys (cached ones too)."""
+    out, reference, *_ = run_step(SCENARIOS[scenario], 4, causal=False)
+    torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("block_size", [16, 4])

@@ -102,6 +102,7 @@ def test_every_body_route_is_described(fast_schema):
         "/v1/chat/completions": "#/components/schemas/ChatCompletionRequest",
         "/v1/messages": "#/components/schemas/MessagesRequest",
         "/v1/messages/count_tokens": "#/components/schemas/CountTokensRequest",
+        "/v1/embeddings": "#/components/schemas/EmbeddingRequest",
         "/tokenize": "#/components/schemas/TokenizeRequest",
         "/detokenize": "#/components/schemas/DetokenizeRequest",
         "/v1/load_lora_adapter": "#/components/schemas/LoadLoRAAdapterRequest",

@@ -115,7 +115,9 @@ class AttentionBackend(ABC):
       reads. A request may therefore read blocks that another request of the same step
       fills (prefix-cache hits on blocks scheduled in that step rely on this).
     - Query row ``t`` attends to key positions ``<= its own position`` of its request only;
-      with a ``sliding_window`` of ``w``, only to the ``w`` positions ``> position - w``.
+      with a ``sliding_window`` of ``w``, only to the ``w`` positions ``> position - w``;
+      with ``causal=False`` (backends with ``supports_non_causal``), to every position
+      ``< seq_len`` of its request.
 
     Optional features a model may ask for per layer (``forward``'s keyword arguments); a
     backend that implements one sets the matching flag, and the attention layer refuses
@@ -140,6 +142,8 @@ class AttentionBackend(ABC):
     then depends only on its own query and keys, never on the batch or on the chunk it
     was scheduled in (``pagedlm.batch_invariant``)."""
     batch_invariant: bool = False
+    supports_non_causal: ClassVar[bool] = False
+    """Whether ``forward`` honours ``causal=False`` (bidirectional encoders)."""
     reads_host_lengths: ClassVar[bool] = True
     """Whether ``build_metadata`` plans from the layout's host arrays (``*_cpu``). A backend
     that reads only its device tensors, taking ``max_*`` as bounds, sets False: the model
@@ -205,6 +209,7 @@ class AttentionBackend(ABC):
         logits_soft_cap: float | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        causal: bool = True,
     ) -> torch.Tensor:
         """Attention for every scheduled token.
 
@@ -216,8 +221,10 @@ class AttentionBackend(ABC):
         positions ``p - w + 1 .. p`` only (Mistral, Gemma 2/3 local layers). All positions'
         K/V are still written; which blocks may be freed early is the KV manager's concern.
         ``logits_soft_cap``: None, or ``c`` so that scores become ``c * tanh(scores / c)``
-        before the softmax (Gemma 2). Only passed when set, and only to backends whose
-        ``supports_*`` flag says so. ``k_scale``/``v_scale``: float32 [1] tensors, passed
-        exactly when the caches are float8 (``supports_fp8_kv_cache``): the new K/V are
-        stored as ``saturate(k / k_scale)`` and cached ones read as ``stored * k_scale``.
+        before the softmax (Gemma 2). ``causal=False``: every query row sees every key
+        position ``< seq_len`` of its request (BERT-style encoders). Only passed when set,
+        and only to backends whose ``supports_*`` flag says so. ``k_scale``/``v_scale``:
+        float32 [1] tensors, passed exactly when the caches are float8
+        (``supports_fp8_kv_cache``): the new K/V are stored as ``saturate(k / k_scale)``
+        and cached ones read as ``stored * k_scale``.
         """

@@ -23,6 +23,9 @@ class EngineCoreOutput(NamedTuple):
     num_cached_tokens: int = 0
     queued_seconds: float | None = None
     """Seconds from arrival to first scheduling (None until the request was scheduled)."""
+    pooled: list[float] | None = None
+    """A pooling request's vector (float32 values, before normalization), in the output
+    that finishes it."""
 
     @property
     def finished(self) -> bool:

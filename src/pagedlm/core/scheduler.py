@@ -69,6 +69,11 @@ preemption from the back of ``running`` takes the least urgent request.
 A request that could never fit (``prompt + max_tokens`` tokens need more than
 ``num_blocks`` blocks) is rejected in ``add_request`` instead of waiting forever.
 
+Pooling (``whole_prompts``, the pooling runner): a waiting prompt is admitted only when
+all of it fits the step's remaining budget, so it is never chunked; the step that feeds
+it returns its vector in ``ModelRunnerOutput.pooler_output`` instead of a token, and
+``update_from_output`` finishes it (finish reason "stop") with that vector.
+
 Progress bookkeeping: ``schedule()`` advances ``num_computed_tokens`` of every scheduled
 request by its scheduled count as soon as the request's step data is recorded (which
 carries the value *before* the step). ``update_from_output`` then only appends
@@ -435,6 +440,10 @@ class OneBudgetScheduler(Scheduler):
         assert request.num_output_placeholders == 0, "admitted only once its tokens are known"
         computed = self.kv_manager.get_computed_blocks(request)
         num_new_tokens = min(request.num_tokens - computed.num_computed_tokens, budget)
+        if self.config.whole_prompts and computed.num_computed_tokens + num_new_tokens < (
+            request.num_tokens
+        ):
+            return None  # not chunked: it waits for a step with room for all of it
         if self.kv_manager.allocate_slots(request, num_new_tokens, computed) is None:
             return None
         request.num_computed_tokens = computed.num_computed_tokens
@@ -459,6 +468,7 @@ class OneBudgetScheduler(Scheduler):
         all_prompt_logprobs = runner_output.prompt_logprobs
         if self._in_flight_req_ids:
             self._in_flight_req_ids.difference_update(scheduled)
+        pooled_outputs = runner_output.pooler_output
         for req_id, sampled in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, strict=True
         ):
@@ -466,6 +476,11 @@ class OneBudgetScheduler(Scheduler):
             if request is None or req_id not in scheduled:
                 continue  # finished or aborted after this step was scheduled
             new_token_ids: list[int] = []
+            pooled = pooled_outputs.get(req_id) if pooled_outputs else None
+            if pooled is not None:
+                # A pooling request ends with its prompt: the vector is its whole output.
+                request.num_output_placeholders -= 1
+                request.status = RequestStatus.FINISHED_STOPPED
             if sampled:
                 if speculating:
                     num_drafts = len(scheduled_drafts.get(req_id, ()))
@@ -503,6 +518,7 @@ class OneBudgetScheduler(Scheduler):
                     prompt_logprobs,
                     max(request.num_cached_tokens, 0),
                     request.queued_seconds,
+                    pooled,
                 )
             )
         return outputs

@@ -21,6 +21,7 @@ from pagedlm.config import (
     LoRAConfig,
     ModelConfig,
     ParallelConfig,
+    PoolerConfig,
     SchedulerConfig,
     parse_dtype,
     validate_fraction,
@@ -155,6 +156,10 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     """With enable_lora: adapters cached in host memory (None: max_loras); at least
     max_loras."""
+    runner: str = "auto"
+    """"generate" (sample tokens), "pooling" (one vector per prompt: LLM.embed, /v1/embeddings)
+    or "auto": pooling for embedding checkpoints (BertModel, Qwen3Model-style decoders without
+    LM head, sentence-transformers directories), else generate."""
 
     def __post_init__(self) -> None:
         # A dict (or KVEventsConfig) from Python travels as the CLI's JSON text, so the
@@ -269,6 +274,9 @@ class EngineArgs:
         max_num_batched_tokens = self.max_num_batched_tokens or max(
             DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs
         )
+        runner, pooler = self._runner(arch, model)
+        if runner == "pooling":
+            max_num_batched_tokens = self._pooling_token_budget(max_model_len)
         config = EngineConfig(
             model=ModelConfig(
                 model=model,
@@ -284,11 +292,14 @@ class EngineArgs:
                 bnb_quant_type=bnb_quant_type,
                 trust_remote_code=self.trust_remote_code,
                 enforce_eager=self.enforce_eager,
+                runner=runner,
+                pooler=pooler,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,
-                enable_prefix_caching=self.enable_prefix_caching,
+                # Pooling needs every prompt token's hidden state: nothing comes from cache.
+                enable_prefix_caching=self.enable_prefix_caching and runner != "pooling",
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 cache_dtype=validate_kv_cache_dtype(self.kv_cache_dtype),
@@ -304,6 +315,7 @@ class EngineArgs:
                 scheduling_policy=self.scheduling_policy,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
+                whole_prompts=runner == "pooling",
             ),
             platform=platform.name,
             attention_backend=self.attention_backend,
@@ -331,6 +343,34 @@ class EngineArgs:
         config = configure(config, platform)
         platform.bind_config(config)
         return config, platform
+
+    def _runner(self, arch: ArchConfig, model: str) -> tuple[str, PoolerConfig | None]:
+        from pagedlm.pooling.model_config import pooler_config, resolve_runner
+
+        runner = resolve_runner(self.runner, arch, model)
+        if runner != "pooling":
+            return runner, None
+        for name, value, off in (
+            ("speculative_config", self.speculative_config, None),
+            ("pipeline_parallel_size", self.pipeline_parallel_size, 1),
+        ):
+            if value != off:
+                raise ValueError(
+                    f"runner='pooling' does not support {name}={value!r} (a pooling step "
+                    f"ends every request it runs); drop {name}."
+                )
+        return runner, pooler_config(arch, model)
+
+    def _pooling_token_budget(self, max_model_len: int) -> int:
+        """The pooling runner schedules whole prompts, so one must fit a step's budget."""
+        budget = self.max_num_batched_tokens
+        if budget is not None and budget < max_model_len:
+            raise ValueError(
+                f"runner='pooling' runs each prompt in one step, so max_num_batched_tokens="
+                f"{budget} must be at least max_model_len={max_model_len}; raise "
+                "--max-num-batched-tokens or lower --max-model-len."
+            )
+        return budget or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs, max_model_len)
 
     def _parallel_config(self, arch: ArchConfig, platform: Platform) -> ParallelConfig:
         from pagedlm.distributed import setup_checks

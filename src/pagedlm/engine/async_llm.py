@@ -51,6 +51,7 @@ from pagedlm.engine.request_stream import RequestStream
 from pagedlm.lora.request import LoRARequest
 from pagedlm.metrics import EngineMetrics, Metric
 from pagedlm.outputs import RequestOutput
+from pagedlm.pooling import PoolingParams, PoolingRequestOutput
 from pagedlm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -173,6 +174,33 @@ class AsyncLLM:
         self._ensure_output_task()
         self._check_unique(request_id)
         processed = await self._process(request_id, prompt, sampling_params, priority, lora_request)
+        async with contextlib.aclosing(self._run(processed)) as outputs:
+            async for output in outputs:  # closing early aborts the request at once
+                yield output
+
+    async def encode(
+        self, prompt: PromptType, pooling_params: PoolingParams | None, request_id: str
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """The one output of a pooling request (``outputs.data``: its vector, after
+        ``pooling_params``); needs a pooling model. Errors as in ``generate``."""
+        from pagedlm.pooling.requests import process_pooling_request
+
+        self._check_alive()
+        self._ensure_output_task()
+        self._check_unique(request_id)
+        params = pooling_params or PoolingParams()
+        processed = process_pooling_request(self.input_processor, request_id, prompt, params)
+        pooler = self.config.model.pooler
+        assert pooler is not None
+        async with contextlib.aclosing(self._run(processed)) as outputs:
+            async for output in outputs:
+                assert isinstance(output, PoolingRequestOutput)
+                output.outputs.data = params.finish(output.outputs.data.tolist(), pooler)
+                yield output
+
+    async def _run(self, processed: ProcessedRequest) -> AsyncIterator[Any]:
+        """Send a processed request to the core and stream its outputs (see ``generate``)."""
+        request_id = processed.request_id
         self._check_alive()
         self._check_unique(request_id)  # the same id may have started while we tokenized
         self.output_processor.add_request(

@@ -11,8 +11,9 @@ processor is where they meet again. Each step it folds every child's new tokens 
 
 A parent is finished when all its children are. ``prompt_logprobs`` (``[None]`` plus
 one dict per later prompt position, gathered across prefill chunks) ride on the first
-output in DELTA mode and on every output otherwise. Metrics use ``time.monotonic()``,
-the clock ``arrival_time`` comes from.
+output in DELTA mode and on every output otherwise. A pooling request's one output is a
+``PoolingRequestOutput`` holding the raw vector its finishing step carried. Metrics use
+``time.monotonic()``, the clock ``arrival_time`` comes from.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
+import torch
+
 from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.engine.completion_state import CompletionState
 from pagedlm.engine.detokenizer import DetokenizerFactory
 from pagedlm.engine.logprobs_processor import LogprobsProcessor, TokenTextCache, row_token_ids
 from pagedlm.outputs import PromptLogprobs, RequestOutput
+from pagedlm.pooling.outputs import PoolingOutput, PoolingRequestOutput
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -33,7 +37,7 @@ if TYPE_CHECKING:
 
 
 class ProcessedOutputs(NamedTuple):
-    request_outputs: list[RequestOutput]
+    request_outputs: list[RequestOutput | PoolingRequestOutput]
     """Outputs to hand to the user this step, one per parent request at most."""
     reqs_to_abort: list[str]
     """Child request ids a stop string finished: the engine core must abort them."""
@@ -59,6 +63,8 @@ class _ParentRequest:
         self.num_unfinished = len(children)
         self.prompt_logprobs_sent = False
         self.metrics: dict[str, float] = {"arrival_time": arrival_time}
+        self.pooled: list[float] | None = None
+        """A pooling request's vector, once its step is done."""
 
     @property
     def finished(self) -> bool:
@@ -78,11 +84,22 @@ class _ParentRequest:
                 sum(len(child.token_ids) for child in self.children)
             )
 
-    def make_output(self, changed: list[CompletionState]) -> RequestOutput | None:
+    def make_output(
+        self, changed: list[CompletionState]
+    ) -> RequestOutput | PoolingRequestOutput | None:
         """This step's output (None: nothing to say yet in FINAL_ONLY mode)."""
         kind = self.output_kind
         if kind is RequestOutputKind.FINAL_ONLY and not self.finished:
             return None
+        if self.pooled is not None:
+            return PoolingRequestOutput(
+                self.request_id,
+                PoolingOutput(torch.tensor(self.pooled, dtype=torch.float32)),
+                self.prompt_token_ids,
+                self.finished,
+                self.prompt,
+                self._num_cached_tokens(),
+            )
         reported = sorted(changed, key=lambda c: c.index)
         if kind is not RequestOutputKind.DELTA:
             reported = self.children
@@ -198,6 +215,8 @@ class OutputProcessor:
                 parent.metrics.setdefault(
                     "first_scheduled_time", parent.metrics["arrival_time"] + output.queued_seconds
                 )
+            if output.pooled is not None:
+                parent.pooled = output.pooled
             num_tokens_before = len(child.token_ids)
             result = child.update(output)
             if result.stopped_by_string:

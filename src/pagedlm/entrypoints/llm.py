@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from tqdm.auto import tqdm
 
@@ -15,6 +15,7 @@ from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.lora.request import LoRARequest
 from pagedlm.metrics import Metric
 from pagedlm.outputs import RequestOutput
+from pagedlm.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -26,6 +27,27 @@ def _final_only(params: SamplingParams) -> SamplingParams:
     params = copy.copy(params)
     params.output_kind = RequestOutputKind.FINAL_ONLY
     return params
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    return [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+
+
+ParamsT = TypeVar("ParamsT", SamplingParams, PoolingParams)
+
+
+def _one_per_prompt(params: ParamsT | Sequence[ParamsT], num_prompts: int) -> list[ParamsT]:
+    """``params`` for every prompt, or the list of one per prompt it already is."""
+    if isinstance(params, (SamplingParams, PoolingParams)):
+        return [params] * num_prompts  # type: ignore[list-item]
+    params_list = list(params)
+    if len(params_list) != num_prompts:
+        name = type(params_list[0]).__name__ if params_list else "params"
+        raise ValueError(
+            f"Got {len(params_list)} {name} for {num_prompts} prompts; pass one {name} or "
+            "exactly one per prompt."
+        )
+    return params_list
 
 
 def _per_prompt(
@@ -109,20 +131,14 @@ class LLM:
         value per prompt (lower first), for an engine with ``scheduling_policy="priority"``.
         ``lora_request``: the adapter of every prompt, or one (or None) per prompt; needs
         ``enable_lora=True``."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass "
-                    "one SamplingParams or exactly one per prompt."
-                )
+        if self.llm_engine.config.model.runner == "pooling":
+            raise ValueError(
+                "This model runs with runner='pooling', which embeds and does not generate; "
+                "use LLM.embed() or LLM.encode() (to generate, load a generative model with "
+                "runner='generate')."
+            )
+        prompts = _prompt_list(prompts)
+        params_list = _one_per_prompt(sampling_params or SamplingParams(), len(prompts))
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(
@@ -140,7 +156,49 @@ class LLM:
         ]
         for request in processed:
             engine.add_processed_request(request)
-        return self._run_engine([r.request_id for r in processed], use_tqdm)
+        return self._run_engine([r.request_id for r in processed], use_tqdm)  # type: ignore[return-value]
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """One pooled vector per prompt (``outputs.data``, float32), in input order; needs
+        a pooling model (``runner="pooling"``, or "auto" on an embedding checkpoint)."""
+        from pagedlm.pooling.requests import process_pooling_request
+
+        prompts = _prompt_list(prompts)
+        params_list = _one_per_prompt(pooling_params or PoolingParams(), len(prompts))
+        engine = self.llm_engine
+        processed = [
+            process_pooling_request(
+                engine.input_processor, str(next(self._request_counter)), prompt, params
+            )
+            for prompt, params in zip(prompts, params_list)
+        ]
+        for request in processed:
+            engine.add_processed_request(request)
+        outputs = self._run_engine([r.request_id for r in processed], use_tqdm)
+        pooler = engine.config.model.pooler
+        assert pooler is not None
+        for output, params in zip(outputs, params_list):
+            assert isinstance(output, PoolingRequestOutput)
+            output.outputs.data = params.finish(output.outputs.data.tolist(), pooler)
+        return outputs  # type: ignore[return-value]
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``outputs.embedding``, a list of floats), in input
+        order; ``encode`` with vLLM's embedding output type."""
+        outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm)
+        return [EmbeddingRequestOutput.from_base(output) for output in outputs]
 
     def chat(
         self,
@@ -177,9 +235,11 @@ class LLM:
             prompts.append({"prompt_token_ids": list(token_ids)})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(
+        self, request_ids: list[str], use_tqdm: bool
+    ) -> list[RequestOutput | PoolingRequestOutput]:
         engine = self.llm_engine
-        final: dict[str, RequestOutput] = {}
+        final: dict[str, RequestOutput | PoolingRequestOutput] = {}
         bar = tqdm(
             total=len(request_ids),
             desc="Processed prompts",
@@ -193,7 +253,8 @@ class LLM:
                 for out in engine.step():
                     if out.finished:
                         final[out.request_id] = out
-                        output_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        if isinstance(out, RequestOutput):
+                            output_tokens += sum(len(c.token_ids) for c in out.outputs)
                         bar.update(1)
                         elapsed = bar.format_dict.get("elapsed") or 0
                         if elapsed > 0:

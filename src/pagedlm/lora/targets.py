@@ -16,6 +16,7 @@ from pagedlm.config import ArchConfig
 
 UNSUPPORTED_ARCHITECTURES = {
     "GPT2LMHeadModel": "GPT-2's Conv1D projections (c_attn, c_proj, c_fc)",
+    "BertModel": "BERT's query/key/value and dense projections",
 }
 MOE_ARCHITECTURES = frozenset({"MixtralForCausalLM", "Qwen3MoeForCausalLM"})
 

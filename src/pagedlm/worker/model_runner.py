@@ -40,6 +40,7 @@ from pagedlm.model_executor.layers.attention import (
 from pagedlm.model_executor.loader import load_model
 from pagedlm.platforms import Platform
 from pagedlm.platforms.interface import GraphRunner
+from pagedlm.pooling.pooler import PooledStep, make_pooler
 from pagedlm.sample.host_copy import tensor_to_device
 from pagedlm.sample.logprobs import compute_logprobs
 from pagedlm.sample.metadata import SamplingMetadata
@@ -82,6 +83,8 @@ class _ForwardDone:
     """[num_tokens, hidden] the step's hidden states (proposers read them)."""
     to_propose: dict[str, int]
     """``SchedulerOutput.num_drafts_to_propose``."""
+    pooled: torch.Tensor | None = None
+    """The pooling runner's vectors [len(inputs.sampled), hidden] (then no logits)."""
 
 
 def model_attention_layers(model: torch.nn.Module) -> list[int]:
@@ -139,6 +142,8 @@ class ModelRunner:
             sched.max_num_batched_tokens,
         )
         self.speculator = Speculator(config, self.input_batch, target, self.sampler, host_lengths)
+        self.pooler = make_pooler(config.model)
+        """The pooling runner's pooler (None: the runner samples tokens)."""
         self.kv_cache: KVCache | None = None
         self.graph_runner: GraphRunner | None = None
         self._measuring_kv_scales = False
@@ -178,7 +183,7 @@ class ModelRunner:
             ids = torch.zeros(num_tokens, dtype=torch.int32, device=self.device)
             positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
             hidden = run_stage(self.model, ids, positions, ctx, self.config.model.dtype)
-            if hidden is not None:
+            if hidden is not None and self.pooler is None:
                 rows = hidden[: min(sched.max_num_seqs, num_tokens)]
                 rows = rows.repeat(-(-sched.max_num_seqs // rows.shape[0]), 1)
                 self.model.compute_logits(rows[: sched.max_num_seqs]).softmax(-1)
@@ -235,7 +240,14 @@ class ModelRunner:
         )
         # Graphs capture one forward; a pipeline stage also waits on its neighbours.
         pipelined = get_pipeline_state().world_size > 1
-        if self.platform.supports_cuda_graphs and not self.enforce_eager and not pipelined:
+        # Graphs capture decode steps; a pooling runner never decodes.
+        decodes = self.pooler is None
+        if (
+            self.platform.supports_cuda_graphs
+            and not self.enforce_eager
+            and not pipelined
+            and decodes
+        ):
             self.graph_runner = self.platform.capture_graphs(self)
             self.speculator.capture_graphs(self)
         if self.config.cache.calculate_kv_scales and fp8.is_fp8(self.kv_cache_dtype):
@@ -266,6 +278,10 @@ class ModelRunner:
         hidden = self._forward(inputs)
         if hidden is None:  # a pipeline stage before the last: no logits here
             self._forward_done = _ForwardDone(inputs, None, None, {})
+            return
+        if self.pooler is not None:
+            pooled = self.pooler(hidden, layout.query_start_loc_cpu, inputs.sampled)
+            self._forward_done = _ForwardDone(inputs, None, None, {}, pooled)
             return
         if inputs.logits_indices is None:
             rows = hidden[: len(inputs.sampled)]
@@ -318,6 +334,9 @@ class ModelRunner:
         if done is None:
             return FinishedStep(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         inputs, logits = done.inputs, done.logits
+        if done.pooled is not None:
+            pooled_ids = [inputs.req_ids[i] for i in inputs.sampled]
+            return PooledStep(inputs.req_ids, pooled_ids, done.pooled)
         if logits is None:  # a stage before the last: the last one samples and reports
             return FinishedStep(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         batch = self.input_batch

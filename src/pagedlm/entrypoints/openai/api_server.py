@@ -239,6 +239,7 @@ def run_server(args: argparse.Namespace) -> None:
             trust_request_chat_template=args.trust_request_chat_template,
             loras=loras,
             structured_outputs_backend=engine.config.structured_outputs_backend,
+            runner=engine.config.model.runner,
         )
         on_death = _EngineDeathExit(args.engine_death_grace_period, args.keep_alive_on_engine_death)
         app = build_app(

@@ -53,10 +53,12 @@ from pagedlm.entrypoints.openai.protocol import (
 )
 from pagedlm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
 from pagedlm.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagedlm.entrypoints.openai.protocol_embedding import EmbeddingRequest
 from pagedlm.entrypoints.openai.request_body import parse_body, warning_header
 from pagedlm.entrypoints.openai.responses_store import owner_of
 from pagedlm.entrypoints.openai.serving_chat import ChatServer
 from pagedlm.entrypoints.openai.serving_completion import CompletionServer
+from pagedlm.entrypoints.openai.serving_embedding import EmbeddingServer
 from pagedlm.entrypoints.openai.serving_engine import ServingContext, until_disconnected
 from pagedlm.entrypoints.openai.serving_lora import (
     LoadLoRAAdapterRequest,
@@ -213,6 +215,14 @@ def _add_responses_routes(app: FastAPI, ctx: ServingContext) -> None:
         return JSONResponse(responses.delete(owner(request), request.path_params["response_id"]))
 
 
+def _add_embedding_routes(app: FastAPI, ctx: ServingContext) -> None:
+    embeddings = EmbeddingServer(ctx)
+
+    @_body_route(app, ctx, "/v1/embeddings", EmbeddingRequest, anthropic=False)
+    async def create_embedding(request: Request, body: EmbeddingRequest) -> Response:
+        return await _respond(request, embeddings.create(body), anthropic=False)
+
+
 def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
     from pagedlm import __version__
 
@@ -367,6 +377,7 @@ def build_app(
     app.add_exception_handler(HTTPException, http_error)
     _add_generation_routes(app, ctx)
     _add_responses_routes(app, ctx)
+    _add_embedding_routes(app, ctx)
     _add_info_routes(app, ctx)
     _add_lora_routes(app, ctx)
     install_openapi(app, app.state.body_models)

@@ -209,22 +209,29 @@ class CompletionRequest(SamplingFields):
 
     def prompts(self) -> list[str | dict[str, Any]]:
         """The prompt field as a list of engine prompts (text or token ids)."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        if not prompt:
-            raise APIError("prompt is empty; pass a string or token ids.", param="prompt")
-        if all(isinstance(p, int) for p in prompt):
-            return [{"prompt_token_ids": list(prompt)}]
-        if all(isinstance(p, str) for p in prompt):
-            return list(prompt)
-        if all(isinstance(p, list) for p in prompt):
-            return [{"prompt_token_ids": list(p)} for p in prompt]
-        raise APIError(
-            "prompt must be a string, a list of strings, a list of token ids or a list of "
-            "token-id lists; do not mix them.",
-            param="prompt",
-        )
+        return engine_prompts(self.prompt, "prompt")
+
+
+def engine_prompts(
+    value: str | list[str] | list[int] | list[list[int]], param: str
+) -> list[str | dict[str, Any]]:
+    """A text / texts / token ids / token-id lists field as engine prompts; a 400 naming
+    ``param`` when it is empty or mixes kinds."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise APIError(f"{param} is empty; pass a string or token ids.", param=param)
+    if all(isinstance(p, int) for p in value):
+        return [{"prompt_token_ids": list(value)}]
+    if all(isinstance(p, str) for p in value):
+        return list(value)
+    if all(isinstance(p, list) for p in value):
+        return [{"prompt_token_ids": list(p)} for p in value]
+    raise APIError(
+        f"{param} must be a string, a list of strings, a list of token ids or a list of "
+        "token-id lists; do not mix them.",
+        param=param,
+    )
 
 
 RESERVED_TEMPLATE_KWARGS = frozenset(

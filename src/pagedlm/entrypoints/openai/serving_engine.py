@@ -67,6 +67,8 @@ class ServingContext:
     """The LoRA adapters a request's ``model`` may name."""
     structured_outputs_backend: str = "xgrammar"
     """The engine's grammar backend (what a request's ``guided_decoding_backend`` must name)."""
+    runner: str = "generate"
+    """The engine's runner: "pooling" serves /v1/embeddings and answers 400 to generation."""
     created: int = field(default_factory=lambda: int(time.time()))
     _counter: itertools.count = field(default_factory=itertools.count)
     _background: set[asyncio.Task] = field(default_factory=set)
@@ -155,6 +157,12 @@ class ServingContext:
         """
         if self._shutdown_expired:
             raise APIError(SHUTDOWN_MESSAGE, status=503)
+        if self.runner == "pooling":
+            raise APIError(
+                "This model is served with --runner pooling, which embeds and does not "
+                "generate; use /v1/embeddings (to generate, serve a generative model "
+                "with --runner generate)."
+            )
         tracker = RequestLatencyTracker(self.metrics)
         stream = self.engine.generate(prompt, params, request_id, priority, lora_request)
         finished = False

@@ -10,7 +10,7 @@ from pagedlm.model_executor.forward_context import ForwardContext
 
 
 class Attention(nn.Module):
-    """Causal attention of one decoder layer over the paged KV cache.
+    """Attention of one layer over the paged KV cache (causal unless ``causal=False``).
 
     forward(q [T, num_heads * head_dim], k, v [T, num_kv_heads * head_dim], ctx)
     -> [T, num_heads * head_dim]. Holds no weights; ``layer_idx`` picks this layer's cache.
@@ -20,6 +20,9 @@ class Attention(nn.Module):
     ``k_scale``/``v_scale`` (float32 [1] buffers, 1.0 by default) dequantize an FP8 KV
     cache (``pagedlm.kv_cache.fp8``); they are passed to the backend only when this
     layer's cache is FP8. ``calculate_kv_scales`` set: the next forward measures them.
+    ``causal=False`` (encoders such as BERT) lets every token of a request attend to every
+    token of it, only for backends with ``supports_non_causal``, and only for steps that
+    feed each request's whole prompt (the pooling runner schedules no chunks).
     """
 
     calculate_kv_scales: bool = False
@@ -33,6 +36,7 @@ class Attention(nn.Module):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        causal: bool = True,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
@@ -47,14 +51,17 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self.causal = causal
         # Keyword arguments only when set, so backends that predate them keep working.
-        self._extra_kwargs: dict[str, int | float] = {}
+        self._extra_kwargs: dict[str, int | float | bool] = {}
         if sliding_window is not None:
             self._extra_kwargs["sliding_window"] = sliding_window
         if logits_soft_cap is not None:
             self._extra_kwargs["logits_soft_cap"] = logits_soft_cap
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        if not causal:
+            self._extra_kwargs["causal"] = False
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
@@ -99,19 +106,22 @@ class Attention(nn.Module):
         for feature, flag in (
             ("sliding_window", "supports_sliding_window"),
             ("logits_soft_cap", "supports_logits_soft_cap"),
+            ("causal", "supports_non_causal"),
         ):
             if feature in self._extra_kwargs and not getattr(backend, flag, False):
                 raise ValueError(
                     f"layer {self.layer_idx} needs {feature}={self._extra_kwargs[feature]}, "
                     f"which the {backend.name!r} attention backend does not implement; choose "
-                    "a backend that does (e.g. attention_backend='cpu_sdpa') or another model."
+                    "a backend that does (e.g. the CPU platform's attention_backend='cpu_sdpa') "
+                    "or another model."
                 )
 
     def extra_repr(self) -> str:
         return (
             f"layer_idx={self.layer_idx}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, scale={self.scale}, "
-            f"sliding_window={self.sliding_window}, logits_soft_cap={self.logits_soft_cap}"
+            f"sliding_window={self.sliding_window}, logits_soft_cap={self.logits_soft_cap}, "
+            f"causal={self.causal}"
         )
 
 

@@ -8,6 +8,7 @@ from torch import nn
 
 _MODELS = "pagedlm.model_executor.models"
 _LLAMA = f"{_MODELS}.llama"
+_EMBEDDING = f"{_MODELS}.decoder_embedding"
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": f"{_LLAMA}:LlamaForCausalLM",
@@ -20,6 +21,12 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": f"{_MODELS}.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": f"{_MODELS}.gemma3:Gemma3ForCausalLM",
     "GPT2LMHeadModel": f"{_MODELS}.gpt2:GPT2LMHeadModel",
+    # Embedding models (no LM head): served by the pooling runner.
+    "BertModel": f"{_MODELS}.bert:BertModel",
+    "LlamaModel": f"{_EMBEDDING}:LlamaModel",
+    "MistralModel": f"{_EMBEDDING}:MistralModel",
+    "Qwen2Model": f"{_EMBEDDING}:Qwen2Model",
+    "Qwen3Model": f"{_EMBEDDING}:Qwen3Model",
 }
 """HF architecture name -> ``"module:Class"``."""
 

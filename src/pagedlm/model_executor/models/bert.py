@@ -1,0 +1,159 @@
+"""BERT-family encoders (``BertModel``, as sentence-transformers ships them).
+
+Absolute learned positions plus token-type embeddings, post-LayerNorm blocks, a GELU MLP
+and bidirectional attention (``Attention(causal=False)``: the pooling runner feeds each
+prompt whole, so every token sees every other). Every prompt is one segment: token type
+0 for all tokens, as sentence-transformers encodes a single text.
+
+Layout: ``input_ids``/``positions`` [num_tokens] of the flattened batch, activations
+[num_tokens, hidden_size]. Parameter names follow HF's except the merged ``qkv_proj``,
+filled from ``attention.self.{query,key,value}``; files saved from a task model (with a
+``bert.`` prefix) load too, and the unused ``pooler`` and task heads are skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedlm.config import ArchConfig
+from pagedlm.model_executor.forward_context import ForwardContext
+from pagedlm.model_executor.layers.attention import Attention
+from pagedlm.model_executor.layers.gelu import get_gelu
+from pagedlm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from pagedlm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
+from pagedlm.model_executor.loader.weight_utils import get_weight_loader
+
+_QKV = {"query": "q", "key": "k", "value": "v"}
+_SKIPPED_PREFIXES = ("pooler.", "cls.", "embeddings.position_ids")
+
+
+def _eps(arch: ArchConfig) -> float:
+    return float(arch.raw.get("layer_norm_eps", 1e-12))
+
+
+class BertEmbeddings(nn.Module):
+    """ids, positions [T] -> LayerNorm(word + position + token type 0) [T, hidden]."""
+
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        hidden = arch.hidden_size
+        self.word_embeddings = VocabParallelEmbedding(arch.vocab_size, hidden)
+        self.position_embeddings = VocabParallelEmbedding(arch.max_position_embeddings, hidden)
+        self.token_type_embeddings = VocabParallelEmbedding(
+            int(arch.raw.get("type_vocab_size", 2)), hidden
+        )
+        self.LayerNorm = nn.LayerNorm(hidden, eps=_eps(arch))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        token_types = torch.zeros_like(input_ids)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
+        return self.LayerNorm(x + self.token_type_embeddings(token_types))
+
+
+class BertAttention(nn.Module):
+    """x [T, hidden] -> LayerNorm(x + dense(attention(q, k, v))), bidirectional."""
+
+    def __init__(self, arch: ArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        hidden, heads, head_dim = arch.hidden_size, arch.num_attention_heads, arch.head_dim
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, heads, bias=True)
+        self.attn = Attention(
+            layer_idx,
+            num_heads=self.qkv_proj.num_heads,
+            num_kv_heads=self.qkv_proj.num_kv_heads,
+            head_dim=head_dim,
+            scale=head_dim**-0.5,
+            causal=False,
+        )
+        self.dense = RowParallelLinear(heads * head_dim, hidden, bias=True)
+        self.LayerNorm = nn.LayerNorm(hidden, eps=_eps(arch))
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        return self.LayerNorm(x + self.dense(self.attn(q, k, v, ctx)))
+
+
+class BertLayer(nn.Module):
+    """x [T, hidden] -> LayerNorm(h + down(gelu(up(h)))), h = attention(x)."""
+
+    def __init__(self, arch: ArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.attention = BertAttention(arch, layer_idx)
+        self.intermediate = ColumnParallelLinear(
+            arch.hidden_size, arch.intermediate_size, bias=True
+        )
+        self.act = get_gelu(arch.hidden_act or "gelu")
+        self.output = RowParallelLinear(arch.intermediate_size, arch.hidden_size, bias=True)
+        self.output_norm = nn.LayerNorm(arch.hidden_size, eps=_eps(arch))
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = self.attention(x, ctx)
+        return self.output_norm(h + self.output(self.act(self.intermediate(h))))
+
+
+class BertModel(nn.Module):
+    """The model runner's entry point for ``BertModel`` checkpoints: input_ids, positions
+    [T] -> the last layer's hidden states [T, hidden] (what the poolers read)."""
+
+    def __init__(self, arch: ArchConfig, max_model_len: int | None = None) -> None:
+        super().__init__()
+        kind = arch.raw.get("position_embedding_type", "absolute")
+        if kind != "absolute":
+            raise ValueError(
+                f"BertModel with position_embedding_type={kind!r} is not supported; pagedlm "
+                "runs absolute position embeddings."
+            )
+        self.arch = arch
+        self.embeddings = BertEmbeddings(arch)
+        self.layers = nn.ModuleList(BertLayer(arch, i) for i in range(arch.num_hidden_layers))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        intermediate: object = None,
+    ) -> torch.Tensor:
+        x = self.embeddings(input_ids, positions)
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return x
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the parameters; returns the parameter names filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("bert.")
+            if name.startswith(_SKIPPED_PREFIXES):
+                continue
+            name = name.replace("encoder.layer.", "layers.")
+            name = name.replace(".attention.output.dense.", ".attention.dense.")
+            name = name.replace(".attention.output.LayerNorm.", ".attention.LayerNorm.")
+            name = name.replace(".intermediate.dense.", ".intermediate.")
+            name = name.replace(".output.dense.", ".output.")
+            name = name.replace(".output.LayerNorm.", ".output_norm.")
+            shard_id = None
+            for part, shard in _QKV.items():
+                if f".attention.self.{part}." in name:
+                    name = name.replace(f".attention.self.{part}.", ".attention.qkv_proj.")
+                    shard_id = shard
+            if name not in params:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has no parameter in BertModel; the file "
+                    "does not match a BERT architecture."
+                )
+            param = params[name]
+            if shard_id is not None:
+                param.weight_loader(param, tensor, shard_id)
+            else:
+                get_weight_loader(param)(param, tensor)
+            loaded.add(name)
+        return loaded

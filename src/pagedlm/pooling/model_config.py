@@ -1,0 +1,120 @@
+"""Which runner a checkpoint gets, and how its prompts are pooled (``PoolerConfig``).
+
+``runner="auto"`` (vLLM's default) serves embedding checkpoints as pooling models: an
+encoder or a decoder without LM head (``POOLING_ARCHITECTURES``), or any directory that
+sentence-transformers saved (``modules.json``). Everything else generates.
+
+The pooling of a sentence-transformers directory comes from its modules: the ``Pooling``
+module's config (CLS, mean or last token) and whether a ``Normalize`` module follows.
+Without one, vLLM's defaults apply: CLS for BERT-family encoders, the last token for
+decoders, L2-normalized either way.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pagedlm.config import RUNNERS, ArchConfig, PoolerConfig
+
+POOLING_ARCHITECTURES = frozenset(
+    {"BertModel", "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"}
+)
+"""Architectures that only embed (no LM head): "auto" runs them as pooling models."""
+ENCODER_ARCHITECTURES = frozenset({"BertModel"})
+"""Bidirectional encoders: their default pooling is CLS, and they cannot generate."""
+
+_ST_MODULES = "sentence_transformers.models."
+_ST_POOLING_MODES = {
+    "pooling_mode_cls_token": "CLS",
+    "pooling_mode_mean_tokens": "MEAN",
+    "pooling_mode_lasttoken": "LAST",
+}
+_ST_UNSUPPORTED_MODES = (
+    "pooling_mode_max_tokens",
+    "pooling_mode_mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens",
+)
+
+
+def _modules(model_path: str) -> list[dict[str, Any]] | None:
+    """sentence-transformers' ``modules.json`` of ``model_path`` (None: not such a directory)."""
+    path = Path(model_path) / "modules.json"
+    if not path.is_file():
+        return None
+    modules = json.loads(path.read_text())
+    if not isinstance(modules, list):
+        raise ValueError(f"{path} is not a list of modules; it is not sentence-transformers'.")
+    return modules
+
+
+def resolve_runner(requested: str, arch: ArchConfig, model_path: str) -> str:
+    """ "generate" or "pooling" for ``runner=requested``; errors name the fix."""
+    if requested not in RUNNERS:
+        raise ValueError(f"runner={requested!r} is unknown; use one of {list(RUNNERS)}.")
+    embeds = arch.architecture in POOLING_ARCHITECTURES
+    if requested == "auto":
+        is_st = not model_path.endswith(".gguf") and _modules(model_path) is not None
+        return "pooling" if embeds or is_st else "generate"
+    if requested == "generate" and embeds:
+        raise ValueError(
+            f"{arch.architecture} has no LM head, so it cannot generate; serve it with "
+            "runner='pooling' (--runner pooling) or runner='auto'."
+        )
+    return requested
+
+
+def pooler_config(arch: ArchConfig, model_path: str) -> PoolerConfig:
+    """How a pooling model pools: from its sentence-transformers modules, else defaults."""
+    matryoshka = arch.raw.get("matryoshka_dimensions")
+    is_matryoshka = bool(arch.raw.get("is_matryoshka")) or bool(matryoshka)
+    dimensions = tuple(int(d) for d in matryoshka) if matryoshka else None
+    modules = None if model_path.endswith(".gguf") else _modules(model_path)
+    if modules is None:
+        default = "CLS" if arch.architecture in ENCODER_ARCHITECTURES else "LAST"
+        return PoolerConfig(default, True, is_matryoshka, dimensions)
+    pooling_type, normalize = _from_modules(modules, Path(model_path))
+    return PoolerConfig(pooling_type, normalize, is_matryoshka, dimensions)
+
+
+def _from_modules(modules: list[dict[str, Any]], root: Path) -> tuple[str, bool]:
+    pooling_type = None
+    normalize = False
+    for module in modules:
+        kind = str(module.get("type", "")).removeprefix(_ST_MODULES)
+        if kind == "Transformer":
+            if module.get("path", "") not in ("", "."):
+                raise ValueError(
+                    f"the Transformer module of {root} lives in {module['path']!r}; pass that "
+                    "sub-directory as the model."
+                )
+        elif kind == "Pooling":
+            pooling_type = _pooling_type(root / module.get("path", "") / "config.json")
+        elif kind == "Normalize":
+            normalize = True
+        else:
+            raise ValueError(
+                f"sentence-transformers module {module.get('type')!r} of {root} is not "
+                "supported; pagedlm runs Transformer, Pooling and Normalize modules."
+            )
+    if pooling_type is None:
+        raise ValueError(f"{root}/modules.json has no Pooling module; add one or remove the file.")
+    return pooling_type, normalize
+
+
+def _pooling_type(path: Path) -> str:
+    if not path.is_file():
+        raise ValueError(f"the sentence-transformers Pooling module has no {path}.")
+    config = json.loads(path.read_text())
+    unsupported = [mode for mode in _ST_UNSUPPORTED_MODES if config.get(mode)]
+    chosen = [kind for key, kind in _ST_POOLING_MODES.items() if config.get(key)]
+    if unsupported or len(chosen) != 1:
+        raise ValueError(
+            f"{path} asks for pooling {unsupported + chosen or 'none'}; pagedlm supports "
+            "exactly one of pooling_mode_cls_token, pooling_mode_mean_tokens and "
+            "pooling_mode_lasttoken."
+        )
+    if config.get("include_prompt") is False:
+        raise ValueError(f"{path} sets include_prompt=false, which pagedlm does not support.")
+    return chosen[0]

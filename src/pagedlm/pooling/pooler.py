@@ -1,0 +1,76 @@
+"""The worker's pooler: one vector per finished prompt from a step's hidden states.
+
+Invariant it relies on: the pooling runner schedules whole prompts (``whole_prompts``,
+no prefix caching), so a request that finishes its prompt in a step has every one of its
+tokens among that step's rows, ``query_start_loc[i] .. query_start_loc[i + 1] - 1``.
+Normalization and ``dimensions`` are per request and applied by the front end
+(``PoolingParams.finish``), so what travels back is the raw pooled vector.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedlm.config import POOLING_TYPES, ModelConfig
+from pagedlm.step import ModelRunnerOutput
+
+
+class Pooler:
+    """hidden states [num_tokens, hidden] -> [num_pooled, hidden] float32 vectors."""
+
+    def __init__(self, pooling_type: str) -> None:
+        if pooling_type not in POOLING_TYPES:
+            raise ValueError(
+                f"pooling type {pooling_type!r} is unknown; use one of {list(POOLING_TYPES)}."
+            )
+        self.pooling_type = pooling_type
+
+    def __call__(
+        self, hidden: torch.Tensor, query_start_loc: np.ndarray, rows: np.ndarray
+    ) -> torch.Tensor:
+        """Pool requests ``rows`` (batch indices) of the step; ``query_start_loc``
+        [num_reqs + 1] host offsets of each request's rows in ``hidden``."""
+        if len(rows) == 0:
+            return hidden.new_zeros(0, hidden.shape[1], dtype=torch.float32)
+        starts = query_start_loc[rows].astype(np.int64)
+        ends = query_start_loc[rows + 1].astype(np.int64)
+        device = hidden.device
+        if self.pooling_type == "LAST":
+            return hidden.index_select(0, torch.from_numpy(ends - 1).to(device)).float()
+        if self.pooling_type == "CLS":
+            return hidden.index_select(0, torch.from_numpy(starts).to(device)).float()
+        # MEAN: one index_add over every pooled row, each row tagged with its request.
+        lengths = ends - starts
+        token_rows = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)])
+        owners = np.repeat(np.arange(len(rows)), lengths)
+        sums = torch.zeros(len(rows), hidden.shape[1], dtype=torch.float32, device=device)
+        values = hidden.index_select(0, torch.from_numpy(token_rows).to(device)).float()
+        sums.index_add_(0, torch.from_numpy(owners).to(device), values)
+        return sums / torch.from_numpy(lengths).to(device, torch.float32)[:, None]
+
+
+class PooledStep:
+    """A pooling step's handle: ``result()`` waits for its vectors and reports them as
+    ``pooler_output`` (every scheduled request samples nothing)."""
+
+    def __init__(self, req_ids: list[str], pooled_ids: list[str], pooled: torch.Tensor) -> None:
+        self.req_ids = req_ids
+        self.pooled_ids = pooled_ids
+        self.pooled = pooled
+
+    def result(self) -> ModelRunnerOutput:
+        rows = self.pooled.cpu().tolist()
+        return ModelRunnerOutput(
+            req_ids=self.req_ids,
+            sampled_token_ids=[[] for _ in self.req_ids],
+            pooler_output=dict(zip(self.pooled_ids, rows, strict=True)),
+        )
+
+
+def make_pooler(model_config: ModelConfig) -> Pooler | None:
+    """The pooler of a pooling runner; None for a generating one."""
+    if model_config.runner != "pooling":
+        return None
+    assert model_config.pooler is not None, "a pooling model config has a pooler"
+    return Pooler(model_config.pooler.pooling_type)

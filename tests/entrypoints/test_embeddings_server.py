@@ -1,0 +1,153 @@
+"""``/v1/embeddings`` through the unmodified openai SDK, in process over a real ``AsyncLLM``
+(its engine core in a child process) serving a tiny random BERT; and the 400s that name
+``--runner`` on a server of the wrong kind."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from embedding_checkpoints import TEXTS, hf_hidden, reference_vector, write_bert
+from pagedlm import AsyncLLM
+from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.entrypoints.openai.app import build_app
+from pagedlm.entrypoints.openai.serving_embedding import encode_vector
+from pagedlm.entrypoints.openai.serving_engine import ServingContext
+from pagedlm.metrics.prometheus import PrometheusMetrics
+
+MODEL = "tiny-bert"
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    path = tmp_path_factory.mktemp("bert-mean")
+    return path, write_bert(path, "mean", normalize=True)
+
+
+@pytest.fixture(scope="module")
+def app(bert_dir):
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=str(bert_dir[0]), num_kv_blocks=64))
+    ctx = ServingContext(
+        engine=engine,
+        model_names=[MODEL],
+        metrics=PrometheusMetrics(MODEL),
+        tokenizer=engine.get_tokenizer(),
+        max_model_len=engine.config.model.max_model_len,
+        runner=engine.config.model.runner,
+    )
+    app = build_app(ctx)
+    app.tokenizer = engine.get_tokenizer()  # for the tests' references
+    yield app
+    engine.shutdown()
+
+
+def _run(app, work):
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            client = openai.AsyncOpenAI(api_key="x", base_url="http://t/v1", http_client=http)
+            return await work(client, http)
+
+    return asyncio.run(main())
+
+
+def _references(bert_dir, app) -> list[torch.Tensor]:
+    tokenizer = app.tokenizer
+    model = bert_dir[1]
+    return [
+        reference_vector(hf_hidden(model, tokenizer.encode(text)), "mean", True) for text in TEXTS
+    ]
+
+
+@pytest.mark.parametrize("encoding_format", ["float", "base64", None])
+def test_sdk_embeddings_match_transformers(app, bert_dir, encoding_format):
+    """None: the SDK's default, which asks for base64 on the wire and decodes it itself."""
+
+    async def work(client, http):
+        if encoding_format is None:
+            return await client.embeddings.create(model=MODEL, input=TEXTS)
+        return await client.embeddings.create(
+            model=MODEL, input=TEXTS, encoding_format=encoding_format
+        )
+
+    response = _run(app, work)
+    assert [item.index for item in response.data] == list(range(len(TEXTS)))
+    tokenizer = app.tokenizer
+    num_tokens = sum(len(tokenizer.encode(text)) for text in TEXTS)
+    assert response.usage.prompt_tokens == response.usage.total_tokens == num_tokens
+    assert response.model == MODEL
+    for item, want in zip(response.data, _references(bert_dir, app), strict=True):
+        embedding = item.embedding
+        if encoding_format == "base64":  # asked for explicitly: the SDK hands it over as is
+            embedding = np.frombuffer(base64.b64decode(embedding), dtype="<f4").tolist()
+        got = torch.tensor(embedding)
+        assert (got - want).abs().max().item() < 1e-4
+
+
+def test_base64_is_little_endian_float32_of_the_float_answer(app):
+    async def work(client, http):
+        body = {"model": MODEL, "input": [[5, 6, 7, 8], [9, 10]]}  # token-id lists
+        floats = await http.post("/v1/embeddings", json=body)
+        packed = await http.post("/v1/embeddings", json={**body, "encoding_format": "base64"})
+        single = await http.post("/v1/embeddings", json={"model": MODEL, "input": [5, 6, 7, 8]})
+        return floats.json(), packed.json(), single.json()
+
+    floats, packed, single = _run(app, work)
+    for plain, encoded in zip(floats["data"], packed["data"], strict=True):
+        decoded = np.frombuffer(base64.b64decode(encoded["embedding"]), dtype="<f4")
+        np.testing.assert_array_equal(decoded, np.asarray(plain["embedding"], dtype=np.float32))
+    assert floats["usage"]["prompt_tokens"] == 6
+    assert single["data"][0]["embedding"] == floats["data"][0]["embedding"]
+    assert encode_vector(torch.tensor([1.0, -2.5]), "base64") == base64.b64encode(
+        np.array([1.0, -2.5], dtype="<f4").tobytes()
+    ).decode("ascii")
+
+
+def test_bad_requests_get_400_naming_the_fix(app):
+    async def work(client, http):
+        answers = {}
+        for name, body in {
+            "dimensions": {"input": "hello", "dimensions": 8},  # not a Matryoshka model
+            "empty": {"input": []},
+            "mixed": {"input": ["hello", [5, 6]]},
+            "empty_ids": {"input": [[5], []]},
+            "vocab": {"input": [[5, 10_000]]},
+            "generate": None,
+        }.items():
+            if body is None:
+                response = await http.post("/v1/completions", json={"prompt": "hi"})
+            else:
+                response = await http.post("/v1/embeddings", json={"model": MODEL, **body})
+            answers[name] = (response.status_code, response.json()["error"]["message"])
+        ok = await client.embeddings.create(model=MODEL, input="hello", encoding_format="float")
+        return answers, ok
+
+    answers, ok = _run(app, work)
+    assert all(status == 400 for status, _ in answers.values()), answers
+    assert "Matryoshka" in answers["dimensions"][1]
+    assert "input is empty" in answers["empty"][1]
+    assert answers["mixed"][1].startswith("input")
+    assert "The prompt is empty" in answers["empty_ids"][1]
+    assert "outside the vocabulary" in answers["vocab"][1]
+    assert "--runner" in answers["generate"][1] and "/v1/embeddings" in answers["generate"][1]
+    assert len(ok.data[0].embedding) == 32  # the server still serves after the errors
+
+
+def test_embeddings_on_a_generative_server_name_the_runner_flag():
+    ctx = ServingContext(engine=None, model_names=["gen"], metrics=PrometheusMetrics("gen"))
+    app = build_app(ctx)
+
+    async def work(client, http):
+        with pytest.raises(openai.BadRequestError) as error:
+            await client.embeddings.create(model="gen", input="hello")
+        return error.value
+
+    error = _run(app, work)
+    assert "--runner pooling" in str(error)

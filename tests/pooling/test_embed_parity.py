@@ -1,0 +1,157 @@
+"""``LLM.embed``/``encode`` against transformers (and sentence-transformers if installed) on
+tiny random checkpoints: BERT with CLS and mean pooling, headless and generative decoders
+with last-token pooling, prompts of mixed lengths batched together."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from embedding_checkpoints import (
+    TEXTS,
+    hf_hidden,
+    reference_vector,
+    write_bert,
+    write_decoder,
+)
+from pagedlm import LLM, PoolingParams, PoolingRequestOutput
+from pagedlm.config import PoolerConfig
+from pagedlm.engine.arg_utils import EngineArgs
+
+TOLERANCE = 1e-4
+ENGINE = dict(num_kv_blocks=64, block_size=16)
+TOKEN_PROMPTS = [[5, 6, 7], [1] * 20, [3, 4, 9, 100, 2, 7, 8], [42]]
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() < TOLERANCE
+
+
+def _assert_distinct(vectors: list[torch.Tensor]) -> None:
+    """The prompts' vectors differ (a pooler returning one row for all would pass else)."""
+    for i in range(len(vectors)):
+        for j in range(i):
+            assert (vectors[i] - vectors[j]).abs().max().item() > 1e-3
+
+
+@pytest.fixture(scope="module", params=["cls", "mean"])
+def bert(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"bert-{request.param}")
+    model = write_bert(path, request.param, normalize=True)
+    llm = LLM(str(path), **ENGINE)
+    yield request.param, path, model, llm
+    llm.llm_engine.shutdown()
+
+
+def test_bert_embeddings_match_transformers(bert):
+    pooling, _, model, llm = bert
+    expected_type = {"cls": "CLS", "mean": "MEAN"}[pooling]
+    assert llm.llm_engine.config.model.pooler == PoolerConfig(expected_type, True)
+    outputs = llm.embed(TEXTS, use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    lengths = {len(tokenizer.encode(text)) for text in TEXTS}
+    assert len(lengths) == len(TEXTS)  # mixed lengths in one batch
+    vectors = []
+    for text, output in zip(TEXTS, outputs, strict=True):
+        token_ids = tokenizer.encode(text)
+        assert output.prompt_token_ids == token_ids
+        got = torch.tensor(output.outputs.embedding)
+        _assert_close(got, reference_vector(hf_hidden(model, token_ids), pooling, True))
+        assert abs(got.norm().item() - 1.0) < 1e-5
+        vectors.append(got)
+    _assert_distinct(vectors)
+
+
+@pytest.mark.slow  # importing sentence-transformers alone takes 15-60 s on a loaded CI box
+def test_bert_embeddings_match_sentence_transformers(bert):
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    _, path, _, llm = bert
+    reference = sentence_transformers.SentenceTransformer(str(path), device="cpu")
+    want = reference.encode(TEXTS, convert_to_tensor=True)
+    outputs = llm.embed(TEXTS, use_tqdm=False)
+    for output, row in zip(outputs, want, strict=True):
+        _assert_close(torch.tensor(output.outputs.embedding), row.float())
+
+
+def test_bert_without_sentence_transformers_config_pools_cls_normalized(tmp_path):
+    model = write_bert(tmp_path, pooling=None)
+    llm = LLM(str(tmp_path), **ENGINE)
+    assert llm.llm_engine.config.model.runner == "pooling"  # auto: BertModel embeds
+    token_ids = llm.get_tokenizer().encode(TEXTS[1])
+    (output,) = llm.embed(TEXTS[1], use_tqdm=False)
+    want = reference_vector(hf_hidden(model, token_ids), "cls", True)
+    _assert_close(torch.tensor(output.outputs.embedding), want)
+
+
+@pytest.mark.parametrize(
+    ("config_class", "model_class", "runner"),
+    [
+        ("Qwen3Config", "Qwen3Model", "auto"),  # Qwen3-Embedding style: no LM head
+        ("LlamaConfig", "LlamaForCausalLM", "pooling"),  # a generative checkpoint, pooled
+    ],
+)
+def test_decoder_last_token_embeddings_match_transformers(
+    tmp_path, config_class, model_class, runner
+):
+    model = write_decoder(tmp_path, config_class, model_class)
+    llm = LLM(str(tmp_path), runner=runner, skip_tokenizer_init=True, **ENGINE)
+    assert llm.llm_engine.config.model.pooler == PoolerConfig("LAST", True)
+    prompts = [{"prompt_token_ids": ids} for ids in TOKEN_PROMPTS]
+    outputs = llm.encode(prompts, use_tqdm=False)
+    vectors = []
+    for ids, output in zip(TOKEN_PROMPTS, outputs, strict=True):
+        assert isinstance(output, PoolingRequestOutput)
+        want = reference_vector(hf_hidden(model, ids), "lasttoken", True)
+        _assert_close(output.outputs.data, want)
+        vectors.append(output.outputs.data)
+    _assert_distinct(vectors)
+    # normalize=False gives the raw final-normed hidden state of the last token.
+    (raw,) = llm.encode(prompts[2], PoolingParams(normalize=False), use_tqdm=False)
+    _assert_close(raw.outputs.data, hf_hidden(model, TOKEN_PROMPTS[2])[-1])
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_more_prompts_than_one_step_holds_still_match(tmp_path, async_scheduling):
+    """A small token budget: prompts wait for a step with room instead of being chunked
+    (also with a step in flight, as on GPUs by default)."""
+    model = write_decoder(tmp_path, "Qwen3Config", "Qwen3Model")
+    llm = LLM(
+        str(tmp_path),
+        skip_tokenizer_init=True,
+        max_model_len=32,
+        max_num_batched_tokens=32,
+        async_scheduling=async_scheduling,
+        **ENGINE,
+    )
+    prompts = [list(range(1 + i, 25 + i)) for i in range(5)]  # 24 tokens: one per step
+    outputs = llm.embed([{"prompt_token_ids": ids} for ids in prompts], use_tqdm=False)
+    for ids, output in zip(prompts, outputs, strict=True):
+        want = reference_vector(hf_hidden(model, ids), "lasttoken", True)
+        _assert_close(torch.tensor(output.outputs.embedding), want)
+
+
+def test_the_edge_refuses_what_pooling_cannot_do(tmp_path):
+    write_decoder(tmp_path, "LlamaConfig", "LlamaForCausalLM")
+    path = str(tmp_path)
+    with pytest.raises(ValueError, match="--max-num-batched-tokens"):
+        EngineArgs(
+            model=path, runner="pooling", max_model_len=64, max_num_batched_tokens=16
+        ).create_engine_config()
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="does not support speculative_config"):
+        EngineArgs(model=path, runner="pooling", speculative_config=spec).create_engine_config()
+    generative = LLM(path, skip_tokenizer_init=True, **ENGINE)
+    with pytest.raises(ValueError, match=r"runner='pooling' \(--runner pooling\)"):
+        generative.embed({"prompt_token_ids": [1, 2]}, use_tqdm=False)
+    generative.llm_engine.shutdown()
+    pooling = LLM(path, runner="pooling", skip_tokenizer_init=True, max_model_len=64, **ENGINE)
+    config = pooling.llm_engine.config
+    assert config.scheduler.whole_prompts and not config.cache.enable_prefix_caching
+    with pytest.raises(ValueError, match=r"LLM.embed\(\)"):
+        pooling.generate({"prompt_token_ids": [1, 2]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="more than max_model_len=64"):
+        pooling.embed({"prompt_token_ids": [1] * 65}, use_tqdm=False)
+    # A prompt of exactly max_model_len tokens has room: pooling generates nothing.
+    (full,) = pooling.embed({"prompt_token_ids": [1] * 64}, use_tqdm=False)
+    assert len(full.outputs.embedding) == 32
