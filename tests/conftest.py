@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated, and collection imports every
+# test module (and through some, pagedlm_cuda's kernels) before any test runs: without a
+# GPU, set it here, before the first import, whatever the order the modules come in.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_COMMON = dict(
     vocab_size=384,

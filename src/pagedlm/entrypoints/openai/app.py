@@ -52,8 +52,8 @@ from pagedlm.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from pagedlm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
-from pagedlm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedlm.entrypoints.openai.protocol_embedding import EmbeddingRequest
+from pagedlm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedlm.entrypoints.openai.request_body import parse_body, warning_header
 from pagedlm.entrypoints.openai.responses_store import owner_of
 from pagedlm.entrypoints.openai.serving_chat import ChatServer
