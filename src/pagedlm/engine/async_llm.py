@@ -50,6 +50,7 @@ from pagedlm.engine.output_processor import OutputProcessor
 from pagedlm.engine.request_stream import RequestStream
 from pagedlm.lora.request import LoRARequest
 from pagedlm.metrics import EngineMetrics, Metric
+from pagedlm.metrics.stats import cache_info
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling_params import SamplingParams
 
@@ -108,7 +109,9 @@ class AsyncLLM:
         )
         self._death_waiters: list[asyncio.Future] = []
         self.output_processor = OutputProcessor(tokenizer)
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(
+            config.model.max_model_len, cache_info(config.cache, ready.num_kv_blocks)
+        )
         self.num_kv_blocks = ready.num_kv_blocks
         self._client = client
         self._last_stats: SchedulerStats = ready.stats
@@ -191,7 +194,7 @@ class AsyncLLM:
             self._client.send(
                 AddRequests(request_id, [request_to_wire(c) for c in processed.children])
             )
-            self.metrics.record_prompt(num_prompt_tokens, processed.params.n)
+            self.metrics.record_request(request_id, processed.children)
             while True:
                 output = await stream.get()
                 if output is None:  # aborted through abort()
@@ -241,6 +244,7 @@ class AsyncLLM:
             stream.put(None)
 
     def _abort_now(self, request_id: str) -> None:
+        self.metrics.forget_request(request_id)
         child_ids = self.output_processor.abort_requests([request_id])
         if child_ids and not self.errored:
             try:
@@ -376,8 +380,8 @@ class AsyncLLM:
         elif isinstance(message, RequestRejected):
             self.output_processor.abort_requests([message.parent_id])
             stream = self._streams.get(message.parent_id)
+            self.metrics.forget_request(message.parent_id, rejected=True)
             if stream is not None:
-                self.metrics.prompt_tokens -= stream.num_prompt_tokens
                 stream.put(ValueError(message.message))
         elif isinstance(message, Heartbeat):
             self._liveness.record(message)
@@ -393,7 +397,7 @@ class AsyncLLM:
         processed = self.output_processor.process_outputs(outputs)
         if processed.reqs_to_abort:
             # Finished by a stop string, which only the front end can see.
-            self.metrics.request_success["stop"] += len(processed.reqs_to_abort)
+            self.metrics.record_stopped(processed.reqs_to_abort)
             self._client.send(AbortRequests(processed.reqs_to_abort))
         for output in processed.request_outputs:
             stream = self._streams.get(output.request_id)
