@@ -61,6 +61,9 @@ DEATH_POLL_MS = 200
 HEALTH_TIMEOUT_S = 5.0
 """How long ``get_scheduler_stats`` waits for the core's answer."""
 READY_TIMEOUT_S = 600.0
+ADMIN_TIMEOUT_S = 600.0
+"""How long ``sleep``/``wake_up`` and the profiler calls may take (a level-2 wake-up reloads
+the weights; starting torch's profiler took 11 s on a loaded 2-core machine)."""
 MAX_MESSAGES_PER_WAKEUP = 32
 """The output task handles at most this many waiting core messages before it lets the
 consumers run (a bound on how long it holds the event loop: a few ms per message)."""
@@ -71,6 +74,10 @@ FRESH_HEARTBEAT_WAIT_S = 0.5
 """``health()`` of a silent core first waits this long for heartbeats the event loop has
 not read yet (it may have been busy), before calling the core unresponsive; once per
 silence, so a stopped core's later 503s come at once."""
+
+
+class UtilityError(RuntimeError):
+    """The engine core refused a utility call (its message says why)."""
 
 
 class AsyncLLM:
@@ -121,6 +128,8 @@ class AsyncLLM:
         self._output_task: asyncio.Task | None = None
         self._dead_error: EngineDeadError | None = None
         self._shut_down = False
+        self.sleep_level = 0
+        """0 awake; else the level of the last successful ``sleep``."""
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
@@ -303,14 +312,50 @@ class AsyncLLM:
         """Front-end counters plus the scheduler stats the core sent with its last step."""
         return self.metrics.snapshot(self._last_stats)
 
-    async def _call(self, method: str, timeout_s: float) -> Any:
+    # ------------------------------------------------------------------------- admin
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False while requests hold KV blocks."""
+        return bool(await self._call("reset_prefix_cache", HEALTH_TIMEOUT_S))
+
+    async def sleep(self, level: int = 1) -> None:
+        """Release device memory (level 1: weights to host memory; level 2: dropped) until
+        ``wake_up``. ValueError while requests are unfinished or for a bad level; new
+        requests meanwhile raise ValueError."""
+        await self._admin_call("sleep", ADMIN_TIMEOUT_S, level)
+        self.sleep_level = level
+
+    async def wake_up(self) -> None:
+        """Weights back on the device (level 2: loaded again) and an empty KV cache."""
+        await self._admin_call("wake_up", ADMIN_TIMEOUT_S)
+        self.sleep_level = 0
+
+    async def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
+
+    async def start_profile(self, directory: str) -> None:
+        """Start a torch profiler in the engine core; ``stop_profile`` writes its trace
+        into ``directory``."""
+        await self._admin_call("start_profile", ADMIN_TIMEOUT_S, directory)
+
+    async def stop_profile(self) -> None:
+        await self._admin_call("stop_profile", ADMIN_TIMEOUT_S)
+
+    async def _admin_call(self, method: str, timeout_s: float, *args: int | str) -> Any:
+        """A utility call whose refusal (the core's error) is the caller's ValueError."""
+        try:
+            return await self._call(method, timeout_s, *args)
+        except UtilityError as error:
+            raise ValueError(str(error)) from None
+
+    async def _call(self, method: str, timeout_s: float, *args: int | str) -> Any:
         self._check_alive()
         self._ensure_output_task()
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
         try:
-            self._client.send(UtilityCall(call_id, method))
+            self._client.send(UtilityCall(call_id, method, list(args)))
             return await asyncio.wait_for(future, timeout_s)
         except asyncio.TimeoutError:  # not yet TimeoutError itself on Python 3.10
             raise EngineDeadError(
@@ -374,7 +419,9 @@ class AsyncLLM:
             future = self._calls.pop(message.call_id, None)
             if future is not None and not future.done():
                 if message.error is not None:
-                    future.set_exception(RuntimeError(message.error))
+                    future.set_exception(UtilityError(message.error))
+                elif message.value is not None:
+                    future.set_result(message.value)
                 else:
                     future.set_result(message.stats)
         elif isinstance(message, RequestRejected):

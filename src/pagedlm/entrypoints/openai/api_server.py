@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from pagedlm.engine.cli_args import engine_args_from_cli
+from pagedlm.entrypoints.openai.admin import AdminOptions, add_admin_args
 from pagedlm.entrypoints.openai.limits import add_limit_args, limits_from_args
 from pagedlm.entrypoints.openai.serving_lora import add_lora_args, registry_from_args
 
@@ -98,6 +99,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     _add_tool_args(group)
     add_lora_args(group)
+    add_admin_args(group)
     return parser
 
 
@@ -245,6 +247,7 @@ def run_server(args: argparse.Namespace) -> None:
             api_key=api_key,
             max_body_bytes=args.max_request_body_bytes,
             on_engine_death=on_death,
+            admin=AdminOptions.from_args(args),
         )
         logger.info(
             "Engine ready in %.1f s; serving %s on http://%s:%d%s",
