@@ -13,21 +13,16 @@ from pagedlm.entrypoints.openai.app import build_app
 from pagedlm.entrypoints.openai.serving_engine import ServingContext
 from pagedlm.metrics.prometheus import PrometheusMetrics
 from server.fake_engine import FakeEngine
-from server.server_utils import start_server, write_chat_checkpoint
+from server.server_utils import start_server
 
 PROMPT = "a prompt long enough to fill two blocks of the prefix cache, or more"
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return write_chat_checkpoint(tmp_path_factory.mktemp("tiny-chat"))
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
+def server(chat_checkpoint, tmp_path_factory):
     profiles = tmp_path_factory.mktemp("profiles")
     server = start_server(
-        checkpoint,
+        chat_checkpoint,
         tmp_path_factory.mktemp("logs") / "server.log",
         "--enable-sleep-mode",
         "--profiler-dir",
@@ -98,10 +93,10 @@ def test_profiler_writes_a_trace(server):
     assert traces, list(Path(server.profiles).iterdir())
 
 
-def test_switches_off(checkpoint):
+def test_switches_off(chat_checkpoint):
     from starlette.testclient import TestClient
 
-    engine = FakeEngine(checkpoint)
+    engine = FakeEngine(chat_checkpoint)
     ctx = ServingContext(engine=engine, model_names=["tiny"], metrics=PrometheusMetrics("tiny"))
     with TestClient(build_app(ctx)) as client:
         response = client.post("/sleep")

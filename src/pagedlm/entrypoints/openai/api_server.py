@@ -97,6 +97,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Stay up (answering 503) after the engine core died instead of exiting "
         "(vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH).",
     )
+    group.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="Send one OpenTelemetry span per request to this OTLP/HTTP traces URL (e.g. "
+        "http://localhost:4318/v1/traces); a W3C traceparent header is its parent. Needs "
+        "pip install 'pagedlm[tracing]' (default: off).",
+    )
     _add_tool_args(group)
     add_lora_args(group)
     add_admin_args(group)
@@ -198,6 +205,19 @@ class _EngineDeathExit:
             self.server.should_exit = True
 
 
+def _tracer_provider(endpoint: str | None) -> Any:
+    """OpenTelemetry's provider for ``--otlp-traces-endpoint`` (None: tracing is off and
+    nothing of it is imported), checked before the model loads."""
+    if endpoint is None:
+        return None
+    from pagedlm.entrypoints.openai.tracing import make_tracer_provider
+
+    try:
+        return make_tracer_provider(endpoint)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+
+
 def run_server(args: argparse.Namespace) -> None:
     """Start the engine, then serve until SIGINT/SIGTERM (or the engine's death)."""
     import uvicorn
@@ -216,6 +236,7 @@ def run_server(args: argparse.Namespace) -> None:
     if not args.engine_death_grace_period >= 0:
         raise SystemExit("error: --engine-death-grace-period must be >= 0 seconds.")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    tracer_provider = _tracer_provider(args.otlp_traces_endpoint)
     started = time.monotonic()
     engine_args = engine_args_from_cli(args)
     chat_template = _chat_template(args.chat_template)
@@ -241,6 +262,10 @@ def run_server(args: argparse.Namespace) -> None:
             trust_request_chat_template=args.trust_request_chat_template,
             loras=loras,
         )
+        if tracer_provider is not None:
+            from pagedlm.entrypoints.openai.tracing import RequestTracer
+
+            ctx.tracer = RequestTracer(tracer_provider, names[0])
         on_death = _EngineDeathExit(args.engine_death_grace_period, args.keep_alive_on_engine_death)
         app = build_app(
             ctx,
@@ -249,6 +274,10 @@ def run_server(args: argparse.Namespace) -> None:
             on_engine_death=on_death,
             admin=AdminOptions.from_args(args),
         )
+        if ctx.tracer is not None:
+            from pagedlm.entrypoints.openai.tracing import TraceContextMiddleware
+
+            app = TraceContextMiddleware(app)
         logger.info(
             "Engine ready in %.1f s; serving %s on http://%s:%d%s",
             time.monotonic() - started,
@@ -270,6 +299,8 @@ def run_server(args: argparse.Namespace) -> None:
         server.run()
     finally:
         engine.shutdown()
+        if tracer_provider is not None:
+            tracer_provider.shutdown()  # export the spans still queued
     if on_death.died and not on_death.keep_alive:
         # Everything is shut down; skip the interpreter's teardown (seconds, mostly torch
         # unloading) so that the supervisor restarts the server sooner.

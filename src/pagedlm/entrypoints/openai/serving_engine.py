@@ -65,6 +65,8 @@ class ServingContext:
     """``--trust-request-chat-template``: render a request's own chat_template (sandboxed)."""
     loras: LoRARegistry = field(default_factory=LoRARegistry)
     """The LoRA adapters a request's ``model`` may name."""
+    tracer: Any = None
+    """A ``tracing.RequestTracer`` with ``--otlp-traces-endpoint``, else None."""
     created: int = field(default_factory=lambda: int(time.time()))
     _counter: itertools.count = field(default_factory=itertools.count)
     _background: set[asyncio.Task] = field(default_factory=set)
@@ -154,6 +156,8 @@ class ServingContext:
         if self._shutdown_expired:
             raise APIError(SHUTDOWN_MESSAGE, status=503)
         stream = self.engine.generate(prompt, params, request_id, priority, lora_request)
+        if self.tracer is not None:
+            stream = self.tracer.trace(stream, request_id, params)
         finished = False
         self._generating.add(request_id)
         try:
