@@ -236,7 +236,10 @@ def main(argv: list[str]) -> int:
     # Ctrl-C in a terminal reaches the whole process group; the front end decides when the
     # core stops (it drains requests first), so the core ignores SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=os.environ.get("PAGEDLM_LOG_LEVEL", "WARNING"))
+    logging.basicConfig(
+        level=os.environ.get("PAGEDLM_LOG_LEVEL", "WARNING"),
+        format="%(levelname)s %(name)s: %(message)s",  # the server's format
+    )
     context = zmq.Context()
     output_socket = context.socket(zmq.PUSH)
     output_socket.connect(output_address)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +21,8 @@ from pagedlm.platforms import Platform
 from pagedlm.step import GrammarBitmask, SchedulerOutput, StepResult
 from pagedlm.worker.model_runner import ModelRunner
 from pagedlm.worker.sleep import OffloadedWeights, check_level
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,11 @@ class Worker:
             )
         torch.manual_seed(config.model.seed)
         self.attn_backend_cls = attn_backend_cls
+        # Progress for a user waiting on start-up: the weights are the slow part.
+        logger.info("Loading %s on %s ...", config.model.model, platform.device)
+        started = time.monotonic()
         self.model_runner: ModelRunner | None = ModelRunner(config, platform, attn_backend_cls)
+        logger.info("Model loaded in %.1f s", time.monotonic() - started)
         self.num_kv_blocks = 0
         self.sleep_level = 0
         """0 awake; else the level of the last ``sleep`` (see ``worker.sleep``)."""
@@ -102,8 +110,13 @@ class Worker:
         return int(num_blocks)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the cache (and capture graphs, where the platform has them)."""
         self.num_kv_blocks = num_blocks
+        started = time.monotonic()
         self.runner.initialize_kv_cache(num_blocks)
+        logger.info(
+            "KV cache allocated (and graphs captured) in %.1f s", time.monotonic() - started
+        )
 
     @property
     def runner(self) -> ModelRunner:

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -205,6 +206,25 @@ class _EngineDeathExit:
             self.server.should_exit = True
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound now so that a busy or forbidden address stops
+    ``pagedlm serve`` at once, with the fix, instead of after the model has loaded."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        listener.bind((host, port))
+        listener.listen(2048)
+    except OSError as error:
+        listener.close()
+        reason = error.strerror or str(error)
+        raise SystemExit(
+            f"error: cannot listen on {host}:{port} ({reason}); choose another --port "
+            "(or --host), or stop the process that uses it."
+        ) from None
+    return listener
+
+
 def _tracer_provider(endpoint: str | None) -> Any:
     """OpenTelemetry's provider for ``--otlp-traces-endpoint`` (None: tracing is off and
     nothing of it is imported), checked before the model loads."""
@@ -237,12 +257,19 @@ def run_server(args: argparse.Namespace) -> None:
         raise SystemExit("error: --engine-death-grace-period must be >= 0 seconds.")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     tracer_provider = _tracer_provider(args.otlp_traces_endpoint)
+    listener = bind_listener(args.host, args.port)  # a busy port fails before the model loads
+    # The engine-core process logs its loading progress at the server's level.
+    os.environ.setdefault("PAGEDLM_LOG_LEVEL", args.log_level.upper())
     started = time.monotonic()
     engine_args = engine_args_from_cli(args)
     chat_template = _chat_template(args.chat_template)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     names = args.served_model_name or [engine_args.model or DEFAULT_MODEL_NAME]
-    engine = AsyncLLM.from_engine_args(engine_args)
+    try:
+        engine = AsyncLLM.from_engine_args(engine_args)
+    except BaseException:
+        listener.close()
+        raise
     try:
         try:
             loras = asyncio.run(registry_from_args(args, engine, names[0]))
@@ -296,8 +323,9 @@ def run_server(args: argparse.Namespace) -> None:
         )
         server = on_death.server = _uvicorn_server_class()(config)
         server.on_shutdown = lambda: ctx.begin_shutdown(args.shutdown_timeout)
-        server.run()
+        server.run(sockets=[listener])
     finally:
+        listener.close()
         engine.shutdown()
         if tracer_provider is not None:
             tracer_provider.shutdown()  # export the spans still queued
