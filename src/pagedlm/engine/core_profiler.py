@@ -17,11 +17,6 @@ class CoreProfiler:
 
     def __init__(self) -> None:
         self._profile: Any = None
-        self._directory = ""
-
-    @property
-    def running(self) -> bool:
-        return self._profile is not None
 
     def start(self, directory: str) -> None:
         import torch.profiler
@@ -36,12 +31,11 @@ class CoreProfiler:
             on_trace_ready=torch.profiler.tensorboard_trace_handler(directory, "engine_core"),
         )
         profile.start()
-        self._profile, self._directory = profile, directory
+        self._profile = profile
 
-    def stop(self) -> str:
-        """Stop and write the trace; returns the directory it was written to."""
+    def stop(self) -> None:
+        """Stop the profile and write its trace."""
         if self._profile is None:
             raise ValueError("No profile is running; POST /start_profile first.")
         profile, self._profile = self._profile, None
         profile.stop()  # on_trace_ready writes the trace file
-        return self._directory
