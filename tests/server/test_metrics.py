@@ -1,6 +1,12 @@
-"""/metrics parses with prometheus_client's parser and its counters match what was sent."""
+"""/metrics parses with prometheus_client's parser and its counters match what was sent;
+every vLLM metric the issue names, counted per sequence; the Grafana dashboard in
+examples/grafana reads only metrics that exist."""
 
 from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -19,6 +25,24 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
 
 def value(samples, name: str, **labels) -> float:
     return samples[(name, tuple(sorted({"model_name": "tiny", **labels}.items())))]
+
+
+DASHBOARD = Path(__file__).parents[2] / "examples" / "grafana" / "pagedlm.json"
+HISTOGRAMS = [
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "time_per_output_token_seconds",
+    "e2e_request_latency_seconds",
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+    "request_decode_time_seconds",
+    "request_inference_time_seconds",
+    "request_prompt_tokens",
+    "request_generation_tokens",
+    "request_params_n",
+    "request_params_max_tokens",
+    "iteration_tokens_total",
+]
 
 
 def test_counters_match_requests(tiny_server):
@@ -75,3 +99,48 @@ def test_cache_salt_keeps_prefix_caches_apart(tiny_server):
     assert hits_after("tenant-a") == 0  # first sight of both prompts under this salt
     assert hits_after("tenant-a") > 0  # the same prompts again: their blocks are reused
     assert hits_after("tenant-b") == 0  # another tenant's salt shares nothing
+
+
+def test_n2_request_is_two_sequences_everywhere(tiny_server):
+    before = scrape(tiny_server.url)
+    response = httpx.post(
+        f"{tiny_server.url}/v1/completions",
+        json={"model": "tiny", "prompt": "hello", "max_tokens": 3, "n": 2, "ignore_eos": True},
+    )
+    assert response.status_code == 200, response.text
+    after = scrape(tiny_server.url)
+
+    def delta(name: str, **labels) -> float:
+        return value(after, f"pagedlm:{name}", **labels) - value(
+            before, f"pagedlm:{name}", **labels
+        )
+
+    assert delta("request_success_total", finished_reason="length") == 2
+    for name in HISTOGRAMS:
+        if name not in ("request_params_n", "iteration_tokens_total"):
+            assert delta(f"{name}_count") == (4 if name == "inter_token_latency_seconds" else 2)
+    assert delta("request_params_n_count") == 1
+    assert delta("request_params_n_sum") == 2
+    assert delta("request_params_max_tokens_sum") == 6
+    assert delta("request_prompt_tokens_sum") == 2 * len("hello")
+    assert delta("request_generation_tokens_sum") == 6
+    assert delta("iteration_tokens_total_sum") == 2 * len("hello") + 6
+    assert delta("request_params_n_bucket", le="2.0") == 1
+    assert delta("request_params_n_bucket", le="1.0") == 0
+    info = [labels for (name, labels) in after if name == "pagedlm:cache_config_info"]
+    assert len(info) == 1
+    assert dict(info[0])["num_gpu_blocks"] == "64"
+    assert dict(info[0])["block_size"] == "16"
+
+
+def test_grafana_dashboard_reads_existing_metrics(tiny_server):
+    names = {name for name, _ in scrape(tiny_server.url)}
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    exprs += [v["query"]["query"] for v in dashboard["templating"]["list"]]
+    used = {m for expr in exprs for m in re.findall(r"pagedlm:[A-Za-z0-9_:]+", expr)}
+    assert used, "the dashboard reads no pagedlm metric"
+    assert not used - names, f"the dashboard reads metrics /metrics lacks: {used - names}"
+    # Every histogram the issue names is on the dashboard.
+    missing = [h for h in HISTOGRAMS if not any(u.startswith(f"pagedlm:{h}") for u in used)]
+    assert not missing, missing

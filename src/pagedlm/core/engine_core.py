@@ -42,6 +42,7 @@ from pagedlm.plugins.registry import select_executor
 from pagedlm.step import SchedulerOutput, StepResult
 from pagedlm.structured_output.manager import StructuredOutputManager
 from pagedlm.structured_output.params import GrammarLimits
+from pagedlm.worker.sleep import check_level
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +97,12 @@ class EngineCore:
         """Pipeline parallelism: the steps in flight, oldest first."""
         self.max_steps_in_flight_seen = 0
         """The most steps that were launched and not collected at once (diagnostics)."""
+        self.sleep_level = 0
+        """0 awake, else the level of ``sleep`` (no request may be added meanwhile)."""
 
     def add_request(self, request: Request) -> None:
+        if self.sleep_level:
+            raise ValueError("The engine is sleeping; wake it up (POST /wake_up) first.")
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -118,10 +123,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         pipelined = self.max_concurrent_batches > 1
         outputs = self._step_with_batch_queue() if pipelined else self._step()
-        if self._kv_event_publisher is not None:
-            events = self.scheduler.take_kv_cache_events()
-            if events:
-                self._kv_event_publisher.publish(events)
+        self._publish_kv_events()
         return outputs
 
     def _step(self) -> list[EngineCoreOutput]:
@@ -163,6 +165,43 @@ class EngineCore:
         scheduler_output, result = self._in_flight
         self._in_flight = None
         return self.scheduler.update_from_output(scheduler_output, result.result())
+
+    # ------------------------------------------------------------------------- admin
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's ``/reset_prefix_cache``); False while
+        requests hold blocks."""
+        reset = self.scheduler.reset_prefix_cache()
+        self._publish_kv_events()
+        return reset
+
+    def sleep(self, level: int) -> None:
+        """Release device memory (``pagedlm.worker.sleep``). ValueError while requests
+        are unfinished: the caller drains or aborts them first."""
+        check_level(level)
+        if self.sleep_level:
+            return
+        if self.has_unfinished_requests():
+            num = self.scheduler.get_num_unfinished_requests()
+            raise ValueError(
+                f"Cannot sleep while {num} requests are unfinished; wait for them (or "
+                "abort them) and call sleep again."
+            )
+        # The KV cache's contents are lost: no later request may hit a cached prefix.
+        self.reset_prefix_cache()
+        self.executor.sleep(level)
+        self.sleep_level = level
+
+    def wake_up(self) -> None:
+        if self.sleep_level:
+            self.executor.wake_up()
+            self.sleep_level = 0
+
+    def _publish_kv_events(self) -> None:
+        if self._kv_event_publisher is not None:
+            events = self.scheduler.take_kv_cache_events()
+            if events:
+                self._kv_event_publisher.publish(events)
 
     def set_grammar_limits(self, limits: GrammarLimits) -> None:
         """The configured bounds on grammar compiles (the defaults until called)."""

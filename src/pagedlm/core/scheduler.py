@@ -199,6 +199,9 @@ class OneBudgetScheduler(Scheduler):
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_manager.reset_prefix_cache()
+
     def take_kv_cache_events(self) -> list[KVCacheEvent]:
         log = self.kv_manager.pool.event_log
         return [] if log is None else log.take()

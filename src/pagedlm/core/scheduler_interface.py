@@ -75,6 +75,11 @@ class Scheduler(ABC):
     @abstractmethod
     def has_unfinished_requests(self) -> bool: ...
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (and nothing changes) while requests hold
+        blocks."""
+        return False
+
     @abstractmethod
     def get_num_unfinished_requests(self) -> int: ...
 

@@ -50,6 +50,7 @@ from pagedlm.engine.output_processor import OutputProcessor
 from pagedlm.engine.request_stream import RequestStream
 from pagedlm.lora.request import LoRARequest
 from pagedlm.metrics import EngineMetrics, Metric
+from pagedlm.metrics.stats import cache_info
 from pagedlm.outputs import RequestOutput
 from pagedlm.pooling import PoolingParams, PoolingRequestOutput
 from pagedlm.sampling_params import SamplingParams
@@ -61,6 +62,9 @@ DEATH_POLL_MS = 200
 HEALTH_TIMEOUT_S = 5.0
 """How long ``get_scheduler_stats`` waits for the core's answer."""
 READY_TIMEOUT_S = 600.0
+ADMIN_TIMEOUT_S = 600.0
+"""How long ``sleep``/``wake_up`` and the profiler calls may take (a level-2 wake-up reloads
+the weights; starting torch's profiler took 11 s on a loaded 2-core machine)."""
 MAX_MESSAGES_PER_WAKEUP = 32
 """The output task handles at most this many waiting core messages before it lets the
 consumers run (a bound on how long it holds the event loop: a few ms per message)."""
@@ -71,6 +75,10 @@ FRESH_HEARTBEAT_WAIT_S = 0.5
 """``health()`` of a silent core first waits this long for heartbeats the event loop has
 not read yet (it may have been busy), before calling the core unresponsive; once per
 silence, so a stopped core's later 503s come at once."""
+
+
+class UtilityError(RuntimeError):
+    """The engine core refused a utility call (its message says why)."""
 
 
 class AsyncLLM:
@@ -109,7 +117,9 @@ class AsyncLLM:
         )
         self._death_waiters: list[asyncio.Future] = []
         self.output_processor = OutputProcessor(tokenizer)
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(
+            config.model.max_model_len, cache_info(config.cache, ready.num_kv_blocks)
+        )
         self.num_kv_blocks = ready.num_kv_blocks
         self._client = client
         self._last_stats: SchedulerStats = ready.stats
@@ -119,6 +129,8 @@ class AsyncLLM:
         self._output_task: asyncio.Task | None = None
         self._dead_error: EngineDeadError | None = None
         self._shut_down = False
+        self.sleep_level = 0
+        """0 awake; else the level of the last successful ``sleep``."""
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
@@ -219,7 +231,7 @@ class AsyncLLM:
             self._client.send(
                 AddRequests(request_id, [request_to_wire(c) for c in processed.children])
             )
-            self.metrics.record_prompt(num_prompt_tokens, processed.params.n)
+            self.metrics.record_request(request_id, processed.children)
             while True:
                 output = await stream.get()
                 if output is None:  # aborted through abort()
@@ -269,6 +281,7 @@ class AsyncLLM:
             stream.put(None)
 
     def _abort_now(self, request_id: str) -> None:
+        self.metrics.forget_request(request_id)
         child_ids = self.output_processor.abort_requests([request_id])
         if child_ids and not self.errored:
             try:
@@ -327,14 +340,50 @@ class AsyncLLM:
         """Front-end counters plus the scheduler stats the core sent with its last step."""
         return self.metrics.snapshot(self._last_stats)
 
-    async def _call(self, method: str, timeout_s: float) -> Any:
+    # ------------------------------------------------------------------------- admin
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False while requests hold KV blocks."""
+        return bool(await self._call("reset_prefix_cache", HEALTH_TIMEOUT_S))
+
+    async def sleep(self, level: int = 1) -> None:
+        """Release device memory (level 1: weights to host memory; level 2: dropped) until
+        ``wake_up``. ValueError while requests are unfinished or for a bad level; new
+        requests meanwhile raise ValueError."""
+        await self._admin_call("sleep", ADMIN_TIMEOUT_S, level)
+        self.sleep_level = level
+
+    async def wake_up(self) -> None:
+        """Weights back on the device (level 2: loaded again) and an empty KV cache."""
+        await self._admin_call("wake_up", ADMIN_TIMEOUT_S)
+        self.sleep_level = 0
+
+    async def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
+
+    async def start_profile(self, directory: str) -> None:
+        """Start a torch profiler in the engine core; ``stop_profile`` writes its trace
+        into ``directory``."""
+        await self._admin_call("start_profile", ADMIN_TIMEOUT_S, directory)
+
+    async def stop_profile(self) -> None:
+        await self._admin_call("stop_profile", ADMIN_TIMEOUT_S)
+
+    async def _admin_call(self, method: str, timeout_s: float, *args: int | str) -> Any:
+        """A utility call whose refusal (the core's error) is the caller's ValueError."""
+        try:
+            return await self._call(method, timeout_s, *args)
+        except UtilityError as error:
+            raise ValueError(str(error)) from None
+
+    async def _call(self, method: str, timeout_s: float, *args: int | str) -> Any:
         self._check_alive()
         self._ensure_output_task()
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
         try:
-            self._client.send(UtilityCall(call_id, method))
+            self._client.send(UtilityCall(call_id, method, list(args)))
             return await asyncio.wait_for(future, timeout_s)
         except asyncio.TimeoutError:  # not yet TimeoutError itself on Python 3.10
             raise EngineDeadError(
@@ -398,14 +447,16 @@ class AsyncLLM:
             future = self._calls.pop(message.call_id, None)
             if future is not None and not future.done():
                 if message.error is not None:
-                    future.set_exception(RuntimeError(message.error))
+                    future.set_exception(UtilityError(message.error))
+                elif message.value is not None:
+                    future.set_result(message.value)
                 else:
                     future.set_result(message.stats)
         elif isinstance(message, RequestRejected):
             self.output_processor.abort_requests([message.parent_id])
             stream = self._streams.get(message.parent_id)
+            self.metrics.forget_request(message.parent_id, rejected=True)
             if stream is not None:
-                self.metrics.prompt_tokens -= stream.num_prompt_tokens
                 stream.put(ValueError(message.message))
         elif isinstance(message, Heartbeat):
             self._liveness.record(message)
@@ -421,7 +472,7 @@ class AsyncLLM:
         processed = self.output_processor.process_outputs(outputs)
         if processed.reqs_to_abort:
             # Finished by a stop string, which only the front end can see.
-            self.metrics.request_success["stop"] += len(processed.reqs_to_abort)
+            self.metrics.record_stopped(processed.reqs_to_abort)
             self._client.send(AbortRequests(processed.reqs_to_abort))
         for output in processed.request_outputs:
             stream = self._streams.get(output.request_id)

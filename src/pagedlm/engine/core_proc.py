@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -33,6 +34,7 @@ from pagedlm.core.engine_core import EngineCore
 from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.core_heartbeat import HeartbeatThread, InFlightWork, StepWatch
+from pagedlm.engine.core_profiler import CoreProfiler
 from pagedlm.engine.data_parallel import make_engine_core
 from pagedlm.engine.messages import (
     AbortRequests,
@@ -83,6 +85,7 @@ class EngineCoreProc:
         """Aborted requests whose worker state still needs one (possibly empty) step."""
         self.constrained_parent: dict[str, str] = {}
         """Child id -> user request id, for requests with a grammar (which may fail)."""
+        self.profiler = CoreProfiler()
 
     def send(self, message: msgspec.Struct) -> None:
         self.output_socket.send(self.encoder.encode(message), copy=False)
@@ -191,7 +194,41 @@ class EngineCoreProc:
             return UtilityResult(call.call_id)
         if call.method == "get_stats":
             return UtilityResult(call.call_id, stats=self.core.make_stats())
-        return UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")
+        admin = ADMIN_CALLS.get(call.method)
+        if admin is None:
+            return UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")
+        try:
+            value = admin(self, *call.args)
+        except (ValueError, NotImplementedError) as error:
+            # The caller's mistake (busy, wrong level, unsupported): the core carries on.
+            return UtilityResult(call.call_id, error=str(error))
+        return UtilityResult(call.call_id, stats=self.core.make_stats(), value=value)
+
+
+def _sleep(proc: EngineCoreProc, level: int) -> None:
+    proc.core.sleep(int(level))
+
+
+def _wake_up(proc: EngineCoreProc) -> None:
+    proc.core.wake_up()
+
+
+def _start_profile(proc: EngineCoreProc, directory: str) -> None:
+    proc.profiler.start(directory)
+
+
+def _stop_profile(proc: EngineCoreProc) -> None:
+    proc.profiler.stop()
+
+
+ADMIN_CALLS: dict[str, Callable[..., bool | None]] = {
+    "reset_prefix_cache": lambda proc: proc.core.reset_prefix_cache(),
+    "sleep": _sleep,
+    "wake_up": _wake_up,
+    "start_profile": _start_profile,
+    "stop_profile": _stop_profile,
+}
+"""Utility calls that change the core's state; ValueError answers the caller's mistake."""
 
 
 def main(argv: list[str]) -> int:
@@ -199,7 +236,10 @@ def main(argv: list[str]) -> int:
     # Ctrl-C in a terminal reaches the whole process group; the front end decides when the
     # core stops (it drains requests first), so the core ignores SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=os.environ.get("PAGEDLM_LOG_LEVEL", "WARNING"))
+    logging.basicConfig(
+        level=os.environ.get("PAGEDLM_LOG_LEVEL", "WARNING"),
+        format="%(levelname)s %(name)s: %(message)s",  # the server's format
+    )
     context = zmq.Context()
     output_socket = context.socket(zmq.PUSH)
     output_socket.connect(output_address)

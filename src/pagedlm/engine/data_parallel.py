@@ -131,6 +131,23 @@ class DataParallelEngineCore:
     def make_stats(self) -> SchedulerStats:
         return sum_stats([core.make_stats() for core in self.replicas])
 
+    def reset_prefix_cache(self) -> bool:
+        return all([core.reset_prefix_cache() for core in self.replicas])
+
+    def sleep(self, level: int) -> None:
+        # A busy replica refuses before any replica has slept: all sleep, or none.
+        busy = [core for core in self.replicas if core.has_unfinished_requests()]
+        for core in busy[:1] + self.replicas:
+            core.sleep(level)
+
+    def wake_up(self) -> None:
+        for core in self.replicas:
+            core.wake_up()
+
+    @property
+    def sleep_level(self) -> int:
+        return self.replicas[0].sleep_level
+
     def set_grammar_limits(self, limits: GrammarLimits) -> None:
         for core in self.replicas:
             core.set_grammar_limits(limits)

@@ -14,6 +14,7 @@ from pagedlm.engine.input_processor import InputProcessor, ProcessedRequest, Pro
 from pagedlm.engine.output_processor import OutputProcessor
 from pagedlm.lora.request import LoRARequest
 from pagedlm.metrics import EngineMetrics, Metric
+from pagedlm.metrics.stats import cache_info
 from pagedlm.outputs import RequestOutput
 from pagedlm.platforms import Platform
 from pagedlm.sampling_params import SamplingParams
@@ -39,7 +40,9 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = make_engine_core(config, platform)
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(
+            config.model.max_model_len, cache_info(config.cache, self.engine_core.num_kv_blocks)
+        )
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -80,7 +83,7 @@ class LLMEngine:
             child_ids = self.output_processor.abort_requests([request.request_id])
             self.engine_core.abort_requests(child_ids)
             raise
-        self.metrics.record_prompt(len(request.prompt_token_ids), len(request.children))
+        self.metrics.record_request(request.request_id, request.children)
 
     def add_request(
         self,
@@ -101,6 +104,9 @@ class LLMEngine:
         return True
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
+        request_ids = list(request_ids)
+        for request_id in request_ids:
+            self.metrics.forget_request(request_id)
         child_ids = self.output_processor.abort_requests(request_ids)
         self.engine_core.abort_requests(child_ids)
 
@@ -114,7 +120,7 @@ class LLMEngine:
         if processed.reqs_to_abort:
             # Finished by a stop string, which only the output processor can see.
             self.engine_core.abort_requests(processed.reqs_to_abort)
-            self.metrics.request_success["stop"] += len(processed.reqs_to_abort)
+            self.metrics.record_stopped(processed.reqs_to_abort)
         return processed.request_outputs
 
     def get_metrics(self) -> list[Metric]:

@@ -109,7 +109,10 @@ class UtilityCall(msgspec.Struct, tag=True):
 
     call_id: int
     method: str
-    """"ping" (liveness) or "get_stats" (a fresh ``SchedulerStats``)."""
+    """"ping" (liveness), "get_stats" (a fresh ``SchedulerStats``), or an admin call:
+    "reset_prefix_cache", "sleep" (``args``: [level]), "wake_up", "start_profile"
+    (``args``: [directory]), "stop_profile"."""
+    args: list[int | str] = []
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -147,6 +150,8 @@ class UtilityResult(msgspec.Struct, tag=True):
     call_id: int
     stats: SchedulerStats | None = None
     error: str | None = None
+    value: bool | None = None
+    """An admin call's answer (``reset_prefix_cache``: whether the cache was reset)."""
 
 
 class CoreFailed(msgspec.Struct, tag=True):

@@ -65,5 +65,15 @@ class Executor(ABC):
         self.execute_model(scheduler_output)
         return self.sample_tokens(None).result()
 
+    def sleep(self, level: int) -> None:
+        """Release device memory until ``wake_up`` (``pagedlm.worker.sleep``: level 1 keeps
+        the weights in host memory, level 2 drops them). Only called without unfinished
+        requests."""
+        raise NotImplementedError(f"the {self.name!r} executor does not support sleep mode")
+
+    def wake_up(self) -> None:
+        """Undo ``sleep``: weights on the device again and a new, empty KV cache."""
+        raise NotImplementedError(f"the {self.name!r} executor does not support sleep mode")
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release workers and device memory."""

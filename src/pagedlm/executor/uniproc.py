@@ -34,5 +34,11 @@ class UniprocExecutor(Executor):
     def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> StepResult:
         return self.worker.sample_tokens(grammar_bitmask)
 
+    def sleep(self, level: int) -> None:
+        self.worker.sleep(level)
+
+    def wake_up(self) -> None:
+        self.worker.wake_up()
+
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -1,13 +1,24 @@
-"""Counters the front end keeps, plus the scheduler's snapshot, as a flat metric list."""
+"""Counters and histograms the front end keeps, plus the scheduler's snapshot, as a flat
+metric list (``LLM.get_metrics()``, ``AsyncLLM.get_metrics()``; ``/metrics`` renders it).
+
+Everything is counted per sequence (one of a request's ``n`` samples), as vLLM v1 does;
+see ``sequence_stats`` for the request-level histograms."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.core.scheduler_interface import SchedulerStats
+from pagedlm.metrics.sequence_stats import SequenceStats
+
+if TYPE_CHECKING:
+    from pagedlm.core.request import Request
 
 
 @dataclass(frozen=True)
@@ -17,26 +28,54 @@ class Metric:
     name: str
     value: float
     kind: str = "counter"
-    """"counter" (cumulative) or "gauge" (current value)."""
+    """"counter" (cumulative), "gauge" (current value) or "histogram" (``value`` is the
+    sum of the observations, ``buckets`` their cumulative counts)."""
     labels: dict[str, str] = field(default_factory=dict)
+    buckets: tuple[tuple[float, int], ...] = ()
+    """Histograms only: (upper bound, observations <= it), ending with (inf, count)."""
 
 
 class EngineMetrics:
     """Accumulates per-step counts; ``snapshot`` merges them with the scheduler's stats."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_model_len: int = 2048, cache_info: dict[str, str] | None = None) -> None:
+        """``cache_info``: the labels of vLLM's ``cache_config_info`` (see ``cache_info``)."""
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.request_success: Counter[str] = Counter()
+        self.sequences = SequenceStats(max_model_len)
+        self.cache_info = cache_info
 
-    def record_prompt(self, num_prompt_tokens: int, num_samples: int) -> None:
-        self.prompt_tokens += num_prompt_tokens * num_samples
+    def record_request(self, request_id: str, children: Sequence[Request]) -> None:
+        """A user request whose ``n`` samples (``children``) entered the engine core."""
+        first = children[0]
+        num_prompt_tokens = len(first.prompt_token_ids)
+        self.prompt_tokens += num_prompt_tokens * len(children)
+        self.sequences.add_request(
+            request_id,
+            [child.request_id for child in children],
+            first.arrival_time,
+            num_prompt_tokens,
+            first.sampling_params.max_tokens,
+        )
+
+    def forget_request(self, request_id: str, rejected: bool = False) -> None:
+        """An aborted request (``rejected``: refused by the core, so its prompt tokens
+        were never processed) observes nothing more."""
+        unstarted_prompt_tokens = self.sequences.forget_request(request_id)
+        if rejected:
+            self.prompt_tokens -= unstarted_prompt_tokens
 
     def record_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         for out in outputs:
             self.generation_tokens += len(out.new_token_ids)
-            if out.finish_reason is not None and out.finish_reason != "abort":
-                self.request_success[out.finish_reason] += 1
+        self.request_success.update(self.sequences.record_outputs(outputs))
+
+    def record_stopped(self, child_ids: Iterable[str]) -> None:
+        """Sequences finished by a stop string (only the front end sees those)."""
+        child_ids = list(child_ids)
+        self.request_success["stop"] += len(child_ids)
+        self.sequences.record_stopped(child_ids)
 
     def snapshot(self, stats: SchedulerStats) -> list[Metric]:
         metrics = [
@@ -74,7 +113,19 @@ class EngineMetrics:
                 )
                 for position, count in enumerate(spec.num_accepted_tokens_per_pos)
             ]
+        if self.cache_info is not None:
+            metrics.append(Metric("pagedlm:cache_config_info", 1.0, "gauge", dict(self.cache_info)))
+        for name, histogram in self.sequences.histograms.items():
+            metrics.append(Metric(name, histogram.sum, "histogram", buckets=histogram.cumulative()))
         return metrics
+
+
+def cache_info(cache_config: object, num_gpu_blocks: int) -> dict[str, str]:
+    """vLLM's ``cache_config_info`` labels: every ``CacheConfig`` field as a string, plus
+    the number of KV blocks actually allocated as ``num_gpu_blocks``."""
+    labels = {f.name: str(getattr(cache_config, f.name)) for f in dataclasses.fields(cache_config)}
+    labels["num_gpu_blocks"] = str(num_gpu_blocks)
+    return labels
 
 
 def _lora_requests_info(stats: SchedulerStats) -> Metric:

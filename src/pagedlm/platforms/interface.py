@@ -163,5 +163,16 @@ class Platform(ABC):
     def synchronize(self) -> None:  # noqa: B027 - optional, a no-op by default
         """Wait for queued device work (no-op where execution is synchronous)."""
 
+    pin_host_memory: bool = False
+    """Host copies of device tensors (sleep mode's offloaded weights) are pinned, so that
+    copying them back is fast; only where the device can read pinned memory."""
+
+    def release_memory(self) -> None:
+        """Give memory whose tensors were just dropped (sleep mode: the KV cache, weights)
+        back to the system; a device with a caching allocator empties its cache here."""
+        import gc
+
+        gc.collect()
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,9 @@ from pagedlm.distributed import (
 from pagedlm.platforms import Platform
 from pagedlm.step import GrammarBitmask, SchedulerOutput, StepResult
 from pagedlm.worker.model_runner import ModelRunner
+from pagedlm.worker.sleep import OffloadedWeights, check_level
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,16 @@ class Worker:
                 parallel.enable_expert_parallel,
             )
         torch.manual_seed(config.model.seed)
-        self.model_runner = ModelRunner(config, platform, attn_backend_cls)
+        self.attn_backend_cls = attn_backend_cls
+        # Progress for a user waiting on start-up: the weights are the slow part.
+        logger.info("Loading %s on %s ...", config.model.model, platform.device)
+        started = time.monotonic()
+        self.model_runner: ModelRunner | None = ModelRunner(config, platform, attn_backend_cls)
+        logger.info("Model loaded in %.1f s", time.monotonic() - started)
+        self.num_kv_blocks = 0
+        self.sleep_level = 0
+        """0 awake; else the level of the last ``sleep`` (see ``worker.sleep``)."""
+        self._offloaded: OffloadedWeights | None = None
 
     @property
     def is_output_rank(self) -> bool:
@@ -81,7 +95,7 @@ class Worker:
         cache, sched = self.config.cache, self.config.scheduler
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        per_block = self.model_runner.kv_bytes_per_block()
+        per_block = self.runner.kv_bytes_per_block()
         budget = cache.kv_cache_memory_bytes or self.platform.kv_cache_memory_bytes(per_block)
         blocks_per_seq = math.ceil(sched.max_model_len / cache.block_size)
         num_blocks = min(budget // per_block, blocks_per_seq * sched.max_num_seqs)
@@ -96,10 +110,53 @@ class Worker:
         return int(num_blocks)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.model_runner.initialize_kv_cache(num_blocks)
+        """Allocate the cache (and capture graphs, where the platform has them)."""
+        self.num_kv_blocks = num_blocks
+        started = time.monotonic()
+        self.runner.initialize_kv_cache(num_blocks)
+        logger.info(
+            "KV cache allocated (and graphs captured) in %.1f s", time.monotonic() - started
+        )
+
+    @property
+    def runner(self) -> ModelRunner:
+        if self.model_runner is None:
+            raise RuntimeError("the worker is asleep (level 2); wake_up() first")
+        return self.model_runner
+
+    def sleep(self, level: int) -> None:
+        """Release the KV cache and (level 1) move the weights to host memory or (level 2)
+        drop them; the engine must have no unfinished requests."""
+        check_level(level)
+        if self.sleep_level:
+            return
+        runner = self.runner
+        runner.kv_cache = None
+        runner.graph_runner = None  # captured graphs point into the KV cache
+        if level == 1:
+            self._offloaded = OffloadedWeights.offload(runner.model, self.platform.pin_host_memory)
+        else:
+            self.model_runner = None
+        del runner
+        self.sleep_level = level
+        self.platform.release_memory()
+
+    def wake_up(self) -> None:
+        """Undo ``sleep``: weights back on the device (level 2: loaded again from the
+        checkpoint), and a new, empty KV cache of the same size."""
+        if not self.sleep_level:
+            return
+        if self.model_runner is None:
+            torch.manual_seed(self.config.model.seed)  # dummy weights come out the same
+            self.model_runner = ModelRunner(self.config, self.platform, self.attn_backend_cls)
+        elif self._offloaded is not None:
+            self._offloaded.restore(self.platform.device)
+            self._offloaded = None
+        self.model_runner.initialize_kv_cache(self.num_kv_blocks)
+        self.sleep_level = 0
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
-        self.model_runner.execute_model(scheduler_output)
+        self.runner.execute_model(scheduler_output)
 
     def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> StepResult:
-        return self.model_runner.sample_tokens(grammar_bitmask)
+        return self.runner.sample_tokens(grammar_bitmask)

@@ -94,23 +94,41 @@ def _stream_remote(args: argparse.Namespace, messages: list[dict]) -> Iterator[s
     if args.top_k != -1:
         body["top_k"] = args.top_k
     url = args.url.rstrip("/") + "/v1/chat/completions"
-    with httpx.stream("POST", url, json=body, headers=headers, timeout=None) as response:
-        if response.status_code != 200:
-            response.read()
-            raise SystemExit(f"error: the server answered {response.status_code}: {response.text}")
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise SystemExit(f"error: {chunk['error']['message']}")
-            for choice in chunk["choices"]:
-                text = choice["delta"].get("content")
-                if text:
-                    yield text
+    try:
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=None) as response:
+            if response.status_code != 200:
+                response.read()
+                raise SystemExit(
+                    f"error: the server answered {response.status_code}: {response.text}"
+                )
+            yield from _stream_deltas(response.iter_lines())
+    except httpx.ConnectError as error:
+        raise SystemExit(
+            f"error: cannot connect to {args.url} ({error}); start a server there "
+            "(pagedlm serve) or fix --url."
+        ) from None
+    except httpx.TransportError as error:
+        raise SystemExit(f"error: the connection to {args.url} failed: {error!r}") from None
 
 
-def run_chat(args: argparse.Namespace, stdin: TextIO = sys.stdin, out: TextIO = sys.stdout) -> None:
+def _stream_deltas(lines: Iterator[str]) -> Iterator[str]:
+    for line in lines:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise SystemExit(f"error: {chunk['error']['message']}")
+        for choice in chunk["choices"]:
+            text = choice["delta"].get("content")
+            if text:
+                yield text
+
+
+def run_chat(
+    args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO | None = None
+) -> None:
+    stdin = stdin or sys.stdin  # looked up now: sys.stdin may have been replaced
+    out = out or sys.stdout
     messages: list[dict] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})

@@ -11,6 +11,9 @@ import sys
 
 from pagedlm.engine.cli_args import POSITIONAL_MODEL_DEST, add_engine_args
 
+INTERRUPTED_STATUS = 130
+"""Exit status after Ctrl-C (128 + SIGINT), as shells report it."""
+
 
 def _add_model_positional(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -98,6 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        _run(args)
+    except KeyboardInterrupt:  # Ctrl-C (while loading, chatting, generating): no traceback
+        print("\nInterrupted.", file=sys.stderr)
+        return INTERRUPTED_STATUS
+    return 0
+
+
+def _run(args: argparse.Namespace) -> None:
     if args.command == "serve":
         from pagedlm.entrypoints.openai.api_server import run_server
 
@@ -118,7 +130,6 @@ def main(argv: list[str] | None = None) -> int:
         from pagedlm.benchmarks import latency, throughput
 
         {"throughput": throughput, "latency": latency}[args.bench_command].run(args)
-    return 0
 
 
 if __name__ == "__main__":

@@ -19,12 +19,14 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from pagedlm.engine.cli_args import engine_args_from_cli
+from pagedlm.entrypoints.openai.admin import AdminOptions, add_admin_args
 from pagedlm.entrypoints.openai.limits import add_limit_args, limits_from_args
 from pagedlm.entrypoints.openai.serving_lora import add_lora_args, registry_from_args
 
@@ -96,8 +98,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Stay up (answering 503) after the engine core died instead of exiting "
         "(vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH).",
     )
+    group.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="Send one OpenTelemetry span per request to this OTLP/HTTP traces URL (e.g. "
+        "http://localhost:4318/v1/traces); a W3C traceparent header is its parent. Needs "
+        "pip install 'pagedlm[tracing]' (default: off).",
+    )
     _add_tool_args(group)
     add_lora_args(group)
+    add_admin_args(group)
     return parser
 
 
@@ -196,6 +206,38 @@ class _EngineDeathExit:
             self.server.should_exit = True
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound now so that a busy or forbidden address stops
+    ``pagedlm serve`` at once, with the fix, instead of after the model has loaded."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        listener.bind((host, port))
+        listener.listen(2048)
+    except OSError as error:
+        listener.close()
+        reason = error.strerror or str(error)
+        raise SystemExit(
+            f"error: cannot listen on {host}:{port} ({reason}); choose another --port "
+            "(or --host), or stop the process that uses it."
+        ) from None
+    return listener
+
+
+def _tracer_provider(endpoint: str | None) -> Any:
+    """OpenTelemetry's provider for ``--otlp-traces-endpoint`` (None: tracing is off and
+    nothing of it is imported), checked before the model loads."""
+    if endpoint is None:
+        return None
+    from pagedlm.entrypoints.openai.tracing import make_tracer_provider
+
+    try:
+        return make_tracer_provider(endpoint)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+
+
 def run_server(args: argparse.Namespace) -> None:
     """Start the engine, then serve until SIGINT/SIGTERM (or the engine's death)."""
     import uvicorn
@@ -214,12 +256,20 @@ def run_server(args: argparse.Namespace) -> None:
     if not args.engine_death_grace_period >= 0:
         raise SystemExit("error: --engine-death-grace-period must be >= 0 seconds.")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    tracer_provider = _tracer_provider(args.otlp_traces_endpoint)
+    listener = bind_listener(args.host, args.port)  # a busy port fails before the model loads
+    # The engine-core process logs its loading progress at the server's level.
+    os.environ.setdefault("PAGEDLM_LOG_LEVEL", args.log_level.upper())
     started = time.monotonic()
     engine_args = engine_args_from_cli(args)
     chat_template = _chat_template(args.chat_template)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     names = args.served_model_name or [engine_args.model or DEFAULT_MODEL_NAME]
-    engine = AsyncLLM.from_engine_args(engine_args)
+    try:
+        engine = AsyncLLM.from_engine_args(engine_args)
+    except BaseException:
+        listener.close()
+        raise
     try:
         try:
             loras = asyncio.run(registry_from_args(args, engine, names[0]))
@@ -241,13 +291,22 @@ def run_server(args: argparse.Namespace) -> None:
             structured_outputs_backend=engine.config.structured_outputs_backend,
             runner=engine.config.model.runner,
         )
+        if tracer_provider is not None:
+            from pagedlm.entrypoints.openai.tracing import RequestTracer
+
+            ctx.tracer = RequestTracer(tracer_provider, names[0])
         on_death = _EngineDeathExit(args.engine_death_grace_period, args.keep_alive_on_engine_death)
         app = build_app(
             ctx,
             api_key=api_key,
             max_body_bytes=args.max_request_body_bytes,
             on_engine_death=on_death,
+            admin=AdminOptions.from_args(args),
         )
+        if ctx.tracer is not None:
+            from pagedlm.entrypoints.openai.tracing import TraceContextMiddleware
+
+            app = TraceContextMiddleware(app)
         logger.info(
             "Engine ready in %.1f s; serving %s on http://%s:%d%s",
             time.monotonic() - started,
@@ -266,9 +325,12 @@ def run_server(args: argparse.Namespace) -> None:
         )
         server = on_death.server = _uvicorn_server_class()(config)
         server.on_shutdown = lambda: ctx.begin_shutdown(args.shutdown_timeout)
-        server.run()
+        server.run(sockets=[listener])
     finally:
+        listener.close()
         engine.shutdown()
+        if tracer_provider is not None:
+            tracer_provider.shutdown()  # export the spans still queued
     if on_death.died and not on_death.keep_alive:
         # Everything is shut down; skip the interpreter's teardown (seconds, mostly torch
         # unloading) so that the supervisor restarts the server sooner.

@@ -32,6 +32,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from pagedlm.engine.exceptions import EngineDeadError
+from pagedlm.entrypoints.openai.admin import (
+    AdminOptions,
+    SleepingModelGuard,
+    install_admin_routes,
+)
 from pagedlm.entrypoints.openai.errors import (
     APIError,
     error_response,
@@ -339,11 +344,13 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = 10 << 20,
     on_engine_death: Callable[[BaseException], None] | None = None,
+    admin: AdminOptions | None = None,
 ) -> Any:
     """The ASGI app: FastAPI routes inside the body-size and API-key middleware, and
     outermost the one that answers requests cancelled at shutdown.
 
     ``on_engine_death(error)`` is called once if the engine core dies while serving.
+    ``admin``: the sleep-mode and profiler switches of the admin routes (``admin.py``).
     """
 
     @contextlib.asynccontextmanager
@@ -380,8 +387,9 @@ def build_app(
     _add_embedding_routes(app, ctx)
     _add_info_routes(app, ctx)
     _add_lora_routes(app, ctx)
+    install_admin_routes(app, ctx.engine, admin or AdminOptions())
     install_openapi(app, app.state.body_models)
-    outer: Any = BodySizeLimitMiddleware(app, max_body_bytes)
+    outer: Any = BodySizeLimitMiddleware(SleepingModelGuard(app, ctx.engine), max_body_bytes)
     if api_key:
         outer = APIKeyMiddleware(outer, api_key)
     return CancelledRequestMiddleware(outer)

@@ -3,7 +3,7 @@
 aborted on disconnect, or cut at shutdown).
 
 ``ServingContext.generate`` asks the engine for DELTA outputs; endpoints accumulate them
-for non-streaming responses, so latency metrics see every step either way.
+for non-streaming responses.
 
 Shutdown: ``begin_shutdown(timeout_s)`` (on SIGTERM) lets in-flight requests run for
 ``timeout_s`` seconds, then aborts those still generating, whose handlers get
@@ -30,7 +30,7 @@ from pagedlm.entrypoints.openai.errors import APIError, from_value_error
 from pagedlm.entrypoints.openai.limits import RequestLimits
 from pagedlm.entrypoints.openai.serving_lora import LoRARegistry
 from pagedlm.lora.request import LoRARequest
-from pagedlm.metrics.prometheus import PrometheusMetrics, RequestLatencyTracker
+from pagedlm.metrics.prometheus import PrometheusMetrics
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling_params import SamplingParams
 
@@ -69,6 +69,8 @@ class ServingContext:
     """The engine's grammar backend (what a request's ``guided_decoding_backend`` must name)."""
     runner: str = "generate"
     """The engine's runner: "pooling" serves /v1/embeddings and answers 400 to generation."""
+    tracer: Any = None
+    """A ``tracing.RequestTracer`` with ``--otlp-traces-endpoint``, else None."""
     created: int = field(default_factory=lambda: int(time.time()))
     _counter: itertools.count = field(default_factory=itertools.count)
     _background: set[asyncio.Task] = field(default_factory=set)
@@ -150,7 +152,7 @@ class ServingContext:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The engine's DELTA outputs for one prompt, observed for metrics.
+        """The engine's DELTA outputs for one prompt (the engine observes its metrics).
 
         Leaving early (client gone, error elsewhere) aborts the request, even from inside a
         cancelled task, because the abort runs as its own task.
@@ -163,13 +165,13 @@ class ServingContext:
                 "generate; use /v1/embeddings (to generate, serve a generative model "
                 "with --runner generate)."
             )
-        tracker = RequestLatencyTracker(self.metrics)
         stream = self.engine.generate(prompt, params, request_id, priority, lora_request)
+        if self.tracer is not None:
+            stream = self.tracer.trace(stream, request_id, params)
         finished = False
         self._generating.add(request_id)
         try:
             async for output in stream:
-                tracker.observe(output)
                 finished = output.finished
                 yield output
             if not finished and self._shutdown_expired:

@@ -1,0 +1,41 @@
+"""``/start_profile`` and ``/stop_profile``: a torch profiler around the engine core's steps.
+
+Runs in the engine-core process (where the uniproc executor's model runs); every activity
+torch supports here is recorded (CPU, and CUDA where present). The trace is written to
+the server's ``--profiler-dir`` when the profile stops, one file per profile, which
+TensorBoard or Perfetto (``chrome://tracing``) open.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+class CoreProfiler:
+    """At most one profile at a time; ``stop`` without ``start`` is an error."""
+
+    def __init__(self) -> None:
+        self._profile: Any = None
+
+    def start(self, directory: str) -> None:
+        import torch.profiler
+
+        if self._profile is not None:
+            raise ValueError("A profile is already running; POST /stop_profile first.")
+        os.makedirs(directory, exist_ok=True)
+        profile = torch.profiler.profile(
+            activities=sorted(torch.profiler.supported_activities(), key=str),
+            record_shapes=True,
+            with_stack=False,
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(directory, "engine_core"),
+        )
+        profile.start()
+        self._profile = profile
+
+    def stop(self) -> None:
+        """Stop the profile and write its trace."""
+        if self._profile is None:
+            raise ValueError("No profile is running; POST /start_profile first.")
+        profile, self._profile = self._profile, None
+        profile.stop()  # on_trace_ready writes the trace file

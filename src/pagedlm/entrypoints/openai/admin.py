@@ -1,0 +1,185 @@
+"""vLLM's admin endpoints: prefix-cache reset, sleep mode and the torch profiler.
+
+- ``POST /reset_prefix_cache``: forget every cached prefix (200); 409 while requests hold
+  KV blocks (the cache cannot be reset under them).
+- ``POST /sleep?level=1|2``, ``POST /wake_up``, ``GET /is_sleeping``: sleep mode
+  (``pagedlm.worker.sleep``), which needs ``--enable-sleep-mode`` as in vLLM (a 400 naming
+  the flag otherwise). Sleeping with unfinished requests is refused (409): drain first.
+  While the model sleeps, the routes that need it (completions, chat, messages,
+  embeddings, responses, ...) answer 503 naming ``/wake_up``, as vLLM's do; the others
+  (models, tokenize, health, metrics) keep working.
+- ``POST /start_profile``, ``POST /stop_profile``: a torch profiler in the engine core,
+  whose trace lands in ``--profiler-dir``; without that flag the routes do not exist (404),
+  as in vLLM without ``VLLM_TORCH_PROFILER_DIR``.
+
+With ``--api-key`` these routes need the key like every ``/v1`` route.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pagedlm.engine.exceptions import EngineDeadError
+from pagedlm.entrypoints.openai.errors import error_bytes, error_response
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+logger = logging.getLogger("pagedlm.server")
+
+MODEL_ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/messages",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/pooling",
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
+    "/invocations",
+)
+"""Routes that need the model's weights: 503 while it sleeps (``count_tokens`` does not)."""
+SLEEPING_MESSAGE = "The model is sleeping (POST /sleep); POST /wake_up first."
+
+
+@dataclass(frozen=True)
+class AdminOptions:
+    enable_sleep_mode: bool = False
+    profiler_dir: str | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> AdminOptions:
+        return cls(args.enable_sleep_mode, args.profiler_dir)
+
+
+def add_admin_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        help="Allow POST /sleep?level=1|2 and /wake_up (vLLM's flag): level 1 moves the "
+        "weights to host memory and frees the KV cache, level 2 drops the weights too.",
+    )
+    group.add_argument(
+        "--profiler-dir",
+        default=None,
+        help="Serve POST /start_profile and /stop_profile, writing torch profiler traces of "
+        "the engine core here (vLLM's VLLM_TORCH_PROFILER_DIR). Default: off (404).",
+    )
+
+
+class SleepingModelGuard:
+    """Answers 503 on ``MODEL_ROUTES`` while the engine sleeps; everything else passes."""
+
+    def __init__(self, app: ASGIApp, engine: Any) -> None:
+        self.app = app
+        self.engine = engine
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path in MODEL_ROUTES and _sleep_level(self.engine):
+            body = error_bytes(SLEEPING_MESSAGE, 503, path)
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ]
+            await send({"type": "http.response.start", "status": 503, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)
+
+
+def _sleep_level(engine: Any) -> int:
+    return getattr(engine, "sleep_level", 0)
+
+
+async def _answer(call: Awaitable[Response], refused_status: int = 409) -> Response:
+    """The engine's refusals (ValueError) as ``refused_status``, a dead engine as 503."""
+    try:
+        return await call
+    except ValueError as error:
+        return error_response(str(error), refused_status)
+    except EngineDeadError as error:
+        return error_response(f"The engine core is not running ({error}).", 503)
+
+
+def install_admin_routes(app: FastAPI, engine: Any, options: AdminOptions) -> None:
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        async def reset() -> Response:
+            if not await engine.reset_prefix_cache():
+                raise ValueError(
+                    "The prefix cache cannot be reset while requests hold KV blocks; "
+                    "retry when they have finished."
+                )
+            return Response(status_code=200)
+
+        return await _answer(reset())
+
+    _install_sleep_routes(app, engine, options)
+    if options.profiler_dir is not None:
+        _install_profiler_routes(app, engine, options.profiler_dir)
+
+
+def _install_sleep_routes(app: FastAPI, engine: Any, options: AdminOptions) -> None:
+    def check_enabled() -> Response | None:
+        if options.enable_sleep_mode:
+            return None
+        return error_response(
+            "Sleep mode is off; restart the server with --enable-sleep-mode.", 400
+        )
+
+    @app.post("/sleep")
+    async def sleep(level: str = "1") -> Response:
+        refused = check_enabled()
+        if refused is not None:
+            return refused
+        if level not in ("1", "2"):
+            return error_response(f"level={level!r} is not a sleep level; use 1 or 2.", 400)
+        return await _answer(_timed("sleep", engine.sleep(int(level))))
+
+    @app.post("/wake_up")
+    async def wake_up(request: Request) -> Response:
+        refused = check_enabled()
+        if refused is not None:
+            return refused
+        if request.query_params.getlist("tags"):
+            return error_response(
+                "wake_up by tags is not supported; POST /wake_up wakes weights and KV cache.",
+                400,
+            )
+        return await _answer(_timed("wake_up", engine.wake_up()))
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> JSONResponse:
+        return JSONResponse({"is_sleeping": _sleep_level(engine) > 0})
+
+
+def _install_profiler_routes(app: FastAPI, engine: Any, directory: str) -> None:
+    @app.post("/start_profile")
+    async def start_profile() -> Response:
+        return await _answer(_timed("start_profile", engine.start_profile(directory)))
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> Response:
+        return await _answer(_timed("stop_profile", engine.stop_profile()))
+
+
+async def _timed(
+    what: str, call: Awaitable[Any], log: Callable[..., None] = logger.info
+) -> Response:
+    started = time.monotonic()
+    await call
+    log("%s took %.2f s", what, time.monotonic() - started)
+    return Response(status_code=200)

@@ -1,0 +1,242 @@
+"""Per-sequence latency and size histograms, counted the way vLLM v1 counts them.
+
+One user request with ``n`` samples is ``n`` engine-core sequences, and vLLM observes every
+request-level histogram (time to first token, inter-token latency, end-to-end, queue,
+prefill, decode, inference, prompt/generation tokens, ``max_tokens``) once per *sequence*,
+the same unit as ``request_success_total``: an ``n=2`` request adds 2 to the success
+counter and 2 observations to each latency histogram. Only ``request_params_n`` is
+observed once per user request (when its last sequence finishes).
+
+Times are ``time.monotonic()`` (the clock ``arrival_time`` uses), taken when the front end
+handles a step's outputs. Phases, as in vLLM's ``FinishedRequestStats``:
+
+- queue:     arrival -> first scheduled (``EngineCoreOutput.queued_seconds``)
+- prefill:   first scheduled -> first token
+- decode:    first token -> last token
+- inference: first scheduled -> last token
+- time per output token: decode / (generated tokens - 1), for sequences of 2+ tokens.
+
+Pure Python (no prometheus_client): ``LLM.get_metrics()`` reports the same histograms as
+``/metrics``; ``prometheus.py`` only renders them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from pagedlm.core.outputs import EngineCoreOutput
+
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+"""vLLM's ``time_to_first_token_seconds`` buckets (also used for inter-token latency)."""
+TPOT_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+"""vLLM's ``time_per_output_token_seconds`` buckets."""
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+"""vLLM's buckets for e2e, queue, prefill, decode and inference time."""
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8096)
+"""vLLM's ``iteration_tokens_total`` buckets without CUDA graphs."""
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets)."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+class Histogram:
+    """Cumulative Prometheus-style histogram: ``le`` upper bounds plus +Inf."""
+
+    def __init__(self, buckets: Sequence[float]) -> None:
+        self.bounds = tuple(float(b) for b in buckets)
+        self._counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        # bisect_left: a value equal to a bound falls in that bound's bucket (le semantics).
+        self._counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self._counts)
+
+    def cumulative(self) -> tuple[tuple[float, int], ...]:
+        """(upper bound, observations <= it) for every bound, then (inf, total)."""
+        running, result = 0, []
+        for bound, count in zip((*self.bounds, float("inf")), self._counts):
+            running += count
+            result.append((bound, running))
+        return tuple(result)
+
+
+@dataclass
+class _Sequence:
+    parent_id: str
+    arrival_time: float
+    num_prompt_tokens: int
+    max_tokens: int | None
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float = 0.0
+    num_generation_tokens: int = 0
+
+
+class SequenceStats:
+    """The request-level histograms, fed with every step's ``EngineCoreOutput`` list."""
+
+    def __init__(self, max_model_len: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        token_buckets = build_1_2_5_buckets(max(max_model_len, 1))
+        self.histograms: dict[str, Histogram] = {
+            "pagedlm:time_to_first_token_seconds": Histogram(TTFT_BUCKETS),
+            "pagedlm:inter_token_latency_seconds": Histogram(TTFT_BUCKETS),
+            "pagedlm:time_per_output_token_seconds": Histogram(TPOT_BUCKETS),
+            "pagedlm:e2e_request_latency_seconds": Histogram(REQUEST_LATENCY_BUCKETS),
+            "pagedlm:request_queue_time_seconds": Histogram(REQUEST_LATENCY_BUCKETS),
+            "pagedlm:request_prefill_time_seconds": Histogram(REQUEST_LATENCY_BUCKETS),
+            "pagedlm:request_decode_time_seconds": Histogram(REQUEST_LATENCY_BUCKETS),
+            "pagedlm:request_inference_time_seconds": Histogram(REQUEST_LATENCY_BUCKETS),
+            "pagedlm:request_prompt_tokens": Histogram(token_buckets),
+            "pagedlm:request_generation_tokens": Histogram(token_buckets),
+            "pagedlm:request_params_max_tokens": Histogram(token_buckets),
+            "pagedlm:request_params_n": Histogram(N_BUCKETS),
+            "pagedlm:iteration_tokens_total": Histogram(ITERATION_TOKEN_BUCKETS),
+        }
+        self._sequences: dict[str, _Sequence] = {}
+        self._parents: dict[str, tuple[int, set[str]]] = {}
+        """User request id -> (n, its sequences still running)."""
+
+    def _observe(self, name: str, value: float) -> None:
+        self.histograms[name].observe(value)
+
+    def add_request(
+        self,
+        parent_id: str,
+        child_ids: Sequence[str],
+        arrival_time: float,
+        num_prompt_tokens: int,
+        max_tokens: int | None,
+    ) -> None:
+        for child_id in child_ids:
+            self._sequences[child_id] = _Sequence(
+                parent_id, arrival_time, num_prompt_tokens, max_tokens
+            )
+        self._parents[parent_id] = (len(child_ids), set(child_ids))
+
+    def forget_request(self, parent_id: str) -> int:
+        """An aborted or rejected request: nothing more is observed for it. Returns the
+        prompt tokens of the sequences that had not started generating."""
+        entry = self._parents.pop(parent_id, None)
+        unstarted_prompt_tokens = 0
+        for child_id in entry[1] if entry is not None else ():
+            sequence = self._sequences.pop(child_id, None)
+            if sequence is not None and sequence.first_token_time is None:
+                unstarted_prompt_tokens += sequence.num_prompt_tokens
+        return unstarted_prompt_tokens
+
+    def record_outputs(self, outputs: Iterable[EngineCoreOutput]) -> list[str]:
+        """Fold one step in; returns the finish reasons of the sequences it finished
+        (aborted ones excluded)."""
+        now = self.clock()
+        step_tokens = 0
+        finished: list[str] = []
+        for output in outputs:
+            sequence = self._sequences.get(output.req_id)
+            if sequence is None:
+                continue
+            if output.queued_seconds is not None and sequence.scheduled_time is None:
+                sequence.scheduled_time = sequence.arrival_time + output.queued_seconds
+            num_new = len(output.new_token_ids)
+            if num_new:
+                step_tokens += num_new
+                if self._record_tokens(sequence, num_new, now):
+                    step_tokens += sequence.num_prompt_tokens  # vLLM counts the prefill here
+            if output.finish_reason is not None:
+                if output.finish_reason != "abort":
+                    finished.append(output.finish_reason)
+                    self._record_finished(output.req_id, now)
+                else:
+                    self._drop(output.req_id, observe_n=False)
+        if step_tokens:
+            self._observe("pagedlm:iteration_tokens_total", step_tokens)
+        return finished
+
+    def record_stopped(self, child_ids: Iterable[str]) -> None:
+        """Sequences a stop string finished (the front end saw it after the tokens)."""
+        now = self.clock()
+        for child_id in child_ids:
+            if child_id in self._sequences:
+                self._record_finished(child_id, now)
+
+    def _record_tokens(self, sequence: _Sequence, num_new: int, now: float) -> bool:
+        """Observe the new tokens' latencies; True if they are the sequence's first."""
+        first = sequence.first_token_time is None
+        if first:
+            sequence.first_token_time = now
+            self._observe("pagedlm:time_to_first_token_seconds", now - sequence.arrival_time)
+            num_gaps, gap = num_new - 1, 0.0
+        else:
+            # Tokens that arrive together (one step, or several merged) share the gap.
+            num_gaps, gap = num_new, (now - sequence.last_token_time) / num_new
+        for _ in range(num_gaps):
+            self._observe("pagedlm:inter_token_latency_seconds", gap)
+        sequence.last_token_time = now
+        sequence.num_generation_tokens += num_new
+        return first
+
+    def _record_finished(self, child_id: str, now: float) -> None:
+        sequence = self._sequences.get(child_id)
+        if sequence is None:
+            return
+        arrival = sequence.arrival_time
+        scheduled = sequence.scheduled_time if sequence.scheduled_time is not None else arrival
+        first = sequence.first_token_time if sequence.first_token_time is not None else now
+        last = sequence.last_token_time if sequence.first_token_time is not None else now
+        decode = last - first
+        observe = self._observe
+        observe("pagedlm:e2e_request_latency_seconds", now - arrival)
+        observe("pagedlm:request_queue_time_seconds", max(scheduled - arrival, 0.0))
+        observe("pagedlm:request_prefill_time_seconds", max(first - scheduled, 0.0))
+        observe("pagedlm:request_decode_time_seconds", max(decode, 0.0))
+        observe("pagedlm:request_inference_time_seconds", max(last - scheduled, 0.0))
+        observe("pagedlm:request_prompt_tokens", sequence.num_prompt_tokens)
+        observe("pagedlm:request_generation_tokens", sequence.num_generation_tokens)
+        if sequence.max_tokens is not None:
+            observe("pagedlm:request_params_max_tokens", sequence.max_tokens)
+        if sequence.num_generation_tokens > 1:
+            observe(
+                "pagedlm:time_per_output_token_seconds",
+                max(decode, 0.0) / (sequence.num_generation_tokens - 1),
+            )
+        self._drop(child_id, observe_n=True)
+
+    def _drop(self, child_id: str, observe_n: bool) -> None:
+        """Forget a finished sequence; its request's ``n`` is observed when the last of
+        its sequences finishes (``observe_n``: not after an abort)."""
+        sequence = self._sequences.pop(child_id, None)
+        if sequence is None:
+            return
+        n, running = self._parents.get(sequence.parent_id, (0, set()))
+        running.discard(child_id)
+        if not running and sequence.parent_id in self._parents:
+            del self._parents[sequence.parent_id]
+            if observe_n:
+                self._observe("pagedlm:request_params_n", n)

@@ -1,0 +1,72 @@
+"""Sleep mode on a worker: give the device's memory back without stopping the engine.
+
+vLLM's two levels:
+
+- level 1: the KV cache (and the CUDA graphs that point into it) is dropped, and every
+  parameter and buffer of the model is copied to host memory and its device storage
+  released. ``wake_up`` copies them back and allocates a fresh KV cache (its contents are
+  gone, so the engine resets the prefix cache). Tensors already in host memory (the CPU
+  platform) stay where they are.
+- level 2: the whole model runner is dropped (weights, KV cache, graphs, kernels'
+  prepacked copies); ``wake_up`` builds a new one, which loads the weights from the
+  checkpoint again (or fills dummy ones) exactly as at start-up, then allocates the KV
+  cache with the same number of blocks.
+
+After dropping its references the worker asks the platform to ``release_memory`` (CUDA:
+``torch.cuda.empty_cache``), so the memory really returns to the driver.
+
+Invariant: the engine sleeps only without unfinished requests (the scheduler refuses
+otherwise), so the dropped state holds nothing a request still needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+SLEEP_LEVELS = (1, 2)
+HOST = torch.device("cpu")
+
+
+@dataclass
+class OffloadedWeights:
+    """Host copies of a model's device tensors (level 1), keyed by the tensor objects'
+    owners so they can be put back into the same ``Parameter``/buffer objects (layers and
+    kernels that hold references to them keep working)."""
+
+    tensors: list[tuple[torch.Tensor, torch.Tensor]]
+    """(the model's tensor, its host copy)."""
+
+    @classmethod
+    def offload(cls, model: nn.Module, pin_memory: bool) -> OffloadedWeights:
+        tensors = []
+        seen: set[int] = set()
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if id(tensor) in seen or tensor.device == HOST:
+                continue
+            seen.add(id(tensor))
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, device=HOST, pin_memory=pin_memory)
+            host.copy_(tensor.detach())
+            # Replacing .data keeps the Parameter object and frees its device storage.
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+            tensors.append((tensor, host))
+        return cls(tensors)
+
+    def restore(self, device: torch.device) -> None:
+        for tensor, host in self.tensors:
+            tensor.data = host.to(device, non_blocking=False)
+        self.tensors = []
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(host.numel() * host.element_size() for _, host in self.tensors)
+
+
+def check_level(level: int) -> None:
+    if level not in SLEEP_LEVELS:
+        raise ValueError(
+            f"sleep level {level!r} is not supported; use 1 (weights to host memory, KV "
+            "cache dropped) or 2 (weights and KV cache dropped)."
+        )

@@ -1,0 +1,107 @@
+"""Admin endpoints on a real server: prefix-cache reset, sleep levels 1 and 2 (requests
+answered 503 meanwhile, the same greedy tokens after waking), and the profiler; and the
+switches off (in process, over FakeEngine)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagedlm.entrypoints.openai.app import build_app
+from pagedlm.entrypoints.openai.serving_engine import ServingContext
+from pagedlm.metrics.prometheus import PrometheusMetrics
+from server.fake_engine import FakeEngine
+from server.server_utils import start_server
+
+PROMPT = "a prompt long enough to fill two blocks of the prefix cache, or more"
+
+
+@pytest.fixture(scope="module")
+def server(chat_checkpoint, tmp_path_factory):
+    profiles = tmp_path_factory.mktemp("profiles")
+    server = start_server(
+        chat_checkpoint,
+        tmp_path_factory.mktemp("logs") / "server.log",
+        "--enable-sleep-mode",
+        "--profiler-dir",
+        str(profiles),
+    )
+    server.profiles = profiles
+    yield server
+    server.stop()
+
+
+def complete(url: str) -> httpx.Response:
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+def prefix_hits(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    name = "pagedlm:prefix_cache_hits_total"
+    return float(next(row for row in text.splitlines() if row.startswith(name)).split()[-1])
+
+
+def test_reset_prefix_cache(server):
+    complete(server.url)
+    before = prefix_hits(server.url)
+    complete(server.url)
+    assert prefix_hits(server.url) > before  # the second request hit the cached prefix
+    assert httpx.post(f"{server.url}/reset_prefix_cache").status_code == 200
+    before = prefix_hits(server.url)
+    complete(server.url)
+    assert prefix_hits(server.url) == before  # nothing cached any more
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_and_wake_up(server, level):
+    expected = complete(server.url).json()["choices"][0]["text"]
+    assert httpx.get(f"{server.url}/is_sleeping").json() == {"is_sleeping": False}
+    assert httpx.post(f"{server.url}/sleep", params={"level": 3}).status_code == 400
+    response = httpx.post(f"{server.url}/sleep", params={"level": level}, timeout=60)
+    assert response.status_code == 200, response.text
+    assert httpx.get(f"{server.url}/is_sleeping").json() == {"is_sleeping": True}
+    asleep = complete(server.url)
+    assert asleep.status_code == 503
+    assert "/wake_up" in asleep.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/v1/models").status_code == 200  # no weights needed
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    response = httpx.post(f"{server.url}/wake_up", timeout=120)
+    assert response.status_code == 200, response.text
+    assert httpx.get(f"{server.url}/is_sleeping").json() == {"is_sleeping": False}
+    awake = complete(server.url)
+    assert awake.status_code == 200
+    assert awake.json()["choices"][0]["text"] == expected
+
+
+@pytest.mark.slow  # starting torch's profiler takes ~10 s on a loaded 2-core machine
+def test_profiler_writes_a_trace(server):
+    assert httpx.post(f"{server.url}/stop_profile").status_code == 409  # none running
+    assert httpx.post(f"{server.url}/start_profile", timeout=120).status_code == 200
+    assert httpx.post(f"{server.url}/start_profile").status_code == 409
+    assert complete(server.url).status_code == 200
+    assert httpx.post(f"{server.url}/stop_profile", timeout=120).status_code == 200
+    traces = list(Path(server.profiles).glob("*.json*"))
+    assert traces, list(Path(server.profiles).iterdir())
+
+
+def test_switches_off(chat_checkpoint):
+    from starlette.testclient import TestClient
+
+    engine = FakeEngine(chat_checkpoint)
+    ctx = ServingContext(engine=engine, model_names=["tiny"], metrics=PrometheusMetrics("tiny"))
+    with TestClient(build_app(ctx)) as client:
+        response = client.post("/sleep")
+        assert response.status_code == 400
+        assert "--enable-sleep-mode" in response.json()["error"]["message"]
+        assert client.get("/is_sleeping").json() == {"is_sleeping": False}
+        assert client.post("/start_profile").status_code == 404
+        assert client.post("/stop_profile").status_code == 404

@@ -1,0 +1,55 @@
+"""What a new user trips over gets one clean line, not a traceback: a busy port (found
+before the model loads), a refused connection in ``pagedlm chat --url``, and Ctrl-C."""
+
+from __future__ import annotations
+
+import io
+import socket
+
+import pytest
+
+from pagedlm.entrypoints.cli import main as cli
+from pagedlm.entrypoints.openai.api_server import run_server
+
+
+def test_busy_port_stops_serve_before_the_model_loads(monkeypatch):
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine started before the port was checked")
+
+    monkeypatch.setattr("pagedlm.engine.async_llm.AsyncLLM.from_engine_args", no_engine)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = cli.build_parser().parse_args(["serve", "--port", str(port)])
+        with pytest.raises(SystemExit) as exit_info:
+            run_server(args)
+    message = str(exit_info.value)
+    assert f"127.0.0.1:{port}" in message and "--port" in message
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_refused_connection_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    url = f"http://127.0.0.1:{closed_port()}"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["chat", "--url", url])
+    assert str(exit_info.value).startswith(f"error: cannot connect to {url}")
+    assert "pagedlm serve" in str(exit_info.value)
+
+
+def test_ctrl_c_in_chat_exits_130_without_traceback(monkeypatch, capsys):
+    class CtrlC(io.StringIO):
+        def readline(self, *args) -> str:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("sys.stdin", CtrlC())
+    status = cli.main(["chat", "--url", f"http://127.0.0.1:{closed_port()}"])
+    assert status == cli.INTERRUPTED_STATUS == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "Interrupted." and "Traceback" not in err

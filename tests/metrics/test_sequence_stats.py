@@ -1,0 +1,97 @@
+"""Per-sequence histograms (vLLM v1's semantics) on hand-made engine-core outputs."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedlm.core.outputs import EngineCoreOutput
+from pagedlm.metrics.sequence_stats import Histogram, SequenceStats, build_1_2_5_buckets
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def count(stats: SequenceStats, name: str) -> int:
+    return stats.histograms[f"pagedlm:{name}"].count
+
+
+def total(stats: SequenceStats, name: str) -> float:
+    return stats.histograms[f"pagedlm:{name}"].sum
+
+
+def test_buckets_and_cumulative_counts():
+    assert build_1_2_5_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
+    histogram = Histogram((1, 2))
+    for value in (0.5, 1.0, 1.5, 3.0):
+        histogram.observe(value)
+    assert histogram.cumulative() == ((1.0, 2), (2.0, 3), (float("inf"), 4))
+    assert histogram.sum == pytest.approx(6.0)
+
+
+def test_n2_request_counts_two_sequences_and_one_n():
+    clock = Clock()
+    stats = SequenceStats(max_model_len=512, clock=clock)
+    stats.add_request("r", ["r-0", "r-1"], 99.0, num_prompt_tokens=10, max_tokens=3)
+    clock.now = 100.0  # scheduled at 99.5, first tokens at 100
+    first = [EngineCoreOutput(f"r-{i}", [5], queued_seconds=0.5) for i in range(2)]
+    assert stats.record_outputs(first) == []
+    clock.now = 100.2
+    assert stats.record_outputs([EngineCoreOutput("r-0", [6, 7], finish_reason="length")]) == [
+        "length"
+    ]
+    assert count(stats, "request_params_n") == 0  # r-1 still runs
+    clock.now = 101.0
+    assert stats.record_outputs([EngineCoreOutput("r-1", [8], finish_reason="stop")]) == ["stop"]
+
+    for name in (
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_inference_time_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+        "request_params_max_tokens",
+        "time_per_output_token_seconds",
+        "time_to_first_token_seconds",
+    ):
+        assert count(stats, name) == 2, name
+    assert count(stats, "request_params_n") == 1
+    assert total(stats, "request_params_n") == 2
+    assert total(stats, "time_to_first_token_seconds") == pytest.approx(2 * 1.0)
+    assert total(stats, "request_queue_time_seconds") == pytest.approx(2 * 0.5)
+    assert total(stats, "request_prefill_time_seconds") == pytest.approx(2 * 0.5)
+    assert total(stats, "request_decode_time_seconds") == pytest.approx(0.2 + 1.0)
+    assert total(stats, "request_inference_time_seconds") == pytest.approx(0.7 + 1.5)
+    assert total(stats, "e2e_request_latency_seconds") == pytest.approx(1.2 + 2.0)
+    assert total(stats, "request_generation_tokens") == 3 + 2
+    assert total(stats, "request_prompt_tokens") == 20
+    # r-0: 0.2 s over 2 later tokens; r-1: 1.0 s over 1 later token.
+    assert total(stats, "time_per_output_token_seconds") == pytest.approx(0.1 + 1.0)
+    assert count(stats, "inter_token_latency_seconds") == 3
+    assert total(stats, "inter_token_latency_seconds") == pytest.approx(0.2 + 1.0)
+    # Step 1: two prefills of 10 tokens plus 2 tokens; then 2; then 1.
+    assert count(stats, "iteration_tokens_total") == 3
+    assert total(stats, "iteration_tokens_total") == 22 + 2 + 1
+
+
+def test_stop_string_finish_and_abort():
+    clock = Clock()
+    stats = SequenceStats(max_model_len=64, clock=clock)
+    stats.add_request("a", ["a-0"], 99.0, 4, None)
+    stats.add_request("b", ["b-0"], 99.0, 4, 8)
+    stats.record_outputs([EngineCoreOutput("a-0", [1]), EngineCoreOutput("b-0", [1])])
+    stats.record_stopped(["a-0"])
+    assert count(stats, "e2e_request_latency_seconds") == 1
+    assert count(stats, "request_params_max_tokens") == 0  # a had no max_tokens
+    assert stats.forget_request("b") == 0  # b had started: its prompt was processed
+    stats.record_outputs([EngineCoreOutput("b-0", [2], finish_reason="length")])
+    assert count(stats, "e2e_request_latency_seconds") == 1
+    assert count(stats, "request_params_n") == 1
+    stats.add_request("c", ["c-0", "c-1"], 99.0, 4, 8)
+    assert stats.forget_request("c") == 8  # rejected before any token

@@ -1,0 +1,75 @@
+"""Sleep mode through the engine core on CPU: levels 1 and 2 free the KV cache (level 2
+the model runner), wake_up gives the same greedy tokens, and busy or sleeping engines
+refuse what they cannot do. The benchmark module runs on a tiny checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedlm import LLM, SamplingParams
+from pagedlm.benchmarks import sleep_mode
+
+PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+PROMPT = [{"prompt_token_ids": list(range(5, 40))}]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    return LLM(str(tiny_checkpoint("llama")), skip_tokenizer_init=True, num_kv_blocks=32)
+
+
+def tokens(llm: LLM) -> list[int]:
+    return llm.generate(PROMPT, PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_frees_and_wake_up_restores(llm, level):
+    core = llm.llm_engine.engine_core
+    worker = core.executor.worker
+    expected = tokens(llm)
+    core.sleep(level)
+    assert worker.sleep_level == level
+    if level == 1:
+        assert worker.model_runner.kv_cache is None
+    else:
+        assert worker.model_runner is None
+    with pytest.raises(ValueError, match="wake"):
+        llm.generate(PROMPT, PARAMS, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()  # the refusal left nothing behind
+    core.wake_up()
+    assert worker.sleep_level == 0 and worker.model_runner.kv_cache is not None
+    assert tokens(llm) == expected
+
+
+def test_busy_engine_refuses_to_sleep(llm):
+    engine = llm.llm_engine
+    engine.add_request("busy", PROMPT[0], PARAMS)
+    with pytest.raises(ValueError, match="unfinished"):
+        engine.engine_core.sleep(1)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.engine_core.sleep_level == 0
+
+
+def test_bad_level(llm):
+    with pytest.raises(ValueError, match="sleep level"):
+        llm.llm_engine.engine_core.sleep(3)
+
+
+def test_benchmark_reports_every_level(tiny_checkpoint, tmp_path):
+    out = tmp_path / "sleep.json"
+    figures = sleep_mode.main(
+        [
+            "--model",
+            str(tiny_checkpoint("llama")),
+            "--max-model-len",
+            "256",
+            "--output-json",
+            str(out),
+        ]
+    )
+    assert json.loads(out.read_text()) == figures
+    assert [level["level"] for level in figures["levels"]] == [1, 2]
+    assert all(level["same_tokens_after_wake_up"] for level in figures["levels"])
