@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_attention_kernels import make_cache, reference
-from test_triton_backend import make_layout, run_backend, to_triton_layout
+from test_triton_backend import make_layout, on_device, run_backend, to_triton_layout
 from triton_env import DEVICE, ON_GPU, rel_error, tolerance
 
 from pagedlm.attention.backend import BatchLayout
@@ -169,7 +169,9 @@ def test_batch_invariant_backend_prefill_equals_decodes(cache_dtype):
     shape = TritonAttentionBackend.kv_cache_shape(num_blocks, block_size, kv_heads, head_dim)
     dtype, compute = cache_dtype, COMPUTE
     chunk_len, context_len = 7, 20
-    layout = make_layout([(chunk_len, context_len), (3, 0)], block_size, num_blocks)
+    layout = on_device(
+        make_layout([(chunk_len, context_len), (3, 0)], block_size, num_blocks), DEVICE
+    )
     q = torch.randn(layout.num_tokens, heads, head_dim, device=DEVICE).to(compute)
     k = torch.randn(layout.num_tokens, kv_heads, head_dim, device=DEVICE).to(compute)
     v = torch.randn(layout.num_tokens, kv_heads, head_dim, device=DEVICE).to(compute)

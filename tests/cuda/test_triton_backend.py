@@ -4,6 +4,7 @@ and the graph runner's batch-size ladder."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -42,7 +43,14 @@ def to_triton_layout(cache: torch.Tensor) -> torch.Tensor:
     return cache.transpose(1, 2).contiguous()
 
 
+def on_device(layout: BatchLayout, device: torch.device) -> BatchLayout:
+    """``layout`` with its tensors on ``device`` (the backend's: the GPU's when there is one)."""
+    names = ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
+    return dataclasses.replace(layout, **{n: getattr(layout, n).to(device) for n in names})
+
+
 def run_backend(backend, layout, q, k, v, key_cache, value_cache, **features):
+    layout = on_device(layout, backend.device)
     kc, vc = key_cache.clone(), value_cache.clone()
     out = backend.forward(q, k, v, kc, vc, backend.build_metadata(layout), 0.125, **features)
     return out, kc, vc

@@ -47,8 +47,11 @@ def fp8_gemv(
 @triton.jit
 def _quantize_rows_kernel(
     x_ptr, codes_ptr, scales_ptr, K, stride_x, stride_codes,
-    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    # FP8_MAX and MIN_SCALE come in as constexpr arguments: a jit function may not read a
+    # plain module global (Triton refuses it when compiling; the interpreter does not).
     pdl.allow_next(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
@@ -57,7 +60,7 @@ def _quantize_rows_kernel(
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, _MIN_SCALE)
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
     for k0 in range(0, K, BLOCK_K):
         mask = k0 + cols < K
         x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=mask, other=0.0)
@@ -79,7 +82,8 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m:
         block_k = min(triton.next_power_of_2(k), 4096)
         _quantize_rows_kernel[(m,)](
-            x, codes, scales, k, x.stride(0), codes.stride(0), BLOCK_K=block_k,
+            x, codes, scales, k, x.stride(0), codes.stride(0),
+            FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE, BLOCK_K=block_k,
             num_warps=4 if block_k <= 1024 else 8, **pdl.launch_options(),
         )  # fmt: skip
     return codes, scales
