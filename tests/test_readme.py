@@ -2,8 +2,9 @@
 (in this process: a fresh interpreter per block costs ~10 s of imports here).
 
 The embedded model (``LLM()``, ``EngineArgs()``) and the placeholder paths
-(``path/to/model``, ``path/to/sql-adapter``) are swapped for a tiny random chat
-checkpoint and a PEFT adapter for it, so the blocks run in seconds; ``-m slow`` also
+(``path/to/model``, ``path/to/sql-adapter``, ``path/to/all-MiniLM-L6-v2``) are swapped for
+a tiny random chat checkpoint, a PEFT adapter for it and a tiny sentence-transformers
+BERT, so the blocks run in seconds; ``-m slow`` also
 runs the blocks that need several worker processes, and the first block on the real
 embedded GGUF.
 """
@@ -41,12 +42,22 @@ def adapter(chat_checkpoint, tmp_path_factory) -> Path:
     return out
 
 
-def with_tiny_model(code: str, model: Path, adapter: Path) -> str:
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory) -> Path:
+    from embedding_checkpoints import write_bert
+
+    out = tmp_path_factory.mktemp("readme-embedder")
+    write_bert(out, "mean")
+    return out
+
+
+def with_tiny_model(code: str, model: Path, adapter: Path, embedder: Path) -> str:
     swapped = (
         code.replace("LLM()", f"LLM({str(model)!r})")
         .replace("EngineArgs()", f"EngineArgs(model={str(model)!r})")
         .replace('"path/to/model"', repr(str(model)))
         .replace('"path/to/sql-adapter"', repr(str(adapter)))
+        .replace('"path/to/all-MiniLM-L6-v2"', repr(str(embedder)))
     )
     code_only = re.sub(r"#.*$", "", swapped, flags=re.M)  # comments may name other paths
     assert "path/to/" not in code_only, "a README placeholder the test cannot fill"
@@ -68,7 +79,8 @@ def test_readme_has_python_blocks():
 )
 def test_block_runs(code, chat_checkpoint, tmp_path, request, monkeypatch, capsys):
     adapter = request.getfixturevalue("adapter") if "LoRARequest" in code else Path("unused")
-    run_script(with_tiny_model(code, chat_checkpoint, adapter), tmp_path, monkeypatch)
+    embedder = request.getfixturevalue("embedder") if ".embed(" in code else Path("unused")
+    run_script(with_tiny_model(code, chat_checkpoint, adapter, embedder), tmp_path, monkeypatch)
     if "print(" in code:
         assert capsys.readouterr().out.strip(), "the block printed nothing"
 

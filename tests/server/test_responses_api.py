@@ -39,7 +39,10 @@ def client(http):
 
 @pytest.fixture(scope="module")
 def prompt_len(http):
-    tokenizer = http.app.app.app.state.ctx.tokenizer  # CancelledRequest > BodySize > FastAPI
+    app = http.app
+    while not hasattr(app, "state"):  # through the middleware, down to FastAPI
+        app = app.app
+    tokenizer = app.state.ctx.tokenizer
 
     def count(messages: list[dict]) -> int:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
