@@ -99,6 +99,7 @@ class AsyncLLM:
             config.scheduler.scheduling_policy,
             args.structured_outputs_max_spec_chars,
             lora_config=config.lora,
+            multimodal_config=config.multimodal,
         )
         # Not at a lower priority: a niced thread descheduled while it holds the GIL stalls
         # the event loop (a 2.5M-character prompt: /health p99 202 ms niced, 57 ms not).

@@ -32,6 +32,7 @@ from pagedlm.lora.manager import make_lora
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.layers.attention import model_kv_heads
 from pagedlm.model_executor.loader import load_model
+from pagedlm.multimodal.encoder_runner import make_encoder_runner
 from pagedlm.platforms import Platform
 from pagedlm.platforms.interface import GraphRunner
 from pagedlm.sample.host_copy import tensor_to_device
@@ -100,6 +101,7 @@ class ModelRunner:
         self.model = load_model(config.model, self.device)
         platform.prepare_model(self.model)
         self.lora = make_lora(config, platform, self.model)
+        self.encoder = make_encoder_runner(self.model, self.device)
         self.num_kv_heads = model_kv_heads(self.model, self.arch.num_key_value_heads)
         layers = model_attention_layers(self.model) or [0]
         self.first_layer, self.num_layers = layers[0], len(layers)
@@ -231,17 +233,24 @@ class ModelRunner:
             raise RuntimeError("sample_tokens must be called after every execute_model")
         self.input_batch.update(scheduler_output)
         self.speculator.admit(scheduler_output)
+        self.encoder.update(scheduler_output)
         if scheduler_output.is_empty:
             self.input_batch.flush()
             return
+        feeds_images = self.encoder.feeds_images(scheduler_output)
         inputs = self.step_inputs.build(
             scheduler_output,
-            self._padded_num_reqs(scheduler_output),
+            None if feeds_images else self._padded_num_reqs(scheduler_output),
             self.speculator.num_rejected,
         )
         layout = inputs.layout
         self.lora.prepare_step(inputs.states, layout.query_start_loc_cpu, layout.num_tokens)
-        hidden = self._forward(inputs)
+        if feeds_images:  # eager, from embeddings with the images' rows scattered in
+            hidden = self._forward_embeddings(
+                inputs, self.encoder.step_embeddings(scheduler_output, inputs.input_ids, layout)
+            )
+        else:
+            hidden = self._forward(inputs)
         if hidden is None:  # a pipeline stage before the last: no logits here
             self._forward_done = _ForwardDone(inputs, None, None, {})
             return
@@ -278,6 +287,15 @@ class ModelRunner:
         return run_stage(
             self.model, inputs.input_ids, inputs.positions, ctx, self.config.model.dtype
         )
+
+    def _forward_embeddings(self, inputs: StepInputs, embeds: torch.Tensor) -> torch.Tensor:
+        """Hidden states of a step fed from token embeddings (multimodal models, which
+        run on one pipeline stage)."""
+        assert self.kv_cache is not None, "initialize_kv_cache must run first"
+        ctx = ForwardContext(
+            self.attn_backend, self.attn_backend.build_metadata(inputs.layout), self.kv_cache
+        )
+        return self.model(inputs.input_ids, inputs.positions, ctx, inputs_embeds=embeds)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> StepResult:

@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": f"{_MODELS}.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": f"{_MODELS}.gemma3:Gemma3ForCausalLM",
     "GPT2LMHeadModel": f"{_MODELS}.gpt2:GPT2LMHeadModel",
+    "LlavaForConditionalGeneration": f"{_MODELS}.llava:LlavaForConditionalGeneration",
 }
 """HF architecture name -> ``"module:Class"``."""
 
