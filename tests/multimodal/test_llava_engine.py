@@ -51,8 +51,9 @@ def expected(tiny_llava):
         # Chunks of 5 tokens: every image spans several chunks (16 tokens each), and
         # the encoder budget (16 rows) pays for one image per step.
         {"max_num_batched_tokens": 5, "max_num_encoder_input_tokens": IMAGE_TOKENS},
+        {"max_num_batched_tokens": 7, "async_scheduling": True},
     ],
-    ids=["one-step-prefill", "chunked"],
+    ids=["one-step-prefill", "chunked", "chunked-async"],
 )
 def test_greedy_matches_transformers(tiny_llava, expected, engine_kwargs):
     llm = _llm(tiny_llava[0], **engine_kwargs)

@@ -230,7 +230,8 @@ class AsyncLLM:
         process = functools.partial(
             self.input_processor.process, request_id, prompt, params, priority, lora_request
         )
-        if size <= INLINE_PROMPT_CHARS and params.structured_outputs is None:
+        has_images = isinstance(prompt, Mapping) and prompt.get("multi_modal_data")
+        if size <= INLINE_PROMPT_CHARS and params.structured_outputs is None and not has_images:
             return process()
         return await asyncio.get_running_loop().run_in_executor(self._input_pool, process)
 

@@ -1,0 +1,204 @@
+"""Images through a real ``pagedlm serve`` (tiny LLaVA), with the real openai/anthropic
+clients: answers equal transformers', and every bad image is a 400 naming the problem
+while the server stays healthy and other requests are unharmed."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import struct
+import threading
+import time
+import zlib
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import anthropic
+import httpx
+import openai
+import pytest
+from tiny_llava import hf_greedy, random_image
+
+from server.server_utils import start_server
+
+NEW_TOKENS = 5
+QUESTION = "describe the picture."
+
+
+def _png(image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def _bomb_png(width: int = 50_000, height: int = 50_000) -> bytes:
+    """A valid PNG header claiming 2.5 G pixels (no pixel data needed to be refused)."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        crc = zlib.crc32(kind + body) & 0xFFFFFFFF
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", crc)
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b""))
+        + chunk(b"IEND", b"")
+    )
+
+
+class _MediaHandler(BaseHTTPRequestHandler):
+    png = b""
+
+    def do_GET(self):
+        if self.path == "/slow.png":
+            time.sleep(3)  # longer than the server's --media-fetch-timeout-s
+        body = b"\0" * 300_000 if self.path == "/big.png" else self.png
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        # The server under test may hang up (timeout, size cap).
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def media_server():
+    _MediaHandler.png = _png(random_image(30, 30, 9))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _MediaHandler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("media")
+    (path / "cat.png").write_bytes(_png(random_image(40, 30, 8)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llava, media_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    server = start_server(
+        tiny_llava[0], log,
+        "--dtype", "float32", "--max-model-len", "256", "--limit-mm-per-prompt",
+        '{"image": 2}', "--allowed-local-media-path", str(media_dir),
+        "--media-fetch-timeout-s", "1", "--media-max-bytes", "200000",
+    )  # fmt: skip
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def _chat(client, *image_urls: str, text: str = QUESTION):
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in image_urls]
+    return client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": [*parts, {"type": "text", "text": text}]}],
+        max_tokens=NEW_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+
+
+def _expected_text(tiny_llava, images) -> str:
+    from transformers import AutoTokenizer
+
+    path, model = tiny_llava
+    prompt = "USER: " + "<image>\n" * len(images) + QUESTION + " ASSISTANT:"
+    ids = hf_greedy(model, path, prompt, images, NEW_TOKENS)
+    return AutoTokenizer.from_pretrained(path).decode(ids, skip_special_tokens=True)
+
+
+def test_openai_data_urls_match_transformers(client, tiny_llava):
+    images = [random_image(40, 50, 1), random_image(64, 32, 2)]
+    reply = _chat(client, *(_data_url(_png(i)) for i in images))
+    assert reply.choices[0].message.content == _expected_text(tiny_llava, images)
+    assert reply.usage.completion_tokens == NEW_TOKENS
+
+
+def test_http_and_allowed_file_urls(client, tiny_llava, media_server, media_dir):
+    from PIL import Image
+
+    reply = _chat(client, f"{media_server}/ok.png")
+    expected = _expected_text(tiny_llava, [Image.open(io.BytesIO(_MediaHandler.png))])
+    assert reply.choices[0].message.content == expected
+    reply = _chat(client, f"file://{media_dir / 'cat.png'}")
+    expected = _expected_text(tiny_llava, [Image.open(media_dir / "cat.png")])
+    assert reply.choices[0].message.content == expected
+
+
+def test_anthropic_base64_image_block(server, tiny_llava):
+    image = random_image(48, 36, 3)
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    source = {"type": "base64", "media_type": "image/png", "data": _data_url(_png(image))[22:]}
+    reply = client.messages.create(
+        model="tiny",
+        max_tokens=NEW_TOKENS,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "source": source},
+                    {"type": "text", "text": QUESTION},
+                ],
+            }
+        ],
+        extra_body={"ignore_eos": True, "temperature": 0},
+    )
+    assert reply.content[0].text == _expected_text(tiny_llava, [image])
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        (_data_url(b"this is not an image"), "could not be decoded"),
+        (_data_url(_bomb_png()), "too large to decode"),
+        ("file:///etc/hostname", "outside the allowed directory"),
+        ("ftp://example.com/cat.png", "unsupported image URL"),
+        ("{media}/slow.png", "timed out"),
+        ("{media}/big.png", "larger than the limit"),
+    ],
+    ids=["undecodable", "decompression-bomb", "outside-dir", "scheme", "timeout", "too-large"],
+)
+def test_bad_images_are_400(client, server, media_server, url, message):
+    with pytest.raises(openai.BadRequestError) as error:
+        _chat(client, url.format(media=media_server))
+    assert message in str(error.value)
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_more_images_than_the_limit_is_400(client, server):
+    url = _data_url(_png(random_image(20, 20, 4)))
+    with pytest.raises(openai.BadRequestError, match="at most 2 are allowed"):
+        _chat(client, url, url, url)
+
+
+def test_a_bad_request_leaves_others_unharmed(client, tiny_llava):
+    image = random_image(40, 50, 1)
+    good = [_chat(client, _data_url(_png(image))) for _ in range(2)]
+    with pytest.raises(openai.BadRequestError):
+        _chat(client, _data_url(b"garbage"))
+    assert {r.choices[0].message.content for r in good} == {_expected_text(tiny_llava, [image])}
+    # A text-only chat to the same server.
+    reply = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
+    assert reply.choices[0].message.content is not None
