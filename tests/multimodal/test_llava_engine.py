@@ -121,3 +121,15 @@ def test_bad_multimodal_input_is_rejected(tiny_llava):
         llm.generate({"prompt": "x", "multi_modal_data": {"video": []}}, use_tqdm=False)
     # The engine still serves.
     assert _generate(llm, [PROMPTS[0]])[0].outputs[0].token_ids
+
+
+def test_images_to_a_text_only_model_are_rejected(tmp_path):
+    from tiny_checkpoints import save_random_model
+
+    save_random_model(tmp_path, "LlamaConfig", {})
+    llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16)
+    image = random_image(32, 32, 1)
+    with pytest.raises(ValueError, match="is text-only and takes no images"):
+        llm.generate(_prompt("USER: <image>", [image]), use_tqdm=False)
+    params = SamplingParams(max_tokens=2)
+    assert llm.generate({"prompt_token_ids": [1, 2, 3]}, params, use_tqdm=False)[0].outputs

@@ -67,26 +67,41 @@ class EncoderRunner:
     def feeds_images(self, scheduler_output: SchedulerOutput) -> bool:
         return bool(self.features) and any(True for _ in self._overlaps(scheduler_output))
 
-    def _encode(self, feature: MultiModalFeature) -> None:
-        tensors = {name: from_tensor_data(t, self.device) for name, t in feature.tensors.items()}
-        rows = self.model.embed_multimodal(tensors)
-        if rows.shape[0] != feature.length:
-            raise RuntimeError(
-                f"the vision encoder produced {rows.shape[0]} rows for an image with "
-                f"{feature.length} placeholder tokens; the processor and the model disagree"
-            )
-        self.cache[feature.identifier] = rows
-        self.num_encoded += 1
+    def _encode(self, features: list[MultiModalFeature]) -> None:
+        """Encode ``features`` into the cache: one encoder call per group of images whose
+        tensors have the same names and shapes (stacked along their first dimension)."""
+        groups: dict[tuple, list[MultiModalFeature]] = {}
+        for feature in features:
+            key = tuple(sorted((n, tuple(t.shape), t.dtype) for n, t in feature.tensors.items()))
+            groups.setdefault(key, []).append(feature)
+        for group in groups.values():
+            tensors = {
+                name: torch.cat([from_tensor_data(f.tensors[name], self.device) for f in group])
+                for name in group[0].tensors
+            }
+            rows = self.model.embed_multimodal(tensors)
+            if rows.shape[0] != sum(f.length for f in group):
+                raise RuntimeError(
+                    f"the vision encoder produced {rows.shape[0]} rows for images with "
+                    f"{sum(f.length for f in group)} placeholder tokens; the processor and "
+                    "the model disagree"
+                )
+            for feature, image_rows in zip(group, rows.split([f.length for f in group])):
+                self.cache[feature.identifier] = image_rows
+            self.num_encoded += len(group)
 
     def step_embeddings(
         self, scheduler_output: SchedulerOutput, input_ids: torch.Tensor, layout: BatchLayout
     ) -> torch.Tensor:
         """[num_tokens, hidden]: ``input_ids``' embeddings, image rows at placeholders."""
+        to_encode: dict[str, MultiModalFeature] = {}
         for req_id, indices in scheduler_output.scheduled_encoder_inputs.items():
-            features = self.features[req_id]
             for index in indices:
-                if features[index].identifier not in self.cache:
-                    self._encode(features[index])
+                feature = self.features[req_id][index]
+                if feature.identifier not in self.cache:
+                    to_encode.setdefault(feature.identifier, feature)
+        if to_encode:
+            self._encode(list(to_encode.values()))
         embeds = self.model.embed_input_ids(input_ids)
         query_start = layout.query_start_loc_cpu
         for row, start, end, feature in self._overlaps(scheduler_output):

@@ -4,9 +4,10 @@ Llama-family decoder (``LlavaForConditionalGeneration``).
 The decoder *is* ``LlamaForCausalLM`` over the flattened layout (graphs, kernels, LoRA and
 KV layout unchanged); this class adds the image path:
 
-- ``embed_multimodal(tensors)``: one image's ``pixel_values`` [1, C, H, W] -> its
-  embedding rows [num_image_tokens, hidden] (the vision tower's ``vision_feature_layer``
-  states, the class token dropped under the "default" strategy, then the projector);
+- ``embed_multimodal(tensors)``: images' ``pixel_values`` [N, C, H, W] -> their
+  embedding rows [N * num_image_tokens, hidden], image after image (the vision tower's
+  ``vision_feature_layer`` states, the class token dropped under the "default" strategy,
+  then the projector);
 - ``embed_input_ids(input_ids)`` [T] -> [T, hidden], the text embeddings, over which the
   model runner scatters image rows at the placeholder positions;
 - ``forward(..., inputs_embeds=...)`` runs the decoder from those embeddings.
@@ -99,7 +100,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         return self.model.embed_tokens(input_ids)
 
     def embed_multimodal(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """One image's ``pixel_values`` [1, C, H, W] -> [num_image_tokens, hidden]."""
+        """``pixel_values`` [N, C, H, W] -> [N * num_image_tokens, hidden]."""
         states = self.vision_tower.hidden_states(tensors["pixel_values"], self.feature_layers)
         features = torch.cat(states, dim=-1)
         if self.select_strategy == "default":
