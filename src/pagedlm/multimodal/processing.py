@@ -101,9 +101,18 @@ class MultiModalProcessor:
         return self._processor
 
     def render_chat(self, conversation: list[dict[str, Any]], **template_kwargs: Any) -> str:
-        """The conversation (image parts as ``{"type": "image"}``) through the processor's
-        chat template, as text with one placeholder per image."""
-        return self.processor.apply_chat_template(conversation, tokenize=False, **template_kwargs)
+        """The conversation (image parts as ``{"type": "image"}``) through the given
+        ``chat_template``, else the processor's, else the tokenizer's, as text with one
+        placeholder per image."""
+        processor = self.processor
+        template = (
+            template_kwargs.pop("chat_template", None)
+            or getattr(processor, "chat_template", None)
+            or getattr(processor.tokenizer, "chat_template", None)
+        )
+        return processor.apply_chat_template(
+            conversation, chat_template=template, tokenize=False, **template_kwargs
+        )
 
     def process(
         self, text: str, images: Sequence[Any]

@@ -86,13 +86,24 @@ def openai_conversation(messages: list[Any]) -> list[dict[str, Any]] | None:
 async def multimodal_prompt(
     ctx: Any,
     conversation: list[dict[str, Any]] | None,
+    request_template: str | None = None,
     **template_kwargs: Any,
 ) -> dict[str, Any] | None:
     """``{"prompt": text, "multi_modal_data": {"image": [...]}}`` for a conversation with
-    images to a vision-language model; None otherwise (the text path takes it)."""
+    images to a vision-language model; None otherwise (the text path takes it).
+
+    The template is the server's ``--chat-template`` or the processor's; a request's own
+    ``chat_template`` is refused here (the text path renders those sandboxed)."""
     inputs = _inputs(ctx)
     if conversation is None or inputs is None:
         return None
+    if request_template is not None:
+        raise APIError(
+            "chat_template in a request with images is not supported; drop it (the "
+            "model's processor template, or the server's --chat-template, applies).",
+            param="chat_template",
+        )
+    template_kwargs["chat_template"] = ctx.chat_template
     try:
         messages, sources = split_images(conversation)
         inputs.check_count("image", len(sources))

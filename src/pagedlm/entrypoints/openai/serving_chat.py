@@ -70,7 +70,7 @@ class ChatServer:
         prompt: dict = await multimodal_prompt(
             ctx,
             openai_conversation(request.messages),
-            chat_template=request.chat_template,
+            request_template=request.chat_template,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             **template_kwargs,
