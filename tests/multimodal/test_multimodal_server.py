@@ -17,7 +17,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from tiny_llava import hf_greedy, random_image
+from tiny_llava import IMAGE_TOKENS, hf_greedy, random_image
 
 from server.server_utils import start_server
 
@@ -164,6 +164,23 @@ def test_anthropic_base64_image_block(server, tiny_llava):
         extra_body={"ignore_eos": True, "temperature": 0},
     )
     assert reply.content[0].text == _expected_text(tiny_llava, [image])
+    count = httpx.post(
+        f"{server.url}/v1/messages/count_tokens",
+        json={
+            "model": "tiny",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "source": source},
+                        {"type": "text", "text": "hi"},
+                    ],
+                }
+            ],
+        },
+    )
+    assert count.status_code == 200
+    assert count.json()["input_tokens"] > IMAGE_TOKENS  # the placeholder expanded
 
 
 @pytest.mark.parametrize(

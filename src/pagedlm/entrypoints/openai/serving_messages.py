@@ -10,6 +10,7 @@ server's ``--tool-call-parser``), and a streamed tool call arrives whole, as one
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -89,6 +90,20 @@ class MessagesServer:
 
     async def count_tokens(self, request: CountTokensRequest) -> dict:
         self.ctx.check_model(request.model)
+        continues = request.continues_assistant
+        prompt = await multimodal_prompt(
+            self.ctx,
+            anthropic_conversation(request),
+            add_generation_prompt=not continues,
+            continue_final_message=continues,
+        )
+        if prompt is not None:  # images: their placeholders expanded, as generation sees them
+            processor = self.ctx.engine.input_processor
+            try:
+                _, token_ids, _ = await asyncio.to_thread(processor.tokenize_multimodal, prompt)
+            except ValueError as error:
+                raise from_value_error(error) from error
+            return {"input_tokens": len(token_ids)}
         return {"input_tokens": len(await self._prompt(request, self._plan(request)))}
 
     async def create(
