@@ -64,7 +64,13 @@ class _MediaHandler(BaseHTTPRequestHandler):
         self.end_headers()
         # The server under test may hang up (timeout, size cap).
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            self.wfile.write(body)
+            if self.path == "/drip.png":  # each read is quick, the whole takes 4 s
+                for start in range(0, len(body), len(body) // 8 + 1):
+                    self.wfile.write(body[start : start + len(body) // 8 + 1])
+                    self.wfile.flush()
+                    time.sleep(0.5)
+            else:
+                self.wfile.write(body)
 
     def log_message(self, *args):
         pass
@@ -191,9 +197,18 @@ def test_anthropic_base64_image_block(server, tiny_llava):
         ("file:///etc/hostname", "outside the allowed directory"),
         ("ftp://example.com/cat.png", "unsupported image URL"),
         ("{media}/slow.png", "timed out"),
+        ("{media}/drip.png", "timed out"),
         ("{media}/big.png", "larger than the limit"),
     ],
-    ids=["undecodable", "decompression-bomb", "outside-dir", "scheme", "timeout", "too-large"],
+    ids=[
+        "undecodable",
+        "decompression-bomb",
+        "outside-dir",
+        "scheme",
+        "timeout",
+        "slow-drip",
+        "too-large",
+    ],
 )
 def test_bad_images_are_400(client, server, media_server, url, message):
     with pytest.raises(openai.BadRequestError) as error:

@@ -13,10 +13,12 @@ the warning into a refusal, so the limit is one number.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import io
 import os
+import time
 import urllib.parse
 import warnings
 from typing import Any
@@ -109,7 +111,7 @@ def _offline_bytes(url: str, scheme: str, config: MultiModalConfig) -> bytes:
 def _http_error(url: str, exc: Exception, config: MultiModalConfig) -> MediaError:
     import httpx
 
-    if isinstance(exc, httpx.TimeoutException):
+    if isinstance(exc, (httpx.TimeoutException, TimeoutError)):
         return MediaError(
             f"fetching the image {url[:80]!r} timed out after {config.media_fetch_timeout_s} s."
         )
@@ -131,7 +133,10 @@ async def load_image_url_async(url: str, config: MultiModalConfig) -> Image.Imag
 
     chunks, size = [], 0
     try:
+        # httpx's timeout bounds each read; this bounds the whole download (a server
+        # dripping bytes never ends otherwise).
         async with (
+            asyncio.timeout(config.media_fetch_timeout_s),
             httpx.AsyncClient(timeout=config.media_fetch_timeout_s) as client,
             client.stream("GET", url, follow_redirects=True) as response,
         ):
@@ -140,7 +145,7 @@ async def load_image_url_async(url: str, config: MultiModalConfig) -> Image.Imag
                 size += len(chunk)
                 _check_size(size, config, "the downloaded image")
                 chunks.append(chunk)
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, TimeoutError) as exc:
         raise _http_error(url, exc, config) from None
     return decode_image(b"".join(chunks))
 
@@ -153,6 +158,7 @@ def load_image_url(url: str, config: MultiModalConfig) -> Image.Image:
     import httpx
 
     chunks, size = [], 0
+    deadline = time.monotonic() + config.media_fetch_timeout_s
     try:
         with httpx.stream(
             "GET", url, timeout=config.media_fetch_timeout_s, follow_redirects=True
@@ -162,6 +168,8 @@ def load_image_url(url: str, config: MultiModalConfig) -> Image.Image:
                 size += len(chunk)
                 _check_size(size, config, "the downloaded image")
                 chunks.append(chunk)
-    except httpx.HTTPError as exc:
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+    except (httpx.HTTPError, TimeoutError) as exc:
         raise _http_error(url, exc, config) from None
     return decode_image(b"".join(chunks))
