@@ -17,12 +17,20 @@ import anthropic
 import httpx
 import openai
 import pytest
-from tiny_llava import IMAGE_TOKENS, hf_greedy, random_image
+from tiny_llava import IMAGE_TOKENS, hf_greedy, hf_processor, random_image
 
-from server.server_utils import start_server
+from server.server_utils import start_server, wait_healthy
 
 NEW_TOKENS = 5
 QUESTION = "describe the picture."
+IMAGES = {
+    "two-a": random_image(40, 50, 1),
+    "two-b": random_image(64, 32, 2),
+    "http": random_image(30, 30, 9),
+    "file": random_image(40, 30, 8),
+    "anthropic": random_image(48, 36, 3),
+}
+"""Every image a test expects transformers' answer for (references computed once)."""
 
 
 def _png(image) -> bytes:
@@ -56,7 +64,7 @@ class _MediaHandler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         if self.path == "/slow.png":
-            time.sleep(3)  # longer than the server's --media-fetch-timeout-s
+            time.sleep(5)  # longer than the server's --media-fetch-timeout-s
         body = b"\0" * 300_000 if self.path == "/big.png" else self.png
         self.send_response(200)
         self.send_header("Content-Type", "image/png")
@@ -64,11 +72,11 @@ class _MediaHandler(BaseHTTPRequestHandler):
         self.end_headers()
         # The server under test may hang up (timeout, size cap).
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            if self.path == "/drip.png":  # each read is quick, the whole takes 4 s
+            if self.path == "/drip.png":  # each read is quick, the whole takes 4.8 s
                 for start in range(0, len(body), len(body) // 8 + 1):
                     self.wfile.write(body[start : start + len(body) // 8 + 1])
                     self.wfile.flush()
-                    time.sleep(0.5)
+                    time.sleep(0.6)
             else:
                 self.wfile.write(body)
 
@@ -78,7 +86,7 @@ class _MediaHandler(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def media_server():
-    _MediaHandler.png = _png(random_image(30, 30, 9))
+    _MediaHandler.png = _png(IMAGES["http"])
     server = ThreadingHTTPServer(("127.0.0.1", 0), _MediaHandler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -91,21 +99,50 @@ def media_server():
 @pytest.fixture(scope="module")
 def media_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("media")
-    (path / "cat.png").write_bytes(_png(random_image(40, 30, 8)))
+    (path / "cat.png").write_bytes(_png(IMAGES["file"]))
     return path
 
 
+def _expected_text(tiny_llava, images) -> str:
+    path, model = tiny_llava
+    prompt = "USER: " + "<image>\n" * len(images) + QUESTION + " ASSISTANT:"
+    ids = hf_greedy(model, path, prompt, images, NEW_TOKENS)
+    return hf_processor(path).tokenizer.decode(ids, skip_special_tokens=True)
+
+
 @pytest.fixture(scope="module")
-def server(tiny_llava, media_dir, tmp_path_factory):
+def booted(tiny_llava, media_dir, tmp_path_factory):
+    """(one server for the module, transformers' answer per image set): the answers are
+    computed while the server boots, which is most of this module's time."""
     log = tmp_path_factory.mktemp("logs") / "server.log"
     server = start_server(
         tiny_llava[0], log,
         "--dtype", "float32", "--max-model-len", "256", "--limit-mm-per-prompt",
         '{"image": 2}', "--allowed-local-media-path", str(media_dir),
-        "--media-fetch-timeout-s", "1", "--media-max-bytes", "200000",
+        "--media-fetch-timeout-s", "2", "--media-max-bytes", "200000", wait=False,
     )  # fmt: skip
-    yield server
-    server.stop()
+    try:
+        expected = {
+            "two": _expected_text(tiny_llava, [IMAGES["two-a"], IMAGES["two-b"]]),
+            **{
+                name: _expected_text(tiny_llava, [IMAGES[name]])
+                for name in ("two-a", "http", "file", "anthropic")
+            },
+        }
+        wait_healthy(server)
+        yield server, expected
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(booted):
+    return booted[0]
+
+
+@pytest.fixture(scope="module")
+def expected(booted):
+    return booted[1]
 
 
 @pytest.fixture(scope="module")
@@ -124,35 +161,21 @@ def _chat(client, *image_urls: str, text: str = QUESTION):
     )
 
 
-def _expected_text(tiny_llava, images) -> str:
-    from transformers import AutoTokenizer
-
-    path, model = tiny_llava
-    prompt = "USER: " + "<image>\n" * len(images) + QUESTION + " ASSISTANT:"
-    ids = hf_greedy(model, path, prompt, images, NEW_TOKENS)
-    return AutoTokenizer.from_pretrained(path).decode(ids, skip_special_tokens=True)
-
-
-def test_openai_data_urls_match_transformers(client, tiny_llava):
-    images = [random_image(40, 50, 1), random_image(64, 32, 2)]
-    reply = _chat(client, *(_data_url(_png(i)) for i in images))
-    assert reply.choices[0].message.content == _expected_text(tiny_llava, images)
+def test_openai_data_urls_match_transformers(client, expected):
+    reply = _chat(client, _data_url(_png(IMAGES["two-a"])), _data_url(_png(IMAGES["two-b"])))
+    assert reply.choices[0].message.content == expected["two"]
     assert reply.usage.completion_tokens == NEW_TOKENS
 
 
-def test_http_and_allowed_file_urls(client, tiny_llava, media_server, media_dir):
-    from PIL import Image
-
+def test_http_and_allowed_file_urls(client, expected, media_server, media_dir):
     reply = _chat(client, f"{media_server}/ok.png")
-    expected = _expected_text(tiny_llava, [Image.open(io.BytesIO(_MediaHandler.png))])
-    assert reply.choices[0].message.content == expected
+    assert reply.choices[0].message.content == expected["http"]
     reply = _chat(client, f"file://{media_dir / 'cat.png'}")
-    expected = _expected_text(tiny_llava, [Image.open(media_dir / "cat.png")])
-    assert reply.choices[0].message.content == expected
+    assert reply.choices[0].message.content == expected["file"]
 
 
-def test_anthropic_base64_image_block(server, tiny_llava):
-    image = random_image(48, 36, 3)
+def test_anthropic_base64_image_block(server, expected):
+    image = IMAGES["anthropic"]
     client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
     source = {"type": "base64", "media_type": "image/png", "data": _data_url(_png(image))[22:]}
     reply = client.messages.create(
@@ -169,7 +192,7 @@ def test_anthropic_base64_image_block(server, tiny_llava):
         ],
         extra_body={"ignore_eos": True, "temperature": 0},
     )
-    assert reply.content[0].text == _expected_text(tiny_llava, [image])
+    assert reply.content[0].text == expected["anthropic"]
     count = httpx.post(
         f"{server.url}/v1/messages/count_tokens",
         json={
@@ -223,12 +246,12 @@ def test_more_images_than_the_limit_is_400(client, server):
         _chat(client, url, url, url)
 
 
-def test_a_bad_request_leaves_others_unharmed(client, tiny_llava):
-    image = random_image(40, 50, 1)
+def test_a_bad_request_leaves_others_unharmed(client, expected):
+    image = IMAGES["two-a"]
     good = [_chat(client, _data_url(_png(image))) for _ in range(2)]
     with pytest.raises(openai.BadRequestError):
         _chat(client, _data_url(b"garbage"))
-    assert {r.choices[0].message.content for r in good} == {_expected_text(tiny_llava, [image])}
+    assert {r.choices[0].message.content for r in good} == {expected["two-a"]}
     # A text-only chat to the same server.
     reply = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3

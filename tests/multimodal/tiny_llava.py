@@ -7,6 +7,7 @@ processor resizes any image to 32x32, so images of different sizes give the same
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -108,12 +109,17 @@ def random_image(width: int, height: int, seed: int) -> Image.Image:
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
-def hf_greedy(model: torch.nn.Module, path: Path, text: str, images: list, new_tokens: int):
-    """transformers' greedy continuation (exactly ``new_tokens`` ids, EOS not stopping)."""
+@functools.cache
+def hf_processor(path: Path):
+    """The checkpoint's ``AutoProcessor``, loaded once per test process."""
     from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(path)
-    inputs = processor(text=text, images=images or None, return_tensors="pt")
+    return AutoProcessor.from_pretrained(path)
+
+
+def hf_greedy(model: torch.nn.Module, path: Path, text: str, images: list, new_tokens: int):
+    """transformers' greedy continuation (exactly ``new_tokens`` ids, EOS not stopping)."""
+    inputs = hf_processor(path)(text=text, images=images or None, return_tensors="pt")
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     with torch.no_grad():
