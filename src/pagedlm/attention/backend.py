@@ -54,6 +54,12 @@ class BatchLayout:
     """[num_tokens] cache slot of every scheduled token."""
     query_start_loc_cpu: np.ndarray
     seq_lens_cpu: np.ndarray
+    bidirectional_spans: tuple[tuple[int, int, int], ...] = ()
+    """(request row, start, end): the request's positions ``start .. end-1`` (one image of
+    a model whose image tokens attend to each other both ways, Gemma 3) also see each
+    other's keys, later ones included. Only in eager steps that feed such an image; every
+    position of a span is either cached context or in the step (the scheduler never
+    splits one). Backends read it only if ``supports_bidirectional_spans``."""
 
     @property
     def query_lens_cpu(self) -> np.ndarray:
@@ -116,6 +122,8 @@ class AttentionBackend(ABC):
       fills (prefix-cache hits on blocks scheduled in that step rely on this).
     - Query row ``t`` attends to key positions ``<= its own position`` of its request only;
       with a ``sliding_window`` of ``w``, only to the ``w`` positions ``> position - w``.
+      With ``supports_bidirectional_spans``, a row inside one of the layout's spans also
+      attends to the span's later positions (still within the window, if any).
 
     Optional features a model may ask for per layer (``forward``'s keyword arguments); a
     backend that implements one sets the matching flag, and the attention layer refuses
@@ -132,6 +140,9 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     supports_sliding_window: ClassVar[bool] = False
     supports_logits_soft_cap: ClassVar[bool] = False
+    supports_bidirectional_spans: ClassVar[bool] = False
+    """Whether ``build_metadata`` honours ``BatchLayout.bidirectional_spans``; the model
+    runner refuses to load a model that needs them on a backend without."""
     reads_host_lengths: ClassVar[bool] = True
     """Whether ``build_metadata`` plans from the layout's host arrays (``*_cpu``). A backend
     that reads only its device tensors, taking ``max_*`` as bounds, sets False: the model

@@ -19,6 +19,11 @@ never encode it again while it is cached. Invariants:
   exceed ``encoder_cache_size``; then the oldest go, at the start of the next schedule.
 - An image larger than the whole budget is still encoded, alone in its step, so no
   request waits forever.
+- A ``bidirectional`` image (Gemma 3: its tokens attend to each other both ways) is never
+  split across chunks: a chunk that would end inside one stops before it (or feeds
+  nothing this step, if it starts inside one), so every token of the image is in the
+  step that computes the image's last token. ``Scheduler.add_request`` refuses one longer
+  than ``max_num_batched_tokens``, which could never be scheduled.
 
 Check-then-commit, like block allocation: ``plan`` changes nothing, ``commit`` records a
 plan once the request's KV blocks are allocated too.
@@ -91,6 +96,10 @@ class EncoderCacheTracker:
                 break
             if feature.end <= start:
                 continue
+            if feature.bidirectional and feature.end > end:
+                # The chunk would end inside the image: stop before it, or wait for a
+                # step with room for the rest of it.
+                return EncoderPlan(max(feature.offset - start, 0), tuple(to_encode))
             identifier = feature.identifier
             if identifier in self.cached or identifier in step.identifiers:
                 continue

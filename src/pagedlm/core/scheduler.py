@@ -166,6 +166,14 @@ class OneBudgetScheduler(Scheduler):
                 f"has {self.num_blocks} blocks ({capacity} tokens). Lower max_tokens or "
                 f"shorten the prompt, or raise num_kv_blocks (or the KV-cache memory)."
             )
+        limit = self.config.max_num_batched_tokens
+        for feature in request.mm_features:
+            if feature.bidirectional and feature.length > limit:
+                raise ValueError(
+                    f"an image of request {request.request_id!r} takes {feature.length} "
+                    f"tokens, which must be fed in one step, but max_num_batched_tokens="
+                    f"{limit}; raise max_num_batched_tokens to at least {feature.length}."
+                )
         request.status = RequestStatus.WAITING
         if request.sampling_params.structured_outputs is not None:
             self.grammars.add(request)

@@ -9,6 +9,9 @@ row. The cache is keyed by the images' identifiers, so what chunked prefill, pre
 or another request with the same image needs again is not encoded again; the scheduler's
 ``EncoderCacheTracker`` decides what it holds.
 
+``bidirectional_spans`` names the positions of the step's bidirectional images (Gemma 3)
+for the attention backend, which must support them (checked when the runner is made).
+
 ``NullEncoderRunner`` stands in for text-only models (every step is text).
 """
 
@@ -17,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedlm.attention import BatchLayout
+from pagedlm.attention import AttentionBackend, BatchLayout
 from pagedlm.multimodal.tensors import from_tensor_data
 from pagedlm.step import SchedulerOutput
 from pagedlm.step.multimodal import MultiModalFeature
@@ -90,6 +93,16 @@ class EncoderRunner:
                 self.cache[feature.identifier] = image_rows
             self.num_encoded += len(group)
 
+    def bidirectional_spans(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[tuple[int, int, int], ...]:
+        """(batch row, offset, end) of every bidirectional image the step feeds."""
+        return tuple(
+            (row, feature.offset, feature.end)
+            for row, _, _, feature in self._overlaps(scheduler_output)
+            if feature.bidirectional
+        )
+
     def step_embeddings(
         self, scheduler_output: SchedulerOutput, input_ids: torch.Tensor, layout: BatchLayout
     ) -> torch.Tensor:
@@ -120,8 +133,16 @@ class EncoderRunner:
 
 
 def make_encoder_runner(
-    model: nn.Module, device: torch.device
+    model: nn.Module, device: torch.device, attn_backend_cls: type[AttentionBackend]
 ) -> EncoderRunner | NullEncoderRunner:
-    if getattr(model, "supports_multimodal", False):
-        return EncoderRunner(model, device)
-    return NullEncoderRunner()
+    if not getattr(model, "supports_multimodal", False):
+        return NullEncoderRunner()
+    if getattr(model, "bidirectional_images", False) and not getattr(
+        attn_backend_cls, "supports_bidirectional_spans", False
+    ):
+        raise ValueError(
+            f"{type(model).__name__} lets an image's tokens attend to each other both ways, "
+            f"which the {attn_backend_cls.name!r} attention backend does not implement; "
+            "choose one that does (attention_backend='cpu_sdpa')."
+        )
+    return EncoderRunner(model, device)

@@ -43,11 +43,18 @@ class FamilySpec:
     split_items: ItemSplitter
     image_placeholder: str
     """The text a prompt writes per image (``"<image>"``); chat templates insert it."""
+    bidirectional: bool = False
+    """Whether an image's tokens attend to each other both ways in the decoder."""
 
 
 FAMILIES: dict[str, FamilySpec] = {
     "LlavaForConditionalGeneration": FamilySpec(
         "image_token_index", _split_pixel_values, "<image>"
+    ),
+    # The prompt writes <start_of_image>; the processor expands it to
+    # "\n\n<start_of_image>" + mm_tokens_per_image x <image_soft_token> + "<end_of_image>\n\n".
+    "Gemma3ForConditionalGeneration": FamilySpec(
+        "image_token_index", _split_pixel_values, "<start_of_image>", bidirectional=True
     ),
 }
 """HF architecture -> its spec; an architecture not here is text-only."""
@@ -139,6 +146,7 @@ class MultiModalProcessor:
                     offset=offset,
                     length=length,
                     tensors={name: to_tensor_data(t) for name, t in tensors.items()},
+                    bidirectional=self.spec.bidirectional,
                 )
             )
         return token_ids, features

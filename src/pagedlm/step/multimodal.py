@@ -30,6 +30,9 @@ class MultiModalFeature:
     rows, scattered there in order. A prompt's features are sorted by ``offset`` and do
     not overlap. ``identifier`` is a hex digest of the item's processed tensors: the same
     identifier means the same embeddings.
+
+    ``bidirectional`` (Gemma 3): the item's placeholder tokens attend to each other both
+    ways inside the decoder, so the scheduler never splits them across prefill chunks.
     """
 
     modality: str
@@ -37,6 +40,7 @@ class MultiModalFeature:
     offset: int
     length: int
     tensors: dict[str, TensorData] = field(default_factory=dict)
+    bidirectional: bool = False
 
     @property
     def end(self) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -101,7 +101,7 @@ class ModelRunner:
         self.model = load_model(config.model, self.device)
         platform.prepare_model(self.model)
         self.lora = make_lora(config, platform, self.model)
-        self.encoder = make_encoder_runner(self.model, self.device)
+        self.encoder = make_encoder_runner(self.model, self.device, attn_backend_cls)
         self.num_kv_heads = model_kv_heads(self.model, self.arch.num_key_value_heads)
         layers = model_attention_layers(self.model) or [0]
         self.first_layer, self.num_layers = layers[0], len(layers)
@@ -246,9 +246,9 @@ class ModelRunner:
         layout = inputs.layout
         self.lora.prepare_step(inputs.states, layout.query_start_loc_cpu, layout.num_tokens)
         if feeds_images:  # eager, from embeddings with the images' rows scattered in
-            hidden = self._forward_embeddings(
-                inputs, self.encoder.step_embeddings(scheduler_output, inputs.input_ids, layout)
-            )
+            embeds = self.encoder.step_embeddings(scheduler_output, inputs.input_ids, layout)
+            spans = self.encoder.bidirectional_spans(scheduler_output)
+            hidden = self._forward_embeddings(inputs, embeds, spans)
         else:
             hidden = self._forward(inputs)
         if hidden is None:  # a pipeline stage before the last: no logits here
@@ -288,12 +288,15 @@ class ModelRunner:
             self.model, inputs.input_ids, inputs.positions, ctx, self.config.model.dtype
         )
 
-    def _forward_embeddings(self, inputs: StepInputs, embeds: torch.Tensor) -> torch.Tensor:
+    def _forward_embeddings(
+        self, inputs: StepInputs, embeds: torch.Tensor, spans: tuple[tuple[int, int, int], ...]
+    ) -> torch.Tensor:
         """Hidden states of a step fed from token embeddings (multimodal models, which
-        run on one pipeline stage)."""
+        run on one pipeline stage); ``spans``: the layout's ``bidirectional_spans``."""
         assert self.kv_cache is not None, "initialize_kv_cache must run first"
+        layout = replace(inputs.layout, bidirectional_spans=spans) if spans else inputs.layout
         ctx = ForwardContext(
-            self.attn_backend, self.attn_backend.build_metadata(inputs.layout), self.kv_cache
+            self.attn_backend, self.attn_backend.build_metadata(layout), self.kv_cache
         )
         return self.model(inputs.input_ids, inputs.positions, ctx, inputs_embeds=embeds)
 

@@ -33,6 +33,7 @@ from pagedlm.distributed.pipeline import IntermediateTensors
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.models.llama import LlamaForCausalLM
 from pagedlm.model_executor.models.vision.clip import CLIPVisionTransformer, vision_activation
+from pagedlm.model_executor.models.vision_language import split_vision_weights
 
 _TEXT_MODEL_TYPES = ("llama", "mistral")
 
@@ -122,31 +123,14 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         return self.model(input_ids, positions, ctx, intermediate)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        vision_params = {
-            name: param
-            for name, param in self.named_parameters()
-            if name.startswith(("vision_tower.", "multi_modal_projector."))
-        }
         loaded: set[str] = set()
-
-        def text_weights() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                for old, new in _RENAMES:
-                    if name.startswith(old):
-                        name = new + name[len(old) :]
-                        break
-                if name.startswith(("vision_tower.", "multi_modal_projector.")):
-                    if name not in vision_params:
-                        if ".post_layernorm." in name or name.startswith("vision_tower.head"):
-                            continue  # LLaVA reads a hidden layer, never these
-                        raise ValueError(
-                            f"checkpoint tensor {name!r} has no parameter in "
-                            "LlavaForConditionalGeneration; check config.json's vision_config."
-                        )
-                    vision_params[name].copy_(tensor)
-                    loaded.add(name)
-                else:
-                    yield name, tensor
-
-        loaded |= super().load_weights(text_weights())
-        return loaded
+        text = split_vision_weights(
+            self,
+            weights,
+            _RENAMES,
+            ("vision_tower.", "multi_modal_projector."),
+            (".post_layernorm.", "vision_tower.head"),  # LLaVA reads a hidden layer
+            loaded,
+        )
+        decoder = super().load_weights(text)  # consumes ``text``, which fills ``loaded``
+        return loaded | decoder

@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForCausalLM": f"{_MODELS}.gemma3:Gemma3ForCausalLM",
     "GPT2LMHeadModel": f"{_MODELS}.gpt2:GPT2LMHeadModel",
     "LlavaForConditionalGeneration": f"{_MODELS}.llava:LlavaForConditionalGeneration",
+    "Gemma3ForConditionalGeneration": f"{_MODELS}.gemma3_mm:Gemma3ForConditionalGeneration",
 }
 """HF architecture name -> ``"module:Class"``."""
 
