@@ -63,18 +63,6 @@ class Gemma3MultiModalProjector(nn.Module):
         return torch.matmul(self.mm_soft_emb_norm(pooled), self.mm_input_projection_weight)
 
 
-# (checkpoint prefix, our prefix), first match wins.
-_RENAMES = (
-    ("model.language_model.", "model."),
-    ("language_model.model.", "model."),
-    ("language_model.lm_head.", "lm_head."),
-    ("model.vision_tower.vision_model.", "vision_tower."),
-    ("model.vision_tower.", "vision_tower."),
-    ("vision_tower.vision_model.", "vision_tower."),
-    ("model.multi_modal_projector.", "multi_modal_projector."),
-)
-
-
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     supports_multimodal: ClassVar[bool] = True
     bidirectional_images: ClassVar[bool] = True
@@ -121,8 +109,6 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded: set[str] = set()
-        text = split_vision_weights(
-            self, weights, _RENAMES, ("vision_tower.", "multi_modal_projector."), (), loaded
-        )
+        text = split_vision_weights(self, weights, (), loaded)
         decoder = super().load_weights(text)  # consumes ``text``, which fills ``loaded``
         return loaded | decoder

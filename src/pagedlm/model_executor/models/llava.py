@@ -49,18 +49,6 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-# (checkpoint prefix, our prefix), first match wins.
-_RENAMES = (
-    ("model.language_model.", "model."),
-    ("language_model.model.", "model."),
-    ("language_model.lm_head.", "lm_head."),
-    ("model.vision_tower.vision_model.", "vision_tower."),
-    ("model.vision_tower.", "vision_tower."),
-    ("vision_tower.vision_model.", "vision_tower."),
-    ("model.multi_modal_projector.", "multi_modal_projector."),
-)
-
-
 class LlavaForConditionalGeneration(LlamaForCausalLM):
     supports_multimodal: ClassVar[bool] = True
 
@@ -124,13 +112,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded: set[str] = set()
+        # LLaVA reads a hidden layer: SigLIP/CLIP's last norm and head are never used.
         text = split_vision_weights(
-            self,
-            weights,
-            _RENAMES,
-            ("vision_tower.", "multi_modal_projector."),
-            (".post_layernorm.", "vision_tower.head"),  # LLaVA reads a hidden layer
-            loaded,
+            self, weights, (".post_layernorm.", "vision_tower.head"), loaded
         )
         decoder = super().load_weights(text)  # consumes ``text``, which fills ``loaded``
         return loaded | decoder
