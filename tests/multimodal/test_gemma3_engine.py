@@ -93,3 +93,23 @@ def test_backend_without_bidirectional_spans_is_refused(tiny_gemma3):
     with pytest.raises(ValueError, match="'causal_only' attention backend does not implement"):
         make_encoder_runner(model, torch.device("cpu"), CausalOnly)
     assert make_encoder_runner(model, torch.device("cpu"), CpuSdpaBackend) is not None
+
+
+def test_chat_with_an_image_part(tiny_gemma3):
+    path, model = tiny_gemma3
+    llm = LLM(str(path), dtype="float32", max_model_len=256, num_kv_blocks=32)
+    image = random_image(48, 36, 7)
+    conversation = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_pil", "image_pil": image},
+                {"type": "text", "text": "describe the picture."},
+            ],
+        }
+    ]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    out = llm.chat(conversation, params, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == hf_greedy(
+        model, path, TURN.format(BOI), [image], NEW_TOKENS
+    )
