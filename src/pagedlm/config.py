@@ -67,6 +67,16 @@ def _with_standard_names(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _with_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language config (LLaVA, Qwen2.5-VL, Gemma 3) describes its decoder in
+    ``text_config``: those keys win, the top level (``architectures``, ``vision_config``,
+    the image token id) stays beside them."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        return cfg
+    return {**cfg, **{k: v for k, v in text.items() if k != "architectures"}}
+
+
 @dataclass(frozen=True)
 class ArchConfig:
     """The shape of a decoder-only transformer, independent of how the file spelled it.
@@ -100,7 +110,7 @@ class ArchConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
-        cfg = _with_standard_names(cfg)
+        cfg = _with_standard_names(_with_text_config(cfg))
         archs = cfg.get("architectures") or []
         if not archs:
             raise ValueError(
@@ -259,6 +269,12 @@ class SchedulerConfig:
     whole_prompts: bool = False
     """A prompt is scheduled in one step or waits (the pooling runner: mean and CLS pooling
     and bidirectional attention need every token of the prompt in the same forward)."""
+    max_num_encoder_input_tokens: int | None = None
+    """Multimodal: embedding rows the vision encoder may produce per step (vLLM's name;
+    None: ``max_num_batched_tokens``). An image larger than this is encoded alone."""
+    encoder_cache_size: int | None = None
+    """Multimodal: embedding rows kept in the workers' encoder cache beyond those running
+    requests still need (None: the encoder budget)."""
 
     @property
     def chunked_prefill(self) -> bool:
@@ -416,6 +432,21 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class MultiModalConfig:
+    """What a prompt may carry besides text (vision-language models), checked at the front
+    end: images per prompt, where images may come from, and the limits of fetching them."""
+
+    limit_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 999})
+    """Most items of each modality in one prompt (vLLM's ``limit_mm_per_prompt``)."""
+    allowed_local_media_path: str | None = None
+    """A directory whose files ``file://`` image URLs may name (None: no local files)."""
+    media_fetch_timeout_s: float = 5.0
+    """Seconds an ``http(s)`` image URL may take to download."""
+    media_max_bytes: int = 20 * 2**20
+    """Largest image an ``http(s)`` URL, data URL or file may have."""
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -435,6 +466,7 @@ class EngineConfig:
     batch_invariant: bool = False
     """A request's logits are bitwise the same whatever batch it shares and however its
     prompt is chunked (``pagedlm.batch_invariant``); costs speed."""
+    multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
 
     def with_num_kv_blocks(self, num_kv_blocks: int) -> EngineConfig:
         return replace(self, cache=replace(self.cache, num_kv_blocks=num_kv_blocks))

@@ -15,8 +15,9 @@ the gathered blocks stay float8 (half the copy) and are dequantized to the compu
 just before SDPA; chunks then always read their own K/V back from the cache, so a token
 sees the same (quantized) keys whether it is computed in a prefill or in a decode.
 
-Sliding windows (per layer) and logit soft-capping (Gemma 2) change only the mask and the
-score function: window masks are built on first use per step and window size, and shared
+Sliding windows (per layer), logit soft-capping (Gemma 2) and bidirectional image spans
+(Gemma 3: a chunk's mask also lets positions of one image see each other) change only the
+mask and the score function: window masks are built on first use per step and window size, and shared
 by every layer with that window; soft-capped scores are computed explicitly, because SDPA
 has no hook between the scores and the softmax. ``causal=False`` (encoders) drops the
 causal mask: every row of a request sees all its keys (a decode's single row already does).
@@ -24,6 +25,7 @@ causal mask: every row of a request sees all its keys (a decode's single row alr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,8 +69,12 @@ class ChunkRequest:
     block_ids: torch.Tensor
     """[ceil(seq_len / block_size)] the blocks holding key positions ``0 .. seq_len-1``."""
     causal_mask: torch.Tensor | None
-    """[query_len, seq_len] True where row i may attend (key position <= context_len + i);
-    None when there is no cached context, so plain ``is_causal`` applies."""
+    """[query_len, seq_len] True where row i may attend (key position <= context_len + i,
+    or both in one bidirectional span); None when there is no cached context and no span,
+    so plain ``is_causal`` applies."""
+    span_mask: torch.Tensor | None = None
+    """[query_len, seq_len] True where row i and the key sit in the same bidirectional
+    span (what the causal rule alone would hide); None without spans."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,7 @@ class CpuSdpaBackend(AttentionBackend):
     supports_fp8_kv_cache = True
     supports_batch_invariant = True
     supports_non_causal = True
+    supports_bidirectional_spans = True
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
@@ -108,7 +115,13 @@ class CpuSdpaBackend(AttentionBackend):
     def build_metadata(self, layout: BatchLayout) -> CpuSdpaMetadata:
         query_lens = layout.query_lens_cpu
         decode_reqs = np.flatnonzero(query_lens == 1)
-        chunks = tuple(self._chunk(layout, int(i)) for i in np.flatnonzero(query_lens > 1))
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for row, start, end in layout.bidirectional_spans:
+            spans.setdefault(row, []).append((start, end))
+        chunks = tuple(
+            self._chunk(layout, int(i), spans.get(int(i), ()))
+            for i in np.flatnonzero(query_lens > 1)
+        )
         return CpuSdpaMetadata(
             slot_mapping=layout.slot_mapping.to(self.device, torch.long),
             decodes=self._decode_group(layout, decode_reqs) if len(decode_reqs) else None,
@@ -139,17 +152,30 @@ class CpuSdpaBackend(AttentionBackend):
             num_key_slots=max_blocks * block_size,
         )
 
-    def _chunk(self, layout: BatchLayout, i: int) -> ChunkRequest:
+    def _chunk(self, layout: BatchLayout, i: int, spans: Sequence[tuple[int, int]]) -> ChunkRequest:
         seq_len = int(layout.seq_lens_cpu[i])
         query_start = int(layout.query_start_loc_cpu[i])
         query_end = int(layout.query_start_loc_cpu[i + 1])
         context_len = seq_len - (query_end - query_start)
         num_blocks = -(-seq_len // layout.block_size)
         self._check_width(layout, num_blocks)
-        causal_mask = None
-        if context_len > 0:
-            query_positions = torch.arange(context_len, seq_len)[:, None]
-            causal_mask = (torch.arange(seq_len)[None, :] <= query_positions).to(self.device)
+        causal_mask = span_mask = None
+        query_positions = torch.arange(context_len, seq_len)[:, None]
+        key_positions = torch.arange(seq_len)[None, :]
+        if spans:
+            span_mask = torch.zeros(seq_len - context_len, seq_len, dtype=torch.bool)
+            for start, end in spans:
+                span_mask |= (
+                    (query_positions >= start)
+                    & (query_positions < end)
+                    & (key_positions >= start)
+                    & (key_positions < end)
+                )
+            span_mask = span_mask.to(self.device)
+        if context_len > 0 or span_mask is not None:
+            causal_mask = (key_positions <= query_positions).to(self.device)
+            if span_mask is not None:
+                causal_mask |= span_mask
         return ChunkRequest(
             query_start=query_start,
             query_end=query_end,
@@ -157,6 +183,7 @@ class CpuSdpaBackend(AttentionBackend):
             context_len=context_len,
             block_ids=layout.block_table[i, :num_blocks].to(self.device, torch.long),
             causal_mask=causal_mask,
+            span_mask=span_mask,
         )
 
     def forward(
@@ -207,7 +234,7 @@ class CpuSdpaBackend(AttentionBackend):
             )
         for index, chunk in enumerate(metadata.chunks):
             rows = slice(chunk.query_start, chunk.query_end)
-            if chunk.causal_mask is None and k_scale is None:
+            if chunk.context_len == 0 and k_scale is None:
                 # No cached context: the keys are exactly this step's, no gather needed.
                 k, v = key[rows], value[rows]
             else:
@@ -352,7 +379,7 @@ def _decode_window_mask(metadata: CpuSdpaMetadata, window: int) -> torch.Tensor:
 
 def _chunk_window_mask(metadata: CpuSdpaMetadata, index: int, window: int) -> torch.Tensor:
     """[query_len, seq_len]: row i (position context_len + i) sees keys in
-    ``(position - window, position]``."""
+    ``(position - window, position]``, and its span's later keys within the window."""
     key = (index, window)
     mask = metadata.window_masks.get(key)
     if mask is None:
@@ -360,6 +387,9 @@ def _chunk_window_mask(metadata: CpuSdpaMetadata, index: int, window: int) -> to
         device = chunk.block_ids.device
         query_positions = torch.arange(chunk.context_len, chunk.seq_len, device=device)[:, None]
         key_positions = torch.arange(chunk.seq_len, device=device)[None, :]
-        mask = (key_positions <= query_positions) & (key_positions > query_positions - window)
+        visible = key_positions <= query_positions
+        if chunk.span_mask is not None:
+            visible = visible | chunk.span_mask
+        mask = visible & (key_positions > query_positions - window)
         metadata.window_masks[key] = mask
     return mask

@@ -1,8 +1,10 @@
-"""CpuSdpaBackend with sliding windows and logit soft-capping against a float64 reference."""
+"""CpuSdpaBackend with sliding windows, logit soft-capping and bidirectional spans (Gemma 3
+images) against a float64 reference."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,26 +23,38 @@ def reference(
     context_len: int,
     window: int | None,
     soft_cap: float | None,
+    spans: list[tuple[int, int]] = (),
 ) -> torch.Tensor:
-    """q [query_len, heads, d], k/v [seq_len, kv_heads, d] -> [query_len, heads, d] (float64)."""
+    """q [query_len, heads, d], k/v [seq_len, kv_heads, d] -> [query_len, heads, d] (float64).
+    Key j is visible to position p if j <= p or both sit in one span, and j > p - window."""
     q, k, v = q.double(), k.double(), v.double()
     group = NUM_HEADS // NUM_KV_HEADS
     out = torch.empty_like(q)
     for i in range(q.shape[0]):
         position = context_len + i
-        first = 0 if window is None else max(0, position - window + 1)
+        keys = [
+            j
+            for j in range(k.shape[0])
+            if (j <= position or any(a <= j < b and a <= position < b for a, b in spans))
+            and (window is None or j > position - window)
+        ]
         for h in range(NUM_HEADS):
-            scores = (k[first : position + 1, h // group] @ q[i, h]) * SCALE
+            scores = (k[keys, h // group] @ q[i, h]) * SCALE
             if soft_cap is not None:
                 scores = torch.tanh(scores / soft_cap) * soft_cap
-            out[i, h] = torch.softmax(scores, 0) @ v[first : position + 1, h // group]
+            out[i, h] = torch.softmax(scores, 0) @ v[keys, h // group]
     return out
 
 
 def run(
-    requests: list[tuple[int, int]], window: int | None, soft_cap: float | None, layers: int = 1
+    requests: list[tuple[int, int]],
+    window: int | None,
+    soft_cap: float | None,
+    layers: int = 1,
+    spans: tuple[tuple[int, int, int], ...] = (),
 ) -> None:
-    """One step over (context_len, query_len) requests; ``layers`` forwards share metadata."""
+    """One step over (context_len, query_len) requests; ``layers`` forwards share metadata;
+    ``spans``: the layout's bidirectional spans (request row, start, end)."""
     torch.manual_seed(0)
     rng = random.Random(0)
     free = list(range(NUM_BLOCKS))
@@ -58,13 +72,12 @@ def run(
         slots_all += slots[context_len:]
         per_request.append((context_len, slots))
     backend = CpuSdpaBackend(torch.device("cpu"))
-    metadata = backend.build_metadata(
-        BatchLayout.from_lists(query_start, seq_lens, tables, slots_all, BLOCK_SIZE)
-    )
+    layout = BatchLayout.from_lists(query_start, seq_lens, tables, slots_all, BLOCK_SIZE)
+    metadata = backend.build_metadata(replace(layout, bidirectional_spans=spans))
     for _ in range(layers):
         key_cache, value_cache = torch.randn(shape), torch.randn(shape)
         queries, keys, values, expected = [], [], [], []
-        for context_len, slots in per_request:
+        for row, (context_len, slots) in enumerate(per_request):
             k = torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM)
             v = torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM)
             q = torch.randn(len(slots) - context_len, NUM_HEADS, HEAD_DIM)
@@ -73,7 +86,8 @@ def run(
             queries.append(q)
             keys.append(k[context_len:])
             values.append(v[context_len:])
-            expected.append(reference(q, k, v, context_len, window, soft_cap))
+            own = [(a, b) for r, a, b in spans if r == row]
+            expected.append(reference(q, k, v, context_len, window, soft_cap, own))
         kwargs = {}
         if window is not None:
             kwargs["sliding_window"] = window
@@ -110,6 +124,19 @@ def test_shared_window_masks_stay_right_across_layers():
 def test_only_decodes_and_only_chunks():
     run([(12, 1), (29, 1)], 7, None)
     run([(0, 19), (8, 12)], 7, 3.0)
+
+
+# Spans (request row of MIXED, start, end) as a Gemma 3 step sets them: two images in a
+# chunk without cached context, one whose start is cached (a prefix hit inside it) and
+# one fed whole after a cached prefix, one longer than a window of 5; the decodes beside
+# them are unaffected.
+SPANS = ((2, 3, 7), (2, 10, 14), (3, 14, 20), (3, 21, 25), (6, 8, 16))
+
+
+@pytest.mark.parametrize("window", [None, 5, 64])
+@pytest.mark.parametrize("soft_cap", [None, 2.0])
+def test_bidirectional_spans_match_reference(window, soft_cap):
+    run(MIXED, window, soft_cap, spans=SPANS)
 
 
 def test_attention_layer_refuses_a_backend_without_the_feature():

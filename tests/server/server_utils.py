@@ -99,9 +99,8 @@ class Server:
 
 
 def start_server(model: Path | str, log: Path, *extra: str, wait: bool = True) -> Server:
-    """``pagedlm serve`` on a free port; waits until /health answers 200."""
-    import httpx
-
+    """``pagedlm serve`` on a free port; waits until /health answers 200 unless ``wait`` is
+    False (then call ``wait_healthy``: the caller can do other work while it boots)."""
     port = free_port()
     cmd = [
         sys.executable, "-m", "pagedlm.entrypoints.cli.main", "serve", str(model),
@@ -112,22 +111,30 @@ def start_server(model: Path | str, log: Path, *extra: str, wait: bool = True) -
     out = open(log, "wb")  # noqa: SIM115 - the server writes it until it exits
     process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     server = Server(process, f"http://127.0.0.1:{port}", "tiny", log)
-    deadline = time.monotonic() + 180
-    while wait:
-        if process.poll() is not None:
+    if wait:
+        wait_healthy(server)
+    return server
+
+
+def wait_healthy(server: Server, timeout: float = 180.0) -> None:
+    """Until ``server``'s /health answers 200; stops it and raises if it exits or times out."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if server.process.poll() is not None:
             raise RuntimeError(
-                f"pagedlm serve exited with {process.returncode}:\n{server.log_text()}"
+                f"pagedlm serve exited with {server.process.returncode}:\n{server.log_text()}"
             )
         try:
             if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
-                break
+                return
         except httpx.TransportError:
             pass
         if time.monotonic() > deadline:
             server.stop()
             raise RuntimeError(f"pagedlm serve did not become healthy:\n{server.log_text()}")
         time.sleep(0.2)
-    return server
 
 
 def child_pids(pid: int) -> list[int]:

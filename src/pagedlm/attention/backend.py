@@ -54,6 +54,12 @@ class BatchLayout:
     """[num_tokens] cache slot of every scheduled token."""
     query_start_loc_cpu: np.ndarray
     seq_lens_cpu: np.ndarray
+    bidirectional_spans: tuple[tuple[int, int, int], ...] = ()
+    """(request row, start, end): the request's positions ``start .. end-1`` (one image of
+    a model whose image tokens attend to each other both ways, Gemma 3) also see each
+    other's keys, later ones included. Only in eager steps that feed such an image; every
+    position of a span is either cached context or in the step (the scheduler never
+    splits one). Backends read it only if ``supports_bidirectional_spans``."""
 
     @property
     def query_lens_cpu(self) -> np.ndarray:
@@ -117,7 +123,9 @@ class AttentionBackend(ABC):
     - Query row ``t`` attends to key positions ``<= its own position`` of its request only;
       with a ``sliding_window`` of ``w``, only to the ``w`` positions ``> position - w``;
       with ``causal=False`` (backends with ``supports_non_causal``), to every position
-      ``< seq_len`` of its request.
+      ``< seq_len`` of its request. With ``supports_bidirectional_spans``, a row inside one
+      of the layout's spans also attends to the span's later positions (still within the
+      window, if any).
 
     Optional features a model may ask for per layer (``forward``'s keyword arguments); a
     backend that implements one sets the matching flag, and the attention layer refuses
@@ -144,6 +152,9 @@ class AttentionBackend(ABC):
     batch_invariant: bool = False
     supports_non_causal: ClassVar[bool] = False
     """Whether ``forward`` honours ``causal=False`` (bidirectional encoders)."""
+    supports_bidirectional_spans: ClassVar[bool] = False
+    """Whether ``build_metadata`` honours ``BatchLayout.bidirectional_spans``; the model
+    runner refuses to load a model that needs them on a backend without."""
     reads_host_lengths: ClassVar[bool] = True
     """Whether ``build_metadata`` plans from the layout's host arrays (``*_cpu``). A backend
     that reads only its device tensors, taking ``max_*`` as bounds, sets False: the model

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pagedlm.lora.request import LoRARequest
     from pagedlm.sampling_params import SamplingParams
+    from pagedlm.step.multimodal import MultiModalFeature
 
 
 class RequestStatus(enum.IntEnum):
@@ -67,6 +68,7 @@ class Request:
         cache_salt: str | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        mm_features: list[MultiModalFeature] | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -77,6 +79,8 @@ class Request:
         """Under the "priority" scheduling policy, lower values are served first."""
         self.lora_request = lora_request
         """The adapter it runs with (None: the base model)."""
+        self.mm_features: list[MultiModalFeature] = list(mm_features or ())
+        """The prompt's images, sorted by placeholder offset (empty: a text prompt)."""
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.all_token_ids)

@@ -61,6 +61,11 @@ Structured outputs in that order: the bitmask of step N+1 needs step N's tokens 
 matchers, so it is asked for after ``update_from_output`` of step N
 (``get_grammar_bitmask``) and travels with the step's sampling, not its schedule.
 
+Multimodal prompts (``encoder_budget.py``): a chunk that reaches an image's placeholder
+tokens has the image encoded in the same step, under the per-step encoder budget, unless
+the workers' encoder cache holds it; a chunk reaching an image the budget cannot pay for
+this step stops just before it.
+
 Priority policy (``scheduling_policy="priority"``, vLLM's): ``waiting`` and ``running``
 are kept in ``(priority, arrival_time)`` order instead of arrival/admission order
 (``queue_order.py``), so the same passes serve lower priority values first and
@@ -89,6 +94,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pagedlm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from pagedlm.core.encoder_budget import EncoderCacheTracker, EncoderPlan
 from pagedlm.core.grammar_gate import GrammarGate
 from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.core.queue_order import QueueOrder
@@ -151,6 +157,13 @@ class OneBudgetScheduler(Scheduler):
         self.disjoint_steps = disjoint_steps
         self._in_flight_req_ids: set[str] = set()
         """``disjoint_steps``: requests of the launched steps not collected yet."""
+        budget = scheduler_config.max_num_encoder_input_tokens
+        self.encoder = EncoderCacheTracker(
+            budget or scheduler_config.max_num_batched_tokens,
+            scheduler_config.encoder_cache_size
+            or budget
+            or scheduler_config.max_num_batched_tokens,
+        )
 
     # ----------------------------------------------------------------- requests in / out
 
@@ -171,6 +184,14 @@ class OneBudgetScheduler(Scheduler):
                 f"has {self.num_blocks} blocks ({capacity} tokens). Lower max_tokens or "
                 f"shorten the prompt, or raise num_kv_blocks (or the KV-cache memory)."
             )
+        limit = self.config.max_num_batched_tokens
+        for feature in request.mm_features:
+            if feature.bidirectional and feature.length > limit:
+                raise ValueError(
+                    f"an image of request {request.request_id!r} takes {feature.length} "
+                    f"tokens, which must be fed in one step, but max_num_batched_tokens="
+                    f"{limit}; raise max_num_batched_tokens to at least {feature.length}."
+                )
         request.status = RequestStatus.WAITING
         if request.sampling_params.structured_outputs is not None:
             self.grammars.add(request)
@@ -233,6 +254,7 @@ class OneBudgetScheduler(Scheduler):
         if not self.running:
             self.grammars.wait_while_idle(self.waiting)
         self.speculation.begin_step(len(self.running))
+        freed_encoder_entries = self.encoder.begin_step()
 
         # The running pass is the per-request hot loop of every step: locals, no helpers
         # on the common path (a decode whose blocks already hold its next slot).
@@ -257,6 +279,10 @@ class OneBudgetScheduler(Scheduler):
             num_tokens = len(request.all_token_ids) + placeholders
             computed = request.num_computed_tokens
             num_new_tokens = min(num_tokens - computed, budget)
+            plan = None
+            if request.mm_features:
+                plan = self.encoder.plan(request, computed, num_new_tokens)
+                num_new_tokens = plan.num_new_tokens
             if num_new_tokens <= 0:
                 continue
             if speculating:
@@ -268,6 +294,8 @@ class OneBudgetScheduler(Scheduler):
                 if new_block_ids is None:
                     spec.discard(request)
                     break  # the request preempted itself; everything after it is gone too
+            if plan is not None:
+                self.encoder.commit(request, computed, plan)
             request_id = request.request_id
             cached_ids.append(request_id)
             cached_blocks.append(new_block_ids)
@@ -318,6 +346,7 @@ class OneBudgetScheduler(Scheduler):
                     block_ids=self.kv_manager.get_block_ids(request),
                     num_computed_tokens=request.num_computed_tokens,
                     lora_request=request.lora_request,
+                    mm_features=request.mm_features,
                 )
             )
             num_scheduled[request.request_id] = num_new_tokens
@@ -336,6 +365,8 @@ class OneBudgetScheduler(Scheduler):
             num_drafts_to_propose=spec.to_propose,
             num_drafts_in_flight=spec.in_flight,
             scheduled_spec_decode_tokens=spec.drafts,
+            scheduled_encoder_inputs=self.encoder.take_scheduled(),
+            free_encoder_mm_hashes=freed_encoder_entries,
         )
         self._finished_req_ids = set()
         if num_scheduled:
@@ -427,6 +458,7 @@ class OneBudgetScheduler(Scheduler):
 
     def _preempt(self, request: Request) -> None:
         self.kv_manager.free(request)
+        self.encoder.release(request)
         self.speculation.on_preempted(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -447,8 +479,16 @@ class OneBudgetScheduler(Scheduler):
             request.num_tokens
         ):
             return None  # not chunked: it waits for a step with room for all of it
+        plan: EncoderPlan | None = None
+        if request.mm_features:
+            plan = self.encoder.plan(request, computed.num_computed_tokens, num_new_tokens)
+            num_new_tokens = plan.num_new_tokens
+            if num_new_tokens <= 0:
+                return None  # the step's encoder budget is spent; next step
         if self.kv_manager.allocate_slots(request, num_new_tokens, computed) is None:
             return None
+        if plan is not None:
+            self.encoder.commit(request, computed.num_computed_tokens, plan)
         request.num_computed_tokens = computed.num_computed_tokens
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = computed.num_computed_tokens
@@ -549,6 +589,7 @@ class OneBudgetScheduler(Scheduler):
         """Release a request that has left ``running``/``waiting`` with a finished status."""
         self.grammars.remove(request)
         self.kv_manager.free(request)
+        self.encoder.release(request)
         del self.requests[request.request_id]
         self._finished_req_ids.add(request.request_id)
 

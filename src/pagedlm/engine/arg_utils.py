@@ -161,6 +161,21 @@ class EngineArgs:
     or "auto": pooling for embedding checkpoints (BertModel, Qwen3Model-style decoders without
     LM head, sentence-transformers directories), else generate."""
 
+    limit_mm_per_prompt: dict[str, int] | None = None
+    """Most images per prompt as vLLM's JSON, e.g. '{"image": 2}' (None: 999)."""
+    allowed_local_media_path: str | None = None
+    """Directory from which ``file://`` image URLs may be read (None: none may)."""
+    media_fetch_timeout_s: float = 5.0
+    """Seconds an http(s) image URL may take to download."""
+    media_max_bytes: int = 20 * 2**20
+    """Largest image (bytes) a URL, data URL or file may carry."""
+    max_num_encoder_input_tokens: int | None = None
+    """Image embedding rows the vision encoder may produce per step (None: the token
+    budget, max_num_batched_tokens)."""
+    encoder_cache_size: int | None = None
+    """Image embedding rows kept cached beyond what running requests need (None: the
+    encoder budget)."""
+
     def __post_init__(self) -> None:
         # A dict (or KVEventsConfig) from Python travels as the CLI's JSON text, so the
         # arguments stay JSON-serializable for the engine-core process.
@@ -204,6 +219,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> tuple[EngineConfig, Platform]:
         from pagedlm.model_executor.models.registry import SUPPORTED_ARCHITECTURES
+        from pagedlm.multimodal.config_args import multimodal_config
         from pagedlm.plugins.registry import configure, select_platform
 
         for name in (
@@ -316,6 +332,8 @@ class EngineArgs:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
                 whole_prompts=runner == "pooling",
+                max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
+                encoder_cache_size=self.encoder_cache_size,
             ),
             platform=platform.name,
             attention_backend=self.attention_backend,
@@ -324,6 +342,7 @@ class EngineArgs:
             kv_events=KVEventsConfig.parse(self.kv_events_config),
             lora=self._lora_config(arch),
             batch_invariant=self.batch_invariant or batch_invariant_from_env(),
+            multimodal=multimodal_config(self),
         )
         config = replace(
             config,

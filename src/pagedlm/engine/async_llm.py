@@ -108,6 +108,7 @@ class AsyncLLM:
             config.scheduler.scheduling_policy,
             args.structured_outputs_max_spec_chars,
             lora_config=config.lora,
+            multimodal_config=config.multimodal,
         )
         # Not at a lower priority: a niced thread descheduled while it holds the GIL stalls
         # the event loop (a 2.5M-character prompt: /health p99 202 ms niced, 57 ms not).
@@ -269,7 +270,8 @@ class AsyncLLM:
         process = functools.partial(
             self.input_processor.process, request_id, prompt, params, priority, lora_request
         )
-        if size <= INLINE_PROMPT_CHARS and params.structured_outputs is None:
+        has_images = isinstance(prompt, Mapping) and prompt.get("multi_modal_data")
+        if size <= INLINE_PROMPT_CHARS and params.structured_outputs is None and not has_images:
             return process()
         return await asyncio.get_running_loop().run_in_executor(self._input_pool, process)
 

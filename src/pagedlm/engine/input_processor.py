@@ -11,18 +11,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagedlm.config import LoRAConfig, ModelConfig
+from pagedlm.config import LoRAConfig, ModelConfig, MultiModalConfig
 from pagedlm.core.request import Request
 from pagedlm.lora.frontend import AdapterChecker
 from pagedlm.lora.request import LoRARequest
 from pagedlm.sampling_params import SamplingParams
+from pagedlm.step.multimodal import MultiModalFeature
 
 UINT64_RANGE = 2**64
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 PromptType = str | Mapping[str, Any]
 """A string, ``{"prompt": str}`` or ``{"prompt_token_ids": list[int]}``; a dict may also
-carry ``"cache_salt"``: requests with different salts never share prefix-cache blocks."""
+carry ``"cache_salt"``: requests with different salts never share prefix-cache blocks, and
+``"multi_modal_data"`` (``{"image": PIL image or list}``, with the text in ``"prompt"``)."""
 
 
 @dataclass(frozen=True)
@@ -56,11 +58,14 @@ class InputProcessor:
         scheduling_policy: str = "fcfs",
         structured_outputs_max_spec_chars: int | None = None,
         lora_config: LoRAConfig | None = None,
+        multimodal_config: MultiModalConfig | None = None,
     ) -> None:
+        from pagedlm.multimodal.inputs import MultiModalInputs
         from pagedlm.structured_output.params import DEFAULT_MAX_SPEC_CHARS
 
         self.model_config = model_config
         self.adapters = AdapterChecker(lora_config, model_config.arch)
+        self.multimodal = MultiModalInputs(model_config, multimodal_config or MultiModalConfig())
         self.scheduling_policy = scheduling_policy
         self.tokenizer = tokenizer
         self.structured_outputs_backend = structured_outputs_backend
@@ -76,6 +81,24 @@ class InputProcessor:
         self.eos_token_ids = eos
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        text, token_ids, _ = self.tokenize_multimodal(prompt)
+        return text, token_ids
+
+    def tokenize_multimodal(
+        self, prompt: PromptType
+    ) -> tuple[str | None, list[int], list[MultiModalFeature]]:
+        """``tokenize``, and the prompt's images as features (a text prompt has none)."""
+        features: list[MultiModalFeature] = []
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, Mapping) else None
+        if mm_data is not None:
+            assert isinstance(prompt, Mapping)
+            text, token_ids, features = self.multimodal.process(prompt, mm_data)
+            if token_ids:
+                return text, self._checked(token_ids), features
+        text, token_ids = self._tokenize_text(prompt)
+        return text, token_ids, features
+
+    def _tokenize_text(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             text, token_ids = prompt, None
         elif isinstance(prompt, Mapping):
@@ -97,6 +120,9 @@ class InputProcessor:
                     "{'prompt_token_ids': [...]} instead."
                 )
             token_ids = self.tokenizer.encode(text)
+        return text, self._checked(token_ids)
+
+    def _checked(self, token_ids: list[int]) -> list[int]:
         token_ids = [int(t) for t in token_ids]
         if not token_ids:
             raise ValueError("The prompt is empty; pass at least one token.")
@@ -106,7 +132,7 @@ class InputProcessor:
                 f"Prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size}); "
                 "check that the token ids come from this model's tokenizer."
             )
-        return text, token_ids
+        return token_ids
 
     def resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         max_model_len = self.model_config.max_model_len
@@ -193,7 +219,7 @@ class InputProcessor:
                 "send priority 0."
             )
         self.adapters.check(lora_request)
-        text, token_ids = self.tokenize(prompt)
+        text, token_ids, mm_features = self.tokenize_multimodal(prompt)
         resolved = self.resolve_params(params, len(token_ids))
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -217,6 +243,7 @@ class InputProcessor:
                     cache_salt=cache_salt,
                     priority=priority,
                     lora_request=lora_request,
+                    mm_features=mm_features,
                 )
             )
         return ProcessedRequest(request_id, text, token_ids, resolved, children, arrival)

@@ -37,6 +37,7 @@ class LLMEngine:
             config.structured_outputs_backend,
             config.scheduler.scheduling_policy,
             lora_config=config.lora,
+            multimodal_config=config.multimodal,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = make_engine_core(config, platform)

@@ -23,6 +23,7 @@ from pagedlm.core.request import Request
 from pagedlm.core.scheduler_interface import SchedulerStats
 from pagedlm.lora.request import LoRARequest
 from pagedlm.sampling_params import SamplingParams
+from pagedlm.step.multimodal import MultiModalFeature
 
 _SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
 _SAMPLING_HINTS = typing.get_type_hints(SamplingParams)
@@ -61,6 +62,7 @@ class WireRequest(msgspec.Struct, array_like=True):
     cache_salt: str | None = None
     priority: int = 0
     lora_request: LoRARequest | None = None
+    mm_features: list[MultiModalFeature] = []
 
 
 def request_to_wire(request: Request) -> WireRequest:
@@ -73,6 +75,7 @@ def request_to_wire(request: Request) -> WireRequest:
         request.cache_salt,
         request.priority,
         request.lora_request,
+        request.mm_features,
     )
 
 
@@ -86,6 +89,7 @@ def request_from_wire(wire: WireRequest) -> Request:
         cache_salt=wire.cache_salt,
         priority=wire.priority,
         lora_request=wire.lora_request,
+        mm_features=wire.mm_features,
     )
 
 

@@ -14,6 +14,7 @@ from pagedlm.engine.input_processor import PromptType
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.lora.request import LoRARequest
 from pagedlm.metrics import Metric
+from pagedlm.multimodal.chat import has_images, split_images
 from pagedlm.outputs import RequestOutput
 from pagedlm.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
@@ -221,8 +222,19 @@ class LLM:
                 "add_generation_prompt=False with it."
             )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = []
+        prompts: list[PromptType] = []
         for conversation in conversations:
+            if has_images(conversation):
+                prompts.append(
+                    self._multimodal_chat_prompt(
+                        conversation,
+                        chat_template=chat_template,
+                        add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message,
+                        **(chat_template_kwargs or {}),
+                    )
+                )
+                continue
             token_ids = tokenizer.apply_chat_template(
                 list(conversation),
                 chat_template=chat_template,
@@ -234,6 +246,21 @@ class LLM:
             )
             prompts.append({"prompt_token_ids": list(token_ids)})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def _multimodal_chat_prompt(
+        self, conversation: Conversation, **template_kwargs: Any
+    ) -> dict[str, Any]:
+        """A conversation with image parts as a ``multi_modal_data`` prompt, rendered by
+        the model processor's chat template (one placeholder per image)."""
+        from pagedlm.multimodal.media import load_image_url
+
+        inputs = self.llm_engine.input_processor.multimodal
+        messages, sources = split_images(conversation)
+        inputs.check_count("image", len(sources))
+        config = inputs.config
+        images = [load_image_url(s, config) if isinstance(s, str) else s for s in sources]
+        text = inputs.processor.render_chat(messages, **template_kwargs)
+        return {"prompt": text, "multi_modal_data": {"image": images}}
 
     def _run_engine(
         self, request_ids: list[str], use_tqdm: bool

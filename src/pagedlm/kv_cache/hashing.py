@@ -3,7 +3,9 @@
 The hash of block ``i`` covers the hash of block ``i - 1``, the ``block_size`` token ids of
 block ``i`` and the block's extra keys (LoRA adapter id, cache salt). Two requests
 therefore share a block hash only if they share every token before and inside it, and
-the same extra keys. Digests are sha256 over a canonical byte encoding: stable across
+the same extra keys. A block overlapping an image's placeholder tokens also carries the
+image's content hash: the placeholders are the same token ids for every image, the K/V
+are not. Digests are sha256 over a canonical byte encoding: stable across
 processes and runs, unlike Python's ``hash()``, which is salted per process.
 """
 
@@ -55,20 +57,30 @@ def hash_block_tokens(
     return digest.digest()
 
 
-def block_extra_keys(request: Request, block_index: int) -> tuple[ExtraKey, ...]:
-    """Extra keys of one block of ``request``.
+def block_extra_keys(
+    request: Request, block_index: int, block_size: int = 0
+) -> tuple[ExtraKey, ...]:
+    """Extra keys of one block of ``request`` (``block_size`` is needed only when the
+    request has images).
 
     The adapter id and the cache salt go into the first block only: the chain carries
     them into every later hash, so repeating them would cost time and change nothing.
     Two adapters therefore never share a block (their K/V differ from the first token).
+    Each image's identifier goes into every block its placeholders overlap, with the
+    offset of the block's first placeholder inside the image, so the same tokens with
+    another image (or the image moved) never hit.
     """
-    if block_index != 0:
-        return ()
     keys: tuple[ExtraKey, ...] = ()
-    if request.lora_request is not None:
-        keys = (request.lora_request.lora_int_id,)
-    if request.cache_salt is not None:
-        keys += (request.cache_salt,)
+    if block_index == 0:
+        if request.lora_request is not None:
+            keys = (request.lora_request.lora_int_id,)
+        if request.cache_salt is not None:
+            keys += (request.cache_salt,)
+    if request.mm_features:
+        start, end = block_index * block_size, (block_index + 1) * block_size
+        for feature in request.mm_features:
+            if feature.offset < end and feature.end > start:
+                keys += (feature.identifier, max(start - feature.offset, 0))
     return keys
 
 
@@ -84,5 +96,7 @@ def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
     for index in range(len(hashes), num_full_blocks):
         parent = hashes[index - 1] if index > 0 else None
         block_tokens = tokens[index * block_size : (index + 1) * block_size]
-        hashes.append(hash_block_tokens(parent, block_tokens, block_extra_keys(request, index)))
+        hashes.append(
+            hash_block_tokens(parent, block_tokens, block_extra_keys(request, index, block_size))
+        )
     return hashes

@@ -13,6 +13,7 @@ One step is two calls on the workers (``Executor.execute_model`` with the
 answered by one ``ModelRunnerOutput``, collected through a ``StepResult`` handle.
 """
 
+from pagedlm.step.multimodal import MultiModalFeature, TensorData
 from pagedlm.step.runner_output import (
     FinishedStep,
     LogprobsLists,
@@ -32,7 +33,9 @@ __all__ = [
     "GrammarBitmask",
     "LogprobsLists",
     "ModelRunnerOutput",
+    "MultiModalFeature",
     "NewRequestData",
     "SchedulerOutput",
     "StepResult",
+    "TensorData",
 ]

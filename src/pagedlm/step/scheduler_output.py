@@ -8,6 +8,7 @@ import numpy as np
 
 from pagedlm.lora.request import LoRARequest
 from pagedlm.sampling_params import SamplingParams
+from pagedlm.step.multimodal import MultiModalFeature
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,9 @@ class NewRequestData:
     lora_request: LoRARequest | None = None
     """The adapter the request runs with (None: the base model); workers remember it, so
     cached requests carry nothing."""
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
+    """The prompt's images (sorted by offset); workers keep them while the request lives,
+    so ``SchedulerOutput.scheduled_encoder_inputs`` names them by index."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,11 @@ class SchedulerOutput:
     """Requests whose ``num_computed_tokens`` counts every draft of the step still in flight
     as accepted (asynchronous scheduling): how many drafts that step verifies. The workers
     subtract the ones it rejects from where the request's tokens start."""
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    """Per request, the indices of its ``mm_features`` the workers encode this step (into
+    their encoder cache) before the forward; the others its tokens reach are cached."""
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    """Encoder-cache entries (feature identifiers) the workers drop before this step."""
 
     @property
     def is_empty(self) -> bool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -38,6 +38,7 @@ from pagedlm.model_executor.layers.attention import (
     model_kv_heads,
 )
 from pagedlm.model_executor.loader import load_model
+from pagedlm.multimodal.encoder_runner import make_encoder_runner
 from pagedlm.platforms import Platform
 from pagedlm.platforms.interface import GraphRunner
 from pagedlm.pooling.pooler import PooledStep, make_pooler
@@ -111,6 +112,7 @@ class ModelRunner:
         if config.batch_invariant:
             make_batch_invariant(self.model)
         self.lora = make_lora(config, platform, self.model)
+        self.encoder = make_encoder_runner(self.model, self.device, attn_backend_cls)
         self.num_kv_heads = model_kv_heads(self.model, self.arch.num_key_value_heads)
         layers = model_attention_layers(self.model) or [0]
         self.first_layer, self.num_layers = layers[0], len(layers)
@@ -265,17 +267,24 @@ class ModelRunner:
         self.input_batch.update(scheduler_output)
         write_new_token_ids(self.input_batch, scheduler_output)
         self.speculator.admit(scheduler_output)
+        self.encoder.update(scheduler_output)
         if scheduler_output.is_empty:
             self.input_batch.flush()
             return
+        feeds_images = self.encoder.feeds_images(scheduler_output)
         inputs = self.step_inputs.build(
             scheduler_output,
-            self._padded_num_reqs(scheduler_output),
+            None if feeds_images else self._padded_num_reqs(scheduler_output),
             self.speculator.num_rejected,
         )
         layout = inputs.layout
         self.lora.prepare_step(inputs.states, layout.query_start_loc_cpu, layout.num_tokens)
-        hidden = self._forward(inputs)
+        if feeds_images:  # eager, from embeddings with the images' rows scattered in
+            embeds = self.encoder.step_embeddings(scheduler_output, inputs.input_ids, layout)
+            spans = self.encoder.bidirectional_spans(scheduler_output)
+            hidden = self._forward_embeddings(inputs, embeds, spans)
+        else:
+            hidden = self._forward(inputs)
         if hidden is None:  # a pipeline stage before the last: no logits here
             self._forward_done = _ForwardDone(inputs, None, None, {})
             return
@@ -325,6 +334,18 @@ class ModelRunner:
         if self._measuring_kv_scales:
             self._measuring_kv_scales = kv_scales_pending(self.model)
         return hidden
+
+    def _forward_embeddings(
+        self, inputs: StepInputs, embeds: torch.Tensor, spans: tuple[tuple[int, int, int], ...]
+    ) -> torch.Tensor:
+        """Hidden states of a step fed from token embeddings (multimodal models, which
+        run on one pipeline stage); ``spans``: the layout's ``bidirectional_spans``."""
+        assert self.kv_cache is not None, "initialize_kv_cache must run first"
+        layout = replace(inputs.layout, bidirectional_spans=spans) if spans else inputs.layout
+        ctx = ForwardContext(
+            self.attn_backend, self.attn_backend.build_metadata(layout), self.kv_cache
+        )
+        return self.model(inputs.input_ids, inputs.positions, ctx, inputs_embeds=embeds)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> StepResult:

@@ -12,6 +12,7 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from pagedlm.entrypoints.openai.chat_images import multimodal_prompt, openai_conversation
 from pagedlm.entrypoints.openai.chat_output import ChatOutputParser
 from pagedlm.entrypoints.openai.errors import APIError
 from pagedlm.entrypoints.openai.logprobs_format import chat_logprobs, prompt_logprobs_json
@@ -66,19 +67,28 @@ class ChatServer:
         template_kwargs = request.template_kwargs()
         if plan.template_tools is not None:
             template_kwargs["tools"] = plan.template_tools
-        prompt_token_ids = await ctx.apply_chat_template(
-            request.conversation(),
-            request.chat_template,
-            request.add_generation_prompt,
-            request.continue_final_message,
-            template_kwargs,
-        )
+        prompt: dict = await multimodal_prompt(
+            ctx,
+            openai_conversation(request.messages),
+            request_template=request.chat_template,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            **template_kwargs,
+        ) or {
+            "prompt_token_ids": await ctx.apply_chat_template(
+                request.conversation(),
+                request.chat_template,
+                request.add_generation_prompt,
+                request.continue_final_message,
+                template_kwargs,
+            )
+        }
         max_tokens = request.max_completion_tokens or request.max_tokens
         params = request.base_sampling_params(
             max_tokens, request.num_logprobs(), plan.structured_outputs
         )
         request_id = ctx.request_id("chatcmpl")
-        prompts = request.engine_prompts([{"prompt_token_ids": prompt_token_ids}])
+        prompts = request.engine_prompts([prompt])
         started = await ctx.start(
             prompts, params, request_id, request.priority, ctx.lora_request(request.model)
         )

@@ -10,11 +10,13 @@ server's ``--tool-call-parser``), and a streamed tool call arrives whole, as one
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pagedlm.entrypoints.openai.chat_images import anthropic_conversation, multimodal_prompt
 from pagedlm.entrypoints.openai.chat_output import ChatOutputParser
 from pagedlm.entrypoints.openai.errors import from_value_error
 from pagedlm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
@@ -88,6 +90,20 @@ class MessagesServer:
 
     async def count_tokens(self, request: CountTokensRequest) -> dict:
         self.ctx.check_model(request.model)
+        continues = request.continues_assistant
+        prompt = await multimodal_prompt(
+            self.ctx,
+            anthropic_conversation(request),
+            add_generation_prompt=not continues,
+            continue_final_message=continues,
+        )
+        if prompt is not None:  # images: their placeholders expanded, as generation sees them
+            processor = self.ctx.engine.input_processor
+            try:
+                _, token_ids, _ = await asyncio.to_thread(processor.tokenize_multimodal, prompt)
+            except ValueError as error:
+                raise from_value_error(error) from error
+            return {"input_tokens": len(token_ids)}
         return {"input_tokens": len(await self._prompt(request, self._plan(request)))}
 
     async def create(
@@ -95,7 +111,13 @@ class MessagesServer:
     ) -> tuple[dict | None, AsyncIterator[str] | None]:
         self.ctx.check_model(request.model)
         plan = self._plan(request)
-        prompt_token_ids = await self._prompt(request, plan)
+        continues = request.continues_assistant
+        prompt: dict = await multimodal_prompt(
+            self.ctx,
+            anthropic_conversation(request),
+            add_generation_prompt=not continues,
+            continue_final_message=continues,
+        ) or {"prompt_token_ids": await self._prompt(request, plan)}
         try:
             params = SamplingParams(
                 temperature=request.temperature,
@@ -110,12 +132,13 @@ class MessagesServer:
             raise from_value_error(error) from error
         message_id = self.ctx.request_id("msg")
         started = await self.ctx.start(
-            [{"prompt_token_ids": prompt_token_ids}],
+            [prompt],
             params,
             message_id,
             lora_request=self.ctx.lora_request(request.model),
         )
-        events = self._events(request, message_id, started, len(prompt_token_ids), plan)
+        input_tokens = len(started[0][0].prompt_token_ids)
+        events = self._events(request, message_id, started, input_tokens, plan)
         return await stream_or_collect(events, request.stream)
 
     async def _events(

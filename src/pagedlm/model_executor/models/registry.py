@@ -27,6 +27,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralModel": f"{_EMBEDDING}:MistralModel",
     "Qwen2Model": f"{_EMBEDDING}:Qwen2Model",
     "Qwen3Model": f"{_EMBEDDING}:Qwen3Model",
+    "LlavaForConditionalGeneration": f"{_MODELS}.llava:LlavaForConditionalGeneration",
+    "Gemma3ForConditionalGeneration": f"{_MODELS}.gemma3_mm:Gemma3ForConditionalGeneration",
 }
 """HF architecture name -> ``"module:Class"``."""
 

@@ -1,0 +1,114 @@
+"""Chat requests with images, for a vision-language model: OpenAI ``image_url`` parts and
+Anthropic ``image`` blocks (base64 or URL sources) to a ``multi_modal_data`` prompt.
+
+A request without images, or any request to a text-only model, takes the text path
+(whose 400 for image parts says the model is text-only). Here: the image count is
+checked against ``--limit-mm-per-prompt`` before anything is fetched, the images load
+concurrently (``multimodal.media``: size cap, timeout, allowed local directory, PIL's
+pixel limit), and the conversation, image parts as ``{"type": "image"}``, renders
+through the model processor's chat template on a thread. Every failure is a 400 naming
+the problem.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pagedlm.entrypoints.openai.errors import APIError
+from pagedlm.entrypoints.openai.protocol_anthropic import _blocks_text
+from pagedlm.multimodal.chat import has_images, split_images
+from pagedlm.multimodal.media import load_image_url_async
+
+
+def _inputs(ctx: Any) -> Any | None:
+    """The engine's ``MultiModalInputs`` when it serves a vision-language model."""
+    processor = getattr(ctx.engine, "input_processor", None)
+    inputs = getattr(processor, "multimodal", None)
+    return inputs if inputs is not None and inputs.supported else None
+
+
+def _anthropic_image_url(block: dict[str, Any], where: str) -> str:
+    source = block.get("source")
+    if isinstance(source, dict) and source.get("type") == "base64":
+        media_type, data = source.get("media_type"), source.get("data")
+        if isinstance(media_type, str) and isinstance(data, str):
+            return f"data:{media_type};base64,{data}"
+    url = source.get("url") if isinstance(source, dict) else None
+    if isinstance(source, dict) and source.get("type") == "url" and isinstance(url, str):
+        return url
+    raise APIError(
+        f'{where}: an image block needs "source": {{"type": "base64", "media_type": '
+        '"image/png", "data": ...}} or {"type": "url", "url": ...}.',
+        param=where,
+    )
+
+
+def anthropic_conversation(request: Any) -> list[dict[str, Any]] | None:
+    """An Anthropic request's conversation with image blocks as OpenAI ``image_url``
+    parts (None: no image block, or a text-only model: the text path answers)."""
+    messages = request.messages
+    if not any(
+        not isinstance(m.content, str) and any(b.type == "image" for b in m.content)
+        for m in messages
+    ):
+        return None
+    conversation: list[dict[str, Any]] = []
+    if request.system:
+        conversation.append({"role": "system", "content": _blocks_text(request.system, "system")})
+    for i, message in enumerate(messages):
+        if isinstance(message.content, str) or all(b.type != "image" for b in message.content):
+            conversation.extend(message.template_messages(f"messages.{i}.content"))
+            continue
+        parts = []
+        for j, block in enumerate(message.content):
+            where = f"messages.{i}.content.{j}"
+            if block.type == "image":
+                url = _anthropic_image_url(block.model_dump(), where)
+                parts.append({"type": "image_url", "image_url": {"url": url}})
+            elif block.type == "text" and isinstance(block.text, str):
+                parts.append({"type": "text", "text": block.text})
+            else:
+                raise APIError(
+                    f"{where}: a turn with images may hold text and image blocks only.",
+                    param=where,
+                )
+        conversation.append({"role": message.role, "content": parts})
+    return conversation
+
+
+def openai_conversation(messages: list[Any]) -> list[dict[str, Any]] | None:
+    """The chat messages as dicts, content parts kept (None: no image part)."""
+    conversation = [m.model_dump(exclude_none=True) for m in messages]
+    return conversation if has_images(conversation) else None
+
+
+async def multimodal_prompt(
+    ctx: Any,
+    conversation: list[dict[str, Any]] | None,
+    request_template: str | None = None,
+    **template_kwargs: Any,
+) -> dict[str, Any] | None:
+    """``{"prompt": text, "multi_modal_data": {"image": [...]}}`` for a conversation with
+    images to a vision-language model; None otherwise (the text path takes it).
+
+    The template is the server's ``--chat-template`` or the processor's; a request's own
+    ``chat_template`` is refused here (the text path renders those sandboxed)."""
+    inputs = _inputs(ctx)
+    if conversation is None or inputs is None:
+        return None
+    if request_template is not None:
+        raise APIError(
+            "chat_template in a request with images is not supported; drop it (the "
+            "model's processor template, or the server's --chat-template, applies).",
+            param="chat_template",
+        )
+    template_kwargs["chat_template"] = ctx.chat_template
+    try:
+        messages, sources = split_images(conversation)
+        inputs.check_count("image", len(sources))
+        images = await asyncio.gather(*(load_image_url_async(s, inputs.config) for s in sources))
+        text = await asyncio.to_thread(inputs.processor.render_chat, messages, **template_kwargs)
+    except ValueError as error:
+        raise APIError(str(error), param="messages") from error
+    return {"prompt": text, "multi_modal_data": {"image": list(images)}}

@@ -1,0 +1,57 @@
+"""What vision-language models share around their decoder: checkpoint names mapped onto
+ours, and the vision-side tensors copied straight into their parameters while the
+decoder's go on to the decoder's own loader (stacked q/k/v, tensor parallelism)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+VLM_RENAMES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.vision_tower.vision_model.", "vision_tower."),
+    ("model.vision_tower.", "vision_tower."),
+    ("vision_tower.vision_model.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+)
+"""(checkpoint prefix, our prefix), first match wins: transformers 5's names
+(``model.language_model.*``, ``model.vision_tower.*``) and the older ones
+(``language_model.model.*``, ``vision_tower.vision_model.*``) onto ``model.*``,
+``lm_head.*``, ``vision_tower.*`` and ``multi_modal_projector.*``."""
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+
+
+def split_vision_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    unused: tuple[str, ...],
+    loaded: set[str],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the decoder's tensors (renamed by ``VLM_RENAMES``); copy those under
+    ``VISION_PREFIXES`` into ``model``'s parameters, adding their names to ``loaded``.
+
+    A vision tensor with no parameter is skipped if its name contains one of ``unused``
+    (parts the model never runs), else refused: the config and the checkpoint disagree.
+    """
+    params = {n: p for n, p in model.named_parameters() if n.startswith(VISION_PREFIXES)}
+    for name, tensor in weights:
+        for old, new in VLM_RENAMES:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        if not name.startswith(VISION_PREFIXES):
+            yield name, tensor
+            continue
+        if name not in params:
+            if any(part in name for part in unused):
+                continue
+            raise ValueError(
+                f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}; "
+                "check config.json's vision_config."
+            )
+        params[name].copy_(tensor)
+        loaded.add(name)

@@ -1,0 +1,64 @@
+"""The multimodal engine arguments, checked once at the edge into a ``MultiModalConfig``."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from pagedlm.config import MultiModalConfig, validate_positive
+
+MODALITIES = ("image",)
+
+
+def parse_limit_mm_per_prompt(value: dict[str, int] | str | None) -> dict[str, int]:
+    """vLLM's ``limit_mm_per_prompt``: a dict or its JSON, e.g. '{"image": 2}'."""
+    limits = dict(MultiModalConfig().limit_per_prompt)
+    if value is None:
+        return limits
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"limit_mm_per_prompt is not JSON ({exc}); pass e.g. '{{\"image\": 2}}'."
+            ) from None
+    if not isinstance(value, dict):
+        raise ValueError("limit_mm_per_prompt must be a JSON object, e.g. '{\"image\": 2}'.")
+    for modality, limit in value.items():
+        if modality not in MODALITIES:
+            raise ValueError(
+                f"limit_mm_per_prompt names modality {modality!r}; supported: "
+                f"{', '.join(MODALITIES)}."
+            )
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(
+                f"limit_mm_per_prompt[{modality!r}] must be a non-negative integer, got {limit!r}."
+            )
+        limits[modality] = limit
+    return limits
+
+
+def multimodal_config(args: Any) -> MultiModalConfig:
+    """From ``EngineArgs``' multimodal fields."""
+    path = args.allowed_local_media_path
+    if path:
+        if not os.path.isdir(path):
+            raise ValueError(
+                f"allowed_local_media_path={path!r} is not a directory; pass an existing "
+                "directory (or leave it unset to refuse file:// image URLs)."
+            )
+        path = os.path.realpath(path)
+    if not args.media_fetch_timeout_s > 0:
+        raise ValueError(
+            f"media_fetch_timeout_s must be positive, got {args.media_fetch_timeout_s!r}."
+        )
+    validate_positive("media_max_bytes", args.media_max_bytes, allow_none=False)
+    for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+        validate_positive(name, getattr(args, name))
+    return MultiModalConfig(
+        limit_per_prompt=parse_limit_mm_per_prompt(args.limit_mm_per_prompt),
+        allowed_local_media_path=path or None,
+        media_fetch_timeout_s=float(args.media_fetch_timeout_s),
+        media_max_bytes=int(args.media_max_bytes),
+    )

@@ -1,0 +1,175 @@
+"""Images from API content parts: data URLs, http(s) URLs and allowed local files.
+
+Every failure is a ``MediaError`` (a ``ValueError``: HTTP 400) naming the problem: an
+unsupported URL scheme, a download that times out or exceeds ``media_max_bytes``, a
+``file://`` path outside ``--allowed-local-media-path`` (or none allowed), bytes PIL cannot
+decode, and decompression bombs.
+
+Pixel limit: PIL refuses images above twice ``Image.MAX_IMAGE_PIXELS`` and only warns above
+it. pagedlm sets the limit to ``MAX_IMAGE_PIXELS`` (64 Mpx, larger than any vision
+model's input needs, small enough that a decoded RGB image stays under 200 MB) and turns
+the warning into a refusal, so the limit is one number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import os
+import time
+import urllib.parse
+import warnings
+from typing import Any
+
+from PIL import Image
+
+from pagedlm.config import MultiModalConfig
+
+MAX_IMAGE_PIXELS = 64 * 2**20
+Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
+
+
+class MediaError(ValueError):
+    """An image that cannot be used (answered with HTTP 400)."""
+
+
+def decode_image(data: bytes) -> Image.Image:
+    """Decode and fully load image bytes (RGB), refusing bombs and undecodable data."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            image.load()
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise MediaError(
+            f"the image is too large to decode ({exc}); the limit is {MAX_IMAGE_PIXELS} "
+            "pixels: send a smaller image."
+        ) from None
+    except Exception as exc:  # PIL raises many types for corrupt data
+        raise MediaError(
+            f"the image data could not be decoded ({type(exc).__name__}: {exc}); send a "
+            "PNG, JPEG, WebP or GIF image."
+        ) from None
+    return image.convert("RGB")
+
+
+def _check_size(num_bytes: int, config: MultiModalConfig, what: str) -> None:
+    if num_bytes > config.media_max_bytes:
+        raise MediaError(
+            f"{what} is larger than the limit of {config.media_max_bytes} bytes; send a "
+            "smaller image (or raise --media-max-bytes)."
+        )
+
+
+def _data_url_bytes(url: str, config: MultiModalConfig) -> bytes:
+    header, _, payload = url.partition(",")
+    if not header.endswith(";base64"):
+        raise MediaError("an image data URL must be base64: 'data:image/png;base64,...'.")
+    _check_size(len(payload) * 3 // 4, config, "the data URL's image")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise MediaError("the image data URL is not valid base64.") from None
+
+
+def _local_file_bytes(url: str, config: MultiModalConfig) -> bytes:
+    allowed = config.allowed_local_media_path
+    if allowed is None:
+        raise MediaError(
+            "file:// image URLs are refused: the server was started without "
+            "--allowed-local-media-path."
+        )
+    path = os.path.realpath(urllib.parse.unquote(urllib.parse.urlparse(url).path))
+    if os.path.commonpath([path, allowed]) != allowed:
+        raise MediaError(
+            f"the image path {path!r} is outside the allowed directory {allowed!r} "
+            "(--allowed-local-media-path)."
+        )
+    if not os.path.isfile(path):
+        raise MediaError(f"the image file {path!r} does not exist.")
+    _check_size(os.path.getsize(path), config, "the image file")
+    with open(path, "rb") as file:
+        return file.read()
+
+
+def _scheme(url: str) -> str:
+    scheme = urllib.parse.urlparse(url).scheme.lower() if isinstance(url, str) else ""
+    if scheme not in ("data", "file", "http", "https"):
+        raise MediaError(
+            f"unsupported image URL {str(url)[:60]!r}; use a data: URL (base64), "
+            "http(s):// or file:// (under --allowed-local-media-path)."
+        )
+    return scheme
+
+
+def _offline_bytes(url: str, scheme: str, config: MultiModalConfig) -> bytes:
+    return _data_url_bytes(url, config) if scheme == "data" else _local_file_bytes(url, config)
+
+
+def _http_error(url: str, exc: Exception, config: MultiModalConfig) -> MediaError:
+    import httpx
+
+    if isinstance(exc, (httpx.TimeoutException, TimeoutError)):
+        return MediaError(
+            f"fetching the image {url[:80]!r} timed out after {config.media_fetch_timeout_s} s."
+        )
+    return MediaError(f"fetching the image {url[:80]!r} failed: {exc}")
+
+
+def _checked_response(response: Any, url: str) -> None:
+    if response.status_code != 200:
+        raise MediaError(f"fetching the image {url[:80]!r} returned HTTP {response.status_code}.")
+
+
+async def load_image_url_async(url: str, config: MultiModalConfig) -> Image.Image:
+    """The image an API ``image_url`` names (the server's path: downloads do not block
+    the event loop)."""
+    scheme = _scheme(url)
+    if scheme not in ("http", "https"):
+        return decode_image(_offline_bytes(url, scheme, config))
+    import httpx
+
+    chunks, size = [], 0
+    try:
+        # httpx's timeout bounds each read; this bounds the whole download (a server
+        # dripping bytes never ends otherwise).
+        async with (
+            asyncio.timeout(config.media_fetch_timeout_s),
+            httpx.AsyncClient(timeout=config.media_fetch_timeout_s) as client,
+            client.stream("GET", url, follow_redirects=True) as response,
+        ):
+            _checked_response(response, url)
+            async for chunk in response.aiter_bytes():
+                size += len(chunk)
+                _check_size(size, config, "the downloaded image")
+                chunks.append(chunk)
+    except (httpx.HTTPError, TimeoutError) as exc:
+        raise _http_error(url, exc, config) from None
+    return decode_image(b"".join(chunks))
+
+
+def load_image_url(url: str, config: MultiModalConfig) -> Image.Image:
+    """``load_image_url_async`` for offline callers (``LLM.chat``)."""
+    scheme = _scheme(url)
+    if scheme not in ("http", "https"):
+        return decode_image(_offline_bytes(url, scheme, config))
+    import httpx
+
+    chunks, size = [], 0
+    deadline = time.monotonic() + config.media_fetch_timeout_s
+    try:
+        with httpx.stream(
+            "GET", url, timeout=config.media_fetch_timeout_s, follow_redirects=True
+        ) as response:
+            _checked_response(response, url)
+            for chunk in response.iter_bytes():
+                size += len(chunk)
+                _check_size(size, config, "the downloaded image")
+                chunks.append(chunk)
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+    except (httpx.HTTPError, TimeoutError) as exc:
+        raise _http_error(url, exc, config) from None
+    return decode_image(b"".join(chunks))
