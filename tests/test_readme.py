@@ -2,17 +2,20 @@
 (in this process: a fresh interpreter per block costs ~10 s of imports here).
 
 The embedded model (``LLM()``, ``EngineArgs()``) and the placeholder paths
-(``path/to/model``, ``path/to/sql-adapter``, ``path/to/all-MiniLM-L6-v2``) are swapped for
-a tiny random chat checkpoint, a PEFT adapter for it and a tiny sentence-transformers
-BERT, so the blocks run in seconds; ``-m slow`` also
+(``path/to/model``, ``path/to/sql-adapter``, ``path/to/all-MiniLM-L6-v2``,
+``path/to/llava-1.5-7b-hf``) are swapped for a tiny random chat checkpoint, a PEFT adapter
+for it, a tiny sentence-transformers BERT and a tiny LLaVA (with a ``cat.jpg`` beside the
+script), so the blocks run in seconds; ``-m slow`` also
 runs the blocks that need several worker processes, and the first block on the real
 embedded GGUF.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -51,13 +54,31 @@ def embedder(tmp_path_factory) -> Path:
     return out
 
 
-def with_tiny_model(code: str, model: Path, adapter: Path, embedder: Path) -> str:
+def _tiny_llava_module() -> ModuleType:
+    path = Path(__file__).parent / "multimodal" / "tiny_llava.py"
+    spec = importlib.util.spec_from_file_location("readme_tiny_llava", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def vision_model(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("readme-llava")
+    _tiny_llava_module().save_tiny_llava(out)
+    return out
+
+
+def with_tiny_model(
+    code: str, model: Path, adapter: Path, embedder: Path, vision: Path = Path("unused")
+) -> str:
     swapped = (
         code.replace("LLM()", f"LLM({str(model)!r})")
         .replace("EngineArgs()", f"EngineArgs(model={str(model)!r})")
         .replace('"path/to/model"', repr(str(model)))
         .replace('"path/to/sql-adapter"', repr(str(adapter)))
         .replace('"path/to/all-MiniLM-L6-v2"', repr(str(embedder)))
+        .replace('"path/to/llava-1.5-7b-hf"', repr(str(vision)))
     )
     code_only = re.sub(r"#.*$", "", swapped, flags=re.M)  # comments may name other paths
     assert "path/to/" not in code_only, "a README placeholder the test cannot fill"
@@ -80,7 +101,12 @@ def test_readme_has_python_blocks():
 def test_block_runs(code, chat_checkpoint, tmp_path, request, monkeypatch, capsys):
     adapter = request.getfixturevalue("adapter") if "LoRARequest" in code else Path("unused")
     embedder = request.getfixturevalue("embedder") if ".embed(" in code else Path("unused")
-    run_script(with_tiny_model(code, chat_checkpoint, adapter, embedder), tmp_path, monkeypatch)
+    vision = Path("unused")
+    if "multi_modal_data" in code:
+        vision = request.getfixturevalue("vision_model")
+        _tiny_llava_module().random_image(64, 48, 0).save(tmp_path / "cat.jpg")
+    code = with_tiny_model(code, chat_checkpoint, adapter, embedder, vision)
+    run_script(code, tmp_path, monkeypatch)
     if "print(" in code:
         assert capsys.readouterr().out.strip(), "the block printed nothing"
 
