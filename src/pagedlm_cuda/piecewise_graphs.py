@@ -192,7 +192,10 @@ class PiecewiseGraphs:
             graphs[len(calls)].capture_end()
         torch.cuda.current_stream().wait_stream(stream)
         if len(calls) != len(outs):
-            raise RuntimeError(f"the forward called attention {len(calls)} times, then {len(outs)}")
+            raise RuntimeError(
+                f"the forward called attention {len(outs)} times warming up but "
+                f"{len(calls)} times while captured"
+            )
         return _Pieces(graphs, calls, hidden)
 
     def padded_num_tokens(self, num_tokens: int) -> int | None:
