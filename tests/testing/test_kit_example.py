@@ -17,7 +17,7 @@ import pytest
 
 from pagedlm.plugins.registry import create_plugin_manager, get_plugin_manager, select_platform
 from pagedlm.testing import TINY_MODELS, NotApplicable, check_greedy_parity
-from plugin_kit import install_example, kit_checkpoints, subprocess_env
+from plugin_kit import install_example, kit_checkpoints
 
 pytest_plugins = ["pytester"]
 
@@ -32,22 +32,9 @@ KIT_COMMAND = [
 ]
 
 
-def run_kit(tmp_path, *args: str) -> str:
-    result = subprocess.run(
-        [*KIT_COMMAND, "-q", "-rs", *args],
-        cwd=tmp_path,
-        env=subprocess_env(tmp_path / "site-packages", PAGEDLM_PLATFORM="example"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    return result.stdout
-
-
 def test_documented_command_passes_for_the_example(example_platform, pytester, monkeypatch) -> None:
     """Every platform and attention check, through the kit's pytest module, in this process
-    (parity is the next test; the whole command in a child process is the slow one)."""
+    (parity is the next test; the whole command runs in a fresh venv below)."""
     monkeypatch.setenv("PAGEDLM_PLATFORM", "example")
     result = pytester.runpytest_inprocess(
         "--pyargs", "pagedlm.testing", "-p", "no:cacheprovider", "-v", "-rs", "-k", "not parity"
@@ -83,7 +70,7 @@ def test_greedy_parity_with_the_cpu(example_platform, arch, tmp_path_factory) ->
 def test_pip_installed_example_passes_the_kit_in_a_fresh_venv(tmp_path) -> None:
     """The plugin author's path for real: ``pip install ./examples/platform_plugin`` into
     a new virtual environment (it sees this one's packages, pagedlm included: nothing is
-    downloaded), then the documented command there (parity aside, as above)."""
+    downloaded), then the whole documented command there, greedy parity included."""
     venv = tmp_path / "venv"
     subprocess.run(
         [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
@@ -103,7 +90,7 @@ def test_pip_installed_example_passes_the_kit_in_a_fresh_venv(tmp_path) -> None:
     env.pop("PAGEDLM_PLUGINS", None)
     env.pop("PAGEDLM_DISABLE_PLUGIN_AUTOLOAD", None)
     result = subprocess.run(
-        [python, *KIT_COMMAND[1:], "-q", "-rs", "-k", "not parity"],
+        [python, *KIT_COMMAND[1:], "-q", "-rs"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -111,16 +98,11 @@ def test_pip_installed_example_passes_the_kit_in_a_fresh_venv(tmp_path) -> None:
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "12 passed, 2 skipped" in result.stdout, result.stdout[-2000:]
+    # Skipped: no fused sampler, no graphs, and the soft cap its backend refuses by name.
+    assert "14 passed, 3 skipped" in result.stdout, result.stdout[-2000:]
     # The example came from the venv's site-packages, not from a path this test set up.
     origin = subprocess.run(
         [python, "-c", "import pagedlm_example_platform as m; print(m.__file__)"],
         capture_output=True, text=True, timeout=60, env=env, check=True,
     )  # fmt: skip
     assert origin.stdout.startswith(str(venv)), origin.stdout
-
-
-@pytest.mark.slow
-def test_whole_documented_command_passes_for_the_example(tmp_path) -> None:
-    out = run_kit(tmp_path)
-    assert "14 passed, 3 skipped" in out, out
