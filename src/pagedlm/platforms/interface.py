@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 class GraphRunner(ABC):
     """Replays captured forwards of uniform batches: every request feeds the same number of
-    tokens (1 for decode, 1 + k when speculative tokens are verified).
+    tokens (1 for decode, 1 + k when speculative tokens are verified); optionally
+    (``run_mixed``) other steps too, from pieces captured around eager attention calls.
 
     Invariants:
     - A replay reads the model runner's persistent step buffers, which the runner fills
