@@ -54,16 +54,17 @@ def _state(token_slots: torch.Tensor) -> LoRAStepState:
     return LoRAStepState(token_slots.to(DEVICE), groups)
 
 
+@pytest.mark.parametrize("split_k", [None, 16])  # 16: 2-6 partial sums, the last one short
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_lora_matches_reference_and_torch_ops(name, dtype):
+def test_triton_lora_matches_reference_and_torch_ops(name, dtype, split_k):
     (x, lora_a, lora_b, out), token_slots, slices = _case(name, dtype)
     state = _state(token_slots)
     active = [True] * lora_a.shape[0]
     expected = out.double().cpu() + reference_delta(x, lora_a, lora_b, slices, token_slots)
 
     triton_out = out.clone()
-    TritonLoRAOps().add_lora(triton_out, x, lora_a, lora_b, slices, state, active)
+    TritonLoRAOps(split_k).add_lora(triton_out, x, lora_a, lora_b, slices, state, active)
     torch_out = out.clone()
     TorchLoRAOps().add_lora(torch_out, x, lora_a, lora_b, slices, state, active)
 

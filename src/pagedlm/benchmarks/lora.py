@@ -121,7 +121,7 @@ def decode_speed(llm, args, loras) -> dict[str, float]:
 
 
 def kernel_times(arch, rank: int, num_adapters: int, batch_sizes: list[int], iters: int) -> None:
-    """Shrink + expand per projection (microseconds), next to the base GEMM."""
+    """Shrink + expand per projection (microseconds, in a CUDA graph), next to the base GEMM."""
     import torch
     import torch.nn.functional as F
 
@@ -171,14 +171,22 @@ def arch_projection_slices(arch) -> dict[str, tuple[int, list[int]]]:
 
 
 def _time_us(fn, iters: int) -> float:
+    """Microseconds per call, replayed from a CUDA graph (as decode steps run: the
+    Python launch cost of each kernel is not part of it)."""
     import torch
 
-    for _ in range(10):
+    for _ in range(3):
         fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(10):
+        graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
-        fn()
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / iters
