@@ -18,13 +18,18 @@ import argparse
 import torch
 
 from pagedlm_cuda.kernels import paged_decode_attention
-from pagedlm_cuda.kernels.decode_config import decode_config
+from pagedlm_cuda.kernels.decode_config import DecodeConfig, decode_config
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS, MAX_MODEL_LEN = 32, 8, 128, 16, 32, 4096
 
 
 def time_config(
-    batch: int, context: int, partition: int | None, block_n: int | None, fp8: bool = False
+    batch: int,
+    context: int,
+    partition: int | None,
+    block_n: int | None,
+    fp8: bool = False,
+    config: DecodeConfig | None = None,
 ) -> float:
     """Microseconds per call, median of 5 replays of a 32-call graph."""
     blocks_per_seq = -(-context // BLOCK)
@@ -46,7 +51,7 @@ def time_config(
         for _ in range(LAYERS):
             paged_decode_attention(
                 query, key_cache, value_cache, tables, lens, 0.088, MAX_MODEL_LEN, out,
-                partition, block_n, **scales,
+                partition, block_n, config=config, **scales,
             )  # fmt: skip
 
     step()
@@ -75,7 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     fp8 = args.kv_cache_dtype == "fp8"
     for batch, context in (WORKLOADS[w] for w in args.workloads):
-        default = decode_config(batch, KV_HEADS, HEAD_DIM)
+        default = decode_config(batch, KV_HEADS, HEAD_DIM, fp8)
         kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * (1 if fp8 else 2)
         print(f"batch {batch}, context {context}, {args.kv_cache_dtype} cache: default {default}")
         candidates = [(None, None)] + [
@@ -84,6 +89,19 @@ def main() -> None:
         for partition, block_n in candidates:
             us = time_config(batch, context, partition, block_n, fp8)
             label = "default" if partition is None else f"partition {partition}, block_n {block_n}"
+            print(f"  {label:28s} {us:8.1f} us/call  {kv_bytes / us / 1e6:6.2f} TB/s")
+        for block_n, warps, stages in (
+            (64, 4, 3),
+            (64, 8, 2),
+            (128, 4, 2),
+            (128, 8, 2),
+            (128, 8, 3),
+        ):
+            if block_n > default.partition:
+                continue
+            config = default._replace(block_n=block_n, num_warps=warps, num_stages=stages)
+            us = time_config(batch, context, None, None, fp8, config)
+            label = f"block_n {block_n}, {warps} warps, {stages} stages"
             print(f"  {label:28s} {us:8.1f} us/call  {kv_bytes / us / 1e6:6.2f} TB/s")
 
 

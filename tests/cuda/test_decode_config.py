@@ -40,6 +40,16 @@ def test_partition_shrinks_for_small_batches() -> None:
     assert sizes == sorted(sizes)
 
 
+def test_fp8_cache_takes_longer_tiles_in_long_partitions() -> None:
+    assert decode_config(256, 8, 128, fp8=True).block_n == 128
+    assert decode_config(256, 8, 256, fp8=True) == decode_config(256, 8, 256)
+    for n in (1, 4, 16):  # short partitions: the bf16 tiles
+        assert decode_config(n, 8, 128, fp8=True) == decode_config(n, 8, 128)
+    for n in range(1, 600):
+        config = decode_config(n, 8, 128, fp8=True)
+        assert config.partition % config.block_n == 0
+
+
 @pytest.mark.parametrize(
     ("seq_lens", "window"),
     [([150, 7, 90], None), ([150, 7, 90], 40), ([20, 7, 32], None), ([20, 7, 32], 9)],

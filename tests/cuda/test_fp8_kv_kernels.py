@@ -93,8 +93,9 @@ def test_prefill_on_fp8_cache(window):
     assert rel_error(out, ref) < tolerance(COMPUTE)
 
 
-@pytest.mark.parametrize("partition", [16, 128])
-def test_decode_on_fp8_cache_writes_and_reads_the_new_kv(partition):
+# (128, 128): the 128-key tiles decode_config gives an FP8 cache in long partitions.
+@pytest.mark.parametrize(("partition", "block_n"), [(16, 16), (128, 16), (128, 128)])
+def test_decode_on_fp8_cache_writes_and_reads_the_new_kv(partition, block_n):
     seq_lens = [1, 17, 40]
     key_cache, value_cache, table, tables = fp8_cache(seq_lens, 16, 2, 32, seed=4)
     num_seqs = len(seq_lens)
@@ -108,7 +109,7 @@ def test_decode_on_fp8_cache_writes_and_reads_the_new_kv(partition):
     seq = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     out = paged_decode_attention(
         query, key_cache, value_cache, table, seq, 0.15, 64, partition_size=partition,
-        block_n=16, new_kv=(new_k, new_v, slots), **_scales(),
+        block_n=block_n, new_kv=(new_k, new_v, slots), **_scales(),
     )  # fmt: skip
     scales = _scales()
     for i, slot in enumerate(slots.tolist()):  # written quantized

@@ -33,8 +33,11 @@ seq_len - 1``; partitions wholly before that exit at once and the merge skips th
 Soft-cap ``c``: scores become ``c * tanh(s / c)`` before the softmax. Both are constexpr
 switches, so the common path compiles without them.
 
-FP8 cache (a third switch): tiles are cast to the query's dtype after loading; the dots
-are multiplied by ``k_scale`` and each partition's output by ``v_scale``. The new token's
+FP8 cache (a third switch): tiles are cast to float16 after loading (one hardware convert
+per pair of E4M3 values; bfloat16 takes a longer path, and the bf16 kernel's speed in
+bytes was not reached with it), the query too (clamped to float16's range), and both dots
+run in float16 with float32 accumulation; the dots are multiplied by ``k_scale`` and each
+partition's output by ``v_scale``. The new token's
 K/V are quantized (saturating) before they are written, and the new key is attended to
 from its quantized value, as a later step reads it from the cache.
 """
@@ -155,7 +158,7 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_G: tl.constexpr,
     MERGE_P: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, DIRECT: tl.constexpr,
     WRITE_NEW: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-    FP8: tl.constexpr, USE_PDL: tl.constexpr,
+    FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.allow_next(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
@@ -191,7 +194,7 @@ def _decode_kernel(
     # steps (each forward begins with a torch kernel, which waits for everything before it).
     head_base = kv_head.to(tl.int64) * cache_stride_head
     table = block_tables_ptr + seq * block_table_stride
-    compute_dtype = q_ptr.dtype.element_ty
+    compute_dtype = COMPUTE_DTYPE
     _pos, pos_mask, k, v = load_kv_tile(
         key_cache_ptr, value_cache_ptr, table, head_base, start, cached_end, dims, dim_mask,
         cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N, compute_dtype,
@@ -229,6 +232,8 @@ def _decode_kernel(
         mask=head_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
+    if FP8:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(compute_dtype)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -314,6 +319,9 @@ def _decode_merge_kernel(
     )  # fmt: skip
 
 
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -360,9 +368,9 @@ def paged_decode_attention(
         return out
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}.")
-    if config is None:
-        config = decode_config(num_seqs, num_kv_heads, head_dim)
     fp8 = is_fp8(key_cache.dtype)
+    if config is None:
+        config = decode_config(num_seqs, num_kv_heads, head_dim, fp8)
     if fp8 and (k_scale is None or v_scale is None):
         raise ValueError("an FP8 KV cache needs k_scale and v_scale.")
     partition = partition_size or config.partition
@@ -415,7 +423,8 @@ def paged_decode_attention(
         MERGE_G=merge_g, MERGE_P=merge_p, MERGE_IN_KERNEL=config.merge_in_kernel,
         DIRECT=direct, WRITE_NEW=new_kv is not None,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logits_soft_cap is not None,
-        FP8=fp8, num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(),
+        FP8=fp8, COMPUTE_DTYPE=tl.float16 if fp8 else _TL_DTYPES[query.dtype],
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(),
     )  # fmt: skip
     if not direct and not config.merge_in_kernel:
         _decode_merge_kernel[(num_seqs, num_kv_heads)](

@@ -35,6 +35,12 @@ from pagedlm_cuda.batch_sizes import capture_sizes
 
 MIN_PARTITION = 32
 MAX_PARTITION = 512
+FP8_BLOCK_N = 128
+"""Key positions per tile for a float8 cache in long partitions: a tile of 128 E4M3 keys
+is as many bytes as 64 bf16 ones. Measured on the H200 (W1's shape, batch 256 at 580
+tokens, 512-key partitions, ``tests/cuda/bench_decode_attention.py --kv-cache-dtype fp8``):
+181 us per call against 207 with 64-key tiles (4 warps, 2 stages; 8 warps or 3 stages
+were slower). Short partitions (small batches) keep the bf16 choice."""
 MERGE_IN_KERNEL_PROGRAMS = 256
 """Batch bucket x kv heads up to which the decode kernel merges its own partitions."""
 
@@ -66,13 +72,18 @@ def batch_bucket(num_seqs: int) -> int:
 
 
 @functools.cache
-def decode_config(num_seqs: int, num_kv_heads: int, head_dim: int) -> DecodeConfig:
-    """The decode kernel's split and tile for a batch of ``num_seqs`` (bucketed)."""
+def decode_config(
+    num_seqs: int, num_kv_heads: int, head_dim: int, fp8: bool = False
+) -> DecodeConfig:
+    """The decode kernel's split and tile for a batch of ``num_seqs`` (bucketed); ``fp8``:
+    the cache is float8 (see ``FP8_BLOCK_N``)."""
     programs = batch_bucket(num_seqs) * num_kv_heads
     partition = MIN_PARTITION
     while 2 * partition <= min(2 * programs, MAX_PARTITION):
         partition *= 2
     block_n = min(partition, 64 if head_dim <= 128 else 32)
+    if fp8 and head_dim <= 128 and partition >= 4 * FP8_BLOCK_N:
+        block_n = FP8_BLOCK_N
     merge_in_kernel = programs <= MERGE_IN_KERNEL_PROGRAMS
     return DecodeConfig(partition, block_n, num_warps=4, num_stages=2,
                         merge_in_kernel=merge_in_kernel)  # fmt: skip
