@@ -40,6 +40,10 @@ def measure_level(llm: Any, level: int, prompt: list[int], max_tokens: int) -> d
     core = llm.llm_engine.engine_core
 
     def generate() -> list[int]:
+        # Both generations prefill from scratch: wake-up resets the prefix cache, and a
+        # prompt served from cached blocks (it ran at the level before) takes other
+        # kernels, whose rounding can flip near-ties of random weights.
+        core.reset_prefix_cache()
         return (
             llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
             .outputs[0]

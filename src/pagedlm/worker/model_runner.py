@@ -326,8 +326,8 @@ class ModelRunner:
         # real step's keys to measure their FP8 scales (a replay runs no layer code).
         if self.graph_runner is not None and not self._measuring_kv_scales:
             hidden = self.graph_runner.run_mixed(inputs.input_ids, ctx)
-            if hidden is not None:
-                return hidden
+            if hidden is not None:  # padded to a captured size: proposers read every row
+                return hidden[: inputs.layout.num_tokens]
         hidden = run_stage(
             self.model, inputs.input_ids, inputs.positions, ctx, self.config.model.dtype
         )
