@@ -14,6 +14,10 @@ import torch
 # GPU, set it here, before the first import, whatever the order the modules come in.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# dtype="auto" on CPU is bf16 where the CPU has native bf16 and float32 elsewhere; tests
+# compare numerics, so they run the float32 default on whatever CPU CI lends (tests of
+# the bf16 choice set it themselves; server child processes inherit this).
+os.environ.setdefault("PAGEDLM_CPU_NATIVE_BF16", "0")
 
 TINY_COMMON = dict(
     vocab_size=384,

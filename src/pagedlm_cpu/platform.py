@@ -23,6 +23,9 @@ DEQUANTIZE_GGUF_ENV = "PAGEDLM_CPU_DEQUANTIZE_GGUF"
 """Set to 1 to compute GGUF models with dequantized weights (the parity reference) instead
 of the file's quantized blocks."""
 INT4_MAX_ROWS_ENV = "PAGEDLM_CPU_INT4_MAX_ROWS"
+NATIVE_BF16_ENV = "PAGEDLM_CPU_NATIVE_BF16"
+"""``0``/``1``: treat this CPU as without/with native bf16 (the probe decides when unset).
+The test suite sets 0, so its default-dtype runs are float32 on every CI machine."""
 """Input rows up to which quantized layers use the int4 kernel (default
 ``quantized_linear.DEFAULT_MAX_ROWS``); above, they dequantize and call F.linear."""
 
@@ -30,7 +33,11 @@ INT4_MAX_ROWS_ENV = "PAGEDLM_CPU_INT4_MAX_ROWS"
 def has_native_bf16() -> bool:
     """True where the CPU computes bf16 in hardware (AVX512-BF16 or AMX): there bf16 GEMMs
     run at twice the float32 rate and move half the bytes. Elsewhere torch emulates them,
-    and at batch sizes past a few rows they are slower than float32."""
+    and at batch sizes past a few rows they are slower than float32. ``NATIVE_BF16_ENV``
+    overrides the probe."""
+    forced = os.environ.get(NATIVE_BF16_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private torch API
     return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 

@@ -300,3 +300,43 @@ def test_the_policy_stops_proposing_for_large_batches_and_low_acceptance() -> No
     stats = core.scheduler.make_stats().spec_decoding
     assert stats.num_accepted_tokens == 0 and 0 < stats.num_drafts <= 2 * (3 + 60 // 16)
     assert proposing_steps < 20
+
+
+class NothingFoundExecutor(SpeculatingExecutor):
+    """A proposer that never finds drafts (prompt lookup in text that does not repeat)."""
+
+    def _propose(self, tokens: list[int], count: int) -> list[int]:
+        return []
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_proposer_that_finds_nothing_costs_few_tokens(async_scheduling: bool) -> None:
+    """Asynchronously, a step after a proposing one is scheduled with placeholders for
+    the drafts before anyone knows there are none; the policy must stop asking after an
+    empty proposal (probing now and then), or every step computes 1 + k tokens."""
+
+    def computed_tokens(config: SpeculativeConfig | None) -> tuple[int, dict]:
+        executor = NothingFoundExecutor(64, accuracy=0.0)
+        core = make_core(executor, async_scheduling, config, 64)
+        total = 0
+        execute = executor.execute_model
+
+        def counting(so: SchedulerOutput) -> None:
+            nonlocal total
+            total += so.total_num_scheduled_tokens
+            execute(so)
+
+        executor.execute_model = counting  # type: ignore[method-assign]
+        requests = [
+            Request(f"r{i}", [3 + i] * 3, SamplingParams(max_tokens=80, ignore_eos=True), set())
+            for i in range(3)
+        ]
+        outputs = run(core, requests)
+        return total, outputs
+
+    plain, expected = computed_tokens(None)
+    config = SpeculativeConfig("ngram", 4, disable_by_batch_size=None)
+    speculating, outputs = computed_tokens(config)
+    assert outputs == expected
+    # One wasted step of 4 placeholders per request, then one per probe (every 16 steps).
+    assert speculating <= plain + 3 * 4 * (1 + 80 // 16 + 1)

@@ -23,6 +23,12 @@ def test_auto_dtype_is_bf16_only_with_native_bf16(monkeypatch, caplog, native, e
     assert "overrides it" in caplog.text
 
 
+@pytest.mark.parametrize("value", ["0", "1"])
+def test_the_native_bf16_probe_can_be_overridden(monkeypatch, value):
+    monkeypatch.setenv(cpu_platform.NATIVE_BF16_ENV, value)
+    assert cpu_platform.has_native_bf16() is (value == "1")
+
+
 @pytest.fixture
 def restore_threads():
     before = torch.get_num_threads()

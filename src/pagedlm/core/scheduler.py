@@ -529,7 +529,11 @@ class OneBudgetScheduler(Scheduler):
                     num_drafts = len(scheduled_drafts.get(req_id, ()))
                     request.num_output_placeholders -= 1 + num_drafts
                     request.num_computed_tokens -= self.speculation.on_sampled(
-                        request, num_drafts, len(sampled), runner_output.draft_token_ids.get(req_id)
+                        request,
+                        num_drafts,
+                        len(sampled),
+                        runner_output.draft_token_ids.get(req_id),
+                        req_id in scheduler_output.num_drafts_to_propose,
                     )
                 else:
                     request.num_output_placeholders -= 1

@@ -25,7 +25,8 @@ of the speculative config):
 - in a step with more running requests than ``disable_by_batch_size`` no request proposes:
   a large batch is compute-bound, and verifying drafts there costs more than it saves;
 - each request keeps a running mean of the fraction of its verified drafts that were
-  accepted; below ``min_acceptance_rate`` it stops proposing, except for one probe every
+  accepted (a proposal that came back empty sets it to 0); below
+  ``min_acceptance_rate`` it stops proposing, except for one probe every
   ``PROBE_INTERVAL`` sampling steps, so a request whose text turns repetitive resumes;
 - drafts never cause a preemption: when the slots for them do not fit, the request is
   scheduled without them (``Scheduler`` falls back to a plain decode step first).
@@ -173,15 +174,28 @@ class Speculation:
     # ---- update ---------------------------------------------------------------------
 
     def on_sampled(
-        self, request: Request, num_drafts: int, num_sampled: int, proposals: list[int] | None
+        self,
+        request: Request,
+        num_drafts: int,
+        num_sampled: int,
+        proposals: list[int] | None,
+        asked: bool = False,
     ) -> int:
         """Record a collected step that sampled ``num_sampled`` tokens for ``request`` after
-        verifying ``num_drafts`` drafts, and the drafts proposed for its next step.
+        verifying ``num_drafts`` drafts, and the drafts proposed for its next step (it
+        ``asked`` its proposer for some).
 
         Returns how many of its tokens ``num_computed_tokens`` must give back (the rejected
         drafts); 0 for a request preempted meanwhile (it recomputes from scratch anyway).
         """
         running = request.status is RequestStatus.RUNNING
+        if asked and not proposals:
+            # The proposer found nothing (prompt lookup in text that does not repeat). Under
+            # asynchronous scheduling the next step was already scheduled with placeholders
+            # for the drafts, computed for nothing. Such a request stops asking at once and
+            # only probes, until a probe's drafts are accepted again. (Not in the metrics:
+            # nothing was drafted.)
+            request.spec_acceptance = 0.0
         rejected = 0
         if num_drafts:
             accepted = num_sampled - 1
