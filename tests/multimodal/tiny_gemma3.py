@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from multimodal.tiny_common import bpe_tokenizer, randomize
 
 IMAGE_TOKENS = 4

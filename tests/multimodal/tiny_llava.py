@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from multimodal.tiny_common import bpe_tokenizer, hf_greedy, hf_processor, random_image, randomize
 
 __all__ = ["hf_greedy", "hf_processor", "random_image", "save_tiny_llava"]

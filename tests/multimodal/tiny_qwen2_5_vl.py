@@ -14,6 +14,7 @@ import functools
 from pathlib import Path
 
 import torch
+
 from multimodal.tiny_common import bpe_tokenizer, randomize
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -77,7 +78,11 @@ def save_tiny_qwen2_5_vl(path: Path) -> torch.nn.Module:
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "max_position_embeddings": 512,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [2, 3, 3],
+        },
         "eos_token_id": ids["<|im_end|>"],
         "bos_token_id": None,
         "pad_token_id": ids["<|endoftext|>"],

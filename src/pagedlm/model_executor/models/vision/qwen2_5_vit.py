@@ -89,7 +89,9 @@ def segment_attention(
     rows = (torch.repeat_interleave(torch.arange(len(lengths)), lens) * longest + offsets).to(
         q.device
     )
-    padded = [x.new_zeros(len(lengths) * longest, heads, dim).index_copy_(0, rows, x) for x in (q, k, v)]
+    padded = [
+        x.new_zeros(len(lengths) * longest, heads, dim).index_copy_(0, rows, x) for x in (q, k, v)
+    ]
     qs, ks, vs = (x.view(len(lengths), longest, heads, dim).transpose(1, 2) for x in padded)
     valid = (torch.arange(longest)[None, :] < lens[:, None]).to(q.device)  # [segments, keys]
     out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=valid[:, None, None, :])
@@ -169,7 +171,9 @@ class PatchEmbed(nn.Module):
         super().__init__()
         patch, temporal = vision.get("patch_size", 14), vision.get("temporal_patch_size", 2)
         channels, dim = vision.get("in_channels", 3), vision["hidden_size"]
-        self.proj = nn.Conv3d(channels, dim, (temporal, patch, patch), (temporal, patch, patch), bias=False)
+        self.proj = nn.Conv3d(
+            channels, dim, (temporal, patch, patch), (temporal, patch, patch), bias=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight
