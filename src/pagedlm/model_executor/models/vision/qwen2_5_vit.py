@@ -19,6 +19,7 @@ Parameter names follow transformers' ``Qwen2_5_VisionTransformerPretrainedModel`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -70,31 +71,54 @@ def window_order(grid_thw: np.ndarray, merge: int, window: int) -> tuple[np.ndar
     return np.concatenate(order), lengths
 
 
+@dataclass(frozen=True)
+class Segments:
+    """Consecutive runs of rows that attend only among themselves (windows, or frames),
+    laid out for one batched SDPA call: ``num`` segments padded to ``longest`` rows.
+    Built once per forward and shared by the blocks (no host work per layer)."""
+
+    num: int
+    longest: int
+    rows: torch.Tensor | None
+    """[N] each row's index in the padded [num * longest] layout; None: no padding (all
+    segments equally long)."""
+    valid: torch.Tensor | None
+    """[num, 1, 1, longest] which padded keys are real."""
+
+    @classmethod
+    def build(cls, lengths: list[int], device: torch.device) -> Segments:
+        longest = max(lengths)
+        if all(length == longest for length in lengths):
+            return cls(len(lengths), longest, None, None)
+        lens = np.asarray(lengths)
+        starts = np.cumsum(lens) - lens
+        rows = np.repeat(np.arange(len(lens)) * longest - starts, lens) + np.arange(lens.sum())
+        valid = np.arange(longest)[None, :] < lens[:, None]
+        return cls(
+            len(lengths),
+            longest,
+            torch.from_numpy(rows).to(device),
+            torch.from_numpy(valid).to(device)[:, None, None, :],
+        )
+
+
 def segment_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments
 ) -> torch.Tensor:
-    """Bidirectional attention within consecutive segments of ``lengths`` rows:
-    q, k, v [N, heads, head_dim] -> [N, heads, head_dim]. Segments are padded to the
-    longest and run as one batched SDPA call (padding keys masked)."""
+    """Bidirectional attention within each segment: q, k, v [N, heads, head_dim] ->
+    [N, heads, head_dim] (padding keys masked, padding queries dropped)."""
     n, heads, dim = q.shape
-    longest = max(lengths)
-    if all(length == longest for length in lengths):
-        batch = len(lengths)
-        qs, ks, vs = (x.view(batch, longest, heads, dim).transpose(1, 2) for x in (q, k, v))
-        out = F.scaled_dot_product_attention(qs, ks, vs)
-        return out.transpose(1, 2).reshape(n, heads, dim)
-    lens = torch.tensor(lengths)
-    starts = torch.cumsum(lens, 0) - lens
-    offsets = torch.arange(n) - torch.repeat_interleave(starts, lens)
-    rows = (torch.repeat_interleave(torch.arange(len(lengths)), lens) * longest + offsets).to(
-        q.device
-    )
+    shape = (segments.num, segments.longest, heads, dim)
+    if segments.rows is None:
+        qs, ks, vs = (x.view(shape).transpose(1, 2) for x in (q, k, v))
+        return F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2).reshape(n, heads, dim)
+    rows = segments.rows
     padded = [
-        x.new_zeros(len(lengths) * longest, heads, dim).index_copy_(0, rows, x) for x in (q, k, v)
+        x.new_zeros(segments.num * segments.longest, heads, dim).index_copy_(0, rows, x)
+        for x in (q, k, v)
     ]
-    qs, ks, vs = (x.view(len(lengths), longest, heads, dim).transpose(1, 2) for x in padded)
-    valid = (torch.arange(longest)[None, :] < lens[:, None]).to(q.device)  # [segments, keys]
-    out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=valid[:, None, None, :])
+    qs, ks, vs = (x.view(shape).transpose(1, 2) for x in padded)
+    out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=segments.valid)
     return out.transpose(1, 2).reshape(-1, heads, dim).index_select(0, rows)
 
 
@@ -111,14 +135,14 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments
     ) -> torch.Tensor:
         """x [N, dim]; cos, sin [N, 1, head_dim] (float32): the rotation is in float32."""
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
         q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
-        return self.proj(segment_attention(q, k, v, lengths).reshape(n, -1))
+        return self.proj(segment_attention(q, k, v, segments).reshape(n, -1))
 
 
 class VisionMLP(nn.Module):
@@ -142,8 +166,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(dim, vision["num_heads"])
         self.mlp = VisionMLP(dim, vision["intermediate_size"], vision.get("hidden_act", "silu"))
 
-    def forward(self, x, cos, sin, lengths):
-        x = x + self.attn(self.norm1(x), cos, sin, lengths)
+    def forward(self, x, cos, sin, segments: Segments):
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -211,9 +235,10 @@ class Qwen2_5_VisionTransformer(nn.Module):
         angles = angles.view(-1, unit, angles.shape[-1]).index_select(0, order_t).flatten(0, 1)
         angles = torch.cat([angles, angles], dim=-1)[:, None, :]
         cos, sin = angles.cos(), angles.sin()
+        windows = Segments.build(window_lengths, device)
+        frames = Segments.build(frame_lengths, device)
         for index, block in enumerate(self.blocks):
-            lengths = frame_lengths if index in self.full_attention else window_lengths
-            x = block(x, cos, sin, lengths)
+            x = block(x, cos, sin, frames if index in self.full_attention else windows)
         merged = self.merger(x)
         restore = torch.from_numpy(np.argsort(order)).to(device)
         return merged.index_select(0, restore)
