@@ -163,6 +163,11 @@ def test_step_inputs_feed_rotary_positions_and_keep_token_indices() -> None:
     step = builder.build(output)
     assert step.positions.tolist() == [10 + delta, 3]
     assert step.layout.slot_mapping.tolist() == [2 * 4 + 2, 3 * 4 + 3]
+    # A chunk from inside the prompt to past it (a request resumed with an output).
+    flat = rope.text_positions(["a"], np.array([6]), np.array([5]), np.arange(6, 11))
+    assert flat.tolist() == table[0, 6:].tolist() + [10 + delta]
+    three = rope.step_positions(step.positions, ["a"], np.array([6]), np.array([5]))
+    assert three.tolist() == np.concatenate([table[:, 6:], [[10 + delta]] * 3], 1).tolist()
     # Preempted, then admitted again: the table is rebuilt from the prompt.
     rope.update(SchedulerOutput([], CachedRequestData(), {}, 0, {}, set(), {"a"}))
     assert "a" not in rope.tables

@@ -332,7 +332,7 @@ class StepInputBuilder:
         positions = np.arange(num_tokens) + np.repeat(starts - qsl[:num_reqs], num_new)
         host_positions = host[self._positions_at : self._positions_at + total]
         host_positions[:num_tokens] = self.rope_positions.text_positions(
-            req_ids, num_new, positions
+            req_ids, starts, num_new, positions
         )
         host_positions[num_tokens:] = 0
         return qsl, lens, positions, self._layout.copy(self._positions_at + total)
