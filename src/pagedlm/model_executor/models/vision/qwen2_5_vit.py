@@ -30,12 +30,6 @@ from torch import nn
 from pagedlm.model_executor.layers.layernorm import RMSNorm
 from pagedlm.model_executor.models.vision.clip import vision_activation
 
-VISION_ACTIVATIONS = {"silu": F.silu}
-
-
-def _activation(name: str):
-    return VISION_ACTIVATIONS[name] if name in VISION_ACTIVATIONS else vision_activation(name)
-
 
 def patch_positions(grid_thw: np.ndarray, merge: int) -> np.ndarray:
     """[num_patches, 2] (row, column) of every patch, in the processor's patch order:
@@ -151,7 +145,7 @@ class VisionMLP(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden)
         self.up_proj = nn.Linear(dim, hidden)
         self.down_proj = nn.Linear(hidden, dim)
-        self.act = _activation(act)
+        self.act = vision_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -194,7 +188,8 @@ class PatchEmbed(nn.Module):
     def __init__(self, vision: dict[str, Any]) -> None:
         super().__init__()
         patch, temporal = vision.get("patch_size", 14), vision.get("temporal_patch_size", 2)
-        channels, dim = vision.get("in_channels", 3), vision["hidden_size"]
+        channels = vision.get("in_channels", vision.get("in_chans", 3))  # published: in_chans
+        dim = vision["hidden_size"]
         self.proj = nn.Conv3d(
             channels, dim, (temporal, patch, patch), (temporal, patch, patch), bias=False
         )
