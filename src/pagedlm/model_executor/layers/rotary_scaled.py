@@ -1,9 +1,10 @@
 """Rotary variants beyond ``RotaryEmbedding``'s: partial rotation and Phi-3's LongRoPE.
 
 ``get_rope`` picks the right module for a config (M-RoPE's is ``rotary_mrope.py``), so
-model code never branches on ``rope_type``. Every variant keeps ``RotaryEmbedding``'s table layout (``cos_sin_cache``
-[max_position, rotary_dim]: cos of each pair's angle, then sin), so anything that reads
-that table (a fused kernel) sees the same shape with ``rotary_dim`` in place of ``head_dim``.
+model code never branches on ``rope_type``. Every variant keeps ``RotaryEmbedding``'s
+table layout (``cos_sin_cache`` [max_position, rotary_dim]: cos of each pair's angle, then
+sin), so anything that reads that table (a fused kernel) sees the same shape with
+``rotary_dim`` in place of ``head_dim``.
 """
 
 from __future__ import annotations
