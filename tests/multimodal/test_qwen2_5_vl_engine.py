@@ -138,3 +138,15 @@ def test_chat_with_image_parts(tiny_qwen) -> None:
     text = "<|im_start|>user\n" + IMAGE + "describe the picture.<|im_end|>\n<|im_start|>assistant\n"
     expected = hf_greedy(model, path, text, [image], NEW_TOKENS, processor=processor(path))
     assert list(out.outputs[0].token_ids) == expected
+
+
+def test_bad_image_input_is_rejected_and_the_engine_serves_on(tiny_qwen) -> None:
+    llm = _llm(tiny_qwen[0], limit_mm_per_prompt={"image": 2})
+    image = random_image(56, 56, 1)
+    three = {"prompt": TURN.format(IMAGE * 3), "multi_modal_data": {"image": [image] * 3}}
+    with pytest.raises(ValueError, match="at most 2 are allowed"):
+        llm.generate(three, use_tqdm=False)
+    missing = {"prompt": TURN.format(""), "multi_modal_data": {"image": [image]}}
+    with pytest.raises(ValueError, match="placeholder"):
+        llm.generate(missing, use_tqdm=False)
+    assert _generate(llm, [PROMPTS[0]])[0].outputs[0].token_ids
