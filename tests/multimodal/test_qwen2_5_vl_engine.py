@@ -90,7 +90,10 @@ def test_greedy_matches_transformers(tiny_qwen, expected, engine_kwargs) -> None
     llm = _llm(tiny_qwen[0], **engine_kwargs)
     outputs = _generate(llm, PROMPTS)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
-    assert _runner(llm).encoder.num_encoded == 6  # each image once, however many chunks
+    encoder = _runner(llm).encoder
+    assert encoder.num_encoded == 6  # each image once, however many chunks
+    if not engine_kwargs:  # one step: six images of five sizes in one packed call
+        assert encoder.num_encoder_calls == 1
 
 
 def test_preemption_recomputes_positions(tiny_qwen, expected) -> None:

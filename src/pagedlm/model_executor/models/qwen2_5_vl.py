@@ -36,6 +36,8 @@ from pagedlm.model_executor.models.vision_language import split_vision_weights
 class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     supports_multimodal: ClassVar[bool] = True
     uses_mrope: ClassVar[bool] = True
+    packed_multimodal_inputs: ClassVar[bool] = True
+    """Images of any sizes encode in one call (patches concatenated, one grid row each)."""
 
     def __init__(self, arch: ArchConfig, max_model_len: int | None = None) -> None:
         if get_pipeline_state().world_size > 1:
