@@ -126,9 +126,14 @@ class ArchConfig:
             rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
             if rope_type != "default":
                 rope_scaling = rope_params
+        if rope_params.get("mrope_section") and rope_scaling is None:
+            rope_scaling = rope_params  # transformers 5 writes M-RoPE as type "default"
         if rope_scaling is not None:
             rope_scaling = dict(rope_scaling)
             rope_scaling.setdefault("rope_type", rope_scaling.get("type", "default"))
+            if rope_scaling.get("mrope_section"):
+                # Qwen2-VL's three-part positions (older files say type "mrope" or "default")
+                rope_scaling["rope_type"] = "mrope"
             if rope_scaling["rope_type"] == "default":
                 rope_scaling = None
         num_heads = cfg["num_attention_heads"]

@@ -15,6 +15,7 @@ from pagedlm.model_executor.layers.activation import SiluAndMul
 from pagedlm.model_executor.layers.layernorm import RMSNorm
 from pagedlm.model_executor.layers.linear_base import LinearBase
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from pagedlm.model_executor.layers.rotary_mrope import MRotaryEmbedding
 
 
 def _rms_norm_kernel(
@@ -70,6 +71,11 @@ class SingleRowLinear:
 _GEMV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+_PLAIN_ROTARY = (RotaryEmbedding, MRotaryEmbedding)
+"""Rotary classes whose kernel calls are plain RoPE over ``cos_sin_cache`` (M-RoPE hands
+the kernel only its [T] positions, text tokens'; its [3, T] steps run the torch code)."""
+
+
 def install_fused_kernels(model: nn.Module) -> int:
     """Point every RMSNorm, RotaryEmbedding and SiluAndMul of ``model`` at the Triton
     kernels, and every plain linear layer (float weights, no kernel of its own such as a
@@ -84,7 +90,7 @@ def install_fused_kernels(model: nn.Module) -> int:
             module.set_kernel(SingleRowLinear(module))
         elif isinstance(module, RMSNorm) and type(module) is RMSNorm:
             module.set_kernel(_rms_norm_kernel)
-        elif isinstance(module, RotaryEmbedding) and type(module) is RotaryEmbedding:
+        elif isinstance(module, RotaryEmbedding) and type(module) in _PLAIN_ROTARY:
             if module.head_dim & (module.head_dim - 1):
                 continue
             module.set_kernel(_rotary_kernel)

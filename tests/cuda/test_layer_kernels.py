@@ -191,3 +191,21 @@ def test_dependent_launch_is_off_where_it_cannot_run(monkeypatch) -> None:
             assert not pdl.enabled()
     finally:
         pdl.enabled.cache_clear()
+
+
+def test_mrope_layer_takes_the_kernel_for_flat_positions_only() -> None:
+    """M-RoPE's [T] positions (text tokens) go through the plain rotary kernel; its
+    [3, T] positions keep the torch code, kernel or not."""
+    from pagedlm.model_executor.layers.rotary_mrope import MRotaryEmbedding
+
+    torch.manual_seed(2)
+    rope = MRotaryEmbedding(32, 64, 10000.0, [4, 6, 6]).to(DEVICE)
+    q, k = torch.randn(2, 5, 64, device=DEVICE)
+    flat = torch.tensor([1, 2, 3, 60, 0], device=DEVICE)
+    three = torch.tensor([[1, 2, 2, 5, 0], [1, 3, 4, 6, 0], [1, 2, 7, 5, 0]], device=DEVICE)
+    eager = (rope(flat, q.clone(), k.clone()), rope(three, q.clone(), k.clone()))
+    assert install_fused_kernels(torch.nn.Sequential(rope)) == 1
+    fused = (rope(flat, q.clone(), k.clone()), rope(three, q.clone(), k.clone()))
+    for a, b in zip(eager, fused):
+        for ta, tb in zip(a, b):
+            assert torch.allclose(ta, tb, atol=1e-5, rtol=1e-5)

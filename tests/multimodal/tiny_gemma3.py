@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from multimodal.tiny_common import bpe_tokenizer, randomize
+
 IMAGE_TOKENS = 4
 WEIGHT_STD = 0.1
 BOI = "<start_of_image>"
@@ -26,21 +28,9 @@ SPECIAL = ["<pad>", "<eos>", "<bos>", BOI, "<image_soft_token>", "<end_of_image>
 
 
 def _tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=SPECIAL + ["<start_of_turn>", "<end_of_turn>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator(CORPUS * 20, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
+    return bpe_tokenizer(
+        CORPUS,
+        SPECIAL + ["<start_of_turn>", "<end_of_turn>"],
         pad_token="<pad>",
         eos_token="<eos>",
         bos_token="<bos>",
@@ -106,14 +96,8 @@ def save_tiny_gemma3(path: Path) -> torch.nn.Module:
         image_token_index=ids["<image_soft_token>"],
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    model = Gemma3ForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(-0.5, 0.5)  # Gemma norms store weight - 1
-            else:
-                param.normal_(0.0, WEIGHT_STD)
+    # Gemma norms store weight - 1
+    model = randomize(Gemma3ForConditionalGeneration(config), (-0.5, 0.5), WEIGHT_STD)
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return model.eval()

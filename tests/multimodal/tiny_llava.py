@@ -7,12 +7,13 @@ processor resizes any image to 32x32, so images of different sizes give the same
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
+
+from multimodal.tiny_common import bpe_tokenizer, hf_greedy, hf_processor, random_image, randomize
+
+__all__ = ["hf_greedy", "hf_processor", "random_image", "save_tiny_llava"]
 
 IMAGE_TOKENS = 16
 CHAT_TEMPLATE = (
@@ -25,21 +26,9 @@ CORPUS = ["USER: describe the picture. ASSISTANT: a cat sits on a mat, a dog run
 
 
 def _tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<s>", "</s>", "<image>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator(CORPUS * 20, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
+    return bpe_tokenizer(
+        CORPUS,
+        ["<s>", "</s>", "<image>"],
         bos_token="<s>",
         eos_token="</s>",
         extra_special_tokens={"image_token": "<image>"},
@@ -91,37 +80,7 @@ def save_tiny_llava(path: Path) -> torch.nn.Module:
         projection_dim=32,
     )
     config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=image_token)
-    torch.manual_seed(0)
-    model = LlavaForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0.0, 0.1)
+    model = randomize(LlavaForConditionalGeneration(config), (0.5, 1.5))
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return model.eval()
-
-
-def random_image(width: int, height: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-@functools.cache
-def hf_processor(path: Path):
-    """The checkpoint's ``AutoProcessor``, loaded once per test process."""
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(path)
-
-
-def hf_greedy(model: torch.nn.Module, path: Path, text: str, images: list, new_tokens: int):
-    """transformers' greedy continuation (exactly ``new_tokens`` ids, EOS not stopping)."""
-    inputs = hf_processor(path)(text=text, images=images or None, return_tensors="pt")
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1] :].tolist()

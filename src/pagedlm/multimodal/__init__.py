@@ -9,6 +9,9 @@
 - ``encoder_runner``: the worker's side: encode the step's scheduled images into the
   encoder cache, then scatter their rows over the placeholder positions of the step's
   token embeddings.
+- ``mrope``: M-RoPE models' three-part positions (Qwen2.5-VL), per request, computed when
+  the workers admit it, and each step's positions built from them.
+- ``qwen_vl_processor``: Qwen2.5-VL's transformers processor for images only.
 
 The scheduler's side (which images a step encodes, under the encoder budget) is
 ``pagedlm.core.encoder_budget``.

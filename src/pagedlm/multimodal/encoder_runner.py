@@ -43,6 +43,8 @@ class EncoderRunner:
         """identifier -> the image's embedding rows [length, hidden] on the device."""
         self.num_encoded = 0
         """Images encoded so far (tests read it: a cached image is never encoded again)."""
+        self.num_encoder_calls = 0
+        """``embed_multimodal`` calls so far (tests read it: how images were grouped)."""
 
     def update(self, scheduler_output: SchedulerOutput) -> None:
         for identifier in scheduler_output.free_encoder_mm_hashes:
@@ -72,10 +74,15 @@ class EncoderRunner:
 
     def _encode(self, features: list[MultiModalFeature]) -> None:
         """Encode ``features`` into the cache: one encoder call per group of images whose
-        tensors have the same names and shapes (stacked along their first dimension)."""
+        tensors have the same names and shapes (stacked along their first dimension); for
+        a model with ``packed_multimodal_inputs`` (Qwen2.5-VL: patches of every image one
+        after another, with their grids), only the shapes after the first must agree."""
+        first = 1 if getattr(self.model, "packed_multimodal_inputs", False) else 0
         groups: dict[tuple, list[MultiModalFeature]] = {}
         for feature in features:
-            key = tuple(sorted((n, tuple(t.shape), t.dtype) for n, t in feature.tensors.items()))
+            key = tuple(
+                sorted((n, tuple(t.shape[first:]), t.dtype) for n, t in feature.tensors.items())
+            )
             groups.setdefault(key, []).append(feature)
         for group in groups.values():
             tensors = {
@@ -83,6 +90,7 @@ class EncoderRunner:
                 for name in group[0].tensors
             }
             rows = self.model.embed_multimodal(tensors)
+            self.num_encoder_calls += 1
             if rows.shape[0] != sum(f.length for f in group):
                 raise RuntimeError(
                     f"the vision encoder produced {rows.shape[0]} rows for images with "

@@ -34,6 +34,30 @@ def _split_pixel_values(outputs: Mapping[str, torch.Tensor], num_items: int) -> 
     return [{"pixel_values": pixel_values[i : i + 1]} for i in range(num_items)]
 
 
+def _split_patches(outputs: Mapping[str, torch.Tensor], num_items: int) -> list[dict]:
+    """Qwen2.5-VL: ``pixel_values`` [all images' patches, C * T * P * P], cut by each
+    image's ``image_grid_thw`` [num_items, 3]."""
+    grid = outputs["image_grid_thw"]
+    if grid.shape[0] != num_items:
+        raise ValueError(f"the processor returned {grid.shape[0]} images for {num_items} given")
+    patches = outputs["pixel_values"].split(grid.prod(-1).tolist())
+    return [
+        {"pixel_values": patches[i], "image_grid_thw": grid[i : i + 1]} for i in range(num_items)
+    ]
+
+
+def _auto_processor(source: str) -> Any:
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(source)
+
+
+def _qwen2_5_vl_processor(source: str) -> Any:
+    from pagedlm.multimodal.qwen_vl_processor import load_qwen2_5_vl_processor
+
+    return load_qwen2_5_vl_processor(source)
+
+
 @dataclass(frozen=True)
 class FamilySpec:
     """What differs between vision-language families on the front end."""
@@ -45,6 +69,8 @@ class FamilySpec:
     """The text a prompt writes per image (``"<image>"``); chat templates insert it."""
     bidirectional: bool = False
     """Whether an image's tokens attend to each other both ways in the decoder."""
+    load_processor: Callable[[str], Any] = _auto_processor
+    """The checkpoint directory -> its transformers processor."""
 
 
 FAMILIES: dict[str, FamilySpec] = {
@@ -55,6 +81,11 @@ FAMILIES: dict[str, FamilySpec] = {
     # "\n\n<start_of_image>" + mm_tokens_per_image x <image_soft_token> + "<end_of_image>\n\n".
     "Gemma3ForConditionalGeneration": FamilySpec(
         "image_token_index", _split_pixel_values, "<start_of_image>", bidirectional=True
+    ),
+    # The prompt writes <|vision_start|><|image_pad|><|vision_end|>; the processor repeats
+    # <|image_pad|> once per merged patch group (the count follows the image's size).
+    "Qwen2_5_VLForConditionalGeneration": FamilySpec(
+        "image_token_id", _split_patches, "<|image_pad|>", load_processor=_qwen2_5_vl_processor
     ),
 }
 """HF architecture -> its spec; an architecture not here is text-only."""
@@ -102,9 +133,7 @@ class MultiModalProcessor:
     @property
     def processor(self) -> Any:
         if self._processor is None:
-            from transformers import AutoProcessor
-
-            self._processor = AutoProcessor.from_pretrained(self.source)
+            self._processor = self.spec.load_processor(self.source)
         return self._processor
 
     def render_chat(self, conversation: list[dict[str, Any]], **template_kwargs: Any) -> str:

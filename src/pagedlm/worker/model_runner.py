@@ -21,6 +21,7 @@ import logging
 import os
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from pagedlm.attention import AttentionBackend, BatchLayout
@@ -39,6 +40,7 @@ from pagedlm.model_executor.layers.attention import (
 )
 from pagedlm.model_executor.loader import load_model
 from pagedlm.multimodal.encoder_runner import make_encoder_runner
+from pagedlm.multimodal.mrope import make_positions
 from pagedlm.platforms import Platform
 from pagedlm.platforms.interface import GraphRunner
 from pagedlm.pooling.pooler import PooledStep, make_pooler
@@ -113,6 +115,7 @@ class ModelRunner:
             make_batch_invariant(self.model)
         self.lora = make_lora(config, platform, self.model)
         self.encoder = make_encoder_runner(self.model, self.device, attn_backend_cls)
+        self.rope_positions = make_positions(self.model, self.device)
         self.num_kv_heads = model_kv_heads(self.model, self.arch.num_key_value_heads)
         layers = model_attention_layers(self.model) or [0]
         self.first_layer, self.num_layers = layers[0], len(layers)
@@ -134,7 +137,7 @@ class ModelRunner:
         )
         host_lengths = self.attn_backend.reads_host_lengths
         self.step_inputs = StepInputBuilder(
-            self.input_batch, sched.max_num_batched_tokens, host_lengths
+            self.input_batch, sched.max_num_batched_tokens, host_lengths, self.rope_positions
         )
         target = TargetParts(
             self.model,
@@ -268,6 +271,7 @@ class ModelRunner:
         write_new_token_ids(self.input_batch, scheduler_output)
         self.speculator.admit(scheduler_output)
         self.encoder.update(scheduler_output)
+        self.rope_positions.update(scheduler_output)
         if scheduler_output.is_empty:
             self.input_batch.flush()
             return
@@ -339,13 +343,18 @@ class ModelRunner:
         self, inputs: StepInputs, embeds: torch.Tensor, spans: tuple[tuple[int, int, int], ...]
     ) -> torch.Tensor:
         """Hidden states of a step fed from token embeddings (multimodal models, which
-        run on one pipeline stage); ``spans``: the layout's ``bidirectional_spans``."""
+        run on one pipeline stage); ``spans``: the layout's ``bidirectional_spans``. The
+        positions are the rotary's for image tokens too ([3, T] for M-RoPE models)."""
         assert self.kv_cache is not None, "initialize_kv_cache must run first"
         layout = replace(inputs.layout, bidirectional_spans=spans) if spans else inputs.layout
         ctx = ForwardContext(
             self.attn_backend, self.attn_backend.build_metadata(layout), self.kv_cache
         )
-        return self.model(inputs.input_ids, inputs.positions, ctx, inputs_embeds=embeds)
+        num_new = np.diff(layout.query_start_loc_cpu[: len(inputs.req_ids) + 1])
+        positions = self.rope_positions.step_positions(
+            inputs.positions, inputs.req_ids, inputs.seq_lens - num_new, num_new
+        )
+        return self.model(inputs.input_ids, positions, ctx, inputs_embeds=embeds)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> StepResult:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from pagedlm.attention.backend import BatchLayout
+from pagedlm.multimodal.mrope import FlatPositions, MRopePositions
 from pagedlm.step import SchedulerOutput
 from pagedlm.worker.host_to_device import HostToDevice
 from pagedlm.worker.input_batch import InputBatch, RequestState
@@ -99,11 +100,18 @@ class StepInputBuilder:
     """Owns the persistent step buffers of one model runner (see the module docstring)."""
 
     def __init__(
-        self, batch: InputBatch, max_num_tokens: int, host_lengths_exact: bool = True
+        self,
+        batch: InputBatch,
+        max_num_tokens: int,
+        host_lengths_exact: bool = True,
+        rope_positions: FlatPositions | MRopePositions | None = None,
     ) -> None:
         """``host_lengths_exact``: the attention backend plans from the layout's host
-        lengths, so in-flight rejections are always resolved on the host."""
+        lengths, so in-flight rejections are always resolved on the host.
+        ``rope_positions``: what the model's rotary reads for a token index (M-RoPE models'
+        per-request tables; default: the index itself)."""
         self.batch = batch
+        self.rope_positions = rope_positions or FlatPositions()
         self.host_lengths_exact = host_lengths_exact
         device = batch.device
         max_reqs = batch.max_num_reqs
@@ -205,7 +213,7 @@ class StepInputBuilder:
         total = num_tokens + (rows - num_reqs) * pad_len
 
         qsl, lens, positions, device_layout = self._stage_layout(
-            num_new, starts, seq_lens, rows, pad_len
+            req_ids, num_new, starts, seq_lens, rows, pad_len
         )
         # A request samples once the tokens it feeds, drafts aside, reach past those it had
         # when admitted: every step after its prompt.
@@ -299,6 +307,7 @@ class StepInputBuilder:
 
     def _stage_layout(
         self,
+        req_ids: list[str],
         num_new: np.ndarray,
         starts: np.ndarray,
         seq_lens: np.ndarray,
@@ -306,8 +315,9 @@ class StepInputBuilder:
         pad_len: int,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, torch.Tensor]:
         """Write [query_start_loc | seq_lens | positions] and queue their copy; returns the
-        host query offsets, sequence lengths and (unpadded) positions, and the device
-        buffer."""
+        host query offsets, sequence lengths and (unpadded) token indices, and the device
+        buffer. The positions written are the rotary's (``rope_positions``), the indices
+        returned address the token and block tables."""
         num_reqs = len(num_new)
         num_tokens = int(num_new.sum())
         total = num_tokens + (rows - num_reqs) * pad_len
@@ -321,7 +331,9 @@ class StepInputBuilder:
         lens[num_reqs:] = 0
         positions = np.arange(num_tokens) + np.repeat(starts - qsl[:num_reqs], num_new)
         host_positions = host[self._positions_at : self._positions_at + total]
-        host_positions[:num_tokens] = positions
+        host_positions[:num_tokens] = self.rope_positions.text_positions(
+            req_ids, starts, num_new, positions
+        )
         host_positions[num_tokens:] = 0
         return qsl, lens, positions, self._layout.copy(self._positions_at + total)
 

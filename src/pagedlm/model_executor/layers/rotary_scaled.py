@@ -1,9 +1,10 @@
 """Rotary variants beyond ``RotaryEmbedding``'s: partial rotation and Phi-3's LongRoPE.
 
-``get_rope`` picks the right module for a config, so model code never branches on
-``rope_type``. Every variant keeps ``RotaryEmbedding``'s table layout (``cos_sin_cache``
-[max_position, rotary_dim]: cos of each pair's angle, then sin), so anything that reads
-that table (a fused kernel) sees the same shape with ``rotary_dim`` in place of ``head_dim``.
+``get_rope`` picks the right module for a config (M-RoPE's is ``rotary_mrope.py``), so
+model code never branches on ``rope_type``. Every variant keeps ``RotaryEmbedding``'s
+table layout (``cos_sin_cache`` [max_position, rotary_dim]: cos of each pair's angle, then
+sin), so anything that reads that table (a fused kernel) sees the same shape with
+``rotary_dim`` in place of ``head_dim``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pagedlm.model_executor.layers.rotary_embedding import (
     RotaryEmbedding,
     rope_inv_freq,
 )
+from pagedlm.model_executor.layers.rotary_mrope import MRotaryEmbedding
 
 
 class TableRotaryEmbedding(RotaryEmbedding):
@@ -112,6 +114,11 @@ def get_rope(
     exactly when that exceeds the pretraining length."""
     rotary_dim = head_dim if rotary_dim is None else rotary_dim
     rope_type = "default" if scaling is None else scaling.get("rope_type", "default")
+    if rope_type == "mrope":
+        assert scaling is not None
+        if rotary_dim != head_dim:
+            raise ValueError("M-RoPE with a partial rotary dimension is not supported.")
+        return MRotaryEmbedding(head_dim, max_position, base, scaling["mrope_section"])
     if rope_type == "longrope":
         assert scaling is not None
         served = max_position if max_model_len is None else max_model_len

@@ -29,6 +29,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3Model": f"{_EMBEDDING}:Qwen3Model",
     "LlavaForConditionalGeneration": f"{_MODELS}.llava:LlavaForConditionalGeneration",
     "Gemma3ForConditionalGeneration": f"{_MODELS}.gemma3_mm:Gemma3ForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration": (
+        f"{_MODELS}.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration"
+    ),
 }
 """HF architecture name -> ``"module:Class"``."""
 

@@ -17,12 +17,14 @@ VLM_RENAMES = (
     ("model.vision_tower.", "vision_tower."),
     ("vision_tower.vision_model.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("model.visual.", "visual."),
 )
 """(checkpoint prefix, our prefix), first match wins: transformers 5's names
 (``model.language_model.*``, ``model.vision_tower.*``) and the older ones
 (``language_model.model.*``, ``vision_tower.vision_model.*``) onto ``model.*``,
-``lm_head.*``, ``vision_tower.*`` and ``multi_modal_projector.*``."""
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+``lm_head.*``, ``vision_tower.*`` and ``multi_modal_projector.*``; Qwen2.5-VL's tower
+(``model.visual.*`` or ``visual.*``, its merger inside) onto ``visual.*``."""
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.")
 
 
 def split_vision_weights(
