@@ -31,6 +31,7 @@ from pagedlm.config import EngineConfig
 from pagedlm.core.scheduler_interface import SchedulerStats
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.core_client import CoreClient
+from pagedlm.engine.core_launch import CoreLaunch
 from pagedlm.engine.exceptions import EngineDeadError, EngineStalledError
 from pagedlm.engine.health import CoreLiveness, EngineHealth
 from pagedlm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
@@ -134,12 +135,13 @@ class AsyncLLM:
         """0 awake; else the level of the last successful ``sleep``."""
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
-        """Resolve the configuration, start the engine-core process and wait until it has
-        loaded the model (the tokenizer loads here meanwhile)."""
+    def from_engine_args(cls, args: EngineArgs, core_launch: CoreLaunch | None = None) -> AsyncLLM:
+        """Resolve the configuration, start the engine-core process (in ``core_launch``'s,
+        started early, if given) and wait until it has loaded the model (the tokenizer
+        loads here meanwhile)."""
         config, _ = args.create_engine_config()
         # The core resolves the same arguments again; pin the model path it resolved here.
-        client = CoreClient(dataclasses.replace(args, model=config.model.model))
+        client = CoreClient(dataclasses.replace(args, model=config.model.model), core_launch)
         try:
             tokenizer = None
             if not config.model.skip_tokenizer_init:
