@@ -290,7 +290,11 @@ def byte_level_tokenizers(tmp_path_factory):
     truth = train_byte_level_bpe(split_digits=True)
     path = write_tokenizer_gguf(directory / "tok.gguf", truth, "smollm", add_bos=True)
     ours = get_tokenizer(path)
-    return ours, as_transformers(ours), AutoTokenizer.from_pretrained(directory, gguf_file="tok.gguf")
+    return (
+        ours,
+        as_transformers(ours),
+        AutoTokenizer.from_pretrained(directory, gguf_file="tok.gguf"),
+    )
 
 
 def test_gguf_tokenizer_is_built_without_transformers(byte_level_tokenizers):

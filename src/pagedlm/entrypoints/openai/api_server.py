@@ -239,16 +239,19 @@ def _tracer_provider(endpoint: str | None) -> Any:
         raise SystemExit(f"error: {error}") from None
 
 
+def _import_server_modules() -> None:
+    import uvicorn  # noqa: F401
+
+    import pagedlm.entrypoints.openai.app
+    import pagedlm.entrypoints.openai.serving_engine
+    import pagedlm.metrics.prometheus  # noqa: F401
+
+
 def run_server(args: argparse.Namespace, core_launch: CoreLaunch | None = None) -> None:
     """Start the engine (in ``core_launch``'s process, started before the server's imports,
     if given; the caller abandons it if the engine never starts), then serve until
     SIGINT/SIGTERM (or the engine's death)."""
-    import uvicorn
-
     from pagedlm.engine.async_llm import AsyncLLM
-    from pagedlm.entrypoints.openai.app import build_app
-    from pagedlm.entrypoints.openai.serving_engine import ServingContext
-    from pagedlm.metrics.prometheus import PrometheusMetrics
 
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser (e.g. hermes).")
@@ -269,10 +272,17 @@ def run_server(args: argparse.Namespace, core_launch: CoreLaunch | None = None) 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     names = args.served_model_name or [engine_args.model or DEFAULT_MODEL_NAME]
     try:
-        engine = AsyncLLM.from_engine_args(engine_args, core_launch)
+        # The server's own modules (FastAPI, uvicorn: ~0.5 s) import while the core loads.
+        engine = AsyncLLM.from_engine_args(engine_args, core_launch, _import_server_modules)
     except BaseException:
         listener.close()
         raise
+    import uvicorn
+
+    from pagedlm.entrypoints.openai.app import build_app
+    from pagedlm.entrypoints.openai.serving_engine import ServingContext
+    from pagedlm.metrics.prometheus import PrometheusMetrics
+
     try:
         try:
             loras = asyncio.run(registry_from_args(args, engine, names[0]))
