@@ -26,6 +26,7 @@ from torch import nn
 
 from pagedlm.model_executor.layers.linear_base import LinearBase
 from pagedlm.model_executor.loader.gguf_blocks import GROUP_SIZE, AffineBlocks
+from pagedlm.model_executor.loader.weight_utils import one_intra_op_thread
 from pagedlm_cpu.linear import release_weight, weight_uses
 
 _KERNEL_DTYPE = torch.bfloat16
@@ -194,11 +195,12 @@ def install_int4_kernels(
     uses = weight_uses(model)
     scratch = DequantScratch()
     count = 0
-    for name, module in model.named_modules():
-        blocks = blocks_by_name.get(name)
-        if blocks is None or not isinstance(module, LinearBase):
-            continue
-        module.set_kernel(Int4Linear(blocks, module.linear_bias, scratch, max_rows))
-        release_weight(module, uses)
-        count += 1
+    with one_intra_op_thread():  # packing is hundreds of small ops
+        for name, module in model.named_modules():
+            blocks = blocks_by_name.get(name)
+            if blocks is None or not isinstance(module, LinearBase):
+                continue
+            module.set_kernel(Int4Linear(blocks, module.linear_bias, scratch, max_rows))
+            release_weight(module, uses)
+            count += 1
     return count

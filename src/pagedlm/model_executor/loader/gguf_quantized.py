@@ -51,7 +51,11 @@ from pagedlm.model_executor.loader.gguf_reader import (
     read_gguf_header,
     read_gguf_raw,
 )
-from pagedlm.model_executor.loader.weight_utils import get_weight_loader, set_weight_loader
+from pagedlm.model_executor.loader.weight_utils import (
+    get_weight_loader,
+    one_intra_op_thread,
+    set_weight_loader,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +185,11 @@ def load_gguf_keeping_blocks(model: nn.Module, path: str) -> set[str]:
     (and release the weight) before the model runs. A shared one (an LM head tied to the
     embedding) is filled and checked against its blocks as in ``gguf_linear_blocks``.
     """
+    with one_intra_op_thread():
+        return _load_keeping_blocks(model, path)
+
+
+def _load_keeping_blocks(model: nn.Module, path: str) -> set[str]:
     header = read_gguf_header(path)
     norm_offset = GGUF_ARCHITECTURES[header.metadata["general.architecture"]].norm_offset
     blocks_by_tensor: dict[str, AffineBlocks] = {}
