@@ -5,7 +5,8 @@ token ids and chat template as metadata (llama.cpp key names). transformers can 
 tokenizer from that (``AutoTokenizer.from_pretrained(dir, gguf_file=name)``), but it first parses
 the whole header with ``gguf.GGUFReader`` (several seconds for a 49k vocabulary). For byte-level
 BPE vocabularies, the kind SmolLM2, GPT-2 and StarCoder use, we build the same tokenizer directly
-from our fast header reader; any other kind goes through transformers.
+from our fast header reader with the ``tokenizers`` library (``gguf_tokenizer.GGUFTokenizer``:
+transformers is not even imported); any other kind goes through transformers.
 """
 
 from __future__ import annotations
@@ -13,30 +14,22 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from pagedlm.model_executor.loader.gguf_loader import read_gguf_header
+from pagedlm.gguf_tokenizer import GGUFTokenizer, byte_level_bpe_tokenizer, is_byte_level_bpe
+from pagedlm.model_executor.loader.gguf_reader import read_gguf_header
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-# llama.cpp token types (gguf.TokenType) that must be matched whole in text.
-_CONTROL, _USER_DEFINED = 3, 4
-
-# tokenizer.ggml.pre values whose llama.cpp pre-tokenizer is the GPT-2 split regex, optionally
-# preceded by splitting every digit on its own (\p{N}); both are expressible with `tokenizers`.
-_GPT2_SPLIT = frozenset({"gpt-2", "mpt", "olmo", "jais"})
-_DIGITS_THEN_GPT2_SPLIT = frozenset(
-    {"starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva"}
-)
-
 
 def get_tokenizer(
     model: str, tokenizer: str | None = None, *, trust_remote_code: bool = False
-) -> PreTrainedTokenizerBase:
+) -> PreTrainedTokenizerBase | GGUFTokenizer:
     """The tokenizer for ``model``, or from ``tokenizer`` when given.
 
-    A ``.gguf`` path yields the tokenizer and chat template embedded in the file; a directory
-    goes through ``AutoTokenizer`` (local files only: nothing is downloaded). Nothing is cached
-    between calls.
+    A ``.gguf`` path yields the tokenizer and chat template embedded in the file (a
+    ``GGUFTokenizer`` for byte-level BPE vocabularies); a directory goes through
+    ``AutoTokenizer`` (local files only: nothing is downloaded). Nothing is cached between
+    calls.
     """
     source = os.fspath(tokenizer if tokenizer is not None else model)
     if source.endswith(".gguf"):
@@ -66,18 +59,15 @@ def _directory_tokenizer(path: str, trust_remote_code: bool) -> PreTrainedTokeni
         ) from error
 
 
-def _gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
+def _gguf_tokenizer(path: str) -> PreTrainedTokenizerBase | GGUFTokenizer:
     metadata = read_gguf_header(path).metadata
     if "tokenizer.ggml.tokens" not in metadata:
         raise ValueError(
             f"{path} has no embedded vocabulary (tokenizer.ggml.tokens); pass "
             "tokenizer=<a Hugging Face directory with the model's tokenizer.json>."
         )
-    if (
-        metadata.get("tokenizer.ggml.model") == "gpt2"
-        and metadata.get("tokenizer.ggml.pre") in _GPT2_SPLIT | _DIGITS_THEN_GPT2_SPLIT
-    ):
-        return _byte_level_bpe_tokenizer(metadata)
+    if is_byte_level_bpe(metadata):
+        return byte_level_bpe_tokenizer(metadata, path)
     return _transformers_gguf_tokenizer(path)
 
 
@@ -94,82 +84,24 @@ def _transformers_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
         ) from error
 
 
-def _byte_level_bpe_tokenizer(metadata: dict[str, Any]) -> PreTrainedTokenizerBase:
-    """Byte-level BPE as llama.cpp runs it: GPT-2 split regex (plus per-digit split), merges."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+def as_transformers(tokenizer: Any) -> PreTrainedTokenizerBase:
+    """``tokenizer`` as a transformers tokenizer, for libraries that take nothing else
+    (xgrammar): a ``GGUFTokenizer`` becomes a ``PreTrainedTokenizerFast`` around the same
+    backend and special tokens; anything else is returned as it is."""
+    if not isinstance(tokenizer, GGUFTokenizer):
+        return tokenizer
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
-    merges = [tuple(merge.split(" ", 1)) for merge in metadata.get("tokenizer.ggml.merges", [])]
-    backend = Tokenizer(
-        models.BPE(
-            vocab={token: index for index, token in enumerate(tokens)},
-            merges=merges,
-            fuse_unk=False,
-            byte_fallback=False,
-        )
-    )
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if metadata["tokenizer.ggml.pre"] in _DIGITS_THEN_GPT2_SPLIT:
-        byte_level = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
-    backend.pre_tokenizer = byte_level
-    backend.decoder = decoders.ByteLevel()
-
-    token_types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    if len(token_types) != len(tokens):
-        raise ValueError(
-            f"The GGUF vocabulary has {len(tokens)} tokens but {len(token_types)} token types; "
-            "the file is damaged. Pass tokenizer=<a Hugging Face tokenizer directory>."
-        )
-
-    def marked(kind: int, special: bool) -> list[Any]:
-        return [
-            AddedToken(token, special=special, normalized=False)
-            for token, token_kind in zip(tokens, token_types, strict=True)
-            if token_kind == kind
-        ]
-
-    # The tokens already sit in the vocabulary; registering them only makes them match whole.
-    backend.add_special_tokens(marked(_CONTROL, special=True))
-    backend.add_tokens(marked(_USER_DEFINED, special=False))
-
-    def special(key: str) -> str | None:
-        index = metadata.get(f"tokenizer.ggml.{key}_token_id")
-        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
-
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
-    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
-    backend.post_processor = _template_post_processor(
-        (special("bos"), metadata.get("tokenizer.ggml.bos_token_id")) if add_bos else None,
-        (special("eos"), metadata.get("tokenizer.ggml.eos_token_id")) if add_eos else None,
-    )
+    ids = tokenizer.encode("", add_special_tokens=True)
+    add_bos = bool(ids) and ids[0] == tokenizer.bos_token_id
+    add_eos = bool(ids) and ids[-1] == tokenizer.eos_token_id and (len(ids) > 1 or not add_bos)
     return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token=special("bos"),
-        eos_token=special("eos"),
-        unk_token=special("unknown"),
-        pad_token=special("padding"),
+        # A copy: transformers may reconfigure the backend it is given.
+        tokenizer_object=Tokenizer.from_str(tokenizer.backend_tokenizer.to_str()),
+        **tokenizer.special_tokens_map,
         add_bos_token=add_bos,
         add_eos_token=add_eos,
-        chat_template=metadata.get("tokenizer.chat_template"),
+        chat_template=tokenizer.chat_template,
         clean_up_tokenization_spaces=False,
-    )
-
-
-def _template_post_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> Any:
-    """Adds BOS before / EOS after each sequence when the file asks for it (llama.cpp does too).
-
-    ``bos`` / ``eos``: ``(token, id)`` or None for "do not add".
-    """
-    from tokenizers import processors
-
-    prefix = [bos[0]] if bos else []
-    suffix = [eos[0]] if eos else []
-    single = [*prefix, "$A", *suffix]
-    return processors.TemplateProcessing(
-        single=single,
-        pair=[*single, *prefix, "$B:1", *suffix],
-        special_tokens=[pair for pair in (bos, eos) if pair is not None],
     )

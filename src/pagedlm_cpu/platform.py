@@ -97,27 +97,30 @@ class CpuPlatform(Platform):
             DEQUANTIZE_GGUF_ENV,
         )
 
+    def computes_on_gguf_blocks(self, model_config: ModelConfig) -> bool:
+        from pagedlm_cpu.quantized_linear import int4_kernel_available
+
+        return (
+            model_config.is_gguf
+            and model_config.load_format != "dummy"
+            and model_config.quantization is None
+            and os.environ.get(DEQUANTIZE_GGUF_ENV, "0") in ("", "0")
+            and int4_kernel_available()
+        )
+
     def _install_quantized_kernels(self, model: torch.nn.Module) -> int:
         """Give the layers of a GGUF model int4 kernels over the file's blocks; how many."""
         config = self._model_config
-        if (
-            config is None
-            or not config.is_gguf
-            or config.load_format == "dummy"
-            or config.quantization is not None
-            or os.environ.get(DEQUANTIZE_GGUF_ENV, "0") not in ("", "0")
-        ):
+        if config is None or not self.computes_on_gguf_blocks(config):
+            if config is not None and config.is_gguf and config.quantization is None:
+                logger.info(
+                    "GGUF weights stay dequantized (no CPU int4 kernel, or %s=1).",
+                    DEQUANTIZE_GGUF_ENV,
+                )
             return 0
         from pagedlm.model_executor.loader.gguf_quantized import gguf_linear_blocks
-        from pagedlm_cpu.quantized_linear import (
-            DEFAULT_MAX_ROWS,
-            install_int4_kernels,
-            int4_kernel_available,
-        )
+        from pagedlm_cpu.quantized_linear import DEFAULT_MAX_ROWS, install_int4_kernels
 
-        if not int4_kernel_available():
-            logger.info("This torch build has no CPU int4 kernel; GGUF weights stay dequantized.")
-            return 0
         try:
             max_rows = int(os.environ.get(INT4_MAX_ROWS_ENV, DEFAULT_MAX_ROWS))
         except ValueError:

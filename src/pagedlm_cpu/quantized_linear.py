@@ -26,6 +26,7 @@ from torch import nn
 
 from pagedlm.model_executor.layers.linear_base import LinearBase
 from pagedlm.model_executor.loader.gguf_blocks import GROUP_SIZE, AffineBlocks
+from pagedlm.model_executor.loader.weight_utils import one_intra_op_thread
 from pagedlm_cpu.linear import release_weight, weight_uses
 
 _KERNEL_DTYPE = torch.bfloat16
@@ -53,29 +54,88 @@ class DequantScratch:
         return self.buffer[:numel]
 
 
-def _planes(blocks: AffineBlocks) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(4-bit codes, scales, zeros) in the kernel's ``(code - 8) * scale + zero`` form, one
-    plane per 4 bits; the planes' sum is the weight.
+_PACK_ROWS = 1024
+"""Rows converted to int32 and packed per call of torch's packing op: a bounded scratch
+instead of 4 bytes per weight of the largest layer at once. The packed layout is made of
+independent tiles of at most 64 output rows (16/32/64 by CPU capability), so packing a
+multiple of 64 rows at a time gives the same bytes (``tests/cpu/test_quantized_linear.py``)."""
 
-    Wider codes are centred first (``q = code - 2^(bits-1)``, so ``scale * q + centre`` with
-    ``centre = minimum + 2^(bits-1) * scale``) and split as ``q = 16 * high + low``: the high
-    plane stores ``high + 8`` with ``16 * scale`` and zero 0, the low plane ``low`` with
-    ``scale`` and the centre. Every zero is then of the order of the block's own values, so
-    rounding it to bf16 costs about 2^-9 of them (an uncentred split would round zeros up
-    to 16 times larger for Q5 codes).
+
+@dataclass(frozen=True)
+class Int4Planes:
+    """A layer in the kernel's ``(code - 8) * scale + zero`` form, as ``num_planes`` planes
+    of 4-bit codes side by side along the input (the planes' sum is the weight).
+
+    ``packed``: torch's int4 layout of ``[padded_rows, num_planes * cols]`` codes;
+    ``scale_zeros``: bf16 ``[num_planes * cols / 32, padded_rows, 2]``.
     """
-    codes, scales, mins = blocks.codes, blocks.scales, blocks.mins
-    max_code = int(codes.max())
-    if max_code < 16:
-        return [(codes, scales, mins + 8 * scales)]
-    offset = 1 << (max_code.bit_length() - 1)
-    centred = codes.to(torch.int16) - offset
-    high, low = centred >> 4, centred & 15  # floor division: high in [-8, 7], low in [0, 15]
+
+    packed: torch.Tensor
+    scale_zeros: torch.Tensor
+    num_planes: int
+
+
+def _plane_codes(codes: torch.Tensor, offset: int) -> tuple[torch.Tensor, ...]:
+    """4-bit codes of the planes of ``_plane_scales``: the codes themselves when ``offset``
+    is 0 (they fit), else ``(high + 8, low)`` of ``code - offset = 16 * high + low``; with
+    ``offset`` a multiple of 16 that is ``((code >> 4) + 8 - offset / 16, code & 15)``,
+    computed on bytes."""
+    if offset == 0:
+        return (codes,)
+    return (codes >> 4) + (8 - offset // 16), codes & 15
+
+
+def _plane_scales(blocks: AffineBlocks, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, zeros) [rows, num_planes * cols / 32] of the planes.
+
+    Wider codes are centred first (``q = code - offset``, ``offset = 2^(bits-1)``, so
+    ``scale * q + centre`` with ``centre = minimum + offset * scale``) and split as
+    ``q = 16 * high + low``: the high plane stores ``high + 8`` with ``16 * scale`` and
+    zero 0, the low plane ``low`` with ``scale`` and the centre. Every zero is then of the
+    order of the block's own values, so rounding it to bf16 costs about 2^-9 of them (an
+    uncentred split would round zeros up to 16 times larger for Q5 codes).
+    """
+    scales, mins = blocks.scales, blocks.mins
+    if offset == 0:
+        return scales, mins + 8 * scales
     centre = mins + offset * scales
-    return [
-        ((high + 8).to(torch.uint8), scales * 16, torch.zeros_like(scales)),
-        (low.to(torch.uint8), scales, centre + 8 * scales),
-    ]
+    return (
+        torch.cat([scales * 16, scales], dim=1),
+        torch.cat([torch.zeros_like(scales), centre + 8 * scales], dim=1),
+    )
+
+
+def pack_int4(blocks: AffineBlocks) -> Int4Planes:
+    """The file's codes in the int4 kernel's layout, straight from the blocks (nothing is
+    dequantized). Output rows are padded to a multiple of 16 with weights of exactly 0
+    (code 8, scale 0, zero 0)."""
+    codes = blocks.codes
+    rows, cols = codes.shape
+    max_code = int(codes.max())
+    offset = 0 if max_code < 16 else 1 << (max_code.bit_length() - 1)
+    num_planes = 1 if offset == 0 else 2
+    padded = -(-rows // _N_MULTIPLE) * _N_MULTIPLE
+    scratch = torch.empty(min(padded, _PACK_ROWS), num_planes * cols, dtype=torch.int32)
+    packed = []
+    for start in range(0, padded, _PACK_ROWS):
+        stop = min(start + _PACK_ROWS, padded)
+        chunk = scratch[: stop - start]
+        filled = max(0, min(stop, rows) - start)
+        for plane, plane_codes in enumerate(_plane_codes(codes[start : start + filled], offset)):
+            chunk[:filled, plane * cols : (plane + 1) * cols].copy_(plane_codes)
+        chunk[filled:].fill_(8)
+        packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(chunk, 1))
+    scales, zeros = _plane_scales(blocks, offset)
+    pad = padded - rows
+    if pad:
+        scales, zeros = F.pad(scales, (0, 0, 0, pad)), F.pad(zeros, (0, 0, 0, pad))
+    # [groups, out, 2]: the kernel reads the (scale, zero) pairs of one group contiguously.
+    scale_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1)
+    return Int4Planes(
+        packed=packed[0] if len(packed) == 1 else torch.cat(packed),
+        scale_zeros=scale_zeros.to(_KERNEL_DTYPE).contiguous(),
+        num_planes=num_planes,
+    )
 
 
 class Int4Linear:
@@ -99,21 +159,10 @@ class Int4Linear:
         self.bias = None if bias is None else bias.detach()
         self.scratch = scratch
         self.max_rows = max_rows
-        planes = _planes(blocks)
-        self.num_planes = len(planes)
-        padded = -(-out_features // _N_MULTIPLE) * _N_MULTIPLE
-        pad = padded - out_features
-        codes = torch.cat([c for c, _, _ in planes], dim=1).to(torch.int32)
-        scales = torch.cat([s for _, s, _ in planes], dim=1)
-        zeros = torch.cat([z for _, _, z in planes], dim=1)
-        if pad:
-            # Padding rows dequantize to exactly 0 (scale 0, zero 0); their outputs are cut.
-            codes = F.pad(codes, (0, 0, 0, pad), value=8)
-            scales, zeros = F.pad(scales, (0, 0, 0, pad)), F.pad(zeros, (0, 0, 0, pad))
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        # [groups, out, 2]: the kernel reads the (scale, zero) pairs of one group contiguously.
-        self.scale_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1)
-        self.scale_zeros = self.scale_zeros.to(_KERNEL_DTYPE).contiguous()
+        planes = pack_int4(blocks)
+        self.num_planes = planes.num_planes
+        self.packed = planes.packed
+        self.scale_zeros = planes.scale_zeros
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
@@ -146,11 +195,12 @@ def install_int4_kernels(
     uses = weight_uses(model)
     scratch = DequantScratch()
     count = 0
-    for name, module in model.named_modules():
-        blocks = blocks_by_name.get(name)
-        if blocks is None or not isinstance(module, LinearBase):
-            continue
-        module.set_kernel(Int4Linear(blocks, module.linear_bias, scratch, max_rows))
-        release_weight(module, uses)
-        count += 1
+    with one_intra_op_thread():  # packing is hundreds of small ops
+        for name, module in model.named_modules():
+            blocks = blocks_by_name.get(name)
+            if blocks is None or not isinstance(module, LinearBase):
+                continue
+            module.set_kernel(Int4Linear(blocks, module.linear_bias, scratch, max_rows))
+            release_weight(module, uses)
+            count += 1
     return count

@@ -10,11 +10,13 @@ from torch import nn
 from pagedlm.model_executor.layers.linear import ColumnParallelLinear
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlm.model_executor.loader.gguf_blocks import AffineBlocks
+from pagedlm_cpu import quantized_linear
 from pagedlm_cpu.quantized_linear import (
     DequantScratch,
     Int4Linear,
     install_int4_kernels,
     int4_kernel_available,
+    pack_int4,
 )
 
 pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="no CPU int4 kernel")
@@ -47,6 +49,33 @@ def test_int4_kernel_matches_dequantized_weights(bits, rows, dtype):
     assert out.dtype == dtype and out.shape == (rows, 72)
     # bf16 activations, scales and outputs: a plain bf16 F.linear is off by about 3e-3.
     assert relative_error(out, expected) < 6e-3
+
+
+def _planes_by_arithmetic(blocks: AffineBlocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """The planes' int32 codes [rows, planes * cols] and (scale, zero) pairs [rows, groups *
+    planes, 2] by the definition: centre wide codes, split with floor division."""
+    codes, scales, mins = blocks.codes.to(torch.int32), blocks.scales, blocks.mins
+    if int(codes.max()) < 16:
+        return codes, torch.stack([scales, mins + 8 * scales], dim=-1)
+    offset = 1 << (int(codes.max()).bit_length() - 1)
+    high, low = torch.div(codes - offset, 16, rounding_mode="floor"), (codes - offset) % 16
+    pairs_high = torch.stack([scales * 16, torch.zeros_like(scales)], dim=-1)
+    pairs_low = torch.stack([scales, mins + offset * scales + 8 * scales], dim=-1)
+    return torch.cat([high + 8, low], dim=1), torch.cat([pairs_high, pairs_low], dim=1)
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_packing_from_the_codes_is_the_planes_by_definition(bits, monkeypatch):
+    # 1100 rows: packed in two calls (1024 + the rest) with padding rows in the second.
+    monkeypatch.setattr(quantized_linear, "_PACK_ROWS", 1024)
+    blocks = random_blocks(1100, 64, bits, seed=bits)
+    planes = pack_int4(blocks)
+    codes, pairs = _planes_by_arithmetic(blocks)
+    padded = torch.nn.functional.pad(codes, (0, 0, 0, 4), value=8)
+    assert torch.equal(planes.packed, torch.ops.aten._convert_weight_to_int4pack_for_cpu(padded, 1))
+    expected_pairs = torch.nn.functional.pad(pairs, (0, 0, 0, 0, 0, 4)).transpose(0, 1)
+    assert torch.equal(planes.scale_zeros, expected_pairs.to(torch.bfloat16).contiguous())
+    assert planes.num_planes == (1 if bits == 4 else 2)
 
 
 def test_strided_and_empty_inputs():

@@ -84,6 +84,11 @@ def runs(request, tmp_path_factory):
             if max_rows is not None:
                 assert install_int4_kernels(model, blocks, max_rows) == num_linears
             results[kernel] = (prompts, *_run(model, prompts))
+        # As the CPU platform loads it: each tensor read once, no float weights for the
+        # layers the kernel replaces.
+        kept = load_model(config.model, torch.device("cpu"), keep_gguf_blocks=True)
+        assert install_int4_kernels(kept, gguf_linear_blocks(kept, path)) == num_linears
+        results["int4_kept"] = (prompts, *_run(kept, prompts))
     finally:
         torch.set_num_threads(threads)
     return results
@@ -106,6 +111,13 @@ def test_greedy_text_of_the_readme_prompts_is_unchanged(runs):
     if runs["model"] == "tiny":
         pytest.skip("random weights: near-ties may flip; the README prompts run on SmolLM2")
     assert runs["int4"][2] == runs["dequantized"][2]
+
+
+def test_loading_without_the_replaced_float_weights_computes_the_same(runs):
+    _, logprobs, greedy = runs["int4"]
+    _, kept_logprobs, kept_greedy = runs["int4_kept"]
+    assert all(torch.equal(a, b) for a, b in zip(logprobs, kept_logprobs))
+    assert kept_greedy == greedy
 
 
 def test_the_dequantizing_path_is_the_float32_model(runs):

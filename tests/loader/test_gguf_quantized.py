@@ -84,3 +84,37 @@ def test_layers_fed_by_a_type_without_affine_form_are_left_out(tmp_path):
     for name in expected:
         weight = _linears(model)[name].weight
         assert torch.equal(found[name].dequantize(), weight)
+
+
+def _load_keeping_blocks(path: str, dtype: str = "float32"):
+    config, _ = EngineArgs(model=path, dtype=dtype, platform="cpu").create_engine_config()
+    return load_model(config.model, torch.device("cpu"), keep_gguf_blocks=True)
+
+
+@pytest.mark.parametrize(("qtypes", "tie"), [(MIXED, False), ("Q8_0", True)])
+def test_loading_that_keeps_the_blocks_routes_the_same_blocks(tmp_path, qtypes, tie):
+    model, path = _load(tmp_path, qtypes, tie=tie)
+    expected = gguf_linear_blocks(model, path)
+    kept_model = _load_keeping_blocks(path)
+    kept = gguf_linear_blocks(kept_model, path)
+    assert set(kept) == set(expected)
+    for name, blocks in expected.items():
+        for part in ("codes", "scales", "mins"):
+            assert torch.equal(getattr(kept[name], part), getattr(blocks, part)), (name, part)
+    # Every parameter outside the kept, unshared layers holds the ordinary load's values
+    # (norms, the embedding a tied head shares, layers fed by a type without blocks).
+    unfilled = {f"{name}.weight" for name in kept if not (tie and name == "lm_head")}
+    reference = dict(model.named_parameters())
+    for name, param in kept_model.named_parameters():
+        if name not in unfilled:
+            assert torch.equal(param, reference[name]), name
+    # The hand-over happens once; a second call reads the file and checks the weights.
+    assert set(gguf_linear_blocks(model, path)) == set(expected)
+
+
+def test_kept_blocks_are_handed_over_once(tmp_path):
+    _, path = _load(tmp_path, "Q8_0", tie=True)
+    model = _load_keeping_blocks(path)
+    assert "lm_head" in gguf_linear_blocks(model, path)
+    # Read again from the file: only the tied head has a float weight to reproduce.
+    assert set(gguf_linear_blocks(model, path)) == {"lm_head"}

@@ -223,3 +223,172 @@ def test_smollm2_chat_template_is_chatml(smollm2_tokenizers):
     assert rendered == theirs.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
     )
+
+
+VARIED = [
+    *SAMPLES,
+    "Tabs\tand  double  spaces,\r\nCRLF lines\n\n\n and trailing space ",
+    "Numbers: 3.14159, -42, 1e-9, 0x1F, 2024-12-02T07:31:48Z",
+    "Emoji sequences 👩‍👩‍👧‍👦 🇫🇷 and combining marks: e\u0301 n\u0303",
+    "Arabic مرحبا, Hindi नमस्ते, Korean 안녕하세요, Cyrillic привет",
+    "<|im_start|><|im_end|><|endoftext|> glued<|im_end|>text<think>x</think>",
+    "\u00a0non-breaking\u2009thin\u200bzero-width\ufeffbom",
+    "```python\nprint('hi')\n```",
+    " ",
+    "\n",
+]
+CHAT_TEMPLATES = {
+    "chatml": CHATML,
+    "system_default_and_tojson": (
+        "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nBe brief.<|im_end|>\\n' }}"
+        "{% endif %}{% set ns = namespace(count=0) %}{% for message in messages %}"
+        "{% set ns.count = ns.count + 1 %}<|im_start|>{{ message.role }}\n"
+        "{% if message.tool_calls is defined %}{{ message.tool_calls | tojson }}"
+        "{% else %}{{ message.content }}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if tools %}Tools: {{ tools | tojson(indent=2) }}\n{% endif %}"
+        "{{ ns.count }} messages, bos={{ bos_token }}, eos={{ eos_token }}\n"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ),
+    "trimmed_blocks": (
+        "{% for message in messages %}\n    {% if message['role'] == 'user' %}\n"
+        "User: {{ message['content'] | trim }}\n    {% elif message['role'] == 'assistant' %}\n"
+        "Assistant: {{ message['content'] }}{% if not loop.last %}\n\n{% endif %}\n"
+        "    {% elif message['role'] == 'system' %}{{ message['content'] ~ '\n' }}"
+        "    {% else %}{{ raise_exception('unknown role ' + message['role']) }}{% endif %}\n"
+        "{% endfor %}"
+    ),
+}
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi"}],
+    [
+        {"role": "system", "content": "You are a pirate."},
+        {"role": "user", "content": "Où est le café? 中文 🦙"},
+        {"role": "assistant", "content": "Arr, <think>there</think>", "tool_calls": None},
+        {"role": "user", "content": "  and now?  "},
+    ],
+    [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"type": "function", "function": {"name": "w", "arguments": "{}"}}],
+        },
+    ],
+]
+TOOLS = [{"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def byte_level_tokenizers(tmp_path_factory):
+    """(ours, transformers' PreTrainedTokenizerFast around the same vocabulary, transformers'
+    own GGUF tokenizer) for a trained byte-level BPE with digit splitting and BOS."""
+    from transformers import AutoTokenizer
+
+    from pagedlm.tokenizer import as_transformers
+
+    directory = tmp_path_factory.mktemp("tok")
+    truth = train_byte_level_bpe(split_digits=True)
+    path = write_tokenizer_gguf(directory / "tok.gguf", truth, "smollm", add_bos=True)
+    ours = get_tokenizer(path)
+    return (
+        ours,
+        as_transformers(ours),
+        AutoTokenizer.from_pretrained(directory, gguf_file="tok.gguf"),
+    )
+
+
+def test_gguf_tokenizer_is_built_without_transformers(byte_level_tokenizers):
+    from transformers import PreTrainedTokenizerFast
+
+    from pagedlm.gguf_tokenizer import GGUFTokenizer
+
+    ours, fast, _ = byte_level_tokenizers
+    assert isinstance(ours, GGUFTokenizer) and not isinstance(ours, PreTrainedTokenizerFast)
+    assert isinstance(fast, PreTrainedTokenizerFast)
+
+
+def test_gguf_tokenizer_encodes_and_decodes_like_transformers(byte_level_tokenizers):
+    ours, fast, from_gguf = byte_level_tokenizers
+    for text in VARIED:
+        for special in (True, False):
+            ids = ours.encode(text, add_special_tokens=special)
+            assert ids == fast.encode(text, add_special_tokens=special), (text, special)
+            assert ids == from_gguf.encode(text, add_special_tokens=special), (text, special)
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == fast.decode(
+                ids, skip_special_tokens=skip
+            )
+        assert ours.decode(ours.encode(text, add_special_tokens=False)) == text  # round trip
+        assert ours.tokenize(text) == fast.tokenize(text)
+        assert ours.convert_ids_to_tokens(ids) == fast.convert_ids_to_tokens(ids)
+        assert ours(text).input_ids == fast(text).input_ids
+    batch = [ours.encode(text) for text in VARIED]
+    assert ours.batch_decode(batch) == fast.batch_decode(batch)
+    assert ours.decode(5) == fast.decode(5)
+    assert (len(ours), ours.vocab_size) == (len(fast), fast.vocab_size)
+    assert ours.get_vocab() == fast.get_vocab()
+    assert ours.special_tokens_map == fast.special_tokens_map
+    assert sorted(ours.all_special_ids) == sorted(fast.all_special_ids)
+    for name in ("bos", "eos", "unk", "pad"):
+        assert getattr(ours, f"{name}_token_id") == getattr(fast, f"{name}_token_id"), name
+    assert ours.convert_tokens_to_ids(["<think>", "never-a-token"]) == fast.convert_tokens_to_ids(
+        ["<think>", "never-a-token"]
+    )
+
+
+@pytest.mark.parametrize("template", sorted(CHAT_TEMPLATES))
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+def test_chat_templates_render_like_transformers(byte_level_tokenizers, template, conversation):
+    ours, fast, _ = byte_level_tokenizers
+    messages = CONVERSATIONS[conversation]
+    for generation_prompt in (False, True):
+        kwargs = {
+            "chat_template": CHAT_TEMPLATES[template],
+            "add_generation_prompt": generation_prompt,
+            "tools": TOOLS,
+        }
+        expected = fast.apply_chat_template(messages, tokenize=False, **kwargs)
+        assert ours.apply_chat_template(messages, tokenize=False, **kwargs) == expected
+        ids = ours.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
+        assert ids == fast.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
+        assert ours.apply_chat_template(messages, **kwargs)["input_ids"] == ids
+
+
+def test_continue_final_message_and_template_errors_like_transformers(byte_level_tokenizers):
+    import jinja2
+
+    ours, fast, _ = byte_level_tokenizers
+    prefill = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I "}]
+    for template in (CHATML, CHAT_TEMPLATES["trimmed_blocks"]):
+        kwargs = {"chat_template": template, "continue_final_message": True, "tokenize": False}
+        assert ours.apply_chat_template(prefill, **kwargs) == fast.apply_chat_template(
+            prefill, **kwargs
+        )
+    with pytest.raises(jinja2.exceptions.TemplateError, match="unknown role tool"):
+        ours.apply_chat_template(
+            [{"role": "tool", "content": "x"}],
+            chat_template=CHAT_TEMPLATES["trimmed_blocks"],
+            tokenize=False,
+        )
+    with pytest.raises(ValueError, match="not compatible"):
+        ours.apply_chat_template(prefill, continue_final_message=True, add_generation_prompt=True)
+
+
+def test_serving_a_gguf_tokenizer_imports_no_transformers(tmp_path):
+    import subprocess
+    import sys
+
+    truth = train_byte_level_bpe(split_digits=False)
+    path = write_tokenizer_gguf(tmp_path / "tok.gguf", truth, "gpt-2", add_bos=False)
+    script = (
+        "import sys\n"
+        "from pagedlm.tokenizer import get_tokenizer\n"
+        f"tok = get_tokenizer({path!r})\n"
+        "ids = tok.apply_chat_template([{'role': 'user', 'content': 'Hi'}],"
+        " add_generation_prompt=True, return_dict=False)\n"
+        "print(tok.decode(ids + tok.encode(' there')))\n"
+        "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n there\n"

@@ -105,7 +105,7 @@ def offline_throughput(
     from pagedlm import LLM, SamplingParams
 
     llm = LLM(**dataclasses.asdict(_engine_args(model_dir, tokenizer, engine_flags)))
-    token_ids = [llm.get_tokenizer()(p).input_ids for p in prompts]
+    token_ids = [llm.get_tokenizer().encode(p) for p in prompts]
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
     llm.generate([{"prompt_token_ids": token_ids[0]}], params, use_tqdm=False)  # warm-up
     start = time.perf_counter()

@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import itertools
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -31,6 +31,7 @@ from pagedlm.config import EngineConfig
 from pagedlm.core.scheduler_interface import SchedulerStats
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.core_client import CoreClient
+from pagedlm.engine.core_launch import CoreLaunch
 from pagedlm.engine.exceptions import EngineDeadError, EngineStalledError
 from pagedlm.engine.health import CoreLiveness, EngineHealth
 from pagedlm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
@@ -134,18 +135,26 @@ class AsyncLLM:
         """0 awake; else the level of the last successful ``sleep``."""
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
-        """Resolve the configuration, start the engine-core process and wait until it has
-        loaded the model (the tokenizer loads here meanwhile)."""
+    def from_engine_args(
+        cls,
+        args: EngineArgs,
+        core_launch: CoreLaunch | None = None,
+        while_loading: Callable[[], object] | None = None,
+    ) -> AsyncLLM:
+        """Resolve the configuration, start the engine-core process (in ``core_launch``'s,
+        started early, if given) and wait until it has loaded the model. Meanwhile this
+        process loads the tokenizer and runs ``while_loading`` (the server imports itself)."""
         config, _ = args.create_engine_config()
         # The core resolves the same arguments again; pin the model path it resolved here.
-        client = CoreClient(dataclasses.replace(args, model=config.model.model))
+        client = CoreClient(dataclasses.replace(args, model=config.model.model), core_launch)
         try:
             tokenizer = None
             if not config.model.skip_tokenizer_init:
                 from pagedlm.tokenizer import get_tokenizer
 
                 tokenizer = get_tokenizer(config.model.model, config.model.tokenizer)
+            if while_loading is not None:
+                while_loading()
             ready = client.wait_ready(READY_TIMEOUT_S)
         except BaseException:
             client.shutdown()

@@ -8,8 +8,9 @@ directory (mode 0700), so no other user can reach them:
   shadow of the socket by the front end's single output task. The core's heartbeat
   thread connects a second PUSH socket of its own here (``core_heartbeat``).
 
-The core is a fresh interpreter (``subprocess``, ``python -m pagedlm.engine.core_proc``),
-so it never inherits the parent's threads; the ``EngineArgs`` reach it as JSON on stdin.
+The core is a fresh interpreter (``subprocess``, ``python -m pagedlm.engine.core_proc``,
+started by ``CoreLaunch``, possibly before this client exists), so it never inherits the
+parent's threads; the ``EngineArgs`` reach it as JSON on stdin.
 Death is the process itself: ``is_alive()`` polls it, and a send to a core that has gone
 away raises ``EngineDeadError`` instead of blocking. Whether a live core makes progress
 is its heartbeats' business (``engine.health``).
@@ -23,8 +24,6 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
-import tempfile
 import time
 
 import msgspec
@@ -32,9 +31,11 @@ import zmq
 import zmq.asyncio
 
 from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.core_launch import CoreLaunch
 from pagedlm.engine.exceptions import EngineDeadError
 from pagedlm.engine.messages import (
     CoreFailed,
+    CoreStart,
     Ready,
     Shutdown,
     make_core_decoder,
@@ -54,37 +55,29 @@ class CoreClient:
     ``wait_ready()`` blocks until the core reports ``Ready`` and returns it.
     """
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, launch: CoreLaunch | None = None) -> None:
+        """Start the core for ``args``, in ``launch``'s process if one was started early
+        (``core_launch``; this client then owns it)."""
         self._encoder = make_encoder()
         self._decoder = make_core_decoder()
-        self._ipc_dir = tempfile.mkdtemp(prefix="pagedlm-")  # mkdtemp: mode 0700
+        launch = launch if launch is not None else CoreLaunch()
+        self._ipc_dir = launch.ipc_dir
         self._context = zmq.Context()
         self._input = self._context.socket(zmq.PUSH)
         self._input.setsockopt(zmq.SNDHWM, 0)
         self._input.setsockopt(zmq.LINGER, 0)
-        self._input.bind(f"ipc://{self._ipc_dir}/input")
+        self._input.bind(launch.input_address)
         output = self._context.socket(zmq.PULL)
         output.setsockopt(zmq.RCVHWM, 0)
         output.setsockopt(zmq.LINGER, 0)
-        output.bind(f"ipc://{self._ipc_dir}/output")
+        output.bind(launch.output_address)
         self._output_sync = output
         self._output: zmq.asyncio.Socket | None = None
         self._closed = False
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pagedlm.engine.core_proc",
-                f"ipc://{self._ipc_dir}/input",
-                f"ipc://{self._ipc_dir}/output",
-                str(os.getpid()),
-            ],
-            stdin=subprocess.PIPE,
-        )
+        self.process = launch.process
         atexit.register(self.shutdown)
-        assert self.process.stdin is not None
-        self.process.stdin.write(msgspec.json.encode(args))
-        self.process.stdin.close()
+        log_level = os.environ.get("PAGEDLM_LOG_LEVEL", "WARNING")
+        launch.send_start(msgspec.json.encode(CoreStart(args, log_level)))
 
     def wait_ready(self, timeout_s: float) -> Ready:
         """Block until the core has loaded the model; raises RuntimeError (with the core's

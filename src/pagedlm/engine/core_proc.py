@@ -1,7 +1,9 @@
 """The engine-core process: ``EngineCore`` in a busy loop behind two ZMQ sockets.
 
 Started by ``CoreClient`` as ``python -m pagedlm.engine.core_proc INPUT OUTPUT PARENT_PID``
-with the ``EngineArgs`` as JSON on stdin. The loop:
+with a ``CoreStart`` (the ``EngineArgs``, the log level) as JSON on stdin, which it reads
+after its imports (so it can be started before the front end knows them: ``core_launch``).
+The loop:
 
 - idle (no unfinished requests): block on the input socket, waking every second to
   check that the parent is still alive (an orphaned core exits on its own);
@@ -32,7 +34,6 @@ import zmq
 
 from pagedlm.core.engine_core import EngineCore
 from pagedlm.core.outputs import EngineCoreOutput
-from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.core_heartbeat import HeartbeatThread, InFlightWork, StepWatch
 from pagedlm.engine.core_profiler import CoreProfiler
 from pagedlm.engine.data_parallel import make_engine_core
@@ -41,6 +42,7 @@ from pagedlm.engine.messages import (
     AddRequests,
     CoreFailed,
     CoreOutputs,
+    CoreStart,
     Ready,
     RequestRejected,
     Shutdown,
@@ -236,8 +238,14 @@ def main(argv: list[str]) -> int:
     # Ctrl-C in a terminal reaches the whole process group; the front end decides when the
     # core stops (it drains requests first), so the core ignores SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Started early (``core_launch``), the core waits here for its configuration.
+    payload = sys.stdin.buffer.read()
+    if not payload:
+        return 0  # the front end gave up before starting the engine
+    start = msgspec.json.decode(payload, type=CoreStart)
+    os.environ["PAGEDLM_LOG_LEVEL"] = start.log_level  # for worker processes
     logging.basicConfig(
-        level=os.environ.get("PAGEDLM_LOG_LEVEL", "WARNING"),
+        level=start.log_level,
         format="%(levelname)s %(name)s: %(message)s",  # the server's format
     )
     context = zmq.Context()
@@ -248,7 +256,7 @@ def main(argv: list[str]) -> int:
     encoder = make_encoder()
     status = 0
     try:
-        args = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineArgs)
+        args = start.engine_args
         config, platform = args.create_engine_config()
         core = make_engine_core(config, platform)  # one, or one per data-parallel replica
         core.set_grammar_limits(GrammarLimits.of(args))

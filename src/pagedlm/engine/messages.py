@@ -21,6 +21,7 @@ import msgspec
 from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.core.request import Request
 from pagedlm.core.scheduler_interface import SchedulerStats
+from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.lora.request import LoRARequest
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.step.multimodal import MultiModalFeature
@@ -117,6 +118,14 @@ class UtilityCall(msgspec.Struct, tag=True):
     "reset_prefix_cache", "sleep" (``args``: [level]), "wake_up", "start_profile"
     (``args``: [directory]), "stop_profile"."""
     args: list[int | str] = []
+
+
+class CoreStart(msgspec.Struct):
+    """What the front end writes (JSON) on the engine-core process's stdin to start it."""
+
+    engine_args: EngineArgs
+    log_level: str = "WARNING"
+    """The core's logging level (the server's ``--log-level``)."""
 
 
 class Shutdown(msgspec.Struct, tag=True):

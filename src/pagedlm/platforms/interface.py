@@ -14,7 +14,7 @@ import torch
 from pagedlm.attention.backend import BatchLayout
 
 if TYPE_CHECKING:
-    from pagedlm.config import EngineConfig
+    from pagedlm.config import EngineConfig, ModelConfig
     from pagedlm.lora.ops import LoRAOps
     from pagedlm.model_executor.forward_context import ForwardContext
     from pagedlm.sample.sampler import FusedRandomSampler
@@ -125,6 +125,13 @@ class Platform(ABC):
         """Adapt a freshly loaded model to this platform, e.g. hand its linear layers a
         faster kernel (``LinearBase.set_kernel``). Must not change the model's results
         beyond floating-point rounding."""
+
+    def computes_on_gguf_blocks(self, model_config: ModelConfig) -> bool:
+        """Whether ``prepare_model`` will give every linear layer of this GGUF model that
+        ``gguf_quantized.gguf_linear_blocks`` returns a kernel over those blocks. The loader
+        then reads each tensor once and never computes those layers' float weights
+        (``load_gguf_keeping_blocks``). Default False: weights are loaded dequantized."""
+        return False
 
     def lora_ops(self) -> LoRAOps:
         """How LoRA layers add their batched adapter deltas (``pagedlm.lora.ops``); the

@@ -55,8 +55,10 @@ class XgrammarBackend(StructuredOutputBackend):
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         super().__init__(tokenizer, vocab_size, stop_token_ids)
+        from pagedlm.tokenizer import as_transformers
+
         info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+            as_transformers(tokenizer), vocab_size=vocab_size, stop_token_ids=stop_token_ids
         )
         # Our own compiler caches by spec; xgrammar's cache would hold a second copy.
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)

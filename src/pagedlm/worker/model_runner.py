@@ -109,7 +109,8 @@ class ModelRunner:
         self.device = platform.device
         self.block_size = config.cache.block_size
         self.arch = config.model.arch
-        self.model = load_model(config.model, self.device)
+        keep_blocks = platform.computes_on_gguf_blocks(config.model)
+        self.model = load_model(config.model, self.device, keep_gguf_blocks=keep_blocks)
         platform.prepare_model(self.model)
         if config.batch_invariant:
             make_batch_invariant(self.model)

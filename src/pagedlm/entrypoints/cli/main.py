@@ -9,13 +9,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedlm.engine.cli_args import POSITIONAL_MODEL_DEST, add_engine_args
+from pagedlm.engine.core_launch import CoreLaunch
 
+# Nothing here imports torch at module level: ``pagedlm serve`` starts its engine-core
+# process before the parser (whose engine flags come from modules that need torch) exists.
 INTERRUPTED_STATUS = 130
 """Exit status after Ctrl-C (128 + SIGINT), as shells report it."""
 
 
 def _add_model_positional(parser: argparse.ArgumentParser) -> None:
+    from pagedlm.engine.cli_args import POSITIONAL_MODEL_DEST
+
     parser.add_argument(
         POSITIONAL_MODEL_DEST,
         nargs="?",
@@ -27,6 +31,7 @@ def _add_model_positional(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from pagedlm import __version__
+    from pagedlm.engine.cli_args import add_engine_args
     from pagedlm.entrypoints.cli import bench, interactive
     from pagedlm.entrypoints.openai.api_server import add_server_args
 
@@ -100,20 +105,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The core imports torch while this process imports it and the server (seconds each).
+    core_launch = CoreLaunch.for_command_line(argv)
     try:
-        _run(args)
+        args = build_parser().parse_args(argv)
+        _run(args, core_launch)
     except KeyboardInterrupt:  # Ctrl-C (while loading, chatting, generating): no traceback
         print("\nInterrupted.", file=sys.stderr)
         return INTERRUPTED_STATUS
+    finally:
+        if core_launch is not None:
+            core_launch.abandon()  # unless the engine took it
     return 0
 
 
-def _run(args: argparse.Namespace) -> None:
+def _run(args: argparse.Namespace, core_launch: CoreLaunch | None = None) -> None:
     if args.command == "serve":
         from pagedlm.entrypoints.openai.api_server import run_server
 
-        run_server(args)
+        run_server(args, core_launch)
     elif args.command == "generate":
         from pagedlm.entrypoints.cli.interactive import run_generate
 

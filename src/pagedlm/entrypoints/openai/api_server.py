@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from pagedlm.engine.cli_args import engine_args_from_cli
+from pagedlm.engine.core_launch import CoreLaunch
 from pagedlm.entrypoints.openai.admin import AdminOptions, add_admin_args
 from pagedlm.entrypoints.openai.limits import add_limit_args, limits_from_args
 from pagedlm.entrypoints.openai.serving_lora import add_lora_args, registry_from_args
@@ -238,14 +239,19 @@ def _tracer_provider(endpoint: str | None) -> Any:
         raise SystemExit(f"error: {error}") from None
 
 
-def run_server(args: argparse.Namespace) -> None:
-    """Start the engine, then serve until SIGINT/SIGTERM (or the engine's death)."""
-    import uvicorn
+def _import_server_modules() -> None:
+    import uvicorn  # noqa: F401
 
+    import pagedlm.entrypoints.openai.app
+    import pagedlm.entrypoints.openai.serving_engine
+    import pagedlm.metrics.prometheus  # noqa: F401
+
+
+def run_server(args: argparse.Namespace, core_launch: CoreLaunch | None = None) -> None:
+    """Start the engine (in ``core_launch``'s process, started before the server's imports,
+    if given; the caller abandons it if the engine never starts), then serve until
+    SIGINT/SIGTERM (or the engine's death)."""
     from pagedlm.engine.async_llm import AsyncLLM
-    from pagedlm.entrypoints.openai.app import build_app
-    from pagedlm.entrypoints.openai.serving_engine import ServingContext
-    from pagedlm.metrics.prometheus import PrometheusMetrics
 
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser (e.g. hermes).")
@@ -266,10 +272,17 @@ def run_server(args: argparse.Namespace) -> None:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     names = args.served_model_name or [engine_args.model or DEFAULT_MODEL_NAME]
     try:
-        engine = AsyncLLM.from_engine_args(engine_args)
+        # The server's own modules (FastAPI, uvicorn: ~0.5 s) import while the core loads.
+        engine = AsyncLLM.from_engine_args(engine_args, core_launch, _import_server_modules)
     except BaseException:
         listener.close()
         raise
+    import uvicorn
+
+    from pagedlm.entrypoints.openai.app import build_app
+    from pagedlm.entrypoints.openai.serving_engine import ServingContext
+    from pagedlm.metrics.prometheus import PrometheusMetrics
+
     try:
         try:
             loras = asyncio.run(registry_from_args(args, engine, names[0]))

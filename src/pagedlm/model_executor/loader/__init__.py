@@ -54,7 +54,9 @@ def iter_model_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.T
     return iter_safetensors_weights(model_config.model, slices=slices)
 
 
-def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+def load_model(
+    model_config: ModelConfig, device: torch.device, *, keep_gguf_blocks: bool = False
+) -> nn.Module:
     """The model of ``model_config``, in ``model_config.dtype`` on ``device``, in eval mode.
 
     Parameters are allocated once, directly on the device and uninitialized, then
@@ -62,6 +64,10 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     ``load_format="dummy"``). Every parameter must be filled. With
     ``quantization="bitsandbytes"`` or ``"fp8"`` the linear layers are then quantized one
     by one (an FP8 checkpoint's layers are loaded quantized).
+
+    ``keep_gguf_blocks`` (a GGUF file): load through ``gguf_quantized.load_gguf_keeping_blocks``,
+    which leaves the float weights of the layers with affine blocks unfilled; the caller
+    must then put every layer ``gguf_linear_blocks`` returns on a kernel over its blocks.
     """
     from pagedlm.model_executor.models.registry import get_model_class
 
@@ -72,6 +78,10 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         from pagedlm.model_executor.loader.dummy import fill_dummy_weights
 
         fill_dummy_weights(model, model_config.seed)
+    elif keep_gguf_blocks and model_config.is_gguf and model_config.load_format != "safetensors":
+        from pagedlm.model_executor.loader.gguf_quantized import load_gguf_keeping_blocks
+
+        check_all_loaded(model, load_gguf_keeping_blocks(model, model_config.model), model_config)
     else:
         weights = iter_model_weights(model_config)
         kv_scales: dict[tuple[int, str], float] = {}

@@ -50,7 +50,8 @@ class AffineBlocks:
         """float32 [rows, cols]: the values these blocks stand for."""
         rows, cols = self.codes.shape
         grouped = self.codes.view(rows, -1, GROUP_SIZE).float()
-        return (grouped * self.scales[..., None] + self.mins[..., None]).view(rows, cols)
+        # In place: one float32 buffer, the same two roundings as ``codes * scale + min``.
+        return grouped.mul_(self.scales[..., None]).add_(self.mins[..., None]).view(rows, cols)
 
 
 _Decoded = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -65,8 +66,11 @@ def _f16(raw: np.ndarray) -> np.ndarray:
 def _nibbles(qs: np.ndarray, groups: int) -> np.ndarray:
     """[blocks, groups * 16] bytes -> [blocks, groups * 32] codes: in each run of 16 bytes
     the low nibbles are elements 0..15 and the high nibbles elements 16..31."""
-    split = qs.reshape(qs.shape[0], groups, 1, 16) >> np.array([0, 4], np.uint8)[:, None]
-    return (split & 0x0F).reshape(qs.shape[0], -1)
+    codes = np.empty((qs.shape[0], groups, 2, 16), np.uint8)
+    grouped = qs.reshape(qs.shape[0], groups, 16)
+    np.bitwise_and(grouped, 0x0F, out=codes[:, :, 0])
+    np.right_shift(grouped, 4, out=codes[:, :, 1])
+    return codes.reshape(qs.shape[0], -1)
 
 
 def _high_bits_32(qh: np.ndarray) -> np.ndarray:
@@ -96,10 +100,8 @@ def _q5_1(blocks: np.ndarray) -> _Decoded:
 
 def _q8_0(blocks: np.ndarray) -> _Decoded:
     d = _f16(blocks[:, :2])
-    codes = (np.ascontiguousarray(blocks[:, 2:]).view(np.int8).astype(np.int16) + 128).astype(
-        np.uint8
-    )
-    return codes, d, -128 * d
+    # int8 q + 128 is q's byte with the top bit flipped.
+    return blocks[:, 2:] ^ np.uint8(0x80), d, -128 * d
 
 
 def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

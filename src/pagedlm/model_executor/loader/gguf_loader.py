@@ -340,10 +340,16 @@ def iter_gguf_weights(path: str, arch: ArchConfig) -> Iterator[tuple[str, torch.
     with open(path, "rb", buffering=0) as file:
         for name, info, fix_rows in iter_gguf_entries(header, arch):
             tensor = fix_rows(read_gguf_tensor(file, info, path))
-            if spec.norm_offset and info.name.split(".")[-2].endswith("norm"):
-                tensor = tensor - spec.norm_offset
-            yield name, tensor
+            yield name, offset_norm(tensor, info, spec.norm_offset)
             del tensor
+
+
+def offset_norm(tensor: torch.Tensor, info: GGUFTensorInfo, norm_offset: float) -> torch.Tensor:
+    """A norm weight without the ``norm_offset`` its converter added (Gemma's 1); any other
+    tensor as it is."""
+    if norm_offset and info.name.split(".")[-2].endswith("norm"):
+        return tensor - norm_offset
+    return tensor
 
 
 __all__ = [
@@ -356,6 +362,7 @@ __all__ = [
     "hf_tensor_name",
     "iter_gguf_entries",
     "iter_gguf_weights",
+    "offset_norm",
     "read_gguf_header",
     "unpermute_rotary_rows",
 ]

@@ -1,13 +1,12 @@
 """The GGUF file's own quantization of each linear layer, for kernels that compute on it.
 
-The float weights of a GGUF model are loaded as usual (dequantized). A platform with a
-weight-only quantized matmul then asks ``gguf_linear_blocks`` for the file's blocks in
-affine form (``gguf_blocks.AffineBlocks``), laid out exactly like each layer's weight:
-q/k/v stacked into ``qkv_proj``, gate/up into ``gate_up_proj``, this rank's tensor-parallel
-shard, llama's q/k rows un-permuted, a tied LM head sharing the embedding's.
+A platform with a weight-only quantized matmul asks ``gguf_linear_blocks`` for the file's
+blocks in affine form (``gguf_blocks.AffineBlocks``), laid out exactly like each layer's
+weight: q/k/v stacked into ``qkv_proj``, gate/up into ``gate_up_proj``, this rank's
+tensor-parallel shard, llama's q/k rows un-permuted, a tied LM head sharing the embedding's.
 
 No model knowledge is repeated here: the blocks go through the model's own
-``load_weights`` and weight loaders, three times (codes, then scales, then minimums), with
+``load_weights`` and weight loaders, once per part (codes, then scales, then minimums), with
 every 2-D parameter temporarily replaced by a stand-in of the shape that part has (codes:
 the weight's shape; scales and minimums: one column per 32). Every step on the way copies
 whole rows or block-aligned column slices, so each stand-in ends up holding its layer's
@@ -18,12 +17,22 @@ blocks. Layers where that does not hold are left out, never approximated:
 - a layer whose blocks do not dequantize to exactly the float weight it was loaded with
   (a ``load_weights`` that does more than copy), or whose input width is not a multiple
   of 32.
+
+Two ways in. After an ordinary load (float weights dequantized), ``gguf_linear_blocks``
+reads the file's blocks again and checks each layer against its weight. A platform that
+will put every such layer on its blocks (``Platform.computes_on_gguf_blocks``) has the
+model loaded by ``load_gguf_keeping_blocks`` instead: each tensor is read once, the blocks
+are routed first, and the float weights of the layers that get them are never computed
+(they are what the kernels replace); ``gguf_linear_blocks`` then hands over those blocks.
+Those layers are checked by the parity tests (``tests/cpu/test_quantized_parity.py``)
+rather than at start-up, since there is no float weight to compare with.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Literal
 
@@ -32,14 +41,28 @@ from torch import nn
 
 from pagedlm.model_executor.layers.linear_base import LinearBase
 from pagedlm.model_executor.loader.gguf_blocks import GROUP_SIZE, AffineBlocks, decode_blocks
-from pagedlm.model_executor.loader.gguf_loader import iter_gguf_entries
-from pagedlm.model_executor.loader.gguf_reader import read_gguf_header, read_gguf_raw
-from pagedlm.model_executor.loader.weight_utils import get_weight_loader, set_weight_loader
+from pagedlm.model_executor.loader.gguf_loader import (
+    GGUF_ARCHITECTURES,
+    iter_gguf_entries,
+    offset_norm,
+)
+from pagedlm.model_executor.loader.gguf_reader import (
+    dequantize_gguf_raw,
+    read_gguf_header,
+    read_gguf_raw,
+)
+from pagedlm.model_executor.loader.weight_utils import (
+    get_weight_loader,
+    one_intra_op_thread,
+    set_weight_loader,
+)
 
 logger = logging.getLogger(__name__)
 
-Part = Literal["codes", "scales", "mins"]
+Part = Literal["codes", "scales", "mins", "sources"]
 _PARTS: tuple[Part, ...] = ("codes", "scales", "mins")
+_KEPT: weakref.WeakKeyDictionary[nn.Module, dict[str, AffineBlocks]] = weakref.WeakKeyDictionary()
+"""Blocks ``load_gguf_keeping_blocks`` routed, until ``gguf_linear_blocks`` takes them."""
 
 
 def _iter_blocks(path: str, model: nn.Module) -> Iterator[tuple[str, AffineBlocks]]:
@@ -58,7 +81,8 @@ def _iter_blocks(path: str, model: nn.Module) -> Iterator[tuple[str, AffineBlock
 def _stand_in(weight: torch.Tensor, part: Part) -> torch.Tensor | None:
     rows, cols = weight.shape
     if part == "codes":
-        return torch.zeros(rows, cols, dtype=torch.uint8)
+        # Uninitialized: codes are used only where the scales show every row was filled.
+        return torch.empty(rows, cols, dtype=torch.uint8)
     if cols % GROUP_SIZE:
         return None
     return torch.full((rows, cols // GROUP_SIZE), float("nan"), dtype=torch.float32)
@@ -90,41 +114,152 @@ def _stand_ins(model: nn.Module, part: Part) -> Iterator[dict[int, torch.Tensor]
             setattr(module, attr, param)
 
 
-def gguf_linear_blocks(model: nn.Module, path: str) -> dict[str, AffineBlocks]:
-    """Module name -> its weight's blocks, for every ``LinearBase`` whose whole weight came
-    from affine-form tensors of the GGUF file ``path`` (the model loaded from it)."""
-    linears = {
-        name: module
-        for name, module in model.named_modules()
-        if isinstance(module, LinearBase) and module.weight.dim() == 2
-    }
-    # Decoded once (about 1.1 bytes per weight), then routed part by part.
-    decoded = list(_iter_blocks(path, model))
-    parts: dict[Part, dict[int, torch.Tensor]] = {}
+def _route(
+    model: nn.Module, parts: Iterable[tuple[str, AffineBlocks]]
+) -> tuple[dict[Part, dict[int, torch.Tensor]], set[str]]:
+    """Each part of ``parts``' blocks through ``load_weights`` into stand-ins: {part:
+    {id(parameter): its stand-in}}, and the names of the parameters that were fed."""
+    decoded = list(parts)
+    routed: dict[Part, dict[int, torch.Tensor]] = {}
+    loaded: set[str] = set()
     with torch.no_grad():
         for part in _PARTS:
             with _stand_ins(model, part) as filled:
-                model.load_weights((name, getattr(blocks, part)) for name, blocks in decoded)
-            parts[part] = filled
-    del decoded
+                loaded |= model.load_weights((name, getattr(b, part)) for name, b in decoded)
+            routed[part] = filled
+    return routed, loaded
+
+
+def _complete_layers(
+    model: nn.Module, routed: dict[Part, dict[int, torch.Tensor]]
+) -> dict[str, AffineBlocks]:
+    """Module name -> blocks, for every ``LinearBase`` whose every row came from blocks."""
     found: dict[str, AffineBlocks] = {}
-    for name, module in linears.items():
+    for name, module in model.named_modules():
+        if not isinstance(module, LinearBase) or module.weight.dim() != 2:
+            continue
         key = id(module.weight)
-        if any(key not in parts[part] for part in _PARTS):
+        if any(key not in routed[part] for part in _PARTS):
             continue
-        blocks = AffineBlocks(*(parts[part][key] for part in _PARTS))
-        if torch.isnan(blocks.scales).any():
-            continue  # some rows came from a tensor without an affine form
-        weight = module.weight
-        # Checked where the weight lives (the GPU dequantizes an 8B model in moments).
-        on_device = AffineBlocks(*(getattr(blocks, p).to(weight.device) for p in _PARTS))
-        if not torch.equal(on_device.dequantize().to(weight.dtype), weight):
-            logger.warning(
-                "%s: the GGUF blocks do not reproduce the loaded weight; it stays dense.", name
-            )
-            continue
-        found[name] = blocks
+        blocks = AffineBlocks(*(routed[part][key] for part in _PARTS))
+        if not torch.isnan(blocks.scales).any():  # NaN: rows from a tensor without blocks
+            found[name] = blocks
     return found
 
 
-__all__ = ["gguf_linear_blocks"]
+def _reproduces_weight(name: str, blocks: AffineBlocks, weight: torch.Tensor) -> bool:
+    # Checked where the weight lives (the GPU dequantizes an 8B model in moments).
+    on_device = AffineBlocks(*(getattr(blocks, p).to(weight.device) for p in _PARTS))
+    if torch.equal(on_device.dequantize().to(weight.dtype), weight):
+        return True
+    logger.warning("%s: the GGUF blocks do not reproduce the loaded weight; it stays dense.", name)
+    return False
+
+
+def gguf_linear_blocks(model: nn.Module, path: str) -> dict[str, AffineBlocks]:
+    """Module name -> its weight's blocks, for every ``LinearBase`` whose whole weight came
+    from affine-form tensors of the GGUF file ``path`` (the model loaded from it).
+
+    For a model that ``load_gguf_keeping_blocks`` filled, the blocks it kept (once: a
+    second call reads the file).
+    """
+    kept = _KEPT.pop(model, None)
+    if kept is not None:
+        return kept
+    # Decoded once (about 1.1 bytes per weight), then routed part by part.
+    routed, _ = _route(model, _iter_blocks(path, model))
+    return {
+        name: blocks
+        for name, blocks in _complete_layers(model, routed).items()
+        if _reproduces_weight(name, blocks, model.get_submodule(name).weight)
+    }
+
+
+def load_gguf_keeping_blocks(model: nn.Module, path: str) -> set[str]:
+    """Fill ``model`` from the GGUF file ``path``, reading each tensor once, and keep the
+    blocks of every linear layer whose whole weight has them for ``gguf_linear_blocks``;
+    returns the names of the parameters filled (all of them, for ``check_all_loaded``).
+
+    The float weight of a kept layer that no other module shares is left uninitialized:
+    the caller must give every layer ``gguf_linear_blocks`` returns a kernel on its blocks
+    (and release the weight) before the model runs. A shared one (an LM head tied to the
+    embedding) is filled and checked against its blocks as in ``gguf_linear_blocks``.
+    """
+    with one_intra_op_thread():
+        return _load_keeping_blocks(model, path)
+
+
+def _load_keeping_blocks(model: nn.Module, path: str) -> set[str]:
+    header = read_gguf_header(path)
+    norm_offset = GGUF_ARCHITECTURES[header.metadata["general.architecture"]].norm_offset
+    blocks_by_tensor: dict[str, AffineBlocks] = {}
+    others = []  # tensors without an affine form: read in the float pass
+    with open(path, "rb", buffering=0) as file:
+        for name, info, fix_rows in iter_gguf_entries(header, model.arch):
+            if len(info.shape) == 2 and info.shape[1] % GROUP_SIZE == 0:
+                raw, type_name = read_gguf_raw(file, info, path)
+                blocks = decode_blocks(raw, type_name, info.shape)
+                if blocks is not None:
+                    blocks_by_tensor[name] = AffineBlocks(
+                        *(fix_rows(getattr(blocks, p)) for p in _PARTS)
+                    )
+                    continue
+            others.append((name, info, fix_rows))
+        routed, loaded = _route(model, blocks_by_tensor.items())
+        found = _complete_layers(model, routed)
+        shared = {id(p) for p, n in _parameter_uses(model).items() if n > 1}
+        unfilled = {
+            id(model.get_submodule(name).weight)
+            for name in found
+            if id(model.get_submodule(name).weight) not in shared
+        }
+        needed = _tensors_feeding(model, blocks_by_tensor, skip=unfilled)
+
+        def float_weights() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, blocks in blocks_by_tensor.items():
+                if name in needed:
+                    yield name, blocks.dequantize()
+            for name, info, fix_rows in others:
+                raw, type_name = read_gguf_raw(file, info, path)
+                tensor = fix_rows(dequantize_gguf_raw(raw, type_name, info, path))
+                yield name, offset_norm(tensor, info, norm_offset)
+
+        with torch.no_grad():
+            loaded |= model.load_weights(float_weights())
+    _KEPT[model] = {
+        name: blocks
+        for name, blocks in found.items()
+        if id(model.get_submodule(name).weight) in unfilled
+        or _reproduces_weight(name, blocks, model.get_submodule(name).weight)
+    }
+    return loaded
+
+
+def _parameter_uses(model: nn.Module) -> dict[nn.Parameter, int]:
+    uses: dict[nn.Parameter, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[param] = uses.get(param, 0) + 1
+    return uses
+
+
+def _tensors_feeding(
+    model: nn.Module, blocks_by_tensor: dict[str, AffineBlocks], skip: set[int]
+) -> set[str]:
+    """The checkpoint tensors of ``blocks_by_tensor`` that feed some parameter whose id is
+    not in ``skip``: found by routing each tensor's index (one value per block) into
+    stand-ins, the way the blocks went."""
+    names = list(blocks_by_tensor)
+    with torch.no_grad(), _stand_ins(model, "sources") as filled:
+        model.load_weights(
+            (name, torch.full(blocks_by_tensor[name].scales.shape, float(index)))
+            for index, name in enumerate(names)
+        )
+    needed: set[str] = set()
+    for key, sources in filled.items():
+        if key not in skip:
+            indices = sources[~torch.isnan(sources)].unique().tolist()
+            needed.update(names[int(index)] for index in indices)
+    return needed
+
+
+__all__ = ["gguf_linear_blocks", "load_gguf_keeping_blocks"]

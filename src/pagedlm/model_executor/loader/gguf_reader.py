@@ -193,12 +193,31 @@ def read_gguf_tensor(file: BinaryIO, info: GGUFTensorInfo, path: str) -> torch.T
 
     Loading peaks at the model plus about two float32 copies of the largest tensor.
     """
+    raw, type_name = read_gguf_raw(file, info, path)
+    return dequantize_gguf_raw(raw, type_name, info, path)
+
+
+def dequantize_gguf_raw(
+    raw: np.ndarray, type_name: str, info: GGUFTensorInfo, path: str
+) -> torch.Tensor:
+    """``read_gguf_raw``'s bytes as float32 in HF shape.
+
+    Types with an affine block form (``gguf_blocks``) are decoded with torch, several times
+    faster than ``gguf.dequantize``'s numpy loops over rows and bit-for-bit the same values
+    (``tests/loader/test_gguf_blocks.py``); every other type goes through ``gguf``.
+    """
     import gguf
 
-    raw, type_name = read_gguf_raw(file, info, path)
+    from pagedlm.model_executor.loader.gguf_blocks import AFFINE_TYPES, decode_blocks
+
     qtype = gguf.GGMLQuantizationType[type_name]
     if qtype == gguf.GGMLQuantizationType.F32:
         return torch.from_numpy(raw.view(np.float32).reshape(info.shape))
+    if type_name in AFFINE_TYPES:
+        rows_by_cols = (int(np.prod(info.shape[:-1])), info.shape[-1])
+        blocks = decode_blocks(raw, type_name, rows_by_cols)
+        if blocks is not None:
+            return blocks.dequantize().reshape(info.shape)
     byte_shape = gguf.quant_shape_to_byte_shape(info.shape, qtype)
     try:
         values = gguf.dequantize(raw.reshape(byte_shape), qtype)
