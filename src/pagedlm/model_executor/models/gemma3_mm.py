@@ -28,13 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedlm.config import ArchConfig
-from pagedlm.distributed.parallel_state import get_pipeline_state
 from pagedlm.distributed.pipeline import IntermediateTensors
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.layers.gemma_norm import GemmaRMSNorm
 from pagedlm.model_executor.models.gemma3 import Gemma3ForCausalLM
 from pagedlm.model_executor.models.vision.siglip import SiglipVisionTransformer
-from pagedlm.model_executor.models.vision_language import split_vision_weights
+from pagedlm.model_executor.models.vision_language import require_one_stage, split_vision_weights
 
 
 class Gemma3MultiModalProjector(nn.Module):
@@ -68,11 +67,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     bidirectional_images: ClassVar[bool] = True
 
     def __init__(self, arch: ArchConfig, max_model_len: int | None = None) -> None:
-        if get_pipeline_state().world_size > 1:
-            raise ValueError(
-                "vision-language models do not run with pipeline parallelism yet; set "
-                "pipeline_parallel_size=1."
-            )
+        require_one_stage()
         super().__init__(replace(arch, architecture="Gemma3ForCausalLM"), max_model_len)
         self.arch = arch
         raw = arch.raw

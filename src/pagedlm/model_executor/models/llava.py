@@ -28,12 +28,11 @@ import torch
 from torch import nn
 
 from pagedlm.config import ArchConfig
-from pagedlm.distributed.parallel_state import get_pipeline_state
 from pagedlm.distributed.pipeline import IntermediateTensors
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.models.llama import LlamaForCausalLM
 from pagedlm.model_executor.models.vision.clip import CLIPVisionTransformer, vision_activation
-from pagedlm.model_executor.models.vision_language import split_vision_weights
+from pagedlm.model_executor.models.vision_language import require_one_stage, split_vision_weights
 
 _TEXT_MODEL_TYPES = ("llama", "mistral")
 
@@ -60,11 +59,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
                 f"LLaVA with a {model_type!r} decoder is not supported; supported decoders: "
                 f"{', '.join(_TEXT_MODEL_TYPES)}."
             )
-        if get_pipeline_state().world_size > 1:
-            raise ValueError(
-                "vision-language models do not run with pipeline parallelism yet; set "
-                "pipeline_parallel_size=1."
-            )
+        require_one_stage()
         super().__init__(replace(arch, architecture="LlamaForCausalLM"), max_model_len)
         self.arch = arch
         vision = dict(raw["vision_config"])

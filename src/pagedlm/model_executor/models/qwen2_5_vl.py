@@ -25,12 +25,11 @@ from typing import ClassVar
 import torch
 
 from pagedlm.config import ArchConfig
-from pagedlm.distributed.parallel_state import get_pipeline_state
 from pagedlm.distributed.pipeline import IntermediateTensors
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.models.llama import Qwen2ForCausalLM
 from pagedlm.model_executor.models.vision.qwen2_5_vit import Qwen2_5_VisionTransformer
-from pagedlm.model_executor.models.vision_language import split_vision_weights
+from pagedlm.model_executor.models.vision_language import require_one_stage, split_vision_weights
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
@@ -40,11 +39,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     """Images of any sizes encode in one call (patches concatenated, one grid row each)."""
 
     def __init__(self, arch: ArchConfig, max_model_len: int | None = None) -> None:
-        if get_pipeline_state().world_size > 1:
-            raise ValueError(
-                "vision-language models do not run with pipeline parallelism yet; set "
-                "pipeline_parallel_size=1."
-            )
+        require_one_stage()
         if arch.rope_scaling is None or arch.rope_scaling.get("rope_type") != "mrope":
             raise ValueError(
                 "Qwen2.5-VL needs M-RoPE: config.json's rope_parameters (or rope_scaling) "

@@ -27,6 +27,18 @@ VLM_RENAMES = (
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.")
 
 
+def require_one_stage() -> None:
+    """Vision-language models run on one pipeline stage (their image embeddings feed the
+    first layer and nothing sends them on)."""
+    from pagedlm.distributed.parallel_state import get_pipeline_state
+
+    if get_pipeline_state().world_size > 1:
+        raise ValueError(
+            "vision-language models do not run with pipeline parallelism yet; set "
+            "pipeline_parallel_size=1."
+        )
+
+
 def split_vision_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
