@@ -30,7 +30,8 @@ TIMED = [
     ("pagedlm.core.scheduler", "OneBudgetScheduler", "schedule", "scheduler.schedule"),
     ("pagedlm.core.scheduler", "OneBudgetScheduler", "update_from_output", "scheduler.update"),
     ("pagedlm.engine.output_processor", "OutputProcessor", "process_outputs", "output processor"),
-    ("pagedlm.worker.model_runner", "ModelRunner", "launch", "runner: inputs, bookkeeping"),
+    ("pagedlm.worker.model_runner", "ModelRunner", "execute_model", "runner: inputs, bookkeeping"),
+    ("pagedlm.worker.model_runner", "ModelRunner", "sample_tokens", "runner: inputs, bookkeeping"),
     ("pagedlm_cpu.attention", "CpuSdpaBackend", "build_metadata", "attention metadata"),
     ("pagedlm.model_executor.models.causal_lm", "CausalLM", "forward", "model: norms, rope, act, ..."),
     ("pagedlm_cpu.attention", "CpuSdpaBackend", "forward", "attention (paged, SDPA)"),
@@ -113,7 +114,7 @@ def main() -> None:
     timer = StepTimer()
     install(timer)
     profile(llm, timer, 1, 8, 4)  # warm-up
-    rows = [row for *_, row in TIMED]
+    rows = list(dict.fromkeys(row for *_, row in TIMED))  # a row may time several methods
     tables = {}
     for batch_size in args.batch_sizes:
         steps = profile(llm, timer, batch_size, args.prompt_len, args.output_len)
