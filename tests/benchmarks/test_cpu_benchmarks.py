@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 import importlib
 import inspect
+import time
 
 from pagedlm.benchmarks.cpu_step_profile import TIMED, StepTimer
 from pagedlm.benchmarks.vs_llamacpp import interleaved, random_prompts
