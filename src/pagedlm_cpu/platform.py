@@ -79,6 +79,7 @@ class CpuPlatform(Platform):
         self._model_config = config.model
 
     def prepare_model(self, model: torch.nn.Module) -> None:
+        from pagedlm_cpu.fused_layers import install_fused_kernels
         from pagedlm_cpu.linear import prepack_linears
         from pagedlm_cpu.threads import configure_threads
 
@@ -94,6 +95,7 @@ class CpuPlatform(Platform):
             packed,
             DEQUANTIZE_GGUF_ENV,
         )
+        install_fused_kernels(model)
 
     def _install_quantized_kernels(self, model: torch.nn.Module) -> int:
         """Give the layers of a GGUF model int4 kernels over the file's blocks; how many."""
