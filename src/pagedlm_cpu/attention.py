@@ -397,7 +397,7 @@ def _write(
     quantized (saturating), copied as bytes (CPU ``index_copy_`` has no float8 kernel)."""
     rows = cache.view(-1, *new.shape[1:])
     if scale is None:
-        rows.index_copy_(0, slot_mapping, new.to(cache.dtype))
+        rows.index_copy_(0, slot_mapping, new if new.dtype == cache.dtype else new.to(cache.dtype))
     else:
         rows.view(torch.uint8).index_copy_(
             0, slot_mapping, fp8.quantize(new, scale).view(torch.uint8)
