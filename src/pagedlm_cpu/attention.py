@@ -298,7 +298,7 @@ class CpuSdpaBackend(AttentionBackend):
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = key_cache.shape[-2]
         out = _attend(
-            q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim),
+            q.reshape(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim),
             self._decode_keys(0, key_cache, group, query.dtype, scales[0]),
             self._decode_keys(1, value_cache, group, query.dtype, scales[1]),
             key_mask,
@@ -306,7 +306,7 @@ class CpuSdpaBackend(AttentionBackend):
             logits_soft_cap,
             causal=False,
         )
-        return out.view(num_decodes, num_heads, head_dim)
+        return out.reshape(num_decodes, num_heads, head_dim)  # a view where SDPA allows
 
     def _decode_keys(
         self,
