@@ -56,6 +56,16 @@ class DecodeGroup:
     """[num_decodes] each decode's context length after this step (for window masks)."""
     num_key_slots: int
     """``max_blocks * block_size``, the gathered key length."""
+    block_run: int | None = None
+    """The first block when there is one decode and its blocks are consecutive in the cache
+    (``block_ids`` is ``first .. first + max_blocks - 1``): its keys and values are then
+    read in place, a view of the cache, with no copy."""
+    key_views: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+    """(workspace, cache dtype) -> (the workspace's rows the blocks are gathered into,
+    their [num_decodes, kv_heads, num_key_slots, head_dim] view for SDPA): made by the
+    step's first layer, reused by the others (same shapes every layer)."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +160,7 @@ class CpuSdpaBackend(AttentionBackend):
             key_mask=key_mask,
             seq_lens=seq_lens_t,
             num_key_slots=max_blocks * block_size,
+            block_run=_block_run(layout, reqs, max_blocks),
         )
 
     def _chunk(self, layout: BatchLayout, i: int, spans: Sequence[tuple[int, int]]) -> ChunkRequest:
@@ -216,22 +227,25 @@ class CpuSdpaBackend(AttentionBackend):
                 sliding_window, logits_soft_cap, (k_scale, v_scale),
             )  # fmt: skip
 
-        output = torch.empty_like(query)
-        if metadata.decodes is not None:
-            mask = metadata.decodes.key_mask
+        output = None
+        group = metadata.decodes
+        if group is not None:
+            mask = group.key_mask
             if sliding_window is not None:
                 mask = _decode_window_mask(metadata, sliding_window)
-            self._decode(
-                query,
-                key_cache,
-                value_cache,
-                metadata.decodes,
-                scale,
-                output,
-                mask,
-                logits_soft_cap,
+            out = self._decode(
+                query, key_cache, value_cache, group, scale, mask, logits_soft_cap,
                 (k_scale, v_scale),
-            )
+            )  # fmt: skip
+            if not metadata.chunks and group.token_rows is None and len(out) == len(query):
+                return out  # a pure decode step: SDPA's output is the layer's
+            output = torch.empty_like(query)
+            if group.token_rows is None:
+                output[: group.num_decodes] = out
+            else:
+                output.index_copy_(0, group.token_rows, out)
+        if output is None:
+            output = torch.empty_like(query)
         for index, chunk in enumerate(metadata.chunks):
             rows = slice(chunk.query_start, chunk.query_end)
             if chunk.context_len == 0 and k_scale is None:
@@ -265,12 +279,11 @@ class CpuSdpaBackend(AttentionBackend):
         value_cache: torch.Tensor,
         group: DecodeGroup,
         scale: float,
-        output: torch.Tensor,
         key_mask: torch.Tensor | None,
         logits_soft_cap: float | None,
         scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
-    ) -> None:
-        """One batched SDPA for every single-token query; writes its rows of ``output``.
+    ) -> torch.Tensor:
+        """One batched SDPA for every single-token query -> [num_decodes, heads, head_dim].
 
         Grouped-query heads are folded into the query length: query head ``h`` reads kv
         head ``h // group``, so [B, heads, d] viewed as [B, kv_heads, group, d] is a batch
@@ -284,28 +297,58 @@ class CpuSdpaBackend(AttentionBackend):
             q = query.index_select(0, group.token_rows)
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = key_cache.shape[-2]
-        shape = (num_decodes, -1, num_kv_heads, head_dim)
-        # [B, max_blocks * block_size, kv_heads, head_dim] -> [B, kv_heads, L, head_dim]
-        k = self._read(0, key_cache, group.block_ids, query.dtype, scales[0])
-        v = self._read(1, value_cache, group.block_ids, query.dtype, scales[1])
         out = _attend(
             q.reshape(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim),
-            k.view(shape).transpose(1, 2),
-            v.view(shape).transpose(1, 2),
+            self._decode_keys(0, key_cache, group, query.dtype, scales[0]),
+            self._decode_keys(1, value_cache, group, query.dtype, scales[1]),
             key_mask,
             scale,
             logits_soft_cap,
             causal=False,
-        ).reshape(num_decodes, num_heads, head_dim)
-        if group.token_rows is None:
-            output[:num_decodes] = out
-        else:
-            output.index_copy_(0, group.token_rows, out)
+        )
+        return out.reshape(num_decodes, num_heads, head_dim)  # a view where SDPA allows
+
+    def _decode_keys(
+        self,
+        which: int,
+        cache: torch.Tensor,
+        group: DecodeGroup,
+        dtype: torch.dtype,
+        scale: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """[num_decodes, kv_heads, num_key_slots, head_dim] the decodes' keys (``which``
+        0) or values (1) in ``dtype``: a view of the cache for one decode whose blocks are
+        consecutive, else gathered into the workspace through views made once per step
+        (a decode step of a small model is dominated by the number of torch calls)."""
+        num_kv_heads, head_dim = cache.shape[-2], cache.shape[-1]
+        if scale is not None:  # FP8: gathered as bytes, then dequantized
+            rows = self._read(which, cache, group.block_ids, dtype, scale)
+            return rows.view(group.num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
+        if group.block_run is not None:
+            count = group.block_ids.shape[0]
+            blocks = cache[group.block_run : group.block_run + count]
+            heads = blocks.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+            return heads if cache.dtype == dtype else heads.to(dtype)
+        views = group.key_views.get((which, cache.dtype))
+        if views is None:
+            blocks = self._workspace_blocks(which, cache, group.block_ids.shape[0])
+            heads = blocks.view(group.num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
+            views = group.key_views[(which, cache.dtype)] = (blocks, heads)
+        # The first layer's workspace rows: should a larger gather (a chunk's) replace the
+        # workspace later in the step, these rows remain this step's decodes' own.
+        torch.index_select(cache, 0, group.block_ids, out=views[0])
+        return views[1] if cache.dtype == dtype else views[1].to(dtype)
 
     def _gather(self, which: int, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """[len(block_ids) * block_size, kv_heads, head_dim] the cache rows of the blocks,
         in workspace ``which`` (0 keys, 1 values); valid until the next gather into it."""
-        numel = block_ids.shape[0] * cache[0].numel()
+        blocks = self._workspace_blocks(which, cache, block_ids.shape[0])
+        torch.index_select(cache, 0, block_ids, out=blocks)
+        return blocks.view(-1, cache.shape[-2], cache.shape[-1])
+
+    def _workspace_blocks(self, which: int, cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        """[num_blocks, *cache.shape[1:]] rows of workspace ``which``, grown as needed."""
+        numel = num_blocks * cache[0].numel()
         workspace = self._workspaces[which]
         if (
             workspace is None
@@ -317,9 +360,7 @@ class CpuSdpaBackend(AttentionBackend):
             # the cost the workspace exists to avoid.
             workspace = torch.empty(numel * 5 // 4, dtype=cache.dtype, device=cache.device)
             self._workspaces[which] = workspace
-        blocks = workspace[:numel].view(block_ids.shape[0], *cache.shape[1:])
-        torch.index_select(cache, 0, block_ids, out=blocks)
-        return blocks.view(-1, cache.shape[-2], cache.shape[-1])
+        return workspace[:numel].view(num_blocks, *cache.shape[1:])
 
     def _read(
         self,
@@ -356,11 +397,23 @@ def _write(
     quantized (saturating), copied as bytes (CPU ``index_copy_`` has no float8 kernel)."""
     rows = cache.view(-1, *new.shape[1:])
     if scale is None:
-        rows.index_copy_(0, slot_mapping, new.to(cache.dtype))
+        rows.index_copy_(0, slot_mapping, new if new.dtype == cache.dtype else new.to(cache.dtype))
     else:
         rows.view(torch.uint8).index_copy_(
             0, slot_mapping, fp8.quantize(new, scale).view(torch.uint8)
         )
+
+
+def _block_run(layout: BatchLayout, reqs: np.ndarray, max_blocks: int) -> int | None:
+    """The first block of the one decode's table when its ``max_blocks`` blocks are
+    consecutive in the cache, else None (``DecodeGroup.block_run``)."""
+    if len(reqs) != 1:
+        return None
+    table = layout.block_table[int(reqs[0]), :max_blocks]
+    first = int(table[0])
+    if max_blocks > 1 and not bool((table.diff() == 1).all()):
+        return None
+    return first
 
 
 def _decode_window_mask(metadata: CpuSdpaMetadata, window: int) -> torch.Tensor:

@@ -28,6 +28,9 @@ NATIVE_BF16_ENV = "PAGEDLM_CPU_NATIVE_BF16"
 The test suite sets 0, so its default-dtype runs are float32 on every CI machine."""
 """Input rows up to which quantized layers use the int4 kernel (default
 ``quantized_linear.DEFAULT_MAX_ROWS``); above, they dequantize and call F.linear."""
+DENSE_FROM_ROWS_ENV = "PAGEDLM_CPU_DENSE_FROM_ROWS"
+"""Rows (times the layer's 4-bit planes) from which a quantized layer computes on a float32
+copy of its weights (default ``row_split_linear.DEFAULT_DENSE_FROM_ROWS``); 0: no copies."""
 
 
 def has_native_bf16() -> bool:
@@ -83,19 +86,23 @@ class CpuPlatform(Platform):
         self._model_config = config.model
 
     def prepare_model(self, model: torch.nn.Module) -> None:
+        from pagedlm_cpu.fused_layers import install_fused_kernels
         from pagedlm_cpu.linear import prepack_linears
         from pagedlm_cpu.threads import configure_threads
 
         logger.info("CPU threads: %s", configure_threads().describe())
         quantized = self._install_quantized_kernels(model)
+        with_copies = self._install_dense_copies(model) if quantized else ""
         packed = prepack_linears(model)
         logger.info(
-            "CPU linear layers: %d on the GGUF file's quantized blocks (int4 kernel), %d dense "
-            "on oneDNN (%s=1 computes on dequantized weights).",
+            "CPU linear layers: %d on the GGUF file's quantized blocks (int4 kernel%s), %d "
+            "dense on oneDNN (%s=1 computes on dequantized weights).",
             quantized,
+            with_copies,
             packed,
             DEQUANTIZE_GGUF_ENV,
         )
+        install_fused_kernels(model)
 
     def computes_on_gguf_blocks(self, model_config: ModelConfig) -> bool:
         from pagedlm_cpu.quantized_linear import int4_kernel_available
@@ -129,6 +136,40 @@ class CpuPlatform(Platform):
                 f"got {os.environ[INT4_MAX_ROWS_ENV]!r}."
             ) from None
         return install_int4_kernels(model, gguf_linear_blocks(model, config.model), max_rows)
+
+    def _install_dense_copies(self, model: torch.nn.Module) -> str:
+        """Give the int4 layers float32 copies for larger batches where memory allows
+        (a quarter of the memory available, as the KV cache's default); says what it did."""
+        from pagedlm_cpu.linear import onednn_available
+        from pagedlm_cpu.row_split_linear import (
+            DEFAULT_DENSE_FROM_ROWS,
+            dense_copy_bytes,
+            install_dense_copies,
+        )
+
+        try:
+            dense_from_rows = int(os.environ.get(DENSE_FROM_ROWS_ENV, DEFAULT_DENSE_FROM_ROWS))
+        except ValueError:
+            raise ValueError(
+                f"{DENSE_FROM_ROWS_ENV} must be a whole number of rows (0: no copies), "
+                f"got {os.environ[DENSE_FROM_ROWS_ENV]!r}."
+            ) from None
+        if dense_from_rows <= 0:
+            return f"; no float32 copies ({DENSE_FROM_ROWS_ENV}=0)"
+        if not onednn_available():
+            return "; no float32 copies for larger batches: this torch build has no oneDNN"
+        available = _available_memory_bytes()
+        budget = 1 << 62 if available is None else available // 4
+        size_mb = dense_copy_bytes(model) / 2**20
+        if install_dense_copies(model, dense_from_rows, budget) == 0:
+            return (
+                f"; no float32 copies for larger batches: {size_mb:.0f} MB exceed a quarter "
+                "of the memory available"
+            )
+        return (
+            f", and from {dense_from_rows} rows a float32 copy on oneDNN: +{size_mb:.0f} MB; "
+            f"{DENSE_FROM_ROWS_ENV}=0 drops it"
+        )
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         # numpy's zeros comes from calloc: the OS hands out zero pages lazily, so a

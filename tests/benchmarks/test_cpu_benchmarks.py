@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import time
 
-from pagedlm.benchmarks.cpu_step_profile import StepTimer
+from pagedlm.benchmarks.cpu_step_profile import TIMED, StepTimer
 from pagedlm.benchmarks.vs_llamacpp import interleaved, random_prompts
 
 
@@ -61,3 +63,9 @@ def test_step_timer_takes_nested_time_out_of_the_enclosing_row():
     assert inner >= 0.02 and rest >= 0.02  # two 10 ms sleeps; one 20 ms sleep
     assert rest < total - 0.015  # the inner calls' time is not counted twice
     assert rest + inner <= total
+
+
+def test_every_timed_method_exists():
+    # A renamed method would make the profile fail at start-up (or time nothing).
+    for module, owner, method, _ in TIMED:
+        inspect.getattr_static(getattr(importlib.import_module(module), owner), method)

@@ -165,3 +165,75 @@ def test_short_block_table_is_rejected() -> None:
     layout = BatchLayout.from_lists([0, 5], [5], [[0]], [0, 1, 2, 3, 4], 4)
     with pytest.raises(ValueError, match="block table covering every position"):
         CpuSdpaBackend(torch.device("cpu")).build_metadata(layout)
+
+
+def _two_layer_step(tables: list[list[int]], requests: list[tuple[int, int]], block_size: int):
+    """A layout for ``requests`` (context_len, query_len) over ``tables``, and per layer
+    (two of them) random caches and q/k/v for that step."""
+    seq_lens = [c + q for c, q in requests]
+    query_start = [0]
+    slot_mapping = []
+    for (context_len, query_len), table in zip(requests, tables, strict=True):
+        query_start.append(query_start[-1] + query_len)
+        for p in range(context_len, context_len + query_len):
+            slot_mapping.append(table[p // block_size] * block_size + p % block_size)
+    layout = BatchLayout.from_lists(query_start, seq_lens, tables, slot_mapping, block_size)
+    shape = CpuSdpaBackend.kv_cache_shape(NUM_BLOCKS, block_size, NUM_KV_HEADS, HEAD_DIM)
+    num_tokens = query_start[-1]
+    layers = [
+        (
+            torch.randn(num_tokens, NUM_HEADS, HEAD_DIM),
+            torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM),
+            torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM),
+            torch.randn(shape),
+            torch.randn(shape),
+        )
+        for _ in range(2)
+    ]
+    return layout, layers
+
+
+def _per_layer_outputs(layout, layers, shared_metadata: bool) -> list[torch.Tensor]:
+    backend = CpuSdpaBackend(torch.device("cpu"))
+    metadata = backend.build_metadata(layout)
+    outputs = []
+    for q, k, v, key_cache, value_cache in layers:
+        step_metadata = metadata if shared_metadata else backend.build_metadata(layout)
+        outputs.append(
+            backend.forward(q, k, v, key_cache.clone(), value_cache.clone(), step_metadata, 0.25)
+        )
+    return outputs
+
+
+@pytest.mark.parametrize(
+    ("tables", "block_run"),
+    [([[9, 10, 11]], 9), ([[9, 11, 10]], None), ([[30]], 30)],
+)
+def test_one_decode_on_consecutive_blocks_reads_the_cache_in_place(tables, block_run):
+    torch.manual_seed(0)
+    layout, layers = _two_layer_step(tables, [(4 * len(tables[0]) - 2, 1)], 4)
+    metadata = CpuSdpaBackend(torch.device("cpu")).build_metadata(layout)
+    assert metadata.decodes.block_run == block_run
+    q, k, v, key_cache, value_cache = layers[0]
+    out = _per_layer_outputs(layout, layers, shared_metadata=True)[0]
+    seq_len = int(layout.seq_lens_cpu[0])
+    cached_k = key_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)
+    cached_v = value_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)
+    slots = [tables[0][p // 4] * 4 + p % 4 for p in range(seq_len)]
+    full_k, full_v = cached_k[slots].clone(), cached_v[slots].clone()
+    full_k[-1], full_v[-1] = k[0], v[0]  # the step's own K/V, written before the read
+    expected = reference_attention(q, full_k, full_v, seq_len - 1, 0.25)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_layers_of_one_step_share_the_decodes_gather_views():
+    """The decodes' gather views are made by the first layer and reused by the next, also
+    when a longer chunk regrows the workspaces in between."""
+    torch.manual_seed(1)
+    tables = [[3], [7], [20 + i for i in range(12)]]
+    layout, layers = _two_layer_step(tables, [(3, 1), (2, 1), (40, 5)], 4)
+    shared = _per_layer_outputs(layout, layers, shared_metadata=True)
+    fresh = _per_layer_outputs(layout, layers, shared_metadata=False)
+    for a, b in zip(shared, fresh, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert not torch.equal(shared[0], shared[1])

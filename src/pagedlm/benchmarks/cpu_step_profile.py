@@ -7,6 +7,10 @@ engine's methods, and prints, per batch size, the mean exclusive time of each pa
 pure decode steps (every request scheduling one token): a nested timer's time is taken out
 of the one around it, so the rows add up to the whole step. The timers cost about a
 microsecond each (~0.5 ms per step at SmolLM2's 121 linear calls + 30 attention calls).
+
+With one thread (the default) the clock is that thread's CPU time, which is all of a
+step's work and none of other processes' on a shared machine (their cache and memory
+traffic still counts); ``--clock wall`` for several threads, whose pool this clock misses.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ TIMED = [
     ("pagedlm.core.scheduler", "OneBudgetScheduler", "schedule", "scheduler.schedule"),
     ("pagedlm.core.scheduler", "OneBudgetScheduler", "update_from_output", "scheduler.update"),
     ("pagedlm.engine.output_processor", "OutputProcessor", "process_outputs", "output processor"),
-    ("pagedlm.worker.model_runner", "ModelRunner", "launch", "runner: inputs, bookkeeping"),
+    ("pagedlm.worker.model_runner", "ModelRunner", "execute_model", "runner: inputs, bookkeeping"),
+    ("pagedlm.worker.model_runner", "ModelRunner", "sample_tokens", "runner: inputs, bookkeeping"),
     ("pagedlm_cpu.attention", "CpuSdpaBackend", "build_metadata", "attention metadata"),
     ("pagedlm.model_executor.models.causal_lm", "CausalLM", "forward", "model: norms, rope, act, ..."),
     ("pagedlm_cpu.attention", "CpuSdpaBackend", "forward", "attention (paged, SDPA)"),
@@ -44,9 +49,12 @@ TIMED = [
 
 
 class StepTimer:
-    """Exclusive time per row, per engine step."""
+    """Exclusive time per row, per engine step, on ``clock`` (nanoseconds): wall time, or
+    the calling thread's CPU time (``time.thread_time_ns``), which on a shared machine leaves
+    other processes' time out; with one torch thread it is all of a step's work."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], int] = time.perf_counter_ns) -> None:
+        self.clock = clock
         self.stack: list[list[int]] = []  # [start, time of children]
         self.current: dict[str, int] = defaultdict(int)
         self.steps: list[dict[str, int]] = []
@@ -57,12 +65,12 @@ class StepTimer:
         function = original.__func__ if is_static else original
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            frame = [time.perf_counter_ns(), 0]
+            frame = [self.clock(), 0]
             self.stack.append(frame)
             try:
                 return function(*args, **kwargs)
             finally:
-                elapsed = time.perf_counter_ns() - frame[0]
+                elapsed = self.clock() - frame[0]
                 self.stack.pop()
                 self.current[row] += elapsed - frame[1]
                 if self.stack:
@@ -106,14 +114,21 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument(
+        "--clock",
+        choices=["thread", "wall"],
+        default=None,
+        help="thread CPU time (the default with one thread) or wall time (with more)",
+    )
     args = parser.parse_args()
+    clock_name = args.clock or ("thread" if args.threads == 1 else "wall")
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     torch.set_num_threads(args.threads)
     llm = LLM(args.model, dtype=args.dtype)
-    timer = StepTimer()
+    timer = StepTimer(time.thread_time_ns if clock_name == "thread" else time.perf_counter_ns)
     install(timer)
     profile(llm, timer, 1, 8, 4)  # warm-up
-    rows = [row for *_, row in TIMED]
+    rows = list(dict.fromkeys(row for *_, row in TIMED))  # a row may time several methods
     tables = {}
     for batch_size in args.batch_sizes:
         steps = profile(llm, timer, batch_size, args.prompt_len, args.output_len)
@@ -121,7 +136,10 @@ def main() -> None:
             row: sum(s.get(row, 0) for s in steps) / len(steps) / 1e6 for row in rows
         }
     header = " | ".join(f"batch {b}: ms/step (%)" for b in args.batch_sizes)
-    print(f"load {os.getloadavg()[0]:.1f}, {args.threads} thread(s), decode steps only\n")
+    print(
+        f"load {os.getloadavg()[0]:.1f}, {args.threads} thread(s), {clock_name} time, "
+        "decode steps only\n"
+    )
     print(f"| part | {header} |")
     print("| --- |" + " --- |" * len(args.batch_sizes))
     for row in rows:

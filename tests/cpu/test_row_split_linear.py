@@ -1,0 +1,96 @@
+"""RowSplitLinear: the int4 kernel for small batches, a float32 copy from the threshold on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cpu.test_quantized_linear import Tiny, random_blocks
+from pagedlm.model_executor.layers.linear import ColumnParallelLinear
+from pagedlm_cpu import platform as cpu_platform
+from pagedlm_cpu.linear import onednn_available
+from pagedlm_cpu.quantized_linear import (
+    DequantScratch,
+    Int4Linear,
+    install_int4_kernels,
+    int4_kernel_available,
+)
+from pagedlm_cpu.row_split_linear import RowSplitLinear, dense_copy_bytes, install_dense_copies
+
+pytestmark = pytest.mark.skipif(
+    not (int4_kernel_available() and onednn_available()), reason="no CPU int4 kernel or oneDNN"
+)
+
+
+def _layer(bits: int, dense_from_rows: int, bias: torch.Tensor | None = None) -> RowSplitLinear:
+    from pagedlm_cpu.linear import OneDnnLinear
+
+    blocks = random_blocks(48, 64, bits, seed=bits)
+    quantized = Int4Linear(blocks, bias, DequantScratch())
+    return RowSplitLinear(quantized, OneDnnLinear(blocks.dequantize(), bias), dense_from_rows)
+
+
+@pytest.mark.parametrize(("bits", "first_dense_row"), [(4, 8), (8, 4)])
+def test_the_row_count_picks_the_kernel(bits, first_dense_row):
+    bias = torch.randn(48)
+    layer = _layer(bits, dense_from_rows=8, bias=bias)
+    # Two 4-bit planes (Q8_0 codes) double the int4 kernel's work: the copy takes over at
+    # half the rows.
+    assert layer.dense_from_rows == first_dense_row
+    weight = layer.quantized.blocks.dequantize()
+    small = torch.randn(first_dense_row - 1, 64)
+    assert torch.equal(layer(small), layer.quantized(small))  # the int4 kernel itself
+    large = torch.randn(first_dense_row, 64)
+    # float32 weights: F.linear's result up to summation order, no bf16 rounding.
+    torch.testing.assert_close(layer(large), F.linear(large, weight, bias), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(layer.quantized(large), F.linear(large, weight, bias), atol=1e-5)
+
+
+def test_bf16_activations_come_back_bf16_from_the_float32_copy():
+    layer = _layer(4, dense_from_rows=2)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    expected = F.linear(x.float(), layer.quantized.blocks.dequantize()).to(torch.bfloat16)
+    torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+
+
+def _tiny_quantized() -> tuple[nn.Module, dict]:
+    model = Tiny()
+    blocks = {"up": random_blocks(96, 64, 4), "head": random_blocks(64, 64, 8)}
+    assert install_int4_kernels(model, blocks) == 2
+    return model, blocks
+
+
+def test_install_wraps_every_int4_layer_within_the_budget():
+    model, blocks = _tiny_quantized()
+    assert dense_copy_bytes(model) == (96 * 64 + 64 * 64) * 4
+    assert install_dense_copies(model, 16, budget_bytes=dense_copy_bytes(model)) == 2
+    assert isinstance(model.up.kernel, RowSplitLinear)
+    assert isinstance(model.head.kernel, RowSplitLinear)
+    x = torch.randn(20, 64)
+    torch.testing.assert_close(model.up(x), F.linear(x, blocks["up"].dequantize()))
+
+
+def test_no_copies_over_the_budget_or_when_turned_off():
+    model, _ = _tiny_quantized()
+    assert install_dense_copies(model, 16, budget_bytes=dense_copy_bytes(model) - 1) == 0
+    assert install_dense_copies(model, 0, budget_bytes=1 << 40) == 0
+    assert isinstance(model.up.kernel, Int4Linear) and isinstance(model.head.kernel, Int4Linear)
+    plain = ColumnParallelLinear(64, 32)  # no int4 kernel: nothing to copy
+    assert install_dense_copies(plain, 16, budget_bytes=1 << 40) == 0 and plain.kernel is None
+
+
+def test_the_platform_reads_the_threshold_from_the_environment(monkeypatch):
+    model, _ = _tiny_quantized()
+    monkeypatch.setenv(cpu_platform.DENSE_FROM_ROWS_ENV, "0")
+    assert "no float32 copies" in cpu_platform.CpuPlatform()._install_dense_copies(model)
+    monkeypatch.setenv(cpu_platform.DENSE_FROM_ROWS_ENV, "twelve")
+    with pytest.raises(ValueError, match="whole number of rows"):
+        cpu_platform.CpuPlatform()._install_dense_copies(model)
+    monkeypatch.setenv(cpu_platform.DENSE_FROM_ROWS_ENV, "12")
+    said = cpu_platform.CpuPlatform()._install_dense_copies(model)
+    assert "from 12 rows a float32 copy" in said
+    assert model.up.kernel.dense_from_rows == 12 and model.head.kernel.dense_from_rows == 6
