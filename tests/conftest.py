@@ -18,6 +18,11 @@ if not torch.cuda.is_available():
 # compare numerics, so they run the float32 default on whatever CPU CI lends (tests of
 # the bf16 choice set it themselves; server child processes inherit this).
 os.environ.setdefault("PAGEDLM_CPU_NATIVE_BF16", "0")
+# Each engine's start-up freezes the heap out of the garbage collector (pagedlm.gc_heap)
+# after a full collection, and the next engine's thaws and collects again: ~0.2 s per
+# engine, and this suite builds hundreds in one process. It changes when garbage is
+# collected, never what runs; tests/engine/test_gc_heap.py turns it on and checks it.
+os.environ.setdefault("PAGEDLM_GC_FREEZE", "0")
 
 TINY_COMMON = dict(
     vocab_size=384,

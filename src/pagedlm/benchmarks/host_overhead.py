@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
+import gc
 import json
 import pstats
 import random
@@ -60,6 +61,29 @@ def _timed(phases: dict[str, float], name: str, method: Callable, clock: Callabl
             phases[name] += clock() - start
 
     return wrapper
+
+
+class CollectorTimer:
+    """Time spent in the cyclic garbage collector's passes while ``active`` (its callbacks
+    bracket every pass), per generation."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.active = False
+        self.seconds: dict[int, float] = defaultdict(float)
+        self.passes: dict[int, int] = defaultdict(int)
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = self.clock()
+        elif self.active:
+            self.seconds[info["generation"]] += self.clock() - self._start
+            self.passes[info["generation"]] += 1
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 def instrument(llm: LLM, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
@@ -113,6 +137,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         phases = instrument(llm, clock)
         steps_before = scheduler.num_model_steps
         profiler = cProfile.Profile() if args.profile else None
+        collector = CollectorTimer(clock)
+        collector.active = True
         start = clock()
         if profiler is not None:
             profiler.enable()
@@ -120,6 +146,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if profiler is not None:
             profiler.disable()
         wall = clock() - start
+        collector.active = False
+        collector.close()
         steps = scheduler.num_model_steps - steps_before
     result = {
         "engine_args": engine_args,
@@ -129,6 +157,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "clock": args.clock,
         "ms_per_step": 1e3 * wall / steps,
         "phases_ms_per_step": {k: round(1e3 * v / steps, 3) for k, v in phases.items()},
+        "garbage_collector_ms_per_step": round(1e3 * sum(collector.seconds.values()) / steps, 3),
+        "garbage_collector_passes": {f"gen{g}": n for g, n in sorted(collector.passes.items())},
     }
     print(json.dumps(result, indent=1), flush=True)
     if profiler is not None:

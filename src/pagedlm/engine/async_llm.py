@@ -49,6 +49,7 @@ from pagedlm.engine.messages import (
 )
 from pagedlm.engine.output_processor import OutputProcessor
 from pagedlm.engine.request_stream import RequestStream
+from pagedlm.gc_heap import freeze_startup_heap, thaw_heap
 from pagedlm.lora.request import LoRARequest
 from pagedlm.metrics import EngineMetrics, Metric
 from pagedlm.metrics.stats import cache_info
@@ -144,6 +145,7 @@ class AsyncLLM:
         """Resolve the configuration, start the engine-core process (in ``core_launch``'s,
         started early, if given) and wait until it has loaded the model. Meanwhile this
         process loads the tokenizer and runs ``while_loading`` (the server imports itself)."""
+        thaw_heap()  # a previous engine's frozen cycles
         config, _ = args.create_engine_config()
         # The core resolves the same arguments again; pin the model path it resolved here.
         client = CoreClient(dataclasses.replace(args, model=config.model.model), core_launch)
@@ -159,7 +161,9 @@ class AsyncLLM:
         except BaseException:
             client.shutdown()
             raise
-        return cls(config, tokenizer, client, ready, args)
+        engine = cls(config, tokenizer, client, ready, args)
+        freeze_startup_heap("front end")
+        return engine
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -525,3 +529,4 @@ class AsyncLLM:
                 task.cancel()
         self._input_pool.shutdown(wait=False, cancel_futures=True)
         self._client.shutdown()
+        thaw_heap()

@@ -52,6 +52,7 @@ from pagedlm.engine.messages import (
     make_frontend_decoder,
     request_from_wire,
 )
+from pagedlm.gc_heap import freeze_startup_heap
 from pagedlm.structured_output.manager import grammar_failure
 from pagedlm.structured_output.params import GrammarLimits
 
@@ -266,6 +267,7 @@ def main(argv: list[str]) -> int:
         output_socket.send(encoder.encode(Ready(core.num_kv_blocks, core.make_stats())))
         heartbeat = HeartbeatThread(context, output_address, watch)
         heartbeat.start()
+        freeze_startup_heap("engine core")
         try:
             EngineCoreProc(core, input_socket, output_socket, parent_pid, watch, work).run()
         finally:

@@ -12,6 +12,7 @@ from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.data_parallel import make_engine_core
 from pagedlm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagedlm.engine.output_processor import OutputProcessor
+from pagedlm.gc_heap import freeze_startup_heap, thaw_heap
 from pagedlm.lora.request import LoRARequest
 from pagedlm.metrics import EngineMetrics, Metric
 from pagedlm.metrics.stats import cache_info
@@ -24,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, platform: Platform) -> None:
+        thaw_heap()  # a previous engine's frozen cycles, before this one allocates
         self.config = config
         self.platform = platform
         self.tokenizer = None
@@ -44,6 +46,7 @@ class LLMEngine:
         self.metrics = EngineMetrics(
             config.model.max_model_len, cache_info(config.cache, self.engine_core.num_kv_blocks)
         )
+        freeze_startup_heap("engine")
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -132,3 +135,4 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+        thaw_heap()

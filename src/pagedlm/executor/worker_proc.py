@@ -28,6 +28,7 @@ import traceback
 import zmq
 
 from pagedlm.executor import worker_messages as wire
+from pagedlm.gc_heap import freeze_startup_heap
 from pagedlm.step import GrammarBitmask, SchedulerOutput, StepResult, codec
 from pagedlm.worker.worker import RankPlacement, Worker
 
@@ -114,6 +115,7 @@ class WorkerLoop:
             self._reply(wire.KvBlocks(rank, worker.determine_num_kv_blocks()))
         elif isinstance(call, wire.InitializeKvCache):
             worker.initialize_kv_cache(call.num_blocks)
+            freeze_startup_heap(f"worker {rank}")  # start-up ends with the KV cache
             self._reply(wire.Done(rank))
         elif isinstance(call, wire.Shutdown):
             return False

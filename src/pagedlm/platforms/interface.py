@@ -178,9 +178,9 @@ class Platform(ABC):
     def release_memory(self) -> None:
         """Give memory whose tensors were just dropped (sleep mode: the KV cache, weights)
         back to the system; a device with a caching allocator empties its cache here."""
-        import gc
+        from pagedlm.gc_heap import collect_garbage
 
-        gc.collect()
+        collect_garbage()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
