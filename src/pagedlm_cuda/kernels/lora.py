@@ -17,8 +17,16 @@ program now reads at most ``SPLIT_K`` features, so a token's rows are read by
 
 The kernels read the slots from the model runner's fixed-address ``token_slots`` buffer and
 nothing host-side, so a CUDA graph captured over them replays any later step's adapter mix.
-Tokens of the same adapter in a step share its rows through the L2 cache. Launched plainly
-(no programmatic dependent launch), so each starts after the kernel before it has completed.
+Tokens of the same adapter in a step share its rows through the L2 cache.
+
+Both launch with programmatic dependent launch (``pdl.py``): a program first lets the next
+kernel launch, then reads its token's slot (written by a host copy before the forward) and
+its first tile of the adapter's weights (A for the shrink; B, most of what an expand program
+reads) while the kernel before it drains, and only after ``wait_for_previous`` reads the
+activations, the partials and ``out``, and writes. A program of a base-model token waits
+too before it returns: a kernel whose programs could all exit without waiting might
+complete before its predecessor, and the next kernel, which waits only for this one, would
+read that predecessor's output too early.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import triton
 import triton.language as tl
 
 from pagedlm.lora.ops import LoRAStepState, SliceSpec
+from pagedlm_cuda.kernels import pdl
 
 MAX_SLICES = 3
 
@@ -36,19 +45,34 @@ MAX_SLICES = 3
 def _shrink_kernel(
     x_ptr, a_ptr, slots_ptr, y_ptr, K, N, stride_x, stride_a_slot, stride_a_row,
     stride_y_split, stride_y, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.allow_next(USE_PDL)
     token = tl.program_id(0)
-    slot = tl.load(slots_ptr + token)
-    if slot < 0:
-        return
+    slot = tl.load(slots_ptr + token)  # a host copy before the forward: before the wait
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     split = tl.program_id(2)
-    a_rows = a_ptr + slot.to(tl.int64) * stride_a_slot + rows[:, None].to(tl.int64) * stride_a_row
+    a_rows = (
+        a_ptr
+        + tl.maximum(slot, 0).to(tl.int64) * stride_a_slot
+        + rows[:, None].to(tl.int64) * stride_a_row
+    )
+    cols = split * SPLIT_K + tl.arange(0, BLOCK_K)
+    col_mask = cols < K
+    # The adapter's weights: the first tile streams in while the previous kernel drains.
+    a = tl.load(
+        a_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :] & (slot >= 0), other=0.0
+    )
+    # Every program waits, even one with nothing to do: the kernel then completes only
+    # after the previous one has, which keeps the chain's order (pdl.py).
+    pdl.wait_for_previous(USE_PDL)
+    if slot < 0:
+        return
     x_row = x_ptr + token.to(tl.int64) * stride_x
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, SPLIT_K, BLOCK_K):
+    x = tl.load(x_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+    acc = tl.sum(a.to(tl.float32) * x[None, :], axis=1)
+    for k0 in range(BLOCK_K, SPLIT_K, BLOCK_K):
         cols = split * SPLIT_K + k0 + tl.arange(0, BLOCK_K)
         col_mask = cols < K
         x = tl.load(x_row + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -62,12 +86,11 @@ def _shrink_kernel(
 def _expand_kernel(
     y_ptr, b_ptr, slots_ptr, out_ptr, R, num_splits, stride_y_split, stride_y, stride_b_slot,
     stride_b_row, stride_out, start0, start1, start2, size0, size1, size2,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.allow_next(USE_PDL)
     token = tl.program_id(0)
-    slot = tl.load(slots_ptr + token)
-    if slot < 0:
-        return
+    slot = tl.load(slots_ptr + token)  # a host copy before the forward: before the wait
     s = tl.program_id(2)
     start = tl.where(s == 0, start0, tl.where(s == 1, start1, start2))
     size = tl.where(s == 0, size0, tl.where(s == 1, size1, size2))
@@ -75,16 +98,24 @@ def _expand_kernel(
     col_mask = cols < size
     ranks = tl.arange(0, BLOCK_R)
     rank_mask = ranks < R
+    b_rows = (
+        b_ptr
+        + tl.maximum(slot, 0).to(tl.int64) * stride_b_slot
+        + (start + cols)[:, None].to(tl.int64) * stride_b_row
+    )
+    # B's tile is the bulk of what the program reads, and a weight: read before the wait.
+    b = tl.load(
+        b_rows + ranks[None, :],
+        mask=col_mask[:, None] & rank_mask[None, :] & (slot >= 0),
+        other=0.0,
+    )
+    pdl.wait_for_previous(USE_PDL)  # every program, as in the shrink (the chain's order)
+    if slot < 0:
+        return
     y_row = y_ptr + token.to(tl.int64) * stride_y + s * R + ranks
     y = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for split in range(0, num_splits):
         y += tl.load(y_row + split * stride_y_split, mask=rank_mask, other=0.0)
-    b_rows = (
-        b_ptr
-        + slot.to(tl.int64) * stride_b_slot
-        + (start + cols)[:, None].to(tl.int64) * stride_b_row
-    )
-    b = tl.load(b_rows + ranks[None, :], mask=col_mask[:, None] & rank_mask[None, :], other=0.0)
     delta = tl.sum(b.to(tl.float32) * y[None, :], axis=1)
     out_cols = out_ptr + token.to(tl.int64) * stride_out + start + cols
     current = tl.load(out_cols, mask=col_mask, other=0.0)
@@ -108,15 +139,17 @@ def lora_shrink(
     n = lora_a.shape[1]
     assert x.stride(1) == 1 and lora_a.stride(2) == 1 and lora_a.shape[2] == k
     split_k = shrink_split(k) if split_k is None else split_k
-    block_k = min(128, split_k)
+    block_n = min(64, triton.next_power_of_2(n))
+    # The widest tile of at most 8,192 elements: a rank-16 slice's whole split is one
+    # tile, so all of its weights are read before the PDL wait.
+    block_k = min(split_k, max(128, 8192 // block_n))
     assert split_k % block_k == 0
     num_splits = triton.cdiv(k, split_k)
     y = torch.empty((num_splits, num_tokens, n), dtype=torch.float32, device=x.device)
-    block_n = min(64, triton.next_power_of_2(n))
     grid = (num_tokens, triton.cdiv(n, block_n), num_splits)
     _shrink_kernel[grid](
         x, lora_a, token_slots, y, k, n, x.stride(0), lora_a.stride(0), lora_a.stride(1),
-        y.stride(0), y.stride(1), SPLIT_K=split_k, BLOCK_N=block_n, BLOCK_K=block_k,
+        y.stride(0), y.stride(1), SPLIT_K=split_k, BLOCK_N=block_n, BLOCK_K=block_k, **pdl.launch_options(),
     )  # fmt: skip
     return y
 
@@ -141,7 +174,7 @@ def lora_expand(
     _expand_kernel[grid](
         y, lora_b, token_slots, out, rank, y.shape[0], y.stride(0), y.stride(1),
         lora_b.stride(0), lora_b.stride(1), out.stride(0), *(s.start for s in padded), *(s.size for s in padded),
-        BLOCK_N=block_n, BLOCK_R=triton.next_power_of_2(rank),
+        BLOCK_N=block_n, BLOCK_R=triton.next_power_of_2(rank), **pdl.launch_options(),
     )  # fmt: skip
 
 
