@@ -264,10 +264,10 @@ def main(argv: list[str]) -> int:
         scheduler = config.scheduler
         work = InFlightWork(scheduler.max_num_batched_tokens, scheduler.async_scheduling)
         watch = StepWatch(args.engine_iteration_timeout_s)
+        freeze_startup_heap("engine core")  # before Ready: the first request never waits on it
         output_socket.send(encoder.encode(Ready(core.num_kv_blocks, core.make_stats())))
         heartbeat = HeartbeatThread(context, output_address, watch)
         heartbeat.start()
-        freeze_startup_heap("engine core")
         try:
             EngineCoreProc(core, input_socket, output_socket, parent_pid, watch, work).run()
         finally:
