@@ -6,9 +6,10 @@ graphs. Every generation-2 collection walks all of them, and serving triggers su
 collections regularly, because each step allocates per-request objects (outputs, token
 lists, messages) that survive a young collection or two. Measured with
 ``python -m pagedlm.benchmarks.host_overhead --clock cpu`` (256 requests decoding a
-negligible model, the engine's host work per step): 11.3 ms per step, of which the
-collector took ~4 ms (gen-2 passes of ~150 ms each); 7.0 ms with the heap frozen, the
-same as with the collector off (docs/performance.md, session 10).
+negligible model, the engine's host work per step, on a 2-core machine): 13.4 ms per step,
+of which the collector took 3.7 ms (gen-2 passes of ~200 ms each); 7.6 ms with the heap
+frozen, the collector then 0.07 ms. On the H200 host: 4.15 ms per step against 3.03
+frozen (docs/performance.md, session 10).
 
 ``freeze_startup_heap`` collects once and then moves everything alive into the permanent
 generation (``gc.freeze``), which later collections skip. Frozen objects are still freed
