@@ -3,8 +3,10 @@
 ``build_metadata`` takes views of the step's layout, which the model runner already keeps
 on the device (slot mapping, query offsets, sequence lengths, block tables). ``forward``
 runs the decode kernel (split-K, GQA-grouped, writing the new K/V by slot itself) when
-every request schedules one token, else writes the new K/V by slot and runs the varlen
-prefill kernel, which also serves mixed batches and prefix/chunked prefills. Both kernels take a per-layer sliding window and logit soft-cap.
+every request schedules one token; else it writes the new K/V by slot and runs the
+verification kernel (split-K over all of a request's rows at once) when no request
+schedules more than ``verify_attention.MAX_QUERY_LEN`` tokens (speculative verification,
+short chunks), and the varlen prefill kernel for the rest (prompts, long chunks). Both kernels take a per-layer sliding window and logit soft-cap.
 
 FP8 cache: the kernels quantize on write and dequantize tiles in registers, with the
 layer's per-tensor ``k_scale``/``v_scale`` read from device memory (a graph replays them
@@ -95,8 +97,9 @@ class TritonAttentionBackend(AttentionBackend):
     def supports_graph(self, query_len: int) -> bool:
         # The decode kernel's grid depends only on the batch size and max_seq_len
         # (max_model_len under a graph). A uniform step of a few tokens per request (a
-        # speculative verification) runs the prefill kernel, whose grid depends on the
-        # batch size and max_query_len only: the captured query length, one row tile.
+        # speculative verification) runs the verification kernel, sized the same way plus
+        # the captured query length, or (longer queries) the prefill kernel, whose grid
+        # depends on the batch size and max_query_len only: one row tile.
         if self.batch_invariant:
             return query_len == 1  # chunk steps build per-token tables (copies)
         return 1 <= query_len <= GRAPH_MAX_QUERY_LEN
@@ -119,8 +122,10 @@ class TritonAttentionBackend(AttentionBackend):
         from pagedlm_cuda.kernels import (
             paged_decode_attention,
             paged_prefill_attention,
+            paged_verify_attention,
             write_kv_cache,
         )
+        from pagedlm_cuda.kernels.verify_attention import MAX_QUERY_LEN
 
         scales = dict(k_scale=k_scale, v_scale=v_scale)
         if is_fp8(key_cache.dtype):
@@ -148,6 +153,22 @@ class TritonAttentionBackend(AttentionBackend):
                 **scales,
             )
         write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping, **scales)
+        if metadata.max_query_len <= MAX_QUERY_LEN:
+            return paged_verify_attention(
+                query,
+                key_cache,
+                value_cache,
+                metadata.block_tables,
+                metadata.seq_lens,
+                metadata.query_start_loc,
+                scale,
+                metadata.max_query_len,
+                metadata.max_seq_len,
+                out,
+                sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
+                **scales,
+            )
         return paged_prefill_attention(
             query,
             key_cache,

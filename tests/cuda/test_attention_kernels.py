@@ -382,3 +382,124 @@ def test_write_kv_cache_refuses_the_slot_major_layout() -> None:
     kv = torch.zeros(1, 2, 64, device=DEVICE)
     with pytest.raises(ValueError, match="kv_cache_shape"):
         write_kv_cache(kv, kv, cache, cache, torch.zeros(1, dtype=torch.long, device=DEVICE))
+
+
+def check_verify(
+    block_size, head_dim, num_kv_heads, group, chunks, dtype,
+    config=None, window=None, cap=None, q_scale=1.0, max_seq_len=None,
+):  # fmt: skip
+    """The verification kernel against the reference: ``chunks`` are (query_len, context)
+    per request, the step's K/V already in the cache; (0, 0) chunks of ``q`` tokens are
+    given as (q, -q): padding rows (seq_len 0), whose outputs must be zeros."""
+    from pagedlm_cuda.kernels import paged_verify_attention
+
+    query_lens = [q for q, _ in chunks]
+    seq_lens = [q + c for q, c in chunks]
+    real = [i for i, s in enumerate(seq_lens) if s > 0]
+    key_cache, value_cache, table, tables = make_cache(
+        [max(s, 1) for s in seq_lens], block_size, num_kv_heads, head_dim, dtype,
+        seed=sum(seq_lens) + len(chunks),
+    )  # fmt: skip
+    num_heads = num_kv_heads * group
+    query = (q_scale * torch.randn(sum(query_lens), num_heads, head_dim)).to(dtype).to(DEVICE)
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    out = torch.full_like(query, float("nan"))
+    scale = head_dim**-0.5
+    paged_verify_attention(
+        query, key_cache, value_cache, table,
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        scale, max(query_lens), max_seq_len or max(seq_lens), out,
+        sliding_window=window, logits_soft_cap=cap, config=config,
+    )  # fmt: skip
+    rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in real])
+    pad_rows = [
+        r for i in range(len(chunks)) if i not in real for r in range(starts[i], starts[i + 1])
+    ]
+    assert torch.equal(out[pad_rows].cpu(), torch.zeros_like(out[pad_rows].cpu()))
+    pick = lambda xs: [xs[i] for i in real]  # noqa: E731
+    args = (query[rows.to(DEVICE)], key_cache, value_cache, pick(tables), pick(seq_lens),
+            pick(query_lens), scale)  # fmt: skip
+    ref = reference(*args, window=window, cap=cap)
+    assert rel_error(out[rows.to(DEVICE)], ref) < tolerance(dtype)
+    return ref, reference(*args)
+
+
+def _split(partition: int, merge_in_kernel: bool):
+    from pagedlm_cuda.kernels.decode_config import DecodeConfig
+
+    return DecodeConfig(partition, min(partition, 16), 4, 2, merge_in_kernel)
+
+
+VERIFY_CASES = [
+    # block_size, head_dim, num_kv_heads, group, chunks, dtype
+    (16, 64, 2, 1, [(5, 40), (1, 17), (3, 0)], torch.float32),
+    (16, 128, 1, 4, [(5, 300), (2, 31)], torch.float32),
+    (32, 64, 1, 8, [(4, 60), (4, 1), (4, 527)], SMALL_BF16),  # 32 rows per program
+    (16, 64, 2, 4, [(8, 90), (6, 7)], torch.float16),
+]
+
+
+@pytest.mark.parametrize("merge_in_kernel", [True, False])
+@pytest.mark.parametrize("case", VERIFY_CASES)
+def test_verify_attention(case, merge_in_kernel: bool) -> None:
+    check_verify(*case, config=_split(32, merge_in_kernel))
+
+
+def test_verify_attention_single_partition_and_default_split() -> None:
+    check_verify(16, 64, 2, 4, [(5, 20), (3, 4)], torch.float32)
+    check_verify(16, 64, 2, 4, [(5, 20), (3, 4)], torch.float32, config=_split(64, True))
+
+
+def test_verify_attention_partition_with_no_key_for_early_rows() -> None:
+    """A last partition shorter than the query: its first rows see none of its keys."""
+    check_verify(16, 64, 1, 4, [(5, 30)], torch.float32, config=_split(16, True))  # 35 keys
+    check_verify(16, 64, 1, 4, [(8, 41)], torch.float32, config=_split(16, False))
+
+
+def test_verify_attention_padding_rows_under_a_graph_bound() -> None:
+    """Padding rows (seq_len 0) get zeros; the grid sized by a larger bound."""
+    chunks = [(5, 70), (5, -5), (5, 3), (5, -5)]
+    check_verify(16, 64, 2, 2, chunks, torch.float32, config=_split(32, True), max_seq_len=256)
+    check_verify(16, 64, 2, 2, chunks, torch.float32, config=_split(32, False), max_seq_len=256)
+
+
+@pytest.mark.parametrize("merge_in_kernel", [True, False])
+def test_verify_attention_sliding_window_and_soft_cap(merge_in_kernel: bool) -> None:
+    config = _split(16, merge_in_kernel)
+    chunks = [(5, 60), (3, 2), (4, 33)]
+    windowed, full = check_verify(16, 64, 2, 4, chunks, torch.float32, config=config, window=9)
+    assert rel_error(windowed, full) > 0.05
+    check_verify(16, 64, 2, 4, chunks, torch.float32, config=config, window=1)
+    check_verify(16, 64, 2, 4, chunks, torch.float32, config=config, window=16)
+    capped, plain = check_verify(
+        16, 64, 2, 4, chunks, torch.float32, config=config, cap=3.0, q_scale=6
+    )
+    assert rel_error(capped, plain) > 0.05
+    check_verify(16, 64, 2, 4, chunks, torch.float32, config=config, window=7, cap=3.0)
+
+
+def test_verify_attention_refuses_long_queries() -> None:
+    with pytest.raises(ValueError, match="paged_prefill_attention"):
+        check_verify(16, 64, 1, 1, [(9, 3)], torch.float32)
+
+
+FULL_VERIFY_CASES = [
+    (16, 128, 8, 4, [(5, 1100)], torch.bfloat16),  # batch 1 of issue 13's shape
+    (16, 128, 8, 4, [(5, 1100 + 37 * i) for i in range(8)], torch.bfloat16),
+    (16, 128, 8, 4, [(4, 300 + 29 * i) for i in range(64)], torch.bfloat16),
+    (32, 64, 8, 8, [(8, 7000), (2, 513), (5, 1)], torch.bfloat16),
+    (16, 256, 4, 2, [(5, 4000), (5, 3)], torch.bfloat16),  # Gemma head_dim
+]
+
+
+@cuda_only
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", FULL_VERIFY_CASES)
+def test_verify_attention_full(case) -> None:
+    check_verify(*case)
+    check_verify(*case, window=4096, cap=30.0, q_scale=8)
+    check_verify(*case, window=700)
+    check_verify(*case, max_seq_len=8192)

@@ -1,0 +1,326 @@
+"""Paged attention for a few query tokens per request: speculative verification steps.
+
+A verification step feeds each request ``1 + k`` tokens (its last sampled token and ``k``
+drafts) over a long cached context. The prefill kernel serves such a step correctly but
+not fast: it runs one program per (request, query head) and walks the whole context in
+each, so at batch 1 an 8B model's step gets 32 programs per layer on a 132-SM GPU (33 us
+per layer on the H200, against ~8 us for a decode). This kernel splits the context the way
+the decode kernel does, and puts every query row of a request that shares a kv head into
+one program: the M dimension of its dots is ``query_len x group`` rows (token ``i``, head
+``g`` at row ``i * group + g``), so each key tile is read once for all of them.
+
+Each program takes one (request, kv head, partition of ``PARTITION`` key positions). Row
+``i`` of a request of ``q`` tokens over ``seq_len`` positions is the token at position
+``seq_len - q + i``: it sees keys up to that position (causal), and with a sliding window
+``w`` only the last ``w`` of them. A partition may hold no visible key for some rows (the
+last partition, before a row's position); such a row keeps a zero sum there and the merge
+never reads it: token ``i``'s partitions are those up to its own position.
+
+The partials are merged by log-sum-exp in a fixed order, per token, as the decode kernel
+merges its own (``decode_attention._merge_group``): by the program that draws the last
+ticket of the (request, kv head) when ``decode_config`` says the kernel merges, else by a
+merge kernel after it. The split and merge mode come from ``decode_config`` of the number
+of requests, so the result depends on the batch only through its CUDA-graph bucket.
+
+The step's keys and values must already be in the cache (``write_kv_cache``). Padding
+rows (``seq_len == 0``, a captured graph's) get zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedlm.kv_cache.fp8 import is_fp8
+from pagedlm_cuda.kernels import pdl
+from pagedlm_cuda.kernels.decode_attention import (
+    MERGE_CONTEXT,
+    MERGE_TILE,
+    _merge_group,
+    merge_counters,
+)
+from pagedlm_cuda.kernels.decode_config import DecodeConfig, decode_config
+from pagedlm_cuda.kernels.kv_tile import fp8_scales, load_kv_tile
+from pagedlm_cuda.kernels.score_mod import scaled_scores, score_args
+
+MAX_QUERY_LEN = 8
+"""The most tokens per request this kernel takes (1 + k for k <= 7 drafts): its rows are
+``query_len x group`` in one program, so longer queries belong to the prefill kernel."""
+
+
+@triton.jit
+def _attend_rows(
+    q, k, v, visible, m, denom, acc, score_scale, cap_log2e, k_scale,
+    USE_SOFT_CAP: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over a tile, ``visible`` [M, N] per row; a row may see no
+    key of the tile (nor of any earlier one): its max stays -inf and its sums zero."""
+    dots = tl.dot(q, tl.trans(k))
+    if FP8:
+        dots = dots * k_scale
+    s = scaled_scores(dots, score_scale, cap_log2e, USE_SOFT_CAP)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp2(-inf - 0) = 0, not NaN
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m - m_safe)
+    denom = denom * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, denom, acc
+
+
+@triton.jit
+def _merge_request(
+    out_ptr, partial_out_ptr, partial_lse_ptr, q_start, q_len, context_len, kv_head,
+    window, out_stride_token, out_stride_head, max_partitions, num_heads, group_size,
+    head_dim, PARTITION: tl.constexpr, MAX_Q: tl.constexpr, MERGE_G: tl.constexpr,
+    MERGE_P: tl.constexpr, BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr,
+):  # fmt: skip
+    """Merge each token's partitions: token ``i`` (position ``context_len + i``) owns
+    partitions ``first .. cdiv(context_len + i + 1, PARTITION) - 1``."""
+    for i in tl.static_range(MAX_Q):
+        if i < q_len:
+            visible_end = context_len + i + 1
+            first = 0
+            if USE_WINDOW:
+                first = tl.maximum(visible_end - window, 0) // PARTITION
+            _merge_group(
+                out_ptr, partial_out_ptr, partial_lse_ptr, q_start + i, kv_head, first,
+                tl.cdiv(visible_end, PARTITION), out_stride_token, out_stride_head,
+                max_partitions, num_heads, group_size, head_dim, MERGE_G=MERGE_G,
+                MERGE_P=MERGE_P, BLOCK_D=BLOCK_D,
+            )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["block_table_stride", "max_partitions"])
+def _verify_kernel(
+    q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    query_start_loc_ptr, k_scale_ptr, v_scale_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
+    q_stride_token, q_stride_head, out_stride_token, out_stride_head,
+    cache_stride_block, cache_stride_head, cache_stride_slot, block_table_stride,
+    max_partitions, num_heads, num_kv_heads, score_scale, cap_log2e, window, group_size,
+    head_dim,
+    BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MAX_Q: tl.constexpr,
+    MERGE_G: tl.constexpr, MERGE_P: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
+    DIRECT: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    pdl.allow_next(USE_PDL)
+    req = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    # Metadata are host copies made before the forward: readable before the wait.
+    q_start = tl.load(query_start_loc_ptr + req).to(tl.int64)
+    q_len = (tl.load(query_start_loc_ptr + req + 1) - q_start).to(tl.int32)
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    token_in_req = rows // group_size
+    heads = kv_head * group_size + rows % group_size
+    row_mask = token_in_req < q_len
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    tokens = q_start + token_in_req
+    out_rows = tokens[:, None] * out_stride_token + heads[:, None] * out_stride_head
+    mask = row_mask[:, None] & dim_mask[None, :]
+
+    start = part * PARTITION
+    end = tl.minimum(start + PARTITION, seq_len)
+    if USE_WINDOW:  # the first token's window begins earliest
+        start = tl.maximum(start, context_len + 1 - window)
+    if seq_len == 0:  # a padding row: zeros, once
+        if part == 0:
+            pdl.wait_for_previous(USE_PDL)
+            tl.store(out_ptr + out_rows + dims[None, :], tl.zeros([BLOCK_M, BLOCK_D],
+                     out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+        return
+    if start >= end:
+        return  # no key of any row here: neither the tickets nor the merge count it
+
+    # The step's own keys were written by the kernel before this one.
+    pdl.wait_for_previous(USE_PDL)
+    head_base = kv_head.to(tl.int64) * cache_stride_head
+    table = block_tables_ptr + req * block_table_stride
+    q = tl.load(q_ptr + tokens[:, None] * q_stride_token + heads[:, None] * q_stride_head
+                + dims[None, :], mask=mask, other=0.0)  # fmt: skip
+    if FP8:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(COMPUTE_DTYPE)
+    else:
+        q = q.to(COMPUTE_DTYPE)
+    k_scale, v_scale = fp8_scales(k_scale_ptr, v_scale_ptr, FP8)
+    visible_end = context_len + token_in_req + 1  # [M] one past each row's position
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos, pos_mask, k, v = load_kv_tile(
+            key_cache_ptr, value_cache_ptr, table, head_base, n0, end, dims, dim_mask,
+            cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N, COMPUTE_DTYPE,
+        )  # fmt: skip
+        visible = pos_mask[None, :] & (pos[None, :] < visible_end[:, None])
+        if USE_WINDOW:
+            visible &= pos[None, :] >= visible_end[:, None] - window
+        m, denom, acc = _attend_rows(
+            q, k, v, visible, m, denom, acc, score_scale, cap_log2e, k_scale, USE_SOFT_CAP, FP8
+        )
+    safe_denom = tl.where(denom > 0, denom, 1.0)
+    out = acc / safe_denom[:, None]
+    if FP8:
+        out = out * v_scale
+    if DIRECT:
+        tl.store(out_ptr + out_rows + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        row = (tokens * num_heads + heads) * max_partitions + part
+        tl.store(partial_out_ptr + row[:, None] * head_dim + dims[None, :], out, mask=mask)
+        tl.store(partial_lse_ptr + row, m + tl.log2(safe_denom), mask=row_mask)
+    if not DIRECT and MERGE_IN_KERNEL:
+        # As in the decode kernel: stores land before the ticket (release), the holder of
+        # the last one sees them all (acquire) and resets the counter for the next call.
+        tl.debug_barrier()
+        counter = counters_ptr + req * num_kv_heads + kv_head
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        first = 0
+        if USE_WINDOW:
+            first = tl.maximum(context_len + 1 - window, 0) // PARTITION
+        if ticket == tl.cdiv(seq_len, PARTITION) - first - 1:
+            tl.store(counter, 0)
+            _merge_request(
+                out_ptr, partial_out_ptr, partial_lse_ptr, q_start, q_len, context_len,
+                kv_head, window, out_stride_token, out_stride_head, max_partitions,
+                num_heads, group_size, head_dim, PARTITION=PARTITION, MAX_Q=MAX_Q,
+                MERGE_G=MERGE_G, MERGE_P=MERGE_P, BLOCK_D=BLOCK_D, USE_WINDOW=USE_WINDOW,
+            )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["max_partitions"])
+def _verify_merge_kernel(
+    out_ptr, partial_out_ptr, partial_lse_ptr, seq_lens_ptr, query_start_loc_ptr,
+    out_stride_token, out_stride_head, max_partitions, num_heads, group_size, head_dim,
+    window, PARTITION: tl.constexpr, MAX_Q: tl.constexpr, MERGE_G: tl.constexpr,
+    MERGE_P: tl.constexpr, BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """The merge as a kernel of its own, one program per (request, kv head); padding rows
+    already hold their zeros."""
+    pdl.start(USE_PDL)
+    req = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + req)
+    if seq_len == 0:
+        return
+    q_start = tl.load(query_start_loc_ptr + req).to(tl.int64)
+    q_len = (tl.load(query_start_loc_ptr + req + 1) - q_start).to(tl.int32)
+    _merge_request(
+        out_ptr, partial_out_ptr, partial_lse_ptr, q_start, q_len, seq_len - q_len, kv_head,
+        window, out_stride_token, out_stride_head, max_partitions, num_heads, group_size,
+        head_dim, PARTITION=PARTITION, MAX_Q=MAX_Q, MERGE_G=MERGE_G, MERGE_P=MERGE_P,
+        BLOCK_D=BLOCK_D, USE_WINDOW=USE_WINDOW,
+    )  # fmt: skip
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def paged_verify_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention of each request's few new tokens over its cached keys.
+
+    query: [num_tokens, num_heads, head_dim]; key_cache, value_cache: [num_blocks,
+    num_kv_heads, block_size, head_dim] already holding this step's K/V; block_tables:
+    [num_reqs, max_blocks] int32; seq_lens: [num_reqs] int32 (0: a padding row);
+    query_start_loc: [num_reqs + 1] int32; ``max_query_len`` bounds every request's
+    query length (at most ``MAX_QUERY_LEN``); ``max_seq_len`` bounds ``seq_lens`` (it
+    sizes the grid; under a CUDA graph pass max_model_len). ``sliding_window``,
+    ``logits_soft_cap``, ``k_scale``/``v_scale`` as in ``paged_decode_attention``;
+    ``config`` None: ``decode_config`` of the request count. Returns ``out``
+    ([num_tokens, num_heads, head_dim]).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_reqs = seq_lens.shape[0]
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    group_size = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    if not 1 <= max_query_len <= MAX_QUERY_LEN:
+        raise ValueError(
+            f"paged_verify_attention takes 1..{MAX_QUERY_LEN} tokens per request, got "
+            f"max_query_len={max_query_len}; use paged_prefill_attention."
+        )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}.")
+    fp8 = is_fp8(key_cache.dtype)
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an FP8 KV cache needs k_scale and v_scale.")
+    if config is None:
+        config = decode_config(num_reqs, num_kv_heads, head_dim, fp8)
+    partition, block_n = config.partition, min(config.block_n, config.partition)
+    max_partitions = max(1, triton.cdiv(max_seq_len, partition))
+    direct = max_partitions == 1
+    counters = seq_lens  # unused unless the kernel merges its own partitions
+    if direct:
+        partial_out = partial_lse = out  # unused
+    else:
+        partial_out = torch.empty(
+            (num_tokens, num_heads, max_partitions, head_dim),
+            dtype=torch.float32,
+            device=query.device,
+        )
+        partial_lse = torch.empty(
+            (num_tokens, num_heads, max_partitions), dtype=torch.float32, device=query.device
+        )
+        if config.merge_in_kernel:
+            counters = merge_counters(query.device, num_reqs * num_kv_heads)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_m = max(16, triton.next_power_of_2(max_query_len * group_size))
+    merge_g = triton.next_power_of_2(group_size)
+    merge_p = max(1, min(MERGE_TILE // (merge_g * block_d), MERGE_CONTEXT // partition))
+    score_scale, cap_log2e = score_args(scale, logits_soft_cap)
+    window = sliding_window or 0
+    common = dict(
+        PARTITION=partition, MAX_Q=max_query_len, MERGE_G=merge_g, MERGE_P=merge_p,
+        BLOCK_D=block_d, USE_WINDOW=sliding_window is not None,
+    )  # fmt: skip
+    _verify_kernel[(num_reqs, num_kv_heads, max_partitions)](
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,
+        out, partial_out, partial_lse, counters,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        max_partitions, num_heads, num_kv_heads, score_scale, cap_log2e, window, group_size,
+        head_dim,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_M=block_m,
+        MERGE_IN_KERNEL=config.merge_in_kernel, DIRECT=direct,
+        USE_SOFT_CAP=logits_soft_cap is not None, FP8=fp8,
+        COMPUTE_DTYPE=tl.float16 if fp8 else _TL_DTYPES[query.dtype],
+        num_warps=config.num_warps, num_stages=config.num_stages, **common,
+        **pdl.launch_options(),
+    )  # fmt: skip
+    if not direct and not config.merge_in_kernel:
+        _verify_merge_kernel[(num_reqs, num_kv_heads)](
+            out, partial_out, partial_lse, seq_lens, query_start_loc,
+            out.stride(0), out.stride(1), max_partitions, num_heads, group_size, head_dim,
+            window, **common, **pdl.launch_options(),
+        )  # fmt: skip
+    return out
