@@ -21,7 +21,7 @@ from pagedlm_cuda.kernels import (
     paged_prefill_attention,
     paged_verify_attention,
 )
-from pagedlm_cuda.kernels.decode_config import decode_config
+from pagedlm_cuda.kernels.verify_attention import verify_config
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS, MAX_MODEL_LEN = 32, 8, 128, 16, 32, 4096
 
@@ -84,7 +84,7 @@ def bench(batch: int, context: int, query_len: int) -> None:
             out,
         ),
     }
-    default = decode_config(batch, KV_HEADS, HEAD_DIM)
+    default = verify_config(batch, KV_HEADS, HEAD_DIM)
     for partition in (32, 64, 128, 256):
         if partition == default.partition:
             continue

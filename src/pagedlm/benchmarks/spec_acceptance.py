@@ -8,8 +8,8 @@ probability ``1 - A``. Greedy verification accepts a run of drafts ending at the
 corrupted one, so a step yields ``(1 - A^(k+1)) / (1 - A)`` tokens on average.
 
 The continuation drafted is the one verification steps compute, not the one decode steps
-do: a verification runs other kernels (the prefill attention, GEMMs of ``1 + k`` rows
-where decoding at batch 1 runs a GEMV), so in bf16 its argmax parts ways with the decode
+do: a verification runs other kernels (the verification attention, linear layers of
+``1 + k`` rows where decoding at batch 1 runs a one-row GEMV), so in bf16 its argmax parts ways with the decode
 steps' at the first near-tie, which random weights make frequent (about every 30 tokens on
 the H200); from there a plain run's continuation is a wrong draft at every position.
 Each ``k`` therefore first runs the acceptance proposer at ``A = 0`` (every step then

@@ -19,8 +19,10 @@ never reads it: token ``i``'s partitions are those up to its own position.
 The partials are merged by log-sum-exp in a fixed order, per token, as the decode kernel
 merges its own (``decode_attention._merge_group``): by the program that draws the last
 ticket of the (request, kv head) when ``decode_config`` says the kernel merges, else by a
-merge kernel after it. The split and merge mode come from ``decode_config`` of the number
-of requests, so the result depends on the batch only through its CUDA-graph bucket.
+merge kernel after it. The split and merge mode come from ``verify_config``: the decode
+kernel's ``decode_config`` of the number of requests with partitions of at least
+``MIN_PARTITION`` keys, so the result depends on the batch only through its CUDA-graph
+bucket.
 
 The step's keys and values must already be in the cache (``write_kv_cache``). Padding
 rows (``seq_len == 0``, a captured graph's) get zeros.
@@ -47,6 +49,15 @@ from pagedlm_cuda.kernels.score_mod import scaled_scores, score_args
 MAX_QUERY_LEN = 8
 """The most tokens per request this kernel takes (1 + k for k <= 7 drafts): its rows are
 ``query_len x group`` in one program, so longer queries belong to the prefill kernel."""
+
+MIN_PARTITION = 64
+"""The shortest partition (``decode_config``'s are longer at larger batches): the merge
+reads every token's partials, ``query_len`` times a decode's, so fewer of them pay.
+Measured on the H200 (llama-3-8b attention, 5 tokens per request over 1,100 cached, 32
+calls from a graph, us per call; ``tests/cuda/bench_verify_attention.py``): batch 1
+partitions 32 / 64 / 128: 13.4 / 11.5 / 14.7 (prefill kernel 26.9, a decode 5.3); batch 4
+64 / 128: 16.6 / 20.5 (prefill 28.2); batch 16, 256: 41.8 (prefill 78.7); batch 64, 512:
+118.8 (prefill 300.0, a decode 80.1); 8 warps was slower at every batch."""
 
 
 @triton.jit
@@ -222,6 +233,19 @@ def _verify_merge_kernel(
     )  # fmt: skip
 
 
+def verify_config(
+    num_reqs: int, num_kv_heads: int, head_dim: int, fp8: bool = False
+) -> DecodeConfig:
+    """``decode_config`` of the request count with partitions of at least
+    ``MIN_PARTITION`` keys: a function of the batch bucket, like the decode kernel's."""
+    config = decode_config(num_reqs, num_kv_heads, head_dim, fp8)
+    if config.partition >= MIN_PARTITION:
+        return config
+    return config._replace(
+        partition=MIN_PARTITION, block_n=min(64 if head_dim <= 128 else 32, MIN_PARTITION)
+    )
+
+
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -252,7 +276,7 @@ def paged_verify_attention(
     query length (at most ``MAX_QUERY_LEN``); ``max_seq_len`` bounds ``seq_lens`` (it
     sizes the grid; under a CUDA graph pass max_model_len). ``sliding_window``,
     ``logits_soft_cap``, ``k_scale``/``v_scale`` as in ``paged_decode_attention``;
-    ``config`` None: ``decode_config`` of the request count. Returns ``out``
+    ``config`` None: ``verify_config`` of the request count. Returns ``out``
     ([num_tokens, num_heads, head_dim]).
     """
     num_tokens, num_heads, head_dim = query.shape
@@ -274,7 +298,7 @@ def paged_verify_attention(
     if fp8 and (k_scale is None or v_scale is None):
         raise ValueError("an FP8 KV cache needs k_scale and v_scale.")
     if config is None:
-        config = decode_config(num_reqs, num_kv_heads, head_dim, fp8)
+        config = verify_config(num_reqs, num_kv_heads, head_dim, fp8)
     partition, block_n = config.partition, min(config.block_n, config.partition)
     max_partitions = max(1, triton.cdiv(max_seq_len, partition))
     direct = max_partitions == 1
