@@ -2,7 +2,7 @@
 draft model / EAGLE forwards replayed from CUDA graphs give the tokens of eager runs, and
 close to those without speculation. Run on the lent GPU with ``-m cuda`` (not run in CI).
 
-Verification attends with the prefill kernel where decoding uses the decode kernel, so
+Verification attends with the verification kernel where decoding uses the decode kernel, so
 float32 (tf32 dots) outputs may part ways after a near-tie; graphs against eager, with
 the same kernels, must agree exactly.
 """
