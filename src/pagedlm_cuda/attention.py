@@ -3,10 +3,10 @@
 ``build_metadata`` takes views of the step's layout, which the model runner already keeps
 on the device (slot mapping, query offsets, sequence lengths, block tables). ``forward``
 runs the decode kernel (split-K, GQA-grouped, writing the new K/V by slot itself) when
-every request schedules one token; else it writes the new K/V by slot and runs the
-verification kernel (split-K over all of a request's rows at once) when no request
-schedules more than ``verify_attention.MAX_QUERY_LEN`` tokens (speculative verification,
-short chunks), and the varlen prefill kernel for the rest (prompts, long chunks). Both kernels take a per-layer sliding window and logit soft-cap.
+every request schedules one token; the verification kernel (split-K over all of a
+request's rows at once, writing the new K/V too) when none schedules more than
+``verify_attention.MAX_QUERY_LEN`` tokens (speculative verification, short chunks); else
+it writes the new K/V by slot and runs the varlen prefill kernel (prompts, long chunks). Both kernels take a per-layer sliding window and logit soft-cap.
 
 FP8 cache: the kernels quantize on write and dequantize tiles in registers, with the
 layer's per-tensor ``k_scale``/``v_scale`` read from device memory (a graph replays them
@@ -152,8 +152,8 @@ class TritonAttentionBackend(AttentionBackend):
                 logits_soft_cap=logits_soft_cap,
                 **scales,
             )
-        write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping, **scales)
         if metadata.max_query_len <= MAX_QUERY_LEN:
+            # The verification kernel writes the new K/V itself too.
             return paged_verify_attention(
                 query,
                 key_cache,
@@ -165,10 +165,12 @@ class TritonAttentionBackend(AttentionBackend):
                 metadata.max_query_len,
                 metadata.max_seq_len,
                 out,
+                new_kv=(key, value, metadata.slot_mapping),
                 sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap,
                 **scales,
             )
+        write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping, **scales)
         return paged_prefill_attention(
             query,
             key_cache,

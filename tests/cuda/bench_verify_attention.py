@@ -20,6 +20,7 @@ from pagedlm_cuda.kernels import (
     paged_decode_attention,
     paged_prefill_attention,
     paged_verify_attention,
+    write_kv_cache,
 )
 from pagedlm_cuda.kernels.verify_attention import verify_config
 
@@ -84,6 +85,32 @@ def bench(batch: int, context: int, query_len: int) -> None:
             out,
         ),
     }
+    key = torch.randn(batch * query_len, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    value = torch.randn_like(key)
+    block = tables.long().repeat_interleave(BLOCK, dim=1)[:, context:seq_len]
+    offset = torch.arange(context, seq_len, device="cuda") % BLOCK
+    slots = (block * BLOCK + offset).view(-1).to(torch.int32)
+
+    def write_then_verify() -> None:
+        write_kv_cache(key, value, key_cache, value_cache, slots)
+        paged_verify_attention(
+            query,
+            key_cache,
+            value_cache,
+            tables,
+            lens,
+            starts,
+            scale,
+            query_len,
+            MAX_MODEL_LEN,
+            out,
+        )
+
+    rows["KV write + verify"] = write_then_verify
+    rows["verify writing the KV"] = lambda: paged_verify_attention(
+        query, key_cache, value_cache, tables, lens, starts, scale, query_len, MAX_MODEL_LEN, out,
+        new_kv=(key, value, slots),
+    )  # fmt: skip
     default = verify_config(batch, KV_HEADS, HEAD_DIM)
     for partition in (32, 64, 128, 256):
         if partition == default.partition:

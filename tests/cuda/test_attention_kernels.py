@@ -384,13 +384,39 @@ def test_write_kv_cache_refuses_the_slot_major_layout() -> None:
         write_kv_cache(kv, kv, cache, cache, torch.zeros(1, dtype=torch.long, device=DEVICE))
 
 
+def take_step_kv(key_cache, value_cache, tables, seq_lens, query_lens):
+    """Each request's last ``query_len`` K/V moved out of the cache (their slots poisoned
+    with NaN), as a step's new tokens: (key, value, slot_mapping; -1 for padding rows),
+    and the intact caches."""
+    block_size = key_cache.shape[2]
+    slots = []
+    for table, seq_len, q_len in zip(tables, seq_lens, query_lens):
+        for pos in range(seq_len - q_len, seq_len):
+            slots.append(
+                table[pos // block_size] * block_size + pos % block_size if pos >= 0 else -1
+            )
+    real = torch.tensor([s for s in slots if s >= 0], dtype=torch.long)
+    shape = (len(slots), key_cache.shape[1], key_cache.shape[3])
+    key = torch.zeros(shape, dtype=key_cache.dtype, device=key_cache.device)
+    value = torch.zeros_like(key)
+    keep = torch.tensor([s >= 0 for s in slots])
+    key[keep.to(key.device)] = key_cache[real // block_size, :, real % block_size]
+    value[keep.to(key.device)] = value_cache[real // block_size, :, real % block_size]
+    intact = key_cache.clone(), value_cache.clone()
+    key_cache[real // block_size, :, real % block_size] = float("nan")
+    value_cache[real // block_size, :, real % block_size] = float("nan")
+    slot_mapping = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    return (key, value, slot_mapping), intact
+
+
 def check_verify(
     block_size, head_dim, num_kv_heads, group, chunks, dtype,
-    config=None, window=None, cap=None, q_scale=1.0, max_seq_len=None,
+    config=None, window=None, cap=None, q_scale=1.0, max_seq_len=None, write_new=False,
 ):  # fmt: skip
     """The verification kernel against the reference: ``chunks`` are (query_len, context)
-    per request, the step's K/V already in the cache; (0, 0) chunks of ``q`` tokens are
-    given as (q, -q): padding rows (seq_len 0), whose outputs must be zeros."""
+    per request, the step's K/V already in the cache (``write_new``: passed as ``new_kv``,
+    the cache holding NaN there, and they must land in the cache); (0, 0) chunks of ``q``
+    tokens are given as (q, -q): padding rows (seq_len 0), whose outputs must be zeros."""
     from pagedlm_cuda.kernels import paged_verify_attention
 
     query_lens = [q for q, _ in chunks]
@@ -400,6 +426,9 @@ def check_verify(
         [max(s, 1) for s in seq_lens], block_size, num_kv_heads, head_dim, dtype,
         seed=sum(seq_lens) + len(chunks),
     )  # fmt: skip
+    new_kv = None
+    if write_new:
+        new_kv, intact = take_step_kv(key_cache, value_cache, tables, seq_lens, query_lens)
     num_heads = num_kv_heads * group
     query = (q_scale * torch.randn(sum(query_lens), num_heads, head_dim)).to(dtype).to(DEVICE)
     starts = [0]
@@ -412,8 +441,10 @@ def check_verify(
         torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
         torch.tensor(starts, dtype=torch.int32, device=DEVICE),
         scale, max(query_lens), max_seq_len or max(seq_lens), out,
-        sliding_window=window, logits_soft_cap=cap, config=config,
+        new_kv=new_kv, sliding_window=window, logits_soft_cap=cap, config=config,
     )  # fmt: skip
+    if write_new:
+        assert torch.equal(key_cache, intact[0]) and torch.equal(value_cache, intact[1])
     rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in real])
     pad_rows = [
         r for i in range(len(chunks)) if i not in real for r in range(starts[i], starts[i + 1])
@@ -481,6 +512,19 @@ def test_verify_attention_sliding_window_and_soft_cap(merge_in_kernel: bool) -> 
     check_verify(16, 64, 2, 4, chunks, torch.float32, config=config, window=7, cap=3.0)
 
 
+@pytest.mark.parametrize("merge_in_kernel", [True, False])
+def test_verify_attention_writes_the_new_kv(merge_in_kernel: bool) -> None:
+    """The step's K/V come in as ``new_kv``: each lands at its slot (some straddle two
+    partitions), padding rows (slot -1) write nothing, and the output is as if they had
+    been in the cache."""
+    config = _split(16, merge_in_kernel)
+    check_verify(16, 64, 2, 4, [(5, 30), (3, 0), (8, 60)], torch.float32, config=config,
+                 write_new=True)  # fmt: skip
+    check_verify(16, 64, 2, 2, [(5, 70), (5, -5), (5, 12)], torch.float32, config=config,
+                 max_seq_len=256, write_new=True, window=6)  # fmt: skip
+    check_verify(16, 64, 1, 4, [(4, 9)], torch.float32, write_new=True)  # one partition
+
+
 def test_verify_attention_refuses_long_queries() -> None:
     with pytest.raises(ValueError, match="paged_prefill_attention"):
         check_verify(16, 64, 1, 1, [(9, 3)], torch.float32)
@@ -503,3 +547,4 @@ def test_verify_attention_full(case) -> None:
     check_verify(*case, window=4096, cap=30.0, q_scale=8)
     check_verify(*case, window=700)
     check_verify(*case, max_seq_len=8192)
+    check_verify(*case, max_seq_len=8192, write_new=True)

@@ -123,10 +123,11 @@ def test_decode_on_fp8_cache_writes_and_reads_the_new_kv(partition, block_n):
 
 
 @pytest.mark.parametrize(
-    "chunks", [[(1, 30), (20, 0), (7, 33), (1, 0)], [(1, 100), (1, 5), (1, 40)]]
+    "chunks",
+    [[(1, 30), (20, 0), (7, 33), (1, 0)], [(1, 100), (1, 5), (1, 40)], [(5, 90), (3, 0), (1, 7)]],
 )
 def test_triton_backend_matches_cpu_backend_on_fp8_caches(chunks):
-    """Mixed and decode-only batches: the same stored bytes (after the layout change) and
+    """Mixed, decode-only and verification batches: the same stored bytes (after the layout change) and
     the same outputs as the CPU backend's emulation, both quantizing with the same scales."""
     block_size, num_blocks, kv_heads, heads, head_dim = 16, 40, 2, 8, 64
     torch.manual_seed(len(chunks))

@@ -94,6 +94,12 @@ def test_decode_only_batch_matches_cpu_backend() -> None:
     check_against_cpu([(1, 300), (1, 5), (1, 64)])
 
 
+def test_verification_batch_matches_cpu_backend() -> None:
+    """At most 8 tokens per request: the verification kernel, which writes the K/V too."""
+    check_against_cpu([(5, 300), (5, 0), (8, 61), (1, 7), (3, 12)])
+    check_against_cpu([(5, 300), (5, 0), (8, 61), (1, 7)], sliding_window=9)
+
+
 @pytest.mark.parametrize(
     "features",
     [

@@ -24,8 +24,10 @@ kernel's ``decode_config`` of the number of requests with partitions of at least
 ``MIN_PARTITION`` keys, so the result depends on the batch only through its CUDA-graph
 bucket.
 
-The step's keys and values must already be in the cache (``write_kv_cache``). Padding
-rows (``seq_len == 0``, a captured graph's) get zeros.
+The step's keys and values may be passed along (``new_kv``): each program then first
+writes those at positions of its own partition into the cache by slot (no other program
+reads them), which saves the separate KV-write launch, and reads them back with the
+rest of its tiles. Padding rows (``seq_len == 0``, a captured graph's) get zeros.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from pagedlm_cuda.kernels.decode_attention import (
     merge_counters,
 )
 from pagedlm_cuda.kernels.decode_config import DecodeConfig, decode_config
-from pagedlm_cuda.kernels.kv_tile import fp8_scales, load_kv_tile
+from pagedlm_cuda.kernels.kv_tile import fp8_scales, fp8_store_value, load_kv_tile
 from pagedlm_cuda.kernels.score_mod import scaled_scores, score_args
 
 MAX_QUERY_LEN = 8
@@ -107,16 +109,17 @@ def _merge_request(
 @triton.jit(do_not_specialize=["block_table_stride", "max_partitions"])
 def _verify_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    query_start_loc_ptr, k_scale_ptr, v_scale_ptr,
+    query_start_loc_ptr, new_key_ptr, new_value_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
     q_stride_token, q_stride_head, out_stride_token, out_stride_head,
+    new_key_stride_token, new_key_stride_head, new_value_stride_token, new_value_stride_head,
     cache_stride_block, cache_stride_head, cache_stride_slot, block_table_stride,
     max_partitions, num_heads, num_kv_heads, score_scale, cap_log2e, window, group_size,
     head_dim,
     BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MAX_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MAX_Q: tl.constexpr, BLOCK_Q: tl.constexpr,
     MERGE_G: tl.constexpr, MERGE_P: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
-    DIRECT: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    DIRECT: tl.constexpr, WRITE_NEW: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
     FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.allow_next(USE_PDL)
@@ -152,17 +155,51 @@ def _verify_kernel(
     if start >= end:
         return  # no key of any row here: neither the tickets nor the merge count it
 
-    # The step's own keys were written by the kernel before this one.
     pdl.wait_for_previous(USE_PDL)
     head_base = kv_head.to(tl.int64) * cache_stride_head
     table = block_tables_ptr + req * block_table_stride
+    k_scale, v_scale = fp8_scales(k_scale_ptr, v_scale_ptr, FP8)
+    if WRITE_NEW:
+        # The step's keys and values at positions this partition holds: written here, by
+        # the only program that reads them, and read back from the cache below (the
+        # barrier makes every thread's stores visible to the whole program).
+        new = tl.arange(0, BLOCK_Q)
+        new_pos = context_len + new
+        owned = (new < q_len) & (new_pos >= start) & (new_pos < end)
+        new_tokens = q_start + new
+        slot = tl.load(slot_mapping_ptr + new_tokens, mask=owned, other=-1).to(tl.int64)
+        new_mask = owned[:, None] & dim_mask[None, :]
+        new_k = tl.load(
+            new_key_ptr
+            + new_tokens[:, None] * new_key_stride_token
+            + kv_head * new_key_stride_head
+            + dims[None, :],
+            mask=new_mask,
+            other=0.0,
+        )
+        new_v = tl.load(new_value_ptr + new_tokens[:, None] * new_value_stride_token
+                        + kv_head * new_value_stride_head + dims[None, :], mask=new_mask,
+                        other=0.0)  # fmt: skip
+        slot_rows = (
+            (slot // BLOCK_SIZE) * cache_stride_block
+            + head_base
+            + (slot % BLOCK_SIZE) * cache_stride_slot
+        )
+        write_mask = new_mask & (slot >= 0)[:, None]
+        dst = slot_rows[:, None] + dims[None, :]
+        tl.store(key_cache_ptr + dst,
+                 fp8_store_value(new_k, k_scale, key_cache_ptr.dtype.element_ty, FP8),
+                 mask=write_mask)  # fmt: skip
+        tl.store(value_cache_ptr + dst,
+                 fp8_store_value(new_v, v_scale, value_cache_ptr.dtype.element_ty, FP8),
+                 mask=write_mask)  # fmt: skip
+        tl.debug_barrier()
     q = tl.load(q_ptr + tokens[:, None] * q_stride_token + heads[:, None] * q_stride_head
                 + dims[None, :], mask=mask, other=0.0)  # fmt: skip
     if FP8:
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(COMPUTE_DTYPE)
     else:
         q = q.to(COMPUTE_DTYPE)
-    k_scale, v_scale = fp8_scales(k_scale_ptr, v_scale_ptr, FP8)
     visible_end = context_len + token_in_req + 1  # [M] one past each row's position
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
@@ -261,6 +298,7 @@ def paged_verify_attention(
     max_seq_len: int,
     out: torch.Tensor | None = None,
     *,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     k_scale: torch.Tensor | None = None,
@@ -274,7 +312,10 @@ def paged_verify_attention(
     [num_reqs, max_blocks] int32; seq_lens: [num_reqs] int32 (0: a padding row);
     query_start_loc: [num_reqs + 1] int32; ``max_query_len`` bounds every request's
     query length (at most ``MAX_QUERY_LEN``); ``max_seq_len`` bounds ``seq_lens`` (it
-    sizes the grid; under a CUDA graph pass max_model_len). ``sliding_window``,
+    sizes the grid; under a CUDA graph pass max_model_len). ``new_kv`` None: the step's
+    K/V must already be in the cache; else ``(key, value, slot_mapping)`` ([num_tokens,
+    num_kv_heads, head_dim] each, unit-stride last dim; [num_tokens] slots, -1 for none)
+    are written at their slots here first. ``sliding_window``,
     ``logits_soft_cap``, ``k_scale``/``v_scale`` as in ``paged_decode_attention``;
     ``config`` None: ``verify_config`` of the request count. Returns ``out``
     ([num_tokens, num_heads, head_dim]).
@@ -300,6 +341,13 @@ def paged_verify_attention(
     if config is None:
         config = verify_config(num_reqs, num_kv_heads, head_dim, fp8)
     partition, block_n = config.partition, min(config.block_n, config.partition)
+    if new_kv is not None:
+        new_key, new_value, slot_mapping = new_kv
+        if new_key.stride(-1) != 1 or new_value.stride(-1) != 1:
+            raise ValueError("new_kv's key and value need a unit-stride head dim.")
+    else:
+        new_key = new_value = query  # unused
+        slot_mapping = seq_lens
     max_partitions = max(1, triton.cdiv(max_seq_len, partition))
     direct = max_partitions == 1
     counters = seq_lens  # unused unless the kernel merges its own partitions
@@ -328,14 +376,17 @@ def paged_verify_attention(
     )  # fmt: skip
     _verify_kernel[(num_reqs, num_kv_heads, max_partitions)](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        new_key, new_value, slot_mapping,
         k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,
         out, partial_out, partial_lse, counters,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        new_key.stride(0), new_key.stride(1), new_value.stride(0), new_value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         max_partitions, num_heads, num_kv_heads, score_scale, cap_log2e, window, group_size,
         head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_M=block_m,
-        MERGE_IN_KERNEL=config.merge_in_kernel, DIRECT=direct,
+        BLOCK_Q=triton.next_power_of_2(max_query_len),
+        MERGE_IN_KERNEL=config.merge_in_kernel, DIRECT=direct, WRITE_NEW=new_kv is not None,
         USE_SOFT_CAP=logits_soft_cap is not None, FP8=fp8,
         COMPUTE_DTYPE=tl.float16 if fp8 else _TL_DTYPES[query.dtype],
         num_warps=config.num_warps, num_stages=config.num_stages, **common,
