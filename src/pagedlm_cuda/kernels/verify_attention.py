@@ -252,21 +252,25 @@ def _verify_merge_kernel(
     MERGE_P: tl.constexpr, BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """The merge as a kernel of its own, one program per (request, kv head); padding rows
-    already hold their zeros."""
+    """The merge as a kernel of its own, one program per (request, kv head, token), so a
+    request's tokens merge in parallel; padding rows already hold their zeros."""
     pdl.start(USE_PDL)
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
+    i = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
-    if seq_len == 0:
-        return
     q_start = tl.load(query_start_loc_ptr + req).to(tl.int64)
     q_len = (tl.load(query_start_loc_ptr + req + 1) - q_start).to(tl.int32)
-    _merge_request(
-        out_ptr, partial_out_ptr, partial_lse_ptr, q_start, q_len, seq_len - q_len, kv_head,
-        window, out_stride_token, out_stride_head, max_partitions, num_heads, group_size,
-        head_dim, PARTITION=PARTITION, MAX_Q=MAX_Q, MERGE_G=MERGE_G, MERGE_P=MERGE_P,
-        BLOCK_D=BLOCK_D, USE_WINDOW=USE_WINDOW,
+    if seq_len == 0 or i >= q_len:
+        return
+    visible_end = seq_len - q_len + i + 1
+    first = 0
+    if USE_WINDOW:
+        first = tl.maximum(visible_end - window, 0) // PARTITION
+    _merge_group(
+        out_ptr, partial_out_ptr, partial_lse_ptr, q_start + i, kv_head, first,
+        tl.cdiv(visible_end, PARTITION), out_stride_token, out_stride_head, max_partitions,
+        num_heads, group_size, head_dim, MERGE_G=MERGE_G, MERGE_P=MERGE_P, BLOCK_D=BLOCK_D,
     )  # fmt: skip
 
 
@@ -393,7 +397,7 @@ def paged_verify_attention(
         **pdl.launch_options(),
     )  # fmt: skip
     if not direct and not config.merge_in_kernel:
-        _verify_merge_kernel[(num_reqs, num_kv_heads)](
+        _verify_merge_kernel[(num_reqs, num_kv_heads, max_query_len)](
             out, partial_out, partial_lse, seq_lens, query_start_loc,
             out.stride(0), out.stride(1), max_partitions, num_heads, group_size, head_dim,
             window, **common, **pdl.launch_options(),
