@@ -31,12 +31,21 @@ read that predecessor's output too early.
 
 from __future__ import annotations
 
+import logging
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from pagedlm.lora.ops import LoRAStepState, SliceSpec
 from pagedlm_cuda.kernels import pdl
+from pagedlm_cuda.kernels.lora_fused import FusedScratch, base_config, gemv_lora
+
+if TYPE_CHECKING:
+    from pagedlm.model_executor.layers.linear_base import LinearBase, LinearKernel
+
+logger = logging.getLogger(__name__)
 
 MAX_SLICES = 3
 
@@ -179,14 +188,20 @@ def lora_expand(
 
 
 class TritonLoRAOps:
-    """``LoRAOps`` for CUDA/ROCm: two launches per projection, CUDA-graph safe.
+    """``LoRAOps`` for CUDA/ROCm, CUDA-graph safe. A one-row input of a layer whose base
+    kernel is the Triton GEMV (``SingleRowLinear``) runs base and delta in one launch
+    (``lora_fused.gemv_lora``; at batch 1 the separate kernels' launches were the delta's
+    whole cost); every other batch the base kernel, then two launches (shrink, expand).
     ``split_k``: the shrink's features per program (None: ``shrink_split``; tests force
-    small ones so that several partials are summed)."""
+    small ones so that several partials are summed). ``fuse_single_row=False`` keeps the
+    two-launch path at one row too (benchmarks compare them)."""
 
     graph_safe = True
 
-    def __init__(self, split_k: int | None = None) -> None:
+    def __init__(self, split_k: int | None = None, fuse_single_row: bool = True) -> None:
         self.split_k = split_k
+        self.fuse_single_row = fuse_single_row
+        self._scratch: dict[tuple, FusedScratch] = {}
 
     def add_lora(
         self,
@@ -201,3 +216,52 @@ class TritonLoRAOps:
         token_slots = state.token_slots[: x.shape[0]]
         shrunk = lora_shrink(x, lora_a, token_slots, self.split_k)
         lora_expand(out, shrunk, lora_b, token_slots, slices)
+
+    def linear_with_lora(
+        self,
+        layer: LinearBase,
+        base_kernel: LinearKernel | None,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        slices: tuple[SliceSpec, ...],
+        state: LoRAStepState,
+    ) -> torch.Tensor | None:
+        from pagedlm_cuda.fused_layers import SingleRowLinear
+
+        weight = layer.weight
+        fusable = (
+            self.fuse_single_row
+            and isinstance(base_kernel, SingleRowLinear)
+            and x.dim() == 2
+            and x.shape[0] == 1
+            and x.stride(1) == 1
+            and weight.dim() == 2
+            and weight.stride(1) == 1
+            and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and len(slices) <= MAX_SLICES
+            and lora_b.shape[1] == weight.shape[0]
+        )
+        if not fusable:
+            return None
+        scratch = self.fused_scratch(lora_a, weight.shape[0])
+        if scratch is None:
+            return None
+        return gemv_lora(
+            x, weight, layer.linear_bias, lora_a, lora_b, state.token_slots, slices, scratch
+        )
+
+    def fused_scratch(self, lora_a: torch.Tensor, out_features: int) -> FusedScratch | None:
+        """The call site's scratch (keyed by its slots' buffer). Made on the call site's
+        first one-row call, which the graph runners make eagerly before capturing; None
+        (the two-launch path) if that first call is being captured."""
+        num_warps = base_config(out_features)[2]
+        key = (lora_a.data_ptr(), lora_a.shape[1], lora_a.shape[2], num_warps)
+        scratch = self._scratch.get(key)
+        if scratch is None:
+            if lora_a.is_cuda and torch.cuda.is_current_stream_capturing():
+                logger.warning("LoRA: a one-row layer first called under graph capture")
+                return None
+            scratch = FusedScratch(lora_a.shape[1], lora_a.shape[2], num_warps, lora_a.device)
+            self._scratch[key] = scratch
+        return scratch
