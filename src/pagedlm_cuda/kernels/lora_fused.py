@@ -23,6 +23,9 @@ so they need no reset and a CUDA graph replays them. Each call site (layer) has 
 (``FusedScratch``), and its calls never overlap: the layer runs once per forward and every
 forward starts behind a kernel launched without PDL.
 
+Registers are capped at about the GEMV's own count (``REGISTER_LIMITS``) so that as many
+programs stream the weight per SM as in ``gemv``.
+
 Results: a token without an adapter (slot -1) gets the bits of ``gemv``; with one, the base
 result is rounded to the output dtype before the delta is added in float32 and rounded
 again, as ``gemv`` followed by ``lora_expand`` does (only the delta's summation order
@@ -186,10 +189,19 @@ def base_config(n: int) -> GemvConfig:
     return 16, 256, 4, 4
 
 
+REGISTER_LIMITS = {(1024, 8): 128, (512, 8): 80, (256, 4): 72}
+"""(BLOCK_K, num_warps) -> registers per thread: about what ``gemv``'s kernel uses at those
+tiles (ptxas for sm_90a, 16-divisible shapes, 16-bit weights and activations: 128, 76,
+72). Left alone, the compiler gives this kernel 162 and 108 at 8 warps, which would cut the
+programs resident per SM below the GEMV's (2 -> 1, 3 -> 2); at these limits ptxas
+reports no spills."""
+
+
 @dataclass(frozen=True)
 class ShrinkPlan:
     """How the shrink of ``A [NA, K]`` is cut into work items: ``row_blocks`` x ``splits``
-    tiles of ``shrink_n`` x ``shrink_k`` (about 32 elements per thread of the kernel)."""
+    tiles of ``shrink_n`` x ``shrink_k`` (by default 8,192 elements with 8 warps, 2,048
+    with 4: 32 and 16 per thread, which keep ptxas within ``REGISTER_LIMITS`` unspilled)."""
 
     shrink_n: int
     shrink_k: int
@@ -208,7 +220,7 @@ def shrink_plan(
     for many items)."""
     shrink_n = min(64, triton.next_power_of_2(num_rows))
     if shrink_k is None:
-        tile = 1024 * num_warps
+        tile = 8192 if num_warps >= 8 else 2048
         shrink_k = min(max(tile // shrink_n, 16), triton.next_power_of_2(in_features))
     return ShrinkPlan(
         shrink_n,
@@ -247,12 +259,14 @@ def gemv_lora(
     token_slots: torch.Tensor,
     slices: tuple[SliceSpec, ...],
     scratch: FusedScratch,
+    limit_registers: bool = True,
 ) -> torch.Tensor:
     """x [1, K], weight [N, K] (float, unit-stride rows), bias [N] or None, lora_a [L, NA,
     K], lora_b [L, N, R], token_slots [>= 1] int32 (row 0's slot, -1: none), ``slices``
     covering ``[0, N)`` in order -> ``x W^T + b + B[slot] (A[slot] x)`` [1, N] in x's dtype.
     ``scratch``: this call site's, made by ``FusedScratch(NA, K, num_warps)`` with
-    ``num_warps`` from ``base_config(N)``."""
+    ``num_warps`` from ``base_config(N)``. ``limit_registers``: ``REGISTER_LIMITS`` (False:
+    the compiler's choice; benchmarks compare)."""
     n, k = weight.shape
     num_rows, rank = lora_a.shape[1], lora_b.shape[2]
     assert x.shape == (1, k) and x.stride(1) == 1 and weight.stride(1) == 1
@@ -267,6 +281,9 @@ def gemv_lora(
     starts = [s.start for s in slices[1:]] + [n] * (MAX_SLICES - len(slices))
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     block_na = triton.next_power_of_2(num_rows)
+    limit = REGISTER_LIMITS.get((block_k, num_warps)) if limit_registers else None
+    two_bytes = weight.element_size() == 2 and x.element_size() == 2  # what was measured
+    extra = {"maxnreg": limit} if limit is not None and two_bytes and x.is_cuda else {}
     merge_s = max(1, min(triton.next_power_of_2(plan.splits), 4096 // block_na))
     _gemv_lora_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, lora_a, lora_b, token_slots,
@@ -276,6 +293,6 @@ def gemv_lora(
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, SHRINK_N=plan.shrink_n,
         SHRINK_K=plan.shrink_k, MERGE_S=merge_s, BLOCK_NA=block_na,
         BLOCK_R=triton.next_power_of_2(rank), num_warps=num_warps, num_stages=num_stages,
-        **pdl.launch_options(),
+        **pdl.launch_options(), **extra,
     )  # fmt: skip
     return out
