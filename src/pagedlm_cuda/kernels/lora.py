@@ -32,6 +32,7 @@ read that predecessor's output too early.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,6 +40,7 @@ import triton
 import triton.language as tl
 
 from pagedlm.lora.ops import LoRAStepState, SliceSpec
+from pagedlm_cuda.fused_layers import SingleRowLinear
 from pagedlm_cuda.kernels import pdl
 from pagedlm_cuda.kernels.lora_fused import FusedScratch, base_config, gemv_lora
 
@@ -46,6 +48,10 @@ if TYPE_CHECKING:
     from pagedlm.model_executor.layers.linear_base import LinearBase, LinearKernel
 
 logger = logging.getLogger(__name__)
+
+FUSED_ENV = "PAGEDLM_LORA_FUSED"
+"""Set to 0 to run one-row LoRA layers through the base GEMV and two launches, as larger
+batches run."""
 
 MAX_SLICES = 3
 
@@ -193,13 +199,16 @@ class TritonLoRAOps:
     (``lora_fused.gemv_lora``; at batch 1 the separate kernels' launches were the delta's
     whole cost); every other batch the base kernel, then two launches (shrink, expand).
     ``split_k``: the shrink's features per program (None: ``shrink_split``; tests force
-    small ones so that several partials are summed). ``fuse_single_row=False`` keeps the
-    two-launch path at one row too (benchmarks compare them)."""
+    small ones so that several partials are summed). ``fuse_single_row=False`` (default:
+    unless ``PAGEDLM_LORA_FUSED=0``) keeps the two-launch path at one row too (benchmarks
+    compare them)."""
 
     graph_safe = True
 
-    def __init__(self, split_k: int | None = None, fuse_single_row: bool = True) -> None:
+    def __init__(self, split_k: int | None = None, fuse_single_row: bool | None = None) -> None:
         self.split_k = split_k
+        if fuse_single_row is None:
+            fuse_single_row = os.environ.get(FUSED_ENV, "1") != "0"
         self.fuse_single_row = fuse_single_row
         self._scratch: dict[tuple, FusedScratch] = {}
 
@@ -227,14 +236,12 @@ class TritonLoRAOps:
         slices: tuple[SliceSpec, ...],
         state: LoRAStepState,
     ) -> torch.Tensor | None:
-        from pagedlm_cuda.fused_layers import SingleRowLinear
-
+        if x.shape[0] != 1 or not self.fuse_single_row:
+            return None
         weight = layer.weight
         fusable = (
-            self.fuse_single_row
-            and isinstance(base_kernel, SingleRowLinear)
+            isinstance(base_kernel, SingleRowLinear)
             and x.dim() == 2
-            and x.shape[0] == 1
             and x.stride(1) == 1
             and weight.dim() == 2
             and weight.stride(1) == 1
