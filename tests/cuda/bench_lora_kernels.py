@@ -19,11 +19,18 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from pagedlm.lora.ops import LoRAStepState, SliceSpec
+if not torch.cuda.is_available():  # --tiny on CPU: the interpreter
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import triton_env  # noqa: F401
+
+from pagedlm.lora.ops import LoRAStepState, SliceSpec, reference_delta
 from pagedlm_cuda.kernels.gemv import gemv
 from pagedlm_cuda.kernels.lora import TritonLoRAOps
 from pagedlm_cuda.kernels.lora_fused import FusedScratch, base_config, gemv_lora
@@ -38,7 +45,13 @@ L2_BYTES = 50 * 2**20
 
 
 def time_graph_us(fn, calls: int, replays: int = 20) -> float:
-    """Microseconds per call of ``fn(i)`` for i in range(calls), replayed from one graph."""
+    """Microseconds per call of ``fn(i)`` for i in range(calls), replayed from one graph
+    (on CPU, for ``--tiny``'s smoke run: one eager pass, wall clock)."""
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        return (time.perf_counter() - start) * 1e6 / calls
     for i in range(calls):
         fn(i)
     torch.cuda.synchronize()
@@ -62,7 +75,8 @@ def bench_projection(name: str, rank: int, adapters: int, calls: int, shrink_ks)
     n = sum(sizes)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     slices = tuple(SliceSpec(s, size) for s, size in zip(starts, sizes, strict=True))
-    kw = dict(device="cuda", dtype=torch.bfloat16)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kw = dict(device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     copies = max(2, math.ceil(2 * L2_BYTES / (n * in_features * 2)))
     weights = [torch.randn(n, in_features, **kw) * in_features**-0.5 for _ in range(copies)]
     lora_as = [
@@ -73,13 +87,13 @@ def bench_projection(name: str, rank: int, adapters: int, calls: int, shrink_ks)
     old = TritonLoRAOps(fuse_single_row=False)
     num_warps = base_config(n)[2]
     scratches = [
-        FusedScratch(len(sizes) * rank, in_features, num_warps, "cuda") for _ in range(copies)
+        FusedScratch(len(sizes) * rank, in_features, num_warps, device) for _ in range(copies)
     ]
 
     # Batch 1.
     x1 = torch.randn(1, in_features, **kw)
-    slot1 = torch.tensor([3], dtype=torch.int32, device="cuda")
-    base_slot = torch.tensor([-1], dtype=torch.int32, device="cuda")
+    slot1 = torch.tensor([3], dtype=torch.int32, device=device)
+    base_slot = torch.tensor([-1], dtype=torch.int32, device=device)
     state1 = LoRAStepState(slot1)
     active = [True] * adapters
 
@@ -87,8 +101,16 @@ def bench_projection(name: str, rank: int, adapters: int, calls: int, shrink_ks)
     two = gemv(x1, weights[0])
     old.add_lora(two, x1, lora_as[0], lora_bs[0], slices, state1, active)
     base = gemv(x1, weights[0])
-    err = ((fused.float() - two.float()).norm() / (two.float() - base.float()).norm()).item()
-    print(f"check {name:8s}: |new - old| / |delta| = {err:.2e}", flush=True)
+    ref = base.double().cpu() + reference_delta(x1, lora_as[0], lora_bs[0], slices, slot1.cpu())
+
+    def error(out):
+        return ((out.double().cpu() - ref).norm() / (ref - base.double().cpu()).norm()).item()
+
+    print(
+        f"check {name:8s}: |out - float64 reference| / |delta|: new {error(fused):.2e},"
+        f" old {error(two):.2e}",
+        flush=True,
+    )
 
     def base_call(i):
         gemv(x1, weights[i % copies])
@@ -123,7 +145,7 @@ def bench_projection(name: str, rank: int, adapters: int, calls: int, shrink_ks)
         if shrink_k == plan.shrink_k:
             continue
         other = [
-            FusedScratch(len(sizes) * rank, in_features, num_warps, "cuda", shrink_k)
+            FusedScratch(len(sizes) * rank, in_features, num_warps, device, shrink_k)
             for _ in range(copies)
         ]
 
@@ -140,7 +162,7 @@ def bench_projection(name: str, rank: int, adapters: int, calls: int, shrink_ks)
 
     # Batch 64, 8 adapters round robin: the same path old and new.
     x64 = torch.randn(64, in_features, **kw)
-    slots64 = torch.arange(64, dtype=torch.int32, device="cuda") % adapters
+    slots64 = torch.arange(64, dtype=torch.int32, device=device) % adapters
     state64 = LoRAStepState(slots64)
 
     def base64(i):
@@ -168,7 +190,12 @@ def main() -> None:
     parser.add_argument(
         "--shrink-k", type=int, nargs="*", default=[], help="also time these shrink tiles"
     )
+    parser.add_argument("--tiny", action="store_true", help="small shapes (a CPU smoke run)")
     args = parser.parse_args()
+    if args.tiny:
+        PROJECTIONS.update(
+            qkv=(64, [32, 16, 16]), o=(64, [64]), gate_up=(64, [48, 48]), down=(96, [64])
+        )
     for name in args.projections:
         bench_projection(name, args.rank, args.adapters, args.calls, args.shrink_k)
 
