@@ -181,6 +181,55 @@ def bench_projection(name: str, rank: int, adapters: int, calls: int, shrink_ks)
     )
 
 
+def bench_chain(num_layers: int, rank: int, adapters: int) -> None:
+    """A batch-1 decode step's linear layers: ``num_layers`` x (qkv, o, gate_up, down), each
+    layer its own weights, in one graph: base alone, base + two launches, fused."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kw = dict(device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    layers = []
+    for _ in range(num_layers):
+        for name, (in_features, sizes) in PROJECTIONS.items():
+            n = sum(sizes)
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            slices = tuple(SliceSpec(s, size) for s, size in zip(starts, sizes, strict=True))
+            weight = torch.randn(n, in_features, **kw) * in_features**-0.5
+            lora_a = torch.randn(adapters, len(sizes) * rank, in_features, **kw) * 0.02
+            lora_b = torch.randn(adapters, n, rank, **kw) * 0.01
+            scratch = FusedScratch(len(sizes) * rank, in_features, base_config(n)[2], device)
+            layers.append(
+                (name, torch.randn(1, in_features, **kw), weight, lora_a, lora_b, slices, scratch)
+            )
+    slot = torch.tensor([3], dtype=torch.int32, device=device)
+    state = LoRAStepState(slot)
+    old = TritonLoRAOps(fuse_single_row=False)
+    active = [True] * adapters
+
+    def base(i):
+        _, x, weight, *_ = layers[i]
+        gemv(x, weight)
+
+    def two_launches(i):
+        _, x, weight, lora_a, lora_b, slices, _ = layers[i]
+        old.add_lora(gemv(x, weight), x, lora_a, lora_b, slices, state, active)
+
+    def fused(i):
+        _, x, weight, lora_a, lora_b, slices, scratch = layers[i]
+        gemv_lora(x, weight, None, lora_a, lora_b, slot, slices, scratch)
+
+    calls = len(layers)
+    t_base, t_old, t_new = (
+        time_graph_us(f, calls, replays=10) * calls for f in (base, two_launches, fused)
+    )
+    step = 4018.0  # us: the W2 decode step without LoRA (docs/performance.md, session 10)
+    print(
+        f"chain of {num_layers} layers x 4 projections, batch 1: base {t_base / 1e3:.3f} ms;"
+        f" old +{(t_old - t_base) / 1e3:.3f} ms (~{100 * step / (step + t_old - t_base):.1f}%"
+        f" of a {step / 1e3:.2f} ms step); new +{(t_new - t_base) / 1e3:.3f} ms"
+        f" (~{100 * step / (step + t_new - t_base):.1f}%)",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rank", type=int, default=16)
@@ -191,11 +240,16 @@ def main() -> None:
         "--shrink-k", type=int, nargs="*", default=[], help="also time these shrink tiles"
     )
     parser.add_argument("--tiny", action="store_true", help="small shapes (a CPU smoke run)")
+    parser.add_argument(
+        "--chain-layers", type=int, default=32, help="layers of the batch-1 chain (0: none)"
+    )
     args = parser.parse_args()
     if args.tiny:
         PROJECTIONS.update(
             qkv=(64, [32, 16, 16]), o=(64, [64]), gate_up=(64, [48, 48]), down=(96, [64])
         )
+    if args.chain_layers:
+        bench_chain(args.chain_layers, args.rank, args.adapters)
     for name in args.projections:
         bench_projection(name, args.rank, args.adapters, args.calls, args.shrink_k)
 
