@@ -211,6 +211,7 @@ class TritonLoRAOps:
             fuse_single_row = os.environ.get(FUSED_ENV, "1") != "0"
         self.fuse_single_row = fuse_single_row
         self._scratch: dict[tuple, FusedScratch] = {}
+        self._warned = False
 
     def add_lora(
         self,
@@ -267,7 +268,13 @@ class TritonLoRAOps:
         scratch = self._scratch.get(key)
         if scratch is None:
             if lora_a.is_cuda and torch.cuda.is_current_stream_capturing():
-                logger.warning("LoRA: a one-row layer first called under graph capture")
+                if not self._warned:
+                    self._warned = True
+                    logger.warning(
+                        "LoRA: a one-row layer was first called under CUDA-graph capture; "
+                        "it takes the two-launch path in that graph (run each size once "
+                        "eagerly before capturing it, as the graph runners do)"
+                    )
                 return None
             scratch = FusedScratch(lora_a.shape[1], lora_a.shape[2], num_warps, lora_a.device)
             self._scratch[key] = scratch
