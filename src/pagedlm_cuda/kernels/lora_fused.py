@@ -20,8 +20,8 @@ where the first program draws every item).
 
 The counters only grow (int64): a call's epoch is its first claim // (items + programs),
 so they need no reset and a CUDA graph replays them. Each call site (layer) has its own
-(``FusedScratch``), and its calls never overlap: the layer runs once per forward and every
-forward starts behind a kernel launched without PDL.
+(``FusedScratch``), and its calls never overlap: a program claims only after the PDL wait,
+when every earlier kernel, an earlier call of the layer included, has completed.
 
 Registers are capped at about the GEMV's own count (``REGISTER_LIMITS``) so that as many
 programs stream the weight per SM as in ``gemv``.
