@@ -6,7 +6,8 @@ slices of the input features ([num_splits, T, num_slices * max_rank]);
 the partials as it reads them. One launch each per projection covers the whole batch, every
 adapter and every slice (q, k and v of a fused layer are the grid's third axis). A token
 whose slot is -1 (base model, padding row) returns at once, so base-model rows of ``out``
-are never touched.
+are never touched. A one-row step's layers behind the Triton GEMV skip both:
+``TritonLoRAOps`` runs them through ``lora_fused.gemv_lora`` (base and delta in one launch).
 
 Why the split: ``A`` is a few dozen rows of thousands of features. A program per token
 walking all of them is one SM reading serially, and its latency (tens of microseconds at
