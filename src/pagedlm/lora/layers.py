@@ -99,6 +99,11 @@ class LoRALinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         layer = self.layer
+        fused = self.ops.linear_with_lora(
+            layer, self.base_kernel, x, self.lora_a, self.lora_b, self.slices, self.state
+        )
+        if fused is not None:
+            return fused
         if self.base_kernel is not None:
             out = self.base_kernel(x)
         else:

@@ -17,9 +17,12 @@ fixed-address ``token_slots`` buffer is (``pagedlm_cuda.kernels.lora``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from pagedlm.model_executor.layers.linear_base import LinearBase, LinearKernel
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,26 @@ class LoRAOps(Protocol):
         ``active_slots[s]``: slot ``s`` holds weights for this layer (a hint a kernel may
         ignore: inactive slots are all zeros)."""
 
+    def linear_with_lora(
+        self,
+        layer: LinearBase,
+        base_kernel: LinearKernel | None,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        slices: tuple[SliceSpec, ...],
+        state: LoRAStepState,
+    ) -> torch.Tensor | None:
+        """``base_kernel(x)`` plus the delta in one pass, where the ops have a kernel for
+        this base kernel and shape (the choice a function of shapes only, never of the
+        slots); None: the caller runs ``base_kernel`` and then ``add_lora``."""
+
 
 class TorchLoRAOps:
     graph_safe = False
+
+    def linear_with_lora(self, layer, base_kernel, x, lora_a, lora_b, slices, state) -> None:
+        return None
 
     def add_lora(
         self,

@@ -6,7 +6,8 @@ slices of the input features ([num_splits, T, num_slices * max_rank]);
 the partials as it reads them. One launch each per projection covers the whole batch, every
 adapter and every slice (q, k and v of a fused layer are the grid's third axis). A token
 whose slot is -1 (base model, padding row) returns at once, so base-model rows of ``out``
-are never touched.
+are never touched. A one-row step's layers behind the Triton GEMV skip both:
+``TritonLoRAOps`` runs them through ``lora_fused.gemv_lora`` (base and delta in one launch).
 
 Why the split: ``A`` is a few dozen rows of thousands of features. A program per token
 walking all of them is one SM reading serially, and its latency (tens of microseconds at
@@ -31,12 +32,27 @@ read that predecessor's output too early.
 
 from __future__ import annotations
 
+import logging
+import os
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from pagedlm.lora.ops import LoRAStepState, SliceSpec
+from pagedlm_cuda.fused_layers import SingleRowLinear
 from pagedlm_cuda.kernels import pdl
+from pagedlm_cuda.kernels.lora_fused import FusedScratch, base_config, gemv_lora
+
+if TYPE_CHECKING:
+    from pagedlm.model_executor.layers.linear_base import LinearBase, LinearKernel
+
+logger = logging.getLogger(__name__)
+
+FUSED_ENV = "PAGEDLM_LORA_FUSED"
+"""Set to 0 to run one-row LoRA layers through the base GEMV and two launches, as larger
+batches run."""
 
 MAX_SLICES = 3
 
@@ -179,14 +195,24 @@ def lora_expand(
 
 
 class TritonLoRAOps:
-    """``LoRAOps`` for CUDA/ROCm: two launches per projection, CUDA-graph safe.
+    """``LoRAOps`` for CUDA/ROCm, CUDA-graph safe. A one-row input of a layer whose base
+    kernel is the Triton GEMV (``SingleRowLinear``) runs base and delta in one launch
+    (``lora_fused.gemv_lora``; at batch 1 the separate kernels' launches were the delta's
+    whole cost); every other batch the base kernel, then two launches (shrink, expand).
     ``split_k``: the shrink's features per program (None: ``shrink_split``; tests force
-    small ones so that several partials are summed)."""
+    small ones so that several partials are summed). ``fuse_single_row=False`` (default:
+    unless ``PAGEDLM_LORA_FUSED=0``) keeps the two-launch path at one row too (benchmarks
+    compare them)."""
 
     graph_safe = True
 
-    def __init__(self, split_k: int | None = None) -> None:
+    def __init__(self, split_k: int | None = None, fuse_single_row: bool | None = None) -> None:
         self.split_k = split_k
+        if fuse_single_row is None:
+            fuse_single_row = os.environ.get(FUSED_ENV, "1") != "0"
+        self.fuse_single_row = fuse_single_row
+        self._scratch: dict[tuple, FusedScratch] = {}
+        self._warned = False
 
     def add_lora(
         self,
@@ -201,3 +227,56 @@ class TritonLoRAOps:
         token_slots = state.token_slots[: x.shape[0]]
         shrunk = lora_shrink(x, lora_a, token_slots, self.split_k)
         lora_expand(out, shrunk, lora_b, token_slots, slices)
+
+    def linear_with_lora(
+        self,
+        layer: LinearBase,
+        base_kernel: LinearKernel | None,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        slices: tuple[SliceSpec, ...],
+        state: LoRAStepState,
+    ) -> torch.Tensor | None:
+        if x.shape[0] != 1 or not self.fuse_single_row:
+            return None
+        weight = layer.weight
+        fusable = (
+            isinstance(base_kernel, SingleRowLinear)
+            and x.dim() == 2
+            and x.stride(1) == 1
+            and weight.dim() == 2
+            and weight.stride(1) == 1
+            and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and len(slices) <= MAX_SLICES
+            and lora_b.shape[1] == weight.shape[0]
+        )
+        if not fusable:
+            return None
+        scratch = self.fused_scratch(lora_a, weight.shape[0])
+        if scratch is None:
+            return None
+        return gemv_lora(
+            x, weight, layer.linear_bias, lora_a, lora_b, state.token_slots, slices, scratch
+        )
+
+    def fused_scratch(self, lora_a: torch.Tensor, out_features: int) -> FusedScratch | None:
+        """The call site's scratch (keyed by its slots' buffer). Made on the call site's
+        first one-row call, which the graph runners make eagerly before capturing; None
+        (the two-launch path) if that first call is being captured."""
+        num_warps = base_config(out_features)[2]
+        key = (lora_a.data_ptr(), lora_a.shape[1], lora_a.shape[2], num_warps)
+        scratch = self._scratch.get(key)
+        if scratch is None:
+            if lora_a.is_cuda and torch.cuda.is_current_stream_capturing():
+                if not self._warned:
+                    self._warned = True
+                    logger.warning(
+                        "LoRA: a one-row layer was first called under CUDA-graph capture; "
+                        "it takes the two-launch path in that graph (run each size once "
+                        "eagerly before capturing it, as the graph runners do)"
+                    )
+                return None
+            scratch = FusedScratch(lora_a.shape[1], lora_a.shape[2], num_warps, lora_a.device)
+            self._scratch[key] = scratch
+        return scratch
