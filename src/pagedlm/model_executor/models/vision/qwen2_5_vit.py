@@ -134,9 +134,11 @@ def segment_attention(qkv: torch.Tensor, segments: Segments) -> torch.Tensor:
 @dataclass(frozen=True)
 class VisionRotary:
     """The tower's 2D rotary for every row of one forward, q and k rotated together:
-    ``x * cos + roll(x, half) * signed_sin`` in float32, which is transformers'
-    ``x * cos + rotate_half(x) * sin`` term for term (``signed_sin`` carries the sign
-    ``rotate_half`` gives the first half), without its negation and concatenation."""
+    ``x * cos + swap_halves(x) * signed_sin`` in float32, which is transformers'
+    ``x.float() * cos + rotate_half(x.float()) * sin`` term for term (``signed_sin``
+    carries the sign ``rotate_half`` gives the first half; a bfloat16 ``x`` times a
+    float32 table is computed in float32 on the exactly widened ``x``), in four kernels
+    and a copy back instead of two casts, a negation and a concatenation per tensor."""
 
     cos: torch.Tensor
     """[N, 1, 1, head_dim] float32."""
@@ -153,10 +155,10 @@ class VisionRotary:
         )
 
     def rotate_(self, qk: torch.Tensor) -> None:
-        """Rotate qk [N, 2, heads, head_dim] (q and k) in place."""
-        x = qk.float()  # a no-op in float32
-        half = x.shape[-1] // 2
-        qk.copy_(x * self.cos + x.roll(half, dims=-1) * self.signed_sin)
+        """Rotate qk [N, 2, heads, head_dim] (q and k; may be a strided view) in place."""
+        half = qk.shape[-1] // 2
+        swapped = qk.unflatten(-1, (2, half)).flip(-2).flatten(-2)
+        qk.copy_(qk * self.cos + swapped * self.signed_sin)
 
 
 class VisionAttention(nn.Module):
