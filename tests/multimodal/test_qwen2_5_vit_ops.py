@@ -193,3 +193,36 @@ def test_one_image_costs_few_ops_per_block() -> None:
     assert counts["rms_norm"] == 2 * 32 + 1
     assert counts["aten::_to_copy"] <= 4, "no casts per block"
     assert sum(counts.values()) <= 15 * 32 + 20, per_block  # 490 now; 1,106 before
+
+
+def test_the_encoder_runner_keeps_grids_on_the_host() -> None:
+    from pagedlm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+    from pagedlm.multimodal.encoder_runner import EncoderRunner
+    from pagedlm.multimodal.tensors import to_tensor_data
+    from pagedlm.step.multimodal import MultiModalFeature
+
+    seen: dict[str, torch.device] = {}
+
+    class Model(torch.nn.Module):
+        host_multimodal_inputs = Qwen2_5_VLForConditionalGeneration.host_multimodal_inputs
+        packed_multimodal_inputs = True
+
+        def embed_multimodal(self, tensors):
+            seen.update({name: t.device for name, t in tensors.items()})
+            return torch.zeros(sum(int(g.prod()) for g in tensors["image_grid_thw"]) // 4, 8)
+
+    def feature(identifier: str, grid_h: int) -> MultiModalFeature:
+        pixels, grid = _image(grid_h, 2)
+        tensors = {"pixel_values": pixels, "image_grid_thw": grid}
+        return MultiModalFeature(
+            "image",
+            identifier,
+            offset=0,
+            length=grid_h // 2,
+            tensors={name: to_tensor_data(t) for name, t in tensors.items()},
+        )
+
+    runner = EncoderRunner(Model(), torch.device("meta"))  # "the device": never the host
+    runner._encode([feature("a", 2), feature("b", 4)])
+    assert seen == {"pixel_values": torch.device("meta"), "image_grid_thw": torch.device("cpu")}
+    assert runner.num_encoder_calls == 1 and set(runner.cache) == {"a", "b"}

@@ -45,6 +45,9 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     uses_mrope: ClassVar[bool] = True
     packed_multimodal_inputs: ClassVar[bool] = True
     """Images of any sizes encode in one call (patches concatenated, one grid row each)."""
+    host_multimodal_inputs: ClassVar[frozenset[str]] = frozenset({"image_grid_thw"})
+    """The tower plans its windows from the grids on the host: the encoder runner keeps
+    them there."""
 
     def __init__(self, arch: ArchConfig, max_model_len: int | None = None) -> None:
         require_one_stage()

@@ -66,6 +66,13 @@ def window_order(grid_thw: np.ndarray, merge: int, window: int) -> tuple[np.ndar
     return np.concatenate(order), lengths
 
 
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device`` without waiting for the device: from pageable memory
+    the copy is staged before the call returns (a blocking copy would first wait for
+    every kernel queued, such as the step still in flight)."""
+    return torch.from_numpy(array).to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class Segments:
     """Consecutive runs of rows that attend only among themselves (windows, or frames),
@@ -104,10 +111,10 @@ class Segments:
         return cls(
             len(lengths),
             longest,
-            torch.from_numpy(segment * longest + position).to(device),
-            torch.from_numpy(segment).to(device),
-            torch.from_numpy(position).to(device),
-            torch.from_numpy(mask).to(device, dtype)[:, None, None, :],
+            to_device(segment * longest + position, device),
+            to_device(segment, device),
+            to_device(position, device),
+            to_device(mask, device).to(dtype)[:, None, None, :],
             torch.zeros(len(lengths) * longest, *row_shape, device=device, dtype=dtype),
         )
 
@@ -165,6 +172,7 @@ class VisionAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
         self.num_heads = num_heads
+        self.head_dim = dim // num_heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
@@ -300,22 +308,22 @@ class Qwen2_5_VisionTransformer(nn.Module):
         unit = self.merge * self.merge
         order, window_lengths = window_order(grid, self.merge, self.window)
         frame_lengths = [int(h * w) for t, h, w in grid.tolist() for _ in range(t)]
-        device = pixel_values.device
-        order_t = torch.from_numpy(order).to(device)
+        device, dtype = pixel_values.device, self.patch_embed.proj.weight.dtype
+        # Every host-built index first, before any kernel is queued behind them.
+        order_t = to_device(order, device)
+        restore = to_device(np.argsort(order), device)
+        positions = to_device(patch_positions(grid, self.merge), device)
+        row_shape = (3, self.num_heads, self.blocks[0].attn.head_dim)
+        windows = Segments.build(window_lengths, device, dtype, row_shape)
+        frames = Segments.build(frame_lengths, device, dtype, row_shape)
         x = self.patch_embed(pixel_values)
         x = x.view(-1, unit, x.shape[-1]).index_select(0, order_t).flatten(0, 1)
-        positions = torch.from_numpy(patch_positions(grid, self.merge)).to(device)
         angles = (positions[..., None].float() * self.inv_freq).flatten(1)  # [N, head_dim / 2]
         angles = angles.view(-1, unit, angles.shape[-1]).index_select(0, order_t).flatten(0, 1)
         rotary = VisionRotary.from_angles(angles)
-        row_shape = (3, self.num_heads, x.shape[-1] // self.num_heads)
-        windows = Segments.build(window_lengths, device, x.dtype, row_shape)
-        frames = Segments.build(frame_lengths, device, x.dtype, row_shape)
         delta: torch.Tensor | None = None
         for index, block in enumerate(self.blocks):
             segments = frames if index in self.full_attention else windows
             delta, x = block(delta, x, rotary, segments)
         assert delta is not None, "the tower has no blocks"
-        merged = self.merger(delta, x)
-        restore = torch.from_numpy(np.argsort(order)).to(device)
-        return merged.index_select(0, restore)
+        return self.merger(delta, x).index_select(0, restore)
