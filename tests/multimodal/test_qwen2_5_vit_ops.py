@@ -79,16 +79,19 @@ def test_rotary_equals_transformers_formula(dtype) -> None:
     assert torch.equal(qkv[:, 2], value)
 
 
-def test_gate_up_loads_both_projections() -> None:
+def test_mlp_loads_the_checkpoint_projections_into_padded_ones() -> None:
     mlp = VisionMLP(4, 3, "silu")
-    gate, up = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    assert mlp.down_proj.in_features == 64  # 3 padded to the alignment
     with torch.no_grad():
-        for part, layer in (("gate", gate), ("up", up)):
-            mlp.load_gate_up(part, "weight", layer.weight)
-            mlp.load_gate_up(part, "bias", layer.bias)
+        for param in mlp.parameters():
+            param.fill_(float("nan"))  # loading must overwrite the padding too
+        gate, up, down = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3), torch.nn.Linear(3, 4)
+        for projection, layer in (("gate", gate), ("up", up), ("down", down)):
+            mlp.load(projection, "weight", layer.weight)
+            mlp.load(projection, "bias", layer.bias)
         x = torch.randn(5, 4)
-        expected = mlp.down_proj(torch.nn.functional.silu(gate(x)) * up(x))
-        torch.testing.assert_close(mlp(x), expected, rtol=0, atol=0)
+        expected = down(torch.nn.functional.silu(gate(x)) * up(x))
+        torch.testing.assert_close(mlp(x), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_platform_fused_kernels_give_the_torch_result() -> None:

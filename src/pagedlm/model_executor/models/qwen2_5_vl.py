@@ -15,7 +15,8 @@ three-part prompt positions and its decode offset once when the request is admit
 Checkpoint names: the published layout (``model.*`` decoder, ``visual.*``, ``lm_head``)
 and transformers 5's (``model.language_model.*``, ``model.visual.*``) both load; each
 vision block's ``mlp.gate_proj`` and ``mlp.up_proj`` go into the halves of its one
-``mlp.gate_up_proj``.
+``mlp.gate_up_proj``, and ``mlp.down_proj`` into its padded twin (zeros beyond the
+checkpoint's hidden size).
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ from pagedlm.model_executor.models.llama import Qwen2ForCausalLM
 from pagedlm.model_executor.models.vision.qwen2_5_vit import Qwen2_5_VisionTransformer
 from pagedlm.model_executor.models.vision_language import require_one_stage, split_vision_weights
 
-_VISION_GATE_UP = re.compile(
-    r"(?:model\.)?visual\.blocks\.(\d+)\.mlp\.(gate|up)_proj\.(weight|bias)"
+_VISION_MLP = re.compile(
+    r"(?:model\.)?visual\.blocks\.(\d+)\.mlp\.(gate|up|down)_proj\.(weight|bias)"
 )
-"""A vision block's gate or up projection in the checkpoint (either naming)."""
+"""A vision block's MLP projection in the checkpoint (either naming)."""
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
@@ -85,32 +86,34 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded: set[str] = set()
-        halves: set[tuple[str, str]] = set()
-        rest = self._load_vision_gate_up(weights, halves)
+        parts: set[tuple[str, str]] = set()
+        rest = self._load_vision_mlp(weights, parts)
         text = split_vision_weights(self, rest, (), loaded)
         decoder = super().load_weights(text)  # consumes ``text``, which fills ``loaded``
-        # A fused parameter counts as loaded once both of its halves were.
-        for name, part in halves:
-            if part == "gate" and (name, "up") in halves:
+        # gate_up_proj counts as loaded once both of its halves were.
+        for name, part in parts:
+            if part == "down" or (part == "gate" and (name, "up") in parts):
                 loaded.add(name)
         return loaded | decoder
 
-    def _load_vision_gate_up(
-        self, weights: Iterable[tuple[str, torch.Tensor]], halves: set[tuple[str, str]]
+    def _load_vision_mlp(
+        self, weights: Iterable[tuple[str, torch.Tensor]], parts: set[tuple[str, str]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Copy the vision blocks' gate/up tensors into ``gate_up_proj`` (noting each
-        (parameter name, half) in ``halves``); yield every other tensor."""
+        """Copy the vision blocks' MLP tensors into ``gate_up_proj`` and the padded
+        ``down_proj`` (noting each (parameter name, projection) in ``parts``); yield every
+        other tensor."""
         blocks = self.visual.blocks
         for name, tensor in weights:
-            match = _VISION_GATE_UP.fullmatch(name)
+            match = _VISION_MLP.fullmatch(name)
             if match is None:
                 yield name, tensor
                 continue
-            block, part, kind = int(match[1]), match[2], match[3]
+            block, projection, kind = int(match[1]), match[2], match[3]
             if block >= len(blocks):
                 raise ValueError(
                     f"checkpoint tensor {name!r} names vision block {block}, but "
                     f"vision_config has depth {len(blocks)}; check config.json."
                 )
-            blocks[block].mlp.load_gate_up(part, kind, tensor)
-            halves.add((f"visual.blocks.{block}.mlp.gate_up_proj.{kind}", part))
+            blocks[block].mlp.load(projection, kind, tensor)
+            fused = "down_proj" if projection == "down" else "gate_up_proj"
+            parts.add((f"visual.blocks.{block}.mlp.{fused}.{kind}", projection))
