@@ -14,7 +14,15 @@ within a frame. The tower runs on windows in window order (patches regrouped onc
 start, restored after the merger). Attention is torch SDPA over the segments padded to the
 longest one (key padding masked), so any device runs it; it never uses the paged cache.
 
-Parameter names follow transformers' ``Qwen2_5_VisionTransformerPretrainedModel``.
+Few ops per block (exactly transformers' math): the residual add inside each RMSNorm, q and
+k rotated together in float32 (``VisionRotary``), gate and up as one GEMM into
+``SiluAndMul`` (platforms fuse both), the hidden size padded with zero weights to aligned
+GEMM rows, and every index, mask and padding buffer built once per forward on the host
+and copied without waiting for the device.
+
+Parameter names follow transformers' ``Qwen2_5_VisionTransformerPretrainedModel``, except
+each block's ``mlp.gate_up_proj`` (the checkpoint's ``gate_proj`` and ``up_proj``, loaded
+by ``VisionMLP.load``).
 """
 
 from __future__ import annotations
