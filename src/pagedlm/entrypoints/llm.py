@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from tqdm.auto import tqdm
 
 from pagedlm.engine.arg_utils import EngineArgs
-from pagedlm.engine.input_processor import PromptType
+from pagedlm.engine.input_processor import ProcessedRequest, PromptType
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.lora.request import LoRARequest
 from pagedlm.metrics import Metric
@@ -20,6 +23,13 @@ from pagedlm.pooling import EmbeddingRequestOutput, PoolingParams, PoolingReques
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
+
+MAX_PREPROCESS_THREADS = 8
+"""Threads that preprocess a batch's image prompts (the transformers image processor and
+the content hash release the GIL for their heavy parts: resizing, normalizing, sha256)."""
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 def _final_only(params: SamplingParams) -> SamplingParams:
@@ -35,6 +45,43 @@ def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]
 
 
 ParamsT = TypeVar("ParamsT", SamplingParams, PoolingParams)
+
+
+def _has_multimodal_data(prompt: PromptType) -> bool:
+    return isinstance(prompt, Mapping) and prompt.get("multi_modal_data") is not None
+
+
+def _map_in_order(pool: ThreadPoolExecutor | None, fn: Callable[[T], R], items: list[T]) -> list[R]:
+    """``[fn(item) for item in items]``, on ``pool`` when given: results in input order and,
+    if any call raises, the error of the first such item, as the loop would raise it (the
+    calls not yet started are cancelled; those running are waited for)."""
+    if pool is None:
+        return [fn(item) for item in items]
+    futures: list[Future[R]] = [pool.submit(fn, item) for item in items]
+    try:
+        return [future.result() for future in futures]
+    except BaseException:
+        for future in futures:
+            future.cancel()
+        for future in futures:
+            if not future.cancelled():
+                future.exception()  # wait: nothing of this call runs on after it raises
+        raise
+
+
+def _arrivals_in_prompt_order(processed: list[ProcessedRequest]) -> list[ProcessedRequest]:
+    """Arrival times that never decrease in prompt order, as serial processing stamps them
+    (the priority policy breaks ties by arrival; a parallel batch finishes out of order)."""
+    out: list[ProcessedRequest] = []
+    latest = float("-inf")
+    for request in processed:
+        if request.arrival_time < latest:
+            request = dataclasses.replace(request, arrival_time=latest)
+            for child in request.children:
+                child.arrival_time = latest
+        latest = request.arrival_time
+        out.append(request)
+    return out
 
 
 def _one_per_prompt(params: ParamsT | Sequence[ParamsT], num_prompts: int) -> list[ParamsT]:
@@ -113,6 +160,19 @@ class LLM:
         )
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._request_counter = itertools.count()
+        self._preprocess_pool: ThreadPoolExecutor | None = None
+
+    def _pool_for(self, num_image_prompts: int) -> ThreadPoolExecutor | None:
+        """The preprocessing pool, for a batch with at least two image prompts (text is
+        tokenized faster than a thread hand-off); started on first use."""
+        if num_image_prompts < 2:
+            return None
+        if self._preprocess_pool is None:
+            threads = min(MAX_PREPROCESS_THREADS, len(os.sched_getaffinity(0)))
+            self._preprocess_pool = ThreadPoolExecutor(
+                max(2, threads), thread_name_prefix="pagedlm-preprocess"
+            )
+        return self._preprocess_pool
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
@@ -151,10 +211,15 @@ class LLM:
         params_list = [_final_only(p) for p in params_list]
         engine = self.llm_engine
         # Validate everything first: one bad prompt must not leave the others queued.
-        processed = [
-            engine.process_request(str(next(self._request_counter)), prompt, params, rank, lora)
+        # Image prompts are preprocessed in parallel, the first bad one's error raised.
+        jobs = [
+            (str(next(self._request_counter)), prompt, params, rank, lora)
             for prompt, params, rank, lora in zip(prompts, params_list, priorities, loras)
         ]
+        pool = self._pool_for(sum(map(_has_multimodal_data, prompts)))
+        processed = _map_in_order(pool, lambda job: engine.process_request(*job), jobs)
+        if pool is not None:
+            processed = _arrivals_in_prompt_order(processed)
         for request in processed:
             engine.add_processed_request(request)
         return self._run_engine([r.request_id for r in processed], use_tqdm)  # type: ignore[return-value]
@@ -222,19 +287,16 @@ class LLM:
                 "add_generation_prompt=False with it."
             )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts: list[PromptType] = []
-        for conversation in conversations:
+
+        def to_prompt(conversation: Conversation) -> PromptType:
             if has_images(conversation):
-                prompts.append(
-                    self._multimodal_chat_prompt(
-                        conversation,
-                        chat_template=chat_template,
-                        add_generation_prompt=add_generation_prompt,
-                        continue_final_message=continue_final_message,
-                        **(chat_template_kwargs or {}),
-                    )
+                return self._multimodal_chat_prompt(
+                    conversation,
+                    chat_template=chat_template,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    **(chat_template_kwargs or {}),
                 )
-                continue
             token_ids = tokenizer.apply_chat_template(
                 list(conversation),
                 chat_template=chat_template,
@@ -244,7 +306,13 @@ class LLM:
                 return_dict=False,
                 **(chat_template_kwargs or {}),
             )
-            prompts.append({"prompt_token_ids": list(token_ids)})
+            return {"prompt_token_ids": list(token_ids)}
+
+        # Image conversations load their images (data URLs decoded, URLs fetched) in
+        # parallel, like generate's preprocessing.
+        conversations = list(conversations)
+        pool = self._pool_for(sum(map(has_images, conversations)))
+        prompts = _map_in_order(pool, to_prompt, conversations)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _multimodal_chat_prompt(

@@ -76,7 +76,10 @@ class EncoderRunner:
         """Encode ``features`` into the cache: one encoder call per group of images whose
         tensors have the same names and shapes (stacked along their first dimension); for
         a model with ``packed_multimodal_inputs`` (Qwen2.5-VL: patches of every image one
-        after another, with their grids), only the shapes after the first must agree."""
+        after another, with their grids), only the shapes after the first must agree. The
+        names in the model's ``host_multimodal_inputs`` stay in host memory (what the
+        encoder reads on the host, such as Qwen2.5-VL's grids: a copy to the device and
+        back would wait for the step in flight)."""
         first = 1 if getattr(self.model, "packed_multimodal_inputs", False) else 0
         groups: dict[tuple, list[MultiModalFeature]] = {}
         for feature in features:
@@ -84,9 +87,15 @@ class EncoderRunner:
                 sorted((n, tuple(t.shape[first:]), t.dtype) for n, t in feature.tensors.items())
             )
             groups.setdefault(key, []).append(feature)
+        on_host = getattr(self.model, "host_multimodal_inputs", frozenset())
         for group in groups.values():
             tensors = {
-                name: torch.cat([from_tensor_data(f.tensors[name], self.device) for f in group])
+                name: torch.cat(
+                    [
+                        from_tensor_data(f.tensors[name], "cpu" if name in on_host else self.device)
+                        for f in group
+                    ]
+                )
                 for name in group[0].tensors
             }
             rows = self.model.embed_multimodal(tensors)

@@ -9,6 +9,7 @@ that do not match the images.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,20 +40,23 @@ def _images(value: Any) -> list[Any]:
 
 
 class MultiModalInputs:
-    """The front end's multimodal side for one engine (the processor loads on first use)."""
+    """The front end's multimodal side for one engine (the processor loads on first use).
+    Thread safe: ``LLM`` and ``AsyncLLM`` preprocess prompts on thread pools."""
 
     def __init__(self, model_config: ModelConfig, config: MultiModalConfig) -> None:
         self.model_config = model_config
         self.config = config
         self.supported = is_multimodal(model_config.arch.architecture)
         self._processor: MultiModalProcessor | None = None
+        self._lock = threading.Lock()
 
     @property
     def processor(self) -> MultiModalProcessor:
         if not self.supported:
             raise text_only_error(self.model_config)
-        if self._processor is None:
-            self._processor = MultiModalProcessor(self.model_config)
+        with self._lock:
+            if self._processor is None:
+                self._processor = MultiModalProcessor(self.model_config)
         return self._processor
 
     def check_count(self, modality: str, count: int) -> None:

@@ -22,4 +22,6 @@ def from_tensor_data(data: TensorData, device: torch.device | str = "cpu") -> to
     if not data.data:
         return torch.empty(data.shape, dtype=dtype, device=device)
     flat = torch.frombuffer(bytearray(data.data), dtype=dtype)
-    return flat.reshape(data.shape).to(device)
+    # Not blocking: a copy from pageable host memory is staged before the call returns,
+    # and a blocking one would first wait for every kernel queued (the step in flight).
+    return flat.reshape(data.shape).to(device, non_blocking=True)

@@ -13,12 +13,16 @@ three-part prompt positions and its decode offset once when the request is admit
 - ``embed_input_ids`` and ``forward(..., inputs_embeds=...)`` as LLaVA's (``llava.py``).
 
 Checkpoint names: the published layout (``model.*`` decoder, ``visual.*``, ``lm_head``)
-and transformers 5's (``model.language_model.*``, ``model.visual.*``) both load.
+and transformers 5's (``model.language_model.*``, ``model.visual.*``) both load; each
+vision block's ``mlp.gate_proj`` and ``mlp.up_proj`` go into the halves of its one
+``mlp.gate_up_proj``, and ``mlp.down_proj`` into its padded twin (zeros beyond the
+checkpoint's hidden size).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import ClassVar
 
@@ -31,12 +35,20 @@ from pagedlm.model_executor.models.llama import Qwen2ForCausalLM
 from pagedlm.model_executor.models.vision.qwen2_5_vit import Qwen2_5_VisionTransformer
 from pagedlm.model_executor.models.vision_language import require_one_stage, split_vision_weights
 
+_VISION_MLP = re.compile(
+    r"(?:model\.)?visual\.blocks\.(\d+)\.mlp\.(gate|up|down)_proj\.(weight|bias)"
+)
+"""A vision block's MLP projection in the checkpoint (either naming)."""
+
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     supports_multimodal: ClassVar[bool] = True
     uses_mrope: ClassVar[bool] = True
     packed_multimodal_inputs: ClassVar[bool] = True
     """Images of any sizes encode in one call (patches concatenated, one grid row each)."""
+    host_multimodal_inputs: ClassVar[frozenset[str]] = frozenset({"image_grid_thw"})
+    """The tower plans its windows from the grids on the host: the encoder runner keeps
+    them there."""
 
     def __init__(self, arch: ArchConfig, max_model_len: int | None = None) -> None:
         require_one_stage()
@@ -74,6 +86,34 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded: set[str] = set()
-        text = split_vision_weights(self, weights, (), loaded)
+        parts: set[tuple[str, str]] = set()
+        rest = self._load_vision_mlp(weights, parts)
+        text = split_vision_weights(self, rest, (), loaded)
         decoder = super().load_weights(text)  # consumes ``text``, which fills ``loaded``
+        # gate_up_proj counts as loaded once both of its halves were.
+        for name, part in parts:
+            if part == "down" or (part == "gate" and (name, "up") in parts):
+                loaded.add(name)
         return loaded | decoder
+
+    def _load_vision_mlp(
+        self, weights: Iterable[tuple[str, torch.Tensor]], parts: set[tuple[str, str]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Copy the vision blocks' MLP tensors into ``gate_up_proj`` and the padded
+        ``down_proj`` (noting each (parameter name, projection) in ``parts``); yield every
+        other tensor."""
+        blocks = self.visual.blocks
+        for name, tensor in weights:
+            match = _VISION_MLP.fullmatch(name)
+            if match is None:
+                yield name, tensor
+                continue
+            block, projection, kind = int(match[1]), match[2], match[3]
+            if block >= len(blocks):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} names vision block {block}, but "
+                    f"vision_config has depth {len(blocks)}; check config.json."
+                )
+            blocks[block].mlp.load(projection, kind, tensor)
+            fused = "down_proj" if projection == "down" else "gate_up_proj"
+            parts.add((f"visual.blocks.{block}.mlp.{fused}.{kind}", projection))

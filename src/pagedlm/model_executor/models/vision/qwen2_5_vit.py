@@ -14,7 +14,15 @@ within a frame. The tower runs on windows in window order (patches regrouped onc
 start, restored after the merger). Attention is torch SDPA over the segments padded to the
 longest one (key padding masked), so any device runs it; it never uses the paged cache.
 
-Parameter names follow transformers' ``Qwen2_5_VisionTransformerPretrainedModel``.
+Few ops per block (exactly transformers' math): the residual add inside each RMSNorm, q and
+k rotated together in float32 (``VisionRotary``), gate and up as one GEMM into
+``SiluAndMul`` (platforms fuse both), the hidden size padded with zero weights to aligned
+GEMM rows, and every index, mask and padding buffer built once per forward on the host
+and copied without waiting for the device.
+
+Parameter names follow transformers' ``Qwen2_5_VisionTransformerPretrainedModel``, except
+each block's ``mlp.gate_up_proj`` (the checkpoint's ``gate_proj`` and ``up_proj``, loaded
+by ``VisionMLP.load``).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedlm.model_executor.layers.activation import SiluAndMul
 from pagedlm.model_executor.layers.layernorm import RMSNorm
 from pagedlm.model_executor.models.vision.clip import vision_activation
 
@@ -65,93 +74,183 @@ def window_order(grid_thw: np.ndarray, merge: int, window: int) -> tuple[np.ndar
     return np.concatenate(order), lengths
 
 
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device`` without waiting for the device: from pageable memory
+    the copy is staged before the call returns (a blocking copy would first wait for
+    every kernel queued, such as the step still in flight)."""
+    return torch.from_numpy(array).to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class Segments:
     """Consecutive runs of rows that attend only among themselves (windows, or frames),
     laid out for one batched SDPA call: ``num`` segments padded to ``longest`` rows.
-    Built once per forward and shared by the blocks (no host work per layer)."""
+    Built once per forward and shared by the blocks: the padding indices, the additive
+    key mask and the zero-padded q/k/v buffer (its padding rows stay zero; each block
+    writes its real rows over the last block's), so a block adds two index ops around
+    its attention, or none when all segments are equally long."""
 
     num: int
     longest: int
     rows: torch.Tensor | None
     """[N] each row's index in the padded [num * longest] layout; None: no padding (all
     segments equally long)."""
-    valid: torch.Tensor | None
-    """[num, 1, 1, longest] which padded keys are real."""
+    segment_of_row: torch.Tensor | None
+    """[N] the segment of each row, and ``position_of_row`` its place in it."""
+    position_of_row: torch.Tensor | None
+    mask: torch.Tensor | None
+    """[num, 1, 1, longest] 0 for real keys, -inf for padding, in the compute dtype."""
+    padded: torch.Tensor | None
+    """[num * longest, 3, heads, head_dim] zeros, the blocks' q/k/v in padded layout."""
 
     @classmethod
-    def build(cls, lengths: list[int], device: torch.device) -> Segments:
+    def build(
+        cls, lengths: list[int], device: torch.device, dtype: torch.dtype, row_shape: tuple
+    ) -> Segments:
+        """``row_shape``: (3, heads, head_dim) of one row of the blocks' q/k/v."""
         longest = max(lengths)
         if all(length == longest for length in lengths):
-            return cls(len(lengths), longest, None, None)
+            return cls(len(lengths), longest, None, None, None, None, None)
         lens = np.asarray(lengths)
         starts = np.cumsum(lens) - lens
-        rows = np.repeat(np.arange(len(lens)) * longest - starts, lens) + np.arange(lens.sum())
-        valid = np.arange(longest)[None, :] < lens[:, None]
+        segment = np.repeat(np.arange(len(lens)), lens)
+        position = np.arange(lens.sum()) - np.repeat(starts, lens)
+        mask = np.where(np.arange(longest)[None, :] < lens[:, None], 0.0, -np.inf)
         return cls(
             len(lengths),
             longest,
-            torch.from_numpy(rows).to(device),
-            torch.from_numpy(valid).to(device)[:, None, None, :],
+            to_device(segment * longest + position, device),
+            to_device(segment, device),
+            to_device(position, device),
+            to_device(mask, device).to(dtype)[:, None, None, :],
+            torch.zeros(len(lengths) * longest, *row_shape, device=device, dtype=dtype),
         )
 
 
-def segment_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments
-) -> torch.Tensor:
-    """Bidirectional attention within each segment: q, k, v [N, heads, head_dim] ->
-    [N, heads, head_dim] (padding keys masked, padding queries dropped)."""
-    n, heads, dim = q.shape
-    shape = (segments.num, segments.longest, heads, dim)
+def segment_attention(qkv: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """Bidirectional attention within each segment: qkv [N, 3, heads, head_dim] ->
+    [N, heads * head_dim] (padding keys masked, padding queries dropped)."""
+    n, _, heads, dim = qkv.shape
     if segments.rows is None:
-        qs, ks, vs = (x.view(shape).transpose(1, 2) for x in (q, k, v))
-        return F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2).reshape(n, heads, dim)
-    rows = segments.rows
-    padded = [
-        x.new_zeros(segments.num * segments.longest, heads, dim).index_copy_(0, rows, x)
-        for x in (q, k, v)
-    ]
-    qs, ks, vs = (x.view(shape).transpose(1, 2) for x in padded)
-    out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=segments.valid)
-    return out.transpose(1, 2).reshape(-1, heads, dim).index_select(0, rows)
+        shape = (segments.num, segments.longest, heads, dim)
+        q, k, v = (qkv[:, i].view(shape).transpose(1, 2) for i in range(3))
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, heads * dim)
+    assert segments.padded is not None
+    padded = segments.padded.index_copy_(0, segments.rows, qkv)
+    q, k, v = padded.view(segments.num, segments.longest, 3, heads, dim).unbind(2)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=segments.mask
+    )
+    # [num, heads, longest, dim] -> each real row's [heads, dim], in one gather.
+    rows = out.transpose(1, 2)[segments.segment_of_row, segments.position_of_row]
+    return rows.reshape(n, heads * dim)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
+@dataclass(frozen=True)
+class VisionRotary:
+    """The tower's 2D rotary for every row of one forward, q and k rotated together:
+    ``x * cos + swap_halves(x) * signed_sin`` in float32, which is transformers'
+    ``x.float() * cos + rotate_half(x.float()) * sin`` term for term (``signed_sin``
+    carries the sign ``rotate_half`` gives the first half; a bfloat16 ``x`` times a
+    float32 table is computed in float32 on the exactly widened ``x``), in four kernels
+    and a copy back instead of two casts, a negation and a concatenation per tensor."""
+
+    cos: torch.Tensor
+    """[N, 1, 1, head_dim] float32."""
+    signed_sin: torch.Tensor
+    """[N, 1, 1, head_dim] float32: -sin on the first half, sin on the second."""
+
+    @classmethod
+    def from_angles(cls, angles: torch.Tensor) -> VisionRotary:
+        """angles [N, head_dim / 2] float32."""
+        cos, sin = angles.cos(), angles.sin()
+        return cls(
+            torch.cat([cos, cos], dim=-1)[:, None, None, :],
+            torch.cat([-sin, sin], dim=-1)[:, None, None, :],
+        )
+
+    def rotate_(self, qk: torch.Tensor) -> None:
+        """Rotate qk [N, 2, heads, head_dim] (q and k; may be a strided view) in place."""
+        half = qk.shape[-1] // 2
+        swapped = qk.unflatten(-1, (2, half)).flip(-2).flatten(-2)
+        qk.copy_(qk * self.cos + swapped * self.signed_sin)
 
 
 class VisionAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
         self.num_heads = num_heads
+        self.head_dim = dim // num_heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments
-    ) -> torch.Tensor:
-        """x [N, dim]; cos, sin [N, 1, head_dim] (float32): the rotation is in float32."""
+    def forward(self, x: torch.Tensor, rotary: VisionRotary, segments: Segments) -> torch.Tensor:
+        """x [N, dim] -> [N, dim]."""
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
-        return self.proj(segment_attention(q, k, v, segments).reshape(n, -1))
+        qkv = self.qkv(x).view(n, 3, self.num_heads, -1)
+        rotary.rotate_(qkv[:, :2])
+        return self.proj(segment_attention(qkv, segments))
+
+
+HIDDEN_ALIGNMENT = 64
+"""The MLP's hidden size is padded to a multiple of this (the 7B's 3,420 to 3,456), so
+that its activations' rows start 128-byte aligned in bfloat16, as Hopper's fast GEMM
+kernels want; the padding's weights are zero, so the function is unchanged."""
 
 
 class VisionMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with gate and up as one GEMM: ``gate_up_proj`` holds
+    the checkpoint's ``gate_proj`` rows, zeros up to the padded hidden size, then
+    ``up_proj``'s and zeros; ``down_proj`` has zero columns for the padding (``load``
+    fills them). The padding rows compute ``act(0) * 0 = 0``."""
+
     def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden)
-        self.up_proj = nn.Linear(dim, hidden)
-        self.down_proj = nn.Linear(hidden, dim)
-        self.act = vision_activation(act)
+        self.hidden = hidden
+        padded = -(-hidden // HIDDEN_ALIGNMENT) * HIDDEN_ALIGNMENT
+        self.gate_up_proj = nn.Linear(dim, 2 * padded)
+        self.down_proj = nn.Linear(padded, dim)
+        if act == "silu":
+            self.act_and_mul: nn.Module = SiluAndMul()  # platforms fuse it
+        else:
+            self.act_and_mul = _ActAndMul(vision_activation(act))
+
+    def load(self, projection: str, name: str, tensor: torch.Tensor) -> None:
+        """Copy the checkpoint's ``{projection}_proj.{name}`` ("gate", "up" or "down";
+        "weight" or "bias") into its place, zeroing the padding next to it."""
+        if projection == "down":
+            param = getattr(self.down_proj, name)
+            if name == "weight":
+                param[:, self.hidden :].zero_()
+                param = param[:, : self.hidden]
+            param.copy_(tensor)
+            return
+        param = getattr(self.gate_up_proj, name)
+        half = param.shape[0] // 2
+        start = 0 if projection == "gate" else half
+        param[start + self.hidden : start + half].zero_()
+        param[start : start + self.hidden].copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+
+
+class _ActAndMul(nn.Module):
+    def __init__(self, act) -> None:
+        super().__init__()
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return self.act(gate) * up
 
 
 class VisionBlock(nn.Module):
+    """Pre-norm block in the residual-stream form the decoder uses: ``forward(delta,
+    residual)`` adds the previous block's output to the residual inside ``norm1`` (one
+    fused kernel where the platform gives RMSNorm one) and returns this block's output
+    and the new residual; their sum is transformers' hidden state after the block."""
+
     def __init__(self, vision: dict[str, Any]) -> None:
         super().__init__()
         dim = vision["hidden_size"]
@@ -160,9 +259,20 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(dim, vision["num_heads"])
         self.mlp = VisionMLP(dim, vision["intermediate_size"], vision.get("hidden_act", "silu"))
 
-    def forward(self, x, cos, sin, segments: Segments):
-        x = x + self.attn(self.norm1(x), cos, sin, segments)
-        return x + self.mlp(self.norm2(x))
+    def forward(
+        self,
+        delta: torch.Tensor | None,
+        residual: torch.Tensor,
+        rotary: VisionRotary,
+        segments: Segments,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``delta`` None: ``residual`` is the block's input as it is."""
+        if delta is None:
+            h = self.norm1(residual)
+        else:
+            h, residual = self.norm1(delta, residual)
+        h, residual = self.norm2(self.attn(h, rotary, segments), residual)
+        return self.mlp(h), residual
 
 
 class PatchMerger(nn.Module):
@@ -177,8 +287,10 @@ class PatchMerger(nn.Module):
             nn.Linear(self.group_dim, self.group_dim), nn.GELU(), nn.Linear(self.group_dim, out_dim)
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.ln_q(x).view(-1, self.group_dim))
+    def forward(self, delta: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last block's output and residual (summed inside the norm)."""
+        normed, _ = self.ln_q(delta, residual)
+        return self.mlp(normed.view(-1, self.group_dim))
 
 
 class PatchEmbed(nn.Module):
@@ -203,6 +315,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
     def __init__(self, vision: dict[str, Any]) -> None:
         super().__init__()
         dim, heads = vision["hidden_size"], vision["num_heads"]
+        self.num_heads = heads
         self.merge = vision.get("spatial_merge_size", 2)
         self.window = vision.get("window_size", 112) // self.merge // vision.get("patch_size", 14)
         self.full_attention = set(vision.get("fullatt_block_indexes", ()))
@@ -221,19 +334,22 @@ class Qwen2_5_VisionTransformer(nn.Module):
         unit = self.merge * self.merge
         order, window_lengths = window_order(grid, self.merge, self.window)
         frame_lengths = [int(h * w) for t, h, w in grid.tolist() for _ in range(t)]
-        device = pixel_values.device
-        order_t = torch.from_numpy(order).to(device)
+        device, dtype = pixel_values.device, self.patch_embed.proj.weight.dtype
+        # Every host-built index first, before any kernel is queued behind them.
+        order_t = to_device(order, device)
+        restore = to_device(np.argsort(order), device)
+        positions = to_device(patch_positions(grid, self.merge), device)
+        row_shape = (3, self.num_heads, self.blocks[0].attn.head_dim)
+        windows = Segments.build(window_lengths, device, dtype, row_shape)
+        frames = Segments.build(frame_lengths, device, dtype, row_shape)
         x = self.patch_embed(pixel_values)
         x = x.view(-1, unit, x.shape[-1]).index_select(0, order_t).flatten(0, 1)
-        positions = torch.from_numpy(patch_positions(grid, self.merge)).to(device)
         angles = (positions[..., None].float() * self.inv_freq).flatten(1)  # [N, head_dim / 2]
         angles = angles.view(-1, unit, angles.shape[-1]).index_select(0, order_t).flatten(0, 1)
-        angles = torch.cat([angles, angles], dim=-1)[:, None, :]
-        cos, sin = angles.cos(), angles.sin()
-        windows = Segments.build(window_lengths, device)
-        frames = Segments.build(frame_lengths, device)
+        rotary = VisionRotary.from_angles(angles)
+        delta: torch.Tensor | None = None
         for index, block in enumerate(self.blocks):
-            x = block(x, cos, sin, frames if index in self.full_attention else windows)
-        merged = self.merger(x)
-        restore = torch.from_numpy(np.argsort(order)).to(device)
-        return merged.index_select(0, restore)
+            segments = frames if index in self.full_attention else windows
+            delta, x = block(delta, x, rotary, segments)
+        assert delta is not None, "the tower has no blocks"
+        return self.merger(delta, x).index_select(0, restore)
