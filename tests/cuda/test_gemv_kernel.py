@@ -126,3 +126,24 @@ def test_layers_with_their_own_kernel_keep_it() -> None:
     layer.set_kernel(own)
     install_fused_kernels(torch.nn.Sequential(layer))
     assert layer.kernel is own
+
+
+def test_configs_from_the_environment_replace_the_defaults(tmp_path, monkeypatch) -> None:
+    """``PAGEDLM_GEMV_CONFIGS`` (for measuring): its shapes take its tiles, others keep
+    the defaults, and a malformed entry names the expected form."""
+    from pagedlm_cuda.kernels import gemv as module
+
+    table = tmp_path / "tiles.json"
+    table.write_text('{"40,1100": [16, 128, 4, 2, 3]}')
+    monkeypatch.setenv(module.CONFIGS_ENV, str(table))
+    module._configs_from_env.cache_clear()
+    try:
+        assert module.gemv_config(40, 1100) == GemvConfig(16, 128, 4, 2, 3)
+        assert module.gemv_config(40, 600) == GemvConfig(16, 1024, 8)
+        table.write_text('{"40,1100": [16, 0, 4]}')
+        module._configs_from_env.cache_clear()
+        with pytest.raises(ValueError, match=r"block_n, block_k, num_warps"):
+            module.gemv_config(40, 1100)
+    finally:
+        monkeypatch.delenv(module.CONFIGS_ENV)
+        module._configs_from_env.cache_clear()

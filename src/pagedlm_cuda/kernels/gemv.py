@@ -4,8 +4,8 @@ At batch 1 every linear layer is a matrix-vector product that only streams its w
 its speed is the memory bandwidth it reaches. cuBLAS picks split-K GEMM tiles for these
 shapes and stays near 3.1 TB/s on the smaller ones (llama-3-8b's q/k/v and o projections,
 plus a separate split-K reduction kernel); this kernel gives each program ``BLOCK_N``
-whole rows of ``W``, streams them in ``BLOCK_K`` slices through a deep pipeline and
-reduces in registers, with no second pass. Measured on the H200 (bf16, weights rotated to
+whole rows of ``W``, streams them in ``BLOCK_K`` slices and reduces in registers, with
+no second pass. Measured on the H200 (bf16, weights rotated to
 defeat the L2, from a CUDA graph): q/k/v 4096x6144 14.2 us against cuBLAS's 16.0, o
 4096x4096 10.1 against 12.7, gate/up 4096x28672 54.3 against 55.0 (4.3 TB/s), down
 14336x4096 28.8 against 30.5, LM head 4096x128256 231 against 239. In the llama-3-8b
@@ -13,6 +13,39 @@ decode step (W2) the linear layers went from 3.97 to 3.76 ms per token.
 
 Accumulation is float32 in a fixed order that depends only on the shapes, so a row's
 result does not depend on anything else in the step.
+
+Two more tilings, off by default and NOT YET MEASURED ON A GPU (session 13 had no device
+time left), aimed at the small projections (issue 12, W2: q/k/v at 73% and o at 78% of
+4.8 TB/s, against 90-95% for gate/up, down and the LM head):
+
+- ``pipeline_stages`` > 1: the slice loop becomes ``tl.range(..., num_stages=S)``, which
+  copies S slices ahead into shared memory (``cp.async``). The kernel-level ``num_stages``
+  that session 9 swept (3-6) pipelines only loads that feed a ``tl.dot``, so it never
+  changed this kernel: each program has kept one slice in flight and waited out a full
+  memory latency per slice. ptxas (sm_90a, offline) gives q/k/v's default tile 16x512 x 8
+  warps 76 registers (3 programs per SM: 384 programs in one wave, 8 slices each) and o's
+  16x1024 x 8 warps 128 (2 per SM: 256 programs, 4 slices each) -- one wave each, so the
+  loss is latency per slice, not a tail. Pipelined: 16x512 x 8 warps, 3 stages, 80
+  registers and 34 KB shared; 16x1024 x 8, 3 stages, 128 and 68 KB.
+- ``split_k`` > 1: each row block's columns are cut into runs of whole slices, one program
+  each; each run stores its float32 partials, takes a ticket (an int32 per row block in a
+  per-device workspace, ``split_workspace``), and the holder of the last ticket sums the
+  runs in run order, adds the bias, stores the row and resets the ticket. The result
+  depends on the shapes only (not on which program finishes last), as batch-invariant
+  mode needs; it differs in rounding from the unsplit kernel's, and the fused LoRA GEMV
+  (``lora_fused.py``) reproduces only the unsplit bits.
+
+What decides the defaults (H200, ``PYTHONPATH=src:tests``):
+
+    python tests/cuda/bench_gemv.py --sweep --best-json best.json
+    PAGEDLM_GEMV_CONFIGS=best.json python -m pagedlm.benchmarks.latency --model \
+        llama-3-8b --batch-size 1 --input-len 1024 --output-len 256
+    python -m pagedlm.benchmarks.latency --model llama-3-8b --batch-size 1 \
+        --input-len 1024 --output-len 256
+
+Prediction: the pipelined 2-3 stage tiles bring q/k/v and o to ~88-90% (q/k/v ~11.8 us,
+o ~7.8), ~0.1 ms per W2 token (253.5 -> ~259 tok/s); split-K helps less, since neither
+shape has a tail to cut, and adds a reduction; the large shapes change little.
 """
 
 from __future__ import annotations
@@ -44,8 +77,12 @@ def _gemv_kernel(
     rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
-    k_start = split * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
+    if SPLIT_K == 1:  # the unsplit kernel's code exactly (registers are occupancy here)
+        k_start = 0
+        k_end = K
+    else:
+        k_start = split * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
     cols = k_start + tl.arange(0, BLOCK_K)
     # The first weight slice is read before waiting for the kernel that produces x:
     # weights never change, so this overlaps the previous kernel's tail.
@@ -106,27 +143,39 @@ class GemvConfig(NamedTuple):
     split_k: int = 1
 
 
-_AB_CONFIGS_ENV = "PAGEDLM_GEMV_CONFIGS"
-"""A/B measurement only (session 13): a JSON file {"N,K": [block_n, block_k, num_warps,
-pipeline_stages, split_k]} whose entries replace ``gemv_config``'s."""
+CONFIGS_ENV = "PAGEDLM_GEMV_CONFIGS"
+"""For measuring only (off unless set): a JSON file ``{"N,K": [block_n, block_k,
+num_warps, pipeline_stages, split_k]}`` (what ``tests/cuda/bench_gemv.py --best-json``
+writes) whose entries replace ``gemv_config``'s for those weight shapes."""
 
 
 @functools.cache
-def _ab_configs() -> dict[tuple[int, int], GemvConfig]:
-    path = os.environ.get(_AB_CONFIGS_ENV)
+def _configs_from_env() -> dict[tuple[int, int], GemvConfig]:
+    path = os.environ.get(CONFIGS_ENV)
     if not path:
         return {}
     with open(path) as f:
         table = json.load(f)
-    return {tuple(map(int, key.split(","))): GemvConfig(*v) for key, v in table.items()}
+    configs = {}
+    for key, tiles in table.items():
+        shape = tuple(int(v) for v in key.split(","))
+        if len(shape) != 2 or not 3 <= len(tiles) <= 5 or not all(t >= 1 for t in tiles):
+            raise ValueError(
+                f'{CONFIGS_ENV}={path}: entry {key!r}: {tiles!r}; write "N,K": [block_n, '
+                "block_k, num_warps, pipeline_stages, split_k] (positive integers, the last "
+                "two optional)."
+            )
+        configs[shape] = GemvConfig(*tiles)
+    return configs
 
 
 def gemv_config(n: int, k: int) -> GemvConfig:
-    """From H200 sweeps of 4-32 rows x 128-1024 columns x 4/8 warps (bf16; session 9):
+    """From H200 sweeps of 4-32 rows x 128-1024 columns x 4/8 warps (bf16; session 9; its
+    3-6 kernel-level stages did not pipeline this loop, see the module docstring):
     16 rows per program throughout; the fewer programs a layer has, the wider each one's
     slices (1024 columns up to 4k outputs, 512 up to 8k, 256 with 4 warps beyond, where
     many programs share each SM)."""
-    chosen = _ab_configs().get((n, k))
+    chosen = _configs_from_env().get((n, k))
     if chosen is not None:
         return chosen
     if n <= 4096:
