@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from pagedlm_cuda.kernels import pdl
-from pagedlm_cuda.kernels.gemv import GemvConfig, gemv_config
+from pagedlm_cuda.kernels.gemv import gemv_config
 
 GROUP_SIZE = 32
 
@@ -158,17 +158,22 @@ def _gguf_gemv_kernel(
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-def default_gemv_config(weight: PackedGguf) -> GemvConfig:
+GgufGemvConfig = tuple[int, int, int, int]
+"""(BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+
+
+def default_gemv_config(weight: PackedGguf) -> GgufGemvConfig:
     """A first guess, not yet swept on the H200 (``pagedlm.benchmarks.quantized_gpu
     --gemv-sweep``): the bf16 GEMV's tiles, whose slices hold as many weights."""
-    return gemv_config(weight.out_features)
+    tiles = gemv_config(weight.out_features, weight.in_features)
+    return tiles.block_n, tiles.block_k, tiles.num_warps, 4
 
 
 def gguf_gemv(
     x: torch.Tensor,
     weight: PackedGguf,
     bias: torch.Tensor | None = None,
-    config: GemvConfig | None = None,
+    config: GgufGemvConfig | None = None,
 ) -> torch.Tensor:
     """x [1, K] (unit-stride row) -> [1, N] in x's dtype."""
     if x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1:
