@@ -50,25 +50,45 @@ def _silu_and_mul_kernel(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul(x)
 
 
+GEMV_ROWS_MAX = 8
+"""Inputs of 2 to this many rows go through the tensor-core few-row GEMV
+(``kernels/gemv_rows.py``; 1 turns it off): a verification step of ``1 + k`` rows at
+batch 1. Beyond, ``F.linear``."""
+
+
 class SingleRowLinear:
     """A linear layer's kernel: one-row inputs (a lone sequence's decode step) through the
-    Triton GEMV, which streams the weight faster than cuBLAS at that shape; every other
-    batch through ``F.linear``. The choice depends on the row count only, so a step gives
-    the same result from a CUDA graph or eagerly."""
+    Triton GEMV, which streams the weight faster than cuBLAS at that shape; 2 to
+    ``GEMV_ROWS_MAX`` rows of 16-bit floats through the few-row GEMV; every other batch
+    through ``F.linear``. The choice depends on the row count only, so a step gives the
+    same result from a CUDA graph or eagerly."""
 
     def __init__(self, layer: LinearBase) -> None:
         self.layer = layer
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from pagedlm_cuda.kernels.gemv import gemv
-
         layer = self.layer
-        if x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1:
-            return gemv(x, layer.weight, layer.linear_bias)
-        return F.linear(x, layer.weight, layer.linear_bias)
+        weight = layer.weight
+        if x.dim() == 2 and x.stride(1) == 1:
+            rows = x.shape[0]
+            if rows == 1:
+                from pagedlm_cuda.kernels.gemv import gemv
+
+                return gemv(x, weight, layer.linear_bias)
+            if 2 <= rows <= GEMV_ROWS_MAX and _rows_kernel_fits(x, weight):
+                from pagedlm_cuda.kernels.gemv_rows import gemv_rows
+
+                return gemv_rows(x, weight, layer.linear_bias)
+        return F.linear(x, weight, layer.linear_bias)
 
 
 _GEMV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_ROWS_DTYPES = (torch.float16, torch.bfloat16)
+"""Weights the few-row GEMV takes: its float32 products would run on the CUDA cores."""
+
+
+def _rows_kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.dtype == weight.dtype and weight.dtype in _ROWS_DTYPES and weight.stride(1) == 1
 
 
 _PLAIN_ROTARY = (RotaryEmbedding, MRotaryEmbedding)
