@@ -183,3 +183,21 @@ def test_lora_adds_its_delta_to_the_few_row_kernel(rows_calls) -> None:
     assert rel_error(out, expected) < tolerance(HALF)
     assert torch.equal(out[1], gemv_rows(x, layer.weight)[1])
     assert rows_calls == [4]
+
+
+@pytest.mark.cuda
+def test_a_cuda_graph_replays_the_eager_bits() -> None:
+    """Captured once over fixed buffers, replayed with other rows (PDL launches
+    included): every replay gives the eager call's bits."""
+    x, weight, bias = _operands(5, 4096, 4096, torch.bfloat16, True, 6)
+    static = x.clone()
+    gemv_rows(static, weight, bias)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv_rows(static, weight, bias)
+    for seed in (7, 8):
+        fresh, _, _ = _operands(5, 4096, 4096, torch.bfloat16, False, seed)
+        static.copy_(fresh)
+        graph.replay()
+        assert torch.equal(out, gemv_rows(fresh, weight, bias))
