@@ -94,6 +94,17 @@ def test_rejects_what_it_cannot_compute() -> None:
         gemv_rows(torch.randn(2, 16, device=DEVICE).half(), weight)
 
 
+def test_the_row_limit_is_off_by_default_and_validated(monkeypatch) -> None:
+    monkeypatch.delenv(fused_layers.GEMV_ROWS_MAX_ENV, raising=False)
+    assert fused_layers._gemv_rows_max() == 1
+    monkeypatch.setenv(fused_layers.GEMV_ROWS_MAX_ENV, "8")
+    assert fused_layers._gemv_rows_max() == 8
+    for wrong in ("17", "0", "eight"):
+        monkeypatch.setenv(fused_layers.GEMV_ROWS_MAX_ENV, wrong)
+        with pytest.raises(ValueError, match="from 1"):
+            fused_layers._gemv_rows_max()
+
+
 @pytest.fixture
 def rows_calls(monkeypatch):
     """Row counts the few-row kernel was called with (routing on up to 8 rows)."""
@@ -133,6 +144,8 @@ def test_linear_layers_route_by_row_count(rows_calls: list[int]) -> None:
 
 def test_float32_layers_and_rows_off_stay_on_f_linear(rows_calls, monkeypatch) -> None:
     layer = RowParallelLinear(32, 24, bias=False).to(DEVICE)
+    with torch.no_grad():
+        layer.weight.normal_()  # not left uninitialized: NaN bits would never compare equal
     install_fused_kernels(torch.nn.Sequential(layer))
     x = torch.randn(4, 32, device=DEVICE)
     assert torch.equal(layer.apply_linear(x), F.linear(x, layer.weight))

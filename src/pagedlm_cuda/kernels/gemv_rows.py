@@ -15,6 +15,28 @@ Accumulation is float32 in an order fixed by the shapes (the tile configuration 
 on the output features only), and padded rows are zeros, so a row's result depends on
 its own values only: the same at 2 rows as at 16, in a CUDA graph as eagerly. It differs
 in the last bits from both ``gemv`` and ``F.linear``.
+
+**Unmeasured on a GPU** (written in session 13, which had no device time): it is off by
+default (``fused_layers.GEMV_ROWS_MAX`` = 1; ``PAGEDLM_GEMV_ROWS_MAX=8`` routes 2-8 rows
+here) and ``gemv_rows_config`` is a starting point, not a sweep's result. What decides
+the default, on the H200:
+
+    python tests/cuda/bench_gemv_rows.py --sweep --rows 1 2 3 5 8 16 --sweep-rows 5 8
+    PAGEDLM_GEMV_ROWS_MAX=8 python -m pagedlm.benchmarks.spec_acceptance \
+        --targets acceptance --cases 1.0:4 --output-json spec.json
+
+(the first: cuBLAS, the one-row GEMV and this kernel per Llama-3-8B projection from CUDA
+graphs, weights rotated past the L2, then the best tiles per projection; the second: the
+A = 1.0, k = 4 speedup, 3.44x with cuBLAS in session 12, to be compared with the same
+command without the variable). Expected: about the one-row GEMV's time at every row
+count up to 8 (the weight bytes are the same; each program also reads its x rows from the
+L2, 5/16 of its weight bytes at 5 rows and ``BLOCK_N`` = 16, less with wider tiles), so
+~0.3 of the ~0.39 ms per verification step that the session-12 figures put between cuBLAS
+at 5 rows and the one-row GEMV, a verification step near 1.26x a plain one and A = 1.0,
+k = 4 near 3.6-3.7x. The risk: session 8's tensor-core attempt (eager timings) was no
+faster than cuBLAS on the large projections; the sweep's 64- and 128-row tiles (wgmma on
+Hopper) and 16-row ones (mma.sync, more programs) are there to find out which loads
+pipeline best. Make it the default only where both commands say it is faster.
 """
 
 from __future__ import annotations
@@ -74,10 +96,12 @@ class GemvRowsConfig(NamedTuple):
 
 
 def gemv_rows_config(n: int) -> GemvRowsConfig:
-    """The tile configuration for ``n`` output features (see the module docstring for the
-    sweep it comes from)."""
+    """The tile configuration for ``n`` output features. Not yet swept (see the module
+    docstring): 16-row tiles as in ``gemv.py`` (the most programs, each of its 16 x 256
+    slices and x's 16 rows 16 KB per stage, so several programs share an SM), wider
+    slices where there are fewer programs per SM."""
     if n <= 8192:
-        return GemvRowsConfig(16, 256, 4, 4)
+        return GemvRowsConfig(16, 512, 4, 4)
     return GemvRowsConfig(16, 256, 4, 4)
 
 
