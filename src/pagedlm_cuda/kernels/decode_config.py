@@ -57,6 +57,13 @@ class DecodeConfig(NamedTuple):
     merge kernel follows. Measured on the H200: at batch 1 (llama-3-8b) the in-kernel merge
     saves ~7 us per layer; at batch 256 (qwen3-0.6b, 100-2,000-token contexts) it costs
     ~5% of the attention time (a ticket and fence per program). In between: a guess."""
+    fp8_query: int = 0
+    """On an FP8 cache: 0, float16 dots (tiles converted in registers); 1 or 2, the query
+    in one or two E4M3 terms and the score dot a float8 warpgroup MMA with the keys as
+    its M dimension (``fp8_scores``). Ignored on other caches."""
+    fp8_pv: bool = False
+    """With ``fp8_query``: the PV dot as ``acc^T += V^T @ P^T`` on E4M3 values and
+    weights (a float8 warpgroup MMA), else ``acc += P @ V`` in float16."""
 
 
 @functools.cache
