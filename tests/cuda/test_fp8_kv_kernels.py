@@ -229,6 +229,16 @@ def test_batch_invariant_graph_capture_is_decode_only():
      (1, True, 128, 2e-2)],
 )  # fmt: skip
 def test_decode_with_fp8_dots(fp8_query, fp8_pv, block_n, bound):
+    out, ref = _decode_with_fp8_dots(fp8_query, fp8_pv, block_n)
+    assert rel_error(out, ref) < bound
+
+
+def test_decode_with_fp8_dots_windowed_and_capped():
+    out, ref = _decode_with_fp8_dots(2, True, 64, window=90, cap=5.0)
+    assert rel_error(out, ref) < 2e-2
+
+
+def _decode_with_fp8_dots(fp8_query, fp8_pv, block_n, window=None, cap=None):
     seq_lens = [1, 70, 200]
     key_cache, value_cache, table, tables = fp8_cache(seq_lens, 16, 2, 128, seed=5)
     num_seqs = len(seq_lens)
@@ -242,9 +252,9 @@ def test_decode_with_fp8_dots(fp8_query, fp8_pv, block_n, bound):
     seq = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     config = DecodeConfig(128, block_n, 4, 2, False, fp8_query=fp8_query, fp8_pv=fp8_pv)
     out = paged_decode_attention(
-        query, key_cache, value_cache, table, seq, 0.05, 256,
-        new_kv=(new_k, new_v, slots), config=config, **_scales(),
+        query, key_cache, value_cache, table, seq, 0.05, 256, new_kv=(new_k, new_v, slots),
+        sliding_window=window, logits_soft_cap=cap, config=config, **_scales(),
     )  # fmt: skip
     kc, vc = dequantized(key_cache, value_cache)
-    ref = reference(query, kc, vc, tables, seq_lens, [1] * num_seqs, 0.05)
-    assert rel_error(out, ref) < bound
+    ref = reference(query, kc, vc, tables, seq_lens, [1] * num_seqs, 0.05, window, cap)
+    return out, ref

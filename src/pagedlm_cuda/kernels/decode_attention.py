@@ -39,7 +39,9 @@ bytes was not reached with it), the query too (clamped to float16's range), and 
 run in float16 with float32 accumulation; the dots are multiplied by ``k_scale`` and each
 partition's output by ``v_scale``. The new token's
 K/V are quantized (saturating) before they are written, and the new key is attended to
-from its quantized value, as a later step reads it from the cache.
+from its quantized value, as a later step reads it from the cache. Opt-in, unmeasured on
+a GPU (``DecodeConfig.fp8_query`` / ``fp8_pv``, ``PAGEDLM_FP8_DOTS``): the dots in E4M3
+with the keys (and head dims) as the MMA's M dimension, see ``fp8_scores``.
 """
 
 from __future__ import annotations

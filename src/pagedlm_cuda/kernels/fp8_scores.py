@@ -17,6 +17,38 @@ unconverted. That needs the query in E4M3 too:
   twice the width computes both.
 
 ``scale`` is per query head: ``amax(|q|) / 448`` (E4M3's largest finite value).
+
+The PV dot may go the same way (``pv_dot``, ``DecodeConfig.fp8_pv``): ``acc^T = V^T @
+P^T`` with the head dims as M, on the E4M3 value tile and the weights times ``P_SCALE``
+in E4M3. Otherwise it stays ``P @ V`` in float16 (the values converted in registers).
+
+Status (session 13): opt-in (``PAGEDLM_FP8_DOTS``, ``decode_config.FP8_DOTS_ENV``), NOT
+measured on a GPU; no GPU time was left. What was measured, offline (``PYTHONPATH=src
+python tests/cuda/ptxas_decode_attention.py``: Triton 3.6 compiling for sm_90a, ptxas -v;
+W1's shape, 512-key partitions): today's float16 path with 128-key tiles needs 255
+registers per thread (2 programs of 4 warps per SM); with 64-key tiles 180 (2); the bf16
+kernel's 64-key tiles 116 (4). E4M3 query dots alone do not help (255 registers, spills:
+the values are still converted and held in registers). E4M3 query and PV dots: 128
+(one-term query, 128-key tiles, 2 stages), 114 (3 stages), 105 (64-key tiles), 134 / 137
+with the two-term query: 3 to 4 programs per SM, as the bf16 kernel has. The key tile
+goes from shared memory into the MMA unconverted; the value tile is stored transposed
+into shared memory from registers (one E4M3 copy, no float16 one).
+
+Errors (interpreter, ``tests/cuda/test_fp8_kv_kernels.py::test_decode_with_fp8_dots``,
+relative to a float64 reference of the dequantized cache; float16 path 2.0e-4): one-term
+query 2.3e-3, two-term 2.1e-4, two-term with E4M3 PV 6.1e-3.
+
+Deciding the default on the H200 (W1: today the float16 path is 181 us per call, 1.68
+TB/s, against bf16's 185 us):
+
+    python tests/cuda/bench_decode_attention.py --sweep --workloads W1 --num-heads 16
+    PAGEDLM_FP8_DOTS=q2pv python -m pagedlm.benchmarks.w1_variants --targets fp8 \
+        --output-json w1fp8.json
+
+Prediction (unmeasured): with 3-4 programs per SM the E4M3 kernel keeps as many bytes in
+flight as bf16's, so ~100-120 us per call (2.5-3 TB/s) for ``q2pv`` / ``q1pv``, and W1
+with an FP8 cache ~1.3-1.45x bf16's. If it wins, set the winner in ``decode_config`` (and
+check ``--targets logprobs`` for the end-to-end error).
 """
 
 from __future__ import annotations
