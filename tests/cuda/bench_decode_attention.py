@@ -1,6 +1,7 @@
 """Decode attention speed on the GPU, per configuration (not a test; run it by hand).
 
     python tests/cuda/bench_decode_attention.py [--kv-cache-dtype fp8] [--workloads W1]
+        [--num-heads 16] [--sweep]
 
 Times ``paged_decode_attention`` for llama-3-8b's attention shape (32 heads, 8 kv heads,
 head_dim 128, bf16, block 16) at the two workloads of docs/performance.md (W2: batch 1 at
@@ -9,6 +10,11 @@ whose grid is sized by max_model_len, as the engine's decode graphs are. Prints 
 call and the K/V bandwidth reached, for the default (``decode_config``) and for nearby
 partition / tile choices, so the table in ``kernels/decode_config.py`` can be checked.
 ``--kv-cache-dtype fp8``: the same for a float8 E4M3 cache (bandwidth counted in its bytes).
+``--num-heads 16``: qwen3-0.6b's heads (W1's model). ``--sweep``: FP8 only, the tile /
+warps / stages / partition choices of the E4M3-dot path (``DecodeConfig.fp8_query``,
+``fp8_pv``) against the float16 one, each with its error against a float32 reference of
+the dequantized cache (max abs, and relative: the norm of the difference over the
+reference's).
 """
 
 from __future__ import annotations
@@ -21,17 +27,12 @@ from pagedlm_cuda.kernels import paged_decode_attention
 from pagedlm_cuda.kernels.decode_config import DecodeConfig, decode_config
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS, MAX_MODEL_LEN = 32, 8, 128, 16, 32, 4096
+SCALE = 0.088
 
 
-def time_config(
-    batch: int,
-    context: int,
-    partition: int | None,
-    block_n: int | None,
-    fp8: bool = False,
-    config: DecodeConfig | None = None,
-) -> float:
-    """Microseconds per call, median of 5 replays of a 32-call graph."""
+def make_inputs(batch: int, context: int, fp8: bool, heads: int = HEADS) -> dict:
+    """Random caches (E4M3 at scale 1 when ``fp8``), shuffled tables and a query."""
+    torch.manual_seed(0)
     blocks_per_seq = -(-context // BLOCK)
     num_blocks = batch * blocks_per_seq
     shape = (num_blocks, KV_HEADS, BLOCK, HEAD_DIM)
@@ -44,13 +45,42 @@ def time_config(
         scales = {"k_scale": one, "v_scale": one}
     tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, -1)
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    query = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    query = torch.randn(batch, heads, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    return dict(key_cache=key_cache, value_cache=value_cache, tables=tables, lens=lens,
+                query=query, scales=scales, context=context)  # fmt: skip
+
+
+def reference_output(inputs: dict) -> torch.Tensor:
+    """float32 attention over the dequantized cache (every sequence has ``context`` keys)."""
+    tables, context, query = inputs["tables"], inputs["context"], inputs["query"]
+    batch, heads, _ = query.shape
+    keys, values = (
+        inputs[name][tables.long()]  # [batch, blocks, kv heads, block, dim]
+        .float()
+        .permute(0, 2, 1, 3, 4)
+        .reshape(batch, KV_HEADS, -1, HEAD_DIM)[:, :, :context]
+        for name in ("key_cache", "value_cache")
+    )
+    grouped = query.float().view(batch, KV_HEADS, heads // KV_HEADS, HEAD_DIM)
+    weights = torch.softmax(grouped @ keys.transpose(-1, -2) * SCALE, dim=-1)
+    return (weights @ values).view(batch, heads, HEAD_DIM)
+
+
+def time_inputs(
+    inputs: dict,
+    partition: int | None = None,
+    block_n: int | None = None,
+    config: DecodeConfig | None = None,
+) -> tuple[float, torch.Tensor]:
+    """(microseconds per call, median of 5 replays of a 32-call graph; the output)."""
+    key_cache, value_cache = inputs["key_cache"], inputs["value_cache"]
+    tables, lens, query, scales = (inputs[n] for n in ("tables", "lens", "query", "scales"))
     out = torch.empty_like(query)
 
     def step() -> None:
         for _ in range(LAYERS):
             paged_decode_attention(
-                query, key_cache, value_cache, tables, lens, 0.088, MAX_MODEL_LEN, out,
+                query, key_cache, value_cache, tables, lens, SCALE, MAX_MODEL_LEN, out,
                 partition, block_n, config=config, **scales,
             )  # fmt: skip
 
@@ -67,17 +97,85 @@ def time_config(
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000 / LAYERS)
-    return sorted(times)[2]
+    return sorted(times)[2], out
+
+
+def time_config(
+    batch: int,
+    context: int,
+    partition: int | None,
+    block_n: int | None,
+    fp8: bool = False,
+    config: DecodeConfig | None = None,
+    heads: int = HEADS,
+) -> float:
+    """Microseconds per call, median of 5 replays of a 32-call graph."""
+    inputs = make_inputs(batch, context, fp8, heads)
+    return time_inputs(inputs, partition, block_n, config)[0]
 
 
 WORKLOADS = {"W2": (1, 1100), "small": (4, 1100), "W1": (256, 580)}
+
+SWEEP = [  # (partition, block_n, warps, stages, fp8_query, fp8_pv)
+    (512, 128, 4, 2, 0, False),
+    (512, 128, 4, 2, 1, False),
+    (512, 128, 4, 2, 2, False),
+    (512, 64, 4, 2, 1, True),
+    (512, 64, 4, 3, 1, True),
+    (512, 128, 4, 2, 1, True),
+    (512, 128, 4, 3, 1, True),
+    (512, 64, 4, 2, 2, True),
+    (512, 64, 4, 3, 2, True),
+    (512, 64, 4, 4, 2, True),
+    (512, 128, 4, 2, 2, True),
+    (512, 128, 4, 3, 2, True),
+    (512, 128, 8, 2, 2, True),
+    (512, 128, 8, 3, 2, True),
+    (512, 256, 4, 2, 2, True),
+    (512, 256, 8, 2, 2, True),
+    (256, 128, 4, 3, 2, True),
+    (256, 64, 4, 3, 2, True),
+    (1024, 128, 4, 3, 2, True),
+]
+
+
+def sweep(batch: int, context: int, heads: int) -> None:
+    """The FP8 configurations of ``SWEEP`` at one workload: time, rate and error."""
+    inputs = make_inputs(batch, context, True, heads)
+    expected = reference_output(inputs)
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM
+    default = decode_config(batch, KV_HEADS, HEAD_DIM, True)
+    print(f"sweep: batch {batch}, context {context}, {heads} heads, fp8; default {default}")
+    print("  partition block_n warps stages fp8_query fp8_pv |     us  TB/s | max err  rel err")
+    for partition, block_n, warps, stages, fp8_query, fp8_pv in SWEEP:
+        config = default._replace(
+            partition=partition, block_n=block_n, num_warps=warps, num_stages=stages,
+            fp8_query=fp8_query, fp8_pv=fp8_pv,
+        )  # fmt: skip
+        label = f"  {partition:9d} {block_n:7d} {warps:5d} {stages:6d} {fp8_query:9d} {fp8_pv!s:>6}"
+        try:
+            us, out = time_inputs(inputs, config=config)
+        except Exception as error:  # e.g. a tile past the shared memory
+            print(f"{label} | failed: {type(error).__name__}: {str(error)[:100]}", flush=True)
+            continue
+        diff = (out.float() - expected).abs()
+        rel = (diff.norm() / expected.norm()).item()
+        rate = kv_bytes / us / 1e6
+        print(f"{label} | {us:6.1f} {rate:5.2f} | {diff.max().item():7.4f} {rel:8.2e}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--num-heads", type=int, default=HEADS)
+    parser.add_argument("--sweep", action="store_true", help="the FP8 sweep (see above)")
     args = parser.parse_args()
+    heads = args.num_heads
+    if args.sweep:
+        for workload in args.workloads:
+            sweep(*WORKLOADS[workload], heads)
+        return
     fp8 = args.kv_cache_dtype == "fp8"
     for batch, context in (WORKLOADS[w] for w in args.workloads):
         default = decode_config(batch, KV_HEADS, HEAD_DIM, fp8)
@@ -87,7 +185,7 @@ def main() -> None:
             (p, n) for p in (32, 64, 128, 256) for n in (32, 64) if n <= p
         ]  # fmt: skip
         for partition, block_n in candidates:
-            us = time_config(batch, context, partition, block_n, fp8)
+            us = time_config(batch, context, partition, block_n, fp8, heads=heads)
             label = "default" if partition is None else f"partition {partition}, block_n {block_n}"
             print(f"  {label:28s} {us:8.1f} us/call  {kv_bytes / us / 1e6:6.2f} TB/s")
         for block_n, warps, stages in (
@@ -100,7 +198,7 @@ def main() -> None:
             if block_n > default.partition:
                 continue
             config = default._replace(block_n=block_n, num_warps=warps, num_stages=stages)
-            us = time_config(batch, context, None, None, fp8, config)
+            us = time_config(batch, context, None, None, fp8, config, heads)
             label = f"block_n {block_n}, {warps} warps, {stages} stages"
             print(f"  {label:28s} {us:8.1f} us/call  {kv_bytes / us / 1e6:6.2f} TB/s")
 

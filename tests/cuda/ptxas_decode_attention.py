@@ -1,0 +1,94 @@
+"""Registers and shared memory of the decode kernel's FP8 variants, without a GPU.
+
+    PYTHONPATH=src python tests/cuda/ptxas_decode_attention.py
+
+Compiles ``_decode_kernel`` for sm_90a (Triton's own ``ptxas``) at W1's shape (qwen3-0.6b:
+group 2, head_dim 128, 512-key partitions, the step's K/V written by the kernel) and
+prints, per configuration, the registers per thread, spills, shared memory, the programs
+per SM they allow (65,536 registers, 227 KiB) and the MMA kinds chosen. Not a test, and
+no timing: it shows which variants can keep more bytes in flight per SM.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from pagedlm_cuda.kernels.decode_attention import _decode_kernel
+
+CONFIGS = [  # (block_n, warps, stages, fp8_query, fp8_pv)
+    (64, 4, 2, 0, False), (128, 4, 2, 0, False), (128, 4, 2, 1, False), (128, 4, 2, 2, False),
+    (64, 4, 2, 1, True), (128, 4, 2, 1, True), (128, 4, 3, 1, True), (64, 4, 2, 2, True),
+    (128, 4, 2, 2, True), (128, 4, 3, 2, True), (256, 4, 2, 2, True),
+]  # fmt: skip
+HEADS, KV_HEADS, BLOCK, DIM = 16, 8, 16, 128
+POINTERS = {"key_cache_ptr": "*fp8e4nv", "value_cache_ptr": "*fp8e4nv", "block_tables_ptr": "*i32",
+            "seq_lens_ptr": "*i32", "slot_mapping_ptr": "*i32", "k_scale_ptr": "*fp32",
+            "v_scale_ptr": "*fp32", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
+            "counters_ptr": "*i32"}  # fmt: skip
+INTS = {"q_stride_token": HEADS * DIM, "out_stride_token": HEADS * DIM,
+        "new_key_stride_token": 3 * KV_HEADS * DIM, "new_value_stride_token": 3 * KV_HEADS * DIM,
+        "cache_stride_block": KV_HEADS * BLOCK * DIM, "cache_stride_head": BLOCK * DIM,
+        "block_table_stride": 64, "max_partitions": 8, "num_heads": HEADS,
+        "num_kv_heads": KV_HEADS, "window": 0, "group_size": HEADS // KV_HEADS}  # fmt: skip
+
+
+def compile_config(block_n: int, warps: int, stages: int, fp8_query: int, fp8_pv: bool) -> dict:
+    constants = dict(
+        BLOCK_SIZE=BLOCK, PARTITION=512, BLOCK_N=block_n, BLOCK_G=16, BLOCK_D=DIM, MERGE_G=2,
+        MERGE_P=4, MERGE_IN_KERNEL=False, DIRECT=False, WRITE_NEW=True, USE_WINDOW=False,
+        USE_SOFT_CAP=False, FP8=True, COMPUTE_DTYPE=tl.float8e4nv if fp8_query else tl.float16,
+        FP8_QUERY=fp8_query, FP8_PV=fp8_pv, USE_PDL=True,
+    )  # fmt: skip
+    signature, attrs = {}, {}
+    for index, name in enumerate(_decode_kernel.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = POINTERS.get(name, "*bf16")
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif name in ("score_scale", "cap_log2e"):
+            signature[name] = "fp32"
+        else:  # strides not listed are 128 (head stride, slot stride, head_dim)
+            signature[name] = "i32"
+            value = INTS.get(name, DIM)
+            if value % 16 == 0 and name not in ("block_table_stride", "max_partitions"):
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(_decode_kernel, signature, constants, attrs)
+    options = {"num_warps": warps, "num_stages": stages}
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    with tempfile.TemporaryDirectory() as folder:
+        with open(f"{folder}/k.ptx", "w") as ptx:
+            ptx.write(kernel.asm["ptx"])
+        info = subprocess.run(
+            [ptxas, "-v", "--gpu-name=sm_90a", f"{folder}/k.ptx", "-o", f"{folder}/k.cubin"],
+            capture_output=True, text=True, check=True,
+        ).stderr  # fmt: skip
+    registers = int(re.search(r"Used (\d+) registers", info).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", info).group(1))
+    mma = sorted(set(re.findall(r"versionMajor = (\d)", kernel.asm["ttgir"])))
+    programs = min(65536 // (registers * 32 * warps), 232448 // kernel.metadata.shared)
+    return dict(registers=registers, spills=spills, shared=kernel.metadata.shared,
+                programs=programs, mma="+".join(f"v{v}" for v in mma))  # fmt: skip
+
+
+def main() -> None:
+    print("block_n warps stages fp8_query fp8_pv | regs spill smem(B) programs/SM mma")
+    for config in CONFIGS:
+        r = compile_config(*config)
+        block_n, warps, stages, fp8_query, fp8_pv = config
+        print(f"{block_n:7d} {warps:5d} {stages:6d} {fp8_query:9d} {fp8_pv!s:>6} | "
+              f"{r['registers']:4d} {r['spills']:5d} {r['shared']:7d} {r['programs']:11d} "
+              f"{r['mma']}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
