@@ -76,8 +76,8 @@ class SingleRowLinear:
     """A linear layer's kernel: one-row inputs (a lone sequence's decode step) through the
     Triton GEMV, which streams the weight faster than cuBLAS at that shape; 2 to
     ``GEMV_ROWS_MAX`` rows of 16-bit floats (none by default) through the few-row GEMV;
-    every other batch through ``F.linear``. The choice depends on the row count only, so a step gives the
-    same result from a CUDA graph or eagerly."""
+    every other batch through ``F.linear``. The choice depends on the row count only, so
+    a step gives the same result from a CUDA graph or eagerly."""
 
     def __init__(self, layer: LinearBase) -> None:
         self.layer = layer
