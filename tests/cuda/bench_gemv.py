@@ -20,6 +20,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from bench_timing import graph_us
 
 from pagedlm_cuda.kernels.gemv import GemvConfig, gemv, gemv_config
 
@@ -83,27 +84,6 @@ def weight_copies(n: int, k: int) -> list[torch.Tensor]:
     count = max(2, -(-ROTATION_BYTES // (n * k * 2)))
     count += count % 2
     return [base[i % 2].clone() for i in range(count)]
-
-
-def graph_us(calls: list) -> tuple[float, list[torch.Tensor]]:
-    """us per call (median of 5 graph replays) and the outputs of the last replay."""
-    for call in calls[:2]:
-        call()  # compile and size the workspace outside the capture
-    torch.cuda.synchronize()
-    outs: list[torch.Tensor] = []
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            outs.append(call())
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return sorted(times)[2], outs
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:

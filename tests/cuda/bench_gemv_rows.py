@@ -24,6 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import torch.nn.functional as F
+from bench_timing import graph_us
 
 from pagedlm_cuda.kernels.gemv import gemv
 from pagedlm_cuda.kernels.gemv_rows import GemvRowsConfig, gemv_rows, gemv_rows_config
@@ -57,27 +58,6 @@ SWEEP = [
 ]  # fmt: skip
 
 
-def graph_us(launches: list[Callable[[], object]]) -> float:
-    """Microseconds per launch, the median of 5 replays of one CUDA graph of them."""
-    for launch in launches[:2]:
-        launch()  # compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for launch in launches:
-            launch()
-    graph.replay()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(launches))
-    return sorted(times)[2]
-
-
 def rotated_weights(n: int, k: int) -> list[torch.Tensor]:
     """Copies of one random bf16 weight totalling at least ``L2_DEFEAT_BYTES``."""
     weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -87,7 +67,7 @@ def rotated_weights(n: int, k: int) -> list[torch.Tensor]:
 
 def time_kernel(kernel: Callable, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
     rotation = [weights[i % len(weights)] for i in range(LAUNCHES)]
-    return graph_us([lambda w=w: kernel(x, w) for w in rotation])
+    return graph_us([lambda w=w: kernel(x, w) for w in rotation])[0]
 
 
 def check(x: torch.Tensor, weight: torch.Tensor, config: GemvRowsConfig | None) -> float:
