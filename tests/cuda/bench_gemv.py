@@ -1,28 +1,37 @@
-"""The batch-1 GEMV's speed on llama-3-8b's projections (GPU only; run it by hand).
+"""The batch-1 GEMVs' speed on llama-3-8b's projections (GPU only; run it by hand).
 
-    python tests/cuda/bench_gemv.py [--sweep] [--budget-s 45] [--best-json best.json]
+    python tests/cuda/bench_gemv.py [--kinds bf16 fp8 gguf4] [--sweep] [--budget-s 45]
+        [--best-json best.json]
+
+``--kinds``: which weights: ``bf16`` (``gemv``), ``fp8`` (``fp8_gemv``: E4M3 codes, a
+scale per row) and ``gguf4`` (``gguf_gemv`` on Q4_0 blocks); the budget is per kind.
 
 Each timing replays a CUDA graph of ``REPLAYS`` calls that rotate over copies of the weight
 whose total exceeds the H200's 50 MB L2 several times, so every call reads its weight from
 memory; median of 5 replays, us per call and the fraction of 4.8 TB/s the weight's bytes
-make. Rows: ``F.linear`` (cuBLAS), the default tiles (``gemv_config``) and, with
-``--sweep``, other (block_n, block_k, warps, pipeline stages, split-K) tiles. Every tiled
+make. Rows: ``F.linear`` (cuBLAS, bf16), the default tiles (``gemv_config``) and, with
+``--sweep``, other (block_n, block_k, warps, pipeline stages) tiles. Every tiled
 result is checked against the default's (relative error) and for repeatability (the calls
 on the same weight copy must agree bitwise). ``--best-json`` writes the fastest correct
-tiles per shape in the form ``PAGEDLM_GEMV_CONFIGS`` reads.
+tiles per shape and kind in the form ``PAGEDLM_GEMV_CONFIGS`` reads (merged into the
+file when it exists).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
 import torch.nn.functional as F
 from bench_timing import graph_us
 
+from pagedlm.model_executor.quantization.fp8 import quantize_rows
+from pagedlm_cuda.kernels.fp8_gemv import fp8_gemv
 from pagedlm_cuda.kernels.gemv import GemvConfig, gemv, gemv_config
+from pagedlm_cuda.kernels.gguf_gemv import default_gemv_config, gguf_gemv, pack_blocks
 
 PROJECTIONS = {
     "qkv": (6144, 4096),
@@ -35,7 +44,7 @@ PEAK_BYTES_PER_S = 4.8e12
 ROTATION_BYTES = 320 * 2**20
 REPLAYS = 20
 
-# Tiles for the few-program shapes (qkv, o): loop pipelining, split-K and occupancy.
+# Tiles for the few-program shapes (qkv, o): loop pipelining and occupancy.
 SMALL_SWEEP = [
     GemvConfig(16, 1024, 8, 2),
     GemvConfig(16, 1024, 8, 3),
@@ -53,16 +62,6 @@ SMALL_SWEEP = [
     GemvConfig(32, 256, 8, 3),
     GemvConfig(32, 256, 8, 4),
     GemvConfig(32, 512, 8, 3),
-    GemvConfig(16, 1024, 8, 1, 2),
-    GemvConfig(16, 512, 8, 1, 2),
-    GemvConfig(16, 512, 8, 1, 4),
-    GemvConfig(16, 256, 4, 1, 2),
-    GemvConfig(16, 256, 4, 1, 4),
-    GemvConfig(16, 512, 8, 3, 2),
-    GemvConfig(16, 256, 4, 4, 2),
-    GemvConfig(16, 256, 4, 4, 4),
-    GemvConfig(8, 512, 4, 3, 2),
-    GemvConfig(8, 256, 4, 4, 2),
     GemvConfig(16, 512, 8, 1),
     GemvConfig(16, 256, 4, 1),
 ]
@@ -78,43 +77,161 @@ LARGE_SWEEP = [
 ]
 
 
-def weight_copies(n: int, k: int) -> list[torch.Tensor]:
-    """Copies of two random weights (even index: the first), enough to pass the L2."""
-    base = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(2)]
-    count = max(2, -(-ROTATION_BYTES // (n * k * 2)))
-    count += count % 2
-    return [base[i % 2].clone() for i in range(count)]
+# FP8 codes are one byte: the same bytes per slice take twice the columns.
+FP8_SMALL_SWEEP = [
+    GemvConfig(16, 1024, 8, 1),
+    GemvConfig(16, 1024, 8, 2),
+    GemvConfig(16, 1024, 8, 3),
+    GemvConfig(16, 1024, 8, 4),
+    GemvConfig(16, 2048, 8, 1),
+    GemvConfig(16, 2048, 8, 2),
+    GemvConfig(16, 2048, 8, 3),
+    GemvConfig(32, 1024, 8, 2),
+    GemvConfig(32, 1024, 8, 3),
+    GemvConfig(16, 512, 4, 2),
+    GemvConfig(16, 512, 4, 3),
+    GemvConfig(16, 512, 4, 4),
+    GemvConfig(16, 1024, 4, 3),
+    GemvConfig(8, 1024, 4, 3),
+    GemvConfig(8, 1024, 4, 4),
+]
+FP8_LARGE_SWEEP = [
+    GemvConfig(16, 256, 4, 2),
+    GemvConfig(16, 256, 4, 3),
+    GemvConfig(16, 512, 4, 1),
+    GemvConfig(16, 512, 4, 2),
+    GemvConfig(16, 512, 4, 3),
+    GemvConfig(16, 512, 4, 4),
+    GemvConfig(16, 1024, 8, 3),
+    GemvConfig(32, 512, 8, 3),
+    GemvConfig(16, 1024, 4, 3),
+]
+# 4-bit codes: more arithmetic per byte, so more rows per program get a look too.
+GGUF_SMALL_SWEEP = [
+    GemvConfig(16, 1024, 8, 2),
+    GemvConfig(16, 1024, 8, 3),
+    GemvConfig(16, 1024, 8, 4),
+    GemvConfig(16, 2048, 8, 1),
+    GemvConfig(16, 2048, 8, 2),
+    GemvConfig(16, 2048, 8, 3),
+    GemvConfig(16, 512, 4, 2),
+    GemvConfig(16, 512, 4, 3),
+    GemvConfig(8, 1024, 4, 2),
+    GemvConfig(8, 1024, 4, 3),
+    GemvConfig(32, 512, 8, 2),
+    GemvConfig(32, 512, 8, 3),
+    GemvConfig(32, 1024, 8, 2),
+    GemvConfig(16, 512, 8, 3),
+]
+GGUF_LARGE_SWEEP = [
+    GemvConfig(16, 256, 4, 2),
+    GemvConfig(16, 256, 4, 3),
+    GemvConfig(16, 512, 4, 1),
+    GemvConfig(16, 512, 4, 2),
+    GemvConfig(16, 512, 4, 3),
+    GemvConfig(16, 512, 8, 2),
+    GemvConfig(16, 512, 8, 3),
+    GemvConfig(32, 256, 8, 3),
+    GemvConfig(8, 512, 4, 3),
+    GemvConfig(16, 1024, 8, 2),
+]
+SWEEPS = {
+    "bf16": (SMALL_SWEEP, LARGE_SWEEP),
+    "fp8": (FP8_SMALL_SWEEP, FP8_LARGE_SWEEP),
+    "gguf4": (GGUF_SMALL_SWEEP, GGUF_LARGE_SWEEP),
+}
+
+
+class Kind:
+    """One kind of weight: its copies (enough to pass the L2), bytes, call and defaults."""
+
+    def __init__(self, name: str, n: int, k: int) -> None:
+        self.name = name
+        base = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(2)]
+        if name == "bf16":
+            weights: list = base
+            self.nbytes = n * k * 2
+        elif name == "fp8":
+            weights = [tuple(t.contiguous() for t in quantize_rows(w)) for w in base]
+            self.nbytes = n * k + n * 4
+        else:
+            weights = []
+            for seed in range(2):
+                gen = torch.Generator(device="cuda").manual_seed(seed)
+                codes = torch.randint(
+                    0, 16, (n, k), dtype=torch.uint8, device="cuda", generator=gen
+                )
+                scales = torch.full((n, k // 32), 0.003, device="cuda")
+                weights.append(pack_blocks(codes, scales, -8 * scales, torch.device("cuda")))
+            self.nbytes = weights[0].nbytes()
+        del base
+        count = max(2, -(-ROTATION_BYTES // self.nbytes))
+        count += count % 2
+        self.copies = [self._clone(weights[i % 2]) for i in range(count)]
+
+    @staticmethod
+    def _clone(weight):
+        if isinstance(weight, torch.Tensor):
+            return weight.clone()
+        if isinstance(weight, tuple):
+            return tuple(t.clone() for t in weight)
+        fields = {f: getattr(weight, f) for f in weight.__dataclass_fields__}
+        return type(weight)(**{
+            f: v.clone() if isinstance(v, torch.Tensor) else v for f, v in fields.items()
+        })  # fmt: skip
+
+    def call(self, x, w, config=None):
+        if self.name == "bf16":
+            return gemv(x, w, config=config)
+        if self.name == "fp8":
+            return fp8_gemv(x, w[0], w[1], None, config)
+        return gguf_gemv(x, w, None, config)
+
+    def default(self, n: int, k: int) -> GemvConfig:
+        if self.name == "gguf4":
+            return default_gemv_config(self.copies[0])
+        return gemv_config(n, k, self.name)
+
+    def key(self, n: int, k: int) -> str:
+        return f"{n},{k}" if self.name == "bf16" else f"{n},{k},{self.name}"
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def bench_shape(name, n, k, configs, deadline, best: dict) -> None:
+def bench_shape(name, n, k, kind_name, configs, deadline, best: dict) -> None:
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    weights = weight_copies(n, k)
-    gb = n * k * 2 / 1e9
+    kind = Kind(kind_name, n, k)
+    label_width = 26
 
     def line(label: str, us: float, extra: str = "") -> None:
-        rate = n * k * 2 / (us * 1e-6)
-        print(f"{name:8s} {label:26s} {us:8.2f} us {100 * rate / PEAK_BYTES_PER_S:5.1f}% {extra}")
+        rate = kind.nbytes / (us * 1e-6)
+        print(
+            f"{name:8s} {kind_name:5s} {label:{label_width}s} {us:8.2f} us "
+            f"{100 * rate / PEAK_BYTES_PER_S:5.1f}% {extra}",
+            flush=True,
+        )
 
-    rotation = [weights[i % len(weights)] for i in range(REPLAYS)]
-    calls = [lambda w=w: F.linear(x, w) for w in rotation]
-    line("F.linear", graph_us(calls)[0])
-    default = gemv_config(n, k)
+    rotation = [kind.copies[i % len(kind.copies)] for i in range(REPLAYS)]
+    if kind_name == "bf16":
+        calls = [lambda w=w: F.linear(x, w) for w in rotation]
+        line("F.linear", graph_us(calls)[0])
+    default = kind.default(n, k)
     rows = [default] + [c for c in configs if c != default]
     ref = None
     fastest = None
     for config in rows:
         if time.monotonic() > deadline:
-            print(f"{name:8s} budget spent; {len(rows)} tiles not all timed", flush=True)
+            print(
+                f"{name:8s} {kind_name} budget spent; {len(rows)} tiles not all timed", flush=True
+            )
             break
-        calls = [lambda w=w, c=config: gemv(x, w, config=c) for w in rotation]
+        calls = [lambda w=w, c=config: kind.call(x, w, c) for w in rotation]
         try:
             us, outs = graph_us(calls)
         except Exception as error:  # a tile the compiler refuses (shared memory): report it
-            print(f"{name:8s} {tuple(config)!s:26s} failed: {type(error).__name__}")
+            print(f"{name:8s} {kind_name} {tuple(config)!s:26s} failed: {type(error).__name__}")
             continue
         same = all(torch.equal(outs[i], outs[i % 2]) for i in range(len(outs)))
         if ref is None:
@@ -128,28 +245,41 @@ def bench_shape(name, n, k, configs, deadline, best: dict) -> None:
         if ok and (fastest is None or us < fastest[0]):
             fastest = (us, config)
     if fastest is not None:
-        best[f"{n},{k}"] = list(fastest[1])
-        print(f"{name:8s} best {tuple(fastest[1])} {fastest[0]:.2f} us ({gb:.3f} GB)", flush=True)
-    del weights
+        best[kind.key(n, k)] = list(fastest[1])
+        print(
+            f"{name:8s} {kind_name} best {tuple(fastest[1])} {fastest[0]:.2f} us "
+            f"({kind.nbytes / 1e9:.3f} GB)",
+            flush=True,
+        )
+    kind.copies.clear()
+    del rotation
     torch.cuda.empty_cache()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kinds", nargs="+", default=["bf16"], choices=list(SWEEPS))
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--shapes", nargs="*", default=list(PROJECTIONS))
-    parser.add_argument("--budget-s", type=float, default=1e9, help="stop sweeping after this")
+    parser.add_argument(
+        "--budget-s", type=float, default=1e9, help="per kind: stop sweeping after this"
+    )
     parser.add_argument("--best-json", default=None)
     args = parser.parse_args()
-    deadline = time.monotonic() + args.budget_s
     best: dict[str, list[int]] = {}
-    for name in args.shapes:
-        n, k = PROJECTIONS[name]
-        configs = (SMALL_SWEEP if n * k <= 6144 * 4096 else LARGE_SWEEP) if args.sweep else []
-        bench_shape(name, n, k, configs, deadline, best)
-        if args.best_json:  # after every shape, so a run cut short keeps what it found
-            with open(args.best_json, "w") as f:
-                json.dump(best, f, indent=1)
+    if args.best_json and os.path.exists(args.best_json):
+        with open(args.best_json) as f:
+            best = json.load(f)
+    for kind_name in args.kinds:
+        deadline = time.monotonic() + args.budget_s
+        small, large = SWEEPS[kind_name]
+        for name in args.shapes:
+            n, k = PROJECTIONS[name]
+            configs = (small if n * k <= 6144 * 4096 else large) if args.sweep else []
+            bench_shape(name, n, k, kind_name, configs, deadline, best)
+            if args.best_json:  # after every shape, so a run cut short keeps what it found
+                with open(args.best_json, "w") as f:
+                    json.dump(best, f, indent=1)
 
 
 if __name__ == "__main__":

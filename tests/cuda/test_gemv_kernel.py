@@ -10,7 +10,7 @@ from triton_env import DEVICE, rel_error, tolerance
 
 from pagedlm.model_executor.layers.linear import RowParallelLinear
 from pagedlm_cuda.fused_layers import SingleRowLinear, install_fused_kernels
-from pagedlm_cuda.kernels.gemv import GemvConfig, gemv, split_workspace
+from pagedlm_cuda.kernels.gemv import GemvConfig, gemv, gemv_config
 
 # Rows not a multiple of the 16-row tile; columns not a multiple of the slice; and each
 # of the three tile configurations (up to 4k, 8k and beyond 8k outputs).
@@ -34,15 +34,13 @@ def test_gemv_matches_float64(dtype: torch.dtype, shape: tuple[int, int], with_b
     assert rel_error(out, ref) < tolerance(dtype)
 
 
-# Tiles other than the defaults, at slices small enough for several per row: split-K runs
-# of whole slices (a ragged last run; a split that leaves a run empty, 9 slices in 4 runs
-# of 3 being 3 runs), the pipelined loop, and both at once.
+# Tiles other than the defaults, at slices small enough for several per row: the
+# pipelined loop (more stages than slices, too) and narrow row blocks.
 TILES = [
-    GemvConfig(16, 128, 4, 1, 2),
-    GemvConfig(8, 64, 4, 1, 4),
-    GemvConfig(16, 128, 4, 1, 4),
     GemvConfig(16, 64, 4, 3),
-    GemvConfig(8, 128, 4, 2, 3),
+    GemvConfig(8, 128, 4, 2),
+    GemvConfig(16, 128, 4, 4),
+    GemvConfig(8, 512, 4, 4),
 ]
 
 
@@ -60,30 +58,22 @@ def test_gemv_tiles_match_float64(config: GemvConfig, shape: tuple[int, int]) ->
     assert rel_error(out, ref) < tolerance(torch.bfloat16)
 
 
-@pytest.mark.parametrize("config", TILES[:3], ids=str)
-def test_split_gemv_repeats_bitwise_and_leaves_its_tickets_at_zero(config: GemvConfig) -> None:
-    """The runs are summed in run order whichever program finishes last, so a row's
-    result depends on the shapes only; the tickets are ready for the next call."""
-    torch.manual_seed(3)
-    x = torch.randn(1, 1100, device=DEVICE)
-    weight = torch.randn(40, 1100, device=DEVICE)
-    first = gemv(x, weight, config=config)
-    for _ in range(3):
-        assert torch.equal(gemv(x, weight, config=config), first)
-    _, tickets = split_workspace(DEVICE, 0, 0)
-    assert not tickets.any()
-    unsplit = gemv(x, weight, config=config._replace(split_k=1))
-    assert rel_error(first, unsplit) < tolerance(torch.float32)
+def test_each_weight_kind_has_its_own_default_tiles() -> None:
+    """FP8 codes and GGUF blocks pipeline their loop (measured faster); bf16 does not."""
+    for n in (4096, 6144, 28672):
+        assert gemv_config(n, 4096).pipeline_stages == 1
+        for kind in ("fp8", "gguf4", "gguf8"):
+            assert gemv_config(n, 4096, kind).pipeline_stages == 3
 
 
-def test_split_gemv_applies_fp8_scales_and_bias() -> None:
+def test_pipelined_gemv_applies_fp8_scales_and_bias() -> None:
     from pagedlm.model_executor.quantization import fp8
 
     torch.manual_seed(4)
     codes, scales = fp8.quantize_rows(torch.randn(40, 600, device=DEVICE) / 600**0.5)
     x = torch.randn(1, 600, device=DEVICE)
     bias = torch.randn(40, device=DEVICE)
-    out = gemv(x, codes, bias, scales, config=GemvConfig(16, 128, 4, 2, 3))
+    out = gemv(x, codes, bias, scales, config=GemvConfig(16, 128, 4, 3))
     ref = x.double() @ fp8.dequantize(codes, scales).double().T + bias.double()
     assert rel_error(out, ref) < 1e-5
 
@@ -134,15 +124,21 @@ def test_configs_from_the_environment_replace_the_defaults(tmp_path, monkeypatch
     from pagedlm_cuda.kernels import gemv as module
 
     table = tmp_path / "tiles.json"
-    table.write_text('{"40,1100": [16, 128, 4, 2, 3]}')
+    table.write_text('{"40,1100": [16, 128, 4, 2], "40,1100,fp8": [8, 256, 4, 3]}')
     monkeypatch.setenv(module.CONFIGS_ENV, str(table))
     module._configs_from_env.cache_clear()
     try:
-        assert module.gemv_config(40, 1100) == GemvConfig(16, 128, 4, 2, 3)
+        assert module.gemv_config(40, 1100) == GemvConfig(16, 128, 4, 2)
+        assert module.gemv_config(40, 1100, "fp8") == GemvConfig(8, 256, 4, 3)
+        assert module.gemv_config(40, 1100, "gguf4") == GemvConfig(16, 512, 8, 3)
         assert module.gemv_config(40, 600) == GemvConfig(16, 1024, 8)
         table.write_text('{"40,1100": [16, 0, 4]}')
         module._configs_from_env.cache_clear()
         with pytest.raises(ValueError, match=r"block_n, block_k, num_warps"):
+            module.gemv_config(40, 1100)
+        table.write_text('{"40,1100,int3": [16, 128, 4]}')
+        module._configs_from_env.cache_clear()
+        with pytest.raises(ValueError, match=r"KIND one of bf16, fp8, gguf4, gguf8"):
             module.gemv_config(40, 1100)
     finally:
         monkeypatch.delenv(module.CONFIGS_ENV)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from pagedlm_cuda.kernels import pdl
-from pagedlm_cuda.kernels.gemv import gemv_config
+from pagedlm_cuda.kernels.gemv import GemvConfig, gemv_config
 
 GROUP_SIZE = 32
 
@@ -127,27 +127,65 @@ def load_weight_tile(
 
 
 @triton.jit
+def _load_word_tile(
+    words_ptr, scales_ptr, mins_ptr, rows, row_mask, k0, K, stride_words, stride_groups,
+    OFFSET: tl.constexpr, BITS: tl.constexpr, HAS_MINS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """``load_weight_tile``'s values (the same float32 [BLOCK_N, BLOCK_K], bit for bit),
+    read as int32 words of ``32 // BITS`` codes each and made floats without an
+    integer-to-float conversion: a code ``c`` in the low mantissa bits of 2^23's float is
+    the float 2^23 + c exactly, and subtracting 2^23 leaves ``c``. The GPU converts
+    integers at a fraction of its float rate, which at 4 bits per weight binds before
+    the bandwidth does."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    row_offsets = rows[:, None].to(tl.int64)
+    word_cols = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
+    mask = row_mask[:, None] & (word_cols[None, :] < K // PER_WORD)
+    words = tl.load(words_ptr + row_offsets * stride_words + word_cols[None, :], mask=mask, other=0)
+    # Word m holds columns m * PER_WORD + j, lowest bits first (bytes little-endian, the
+    # low nibble of a byte before its high one).
+    shifts = tl.arange(0, PER_WORD) * BITS
+    codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    codes = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    groups = k0 // 32 + tl.arange(0, GROUPS)
+    group_mask = row_mask[:, None] & (groups[None, :] < K // 32)
+    group_offsets = row_offsets * stride_groups + groups[None, :]
+    scales = tl.load(scales_ptr + group_offsets, mask=group_mask, other=0.0).to(tl.float32)
+    if HAS_MINS:
+        mins = tl.load(mins_ptr + group_offsets, mask=group_mask, other=0.0).to(tl.float32)
+    else:
+        mins = scales * -OFFSET
+    codes = tl.reshape(codes, (BLOCK_N, GROUPS, 32))
+    weights = codes * scales[:, :, None] + mins[:, :, None]
+    return tl.reshape(weights, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
 def _gguf_gemv_kernel(
-    x_ptr, codes_ptr, scales_ptr, mins_ptr, bias_ptr, out_ptr, N, K,
-    stride_codes, stride_groups,
+    x_ptr, words_ptr, scales_ptr, mins_ptr, bias_ptr, out_ptr, N, K,
+    stride_words, stride_groups,
     OFFSET: tl.constexpr, BITS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPELINE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.allow_next(USE_PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     cols = tl.arange(0, BLOCK_K)
     # Weights never change: the first slice is read before waiting for x's producer.
-    w = load_weight_tile(
-        codes_ptr, scales_ptr, mins_ptr, rows, row_mask, 0, K, stride_codes, stride_groups,
+    w = _load_word_tile(
+        words_ptr, scales_ptr, mins_ptr, rows, row_mask, 0, K, stride_words, stride_groups,
         OFFSET, BITS, HAS_MINS, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     pdl.wait_for_previous(USE_PDL)
     x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
     acc = w * x[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        w = load_weight_tile(
-            codes_ptr, scales_ptr, mins_ptr, rows, row_mask, k0, K, stride_codes,
+    # PIPELINE > 1 keeps that many slices in flight (as in ``gemv``).
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=PIPELINE):
+        w = _load_word_tile(
+            words_ptr, scales_ptr, mins_ptr, rows, row_mask, k0, K, stride_words,
             stride_groups, OFFSET, BITS, HAS_MINS, BLOCK_N, BLOCK_K,
         )  # fmt: skip
         x = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
@@ -158,37 +196,38 @@ def _gguf_gemv_kernel(
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-GgufGemvConfig = tuple[int, int, int, int]
-"""(BLOCK_N, BLOCK_K, num_warps, num_stages)."""
-
-
-def default_gemv_config(weight: PackedGguf) -> GgufGemvConfig:
-    """A first guess, not yet swept on the H200 (``pagedlm.benchmarks.quantized_gpu
-    --gemv-sweep``): the bf16 GEMV's tiles, whose slices hold as many weights."""
-    tiles = gemv_config(weight.out_features, weight.in_features)
-    return tiles.block_n, tiles.block_k, tiles.num_warps, 4
+def default_gemv_config(weight: PackedGguf) -> GemvConfig:
+    """``gemv.gemv_config`` for the weight's kind (``gguf4`` / ``gguf8``): the bf16
+    GEMV's tiles unless measured otherwise, whose slices hold as many weights."""
+    kind = "gguf4" if weight.bits == 4 else "gguf8"
+    return gemv_config(weight.out_features, weight.in_features, kind)
 
 
 def gguf_gemv(
     x: torch.Tensor,
     weight: PackedGguf,
     bias: torch.Tensor | None = None,
-    config: GgufGemvConfig | None = None,
+    config: GemvConfig | tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """x [1, K] (unit-stride row) -> [1, N] in x's dtype."""
+    """x [1, K] (unit-stride row) -> [1, N] in x's dtype. ``config``: (block_n, block_k,
+    num_warps[, pipeline_stages]) with ``block_k`` a multiple of 32."""
     if x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1:
         raise ValueError(f"gguf_gemv takes one unit-stride row [1, K]; got {tuple(x.shape)}.")
     n, k = weight.out_features, weight.in_features
     if x.shape[1] != k:
         raise ValueError(f"x has {x.shape[1]} features but the weight is [{n}, {k}].")
+    cfg = GemvConfig(*config) if config is not None else default_gemv_config(weight)
+    if cfg.block_k % GROUP_SIZE:
+        raise ValueError(f"gguf_gemv streams whole groups of {GROUP_SIZE} columns; got {cfg}.")
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    block_n, block_k, num_warps, num_stages = config or default_gemv_config(weight)
+    words = weight.codes.view(torch.int32)  # rows of K * bits / 8 bytes: whole words
     mins = weight.mins if weight.mins is not None else weight.scales
-    _gguf_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight.codes, weight.scales, mins, bias if bias is not None else weight.scales,
-        out, n, k, weight.codes.stride(0), weight.scales.stride(0),
+    _gguf_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, words, weight.scales, mins, bias if bias is not None else weight.scales,
+        out, n, k, words.stride(0), weight.scales.stride(0),
         OFFSET=weight.offset, BITS=weight.bits, HAS_MINS=weight.mins is not None,
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(),
+        HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PIPELINE=cfg.pipeline_stages, num_warps=cfg.num_warps,
+        num_stages=cfg.pipeline_stages, **pdl.launch_options(),
     )  # fmt: skip
     return out
