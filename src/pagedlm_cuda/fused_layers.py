@@ -7,8 +7,6 @@ it runs on.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,59 +50,25 @@ def _silu_and_mul_kernel(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul(x)
 
 
-GEMV_ROWS_MAX_ENV = "PAGEDLM_GEMV_ROWS_MAX"
-
-
-def _gemv_rows_max() -> int:
-    value = os.environ.get(GEMV_ROWS_MAX_ENV, "1")
-    if not value.isdigit() or not 1 <= int(value) <= 16:
-        raise ValueError(
-            f"{GEMV_ROWS_MAX_ENV}={value!r}: give a row count from 1 (few-row GEMV off, the "
-            "default) to 16 (the most it takes), or unset it."
-        )
-    return int(value)
-
-
-GEMV_ROWS_MAX = _gemv_rows_max()
-"""Inputs of 2 to this many rows of a 16-bit layer go through the tensor-core few-row
-GEMV (``kernels/gemv_rows.py``: a verification step's ``1 + k`` rows at batch 1); 1, the
-default until it is measured faster than cuBLAS end to end, turns it off. Set from
-``PAGEDLM_GEMV_ROWS_MAX`` at import (every engine process reads it)."""
-
-
 class SingleRowLinear:
     """A linear layer's kernel: one-row inputs (a lone sequence's decode step) through the
-    Triton GEMV, which streams the weight faster than cuBLAS at that shape; 2 to
-    ``GEMV_ROWS_MAX`` rows of 16-bit floats (none by default) through the few-row GEMV;
-    every other batch through ``F.linear``. The choice depends on the row count only, so
-    a step gives the same result from a CUDA graph or eagerly."""
+    Triton GEMV, which streams the weight faster than cuBLAS at that shape; every other
+    batch through ``F.linear``. The choice depends on the row count only, so a step gives
+    the same result from a CUDA graph or eagerly."""
 
     def __init__(self, layer: LinearBase) -> None:
         self.layer = layer
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from pagedlm_cuda.kernels.gemv import gemv
+
         layer = self.layer
-        weight = layer.weight
-        if x.dim() == 2 and x.stride(1) == 1:
-            rows = x.shape[0]
-            if rows == 1:
-                from pagedlm_cuda.kernels.gemv import gemv
-
-                return gemv(x, weight, layer.linear_bias)
-            if 2 <= rows <= GEMV_ROWS_MAX and _rows_kernel_fits(x, weight):
-                from pagedlm_cuda.kernels.gemv_rows import gemv_rows
-
-                return gemv_rows(x, weight, layer.linear_bias)
-        return F.linear(x, weight, layer.linear_bias)
+        if x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1:
+            return gemv(x, layer.weight, layer.linear_bias)
+        return F.linear(x, layer.weight, layer.linear_bias)
 
 
 _GEMV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_ROWS_DTYPES = (torch.float16, torch.bfloat16)
-"""Weights the few-row GEMV takes: its float32 products would run on the CUDA cores."""
-
-
-def _rows_kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.dtype == weight.dtype and weight.dtype in _ROWS_DTYPES and weight.stride(1) == 1
 
 
 _PLAIN_ROTARY = (RotaryEmbedding, MRotaryEmbedding)

@@ -10,10 +10,9 @@ whose grid is sized by max_model_len, as the engine's decode graphs are. Prints 
 call and the K/V bandwidth reached, for the default (``decode_config``) and for nearby
 partition / tile choices, so the table in ``kernels/decode_config.py`` can be checked.
 ``--kv-cache-dtype fp8``: the same for a float8 E4M3 cache (bandwidth counted in its bytes).
-``--num-heads 16``: qwen3-0.6b's heads (W1's model). ``--sweep``: FP8 only, the tile /
-warps / stages / partition choices of the E4M3-dot path (``DecodeConfig.fp8_query``,
-``fp8_pv``) against the float16 one, each with its error against a float32 reference of
-the dequantized cache (max abs, and relative: the norm of the difference over the
+``--num-heads 16``: qwen3-0.6b's heads (W1's model). ``--sweep``: FP8 only, partition /
+tile / warps / stages choices, each with its error against a float32 reference of the
+dequantized cache (max abs, and relative: the norm of the difference over the
 reference's).
 """
 
@@ -116,26 +115,19 @@ def time_config(
 
 WORKLOADS = {"W2": (1, 1100), "small": (4, 1100), "W1": (256, 580)}
 
-SWEEP = [  # (partition, block_n, warps, stages, fp8_query, fp8_pv)
-    (512, 128, 4, 2, 0, False),
-    (512, 128, 4, 2, 1, False),
-    (512, 128, 4, 2, 2, False),
-    (512, 64, 4, 2, 1, True),
-    (512, 64, 4, 3, 1, True),
-    (512, 128, 4, 2, 1, True),
-    (512, 128, 4, 3, 1, True),
-    (512, 64, 4, 2, 2, True),
-    (512, 64, 4, 3, 2, True),
-    (512, 64, 4, 4, 2, True),
-    (512, 128, 4, 2, 2, True),
-    (512, 128, 4, 3, 2, True),
-    (512, 128, 8, 2, 2, True),
-    (512, 128, 8, 3, 2, True),
-    (512, 256, 4, 2, 2, True),
-    (512, 256, 8, 2, 2, True),
-    (256, 128, 4, 3, 2, True),
-    (256, 64, 4, 3, 2, True),
-    (1024, 128, 4, 3, 2, True),
+SWEEP = [  # (partition, block_n, warps, stages)
+    (512, 128, 4, 2),
+    (512, 128, 4, 3),
+    (512, 128, 8, 2),
+    (512, 128, 8, 3),
+    (512, 64, 4, 2),
+    (512, 64, 4, 3),
+    (512, 64, 4, 4),
+    (512, 256, 4, 2),
+    (512, 256, 8, 2),
+    (256, 128, 4, 3),
+    (256, 64, 4, 3),
+    (1024, 128, 4, 3),
 ]
 
 
@@ -146,13 +138,12 @@ def sweep(batch: int, context: int, heads: int) -> None:
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM
     default = decode_config(batch, KV_HEADS, HEAD_DIM, True)
     print(f"sweep: batch {batch}, context {context}, {heads} heads, fp8; default {default}")
-    print("  partition block_n warps stages fp8_query fp8_pv |     us  TB/s | max err  rel err")
-    for partition, block_n, warps, stages, fp8_query, fp8_pv in SWEEP:
+    print("  partition block_n warps stages |     us  TB/s | max err  rel err")
+    for partition, block_n, warps, stages in SWEEP:
         config = default._replace(
-            partition=partition, block_n=block_n, num_warps=warps, num_stages=stages,
-            fp8_query=fp8_query, fp8_pv=fp8_pv,
-        )  # fmt: skip
-        label = f"  {partition:9d} {block_n:7d} {warps:5d} {stages:6d} {fp8_query:9d} {fp8_pv!s:>6}"
+            partition=partition, block_n=block_n, num_warps=warps, num_stages=stages
+        )
+        label = f"  {partition:9d} {block_n:7d} {warps:5d} {stages:6d}"
         try:
             us, out = time_inputs(inputs, config=config)
         except Exception as error:  # e.g. a tile past the shared memory

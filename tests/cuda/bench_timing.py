@@ -1,4 +1,4 @@
-"""Timing shared by the GEMV benches (run as scripts, so imported from this folder)."""
+"""CUDA-graph timing for the GEMV bench (run as a script, so imported from this folder)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
-"""Registers and shared memory of the decode kernel's FP8 variants, without a GPU.
+"""Registers and shared memory of the decode kernel's tiles on an FP8 cache, without a GPU.
 
     PYTHONPATH=src python tests/cuda/ptxas_decode_attention.py
 
 Compiles ``_decode_kernel`` for sm_90a (Triton's own ``ptxas``) at W1's shape (qwen3-0.6b:
-group 2, head_dim 128, 512-key partitions, the step's K/V written by the kernel) and
-prints, per configuration, the registers per thread, spills, shared memory, the programs
-per SM they allow (65,536 registers, 227 KiB) and the MMA kinds chosen. Not a test, and
-no timing: it shows which variants can keep more bytes in flight per SM.
+group 2, head_dim 128, 512-key partitions, an E4M3 cache read into float16 tiles, the
+step's K/V written by the kernel) and prints, per tile / warps / stages choice, the
+registers per thread, spills, shared memory, the programs per SM they allow (65,536
+registers, 227 KiB) and the MMA kinds chosen. Not a test, and no timing: it shows which
+tiles can keep more bytes in flight per SM (``tests/cuda/bench_decode_attention.py``
+times them).
 """
 
 from __future__ import annotations
@@ -23,10 +25,8 @@ from triton.compiler import ASTSource
 
 from pagedlm_cuda.kernels.decode_attention import _decode_kernel
 
-CONFIGS = [  # (block_n, warps, stages, fp8_query, fp8_pv)
-    (64, 4, 2, 0, False), (128, 4, 2, 0, False), (128, 4, 2, 1, False), (128, 4, 2, 2, False),
-    (64, 4, 2, 1, True), (128, 4, 2, 1, True), (128, 4, 3, 1, True), (64, 4, 2, 2, True),
-    (128, 4, 2, 2, True), (128, 4, 3, 2, True), (256, 4, 2, 2, True),
+CONFIGS = [  # (block_n, warps, stages)
+    (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3),
 ]  # fmt: skip
 HEADS, KV_HEADS, BLOCK, DIM = 16, 8, 16, 128
 POINTERS = {"key_cache_ptr": "*fp8e4nv", "value_cache_ptr": "*fp8e4nv", "block_tables_ptr": "*i32",
@@ -40,12 +40,11 @@ INTS = {"q_stride_token": HEADS * DIM, "out_stride_token": HEADS * DIM,
         "num_kv_heads": KV_HEADS, "window": 0, "group_size": HEADS // KV_HEADS}  # fmt: skip
 
 
-def compile_config(block_n: int, warps: int, stages: int, fp8_query: int, fp8_pv: bool) -> dict:
+def compile_config(block_n: int, warps: int, stages: int) -> dict:
     constants = dict(
         BLOCK_SIZE=BLOCK, PARTITION=512, BLOCK_N=block_n, BLOCK_G=16, BLOCK_D=DIM, MERGE_G=2,
         MERGE_P=4, MERGE_IN_KERNEL=False, DIRECT=False, WRITE_NEW=True, USE_WINDOW=False,
-        USE_SOFT_CAP=False, FP8=True, COMPUTE_DTYPE=tl.float8e4nv if fp8_query else tl.float16,
-        FP8_QUERY=fp8_query, FP8_PV=fp8_pv, USE_PDL=True,
+        USE_SOFT_CAP=False, FP8=True, COMPUTE_DTYPE=tl.float16, USE_PDL=True,
     )  # fmt: skip
     signature, attrs = {}, {}
     for index, name in enumerate(_decode_kernel.arg_names):
@@ -81,11 +80,10 @@ def compile_config(block_n: int, warps: int, stages: int, fp8_query: int, fp8_pv
 
 
 def main() -> None:
-    print("block_n warps stages fp8_query fp8_pv | regs spill smem(B) programs/SM mma")
-    for config in CONFIGS:
-        r = compile_config(*config)
-        block_n, warps, stages, fp8_query, fp8_pv = config
-        print(f"{block_n:7d} {warps:5d} {stages:6d} {fp8_query:9d} {fp8_pv!s:>6} | "
+    print("block_n warps stages | regs spill smem(B) programs/SM mma")
+    for block_n, warps, stages in CONFIGS:
+        r = compile_config(block_n, warps, stages)
+        print(f"{block_n:7d} {warps:5d} {stages:6d} | "
               f"{r['registers']:4d} {r['spills']:5d} {r['shared']:7d} {r['programs']:11d} "
               f"{r['mma']}", flush=True)  # fmt: skip
 

@@ -13,13 +13,7 @@ from triton_env import DEVICE
 
 from pagedlm_cuda.batch_sizes import capture_sizes
 from pagedlm_cuda.kernels import paged_decode_attention
-from pagedlm_cuda.kernels.decode_config import (
-    FP8_BLOCK_N,
-    FP8_DOTS_ENV,
-    batch_bucket,
-    decode_config,
-    fp8_dots_setting,
-)
+from pagedlm_cuda.kernels.decode_config import batch_bucket, decode_config
 
 
 def test_padding_to_any_captured_size_keeps_the_configuration() -> None:
@@ -79,32 +73,3 @@ def test_graph_padded_call_equals_eager_call_bitwise(seq_lens, window) -> None:
     )  # fmt: skip
     assert torch.equal(graph[:3], eager)
     assert torch.equal(graph[3], torch.zeros_like(graph[3]))
-
-
-@pytest.mark.parametrize(("value", "expected"), [(None, (0, False)), ("q2pv", (2, True))])
-def test_fp8_dots_switch_only_touches_long_fp8_partitions(monkeypatch, value, expected) -> None:
-    if value is None:
-        monkeypatch.delenv(FP8_DOTS_ENV, raising=False)
-    else:
-        monkeypatch.setenv(FP8_DOTS_ENV, value)
-    for cached in (fp8_dots_setting, decode_config):
-        cached.cache_clear()
-    try:
-        long_fp8 = decode_config(256, 8, 128, fp8=True)
-        assert (long_fp8.fp8_query, long_fp8.fp8_pv) == expected
-        assert long_fp8.block_n == FP8_BLOCK_N
-        for short_or_bf16 in (decode_config(1, 8, 128, fp8=True), decode_config(256, 8, 128)):
-            assert (short_or_bf16.fp8_query, short_or_bf16.fp8_pv) == (0, False)
-    finally:
-        for cached in (fp8_dots_setting, decode_config):
-            cached.cache_clear()
-
-
-def test_fp8_dots_switch_names_its_values(monkeypatch) -> None:
-    monkeypatch.setenv(FP8_DOTS_ENV, "fp8")
-    fp8_dots_setting.cache_clear()
-    try:
-        with pytest.raises(ValueError, match="q1, q2, q1pv, q2pv"):
-            fp8_dots_setting()
-    finally:
-        fp8_dots_setting.cache_clear()

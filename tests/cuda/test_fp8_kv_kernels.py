@@ -21,7 +21,6 @@ from pagedlm.kv_cache import fp8
 from pagedlm_cpu.attention import CpuSdpaBackend
 from pagedlm_cuda.attention import TritonAttentionBackend
 from pagedlm_cuda.kernels import paged_decode_attention, paged_prefill_attention, write_kv_cache
-from pagedlm_cuda.kernels.decode_config import DecodeConfig
 
 COMPUTE = torch.bfloat16 if ON_GPU else torch.float16
 K_SCALE, V_SCALE = 0.02, 0.03
@@ -218,43 +217,3 @@ def test_batch_invariant_graph_capture_is_decode_only():
     backend = _invariant_backend()
     assert backend.supports_graph(1) and not backend.supports_graph(4)
     assert TritonAttentionBackend(DEVICE).supports_graph(4)
-
-
-# E4M3 query dots (fp8_scores): a one-term query has E4M3's own rounding (3 mantissa bits),
-# the two-term one nearly bfloat16's; E4M3 weights add their rounding to the PV dot. The
-# interpreter's errors: 2.3e-3, 2.1e-4, 6.1e-3, 6.5e-3, 6.6e-3.
-@pytest.mark.parametrize(
-    ("fp8_query", "fp8_pv", "block_n", "bound"),
-    [(1, False, 64, 1e-2), (2, False, 64, 3e-3), (2, True, 64, 2e-2), (2, True, 128, 2e-2),
-     (1, True, 128, 2e-2)],
-)  # fmt: skip
-def test_decode_with_fp8_dots(fp8_query, fp8_pv, block_n, bound):
-    out, ref = _decode_with_fp8_dots(fp8_query, fp8_pv, block_n)
-    assert rel_error(out, ref) < bound
-
-
-def test_decode_with_fp8_dots_windowed_and_capped():
-    out, ref = _decode_with_fp8_dots(2, True, 64, window=90, cap=5.0)
-    assert rel_error(out, ref) < 2e-2
-
-
-def _decode_with_fp8_dots(fp8_query, fp8_pv, block_n, window=None, cap=None):
-    seq_lens = [1, 70, 200]
-    key_cache, value_cache, table, tables = fp8_cache(seq_lens, 16, 2, 128, seed=5)
-    num_seqs = len(seq_lens)
-    query = (torch.randn(num_seqs, 4, 128, device=DEVICE) * 0.5).to(COMPUTE)
-    new_k = torch.randn(num_seqs, 2, 128, device=DEVICE).to(COMPUTE)
-    new_v = torch.randn(num_seqs, 2, 128, device=DEVICE).to(COMPUTE)
-    slots = torch.tensor(
-        [t[(n - 1) // 16] * 16 + (n - 1) % 16 for t, n in zip(tables, seq_lens)],
-        dtype=torch.int32, device=DEVICE,
-    )  # fmt: skip
-    seq = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    config = DecodeConfig(128, block_n, 4, 2, False, fp8_query=fp8_query, fp8_pv=fp8_pv)
-    out = paged_decode_attention(
-        query, key_cache, value_cache, table, seq, 0.05, 256, new_kv=(new_k, new_v, slots),
-        sliding_window=window, logits_soft_cap=cap, config=config, **_scales(),
-    )  # fmt: skip
-    kc, vc = dequantized(key_cache, value_cache)
-    ref = reference(query, kc, vc, tables, seq_lens, [1] * num_seqs, 0.05, window, cap)
-    return out, ref

@@ -39,9 +39,7 @@ bytes was not reached with it), the query too (clamped to float16's range), and 
 run in float16 with float32 accumulation; the dots are multiplied by ``k_scale`` and each
 partition's output by ``v_scale``. The new token's
 K/V are quantized (saturating) before they are written, and the new key is attended to
-from its quantized value, as a later step reads it from the cache. Opt-in, unmeasured on
-a GPU (``DecodeConfig.fp8_query`` / ``fp8_pv``, ``PAGEDLM_FP8_DOTS``): the dots in E4M3
-with the keys (and head dims) as the MMA's M dimension, see ``fp8_scores``.
+from its quantized value, as a later step reads it from the cache.
 """
 
 from __future__ import annotations
@@ -53,7 +51,6 @@ import triton.language as tl
 from pagedlm.kv_cache.fp8 import is_fp8
 from pagedlm_cuda.kernels import pdl
 from pagedlm_cuda.kernels.decode_config import DecodeConfig, decode_config
-from pagedlm_cuda.kernels.fp8_scores import P_SCALE, keys_major_dots, pv_dot, quantize_query
 from pagedlm_cuda.kernels.kv_tile import fp8_scales, fp8_store_value, load_kv_tile
 from pagedlm_cuda.kernels.score_mod import scaled_scores, score_args
 
@@ -145,30 +142,6 @@ def _attend_tile(
     return m_new, denom, acc
 
 
-@triton.jit
-def _attend_tile_keys_major(
-    q8, qk_scale, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e,
-    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-    SPLIT: tl.constexpr, FP8_PV: tl.constexpr,
-):  # fmt: skip
-    """``_attend_tile`` on an E4M3 tile with E4M3 query dots (``fp8_scores``): scores are
-    [N, G], ``qk_scale`` [G] is the query's scale times ``k_scale``. ``FP8_PV``: ``acc``
-    is [D, G] and gathers ``V^T @ (P_SCALE * P)^T`` in E4M3 (``fp8_scores.pv_dot``);
-    else it is [G, D] and gathers ``P @ V`` in float16."""
-    dots = keys_major_dots(k, q8, BLOCK_N, BLOCK_G, SPLIT) * qk_scale[None, :]
-    s = scaled_scores(dots, score_scale, cap_log2e, USE_SOFT_CAP)
-    s = tl.where(pos_mask[:, None], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=0))
-    p = tl.exp2(s - m_new[None, :])
-    alpha = tl.exp2(m - m_new)
-    denom = denom * alpha + tl.sum(p, axis=0)
-    if FP8_PV:
-        acc = acc * alpha[None, :] + pv_dot(v, p)
-    else:
-        acc = acc * alpha[:, None] + tl.dot(tl.trans(p).to(tl.float16), v.to(tl.float16))
-    return m_new, denom, acc
-
-
 # Per-step sizes are not specialized on (Triton would compile a variant for each value's
 # divisibility by 16), so an eager step never compiles mid-run.
 @triton.jit(do_not_specialize=["block_table_stride", "max_partitions"])
@@ -185,8 +158,7 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_G: tl.constexpr,
     MERGE_P: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, DIRECT: tl.constexpr,
     WRITE_NEW: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-    FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, FP8_QUERY: tl.constexpr,
-    FP8_PV: tl.constexpr, USE_PDL: tl.constexpr,
+    FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.allow_next(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
@@ -260,53 +232,26 @@ def _decode_kernel(
         mask=head_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
+    if FP8:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(compute_dtype)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     # Every tile starts at a visible key (start is the window's first when windowed), so
     # each row's running max is finite after the first tile. A partition may have no
     # cached tile (only the new key, or a padding row of the direct path).
-    if FP8_QUERY:
-        q8, q_scale = quantize_query(q, BLOCK_G, BLOCK_D, FP8_QUERY == 2)
-        qk_scale = q_scale * k_scale
-        if FP8_PV:
-            acc_t = tl.zeros([BLOCK_D, BLOCK_G], tl.float32)
-        else:
-            acc_t = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        if start < cached_end:
-            m, denom, acc_t = _attend_tile_keys_major(
-                q8, qk_scale, k, v, pos_mask, m, denom, acc_t, score_scale, cap_log2e,
-                BLOCK_N, BLOCK_G, USE_SOFT_CAP, FP8_QUERY == 2, FP8_PV,
-            )  # fmt: skip
-        for n0 in range(start + BLOCK_N, cached_end, BLOCK_N):
-            _pos, pos_mask, k, v = load_kv_tile(
-                key_cache_ptr, value_cache_ptr, table, head_base, n0, cached_end, dims,
-                dim_mask, cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N,
-                compute_dtype,
-            )  # fmt: skip
-            m, denom, acc_t = _attend_tile_keys_major(
-                q8, qk_scale, k, v, pos_mask, m, denom, acc_t, score_scale, cap_log2e,
-                BLOCK_N, BLOCK_G, USE_SOFT_CAP, FP8_QUERY == 2, FP8_PV,
-            )  # fmt: skip
-        acc = tl.trans(acc_t) * (1.0 / P_SCALE) if FP8_PV else acc_t
-    else:
-        if FP8:
-            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(compute_dtype)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        if start < cached_end:
-            m, denom, acc = _attend_tile(
-                q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, k_scale,
-                USE_SOFT_CAP, FP8,
-            )  # fmt: skip
-        for n0 in range(start + BLOCK_N, cached_end, BLOCK_N):
-            _pos, pos_mask, k, v = load_kv_tile(
-                key_cache_ptr, value_cache_ptr, table, head_base, n0, cached_end, dims,
-                dim_mask, cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N,
-                compute_dtype,
-            )  # fmt: skip
-            m, denom, acc = _attend_tile(
-                q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, k_scale,
-                USE_SOFT_CAP, FP8,
-            )  # fmt: skip
+    if start < cached_end:
+        m, denom, acc = _attend_tile(
+            q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, k_scale, USE_SOFT_CAP, FP8
+        )
+    for n0 in range(start + BLOCK_N, cached_end, BLOCK_N):
+        _pos, pos_mask, k, v = load_kv_tile(
+            key_cache_ptr, value_cache_ptr, table, head_base, n0, cached_end, dims, dim_mask,
+            cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N, compute_dtype,
+        )  # fmt: skip
+        m, denom, acc = _attend_tile(
+            q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, k_scale, USE_SOFT_CAP, FP8
+        )
     if WRITE_NEW:  # noqa: SIM102 - a compile-time switch around a runtime test
         if owns_last:
             # The new key, in float32 (the tiles' dots take bf16 p; here p stays float32).
@@ -463,10 +408,6 @@ def paged_decode_attention(
     merge_p = max(1, min(MERGE_TILE // (merge_g * block_d), MERGE_CONTEXT // partition))
     score_scale, cap_log2e = score_args(scale, logits_soft_cap)
     window = sliding_window or 0
-    fp8_query = config.fp8_query if fp8 else 0
-    compute_dtype = tl.float16 if fp8 else _TL_DTYPES[query.dtype]
-    if fp8_query:
-        compute_dtype = tl.float8e4nv  # the tiles stay E4M3 (fp8_scores)
     _decode_kernel[(num_seqs, num_kv_heads, max_partitions)](
         query, key_cache, value_cache, block_tables, seq_lens,
         new_key, new_value, slot_mapping,
@@ -482,8 +423,7 @@ def paged_decode_attention(
         MERGE_G=merge_g, MERGE_P=merge_p, MERGE_IN_KERNEL=config.merge_in_kernel,
         DIRECT=direct, WRITE_NEW=new_kv is not None,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logits_soft_cap is not None,
-        FP8=fp8, COMPUTE_DTYPE=compute_dtype, FP8_QUERY=fp8_query,
-        FP8_PV=fp8_query > 0 and config.fp8_pv,
+        FP8=fp8, COMPUTE_DTYPE=tl.float16 if fp8 else _TL_DTYPES[query.dtype],
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(),
     )  # fmt: skip
     if not direct and not config.merge_in_kernel:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import os
 from typing import NamedTuple
 
 from pagedlm_cuda.batch_sizes import capture_sizes
@@ -44,26 +43,6 @@ tokens, 512-key partitions, ``tests/cuda/bench_decode_attention.py --kv-cache-dt
 were slower). Short partitions (small batches) keep the bf16 choice."""
 MERGE_IN_KERNEL_PROGRAMS = 256
 """Batch bucket x kv heads up to which the decode kernel merges its own partitions."""
-FP8_DOTS_ENV = "PAGEDLM_FP8_DOTS"
-"""Where an FP8 cache gets ``FP8_BLOCK_N`` tiles, the E4M3-dot path instead of float16
-dots (``fp8_scores``): ``q1`` / ``q2`` (a one- or two-term E4M3 query), with ``pv``
-appended for E4M3 weights and values in the PV dot too (``q2pv``). Unset or ``off``: the
-float16 path, the default until the E4M3 one is measured faster on a GPU (it has not
-been: ``tests/cuda/bench_decode_attention.py --sweep`` decides)."""
-_FP8_DOTS = {"off": (0, False), "q1": (1, False), "q2": (2, False), "q1pv": (1, True),
-             "q2pv": (2, True)}  # fmt: skip
-
-
-@functools.cache
-def fp8_dots_setting() -> tuple[int, bool]:
-    """(``fp8_query``, ``fp8_pv``) from ``PAGEDLM_FP8_DOTS``, read once per process."""
-    value = os.environ.get(FP8_DOTS_ENV, "off")
-    if value not in _FP8_DOTS:
-        raise ValueError(
-            f"{FP8_DOTS_ENV}={value!r} is not one of {', '.join(_FP8_DOTS)}; unset it for "
-            "the default float16 dots."
-        )
-    return _FP8_DOTS[value]
 
 
 class DecodeConfig(NamedTuple):
@@ -78,13 +57,6 @@ class DecodeConfig(NamedTuple):
     merge kernel follows. Measured on the H200: at batch 1 (llama-3-8b) the in-kernel merge
     saves ~7 us per layer; at batch 256 (qwen3-0.6b, 100-2,000-token contexts) it costs
     ~5% of the attention time (a ticket and fence per program). In between: a guess."""
-    fp8_query: int = 0
-    """On an FP8 cache: 0, float16 dots (tiles converted in registers); 1 or 2, the query
-    in one or two E4M3 terms and the score dot a float8 warpgroup MMA with the keys as
-    its M dimension (``fp8_scores``). Ignored on other caches."""
-    fp8_pv: bool = False
-    """With ``fp8_query``: the PV dot as ``acc^T += V^T @ P^T`` on E4M3 values and
-    weights (a float8 warpgroup MMA), else ``acc += P @ V`` in float16."""
 
 
 @functools.cache
@@ -104,20 +76,17 @@ def decode_config(
     num_seqs: int, num_kv_heads: int, head_dim: int, fp8: bool = False
 ) -> DecodeConfig:
     """The decode kernel's split and tile for a batch of ``num_seqs`` (bucketed); ``fp8``:
-    the cache is float8 (see ``FP8_BLOCK_N`` and ``FP8_DOTS_ENV``)."""
+    the cache is float8 (see ``FP8_BLOCK_N``)."""
     programs = batch_bucket(num_seqs) * num_kv_heads
     partition = MIN_PARTITION
     while 2 * partition <= min(2 * programs, MAX_PARTITION):
         partition *= 2
     block_n = min(partition, 64 if head_dim <= 128 else 32)
-    fp8_query, fp8_pv = 0, False
     if fp8 and head_dim <= 128 and partition >= 4 * FP8_BLOCK_N:
         block_n = FP8_BLOCK_N
-        fp8_query, fp8_pv = fp8_dots_setting()
     merge_in_kernel = programs <= MERGE_IN_KERNEL_PROGRAMS
     return DecodeConfig(partition, block_n, num_warps=4, num_stages=2,
-                        merge_in_kernel=merge_in_kernel, fp8_query=fp8_query,
-                        fp8_pv=fp8_pv)  # fmt: skip
+                        merge_in_kernel=merge_in_kernel)  # fmt: skip
 
 
 def batch_invariant_config(head_dim: int) -> DecodeConfig:
