@@ -96,7 +96,8 @@ def test_fp8_greedy_agreement_with_bf16(tmp_path) -> None:
     from tiny_checkpoints import save_random_model
 
     save_random_model(tmp_path, "LlamaConfig", {"architectures": ["LlamaForCausalLM"],
-                                                "hidden_size": 256, "intermediate_size": 512})  # fmt: skip
+                                                "hidden_size": 256, "intermediate_size": 512,
+                                                "max_position_embeddings": 256})  # fmt: skip
     tokens, logprobs = _generate(str(tmp_path), quantization="fp8")
     ref_tokens, ref_logprobs = _generate(str(tmp_path))
     difference = (logprobs - ref_logprobs).abs()

@@ -21,7 +21,8 @@ The slice loop can keep several slices in flight (``pipeline_stages`` > 1:
 ``tests/cuda/bench_gemv.py --kinds bf16 fp8 gguf4 --sweep``): it does not help bf16
 (q/k/v 13.2 us with one stage against 13.7-15.6 with 2-4; o 8.9 against 8.7 at best),
 so bf16 keeps one; it is worth 5-16% on FP8 codes (down 18.6 -> 15.7 us, the LM head
-133.5 -> 122.2) and 1.7-2.7x on GGUF blocks, whose loop does more arithmetic per byte.
+133.5 -> 122.2) and up to 1.9x on GGUF blocks (``gguf_gemv``), whose loop does more
+arithmetic per byte.
 A split-K variant (the last of a row block's programs summing the others' partials)
 lost on every shape and kind (o, bf16: 11.2 us at best against 8.7) and was removed.
 """
@@ -126,8 +127,9 @@ def gemv_config(n: int, k: int, kind: str = "bf16") -> GemvConfig:
     ``tests/cuda/bench_gemv.py --sweep``). 16 rows per program nearly throughout; the
     fewer programs a layer has (small ``n``), the wider each one's slices. bf16: 1024
     columns up to 4k outputs, 512 up to 8k, 256 with 4 warps beyond, one stage. FP8
-    codes and GGUF blocks: three slices in flight, 4 warps (8 for GGUF's narrow layers);
-    the 8-bit GGUF codes take the 4-bit ones' tiles (not swept)."""
+    codes and GGUF blocks: three slices in flight and 4 warps; GGUF takes 16 x 512 tiles
+    throughout (the fastest or within 4% on every projection), the 8-bit codes the
+    4-bit ones' tiles (not swept)."""
     chosen = _configs_from_env().get((n, k, kind))
     if chosen is not None:
         return chosen
@@ -136,9 +138,7 @@ def gemv_config(n: int, k: int, kind: str = "bf16") -> GemvConfig:
             return GemvConfig(16, 1024, 4, 3)
         return GemvConfig(16, 512 if n <= 8192 else 256, 4, 3)
     if kind in ("gguf4", "gguf8"):
-        if n <= 4096:
-            return GemvConfig(16, 512, 8, 3)
-        return GemvConfig(16, 512 if n <= 8192 else 256, 4, 3)
+        return GemvConfig(16, 512, 4, 3)
     if n <= 4096:
         return GemvConfig(16, 1024, 8)
     if n <= 8192:

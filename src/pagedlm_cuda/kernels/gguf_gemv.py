@@ -19,10 +19,16 @@ one rounding, as in ``AffineBlocks.dequantize``); kernels accumulate in float32.
 The GEMV gives each program ``BLOCK_N`` whole rows, streams them in ``BLOCK_K`` slices
 (whole groups of 32), dequantizes each slice in registers and accumulates
 ``w * x`` per column as the bf16 GEMV does, summing once at the end. Per weight that is
-a nibble extraction, an integer-to-float conversion and two FMAs: at 0.56 byte per weight
-the H200's conversion rate, not its bandwidth, may bound it (to be read off the
-benchmark's achieved bandwidth; a conversion-free variant would build the floats from
-their bits, or dequantize to float16 for ``tl.dot``).
+a nibble extraction, an integer-to-float conversion and two FMAs, and the arithmetic, not
+the bandwidth, bounds it: measured on the H200 (session 14, ``tests/cuda/bench_gemv.py
+--kinds gguf4 --sweep`` and a side-by-side of loaders), llama-3-8b's Q4_0 projections
+take 8.6-185 us at batch 1, 19-38% of 4.8 TB/s, against 8.9-234 us for the bf16 GEMV
+(1.0-2.1x faster per layer). Pipelining the slice loop (three slices in flight) took
+o from 14.6 to 8.6 us and down from 45.7 to 23.9. Building the floats from the codes'
+bits instead of converting them (int32 words, ``0x4B000000 | code`` less 2^23) was
+slower (o 10.0-21.5 us, down 28.8-69.7): the reshapes from words to columns cost more
+than the conversions they save. What is left to try: float16 tiles into ``tl.dot``, or
+int8 activations and integer dot products as llama.cpp's CUDA kernels do.
 """
 
 from __future__ import annotations
@@ -127,45 +133,9 @@ def load_weight_tile(
 
 
 @triton.jit
-def _load_word_tile(
-    words_ptr, scales_ptr, mins_ptr, rows, row_mask, k0, K, stride_words, stride_groups,
-    OFFSET: tl.constexpr, BITS: tl.constexpr, HAS_MINS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """``load_weight_tile``'s values (the same float32 [BLOCK_N, BLOCK_K], bit for bit),
-    read as int32 words of ``32 // BITS`` codes each and made floats without an
-    integer-to-float conversion: a code ``c`` in the low mantissa bits of 2^23's float is
-    the float 2^23 + c exactly, and subtracting 2^23 leaves ``c``. The GPU converts
-    integers at a fraction of its float rate, which at 4 bits per weight binds before
-    the bandwidth does."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    GROUPS: tl.constexpr = BLOCK_K // 32
-    row_offsets = rows[:, None].to(tl.int64)
-    word_cols = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
-    mask = row_mask[:, None] & (word_cols[None, :] < K // PER_WORD)
-    words = tl.load(words_ptr + row_offsets * stride_words + word_cols[None, :], mask=mask, other=0)
-    # Word m holds columns m * PER_WORD + j, lowest bits first (bytes little-endian, the
-    # low nibble of a byte before its high one).
-    shifts = tl.arange(0, PER_WORD) * BITS
-    codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-    codes = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    groups = k0 // 32 + tl.arange(0, GROUPS)
-    group_mask = row_mask[:, None] & (groups[None, :] < K // 32)
-    group_offsets = row_offsets * stride_groups + groups[None, :]
-    scales = tl.load(scales_ptr + group_offsets, mask=group_mask, other=0.0).to(tl.float32)
-    if HAS_MINS:
-        mins = tl.load(mins_ptr + group_offsets, mask=group_mask, other=0.0).to(tl.float32)
-    else:
-        mins = scales * -OFFSET
-    codes = tl.reshape(codes, (BLOCK_N, GROUPS, 32))
-    weights = codes * scales[:, :, None] + mins[:, :, None]
-    return tl.reshape(weights, (BLOCK_N, BLOCK_K))
-
-
-@triton.jit
 def _gguf_gemv_kernel(
-    x_ptr, words_ptr, scales_ptr, mins_ptr, bias_ptr, out_ptr, N, K,
-    stride_words, stride_groups,
+    x_ptr, codes_ptr, scales_ptr, mins_ptr, bias_ptr, out_ptr, N, K,
+    stride_codes, stride_groups,
     OFFSET: tl.constexpr, BITS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPELINE: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -175,8 +145,8 @@ def _gguf_gemv_kernel(
     row_mask = rows < N
     cols = tl.arange(0, BLOCK_K)
     # Weights never change: the first slice is read before waiting for x's producer.
-    w = _load_word_tile(
-        words_ptr, scales_ptr, mins_ptr, rows, row_mask, 0, K, stride_words, stride_groups,
+    w = load_weight_tile(
+        codes_ptr, scales_ptr, mins_ptr, rows, row_mask, 0, K, stride_codes, stride_groups,
         OFFSET, BITS, HAS_MINS, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     pdl.wait_for_previous(USE_PDL)
@@ -184,8 +154,8 @@ def _gguf_gemv_kernel(
     acc = w * x[None, :]
     # PIPELINE > 1 keeps that many slices in flight (as in ``gemv``).
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=PIPELINE):
-        w = _load_word_tile(
-            words_ptr, scales_ptr, mins_ptr, rows, row_mask, k0, K, stride_words,
+        w = load_weight_tile(
+            codes_ptr, scales_ptr, mins_ptr, rows, row_mask, k0, K, stride_codes,
             stride_groups, OFFSET, BITS, HAS_MINS, BLOCK_N, BLOCK_K,
         )  # fmt: skip
         x = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
@@ -220,11 +190,10 @@ def gguf_gemv(
     if cfg.block_k % GROUP_SIZE:
         raise ValueError(f"gguf_gemv streams whole groups of {GROUP_SIZE} columns; got {cfg}.")
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    words = weight.codes.view(torch.int32)  # rows of K * bits / 8 bytes: whole words
     mins = weight.mins if weight.mins is not None else weight.scales
     _gguf_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, words, weight.scales, mins, bias if bias is not None else weight.scales,
-        out, n, k, words.stride(0), weight.scales.stride(0),
+        x, weight.codes, weight.scales, mins, bias if bias is not None else weight.scales,
+        out, n, k, weight.codes.stride(0), weight.scales.stride(0),
         OFFSET=weight.offset, BITS=weight.bits, HAS_MINS=weight.mins is not None,
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PIPELINE=cfg.pipeline_stages, num_warps=cfg.num_warps,
