@@ -92,7 +92,7 @@ def test_gguf_on_the_gpu_matches_its_dequantized_weights(tiny_gguf, monkeypatch)
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not ON_GPU, reason="needs an FP8 GPU")
-def test_fp8_first_tokens_and_logprobs_near_bf16(tmp_path) -> None:
+def test_fp8_logprobs_stay_near_bf16(tmp_path) -> None:
     from tiny_checkpoints import save_random_model
 
     save_random_model(tmp_path, "LlamaConfig", {"architectures": ["LlamaForCausalLM"],
@@ -105,8 +105,8 @@ def test_fp8_first_tokens_and_logprobs_near_bf16(tmp_path) -> None:
     print(f"FP8 vs bf16: greedy agreement {agreement:.2f}, prompt logprob diff max "
           f"{difference.max():.4f} mean {difference.mean():.4f}")  # fmt: skip
     # Not identity: W8A8 moves a random model's near-tied logits, so greedy paths part
-    # after the first token. The same quantization emulated on the CPU (the reference
-    # linear layers) gives on this model: first tokens equal, greedy agreement 0.12,
-    # prompt logprob difference max 0.63, mean 0.20. A broken kernel is nats off.
-    assert [t[0] for t in tokens] == [t[0] for t in ref_tokens]
+    # early. The same quantization emulated on the CPU (the reference linear layers)
+    # gives on this model: greedy agreement 0.12, prompt logprob difference max 0.63,
+    # mean 0.20; the H200: 0.06, 0.58 and 0.17 (its second prompt's first token already
+    # flips). A broken kernel is nats off.
     assert difference.max().item() < 1.0 and difference.mean().item() < 0.3
