@@ -55,7 +55,8 @@ class DecodeGroup:
     seq_lens: torch.Tensor
     """[num_decodes] each decode's context length after this step (for window masks)."""
     num_key_slots: int
-    """``max_blocks * block_size``, the gathered key length."""
+    """The key length attended: ``max_blocks * block_size`` (padding masked out), or the
+    one decode's ``seq_len`` (its keys cut to that length, no mask)."""
     block_run: int | None = None
     """The first block when there is one decode and its blocks are consecutive in the cache
     (``block_ids`` is ``first .. first + max_blocks - 1``): its keys and values are then
@@ -147,7 +148,10 @@ class CpuSdpaBackend(AttentionBackend):
         contiguous = len(reqs) == layout.num_reqs and bool((rows == np.arange(len(rows))).all())
         key_mask = None
         seq_lens_t = torch.from_numpy(seq_lens.astype(np.int64)).to(self.device)
-        if (seq_lens != max_blocks * block_size).any():
+        # One decode reads exactly its seq_len keys (a view cut from its blocks), so it
+        # needs no mask: SDPA with a mask converts it to scores per layer (two more ops).
+        num_key_slots = int(seq_lens[0]) if len(reqs) == 1 else max_blocks * block_size
+        if (seq_lens != num_key_slots).any():
             positions = torch.arange(max_blocks * block_size, device=self.device)
             key_mask = (positions < seq_lens_t[:, None])[:, None, None, :]
         # Padding past a table's last needed block reads whatever block id is there: those
@@ -159,7 +163,7 @@ class CpuSdpaBackend(AttentionBackend):
             block_ids=tables.reshape(-1).to(torch.long),
             key_mask=key_mask,
             seq_lens=seq_lens_t,
-            num_key_slots=max_blocks * block_size,
+            num_key_slots=num_key_slots,
             block_run=_block_run(layout, reqs, max_blocks),
         )
 
@@ -292,7 +296,7 @@ class CpuSdpaBackend(AttentionBackend):
         """
         num_decodes = group.num_decodes
         if group.token_rows is None:
-            q = query[:num_decodes]
+            q = query if len(query) == num_decodes else query[:num_decodes]
         else:
             q = query.index_select(0, group.token_rows)
         num_heads, head_dim = q.shape[1], q.shape[2]
@@ -323,16 +327,19 @@ class CpuSdpaBackend(AttentionBackend):
         num_kv_heads, head_dim = cache.shape[-2], cache.shape[-1]
         if scale is not None:  # FP8: gathered as bytes, then dequantized
             rows = self._read(which, cache, group.block_ids, dtype, scale)
-            return rows.view(group.num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
+            heads = rows.view(group.num_decodes, -1, num_kv_heads, head_dim)
+            return heads[:, : group.num_key_slots].transpose(1, 2)
         if group.block_run is not None:
             count = group.block_ids.shape[0]
             blocks = cache[group.block_run : group.block_run + count]
-            heads = blocks.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+            heads = blocks.view(1, -1, num_kv_heads, head_dim)[:, : group.num_key_slots]
+            heads = heads.transpose(1, 2)
             return heads if cache.dtype == dtype else heads.to(dtype)
         views = group.key_views.get((which, cache.dtype))
         if views is None:
             blocks = self._workspace_blocks(which, cache, group.block_ids.shape[0])
-            heads = blocks.view(group.num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
+            heads = blocks.view(group.num_decodes, -1, num_kv_heads, head_dim)
+            heads = heads[:, : group.num_key_slots].transpose(1, 2)
             views = group.key_views[(which, cache.dtype)] = (blocks, heads)
         # The first layer's workspace rows: should a larger gather (a chunk's) replace the
         # workspace later in the step, these rows remain this step's decodes' own.

@@ -6,12 +6,14 @@ these kernels compute the same values with fewer calls. They are handed to the l
 through ``set_kernel`` (``install_fused_kernels``, from ``CpuPlatform.prepare_model``),
 as the CUDA platform hands its Triton kernels: the layers and models do not change.
 
-- RMSNorm: the sum of squares in one call (``vector_norm`` in float32), the scale in two
-  more on a ``[rows, 1]`` tensor, then ``x * scale`` rounded to the activation dtype and
-  multiplied by the weight: what the torch code computes, in 6 calls instead of 9.
+- RMSNorm: the input converted to float32 once, its sum of squares in one call
+  (``vector_norm``), the scale in two more on a ``[rows, 1]`` tensor, then ``x * scale``
+  in place, rounded to the activation dtype and multiplied by the weight: what the torch
+  code computes, in 6 calls instead of 9 (and no conversion hidden inside another op).
 - Rotary (neox style): ``x * [cos, cos] + roll(x, d/2) * [-sin, sin]`` over q and k at
-  once when k's columns follow q's in one buffer (the fused qkv projection's output), with
-  both tables gathered by one ``index_select``: about 11 calls instead of 23.
+  once when k's columns follow q's in one buffer (the fused qkv projection's output).
+  Both tables are gathered by one ``index_select`` per step, not per layer: the model's
+  layers share one rotary module and pass it the step's one positions tensor.
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ def rms_norm(
     if residual is not None:
         x = torch.add(x, residual)  # in the activation dtype, as the torch code sums it
         residual = x
-    squares = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+    # One float32 copy up front: the norm and the product then convert nothing themselves.
+    x32 = x if x.dtype == torch.float32 else x.float()
+    squares = torch.linalg.vector_norm(x32, dim=-1, keepdim=True)
     # rsqrt(sum(x^2) / hidden + eps) with sum(x^2) = norm^2.
     scale = torch.addcmul(_eps(eps, squares), squares, squares, value=1.0 / x.shape[-1])
-    out = torch.mul(x, scale.rsqrt_())
-    if out.dtype != x.dtype:
-        out = out.to(x.dtype)
+    scale = scale.rsqrt_()
+    # A float32 input is the caller's tensor: multiplied into a new one, not in place.
+    out = torch.mul(x, scale) if x32 is x else x32.mul_(scale).to(x.dtype)
     out = out.mul_(weight)
     return out if residual is None else (out, residual)
 
@@ -63,6 +67,22 @@ class NeoxRotary:
 
     def __init__(self) -> None:
         self._tables: dict[torch.dtype, torch.Tensor] = {}
+        # The last call's positions (held, so no later tensor can be that object) and
+        # their (cos, sin) rows: a step's layers all pass one positions tensor, so the
+        # gather runs once per step instead of once per layer.
+        self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+
+    def _rows(
+        self, positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """([T, 1, head_dim] cos, sin) of ``positions``, reused while the same positions
+        tensor comes back (the runner does not write a step's positions in place)."""
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == dtype:
+            return last[2], last[3]
+        cos, sin = self._table(cos_sin_cache, dtype).index_select(0, positions).unbind(1)
+        self._last = (positions, dtype, cos, sin)
+        return cos, sin
 
     def _table(self, cos_sin_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         table = self._tables.get(dtype)
@@ -91,8 +111,7 @@ class NeoxRotary:
             query = rms_norm(query.view(num_tokens, -1, head_dim), None, q_weight, eps)
             key = rms_norm(key.view(num_tokens, -1, head_dim), None, k_weight, eps)
             query, key = query.view(num_tokens, -1), key.view(num_tokens, -1)
-        table = self._table(cos_sin_cache, query.dtype)
-        cos, sin = table.index_select(0, positions).unbind(1)  # [T, 1, head_dim] each
+        cos, sin = self._rows(positions, cos_sin_cache, query.dtype)
         num_q = query.shape[1] // head_dim
         both = _adjacent_heads(query, key, head_dim)
         if both is None:

@@ -214,6 +214,9 @@ def test_one_decode_on_consecutive_blocks_reads_the_cache_in_place(tables, block
     layout, layers = _two_layer_step(tables, [(4 * len(tables[0]) - 2, 1)], 4)
     metadata = CpuSdpaBackend(torch.device("cpu")).build_metadata(layout)
     assert metadata.decodes.block_run == block_run
+    # One decode reads its keys cut to its length: no padding, so no mask for SDPA.
+    assert metadata.decodes.key_mask is None
+    assert metadata.decodes.num_key_slots == int(layout.seq_lens_cpu[0])
     q, k, v, key_cache, value_cache = layers[0]
     out = _per_layer_outputs(layout, layers, shared_metadata=True)[0]
     seq_len = int(layout.seq_lens_cpu[0])

@@ -67,6 +67,24 @@ def test_rotary_matches_the_torch_code(dtype, adjacent):
     assert torch.equal(qkv, before)  # new tensors: the projection's output is left alone
 
 
+def test_rotary_gathers_once_per_positions_tensor():
+    """Layers of a step share its positions tensor: the second call reuses the gathered
+    rows; a new positions tensor (the next step's, same shape) is gathered afresh."""
+    rotary = RotaryEmbedding(32, 64, 10000.0)
+    kernel = NeoxRotary()
+    q, k, _ = _qkv(2, torch.float32).split([128, 64, 64], dim=-1)
+    for values in ([3, 9], [4, 10]):
+        positions = torch.tensor(values)
+        expected = rotary(positions, q.clone(), k.clone())
+        cos_sin_cache = rotary.cos_sin_cache
+        first = kernel(positions, q, k, cos_sin_cache, 32, True)
+        rows = kernel._last
+        second = kernel(positions, q, k, cos_sin_cache, 32, True)
+        assert kernel._last is rows
+        for got in (first, second):
+            torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
+
+
 def test_rotary_with_per_head_norms_matches_the_unfused_layers():
     torch.manual_seed(2)
     rotary = RotaryEmbedding(32, 64, 10000.0)
