@@ -67,21 +67,28 @@ class NeoxRotary:
 
     def __init__(self) -> None:
         self._tables: dict[torch.dtype, torch.Tensor] = {}
-        # The last call's positions (held, so no later tensor can be that object) and
-        # their (cos, sin) rows: a step's layers all pass one positions tensor, so the
-        # gather runs once per step instead of once per layer.
-        self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+        # The last call's positions (held, so no later tensor can be that object), their
+        # version counter (bumped by any in-place write), the table and dtype, and their
+        # (cos, sin) rows: a step's layers all pass one positions tensor, so the gather
+        # runs once per step instead of once per layer.
+        self._last: tuple | None = None
 
     def _rows(
         self, positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """([T, 1, head_dim] cos, sin) of ``positions``, reused while the same positions
-        tensor comes back (the runner does not write a step's positions in place)."""
+        tensor, unwritten since, comes back with the same table and dtype."""
         last = self._last
-        if last is not None and last[0] is positions and last[1] == dtype:
-            return last[2], last[3]
+        if (
+            last is not None
+            and last[0] is positions
+            and last[1] == positions._version
+            and last[2] is cos_sin_cache
+            and last[3] == dtype
+        ):
+            return last[4], last[5]
         cos, sin = self._table(cos_sin_cache, dtype).index_select(0, positions).unbind(1)
-        self._last = (positions, dtype, cos, sin)
+        self._last = (positions, positions._version, cos_sin_cache, dtype, cos, sin)
         return cos, sin
 
     def _table(self, cos_sin_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

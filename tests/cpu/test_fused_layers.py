@@ -69,7 +69,8 @@ def test_rotary_matches_the_torch_code(dtype, adjacent):
 
 def test_rotary_gathers_once_per_positions_tensor():
     """Layers of a step share its positions tensor: the second call reuses the gathered
-    rows; a new positions tensor (the next step's, same shape) is gathered afresh."""
+    rows; a new positions tensor (the next step's, same shape), or the same one written
+    in place, is gathered afresh."""
     rotary = RotaryEmbedding(32, 64, 10000.0)
     kernel = NeoxRotary()
     q, k, _ = _qkv(2, torch.float32).split([128, 64, 64], dim=-1)
@@ -83,6 +84,11 @@ def test_rotary_gathers_once_per_positions_tensor():
         assert kernel._last is rows
         for got in (first, second):
             torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
+    # The same tensor written in place (a persistent buffer's next step) is gathered anew.
+    positions[:] = torch.tensor([7, 1])
+    expected = rotary(positions, q.clone(), k.clone())
+    got = kernel(positions, q, k, rotary.cos_sin_cache, 32, True)
+    torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
 
 
 def test_rotary_with_per_head_norms_matches_the_unfused_layers():

@@ -22,9 +22,9 @@ The GEMV gives each program ``BLOCK_N`` whole rows, streams them in ``BLOCK_K`` 
 a nibble extraction, an integer-to-float conversion and two FMAs, and the arithmetic, not
 the bandwidth, bounds it: measured on the H200 (session 14, ``tests/cuda/bench_gemv.py
 --kinds gguf4 --sweep`` and a side-by-side of loaders), llama-3-8b's Q4_0 projections
-take 8.6-185 us at batch 1, 19-38% of 4.8 TB/s, against 8.9-234 us for the bf16 GEMV
-(1.0-2.1x faster per layer). Pipelining the slice loop (three slices in flight) took
-o from 14.6 to 8.6 us and down from 45.7 to 23.9. Building the floats from the codes'
+take 10.4-184 us at batch 1 with the default tiles, 21-37% of 4.8 TB/s, 0.85-1.25x the
+bf16 GEMV's speed for 3.5x fewer bytes. Pipelining the slice loop (three slices in
+flight) took o from 14.6 to 10.4 us and down from 45.7 to 32.4. Building the floats from the codes'
 bits instead of converting them (int32 words, ``0x4B000000 | code`` less 2^23) was
 slower (o 10.0-21.5 us, down 28.8-69.7): the reshapes from words to columns cost more
 than the conversions they save. What is left to try: float16 tiles into ``tl.dot``, or
@@ -167,8 +167,8 @@ def _gguf_gemv_kernel(
 
 
 def default_gemv_config(weight: PackedGguf) -> GemvConfig:
-    """``gemv.gemv_config`` for the weight's kind (``gguf4`` / ``gguf8``): the bf16
-    GEMV's tiles unless measured otherwise, whose slices hold as many weights."""
+    """``gemv.gemv_config`` for the weight's kind (``gguf4`` / ``gguf8``): 16 x 512
+    tiles with three slices in flight (the H200 sweep's fastest or within 4%)."""
     kind = "gguf4" if weight.bits == 4 else "gguf8"
     return gemv_config(weight.out_features, weight.in_features, kind)
 
