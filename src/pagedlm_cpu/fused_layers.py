@@ -70,7 +70,9 @@ class NeoxRotary:
         # The last call's positions (held, so no later tensor can be that object), their
         # version counter (bumped by any in-place write), the table and dtype, and their
         # (cos, sin) rows: a step's layers all pass one positions tensor, so the gather
-        # runs once per step instead of once per layer.
+        # runs once per step instead of once per layer. Inference tensors (made under
+        # ``torch.inference_mode``) keep no version counter, so their rows are never
+        # reused: an in-place write to them could not be seen.
         self._last: tuple | None = None
 
     def _rows(
@@ -88,7 +90,10 @@ class NeoxRotary:
         ):
             return last[4], last[5]
         cos, sin = self._table(cos_sin_cache, dtype).index_select(0, positions).unbind(1)
-        self._last = (positions, positions._version, cos_sin_cache, dtype, cos, sin)
+        if positions.is_inference():
+            self._last = None
+        else:
+            self._last = (positions, positions._version, cos_sin_cache, dtype, cos, sin)
         return cos, sin
 
     def _table(self, cos_sin_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -91,6 +91,22 @@ def test_rotary_gathers_once_per_positions_tensor():
     torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
 
 
+def test_rotary_never_reuses_rows_of_an_inference_tensor():
+    """Tensors made under ``torch.inference_mode`` keep no version counter, so an in-place
+    write to them cannot be seen: their rows are gathered on every call."""
+    rotary = RotaryEmbedding(32, 64, 10000.0)
+    kernel = NeoxRotary()
+    q, k, _ = _qkv(2, torch.float32).split([128, 64, 64], dim=-1)
+    with torch.inference_mode():
+        positions = torch.tensor([3, 9])
+        kernel(positions, q, k, rotary.cos_sin_cache, 32, True)
+        assert kernel._last is None
+        positions[:] = torch.tensor([7, 1])
+        expected = rotary(positions, q.clone(), k.clone())
+        got = kernel(positions, q, k, rotary.cos_sin_cache, 32, True)
+    torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
+
+
 def test_rotary_with_per_head_norms_matches_the_unfused_layers():
     torch.manual_seed(2)
     rotary = RotaryEmbedding(32, 64, 10000.0)
