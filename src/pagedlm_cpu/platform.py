@@ -29,8 +29,9 @@ The test suite sets 0, so its default-dtype runs are float32 on every CI machine
 """Input rows up to which quantized layers use the int4 kernel (default
 ``quantized_linear.DEFAULT_MAX_ROWS``); above, they dequantize and call F.linear."""
 DENSE_FROM_ROWS_ENV = "PAGEDLM_CPU_DENSE_FROM_ROWS"
-"""Rows (times the layer's 4-bit planes) from which a quantized layer computes on a float32
-copy of its weights (default ``row_split_linear.DEFAULT_DENSE_FROM_ROWS``); 0: no copies."""
+"""Rows (times the layer's 4-bit planes) from which a quantized layer computes on a dense
+copy of its weights (default ``row_split_linear.DEFAULT_DENSE_FROM_ROWS`` for the copy's
+dtype); 0: no copies."""
 
 
 def has_native_bf16() -> bool:
@@ -43,6 +44,15 @@ def has_native_bf16() -> bool:
         return forced == "1"
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private torch API
     return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+
+
+def has_amx() -> bool:
+    """True where the CPU has AMX tiles (oneDNN then multiplies bf16 at several times its
+    AVX-512 rate; 2.7x float32 at 32 rows of SmolLM2's layers). ``NATIVE_BF16_ENV=0``
+    counts as no AMX, as it counts as no native bf16."""
+    if os.environ.get(NATIVE_BF16_ENV) == "0":
+        return False
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def _available_memory_bytes() -> int | None:
@@ -137,8 +147,17 @@ class CpuPlatform(Platform):
             ) from None
         return install_int4_kernels(model, gguf_linear_blocks(model, config.model), max_rows)
 
+    def _dense_copy_dtype(self) -> torch.dtype:
+        """bf16 copies where the model computes in bf16 and AMX multiplies them; float32
+        elsewhere (without AMX, oneDNN's bf16 GEMMs are no faster than float32 past a few
+        rows, and float32 copies are the dequantized float32 reference)."""
+        config = self._model_config
+        if config is not None and config.dtype == torch.bfloat16 and has_amx():
+            return torch.bfloat16
+        return torch.float32
+
     def _install_dense_copies(self, model: torch.nn.Module) -> str:
-        """Give the int4 layers float32 copies for larger batches where memory allows
+        """Give the int4 layers dense copies for larger batches where memory allows
         (a quarter of the memory available, as the KV cache's default); says what it did."""
         from pagedlm_cpu.linear import onednn_available
         from pagedlm_cpu.row_split_linear import (
@@ -147,27 +166,31 @@ class CpuPlatform(Platform):
             install_dense_copies,
         )
 
+        dtype = self._dense_copy_dtype()
+        kind = str(dtype).removeprefix("torch.")
         try:
-            dense_from_rows = int(os.environ.get(DENSE_FROM_ROWS_ENV, DEFAULT_DENSE_FROM_ROWS))
+            dense_from_rows = int(
+                os.environ.get(DENSE_FROM_ROWS_ENV, DEFAULT_DENSE_FROM_ROWS[dtype])
+            )
         except ValueError:
             raise ValueError(
                 f"{DENSE_FROM_ROWS_ENV} must be a whole number of rows (0: no copies), "
                 f"got {os.environ[DENSE_FROM_ROWS_ENV]!r}."
             ) from None
         if dense_from_rows <= 0:
-            return f"; no float32 copies ({DENSE_FROM_ROWS_ENV}=0)"
+            return f"; no dense copies ({DENSE_FROM_ROWS_ENV}=0)"
         if not onednn_available():
-            return "; no float32 copies for larger batches: this torch build has no oneDNN"
+            return "; no dense copies for larger batches: this torch build has no oneDNN"
         available = _available_memory_bytes()
         budget = 1 << 62 if available is None else available // 4
-        size_mb = dense_copy_bytes(model) / 2**20
-        if install_dense_copies(model, dense_from_rows, budget) == 0:
+        size_mb = dense_copy_bytes(model, dtype) / 2**20
+        if install_dense_copies(model, dense_from_rows, budget, dtype) == 0:
             return (
-                f"; no float32 copies for larger batches: {size_mb:.0f} MB exceed a quarter "
+                f"; no {kind} copies for larger batches: {size_mb:.0f} MB exceed a quarter "
                 "of the memory available"
             )
         return (
-            f", and from {dense_from_rows} rows a float32 copy on oneDNN: +{size_mb:.0f} MB; "
+            f", and from {dense_from_rows} rows a {kind} copy on oneDNN: +{size_mb:.0f} MB; "
             f"{DENSE_FROM_ROWS_ENV}=0 drops it"
         )
 

@@ -155,7 +155,7 @@ class Int4Linear:
     ) -> None:
         out_features = blocks.codes.shape[0]
         self.out_features = out_features
-        self.blocks = blocks
+        self.blocks: AffineBlocks | None = blocks
         self.bias = None if bias is None else bias.detach()
         self.scratch = scratch
         self.max_rows = max_rows
@@ -181,7 +181,17 @@ class Int4Linear:
             out = out.to(x.dtype)
         return out if self.bias is None else out + self.bias
 
+    def release_codes(self) -> None:
+        """Drop the one-byte codes the large-batch path dequantizes (a caller that never
+        hands this layer more than ``max_rows`` rows, such as ``RowSplitLinear`` with a
+        dense copy); the int4 planes stay. Larger inputs then raise."""
+        self.blocks = None
+
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks is None:
+            raise RuntimeError(
+                f"this int4 layer released its codes: it takes at most {self.max_rows} rows"
+            )
         codes, scales, mins = self.blocks.codes, self.blocks.scales, self.blocks.mins
         rows, cols = codes.shape
         weight = self.scratch.take(codes.numel(), x.dtype).view(rows, -1, GROUP_SIZE)

@@ -1,21 +1,26 @@
-"""Quantized layers that switch to a dense float32 copy of their weights for larger batches.
+"""Quantized layers that switch to a dense copy of their weights for larger batches.
 
 torch's int4 kernel (``quantized_linear.Int4Linear``) dequantizes every weight again for
 each few rows of input, so its time grows with the rows: it is the fastest kernel for a
 decode step of a few sequences, where reading the weights dominates, and among the slowest
-from a dozen rows on, where arithmetic does. oneDNN on a prepacked float32 copy of the same
-weights costs almost the same from 1 to 32 rows. Measured on SmolLM2-135M's shapes
-(``python -m pagedlm.benchmarks.cpu_linear_kernels``, docs/performance.md): the two cross
-between 8 and 16 rows of a 4-bit layer, and at half that for a layer of two 4-bit planes
-(Q5_*, Q8_0), whose int4 work is doubled. So a layer takes the int4 kernel while
-``rows * planes < dense_from_rows`` and the float32 copy from there on.
+from a handful of rows on, where arithmetic does. oneDNN on a prepacked dense copy of the
+same weights costs almost the same from 1 to 32 rows. So a layer takes the int4 kernel
+while ``rows * planes < dense_from_rows`` (two 4-bit planes, Q5_* and Q8_0 codes, double
+the int4 kernel's work) and the copy from there on.
 
-The copy is what the dequantized path computes (float32, bias included), so the rows it
-serves match ``PAGEDLM_CPU_DEQUANTIZE_GGUF=1`` up to summation order. It costs 4 bytes per
-weight and its packing at load; ``install_dense_copies`` adds it only while the copies of
-all layers fit the memory budget it is given, and otherwise none (the layers keep their
-own large-batch path). The choice depends on the row count alone, so a given batch always
-runs the same kernels.
+The copy's dtype is the platform's choice (``CpuPlatform._install_dense_copies``): bf16
+where the CPU multiplies bf16 on AMX tiles and the model computes in bf16 (2.7x float32's
+rate at 32 rows, half its bytes), else float32. Either is what the dequantized path
+(``PAGEDLM_CPU_DEQUANTIZE_GGUF=1``) computes in that dtype, so the rows it serves match it
+up to summation order. The crossover with the int4 kernel depends on the copy
+(``DEFAULT_DENSE_FROM_ROWS``, measured on SmolLM2-135M's shapes with
+``python -m pagedlm.benchmarks.cpu_linear_kernels``: docs/performance.md).
+
+``install_dense_copies`` adds the copies only while those of all layers fit the memory
+budget it is given, and otherwise none (the layers keep their own large-batch path). A
+layer whose copy serves every row count the int4 layer would dequantize for releases the
+int4 layer's one-byte codes: only the packed planes and the copy stay resident. The choice
+depends on the row count alone, so a given batch always runs the same kernels.
 
 The int8 kernels that are faster still at these batch sizes (``quantized.linear_dynamic``:
 int8 weights per output row, activations quantized at run time) were measured and refused:
@@ -33,48 +38,60 @@ from pagedlm.model_executor.loader.gguf_blocks import GROUP_SIZE, AffineBlocks
 from pagedlm_cpu.linear import OneDnnLinear, onednn_available
 from pagedlm_cpu.quantized_linear import DequantScratch, Int4Linear
 
-DEFAULT_DENSE_FROM_ROWS = 16
-"""``rows * planes`` from which a quantized layer uses its float32 copy (measured crossover;
-docs/performance.md)."""
+DEFAULT_DENSE_FROM_ROWS = {torch.float32: 16, torch.bfloat16: 8}
+"""Per copy dtype, ``rows * planes`` from which a quantized layer uses its copy (measured
+crossovers: a float32 copy on oneDNN passes the int4 kernel between 8 and 16 rows of a
+4-bit layer, a bf16 copy on AMX between 4 and 8; docs/performance.md)."""
 
 
 class RowSplitLinear:
     """``x W^T + b`` for x [num_tokens, in_features] -> [num_tokens, out_features] in x's
-    dtype: ``quantized`` below the threshold, ``dense`` (float32 weights) at and above.
+    dtype: ``quantized`` below the threshold, ``dense`` (the copy, in ``dense_dtype``) at
+    and above; the dense path computes in ``dense_dtype`` whatever x's dtype."""
 
-    ``dense`` computes in float32 whatever x's dtype, as the dequantized path does.
-    """
-
-    def __init__(self, quantized: Int4Linear, dense: OneDnnLinear, dense_from_rows: int) -> None:
+    def __init__(
+        self,
+        quantized: Int4Linear,
+        dense: OneDnnLinear,
+        dense_from_rows: int,
+        dense_dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.quantized = quantized
         self.dense = dense
+        self.dense_dtype = dense_dtype
         # Per layer: the int4 kernel's work is proportional to rows * planes.
         self.dense_from_rows = max(1, -(-dense_from_rows // quantized.num_planes))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] < self.dense_from_rows:
             return self.quantized(x)
-        if x.dtype == torch.float32:
+        if x.dtype == self.dense_dtype:
             return self.dense(x)
-        return self.dense(x.float()).to(x.dtype)
+        return self.dense(x.to(self.dense_dtype)).to(x.dtype)
 
 
-def dense_copy_bytes(model: nn.Module) -> int:
-    """Bytes the float32 copies of ``model``'s int4 layers would take."""
+def dense_copy_bytes(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes the ``dtype`` copies of ``model``'s int4 layers would take."""
+    element = torch.empty((), dtype=dtype).element_size()
     return sum(
-        module.kernel.blocks.codes.numel() * 4
+        module.kernel.blocks.codes.numel() * element
         for module in model.modules()
         if isinstance(module, LinearBase) and isinstance(module.kernel, Int4Linear)
     )
 
 
-def install_dense_copies(model: nn.Module, dense_from_rows: int, budget_bytes: int) -> int:
-    """Wrap every ``Int4Linear`` layer of ``model`` in a ``RowSplitLinear`` with a float32
+def install_dense_copies(
+    model: nn.Module,
+    dense_from_rows: int,
+    budget_bytes: int,
+    dtype: torch.dtype = torch.float32,
+) -> int:
+    """Wrap every ``Int4Linear`` layer of ``model`` in a ``RowSplitLinear`` with a ``dtype``
     copy of its weights on oneDNN; returns how many layers got one (0 when the copies
     would exceed ``budget_bytes``, when ``dense_from_rows`` is 0, or without oneDNN)."""
     if dense_from_rows <= 0 or not onednn_available():
         return 0
-    if dense_copy_bytes(model) > budget_bytes:
+    if dense_copy_bytes(model, dtype) > budget_bytes:
         return 0
     scratch = DequantScratch()
     count = 0
@@ -82,9 +99,13 @@ def install_dense_copies(model: nn.Module, dense_from_rows: int, budget_bytes: i
         if not isinstance(module, LinearBase) or not isinstance(module.kernel, Int4Linear):
             continue
         quantized = module.kernel
-        bias = None if quantized.bias is None else quantized.bias.float()
-        dense = OneDnnLinear(_dequantize(quantized.blocks, scratch), bias)
-        module.set_kernel(RowSplitLinear(quantized, dense, dense_from_rows))
+        bias = None if quantized.bias is None else quantized.bias.to(dtype)
+        weight = _dequantize(quantized.blocks, scratch)
+        dense = OneDnnLinear(weight if dtype == torch.float32 else weight.to(dtype), bias)
+        layer = RowSplitLinear(quantized, dense, dense_from_rows, dtype)
+        if layer.dense_from_rows - 1 <= quantized.max_rows:
+            quantized.release_codes()  # its own dense path can no longer be reached
+        module.set_kernel(layer)
         count += 1
     return count
 

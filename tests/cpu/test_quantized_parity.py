@@ -17,6 +17,9 @@ from pagedlm.tokenizer import get_tokenizer
 from pagedlm_cpu.quantized_linear import install_int4_kernels, int4_kernel_available
 from pagedlm_cpu.row_split_linear import DEFAULT_DENSE_FROM_ROWS, install_dense_copies
 
+FLOAT32_FROM_ROWS = DEFAULT_DENSE_FROM_ROWS[torch.float32]
+"""The model here computes in float32, so the platform would give it float32 copies."""
+
 pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="no CPU int4 kernel")
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -93,7 +96,7 @@ def runs(request, tmp_path_factory):
             logprobs, greedy, results[f"{kernel} choices"] = _run(model, prompts)
             results[kernel] = (prompts, logprobs, greedy)
         assert install_int4_kernels(model, blocks) == num_linears
-        assert install_dense_copies(model, DEFAULT_DENSE_FROM_ROWS, 1 << 40) == num_linears
+        assert install_dense_copies(model, FLOAT32_FROM_ROWS, 1 << 40) == num_linears
         results["platform"] = (prompts, *_run(model, prompts)[:2])
         # As the CPU platform loads it: each tensor read once, no float weights for the
         # layers the kernel replaces.
@@ -156,7 +159,7 @@ def test_the_platforms_selection_stays_within_the_bound(runs):
     diffs = [_next_token_logprob_diff(p, r, s) for p, r, s in zip(prompts, reference, selected)]
     # SmolLM2's prompts (42 rows in one prefill) run wholly on the copies; the tiny model's
     # 13 rows only in its Q8_0 LM head (two planes: copies from 8 rows).
-    on_copies = sum(map(len, prompts)) >= DEFAULT_DENSE_FROM_ROWS
+    on_copies = sum(map(len, prompts)) >= FLOAT32_FROM_ROWS
     assert max(diffs) <= (2e-4 if on_copies else MAX_LOGPROB_DIFF[runs["model"]]), diffs
     if runs["model"] != "tiny":
         assert selected_greedy == reference_greedy

@@ -1,4 +1,4 @@
-"""RowSplitLinear: the int4 kernel for small batches, a float32 copy from the threshold on."""
+"""RowSplitLinear: the int4 kernel for small batches, a dense copy from the threshold on."""
 
 from __future__ import annotations
 
@@ -17,7 +17,12 @@ from pagedlm_cpu.quantized_linear import (
     install_int4_kernels,
     int4_kernel_available,
 )
-from pagedlm_cpu.row_split_linear import RowSplitLinear, dense_copy_bytes, install_dense_copies
+from pagedlm_cpu.row_split_linear import (
+    DEFAULT_DENSE_FROM_ROWS,
+    RowSplitLinear,
+    dense_copy_bytes,
+    install_dense_copies,
+)
 
 pytestmark = pytest.mark.skipif(
     not (int4_kernel_available() and onednn_available()), reason="no CPU int4 kernel or oneDNN"
@@ -57,6 +62,24 @@ def test_bf16_activations_come_back_bf16_from_the_float32_copy():
     torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
 
 
+def test_a_bf16_copy_computes_in_bf16_whatever_the_activations():
+    from pagedlm_cpu.linear import OneDnnLinear
+
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no bf16 on this CPU")
+    blocks = random_blocks(48, 64, 4, seed=3)
+    bias = torch.randn(48)
+    weight = blocks.dequantize().to(torch.bfloat16)
+    dense = OneDnnLinear(weight, bias.to(torch.bfloat16))
+    layer = RowSplitLinear(Int4Linear(blocks, bias, DequantScratch()), dense, 4, torch.bfloat16)
+    x = torch.randn(6, 64)
+    expected = F.linear(x.to(torch.bfloat16), weight, bias.to(torch.bfloat16))
+    out = layer(x)
+    assert out.dtype == torch.float32  # back in the activations' dtype
+    torch.testing.assert_close(out, expected.float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(layer(x.to(torch.bfloat16)), dense(x.to(torch.bfloat16)))
+
+
 def _tiny_quantized() -> tuple[nn.Module, dict]:
     model = Tiny()
     blocks = {"up": random_blocks(96, 64, 4), "head": random_blocks(64, 64, 8)}
@@ -67,11 +90,36 @@ def _tiny_quantized() -> tuple[nn.Module, dict]:
 def test_install_wraps_every_int4_layer_within_the_budget():
     model, blocks = _tiny_quantized()
     assert dense_copy_bytes(model) == (96 * 64 + 64 * 64) * 4
+    assert dense_copy_bytes(model, torch.bfloat16) == (96 * 64 + 64 * 64) * 2
     assert install_dense_copies(model, 16, budget_bytes=dense_copy_bytes(model)) == 2
     assert isinstance(model.up.kernel, RowSplitLinear)
     assert isinstance(model.head.kernel, RowSplitLinear)
     x = torch.randn(20, 64)
     torch.testing.assert_close(model.up(x), F.linear(x, blocks["up"].dequantize()))
+    # The copies serve every row count the int4 layers' own dense path would: their
+    # one-byte codes are gone, the packed planes still serve small batches.
+    assert model.up.kernel.quantized.blocks is None
+    small = torch.randn(3, 64)
+    torch.testing.assert_close(
+        model.up(small), F.linear(small, blocks["up"].dequantize()), rtol=2e-2, atol=2e-2
+    )
+
+
+def test_an_int4_layer_keeps_its_codes_while_its_own_dense_path_is_reachable():
+    model, _ = _tiny_quantized()
+    model.up.kernel.max_rows = 4  # rows 5..15 would still reach the int4 layer's dense path
+    assert install_dense_copies(model, 16, budget_bytes=1 << 40) == 2
+    assert model.up.kernel.quantized.blocks is not None
+    x = torch.randn(10, 64)
+    assert torch.equal(model.up(x), model.up.kernel.quantized(x))
+
+
+def test_a_released_int4_layer_refuses_rows_past_its_limit():
+    layer = Int4Linear(random_blocks(32, 64, 4), None, DequantScratch(), max_rows=4)
+    layer.release_codes()
+    layer(torch.randn(4, 64))
+    with pytest.raises(RuntimeError, match="at most 4 rows"):
+        layer(torch.randn(5, 64))
 
 
 def test_no_copies_over_the_budget_or_when_turned_off():
@@ -86,7 +134,7 @@ def test_no_copies_over_the_budget_or_when_turned_off():
 def test_the_platform_reads_the_threshold_from_the_environment(monkeypatch):
     model, _ = _tiny_quantized()
     monkeypatch.setenv(cpu_platform.DENSE_FROM_ROWS_ENV, "0")
-    assert "no float32 copies" in cpu_platform.CpuPlatform()._install_dense_copies(model)
+    assert "no dense copies" in cpu_platform.CpuPlatform()._install_dense_copies(model)
     monkeypatch.setenv(cpu_platform.DENSE_FROM_ROWS_ENV, "twelve")
     with pytest.raises(ValueError, match="whole number of rows"):
         cpu_platform.CpuPlatform()._install_dense_copies(model)
@@ -94,3 +142,34 @@ def test_the_platform_reads_the_threshold_from_the_environment(monkeypatch):
     said = cpu_platform.CpuPlatform()._install_dense_copies(model)
     assert "from 12 rows a float32 copy" in said
     assert model.up.kernel.dense_from_rows == 12 and model.head.kernel.dense_from_rows == 6
+
+
+@pytest.mark.parametrize(
+    ("model_dtype", "amx", "expected"),
+    [
+        (torch.bfloat16, True, torch.bfloat16),
+        (torch.bfloat16, False, torch.float32),
+        (torch.float32, True, torch.float32),
+    ],
+)
+def test_the_copies_are_bf16_only_for_a_bf16_model_on_amx(monkeypatch, model_dtype, amx, expected):
+    from types import SimpleNamespace
+
+    if expected == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no bf16 on this CPU (AMX is simulated here)")
+    monkeypatch.setattr(cpu_platform, "has_amx", lambda: amx)
+    platform = cpu_platform.CpuPlatform()
+    platform._model_config = SimpleNamespace(dtype=model_dtype)
+    assert platform._dense_copy_dtype() == expected
+    model, _ = _tiny_quantized()
+    monkeypatch.delenv(cpu_platform.DENSE_FROM_ROWS_ENV, raising=False)
+    said = platform._install_dense_copies(model)
+    kind = str(expected).removeprefix("torch.")
+    assert f"a {kind} copy" in said
+    assert model.up.kernel.dense_dtype == expected
+    assert model.up.kernel.dense_from_rows == DEFAULT_DENSE_FROM_ROWS[expected]
+
+
+def test_native_bf16_off_means_no_amx(monkeypatch):
+    monkeypatch.setenv(cpu_platform.NATIVE_BF16_ENV, "0")
+    assert not cpu_platform.has_amx()

@@ -82,12 +82,15 @@ def main() -> None:
     parser.add_argument("--max-seqs", type=int, required=True)
     parser.add_argument("--n-ctx", type=int, required=True, help="tokens per sequence")
     parser.add_argument("--n-batch", type=int, default=2048)
+    parser.add_argument(
+        "--no-repack", action="store_true", help="no extra weight buffers (AMX, repacked)"
+    )
     args = parser.parse_args()
 
     llama_cpp.llama_backend_init()
-    model = llama_cpp.llama_model_load_from_file(
-        args.model.encode(), llama_cpp.llama_model_default_params()
-    )
+    model_params = llama_cpp.llama_model_default_params()
+    model_params.use_extra_bufts = not args.no_repack
+    model = llama_cpp.llama_model_load_from_file(args.model.encode(), model_params)
     params = llama_cpp.llama_context_default_params()
     params.n_ctx = args.n_ctx * args.max_seqs
     params.n_batch = args.n_batch

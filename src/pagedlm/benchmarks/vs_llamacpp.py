@@ -54,9 +54,13 @@ def random_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[l
 class LlamaCpp:
     """A llama.cpp worker process (``llamacpp_worker.py`` in ``python``), kept for all runs."""
 
-    def __init__(self, python: str, model: str, threads: int, max_seqs: int, n_ctx: int) -> None:
+    def __init__(
+        self, python: str, model: str, threads: int, max_seqs: int, n_ctx: int, repack: bool = True
+    ) -> None:
         command = [python, str(_WORKER), "--model", model, "--threads", str(threads),
                    "--max-seqs", str(max_seqs), "--n-ctx", str(n_ctx)]  # fmt: skip
+        if not repack:
+            command.append("--no-repack")
         # llama.cpp logs a lot on stderr: into a file, named if the worker fails.
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - open as long as the worker
             "w", prefix="llamacpp-", suffix=".log", delete=False
@@ -154,6 +158,12 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--llama-cpp-python", default=None, help="python with llama_cpp")
+    parser.add_argument(
+        "--llama-cpp-no-repack",
+        action="store_true",
+        help="llama.cpp without its extra weight buffers (llama-cli's --no-repack): on CPUs "
+        "with AMX its AMX buffer crashes in the first matmul (ggml-org/llama.cpp#20824)",
+    )
     parser.add_argument("--skip", nargs="*", default=[], help="engines to leave out")
     parser.add_argument("--mixed", type=int, default=0, help="prompts of the mixed workload")
     parser.add_argument("--hf-batch", type=int, default=32)
@@ -179,7 +189,12 @@ def main() -> None:
     if args.llama_cpp_python and "llama.cpp" not in args.skip:
         context = args.prompt_len + args.output_len + 16
         llama = LlamaCpp(
-            args.llama_cpp_python, model_path, args.threads, max(args.batch_sizes), context
+            args.llama_cpp_python,
+            model_path,
+            args.threads,
+            max(args.batch_sizes),
+            context,
+            repack=not args.llama_cpp_no_repack,
         )
         engines["llama.cpp"] = lambda p: llama.run(p, args.output_len)
     for run in engines.values():  # warm-up: first-call costs stay out of the timings

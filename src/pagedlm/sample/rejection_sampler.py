@@ -32,7 +32,7 @@ import torch
 from pagedlm.sample.host_copy import tensor_to_device
 from pagedlm.sample.logprobs import LogprobsTensors, compute_logprobs
 from pagedlm.sample.metadata import SamplingMetadata
-from pagedlm.sample.sampler import Sampler
+from pagedlm.sample.sampler import Sampler, argmax_rows
 from pagedlm.structured_output.bitmask import apply_token_bitmask
 
 
@@ -77,7 +77,7 @@ class RejectionSampler:
         adjusted = Sampler.adjust_logits(logits, metadata)
         drafts = draft_token_ids.clamp(min=0)
         is_draft = rows.position < num_verified[rows.request]
-        greedy = None if metadata.all_random else adjusted.argmax(dim=-1)
+        greedy = None if metadata.all_random else argmax_rows(adjusted)
         if metadata.all_greedy:
             assert greedy is not None
             accepted, fallback = drafts == greedy, greedy
