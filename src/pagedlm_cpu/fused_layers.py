@@ -146,15 +146,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
 def _adjacent_heads(query: torch.Tensor, key: torch.Tensor, head_dim: int) -> torch.Tensor | None:
     """[T, q_heads + kv_heads, head_dim]: one view over q's and k's heads where both are
     views of one buffer (the qkv projection's output) and k's columns directly follow q's
-    in its rows; None otherwise."""
-    base = query._base
+    in its rows; None otherwise. One storage is checked by its address, not by ``_base``:
+    views made under ``torch.inference_mode`` (the engine's forward) have no ``_base``."""
     if (
-        base is None
-        or key._base is not base
-        or query.dim() != 2
+        query.dim() != 2
         or query.stride() != key.stride()
         or query.stride(1) != 1
         or key.data_ptr() != query.data_ptr() + query.shape[1] * query.element_size()
+        or key.untyped_storage().data_ptr() != query.untyped_storage().data_ptr()
     ):
         return None
     num_heads = (query.shape[1] + key.shape[1]) // head_dim

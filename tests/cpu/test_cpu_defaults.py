@@ -64,3 +64,22 @@ def test_one_openmp_runtime_is_loaded_and_a_second_is_reported(
     with caplog.at_level(logging.WARNING, logger="pagedlm_cpu.threads"):
         threads.configure_threads()
     assert "Several OpenMP runtimes are loaded (gomp, iomp5)" in caplog.text
+
+
+def test_a_cpu_step_takes_2048_tokens_unless_told_otherwise(tiny_checkpoint):
+    """The CPU platform's token budget (smaller steps keep activations near the caches);
+    the user's value and a larger max_num_seqs still win."""
+    from pagedlm.engine.arg_utils import EngineArgs
+    from pagedlm.platforms.interface import Platform
+
+    path = str(tiny_checkpoint("llama"))
+    assert Platform.default_max_num_batched_tokens == 8192
+    assert cpu_platform.CpuPlatform.default_max_num_batched_tokens == 2048
+
+    def budget(**kwargs) -> int:
+        args = EngineArgs(model=path, skip_tokenizer_init=True, platform="cpu", **kwargs)
+        return args.create_engine_config()[0].scheduler.max_num_batched_tokens
+
+    assert budget() == 2048
+    assert budget(max_num_batched_tokens=8192) == 8192
+    assert budget(max_num_seqs=4096) == 4096

@@ -45,10 +45,26 @@ def _qkv(tokens: int, dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("adjacent", [True, False])
-def test_rotary_matches_the_torch_code(dtype, adjacent):
+@pytest.mark.parametrize("inference", [False, True])
+def test_rotary_matches_the_torch_code(dtype, adjacent, inference):
+    """Also under ``torch.inference_mode``, as the engine runs it: its views have no
+    ``_base``, and q's and k's heads must still be found adjacent."""
     torch.manual_seed(1)
     rotary = RotaryEmbedding(32, 512, 10000.0)
-    qkv = _qkv(6, dtype)
+    with torch.inference_mode(inference):
+        _check_rotary(rotary, _qkv(6, dtype), dtype, adjacent)
+
+
+def test_adjacency_is_judged_by_storage_and_address_not_by_base():
+    buffer = torch.randn(6, 256)
+    q = buffer[:, :128]
+    k = torch.empty(0).set_(buffer.untyped_storage(), 128, (6, 64), (256, 1))
+    assert k._base is None and _adjacent_heads(q, k, 32) is not None  # one storage, k after q
+    other = torch.randn(6, 256)
+    assert _adjacent_heads(q, other[:, 128:192], 32) is None
+
+
+def _check_rotary(rotary: RotaryEmbedding, qkv: torch.Tensor, dtype, adjacent: bool) -> None:
     q, k, _ = qkv.split([128, 64, 64], dim=-1)
     if not adjacent:  # separate tensors: rotated one by one
         q, k = q.clone(), k.clone()

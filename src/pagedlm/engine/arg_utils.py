@@ -33,9 +33,6 @@ from pagedlm.kv_cache.fp8 import validate_kv_cache_dtype
 if TYPE_CHECKING:
     from pagedlm.platforms import Platform
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-
-
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -73,8 +70,8 @@ class EngineArgs:
     max_num_seqs: int = 256
     """Most requests in one step's batch."""
     max_num_batched_tokens: int | None = None
-    """Token budget of one step (longer prompts are prefilled in chunks); None: 8192, or
-    max_num_seqs if larger."""
+    """Token budget of one step (longer prompts are prefilled in chunks); None: the
+    platform's default (8192 on GPUs, 2048 on CPU), or max_num_seqs if larger."""
     max_model_len: int | None = None
     """Longest prompt + output a request may have; None: the model's context length. Every
     request must fit the KV cache at this length, so lowering it helps a cache that is too
@@ -288,11 +285,13 @@ class EngineArgs:
 
         max_model_len = self._max_model_len(arch)
         max_num_batched_tokens = self.max_num_batched_tokens or max(
-            DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs
+            platform.default_max_num_batched_tokens, self.max_num_seqs
         )
         runner, pooler = self._runner(arch, model)
         if runner == "pooling":
-            max_num_batched_tokens = self._pooling_token_budget(max_model_len)
+            max_num_batched_tokens = self._pooling_token_budget(
+                max_model_len, platform.default_max_num_batched_tokens
+            )
         config = EngineConfig(
             model=ModelConfig(
                 model=model,
@@ -380,7 +379,7 @@ class EngineArgs:
                 )
         return runner, pooler_config(arch, model)
 
-    def _pooling_token_budget(self, max_model_len: int) -> int:
+    def _pooling_token_budget(self, max_model_len: int, default: int) -> int:
         """The pooling runner schedules whole prompts, so one must fit a step's budget."""
         budget = self.max_num_batched_tokens
         if budget is not None and budget < max_model_len:
@@ -389,7 +388,7 @@ class EngineArgs:
                 f"{budget} must be at least max_model_len={max_model_len}; raise "
                 "--max-num-batched-tokens or lower --max-model-len."
             )
-        return budget or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs, max_model_len)
+        return budget or max(default, self.max_num_seqs, max_model_len)
 
     def _parallel_config(self, arch: ArchConfig, platform: Platform) -> ParallelConfig:
         from pagedlm.distributed import setup_checks

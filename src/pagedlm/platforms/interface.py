@@ -76,6 +76,10 @@ class Platform(ABC):
     async_scheduling_default: ClassVar[bool] = False
     """Whether ``async_scheduling`` is on unless the user says otherwise: True where the
     device runs a step while the host prepares the next (an asynchronous stream)."""
+    default_max_num_batched_tokens: ClassVar[int] = 8192
+    """A step's token budget unless the user sets ``max_num_batched_tokens`` (at least
+    ``max_num_seqs``): large where a bigger step only fills the device better, smaller
+    where a step's activations should stay in the caches (CPU)."""
     supports_cuda_graphs: ClassVar[bool] = False
     """Uniform steps may be replayed from captured graphs (``capture_graphs``)."""
     profiles_memory: ClassVar[bool] = False
