@@ -31,8 +31,7 @@ ReadBlocks = Callable[
 
 def _requests(metadata: CpuSdpaMetadata) -> Iterator[tuple[list[int], int, torch.Tensor]]:
     """(query rows, position of the first, block ids) of every request of the step."""
-    group = metadata.decodes
-    if group is not None:
+    for group in metadata.decode_groups:
         tables = group.block_ids.view(group.num_decodes, -1)
         seq_lens = group.seq_lens.tolist()
         rows = range(group.num_decodes) if group.token_rows is None else group.token_rows.tolist()

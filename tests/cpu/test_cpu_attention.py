@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from pagedlm.attention.backend import BatchLayout
-from pagedlm_cpu.attention import CpuSdpaBackend
+from pagedlm_cpu import attention as cpu_attention
+from pagedlm_cpu.attention import CpuSdpaBackend, decode_partition
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_BLOCKS = 4, 2, 16, 64
 
@@ -125,6 +127,52 @@ def test_matches_float64_reference(scenario: str, block_size: int) -> None:
     torch.testing.assert_close(written, torch.cat(keys), atol=0, rtol=0)
 
 
+RAGGED_DECODES = [(0, 1), (40, 1), (3, 1), (22, 1), (9, 1), (1, 1), (33, 1), (20, 7), (5, 1)]
+"""Decodes of contexts 1 to 41 around one chunk: split into groups by context length."""
+
+
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_decodes_split_by_context_length_match_the_reference(monkeypatch, block_size) -> None:
+    monkeypatch.setattr(cpu_attention, "MIN_DECODE_GROUP", 2)
+    backend = CpuSdpaBackend(torch.device("cpu"))
+    out, reference, *_ = run_step(RAGGED_DECODES, block_size, seed=3, backend=backend)
+    torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=1e-5)
+    only_decodes = [r for r in RAGGED_DECODES if r[1] == 1]
+    out, reference, *_ = run_step(only_decodes, block_size, seed=4, backend=backend)
+    torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=1e-5)
+
+
+def test_the_decode_groups_of_a_ragged_batch(monkeypatch) -> None:
+    monkeypatch.setattr(cpu_attention, "MIN_DECODE_GROUP", 2)
+    requests = RAGGED_DECODES
+    tables = [list(range(3 * i, 3 * i + 3)) for i in range(len(requests))]
+    layout, _ = _two_layer_step(tables, requests, 16)
+    groups = CpuSdpaBackend(torch.device("cpu")).build_metadata(layout).decode_groups
+    assert len(groups) == 4  # 8 decodes, at least 2 each
+    blocks = [-(-int(s) // 16) for g in groups for s in g.seq_lens]
+    assert blocks == sorted(blocks, reverse=True)  # longest contexts first
+    rows = sorted(int(r) for g in groups for r in g.token_rows)
+    starts = layout.query_start_loc_cpu
+    assert rows == [int(starts[i]) for i, (_, q) in enumerate(requests) if q == 1]
+
+
+def test_decode_partition() -> None:
+    # Few decodes, or little padding: one group, in order.
+    assert [g.tolist() for g in decode_partition(np.array([1, 9, 3]))] == [[0, 1, 2]]
+    even = np.full(256, 7)
+    even[3] = 8
+    assert len(decode_partition(even)) == 1
+    # 256 decodes of 1..32 blocks: 8 groups of 32, longest first, each index once.
+    blocks = np.arange(256) % 32 + 1
+    groups = decode_partition(blocks)
+    assert [len(g) for g in groups] == [32] * 8
+    assert sorted(np.concatenate(groups).tolist()) == list(range(256))
+    maxima = [int(blocks[g].max()) for g in groups]
+    assert maxima == sorted(maxima, reverse=True) and maxima[0] == 32 and maxima[-1] == 4
+    # 64 decodes: 2 groups at most (32 each).
+    assert len(decode_partition(np.arange(64) % 16 + 1)) == 2
+
+
 def test_bfloat16_stays_close_to_reference() -> None:
     out, reference, *_ = run_step(SCENARIOS["mixed"], 4, dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16
@@ -213,10 +261,11 @@ def test_one_decode_on_consecutive_blocks_reads_the_cache_in_place(tables, block
     torch.manual_seed(0)
     layout, layers = _two_layer_step(tables, [(4 * len(tables[0]) - 2, 1)], 4)
     metadata = CpuSdpaBackend(torch.device("cpu")).build_metadata(layout)
-    assert metadata.decodes.block_run == block_run
+    (group,) = metadata.decode_groups
+    assert group.block_run == block_run
     # One decode reads its keys cut to its length: no padding, so no mask for SDPA.
-    assert metadata.decodes.key_mask is None
-    assert metadata.decodes.num_key_slots == int(layout.seq_lens_cpu[0])
+    assert group.key_mask is None
+    assert group.num_key_slots == int(layout.seq_lens_cpu[0])
     q, k, v, key_cache, value_cache = layers[0]
     out = _per_layer_outputs(layout, layers, shared_metadata=True)[0]
     seq_len = int(layout.seq_lens_cpu[0])

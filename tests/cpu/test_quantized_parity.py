@@ -163,3 +163,23 @@ def test_the_platforms_selection_stays_within_the_bound(runs):
     assert max(diffs) <= (2e-4 if on_copies else MAX_LOGPROB_DIFF[runs["model"]]), diffs
     if runs["model"] != "tiny":
         assert selected_greedy == reference_greedy
+
+
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 on this CPU"
+)
+def test_bf16_copies_compute_what_the_bf16_dequantized_model_computes(tmp_path):
+    """A bf16 model on a CPU with AMX gets bf16 copies (``CpuPlatform._dense_copy_dtype``):
+    the rows they serve (a whole prefill here) see the dequantized weights rounded to bf16,
+    as the bf16 model loaded with dequantized weights does, up to summation order."""
+    path, prompts = _tiny_gguf(tmp_path)
+    config, _ = EngineArgs(model=path, dtype="bfloat16").create_engine_config()
+    reference_model = load_model(config.model, torch.device("cpu"))
+    reference, _, _ = _run(reference_model, prompts)
+    model = load_model(config.model, torch.device("cpu"))
+    num_linears = sum(isinstance(m, LinearBase) for m in model.modules())
+    assert install_int4_kernels(model, gguf_linear_blocks(model, path)) == num_linears
+    assert install_dense_copies(model, 8, 1 << 40, torch.bfloat16) == num_linears
+    copied, _, _ = _run(model, prompts)  # 13 prompt rows: every layer on its copy
+    for r, c in zip(reference, copied):
+        torch.testing.assert_close(c, r, atol=0.05, rtol=0)
