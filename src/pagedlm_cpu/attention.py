@@ -8,8 +8,9 @@ attention itself. Requests are split in two groups because they want different s
   SDPA call with a key-padding mask; a large batch of decodes whose contexts differ much
   is first sorted by context length and cut into up to ``MAX_DECODE_GROUPS`` groups of
   equal size, one call each, so that short contexts are not padded to the longest one
-  (``decode_partition``: 256 decodes of 100-564 keys gather 30% fewer keys in 4 groups,
-  and their gathers and SDPA calls take 2-3x less time);
+  (``decode_partition``: 256 decodes of 100-564 keys gather 30% fewer key slots in 4
+  groups and their SDPA calls take 1.8x less time; 256 prompts of 100-500 tokens decode
+  30% faster end to end);
 - chunks of more than one token (prompts, chunked prefills) run one SDPA call each, with a
   causal mask shifted by the request's cached context length; a chunk without cached
   context attends to its own new K/V directly.

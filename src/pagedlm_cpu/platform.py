@@ -74,7 +74,7 @@ class CpuPlatform(Platform):
     default_attention_backend = "cpu_sdpa"
     # A 2,048-token step keeps a step's activations ([tokens, intermediate] rows) nearer the
     # caches: its elementwise ops run at memory speed from 4,096 tokens on. Measured on
-    # prompts of 100-500 tokens (docs/performance.md): 2,048 prefills 27% faster than 8,192.
+    # prompts of 100-500 tokens (docs/performance.md): 2,048 runs 11-27% faster than 8,192.
     default_max_num_batched_tokens = 2048
 
     @property

@@ -16,7 +16,8 @@ prefill included: output tokens / seconds.
   static batch; ``vs_transformers``).
 - llama.cpp: llama-cpp-python, built from source in its own venv (never a pagedlm
   dependency), driven by ``llamacpp_worker.py`` in that interpreter: one sequence per
-  prompt, all decoded together.
+  prompt, all decoded together. ``--llama-cpp-no-repack`` loads it without its extra weight
+  buffers: on CPUs with AMX its AMX buffer segfaults (ggml-org/llama.cpp#20824).
 
 ``--mixed N`` adds the serving-like workload: N prompts of 100-500 tokens, 64 new tokens
 each, pagedlm against transformers in static batches of ``--hf-batch`` prompts sorted by
