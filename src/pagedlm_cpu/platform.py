@@ -42,8 +42,12 @@ def has_native_bf16() -> bool:
     forced = os.environ.get(NATIVE_BF16_ENV)
     if forced in ("0", "1"):
         return forced == "1"
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private torch API
-    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+    return _cpu_probe("_is_avx512_bf16_supported") or _cpu_probe("_is_amx_tile_supported")
+
+
+def _cpu_probe(name: str) -> bool:
+    """One of torch's private ``torch.cpu._is_*_supported`` probes; False where absent."""
+    return bool(getattr(torch.cpu, name, lambda: False)())
 
 
 def has_amx() -> bool:
@@ -52,7 +56,7 @@ def has_amx() -> bool:
     counts as no AMX, as it counts as no native bf16."""
     if os.environ.get(NATIVE_BF16_ENV) == "0":
         return False
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    return _cpu_probe("_is_amx_tile_supported")
 
 
 def _available_memory_bytes() -> int | None:

@@ -100,8 +100,7 @@ def install_dense_copies(
             continue
         quantized = module.kernel
         bias = None if quantized.bias is None else quantized.bias.to(dtype)
-        weight = _dequantize(quantized.blocks, scratch)
-        dense = OneDnnLinear(weight if dtype == torch.float32 else weight.to(dtype), bias)
+        dense = OneDnnLinear(_dequantize(quantized.blocks, scratch).to(dtype), bias)
         layer = RowSplitLinear(quantized, dense, dense_from_rows, dtype)
         if layer.dense_from_rows - 1 <= quantized.max_rows:
             quantized.release_codes()  # its own dense path can no longer be reached

@@ -60,8 +60,14 @@ def test_adjacency_is_judged_by_storage_and_address_not_by_base():
     q = buffer[:, :128]
     k = torch.empty(0).set_(buffer.untyped_storage(), 128, (6, 64), (256, 1))
     assert k._base is None and _adjacent_heads(q, k, 32) is not None  # one storage, k after q
-    other = torch.randn(6, 256)
-    assert _adjacent_heads(q, other[:, 128:192], 32) is None
+    # Two storages over one memory block (two numpy views of one array): k's columns
+    # follow q's in memory, but one view over q's storage could not reach them.
+    import numpy as np
+
+    array = np.random.rand(6, 256).astype(np.float32)
+    q, k = torch.from_numpy(array[:, :128]), torch.from_numpy(array[:, 128:192])
+    assert k.data_ptr() == q.data_ptr() + 128 * 4 and q.stride() == k.stride()
+    assert _adjacent_heads(q, k, 32) is None
 
 
 def _check_rotary(rotary: RotaryEmbedding, qkv: torch.Tensor, dtype, adjacent: bool) -> None:
