@@ -13,7 +13,7 @@ from triton_env import DEVICE, rel_error
 from loader.tiny_gguf import k_quant_bytes
 from pagedlm.model_executor.loader.gguf_blocks import AffineBlocks, decode_blocks
 from pagedlm_cuda.kernels.gguf_gemm import dequantize_into, gguf_gemm
-from pagedlm_cuda.kernels.gguf_gemv import gguf_gemv, pack_blocks
+from pagedlm_cuda.kernels.gguf_gemv import gguf_gemv, pack_blocks, pack_words
 from pagedlm_cuda.quantized_linear import DenseScratch, GgufCudaLinear
 
 # type -> (code bits stored, implicit minimum offset or 0, scale dtype)
@@ -45,7 +45,7 @@ def test_layout_and_exact_dequantization(type_name: str) -> None:
     bits, offset, scale_dtype = LAYOUTS[type_name]
     assert (packed.bits, packed.offset, packed.scales.dtype) == (bits, offset, scale_dtype)
     assert (packed.mins is None) == (offset != 0)
-    assert packed.codes.shape == (24, 256 * bits // 8)
+    assert packed.codes.dtype == torch.int32 and packed.codes.shape == (24, 256 * bits // 32)
     dense = dequantize_into(packed, torch.empty(24 * 256 + 5, device=DEVICE))
     assert torch.equal(dense.cpu(), blocks.dequantize())
 
@@ -61,6 +61,30 @@ def test_gemv_matches_the_dequantized_weight(type_name: str, shape: tuple[int, i
     out = gguf_gemv(x, packed, bias)
     ref = x.double().cpu() @ blocks.dequantize().double().T + bias.double().cpu()
     assert out.shape == (1, n) and rel_error(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("config", [None, (16, 256, 2, 2), (8, 1024, 1, 1)])
+def test_gemv_unmasked_tiles_match_the_dequantized_weight(type_name, config) -> None:
+    """Shapes the tiles divide take the kernel's unmasked path (llama-3-8b's do)."""
+    blocks = blocks_of(type_name, 32, 2048, seed=7)
+    packed = pack_blocks(blocks.codes, blocks.scales, blocks.mins, DEVICE)
+    x = torch.randn(1, 2048, device=DEVICE)
+    out = gguf_gemv(x, packed, None, config)
+    ref = x.double().cpu() @ blocks.dequantize().double().T
+    assert rel_error(out, ref) < 1e-5
+
+
+def test_words_hold_their_columns_in_lane_groups() -> None:
+    """Slot i of word w in lane group g is column 64 g + 8 i + w (4-bit codes)."""
+    codes = torch.arange(128, dtype=torch.uint8).remainder(16).view(1, 128)
+    codes[0, 64:] = torch.arange(64, dtype=torch.uint8) // 4
+    words = pack_words(codes, 4)[0]
+    for g in range(2):
+        for w in range(8):
+            for i in range(8):
+                expected = int(codes[0, 64 * g + 8 * i + w])
+                assert (int(words[8 * g + w]) >> (4 * i)) & 15 == expected, (g, w, i)
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q5_K"])

@@ -21,9 +21,10 @@ The slice loop can keep several slices in flight (``pipeline_stages`` > 1:
 ``tests/cuda/bench_gemv.py --kinds bf16 fp8 gguf4 --sweep``): it does not help bf16
 (q/k/v 13.2 us with one stage against 13.7-15.6 with 2-4; o 8.9 against 8.7 at best),
 so bf16 keeps one; it is worth 5-16% on FP8 codes (down 18.6 -> 15.7 us, the LM head
-133.5 -> 122.2) and up to 1.4x on GGUF blocks (``gguf_gemv``: o 14.6 -> 10.4 us, down
-45.7 -> 32.4), whose loop does more arithmetic per byte. A split-K variant (the last of a row block's programs summing the others' partials)
-lost on every shape and kind (o, bf16: 11.2 us at best against 8.7) and was removed.
+133.5 -> 122.2) and up to 1.4x on GGUF blocks (session 14's ``gguf_gemv``: o 14.6 -> 10.4
+us, down 45.7 -> 32.4), whose loop does more arithmetic per byte. A split-K variant (the
+last of a row block's programs summing the others' partials) lost on every shape and kind
+(o, bf16: 11.2 us at best against 8.7) and was removed.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ writes) whose entries replace ``gemv_config``'s for those weight shapes and kind
 
 WEIGHT_KINDS = ("bf16", "fp8", "gguf4", "gguf8")
 """What a GEMV streams per weight: 16-bit floats (bf16 or float16), FP8 codes with a scale
-per row, GGUF codes of 4 bits (two per byte) or 8 bits (one per byte) with a scale per 32."""
+per row, GGUF codes of 4 bits (eight per int32 word) or 8 bits (four per word) with a scale
+per 32 (``gguf_gemv``'s layout)."""
 
 
 @functools.cache
@@ -122,13 +124,14 @@ def _configs_from_env() -> dict[tuple[int, int, str], GemvConfig]:
 
 def gemv_config(n: int, k: int, kind: str = "bf16") -> GemvConfig:
     """The tiles for an ``n x k`` weight of ``kind`` (``WEIGHT_KINDS``), from H200 sweeps
-    of llama-3-8b's projections (bf16: session 9; FP8 and 4-bit GGUF: session 14,
-    ``tests/cuda/bench_gemv.py --sweep``). 16 rows per program nearly throughout; the
-    fewer programs a layer has (small ``n``), the wider each one's slices. bf16: 1024
-    columns up to 4k outputs, 512 up to 8k, 256 with 4 warps beyond, one stage. FP8
-    codes and GGUF blocks: three slices in flight and 4 warps; GGUF takes 16 x 512 tiles
-    throughout (the fastest or within 4% on every projection), the 8-bit codes the
-    4-bit ones' tiles (not swept)."""
+    of llama-3-8b's projections (bf16: session 9; FP8: session 14, ``tests/cuda/
+    bench_gemv.py --sweep``). 16 rows per program nearly throughout; the fewer programs
+    a layer has (small ``n``), the wider each one's slices. bf16: 1024 columns up to 4k
+    outputs, 512 up to 8k, 256 with 4 warps beyond, one stage. FP8 codes: three slices in
+    flight and 4 warps. GGUF blocks (session 16's word-layout kernel, not yet swept on a
+    GPU): 8 rows of 512 columns in one warp, three slices in flight, the tile with the
+    fewest loop instructions per weight among those that give llama-3-8b's smallest
+    projection 512 programs (``tests/cuda/sass_gguf_gemv.py``: 4.66 per weight)."""
     chosen = _configs_from_env().get((n, k, kind))
     if chosen is not None:
         return chosen
@@ -137,7 +140,7 @@ def gemv_config(n: int, k: int, kind: str = "bf16") -> GemvConfig:
             return GemvConfig(16, 1024, 4, 3)
         return GemvConfig(16, 512 if n <= 8192 else 256, 4, 3)
     if kind in ("gguf4", "gguf8"):
-        return GemvConfig(16, 512, 4, 3)
+        return GemvConfig(8, 512, 1, 3)
     if n <= 4096:
         return GemvConfig(16, 1024, 8)
     if n <= 8192:

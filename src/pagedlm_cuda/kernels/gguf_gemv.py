@@ -4,9 +4,14 @@ GGUF kernel shares, and the batch-1 GEMV.
 A layer's weight ``w[r, c] = scale[r, c // 32] * code[r, c] + min[r, c // 32]`` (the loader's
 affine form, ``gguf_blocks.AffineBlocks``) is stored as ``PackedGguf``:
 
-- codes below 16 (Q4_0, Q4_1, Q4_K) two per byte, ``[N, K / 2]``: byte ``j`` holds column
-  ``2j`` in its low nibble and ``2j + 1`` in its high one (0.5 byte per weight); wider codes
-  (Q5_*, Q8_0) one per byte, ``[N, K]``;
+- codes in int32 words, ``32 / bits`` codes per word: 4 bits for codes below 16 (Q4_0,
+  Q4_1, Q4_K; 8 per word), else 8 (Q5_*, Q8_0; 4 per word). Eight consecutive words
+  form a *lane group* of ``SPAN = 8 * codes_per_word`` columns (64 or 32): code slot
+  ``i`` (bits ``bits * i`` up) of word ``w`` in group ``g`` holds column
+  ``SPAN * g + 8 * i + w``. So one slot across a group's eight words is eight adjacent
+  columns (one vector load of x), and each 32-column scale group is four whole slots (4-bit
+  codes: slots 0-3 and 4-7 of a group are its two scale groups; 8-bit: the group is one).
+  Rows are padded with zero codes to whole groups; kernels read x as zero past K.
 - scales ``[N, K / 32]`` in float16 where every one is exact in float16 (the legacy types'
   ``d`` is a float16), else float32 (the K-quants' ``d * sub_scale`` needs 17 bits);
 - minimums the same way, or none where each is ``-offset * scale`` (Q4_0: 8, Q5_0: 16,
@@ -16,26 +21,36 @@ Q4_0 thus reads 0.5625 byte per weight (the file's own size), Q4_1 0.625 and Q4_
 against 2 for bf16. Dequantized values equal the float32 ones exactly (same products and
 one rounding, as in ``AffineBlocks.dequantize``); kernels accumulate in float32.
 
-The GEMV gives each program ``BLOCK_N`` whole rows, streams them in ``BLOCK_K`` slices
-(whole groups of 32), dequantizes each slice in registers and accumulates
-``w * x`` per column as the bf16 GEMV does, summing once at the end. Per weight that is
-a nibble extraction, an integer-to-float conversion and two FMAs, and the arithmetic, not
-the bandwidth, bounds it: measured on the H200 (session 14, ``tests/cuda/bench_gemv.py
---kinds gguf4 --sweep`` and a side-by-side of loaders), llama-3-8b's Q4_0 projections
-take 10.4-184 us at batch 1 with the default tiles, 21-37% of 4.8 TB/s, 0.85-1.25x the
-bf16 GEMV's speed for 3.5x fewer bytes. Pipelining the slice loop (three slices in
-flight) took o from 14.6 to 10.4 us and down from 45.7 to 32.4. Building the floats from the codes'
-bits instead of converting them (int32 words, ``0x4B000000 | code`` less 2^23) was
-slower (o 10.0-21.5 us, down 28.8-69.7): the reshapes from words to columns cost more
-than the conversions they save. What is left to try: float16 tiles into ``tl.dot``, or
-int8 activations and integer dot products as llama.cpp's CUDA kernels do.
+Codes become floats without a conversion instruction (NVIDIA GPUs convert integers at a
+quarter of the FMA rate, which bounded the previous GEMV at 21-37% of the bandwidth,
+session 14): a code masked in place at bit ``s`` of its word and OR-ed into the bits of the
+float ``2^(23 - s)`` *is* the float ``2^(23 - s) + code``, and one subtraction leaves
+``code - offset`` exactly (``_slot_products``). Per weight the GEMV spends one logic op,
+one add and one FMA, plus per word a shift and an FMA per scale.
+
+The GEMV gives each program ``BLOCK_N`` whole rows and streams them in slices of
+``BLOCK_K`` columns (whole lane groups), accumulating per (row, word) and summing once at
+the end. The words are loaded as rows of contiguous words, so a warp's threads spread
+along a row and each thread holds the same few words of several rows: the x it loads
+and converts serves all of them.
+
+Instructions in the loop per weight (sm_90 SASS of the default tiles,
+``tests/cuda/sass_gguf_gemv.py``, session 16): 4.66 for 4-bit codes and 4.72 for 8-bit,
+none of them a conversion. Session 14's kernel (one byte per two codes, ``(code & 15)``
+and ``code >> 4`` converted with ``I2F``) spent 7.3 per weight, one of them an ``I2F``
+(a quarter-rate instruction), and ran at 21-37% of the bandwidth (0.95x bf16's tok/s in
+W2). Not yet timed on a GPU: session 16 had none; ``tests/cuda/bench_gemv.py --kinds
+gguf4 --sweep`` and ``python -m pagedlm.benchmarks.quantized_gpu --parts gguf`` are the
+commands.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -43,6 +58,10 @@ from pagedlm_cuda.kernels import pdl
 from pagedlm_cuda.kernels.gemv import GemvConfig, gemv_config
 
 GROUP_SIZE = 32
+LANES = tl.constexpr(8)
+"""Words per lane group."""
+MAGIC = tl.constexpr(0x4B000000)
+"""The bits of the float 2^23: OR-ing an integer below 2^23 into them gives 2^23 + it."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +69,7 @@ class PackedGguf:
     """One layer's GGUF weight on the device (see the module docstring)."""
 
     codes: torch.Tensor
-    """uint8 [N, K / 2] (bits 4) or [N, K] (bits 8)."""
+    """int32 [N, ceil(K / span) * 8]: ``32 / bits`` codes per word, in lane groups."""
     scales: torch.Tensor
     """float16 or float32 [N, K / 32]."""
     mins: torch.Tensor | None
@@ -63,6 +82,11 @@ class PackedGguf:
     def out_features(self) -> int:
         return self.codes.shape[0]
 
+    @property
+    def span(self) -> int:
+        """Columns per lane group: 64 (4-bit codes) or 32 (8-bit)."""
+        return LANES.value * 32 // self.bits
+
     def nbytes(self) -> int:
         tensors = [self.codes, self.scales] + ([self.mins] if self.mins is not None else [])
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -70,6 +94,24 @@ class PackedGguf:
 
 def _exact_in_half(values: torch.Tensor) -> bool:
     return bool(torch.equal(values.half().float(), values))
+
+
+def pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [N, K] (each below ``2 ** bits``) -> int32 words in lane groups
+    (the module docstring's layout), K padded with zero codes to whole groups. Built as
+    bytes (two 4-bit codes or one 8-bit code each) viewed as little-endian words, so no
+    wider copy of the codes is made."""
+    per_word = 32 // bits
+    span = LANES.value * per_word
+    rows, cols = codes.shape
+    padded = F.pad(codes.to(torch.uint8), (0, -cols % span))
+    slots = padded.view(rows, -1, per_word, LANES.value)  # [N, groups, slot, word]
+    if bits == 4:  # byte b of a word: slot 2b in its low nibble, slot 2b + 1 in its high
+        slots = slots[:, :, 0::2] | (slots[:, :, 1::2] << 4)
+    if sys.byteorder != "little":
+        raise RuntimeError("pack_words builds words from bytes in little-endian order.")
+    words = slots.transpose(2, 3).contiguous()  # [N, groups, word, byte]
+    return words.view(torch.int32).reshape(rows, -1)
 
 
 def pack_blocks(
@@ -81,13 +123,12 @@ def pack_blocks(
     if cols % GROUP_SIZE:
         raise ValueError(f"GGUF weights need K a multiple of {GROUP_SIZE}; got {cols}.")
     bits = 4 if int(codes.max()) < 16 else 8
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4) if bits == 4 else codes
     offset = next((o for o in (8, 16, 128) if torch.equal(mins, -o * scales)), 0)
     stored_mins = None if offset else mins
     exact = _exact_in_half(scales) and (stored_mins is None or _exact_in_half(stored_mins))
     dtype = torch.float16 if exact else torch.float32
     return PackedGguf(
-        codes=packed.contiguous().to(device),
+        codes=pack_words(codes.cpu(), bits).to(device),
         scales=scales.to(device, dtype).contiguous(),
         mins=None if stored_mins is None else stored_mins.to(device, dtype).contiguous(),
         offset=offset,
@@ -97,78 +138,166 @@ def pack_blocks(
 
 
 @triton.jit
+def _slot_products(
+    words, magic, x_ptr, columns, K, slot: tl.constexpr, OFFSET: tl.constexpr,
+    BITS: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """Each word's code in ``slot`` times its column of x (``columns``: slot 0's, [G, 8]),
+    and that x: float32 [BLOCK_N, G, 8] and [G, 8].
+
+    The code becomes a float without a conversion: masked in place (the upper half's
+    codes first shifted down 12 bits, which keeps every one below 2^23 and no mask a bare
+    low-bit field, which the compiler would extract with an extra instruction) at a shift
+    ``s``, OR-ed into the bits of ``2^(23 - s)`` (``magic`` less ``s`` in the exponent; in a
+    register, so that mask and OR are one ``LOP3``: an instruction holds one immediate), it
+    is the float ``2^(23 - s) + code``; one subtraction leaves ``code - OFFSET`` exactly."""
+    POSITION: tl.constexpr = BITS * slot
+    SHIFT: tl.constexpr = POSITION - 12 if POSITION >= 16 else POSITION
+    MASK: tl.constexpr = (2**BITS - 1) * 2**SHIFT
+    BIAS: tl.constexpr = 2.0 ** (23 - SHIFT) + OFFSET
+    if POSITION >= 16:
+        words = (words.to(tl.uint32, bitcast=True) >> 12).to(tl.int32, bitcast=True)
+    codes = ((words & MASK) | (magic - SHIFT * 8388608)).to(tl.float32, bitcast=True) - BIAS
+    cols = columns + 8 * slot
+    if EVEN_K:
+        x = tl.load(x_ptr + cols).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+    return codes * x[None], x
+
+
+@triton.jit
 def load_weight_tile(
     codes_ptr, scales_ptr, mins_ptr, rows, row_mask, k0, K, stride_codes, stride_groups,
     OFFSET: tl.constexpr, BITS: tl.constexpr, HAS_MINS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """float32 [BLOCK_N, BLOCK_K]: rows ``rows`` (masked by ``row_mask``), columns
-    ``k0 ..`` of the weight (zeros past K); ``k0`` and ``BLOCK_K`` are multiples of 32."""
-    GROUPS: tl.constexpr = BLOCK_K // 32
-    row_offsets = rows[:, None].to(tl.int64)
-    if BITS == 4:
-        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        mask = row_mask[:, None] & (half[None, :] < K // 2)
-        packed = tl.load(codes_ptr + row_offsets * stride_codes + half[None, :], mask=mask, other=0)
-        low = (packed & 0xF).to(tl.float32)
-        high = (packed >> 4).to(tl.float32)
-        codes = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))
-    else:
-        cols = k0 + tl.arange(0, BLOCK_K)
-        mask = row_mask[:, None] & (cols[None, :] < K)
-        codes = tl.load(codes_ptr + row_offsets * stride_codes + cols[None, :], mask=mask, other=0)
-        codes = codes.to(tl.float32)
-    groups = k0 // 32 + tl.arange(0, GROUPS)
+    ``k0 ..`` of the weight (zeros past K); ``k0`` and ``BLOCK_K`` are multiples of the
+    span (64 columns for 4-bit codes, 32 for 8-bit)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    SPAN: tl.constexpr = LANES * PER_WORD
+    GROUPS: tl.constexpr = BLOCK_K // SPAN
+    SCALES: tl.constexpr = BLOCK_K // 32
+    lane_groups = k0 // SPAN + tl.arange(0, GROUPS)
+    words_at = lane_groups[:, None] * LANES + tl.arange(0, LANES)[None, :]  # [GROUPS, 8]
+    row_offsets = rows.to(tl.int64)[:, None, None] * stride_codes
+    mask = row_mask[:, None, None] & (lane_groups * SPAN < K)[None, :, None]
+    words = tl.load(codes_ptr + row_offsets + words_at[None, :, :], mask=mask, other=0)
+    # [BLOCK_N, GROUPS, slot, word] is column order: column = SPAN * g + 8 * slot + word.
+    shifts = (tl.arange(0, PER_WORD) * BITS)[None, None, :, None]
+    codes = (words[:, :, None, :] >> shifts) & ((1 << BITS) - 1)
+    codes = (codes | MAGIC).to(tl.float32, bitcast=True) - 8388608.0
+    codes = tl.reshape(codes, (BLOCK_N, SCALES, 32))
+    groups = k0 // 32 + tl.arange(0, SCALES)
     group_mask = row_mask[:, None] & (groups[None, :] < K // 32)
-    group_offsets = row_offsets * stride_groups + groups[None, :]
+    group_offsets = rows.to(tl.int64)[:, None] * stride_groups + groups[None, :]
     scales = tl.load(scales_ptr + group_offsets, mask=group_mask, other=0.0).to(tl.float32)
     if HAS_MINS:
         mins = tl.load(mins_ptr + group_offsets, mask=group_mask, other=0.0).to(tl.float32)
     else:
         mins = scales * -OFFSET  # exact: OFFSET is a power of two
-    # One FMA per weight: at 4 bits the GEMV's arithmetic per byte read is what bounds it.
-    codes = tl.reshape(codes, (BLOCK_N, GROUPS, 32))
     weights = codes * scales[:, :, None] + mins[:, :, None]
     return tl.reshape(weights, (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
+def _load_groups(pointers, mask, EVEN: tl.constexpr):
+    """float32 scales or minimums; ``mask`` applies unless ``EVEN``."""
+    if EVEN:
+        return tl.load(pointers).to(tl.float32)
+    return tl.load(pointers, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _slice_products(
+    words, magic, x_ptr, scales_ptr, mins_ptr, rows, row_mask, g0, K, stride_groups,
+    OFFSET: tl.constexpr, BITS: tl.constexpr, HAS_MINS: tl.constexpr, BLOCK_G: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """float32 [BLOCK_N, BLOCK_G, 8]: per (row, word) of the slice's ``words`` (lane groups
+    ``g0 ..``), the sum of its weights times x."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    SPAN: tl.constexpr = LANES * PER_WORD
+    SLOTS_PER_SCALE: tl.constexpr = 32 // LANES  # four slots of eight columns
+    SCALES_PER_SPAN: tl.constexpr = PER_WORD // SLOTS_PER_SCALE
+    lane_groups = g0 + tl.arange(0, BLOCK_G)
+    columns = lane_groups[:, None] * SPAN + tl.arange(0, LANES)[None, :]  # slot 0, [G, 8]
+    row_groups = rows.to(tl.int64)[:, None] * stride_groups
+    out = tl.zeros(words.shape, dtype=tl.float32)
+    for part in tl.static_range(SCALES_PER_SPAN):  # the scale groups in a span
+        groups = lane_groups * SCALES_PER_SPAN + part
+        at = row_groups + groups[None, :]
+        group_mask = row_mask[:, None] & (groups[None, :] < K // 32)
+        scale = _load_groups(scales_ptr + at, group_mask, EVEN_N and EVEN_K)
+        dot = tl.zeros(words.shape, dtype=tl.float32)
+        x_sum = tl.zeros(columns.shape, dtype=tl.float32)
+        for j in tl.static_range(SLOTS_PER_SCALE):
+            products, x = _slot_products(
+                words, magic, x_ptr, columns, K, part * SLOTS_PER_SCALE + j, OFFSET, BITS,
+                EVEN_K,
+            )  # fmt: skip
+            dot += products
+            if HAS_MINS:
+                x_sum += x
+        out += dot * scale[:, :, None]
+        if HAS_MINS:
+            low = _load_groups(mins_ptr + at, group_mask, EVEN_N and EVEN_K)
+            out += low[:, :, None] * x_sum[None]
+    return out
+
+
+@triton.jit
 def _gguf_gemv_kernel(
     x_ptr, codes_ptr, scales_ptr, mins_ptr, bias_ptr, out_ptr, N, K,
-    stride_codes, stride_groups,
+    stride_codes, stride_groups, magic,
     OFFSET: tl.constexpr, BITS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPELINE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PIPELINE: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    """``EVEN_N``: N is a multiple of BLOCK_N; ``EVEN_K``: K of BLOCK_G lane groups (no
+    masks then)."""
     pdl.allow_next(USE_PDL)
+    SPAN: tl.constexpr = LANES * (32 // BITS)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
-    cols = tl.arange(0, BLOCK_K)
+    n_groups = tl.cdiv(K, SPAN)
+    # Loaded as rows of contiguous words (so threads spread along a row and each holds
+    # several rows: its x is reused), then viewed as [rows, lane groups, 8].
+    BLOCK_W: tl.constexpr = BLOCK_G * LANES
+    word_ids = tl.arange(0, BLOCK_W)
+    row_words = codes_ptr + rows.to(tl.int64)[:, None] * stride_codes + word_ids[None, :]
     # Weights never change: the first slice is read before waiting for x's producer.
-    w = load_weight_tile(
-        codes_ptr, scales_ptr, mins_ptr, rows, row_mask, 0, K, stride_codes, stride_groups,
-        OFFSET, BITS, HAS_MINS, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
+    if EVEN_N and EVEN_K:
+        words = tl.load(row_words)
+    else:
+        mask = row_mask[:, None] & (word_ids[None, :] < n_groups * LANES)
+        words = tl.load(row_words, mask=mask, other=0)
     pdl.wait_for_previous(USE_PDL)
-    x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-    acc = w * x[None, :]
+    acc = _slice_products(
+        tl.reshape(words, (BLOCK_N, BLOCK_G, LANES)), magic, x_ptr, scales_ptr, mins_ptr,
+        rows, row_mask, 0, K, stride_groups, OFFSET, BITS, HAS_MINS, BLOCK_G, EVEN_N, EVEN_K,
+    )  # fmt: skip
     # PIPELINE > 1 keeps that many slices in flight (as in ``gemv``).
-    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=PIPELINE):
-        w = load_weight_tile(
-            codes_ptr, scales_ptr, mins_ptr, rows, row_mask, k0, K, stride_codes,
-            stride_groups, OFFSET, BITS, HAS_MINS, BLOCK_N, BLOCK_K,
+    for g0 in tl.range(BLOCK_G, n_groups, BLOCK_G, num_stages=PIPELINE):
+        if EVEN_N and EVEN_K:
+            words = tl.load(row_words + g0 * LANES)
+        else:
+            mask = row_mask[:, None] & (g0 * LANES + word_ids[None, :] < n_groups * LANES)
+            words = tl.load(row_words + g0 * LANES, mask=mask, other=0)
+        acc += _slice_products(
+            tl.reshape(words, (BLOCK_N, BLOCK_G, LANES)), magic, x_ptr, scales_ptr, mins_ptr,
+            rows, row_mask, g0, K, stride_groups, OFFSET, BITS, HAS_MINS, BLOCK_G, EVEN_N,
+            EVEN_K,
         )  # fmt: skip
-        x = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-        acc += w * x[None, :]
-    y = tl.sum(acc, axis=1)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
 def default_gemv_config(weight: PackedGguf) -> GemvConfig:
-    """``gemv.gemv_config`` for the weight's kind (``gguf4`` / ``gguf8``): 16 x 512
-    tiles with three slices in flight (the H200 sweep's fastest or within 4%)."""
+    """``gemv.gemv_config`` for the weight's kind (``gguf4`` / ``gguf8``)."""
     kind = "gguf4" if weight.bits == 4 else "gguf8"
     return gemv_config(weight.out_features, weight.in_features, kind)
 
@@ -180,23 +309,28 @@ def gguf_gemv(
     config: GemvConfig | tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """x [1, K] (unit-stride row) -> [1, N] in x's dtype. ``config``: (block_n, block_k,
-    num_warps[, pipeline_stages]) with ``block_k`` a multiple of 32."""
+    num_warps[, pipeline_stages]) with ``block_k`` a power-of-two multiple of the span."""
     if x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1:
         raise ValueError(f"gguf_gemv takes one unit-stride row [1, K]; got {tuple(x.shape)}.")
     n, k = weight.out_features, weight.in_features
     if x.shape[1] != k:
         raise ValueError(f"x has {x.shape[1]} features but the weight is [{n}, {k}].")
     cfg = GemvConfig(*config) if config is not None else default_gemv_config(weight)
-    if cfg.block_k % GROUP_SIZE:
-        raise ValueError(f"gguf_gemv streams whole groups of {GROUP_SIZE} columns; got {cfg}.")
+    block_g = cfg.block_k // weight.span
+    if cfg.block_k % weight.span or block_g & (block_g - 1):
+        raise ValueError(
+            f"gguf_gemv streams a power of two of whole {weight.span}-column lane groups; "
+            f"got {cfg}."
+        )
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     mins = weight.mins if weight.mins is not None else weight.scales
     _gguf_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight.codes, weight.scales, mins, bias if bias is not None else weight.scales,
-        out, n, k, weight.codes.stride(0), weight.scales.stride(0),
+        out, n, k, weight.codes.stride(0), weight.scales.stride(0), MAGIC.value,
         OFFSET=weight.offset, BITS=weight.bits, HAS_MINS=weight.mins is not None,
-        HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PIPELINE=cfg.pipeline_stages, num_warps=cfg.num_warps,
+        HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_G=block_g,
+        PIPELINE=cfg.pipeline_stages, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
+        num_warps=cfg.num_warps,
         num_stages=cfg.pipeline_stages, **pdl.launch_options(),
     )  # fmt: skip
     return out
