@@ -1,6 +1,6 @@
 """Registers and shared memory of the decode kernel's tiles on an FP8 cache, without a GPU.
 
-    PYTHONPATH=src python tests/cuda/ptxas_decode_attention.py
+    PYTHONPATH=src python tests/cuda/ptxas_decode_attention.py [--sass] [--cache bf16]
 
 Compiles ``_decode_kernel`` for sm_90a (Triton's own ``ptxas``) at W1's shape (qwen3-0.6b:
 group 2, head_dim 128, 512-key partitions, an E4M3 cache read into float16 tiles, the
@@ -8,11 +8,15 @@ step's K/V written by the kernel) and prints, per tile / warps / stages choice, 
 registers per thread, spills, shared memory, the programs per SM they allow (65,536
 registers, 227 KiB) and the MMA kinds chosen. Not a test, and no timing: it shows which
 tiles can keep more bytes in flight per SM (``tests/cuda/bench_decode_attention.py``
-times them).
+times them). ``--sass`` adds the instructions of the key loop per K/V element and its
+commonest opcodes (``sass_gguf_gemv``'s disassembly); ``--cache bf16`` compiles the bf16
+cache's kernel instead.
 """
 
 from __future__ import annotations
 
+import argparse
+import collections
 import os
 import re
 import subprocess
@@ -20,6 +24,7 @@ import tempfile
 
 import triton
 import triton.language as tl
+from sass_gguf_gemv import disassemble, main_loop
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -40,18 +45,20 @@ INTS = {"q_stride_token": HEADS * DIM, "out_stride_token": HEADS * DIM,
         "num_kv_heads": KV_HEADS, "window": 0, "group_size": HEADS // KV_HEADS}  # fmt: skip
 
 
-def compile_config(block_n: int, warps: int, stages: int) -> dict:
+def compile_config(block_n: int, warps: int, stages: int, fp8: bool = True) -> dict:
     constants = dict(
         BLOCK_SIZE=BLOCK, PARTITION=512, BLOCK_N=block_n, BLOCK_G=16, BLOCK_D=DIM, MERGE_G=2,
         MERGE_P=4, MERGE_IN_KERNEL=False, DIRECT=False, WRITE_NEW=True, USE_WINDOW=False,
-        USE_SOFT_CAP=False, FP8=True, COMPUTE_DTYPE=tl.float16, USE_PDL=True,
+        USE_SOFT_CAP=False, FP8=fp8, COMPUTE_DTYPE=tl.float16 if fp8 else tl.bfloat16,
+        USE_PDL=True,
     )  # fmt: skip
     signature, attrs = {}, {}
     for index, name in enumerate(_decode_kernel.arg_names):
         if name in constants:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
-            signature[name] = POINTERS.get(name, "*bf16")
+            kind = POINTERS.get(name, "*bf16")
+            signature[name] = "*bf16" if kind == "*fp8e4nv" and not fp8 else kind
             attrs[(index,)] = [["tt.divisibility", 16]]
         elif name in ("score_scale", "cap_log2e"):
             signature[name] = "fp32"
@@ -75,17 +82,29 @@ def compile_config(block_n: int, warps: int, stages: int) -> dict:
     spills = int(re.search(r"(\d+) bytes spill stores", info).group(1))
     mma = sorted(set(re.findall(r"versionMajor = (\d)", kernel.asm["ttgir"])))
     programs = min(65536 // (registers * 32 * warps), 232448 // kernel.metadata.shared)
+    loop = main_loop(disassemble(kernel)[0])
+    per_element = len(loop) / (2 * block_n * DIM / (32 * warps))  # a key and a value each
+    opcodes = collections.Counter(opcode.split(".")[0] for _, opcode, _ in loop)
     return dict(registers=registers, spills=spills, shared=kernel.metadata.shared,
-                programs=programs, mma="+".join(f"v{v}" for v in mma))  # fmt: skip
+                programs=programs, mma="+".join(f"v{v}" for v in mma),
+                per_element=per_element, opcodes=opcodes.most_common(8))  # fmt: skip
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sass", action="store_true")
+    parser.add_argument("--cache", choices=["fp8", "bf16"], default="fp8")
+    args = parser.parse_args()
+    print(f"{args.cache} cache")
     print("block_n warps stages | regs spill smem(B) programs/SM mma")
     for block_n, warps, stages in CONFIGS:
-        r = compile_config(block_n, warps, stages)
+        r = compile_config(block_n, warps, stages, fp8=args.cache == "fp8")
         print(f"{block_n:7d} {warps:5d} {stages:6d} | "
               f"{r['registers']:4d} {r['spills']:5d} {r['shared']:7d} {r['programs']:11d} "
               f"{r['mma']}", flush=True)  # fmt: skip
+        if args.sass:
+            top = ", ".join(f"{op} {n}" for op, n in r["opcodes"])
+            print(f"  loop: {r['per_element']:.2f} instructions per K/V element | {top}")
 
 
 if __name__ == "__main__":
