@@ -64,11 +64,12 @@ partitions 32 / 64 / 128: 13.4 / 11.5 / 14.7 (prefill kernel 26.9, a decode 5.3)
 
 @triton.jit
 def _attend_rows(
-    q, k, v, visible, m, denom, acc, score_scale, cap_log2e, k_scale,
+    q, k, v, visible, m, denom, acc, score_scale, cap_log2e, k_scale, v_scale,
     USE_SOFT_CAP: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over a tile, ``visible`` [M, N] per row; a row may see no
-    key of the tile (nor of any earlier one): its max stays -inf and its sums zero."""
+    key of the tile (nor of any earlier one): its max stays -inf and its sums zero.
+    ``v_scale``: an FP8 cache's value scale in the tile's dtype (``kv_tile``)."""
     dots = tl.dot(q, tl.trans(k))
     if FP8:
         dots = dots * k_scale
@@ -79,6 +80,8 @@ def _attend_rows(
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m - m_safe)
     denom = denom * alpha + tl.sum(p, axis=1)
+    if FP8:
+        v = v * v_scale
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, denom, acc
 
@@ -196,8 +199,10 @@ def _verify_kernel(
         tl.debug_barrier()
     q = tl.load(q_ptr + tokens[:, None] * q_stride_token + heads[:, None] * q_stride_head
                 + dims[None, :], mask=mask, other=0.0)  # fmt: skip
+    tile_v_scale = v_scale
     if FP8:
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(COMPUTE_DTYPE)
+        tile_v_scale = v_scale.to(COMPUTE_DTYPE)
     else:
         q = q.to(COMPUTE_DTYPE)
     visible_end = context_len + token_in_req + 1  # [M] one past each row's position
@@ -213,12 +218,11 @@ def _verify_kernel(
         if USE_WINDOW:
             visible &= pos[None, :] >= visible_end[:, None] - window
         m, denom, acc = _attend_rows(
-            q, k, v, visible, m, denom, acc, score_scale, cap_log2e, k_scale, USE_SOFT_CAP, FP8
-        )
+            q, k, v, visible, m, denom, acc, score_scale, cap_log2e, k_scale, tile_v_scale,
+            USE_SOFT_CAP, FP8,
+        )  # fmt: skip
     safe_denom = tl.where(denom > 0, denom, 1.0)
     out = acc / safe_denom[:, None]
-    if FP8:
-        out = out * v_scale
     if DIRECT:
         tl.store(out_ptr + out_rows + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
     else:
