@@ -3,17 +3,20 @@
 The cache layout is ``[num_blocks, num_kv_heads, block_size, head_dim]``; position ``p`` of
 a sequence lives at offset ``p % block_size`` of block ``table[p // block_size]``. An FP8
 cache's tiles are converted to the compute dtype in registers right after the load; the
-kernels multiply the scores by ``k_scale`` and the value tiles by ``v_scale`` (in the
-compute dtype) before P @ V (``fp8_scales``).
+kernels multiply the scores by ``k_scale``, and the decode and verification kernels the
+value tiles by ``v_scale`` (in the compute dtype) before P @ V, the prefill kernel its
+output (``fp8_scales``).
 
-Why the values and not the output, which would be the same sums: a tile cast straight
-from E4M3 reaches its dot through shared memory still in E4M3, and P @ V's operand wants
-consecutive keys in each register while the cache holds consecutive head dims;
-``ldmatrix`` transposes only 16-bit elements, so Triton read the values a byte at a time
-(``LDS.U8``) and packed them in pairs. The multiply makes it stage the converted 16-bit
-tile and read it with a transposing ``ldmatrix``: the decode kernel's loop at W1's tiles
-went from 5.02 to 3.81 instructions per K/V element (``tests/cuda/ptxas_decode_attention.py
---sass``; a bf16 cache: 2.78), at one more rounding of each value (to 16 bits).
+Why the values and not the output, which would be the same sums: in the decode and
+verification kernels a tile cast straight from E4M3 reaches its dot through shared memory
+still in E4M3, and P @ V's operand wants consecutive keys in each register while the
+cache holds consecutive head dims; ``ldmatrix`` transposes only 16-bit elements, so
+Triton read the values a byte at a time (``LDS.U8``) and packed them in pairs. The
+multiply makes it stage the converted 16-bit tile and read it with a transposing
+``ldmatrix``: the decode kernel's loop at W1's tiles went from 5.02 to 3.81 instructions
+per K/V element (``tests/cuda/ptxas_decode_attention.py --sass``; a bf16 cache: 2.78), at
+one more rounding of each value (to 16 bits). The prefill kernel never read bytes there,
+and the multiply added 4% to its loop, so it scales its output.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ Sliding window ``w`` (constexpr switch): the row at position ``p`` sees keys ``p
 Soft-cap ``c``: scores become ``c * tanh(s / c)`` before the softmax.
 
 FP8 cache (constexpr switch): tiles are cast to the query's dtype after loading, the dots
-are multiplied by ``k_scale`` and the value tiles by ``v_scale`` (``kv_tile`` says why the
-values and not the output).
+are multiplied by ``k_scale`` and the output by ``v_scale`` (both per tensor, so they
+commute with the softmax's sums).
 """
 
 from __future__ import annotations
@@ -72,8 +72,6 @@ def _prefill_kernel(
     table = block_tables_ptr + req * block_table_stride
     head_base = kv_head.to(tl.int64) * cache_stride_head
     k_scale, v_scale = fp8_scales(k_scale_ptr, v_scale_ptr, FP8)
-    if FP8:
-        v_scale = v_scale.to(q_ptr.dtype.element_ty)
     for n0 in range(kv_start, kv_end, BLOCK_N):
         pos, pos_mask, k, v = load_kv_tile(
             key_cache_ptr, value_cache_ptr, table, head_base, n0, kv_end, dims, dim_mask,
@@ -97,11 +95,11 @@ def _prefill_kernel(
         p = tl.exp2(s - m_ref[:, None])
         alpha = tl.exp2(m - m_ref)
         l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
-        if FP8:
-            v = v * v_scale
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    if FP8:
+        out = out * v_scale
     dst = out_ptr + tokens[:, None] * out_stride_token + head * out_stride_head + dims[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 
