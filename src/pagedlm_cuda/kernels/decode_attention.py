@@ -36,9 +36,10 @@ switches, so the common path compiles without them.
 FP8 cache (a third switch): tiles are cast to float16 after loading (one hardware convert
 per pair of E4M3 values; bfloat16 takes a longer path, and the bf16 kernel's speed in
 bytes was not reached with it), the query too (clamped to float16's range), and both dots
-run in float16 with float32 accumulation; the dots are multiplied by ``k_scale`` and the
-value tiles by ``v_scale`` (in float16; ``kv_tile`` says why: the loop went from 5.02 to
-3.81 instructions per K/V element at W1's 128-key tiles, and from 255 registers to 211).
+run in float16 with float32 accumulation; the dots are multiplied by ``k_scale`` and each
+partition's output by ``v_scale``, and the value tiles by a run-time 1.0 that makes the
+compiler stage them in 16 bits (``kv_tile.fp8_value_stager``: the loop went from 5.02 to
+3.83 instructions per K/V element at W1's 128-key tiles, and from 255 registers to 211).
 The new token's K/V are quantized (saturating) before they are written, and the new key
 is attended to from its quantized value, as a later step reads it from the cache.
 """
@@ -52,7 +53,12 @@ import triton.language as tl
 from pagedlm.kv_cache.fp8 import is_fp8
 from pagedlm_cuda.kernels import pdl
 from pagedlm_cuda.kernels.decode_config import DecodeConfig, decode_config
-from pagedlm_cuda.kernels.kv_tile import fp8_scales, fp8_store_value, load_kv_tile
+from pagedlm_cuda.kernels.kv_tile import (
+    fp8_scales,
+    fp8_store_value,
+    fp8_value_stager,
+    load_kv_tile,
+)
 from pagedlm_cuda.kernels.score_mod import scaled_scores, score_args
 
 MERGE_TILE = 16384
@@ -126,12 +132,11 @@ def _merge_group(
 
 @triton.jit
 def _attend_tile(
-    q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, k_scale, v_scale,
+    q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, k_scale, stager,
     USE_SOFT_CAP: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over a tile; the tile holds at least one visible key.
-    ``v_scale``: an FP8 cache's value scale in the tile's dtype (see the module
-    docstring for why it multiplies the tile)."""
+    ``stager``: an FP8 cache's ``fp8_value_stager``."""
     dots = tl.dot(q, tl.trans(k))
     if FP8:
         dots = dots * k_scale
@@ -142,7 +147,7 @@ def _attend_tile(
     alpha = tl.exp2(m - m_new)
     denom = denom * alpha + tl.sum(p, axis=1)
     if FP8:
-        v = v * v_scale
+        v = v * stager  # exact: for the code it makes (kv_tile)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, denom, acc
 
@@ -205,9 +210,9 @@ def _decode_kernel(
         cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N, compute_dtype,
     )  # fmt: skip
     k_scale, v_scale = fp8_scales(k_scale_ptr, v_scale_ptr, FP8)
-    tile_v_scale = v_scale
+    stager = 1.0
     if FP8:
-        tile_v_scale = v_scale.to(compute_dtype)
+        stager = fp8_value_stager(v_scale, compute_dtype)
     pdl.wait_for_previous(USE_PDL)
 
     owns_last = (start <= last) & (last < end)
@@ -250,7 +255,7 @@ def _decode_kernel(
     # cached tile (only the new key, or a padding row of the direct path).
     if start < cached_end:
         m, denom, acc = _attend_tile(
-            q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, k_scale, tile_v_scale,
+            q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, k_scale, stager,
             USE_SOFT_CAP, FP8,
         )  # fmt: skip
     for n0 in range(start + BLOCK_N, cached_end, BLOCK_N):
@@ -259,7 +264,7 @@ def _decode_kernel(
             cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N, compute_dtype,
         )  # fmt: skip
         m, denom, acc = _attend_tile(
-            q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, k_scale, tile_v_scale,
+            q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, k_scale, stager,
             USE_SOFT_CAP, FP8,
         )  # fmt: skip
     if WRITE_NEW:  # noqa: SIM102 - a compile-time switch around a runtime test
@@ -273,13 +278,12 @@ def _decode_kernel(
             p_new = tl.exp2(s_new - m_new)
             alpha = tl.exp2(m - m_new)
             denom = denom * alpha + p_new
-            new_value = new_v.to(tl.float32)
-            if FP8:
-                new_value = new_value * v_scale
-            acc = acc * alpha[:, None] + p_new[:, None] * new_value[None, :]
+            acc = acc * alpha[:, None] + p_new[:, None] * new_v.to(tl.float32)[None, :]
             m = m_new
     safe_denom = tl.where(denom > 0, denom, 1.0)
     out = acc / safe_denom[:, None]
+    if FP8:
+        out = out * v_scale
     mask = head_mask[:, None] & dim_mask[None, :]
     if DIRECT:
         dst = out_ptr + seq * out_stride_token + heads[:, None] * out_stride_head + dims[None, :]

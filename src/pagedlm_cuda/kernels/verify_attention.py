@@ -45,7 +45,12 @@ from pagedlm_cuda.kernels.decode_attention import (
     merge_counters,
 )
 from pagedlm_cuda.kernels.decode_config import DecodeConfig, decode_config
-from pagedlm_cuda.kernels.kv_tile import fp8_scales, fp8_store_value, load_kv_tile
+from pagedlm_cuda.kernels.kv_tile import (
+    fp8_scales,
+    fp8_store_value,
+    fp8_value_stager,
+    load_kv_tile,
+)
 from pagedlm_cuda.kernels.score_mod import scaled_scores, score_args
 
 MAX_QUERY_LEN = 8
@@ -64,12 +69,12 @@ partitions 32 / 64 / 128: 13.4 / 11.5 / 14.7 (prefill kernel 26.9, a decode 5.3)
 
 @triton.jit
 def _attend_rows(
-    q, k, v, visible, m, denom, acc, score_scale, cap_log2e, k_scale, v_scale,
+    q, k, v, visible, m, denom, acc, score_scale, cap_log2e, k_scale, stager,
     USE_SOFT_CAP: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over a tile, ``visible`` [M, N] per row; a row may see no
     key of the tile (nor of any earlier one): its max stays -inf and its sums zero.
-    ``v_scale``: an FP8 cache's value scale in the tile's dtype (``kv_tile``)."""
+    ``stager``: an FP8 cache's ``fp8_value_stager``."""
     dots = tl.dot(q, tl.trans(k))
     if FP8:
         dots = dots * k_scale
@@ -81,7 +86,7 @@ def _attend_rows(
     alpha = tl.exp2(m - m_safe)
     denom = denom * alpha + tl.sum(p, axis=1)
     if FP8:
-        v = v * v_scale
+        v = v * stager  # exact: for the code it makes (kv_tile)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, denom, acc
 
@@ -199,10 +204,10 @@ def _verify_kernel(
         tl.debug_barrier()
     q = tl.load(q_ptr + tokens[:, None] * q_stride_token + heads[:, None] * q_stride_head
                 + dims[None, :], mask=mask, other=0.0)  # fmt: skip
-    tile_v_scale = v_scale
+    stager = 1.0
     if FP8:
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(COMPUTE_DTYPE)
-        tile_v_scale = v_scale.to(COMPUTE_DTYPE)
+        stager = fp8_value_stager(v_scale, COMPUTE_DTYPE)
     else:
         q = q.to(COMPUTE_DTYPE)
     visible_end = context_len + token_in_req + 1  # [M] one past each row's position
@@ -218,11 +223,13 @@ def _verify_kernel(
         if USE_WINDOW:
             visible &= pos[None, :] >= visible_end[:, None] - window
         m, denom, acc = _attend_rows(
-            q, k, v, visible, m, denom, acc, score_scale, cap_log2e, k_scale, tile_v_scale,
+            q, k, v, visible, m, denom, acc, score_scale, cap_log2e, k_scale, stager,
             USE_SOFT_CAP, FP8,
         )  # fmt: skip
     safe_denom = tl.where(denom > 0, denom, 1.0)
     out = acc / safe_denom[:, None]
+    if FP8:
+        out = out * v_scale
     if DIRECT:
         tl.store(out_ptr + out_rows + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
     else:
