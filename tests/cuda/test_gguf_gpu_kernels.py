@@ -63,6 +63,23 @@ def test_gemv_matches_the_dequantized_weight(type_name: str, shape: tuple[int, i
     assert out.shape == (1, n) and rel_error(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gemv_pads_a_half_lane_group(type_name: str) -> None:
+    """K = 96: 4-bit codes fill one and a half 64-column lane groups (zero codes pad the
+    rest), 8-bit codes three 32-column ones."""
+    blocks = blocks_of(type_name, 12, 96, seed=3)
+    packed = pack_blocks(blocks.codes, blocks.scales, blocks.mins, DEVICE)
+    assert packed.codes.shape == (12, -(-96 // packed.span) * 8)  # 2 lane groups, or 3
+    x = torch.randn(1, 96, device=DEVICE)
+    ref = x.double().cpu() @ blocks.dequantize().double().T
+    for config in (None, (8, 64, 1, 1), (16, 128, 2, 2)):
+        if config and config[1] % packed.span:
+            continue
+        assert rel_error(gguf_gemv(x, packed, None, config), ref) < 1e-5, config
+    assert torch.equal(dequantize_into(packed, torch.empty(12 * 96, device=DEVICE)).cpu(),
+                       blocks.dequantize())  # fmt: skip
+
+
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
 @pytest.mark.parametrize("config", [None, (16, 256, 2, 2), (8, 1024, 1, 1)])
 def test_gemv_unmasked_tiles_match_the_dequantized_weight(type_name, config) -> None:
