@@ -1,5 +1,5 @@
-"""GGUF weights kept quantized on the GPU: their device layout, the tile dequantizer every
-GGUF kernel shares, and the batch-1 GEMV.
+"""GGUF weights kept quantized on the GPU: their device layout, the code-to-float step the
+GGUF kernels share (``slot_codes``), the tile dequantizer and the batch-1 GEMV.
 
 A layer's weight ``w[r, c] = scale[r, c // 32] * code[r, c] + min[r, c // 32]`` (the loader's
 affine form, ``gguf_blocks.AffineBlocks``) is stored as ``PackedGguf``:
@@ -138,26 +138,31 @@ def pack_blocks(
 
 
 @triton.jit
-def _slot_products(
-    words, magic, x_ptr, columns, K, slot: tl.constexpr, OFFSET: tl.constexpr,
-    BITS: tl.constexpr, EVEN_K: tl.constexpr,
-):  # fmt: skip
-    """Each word's code in ``slot`` times its column of x (``columns``: slot 0's, [G, 8]),
-    and that x: float32 [BLOCK_N, G, 8] and [G, 8].
-
-    The code becomes a float without a conversion: masked in place (the upper half's
-    codes first shifted down 12 bits, which keeps every one below 2^23 and no mask a bare
-    low-bit field, which the compiler would extract with an extra instruction) at a shift
-    ``s``, OR-ed into the bits of ``2^(23 - s)`` (``magic`` less ``s`` in the exponent; in a
-    register, so that mask and OR are one ``LOP3``: an instruction holds one immediate), it
-    is the float ``2^(23 - s) + code``; one subtraction leaves ``code - OFFSET`` exactly."""
+def slot_codes(words, magic, slot: tl.constexpr, OFFSET: tl.constexpr, BITS: tl.constexpr):
+    """float32 ``code - OFFSET`` of each int32 word's code in ``slot``, exactly, without a
+    conversion: masked in place (the upper half's codes first shifted down 12 bits, which
+    keeps every one below 2^23 and no mask a bare low-bit field, which the compiler would
+    extract with an extra instruction) at a shift ``s``, OR-ed into the bits of
+    ``2^(23 - s)`` (``magic`` less ``s`` in the exponent; in a register, so that mask and
+    OR are one ``LOP3``: an instruction holds one immediate), the code is the float
+    ``2^(23 - s) + code``, and one subtraction leaves ``code - OFFSET``."""
     POSITION: tl.constexpr = BITS * slot
     SHIFT: tl.constexpr = POSITION - 12 if POSITION >= 16 else POSITION
     MASK: tl.constexpr = (2**BITS - 1) * 2**SHIFT
     BIAS: tl.constexpr = 2.0 ** (23 - SHIFT) + OFFSET
     if POSITION >= 16:
         words = (words.to(tl.uint32, bitcast=True) >> 12).to(tl.int32, bitcast=True)
-    codes = ((words & MASK) | (magic - SHIFT * 8388608)).to(tl.float32, bitcast=True) - BIAS
+    return ((words & MASK) | (magic - SHIFT * 8388608)).to(tl.float32, bitcast=True) - BIAS
+
+
+@triton.jit
+def _slot_products(
+    words, magic, x_ptr, columns, K, slot: tl.constexpr, OFFSET: tl.constexpr,
+    BITS: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """Each word's code in ``slot`` (``slot_codes``) times its column of x (``columns``:
+    slot 0's, [G, 8]), and that x: float32 [BLOCK_N, G, 8] and [G, 8]."""
+    codes = slot_codes(words, magic, slot, OFFSET, BITS)
     cols = columns + 8 * slot
     if EVEN_K:
         x = tl.load(x_ptr + cols).to(tl.float32)
