@@ -260,8 +260,8 @@ def _gguf_gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PIPELINE: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """``EVEN_N``: N is a multiple of BLOCK_N; ``EVEN_K``: K of BLOCK_G lane groups (no
-    masks then)."""
+    """``EVEN_N``: N is a multiple of BLOCK_N; ``EVEN_K``: K is a multiple of BLOCK_G lane
+    groups (no masks then)."""
     pdl.allow_next(USE_PDL)
     SPAN: tl.constexpr = LANES * (32 // BITS)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
