@@ -37,6 +37,7 @@ from pagedlm_cuda.kernels.gguf_gemv import (
     LANES,
     MAGIC,
     PackedGguf,
+    load_groups,
     load_weight_tile,
     slot_codes,
 )
@@ -77,14 +78,14 @@ def _gguf_gemm_kernel(
         for part in tl.static_range(SCALES_PER_SPAN):
             groups = lane_groups * SCALES_PER_SPAN + part
             group_mask = row_mask[:, None] & (groups < K // 32)[None, :]
-            scale = tl.load(scales_ptr + row_groups + groups[None, :], mask=group_mask, other=0.0)
+            scale = load_groups(scales_ptr + row_groups + groups[None, :], group_mask, False)
             if HAS_MINS:
-                low = tl.load(mins_ptr + row_groups + groups[None, :], mask=group_mask, other=0.0)
+                low = load_groups(mins_ptr + row_groups + groups[None, :], group_mask, False)
             for j in tl.static_range(SLOTS_PER_SCALE):
                 codes = slot_codes(words, magic, part * SLOTS_PER_SCALE + j, OFFSET, BITS)
-                w = codes * scale.to(tl.float32)
+                w = codes * scale
                 if HAS_MINS:
-                    w += low.to(tl.float32)
+                    w += low
                 # The slot's columns: its dot sums over them, x read in the same order.
                 cols = lane_groups * SPAN + 8 * (part * SLOTS_PER_SCALE + j) + lanes
                 x = tl.load(

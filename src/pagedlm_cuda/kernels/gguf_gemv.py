@@ -197,9 +197,9 @@ def load_weight_tile(
     groups = k0 // 32 + tl.arange(0, SCALES)
     group_mask = row_mask[:, None] & (groups[None, :] < K // 32)
     group_offsets = rows.to(tl.int64)[:, None] * stride_groups + groups[None, :]
-    scales = tl.load(scales_ptr + group_offsets, mask=group_mask, other=0.0).to(tl.float32)
+    scales = load_groups(scales_ptr + group_offsets, group_mask, False)
     if HAS_MINS:
-        mins = tl.load(mins_ptr + group_offsets, mask=group_mask, other=0.0).to(tl.float32)
+        mins = load_groups(mins_ptr + group_offsets, group_mask, False)
     else:
         mins = scales * -OFFSET  # exact: OFFSET is a power of two
     weights = codes * scales[:, :, None] + mins[:, :, None]
@@ -207,7 +207,7 @@ def load_weight_tile(
 
 
 @triton.jit
-def _load_groups(pointers, mask, EVEN: tl.constexpr):
+def load_groups(pointers, mask, EVEN: tl.constexpr):
     """float32 scales or minimums; ``mask`` applies unless ``EVEN``."""
     if EVEN:
         return tl.load(pointers).to(tl.float32)
@@ -234,7 +234,7 @@ def _slice_products(
         groups = lane_groups * SCALES_PER_SPAN + part
         at = row_groups + groups[None, :]
         group_mask = row_mask[:, None] & (groups[None, :] < K // 32)
-        scale = _load_groups(scales_ptr + at, group_mask, EVEN_N and EVEN_K)
+        scale = load_groups(scales_ptr + at, group_mask, EVEN_N and EVEN_K)
         dot = tl.zeros(words.shape, dtype=tl.float32)
         x_sum = tl.zeros(columns.shape, dtype=tl.float32)
         for j in tl.static_range(SLOTS_PER_SCALE):
@@ -247,7 +247,7 @@ def _slice_products(
                 x_sum += x
         out += dot * scale[:, :, None]
         if HAS_MINS:
-            low = _load_groups(mins_ptr + at, group_mask, EVEN_N and EVEN_K)
+            low = load_groups(mins_ptr + at, group_mask, EVEN_N and EVEN_K)
             out += low[:, :, None] * x_sum[None]
     return out
 
