@@ -11,9 +11,11 @@ same result from a CUDA graph or eagerly:
   on 8.9, where torch's row-wise scaling is not assumed, the unscaled product in float32
   scaled afterwards). Shapes ``_scaled_mm`` cannot take (dimensions not multiples of 16)
   use the dequantizing reference.
-- GGUF: one row through ``gguf_gemv``; up to ``max_tiled_rows`` through ``gguf_gemm``;
-  more through a bf16 copy dequantized into a scratch buffer shared by the model's
-  layers, then ``F.linear``.
+- GGUF: one row through ``gguf_gemv`` (or, with ``PAGEDLM_GGUF_INT8_GEMV=1``, through
+  ``gguf_gemv_int8``, x rounded to int8 per 32 columns as llama.cpp's and vLLM's GGUF
+  kernels round it; not the default until a GPU has timed it); up to ``max_tiled_rows``
+  through ``gguf_gemm``; more through a bf16 copy dequantized into a scratch buffer shared
+  by the model's layers, then ``F.linear``.
 """
 
 from __future__ import annotations
@@ -141,21 +143,22 @@ class GgufCudaLinear:
         scratch: DenseScratch,
         max_tiled_rows: int = DEFAULT_MAX_TILED_ROWS,
     ) -> None:
-        from pagedlm_cuda.kernels.gguf_gemv import pack_blocks
+        from pagedlm_cuda.kernels.gguf_gemv import gguf_gemv, pack_blocks
+        from pagedlm_cuda.kernels.gguf_gemv_int8 import gguf_gemv_int8, int8_gemv_enabled
 
         self.packed = pack_blocks(blocks.codes, blocks.scales, blocks.mins, device)
         self.bias = None if bias is None else bias.detach()
         self.scratch = scratch
         self.max_tiled_rows = max_tiled_rows
+        self.gemv = gguf_gemv_int8 if int8_gemv_enabled() else gguf_gemv
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         from pagedlm_cuda.kernels.gguf_gemm import dequantize_into, gguf_gemm
-        from pagedlm_cuda.kernels.gguf_gemv import gguf_gemv
 
         x = x if x.stride(-1) == 1 else x.contiguous()
         rows = x.shape[0]
         if rows == 1:
-            return gguf_gemv(x, self.packed, self.bias)
+            return self.gemv(x, self.packed, self.bias)
         if rows <= self.max_tiled_rows:
             return gguf_gemm(x, self.packed, self.bias)
         numel = self.packed.out_features * self.packed.in_features

@@ -1,10 +1,11 @@
 """The batch-1 GEMVs' speed on llama-3-8b's projections (GPU only; run it by hand).
 
-    python tests/cuda/bench_gemv.py [--kinds bf16 fp8 gguf4] [--sweep] [--budget-s 45]
+    python tests/cuda/bench_gemv.py [--kinds bf16 fp8 gguf4 gguf4i8] [--sweep] [--budget-s 45]
         [--best-json best.json]
 
 ``--kinds``: which weights: ``bf16`` (``gemv``), ``fp8`` (``fp8_gemv``: E4M3 codes, a
-scale per row) and ``gguf4`` (``gguf_gemv`` on Q4_0 blocks); the budget is per kind.
+scale per row), ``gguf4`` (``gguf_gemv`` on Q4_0 blocks) and ``gguf4i8``
+(``gguf_gemv_int8``, x rounded to int8, on the same blocks); the budget is per kind.
 
 Each timing replays a CUDA graph of ``REPLAYS`` calls that rotate over copies of the weight
 whose total exceeds the H200's 50 MB L2 several times, so every call reads its weight from
@@ -32,6 +33,7 @@ from pagedlm.model_executor.quantization.fp8 import quantize_rows
 from pagedlm_cuda.kernels.fp8_gemv import fp8_gemv
 from pagedlm_cuda.kernels.gemv import GemvConfig, gemv, gemv_config
 from pagedlm_cuda.kernels.gguf_gemv import default_gemv_config, gguf_gemv, pack_blocks
+from pagedlm_cuda.kernels.gguf_gemv_int8 import default_int8_config, gguf_gemv_int8
 
 PROJECTIONS = {
     "qkv": (6144, 4096),
@@ -139,6 +141,7 @@ SWEEPS = {
     "bf16": (SMALL_SWEEP, LARGE_SWEEP),
     "fp8": (FP8_SMALL_SWEEP, FP8_LARGE_SWEEP),
     "gguf4": (GGUF_SMALL_SWEEP, GGUF_LARGE_SWEEP),
+    "gguf4i8": (GGUF_SMALL_SWEEP, GGUF_LARGE_SWEEP),
 }
 
 
@@ -185,11 +188,15 @@ class Kind:
             return gemv(x, w, config=config)
         if self.name == "fp8":
             return fp8_gemv(x, w[0], w[1], None, config)
+        if self.name == "gguf4i8":
+            return gguf_gemv_int8(x, w, None, config)
         return gguf_gemv(x, w, None, config)
 
     def default(self, n: int, k: int) -> GemvConfig:
         if self.name == "gguf4":
             return default_gemv_config(self.copies[0])
+        if self.name == "gguf4i8":
+            return default_int8_config(self.copies[0])
         return gemv_config(n, k, self.name)
 
     def key(self, n: int, k: int) -> str:
@@ -208,7 +215,7 @@ def bench_shape(name, n, k, kind_name, configs, deadline, best: dict) -> None:
     def line(label: str, us: float, extra: str = "") -> None:
         rate = kind.nbytes / (us * 1e-6)
         print(
-            f"{name:8s} {kind_name:5s} {label:{label_width}s} {us:8.2f} us "
+            f"{name:8s} {kind_name:7s} {label:{label_width}s} {us:8.2f} us "
             f"{100 * rate / PEAK_BYTES_PER_S:5.1f}% {extra}",
             flush=True,
         )

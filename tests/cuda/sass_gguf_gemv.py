@@ -1,7 +1,7 @@
 """Instructions per weight in the GGUF GEMV's loop, without a GPU.
 
     PYTHONPATH=src python tests/cuda/sass_gguf_gemv.py [--tiles 16,512,2,3 8,512,1,3]
-        [--bits 4 8] [--show-loop]
+        [--bits 4 8] [--mins] [--int8] [--show-loop]
 
 Compiles ``gguf_gemv``'s kernel for sm_90 with Triton's own ``ptxas`` (pointers and sizes
 16-divisible, as the JIT specializes llama-3-8b's shapes), disassembles it with the
@@ -11,7 +11,8 @@ commonest opcodes. ``--show-loop`` prints the loop. Not a test and no timing: at
 the kernel is bound by whichever is slower, the bytes or the instructions issued (one warp
 instruction per cycle per SM quarter; integer logic at half the FP32 rate, ``I2F``
 conversions at a quarter), so this says how far the arithmetic sits from the bytes
-(``tests/cuda/bench_gemv.py --kinds gguf4`` times the kernel on a GPU).
+(``tests/cuda/bench_gemv.py --kinds gguf4`` times the kernel on a GPU). ``--int8``: the
+kernel with x rounded to int8 and ``dp4a`` products (``gguf_gemv_int8``).
 """
 
 from __future__ import annotations
@@ -29,29 +30,35 @@ from triton.compiler import ASTSource
 
 from pagedlm_cuda.kernels.gemv import GemvConfig
 from pagedlm_cuda.kernels.gguf_gemv import LANES, MAGIC, _gguf_gemv_kernel
+from pagedlm_cuda.kernels.gguf_gemv_int8 import _gguf_gemv_int8_kernel
 
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*)")
 
 
-def compile_gemv(config: GemvConfig, bits: int, has_mins: bool) -> triton.compiler.CompiledKernel:
+def compile_gemv(
+    config: GemvConfig, bits: int, has_mins: bool, int8: bool = False
+) -> triton.compiler.CompiledKernel:
+    kernel = _gguf_gemv_int8_kernel if int8 else _gguf_gemv_kernel
     constants = dict(
         OFFSET=0 if has_mins else (8 if bits == 4 else 128), BITS=bits, HAS_MINS=has_mins,
         HAS_BIAS=False, BLOCK_N=config.block_n, BLOCK_G=config.block_k * bits // (LANES.value * 32),
         PIPELINE=config.pipeline_stages, EVEN_N=True, EVEN_K=True, USE_PDL=True,
     )  # fmt: skip
+    if int8:
+        constants["EMULATE"] = False
     scale_type = "*fp32" if has_mins else "*fp16"
     types = {"x_ptr": "*bf16", "codes_ptr": "*i32", "scales_ptr": scale_type,
              "mins_ptr": scale_type, "bias_ptr": "*bf16", "out_ptr": "*bf16"}  # fmt: skip
     signature, attrs = {}, {}
-    for index, name in enumerate(_gguf_gemv_kernel.arg_names):
+    for index, name in enumerate(kernel.arg_names):
         if name in constants:
             signature[name] = "constexpr"
             continue
         signature[name] = types.get(name, "i32")
         if name != "magic":
             attrs[(index,)] = [["tt.divisibility", 16]]
-    source = ASTSource(_gguf_gemv_kernel, signature, constants, attrs)
+    source = ASTSource(kernel, signature, constants, attrs)
     options = {"num_warps": config.num_warps, "num_stages": config.pipeline_stages}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
@@ -87,13 +94,14 @@ def main() -> None:
     parser.add_argument("--tiles", nargs="+", default=["16,512,2,3", "8,512,1,3", "32,512,4,3"])
     parser.add_argument("--bits", nargs="+", type=int, default=[4, 8], choices=[4, 8])
     parser.add_argument("--mins", action="store_true", help="affine blocks (Q4_1, K-quants)")
+    parser.add_argument("--int8", action="store_true", help="gguf_gemv_int8's kernel")
     parser.add_argument("--show-loop", action="store_true")
     args = parser.parse_args()
     assert MAGIC.value == 0x4B000000
     for bits in args.bits:
         for tiles in args.tiles:
             config = GemvConfig(*(int(v) for v in tiles.split(",")))
-            sass, usage = disassemble(compile_gemv(config, bits, args.mins))
+            sass, usage = disassemble(compile_gemv(config, bits, args.mins, args.int8))
             loop = main_loop(sass)
             weights = config.block_n * config.block_k / (32 * config.num_warps)
             counts = collections.Counter(opcode.split(".")[0] for _, opcode, _ in loop)

@@ -8,12 +8,15 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 from triton_env import DEVICE, rel_error
 
 from loader.tiny_gguf import k_quant_bytes
 from pagedlm.model_executor.loader.gguf_blocks import AffineBlocks, decode_blocks
 from pagedlm_cuda.kernels.gguf_gemm import dequantize_into, gguf_gemm
 from pagedlm_cuda.kernels.gguf_gemv import gguf_gemv, pack_blocks, pack_words
+from pagedlm_cuda.kernels.gguf_gemv_int8 import dp4a, gguf_gemv_int8
 from pagedlm_cuda.quantized_linear import DenseScratch, GgufCudaLinear
 
 # type -> (code bits stored, implicit minimum offset or 0, scale dtype)
@@ -91,7 +94,8 @@ def test_gemv_unmasked_tiles_match_the_dequantized_weight(type_name, config) -> 
 
 
 def test_words_hold_their_columns_in_lane_groups() -> None:
-    """Slot i of word w in lane group g is column 64 g + 8 i + w (4-bit codes)."""
+    """Slot i of word w in lane group g is column 64 g + 8 i + w (4-bit codes), in byte
+    i % 4 of the word, its high nibble for slots 4-7."""
     codes = torch.arange(128, dtype=torch.uint8).remainder(16).view(1, 128)
     codes[0, 64:] = torch.arange(64, dtype=torch.uint8) // 4
     words = pack_words(codes, 4)[0]
@@ -99,7 +103,8 @@ def test_words_hold_their_columns_in_lane_groups() -> None:
         for w in range(8):
             for i in range(8):
                 expected = int(codes[0, 64 * g + 8 * i + w])
-                assert (int(words[8 * g + w]) >> (4 * i)) & 15 == expected, (g, w, i)
+                position = 8 * (i % 4) + 4 * (i // 4)
+                assert (int(words[8 * g + w]) >> position) & 15 == expected, (g, w, i)
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q5_K"])
@@ -135,3 +140,86 @@ def test_refuses_what_it_cannot_compute() -> None:
         pack_blocks(
             torch.zeros(2, 40, dtype=torch.uint8), torch.ones(2, 1), torch.ones(2, 1), DEVICE
         )
+
+
+def int8_reference(x: torch.Tensor, blocks: AffineBlocks) -> torch.Tensor:
+    """What ``gguf_gemv_int8`` computes, in float64 from float32 parts: x rounded to int8
+    per 32 columns (scale max|x| / 127) times the codes' part of the weight; the stored
+    minimums times x itself, an implicit ``-offset * scale`` times the rounded x."""
+    groups = x.float().cpu().view(-1, 32)
+    amax = groups.abs().amax(dim=1, keepdim=True)
+    q = torch.round(groups * (127.0 / amax.clamp_min(1e-30)))  # half to even, as the kernel
+    xq = (q.double() * (amax * (1.0 / 127.0)).double()).view(1, -1)
+    packed = pack_blocks(blocks.codes, blocks.scales, blocks.mins, torch.device("cpu"))
+    scales = blocks.scales.double().repeat_interleave(32, dim=1)
+    codes = blocks.codes.double()
+    if packed.mins is None:
+        return xq @ ((codes - packed.offset) * scales).T
+    mins = blocks.mins.double().repeat_interleave(32, dim=1)
+    return xq @ (codes * scales).T + x.double().cpu() @ mins.T
+
+
+@pytest.mark.parametrize(
+    ("type_name", "shape"),
+    [(t, shape) for t in LAYOUTS for shape in [(40, 256), (20, 1280)]]
+    + [(t, (12, 96)) for t in LAYOUTS if not t.endswith("_K")],  # K-quants: 256-column blocks
+)
+def test_int8_gemv_matches_x_rounded_to_int8(type_name: str, shape: tuple[int, int]) -> None:
+    """Against x rounded to int8 per group: the integer dots, scales and sums are exact
+    (float32 sums). Against the exact product: the rounding's own error, about 1e-2."""
+    n, k = shape
+    blocks = blocks_of(type_name, n, k, seed=n + k)
+    packed = pack_blocks(blocks.codes, blocks.scales, blocks.mins, DEVICE)
+    x = torch.randn(1, k, device=DEVICE)
+    x[0, :32] = 0.0  # an all-zero group (scale 0)
+    bias = torch.randn(n, device=DEVICE)
+    out = gguf_gemv_int8(x, packed, bias)
+    assert out.shape == (1, n)
+    ref = int8_reference(x, blocks) + bias.double().cpu()
+    assert rel_error(out, ref) < 1e-4
+    exact = x.double().cpu() @ blocks.dequantize().double().T + bias.double().cpu()
+    rounding = rel_error(ref, exact)
+    assert 0 < rounding < 3e-2 and rel_error(out, exact) < 1.01 * rounding
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("config", [None, (8, 256, 1, 2), (16, 1024, 2, 1)])
+def test_int8_gemv_tiles(type_name: str, config) -> None:
+    """Unmasked tiles (llama-3-8b's shapes take them) and masked rows (N = 36)."""
+    for n in (32, 36):
+        blocks = blocks_of(type_name, n, 2048, seed=11)
+        packed = pack_blocks(blocks.codes, blocks.scales, blocks.mins, DEVICE)
+        x = torch.randn(1, 2048, device=DEVICE) * 3
+        out = gguf_gemv_int8(x, packed, None, config)
+        assert rel_error(out, int8_reference(x, blocks)) < 1e-4, (n, config)
+
+
+def test_dp4a_emulation_takes_unsigned_and_signed_bytes() -> None:
+    """The interpreter's dp4a: a's bytes unsigned, b's signed (the GPU's ``dp4a.u32.s32``)."""
+    @triton.jit
+    def kernel(a_ptr, b_ptr, c_ptr, out_ptr, EMULATE: tl.constexpr):
+        i = tl.arange(0, 8)
+        a, b, c = tl.load(a_ptr + i), tl.load(b_ptr + i), tl.load(c_ptr + i)
+        tl.store(out_ptr + i, dp4a(a, b, c, EMULATE))
+
+    rng = np.random.default_rng(0)
+    a_bytes = rng.integers(0, 256, (8, 4), dtype=np.uint8)
+    b_bytes = rng.integers(-128, 128, (8, 4), dtype=np.int8)
+    c = rng.integers(-1000, 1000, 8).astype(np.int32)
+    expected = c + (a_bytes.astype(np.int64) * b_bytes.astype(np.int64)).sum(1)
+    as_words = [torch.from_numpy(v.view(np.int32).reshape(8)) for v in (a_bytes, b_bytes)]
+    args = [t.to(DEVICE) for t in (*as_words, torch.from_numpy(c))]
+    out = torch.empty(8, dtype=torch.int32, device=DEVICE)
+    kernel[(1,)](*args, out, EMULATE=DEVICE.type != "cuda")
+    assert out.cpu().tolist() == expected.tolist()
+
+
+def test_layer_kernel_takes_the_int8_gemv_when_asked(monkeypatch) -> None:
+    blocks = blocks_of("Q4_0", 48, 128, seed=9)
+    x = torch.randn(1, 128, device=DEVICE)
+    plain = GgufCudaLinear(blocks, None, DEVICE, DenseScratch())
+    monkeypatch.setenv("PAGEDLM_GGUF_INT8_GEMV", "1")
+    int8 = GgufCudaLinear(blocks, None, DEVICE, DenseScratch())
+    assert torch.equal(plain(x), gguf_gemv(x, plain.packed))
+    assert torch.equal(int8(x), gguf_gemv_int8(x, int8.packed))
+    assert not torch.equal(int8(x), plain(x))

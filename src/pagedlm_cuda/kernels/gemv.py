@@ -94,10 +94,11 @@ num_warps, pipeline_stages]}`` (what ``tests/cuda/bench_gemv.py --best-json``
 writes) whose entries replace ``gemv_config``'s for those weight shapes and kinds
 (``WEIGHT_KINDS``; ``bf16`` where the key names none)."""
 
-WEIGHT_KINDS = ("bf16", "fp8", "gguf4", "gguf8")
+WEIGHT_KINDS = ("bf16", "fp8", "gguf4", "gguf8", "gguf4i8", "gguf8i8")
 """What a GEMV streams per weight: 16-bit floats (bf16 or float16), FP8 codes with a scale
 per row, GGUF codes of 4 bits (eight per int32 word) or 8 bits (four per word) with a scale
-per 32 (``gguf_gemv``'s layout)."""
+per 32 (``gguf_gemv``'s layout); ``i8``: the same codes against x rounded to int8
+(``gguf_gemv_int8``)."""
 
 
 @functools.cache
@@ -141,6 +142,8 @@ def gemv_config(n: int, k: int, kind: str = "bf16") -> GemvConfig:
         return GemvConfig(16, 512 if n <= 8192 else 256, 4, 3)
     if kind in ("gguf4", "gguf8"):
         return GemvConfig(8, 512, 1, 3)
+    if kind in ("gguf4i8", "gguf8i8"):
+        return GemvConfig(16, 512, 1, 3)
     if n <= 4096:
         return GemvConfig(16, 1024, 8)
     if n <= 8192:

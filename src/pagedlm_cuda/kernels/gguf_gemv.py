@@ -7,10 +7,12 @@ affine form, ``gguf_blocks.AffineBlocks``) is stored as ``PackedGguf``:
 - codes in int32 words, ``32 / bits`` codes per word: 4 bits for codes below 16 (Q4_0,
   Q4_1, Q4_K; 8 per word), else 8 (Q5_*, Q8_0; 4 per word). Eight consecutive words
   form a *lane group* of ``SPAN = 8 * codes_per_word`` columns (64 or 32): code slot
-  ``i`` (bits ``bits * i`` up) of word ``w`` in group ``g`` holds column
-  ``SPAN * g + 8 * i + w``. So one slot across a group's eight words is eight adjacent
-  columns (one vector load of x), and each 32-column scale group is four whole slots (4-bit
-  codes: slots 0-3 and 4-7 of a group are its two scale groups; 8-bit: the group is one).
+  ``i`` of word ``w`` in group ``g`` holds column ``SPAN * g + 8 * i + w``. So one slot
+  across a group's eight words is eight adjacent columns (one vector load of x), and each
+  32-column scale group is four whole slots (4-bit codes: slots 0-3 and 4-7 of a group
+  are its two scale groups; 8-bit: the group is one). Slot ``i`` sits in byte ``i % 4``
+  of its word, in the high nibble for slots 4-7 (``slot_position``): one mask then leaves
+  a scale group's four codes one per byte, as the int8 GEMV's ``dp4a`` takes them.
   Rows are padded with zero codes to whole groups; kernels read x as zero past K.
 - scales ``[N, K / 32]`` in float16 where every one is exact in float16 (the legacy types'
   ``d`` is a float16), else float32 (the K-quants' ``d * sub_scale`` needs 17 bits);
@@ -106,8 +108,8 @@ def pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
     rows, cols = codes.shape
     padded = F.pad(codes.to(torch.uint8), (0, -cols % span))
     slots = padded.view(rows, -1, per_word, LANES.value)  # [N, groups, slot, word]
-    if bits == 4:  # byte b of a word: slot 2b in its low nibble, slot 2b + 1 in its high
-        slots = slots[:, :, 0::2] | (slots[:, :, 1::2] << 4)
+    if bits == 4:  # byte b of a word: slot b in its low nibble, slot b + 4 in its high
+        slots = slots[:, :, :4] | (slots[:, :, 4:] << 4)
     if sys.byteorder != "little":
         raise RuntimeError("pack_words builds words from bytes in little-endian order.")
     words = slots.transpose(2, 3).contiguous()  # [N, groups, word, byte]
@@ -138,6 +140,13 @@ def pack_blocks(
 
 
 @triton.jit
+def slot_position(slot):
+    """The lowest bit of code slot ``slot`` (an int or an int tensor) in its word: byte
+    ``slot % 4``, its high nibble for slots 4-7 (4-bit codes; 8-bit ones have slots 0-3)."""
+    return 8 * (slot % 4) + 4 * (slot // 4)
+
+
+@triton.jit
 def slot_codes(words, magic, slot: tl.constexpr, OFFSET: tl.constexpr, BITS: tl.constexpr):
     """float32 ``code - OFFSET`` of each int32 word's code in ``slot``, exactly, without a
     conversion: masked in place (the upper half's codes first shifted down 12 bits, which
@@ -146,7 +155,7 @@ def slot_codes(words, magic, slot: tl.constexpr, OFFSET: tl.constexpr, BITS: tl.
     ``2^(23 - s)`` (``magic`` less ``s`` in the exponent; in a register, so that mask and
     OR are one ``LOP3``: an instruction holds one immediate), the code is the float
     ``2^(23 - s) + code``, and one subtraction leaves ``code - OFFSET``."""
-    POSITION: tl.constexpr = BITS * slot
+    POSITION: tl.constexpr = 8 * (slot % 4) + 4 * (slot // 4)  # slot_position
     SHIFT: tl.constexpr = POSITION - 12 if POSITION >= 16 else POSITION
     MASK: tl.constexpr = (2**BITS - 1) * 2**SHIFT
     BIAS: tl.constexpr = 2.0 ** (23 - SHIFT) + OFFSET
@@ -190,7 +199,7 @@ def load_weight_tile(
     mask = row_mask[:, None, None] & (lane_groups * SPAN < K)[None, :, None]
     words = tl.load(codes_ptr + row_offsets + words_at[None, :, :], mask=mask, other=0)
     # [BLOCK_N, GROUPS, slot, word] is column order: column = SPAN * g + 8 * slot + word.
-    shifts = (tl.arange(0, PER_WORD) * BITS)[None, None, :, None]
+    shifts = slot_position(tl.arange(0, PER_WORD))[None, None, :, None]
     codes = (words[:, :, None, :] >> shifts) & ((1 << BITS) - 1)
     codes = (codes | MAGIC).to(tl.float32, bitcast=True) - 8388608.0
     codes = tl.reshape(codes, (BLOCK_N, SCALES, 32))

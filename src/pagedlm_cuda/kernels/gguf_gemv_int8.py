@@ -1,0 +1,258 @@
+"""The batch-1 GGUF GEMV with x quantized to int8: integer dot products of four codes at a
+time (``dp4a``), as llama.cpp's CUDA kernels (``mul_mat_vec_q`` with ``q8_1``
+activations) and vLLM's GGUF path compute it.
+
+Per 32-column scale group ``j`` each program quantizes x itself: ``d_j = max|x| / 127``,
+``q = round(x / d_j)`` in [-127, 127]. A row's part of the product is then
+
+    scale[r, j] * d_j * sum(code * q)  +  min[r, j] * sum(x)
+
+with ``sum(code * q)`` exact in int32, and for the legacy types without stored minimums
+(``min = -offset * scale``) ``scale[r, j] * d_j * sum((code - offset) * q)``.
+So the only error against the exact float GEMV (``gguf_gemv``) is x's rounding to 8 bits
+per group, the error llama.cpp's and vLLM's GGUF matmuls make: relative to a row's
+result about ``max|x| / 254`` per element, a few 1e-3 (``tests/cuda/
+test_gguf_gpu_kernels.py`` bounds it).
+
+Why: ``gguf_gemv`` turns every code into a float (a logic op, an add and an FMA per
+weight, 4.7 loop instructions per weight in sm_90 SASS), while an H200 reading 4-bit codes
+at full bandwidth leaves about 3 instructions per weight. Here, on ``gguf_gemv``'s word
+layout (``PackedGguf``: a scale group's four code slots sit one per byte, 4-bit codes
+in a byte's low nibble for the first group of a lane group and in its high nibble for the
+second), per word of eight 4-bit codes: one mask leaves the first group's four codes one
+per byte, a second mask the other group's times 16 (divided out exactly afterwards), and
+two ``dp4a`` take them against four int8 x values each. 8-bit codes (four per word, one
+group per lane group) go to ``dp4a`` as they are. What a program spends on quantizing x
+is spent once per ``BLOCK_N`` rows (``tests/cuda/sass_gguf_gemv.py --int8`` counts the
+loop's instructions).
+
+Not the default: ``GgufCudaLinear`` takes it where ``PAGEDLM_GGUF_INT8_GEMV=1`` until a
+GPU measures it against ``gguf_gemv`` (``tests/cuda/bench_gemv.py --kinds gguf4 gguf4i8``,
+``python -m pagedlm.benchmarks.quantized_gpu --parts gguf``, with and without the
+variable).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedlm_cuda.kernels import pdl
+from pagedlm_cuda.kernels.gemv import GemvConfig, gemv_config
+from pagedlm_cuda.kernels.gguf_gemv import LANES, PackedGguf, load_groups
+
+INT8_GEMV_ENV = "PAGEDLM_GGUF_INT8_GEMV"
+"""Set to 1 to run batch-1 GGUF layers through ``gguf_gemv_int8`` (off by default)."""
+
+ROUNDING = tl.constexpr(12582912.0)
+"""1.5 * 2^23: adding it to a float below 2^22 in magnitude rounds it to an integer held in
+the low mantissa bits (the float's bits are ``0x4B400000`` plus the integer)."""
+ROUNDING_BITS = tl.constexpr(0x4B400000)
+HIGH_NIBBLES = tl.constexpr(-0x0F0F0F10)
+"""``0xF0F0F0F0`` as an int32."""
+
+
+def int8_gemv_enabled() -> bool:
+    return os.environ.get(INT8_GEMV_ENV, "0") == "1"
+
+
+@triton.jit
+def dp4a(a, b, c, EMULATE: tl.constexpr):
+    """``c`` plus the dot product of ``a``'s four unsigned bytes with ``b``'s four signed
+    bytes, per int32 element. ``EMULATE`` computes it with shifts (the interpreter has no
+    inline assembly); on the GPU it is one ``dp4a`` (``IDP.4A``) per element."""
+    if EMULATE:
+        total = c
+        for i in tl.static_range(4):
+            total += ((a >> (8 * i)) & 0xFF) * ((b << (24 - 8 * i)) >> 24)
+        return total
+    return tl.inline_asm_elementwise(
+        "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+        dtype=tl.int32, is_pure=True, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def to_float(values):
+    """int32 of magnitude below 2^22 -> float32, exactly, without a (quarter-rate)
+    conversion instruction."""
+    return (values + ROUNDING_BITS).to(tl.float32, bitcast=True) - ROUNDING
+
+
+@triton.jit
+def quantize_groups(x_ptr, j0, K, GROUPS: tl.constexpr, EVEN_K: tl.constexpr):
+    """x's scale groups ``j0 ..`` (32 columns each; zeros past K) quantized to int8:
+    (words int32 [GROUPS, 8], scales float32 [GROUPS], sums of the int8 values int32
+    [GROUPS], sums of x float32 [GROUPS]). Byte ``b`` of word ``w`` of group ``j`` holds
+    column ``32 j + 8 b + w``, as the codes of a scale group sit in ``gguf_gemv``'s
+    words."""
+    groups = j0 + tl.arange(0, GROUPS)
+    columns = (
+        groups[:, None, None] * 32
+        + (8 * tl.arange(0, 4))[None, :, None]
+        + tl.arange(0, LANES)[None, None, :]
+    )  # [GROUPS, byte, word]: x's own order
+    if EVEN_K:
+        x = tl.load(x_ptr + columns).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + columns, mask=columns < K, other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
+    inverse = tl.fdiv(127.0, tl.maximum(amax, 1e-30))  # an all-zero group stays zeros
+    rounded = (x * inverse[:, None, None] + ROUNDING).to(tl.int32, bitcast=True)
+    # The low byte of the rounded float's bits is the int8 value's two's complement.
+    shifts = (8 * tl.arange(0, 4))[None, :, None]
+    words = tl.sum((rounded & 0xFF) << shifts, axis=1)
+    q_sums = tl.sum(tl.sum(rounded - ROUNDING_BITS, axis=2), axis=1)
+    x_sums = tl.sum(tl.sum(x, axis=2), axis=1)
+    return words, amax * (1.0 / 127.0), q_sums, x_sums
+
+
+@triton.jit
+def _group_terms(
+    dots, q_sums, x_scales, x_sums, scales_ptr, mins_ptr, at, mask, OFFSET: tl.constexpr,
+    HAS_MINS: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    """float32 [BLOCK_N, G]: each (row, scale group)'s part of the product from its
+    integer dot (``dots``) and x's scales and sums ([G] each)."""
+    scale = load_groups(scales_ptr + at, mask, EVEN)
+    if HAS_MINS:
+        low = load_groups(mins_ptr + at, mask, EVEN)
+        return scale * x_scales[None, :] * to_float(dots) + low * x_sums[None, :]
+    return scale * x_scales[None, :] * to_float(dots - OFFSET * q_sums[None, :])
+
+
+@triton.jit
+def _slice_terms(
+    words, x_ptr, scales_ptr, mins_ptr, rows, row_mask, g0, K, stride_groups,
+    OFFSET: tl.constexpr, BITS: tl.constexpr, HAS_MINS: tl.constexpr, BLOCK_G: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, EMULATE: tl.constexpr,
+):  # fmt: skip
+    """float32 [BLOCK_N, BLOCK_G]: per (row, lane group) of the slice's ``words``
+    ([BLOCK_N, BLOCK_G, 8], lane groups ``g0 ..``), its weights times x."""
+    EVEN: tl.constexpr = EVEN_N and EVEN_K
+    row_groups = rows.to(tl.int64)[:, None] * stride_groups
+    zero = tl.zeros(words.shape, dtype=tl.int32)
+    if BITS == 4:  # a lane group is two scale groups: the low nibbles, then the high ones
+        x_words, x_scales, q_sums, x_sums = quantize_groups(
+            x_ptr, 2 * g0, K, 2 * BLOCK_G, EVEN_K
+        )
+        lo_x, hi_x = tl.split(tl.permute(tl.reshape(x_words, (BLOCK_G, 2, LANES)), (0, 2, 1)))
+        lo_scale, hi_scale = tl.split(tl.reshape(x_scales, (BLOCK_G, 2)))
+        lo_q, hi_q = tl.split(tl.reshape(q_sums, (BLOCK_G, 2)))
+        lo_sum, hi_sum = tl.split(tl.reshape(x_sums, (BLOCK_G, 2)))
+        lo_dots = tl.sum(dp4a(words & 0x0F0F0F0F, lo_x[None], zero, EMULATE), axis=2)
+        # The high nibbles in place are 16 times the codes: a shift divides it out exactly.
+        hi_dots = tl.sum(dp4a(words & HIGH_NIBBLES, hi_x[None], zero, EMULATE), axis=2) >> 4
+        groups = 2 * (g0 + tl.arange(0, BLOCK_G))
+        mask = row_mask[:, None] & (groups[None, :] < K // 32)
+        at = row_groups + groups[None, :]
+        out = _group_terms(
+            lo_dots, lo_q, lo_scale, lo_sum, scales_ptr, mins_ptr, at, mask, OFFSET, HAS_MINS,
+            EVEN,
+        )  # fmt: skip
+        out += _group_terms(
+            hi_dots, hi_q, hi_scale, hi_sum, scales_ptr, mins_ptr, at + 1,
+            row_mask[:, None] & (groups[None, :] + 1 < K // 32), OFFSET, HAS_MINS, EVEN,
+        )  # fmt: skip
+        return out
+    # 8-bit codes: a lane group is one scale group, four codes per word.
+    x_words, x_scales, q_sums, x_sums = quantize_groups(x_ptr, g0, K, BLOCK_G, EVEN_K)
+    dots = tl.sum(dp4a(words, x_words[None], zero, EMULATE), axis=2)
+    groups = g0 + tl.arange(0, BLOCK_G)
+    mask = row_mask[:, None] & (groups[None, :] < K // 32)
+    return _group_terms(
+        dots, q_sums, x_scales, x_sums, scales_ptr, mins_ptr, row_groups + groups[None, :],
+        mask, OFFSET, HAS_MINS, EVEN,
+    )  # fmt: skip
+
+
+@triton.jit
+def _gguf_gemv_int8_kernel(
+    x_ptr, codes_ptr, scales_ptr, mins_ptr, bias_ptr, out_ptr, N, K,
+    stride_codes, stride_groups,
+    OFFSET: tl.constexpr, BITS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PIPELINE: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, EMULATE: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """``gguf_gemv``'s kernel with integer products: the same programs, slices and
+    masks (``EVEN_N``: N is a multiple of BLOCK_N; ``EVEN_K``: K of BLOCK_G lane groups)."""
+    pdl.allow_next(USE_PDL)
+    SPAN: tl.constexpr = LANES * (32 // BITS)
+    BLOCK_W: tl.constexpr = BLOCK_G * LANES
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    n_groups = tl.cdiv(K, SPAN)
+    word_ids = tl.arange(0, BLOCK_W)
+    row_words = codes_ptr + rows.to(tl.int64)[:, None] * stride_codes + word_ids[None, :]
+    # Weights never change: the first slice is read before waiting for x's producer.
+    if EVEN_N and EVEN_K:
+        words = tl.load(row_words)
+    else:
+        mask = row_mask[:, None] & (word_ids[None, :] < n_groups * LANES)
+        words = tl.load(row_words, mask=mask, other=0)
+    pdl.wait_for_previous(USE_PDL)
+    acc = _slice_terms(
+        tl.reshape(words, (BLOCK_N, BLOCK_G, LANES)), x_ptr, scales_ptr, mins_ptr, rows,
+        row_mask, 0, K, stride_groups, OFFSET, BITS, HAS_MINS, BLOCK_G, EVEN_N, EVEN_K,
+        EMULATE,
+    )  # fmt: skip
+    for g0 in tl.range(BLOCK_G, n_groups, BLOCK_G, num_stages=PIPELINE):
+        if EVEN_N and EVEN_K:
+            words = tl.load(row_words + g0 * LANES)
+        else:
+            mask = row_mask[:, None] & (g0 * LANES + word_ids[None, :] < n_groups * LANES)
+            words = tl.load(row_words + g0 * LANES, mask=mask, other=0)
+        acc += _slice_terms(
+            tl.reshape(words, (BLOCK_N, BLOCK_G, LANES)), x_ptr, scales_ptr, mins_ptr, rows,
+            row_mask, g0, K, stride_groups, OFFSET, BITS, HAS_MINS, BLOCK_G, EVEN_N, EVEN_K,
+            EMULATE,
+        )  # fmt: skip
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+def default_int8_config(weight: PackedGguf) -> GemvConfig:
+    """``gemv.gemv_config`` for the weight's kind (``gguf4i8`` / ``gguf8i8``)."""
+    kind = "gguf4i8" if weight.bits == 4 else "gguf8i8"
+    return gemv_config(weight.out_features, weight.in_features, kind)
+
+
+def gguf_gemv_int8(
+    x: torch.Tensor,
+    weight: PackedGguf,
+    bias: torch.Tensor | None = None,
+    config: GemvConfig | tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """``gguf_gemv``'s contract with x rounded to int8 per 32 columns (the module
+    docstring): x [1, K] (unit-stride row) -> [1, N] in x's dtype."""
+    if x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1:
+        raise ValueError(
+            f"gguf_gemv_int8 takes one unit-stride row [1, K]; got {tuple(x.shape)}."
+        )
+    n, k = weight.out_features, weight.in_features
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} features but the weight is [{n}, {k}].")
+    cfg = GemvConfig(*config) if config is not None else default_int8_config(weight)
+    block_g = cfg.block_k // weight.span
+    if cfg.block_k % weight.span or block_g & (block_g - 1):
+        raise ValueError(
+            f"gguf_gemv_int8 streams a power of two of whole {weight.span}-column lane "
+            f"groups; got {cfg}."
+        )
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    mins = weight.mins if weight.mins is not None else weight.scales
+    _gguf_gemv_int8_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight.codes, weight.scales, mins, bias if bias is not None else weight.scales,
+        out, n, k, weight.codes.stride(0), weight.scales.stride(0),
+        OFFSET=weight.offset, BITS=weight.bits, HAS_MINS=weight.mins is not None,
+        HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_G=block_g,
+        PIPELINE=cfg.pipeline_stages, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
+        EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=cfg.num_warps, num_stages=cfg.pipeline_stages, **pdl.launch_options(),
+    )  # fmt: skip
+    return out
