@@ -196,6 +196,7 @@ def test_int8_gemv_tiles(type_name: str, config) -> None:
 
 def test_dp4a_emulation_takes_unsigned_and_signed_bytes() -> None:
     """The interpreter's dp4a: a's bytes unsigned, b's signed (the GPU's ``dp4a.u32.s32``)."""
+
     @triton.jit
     def kernel(a_ptr, b_ptr, c_ptr, out_ptr, EMULATE: tl.constexpr):
         i = tl.arange(0, 8)

@@ -7,7 +7,9 @@ Parts (``--parts``, all by default), each comparison measured in this one proces
 - ``gguf``: an 8B-shaped Q4_0 GGUF written here with the ``gguf`` package (random blocks:
   a pool of random 18-byte blocks tiled over every tensor, so writing 4.5 GB takes seconds;
   norms F32 ones), run at batch 1 as W2 with its blocks kept on the GPU, against the bf16
-  run of the ``fp8`` part or a bf16 run of its own (target: >= 2.8x the bf16 tok/s);
+  run of the ``fp8`` part or a bf16 run of its own (target: >= 2.8x the bf16 tok/s); once
+  per batch-1 GEMV of ``--gguf-gemvs``: ``float`` (``gguf_gemv``, the default one) and
+  ``int8`` (``gguf_gemv_int8``, x rounded to int8: ``PAGEDLM_GGUF_INT8_GEMV=1``);
 - ``kernels``: each Llama-3-8B projection at batch 1 through the bf16 GEMV, the FP8 GEMV
   and the Q4_0 GEMV, weights rotated over copies that exceed the L2, from CUDA graphs:
   microseconds and achieved bandwidth against the H200's 4.8 TB/s (``--bandwidth``).
@@ -28,9 +30,11 @@ minutes, printed as the engine's start time)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -39,6 +43,7 @@ from typing import Any
 from pagedlm.benchmarks import latency
 from pagedlm.benchmarks.shapes import BUILTIN_SHAPES
 
+INT8_GEMV_ENV = "PAGEDLM_GGUF_INT8_GEMV"  # pagedlm_cuda.kernels.gguf_gemv_int8's switch
 H200_BANDWIDTH = 4.8e12
 SHAPE = BUILTIN_SHAPES["llama-3-8b"]
 Q4_0_BLOCK_BYTES = 18  # a float16 scale, then 16 bytes of nibbles per 32 weights
@@ -51,6 +56,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--parts", nargs="+", default=["fp8", "gguf", "kernels"],
                        choices=["fp8", "gguf", "kernels"])  # fmt: skip
     group.add_argument("--gguf-dir", default=None, help="where the Q4_0 file goes (a temp dir)")
+    group.add_argument("--gguf-gemvs", nargs="+", default=["float", "int8"],
+                       choices=["float", "int8"], help="the batch-1 GGUF GEMVs to run W2 with")  # fmt: skip
     group.add_argument("--gemv-sweep", action="store_true")
     group.add_argument("--gemm-sweep", action="store_true")
     group.add_argument("--output-json", default=None)
@@ -145,10 +152,29 @@ def run_gguf(args: argparse.Namespace, results: dict[str, Any]) -> None:
         print(f"wrote {path} ({size / 1e9:.2f} GB) in {time.perf_counter() - start:.1f} s")
         bf16 = results.get("bf16_tok_per_s") or _w2(args, "bf16")
         results["bf16_tok_per_s"] = bf16
-        q4 = _w2(args, "gguf q4_0", model=str(path), load_format="auto")
-    results["gguf_q4_0_tok_per_s"] = q4
-    results["gguf_q4_0_speedup"] = q4 / bf16
-    print(f"Q4_0 GGUF W2: {q4:.1f} tok/s vs bf16 {bf16:.1f} = {q4 / bf16:.2f}x (target >= 2.8x)")
+        for gemv in args.gguf_gemvs:
+            suffix = "" if gemv == "float" else f"_{gemv}"
+            with _env(INT8_GEMV_ENV, "1" if gemv == "int8" else "0"):
+                q4 = _w2(args, f"gguf q4_0, {gemv} GEMV", model=str(path), load_format="auto")
+            results[f"gguf_q4_0{suffix}_tok_per_s"] = q4
+            results[f"gguf_q4_0{suffix}_speedup"] = q4 / bf16
+            print(
+                f"Q4_0 GGUF W2 ({gemv} GEMV): {q4:.1f} tok/s vs bf16 {bf16:.1f} = "
+                f"{q4 / bf16:.2f}x (target >= 2.8x)"
+            )
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
 
 
 def main(argv: list[str] | None = None) -> None:

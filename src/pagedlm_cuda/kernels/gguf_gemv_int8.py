@@ -136,9 +136,7 @@ def _slice_terms(
     row_groups = rows.to(tl.int64)[:, None] * stride_groups
     zero = tl.zeros(words.shape, dtype=tl.int32)
     if BITS == 4:  # a lane group is two scale groups: the low nibbles, then the high ones
-        x_words, x_scales, q_sums, x_sums = quantize_groups(
-            x_ptr, 2 * g0, K, 2 * BLOCK_G, EVEN_K
-        )
+        x_words, x_scales, q_sums, x_sums = quantize_groups(x_ptr, 2 * g0, K, 2 * BLOCK_G, EVEN_K)
         lo_x, hi_x = tl.split(tl.permute(tl.reshape(x_words, (BLOCK_G, 2, LANES)), (0, 2, 1)))
         lo_scale, hi_scale = tl.split(tl.reshape(x_scales, (BLOCK_G, 2)))
         lo_q, hi_q = tl.split(tl.reshape(q_sums, (BLOCK_G, 2)))
@@ -231,9 +229,7 @@ def gguf_gemv_int8(
     """``gguf_gemv``'s contract with x rounded to int8 per 32 columns (the module
     docstring): x [1, K] (unit-stride row) -> [1, N] in x's dtype."""
     if x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1:
-        raise ValueError(
-            f"gguf_gemv_int8 takes one unit-stride row [1, K]; got {tuple(x.shape)}."
-        )
+        raise ValueError(f"gguf_gemv_int8 takes one unit-stride row [1, K]; got {tuple(x.shape)}.")
     n, k = weight.out_features, weight.in_features
     if x.shape[1] != k:
         raise ValueError(f"x has {x.shape[1]} features but the weight is [{n}, {k}].")
