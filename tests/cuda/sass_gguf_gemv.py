@@ -29,8 +29,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from pagedlm_cuda.kernels.gemv import GemvConfig
-from pagedlm_cuda.kernels.gguf_gemv import LANES, MAGIC, _gguf_gemv_kernel
-from pagedlm_cuda.kernels.gguf_gemv_int8 import _gguf_gemv_int8_kernel
+from pagedlm_cuda.kernels.gguf_gemv import LANES, MAGIC, _slice_products, gemv_kernel
+from pagedlm_cuda.kernels.gguf_gemv_int8 import _slice_terms
 
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*)")
@@ -39,14 +39,13 @@ INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)
 def compile_gemv(
     config: GemvConfig, bits: int, has_mins: bool, int8: bool = False
 ) -> triton.compiler.CompiledKernel:
-    kernel = _gguf_gemv_int8_kernel if int8 else _gguf_gemv_kernel
+    kernel = gemv_kernel
     constants = dict(
+        SLICE=_slice_terms if int8 else _slice_products,
         OFFSET=0 if has_mins else (8 if bits == 4 else 128), BITS=bits, HAS_MINS=has_mins,
         HAS_BIAS=False, BLOCK_N=config.block_n, BLOCK_G=config.block_k * bits // (LANES.value * 32),
-        PIPELINE=config.pipeline_stages, EVEN_N=True, EVEN_K=True, USE_PDL=True,
+        PIPELINE=config.pipeline_stages, EVEN_N=True, EVEN_K=True, EMULATE=False, USE_PDL=True,
     )  # fmt: skip
-    if int8:
-        constants["EMULATE"] = False
     scale_type = "*fp32" if has_mins else "*fp16"
     types = {"x_ptr": "*bf16", "codes_ptr": "*i32", "scales_ptr": scale_type,
              "mins_ptr": scale_type, "bias_ptr": "*bf16", "out_ptr": "*bf16"}  # fmt: skip

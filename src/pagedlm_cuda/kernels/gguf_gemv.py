@@ -48,6 +48,7 @@ commands.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 
@@ -227,10 +228,11 @@ def load_groups(pointers, mask, EVEN: tl.constexpr):
 def _slice_products(
     words, magic, x_ptr, scales_ptr, mins_ptr, rows, row_mask, g0, K, stride_groups,
     OFFSET: tl.constexpr, BITS: tl.constexpr, HAS_MINS: tl.constexpr, BLOCK_G: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, EMULATE: tl.constexpr,
 ):  # fmt: skip
-    """float32 [BLOCK_N, BLOCK_G, 8]: per (row, word) of the slice's ``words`` (lane groups
-    ``g0 ..``), the sum of its weights times x."""
+    """``gemv_kernel``'s ``SLICE`` for float products. float32 [BLOCK_N, BLOCK_G, 8]: per
+    (row, word) of the slice's ``words`` (lane groups ``g0 ..``), the sum of its weights
+    times x. (``EMULATE`` is the int8 slice's.)"""
     PER_WORD: tl.constexpr = 32 // BITS
     SPAN: tl.constexpr = LANES * PER_WORD
     SLOTS_PER_SCALE: tl.constexpr = 32 // LANES  # four slots of eight columns
@@ -262,14 +264,19 @@ def _slice_products(
 
 
 @triton.jit
-def _gguf_gemv_kernel(
+def gemv_kernel(
     x_ptr, codes_ptr, scales_ptr, mins_ptr, bias_ptr, out_ptr, N, K,
     stride_codes, stride_groups, magic,
-    OFFSET: tl.constexpr, BITS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PIPELINE: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+    SLICE: tl.constexpr, OFFSET: tl.constexpr, BITS: tl.constexpr, HAS_MINS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+    PIPELINE: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    EMULATE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """``EVEN_N``: N is a multiple of BLOCK_N; ``EVEN_K``: K is a multiple of BLOCK_G lane
+    """The batch-1 GEMV's programs and slices, around ``SLICE``: a jitted function of
+    ``_slice_products``' arguments that returns float32 [BLOCK_N, BLOCK_G(, 8)], each row's
+    part of the product over a slice, summed over all but the rows at the end
+    (``_slice_products``, or the int8 GEMV's ``_slice_terms``).
+    ``EVEN_N``: N is a multiple of BLOCK_N; ``EVEN_K``: K is a multiple of BLOCK_G lane
     groups (no masks then)."""
     pdl.allow_next(USE_PDL)
     SPAN: tl.constexpr = LANES * (32 // BITS)
@@ -288,9 +295,10 @@ def _gguf_gemv_kernel(
         mask = row_mask[:, None] & (word_ids[None, :] < n_groups * LANES)
         words = tl.load(row_words, mask=mask, other=0)
     pdl.wait_for_previous(USE_PDL)
-    acc = _slice_products(
+    acc = SLICE(
         tl.reshape(words, (BLOCK_N, BLOCK_G, LANES)), magic, x_ptr, scales_ptr, mins_ptr,
         rows, row_mask, 0, K, stride_groups, OFFSET, BITS, HAS_MINS, BLOCK_G, EVEN_N, EVEN_K,
+        EMULATE,
     )  # fmt: skip
     # PIPELINE > 1 keeps that many slices in flight (as in ``gemv``).
     for g0 in tl.range(BLOCK_G, n_groups, BLOCK_G, num_stages=PIPELINE):
@@ -299,12 +307,14 @@ def _gguf_gemv_kernel(
         else:
             mask = row_mask[:, None] & (g0 * LANES + word_ids[None, :] < n_groups * LANES)
             words = tl.load(row_words + g0 * LANES, mask=mask, other=0)
-        acc += _slice_products(
+        acc += SLICE(
             tl.reshape(words, (BLOCK_N, BLOCK_G, LANES)), magic, x_ptr, scales_ptr, mins_ptr,
             rows, row_mask, g0, K, stride_groups, OFFSET, BITS, HAS_MINS, BLOCK_G, EVEN_N,
-            EVEN_K,
+            EVEN_K, EMULATE,
         )  # fmt: skip
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if len(acc.shape) == 3:
+        acc = tl.sum(acc, axis=2)
+    y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
@@ -324,27 +334,41 @@ def gguf_gemv(
 ) -> torch.Tensor:
     """x [1, K] (unit-stride row) -> [1, N] in x's dtype. ``config``: (block_n, block_k,
     num_warps[, pipeline_stages]) with ``block_k`` a power-of-two multiple of the span."""
+    cfg = default_gemv_config(weight) if config is None else GemvConfig(*config)
+    return launch_gemv("gguf_gemv", _slice_products, x, weight, bias, cfg)
+
+
+def launch_gemv(
+    name: str,
+    slice_fn: triton.JITFunction,
+    x: torch.Tensor,
+    weight: PackedGguf,
+    bias: torch.Tensor | None,
+    config: GemvConfig,
+) -> torch.Tensor:
+    """``gemv_kernel`` with ``slice_fn`` as its ``SLICE``, after checking the arguments
+    (``name`` is the public function's, for the errors)."""
     if x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1:
-        raise ValueError(f"gguf_gemv takes one unit-stride row [1, K]; got {tuple(x.shape)}.")
+        raise ValueError(f"{name} takes one unit-stride row [1, K]; got {tuple(x.shape)}.")
     n, k = weight.out_features, weight.in_features
     if x.shape[1] != k:
         raise ValueError(f"x has {x.shape[1]} features but the weight is [{n}, {k}].")
-    cfg = GemvConfig(*config) if config is not None else default_gemv_config(weight)
-    block_g = cfg.block_k // weight.span
-    if cfg.block_k % weight.span or block_g & (block_g - 1):
+    block_g = config.block_k // weight.span
+    if config.block_k % weight.span or block_g & (block_g - 1):
         raise ValueError(
-            f"gguf_gemv streams a power of two of whole {weight.span}-column lane groups; "
-            f"got {cfg}."
+            f"{name} streams a power of two of whole {weight.span}-column lane groups; "
+            f"got {config}."
         )
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     mins = weight.mins if weight.mins is not None else weight.scales
-    _gguf_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+    gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight.codes, weight.scales, mins, bias if bias is not None else weight.scales,
         out, n, k, weight.codes.stride(0), weight.scales.stride(0), MAGIC.value,
-        OFFSET=weight.offset, BITS=weight.bits, HAS_MINS=weight.mins is not None,
-        HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_G=block_g,
-        PIPELINE=cfg.pipeline_stages, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.pipeline_stages, **pdl.launch_options(),
+        SLICE=slice_fn, OFFSET=weight.offset, BITS=weight.bits,
+        HAS_MINS=weight.mins is not None, HAS_BIAS=bias is not None,
+        BLOCK_N=config.block_n, BLOCK_G=block_g, PIPELINE=config.pipeline_stages,
+        EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
+        EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=config.num_warps, num_stages=config.pipeline_stages, **pdl.launch_options(),
     )  # fmt: skip
     return out
