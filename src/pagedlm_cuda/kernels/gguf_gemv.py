@@ -37,7 +37,7 @@ along a row and each thread holds the same few words of several rows: the x it l
 and converts serves all of them.
 
 Instructions in the loop per weight (sm_90 SASS of the default tiles,
-``tests/cuda/sass_gguf_gemv.py``, session 16): 4.66 for 4-bit codes and 4.72 for 8-bit,
+``tests/cuda/sass_gguf_gemv.py``, session 17): 4.70 for 4-bit codes and 4.72 for 8-bit,
 none of them a conversion. Session 14's kernel (one byte per two codes, ``(code & 15)``
 and ``code >> 4`` converted with ``I2F``) spent 7.3 per weight, one of them an ``I2F``
 (a quarter-rate instruction), and ran at 21-37% of the bandwidth (0.95x bf16's tok/s in
