@@ -1,4 +1,5 @@
-"""GGUF block quantization in affine form: integer codes, and a scale and a minimum per 32.
+"""GGUF block quantization in affine form: integer codes, and a scale and a minimum per
+group of 32 (or 16) weights.
 
 Every type handled here stores a tensor row as blocks of 32 weights (or super-blocks of 256
 made of eight 32-weight sub-blocks) whose values are ``scale * code + minimum`` with one
@@ -13,14 +14,18 @@ made of eight 32-weight sub-blocks) whose values are ``scale * code + minimum`` 
 | Q8_0 | 8 (the int8 value + 128) | d | -128 d |
 | Q4_K | 4 | d * sc[j] | -dmin * m[j] |
 | Q5_K | 5 | d * sc[j] | -dmin * m[j] |
+| Q6_K (groups of 16) | 6 | d * sc[j] (sc signed) | -32 d * sc[j] |
 
 That is the form weight-only quantized matmul kernels take (torch's int4 kernels compute
 ``(code - 8) * scale + zero`` per group of 32), so a kernel can use the file's own codes
 instead of re-quantizing dequantized weights. ``scale * code + minimum`` in float32 gives
 exactly what ``gguf.dequantize`` gives: every product is exact in float32 (an 11-bit float16
 scale, or a float16 times a 6-bit sub-scale, times a code of at most 8 bits), and the one
-addition rounds the same way. Types whose groups are not 32 weights (Q2_K, Q3_K, Q6_K use
-16) or that are not affine (IQ*) have no such form: ``decode_blocks`` returns None.
+addition rounds the same way (Q6_K: a float16 times an 8-bit sub-scale times a 6-bit
+code). Q6_K's groups are 16 weights, which not every kernel takes (torch's CPU int4 kernel
+needs 32 or more): ``decode_blocks`` gives its form only to a caller that accepts groups of
+16. Q2_K and Q3_K (groups of 16, not decoded here) and the non-affine types (IQ*) have no
+such form: ``decode_blocks`` returns None.
 """
 
 from __future__ import annotations
@@ -32,30 +37,35 @@ import numpy as np
 import torch
 
 GROUP_SIZE = 32
-"""Weights sharing one scale and one minimum."""
+"""Weights sharing one scale and one minimum (16 for Q6_K, where a caller accepts it)."""
 
 
 @dataclass(frozen=True)
 class AffineBlocks:
-    """``w[r, c] = scales[r, c // 32] * codes[r, c] + mins[r, c // 32]`` for a [rows, cols] tensor."""
+    """``w[r, c] = scales[r, c // g] * codes[r, c] + mins[r, c // g]`` for a [rows, cols]
+    tensor, ``g = group_size`` (32, or 16 for Q6_K)."""
 
     codes: torch.Tensor
     """uint8 [rows, cols]."""
     scales: torch.Tensor
-    """float32 [rows, cols // 32]."""
+    """float32 [rows, cols // group_size]."""
     mins: torch.Tensor
-    """float32 [rows, cols // 32]."""
+    """float32 [rows, cols // group_size]."""
+
+    @property
+    def group_size(self) -> int:
+        return self.codes.shape[1] // max(1, self.scales.shape[1])
 
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols]: the values these blocks stand for."""
         rows, cols = self.codes.shape
-        grouped = self.codes.view(rows, -1, GROUP_SIZE).float()
+        grouped = self.codes.view(rows, -1, self.group_size).float()
         # In place: one float32 buffer, the same two roundings as ``codes * scale + min``.
         return grouped.mul_(self.scales[..., None]).add_(self.mins[..., None]).view(rows, cols)
 
 
 _Decoded = tuple[np.ndarray, np.ndarray, np.ndarray]
-"""(codes [blocks, elements], scales and mins [blocks, elements // 32]), per block."""
+"""(codes [blocks, elements], scales and mins [blocks, elements // group]), per block."""
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -135,6 +145,20 @@ def _q5_k(blocks: np.ndarray) -> _Decoded:
     return _k_nibbles(blocks[:, 48:]) | high, scales, mins
 
 
+def _q6_k(blocks: np.ndarray) -> _Decoded:
+    """Element ``128 n + 32 k + l`` of a super-block: low 4 bits from ``ql[64 n + 32 (k % 2)
+    + l]`` (the high nibble for k >= 2), high 2 bits from ``qh[32 n + l]`` bits ``2 k``;
+    scale group ``e // 16``."""
+    count = blocks.shape[0]
+    ql = blocks[:, :128].reshape(count, 2, 1, 2, 32)  # [block, n, -, k % 2, l]
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(count, 2, 4, 32)
+    qh = blocks[:, 128:192].reshape(count, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]
+    codes = (low | ((qh & 3) << 4)).reshape(count, 256)
+    d = _f16(blocks[:, 208:210])
+    scales = d * np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
+    return codes, scales, -32 * scales
+
+
 _DECODERS: dict[str, Callable[[np.ndarray], _Decoded]] = {
     "Q4_0": _q4_0,
     "Q4_1": _q4_1,
@@ -144,14 +168,20 @@ _DECODERS: dict[str, Callable[[np.ndarray], _Decoded]] = {
     "Q4_K": _q4_k,
     "Q5_K": _q5_k,
 }
-AFFINE_TYPES = tuple(_DECODERS)
-"""GGUF types with an affine form (groups of 32)."""
+_GROUPS_OF_16: dict[str, Callable[[np.ndarray], _Decoded]] = {"Q6_K": _q6_k}
+AFFINE_TYPES = tuple(_DECODERS) + tuple(_GROUPS_OF_16)
+"""GGUF types with an affine form (groups of 32; Q6_K's of 16)."""
 
 
-def decode_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> AffineBlocks | None:
+def decode_blocks(
+    raw: np.ndarray, type_name: str, shape: tuple[int, int], groups_of_16: bool = False
+) -> AffineBlocks | None:
     """The affine form of one tensor's bytes (``raw``: uint8, the tensor's data in file
-    order), or None when ``type_name`` has none. ``shape``: [rows, cols] in HF order."""
+    order), or None when ``type_name`` has none (or has groups of 16 and ``groups_of_16``
+    is False). ``shape``: [rows, cols] in HF order."""
     decoder = _DECODERS.get(type_name)
+    if decoder is None and groups_of_16:
+        decoder = _GROUPS_OF_16.get(type_name)
     if decoder is None:
         return None
     import gguf

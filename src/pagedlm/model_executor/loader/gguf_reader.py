@@ -215,7 +215,7 @@ def dequantize_gguf_raw(
         return torch.from_numpy(raw.view(np.float32).reshape(info.shape))
     if type_name in AFFINE_TYPES:
         rows_by_cols = (int(np.prod(info.shape[:-1])), info.shape[-1])
-        blocks = decode_blocks(raw, type_name, rows_by_cols)
+        blocks = decode_blocks(raw, type_name, rows_by_cols, groups_of_16=True)
         if blocks is not None:
             return blocks.dequantize().reshape(info.shape)
     byte_shape = gguf.quant_shape_to_byte_shape(info.shape, qtype)
