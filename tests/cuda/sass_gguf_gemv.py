@@ -1,7 +1,7 @@
 """Instructions per weight in the GGUF GEMV's loop, without a GPU.
 
     PYTHONPATH=src python tests/cuda/sass_gguf_gemv.py [--tiles 16,512,2,3 8,512,1,3]
-        [--bits 4 8] [--mins] [--int8] [--show-loop]
+        [--bits 4 8] [--mins] [--int8] [--q6k --bits 8] [--show-loop]
 
 Compiles ``gguf_gemv``'s kernel for sm_90 with Triton's own ``ptxas`` (pointers and sizes
 16-divisible, as the JIT specializes llama-3-8b's shapes), disassembles it with the
@@ -37,16 +37,17 @@ INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)
 
 
 def compile_gemv(
-    config: GemvConfig, bits: int, has_mins: bool, int8: bool = False
+    config: GemvConfig, bits: int, has_mins: bool, int8: bool = False, group: int = 32
 ) -> triton.compiler.CompiledKernel:
     kernel = gemv_kernel
+    offset = 32 if group == 16 else (8 if bits == 4 else 128)
     constants = dict(
         SLICE=_slice_terms if int8 else _slice_products,
-        OFFSET=0 if has_mins else (8 if bits == 4 else 128), BITS=bits, HAS_MINS=has_mins,
+        OFFSET=0 if has_mins else offset, BITS=bits, GROUP=group, HAS_MINS=has_mins,
         HAS_BIAS=False, BLOCK_N=config.block_n, BLOCK_G=config.block_k * bits // (LANES.value * 32),
         PIPELINE=config.pipeline_stages, EVEN_N=True, EVEN_K=True, EMULATE=False, USE_PDL=True,
     )  # fmt: skip
-    scale_type = "*fp32" if has_mins else "*fp16"
+    scale_type = "*fp32" if has_mins or group == 16 else "*fp16"
     types = {"x_ptr": "*bf16", "codes_ptr": "*i32", "scales_ptr": scale_type,
              "mins_ptr": scale_type, "bias_ptr": "*bf16", "out_ptr": "*bf16"}  # fmt: skip
     signature, attrs = {}, {}
@@ -94,13 +95,15 @@ def main() -> None:
     parser.add_argument("--bits", nargs="+", type=int, default=[4, 8], choices=[4, 8])
     parser.add_argument("--mins", action="store_true", help="affine blocks (Q4_1, K-quants)")
     parser.add_argument("--int8", action="store_true", help="gguf_gemv_int8's kernel")
+    parser.add_argument("--q6k", action="store_true", help="Q6_K: 8-bit codes, a scale per 16")
     parser.add_argument("--show-loop", action="store_true")
     args = parser.parse_args()
     assert MAGIC.value == 0x4B000000
     for bits in args.bits:
         for tiles in args.tiles:
             config = GemvConfig(*(int(v) for v in tiles.split(",")))
-            sass, usage = disassemble(compile_gemv(config, bits, args.mins, args.int8))
+            group = 16 if args.q6k else 32
+            sass, usage = disassemble(compile_gemv(config, bits, args.mins, args.int8, group))
             loop = main_loop(sass)
             weights = config.block_n * config.block_k / (32 * config.num_warps)
             counts = collections.Counter(opcode.split(".")[0] for _, opcode, _ in loop)

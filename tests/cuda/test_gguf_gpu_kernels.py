@@ -19,14 +19,15 @@ from pagedlm_cuda.kernels.gguf_gemv import gguf_gemv, pack_blocks, pack_words
 from pagedlm_cuda.kernels.gguf_gemv_int8 import dp4a, gguf_gemv_int8
 from pagedlm_cuda.quantized_linear import DenseScratch, GgufCudaLinear
 
-# type -> (code bits stored, implicit minimum offset or 0, scale dtype)
+# type -> (code bits stored, implicit minimum offset or 0, scale dtype, columns per scale)
 LAYOUTS = {
-    "Q4_0": (4, 8, torch.float16),
-    "Q4_1": (4, 0, torch.float16),
-    "Q5_0": (8, 16, torch.float16),
-    "Q8_0": (8, 128, torch.float16),
-    "Q4_K": (4, 0, torch.float32),
-    "Q5_K": (8, 0, torch.float32),
+    "Q4_0": (4, 8, torch.float16, 32),
+    "Q4_1": (4, 0, torch.float16, 32),
+    "Q5_0": (8, 16, torch.float16, 32),
+    "Q8_0": (8, 128, torch.float16, 32),
+    "Q4_K": (4, 0, torch.float32, 32),
+    "Q5_K": (8, 0, torch.float32, 32),
+    "Q6_K": (8, 32, torch.float32, 16),
 }
 
 
@@ -38,22 +39,23 @@ def blocks_of(type_name: str, n: int, k: int, seed: int = 0) -> AffineBlocks:
         raw = k_quant_bytes(values, qtype)
     else:
         raw = gguf.quants.quantize(values, qtype)
-    return decode_blocks(np.asarray(raw).reshape(-1), type_name, (n, k))
+    return decode_blocks(np.asarray(raw).reshape(-1), type_name, (n, k), groups_of_16=True)
 
 
 @pytest.mark.parametrize("type_name", list(LAYOUTS))
 def test_layout_and_exact_dequantization(type_name: str) -> None:
     blocks = blocks_of(type_name, 24, 256)
     packed = pack_blocks(blocks.codes, blocks.scales, blocks.mins, DEVICE)
-    bits, offset, scale_dtype = LAYOUTS[type_name]
+    bits, offset, scale_dtype, group = LAYOUTS[type_name]
     assert (packed.bits, packed.offset, packed.scales.dtype) == (bits, offset, scale_dtype)
+    assert packed.group_size == group and packed.scales.shape == (24, 256 // group)
     assert (packed.mins is None) == (offset != 0)
     assert packed.codes.dtype == torch.int32 and packed.codes.shape == (24, 256 * bits // 32)
     dense = dequantize_into(packed, torch.empty(24 * 256 + 5, device=DEVICE))
     assert torch.equal(dense.cpu(), blocks.dequantize())
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("shape", [(40, 256), (20, 1280)])  # K past one 1024 slice
 def test_gemv_matches_the_dequantized_weight(type_name: str, shape: tuple[int, int]) -> None:
     n, k = shape
@@ -81,7 +83,7 @@ def test_gemv_pads_a_half_lane_group(type_name: str) -> None:
                        blocks.dequantize())  # fmt: skip
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("config", [None, (16, 256, 2, 2), (8, 1024, 1, 1)])
 def test_gemv_unmasked_tiles_match_the_dequantized_weight(type_name, config) -> None:
     """Shapes the tiles divide take the kernel's unmasked path (llama-3-8b's do)."""
@@ -107,7 +109,7 @@ def test_words_hold_their_columns_in_lane_groups() -> None:
                 assert (int(words[8 * g + w]) >> position) & 15 == expected, (g, w, i)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [2, 17, 40])
 def test_tiled_gemm_matches_the_dequantized_weight(type_name: str, rows: int) -> None:
     blocks = blocks_of(type_name, 72, 512, seed=rows)
@@ -151,11 +153,11 @@ def int8_reference(x: torch.Tensor, blocks: AffineBlocks) -> torch.Tensor:
     q = torch.round(groups * (127.0 / amax.clamp_min(1e-30)))  # half to even, as the kernel
     xq = (q.double() * (amax * (1.0 / 127.0)).double()).view(1, -1)
     packed = pack_blocks(blocks.codes, blocks.scales, blocks.mins, torch.device("cpu"))
-    scales = blocks.scales.double().repeat_interleave(32, dim=1)
+    scales = blocks.scales.double().repeat_interleave(blocks.group_size, dim=1)
     codes = blocks.codes.double()
     if packed.mins is None:
         return xq @ ((codes - packed.offset) * scales).T
-    mins = blocks.mins.double().repeat_interleave(32, dim=1)
+    mins = blocks.mins.double().repeat_interleave(blocks.group_size, dim=1)
     return xq @ (codes * scales).T + x.double().cpu() @ mins.T
 
 
@@ -182,7 +184,7 @@ def test_int8_gemv_matches_x_rounded_to_int8(type_name: str, shape: tuple[int, i
     assert 0 < rounding < 3e-2 and rel_error(out, exact) < 1.01 * rounding
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K", "Q8_0", "Q6_K"])
 @pytest.mark.parametrize("config", [None, (8, 256, 1, 2), (16, 1024, 2, 1)])
 def test_int8_gemv_tiles(type_name: str, config) -> None:
     """Unmasked tiles (llama-3-8b's shapes take them) and masked rows (N = 36)."""

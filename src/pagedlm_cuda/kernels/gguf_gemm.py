@@ -47,14 +47,14 @@ from pagedlm_cuda.kernels.gguf_gemv import (
 def _gguf_gemm_kernel(
     x_ptr, codes_ptr, scales_ptr, mins_ptr, bias_ptr, out_ptr, M, N, K,
     stride_x, stride_out, stride_codes, stride_groups, magic,
-    OFFSET: tl.constexpr, BITS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+    OFFSET: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.allow_next(USE_PDL)
     PER_WORD: tl.constexpr = 32 // BITS
     SPAN: tl.constexpr = LANES * PER_WORD
-    SLOTS_PER_SCALE: tl.constexpr = 32 // LANES
+    SLOTS_PER_SCALE: tl.constexpr = GROUP // LANES
     SCALES_PER_SPAN: tl.constexpr = PER_WORD // SLOTS_PER_SCALE
     BLOCK_W: tl.constexpr = BLOCK_G * LANES
     tokens = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -77,7 +77,7 @@ def _gguf_gemm_kernel(
         )
         for part in tl.static_range(SCALES_PER_SPAN):
             groups = lane_groups * SCALES_PER_SPAN + part
-            group_mask = row_mask[:, None] & (groups < K // 32)[None, :]
+            group_mask = row_mask[:, None] & (groups < K // GROUP)[None, :]
             scale = load_groups(scales_ptr + row_groups + groups[None, :], group_mask, False)
             if HAS_MINS:
                 low = load_groups(mins_ptr + row_groups + groups[None, :], group_mask, False)
@@ -143,7 +143,8 @@ def gguf_gemm(
         x, weight.codes, weight.scales, mins, bias if bias is not None else weight.scales,
         out, m, n, k, x.stride(0), out.stride(0), weight.codes.stride(0),
         weight.scales.stride(0), MAGIC.value, OFFSET=weight.offset, BITS=weight.bits,
-        HAS_MINS=weight.mins is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m,
+        GROUP=weight.group_size, HAS_MINS=weight.mins is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_G=block_g, num_warps=num_warps, num_stages=num_stages,
         **pdl.launch_options(),
     )  # fmt: skip
@@ -153,7 +154,7 @@ def gguf_gemm(
 @triton.jit
 def _dequantize_kernel(
     codes_ptr, scales_ptr, mins_ptr, out_ptr, N, K, stride_codes, stride_groups,
-    OFFSET: tl.constexpr, BITS: tl.constexpr, HAS_MINS: tl.constexpr,
+    OFFSET: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.allow_next(USE_PDL)
@@ -163,7 +164,7 @@ def _dequantize_kernel(
     cols = k0 + tl.arange(0, BLOCK_K)
     w = load_weight_tile(
         codes_ptr, scales_ptr, mins_ptr, rows, row_mask, k0, K, stride_codes, stride_groups,
-        OFFSET, BITS, HAS_MINS, BLOCK_N, BLOCK_K,
+        OFFSET, BITS, GROUP, HAS_MINS, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     # The scratch buffer may still be read by the previous layer's GEMM.
     pdl.wait_for_previous(USE_PDL)
@@ -181,7 +182,8 @@ def dequantize_into(weight: PackedGguf, out: torch.Tensor) -> torch.Tensor:
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         weight.codes, weight.scales, mins, dense, n, k, weight.codes.stride(0),
         weight.scales.stride(0), OFFSET=weight.offset, BITS=weight.bits,
-        HAS_MINS=weight.mins is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        GROUP=weight.group_size, HAS_MINS=weight.mins is not None, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=4,
         **pdl.launch_options(),
     )  # fmt: skip
     return dense

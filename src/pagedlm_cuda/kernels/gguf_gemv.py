@@ -1,7 +1,7 @@
 """GGUF weights kept quantized on the GPU: their device layout, the code-to-float step the
 GGUF kernels share (``slot_codes``), the tile dequantizer and the batch-1 GEMV.
 
-A layer's weight ``w[r, c] = scale[r, c // 32] * code[r, c] + min[r, c // 32]`` (the loader's
+A layer's weight ``w[r, c] = scale[r, c // g] * code[r, c] + min[r, c // g]`` (the loader's
 affine form, ``gguf_blocks.AffineBlocks``) is stored as ``PackedGguf``:
 
 - codes in int32 words, ``32 / bits`` codes per word: 4 bits for codes below 16 (Q4_0,
@@ -14,10 +14,12 @@ affine form, ``gguf_blocks.AffineBlocks``) is stored as ``PackedGguf``:
   of its word, in the high nibble for slots 4-7 (``slot_position``): one mask then leaves
   a scale group's four codes one per byte, as the int8 GEMV's ``dp4a`` takes them.
   Rows are padded with zero codes to whole groups; kernels read x as zero past K.
-- scales ``[N, K / 32]`` in float16 where every one is exact in float16 (the legacy types'
-  ``d`` is a float16), else float32 (the K-quants' ``d * sub_scale`` needs 17 bits);
+- scales ``[N, K / group]`` (``group``: 32 weights, or 16 for Q6_K, whose codes are then
+  stored as 8-bit ones so that a group is two whole slots) in float16 where every one is
+  exact in float16 (the legacy types' ``d`` is a float16), else float32 (the K-quants'
+  ``d * sub_scale`` needs up to 19 bits);
 - minimums the same way, or none where each is ``-offset * scale`` (Q4_0: 8, Q5_0: 16,
-  Q8_0: 128): the kernel then computes ``(code - offset) * scale``.
+  Q6_K: 32, Q8_0: 128): the kernel then computes ``(code - offset) * scale``.
 
 Q4_0 thus reads 0.5625 byte per weight (the file's own size), Q4_1 0.625 and Q4_K 0.75,
 against 2 for bf16. Dequantized values equal the float32 ones exactly (same products and
@@ -74,12 +76,14 @@ class PackedGguf:
     codes: torch.Tensor
     """int32 [N, ceil(K / span) * 8]: ``32 / bits`` codes per word, in lane groups."""
     scales: torch.Tensor
-    """float16 or float32 [N, K / 32]."""
+    """float16 or float32 [N, K / group_size]."""
     mins: torch.Tensor | None
     """Like ``scales``, or None: each minimum is ``-offset * scale``."""
     offset: int
     bits: int
     in_features: int
+    group_size: int = 32
+    """Weights per scale: 32, or 16 (Q6_K; 8-bit codes only)."""
 
     @property
     def out_features(self) -> int:
@@ -121,12 +125,16 @@ def pack_blocks(
     codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, device: torch.device
 ) -> PackedGguf:
     """The device layout of an affine tensor: codes uint8 [N, K], scales and mins float32
-    [N, K / 32] (``AffineBlocks``' fields)."""
+    [N, K / group] with a group of 32 or 16 columns (``AffineBlocks``' fields)."""
     cols = codes.shape[1]
     if cols % GROUP_SIZE:
         raise ValueError(f"GGUF weights need K a multiple of {GROUP_SIZE}; got {cols}.")
-    bits = 4 if int(codes.max()) < 16 else 8
-    offset = next((o for o in (8, 16, 128) if torch.equal(mins, -o * scales)), 0)
+    group = cols // scales.shape[1]
+    if group not in (16, 32) or scales.shape[1] * group != cols:
+        raise ValueError(f"GGUF weights have a scale per 16 or 32 columns; got {group}.")
+    # A group of 16 is two slots of 8-bit codes (a 4-bit slot pair would split a byte).
+    bits = 4 if int(codes.max()) < 16 and group == 32 else 8
+    offset = next((o for o in (8, 16, 32, 128) if torch.equal(mins, -o * scales)), 0)
     stored_mins = None if offset else mins
     exact = _exact_in_half(scales) and (stored_mins is None or _exact_in_half(stored_mins))
     dtype = torch.float16 if exact else torch.float32
@@ -137,6 +145,7 @@ def pack_blocks(
         offset=offset,
         bits=bits,
         in_features=cols,
+        group_size=group,
     )
 
 
@@ -184,7 +193,7 @@ def _slot_products(
 @triton.jit
 def load_weight_tile(
     codes_ptr, scales_ptr, mins_ptr, rows, row_mask, k0, K, stride_codes, stride_groups,
-    OFFSET: tl.constexpr, BITS: tl.constexpr, HAS_MINS: tl.constexpr,
+    OFFSET: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """float32 [BLOCK_N, BLOCK_K]: rows ``rows`` (masked by ``row_mask``), columns
@@ -193,7 +202,7 @@ def load_weight_tile(
     PER_WORD: tl.constexpr = 32 // BITS
     SPAN: tl.constexpr = LANES * PER_WORD
     GROUPS: tl.constexpr = BLOCK_K // SPAN
-    SCALES: tl.constexpr = BLOCK_K // 32
+    SCALES: tl.constexpr = BLOCK_K // GROUP
     lane_groups = k0 // SPAN + tl.arange(0, GROUPS)
     words_at = lane_groups[:, None] * LANES + tl.arange(0, LANES)[None, :]  # [GROUPS, 8]
     row_offsets = rows.to(tl.int64)[:, None, None] * stride_codes
@@ -203,9 +212,9 @@ def load_weight_tile(
     shifts = slot_position(tl.arange(0, PER_WORD))[None, None, :, None]
     codes = (words[:, :, None, :] >> shifts) & ((1 << BITS) - 1)
     codes = (codes | MAGIC).to(tl.float32, bitcast=True) - 8388608.0
-    codes = tl.reshape(codes, (BLOCK_N, SCALES, 32))
-    groups = k0 // 32 + tl.arange(0, SCALES)
-    group_mask = row_mask[:, None] & (groups[None, :] < K // 32)
+    codes = tl.reshape(codes, (BLOCK_N, SCALES, GROUP))
+    groups = k0 // GROUP + tl.arange(0, SCALES)
+    group_mask = row_mask[:, None] & (groups[None, :] < K // GROUP)
     group_offsets = rows.to(tl.int64)[:, None] * stride_groups + groups[None, :]
     scales = load_groups(scales_ptr + group_offsets, group_mask, False)
     if HAS_MINS:
@@ -227,15 +236,15 @@ def load_groups(pointers, mask, EVEN: tl.constexpr):
 @triton.jit
 def _slice_products(
     words, magic, x_ptr, scales_ptr, mins_ptr, rows, row_mask, g0, K, stride_groups,
-    OFFSET: tl.constexpr, BITS: tl.constexpr, HAS_MINS: tl.constexpr, BLOCK_G: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, EMULATE: tl.constexpr,
+    OFFSET: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr,
+    BLOCK_G: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, EMULATE: tl.constexpr,
 ):  # fmt: skip
     """``gemv_kernel``'s ``SLICE`` for float products. float32 [BLOCK_N, BLOCK_G, 8]: per
     (row, word) of the slice's ``words`` (lane groups ``g0 ..``), the sum of its weights
     times x. (``EMULATE`` is the int8 slice's.)"""
     PER_WORD: tl.constexpr = 32 // BITS
     SPAN: tl.constexpr = LANES * PER_WORD
-    SLOTS_PER_SCALE: tl.constexpr = 32 // LANES  # four slots of eight columns
+    SLOTS_PER_SCALE: tl.constexpr = GROUP // LANES  # four (or two) slots of eight columns
     SCALES_PER_SPAN: tl.constexpr = PER_WORD // SLOTS_PER_SCALE
     lane_groups = g0 + tl.arange(0, BLOCK_G)
     columns = lane_groups[:, None] * SPAN + tl.arange(0, LANES)[None, :]  # slot 0, [G, 8]
@@ -244,7 +253,7 @@ def _slice_products(
     for part in tl.static_range(SCALES_PER_SPAN):  # the scale groups in a span
         groups = lane_groups * SCALES_PER_SPAN + part
         at = row_groups + groups[None, :]
-        group_mask = row_mask[:, None] & (groups[None, :] < K // 32)
+        group_mask = row_mask[:, None] & (groups[None, :] < K // GROUP)
         scale = load_groups(scales_ptr + at, group_mask, EVEN_N and EVEN_K)
         dot = tl.zeros(words.shape, dtype=tl.float32)
         x_sum = tl.zeros(columns.shape, dtype=tl.float32)
@@ -267,8 +276,8 @@ def _slice_products(
 def gemv_kernel(
     x_ptr, codes_ptr, scales_ptr, mins_ptr, bias_ptr, out_ptr, N, K,
     stride_codes, stride_groups, magic,
-    SLICE: tl.constexpr, OFFSET: tl.constexpr, BITS: tl.constexpr, HAS_MINS: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+    SLICE: tl.constexpr, OFFSET: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+    HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     PIPELINE: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     EMULATE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -297,8 +306,8 @@ def gemv_kernel(
     pdl.wait_for_previous(USE_PDL)
     acc = SLICE(
         tl.reshape(words, (BLOCK_N, BLOCK_G, LANES)), magic, x_ptr, scales_ptr, mins_ptr,
-        rows, row_mask, 0, K, stride_groups, OFFSET, BITS, HAS_MINS, BLOCK_G, EVEN_N, EVEN_K,
-        EMULATE,
+        rows, row_mask, 0, K, stride_groups, OFFSET, BITS, GROUP, HAS_MINS, BLOCK_G, EVEN_N,
+        EVEN_K, EMULATE,
     )  # fmt: skip
     # PIPELINE > 1 keeps that many slices in flight (as in ``gemv``).
     for g0 in tl.range(BLOCK_G, n_groups, BLOCK_G, num_stages=PIPELINE):
@@ -309,8 +318,8 @@ def gemv_kernel(
             words = tl.load(row_words + g0 * LANES, mask=mask, other=0)
         acc += SLICE(
             tl.reshape(words, (BLOCK_N, BLOCK_G, LANES)), magic, x_ptr, scales_ptr, mins_ptr,
-            rows, row_mask, g0, K, stride_groups, OFFSET, BITS, HAS_MINS, BLOCK_G, EVEN_N,
-            EVEN_K, EMULATE,
+            rows, row_mask, g0, K, stride_groups, OFFSET, BITS, GROUP, HAS_MINS, BLOCK_G,
+            EVEN_N, EVEN_K, EMULATE,
         )  # fmt: skip
     if len(acc.shape) == 3:
         acc = tl.sum(acc, axis=2)
@@ -364,7 +373,7 @@ def launch_gemv(
     gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight.codes, weight.scales, mins, bias if bias is not None else weight.scales,
         out, n, k, weight.codes.stride(0), weight.scales.stride(0), MAGIC.value,
-        SLICE=slice_fn, OFFSET=weight.offset, BITS=weight.bits,
+        SLICE=slice_fn, OFFSET=weight.offset, BITS=weight.bits, GROUP=weight.group_size,
         HAS_MINS=weight.mins is not None, HAS_BIAS=bias is not None,
         BLOCK_N=config.block_n, BLOCK_G=block_g, PIPELINE=config.pipeline_stages,
         EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,

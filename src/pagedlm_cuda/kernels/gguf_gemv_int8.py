@@ -54,6 +54,8 @@ the low mantissa bits (the float's bits are ``0x4B400000`` plus the integer)."""
 ROUNDING_BITS = tl.constexpr(0x4B400000)
 HIGH_NIBBLES = tl.constexpr(-0x0F0F0F10)
 """``0xF0F0F0F0`` as an int32."""
+HIGH_HALF = tl.constexpr(-0x10000)
+"""``0xFFFF0000`` as an int32: bytes 2 and 3, a 16-column group's second half."""
 
 
 def int8_gemv_enabled() -> bool:
@@ -85,11 +87,12 @@ def to_float(values):
 
 @triton.jit
 def quantize_groups(x_ptr, j0, K, GROUPS: tl.constexpr, EVEN_K: tl.constexpr):
-    """x's scale groups ``j0 ..`` (32 columns each; zeros past K) quantized to int8:
-    (words int32 [GROUPS, 8], scales float32 [GROUPS], sums of the int8 values int32
-    [GROUPS], sums of x float32 [GROUPS]). Byte ``b`` of word ``w`` of group ``j`` holds
-    column ``32 j + 8 b + w``, as the codes of a scale group sit in ``gguf_gemv``'s
-    words."""
+    """x's 32-column groups ``j0 ..`` (zeros past K) quantized to int8: (words int32
+    [GROUPS, 8], scales float32 [GROUPS], sums of the int8 values int32 [GROUPS, 2] and
+    sums of x float32 [GROUPS, 2], each over the group's first and second 16 columns).
+    Byte ``b`` of word ``w`` of group ``j`` holds column ``32 j + 8 b + w``, as the codes
+    of a 32-column scale group sit in ``gguf_gemv``'s words (a 16-column one: bytes 0-1,
+    or 2-3)."""
     groups = j0 + tl.arange(0, GROUPS)
     columns = (
         groups[:, None, None] * 32
@@ -106,8 +109,9 @@ def quantize_groups(x_ptr, j0, K, GROUPS: tl.constexpr, EVEN_K: tl.constexpr):
     # The low byte of the rounded float's bits is the int8 value's two's complement.
     shifts = (8 * tl.arange(0, 4))[None, :, None]
     words = tl.sum((rounded & 0xFF) << shifts, axis=1)
-    q_sums = tl.sum(tl.sum(rounded - ROUNDING_BITS, axis=2), axis=1)
-    x_sums = tl.sum(tl.sum(x, axis=2), axis=1)
+    # [group, half, its 16 columns]: bytes 0-1 and 2-3 of the words.
+    q_sums = tl.sum(tl.reshape(rounded - ROUNDING_BITS, (GROUPS, 2, 16)), axis=2)
+    x_sums = tl.sum(tl.reshape(x, (GROUPS, 2, 16)), axis=2)
     return words, amax * (1.0 / 127.0), q_sums, x_sums
 
 
@@ -128,8 +132,8 @@ def _group_terms(
 @triton.jit
 def _slice_terms(
     words, magic, x_ptr, scales_ptr, mins_ptr, rows, row_mask, g0, K, stride_groups,
-    OFFSET: tl.constexpr, BITS: tl.constexpr, HAS_MINS: tl.constexpr, BLOCK_G: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, EMULATE: tl.constexpr,
+    OFFSET: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_MINS: tl.constexpr,
+    BLOCK_G: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, EMULATE: tl.constexpr,
 ):  # fmt: skip
     """``gemv_kernel``'s ``SLICE`` for integer products. float32 [BLOCK_N, BLOCK_G]:
     per (row, lane group) of the slice's ``words`` ([BLOCK_N, BLOCK_G, 8], lane groups
@@ -141,8 +145,8 @@ def _slice_terms(
         x_words, x_scales, q_sums, x_sums = quantize_groups(x_ptr, 2 * g0, K, 2 * BLOCK_G, EVEN_K)
         lo_x, hi_x = tl.split(tl.permute(tl.reshape(x_words, (BLOCK_G, 2, LANES)), (0, 2, 1)))
         lo_scale, hi_scale = tl.split(tl.reshape(x_scales, (BLOCK_G, 2)))
-        lo_q, hi_q = tl.split(tl.reshape(q_sums, (BLOCK_G, 2)))
-        lo_sum, hi_sum = tl.split(tl.reshape(x_sums, (BLOCK_G, 2)))
+        lo_q, hi_q = tl.split(tl.reshape(tl.sum(q_sums, axis=1), (BLOCK_G, 2)))
+        lo_sum, hi_sum = tl.split(tl.reshape(tl.sum(x_sums, axis=1), (BLOCK_G, 2)))
         lo_dots = tl.sum(dp4a(words & 0x0F0F0F0F, lo_x[None], zero, EMULATE), axis=2)
         # The high nibbles in place are 16 times the codes: a shift divides it out exactly.
         hi_dots = tl.sum(dp4a(words & HIGH_NIBBLES, hi_x[None], zero, EMULATE), axis=2) >> 4
@@ -158,14 +162,30 @@ def _slice_terms(
             row_mask[:, None] & (groups[None, :] + 1 < K // 32), OFFSET, HAS_MINS, EVEN,
         )  # fmt: skip
         return out
-    # 8-bit codes: a lane group is one scale group, four codes per word.
+    # 8-bit codes: a lane group is 32 columns, four codes per word.
     x_words, x_scales, q_sums, x_sums = quantize_groups(x_ptr, g0, K, BLOCK_G, EVEN_K)
+    if GROUP == 16:  # two scale groups: bytes 0-1 (slots 0-1), then bytes 2-3
+        lo_q, hi_q = tl.split(q_sums)
+        lo_sum, hi_sum = tl.split(x_sums)
+        lo_dots = tl.sum(dp4a(words & 0xFFFF, x_words[None], zero, EMULATE), axis=2)
+        hi_dots = tl.sum(dp4a(words & HIGH_HALF, x_words[None], zero, EMULATE), axis=2)
+        groups = 2 * (g0 + tl.arange(0, BLOCK_G))
+        at = row_groups + groups[None, :]
+        out = _group_terms(
+            lo_dots, lo_q, x_scales, lo_sum, scales_ptr, mins_ptr, at,
+            row_mask[:, None] & (groups[None, :] < K // 16), OFFSET, HAS_MINS, EVEN,
+        )  # fmt: skip
+        out += _group_terms(
+            hi_dots, hi_q, x_scales, hi_sum, scales_ptr, mins_ptr, at + 1,
+            row_mask[:, None] & (groups[None, :] + 1 < K // 16), OFFSET, HAS_MINS, EVEN,
+        )  # fmt: skip
+        return out
     dots = tl.sum(dp4a(words, x_words[None], zero, EMULATE), axis=2)
     groups = g0 + tl.arange(0, BLOCK_G)
     mask = row_mask[:, None] & (groups[None, :] < K // 32)
     return _group_terms(
-        dots, q_sums, x_scales, x_sums, scales_ptr, mins_ptr, row_groups + groups[None, :],
-        mask, OFFSET, HAS_MINS, EVEN,
+        dots, tl.sum(q_sums, axis=1), x_scales, tl.sum(x_sums, axis=1), scales_ptr, mins_ptr,
+        row_groups + groups[None, :], mask, OFFSET, HAS_MINS, EVEN,
     )  # fmt: skip
 
 
