@@ -11,7 +11,8 @@ same result from a CUDA graph or eagerly:
   on 8.9, where torch's row-wise scaling is not assumed, the unscaled product in float32
   scaled afterwards). Shapes ``_scaled_mm`` cannot take (dimensions not multiples of 16)
   use the dequantizing reference.
-- GGUF: one row through ``gguf_gemv`` (or, with ``PAGEDLM_GGUF_INT8_GEMV=1``, through
+- GGUF (Q4_0/Q4_1/Q5_*/Q8_0 and Q4_K/Q5_K/Q6_K layers; a scale per 32 columns, per 16 for
+  layers with Q6_K rows): one row through ``gguf_gemv`` (or, with ``PAGEDLM_GGUF_INT8_GEMV=1``, through
   ``gguf_gemv_int8``, x rounded to int8 per 32 columns as llama.cpp's and vLLM's GGUF
   kernels round it; not the default until a GPU has timed it); up to ``max_tiled_rows``
   through ``gguf_gemm``; more through a bf16 copy dequantized into a scratch buffer shared
@@ -222,7 +223,8 @@ def install_quantized_kernels(model: nn.Module, model_config: ModelConfig | None
     ):
         from pagedlm.model_executor.loader.gguf_quantized import gguf_linear_blocks
 
-        gguf_layers = install_gguf_kernels(model, gguf_linear_blocks(model, model_config.model))
+        blocks = gguf_linear_blocks(model, model_config.model, groups_of_16=True)  # Q6_K too
+        gguf_layers = install_gguf_kernels(model, blocks)
         torch.cuda.empty_cache()  # the dense weights just freed
     if fp8_layers or gguf_layers:
         logger.info(

@@ -35,6 +35,25 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
     return path
 
 
+@pytest.fixture(scope="module")
+def tiny_k_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A random 2-layer llama in Q4_K_M's mix: Q4_K, with v, down and the (untied) LM head
+    in Q6_K (a scale per 16 columns), so qkv_proj mixes groups of 32 and 16."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from loader.tiny_gguf import tiny_causal_lm, write_gguf
+
+    _, hf_model = tiny_causal_lm(
+        LlamaConfig, LlamaForCausalLM, hidden_size=256, intermediate_size=512,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    path = str(tmp_path_factory.mktemp("gguf-gpu-k") / "tiny-k.gguf")
+    per_layer = ["Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q4_K", "Q6_K"]
+    write_gguf(path, "llama", hf_model.config, dict(hf_model.state_dict()),
+               ["Q8_0", *per_layer * 2, "Q6_K"], tokenizer_pre=None)  # fmt: skip
+    return path
+
+
 def _logprobs(model: torch.nn.Module) -> list[torch.Tensor]:
     runner = PagedRunner(model, len(PROMPTS), 32, 16)
     logits = runner.step([(i, 0, p) for i, p in enumerate(PROMPTS)])
@@ -43,18 +62,23 @@ def _logprobs(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU runs the end-to-end test instead")
-def test_gguf_kernels_in_a_model_match_its_dequantized_weights(tiny_gguf: str) -> None:
-    config, _ = EngineArgs(model=tiny_gguf, dtype="float32").create_engine_config()
+@pytest.mark.parametrize("file", ["tiny_gguf", "tiny_k_gguf"])
+def test_gguf_kernels_in_a_model_match_its_dequantized_weights(file: str, request) -> None:
+    path = request.getfixturevalue(file)
+    config, _ = EngineArgs(model=path, dtype="float32").create_engine_config()
     model = load_model(config.model, torch.device("cpu"))
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
     with torch.no_grad():
         reference = _logprobs(model)
-        blocks = gguf_linear_blocks(model, tiny_gguf)
+        blocks = gguf_linear_blocks(model, path, groups_of_16=True)
         linears = [m for m in model.modules() if isinstance(m, LinearBase)]
         assert install_gguf_kernels(model, blocks, max_tiled_rows=4) == len(linears)
         assert all(isinstance(m.kernel, GgufCudaLinear) for m in linears)
-        # Dense copies freed, but the tied table the embedding still reads.
+        groups = {m.kernel.packed.group_size for m in linears}
+        assert groups == ({16, 32} if file == "tiny_k_gguf" else {32})
+        # Dense copies freed, but a tied table the embedding still reads.
         assert model.model.layers[0].mlp.down_proj.weight.numel() == 0
-        assert model.lm_head.weight.numel() > 0
+        assert (model.lm_head.weight.numel() > 0) == tied
         quantized = _logprobs(model)
     for want, got in zip(reference, quantized, strict=True):
         # Same weights; only the float32 summation order differs.
@@ -78,10 +102,12 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not ON_GPU, reason="needs the GPU")
-def test_gguf_on_the_gpu_matches_its_dequantized_weights(tiny_gguf, monkeypatch) -> None:
-    tokens, logprobs = _generate(tiny_gguf)
+@pytest.mark.parametrize("file", ["tiny_gguf", "tiny_k_gguf"])
+def test_gguf_on_the_gpu_matches_its_dequantized_weights(file, request, monkeypatch) -> None:
+    path = request.getfixturevalue(file)
+    tokens, logprobs = _generate(path)
     monkeypatch.setenv(DEQUANTIZE_GGUF_ENV, "1")
-    ref_tokens, ref_logprobs = _generate(tiny_gguf)
+    ref_tokens, ref_logprobs = _generate(path)
     difference = (logprobs - ref_logprobs).abs()
     agreement = _agreement(tokens, ref_tokens)
     print(f"GGUF on GPU vs dequantized: greedy agreement {agreement:.2f}, logprob diff "

@@ -124,3 +124,22 @@ def test_kept_blocks_are_handed_over_once(tmp_path):
             model.get_submodule(name).weight.fill_(float("nan"))
     # Read again from the file: only the tied head has a float weight to reproduce.
     assert set(gguf_linear_blocks(model, path)) == {"lm_head"}
+
+
+def test_groups_of_16_bring_in_q6_k_and_stay_only_where_needed(tmp_path):
+    """For kernels that take a scale per 16 columns (CUDA): layer 0's qkv, whose v rows are
+    Q6_K, gets its blocks with groups of 16 (q/k's scales repeated); every other layer keeps
+    a scale per 32; each still reproduces its weight exactly."""
+    qtypes = [*MIXED[:-1], "Q6_K"]  # the LM head in Q6_K as well
+    model, path = _load(tmp_path, qtypes, tie=False)
+    plain = gguf_linear_blocks(model, path)
+    found = gguf_linear_blocks(model, path, groups_of_16=True)
+    qkv = "model.layers.0.self_attn.qkv_proj"
+    assert set(found) == set(_linears(model)) and set(found) - set(plain) == {qkv, "lm_head"}
+    assert found[qkv].group_size == 16 and found["lm_head"].group_size == 16
+    for name, module in _linears(model).items():
+        assert torch.equal(found[name].dequantize(), module.weight), name
+        if name in plain:
+            assert found[name].group_size == 32
+            for part in ("codes", "scales", "mins"):
+                assert torch.equal(getattr(found[name], part), getattr(plain[name], part))

@@ -10,10 +10,15 @@ No model knowledge is repeated here: the blocks go through the model's own
 every 2-D parameter temporarily replaced by a stand-in of the shape that part has (codes:
 the weight's shape; scales and minimums: one column per 32). Every step on the way copies
 whole rows or block-aligned column slices, so each stand-in ends up holding its layer's
-blocks. Layers where that does not hold are left out, never approximated:
+blocks. A caller whose kernels take a scale per 16 columns (``groups_of_16``: the CUDA
+platform) also gets Q6_K's blocks: when the file has any, every tensor's scales are routed
+at one column per 16 (a 32-column group's scale twice), and a layer whose scales come in
+equal pairs is handed over with one per 32 again, so only layers with Q6_K rows keep the
+finer groups (v_proj in Q6_K next to q/k in Q4_K makes the whole qkv_proj so). Layers
+where routing does not give a layer its blocks are left out, never approximated:
 
-- a layer fed by a tensor without an affine form (e.g. v_proj in Q6_K next to q/k in
-  Q4_K): its scales keep the NaN they start with;
+- a layer fed by a tensor without an affine form (one in Q3_K or F16, or in Q6_K for a
+  caller without groups of 16): its scales keep the NaN they start with;
 - a layer whose blocks do not dequantize to exactly the float weight it was loaded with
   (a ``load_weights`` that does more than copy), or whose input width is not a multiple
   of 32.
@@ -65,33 +70,39 @@ _KEPT: weakref.WeakKeyDictionary[nn.Module, dict[str, AffineBlocks]] = weakref.W
 """Blocks ``load_gguf_keeping_blocks`` routed, until ``gguf_linear_blocks`` takes them."""
 
 
-def _iter_blocks(path: str, model: nn.Module) -> Iterator[tuple[str, AffineBlocks]]:
-    """(HF name, affine blocks in HF row order) for each 2-D tensor that has an affine form."""
+def _iter_blocks(
+    path: str, model: nn.Module, groups_of_16: bool = False
+) -> Iterator[tuple[str, AffineBlocks]]:
+    """(HF name, affine blocks in HF row order) for each 2-D tensor that has an affine form
+    (Q6_K's, in groups of 16, only with ``groups_of_16``)."""
     header = read_gguf_header(path)
     with open(path, "rb", buffering=0) as file:
         for name, info, fix_rows in iter_gguf_entries(header, model.arch):
             if len(info.shape) != 2 or info.shape[1] % GROUP_SIZE:
                 continue
             raw, type_name = read_gguf_raw(file, info, path)
-            blocks = decode_blocks(raw, type_name, info.shape)
+            blocks = decode_blocks(raw, type_name, info.shape, groups_of_16)
             if blocks is not None:
                 yield name, AffineBlocks(*(fix_rows(getattr(blocks, p)) for p in _PARTS))
 
 
-def _stand_in(weight: torch.Tensor, part: Part) -> torch.Tensor | None:
+def _stand_in(weight: torch.Tensor, part: Part, group: int) -> torch.Tensor | None:
     rows, cols = weight.shape
     if part == "codes":
         # Uninitialized: codes are used only where the scales show every row was filled.
         return torch.empty(rows, cols, dtype=torch.uint8)
     if cols % GROUP_SIZE:
         return None
-    return torch.full((rows, cols // GROUP_SIZE), float("nan"), dtype=torch.float32)
+    return torch.full((rows, cols // group), float("nan"), dtype=torch.float32)
 
 
 @contextmanager
-def _stand_ins(model: nn.Module, part: Part) -> Iterator[dict[int, torch.Tensor]]:
-    """Every 2-D parameter replaced (in every module holding it) by a stand-in for ``part``;
-    yields ``{id(original parameter): stand-in data}`` and puts the originals back."""
+def _stand_ins(
+    model: nn.Module, part: Part, group: int = GROUP_SIZE
+) -> Iterator[dict[int, torch.Tensor]]:
+    """Every 2-D parameter replaced (in every module holding it) by a stand-in for ``part``
+    (scales and minimums: one column per ``group``); yields ``{id(original parameter):
+    stand-in data}`` and puts the originals back."""
     holders: list[tuple[nn.Module, str, nn.Parameter]] = []
     replacements: dict[int, nn.Parameter] = {}
     for module in model.modules():
@@ -99,7 +110,7 @@ def _stand_ins(model: nn.Module, part: Part) -> Iterator[dict[int, torch.Tensor]
             if param.dim() != 2:
                 continue
             if id(param) not in replacements:
-                data = _stand_in(param, part)
+                data = _stand_in(param, part, group)
                 if data is None:
                     continue
                 replacement = nn.Parameter(data, requires_grad=False)
@@ -118,13 +129,17 @@ def _route(
     model: nn.Module, parts: Iterable[tuple[str, AffineBlocks]]
 ) -> tuple[dict[Part, dict[int, torch.Tensor]], set[str]]:
     """Each part of ``parts``' blocks through ``load_weights`` into stand-ins: {part:
-    {id(parameter): its stand-in}}, and the names of the parameters that were fed."""
+    {id(parameter): its stand-in}}, and the names of the parameters that were fed. Scales
+    go at the finest group any of the blocks has."""
     decoded = list(parts)
+    group = min((blocks.group_size for _, blocks in decoded), default=GROUP_SIZE)
+    if group < GROUP_SIZE:
+        decoded = [(name, _regrouped(blocks, group)) for name, blocks in decoded]
     routed: dict[Part, dict[int, torch.Tensor]] = {}
     loaded: set[str] = set()
     with torch.no_grad():
         for part in _PARTS:
-            with _stand_ins(model, part) as filled:
+            with _stand_ins(model, part, group) as filled:
                 loaded |= model.load_weights((name, getattr(b, part)) for name, b in decoded)
             routed[part] = filled
     return routed, loaded
@@ -143,8 +158,30 @@ def _complete_layers(
             continue
         blocks = AffineBlocks(*(routed[part][key] for part in _PARTS))
         if not torch.isnan(blocks.scales).any():  # NaN: rows from a tensor without blocks
-            found[name] = blocks
+            found[name] = _coarsest(blocks)
     return found
+
+
+def _regrouped(blocks: AffineBlocks, group: int) -> AffineBlocks:
+    """The same values with a scale and a minimum per ``group`` columns (each repeated)."""
+    repeat = blocks.group_size // group
+    if repeat == 1:
+        return blocks
+    return AffineBlocks(
+        blocks.codes,
+        blocks.scales.repeat_interleave(repeat, dim=1),
+        blocks.mins.repeat_interleave(repeat, dim=1),
+    )
+
+
+def _coarsest(blocks: AffineBlocks) -> AffineBlocks:
+    """Groups of 16 whose scales and minimums come in equal pairs, as groups of 32."""
+    scales, mins = blocks.scales, blocks.mins
+    if blocks.group_size != GROUP_SIZE // 2 or scales.shape[1] % 2:
+        return blocks
+    if torch.equal(scales[:, 0::2], scales[:, 1::2]) and torch.equal(mins[:, 0::2], mins[:, 1::2]):
+        return AffineBlocks(blocks.codes, scales[:, 0::2].contiguous(), mins[:, 0::2].contiguous())
+    return blocks
 
 
 def _reproduces_weight(name: str, blocks: AffineBlocks, weight: torch.Tensor) -> bool:
@@ -156,9 +193,12 @@ def _reproduces_weight(name: str, blocks: AffineBlocks, weight: torch.Tensor) ->
     return False
 
 
-def gguf_linear_blocks(model: nn.Module, path: str) -> dict[str, AffineBlocks]:
+def gguf_linear_blocks(
+    model: nn.Module, path: str, groups_of_16: bool = False
+) -> dict[str, AffineBlocks]:
     """Module name -> its weight's blocks, for every ``LinearBase`` whose whole weight came
-    from affine-form tensors of the GGUF file ``path`` (the model loaded from it).
+    from affine-form tensors of the GGUF file ``path`` (the model loaded from it); with
+    ``groups_of_16``, Q6_K tensors count as affine too (a scale per 16 columns).
 
     For a model that ``load_gguf_keeping_blocks`` filled, the blocks it kept (once: a
     second call reads the file).
@@ -167,7 +207,7 @@ def gguf_linear_blocks(model: nn.Module, path: str) -> dict[str, AffineBlocks]:
     if kept is not None:
         return kept
     # Decoded once (about 1.1 bytes per weight), then routed part by part.
-    routed, _ = _route(model, _iter_blocks(path, model))
+    routed, _ = _route(model, _iter_blocks(path, model, groups_of_16))
     return {
         name: blocks
         for name, blocks in _complete_layers(model, routed).items()
