@@ -15,7 +15,7 @@ from pagedlm.kv_cache.interface import kv_bytes_per_block
 from pagedlm.platforms import Platform
 
 if TYPE_CHECKING:
-    from pagedlm.config import EngineConfig
+    from pagedlm.config import EngineConfig, ModelConfig
     from pagedlm.platforms.interface import GraphRunner
     from pagedlm.sample.sampler import FusedRandomSampler
     from pagedlm_cuda.kernels.lora import TritonLoRAOps
@@ -113,6 +113,13 @@ class CudaPlatform(Platform):
         if self.config is None:
             return DEFAULT_GPU_MEMORY_UTILIZATION
         return self.config.cache.gpu_memory_utilization
+
+    gguf_groups_of_16 = True  # Q6_K layers stay quantized too
+
+    def computes_on_gguf_blocks(self, model_config: ModelConfig) -> bool:
+        from pagedlm_cuda.quantized_linear import computes_on_gguf_blocks
+
+        return computes_on_gguf_blocks(model_config)
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         from pagedlm_cuda.fused_layers import install_fused_kernels

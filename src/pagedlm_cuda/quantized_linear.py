@@ -208,22 +208,33 @@ def install_gguf_kernels(
     return count
 
 
+def computes_on_gguf_blocks(model_config: ModelConfig) -> bool:
+    """Whether a model of ``model_config`` runs its GGUF layers on their blocks (the
+    platform's ``computes_on_gguf_blocks``): a ``.gguf`` file's weights, not dummy ones,
+    unless ``PAGEDLM_CUDA_DEQUANTIZE_GGUF=1``."""
+    return (
+        model_config.is_gguf
+        and model_config.load_format != "dummy"
+        and model_config.quantization is None
+        and os.environ.get(DEQUANTIZE_GGUF_ENV, "0") in ("", "0")
+    )
+
+
 def install_quantized_kernels(model: nn.Module, model_config: ModelConfig | None) -> None:
     """The GPU kernels of ``model``'s quantized layers: its E4M3 ones, and, when it is the
-    model of a ``.gguf`` file (not a draft model sharing the config), its GGUF blocks."""
+    model of a ``.gguf`` file (not a draft model sharing the config), its GGUF blocks:
+    those the loader kept (the model runner loads such a model keeping them, the float
+    weights of their layers never made), Q6_K's included."""
     fp8_layers = install_fp8_kernels(model)
     gguf_layers = 0
     if (
         model_config is not None
-        and model_config.is_gguf
-        and model_config.load_format != "dummy"
-        and model_config.quantization is None
+        and computes_on_gguf_blocks(model_config)
         and getattr(model, "arch", None) == model_config.arch
-        and os.environ.get(DEQUANTIZE_GGUF_ENV, "0") in ("", "0")
     ):
         from pagedlm.model_executor.loader.gguf_quantized import gguf_linear_blocks
 
-        blocks = gguf_linear_blocks(model, model_config.model, groups_of_16=True)  # Q6_K too
+        blocks = gguf_linear_blocks(model, model_config.model, groups_of_16=True)
         gguf_layers = install_gguf_kernels(model, blocks)
         torch.cuda.empty_cache()  # the dense weights just freed
     if fp8_layers or gguf_layers:

@@ -64,12 +64,16 @@ def _logprobs(model: torch.nn.Module) -> list[torch.Tensor]:
 @pytest.mark.skipif(ON_GPU, reason="the GPU runs the end-to-end test instead")
 @pytest.mark.parametrize("file", ["tiny_gguf", "tiny_k_gguf"])
 def test_gguf_kernels_in_a_model_match_its_dequantized_weights(file: str, request) -> None:
+    """Loaded as the CUDA platform loads it: the blocks kept, the float weights of their
+    layers never made (``computes_on_gguf_blocks``, ``gguf_groups_of_16``)."""
     path = request.getfixturevalue(file)
     config, _ = EngineArgs(model=path, dtype="float32").create_engine_config()
-    model = load_model(config.model, torch.device("cpu"))
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
     with torch.no_grad():
-        reference = _logprobs(model)
+        reference = _logprobs(load_model(config.model, torch.device("cpu")))
+        model = load_model(
+            config.model, torch.device("cpu"), keep_gguf_blocks=True, gguf_groups_of_16=True
+        )
+        tied = model.lm_head.weight is model.model.embed_tokens.weight
         blocks = gguf_linear_blocks(model, path, groups_of_16=True)
         linears = [m for m in model.modules() if isinstance(m, LinearBase)]
         assert install_gguf_kernels(model, blocks, max_tiled_rows=4) == len(linears)
@@ -136,3 +140,13 @@ def test_fp8_logprobs_stay_near_bf16(tmp_path) -> None:
     # mean 0.20; the H200: 0.06, 0.58 and 0.17 (its second prompt's first token already
     # flips). A broken kernel is nats off.
     assert difference.max().item() < 1.0 and difference.mean().item() < 0.3
+
+
+def test_the_cuda_platform_keeps_gguf_blocks_unless_asked_not_to(tiny_gguf, monkeypatch) -> None:
+    from pagedlm_cuda.platform import CudaPlatform
+
+    config, _ = EngineArgs(model=tiny_gguf, dtype="float32").create_engine_config()
+    platform = CudaPlatform()
+    assert platform.computes_on_gguf_blocks(config.model) and platform.gguf_groups_of_16
+    monkeypatch.setenv(DEQUANTIZE_GGUF_ENV, "1")
+    assert not platform.computes_on_gguf_blocks(config.model)

@@ -86,16 +86,23 @@ def test_layers_fed_by_a_type_without_affine_form_are_left_out(tmp_path):
         assert torch.equal(found[name].dequantize(), weight)
 
 
-def _load_keeping_blocks(path: str, dtype: str = "float32"):
+def _load_keeping_blocks(path: str, dtype: str = "float32", groups_of_16: bool = False):
     config, _ = EngineArgs(model=path, dtype=dtype, platform="cpu").create_engine_config()
-    return load_model(config.model, torch.device("cpu"), keep_gguf_blocks=True)
+    return load_model(
+        config.model, torch.device("cpu"), keep_gguf_blocks=True, gguf_groups_of_16=groups_of_16
+    )
 
 
-@pytest.mark.parametrize(("qtypes", "tie"), [(MIXED, False), ("Q8_0", True)])
-def test_loading_that_keeps_the_blocks_routes_the_same_blocks(tmp_path, qtypes, tie):
+@pytest.mark.parametrize(
+    ("qtypes", "tie", "groups_of_16"),
+    [(MIXED, False, False), ("Q8_0", True, False), (MIXED, False, True)],
+)
+def test_loading_that_keeps_the_blocks_routes_the_same_blocks(tmp_path, qtypes, tie, groups_of_16):
     model, path = _load(tmp_path, qtypes, tie=tie)
-    expected = gguf_linear_blocks(model, path)
-    kept_model = _load_keeping_blocks(path)
+    expected = gguf_linear_blocks(model, path, groups_of_16)
+    if groups_of_16:  # layer 0's qkv (v in Q6_K) joins, with a scale per 16 columns
+        assert expected["model.layers.0.self_attn.qkv_proj"].group_size == 16
+    kept_model = _load_keeping_blocks(path, groups_of_16=groups_of_16)
     kept = gguf_linear_blocks(kept_model, path)
     assert set(kept) == set(expected)
     for name, blocks in expected.items():
@@ -109,7 +116,7 @@ def test_loading_that_keeps_the_blocks_routes_the_same_blocks(tmp_path, qtypes, 
         if name not in unfilled:
             assert torch.equal(param, reference[name]), name
     # The hand-over happens once; a second call reads the file and checks the weights.
-    assert set(gguf_linear_blocks(model, path)) == set(expected)
+    assert set(gguf_linear_blocks(model, path, groups_of_16)) == set(expected)
 
 
 def test_kept_blocks_are_handed_over_once(tmp_path):

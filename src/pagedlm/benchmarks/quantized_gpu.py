@@ -20,8 +20,8 @@ of a small grid for the FP8 and Q4_0 GEMVs per projection; ``--gemm-sweep`` time
 layers' options at 2..512 rows (tiled dequantizing GEMM, dequantize + cuBLAS, and bf16
 cuBLAS) on the gate/up and o shapes, which places ``GgufCudaLinear.max_tiled_rows``.
 
-The H200 command (the ``gguf`` part reads its 4.5 GB file twice, decoding it with numpy:
-minutes, printed as the engine's start time)::
+The H200 command (the ``gguf`` part's engines each read and decode the 4.5 GB file once,
+printed as the engine's start time)::
 
     python -m pagedlm.benchmarks.quantized_gpu --output-json /tmp/quantized_gpu.json
     python -m pagedlm.benchmarks.quantized_gpu --parts kernels --gemv-sweep --gemm-sweep \\

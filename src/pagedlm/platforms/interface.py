@@ -137,6 +137,10 @@ class Platform(ABC):
         (``load_gguf_keeping_blocks``). Default False: weights are loaded dequantized."""
         return False
 
+    gguf_groups_of_16: bool = False
+    """Whether this platform's GGUF kernels take a scale per 16 columns (Q6_K), so that the
+    loader hands over Q6_K layers' blocks too (``gguf_linear_blocks(groups_of_16=...)``)."""
+
     def lora_ops(self) -> LoRAOps:
         """How LoRA layers add their batched adapter deltas (``pagedlm.lora.ops``); the
         default is batched torch ops, which are not CUDA-graph safe, so a model runner

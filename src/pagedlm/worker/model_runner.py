@@ -109,8 +109,12 @@ class ModelRunner:
         self.device = platform.device
         self.block_size = config.cache.block_size
         self.arch = config.model.arch
-        keep_blocks = platform.computes_on_gguf_blocks(config.model)
-        self.model = load_model(config.model, self.device, keep_gguf_blocks=keep_blocks)
+        self.model = load_model(
+            config.model,
+            self.device,
+            keep_gguf_blocks=platform.computes_on_gguf_blocks(config.model),
+            gguf_groups_of_16=platform.gguf_groups_of_16,
+        )
         platform.prepare_model(self.model)
         if config.batch_invariant:
             make_batch_invariant(self.model)

@@ -55,7 +55,11 @@ def iter_model_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.T
 
 
 def load_model(
-    model_config: ModelConfig, device: torch.device, *, keep_gguf_blocks: bool = False
+    model_config: ModelConfig,
+    device: torch.device,
+    *,
+    keep_gguf_blocks: bool = False,
+    gguf_groups_of_16: bool = False,
 ) -> nn.Module:
     """The model of ``model_config``, in ``model_config.dtype`` on ``device``, in eval mode.
 
@@ -67,7 +71,8 @@ def load_model(
 
     ``keep_gguf_blocks`` (a GGUF file): load through ``gguf_quantized.load_gguf_keeping_blocks``,
     which leaves the float weights of the layers with affine blocks unfilled; the caller
-    must then put every layer ``gguf_linear_blocks`` returns on a kernel over its blocks.
+    must then put every layer ``gguf_linear_blocks`` returns on a kernel over its blocks
+    (Q6_K layers among them with ``gguf_groups_of_16``).
     """
     from pagedlm.model_executor.models.registry import get_model_class
 
@@ -81,7 +86,8 @@ def load_model(
     elif keep_gguf_blocks and model_config.is_gguf and model_config.load_format != "safetensors":
         from pagedlm.model_executor.loader.gguf_quantized import load_gguf_keeping_blocks
 
-        check_all_loaded(model, load_gguf_keeping_blocks(model, model_config.model), model_config)
+        loaded = load_gguf_keeping_blocks(model, model_config.model, gguf_groups_of_16)
+        check_all_loaded(model, loaded, model_config)
     else:
         weights = iter_model_weights(model_config)
         kv_scales: dict[tuple[int, str], float] = {}

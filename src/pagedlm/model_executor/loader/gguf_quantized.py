@@ -215,10 +215,11 @@ def gguf_linear_blocks(
     }
 
 
-def load_gguf_keeping_blocks(model: nn.Module, path: str) -> set[str]:
+def load_gguf_keeping_blocks(model: nn.Module, path: str, groups_of_16: bool = False) -> set[str]:
     """Fill ``model`` from the GGUF file ``path``, reading each tensor once, and keep the
-    blocks of every linear layer whose whole weight has them for ``gguf_linear_blocks``;
-    returns the names of the parameters filled (all of them, for ``check_all_loaded``).
+    blocks of every linear layer whose whole weight has them for ``gguf_linear_blocks``
+    (Q6_K's too with ``groups_of_16``); returns the names of the parameters filled (all
+    of them, for ``check_all_loaded``).
 
     The float weight of a kept layer that no other module shares is left uninitialized:
     the caller must give every layer ``gguf_linear_blocks`` returns a kernel on its blocks
@@ -226,10 +227,10 @@ def load_gguf_keeping_blocks(model: nn.Module, path: str) -> set[str]:
     embedding) is filled and checked against its blocks as in ``gguf_linear_blocks``.
     """
     with one_intra_op_thread():
-        return _load_keeping_blocks(model, path)
+        return _load_keeping_blocks(model, path, groups_of_16)
 
 
-def _load_keeping_blocks(model: nn.Module, path: str) -> set[str]:
+def _load_keeping_blocks(model: nn.Module, path: str, groups_of_16: bool) -> set[str]:
     header = read_gguf_header(path)
     norm_offset = GGUF_ARCHITECTURES[header.metadata["general.architecture"]].norm_offset
     blocks_by_tensor: dict[str, AffineBlocks] = {}
@@ -238,7 +239,7 @@ def _load_keeping_blocks(model: nn.Module, path: str) -> set[str]:
         for name, info, fix_rows in iter_gguf_entries(header, model.arch):
             if len(info.shape) == 2 and info.shape[1] % GROUP_SIZE == 0:
                 raw, type_name = read_gguf_raw(file, info, path)
-                blocks = decode_blocks(raw, type_name, info.shape)
+                blocks = decode_blocks(raw, type_name, info.shape, groups_of_16)
                 if blocks is not None:
                     blocks_by_tensor[name] = AffineBlocks(
                         *(fix_rows(getattr(blocks, p)) for p in _PARTS)
@@ -289,10 +290,11 @@ def _tensors_feeding(
     not in ``skip``: found by routing each tensor's index (one value per block) into
     stand-ins, the way the blocks went."""
     names = list(blocks_by_tensor)
-    with torch.no_grad(), _stand_ins(model, "sources") as filled:
+    group = min((b.group_size for b in blocks_by_tensor.values()), default=GROUP_SIZE)
+    with torch.no_grad(), _stand_ins(model, "sources", group) as filled:
         model.load_weights(
-            (name, torch.full(blocks_by_tensor[name].scales.shape, float(index)))
-            for index, name in enumerate(names)
+            (name, torch.full((b.codes.shape[0], b.codes.shape[1] // group), float(index)))
+            for index, (name, b) in enumerate(blocks_by_tensor.items())
         )
     needed: set[str] = set()
     for key, sources in filled.items():
