@@ -150,3 +150,19 @@ def test_groups_of_16_bring_in_q6_k_and_stay_only_where_needed(tmp_path):
             assert found[name].group_size == 32
             for part in ("codes", "scales", "mins"):
                 assert torch.equal(getattr(found[name], part), getattr(plain[name], part))
+
+
+def test_keeping_the_blocks_never_allocates_the_kept_weights(tmp_path):
+    """Linear weights are built on the meta device; those of kept layers end up empty, the
+    rest (layer 0's qkv fed by Q6_K, the F16 head) allocated and filled as usual."""
+    model, path = _load(tmp_path, MIXED, tie=False)
+    kept_model = _load_keeping_blocks(path)
+    assert not any(p.is_meta for p in kept_model.parameters())
+    kept = gguf_linear_blocks(kept_model, path)
+    reference = _linears(model)
+    assert set(kept) == set(reference) - {"model.layers.0.self_attn.qkv_proj", "lm_head"}
+    for name, module in _linears(kept_model).items():
+        if name in kept:
+            assert module.weight.numel() == 0
+        else:
+            assert torch.equal(module.weight, reference[name].weight), name

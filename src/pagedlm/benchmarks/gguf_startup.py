@@ -10,8 +10,11 @@ Writes a random Q4_0 file of Llama-3-8B's shape cut to ``--layers`` layers
   blocks against its loaded weight (how the CUDA platform loaded GGUF models before
   session 17);
 - *keeping the blocks*: ``load_model(keep_gguf_blocks=True)``, each tensor read once and
-  the float weights of the layers with blocks never computed (the CPU and CUDA
-  platforms' way now).
+  the float weights of the layers with blocks never computed, nor allocated (the CPU and
+  CUDA platforms' way now).
+
+Also printed: the bytes the model's parameters hold after loading (on a GPU, what the
+device must fit before kernels replace the dense weights).
 
 Both ask for Q6_K's groups of 16 as the CUDA platform does (this file has none).
 """
@@ -48,22 +51,23 @@ def main(argv: list[str] | None = None) -> None:
         cpu = torch.device("cpu")
         print(f"{size / 1e9:.2f} GB Q4_0 file, {args.layers} layers of llama-3-8b's shape")
 
-        def timed(keep: bool) -> tuple[float, int]:
+        def timed(keep: bool) -> tuple[float, int, float]:
             start = time.perf_counter()
             model = load_model(config.model, cpu, keep_gguf_blocks=keep, gguf_groups_of_16=True)
+            gigabytes = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
             layers = len(gguf_linear_blocks(model, str(path), groups_of_16=True))
             elapsed = time.perf_counter() - start
             del model
             gc.collect()
-            return elapsed, layers
+            return elapsed, layers, gigabytes
 
         for round_index in range(args.rounds):
-            dense, dense_layers = timed(keep=False)
-            kept, kept_layers = timed(keep=True)
+            dense, dense_layers, dense_gb = timed(keep=False)
+            kept, kept_layers, kept_gb = timed(keep=True)
             print(
                 f"round {round_index + 1}: dense, then blocks {dense:.1f} s ({dense_layers} "
-                f"layers); keeping the blocks {kept:.1f} s ({kept_layers} layers): "
-                f"{dense / kept:.2f}x",
+                f"layers, parameters {dense_gb:.2f} GB); keeping the blocks {kept:.1f} s "
+                f"({kept_layers} layers, parameters {kept_gb:.2f} GB): {dense / kept:.2f}x",
                 flush=True,
             )
 

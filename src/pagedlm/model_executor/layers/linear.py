@@ -25,7 +25,7 @@ from pagedlm.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from pagedlm.model_executor.layers.linear_base import LinearBase
+from pagedlm.model_executor.layers.linear_base import LinearBase, linear_weight
 from pagedlm.model_executor.loader.weight_utils import (
     copy_checked,
     set_weight_loader,
@@ -40,7 +40,7 @@ class _ShardedLinear(LinearBase, ABC):
         super().__init__()
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
-        self.weight = nn.Parameter(torch.empty(out_per_rank, in_per_rank), requires_grad=False)
+        self.weight = linear_weight(out_per_rank, in_per_rank)
         set_weight_loader(self.weight, self.weight_loader)
         self.bias: nn.Parameter | None = None
         if bias_size is not None:

@@ -8,7 +8,9 @@ or a quantized GEMM; the layer's weight stays the source of truth for loading an
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextvars
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +18,27 @@ from torch import nn
 
 LinearKernel = Callable[[torch.Tensor], torch.Tensor]
 """x [num_tokens, in_features] -> [num_tokens, out_features], bias included."""
+
+_DEFERRED = contextvars.ContextVar("pagedlm_deferred_linear_weights", default=False)
+
+
+@contextmanager
+def deferred_weights() -> Iterator[None]:
+    """Linear layers built inside get their weight on the meta device, taking no memory: a
+    loader that will replace some layers by kernels over quantized blocks (GGUF) allocates
+    only the weights it fills (``gguf_quantized.load_gguf_keeping_blocks``)."""
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
+def linear_weight(rows: int, cols: int) -> nn.Parameter:
+    """A linear layer's weight [rows, cols], uninitialized, in the default dtype on the
+    current device (on the meta device inside ``deferred_weights``)."""
+    device = torch.device("meta") if _DEFERRED.get() else None
+    return nn.Parameter(torch.empty(rows, cols, device=device), requires_grad=False)
 
 
 class LinearBase(nn.Module):

@@ -17,7 +17,7 @@ from pagedlm.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from pagedlm.model_executor.layers.linear_base import LinearBase
+from pagedlm.model_executor.layers.linear_base import LinearBase, linear_weight
 from pagedlm.model_executor.loader.weight_utils import copy_checked, set_weight_loader
 
 
@@ -33,10 +33,12 @@ class VocabParallelEmbedding(nn.Module):
         self.rows_per_rank = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.rows_per_rank
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, num_embeddings)
-        self.weight = nn.Parameter(
-            torch.empty(self.rows_per_rank, embedding_dim), requires_grad=False
-        )
+        self.weight = self._new_weight(self.rows_per_rank, embedding_dim)
         set_weight_loader(self.weight, self.weight_loader)
+
+    @staticmethod
+    def _new_weight(rows: int, cols: int) -> nn.Parameter:
+        return nn.Parameter(torch.empty(rows, cols), requires_grad=False)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         if loaded_weight.shape[0] != self.num_embeddings:
@@ -68,6 +70,8 @@ class ParallelLMHead(VocabParallelEmbedding, LinearBase):
 
     For tied embeddings, call ``tie_to(embedding)``: both then share one parameter.
     """
+
+    _new_weight = staticmethod(linear_weight)  # a linear weight: deferred like the others
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,6 +13,7 @@ from torch import nn
 from pagedlm.config import ModelConfig
 from pagedlm.kv_cache import fp8
 from pagedlm.model_executor.layers.attention import install_kv_scales
+from pagedlm.model_executor.layers.linear_base import deferred_weights
 
 
 @contextmanager
@@ -77,16 +79,24 @@ def load_model(
     from pagedlm.model_executor.models.registry import get_model_class
 
     model_class = get_model_class(model_config.arch.architecture)
-    with _default_dtype(model_config.dtype), torch.device(device):
+    keep_blocks = (
+        keep_gguf_blocks
+        and model_config.is_gguf
+        and model_config.load_format not in ("dummy", "safetensors")
+    )
+    # Keeping blocks, linear weights start on the meta device: the loader allocates those
+    # it fills, so a layer that a kernel over its blocks replaces never takes its size.
+    deferred = deferred_weights() if keep_blocks else contextlib.nullcontext()
+    with _default_dtype(model_config.dtype), torch.device(device), deferred:
         model = model_class(model_config.arch, max_model_len=model_config.max_model_len)
     if model_config.load_format == "dummy":
         from pagedlm.model_executor.loader.dummy import fill_dummy_weights
 
         fill_dummy_weights(model, model_config.seed)
-    elif keep_gguf_blocks and model_config.is_gguf and model_config.load_format != "safetensors":
+    elif keep_blocks:
         from pagedlm.model_executor.loader.gguf_quantized import load_gguf_keeping_blocks
 
-        loaded = load_gguf_keeping_blocks(model, model_config.model, gguf_groups_of_16)
+        loaded = load_gguf_keeping_blocks(model, model_config.model, gguf_groups_of_16, device)
         check_all_loaded(model, loaded, model_config)
     else:
         weights = iter_model_weights(model_config)

@@ -87,7 +87,7 @@ def _iter_blocks(
 
 
 def _stand_in(weight: torch.Tensor, part: Part, group: int) -> torch.Tensor | None:
-    rows, cols = weight.shape
+    rows, cols = _full_shape(weight)
     if part == "codes":
         # Uninitialized: codes are used only where the scales show every row was filled.
         return torch.empty(rows, cols, dtype=torch.uint8)
@@ -107,7 +107,7 @@ def _stand_ins(
     replacements: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for attr, param in list(module.named_parameters(recurse=False)):
-            if param.dim() != 2:
+            if len(_full_shape(param)) != 2:
                 continue
             if id(param) not in replacements:
                 data = _stand_in(param, part, group)
@@ -184,7 +184,14 @@ def _coarsest(blocks: AffineBlocks) -> AffineBlocks:
     return blocks
 
 
+def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's shape, or for a kept layer's emptied weight the shape it stands for."""
+    return getattr(param, "full_shape", tuple(param.shape))
+
+
 def _reproduces_weight(name: str, blocks: AffineBlocks, weight: torch.Tensor) -> bool:
+    if weight.numel() == 0:  # a kept layer's weight: nothing to compare (blocks in a kernel)
+        return False
     # Checked where the weight lives (the GPU dequantizes an 8B model in moments).
     on_device = AffineBlocks(*(getattr(blocks, p).to(weight.device) for p in _PARTS))
     if torch.equal(on_device.dequantize().to(weight.dtype), weight):
@@ -215,22 +222,50 @@ def gguf_linear_blocks(
     }
 
 
-def load_gguf_keeping_blocks(model: nn.Module, path: str, groups_of_16: bool = False) -> set[str]:
+def load_gguf_keeping_blocks(
+    model: nn.Module, path: str, groups_of_16: bool = False, device: torch.device | None = None
+) -> set[str]:
     """Fill ``model`` from the GGUF file ``path``, reading each tensor once, and keep the
     blocks of every linear layer whose whole weight has them for ``gguf_linear_blocks``
     (Q6_K's too with ``groups_of_16``); returns the names of the parameters filled (all
     of them, for ``check_all_loaded``).
 
-    The float weight of a kept layer that no other module shares is left uninitialized:
-    the caller must give every layer ``gguf_linear_blocks`` returns a kernel on its blocks
-    (and release the weight) before the model runs. A shared one (an LM head tied to the
-    embedding) is filled and checked against its blocks as in ``gguf_linear_blocks``.
+    The float weight of a kept layer that no other module shares is never made: it becomes
+    an empty tensor (on ``device``, where a linear weight built under
+    ``linear_base.deferred_weights`` sits on the meta device until then; other such
+    weights get their memory here, then their values). The caller must give every layer
+    ``gguf_linear_blocks`` returns a kernel on its blocks before the model runs. A shared
+    one (an LM head tied to the embedding) is filled and checked against its blocks as in
+    ``gguf_linear_blocks``.
     """
     with one_intra_op_thread():
-        return _load_keeping_blocks(model, path, groups_of_16)
+        return _load_keeping_blocks(model, path, groups_of_16, device)
 
 
-def _load_keeping_blocks(model: nn.Module, path: str, groups_of_16: bool) -> set[str]:
+def _allocate_linear_weights(model: nn.Module, kept: set[int], device: torch.device | None) -> None:
+    """Give every linear weight on the meta device memory on ``device`` (uninitialized, for
+    the loader to fill), and every weight in ``kept`` (ids) an empty tensor instead (a
+    kernel over its blocks will compute the layer)."""
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, LinearBase) or not isinstance(weight, nn.Parameter):
+            continue
+        if id(weight) not in replaced and (weight.is_meta or id(weight) in kept):
+            at = device if weight.is_meta else weight.device
+            shape = (0,) if id(weight) in kept else weight.shape
+            new = nn.Parameter(torch.empty(shape, dtype=weight.dtype, device=at), False)
+            set_weight_loader(new, get_weight_loader(weight))
+            if id(weight) in kept:  # so that a later routing still knows the layer's shape
+                new.full_shape = tuple(weight.shape)  # type: ignore[attr-defined]
+            replaced[id(weight)] = new
+        if id(weight) in replaced:
+            module.weight = replaced[id(weight)]
+
+
+def _load_keeping_blocks(
+    model: nn.Module, path: str, groups_of_16: bool, device: torch.device | None
+) -> set[str]:
     header = read_gguf_header(path)
     norm_offset = GGUF_ARCHITECTURES[header.metadata["general.architecture"]].norm_offset
     blocks_by_tensor: dict[str, AffineBlocks] = {}
@@ -255,6 +290,8 @@ def _load_keeping_blocks(model: nn.Module, path: str, groups_of_16: bool) -> set
             if id(model.get_submodule(name).weight) not in shared
         }
         needed = _tensors_feeding(model, blocks_by_tensor, skip=unfilled)
+        kept_names = {name for name in found if id(model.get_submodule(name).weight) in unfilled}
+        _allocate_linear_weights(model, unfilled, device)
 
         def float_weights() -> Iterator[tuple[str, torch.Tensor]]:
             for name, blocks in blocks_by_tensor.items():
@@ -270,8 +307,7 @@ def _load_keeping_blocks(model: nn.Module, path: str, groups_of_16: bool) -> set
     _KEPT[model] = {
         name: blocks
         for name, blocks in found.items()
-        if id(model.get_submodule(name).weight) in unfilled
-        or _reproduces_weight(name, blocks, model.get_submodule(name).weight)
+        if name in kept_names or _reproduces_weight(name, blocks, model.get_submodule(name).weight)
     }
     return loaded
 
