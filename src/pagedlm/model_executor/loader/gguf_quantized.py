@@ -242,25 +242,24 @@ def load_gguf_keeping_blocks(
         return _load_keeping_blocks(model, path, groups_of_16, device)
 
 
-def _allocate_linear_weights(model: nn.Module, kept: set[int], device: torch.device | None) -> None:
-    """Give every linear weight on the meta device memory on ``device`` (uninitialized, for
-    the loader to fill), and every weight in ``kept`` (ids) an empty tensor instead (a
-    kernel over its blocks will compute the layer)."""
+def _allocate_weights(model: nn.Module, kept: set[int], device: torch.device | None) -> None:
+    """Give every parameter on the meta device (a linear weight built under
+    ``deferred_weights``) memory on ``device``, uninitialized for the loader to fill, and
+    every one in ``kept`` (ids) an empty tensor instead (a kernel over its blocks will
+    compute the layer); in every module holding it."""
     replaced: dict[int, nn.Parameter] = {}
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if not isinstance(module, LinearBase) or not isinstance(weight, nn.Parameter):
-            continue
-        if id(weight) not in replaced and (weight.is_meta or id(weight) in kept):
-            at = device if weight.is_meta else weight.device
-            shape = (0,) if id(weight) in kept else weight.shape
-            new = nn.Parameter(torch.empty(shape, dtype=weight.dtype, device=at), False)
-            set_weight_loader(new, get_weight_loader(weight))
-            if id(weight) in kept:  # so that a later routing still knows the layer's shape
-                new.full_shape = tuple(weight.shape)  # type: ignore[attr-defined]
-            replaced[id(weight)] = new
-        if id(weight) in replaced:
-            module.weight = replaced[id(weight)]
+        for attr, param in list(module.named_parameters(recurse=False)):
+            if id(param) not in replaced and (param.is_meta or id(param) in kept):
+                at = device if param.is_meta else param.device
+                shape = (0,) if id(param) in kept else param.shape
+                new = nn.Parameter(torch.empty(shape, dtype=param.dtype, device=at), False)
+                set_weight_loader(new, get_weight_loader(param))
+                if id(param) in kept:  # so that a later routing still knows the layer's shape
+                    new.full_shape = tuple(param.shape)  # type: ignore[attr-defined]
+                replaced[id(param)] = new
+            if id(param) in replaced:
+                setattr(module, attr, replaced[id(param)])
 
 
 def _load_keeping_blocks(
@@ -291,7 +290,7 @@ def _load_keeping_blocks(
         }
         needed = _tensors_feeding(model, blocks_by_tensor, skip=unfilled)
         kept_names = {name for name in found if id(model.get_submodule(name).weight) in unfilled}
-        _allocate_linear_weights(model, unfilled, device)
+        _allocate_weights(model, unfilled, device)
 
         def float_weights() -> Iterator[tuple[str, torch.Tensor]]:
             for name, blocks in blocks_by_tensor.items():
@@ -304,6 +303,8 @@ def _load_keeping_blocks(
 
         with torch.no_grad():
             loaded |= model.load_weights(float_weights())
+    if any(param.is_meta for param in model.parameters()):
+        raise RuntimeError("load_gguf_keeping_blocks left a parameter without memory.")
     _KEPT[model] = {
         name: blocks
         for name, blocks in found.items()
