@@ -11,12 +11,12 @@ same result from a CUDA graph or eagerly:
   on 8.9, where torch's row-wise scaling is not assumed, the unscaled product in float32
   scaled afterwards). Shapes ``_scaled_mm`` cannot take (dimensions not multiples of 16)
   use the dequantizing reference.
-- GGUF (Q4_0/Q4_1/Q5_*/Q8_0 and Q4_K/Q5_K/Q6_K layers; a scale per 32 columns, per 16 for
-  layers with Q6_K rows): one row through ``gguf_gemv`` (or, with ``PAGEDLM_GGUF_INT8_GEMV=1``, through
-  ``gguf_gemv_int8``, x rounded to int8 per 32 columns as llama.cpp's and vLLM's GGUF
-  kernels round it; not the default until a GPU has timed it); up to ``max_tiled_rows``
-  through ``gguf_gemm``; more through a bf16 copy dequantized into a scratch buffer shared
-  by the model's layers, then ``F.linear``.
+- GGUF (Q4_0/Q4_1/Q5_*/Q8_0 and Q4_K/Q5_K/Q6_K layers; a scale per 32 columns, per 16
+  for layers with Q6_K rows): one row through ``gguf_gemv`` (or, with
+  ``PAGEDLM_GGUF_INT8_GEMV=1``, through ``gguf_gemv_int8``, x rounded to int8 per 32
+  columns as llama.cpp's and vLLM's GGUF kernels round it; not the default until a GPU
+  has timed it); up to ``max_tiled_rows`` through ``gguf_gemm``; more through a bf16 copy
+  dequantized into a scratch buffer shared by the model's layers, then ``F.linear``.
 """
 
 from __future__ import annotations

@@ -57,8 +57,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--parts", nargs="+", default=["fp8", "gguf", "kernels"],
                        choices=["fp8", "gguf", "kernels"])  # fmt: skip
     group.add_argument("--gguf-dir", default=None, help="where the Q4_0 file goes (a temp dir)")
-    group.add_argument("--gguf-gemvs", nargs="+", default=["float", "int8"],
-                       choices=["float", "int8"], help="the batch-1 GGUF GEMVs to run W2 with")  # fmt: skip
+    group.add_argument(
+        "--gguf-gemvs",
+        nargs="+",
+        default=["float", "int8"],
+        choices=["float", "int8"],
+        help="the batch-1 GGUF GEMVs to run W2 with",
+    )
     group.add_argument("--gemv-sweep", action="store_true")
     group.add_argument("--gemm-sweep", action="store_true")
     group.add_argument("--output-json", default=None)
