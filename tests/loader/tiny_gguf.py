@@ -110,9 +110,12 @@ def tiny_causal_lm(config_class, model_class, *, seed: int = 0, norm_center: flo
     return config, model
 
 
-def k_quant_bytes(array: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+def k_quant_bytes(
+    array: np.ndarray, qtype: gguf.GGMLQuantizationType, scale: float = 0.01
+) -> np.ndarray:
     """Valid random blocks for a K-quant (gguf cannot quantize these): random codes, small
-    positive float16 super-block scales, so every dequantized value is finite and small.
+    positive float16 super-block scales (``scale``), so every dequantized value is finite
+    and small (with 0.01: up to about 9.5 for Q4_K, 40 for Q6_K's signed sub-scales).
 
     ``array``: [rows, cols] with cols a multiple of 256; returns [rows, bytes per row] uint8.
     """
@@ -120,20 +123,22 @@ def k_quant_bytes(array: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.nda
     rows, cols = array.shape
     rng = np.random.default_rng(cols + rows)
     raw = rng.integers(0, 256, size=(rows, cols // block_size, type_size), dtype=np.uint8)
-    scale = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+    scale_bytes = np.frombuffer(np.float16(scale).tobytes(), dtype=np.uint8)
     for offset in _K_QUANT_SCALE_OFFSETS[qtype.name]:
-        raw[:, :, offset : offset + 2] = scale
+        raw[:, :, offset : offset + 2] = scale_bytes
     return raw.reshape(rows, -1)
 
 
-def _encode(array: np.ndarray, qtype_name: str) -> tuple[np.ndarray, np.ndarray]:
+def _encode(
+    array: np.ndarray, qtype_name: str, k_quant_scale: float = 0.01
+) -> tuple[np.ndarray, np.ndarray]:
     """``(bytes or floats to store, float32 values a reader gets back)`` for one tensor."""
     qtype = gguf.GGMLQuantizationType[qtype_name]
     if qtype == gguf.GGMLQuantizationType.F32:
         data = np.ascontiguousarray(array)
         return data, data
     data = (
-        k_quant_bytes(array, qtype)
+        k_quant_bytes(array, qtype, k_quant_scale)
         if qtype_name.endswith("_K")
         else gguf.quants.quantize(array, qtype)
     )
@@ -151,13 +156,15 @@ def write_gguf(
     rope_dims: int | None = None,
     tokenizer_pre: str | None = "gpt-2",
     add_extras: Callable[[gguf.GGUFWriter], None] | None = None,
+    k_quant_scale: float = 0.01,
 ) -> dict[str, torch.Tensor]:
     """Write an HF state dict as a llama.cpp GGUF of architecture ``arch``.
 
     2-D weights take ``qtype_names`` (one type, or a list the 2-D weights take in turn, so one
     file can hold every K-quant); 1-D tensors stay F32. ``rope_dims`` defaults to the head
     size; ``tokenizer_pre=None`` writes no vocabulary (a weights-only file). ``add_extras``
-    adds an architecture's own metadata and tensors before the weights.
+    adds an architecture's own metadata and tensors before the weights. K-quants get random
+    blocks with super-block scales ``k_quant_scale`` (``k_quant_bytes``).
 
     Returns the weights the file actually holds, in HF layout and float32 (quantized types
     dequantized, K-quants their random blocks), for exact comparisons.
@@ -198,7 +205,7 @@ def write_gguf(
             array = interleave_rotary_rows(array, permuted_heads)
         qtype_name = cycle[matrices % len(cycle)] if array.ndim == 2 else "F32"
         matrices += array.ndim == 2
-        data, values = _encode(array, qtype_name)
+        data, values = _encode(array, qtype_name, k_quant_scale)
         raw_dtype = None if qtype_name == "F32" else gguf.GGMLQuantizationType[qtype_name]
         writer.add_tensor(gguf_name(hf_name, arch), data, raw_dtype=raw_dtype)
         if permuted_heads is not None:
