@@ -134,7 +134,7 @@ def gemv_config(n: int, k: int, kind: str = "bf16") -> GemvConfig:
     fewest loop instructions per weight among those that give llama-3-8b's smallest
     projection 512 programs (``tests/cuda/sass_gguf_gemv.py``: 4.70 per weight). The
     int8 GGUF GEMV (``gguf4i8``/``gguf8i8``, session 17, not swept either): 16 rows of 512
-    columns in one warp, three slices in flight (2.0 per weight; x is rounded once per
+    columns in one warp, three slices in flight (2.1 per weight; x is rounded once per
     program, so more rows per program pay for it)."""
     chosen = _configs_from_env().get((n, k, kind))
     if chosen is not None:

@@ -26,7 +26,7 @@ nibbles for its second. So per word of eight 4-bit codes, one mask leaves the fi
 group's four codes one per byte, a second mask the other group's times 16 (divided out
 exactly afterwards), and two ``dp4a`` take them against four int8 x values each. 8-bit
 codes (four per word, one group per lane group) go to ``dp4a`` as they are. A program
-rounds the x it needs once for its ``BLOCK_N`` rows: 2.0 loop instructions per weight at
+rounds the x it needs once for its ``BLOCK_N`` rows: 2.1 loop instructions per weight at
 the default tiles (``tests/cuda/sass_gguf_gemv.py --int8``).
 
 Not the default: ``GgufCudaLinear`` takes it where ``PAGEDLM_GGUF_INT8_GEMV=1``, until a
@@ -79,6 +79,17 @@ def dp4a(a, b, c, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def _product(a, b, EMULATE: tl.constexpr):
+    """``a * b`` rounded to float32 on its own: ``mul.rn`` is never fused into a following
+    add, so x rounds to int8 exactly as ``torch.round(x * (127 / max|x|))`` does."""
+    if EMULATE:
+        return a * b
+    return tl.inline_asm_elementwise(
+        "mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
 def to_float(values):
     """int32 of magnitude below 2^22 -> float32, exactly, without a (quarter-rate)
     conversion instruction."""
@@ -86,7 +97,9 @@ def to_float(values):
 
 
 @triton.jit
-def quantize_groups(x_ptr, j0, K, GROUPS: tl.constexpr, EVEN_K: tl.constexpr):
+def quantize_groups(
+    x_ptr, j0, K, GROUPS: tl.constexpr, EVEN_K: tl.constexpr, EMULATE: tl.constexpr
+):
     """x's 32-column groups ``j0 ..`` (zeros past K) quantized to int8: (words int32
     [GROUPS, 8], scales float32 [GROUPS], sums of the int8 values int32 [GROUPS, 2] and
     sums of x float32 [GROUPS, 2], each over the group's first and second 16 columns).
@@ -104,8 +117,9 @@ def quantize_groups(x_ptr, j0, K, GROUPS: tl.constexpr, EVEN_K: tl.constexpr):
     else:
         x = tl.load(x_ptr + columns, mask=columns < K, other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
-    inverse = tl.fdiv(127.0, tl.maximum(amax, 1e-30))  # an all-zero group stays zeros
-    rounded = (x * inverse[:, None, None] + ROUNDING).to(tl.int32, bitcast=True)
+    inverse = 127.0 / tl.maximum(amax, 1e-30)  # an all-zero group stays zeros
+    scaled = _product(x, tl.broadcast_to(inverse[:, None, None], x.shape), EMULATE)
+    rounded = (scaled + ROUNDING).to(tl.int32, bitcast=True)
     # The low byte of the rounded float's bits is the int8 value's two's complement.
     shifts = (8 * tl.arange(0, 4))[None, :, None]
     words = tl.sum((rounded & 0xFF) << shifts, axis=1)
@@ -142,7 +156,9 @@ def _slice_terms(
     row_groups = rows.to(tl.int64)[:, None] * stride_groups
     zero = tl.zeros(words.shape, dtype=tl.int32)
     if BITS == 4:  # a lane group is two scale groups: the low nibbles, then the high ones
-        x_words, x_scales, q_sums, x_sums = quantize_groups(x_ptr, 2 * g0, K, 2 * BLOCK_G, EVEN_K)
+        x_words, x_scales, q_sums, x_sums = quantize_groups(
+            x_ptr, 2 * g0, K, 2 * BLOCK_G, EVEN_K, EMULATE
+        )
         lo_x, hi_x = tl.split(tl.permute(tl.reshape(x_words, (BLOCK_G, 2, LANES)), (0, 2, 1)))
         lo_scale, hi_scale = tl.split(tl.reshape(x_scales, (BLOCK_G, 2)))
         lo_q, hi_q = tl.split(tl.reshape(tl.sum(q_sums, axis=1), (BLOCK_G, 2)))
@@ -163,7 +179,7 @@ def _slice_terms(
         )  # fmt: skip
         return out
     # 8-bit codes: a lane group is 32 columns, four codes per word.
-    x_words, x_scales, q_sums, x_sums = quantize_groups(x_ptr, g0, K, BLOCK_G, EVEN_K)
+    x_words, x_scales, q_sums, x_sums = quantize_groups(x_ptr, g0, K, BLOCK_G, EVEN_K, EMULATE)
     if GROUP == 16:  # two scale groups: bytes 0-1 (slots 0-1), then bytes 2-3
         lo_q, hi_q = tl.split(q_sums)
         lo_sum, hi_sum = tl.split(x_sums)
