@@ -117,7 +117,8 @@ def quantize_groups(
     else:
         x = tl.load(x_ptr + columns, mask=columns < K, other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
-    inverse = 127.0 / tl.maximum(amax, 1e-30)  # an all-zero group stays zeros
+    # IEEE division (``/`` is an approximate one): the same inverse as torch computes.
+    inverse = tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.maximum(amax, 1e-30))
     scaled = _product(x, tl.broadcast_to(inverse[:, None, None], x.shape), EMULATE)
     rounded = (scaled + ROUNDING).to(tl.int32, bitcast=True)
     # The low byte of the rounded float's bits is the int8 value's two's complement.
