@@ -114,7 +114,7 @@ class CudaPlatform(Platform):
             return DEFAULT_GPU_MEMORY_UTILIZATION
         return self.config.cache.gpu_memory_utilization
 
-    gguf_groups_of_16 = True  # Q6_K layers stay quantized too
+    gguf_groups_of_16 = True  # Q2_K, Q3_K and Q6_K layers stay quantized too
 
     def computes_on_gguf_blocks(self, model_config: ModelConfig) -> bool:
         from pagedlm_cuda.quantized_linear import computes_on_gguf_blocks

@@ -11,8 +11,8 @@ same result from a CUDA graph or eagerly:
   on 8.9, where torch's row-wise scaling is not assumed, the unscaled product in float32
   scaled afterwards). Shapes ``_scaled_mm`` cannot take (dimensions not multiples of 16)
   use the dequantizing reference.
-- GGUF (Q4_0/Q4_1/Q5_*/Q8_0 and Q4_K/Q5_K/Q6_K layers; a scale per 32 columns, per 16
-  for layers with Q6_K rows): one row through ``gguf_gemv`` (or, with
+- GGUF (Q4_0/Q4_1/Q5_*/Q8_0 and Q2_K-Q6_K layers; a scale per 32 columns, per 16 for
+  layers with Q2_K, Q3_K or Q6_K rows): one row through ``gguf_gemv`` (or, with
   ``PAGEDLM_GGUF_INT8_GEMV=1``, through ``gguf_gemv_int8``, x rounded to int8 per 32
   columns as llama.cpp's and vLLM's GGUF kernels round it; not the default until a GPU
   has timed it); up to ``max_tiled_rows`` through ``gguf_gemm``; more through a bf16 copy
@@ -224,7 +224,7 @@ def install_quantized_kernels(model: nn.Module, model_config: ModelConfig | None
     """The GPU kernels of ``model``'s quantized layers: its E4M3 ones, and, when it is the
     model of a ``.gguf`` file (not a draft model sharing the config), its GGUF blocks:
     those the loader kept (the model runner loads such a model keeping them, the float
-    weights of their layers never made), Q6_K's included."""
+    weights of their layers never made), those with groups of 16 included."""
     fp8_layers = install_fp8_kernels(model)
     gguf_layers = 0
     if (

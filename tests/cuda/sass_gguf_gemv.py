@@ -1,7 +1,7 @@
 """Instructions per weight in the GGUF GEMV's loop, without a GPU.
 
     PYTHONPATH=src python tests/cuda/sass_gguf_gemv.py [--tiles 16,512,2,3 8,512,1,3]
-        [--bits 4 8] [--mins] [--int8] [--q6k --bits 8] [--show-loop]
+        [--bits 4 8] [--mins] [--int8] [--group 16] [--show-loop]
 
 Compiles ``gguf_gemv``'s kernel for sm_90 with Triton's own ``ptxas`` (pointers and sizes
 16-divisible, as the JIT specializes llama-3-8b's shapes), disassembles it with the
@@ -40,7 +40,7 @@ def compile_gemv(
     config: GemvConfig, bits: int, has_mins: bool, int8: bool = False, group: int = 32
 ) -> triton.compiler.CompiledKernel:
     kernel = gemv_kernel
-    offset = 32 if group == 16 else (8 if bits == 4 else 128)
+    offset = (4 if bits == 4 else 32) if group == 16 else (8 if bits == 4 else 128)
     constants = dict(
         SLICE=_slice_terms if int8 else _slice_products,
         OFFSET=0 if has_mins else offset, BITS=bits, GROUP=group, HAS_MINS=has_mins,
@@ -95,15 +95,17 @@ def main() -> None:
     parser.add_argument("--bits", nargs="+", type=int, default=[4, 8], choices=[4, 8])
     parser.add_argument("--mins", action="store_true", help="affine blocks (Q4_1, K-quants)")
     parser.add_argument("--int8", action="store_true", help="gguf_gemv_int8's kernel")
-    parser.add_argument("--q6k", action="store_true", help="Q6_K: 8-bit codes, a scale per 16")
+    parser.add_argument(
+        "--group", type=int, default=32, choices=[16, 32],
+        help="columns per scale: 16 is Q3_K (4-bit codes) or Q6_K (8-bit)",
+    )  # fmt: skip
     parser.add_argument("--show-loop", action="store_true")
     args = parser.parse_args()
     assert MAGIC.value == 0x4B000000
     for bits in args.bits:
         for tiles in args.tiles:
             config = GemvConfig(*(int(v) for v in tiles.split(",")))
-            group = 16 if args.q6k else 32
-            sass, usage = disassemble(compile_gemv(config, bits, args.mins, args.int8, group))
+            sass, usage = disassemble(compile_gemv(config, bits, args.mins, args.int8, args.group))
             loop = main_loop(sass)
             weights = config.block_n * config.block_k / (32 * config.num_warps)
             counts = collections.Counter(opcode.split(".")[0] for _, opcode, _ in loop)

@@ -28,6 +28,8 @@ LAYOUTS = {
     "Q4_K": (4, 0, torch.float32, 32),
     "Q5_K": (8, 0, torch.float32, 32),
     "Q6_K": (8, 32, torch.float32, 16),
+    "Q2_K": (4, 0, torch.float32, 16),
+    "Q3_K": (4, 4, torch.float32, 16),
 }
 
 
@@ -55,7 +57,7 @@ def test_layout_and_exact_dequantization(type_name: str) -> None:
     assert torch.equal(dense.cpu(), blocks.dequantize())
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q2_K", "Q3_K"])
 @pytest.mark.parametrize("shape", [(40, 256), (20, 1280)])  # K past one 1024 slice
 def test_gemv_matches_the_dequantized_weight(type_name: str, shape: tuple[int, int]) -> None:
     n, k = shape
@@ -83,7 +85,7 @@ def test_gemv_pads_a_half_lane_group(type_name: str) -> None:
                        blocks.dequantize())  # fmt: skip
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q3_K"])
 @pytest.mark.parametrize("config", [None, (16, 256, 2, 2), (8, 1024, 1, 1)])
 def test_gemv_unmasked_tiles_match_the_dequantized_weight(type_name, config) -> None:
     """Shapes the tiles divide take the kernel's unmasked path (llama-3-8b's do)."""
@@ -109,7 +111,7 @@ def test_words_hold_their_columns_in_lane_groups() -> None:
                 assert (int(words[8 * g + w]) >> position) & 15 == expected, (g, w, i)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_K", "Q6_K", "Q2_K"])
 @pytest.mark.parametrize("rows", [2, 17, 40])
 def test_tiled_gemm_matches_the_dequantized_weight(type_name: str, rows: int) -> None:
     blocks = blocks_of(type_name, 72, 512, seed=rows)
@@ -184,7 +186,7 @@ def test_int8_gemv_matches_x_rounded_to_int8(type_name: str, shape: tuple[int, i
     assert 0 < rounding < 3e-2 and rel_error(out, exact) < 1.01 * rounding
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K", "Q8_0", "Q6_K", "Q2_K", "Q3_K"])
 @pytest.mark.parametrize("config", [None, (8, 256, 1, 2), (16, 1024, 2, 1)])
 def test_int8_gemv_tiles(type_name: str, config) -> None:
     """Unmasked tiles (llama-3-8b's shapes take them) and masked rows (N = 36)."""

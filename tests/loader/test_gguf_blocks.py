@@ -11,8 +11,11 @@ from tiny_gguf import k_quant_bytes
 from pagedlm.model_executor.loader.gguf_blocks import AFFINE_TYPES, decode_blocks
 
 # Code bits per type: 4-bit types never exceed 15, 5-bit ones 31, Q8_0 uses the full byte.
-CODE_LIMITS = {"Q4_0": 15, "Q4_1": 15, "Q4_K": 15, "Q5_0": 31, "Q5_1": 31, "Q5_K": 31, "Q6_K": 63}
-GROUPS = {"Q6_K": 16}
+CODE_LIMITS = {
+    **{"Q4_0": 15, "Q4_1": 15, "Q4_K": 15, "Q5_0": 31, "Q5_1": 31, "Q5_K": 31},
+    **{"Q2_K": 3, "Q3_K": 7, "Q6_K": 63},
+}
+GROUPS = {"Q2_K": 16, "Q3_K": 16, "Q6_K": 16}
 
 
 def _raw(values: np.ndarray, type_name: str) -> np.ndarray:
@@ -46,8 +49,8 @@ def test_types_without_groups_of_32_have_no_affine_form(type_name):
     assert decode_blocks(np.zeros(0, np.uint8), type_name, (0, 256)) is None
 
 
-@pytest.mark.parametrize("type_name", ["Q3_K", "Q2_K"])
-def test_groups_of_16_besides_q6_k_are_not_decoded(type_name):
+@pytest.mark.parametrize("type_name", ["IQ4_NL", "IQ2_XS", "TQ1_0"])
+def test_types_that_are_not_affine_are_not_decoded(type_name):
     assert decode_blocks(np.zeros(0, np.uint8), type_name, (0, 256), groups_of_16=True) is None
 
 

@@ -138,8 +138,9 @@ class Platform(ABC):
         return False
 
     gguf_groups_of_16: bool = False
-    """Whether this platform's GGUF kernels take a scale per 16 columns (Q6_K), so that the
-    loader hands over Q6_K layers' blocks too (``gguf_linear_blocks(groups_of_16=...)``)."""
+    """Whether this platform's GGUF kernels take a scale per 16 columns (Q2_K, Q3_K, Q6_K),
+    so that the loader hands over those layers' blocks too (``gguf_linear_blocks(
+    groups_of_16=...)``)."""
 
     def lora_ops(self) -> LoRAOps:
         """How LoRA layers add their batched adapter deltas (``pagedlm.lora.ops``); the

@@ -14,12 +14,11 @@ affine form, ``gguf_blocks.AffineBlocks``) is stored as ``PackedGguf``:
   of its word, in the high nibble for slots 4-7 (``slot_position``): one mask then leaves
   a scale group's four codes one per byte, as the int8 GEMV's ``dp4a`` takes them.
   Rows are padded with zero codes to whole groups; kernels read x as zero past K.
-- scales ``[N, K / group]`` (``group``: 32 weights, or 16 for Q6_K, whose codes are then
-  stored as 8-bit ones so that a group is two whole slots) in float16 where every one is
-  exact in float16 (the legacy types' ``d`` is a float16), else float32 (the K-quants'
-  ``d * sub_scale`` needs up to 19 bits);
-- minimums the same way, or none where each is ``-offset * scale`` (Q4_0: 8, Q5_0: 16,
-  Q6_K: 32, Q8_0: 128): the kernel then computes ``(code - offset) * scale``.
+- scales ``[N, K / group]`` (``group``: 32 weights, or 16 for Q2_K, Q3_K and Q6_K: two
+  slots) in float16 where every one is exact in float16 (the legacy types' ``d`` is a
+  float16), else float32 (the K-quants' ``d * sub_scale`` needs up to 19 bits);
+- minimums the same way, or none where each is ``-offset * scale`` (Q3_K: 4, Q4_0: 8,
+  Q5_0: 16, Q6_K: 32, Q8_0: 128): the kernel then computes ``(code - offset) * scale``.
 
 Q4_0 thus reads 0.5625 byte per weight (the file's own size), Q4_1 0.625 and Q4_K 0.75,
 against 2 for bf16. Dequantized values equal the float32 ones exactly (same products and
@@ -83,7 +82,7 @@ class PackedGguf:
     bits: int
     in_features: int
     group_size: int = 32
-    """Weights per scale: 32, or 16 (Q6_K; 8-bit codes only)."""
+    """Weights per scale: 32, or 16 (Q2_K, Q3_K, Q6_K)."""
 
     @property
     def out_features(self) -> int:
@@ -132,9 +131,8 @@ def pack_blocks(
     group = cols // scales.shape[1]
     if group not in (16, 32) or scales.shape[1] * group != cols:
         raise ValueError(f"GGUF weights have a scale per 16 or 32 columns; got {group}.")
-    # A group of 16 is two slots of 8-bit codes (a 4-bit slot pair would split a byte).
-    bits = 4 if int(codes.max()) < 16 and group == 32 else 8
-    offset = next((o for o in (8, 16, 32, 128) if torch.equal(mins, -o * scales)), 0)
+    bits = 4 if int(codes.max()) < 16 else 8
+    offset = next((o for o in (4, 8, 16, 32, 128) if torch.equal(mins, -o * scales)), 0)
     stored_mins = None if offset else mins
     exact = _exact_in_half(scales) and (stored_mins is None or _exact_in_half(stored_mins))
     dtype = torch.float16 if exact else torch.float32

@@ -55,7 +55,10 @@ ROUNDING_BITS = tl.constexpr(0x4B400000)
 HIGH_NIBBLES = tl.constexpr(-0x0F0F0F10)
 """``0xF0F0F0F0`` as an int32."""
 HIGH_HALF = tl.constexpr(-0x10000)
-"""``0xFFFF0000`` as an int32: bytes 2 and 3, a 16-column group's second half."""
+"""``0xFFFF0000`` as an int32: bytes 2 and 3 (8-bit codes: a 32-column lane group's second
+16-column scale group)."""
+HIGH_NIBBLES_2_3 = tl.constexpr(-0x0F100000)
+"""``0xF0F00000`` as an int32: the high nibbles of bytes 2 and 3."""
 
 
 def int8_gemv_enabled() -> bool:
@@ -156,12 +159,26 @@ def _slice_terms(
     EVEN: tl.constexpr = EVEN_N and EVEN_K
     row_groups = rows.to(tl.int64)[:, None] * stride_groups
     zero = tl.zeros(words.shape, dtype=tl.int32)
-    if BITS == 4:  # a lane group is two scale groups: the low nibbles, then the high ones
+    if BITS == 4:  # a lane group is two 32-column x groups: the low nibbles, then the high
         x_words, x_scales, q_sums, x_sums = quantize_groups(
             x_ptr, 2 * g0, K, 2 * BLOCK_G, EVEN_K, EMULATE
         )
         lo_x, hi_x = tl.split(tl.permute(tl.reshape(x_words, (BLOCK_G, 2, LANES)), (0, 2, 1)))
         lo_scale, hi_scale = tl.split(tl.reshape(x_scales, (BLOCK_G, 2)))
+        if GROUP == 16:  # each nibble half is two scale groups: bytes 0-1, then 2-3
+            lo_q, hi_q = tl.split(tl.permute(tl.reshape(q_sums, (BLOCK_G, 2, 2)), (0, 2, 1)))
+            lo_sum, hi_sum = tl.split(tl.permute(tl.reshape(x_sums, (BLOCK_G, 2, 2)), (0, 2, 1)))
+            first = 4 * (g0 + tl.arange(0, BLOCK_G))
+            out = _two_groups(
+                words & 0x0F0F, words & 0x0F0F0000, 0, lo_x, lo_scale, lo_q, lo_sum, first,
+                scales_ptr, mins_ptr, row_groups, row_mask, K, OFFSET, HAS_MINS, EVEN, EMULATE,
+            )  # fmt: skip
+            out += _two_groups(
+                words & 0xF0F0, words & HIGH_NIBBLES_2_3, 4, hi_x, hi_scale, hi_q, hi_sum,
+                first + 2, scales_ptr, mins_ptr, row_groups, row_mask, K, OFFSET, HAS_MINS,
+                EVEN, EMULATE,
+            )  # fmt: skip
+            return out
         lo_q, hi_q = tl.split(tl.reshape(tl.sum(q_sums, axis=1), (BLOCK_G, 2)))
         lo_sum, hi_sum = tl.split(tl.reshape(tl.sum(x_sums, axis=1), (BLOCK_G, 2)))
         lo_dots = tl.sum(dp4a(words & 0x0F0F0F0F, lo_x[None], zero, EMULATE), axis=2)
@@ -182,21 +199,11 @@ def _slice_terms(
     # 8-bit codes: a lane group is 32 columns, four codes per word.
     x_words, x_scales, q_sums, x_sums = quantize_groups(x_ptr, g0, K, BLOCK_G, EVEN_K, EMULATE)
     if GROUP == 16:  # two scale groups: bytes 0-1 (slots 0-1), then bytes 2-3
-        lo_q, hi_q = tl.split(q_sums)
-        lo_sum, hi_sum = tl.split(x_sums)
-        lo_dots = tl.sum(dp4a(words & 0xFFFF, x_words[None], zero, EMULATE), axis=2)
-        hi_dots = tl.sum(dp4a(words & HIGH_HALF, x_words[None], zero, EMULATE), axis=2)
-        groups = 2 * (g0 + tl.arange(0, BLOCK_G))
-        at = row_groups + groups[None, :]
-        out = _group_terms(
-            lo_dots, lo_q, x_scales, lo_sum, scales_ptr, mins_ptr, at,
-            row_mask[:, None] & (groups[None, :] < K // 16), OFFSET, HAS_MINS, EVEN,
+        return _two_groups(
+            words & 0xFFFF, words & HIGH_HALF, 0, x_words, x_scales, q_sums, x_sums,
+            2 * (g0 + tl.arange(0, BLOCK_G)), scales_ptr, mins_ptr, row_groups, row_mask, K,
+            OFFSET, HAS_MINS, EVEN, EMULATE,
         )  # fmt: skip
-        out += _group_terms(
-            hi_dots, hi_q, x_scales, hi_sum, scales_ptr, mins_ptr, at + 1,
-            row_mask[:, None] & (groups[None, :] + 1 < K // 16), OFFSET, HAS_MINS, EVEN,
-        )  # fmt: skip
-        return out
     dots = tl.sum(dp4a(words, x_words[None], zero, EMULATE), axis=2)
     groups = g0 + tl.arange(0, BLOCK_G)
     mask = row_mask[:, None] & (groups[None, :] < K // 32)
@@ -204,6 +211,33 @@ def _slice_terms(
         dots, tl.sum(q_sums, axis=1), x_scales, tl.sum(x_sums, axis=1), scales_ptr, mins_ptr,
         row_groups + groups[None, :], mask, OFFSET, HAS_MINS, EVEN,
     )  # fmt: skip
+
+
+@triton.jit
+def _two_groups(
+    words_a, words_b, SHIFT: tl.constexpr, x_words, x_scales, q_halves, x_halves, first,
+    scales_ptr, mins_ptr, row_groups, row_mask, K, OFFSET: tl.constexpr,
+    HAS_MINS: tl.constexpr, EVEN: tl.constexpr, EMULATE: tl.constexpr,
+):  # fmt: skip
+    """float32 [BLOCK_N, G]: a 32-column x group ([G, 8] words, [G] scales, [G, 2] sums
+    over its halves) against two 16-column scale groups ``first`` and ``first + 1`` ([G]),
+    whose codes ``words_a`` and ``words_b`` hold in place (bytes 0-1 and 2-3, times
+    ``2^SHIFT``; other bytes zero)."""
+    zero = tl.zeros(words_a.shape, dtype=tl.int32)
+    q_a, q_b = tl.split(q_halves)
+    sum_a, sum_b = tl.split(x_halves)
+    dots_a = tl.sum(dp4a(words_a, x_words[None], zero, EMULATE), axis=2) >> SHIFT
+    dots_b = tl.sum(dp4a(words_b, x_words[None], zero, EMULATE), axis=2) >> SHIFT
+    at = row_groups + first[None, :]
+    out = _group_terms(
+        dots_a, q_a, x_scales, sum_a, scales_ptr, mins_ptr, at,
+        row_mask[:, None] & (first[None, :] < K // 16), OFFSET, HAS_MINS, EVEN,
+    )  # fmt: skip
+    out += _group_terms(
+        dots_b, q_b, x_scales, sum_b, scales_ptr, mins_ptr, at + 1,
+        row_mask[:, None] & (first[None, :] + 1 < K // 16), OFFSET, HAS_MINS, EVEN,
+    )  # fmt: skip
+    return out
 
 
 def default_int8_config(weight: PackedGguf) -> GemvConfig:

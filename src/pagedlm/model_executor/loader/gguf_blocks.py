@@ -14,6 +14,8 @@ made of eight 32-weight sub-blocks) whose values are ``scale * code + minimum`` 
 | Q8_0 | 8 (the int8 value + 128) | d | -128 d |
 | Q4_K | 4 | d * sc[j] | -dmin * m[j] |
 | Q5_K | 5 | d * sc[j] | -dmin * m[j] |
+| Q2_K (groups of 16) | 2 | d * (sc[j] & 15) | -dmin * (sc[j] >> 4) |
+| Q3_K (groups of 16) | 3 (the 2 low bits + 4 * the high bit) | d * (sc[j] - 32) | -4 d * (sc[j] - 32) |
 | Q6_K (groups of 16) | 6 | d * sc[j] (sc signed) | -32 d * sc[j] |
 
 That is the form weight-only quantized matmul kernels take (torch's int4 kernels compute
@@ -22,10 +24,10 @@ instead of re-quantizing dequantized weights. ``scale * code + minimum`` in floa
 exactly what ``gguf.dequantize`` gives: every product is exact in float32 (an 11-bit float16
 scale, or a float16 times a 6-bit sub-scale, times a code of at most 8 bits), and the one
 addition rounds the same way (Q6_K: a float16 times an 8-bit sub-scale times a 6-bit
-code). Q6_K's groups are 16 weights, which not every kernel takes (torch's CPU int4 kernel
-needs 32 or more): ``decode_blocks`` gives its form only to a caller that accepts groups of
-16. Q2_K and Q3_K (groups of 16, not decoded here) and the non-affine types (IQ*) have no
-such form: ``decode_blocks`` returns None.
+code). Q2_K's, Q3_K's and Q6_K's groups are 16 weights, which not every kernel takes
+(torch's CPU int4 kernel needs 32 or more): ``decode_blocks`` gives their form only to a
+caller that accepts groups of 16. The non-affine types (IQ*) have no such form:
+``decode_blocks`` returns None.
 """
 
 from __future__ import annotations
@@ -168,7 +170,44 @@ _DECODERS: dict[str, Callable[[np.ndarray], _Decoded]] = {
     "Q4_K": _q4_k,
     "Q5_K": _q5_k,
 }
-_GROUPS_OF_16: dict[str, Callable[[np.ndarray], _Decoded]] = {"Q6_K": _q6_k}
+
+
+def _two_bit_fields(packed: np.ndarray) -> np.ndarray:
+    """[blocks, 64] bytes -> [blocks, 256] 2-bit fields: element ``128 n + 32 k + l`` is
+    bits ``2 k`` of byte ``32 n + l`` (Q2_K's and Q3_K's low bits)."""
+    shifts = (2 * np.arange(4, dtype=np.uint8))[:, None]
+    return ((packed.reshape(packed.shape[0], 2, 1, 32) >> shifts) & 3).reshape(packed.shape[0], -1)
+
+
+def _q2_k(blocks: np.ndarray) -> _Decoded:
+    sub = blocks[:, :16]
+    d, dmin = _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
+    scales = d * (sub & 0x0F).astype(np.float32)
+    return _two_bit_fields(blocks[:, 16:80]), scales, -(dmin * (sub >> 4).astype(np.float32))
+
+
+def _q3_k(blocks: np.ndarray) -> _Decoded:
+    """Codes ``low + 4 * high`` (gguf's value less 4, less 4 again when the high bit is 0);
+    6-bit sub-scales less 32, their low nibbles in bytes 96-103 (sub-scale ``j`` in byte
+    ``j % 8``, high nibble for j >= 8), their high 2 bits in bytes 104-107 (bits
+    ``2 (j // 4)`` of byte ``j % 4``)."""
+    count = blocks.shape[0]
+    high = (blocks[:, :32].reshape(count, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+    codes = _two_bit_fields(blocks[:, 32:96]) | (high.reshape(count, -1) << 2)
+    low_nibbles = blocks[:, 96:104].reshape(count, 1, 8) >> np.array([0, 4], np.uint8)[:, None]
+    top_bits = (
+        blocks[:, 104:108].reshape(count, 1, 4) >> (2 * np.arange(4, dtype=np.uint8))[:, None]
+    )
+    sub = (low_nibbles.reshape(count, 16) & 0x0F) | ((top_bits.reshape(count, 16) & 3) << 4)
+    scales = _f16(blocks[:, 108:110]) * (sub.astype(np.float32) - 32)
+    return codes, scales, -4 * scales
+
+
+_GROUPS_OF_16: dict[str, Callable[[np.ndarray], _Decoded]] = {
+    "Q2_K": _q2_k,
+    "Q3_K": _q3_k,
+    "Q6_K": _q6_k,
+}
 AFFINE_TYPES = tuple(_DECODERS) + tuple(_GROUPS_OF_16)
 """GGUF types with an affine form (groups of 32; Q6_K's of 16)."""
 

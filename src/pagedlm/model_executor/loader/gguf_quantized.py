@@ -11,14 +11,15 @@ every 2-D parameter temporarily replaced by a stand-in of the shape that part ha
 the weight's shape; scales and minimums: one column per 32). Every step on the way copies
 whole rows or block-aligned column slices, so each stand-in ends up holding its layer's
 blocks. A caller whose kernels take a scale per 16 columns (``groups_of_16``: the CUDA
-platform) also gets Q6_K's blocks: when the file has any, every tensor's scales are routed
-at one column per 16 (a 32-column group's scale twice), and a layer whose scales come in
-equal pairs is handed over with one per 32 again, so only layers with Q6_K rows keep the
-finer groups (v_proj in Q6_K next to q/k in Q4_K makes the whole qkv_proj so). Layers
-where routing does not give a layer its blocks are left out, never approximated:
+platform) also gets the blocks of Q2_K, Q3_K and Q6_K tensors: when the file has any,
+every tensor's scales are routed at one column per 16 (a 32-column group's scale twice),
+and a layer whose scales come in equal pairs is handed over with one per 32 again, so only
+layers with such rows keep the finer groups (v_proj in Q6_K next to q/k in Q4_K makes the
+whole qkv_proj so). Layers where routing does not give a layer its blocks are left out,
+never approximated:
 
-- a layer fed by a tensor without an affine form (one in Q3_K or F16, or in Q6_K for a
-  caller without groups of 16): its scales keep the NaN they start with;
+- a layer fed by a tensor without an affine form (one in an IQ type or F16, or in Q2_K,
+  Q3_K or Q6_K for a caller without groups of 16): its scales keep the NaN they start with;
 - a layer whose blocks do not dequantize to exactly the float weight it was loaded with
   (a ``load_weights`` that does more than copy), or whose input width is not a multiple
   of 32.
@@ -74,7 +75,7 @@ def _iter_blocks(
     path: str, model: nn.Module, groups_of_16: bool = False
 ) -> Iterator[tuple[str, AffineBlocks]]:
     """(HF name, affine blocks in HF row order) for each 2-D tensor that has an affine form
-    (Q6_K's, in groups of 16, only with ``groups_of_16``)."""
+    (Q2_K's, Q3_K's and Q6_K's, in groups of 16, only with ``groups_of_16``)."""
     header = read_gguf_header(path)
     with open(path, "rb", buffering=0) as file:
         for name, info, fix_rows in iter_gguf_entries(header, model.arch):
@@ -205,7 +206,8 @@ def gguf_linear_blocks(
 ) -> dict[str, AffineBlocks]:
     """Module name -> its weight's blocks, for every ``LinearBase`` whose whole weight came
     from affine-form tensors of the GGUF file ``path`` (the model loaded from it); with
-    ``groups_of_16``, Q6_K tensors count as affine too (a scale per 16 columns).
+    ``groups_of_16``, Q2_K, Q3_K and Q6_K tensors count as affine too (a scale per 16
+    columns).
 
     For a model that ``load_gguf_keeping_blocks`` filled, the blocks it kept (once: a
     second call reads the file).
@@ -227,7 +229,7 @@ def load_gguf_keeping_blocks(
 ) -> set[str]:
     """Fill ``model`` from the GGUF file ``path``, reading each tensor once, and keep the
     blocks of every linear layer whose whole weight has them for ``gguf_linear_blocks``
-    (Q6_K's too with ``groups_of_16``); returns the names of the parameters filled (all
+    (those in groups of 16 too with ``groups_of_16``); returns the names of the parameters filled (all
     of them, for ``check_all_loaded``).
 
     The float weight of a kept layer that no other module shares is never made: it becomes
