@@ -37,9 +37,11 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_k_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A random 2-layer llama in Q4_K_M's mix: Q4_K, with v, down and the (untied) LM head
-    in Q6_K (a scale per 16 columns), so qkv_proj mixes groups of 32 and 16. Super-block
-    scales of 1e-4 keep weights below about 0.4, so bf16 logprobs stay comparable."""
+    """A random 2-layer llama of K-quants. Layer 1 is Q4_K_M's mix: Q4_K, with v and down
+    in Q6_K (a scale per 16 columns), so qkv_proj mixes groups of 32 and 16. Layer 0 adds
+    Q2_K and Q3_K (4-bit codes in groups of 16, stored and implicit minimums). The LM head
+    is Q6_K. Super-block scales of 1e-4 keep weights below about 0.4, so bf16 logprobs stay
+    comparable."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from loader.tiny_gguf import tiny_causal_lm, write_gguf
@@ -49,9 +51,10 @@ def tiny_k_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
         tie_word_embeddings=False,
     )  # fmt: skip
     path = str(tmp_path_factory.mktemp("gguf-gpu-k") / "tiny-k.gguf")
-    per_layer = ["Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q4_K", "Q6_K"]
+    layer_0 = ["Q4_K", "Q3_K", "Q6_K", "Q2_K", "Q4_K", "Q3_K", "Q2_K"]  # q k v o gate up down
+    layer_1 = ["Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q4_K", "Q6_K"]
     write_gguf(path, "llama", hf_model.config, dict(hf_model.state_dict()),
-               ["Q8_0", *per_layer * 2, "Q6_K"], tokenizer_pre=None, k_quant_scale=1e-4)  # fmt: skip
+               ["Q8_0", *layer_0, *layer_1, "Q6_K"], tokenizer_pre=None, k_quant_scale=1e-4)  # fmt: skip
     return path
 
 
