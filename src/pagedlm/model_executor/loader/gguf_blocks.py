@@ -39,13 +39,14 @@ import numpy as np
 import torch
 
 GROUP_SIZE = 32
-"""Weights sharing one scale and one minimum (16 for Q6_K, where a caller accepts it)."""
+"""Weights sharing one scale and one minimum (16 for Q2_K, Q3_K and Q6_K, where a caller
+accepts it)."""
 
 
 @dataclass(frozen=True)
 class AffineBlocks:
     """``w[r, c] = scales[r, c // g] * codes[r, c] + mins[r, c // g]`` for a [rows, cols]
-    tensor, ``g = group_size`` (32, or 16 for Q6_K)."""
+    tensor, ``g = group_size`` (32, or 16 for Q2_K, Q3_K and Q6_K)."""
 
     codes: torch.Tensor
     """uint8 [rows, cols]."""
@@ -187,8 +188,8 @@ def _q2_k(blocks: np.ndarray) -> _Decoded:
 
 
 def _q3_k(blocks: np.ndarray) -> _Decoded:
-    """Codes ``low + 4 * high`` (gguf's value less 4, less 4 again when the high bit is 0);
-    6-bit sub-scales less 32, their low nibbles in bytes 96-103 (sub-scale ``j`` in byte
+    """Codes ``low + 4 * high``: gguf's value (``low``, less 4 where the high bit is clear)
+    plus 4. 6-bit sub-scales less 32, their low nibbles in bytes 96-103 (sub-scale ``j`` in byte
     ``j % 8``, high nibble for j >= 8), their high 2 bits in bytes 104-107 (bits
     ``2 (j // 4)`` of byte ``j % 4``)."""
     count = blocks.shape[0]
@@ -209,7 +210,7 @@ _GROUPS_OF_16: dict[str, Callable[[np.ndarray], _Decoded]] = {
     "Q6_K": _q6_k,
 }
 AFFINE_TYPES = tuple(_DECODERS) + tuple(_GROUPS_OF_16)
-"""GGUF types with an affine form (groups of 32; Q6_K's of 16)."""
+"""GGUF types with an affine form (groups of 32; Q2_K's, Q3_K's and Q6_K's of 16)."""
 
 
 def decode_blocks(
