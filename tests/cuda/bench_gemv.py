@@ -33,7 +33,7 @@ from pagedlm.model_executor.quantization.fp8 import quantize_rows
 from pagedlm_cuda.kernels.fp8_gemv import fp8_gemv
 from pagedlm_cuda.kernels.gemv import GemvConfig, gemv, gemv_config
 from pagedlm_cuda.kernels.gguf_gemv import default_gemv_config, gguf_gemv, pack_blocks
-from pagedlm_cuda.kernels.gguf_gemv_int8 import default_int8_config, gguf_gemv_int8
+from pagedlm_cuda.kernels.gguf_gemv_int8 import gguf_gemv_int8
 
 PROJECTIONS = {
     "qkv": (6144, 4096),
@@ -196,7 +196,7 @@ class Kind:
         if self.name == "gguf4":
             return default_gemv_config(self.copies[0])
         if self.name == "gguf4i8":
-            return default_int8_config(self.copies[0])
+            return default_gemv_config(self.copies[0], int8=True)
         return gemv_config(n, k, self.name)
 
     def key(self, n: int, k: int) -> str:

@@ -44,7 +44,6 @@ from typing import Any
 from pagedlm.benchmarks import latency
 from pagedlm.benchmarks.shapes import BUILTIN_SHAPES
 
-INT8_GEMV_ENV = "PAGEDLM_GGUF_INT8_GEMV"  # pagedlm_cuda.kernels.gguf_gemv_int8's switch
 H200_BANDWIDTH = 4.8e12
 SHAPE = BUILTIN_SHAPES["llama-3-8b"]
 Q4_0_BLOCK_BYTES = 18  # a float16 scale, then 16 bytes of nibbles per 32 weights
@@ -158,6 +157,8 @@ def run_gguf(args: argparse.Namespace, results: dict[str, Any]) -> None:
         print(f"wrote {path} ({size / 1e9:.2f} GB) in {time.perf_counter() - start:.1f} s")
         bf16 = results.get("bf16_tok_per_s") or _w2(args, "bf16")
         results["bf16_tok_per_s"] = bf16
+        from pagedlm_cuda.kernels.gguf_gemv_int8 import INT8_GEMV_ENV
+
         for gemv in args.gguf_gemvs:
             suffix = "" if gemv == "float" else f"_{gemv}"
             with _env(INT8_GEMV_ENV, "1" if gemv == "int8" else "0"):

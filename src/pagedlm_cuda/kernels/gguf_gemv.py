@@ -81,12 +81,15 @@ class PackedGguf:
     offset: int
     bits: int
     in_features: int
-    group_size: int = 32
-    """Weights per scale: 32, or 16 (Q2_K, Q3_K, Q6_K)."""
 
     @property
     def out_features(self) -> int:
         return self.codes.shape[0]
+
+    @property
+    def group_size(self) -> int:
+        """Weights per scale: 32, or 16 (Q2_K, Q3_K, Q6_K)."""
+        return self.in_features // self.scales.shape[1]
 
     @property
     def span(self) -> int:
@@ -143,7 +146,6 @@ def pack_blocks(
         offset=offset,
         bits=bits,
         in_features=cols,
-        group_size=group,
     )
 
 
@@ -327,9 +329,10 @@ def gemv_kernel(
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-def default_gemv_config(weight: PackedGguf) -> GemvConfig:
-    """``gemv.gemv_config`` for the weight's kind (``gguf4`` / ``gguf8``)."""
-    kind = "gguf4" if weight.bits == 4 else "gguf8"
+def default_gemv_config(weight: PackedGguf, int8: bool = False) -> GemvConfig:
+    """``gemv.gemv_config`` for the weight's kind (``gguf4`` / ``gguf8``; with ``int8``,
+    ``gguf4i8`` / ``gguf8i8``: the int8 GEMV's tiles)."""
+    kind = ("gguf4" if weight.bits == 4 else "gguf8") + ("i8" if int8 else "")
     return gemv_config(weight.out_features, weight.in_features, kind)
 
 

@@ -42,8 +42,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedlm_cuda.kernels.gemv import GemvConfig, gemv_config
-from pagedlm_cuda.kernels.gguf_gemv import LANES, PackedGguf, launch_gemv, load_groups
+from pagedlm_cuda.kernels.gemv import GemvConfig
+from pagedlm_cuda.kernels.gguf_gemv import (
+    LANES,
+    PackedGguf,
+    default_gemv_config,
+    launch_gemv,
+    load_groups,
+)
 
 INT8_GEMV_ENV = "PAGEDLM_GGUF_INT8_GEMV"
 """Set to 1 to run batch-1 GGUF layers through ``gguf_gemv_int8`` (off by default)."""
@@ -240,12 +246,6 @@ def _two_groups(
     return out
 
 
-def default_int8_config(weight: PackedGguf) -> GemvConfig:
-    """``gemv.gemv_config`` for the weight's kind (``gguf4i8`` / ``gguf8i8``)."""
-    kind = "gguf4i8" if weight.bits == 4 else "gguf8i8"
-    return gemv_config(weight.out_features, weight.in_features, kind)
-
-
 def gguf_gemv_int8(
     x: torch.Tensor,
     weight: PackedGguf,
@@ -254,5 +254,5 @@ def gguf_gemv_int8(
 ) -> torch.Tensor:
     """``gguf_gemv``'s contract with x rounded to int8 per 32 columns (the module
     docstring): x [1, K] (unit-stride row) -> [1, N] in x's dtype."""
-    cfg = default_int8_config(weight) if config is None else GemvConfig(*config)
+    cfg = default_gemv_config(weight, int8=True) if config is None else GemvConfig(*config)
     return launch_gemv("gguf_gemv_int8", _slice_terms, x, weight, bias, cfg)
