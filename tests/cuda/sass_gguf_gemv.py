@@ -37,12 +37,7 @@ INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)
 
 
 def compile_gemv(
-    config: GemvConfig,
-    bits: int,
-    has_mins: bool,
-    int8: bool = False,
-    group: int = 32,
-    prefetch: int = 0,
+    config: GemvConfig, bits: int, has_mins: bool, int8: bool = False, group: int = 32
 ) -> triton.compiler.CompiledKernel:
     kernel = gemv_kernel
     offset = (4 if bits == 4 else 32) if group == 16 else (8 if bits == 4 else 128)
@@ -50,8 +45,7 @@ def compile_gemv(
         SLICE=_slice_terms if int8 else _slice_products,
         OFFSET=0 if has_mins else offset, BITS=bits, GROUP=group, HAS_MINS=has_mins,
         HAS_BIAS=False, BLOCK_N=config.block_n, BLOCK_G=config.block_k * bits // (LANES.value * 32),
-        PIPELINE=config.pipeline_stages, EVEN_N=True, EVEN_K=True, EMULATE=False,
-        PREFETCH=prefetch, USE_PDL=True,
+        PIPELINE=config.pipeline_stages, EVEN_N=True, EVEN_K=True, EMULATE=False, USE_PDL=True,
     )  # fmt: skip
     scale_type = "*fp32" if has_mins or group == 16 else "*fp16"
     types = {"x_ptr": "*bf16", "codes_ptr": "*i32", "scales_ptr": scale_type,
@@ -105,18 +99,13 @@ def main() -> None:
         "--group", type=int, default=32, choices=[16, 32],
         help="columns per scale: 16 is Q3_K (4-bit codes) or Q6_K (8-bit)",
     )  # fmt: skip
-    parser.add_argument(
-        "--prefetch", type=int, default=0,
-        help="bytes per row asked into L2 before the loop (l2_prefetch; outside the loop)",
-    )  # fmt: skip
     parser.add_argument("--show-loop", action="store_true")
     args = parser.parse_args()
     assert MAGIC.value == 0x4B000000
     for bits in args.bits:
         for tiles in args.tiles:
             config = GemvConfig(*(int(v) for v in tiles.split(",")))
-            kernel = compile_gemv(config, bits, args.mins, args.int8, args.group, args.prefetch)
-            sass, usage = disassemble(kernel)
+            sass, usage = disassemble(compile_gemv(config, bits, args.mins, args.int8, args.group))
             loop = main_loop(sass)
             weights = config.block_n * config.block_k / (32 * config.num_warps)
             counts = collections.Counter(opcode.split(".")[0] for _, opcode, _ in loop)
@@ -127,8 +116,6 @@ def main() -> None:
                 f"weight ({len(loop)} for {weights:.0f} per thread), {registers} registers | {top}",
                 flush=True,
             )
-            if args.prefetch:
-                print(f"  bulk L2 prefetches in the code: {sass.count('UBLKPF')}")
             if args.show_loop:
                 print("\n".join(f"  {op} {operands}" for _, op, operands in loop))
 

@@ -143,34 +143,3 @@ def test_configs_from_the_environment_replace_the_defaults(tmp_path, monkeypatch
     finally:
         monkeypatch.delenv(module.CONFIGS_ENV)
         module._configs_from_env.cache_clear()
-
-
-def test_l2_prefetch_sizes(monkeypatch) -> None:
-    """``l2_prefetch.row_bytes``: the cap, at most what follows the first slice, in whole
-    16-byte units, at most one instruction's size; nothing for unaligned rows or a cap of
-    0 (and, through ``_cap``, nothing where there is no bulk prefetch: the interpreter)."""
-    from pagedlm_cuda.kernels import l2_prefetch
-
-    monkeypatch.setattr(l2_prefetch, "_cap", lambda: 8192)
-    assert l2_prefetch.row_bytes(2048, 6144, 8192) == 6144  # the rest of a 4096-col bf16 row
-    assert l2_prefetch.row_bytes(1024, 27648, 28672) == 8192  # capped
-    assert l2_prefetch.row_bytes(1024, 1000, 2048) == 992  # whole 16-byte units
-    assert l2_prefetch.row_bytes(1024, -512, 512) == 0  # one slice holds the whole row
-    assert l2_prefetch.row_bytes(1032, 6144, 8192) == 0  # unaligned start
-    assert l2_prefetch.row_bytes(1024, 6144, 8200) == 0  # unaligned rows
-    monkeypatch.setattr(l2_prefetch, "_cap", lambda: 1 << 30)
-    assert l2_prefetch.row_bytes(0, 1 << 24, 1 << 24) == l2_prefetch.MAX_BYTES
-    monkeypatch.setattr(l2_prefetch, "_cap", lambda: 0)
-    assert l2_prefetch.row_bytes(2048, 6144, 8192) == 0
-
-
-def test_l2_prefetch_is_off_in_the_interpreter(monkeypatch) -> None:
-    from pagedlm_cuda.kernels import l2_prefetch
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv(l2_prefetch.L2_PREFETCH_ENV, "8192")
-    l2_prefetch._cap.cache_clear()
-    try:
-        assert l2_prefetch._cap() == 0
-    finally:
-        l2_prefetch._cap.cache_clear()

@@ -38,18 +38,17 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedlm_cuda.kernels import l2_prefetch, pdl
+from pagedlm_cuda.kernels import pdl
 
 
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_w,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PIPELINE: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, PIPELINE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.allow_next(USE_PDL)
-    first_row = tl.program_id(0) * BLOCK_N
-    rows = first_row + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
     cols = tl.arange(0, BLOCK_K)
@@ -59,12 +58,6 @@ def _gemv_kernel(
     w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
     if HAS_SCALE:  # quantized rows (FP8): w[r] stands for w[r] * scale[r]
         scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
-    if PREFETCH > 0:  # the bytes after that slice, into L2 (``l2_prefetch``)
-        ELEMENT: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        l2_prefetch.prefetch_rows(
-            w_ptr + first_row.to(tl.int64) * stride_w + BLOCK_K, stride_w * ELEMENT,
-            tl.minimum(N - first_row, BLOCK_N), PREFETCH,
-        )  # fmt: skip
     pdl.wait_for_previous(USE_PDL)
     x = tl.load(x_ptr + cols, mask=k_mask, other=0.0)
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
@@ -183,17 +176,11 @@ def gemv(
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     kind = "fp8" if weight.element_size() == 1 else "bf16"
     cfg = GemvConfig(*config) if config is not None else gemv_config(n, k, kind)
-    element = weight.element_size()
-    prefetch = l2_prefetch.row_bytes(
-        weight.data_ptr() + cfg.block_k * element,
-        (k - cfg.block_k) * element,
-        weight.stride(0) * element,
-    )
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, weight_scale if weight_scale is not None else weight,
         bias if bias is not None else weight, out, n, k, weight.stride(0),
         HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PIPELINE=cfg.pipeline_stages, PREFETCH=prefetch,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PIPELINE=cfg.pipeline_stages,
         num_warps=cfg.num_warps, num_stages=cfg.pipeline_stages, **pdl.launch_options(),
     )  # fmt: skip
     return out

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagedlm_cuda.kernels import l2_prefetch, pdl
+from pagedlm_cuda.kernels import pdl
 from pagedlm_cuda.kernels.gemv import GemvConfig, gemv_config
 
 GROUP_SIZE = 32
@@ -279,7 +279,7 @@ def gemv_kernel(
     SLICE: tl.constexpr, OFFSET: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
     HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     PIPELINE: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-    EMULATE: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+    EMULATE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The batch-1 GEMV's programs and slices, around ``SLICE``: a jitted function of
     ``_slice_products``' arguments that returns float32 [BLOCK_N, BLOCK_G(, 8)], each row's
@@ -289,8 +289,7 @@ def gemv_kernel(
     groups (no masks then)."""
     pdl.allow_next(USE_PDL)
     SPAN: tl.constexpr = LANES * (32 // BITS)
-    first_row = tl.program_id(0) * BLOCK_N
-    rows = first_row + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     n_groups = tl.cdiv(K, SPAN)
     # Loaded as rows of contiguous words (so threads spread along a row and each holds
@@ -304,11 +303,6 @@ def gemv_kernel(
     else:
         mask = row_mask[:, None] & (word_ids[None, :] < n_groups * LANES)
         words = tl.load(row_words, mask=mask, other=0)
-    if PREFETCH > 0:  # the words after that slice, into L2 (``l2_prefetch``)
-        l2_prefetch.prefetch_rows(
-            codes_ptr + first_row.to(tl.int64) * stride_codes + BLOCK_W, stride_codes * 4,
-            tl.minimum(N - first_row, BLOCK_N), PREFETCH,
-        )  # fmt: skip
     pdl.wait_for_previous(USE_PDL)
     acc = SLICE(
         tl.reshape(words, (BLOCK_N, BLOCK_G, LANES)), magic, x_ptr, scales_ptr, mins_ptr,
@@ -377,12 +371,6 @@ def launch_gemv(
         )
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     mins = weight.mins if weight.mins is not None else weight.scales
-    codes, slice_words = weight.codes, block_g * LANES.value
-    prefetch = l2_prefetch.row_bytes(
-        codes.data_ptr() + slice_words * 4,
-        (codes.shape[1] - slice_words) * 4,
-        codes.stride(0) * 4,
-    )
     gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight.codes, weight.scales, mins, bias if bias is not None else weight.scales,
         out, n, k, weight.codes.stride(0), weight.scales.stride(0), MAGIC.value,
@@ -390,7 +378,7 @@ def launch_gemv(
         HAS_MINS=weight.mins is not None, HAS_BIAS=bias is not None,
         BLOCK_N=config.block_n, BLOCK_G=block_g, PIPELINE=config.pipeline_stages,
         EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
-        EMULATE=os.environ.get("TRITON_INTERPRET") == "1", PREFETCH=prefetch,
+        EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=config.num_warps, num_stages=config.pipeline_stages, **pdl.launch_options(),
     )  # fmt: skip
     return out
