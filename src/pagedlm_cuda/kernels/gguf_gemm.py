@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedlm_cuda.kernels import pdl
+from pagedlm_cuda.kernels import pdl, stage_fit
 from pagedlm_cuda.kernels.gguf_gemv import (
     LANES,
     MAGIC,
@@ -139,13 +139,17 @@ def gguf_gemm(
         )
     mins = weight.mins if weight.mins is not None else weight.scales
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _gguf_gemm_kernel[grid](
+    # Group-16 layers with minimums (Q2_K) and float32 x need more shared memory per
+    # stage than the defaults were sized for: fewer stages where the GPU has too little.
+    key = (x.device, x.dtype, weight.bits, weight.group_size, weight.mins is not None,
+           weight.scales.dtype, block_m, block_n, block_k, num_warps)  # fmt: skip
+    stage_fit.launch(
+        _gguf_gemm_kernel[grid], key, num_stages,
         x, weight.codes, weight.scales, mins, bias if bias is not None else weight.scales,
         out, m, n, k, x.stride(0), out.stride(0), weight.codes.stride(0),
         weight.scales.stride(0), MAGIC.value, OFFSET=weight.offset, BITS=weight.bits,
         GROUP=weight.group_size, HAS_MINS=weight.mins is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_G=block_g, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_G=block_g, num_warps=num_warps,
         **pdl.launch_options(),
     )  # fmt: skip
     return out
