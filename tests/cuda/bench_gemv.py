@@ -108,6 +108,18 @@ FP8_LARGE_SWEEP = [
     GemvConfig(32, 512, 8, 3),
     GemvConfig(16, 1024, 4, 3),
 ]
+# More warps over the same rows: on the H100 (session 18) the one-warp defaults left
+# llama-3-8b's q/k/v, o and down projections (512-768 programs, ~4-6 warps per SM) at a
+# third of the bandwidth, latency-bound; these trade instructions per weight (sm_90 SASS:
+# 4.7 at one warp, 5.6-7.6 here) for warps in flight.
+GGUF_MORE_WARPS = [
+    GemvConfig(8, 512, 4, 3),
+    GemvConfig(8, 256, 2, 3),
+    GemvConfig(8, 256, 4, 3),
+    GemvConfig(8, 1024, 4, 3),
+    GemvConfig(4, 512, 2, 3),
+    GemvConfig(16, 512, 4, 4),
+]
 # 4-bit codes: the GEMV reuses each thread's x over the rows it holds, so tiles with more
 # rows per thread (more rows per program, or fewer warps) get a look.
 GGUF_SMALL_SWEEP = [
@@ -124,6 +136,7 @@ GGUF_SMALL_SWEEP = [
     GemvConfig(32, 512, 2, 3),
     GemvConfig(32, 512, 4, 3),
     GemvConfig(64, 512, 4, 3),
+    *GGUF_MORE_WARPS,
 ]
 GGUF_LARGE_SWEEP = [
     GemvConfig(8, 512, 1, 3),
@@ -136,6 +149,7 @@ GGUF_LARGE_SWEEP = [
     GemvConfig(64, 512, 4, 3),
     GemvConfig(64, 512, 4, 4),
     GemvConfig(128, 512, 8, 3),
+    *GGUF_MORE_WARPS,
 ]
 SWEEPS = {
     "bf16": (SMALL_SWEEP, LARGE_SWEEP),
