@@ -14,8 +14,8 @@ same result from a CUDA graph or eagerly:
 - GGUF (Q4_0/Q4_1/Q5_*/Q8_0 and Q2_K-Q6_K layers; a scale per 32 columns, per 16 for
   layers with Q2_K, Q3_K or Q6_K rows): one row through ``gguf_gemv`` (or, with
   ``PAGEDLM_GGUF_INT8_GEMV=1``, through ``gguf_gemv_int8``, x rounded to int8 per 32
-  columns as llama.cpp's and vLLM's GGUF kernels round it; not the default until a GPU
-  has timed it); up to ``max_tiled_rows`` through ``gguf_gemm``; more through a bf16 copy
+  columns as llama.cpp's and vLLM's GGUF kernels round it; not the default: slower in
+  W2 on an H100, session 18); up to ``max_tiled_rows`` through ``gguf_gemm``; more through a bf16 copy
   dequantized into a scratch buffer shared by the model's layers, then ``F.linear``.
 """
 

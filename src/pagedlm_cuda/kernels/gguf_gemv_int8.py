@@ -29,9 +29,14 @@ codes (four per word, one group per lane group) go to ``dp4a`` as they are. A pr
 rounds the x it needs once for its ``BLOCK_N`` rows: 2.1 loop instructions per weight at
 the default tiles (``tests/cuda/sass_gguf_gemv.py --int8``).
 
-Not the default: ``GgufCudaLinear`` takes it where ``PAGEDLM_GGUF_INT8_GEMV=1``, until a
-GPU has timed it against ``gguf_gemv`` (``tests/cuda/bench_gemv.py --kinds gguf4
-gguf4i8``; ``python -m pagedlm.benchmarks.quantized_gpu --parts gguf`` runs W2 with each).
+Not the default: ``GgufCudaLinear`` takes it where ``PAGEDLM_GGUF_INT8_GEMV=1``. Timed on
+an H100 (session 18, ``tests/cuda/bench_gemv.py --kinds gguf4 gguf4i8``), it beats
+``gguf_gemv`` alone on llama-3-8b's q/k/v (13.5 against 17.0 us), o (9.0 / 11.4) and down
+(25.5 / 32.9) and loses on gate/up (34.6 / 32.8) and the LM head (120.6 / 118.5), yet W2
+on a Q4_0 file runs slower with it (``python -m pagedlm.benchmarks.quantized_gpu --parts
+gguf``: 234.4 against 266.8 tok/s), for reasons not yet found. On that GPU the tile
+(8, 256, 1, 2) gives wrong results for every block type (the interpreter's are right);
+the default tiles pass.
 """
 
 from __future__ import annotations
