@@ -67,33 +67,31 @@ class NeoxRotary:
 
     def __init__(self) -> None:
         self._tables: dict[torch.dtype, torch.Tensor] = {}
-        # The last call's positions (held, so no later tensor can be that object), their
-        # version counter (bumped by any in-place write), the table and dtype, and their
-        # (cos, sin) rows: a step's layers all pass one positions tensor, so the gather
-        # runs once per step instead of once per layer. Inference tensors (made under
-        # ``torch.inference_mode``) keep no version counter, so their rows are never
-        # reused: an in-place write to them could not be seen.
+        # A copy of the last call's positions, the table and dtype, and their (cos, sin)
+        # rows: a step's layers all pass the same positions, so the gather runs once per
+        # step instead of once per layer. Reused only for equal positions: a persistent
+        # positions buffer is rewritten in place between steps, sometimes where torch's
+        # version counter cannot see it (through a numpy view of it; a graph replayed
+        # over the same buffer), so neither its identity nor its version says it is
+        # unchanged.
         self._last: tuple | None = None
 
     def _rows(
         self, positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """([T, 1, head_dim] cos, sin) of ``positions``, reused while the same positions
-        tensor, unwritten since, comes back with the same table and dtype."""
+        """([T, 1, head_dim] cos, sin) of ``positions``, reused while the positions, the
+        table and the dtype are those of the last call."""
         last = self._last
         if (
             last is not None
-            and last[0] is positions
-            and last[1] == positions._version
-            and last[2] is cos_sin_cache
-            and last[3] == dtype
+            and last[1] is cos_sin_cache
+            and last[2] == dtype
+            and last[0].shape == positions.shape
+            and torch.equal(last[0], positions)
         ):
-            return last[4], last[5]
+            return last[3], last[4]
         cos, sin = self._table(cos_sin_cache, dtype).index_select(0, positions).unbind(1)
-        if positions.is_inference():
-            self._last = None
-        else:
-            self._last = (positions, positions._version, cos_sin_cache, dtype, cos, sin)
+        self._last = (positions.clone(), cos_sin_cache, dtype, cos, sin)
         return cos, sin
 
     def _table(self, cos_sin_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -89,10 +89,9 @@ def _check_rotary(rotary: RotaryEmbedding, qkv: torch.Tensor, dtype, adjacent: b
     assert torch.equal(qkv, before)  # new tensors: the projection's output is left alone
 
 
-def test_rotary_gathers_once_per_positions_tensor():
-    """Layers of a step share its positions tensor: the second call reuses the gathered
-    rows; a new positions tensor (the next step's, same shape), or the same one written
-    in place, is gathered afresh."""
+def test_rotary_gathers_once_per_positions():
+    """Layers of a step share its positions: the second call reuses the gathered rows; the
+    next step's positions, or the same tensor written in place, are gathered afresh."""
     rotary = RotaryEmbedding(32, 64, 10000.0)
     kernel = NeoxRotary()
     q, k, _ = _qkv(2, torch.float32).split([128, 64, 64], dim=-1)
@@ -113,16 +112,27 @@ def test_rotary_gathers_once_per_positions_tensor():
     torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
 
 
-def test_rotary_never_reuses_rows_of_an_inference_tensor():
-    """Tensors made under ``torch.inference_mode`` keep no version counter, so an in-place
-    write to them cannot be seen: their rows are gathered on every call."""
+def test_rotary_sees_writes_its_version_counter_misses():
+    """A persistent positions buffer written through a numpy view (torch's version counter
+    does not move), or made under ``torch.inference_mode`` (it has none), and passed again
+    as the same tensor, as a replayed graph passes it: the rows follow its values.
+    (Rows keyed on the tensor and its version gave a graph's next decode step the
+    previous step's rotation.)"""
     rotary = RotaryEmbedding(32, 64, 10000.0)
-    kernel = NeoxRotary()
     q, k, _ = _qkv(2, torch.float32).split([128, 64, 64], dim=-1)
+    kernel = NeoxRotary()
+    positions = torch.tensor([3, 9])
+    kernel(positions, q, k, rotary.cos_sin_cache, 32, True)
+    version = positions._version
+    positions.numpy()[:] = [7, 1]
+    assert positions._version == version
+    expected = rotary(positions, q.clone(), k.clone())
+    got = kernel(positions, q, k, rotary.cos_sin_cache, 32, True)
+    torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
+    kernel = NeoxRotary()
     with torch.inference_mode():
         positions = torch.tensor([3, 9])
         kernel(positions, q, k, rotary.cos_sin_cache, 32, True)
-        assert kernel._last is None
         positions[:] = torch.tensor([7, 1])
         expected = rotary(positions, q.clone(), k.clone())
         got = kernel(positions, q, k, rotary.cos_sin_cache, 32, True)
