@@ -187,6 +187,9 @@ def test_the_acceptance_proposer_is_right_at_the_given_rate(tmp_path, rate, expe
             torch.tensor([length]),
             np.array([length]),
             True,
+            torch.tensor([0]),
+            torch.tensor([1]),
+            torch.tensor([4]),
         )
         drafts, num_valid = proposer.propose(None, requests)  # type: ignore[arg-type]
         truth = (prompt + continuation)[length : length + 4]

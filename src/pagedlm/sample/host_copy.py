@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
@@ -24,3 +25,14 @@ def tensor_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def arrays_to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Host integer arrays as int64 tensors on ``device`` through one copy: views of one
+    buffer, in order (a step's index arrays, which would otherwise cost a pinned
+    allocation and a copy each)."""
+    flat = [np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays]
+    joined = np.concatenate(flat) if flat else np.empty(0, dtype=np.int64)
+    return list(
+        torch.split(tensor_to_device(torch.from_numpy(joined), device), [len(a) for a in flat])
+    )

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pagedlm.sample.host_copy import tensor_to_device
+from pagedlm.sample.host_copy import arrays_to_device
 from pagedlm.sample.logprobs import LogprobsTensors, compute_logprobs
 from pagedlm.sample.metadata import SamplingMetadata
 from pagedlm.sample.sampler import Sampler, argmax_rows
@@ -62,15 +62,18 @@ class RejectionSampler:
         num_verified: torch.Tensor,
         token_bitmask: torch.Tensor | None = None,
         draft_probs: torch.Tensor | None = None,
+        row_map: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> RejectionOutput:
         """``logits``: ``[R, vocab]``, ``num_rows[i]`` consecutive rows per request (host
         ints, ``R = num_rows.sum()``); ``metadata``: one ``SamplingRow`` per logits row.
         ``draft_token_ids``: ``[R]`` int64, row ``j``'s draft (the token fed after row
         ``j``'s position; ignored past a request's verified drafts). ``num_verified``:
         ``[N]`` int64 on the device, ``<= num_rows - 1``. ``draft_probs``: ``[R, vocab]``
-        the proposer's ``q`` per row, or None for deterministic drafts."""
+        the proposer's ``q`` per row, or None for deterministic drafts. ``row_map``: each
+        row's request and position within it (``[R]`` int64 device each), if the caller
+        has them on the device already."""
         device = logits.device
-        rows = _RowMap(num_rows, device)
+        rows = _RowMap(num_rows, device, row_map)
         if token_bitmask is not None:
             logits = apply_token_bitmask(logits, token_bitmask)
         raw_logits = logits
@@ -143,12 +146,18 @@ def _uniforms(num_rows: int, metadata: SamplingMetadata, device: torch.device) -
 class _RowMap:
     """Which request and which position each logits row is (device int64 ``[R]`` each)."""
 
-    def __init__(self, num_rows: np.ndarray, device: torch.device) -> None:
+    def __init__(
+        self,
+        num_rows: np.ndarray,
+        device: torch.device,
+        on_device: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         counts = np.asarray(num_rows, dtype=np.int64)
-        starts = np.cumsum(counts) - counts
-        request = np.repeat(np.arange(len(counts)), counts)
-        position = np.arange(int(counts.sum())) - np.repeat(starts, counts)
-        both = tensor_to_device(torch.from_numpy(np.stack([request, position])), device)
-        self.request, self.position = both[0], both[1]
+        if on_device is None:
+            starts = np.cumsum(counts) - counts
+            request = np.repeat(np.arange(len(counts)), counts)
+            position = np.arange(int(counts.sum())) - np.repeat(starts, counts)
+            on_device = tuple(arrays_to_device([request, position], device))
+        self.request, self.position = on_device
         self.num_requests = len(counts)
         self.width = int(counts.max(initial=1))

@@ -51,7 +51,7 @@ class AcceptanceProposer(Proposer):
         self, step: SampledStep, requests: ProposalRequests
     ) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.batch.device
-        slots = tensor_to_device(torch.from_numpy(requests.slots), device)
+        slots = requests.slots_device
         count = requests.max_drafts
         positions = requests.num_tokens[:, None] + torch.arange(count, device=device)
         width = self.tokens.shape[1]
@@ -61,4 +61,4 @@ class AcceptanceProposer(Proposer):
         keep &= positions < self.lengths[slots][:, None]
         offset = torch.randint(1, self.vocab_size, shape, device=device, generator=self.generator)
         drafts = torch.where(keep, right, (right + offset) % self.vocab_size)
-        return drafts, tensor_to_device(torch.from_numpy(requests.num_drafts), device)
+        return drafts, requests.num_drafts_device

@@ -17,7 +17,6 @@ from pagedlm.config import ModelConfig
 from pagedlm.model_executor.layers.attention import model_kv_heads
 from pagedlm.model_executor.loader import load_model
 from pagedlm.platforms.interface import GraphRunner
-from pagedlm.sample.host_copy import tensor_to_device
 from pagedlm.spec_decode.model_drafter import ModelDrafter, TargetParts
 from pagedlm.spec_decode.proposer import ProposalRequests, SampledStep
 from pagedlm.worker.input_batch import InputBatch
@@ -63,14 +62,12 @@ class DraftModelProposer(ModelDrafter):
         self, step: SampledStep, requests: ProposalRequests
     ) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.batch.device
-        slots = self.steps.slots_on_device(requests.slots)
-        last = self.batch.token_ids[slots, requests.num_tokens - 1]
+        last = self.batch.token_ids[requests.slots_device, requests.num_tokens - 1]
         drafts = torch.zeros(
             (len(requests.slots), requests.max_drafts), dtype=torch.int64, device=device
         )
         self.decode(requests, drafts, 0, last, None, -1, self._draft_step)
-        num_valid = tensor_to_device(torch.from_numpy(requests.num_drafts), device)
-        return drafts, num_valid
+        return drafts, requests.num_drafts_device
 
     @property
     def step_module(self) -> torch.nn.Module:

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from pagedlm.attention.backend import BatchLayout
-from pagedlm.sample.host_copy import tensor_to_device
 from pagedlm.worker.input_batch import InputBatch
 
 
@@ -37,9 +36,6 @@ class DraftSteps:
             (size, batch.max_blocks_per_req), dtype=torch.int32, device=device
         )
         self._arange = np.arange(size + 1, dtype=np.int32)
-
-    def slots_on_device(self, slots: np.ndarray) -> torch.Tensor:
-        return tensor_to_device(torch.from_numpy(slots.astype(np.int64)), self.batch.device)
 
     def layout(
         self,

@@ -138,13 +138,13 @@ class EagleProposer(ModelDrafter):
         # The row of the position before the last emitted token: after the non-draft fed
         # tokens, as many rows on as drafts were accepted.
         base = inputs.layout.query_start_loc_cpu[request + 1] - 1 - inputs.num_drafts[request]
-        accepted = step.num_emitted[tensor_to_device(torch.from_numpy(index), device)] - 1
+        accepted = step.num_emitted[requests.sampled_index_device] - 1
         rows = tensor_to_device(torch.from_numpy(base.astype("int64")), device) + accepted
         output = self._output[rows]
         drafts = torch.zeros((len(index), requests.max_drafts), dtype=torch.int64, device=device)
         drafts[:, 0] = self._draft(output)
         self.decode(requests, drafts, 1, drafts[:, 0], output, -2, self._draft_step)
-        return drafts, tensor_to_device(torch.from_numpy(requests.num_drafts), device)
+        return drafts, requests.num_drafts_device
 
     @property
     def step_module(self) -> nn.Module:

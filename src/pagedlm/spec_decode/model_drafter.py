@@ -130,7 +130,7 @@ class ModelDrafter(Proposer):
         position_offset + j``; request ``i`` takes part while ``j < num_drafts[i]``."""
         device = self.batch.device
         active = np.arange(len(requests.slots))
-        slots = self.steps.slots_on_device(requests.slots)
+        slots = requests.slots_device
         num_tokens = requests.num_tokens
         num_tokens_host = requests.num_tokens_host
         for j in range(first, requests.max_drafts):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from pagedlm.sample.host_copy import tensor_to_device
 from pagedlm.spec_decode.proposer import ProposalRequests, Proposer, SampledStep
 from pagedlm.worker.input_batch import InputBatch
 
@@ -28,17 +27,15 @@ class NgramProposer(Proposer):
     def propose(
         self, step: SampledStep, requests: ProposalRequests
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        device = self.batch.device
-        slots = tensor_to_device(torch.from_numpy(requests.slots), device)
         width = int(requests.num_tokens_host.max())
-        rows = self.batch.token_ids[slots, :width].to(torch.int64)
+        rows = self.batch.token_ids[requests.slots_device, :width].to(torch.int64)
         return propose_ngrams(
             rows,
             requests.num_tokens,
             self.min_n,
             self.max_n,
             requests.max_drafts,
-            tensor_to_device(torch.from_numpy(requests.num_drafts), device),
+            requests.num_drafts_device,
         )
 
 

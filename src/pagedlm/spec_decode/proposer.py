@@ -58,7 +58,9 @@ class ProposalRequests:
     its slot; ``num_drafts[i]`` how many drafts it wants (host ints, at least 1).
     ``num_tokens``: ``[m]`` int64 device, tokens in its row now (its drafts go at
     positions ``num_tokens + j``); ``num_tokens_host`` the same on the host, exact when
-    ``exact`` else an upper bound.
+    ``exact`` else an upper bound. ``sampled_index_device``, ``slots_device`` and
+    ``num_drafts_device``: those host arrays as int64 device tensors (copied with the
+    step's other index arrays, so proposers copy none).
     """
 
     sampled_index: np.ndarray
@@ -67,6 +69,9 @@ class ProposalRequests:
     num_tokens: torch.Tensor
     num_tokens_host: np.ndarray
     exact: bool
+    sampled_index_device: torch.Tensor
+    slots_device: torch.Tensor
+    num_drafts_device: torch.Tensor
 
     @property
     def max_drafts(self) -> int:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from pagedlm.config import EngineConfig
-from pagedlm.sample.host_copy import tensor_to_device
+from pagedlm.sample.host_copy import arrays_to_device
 from pagedlm.sample.metadata import SamplingMetadata
 from pagedlm.sample.rejection_sampler import RejectionOutput, RejectionSampler
 from pagedlm.sample.sampler import Sampler
@@ -40,10 +40,6 @@ class Proposals:
     req_index: list[int]
     drafts: torch.Tensor
     num_valid: torch.Tensor
-
-
-def _on_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    return tensor_to_device(torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)), device)
 
 
 class Speculator:
@@ -91,7 +87,8 @@ class Speculator:
             slot = self.batch.requests[data.req_id].slot
             self.proposer.admit(data, slot)
             slots.append(slot)
-        self.num_valid[_on_device(np.array(slots), self.batch.device)] = 0
+        (slots_dev,) = arrays_to_device([np.array(slots)], self.batch.device)
+        self.num_valid[slots_dev] = 0
 
     def verify(
         self,
@@ -101,22 +98,23 @@ class Speculator:
         inputs: StepInputs,
     ) -> RejectionOutput:
         """Verify the step's drafts; emitted tokens go into the token table."""
-        device = self.batch.device
         sampled = inputs.sampled
         rows = inputs.num_sampling_rows
-        slots = _on_device(np.array([inputs.states[i].slot for i in sampled]), device)
-        num_drafts = _on_device(rows - 1, device)
+        num_rows = int(rows.sum())
+        request = np.repeat(np.arange(len(rows)), rows)
+        position = np.arange(num_rows) - np.repeat(np.cumsum(rows) - rows, rows)
+        slot_ids = [inputs.states[i].slot for i in sampled]
+        slots, num_drafts, request_dev, position_dev = arrays_to_device(
+            [np.array(slot_ids), rows - 1, request, position], self.batch.device
+        )
         num_verified = torch.minimum(num_drafts, self.num_valid[slots])
         assert inputs.logits_indices is not None, "a verifying step has explicit logits rows"
-        num_rows = int(rows.sum())
         last = inputs.layout.num_tokens - 1
         draft_ids = inputs.input_ids[(inputs.logits_indices[:num_rows] + 1).clamp(max=last)]
         out = self.rejection_sampler(
-            logits, metadata, draft_ids.to(torch.int64), rows, num_verified, bitmask
-        )
-        request = np.repeat(np.arange(len(rows)), rows)
-        position = np.arange(num_rows) - np.repeat(np.cumsum(rows) - rows, rows)
-        request_dev, position_dev = _on_device(request, device), _on_device(position, device)
+            logits, metadata, draft_ids.to(torch.int64), rows, num_verified, bitmask,
+            row_map=(request_dev, position_dev),
+        )  # fmt: skip
         flat = inputs.sample_token_index[request_dev] + position_dev
         emitted = out.token_ids[request_dev, position_dev].to(torch.int32)
         self.batch.token_ids.view(-1).index_put_((flat,), emitted)
@@ -146,47 +144,40 @@ class Speculator:
         if not len(index):
             return None
         request = sampled[index]
-        requests = self._requests(inputs, step, index, request, to_propose)
-        drafts, num_valid = self.proposer.propose(step, requests)
-        # Into the rows, after each request's emitted tokens (the scheduler left room).
-        counts = requests.num_drafts
+        slots = np.array([inputs.states[r].slot for r in request], dtype=np.int64)
+        counts = np.array([to_propose[inputs.req_ids[r]] for r in request], dtype=np.int64)
+        # Each draft's owner and column in the rows, after each request's emitted tokens
+        # (the scheduler left room); copied with the proposal's index arrays in one go.
         owner = np.repeat(np.arange(len(counts)), counts)
         column = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        owner_dev, column_dev = _on_device(owner, device), _on_device(column, device)
-        slots = _on_device(requests.slots, device)
-        flat = (
-            slots[owner_dev] * self.batch.row_length + requests.num_tokens[owner_dev] + column_dev
+        fed_drafts = inputs.num_drafts[request]
+        index_dev, slots_dev, counts_dev, request_dev, fed_drafts_dev, owner_dev, column_dev = (
+            arrays_to_device(
+                [index, slots, counts, request, fed_drafts, owner, column], self.batch.device
+            )
         )
-        self.batch.token_ids.view(-1)[flat] = drafts[owner_dev, column_dev].to(torch.int32)
-        self.num_valid[slots] = num_valid
-        return Proposals(request.tolist(), drafts, num_valid)
-
-    def _requests(
-        self,
-        inputs: StepInputs,
-        step: SampledStep,
-        index: np.ndarray,
-        request: np.ndarray,
-        to_propose: dict[str, int],
-    ) -> ProposalRequests:
-        device = self.batch.device
-        first_output = inputs.seq_lens[request] - inputs.num_drafts[request]
-        request_dev = _on_device(request, device)
+        # Tokens in each row now: those before the step's first output, plus what it emitted.
         lengths = inputs.layout.seq_lens[request_dev].to(torch.int64)
-        first_output_dev = lengths - _on_device(inputs.num_drafts[request], device)
-        num_tokens = first_output_dev + step.num_emitted[_on_device(index, device)]
+        num_tokens = lengths - fed_drafts_dev + step.num_emitted[index_dev]
+        first_output = inputs.seq_lens[request] - fed_drafts
         exact = self.host_lengths_exact
         if exact:  # the backend plans from host lengths: read how many were emitted
-            num_tokens_host = (
-                first_output + step.num_emitted[_on_device(index, device)].cpu().numpy()
-            )
+            num_tokens_host = first_output + step.num_emitted[index_dev].cpu().numpy()
         else:
-            num_tokens_host = first_output + 1 + inputs.num_drafts[request]
-        return ProposalRequests(
+            num_tokens_host = first_output + 1 + fed_drafts
+        requests = ProposalRequests(
             sampled_index=index,
-            slots=np.array([inputs.states[r].slot for r in request], dtype=np.int64),
-            num_drafts=np.array([to_propose[inputs.req_ids[r]] for r in request], dtype=np.int64),
+            slots=slots,
+            num_drafts=counts,
             num_tokens=num_tokens,
             num_tokens_host=num_tokens_host.astype(np.int64),
             exact=exact,
+            sampled_index_device=index_dev,
+            slots_device=slots_dev,
+            num_drafts_device=counts_dev,
         )
+        drafts, num_valid = self.proposer.propose(step, requests)
+        flat = slots_dev[owner_dev] * self.batch.row_length + num_tokens[owner_dev] + column_dev
+        self.batch.token_ids.view(-1)[flat] = drafts[owner_dev, column_dev].to(torch.int32)
+        self.num_valid[slots_dev] = num_valid
+        return Proposals(request.tolist(), drafts, num_valid)
