@@ -18,8 +18,8 @@ from typing import Any
 
 from triton.runtime.errors import OutOfResources
 
-_FITTING: dict[Hashable, int] = {}
-"""key -> the most stages (at most the asked count) that fit, once found."""
+_FITTING: dict[tuple[Hashable, int], int] = {}
+"""(key, stages asked) -> the most stages, at most those, that fit, once found."""
 
 
 def launch(
@@ -27,8 +27,8 @@ def launch(
 ) -> None:
     """``kernel(*args, num_stages=s, **kwargs)`` for the largest ``s <= num_stages`` whose
     shared memory fits (a shortage of anything else, or of shared memory at one stage,
-    raises). ``key`` names everything the bytes
-    depend on besides the stages (constexprs, tiles, dtypes, device)."""
+    raises). ``key`` names everything the bytes depend on besides the stages
+    (constexprs, tiles, dtypes, device)."""
     stages = min(num_stages, _FITTING.get((key, num_stages), num_stages))
     while True:
         try:
