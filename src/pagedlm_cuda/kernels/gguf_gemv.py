@@ -42,9 +42,10 @@ Instructions in the loop per weight (sm_90 SASS of the default tiles,
 none of them a conversion. Session 14's kernel (one byte per two codes, ``(code & 15)``
 and ``code >> 4`` converted with ``I2F``) spent 7.3 per weight, one of them an ``I2F``
 (a quarter-rate instruction), and ran at 21-37% of the bandwidth (0.95x bf16's tok/s in
-W2). Not yet timed on a GPU: session 16 had none; ``tests/cuda/bench_gemv.py --kinds
-gguf4 --sweep`` and ``python -m pagedlm.benchmarks.quantized_gpu --parts gguf`` are the
-commands.
+W2). Timed on an H100 (session 18, ``tests/cuda/bench_gemv.py --kinds gguf4 --sweep``):
+67-83% of its bandwidth on llama-3-8b's gate/up and LM head, 26-33% on q/k/v, o and down,
+whose few one-warp programs leave it latency-bound; W2 on a Q4_0 file 1.48x bf16's tok/s
+(``python -m pagedlm.benchmarks.quantized_gpu --parts gguf``).
 """
 
 from __future__ import annotations
