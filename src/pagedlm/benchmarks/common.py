@@ -128,26 +128,28 @@ def profile_steps(llm, prompts: list[list[int]], params: list[Any], num_steps: i
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.llm_engine
+    synchronize = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_processed_request(
             engine.process_request(f"prof-{i}", {"prompt_token_ids": p}, sp)
         )
     for _ in range(8):  # past the prefills
         engine.step()
-    torch.cuda.synchronize()
+    synchronize()
     scheduler = engine.engine_core.scheduler
     steps_before = scheduler.num_model_steps
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for _ in range(num_steps):
             engine.step()
-        torch.cuda.synchronize()
+        synchronize()
         wall = time.perf_counter() - start
     model_steps = scheduler.num_model_steps - steps_before
     engine.abort_request([f"prof-{i}" for i in range(len(prompts))])
     while engine.has_unfinished_requests():
         engine.step()
     groups: dict[str, float] = defaultdict(float)
+    launches = 0
     for event in prof.key_averages():
         device_us = getattr(event, "self_device_time_total", 0) or getattr(
             event, "self_cuda_time_total", 0
@@ -155,6 +157,7 @@ def profile_steps(llm, prompts: list[list[int]], params: list[Any], num_steps: i
         # Kernels only: an operator's own "self" device time repeats its kernels'.
         if device_us <= 0 or event.device_type != DeviceType.CUDA:
             continue
+        launches += event.count
         name = event.key.lower()
         if "decode" in name or "prefill" in name or "write_kv" in name:
             kind = "attention"
@@ -173,7 +176,7 @@ def profile_steps(llm, prompts: list[list[int]], params: list[Any], num_steps: i
     device_total = sum(groups.values()) / 1e6
     lines = [
         f"per-step breakdown over {model_steps} decode steps ({num_steps} engine steps, "
-        f"{wall / model_steps * 1e3:.2f} ms/step):"
+        f"{wall / model_steps * 1e3:.2f} ms/step, {launches / model_steps:.0f} kernels/step):"
     ]
     for kind, us in sorted(groups.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {kind:14s} {us / model_steps / 1e3:8.3f} ms/step")

@@ -51,7 +51,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from pagedlm.benchmarks.common import build_llm
+from pagedlm.benchmarks.common import build_llm, profile_steps
 
 ACCEPTANCE_ARGS = (
     "--model llama-3-8b --batch-size 1 --input-len 1024 --output-len 256 --num-iters 3"
@@ -100,6 +100,10 @@ def _measure(args: argparse.Namespace, prompts: list[list[int]], params: Any) ->
                         for r, o in zip(batch, outputs)
                     ]
         stats = engine.engine_core.make_stats().spec_decoding
+        if args.profile_steps:  # the first run's prompts: the acceptance proposer knows them
+            batch = [[0] + p[1:] for p in prompts]
+            figures["profile"] = profile_steps(llm, batch, [params] * len(batch), args.profile_steps)
+            print(figures["profile"], flush=True)
     finally:
         engine.shutdown()
     figures["pairs"] = pairs
