@@ -10,9 +10,9 @@ whose grid is sized by max_model_len, as the engine's decode graphs are. Prints 
 call and the K/V bandwidth reached, for the default (``decode_config``) and for nearby
 partition / tile choices, so the table in ``kernels/decode_config.py`` can be checked.
 ``--kv-cache-dtype fp8``: the same for a float8 E4M3 cache (bandwidth counted in its bytes).
-``--num-heads 16``: qwen3-0.6b's heads (W1's model). ``--sweep``: FP8 only, partition /
-tile / warps / stages choices, each with its error against a float32 reference of the
-dequantized cache (max abs, and relative: the norm of the difference over the
+``--num-heads 16``: qwen3-0.6b's heads (W1's model). ``--sweep``: partition / tile / warps
+/ stages choices (``SWEEP``), each with its error against a float32 reference of the
+(dequantized) cache (max abs, and relative: the norm of the difference over the
 reference's).
 """
 
@@ -116,6 +116,12 @@ def time_config(
 WORKLOADS = {"W2": (1, 1100), "small": (4, 1100), "W1": (256, 580)}
 
 SWEEP = [  # (partition, block_n, warps, stages)
+    (256, 64, 4, 2),
+    (256, 64, 8, 2),
+    (128, 64, 4, 2),
+    (1024, 64, 4, 2),
+    (512, 32, 4, 2),
+    (512, 32, 4, 4),
     (512, 128, 4, 2),
     (512, 128, 4, 3),
     (512, 128, 8, 2),
@@ -131,13 +137,14 @@ SWEEP = [  # (partition, block_n, warps, stages)
 ]
 
 
-def sweep(batch: int, context: int, heads: int) -> None:
-    """The FP8 configurations of ``SWEEP`` at one workload: time, rate and error."""
-    inputs = make_inputs(batch, context, True, heads)
+def sweep(batch: int, context: int, heads: int, fp8: bool) -> None:
+    """The configurations of ``SWEEP`` at one workload: time, rate and error."""
+    inputs = make_inputs(batch, context, fp8, heads)
     expected = reference_output(inputs)
-    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM
-    default = decode_config(batch, KV_HEADS, HEAD_DIM, True)
-    print(f"sweep: batch {batch}, context {context}, {heads} heads, fp8; default {default}")
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * (1 if fp8 else 2)
+    default = decode_config(batch, KV_HEADS, HEAD_DIM, fp8)
+    kind = "fp8" if fp8 else "bf16"
+    print(f"sweep: batch {batch}, context {context}, {heads} heads, {kind}; default {default}")
     print("  partition block_n warps stages |     us  TB/s | max err  rel err")
     for partition, block_n, warps, stages in SWEEP:
         config = default._replace(
@@ -160,14 +167,14 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--num-heads", type=int, default=HEADS)
-    parser.add_argument("--sweep", action="store_true", help="the FP8 sweep (see above)")
+    parser.add_argument("--sweep", action="store_true", help="the sweep (see above)")
     args = parser.parse_args()
     heads = args.num_heads
+    fp8 = args.kv_cache_dtype == "fp8"
     if args.sweep:
         for workload in args.workloads:
-            sweep(*WORKLOADS[workload], heads)
+            sweep(*WORKLOADS[workload], heads, fp8)
         return
-    fp8 = args.kv_cache_dtype == "fp8"
     for batch, context in (WORKLOADS[w] for w in args.workloads):
         default = decode_config(batch, KV_HEADS, HEAD_DIM, fp8)
         kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * (1 if fp8 else 2)
