@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpu.test_quantized_linear import Tiny, random_blocks
+from pagedlm.batch_invariant import make_batch_invariant
 from pagedlm.model_executor.layers.linear import ColumnParallelLinear
 from pagedlm_cpu import platform as cpu_platform
 from pagedlm_cpu.linear import onednn_available
@@ -103,6 +104,21 @@ def test_install_wraps_every_int4_layer_within_the_budget():
     torch.testing.assert_close(
         model.up(small), F.linear(small, blocks["up"].dequantize()), rtol=2e-2, atol=2e-2
     )
+
+
+def test_batch_invariant_mode_gives_a_row_the_same_bits_at_every_row_count():
+    """Outside the mode a row's result depends on the rows sharing its call (bf16 rounding
+    in the int4 kernel below the threshold, none in the float32 copy): a request alone, or
+    after a prefix-cache hit, can part from its batched run at a near-tie. The mode's
+    fixed tiles send every row count to one kernel."""
+    model, _ = _tiny_quantized()
+    assert install_dense_copies(model, 16, budget_bytes=1 << 40) == 2
+    x = torch.randn(20, 64)
+    assert not torch.equal(model.up(x[:1]), model.up(x)[:1])
+    assert make_batch_invariant(model) == 2
+    for layer in (model.up, model.head):
+        alone = layer(x[:1])
+        assert torch.equal(alone, layer(x[:7])[:1]) and torch.equal(alone, layer(x)[:1])
 
 
 def test_an_int4_layer_keeps_its_codes_while_its_own_dense_path_is_reachable():

@@ -64,6 +64,10 @@ def server(smollm2_path, tmp_path_factory):
         "--enable-auto-tool-choice",
         "--reasoning-parser", "qwen3",
         "--trust-request-chat-template",
+        # Streamed and non-streamed replies to one request are compared token for token; the
+        # second hits the prefix cache, and only this mode keeps its logits those of the first
+        # (otherwise the enum's "celsius" and "fahrenheit", a near-tie, can swap).
+        "--batch-invariant",
     )  # fmt: skip
     print(f"pagedlm serve healthy after {time.monotonic() - started:.1f} s")
     yield server
