@@ -2,8 +2,9 @@
 
 ``build_metadata`` takes views of the step's layout, which the model runner already keeps
 on the device (slot mapping, query offsets, sequence lengths, block tables). ``forward``
-runs the decode kernel (split-K, GQA-grouped, writing the new K/V by slot itself) when
-every request schedules one token; the verification kernel (split-K over all of a
+runs the decode kernel (split-K, GQA-grouped, writing the new K/V by slot itself, and
+rotating the query and new keys itself: ``fuses_rotary``) when every request schedules
+one token; the verification kernel (split-K over all of a
 request's rows at once, writing the new K/V too) when none schedules more than
 ``verify_attention.MAX_QUERY_LEN`` tokens (speculative verification, short chunks); else
 it writes the new K/V by slot and runs the varlen prefill kernel (prompts, long chunks). Both kernels take a per-layer sliding window and logit soft-cap.
@@ -24,12 +25,16 @@ to stream. Slot ``s`` is still offset ``s % block_size`` of block ``s // block_s
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, replace
 
 import torch
 
-from pagedlm.attention.backend import AttentionBackend, BatchLayout
+from pagedlm.attention.backend import AttentionBackend, BatchLayout, FusedRotary
 from pagedlm.kv_cache.fp8 import is_fp8
+
+FUSED_ROTARY_ENV = "PAGEDLM_FUSED_ROTARY"
+"""``0``: decode steps rotate in the separate rotary kernel again (to measure the fusion)."""
 
 GRAPH_MAX_QUERY_LEN = 64
 """Query lengths a captured graph replays: at most one prefill-kernel row tile (BLOCK_M)."""
@@ -104,6 +109,16 @@ class TritonAttentionBackend(AttentionBackend):
             return query_len == 1  # chunk steps build per-token tables (copies)
         return 1 <= query_len <= GRAPH_MAX_QUERY_LEN
 
+    def fuses_rotary(self, metadata: TritonMetadata | None, head_dim: int) -> bool:
+        # Decode steps: the decode kernel rotates the query and the new key it writes,
+        # which saves the rotary kernel's launch in every layer (a recorded piece of a
+        # forward, metadata None, rotates in the piece instead).
+        if metadata is None or self.batch_invariant or not metadata.is_decode_only:
+            return False
+        if not _rotary_fusion_on():
+            return False
+        return head_dim >= 16 and not head_dim & (head_dim - 1)
+
     def forward(
         self,
         query: torch.Tensor,
@@ -118,6 +133,7 @@ class TritonAttentionBackend(AttentionBackend):
         logits_soft_cap: float | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        rotary: FusedRotary | None = None,
     ) -> torch.Tensor:
         from pagedlm_cuda.kernels import (
             paged_decode_attention,
@@ -150,8 +166,11 @@ class TritonAttentionBackend(AttentionBackend):
                 new_kv=(key, value, metadata.slot_mapping),
                 sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap,
+                rotary=rotary,
                 **scales,
             )
+        if rotary is not None:
+            raise ValueError("the Triton backend fuses a rotary into decode steps only.")
         if metadata.max_query_len <= MAX_QUERY_LEN:
             # The verification kernel writes the new K/V itself too.
             return paged_verify_attention(
@@ -232,6 +251,11 @@ def per_token_layout(layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
     context = layout.seq_lens[:num_reqs].long() - query_lens
     seq_lens = (context[request] + offset + 1).to(torch.int32)
     return seq_lens, layout.block_table[:num_reqs].index_select(0, request)
+
+
+@functools.cache
+def _rotary_fusion_on() -> bool:
+    return os.environ.get(FUSED_ROTARY_ENV, "1") != "0"
 
 
 @functools.cache

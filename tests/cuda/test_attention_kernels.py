@@ -186,6 +186,68 @@ def test_decode_attention_writes_the_new_kv(partition: int, window: int | None) 
                  q_scale=6, write_new=True)  # fmt: skip
 
 
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("partition", [16, 128])
+def test_decode_attention_fused_rotary(neox: bool, qk_norm: bool, partition: int) -> None:
+    """With ``rotary`` the kernel rotates (after normalizing) the query and the new key
+    itself: the cache gets exactly the key the separate rotary kernel makes, and the output
+    matches the rotary kernel followed by the plain decode kernel."""
+    from pagedlm.attention.backend import FusedRotary
+    from pagedlm_cuda.kernels import rotary_embedding
+
+    dtype, head_dim, num_kv_heads, group, seq_lens = SMALL_BF16, 64, 2, 4, [1, 17, 90]
+    key_cache, value_cache, table, tables = make_cache(
+        seq_lens, 16, num_kv_heads, head_dim, dtype, seed=7
+    )
+    new_kv, _ = take_new_kv(key_cache, value_cache, tables, seq_lens)
+    gen = torch.Generator().manual_seed(3)
+    query = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen)
+    query = query.to(dtype).to(DEVICE)
+    positions = torch.tensor([s - 1 for s in seq_lens], device=DEVICE) + 5
+    angles = torch.outer(torch.arange(128.0), 1.0 / 10000 ** (torch.arange(0, 64, 2) / 64))
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(DEVICE)
+    norms = None
+    if qk_norm:
+        weights = (1 + 0.3 * torch.randn(2, head_dim, generator=gen)).to(dtype).to(DEVICE)
+        norms = (weights[0], weights[1], 1e-6)
+    seq_tensor = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    key, value, slots = new_kv
+
+    # Unfused: the rotary kernel in place on copies, then the decode kernel.
+    q_ref, k_ref = query.clone(), key.clone()
+    rotary_embedding(
+        positions, q_ref.view(len(seq_lens), -1), k_ref.view(len(seq_lens), -1), cos_sin,
+        head_dim, neox, qk_norm=norms,
+    )  # fmt: skip
+    caches_ref = key_cache.clone(), value_cache.clone()
+    expected = paged_decode_attention(
+        q_ref, *caches_ref, table, seq_tensor, 0.125, 4096, None, partition,
+        new_kv=(k_ref, value, slots),
+    )  # fmt: skip
+    fused = paged_decode_attention(
+        query, key_cache, value_cache, table, seq_tensor, 0.125, 4096, None, partition,
+        new_kv=new_kv, rotary=FusedRotary(positions, cos_sin, neox, norms),
+    )  # fmt: skip
+    assert not torch.equal(query, q_ref)  # the query itself is left as it was
+    if not qk_norm:  # the norm's sum may take another order; the rotation is exact
+        assert torch.equal(key_cache, caches_ref[0])
+    assert torch.equal(value_cache, caches_ref[1])
+    assert rel_error(key_cache.float().nan_to_num(), caches_ref[0].float().nan_to_num()) < 1e-2
+    assert rel_error(fused, expected) < tolerance(dtype)
+
+
+def test_decode_attention_fused_rotary_needs_new_kv() -> None:
+    from pagedlm.attention.backend import FusedRotary
+
+    key_cache, value_cache, table, _ = make_cache([8], 16, 1, 64, torch.float32, seed=2)
+    query = torch.randn(1, 4, 64, device=DEVICE)
+    seq = torch.tensor([8], dtype=torch.int32, device=DEVICE)
+    rotary = FusedRotary(seq, torch.zeros(16, 64, device=DEVICE), True)
+    with pytest.raises(ValueError, match="needs new_kv"):
+        paged_decode_attention(query, key_cache, value_cache, table, seq, 0.1, 64, rotary=rotary)
+
+
 def test_decode_attention_new_kv_padding_rows_write_nothing() -> None:
     key_cache, value_cache, table, _ = make_cache([40], 16, 1, 64, torch.float32, seed=2)
     before = key_cache.clone(), value_cache.clone()

@@ -146,3 +146,50 @@ def test_capture_sizes_ladder() -> None:
     assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 512
     assert sizes == sorted(set(sizes))
     assert 264 not in sizes and 272 in sizes  # steps of 16 above 256
+
+
+@pytest.mark.parametrize("chunks", [[(1, 40), (1, 3), (1, 90)], [(6, 20), (1, 50)]])
+def test_attention_layer_hands_decode_steps_their_rotation(chunks) -> None:
+    """Decode steps: the layer hands the rotation to the Triton backend, whose decode
+    kernel rotates the query and new keys (the rotary kernel is not called); other steps
+    rotate first. Both match the CPU backend with the torch rotation."""
+    from pagedlm.model_executor.layers.rotary_embedding import PendingRotation, RotaryEmbedding
+    from pagedlm_cuda.fused_layers import _rotary_kernel
+
+    torch.manual_seed(1)
+    layout = make_layout(chunks, BLOCK_SIZE, NUM_BLOCKS)
+    layer = Attention(0, HEADS, KV_HEADS, HEAD_DIM, 0.125)
+    q = torch.randn(layout.num_tokens, HEADS * HEAD_DIM)
+    k = torch.randn(layout.num_tokens, KV_HEADS * HEAD_DIM)
+    v = torch.randn(layout.num_tokens, KV_HEADS * HEAD_DIM)
+    positions = torch.tensor([c - 1 + i for (n, c) in chunks for i in range(1, n + 1)])
+    cpu_cache = torch.randn(
+        CpuSdpaBackend.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    )
+    kernel_calls = []
+
+    def counted_kernel(*args, **kwargs):
+        kernel_calls.append(1)
+        return _rotary_kernel(*args, **kwargs)
+
+    outs, caches = [], []
+    for backend, cache, kernel in (
+        (CpuSdpaBackend(torch.device("cpu")), cpu_cache, None),
+        (TritonAttentionBackend(DEVICE), to_triton_layout(cpu_cache).to(DEVICE), counted_kernel),
+    ):
+        device = cache.device
+        rotary = RotaryEmbedding(HEAD_DIM, 256, 10000.0).to(device)
+        rotary.set_kernel(kernel)
+        kv = TensorKVCache(
+            tuple(cache.shape), 1, BLOCK_SIZE, cache.dtype, lambda s, d, c=cache: c.clone()
+        )
+        metadata = backend.build_metadata(on_device(layout, device))
+        ctx = ForwardContext(backend, metadata, kv)
+        rotation = PendingRotation(rotary, positions.to(device))
+        tensors = [t.clone().to(device) for t in (q, k, v)]
+        outs.append(layer(*tensors, ctx, rotation).cpu())
+        caches.append(kv.layer(0)[0].cpu())
+    decode_only = all(n == 1 for n, _ in chunks)
+    assert kernel_calls == ([] if decode_only else [1])
+    assert rel_error(outs[1], outs[0]) < 2e-3
+    assert rel_error(caches[1], to_triton_layout(caches[0])) < 1e-5

@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -109,6 +109,24 @@ AttentionMetadata = Any
 """Whatever a backend's ``build_metadata`` returns; only that backend reads it."""
 
 
+class FusedRotary(NamedTuple):
+    """A rotary embedding for the backend to apply inside its kernel, to the step's query
+    and new keys before it reads or stores them (``AttentionBackend.fuses_rotary``).
+
+    Token ``t`` is rotated by ``positions[t]``: pair ``i`` of a head (the head's halves,
+    ``(x[i], x[i + head_dim/2])``, with ``is_neox_style``; else ``(x[2i], x[2i + 1])``)
+    by the angle whose cos and sin are ``cos_sin_cache[positions[t], i]`` and
+    ``[..., head_dim/2 + i]``, computed in float32 and rounded to the query's dtype.
+    ``qk_norm`` = (q_weight [head_dim], k_weight [head_dim], eps): each head of q and k is
+    RMS-normalized first (Qwen3), its product with the norm and then with the weight
+    each rounded to the query's dtype, as the platform's separate rotary kernel does."""
+
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    is_neox_style: bool
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+
+
 class AttentionBackend(ABC):
     """Computes causal attention over the paged KV cache for one flattened batch.
 
@@ -193,6 +211,14 @@ class AttentionBackend(ABC):
         """Whether steps where every request has ``query_len`` tokens can be captured."""
         return False
 
+    def fuses_rotary(self, metadata: AttentionMetadata | None, head_dim: int) -> bool:
+        """Whether ``forward`` takes the step's rotary embedding (``rotary``, a
+        ``FusedRotary``) for a step with ``metadata`` (None: a step not known yet, such as
+        a recorded piece of a forward) and heads of ``head_dim``, applying it to the query
+        and the new keys in its own kernels. Default: no; the attention layer then
+        rotates them before calling ``forward``."""
+        return False
+
     def build_graph_metadata(self, layout: BatchLayout) -> AttentionMetadata:
         """Metadata for capturing ``layout``, whose tensors are static buffers that every
         replay refills: what it returns must read them at replay, never copies made now.
@@ -221,6 +247,7 @@ class AttentionBackend(ABC):
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
         causal: bool = True,
+        rotary: FusedRotary | None = None,
     ) -> torch.Tensor:
         """Attention for every scheduled token.
 
@@ -237,5 +264,7 @@ class AttentionBackend(ABC):
         and only to backends whose ``supports_*`` flag says so. ``k_scale``/``v_scale``:
         float32 [1] tensors, passed exactly when the caches are float8
         (``supports_fp8_kv_cache``): the new K/V are stored as ``saturate(k / k_scale)``
-        and cached ones read as ``stored * k_scale``.
+        and cached ones read as ``stored * k_scale``. ``rotary``: the query and keys are
+        not rotated yet; apply this ``FusedRotary`` first (only passed where
+        ``fuses_rotary`` said so for this step).
         """

@@ -102,7 +102,9 @@ def _measure(args: argparse.Namespace, prompts: list[list[int]], params: Any) ->
         stats = engine.engine_core.make_stats().spec_decoding
         if args.profile_steps:  # the first run's prompts: the acceptance proposer knows them
             batch = [[0] + p[1:] for p in prompts]
-            figures["profile"] = profile_steps(llm, batch, [params] * len(batch), args.profile_steps)
+            figures["profile"] = profile_steps(
+                llm, batch, [params] * len(batch), args.profile_steps
+            )
             print(figures["profile"], flush=True)
     finally:
         engine.shutdown()

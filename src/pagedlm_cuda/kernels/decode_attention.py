@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedlm.attention.backend import FusedRotary
 from pagedlm.kv_cache.fp8 import is_fp8
 from pagedlm_cuda.kernels import pdl
 from pagedlm_cuda.kernels.decode_config import DecodeConfig, decode_config
@@ -152,6 +153,29 @@ def _attend_tile(
     return m_new, denom, acc
 
 
+@triton.jit
+def _rotate(
+    x, rows, mask, partner, cos, signed_sin, norm_ptr, norm_eps, dims, head_dim,
+    QK_NORM: tl.constexpr,
+):  # fmt: skip
+    """``x`` ([R, D], loaded at ``rows + dims``) rotated by its position (``cos`` and
+    ``signed_sin`` per dim, the sine negated where the dim is its pair's first), after
+    RMS-normalizing each row with ``norm_ptr``'s weights under ``QK_NORM``; rounded to
+    ``x``'s dtype as the separate rotary kernel rounds (``kernels/rotary.py``)."""
+    other = tl.load(rows + partner[None, :], mask=mask, other=0.0)
+    x32 = x.to(tl.float32)
+    other32 = other.to(tl.float32)
+    if QK_NORM:
+        rstd = tl.rsqrt(tl.sum(x32 * x32, axis=1) / head_dim + norm_eps)[:, None]
+        weight = tl.load(norm_ptr + dims).to(tl.float32)
+        other_weight = tl.load(norm_ptr + partner).to(tl.float32)
+        x32 = ((x32 * rstd).to(x.dtype).to(tl.float32) * weight[None, :]).to(x.dtype)
+        other32 = ((other32 * rstd).to(x.dtype).to(tl.float32) * other_weight[None, :]).to(x.dtype)
+        x32 = x32.to(tl.float32)
+        other32 = other32.to(tl.float32)
+    return (x32 * cos[None, :] + other32 * signed_sin[None, :]).to(x.dtype)
+
+
 # Per-step sizes are not specialized on (Triton would compile a variant for each value's
 # divisibility by 16), so an eager step never compiles mid-run.
 @triton.jit(do_not_specialize=["block_table_stride", "max_partitions"])
@@ -159,16 +183,18 @@ def _decode_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
     new_key_ptr, new_value_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
+    positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr,
     q_stride_token, q_stride_head, out_stride_token, out_stride_head,
     new_key_stride_token, new_key_stride_head, new_value_stride_token, new_value_stride_head,
     cache_stride_block, cache_stride_head, cache_stride_slot, block_table_stride,
     max_partitions, num_heads, num_kv_heads, score_scale, cap_log2e, window, group_size,
-    head_dim,
+    head_dim, cos_sin_stride, norm_eps,
     BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_G: tl.constexpr,
     MERGE_P: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, DIRECT: tl.constexpr,
     WRITE_NEW: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-    FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, USE_PDL: tl.constexpr,
+    FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, ROTARY: tl.constexpr,
+    IS_NEOX: tl.constexpr, QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.allow_next(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
@@ -213,17 +239,34 @@ def _decode_kernel(
     stager = 1.0
     if FP8:
         stager = fp8_value_stager(v_scale, compute_dtype)
+    if ROTARY:  # positions come from a host copy, and the table never changes
+        HALF: tl.constexpr = BLOCK_D // 2
+        if IS_NEOX:  # pairs (i, i + HALF)
+            partner = dims ^ HALF
+            pair = dims % HALF
+            first = dims < HALF
+        else:  # pairs (2i, 2i + 1)
+            partner = dims ^ 1
+            pair = dims // 2
+            first = dims % 2 == 0
+        angle = cos_sin_ptr + tl.load(positions_ptr + seq).to(tl.int64) * cos_sin_stride
+        cos = tl.load(angle + pair).to(tl.float32)
+        sin = tl.load(angle + HALF + pair).to(tl.float32)
+        signed_sin = tl.where(first, -sin, sin)
     pdl.wait_for_previous(USE_PDL)
 
     owns_last = (start <= last) & (last < end)
     if WRITE_NEW:
         # Only the partition holding the new token's position writes it (no other reads it).
         slot = tl.load(slot_mapping_ptr + seq, mask=owns_last, other=-1).to(tl.int64)
-        new_k = tl.load(
-            new_key_ptr + seq * new_key_stride_token + kv_head * new_key_stride_head + dims,
-            mask=dim_mask & owns_last,
-            other=0.0,
-        )
+        new_k_row = new_key_ptr + seq * new_key_stride_token + kv_head * new_key_stride_head
+        new_k = tl.load(new_k_row + dims, mask=dim_mask & owns_last, other=0.0)
+        if ROTARY:
+            new_k = _rotate(
+                new_k[None, :], new_k_row, owns_last, partner, cos, signed_sin, k_norm_ptr,
+                norm_eps, dims, head_dim, QK_NORM,
+            )  # fmt: skip
+            new_k = tl.reshape(new_k, (BLOCK_D,))
         new_k = fp8_store_value(new_k, k_scale, key_cache_ptr.dtype.element_ty, FP8)
         new_v = tl.load(
             new_value_ptr + seq * new_value_stride_token + kv_head * new_value_stride_head + dims,
@@ -240,11 +283,14 @@ def _decode_kernel(
         tl.store(key_cache_ptr + slot_row + dims, new_k, mask=write_mask)
         tl.store(value_cache_ptr + slot_row + dims, new_v, mask=write_mask)
 
-    q = tl.load(
-        q_ptr + seq * q_stride_token + heads[:, None] * q_stride_head + dims[None, :],
-        mask=head_mask[:, None] & dim_mask[None, :],
-        other=0.0,
-    )
+    q_rows = q_ptr + seq * q_stride_token + heads[:, None] * q_stride_head
+    q_mask = head_mask[:, None] & dim_mask[None, :]
+    q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)
+    if ROTARY:
+        q = _rotate(
+            q, q_rows, q_mask, partner, cos, signed_sin, q_norm_ptr, norm_eps, dims, head_dim,
+            QK_NORM,
+        )  # fmt: skip
     if FP8:
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(compute_dtype)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -355,6 +401,7 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    rotary: FusedRotary | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's one new token over its cached keys (positions
     ``0 .. seq_lens[i]-1``).
@@ -373,6 +420,10 @@ def paged_decode_attention(
     ``partition_size`` must be a multiple of ``block_n``. ``config`` None: the batch
     bucket's; given, every launch uses it whatever the batch (batch-invariant mode). A
     float8 cache needs ``k_scale``/``v_scale`` (float32 [1]).
+    ``rotary``: the query and ``new_kv``'s keys are not rotated yet; each program rotates
+    (and with ``qk_norm`` first normalizes) its query heads, and the program that writes
+    the new key rotates it before storing it (``FusedRotary``; ``positions`` one per
+    sequence). Needs ``new_kv`` and a power-of-two ``head_dim`` of at least 16.
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
@@ -400,6 +451,15 @@ def paged_decode_attention(
     else:
         new_key = new_value = query  # unused
         slot_mapping = seq_lens
+    if rotary is not None and (new_kv is None or head_dim & (head_dim - 1) or head_dim < 16):
+        raise ValueError(
+            "a fused rotary needs new_kv (the keys it rotates) and a power-of-two head_dim "
+            f">= 16; got head_dim={head_dim}, new_kv={'set' if new_kv else None}."
+        )
+    positions, cos_sin, norms = seq_lens, seq_lens, None  # unused unless rotary
+    if rotary is not None:
+        positions, cos_sin, norms = rotary.positions, rotary.cos_sin_cache, rotary.qk_norm
+    q_norm, k_norm, norm_eps = norms if norms is not None else (seq_lens, seq_lens, 0.0)
     max_partitions = max(1, triton.cdiv(max_seq_len, partition))
     direct = max_partitions == 1
     counters = seq_lens  # unused unless the kernel merges its own partitions
@@ -427,19 +487,20 @@ def paged_decode_attention(
         query, key_cache, value_cache, block_tables, seq_lens,
         new_key, new_value, slot_mapping,
         k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,
-        out, partial_out, partial_lse, counters,
+        out, partial_out, partial_lse, counters, positions, cos_sin, q_norm, k_norm,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         new_key.stride(0), new_key.stride(1), new_value.stride(0), new_value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         max_partitions, num_heads, num_kv_heads, score_scale, cap_log2e, window, group_size,
-        head_dim,
+        head_dim, cos_sin.stride(0), norm_eps,
         BLOCK_SIZE=block_size, PARTITION=partition, BLOCK_N=block_n,
         BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_D=block_d,
         MERGE_G=merge_g, MERGE_P=merge_p, MERGE_IN_KERNEL=config.merge_in_kernel,
         DIRECT=direct, WRITE_NEW=new_kv is not None,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logits_soft_cap is not None,
         FP8=fp8, COMPUTE_DTYPE=tl.float16 if fp8 else _TL_DTYPES[query.dtype],
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(),
+        ROTARY=rotary is not None, IS_NEOX=rotary is None or rotary.is_neox_style,
+        QK_NORM=norms is not None, num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(),
     )  # fmt: skip
     if not direct and not config.merge_in_kernel:
         _decode_merge_kernel[(num_seqs, num_kv_heads)](

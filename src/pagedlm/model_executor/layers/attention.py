@@ -5,15 +5,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedlm.attention.backend import FusedRotary
 from pagedlm.kv_cache import fp8
 from pagedlm.model_executor.forward_context import ForwardContext
+from pagedlm.model_executor.layers.rotary_embedding import PendingRotation
 
 
 class Attention(nn.Module):
     """Attention of one layer over the paged KV cache (causal unless ``causal=False``).
 
-    forward(q [T, num_heads * head_dim], k, v [T, num_kv_heads * head_dim], ctx)
+    forward(q [T, num_heads * head_dim], k, v [T, num_kv_heads * head_dim], ctx, rotation)
     -> [T, num_heads * head_dim]. Holds no weights; ``layer_idx`` picks this layer's cache.
+    ``rotation``: q and k still need their rotary embedding; the backend applies it inside
+    its kernel where it can (``AttentionBackend.fuses_rotary``), else this layer first.
     ``sliding_window`` (keys within the last ``w`` positions only) and ``logits_soft_cap``
     (scores squashed to ``c * tanh(s / c)``) are per layer; None means off.
 
@@ -64,13 +68,24 @@ class Attention(nn.Module):
             self._extra_kwargs["causal"] = False
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: ForwardContext,
+        rotation: PendingRotation | None = None,
     ) -> torch.Tensor:
         num_tokens = q.shape[0]
         key_cache, value_cache = ctx.kv_cache.layer(self.layer_idx)
         if self._extra_kwargs:
             self._check_backend(ctx)
         extra = self._extra_kwargs
+        if rotation is not None:
+            fused = self._fused_rotary(rotation, ctx)
+            if fused is None:
+                q, k = rotation.apply(q, k)
+            else:
+                extra = {**extra, "rotary": fused}
         if fp8.is_fp8(key_cache.dtype):
             extra = {**extra, **self._fp8_kwargs(k, v, ctx)}
         out = ctx.attn_backend.forward(
@@ -84,6 +99,16 @@ class Attention(nn.Module):
             **extra,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def _fused_rotary(self, rotation: PendingRotation, ctx: ForwardContext) -> FusedRotary | None:
+        """The rotation for the backend to apply in its kernel, or None (the layer does it):
+        the backend declines this step, or the layer measures FP8 scales from the keys
+        (which must be rotated first)."""
+        if self.calculate_kv_scales or rotation.rotary.head_dim != self.head_dim:
+            return None
+        if not ctx.attn_backend.fuses_rotary(ctx.attn_metadata, self.head_dim):
+            return None
+        return rotation.fused()
 
     def _fp8_kwargs(
         self, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext

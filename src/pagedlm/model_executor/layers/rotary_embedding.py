@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
+from pagedlm.attention.backend import FusedRotary
 from pagedlm.model_executor.layers.layernorm import RMSNorm
 
 
@@ -143,3 +144,34 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}"
+
+
+class PendingRotation(NamedTuple):
+    """A rotation of a layer's q and k that the attention layer either does (``apply``)
+    or hands to an attention backend that does it inside its kernel (``fused``), which
+    saves a kernel launch per layer."""
+
+    rotary: RotaryEmbedding
+    positions: torch.Tensor
+    qk_norm: tuple[RMSNorm, RMSNorm] | None = None
+
+    def apply(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary(self.positions, query, key, self.qk_norm)
+
+    def fused(self) -> FusedRotary | None:
+        """The rotation as a backend kernel's arguments, or None where only ``apply``
+        computes it as the model asks: a subclass (M-RoPE, tables, partial rotation),
+        per-section positions, norms that are not plain RMSNorms, or no platform kernel
+        (the torch code rounds cos and sin to the query's dtype; kernels keep float32)."""
+        rotary = self.rotary
+        if type(rotary) is not RotaryEmbedding or rotary.kernel is None:
+            return None
+        if self.positions.dim() != 1:
+            return None
+        norms = None
+        if self.qk_norm is not None:
+            if not _fusable_norms(self.qk_norm):
+                return None
+            q_norm, k_norm = self.qk_norm
+            norms = (q_norm.weight, k_norm.weight, q_norm.eps)
+        return FusedRotary(self.positions, rotary.cos_sin_cache, rotary.is_neox_style, norms)

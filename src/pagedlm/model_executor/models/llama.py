@@ -32,7 +32,7 @@ from pagedlm.model_executor.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from pagedlm.model_executor.layers.rotary_embedding import PendingRotation, RotaryEmbedding
 from pagedlm.model_executor.layers.rotary_scaled import get_rope_for_arch
 from pagedlm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 from pagedlm.model_executor.loader.weight_utils import get_weight_loader
@@ -121,8 +121,8 @@ class LlamaAttention(nn.Module):
         qk_norm = None
         if self.q_norm is not None and self.k_norm is not None:
             qk_norm = (self.q_norm, self.k_norm)  # per head, before the rotation
-        q, k = self.rotary_emb(positions, q, k, qk_norm)
-        return self.o_proj(self.attn(q, k, v, ctx))
+        rotation = PendingRotation(self.rotary_emb, positions, qk_norm)
+        return self.o_proj(self.attn(q, k, v, ctx, rotation))
 
 
 class LlamaDecoderLayer(nn.Module):
