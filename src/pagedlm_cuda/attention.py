@@ -2,12 +2,13 @@
 
 ``build_metadata`` takes views of the step's layout, which the model runner already keeps
 on the device (slot mapping, query offsets, sequence lengths, block tables). ``forward``
-runs the decode kernel (split-K, GQA-grouped, writing the new K/V by slot itself, and
-rotating the query and new keys itself: ``fuses_rotary``) when every request schedules
-one token; the verification kernel (split-K over all of a
+runs the decode kernel (split-K, GQA-grouped, writing the new K/V by slot itself) when
+every request schedules one token; the verification kernel (split-K over all of a
 request's rows at once, writing the new K/V too) when none schedules more than
 ``verify_attention.MAX_QUERY_LEN`` tokens (speculative verification, short chunks); else
-it writes the new K/V by slot and runs the varlen prefill kernel (prompts, long chunks). Both kernels take a per-layer sliding window and logit soft-cap.
+it writes the new K/V by slot and runs the varlen prefill kernel (prompts, long chunks).
+The decode and verification kernels also rotate the query and new keys themselves
+(``fuses_rotary``: one rotary launch per layer fewer). Both kernels take a per-layer sliding window and logit soft-cap.
 
 FP8 cache: the kernels quantize on write and dequantize tiles in registers, with the
 layer's per-tensor ``k_scale``/``v_scale`` read from device memory (a graph replays them
@@ -110,10 +111,12 @@ class TritonAttentionBackend(AttentionBackend):
         return 1 <= query_len <= GRAPH_MAX_QUERY_LEN
 
     def fuses_rotary(self, metadata: TritonMetadata | None, head_dim: int) -> bool:
-        # Decode steps: the decode kernel rotates the query and the new key it writes,
-        # which saves the rotary kernel's launch in every layer (a recorded piece of a
-        # forward, metadata None, rotates in the piece instead).
-        if metadata is None or self.batch_invariant or not metadata.is_decode_only:
+        # Decode and verification steps: their kernels rotate the query and the new keys
+        # they write, which saves the rotary kernel's launch in every layer (a recorded
+        # piece of a forward, metadata None, rotates in the piece instead).
+        from pagedlm_cuda.kernels.verify_attention import MAX_QUERY_LEN
+
+        if metadata is None or self.batch_invariant or metadata.max_query_len > MAX_QUERY_LEN:
             return False
         if not _rotary_fusion_on():
             return False
@@ -169,8 +172,6 @@ class TritonAttentionBackend(AttentionBackend):
                 rotary=rotary,
                 **scales,
             )
-        if rotary is not None:
-            raise ValueError("the Triton backend fuses a rotary into decode steps only.")
         if metadata.max_query_len <= MAX_QUERY_LEN:
             # The verification kernel writes the new K/V itself too.
             return paged_verify_attention(
@@ -187,8 +188,11 @@ class TritonAttentionBackend(AttentionBackend):
                 new_kv=(key, value, metadata.slot_mapping),
                 sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap,
+                rotary=rotary,
                 **scales,
             )
+        if rotary is not None:
+            raise ValueError("the Triton backend fuses a rotary into steps of <= 8 tokens only.")
         write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping, **scales)
         return paged_prefill_attention(
             query,

@@ -148,13 +148,20 @@ def test_capture_sizes_ladder() -> None:
     assert 264 not in sizes and 272 in sizes  # steps of 16 above 256
 
 
-@pytest.mark.parametrize("chunks", [[(1, 40), (1, 3), (1, 90)], [(6, 20), (1, 50)]])
-def test_attention_layer_hands_decode_steps_their_rotation(chunks) -> None:
-    """Decode steps: the layer hands the rotation to the Triton backend, whose decode
-    kernel rotates the query and new keys (the rotary kernel is not called); other steps
-    rotate first. Both match the CPU backend with the torch rotation."""
+@pytest.mark.parametrize(
+    "chunks",
+    [[(1, 40), (1, 3), (1, 90)], [(6, 20), (1, 50), (5, 0)], [(12, 20), (1, 50)]],
+    ids=["decode", "verification", "prefill"],
+)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_attention_layer_hands_short_steps_their_rotation(chunks, qk_norm: bool) -> None:
+    """Steps of at most 8 tokens per request: the layer hands the rotation to the Triton
+    backend, whose decode and verification kernels rotate (and first normalize) the query
+    and new keys themselves (the rotary kernel is not called); longer steps rotate first.
+    All match the CPU backend with the torch norms and rotation."""
+    from pagedlm.model_executor.layers.layernorm import RMSNorm
     from pagedlm.model_executor.layers.rotary_embedding import PendingRotation, RotaryEmbedding
-    from pagedlm_cuda.fused_layers import _rotary_kernel
+    from pagedlm_cuda.fused_layers import _rms_norm_kernel, _rotary_kernel
 
     torch.manual_seed(1)
     layout = make_layout(chunks, BLOCK_SIZE, NUM_BLOCKS)
@@ -185,11 +192,19 @@ def test_attention_layer_hands_decode_steps_their_rotation(chunks) -> None:
         )
         metadata = backend.build_metadata(on_device(layout, device))
         ctx = ForwardContext(backend, metadata, kv)
-        rotation = PendingRotation(rotary, positions.to(device))
+        norms = None
+        if qk_norm:
+            norms = (RMSNorm(HEAD_DIM, 1e-6).to(device), RMSNorm(HEAD_DIM, 1e-6).to(device))
+            for norm, seed in zip(norms, (5, 6)):
+                weight = torch.randn(HEAD_DIM, generator=torch.Generator().manual_seed(seed))
+                norm.weight.data.copy_(1 + 0.3 * weight)
+                if kernel is not None:
+                    norm.set_kernel(_rms_norm_kernel)
+        rotation = PendingRotation(rotary, positions.to(device), norms)
         tensors = [t.clone().to(device) for t in (q, k, v)]
         outs.append(layer(*tensors, ctx, rotation).cpu())
         caches.append(kv.layer(0)[0].cpu())
-    decode_only = all(n == 1 for n, _ in chunks)
-    assert kernel_calls == ([] if decode_only else [1])
+    short = all(n <= 8 for n, _ in chunks)
+    assert kernel_calls == ([] if short else [1])
     assert rel_error(outs[1], outs[0]) < 2e-3
     assert rel_error(caches[1], to_triton_layout(caches[0])) < 1e-5

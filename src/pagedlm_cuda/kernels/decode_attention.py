@@ -60,6 +60,7 @@ from pagedlm_cuda.kernels.kv_tile import (
     fp8_value_stager,
     load_kv_tile,
 )
+from pagedlm_cuda.kernels.rotary import fused_angles, fused_rotary_args, rotate_loaded
 from pagedlm_cuda.kernels.score_mod import scaled_scores, score_args
 
 MERGE_TILE = 16384
@@ -153,29 +154,6 @@ def _attend_tile(
     return m_new, denom, acc
 
 
-@triton.jit
-def _rotate(
-    x, rows, mask, partner, cos, signed_sin, norm_ptr, norm_eps, dims, head_dim,
-    QK_NORM: tl.constexpr,
-):  # fmt: skip
-    """``x`` ([R, D], loaded at ``rows + dims``) rotated by its position (``cos`` and
-    ``signed_sin`` per dim, the sine negated where the dim is its pair's first), after
-    RMS-normalizing each row with ``norm_ptr``'s weights under ``QK_NORM``; rounded to
-    ``x``'s dtype as the separate rotary kernel rounds (``kernels/rotary.py``)."""
-    other = tl.load(rows + partner[None, :], mask=mask, other=0.0)
-    x32 = x.to(tl.float32)
-    other32 = other.to(tl.float32)
-    if QK_NORM:
-        rstd = tl.rsqrt(tl.sum(x32 * x32, axis=1) / head_dim + norm_eps)[:, None]
-        weight = tl.load(norm_ptr + dims).to(tl.float32)
-        other_weight = tl.load(norm_ptr + partner).to(tl.float32)
-        x32 = ((x32 * rstd).to(x.dtype).to(tl.float32) * weight[None, :]).to(x.dtype)
-        other32 = ((other32 * rstd).to(x.dtype).to(tl.float32) * other_weight[None, :]).to(x.dtype)
-        x32 = x32.to(tl.float32)
-        other32 = other32.to(tl.float32)
-    return (x32 * cos[None, :] + other32 * signed_sin[None, :]).to(x.dtype)
-
-
 # Per-step sizes are not specialized on (Triton would compile a variant for each value's
 # divisibility by 16), so an eager step never compiles mid-run.
 @triton.jit(do_not_specialize=["block_table_stride", "max_partitions"])
@@ -240,19 +218,10 @@ def _decode_kernel(
     if FP8:
         stager = fp8_value_stager(v_scale, compute_dtype)
     if ROTARY:  # positions come from a host copy, and the table never changes
-        HALF: tl.constexpr = BLOCK_D // 2
-        if IS_NEOX:  # pairs (i, i + HALF)
-            partner = dims ^ HALF
-            pair = dims % HALF
-            first = dims < HALF
-        else:  # pairs (2i, 2i + 1)
-            partner = dims ^ 1
-            pair = dims // 2
-            first = dims % 2 == 0
-        angle = cos_sin_ptr + tl.load(positions_ptr + seq).to(tl.int64) * cos_sin_stride
-        cos = tl.load(angle + pair).to(tl.float32)
-        sin = tl.load(angle + HALF + pair).to(tl.float32)
-        signed_sin = tl.where(first, -sin, sin)
+        position = tl.load(positions_ptr + seq + tl.zeros([1], tl.int64)).to(tl.int64)
+        partner, cos, signed_sin = fused_angles(
+            cos_sin_ptr, position, cos_sin_stride, dims, BLOCK_D // 2, IS_NEOX
+        )  # fmt: skip
     pdl.wait_for_previous(USE_PDL)
 
     owns_last = (start <= last) & (last < end)
@@ -262,7 +231,7 @@ def _decode_kernel(
         new_k_row = new_key_ptr + seq * new_key_stride_token + kv_head * new_key_stride_head
         new_k = tl.load(new_k_row + dims, mask=dim_mask & owns_last, other=0.0)
         if ROTARY:
-            new_k = _rotate(
+            new_k = rotate_loaded(
                 new_k[None, :], new_k_row, owns_last, partner, cos, signed_sin, k_norm_ptr,
                 norm_eps, dims, head_dim, QK_NORM,
             )  # fmt: skip
@@ -287,7 +256,7 @@ def _decode_kernel(
     q_mask = head_mask[:, None] & dim_mask[None, :]
     q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)
     if ROTARY:
-        q = _rotate(
+        q = rotate_loaded(
             q, q_rows, q_mask, partner, cos, signed_sin, q_norm_ptr, norm_eps, dims, head_dim,
             QK_NORM,
         )  # fmt: skip
@@ -451,15 +420,8 @@ def paged_decode_attention(
     else:
         new_key = new_value = query  # unused
         slot_mapping = seq_lens
-    if rotary is not None and (new_kv is None or head_dim & (head_dim - 1) or head_dim < 16):
-        raise ValueError(
-            "a fused rotary needs new_kv (the keys it rotates) and a power-of-two head_dim "
-            f">= 16; got head_dim={head_dim}, new_kv={'set' if new_kv else None}."
-        )
-    positions, cos_sin, norms = seq_lens, seq_lens, None  # unused unless rotary
-    if rotary is not None:
-        positions, cos_sin, norms = rotary.positions, rotary.cos_sin_cache, rotary.qk_norm
-    q_norm, k_norm, norm_eps = norms if norms is not None else (seq_lens, seq_lens, 0.0)
+    rotary_args, rotary_flags = fused_rotary_args(rotary, head_dim, new_kv is not None, seq_lens)
+    positions, cos_sin, q_norm, k_norm, cos_sin_stride, norm_eps = rotary_args
     max_partitions = max(1, triton.cdiv(max_seq_len, partition))
     direct = max_partitions == 1
     counters = seq_lens  # unused unless the kernel merges its own partitions
@@ -492,15 +454,14 @@ def paged_decode_attention(
         new_key.stride(0), new_key.stride(1), new_value.stride(0), new_value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         max_partitions, num_heads, num_kv_heads, score_scale, cap_log2e, window, group_size,
-        head_dim, cos_sin.stride(0), norm_eps,
+        head_dim, cos_sin_stride, norm_eps,
         BLOCK_SIZE=block_size, PARTITION=partition, BLOCK_N=block_n,
         BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_D=block_d,
         MERGE_G=merge_g, MERGE_P=merge_p, MERGE_IN_KERNEL=config.merge_in_kernel,
         DIRECT=direct, WRITE_NEW=new_kv is not None,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logits_soft_cap is not None,
         FP8=fp8, COMPUTE_DTYPE=tl.float16 if fp8 else _TL_DTYPES[query.dtype],
-        ROTARY=rotary is not None, IS_NEOX=rotary is None or rotary.is_neox_style,
-        QK_NORM=norms is not None, num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(),
+        num_warps=config.num_warps, **rotary_flags, num_stages=config.num_stages, **pdl.launch_options(),
     )  # fmt: skip
     if not direct and not config.merge_in_kernel:
         _decode_merge_kernel[(num_seqs, num_kv_heads)](

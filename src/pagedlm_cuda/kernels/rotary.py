@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedlm.attention.backend import FusedRotary
 from pagedlm_cuda.kernels import pdl
 
 
@@ -45,6 +46,73 @@ def _rotate_heads(
         s32 = s32.to(tl.float32)
     tl.store(base + first_offsets, (f32 * cos - s32 * sin).to(first.dtype), mask=mask)
     tl.store(base + second_offsets, (s32 * cos + f32 * sin).to(first.dtype), mask=mask)
+
+
+def fused_rotary_args(
+    rotary: FusedRotary | None, head_dim: int, has_new_kv: bool, unused: torch.Tensor
+) -> tuple[tuple, dict]:
+    """An attention kernel's rotary arguments: (positions, cos_sin, q_norm, k_norm
+    pointers; cos_sin stride, norm eps) and the constexprs ``ROTARY``, ``IS_NEOX``,
+    ``QK_NORM``; ``unused`` stands in for the pointers without ``rotary``. A fused
+    rotation needs the step's new keys (it rotates them before storing them) and a
+    power-of-two head_dim of at least 16 (one tile holds both halves of a head)."""
+    if rotary is None:
+        flags = dict(ROTARY=False, IS_NEOX=True, QK_NORM=False)
+        return (unused, unused, unused, unused, 1, 0.0), flags
+    if not has_new_kv or head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(
+            "a fused rotary needs new_kv (the keys it rotates) and a power-of-two head_dim "
+            f">= 16; got head_dim={head_dim}, new_kv={'set' if has_new_kv else None}."
+        )
+    q_norm, k_norm, eps = rotary.qk_norm or (unused, unused, 0.0)
+    cos_sin = rotary.cos_sin_cache
+    flags = dict(ROTARY=True, IS_NEOX=rotary.is_neox_style, QK_NORM=rotary.qk_norm is not None)
+    return (rotary.positions, cos_sin, q_norm, k_norm, cos_sin.stride(0), eps), flags
+
+
+@triton.jit
+def fused_angles(
+    cos_sin_ptr, positions, cos_sin_stride, dims, HALF: tl.constexpr, IS_NEOX: tl.constexpr
+):  # fmt: skip
+    """For attention kernels that rotate what they load (``FusedRotary``): each dim's
+    pair partner ([D]) and, at ``positions`` (int64, any shape ``S``), the cos and the
+    signed sin of its pair's angle ([*S, D], float32; the sine negated where the dim is
+    its pair's first, so ``x * cos + partner * signed_sin`` is the rotation)."""
+    if IS_NEOX:  # pairs (i, i + HALF)
+        partner = dims ^ HALF
+        pair = dims % HALF
+        first = dims < HALF
+    else:  # pairs (2i, 2i + 1)
+        partner = dims ^ 1
+        pair = dims // 2
+        first = dims % 2 == 0
+    rows = cos_sin_ptr + tl.expand_dims(positions * cos_sin_stride, -1)
+    cos = tl.load(rows + pair).to(tl.float32)
+    sin = tl.load(rows + HALF + pair).to(tl.float32)
+    return partner, cos, tl.where(first, -sin, sin)
+
+
+@triton.jit
+def rotate_loaded(
+    x, rows, mask, partner, cos, signed_sin, norm_ptr, norm_eps, dims, head_dim,
+    QK_NORM: tl.constexpr,
+):  # fmt: skip
+    """``x`` ([R, D], loaded at ``rows + dims``, ``rows`` [R, 1] or a scalar) rotated:
+    its partners are loaded at ``rows + partner``; ``cos`` and ``signed_sin`` broadcast
+    to [R, D] (``fused_angles``). Under ``QK_NORM`` each row is first RMS-normalized with
+    ``norm_ptr``'s weights. Rounded to ``x``'s dtype where ``_rotate_heads`` rounds, so
+    the result is the separate kernel's up to the order of the norm's sum."""
+    other = tl.load(rows + partner[None, :], mask=mask, other=0.0)
+    x32 = x.to(tl.float32)
+    other32 = other.to(tl.float32)
+    if QK_NORM:
+        rstd = tl.rsqrt(tl.sum(x32 * x32, axis=1) / head_dim + norm_eps)[:, None]
+        weight = tl.load(norm_ptr + dims).to(tl.float32)[None, :]
+        other_weight = tl.load(norm_ptr + partner).to(tl.float32)[None, :]
+        x32 = ((x32 * rstd).to(x.dtype).to(tl.float32) * weight).to(x.dtype).to(tl.float32)
+        other32 = (other32 * rstd).to(x.dtype).to(tl.float32) * other_weight
+        other32 = other32.to(x.dtype).to(tl.float32)
+    return (x32 * cos + other32 * signed_sin).to(x.dtype)
 
 
 @triton.jit

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedlm.attention.backend import FusedRotary
 from pagedlm.kv_cache.fp8 import is_fp8
 from pagedlm_cuda.kernels import pdl
 from pagedlm_cuda.kernels.decode_attention import (
@@ -51,6 +52,7 @@ from pagedlm_cuda.kernels.kv_tile import (
     fp8_value_stager,
     load_kv_tile,
 )
+from pagedlm_cuda.kernels.rotary import fused_angles, fused_rotary_args, rotate_loaded
 from pagedlm_cuda.kernels.score_mod import scaled_scores, score_args
 
 MAX_QUERY_LEN = 8
@@ -119,16 +121,18 @@ def _verify_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, new_key_ptr, new_value_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
+    positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr,
     q_stride_token, q_stride_head, out_stride_token, out_stride_head,
     new_key_stride_token, new_key_stride_head, new_value_stride_token, new_value_stride_head,
     cache_stride_block, cache_stride_head, cache_stride_slot, block_table_stride,
     max_partitions, num_heads, num_kv_heads, score_scale, cap_log2e, window, group_size,
-    head_dim,
+    head_dim, cos_sin_stride, norm_eps,
     BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MAX_Q: tl.constexpr, BLOCK_Q: tl.constexpr,
     MERGE_G: tl.constexpr, MERGE_P: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
     DIRECT: tl.constexpr, WRITE_NEW: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-    FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, USE_PDL: tl.constexpr,
+    FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, ROTARY: tl.constexpr,
+    IS_NEOX: tl.constexpr, QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.allow_next(USE_PDL)
     req = tl.program_id(0).to(tl.int64)
@@ -177,14 +181,19 @@ def _verify_kernel(
         new_tokens = q_start + new
         slot = tl.load(slot_mapping_ptr + new_tokens, mask=owned, other=-1).to(tl.int64)
         new_mask = owned[:, None] & dim_mask[None, :]
-        new_k = tl.load(
-            new_key_ptr
-            + new_tokens[:, None] * new_key_stride_token
-            + kv_head * new_key_stride_head
-            + dims[None, :],
-            mask=new_mask,
-            other=0.0,
+        new_k_rows = (
+            new_key_ptr + new_tokens[:, None] * new_key_stride_token + kv_head * new_key_stride_head
         )
+        new_k = tl.load(new_k_rows + dims[None, :], mask=new_mask, other=0.0)
+        if ROTARY:
+            new_positions = tl.load(positions_ptr + new_tokens, mask=owned, other=0).to(tl.int64)
+            partner, cos, signed_sin = fused_angles(
+                cos_sin_ptr, new_positions, cos_sin_stride, dims, BLOCK_D // 2, IS_NEOX
+            )  # fmt: skip
+            new_k = rotate_loaded(
+                new_k, new_k_rows, new_mask, partner, cos, signed_sin, k_norm_ptr, norm_eps,
+                dims, head_dim, QK_NORM,
+            )  # fmt: skip
         new_v = tl.load(new_value_ptr + new_tokens[:, None] * new_value_stride_token
                         + kv_head * new_value_stride_head + dims[None, :], mask=new_mask,
                         other=0.0)  # fmt: skip
@@ -202,8 +211,17 @@ def _verify_kernel(
                  fp8_store_value(new_v, v_scale, value_cache_ptr.dtype.element_ty, FP8),
                  mask=write_mask)  # fmt: skip
         tl.debug_barrier()
-    q = tl.load(q_ptr + tokens[:, None] * q_stride_token + heads[:, None] * q_stride_head
-                + dims[None, :], mask=mask, other=0.0)  # fmt: skip
+    q_rows = q_ptr + tokens[:, None] * q_stride_token + heads[:, None] * q_stride_head
+    q = tl.load(q_rows + dims[None, :], mask=mask, other=0.0)
+    if ROTARY:
+        q_positions = tl.load(positions_ptr + tokens, mask=row_mask, other=0).to(tl.int64)
+        partner, cos, signed_sin = fused_angles(
+            cos_sin_ptr, q_positions, cos_sin_stride, dims, BLOCK_D // 2, IS_NEOX
+        )  # fmt: skip
+        q = rotate_loaded(
+            q, q_rows, mask, partner, cos, signed_sin, q_norm_ptr, norm_eps, dims, head_dim,
+            QK_NORM,
+        )  # fmt: skip
     stager = 1.0
     if FP8:
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(COMPUTE_DTYPE)
@@ -319,6 +337,7 @@ def paged_verify_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    rotary: FusedRotary | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's few new tokens over its cached keys.
 
@@ -332,7 +351,8 @@ def paged_verify_attention(
     num_kv_heads, head_dim] each, unit-stride last dim; [num_tokens] slots, -1 for none)
     are written at their slots here first. ``sliding_window``,
     ``logits_soft_cap``, ``k_scale``/``v_scale`` as in ``paged_decode_attention``;
-    ``config`` None: ``verify_config`` of the request count. Returns ``out``
+    ``config`` None: ``verify_config`` of the request count. ``rotary``: as in
+    ``paged_decode_attention`` (``positions`` one per token). Returns ``out``
     ([num_tokens, num_heads, head_dim]).
     """
     num_tokens, num_heads, head_dim = query.shape
@@ -363,6 +383,7 @@ def paged_verify_attention(
     else:
         new_key = new_value = query  # unused
         slot_mapping = seq_lens
+    rotary_args, rotary_flags = fused_rotary_args(rotary, head_dim, new_kv is not None, seq_lens)
     max_partitions = max(1, triton.cdiv(max_seq_len, partition))
     direct = max_partitions == 1
     counters = seq_lens  # unused unless the kernel merges its own partitions
@@ -393,18 +414,18 @@ def paged_verify_attention(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         new_key, new_value, slot_mapping,
         k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,
-        out, partial_out, partial_lse, counters,
+        out, partial_out, partial_lse, counters, *rotary_args[:4],
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         new_key.stride(0), new_key.stride(1), new_value.stride(0), new_value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         max_partitions, num_heads, num_kv_heads, score_scale, cap_log2e, window, group_size,
-        head_dim,
+        head_dim, *rotary_args[4:],
         BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_M=block_m,
         BLOCK_Q=triton.next_power_of_2(max_query_len),
         MERGE_IN_KERNEL=config.merge_in_kernel, DIRECT=direct, WRITE_NEW=new_kv is not None,
         USE_SOFT_CAP=logits_soft_cap is not None, FP8=fp8,
         COMPUTE_DTYPE=tl.float16 if fp8 else _TL_DTYPES[query.dtype],
-        num_warps=config.num_warps, num_stages=config.num_stages, **common,
+        num_warps=config.num_warps, num_stages=config.num_stages, **common, **rotary_flags,
         **pdl.launch_options(),
     )  # fmt: skip
     if not direct and not config.merge_in_kernel:
