@@ -7,6 +7,9 @@ it runs on.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -66,6 +69,26 @@ class SingleRowLinear:
         if x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1:
             return gemv(x, layer.weight, layer.linear_bias)
         return F.linear(x, layer.weight, layer.linear_bias)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu_and_mul`` of this (gate over up) layer's output in the GEMV's epilogue, for
+        one row (``SiluAndMul.after``); None for other inputs."""
+        from pagedlm_cuda.kernels.gemv import gemv
+
+        layer = self.layer
+        one_row = x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
+        if not one_row or layer.weight.shape[0] % 2 or not _gemv_silu_on():
+            return None
+        return gemv(x, layer.weight, layer.linear_bias, silu_and_mul=True)
+
+
+GEMV_SILU_ENV = "PAGEDLM_GEMV_SILU"
+"""``0``: one-row MLPs run SiLU-and-mul as a kernel of its own again (to measure)."""
+
+
+@functools.cache
+def _gemv_silu_on() -> bool:
+    return os.environ.get(GEMV_SILU_ENV, "1") != "0"
 
 
 _GEMV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

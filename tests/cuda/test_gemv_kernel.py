@@ -143,3 +143,55 @@ def test_configs_from_the_environment_replace_the_defaults(tmp_path, monkeypatch
     finally:
         monkeypatch.delenv(module.CONFIGS_ENV)
         module._configs_from_env.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [2, 80, 8194])
+@pytest.mark.parametrize("config", [None, GemvConfig(8, 128, 4, 2)], ids=["default", "tile"])
+def test_gemv_silu_and_mul_matches_the_two_kernels(dtype, n: int, config) -> None:
+    """``silu_and_mul=True``: the activation in the GEMV's epilogue, exactly what the plain
+    GEMV followed by the activation kernel gives (row counts past a tile's half too)."""
+    from pagedlm_cuda.kernels import silu_and_mul
+
+    torch.manual_seed(n)
+    k = 300
+    x = torch.randn(1, k, device=DEVICE).to(dtype)
+    weight = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
+    bias = torch.randn(n, device=DEVICE).to(dtype)
+    fused = gemv(x, weight, bias, config=config, silu_and_mul=True)
+    assert fused.shape == (1, n // 2) and fused.dtype == dtype
+    assert torch.equal(fused, silu_and_mul(gemv(x, weight, bias, config=config)))
+    with pytest.raises(ValueError, match="even row count"):
+        gemv(x, weight[:-1], None, config=config, silu_and_mul=True)
+
+
+def test_swiglu_mlp_runs_one_row_through_the_fused_epilogue(monkeypatch) -> None:
+    """A Llama MLP on the platform's kernels: one row takes the fused GEMV (the activation
+    kernel is not called), more rows the two kernels, both as the unfused layers compute;
+    a linear kernel without the epilogue (a LoRA wrapper, say) keeps the two steps."""
+    import pagedlm_cuda.fused_layers as fused_layers
+    from pagedlm.config import ArchConfig
+    from pagedlm.model_executor.models.llama import LlamaMLP
+
+    arch = ArchConfig.from_hf_dict(
+        {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+         "hidden_act": "silu", "vocab_size": 8, "num_hidden_layers": 1,
+         "num_attention_heads": 4}
+    )  # fmt: skip
+    torch.manual_seed(0)
+    mlp = LlamaMLP(arch, bias=False)
+    for linear in (mlp.gate_up_proj, mlp.down_proj):
+        linear.weight.data.normal_(0, 0.1)
+    mlp = mlp.to(DEVICE, torch.bfloat16)
+    x = torch.randn(3, 64, device=DEVICE).to(torch.bfloat16)
+    expected = [mlp(x[:1]), mlp(x)]  # torch code
+    install_fused_kernels(mlp)
+    calls = []
+    kernel = mlp.act_fn.kernel
+    mlp.act_fn.set_kernel(lambda h: calls.append(h.shape[0]) or kernel(h))
+    got = [mlp(x[:1]), mlp(x)]
+    assert calls == [3]
+    for a, b in zip(got, expected):
+        assert rel_error(a, b) < tolerance(torch.bfloat16)
+    monkeypatch.setattr(fused_layers.SingleRowLinear, "silu_and_mul", None)
+    assert torch.equal(mlp(x[:1]), got[0]) and calls == [3, 1]

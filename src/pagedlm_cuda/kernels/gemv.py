@@ -45,11 +45,19 @@ from pagedlm_cuda.kernels import pdl
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_w,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PIPELINE: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, PIPELINE: tl.constexpr, GATED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.allow_next(USE_PDL)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
+    if GATED:  # half the rows are gate rows, the other half the up rows N / 2 below them
+        HALF_N: tl.constexpr = BLOCK_N // 2
+        index = tl.arange(0, BLOCK_N)
+        gate_rows = tl.program_id(0) * HALF_N + index % HALF_N
+        rows = gate_rows + (index // HALF_N) * (N // 2)
+        row_mask = gate_rows < N // 2
+    else:
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < N
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
     cols = tl.arange(0, BLOCK_K)
     # The first weight slice is read before waiting for the kernel that produces x:
@@ -74,7 +82,18 @@ def _gemv_kernel(
         y *= scale
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+    if GATED:
+        # silu(gate) * up from the rounded projections, as ``silu_and_mul`` computes it
+        # from the GEMV's stored output.
+        projected = tl.reshape(y.to(out_ptr.dtype.element_ty), (2, HALF_N))
+        gate, up = tl.split(tl.trans(projected))
+        g32 = gate.to(tl.float32)
+        silu = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
+        out = silu.to(tl.float32) * up.to(tl.float32)
+        out_rows = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
+        tl.store(out_ptr + out_rows, out.to(out_ptr.dtype.element_ty), mask=out_rows < N // 2)
+    else:
+        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
 class GemvConfig(NamedTuple):
@@ -161,10 +180,15 @@ def gemv(
     bias: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
     config: GemvConfig | tuple[int, ...] | None = None,
+    silu_and_mul: bool = False,
 ) -> torch.Tensor:
     """x [1, K] (unit-stride row), weight [N, K] (unit-stride rows; any float dtype, FP8
     included, converted in registers), bias [N] or None, weight_scale float32 [N] (or
-    [N, 1]) or None: row r's result times weight_scale[r] -> [1, N] in x's dtype."""
+    [N, 1]) or None: row r's result times weight_scale[r] -> [1, N] in x's dtype.
+    ``silu_and_mul``: the weight is a gate projection over an up projection (a SwiGLU
+    MLP's merged one) and the result is ``silu(gate) * up`` [1, N / 2], as
+    ``silu_and_mul`` computes it from the plain result (each program's rows are half gate
+    rows, half the up rows they pair with: one launch fewer per MLP)."""
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"gemv takes one row, x of shape [1, K]; got {tuple(x.shape)}.")
     n, k = weight.shape
@@ -174,14 +198,17 @@ def gemv(
         raise ValueError(f"{weight_scale.numel()} weight scales for a weight of {n} rows.")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("gemv needs unit-stride rows in x and weight.")
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     kind = "fp8" if weight.element_size() == 1 else "bf16"
     cfg = GemvConfig(*config) if config is not None else gemv_config(n, k, kind)
+    if silu_and_mul and (n % 2 or cfg.block_n % 2):
+        raise ValueError(f"silu_and_mul needs an even row count and block_n; got {n}, {cfg}.")
+    out = torch.empty((1, n // 2 if silu_and_mul else n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, weight_scale if weight_scale is not None else weight,
         bias if bias is not None else weight, out, n, k, weight.stride(0),
         HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PIPELINE=cfg.pipeline_stages,
-        num_warps=cfg.num_warps, num_stages=cfg.pipeline_stages, **pdl.launch_options(),
+        GATED=silu_and_mul, num_warps=cfg.num_warps, num_stages=cfg.pipeline_stages,
+        **pdl.launch_options(),
     )  # fmt: skip
     return out

@@ -27,6 +27,22 @@ class SiluAndMul(nn.Module):
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def after(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``self(linear(x))`` for ``linear`` a merged gate/up projection: in one kernel
+        where the platform's kernels for both layers fuse (the linear's kernel has a
+        ``silu_and_mul(x)`` that returns the activation, or None where it does not apply,
+        and this layer runs the platform's kernel too), else one after the other."""
+        fused = getattr(getattr(linear, "kernel", None), "silu_and_mul", None)
+        if (
+            fused is not None
+            and self.kernel is not None
+            and not getattr(linear, "gather_output", False)
+        ):
+            out = fused(x)
+            if out is not None:
+                return out
+        return self(linear(x))
+
 
 _ACTIVATIONS = {"silu": SiluAndMul}
 

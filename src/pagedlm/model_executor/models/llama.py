@@ -66,7 +66,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, arch.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.act_fn.after(self.gate_up_proj, x))
 
 
 class LlamaAttention(nn.Module):
