@@ -7,8 +7,8 @@ every request schedules one token; the verification kernel (split-K over all of 
 request's rows at once, writing the new K/V too) when none schedules more than
 ``verify_attention.MAX_QUERY_LEN`` tokens (speculative verification, short chunks); else
 it writes the new K/V by slot and runs the varlen prefill kernel (prompts, long chunks).
-The decode and verification kernels also rotate the query and new keys themselves
-(``fuses_rotary``: one rotary launch per layer fewer). Both kernels take a per-layer sliding window and logit soft-cap.
+At small batches the decode and verification kernels also rotate the query and new keys
+themselves (``fuses_rotary``: one rotary launch per layer fewer). Both kernels take a per-layer sliding window and logit soft-cap.
 
 FP8 cache: the kernels quantize on write and dequantize tiles in registers, with the
 layer's per-tensor ``k_scale``/``v_scale`` read from device memory (a graph replays them
@@ -36,6 +36,13 @@ from pagedlm.kv_cache.fp8 import is_fp8
 
 FUSED_ROTARY_ENV = "PAGEDLM_FUSED_ROTARY"
 """``0``: decode steps rotate in the separate rotary kernel again (to measure the fusion)."""
+
+FUSED_ROTARY_MAX_REQS = 8
+"""Requests (a CUDA-graph bucket boundary) up to which the decode and verification kernels
+rotate q and k themselves. Measured on an H100 (session 19): at batch 1 (W2) the fusion
+took W2 from 180.5 to 183.4 tok/s (with the one-row SiLU epilogue); at batch 256 (W1) it
+cost 5% (19,299 -> 18,042-18,415 tok/s), the rotation's registers and loads in every
+partition's program costing more than the launch it saves."""
 
 GRAPH_MAX_QUERY_LEN = 64
 """Query lengths a captured graph replays: at most one prefill-kernel row tile (BLOCK_M)."""
@@ -117,6 +124,8 @@ class TritonAttentionBackend(AttentionBackend):
         from pagedlm_cuda.kernels.verify_attention import MAX_QUERY_LEN
 
         if metadata is None or self.batch_invariant or metadata.max_query_len > MAX_QUERY_LEN:
+            return False
+        if metadata.seq_lens.shape[0] > FUSED_ROTARY_MAX_REQS:
             return False
         if not _rotary_fusion_on():
             return False

@@ -150,15 +150,20 @@ def test_capture_sizes_ladder() -> None:
 
 @pytest.mark.parametrize(
     "chunks",
-    [[(1, 40), (1, 3), (1, 90)], [(6, 20), (1, 50), (5, 0)], [(12, 20), (1, 50)]],
-    ids=["decode", "verification", "prefill"],
+    [
+        [(1, 40), (1, 3), (1, 90)],
+        [(6, 20), (1, 50), (5, 0)],
+        [(12, 20), (1, 50)],
+        [(1, 9 + 3 * i) for i in range(9)],
+    ],
+    ids=["decode", "verification", "prefill", "large-decode"],
 )
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_attention_layer_hands_short_steps_their_rotation(chunks, qk_norm: bool) -> None:
-    """Steps of at most 8 tokens per request: the layer hands the rotation to the Triton
-    backend, whose decode and verification kernels rotate (and first normalize) the query
-    and new keys themselves (the rotary kernel is not called); longer steps rotate first.
-    All match the CPU backend with the torch norms and rotation."""
+    """Steps of at most 8 requests of at most 8 tokens: the layer hands the rotation to
+    the Triton backend, whose decode and verification kernels rotate (and first normalize)
+    the query and new keys themselves (the rotary kernel is not called); other steps rotate
+    first. All match the CPU backend with the torch norms and rotation."""
     from pagedlm.model_executor.layers.layernorm import RMSNorm
     from pagedlm.model_executor.layers.rotary_embedding import PendingRotation, RotaryEmbedding
     from pagedlm_cuda.fused_layers import _rms_norm_kernel, _rotary_kernel
@@ -204,7 +209,7 @@ def test_attention_layer_hands_short_steps_their_rotation(chunks, qk_norm: bool)
         tensors = [t.clone().to(device) for t in (q, k, v)]
         outs.append(layer(*tensors, ctx, rotation).cpu())
         caches.append(kv.layer(0)[0].cpu())
-    short = all(n <= 8 for n, _ in chunks)
-    assert kernel_calls == ([] if short else [1])
+    fused = all(n <= 8 for n, _ in chunks) and len(chunks) <= 8
+    assert kernel_calls == ([] if fused else [1])
     assert rel_error(outs[1], outs[0]) < 2e-3
     assert rel_error(caches[1], to_triton_layout(caches[0])) < 1e-5

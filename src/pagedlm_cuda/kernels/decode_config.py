@@ -5,8 +5,9 @@ A decode step has one query token per sequence, so the kernel's parallelism is
 with long partitions; at batch 1 on an 8-kv-head model a 256-key partition leaves a
 132-SM GPU mostly idle (8 heads x 5 partitions at 1,100 tokens). So the partition shrinks
 as the batch does, aiming at ~512 programs for a 1,024-token context (fewer at the
-smallest batches, where the 32-key floor binds): ``partition`` is the largest power of two
-<= ``2 * bucket * num_kv_heads``, clamped to 32 .. 512.
+smallest batches, where the 64-key floor binds): ``partition`` is the largest power of two
+<= ``2 * bucket * num_kv_heads``, clamped to 64 .. 512, and 1,024 once the batch alone
+gives 1,024 programs (``LARGE_PARTITION``).
 
 The choice depends on the batch size, never on the data (sequence lengths), and only
 through ``batch_bucket``: the smallest size of the CUDA-graph ladder
@@ -33,14 +34,19 @@ from typing import NamedTuple
 
 from pagedlm_cuda.batch_sizes import capture_sizes
 
-MIN_PARTITION = 32
+MIN_PARTITION = 64
+"""Measured on an H100 (session 19, llama-3-8b's attention at batch 1 over 1,100 keys,
+``tests/cuda/bench_decode_attention.py --workloads W2``): 64-key partitions in one
+64-key tile 4.4 us per call, against 5.2 for 32 keys (the earlier floor) and 6.8-11.5
+for 128-256."""
 MAX_PARTITION = 512
-FP8_BLOCK_N = 128
-"""Key positions per tile for a float8 cache in long partitions: a tile of 128 E4M3 keys
-is as many bytes as 64 bf16 ones. Measured on the H200 (W1's shape, batch 256 at 580
-tokens, 512-key partitions, ``tests/cuda/bench_decode_attention.py --kv-cache-dtype fp8``):
-181 us per call against 207 with 64-key tiles (4 warps, 2 stages; 8 warps or 3 stages
-were slower). Short partitions (small batches) keep the bf16 choice."""
+LARGE_PARTITION = 1024
+"""Key positions per program once the batch alone gives ``LARGE_PARTITION`` programs or
+more (``bucket * num_kv_heads``): measured on an H100 (session 19, W1's shape, batch 256
+at 580 keys, qwen3-0.6b's 16 heads, ``--sweep``), 1,024-key partitions of 64-key tiles
+took 224.9 us per call with a bf16 cache against 236.0 for 512 keys, and 166.5 against
+174.2 with an FP8 one (188.0 for the earlier FP8 choice of 512 keys in 128-key tiles)."""
+
 MERGE_IN_KERNEL_PROGRAMS = 256
 """Batch bucket x kv heads up to which the decode kernel merges its own partitions."""
 
@@ -76,14 +82,16 @@ def decode_config(
     num_seqs: int, num_kv_heads: int, head_dim: int, fp8: bool = False
 ) -> DecodeConfig:
     """The decode kernel's split and tile for a batch of ``num_seqs`` (bucketed); ``fp8``:
-    the cache is float8 (see ``FP8_BLOCK_N``)."""
+    the cache is float8, which takes the same tiles since session 19 (session 14 on the
+    H200 had measured 128-key tiles faster for it, 181 against 207 us at W1's shape; after
+    session 16's value stager the H100 measured 64 keys faster, 174.2 against 188.0)."""
     programs = batch_bucket(num_seqs) * num_kv_heads
     partition = MIN_PARTITION
     while 2 * partition <= min(2 * programs, MAX_PARTITION):
         partition *= 2
+    if programs >= LARGE_PARTITION:
+        partition = LARGE_PARTITION
     block_n = min(partition, 64 if head_dim <= 128 else 32)
-    if fp8 and head_dim <= 128 and partition >= 4 * FP8_BLOCK_N:
-        block_n = FP8_BLOCK_N
     merge_in_kernel = programs <= MERGE_IN_KERNEL_PROGRAMS
     return DecodeConfig(partition, block_n, num_warps=4, num_stages=2,
                         merge_in_kernel=merge_in_kernel)  # fmt: skip
