@@ -7,8 +7,9 @@ every request schedules one token; the verification kernel (split-K over all of 
 request's rows at once, writing the new K/V too) when none schedules more than
 ``verify_attention.MAX_QUERY_LEN`` tokens (speculative verification, short chunks); else
 it writes the new K/V by slot and runs the varlen prefill kernel (prompts, long chunks).
-At small batches the decode and verification kernels also rotate the query and new keys
-themselves (``fuses_rotary``: one rotary launch per layer fewer). Both kernels take a per-layer sliding window and logit soft-cap.
+All three take a per-layer sliding window and logit soft-cap. At up to
+``FUSED_ROTARY_MAX_REQS`` requests the decode and verification kernels also rotate the
+query and new keys themselves (``fuses_rotary``: one rotary launch per layer fewer).
 
 FP8 cache: the kernels quantize on write and dequantize tiles in registers, with the
 layer's per-tensor ``k_scale``/``v_scale`` read from device memory (a graph replays them

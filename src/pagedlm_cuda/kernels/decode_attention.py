@@ -28,6 +28,11 @@ eager step of any batch that pads to ``P`` agree bit for bit. The grid is sized 
 ``max_seq_len`` (max_model_len under a graph); partitions past a sequence's end exit at
 once.
 
+Rotary embedding (``rotary``, a ``FusedRotary``; the Triton backend passes one at small
+batches): every program rotates its query heads after loading them, and the program that
+writes the new key rotates it first (both after Qwen3's q/k norms when given), with the
+cos/sin row read before the PDL wait. It saves the separate rotary launch per layer.
+
 Sliding window ``w``: the query at position ``seq_len - 1`` sees keys ``seq_len - w ..
 seq_len - 1``; partitions wholly before that exit at once and the merge skips them.
 Soft-cap ``c``: scores become ``c * tanh(s / c)`` before the softmax. Both are constexpr
@@ -461,7 +466,8 @@ def paged_decode_attention(
         DIRECT=direct, WRITE_NEW=new_kv is not None,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logits_soft_cap is not None,
         FP8=fp8, COMPUTE_DTYPE=tl.float16 if fp8 else _TL_DTYPES[query.dtype],
-        num_warps=config.num_warps, **rotary_flags, num_stages=config.num_stages, **pdl.launch_options(),
+        num_warps=config.num_warps, num_stages=config.num_stages, **rotary_flags,
+        **pdl.launch_options(),
     )  # fmt: skip
     if not direct and not config.merge_in_kernel:
         _decode_merge_kernel[(num_seqs, num_kv_heads)](
