@@ -33,10 +33,11 @@ def test_partition_shrinks_for_small_batches() -> None:
     assert decode_config(1, 8, 128).partition == 64
     assert decode_config(4, 8, 128).partition == 64
     assert decode_config(32, 8, 128).partition == 512
-    # From 1,024 programs on, 1,024-key partitions (W1: batch 256, 8 kv heads).
-    assert decode_config(64, 8, 128).partition == 512
-    assert decode_config(128, 8, 128).partition == 1024
-    assert decode_config(256, 8, 128).partition == 1024
+    assert decode_config(256, 8, 128).partition == 512
+    # An FP8 cache: from 1,024 programs on, 1,024-key partitions (W1: batch 256, 8 kv heads).
+    assert decode_config(64, 8, 128, fp8=True).partition == 512
+    assert decode_config(128, 8, 128, fp8=True).partition == 1024
+    assert decode_config(256, 8, 128, fp8=True).partition == 1024
     for n in (1, 2, 5, 16, 100, 256, 512):
         config = decode_config(n, 8, 256)
         assert config.partition % config.block_n == 0 and config.block_n <= 32
@@ -45,10 +46,12 @@ def test_partition_shrinks_for_small_batches() -> None:
 
 
 def test_fp8_cache_takes_the_bf16_tiles() -> None:
-    """Since session 19's H100 sweep an FP8 cache's tiles are the bf16 ones (64 keys)."""
-    for n in (1, 4, 16, 256):
+    """Since session 19's H100 sweep an FP8 cache's tiles are the bf16 ones (64 keys), and
+    so is its split below 1,024 programs."""
+    for n in (1, 4, 16, 64):
         assert decode_config(n, 8, 128, fp8=True) == decode_config(n, 8, 128)
         assert decode_config(n, 8, 256, fp8=True) == decode_config(n, 8, 256)
+    assert decode_config(256, 8, 128, fp8=True).block_n == decode_config(256, 8, 128).block_n
     for n in range(1, 600):
         config = decode_config(n, 8, 128, fp8=True)
         assert config.partition % config.block_n == 0

@@ -6,8 +6,8 @@ with long partitions; at batch 1 on an 8-kv-head model a 256-key partition leave
 132-SM GPU mostly idle (8 heads x 5 partitions at 1,100 tokens). So the partition shrinks
 as the batch does, aiming at ~512 programs for a 1,024-token context (fewer at the
 smallest batches, where the 64-key floor binds): ``partition`` is the largest power of two
-<= ``2 * bucket * num_kv_heads``, clamped to 64 .. 512, and 1,024 once the batch alone
-gives 1,024 programs (``LARGE_PARTITION``).
+<= ``2 * bucket * num_kv_heads``, clamped to 64 .. 512; an FP8 cache's are 1,024 once
+the batch alone gives 1,024 programs (``LARGE_PARTITION``).
 
 The choice depends on the batch size, never on the data (sequence lengths), and only
 through ``batch_bucket``: the smallest size of the CUDA-graph ladder
@@ -41,11 +41,16 @@ MIN_PARTITION = 64
 for 128-256."""
 MAX_PARTITION = 512
 LARGE_PARTITION = 1024
-"""Key positions per program once the batch alone gives ``LARGE_PARTITION`` programs or
-more (``bucket * num_kv_heads``): measured on an H100 (session 19, W1's shape, batch 256
-at 580 keys, qwen3-0.6b's 16 heads, ``--sweep``), 1,024-key partitions of 64-key tiles
-took 224.9 us per call with a bf16 cache against 236.0 for 512 keys, and 166.5 against
-174.2 with an FP8 one (188.0 for the earlier FP8 choice of 512 keys in 128-key tiles)."""
+"""Key positions per program of an FP8 cache once the batch alone gives
+``LARGE_PARTITION`` programs or more (``bucket * num_kv_heads``). Measured on an H100
+(session 19, W1's shape, batch 256 at 580 keys, qwen3-0.6b's 16 heads, ``--sweep``):
+1,024-key partitions of 64-key tiles took 166.5 us per call against 174.2 for 512 keys
+(188.0 for the earlier choice of 512 keys in 128-key tiles), and W1 with an FP8 cache
+ran at 23,701 tok/s (21,901 with the earlier choice, session 18, another H100). A bf16
+cache keeps 512: its kernel was faster with 1,024 too (224.9 against 236.0 us), but W1
+with them ran at 18,114 tok/s, against 19,299 with 512 on the H100 of the call before
+(not explained: W1's contexts reach 2,000 keys, unlike the sweep's 580; and two H100
+machines differed)."""
 
 MERGE_IN_KERNEL_PROGRAMS = 256
 """Batch bucket x kv heads up to which the decode kernel merges its own partitions."""
@@ -84,12 +89,13 @@ def decode_config(
     """The decode kernel's split and tile for a batch of ``num_seqs`` (bucketed); ``fp8``:
     the cache is float8, which takes the same tiles since session 19 (session 14 on the
     H200 had measured 128-key tiles faster for it, 181 against 207 us at W1's shape; after
-    session 16's value stager the H100 measured 64 keys faster, 174.2 against 188.0)."""
+    session 16's value stager the H100 measured 64 keys faster, 174.2 against 188.0) and
+    longer partitions at large batches (``LARGE_PARTITION``)."""
     programs = batch_bucket(num_seqs) * num_kv_heads
     partition = MIN_PARTITION
     while 2 * partition <= min(2 * programs, MAX_PARTITION):
         partition *= 2
-    if programs >= LARGE_PARTITION:
+    if fp8 and programs >= LARGE_PARTITION:
         partition = LARGE_PARTITION
     block_n = min(partition, 64 if head_dim <= 128 else 32)
     merge_in_kernel = programs <= MERGE_IN_KERNEL_PROGRAMS
