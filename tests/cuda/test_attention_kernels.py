@@ -230,7 +230,7 @@ def test_decode_attention_fused_rotary(neox: bool, qk_norm: bool, partition: int
         new_kv=new_kv, rotary=FusedRotary(positions, cos_sin, neox, norms),
     )  # fmt: skip
     assert not torch.equal(query, q_ref)  # the query itself is left as it was
-    if not qk_norm:  # the norm's sum may take another order; the rotation is exact
+    if not qk_norm and not ON_GPU:  # on a GPU the compiler may fuse other products
         assert torch.equal(key_cache, caches_ref[0])
     assert torch.equal(value_cache, caches_ref[1])
     assert rel_error(key_cache.float().nan_to_num(), caches_ref[0].float().nan_to_num()) < 1e-2

@@ -101,7 +101,8 @@ def rotate_loaded(
     its partners are loaded at ``rows + partner``; ``cos`` and ``signed_sin`` broadcast
     to [R, D] (``fused_angles``). Under ``QK_NORM`` each row is first RMS-normalized with
     ``norm_ptr``'s weights. Rounded to ``x``'s dtype where ``_rotate_heads`` rounds, so
-    the result is the separate kernel's up to the order of the norm's sum."""
+    the result is the separate kernel's up to the order of the norm's sum and to which
+    products the compiler fuses into multiply-adds (exactly equal under the interpreter)."""
     other = tl.load(rows + partner[None, :], mask=mask, other=0.0)
     x32 = x.to(tl.float32)
     other32 = other.to(tl.float32)
