@@ -54,6 +54,10 @@ def test_greedy_accepts_the_longest_matching_prefix_then_emits_the_argmax() -> N
     assert out.token_ids[1].tolist() == [3, 5, 1, 6]
     out = _run(logits, greedy, [3, 5, 0, 0, 3, 5, 1, 0], [4, 4], [3, 2])
     assert out.token_ids[1, :3].tolist() == [3, 5, 1] and out.num_emitted.tolist() == [3, 3]
+    # Requests of different row counts (request 1: one draft, then its bonus row).
+    out = _run(logits[:6], greedy[:6], [3, 5, 0, 0, 3, 0], [4, 2], [3, 1])
+    assert out.num_emitted.tolist() == [3, 2]
+    assert out.token_ids[0, :3].tolist() == [3, 5, 1] and out.token_ids[1, :2].tolist() == [3, 5]
 
 
 def _tiny_model_distributions() -> tuple[torch.Tensor, int]:

@@ -99,13 +99,10 @@ class RejectionSampler:
                 fallback = torch.where(metadata.greedy_mask, greedy, fallback)
         accepted &= is_draft
         # The accepted run of each request: its drafts up to the first rejection.
-        grid = torch.zeros((rows.num_requests, rows.width), dtype=torch.int64, device=device)
-        grid[rows.request, rows.position] = accepted.to(torch.int64)
+        grid, draft_grid, fallback_grid = (
+            rows.to_grid(values) for values in (accepted.to(torch.int64), drafts, fallback)
+        )
         num_accepted = grid.cumprod(dim=1).sum(dim=1)
-        draft_grid = torch.zeros_like(grid)
-        draft_grid[rows.request, rows.position] = drafts
-        fallback_grid = torch.zeros_like(grid)
-        fallback_grid[rows.request, rows.position] = fallback
         columns = torch.arange(rows.width, device=device)
         token_ids = torch.where(columns < num_accepted[:, None], draft_grid, fallback_grid)
         logprobs = None
@@ -168,3 +165,14 @@ class _RowMap:
         self.request, self.position = on_device
         self.num_requests = len(counts)
         self.width = int(counts.max(initial=1))
+        self.uniform = bool(len(counts)) and int(counts.min()) == self.width
+        """Every request has ``width`` rows (a verification step of one k for all)."""
+
+    def to_grid(self, values: torch.Tensor) -> torch.Tensor:
+        """[R] per-row values -> [num_requests, width], zeros past a request's rows: a
+        view when every request has ``width`` rows (no scatter to launch)."""
+        if self.uniform:
+            return values.view(self.num_requests, self.width)
+        grid = values.new_zeros((self.num_requests, self.width))
+        grid[self.request, self.position] = values
+        return grid
