@@ -117,6 +117,21 @@ def rotate_loaded(
 
 
 @triton.jit
+def rotate_at(
+    x, rows, mask, positions, cos_sin_ptr, cos_sin_stride, norm_ptr, norm_eps, dims,
+    head_dim, IS_NEOX: tl.constexpr, QK_NORM: tl.constexpr,
+):  # fmt: skip
+    """``rotate_loaded`` of ``x`` [R, D] at per-row ``positions`` [R] (int64), for kernels
+    whose rows sit at different positions; the angles are read here (``fused_angles``)."""
+    partner, cos, signed_sin = fused_angles(
+        cos_sin_ptr, positions, cos_sin_stride, dims, x.shape[1] // 2, IS_NEOX
+    )  # fmt: skip
+    return rotate_loaded(
+        x, rows, mask, partner, cos, signed_sin, norm_ptr, norm_eps, dims, head_dim, QK_NORM
+    )  # fmt: skip
+
+
+@triton.jit
 def _rotary_kernel(
     positions_ptr, query_ptr, key_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr,
     q_stride_token, q_stride_head, k_stride_token, k_stride_head, cos_sin_stride,

@@ -52,7 +52,7 @@ from pagedlm_cuda.kernels.kv_tile import (
     fp8_value_stager,
     load_kv_tile,
 )
-from pagedlm_cuda.kernels.rotary import fused_angles, fused_rotary_args, rotate_loaded
+from pagedlm_cuda.kernels.rotary import fused_rotary_args, rotate_at
 from pagedlm_cuda.kernels.score_mod import scaled_scores, score_args
 
 MAX_QUERY_LEN = 8
@@ -187,12 +187,9 @@ def _verify_kernel(
         new_k = tl.load(new_k_rows + dims[None, :], mask=new_mask, other=0.0)
         if ROTARY:
             new_positions = tl.load(positions_ptr + new_tokens, mask=owned, other=0).to(tl.int64)
-            partner, cos, signed_sin = fused_angles(
-                cos_sin_ptr, new_positions, cos_sin_stride, dims, BLOCK_D // 2, IS_NEOX
-            )  # fmt: skip
-            new_k = rotate_loaded(
-                new_k, new_k_rows, new_mask, partner, cos, signed_sin, k_norm_ptr, norm_eps,
-                dims, head_dim, QK_NORM,
+            new_k = rotate_at(
+                new_k, new_k_rows, new_mask, new_positions, cos_sin_ptr, cos_sin_stride,
+                k_norm_ptr, norm_eps, dims, head_dim, IS_NEOX, QK_NORM,
             )  # fmt: skip
         new_v = tl.load(new_value_ptr + new_tokens[:, None] * new_value_stride_token
                         + kv_head * new_value_stride_head + dims[None, :], mask=new_mask,
@@ -215,12 +212,9 @@ def _verify_kernel(
     q = tl.load(q_rows + dims[None, :], mask=mask, other=0.0)
     if ROTARY:
         q_positions = tl.load(positions_ptr + tokens, mask=row_mask, other=0).to(tl.int64)
-        partner, cos, signed_sin = fused_angles(
-            cos_sin_ptr, q_positions, cos_sin_stride, dims, BLOCK_D // 2, IS_NEOX
-        )  # fmt: skip
-        q = rotate_loaded(
-            q, q_rows, mask, partner, cos, signed_sin, q_norm_ptr, norm_eps, dims, head_dim,
-            QK_NORM,
+        q = rotate_at(
+            q, q_rows, mask, q_positions, cos_sin_ptr, cos_sin_stride, q_norm_ptr, norm_eps,
+            dims, head_dim, IS_NEOX, QK_NORM,
         )  # fmt: skip
     stager = 1.0
     if FP8:
