@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from triton_env import DEVICE, rel_error, tolerance
+from triton_env import DEVICE, ON_GPU, rel_error, tolerance
 
 from pagedlm.model_executor.layers.linear import RowParallelLinear
 from pagedlm_cuda.fused_layers import SingleRowLinear, install_fused_kernels
@@ -195,3 +195,137 @@ def test_swiglu_mlp_runs_one_row_through_the_fused_epilogue(monkeypatch) -> None
         assert rel_error(a, b) < tolerance(torch.bfloat16)
     monkeypatch.setattr(fused_layers.SingleRowLinear, "silu_and_mul", None)
     assert torch.equal(mlp(x[:1]), got[0]) and calls == [3, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [2, 80, 1030])
+@pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu"])
+@pytest.mark.parametrize("config", [None, GemvConfig(8, 128, 4, 2)], ids=["default", "tile"])
+def test_gemv_add_rms_norm_matches_the_two_kernels(dtype, n: int, silu: bool, config) -> None:
+    """``gemv_add_rms_norm``: the block's add and RMSNorm in the GEMV's prologue give the
+    residual bit for bit and the projection of the normalized row as the norm kernel and
+    the GEMV give it (bit for bit in the interpreter; on a GPU the mean square's reduction
+    follows the GEMV's warps, so the last bit of a normalized element may differ)."""
+    from pagedlm_cuda.kernels import fused_add_rms_norm
+    from pagedlm_cuda.kernels.gemv import gemv_add_rms_norm
+
+    torch.manual_seed(n)
+    k = 300
+    x = torch.randn(1, k, device=DEVICE).to(dtype)
+    residual = torch.randn(1, k, device=DEVICE).to(dtype)
+    norm_weight = (1 + 0.1 * torch.randn(k, device=DEVICE)).to(dtype)
+    weight = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
+    bias = torch.randn(n, device=DEVICE).to(dtype)
+    normed, expected_residual = fused_add_rms_norm(x, residual, norm_weight, 1e-6)
+    expected = gemv(normed, weight, bias, config=config, silu_and_mul=silu)
+    out, new_residual = gemv_add_rms_norm(
+        x, residual, norm_weight, 1e-6, weight, bias, config=config, silu_and_mul=silu
+    )
+    assert torch.equal(new_residual, expected_residual)
+    assert out.shape == expected.shape and out.dtype == dtype
+    if ON_GPU:
+        assert rel_error(out, expected) < tolerance(dtype) / 10
+    else:
+        assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match="norm weight"):
+        gemv_add_rms_norm(x, residual, norm_weight.double(), 1e-6, weight)
+
+
+def test_gemv_add_rms_norm_applies_fp8_scales() -> None:
+    """The norm prologue over FP8 codes with a scale per row (``Fp8CudaLinear``'s GEMV)."""
+    from pagedlm.model_executor.quantization import fp8
+    from pagedlm_cuda.kernels import fused_add_rms_norm
+    from pagedlm_cuda.kernels.gemv import gemv_add_rms_norm
+
+    torch.manual_seed(3)
+    codes, scales = fp8.quantize_rows(torch.randn(40, 600, device=DEVICE) / 600**0.5)
+    x, residual = torch.randn(2, 1, 600, device=DEVICE).to(torch.bfloat16)
+    norm_weight = torch.rand(600, device=DEVICE).to(torch.bfloat16)
+    normed, _ = fused_add_rms_norm(x, residual, norm_weight, 1e-5)
+    out, _ = gemv_add_rms_norm(x, residual, norm_weight, 1e-5, codes, None, scales)
+    ref = normed.double() @ fp8.dequantize(codes, scales).double().T
+    assert rel_error(out, ref) < tolerance(torch.bfloat16)
+
+
+def test_pending_norm_fuses_into_one_row_projections(monkeypatch) -> None:
+    """A Llama MLP handed a ``PendingNorm``: one row runs norm, gate/up and activation in
+    one GEMV (neither the norm's nor the activation's kernel is called), more rows the
+    separate kernels, and both agree with the torch code; the next residual is the sum."""
+    import pagedlm_cuda.fused_layers as fused_layers
+    from pagedlm.config import ArchConfig
+    from pagedlm.model_executor.layers.layernorm import PendingNorm, RMSNorm
+    from pagedlm.model_executor.models.llama import LlamaMLP
+
+    arch = ArchConfig.from_hf_dict(
+        {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+         "hidden_act": "silu", "vocab_size": 8, "num_hidden_layers": 1,
+         "num_attention_heads": 4}
+    )  # fmt: skip
+    torch.manual_seed(1)
+    mlp = LlamaMLP(arch, bias=False)
+    for linear in (mlp.gate_up_proj, mlp.down_proj):
+        linear.weight.data.normal_(0, 0.1)
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data.uniform_(0.5, 1.5)
+    mlp, norm = mlp.to(DEVICE, torch.bfloat16), norm.to(DEVICE, torch.bfloat16)
+    x, residual = torch.randn(2, 3, 64, device=DEVICE).to(torch.bfloat16)
+
+    def run(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pending = PendingNorm(norm, x[:rows], residual[:rows])
+        out = mlp(pending)
+        return out, pending.residual
+
+    expected = [run(1), run(3)]  # torch code
+    install_fused_kernels(mlp)
+    install_fused_kernels(norm)
+    calls = []
+    for module in (norm, mlp.act_fn):
+        kernel = module.kernel
+        module.set_kernel(lambda *a, k=kernel, m=module: calls.append(type(m).__name__) or k(*a))
+    got = [run(1), run(3)]
+    assert calls == ["RMSNorm", "SiluAndMul"]  # the three-row run only
+    # Four roundings to bf16 in a row (sum, norm, projection, activation), which Triton's
+    # interpreter truncates where torch and the GPU round to nearest.
+    bound = tolerance(torch.bfloat16) * (1 if ON_GPU else 2)
+    for (out, res), (ref_out, ref_res) in zip(got, expected):
+        assert rel_error(res, ref_res) < bound and rel_error(out, ref_out) < bound
+    pending = PendingNorm(norm, x[:1], residual[:1])
+    mlp(pending)
+    with pytest.raises(RuntimeError, match="projected once"):
+        mlp(pending)
+    # Against the same row through the separate kernels (the norm's switched off).
+    monkeypatch.setattr(fused_layers, "_gemv_norm_on", lambda: False)
+    calls.clear()
+    out, res = run(1)
+    assert calls == ["RMSNorm"] and torch.equal(res, got[0][1])
+    if ON_GPU:
+        assert rel_error(out, got[0][0]) < tolerance(torch.bfloat16) / 10
+    else:
+        assert torch.equal(out, got[0][0])
+
+
+@pytest.mark.parametrize(
+    "config_class, overrides",
+    [("LlamaConfig", {}), ("Qwen3Config", {"head_dim": 16})],
+    ids=["llama", "qwen3"],
+)
+def test_one_row_decodes_on_fused_kernels_match_transformers(
+    tmp_path, config_class: str, overrides: dict
+) -> None:
+    """A whole Llama / Qwen3 on the platform's layer kernels (attention on the CPU
+    backend): each decode step of one row fuses every block's norms into its GEMVs, and
+    the logits stay transformers' (prefill rows take the separate kernels)."""
+    from model_utils import PagedRunner
+    from pagedlm.model_executor.loader import load_model
+    from tiny_checkpoints import model_config, save_with_reference_logits
+
+    prompts, expected = save_with_reference_logits(tmp_path, config_class, overrides)
+    model = load_model(model_config(tmp_path, 128), torch.device(DEVICE))
+    install_fused_kernels(model)
+    runner = PagedRunner(model, len(prompts), max(map(len, prompts)), 16, None, DEVICE)
+    for i, prompt in enumerate(prompts):
+        split = max(1, len(prompt) - 3)
+        got = runner.step([(i, 0, prompt[:split])])
+        for position in range(split, len(prompt)):  # one row per step
+            got += runner.step([(i, position, [prompt[position]])])
+        assert rel_error(torch.cat(got).cpu(), expected[i]) < 1e-4
