@@ -53,52 +53,7 @@ def _silu_and_mul_kernel(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul(x)
 
 
-class OneRowFusions:
-    """What a linear kernel built on the one-row GEMV fuses into it, for one-row inputs: the
-    gated activation after it (``silu_and_mul``, for ``SiluAndMul.after``) and the block's
-    add + RMSNorm before it (``add_rms_norm``, for ``PendingNorm.project``). Each returns
-    None where it does not apply (more rows, or a switch off), and the caller then runs
-    the steps one after the other. A subclass names its GEMV operands (``gemv_operands``)."""
-
-    def gemv_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(weight [N, K], bias [N] or None, per-row weight scale [N] or None)."""
-        raise NotImplementedError
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``silu_and_mul`` of this (gate over up) layer's output in the GEMV's epilogue."""
-        from pagedlm_cuda.kernels.gemv import gemv
-
-        weight, bias, scale = self.gemv_operands()
-        if not _one_row(x) or weight.shape[0] % 2 or not _gemv_silu_on():
-            return None
-        return gemv(x, weight, bias, scale, silu_and_mul=True)
-
-    def add_rms_norm(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        norm_weight: torch.Tensor,
-        eps: float,
-        silu_and_mul: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """This layer applied to ``fused_add_rms_norm(x, residual, norm_weight, eps)``'s
-        output (then ``silu_and_mul`` with ``silu_and_mul``), with the add and the norm in
-        the GEMV's prologue -> (output, x + residual)."""
-        from pagedlm_cuda.kernels.gemv import MAX_NORM_FEATURES, gemv_add_rms_norm
-
-        weight, bias, scale = self.gemv_operands()
-        if not (_one_row(x) and _one_row(residual) and _gemv_norm_on()):
-            return None
-        if norm_weight.dtype != x.dtype or x.shape[1] > MAX_NORM_FEATURES:
-            return None
-        if silu_and_mul and (weight.shape[0] % 2 or not _gemv_silu_on()):
-            return None
-        return gemv_add_rms_norm(
-            x, residual, norm_weight, eps, weight, bias, scale, silu_and_mul=silu_and_mul
-        )
-
-
-class SingleRowLinear(OneRowFusions):
+class SingleRowLinear:
     """A linear layer's kernel: one-row inputs (a lone sequence's decode step) through the
     Triton GEMV, which streams the weight faster than cuBLAS at that shape; every other
     batch through ``F.linear``. The choice depends on the row count only, so a step gives
@@ -111,16 +66,20 @@ class SingleRowLinear(OneRowFusions):
         from pagedlm_cuda.kernels.gemv import gemv
 
         layer = self.layer
-        if _one_row(x):
+        if x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1:
             return gemv(x, layer.weight, layer.linear_bias)
         return F.linear(x, layer.weight, layer.linear_bias)
 
-    def gemv_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        return self.layer.weight, self.layer.linear_bias, None
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu_and_mul`` of this (gate over up) layer's output in the GEMV's epilogue, for
+        one row (``SiluAndMul.after``); None for other inputs."""
+        from pagedlm_cuda.kernels.gemv import gemv
 
-
-def _one_row(x: torch.Tensor) -> bool:
-    return x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
+        layer = self.layer
+        one_row = x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
+        if not one_row or layer.weight.shape[0] % 2 or not _gemv_silu_on():
+            return None
+        return gemv(x, layer.weight, layer.linear_bias, silu_and_mul=True)
 
 
 GEMV_SILU_ENV = "PAGEDLM_GEMV_SILU"
@@ -130,15 +89,6 @@ GEMV_SILU_ENV = "PAGEDLM_GEMV_SILU"
 @functools.cache
 def _gemv_silu_on() -> bool:
     return os.environ.get(GEMV_SILU_ENV, "1") != "0"
-
-
-GEMV_NORM_ENV = "PAGEDLM_GEMV_NORM"
-"""``0``: one-row blocks run their add + RMSNorm as a kernel of its own again (to measure)."""
-
-
-@functools.cache
-def _gemv_norm_on() -> bool:
-    return os.environ.get(GEMV_NORM_ENV, "1") != "0"
 
 
 _GEMV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

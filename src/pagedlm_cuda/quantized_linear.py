@@ -42,7 +42,6 @@ from pagedlm.model_executor.quantization.fp8 import (
     Fp8ReferenceLinear,
     is_fp8_layer,
 )
-from pagedlm_cuda.fused_layers import OneRowFusions
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +70,8 @@ def check_fp8_device(device: torch.device) -> None:
         )
 
 
-class Fp8CudaLinear(OneRowFusions):
-    """``x W^T + b`` for an E4M3 layer. x [tokens, in] -> [tokens, out] in x's dtype. One
-    row runs the GEMV, which also takes the activation after it and the norm before it."""
+class Fp8CudaLinear:
+    """``x W^T + b`` for an E4M3 layer. x [tokens, in] -> [tokens, out] in x's dtype."""
 
     def __init__(self, layer: LinearBase) -> None:
         self.layer = layer
@@ -94,13 +92,6 @@ class Fp8CudaLinear(OneRowFusions):
         weight = self.layer.weight
         if x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1:
             return fp8_gemv(x, weight, self.scale_column, self.bias)
-        return self._many_rows(x)
-
-    def gemv_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        return self.layer.weight, self.bias, self.scale_column
-
-    def _many_rows(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.layer.weight
         if not self.fits_scaled_mm:
             return self.reference(x)
         codes, x_scales = self._quantize(x.contiguous())

@@ -42,24 +42,11 @@ from pagedlm_cuda.kernels import pdl
 
 
 @triton.jit
-def _add_rms_norm_slice(x_ptr, res_ptr, norm_w_ptr, k, k_mask, inv_rms):
-    """Columns ``k`` of ``rms_norm(x + residual) * norm_w``, rounded where ``rmsnorm.py``'s
-    kernel rounds: the sum and the normalized row to x's dtype, then the product."""
-    hx = tl.load(x_ptr + k, mask=k_mask, other=0.0)
-    hr = tl.load(res_ptr + k, mask=k_mask, other=0.0)
-    h = (hx.to(tl.float32) + hr.to(tl.float32)).to(hx.dtype)
-    normed = (h.to(tl.float32) * inv_rms).to(hx.dtype)
-    g = tl.load(norm_w_ptr + k, mask=k_mask, other=0.0)
-    return (normed.to(tl.float32) * g.to(tl.float32)).to(hx.dtype)
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_w,
-    res_ptr, norm_w_ptr, res_out_ptr, eps,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PIPELINE: tl.constexpr, GATED: tl.constexpr,
-    ADD_RMS_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.allow_next(USE_PDL)
     if GATED:  # half the rows are gate rows, the other half the up rows N / 2 below them
@@ -80,23 +67,7 @@ def _gemv_kernel(
     if HAS_SCALE:  # quantized rows (FP8): w[r] stands for w[r] * scale[r]
         scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
     pdl.wait_for_previous(USE_PDL)
-    if ADD_RMS_NORM:
-        # x is the rows before the block's RMSNorm: every program sums x + residual and
-        # its mean square over the whole row (as rmsnorm.py's kernel does, in one block),
-        # program 0 stores the sum (the next residual), and each slice below is normalized
-        # as it is read.
-        norm_cols = tl.arange(0, NORM_BLOCK)
-        norm_mask = norm_cols < K
-        hx = tl.load(x_ptr + norm_cols, mask=norm_mask, other=0.0)
-        hr = tl.load(res_ptr + norm_cols, mask=norm_mask, other=0.0)
-        h = (hx.to(tl.float32) + hr.to(tl.float32)).to(hx.dtype)
-        if tl.program_id(0) == 0:
-            tl.store(res_out_ptr + norm_cols, h, mask=norm_mask)
-        h32 = h.to(tl.float32)
-        inv_rms = tl.rsqrt(tl.sum(h32 * h32, axis=0) / K + eps)
-        x = _add_rms_norm_slice(x_ptr, res_ptr, norm_w_ptr, cols, k_mask, inv_rms)
-    else:
-        x = tl.load(x_ptr + cols, mask=k_mask, other=0.0)
+    x = tl.load(x_ptr + cols, mask=k_mask, other=0.0)
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
     # PIPELINE > 1 keeps that many slices in flight (copied asynchronously to shared
     # memory); a plain loop issues a slice's loads only once the previous one is summed.
@@ -104,10 +75,7 @@ def _gemv_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < K
         w = tl.load(w_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        if ADD_RMS_NORM:
-            x = _add_rms_norm_slice(x_ptr, res_ptr, norm_w_ptr, k, k_mask, inv_rms)
-        else:
-            x = tl.load(x_ptr + k, mask=k_mask, other=0.0)
+        x = tl.load(x_ptr + k, mask=k_mask, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_SCALE:
@@ -206,11 +174,6 @@ def gemv_config(n: int, k: int, kind: str = "bf16") -> GemvConfig:
     return GemvConfig(16, 256, 4)
 
 
-MAX_NORM_FEATURES = 8192
-"""The widest row whose add and RMSNorm ``gemv_add_rms_norm`` takes in: each program holds
-the whole row in registers once, as ``rmsnorm.py``'s kernel does."""
-
-
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -226,49 +189,6 @@ def gemv(
     MLP's merged one) and the result is ``silu(gate) * up`` [1, N / 2], as
     ``silu_and_mul`` computes it from the plain result (each program's rows are half gate
     rows, half the up rows they pair with: one launch fewer per MLP)."""
-    return _launch(x, weight, bias, weight_scale, config, silu_and_mul, None)[0]
-
-
-def gemv_add_rms_norm(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    weight_scale: torch.Tensor | None = None,
-    config: GemvConfig | tuple[int, ...] | None = None,
-    silu_and_mul: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gemv`` of ``fused_add_rms_norm(x, residual, norm_weight, eps)``'s normalized row,
-    in one launch: x and residual [1, K] (unit stride), norm_weight [K] in x's dtype, K up
-    to ``MAX_NORM_FEATURES`` -> (the GEMV's result, x + residual [1, K]). The sum and the
-    normalized row are rounded where ``fused_add_rms_norm`` rounds them; its mean square
-    may differ in the last bit (a reduction laid out over this GEMV's warps)."""
-    k = x.shape[-1]
-    if residual.shape != x.shape or residual.stride(-1) != 1:
-        raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}.")
-    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or k > MAX_NORM_FEATURES:
-        raise ValueError(
-            f"gemv_add_rms_norm takes a norm weight [{k}] in x's dtype ({x.dtype}) and at "
-            f"most {MAX_NORM_FEATURES} features; got {tuple(norm_weight.shape)}, "
-            f"{norm_weight.dtype}."
-        )
-    norm = (residual, norm_weight, eps)
-    out, residual_out = _launch(x, weight, bias, weight_scale, config, silu_and_mul, norm)
-    assert residual_out is not None
-    return out, residual_out
-
-
-def _launch(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    weight_scale: torch.Tensor | None,
-    config: GemvConfig | tuple[int, ...] | None,
-    silu_and_mul: bool,
-    norm: tuple[torch.Tensor, torch.Tensor, float] | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"gemv takes one row, x of shape [1, K]; got {tuple(x.shape)}.")
     n, k = weight.shape
@@ -283,16 +203,12 @@ def _launch(
     if silu_and_mul and (n % 2 or cfg.block_n % 2):
         raise ValueError(f"silu_and_mul needs an even row count and block_n; got {n}, {cfg}.")
     out = torch.empty((1, n // 2 if silu_and_mul else n), dtype=x.dtype, device=x.device)
-    residual, norm_weight, eps = norm if norm is not None else (x, x, 0.0)
-    residual_out = torch.empty_like(x) if norm is not None else None
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, weight_scale if weight_scale is not None else weight,
         bias if bias is not None else weight, out, n, k, weight.stride(0),
-        residual, norm_weight, residual_out if residual_out is not None else out, eps,
         HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PIPELINE=cfg.pipeline_stages,
-        GATED=silu_and_mul, ADD_RMS_NORM=norm is not None,
-        NORM_BLOCK=triton.next_power_of_2(k) if norm is not None else 1,
-        num_warps=cfg.num_warps, num_stages=cfg.pipeline_stages, **pdl.launch_options(),
+        GATED=silu_and_mul, num_warps=cfg.num_warps, num_stages=cfg.pipeline_stages,
+        **pdl.launch_options(),
     )  # fmt: skip
-    return out, residual_out
+    return out

@@ -26,7 +26,7 @@ from pagedlm.distributed.pipeline import IntermediateTensors, this_stage_layers
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.layers.activation import get_act_and_mul
 from pagedlm.model_executor.layers.attention import Attention
-from pagedlm.model_executor.layers.layernorm import PendingNorm, RMSNorm, project
+from pagedlm.model_executor.layers.layernorm import RMSNorm
 from pagedlm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -56,10 +56,7 @@ class BlockOptions:
 
 
 class LlamaMLP(nn.Module):
-    """x [T, hidden] -> down(silu(gate(x)) * up(x)) [T, hidden]; x may be a
-    ``PendingNorm`` (the block's norm, fused into the gate/up projection where it can)."""
-
-    takes_pending_norm: ClassVar[bool] = True
+    """x [T, hidden] -> down(silu(gate(x)) * up(x)) [T, hidden]."""
 
     def __init__(self, arch: ArchConfig, bias: bool) -> None:
         super().__init__()
@@ -68,8 +65,8 @@ class LlamaMLP(nn.Module):
         self.act_fn = get_act_and_mul(arch.hidden_act)
         self.down_proj = RowParallelLinear(size, arch.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
-        return self.down_proj(project(self.gate_up_proj, x, self.act_fn))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn.after(self.gate_up_proj, x))
 
 
 class LlamaAttention(nn.Module):
@@ -77,11 +74,8 @@ class LlamaAttention(nn.Module):
     normalized per head first when ``options.qk_norm``.
 
     Defaults are Llama's: ``head_dim ** -0.5`` scale, no score cap, ``RMSNorm`` on q/k.
-    Gemma passes its own scale, cap and ``head_norm`` class (``GemmaAttention``). x may be
-    a ``PendingNorm`` (the block's norm, fused into the q/k/v projection where it can).
+    Gemma passes its own scale, cap and ``head_norm`` class (``GemmaAttention``).
     """
-
-    takes_pending_norm: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -121,9 +115,9 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor | PendingNorm, ctx: ForwardContext
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(project(self.qkv_proj, x))
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         qk_norm = None
         if self.q_norm is not None and self.k_norm is not None:
             qk_norm = (self.q_norm, self.k_norm)  # per head, before the rotation
@@ -152,29 +146,12 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = x
-            x = self.self_attn(positions, self.input_layernorm(x), ctx)
+            x = self.input_layernorm(x)
         else:
-            x, residual = _through(self.self_attn, self.input_layernorm, x, residual,
-                                   lambda h: self.self_attn(positions, h, ctx))  # fmt: skip
-        return _through(self.mlp, self.post_attention_layernorm, x, residual, self.mlp)
-
-
-def _through(
-    module: nn.Module,
-    norm: RMSNorm,
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    call: Callable[[torch.Tensor | PendingNorm], torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``call(norm(x + residual))``, ``x + residual``): a module that takes a pending norm
-    (``takes_pending_norm``) gets one, so its first projection may fuse the norm."""
-    if getattr(module, "takes_pending_norm", False):
-        pending = PendingNorm(norm, x, residual)
-        out = call(pending)
-        assert pending.residual is not None, f"{type(module).__name__} left its norm pending"
-        return out, pending.residual
-    normed, residual = norm(x, residual)
-    return call(normed), residual
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
