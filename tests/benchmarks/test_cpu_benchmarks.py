@@ -69,3 +69,29 @@ def test_every_timed_method_exists():
     # A renamed method would make the profile fail at start-up (or time nothing).
     for module, owner, method, _ in TIMED:
         inspect.getattr_static(getattr(importlib.import_module(module), owner), method)
+
+
+def test_throughput_host_phases_time_every_phase(tmp_path, capsys):
+    """``bench throughput --host-phases`` on a tiny model: every phase of the engine was
+    timed, once per step or more, and the parts fit inside the whole engine step."""
+    import json
+
+    from pagedlm.benchmarks import throughput
+    from pagedlm.benchmarks.host_overhead import tiny_model
+
+    tiny_model(str(tmp_path), 16384)
+    throughput.main(
+        ["--model", str(tmp_path), "--num-prompts", "4", "--input-len", "8",
+         "--output-len", "6", "--host-phases"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    table = json.loads(out[out.index("{", out.index("host phases")) : out.rindex("}") + 1])
+    assert table["steps"] >= 6
+    whole = table["whole engine step"]
+    parts = ["schedule", "execute_model (inputs, forward launch)", "engine metrics",
+             "sample_tokens (metadata, sampling launch)", "output processor",
+             "collect (the device wait, then update_from_output)"]  # fmt: skip
+    assert all(table[name] > 0 for name in parts)
+    assert sum(table[name] for name in parts) <= whole <= table["ms_per_step"]
+    collect = table["collect (the device wait, then update_from_output)"]
+    assert 0 < table["  of which update_from_output"] <= collect

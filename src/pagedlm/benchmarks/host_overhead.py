@@ -88,13 +88,19 @@ class CollectorTimer:
 
 def instrument(llm: LLM, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Time the engine's phases (instance attributes shadow the methods; nothing else
-    changes)."""
+    changes). ``whole engine step`` against the run's time per step is what
+    ``LLM.generate``'s own loop adds. ``collect`` minus its ``update_from_output`` is
+    the one wait for the device (plus listing the tokens): near zero where the host is
+    the bottleneck, and then the phases add up to the step."""
     phases: dict[str, float] = defaultdict(float)
     engine = llm.llm_engine
     core = engine.engine_core
     targets = [
+        ("whole engine step", engine, "step"),
+        ("engine metrics", engine.metrics, "record_outputs"),
         ("schedule", core.scheduler, "schedule"),
-        ("update_from_output", core.scheduler, "update_from_output"),
+        ("collect (the device wait, then update_from_output)", core, "_collect"),
+        ("  of which update_from_output", core.scheduler, "update_from_output"),
         ("execute_model (inputs, forward launch)", core.executor, "execute_model"),
         ("sample_tokens (metadata, sampling launch)", core.executor, "sample_tokens"),
         ("output processor", engine.output_processor, "process_outputs"),

@@ -11,6 +11,7 @@ transformers ``generate_batch`` comparison on the same prompts.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import time
@@ -21,6 +22,7 @@ from pagedlm.benchmarks.common import (
     profile_steps,
     speed_of_light_line,
 )
+from pagedlm.benchmarks.host_overhead import instrument
 
 
 def nanovllm_dataset() -> tuple[list[list[int]], list[int]]:
@@ -74,6 +76,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
             help=f"random dataset (default: {default})",
         )
     parser.add_argument("--temperature", type=float, default=0.6, help="(default: %(default)s)")
+    parser.add_argument(
+        "--host-phases",
+        action="store_true",
+        help="time the engine's host phases during the run and print them per step "
+        "(pagedlm.benchmarks.host_overhead's table for this workload)",
+    )
     parser.add_argument(
         "--hf-num-prompts", type=int, default=64, help="with --compare-transformers (default: 64)"
     )
@@ -153,6 +161,9 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     # The warm-up samples like the run, so no kernel variant compiles inside the timing.
     warm_up = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=8)
     llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], warm_up, use_tqdm=False)
+    phases = instrument(llm) if args.host_phases else None
+    scheduler = llm.llm_engine.engine_core.scheduler
+    steps_before = getattr(scheduler, "num_model_steps", 0)
     start = time.perf_counter()
     # A progress bar where someone watches; none in logs, where it would only cost time.
     outs = llm.generate(
@@ -167,6 +178,11 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         f"({sum(len(p) for p in prompts) + produced} total tokens)",
         flush=True,
     )
+    if phases is not None:
+        steps = max(1, getattr(scheduler, "num_model_steps", 0) - steps_before)
+        table = {name: round(1e3 * seconds / steps, 3) for name, seconds in phases.items()}
+        table = {"steps": steps, "ms_per_step": round(1e3 * elapsed / steps, 3), **table}
+        print("host phases, ms per step:", json.dumps(table, indent=1), flush=True)
     line = speed_of_light_line(args, llm, [len(p) for p in prompts], output_lens, elapsed)
     if line is not None:
         print(line, flush=True)
