@@ -50,7 +50,9 @@ ran at 23,701 tok/s (21,901 with the earlier choice, session 18, another H100). 
 cache keeps 512: its kernel was faster with 1,024 too (224.9 against 236.0 us), but W1
 with them ran at 18,114 tok/s, against 19,299 with 512 on the H100 of the call before
 (not explained: W1's contexts reach 2,000 keys, unlike the sweep's 580; and two H100
-machines differed)."""
+machines differed). On the H200 (session 20, one call) W1 ran at 24,091 with 1,024-key
+bf16 partitions against 24,160 with 512, so bf16 keeps 512; the same sweep for FP8 gave
+161.3 us per call with 1,024 / 64, 163.1 with 1,024 / 128, 168.6 with 512 / 64."""
 
 MERGE_IN_KERNEL_PROGRAMS = 256
 """Batch bucket x kv heads up to which the decode kernel merges its own partitions."""
