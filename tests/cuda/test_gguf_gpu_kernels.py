@@ -152,7 +152,10 @@ def int8_reference(x: torch.Tensor, blocks: AffineBlocks) -> torch.Tensor:
     minimums times x itself, an implicit ``-offset * scale`` times the rounded x."""
     groups = x.float().cpu().view(-1, 32)
     amax = groups.abs().amax(dim=1, keepdim=True)
-    q = torch.round(groups * (127.0 / amax.clamp_min(1e-30)))  # half to even, as the kernel
+    # Tensor over tensor: a number over a tensor is a reciprocal times it in torch, an
+    # ulp off at times, which moves ties; round half to even, as the kernel does.
+    inverse = torch.full_like(amax, 127.0) / amax.clamp_min(1e-30)
+    q = torch.round(groups * inverse)
     xq = (q.double() * (amax * (1.0 / 127.0)).double()).view(1, -1)
     packed = pack_blocks(blocks.codes, blocks.scales, blocks.mins, torch.device("cpu"))
     scales = blocks.scales.double().repeat_interleave(blocks.group_size, dim=1)

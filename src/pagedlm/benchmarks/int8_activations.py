@@ -40,7 +40,7 @@ def round_to_int8_groups(x: torch.Tensor) -> torch.Tensor:
     """x with each run of 32 columns rounded to int8 steps of ``max|x| / 127``."""
     groups = x.float().reshape(-1, 32)
     amax = groups.abs().amax(dim=1, keepdim=True)
-    q = torch.round(groups * (127.0 / amax.clamp_min(1e-30)))
+    q = torch.round(groups * (torch.full_like(amax, 127.0) / amax.clamp_min(1e-30)))
     return (q * (amax * (1.0 / 127.0))).reshape(x.shape).to(x.dtype)
 
 
