@@ -66,7 +66,7 @@ class SingleRowLinear:
         from pagedlm_cuda.kernels.gemv import gemv
 
         layer = self.layer
-        if x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1:
+        if _one_row(x):
             return gemv(x, layer.weight, layer.linear_bias)
         return F.linear(x, layer.weight, layer.linear_bias)
 
@@ -76,10 +76,14 @@ class SingleRowLinear:
         from pagedlm_cuda.kernels.gemv import gemv
 
         layer = self.layer
-        one_row = x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
-        if not one_row or layer.weight.shape[0] % 2 or not _gemv_silu_on():
+        if not _one_row(x) or layer.weight.shape[0] % 2 or not _gemv_silu_on():
             return None
         return gemv(x, layer.weight, layer.linear_bias, silu_and_mul=True)
+
+
+def _one_row(x: torch.Tensor) -> bool:
+    """One unit-stride row: what the GEMV takes."""
+    return x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
 
 
 GEMV_SILU_ENV = "PAGEDLM_GEMV_SILU"
