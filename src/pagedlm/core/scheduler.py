@@ -101,7 +101,7 @@ from pagedlm.core.queue_order import QueueOrder
 from pagedlm.core.request import Request, RequestStatus
 from pagedlm.core.scheduler_interface import Scheduler, SchedulerStats
 from pagedlm.core.speculation import Speculation, StepDrafts
-from pagedlm.core.stop_checker import append_token_ids
+from pagedlm.core.stop_checker import append_token_ids, check_stop
 from pagedlm.kv_cache.events import EventLog, KVCacheEvent
 from pagedlm.kv_cache.manager import KVCacheManager
 from pagedlm.lora.scheduler_gate import LoRAGate
@@ -267,6 +267,7 @@ class OneBudgetScheduler(Scheduler):
         speculating = self.speculation.enabled
         in_flight = self._in_flight_req_ids  # empty unless disjoint_steps
         new_token_ids = cached_reqs.new_token_ids if self.disjoint_steps else None
+        max_model_len = self.config.max_model_len
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
@@ -274,9 +275,14 @@ class OneBudgetScheduler(Scheduler):
             if in_flight and request.request_id in in_flight:
                 continue
             placeholders = request.num_output_placeholders
-            if placeholders and self._finishes_in_flight(request):
-                continue
             num_tokens = len(request.all_token_ids) + placeholders
+            if placeholders and (
+                num_tokens - request.num_prompt_tokens >= request.max_tokens
+                or num_tokens >= max_model_len
+            ):
+                # The token in flight is its last by length: scheduling it again would only
+                # compute a token to drop.
+                continue
             computed = request.num_computed_tokens
             num_new_tokens = min(num_tokens - computed, budget)
             plan = None
@@ -389,17 +395,6 @@ class OneBudgetScheduler(Scheduler):
             if request.sampling_params.structured_outputs is not None:
                 constrained.append(request.request_id)
 
-    def _finishes_in_flight(self, request: Request) -> bool:
-        """Whether the token a launched step samples for ``request`` is its last by length,
-        so that scheduling it again would only compute a token to drop."""
-        if request.num_output_placeholders == 0:
-            return False
-        num_tokens = request.num_tokens + request.num_output_placeholders
-        return (
-            num_tokens - request.num_prompt_tokens >= request.max_tokens
-            or num_tokens >= self.config.max_model_len
-        )
-
     def _allocate_with_drafts(
         self, request: Request, num_new_tokens: int, budget: int, spec: StepDrafts
     ) -> list[int] | None:
@@ -505,42 +500,46 @@ class OneBudgetScheduler(Scheduler):
         outputs: list[EngineCoreOutput] = []
         max_model_len = self.config.max_model_len
         scheduled = scheduler_output.num_scheduled_tokens
-        scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
         speculating = self.speculation.enabled
         all_logprobs = runner_output.logprobs
         all_prompt_logprobs = runner_output.prompt_logprobs
         if self._in_flight_req_ids:
             self._in_flight_req_ids.difference_update(scheduled)
         pooled_outputs = runner_output.pooler_output
+        requests = self.requests
+        # The common output, taken without the general path's lookups: one token sampled
+        # for an unconstrained request, no logprobs, nothing pooled, not finished by it
+        # (a request left in ``requests`` is never finished before its token is appended).
+        plain = not (speculating or all_logprobs or all_prompt_logprobs or pooled_outputs)
         for req_id, sampled in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, strict=True
         ):
-            request = self.requests.get(req_id)
+            request = requests.get(req_id)
             if request is None or req_id not in scheduled:
                 continue  # finished or aborted after this step was scheduled
-            new_token_ids: list[int] = []
-            pooled = pooled_outputs.get(req_id) if pooled_outputs else None
-            if pooled is not None:
-                # A pooling request ends with its prompt: the vector is its whole output.
+            if plain and len(sampled) == 1 and request.sampling_params.structured_outputs is None:
                 request.num_output_placeholders -= 1
-                request.status = RequestStatus.FINISHED_STOPPED
-            if sampled:
-                if speculating:
-                    num_drafts = len(scheduled_drafts.get(req_id, ()))
-                    request.num_output_placeholders -= 1 + num_drafts
-                    request.num_computed_tokens -= self.speculation.on_sampled(
-                        request,
-                        num_drafts,
-                        len(sampled),
-                        runner_output.draft_token_ids.get(req_id),
-                        req_id in scheduler_output.num_drafts_to_propose,
+                request.all_token_ids.append(sampled[0])
+                if not check_stop(request, max_model_len):
+                    outputs.append(
+                        EngineCoreOutput(
+                            req_id,
+                            sampled,
+                            None,
+                            None,
+                            None,
+                            None,
+                            max(request.num_cached_tokens, 0),
+                            request.queued_seconds,
+                        )
                     )
-                else:
-                    request.num_output_placeholders -= 1
-                if request.sampling_params.structured_outputs is None:
-                    new_token_ids = append_token_ids(request, sampled, max_model_len)
-                else:
-                    new_token_ids = self._append_constrained(request, sampled, max_model_len)
+                    continue
+                new_token_ids = sampled
+            else:
+                new_token_ids = self._new_token_ids(
+                    request, sampled, scheduler_output, runner_output
+                )
+            pooled = pooled_outputs.get(req_id) if pooled_outputs else None
             prompt_logprobs = None
             if all_prompt_logprobs and req_id in all_prompt_logprobs:
                 prompt_logprobs = _unreported_prompt_logprobs(
@@ -569,6 +568,40 @@ class OneBudgetScheduler(Scheduler):
                 )
             )
         return outputs
+
+    def _new_token_ids(
+        self,
+        request: Request,
+        sampled: list[int],
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+    ) -> list[int]:
+        """Fold one request's sampled tokens (drafts accepted, a grammar advanced, a pooled
+        vector) into it; returns the tokens appended."""
+        req_id = request.request_id
+        max_model_len = self.config.max_model_len
+        pooled_outputs = runner_output.pooler_output
+        if pooled_outputs and pooled_outputs.get(req_id) is not None:
+            # A pooling request ends with its prompt: the vector is its whole output.
+            request.num_output_placeholders -= 1
+            request.status = RequestStatus.FINISHED_STOPPED
+        if not sampled:
+            return []
+        if self.speculation.enabled:
+            num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+            request.num_output_placeholders -= 1 + num_drafts
+            request.num_computed_tokens -= self.speculation.on_sampled(
+                request,
+                num_drafts,
+                len(sampled),
+                runner_output.draft_token_ids.get(req_id),
+                req_id in scheduler_output.num_drafts_to_propose,
+            )
+        else:
+            request.num_output_placeholders -= 1
+        if request.sampling_params.structured_outputs is None:
+            return append_token_ids(request, sampled, max_model_len)
+        return self._append_constrained(request, sampled, max_model_len)
 
     def _append_constrained(
         self, request: Request, sampled: list[int], max_model_len: int

@@ -32,6 +32,10 @@ class UpdateResult(NamedTuple):
     """A stop string finished it while the engine core still runs it (abort it there)."""
 
 
+_CHANGED = UpdateResult(True, False)
+_UNCHANGED = UpdateResult(False, False)
+
+
 class CompletionState:
     """Token ids, text and logprobs of one sample, plus what was already streamed.
 
@@ -84,7 +88,8 @@ class CompletionState:
             self.token_ids += output.new_token_ids
             if output.finish_reason is not None:
                 self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
-            return UpdateResult(bool(output.new_token_ids) or self.finished, False)
+                return _CHANGED
+            return _CHANGED if output.new_token_ids else _UNCHANGED
         self.has_output = True
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         self.logprobs.add_prompt_rows(output.new_prompt_logprobs)

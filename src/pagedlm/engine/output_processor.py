@@ -63,6 +63,10 @@ class _ParentRequest:
         self.num_unfinished = len(children)
         self.prompt_logprobs_sent = False
         self.metrics: dict[str, float] = {"arrival_time": arrival_time}
+        self.scheduled = False
+        """Whether ``metrics`` holds its first scheduling time yet."""
+        self.step_new_tokens = 0
+        """Tokens its children kept in the step being processed."""
         self.pooled: list[float] | None = None
         """A pooling request's vector, once its step is done."""
 
@@ -71,12 +75,12 @@ class _ParentRequest:
         return self.num_unfinished == 0
 
     def record_step(self, now: float, num_new_tokens: int) -> None:
+        metrics = self.metrics
         if num_new_tokens:
-            self.metrics.setdefault("first_token_time", now)
-            self.metrics["time_to_first_token"] = (
-                self.metrics["first_token_time"] - self.metrics["arrival_time"]
-            )
-            self.metrics["last_token_time"] = now
+            if "first_token_time" not in metrics:
+                metrics["first_token_time"] = now
+                metrics["time_to_first_token"] = now - metrics["arrival_time"]
+            metrics["last_token_time"] = now
         if self.finished:
             self.metrics["finished_time"] = now
             self.metrics["e2e_latency"] = now - self.metrics["arrival_time"]
@@ -202,44 +206,47 @@ class OutputProcessor:
         if self._token_texts is not None:
             self._token_texts.prefetch(self._logprob_token_ids(outputs))
         now = time.monotonic()
-        changed: dict[str, list[CompletionState]] = {}
-        num_new_tokens: dict[str, int] = {}
+        changed: dict[_ParentRequest, list[CompletionState]] = {}
         reqs_to_abort: list[str] = []
+        children = self._children
         for output in outputs:
-            entry = self._children.get(output.req_id)
+            entry = children.get(output.req_id)
             if entry is None:
                 continue
             parent, child = entry
-            if output.queued_seconds is not None:
+            if not parent.scheduled and output.queued_seconds is not None:
                 # Arrival and scheduling times share the host's monotonic clock.
-                parent.metrics.setdefault(
-                    "first_scheduled_time", parent.metrics["arrival_time"] + output.queued_seconds
+                parent.metrics["first_scheduled_time"] = (
+                    parent.metrics["arrival_time"] + output.queued_seconds
                 )
+                parent.scheduled = True
             if output.pooled is not None:
                 parent.pooled = output.pooled
             num_tokens_before = len(child.token_ids)
             result = child.update(output)
             if result.stopped_by_string:
                 reqs_to_abort.append(child.request_id)
-            if child.finished:
-                del self._children[child.request_id]
+            if child.finish_reason is not None:
+                del children[child.request_id]
                 parent.num_unfinished -= 1
             if result.changed:
-                changed.setdefault(parent.request_id, []).append(child)
-                num_new_tokens[parent.request_id] = (
-                    num_new_tokens.get(parent.request_id, 0)
-                    + len(child.token_ids)
-                    - num_tokens_before
-                )
+                if parent in changed:
+                    changed[parent].append(child)
+                else:
+                    changed[parent] = [child]
+                parent.step_new_tokens += len(child.token_ids) - num_tokens_before
         request_outputs = []
-        for request_id, changed_children in changed.items():
-            parent = self._parents[request_id]
-            parent.record_step(now, num_new_tokens[request_id])
+        final_only = RequestOutputKind.FINAL_ONLY
+        for parent, changed_children in changed.items():
+            parent.record_step(now, parent.step_new_tokens)
+            parent.step_new_tokens = 0
+            if parent.num_unfinished == 0:
+                del self._parents[parent.request_id]
+            elif parent.output_kind is final_only:
+                continue  # nothing to say before it finishes
             request_output = parent.make_output(changed_children)
             if request_output is not None:
                 request_outputs.append(request_output)
-            if parent.finished:
-                del self._parents[request_id]
         return ProcessedOutputs(request_outputs, reqs_to_abort)
 
     def _logprob_token_ids(self, outputs: list[EngineCoreOutput]) -> Iterable[int]:

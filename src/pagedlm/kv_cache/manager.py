@@ -118,7 +118,10 @@ class KVCacheManager:
             # block_size steps), so only a block that just filled may need hashing.
             num_tokens_with_slots = request.num_computed_tokens + num_new_tokens
             if num_tokens_with_slots <= len(table) * self.block_size:
-                self._cache_full_blocks(request, table, num_tokens_with_slots)
+                if self.enable_prefix_caching and min(
+                    num_tokens_with_slots, len(request.all_token_ids)
+                ) // self.block_size > self._num_hashed.get(request.request_id, 0):
+                    self._cache_full_blocks(request, table, num_tokens_with_slots)
                 return []
         computed = new_computed_blocks or _NO_HIT
         num_computed = request.num_computed_tokens + computed.num_computed_tokens

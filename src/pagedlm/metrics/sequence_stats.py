@@ -74,6 +74,15 @@ class Histogram:
         self._counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
 
+    def observe_many(self, values: list[float]) -> None:
+        """``observe`` each of ``values``, in order."""
+        counts, bounds = self._counts, self.bounds
+        total = self.sum
+        for value in values:
+            counts[bisect.bisect_left(bounds, value)] += 1
+            total += value
+        self.sum = total
+
     @property
     def count(self) -> int:
         return sum(self._counts)
@@ -158,23 +167,41 @@ class SequenceStats:
         now = self.clock()
         step_tokens = 0
         finished: list[str] = []
+        gaps: list[float] = []  # the step's inter-token latencies, observed together
+        sequences = self._sequences
         for output in outputs:
-            sequence = self._sequences.get(output.req_id)
+            sequence = sequences.get(output.req_id)
             if sequence is None:
                 continue
-            if output.queued_seconds is not None and sequence.scheduled_time is None:
+            if sequence.scheduled_time is None and output.queued_seconds is not None:
                 sequence.scheduled_time = sequence.arrival_time + output.queued_seconds
             num_new = len(output.new_token_ids)
             if num_new:
                 step_tokens += num_new
-                if self._record_tokens(sequence, num_new, now):
+                if sequence.first_token_time is not None:
+                    # Tokens that arrive together (one step, or several merged) share the gap.
+                    gap = (now - sequence.last_token_time) / num_new
+                    if num_new == 1:
+                        gaps.append(gap)
+                    else:
+                        gaps += [gap] * num_new
+                else:
+                    sequence.first_token_time = now
+                    self._observe(
+                        "pagedlm:time_to_first_token_seconds", now - sequence.arrival_time
+                    )
+                    gaps += [0.0] * (num_new - 1)
                     step_tokens += sequence.num_prompt_tokens  # vLLM counts the prefill here
+                sequence.last_token_time = now
+                sequence.num_generation_tokens += num_new
             if output.finish_reason is not None:
                 if output.finish_reason != "abort":
                     finished.append(output.finish_reason)
                     self._record_finished(output.req_id, now)
                 else:
                     self._drop(output.req_id, observe_n=False)
+        if gaps:
+            self.histograms["pagedlm:inter_token_latency_seconds"].observe_many(gaps)
         if step_tokens:
             self._observe("pagedlm:iteration_tokens_total", step_tokens)
         return finished
@@ -185,22 +212,6 @@ class SequenceStats:
         for child_id in child_ids:
             if child_id in self._sequences:
                 self._record_finished(child_id, now)
-
-    def _record_tokens(self, sequence: _Sequence, num_new: int, now: float) -> bool:
-        """Observe the new tokens' latencies; True if they are the sequence's first."""
-        first = sequence.first_token_time is None
-        if first:
-            sequence.first_token_time = now
-            self._observe("pagedlm:time_to_first_token_seconds", now - sequence.arrival_time)
-            num_gaps, gap = num_new - 1, 0.0
-        else:
-            # Tokens that arrive together (one step, or several merged) share the gap.
-            num_gaps, gap = num_new, (now - sequence.last_token_time) / num_new
-        for _ in range(num_gaps):
-            self._observe("pagedlm:inter_token_latency_seconds", gap)
-        sequence.last_token_time = now
-        sequence.num_generation_tokens += num_new
-        return first
 
     def _record_finished(self, child_id: str, now: float) -> None:
         sequence = self._sequences.get(child_id)

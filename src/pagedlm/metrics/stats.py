@@ -67,9 +67,10 @@ class EngineMetrics:
             self.prompt_tokens -= unstarted_prompt_tokens
 
     def record_outputs(self, outputs: list[EngineCoreOutput]) -> None:
-        for out in outputs:
-            self.generation_tokens += len(out.new_token_ids)
-        self.request_success.update(self.sequences.record_outputs(outputs))
+        self.generation_tokens += sum(len(out.new_token_ids) for out in outputs)
+        finished = self.sequences.record_outputs(outputs)
+        if finished:
+            self.request_success.update(finished)
 
     def record_stopped(self, child_ids: Iterable[str]) -> None:
         """Sequences finished by a stop string (only the front end sees those)."""
