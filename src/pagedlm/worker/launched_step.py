@@ -59,7 +59,7 @@ class LaunchedStep:
         sampled: list[int],
         token_ids: torch.Tensor,
         logprobs: LogprobsTensors | None,
-        num_logprobs: list[int | None],
+        num_logprobs: list[int | None] | None,
         prompt_logprobs: LogprobsTensors | None,
         prompt_parts: list[PromptLogprobRows],
         verified: Verified | None = None,

@@ -376,11 +376,15 @@ class ModelRunner:
             return FinishedStep(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         batch = self.input_batch
         sampled = inputs.sampled
-        states = [inputs.states[i] for i in sampled]
+        # Every request samples in a decode step: then ``sampled`` is 0..n-1.
+        states = (
+            inputs.states
+            if len(sampled) == len(inputs.states)
+            else [inputs.states[i] for i in sampled]
+        )
         num_rows = inputs.num_sampling_rows
         num_sampling_rows = int(num_rows.sum())
-        token_ids = torch.zeros(0, dtype=torch.int64, device=self.device)
-        logprobs, verified = None, None
+        token_ids, logprobs, verified = None, None, None
         if len(sampled):
             # One sampling row per logits row: a verifying request's rows follow its drafts.
             row_states, row_lens = verification_rows(
@@ -397,7 +401,9 @@ class ModelRunner:
                     token_history=DeviceTokenHistory(batch, row_states, row_lens),
                 ),
             )
-            bitmask = _batch_bitmask(grammar_bitmask, [s.req_id for s in row_states])
+            bitmask = None
+            if grammar_bitmask is not None:
+                bitmask = _batch_bitmask(grammar_bitmask, [s.req_id for s in row_states])
             if bitmask is not None:
                 bitmask = tensor_to_device(bitmask, self.device)
             if num_sampling_rows > len(sampled):
@@ -419,12 +425,16 @@ class ModelRunner:
             targets = batch.token_ids.view(-1)[inputs.prompt_target_index]
             num_top = max(rows.num_logprobs for rows in inputs.prompt_logprob_rows)
             prompt_logprobs = compute_logprobs(logits[num_sampling_rows:], targets, num_top)
+        if token_ids is None:
+            token_ids = torch.zeros(0, dtype=torch.int64, device=self.device)
         return LaunchedStep(
             req_ids=inputs.req_ids,
             sampled=sampled.tolist(),
             token_ids=token_ids,
             logprobs=logprobs,
-            num_logprobs=[s.sampling_params.logprobs for s in states],
+            num_logprobs=(
+                None if logprobs is None else [s.sampling_params.logprobs for s in states]
+            ),
             prompt_logprobs=prompt_logprobs,
             prompt_parts=inputs.prompt_logprob_rows,
             verified=verified,

@@ -8,6 +8,7 @@ penalties read the tokens on the device, from ``InputBatch.token_ids``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -48,7 +49,8 @@ class SamplingMetadataCache:
     until a request has enough outputs). A decode batch is built once, not every step."""
 
     def __init__(self) -> None:
-        self._key: tuple[int, ...] | None = None
+        self._key: list[int] | None = None
+        """The serials of the rows of the cached metadata; None: nothing reusable."""
         self._metadata: SamplingMetadata | None = None
 
     def get(
@@ -57,16 +59,20 @@ class SamplingMetadataCache:
         seq_lens: np.ndarray,
         build: Callable[[], SamplingMetadata],
     ) -> SamplingMetadata:
+        key = list(map(_serial, states))
+        if key == self._key and self._metadata is not None:
+            # Static when built, so still static: a request's output count only grows.
+            return self._metadata
         per_step = any(
             state.needs_token_history
             or int(n) - state.num_prompt_tokens < state.sampling_params.min_tokens
             for state, n in zip(states, seq_lens, strict=True)
         )
-        key = None if per_step else tuple(state.serial for state in states)
-        if key is not None and key == self._key and self._metadata is not None:
-            return self._metadata
-        self._key, self._metadata = key, build()
+        self._key, self._metadata = (None if per_step else key), build()
         return self._metadata
+
+
+_serial = attrgetter("serial")
 
 
 class DeviceTokenHistory:
