@@ -11,7 +11,7 @@ Each timing replays a CUDA graph of ``REPLAYS`` calls that rotate over copies of
 whose total exceeds the H200's 50 MB L2 several times, so every call reads its weight from
 memory; median of 5 replays, us per call and the fraction of 4.8 TB/s the weight's bytes
 make. Rows: ``F.linear`` (cuBLAS, bf16), the default tiles (``gemv_config``) and, with
-``--sweep``, other (block_n, block_k, warps, pipeline stages) tiles. Every tiled
+``--sweep``, other (block_n, block_k, warps, pipeline stages[, split_k]) tiles. Every tiled
 result is checked against the default's (relative error) and for repeatability (the calls
 on the same weight copy must agree bitwise). ``--best-json`` writes the fastest correct
 tiles per shape and kind in the form ``PAGEDLM_GEMV_CONFIGS`` reads (merged into the
@@ -122,7 +122,23 @@ GGUF_MORE_WARPS = [
 ]
 # 4-bit codes: the GEMV reuses each thread's x over the rows it holds, so tiles with more
 # rows per thread (more rows per program, or fewer warps) get a look.
+# Split-K (session 21): each row block's columns over 2-8 programs, for the shapes whose
+# few one-warp programs leave the GEMV latency-bound (q/k/v, o, down).
+GGUF_SPLITS = [
+    GemvConfig(8, 512, 1, 3, 2),
+    GemvConfig(8, 512, 1, 3, 4),
+    GemvConfig(8, 512, 1, 3, 8),
+    GemvConfig(8, 256, 1, 3, 4),
+    GemvConfig(8, 1024, 1, 3, 2),
+    GemvConfig(8, 1024, 1, 3, 4),
+    GemvConfig(16, 512, 2, 3, 2),
+    GemvConfig(16, 512, 2, 3, 4),
+    GemvConfig(8, 1024, 4, 3, 2),
+    GemvConfig(8, 1024, 4, 3, 4),
+    GemvConfig(4, 512, 1, 3, 4),
+]
 GGUF_SMALL_SWEEP = [
+    *GGUF_SPLITS,
     GemvConfig(8, 512, 1, 3),
     GemvConfig(8, 512, 1, 4),
     GemvConfig(8, 1024, 1, 3),
@@ -139,6 +155,7 @@ GGUF_SMALL_SWEEP = [
     *GGUF_MORE_WARPS,
 ]
 GGUF_LARGE_SWEEP = [
+    *GGUF_SPLITS,
     GemvConfig(8, 512, 1, 3),
     GemvConfig(16, 512, 1, 3),
     GemvConfig(16, 512, 2, 3),

@@ -97,6 +97,44 @@ def test_gemv_unmasked_tiles_match_the_dequantized_weight(type_name, config) -> 
     assert rel_error(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize(
+    ("shape", "config"),
+    [
+        ((36, 1280), (8, 128, 1, 2, 3)),  # masked rows and slices; 10 slices in 3 programs
+        ((32, 2048), (16, 256, 2, 2, 2)),  # unmasked: llama-3-8b's shapes take this path
+        ((32, 2048), (8, 512, 1, 3, 8)),  # more programs than slices: 4 of one slice each
+    ],
+)
+def test_split_k_gemv_sums_the_parts_and_resets_its_counts(type_name, shape, config) -> None:
+    """Each row block's columns over several programs: the same result (bitwise, whichever
+    program finishes last) on every call, so the counts are back at zero after each."""
+    n, k = shape
+    blocks = blocks_of(type_name, n, k, seed=k)
+    packed = pack_blocks(blocks.codes, blocks.scales, blocks.mins, DEVICE)
+    x = torch.randn(1, k, device=DEVICE)
+    bias = torch.randn(n, device=DEVICE)
+    ref = x.double().cpu() @ blocks.dequantize().double().T + bias.double().cpu()
+    first = gguf_gemv(x, packed, bias, config)
+    assert rel_error(first, ref) < 1e-5
+    assert torch.equal(gguf_gemv(x, packed, bias, config), first)
+    plain = config[:4]
+    assert rel_error(gguf_gemv(x, packed, bias, plain), ref) < 1e-5
+    int8 = gguf_gemv_int8(x, packed, bias, config)
+    assert rel_error(int8, int8_reference(x, blocks) + bias.double().cpu()) < 1e-4
+    assert torch.equal(gguf_gemv_int8(x, packed, bias, config), int8)
+
+
+def test_split_k_refuses_more_parts_than_its_workspace(monkeypatch) -> None:
+    from pagedlm_cuda.kernels import gguf_gemv as module
+
+    blocks = blocks_of("Q4_0", 16, 256)
+    packed = pack_blocks(blocks.codes, blocks.scales, blocks.mins, DEVICE)
+    monkeypatch.setattr(module, "SPLIT_PARTIALS", 31)
+    with pytest.raises(ValueError, match="split workspace"):
+        gguf_gemv(torch.randn(1, 256, device=DEVICE), packed, None, (8, 64, 1, 1, 2))
+
+
 def test_words_hold_their_columns_in_lane_groups() -> None:
     """Slot i of word w in lane group g is column 64 g + 8 i + w (4-bit codes), in byte
     i % 4 of the word, its high nibble for slots 4-7."""

@@ -9,7 +9,8 @@ Parts (``--parts``, all by default), each comparison measured in this one proces
   norms F32 ones), run at batch 1 as W2 with its blocks kept on the GPU, against the bf16
   run of the ``fp8`` part or a bf16 run of its own (target: >= 2.8x the bf16 tok/s); once
   per batch-1 GEMV of ``--gguf-gemvs``: ``float`` (``gguf_gemv``, the default one) and
-  ``int8`` (``gguf_gemv_int8``, x rounded to int8: ``PAGEDLM_GGUF_INT8_GEMV=1``);
+  ``int8`` (``gguf_gemv_int8``, x rounded to int8: ``PAGEDLM_GGUF_INT8_GEMV=1``), and
+  with ``--gguf-gemv-configs FILE`` once more with the float GEMV's tiles from FILE;
 - ``kernels``: each Llama-3-8B projection at batch 1 through the bf16 GEMV, the FP8 GEMV
   and the two Q4_0 GEMVs (float and int8), weights rotated over copies that exceed the L2,
   from CUDA graphs: microseconds and achieved bandwidth against the H200's 4.8 TB/s
@@ -62,6 +63,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=["float", "int8"],
         choices=["float", "int8"],
         help="the batch-1 GGUF GEMVs to run W2 with",
+    )
+    group.add_argument(
+        "--gguf-gemv-configs",
+        default=None,
+        help="also run W2 on the Q4_0 file with the float GEMV's tiles from this JSON file "
+        "(PAGEDLM_GEMV_CONFIGS's form, e.g. tests/cuda/bench_gemv.py --best-json's)",
     )
     group.add_argument("--gemv-sweep", action="store_true")
     group.add_argument("--gemm-sweep", action="store_true")
@@ -168,6 +175,19 @@ def run_gguf(args: argparse.Namespace, results: dict[str, Any]) -> None:
             print(
                 f"Q4_0 GGUF W2 ({gemv} GEMV): {q4:.1f} tok/s vs bf16 {bf16:.1f} = "
                 f"{q4 / bf16:.2f}x (target >= 2.8x)"
+            )
+        if args.gguf_gemv_configs:
+            from pagedlm_cuda.kernels import gemv as gemv_module
+
+            with _env(gemv_module.CONFIGS_ENV, args.gguf_gemv_configs):
+                gemv_module._configs_from_env.cache_clear()
+                q4 = _w2(args, "gguf q4_0, float GEMV, tiles from the file", model=str(path),
+                         load_format="auto")  # fmt: skip
+            gemv_module._configs_from_env.cache_clear()
+            results["gguf_q4_0_file_tiles_tok_per_s"] = q4
+            print(
+                f"Q4_0 GGUF W2 (float GEMV, tiles from {args.gguf_gemv_configs}): {q4:.1f} "
+                f"tok/s vs bf16 {bf16:.1f} = {q4 / bf16:.2f}x"
             )
 
 

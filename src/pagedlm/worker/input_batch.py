@@ -90,6 +90,8 @@ class InputBatch:
         self.num_admitted_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         """[slot] tokens the slot's request had when admitted (see the invariants)."""
         self.requests: dict[str, RequestState] = {}
+        self.num_prompt_logprob_requests = 0
+        """Requests in ``requests`` that asked for prompt logprobs."""
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
         self._writes = HostToDevice(4096, torch.int64, device)
         self._token_writes: list[tuple[int, list[int]]] = []
@@ -101,6 +103,8 @@ class InputBatch:
             state = self.requests.pop(req_id, None)
             if state is not None:
                 self._release(state)
+                if state.sampling_params.prompt_logprobs is not None:
+                    self.num_prompt_logprob_requests -= 1
         for req_id in scheduler_output.preempted_req_ids:
             state = self.requests.get(req_id)
             if state is not None:
@@ -131,6 +135,8 @@ class InputBatch:
                 data.lora_request,
             )
             self.requests[data.req_id] = state
+            if data.sampling_params.prompt_logprobs is not None:
+                self.num_prompt_logprob_requests += 1
         elif state.slot >= 0:
             raise RuntimeError(f"request {data.req_id!r} was admitted twice without a release")
         if not self._free_slots:

@@ -29,6 +29,7 @@ the device (``spec_positions.py``), leaving the host lengths as upper bounds; th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -145,10 +146,10 @@ class StepInputBuilder:
         request's last verification rejected, needed when ``num_drafts_in_flight`` is set."""
         batch = self.batch
         req_ids = scheduler_output.req_ids
-        states = [batch.requests[r] for r in req_ids]
+        states = list(map(batch.requests.__getitem__, req_ids))
         scheduled = scheduler_output.num_scheduled_tokens
         starts = np.array(scheduler_output.num_computed_tokens, dtype=np.int64)
-        num_new = np.fromiter((scheduled[r] for r in req_ids), np.int64, len(req_ids))
+        num_new = np.fromiter(map(scheduled.__getitem__, req_ids), np.int64, len(req_ids))
         drafts = scheduler_output.scheduled_spec_decode_tokens
         num_drafts = np.zeros(len(req_ids), dtype=np.int64)
         if drafts:
@@ -206,7 +207,7 @@ class StepInputBuilder:
     ) -> StepInputs:
         batch = self.batch
         num_reqs = len(req_ids)
-        slots = np.fromiter((s.slot for s in states), np.int64, num_reqs)
+        slots = np.fromiter(map(_slot, states), np.int64, num_reqs)
         seq_lens = starts + num_new
         num_tokens = int(num_new.sum())
         rows = padded_num_reqs or num_reqs
@@ -220,7 +221,12 @@ class StepInputBuilder:
         first_output = seq_lens - num_drafts
         sampled = np.flatnonzero(first_output >= batch.num_admitted_tokens[slots])
         prompt_rows, prompt_row_index, prompt_target_index = _prompt_logprob_rows(
-            states, starts, seq_lens, qsl, slots, batch.row_length
+            states if batch.num_prompt_logprob_requests else [],
+            starts,
+            seq_lens,
+            qsl,
+            slots,
+            batch.row_length,
         )
         uniform_decode = len(sampled) == num_reqs == num_tokens and not prompt_rows
         logits_rows = None
@@ -431,6 +437,9 @@ class _Sections:
     def view(self, device: torch.Tensor, name: str) -> torch.Tensor:
         start, end = self.spans[name]
         return device[start:] if end < 0 else device[start:end]
+
+
+_slot = attrgetter("slot")
 
 
 def _last_rows(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -99,12 +99,15 @@ def _gemv_kernel(
 class GemvConfig(NamedTuple):
     """How ``gemv`` tiles a weight: each program owns ``block_n`` whole rows, which it
     streams in ``block_k``-column slices; ``pipeline_stages`` > 1 keeps that many slices in
-    flight through shared memory (1: a plain loop)."""
+    flight through shared memory (1: a plain loop). ``split_k`` > 1 (the GGUF GEMVs
+    only) splits each row block's columns over that many programs, the last of which
+    to finish sums their parts in a fixed order."""
 
     block_n: int
     block_k: int
     num_warps: int
     pipeline_stages: int = 1
+    split_k: int = 1
 
 
 CONFIGS_ENV = "PAGEDLM_GEMV_CONFIGS"
@@ -132,11 +135,11 @@ def _configs_from_env() -> dict[tuple[int, int, str], GemvConfig]:
         parts = key.split(",")
         kind = parts.pop() if len(parts) == 3 else "bf16"
         ok = len(parts) == 2 and all(p.strip().isdigit() for p in parts) and kind in WEIGHT_KINDS
-        if not ok or not 3 <= len(tiles) <= 4 or not all(t >= 1 for t in tiles):
+        if not ok or not 3 <= len(tiles) <= 5 or not all(t >= 1 for t in tiles):
             raise ValueError(
                 f'{CONFIGS_ENV}={path}: entry {key!r}: {tiles!r}; write "N,K": [block_n, '
-                "block_k, num_warps, pipeline_stages] (positive integers, the last one "
-                f'optional), or "N,K,KIND" with KIND one of {", ".join(WEIGHT_KINDS)}.'
+                "block_k, num_warps, pipeline_stages, split_k] (positive integers, the last "
+                f'two optional), or "N,K,KIND" with KIND one of {", ".join(WEIGHT_KINDS)}.'
             )
         configs[(int(parts[0]), int(parts[1]), kind)] = GemvConfig(*tiles)
     return configs
@@ -201,6 +204,8 @@ def gemv(
         raise ValueError("gemv needs unit-stride rows in x and weight.")
     kind = "fp8" if weight.element_size() == 1 else "bf16"
     cfg = GemvConfig(*config) if config is not None else gemv_config(n, k, kind)
+    if cfg.split_k != 1:
+        raise ValueError(f"gemv streams whole rows per program; split_k must be 1, got {cfg}.")
     if silu_and_mul and (n % 2 or cfg.block_n % 2):
         raise ValueError(f"silu_and_mul needs an even row count and block_n; got {n}, {cfg}.")
     out = torch.empty((1, n // 2 if silu_and_mul else n), dtype=x.dtype, device=x.device)

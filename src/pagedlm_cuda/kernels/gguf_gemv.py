@@ -275,11 +275,11 @@ def _slice_products(
 
 @triton.jit
 def gemv_kernel(
-    x_ptr, codes_ptr, scales_ptr, mins_ptr, bias_ptr, out_ptr, N, K,
-    stride_codes, stride_groups, magic,
+    x_ptr, codes_ptr, scales_ptr, mins_ptr, bias_ptr, out_ptr, partials_ptr, counts_ptr, N, K,
+    stride_codes, stride_groups, magic, CHUNK_G,
     SLICE: tl.constexpr, OFFSET: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
     HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-    PIPELINE: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    PIPELINE: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     EMULATE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The batch-1 GEMV's programs and slices, around ``SLICE``: a jitted function of
@@ -287,12 +287,19 @@ def gemv_kernel(
     part of the product over a slice, summed over all but the rows at the end
     (``_slice_products``, or the int8 GEMV's ``_slice_terms``).
     ``EVEN_N``: N is a multiple of BLOCK_N; ``EVEN_K``: K is a multiple of BLOCK_G lane
-    groups (no masks then)."""
+    groups (no masks then). ``SPLIT`` > 1: program (i, s) takes lane groups ``s * CHUNK_G``
+    on (``CHUNK_G`` a multiple of BLOCK_G) of row block i (``_reduce_split``)."""
     pdl.allow_next(USE_PDL)
     SPAN: tl.constexpr = LANES * (32 // BITS)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     n_groups = tl.cdiv(K, SPAN)
+    if SPLIT > 1:
+        g_start = tl.program_id(1) * CHUNK_G
+        g_end = tl.minimum(g_start + CHUNK_G, n_groups)
+    else:
+        g_start = 0
+        g_end = n_groups
     # Loaded as rows of contiguous words (so threads spread along a row and each holds
     # several rows: its x is reused), then viewed as [rows, lane groups, 8].
     BLOCK_W: tl.constexpr = BLOCK_G * LANES
@@ -300,18 +307,18 @@ def gemv_kernel(
     row_words = codes_ptr + rows.to(tl.int64)[:, None] * stride_codes + word_ids[None, :]
     # Weights never change: the first slice is read before waiting for x's producer.
     if EVEN_N and EVEN_K:
-        words = tl.load(row_words)
+        words = tl.load(row_words + g_start * LANES)
     else:
-        mask = row_mask[:, None] & (word_ids[None, :] < n_groups * LANES)
-        words = tl.load(row_words, mask=mask, other=0)
+        mask = row_mask[:, None] & (g_start * LANES + word_ids[None, :] < n_groups * LANES)
+        words = tl.load(row_words + g_start * LANES, mask=mask, other=0)
     pdl.wait_for_previous(USE_PDL)
     acc = SLICE(
         tl.reshape(words, (BLOCK_N, BLOCK_G, LANES)), magic, x_ptr, scales_ptr, mins_ptr,
-        rows, row_mask, 0, K, stride_groups, OFFSET, BITS, GROUP, HAS_MINS, BLOCK_G, EVEN_N,
-        EVEN_K, EMULATE,
+        rows, row_mask, g_start, K, stride_groups, OFFSET, BITS, GROUP, HAS_MINS, BLOCK_G,
+        EVEN_N, EVEN_K, EMULATE,
     )  # fmt: skip
     # PIPELINE > 1 keeps that many slices in flight (as in ``gemv``).
-    for g0 in tl.range(BLOCK_G, n_groups, BLOCK_G, num_stages=PIPELINE):
+    for g0 in tl.range(g_start + BLOCK_G, g_end, BLOCK_G, num_stages=PIPELINE):
         if EVEN_N and EVEN_K:
             words = tl.load(row_words + g0 * LANES)
         else:
@@ -325,9 +332,65 @@ def gemv_kernel(
     if len(acc.shape) == 3:
         acc = tl.sum(acc, axis=2)
     y = tl.sum(acc, axis=1)
+    if SPLIT > 1:
+        _reduce_split(
+            y, rows, row_mask, bias_ptr, out_ptr, partials_ptr, counts_ptr, N, HAS_BIAS, SPLIT
+        )
+    else:
+        _store_rows(y, rows, row_mask, bias_ptr, out_ptr, HAS_BIAS)
+
+
+@triton.jit
+def _store_rows(y, rows, row_mask, bias_ptr, out_ptr, HAS_BIAS: tl.constexpr):
+    """Add the bias to the float32 sums ``y`` of ``rows`` and store them in out's dtype."""
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _reduce_split(
+    y, rows, row_mask, bias_ptr, out_ptr, partials_ptr, counts_ptr, N,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """A split program's part of its rows: stored in ``partials[split, rows]``, then counted
+    in ``counts[row block]``; the program that counts last sums the ``SPLIT`` parts in order
+    (the same result whichever finishes last), stores the rows and sets the count back to
+    0 for the next call. The barrier puts every thread's store before the count, whose
+    acquire-release atomic publishes them (as a grid-wide barrier does)."""
+    block = tl.program_id(0)
+    tl.store(partials_ptr + tl.program_id(1) * N + rows, y, mask=row_mask)
+    tl.debug_barrier()
+    if tl.atomic_add(counts_ptr + block, 1, sem="acq_rel") == SPLIT - 1:
+        total = tl.load(partials_ptr + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
+        for part in tl.static_range(1, SPLIT):
+            total += tl.load(
+                partials_ptr + part * N + rows, mask=row_mask, other=0.0, cache_modifier=".cg"
+            )
+        _store_rows(total, rows, row_mask, bias_ptr, out_ptr, HAS_BIAS)
+        tl.store(counts_ptr + block, 0)
+
+
+SPLIT_PARTIALS = 8 * 65536
+"""Float32 parts the split GEMVs' workspace holds (``N * split_k`` at most)."""
+SPLIT_BLOCKS = 65536
+"""Row blocks the split GEMVs' counts cover (``ceil(N / block_n)`` at most)."""
+_split_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def split_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device's split-K parts (float32) and per-row-block counts (int32, zero between
+    calls: the last program of a block sets its count back). One pair per device, made at
+    the first split GEMV (every call on a stream runs after the previous one's counts are
+    back at zero: programmatic dependent launch waits before touching them)."""
+    workspace = _split_workspaces.get(device)
+    if workspace is None:
+        workspace = (
+            torch.empty(SPLIT_PARTIALS, dtype=torch.float32, device=device),
+            torch.zeros(SPLIT_BLOCKS, dtype=torch.int32, device=device),
+        )
+        _split_workspaces[device] = workspace
+    return workspace
 
 
 def default_gemv_config(weight: PackedGguf, int8: bool = False) -> GemvConfig:
@@ -372,12 +435,26 @@ def launch_gemv(
         )
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     mins = weight.mins if weight.mins is not None else weight.scales
-    gemv_kernel[(triton.cdiv(n, config.block_n),)](
+    # Split-K: whole slices per program, and no program without one.
+    num_slices = triton.cdiv(triton.cdiv(k, weight.span), block_g)
+    per_split = triton.cdiv(num_slices, config.split_k)
+    split = triton.cdiv(num_slices, per_split)
+    row_blocks = triton.cdiv(n, config.block_n)
+    partials, counts = out, out
+    if split > 1:
+        if n * split > SPLIT_PARTIALS or row_blocks > SPLIT_BLOCKS:
+            raise ValueError(
+                f"{name}: split_k={config.split_k} over {n} rows needs more than the split "
+                f"workspace holds ({SPLIT_PARTIALS} parts, {SPLIT_BLOCKS} row blocks)."
+            )
+        partials, counts = split_workspace(x.device)
+    gemv_kernel[(row_blocks, split)](
         x, weight.codes, weight.scales, mins, bias if bias is not None else weight.scales,
-        out, n, k, weight.codes.stride(0), weight.scales.stride(0), MAGIC.value,
+        out, partials, counts, n, k, weight.codes.stride(0), weight.scales.stride(0),
+        MAGIC.value, per_split * block_g,
         SLICE=slice_fn, OFFSET=weight.offset, BITS=weight.bits, GROUP=weight.group_size,
         HAS_MINS=weight.mins is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=config.block_n, BLOCK_G=block_g, PIPELINE=config.pipeline_stages,
+        BLOCK_N=config.block_n, BLOCK_G=block_g, PIPELINE=config.pipeline_stages, SPLIT=split,
         EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
         EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=config.num_warps, num_stages=config.pipeline_stages, **pdl.launch_options(),
