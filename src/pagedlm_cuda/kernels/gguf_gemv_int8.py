@@ -263,4 +263,12 @@ def gguf_gemv_int8(
     """``gguf_gemv``'s contract with x rounded to int8 per 32 columns (the module
     docstring): x [1, K] (unit-stride row) -> [1, N] in x's dtype."""
     cfg = default_gemv_config(weight, int8=True) if config is None else GemvConfig(*config)
+    if cfg.pipeline_stages == 2 and x.is_cuda:
+        # Every tile with two stages gave wrong sums on H100s (sessions 18 and 21:
+        # (8, 256, 1, 2), (8, 128, 1, 2, 3), (16, 256, 2, 2, 2), relative errors 0.1-10),
+        # every tile with one or three right ones; the interpreter computes them right.
+        raise ValueError(
+            f"gguf_gemv_int8 computes wrong sums with two pipeline stages on the GPU; use "
+            f"1 or 3 (got {tuple(cfg)})."
+        )
     return launch_gemv("gguf_gemv_int8", _slice_terms, x, weight, bias, cfg)
