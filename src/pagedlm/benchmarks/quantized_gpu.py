@@ -10,7 +10,7 @@ Parts (``--parts``, all by default), each comparison measured in this one proces
   run of the ``fp8`` part or a bf16 run of its own (target: >= 2.8x the bf16 tok/s); once
   per batch-1 GEMV of ``--gguf-gemvs``: ``float`` (``gguf_gemv``, the default one) and
   ``int8`` (``gguf_gemv_int8``, x rounded to int8: ``PAGEDLM_GGUF_INT8_GEMV=1``), and
-  with ``--gguf-gemv-configs FILE`` once more with the float GEMV's tiles from FILE;
+  with ``--gguf-gemv-configs FILE`` each once more with its tiles from FILE;
 - ``kernels``: each Llama-3-8B projection at batch 1 through the bf16 GEMV, the FP8 GEMV
   and the two Q4_0 GEMVs (float and int8), weights rotated over copies that exceed the L2,
   from CUDA graphs: microseconds and achieved bandwidth against the H200's 4.8 TB/s
@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import copy
 import gc
+import itertools
 import json
 import os
 import tempfile
@@ -67,7 +68,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--gguf-gemv-configs",
         default=None,
-        help="also run W2 on the Q4_0 file with the float GEMV's tiles from this JSON file "
+        help="also run W2 on the Q4_0 file with each GEMV's tiles from this JSON file "
         "(PAGEDLM_GEMV_CONFIGS's form, e.g. tests/cuda/bench_gemv.py --best-json's)",
     )
     group.add_argument("--gemv-sweep", action="store_true")
@@ -164,37 +165,36 @@ def run_gguf(args: argparse.Namespace, results: dict[str, Any]) -> None:
         print(f"wrote {path} ({size / 1e9:.2f} GB) in {time.perf_counter() - start:.1f} s")
         bf16 = results.get("bf16_tok_per_s") or _w2(args, "bf16")
         results["bf16_tok_per_s"] = bf16
+        from pagedlm_cuda.kernels import gemv as gemv_module
         from pagedlm_cuda.kernels.gguf_gemv_int8 import INT8_GEMV_ENV
 
-        for gemv in args.gguf_gemvs:
-            suffix = "" if gemv == "float" else f"_{gemv}"
-            with _env(INT8_GEMV_ENV, "1" if gemv == "int8" else "0"):
-                q4 = _w2(args, f"gguf q4_0, {gemv} GEMV", model=str(path), load_format="auto")
+        tiles = [None] + ([args.gguf_gemv_configs] if args.gguf_gemv_configs else [])
+        for table, gemv in itertools.product(tiles, args.gguf_gemvs):
+            suffix = ("" if gemv == "float" else f"_{gemv}") + ("_file_tiles" if table else "")
+            label = f"{gemv} GEMV" + (f", tiles from {table}" if table else "")
+            with (
+                _env(INT8_GEMV_ENV, "1" if gemv == "int8" else "0"),
+                _env(gemv_module.CONFIGS_ENV, table),
+            ):
+                gemv_module._configs_from_env.cache_clear()
+                q4 = _w2(args, f"gguf q4_0, {label}", model=str(path), load_format="auto")
+            gemv_module._configs_from_env.cache_clear()
             results[f"gguf_q4_0{suffix}_tok_per_s"] = q4
             results[f"gguf_q4_0{suffix}_speedup"] = q4 / bf16
             print(
-                f"Q4_0 GGUF W2 ({gemv} GEMV): {q4:.1f} tok/s vs bf16 {bf16:.1f} = "
+                f"Q4_0 GGUF W2 ({label}): {q4:.1f} tok/s vs bf16 {bf16:.1f} = "
                 f"{q4 / bf16:.2f}x (target >= 2.8x)"
-            )
-        if args.gguf_gemv_configs:
-            from pagedlm_cuda.kernels import gemv as gemv_module
-
-            with _env(gemv_module.CONFIGS_ENV, args.gguf_gemv_configs):
-                gemv_module._configs_from_env.cache_clear()
-                q4 = _w2(args, "gguf q4_0, float GEMV, tiles from the file", model=str(path),
-                         load_format="auto")  # fmt: skip
-            gemv_module._configs_from_env.cache_clear()
-            results["gguf_q4_0_file_tiles_tok_per_s"] = q4
-            print(
-                f"Q4_0 GGUF W2 (float GEMV, tiles from {args.gguf_gemv_configs}): {q4:.1f} "
-                f"tok/s vs bf16 {bf16:.1f} = {q4 / bf16:.2f}x"
             )
 
 
 @contextlib.contextmanager
-def _env(name: str, value: str):
+def _env(name: str, value: str | None):
+    """``name`` set to ``value`` (None: unset) inside the block."""
     before = os.environ.get(name)
-    os.environ[name] = value
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
     try:
         yield
     finally:
