@@ -120,18 +120,18 @@ def test_split_k_gemv_sums_the_parts_and_resets_its_counts(type_name, shape, con
     assert torch.equal(gguf_gemv(x, packed, bias, config), first)
     plain = config[:4]
     assert rel_error(gguf_gemv(x, packed, bias, plain), ref) < 1e-5
-    int8_config = (*config[:3], 3, config[4])  # two stages: refused on the GPU (below)
+    int8_config = (config[0], 512, config[2], 3, config[4])  # narrower: refused on the GPU
     int8 = gguf_gemv_int8(x, packed, bias, int8_config)
     assert rel_error(int8, int8_reference(x, blocks) + bias.double().cpu()) < 1e-4
     assert torch.equal(gguf_gemv_int8(x, packed, bias, int8_config), int8)
 
 
-@pytest.mark.cuda  # the interpreter computes two stages right, and is not refused
-def test_int8_gemv_refuses_two_pipeline_stages_on_the_gpu() -> None:
+@pytest.mark.cuda  # the interpreter computes narrow slices right, and is not refused
+def test_int8_gemv_refuses_narrow_slices_on_the_gpu() -> None:
     blocks = blocks_of("Q4_0", 16, 256)
     packed = pack_blocks(blocks.codes, blocks.scales, blocks.mins, DEVICE)
-    with pytest.raises(ValueError, match="two pipeline stages"):
-        gguf_gemv_int8(torch.randn(1, 256, device=DEVICE), packed, None, (8, 256, 1, 2))
+    with pytest.raises(ValueError, match="block_k >= 512"):
+        gguf_gemv_int8(torch.randn(1, 256, device=DEVICE), packed, None, (8, 256, 1, 3))
 
 
 def test_split_k_refuses_more_parts_than_its_workspace(monkeypatch) -> None:
@@ -237,7 +237,7 @@ def test_int8_gemv_matches_x_rounded_to_int8(type_name: str, shape: tuple[int, i
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K", "Q8_0", "Q6_K", "Q2_K", "Q3_K"])
-@pytest.mark.parametrize("config", [None, (8, 256, 1, 3), (16, 1024, 2, 1)])
+@pytest.mark.parametrize("config", [None, (8, 512, 1, 1), (16, 1024, 2, 1)])
 def test_int8_gemv_tiles(type_name: str, config) -> None:
     """Unmasked tiles (llama-3-8b's shapes take them) and masked rows (N = 36)."""
     for n in (32, 36):

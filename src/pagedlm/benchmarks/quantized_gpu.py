@@ -199,7 +199,7 @@ def _env(name: str, value: str | None):
         yield
     finally:
         if before is None:
-            del os.environ[name]
+            os.environ.pop(name, None)
         else:
             os.environ[name] = before
 
