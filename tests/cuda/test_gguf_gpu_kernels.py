@@ -135,7 +135,7 @@ def test_int8_gemv_refuses_narrow_slices_on_the_gpu() -> None:
 
 
 def test_split_k_refuses_more_parts_than_its_workspace(monkeypatch) -> None:
-    from pagedlm_cuda.kernels import gguf_gemv as module
+    from pagedlm_cuda.kernels import split_k as module
 
     blocks = blocks_of("Q4_0", 16, 256)
     packed = pack_blocks(blocks.codes, blocks.scales, blocks.mins, DEVICE)

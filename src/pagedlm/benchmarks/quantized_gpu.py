@@ -10,7 +10,8 @@ Parts (``--parts``, all by default), each comparison measured in this one proces
   run of the ``fp8`` part or a bf16 run of its own (target: >= 2.8x the bf16 tok/s); once
   per batch-1 GEMV of ``--gguf-gemvs``: ``float`` (``gguf_gemv``, the default one) and
   ``int8`` (``gguf_gemv_int8``, x rounded to int8: ``PAGEDLM_GGUF_INT8_GEMV=1``), and
-  with ``--gguf-gemv-configs FILE`` each once more with its tiles from FILE;
+  with ``--gemv-configs FILE`` each once more with its tiles from FILE (the ``fp8``
+  part's two runs too);
 - ``kernels``: each Llama-3-8B projection at batch 1 through the bf16 GEMV, the FP8 GEMV
   and the two Q4_0 GEMVs (float and int8), weights rotated over copies that exceed the L2,
   from CUDA graphs: microseconds and achieved bandwidth against the H200's 4.8 TB/s
@@ -66,10 +67,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="the batch-1 GGUF GEMVs to run W2 with",
     )
     group.add_argument(
-        "--gguf-gemv-configs",
+        "--gemv-configs",
         default=None,
-        help="also run W2 on the Q4_0 file with each GEMV's tiles from this JSON file "
-        "(PAGEDLM_GEMV_CONFIGS's form, e.g. tests/cuda/bench_gemv.py --best-json's)",
+        help="run each W2 (bf16, FP8, each GGUF GEMV) once more with the GEMV tiles from "
+        "this JSON file (PAGEDLM_GEMV_CONFIGS's form, e.g. tests/cuda/bench_gemv.py "
+        "--best-json's)",
     )
     group.add_argument("--gemv-sweep", action="store_true")
     group.add_argument("--gemm-sweep", action="store_true")
@@ -150,11 +152,37 @@ def _w2(args: argparse.Namespace, label: str, **overrides: Any) -> float:
 
 
 def run_fp8(args: argparse.Namespace, results: dict[str, Any]) -> None:
-    bf16 = results.setdefault("bf16_tok_per_s", _w2(args, "bf16"))
-    fp8 = _w2(args, "fp8", quantization="fp8")
-    results["fp8_tok_per_s"] = fp8
-    results["fp8_speedup"] = fp8 / bf16
-    print(f"FP8 W2: {fp8:.1f} tok/s vs bf16 {bf16:.1f} = {fp8 / bf16:.2f}x (target >= 1.8x)")
+    for table in _tile_tables(args):
+        suffix = "_file_tiles" if table else ""
+        with _tiles(table):
+            if table or "bf16_tok_per_s" not in results:
+                results[f"bf16{suffix}_tok_per_s"] = _w2(args, "bf16" + suffix)
+            bf16 = results[f"bf16{suffix}_tok_per_s"]
+            fp8 = _w2(args, "fp8" + suffix, quantization="fp8")
+        results[f"fp8{suffix}_tok_per_s"] = fp8
+        results[f"fp8{suffix}_speedup"] = fp8 / bf16
+        print(
+            f"FP8 W2{' (tiles from ' + table + ')' if table else ''}: {fp8:.1f} tok/s vs "
+            f"bf16 {bf16:.1f} = {fp8 / bf16:.2f}x (target >= 1.8x)"
+        )
+
+
+def _tile_tables(args: argparse.Namespace) -> list[str | None]:
+    """None (the default tiles), then ``--gemv-configs``' file if given."""
+    return [None] + ([args.gemv_configs] if args.gemv_configs else [])
+
+
+@contextlib.contextmanager
+def _tiles(table: str | None):
+    """The GEMV tiles of ``table`` (None: the defaults) for engines made inside."""
+    from pagedlm_cuda.kernels import gemv as gemv_module
+
+    with _env(gemv_module.CONFIGS_ENV, table):
+        gemv_module._configs_from_env.cache_clear()
+        try:
+            yield
+        finally:
+            gemv_module._configs_from_env.cache_clear()
 
 
 def run_gguf(args: argparse.Namespace, results: dict[str, Any]) -> None:
@@ -165,20 +193,13 @@ def run_gguf(args: argparse.Namespace, results: dict[str, Any]) -> None:
         print(f"wrote {path} ({size / 1e9:.2f} GB) in {time.perf_counter() - start:.1f} s")
         bf16 = results.get("bf16_tok_per_s") or _w2(args, "bf16")
         results["bf16_tok_per_s"] = bf16
-        from pagedlm_cuda.kernels import gemv as gemv_module
         from pagedlm_cuda.kernels.gguf_gemv_int8 import INT8_GEMV_ENV
 
-        tiles = [None] + ([args.gguf_gemv_configs] if args.gguf_gemv_configs else [])
-        for table, gemv in itertools.product(tiles, args.gguf_gemvs):
+        for table, gemv in itertools.product(_tile_tables(args), args.gguf_gemvs):
             suffix = ("" if gemv == "float" else f"_{gemv}") + ("_file_tiles" if table else "")
             label = f"{gemv} GEMV" + (f", tiles from {table}" if table else "")
-            with (
-                _env(INT8_GEMV_ENV, "1" if gemv == "int8" else "0"),
-                _env(gemv_module.CONFIGS_ENV, table),
-            ):
-                gemv_module._configs_from_env.cache_clear()
+            with _env(INT8_GEMV_ENV, "1" if gemv == "int8" else "0"), _tiles(table):
                 q4 = _w2(args, f"gguf q4_0, {label}", model=str(path), load_format="auto")
-            gemv_module._configs_from_env.cache_clear()
             results[f"gguf_q4_0{suffix}_tok_per_s"] = q4
             results[f"gguf_q4_0{suffix}_speedup"] = q4 / bf16
             print(

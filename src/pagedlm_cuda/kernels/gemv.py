@@ -39,15 +39,18 @@ import triton
 import triton.language as tl
 
 from pagedlm_cuda.kernels import pdl
+from pagedlm_cuda.kernels.split_k import plan_split, split_sum
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_w,
-    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PIPELINE: tl.constexpr, GATED: tl.constexpr,
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partials_ptr, counts_ptr, N, K, stride_w,
+    CHUNK_K, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PIPELINE: tl.constexpr, SPLIT: tl.constexpr, GATED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    """``SPLIT`` > 1 (never ``GATED``): program (i, s) takes columns ``s * CHUNK_K`` on
+    (``CHUNK_K`` a multiple of BLOCK_K) of row block i (``split_k.py``)."""
     pdl.allow_next(USE_PDL)
     if GATED:  # half the rows are gate rows, the other half the up rows N / 2 below them
         HALF_N: tl.constexpr = BLOCK_N // 2
@@ -59,7 +62,13 @@ def _gemv_kernel(
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
-    cols = tl.arange(0, BLOCK_K)
+    if SPLIT > 1:
+        k_start = tl.program_id(1) * CHUNK_K
+        k_end = tl.minimum(k_start + CHUNK_K, K)
+    else:
+        k_start = 0
+        k_end = K
+    cols = k_start + tl.arange(0, BLOCK_K)
     # The first weight slice is read before waiting for the kernel that produces x:
     # weights never change, so this overlaps the previous kernel's tail.
     k_mask = cols < K
@@ -71,37 +80,46 @@ def _gemv_kernel(
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
     # PIPELINE > 1 keeps that many slices in flight (copied asynchronously to shared
     # memory); a plain loop issues a slice's loads only once the previous one is summed.
-    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=PIPELINE):
+    for k0 in tl.range(k_start + BLOCK_K, k_end, BLOCK_K, num_stages=PIPELINE):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < K
         w = tl.load(w_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptr + k, mask=k_mask, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
-    if HAS_SCALE:
-        y *= scale
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    if GATED:
-        # silu(gate) * up from the rounded projections, as ``silu_and_mul`` computes it
-        # from the GEMV's stored output.
-        projected = tl.reshape(y.to(out_ptr.dtype.element_ty), (2, HALF_N))
-        gate, up = tl.split(tl.trans(projected))
-        g32 = gate.to(tl.float32)
-        silu = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
-        out = silu.to(tl.float32) * up.to(tl.float32)
-        out_rows = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
-        tl.store(out_ptr + out_rows, out.to(out_ptr.dtype.element_ty), mask=out_rows < N // 2)
+    if SPLIT > 1:
+        last, y = split_sum(y, rows, row_mask, partials_ptr, counts_ptr, N, SPLIT)
+        if last:
+            if HAS_SCALE:
+                y *= tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
     else:
-        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+        if HAS_SCALE:
+            y *= scale
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        if GATED:
+            # silu(gate) * up from the rounded projections, as ``silu_and_mul`` computes it
+            # from the GEMV's stored output.
+            projected = tl.reshape(y.to(out_ptr.dtype.element_ty), (2, HALF_N))
+            gate, up = tl.split(tl.trans(projected))
+            g32 = gate.to(tl.float32)
+            silu = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
+            out = silu.to(tl.float32) * up.to(tl.float32)
+            out_rows = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
+            tl.store(out_ptr + out_rows, out.to(out_ptr.dtype.element_ty), mask=out_rows < N // 2)
+        else:
+            tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
 class GemvConfig(NamedTuple):
     """How ``gemv`` tiles a weight: each program owns ``block_n`` whole rows, which it
     streams in ``block_k``-column slices; ``pipeline_stages`` > 1 keeps that many slices in
-    flight through shared memory (1: a plain loop). ``split_k`` > 1 (the GGUF GEMVs
-    only) splits each row block's columns over that many programs, the last of which
-    to finish sums their parts in a fixed order."""
+    flight through shared memory (1: a plain loop). ``split_k`` > 1 splits each row
+    block's columns over that many programs, the last of which to finish sums their
+    parts in a fixed order (``split_k.py``)."""
 
     block_n: int
     block_k: int
@@ -210,16 +228,21 @@ def gemv(
         raise ValueError("gemv needs unit-stride rows in x and weight.")
     kind = "fp8" if weight.element_size() == 1 else "bf16"
     cfg = GemvConfig(*config) if config is not None else gemv_config(n, k, kind)
-    if cfg.split_k != 1:
-        raise ValueError(f"gemv streams whole rows per program; split_k must be 1, got {cfg}.")
     if silu_and_mul and (n % 2 or cfg.block_n % 2):
         raise ValueError(f"silu_and_mul needs an even row count and block_n; got {n}, {cfg}.")
+    if silu_and_mul and cfg.split_k != 1:
+        raise ValueError(f"silu_and_mul pairs whole rows in one program; split_k 1, got {cfg}.")
     out = torch.empty((1, n // 2 if silu_and_mul else n), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+    split, per_split, partials, counts = plan_split(
+        "gemv", n, cfg.block_n, triton.cdiv(k, cfg.block_k), cfg.split_k, x.device
+    )
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, weight, weight_scale if weight_scale is not None else weight,
-        bias if bias is not None else weight, out, n, k, weight.stride(0),
+        bias if bias is not None else weight, out,
+        partials if partials is not None else out, counts if counts is not None else out,
+        n, k, weight.stride(0), per_split * cfg.block_k,
         HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PIPELINE=cfg.pipeline_stages,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PIPELINE=cfg.pipeline_stages, SPLIT=split,
         GATED=silu_and_mul, num_warps=cfg.num_warps, num_stages=cfg.pipeline_stages,
         **pdl.launch_options(),
     )  # fmt: skip

@@ -47,10 +47,9 @@ W2). Timed on an H100 (session 18, ``tests/cuda/bench_gemv.py --kinds gguf4 --sw
 whose few one-warp programs leave it latency-bound; W2 on a Q4_0 file 1.48x bf16's tok/s
 (``python -m pagedlm.benchmarks.quantized_gpu --parts gguf``).
 
-Split-K (session 21): with ``split_k`` > 1 each row block's slices are shared by that many
-programs, each storing its rows' partial sums; the last program of the block to count
-itself in (an acquire-release atomic per row block, after a barrier) adds the parts in
-split order, so the result does not depend on which finished last. On an H100 it took the
+Split-K (session 21, ``split_k.py``): with ``split_k`` > 1 each row block's slices are
+shared by that many programs, and the last of them to finish adds their parts in a fixed
+order. On an H100 it took the
 few-program projections from 26-33% toward half the bandwidth (q/k/v 16.97 -> 9.96 us,
 down 32.61 -> 20.52) and W2 on a Q4_0 file from 280.1 to 347.7 tok/s (1.52x -> 1.89x bf16).
 """
@@ -68,6 +67,7 @@ import triton.language as tl
 
 from pagedlm_cuda.kernels import pdl
 from pagedlm_cuda.kernels.gemv import GemvConfig, gemv_config
+from pagedlm_cuda.kernels.split_k import plan_split, split_sum
 
 GROUP_SIZE = 32
 LANES = tl.constexpr(8)
@@ -295,7 +295,7 @@ def gemv_kernel(
     (``_slice_products``, or the int8 GEMV's ``_slice_terms``).
     ``EVEN_N``: N is a multiple of BLOCK_N; ``EVEN_K``: K is a multiple of BLOCK_G lane
     groups (no masks then). ``SPLIT`` > 1: program (i, s) takes lane groups ``s * CHUNK_G``
-    on (``CHUNK_G`` a multiple of BLOCK_G) of row block i (``_reduce_split``)."""
+    on (``CHUNK_G`` a multiple of BLOCK_G) of row block i (``split_k.py``)."""
     pdl.allow_next(USE_PDL)
     SPAN: tl.constexpr = LANES * (32 // BITS)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -340,9 +340,9 @@ def gemv_kernel(
         acc = tl.sum(acc, axis=2)
     y = tl.sum(acc, axis=1)
     if SPLIT > 1:
-        _reduce_split(
-            y, rows, row_mask, bias_ptr, out_ptr, partials_ptr, counts_ptr, N, HAS_BIAS, SPLIT
-        )
+        last, y = split_sum(y, rows, row_mask, partials_ptr, counts_ptr, N, SPLIT)
+        if last:
+            _store_rows(y, rows, row_mask, bias_ptr, out_ptr, HAS_BIAS)
     else:
         _store_rows(y, rows, row_mask, bias_ptr, out_ptr, HAS_BIAS)
 
@@ -353,51 +353,6 @@ def _store_rows(y, rows, row_mask, bias_ptr, out_ptr, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
-
-
-@triton.jit
-def _reduce_split(
-    y, rows, row_mask, bias_ptr, out_ptr, partials_ptr, counts_ptr, N,
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-):  # fmt: skip
-    """A split program's part of its rows: stored in ``partials[split, rows]``, then counted
-    in ``counts[row block]``; the program that counts last sums the ``SPLIT`` parts in order
-    (the same result whichever finishes last), stores the rows and sets the count back to
-    0 for the next call. The barrier puts every thread's store before the count, whose
-    acquire-release atomic publishes them (as a grid-wide barrier does)."""
-    block = tl.program_id(0)
-    tl.store(partials_ptr + tl.program_id(1) * N + rows, y, mask=row_mask)
-    tl.debug_barrier()
-    if tl.atomic_add(counts_ptr + block, 1, sem="acq_rel") == SPLIT - 1:
-        total = tl.load(partials_ptr + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
-        for part in tl.static_range(1, SPLIT):
-            total += tl.load(
-                partials_ptr + part * N + rows, mask=row_mask, other=0.0, cache_modifier=".cg"
-            )
-        _store_rows(total, rows, row_mask, bias_ptr, out_ptr, HAS_BIAS)
-        tl.store(counts_ptr + block, 0)
-
-
-SPLIT_PARTIALS = 8 * 65536
-"""Float32 parts the split GEMVs' workspace holds (``N * split_k`` at most)."""
-SPLIT_BLOCKS = 65536
-"""Row blocks the split GEMVs' counts cover (``ceil(N / block_n)`` at most)."""
-_split_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def split_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The device's split-K parts (float32) and per-row-block counts (int32, zero between
-    calls: the last program of a block sets its count back). One pair per device, made at
-    the first split GEMV (every call on a stream runs after the previous one's counts are
-    back at zero: programmatic dependent launch waits before touching them)."""
-    workspace = _split_workspaces.get(device)
-    if workspace is None:
-        workspace = (
-            torch.empty(SPLIT_PARTIALS, dtype=torch.float32, device=device),
-            torch.zeros(SPLIT_BLOCKS, dtype=torch.int32, device=device),
-        )
-        _split_workspaces[device] = workspace
-    return workspace
 
 
 def default_gemv_config(weight: PackedGguf, int8: bool = False) -> GemvConfig:
@@ -442,22 +397,14 @@ def launch_gemv(
         )
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     mins = weight.mins if weight.mins is not None else weight.scales
-    # Split-K: whole slices per program, and no program without one.
     num_slices = triton.cdiv(triton.cdiv(k, weight.span), block_g)
-    per_split = triton.cdiv(num_slices, config.split_k)
-    split = triton.cdiv(num_slices, per_split)
-    row_blocks = triton.cdiv(n, config.block_n)
-    partials, counts = out, out
-    if split > 1:
-        if n * split > SPLIT_PARTIALS or row_blocks > SPLIT_BLOCKS:
-            raise ValueError(
-                f"{name}: split_k={config.split_k} over {n} rows needs more than the split "
-                f"workspace holds ({SPLIT_PARTIALS} parts, {SPLIT_BLOCKS} row blocks)."
-            )
-        partials, counts = split_workspace(x.device)
-    gemv_kernel[(row_blocks, split)](
+    split, per_split, partials, counts = plan_split(
+        name, n, config.block_n, num_slices, config.split_k, x.device
+    )
+    gemv_kernel[(triton.cdiv(n, config.block_n), split)](
         x, weight.codes, weight.scales, mins, bias if bias is not None else weight.scales,
-        out, partials, counts, n, k, weight.codes.stride(0), weight.scales.stride(0),
+        out, partials if partials is not None else out, counts if counts is not None else out,
+        n, k, weight.codes.stride(0), weight.scales.stride(0),
         MAGIC.value, per_split * block_g,
         SLICE=slice_fn, OFFSET=weight.offset, BITS=weight.bits, GROUP=weight.group_size,
         HAS_MINS=weight.mins is not None, HAS_BIAS=bias is not None,
