@@ -79,28 +79,8 @@ LARGE_SWEEP = [
 ]
 
 
-# Split-K (session 21) for the few-program shapes.
-SPLITS = [
-    GemvConfig(16, 1024, 8, 1, 2),
-    GemvConfig(16, 1024, 8, 1, 4),
-    GemvConfig(16, 512, 8, 1, 2),
-    GemvConfig(16, 512, 4, 1, 4),
-    GemvConfig(8, 1024, 4, 1, 2),
-    GemvConfig(8, 512, 4, 1, 4),
-]
-SMALL_SWEEP += SPLITS
-LARGE_SWEEP += SPLITS
-FP8_SPLITS = [
-    GemvConfig(16, 1024, 4, 3, 2),
-    GemvConfig(16, 1024, 4, 3, 4),
-    GemvConfig(16, 2048, 8, 2, 2),
-    GemvConfig(8, 1024, 4, 3, 2),
-    GemvConfig(8, 1024, 4, 3, 4),
-    GemvConfig(16, 512, 4, 3, 4),
-]
 # FP8 codes are one byte: the same bytes per slice take twice the columns.
 FP8_SMALL_SWEEP = [
-    *FP8_SPLITS,
     GemvConfig(16, 1024, 8, 1),
     GemvConfig(16, 1024, 8, 2),
     GemvConfig(16, 1024, 8, 3),
@@ -118,7 +98,6 @@ FP8_SMALL_SWEEP = [
     GemvConfig(8, 1024, 4, 4),
 ]
 FP8_LARGE_SWEEP = [
-    *FP8_SPLITS,
     GemvConfig(16, 256, 4, 2),
     GemvConfig(16, 256, 4, 3),
     GemvConfig(16, 512, 4, 1),
@@ -324,7 +303,7 @@ def main() -> None:
         "--budget-s", type=float, default=1e9, help="per kind: stop sweeping after this"
     )
     parser.add_argument("--best-json", default=None)
-    parser.add_argument("--splits-only", action="store_true", help="sweep only the split-K tiles")
+    parser.add_argument("--splits-only", action="store_true", help="sweep only the split-K tiles (GGUF)")
     args = parser.parse_args()
     best: dict[str, list[int]] = {}
     if args.best_json and os.path.exists(args.best_json):

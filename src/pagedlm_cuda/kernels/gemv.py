@@ -24,7 +24,10 @@ so bf16 keeps one; it is worth 5-16% on FP8 codes (down 18.6 -> 15.7 us, the LM 
 133.5 -> 122.2) and up to 1.4x on GGUF blocks (session 14's ``gguf_gemv``: o 14.6 -> 10.4
 us, down 45.7 -> 32.4), whose loop does more arithmetic per byte. A split-K variant (the
 last of a row block's programs summing the others' partials) lost on every shape and kind
-(o, bf16: 11.2 us at best against 8.7) and was removed.
+(o, bf16: 11.2 us at best against 8.7) and was removed. Measured again in session 21 on an
+H100 with ``split_k.py`` (which the GGUF GEMVs keep): it lost on q/k/v, o and down, in bf16
+(o 11.89 us unsplit, 12.88-21.76 split) and FP8 (o 7.20, 9.23-13.97), so this kernel
+streams whole rows.
 """
 
 from __future__ import annotations
@@ -39,18 +42,15 @@ import triton
 import triton.language as tl
 
 from pagedlm_cuda.kernels import pdl
-from pagedlm_cuda.kernels.split_k import plan_split, split_sum
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partials_ptr, counts_ptr, N, K, stride_w,
-    CHUNK_K, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PIPELINE: tl.constexpr, SPLIT: tl.constexpr, GATED: tl.constexpr,
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_w,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PIPELINE: tl.constexpr, GATED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """``SPLIT`` > 1 (never ``GATED``): program (i, s) takes columns ``s * CHUNK_K`` on
-    (``CHUNK_K`` a multiple of BLOCK_K) of row block i (``split_k.py``)."""
     pdl.allow_next(USE_PDL)
     if GATED:  # half the rows are gate rows, the other half the up rows N / 2 below them
         HALF_N: tl.constexpr = BLOCK_N // 2
@@ -62,13 +62,7 @@ def _gemv_kernel(
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
-    if SPLIT > 1:
-        k_start = tl.program_id(1) * CHUNK_K
-        k_end = tl.minimum(k_start + CHUNK_K, K)
-    else:
-        k_start = 0
-        k_end = K
-    cols = k_start + tl.arange(0, BLOCK_K)
+    cols = tl.arange(0, BLOCK_K)
     # The first weight slice is read before waiting for the kernel that produces x:
     # weights never change, so this overlaps the previous kernel's tail.
     k_mask = cols < K
@@ -80,46 +74,37 @@ def _gemv_kernel(
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
     # PIPELINE > 1 keeps that many slices in flight (copied asynchronously to shared
     # memory); a plain loop issues a slice's loads only once the previous one is summed.
-    for k0 in tl.range(k_start + BLOCK_K, k_end, BLOCK_K, num_stages=PIPELINE):
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=PIPELINE):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < K
         w = tl.load(w_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptr + k, mask=k_mask, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
-    if SPLIT > 1:
-        last, y = split_sum(y, rows, row_mask, partials_ptr, counts_ptr, N, SPLIT)
-        if last:
-            if HAS_SCALE:
-                y *= tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
-            if HAS_BIAS:
-                y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+    if HAS_SCALE:
+        y *= scale
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    if GATED:
+        # silu(gate) * up from the rounded projections, as ``silu_and_mul`` computes it
+        # from the GEMV's stored output.
+        projected = tl.reshape(y.to(out_ptr.dtype.element_ty), (2, HALF_N))
+        gate, up = tl.split(tl.trans(projected))
+        g32 = gate.to(tl.float32)
+        silu = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
+        out = silu.to(tl.float32) * up.to(tl.float32)
+        out_rows = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
+        tl.store(out_ptr + out_rows, out.to(out_ptr.dtype.element_ty), mask=out_rows < N // 2)
     else:
-        if HAS_SCALE:
-            y *= scale
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-        if GATED:
-            # silu(gate) * up from the rounded projections, as ``silu_and_mul`` computes it
-            # from the GEMV's stored output.
-            projected = tl.reshape(y.to(out_ptr.dtype.element_ty), (2, HALF_N))
-            gate, up = tl.split(tl.trans(projected))
-            g32 = gate.to(tl.float32)
-            silu = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
-            out = silu.to(tl.float32) * up.to(tl.float32)
-            out_rows = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
-            tl.store(out_ptr + out_rows, out.to(out_ptr.dtype.element_ty), mask=out_rows < N // 2)
-        else:
-            tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
 class GemvConfig(NamedTuple):
     """How ``gemv`` tiles a weight: each program owns ``block_n`` whole rows, which it
     streams in ``block_k``-column slices; ``pipeline_stages`` > 1 keeps that many slices in
-    flight through shared memory (1: a plain loop). ``split_k`` > 1 splits each row
-    block's columns over that many programs, the last of which to finish sums their
-    parts in a fixed order (``split_k.py``)."""
+    flight through shared memory (1: a plain loop). ``split_k`` > 1 (the GGUF GEMVs
+    only) splits each row block's columns over that many programs, the last of which
+    to finish sums their parts in a fixed order (``split_k.py``)."""
 
     block_n: int
     block_k: int
@@ -228,21 +213,16 @@ def gemv(
         raise ValueError("gemv needs unit-stride rows in x and weight.")
     kind = "fp8" if weight.element_size() == 1 else "bf16"
     cfg = GemvConfig(*config) if config is not None else gemv_config(n, k, kind)
+    if cfg.split_k != 1:
+        raise ValueError(f"gemv streams whole rows per program; split_k must be 1, got {cfg}.")
     if silu_and_mul and (n % 2 or cfg.block_n % 2):
         raise ValueError(f"silu_and_mul needs an even row count and block_n; got {n}, {cfg}.")
-    if silu_and_mul and cfg.split_k != 1:
-        raise ValueError(f"silu_and_mul pairs whole rows in one program; split_k 1, got {cfg}.")
     out = torch.empty((1, n // 2 if silu_and_mul else n), dtype=x.dtype, device=x.device)
-    split, per_split, partials, counts = plan_split(
-        "gemv", n, cfg.block_n, triton.cdiv(k, cfg.block_k), cfg.split_k, x.device
-    )
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, weight_scale if weight_scale is not None else weight,
-        bias if bias is not None else weight, out,
-        partials if partials is not None else out, counts if counts is not None else out,
-        n, k, weight.stride(0), per_split * cfg.block_k,
+        bias if bias is not None else weight, out, n, k, weight.stride(0),
         HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PIPELINE=cfg.pipeline_stages, SPLIT=split,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PIPELINE=cfg.pipeline_stages,
         GATED=silu_and_mul, num_warps=cfg.num_warps, num_stages=cfg.pipeline_stages,
         **pdl.launch_options(),
     )  # fmt: skip

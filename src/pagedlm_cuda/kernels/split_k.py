@@ -1,4 +1,4 @@
-"""Split-K for the batch-1 GEMVs: a row block's columns shared by several programs.
+"""Split-K for the batch-1 GGUF GEMVs: a row block's columns shared by several programs.
 
 A GEMV whose weight has few row blocks (llama-3-8b's q/k/v, o and down projections give
 512-768 one-warp programs to 132 SMs) leaves too few loads in flight to reach the memory
@@ -12,6 +12,9 @@ Ordering: a barrier puts every thread's partial store before the count, whose
 acquire-release atomic (one thread of the program) publishes them, as a grid-wide barrier
 does; the last program reads the parts from L2 (``.cg``). With programmatic dependent
 launch the next GEMV touches the counts and parts only after its wait for this one.
+
+The bf16 and FP8 GEMV (``gemv.py``) do not split: their wider programs are not short of
+loads in flight, and on an H100 (session 21) every split tile lost to the unsplit one.
 """
 
 from __future__ import annotations
