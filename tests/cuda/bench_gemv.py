@@ -303,7 +303,9 @@ def main() -> None:
         "--budget-s", type=float, default=1e9, help="per kind: stop sweeping after this"
     )
     parser.add_argument("--best-json", default=None)
-    parser.add_argument("--splits-only", action="store_true", help="sweep only the split-K tiles (GGUF)")
+    parser.add_argument(
+        "--splits-only", action="store_true", help="sweep only the split-K tiles (GGUF)"
+    )
     args = parser.parse_args()
     best: dict[str, list[int]] = {}
     if args.best_json and os.path.exists(args.best_json):
