@@ -49,9 +49,9 @@ whose few one-warp programs leave it latency-bound; W2 on a Q4_0 file 1.48x bf16
 
 Split-K (session 21, ``split_k.py``): with ``split_k`` > 1 each row block's slices are
 shared by that many programs, and the last of them to finish adds their parts in a fixed
-order. On an H100 it took the
-few-program projections from 26-33% toward half the bandwidth (q/k/v 16.97 -> 9.96 us,
-down 32.61 -> 20.52) and W2 on a Q4_0 file from 280.1 to 347.7 tok/s (1.52x -> 1.89x bf16).
+order. On an H100 it took the few-program projections from 26-33% toward half the
+bandwidth (q/k/v 16.97 -> 9.96 us, down 32.61 -> 20.52) and W2 on a Q4_0 file from 280.1
+to 347.7 tok/s (1.52x -> 1.89x bf16).
 """
 
 from __future__ import annotations
@@ -405,7 +405,7 @@ def launch_gemv(
         x, weight.codes, weight.scales, mins, bias if bias is not None else weight.scales,
         out, partials if partials is not None else out, counts if counts is not None else out,
         n, k, weight.codes.stride(0), weight.scales.stride(0),
-        MAGIC.value, per_split * block_g,
+        MAGIC.value, per_split * block_g if split > 1 else 0,  # one variant per kernel
         SLICE=slice_fn, OFFSET=weight.offset, BITS=weight.bits, GROUP=weight.group_size,
         HAS_MINS=weight.mins is not None, HAS_BIAS=bias is not None,
         BLOCK_N=config.block_n, BLOCK_G=block_g, PIPELINE=config.pipeline_stages, SPLIT=split,

@@ -35,6 +35,13 @@ def split_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     One pair per device, made at its first split GEMV."""
     workspace = _workspaces.get(device)
     if workspace is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # A capture records the zeroing without running it: eager calls would read
+            # garbage counts until the graph first replays.
+            raise RuntimeError(
+                "The split GEMV's workspace is made outside CUDA graph capture: run a split "
+                "GEMV once eagerly (the graph runners' warm-up step does) before capturing."
+            )
         workspace = (
             torch.empty(SPLIT_PARTIALS, dtype=torch.float32, device=device),
             torch.zeros(SPLIT_BLOCKS, dtype=torch.int32, device=device),
