@@ -15,7 +15,12 @@ from triton_env import DEVICE, rel_error
 from loader.tiny_gguf import k_quant_bytes
 from pagedlm.model_executor.loader.gguf_blocks import AffineBlocks, decode_blocks
 from pagedlm_cuda.kernels.gguf_gemm import dequantize_into, gguf_gemm
-from pagedlm_cuda.kernels.gguf_gemv import gguf_gemv, pack_blocks, pack_words
+from pagedlm_cuda.kernels.gguf_gemv import (
+    default_gemv_config,
+    gguf_gemv,
+    pack_blocks,
+    pack_words,
+)
 from pagedlm_cuda.kernels.gguf_gemv_int8 import dp4a, gguf_gemv_int8
 from pagedlm_cuda.quantized_linear import DenseScratch, GgufCudaLinear
 
@@ -132,6 +137,25 @@ def test_int8_gemv_refuses_narrow_slices_on_the_gpu() -> None:
     packed = pack_blocks(blocks.codes, blocks.scales, blocks.mins, DEVICE)
     with pytest.raises(ValueError, match="block_k >= 512"):
         gguf_gemv_int8(torch.randn(1, 256, device=DEVICE), packed, None, (8, 256, 1, 3))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs")
+def test_split_k_gemv_replays_from_a_cuda_graph() -> None:
+    """The default tiles of llama-3-8b's o projection split 2 ways: a graph of three calls
+    (the counts reset between them) gives the eager results bitwise, replay after replay."""
+    blocks = blocks_of("Q4_0", 4096, 4096, seed=1)
+    packed = pack_blocks(blocks.codes, blocks.scales, blocks.mins, DEVICE)
+    assert default_gemv_config(packed).split_k == 2
+    x = torch.randn(3, 4096, device=DEVICE, dtype=torch.bfloat16)
+    eager = [gguf_gemv(x[i : i + 1], packed) for i in range(3)]  # also makes the workspace
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [gguf_gemv(x[i : i + 1], packed) for i in range(3)]
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(out, ref) for out, ref in zip(outs, eager, strict=True))
 
 
 def test_split_k_refuses_more_parts_than_its_workspace(monkeypatch) -> None:
