@@ -1,11 +1,12 @@
 """The batch-1 GEMVs' speed on llama-3-8b's projections (GPU only; run it by hand).
 
-    python tests/cuda/bench_gemv.py [--kinds bf16 fp8 gguf4 gguf4i8] [--sweep] [--budget-s 45]
+    python tests/cuda/bench_gemv.py [--kinds bf16 fp8 gguf4 gguf4i8 gguf8] [--sweep] [--budget-s 45]
         [--best-json best.json]
 
 ``--kinds``: which weights: ``bf16`` (``gemv``), ``fp8`` (``fp8_gemv``: E4M3 codes, a
-scale per row), ``gguf4`` (``gguf_gemv`` on Q4_0 blocks) and ``gguf4i8``
-(``gguf_gemv_int8``, x rounded to int8, on the same blocks); the budget is per kind.
+scale per row), ``gguf4`` (``gguf_gemv`` on Q4_0 blocks), ``gguf4i8``
+(``gguf_gemv_int8``, x rounded to int8, on the same blocks) and ``gguf8`` (``gguf_gemv`` on
+Q8_0 blocks); the budget is per kind.
 
 Each timing replays a CUDA graph of ``REPLAYS`` calls that rotate over copies of the weight
 whose total exceeds the H200's 50 MB L2 several times, so every call reads its weight from
@@ -173,6 +174,7 @@ SWEEPS = {
     "fp8": (FP8_SMALL_SWEEP, FP8_LARGE_SWEEP),
     "gguf4": (GGUF_SMALL_SWEEP, GGUF_LARGE_SWEEP),
     "gguf4i8": (GGUF_SMALL_SWEEP, GGUF_LARGE_SWEEP),
+    "gguf8": (GGUF_SMALL_SWEEP, GGUF_LARGE_SWEEP),
 }
 
 
@@ -188,15 +190,16 @@ class Kind:
         elif name == "fp8":
             weights = [tuple(t.contiguous() for t in quantize_rows(w)) for w in base]
             self.nbytes = n * k + n * 4
-        else:
+        else:  # Q4_0 blocks (4-bit codes, offset 8), or Q8_0 (gguf8: 8-bit, offset 128)
+            levels, offset = (256, 128) if name == "gguf8" else (16, 8)
             weights = []
             for seed in range(2):
                 gen = torch.Generator(device="cuda").manual_seed(seed)
                 codes = torch.randint(
-                    0, 16, (n, k), dtype=torch.uint8, device="cuda", generator=gen
+                    0, levels, (n, k), dtype=torch.uint8, device="cuda", generator=gen
                 )
                 scales = torch.full((n, k // 32), 0.003, device="cuda")
-                weights.append(pack_blocks(codes, scales, -8 * scales, torch.device("cuda")))
+                weights.append(pack_blocks(codes, scales, -offset * scales, torch.device("cuda")))
             self.nbytes = weights[0].nbytes()
         del base
         count = max(2, -(-ROTATION_BYTES // self.nbytes))
@@ -224,7 +227,7 @@ class Kind:
         return gguf_gemv(x, w, None, config)
 
     def default(self, n: int, k: int) -> GemvConfig:
-        if self.name == "gguf4":
+        if self.name in ("gguf4", "gguf8"):
             return default_gemv_config(self.copies[0])
         if self.name == "gguf4i8":
             return default_gemv_config(self.copies[0], int8=True)
