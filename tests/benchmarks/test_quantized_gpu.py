@@ -5,6 +5,7 @@ defaults. The timings themselves run on the H200 only."""
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -43,3 +44,24 @@ def test_flags_default_to_w2() -> None:
         "llama-3-8b", 1, 1024, 256,
     )  # fmt: skip
     assert args.parts == ["fp8"] and args.quantization is None
+
+
+def test_tiles_from_a_file_apply_inside_the_block_only(tmp_path, monkeypatch) -> None:
+    """``--gemv-configs``: W2 runs once with the default tiles, once with the file's; the
+    environment and the parsed table are back as they were after each."""
+    from pagedlm_cuda.kernels import gemv as gemv_module
+
+    monkeypatch.delenv(gemv_module.CONFIGS_ENV, raising=False)
+    table = tmp_path / "best.json"
+    table.write_text('{"4096,4096,gguf4": [16, 512, 2, 3, 4]}')
+    parser = argparse.ArgumentParser()
+    quantized_gpu.add_args(parser)
+    args = parser.parse_args(["--parts", "gguf", "--gemv-configs", str(table)])
+    assert quantized_gpu._tile_tables(args) == [None, str(table)]
+    default = gemv_module.gemv_config(4096, 4096, "gguf4")
+    with quantized_gpu._tiles(str(table)):
+        assert gemv_module.gemv_config(4096, 4096, "gguf4") == (16, 512, 2, 3, 4)
+    assert gemv_module.CONFIGS_ENV not in os.environ
+    assert gemv_module.gemv_config(4096, 4096, "gguf4") == default
+    with quantized_gpu._tiles(None):
+        assert gemv_module.gemv_config(4096, 4096, "gguf4") == default
