@@ -120,13 +120,6 @@ def bench(batch: int, context: int, query_len: int) -> None:
             query, key_cache, value_cache, tables, lens, starts, scale, query_len,
             MAX_MODEL_LEN, out, config=c,
         )  # fmt: skip
-    for merge_in_kernel in (not default.merge_in_kernel,):
-        config = default._replace(merge_in_kernel=merge_in_kernel)
-        label = "in-kernel merge" if merge_in_kernel else "merge kernel"
-        rows[f"verify, {label}"] = lambda c=config: paged_verify_attention(
-            query, key_cache, value_cache, tables, lens, starts, scale, query_len,
-            MAX_MODEL_LEN, out, new_kv=(key, value, slots), config=c,
-        )  # fmt: skip
     for warps in (8,):
         config = default._replace(num_warps=warps)
         rows[f"verify, {warps} warps"] = lambda c=config: paged_verify_attention(

@@ -520,10 +520,10 @@ def check_verify(
     return ref, reference(*args)
 
 
-def _split(partition: int, merge_in_kernel: bool):
+def _split(partition: int):
     from pagedlm_cuda.kernels.decode_config import DecodeConfig
 
-    return DecodeConfig(partition, min(partition, 16), 4, 2, merge_in_kernel)
+    return DecodeConfig(partition, min(partition, 16), 4, 2, merge_in_kernel=False)
 
 
 VERIFY_CASES = [
@@ -535,33 +535,30 @@ VERIFY_CASES = [
 ]
 
 
-@pytest.mark.parametrize("merge_in_kernel", [True, False])
 @pytest.mark.parametrize("case", VERIFY_CASES)
-def test_verify_attention(case, merge_in_kernel: bool) -> None:
-    check_verify(*case, config=_split(32, merge_in_kernel))
+def test_verify_attention(case) -> None:
+    check_verify(*case, config=_split(32))
 
 
 def test_verify_attention_single_partition_and_default_split() -> None:
     check_verify(16, 64, 2, 4, [(5, 20), (3, 4)], torch.float32)
-    check_verify(16, 64, 2, 4, [(5, 20), (3, 4)], torch.float32, config=_split(64, True))
+    check_verify(16, 64, 2, 4, [(5, 20), (3, 4)], torch.float32, config=_split(64))
 
 
 def test_verify_attention_partition_with_no_key_for_early_rows() -> None:
     """A last partition shorter than the query: its first rows see none of its keys."""
-    check_verify(16, 64, 1, 4, [(5, 30)], torch.float32, config=_split(16, True))  # 35 keys
-    check_verify(16, 64, 1, 4, [(8, 41)], torch.float32, config=_split(16, False))
+    check_verify(16, 64, 1, 4, [(5, 30)], torch.float32, config=_split(16))  # 35 keys
+    check_verify(16, 64, 1, 4, [(8, 41)], torch.float32, config=_split(16))
 
 
 def test_verify_attention_padding_rows_under_a_graph_bound() -> None:
     """Padding rows (seq_len 0) get zeros; the grid sized by a larger bound."""
     chunks = [(5, 70), (5, -5), (5, 3), (5, -5)]
-    check_verify(16, 64, 2, 2, chunks, torch.float32, config=_split(32, True), max_seq_len=256)
-    check_verify(16, 64, 2, 2, chunks, torch.float32, config=_split(32, False), max_seq_len=256)
+    check_verify(16, 64, 2, 2, chunks, torch.float32, config=_split(32), max_seq_len=256)
 
 
-@pytest.mark.parametrize("merge_in_kernel", [True, False])
-def test_verify_attention_sliding_window_and_soft_cap(merge_in_kernel: bool) -> None:
-    config = _split(16, merge_in_kernel)
+def test_verify_attention_sliding_window_and_soft_cap() -> None:
+    config = _split(16)
     chunks = [(5, 60), (3, 2), (4, 33)]
     windowed, full = check_verify(16, 64, 2, 4, chunks, torch.float32, config=config, window=9)
     assert rel_error(windowed, full) > 0.05
@@ -574,12 +571,11 @@ def test_verify_attention_sliding_window_and_soft_cap(merge_in_kernel: bool) -> 
     check_verify(16, 64, 2, 4, chunks, torch.float32, config=config, window=7, cap=3.0)
 
 
-@pytest.mark.parametrize("merge_in_kernel", [True, False])
-def test_verify_attention_writes_the_new_kv(merge_in_kernel: bool) -> None:
+def test_verify_attention_writes_the_new_kv() -> None:
     """The step's K/V come in as ``new_kv``: each lands at its slot (some straddle two
     partitions), padding rows (slot -1) write nothing, and the output is as if they had
     been in the cache."""
-    config = _split(16, merge_in_kernel)
+    config = _split(16)
     check_verify(16, 64, 2, 4, [(5, 30), (3, 0), (8, 60)], torch.float32, config=config,
                  write_new=True)  # fmt: skip
     check_verify(16, 64, 2, 2, [(5, 70), (5, -5), (5, 12)], torch.float32, config=config,

@@ -17,10 +17,14 @@ last partition, before a row's position); such a row keeps a zero sum there and 
 never reads it: token ``i``'s partitions are those up to its own position.
 
 The partials are merged by log-sum-exp in a fixed order, per token, as the decode kernel
-merges its own (``decode_attention._merge_group``): by the program that draws the last
-ticket of the (request, kv head) when ``decode_config`` says the kernel merges, else by a
-merge kernel after it. The split and merge mode come from ``verify_config``: the decode
-kernel's ``decode_config`` of the number of requests with partitions of at least
+merges its own (``decode_attention._merge_group``), by a merge kernel after this one with
+a program per (request, kv head, token). The decode kernel's alternative, the program
+that draws a (request, kv head)'s last ticket merging it, serializes a request's tokens in
+one program; it lost here at every batch measured (H100, session 22,
+``tests/cuda/bench_verify_attention.py``, 5 tokens over 1,100 keys, with the KV write:
+batch 1 11.6 us per call against 7.2 with the merge kernel, batch 4 17.0 against 13.6),
+and was removed. The split comes from ``verify_config``: the decode kernel's
+``decode_config`` of the number of requests with partitions of at least
 ``MIN_PARTITION`` keys, so the result depends on the batch only through its CUDA-graph
 bucket.
 
@@ -43,7 +47,6 @@ from pagedlm_cuda.kernels.decode_attention import (
     MERGE_CONTEXT,
     MERGE_TILE,
     _merge_group,
-    merge_counters,
 )
 from pagedlm_cuda.kernels.decode_config import DecodeConfig, decode_config
 from pagedlm_cuda.kernels.kv_tile import (
@@ -93,43 +96,19 @@ def _attend_rows(
     return m_new, denom, acc
 
 
-@triton.jit
-def _merge_request(
-    out_ptr, partial_out_ptr, partial_lse_ptr, q_start, q_len, context_len, kv_head,
-    window, out_stride_token, out_stride_head, max_partitions, num_heads, group_size,
-    head_dim, PARTITION: tl.constexpr, MAX_Q: tl.constexpr, MERGE_G: tl.constexpr,
-    MERGE_P: tl.constexpr, BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr,
-):  # fmt: skip
-    """Merge each token's partitions: token ``i`` (position ``context_len + i``) owns
-    partitions ``first .. cdiv(context_len + i + 1, PARTITION) - 1``."""
-    for i in tl.static_range(MAX_Q):
-        if i < q_len:
-            visible_end = context_len + i + 1
-            first = 0
-            if USE_WINDOW:
-                first = tl.maximum(visible_end - window, 0) // PARTITION
-            _merge_group(
-                out_ptr, partial_out_ptr, partial_lse_ptr, q_start + i, kv_head, first,
-                tl.cdiv(visible_end, PARTITION), out_stride_token, out_stride_head,
-                max_partitions, num_heads, group_size, head_dim, MERGE_G=MERGE_G,
-                MERGE_P=MERGE_P, BLOCK_D=BLOCK_D,
-            )  # fmt: skip
-
-
 @triton.jit(do_not_specialize=["block_table_stride", "max_partitions"])
 def _verify_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, new_key_ptr, new_value_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
-    out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr,
     positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr,
     q_stride_token, q_stride_head, out_stride_token, out_stride_head,
     new_key_stride_token, new_key_stride_head, new_value_stride_token, new_value_stride_head,
     cache_stride_block, cache_stride_head, cache_stride_slot, block_table_stride,
-    max_partitions, num_heads, num_kv_heads, score_scale, cap_log2e, window, group_size,
+    max_partitions, num_heads, score_scale, cap_log2e, window, group_size,
     head_dim, cos_sin_stride, norm_eps,
     BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MAX_Q: tl.constexpr, BLOCK_Q: tl.constexpr,
-    MERGE_G: tl.constexpr, MERGE_P: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
     DIRECT: tl.constexpr, WRITE_NEW: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
     FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, ROTARY: tl.constexpr,
     IS_NEOX: tl.constexpr, QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
@@ -165,7 +144,7 @@ def _verify_kernel(
                      out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
         return
     if start >= end:
-        return  # no key of any row here: neither the tickets nor the merge count it
+        return  # no key of any row here: the merge never reads this partition
 
     pdl.wait_for_previous(USE_PDL)
     head_base = kv_head.to(tl.int64) * cache_stride_head
@@ -248,31 +227,14 @@ def _verify_kernel(
         row = (tokens * num_heads + heads) * max_partitions + part
         tl.store(partial_out_ptr + row[:, None] * head_dim + dims[None, :], out, mask=mask)
         tl.store(partial_lse_ptr + row, m + tl.log2(safe_denom), mask=row_mask)
-    if not DIRECT and MERGE_IN_KERNEL:
-        # As in the decode kernel: stores land before the ticket (release), the holder of
-        # the last one sees them all (acquire) and resets the counter for the next call.
-        tl.debug_barrier()
-        counter = counters_ptr + req * num_kv_heads + kv_head
-        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        first = 0
-        if USE_WINDOW:
-            first = tl.maximum(context_len + 1 - window, 0) // PARTITION
-        if ticket == tl.cdiv(seq_len, PARTITION) - first - 1:
-            tl.store(counter, 0)
-            _merge_request(
-                out_ptr, partial_out_ptr, partial_lse_ptr, q_start, q_len, context_len,
-                kv_head, window, out_stride_token, out_stride_head, max_partitions,
-                num_heads, group_size, head_dim, PARTITION=PARTITION, MAX_Q=MAX_Q,
-                MERGE_G=MERGE_G, MERGE_P=MERGE_P, BLOCK_D=BLOCK_D, USE_WINDOW=USE_WINDOW,
-            )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["max_partitions"])
 def _verify_merge_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr, seq_lens_ptr, query_start_loc_ptr,
     out_stride_token, out_stride_head, max_partitions, num_heads, group_size, head_dim,
-    window, PARTITION: tl.constexpr, MAX_Q: tl.constexpr, MERGE_G: tl.constexpr,
-    MERGE_P: tl.constexpr, BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr,
+    window, PARTITION: tl.constexpr, MERGE_G: tl.constexpr, MERGE_P: tl.constexpr,
+    BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The merge as a kernel of its own, one program per (request, kv head, token), so a
@@ -301,8 +263,9 @@ def verify_config(
     num_reqs: int, num_kv_heads: int, head_dim: int, fp8: bool = False
 ) -> DecodeConfig:
     """``decode_config`` of the request count with partitions of at least
-    ``MIN_PARTITION`` keys: a function of the batch bucket, like the decode kernel's."""
-    config = decode_config(num_reqs, num_kv_heads, head_dim, fp8)
+    ``MIN_PARTITION`` keys: a function of the batch bucket, like the decode kernel's. Its
+    ``merge_in_kernel`` is False: this kernel always merges in a kernel of its own."""
+    config = decode_config(num_reqs, num_kv_heads, head_dim, fp8)._replace(merge_in_kernel=False)
     if config.partition >= MIN_PARTITION:
         return config
     return config._replace(
@@ -343,11 +306,11 @@ def paged_verify_attention(
     sizes the grid; under a CUDA graph pass max_model_len). ``new_kv`` None: the step's
     K/V must already be in the cache; else ``(key, value, slot_mapping)`` ([num_tokens,
     num_kv_heads, head_dim] each, unit-stride last dim; [num_tokens] slots, -1 for none)
-    are written at their slots here first. ``sliding_window``,
-    ``logits_soft_cap``, ``k_scale``/``v_scale`` as in ``paged_decode_attention``;
-    ``config`` None: ``verify_config`` of the request count. ``rotary``: as in
-    ``paged_decode_attention`` (``positions`` one per token). Returns ``out``
-    ([num_tokens, num_heads, head_dim]).
+    are written at their slots here first. ``sliding_window``, ``logits_soft_cap``,
+    ``k_scale``/``v_scale`` as in ``paged_decode_attention``; ``config`` None:
+    ``verify_config`` of the request count (its ``merge_in_kernel`` is not read).
+    ``rotary``: as in ``paged_decode_attention`` (``positions`` one per token). Returns
+    ``out`` ([num_tokens, num_heads, head_dim]).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_reqs = seq_lens.shape[0]
@@ -380,7 +343,6 @@ def paged_verify_attention(
     rotary_args, rotary_flags = fused_rotary_args(rotary, head_dim, new_kv is not None, seq_lens)
     max_partitions = max(1, triton.cdiv(max_seq_len, partition))
     direct = max_partitions == 1
-    counters = seq_lens  # unused unless the kernel merges its own partitions
     if direct:
         partial_out = partial_lse = out  # unused
     else:
@@ -392,40 +354,35 @@ def paged_verify_attention(
         partial_lse = torch.empty(
             (num_tokens, num_heads, max_partitions), dtype=torch.float32, device=query.device
         )
-        if config.merge_in_kernel:
-            counters = merge_counters(query.device, num_reqs * num_kv_heads)
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_m = max(16, triton.next_power_of_2(max_query_len * group_size))
     merge_g = triton.next_power_of_2(group_size)
     merge_p = max(1, min(MERGE_TILE // (merge_g * block_d), MERGE_CONTEXT // partition))
     score_scale, cap_log2e = score_args(scale, logits_soft_cap)
     window = sliding_window or 0
-    common = dict(
-        PARTITION=partition, MAX_Q=max_query_len, MERGE_G=merge_g, MERGE_P=merge_p,
-        BLOCK_D=block_d, USE_WINDOW=sliding_window is not None,
-    )  # fmt: skip
+    common = dict(PARTITION=partition, BLOCK_D=block_d, USE_WINDOW=sliding_window is not None)
     _verify_kernel[(num_reqs, num_kv_heads, max_partitions)](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         new_key, new_value, slot_mapping,
         k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,
-        out, partial_out, partial_lse, counters, *rotary_args[:4],
+        out, partial_out, partial_lse, *rotary_args[:4],
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         new_key.stride(0), new_key.stride(1), new_value.stride(0), new_value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        max_partitions, num_heads, num_kv_heads, score_scale, cap_log2e, window, group_size,
+        max_partitions, num_heads, score_scale, cap_log2e, window, group_size,
         head_dim, *rotary_args[4:],
         BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_M=block_m,
         BLOCK_Q=triton.next_power_of_2(max_query_len),
-        MERGE_IN_KERNEL=config.merge_in_kernel, DIRECT=direct, WRITE_NEW=new_kv is not None,
+        DIRECT=direct, WRITE_NEW=new_kv is not None,
         USE_SOFT_CAP=logits_soft_cap is not None, FP8=fp8,
         COMPUTE_DTYPE=tl.float16 if fp8 else _TL_DTYPES[query.dtype],
         num_warps=config.num_warps, num_stages=config.num_stages, **common, **rotary_flags,
         **pdl.launch_options(),
     )  # fmt: skip
-    if not direct and not config.merge_in_kernel:
+    if not direct:
         _verify_merge_kernel[(num_reqs, num_kv_heads, max_query_len)](
             out, partial_out, partial_lse, seq_lens, query_start_loc,
             out.stride(0), out.stride(1), max_partitions, num_heads, group_size, head_dim,
-            window, **common, **pdl.launch_options(),
+            window, MERGE_G=merge_g, MERGE_P=merge_p, **common, **pdl.launch_options(),
         )  # fmt: skip
     return out
