@@ -118,6 +118,24 @@ def instrument(llm: LLM, clock: Callable[[], float] = time.perf_counter) -> dict
     return phases
 
 
+def add_phases_arg(parser: argparse.ArgumentParser) -> None:
+    """``--host-phases`` for a benchmark that reports ``phases_report`` of its timed runs."""
+    parser.add_argument(
+        "--host-phases",
+        action="store_true",
+        help="time the engine's host phases during the run and print them per step "
+        "(pagedlm.benchmarks.host_overhead's table for this workload)",
+    )
+
+
+def phases_report(phases: dict[str, float], steps: int, seconds: float) -> str:
+    """``instrument``'s phases as milliseconds per model step, next to the whole step."""
+    steps = max(1, steps)
+    table = {name: round(1e3 * total / steps, 3) for name, total in phases.items()}
+    table = {"steps": steps, "ms_per_step": round(1e3 * seconds / steps, 3), **table}
+    return "host phases, ms per step: " + json.dumps(table, indent=1)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="pagedlm-host-bench-") as path:
         tiny_model(path, args.vocab_size)

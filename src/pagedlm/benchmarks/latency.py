@@ -20,11 +20,13 @@ from pagedlm.benchmarks.common import (
     random_prompts,
     speed_of_light_line,
 )
+from pagedlm.benchmarks.host_overhead import add_phases_arg, instrument, phases_report
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     add_latency_args(parser)
+    add_phases_arg(parser)
     spec_acceptance.add_args(parser)
 
 
@@ -75,7 +77,11 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     # Prefix caching would turn every timed run after the first into a cache hit, so
     # each run changes the prompts' first token.
     times: list[float] = []
+    phases: dict[str, float] | None = None
+    scheduler = llm.llm_engine.engine_core.scheduler
     for i in range(args.num_iters_warmup + args.num_iters):
+        if i == args.num_iters_warmup and args.host_phases:  # the timed runs only
+            phases, steps_before = instrument(llm), scheduler.num_model_steps
         start = time.perf_counter()
         llm.generate([{"prompt_token_ids": [i] + p[1:]} for p in prompts], params, use_tqdm=False)
         if i >= args.num_iters_warmup:
@@ -94,6 +100,9 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     )
     if line is not None:
         print(line, flush=True)
+    if phases is not None:
+        steps = scheduler.num_model_steps - steps_before
+        print(phases_report(phases, steps, sum(times)), flush=True)
     result = {"mean_s": mean, "tok_per_s": tokens / mean}
     if args.profile_steps:
         print(profile_steps(llm, prompts, [params] * len(prompts), args.profile_steps), flush=True)

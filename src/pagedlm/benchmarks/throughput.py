@@ -11,7 +11,6 @@ transformers ``generate_batch`` comparison on the same prompts.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -22,7 +21,7 @@ from pagedlm.benchmarks.common import (
     profile_steps,
     speed_of_light_line,
 )
-from pagedlm.benchmarks.host_overhead import instrument
+from pagedlm.benchmarks.host_overhead import add_phases_arg, instrument, phases_report
 
 
 def nanovllm_dataset() -> tuple[list[list[int]], list[int]]:
@@ -76,12 +75,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
             help=f"random dataset (default: {default})",
         )
     parser.add_argument("--temperature", type=float, default=0.6, help="(default: %(default)s)")
-    parser.add_argument(
-        "--host-phases",
-        action="store_true",
-        help="time the engine's host phases during the run and print them per step "
-        "(pagedlm.benchmarks.host_overhead's table for this workload)",
-    )
+    add_phases_arg(parser)
     parser.add_argument(
         "--hf-num-prompts", type=int, default=64, help="with --compare-transformers (default: 64)"
     )
@@ -179,10 +173,8 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         flush=True,
     )
     if phases is not None:
-        steps = max(1, getattr(scheduler, "num_model_steps", 0) - steps_before)
-        table = {name: round(1e3 * seconds / steps, 3) for name, seconds in phases.items()}
-        table = {"steps": steps, "ms_per_step": round(1e3 * elapsed / steps, 3), **table}
-        print("host phases, ms per step:", json.dumps(table, indent=1), flush=True)
+        steps = getattr(scheduler, "num_model_steps", 0) - steps_before
+        print(phases_report(phases, steps, elapsed), flush=True)
     line = speed_of_light_line(args, llm, [len(p) for p in prompts], output_lens, elapsed)
     if line is not None:
         print(line, flush=True)
