@@ -17,6 +17,7 @@ from pagedlm.platforms import Platform
 if TYPE_CHECKING:
     from pagedlm.config import EngineConfig, ModelConfig
     from pagedlm.platforms.interface import GraphRunner
+    from pagedlm.sample.rejection_sampler import FusedGreedyVerifier
     from pagedlm.sample.sampler import FusedRandomSampler
     from pagedlm_cuda.kernels.lora import TritonLoRAOps
 
@@ -198,6 +199,11 @@ class CudaPlatform(Platform):
         from pagedlm_cuda.kernels.sampling import gumbel_sample
 
         return gumbel_sample
+
+    def fused_greedy_verifier(self) -> FusedGreedyVerifier:
+        from pagedlm_cuda.kernels.greedy_verify import greedy_verify
+
+        return greedy_verify
 
     def capture_graphs(self, runner: object) -> GraphRunner | None:
         from pagedlm_cuda.graph_runner import CudaGraphRunner

@@ -4,11 +4,11 @@ kernels under ``TRITON_INTERPRET=1`` and its CUDA-graph runner with graphs emula
 ``TritonCpuPlatform`` is the CPU platform plus what the CUDA platform changes in a step:
 the ``triton`` attention backend (its own KV layout, lengths read on the device only, so
 in-flight rejections are corrected on the device), ``CudaGraphRunner`` for uniform steps
-(decode and ``1 + k`` verification) over the runner's persistent buffers, and the fused
-Gumbel/argmax sampler. A "graph" here replays by calling its captured step again with the
-capture's inputs and metadata objects, writing into the tensor the capture returned: what a
-replay of a real graph sees, minus host values a real capture would freeze (the forward
-reads none: it could not be captured otherwise).
+(decode and ``1 + k`` verification) over the runner's persistent buffers, the fused
+Gumbel/argmax sampler and the fused greedy verification. A "graph" here replays by calling
+its captured step again with the capture's inputs and metadata objects, writing into the
+tensor the capture returned: what a replay of a real graph sees, minus host values a real
+capture would freeze (the forward reads none: it could not be captured otherwise).
 
 ``triton_cpu_platform()`` registers it for one test. Importing this module first loads
 ``tests/cuda/triton_env.py`` (the interpreter is chosen when the kernels are decorated).
@@ -82,6 +82,11 @@ class TritonCpuPlatform(CpuPlatform):
         from pagedlm_cuda.kernels.sampling import gumbel_sample
 
         return gumbel_sample
+
+    def fused_greedy_verifier(self):
+        from pagedlm_cuda.kernels.greedy_verify import greedy_verify
+
+        return greedy_verify
 
 
 class _Plugin:

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from pagedlm.config import EngineConfig, ModelConfig
     from pagedlm.lora.ops import LoRAOps
     from pagedlm.model_executor.forward_context import ForwardContext
+    from pagedlm.sample.rejection_sampler import FusedGreedyVerifier
     from pagedlm.sample.sampler import FusedRandomSampler
 
 
@@ -162,6 +163,12 @@ class Platform(ABC):
         ``pagedlm.sample.sampler.FusedRandomSampler``), or None for the torch stages. Its
         greedy rows get ``torch.argmax``'s answer (the first index among ties, which greedy
         parity across platforms relies on), and it never writes into the logits."""
+        return None
+
+    def fused_greedy_verifier(self) -> FusedGreedyVerifier | None:
+        """A kernel verifying an all-greedy speculative step with its bookkeeping (see
+        ``pagedlm.sample.rejection_sampler.FusedGreedyVerifier``), or None for the torch
+        ops."""
         return None
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

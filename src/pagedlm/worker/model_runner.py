@@ -151,7 +151,14 @@ class ModelRunner:
             config.model.dtype,
             sched.max_num_batched_tokens,
         )
-        self.speculator = Speculator(config, self.input_batch, target, self.sampler, host_lengths)
+        self.speculator = Speculator(
+            config,
+            self.input_batch,
+            target,
+            self.sampler,
+            host_lengths,
+            greedy_verifier=platform.fused_greedy_verifier(),
+        )
         self.pooler = make_pooler(config.model)
         """The pooling runner's pooler (None: the runner samples tokens)."""
         self.kv_cache: KVCache | None = None

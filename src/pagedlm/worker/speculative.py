@@ -21,13 +21,19 @@ import torch
 
 from pagedlm.config import EngineConfig
 from pagedlm.sample.host_copy import arrays_to_device
+from pagedlm.sample.logprobs import compute_logprobs
 from pagedlm.sample.metadata import SamplingMetadata
-from pagedlm.sample.rejection_sampler import RejectionOutput, RejectionSampler
+from pagedlm.sample.rejection_sampler import (
+    FusedGreedyVerifier,
+    RejectionOutput,
+    RejectionSampler,
+)
 from pagedlm.sample.sampler import Sampler
 from pagedlm.spec_decode import build_proposer
 from pagedlm.spec_decode.model_drafter import TargetParts
 from pagedlm.spec_decode.proposer import Allocate, ProposalRequests, SampledStep
 from pagedlm.step import SchedulerOutput
+from pagedlm.structured_output.bitmask import apply_token_bitmask
 from pagedlm.worker.input_batch import InputBatch
 from pagedlm.worker.step_inputs import StepInputs
 
@@ -50,11 +56,15 @@ class Speculator:
         target: TargetParts,
         sampler: Sampler,
         host_lengths_exact: bool,
+        greedy_verifier: FusedGreedyVerifier | None = None,
     ) -> None:
         """``host_lengths_exact``: the attention backend plans from host lengths, so the
-        proposers' layouts must carry exact ones (read from the device, a wait)."""
+        proposers' layouts must carry exact ones (read from the device, a wait).
+        ``greedy_verifier``: the platform's kernel for all-greedy verification steps
+        (None: the rejection sampler's torch ops)."""
         self.batch = batch
         self.host_lengths_exact = host_lengths_exact
+        self.greedy_verifier = greedy_verifier
         spec = config.speculative
         self.proposer = (
             None
@@ -98,6 +108,8 @@ class Speculator:
         inputs: StepInputs,
     ) -> RejectionOutput:
         """Verify the step's drafts; emitted tokens go into the token table."""
+        if self.greedy_verifier is not None and metadata.all_greedy:
+            return self._verify_greedy(self.greedy_verifier, logits, metadata, bitmask, inputs)
         sampled = inputs.sampled
         rows = inputs.num_sampling_rows
         num_rows = int(rows.sum())
@@ -120,6 +132,36 @@ class Speculator:
         self.batch.token_ids.view(-1).index_put_((flat,), emitted)
         self.num_rejected[slots] = (num_drafts + 1 - out.num_emitted).to(torch.int32)
         return out
+
+    def _verify_greedy(
+        self,
+        verifier: FusedGreedyVerifier,
+        logits: torch.Tensor,
+        metadata: SamplingMetadata,
+        bitmask: torch.Tensor | None,
+        inputs: StepInputs,
+    ) -> RejectionOutput:
+        """``verify`` of an all-greedy step through the platform's kernel: the same
+        tokens, counts and writes as the rejection sampler's path."""
+        rows = inputs.num_sampling_rows
+        row_starts = np.concatenate([[0], np.cumsum(rows)])
+        slots = [inputs.states[i].slot for i in inputs.sampled]
+        row_starts_dev, slots_dev = arrays_to_device([row_starts, slots], self.batch.device)
+        if bitmask is not None:
+            logits = apply_token_bitmask(logits, bitmask)
+        raw_logits = logits
+        if metadata.logit_adjustments is not None or metadata.penalties is not None:
+            logits = Sampler.adjust_logits(logits, metadata)
+        assert inputs.logits_indices is not None, "a verifying step has explicit logits rows"
+        token_ids, num_emitted, emitted = verifier(
+            logits, inputs.input_ids, inputs.logits_indices, inputs.layout.num_tokens - 1,
+            row_starts_dev, slots_dev, self.num_valid, inputs.sample_token_index,
+            self.batch.token_ids.view(-1), self.num_rejected, int(rows.max()),
+        )  # fmt: skip
+        logprobs = None
+        if metadata.max_num_logprobs is not None:
+            logprobs = compute_logprobs(raw_logits, emitted, metadata.max_num_logprobs)
+        return RejectionOutput(token_ids, num_emitted, logprobs)
 
     def after_step(
         self,

@@ -122,6 +122,39 @@ def _gumbel_argmax_kernel(
     tl.store(best_index_ptr + out, index)
 
 
+def gumbel_partials(
+    logits: torch.Tensor,
+    temperature: torch.Tensor | None,
+    noise_scale: torch.Tensor | None,
+    seed: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first pass of ``gumbel_sample``: per row and ``SPLIT_V``-wide split of the
+    vocabulary, the best score and its (lowest) token index, ``[N, splits]`` float32 and
+    int32. A row's token is the index of its best split, the first among equal scores."""
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(
+            f"logits must be [N, vocab] with a contiguous last dim, got {logits.shape}."
+        )
+    num_rows, vocab_size = logits.shape
+    num_splits = triton.cdiv(vocab_size, SPLIT_V)
+    best_value = torch.empty((num_rows, num_splits), dtype=torch.float32, device=logits.device)
+    best_index = torch.empty((num_rows, num_splits), dtype=torch.int32, device=logits.device)
+    if num_rows == 0:
+        return best_value, best_index
+    inv_temperature = None if temperature is None else temperature.reciprocal()
+    _gumbel_argmax_kernel[(num_rows, num_splits)](
+        logits, logits.stride(0),
+        inv_temperature if inv_temperature is not None else best_value,
+        noise_scale if noise_scale is not None else best_value,
+        seed if seed is not None else best_index, best_value, best_index, vocab_size, num_splits,
+        HAS_TEMPERATURE=inv_temperature is not None, HAS_NOISE_SCALE=noise_scale is not None,
+        HAS_NOISE=seed is not None,
+        SPLIT=SPLIT_V, BLOCK=max(16, min(BLOCK_V, triton.next_power_of_2(vocab_size))),
+        **pdl.launch_options(),
+    )  # fmt: skip
+    return best_value, best_index
+
+
 def gumbel_sample(
     logits: torch.Tensor,
     temperature: torch.Tensor | None,
@@ -135,26 +168,8 @@ def gumbel_sample(
     element on the logits' device, or None: every row greedy (the plain argmax of each
     row, first index among ties, as ``torch.argmax``). Returns ``[N]`` int64 token ids.
     """
-    if logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(
-            f"logits must be [N, vocab] with a contiguous last dim, got {logits.shape}."
-        )
-    num_rows, vocab_size = logits.shape
-    num_splits = triton.cdiv(vocab_size, SPLIT_V)
-    best_value = torch.empty((num_rows, num_splits), dtype=torch.float32, device=logits.device)
-    best_index = torch.empty((num_rows, num_splits), dtype=torch.int32, device=logits.device)
-    if num_rows == 0:
+    best_value, best_index = gumbel_partials(logits, temperature, noise_scale, seed)
+    if logits.shape[0] == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
-    inv_temperature = None if temperature is None else temperature.reciprocal()
-    _gumbel_argmax_kernel[(num_rows, num_splits)](
-        logits, logits.stride(0),
-        inv_temperature if inv_temperature is not None else best_value,
-        noise_scale if noise_scale is not None else best_value,
-        seed if seed is not None else best_index, best_value, best_index, vocab_size, num_splits,
-        HAS_TEMPERATURE=inv_temperature is not None, HAS_NOISE_SCALE=noise_scale is not None,
-        HAS_NOISE=seed is not None,
-        SPLIT=SPLIT_V, BLOCK=max(16, min(BLOCK_V, triton.next_power_of_2(vocab_size))),
-        **pdl.launch_options(),
-    )  # fmt: skip
     winner = best_value.argmax(dim=1, keepdim=True)
     return best_index.gather(1, winner).squeeze(1).to(torch.int64)
