@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from pagedlm.platforms.interface import GraphRunner
     from pagedlm.sample.rejection_sampler import FusedGreedyVerifier
     from pagedlm.sample.sampler import FusedRandomSampler
+    from pagedlm.worker.spec_positions import InFlightCorrector
     from pagedlm_cuda.kernels.lora import TritonLoRAOps
 
 logger = logging.getLogger(__name__)
@@ -204,6 +205,11 @@ class CudaPlatform(Platform):
         from pagedlm_cuda.kernels.greedy_verify import greedy_verify
 
         return greedy_verify
+
+    def in_flight_corrector(self) -> InFlightCorrector:
+        from pagedlm_cuda.kernels.in_flight import correct_in_flight
+
+        return correct_in_flight
 
     def capture_graphs(self, runner: object) -> GraphRunner | None:
         from pagedlm_cuda.graph_runner import CudaGraphRunner

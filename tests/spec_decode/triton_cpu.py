@@ -5,10 +5,11 @@ kernels under ``TRITON_INTERPRET=1`` and its CUDA-graph runner with graphs emula
 the ``triton`` attention backend (its own KV layout, lengths read on the device only, so
 in-flight rejections are corrected on the device), ``CudaGraphRunner`` for uniform steps
 (decode and ``1 + k`` verification) over the runner's persistent buffers, the fused
-Gumbel/argmax sampler and the fused greedy verification. A "graph" here replays by calling
-its captured step again with the capture's inputs and metadata objects, writing into the
-tensor the capture returned: what a replay of a real graph sees, minus host values a real
-capture would freeze (the forward reads none: it could not be captured otherwise).
+Gumbel/argmax sampler, the fused greedy verification and the in-flight correction kernel.
+A "graph" here replays by calling its captured step again with the capture's inputs and
+metadata objects, writing into the tensor the capture returned: what a replay of a real
+graph sees, minus host values a real capture would freeze (the forward reads none: it
+could not be captured otherwise).
 
 ``triton_cpu_platform()`` registers it for one test. Importing this module first loads
 ``tests/cuda/triton_env.py`` (the interpreter is chosen when the kernels are decorated).
@@ -87,6 +88,11 @@ class TritonCpuPlatform(CpuPlatform):
         from pagedlm_cuda.kernels.greedy_verify import greedy_verify
 
         return greedy_verify
+
+    def in_flight_corrector(self):
+        from pagedlm_cuda.kernels.in_flight import correct_in_flight
+
+        return correct_in_flight
 
 
 class _Plugin:

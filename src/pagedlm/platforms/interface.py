@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from pagedlm.model_executor.forward_context import ForwardContext
     from pagedlm.sample.rejection_sampler import FusedGreedyVerifier
     from pagedlm.sample.sampler import FusedRandomSampler
+    from pagedlm.worker.spec_positions import InFlightCorrector
 
 
 class GraphRunner(ABC):
@@ -168,6 +169,12 @@ class Platform(ABC):
     def fused_greedy_verifier(self) -> FusedGreedyVerifier | None:
         """A kernel verifying an all-greedy speculative step with its bookkeeping (see
         ``pagedlm.sample.rejection_sampler.FusedGreedyVerifier``), or None for the torch
+        ops."""
+        return None
+
+    def in_flight_corrector(self) -> InFlightCorrector | None:
+        """A kernel for ``pagedlm.worker.spec_positions.correct_on_device`` (the in-flight
+        rejections' shift of a step's positions, on the device), or None for the torch
         ops."""
         return None
 

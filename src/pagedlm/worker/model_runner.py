@@ -142,7 +142,11 @@ class ModelRunner:
         )
         host_lengths = self.attn_backend.reads_host_lengths
         self.step_inputs = StepInputBuilder(
-            self.input_batch, sched.max_num_batched_tokens, host_lengths, self.rope_positions
+            self.input_batch,
+            sched.max_num_batched_tokens,
+            host_lengths,
+            self.rope_positions,
+            in_flight_corrector=platform.in_flight_corrector(),
         )
         target = TargetParts(
             self.model,

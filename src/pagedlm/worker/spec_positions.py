@@ -12,6 +12,7 @@ gather index derived from a position move back by the request's rejections.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -38,6 +39,29 @@ def needs_exact_lengths(
         if min_tokens and fewest_outputs < min_tokens:
             return True
     return False
+
+
+class InFlightCorrector(Protocol):
+    """``correct_on_device``'s contract; a platform may provide a kernel for it
+    (``Platform.in_flight_corrector``)."""
+
+    def __call__(
+        self,
+        token_index: torch.Tensor,
+        block_index: torch.Tensor,
+        block_offset: torch.Tensor,
+        sample_index: torch.Tensor,
+        slots: torch.Tensor,
+        in_flight: torch.Tensor,
+        sampled: torch.Tensor,
+        seq_lens: torch.Tensor,
+        positions: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        num_rejected: torch.Tensor,
+        row_length: int,
+        blocks_per_row: int,
+        block_size: int,
+    ) -> None: ...
 
 
 def correct_on_device(

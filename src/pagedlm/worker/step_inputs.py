@@ -40,7 +40,11 @@ from pagedlm.step import SchedulerOutput
 from pagedlm.worker.host_to_device import HostToDevice
 from pagedlm.worker.input_batch import InputBatch, RequestState
 from pagedlm.worker.prompt_logprobs import PromptLogprobRows
-from pagedlm.worker.spec_positions import correct_on_device, needs_exact_lengths
+from pagedlm.worker.spec_positions import (
+    InFlightCorrector,
+    correct_on_device,
+    needs_exact_lengths,
+)
 
 ALIGN = 4
 """Sections start at multiples of 4 int32 (16 bytes): Triton compiles a kernel variant per
@@ -106,12 +110,15 @@ class StepInputBuilder:
         max_num_tokens: int,
         host_lengths_exact: bool = True,
         rope_positions: FlatPositions | MRopePositions | None = None,
+        in_flight_corrector: InFlightCorrector | None = None,
     ) -> None:
         """``host_lengths_exact``: the attention backend plans from the layout's host
         lengths, so in-flight rejections are always resolved on the host.
         ``rope_positions``: what the model's rotary reads for a token index (M-RoPE models'
-        per-request tables; default: the index itself)."""
+        per-request tables; default: the index itself). ``in_flight_corrector``: the
+        platform's kernel for ``correct_on_device`` (None: the torch ops)."""
         self.batch = batch
+        self.correct_on_device = in_flight_corrector or correct_on_device
         self.rope_positions = rope_positions or FlatPositions()
         self.host_lengths_exact = host_lengths_exact
         device = batch.device
@@ -256,7 +263,7 @@ class StepInputBuilder:
             (in_flight[0], sampled) if in_flight is not None else None,
         )
         if in_flight is not None:
-            correct_on_device(
+            self.correct_on_device(
                 sections.view(indices, "token"),
                 sections.view(indices, "block"),
                 sections.view(indices, "offset"),
