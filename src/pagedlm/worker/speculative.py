@@ -189,15 +189,18 @@ class Speculator:
         slots = np.array([inputs.states[r].slot for r in request], dtype=np.int64)
         counts = np.array([to_propose[inputs.req_ids[r]] for r in request], dtype=np.int64)
         # Each draft's owner and column in the rows, after each request's emitted tokens
-        # (the scheduler left room); copied with the proposal's index arrays in one go.
+        # (the scheduler left room), and its flat index in the token table less its row's
+        # token count (known on the device only); copied with the proposal's index arrays
+        # in one go.
         owner = np.repeat(np.arange(len(counts)), counts)
         column = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        row_column = slots[owner] * self.batch.row_length + column
         fed_drafts = inputs.num_drafts[request]
-        index_dev, slots_dev, counts_dev, request_dev, fed_drafts_dev, owner_dev, column_dev = (
-            arrays_to_device(
-                [index, slots, counts, request, fed_drafts, owner, column], self.batch.device
-            )
-        )
+        arrays = [index, slots, counts, request, fed_drafts, owner, column, row_column]
+        (
+            index_dev, slots_dev, counts_dev, request_dev, fed_drafts_dev, owner_dev,
+            column_dev, row_column_dev,
+        ) = arrays_to_device(arrays, self.batch.device)  # fmt: skip
         # Tokens in each row now: those before the step's first output, plus what it emitted.
         lengths = inputs.layout.seq_lens[request_dev].to(torch.int64)
         num_tokens = lengths - fed_drafts_dev + step.num_emitted[index_dev]
@@ -219,7 +222,11 @@ class Speculator:
             num_drafts_device=counts_dev,
         )
         drafts, num_valid = self.proposer.propose(step, requests)
-        flat = slots_dev[owner_dev] * self.batch.row_length + num_tokens[owner_dev] + column_dev
-        self.batch.token_ids.view(-1)[flat] = drafts[owner_dev, column_dev].to(torch.int32)
+        if int(counts.min()) == drafts.shape[1]:  # every request drafts its whole row
+            placed = drafts.reshape(-1)
+        else:
+            placed = drafts[owner_dev, column_dev]
+        flat = row_column_dev + num_tokens[owner_dev]
+        self.batch.token_ids.view(-1)[flat] = placed.to(torch.int32)
         self.num_valid[slots_dev] = num_valid
         return Proposals(request.tolist(), drafts, num_valid)
