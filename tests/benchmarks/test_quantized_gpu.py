@@ -53,14 +53,15 @@ def test_tiles_from_a_file_apply_inside_the_block_only(tmp_path, monkeypatch) ->
 
     monkeypatch.delenv(gemv_module.CONFIGS_ENV, raising=False)
     table = tmp_path / "best.json"
-    table.write_text('{"4096,4096,gguf4": [16, 512, 2, 3, 4]}')
+    table.write_text('{"4096,4096,gguf4": [8, 256, 1, 3, 4]}')
     parser = argparse.ArgumentParser()
     quantized_gpu.add_args(parser)
     args = parser.parse_args(["--parts", "gguf", "--gemv-configs", str(table)])
     assert quantized_gpu._tile_tables(args) == [None, str(table)]
     default = gemv_module.gemv_config(4096, 4096, "gguf4")
+    assert default != (8, 256, 1, 3, 4)
     with quantized_gpu._tiles(str(table)):
-        assert gemv_module.gemv_config(4096, 4096, "gguf4") == (16, 512, 2, 3, 4)
+        assert gemv_module.gemv_config(4096, 4096, "gguf4") == (8, 256, 1, 3, 4)
     assert gemv_module.CONFIGS_ENV not in os.environ
     assert gemv_module.gemv_config(4096, 4096, "gguf4") == default
     with quantized_gpu._tiles(None):

@@ -136,7 +136,8 @@ def test_configs_from_the_environment_replace_the_defaults(tmp_path, monkeypatch
     try:
         assert module.gemv_config(40, 1100) == GemvConfig(16, 128, 4, 2)
         assert module.gemv_config(40, 1100, "fp8") == GemvConfig(8, 256, 4, 3)
-        assert module.gemv_config(40, 1100, "gguf4") == GemvConfig(8, 1024, 1, 3, 2)
+        assert module.gemv_config(40, 1100, "gguf4") == GemvConfig(16, 512, 2, 3, 4)
+        assert module.gemv_config(6144, 1100, "gguf4") == GemvConfig(8, 1024, 1, 3, 2)
         assert module.gemv_config(40, 1100, "gguf8") == GemvConfig(8, 512, 1, 3)
         table.write_text('{"40,1100,gguf4": [8, 512, 1, 3, 4]}')  # split_k: a fifth
         module._configs_from_env.cache_clear()

@@ -163,7 +163,9 @@ def gemv_config(n: int, k: int, kind: str = "bf16") -> GemvConfig:
     one-warp programs are too few to keep the loads in flight, so Q4-class codes split
     each row block's columns (session 21, H100 sweep with split-K: q/k/v 16.97 -> 9.96 us
     at (8, 1024, 1, 3, 2), o 11.21 -> 9.20, down 32.61 -> 20.52 at (8, 512, 1, 3, 4);
-    gate/up lost with every split; 8-bit codes unswept). The int8 GGUF GEMV
+    gate/up lost with every split; 8-bit codes unswept); o (up to 4k rows) takes
+    (16, 512, 2, 3, 4), the best of both sweeps (H100 8.21 us, H200 in session 22 7.72
+    against 8.78 for (8, 1024, 1, 3, 2)). The int8 GGUF GEMV
     (``gguf4i8``/``gguf8i8``, session 17; the H100 sweep's best beat it on q/k/v only):
     16 rows of 512 columns in one warp, three slices in flight (2.1 per weight; x is
     rounded once per program, so more rows per program pay for it)."""
@@ -175,7 +177,9 @@ def gemv_config(n: int, k: int, kind: str = "bf16") -> GemvConfig:
             return GemvConfig(16, 1024, 4, 3)
         return GemvConfig(16, 512 if n <= 8192 else 256, 4, 3)
     if kind == "gguf4" and n <= 8192:  # few row blocks: split each one's columns
-        return GemvConfig(8, 512, 1, 3, 4) if k > 8192 else GemvConfig(8, 1024, 1, 3, 2)
+        if k > 8192:
+            return GemvConfig(8, 512, 1, 3, 4)
+        return GemvConfig(16, 512, 2, 3, 4) if n <= 4096 else GemvConfig(8, 1024, 1, 3, 2)
     if kind in ("gguf4", "gguf8"):
         return GemvConfig(8, 512, 1, 3)
     if kind in ("gguf4i8", "gguf8i8"):
