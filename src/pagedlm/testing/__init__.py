@@ -17,7 +17,11 @@ promise, or ``NotApplicable`` when the target does not offer what it checks.
 """
 
 from pagedlm.testing.parity import TINY_MODELS, check_greedy_parity, tiny_checkpoint
-from pagedlm.testing.platform_checks import check_fused_sampler
+from pagedlm.testing.platform_checks import (
+    check_fused_sampler,
+    check_greedy_verifier,
+    check_in_flight_corrector,
+)
 from pagedlm.testing.promises import PROMISES, ConformanceFailure, NotApplicable, Promise
 from pagedlm.testing.reference import reference_attention
 from pagedlm.testing.suite import BACKEND_CHECKS, PLATFORM_CHECKS, backend_targets
@@ -36,6 +40,8 @@ __all__ = [
     "backend_targets",
     "check_fused_sampler",
     "check_greedy_parity",
+    "check_greedy_verifier",
+    "check_in_flight_corrector",
     "reference_attention",
     "tiny_checkpoint",
 ]

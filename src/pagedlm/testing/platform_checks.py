@@ -1,16 +1,25 @@
-"""Checks of a platform against ``pagedlm.platforms.interface.Platform`` and of the fused
-sampler it may hand to the sampler (``pagedlm.sample.sampler.FusedRandomSampler``)."""
+"""Checks of a platform against ``pagedlm.platforms.interface.Platform`` and of the kernels
+it may put in place of torch ops: the fused sampler
+(``pagedlm.sample.sampler.FusedRandomSampler``), the greedy verifier
+(``pagedlm.sample.rejection_sampler.FusedGreedyVerifier``) and the in-flight corrector
+(``pagedlm.worker.spec_positions.InFlightCorrector``)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pagedlm.kv_cache.interface import kv_bytes_per_block
 from pagedlm.platforms import Platform
 from pagedlm.plugins import registry
 from pagedlm.plugins.specs import import_target
+from pagedlm.sample.metadata import SamplingMetadata
+from pagedlm.sample.rejection_sampler import FusedGreedyVerifier, RejectionSampler
+from pagedlm.sample.row import SamplingRow
 from pagedlm.sample.sampler import FusedRandomSampler
+from pagedlm.sampling_params import SamplingParams
 from pagedlm.testing.promises import ConformanceFailure, NotApplicable
+from pagedlm.worker.spec_positions import InFlightCorrector, correct_on_device
 
 _PROBE_DTYPES = (torch.float64, torch.float16, torch.bfloat16, torch.float32)
 
@@ -112,10 +121,17 @@ def check_memory_sizing(platform: Platform) -> None:
             )
 
 
+def _kernel_of(platform: Platform, hook: str, without: str):
+    """What ``platform.<hook>()`` hands the engine; NotApplicable (``without`` says what the
+    platform does instead) where it hands nothing."""
+    kernel = getattr(platform, hook)()
+    if kernel is None:
+        raise NotApplicable(f"{_subject(platform)} {without}")
+    return kernel
+
+
 def check_platform_sampler(platform: Platform) -> None:
-    sampler = platform.fused_sampler()
-    if sampler is None:
-        raise NotApplicable(f"{_subject(platform)} hands the sampler no fused kernel")
+    sampler = _kernel_of(platform, "fused_sampler", "hands the sampler no fused kernel")
     check_fused_sampler(sampler, platform.device, _subject(platform))
 
 
@@ -170,3 +186,141 @@ def check_fused_sampler(
                 f"at temperature {temp}, token frequencies {frequency.numpy().round(3)} are not "
                 f"softmax(logits / temperature) = {probs.numpy().round(3)}"
             )
+
+
+def check_platform_greedy_verifier(platform: Platform) -> None:
+    verifier = _kernel_of(
+        platform, "fused_greedy_verifier", "verifies greedy drafts with torch ops"
+    )
+    check_greedy_verifier(verifier, platform.device, _subject(platform))
+
+
+def check_greedy_verifier(
+    verifier: FusedGreedyVerifier,
+    device: torch.device,
+    subject: str = "fused greedy verifier",
+    vocab_size: int = 50,
+) -> None:
+    """Five requests of 5, 1, 3, 5 and 2 rows (one with fewer valid drafts than rows, a tie
+    in a row's logits, rejections at different places) through ``verifier`` and through
+    the rejection sampler plus ``Speculator.verify``'s writes: the same token grid,
+    emitted counts, row tokens, token table and rejected counts."""
+
+    def fail(detail: str) -> ConformanceFailure:
+        return ConformanceFailure(subject, "fused_greedy_verifier", detail)
+
+    rows = [5, 1, 3, 5, 2]
+    slots = torch.tensor([3, 0, 6, 1, 4])
+    # Request 3 (slot 1) verifies 2 of its 4 drafts (all right up to its fourth): 3 emitted.
+    num_valid = torch.tensor([0, 2, 0, 4, 9, 0, 2, 0])
+    row_length = 40
+    counts = np.array(rows)
+    starts = np.cumsum(counts) - counts
+    generator = torch.Generator().manual_seed(vocab_size)
+    logits = torch.randn(int(counts.sum()), vocab_size, generator=generator)
+    logits[0, 7] = logits[0, 3] = logits[0].max() + 1  # a tie: the first index wins
+    argmax = logits.argmax(dim=1)
+    # The step's tokens: two padding tokens, then each request's rows; the token fed after
+    # row j is row j's draft, right until a wrong one, a different place per request.
+    input_ids = torch.randint(0, vocab_size, (len(logits) + 3,), generator=generator)
+    input_ids = input_ids.to(torch.int32)
+    logits_indices = torch.arange(2, 2 + len(logits))
+    for i, (start, count) in enumerate(zip(starts, rows, strict=True)):
+        for j in range(count - 1):
+            token = int(argmax[start + j])
+            input_ids[logits_indices[start + j] + 1] = token if j != i % count else token ^ 1
+    last = len(input_ids) - 1
+    sample_index = slots * row_length + 10
+
+    request = torch.from_numpy(np.repeat(np.arange(len(rows)), counts))
+    position = torch.from_numpy(np.arange(counts.sum()) - np.repeat(starts, counts))
+    drafts = input_ids[(logits_indices + 1).clamp(max=last)].to(torch.int64)
+    num_verified = torch.minimum(torch.tensor(rows) - 1, num_valid[slots])
+    params = SamplingParams(temperature=0.0)
+    metadata = SamplingMetadata.build(
+        [SamplingRow(params, None)] * len(logits), vocab_size, torch.device("cpu"),
+        default_generator=torch.Generator(),
+    )  # fmt: skip
+    ref = RejectionSampler()(
+        logits, metadata, drafts, counts, num_verified, row_map=(request, position)
+    )
+    ref_table = torch.zeros(8 * row_length, dtype=torch.int32)
+    ref_table[sample_index[request] + position] = ref.token_ids[request, position].to(torch.int32)
+    ref_rejected = torch.zeros(8, dtype=torch.int32)
+    ref_rejected[slots] = (torch.tensor(rows) - ref.num_emitted).to(torch.int32)
+
+    table = torch.zeros(8 * row_length, dtype=torch.int32, device=device)
+    rejected = torch.zeros(8, dtype=torch.int32, device=device)
+    row_starts = torch.from_numpy(np.append(starts, counts.sum())).to(device)
+    grid, num_emitted, emitted = verifier(
+        logits.to(device), input_ids.to(device), logits_indices.to(device), last, row_starts,
+        slots.to(device), num_valid.to(device), sample_index.to(device), table, rejected,
+        max(rows),
+    )  # fmt: skip
+    if num_emitted.cpu().tolist() != ref.num_emitted.tolist():
+        raise fail(f"emitted {num_emitted.tolist()} tokens, the rejection sampler "
+                   f"{ref.num_emitted.tolist()}")  # fmt: skip
+    if grid.cpu().tolist() != ref.token_ids.tolist():
+        raise fail(f"token grid {grid.tolist()}, the rejection sampler's {ref.token_ids.tolist()}")
+    if emitted.cpu().tolist() != argmax.tolist():
+        raise fail(f"row tokens {emitted.tolist()} are not the rows' argmax {argmax.tolist()}")
+    if not torch.equal(table.cpu(), ref_table):
+        raise fail("the token table differs from Speculator.verify's writes")
+    if not torch.equal(rejected.cpu(), ref_rejected):
+        raise fail(f"rejected counts {rejected.tolist()}, expected {ref_rejected.tolist()}")
+
+
+def check_platform_in_flight_corrector(platform: Platform) -> None:
+    corrector = _kernel_of(
+        platform, "in_flight_corrector", "corrects in-flight positions with torch ops"
+    )
+    check_in_flight_corrector(corrector, platform.device, _subject(platform))
+
+
+def check_in_flight_corrector(
+    corrector: InFlightCorrector, device: torch.device, subject: str = "in-flight corrector"
+) -> None:
+    """A step of four requests (query lengths 5, 1, 71 and 5, two padding tokens after
+    them; rejections in flight for two, none for one, one not in flight with a stale
+    count) through ``corrector`` and ``correct_on_device``: every buffer equal."""
+    row_length, block_size, blocks_per_row = 512, 16, 32
+    query_lens, slots, starts = [5, 1, 71, 5], [2, 0, 5, 3], [100, 40, 200, 17]
+    positions: list[int] = []
+    tokens: list[int] = []
+    for slot, start, count in zip(slots, starts, query_lens, strict=True):
+        positions += range(start, start + count)
+        tokens += [slot * row_length + p for p in range(start, start + count)]
+    num_tokens = len(positions)
+    positions += [0, 0]
+    tokens += [7, 7]
+
+    def step() -> dict[str, torch.Tensor]:
+        values = dict(
+            token_index=tokens,
+            block_index=[
+                t // row_length * blocks_per_row + p // block_size
+                for t, p in zip(tokens, positions, strict=True)
+            ],
+            block_offset=[p % block_size for p in positions],
+            sample_index=[slots[r] * row_length + starts[r] + 1 for r in (0, 2, 3)],
+            slots=slots,
+            in_flight=[1, 1, 1, 0],
+            sampled=[0, 2, 3],
+            seq_lens=[s + c for s, c in zip(starts, query_lens, strict=True)],
+            positions=positions[:num_tokens],
+            query_start_loc=np.concatenate([[0], np.cumsum(query_lens)]).tolist(),
+            num_rejected=[0, 9, 3, 4, 9, 2, 9, 9],  # by slot
+        )
+        return {name: torch.tensor(v, dtype=torch.int32) for name, v in values.items()}
+
+    sizes = dict(row_length=row_length, blocks_per_row=blocks_per_row, block_size=block_size)
+    ref = step()
+    correct_on_device(**ref, **sizes)
+    out = {name: value.to(device) for name, value in step().items()}
+    corrector(**out, **sizes)
+    for name, value in ref.items():
+        if not torch.equal(out[name].cpu(), value):
+            raise ConformanceFailure(
+                subject, "in_flight_corrector",
+                f"{name} is {out[name].tolist()}, correct_on_device gives {value.tolist()}",
+            )  # fmt: skip

@@ -116,6 +116,19 @@ PROMISES: dict[str, Promise] = {
             "pagedlm.sample.sampler:FusedRandomSampler",
         ),
         Promise(
+            "fused_greedy_verifier",
+            "fused_greedy_verifier() is None or gives the rejection sampler's tokens and "
+            "counts for all-greedy rows and writes the token table and rejected counts as "
+            "Speculator.verify does",
+            "pagedlm.sample.rejection_sampler:FusedGreedyVerifier",
+        ),
+        Promise(
+            "in_flight_corrector",
+            "in_flight_corrector() is None or shifts a step's positions, indices and lengths "
+            "by the in-flight rejections as correct_on_device does",
+            "pagedlm.worker.spec_positions:correct_on_device",
+        ),
+        Promise(
             "executor_choice",
             "the engine runs the platform's default_executor, registered for the platform",
             f"{_PLATFORM}:Platform",

@@ -41,6 +41,8 @@ PLATFORM_CHECKS: dict[str, Callable[[Platform], None]] = {
     "zeros": platform_checks.check_zeros,
     "memory_sizing": platform_checks.check_memory_sizing,
     "fused_sampler": platform_checks.check_platform_sampler,
+    "fused_greedy_verifier": platform_checks.check_platform_greedy_verifier,
+    "in_flight_corrector": platform_checks.check_platform_in_flight_corrector,
 }
 """Each takes a ``Platform``; end-to-end parity is ``parity.check_greedy_parity``."""
 
