@@ -24,7 +24,8 @@ those of the emitted token of each row, from the raw logits (as the sampler's).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -47,32 +48,19 @@ class RejectionOutput(NamedTuple):
     logprobs: LogprobsTensors | None
 
 
-class FusedGreedyVerifier(Protocol):
-    """A platform's verification of an all-greedy step, what ``RejectionSampler`` and
-    ``Speculator.verify`` do for it, in few launches. Request ``i`` owns logits rows
-    ``row_starts[i] .. row_starts[i + 1] - 1`` and its slot ``slots[i]``; row ``j``'s
-    draft is ``input_ids[min(logits_indices[row] + 1, last_token)]``, and the first
-    ``min(rows - 1, num_valid[slot])`` drafts are verified against their rows' argmax
-    (the first index among ties). Writes each row's argmax into ``token_table`` (flat,
-    int32) from ``sample_token_index[i]`` on and ``rows - num_emitted`` into
-    ``num_rejected[slot]`` (int32); returns the token grid ``[N, width]`` int64 (each
-    row's argmax, zeros past a request's rows), ``num_emitted`` ``[N]`` int64 (the
-    accepted run plus one) and each row's argmax ``[R]`` int64."""
-
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        input_ids: torch.Tensor,
-        logits_indices: torch.Tensor,
-        last_token: int,
-        row_starts: torch.Tensor,
-        slots: torch.Tensor,
-        num_valid: torch.Tensor,
-        sample_token_index: torch.Tensor,
-        token_table: torch.Tensor,
-        num_rejected: torch.Tensor,
-        width: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+FusedGreedyVerifier = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+"""A platform's verification of an all-greedy step, what ``RejectionSampler`` and
+``Speculator.verify`` do for it, in few launches; called with ``(logits [R, V],
+input_ids, logits_indices, last_token, row_starts [N + 1], slots [N], num_valid,
+sample_token_index [N], token_table, num_rejected, width)``. Request ``i`` owns logits rows
+``row_starts[i] .. row_starts[i + 1] - 1`` and its slot ``slots[i]``; row ``j``'s draft is
+``input_ids[min(logits_indices[row] + 1, last_token)]``, and the first ``min(rows - 1,
+num_valid[slot])`` drafts are verified against their rows' argmax (the first index among
+ties). Writes each row's argmax into ``token_table`` (flat, int32) from
+``sample_token_index[i]`` on and ``rows - num_emitted`` into ``num_rejected[slot]``
+(int32); returns the token grid ``[N, width]`` int64 (each row's argmax, zeros past a
+request's rows), ``num_emitted`` ``[N]`` int64 (the accepted run plus one) and each row's
+argmax ``[R]`` int64."""
 
 
 class RejectionSampler:

@@ -11,8 +11,7 @@ gather index derived from a position move back by the request's rejections.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -41,27 +40,9 @@ def needs_exact_lengths(
     return False
 
 
-class InFlightCorrector(Protocol):
-    """``correct_on_device``'s contract; a platform may provide a kernel for it
-    (``Platform.in_flight_corrector``)."""
-
-    def __call__(
-        self,
-        token_index: torch.Tensor,
-        block_index: torch.Tensor,
-        block_offset: torch.Tensor,
-        sample_index: torch.Tensor,
-        slots: torch.Tensor,
-        in_flight: torch.Tensor,
-        sampled: torch.Tensor,
-        seq_lens: torch.Tensor,
-        positions: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        num_rejected: torch.Tensor,
-        row_length: int,
-        blocks_per_row: int,
-        block_size: int,
-    ) -> None: ...
+InFlightCorrector = Callable[..., None]
+"""A kernel doing what ``correct_on_device`` does, called with the same arguments; a
+platform may provide one (``Platform.in_flight_corrector``)."""
 
 
 def correct_on_device(
