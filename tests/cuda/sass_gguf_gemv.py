@@ -45,8 +45,8 @@ def compile_gemv(
         SLICE=_slice_terms if int8 else _slice_products,
         OFFSET=0 if has_mins else offset, BITS=bits, GROUP=group, HAS_MINS=has_mins,
         HAS_BIAS=False, BLOCK_N=config.block_n, BLOCK_G=config.block_k * bits // (LANES.value * 32),
-        PIPELINE=config.pipeline_stages, EVEN_N=True, EVEN_K=True, SPLIT=1, PF_CHUNKS=1,
-        PF_CHUNK=0, EMULATE=False, USE_PDL=True,
+        PIPELINE=config.pipeline_stages, EVEN_N=True, EVEN_K=True, SPLIT=1,
+        EMULATE=False, USE_PDL=True,
     )  # fmt: skip
     scale_type = "*fp32" if has_mins or group == 16 else "*fp16"
     types = {"x_ptr": "*bf16", "codes_ptr": "*i32", "scales_ptr": scale_type,

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedlm_cuda.kernels import pdl, prefetch
+from pagedlm_cuda.kernels import pdl
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_w,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PIPELINE: tl.constexpr, GATED: tl.constexpr,
-    PF_CHUNKS: tl.constexpr, PF_CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.allow_next(USE_PDL)
     if GATED:  # half the rows are gate rows, the other half the up rows N / 2 below them
@@ -69,15 +69,6 @@ def _gemv_kernel(
     w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
     if HAS_SCALE:  # quantized rows (FP8): w[r] stands for w[r] * scale[r]
         scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
-    # And the next columns asked into the L2 while the bus is idle (``prefetch.py``).
-    if GATED:
-        first = tl.program_id(0) * HALF_N
-        prefetch.prefetch_rows(w_ptr, first, N, stride_w, BLOCK_K, HALF_N, PF_CHUNKS, PF_CHUNK)
-        first += N // 2
-        prefetch.prefetch_rows(w_ptr, first, N, stride_w, BLOCK_K, HALF_N, PF_CHUNKS, PF_CHUNK)
-    else:
-        first = tl.program_id(0) * BLOCK_N
-        prefetch.prefetch_rows(w_ptr, first, N, stride_w, BLOCK_K, BLOCK_N, PF_CHUNKS, PF_CHUNK)
     pdl.wait_for_previous(USE_PDL)
     x = tl.load(x_ptr + cols, mask=k_mask, other=0.0)
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
@@ -231,17 +222,12 @@ def gemv(
     if silu_and_mul and (n % 2 or cfg.block_n % 2):
         raise ValueError(f"silu_and_mul needs an even row count and block_n; got {n}, {cfg}.")
     out = torch.empty((1, n // 2 if silu_and_mul else n), dtype=x.dtype, device=x.device)
-    block_rows = cfg.block_n // 2 if silu_and_mul else cfg.block_n
-    chunks, chunk = prefetch.prefetch_spans(
-        n, k, cfg.block_k, weight.stride(0) * weight.element_size(), weight.element_size(),
-        weight.data_ptr(), block_rows, cfg.num_warps,
-    )  # fmt: skip
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, weight_scale if weight_scale is not None else weight,
         bias if bias is not None else weight, out, n, k, weight.stride(0),
         HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PIPELINE=cfg.pipeline_stages,
-        GATED=silu_and_mul, PF_CHUNKS=chunks, PF_CHUNK=chunk, num_warps=cfg.num_warps,
-        num_stages=cfg.pipeline_stages, **pdl.launch_options(),
+        GATED=silu_and_mul, num_warps=cfg.num_warps, num_stages=cfg.pipeline_stages,
+        **pdl.launch_options(),
     )  # fmt: skip
     return out

@@ -65,7 +65,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagedlm_cuda.kernels import pdl, prefetch
+from pagedlm_cuda.kernels import pdl
 from pagedlm_cuda.kernels.gemv import GemvConfig, gemv_config
 from pagedlm_cuda.kernels.split_k import plan_split, split_sum
 
@@ -287,8 +287,7 @@ def gemv_kernel(
     SLICE: tl.constexpr, OFFSET: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
     HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     PIPELINE: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-    PF_CHUNKS: tl.constexpr, PF_CHUNK: tl.constexpr, EMULATE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    EMULATE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The batch-1 GEMV's programs and slices, around ``SLICE``: a jitted function of
     ``_slice_products``' arguments that returns float32 [BLOCK_N, BLOCK_G(, 8)], each row's
@@ -319,10 +318,6 @@ def gemv_kernel(
     else:
         mask = row_mask[:, None] & (g_start * LANES + word_ids[None, :] < n_groups * LANES)
         words = tl.load(row_words + g_start * LANES, mask=mask, other=0)
-    # And the next words asked into the L2 while the bus is idle (``prefetch.py``).
-    first = tl.program_id(0) * BLOCK_N
-    start = (g_start + BLOCK_G) * LANES
-    prefetch.prefetch_rows(codes_ptr, first, N, stride_codes, start, BLOCK_N, PF_CHUNKS, PF_CHUNK)
     pdl.wait_for_previous(USE_PDL)
     acc = SLICE(
         tl.reshape(words, (BLOCK_N, BLOCK_G, LANES)), magic, x_ptr, scales_ptr, mins_ptr,
@@ -406,12 +401,6 @@ def launch_gemv(
     split, per_split, partials, counts = plan_split(
         name, n, config.block_n, num_slices, config.split_k, x.device
     )
-    # Each program's words (the last split's, the shortest, where the columns are split).
-    slices = num_slices - (split - 1) * per_split if split > 1 else num_slices
-    chunks, chunk = prefetch.prefetch_spans(
-        n * split, slices * block_g * LANES.value, block_g * LANES.value,
-        weight.codes.stride(0) * 4, 4, weight.codes.data_ptr(), config.block_n, config.num_warps,
-    )  # fmt: skip
     gemv_kernel[(triton.cdiv(n, config.block_n), split)](
         x, weight.codes, weight.scales, mins, bias if bias is not None else weight.scales,
         out, partials if partials is not None else out, counts if counts is not None else out,
@@ -421,7 +410,7 @@ def launch_gemv(
         HAS_MINS=weight.mins is not None, HAS_BIAS=bias is not None,
         BLOCK_N=config.block_n, BLOCK_G=block_g, PIPELINE=config.pipeline_stages, SPLIT=split,
         EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
-        PF_CHUNKS=chunks, PF_CHUNK=chunk, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
+        EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=config.num_warps, num_stages=config.pipeline_stages, **pdl.launch_options(),
     )  # fmt: skip
     return out
