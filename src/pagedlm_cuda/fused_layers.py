@@ -55,19 +55,24 @@ def _silu_and_mul_kernel(x: torch.Tensor) -> torch.Tensor:
 
 class SingleRowLinear:
     """A linear layer's kernel: one-row inputs (a lone sequence's decode step) through the
-    Triton GEMV, which streams the weight faster than cuBLAS at that shape; every other
-    batch through ``F.linear``. The choice depends on the row count only, so a step gives
-    the same result from a CUDA graph or eagerly."""
+    Triton GEMV, 2 to 16 rows of a 16-bit layer (a speculative verification step, a small
+    batch) through the few-row GEMM (``gemm_rows``), which both stream the weight faster
+    than cuBLAS at those shapes; every other batch through ``F.linear``. The choice depends
+    on the row count and dtypes only, so a step gives the same result from a CUDA graph or
+    eagerly."""
 
     def __init__(self, layer: LinearBase) -> None:
         self.layer = layer
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from pagedlm_cuda.kernels.gemm_rows import gemm_rows
         from pagedlm_cuda.kernels.gemv import gemv
 
         layer = self.layer
         if _one_row(x):
             return gemv(x, layer.weight, layer.linear_bias)
+        if _few_rows(x, layer.weight):
+            return gemm_rows(x, layer.weight, layer.linear_bias)
         return F.linear(x, layer.weight, layer.linear_bias)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -84,6 +89,30 @@ class SingleRowLinear:
 def _one_row(x: torch.Tensor) -> bool:
     """One unit-stride row: what the GEMV takes."""
     return x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
+
+
+def _few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """2 to 16 unit-stride rows of the weight's own 16-bit dtype: what ``gemm_rows`` takes."""
+    from pagedlm_cuda.kernels.gemm_rows import MAX_ROWS
+
+    return (
+        x.dim() == 2
+        and 2 <= x.shape[0] <= MAX_ROWS
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+        and x.dtype == weight.dtype
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and _gemm_rows_on()
+    )
+
+
+GEMM_ROWS_ENV = "PAGEDLM_GEMM_ROWS"
+"""``0``: 2 to 16 rows go to ``F.linear`` again (to measure)."""
+
+
+@functools.cache
+def _gemm_rows_on() -> bool:
+    return os.environ.get(GEMM_ROWS_ENV, "1") != "0"
 
 
 GEMV_SILU_ENV = "PAGEDLM_GEMV_SILU"

@@ -56,9 +56,36 @@ def _patch_interpreter_fp8_rounding() -> None:
     builder.create_fp_to_fp = patched
 
 
+def _patch_interpreter_bf16_dot() -> None:
+    """Triton 3.6's interpreter holds bfloat16 as its 16-bit patterns (numpy has no
+    bfloat16) and multiplies those integers in ``tl.dot``; widen bfloat16 operands to
+    float32 first, as the tensor cores' products are exact and summed in float32."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+    if getattr(original, "_pagedlm_patched", False):
+        return
+
+    def widened(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        bits = np.ascontiguousarray(handle.data).astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def patched(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    patched._pagedlm_patched = True
+    builder.create_dot = patched
+
+
 if not ON_GPU:
     _patch_interpreter_index()
     _patch_interpreter_fp8_rounding()
+    _patch_interpreter_bf16_dot()
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
