@@ -43,6 +43,7 @@ def test_every_target_lands_in_the_json(model_dir, tmp_path) -> None:
     assert always["greedy_identical"] and never["greedy_identical"]
     # On the CPU verification computes decode steps' logits to the bit.
     assert always["plain_common_prefix"] == never["plain_common_prefix"] == 1.0
+    assert always["reference_common_prefix"] == never["reference_common_prefix"] == 1.0
     # 24 tokens: the prefill's, then steps of 1 + 4 (the last ones shortened by max_tokens).
     assert always["mean_acceptance_length"] > 4.0
     assert never["mean_acceptance_length"] == 1.0  # every draft corrupted

@@ -15,7 +15,8 @@ the H200); from there a plain run's continuation is a wrong draft at every posit
 Each ``k`` therefore first runs the acceptance proposer at ``A = 0`` (every step then
 verifies ``1 + k`` tokens and emits its first row's argmax: each token a row of a step of
 the same shape, which a step computes independently of the other rows), and drafts what
-that run emitted. ``greedy_identical`` compares with that run; ``plain_common_prefix`` is
+that run emitted. ``greedy_identical`` compares with that run (``reference_common_prefix``: the mean share
+of each output before the first difference from it); ``plain_common_prefix`` is
 the mean share of each output that equals the run without speculation before the first
 difference (1.0 where the kernels agree to the bit, as on the CPU). The ideal speedup is that divided by the measured cost of a verification step
 over a plain one (decode steps only: each engine also times the prompts' prefill alone,
@@ -189,6 +190,9 @@ def _figures(plain: dict, spec: dict, reference: list, rate: float, k: int) -> d
         "verify_step_cost": step_cost,
         "ideal_speedup": expected / step_cost,
         "greedy_identical": spec["pairs"] == reference,
+        "reference_common_prefix": statistics.mean(
+            _common_prefix(s[1], r[1]) for s, r in zip(spec["pairs"], reference)
+        ),
         "plain_common_prefix": statistics.mean(
             _common_prefix(s[1], p[1]) for s, p in zip(spec["pairs"], plain["pairs"])
         ),
@@ -203,8 +207,9 @@ def _figures(plain: dict, spec: dict, reference: list, rate: float, k: int) -> d
         f"step costs {step_cost:.2f}x a plain one, so the ideal is "
         f"{figures['ideal_speedup']:.2f}x: {figures['fraction_of_ideal']:.0%} of it "
         f"({figures['fraction_of_ideal_end_to_end']:.0%} end to end); greedy identical: "
-        f"{figures['greedy_identical']} (the same as without speculation for "
-        f"{figures['plain_common_prefix']:.0%} of each output)",
+        f"{figures['greedy_identical']} (the same as the drafted run for "
+        f"{figures['reference_common_prefix']:.1%} of each output, as without speculation "
+        f"for {figures['plain_common_prefix']:.0%})",
         flush=True,
     )
     return figures
