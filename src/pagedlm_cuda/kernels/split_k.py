@@ -1,4 +1,5 @@
-"""Split-K for the batch-1 GGUF GEMVs: a row block's columns shared by several programs.
+"""Split-K for the batch-1 GGUF GEMVs and the few-row GEMM (``gemm_rows.py``): a row
+block's columns shared by several programs.
 
 A GEMV whose weight has few row blocks (llama-3-8b's q/k/v, o and down projections give
 512-768 one-warp programs to 132 SMs) leaves too few loads in flight to reach the memory
@@ -15,6 +16,8 @@ launch the next GEMV touches the counts and parts only after its wait for this o
 
 The bf16 and FP8 GEMV (``gemv.py``) do not split: their wider programs are not short of
 loads in flight, and on an H100 (session 21) every split tile lost to the unsplit one.
+The few-row GEMM's sums are [weight rows, x rows] tiles; it passes ``split_sum`` their
+flat indices into an ``M * N`` part per split.
 """
 
 from __future__ import annotations
