@@ -56,8 +56,8 @@ def _silu_and_mul_kernel(x: torch.Tensor) -> torch.Tensor:
 class SingleRowLinear:
     """A linear layer's kernel: one-row inputs (a lone sequence's decode step) through the
     Triton GEMV, 2 to 16 rows of a 16-bit layer (a speculative verification step, a small
-    batch) through the few-row GEMM (``gemm_rows``), which both stream the weight faster
-    than cuBLAS at those shapes; every other batch through ``F.linear``. The choice depends
+    batch) on Hopper through the few-row GEMM (``gemm_rows``), which both stream the weight
+    faster than cuBLAS at those shapes; every other batch through ``F.linear``. The choice depends
     on the row count and dtypes only, so a step gives the same result from a CUDA graph or
     eagerly."""
 
@@ -112,7 +112,14 @@ GEMM_ROWS_ENV = "PAGEDLM_GEMM_ROWS"
 
 @functools.cache
 def _gemm_rows_on() -> bool:
-    return os.environ.get(GEMM_ROWS_ENV, "1") != "0"
+    """The few-row GEMM beats cuBLAS where it runs on the warpgroup MMA (Hopper and
+    later, measured on the H100); older GPUs and ROCm keep ``F.linear``. Without a GPU
+    (the Triton interpreter of the tests) it runs."""
+    if os.environ.get(GEMM_ROWS_ENV, "1") == "0":
+        return False
+    if not torch.cuda.is_available():
+        return True
+    return torch.version.hip is None and torch.cuda.get_device_capability() >= (9, 0)
 
 
 GEMV_SILU_ENV = "PAGEDLM_GEMV_SILU"
