@@ -14,8 +14,9 @@ steps' at the first near-tie, which random weights make frequent (about every 30
 the H200); from there a plain run's continuation is a wrong draft at every position.
 Each ``k`` therefore first runs the acceptance proposer at ``A = 0`` (every step then
 verifies ``1 + k`` tokens and emits its first row's argmax: each token a row of a step of
-the same shape, which a step computes independently of the other rows), and drafts what
-that run emitted. ``greedy_identical`` compares with that run (``reference_common_prefix``: the mean share
+the same shape, which a step computes independently of the other rows), for ``k`` tokens
+more than asked so that the room left under ``max_tokens`` never cuts a compared token's
+step short, and drafts what that run emitted. ``greedy_identical`` compares with that run (``reference_common_prefix``: the mean share
 of each output before the first difference from it); ``plain_common_prefix`` is
 the mean share of each output that equals the run without speculation before the first
 difference (1.0 where the kernels agree to the bit, as on the CPU). The ideal speedup is that divided by the measured cost of a verification step
@@ -142,7 +143,11 @@ def compare(
     for rate, k in cases:
         if k not in references:  # what verification steps of 1 + k tokens emit greedily
             reference_args = _acceptance_args(args, 0.0, k, plain["pairs"])
-            references[k] = _call(in_process, _measure, reference_args, prompts, params)["pairs"]
+            # k tokens more than asked: near max_tokens a step verifies fewer drafts (the
+            # room left), and its last token is a one-row step, which other kernels compute.
+            longer = dataclasses.replace(params, max_tokens=params.max_tokens + k)
+            pairs = _call(in_process, _measure, reference_args, prompts, longer)["pairs"]
+            references[k] = [[prompt, out[: params.max_tokens]] for prompt, out in pairs]
         spec_args = _acceptance_args(args, rate, k, references[k])
         spec = _call(in_process, _measure, spec_args, prompts, params)
         result["cases"].append(_figures(plain, spec, references[k], rate, k))
