@@ -56,10 +56,10 @@ def _silu_and_mul_kernel(x: torch.Tensor) -> torch.Tensor:
 class SingleRowLinear:
     """A linear layer's kernel: one-row inputs (a lone sequence's decode step) through the
     Triton GEMV, 2 to 16 rows of a 16-bit layer (a speculative verification step, a small
-    batch) on Hopper through the few-row GEMM (``gemm_rows``), which both stream the weight
-    faster than cuBLAS at those shapes; every other batch through ``F.linear``. The choice depends
-    on the row count and dtypes only, so a step gives the same result from a CUDA graph or
-    eagerly."""
+    batch, a short chunk's padded piece) on Hopper through the few-row GEMM (``gemm_rows``),
+    which both stream the weight faster than cuBLAS at those shapes; every other batch
+    through ``F.linear``. The choice depends on the row count and dtypes only, so a step
+    gives the same result from a CUDA graph or eagerly."""
 
     def __init__(self, layer: LinearBase) -> None:
         self.layer = layer

@@ -9,19 +9,20 @@ corrupted one, so a step yields ``(1 - A^(k+1)) / (1 - A)`` tokens on average.
 
 The continuation drafted is the one verification steps compute, not the one decode steps
 do: a verification runs other kernels (the verification attention, linear layers of
-``1 + k`` rows where decoding at batch 1 runs a one-row GEMV), so in bf16 its argmax parts ways with the decode
-steps' at the first near-tie, which random weights make frequent (about every 30 tokens on
+``1 + k`` rows where decoding at batch 1 runs a one-row GEMV), so in bf16 its argmax
+parts ways with the decode steps' at the first near-tie, which random weights make frequent (about every 30 tokens on
 the H200); from there a plain run's continuation is a wrong draft at every position.
 Each ``k`` therefore first runs the acceptance proposer at ``A = 0`` (every step then
 verifies ``1 + k`` tokens and emits its first row's argmax: each token a row of a step of
 the same shape, which a step computes independently of the other rows), for ``k`` tokens
 more than asked so that the room left under ``max_tokens`` never cuts a compared token's
-step short, and drafts what that run emitted. ``greedy_identical`` compares with that run (``reference_common_prefix``: the mean share
-of each output before the first difference from it); ``plain_common_prefix`` is
-the mean share of each output that equals the run without speculation before the first
-difference (1.0 where the kernels agree to the bit, as on the CPU). The ideal speedup is that divided by the measured cost of a verification step
-over a plain one (decode steps only: each engine also times the prompts' prefill alone,
-``max_tokens=1``, and that time and step are taken off).
+step short, and drafts what that run emitted. ``greedy_identical`` compares with that run
+(``reference_common_prefix``: the mean share of each output before the first difference
+from it); ``plain_common_prefix`` is the mean share of each output that equals the run
+without speculation before the first difference (1.0 where the kernels agree to the bit,
+as on the CPU). The ideal speedup is that divided by the measured cost of a verification
+step over a plain one (decode steps only: each engine also times the prompts' prefill
+alone, ``max_tokens=1``, and that time and step are taken off).
 
 Two entry points:
 
