@@ -76,14 +76,20 @@ class SingleRowLinear:
         return F.linear(x, layer.weight, layer.linear_bias)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``silu_and_mul`` of this (gate over up) layer's output in the GEMV's epilogue, for
-        one row (``SiluAndMul.after``); None for other inputs."""
+        """``silu_and_mul`` of this (gate over up) layer's output in the GEMV's (one row) or
+        the few-row GEMM's (2 to 16 rows) epilogue (``SiluAndMul.after``); None for other
+        inputs."""
+        from pagedlm_cuda.kernels.gemm_rows import gemm_rows
         from pagedlm_cuda.kernels.gemv import gemv
 
         layer = self.layer
-        if not _one_row(x) or layer.weight.shape[0] % 2 or not _gemv_silu_on():
+        if layer.weight.shape[0] % 2 or not _gemv_silu_on():
             return None
-        return gemv(x, layer.weight, layer.linear_bias, silu_and_mul=True)
+        if _one_row(x):
+            return gemv(x, layer.weight, layer.linear_bias, silu_and_mul=True)
+        if _few_rows(x, layer.weight):
+            return gemm_rows(x, layer.weight, layer.linear_bias, silu_and_mul=True)
+        return None
 
 
 def _one_row(x: torch.Tensor) -> bool:
@@ -123,7 +129,7 @@ def _gemm_rows_on() -> bool:
 
 
 GEMV_SILU_ENV = "PAGEDLM_GEMV_SILU"
-"""``0``: one-row MLPs run SiLU-and-mul as a kernel of its own again (to measure)."""
+"""``0``: MLPs of 1 to 16 rows run SiLU-and-mul as a kernel of its own again (to measure)."""
 
 
 @functools.cache

@@ -50,6 +50,25 @@ def test_a_rows_result_depends_on_its_own_values_only(config) -> None:
     assert all(torch.equal(results[0], r) for r in results[1:])
 
 
+@pytest.mark.parametrize("n", [2, 130, 1030])
+@pytest.mark.parametrize("config", [None, GemmRowsConfig(64, 128, 4, 3, 2)], ids=str)
+def test_silu_and_mul_epilogue_is_the_two_kernels(n: int, config) -> None:
+    """``silu_and_mul=True``: exactly the plain result followed by the activation kernel
+    (row counts past a tile's half, split and unsplit)."""
+    from pagedlm_cuda.kernels import silu_and_mul
+
+    torch.manual_seed(n)
+    k = 256
+    x = torch.randn(6, k, device=DEVICE).to(torch.bfloat16)
+    weight = (torch.randn(n, k, device=DEVICE) / k**0.5).to(torch.bfloat16)
+    bias = torch.randn(n, device=DEVICE).to(torch.bfloat16)
+    fused = gemm_rows(x, weight, bias, config, silu_and_mul=True)
+    assert fused.shape == (6, n // 2)
+    assert torch.equal(fused, silu_and_mul(gemm_rows(x, weight, bias, config)))
+    with pytest.raises(ValueError, match="even row count"):
+        gemm_rows(x, weight[:-1], None, config, silu_and_mul=True)
+
+
 def test_gemm_rows_reads_strided_rows_and_writes_all_of_them() -> None:
     torch.manual_seed(1)
     k = 256

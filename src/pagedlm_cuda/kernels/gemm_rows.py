@@ -45,11 +45,19 @@ def _gemm_rows_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, K, K_SPLIT,
     stride_x, stride_w, stride_out,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+    STAGES: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.allow_next(USE_PDL)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
+    if GATED:  # half the rows are gate rows, the other half the up rows N / 2 below them
+        HALF_N: tl.constexpr = BLOCK_N // 2
+        tile = tl.arange(0, BLOCK_N)
+        gate_rows = tl.program_id(0) * HALF_N + tile % HALF_N
+        rows = gate_rows + (tile // HALF_N) * (N // 2)
+        row_mask = gate_rows < N // 2
+    else:
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < N
     k_start = tl.program_id(1) * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
@@ -71,23 +79,43 @@ def _gemm_rows_kernel(
         w = tl.load(w_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_rows + k[None, :], mask=x_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(w, tl.trans(x), acc, out_dtype=tl.float32)
-    # Output [M, N]: element (row r of x, weight row n) at r * stride_out + n.
-    index = x_index[None, :] * stride_out + rows[:, None]
     mask = x_mask[None, :] & row_mask[:, None]
     if SPLIT > 1:
         parts = x_index[None, :] * N + rows[:, None]
         last, acc = split_sum(acc, parts, mask, partials_ptr, counts_ptr, M * N, SPLIT)
         if last:
-            _store(acc, rows, row_mask, index, mask, bias_ptr, out_ptr, HAS_BIAS)
+            _store(acc, rows, row_mask, x_index, x_mask, bias_ptr, out_ptr, N, stride_out,
+                   BLOCK_N, GATED, HAS_BIAS)  # fmt: skip
     else:
-        _store(acc, rows, row_mask, index, mask, bias_ptr, out_ptr, HAS_BIAS)
+        _store(acc, rows, row_mask, x_index, x_mask, bias_ptr, out_ptr, N, stride_out, BLOCK_N,
+               GATED, HAS_BIAS)  # fmt: skip
 
 
 @triton.jit
-def _store(acc, rows, row_mask, index, mask, bias_ptr, out_ptr, HAS_BIAS: tl.constexpr):
+def _store(
+    acc, rows, row_mask, x_index, x_mask, bias_ptr, out_ptr, N, stride_out,
+    BLOCK_N: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """The float32 sums ``acc`` [weight rows, x rows] plus the bias, rounded to out's dtype,
+    into out [M, N] (element (x row r, weight row n) at ``r * stride_out + n``); ``GATED``:
+    ``silu(gate) * up`` of the rounded projections into out [M, N / 2], as
+    ``silu_and_mul`` computes it from the plain result."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + index, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    projected = acc.to(out_ptr.dtype.element_ty)
+    if GATED:
+        HALF_N: tl.constexpr = BLOCK_N // 2
+        halves = tl.permute(tl.reshape(projected, (2, HALF_N, 16)), (1, 2, 0))
+        gate, up = tl.split(halves)
+        g32 = gate.to(tl.float32)
+        silu = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
+        out = (silu.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        out_rows = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
+        index = x_index[None, :] * stride_out + out_rows[:, None]
+        tl.store(out_ptr + index, out, mask=x_mask[None, :] & (out_rows < N // 2)[:, None])
+    else:
+        index = x_index[None, :] * stride_out + rows[:, None]
+        tl.store(out_ptr + index, projected, mask=x_mask[None, :] & row_mask[:, None])
 
 
 class GemmRowsConfig(NamedTuple):
@@ -118,9 +146,14 @@ def gemm_rows(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: GemmRowsConfig | tuple[int, ...] | None = None,
+    silu_and_mul: bool = False,
 ) -> torch.Tensor:
     """x [M, K] with 1 <= M <= 16 (unit-stride rows), weight [N, K] (unit-stride rows, x's
-    dtype: float16 or bfloat16), bias [N] or None -> [M, N] in x's dtype."""
+    dtype: float16 or bfloat16), bias [N] or None -> [M, N] in x's dtype.
+    ``silu_and_mul``: the weight is a gate projection over an up projection (a SwiGLU
+    MLP's merged one) and the result is ``silu(gate) * up`` [M, N / 2], as
+    ``silu_and_mul`` computes it from the plain result (each program's rows are half gate
+    rows, half the up rows they pair with: one launch fewer per MLP)."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(
             f"gemm_rows takes 1 to {MAX_ROWS} rows, x of shape [M, K]; got {tuple(x.shape)} "
@@ -137,9 +170,11 @@ def gemm_rows(
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("gemm_rows needs unit-stride rows in x and weight.")
     cfg = GemmRowsConfig(*config) if config is not None else gemm_rows_config(n, k)
+    if silu_and_mul and n % 2:
+        raise ValueError(f"silu_and_mul needs an even row count; got {n}.")
     m = x.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    blocks = triton.cdiv(n, cfg.block_n)
+    out = torch.empty((m, n // 2 if silu_and_mul else n), dtype=x.dtype, device=x.device)
+    blocks = triton.cdiv(n // 2, cfg.block_n // 2) if silu_and_mul else triton.cdiv(n, cfg.block_n)
     split = cfg.split_k
     # Split only into whole slices, and only as far as the workspace holds the parts.
     if k % (split * cfg.block_k) or m * n * split > SPLIT_PARTIALS or blocks > SPLIT_BLOCKS:
@@ -150,7 +185,7 @@ def gemm_rows(
         x, weight, bias if bias is not None else weight, out, partials, counts, m, n, k,
         k_split, x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages, SPLIT=split,
-        EVEN_K=k_split % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.stages,
-        **pdl.launch_options(),
+        EVEN_K=k_split % cfg.block_k == 0, GATED=silu_and_mul, num_warps=cfg.num_warps,
+        num_stages=cfg.stages, **pdl.launch_options(),
     )  # fmt: skip
     return out
