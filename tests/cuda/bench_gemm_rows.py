@@ -5,9 +5,10 @@ hand).
 
 For each projection of llama-3-8b (and qwen3-0.6b's with ``--shapes q3_qkv ...``) times
 ``F.linear`` at ``--rows`` rows, the one-row GEMV at one row and ``gemm_rows`` with its
-default tiles, each from a CUDA graph of 24 calls rotating over weight copies that pass
-the L2; ``--sweep`` adds every tile of ``SWEEP`` (weight rows per program, columns per
-slice, warps, stages, split) with its error against float32.
+default tiles (gate/up shapes also with the SiLU epilogue against the two kernels), each
+from a CUDA graph of 24 calls rotating over weight copies that pass the L2; ``--sweep``
+adds every tile of ``SWEEP`` (weight rows per program, columns per slice, warps, stages,
+split) with its error against float32.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from bench_timing import graph_us
 
+from pagedlm_cuda.kernels import silu_and_mul
 from pagedlm_cuda.kernels.gemm_rows import GemmRowsConfig, gemm_rows, gemm_rows_config
 from pagedlm_cuda.kernels.gemv import gemv
 
@@ -51,6 +53,10 @@ def bench_shape(name: str, rows: int, sweep: bool) -> None:
         f"({gemm_rows_config(n, k)}), one-row GEMV {one_row:.2f}",
         flush=True,
     )
+    if name.endswith("gate_up"):
+        two = timed(lambda w: silu_and_mul(gemm_rows(x, w)))
+        fused = timed(lambda w: gemm_rows(x, w, silu_and_mul=True))
+        print(f"  then silu_and_mul: two kernels {two:.2f} us, epilogue {fused:.2f}", flush=True)
     for config in SWEEP if sweep else []:
         out = gemm_rows(x, weights[0], config=config)
         error = ((out.float() - reference).norm() / reference.norm()).item()
