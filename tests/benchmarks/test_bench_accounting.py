@@ -55,3 +55,27 @@ def test_speed_of_light_matches_the_issue_targets() -> None:
     assert sol.weight_bytes == 256 * 2 * weight_params(llama)[0]
     # Weights dominate: ~15 GB a step at 4.3 TB/s, about 280 tok/s.
     assert 270 < 256 / sol.seconds < 290
+
+
+def test_profile_timeline_charges_overlapping_kernels_from_the_previous_end() -> None:
+    """A kernel that starts early (programmatic dependent launch) is charged from the
+    previous kernel's end; gaps are idle; the charges plus the idle are the span."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from pagedlm.benchmarks.common import _timeline_lines
+
+    def kernel(name: str, start: float, end: float):
+        span = SimpleNamespace(start=start, end=end)
+        return SimpleNamespace(name=name, device_type=DeviceType.CUDA, time_range=span)
+
+    cpu_op = SimpleNamespace(
+        name="op", device_type=DeviceType.CPU, time_range=SimpleNamespace(start=0, end=99)
+    )
+    events = [kernel("a", 0, 10), kernel("b", 5, 30), kernel("c", 40, 45), kernel("a", 44, 50)]
+    prof = SimpleNamespace(events=lambda: [*events, cpu_op])
+    lines = _timeline_lines(prof, model_steps=1)
+    assert lines[0].startswith("timeline over 0.050 ms/step") and "idle 0.010" in lines[0]
+    charged = {line.split()[-1]: float(line.split()[0]) for line in lines[1:]}
+    assert charged == {"a": 15.0, "b": 20.0, "c": 5.0}

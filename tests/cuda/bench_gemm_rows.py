@@ -31,6 +31,8 @@ SHAPES = {
 SWEEP = [GemmRowsConfig(64, 128, 4, s, split) for s in (3, 4, 6) for split in (1, 2, 4)]
 SWEEP += [GemmRowsConfig(64, 256, 4, 3, split) for split in (1, 2, 4)]
 SWEEP += [GemmRowsConfig(128, 128, 8, 4, split) for split in (1, 2, 4)]
+SWEEP += [GemmRowsConfig(64, 64, 4, s, split) for s in (4, 6) for split in (2, 4, 8)]
+SWEEP += [GemmRowsConfig(64, 128, 4, s, 8) for s in (2, 3)]
 REPLAYS = 24
 
 

@@ -182,5 +182,40 @@ def profile_steps(llm, prompts: list[list[int]], params: list[Any], num_steps: i
         lines.append(f"  {kind:14s} {us / model_steps / 1e3:8.3f} ms/step")
     idle = max(0.0, wall - device_total)
     lines.append(f"  {'GPU idle (CPU)':14s} {idle / model_steps * 1e3:8.3f} ms/step")
+    lines += _timeline_lines(prof, model_steps)
     top = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
     return "\n".join(lines) + "\n" + top
+
+
+def _timeline_lines(prof, model_steps: int, rows: int = 30) -> list[str]:
+    """The device's timeline split among its kernels by end time: each kernel is charged
+    from the later of its start and the previous kernel's end to its own end, and a gap
+    before a kernel's start is idle time. Under programmatic dependent launch a kernel
+    starts before its predecessor ends and waits, so its own duration (the table) counts
+    the wait; this split does not, and the charges plus the idle add up to the span."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted(
+        (e.time_range.end, e.time_range.start, e.name)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    if not kernels:
+        return []
+    charged: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    idle, previous_end = 0.0, kernels[0][1]
+    for end, start, name in kernels:
+        idle += max(0.0, start - previous_end)
+        charged[name][0] += end - max(start, previous_end)
+        charged[name][1] += 1
+        previous_end = max(previous_end, end)
+    span = previous_end - kernels[0][1]
+    lines = [
+        f"timeline over {span / model_steps / 1e3:.3f} ms/step (charged by end time; "
+        f"idle {idle / model_steps / 1e3:.3f} ms/step):"
+    ]
+    for name, (us, count) in sorted(charged.items(), key=lambda kv: -kv[1][0])[:rows]:
+        lines.append(
+            f"  {us / model_steps:9.1f} us/step {count / model_steps:6.1f}/step  {name[:90]}"
+        )
+    return lines
