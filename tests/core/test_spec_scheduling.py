@@ -256,7 +256,44 @@ def test_every_draft_right_takes_fewer_steps_and_all_are_accepted() -> None:
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
     per_position = stats.num_accepted_tokens_per_pos
     assert per_position[0] == stats.num_drafts and list(per_position) == sorted(per_position)[::-1]
-    assert steps <= 1 + 1 + 40 // 5 + 1  # prefill, first decode, then 5 tokens per step
+    assert steps <= 1 + -(-39 // 5)  # the prefill's token, then 5 tokens per step
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])  # draft_model: slots ahead
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("prompt_len", [3, 21])  # 21: a chunked prefill (budget 8)
+def test_the_step_after_a_prefill_verifies_drafts(
+    method: str, async_scheduling: bool, prompt_len: int
+) -> None:
+    """The step that ends a prompt asks for drafts, so a request's first decode step
+    verifies them (not one plain step first); chunks before the last ask for none."""
+    executor = SpeculatingExecutor(64, accuracy=1.0)
+    executor.rng.random = lambda: 0.5  # type: ignore[method-assign]  # never draft fewer
+    core = make_core(executor, async_scheduling, spec_config(method, k=4), 64, budget=8)
+    prompt = [3 + i % 40 for i in range(prompt_len)]
+    request = Request("r", prompt, SamplingParams(max_tokens=11, ignore_eos=True), set())
+    steps: list[tuple[int, int, int]] = []  # (tokens scheduled, drafts verified, asked for)
+    schedule = core.scheduler.schedule
+
+    def recorded() -> SchedulerOutput:
+        so = schedule()
+        if so.num_scheduled_tokens:
+            drafts = so.scheduled_spec_decode_tokens.get("r", [])
+            steps.append(
+                (so.num_scheduled_tokens["r"], len(drafts), so.num_drafts_to_propose.get("r", 0))
+            )
+        return so
+
+    core.scheduler.schedule = recorded  # type: ignore[method-assign]
+    outputs = run(core, [request])["r"][0]
+    chunks = -(-prompt_len // 8)
+    assert [asked for _, _, asked in steps[:chunks]] == [0] * (chunks - 1) + [4]
+    assert steps[chunks] == (5, 4, 4)  # the first decode step: its token and 4 drafts
+    assert len(steps) == chunks + 2  # 1 + 5 + 5 tokens
+    tokens = list(prompt)
+    for _ in range(11):
+        tokens.append(next_token(tokens))
+    assert list(outputs) == tokens[prompt_len:]
 
 
 def test_drafts_stay_inside_the_budget_and_the_length_limits() -> None:

@@ -338,11 +338,11 @@ class OneBudgetScheduler(Scheduler):
             ):
                 skipped.append(self.waiting.popleft())
                 continue
-            num_new_tokens = self._admit(request, budget)
+            request.num_scheduled_drafts = request.num_requested_drafts = 0
+            num_new_tokens = self._admit(request, budget, spec)
             if num_new_tokens is None:
                 break
             self.waiting.popleft()
-            request.num_scheduled_drafts = request.num_requested_drafts = 0
             new_reqs.append(
                 NewRequestData(
                     req_id=request.request_id,
@@ -359,6 +359,8 @@ class OneBudgetScheduler(Scheduler):
             budget -= num_new_tokens
             self._advance(request, num_new_tokens, constrained)
         self.waiting.extendleft(reversed(skipped))
+        if spec.to_propose and self.speculation.too_many_to_propose(len(self.running)):
+            spec.withdraw_proposals(self.running)  # the admitted requests made it too many
 
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -406,6 +408,10 @@ class OneBudgetScheduler(Scheduler):
         if num_new_tokens == 1:  # decoding: only its last sampled token is left to feed
             drafts = self.speculation.drafts_to_verify(request, budget - 1)
             num_proposals = self.speculation.drafts_to_propose(request, len(drafts))
+        elif request.num_computed_tokens + num_new_tokens >= request.num_tokens + (
+            request.num_output_placeholders
+        ):  # the last chunk of a prefill: it samples, so its next step may verify drafts
+            num_proposals = self.speculation.drafts_to_propose(request, 0)
         extra = len(drafts) + self.speculation.lookahead(num_proposals)
         new_block_ids = self.kv_manager.allocate_slots(request, num_new_tokens + extra)
         if new_block_ids is None and extra:
@@ -461,8 +467,10 @@ class OneBudgetScheduler(Scheduler):
         self.num_preemptions += 1
         self.order.wait(self.waiting, request, preempted=True)
 
-    def _admit(self, request: Request, budget: int) -> int | None:
-        """Try to move the head of the waiting queue to running.
+    def _admit(self, request: Request, budget: int, spec: StepDrafts) -> int | None:
+        """Try to move the head of the waiting queue to running. A request whose whole
+        prompt is scheduled samples this step, and when speculating asks its proposer for
+        drafts right away (recorded in ``spec``), so its first decode step verifies them.
 
         Returns the number of tokens scheduled for it, or None (nothing changed) if its
         blocks do not fit.
@@ -480,8 +488,22 @@ class OneBudgetScheduler(Scheduler):
             num_new_tokens = plan.num_new_tokens
             if num_new_tokens <= 0:
                 return None  # the step's encoder budget is spent; next step
-        if self.kv_manager.allocate_slots(request, num_new_tokens, computed) is None:
-            return None
+        num_proposals = 0
+        if (
+            self.speculation.enabled
+            and computed.num_computed_tokens + num_new_tokens >= request.num_tokens
+        ):
+            num_proposals = self.speculation.drafts_to_propose(request, 0)
+        extra = self.speculation.lookahead(num_proposals)
+        if self.kv_manager.allocate_slots(request, num_new_tokens + extra, computed) is None:
+            if (
+                not extra
+                or self.kv_manager.allocate_slots(request, num_new_tokens, computed) is None
+            ):
+                return None
+            num_proposals = 0  # drafts never keep a request waiting
+        if self.speculation.enabled:
+            spec.record(request, [], num_proposals)
         if plan is not None:
             self.encoder.commit(request, computed.num_computed_tokens, plan)
         request.num_computed_tokens = computed.num_computed_tokens

@@ -93,6 +93,14 @@ class StepDrafts:
         if num_proposals:
             self.to_propose[request_id] = num_proposals
 
+    def withdraw_proposals(self, requests: list[Request]) -> None:
+        """No request of the step asks for drafts after all (the slots held for them
+        stay unused)."""
+        for request in requests:
+            if request.request_id in self.to_propose:
+                request.num_requested_drafts = 0
+        self.to_propose.clear()
+
     def discard(self, request: Request) -> None:
         """``request`` preempted itself after ``record``: it is not in the step."""
         for entries in (self.drafts, self.to_propose, self.in_flight):
@@ -124,6 +132,12 @@ class Speculation:
             return
         limit = self.config.disable_by_batch_size
         self._proposing = limit is None or num_running <= limit
+
+    def too_many_to_propose(self, num_running: int) -> bool:
+        """Whether a step of ``num_running`` requests is past ``disable_by_batch_size``
+        (``begin_step`` judged the requests running before admissions)."""
+        limit = self.config.disable_by_batch_size if self.config else None
+        return limit is not None and num_running > limit
 
     def _room(self, request: Request, num_tokens: int) -> int:
         """How many more tokens than one a step may emit for ``request`` when it has
