@@ -583,6 +583,59 @@ def test_verify_attention_writes_the_new_kv() -> None:
     check_verify(16, 64, 1, 4, [(4, 9)], torch.float32, write_new=True)  # one partition
 
 
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_verify_attention_fused_rotary(neox: bool, qk_norm: bool) -> None:
+    """With ``rotary`` the verification kernel rotates (after normalizing) each row's
+    query at its own position and the new keys it writes: the output matches the rotary
+    kernel followed by the plain verification kernel (partitions of two tiles, the first
+    of them read before the new keys are written)."""
+    from pagedlm.attention.backend import FusedRotary
+    from pagedlm_cuda.kernels import paged_verify_attention, rotary_embedding
+
+    dtype, head_dim, num_kv_heads, group = SMALL_BF16, 64, 2, 4
+    query_lens, seq_lens = [5, 3], [45, 20]
+    key_cache, value_cache, table, tables = make_cache(
+        seq_lens, 16, num_kv_heads, head_dim, dtype, seed=11
+    )
+    new_kv, _ = take_step_kv(key_cache, value_cache, tables, seq_lens, query_lens)
+    gen = torch.Generator().manual_seed(5)
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=gen)
+    query = query.to(dtype).to(DEVICE)
+    positions = torch.tensor(
+        [p for q, s in zip(query_lens, seq_lens) for p in range(s - q, s)], device=DEVICE
+    )
+    angles = torch.outer(torch.arange(128.0), 1.0 / 10000 ** (torch.arange(0, 64, 2) / 64))
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(DEVICE)
+    norms = None
+    if qk_norm:
+        weights = (1 + 0.3 * torch.randn(2, head_dim, generator=gen)).to(dtype).to(DEVICE)
+        norms = (weights[0], weights[1], 1e-6)
+    seq_tensor = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([0, query_lens[0], num_tokens], dtype=torch.int32, device=DEVICE)
+    key, value, slots = new_kv
+    q_ref, k_ref = query.clone(), key.clone()
+    rotary_embedding(
+        positions, q_ref.view(num_tokens, -1), k_ref.view(num_tokens, -1), cos_sin, head_dim,
+        neox, qk_norm=norms,
+    )  # fmt: skip
+    caches_ref = key_cache.clone(), value_cache.clone()
+    args = (table, seq_tensor, starts, 0.125, max(query_lens), 64)
+    config = _split(32)  # 16-key tiles
+    expected = paged_verify_attention(
+        q_ref, *caches_ref, *args, new_kv=(k_ref, value, slots), config=config
+    )
+    fused = paged_verify_attention(
+        query, key_cache, value_cache, *args, new_kv=new_kv, config=config,
+        rotary=FusedRotary(positions, cos_sin, neox, norms),
+    )  # fmt: skip
+    assert not torch.equal(query, q_ref)  # the query itself is left as it was
+    assert torch.equal(value_cache, caches_ref[1])
+    assert rel_error(key_cache.float().nan_to_num(), caches_ref[0].float().nan_to_num()) < 1e-2
+    assert rel_error(fused, expected) < tolerance(dtype)
+
+
 def test_verify_attention_refuses_long_queries() -> None:
     with pytest.raises(ValueError, match="paged_prefill_attention"):
         check_verify(16, 64, 1, 1, [(9, 3)], torch.float32)

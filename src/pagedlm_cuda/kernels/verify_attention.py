@@ -55,7 +55,7 @@ from pagedlm_cuda.kernels.kv_tile import (
     fp8_value_stager,
     load_kv_tile,
 )
-from pagedlm_cuda.kernels.rotary import fused_rotary_args, rotate_at
+from pagedlm_cuda.kernels.rotary import fused_angles, fused_rotary_args, rotate_at, rotate_loaded
 from pagedlm_cuda.kernels.score_mod import scaled_scores, score_args
 
 MAX_QUERY_LEN = 8
@@ -146,9 +146,24 @@ def _verify_kernel(
     if start >= end:
         return  # no key of any row here: the merge never reads this partition
 
-    pdl.wait_for_previous(USE_PDL)
     head_base = kv_head.to(tl.int64) * cache_stride_head
     table = block_tables_ptr + req * block_table_stride
+    # The first tile is read before waiting for the kernel that produced q when it holds
+    # cached positions only (earlier steps wrote them; each forward begins with a torch
+    # kernel, which waits for everything before it); else it is empty here, and read
+    # with the others once this program has written the step's keys.
+    first_end = tl.minimum(start + BLOCK_N, end)
+    pre_end = tl.where(first_end <= context_len, first_end, start)
+    pos0, pos_mask0, k0, v0 = load_kv_tile(
+        key_cache_ptr, value_cache_ptr, table, head_base, start, pre_end, dims, dim_mask,
+        cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N, COMPUTE_DTYPE,
+    )  # fmt: skip
+    if ROTARY:  # the query rows' angles: positions are host copies, the table is fixed
+        q_positions = tl.load(positions_ptr + tokens, mask=row_mask, other=0).to(tl.int64)
+        partner, cos, signed_sin = fused_angles(
+            cos_sin_ptr, q_positions, cos_sin_stride, dims, BLOCK_D // 2, IS_NEOX
+        )  # fmt: skip
+    pdl.wait_for_previous(USE_PDL)
     k_scale, v_scale = fp8_scales(k_scale_ptr, v_scale_ptr, FP8)
     if WRITE_NEW:
         # The step's keys and values at positions this partition holds: written here, by
@@ -190,10 +205,9 @@ def _verify_kernel(
     q_rows = q_ptr + tokens[:, None] * q_stride_token + heads[:, None] * q_stride_head
     q = tl.load(q_rows + dims[None, :], mask=mask, other=0.0)
     if ROTARY:
-        q_positions = tl.load(positions_ptr + tokens, mask=row_mask, other=0).to(tl.int64)
-        q = rotate_at(
-            q, q_rows, mask, q_positions, cos_sin_ptr, cos_sin_stride, q_norm_ptr, norm_eps,
-            dims, head_dim, IS_NEOX, QK_NORM,
+        q = rotate_loaded(
+            q, q_rows, mask, partner, cos, signed_sin, q_norm_ptr, norm_eps, dims, head_dim,
+            QK_NORM,
         )  # fmt: skip
     stager = 1.0
     if FP8:
@@ -205,7 +219,15 @@ def _verify_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    if pre_end > start:
+        visible = pos_mask0[None, :] & (pos0[None, :] < visible_end[:, None])
+        if USE_WINDOW:
+            visible &= pos0[None, :] >= visible_end[:, None] - window
+        m, denom, acc = _attend_rows(
+            q, k0, v0, visible, m, denom, acc, score_scale, cap_log2e, k_scale, stager,
+            USE_SOFT_CAP, FP8,
+        )  # fmt: skip
+    for n0 in range(pre_end, end, BLOCK_N):
         pos, pos_mask, k, v = load_kv_tile(
             key_cache_ptr, value_cache_ptr, table, head_base, n0, end, dims, dim_mask,
             cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N, COMPUTE_DTYPE,
