@@ -50,7 +50,7 @@ def compile_config(block_n: int, warps: int, stages: int, fp8: bool = True) -> d
         BLOCK_SIZE=BLOCK, PARTITION=512, BLOCK_N=block_n, BLOCK_G=16, BLOCK_D=DIM, MERGE_G=2,
         MERGE_P=4, MERGE_IN_KERNEL=False, DIRECT=False, WRITE_NEW=True, USE_WINDOW=False,
         USE_SOFT_CAP=False, FP8=fp8, COMPUTE_DTYPE=tl.float16 if fp8 else tl.bfloat16,
-        USE_PDL=True,
+        ROTARY=False, IS_NEOX=True, QK_NORM=False, USE_PDL=True,  # W1's batch: no fused rotary
     )  # fmt: skip
     signature, attrs = {}, {}
     for index, name in enumerate(_decode_kernel.arg_names):
@@ -60,7 +60,7 @@ def compile_config(block_n: int, warps: int, stages: int, fp8: bool = True) -> d
             kind = POINTERS.get(name, "*bf16")
             signature[name] = "*bf16" if kind == "*fp8e4nv" and not fp8 else kind
             attrs[(index,)] = [["tt.divisibility", 16]]
-        elif name in ("score_scale", "cap_log2e"):
+        elif name in ("score_scale", "cap_log2e", "norm_eps"):
             signature[name] = "fp32"
         else:  # strides not listed are 128 (head stride, slot stride, head_dim)
             signature[name] = "i32"
