@@ -59,7 +59,8 @@ def test_speed_of_light_matches_the_issue_targets() -> None:
 
 def test_profile_timeline_charges_overlapping_kernels_from_the_previous_end() -> None:
     """A kernel that starts early (programmatic dependent launch) is charged from the
-    previous kernel's end; gaps are idle; the charges plus the idle are the span."""
+    previous kernel's end; gaps are idle, listed by the kernel that ended them; the
+    charges plus the idle are the span."""
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
@@ -77,5 +78,7 @@ def test_profile_timeline_charges_overlapping_kernels_from_the_previous_end() ->
     prof = SimpleNamespace(events=lambda: [*events, cpu_op])
     lines = _timeline_lines(prof, model_steps=1)
     assert lines[0].startswith("timeline over 0.050 ms/step") and "idle 0.010" in lines[0]
-    charged = {line.split()[-1]: float(line.split()[0]) for line in lines[1:]}
+    gaps = lines.index("idle before (the kernel that ended the gap):")
+    charged = {line.split()[-1]: float(line.split()[0]) for line in lines[1:gaps]}
     assert charged == {"a": 15.0, "b": 20.0, "c": 5.0}
+    assert [line.split() for line in lines[gaps + 1 :]] == [["10.0", "us/step", "c"]]

@@ -203,9 +203,12 @@ def _timeline_lines(prof, model_steps: int, rows: int = 30) -> list[str]:
     if not kernels:
         return []
     charged: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    waited_for: dict[str, float] = defaultdict(float)  # idle, by the kernel that ended it
     idle, previous_end = 0.0, kernels[0][1]
     for end, start, name in kernels:
-        idle += max(0.0, start - previous_end)
+        gap = max(0.0, start - previous_end)
+        idle += gap
+        waited_for[name] += gap
         charged[name][0] += end - max(start, previous_end)
         charged[name][1] += 1
         previous_end = max(previous_end, end)
@@ -218,4 +221,8 @@ def _timeline_lines(prof, model_steps: int, rows: int = 30) -> list[str]:
         lines.append(
             f"  {us / model_steps:9.1f} us/step {count / model_steps:6.1f}/step  {name[:90]}"
         )
+    lines.append("idle before (the kernel that ended the gap):")
+    for name, us in sorted(waited_for.items(), key=lambda kv: -kv[1])[:8]:
+        if us > 0:
+            lines.append(f"  {us / model_steps:9.1f} us/step  {name[:90]}")
     return lines
