@@ -186,6 +186,18 @@ def test_decode_attention_writes_the_new_kv(partition: int, window: int | None) 
                  q_scale=6, write_new=True)  # fmt: skip
 
 
+def rotary_inputs(head_dim: int, dtype: torch.dtype, qk_norm: bool, gen: torch.Generator):
+    """A cos/sin table for 128 positions and, with ``qk_norm``, (q, k) norm weights and
+    epsilon, as ``FusedRotary`` takes them."""
+    half = torch.arange(0, head_dim, 2) / head_dim
+    angles = torch.outer(torch.arange(128.0), 1.0 / 10000**half)
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(DEVICE)
+    if not qk_norm:
+        return cos_sin, None
+    weights = (1 + 0.3 * torch.randn(2, head_dim, generator=gen)).to(dtype).to(DEVICE)
+    return cos_sin, (weights[0], weights[1], 1e-6)
+
+
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("partition", [16, 128])
@@ -205,12 +217,7 @@ def test_decode_attention_fused_rotary(neox: bool, qk_norm: bool, partition: int
     query = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen)
     query = query.to(dtype).to(DEVICE)
     positions = torch.tensor([s - 1 for s in seq_lens], device=DEVICE) + 5
-    angles = torch.outer(torch.arange(128.0), 1.0 / 10000 ** (torch.arange(0, 64, 2) / 64))
-    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(DEVICE)
-    norms = None
-    if qk_norm:
-        weights = (1 + 0.3 * torch.randn(2, head_dim, generator=gen)).to(dtype).to(DEVICE)
-        norms = (weights[0], weights[1], 1e-6)
+    cos_sin, norms = rotary_inputs(head_dim, dtype, qk_norm, gen)
     seq_tensor = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     key, value, slots = new_kv
 
@@ -606,12 +613,7 @@ def test_verify_attention_fused_rotary(neox: bool, qk_norm: bool) -> None:
     positions = torch.tensor(
         [p for q, s in zip(query_lens, seq_lens) for p in range(s - q, s)], device=DEVICE
     )
-    angles = torch.outer(torch.arange(128.0), 1.0 / 10000 ** (torch.arange(0, 64, 2) / 64))
-    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(DEVICE)
-    norms = None
-    if qk_norm:
-        weights = (1 + 0.3 * torch.randn(2, head_dim, generator=gen)).to(dtype).to(DEVICE)
-        norms = (weights[0], weights[1], 1e-6)
+    cos_sin, norms = rotary_inputs(head_dim, dtype, qk_norm, gen)
     seq_tensor = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     starts = torch.tensor([0, query_lens[0], num_tokens], dtype=torch.int32, device=DEVICE)
     key, value, slots = new_kv

@@ -10,6 +10,16 @@ from pagedlm_cuda.kernels import pdl
 
 
 @triton.jit
+def silu_times(gate, up):
+    """``silu(gate) * up`` in float32, with silu rounded to the activation dtype before the
+    product, like ``F.silu(gate) * up``: the activation kernel's arithmetic, which the
+    GEMV's and the few-row GEMM's epilogues share so that they give its bits."""
+    g32 = gate.to(tl.float32)
+    silu = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
+    return silu.to(tl.float32) * up.to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, d, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     pdl.start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -17,10 +27,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, d, BLOCK: tl.constexpr, USE_P
     mask = cols < d
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * x_stride + d + cols, mask=mask, other=0.0)
-    g32 = gate.to(tl.float32)
-    # Rounded to the activation dtype before the product, like F.silu(gate) * up.
-    silu = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
-    out = silu.to(tl.float32) * up.to(tl.float32)
+    out = silu_times(gate, up)
     tl.store(out_ptr + row * d + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -33,6 +33,8 @@ import triton
 import triton.language as tl
 
 from pagedlm_cuda.kernels import pdl
+from pagedlm_cuda.kernels.activation import silu_times
+from pagedlm_cuda.kernels.gemv import weight_rows
 from pagedlm_cuda.kernels.split_k import SPLIT_BLOCKS, SPLIT_PARTIALS, split_sum, split_workspace
 
 MAX_ROWS = 16
@@ -49,15 +51,7 @@ def _gemm_rows_kernel(
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.allow_next(USE_PDL)
-    if GATED:  # half the rows are gate rows, the other half the up rows N / 2 below them
-        HALF_N: tl.constexpr = BLOCK_N // 2
-        tile = tl.arange(0, BLOCK_N)
-        gate_rows = tl.program_id(0) * HALF_N + tile % HALF_N
-        rows = gate_rows + (tile // HALF_N) * (N // 2)
-        row_mask = gate_rows < N // 2
-    else:
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < N
+    rows, row_mask = weight_rows(N, BLOCK_N, GATED)
     k_start = tl.program_id(1) * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
@@ -107,9 +101,7 @@ def _store(
         HALF_N: tl.constexpr = BLOCK_N // 2
         halves = tl.permute(tl.reshape(projected, (2, HALF_N, 16)), (1, 2, 0))
         gate, up = tl.split(halves)
-        g32 = gate.to(tl.float32)
-        silu = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
-        out = (silu.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        out = silu_times(gate, up).to(out_ptr.dtype.element_ty)
         out_rows = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
         index = x_index[None, :] * stride_out + out_rows[:, None]
         tl.store(out_ptr + index, out, mask=x_mask[None, :] & (out_rows < N // 2)[:, None])

@@ -42,6 +42,25 @@ import triton
 import triton.language as tl
 
 from pagedlm_cuda.kernels import pdl
+from pagedlm_cuda.kernels.activation import silu_times
+
+
+@triton.jit
+def weight_rows(N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+    """This program's ``BLOCK_N`` weight rows of ``N`` and their mask: consecutive rows,
+    or under ``GATED`` (a SwiGLU MLP's gate projection over its up projection) the
+    program's ``BLOCK_N / 2`` gate rows followed by the up rows ``N / 2`` below them,
+    which the epilogue pairs into ``BLOCK_N / 2`` outputs."""
+    if GATED:
+        HALF_N: tl.constexpr = BLOCK_N // 2
+        index = tl.arange(0, BLOCK_N)
+        gate_rows = tl.program_id(0) * HALF_N + index % HALF_N
+        rows = gate_rows + (index // HALF_N) * (N // 2)
+        row_mask = gate_rows < N // 2
+    else:
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < N
+    return rows, row_mask
 
 
 @triton.jit
@@ -52,15 +71,7 @@ def _gemv_kernel(
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.allow_next(USE_PDL)
-    if GATED:  # half the rows are gate rows, the other half the up rows N / 2 below them
-        HALF_N: tl.constexpr = BLOCK_N // 2
-        index = tl.arange(0, BLOCK_N)
-        gate_rows = tl.program_id(0) * HALF_N + index % HALF_N
-        rows = gate_rows + (index // HALF_N) * (N // 2)
-        row_mask = gate_rows < N // 2
-    else:
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < N
+    rows, row_mask = weight_rows(N, BLOCK_N, GATED)
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
     cols = tl.arange(0, BLOCK_K)
     # The first weight slice is read before waiting for the kernel that produces x:
@@ -88,11 +99,10 @@ def _gemv_kernel(
     if GATED:
         # silu(gate) * up from the rounded projections, as ``silu_and_mul`` computes it
         # from the GEMV's stored output.
+        HALF_N: tl.constexpr = BLOCK_N // 2
         projected = tl.reshape(y.to(out_ptr.dtype.element_ty), (2, HALF_N))
         gate, up = tl.split(tl.trans(projected))
-        g32 = gate.to(tl.float32)
-        silu = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
-        out = silu.to(tl.float32) * up.to(tl.float32)
+        out = silu_times(gate, up)
         out_rows = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
         tl.store(out_ptr + out_rows, out.to(out_ptr.dtype.element_ty), mask=out_rows < N // 2)
     else:
