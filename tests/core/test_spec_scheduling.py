@@ -346,11 +346,50 @@ class NothingFoundExecutor(SpeculatingExecutor):
         return []
 
 
+class LateMatchExecutor(SpeculatingExecutor):
+    """Prompt lookup that finds nothing until the output is 12 tokens long, then the right
+    continuation every time (text that starts repeating itself)."""
+
+    def _propose(self, tokens: list[int], count: int) -> list[int]:
+        if len(tokens) < 3 + 12:
+            return []
+        drafts: list[int] = []
+        for _ in range(count):
+            drafts.append(next_token(tokens + drafts))
+        return drafts
+
+
+def test_scheduled_synchronously_a_request_asks_again_after_an_empty_proposal() -> None:
+    """An empty proposal costs nothing when the next step is scheduled after it is known,
+    so the request keeps asking and its drafts start with the first match, not at a probe."""
+    executor = LateMatchExecutor(64, accuracy=1.0)
+    core = make_core(executor, False, SpeculativeConfig("ngram", 4), 64)
+    request = Request("r", [3, 4, 5], SamplingParams(max_tokens=40, ignore_eos=True), set())
+    asked = []
+    schedule = core.scheduler.schedule
+
+    def recorded() -> SchedulerOutput:
+        so = schedule()
+        asked.append("r" in so.num_drafts_to_propose)
+        return so
+
+    core.scheduler.schedule = recorded  # type: ignore[method-assign]
+    outputs = run(core, [request])["r"][0]
+    tokens = [3, 4, 5]
+    for _ in range(40):
+        tokens.append(next_token(tokens))
+    assert list(outputs) == tokens[3:]
+    assert all(asked[:-1])  # every step but the last (no room left) asked for drafts
+    # The prompt's step and 11 plain ones, then 28 tokens at 5 per step.
+    assert len(asked) == 1 + 11 + -(-28 // 5)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_proposer_that_finds_nothing_costs_few_tokens(async_scheduling: bool) -> None:
     """Asynchronously, a step after a proposing one is scheduled with placeholders for
     the drafts before anyone knows there are none; the policy must stop asking after an
-    empty proposal (probing now and then), or every step computes 1 + k tokens."""
+    empty proposal (probing now and then), or every step computes 1 + k tokens.
+    Synchronously an empty proposal costs no token, and the request keeps asking."""
 
     def computed_tokens(config: SpeculativeConfig | None) -> tuple[int, dict]:
         executor = NothingFoundExecutor(64, accuracy=0.0)
@@ -375,5 +414,8 @@ def test_a_proposer_that_finds_nothing_costs_few_tokens(async_scheduling: bool) 
     config = SpeculativeConfig("ngram", 4, disable_by_batch_size=None)
     speculating, outputs = computed_tokens(config)
     assert outputs == expected
+    if not async_scheduling:
+        assert speculating == plain
+        return
     # One wasted step of 4 placeholders per request, then one per probe (every 16 steps).
     assert speculating <= plain + 3 * 4 * (1 + 80 // 16 + 1)

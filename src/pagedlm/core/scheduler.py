@@ -153,7 +153,9 @@ class OneBudgetScheduler(Scheduler):
         self.order = QueueOrder(scheduler_config.scheduling_policy)
         self.num_model_steps = 0
         """Non-empty steps scheduled so far."""
-        self.speculation = Speculation(speculative_config, scheduler_config.max_model_len)
+        self.speculation = Speculation(
+            speculative_config, scheduler_config.max_model_len, scheduler_config.async_scheduling
+        )
         self.disjoint_steps = disjoint_steps
         self._in_flight_req_ids: set[str] = set()
         """``disjoint_steps``: requests of the launched steps not collected yet."""

@@ -25,7 +25,8 @@ of the speculative config):
 - in a step with more running requests than ``disable_by_batch_size`` no request proposes:
   a large batch is compute-bound, and verifying drafts there costs more than it saves;
 - each request keeps a running mean of the fraction of its verified drafts that were
-  accepted (a proposal that came back empty sets it to 0); below
+  accepted (under asynchronous scheduling a proposal that came back empty sets it to 0:
+  the step after it already held placeholders for the drafts); below
   ``min_acceptance_rate`` it stops proposing, except for one probe every
   ``PROBE_INTERVAL`` sampling steps, so a request whose text turns repetitive resumes;
 - drafts never cause a preemption: when the slots for them do not fit, the request is
@@ -112,8 +113,11 @@ class Speculation:
     """The scheduler's speculative-decoding component; with ``config`` None every method
     schedules nothing extra."""
 
-    def __init__(self, config: SpeculativeConfig | None, max_model_len: int) -> None:
+    def __init__(
+        self, config: SpeculativeConfig | None, max_model_len: int, async_scheduling: bool = False
+    ) -> None:
         self.config = config
+        self.async_scheduling = async_scheduling
         self.enabled = config is not None
         self.max_model_len = max_model_len
         self.num_lookahead_slots = config.proposer_writes_kv if config else False
@@ -203,12 +207,13 @@ class Speculation:
         drafts); 0 for a request preempted meanwhile (it recomputes from scratch anyway).
         """
         running = request.status is RequestStatus.RUNNING
-        if asked and not proposals:
-            # The proposer found nothing (prompt lookup in text that does not repeat). Under
-            # asynchronous scheduling the next step was already scheduled with placeholders
-            # for the drafts, computed for nothing. Such a request stops asking at once and
-            # only probes, until a probe's drafts are accepted again. (Not in the metrics:
-            # nothing was drafted.)
+        if asked and not proposals and self.async_scheduling:
+            # The proposer found nothing (prompt lookup in text that does not repeat), and
+            # the next step was already scheduled with placeholders for the drafts, computed
+            # for nothing. Such a request stops asking at once and only probes, until a
+            # probe's drafts are accepted again. (Not in the metrics: nothing was drafted.)
+            # Scheduled synchronously, the next step knows there are none and costs
+            # nothing more, so the request asks again.
             request.spec_acceptance = 0.0
         rejected = 0
         if num_drafts:
