@@ -111,6 +111,8 @@ class Request:
         """Running mean of its drafts' acceptance rate (the never-hurts policy reads it)."""
         self.num_steps_without_drafts = 0
         """Steps the policy kept it from proposing since it last did (for its probes)."""
+        self.num_empty_proposals = 0
+        """Proposals in a row (the last collected included) that found no draft."""
 
     @property
     def prompt_token_ids(self) -> list[int]:

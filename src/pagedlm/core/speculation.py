@@ -25,10 +25,13 @@ of the speculative config):
 - in a step with more running requests than ``disable_by_batch_size`` no request proposes:
   a large batch is compute-bound, and verifying drafts there costs more than it saves;
 - each request keeps a running mean of the fraction of its verified drafts that were
-  accepted (under asynchronous scheduling a proposal that came back empty sets it to 0:
-  the step after it already held placeholders for the drafts); below
-  ``min_acceptance_rate`` it stops proposing, except for one probe every
+  accepted; below ``min_acceptance_rate`` it stops proposing, except for one probe every
   ``PROBE_INTERVAL`` sampling steps, so a request whose text turns repetitive resumes;
+- under asynchronous scheduling, a request whose last collected proposal found nothing
+  verifies no placeholders (the proposal in flight most likely found nothing too), and
+  after ``EMPTY_PROPOSALS_BEFORE_PROBING`` empty proposals in a row it only probes, until
+  a probe finds drafts (``min_acceptance_rate`` 0 turns these rules off with the one
+  above: every step asks and verifies);
 - drafts never cause a preemption: when the slots for them do not fit, the request is
   scheduled without them (``Scheduler`` falls back to a plain decode step first).
 
@@ -51,6 +54,9 @@ logger = logging.getLogger(__name__)
 PROBE_INTERVAL = 16
 """A request the acceptance rule keeps from proposing still proposes once every this
 many sampling steps."""
+EMPTY_PROPOSALS_BEFORE_PROBING = 4
+"""Under asynchronous scheduling, proposals in a row that found nothing after which a
+request only probes (the never-hurts policy)."""
 ACCEPTANCE_WEIGHT = 0.3
 """Weight of the latest verification in a request's running acceptance rate."""
 LOG_INTERVAL_S = 10.0
@@ -117,7 +123,11 @@ class Speculation:
         self, config: SpeculativeConfig | None, max_model_len: int, async_scheduling: bool = False
     ) -> None:
         self.config = config
-        self.async_scheduling = async_scheduling
+        self.skips_after_empty = bool(
+            async_scheduling and config is not None and config.min_acceptance_rate > 0
+        )
+        """The empty-proposal rules (module docstring) apply: under asynchronous scheduling,
+        unless ``min_acceptance_rate`` 0 asks for drafts at every step."""
         self.enabled = config is not None
         self.max_model_len = max_model_len
         self.num_lookahead_slots = config.proposer_writes_kv if config else False
@@ -156,6 +166,10 @@ class Speculation:
             return []
         room = self._room(request, request.num_tokens + request.num_output_placeholders)
         if request.num_output_placeholders:
+            if request.num_empty_proposals and self.skips_after_empty:
+                # The last proposal the host has seen found nothing; the one in flight, from
+                # the same text a token later, most likely too: no placeholders for it.
+                return []
             num_drafts = min(request.num_requested_drafts, room, budget)
             return [-1] * num_drafts if num_drafts > 0 else []
         drafts = request.spec_token_ids
@@ -168,7 +182,13 @@ class Speculation:
         config = self.config
         if config is None or not self._proposing:
             return 0
-        if request.spec_acceptance < config.min_acceptance_rate:
+        if request.spec_acceptance < config.min_acceptance_rate or (
+            self.skips_after_empty and request.num_empty_proposals >= EMPTY_PROPOSALS_BEFORE_PROBING
+        ):
+            # Drafts mostly rejected, or (asynchronously) a proposer that keeps finding
+            # nothing, prompt lookup in text that does not repeat: each proposal is work on
+            # the device, for nothing. Scheduled synchronously, it keeps asking: an empty
+            # proposal costs the next step nothing.
             request.num_steps_without_drafts += 1
             if request.num_steps_without_drafts < PROBE_INTERVAL:
                 return 0
@@ -207,14 +227,9 @@ class Speculation:
         drafts); 0 for a request preempted meanwhile (it recomputes from scratch anyway).
         """
         running = request.status is RequestStatus.RUNNING
-        if asked and not proposals and self.async_scheduling:
-            # The proposer found nothing (prompt lookup in text that does not repeat), and
-            # the next step was already scheduled with placeholders for the drafts, computed
-            # for nothing. Such a request stops asking at once and only probes, until a
-            # probe's drafts are accepted again. (Not in the metrics: nothing was drafted.)
-            # Scheduled synchronously, the next step knows there are none and costs
-            # nothing more, so the request asks again.
-            request.spec_acceptance = 0.0
+        if asked:
+            # (An empty proposal is not in the metrics: nothing was drafted.)
+            request.num_empty_proposals = 0 if proposals else request.num_empty_proposals + 1
         rejected = 0
         if num_drafts:
             accepted = num_sampled - 1
