@@ -340,7 +340,6 @@ class OneBudgetScheduler(Scheduler):
             ):
                 skipped.append(self.waiting.popleft())
                 continue
-            request.num_scheduled_drafts = request.num_requested_drafts = 0
             num_new_tokens = self._admit(request, budget, spec)
             if num_new_tokens is None:
                 break
@@ -505,7 +504,7 @@ class OneBudgetScheduler(Scheduler):
                 return None
             num_proposals = 0  # drafts never keep a request waiting
         if self.speculation.enabled:
-            spec.record(request, [], num_proposals)
+            spec.record(request, [], num_proposals)  # also clears a resumed one's draft counts
         if plan is not None:
             self.encoder.commit(request, computed.num_computed_tokens, plan)
         request.num_computed_tokens = computed.num_computed_tokens

@@ -144,8 +144,7 @@ class Speculation:
         """Called once per ``schedule()``: whether this step's requests may propose."""
         if self.config is None:
             return
-        limit = self.config.disable_by_batch_size
-        self._proposing = limit is None or num_running <= limit
+        self._proposing = not self.too_many_to_propose(num_running)
 
     def too_many_to_propose(self, num_running: int) -> bool:
         """Whether a step of ``num_running`` requests is past ``disable_by_batch_size``
