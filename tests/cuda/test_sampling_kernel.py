@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from triton_env import DEVICE, ON_GPU
 
 from pagedlm.sample import SamplingMetadata, SamplingRow, token_history_from_lists
 from pagedlm.sample.sampler import Sampler
 from pagedlm.sampling_params import SamplingParams
-from pagedlm_cuda.kernels.sampling import SPLIT_V, gumbel_sample
+from pagedlm_cuda.kernels import sampling
+from pagedlm_cuda.kernels.sampling import BLOCK_V, SPLIT_V, gumbel_sample, split_width
 
 
 def seed(value: int) -> torch.Tensor:
@@ -63,6 +66,54 @@ def test_same_seed_same_tokens_other_seed_other_tokens() -> None:
     first = gumbel_sample(logits, None, None, seed(7))
     assert torch.equal(first, gumbel_sample(logits, None, None, seed(7)))
     assert not torch.equal(first, gumbel_sample(logits, None, None, seed(8)))
+
+
+def test_the_split_changes_neither_the_draws_nor_the_winner(monkeypatch) -> None:
+    torch.manual_seed(5)
+    vocab = 4 * BLOCK_V + 300
+    logits = torch.randn(3, vocab)
+    logits[2, 10] = logits[2, 3 * BLOCK_V + 10] = 30.0  # a greedy tie across programs
+    logits = logits.to(DEVICE)
+    noise_scale = torch.tensor([1.0, 1.0, 0.0], device=DEVICE)
+    assert split_width(3, vocab) == BLOCK_V  # five programs per row
+    narrow = gumbel_sample(logits, None, noise_scale, seed(9))
+    monkeypatch.setattr(sampling, "MIN_PROGRAMS", 1)
+    assert split_width(3, vocab) == SPLIT_V  # one program per row, five iterations
+    wide = gumbel_sample(logits, None, noise_scale, seed(9))
+    assert narrow.tolist() == wide.tolist()
+    assert narrow[2].item() == 10
+
+
+def test_split_width_keeps_a_gpu_busy() -> None:
+    assert split_width(1, 128256) == BLOCK_V  # 63 programs of one iteration
+    assert split_width(256, 151936) == SPLIT_V  # 2,560 programs of eight
+
+
+@triton.jit
+def _noise_kernel(u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    u = tl.load(u_ptr + i, mask=i < n, other=0.5)
+    tl.store(out_ptr + i, sampling._log2_gumbel(u, False), mask=i < n)
+
+
+def test_noise_is_accurate_where_unlikely_tokens_win() -> None:
+    # Gumbel noise -log(-log(u)) = -LN2 * log2_gumbel(u) - log(LN2). Near u = 1 (the
+    # large noises) -log(u) is tiny and comes from its series; elsewhere from log2.
+    near_one = 1.0 - torch.logspace(-7.2, -1.5, 200, dtype=torch.float64)
+    u = torch.cat([torch.linspace(1e-6, 0.97, 200, dtype=torch.float64), near_one])
+    u32 = u.float()
+    out = torch.empty(u.numel(), device=DEVICE)
+    _noise_kernel[(1,)](u32.to(DEVICE), out, u.numel(), BLOCK=512)
+    ln2 = torch.log(torch.tensor(2.0, dtype=torch.float64))
+    got = -ln2 * out.cpu().double() - torch.log(ln2)
+    want = -torch.log(-torch.log(u32.double()))
+    assert (got - want).abs().max() < 1e-5, (got - want).abs().max()
+
+
+def test_all_minus_infinity_rows_take_index_zero() -> None:
+    logits = torch.full((2, 2 * BLOCK_V + 5), float("-inf"), device=DEVICE)
+    assert gumbel_sample(logits, None, None, None).tolist() == [0, 0]
+    assert gumbel_sample(logits, None, None, seed(1)).tolist() == [0, 0]
 
 
 def _metadata(params: list[SamplingParams], vocab: int, generators=None) -> SamplingMetadata:

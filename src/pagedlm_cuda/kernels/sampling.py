@@ -21,33 +21,88 @@ sampled here (the torch path keeps their per-request streams).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from pagedlm_cuda.kernels import pdl
 
 BLOCK_V = 2048
 """Vocabulary entries per loop iteration of one program."""
 SPLIT_V = 16384
-"""Vocabulary entries per program: rows are split so that small batches fill the GPU."""
+"""The most vocabulary entries per program (``split_width``)."""
+MIN_PROGRAMS = 256
+"""Programs a launch should have before its rows' splits grow (about two per SM)."""
+LN2 = tl.constexpr(0.6931471805599453)
+LOG2E = 1.4426950408889634
+C1, C2, C3, C4, C5 = (tl.constexpr(LOG2E / k) for k in range(1, 6))
+"""``-log2(1 - v) = LOG2E * (v + v^2/2 + v^3/3 + ...)``: the first five terms
+coefficients (the sixth is below float32's resolution for ``v < SERIES_BELOW``)."""
+SERIES_BELOW = tl.constexpr(0.03125)
+"""``v = 1 - u`` under which ``-log2(u)`` comes from its series (``_log2_gumbel``)."""
+
+
+def split_width(num_rows: int, vocab_size: int) -> int:
+    """Vocabulary entries per program: ``BLOCK_V``, doubled up to ``SPLIT_V`` while the
+    launch keeps ``MIN_PROGRAMS``. At batch 1 over a 128k vocabulary that is 63 programs
+    of one iteration each, where ``SPLIT_V`` gave 8 programs of eight dependent
+    iterations. The split changes neither the draws (a token's uniform depends on its
+    position and ``BLOCK_V`` only) nor the winner (the first index among equal scores)."""
+    split = BLOCK_V
+    while split < SPLIT_V and num_rows * triton.cdiv(vocab_size, 2 * split) >= MIN_PROGRAMS:
+        split *= 2
+    return split
+
+
+def _fast_log() -> bool:
+    """The hardware's approximate log2 (CUDA, compiled); the interpreter and other
+    backends take ``tl.log2``."""
+    return os.environ.get("TRITON_INTERPRET") != "1" and torch.version.hip is None
+
+
+@triton.jit
+def _log2(x, FAST: tl.constexpr):
+    if FAST:
+        return libdevice.fast_log2f(x)  # one MUFU.LG2; absolute error ~2^-22
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def _log2_gumbel(u, FAST: tl.constexpr):
+    """``log2(-log2(u))`` of uniforms ``u`` in [0, 1): the Gumbel noise ``-log(-log(u))``
+    is ``-LN2`` times it, plus the constant ``-log(LN2)``, which no row's argmax sees.
+
+    The noise's absolute error is the relative error of ``-log2(u)``. The hardware's
+    log2 has a small *absolute* error, so ``-log2(u)`` is taken from it only where it is
+    not small (``u <= 1 - 1/32``: relative error below ~5e-6), and from its series in
+    ``v = 1 - u`` (exact there) above: the draws near 1 are the large noises that let
+    unlikely tokens win. libdevice's accurate ``log`` took about 20 instructions each; this
+    takes two MUFU ops and a few FMAs (46 instructions per logit in the loop against 87,
+    sm_90 SASS)."""
+    # u = 0 would give +inf here: -inf noise, never drawn, but NaN in a greedy row
+    # (noise scale 0). The largest u, (2^31 - 1) / 2^31 rounded, still gives finite noise.
+    u = tl.maximum(u, 1.0e-12)
+    v = 1.0 - u
+    series = v * (C1 + v * (C2 + v * (C3 + v * (C4 + v * C5))))
+    e = tl.where(v < SERIES_BELOW, series, -_log2(u, FAST))
+    return _log2(e, FAST)
 
 
 @triton.jit
 def _race(
     best_value, best_index, row_ptr, cols, u, vocab_size, inv_temperature, noise_scale,
-    HAS_NOISE: tl.constexpr,
+    HAS_NOISE: tl.constexpr, FAST_LOG: tl.constexpr,
 ):  # fmt: skip
     """Fold one slice of a row into the running (best score, its index) per lane."""
     mask = cols < vocab_size
     x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
-    if HAS_NOISE:
-        # Keep u inside (0, 1): u = 0 gives -inf noise (never drawn), and a uniform that
-        # rounds to 1.0 in float32 would give +inf (always drawn).
-        u = tl.minimum(tl.maximum(u, 1.0e-12), 0.99999994)
-        score = x * inv_temperature + noise_scale * -tl.log(-tl.log(u))
-    else:
-        score = x
+    score = x
+    if HAS_NOISE:  # x / T + noise (up to the row's constant); noise_scale holds its -LN2
+        score = x * inv_temperature + noise_scale * _log2_gumbel(u, FAST_LOG)
     score = tl.where(mask, score, float("-inf"))
     better = score > best_value  # strict: the earlier index wins ties, as torch.argmax
     return tl.where(better, score, best_value), tl.where(better, cols, best_index)
@@ -58,7 +113,7 @@ def _gumbel_argmax_kernel(
     logits_ptr, logits_stride, inv_temperature_ptr, noise_scale_ptr, seed_ptr,
     best_value_ptr, best_index_ptr, vocab_size, num_splits,
     HAS_TEMPERATURE: tl.constexpr, HAS_NOISE_SCALE: tl.constexpr, HAS_NOISE: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.start(USE_PDL)
     row = tl.program_id(0)
@@ -66,9 +121,9 @@ def _gumbel_argmax_kernel(
     inv_temperature = 1.0
     if HAS_TEMPERATURE:
         inv_temperature = tl.load(inv_temperature_ptr + row)
-    noise_scale = 1.0
+    noise_scale = -LN2
     if HAS_NOISE_SCALE:
-        noise_scale = tl.load(noise_scale_ptr + row)
+        noise_scale = -LN2 * tl.load(noise_scale_ptr + row)
     seed = 0
     if HAS_NOISE:
         seed = tl.load(seed_ptr)
@@ -92,27 +147,20 @@ def _gumbel_argmax_kernel(
             u3 = u0
         base = v0 + lanes
         best_value, best_index = _race(
-            best_value,
-            best_index,
-            row_ptr,
-            base,
-            u0,
-            vocab_size,
-            inv_temperature,
-            noise_scale,
-            HAS_NOISE,
-        )
+            best_value, best_index, row_ptr, base, u0, vocab_size, inv_temperature,
+            noise_scale, HAS_NOISE, FAST_LOG,
+        )  # fmt: skip
         best_value, best_index = _race(
             best_value, best_index, row_ptr, base + QUARTER, u1, vocab_size,
-            inv_temperature, noise_scale, HAS_NOISE,
+            inv_temperature, noise_scale, HAS_NOISE, FAST_LOG,
         )  # fmt: skip
         best_value, best_index = _race(
             best_value, best_index, row_ptr, base + 2 * QUARTER, u2, vocab_size,
-            inv_temperature, noise_scale, HAS_NOISE,
+            inv_temperature, noise_scale, HAS_NOISE, FAST_LOG,
         )  # fmt: skip
         best_value, best_index = _race(
             best_value, best_index, row_ptr, base + 3 * QUARTER, u3, vocab_size,
-            inv_temperature, noise_scale, HAS_NOISE,
+            inv_temperature, noise_scale, HAS_NOISE, FAST_LOG,
         )  # fmt: skip
     top = tl.max(best_value, axis=0)
     # The lowest index among the lanes holding the maximum.
@@ -122,21 +170,42 @@ def _gumbel_argmax_kernel(
     tl.store(best_index_ptr + out, index)
 
 
+@triton.jit
+def _pick_kernel(
+    best_value_ptr, best_index_ptr, token_ptr, num_splits,
+    BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """The second pass: a row's token is its best split's index, the first (lowest) among
+    equal scores, as ``torch.argmax``. One launch where torch took three."""
+    pdl.start(USE_PDL)
+    row = tl.program_id(0)
+    splits = tl.arange(0, BLOCK_S)
+    mask = splits < num_splits
+    at = row * num_splits + splits
+    value = tl.load(best_value_ptr + at, mask=mask, other=float("-inf"))
+    index = tl.load(best_index_ptr + at, mask=mask, other=2147483647)
+    top = tl.max(value, axis=0)
+    token = tl.min(tl.where(value == top, index, 2147483647), axis=0)
+    tl.store(token_ptr + row, token.to(tl.int64))
+
+
 def gumbel_partials(
     logits: torch.Tensor,
     temperature: torch.Tensor | None,
     noise_scale: torch.Tensor | None,
     seed: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first pass of ``gumbel_sample``: per row and ``SPLIT_V``-wide split of the
-    vocabulary, the best score and its (lowest) token index, ``[N, splits]`` float32 and
-    int32. A row's token is the index of its best split, the first among equal scores."""
+    """The first pass of ``gumbel_sample``: per row and split of the vocabulary
+    (``split_width``), the best score and its (lowest) token index, ``[N, splits]``
+    float32 and int32. A row's token is the index of its best split, the first among equal
+    scores."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(
             f"logits must be [N, vocab] with a contiguous last dim, got {logits.shape}."
         )
     num_rows, vocab_size = logits.shape
-    num_splits = triton.cdiv(vocab_size, SPLIT_V)
+    split = split_width(num_rows, vocab_size)
+    num_splits = triton.cdiv(vocab_size, split)
     best_value = torch.empty((num_rows, num_splits), dtype=torch.float32, device=logits.device)
     best_index = torch.empty((num_rows, num_splits), dtype=torch.int32, device=logits.device)
     if num_rows == 0:
@@ -148,9 +217,9 @@ def gumbel_partials(
         noise_scale if noise_scale is not None else best_value,
         seed if seed is not None else best_index, best_value, best_index, vocab_size, num_splits,
         HAS_TEMPERATURE=inv_temperature is not None, HAS_NOISE_SCALE=noise_scale is not None,
-        HAS_NOISE=seed is not None,
-        SPLIT=SPLIT_V, BLOCK=max(16, min(BLOCK_V, triton.next_power_of_2(vocab_size))),
-        **pdl.launch_options(),
+        HAS_NOISE=seed is not None, SPLIT=split,
+        BLOCK=max(16, min(BLOCK_V, triton.next_power_of_2(vocab_size))),
+        FAST_LOG=_fast_log(), **pdl.launch_options(),
     )  # fmt: skip
     return best_value, best_index
 
@@ -169,7 +238,11 @@ def gumbel_sample(
     row, first index among ties, as ``torch.argmax``). Returns ``[N]`` int64 token ids.
     """
     best_value, best_index = gumbel_partials(logits, temperature, noise_scale, seed)
-    if logits.shape[0] == 0:
-        return torch.empty(0, dtype=torch.int64, device=logits.device)
-    winner = best_value.argmax(dim=1, keepdim=True)
-    return best_index.gather(1, winner).squeeze(1).to(torch.int64)
+    num_rows, num_splits = best_value.shape
+    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if num_rows:
+        _pick_kernel[(num_rows,)](
+            best_value, best_index, tokens, num_splits,
+            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), **pdl.launch_options(),
+        )  # fmt: skip
+    return tokens
