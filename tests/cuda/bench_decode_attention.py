@@ -70,8 +70,10 @@ def time_inputs(
     partition: int | None = None,
     block_n: int | None = None,
     config: DecodeConfig | None = None,
+    max_model_len: int = MAX_MODEL_LEN,
 ) -> tuple[float, torch.Tensor]:
-    """(microseconds per call, median of 5 replays of a 32-call graph; the output)."""
+    """(microseconds per call, median of 5 replays of a 32-call graph whose grid is sized
+    by ``max_model_len``; the output)."""
     key_cache, value_cache = inputs["key_cache"], inputs["value_cache"]
     tables, lens, query, scales = (inputs[n] for n in ("tables", "lens", "query", "scales"))
     out = torch.empty_like(query)
@@ -79,7 +81,7 @@ def time_inputs(
     def step() -> None:
         for _ in range(LAYERS):
             paged_decode_attention(
-                query, key_cache, value_cache, tables, lens, SCALE, MAX_MODEL_LEN, out,
+                query, key_cache, value_cache, tables, lens, SCALE, max_model_len, out,
                 partition, block_n, config=config, **scales,
             )  # fmt: skip
 
@@ -137,8 +139,10 @@ SWEEP = [  # (partition, block_n, warps, stages)
 ]
 
 
-def sweep(batch: int, context: int, heads: int, fp8: bool) -> None:
-    """The configurations of ``SWEEP`` at one workload: time, rate and error."""
+def sweep(batch: int, context: int, heads: int, fp8: bool, grid_lens: list[int]) -> None:
+    """The configurations of ``SWEEP`` at one workload: time, rate and error; each also
+    with the grid sized by the other ``grid_lens`` (its programs past a sequence's end
+    exit at once, and what they cost shows as the difference)."""
     inputs = make_inputs(batch, context, fp8, heads)
     expected = reference_output(inputs)
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * (1 if fp8 else 2)
@@ -152,14 +156,19 @@ def sweep(batch: int, context: int, heads: int, fp8: bool) -> None:
         )
         label = f"  {partition:9d} {block_n:7d} {warps:5d} {stages:6d}"
         try:
-            us, out = time_inputs(inputs, config=config)
+            us, out = time_inputs(inputs, config=config, max_model_len=grid_lens[0])
+            others = [time_inputs(inputs, config=config, max_model_len=n)[0] for n in grid_lens[1:]]
         except Exception as error:  # e.g. a tile past the shared memory
             print(f"{label} | failed: {type(error).__name__}: {str(error)[:100]}", flush=True)
             continue
         diff = (out.float() - expected).abs()
         rel = (diff.norm() / expected.norm()).item()
         rate = kv_bytes / us / 1e6
-        print(f"{label} | {us:6.1f} {rate:5.2f} | {diff.max().item():7.4f} {rel:8.2e}", flush=True)
+        grids = "".join(f" | grid {n}: {t:6.1f}" for n, t in zip(grid_lens[1:], others))
+        print(
+            f"{label} | {us:6.1f} {rate:5.2f} | {diff.max().item():7.4f} {rel:8.2e}{grids}",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -168,12 +177,16 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--num-heads", type=int, default=HEADS)
     parser.add_argument("--sweep", action="store_true", help="the sweep (see above)")
+    parser.add_argument(
+        "--grid-lens", type=int, nargs="+", default=[MAX_MODEL_LEN],
+        help="the max_model_len sizing the grid; --sweep times each further one too",
+    )  # fmt: skip
     args = parser.parse_args()
     heads = args.num_heads
     fp8 = args.kv_cache_dtype == "fp8"
     if args.sweep:
         for workload in args.workloads:
-            sweep(*WORKLOADS[workload], heads, fp8)
+            sweep(*WORKLOADS[workload], heads, fp8, args.grid_lens)
         return
     for batch, context in (WORKLOADS[w] for w in args.workloads):
         default = decode_config(batch, KV_HEADS, HEAD_DIM, fp8)
