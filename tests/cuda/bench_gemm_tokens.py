@@ -8,7 +8,7 @@ W1 (qwen3-0.6b at batch 256) spends ~0.9 ms of a ~5.4 ms H200 step in cuBLAS GEM
 times the four per-layer projections through ``torch.matmul`` and through a plain Triton
 GEMM over a grid of tiles, unsplit and split over K (float32 atomics into a zeroed buffer,
 then a cast: both counted), weights rotated over 28 copies (one per layer, past the L2),
-us per call from a CUDA graph of 28 calls, and prints what the best tiles would save per
+us per call from a CUDA graph of 28 calls (``bench_timing``), and prints what the best tiles would save per
 step. It decides whether a Triton GEMM for these row counts is worth writing; the engine
 does not use this kernel.
 """
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
+from bench_timing import graph_us
 
 LAYERS = 28
 SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
@@ -75,25 +75,6 @@ def triton_linear(x, weight, out, acc, config) -> None:
         out.copy_(acc)
 
 
-def graph_us(fn: Callable[[int], None]) -> float:
-    """Microseconds per call: the median of 5 replays of a graph of ``LAYERS`` calls."""
-    fn(0)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(LAYERS):
-            fn(layer)
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / LAYERS)
-    return sorted(times)[2]
-
-
 def bench_shape(rows: int, n: int, k: int, deadline: float) -> tuple[float, float, list[str]]:
     """(cuBLAS us, best Triton us or cuBLAS's, one entry per tile timed)."""
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
@@ -101,7 +82,7 @@ def bench_shape(rows: int, n: int, k: int, deadline: float) -> tuple[float, floa
     out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
     acc = torch.empty(rows, n, device="cuda", dtype=torch.float32)
     expected = (x.float() @ weights[0].float().T).to(torch.bfloat16).float()
-    cublas = graph_us(lambda layer: torch.matmul(x, weights[layer].T, out=out))
+    cublas = graph_us([lambda w=w: torch.matmul(x, w.T, out=out) for w in weights])[0]
     best, entries = cublas, []
     for config in CONFIGS:
         if time.monotonic() > deadline or k % (config[2] * config[5]):
@@ -109,7 +90,9 @@ def bench_shape(rows: int, n: int, k: int, deadline: float) -> tuple[float, floa
         try:
             triton_linear(x, weights[0], out, acc, config)
             error = (out.float() - expected).abs().max().item()
-            us = graph_us(lambda layer, c=config: triton_linear(x, weights[layer], out, acc, c))
+            us = graph_us(
+                [lambda w=w, c=config: triton_linear(x, w, out, acc, c) for w in weights]
+            )[0]
         except Exception as failure:  # e.g. a tile past the shared memory
             entries.append(f"{config}: failed ({type(failure).__name__})")
             continue
