@@ -39,7 +39,7 @@ MIN_PROGRAMS = 256
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = 1.4426950408889634
 C1, C2, C3, C4, C5 = (tl.constexpr(LOG2E / k) for k in range(1, 6))
-"""``-log2(1 - v) = LOG2E * (v + v^2/2 + v^3/3 + ...)``: the first five terms
+"""``-log2(1 - v) = LOG2E * (v + v^2/2 + v^3/3 + ...)``: the first five terms'
 coefficients (the sixth is below float32's resolution for ``v < SERIES_BELOW``)."""
 SERIES_BELOW = tl.constexpr(0.03125)
 """``v = 1 - u`` under which ``-log2(u)`` comes from its series (``_log2_gumbel``)."""
