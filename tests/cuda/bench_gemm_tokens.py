@@ -39,20 +39,20 @@ CONFIGS = [  # (block_m, block_n, block_k, warps, stages, split_k)
 def _gemm_kernel(
     x_ptr, w_ptr, out_ptr, acc_ptr, M, N, K, K_SPLIT,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     """out [M, N] = x [M, K] @ w [N, K]^T; with ``SPLIT`` > 1 each program adds its
-    ``K_SPLIT`` columns' sums into the float32 ``acc``."""
+    ``K_SPLIT`` columns' sums into the float32 ``acc``. ``STAGES`` slices in flight."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.program_id(2) * K_SPLIT + tl.arange(0, BLOCK_K)
-    x_tile = x_ptr + rows[:, None] * K + k[None, :]
-    w_tile = w_ptr + cols[:, None] * K + k[None, :]
+    k_start = tl.program_id(2) * K_SPLIT
+    x_rows = x_ptr + rows[:, None] * K
+    w_rows = w_ptr + cols[:, None] * K
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for _ in range(0, K_SPLIT, BLOCK_K):
-        x = tl.load(x_tile, mask=(rows < M)[:, None], other=0.0)
-        acc = tl.dot(x, tl.trans(tl.load(w_tile)), acc)
-        x_tile += BLOCK_K
-        w_tile += BLOCK_K
+    for k0 in tl.range(k_start, k_start + K_SPLIT, BLOCK_K, num_stages=STAGES):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + k[None, :], mask=(rows < M)[:, None], other=0.0)
+        acc = tl.dot(x, tl.trans(tl.load(w_rows + k[None, :])), acc)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     at = rows[:, None] * N + cols[None, :]
     if SPLIT == 1:
@@ -69,7 +69,7 @@ def triton_linear(x, weight, out, acc, config) -> None:
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
     _gemm_kernel[grid](
         x, weight, out, acc, m, n, k, k // split, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, SPLIT=split, num_warps=warps, num_stages=stages,
+        BLOCK_K=block_k, SPLIT=split, STAGES=stages, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if split > 1:
         out.copy_(acc)
