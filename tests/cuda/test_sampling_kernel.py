@@ -110,6 +110,26 @@ def test_noise_is_accurate_where_unlikely_tokens_win() -> None:
     assert (got - want).abs().max() < 1e-5, (got - want).abs().max()
 
 
+@triton.jit
+def _uniform_kernel(bits_ptr, out_ptr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    bits = tl.load(bits_ptr + i).to(tl.uint32, bitcast=True)
+    tl.store(out_ptr + i, sampling._uniform(bits))
+
+
+def test_uniforms_stay_inside_zero_one() -> None:
+    """``(k + 1/2) / 2^23`` for the top 23 bits ``k``: the ends of the bit range map to
+    2^-24 and 1 - 2^-24, never 0 or 1 (no clamp needed before the logs)."""
+    values = [0, 1 << 9, 0x7FFFFFFF, -1, -(1 << 9), 12345678]  # int32 views of the bits
+    bits = torch.tensor(values + [0] * 2, dtype=torch.int32, device=DEVICE)
+    out = torch.empty(8, device=DEVICE)
+    _uniform_kernel[(1,)](bits, out, BLOCK=8)
+    unsigned = [v % 2**32 for v in values]
+    expected = [((b >> 9) + 0.5) / 2**23 for b in unsigned]
+    assert out[:6].cpu().double().tolist() == expected
+    assert out[0].item() == 2**-24 and out[3].item() == 1 - 2**-24
+
+
 def test_all_minus_infinity_rows_take_index_zero() -> None:
     logits = torch.full((2, 2 * BLOCK_V + 5), float("-inf"), device=DEVICE)
     assert gumbel_sample(logits, None, None, None).tolist() == [0, 0]

@@ -7,7 +7,7 @@ trick in another form: ``log(probs / E) = logits / T - logsumexp - log(E)`` and
 logits. Done with torch ops the race reads and writes ``[N, vocab]`` float32 about ten
 times per step (cast, divide, softmax, noise, clamp, divide, argmax); here each program
 reads one slice of one row once, draws its uniforms with Triton's counter-based Philox
-(``tl.rand4x``: four uniforms per call, since Philox rounds would otherwise dominate), and
+(``tl.randint4x``: four draws per call, since Philox rounds would otherwise dominate), and
 writes its best (value, index); a tiny second pass picks each row's winner. Greedy rows
 (``noise_scale`` 0) take the plain argmax of their logits; an all-greedy batch (``seed``
 None) draws no noise at all, which makes this a split argmax (at batch 1 over a 128k
@@ -41,6 +41,7 @@ LOG2E = 1.4426950408889634
 C1, C2, C3, C4, C5 = (tl.constexpr(LOG2E / k) for k in range(1, 6))
 """``-log2(1 - v) = LOG2E * (v + v^2/2 + v^3/3 + ...)``: the first five terms'
 coefficients (the sixth is below float32's resolution for ``v < SERIES_BELOW``)."""
+HALF_ULP_BELOW_ONE = tl.constexpr(1.0 - 2.0**-24)
 SERIES_BELOW = tl.constexpr(0.03125)
 """``v = 1 - u`` under which ``-log2(u)`` comes from its series (``_log2_gumbel``)."""
 
@@ -72,6 +73,15 @@ def _log2(x, FAST: tl.constexpr):
 
 
 @triton.jit
+def _uniform(bits):
+    """A uniform in (0, 1) from 32 random bits: ``(k + 1/2) / 2^23`` for the top 23 bits
+    ``k``, made by OR-ing them into the mantissa of 1.0 (no integer conversion), then one
+    exact subtraction. Never 0 or 1, so no clamp; ``1 - u`` is exact from 1/2 up."""
+    one_to_two = ((bits >> 9) | 0x3F800000).to(tl.float32, bitcast=True)  # [1, 2)
+    return one_to_two - HALF_ULP_BELOW_ONE
+
+
+@triton.jit
 def _log2_gumbel(u, FAST: tl.constexpr):
     """``log2(-log2(u))`` of uniforms ``u`` in [0, 1): the Gumbel noise ``-log(-log(u))``
     is ``-LN2`` times it, plus the constant ``-log(LN2)``, which no row's argmax sees.
@@ -81,12 +91,9 @@ def _log2_gumbel(u, FAST: tl.constexpr):
     not small (``u <= 1 - 1/32``: relative error below ~5e-6), and from its series in
     ``v = 1 - u`` (exact there) above: the draws near 1 are the large noises that let
     unlikely tokens win. libdevice's accurate ``log`` took about 20 instructions each; this
-    takes two MUFU ops and a few FMAs (46 instructions per logit in the loop against 87,
+    takes two MUFU ops and a few FMAs (41 instructions per logit in the loop against 87,
     sm_90 SASS)."""
-    # u = 0 would give +inf here: -inf noise, never drawn, but NaN in a greedy row
-    # (noise scale 0). The largest u, (2^31 - 1) / 2^31 rounded, still gives finite noise.
-    u = tl.maximum(u, 1.0e-12)
-    v = 1.0 - u
+    v = 1.0 - u  # u in [2^-24, 1 - 2^-24] (``_uniform``): finite noise everywhere
     series = v * (C1 + v * (C2 + v * (C3 + v * (C4 + v * C5))))
     e = tl.where(v < SERIES_BELOW, series, -_log2(u, FAST))
     return _log2(e, FAST)
@@ -139,7 +146,8 @@ def _gumbel_argmax_kernel(
     start = split * SPLIT
     for v0 in range(start, tl.minimum(start + SPLIT, vocab_size), BLOCK):
         if HAS_NOISE:
-            u0, u1, u2, u3 = tl.rand4x(seed, row_counter + v0 // 4 + lanes)
+            b0, b1, b2, b3 = tl.randint4x(seed, row_counter + v0 // 4 + lanes)
+            u0, u1, u2, u3 = _uniform(b0), _uniform(b1), _uniform(b2), _uniform(b3)
         else:
             u0 = lanes.to(tl.float32)  # unused without noise
             u1 = u0
