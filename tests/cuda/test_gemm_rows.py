@@ -117,7 +117,11 @@ def test_gemm_rows_rejects_what_it_cannot_compute() -> None:
 
 def test_default_tiles_follow_the_row_count() -> None:
     assert gemm_rows_config(4096, 4096).split_k == 4  # few row blocks: split
-    assert gemm_rows_config(4096, 1024, 256).block_m == 64  # row blocks of x
+    # Row blocks of x, as large as still gives about a program per SM.
+    assert gemm_rows_config(4096, 1024, 256)[::5] == (128, 64)  # 32 x 4 programs
+    assert gemm_rows_config(6144, 1024, 128)[::5] == (64, 64)  # 96 x 2
+    assert gemm_rows_config(1024, 2048, 256)[::5] == (64, 32)  # 16 x 8
+    assert gemm_rows_config(1024, 2048, 64)[::5] == (64, 32)  # 16 x 2: as many as it gets
     assert gemm_rows_config(6144, 4096) == GemmRowsConfig(64, 256, 4, 3)
     assert gemm_rows_config(128256, 4096) == GemmRowsConfig(64, 128, 4, 4)
 

@@ -51,6 +51,8 @@ the MMA's narrow side, which the rows are padded to."""
 MAX_BLOCK_ROWS = 256
 """The most rows of ``x`` one program takes (``GemmRowsConfig.block_m``): the warpgroup
 MMA's widest N. More rows than that go to several row blocks."""
+ROW_BLOCK_PROGRAMS = 128
+"""Programs the default row-block tile aims at: about one per SM of an H100 or H200."""
 
 
 @triton.jit
@@ -141,10 +143,14 @@ def gemm_rows_config(n: int, k: int, m: int = MAX_ROWS) -> GemmRowsConfig:
     split four ways (o 13.5 us, down 41.2); up to 8k, one program per row block with
     256-column slices (q/k/v 19.0); beyond, 128-column slices four deep (gate/up 80.3, LM
     head 343.4). Above 16 rows (routed here only with ``PAGEDLM_GEMM_ROWS_MAX``, to
-    measure): 128 weight rows by 64 rows of ``x`` in 64-column slices, 8 warps, 3 deep,
-    unmeasured (``tests/cuda/bench_gemm_rows.py --rows 256 --sweep`` times others)."""
+    measure): 64-column slices 3 deep, and the largest of 128 x 64, 64 x 64 and 64 x 32
+    (weight rows x rows of ``x``) that still gives ``ROW_BLOCK_PROGRAMS`` programs; a
+    guess until ``tests/cuda/bench_gemm_rows.py --rows 256 --sweep`` has timed them."""
     if m > MAX_ROWS:
-        return GemmRowsConfig(128, 64, 8, 3, block_m=64)
+        for block_n, block_m, warps in ((128, 64, 8), (64, 64, 4)):
+            if triton.cdiv(n, block_n) * triton.cdiv(m, block_m) >= ROW_BLOCK_PROGRAMS:
+                return GemmRowsConfig(block_n, 64, warps, 3, block_m=block_m)
+        return GemmRowsConfig(64, 64, 4, 3, block_m=32)
     if n <= 4096:
         return GemmRowsConfig(64, 128, 4, 3, 4)
     if n <= 8192:
