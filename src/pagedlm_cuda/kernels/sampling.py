@@ -21,6 +21,7 @@ sampled here (the torch path keeps their per-request streams).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -58,6 +59,7 @@ def split_width(num_rows: int, vocab_size: int) -> int:
     return split
 
 
+@functools.cache
 def _fast_log() -> bool:
     """The hardware's approximate log2 (CUDA, compiled); the interpreter and other
     backends take ``tl.log2``."""

@@ -96,6 +96,16 @@ def _attend_rows(
     return m_new, denom, acc
 
 
+@triton.jit
+def _visible(pos, pos_mask, visible_end, window, USE_WINDOW: tl.constexpr):
+    """[M, N]: which of a tile's keys (``pos``, valid where ``pos_mask``) each row sees:
+    those before its own ``visible_end`` (causal), and in a window its last ``window``."""
+    visible = pos_mask[None, :] & (pos[None, :] < visible_end[:, None])
+    if USE_WINDOW:
+        visible &= pos[None, :] >= visible_end[:, None] - window
+    return visible
+
+
 @triton.jit(do_not_specialize=["block_table_stride", "max_partitions"])
 def _verify_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
@@ -220,9 +230,7 @@ def _verify_kernel(
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if pre_end > start:
-        visible = pos_mask0[None, :] & (pos0[None, :] < visible_end[:, None])
-        if USE_WINDOW:
-            visible &= pos0[None, :] >= visible_end[:, None] - window
+        visible = _visible(pos0, pos_mask0, visible_end, window, USE_WINDOW)
         m, denom, acc = _attend_rows(
             q, k0, v0, visible, m, denom, acc, score_scale, cap_log2e, k_scale, stager,
             USE_SOFT_CAP, FP8,
@@ -232,9 +240,7 @@ def _verify_kernel(
             key_cache_ptr, value_cache_ptr, table, head_base, n0, end, dims, dim_mask,
             cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N, COMPUTE_DTYPE,
         )  # fmt: skip
-        visible = pos_mask[None, :] & (pos[None, :] < visible_end[:, None])
-        if USE_WINDOW:
-            visible &= pos[None, :] >= visible_end[:, None] - window
+        visible = _visible(pos, pos_mask, visible_end, window, USE_WINDOW)
         m, denom, acc = _attend_rows(
             q, k, v, visible, m, denom, acc, score_scale, cap_log2e, k_scale, stager,
             USE_SOFT_CAP, FP8,
