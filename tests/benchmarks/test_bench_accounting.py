@@ -82,3 +82,32 @@ def test_profile_timeline_charges_overlapping_kernels_from_the_previous_end() ->
     charged = {line.split()[-1]: float(line.split()[0]) for line in lines[1:gaps]}
     assert charged == {"a": 15.0, "b": 20.0, "c": 5.0}
     assert [line.split() for line in lines[gaps + 1 :]] == [["10.0", "us/step", "c"]]
+
+
+def test_jit_compiles_collects_inside_and_restores_the_previous_hook() -> None:
+    from types import SimpleNamespace
+
+    knobs = pytest.importorskip("triton").knobs
+    from pagedlm.benchmarks.common import jit_compiles, jit_compiles_line
+
+    kernels = ["_decode_kernel", "_pick_kernel", "_decode_kernel"]
+    earlier: list[str] = []
+    knobs.runtime.jit_post_compile_hook = lambda *, fn, **kw: earlier.append(fn.name)
+    try:
+        with jit_compiles() as names:
+            # What Triton calls after compiling a kernel (``JITFunction._call_hook``).
+            for name in kernels:
+                hook = knobs.runtime.jit_post_compile_hook
+                hook(fn=SimpleNamespace(name=name), key=None, repr=f"{name}(m: i32)")
+        assert [name for name, _ in names] == kernels
+        assert earlier == kernels  # chained to the hook that was there
+        assert jit_compiles_line(names).split("\n") == [
+            "3 Triton kernels compiled inside the timing: _decode_kernel x2, _pick_kernel x1",
+            *(f"  {name}(m: i32)" for name in kernels),
+        ]
+        knobs.runtime.jit_post_compile_hook(fn=SimpleNamespace(name="after"), key=None)
+        assert len(names) == 3  # restored: nothing collected after the block
+        assert earlier[-1] == "after"
+        assert jit_compiles_line([]) is None
+    finally:
+        knobs.runtime.jit_post_compile_hook = None

@@ -89,6 +89,38 @@ def test_split_width_keeps_a_gpu_busy() -> None:
     assert split_width(256, 151936) == SPLIT_V  # 2,560 programs of eight
 
 
+class _Recorder:
+    """Stands in for a kernel: records each launch's constexpr keywords, then launches."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.constexprs: set[tuple] = set()
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.constexprs.add(tuple(sorted(kwargs.items())))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def test_one_compiled_kernel_serves_every_batch_size(monkeypatch) -> None:
+    # A batch-dependent constexpr compiles a kernel the first time each batch size comes,
+    # inside a serving run (W1 lost ~8% to it); the split is a runtime argument instead.
+    first = _Recorder(sampling._gumbel_argmax_kernel)
+    second = _Recorder(sampling._pick_kernel)
+    monkeypatch.setattr(sampling, "_gumbel_argmax_kernel", first)
+    monkeypatch.setattr(sampling, "_pick_kernel", second)
+    vocab = 6 * BLOCK_V + 100
+    widths = set()
+    for rows in (1, 3, 40, 300):
+        logits = torch.randn(rows, vocab, device=DEVICE)
+        widths.add(split_width(rows, vocab))
+        gumbel_sample(logits, None, None, seed(rows))
+    assert len(widths) > 1  # the batches do take different splits
+    assert len(first.constexprs) == 1 and len(second.constexprs) == 1
+
+
 @triton.jit
 def _noise_kernel(u_ptr, out_ptr, n, BLOCK: tl.constexpr, FAST: tl.constexpr):
     i = tl.arange(0, BLOCK)

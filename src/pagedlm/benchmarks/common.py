@@ -1,10 +1,12 @@
 """What the throughput and latency benchmarks share: engine flags (``pagedlm serve``'s,
 generated from ``EngineArgs``, with benchmark defaults), building the engine from a shape
-name or directory, the speed-of-light line, and a per-step profile."""
+name or directory, the speed-of-light line, a per-step profile, and a count of the Triton
+kernels compiled inside a timed region."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import time
 from collections import defaultdict
@@ -226,3 +228,41 @@ def _timeline_lines(prof, model_steps: int, rows: int = 30) -> list[str]:
         if us > 0:
             lines.append(f"  {us / model_steps:9.1f} us/step  {name[:90]}")
     return lines
+
+
+@contextlib.contextmanager
+def jit_compiles():
+    """Yields a list that collects ``(name, signature)`` of every Triton kernel compiled
+    (or loaded from the disk cache) inside the ``with`` block: a kernel specialized on something
+    that varies in a run (a batch size as a constexpr) compiles inside the timing, and a
+    server's first requests of each size wait for it. Empty without Triton."""
+    names: list[tuple[str, str]] = []
+    try:
+        from triton import knobs
+    except ImportError:
+        yield names
+        return
+    previous = knobs.runtime.jit_post_compile_hook
+
+    def hook(*, fn, **kwargs):
+        names.append((fn.name, str(kwargs.get("repr", ""))))
+        return previous(fn=fn, **kwargs) if previous else None
+
+    knobs.runtime.jit_post_compile_hook = hook
+    try:
+        yield names
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
+
+
+def jit_compiles_line(names: list[tuple[str, str]]) -> str | None:
+    """The kernels ``jit_compiles`` saw, one line of names and counts and then each
+    compiled signature (what to make a runtime argument); None if it saw none."""
+    if not names:
+        return None
+    counts = defaultdict(int)
+    for name, _ in names:
+        counts[name] += 1
+    listed = ", ".join(f"{name} x{n}" for name, n in sorted(counts.items()))
+    signatures = "".join(f"\n  {signature}" for _, signature in names if signature)
+    return f"{len(names)} Triton kernels compiled inside the timing: {listed}{signatures}"

@@ -18,6 +18,8 @@ import time
 from pagedlm.benchmarks.common import (
     add_engine_args,
     build_llm,
+    jit_compiles,
+    jit_compiles_line,
     profile_steps,
     speed_of_light_line,
 )
@@ -158,12 +160,13 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     phases = instrument(llm) if args.host_phases else None
     scheduler = llm.llm_engine.engine_core.scheduler
     steps_before = getattr(scheduler, "num_model_steps", 0)
-    start = time.perf_counter()
-    # A progress bar where someone watches; none in logs, where it would only cost time.
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=sys.stderr.isatty()
-    )
-    elapsed = time.perf_counter() - start
+    with jit_compiles() as compiled:
+        start = time.perf_counter()
+        # A progress bar where someone watches; none in logs, where it would only cost time.
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=sys.stderr.isatty()
+        )
+        elapsed = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     result = {"output_tokens": produced, "seconds": elapsed, "tok_per_s": produced / elapsed}
     print(
@@ -172,6 +175,8 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         f"({sum(len(p) for p in prompts) + produced} total tokens)",
         flush=True,
     )
+    if (compiled_line := jit_compiles_line(compiled)) is not None:
+        print(compiled_line, flush=True)
     if phases is not None:
         steps = getattr(scheduler, "num_model_steps", 0) - steps_before
         print(phases_report(phases, steps, elapsed), flush=True)

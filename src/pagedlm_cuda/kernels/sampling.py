@@ -120,10 +120,12 @@ def _race(
 @triton.jit
 def _gumbel_argmax_kernel(
     logits_ptr, logits_stride, inv_temperature_ptr, noise_scale_ptr, seed_ptr,
-    best_value_ptr, best_index_ptr, vocab_size, num_splits,
+    best_value_ptr, best_index_ptr, vocab_size, num_splits, split_len,
     HAS_TEMPERATURE: tl.constexpr, HAS_NOISE_SCALE: tl.constexpr, HAS_NOISE: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK: tl.constexpr, FAST_LOG: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    """``split_len`` is a runtime argument: a constexpr would compile a kernel for each
+    batch size that changes ``split_width``, inside a serving run."""
     pdl.start(USE_PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -145,8 +147,8 @@ def _gumbel_argmax_kernel(
     # row's own counter range (rows never share counters). Offsets stay below 2**31 for
     # any batch x vocabulary this engine schedules.
     row_counter = row * ((vocab_size + 3) // 4)
-    start = split * SPLIT
-    for v0 in range(start, tl.minimum(start + SPLIT, vocab_size), BLOCK):
+    start = split * split_len
+    for v0 in range(start, tl.minimum(start + split_len, vocab_size), BLOCK):
         if HAS_NOISE:
             b0, b1, b2, b3 = tl.randint4x(seed, row_counter + v0 // 4 + lanes)
             u0, u1, u2, u3 = _uniform(b0), _uniform(b1), _uniform(b2), _uniform(b3)
@@ -226,12 +228,19 @@ def gumbel_partials(
         inv_temperature if inv_temperature is not None else best_value,
         noise_scale if noise_scale is not None else best_value,
         seed if seed is not None else best_index, best_value, best_index, vocab_size, num_splits,
+        split,  # positional, not a constexpr: see the kernel
         HAS_TEMPERATURE=inv_temperature is not None, HAS_NOISE_SCALE=noise_scale is not None,
-        HAS_NOISE=seed is not None, SPLIT=split,
+        HAS_NOISE=seed is not None,
         BLOCK=max(16, min(BLOCK_V, triton.next_power_of_2(vocab_size))),
         FAST_LOG=_fast_log(), **pdl.launch_options(),
     )  # fmt: skip
     return best_value, best_index
+
+
+def _pick_block(vocab_size: int) -> int:
+    """``_pick_kernel``'s width: the most splits any batch size gives the vocabulary, so
+    one kernel serves every batch (no compilation as the batch changes)."""
+    return max(2, triton.next_power_of_2(triton.cdiv(vocab_size, BLOCK_V)))
 
 
 def gumbel_sample(
@@ -253,6 +262,6 @@ def gumbel_sample(
     if num_rows:
         _pick_kernel[(num_rows,)](
             best_value, best_index, tokens, num_splits,
-            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), **pdl.launch_options(),
+            BLOCK_S=_pick_block(logits.shape[1]), **pdl.launch_options(),
         )  # fmt: skip
     return tokens
