@@ -65,6 +65,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="profile this many decode steps after the run (default: %(default)s)",
     )
     group.add_argument(
+        "--profile-trace",
+        default=None,
+        metavar="FILE",
+        help="with --profile-steps: also write the profiled steps as a Chrome trace "
+        "(host calls and kernels on one timeline: what the device waited for)",
+    )
+    group.add_argument(
         "--compare-transformers",
         action="store_true",
         help="also time transformers on the same prompts (needs a GPU)",
@@ -122,9 +129,12 @@ def build_llm(args: argparse.Namespace):
     return llm, model_dir
 
 
-def profile_steps(llm, prompts: list[list[int]], params: list[Any], num_steps: int) -> str:
+def profile_steps(
+    llm, prompts: list[list[int]], params: list[Any], num_steps: int, trace: str | None = None
+) -> str:
     """Run the requests, profile ``num_steps`` engine steps once every request is
-    decoding, and group the device time by kind (attention, GEMM, sampler, other)."""
+    decoding, and group the device time by kind (attention, GEMM, sampler, other);
+    ``trace``: a path to write the profile to as a Chrome trace too."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -147,6 +157,8 @@ def profile_steps(llm, prompts: list[list[int]], params: list[Any], num_steps: i
         synchronize()
         wall = time.perf_counter() - start
     model_steps = scheduler.num_model_steps - steps_before
+    if trace:
+        prof.export_chrome_trace(trace)
     engine.abort_request([f"prof-{i}" for i in range(len(prompts))])
     while engine.has_unfinished_requests():
         engine.step()

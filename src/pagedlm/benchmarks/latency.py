@@ -105,7 +105,12 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         print(phases_report(phases, steps, sum(times)), flush=True)
     result = {"mean_s": mean, "tok_per_s": tokens / mean}
     if args.profile_steps:
-        print(profile_steps(llm, prompts, [params] * len(prompts), args.profile_steps), flush=True)
+        print(
+            profile_steps(
+                llm, prompts, [params] * len(prompts), args.profile_steps, args.profile_trace
+            ),
+            flush=True,
+        )
     if args.compare_transformers:
         del llm
         import gc

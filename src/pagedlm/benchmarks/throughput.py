@@ -184,7 +184,9 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     if line is not None:
         print(line, flush=True)
     if args.profile_steps:
-        print(profile_steps(llm, prompts, params, args.profile_steps), flush=True)
+        print(
+            profile_steps(llm, prompts, params, args.profile_steps, args.profile_trace), flush=True
+        )
     if args.compare_transformers:
         del llm
         import gc
