@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from triton_env import DEVICE, ON_GPU, rel_error, tolerance
+from triton_env import DEVICE, rel_error, tolerance
 
 from pagedlm.model_executor.layers.linear import RowParallelLinear
 from pagedlm_cuda.fused_layers import SingleRowLinear, install_fused_kernels
@@ -208,44 +208,3 @@ def test_swiglu_mlp_runs_one_row_through_the_fused_epilogue(monkeypatch) -> None
     monkeypatch.setattr(fused_layers.SingleRowLinear, "silu_and_mul", None)
     assert torch.equal(mlp(x[:1]), got[0]) and calls == [17, 1]
     assert torch.equal(mlp(x[:3]), got[1]) and calls == [17, 1, 3]
-
-
-def test_prefetch_lines_fill_the_budget_over_every_row(monkeypatch) -> None:
-    """``PAGEDLM_GEMV_PREFETCH_MB``: each program asks the L2 for the lines of its rows
-    after the first slice, a power of two per row, the whole weight within the budget;
-    nothing without programmatic dependent launch or a budget."""
-    from pagedlm_cuda.kernels import gemv as module
-
-    monkeypatch.setattr(module.pdl, "enabled", lambda: True)
-    monkeypatch.setattr(module, "_prefetch_budget", lambda: 32 * 2**20)
-    o, qkv, gate_up = GemvConfig(16, 1024, 8), GemvConfig(16, 512, 8), GemvConfig(16, 256, 4)
-    # o 4096 x 4096 bf16: 48 lines after the slice, 32 kept (16 MiB in all).
-    assert module.prefetch_lines(4096, 4096, 2, o) == 32
-    assert module.prefetch_lines(6144, 4096, 2, qkv) == 32  # 42 in the budget, 24 MiB
-    assert module.prefetch_lines(28672, 4096, 2, gate_up) == 8  # 9 in the budget
-    assert module.prefetch_lines(4096, 4096, 1, o) == 16  # FP8: 24 lines of 128 codes
-    assert module.prefetch_lines(4096, 1024, 2, o) == 0  # one slice: nothing after it
-    for n, k, size, cfg in ((4096, 4096, 2, o), (6144, 4096, 2, qkv), (28672, 4096, 2, gate_up)):
-        lines = module.prefetch_lines(n, k, size, cfg)
-        assert n * lines * module.L2_LINE <= 32 * 2**20
-    monkeypatch.setattr(module.pdl, "enabled", lambda: False)
-    assert module.prefetch_lines(4096, 4096, 2, o) == 0
-    monkeypatch.setattr(module.pdl, "enabled", lambda: True)
-    monkeypatch.setattr(module, "_prefetch_budget", lambda: 0)
-    assert module.prefetch_lines(4096, 4096, 2, o) == 0
-
-
-@pytest.mark.skipif(not ON_GPU, reason="the L2 prefetch is inline PTX: a GPU with PDL")
-def test_prefetching_gemv_gives_the_same_bits(monkeypatch) -> None:
-    from pagedlm_cuda.kernels import gemv as module
-
-    if not module.pdl.enabled():
-        pytest.skip("needs programmatic dependent launch (sm_90)")
-    torch.manual_seed(3)
-    x = torch.randn(1, 4100, device=DEVICE, dtype=torch.bfloat16)
-    weight = torch.randn(1030, 4100, device=DEVICE, dtype=torch.bfloat16)
-    plain, plain_gated = gemv(x, weight), gemv(x, weight, silu_and_mul=True)
-    monkeypatch.setattr(module, "_prefetch_budget", lambda: 64 * 2**20)
-    assert module.prefetch_lines(1030, 4100, 2, gemv_config(1030, 4100)) > 0
-    assert torch.equal(gemv(x, weight), plain)
-    assert torch.equal(gemv(x, weight, silu_and_mul=True), plain_gated)

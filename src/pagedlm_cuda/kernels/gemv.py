@@ -64,21 +64,11 @@ def weight_rows(N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l2(pointers):
-    """Ask the L2 for the 128-byte lines at ``pointers`` (no registers wait for them);
-    they are kept ahead of streamed lines until read."""
-    return tl.inline_asm_elementwise(
-        "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
-        "=r,l", [pointers], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_w,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PIPELINE: tl.constexpr, GATED: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.allow_next(USE_PDL)
     rows, row_mask = weight_rows(N, BLOCK_N, GATED)
@@ -88,10 +78,6 @@ def _gemv_kernel(
     # weights never change, so this overlaps the previous kernel's tail.
     k_mask = cols < K
     w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-    if PREFETCH_LINES > 0:  # the next PREFETCH_LINES lines of each row, into the L2
-        line_cols = BLOCK_K + tl.arange(0, PREFETCH_LINES) * LINE
-        safe_rows = w_ptr + tl.minimum(rows, N - 1)[:, None].to(tl.int64) * stride_w
-        prefetch_l2(safe_rows + tl.minimum(line_cols, K - 1)[None, :])
     if HAS_SCALE:  # quantized rows (FP8): w[r] stands for w[r] * scale[r]
         scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
     pdl.wait_for_previous(USE_PDL)
@@ -251,35 +237,7 @@ def gemv(
         bias if bias is not None else weight, out, n, k, weight.stride(0),
         HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PIPELINE=cfg.pipeline_stages,
-        GATED=silu_and_mul, PREFETCH_LINES=prefetch_lines(n, k, weight.element_size(), cfg),
-        LINE=L2_LINE // weight.element_size(), num_warps=cfg.num_warps,
-        num_stages=cfg.pipeline_stages, **pdl.launch_options(),
+        GATED=silu_and_mul, num_warps=cfg.num_warps, num_stages=cfg.pipeline_stages,
+        **pdl.launch_options(),
     )  # fmt: skip
     return out
-
-
-L2_LINE = 128
-"""Bytes per L2 line: what one prefetch asks for."""
-PREFETCH_ENV = "PAGEDLM_GEMV_PREFETCH_MB"
-"""Megabytes of a GEMV's weight its programs ask the L2 for before their PDL wait (beyond
-the first slice each loads): read while the kernel before still runs (the decode
-attention before the o projection, a norm), so that part of the stream comes from the L2
-afterwards. 0 (the default until measured): none."""
-
-
-@functools.cache
-def _prefetch_budget() -> int:
-    return int(float(os.environ.get(PREFETCH_ENV) or 0) * 2**20)
-
-
-def prefetch_lines(n: int, k: int, element_size: int, cfg: GemvConfig) -> int:
-    """L2 lines per weight row each program prefetches before its wait: the rest of its
-    rows after the first slice, within the budget spread over all rows (``N`` rows of the
-    weight), rounded down to a power of two; 0 without programmatic dependent launch
-    (a program then starts after the previous kernel ends: nothing to overlap)."""
-    budget = _prefetch_budget()
-    if not budget or not pdl.enabled():
-        return 0
-    rest = max(0, k - cfg.block_k) * element_size // L2_LINE
-    lines = min(rest, budget // (triton.cdiv(n, cfg.block_n) * cfg.block_n * L2_LINE))
-    return 1 << (lines.bit_length() - 1) if lines else 0
