@@ -98,11 +98,12 @@ def _one_row(x: torch.Tensor) -> bool:
 
 
 def _few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """2 to 16 (``PAGEDLM_GEMM_ROWS_MAX``) unit-stride rows of the weight's own 16-bit
-    dtype: what the linear layers send to ``gemm_rows``."""
+    """2 to 16 unit-stride rows of the weight's own 16-bit dtype: what ``gemm_rows`` takes."""
+    from pagedlm_cuda.kernels.gemm_rows import MAX_ROWS
+
     return (
         x.dim() == 2
-        and 2 <= x.shape[0] <= _gemm_rows_max()
+        and 2 <= x.shape[0] <= MAX_ROWS
         and x.stride(1) == 1
         and weight.stride(1) == 1
         and x.dtype == weight.dtype
@@ -125,18 +126,6 @@ def _gemm_rows_on() -> bool:
     if not torch.cuda.is_available():
         return True
     return torch.version.hip is None and torch.cuda.get_device_capability() >= (9, 0)
-
-
-GEMM_ROWS_MAX_ENV = "PAGEDLM_GEMM_ROWS_MAX"
-"""The most rows the linear layers send to ``gemm_rows`` (default 16, ``MAX_ROWS``): more
-sends larger batches to its row-block tiles instead of ``F.linear`` (to measure)."""
-
-
-@functools.cache
-def _gemm_rows_max() -> int:
-    from pagedlm_cuda.kernels.gemm_rows import MAX_ROWS
-
-    return int(os.environ.get(GEMM_ROWS_MAX_ENV) or MAX_ROWS)
 
 
 GEMV_SILU_ENV = "PAGEDLM_GEMV_SILU"

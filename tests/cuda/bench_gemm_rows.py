@@ -8,9 +8,7 @@ For each projection of llama-3-8b (and qwen3-0.6b's with ``--shapes q3_qkv ...``
 default tiles (gate/up shapes also with the SiLU epilogue against the two kernels), each
 from a CUDA graph of 24 calls rotating over weight copies that pass the L2; ``--sweep``
 adds every tile of ``SWEEP`` (weight rows per program, columns per slice, warps, stages,
-split; ``ROW_BLOCK_SWEEP`` above 16 rows, with the rows of x per program) with its error
-against float32. W1's projections at batch 256: ``--rows 256 --shapes q3_qkv q3_o
-q3_gate_up q3_down --sweep``.
+split) with its error against float32.
 """
 
 from __future__ import annotations
@@ -35,13 +33,6 @@ SWEEP += [GemmRowsConfig(64, 256, 4, 3, split) for split in (1, 2, 4)]
 SWEEP += [GemmRowsConfig(128, 128, 8, 4, split) for split in (1, 2, 4)]
 SWEEP += [GemmRowsConfig(64, 64, 4, s, split) for s in (4, 6) for split in (2, 4, 8)]
 SWEEP += [GemmRowsConfig(64, 128, 4, s, 8) for s in (2, 3)]
-ROW_BLOCK_SWEEP = [  # more than 16 rows: block_m rows of x per program
-    GemmRowsConfig(bn, bk, w, st, 1, bm)
-    for bn, bk, w, st in ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3),
-                          (128, 128, 8, 3), (64, 64, 4, 4))
-    for bm in (32, 64, 128)
-    if (bn, bk, bm) != (128, 128, 128)  # 256 KiB of shared memory (sm_90 has 227)
-] + [GemmRowsConfig(64, 64, 4, 3, 1, 256), GemmRowsConfig(128, 64, 8, 3, 1, 256)]  # fmt: skip
 REPLAYS = 24
 
 
@@ -61,14 +52,14 @@ def bench_shape(name: str, rows: int, sweep: bool) -> None:
     default = timed(lambda w: gemm_rows(x, w))
     print(
         f"{name} {n}x{k}, {rows} rows: F.linear {cublas:.2f} us, gemm_rows {default:.2f} "
-        f"({gemm_rows_config(n, k, rows)}), one-row GEMV {one_row:.2f}",
+        f"({gemm_rows_config(n, k)}), one-row GEMV {one_row:.2f}",
         flush=True,
     )
     if name.endswith("gate_up"):
         two = timed(lambda w: silu_and_mul(gemm_rows(x, w)))
         fused = timed(lambda w: gemm_rows(x, w, silu_and_mul=True))
         print(f"  then silu_and_mul: two kernels {two:.2f} us, epilogue {fused:.2f}", flush=True)
-    for config in (SWEEP if rows <= 16 else ROW_BLOCK_SWEEP) if sweep else []:
+    for config in SWEEP if sweep else []:
         out = gemm_rows(x, weights[0], config=config)
         error = ((out.float() - reference).norm() / reference.norm()).item()
         us = timed(lambda w, c=config: gemm_rows(x, w, config=c))

@@ -22,14 +22,6 @@ Accumulation is float32 in an order fixed by the shapes and the tiles; padded ro
 zeros and never mix with real ones, so a row's result depends on its own values only
 (the same at 2 rows as at 16, from a CUDA graph or eagerly). It differs in the last bits
 from ``gemv`` and from ``F.linear``.
-
-More rows (``GemmRowsConfig.block_m`` up to 256 per program, a grid axis of row blocks
-beyond): the same kernel is then a plain tiled GEMM with its operands swapped and
-programmatic dependent launch, the first weight slice read before the wait. W1's
-projections at 256 rows run at ~33% of the bf16 peak in cuBLAS (session 25); the linear
-layers send 17 to ``PAGEDLM_GEMM_ROWS_MAX`` rows here only when that is set, until a GPU
-has measured it (``tests/cuda/bench_gemm_rows.py --rows 256 --shapes q3_qkv q3_o
-q3_gate_up q3_down --sweep``).
 """
 
 from __future__ import annotations
@@ -46,33 +38,28 @@ from pagedlm_cuda.kernels.gemv import weight_rows
 from pagedlm_cuda.kernels.split_k import SPLIT_BLOCKS, SPLIT_PARTIALS, split_sum, split_workspace
 
 MAX_ROWS = 16
-"""Rows of ``x`` the linear layers send here by default (``fused_layers``): one block of
-the MMA's narrow side, which the rows are padded to."""
-MAX_BLOCK_ROWS = 256
-"""The most rows of ``x`` one program takes (``GemmRowsConfig.block_m``): the warpgroup
-MMA's widest N. More rows than that go to several row blocks."""
-ROW_BLOCK_PROGRAMS = 128
-"""Programs the default row-block tile aims at: about one per SM of an H100 or H200."""
+"""Rows of ``x`` one call takes: the MMA's narrow side, which the rows are padded to."""
+_ROWS = tl.constexpr(MAX_ROWS)
 
 
 @triton.jit
 def _gemm_rows_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, K, K_SPLIT,
     stride_x, stride_w, stride_out,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-    GATED: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.allow_next(USE_PDL)
     rows, row_mask = weight_rows(N, BLOCK_N, GATED)
     k_start = tl.program_id(1) * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
-    x_index = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    x_index = tl.arange(0, _ROWS)
     x_mask = x_index < M
     x_rows = x_ptr + x_index[:, None] * stride_x
     cols = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, _ROWS), dtype=tl.float32)
     # Weights never change: the first slice is read before waiting for x's producer.
     k = k_start + cols
     k_mask = (k < k_end) | EVEN_K
@@ -92,16 +79,16 @@ def _gemm_rows_kernel(
         last, acc = split_sum(acc, parts, mask, partials_ptr, counts_ptr, M * N, SPLIT)
         if last:
             _store(acc, rows, row_mask, x_index, x_mask, bias_ptr, out_ptr, N, stride_out,
-                   BLOCK_N, BLOCK_M, GATED, HAS_BIAS)  # fmt: skip
+                   BLOCK_N, GATED, HAS_BIAS)  # fmt: skip
     else:
         _store(acc, rows, row_mask, x_index, x_mask, bias_ptr, out_ptr, N, stride_out, BLOCK_N,
-               BLOCK_M, GATED, HAS_BIAS)  # fmt: skip
+               GATED, HAS_BIAS)  # fmt: skip
 
 
 @triton.jit
 def _store(
     acc, rows, row_mask, x_index, x_mask, bias_ptr, out_ptr, N, stride_out,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     """The float32 sums ``acc`` [weight rows, x rows] plus the bias, rounded to out's dtype,
     into out [M, N] (element (x row r, weight row n) at ``r * stride_out + n``); ``GATED``:
@@ -112,7 +99,7 @@ def _store(
     projected = acc.to(out_ptr.dtype.element_ty)
     if GATED:
         HALF_N: tl.constexpr = BLOCK_N // 2
-        halves = tl.permute(tl.reshape(projected, (2, HALF_N, BLOCK_M)), (1, 2, 0))
+        halves = tl.permute(tl.reshape(projected, (2, HALF_N, 16)), (1, 2, 0))
         gate, up = tl.split(halves)
         out = silu_times(gate, up).to(out_ptr.dtype.element_ty)
         out_rows = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
@@ -125,32 +112,20 @@ def _store(
 
 class GemmRowsConfig(NamedTuple):
     """Weight rows per program (64 or 128: one or two warpgroups' MMA side), columns per
-    slice, warps, slices in flight, how many programs share a row block's columns, and
-    rows of ``x`` per program (the MMA's other side, 16 to ``MAX_BLOCK_ROWS``; more rows
-    than that go to several programs)."""
+    slice, warps, slices in flight, and how many programs share a row block's columns."""
 
     block_n: int
     block_k: int
     num_warps: int
     stages: int
     split_k: int = 1
-    block_m: int = MAX_ROWS
 
 
-def gemm_rows_config(n: int, k: int, m: int = MAX_ROWS) -> GemmRowsConfig:
-    """The tiles for an ``n x k`` weight and ``m`` rows of ``x``, from the H100 sweep of
-    llama-3-8b's projections at 5 rows (session 23): up to 4k rows, 128-column slices
-    split four ways (o 13.5 us, down 41.2); up to 8k, one program per row block with
-    256-column slices (q/k/v 19.0); beyond, 128-column slices four deep (gate/up 80.3, LM
-    head 343.4). Above 16 rows (routed here only with ``PAGEDLM_GEMM_ROWS_MAX``, to
-    measure): 64-column slices 3 deep, and the largest of 128 x 64, 64 x 64 and 64 x 32
-    (weight rows x rows of ``x``) that still gives ``ROW_BLOCK_PROGRAMS`` programs; a
-    guess until ``tests/cuda/bench_gemm_rows.py --rows 256 --sweep`` has timed them."""
-    if m > MAX_ROWS:
-        for block_n, block_m, warps in ((128, 64, 8), (64, 64, 4)):
-            if triton.cdiv(n, block_n) * triton.cdiv(m, block_m) >= ROW_BLOCK_PROGRAMS:
-                return GemmRowsConfig(block_n, 64, warps, 3, block_m=block_m)
-        return GemmRowsConfig(64, 64, 4, 3, block_m=32)
+def gemm_rows_config(n: int, k: int) -> GemmRowsConfig:
+    """The tiles for an ``n x k`` weight, from the H100 sweep of llama-3-8b's projections
+    at 5 rows (session 23): up to 4k rows, 128-column slices split four ways (o 13.5 us,
+    down 41.2); up to 8k, one program per row block with 256-column slices (q/k/v 19.0);
+    beyond, 128-column slices four deep (gate/up 80.3, LM head 343.4)."""
     if n <= 4096:
         return GemmRowsConfig(64, 128, 4, 3, 4)
     if n <= 8192:
@@ -165,15 +140,17 @@ def gemm_rows(
     config: GemmRowsConfig | tuple[int, ...] | None = None,
     silu_and_mul: bool = False,
 ) -> torch.Tensor:
-    """x [M, K] with M >= 1 (unit-stride rows), weight [N, K] (unit-stride rows, x's
-    dtype: float16 or bfloat16), bias [N] or None -> [M, N] in x's dtype. ``config``
-    None: ``gemm_rows_config(N, K, M)``; the linear layers send 2 to 16 rows.
+    """x [M, K] with 1 <= M <= 16 (unit-stride rows), weight [N, K] (unit-stride rows, x's
+    dtype: float16 or bfloat16), bias [N] or None -> [M, N] in x's dtype.
     ``silu_and_mul``: the weight is a gate projection over an up projection (a SwiGLU
     MLP's merged one) and the result is ``silu(gate) * up`` [M, N / 2], as
     ``silu_and_mul`` computes it from the plain result (each program's rows are half gate
     rows, half the up rows they pair with: one launch fewer per MLP)."""
-    if x.dim() != 2 or x.shape[0] < 1:
-        raise ValueError(f"gemm_rows takes x of shape [M, K], M >= 1; got {tuple(x.shape)}.")
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(
+            f"gemm_rows takes 1 to {MAX_ROWS} rows, x of shape [M, K]; got {tuple(x.shape)} "
+            "(use F.linear for more)."
+        )
     n, k = weight.shape
     if x.shape[1] != k:
         raise ValueError(f"x has {x.shape[1]} features but weight is [{n}, {k}].")
@@ -184,35 +161,22 @@ def gemm_rows(
         )
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("gemm_rows needs unit-stride rows in x and weight.")
-    m = x.shape[0]
-    cfg = GemmRowsConfig(*config) if config is not None else gemm_rows_config(n, k, m)
-    if not MAX_ROWS <= cfg.block_m <= MAX_BLOCK_ROWS or cfg.block_m & (cfg.block_m - 1):
-        raise ValueError(
-            f"block_m must be a power of two from {MAX_ROWS} to {MAX_BLOCK_ROWS}; got "
-            f"{cfg.block_m}."
-        )
+    cfg = GemmRowsConfig(*config) if config is not None else gemm_rows_config(n, k)
     if silu_and_mul and n % 2:
         raise ValueError(f"silu_and_mul needs an even row count; got {n}.")
+    m = x.shape[0]
     out = torch.empty((m, n // 2 if silu_and_mul else n), dtype=x.dtype, device=x.device)
     blocks = triton.cdiv(n // 2, cfg.block_n // 2) if silu_and_mul else triton.cdiv(n, cfg.block_n)
-    row_blocks = triton.cdiv(m, cfg.block_m)
     split = cfg.split_k
-    # Split only into whole slices, one block of x's rows (the counts are per weight row
-    # block), and only as far as the workspace holds the parts.
-    if (
-        k % (split * cfg.block_k)
-        or row_blocks > 1
-        or m * n * split > SPLIT_PARTIALS
-        or blocks > SPLIT_BLOCKS
-    ):
+    # Split only into whole slices, and only as far as the workspace holds the parts.
+    if k % (split * cfg.block_k) or m * n * split > SPLIT_PARTIALS or blocks > SPLIT_BLOCKS:
         split = 1
     partials, counts = split_workspace(x.device) if split > 1 else (out, out)
     k_split = k // split if split > 1 else k
-    _gemm_rows_kernel[(blocks, split, row_blocks)](
+    _gemm_rows_kernel[(blocks, split)](
         x, weight, bias if bias is not None else weight, out, partials, counts, m, n, k,
         k_split, x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
-        SPLIT=split,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages, SPLIT=split,
         EVEN_K=k_split % cfg.block_k == 0, GATED=silu_and_mul, num_warps=cfg.num_warps,
         num_stages=cfg.stages, **pdl.launch_options(),
     )  # fmt: skip
