@@ -139,19 +139,10 @@ SWEEP = [  # (partition, block_n, warps, stages)
 ]
 
 
-def sweep(
-    batch: int,
-    context: int,
-    heads: int,
-    fp8: bool,
-    grid_lens: list[int],
-    splits: list[int],
-    tiles: bool = True,
-) -> None:
+def sweep(batch: int, context: int, heads: int, fp8: bool, grid_lens: list[int]) -> None:
     """The configurations of ``SWEEP`` at one workload: time, rate and error; each also
     with the grid sized by the other ``grid_lens`` (its programs past a sequence's end
-    exit at once, and what they cost shows as the difference). ``tiles=False``: only the
-    default and its even splits."""
+    exit at once, and what they cost shows as the difference)."""
     inputs = make_inputs(batch, context, fp8, heads)
     expected = reference_output(inputs)
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * (1 if fp8 else 2)
@@ -159,12 +150,11 @@ def sweep(
     kind = "fp8" if fp8 else "bf16"
     print(f"sweep: batch {batch}, context {context}, {heads} heads, {kind}; default {default}")
     print("  partition block_n warps stages |     us  TB/s | max err  rel err")
-    configs = [
-        (f"  {partition:9d} {block_n:7d} {warps:5d} {stages:6d}", default._replace(
-            partition=partition, block_n=block_n, num_warps=warps, num_stages=stages))
-        for partition, block_n, warps, stages in (SWEEP if tiles else [])
-    ] + [("  the default", default)] + [(f"  {n} even splits, the default tile", default._replace(splits=n)) for n in splits]  # fmt: skip
-    for label, config in configs:
+    for partition, block_n, warps, stages in SWEEP:
+        config = default._replace(
+            partition=partition, block_n=block_n, num_warps=warps, num_stages=stages
+        )
+        label = f"  {partition:9d} {block_n:7d} {warps:5d} {stages:6d}"
         try:
             us, out = time_inputs(inputs, config=config, max_model_len=grid_lens[0])
             others = [time_inputs(inputs, config=config, max_model_len=n)[0] for n in grid_lens[1:]]
@@ -191,25 +181,12 @@ def main() -> None:
         "--grid-lens", type=int, nargs="+", default=[MAX_MODEL_LEN],
         help="the max_model_len sizing the grid; --sweep times each further one too",
     )  # fmt: skip
-    parser.add_argument(
-        "--splits", type=int, nargs="*", default=[2, 3, 4],
-        help="--sweep also times DecodeConfig.splits of these (each sequence in N partitions)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--splits-at", nargs="+", metavar="BATCH:CONTEXT",
-        help="time the default and its --splits at these shapes (no tile sweep)",
-    )  # fmt: skip
     args = parser.parse_args()
     heads = args.num_heads
     fp8 = args.kv_cache_dtype == "fp8"
-    if args.splits_at:
-        for shape in args.splits_at:
-            batch, context = (int(n) for n in shape.split(":"))
-            sweep(batch, context, heads, fp8, args.grid_lens, args.splits, tiles=False)
-        return
     if args.sweep:
         for workload in args.workloads:
-            sweep(*WORKLOADS[workload], heads, fp8, args.grid_lens, args.splits)
+            sweep(*WORKLOADS[workload], heads, fp8, args.grid_lens)
         return
     for batch, context in (WORKLOADS[w] for w in args.workloads):
         default = decode_config(batch, KV_HEADS, HEAD_DIM, fp8)

@@ -45,12 +45,10 @@ INTS = {"q_stride_token": HEADS * DIM, "out_stride_token": HEADS * DIM,
         "num_kv_heads": KV_HEADS, "window": 0, "group_size": HEADS // KV_HEADS}  # fmt: skip
 
 
-def compile_config(
-    block_n: int, warps: int, stages: int, fp8: bool = True, even_split: bool = False
-) -> dict:
+def compile_config(block_n: int, warps: int, stages: int, fp8: bool = True) -> dict:
     constants = dict(
         BLOCK_SIZE=BLOCK, PARTITION=512, BLOCK_N=block_n, BLOCK_G=16, BLOCK_D=DIM, MERGE_G=2,
-        MERGE_P=4, EVEN_SPLIT=even_split, MERGE_IN_KERNEL=False, DIRECT=False, WRITE_NEW=True, USE_WINDOW=False,
+        MERGE_P=4, MERGE_IN_KERNEL=False, DIRECT=False, WRITE_NEW=True, USE_WINDOW=False,
         USE_SOFT_CAP=False, FP8=fp8, COMPUTE_DTYPE=tl.float16 if fp8 else tl.bfloat16,
         ROTARY=False, IS_NEOX=True, QK_NORM=False, USE_PDL=True,  # W1's batch: no fused rotary
     )  # fmt: skip
@@ -96,12 +94,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sass", action="store_true")
     parser.add_argument("--cache", choices=["fp8", "bf16"], default="fp8")
-    parser.add_argument("--even-split", action="store_true", help="DecodeConfig.splits > 0")
     args = parser.parse_args()
     print(f"{args.cache} cache")
     print("block_n warps stages | regs spill smem(B) programs/SM mma")
     for block_n, warps, stages in CONFIGS:
-        r = compile_config(block_n, warps, stages, args.cache == "fp8", args.even_split)
+        r = compile_config(block_n, warps, stages, fp8=args.cache == "fp8")
         print(f"{block_n:7d} {warps:5d} {stages:6d} | "
               f"{r['registers']:4d} {r['spills']:5d} {r['shared']:7d} {r['programs']:11d} "
               f"{r['mma']}", flush=True)  # fmt: skip

@@ -118,7 +118,6 @@ def take_new_kv(key_cache, value_cache, tables, seq_lens):
 def check_decode(
     block_size, head_dim, num_kv_heads, group, seq_lens, dtype,
     partition=None, window=None, cap=None, q_scale=1.0, max_seq_len=None, write_new=False,
-    config=None,
 ):  # fmt: skip
     """Decode attention against the reference; ``write_new``: the last K/V come in as
     ``new_kv`` (the cache holds NaN there) and must land in the cache."""
@@ -136,7 +135,7 @@ def check_decode(
     paged_decode_attention(
         query, key_cache, value_cache, table, seq_tensor, scale,
         max_seq_len or max(seq_lens), out, partition,
-        new_kv=new_kv, sliding_window=window, logits_soft_cap=cap, config=config,
+        new_kv=new_kv, sliding_window=window, logits_soft_cap=cap,
     )  # fmt: skip
     if write_new:
         assert torch.equal(key_cache, intact[0]) and torch.equal(value_cache, intact[1])
@@ -292,43 +291,6 @@ def test_decode_merge_kernel_and_in_kernel_merge_agree(monkeypatch, window) -> N
     decode_config.decode_config.cache_clear()
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(outs[0][1], torch.zeros_like(outs[0][1]))
-
-
-@pytest.mark.parametrize("splits", [2, 3, 4])
-@pytest.mark.parametrize("merge_in_kernel", [False, True])
-@pytest.mark.parametrize("window", [None, 40])
-def test_decode_attention_even_splits(splits: int, merge_in_kernel: bool, window) -> None:
-    """``DecodeConfig.splits``: each sequence cut into that many equal partitions of whole
-    tiles (a short one into fewer), whatever bounds the grid, the new K/V passed along."""
-    from pagedlm_cuda.kernels.decode_config import DecodeConfig
-
-    config = DecodeConfig(64, 16, 4, 2, merge_in_kernel, splits=splits)
-    seq_lens = [1, 17, 40, 90, 300]
-    check_decode(16, 64, 2, 4, seq_lens, torch.float32, window=window, max_seq_len=4096,
-                 write_new=True, config=config)  # fmt: skip
-    check_decode(32, 128, 1, 8, [64, 33], SMALL_BF16, window=window, config=config)
-    key_cache, value_cache, table, _ = make_cache([40], 16, 1, 64, torch.float32, seed=1)
-    seq = torch.tensor([40, 0], dtype=torch.int32, device=DEVICE)
-    out = paged_decode_attention(
-        torch.randn(2, 4, 64, device=DEVICE), key_cache, value_cache, torch.cat([table, table]),
-        seq, 0.1, 4096, sliding_window=window, config=config,
-    )  # fmt: skip
-    assert torch.equal(out[1], torch.zeros_like(out[1]))  # a padding row
-
-
-def test_even_splits_come_from_the_environment_at_large_batches(monkeypatch) -> None:
-    from pagedlm_cuda.kernels import decode_config
-
-    monkeypatch.setenv(decode_config.SPLITS_ENV, "4")
-    decode_config.decode_config.cache_clear()
-    try:
-        assert decode_config.decode_config(256, 8, 128).splits == 4
-        assert decode_config.decode_config(1, 8, 128).splits == 0  # W2: fixed partitions
-        monkeypatch.delenv(decode_config.SPLITS_ENV)
-        decode_config.decode_config.cache_clear()
-        assert decode_config.decode_config(256, 8, 128).splits == 0  # unset: fixed ones
-    finally:
-        decode_config.decode_config.cache_clear()
 
 
 WINDOW_DECODE_CASES = [

@@ -26,13 +26,7 @@ data, and so does the merge width. A sequence's result does depend on how many s
 share its step, but only through the bucket: a graph replayed at padded size ``P`` and an
 eager step of any batch that pads to ``P`` agree bit for bit. The grid is sized by
 ``max_seq_len`` (max_model_len under a graph); partitions past a sequence's end exit at
-once. At W1 (batch 256, max_model_len 4,096, 512-key partitions) that is 16,384 programs
-per layer of which ~4,000 find keys. ``DecodeConfig.splits`` = N instead cuts every
-sequence into N partitions of equal length (whole tiles, ``_partition_len``), a grid of N
-per (sequence, kv head): only sequences shorter than N tiles leave programs without keys.
-Opt-in (``PAGEDLM_DECODE_SPLITS``) until a GPU has measured it; its default tiles compile
-to the fixed partitions' registers and loop (sm_90: 116 registers, 3.75 against 3.80
-instructions per K/V element, ``tests/cuda/ptxas_decode_attention.py --even-split``).
+once.
 
 Rotary embedding (``rotary``, a ``FusedRotary``; the Triton backend passes one at small
 batches): every program rotates its query heads after loading them, and the program that
@@ -85,18 +79,6 @@ MERGE_CONTEXT = 2048
 batches) a wide chunk would only cost registers in the whole kernel."""
 
 _counters: dict[torch.device, torch.Tensor] = {}
-
-
-@triton.jit
-def _partition_len(
-    seq_len, splits, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_SPLIT: tl.constexpr
-):  # fmt: skip
-    """Key positions per partition of a sequence: ``PARTITION``, or with ``EVEN_SPLIT``
-    the sequence's own length over ``splits`` (rounded up to whole tiles)."""
-    if EVEN_SPLIT:
-        return tl.maximum(tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N), 1) * BLOCK_N
-    else:
-        return PARTITION
 
 
 def merge_counters(device: torch.device, size: int) -> torch.Tensor:
@@ -190,8 +172,8 @@ def _decode_kernel(
     cache_stride_block, cache_stride_head, cache_stride_slot, block_table_stride,
     max_partitions, num_heads, num_kv_heads, score_scale, cap_log2e, window, group_size,
     head_dim, cos_sin_stride, norm_eps,
-    BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, EVEN_SPLIT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_G: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_G: tl.constexpr,
     MERGE_P: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, DIRECT: tl.constexpr,
     WRITE_NEW: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
     FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, ROTARY: tl.constexpr,
@@ -202,9 +184,8 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    part_len = _partition_len(seq_len, max_partitions, PARTITION, BLOCK_N, EVEN_SPLIT)
-    start = part * part_len
-    end = tl.minimum(start + part_len, seq_len)
+    start = part * PARTITION
+    end = tl.minimum(start + PARTITION, seq_len)
     if USE_WINDOW:
         start = tl.maximum(start, seq_len - window)
     groups = tl.arange(0, BLOCK_G)
@@ -339,8 +320,8 @@ def _decode_kernel(
         ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         first = 0
         if USE_WINDOW:
-            first = tl.maximum(seq_len - window, 0) // part_len
-        num_parts = tl.cdiv(seq_len, part_len)
+            first = tl.maximum(seq_len - window, 0) // PARTITION
+        num_parts = tl.cdiv(seq_len, PARTITION)
         if ticket == num_parts - first - 1:
             tl.store(counter, 0)
             _merge_group(
@@ -354,9 +335,8 @@ def _decode_kernel(
 def _decode_merge_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr, seq_lens_ptr,
     out_stride_token, out_stride_head, max_partitions, num_heads, group_size, head_dim,
-    window, PARTITION: tl.constexpr, EVEN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-    MERGE_G: tl.constexpr, MERGE_P: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
+    window, PARTITION: tl.constexpr, MERGE_G: tl.constexpr, MERGE_P: tl.constexpr,
+    BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The merge as a kernel of its own, one program per (sequence, kv head); a padding
     row (no partitions) gets zeros."""
@@ -364,13 +344,12 @@ def _decode_merge_kernel(
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    part_len = _partition_len(seq_len, max_partitions, PARTITION, BLOCK_N, EVEN_SPLIT)
     first = 0
     if USE_WINDOW:
-        first = tl.maximum(seq_len - window, 0) // part_len
+        first = tl.maximum(seq_len - window, 0) // PARTITION
     _merge_group(
         out_ptr, partial_out_ptr, partial_lse_ptr, seq, kv_head, first,
-        tl.cdiv(seq_len, part_len), out_stride_token, out_stride_head, max_partitions,
+        tl.cdiv(seq_len, PARTITION), out_stride_token, out_stride_head, max_partitions,
         num_heads, group_size, head_dim, MERGE_G=MERGE_G, MERGE_P=MERGE_P, BLOCK_D=BLOCK_D,
     )  # fmt: skip
 
@@ -448,10 +427,7 @@ def paged_decode_attention(
         slot_mapping = seq_lens
     rotary_args, rotary_flags = fused_rotary_args(rotary, head_dim, new_kv is not None, seq_lens)
     positions, cos_sin, q_norm, k_norm, cos_sin_stride, norm_eps = rotary_args
-    even_split = bool(config.splits) and partition_size is None
     max_partitions = max(1, triton.cdiv(max_seq_len, partition))
-    if even_split:
-        max_partitions = config.splits
     direct = max_partitions == 1
     counters = seq_lens  # unused unless the kernel merges its own partitions
     if direct:
@@ -472,8 +448,6 @@ def paged_decode_attention(
     # A function of the config only (not of the grid), so the merge's order is the same
     # in a graph and eagerly.
     merge_p = max(1, min(MERGE_TILE // (merge_g * block_d), MERGE_CONTEXT // partition))
-    if even_split:
-        merge_p = min(MERGE_TILE // (merge_g * block_d), triton.next_power_of_2(max_partitions))
     score_scale, cap_log2e = score_args(scale, logits_soft_cap)
     window = sliding_window or 0
     _decode_kernel[(num_seqs, num_kv_heads, max_partitions)](
@@ -486,7 +460,7 @@ def paged_decode_attention(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         max_partitions, num_heads, num_kv_heads, score_scale, cap_log2e, window, group_size,
         head_dim, cos_sin_stride, norm_eps,
-        BLOCK_SIZE=block_size, PARTITION=partition, EVEN_SPLIT=even_split, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, PARTITION=partition, BLOCK_N=block_n,
         BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_D=block_d,
         MERGE_G=merge_g, MERGE_P=merge_p, MERGE_IN_KERNEL=config.merge_in_kernel,
         DIRECT=direct, WRITE_NEW=new_kv is not None,
@@ -499,8 +473,7 @@ def paged_decode_attention(
         _decode_merge_kernel[(num_seqs, num_kv_heads)](
             out, partial_out, partial_lse, seq_lens,
             out.stride(0), out.stride(1), max_partitions, num_heads, group_size, head_dim,
-            window, PARTITION=partition, EVEN_SPLIT=even_split, BLOCK_N=block_n,
-            MERGE_G=merge_g, MERGE_P=merge_p, BLOCK_D=block_d,
+            window, PARTITION=partition, MERGE_G=merge_g, MERGE_P=merge_p, BLOCK_D=block_d,
             USE_WINDOW=sliding_window is not None, **pdl.launch_options(),
         )  # fmt: skip
     return out

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import os
 from typing import NamedTuple
 
 from pagedlm_cuda.batch_sizes import capture_sizes
@@ -55,11 +54,6 @@ machines differed). On the H200 (session 20, one call) W1 ran at 24,091 with 1,0
 bf16 partitions against 24,160 with 512, so bf16 keeps 512; the same sweep for FP8 gave
 161.3 us per call with 1,024 / 64, 163.1 with 1,024 / 128, 168.6 with 512 / 64."""
 
-SPLITS_ENV = "PAGEDLM_DECODE_SPLITS"
-"""N > 0: at batches that give ``LARGE_PARTITION`` programs or more, cut each sequence
-into N equal partitions (``DecodeConfig.splits``) in place of fixed-size ones; unset or
-0, fixed-size partitions (to measure)."""
-
 MERGE_IN_KERNEL_PROGRAMS = 256
 """Batch bucket x kv heads up to which the decode kernel merges its own partitions."""
 
@@ -76,12 +70,6 @@ class DecodeConfig(NamedTuple):
     merge kernel follows. Measured on the H200: at batch 1 (llama-3-8b) the in-kernel merge
     saves ~7 us per layer; at batch 256 (qwen3-0.6b, 100-2,000-token contexts) it costs
     ~5% of the attention time (a ticket and fence per program). In between: a guess."""
-    splits: int = 0
-    """0: partitions of ``partition`` keys, a program for each partition of
-    ``max_seq_len`` (max_model_len under a CUDA graph: at W1 most of those find no key and
-    exit). N > 0: every sequence's keys cut into N equal partitions (whole tiles), a
-    program for each: no program without keys but the shortest sequences', and a long
-    sequence's programs take more keys each."""
 
 
 @functools.cache
@@ -113,9 +101,8 @@ def decode_config(
         partition = LARGE_PARTITION
     block_n = min(partition, 64 if head_dim <= 128 else 32)
     merge_in_kernel = programs <= MERGE_IN_KERNEL_PROGRAMS
-    splits = int(os.environ.get(SPLITS_ENV) or 0) if programs >= LARGE_PARTITION else 0
     return DecodeConfig(partition, block_n, num_warps=4, num_stages=2,
-                        merge_in_kernel=merge_in_kernel, splits=max(splits, 0))  # fmt: skip
+                        merge_in_kernel=merge_in_kernel)  # fmt: skip
 
 
 def batch_invariant_config(head_dim: int) -> DecodeConfig:
