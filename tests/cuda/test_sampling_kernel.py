@@ -121,6 +121,18 @@ def test_one_compiled_kernel_serves_every_batch_size(monkeypatch) -> None:
     assert len(first.constexprs) == 1 and len(second.constexprs) == 1
 
 
+@pytest.mark.skipif(not ON_GPU, reason="counts compilations (the interpreter compiles none)")
+def test_no_batch_size_compiles_the_sampler_again() -> None:
+    from pagedlm.benchmarks.common import jit_compiles
+
+    vocab = 128256  # 63 splits at batch 1, 32 (a multiple of 16) from batch 8
+    gumbel_sample(torch.randn(1, vocab, device=DEVICE), None, None, seed(0))
+    with jit_compiles() as compiled:
+        for rows in (2, 5, 16, 40, 256):
+            gumbel_sample(torch.randn(rows, vocab, device=DEVICE), None, None, seed(rows))
+    assert compiled == []
+
+
 @triton.jit
 def _noise_kernel(u_ptr, out_ptr, n, BLOCK: tl.constexpr, FAST: tl.constexpr):
     i = tl.arange(0, BLOCK)

@@ -180,8 +180,8 @@ class ModelRunner:
 
     def profile_run(self) -> None:
         """One forward at the step's largest shape (``max_num_batched_tokens`` tokens, then
-        logits for ``max_num_seqs`` rows) over a throwaway KV cache, so the platform sees
-        the activation peak before it sizes the real cache."""
+        logits for ``max_num_seqs`` rows, and for one and two) over a throwaway KV cache,
+        so the platform sees the activation peak before it sizes the real cache."""
         sched = self.config.scheduler
         num_tokens = sched.max_num_batched_tokens
         # As many max_model_len-long prompts as fill the token budget (positions stay
@@ -208,6 +208,10 @@ class ModelRunner:
                 rows = hidden[: min(sched.max_num_seqs, num_tokens)]
                 rows = rows.repeat(-(-sched.max_num_seqs // rows.shape[0]), 1)
                 self.model.compute_logits(rows[: sched.max_num_seqs]).softmax(-1)
+                # A platform may route one row and a few rows to kernels of their own (the
+                # logits run outside CUDA graphs): compiled here, not inside serving.
+                for num_rows in (1, 2):
+                    self.model.compute_logits(rows[:num_rows])
         self.platform.synchronize()
 
     # ---- KV cache -------------------------------------------------------------------

@@ -42,7 +42,7 @@ MAX_ROWS = 16
 _ROWS = tl.constexpr(MAX_ROWS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _gemm_rows_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, partials_ptr, counts_ptr, M, N, K, K_SPLIT,
     stride_x, stride_w, stride_out,

@@ -43,7 +43,7 @@ from pagedlm_cuda.kernels.gguf_gemv import (
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _gguf_gemm_kernel(
     x_ptr, codes_ptr, scales_ptr, mins_ptr, bias_ptr, out_ptr, M, N, K,
     stride_x, stride_out, stride_codes, stride_groups, magic,

@@ -27,7 +27,7 @@ from pagedlm_cuda.kernels import pdl
 from pagedlm_cuda.kernels.sampling import gumbel_partials
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _greedy_verify_kernel(
     best_value_ptr, best_index_ptr, num_splits, input_ids_ptr, logits_indices_ptr,
     last_token, row_starts_ptr, slots_ptr, num_valid_ptr, sample_token_index_ptr,

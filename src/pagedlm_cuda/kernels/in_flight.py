@@ -28,7 +28,7 @@ def _shift_of(slots_ptr, in_flight_ptr, num_rejected_ptr, req):
     return tl.load(num_rejected_ptr + slot) * tl.load(in_flight_ptr + req)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_sampled"])
 def _correct_kernel(
     token_index_ptr, block_index_ptr, block_offset_ptr, sample_index_ptr, slots_ptr,
     in_flight_ptr, sampled_ptr, seq_lens_ptr, positions_ptr, query_start_loc_ptr,

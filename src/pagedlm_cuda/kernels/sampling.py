@@ -117,15 +117,16 @@ def _race(
     return tl.where(better, score, best_value), tl.where(better, cols, best_index)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "split_len"])
 def _gumbel_argmax_kernel(
     logits_ptr, logits_stride, inv_temperature_ptr, noise_scale_ptr, seed_ptr,
     best_value_ptr, best_index_ptr, vocab_size, num_splits, split_len,
     HAS_TEMPERATURE: tl.constexpr, HAS_NOISE_SCALE: tl.constexpr, HAS_NOISE: tl.constexpr,
     BLOCK: tl.constexpr, FAST_LOG: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """``split_len`` is a runtime argument: a constexpr would compile a kernel for each
-    batch size that changes ``split_width``, inside a serving run."""
+    """``split_len`` is a runtime argument, and neither it nor ``num_splits`` is
+    specialized (on 1 or a multiple of 16): either would compile a kernel for each batch
+    size that changes ``split_width``, inside a serving run."""
     pdl.start(USE_PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -182,7 +183,7 @@ def _gumbel_argmax_kernel(
     tl.store(best_index_ptr + out, index)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _pick_kernel(
     best_value_ptr, best_index_ptr, token_ptr, num_splits,
     BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
