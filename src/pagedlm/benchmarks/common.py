@@ -245,8 +245,9 @@ def _timeline_lines(prof, model_steps: int, rows: int = 30) -> list[str]:
 @contextlib.contextmanager
 def jit_compiles():
     """Yields a list that collects ``(name, signature)`` of every Triton kernel compiled
-    (or loaded from the disk cache) inside the ``with`` block: a kernel specialized on something
-    that varies in a run (a batch size as a constexpr) compiles inside the timing, and a
+    (or loaded from the disk cache) inside the ``with`` block. A kernel specialized on
+    something that varies in a run (a batch size as a constexpr, or an integer argument
+    Triton specializes on 1 and multiples of 16) compiles inside the timing, and a
     server's first requests of each size wait for it. Empty without Triton."""
     names: list[tuple[str, str]] = []
     try:
