@@ -106,7 +106,7 @@ def _measure(args: argparse.Namespace, prompts: list[list[int]], params: Any) ->
         if args.profile_steps:  # the first run's prompts: the acceptance proposer knows them
             batch = [[0] + p[1:] for p in prompts]
             figures["profile"] = profile_steps(
-                llm, batch, [params] * len(batch), args.profile_steps
+                llm, batch, [params] * len(batch), args.profile_steps, args.profile_trace
             )
             print(figures["profile"], flush=True)
     finally:
