@@ -5,8 +5,8 @@ kernels under ``TRITON_INTERPRET=1`` and its CUDA-graph runner with graphs emula
 the ``triton`` attention backend (its own KV layout, lengths read on the device only, so
 in-flight rejections are corrected on the device), ``CudaGraphRunner`` for uniform steps
 (decode and ``1 + k`` verification) over the runner's persistent buffers, the fused
-Gumbel/argmax sampler, the fused greedy verification and the in-flight correction kernel.
-A "graph" here replays by calling its captured step again with the capture's inputs and
+Gumbel/argmax sampler, the fused greedy verification, the in-flight correction kernel and
+the step gather kernel. A "graph" here replays by calling its captured step again with the capture's inputs and
 metadata objects, writing into the tensor the capture returned: what a replay of a real
 graph sees, minus host values a real capture would freeze (the forward reads none: it
 could not be captured otherwise).
@@ -93,6 +93,11 @@ class TritonCpuPlatform(CpuPlatform):
         from pagedlm_cuda.kernels.in_flight import correct_in_flight
 
         return correct_in_flight
+
+    def step_gatherer(self):
+        from pagedlm_cuda.kernels.step_gather import gather_step_inputs
+
+        return gather_step_inputs
 
 
 class _Plugin:

@@ -21,6 +21,8 @@ from pagedlm.testing.platform_checks import (
     check_fused_sampler,
     check_greedy_verifier,
     check_in_flight_corrector,
+    check_pinned_copy,
+    check_step_gatherer,
 )
 from pagedlm.testing.promises import PROMISES, ConformanceFailure, NotApplicable, Promise
 from pagedlm.testing.reference import reference_attention
@@ -42,6 +44,8 @@ __all__ = [
     "check_greedy_parity",
     "check_greedy_verifier",
     "check_in_flight_corrector",
+    "check_pinned_copy",
+    "check_step_gatherer",
     "reference_attention",
     "tiny_checkpoint",
 ]

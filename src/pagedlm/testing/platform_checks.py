@@ -1,8 +1,10 @@
 """Checks of a platform against ``pagedlm.platforms.interface.Platform`` and of the kernels
 it may put in place of torch ops: the fused sampler
 (``pagedlm.sample.sampler.FusedRandomSampler``), the greedy verifier
-(``pagedlm.sample.rejection_sampler.FusedGreedyVerifier``) and the in-flight corrector
-(``pagedlm.worker.spec_positions.InFlightCorrector``)."""
+(``pagedlm.sample.rejection_sampler.FusedGreedyVerifier``), the in-flight corrector
+(``pagedlm.worker.spec_positions.InFlightCorrector``), the step gatherer
+(``pagedlm.worker.step_inputs.StepGatherer``) and the pinned copy
+(``pagedlm.worker.host_to_device.PinnedCopy``)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ from pagedlm.sample.row import SamplingRow
 from pagedlm.sample.sampler import FusedRandomSampler
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.testing.promises import ConformanceFailure, NotApplicable
+from pagedlm.worker.host_to_device import PinnedCopy
 from pagedlm.worker.spec_positions import InFlightCorrector, correct_on_device
+from pagedlm.worker.step_inputs import StepGatherer, gather_on_device
 
 _PROBE_DTYPES = (torch.float64, torch.float16, torch.bfloat16, torch.float32)
 
@@ -268,6 +272,117 @@ def check_greedy_verifier(
         raise fail("the token table differs from Speculator.verify's writes")
     if not torch.equal(rejected.cpu(), ref_rejected):
         raise fail(f"rejected counts {rejected.tolist()}, expected {ref_rejected.tolist()}")
+
+
+def check_platform_step_gatherer(platform: Platform) -> None:
+    gatherer = _kernel_of(platform, "step_gatherer", "gathers a step's inputs with torch ops")
+    check_step_gatherer(gatherer, platform.device, _subject(platform))
+
+
+def check_step_gatherer(
+    gatherer: StepGatherer, device: torch.device, subject: str = "step gatherer"
+) -> None:
+    """A step of 300 tokens over three requests and a padding row (block offset -1 in the
+    all-zero padding slot), block tables 600 entries wide, through ``gatherer`` and
+    ``gather_on_device``: every output equal, and nothing written past the step's
+    tokens and rows."""
+    generator = torch.Generator().manual_seed(0)
+    num_slots, width, block_size, row_length = 5, 600, 16, 1000
+    block_table = torch.randint(0, 9000, (num_slots, width), generator=generator)
+    block_table[num_slots - 1] = 0  # the padding slot
+    token_table = torch.randint(0, 50000, (num_slots * row_length,), generator=generator)
+    slots = [2, 0, 3, num_slots - 1]
+    counts, starts = [150, 1, 148, 1], [37, 900, 0, 0]
+    token_index, block_index, block_offset = [], [], []
+    for slot, start, count in zip(slots, starts, counts, strict=True):
+        positions = range(start, start + count)
+        token_index += [slot * row_length + p for p in positions]
+        block_index += [slot * width + p // block_size for p in positions]
+        block_offset += [p % block_size for p in positions]
+    block_offset[-1] = -1  # the padding row's slot: -1
+
+    def step() -> dict[str, torch.Tensor]:
+        inputs = dict(
+            token_table=token_table, token_index=torch.tensor(token_index),
+            block_table=block_table, block_index=torch.tensor(block_index),
+            block_offset=torch.tensor(block_offset), slots=torch.tensor(slots),
+        )  # fmt: skip
+        tensors = {k: v.to(torch.int32).to(device) for k, v in inputs.items()}
+        num_tokens, rows = len(token_index), len(slots)
+        # One element and one row more than the step: what lies past it stays untouched.
+        tensors["input_ids"] = torch.full((num_tokens + 1,), 7, dtype=torch.int32, device=device)
+        tensors["slot_mapping"] = torch.full_like(tensors["input_ids"], 7)
+        tensors["row_tables"] = torch.full((rows + 1, width), 7, dtype=torch.int32, device=device)
+        return tensors
+
+    ref, out = step(), step()
+    outputs = ("input_ids", "slot_mapping", "row_tables")
+    gather_on_device(
+        **{k: v[: len(v) - 1] if k in outputs else v for k, v in ref.items()},
+        block_size=block_size,
+    )
+    gatherer(
+        **{k: v[: len(v) - 1] if k in outputs else v for k, v in out.items()},
+        block_size=block_size,
+    )
+    for name in outputs:
+        if not torch.equal(out[name].cpu(), ref[name].cpu()):
+            raise ConformanceFailure(
+                subject, "step_gatherer", f"{name} differs from gather_on_device's"
+            )
+
+
+def _wait(device: torch.device) -> None:
+    """Wait for the work queued on ``device``'s current stream (none on the host)."""
+    if device.type != "cpu":
+        done = torch.Event(device=device)
+        done.record()
+        done.synchronize()
+
+
+def check_platform_pinned_copy(platform: Platform) -> None:
+    copy = _kernel_of(platform, "pinned_copy", "copies between host and device with copy_")
+    check_pinned_copy(copy, platform.device, _subject(platform))
+
+
+def check_pinned_copy(copy: PinnedCopy, device: torch.device, subject: str = "pinned copy") -> None:
+    """Both ways between pinned host memory and ``device`` (plain host memory where the
+    device is the CPU): several dtypes, an odd number of bytes, a view at an odd byte
+    offset, a copy longer than a few thousand words; each ordered after the kernel that
+    filled its source and before the kernel that reads its result."""
+    pinned = device.type != "cpu"
+    cases = [
+        torch.arange(7, dtype=torch.int32),
+        torch.arange(3001, dtype=torch.int64) * 3 - 4000,
+        torch.linspace(-2.0, 2.0, 1031, dtype=torch.float32),
+        torch.arange(13) % 3 == 0,  # 13 bytes
+        torch.arange(40, dtype=torch.int32).view(torch.uint8)[3:24],  # an odd offset
+    ]
+    for values in cases:
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=pinned)
+        host.copy_(values)
+        on_device = torch.zeros(values.shape, dtype=values.dtype, device=device)
+        copy(on_device, host)
+        # Queued after the copy: must see its result.
+        seen = on_device.clone() if values.dtype == torch.bool else on_device + 1
+        expected = values if values.dtype == torch.bool else values + 1
+        _wait(device)
+        if not torch.equal(seen.cpu(), expected):
+            raise ConformanceFailure(
+                subject, "pinned_copy",
+                f"host to device, {values.dtype} x {values.numel()}: the kernel after the copy "
+                "saw other values",
+            )  # fmt: skip
+        source = torch.zeros(values.shape, dtype=values.dtype, device=device)
+        source.copy_(values.to(device))  # a kernel the copy must wait for
+        back = torch.zeros(values.shape, dtype=values.dtype, pin_memory=pinned)
+        copy(back, source)
+        _wait(device)
+        if not torch.equal(back, values):
+            raise ConformanceFailure(
+                subject, "pinned_copy",
+                f"device to host, {values.dtype} x {values.numel()}: got other values",
+            )  # fmt: skip
 
 
 def check_platform_in_flight_corrector(platform: Platform) -> None:

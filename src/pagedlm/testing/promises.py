@@ -129,6 +129,18 @@ PROMISES: dict[str, Promise] = {
             "pagedlm.worker.spec_positions:correct_on_device",
         ),
         Promise(
+            "step_gatherer",
+            "step_gatherer() is None or gathers a step's input ids, slot mapping and rows' "
+            "block tables as gather_on_device does",
+            "pagedlm.worker.step_inputs:gather_on_device",
+        ),
+        Promise(
+            "pinned_copy",
+            "pinned_copy() is None or copies between pinned host memory and the device, "
+            "ordered on the stream as copy_ is",
+            "pagedlm.worker.host_to_device:PinnedCopy",
+        ),
+        Promise(
             "executor_choice",
             "the engine runs the platform's default_executor, registered for the platform",
             f"{_PLATFORM}:Platform",

@@ -137,9 +137,11 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(config.model.seed)
         sched = config.scheduler
+        self.pinned_copy = platform.pinned_copy()
         self.input_batch = InputBatch(
-            sched.max_num_seqs, sched.max_model_len, self.block_size, self.device
-        )
+            sched.max_num_seqs, sched.max_model_len, self.block_size, self.device,
+            self.pinned_copy,
+        )  # fmt: skip
         host_lengths = self.attn_backend.reads_host_lengths
         self.step_inputs = StepInputBuilder(
             self.input_batch,
@@ -147,6 +149,8 @@ class ModelRunner:
             host_lengths,
             self.rope_positions,
             in_flight_corrector=platform.in_flight_corrector(),
+            pinned_copy=self.pinned_copy,
+            gatherer=platform.step_gatherer(),
         )
         target = TargetParts(
             self.model,
@@ -454,6 +458,7 @@ class ModelRunner:
             prompt_parts=inputs.prompt_logprob_rows,
             verified=verified,
             proposals=proposals,
+            pinned_copy=self.pinned_copy,
         )
 
     def execute_and_sample(

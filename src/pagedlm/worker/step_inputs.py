@@ -28,6 +28,7 @@ the device (``spec_positions.py``), leaving the host lengths as upper bounds; th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -37,7 +38,7 @@ import torch
 from pagedlm.attention.backend import BatchLayout
 from pagedlm.multimodal.mrope import FlatPositions, MRopePositions
 from pagedlm.step import SchedulerOutput
-from pagedlm.worker.host_to_device import HostToDevice
+from pagedlm.worker.host_to_device import HostToDevice, PinnedCopy
 from pagedlm.worker.input_batch import InputBatch, RequestState
 from pagedlm.worker.prompt_logprobs import PromptLogprobRows
 from pagedlm.worker.spec_positions import (
@@ -111,14 +112,19 @@ class StepInputBuilder:
         host_lengths_exact: bool = True,
         rope_positions: FlatPositions | MRopePositions | None = None,
         in_flight_corrector: InFlightCorrector | None = None,
+        pinned_copy: PinnedCopy | None = None,
+        gatherer: StepGatherer | None = None,
     ) -> None:
         """``host_lengths_exact``: the attention backend plans from the layout's host
         lengths, so in-flight rejections are always resolved on the host.
         ``rope_positions``: what the model's rotary reads for a token index (M-RoPE models'
         per-request tables; default: the index itself). ``in_flight_corrector``: the
-        platform's kernel for ``correct_on_device`` (None: the torch ops)."""
+        platform's kernel for ``correct_on_device`` (None: the torch ops). ``pinned_copy``:
+        the platform's copy of the layout and indices (None: ``Tensor.copy_``).
+        ``gatherer``: the platform's kernel for ``gather_on_device`` (None: the torch ops)."""
         self.batch = batch
         self.correct_on_device = in_flight_corrector or correct_on_device
+        self.gatherer = gatherer or gather_on_device
         self.rope_positions = rope_positions or FlatPositions()
         self.host_lengths_exact = host_lengths_exact
         device = batch.device
@@ -127,13 +133,13 @@ class StepInputBuilder:
         self._lens_at = _aligned(max_reqs + 1)
         self._positions_at = self._lens_at + _aligned(max_reqs)
         self._layout = HostToDevice(
-            self._positions_at + max_num_tokens, torch.int32, device, fixed=True
+            self._positions_at + max_num_tokens, torch.int32, device, True, pinned_copy
         )
         # token, block and offset indices for every token, then per row: slots, sampled
         # rows, in-flight flags and sampled indices; logits rows and prompt-logprob targets
         # are at most one per token each (a sampling row is never a prompt-logprob row).
         self._indices = HostToDevice(
-            5 * max_num_tokens + 4 * max_reqs, torch.int32, device, fixed=True
+            5 * max_num_tokens + 4 * max_reqs, torch.int32, device, True, pinned_copy
         )
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
         self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
@@ -395,16 +401,48 @@ class StepInputBuilder:
         batch = self.batch
         sections, indices = step.sections, step.gather_indices
         total, rows = sections.total, sections.rows
-        torch.index_select(
-            batch.token_ids.view(-1), 0, sections.view(indices, "token"), out=self.input_ids[:total]
+        self.gatherer(
+            token_table=batch.token_ids.view(-1),
+            token_index=sections.view(indices, "token"),
+            block_table=batch.block_table,
+            block_index=sections.view(indices, "block"),
+            block_offset=sections.view(indices, "offset"),
+            slots=sections.view(indices, "slots"),
+            input_ids=self.input_ids[:total],
+            slot_mapping=self.slot_mapping[:total],
+            row_tables=self.block_table[:rows],
+            block_size=batch.block_size,
         )
-        slot_mapping = self.slot_mapping[:total]
-        block_ids = batch.block_table.view(-1)
-        torch.index_select(block_ids, 0, sections.view(indices, "block"), out=slot_mapping)
-        slot_mapping.mul_(batch.block_size).add_(sections.view(indices, "offset"))
-        torch.index_select(
-            batch.block_table, 0, sections.view(indices, "slots"), out=self.block_table[:rows]
-        )
+
+
+StepGatherer = Callable[..., None]
+"""A kernel doing what ``gather_on_device`` does, called with the same arguments; a
+platform may provide one (``Platform.step_gatherer``)."""
+
+
+def gather_on_device(
+    token_table: torch.Tensor,
+    token_index: torch.Tensor,
+    block_table: torch.Tensor,
+    block_index: torch.Tensor,
+    block_offset: torch.Tensor,
+    slots: torch.Tensor,
+    input_ids: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    row_tables: torch.Tensor,
+    block_size: int,
+) -> None:
+    """A step's inputs from the batch's tables, into persistent buffers (int32 throughout).
+
+    For each of the step's ``T`` tokens: ``input_ids[t] = token_table[token_index[t]]`` (the
+    flat token table), ``slot_mapping[t] = block_table.view(-1)[block_index[t]] * block_size
+    + block_offset[t]``; for each of its ``R`` rows, ``row_tables[r] =
+    block_table[slots[r]]`` (``block_table`` ``[num_slots, W]``, ``row_tables`` ``[R, W]``).
+    """
+    torch.index_select(token_table, 0, token_index, out=input_ids)
+    torch.index_select(block_table.view(-1), 0, block_index, out=slot_mapping)
+    slot_mapping.mul_(block_size).add_(block_offset)
+    torch.index_select(block_table, 0, slots, out=row_tables)
 
 
 class _Sections:
