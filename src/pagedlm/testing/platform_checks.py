@@ -348,7 +348,7 @@ def check_platform_pinned_copy(platform: Platform) -> None:
 def check_pinned_copy(copy: PinnedCopy, device: torch.device, subject: str = "pinned copy") -> None:
     """Both ways between pinned host memory and ``device`` (plain host memory where the
     device is the CPU): several dtypes, an odd number of bytes, a view at an odd byte
-    offset, a copy longer than a few thousand words; each ordered after the kernel that
+    offset, copies of a few thousand words and of 280 kB; each ordered after the kernel that
     filled its source and before the kernel that reads its result."""
     pinned = device.type != "cpu"
     cases = [
@@ -357,6 +357,7 @@ def check_pinned_copy(copy: PinnedCopy, device: torch.device, subject: str = "pi
         torch.linspace(-2.0, 2.0, 1031, dtype=torch.float32),
         torch.arange(13) % 3 == 0,  # 13 bytes
         torch.arange(40, dtype=torch.int32).view(torch.uint8)[3:24],  # an odd offset
+        torch.arange(70_000, dtype=torch.int32),  # 280 kB: a long prefill's indices
     ]
     for values in cases:
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=pinned)

@@ -26,6 +26,12 @@ import triton.language as tl
 BLOCK = 1024
 """32-bit words per program."""
 
+MAX_KERNEL_BYTES = 64 * 1024
+"""Larger copies (a long prefill's gather indices) go to the copy engine (``copy_``): a
+kernel's reads over PCIe are bound by the requests it keeps in flight, the engine's DMA
+is not. A guess, not measured: a decode step's copies are a few hundred bytes to a few
+kB, far from it either way."""
+
 
 # The length and the addresses change every step: no specialization on them, so no new
 # length or offset compiles a kernel mid-run (a warp's 32-bit words still coalesce).
@@ -48,7 +54,8 @@ def pinned_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Queue ``dst.copy_(src)`` on the current stream, where each of them is on the device
     or in pinned host memory (``pagedlm.worker.host_to_device.PinnedCopy``): same dtype
     and number of elements, both contiguous. Returns at once; the caller keeps both alive
-    until the copy is done (an event recorded after it)."""
+    until the copy is done (an event recorded after it). Up to ``MAX_KERNEL_BYTES`` by
+    the kernel, larger ones by ``copy_``."""
     if dst.dtype != src.dtype or dst.numel() != src.numel():
         raise ValueError(
             f"pinned_copy needs the same dtype and size, got {dst.dtype} x {dst.numel()} "
@@ -57,6 +64,9 @@ def pinned_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     if not (dst.is_contiguous() and src.is_contiguous()):
         raise ValueError("pinned_copy needs contiguous tensors.")
     if src.numel() == 0:
+        return
+    if src.numel() * src.element_size() > MAX_KERNEL_BYTES:
+        dst.copy_(src, non_blocking=True)
         return
     src_words, dst_words = _words(src), _words(dst)
     if src_words.dtype != dst_words.dtype:  # one of them is not word-aligned
