@@ -26,14 +26,15 @@ def copy_to_host(
     tensors: list[torch.Tensor], copy: PinnedCopy | None = None
 ) -> tuple[list[torch.Tensor], torch.Event | None]:
     """Start copying ``tensors`` to (pinned) host memory, through the platform's ``copy``
-    where given (contiguous tensors); returns the host tensors and the event that marks
-    the copies done (None when they already are on the host)."""
+    where given (contiguous device tensors); returns the host tensors and the event that
+    marks the copies done (None when they already are on the host)."""
     if all(t.device.type == "cpu" for t in tensors):
         return tensors, None
     hosts = []
     for tensor in tensors:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        queue_copy(copy if tensor.is_contiguous() else None, host, tensor)
+        direct = tensor.device.type != "cpu" and tensor.is_contiguous()
+        queue_copy(copy if direct else None, host, tensor)
         hosts.append(host)
     done = torch.Event(device=tensors[0].device)
     done.record()
@@ -92,6 +93,7 @@ class LaunchedStep:
             # torch's pinned-memory cache knows nothing of a kernel's writes: a step dropped
             # unread must not hand its host buffers back before they are written.
             self._unread = weakref.finalize(self, self._copied.synchronize)
+            self._unread.atexit = False  # nothing reuses the buffers after exit
         self._has_logprobs = logprobs is not None
         self._has_prompt_logprobs = prompt_logprobs is not None
 

@@ -133,13 +133,13 @@ class StepInputBuilder:
         self._lens_at = _aligned(max_reqs + 1)
         self._positions_at = self._lens_at + _aligned(max_reqs)
         self._layout = HostToDevice(
-            self._positions_at + max_num_tokens, torch.int32, device, True, pinned_copy
+            self._positions_at + max_num_tokens, torch.int32, device, fixed=True, copy=pinned_copy
         )
         # token, block and offset indices for every token, then per row: slots, sampled
         # rows, in-flight flags and sampled indices; logits rows and prompt-logprob targets
         # are at most one per token each (a sampling row is never a prompt-logprob row).
         self._indices = HostToDevice(
-            5 * max_num_tokens + 4 * max_reqs, torch.int32, device, True, pinned_copy
+            5 * max_num_tokens + 4 * max_reqs, torch.int32, device, fixed=True, copy=pinned_copy
         )
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
         self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)

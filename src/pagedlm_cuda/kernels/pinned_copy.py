@@ -5,8 +5,8 @@ the next step's layout and gather indices to the device. Queued as ``copy_`` on 
 compute stream, each such copy goes to a copy engine, which starts only after the kernel
 before it completes, and the kernel after it starts only after the copy completes: on
 W2's H200 timeline (session 26) the sampled ids' copy and the next step's two input
-copies spanned 36 us between the last kernel before them and the first after, for 5 us
-of transfers.
+copies spanned 22-31 us between the last kernel before them and the first after, for
+about 5 us of transfers.
 
 Pinned memory is mapped into the device's address space (unified addressing), so a
 kernel reads and writes it directly over PCIe; on the compute stream it queues like any

@@ -20,12 +20,13 @@ BLOCK_W = 256
 """Block-table entries per loop iteration of a row's program."""
 
 
-# The token and row counts vary per eager step: not specialized, so none compiles mid-run.
-@triton.jit(do_not_specialize=["num_tokens", "num_rows"])
+# The token count varies per eager step: not specialized, so none compiles mid-run (the
+# row count only sizes the grid).
+@triton.jit(do_not_specialize=["num_tokens"])
 def _gather_kernel(
     token_table_ptr, token_index_ptr, block_table_ptr, block_index_ptr, block_offset_ptr,
-    slots_ptr, input_ids_ptr, slot_mapping_ptr, row_tables_ptr, num_tokens, num_rows,
-    width, block_size, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+    slots_ptr, input_ids_ptr, slot_mapping_ptr, row_tables_ptr, num_tokens, width,
+    block_size, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     token_programs = tl.cdiv(num_tokens, BLOCK_T)
@@ -72,6 +73,6 @@ def gather_step_inputs(
         return
     _gather_kernel[(programs,)](
         token_table, token_index, block_table, block_index, block_offset, slots,
-        input_ids, slot_mapping, row_tables, num_tokens, num_rows, width, block_size,
+        input_ids, slot_mapping, row_tables, num_tokens, width, block_size,
         BLOCK_T=BLOCK_T, BLOCK_W=BLOCK_W,
     )  # fmt: skip
