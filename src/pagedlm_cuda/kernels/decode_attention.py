@@ -41,11 +41,12 @@ switches, so the common path compiles without them.
 FP8 cache (a third switch): tiles are cast to float16 after loading (one hardware convert
 per pair of E4M3 values; bfloat16 takes a longer path, and the bf16 kernel's speed in
 bytes was not reached with it), the query too (clamped to float16's range), and both dots
-run in float16 with float32 accumulation; ``k_scale`` is folded into the scores' scale
+run in float16 with float32 accumulation. ``k_scale`` is folded into the scores' scale
 (one multiply per score: 4.52 -> 4.45 loop instructions per K/V element at W1's 64-key
-tiles, session 27) and each partition's output is multiplied by ``v_scale``, and the value tiles by a run-time 1.0 that makes the
-compiler stage them in 16 bits (``kv_tile.fp8_value_stager``: the loop went from 5.02 to
-3.83 instructions per K/V element at W1's 128-key tiles, and from 255 registers to 211).
+tiles, session 27), each partition's output is multiplied by ``v_scale``, and the value
+tiles by a run-time 1.0 that makes the compiler stage them in 16 bits
+(``kv_tile.fp8_value_stager``: the loop went from 5.02 to 3.83 instructions per K/V
+element at W1's 128-key tiles, and from 255 registers to 211).
 The new token's K/V are quantized (saturating) before they are written, and the new key
 is attended to from its quantized value, as a later step reads it from the cache.
 """
@@ -144,7 +145,8 @@ def _attend_tile(
     USE_SOFT_CAP: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over a tile; the tile holds at least one visible key.
-    ``stager``: an FP8 cache's ``fp8_value_stager``; its ``k_scale`` is in ``score_scale``."""
+    ``stager``: an FP8 cache's ``fp8_value_stager``; an FP8 cache's key scale is already
+    in ``score_scale``."""
     dots = tl.dot(q, tl.trans(k))
     s = scaled_scores(dots, score_scale, cap_log2e, USE_SOFT_CAP)
     s = tl.where(pos_mask[None, :], s, float("-inf"))
