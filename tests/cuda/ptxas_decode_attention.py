@@ -24,7 +24,7 @@ import tempfile
 
 import triton
 import triton.language as tl
-from sass_gguf_gemv import disassemble, main_loop
+from sass_gguf_gemv import INSTRUCTION, disassemble
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -45,10 +45,30 @@ INTS = {"q_stride_token": HEADS * DIM, "out_stride_token": HEADS * DIM,
         "num_kv_heads": KV_HEADS, "window": 0, "group_size": HEADS // KV_HEADS}  # fmt: skip
 
 
-def compile_config(block_n: int, warps: int, stages: int, fp8: bool = True) -> dict:
+def key_loop(sass: str) -> list[tuple[int, str, str]]:
+    """The shortest loop of the code that holds an MMA: the key loop (with several
+    partitions per program it sits inside the loop over them)."""
+    code = [(int(m[1], 16), m[2], m[3]) for m in INSTRUCTION.finditer(sass)]
+    at = {address: i for i, (address, _, _) in enumerate(code)}
+    best: list[tuple[int, str, str]] = []
+    for i, (address, opcode, operands) in enumerate(code):
+        target = re.search(r"0x([0-9a-f]+)", operands)
+        if opcode.startswith("BRA") and target and int(target[1], 16) < address:
+            start = at.get(int(target[1], 16))
+            loop = code[start : i + 1] if start is not None else []
+            if any(op.startswith("HMMA") for _, op, _ in loop) and (
+                not best or len(loop) < len(best)
+            ):
+                best = loop
+    return best
+
+
+def compile_config(
+    block_n: int, warps: int, stages: int, fp8: bool = True, loop: bool = False
+) -> dict:
     constants = dict(
         BLOCK_SIZE=BLOCK, PARTITION=512, BLOCK_N=block_n, BLOCK_G=16, BLOCK_D=DIM, MERGE_G=2,
-        MERGE_P=4, MERGE_IN_KERNEL=False, DIRECT=False, WRITE_NEW=True, USE_WINDOW=False,
+        MERGE_P=4, MERGE_IN_KERNEL=False, DIRECT=False, LOOP=loop, WRITE_NEW=True, USE_WINDOW=False,
         USE_SOFT_CAP=False, FP8=fp8, COMPUTE_DTYPE=tl.float16 if fp8 else tl.bfloat16,
         ROTARY=False, IS_NEOX=True, QK_NORM=False, USE_PDL=True,  # W1's batch: no fused rotary
     )  # fmt: skip
@@ -82,7 +102,7 @@ def compile_config(block_n: int, warps: int, stages: int, fp8: bool = True) -> d
     spills = int(re.search(r"(\d+) bytes spill stores", info).group(1))
     mma = sorted(set(re.findall(r"versionMajor = (\d)", kernel.asm["ttgir"])))
     programs = min(65536 // (registers * 32 * warps), 232448 // kernel.metadata.shared)
-    loop = main_loop(disassemble(kernel)[0])
+    loop = key_loop(disassemble(kernel)[0])
     per_element = len(loop) / (2 * block_n * DIM / (32 * warps))  # a key and a value each
     opcodes = collections.Counter(opcode.split(".")[0] for _, opcode, _ in loop)
     return dict(registers=registers, spills=spills, shared=kernel.metadata.shared,
@@ -94,11 +114,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sass", action="store_true")
     parser.add_argument("--cache", choices=["fp8", "bf16"], default="fp8")
+    parser.add_argument(
+        "--loop", action="store_true", help="programs that loop over partitions (large batches)"
+    )  # fmt: skip
     args = parser.parse_args()
     print(f"{args.cache} cache")
     print("block_n warps stages | regs spill smem(B) programs/SM mma")
     for block_n, warps, stages in CONFIGS:
-        r = compile_config(block_n, warps, stages, fp8=args.cache == "fp8")
+        r = compile_config(block_n, warps, stages, fp8=args.cache == "fp8", loop=args.loop)
         print(f"{block_n:7d} {warps:5d} {stages:6d} | "
               f"{r['registers']:4d} {r['spills']:5d} {r['shared']:7d} {r['programs']:11d} "
               f"{r['mma']}", flush=True)  # fmt: skip

@@ -293,6 +293,40 @@ def test_decode_merge_kernel_and_in_kernel_merge_agree(monkeypatch, window) -> N
     assert torch.equal(outs[0][1], torch.zeros_like(outs[0][1]))
 
 
+@pytest.mark.parametrize("merge_in_kernel", [False, True])
+@pytest.mark.parametrize("window", [None, 150])
+def test_decode_programs_per_sequence_do_not_change_the_bits(merge_in_kernel, window) -> None:
+    """With ``slots`` programs per (sequence, kv head), each takes every slots-th
+    partition: the same partitions, the same merge, so the same bits for every count
+    (fewer than a sequence's partitions, more, and one), the new K/V written once."""
+    from pagedlm_cuda.kernels.decode_config import decode_config
+
+    real = [300, 45, 1, 129]
+    outs = []
+    for slots in (0, 1, 2, 3, 64):
+        key_cache, value_cache, table, tables = make_cache(real, 16, 2, 64, torch.float32, seed=4)
+        (key, value, slot_mapping), intact = take_new_kv(key_cache, value_cache, tables, real)
+
+        def pad(x, fill):  # a padding row (seq_len 0, slot -1) second
+            return torch.cat([x[:1], torch.full_like(x[:1], fill), x[1:]])
+
+        new_kv = pad(key, 0.0), pad(value, 0.0), pad(slot_mapping, -1)
+        seq = pad(torch.tensor(real, dtype=torch.int32, device=DEVICE), 0)
+        query = torch.randn(len(real) + 1, 8, 64, generator=torch.Generator().manual_seed(5))
+        query = query.to(DEVICE)
+        config = decode_config(4, 2, 64)._replace(
+            partition=32, block_n=16, merge_in_kernel=merge_in_kernel, slots=slots
+        )  # fmt: skip
+        outs.append(paged_decode_attention(
+            query, key_cache, value_cache, pad(table, 0), seq, 0.1, 4096, sliding_window=window,
+            new_kv=new_kv, config=config,
+        ))  # fmt: skip
+        assert torch.equal(key_cache, intact[0]) and torch.equal(value_cache, intact[1])
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    assert torch.equal(outs[0][1], torch.zeros_like(outs[0][1]))
+
+
 WINDOW_DECODE_CASES = [
     # block_size, head_dim, num_kv_heads, group, seq_lens, dtype, partition, window
     (16, 64, 2, 1, [1, 17, 40, 90], torch.float32, 32, 5),  # window < block_size

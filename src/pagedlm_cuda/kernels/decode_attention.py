@@ -140,6 +140,23 @@ def _merge_group(
 
 
 @triton.jit
+def _partition_bounds(
+    part, seq_len, window, PARTITION: tl.constexpr, USE_WINDOW: tl.constexpr,
+    WRITE_NEW: tl.constexpr,
+):  # fmt: skip
+    """Partition ``part``'s first key and the end of its keys read from the cache: with
+    ``WRITE_NEW`` the last position is not (it comes from ``new_kv``). Empty (start >=
+    end) past the sequence's end."""
+    start = part * PARTITION
+    end = tl.minimum(start + PARTITION, seq_len)
+    if USE_WINDOW:
+        start = tl.maximum(start, seq_len - window)
+    if WRITE_NEW:
+        end = tl.minimum(end, seq_len - 1)
+    return start, end
+
+
+@triton.jit
 def _attend_tile(
     q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, stager,
     USE_SOFT_CAP: tl.constexpr, FP8: tl.constexpr,
@@ -160,138 +177,54 @@ def _attend_tile(
     return m_new, denom, acc
 
 
-# Per-step sizes are not specialized on (Triton would compile a variant for each value's
-# divisibility by 16), so an eager step never compiles mid-run.
-@triton.jit(do_not_specialize=["block_table_stride", "max_partitions"])
-def _decode_kernel(
-    q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    new_key_ptr, new_value_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
-    out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
-    positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr,
-    q_stride_token, q_stride_head, out_stride_token, out_stride_head,
-    new_key_stride_token, new_key_stride_head, new_value_stride_token, new_value_stride_head,
-    cache_stride_block, cache_stride_head, cache_stride_slot, block_table_stride,
-    max_partitions, num_heads, num_kv_heads, score_scale, cap_log2e, window, group_size,
-    head_dim, cos_sin_stride, norm_eps,
-    BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_G: tl.constexpr,
-    MERGE_P: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, DIRECT: tl.constexpr,
-    WRITE_NEW: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-    FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, ROTARY: tl.constexpr,
-    IS_NEOX: tl.constexpr, QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+@triton.jit
+def _attend_partition(
+    q, k, v, pos_mask, start, cached_end, key_cache_ptr, value_cache_ptr, table, head_base,
+    dims, dim_mask, cache_stride_block, cache_stride_slot, score_scale, cap_log2e, stager,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr, FP8: tl.constexpr, PRELOADED: tl.constexpr,
 ):  # fmt: skip
-    pdl.allow_next(USE_PDL)
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    part = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    start = part * PARTITION
-    end = tl.minimum(start + PARTITION, seq_len)
-    if USE_WINDOW:
-        start = tl.maximum(start, seq_len - window)
-    groups = tl.arange(0, BLOCK_G)
-    dims = tl.arange(0, BLOCK_D)
-    heads = kv_head * group_size + groups
-    head_mask = groups < group_size
-    dim_mask = dims < head_dim
-    if not DIRECT and start >= end:
-        if seq_len == 0 and part == 0:  # a padding row: zeros, as the direct path gives
-            pdl.wait_for_previous(USE_PDL)
-            dst = out_ptr + seq * out_stride_token + heads[:, None] * out_stride_head
-            zeros = tl.zeros([BLOCK_G, BLOCK_D], out_ptr.dtype.element_ty)
-            tl.store(dst + dims[None, :], zeros, mask=head_mask[:, None] & dim_mask[None, :])
-        return  # the merge reads only partitions that hold a visible key
-
-    # With new_kv the last position comes from there, not from the cache: the tiles stop
-    # before it (a tile is never edited between its load and its dot, which keeps the
-    # loads pipelined) and it is attended to as one extra key below.
-    last = seq_len - 1
-    cached_end = end
-    if WRITE_NEW:
-        cached_end = tl.minimum(end, last)
-    # The first tile's keys and values are read before waiting for the kernel that
-    # produced q: the metadata comes from host copies and the cached positions from earlier
-    # steps (each forward begins with a torch kernel, which waits for everything before it).
-    head_base = kv_head.to(tl.int64) * cache_stride_head
-    table = block_tables_ptr + seq * block_table_stride
-    compute_dtype = COMPUTE_DTYPE
-    _pos, pos_mask, k, v = load_kv_tile(
-        key_cache_ptr, value_cache_ptr, table, head_base, start, cached_end, dims, dim_mask,
-        cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N, compute_dtype,
-    )  # fmt: skip
-    k_scale, v_scale = fp8_scales(k_scale_ptr, v_scale_ptr, FP8)
-    stager = 1.0
-    if FP8:
-        stager = fp8_value_stager(v_scale, compute_dtype)
-        # Every score is scaled: the key scale rides on it (one multiply per score, not two).
-        score_scale = score_scale * k_scale
-    if ROTARY:  # positions come from a host copy, and the table never changes
-        position = tl.load(positions_ptr + seq + tl.zeros([1], tl.int64)).to(tl.int64)
-        partner, cos, signed_sin = fused_angles(
-            cos_sin_ptr, position, cos_sin_stride, dims, BLOCK_D // 2, IS_NEOX
-        )  # fmt: skip
-    pdl.wait_for_previous(USE_PDL)
-
-    owns_last = (start <= last) & (last < end)
-    if WRITE_NEW:
-        # Only the partition holding the new token's position writes it (no other reads it).
-        slot = tl.load(slot_mapping_ptr + seq, mask=owns_last, other=-1).to(tl.int64)
-        new_k_row = new_key_ptr + seq * new_key_stride_token + kv_head * new_key_stride_head
-        new_k = tl.load(new_k_row + dims, mask=dim_mask & owns_last, other=0.0)
-        if ROTARY:
-            new_k = rotate_loaded(
-                new_k[None, :], new_k_row, owns_last, partner, cos, signed_sin, k_norm_ptr,
-                norm_eps, dims, head_dim, QK_NORM,
-            )  # fmt: skip
-            new_k = tl.reshape(new_k, (BLOCK_D,))
-        new_k = fp8_store_value(new_k, k_scale, key_cache_ptr.dtype.element_ty, FP8)
-        new_v = tl.load(
-            new_value_ptr + seq * new_value_stride_token + kv_head * new_value_stride_head + dims,
-            mask=dim_mask & owns_last,
-            other=0.0,
-        )
-        new_v = fp8_store_value(new_v, v_scale, value_cache_ptr.dtype.element_ty, FP8)
-        slot_row = (
-            (slot // BLOCK_SIZE) * cache_stride_block
-            + head_base
-            + (slot % BLOCK_SIZE) * cache_stride_slot
-        )
-        write_mask = dim_mask & (slot >= 0)  # a padding row's slot is -1
-        tl.store(key_cache_ptr + slot_row + dims, new_k, mask=write_mask)
-        tl.store(value_cache_ptr + slot_row + dims, new_v, mask=write_mask)
-
-    q_rows = q_ptr + seq * q_stride_token + heads[:, None] * q_stride_head
-    q_mask = head_mask[:, None] & dim_mask[None, :]
-    q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)
-    if ROTARY:
-        q = rotate_loaded(
-            q, q_rows, q_mask, partner, cos, signed_sin, q_norm_ptr, norm_eps, dims, head_dim,
-            QK_NORM,
-        )  # fmt: skip
-    if FP8:
-        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(compute_dtype)
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    denom = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    """The online softmax over the cached keys ``start .. cached_end - 1``: (running max,
+    denominator, unnormalized output). ``PRELOADED``: ``k``, ``v`` and ``pos_mask`` are
+    already the first tile (else they are not used)."""
+    m = tl.full([q.shape[0]], float("-inf"), tl.float32)
+    denom = tl.zeros([q.shape[0]], tl.float32)
+    acc = tl.zeros([q.shape[0], q.shape[1]], tl.float32)
     # Every tile starts at a visible key (start is the window's first when windowed), so
     # each row's running max is finite after the first tile. A partition may have no
     # cached tile (only the new key, or a padding row of the direct path).
-    if start < cached_end:
-        m, denom, acc = _attend_tile(
-            q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, stager,
-            USE_SOFT_CAP, FP8,
-        )  # fmt: skip
-    for n0 in range(start + BLOCK_N, cached_end, BLOCK_N):
+    first = start
+    if PRELOADED:
+        if start < cached_end:
+            m, denom, acc = _attend_tile(
+                q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, stager,
+                USE_SOFT_CAP, FP8,
+            )  # fmt: skip
+        first = start + BLOCK_N
+    for n0 in range(first, cached_end, BLOCK_N):
         _pos, pos_mask, k, v = load_kv_tile(
             key_cache_ptr, value_cache_ptr, table, head_base, n0, cached_end, dims, dim_mask,
-            cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N, compute_dtype,
+            cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N, COMPUTE_DTYPE,
         )  # fmt: skip
         m, denom, acc = _attend_tile(
             q, k, v, pos_mask, m, denom, acc, score_scale, cap_log2e, stager,
             USE_SOFT_CAP, FP8,
         )  # fmt: skip
+    return m, denom, acc
+
+
+@triton.jit
+def _finish_partition(
+    m, denom, acc, part, new_part, q, new_k, new_v, score_scale, cap_log2e, v_scale,
+    out_ptr, partial_out_ptr, partial_lse_ptr, seq, heads, head_mask, dims, dim_mask,
+    out_stride_token, out_stride_head, max_partitions, num_heads, head_dim,
+    USE_SOFT_CAP: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr,
+    WRITE_NEW: tl.constexpr,
+):  # fmt: skip
+    """Partition ``part``'s result: the new key attended to if it is ``new_part``, then
+    stored, as the output (``DIRECT``) or as a partial and its log-sum-exp."""
     if WRITE_NEW:  # noqa: SIM102 - a compile-time switch around a runtime test
-        if owns_last:
+        if part == new_part:
             # The new key, in float32 (the tiles' dots take bf16 p; here p stays float32).
             dots = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], axis=1)
             s_new = scaled_scores(dots, score_scale, cap_log2e, USE_SOFT_CAP)
@@ -313,22 +246,171 @@ def _decode_kernel(
         row = (seq * num_heads + heads) * max_partitions + part
         tl.store(partial_out_ptr + row[:, None] * head_dim + dims[None, :], out, mask=mask)
         tl.store(partial_lse_ptr + row, m + tl.log2(safe_denom), mask=head_mask)
+
+
+# Per-step sizes are not specialized on (Triton would compile a variant for each value's
+# divisibility by 16), so an eager step never compiles mid-run.
+@triton.jit(do_not_specialize=["block_table_stride", "max_partitions", "slots"])
+def _decode_kernel(
+    q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    new_key_ptr, new_value_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
+    positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr,
+    q_stride_token, q_stride_head, out_stride_token, out_stride_head,
+    new_key_stride_token, new_key_stride_head, new_value_stride_token, new_value_stride_head,
+    cache_stride_block, cache_stride_head, cache_stride_slot, block_table_stride,
+    max_partitions, slots, num_heads, num_kv_heads, score_scale, cap_log2e, window,
+    group_size, head_dim, cos_sin_stride, norm_eps,
+    BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_G: tl.constexpr,
+    MERGE_P: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, DIRECT: tl.constexpr, LOOP: tl.constexpr,
+    WRITE_NEW: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, ROTARY: tl.constexpr,
+    IS_NEOX: tl.constexpr, QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    pdl.allow_next(USE_PDL)
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    slot = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # This program's partitions: first_part + slot, then every slots-th after it.
+    first_part = 0
+    if USE_WINDOW:
+        first_part = tl.maximum(seq_len - window, 0) // PARTITION
+    num_parts = tl.cdiv(seq_len, PARTITION)
+    if DIRECT:  # one partition, and a padding row (seq_len 0) still gets its zeros
+        num_parts = tl.maximum(num_parts, 1)
+    part = first_part + slot
+    groups = tl.arange(0, BLOCK_G)
+    dims = tl.arange(0, BLOCK_D)
+    heads = kv_head * group_size + groups
+    head_mask = groups < group_size
+    dim_mask = dims < head_dim
+    if not DIRECT and part >= num_parts:
+        if seq_len == 0 and slot == 0:  # a padding row: zeros, as the direct path gives
+            pdl.wait_for_previous(USE_PDL)
+            dst = out_ptr + seq * out_stride_token + heads[:, None] * out_stride_head
+            zeros = tl.zeros([BLOCK_G, BLOCK_D], out_ptr.dtype.element_ty)
+            tl.store(dst + dims[None, :], zeros, mask=head_mask[:, None] & dim_mask[None, :])
+        return  # the merge reads only partitions that hold a visible key
+
+    # With new_kv the last position comes from there, not from the cache: the tiles stop
+    # before it (a tile is never edited between its load and its dot, which keeps the
+    # loads pipelined) and it is attended to as one extra key below.
+    last_part = num_parts - 1
+    # With one partition per program, its first tile's keys and values are read before
+    # waiting for the kernel that produced q: the metadata comes from host copies and the
+    # cached positions from earlier steps (each forward begins with a torch kernel, which
+    # waits for everything before it).
+    head_base = kv_head.to(tl.int64) * cache_stride_head
+    table = block_tables_ptr + seq * block_table_stride
+    compute_dtype = COMPUTE_DTYPE
+    start, cached_end = _partition_bounds(part, seq_len, window, PARTITION, USE_WINDOW, WRITE_NEW)
+    _pos, pos_mask, k, v = load_kv_tile(
+        key_cache_ptr, value_cache_ptr, table, head_base, start, cached_end, dims, dim_mask,
+        cache_stride_block, cache_stride_slot, BLOCK_SIZE, BLOCK_N, compute_dtype,
+    )  # fmt: skip
+    k_scale, v_scale = fp8_scales(k_scale_ptr, v_scale_ptr, FP8)
+    stager = 1.0
+    if FP8:
+        stager = fp8_value_stager(v_scale, compute_dtype)
+        # Every score is scaled: the key scale rides on it (one multiply per score, not two).
+        score_scale = score_scale * k_scale
+    if ROTARY:  # positions come from a host copy, and the table never changes
+        position = tl.load(positions_ptr + seq + tl.zeros([1], tl.int64)).to(tl.int64)
+        partner, cos, signed_sin = fused_angles(
+            cos_sin_ptr, position, cos_sin_stride, dims, BLOCK_D // 2, IS_NEOX
+        )  # fmt: skip
+    pdl.wait_for_previous(USE_PDL)
+
+    # The partition that attends to the new key (none for a padding row), and whether it
+    # is this program's.
+    new_part = tl.where(seq_len > 0, last_part, -1)
+    owns_last = (new_part >= part) & ((new_part - part) % slots == 0)
+    new_k = 0.0  # without new_kv, unused
+    new_v = 0.0
+    if WRITE_NEW:
+        # Only the program holding the new token's partition writes it (no other reads it).
+        slot_id = tl.load(slot_mapping_ptr + seq, mask=owns_last, other=-1).to(tl.int64)
+        new_k_row = new_key_ptr + seq * new_key_stride_token + kv_head * new_key_stride_head
+        new_k = tl.load(new_k_row + dims, mask=dim_mask & owns_last, other=0.0)
+        if ROTARY:
+            new_k = rotate_loaded(
+                new_k[None, :], new_k_row, owns_last, partner, cos, signed_sin, k_norm_ptr,
+                norm_eps, dims, head_dim, QK_NORM,
+            )  # fmt: skip
+            new_k = tl.reshape(new_k, (BLOCK_D,))
+        new_k = fp8_store_value(new_k, k_scale, key_cache_ptr.dtype.element_ty, FP8)
+        new_v = tl.load(
+            new_value_ptr + seq * new_value_stride_token + kv_head * new_value_stride_head + dims,
+            mask=dim_mask & owns_last,
+            other=0.0,
+        )
+        new_v = fp8_store_value(new_v, v_scale, value_cache_ptr.dtype.element_ty, FP8)
+        slot_row = (
+            (slot_id // BLOCK_SIZE) * cache_stride_block
+            + head_base
+            + (slot_id % BLOCK_SIZE) * cache_stride_slot
+        )
+        write_mask = dim_mask & (slot_id >= 0)  # a padding row's slot is -1
+        tl.store(key_cache_ptr + slot_row + dims, new_k, mask=write_mask)
+        tl.store(value_cache_ptr + slot_row + dims, new_v, mask=write_mask)
+
+    q_rows = q_ptr + seq * q_stride_token + heads[:, None] * q_stride_head
+    q_mask = head_mask[:, None] & dim_mask[None, :]
+    q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)
+    if ROTARY:
+        q = rotate_loaded(
+            q, q_rows, q_mask, partner, cos, signed_sin, q_norm_ptr, norm_eps, dims, head_dim,
+            QK_NORM,
+        )  # fmt: skip
+    if FP8:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(compute_dtype)
+    if LOOP:
+        # Each partition reads all of its tiles. Without disable_licm the loop over them
+        # held 158 registers against 116 (bf16, W1's tiles: 3 programs per SM, not 4), and
+        # carrying a prefetched first tile from one partition to the next, 189.
+        for p in tl.range(part, num_parts, slots, disable_licm=True):
+            start, cached_end = _partition_bounds(
+                p, seq_len, window, PARTITION, USE_WINDOW, WRITE_NEW
+            )  # fmt: skip
+            m, denom, acc = _attend_partition(
+                q, k, v, pos_mask, start, cached_end, key_cache_ptr, value_cache_ptr, table,
+                head_base, dims, dim_mask, cache_stride_block, cache_stride_slot, score_scale,
+                cap_log2e, stager, BLOCK_SIZE, BLOCK_N, compute_dtype, USE_SOFT_CAP, FP8,
+                PRELOADED=False,
+            )  # fmt: skip
+            _finish_partition(
+                m, denom, acc, p, new_part, q, new_k, new_v, score_scale, cap_log2e, v_scale,
+                out_ptr, partial_out_ptr, partial_lse_ptr, seq, heads, head_mask, dims,
+                dim_mask, out_stride_token, out_stride_head, max_partitions, num_heads,
+                head_dim, USE_SOFT_CAP, FP8, DIRECT, WRITE_NEW,
+            )  # fmt: skip
+    else:
+        m, denom, acc = _attend_partition(
+            q, k, v, pos_mask, start, cached_end, key_cache_ptr, value_cache_ptr, table,
+            head_base, dims, dim_mask, cache_stride_block, cache_stride_slot, score_scale,
+            cap_log2e, stager, BLOCK_SIZE, BLOCK_N, compute_dtype, USE_SOFT_CAP, FP8,
+            PRELOADED=True,
+        )  # fmt: skip
+        _finish_partition(
+            m, denom, acc, part, new_part, q, new_k, new_v, score_scale, cap_log2e, v_scale,
+            out_ptr, partial_out_ptr, partial_lse_ptr, seq, heads, head_mask, dims, dim_mask,
+            out_stride_token, out_stride_head, max_partitions, num_heads, head_dim,
+            USE_SOFT_CAP, FP8, DIRECT, WRITE_NEW,
+        )  # fmt: skip
     if not DIRECT and MERGE_IN_KERNEL:
         # Every thread's stores land before the ticket (release); the last ticket's holder
-        # sees all of them (acquire).
+        # sees all of them (acquire). One ticket per program that had a partition.
         tl.debug_barrier()
         counter = counters_ptr + seq * num_kv_heads + kv_head
         ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        first = 0
-        if USE_WINDOW:
-            first = tl.maximum(seq_len - window, 0) // PARTITION
-        num_parts = tl.cdiv(seq_len, PARTITION)
-        if ticket == num_parts - first - 1:
+        if ticket == tl.minimum(num_parts - first_part, slots) - 1:
             tl.store(counter, 0)
             _merge_group(
-                out_ptr, partial_out_ptr, partial_lse_ptr, seq, kv_head, first, num_parts,
-                out_stride_token, out_stride_head, max_partitions, num_heads, group_size,
-                head_dim, MERGE_G=MERGE_G, MERGE_P=MERGE_P, BLOCK_D=BLOCK_D,
+                out_ptr, partial_out_ptr, partial_lse_ptr, seq, kv_head, first_part,
+                num_parts, out_stride_token, out_stride_head, max_partitions, num_heads,
+                group_size, head_dim, MERGE_G=MERGE_G, MERGE_P=MERGE_P, BLOCK_D=BLOCK_D,
             )  # fmt: skip
 
 
@@ -430,6 +512,10 @@ def paged_decode_attention(
     positions, cos_sin, q_norm, k_norm, cos_sin_stride, norm_eps = rotary_args
     max_partitions = max(1, triton.cdiv(max_seq_len, partition))
     direct = max_partitions == 1
+    # config.slots programs per (sequence, kv head), each looping over its partitions; 0:
+    # one per partition (a grid sized by max_seq_len), each reading its first tile early.
+    loop = config.slots > 0 and not direct
+    slots = min(config.slots, max_partitions) if loop else max_partitions
     counters = seq_lens  # unused unless the kernel merges its own partitions
     if direct:
         partial_out = partial_lse = out  # unused
@@ -451,7 +537,7 @@ def paged_decode_attention(
     merge_p = max(1, min(MERGE_TILE // (merge_g * block_d), MERGE_CONTEXT // partition))
     score_scale, cap_log2e = score_args(scale, logits_soft_cap)
     window = sliding_window or 0
-    _decode_kernel[(num_seqs, num_kv_heads, max_partitions)](
+    _decode_kernel[(num_seqs, num_kv_heads, slots)](
         query, key_cache, value_cache, block_tables, seq_lens,
         new_key, new_value, slot_mapping,
         k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,
@@ -459,12 +545,12 @@ def paged_decode_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         new_key.stride(0), new_key.stride(1), new_value.stride(0), new_value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        max_partitions, num_heads, num_kv_heads, score_scale, cap_log2e, window, group_size,
-        head_dim, cos_sin_stride, norm_eps,
+        max_partitions, slots, num_heads, num_kv_heads, score_scale, cap_log2e, window,
+        group_size, head_dim, cos_sin_stride, norm_eps,
         BLOCK_SIZE=block_size, PARTITION=partition, BLOCK_N=block_n,
         BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_D=block_d,
         MERGE_G=merge_g, MERGE_P=merge_p, MERGE_IN_KERNEL=config.merge_in_kernel,
-        DIRECT=direct, WRITE_NEW=new_kv is not None,
+        DIRECT=direct, LOOP=loop, WRITE_NEW=new_kv is not None,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logits_soft_cap is not None,
         FP8=fp8, COMPUTE_DTYPE=tl.float16 if fp8 else _TL_DTYPES[query.dtype],
         num_warps=config.num_warps, num_stages=config.num_stages, **rotary_flags,

@@ -54,6 +54,14 @@ machines differed). On the H200 (session 20, one call) W1 ran at 24,091 with 1,0
 bf16 partitions against 24,160 with 512, so bf16 keeps 512; the same sweep for FP8 gave
 161.3 us per call with 1,024 / 64, 163.1 with 1,024 / 128, 168.6 with 512 / 64."""
 
+SLOT_PROGRAMS = 8192
+"""Decode programs a batch bucket's grid aims at (``DecodeConfig.slots``): 8,192 / 256
+sequences / 8 kv heads gives W1 4 programs per sequence, so its longest contexts (2,000
+keys in 512-key partitions) stay one partition per program, while a grid sized by its
+``max_model_len`` (4,096) had 8, of which a 600-key context used 2: the empty programs
+cost 5.5% of the kernel at batch 256 x 580 keys (H100, session 26), and a grid sized by
+Qwen3's 40,960 would be 97% empty."""
+
 MERGE_IN_KERNEL_PROGRAMS = 256
 """Batch bucket x kv heads up to which the decode kernel merges its own partitions."""
 
@@ -70,6 +78,12 @@ class DecodeConfig(NamedTuple):
     merge kernel follows. Measured on the H200: at batch 1 (llama-3-8b) the in-kernel merge
     saves ~7 us per layer; at batch 256 (qwen3-0.6b, 100-2,000-token contexts) it costs
     ~5% of the attention time (a ticket and fence per program). In between: a guess."""
+    slots: int = 0
+    """Programs per (sequence, kv head); 0: one per partition of ``max_seq_len``. With
+    fewer, program ``i`` takes partitions ``i, i + slots, ...`` of its sequence, so the
+    grid does not grow with ``max_seq_len`` (``max_model_len`` under a graph) past what
+    the batch needs. Each partition is computed and merged as with one program each:
+    the results do not depend on it."""
 
 
 @functools.cache
@@ -101,8 +115,9 @@ def decode_config(
         partition = LARGE_PARTITION
     block_n = min(partition, 64 if head_dim <= 128 else 32)
     merge_in_kernel = programs <= MERGE_IN_KERNEL_PROGRAMS
+    slots = max(1, SLOT_PROGRAMS // programs)
     return DecodeConfig(partition, block_n, num_warps=4, num_stages=2,
-                        merge_in_kernel=merge_in_kernel)  # fmt: skip
+                        merge_in_kernel=merge_in_kernel, slots=slots)  # fmt: skip
 
 
 def batch_invariant_config(head_dim: int) -> DecodeConfig:
