@@ -115,7 +115,10 @@ def decode_config(
         partition = LARGE_PARTITION
     block_n = min(partition, 64 if head_dim <= 128 else 32)
     merge_in_kernel = programs <= MERGE_IN_KERNEL_PROGRAMS
-    slots = max(1, SLOT_PROGRAMS // programs)
+    # Small batches (those that merge in the kernel) keep one program per partition:
+    # those read their first tile before the PDL wait, which a looping program does not,
+    # and at batch 1 (W2) every partition is wanted at once.
+    slots = 0 if merge_in_kernel else max(1, SLOT_PROGRAMS // programs)
     return DecodeConfig(partition, block_n, num_warps=4, num_stages=2,
                         merge_in_kernel=merge_in_kernel, slots=slots)  # fmt: skip
 
