@@ -10,7 +10,10 @@ whose grid is sized by max_model_len, as the engine's decode graphs are. Prints 
 call and the K/V bandwidth reached, for the default (``decode_config``) and for nearby
 partition / tile choices, so the table in ``kernels/decode_config.py`` can be checked.
 ``--kv-cache-dtype fp8``: the same for a float8 E4M3 cache (bandwidth counted in its bytes).
-``--num-heads 16``: qwen3-0.6b's heads (W1's model). ``--sweep``: partition / tile / warps
+``--num-heads 16``: qwen3-0.6b's heads (W1's model). ``--slots 0 2 4 8``: the default
+configuration at each count of programs per (sequence, kv head) (0: one per partition of
+the grid's length), with ``--ragged LOW HIGH`` contexts drawn uniformly between the two
+(W1's run from 200 to 2,048 keys). ``--sweep``: partition / tile / warps
 / stages choices (``SWEEP``), each with its error against a float32 reference of the
 (dequantized) cache (max abs, and relative: the norm of the difference over the
 reference's).
@@ -171,12 +174,39 @@ def sweep(batch: int, context: int, heads: int, fp8: bool, grid_lens: list[int])
         )
 
 
+def time_slots(
+    batch: int, context: int, heads: int, fp8: bool, slots: list[int], grid_lens: list[int],
+    ragged: tuple[int, int] | None,
+) -> None:  # fmt: skip
+    """The default configuration at each ``slots`` and grid length (us per call)."""
+    if ragged:
+        context = ragged[1]
+    inputs = make_inputs(batch, context, fp8, heads)
+    if ragged:
+        generator = torch.Generator().manual_seed(1)
+        lens = torch.randint(ragged[0], ragged[1] + 1, (batch,), generator=generator)
+        inputs["lens"] = lens.to(device="cuda", dtype=torch.int32)
+    kv_bytes = 2 * int(inputs["lens"].sum()) * KV_HEADS * HEAD_DIM * (1 if fp8 else 2)
+    default = decode_config(batch, KV_HEADS, HEAD_DIM, fp8)
+    print(f"batch {batch}, contexts {ragged or context}, fp8 {fp8}: default {default}")
+    for grid_len in grid_lens:
+        for count in slots:
+            config = default._replace(slots=count)
+            us = time_inputs(inputs, config=config, max_model_len=grid_len)[0]
+            print(
+                f"  grid {grid_len:6d}, slots {count:3d}: {us:8.1f} us/call "
+                f"{kv_bytes / us / 1e6:6.2f} TB/s", flush=True,
+            )  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--num-heads", type=int, default=HEADS)
     parser.add_argument("--sweep", action="store_true", help="the sweep (see above)")
+    parser.add_argument("--slots", type=int, nargs="+", help="programs per sequence (see above)")
+    parser.add_argument("--ragged", type=int, nargs=2, metavar=("LOW", "HIGH"))
     parser.add_argument(
         "--grid-lens", type=int, nargs="+", default=[MAX_MODEL_LEN],
         help="the max_model_len sizing the grid; --sweep times each further one too",
@@ -187,6 +217,10 @@ def main() -> None:
     if args.sweep:
         for workload in args.workloads:
             sweep(*WORKLOADS[workload], heads, fp8, args.grid_lens)
+        return
+    if args.slots:
+        for workload in args.workloads:
+            time_slots(*WORKLOADS[workload], heads, fp8, args.slots, args.grid_lens, args.ragged)
         return
     for batch, context in (WORKLOADS[w] for w in args.workloads):
         default = decode_config(batch, KV_HEADS, HEAD_DIM, fp8)
