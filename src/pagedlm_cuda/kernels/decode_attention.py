@@ -24,9 +24,12 @@ The partition size, tile and merge mode come from ``decode_config``: a function 
 batch size *bucket* (the CUDA-graph capture ladder) and the model's shapes, never of the
 data, and so does the merge width. A sequence's result does depend on how many sequences
 share its step, but only through the bucket: a graph replayed at padded size ``P`` and an
-eager step of any batch that pads to ``P`` agree bit for bit. The grid is sized by
-``max_seq_len`` (max_model_len under a graph); partitions past a sequence's end exit at
-once.
+eager step of any batch that pads to ``P`` agree bit for bit. Small batches get one
+program per partition of ``max_seq_len`` (max_model_len under a graph); programs past a
+sequence's end exit at once. Large batches get ``config.slots`` programs per (sequence,
+kv head), each looping over every slots-th partition, so the grid stays the batch's size
+whatever max_model_len is; a partition is computed and merged the same either way, so
+the bits do not depend on it.
 
 Rotary embedding (``rotary``, a ``FusedRotary``; the Triton backend passes one at small
 batches): every program rotates its query heads after loading them, and the program that
@@ -263,8 +266,8 @@ def _decode_kernel(
     group_size, head_dim, cos_sin_stride, norm_eps,
     BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_G: tl.constexpr,
-    MERGE_P: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, DIRECT: tl.constexpr, LOOP: tl.constexpr,
-    WRITE_NEW: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    MERGE_P: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, DIRECT: tl.constexpr,
+    LOOP: tl.constexpr, WRITE_NEW: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
     FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, ROTARY: tl.constexpr,
     IS_NEOX: tl.constexpr, QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
