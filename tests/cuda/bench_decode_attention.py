@@ -176,9 +176,10 @@ def sweep(batch: int, context: int, heads: int, fp8: bool, grid_lens: list[int])
 
 def time_slots(
     batch: int, context: int, heads: int, fp8: bool, slots: list[int], grid_lens: list[int],
-    ragged: tuple[int, int] | None,
+    ragged: tuple[int, int] | None, max_registers: list[int],
 ) -> None:  # fmt: skip
-    """The default configuration at each ``slots`` and grid length (us per call)."""
+    """The default configuration at each ``slots``, grid length and register cap (us per
+    call)."""
     if ragged:
         context = ragged[1]
     inputs = make_inputs(batch, context, fp8, heads)
@@ -191,12 +192,13 @@ def time_slots(
     print(f"batch {batch}, contexts {ragged or context}, fp8 {fp8}: default {default}")
     for grid_len in grid_lens:
         for count in slots:
-            config = default._replace(slots=count)
-            us = time_inputs(inputs, config=config, max_model_len=grid_len)[0]
-            print(
-                f"  grid {grid_len:6d}, slots {count:3d}: {us:8.1f} us/call "
-                f"{kv_bytes / us / 1e6:6.2f} TB/s", flush=True,
-            )  # fmt: skip
+            for cap in max_registers:
+                config = default._replace(slots=count, max_registers=cap)
+                us = time_inputs(inputs, config=config, max_model_len=grid_len)[0]
+                print(
+                    f"  grid {grid_len:6d}, slots {count:3d}, max registers {cap:3d}: "
+                    f"{us:8.1f} us/call {kv_bytes / us / 1e6:6.2f} TB/s", flush=True,
+                )  # fmt: skip
 
 
 def main() -> None:
@@ -207,6 +209,10 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="the sweep (see above)")
     parser.add_argument("--slots", type=int, nargs="+", help="programs per sequence (see above)")
     parser.add_argument("--ragged", type=int, nargs=2, metavar=("LOW", "HIGH"))
+    parser.add_argument(
+        "--max-registers", type=int, nargs="+", default=[0],
+        help="with --slots: register caps per thread to time (0: the compiler's choice)",
+    )  # fmt: skip
     parser.add_argument(
         "--grid-lens", type=int, nargs="+", default=[MAX_MODEL_LEN],
         help="the max_model_len sizing the grid; --sweep times each further one too",
@@ -220,7 +226,10 @@ def main() -> None:
         return
     if args.slots:
         for workload in args.workloads:
-            time_slots(*WORKLOADS[workload], heads, fp8, args.slots, args.grid_lens, args.ragged)
+            time_slots(
+                *WORKLOADS[workload], heads, fp8, args.slots, args.grid_lens, args.ragged,
+                args.max_registers,
+            )  # fmt: skip
         return
     for batch, context in (WORKLOADS[w] for w in args.workloads):
         default = decode_config(batch, KV_HEADS, HEAD_DIM, fp8)

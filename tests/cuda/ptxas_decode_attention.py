@@ -1,6 +1,7 @@
 """Registers and shared memory of the decode kernel's tiles on an FP8 cache, without a GPU.
 
-    PYTHONPATH=src python tests/cuda/ptxas_decode_attention.py [--sass] [--cache bf16]
+    PYTHONPATH=src:tests/cuda python tests/cuda/ptxas_decode_attention.py [--sass]
+        [--cache bf16] [--loop] [--max-registers N]
 
 Compiles ``_decode_kernel`` for sm_90a (Triton's own ``ptxas``) at W1's shape (qwen3-0.6b:
 group 2, head_dim 128, 512-key partitions, an E4M3 cache read into float16 tiles, the
@@ -10,7 +11,8 @@ registers, 227 KiB) and the MMA kinds chosen. Not a test, and no timing: it show
 tiles can keep more bytes in flight per SM (``tests/cuda/bench_decode_attention.py``
 times them). ``--sass`` adds the instructions of the key loop per K/V element and its
 commonest opcodes (``sass_gguf_gemv``'s disassembly); ``--cache bf16`` compiles the bf16
-cache's kernel instead.
+cache's kernel instead; ``--loop`` the variant whose programs loop over partitions (large
+batches, ``DecodeConfig.slots``); ``--max-registers`` caps registers per thread.
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ def key_loop(sass: str) -> list[tuple[int, str, str]]:
 
 
 def compile_config(
-    block_n: int, warps: int, stages: int, fp8: bool = True, loop: bool = False
-) -> dict:
+    block_n: int, warps: int, stages: int, fp8: bool = True, loop: bool = False,
+    max_registers: int = 0,
+) -> dict:  # fmt: skip
     constants = dict(
         BLOCK_SIZE=BLOCK, PARTITION=512, BLOCK_N=block_n, BLOCK_G=16, BLOCK_D=DIM, MERGE_G=2,
         MERGE_P=4, MERGE_IN_KERNEL=False, DIRECT=False, LOOP=loop, WRITE_NEW=True, USE_WINDOW=False,
@@ -89,6 +92,8 @@ def compile_config(
                 attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(_decode_kernel, signature, constants, attrs)
     options = {"num_warps": warps, "num_stages": stages}
+    if max_registers:
+        options["maxnreg"] = max_registers
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
     with tempfile.TemporaryDirectory() as folder:
@@ -117,11 +122,14 @@ def main() -> None:
     parser.add_argument(
         "--loop", action="store_true", help="programs that loop over partitions (large batches)"
     )  # fmt: skip
+    parser.add_argument("--max-registers", type=int, default=0, help="Triton's maxnreg")
     args = parser.parse_args()
     print(f"{args.cache} cache")
     print("block_n warps stages | regs spill smem(B) programs/SM mma")
     for block_n, warps, stages in CONFIGS:
-        r = compile_config(block_n, warps, stages, fp8=args.cache == "fp8", loop=args.loop)
+        r = compile_config(
+            block_n, warps, stages, args.cache == "fp8", args.loop, args.max_registers
+        )  # fmt: skip
         print(f"{block_n:7d} {warps:5d} {stages:6d} | "
               f"{r['registers']:4d} {r['spills']:5d} {r['shared']:7d} {r['programs']:11d} "
               f"{r['mma']}", flush=True)  # fmt: skip

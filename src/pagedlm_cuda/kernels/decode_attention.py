@@ -440,6 +440,11 @@ def _decode_merge_kernel(
     )  # fmt: skip
 
 
+def register_cap(max_registers: int) -> dict:
+    """Launch options capping a kernel's registers per thread (none for 0)."""
+    return {"maxnreg": max_registers} if max_registers else {}
+
+
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -557,7 +562,7 @@ def paged_decode_attention(
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logits_soft_cap is not None,
         FP8=fp8, COMPUTE_DTYPE=tl.float16 if fp8 else _TL_DTYPES[query.dtype],
         num_warps=config.num_warps, num_stages=config.num_stages, **rotary_flags,
-        **pdl.launch_options(),
+        **pdl.launch_options(), **register_cap(config.max_registers),
     )  # fmt: skip
     if not direct and not config.merge_in_kernel:
         _decode_merge_kernel[(num_seqs, num_kv_heads)](

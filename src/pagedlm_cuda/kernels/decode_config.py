@@ -84,6 +84,9 @@ class DecodeConfig(NamedTuple):
     grid does not grow with ``max_seq_len`` (``max_model_len`` under a graph) past what
     the batch needs. Each partition is computed and merged as with one program each:
     the results do not depend on it."""
+    max_registers: int = 0
+    """A cap on the kernel's registers per thread (Triton's ``maxnreg``), so more programs
+    fit on an SM; 0: the compiler's choice."""
 
 
 @functools.cache
