@@ -26,7 +26,7 @@ import tempfile
 
 import triton
 import triton.language as tl
-from sass_gguf_gemv import INSTRUCTION, disassemble
+from sass_gguf_gemv import disassemble, main_loop
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -45,24 +45,6 @@ INTS = {"q_stride_token": HEADS * DIM, "out_stride_token": HEADS * DIM,
         "cache_stride_block": KV_HEADS * BLOCK * DIM, "cache_stride_head": BLOCK * DIM,
         "block_table_stride": 64, "max_partitions": 8, "num_heads": HEADS,
         "num_kv_heads": KV_HEADS, "window": 0, "group_size": HEADS // KV_HEADS}  # fmt: skip
-
-
-def key_loop(sass: str) -> list[tuple[int, str, str]]:
-    """The shortest loop of the code that holds an MMA: the key loop (with several
-    partitions per program it sits inside the loop over them)."""
-    code = [(int(m[1], 16), m[2], m[3]) for m in INSTRUCTION.finditer(sass)]
-    at = {address: i for i, (address, _, _) in enumerate(code)}
-    best: list[tuple[int, str, str]] = []
-    for i, (address, opcode, operands) in enumerate(code):
-        target = re.search(r"0x([0-9a-f]+)", operands)
-        if opcode.startswith("BRA") and target and int(target[1], 16) < address:
-            start = at.get(int(target[1], 16))
-            loop = code[start : i + 1] if start is not None else []
-            if any(op.startswith("HMMA") for _, op, _ in loop) and (
-                not best or len(loop) < len(best)
-            ):
-                best = loop
-    return best
 
 
 def compile_config(
@@ -107,7 +89,7 @@ def compile_config(
     spills = int(re.search(r"(\d+) bytes spill stores", info).group(1))
     mma = sorted(set(re.findall(r"versionMajor = (\d)", kernel.asm["ttgir"])))
     programs = min(65536 // (registers * 32 * warps), 232448 // kernel.metadata.shared)
-    loop = key_loop(disassemble(kernel)[0])
+    loop = main_loop(disassemble(kernel)[0], holding="HMMA")  # the key loop
     per_element = len(loop) / (2 * block_n * DIM / (32 * warps))  # a key and a value each
     opcodes = collections.Counter(opcode.split(".")[0] for _, opcode, _ in loop)
     return dict(registers=registers, spills=spills, shared=kernel.metadata.shared,

@@ -77,8 +77,10 @@ def disassemble(kernel) -> tuple[str, str]:
     return sass, usage
 
 
-def main_loop(sass: str) -> list[tuple[int, str, str]]:
-    """The instructions of the last loop in the code (address, opcode, operands)."""
+def main_loop(sass: str, holding: str | None = None) -> list[tuple[int, str, str]]:
+    """The instructions of the last loop in the code (address, opcode, operands); with
+    ``holding``, of the shortest loop that has an opcode starting with it (the innermost
+    of nested loops)."""
     code = [(int(m[1], 16), m[2], m[3]) for m in INSTRUCTION.finditer(sass)]
     at = {address: i for i, (address, _, _) in enumerate(code)}
     loop: list[tuple[int, str, str]] = []
@@ -86,8 +88,12 @@ def main_loop(sass: str) -> list[tuple[int, str, str]]:
         target = re.search(r"0x([0-9a-f]+)", operands)
         if opcode.startswith("BRA") and target and int(target[1], 16) < address:
             start = at.get(int(target[1], 16))
-            if start is not None:
-                loop = code[start : i + 1]
+            if start is None:
+                continue
+            candidate = code[start : i + 1]
+            inner = not loop or len(candidate) < len(loop)
+            if holding is None or (inner and any(op.startswith(holding) for _, op, _ in candidate)):
+                loop = candidate
     return loop
 
 
