@@ -13,7 +13,7 @@ from triton_env import DEVICE
 
 from pagedlm_cuda.batch_sizes import capture_sizes
 from pagedlm_cuda.kernels import paged_decode_attention
-from pagedlm_cuda.kernels.decode_config import batch_bucket, decode_config
+from pagedlm_cuda.kernels.decode_config import FP8_MAX_REGISTERS, batch_bucket, decode_config
 
 
 def test_padding_to_any_captured_size_keeps_the_configuration() -> None:
@@ -47,10 +47,13 @@ def test_partition_shrinks_for_small_batches() -> None:
 
 def test_fp8_cache_takes_the_bf16_tiles() -> None:
     """Since session 19's H100 sweep an FP8 cache's tiles are the bf16 ones (64 keys), and
-    so is its split below 1,024 programs."""
+    so is its split below 1,024 programs; where programs loop over partitions (session
+    28), its registers are capped."""
     for n in (1, 4, 16, 64):
-        assert decode_config(n, 8, 128, fp8=True) == decode_config(n, 8, 128)
-        assert decode_config(n, 8, 256, fp8=True) == decode_config(n, 8, 256)
+        for head_dim in (128, 256):
+            fp8, bf16 = decode_config(n, 8, head_dim, fp8=True), decode_config(n, 8, head_dim)
+            assert fp8._replace(max_registers=0) == bf16 and bf16.max_registers == 0
+            assert fp8.max_registers == (FP8_MAX_REGISTERS if fp8.slots else 0)
     assert decode_config(256, 8, 128, fp8=True).block_n == decode_config(256, 8, 128).block_n
     for n in range(1, 600):
         config = decode_config(n, 8, 128, fp8=True)

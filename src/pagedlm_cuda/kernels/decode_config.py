@@ -58,9 +58,23 @@ SLOT_PROGRAMS = 8192
 """Decode programs a batch bucket's grid aims at (``DecodeConfig.slots``): 8,192 / 256
 sequences / 8 kv heads gives W1 4 programs per sequence, so its longest contexts (2,000
 keys in 512-key partitions) stay one partition per program, while a grid sized by its
-``max_model_len`` (4,096) had 8, of which a 600-key context used 2: the empty programs
-cost 5.5% of the kernel at batch 256 x 580 keys (H100, session 26), and a grid sized by
-Qwen3's 40,960 would be 97% empty."""
+``max_model_len`` (4,096) had 8, of which a 600-key context used 2. Measured on an H100
+(session 28, ``bench_decode_attention.py --num-heads 16 --slots 0 4 --ragged 200 2048
+--grid-lens 4096 40960``, batch 256 at 200-2,048 keys, bf16): 434.1 us per call with
+one program per partition of 4,096 against 426.5 with 4 slots, and 609.8 against 428.0
+with the grid sized by Qwen3's 40,960; W1 (max_model_len 4,096) 19,628 and 19,621 tok/s
+against 19,584 and 19,590."""
+
+FP8_MAX_REGISTERS = 128
+"""An FP8 cache's kernel at large batches (``slots`` > 0) is capped at 128 registers per
+thread: 4 programs per SM instead of 3 (168 registers uncapped; 48 bytes of spills in
+sm_90 SASS, none in the key loop's count: 4.59 -> 4.63 instructions per K/V element).
+Measured on an H100 (session 28), W1-like contexts (batch 256, 200-2,048 keys, qwen3-0.6b,
+``bench_decode_attention.py --kv-cache-dtype fp8 --slots 4 --ragged 200 2048
+--max-registers 0 112 120 128``): 297.5 us per call uncapped, 282.5 at 112, 277.4 at 120,
+**268.8** at 128; W1 with an FP8 cache 24,846 and 24,886 tok/s capped against 24,455 and
+24,376 (alternating, one call). bf16's kernel (128 registers there, 4 per SM already)
+lost with a cap of 102 (5 per SM): 444.8 against 426.5 us."""
 
 MERGE_IN_KERNEL_PROGRAMS = 256
 """Batch bucket x kv heads up to which the decode kernel merges its own partitions."""
@@ -122,8 +136,10 @@ def decode_config(
     # those read their first tile before the PDL wait, which a looping program does not,
     # and at batch 1 (W2) every partition is wanted at once.
     slots = 0 if merge_in_kernel else max(1, SLOT_PROGRAMS // programs)
+    max_registers = FP8_MAX_REGISTERS if fp8 and slots else 0
     return DecodeConfig(partition, block_n, num_warps=4, num_stages=2,
-                        merge_in_kernel=merge_in_kernel, slots=slots)  # fmt: skip
+                        merge_in_kernel=merge_in_kernel, slots=slots,
+                        max_registers=max_registers)  # fmt: skip
 
 
 def batch_invariant_config(head_dim: int) -> DecodeConfig:
