@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from pagedlm.platforms.interface import GraphRunner
     from pagedlm.sample.rejection_sampler import FusedGreedyVerifier
     from pagedlm.sample.sampler import FusedRandomSampler
-    from pagedlm.worker.host_to_device import PinnedCopy
     from pagedlm.worker.spec_positions import InFlightCorrector
     from pagedlm.worker.step_inputs import StepGatherer
     from pagedlm_cuda.kernels.lora import TritonLoRAOps
@@ -217,11 +216,6 @@ class CudaPlatform(Platform):
         from pagedlm_cuda.kernels.step_gather import gather_step_inputs
 
         return gather_step_inputs
-
-    def pinned_copy(self) -> PinnedCopy:
-        from pagedlm_cuda.kernels.pinned_copy import pinned_copy
-
-        return pinned_copy
 
     def capture_graphs(self, runner: object) -> GraphRunner | None:
         from pagedlm_cuda.graph_runner import CudaGraphRunner

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from pagedlm.model_executor.forward_context import ForwardContext
     from pagedlm.sample.rejection_sampler import FusedGreedyVerifier
     from pagedlm.sample.sampler import FusedRandomSampler
-    from pagedlm.worker.host_to_device import PinnedCopy
     from pagedlm.worker.spec_positions import InFlightCorrector
     from pagedlm.worker.step_inputs import StepGatherer
 
@@ -184,11 +183,6 @@ class Platform(ABC):
         """A kernel for ``pagedlm.worker.step_inputs.gather_on_device`` (a step's input ids,
         slot mapping and rows' block tables from the input batch's tables), or None for
         the torch ops."""
-        return None
-
-    def pinned_copy(self) -> PinnedCopy | None:
-        """How a step's small copies between pinned host memory and the device are queued
-        (``pagedlm.worker.host_to_device.PinnedCopy``), or None for ``Tensor.copy_``."""
         return None
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

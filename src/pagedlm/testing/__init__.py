@@ -21,7 +21,6 @@ from pagedlm.testing.platform_checks import (
     check_fused_sampler,
     check_greedy_verifier,
     check_in_flight_corrector,
-    check_pinned_copy,
     check_step_gatherer,
 )
 from pagedlm.testing.promises import PROMISES, ConformanceFailure, NotApplicable, Promise
@@ -44,7 +43,6 @@ __all__ = [
     "check_greedy_parity",
     "check_greedy_verifier",
     "check_in_flight_corrector",
-    "check_pinned_copy",
     "check_step_gatherer",
     "reference_attention",
     "tiny_checkpoint",

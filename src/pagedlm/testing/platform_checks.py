@@ -2,9 +2,8 @@
 it may put in place of torch ops: the fused sampler
 (``pagedlm.sample.sampler.FusedRandomSampler``), the greedy verifier
 (``pagedlm.sample.rejection_sampler.FusedGreedyVerifier``), the in-flight corrector
-(``pagedlm.worker.spec_positions.InFlightCorrector``), the step gatherer
-(``pagedlm.worker.step_inputs.StepGatherer``) and the pinned copy
-(``pagedlm.worker.host_to_device.PinnedCopy``)."""
+(``pagedlm.worker.spec_positions.InFlightCorrector``) and the step gatherer
+(``pagedlm.worker.step_inputs.StepGatherer``)."""
 
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ from pagedlm.sample.row import SamplingRow
 from pagedlm.sample.sampler import FusedRandomSampler
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.testing.promises import ConformanceFailure, NotApplicable
-from pagedlm.worker.host_to_device import PinnedCopy
 from pagedlm.worker.spec_positions import InFlightCorrector, correct_on_device
 from pagedlm.worker.step_inputs import StepGatherer, gather_on_device
 
@@ -330,60 +328,6 @@ def check_step_gatherer(
             raise ConformanceFailure(
                 subject, "step_gatherer", f"{name} differs from gather_on_device's"
             )
-
-
-def _wait(device: torch.device) -> None:
-    """Wait for the work queued on ``device``'s current stream (none on the host)."""
-    if device.type != "cpu":
-        done = torch.Event(device=device)
-        done.record()
-        done.synchronize()
-
-
-def check_platform_pinned_copy(platform: Platform) -> None:
-    copy = _kernel_of(platform, "pinned_copy", "copies between host and device with copy_")
-    check_pinned_copy(copy, platform.device, _subject(platform))
-
-
-def check_pinned_copy(copy: PinnedCopy, device: torch.device, subject: str = "pinned copy") -> None:
-    """Both ways between pinned host memory and ``device`` (plain host memory where the
-    device is the CPU): several dtypes, an odd number of bytes, a view at an odd byte
-    offset, copies of a few thousand words and of 280 kB; each ordered after the kernel that
-    filled its source and before the kernel that reads its result."""
-    pinned = device.type != "cpu"
-    cases = [
-        torch.arange(7, dtype=torch.int32),
-        torch.arange(3001, dtype=torch.int64) * 3 - 4000,
-        torch.linspace(-2.0, 2.0, 1031, dtype=torch.float32),
-        torch.arange(13) % 3 == 0,  # 13 bytes
-        torch.arange(40, dtype=torch.int32).view(torch.uint8)[3:24],  # an odd offset
-        torch.arange(70_000, dtype=torch.int32),  # 280 kB: a long prefill's indices
-    ]
-    for values in cases:
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=pinned)
-        host.copy_(values)
-        on_device = torch.zeros(values.shape, dtype=values.dtype, device=device)
-        copy(on_device, host)
-        # Queued after the copy: must see its result.
-        seen = on_device.clone() if values.dtype == torch.bool else on_device + 1
-        expected = values if values.dtype == torch.bool else values + 1
-        _wait(device)
-        if not torch.equal(seen.cpu(), expected):
-            raise ConformanceFailure(
-                subject, "pinned_copy",
-                f"host to device, {values.dtype} x {values.numel()}: the kernel after the copy "
-                "saw other values",
-            )  # fmt: skip
-        source = torch.zeros(values.shape, dtype=values.dtype, device=device)
-        source.copy_(values.to(device))  # a kernel the copy must wait for
-        back = torch.zeros(values.shape, dtype=values.dtype, pin_memory=pinned)
-        copy(back, source)
-        _wait(device)
-        if not torch.equal(back, values):
-            raise ConformanceFailure(
-                subject, "pinned_copy",
-                f"device to host, {values.dtype} x {values.numel()}: got other values",
-            )  # fmt: skip
 
 
 def check_platform_in_flight_corrector(platform: Platform) -> None:

@@ -135,12 +135,6 @@ PROMISES: dict[str, Promise] = {
             "pagedlm.worker.step_inputs:gather_on_device",
         ),
         Promise(
-            "pinned_copy",
-            "pinned_copy() is None or copies between pinned host memory and the device, "
-            "ordered on the stream as copy_ is",
-            "pagedlm.worker.host_to_device:PinnedCopy",
-        ),
-        Promise(
             "executor_choice",
             "the engine runs the platform's default_executor, registered for the platform",
             f"{_PLATFORM}:Platform",

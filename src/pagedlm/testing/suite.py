@@ -44,7 +44,6 @@ PLATFORM_CHECKS: dict[str, Callable[[Platform], None]] = {
     "fused_greedy_verifier": platform_checks.check_platform_greedy_verifier,
     "in_flight_corrector": platform_checks.check_platform_in_flight_corrector,
     "step_gatherer": platform_checks.check_platform_step_gatherer,
-    "pinned_copy": platform_checks.check_platform_pinned_copy,
 }
 """Each takes a ``Platform``; end-to-end parity is ``parity.check_greedy_parity``."""
 

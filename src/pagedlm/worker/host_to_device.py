@@ -10,34 +10,12 @@ queued behind them on the same stream.
 
 Where the device is the host (the CPU platform) the "device" buffer is the host buffer:
 nothing is pinned or copied.
-
-A platform may queue these copies its own way (``Platform.pinned_copy``: the CUDA platform
-copies by a kernel reading pinned memory, which spares a small copy the copy engine's
-hand-offs); the default is ``Tensor.copy_``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
-
-PinnedCopy = Callable[[torch.Tensor, torch.Tensor], None]
-"""``copy(dst, src)``: queue ``dst.copy_(src)`` on the current stream, where one of them is
-in pinned host memory and the other on the device (same dtype and size, both
-contiguous), without waiting for the device. It is ordered on the stream as ``copy_``
-is: after every kernel queued before it, before every kernel queued after it. The caller
-keeps both tensors alive, and the host side unchanged, until an event recorded after the
-call has completed."""
-
-
-def queue_copy(copy: PinnedCopy | None, dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``copy(dst, src)``, or ``dst.copy_(src, non_blocking=True)`` without one."""
-    if copy is None:
-        dst.copy_(src, non_blocking=True)
-    else:
-        copy(dst, src)
 
 
 class HostToDevice:
@@ -46,20 +24,13 @@ class HostToDevice:
     Use: ``values = buffer.host(n)`` (a numpy view of ``n`` elements to write), then
     ``buffer.copy(n)``; ``buffer.device[:n]`` holds the values for kernels queued after.
     ``capacity`` grows on demand (``host`` with a larger ``n``), unless ``fixed``: a
-    buffer that captured graphs read must keep its address. ``copy``: the platform's
-    ``PinnedCopy`` (None: ``Tensor.copy_``).
+    buffer that captured graphs read must keep its address.
     """
 
     def __init__(
-        self,
-        capacity: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        fixed: bool = False,
-        copy: PinnedCopy | None = None,
+        self, capacity: int, dtype: torch.dtype, device: torch.device, fixed: bool = False
     ) -> None:
         self.dtype = dtype
-        self._copy = copy
         self._device = device
         self.fixed = fixed
         # The CPU is the only device whose memory the host addresses directly.
@@ -94,7 +65,8 @@ class HostToDevice:
     def copy(self, n: int) -> torch.Tensor:
         """Queue the copy of the array ``host`` returned; returns ``device[:n]``."""
         if not self.on_host:
-            queue_copy(self._copy, self.device[:n], self._pinned[self._next][:n])
+            source = self._pinned[self._next]
+            self.device[:n].copy_(source[:n], non_blocking=True)
             event = torch.Event(device=self.device.device)
             event.record()
             self._events[self._next] = event

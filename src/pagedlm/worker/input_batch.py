@@ -32,7 +32,7 @@ import torch
 from pagedlm.lora.request import LoRARequest
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.step import NewRequestData, SchedulerOutput
-from pagedlm.worker.host_to_device import HostToDevice, PinnedCopy
+from pagedlm.worker.host_to_device import HostToDevice
 
 
 @dataclass
@@ -70,9 +70,7 @@ class InputBatch:
         max_model_len: int,
         block_size: int,
         device: torch.device,
-        pinned_copy: PinnedCopy | None = None,
     ) -> None:
-        """``pinned_copy``: how the table writes are copied (the platform's)."""
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -95,7 +93,7 @@ class InputBatch:
         self.num_prompt_logprob_requests = 0
         """Requests in ``requests`` that asked for prompt logprobs."""
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
-        self._writes = HostToDevice(4096, torch.int64, device, copy=pinned_copy)
+        self._writes = HostToDevice(4096, torch.int64, device)
         self._token_writes: list[tuple[int, list[int]]] = []
         self._block_writes: list[tuple[int, int, list[int]]] = []
 

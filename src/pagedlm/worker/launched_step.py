@@ -7,7 +7,6 @@ collecting step N never waits for step N+1, which asynchronous scheduling queues
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -15,26 +14,21 @@ import torch
 
 from pagedlm.sample.logprobs import LogprobsTensors
 from pagedlm.step import LogprobsLists, ModelRunnerOutput
-from pagedlm.worker.host_to_device import PinnedCopy, queue_copy
 from pagedlm.worker.prompt_logprobs import PromptLogprobRows
 
 if TYPE_CHECKING:
     from pagedlm.worker.speculative import Proposals
 
 
-def copy_to_host(
-    tensors: list[torch.Tensor], copy: PinnedCopy | None = None
-) -> tuple[list[torch.Tensor], torch.Event | None]:
-    """Start copying ``tensors`` to (pinned) host memory, through the platform's ``copy``
-    where given (contiguous device tensors); returns the host tensors and the event that
-    marks the copies done (None when they already are on the host)."""
+def copy_to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Event | None]:
+    """Start copying ``tensors`` to (pinned) host memory; returns the host tensors and the
+    event that marks the copies done (None when they already are on the host)."""
     if all(t.device.type == "cpu" for t in tensors):
         return tensors, None
     hosts = []
     for tensor in tensors:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        direct = tensor.device.type != "cpu" and tensor.is_contiguous()
-        queue_copy(copy if direct else None, host, tensor)
+        host.copy_(tensor, non_blocking=True)
         hosts.append(host)
     done = torch.Event(device=tensors[0].device)
     done.record()
@@ -56,8 +50,7 @@ class LaunchedStep:
     ``sampled[i]`` is the index in ``req_ids`` of the request that sampled row ``i`` of
     ``token_ids`` (``[n]``, or ``[n, W]`` with ``verified``); ``logprobs`` (one row per
     logits row) and ``prompt_logprobs`` are trimmed per request. ``proposals``: drafts for
-    the next step, reported as ``draft_token_ids``. ``pinned_copy``: the platform's copy
-    to the host (None: ``Tensor.copy_``).
+    the next step, reported as ``draft_token_ids``.
     """
 
     def __init__(
@@ -71,7 +64,6 @@ class LaunchedStep:
         prompt_parts: list[PromptLogprobRows],
         verified: Verified | None = None,
         proposals: Proposals | None = None,
-        pinned_copy: PinnedCopy | None = None,
     ) -> None:
         self.req_ids = req_ids
         self.sampled = sampled
@@ -87,21 +79,13 @@ class LaunchedStep:
             tensors.append(verified.num_emitted)
         if proposals is not None:
             tensors.extend([proposals.drafts, proposals.num_valid])
-        self._host, self._copied = copy_to_host(tensors, pinned_copy)
-        self._unread = None
-        if pinned_copy is not None and self._copied is not None:
-            # torch's pinned-memory cache knows nothing of a kernel's writes: a step dropped
-            # unread must not hand its host buffers back before they are written.
-            self._unread = weakref.finalize(self, self._copied.synchronize)
-            self._unread.atexit = False  # nothing reuses the buffers after exit
+        self._host, self._copied = copy_to_host(tensors)
         self._has_logprobs = logprobs is not None
         self._has_prompt_logprobs = prompt_logprobs is not None
 
     def result(self) -> ModelRunnerOutput:
         if self._copied is not None:
             self._copied.synchronize()  # the one wait for the device
-        if self._unread is not None:
-            self._unread.detach()
         host = iter(self._host)
         token_ids = next(host).tolist()
         logprob_rows = None

@@ -137,11 +137,9 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(config.model.seed)
         sched = config.scheduler
-        self.pinned_copy = platform.pinned_copy()
         self.input_batch = InputBatch(
-            sched.max_num_seqs, sched.max_model_len, self.block_size, self.device,
-            self.pinned_copy,
-        )  # fmt: skip
+            sched.max_num_seqs, sched.max_model_len, self.block_size, self.device
+        )
         host_lengths = self.attn_backend.reads_host_lengths
         self.step_inputs = StepInputBuilder(
             self.input_batch,
@@ -149,7 +147,6 @@ class ModelRunner:
             host_lengths,
             self.rope_positions,
             in_flight_corrector=platform.in_flight_corrector(),
-            pinned_copy=self.pinned_copy,
             gatherer=platform.step_gatherer(),
         )
         target = TargetParts(
@@ -458,7 +455,6 @@ class ModelRunner:
             prompt_parts=inputs.prompt_logprob_rows,
             verified=verified,
             proposals=proposals,
-            pinned_copy=self.pinned_copy,
         )
 
     def execute_and_sample(

@@ -38,7 +38,7 @@ import torch
 from pagedlm.attention.backend import BatchLayout
 from pagedlm.multimodal.mrope import FlatPositions, MRopePositions
 from pagedlm.step import SchedulerOutput
-from pagedlm.worker.host_to_device import HostToDevice, PinnedCopy
+from pagedlm.worker.host_to_device import HostToDevice
 from pagedlm.worker.input_batch import InputBatch, RequestState
 from pagedlm.worker.prompt_logprobs import PromptLogprobRows
 from pagedlm.worker.spec_positions import (
@@ -112,15 +112,13 @@ class StepInputBuilder:
         host_lengths_exact: bool = True,
         rope_positions: FlatPositions | MRopePositions | None = None,
         in_flight_corrector: InFlightCorrector | None = None,
-        pinned_copy: PinnedCopy | None = None,
         gatherer: StepGatherer | None = None,
     ) -> None:
         """``host_lengths_exact``: the attention backend plans from the layout's host
         lengths, so in-flight rejections are always resolved on the host.
         ``rope_positions``: what the model's rotary reads for a token index (M-RoPE models'
         per-request tables; default: the index itself). ``in_flight_corrector``: the
-        platform's kernel for ``correct_on_device`` (None: the torch ops). ``pinned_copy``:
-        the platform's copy of the layout and indices (None: ``Tensor.copy_``).
+        platform's kernel for ``correct_on_device`` (None: the torch ops).
         ``gatherer``: the platform's kernel for ``gather_on_device`` (None: the torch ops)."""
         self.batch = batch
         self.correct_on_device = in_flight_corrector or correct_on_device
@@ -133,13 +131,13 @@ class StepInputBuilder:
         self._lens_at = _aligned(max_reqs + 1)
         self._positions_at = self._lens_at + _aligned(max_reqs)
         self._layout = HostToDevice(
-            self._positions_at + max_num_tokens, torch.int32, device, fixed=True, copy=pinned_copy
+            self._positions_at + max_num_tokens, torch.int32, device, fixed=True
         )
         # token, block and offset indices for every token, then per row: slots, sampled
         # rows, in-flight flags and sampled indices; logits rows and prompt-logprob targets
         # are at most one per token each (a sampling row is never a prompt-logprob row).
         self._indices = HostToDevice(
-            5 * max_num_tokens + 4 * max_reqs, torch.int32, device, fixed=True, copy=pinned_copy
+            5 * max_num_tokens + 4 * max_reqs, torch.int32, device, fixed=True
         )
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
         self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
