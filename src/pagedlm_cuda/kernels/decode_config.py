@@ -94,10 +94,10 @@ class DecodeConfig(NamedTuple):
     ~5% of the attention time (a ticket and fence per program). In between: a guess."""
     slots: int = 0
     """Programs per (sequence, kv head); 0: one per partition of ``max_seq_len``. With
-    fewer, program ``i`` takes partitions ``i, i + slots, ...`` of its sequence, so the
-    grid does not grow with ``max_seq_len`` (``max_model_len`` under a graph) past what
-    the batch needs. Each partition is computed and merged as with one program each:
-    the results do not depend on it."""
+    fewer, program ``i`` takes partitions ``i, i + slots, ...`` of its sequence (counted
+    from the sliding window's first), so the grid does not grow with ``max_seq_len``
+    (``max_model_len`` under a graph) past what the batch needs. Each partition is
+    computed and merged as with one program each: the results do not depend on it."""
     max_registers: int = 0
     """A cap on the kernel's registers per thread (Triton's ``maxnreg``), so more programs
     fit on an SM; 0: the compiler's choice."""
