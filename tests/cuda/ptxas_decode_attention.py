@@ -53,8 +53,9 @@ def compile_config(
 ) -> dict:  # fmt: skip
     constants = dict(
         BLOCK_SIZE=BLOCK, PARTITION=512, BLOCK_N=block_n, BLOCK_G=16, BLOCK_D=DIM, MERGE_G=2,
-        MERGE_P=4, MERGE_IN_KERNEL=False, DIRECT=False, LOOP=loop, WRITE_NEW=True, USE_WINDOW=False,
-        USE_SOFT_CAP=False, FP8=fp8, COMPUTE_DTYPE=tl.float16 if fp8 else tl.bfloat16,
+        MERGE_P=4, MERGE_IN_KERNEL=False, DIRECT=False, LOOP=loop, WRITE_NEW=True,
+        USE_WINDOW=False, USE_SOFT_CAP=False, FP8=fp8,
+        COMPUTE_DTYPE=tl.float16 if fp8 else tl.bfloat16,
         ROTARY=False, IS_NEOX=True, QK_NORM=False, USE_PDL=True,  # W1's batch: no fused rotary
     )  # fmt: skip
     signature, attrs = {}, {}
