@@ -13,10 +13,10 @@ partition / tile choices, so the table in ``kernels/decode_config.py`` can be ch
 ``--num-heads 16``: qwen3-0.6b's heads (W1's model). ``--slots 0 2 4 8``: the default
 configuration at each count of programs per (sequence, kv head) (0: one per partition of
 the grid's length), with ``--ragged LOW HIGH`` contexts drawn uniformly between the two
-(W1's run from 200 to 2,048 keys). ``--sweep``: partition / tile / warps
-/ stages choices (``SWEEP``), each with its error against a float32 reference of the
-(dequantized) cache (max abs, and relative: the norm of the difference over the
-reference's).
+(W1's run from 200 to 2,048 keys). ``--sweep``: partition / tile / warps / stages
+choices (``SWEEP``, or ``--configs P,N,W,S[,R] ...``, R a register cap), each with its
+error against a float32 reference of the (dequantized) cache (max abs, and relative: the
+norm of the difference over the reference's).
 """
 
 from __future__ import annotations
@@ -142,22 +142,28 @@ SWEEP = [  # (partition, block_n, warps, stages)
 ]
 
 
-def sweep(batch: int, context: int, heads: int, fp8: bool, grid_lens: list[int]) -> None:
-    """The configurations of ``SWEEP`` at one workload: time, rate and error; each also
-    with the grid sized by the other ``grid_lens`` (its programs past a sequence's end
-    exit at once, and what they cost shows as the difference)."""
+def sweep(
+    batch: int, context: int, heads: int, fp8: bool, grid_lens: list[int],
+    configs: list[tuple[int, ...]] = SWEEP,
+) -> None:  # fmt: skip
+    """The configurations of ``configs`` (``SWEEP``: partition, block_n, warps, stages,
+    and optionally a register cap) at one workload: time, rate and error; each also with
+    the grid sized by the other ``grid_lens`` (its programs past a sequence's end exit at
+    once, and what they cost shows as the difference)."""
     inputs = make_inputs(batch, context, fp8, heads)
     expected = reference_output(inputs)
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * (1 if fp8 else 2)
     default = decode_config(batch, KV_HEADS, HEAD_DIM, fp8)
     kind = "fp8" if fp8 else "bf16"
     print(f"sweep: batch {batch}, context {context}, {heads} heads, {kind}; default {default}")
-    print("  partition block_n warps stages |     us  TB/s | max err  rel err")
-    for partition, block_n, warps, stages in SWEEP:
+    print("  partition block_n warps stages regs |     us  TB/s | max err  rel err")
+    for partition, block_n, warps, stages, *cap in configs:
         config = default._replace(
             partition=partition, block_n=block_n, num_warps=warps, num_stages=stages
         )
-        label = f"  {partition:9d} {block_n:7d} {warps:5d} {stages:6d}"
+        if cap:
+            config = config._replace(max_registers=cap[0])
+        label = f"  {partition:9d} {block_n:7d} {warps:5d} {stages:6d} {config.max_registers:4d}"
         try:
             us, out = time_inputs(inputs, config=config, max_model_len=grid_lens[0])
             others = [time_inputs(inputs, config=config, max_model_len=n)[0] for n in grid_lens[1:]]
@@ -207,6 +213,11 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--num-heads", type=int, default=HEADS)
     parser.add_argument("--sweep", action="store_true", help="the sweep (see above)")
+    parser.add_argument(
+        "--configs", nargs="+", metavar="P,N,W,S[,R]",
+        help="with --sweep: these configurations instead of SWEEP (partition, block_n, "
+        "warps, stages, and a register cap: 0 for none; the default's cap where left out)",
+    )  # fmt: skip
     parser.add_argument("--slots", type=int, nargs="+", help="programs per sequence (see above)")
     parser.add_argument("--ragged", type=int, nargs=2, metavar=("LOW", "HIGH"))
     parser.add_argument(
@@ -221,8 +232,11 @@ def main() -> None:
     heads = args.num_heads
     fp8 = args.kv_cache_dtype == "fp8"
     if args.sweep:
+        configs = SWEEP
+        if args.configs:
+            configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
         for workload in args.workloads:
-            sweep(*WORKLOADS[workload], heads, fp8, args.grid_lens)
+            sweep(*WORKLOADS[workload], heads, fp8, args.grid_lens, configs)
         return
     if args.slots:
         for workload in args.workloads:
