@@ -18,9 +18,11 @@ running max over a tile's keys crosses 4 threads; P @ V sums each thread's own k
 the thread, and the 4 key groups meet once per partition. No barrier, no shared memory.
 
 ``--sass``: compiles for sm_90 (no GPU needed) and counts the key loop's instructions
-per K/V element. Session 29: FP8 5.77 per element at NQ = 4 (168 registers), against the
-dot kernel's 4.63 with 11 barriers per tile; bf16 6.1. Without a GPU: Gluon kernels do
-not run under ``TRITON_INTERPRET``.
+per K/V element. Session 29: FP8 5.73 per element at NQ = 4 (168 registers), against the
+dot kernel's 4.63 with 11 barriers per tile; bf16 6.1. ``--prefetch 1`` (loads one tile
+ahead) costs FP8 byte permutes of the carried codes (8.5 per element, 157-255 registers)
+and bf16 little (6.75 at NQ = 2, 128 registers). Gluon kernels do not run under
+``TRITON_INTERPRET``, so nothing here runs without a GPU but ``--sass``.
 
 Default: on a GPU, checks the partitions merged by the engine's merge kernel against a
 float32 reference, and times them (one program per partition, 1,024-key partitions,
@@ -79,16 +81,34 @@ def _dim3(n: gl.constexpr, axis: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
+def _load_tile(
+    k_ptr, v_ptr, table, head_base, n0, end, key_index, dims, stride_block, stride_slot,
+    BLOCK_SIZE: gl.constexpr,
+):  # fmt: skip
+    """Keys and values ``n0 ..`` of a tile as stored (zeros at or past ``end``)."""
+    pos = n0 + key_index
+    visible = pos < end
+    block = gl.load(table + pos // BLOCK_SIZE, mask=visible, other=0).to(gl.int64)
+    offsets = block * stride_block + head_base + (pos % BLOCK_SIZE) * stride_slot + dims
+    tile_mask = visible & (dims >= 0)
+    k = gl.load(k_ptr + offsets, mask=tile_mask, other=0.0)
+    v = gl.load(v_ptr + offsets, mask=tile_mask, other=0.0)
+    return k, v
+
+
+@gluon.jit
 def _partition_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, partial_out_ptr, partial_lse_ptr,
     stride_block, stride_head, stride_slot, table_stride, score_scale, v_scale,
     G: gl.constexpr, NQ: gl.constexpr, NG: gl.constexpr, DC: gl.constexpr, DS: gl.constexpr,
     BLOCK_SIZE: gl.constexpr, PARTITION: gl.constexpr, NUM_HEADS: gl.constexpr,
+    PREFETCH: gl.constexpr,
 ):  # fmt: skip
     """One partition of one (sequence, kv head): its output over its keys and their
     log2-sum-exp, in the layout ``_decode_merge_kernel`` reads. ``score_scale``: the
     softmax scale times log2(e) (times the key scale for FP8); ``v_scale``: 1, or the
-    value scale. One warp."""
+    value scale. One warp. ``PREFETCH``: each tile's loads are issued before the tile
+    ahead of it is computed (more registers, the loads' latency behind the arithmetic)."""
     # [G, NQ, NG, DC, DS]: a thread holds the group's heads, NQ keys and DS dims.
     P5: gl.constexpr = gl.BlockedLayout(
         [G, NQ, 1, 1, DS], [1, 1, NG, DC, 1], [1, 1, 1, 1, 1], [4, 3, 2, 1, 0]
@@ -118,14 +138,24 @@ def _partition_kernel(
         m = gl.full([G], float("-inf"), gl.float32, layout=LG)
         denom = gl.zeros([G], gl.float32, layout=LG)
         acc = gl.zeros([G, NG, DC, DS], gl.float32, layout=LA)
+        if PREFETCH:
+            k_raw, v_raw = _load_tile(
+                k_ptr, v_ptr, table, head_base, start, end, key_index, dims, stride_block,
+                stride_slot, BLOCK_SIZE,
+            )  # fmt: skip
         for n0 in range(start, end, BLOCK_N):
-            pos = n0 + key_index
-            visible = pos < end
-            block = gl.load(table + pos // BLOCK_SIZE, mask=visible, other=0).to(gl.int64)
-            offsets = block * stride_block + head_base + (pos % BLOCK_SIZE) * stride_slot + dims
-            tile_mask = visible & (dims >= 0)
-            k = gl.load(k_ptr + offsets, mask=tile_mask, other=0.0).to(gl.float32)
-            v = gl.load(v_ptr + offsets, mask=tile_mask, other=0.0).to(gl.float32)
+            if PREFETCH:
+                k_next, v_next = _load_tile(
+                    k_ptr, v_ptr, table, head_base, n0 + BLOCK_N, end, key_index, dims,
+                    stride_block, stride_slot, BLOCK_SIZE,
+                )  # fmt: skip
+            else:
+                k_raw, v_raw = _load_tile(
+                    k_ptr, v_ptr, table, head_base, n0, end, key_index, dims, stride_block,
+                    stride_slot, BLOCK_SIZE,
+                )  # fmt: skip
+            k = k_raw.to(gl.float32)
+            v = v_raw.to(gl.float32)
             s = gl.sum(gl.sum(q * gl.expand_dims(k, 0), axis=4), axis=3) * score_scale
             s = gl.where(n0 + key_s < end, s, float("-inf"))
             m_new = gl.maximum(m, gl.max(gl.max(s, axis=2), axis=1))
@@ -138,6 +168,8 @@ def _partition_kernel(
             )
             acc = acc * gl.expand_dims(gl.expand_dims(gl.expand_dims(a, 1), 2), 3) + pv
             m = m_new
+            if PREFETCH:
+                k_raw, v_raw = k_next, v_next
         d = gl.convert_layout(denom, gl.SliceLayout(1, gl.SliceLayout(2, LO)))
         out = gl.sum(acc, axis=1) * v_scale / gl.expand_dims(gl.expand_dims(d, 1), 2)
         heads = kv_head * G + _dim3(G, 0, LO)
@@ -148,7 +180,7 @@ def _partition_kernel(
         gl.store(partial_lse_ptr + lse_row, m + gl.log2(denom))
 
 
-def sass(fp8: bool, nq: int) -> str:
+def sass(fp8: bool, nq: int, prefetch: bool) -> str:
     """The key loop's instructions per K/V element, registers and commonest opcodes."""
     from sass_gguf_gemv import disassemble, main_loop
     from triton.backends.compiler import GPUTarget
@@ -156,7 +188,7 @@ def sass(fp8: bool, nq: int) -> str:
 
     group = HEADS // KV_HEADS
     constants = dict(G=group, NQ=nq, NG=NG, DC=HEAD_DIM // DS, DS=DS, BLOCK_SIZE=BLOCK,
-                     PARTITION=1024, NUM_HEADS=HEADS)  # fmt: skip
+                     PARTITION=1024, NUM_HEADS=HEADS, PREFETCH=prefetch)  # fmt: skip
     kinds = {"k_ptr": "*fp8e4nv" if fp8 else "*bf16", "v_ptr": "*fp8e4nv" if fp8 else "*bf16",
              "table_ptr": "*i32", "lens_ptr": "*i32", "partial_out_ptr": "*fp32",
              "partial_lse_ptr": "*fp32", "q_ptr": "*bf16"}  # fmt: skip
@@ -182,12 +214,15 @@ def sass(fp8: bool, nq: int) -> str:
     opcodes = collections.Counter(opcode.split(".")[0] for _, opcode, _ in loop)
     barriers = opcodes.get("BAR", 0)
     top = ", ".join(f"{op} {n}" for op, n in opcodes.most_common(8))
-    return (f"{'fp8' if fp8 else 'bf16'} NQ={nq}: {per_element:.2f} instructions per K/V "
+    return (f"{'fp8' if fp8 else 'bf16'} NQ={nq} prefetch={int(prefetch)}: "
+            f"{per_element:.2f} instructions per K/V "
             f"element, {registers[1] if registers else '?'} registers, {barriers} barriers | "
             f"{top}")  # fmt: skip
 
 
-def run_partitions(inputs: dict, nq: int, partition: int, max_len: int, out: torch.Tensor):
+def run_partitions(
+    inputs: dict, nq: int, prefetch: bool, partition: int, max_len: int, out: torch.Tensor
+) -> torch.Tensor:
     """The sketch's partitions, then the engine's merge kernel: the attention output."""
     from pagedlm_cuda.kernels import pdl
     from pagedlm_cuda.kernels.decode_attention import MERGE_TILE, _decode_merge_kernel
@@ -205,7 +240,7 @@ def run_partitions(inputs: dict, nq: int, partition: int, max_len: int, out: tor
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), tables.stride(0),
         inputs["scale"] * LOG2E * k_scale, v_scale,
         G=group, NQ=nq, NG=NG, DC=head_dim // DS, DS=DS, BLOCK_SIZE=BLOCK,
-        PARTITION=partition, NUM_HEADS=num_heads, num_warps=1,
+        PARTITION=partition, NUM_HEADS=num_heads, PREFETCH=prefetch, num_warps=1,
     )  # fmt: skip
     merge_g = triton.next_power_of_2(group)
     merge_p = max(1, min(MERGE_TILE // (merge_g * head_dim), 2048 // partition))
@@ -241,13 +276,18 @@ def main() -> None:
     parser.add_argument("--sass", action="store_true", help="count the loop (no GPU)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument("--nq", type=int, nargs="+", default=[2, 4, 8], help="keys per thread")
+    parser.add_argument(
+        "--prefetch", type=int, nargs="+", default=[0, 1], help="0: load each tile in its "
+        "iteration; 1: one tile ahead (the kernel's PREFETCH)",
+    )  # fmt: skip
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=580)
     args = parser.parse_args()
     fp8 = args.kv_cache_dtype == "fp8"
+    variants = [(nq, bool(prefetch)) for nq in args.nq for prefetch in args.prefetch]
     if args.sass:
-        for nq in args.nq:
-            print(sass(fp8, nq), flush=True)
+        for nq, prefetch in variants:
+            print(sass(fp8, nq, prefetch), flush=True)
         return
     from bench_decode_attention import make_inputs, reference_output
 
@@ -265,11 +305,14 @@ def main() -> None:
         lambda: paged_decode_attention(query, *caches, inputs["scale"], max_len, out, **scales)
     )
     print(f"engine kernel + merge: {engine_us:.1f} us per call")
-    for nq in args.nq:
-        got = run_partitions(inputs, nq, 1024, max_len, torch.empty_like(query))
+    for nq, prefetch in variants:
+        got = run_partitions(inputs, nq, prefetch, 1024, max_len, torch.empty_like(query))
         error = (got.float() - expected).abs().max().item()
-        us = graph_us(lambda nq=nq: run_partitions(inputs, nq, 1024, max_len, out))
-        print(f"gluon NQ={nq}: {us:.1f} us per call, max abs error {error:.4f}", flush=True)
+        us = graph_us(lambda: run_partitions(inputs, nq, prefetch, 1024, max_len, out))  # noqa: B023
+        print(
+            f"gluon NQ={nq} prefetch={int(prefetch)}: {us:.1f} us per call, "
+            f"max abs error {error:.4f}", flush=True,
+        )  # fmt: skip
 
 
 if __name__ == "__main__":
