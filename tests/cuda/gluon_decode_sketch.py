@@ -252,25 +252,6 @@ def run_partitions(
     return out
 
 
-def graph_us(step) -> float:
-    """Microseconds per call: median of 5 replays of a graph of ``LAYERS`` calls."""
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(LAYERS):
-            step()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / LAYERS)
-    return sorted(times)[2]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sass", action="store_true", help="count the loop (no GPU)")
@@ -290,6 +271,7 @@ def main() -> None:
             print(sass(fp8, nq, prefetch), flush=True)
         return
     from bench_decode_attention import make_inputs, reference_output
+    from bench_timing import graph_us
 
     from pagedlm_cuda.kernels import paged_decode_attention
 
@@ -301,14 +283,16 @@ def main() -> None:
     query, out = inputs["query"], torch.empty_like(inputs["query"])
     max_len = 4096
     caches = inputs["key_cache"], inputs["value_cache"], inputs["tables"], inputs["lens"]
-    engine_us = graph_us(
-        lambda: paged_decode_attention(query, *caches, inputs["scale"], max_len, out, **scales)
+    engine_us, _ = graph_us(
+        [lambda: paged_decode_attention(query, *caches, inputs["scale"], max_len, out, **scales)]
+        * LAYERS
     )
     print(f"engine kernel + merge: {engine_us:.1f} us per call")
     for nq, prefetch in variants:
         got = run_partitions(inputs, nq, prefetch, 1024, max_len, torch.empty_like(query))
         error = (got.float() - expected).abs().max().item()
-        us = graph_us(lambda: run_partitions(inputs, nq, prefetch, 1024, max_len, out))  # noqa: B023
+        call = lambda: run_partitions(inputs, nq, prefetch, 1024, max_len, out)  # noqa: B023, E731
+        us, _ = graph_us([call] * LAYERS)
         print(
             f"gluon NQ={nq} prefetch={int(prefetch)}: {us:.1f} us per call, "
             f"max abs error {error:.4f}", flush=True,
