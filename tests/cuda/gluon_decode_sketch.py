@@ -25,7 +25,7 @@ and bf16 little (6.75 at NQ = 2, 128 registers). Gluon kernels do not run under
 ``TRITON_INTERPRET``, so nothing here runs without a GPU but ``--sass``.
 
 Default: on a GPU, checks the partitions merged by the engine's merge kernel against a
-float32 reference, and times them (one program per partition, 1,024-key partitions,
+float32 reference, and times them (one program per partition of ``--partition`` keys,
 28 calls from a CUDA graph) against ``paged_decode_attention`` at W1's shape (batch 256
 at 580 keys, qwen3-0.6b's heads). Written in session 29, when no GPU came: never run
 on one yet. Not covered: the step's new K/V (the engine's kernel writes them), sliding
@@ -261,6 +261,9 @@ def main() -> None:
         "--prefetch", type=int, nargs="+", default=[0, 1], help="0: load each tile in its "
         "iteration; 1: one tile ahead (the kernel's PREFETCH)",
     )  # fmt: skip
+    parser.add_argument(
+        "--partition", type=int, nargs="+", default=[1024, 512], help="keys per program"
+    )  # fmt: skip
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=580)
     args = parser.parse_args()
@@ -288,15 +291,16 @@ def main() -> None:
         * LAYERS
     )
     print(f"engine kernel + merge: {engine_us:.1f} us per call")
-    for nq, prefetch in variants:
-        got = run_partitions(inputs, nq, prefetch, 1024, max_len, torch.empty_like(query))
-        error = (got.float() - expected).abs().max().item()
-        call = lambda: run_partitions(inputs, nq, prefetch, 1024, max_len, out)  # noqa: B023, E731
-        us, _ = graph_us([call] * LAYERS)
-        print(
-            f"gluon NQ={nq} prefetch={int(prefetch)}: {us:.1f} us per call, "
-            f"max abs error {error:.4f}", flush=True,
-        )  # fmt: skip
+    for partition in args.partition:
+        for nq, prefetch in variants:
+            got = run_partitions(inputs, nq, prefetch, partition, max_len, torch.empty_like(query))
+            error = (got.float() - expected).abs().max().item()
+            call = lambda: run_partitions(inputs, nq, prefetch, partition, max_len, out)  # noqa: B023, E731
+            us, _ = graph_us([call] * LAYERS)
+            print(
+                f"gluon partition {partition} NQ={nq} prefetch={int(prefetch)}: {us:.1f} us "
+                f"per call, max abs error {error:.4f}", flush=True,
+            )  # fmt: skip
 
 
 if __name__ == "__main__":
