@@ -16,7 +16,9 @@ the grid's length), with ``--ragged LOW HIGH`` contexts drawn uniformly between 
 (W1's run from 200 to 2,048 keys). ``--sweep``: partition / tile / warps / stages
 choices (``SWEEP``, or ``--configs P,N,W,S[,R] ...``, R a register cap), each with its
 error against a float32 reference of the (dequantized) cache (max abs, and relative: the
-norm of the difference over the reference's).
+norm of the difference over the reference's); ``--fma-keys 0 1 2 4`` times each choice
+with the dot kernel (0) and with ``decode_fma``'s one-warp kernel at that many keys per
+thread (its tiles ignore block_n and warps; it runs where the choice has ``slots``).
 """
 
 from __future__ import annotations
@@ -144,7 +146,7 @@ SWEEP = [  # (partition, block_n, warps, stages)
 
 def sweep(
     batch: int, context: int, heads: int, fp8: bool, grid_lens: list[int],
-    configs: list[tuple[int, ...]] = SWEEP,
+    configs: list[tuple[int, ...]] = SWEEP, fma_keys: tuple[int, ...] = (0,),
 ) -> None:  # fmt: skip
     """The configurations of ``configs`` (``SWEEP``: partition, block_n, warps, stages,
     and optionally a register cap) at one workload: time, rate and error; each also with
@@ -156,14 +158,20 @@ def sweep(
     default = decode_config(batch, KV_HEADS, HEAD_DIM, fp8)
     kind = "fp8" if fp8 else "bf16"
     print(f"sweep: batch {batch}, context {context}, {heads} heads, {kind}; default {default}")
-    print("  partition block_n warps stages regs |     us  TB/s | max err  rel err")
-    for partition, block_n, warps, stages, *cap in configs:
+    print("  partition block_n warps stages regs fma |     us  TB/s | max err  rel err")
+    for (partition, block_n, warps, stages, *cap), keys in (
+        (c, k) for c in configs for k in fma_keys
+    ):  # fmt: skip
         config = default._replace(
-            partition=partition, block_n=block_n, num_warps=warps, num_stages=stages
-        )
+            partition=partition, block_n=block_n, num_warps=warps, num_stages=stages,
+            fma_keys=keys,
+        )  # fmt: skip
         if cap:
             config = config._replace(max_registers=cap[0])
-        label = f"  {partition:9d} {block_n:7d} {warps:5d} {stages:6d} {config.max_registers:4d}"
+        label = (
+            f"  {partition:9d} {block_n:7d} {warps:5d} {stages:6d} {config.max_registers:4d} "
+            f"{keys:3d}"
+        )
         try:
             us, out = time_inputs(inputs, config=config, max_model_len=grid_lens[0])
             others = [time_inputs(inputs, config=config, max_model_len=n)[0] for n in grid_lens[1:]]
@@ -218,6 +226,10 @@ def main() -> None:
         help="with --sweep: these configurations instead of SWEEP (partition, block_n, "
         "warps, stages, and a register cap: 0 for none; the default's cap where left out)",
     )  # fmt: skip
+    parser.add_argument(
+        "--fma-keys", type=int, nargs="+", default=[0],
+        help="with --sweep: 0 for the dot kernel, else decode_fma's keys per thread",
+    )  # fmt: skip
     parser.add_argument("--slots", type=int, nargs="+", help="programs per sequence (see above)")
     parser.add_argument("--ragged", type=int, nargs=2, metavar=("LOW", "HIGH"))
     parser.add_argument(
@@ -236,7 +248,7 @@ def main() -> None:
         if args.configs:
             configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
         for workload in args.workloads:
-            sweep(*WORKLOADS[workload], heads, fp8, args.grid_lens, configs)
+            sweep(*WORKLOADS[workload], heads, fp8, args.grid_lens, configs, args.fma_keys)
         return
     if args.slots:
         for workload in args.workloads:
