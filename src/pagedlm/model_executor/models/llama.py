@@ -125,10 +125,25 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, ctx, rotation))
 
 
+DecoderLayerKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor | None, ForwardContext],
+    tuple[torch.Tensor, torch.Tensor] | None,
+]
+"""(positions, x, residual | None, ctx) -> what ``LlamaDecoderLayer.forward`` returns for
+them, or None where the kernel does not apply to this step (the modules then run)."""
+
+
 class LlamaDecoderLayer(nn.Module):
     """One pre-norm block around ``self_attn`` and ``mlp`` (the dense SwiGLU MLP, or a
     mixture of experts); the residual stream travels separately so the add fuses into the
-    next RMSNorm. forward(positions, x, residual | None, ctx) -> (x, residual)."""
+    next RMSNorm. forward(positions, x, residual | None, ctx) -> (x, residual).
+
+    A platform may hand it a kernel for the whole block (``set_kernel``, from
+    ``Platform.prepare_model``) that computes what the modules compute for the steps it
+    accepts, with fewer Python calls; it declines the others by returning None.
+    """
+
+    kernel: DecoderLayerKernel | None = None
 
     def __init__(self, arch: ArchConfig, self_attn: LlamaAttention, mlp: nn.Module) -> None:
         super().__init__()
@@ -144,6 +159,10 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kernel is not None:
+            out = self.kernel(positions, x, residual, ctx)
+            if out is not None:
+                return out
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
@@ -152,6 +171,10 @@ class LlamaDecoderLayer(nn.Module):
         x = self.self_attn(positions, x, ctx)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def set_kernel(self, kernel: DecoderLayerKernel | None) -> None:
+        """Try ``kernel`` first on every forward from now on (None: the modules only)."""
+        self.kernel = kernel
 
 
 class LlamaModel(nn.Module):
