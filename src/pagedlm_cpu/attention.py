@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from pagedlm.attention.backend import AttentionBackend, BatchLayout
 from pagedlm.kv_cache import fp8
@@ -311,6 +312,17 @@ class CpuSdpaBackend(AttentionBackend):
             output[rows] = out[0].transpose(0, 1)
         return output
 
+    def decode_only_step(self, metadata: CpuSdpaMetadata, num_tokens: int) -> DecodeOnlyStep | None:
+        """What ``forward`` computes for a step of ``num_tokens`` rows that are all
+        decodes attended in one call, in fewer torch calls (``DecodeOnlyStep``); None for
+        any other step (chunks, several decode groups, batch-invariant mode)."""
+        if self.batch_invariant or metadata.chunks or len(metadata.decode_groups) != 1:
+            return None
+        group = metadata.decode_groups[0]
+        if group.token_rows is not None or group.num_decodes != num_tokens:
+            return None
+        return DecodeOnlyStep(self, metadata.slot_mapping, group)
+
     def _decode(
         self,
         query: torch.Tensor,
@@ -430,6 +442,80 @@ class CpuSdpaBackend(AttentionBackend):
                 f"block table has {layout.block_table.shape[1]} columns; the model runner "
                 "must pass a block table covering every position."
             )
+
+
+class DecodeOnlyStep:
+    """``CpuSdpaBackend.forward`` for a step whose rows are all decodes of one decode
+    group, rows in order, on a cache in the activations' dtype, without a sliding window,
+    soft cap or FP8 scales: the same writes, key views and SDPA call, fewer Python calls.
+    Made once per step (``decode_only_step``) and called by every layer of the step.
+
+    Where the one decode's blocks are consecutive its keys are one ``as_strided`` view of
+    each layer's cache, the view ``_decode_keys`` makes in four calls; otherwise they are
+    gathered into the backend's workspaces through the group's views, as ``forward`` does.
+    """
+
+    def __init__(
+        self, backend: CpuSdpaBackend, slot_mapping: torch.Tensor, group: DecodeGroup
+    ) -> None:
+        self.backend = backend
+        self.slot_mapping = slot_mapping
+        self.group = group
+        self.key_mask = group.key_mask
+        self._run: tuple[tuple[int, ...], tuple[int, ...], int] | None = None
+        self._run_of: tuple[int, ...] | None = None
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """query [T, kv_heads, heads / kv_heads, head_dim] (grouped as ``_decode`` groups
+        it), key/value [T, kv_heads, head_dim] -> [T, kv_heads, heads / kv_heads, head_dim];
+        both caches in the query's dtype."""
+        slots = self.slot_mapping
+        key_cache.view(-1, *key.shape[1:]).index_copy_(0, slots, key)
+        value_cache.view(-1, *value.shape[1:]).index_copy_(0, slots, value)
+        if self.group.block_run is None:
+            dtype = query.dtype
+            keys = self.backend._decode_keys(0, key_cache, self.group, dtype, None)
+            values = self.backend._decode_keys(1, value_cache, self.group, dtype, None)
+        else:
+            size, stride, offset = self._block_run_view(key_cache)
+            keys = key_cache.as_strided(size, stride, key_cache.storage_offset() + offset)
+            values = value_cache.as_strided(size, stride, value_cache.storage_offset() + offset)
+        return F.scaled_dot_product_attention(
+            query,
+            keys,
+            values,
+            attn_mask=self.key_mask,
+            is_causal=False,
+            scale=scale,
+            enable_gqa=True,
+        )
+
+    def _block_run_view(self, cache: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        """(size, stride, offset) of ``_decode_keys``' in-place view, for caches of
+        ``cache``'s shape and strides (every layer's, in practice: computed once)."""
+        of = (*cache.shape, *cache.stride())
+        if self._run is None or self._run_of != of:
+            group = self.group
+            count = group.block_ids.shape[0]
+            start = group.block_run
+            blocks = cache[start : start + count]
+            heads = blocks.view(1, -1, *cache.shape[-2:])[:, : group.num_key_slots]
+            view = heads.transpose(1, 2)
+            self._run = (
+                tuple(view.shape),
+                view.stride(),
+                view.storage_offset() - cache.storage_offset(),
+            )
+            self._run_of = of
+        return self._run
 
 
 def _write(

@@ -76,7 +76,7 @@ class NeoxRotary:
         # unchanged.
         self._last: tuple | None = None
 
-    def _rows(
+    def rows(
         self, positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """([T, 1, head_dim] cos, sin) of ``positions``, reused while the positions, the
@@ -121,7 +121,7 @@ class NeoxRotary:
             query = rms_norm(query.view(num_tokens, -1, head_dim), None, q_weight, eps)
             key = rms_norm(key.view(num_tokens, -1, head_dim), None, k_weight, eps)
             query, key = query.view(num_tokens, -1), key.view(num_tokens, -1)
-        cos, sin = self._rows(positions, cos_sin_cache, query.dtype)
+        cos, sin = self.rows(positions, cos_sin_cache, query.dtype)
         num_q = query.shape[1] // head_dim
         both = _adjacent_heads(query, key, head_dim)
         if both is None:
