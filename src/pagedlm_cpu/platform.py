@@ -104,6 +104,7 @@ class CpuPlatform(Platform):
         self._model_config = config.model
 
     def prepare_model(self, model: torch.nn.Module) -> None:
+        from pagedlm_cpu.decode_layer import FAST_DECODE_ENV, install_decode_kernels
         from pagedlm_cpu.fused_layers import install_fused_kernels
         from pagedlm_cpu.linear import prepack_linears
         from pagedlm_cpu.threads import configure_threads
@@ -121,6 +122,14 @@ class CpuPlatform(Platform):
             DEQUANTIZE_GGUF_ENV,
         )
         install_fused_kernels(model)
+        if os.environ.get(FAST_DECODE_ENV, "1") not in ("", "0"):
+            layers = install_decode_kernels(model)
+            if layers:
+                logger.info(
+                    "CPU decode steps: %d decoder layers in one function each (%s=0: the modules).",
+                    layers,
+                    FAST_DECODE_ENV,
+                )
 
     def computes_on_gguf_blocks(self, model_config: ModelConfig) -> bool:
         from pagedlm_cpu.quantized_linear import int4_kernel_available
