@@ -1,14 +1,16 @@
 """A Llama-family decoder layer's pure-decode step in one function, for the CPU platform.
 
-At batch 1 on CPU a decode step of a small model is mostly fixed costs: SmolLM2-135M's 30
-layers take 6.4 ms of int4 GEMMs and ~11 ms of Python and torch-call overhead around them
-(module calls, the attention layer's checks, splits and views, the backend's dispatch).
+At batch 1 on CPU a decode step of a small model is mostly fixed costs: through the
+modules, SmolLM2-135M's 30 layers take 14.5 ms per step (bf16, one Zen 4 core), of which
+6.4 ms are int4 GEMMs and ~1.2 ms SDPA; the rest is module calls, the attention layer's
+checks, splits and views, the backend's dispatch, a few microseconds each.
 ``DecodeLayerKernel`` is ``LlamaDecoderLayer``'s kernel (``set_kernel``): for a step whose
 rows are all decodes it computes the block with the same torch ops in the same order on the
 same tensors as the modules, so the results are bitwise the modules' own, with far fewer
 Python calls: q/k/v and the gate/up halves are ``as_strided`` views instead of splits,
 int4 layers call torch's kernel directly, the rotation's cos/sin rows and the attention's
 key views are worked out once per step (``DecodeOnlyStep``) instead of once per layer.
+The 30 layers then take 11.8 ms.
 
 It declines (returns None, and the modules run) for every other step, chunks of prompts
 included, and for anything it does not reproduce: a layer whose kernels are not the
