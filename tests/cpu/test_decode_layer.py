@@ -206,3 +206,12 @@ def test_layers_without_a_kernel_compute_with_f_linear(monkeypatch, checkpoints)
     got = _results(fast, prompts)
     assert _counts(fast) == (2 * (NEW_TOKENS - 1), 2)
     assert got == _results(_llm(monkeypatch, checkpoints["llama"], False), prompts)
+
+
+@pytest.mark.slow
+def test_smollm2_batch_1_matches_the_modules_bitwise(monkeypatch, smollm2_path):
+    """The embedded model (Q4_1 layers, a tied Q8_0 table, 30 layers) in bf16, as
+    ``LLM()`` runs it on a CPU with native bf16."""
+    prompts = [list(range(1000, 1064))]
+    ran, declined = _compare(monkeypatch, smollm2_path, prompts, dtype="bfloat16")
+    assert (ran, declined) == (30 * (NEW_TOKENS - 1), 30)
