@@ -18,7 +18,9 @@ choices (``SWEEP``, or ``--configs P,N,W,S[,R] ...``, R a register cap), each wi
 error against a float32 reference of the (dequantized) cache (max abs, and relative: the
 norm of the difference over the reference's); ``--fma-keys 0 1 2 4`` times each choice
 with the dot kernel (0) and with ``decode_fma``'s one-warp kernel at that many keys per
-thread (its tiles ignore block_n and warps; it runs where the choice has ``slots``).
+thread (its tiles ignore block_n and warps; it runs where the choice has ``slots``);
+with ``--sweep``, ``--slots`` and ``--ragged`` apply to every choice (no error columns
+with ``--ragged``).
 """
 
 from __future__ import annotations
@@ -144,33 +146,45 @@ SWEEP = [  # (partition, block_n, warps, stages)
 ]
 
 
+def ragged_lens(inputs: dict, low: int, high: int) -> None:
+    """Contexts drawn uniformly in ``low .. high`` (``high`` the inputs' context)."""
+    generator = torch.Generator().manual_seed(1)
+    lens = torch.randint(low, high + 1, (len(inputs["lens"]),), generator=generator)
+    inputs["lens"] = lens.to(device="cuda", dtype=torch.int32)
+
+
 def sweep(
     batch: int, context: int, heads: int, fp8: bool, grid_lens: list[int],
     configs: list[tuple[int, ...]] = SWEEP, fma_keys: tuple[int, ...] = (0,),
+    slots: list[int] | None = None, ragged: tuple[int, int] | None = None,
+    fma_prefetch: bool = False,
 ) -> None:  # fmt: skip
     """The configurations of ``configs`` (``SWEEP``: partition, block_n, warps, stages,
     and optionally a register cap) at one workload: time, rate and error; each also with
     the grid sized by the other ``grid_lens`` (its programs past a sequence's end exit at
     once, and what they cost shows as the difference)."""
-    inputs = make_inputs(batch, context, fp8, heads)
-    expected = reference_output(inputs)
-    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * (1 if fp8 else 2)
+    inputs = make_inputs(batch, ragged[1] if ragged else context, fp8, heads)
+    if ragged:
+        ragged_lens(inputs, *ragged)
+    expected = None if ragged else reference_output(inputs)
+    kv_bytes = 2 * int(inputs["lens"].sum()) * KV_HEADS * HEAD_DIM * (1 if fp8 else 2)
     default = decode_config(batch, KV_HEADS, HEAD_DIM, fp8)
     kind = "fp8" if fp8 else "bf16"
-    print(f"sweep: batch {batch}, context {context}, {heads} heads, {kind}; default {default}")
-    print("  partition block_n warps stages regs fma |     us  TB/s | max err  rel err")
-    for (partition, block_n, warps, stages, *cap), keys in (
-        (c, k) for c in configs for k in fma_keys
+    print(f"sweep: batch {batch}, context {ragged or context}, {heads} heads, {kind}; default "
+          f"{default}")  # fmt: skip
+    print("  partition block_n warps stages regs fma slots |     us  TB/s | max err  rel err")
+    for (partition, block_n, warps, stages, *cap), keys, count in (
+        (c, k, n) for c in configs for k in fma_keys for n in (slots or [default.slots])
     ):  # fmt: skip
         config = default._replace(
             partition=partition, block_n=block_n, num_warps=warps, num_stages=stages,
-            fma_keys=keys,
+            fma_keys=keys, slots=count, fma_prefetch=fma_prefetch,
         )  # fmt: skip
         if cap:
             config = config._replace(max_registers=cap[0])
         label = (
             f"  {partition:9d} {block_n:7d} {warps:5d} {stages:6d} {config.max_registers:4d} "
-            f"{keys:3d}"
+            f"{keys:3d} {count:5d}"
         )
         try:
             us, out = time_inputs(inputs, config=config, max_model_len=grid_lens[0])
@@ -178,14 +192,14 @@ def sweep(
         except Exception as error:  # e.g. a tile past the shared memory
             print(f"{label} | failed: {type(error).__name__}: {str(error)[:100]}", flush=True)
             continue
-        diff = (out.float() - expected).abs()
-        rel = (diff.norm() / expected.norm()).item()
+        errors = "      -        -"
+        if expected is not None:
+            diff = (out.float() - expected).abs()
+            rel = (diff.norm() / expected.norm()).item()
+            errors = f"{diff.max().item():7.4f} {rel:8.2e}"
         rate = kv_bytes / us / 1e6
         grids = "".join(f" | grid {n}: {t:6.1f}" for n, t in zip(grid_lens[1:], others))
-        print(
-            f"{label} | {us:6.1f} {rate:5.2f} | {diff.max().item():7.4f} {rel:8.2e}{grids}",
-            flush=True,
-        )
+        print(f"{label} | {us:6.1f} {rate:5.2f} | {errors}{grids}", flush=True)
 
 
 def time_slots(
@@ -198,9 +212,7 @@ def time_slots(
         context = ragged[1]
     inputs = make_inputs(batch, context, fp8, heads)
     if ragged:
-        generator = torch.Generator().manual_seed(1)
-        lens = torch.randint(ragged[0], ragged[1] + 1, (batch,), generator=generator)
-        inputs["lens"] = lens.to(device="cuda", dtype=torch.int32)
+        ragged_lens(inputs, *ragged)
     kv_bytes = 2 * int(inputs["lens"].sum()) * KV_HEADS * HEAD_DIM * (1 if fp8 else 2)
     default = decode_config(batch, KV_HEADS, HEAD_DIM, fp8)
     print(f"batch {batch}, contexts {ragged or context}, fp8 {fp8}: default {default}")
@@ -230,6 +242,7 @@ def main() -> None:
         "--fma-keys", type=int, nargs="+", default=[0],
         help="with --sweep: 0 for the dot kernel, else decode_fma's keys per thread",
     )  # fmt: skip
+    parser.add_argument("--fma-prefetch", action="store_true", help="decode_fma's PREFETCH")
     parser.add_argument("--slots", type=int, nargs="+", help="programs per sequence (see above)")
     parser.add_argument("--ragged", type=int, nargs=2, metavar=("LOW", "HIGH"))
     parser.add_argument(
@@ -248,7 +261,10 @@ def main() -> None:
         if args.configs:
             configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
         for workload in args.workloads:
-            sweep(*WORKLOADS[workload], heads, fp8, args.grid_lens, configs, args.fma_keys)
+            sweep(
+                *WORKLOADS[workload], heads, fp8, args.grid_lens, configs, args.fma_keys,
+                args.slots, args.ragged, args.fma_prefetch,
+            )  # fmt: skip
         return
     if args.slots:
         for workload in args.workloads:

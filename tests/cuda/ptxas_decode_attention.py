@@ -101,12 +101,15 @@ def compile_config(
                 per_element=per_element, opcodes=opcodes.most_common(8))  # fmt: skip
 
 
-def compile_fma(keys: int, fp8: bool = True, max_registers: int = 0) -> dict:
+def compile_fma(
+    keys: int, fp8: bool = True, max_registers: int = 0, prefetch: bool = False
+) -> dict:
     """``decode_fma``'s kernel at W1's shape: registers, shared memory and the key loop."""
     lanes = fma_lanes(DIM, 1 if fp8 else 2)
     constants = dict(
         BLOCK_SIZE=BLOCK, PARTITION=1024, LANES=lanes, KEYS=keys, BLOCK_G=2, BLOCK_D=DIM,
-        WRITE_NEW=True, USE_WINDOW=False, USE_SOFT_CAP=False, FP8=fp8, USE_PDL=True,
+        WRITE_NEW=True, USE_WINDOW=False, USE_SOFT_CAP=False, FP8=fp8, PREFETCH=prefetch,
+        USE_PDL=True,
     )  # fmt: skip
     signature, attrs = {}, {}
     for index, name in enumerate(_decode_fma_kernel.arg_names):
@@ -146,11 +149,12 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--max-registers", type=int, default=0, help="Triton's maxnreg")
     parser.add_argument("--fma-keys", type=int, nargs="+", help="decode_fma's kernel instead")
+    parser.add_argument("--prefetch", action="store_true", help="decode_fma's PREFETCH")
     args = parser.parse_args()
     print(f"{args.cache} cache")
     if args.fma_keys:
         for keys in args.fma_keys:
-            r = compile_fma(keys, args.cache == "fp8", args.max_registers)
+            r = compile_fma(keys, args.cache == "fp8", args.max_registers, args.prefetch)
             top = ", ".join(f"{op} {n}" for op, n in r["opcodes"])
             print(f"fma, {r['lanes']} lanes x {keys} keys: {r['registers']} registers, "
                   f"{r['shared']} B shared | loop: {r['per_element']:.2f} instructions per "

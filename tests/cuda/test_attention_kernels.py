@@ -344,13 +344,14 @@ FMA_DECODE_CASES = [
 def test_decode_fma_kernel(case, write_new: bool) -> None:
     """The one-warp multiply-add kernel (``DecodeConfig.fma_keys``) against the reference:
     windows, soft-caps, padded groups, the new K/V written and attended to, programs that
-    loop over several partitions (2 slots) or take one each (64)."""
+    loop over several partitions (2 or 3 slots) or take one each (64), tiles loaded one
+    ahead (``fma_prefetch``) or not."""
     from pagedlm_cuda.kernels.decode_config import decode_config
 
     *shape, partition, window, cap = case
-    for slots, keys in ((2, 2), (64, 1)):
+    for slots, keys, prefetch in ((2, 2, False), (64, 1, False), (3, 2, True)):
         config = decode_config(256, shape[2], shape[1])._replace(
-            partition=partition, slots=slots, fma_keys=keys
+            partition=partition, slots=slots, fma_keys=keys, fma_prefetch=prefetch
         )  # fmt: skip
         check_decode(
             *shape, partition, window, cap, q_scale=1.0 if cap is None else 6.0,

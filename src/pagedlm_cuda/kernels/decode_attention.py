@@ -625,7 +625,8 @@ def _decode_fma(
         BLOCK_SIZE=block_size, PARTITION=partition, LANES=lanes, KEYS=config.fma_keys,
         BLOCK_G=triton.next_power_of_2(group_size), BLOCK_D=block_d, WRITE_NEW=write_new,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap,
-        FP8=fp8, num_warps=1, num_stages=config.num_stages, **pdl.launch_options(),
+        FP8=fp8, PREFETCH=config.fma_prefetch, num_warps=1, num_stages=config.num_stages,
+        **pdl.launch_options(),
         **register_cap(config.max_registers),
     )  # fmt: skip
     merge_g = triton.next_power_of_2(group_size)

@@ -83,6 +83,11 @@ FP8_FMA_KEYS = 0
 yet). ``PAGEDLM_DECODE_FMA_KEYS`` overrides the choice for every large batch (0: the dot
 kernel), for measurements."""
 
+FMA_PARTITION = 0
+"""Key positions per partition of ``decode_fma``'s kernel (0: the dot kernel's)."""
+FMA_SLOT_PROGRAMS = SLOT_PROGRAMS
+"""``SLOT_PROGRAMS`` for ``decode_fma``'s kernel."""
+
 MERGE_IN_KERNEL_PROGRAMS = 256
 """Batch bucket x kv heads up to which the decode kernel merges its own partitions."""
 
@@ -113,6 +118,8 @@ class DecodeConfig(NamedTuple):
     multiply-adds, no tensor-core dots), which then runs instead of the dot kernel wherever
     ``slots`` > 0 and no rotary is fused; its tiles hold ``fma_keys * fma_lanes(...)``
     keys. 0: the dot kernel."""
+    fma_prefetch: bool = False
+    """``decode_fma``'s programs load each tile while computing the one before it."""
 
 
 @functools.cache
@@ -152,6 +159,9 @@ def decode_config(
     override = os.environ.get("PAGEDLM_DECODE_FMA_KEYS")
     if override and slots:
         fma_keys = int(override)
+    if fma_keys:
+        partition = FMA_PARTITION or partition
+        slots = max(1, FMA_SLOT_PROGRAMS // programs)
     max_registers = FP8_MAX_REGISTERS if fp8 and slots and not fma_keys else 0
     return DecodeConfig(partition, block_n, num_warps=4, num_stages=2,
                         merge_in_kernel=merge_in_kernel, slots=slots,

@@ -67,6 +67,24 @@ def _fma_bounds(
     return start, end
 
 
+@triton.jit
+def _fma_tile(
+    key_cache_ptr, value_cache_ptr, table, head_base, n0, cached_end, key_index, dims,
+    dim_mask, cache_stride_block, cache_stride_slot, BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """Keys and values ``n0 ..`` of a tile as stored ([1, LANES, KEYS, BLOCK_D], zeros at
+    or past ``cached_end``) and which of them are visible ([1, LANES, KEYS])."""
+    pos = (n0 + key_index)[None, :, :]
+    visible = pos < cached_end
+    block = tl.load(table + pos // BLOCK_SIZE, mask=visible, other=0).to(tl.int64)
+    rows = block * cache_stride_block + head_base + (pos % BLOCK_SIZE) * cache_stride_slot
+    offsets = rows[:, :, :, None] + dims
+    tile_mask = visible[:, :, :, None] & dim_mask
+    k = tl.load(key_cache_ptr + offsets, mask=tile_mask, other=0.0)
+    v = tl.load(value_cache_ptr + offsets, mask=tile_mask, other=0.0)
+    return k, v, visible
+
+
 # Per-step sizes are not specialized on, so an eager step never compiles mid-run.
 @triton.jit(do_not_specialize=["block_table_stride", "max_partitions", "slots"])
 def _decode_fma_kernel(
@@ -80,7 +98,7 @@ def _decode_fma_kernel(
     BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, LANES: tl.constexpr,
     KEYS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     WRITE_NEW: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-    FP8: tl.constexpr, USE_PDL: tl.constexpr,
+    FP8: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.allow_next(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
@@ -154,15 +172,27 @@ def _decode_fma_kernel(
         denom = tl.zeros([BLOCK_G, 1, 1], tl.float32)
         acc = tl.zeros([BLOCK_G, LANES, 1, BLOCK_D], tl.float32)
         # Each tile starts at a visible key, so the running max is finite after it.
+        if PREFETCH:
+            k_next, v_next, visible_next = _fma_tile(
+                key_cache_ptr, value_cache_ptr, table, head_base, start, cached_end,
+                key_index, dims, dim_mask, cache_stride_block, cache_stride_slot, BLOCK_SIZE,
+            )  # fmt: skip
         for n0 in range(start, cached_end, LANES * KEYS):
-            pos = (n0 + key_index)[None, :, :]  # [1, LANES, KEYS]
-            visible = pos < cached_end
-            block = tl.load(table + pos // BLOCK_SIZE, mask=visible, other=0).to(tl.int64)
-            rows = block * cache_stride_block + head_base + (pos % BLOCK_SIZE) * cache_stride_slot
-            offsets = rows[:, :, :, None] + dims
-            tile_mask = visible[:, :, :, None] & dim_mask
-            k = tl.load(key_cache_ptr + offsets, mask=tile_mask, other=0.0).to(tl.float32)
-            v = tl.load(value_cache_ptr + offsets, mask=tile_mask, other=0.0).to(tl.float32)
+            if PREFETCH:
+                k_raw, v_raw, visible = k_next, v_next, visible_next
+                k_next, v_next, visible_next = _fma_tile(
+                    key_cache_ptr, value_cache_ptr, table, head_base, n0 + LANES * KEYS,
+                    cached_end, key_index, dims, dim_mask, cache_stride_block,
+                    cache_stride_slot, BLOCK_SIZE,
+                )  # fmt: skip
+            else:
+                k_raw, v_raw, visible = _fma_tile(
+                    key_cache_ptr, value_cache_ptr, table, head_base, n0, cached_end,
+                    key_index, dims, dim_mask, cache_stride_block, cache_stride_slot,
+                    BLOCK_SIZE,
+                )  # fmt: skip
+            k = k_raw.to(tl.float32)
+            v = v_raw.to(tl.float32)
             s = scaled_scores(tl.sum(q * k, axis=3), score_scale, cap_log2e, USE_SOFT_CAP)
             s = tl.where(visible, s, float("-inf"))  # [BLOCK_G, LANES, KEYS]
             tile_max = tl.max(tl.max(s, axis=2, keep_dims=True), axis=1, keep_dims=True)
