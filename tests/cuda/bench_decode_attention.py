@@ -16,11 +16,8 @@ the grid's length), with ``--ragged LOW HIGH`` contexts drawn uniformly between 
 (W1's run from 200 to 2,048 keys). ``--sweep``: partition / tile / warps / stages
 choices (``SWEEP``, or ``--configs P,N,W,S[,R] ...``, R a register cap), each with its
 error against a float32 reference of the (dequantized) cache (max abs, and relative: the
-norm of the difference over the reference's); ``--fma-keys 0 1 2 4`` times each choice
-with the dot kernel (0) and with ``decode_fma``'s one-warp kernel at that many keys per
-thread (its tiles ignore block_n and warps; it runs where the choice has ``slots``);
-with ``--sweep``, ``--slots`` and ``--ragged`` apply to every choice (no error columns
-with ``--ragged``).
+norm of the difference over the reference's); with ``--sweep``, ``--slots`` and
+``--ragged`` apply to every choice (no error columns with ``--ragged``).
 """
 
 from __future__ import annotations
@@ -155,9 +152,8 @@ def ragged_lens(inputs: dict, low: int, high: int) -> None:
 
 def sweep(
     batch: int, context: int, heads: int, fp8: bool, grid_lens: list[int],
-    configs: list[tuple[int, ...]] = SWEEP, fma_keys: tuple[int, ...] = (0,),
-    slots: list[int] | None = None, ragged: tuple[int, int] | None = None,
-    fma_prefetch: bool = False,
+    configs: list[tuple[int, ...]] = SWEEP, slots: list[int] | None = None,
+    ragged: tuple[int, int] | None = None,
 ) -> None:  # fmt: skip
     """The configurations of ``configs`` (``SWEEP``: partition, block_n, warps, stages,
     and optionally a register cap) at one workload: time, rate and error; each also with
@@ -172,19 +168,19 @@ def sweep(
     kind = "fp8" if fp8 else "bf16"
     print(f"sweep: batch {batch}, context {ragged or context}, {heads} heads, {kind}; default "
           f"{default}")  # fmt: skip
-    print("  partition block_n warps stages regs fma slots |     us  TB/s | max err  rel err")
-    for (partition, block_n, warps, stages, *cap), keys, count in (
-        (c, k, n) for c in configs for k in fma_keys for n in (slots or [default.slots])
+    print("  partition block_n warps stages regs slots |     us  TB/s | max err  rel err")
+    for (partition, block_n, warps, stages, *cap), count in (
+        (c, n) for c in configs for n in (slots or [default.slots])
     ):  # fmt: skip
         config = default._replace(
             partition=partition, block_n=block_n, num_warps=warps, num_stages=stages,
-            fma_keys=keys, slots=count, fma_prefetch=fma_prefetch,
+            slots=count,
         )  # fmt: skip
         if cap:
             config = config._replace(max_registers=cap[0])
         label = (
             f"  {partition:9d} {block_n:7d} {warps:5d} {stages:6d} {config.max_registers:4d} "
-            f"{keys:3d} {count:5d}"
+            f"{count:5d}"
         )
         try:
             us, out = time_inputs(inputs, config=config, max_model_len=grid_lens[0])
@@ -238,11 +234,6 @@ def main() -> None:
         help="with --sweep: these configurations instead of SWEEP (partition, block_n, "
         "warps, stages, and a register cap: 0 for none; the default's cap where left out)",
     )  # fmt: skip
-    parser.add_argument(
-        "--fma-keys", type=int, nargs="+", default=[0],
-        help="with --sweep: 0 for the dot kernel, else decode_fma's keys per thread",
-    )  # fmt: skip
-    parser.add_argument("--fma-prefetch", action="store_true", help="decode_fma's PREFETCH")
     parser.add_argument("--slots", type=int, nargs="+", help="programs per sequence (see above)")
     parser.add_argument("--ragged", type=int, nargs=2, metavar=("LOW", "HIGH"))
     parser.add_argument(
@@ -262,8 +253,8 @@ def main() -> None:
             configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
         for workload in args.workloads:
             sweep(
-                *WORKLOADS[workload], heads, fp8, args.grid_lens, configs, args.fma_keys,
-                args.slots, args.ragged, args.fma_prefetch,
+                *WORKLOADS[workload], heads, fp8, args.grid_lens, configs, args.slots,
+                args.ragged,
             )  # fmt: skip
         return
     if args.slots:

@@ -13,8 +13,6 @@ times them). ``--sass`` adds the instructions of the key loop per K/V element an
 commonest opcodes (``sass_gguf_gemv``'s disassembly); ``--cache bf16`` compiles the bf16
 cache's kernel instead; ``--loop`` the variant whose programs loop over partitions (large
 batches, ``DecodeConfig.slots``); ``--max-registers`` caps registers per thread.
-``--fma-keys 1 2 4``: ``decode_fma``'s one-warp kernel instead, at those keys per thread
-(programs looping over 1,024-key partitions, the step's K/V written by the kernel).
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from pagedlm_cuda.kernels.decode_attention import _decode_kernel
-from pagedlm_cuda.kernels.decode_fma import _decode_fma_kernel, fma_lanes
 
 CONFIGS = [  # (block_n, warps, stages)
     (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3),
@@ -101,45 +98,6 @@ def compile_config(
                 per_element=per_element, opcodes=opcodes.most_common(8))  # fmt: skip
 
 
-def compile_fma(
-    keys: int, fp8: bool = True, max_registers: int = 0, prefetch: bool = False
-) -> dict:
-    """``decode_fma``'s kernel at W1's shape: registers, shared memory and the key loop."""
-    lanes = fma_lanes(DIM, 1 if fp8 else 2)
-    constants = dict(
-        BLOCK_SIZE=BLOCK, PARTITION=1024, LANES=lanes, KEYS=keys, BLOCK_G=2, BLOCK_D=DIM,
-        WRITE_NEW=True, USE_WINDOW=False, USE_SOFT_CAP=False, FP8=fp8, PREFETCH=prefetch,
-        USE_PDL=True,
-    )  # fmt: skip
-    signature, attrs = {}, {}
-    for index, name in enumerate(_decode_fma_kernel.arg_names):
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            kind = POINTERS.get(name, "*bf16")
-            signature[name] = "*bf16" if kind == "*fp8e4nv" and not fp8 else kind
-            attrs[(index,)] = [["tt.divisibility", 16]]
-        elif name in ("score_scale", "cap_log2e"):
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-            value = INTS.get(name, DIM)
-            if value % 16 == 0 and name not in ("block_table_stride", "max_partitions"):
-                attrs[(index,)] = [["tt.divisibility", 16]]
-    options = {"num_warps": 1, "num_stages": 2}
-    if max_registers:
-        options["maxnreg"] = max_registers
-    source = ASTSource(_decode_fma_kernel, signature, constants, attrs)
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    code, usage = disassemble(kernel)
-    loop = main_loop(code, holding="FFMA")
-    opcodes = collections.Counter(opcode.split(".")[0] for _, opcode, _ in loop)
-    return dict(registers=int(re.search(r"REG:(\d+)", usage).group(1)),
-                shared=kernel.metadata.shared, lanes=lanes,
-                per_element=len(loop) / (2 * lanes * keys * DIM / 32),
-                opcodes=opcodes.most_common(8))  # fmt: skip
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sass", action="store_true")
@@ -148,18 +106,8 @@ def main() -> None:
         "--loop", action="store_true", help="programs that loop over partitions (large batches)"
     )  # fmt: skip
     parser.add_argument("--max-registers", type=int, default=0, help="Triton's maxnreg")
-    parser.add_argument("--fma-keys", type=int, nargs="+", help="decode_fma's kernel instead")
-    parser.add_argument("--prefetch", action="store_true", help="decode_fma's PREFETCH")
     args = parser.parse_args()
     print(f"{args.cache} cache")
-    if args.fma_keys:
-        for keys in args.fma_keys:
-            r = compile_fma(keys, args.cache == "fp8", args.max_registers, args.prefetch)
-            top = ", ".join(f"{op} {n}" for op, n in r["opcodes"])
-            print(f"fma, {r['lanes']} lanes x {keys} keys: {r['registers']} registers, "
-                  f"{r['shared']} B shared | loop: {r['per_element']:.2f} instructions per "
-                  f"K/V element | {top}", flush=True)  # fmt: skip
-        return
     print("block_n warps stages | regs spill smem(B) programs/SM mma")
     for block_n, warps, stages in CONFIGS:
         r = compile_config(

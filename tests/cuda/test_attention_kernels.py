@@ -118,7 +118,6 @@ def take_new_kv(key_cache, value_cache, tables, seq_lens):
 def check_decode(
     block_size, head_dim, num_kv_heads, group, seq_lens, dtype,
     partition=None, window=None, cap=None, q_scale=1.0, max_seq_len=None, write_new=False,
-    config=None,
 ):  # fmt: skip
     """Decode attention against the reference; ``write_new``: the last K/V come in as
     ``new_kv`` (the cache holds NaN there) and must land in the cache."""
@@ -136,7 +135,7 @@ def check_decode(
     paged_decode_attention(
         query, key_cache, value_cache, table, seq_tensor, scale,
         max_seq_len or max(seq_lens), out, partition,
-        new_kv=new_kv, sliding_window=window, logits_soft_cap=cap, config=config,
+        new_kv=new_kv, sliding_window=window, logits_soft_cap=cap,
     )  # fmt: skip
     if write_new:
         assert torch.equal(key_cache, intact[0]) and torch.equal(value_cache, intact[1])
@@ -321,65 +320,6 @@ def test_decode_programs_per_sequence_do_not_change_the_bits(merge_in_kernel, wi
         outs.append(paged_decode_attention(
             query, key_cache, value_cache, pad(table, 0), seq, 0.1, 4096, sliding_window=window,
             new_kv=new_kv, config=config,
-        ))  # fmt: skip
-        assert torch.equal(key_cache, intact[0]) and torch.equal(value_cache, intact[1])
-    for out in outs[1:]:
-        assert torch.equal(out, outs[0])
-    assert torch.equal(outs[0][1], torch.zeros_like(outs[0][1]))
-
-
-FMA_DECODE_CASES = [
-    # block_size, head_dim, num_kv_heads, group, seq_lens, dtype, partition, window, cap
-    (16, 64, 2, 1, [1, 17, 40, 90], torch.float32, 32, None, None),
-    (16, 128, 1, 4, [300, 33, 100], torch.float32, 64, None, None),
-    (32, 64, 1, 8, [530, 64, 65], torch.bfloat16, 64, 70, None),
-    (16, 64, 2, 3, [200, 7], torch.float16, 32, None, 3.0),  # a group padded to 4 heads
-    (16, 96, 1, 2, [70, 20], torch.float32, 32, 30, None),  # head_dim not a power of two
-    (16, 128, 2, 2, [580, 3, 129], torch.bfloat16, 128, None, None),  # W1's group and dims
-]
-
-
-@pytest.mark.parametrize("write_new", [False, True])
-@pytest.mark.parametrize("case", FMA_DECODE_CASES)
-def test_decode_fma_kernel(case, write_new: bool) -> None:
-    """The one-warp multiply-add kernel (``DecodeConfig.fma_keys``) against the reference:
-    windows, soft-caps, padded groups, the new K/V written and attended to, programs that
-    loop over several partitions (2 or 3 slots) or take one each (64), tiles loaded one
-    ahead (``fma_prefetch``) or not."""
-    from pagedlm_cuda.kernels.decode_config import decode_config
-
-    *shape, partition, window, cap = case
-    for slots, keys, prefetch in ((2, 2, False), (64, 1, False), (3, 2, True)):
-        config = decode_config(256, shape[2], shape[1])._replace(
-            partition=partition, slots=slots, fma_keys=keys, fma_prefetch=prefetch
-        )  # fmt: skip
-        check_decode(
-            *shape, partition, window, cap, q_scale=1.0 if cap is None else 6.0,
-            max_seq_len=4096, write_new=write_new, config=config,
-        )  # fmt: skip
-
-
-def test_decode_fma_kernel_bits_do_not_depend_on_slots_and_padding_rows_get_zeros() -> None:
-    """Each partition is computed and merged the same whatever the programs per
-    sequence, so the bits are the same; a padding row (seq_len 0, slot -1) gets zeros
-    and writes nothing."""
-    from pagedlm_cuda.kernels.decode_config import decode_config
-
-    real = [300, 45, 1, 129]
-    outs = []
-    for slots in (1, 3, 64):
-        key_cache, value_cache, table, tables = make_cache(real, 16, 2, 64, torch.float32, seed=6)
-        (key, value, slot_mapping), intact = take_new_kv(key_cache, value_cache, tables, real)
-
-        def pad(x, fill):  # a padding row second
-            return torch.cat([x[:1], torch.full_like(x[:1], fill), x[1:]])
-
-        query = torch.randn(len(real) + 1, 8, 64, generator=torch.Generator().manual_seed(7))
-        config = decode_config(256, 2, 64)._replace(partition=32, slots=slots, fma_keys=2)
-        outs.append(paged_decode_attention(
-            query.to(DEVICE), key_cache, value_cache, pad(table, 0),
-            pad(torch.tensor(real, dtype=torch.int32, device=DEVICE), 0), 0.1, 4096,
-            new_kv=(pad(key, 0.0), pad(value, 0.0), pad(slot_mapping, -1)), config=config,
         ))  # fmt: skip
         assert torch.equal(key_cache, intact[0]) and torch.equal(value_cache, intact[1])
     for out in outs[1:]:

@@ -13,12 +13,7 @@ from triton_env import DEVICE
 
 from pagedlm_cuda.batch_sizes import capture_sizes
 from pagedlm_cuda.kernels import paged_decode_attention
-from pagedlm_cuda.kernels.decode_config import (
-    FP8_FMA_KEYS,
-    FP8_MAX_REGISTERS,
-    batch_bucket,
-    decode_config,
-)
+from pagedlm_cuda.kernels.decode_config import FP8_MAX_REGISTERS, batch_bucket, decode_config
 
 
 def test_padding_to_any_captured_size_keeps_the_configuration() -> None:
@@ -50,41 +45,19 @@ def test_partition_shrinks_for_small_batches() -> None:
     assert sizes == sorted(sizes)
 
 
-def test_fp8_cache_takes_the_bf16_tiles_and_the_fma_kernel_where_programs_loop() -> None:
+def test_fp8_cache_takes_the_bf16_tiles() -> None:
     """Since session 19's H100 sweep an FP8 cache's tiles are the bf16 ones (64 keys), and
     so is its split below 1,024 programs; where programs loop over partitions (session
-    28) it runs ``FP8_FMA_KEYS``'s kernel: ``decode_fma`` if set, else the dot kernel
-    capped at 128 registers."""
+    28), its registers are capped."""
     for n in (1, 4, 16, 64):
         for head_dim in (128, 256):
             fp8, bf16 = decode_config(n, 8, head_dim, fp8=True), decode_config(n, 8, head_dim)
-            assert fp8._replace(fma_keys=0, max_registers=0) == bf16
-            assert bf16.max_registers == 0 and bf16.fma_keys == 0
-            assert fp8.fma_keys == (FP8_FMA_KEYS if fp8.slots else 0)
-            capped = fp8.slots and not fp8.fma_keys
-            assert fp8.max_registers == (FP8_MAX_REGISTERS if capped else 0)
+            assert fp8._replace(max_registers=0) == bf16 and bf16.max_registers == 0
+            assert fp8.max_registers == (FP8_MAX_REGISTERS if fp8.slots else 0)
     assert decode_config(256, 8, 128, fp8=True).block_n == decode_config(256, 8, 128).block_n
     for n in range(1, 600):
         config = decode_config(n, 8, 128, fp8=True)
         assert config.partition % config.block_n == 0
-
-
-def test_fma_kernel_choice_can_be_overridden(monkeypatch) -> None:
-    """``PAGEDLM_DECODE_FMA_KEYS`` picks the kernel of every looping batch: 0 the dot
-    kernel (an FP8 cache's capped at 128 registers), else that many keys per thread."""
-    try:
-        monkeypatch.setenv("PAGEDLM_DECODE_FMA_KEYS", "0")
-        decode_config.cache_clear()
-        config = decode_config(256, 8, 128, fp8=True)
-        assert config.slots and config.fma_keys == 0
-        assert config.max_registers == FP8_MAX_REGISTERS
-        monkeypatch.setenv("PAGEDLM_DECODE_FMA_KEYS", "4")
-        decode_config.cache_clear()
-        assert decode_config(256, 8, 128).fma_keys == 4
-        assert decode_config(1, 8, 128).fma_keys == 0  # one program per partition there
-    finally:
-        monkeypatch.delenv("PAGEDLM_DECODE_FMA_KEYS")
-        decode_config.cache_clear()
 
 
 @pytest.mark.parametrize(

@@ -96,20 +96,6 @@ def test_prefill_on_fp8_cache(window):
 # (128, 128): the 128-key tiles decode_config gives an FP8 cache in long partitions.
 @pytest.mark.parametrize(("partition", "block_n"), [(16, 16), (128, 16), (128, 128)])
 def test_decode_on_fp8_cache_writes_and_reads_the_new_kv(partition, block_n):
-    check_fp8_decode(partition, block_n)
-
-
-@pytest.mark.parametrize("slots", [1, 64])
-def test_fma_decode_on_fp8_cache_writes_and_reads_the_new_kv(slots):
-    """The one-warp multiply-add kernel (large batches) on an FP8 cache: scales on the
-    scores and outputs, the new K/V quantized, written and attended to as stored."""
-    from pagedlm_cuda.kernels.decode_config import decode_config
-
-    config = decode_config(256, 2, 32, fp8=True)._replace(slots=slots, fma_keys=2)
-    check_fp8_decode(32, None, config)
-
-
-def check_fp8_decode(partition, block_n, config=None):
     seq_lens = [1, 17, 40]
     key_cache, value_cache, table, tables = fp8_cache(seq_lens, 16, 2, 32, seed=4)
     num_seqs = len(seq_lens)
@@ -123,7 +109,7 @@ def check_fp8_decode(partition, block_n, config=None):
     seq = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     out = paged_decode_attention(
         query, key_cache, value_cache, table, seq, 0.15, 64, partition_size=partition,
-        block_n=block_n, new_kv=(new_k, new_v, slots), config=config, **_scales(),
+        block_n=block_n, new_kv=(new_k, new_v, slots), **_scales(),
     )  # fmt: skip
     scales = _scales()
     for i, slot in enumerate(slots.tolist()):  # written quantized

@@ -64,7 +64,6 @@ from pagedlm.attention.backend import FusedRotary
 from pagedlm.kv_cache.fp8 import is_fp8
 from pagedlm_cuda.kernels import pdl
 from pagedlm_cuda.kernels.decode_config import DecodeConfig, decode_config
-from pagedlm_cuda.kernels.decode_fma import _decode_fma_kernel, fma_lanes
 from pagedlm_cuda.kernels.kv_tile import (
     fp8_scales,
     fp8_store_value,
@@ -517,18 +516,9 @@ def paged_decode_attention(
     else:
         new_key = new_value = query  # unused
         slot_mapping = seq_lens
-    max_partitions = max(1, triton.cdiv(max_seq_len, partition))
-    score_scale, cap_log2e = score_args(scale, logits_soft_cap)
-    window = sliding_window or 0
-    if config.fma_keys and config.slots > 0 and rotary is None:
-        _decode_fma(
-            query, key_cache, value_cache, block_tables, seq_lens, out, new_key, new_value,
-            slot_mapping, new_kv is not None, k_scale, v_scale, score_scale, cap_log2e,
-            logits_soft_cap is not None, sliding_window, max_partitions, partition, config,
-        )  # fmt: skip
-        return out
     rotary_args, rotary_flags = fused_rotary_args(rotary, head_dim, new_kv is not None, seq_lens)
     positions, cos_sin, q_norm, k_norm, cos_sin_stride, norm_eps = rotary_args
+    max_partitions = max(1, triton.cdiv(max_seq_len, partition))
     direct = max_partitions == 1
     # config.slots programs per (sequence, kv head), each looping over its partitions; 0:
     # one per partition (a grid sized by max_seq_len), each reading its first tile early.
@@ -550,7 +540,11 @@ def paged_decode_attention(
             counters = merge_counters(query.device, num_seqs * num_kv_heads)
     block_d = max(16, triton.next_power_of_2(head_dim))  # q @ k^T is a tl.dot: K >= 16
     merge_g = triton.next_power_of_2(group_size)
-    merge_p = _merge_width(merge_g, block_d, partition)
+    # A function of the config only (not of the grid), so the merge's order is the same
+    # in a graph and eagerly.
+    merge_p = max(1, min(MERGE_TILE // (merge_g * block_d), MERGE_CONTEXT // partition))
+    score_scale, cap_log2e = score_args(scale, logits_soft_cap)
+    window = sliding_window or 0
     _decode_kernel[(num_seqs, num_kv_heads, slots)](
         query, key_cache, value_cache, block_tables, seq_lens,
         new_key, new_value, slot_mapping,
@@ -578,62 +572,3 @@ def paged_decode_attention(
             USE_WINDOW=sliding_window is not None, **pdl.launch_options(),
         )  # fmt: skip
     return out
-
-
-def _merge_width(merge_g: int, block_d: int, partition: int) -> int:
-    """Partitions the merge takes at a time: a function of the config only (not of the
-    grid), so the merge's order is the same in a graph and eagerly."""
-    return max(1, min(MERGE_TILE // (merge_g * block_d), MERGE_CONTEXT // partition))
-
-
-def _decode_fma(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
-    new_key: torch.Tensor, new_value: torch.Tensor, slot_mapping: torch.Tensor,
-    write_new: bool, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-    score_scale: float, cap_log2e: float, soft_cap: bool, sliding_window: int | None,
-    max_partitions: int, partition: int, config: DecodeConfig,
-) -> None:  # fmt: skip
-    """``paged_decode_attention`` by ``decode_fma``'s kernel, then the merge kernel."""
-    num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
-    group_size = num_heads // num_kv_heads
-    lanes = fma_lanes(head_dim, key_cache.element_size())
-    if partition % (lanes * config.fma_keys):
-        raise ValueError(
-            f"partition_size={partition} must be a multiple of the fma tile's "
-            f"{lanes} x {config.fma_keys} keys."
-        )
-    fp8 = is_fp8(key_cache.dtype)
-    partial_out = torch.empty(
-        (num_seqs, num_heads, max_partitions, head_dim), dtype=torch.float32, device=query.device
-    )
-    partial_lse = torch.empty(
-        (num_seqs, num_heads, max_partitions), dtype=torch.float32, device=query.device
-    )
-    block_d = triton.next_power_of_2(head_dim)
-    window = sliding_window or 0
-    slots = min(config.slots, max_partitions)
-    _decode_fma_kernel[(num_seqs, num_kv_heads, slots)](
-        query, key_cache, value_cache, block_tables, seq_lens,
-        new_key, new_value, slot_mapping,
-        k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,
-        partial_out, partial_lse, query.stride(0), query.stride(1),
-        new_key.stride(0), new_key.stride(1), new_value.stride(0), new_value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        max_partitions, slots, num_heads, score_scale, cap_log2e, window, group_size, head_dim,
-        BLOCK_SIZE=block_size, PARTITION=partition, LANES=lanes, KEYS=config.fma_keys,
-        BLOCK_G=triton.next_power_of_2(group_size), BLOCK_D=block_d, WRITE_NEW=write_new,
-        USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap,
-        FP8=fp8, PREFETCH=config.fma_prefetch, num_warps=1, num_stages=config.num_stages,
-        **pdl.launch_options(),
-        **register_cap(config.max_registers),
-    )  # fmt: skip
-    merge_g = triton.next_power_of_2(group_size)
-    _decode_merge_kernel[(num_seqs, num_kv_heads)](
-        out, partial_out, partial_lse, seq_lens,
-        out.stride(0), out.stride(1), max_partitions, num_heads, group_size, head_dim,
-        window, PARTITION=partition, MERGE_G=merge_g,
-        MERGE_P=_merge_width(merge_g, block_d, partition), BLOCK_D=block_d,
-        USE_WINDOW=sliding_window is not None, **pdl.launch_options(),
-    )  # fmt: skip

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import os
 from typing import NamedTuple
 
 from pagedlm_cuda.batch_sizes import capture_sizes
@@ -77,17 +76,6 @@ Measured on an H100 (session 28), W1-like contexts (batch 256, 200-2,048 keys, q
 24,376 (alternating, one call). bf16's kernel (128 registers there, 4 per SM already)
 lost with a cap of 102 (5 per SM): 444.8 against 426.5 us."""
 
-FP8_FMA_KEYS = 0
-"""Keys per thread of ``decode_fma``'s kernel where an FP8 cache's large batches
-(``slots`` > 0) run it instead of the dot kernel; 0: they do not (not timed on a GPU
-yet). ``PAGEDLM_DECODE_FMA_KEYS`` overrides the choice for every large batch (0: the dot
-kernel), for measurements."""
-
-FMA_PARTITION = 0
-"""Key positions per partition of ``decode_fma``'s kernel (0: the dot kernel's)."""
-FMA_SLOT_PROGRAMS = SLOT_PROGRAMS
-"""``SLOT_PROGRAMS`` for ``decode_fma``'s kernel."""
-
 MERGE_IN_KERNEL_PROGRAMS = 256
 """Batch bucket x kv heads up to which the decode kernel merges its own partitions."""
 
@@ -113,13 +101,6 @@ class DecodeConfig(NamedTuple):
     max_registers: int = 0
     """A cap on the kernel's registers per thread (Triton's ``maxnreg``), so more programs
     fit on an SM; 0: the compiler's choice."""
-    fma_keys: int = 0
-    """Keys per thread in a tile of ``decode_fma``'s one-warp kernel (float32
-    multiply-adds, no tensor-core dots), which then runs instead of the dot kernel wherever
-    ``slots`` > 0 and no rotary is fused; its tiles hold ``fma_keys * fma_lanes(...)``
-    keys. 0: the dot kernel."""
-    fma_prefetch: bool = False
-    """``decode_fma``'s programs load each tile while computing the one before it."""
 
 
 @functools.cache
@@ -155,17 +136,10 @@ def decode_config(
     # those read their first tile before the PDL wait, which a looping program does not,
     # and at batch 1 (W2) every partition is wanted at once.
     slots = 0 if merge_in_kernel else max(1, SLOT_PROGRAMS // programs)
-    fma_keys = FP8_FMA_KEYS if fp8 and slots else 0
-    override = os.environ.get("PAGEDLM_DECODE_FMA_KEYS")
-    if override and slots:
-        fma_keys = int(override)
-    if fma_keys:
-        partition = FMA_PARTITION or partition
-        slots = max(1, FMA_SLOT_PROGRAMS // programs)
-    max_registers = FP8_MAX_REGISTERS if fp8 and slots and not fma_keys else 0
+    max_registers = FP8_MAX_REGISTERS if fp8 and slots else 0
     return DecodeConfig(partition, block_n, num_warps=4, num_stages=2,
                         merge_in_kernel=merge_in_kernel, slots=slots,
-                        max_registers=max_registers, fma_keys=fma_keys)  # fmt: skip
+                        max_registers=max_registers)  # fmt: skip
 
 
 def batch_invariant_config(head_dim: int) -> DecodeConfig:
