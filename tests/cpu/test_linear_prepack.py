@@ -45,6 +45,8 @@ def test_prepacked_matches_plain(tied, dtype):
     if packable:
         assert model.up.weight.numel() == 0 and model.down.weight.numel() == 0
         assert (model.head.weight.numel() > 0) == tied  # the embedding still needs it
+    # The sizes are the layers', not the (released) weights'.
+    assert "in_per_rank=16, out_per_rank=24" in repr(model)
 
 
 def test_layers_with_a_kernel_are_left_alone():

@@ -40,6 +40,8 @@ class _ShardedLinear(LinearBase, ABC):
         super().__init__()
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
+        # Kept apart from the weight's shape: a platform may release the weight.
+        self.in_per_rank, self.out_per_rank = in_per_rank, out_per_rank
         self.weight = linear_weight(out_per_rank, in_per_rank)
         set_weight_loader(self.weight, self.weight_loader)
         self.bias: nn.Parameter | None = None
@@ -52,8 +54,10 @@ class _ShardedLinear(LinearBase, ABC):
         """Copy this rank's shard of a full checkpoint tensor into ``param``."""
 
     def extra_repr(self) -> str:
-        out_features, in_features = self.weight.shape
-        return f"in_per_rank={in_features}, out_per_rank={out_features}, tp_size={self.tp_size}"
+        return (
+            f"in_per_rank={self.in_per_rank}, out_per_rank={self.out_per_rank}, "
+            f"tp_size={self.tp_size}"
+        )
 
 
 class ColumnParallelLinear(_ShardedLinear):
