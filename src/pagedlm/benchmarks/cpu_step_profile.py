@@ -39,6 +39,9 @@ TIMED = [
     ("pagedlm_cpu.attention", "CpuSdpaBackend", "build_metadata", "attention metadata"),
     ("pagedlm.model_executor.models.causal_lm", "CausalLM", "forward", "model: norms, rope, act, ..."),
     ("pagedlm_cpu.attention", "CpuSdpaBackend", "forward", "attention (paged, SDPA)"),
+    # A decode step's layers in one function each (decode_layer.py): its GEMMs and SDPA
+    # bypass the rows above and below, so they count here.
+    ("pagedlm_cpu.decode_layer", "DecodeLayerKernel", "__call__", "decoder layers (one function)"),
     # The LM head before LinearBase: its own wrapper then shadows the base class's one.
     ("pagedlm.model_executor.layers.vocab_embedding", "ParallelLMHead", "apply_linear", "LM head GEMM"),
     ("pagedlm.model_executor.layers.linear_base", "LinearBase", "apply_linear", "linear layers (GEMMs)"),
