@@ -23,11 +23,11 @@ DEQUANTIZE_GGUF_ENV = "PAGEDLM_CPU_DEQUANTIZE_GGUF"
 """Set to 1 to compute GGUF models with dequantized weights (the parity reference) instead
 of the file's quantized blocks."""
 INT4_MAX_ROWS_ENV = "PAGEDLM_CPU_INT4_MAX_ROWS"
+"""Input rows up to which quantized layers use the int4 kernel (default
+``quantized_linear.DEFAULT_MAX_ROWS``); above, they dequantize and call F.linear."""
 NATIVE_BF16_ENV = "PAGEDLM_CPU_NATIVE_BF16"
 """``0``/``1``: treat this CPU as without/with native bf16 (the probe decides when unset).
 The test suite sets 0, so its default-dtype runs are float32 on every CI machine."""
-"""Input rows up to which quantized layers use the int4 kernel (default
-``quantized_linear.DEFAULT_MAX_ROWS``); above, they dequantize and call F.linear."""
 DENSE_FROM_ROWS_ENV = "PAGEDLM_CPU_DENSE_FROM_ROWS"
 """Rows (times the layer's 4-bit planes) from which a quantized layer computes on a dense
 copy of its weights (default ``row_split_linear.DEFAULT_DENSE_FROM_ROWS`` for the copy's
@@ -57,6 +57,32 @@ def has_amx() -> bool:
     if os.environ.get(NATIVE_BF16_ENV) == "0":
         return False
     return _cpu_probe("_is_amx_tile_supported")
+
+
+def has_fast_bf16_gemms() -> bool:
+    """True where oneDNN's bf16 GEMMs beat its float32 ones at every row count SmolLM2's
+    layers were measured at: CPUs with AMX, and AMD's with AVX512-BF16 (Zen 4: 47.2
+    against 76.8 ms for 32 rows of the 120 layers, 76.0 against 143.1 for 64, session 30).
+    Intel's AVX512-BF16 without AMX measured slower than float32 from 16 rows (session
+    9), so those CPUs get float32 copies."""
+    if has_amx():
+        return True
+    if os.environ.get(NATIVE_BF16_ENV) == "0":
+        return False
+    return _cpu_probe("_is_avx512_bf16_supported") and cpu_vendor() == "AuthenticAMD"
+
+
+def cpu_vendor() -> str:
+    """``vendor_id`` of /proc/cpuinfo (``GenuineIntel``, ``AuthenticAMD``); "" where it
+    cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def _available_memory_bytes() -> int | None:
@@ -165,11 +191,11 @@ class CpuPlatform(Platform):
         return install_int4_kernels(model, gguf_linear_blocks(model, config.model), max_rows)
 
     def _dense_copy_dtype(self) -> torch.dtype:
-        """bf16 copies where the model computes in bf16 and AMX multiplies them; float32
-        elsewhere (without AMX, oneDNN's bf16 GEMMs are no faster than float32 past a few
-        rows, and float32 copies are the dequantized float32 reference)."""
+        """bf16 copies where the model computes in bf16 and the CPU multiplies bf16 faster
+        than float32 (``has_fast_bf16_gemms``); float32 elsewhere (float32 copies are the
+        dequantized float32 reference)."""
         config = self._model_config
-        if config is not None and config.dtype == torch.bfloat16 and has_amx():
+        if config is not None and config.dtype == torch.bfloat16 and has_fast_bf16_gemms():
             return torch.bfloat16
         return torch.float32
 

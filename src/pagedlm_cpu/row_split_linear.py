@@ -9,8 +9,9 @@ while ``rows * planes < dense_from_rows`` (two 4-bit planes, Q5_* and Q8_0 codes
 the int4 kernel's work) and the copy from there on.
 
 The copy's dtype is the platform's choice (``CpuPlatform._install_dense_copies``): bf16
-where the CPU multiplies bf16 on AMX tiles and the model computes in bf16 (2.7x float32's
-rate at 32 rows, half its bytes), else float32. Either is what the dequantized path
+where the model computes in bf16 and the CPU multiplies bf16 faster than float32 (AMX
+tiles: 2.7x float32's rate at 32 rows; Zen 4's AVX512-BF16: 1.6x; half the bytes either
+way: ``platform.has_fast_bf16_gemms``), else float32. Either is what the dequantized path
 (``PAGEDLM_CPU_DEQUANTIZE_GGUF=1``) computes in that dtype, so the rows it serves match it
 up to summation order. The crossover with the int4 kernel depends on the copy
 (``DEFAULT_DENSE_FROM_ROWS``, measured on SmolLM2-135M's shapes with
@@ -41,7 +42,7 @@ from pagedlm_cpu.quantized_linear import DequantScratch, Int4Linear
 DEFAULT_DENSE_FROM_ROWS = {torch.float32: 16, torch.bfloat16: 8}
 """Per copy dtype, ``rows * planes`` from which a quantized layer uses its copy (measured
 crossovers: a float32 copy on oneDNN passes the int4 kernel between 8 and 16 rows of a
-4-bit layer, a bf16 copy on AMX between 4 and 8; docs/performance.md)."""
+4-bit layer, a bf16 copy between 4 and 8 on AMX and at 4-6 on Zen 4; docs/performance.md)."""
 
 
 class RowSplitLinear:

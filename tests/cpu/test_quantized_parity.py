@@ -169,7 +169,7 @@ def test_the_platforms_selection_stays_within_the_bound(runs):
     not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 on this CPU"
 )
 def test_bf16_copies_compute_what_the_bf16_dequantized_model_computes(tmp_path):
-    """A bf16 model on a CPU with AMX gets bf16 copies (``CpuPlatform._dense_copy_dtype``):
+    """A bf16 model on a CPU with fast bf16 GEMMs gets bf16 copies (``_dense_copy_dtype``):
     the rows they serve (a whole prefill here) see the dequantized weights rounded to bf16,
     as the bf16 model loaded with dequantized weights does, up to summation order."""
     path, prompts = _tiny_gguf(tmp_path)

@@ -161,19 +161,21 @@ def test_the_platform_reads_the_threshold_from_the_environment(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("model_dtype", "amx", "expected"),
+    ("model_dtype", "fast_bf16", "expected"),
     [
         (torch.bfloat16, True, torch.bfloat16),
         (torch.bfloat16, False, torch.float32),
         (torch.float32, True, torch.float32),
     ],
 )
-def test_the_copies_are_bf16_only_for_a_bf16_model_on_amx(monkeypatch, model_dtype, amx, expected):
+def test_the_copies_are_bf16_only_for_a_bf16_model_with_fast_bf16_gemms(
+    monkeypatch, model_dtype, fast_bf16, expected
+):
     from types import SimpleNamespace
 
     if expected == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        pytest.skip("oneDNN has no bf16 on this CPU (AMX is simulated here)")
-    monkeypatch.setattr(cpu_platform, "has_amx", lambda: amx)
+        pytest.skip("oneDNN has no bf16 on this CPU (fast bf16 is simulated here)")
+    monkeypatch.setattr(cpu_platform, "has_fast_bf16_gemms", lambda: fast_bf16)
     platform = cpu_platform.CpuPlatform()
     platform._model_config = SimpleNamespace(dtype=model_dtype)
     assert platform._dense_copy_dtype() == expected
@@ -189,3 +191,23 @@ def test_the_copies_are_bf16_only_for_a_bf16_model_on_amx(monkeypatch, model_dty
 def test_native_bf16_off_means_no_amx(monkeypatch):
     monkeypatch.setenv(cpu_platform.NATIVE_BF16_ENV, "0")
     assert not cpu_platform.has_amx()
+    assert not cpu_platform.has_fast_bf16_gemms()
+
+
+@pytest.mark.parametrize(
+    ("amx", "avx512_bf16", "vendor", "expected"),
+    [
+        (True, True, "GenuineIntel", True),
+        (False, True, "GenuineIntel", False),  # session 9's Xeon: bf16 slower from 16 rows
+        (False, True, "AuthenticAMD", True),  # Zen 4 (session 30)
+        (False, False, "AuthenticAMD", False),
+    ],
+)
+def test_fast_bf16_gemms_are_amx_or_amd_with_avx512_bf16(
+    monkeypatch, amx, avx512_bf16, vendor, expected
+):
+    monkeypatch.delenv(cpu_platform.NATIVE_BF16_ENV, raising=False)
+    probes = {"_is_amx_tile_supported": amx, "_is_avx512_bf16_supported": avx512_bf16}
+    monkeypatch.setattr(cpu_platform, "_cpu_probe", lambda name: probes[name])
+    monkeypatch.setattr(cpu_platform, "cpu_vendor", lambda: vendor)
+    assert cpu_platform.has_fast_bf16_gemms() == expected
