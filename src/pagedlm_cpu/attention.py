@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from pagedlm.attention.backend import AttentionBackend, BatchLayout
 from pagedlm.kv_cache import fp8
@@ -488,15 +487,7 @@ class DecodeOnlyStep:
             size, stride, offset = self._block_run_view(key_cache)
             keys = key_cache.as_strided(size, stride, key_cache.storage_offset() + offset)
             values = value_cache.as_strided(size, stride, value_cache.storage_offset() + offset)
-        return F.scaled_dot_product_attention(
-            query,
-            keys,
-            values,
-            attn_mask=self.key_mask,
-            is_causal=False,
-            scale=scale,
-            enable_gqa=True,
-        )
+        return _attend(query, keys, values, self.key_mask, scale, None, causal=False)
 
     def _block_run_view(self, cache: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
         """(size, stride, offset) of ``_decode_keys``' in-place view, for caches of

@@ -38,16 +38,14 @@ from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from pagedlm.model_executor.loader.gguf_blocks import GROUP_SIZE
 from pagedlm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from pagedlm_cpu.attention import CpuSdpaBackend, DecodeOnlyStep
-from pagedlm_cpu.fused_layers import NeoxRotary, rms_norm
+from pagedlm_cpu.fused_layers import NeoxRotary, rms_norm, rotate_heads
 from pagedlm_cpu.linear import OneDnnLinear
-from pagedlm_cpu.quantized_linear import Int4Linear
+from pagedlm_cpu.quantized_linear import INT4_MM, Int4Linear
 from pagedlm_cpu.row_split_linear import RowSplitLinear
 
 FAST_DECODE_ENV = "PAGEDLM_CPU_FAST_DECODE"
 """Set to 0 to run every decode step through the modules (no ``DecodeLayerKernel``)."""
 
-_INT4_MM = getattr(torch, "_weight_int4pack_mm_for_cpu", None)
-"""The op ``Int4Linear`` calls through ``torch.ops.aten``; this binding costs 1.1 us less."""
 _LINEAR_KERNELS = (Int4Linear, RowSplitLinear, OneDnnLinear)
 """Linear kernels a layer may have for ``DecodeLayerKernel`` to compute it (or none)."""
 
@@ -126,8 +124,6 @@ def _int4_linear(kernel: object, contiguous: bool) -> tuple[LinearFn, int] | Non
         most_rows = kernel.max_rows
     else:
         return None
-    if _INT4_MM is None:
-        return None
     assert isinstance(kernel, Int4Linear)
     packed, scale_zeros = kernel.packed, kernel.scale_zeros
     # scale_zeros [groups, padded rows, 2]: padded rows would need the output cut.
@@ -139,8 +135,8 @@ def _int4_linear(kernel: object, contiguous: bool) -> tuple[LinearFn, int] | Non
         return None
     most_rows = min(most_rows, kernel.max_rows)
     if contiguous:
-        return lambda x: _INT4_MM(x.contiguous(), packed, GROUP_SIZE, scale_zeros), most_rows
-    return lambda x: _INT4_MM(x, packed, GROUP_SIZE, scale_zeros), most_rows
+        return lambda x: INT4_MM(x.contiguous(), packed, GROUP_SIZE, scale_zeros), most_rows
+    return lambda x: INT4_MM(x, packed, GROUP_SIZE, scale_zeros), most_rows
 
 
 class DecodeLayerKernel:
@@ -282,8 +278,7 @@ class DecodeLayerKernel:
             both = qkv.as_strided(
                 (num_tokens, num_heads + num_kv_heads, head_dim), (row, head_dim, 1)
             )
-            rotated = torch.mul(both, cos)
-            rotated.addcmul_(torch.roll(both, head_dim // 2, dims=-1), sin)
+            rotated = rotate_heads(both, cos, sin)
             stride = rotated.stride()
             key = rotated.as_strided(
                 (num_tokens, num_kv_heads, head_dim), stride, num_heads * head_dim

@@ -136,9 +136,15 @@ class NeoxRotary:
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
     """x [T, n * head_dim] (or [T, n, head_dim]) -> rotated [T, n * head_dim], new."""
     heads = x.view(x.shape[0], -1, head_dim) if x.dim() == 2 else x
+    return rotate_heads(heads, cos, sin).view(x.shape[0], -1)
+
+
+def rotate_heads(heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """heads [T, n, head_dim] -> ``heads * [cos, cos] + roll(heads, d/2) * [-sin, sin]``
+    [T, n, head_dim], new (cos, sin: the [T, 1, head_dim] rows of ``NeoxRotary.rows``)."""
     out = torch.mul(heads, cos)
-    out.addcmul_(torch.roll(heads, head_dim // 2, dims=-1), sin)
-    return out.view(x.shape[0], -1)
+    out.addcmul_(torch.roll(heads, heads.shape[-1] // 2, dims=-1), sin)
+    return out
 
 
 def _adjacent_heads(query: torch.Tensor, key: torch.Tensor, head_dim: int) -> torch.Tensor | None:
