@@ -55,8 +55,9 @@ def _silu_and_mul_kernel(x: torch.Tensor) -> torch.Tensor:
 
 class SingleRowLinear:
     """A linear layer's kernel: one-row inputs (a lone sequence's decode step) through the
-    Triton GEMV, 2 to 16 rows of a 16-bit layer (a speculative verification step, a small
-    batch, a short chunk's padded piece) on Hopper through the few-row GEMM (``gemm_rows``),
+    Triton GEMV, 2 to 32 rows of a 16-bit layer (a speculative verification step, a small
+    batch, a short chunk's padded piece; from 17 rows not the LM head) on Hopper through
+    the few-row GEMM (``gemm_rows``),
     which both stream the weight faster than cuBLAS at those shapes; every other batch
     through ``F.linear``. The choice depends on the row count and dtypes only, so a step
     gives the same result from a CUDA graph or eagerly."""
@@ -77,7 +78,7 @@ class SingleRowLinear:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu_and_mul`` of this (gate over up) layer's output in the GEMV's (one row) or
-        the few-row GEMM's (2 to 16 rows) epilogue (``SiluAndMul.after``); None for other
+        the few-row GEMM's (2 to 32 rows) epilogue (``SiluAndMul.after``); None for other
         inputs."""
         from pagedlm_cuda.kernels.gemm_rows import gemm_rows
         from pagedlm_cuda.kernels.gemv import gemv
@@ -98,12 +99,14 @@ def _one_row(x: torch.Tensor) -> bool:
 
 
 def _few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """2 to 16 unit-stride rows of the weight's own 16-bit dtype: what ``gemm_rows`` takes."""
-    from pagedlm_cuda.kernels.gemm_rows import MAX_ROWS
+    """2 to ``_gemm_rows_max()`` unit-stride rows of the weight's own 16-bit dtype, where
+    ``gemm_rows`` beats cuBLAS: what it takes."""
+    from pagedlm_cuda.kernels.gemm_rows import beats_cublas
 
     return (
         x.dim() == 2
-        and 2 <= x.shape[0] <= MAX_ROWS
+        and 2 <= x.shape[0] <= _gemm_rows_max()
+        and beats_cublas(x.shape[0], weight.shape[0])
         and x.stride(1) == 1
         and weight.stride(1) == 1
         and x.dtype == weight.dtype
@@ -113,7 +116,7 @@ def _few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 GEMM_ROWS_ENV = "PAGEDLM_GEMM_ROWS"
-"""``0``: 2 to 16 rows go to ``F.linear`` again (to measure)."""
+"""``0``: 2 to 32 rows go to ``F.linear`` again (to measure)."""
 
 
 @functools.cache
@@ -128,8 +131,25 @@ def _gemm_rows_on() -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability() >= (9, 0)
 
 
+GEMM_ROWS_MAX_ENV = "PAGEDLM_GEMM_ROWS_MAX"
+"""The most rows the few-row GEMM takes (default ``gemm_rows.DEFAULT_ROWS_MAX``, at most
+``gemm_rows.MAX_ROWS``; to measure)."""
+
+
+@functools.cache
+def _gemm_rows_max() -> int:
+    from pagedlm_cuda.kernels.gemm_rows import DEFAULT_ROWS_MAX, MAX_ROWS
+
+    value = os.environ.get(GEMM_ROWS_MAX_ENV, str(DEFAULT_ROWS_MAX))
+    if not value.isdigit() or not 2 <= int(value) <= MAX_ROWS:
+        raise ValueError(
+            f"{GEMM_ROWS_MAX_ENV} must be a row count from 2 to {MAX_ROWS}; got {value!r}."
+        )
+    return int(value)
+
+
 GEMV_SILU_ENV = "PAGEDLM_GEMV_SILU"
-"""``0``: MLPs of 1 to 16 rows run SiLU-and-mul as a kernel of its own again (to measure)."""
+"""``0``: MLPs of 1 to 32 rows run SiLU-and-mul as a kernel of its own again (to measure)."""
 
 
 @functools.cache

@@ -178,7 +178,7 @@ def test_gemv_silu_and_mul_matches_the_two_kernels(dtype, n: int, config) -> Non
 
 def test_swiglu_mlp_runs_one_row_through_the_fused_epilogue(monkeypatch) -> None:
     """A Llama MLP on the platform's kernels: one row takes the fused GEMV and 3 rows the
-    fused few-row GEMM (the activation kernel is not called), 17 rows the two kernels, all
+    fused few-row GEMM (the activation kernel is not called), 33 rows the two kernels, all
     as the unfused layers compute; a linear kernel without the epilogue (a LoRA wrapper,
     say) keeps the two steps."""
     import pagedlm_cuda.fused_layers as fused_layers
@@ -195,16 +195,16 @@ def test_swiglu_mlp_runs_one_row_through_the_fused_epilogue(monkeypatch) -> None
     for linear in (mlp.gate_up_proj, mlp.down_proj):
         linear.weight.data.normal_(0, 0.1)
     mlp = mlp.to(DEVICE, torch.bfloat16)
-    x = torch.randn(17, 64, device=DEVICE).to(torch.bfloat16)
+    x = torch.randn(33, 64, device=DEVICE).to(torch.bfloat16)
     expected = [mlp(x[:1]), mlp(x[:3]), mlp(x)]  # torch code
     install_fused_kernels(mlp)
     calls = []
     kernel = mlp.act_fn.kernel
     mlp.act_fn.set_kernel(lambda h: calls.append(h.shape[0]) or kernel(h))
     got = [mlp(x[:1]), mlp(x[:3]), mlp(x)]
-    assert calls == [17]
+    assert calls == [33]
     for a, b in zip(got, expected):
         assert rel_error(a, b) < tolerance(torch.bfloat16)
     monkeypatch.setattr(fused_layers.SingleRowLinear, "silu_and_mul", None)
-    assert torch.equal(mlp(x[:1]), got[0]) and calls == [17, 1]
-    assert torch.equal(mlp(x[:3]), got[1]) and calls == [17, 1, 3]
+    assert torch.equal(mlp(x[:1]), got[0]) and calls == [33, 1]
+    assert torch.equal(mlp(x[:3]), got[1]) and calls == [33, 1, 3]

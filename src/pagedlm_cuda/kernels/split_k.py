@@ -26,8 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-SPLIT_PARTIALS = 8 * 65536
-"""Float32 parts a device's workspace holds (``N * split`` at most)."""
+SPLIT_PARTIALS = 4 * 2**20
+"""Float32 parts a device's workspace holds (``N * split`` at most; the few-row GEMM's
+``M * N * split``): 16 MiB."""
 SPLIT_BLOCKS = 65536
 """Row blocks its counts cover (``ceil(N / block_n)`` at most)."""
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
