@@ -137,12 +137,14 @@ def gemm_rows_config(n: int, k: int, rows: int = 16) -> GemmRowsConfig:
     128-column slices four deep (gate/up 80.3, LM head 343.4).
 
     17 to 32 rows, from the H100 sweep of qwen3-0.6b's at 32 rows (session 31):
-    128-column slices four deep, split four ways where the weight has at most 32 row
-    blocks (o 5.57 us against cuBLAS's 6.01, down 6.29 against 7.41; q/k/v unsplit 5.55
-    against 5.67, gate/up 6.52 against 7.60). More rows (where cuBLAS was as fast or
-    faster) take 64-column slices, which fit the shared memory at 128 rows."""
+    128-column slices four deep, split four ways where the weight has up to 4k rows of
+    at least 2k columns (o 5.57 us against cuBLAS's 6.01, down 6.29 against 7.41; q/k/v,
+    1k columns, unsplit 5.55 against 5.67 and split 8.66; gate/up 6.52 against 7.60).
+    llama-3-8b's o and down split as they do below 17 rows (not measured past 16 rows).
+    More rows (where cuBLAS was as fast or faster) take 64-column slices, which fit the
+    shared memory at 128 rows."""
     if rows > 16:
-        split = 4 if triton.cdiv(n, 64) <= 32 else 1
+        split = 4 if n <= 4096 and k >= 2048 else 1
         return GemmRowsConfig(64, 128 if rows <= 32 else 64, 4, 4, split)
     if n <= 4096:
         return GemmRowsConfig(64, 128, 4, 3, 4)
