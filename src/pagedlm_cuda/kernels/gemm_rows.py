@@ -178,8 +178,8 @@ def gemm_rows(
     config: GemmRowsConfig | tuple[int, ...] | None = None,
     silu_and_mul: bool = False,
 ) -> torch.Tensor:
-    """x [M, K] with 1 <= M <= ``MAX_ROWS`` (unit-stride rows), weight [N, K] (unit-stride rows, x's
-    dtype: float16 or bfloat16), bias [N] or None -> [M, N] in x's dtype.
+    """x [M, K] with 1 <= M <= ``MAX_ROWS`` (unit-stride rows), weight [N, K] (unit-stride
+    rows, x's dtype: float16 or bfloat16), bias [N] or None -> [M, N] in x's dtype.
     ``silu_and_mul``: the weight is a gate projection over an up projection (a SwiGLU
     MLP's merged one) and the result is ``silu(gate) * up`` [M, N / 2], as
     ``silu_and_mul`` computes it from the plain result (each program's rows are half gate
@@ -216,7 +216,6 @@ def gemm_rows(
         k_split, x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages, SPLIT=split,
         EVEN_K=k_split % cfg.block_k == 0, GATED=silu_and_mul, ROWS=padded_rows(m),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.stages, **pdl.launch_options(),
+        num_warps=cfg.num_warps, num_stages=cfg.stages, **pdl.launch_options(),
     )  # fmt: skip
     return out
