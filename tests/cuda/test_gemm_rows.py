@@ -103,7 +103,9 @@ def test_default_tiles_follow_the_row_count() -> None:
     assert gemm_rows_config(128256, 4096) == GemmRowsConfig(64, 128, 4, 4)
     assert gemm_rows_config(1024, 2048, rows=32) == GemmRowsConfig(64, 128, 4, 4, 4)
     assert gemm_rows_config(4096, 1024, rows=32).split_k == 1  # few columns: no split
-    assert gemm_rows_config(4096, 14336, rows=24).split_k == 4
+    assert gemm_rows_config(4096, 14336, rows=24) == GemmRowsConfig(64, 128, 4, 3, 4)
+    assert gemm_rows_config(28672, 4096, rows=32).stages == 3  # more programs than SMs
+    assert gemm_rows_config(6144, 4096, rows=32).stages == 4  # 96 programs: one per SM
     assert gemm_rows_config(6144, 4096, rows=128).block_k == 64  # fits the shared memory
 
 

@@ -117,6 +117,11 @@ def _store(
         tl.store(out_ptr + index, projected, mask=x_mask[None, :] & row_mask[:, None])
 
 
+ONE_WAVE_PROGRAMS = 128
+"""Above 16 rows, grids of up to this many programs (one per SM on a 132-SM Hopper) keep
+four stages in flight; larger ones take three, so that three programs share an SM."""
+
+
 class GemmRowsConfig(NamedTuple):
     """Weight rows per program (64 or 128: one or two warpgroups' MMA side), columns per
     slice, warps, slices in flight, and how many programs share a row block's columns."""
@@ -140,12 +145,19 @@ def gemm_rows_config(n: int, k: int, rows: int = 16) -> GemmRowsConfig:
     128-column slices four deep, split four ways where the weight has up to 4k rows of
     at least 2k columns (o 5.57 us against cuBLAS's 6.01, down 6.29 against 7.41; q/k/v,
     1k columns, unsplit 5.55 against 5.67 and split 8.66; gate/up 6.52 against 7.60).
-    llama-3-8b's o and down split as they do below 17 rows (not measured past 16 rows).
-    More rows (where cuBLAS was as fast or faster) take 64-column slices, which fit the
-    shared memory at 128 rows."""
+    Four stages hold 96 kB of shared memory at 32 rows, so two programs fit an SM: where
+    the grid has more programs than the GPU has SMs they take three (three programs per
+    SM). From the H100 sweep of llama-3-8b's at 20 to 32 rows (session 32; cuBLAS / four
+    stages / three): o 14.3 / 17.4 / 14.3 us at 20 rows (split four ways), down 43.0 /
+    45.7 / 41.8 (split), gate/up 83.3 / 82.3 / 79.3; q/k/v (96 programs) 20.6 / 19.2 /
+    21.5. More rows (where cuBLAS was as fast or faster) take 64-column slices, which fit
+    the shared memory at 128 rows."""
     if rows > 16:
         split = 4 if n <= 4096 and k >= 2048 else 1
-        return GemmRowsConfig(64, 128 if rows <= 32 else 64, 4, 4, split)
+        if rows > 32:
+            return GemmRowsConfig(64, 64, 4, 4, split)
+        one_per_sm = triton.cdiv(n, 64) * split <= ONE_WAVE_PROGRAMS
+        return GemmRowsConfig(64, 128, 4, 4 if one_per_sm else 3, split)
     if n <= 4096:
         return GemmRowsConfig(64, 128, 4, 3, 4)
     if n <= 8192:
