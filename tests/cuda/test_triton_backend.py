@@ -133,7 +133,7 @@ def test_attention_layer_runs_windowed_soft_capped_layers_on_triton() -> None:
         kv = TensorKVCache(
             tuple(cache.shape), 1, BLOCK_SIZE, cache.dtype, lambda s, d, c=cache: c.clone()
         )
-        ctx = ForwardContext(backend, backend.build_metadata(layout), kv)
+        ctx = ForwardContext(backend, backend.build_metadata(on_device(layout, backend.device)), kv)
         device = cache.device
         outs.append(layer(q.to(device), k.to(device), v.to(device), ctx).cpu())
     assert rel_error(outs[1], outs[0]) < 2e-3
