@@ -23,11 +23,20 @@ Invariants:
   exactly what the first graph reads.
 - A model whose forward cannot be captured (data-dependent shapes, such as a MoE layer's
   routing) keeps the eager path: capture fails once, at start-up, and is logged.
+- The sizes share their memory, since one step replays one size's pieces, start to end,
+  before any other size's: every size is captured on one stream into the graph runner's
+  pool, largest first, and once a size is captured its q/k/v are held by views that do
+  not own their memory (as torch's own CUDA graph trees hold graph outputs), so the next
+  size's capture reuses it; the attention outputs are the leading rows of the largest
+  size's. Without this each of the 20 sizes kept its own q/k/v and outputs for every
+  layer: 11,328 tokens' worth, 7 GB for llama-3-8b, allocated after the KV cache was
+  sized, which left an 80 GB GPU out of memory on a 12k-token prefill.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import os
 import time
@@ -102,6 +111,17 @@ def _output_like(query: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return query.new_zeros((query.shape[0], query.shape[1], value.shape[2]))
 
 
+def _unowned(tensor: torch.Tensor) -> torch.Tensor:
+    """A view of ``tensor``'s memory that does not keep it allocated: once the owning
+    tensors are gone, a graph pool may hand that memory to a later capture."""
+    storage = tensor.untyped_storage()
+    unowned = torch._C._construct_storage_from_data_pointer(
+        storage.data_ptr(), tensor.device, storage.nbytes()
+    )
+    view = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return view.set_(unowned, tensor.storage_offset(), tensor.shape, tensor.stride())
+
+
 class PiecewiseGraphs:
     def __init__(
         self,
@@ -117,6 +137,8 @@ class PiecewiseGraphs:
         self.step_inputs = step_inputs
         self.sizes = sizes
         self._pieces: dict[int, _Pieces] = {}
+        self._outs: list[torch.Tensor] = []
+        """The largest size's attention outputs; smaller sizes use their leading rows."""
         self.num_replays = 0
 
     @classmethod
@@ -143,12 +165,25 @@ class PiecewiseGraphs:
         return pieces
 
     def capture(self, pool: Any) -> None:
+        # The caching allocator reuses a freed block only for the stream it was allocated
+        # on: one stream for every size (the graph runner's, where it captured).
+        stream = torch.cuda.graph.default_capture_stream or torch.cuda.Stream()
         with torch.inference_mode():
             for size in reversed(self.sizes):
-                self._pieces[size] = self._capture_one(size, pool)
+                self._pieces[size] = self._capture_one(size, pool, stream)
         torch.cuda.synchronize()
 
-    def _capture_one(self, size: int, pool: Any) -> _Pieces:
+    def _shared_output(self, index: int, query: torch.Tensor, value: torch.Tensor):
+        """Attention call ``index``'s output: rows of the largest size's where it fits."""
+        out = self._outs[index] if index < len(self._outs) else None
+        rows, heads, dim = query.shape[0], query.shape[1], value.shape[2]
+        if out is None or out.shape[1:] != (heads, dim) or out.dtype != query.dtype:
+            out = _output_like(query, value)
+            if index == len(self._outs):
+                self._outs.append(out)
+        return out[:rows]
+
+    def _capture_one(self, size: int, pool: Any, stream: torch.cuda.Stream) -> _Pieces:
         input_ids, positions = self.step_inputs.token_buffers(size)
         shapes: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -162,7 +197,7 @@ class PiecewiseGraphs:
             positions,
             ForwardContext(_CallHook(self.attn_backend, warm), None, self.kv_cache),
         )
-        outs = [_output_like(query, value) for query, value in shapes]
+        outs = [self._shared_output(i, query, value) for i, (query, value) in enumerate(shapes)]
         shapes.clear()  # drop the warm-up tensors before capturing
         graphs = [torch.cuda.CUDAGraph() for _ in range(len(outs) + 1)]
         calls: list[_AttentionCall] = []
@@ -179,7 +214,6 @@ class PiecewiseGraphs:
             return outs[index]
 
         ctx = ForwardContext(_CallHook(self.attn_backend, split), None, self.kv_cache)
-        stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         torch.cuda.synchronize()
         with torch.cuda.stream(stream):
@@ -196,6 +230,14 @@ class PiecewiseGraphs:
                 f"the forward called attention {len(outs)} times warming up but "
                 f"{len(calls)} times while captured"
             )
+        # q/k/v live from their piece's end to their attention call, within this size's
+        # replay: their memory may serve the next size's capture.
+        calls = [
+            dataclasses.replace(
+                c, query=_unowned(c.query), key=_unowned(c.key), value=_unowned(c.value)
+            )
+            for c in calls
+        ]
         return _Pieces(graphs, calls, hidden)
 
     def padded_num_tokens(self, num_tokens: int) -> int | None:

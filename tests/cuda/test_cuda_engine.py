@@ -158,6 +158,43 @@ def test_piecewise_graphs_serve_mixed_steps_with_the_eager_tokens(
     assert [o.outputs[0].token_ids for o in outs] == eager
 
 
+def test_piecewise_sizes_share_their_memory(tmp_path) -> None:
+    """Capturing every size's pieces takes about what the largest size alone takes (one
+    step replays one size), not their sum: 11,328 tokens' q/k/v and outputs per layer
+    across the 20 sizes up to 2,048 tokens against 2,048 tokens' (5.5x)."""
+    from pagedlm_cuda.piecewise_graphs import PiecewiseGraphs, piece_sizes
+    from tiny_checkpoints import save_random_model
+
+    # Eight layers, so that the layers' q/k/v and outputs outweigh each size's own final
+    # hidden states (which stay its own) and the allocator's 2 MiB segments.
+    overrides = {"hidden_size": 256, "num_hidden_layers": 8, "max_position_embeddings": 1024}
+    save_random_model(tmp_path, "LlamaConfig", overrides)
+    llm = LLM(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=1024,
+              max_num_batched_tokens=2048)  # fmt: skip
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    sizes = piece_sizes(2048)
+    assert len(sizes) == 20
+
+    def captured_bytes(sizes: list[int]) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved()
+        pieces = PiecewiseGraphs(
+            runner.model, runner.kv_cache, runner.attn_backend, runner.step_inputs, sizes
+        )
+        pieces.capture(torch.cuda.graph_pool_handle())
+        torch.cuda.empty_cache()
+        used = torch.cuda.memory_reserved() - before
+        del pieces
+        return used
+
+    largest, every = captured_bytes(sizes[-1:]), captured_bytes(sizes)
+    print(f"pieces: largest size {largest / 2**20:.1f} MiB, all 20 sizes {every / 2**20:.1f} MiB")
+    assert every < 1.5 * largest
+    del llm
+    torch.cuda.empty_cache()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_programmatic_dependent_launch_changes_no_token(tiny_checkpoint, arch, monkeypatch):
     """Kernels that start while the previous one drains (PDL) compute what plainly
