@@ -91,7 +91,7 @@ class PagedRunner:
             starts.append(len(input_ids))
             seq_lens.append(context_len + len(tokens))
             tables.append(table)
-        layout = BatchLayout.from_lists(starts, seq_lens, tables, slots, bs)
+        layout = BatchLayout.from_lists(starts, seq_lens, tables, slots, bs, self.device)
         ctx = ForwardContext(self.backend, self.backend.build_metadata(layout), self.kv_cache)
         with torch.no_grad():
             ids = torch.tensor(input_ids, device=self.device)
