@@ -173,7 +173,7 @@ class PiecewiseGraphs:
                 self._pieces[size] = self._capture_one(size, pool, stream)
         torch.cuda.synchronize()
 
-    def _shared_output(self, index: int, query: torch.Tensor, value: torch.Tensor):
+    def _shared_output(self, index: int, query: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Attention call ``index``'s output: rows of the largest size's where it fits."""
         out = self._outs[index] if index < len(self._outs) else None
         rows, heads, dim = query.shape[0], query.shape[1], value.shape[2]
