@@ -10,7 +10,7 @@ def main() -> None:
     llm = LLM()  # no model given: the embedded SmolLM2-135M-Instruct GGUF
 
     answer = llm.chat(
-        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
         SamplingParams(temperature=0, max_tokens=32),
     )[0]
     print("chat:", answer.outputs[0].text.strip())
