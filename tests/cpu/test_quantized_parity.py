@@ -23,6 +23,10 @@ FLOAT32_FROM_ROWS = DEFAULT_DENSE_FROM_ROWS[torch.float32]
 pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="no CPU int4 kernel")
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+README_CHAT = [
+    {"role": "user", "content": "What is the capital of France? Answer in one sentence."}
+]
+"""The README's question (``CHAT`` is the question without its last sentence: a near tie)."""
 GREEDY_TOKENS = 16
 
 # The error is the bf16 rounding of activations, scales and outputs in the int4 kernel.
@@ -64,10 +68,15 @@ def _tiny_gguf(directory) -> tuple[str, list[list[int]]]:
 
 def _smollm2(path: str) -> tuple[str, list[list[int]]]:
     tokenizer = get_tokenizer(path)
-    chat = tokenizer.apply_chat_template(
-        CHAT, add_generation_prompt=True, tokenize=True, return_dict=False
-    )
-    return path, [list(chat), tokenizer.encode("Hello, my name is")]
+    chats = [
+        list(
+            tokenizer.apply_chat_template(
+                c, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for c in (CHAT, README_CHAT)
+    ]
+    return path, [*chats, tokenizer.encode("Hello, my name is")]
 
 
 @pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
