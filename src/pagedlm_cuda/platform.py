@@ -218,9 +218,21 @@ class CudaPlatform(Platform):
         return gather_step_inputs
 
     def capture_graphs(self, runner: object) -> GraphRunner | None:
+        """The runner's graphs; what they hold is logged, since it comes after the KV
+        cache was sized and must fit in the rest of ``gpu_memory_utilization``'s margin."""
         from pagedlm_cuda.graph_runner import CudaGraphRunner
 
-        return CudaGraphRunner.for_model_runner(runner)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        graphs = CudaGraphRunner.for_model_runner(runner)
+        torch.cuda.synchronize()
+        free = torch.cuda.mem_get_info()[0]
+        logger.info(
+            "CUDA graphs hold %.2f GiB; %.1f GiB of the GPU left free",
+            (torch.cuda.memory_reserved() - before) / 2**30,
+            free / 2**30,
+        )
+        return graphs
 
     def device_count(self) -> int | None:
         return torch.cuda.device_count()
