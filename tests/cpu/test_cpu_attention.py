@@ -10,6 +10,7 @@ import torch
 
 from pagedlm.attention.backend import BatchLayout
 from pagedlm_cpu import attention as cpu_attention
+from pagedlm_cpu import decode_matmuls
 from pagedlm_cpu.attention import CpuSdpaBackend, decode_partition
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_BLOCKS = 4, 2, 16, 64
@@ -284,6 +285,46 @@ def test_layers_of_one_step_share_the_decodes_gather_views():
     torch.manual_seed(1)
     tables = [[3], [7], [20 + i for i in range(12)]]
     layout, layers = _two_layer_step(tables, [(3, 1), (2, 1), (40, 5)], 4)
+    shared = _per_layer_outputs(layout, layers, shared_metadata=True)
+    fresh = _per_layer_outputs(layout, layers, shared_metadata=False)
+    for a, b in zip(shared, fresh, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert not torch.equal(shared[0], shared[1])
+
+
+MANY_DECODES = [(c, 1) for c in (0, 40, 3, 22, 9, 1, 33, 5, 17, 12, 2, 7, 30, 11, 4, 19)]
+"""Enough decodes in one group for ``decode_matmuls`` (bf16)."""
+
+
+@pytest.mark.parametrize("block_size", [16, 8])
+@pytest.mark.parametrize("with_chunk", [False, True])
+def test_many_bf16_decodes_take_the_matmuls_and_match_the_reference(
+    monkeypatch, block_size: int, with_chunk: bool
+) -> None:
+    calls = []
+    attend = decode_matmuls.attend_decodes
+    monkeypatch.setattr(
+        decode_matmuls, "attend_decodes", lambda *a: calls.append(a[0].shape) or attend(*a)
+    )
+    requests = MANY_DECODES + ([(20, 7)] if with_chunk else [])
+    out, reference, *_ = run_step(requests, block_size, seed=5, dtype=torch.bfloat16)
+    assert calls == [(len(MANY_DECODES), NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS, HEAD_DIM)]
+    torch.testing.assert_close(out.double(), reference, atol=2e-2, rtol=2e-2)
+    # Fewer decodes, or float32: SDPA, as before.
+    calls.clear()
+    run_step(MANY_DECODES[: decode_matmuls.MIN_DECODES - 1], block_size, dtype=torch.bfloat16)
+    run_step(MANY_DECODES, block_size)
+    assert calls == []
+
+
+def test_layers_of_one_step_share_the_matmul_decodes_gathers() -> None:
+    """As the SDPA path's: made by the first layer, reused by the next, also when a longer
+    chunk regrows the workspaces in between; the same bits as fresh metadata per layer."""
+    torch.manual_seed(2)
+    requests = [(3 + i % 9, 1) for i in range(16)] + [(40, 5)]
+    tables = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(16)] + [[50 + i for i in range(12)]]
+    layout, layers = _two_layer_step(tables, requests, 4)
+    layers = [tuple(t.bfloat16() for t in layer) for layer in layers]
     shared = _per_layer_outputs(layout, layers, shared_metadata=True)
     fresh = _per_layer_outputs(layout, layers, shared_metadata=False)
     for a, b in zip(shared, fresh, strict=True):
