@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import logging
+import os
 import time
 from collections import defaultdict
 from typing import Any
@@ -120,6 +122,9 @@ def build_llm(args: argparse.Namespace):
     shape name to a config directory. Returns ``(llm, model_dir)``."""
     from pagedlm import LLM
 
+    # The engine's start-up log (memory, KV cache, graphs) where asked for, as the
+    # engine's own processes read it.
+    logging.basicConfig(level=os.environ.get("PAGEDLM_LOG_LEVEL", "WARNING").upper())
     engine_args = cli_args.engine_args_from_cli(args)
     model_dir = resolve_model(engine_args.model or BENCH_ENGINE_DEFAULTS["model"])
     engine_args = dataclasses.replace(engine_args, model=model_dir)
