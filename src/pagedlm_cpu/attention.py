@@ -6,12 +6,12 @@ attention itself. Requests are split in two groups because they want different s
 
 - decodes (one query token each) are padded to the longest context and run as a batched
   SDPA call with a key-padding mask (16 or more bf16 decodes as two batched matmuls over
-  their keys copied kv head-major instead: ``decode_matmuls``); a large batch of decodes whose contexts differ much
-  is first sorted by context length and cut into up to ``MAX_DECODE_GROUPS`` groups of
-  equal size, one call each, so that short contexts are not padded to the longest one
-  (``decode_partition``: 256 decodes of 100-564 keys gather 30% fewer key slots in 4
-  groups and their SDPA calls take 1.8x less time; 256 prompts of 100-500 tokens decode
-  30% faster end to end);
+  their keys copied kv head-major instead: ``decode_matmuls``); a large batch of decodes
+  whose contexts differ much is first sorted by context length and cut into up to
+  ``MAX_DECODE_GROUPS`` groups of equal size, one call each, so that short contexts are
+  not padded to the longest one (``decode_partition``: 256 decodes of 100-564 keys gather
+  30% fewer key slots in 4 groups and their SDPA calls take 1.8x less time; 256 prompts of
+  100-500 tokens decode 30% faster end to end);
 - chunks of more than one token (prompts, chunked prefills) run one SDPA call each, with a
   causal mask shifted by the request's cached context length; a chunk without cached
   context attends to its own new K/V directly.
@@ -407,8 +407,9 @@ class CpuSdpaBackend(AttentionBackend):
         for SDPA (``_decode_keys``), then copied kv head-major into a second workspace.
         Gathering rows of one kv head's ``head_dim`` values straight into that order
         reads the same bytes in 9,216 pieces instead of 192 (32 decodes of 96 keys) and
-        took 160-194 us per call in the engine against 72-89 for the blocks plus ~34 for
-        the copy. The copy's view is made by the step's first layer."""
+        took 160-194 us per call in the engine against 72-101 for the blocks plus 36-49
+        for the copy. The copy's view is made by the step's first layer; decode groups
+        share the workspace, each copying into it right before its own attention."""
         blocks = self._decode_keys(which, cache, group, cache.dtype, None)
         out = group.by_heads.get((which, cache.dtype))
         if out is None:
