@@ -356,7 +356,7 @@ class CpuSdpaBackend(AttentionBackend):
         num_kv_heads = key_cache.shape[-2]
         q = q.reshape(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
         plain = key_mask is group.key_mask and logits_soft_cap is None and scales[0] is None
-        if plain and self.by_heads(group, q.dtype, key_cache.dtype):
+        if plain and self.decodes_by_matmuls(group, q.dtype, key_cache.dtype):
             out = self.attend_by_heads(q, key_cache, value_cache, group, scale)
         else:
             out = _attend(
@@ -371,7 +371,9 @@ class CpuSdpaBackend(AttentionBackend):
         return out.reshape(num_decodes, num_heads, head_dim)  # a view where SDPA allows
 
     @staticmethod
-    def by_heads(group: DecodeGroup, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    def decodes_by_matmuls(
+        group: DecodeGroup, dtype: torch.dtype, cache_dtype: torch.dtype
+    ) -> bool:
         """Whether ``group``'s decodes (without a window, soft cap or FP8 scales) go
         through ``decode_matmuls``: many of them, in a 16-bit dtype that is the cache's,
         their keys not read in place."""
@@ -395,13 +397,15 @@ class CpuSdpaBackend(AttentionBackend):
             group.by_heads["bias"] = decode_matmuls.key_bias(group.key_mask)
         return decode_matmuls.attend_decodes(
             query,
-            self._rows_by_heads(0, key_cache, group),
-            self._rows_by_heads(1, value_cache, group),
+            self._keys_heads_major(0, key_cache, group),
+            self._keys_heads_major(1, value_cache, group),
             group.by_heads["bias"],
             scale,
         )
 
-    def _rows_by_heads(self, which: int, cache: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+    def _keys_heads_major(
+        self, which: int, cache: torch.Tensor, group: DecodeGroup
+    ) -> torch.Tensor:
         """[num_decodes, kv_heads, num_key_slots, head_dim] the group's keys (``which``
         0) or values (1), each (decode, kv head)'s contiguous: gathered by whole blocks as
         for SDPA (``_decode_keys``), then copied kv head-major into a second workspace.
@@ -549,7 +553,7 @@ class DecodeOnlyStep:
         key_cache.view(-1, *key.shape[1:]).index_copy_(0, slots, key)
         value_cache.view(-1, *value.shape[1:]).index_copy_(0, slots, value)
         backend, group = self.backend, self.group
-        if backend.by_heads(group, query.dtype, key_cache.dtype):
+        if backend.decodes_by_matmuls(group, query.dtype, key_cache.dtype):
             return backend.attend_by_heads(query, key_cache, value_cache, group, scale)
         if self.group.block_run is None:
             dtype = query.dtype
