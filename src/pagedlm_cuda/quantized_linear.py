@@ -12,10 +12,12 @@ same result from a CUDA graph or eagerly:
   scaled afterwards). Shapes ``_scaled_mm`` cannot take (dimensions not multiples of 16)
   use the dequantizing reference.
 - GGUF (Q4_0/Q4_1/Q5_*/Q8_0 and Q2_K-Q6_K layers; a scale per 32 columns, per 16 for
-  layers with Q2_K, Q3_K or Q6_K rows): one row through ``gguf_gemv`` (or, with
-  ``PAGEDLM_GGUF_INT8_GEMV=1``, through ``gguf_gemv_int8``, x rounded to int8 per 32
-  columns as llama.cpp's and vLLM's GGUF kernels round it; not the default: slower in
-  W2 on an H100, session 18); up to ``max_tiled_rows`` through ``gguf_gemm``; more through a bf16 copy
+  layers with Q2_K, Q3_K or Q6_K rows): one row through ``gguf_gemv_half`` (float16
+  products for 16-bit x on 4-bit codes with a scale per 32 columns, ``gguf_gemv``'s
+  exact float32 ones otherwise or with ``PAGEDLM_GGUF_EXACT_GEMV=1``; with
+  ``PAGEDLM_GGUF_INT8_GEMV=1``, ``gguf_gemv_int8``, x rounded to int8 per 32 columns as
+  llama.cpp's and vLLM's GGUF kernels round it; not the default: slower in W2 on an H100,
+  session 18); up to ``max_tiled_rows`` through ``gguf_gemm``; more through a bf16 copy
   dequantized into a scratch buffer shared by the model's layers, then ``F.linear``.
 """
 
@@ -145,13 +147,17 @@ class GgufCudaLinear:
         max_tiled_rows: int = DEFAULT_MAX_TILED_ROWS,
     ) -> None:
         from pagedlm_cuda.kernels.gguf_gemv import gguf_gemv, pack_blocks
+        from pagedlm_cuda.kernels.gguf_gemv_half import gguf_gemv_half, half_gemv_enabled
         from pagedlm_cuda.kernels.gguf_gemv_int8 import gguf_gemv_int8, int8_gemv_enabled
 
         self.packed = pack_blocks(blocks.codes, blocks.scales, blocks.mins, device)
         self.bias = None if bias is None else bias.detach()
         self.scratch = scratch
         self.max_tiled_rows = max_tiled_rows
-        self.gemv = gguf_gemv_int8 if int8_gemv_enabled() else gguf_gemv
+        if int8_gemv_enabled():
+            self.gemv = gguf_gemv_int8
+        else:
+            self.gemv = gguf_gemv_half if half_gemv_enabled() else gguf_gemv
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         from pagedlm_cuda.kernels.gguf_gemm import dequantize_into, gguf_gemm

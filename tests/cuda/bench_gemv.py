@@ -1,12 +1,12 @@
 """The batch-1 GEMVs' speed on llama-3-8b's projections (GPU only; run it by hand).
 
-    python tests/cuda/bench_gemv.py [--kinds bf16 fp8 gguf4 gguf4i8 gguf8] [--sweep] [--budget-s 45]
-        [--best-json best.json]
+    python tests/cuda/bench_gemv.py [--kinds bf16 fp8 gguf4 gguf4i8 gguf4h gguf8] [--sweep]
+        [--configs N,K,W,S[,SPLIT] ...] [--budget-s 45] [--best-json best.json]
 
 ``--kinds``: which weights: ``bf16`` (``gemv``), ``fp8`` (``fp8_gemv``: E4M3 codes, a
 scale per row), ``gguf4`` (``gguf_gemv`` on Q4_0 blocks), ``gguf4i8``
-(``gguf_gemv_int8``, x rounded to int8, on the same blocks) and ``gguf8`` (``gguf_gemv`` on
-Q8_0 blocks); the budget is per kind.
+(``gguf_gemv_int8``, x rounded to int8, on the same blocks), ``gguf4h`` (``gguf_gemv_half``,
+float16 products, on the same blocks) and ``gguf8`` (``gguf_gemv`` on Q8_0 blocks); the budget is per kind.
 
 Each timing replays a CUDA graph of ``REPLAYS`` calls that rotate over copies of the weight
 whose total exceeds the H200's 50 MB L2 several times, so every call reads its weight from
@@ -34,6 +34,7 @@ from pagedlm.model_executor.quantization.fp8 import quantize_rows
 from pagedlm_cuda.kernels.fp8_gemv import fp8_gemv
 from pagedlm_cuda.kernels.gemv import GemvConfig, gemv, gemv_config
 from pagedlm_cuda.kernels.gguf_gemv import default_gemv_config, gguf_gemv, pack_blocks
+from pagedlm_cuda.kernels.gguf_gemv_half import gguf_gemv_half
 from pagedlm_cuda.kernels.gguf_gemv_int8 import gguf_gemv_int8
 
 PROJECTIONS = {
@@ -174,6 +175,10 @@ SWEEPS = {
     "fp8": (FP8_SMALL_SWEEP, FP8_LARGE_SWEEP),
     "gguf4": (GGUF_SMALL_SWEEP, GGUF_LARGE_SWEEP),
     "gguf4i8": (GGUF_SMALL_SWEEP, GGUF_LARGE_SWEEP),
+    "gguf4h": (
+        GGUF_SMALL_SWEEP,
+        GGUF_LARGE_SWEEP + [GemvConfig(8, 1024, 1, 3), GemvConfig(16, 1024, 1, 3)],
+    ),
     "gguf8": (GGUF_SMALL_SWEEP, GGUF_LARGE_SWEEP),
 }
 
@@ -224,6 +229,8 @@ class Kind:
             return fp8_gemv(x, w[0], w[1], None, config)
         if self.name == "gguf4i8":
             return gguf_gemv_int8(x, w, None, config)
+        if self.name == "gguf4h":
+            return gguf_gemv_half(x, w, None, config)
         return gguf_gemv(x, w, None, config)
 
     def default(self, n: int, k: int) -> GemvConfig:
@@ -231,6 +238,8 @@ class Kind:
             return default_gemv_config(self.copies[0])
         if self.name == "gguf4i8":
             return default_gemv_config(self.copies[0], int8=True)
+        if self.name == "gguf4h":
+            return default_gemv_config(self.copies[0], half=True)
         return gemv_config(n, k, self.name)
 
     def key(self, n: int, k: int) -> str:
@@ -309,6 +318,10 @@ def main() -> None:
     parser.add_argument(
         "--splits-only", action="store_true", help="sweep only the split-K tiles (GGUF)"
     )
+    parser.add_argument(
+        "--configs", nargs="+", default=None, metavar="N,K,W,S[,SPLIT]",
+        help="with --sweep: these tiles instead of the kind's sweep list",
+    )  # fmt: skip
     args = parser.parse_args()
     best: dict[str, list[int]] = {}
     if args.best_json and os.path.exists(args.best_json):
@@ -320,6 +333,8 @@ def main() -> None:
         for name in args.shapes:
             n, k = PROJECTIONS[name]
             configs = (small if n * k <= 6144 * 4096 else large) if args.sweep else []
+            if args.sweep and args.configs:
+                configs = [GemvConfig(*map(int, c.split(","))) for c in args.configs]
             if args.splits_only:
                 configs = [c for c in configs if c.split_k > 1]
             bench_shape(name, n, k, kind_name, configs, deadline, best)

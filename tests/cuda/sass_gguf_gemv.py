@@ -30,6 +30,7 @@ from triton.compiler import ASTSource
 
 from pagedlm_cuda.kernels.gemv import GemvConfig
 from pagedlm_cuda.kernels.gguf_gemv import LANES, MAGIC, _slice_products, gemv_kernel
+from pagedlm_cuda.kernels.gguf_gemv_half import _slice_half_products
 from pagedlm_cuda.kernels.gguf_gemv_int8 import _slice_terms
 
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -37,12 +38,17 @@ INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)
 
 
 def compile_gemv(
-    config: GemvConfig, bits: int, has_mins: bool, int8: bool = False, group: int = 32
+    config: GemvConfig,
+    bits: int,
+    has_mins: bool,
+    int8: bool = False,
+    group: int = 32,
+    half: bool = False,
 ) -> triton.compiler.CompiledKernel:
     kernel = gemv_kernel
     offset = (4 if bits == 4 else 32) if group == 16 else (8 if bits == 4 else 128)
     constants = dict(
-        SLICE=_slice_terms if int8 else _slice_products,
+        SLICE=_slice_terms if int8 else _slice_half_products if half else _slice_products,
         OFFSET=0 if has_mins else offset, BITS=bits, GROUP=group, HAS_MINS=has_mins,
         HAS_BIAS=False, BLOCK_N=config.block_n, BLOCK_G=config.block_k * bits // (LANES.value * 32),
         PIPELINE=config.pipeline_stages, EVEN_N=True, EVEN_K=True, SPLIT=1,
@@ -103,6 +109,7 @@ def main() -> None:
     parser.add_argument("--bits", nargs="+", type=int, default=[4, 8], choices=[4, 8])
     parser.add_argument("--mins", action="store_true", help="affine blocks (Q4_1, K-quants)")
     parser.add_argument("--int8", action="store_true", help="gguf_gemv_int8's kernel")
+    parser.add_argument("--half", action="store_true", help="gguf_gemv_half's kernel")
     parser.add_argument(
         "--group", type=int, default=32, choices=[16, 32],
         help="columns per scale: 16 is Q3_K (4-bit codes) or Q6_K (8-bit)",
@@ -113,7 +120,9 @@ def main() -> None:
     for bits in args.bits:
         for tiles in args.tiles:
             config = GemvConfig(*(int(v) for v in tiles.split(",")))
-            sass, usage = disassemble(compile_gemv(config, bits, args.mins, args.int8, args.group))
+            sass, usage = disassemble(
+                compile_gemv(config, bits, args.mins, args.int8, args.group, args.half)
+            )
             loop = main_loop(sass)
             weights = config.block_n * config.block_k / (32 * config.num_warps)
             counts = collections.Counter(opcode.split(".")[0] for _, opcode, _ in loop)

@@ -65,9 +65,11 @@ def test_gemv_tiles_match_float64(config: GemvConfig, shape: tuple[int, int]) ->
 
 
 def test_each_weight_kind_has_its_own_default_tiles() -> None:
-    """FP8 codes and GGUF blocks pipeline their loop (measured faster); bf16 does not."""
+    """FP8 codes and GGUF blocks pipeline their loop (measured faster); bf16 and the
+    float16-product GGUF GEMV do not."""
     for n in (4096, 6144, 28672):
         assert gemv_config(n, 4096).pipeline_stages == 1
+        assert gemv_config(n, 4096, "gguf4h").pipeline_stages == 1
         for kind in ("fp8", "gguf4", "gguf8"):
             assert gemv_config(n, 4096, kind).pipeline_stages == 3
 

@@ -21,6 +21,7 @@ from pagedlm_cuda.kernels.gguf_gemv import (
     pack_blocks,
     pack_words,
 )
+from pagedlm_cuda.kernels.gguf_gemv_half import gguf_gemv_half, takes_half_products
 from pagedlm_cuda.kernels.gguf_gemv_int8 import dp4a, gguf_gemv_int8
 from pagedlm_cuda.quantized_linear import DenseScratch, GgufCudaLinear
 
@@ -302,3 +303,66 @@ def test_layer_kernel_takes_the_int8_gemv_when_asked(monkeypatch) -> None:
     assert torch.equal(plain(x), gguf_gemv(x, plain.packed))
     assert torch.equal(int8(x), gguf_gemv_int8(x, int8.packed))
     assert not torch.equal(int8(x), plain(x))
+
+
+@pytest.mark.parametrize(
+    ("type_name", "shape", "config", "magnitude"),
+    [
+        ("Q4_0", (40, 256), None, 1.0),
+        ("Q4_1", (20, 1280), None, 1e5),  # masked slices
+        ("Q4_K", (36, 1280), (8, 128, 1, 2, 3), 1.0),  # masked rows, split over 3 programs
+        ("Q4_0", (32, 1024), (16, 256, 2, 2), 1e5),  # unmasked
+    ],
+)
+def test_half_products_stay_within_the_bf16_outputs_rounding(
+    type_name, shape, config, magnitude
+) -> None:
+    """float16 products on bf16 x: the result is as close to the float64 product as the
+    exact float32 kernel's (both rounded to bf16 at the end), and x as large as 1e5 does
+    not overflow the float16 sums (x is scaled by 2^-8 before them)."""
+    n, k = shape
+    blocks = blocks_of(type_name, n, k, seed=n + k)
+    packed = pack_blocks(blocks.codes, blocks.scales, blocks.mins, DEVICE)
+    x = (torch.randn(1, k) * magnitude).to(torch.bfloat16).to(DEVICE)
+    assert takes_half_products(x, packed)
+    ref = x.double().cpu() @ blocks.dequantize().double().T
+    half = gguf_gemv_half(x, packed, None, config)
+    exact = gguf_gemv(x, packed, None, config)
+    assert half.dtype == torch.bfloat16 and torch.isfinite(half).all()
+    assert rel_error(half, ref) < rel_error(exact, ref) + 1.5e-3
+
+
+def test_half_products_differ_from_the_exact_ones_only_in_rounding() -> None:
+    """In float16 x and output (11 significant bits), where the bf16 rounding does not hide
+    it: the half products' error is a few of the output's units, and not zero (they did
+    run)."""
+    blocks = blocks_of("Q4_0", 32, 1024, seed=5)
+    packed = pack_blocks(blocks.codes, blocks.scales, blocks.mins, DEVICE)
+    x = torch.randn(1, 1024, device=DEVICE, dtype=torch.float16)
+    ref = x.double().cpu() @ blocks.dequantize().double().T
+    half, exact = gguf_gemv_half(x, packed), gguf_gemv(x, packed)
+    assert not torch.equal(half, exact)
+    assert rel_error(exact, ref) < 5e-4 and rel_error(half, ref) < 1.5e-3
+
+
+@pytest.mark.parametrize(
+    ("type_name", "dtype"),
+    [("Q4_0", torch.float32), ("Q8_0", torch.bfloat16), ("Q3_K", torch.bfloat16)],
+)
+def test_half_products_leave_other_layers_to_the_exact_gemv(type_name, dtype) -> None:
+    """float32 x, 8-bit codes and scales per 16 columns keep ``gguf_gemv``'s products."""
+    blocks = blocks_of(type_name, 24, 256, seed=2)
+    packed = pack_blocks(blocks.codes, blocks.scales, blocks.mins, DEVICE)
+    x = torch.randn(1, 256, device=DEVICE).to(dtype)
+    assert not takes_half_products(x, packed)
+    assert torch.equal(gguf_gemv_half(x, packed), gguf_gemv(x, packed))
+
+
+def test_layer_kernel_takes_half_products_unless_asked_for_exact_ones(monkeypatch) -> None:
+    blocks = blocks_of("Q4_0", 48, 128, seed=9)
+    x = torch.randn(1, 128, device=DEVICE, dtype=torch.bfloat16)
+    default = GgufCudaLinear(blocks, None, DEVICE, DenseScratch())
+    monkeypatch.setenv("PAGEDLM_GGUF_EXACT_GEMV", "1")
+    exact = GgufCudaLinear(blocks, None, DEVICE, DenseScratch())
+    assert torch.equal(default(x), gguf_gemv_half(x, default.packed))
+    assert torch.equal(exact(x), gguf_gemv(x, exact.packed))

@@ -8,8 +8,10 @@ Parts (``--parts``, all by default), each comparison measured in this one proces
   a pool of random 18-byte blocks tiled over every tensor, so writing 4.5 GB takes seconds;
   norms F32 ones), run at batch 1 as W2 with its blocks kept on the GPU, against the bf16
   run of the ``fp8`` part or a bf16 run of its own (target: >= 2.8x the bf16 tok/s); once
-  per batch-1 GEMV of ``--gguf-gemvs``: ``float`` (``gguf_gemv``, the default one) and
-  ``int8`` (``gguf_gemv_int8``, x rounded to int8: ``PAGEDLM_GGUF_INT8_GEMV=1``), and
+  per batch-1 GEMV of ``--gguf-gemvs``: ``half`` (``gguf_gemv_half``, float16 products:
+  the default), ``float`` (``gguf_gemv``'s exact float32 products:
+  ``PAGEDLM_GGUF_EXACT_GEMV=1``) and ``int8`` (``gguf_gemv_int8``, x rounded to int8:
+  ``PAGEDLM_GGUF_INT8_GEMV=1``), and
   with ``--gemv-configs FILE`` each once more with its tiles from FILE (the ``fp8``
   part's two runs too);
 - ``kernels``: each Llama-3-8B projection at batch 1 through the bf16 GEMV, the FP8 GEMV
@@ -62,8 +64,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--gguf-gemvs",
         nargs="+",
-        default=["float", "int8"],
-        choices=["float", "int8"],
+        default=["half", "float"],
+        choices=["half", "float", "int8"],
         help="the batch-1 GGUF GEMVs to run W2 with",
     )
     group.add_argument(
@@ -193,12 +195,15 @@ def run_gguf(args: argparse.Namespace, results: dict[str, Any]) -> None:
         print(f"wrote {path} ({size / 1e9:.2f} GB) in {time.perf_counter() - start:.1f} s")
         bf16 = results.get("bf16_tok_per_s") or _w2(args, "bf16")
         results["bf16_tok_per_s"] = bf16
+        from pagedlm_cuda.kernels.gguf_gemv_half import EXACT_GEMV_ENV
         from pagedlm_cuda.kernels.gguf_gemv_int8 import INT8_GEMV_ENV
 
         for table, gemv in itertools.product(_tile_tables(args), args.gguf_gemvs):
-            suffix = ("" if gemv == "float" else f"_{gemv}") + ("_file_tiles" if table else "")
+            suffix = ("" if gemv == "half" else f"_{gemv}") + ("_file_tiles" if table else "")
             label = f"{gemv} GEMV" + (f", tiles from {table}" if table else "")
-            with _env(INT8_GEMV_ENV, "1" if gemv == "int8" else "0"), _tiles(table):
+            exact = "1" if gemv == "float" else "0"
+            int8 = "1" if gemv == "int8" else "0"
+            with _env(INT8_GEMV_ENV, int8), _env(EXACT_GEMV_ENV, exact), _tiles(table):
                 q4 = _w2(args, f"gguf q4_0, {label}", model=str(path), load_format="auto")
             results[f"gguf_q4_0{suffix}_tok_per_s"] = q4
             results[f"gguf_q4_0{suffix}_speedup"] = q4 / bf16

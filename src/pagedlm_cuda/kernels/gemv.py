@@ -129,11 +129,11 @@ num_warps, pipeline_stages]}`` (what ``tests/cuda/bench_gemv.py --best-json``
 writes) whose entries replace ``gemv_config``'s for those weight shapes and kinds
 (``WEIGHT_KINDS``; ``bf16`` where the key names none)."""
 
-WEIGHT_KINDS = ("bf16", "fp8", "gguf4", "gguf8", "gguf4i8", "gguf8i8")
+WEIGHT_KINDS = ("bf16", "fp8", "gguf4", "gguf8", "gguf4i8", "gguf8i8", "gguf4h")
 """What a GEMV streams per weight: 16-bit floats (bf16 or float16), FP8 codes with a scale
 per row, GGUF codes of 4 bits (eight per int32 word) or 8 bits (four per word) with a scale
 per 32 (``gguf_gemv``'s layout); ``i8``: the same codes against x rounded to int8
-(``gguf_gemv_int8``)."""
+(``gguf_gemv_int8``); ``gguf4h``: 4-bit codes with float16 products (``gguf_gemv_half``)."""
 
 
 @functools.cache
@@ -178,7 +178,13 @@ def gemv_config(n: int, k: int, kind: str = "bf16") -> GemvConfig:
     against 8.78 for (8, 1024, 1, 3, 2)). The int8 GGUF GEMV
     (``gguf4i8``/``gguf8i8``, session 17; the H100 sweep's best beat it on q/k/v only):
     16 rows of 512 columns in one warp, three slices in flight (2.1 per weight; x is
-    rounded once per program, so more rows per program pay for it)."""
+    rounded once per program, so more rows per program pay for it). The float16-product
+    GEMV (``gguf4h``, session 33, H100 sweep of 60 tiles per projection): 8 rows of 1024
+    columns, one slice at a time (its loads straight to registers: staged through shared
+    memory they stalled on its queue), two warps where the rows are many, else one warp
+    with the columns split 2 (q/k/v) or 4 ways (o, down): q/k/v 8.04 us, o 5.91, gate/up
+    26.86, down 15.45, LM head 108.18 (the exact GEMV's defaults: 9.81, 8.06, 31.72, 20.13,
+    115.25)."""
     chosen = _configs_from_env().get((n, k, kind))
     if chosen is not None:
         return chosen
@@ -186,6 +192,12 @@ def gemv_config(n: int, k: int, kind: str = "bf16") -> GemvConfig:
         if n <= 4096:
             return GemvConfig(16, 1024, 4, 3)
         return GemvConfig(16, 512 if n <= 8192 else 256, 4, 3)
+    if kind == "gguf4h":  # session 33 (H100): one stage, 1024-column slices
+        if n > 8192:
+            return GemvConfig(8, 1024, 2, 1)
+        if k > 8192 or n <= 4096:
+            return GemvConfig(8, 1024, 1, 1, 4)
+        return GemvConfig(8, 1024, 2, 1, 2)
     if kind == "gguf4" and n <= 8192:  # few row blocks: split each one's columns
         if k > 8192:
             return GemvConfig(8, 512, 1, 3, 4)

@@ -355,10 +355,11 @@ def _store_rows(y, rows, row_mask, bias_ptr, out_ptr, HAS_BIAS: tl.constexpr):
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-def default_gemv_config(weight: PackedGguf, int8: bool = False) -> GemvConfig:
+def default_gemv_config(weight: PackedGguf, int8: bool = False, half: bool = False) -> GemvConfig:
     """``gemv.gemv_config`` for the weight's kind (``gguf4`` / ``gguf8``; with ``int8``,
-    ``gguf4i8`` / ``gguf8i8``: the int8 GEMV's tiles)."""
-    kind = ("gguf4" if weight.bits == 4 else "gguf8") + ("i8" if int8 else "")
+    ``gguf4i8`` / ``gguf8i8``: the int8 GEMV's tiles; with ``half``, ``gguf4h``: the
+    float16-product GEMV's)."""
+    kind = ("gguf4" if weight.bits == 4 else "gguf8") + ("i8" if int8 else "h" if half else "")
     return gemv_config(weight.out_features, weight.in_features, kind)
 
 
