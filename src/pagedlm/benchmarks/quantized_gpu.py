@@ -15,9 +15,9 @@ Parts (``--parts``, all by default), each comparison measured in this one proces
   with ``--gemv-configs FILE`` each once more with its tiles from FILE (the ``fp8``
   part's two runs too);
 - ``kernels``: each Llama-3-8B projection at batch 1 through the bf16 GEMV, the FP8 GEMV
-  and the two Q4_0 GEMVs (float and int8), weights rotated over copies that exceed the L2,
-  from CUDA graphs: microseconds and achieved bandwidth against the H200's 4.8 TB/s
-  (``--bandwidth``).
+  and the three Q4_0 GEMVs (float16 products, exact, int8), weights rotated over copies
+  that exceed the L2, from CUDA graphs: microseconds and achieved bandwidth against the
+  H200's 4.8 TB/s (``--bandwidth``).
 
 Optional sweeps for tuning: ``--gemv-sweep`` times every (BLOCK_N, BLOCK_K, warps, stages)
 of a small grid for the FP8 and Q4_0 GEMVs per projection; ``--gemm-sweep`` times the GGUF

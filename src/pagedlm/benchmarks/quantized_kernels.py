@@ -78,6 +78,7 @@ def _kernel_calls(kind: str, x, weights, config=None) -> list[Callable[[], Any]]
     from pagedlm_cuda.kernels.fp8_gemv import fp8_gemv
     from pagedlm_cuda.kernels.gemv import gemv
     from pagedlm_cuda.kernels.gguf_gemv import gguf_gemv
+    from pagedlm_cuda.kernels.gguf_gemv_half import gguf_gemv_half
     from pagedlm_cuda.kernels.gguf_gemv_int8 import gguf_gemv_int8
 
     calls = []
@@ -89,6 +90,8 @@ def _kernel_calls(kind: str, x, weights, config=None) -> list[Callable[[], Any]]
             calls.append(lambda w=weight: fp8_gemv(x, w[0], w[1], None, config))
         elif kind == "q4_0_int8":
             calls.append(lambda w=weight: gguf_gemv_int8(x, w, None, config))
+        elif kind == "q4_0_half":
+            calls.append(lambda w=weight: gguf_gemv_half(x, w, None, config))
         else:
             calls.append(lambda w=weight: gguf_gemv(x, w, None, config))
     return calls
@@ -112,7 +115,8 @@ def projection_times(shape: dict[str, Any], bandwidth: float) -> dict[str, Any]:
         weights = _weights(n, k)
         row = {}
         weights["q4_0_int8"] = weights["q4_0"]  # the same blocks, x rounded to int8
-        for kind in ("bf16", "fp8", "q4_0", "q4_0_int8"):
+        weights["q4_0_half"] = weights["q4_0"]  # and with float16 products (the default)
+        for kind in ("bf16", "fp8", "q4_0_half", "q4_0", "q4_0_int8"):
             us = _graph_us(_kernel_calls(kind, x, weights[kind]))
             rate = _bytes(kind, weights[kind][0]) / (us * 1e-6)
             row[kind] = {"us": us, "bytes_per_s": rate, "of_peak": rate / bandwidth}
