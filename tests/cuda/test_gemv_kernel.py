@@ -65,12 +65,13 @@ def test_gemv_tiles_match_float64(config: GemvConfig, shape: tuple[int, int]) ->
 
 
 def test_each_weight_kind_has_its_own_default_tiles() -> None:
-    """FP8 codes and GGUF blocks pipeline their loop (measured faster); bf16 and the
-    float16-product GGUF GEMV do not."""
+    """FP8 codes and GGUF blocks pipeline their loop (measured faster); bf16, the
+    float16-product GGUF GEMV and 8-bit codes at q/k/v's shape do not."""
     for n in (4096, 6144, 28672):
         assert gemv_config(n, 4096).pipeline_stages == 1
         assert gemv_config(n, 4096, "gguf4h").pipeline_stages == 1
-        for kind in ("fp8", "gguf4", "gguf8"):
+        assert gemv_config(n, 4096, "gguf8").pipeline_stages == (1 if n == 6144 else 3)
+        for kind in ("fp8", "gguf4"):
             assert gemv_config(n, 4096, kind).pipeline_stages == 3
 
 
@@ -140,7 +141,8 @@ def test_configs_from_the_environment_replace_the_defaults(tmp_path, monkeypatch
         assert module.gemv_config(40, 1100, "fp8") == GemvConfig(8, 256, 4, 3)
         assert module.gemv_config(40, 1100, "gguf4") == GemvConfig(16, 512, 2, 3, 4)
         assert module.gemv_config(6144, 1100, "gguf4") == GemvConfig(8, 1024, 1, 3, 2)
-        assert module.gemv_config(40, 1100, "gguf8") == GemvConfig(8, 512, 1, 3)
+        assert module.gemv_config(40, 1100, "gguf8") == GemvConfig(8, 512, 1, 3, 4)
+        assert module.gemv_config(28672, 1100, "gguf8") == GemvConfig(8, 512, 1, 3)
         table.write_text('{"40,1100,gguf4": [8, 512, 1, 3, 4]}')  # split_k: a fifth
         module._configs_from_env.cache_clear()
         assert module.gemv_config(40, 1100, "gguf4") == GemvConfig(8, 512, 1, 3, 4)

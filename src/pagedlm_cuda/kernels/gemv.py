@@ -184,7 +184,9 @@ def gemv_config(n: int, k: int, kind: str = "bf16") -> GemvConfig:
     memory they stalled on its queue), two warps where the rows are many, else one warp
     with the columns split 2 (q/k/v) or 4 ways (o, down): q/k/v 8.04 us, o 5.91, gate/up
     26.86, down 15.45, LM head 108.18 (the exact GEMV's defaults: 9.81, 8.06, 31.72, 20.13,
-    115.25)."""
+    115.25). 8-bit codes (Q8_0; session 33, H100, 13 tiles): o and down split 4 ways (9.09
+    -> 8.05 us, 27.35 -> 24.55), q/k/v 16 rows of 1024 columns in 4 warps, one stage (15.58
+    -> 10.66); gate/up keeps its tile (45.12, the best 44.71)."""
     chosen = _configs_from_env().get((n, k, kind))
     if chosen is not None:
         return chosen
@@ -202,6 +204,10 @@ def gemv_config(n: int, k: int, kind: str = "bf16") -> GemvConfig:
         if k > 8192:
             return GemvConfig(8, 512, 1, 3, 4)
         return GemvConfig(16, 512, 2, 3, 4) if n <= 4096 else GemvConfig(8, 1024, 1, 3, 2)
+    if kind == "gguf8" and n <= 8192:  # session 33 (H100): split, or wider slices
+        if k > 8192 or n <= 4096:
+            return GemvConfig(8, 512, 1, 3, 4)
+        return GemvConfig(16, 1024, 4, 1)
     if kind in ("gguf4", "gguf8"):
         return GemvConfig(8, 512, 1, 3)
     if kind in ("gguf4i8", "gguf8i8"):
