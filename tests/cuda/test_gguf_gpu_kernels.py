@@ -312,22 +312,24 @@ def test_layer_kernel_takes_the_int8_gemv_when_asked(monkeypatch) -> None:
         ("Q4_1", (20, 1280), None, 1e5),  # masked slices
         ("Q4_K", (36, 1280), (8, 128, 1, 2, 3), 1.0),  # masked rows, split over 3 programs
         ("Q4_0", (32, 1024), (16, 256, 2, 2), 1e5),  # unmasked
+        ("Q4_1", (12, 96), (8, 64, 1, 1), 1.0),  # half a lane group of zero codes
     ],
 )
 def test_half_products_stay_within_the_bf16_outputs_rounding(
     type_name, shape, config, magnitude
 ) -> None:
-    """float16 products on bf16 x: the result is as close to the float64 product as the
-    exact float32 kernel's (both rounded to bf16 at the end), and x as large as 1e5 does
-    not overflow the float16 sums (x is scaled by 2^-8 before them)."""
+    """float16 products on bf16 x (and a bias): the result is as close to the float64
+    product as the exact float32 kernel's (both rounded to bf16 at the end), and x as large
+    as 1e5 does not overflow the float16 sums (x is scaled by 2^-8 before them)."""
     n, k = shape
     blocks = blocks_of(type_name, n, k, seed=n + k)
     packed = pack_blocks(blocks.codes, blocks.scales, blocks.mins, DEVICE)
     x = (torch.randn(1, k) * magnitude).to(torch.bfloat16).to(DEVICE)
     assert takes_half_products(x, packed)
-    ref = x.double().cpu() @ blocks.dequantize().double().T
-    half = gguf_gemv_half(x, packed, None, config)
-    exact = gguf_gemv(x, packed, None, config)
+    bias = torch.randn(n).to(torch.bfloat16).to(DEVICE)
+    ref = x.double().cpu() @ blocks.dequantize().double().T + bias.double().cpu()
+    half = gguf_gemv_half(x, packed, bias, config)
+    exact = gguf_gemv(x, packed, bias, config)
     assert half.dtype == torch.bfloat16 and torch.isfinite(half).all()
     assert rel_error(half, ref) < rel_error(exact, ref) + 1.5e-3
 
