@@ -5,8 +5,9 @@
 
 ``--kinds``: which weights: ``bf16`` (``gemv``), ``fp8`` (``fp8_gemv``: E4M3 codes, a
 scale per row), ``gguf4`` (``gguf_gemv`` on Q4_0 blocks), ``gguf4i8``
-(``gguf_gemv_int8``, x rounded to int8, on the same blocks), ``gguf4h`` (``gguf_gemv_half``,
-float16 products, on the same blocks) and ``gguf8`` (``gguf_gemv`` on Q8_0 blocks); the budget is per kind.
+(``gguf_gemv_int8``, x rounded to int8, on the same blocks), ``gguf4h``
+(``gguf_gemv_half``, float16 products, on the same blocks) and ``gguf8`` (``gguf_gemv`` on
+Q8_0 blocks); the budget is per kind.
 
 Each timing replays a CUDA graph of ``REPLAYS`` calls that rotate over copies of the weight
 whose total exceeds the H200's 50 MB L2 several times, so every call reads its weight from
@@ -170,15 +171,38 @@ GGUF_LARGE_SWEEP = [
     GemvConfig(128, 512, 8, 3),
     *GGUF_MORE_WARPS,
 ]
+# The float16-product GEMV (session 33, H100): one stage and 1024-column slices won on every
+# projection; these are the neighbourhood of its defaults, plus the exact GEMV's tiles.
+GGUF_HALF_SMALL_SWEEP = [
+    GemvConfig(8, 1024, 2, 1, 2),
+    GemvConfig(8, 1024, 1, 1, 4),
+    GemvConfig(8, 1024, 1, 1, 8),
+    GemvConfig(8, 1024, 1, 1, 2),
+    GemvConfig(8, 1024, 2, 1, 4),
+    GemvConfig(16, 512, 2, 1, 4),
+    GemvConfig(16, 512, 1, 1, 8),
+    GemvConfig(8, 512, 1, 2, 8),
+    GemvConfig(16, 512, 2, 3, 4),
+    GemvConfig(8, 512, 1, 3, 4),
+    GemvConfig(8, 1024, 1, 3, 2),
+]
+GGUF_HALF_LARGE_SWEEP = [
+    GemvConfig(8, 1024, 2, 1),
+    GemvConfig(8, 1024, 1, 1),
+    GemvConfig(8, 512, 1, 1),
+    GemvConfig(8, 512, 1, 2),
+    GemvConfig(16, 512, 1, 1),
+    GemvConfig(16, 512, 2, 1),
+    GemvConfig(16, 1024, 4, 1),
+    GemvConfig(8, 512, 1, 3),
+    GemvConfig(16, 512, 1, 3),
+]
 SWEEPS = {
     "bf16": (SMALL_SWEEP, LARGE_SWEEP),
     "fp8": (FP8_SMALL_SWEEP, FP8_LARGE_SWEEP),
     "gguf4": (GGUF_SMALL_SWEEP, GGUF_LARGE_SWEEP),
     "gguf4i8": (GGUF_SMALL_SWEEP, GGUF_LARGE_SWEEP),
-    "gguf4h": (
-        GGUF_SMALL_SWEEP,
-        GGUF_LARGE_SWEEP + [GemvConfig(8, 1024, 1, 3), GemvConfig(16, 1024, 1, 3)],
-    ),
+    "gguf4h": (GGUF_HALF_SMALL_SWEEP, GGUF_HALF_LARGE_SWEEP),
     "gguf8": (GGUF_SMALL_SWEEP, GGUF_LARGE_SWEEP),
 }
 
