@@ -1,7 +1,7 @@
 """Instructions per weight in the GGUF GEMV's loop, without a GPU.
 
     PYTHONPATH=src python tests/cuda/sass_gguf_gemv.py [--tiles 16,512,2,3 8,512,1,3]
-        [--bits 4 8] [--mins] [--int8] [--group 16] [--show-loop]
+        [--bits 4 8] [--mins] [--int8 | --half] [--group 16] [--show-loop]
 
 Compiles ``gguf_gemv``'s kernel for sm_90 with Triton's own ``ptxas`` (pointers and sizes
 16-divisible, as the JIT specializes llama-3-8b's shapes), disassembles it with the
@@ -12,7 +12,8 @@ the kernel is bound by whichever is slower, the bytes or the instructions issued
 instruction per cycle per SM quarter; integer logic at half the FP32 rate, ``I2F``
 conversions at a quarter), so this says how far the arithmetic sits from the bytes
 (``tests/cuda/bench_gemv.py --kinds gguf4`` times the kernel on a GPU). ``--int8``: the
-kernel with x rounded to int8 and ``dp4a`` products (``gguf_gemv_int8``).
+kernel with x rounded to int8 and ``dp4a`` products (``gguf_gemv_int8``); ``--half``: the
+kernel with float16 products (``gguf_gemv_half``; 4-bit codes, groups of 32).
 """
 
 from __future__ import annotations

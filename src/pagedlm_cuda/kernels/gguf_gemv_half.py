@@ -17,8 +17,8 @@ thread) are added in float16, then converted to float32 once, scaled and accumul
 float32. 2.9-3.6 loop instructions per weight at the default tiles
 (``tests/cuda/sass_gguf_gemv.py --half``).
 
-Rounding: each product and each of the 7 additions of a lane's 8 products is rounded to
-float16 (11 significant bits); everything after is float32. x is scaled by 2^-8 on its
+Rounding: a lane's 8 products are summed by a multiply, multiply-adds and adds that each
+round to float16 (11 significant bits); everything after is float32. x is scaled by 2^-8 on its
 way to float16 (the scales take 2^8 back), so the sums cannot overflow below |x| = 1.3e5,
 and x under 0.016 in magnitude, where float16 turns subnormal, keeps an absolute error
 under 8e-6. The result, rounded to bf16, is as close to the float64 product as the exact
