@@ -2,7 +2,10 @@
 
 Per step, ``build_metadata`` turns the block tables into index tensors and masks once, so
 the per-layer work is one scatter (the new K/V), a gather of whole blocks and the
-attention itself. Requests are split in two groups because they want different shapes:
+attention itself. A step's decodes skip the gather where they can: one decode whose
+blocks are consecutive reads them in place, and a decode group that continues the last
+step's reads the ``DecodeMirror`` (its keys kept kv head-major across steps, a token
+appended per step). Requests are split in two groups because they want different shapes:
 
 - decodes (one query token each) are padded to the longest context and run as a batched
   SDPA call with a key-padding mask (16 or more bf16 decodes as two batched matmuls over
@@ -31,6 +34,8 @@ causal mask: every row of a request sees all its keys (a decode's single row alr
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -40,9 +45,13 @@ import torch
 from pagedlm.attention.backend import AttentionBackend, BatchLayout
 from pagedlm.kv_cache import fp8
 from pagedlm_cpu import decode_matmuls
+from pagedlm_cpu.decode_mirror import DecodeMirror, MirrorPlan
 from pagedlm_cpu.invariant_attention import attend_per_token
 from pagedlm_cpu.sdpa import attend as _attend
 
+DECODE_MIRROR_ENV = "PAGEDLM_CPU_DECODE_MIRROR"
+"""Set to 0 to gather every decode's keys from the cache in every layer of every step
+instead of keeping them in a ``DecodeMirror``."""
 MAX_DECODE_GROUPS = 8
 """Most SDPA calls the step's decodes are split into (``decode_partition``)."""
 MIN_DECODE_GROUP = 32
@@ -90,6 +99,10 @@ class DecodeGroup:
     """The first block when there is one decode and its blocks are consecutive in the cache
     (``block_ids`` is ``first .. first + max_blocks - 1``): its keys and values are then
     read in place, a view of the cache, with no copy."""
+    mirror: MirrorPlan | None = None
+    """Where the step's one decode group is read from the backend's ``DecodeMirror``
+    (its keys kept kv head-major from step to step) instead of gathered: the group's plan;
+    None for a block run, several groups, or without the mirror."""
     key_views: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -157,6 +170,9 @@ class CpuSdpaBackend(AttentionBackend):
         super().__init__(device)
         self._workspaces: list[torch.Tensor | None] = [None, None]
         self._head_workspaces: list[torch.Tensor | None] = [None, None]
+        self._mirror = (
+            DecodeMirror() if os.environ.get(DECODE_MIRROR_ENV, "1") not in ("0", "") else None
+        )
 
     def build_metadata(self, layout: BatchLayout) -> CpuSdpaMetadata:
         query_lens = layout.query_lens_cpu
@@ -175,11 +191,33 @@ class CpuSdpaBackend(AttentionBackend):
                 self._decode_group(layout, decode_reqs[members])
                 for members in decode_partition(blocks)
             )
+        if self._mirror is not None:
+            groups = self._plan_mirror(layout, decode_reqs, groups)
         return CpuSdpaMetadata(
             slot_mapping=layout.slot_mapping.to(self.device, torch.long),
             decode_groups=groups,
             chunks=chunks,
         )
+
+    def _plan_mirror(
+        self, layout: BatchLayout, reqs: np.ndarray, groups: tuple[DecodeGroup, ...]
+    ) -> tuple[DecodeGroup, ...]:
+        """``groups`` with the mirror's plan on the one decode group that reads it: a step
+        with exactly one group, not read in place, outside batch-invariant mode. Any other
+        step makes the mirror forget its rows."""
+        mirror = self._mirror
+        assert mirror is not None
+        if len(groups) != 1 or groups[0].block_run is not None or self.batch_invariant:
+            mirror.forget()
+            return groups
+        group = groups[0]
+        seq_lens = layout.seq_lens_cpu[reqs]
+        max_blocks = -(-int(seq_lens.max()) // layout.block_size)
+        tables = layout.block_table[torch.from_numpy(reqs), :max_blocks].cpu().numpy()
+        rows = layout.query_start_loc_cpu[reqs]
+        slots = layout.slot_mapping.cpu().numpy()[rows]
+        plan = mirror.plan(tables, seq_lens, slots, layout.block_size)
+        return (dataclasses.replace(group, mirror=plan),)
 
     def _decode_group(self, layout: BatchLayout, reqs: np.ndarray) -> DecodeGroup:
         block_size = layout.block_size
@@ -413,8 +451,14 @@ class CpuSdpaBackend(AttentionBackend):
         reads the same bytes in 9,216 pieces instead of 192 (32 decodes of 96 keys) and
         took 160-194 us per call in the engine against 72-101 for the blocks plus 36-49
         for the copy. The copy's view is made by the step's first layer; decode groups
-        share the workspace, each copying into it right before its own attention."""
-        blocks = self._decode_keys(which, cache, group, cache.dtype, None)
+        share the workspace, each copying into it right before its own attention. A group
+        with a mirror plan reads the mirror, already in this order."""
+        if group.mirror is not None:
+            assert self._mirror is not None
+            mirrored = self._mirror.read(which, cache, group.mirror)
+            if mirrored is not None:
+                return mirrored
+        blocks = self._gather_decode_keys(which, cache, group, cache.dtype)
         out = group.by_heads.get((which, cache.dtype))
         if out is None:
             out = self._heads_workspace(which, blocks)
@@ -441,19 +485,32 @@ class CpuSdpaBackend(AttentionBackend):
     ) -> torch.Tensor:
         """[num_decodes, kv_heads, num_key_slots, head_dim] the decodes' keys (``which``
         0) or values (1) in ``dtype``: a view of the cache for one decode whose blocks are
-        consecutive, else gathered into the workspace through views made once per step
-        (a decode step of a small model is dominated by the number of torch calls)."""
+        consecutive, a view of the ``DecodeMirror`` for a group with a mirror plan, else
+        gathered into the workspace through views made once per step (a decode step of a
+        small model is dominated by the number of torch calls)."""
         num_kv_heads, head_dim = cache.shape[-2], cache.shape[-1]
         if scale is not None:  # FP8: gathered as bytes, then dequantized
             rows = self._read(which, cache, group.block_ids, dtype, scale)
             heads = rows.view(group.num_decodes, -1, num_kv_heads, head_dim)
             return heads[:, : group.num_key_slots].transpose(1, 2)
+        if group.mirror is not None and cache.dtype == dtype:
+            assert self._mirror is not None
+            mirrored = self._mirror.read(which, cache, group.mirror)
+            if mirrored is not None:
+                return mirrored
         if group.block_run is not None:
             count = group.block_ids.shape[0]
             blocks = cache[group.block_run : group.block_run + count]
             heads = blocks.view(1, -1, num_kv_heads, head_dim)[:, : group.num_key_slots]
             heads = heads.transpose(1, 2)
             return heads if cache.dtype == dtype else heads.to(dtype)
+        return self._gather_decode_keys(which, cache, group, dtype)
+
+    def _gather_decode_keys(
+        self, which: int, cache: torch.Tensor, group: DecodeGroup, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """``_decode_keys`` gathered into the workspace (no block run, no FP8 scales)."""
+        num_kv_heads, head_dim = cache.shape[-2], cache.shape[-1]
         views = group.key_views.get((which, cache.dtype))
         if views is None:
             blocks = self._workspace_blocks(which, cache, group.block_ids.shape[0])
