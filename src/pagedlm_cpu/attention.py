@@ -212,8 +212,7 @@ class CpuSdpaBackend(AttentionBackend):
             return groups
         group = groups[0]
         seq_lens = layout.seq_lens_cpu[reqs]
-        max_blocks = -(-int(seq_lens.max()) // layout.block_size)
-        tables = layout.block_table[torch.from_numpy(reqs), :max_blocks].cpu().numpy()
+        tables = group.block_ids.view(group.num_decodes, -1).cpu().numpy()
         rows = layout.query_start_loc_cpu[reqs]
         slots = layout.slot_mapping.cpu().numpy()[rows]
         plan = mirror.plan(tables, seq_lens, slots, layout.block_size)

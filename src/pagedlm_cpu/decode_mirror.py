@@ -61,8 +61,6 @@ class MirrorPlan:
     )
     """(kv_heads, width) -> (source rows in the cache, target rows in the mirror) of the
     new tokens, each a [num_rows * kv_heads] index over ``[-1, head_dim]`` views."""
-    rebuild: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    """generation of the layer's mirror -> (rows to gather, their flattened block ids)."""
 
 
 @dataclass
