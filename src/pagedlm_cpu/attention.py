@@ -452,11 +452,9 @@ class CpuSdpaBackend(AttentionBackend):
         for the copy. The copy's view is made by the step's first layer; decode groups
         share the workspace, each copying into it right before its own attention. A group
         with a mirror plan reads the mirror, already in this order."""
-        if group.mirror is not None:
-            assert self._mirror is not None
-            mirrored = self._mirror.read(which, cache, group.mirror)
-            if mirrored is not None:
-                return mirrored
+        mirrored = self._mirrored(which, cache, group)
+        if mirrored is not None:
+            return mirrored
         blocks = self._gather_decode_keys(which, cache, group, cache.dtype)
         out = group.by_heads.get((which, cache.dtype))
         if out is None:
@@ -492,11 +490,9 @@ class CpuSdpaBackend(AttentionBackend):
             rows = self._read(which, cache, group.block_ids, dtype, scale)
             heads = rows.view(group.num_decodes, -1, num_kv_heads, head_dim)
             return heads[:, : group.num_key_slots].transpose(1, 2)
-        if group.mirror is not None and cache.dtype == dtype:
-            assert self._mirror is not None
-            mirrored = self._mirror.read(which, cache, group.mirror)
-            if mirrored is not None:
-                return mirrored
+        mirrored = self._mirrored(which, cache, group) if cache.dtype == dtype else None
+        if mirrored is not None:
+            return mirrored
         if group.block_run is not None:
             count = group.block_ids.shape[0]
             blocks = cache[group.block_run : group.block_run + count]
@@ -504,6 +500,14 @@ class CpuSdpaBackend(AttentionBackend):
             heads = heads.transpose(1, 2)
             return heads if cache.dtype == dtype else heads.to(dtype)
         return self._gather_decode_keys(which, cache, group, dtype)
+
+    def _mirrored(self, which: int, cache: torch.Tensor, group: DecodeGroup) -> torch.Tensor | None:
+        """The group's keys or values from the ``DecodeMirror`` where it has a plan and
+        the mirror fits its share of the cache; None: gather them."""
+        if group.mirror is None:
+            return None
+        assert self._mirror is not None
+        return self._mirror.read(which, cache, group.mirror)
 
     def _gather_decode_keys(
         self, which: int, cache: torch.Tensor, group: DecodeGroup, dtype: torch.dtype
