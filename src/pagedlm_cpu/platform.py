@@ -28,6 +28,9 @@ INT4_MAX_ROWS_ENV = "PAGEDLM_CPU_INT4_MAX_ROWS"
 NATIVE_BF16_ENV = "PAGEDLM_CPU_NATIVE_BF16"
 """``0``/``1``: treat this CPU as without/with native bf16 (the probe decides when unset).
 The test suite sets 0, so its default-dtype runs are float32 on every CI machine."""
+INT8_LM_HEAD_ENV = "PAGEDLM_CPU_INT8_LM_HEAD"
+"""Set to 0 to keep a two-plane (Q5_*/Q8_0) LM head on the int4 kernel at one or two rows
+instead of fbgemm's int8 GEMM (``int8_rows``)."""
 DENSE_FROM_ROWS_ENV = "PAGEDLM_CPU_DENSE_FROM_ROWS"
 """Rows (times the layer's 4-bit planes) from which a quantized layer computes on a dense
 copy of its weights (default ``row_split_linear.DEFAULT_DENSE_FROM_ROWS`` for the copy's
@@ -137,12 +140,14 @@ class CpuPlatform(Platform):
 
         logger.info("CPU threads: %s", configure_threads().describe())
         quantized = self._install_quantized_kernels(model)
+        int8_head = self._install_int8_lm_head(model) if quantized else ""
         with_copies = self._install_dense_copies(model) if quantized else ""
         packed = prepack_linears(model)
         logger.info(
-            "CPU linear layers: %d on the GGUF file's quantized blocks (int4 kernel%s), %d "
+            "CPU linear layers: %d on the GGUF file's quantized blocks (int4 kernel%s%s), %d "
             "dense on oneDNN (%s=1 computes on dequantized weights).",
             quantized,
+            int8_head,
             with_copies,
             packed,
             DEQUANTIZE_GGUF_ENV,
@@ -189,6 +194,16 @@ class CpuPlatform(Platform):
                 f"got {os.environ[INT4_MAX_ROWS_ENV]!r}."
             ) from None
         return install_int4_kernels(model, gguf_linear_blocks(model, config.model), max_rows)
+
+    def _install_int8_lm_head(self, model: torch.nn.Module) -> str:
+        """Put a two-plane LM head's one or two rows on fbgemm's int8 GEMM; says so."""
+        if os.environ.get(INT8_LM_HEAD_ENV, "1") in ("", "0"):
+            return ""
+        from pagedlm_cpu.int8_rows import MAX_ROWS, install_int8_rows
+
+        if install_int8_rows(model) == 0:
+            return ""
+        return f"; the LM head's 1-{MAX_ROWS} rows on fbgemm int8 ({INT8_LM_HEAD_ENV}=0: int4)"
 
     def _dense_copy_dtype(self) -> torch.dtype:
         """bf16 copies where the model computes in bf16 and the CPU multiplies bf16 faster

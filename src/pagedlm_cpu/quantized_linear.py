@@ -18,6 +18,7 @@ activations are cast to bf16 and back whatever the model's dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -172,8 +173,17 @@ class Int4Linear:
         self.num_planes = planes.num_planes
         self.packed = planes.packed
         self.scale_zeros = planes.scale_zeros
+        self._few_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._few_rows_max = -1  # none
+
+    def serve_few_rows(self, kernel: Callable[[torch.Tensor], torch.Tensor], max_rows: int) -> None:
+        """Hand inputs of up to ``max_rows`` rows to ``kernel`` instead of the planes (an LM
+        head's two planes on fbgemm's int8 GEMM: ``int8_rows.install_int8_rows``)."""
+        self._few_rows, self._few_rows_max = kernel, max_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self._few_rows_max:
+            return self._few_rows(x)  # type: ignore[misc]
         if x.shape[0] > self.max_rows:
             return self._dense(x)
         # No-op conversions skipped: each call costs microseconds, a decode step makes 121.

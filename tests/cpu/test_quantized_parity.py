@@ -14,6 +14,7 @@ from pagedlm.model_executor.layers.linear_base import LinearBase
 from pagedlm.model_executor.loader import load_model
 from pagedlm.model_executor.loader.gguf_quantized import gguf_linear_blocks
 from pagedlm.tokenizer import get_tokenizer
+from pagedlm_cpu.int8_rows import install_int8_rows
 from pagedlm_cpu.quantized_linear import install_int4_kernels, int4_kernel_available
 from pagedlm_cpu.row_split_linear import DEFAULT_DENSE_FROM_ROWS, install_dense_copies
 
@@ -84,7 +85,8 @@ def runs(request, tmp_path_factory):
     """{path: (prompts, logprobs per prompt, greedy ids per prompt)} for the dequantized
     float32 weights, the int4 kernel, the int4 layers' large-batch (dequantizing) path, and
     what the CPU platform installs (the int4 kernel with float32 copies for larger batches:
-    the prefill runs on the copies, the two-row decodes on the int4 kernel)."""
+    the prefill runs on the copies, the two-row decodes on the int4 kernel, and the LM
+    head's on fbgemm's int8 GEMM where it is exact here)."""
     if request.param == "tiny":
         path, prompts = _tiny_gguf(tmp_path_factory.mktemp("parity"))
     else:
@@ -105,8 +107,13 @@ def runs(request, tmp_path_factory):
             logprobs, greedy, results[f"{kernel} choices"] = _run(model, prompts)
             results[kernel] = (prompts, logprobs, greedy)
         assert install_int4_kernels(model, blocks) == num_linears
+        install_int8_rows(model)  # the Q8_0 LM head's one- and two-row steps (the decodes)
         assert install_dense_copies(model, FLOAT32_FROM_ROWS, 1 << 40) == num_linears
         results["platform"] = (prompts, *_run(model, prompts)[:2])
+        # Each prompt alone, as the main job decodes: one row a step.
+        alone = [_run(model, [prompt]) for prompt in prompts]
+        results["alone"] = [greedy[0] for _, greedy, _ in alone]
+        results["alone choices"] = [choices[0] for _, _, choices in alone]
         # As the CPU platform loads it: each tensor read once, no float weights for the
         # layers the kernel replaces.
         kept = load_model(config.model, torch.device("cpu"), keep_gguf_blocks=True)
@@ -172,6 +179,23 @@ def test_the_platforms_selection_stays_within_the_bound(runs):
     assert max(diffs) <= (2e-4 if on_copies else MAX_LOGPROB_DIFF[runs["model"]]), diffs
     if runs["model"] != "tiny":
         assert selected_greedy == reference_greedy
+
+
+def test_the_platforms_decodes_of_one_request_stay_within_the_bound(runs):
+    """Each prompt decoded alone on what the platform installs (one row a step: the int4
+    layers, and for a Q8_0 LM head fbgemm's int8 GEMM): the logprob of each token the
+    reference chose, over the steps both chose alike, and the text they part at, if
+    they do, a near tie of the reference's."""
+    choices = runs["dequantized choices"]
+    for i, (expected, actual) in enumerate(zip(runs["dequantized"][2], runs["alone"])):
+        same = next((k for k, (e, a) in enumerate(zip(expected, actual)) if e != a), len(actual))
+        chosen = torch.tensor(expected[:same])[:, None]
+        selected = runs["alone choices"][i][:same].gather(1, chosen)
+        diff = (choices[i][:same].gather(1, chosen) - selected).abs().max().item()
+        assert diff <= MAX_LOGPROB_DIFF[runs["model"]], (i, diff)
+        if same < len(actual):
+            gap = choices[i][same, expected[same]] - choices[i][same, actual[same]]
+            assert 0 <= gap <= MAX_LOGPROB_DIFF[runs["model"]], (i, same, gap)
 
 
 @pytest.mark.skipif(
