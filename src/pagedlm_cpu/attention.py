@@ -427,21 +427,28 @@ class CpuSdpaBackend(AttentionBackend):
         value_cache: torch.Tensor,
         group: DecodeGroup,
         scale: float,
+        new: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``decode_matmuls.attend_decodes`` over the group's keys and values gathered by
-        kv head: query [num_decodes, kv_heads, group, head_dim] -> the same shape."""
+        kv head: query [num_decodes, kv_heads, group, head_dim] -> the same shape (``new``:
+        this step's (keys, values), which a mirror may append directly)."""
         if "bias" not in group.by_heads:
             group.by_heads["bias"] = decode_matmuls.key_bias(group.key_mask)
+        new_keys, new_values = (None, None) if new is None else new
         return decode_matmuls.attend_decodes(
             query,
-            self._keys_heads_major(0, key_cache, group),
-            self._keys_heads_major(1, value_cache, group),
+            self._keys_heads_major(0, key_cache, group, new_keys),
+            self._keys_heads_major(1, value_cache, group, new_values),
             group.by_heads["bias"],
             scale,
         )
 
     def _keys_heads_major(
-        self, which: int, cache: torch.Tensor, group: DecodeGroup
+        self,
+        which: int,
+        cache: torch.Tensor,
+        group: DecodeGroup,
+        new: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """[num_decodes, kv_heads, num_key_slots, head_dim] the group's keys (``which``
         0) or values (1), each (decode, kv head)'s contiguous: gathered by whole blocks as
@@ -452,7 +459,7 @@ class CpuSdpaBackend(AttentionBackend):
         for the copy. The copy's view is made by the step's first layer; decode groups
         share the workspace, each copying into it right before its own attention. A group
         with a mirror plan reads the mirror, already in this order."""
-        mirrored = self._mirrored(which, cache, group)
+        mirrored = self._mirrored(which, cache, group, new)
         if mirrored is not None:
             return mirrored
         blocks = self._gather_decode_keys(which, cache, group, cache.dtype)
@@ -479,18 +486,20 @@ class CpuSdpaBackend(AttentionBackend):
         group: DecodeGroup,
         dtype: torch.dtype,
         scale: torch.Tensor | None,
+        new: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """[num_decodes, kv_heads, num_key_slots, head_dim] the decodes' keys (``which``
         0) or values (1) in ``dtype``: a view of the cache for one decode whose blocks are
-        consecutive, a view of the ``DecodeMirror`` for a group with a mirror plan, else
-        gathered into the workspace through views made once per step (a decode step of a
-        small model is dominated by the number of torch calls)."""
+        consecutive, a view of the ``DecodeMirror`` for a group with a mirror plan (``new``:
+        this step's keys or values, which the mirror may append directly), else gathered
+        into the workspace through views made once per step (a decode step of a small
+        model is dominated by the number of torch calls)."""
         num_kv_heads, head_dim = cache.shape[-2], cache.shape[-1]
         if scale is not None:  # FP8: gathered as bytes, then dequantized
             rows = self._read(which, cache, group.block_ids, dtype, scale)
             heads = rows.view(group.num_decodes, -1, num_kv_heads, head_dim)
             return heads[:, : group.num_key_slots].transpose(1, 2)
-        mirrored = self._mirrored(which, cache, group) if cache.dtype == dtype else None
+        mirrored = self._mirrored(which, cache, group, new) if cache.dtype == dtype else None
         if mirrored is not None:
             return mirrored
         if group.block_run is not None:
@@ -501,13 +510,20 @@ class CpuSdpaBackend(AttentionBackend):
             return heads if cache.dtype == dtype else heads.to(dtype)
         return self._gather_decode_keys(which, cache, group, dtype)
 
-    def _mirrored(self, which: int, cache: torch.Tensor, group: DecodeGroup) -> torch.Tensor | None:
+    def _mirrored(
+        self,
+        which: int,
+        cache: torch.Tensor,
+        group: DecodeGroup,
+        new: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """The group's keys or values from the ``DecodeMirror`` where it has a plan and
-        the mirror fits its share of the cache; None: gather them."""
+        the mirror fits its share of the cache (``new``: this step's, as
+        ``DecodeMirror.read`` takes them); None: gather them."""
         if group.mirror is None:
             return None
         assert self._mirror is not None
-        return self._mirror.read(which, cache, group.mirror)
+        return self._mirror.read(which, cache, group.mirror, new)
 
     def _gather_decode_keys(
         self, which: int, cache: torch.Tensor, group: DecodeGroup, dtype: torch.dtype
@@ -614,11 +630,13 @@ class DecodeOnlyStep:
         value_cache.view(-1, *value.shape[1:]).index_copy_(0, slots, value)
         backend, group = self.backend, self.group
         if backend.decodes_by_matmuls(group, query.dtype, key_cache.dtype):
-            return backend.attend_by_heads(query, key_cache, value_cache, group, scale)
+            return backend.attend_by_heads(
+                query, key_cache, value_cache, group, scale, (key, value)
+            )
         if self.group.block_run is None:
             dtype = query.dtype
-            keys = self.backend._decode_keys(0, key_cache, self.group, dtype, None)
-            values = self.backend._decode_keys(1, value_cache, self.group, dtype, None)
+            keys = self.backend._decode_keys(0, key_cache, self.group, dtype, None, key)
+            values = self.backend._decode_keys(1, value_cache, self.group, dtype, None, value)
         else:
             size, stride, offset = self._block_run_view(key_cache)
             keys = key_cache.as_strided(size, stride, key_cache.storage_offset() + offset)

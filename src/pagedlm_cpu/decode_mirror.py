@@ -48,6 +48,8 @@ class MirrorPlan:
     generation: int
     num_rows: int
     num_key_slots: int
+    width: int
+    """Key positions each row holds: ``num_key_slots`` rounded up to whole blocks."""
     rows_kept: np.ndarray
     """[num_rows] bool: the row continues the previous step's row (append only)."""
     slots: np.ndarray
@@ -69,6 +71,9 @@ class _Buffer:
     """Flat; the mirror is its first ``rows * kv_heads * width * head_dim`` elements."""
     width: int = 0
     generation: int = -1
+    views: tuple[int, torch.Tensor, torch.Tensor] | None = None
+    """(rows, the mirror [rows, kv_heads, width, head_dim], its [-1, head_dim] rows) for
+    the buffer's current width: made once, not in every layer of every step."""
 
 
 class DecodeMirror:
@@ -109,56 +114,74 @@ class DecodeMirror:
             generation=self._generation,
             num_rows=rows,
             num_key_slots=int(seq_lens[0]) if rows == 1 else tables.shape[1] * block_size,
+            width=tables.shape[1] * block_size,
             rows_kept=kept,
             slots=slots.astype(np.int64),
             positions=seq_lens.astype(np.int64) - 1,
             block_ids=torch.from_numpy(tables.astype(np.int64)),
         )
 
-    def read(self, which: int, cache: torch.Tensor, plan: MirrorPlan) -> torch.Tensor | None:
+    def read(
+        self,
+        which: int,
+        cache: torch.Tensor,
+        plan: MirrorPlan,
+        new: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """[rows, kv_heads, num_key_slots, head_dim] the group's keys (``which`` 0) or
         values (1) of the layer whose cache is ``cache`` ([blocks, block_size, kv_heads,
         head_dim], already holding this step's new tokens), brought up to date; None
         where the mirror would exceed ``MAX_FRACTION`` of the cache (the caller gathers).
+        ``new``: the step's new tokens themselves ([rows, kv_heads, head_dim] in the
+        cache's dtype, what the cache got at the plan's slots), appended from there
+        instead of read back from the cache (one copy instead of two).
 
         The mirror is exactly as wide as the step's blocks (``width``): the batched
         matmuls then read each row's keys as one contiguous matrix per kv head, where a
         wider buffer made ``bmm`` copy them first. A step whose group is wider or narrower
         than the last (the longest context took a block, or left) gathers every row."""
-        num_blocks, block_size, kv_heads, head_dim = cache.shape
-        rows = plan.num_rows
-        width = -(-plan.num_key_slots // block_size) * block_size
-        if rows * width > MAX_FRACTION * num_blocks * block_size:
+        rows, width = plan.num_rows, plan.width
+        if rows * width > MAX_FRACTION * cache.shape[0] * cache.shape[1]:
             return None
-        buffer = self._buffer(cache, which, rows * kv_heads * width * head_dim)
-        if buffer.width != width:
-            buffer.width, buffer.generation = width, -1
-        numel = rows * kv_heads * width * head_dim
-        mirror = buffer.storage[:numel].view(rows, kv_heads, width, head_dim)
+        buffer = self._buffer(cache, which, rows, width)
+        views = buffer.views
+        if views is None or views[0] != rows:
+            kv_heads, head_dim = cache.shape[2], cache.shape[3]
+            mirror = buffer.storage[: rows * kv_heads * width * head_dim]
+            mirror = mirror.view(rows, kv_heads, width, head_dim)
+            views = buffer.views = (rows, mirror, mirror.view(-1, head_dim))
+        mirror, flat = views[1], views[2]
         if buffer.generation != plan.generation:  # not read yet in this step
-            source, target = self._indices(plan, kv_heads, width)
-            flat = mirror.view(-1, head_dim)
-            flat.index_copy_(0, target, cache.view(-1, head_dim).index_select(0, source))
+            source, target = self._indices(plan, mirror.shape[1], width)
+            if new is None:
+                new = cache.view(-1, flat.shape[1]).index_select(0, source)
+            flat.index_copy_(0, target, new.reshape(-1, flat.shape[1]))
             kept = plan.rows_kept if buffer.generation == plan.generation - 1 else None
             if kept is None or not kept.all():
                 self._rebuild(mirror, cache, plan, np.ones(rows, bool) if kept is None else ~kept)
             buffer.generation = plan.generation
         return mirror if width == plan.num_key_slots else mirror[:, :, : plan.num_key_slots]
 
-    def _buffer(self, cache: torch.Tensor, which: int, numel: int) -> _Buffer:
-        """The layer's buffer for keys or values, at least ``numel`` elements of the
-        cache's dtype (grown with headroom: a new buffer costs page faults on first touch,
-        and its rows must all be gathered again)."""
+    def _buffer(self, cache: torch.Tensor, which: int, rows: int, width: int) -> _Buffer:
+        """The layer's buffer for keys or values, large enough for ``rows`` rows of
+        ``width`` positions in the cache's dtype. A change of width invalidates its rows;
+        a new buffer (grown with headroom: first touches cost page faults) holds none."""
         key = (cache.data_ptr(), which)
-        buffer = self._buffers.pop(key, None)
+        buffer = self._buffers.get(key)
+        numel = rows * width * cache.shape[2] * cache.shape[3]
         if buffer is None:
             # Dropped with the cache (a worker put to sleep releases its KV cache).
             weakref.finalize(cache, self._buffers.pop, key, None)
-        elif buffer.storage.numel() >= numel and buffer.storage.dtype == cache.dtype:
-            self._buffers[key] = buffer
+        elif buffer.storage.numel() < numel or buffer.storage.dtype != cache.dtype:
+            del self._buffers[key], buffer  # the old buffer's memory first
+        elif buffer.width != width:
+            buffer.width, buffer.generation, buffer.views = width, -1, None
             return buffer
-        del buffer  # the old buffer's memory first
-        buffer = self._buffers[key] = _Buffer(torch.empty(numel * 5 // 4, dtype=cache.dtype))
+        else:
+            return buffer
+        buffer = self._buffers[key] = _Buffer(
+            torch.empty(numel * 5 // 4, dtype=cache.dtype), width=width
+        )
         return buffer
 
     @staticmethod

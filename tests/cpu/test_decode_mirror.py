@@ -55,9 +55,17 @@ def _step(backends, caches, requests, query_lens, dtype, generator):
     key = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
     value = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
     outs = []
-    for backend, (key_cache, value_cache) in zip(backends, caches):
+    for index, (backend, (key_cache, value_cache)) in enumerate(zip(backends, caches)):
         metadata = backend.build_metadata(layout)
-        outs.append(backend.forward(query, key, value, key_cache, value_cache, metadata, 0.35))
+        # The first backend's steps of decodes only go as the decoder layer's kernel takes
+        # them: through ``decode_only_step``, which hands the mirror the new keys.
+        step = backend.decode_only_step(metadata, tokens) if index == 0 else None
+        if step is None:
+            out = backend.forward(query, key, value, key_cache, value_cache, metadata, 0.35)
+        else:
+            grouped = query.view(tokens, KV_HEADS, GROUP, HEAD_DIM)
+            out = step(grouped, key, value, key_cache, value_cache, 0.35).reshape(query.shape)
+        outs.append(out)
     return outs
 
 
