@@ -154,10 +154,11 @@ class Int8RowsLinear:
         return result if result.dtype == x.dtype else result.to(x.dtype)
 
 
-def install_int8_rows(model: nn.Module) -> int:
+def install_int8_rows(model: nn.Module, budget_bytes: int | None = None) -> int:
     """Give the LM head of ``model`` an ``Int8RowsLinear`` for one or two rows where its
     int4 kernel reads two planes (a Q5_*/Q8_0 table); returns how many layers got one
-    (0 where fbgemm is missing or not exact).
+    (0 where fbgemm is missing or not exact, or where the int8 copies, a byte per weight
+    beside the planes, would exceed ``budget_bytes``).
 
     Only the LM head: it is where the bytes are (a third of SmolLM2's), and its rounding
     was measured on the logprobs it produces directly. Layers inside the model compound
@@ -166,15 +167,16 @@ def install_int8_rows(model: nn.Module) -> int:
     planes, 0.10 for one)."""
     if not fbgemm_is_exact():
         return 0
-    count = 0
-    for module in model.modules():
-        kernel = getattr(module, "kernel", None)
-        if (
-            isinstance(module, ParallelLMHead)
-            and isinstance(kernel, Int4Linear)
-            and kernel.num_planes == 2
-            and kernel.blocks is not None
-        ):
-            kernel.serve_few_rows(Int8RowsLinear.from_blocks(kernel.blocks, kernel.bias), MAX_ROWS)
-            count += 1
-    return count
+    heads = [
+        module.kernel
+        for module in model.modules()
+        if isinstance(module, ParallelLMHead)
+        and isinstance(module.kernel, Int4Linear)
+        and module.kernel.num_planes == 2
+        and module.kernel.blocks is not None
+    ]
+    if budget_bytes is not None and sum(h.blocks.codes.numel() for h in heads) > budget_bytes:
+        return 0
+    for kernel in heads:
+        kernel.serve_few_rows(Int8RowsLinear.from_blocks(kernel.blocks, kernel.bias), MAX_ROWS)
+    return len(heads)

@@ -201,7 +201,8 @@ class CpuPlatform(Platform):
             return ""
         from pagedlm_cpu.int8_rows import MAX_ROWS, install_int8_rows
 
-        if install_int8_rows(model) == 0:
+        available = _available_memory_bytes()
+        if install_int8_rows(model, None if available is None else available // 4) == 0:
             return ""
         return f"; the LM head's 1-{MAX_ROWS} rows on fbgemm int8 ({INT8_LM_HEAD_ENV}=0: int4)"
 

@@ -88,6 +88,11 @@ def test_install_gives_a_two_plane_lm_head_its_fewest_rows_only():
     torch.testing.assert_close(few, expected, rtol=0, atol=2e-2 * expected.abs().max().item())
     assert torch.equal(model.head(x), int4_head)  # more rows: the planes, as before
     assert isinstance(model.up.kernel, Int4Linear) and model.up.kernel._few_rows is None
+    # Not over the memory budget given (64 x 64 one-byte weights).
+    model = Tiny()
+    install_int4_kernels(model, {"head": random_blocks(64, 64, 8)})
+    assert install_int8_rows(model, budget_bytes=64 * 64 - 1) == 0
+    assert install_int8_rows(model, budget_bytes=64 * 64) == 1
     # A one-plane (4-bit) head gains nothing from int8: it keeps the int4 kernel.
     model = Tiny()
     install_int4_kernels(model, {"head": random_blocks(64, 64, 4)})
