@@ -105,6 +105,9 @@ class CpuPlatform(Platform):
     dist_backend = "gloo"
     supports_cuda_graphs = False
     default_attention_backend = "cpu_sdpa"
+    # One decode on consecutive blocks attends in place; elsewhere it reads a mirror that
+    # costs two appends per layer (0.6 ms a step for SmolLM2: docs/performance.md).
+    prefers_consecutive_blocks = True
     # A 2,048-token step keeps a step's activations ([tokens, intermediate] rows) nearer the
     # caches: its elementwise ops run at memory speed from 4,096 tokens on. Measured on
     # prompts of 100-500 tokens (docs/performance.md): 2,048 runs 11-27% faster than 8,192.

@@ -171,3 +171,18 @@ def test_cache_salt_enters_first_block_and_the_chain():
     update_block_hashes(salted, 2)
     assert plain.block_hashes[0] != salted.block_hashes[0]
     assert plain.block_hashes[1] != salted.block_hashes[1]
+
+
+def test_allocate_after_a_block_takes_the_free_blocks_that_follow_it():
+    pool = BlockPool(8, enable_caching=True)
+    blocks = pool.allocate(8)
+    pool.free([blocks[i] for i in (5, 0, 4, 1, 3, 2)])  # free queue: 5, 0, 4, 1, 3, 2
+    cached = blocks[3]
+    assert pool.cache(cached, _digest(3))
+    # Blocks 3 and 4 follow block 2 and are free (3 cached): taken first, out of LRU
+    # order; then block 5 is held, so the rest come from the head.
+    taken = pool.allocate(4, after=2)
+    assert [b.block_id for b in taken] == [3, 4, 5, 0]
+    assert cached.block_hash is None and pool.get_cached_block(_digest(3)) is None
+    assert _free_order(pool) == [1, 2]
+    assert [b.block_id for b in pool.allocate(1, after=7)] == [1]  # nothing follows 7

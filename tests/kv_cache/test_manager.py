@@ -192,3 +192,23 @@ def test_reset_prefix_cache():
     manager.free(first)
     assert manager.reset_prefix_cache()
     assert manager.get_computed_blocks(_request("b", list(range(9)))).num_computed_tokens == 0
+
+
+def test_consecutive_blocks_continue_a_prefix_hit_in_place():
+    """A platform that reads consecutive blocks in place (``prefers_consecutive_blocks``):
+    a request that hits a freed request's cached blocks gets the block after them, even
+    where it is cached and the LRU head is blank; without it, the head."""
+    for consecutive, expected, next_block in ((True, [0, 1, 2, 3], 4), (False, [0, 1, 2, 4], 5)):
+        manager = KVCacheManager(BLOCK, 8, enable_prefix_caching=True,
+                                 consecutive_blocks=consecutive)  # fmt: skip
+        first = _request("a", list(range(16)))
+        assert _admit(manager, first) == [0, 1, 2, 3]
+        manager.free(first)  # free queue: 4, 5, 6, 7, then a's blocks tail first
+        # The same prompt: blocks 0-2 hit (the last full block is recomputed), and one
+        # more block for tokens 12-15: block 3 (cached, recently freed) or the head.
+        again = _request("b", list(range(16)))
+        assert _admit(manager, again) == expected
+        again.append_output_token_ids([7])  # its first decode needs a fifth block
+        assert manager.allocate_slots(again, 1) == [next_block]
+        manager.free(again)
+        _assert_all_free(manager)

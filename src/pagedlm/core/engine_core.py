@@ -81,6 +81,7 @@ class EngineCore:
             record_kv_cache_events=kv_events.publishes,
             max_loras=None if config.lora is None else config.lora.max_loras,
             disjoint_steps=executor.max_concurrent_batches > 1,
+            consecutive_blocks=platform is not None and platform.prefers_consecutive_blocks,
         )
         self._kv_event_publisher = None
         if kv_events.publishes:

@@ -131,14 +131,19 @@ class OneBudgetScheduler(Scheduler):
         record_kv_cache_events: bool = False,
         max_loras: int | None = None,
         disjoint_steps: bool = False,
+        consecutive_blocks: bool = False,
     ) -> None:
         """``max_loras``: distinct adapters that may run at once (None: LoRA is off).
-        ``disjoint_steps``: the pipeline-parallel batch queue (see the module doc)."""
+        ``disjoint_steps``: the pipeline-parallel batch queue (see the module doc).
+        ``consecutive_blocks``: the platform's ``prefers_consecutive_blocks``."""
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
         self.kv_manager = KVCacheManager(
-            cache_config.block_size, num_blocks, cache_config.enable_prefix_caching
+            cache_config.block_size,
+            num_blocks,
+            cache_config.enable_prefix_caching,
+            consecutive_blocks=consecutive_blocks,
         )
         if record_kv_cache_events:
             self.kv_manager.pool.event_log = EventLog()

@@ -9,7 +9,11 @@ A block is in exactly one of three states:
 
 Allocation takes blocks from the head of the free queue (least recently freed) and drops
 their hash; freeing appends to the tail. A hit on a free cached block removes it from the
-middle of the queue, which the ``OrderedDict`` does in O(1).
+middle of the queue, which the ``OrderedDict`` does in O(1). An allocation told which block
+it continues (``after``) first takes the free blocks that follow that one, wherever they
+sit in the queue, so a request's table runs on in consecutive blocks where it can (for a
+platform whose attention reads those in place); a cached block taken that way loses its
+hash out of LRU order.
 """
 
 from __future__ import annotations
@@ -71,8 +75,10 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self._cached.get(block_hash)
 
-    def allocate(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Take ``num_blocks`` blank blocks from the head of the free queue (ref_cnt 1 each).
+    def allocate(self, num_blocks: int, after: int | None = None) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` blank blocks from the head of the free queue (ref_cnt 1 each);
+        with ``after`` (a block id), the blocks ``after + 1, after + 2, ...`` first, as long
+        as they are free.
 
         Cached blocks taken this way lose their hash: their content is about to be
         overwritten. Callers check ``num_free_blocks`` first.
@@ -83,8 +89,14 @@ class BlockPool:
                 "check num_free_blocks before allocating."
             )
         taken = []
+        following = None if after is None else after + 1
         for _ in range(num_blocks):
-            _, block = self._free_queue.popitem(last=False)
+            if following is not None and following in self._free_queue:
+                block = self._free_queue.pop(following)
+                following += 1
+            else:
+                _, block = self._free_queue.popitem(last=False)
+                following = None
             self._evict(block)
             block.ref_cnt = 1
             taken.append(block)

@@ -85,6 +85,10 @@ class Platform(ABC):
     where a step's activations should stay in the caches (CPU)."""
     supports_cuda_graphs: ClassVar[bool] = False
     """Uniform steps may be replayed from captured graphs (``capture_graphs``)."""
+    prefers_consecutive_blocks: ClassVar[bool] = False
+    """The attention reads a request's KV blocks in place where they are consecutive (the
+    CPU backend's single decode): the KV manager then gives a request the block after its
+    last one when that block is free, ahead of the free queue's LRU order."""
     profiles_memory: ClassVar[bool] = False
     """The model runner should run one forward at the largest batch before sizing the KV
     cache, so that ``kv_cache_memory_bytes`` can leave room for the activation peak."""
