@@ -173,16 +173,21 @@ def test_cache_salt_enters_first_block_and_the_chain():
     assert plain.block_hashes[1] != salted.block_hashes[1]
 
 
-def test_allocate_after_a_block_takes_the_free_blocks_that_follow_it():
-    pool = BlockPool(8, enable_caching=True)
-    blocks = pool.allocate(8)
-    pool.free([blocks[i] for i in (5, 0, 4, 1, 3, 2)])  # free queue: 5, 0, 4, 1, 3, 2
+def test_a_consecutive_pool_takes_the_free_block_after_the_last_one_taken():
+    pool = BlockPool(10, enable_caching=True, consecutive=True)
+    blocks = pool.allocate(10)
+    pool.free([blocks[i] for i in (8, 5, 0, 4, 1, 3, 2, 9)])  # queue: 8 5 0 4 1 3 2 9
     cached = blocks[3]
     assert pool.cache(cached, _digest(3))
-    # Blocks 3 and 4 follow block 2 and are free (3 cached): taken first, out of LRU
-    # order; then block 5 is held, so the rest come from the head.
-    taken = pool.allocate(4, after=2)
-    assert [b.block_id for b in taken] == [3, 4, 5, 0]
+    # 3 and 4 follow block 2 and are free (3 cached): taken first, out of LRU order; 5 is
+    # free too; 6 is held, so the head (8) comes next, then 9, which follows it.
+    taken = pool.allocate(5, after=2)
+    assert [b.block_id for b in taken] == [3, 4, 5, 8, 9]
     assert cached.block_hash is None and pool.get_cached_block(_digest(3)) is None
-    assert _free_order(pool) == [1, 2]
-    assert [b.block_id for b in pool.allocate(1, after=7)] == [1]  # nothing follows 7
+    assert _free_order(pool) == [0, 1, 2]
+    # No block to follow: the head, then the blocks after it.
+    assert [b.block_id for b in pool.allocate(2)] == [0, 1]
+    # A plain pool ignores ``after``: the LRU head.
+    plain = BlockPool(4, enable_caching=True)
+    assert [b.block_id for b in plain.allocate(2, after=1)] == [0, 1]
+    assert [b.block_id for b in plain.allocate(1, after=0)] == [2]

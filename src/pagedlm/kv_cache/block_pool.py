@@ -9,11 +9,12 @@ A block is in exactly one of three states:
 
 Allocation takes blocks from the head of the free queue (least recently freed) and drops
 their hash; freeing appends to the tail. A hit on a free cached block removes it from the
-middle of the queue, which the ``OrderedDict`` does in O(1). An allocation told which block
-it continues (``after``) first takes the free blocks that follow that one, wherever they
-sit in the queue, so a request's table runs on in consecutive blocks where it can (for a
-platform whose attention reads those in place); a cached block taken that way loses its
-hash out of LRU order.
+middle of the queue, which the ``OrderedDict`` does in O(1). A pool made ``consecutive``
+(for a platform whose attention reads consecutive blocks in place) takes, block by block,
+the free block after the one it took last (after ``after``, the request's last block, for
+the first), wherever it sits in the queue, and the queue's head only where that one is
+held: a request's table then runs on in consecutive blocks where it can. A cached block
+taken that way loses its hash out of LRU order.
 """
 
 from __future__ import annotations
@@ -49,11 +50,13 @@ class BlockPool:
     - With caching disabled no block is ever hashed.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, consecutive: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}.")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.consecutive = consecutive
+        """Allocations prefer the free block after the last one taken (module doc)."""
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
         self._free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (block.block_id, block) for block in self.blocks
@@ -77,8 +80,8 @@ class BlockPool:
 
     def allocate(self, num_blocks: int, after: int | None = None) -> list[KVCacheBlock]:
         """Take ``num_blocks`` blank blocks from the head of the free queue (ref_cnt 1 each);
-        with ``after`` (a block id), the blocks ``after + 1, after + 2, ...`` first, as long
-        as they are free.
+        in a ``consecutive`` pool, each the block after the one taken before it (after
+        ``after``, a block id, for the first) where that one is free.
 
         Cached blocks taken this way lose their hash: their content is about to be
         overwritten. Callers check ``num_free_blocks`` first.
@@ -89,14 +92,14 @@ class BlockPool:
                 "check num_free_blocks before allocating."
             )
         taken = []
-        following = None if after is None else after + 1
+        following = None if after is None or not self.consecutive else after + 1
         for _ in range(num_blocks):
             if following is not None and following in self._free_queue:
                 block = self._free_queue.pop(following)
-                following += 1
             else:
                 _, block = self._free_queue.popitem(last=False)
-                following = None
+            if self.consecutive:
+                following = block.block_id + 1
             self._evict(block)
             block.ref_cnt = 1
             taken.append(block)

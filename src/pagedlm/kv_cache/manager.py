@@ -55,14 +55,14 @@ class KVCacheManager:
         consecutive_blocks: bool = False,
     ) -> None:
         """``consecutive_blocks``: a request's fresh blocks continue its table where the
-        blocks after its last one are free (``BlockPool.allocate``'s ``after``)."""
+        blocks after its last one are free (a ``consecutive`` ``BlockPool``)."""
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}.")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.consecutive_blocks = consecutive_blocks
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, consecutive_blocks)
         self._tables: dict[str, list[KVCacheBlock]] = {}
         self._num_hashed: dict[str, int] = {}
         self.prefix_cache_queries = 0
@@ -144,11 +144,8 @@ class KVCacheManager:
             return None
 
         self.pool.touch(computed.blocks)
-        after = None
-        if self.consecutive_blocks:
-            last = computed.blocks[-1] if computed.blocks else (table[-1] if table else None)
-            after = None if last is None else last.block_id
-        new_blocks = self.pool.allocate(num_new_blocks, after=after)
+        last = computed.blocks[-1] if computed.blocks else (table[-1] if table else None)
+        new_blocks = self.pool.allocate(num_new_blocks, None if last is None else last.block_id)
         table = self._tables.setdefault(request.request_id, [])
         table.extend(computed.blocks)
         table.extend(new_blocks)
