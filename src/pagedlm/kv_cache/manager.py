@@ -61,7 +61,6 @@ class KVCacheManager:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self.consecutive_blocks = consecutive_blocks
         self.pool = BlockPool(num_blocks, enable_prefix_caching, consecutive_blocks)
         self._tables: dict[str, list[KVCacheBlock]] = {}
         self._num_hashed: dict[str, int] = {}
