@@ -16,13 +16,16 @@ def test_engines_run_interleaved_and_report_medians():
 
     def engine(name):
         def run(prompts):
-            calls.append(name)
+            calls.append((name, prompts[0][0]))
             return next(rates[name])
 
         return run
 
-    results = interleaved({"a": engine("a"), "b": engine("b")}, [[1, 2]], repeats=3)
-    assert calls == ["a", "b", "a", "b", "a", "b"]
+    results = interleaved(
+        {"a": engine("a"), "b": engine("b")}, lambda repeat: [[10 + repeat, 2]], repeats=3
+    )
+    # Each repeat's prompts go to every engine, and no repeat sees an earlier one's prompts.
+    assert calls == [("a", 10), ("b", 10), ("a", 11), ("b", 11), ("a", 12), ("b", 12)]
     assert results["a"][0] == 3.0 and results["a"][1] == [5.0, 1.0, 3.0]
     assert results["b"][0] == 2.0 and len(results["b"][2]) == 3  # one load average per run
 

@@ -8,7 +8,8 @@ llama.cpp, then again), each ``--repeats`` times per batch size, and the table r
 medians with the 1-minute load average seen around the runs (the machine may be shared).
 Every engine gets the same token-id prompts of exactly ``--prompt-len`` tokens, greedy
 decoding of exactly ``--output-len`` tokens (EOS ignored), and is timed on wall time with
-prefill included: output tokens / seconds.
+prefill included: output tokens / seconds. Each repeat draws new prompts (the same for
+every engine), so pagedlm's prefix cache never skips a prefill it did in an earlier run.
 
 - pagedlm: ``LLM(model)`` with its CPU defaults (GGUF layers on the int4 kernel);
   ``pagedlm-dequant``: the same with ``PAGEDLM_CPU_DEQUANTIZE_GGUF=1``.
@@ -116,15 +117,20 @@ def _timed(run: Callable[[], float]) -> tuple[float, float]:
 
 def interleaved(
     engines: dict[str, Callable[[list[list[int]]], float]],
-    prompts: list[list[int]],
+    prompts: Callable[[int], list[list[int]]],
     repeats: int,
 ) -> dict[str, tuple[float, list[float], list[float]]]:
-    """engine -> (median tok/s, every run's tok/s, load averages), runs interleaved."""
+    """engine -> (median tok/s, every run's tok/s, load averages), runs interleaved.
+
+    Repeat ``i`` gives every engine the prompts ``prompts(i)``: the same for all engines
+    within a repeat, new in each, so that no engine's run reuses an earlier run's work (a
+    prefix cache would skip the prefill of prompts it has seen)."""
     rates: dict[str, list[float]] = {name: [] for name in engines}
     loads: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(repeats):
+    for repeat in range(repeats):
+        batch = prompts(repeat)
         for name, run in engines.items():
-            rate, load = _timed(lambda run=run: run(prompts))
+            rate, load = _timed(lambda run=run, batch=batch: run(batch))
             rates[name].append(rate)
             loads[name].append(load)
     return {name: (statistics.median(rates[name]), rates[name], loads[name]) for name in engines}
@@ -210,8 +216,14 @@ def main() -> None:
         "batch  engine           tok/s (median)  runs                      load  vs llama.cpp  vs transformers"
     )
     for batch_size in args.batch_sizes:
-        prompts = random_prompts(vocab_size, [args.prompt_len] * batch_size, seed=batch_size)
-        results = interleaved(engines, prompts, args.repeats)
+        lengths = [args.prompt_len] * batch_size
+        results = interleaved(
+            engines,
+            lambda repeat, lengths=lengths: random_prompts(
+                vocab_size, lengths, seed=1000 * len(lengths) + repeat
+            ),
+            args.repeats,
+        )
         for name, (median, rates, loads) in results.items():
             versus = [
                 f"{median / results[other][0]:11.2f}x" if other in results else f"{'-':>12}"
