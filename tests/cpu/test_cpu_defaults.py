@@ -83,3 +83,34 @@ def test_a_cpu_step_takes_2048_tokens_unless_told_otherwise(tiny_checkpoint):
     assert budget() == 2048
     assert budget(max_num_batched_tokens=8192) == 8192
     assert budget(max_num_seqs=4096) == 4096
+
+
+def _mapping_flags(start: int, end: int) -> list[list[str]]:
+    """The ``VmFlags`` of every mapping of this process that overlaps [start, end)."""
+    found, overlaps = [], False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(part, 16) for part in head.split("-"))
+                overlaps = low < end and start < high
+            elif overlaps and head == "VmFlags:":
+                found.append(line.split()[1:])
+    assert found, "no mapping holds the range"
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_the_kv_cache_is_zeros_paged_in_lazily_without_asking_for_huge_pages():
+    size = 64 << 20
+    cache = cpu_platform.CpuPlatform().zeros((size // 2 // 192, 3, 64), torch.bfloat16)
+    assert cache.shape == (size // 2 // 192, 3, 64) and cache.dtype == torch.bfloat16
+    # numpy's calloc madvises large arrays for THP ("hg"): first writes then stalled a
+    # step for 4-5 ms each where THP is "madvise" (docs/performance.md, session 36).
+    start = cache.data_ptr()
+    assert all("hg" not in flags for flags in _mapping_flags(start, start + size))
+    rows = cache.view(-1, 192)
+    assert not rows[::2048].any()  # zeros, read a page in every 2,048 rows
+    rows[-1] = 1.0
+    del cache
+    assert rows[-1].eq(1.0).all() and not rows[0].any()  # a view keeps the mapping alive
