@@ -8,6 +8,7 @@ import mmap
 import os
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from pagedlm.platforms import Platform
@@ -263,11 +264,16 @@ class CpuPlatform(Platform):
         # "madvise" each first write to 2 MiB of the cache then stalled its step 4-5 ms in
         # the kernel's compaction (~0.3 s of a 13 s batch-32 run on Zen 4, against ~0.08 s
         # for the same memory in 4 KiB pages). The system's own THP policy still applies.
-        element = torch.empty((), dtype=dtype).element_size()
-        nbytes = max(math.prod(shape) * element, 1)
-        # The tensor holds a reference to the mapping, which lives as long as it does.
-        raw = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
-        return raw[: math.prod(shape) * element].view(dtype).view(shape)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if hasattr(mmap, "MAP_ANONYMOUS"):
+            # Private, as malloc's memory is (Python's default, MAP_SHARED, is shared
+            # memory: counted as shmem, and written through by a forked child). The tensor
+            # holds a reference to the mapping, which lives as long as it does.
+            mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            raw = torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]
+        else:  # Windows: numpy's calloc, lazy there too
+            raw = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8))
+        return raw.view(dtype).view(shape)
 
     def kv_cache_memory_bytes(self, bytes_per_block: int | None = None) -> int:
         if KVCACHE_SPACE_ENV in os.environ:

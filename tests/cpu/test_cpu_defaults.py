@@ -108,7 +108,9 @@ def test_the_kv_cache_is_zeros_paged_in_lazily_without_asking_for_huge_pages():
     # numpy's calloc madvises large arrays for THP ("hg"): first writes then stalled a
     # step for 4-5 ms each where THP is "madvise" (docs/performance.md, session 36).
     start = cache.data_ptr()
-    assert all("hg" not in flags for flags in _mapping_flags(start, start + size))
+    flags = _mapping_flags(start, start + size)
+    assert all("hg" not in f for f in flags)
+    assert all("sh" not in f for f in flags)  # private memory, as malloc's: not shmem
     rows = cache.view(-1, 192)
     assert not rows[::2048].any()  # zeros, read a page in every 2,048 rows
     rows[-1] = 1.0
