@@ -234,6 +234,9 @@ class ModelConfig:
     """"generate" (sample tokens) or "pooling" (one vector per prompt, no decoding)."""
     pooler: PoolerConfig | None = None
     """With ``runner="pooling"``: how prompts are pooled."""
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    """``SamplingParams`` fields a request that leaves them unset gets (from the model's
+    generation config: ``pagedlm.generation_config``); empty for pagedlm's own defaults."""
 
     @property
     def is_gguf(self) -> bool:

@@ -28,6 +28,7 @@ from pagedlm.config import (
     validate_positive,
 )
 from pagedlm.engine.speculative_args import parse_speculative_config
+from pagedlm.generation_config import sampling_defaults
 from pagedlm.kv_cache.fp8 import validate_kv_cache_dtype
 
 if TYPE_CHECKING:
@@ -115,6 +116,14 @@ class EngineArgs:
     trust_remote_code: bool = False
     """Let the tokenizer run code shipped with the checkpoint (transformers' flag); a
     checkpoint's model code is never run."""
+    generation_config: str = "auto"
+    """Where requests' default sampling parameters come from (vLLM's flag): "auto" the
+    model's generation_config.json (its temperature, top_p, top_k, min_p,
+    repetition_penalty, and max_new_tokens as the default max_tokens), "vllm" none
+    (pagedlm's own defaults), or a directory holding a generation_config.json."""
+    override_generation_config: dict[str, Any] | None = None
+    """Sets or replaces those defaults, as vLLM's JSON, e.g. '{"temperature": 0.5}' (alone
+    with generation_config="vllm")."""
     structured_outputs_backend: str = "xgrammar"
     """Grammar backend for structured outputs: "xgrammar" or "outlines"."""
     kv_events_config: str | None = None
@@ -309,6 +318,13 @@ class EngineArgs:
                 enforce_eager=self.enforce_eager,
                 runner=runner,
                 pooler=pooler,
+                sampling_defaults=(
+                    sampling_defaults(
+                        model, self.generation_config, self.override_generation_config
+                    )
+                    if runner == "generate"
+                    else {}
+                ),
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

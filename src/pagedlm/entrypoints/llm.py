@@ -177,6 +177,12 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use without ``sampling_params``: pagedlm's
+        defaults, with those of the model's generation config over them (vLLM's
+        ``generation_config``, ``pagedlm.generation_config``). A new object each call."""
+        return SamplingParams(**self.llm_engine.config.model.sampling_defaults)
+
     def get_metrics(self) -> list[Metric]:
         return self.llm_engine.get_metrics()
 
@@ -199,7 +205,9 @@ class LLM:
                 "runner='generate')."
             )
         prompts = _prompt_list(prompts)
-        params_list = _one_per_prompt(sampling_params or SamplingParams(), len(prompts))
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params_list = _one_per_prompt(sampling_params, len(prompts))
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(

@@ -303,6 +303,7 @@ def run_server(args: argparse.Namespace, core_launch: CoreLaunch | None = None) 
             loras=loras,
             structured_outputs_backend=engine.config.structured_outputs_backend,
             runner=engine.config.model.runner,
+            sampling_defaults=engine.config.model.sampling_defaults,
         )
         if tracer_provider is not None:
             from pagedlm.entrypoints.openai.tracing import RequestTracer

@@ -9,6 +9,7 @@ callers), with API-level limits and what must fit the engine's 64-bit wire forma
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from pydantic import Field
@@ -17,6 +18,7 @@ from pagedlm.entrypoints.openai.chat_message import ChatMessage
 from pagedlm.entrypoints.openai.errors import APIError, from_value_error
 from pagedlm.entrypoints.openai.request_body import RequestModel
 from pagedlm.entrypoints.openai.structured_request import structured_outputs_from_request
+from pagedlm.generation_config import request_fields
 from pagedlm.sampling_params import (
     MAX_LOGPROBS,
     MAX_TEMPERATURE,
@@ -110,33 +112,36 @@ class SamplingFields(OpenAIModel):
         max_tokens: int | None,
         logprobs: int | None,
         structured_outputs: StructuredOutputsParams | None = None,
+        defaults: Mapping[str, Any] | None = None,
     ) -> SamplingParams:
         """Engine parameters for this request; bad values -> ``APIError`` 400.
 
         ``structured_outputs`` (forced tool calls) replaces the request's own
-        ``response_format``/``structured_outputs``.
+        ``response_format``/``structured_outputs``. ``defaults``: the model's sampling
+        defaults (``ModelConfig.sampling_defaults``) for the fields the request leaves unset.
         """
         if structured_outputs is None:
             structured_outputs = structured_outputs_from_request(
                 self.response_format, self.requested_structured_outputs()
             )
+        requested = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "max_tokens": max_tokens,
+        }
         try:
             return SamplingParams(
                 n=self.n,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=-1 if self.top_k is None else self.top_k,
-                min_p=0.0 if self.min_p is None else self.min_p,
+                **request_fields(requested, defaults or {}),
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
-                repetition_penalty=(
-                    1.0 if self.repetition_penalty is None else self.repetition_penalty
-                ),
                 seed=self.seed,
                 stop=self.stop,
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
-                max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=self.prompt_logprobs,

@@ -179,7 +179,7 @@ class CountTokensRequest(AnthropicModel):
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
-    temperature: float = Field(1.0, ge=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=1)
     stream: bool = False

@@ -85,7 +85,7 @@ class ChatServer:
         }
         max_tokens = request.max_completion_tokens or request.max_tokens
         params = request.base_sampling_params(
-            max_tokens, request.num_logprobs(), plan.structured_outputs
+            max_tokens, request.num_logprobs(), plan.structured_outputs, ctx.sampling_defaults
         )
         request_id = ctx.request_id("chatcmpl")
         prompts = request.engine_prompts([prompt])

@@ -60,7 +60,9 @@ class CompletionServer:
                 param="max_tokens",
             )
         params = request.base_sampling_params(
-            max_tokens=1 if score_only else request.max_tokens, logprobs=request.logprobs
+            max_tokens=1 if score_only else request.max_tokens,
+            logprobs=request.logprobs,
+            defaults=ctx.sampling_defaults,
         )
         if request.echo and request.logprobs is not None:
             params.prompt_logprobs = max(params.prompt_logprobs or 0, request.logprobs)

@@ -69,6 +69,9 @@ class ServingContext:
     """The engine's grammar backend (what a request's ``guided_decoding_backend`` must name)."""
     runner: str = "generate"
     """The engine's runner: "pooling" serves /v1/embeddings and answers 400 to generation."""
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    """The model's defaults for sampling fields a request leaves unset (its generation
+    config: ``ModelConfig.sampling_defaults``); ``max_tokens`` there caps every request's."""
     tracer: Any = None
     """A ``tracing.RequestTracer`` with ``--otlp-traces-endpoint``, else None."""
     created: int = field(default_factory=lambda: int(time.time()))

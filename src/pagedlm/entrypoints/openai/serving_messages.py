@@ -26,6 +26,7 @@ from pagedlm.entrypoints.openai.serving_engine import (
     stream_or_collect,
 )
 from pagedlm.entrypoints.openai.structured_request import ToolPlan, plan_tools
+from pagedlm.generation_config import request_fields
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -119,12 +120,15 @@ class MessagesServer:
             continue_final_message=continues,
         ) or {"prompt_token_ids": await self._prompt(request, plan)}
         try:
+            requested = {
+                "temperature": request.temperature,
+                "top_p": request.top_p,
+                "top_k": request.top_k,
+                "max_tokens": request.max_tokens,
+            }
             params = SamplingParams(
-                temperature=request.temperature,
-                top_p=1.0 if request.top_p is None else request.top_p,
-                top_k=-1 if request.top_k is None else request.top_k,
+                **request_fields(requested, self.ctx.sampling_defaults),
                 stop=request.stop_sequences,
-                max_tokens=request.max_tokens,
                 output_kind=RequestOutputKind.DELTA,
                 structured_outputs=plan.structured_outputs,
             )

@@ -118,8 +118,8 @@ class ResponsesServer:
             "metadata": request.metadata or {},
             "parallel_tool_calls": request.parallel_tool_calls,
             "previous_response_id": request.previous_response_id,
-            "temperature": 1.0 if request.temperature is None else request.temperature,
-            "top_p": 1.0 if request.top_p is None else request.top_p,
+            "temperature": self._effective(request.temperature, "temperature"),
+            "top_p": self._effective(request.top_p, "top_p"),
             "tool_choice": request.tool_choice or self._default_tool_choice(request),
             "tools": request.tools or [],
             "text": {"format": text_format or {"type": "text"}},
@@ -128,6 +128,10 @@ class ResponsesServer:
             "background": False,
             "user": request.user,
         }
+
+    def _effective(self, value: float | None, name: str) -> float:
+        """A sampling field as the request runs it: its own, else the model's default."""
+        return value if value is not None else self.ctx.sampling_defaults.get(name, 1.0)
 
     def _default_tool_choice(self, request: ResponsesRequest) -> str:
         # as chat's: "auto" only where the server parses calls from free text
