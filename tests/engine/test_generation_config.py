@@ -100,9 +100,7 @@ def test_a_request_keeps_what_it_sets_and_takes_the_rest_from_the_defaults():
     }
 
 
-def test_llm_generates_with_the_models_defaults_unless_given_parameters(
-    tiny_checkpoint, tmp_path
-):
+def test_llm_generates_with_the_models_defaults_unless_given_parameters(tiny_checkpoint, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(tiny_checkpoint("llama"), model)
     config = json.loads((model / "generation_config.json").read_text())
