@@ -44,7 +44,7 @@ import torch
 
 from pagedlm.attention.backend import AttentionBackend, BatchLayout
 from pagedlm.kv_cache import fp8
-from pagedlm_cpu import decode_matmuls
+from pagedlm_cpu import decode_matmuls, decode_mirror
 from pagedlm_cpu.decode_mirror import DecodeMirror, MirrorPlan
 from pagedlm_cpu.invariant_attention import attend_per_token
 from pagedlm_cpu.sdpa import attend as _attend
@@ -173,6 +173,9 @@ class CpuSdpaBackend(AttentionBackend):
         self._mirror = (
             DecodeMirror() if os.environ.get(DECODE_MIRROR_ENV, "1") not in ("0", "") else None
         )
+        self._cache_slots: int | None = None
+        """Slots of one layer's cache, as the last ``forward`` saw it (every request's
+        prompt goes through ``forward`` before its first decode)."""
 
     def build_metadata(self, layout: BatchLayout) -> CpuSdpaMetadata:
         query_lens = layout.query_lens_cpu
@@ -187,9 +190,11 @@ class CpuSdpaBackend(AttentionBackend):
         groups: tuple[DecodeGroup, ...] = ()
         if len(decode_reqs):
             blocks = -(-layout.seq_lens_cpu[decode_reqs] // layout.block_size)
+            partition = decode_partition(blocks)
+            if len(partition) > 1 and self._mirrors_whole(blocks, layout.block_size):
+                partition = [np.arange(len(blocks))]
             groups = tuple(
-                self._decode_group(layout, decode_reqs[members])
-                for members in decode_partition(blocks)
+                self._decode_group(layout, decode_reqs[members]) for members in partition
             )
         if self._mirror is not None:
             groups = self._plan_mirror(layout, decode_reqs, groups)
@@ -198,6 +203,20 @@ class CpuSdpaBackend(AttentionBackend):
             decode_groups=groups,
             chunks=chunks,
         )
+
+    def _mirrors_whole(self, blocks: np.ndarray, block_size: int) -> bool:
+        """Whether the step's decodes, which ``decode_partition`` would split by length,
+        go as one group read from the mirror instead: where the mirror holds them all,
+        padded to the longest. Its appends replace the groups' gathers and head-major
+        copies in every layer, which cost more than the padded keys the matmuls then read.
+        64 decodes of SmolLM2 (bf16, one thread), median decode step, one group against
+        the partition's two: 205-228 against 286 ms for prompts of 100-500 tokens (one
+        group pads to 1.6x the keys), 255 against 366 for 30-700 (1.9x), 336-341 against
+        423 where 8 of the 64 are ~10x longer (5.2x), 379 against 501 at 10.5x
+        (docs/performance.md, session 36)."""
+        if self._mirror is None or self.batch_invariant or self._cache_slots is None:
+            return False
+        return decode_mirror.fits(len(blocks), int(blocks.max()) * block_size, self._cache_slots)
 
     def _plan_mirror(
         self, layout: BatchLayout, reqs: np.ndarray, groups: tuple[DecodeGroup, ...]
@@ -301,6 +320,7 @@ class CpuSdpaBackend(AttentionBackend):
                 "cpu_sdpa has no bidirectional sliding-window or batch-invariant attention; "
                 "a layer asks for causal=False together with one of them."
             )
+        self._cache_slots = key_cache.shape[0] * key_cache.shape[1]
         # Write first: a request may read slots that another request fills in this step.
         _write(key_cache, key, metadata.slot_mapping, k_scale)
         _write(value_cache, value, metadata.slot_mapping, v_scale)

@@ -41,6 +41,12 @@ MAX_FRACTION = 0.25
 """Largest share of a layer's cache one mirror (keys or values) may take."""
 
 
+def fits(rows: int, width: int, cache_slots: int) -> bool:
+    """Whether a mirror of ``rows`` rows of ``width`` key positions stays within
+    ``MAX_FRACTION`` of a layer's cache of ``cache_slots`` slots."""
+    return rows * width <= MAX_FRACTION * cache_slots
+
+
 @dataclass
 class MirrorPlan:
     """What one step's decode group does to every layer's mirror (made by ``plan``)."""
@@ -141,7 +147,7 @@ class DecodeMirror:
         wider buffer made ``bmm`` copy them first. A step whose group is wider or narrower
         than the last (the longest context took a block, or left) gathers every row."""
         rows, width = plan.num_rows, plan.width
-        if rows * width > MAX_FRACTION * cache.shape[0] * cache.shape[1]:
+        if not fits(rows, width, cache.shape[0] * cache.shape[1]):
             return None
         buffer = self._buffer(cache, which, rows, width)
         views = buffer.views

@@ -160,3 +160,49 @@ def test_the_mirror_goes_with_the_cache():
     del caches
     gc.collect()
     assert not backend._mirror._buffers
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_ragged_decodes_go_as_one_mirrored_group_where_the_mirror_holds_them(monkeypatch, fits):
+    """Decodes that ``decode_partition`` splits by length are one group read from the
+    mirror once the backend has seen the cache and the mirror fits its share of it."""
+    monkeypatch.setattr("pagedlm_cpu.attention.MIN_DECODE_GROUP", 2)
+    if not fits:
+        monkeypatch.setattr(decode_mirror, "MAX_FRACTION", 1e-4)
+    backend = CpuSdpaBackend(torch.device("cpu"))
+    reference = CpuSdpaBackend(torch.device("cpu"))
+    reference._mirror = None
+    shape = (NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    cache = (torch.randn(shape), torch.randn(shape))
+    caches = [cache, (cache[0].clone(), cache[1].clone())]
+    rng, generator = random.Random(3), torch.Generator().manual_seed(3)
+    free = list(range(NUM_BLOCKS))
+    # Contexts 3 to 60: one call would pad them 5x, so the partition splits them.
+    requests = [Request(rng, free, length) for length in [3, 60, 5, 41, 7, 9, 2, 33] * 2]
+
+    def step() -> list[int]:
+        """One decode step of both backends; how many decode groups each made."""
+        outs = _step([backend, reference], caches, requests, [1] * 16, torch.float32, generator)
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+        return [len(b._last_groups) for b in (backend, reference)]
+
+    groups = []
+    real_build = CpuSdpaBackend.build_metadata
+
+    def recording_build(self, layout):
+        metadata = real_build(self, layout)
+        self._last_groups = metadata.decode_groups
+        return metadata
+
+    monkeypatch.setattr(CpuSdpaBackend, "build_metadata", recording_build)
+    # The first step's decodes: the backend has not seen the cache yet (no prompt ran).
+    groups.append(step())
+    for _ in range(4):
+        groups.append(step())
+    assert all(reference > 1 for _, reference in groups)
+    assert groups[0][0] > 1
+    if fits:
+        assert all(ours == 1 for ours, _ in groups[1:])
+        assert backend._last_groups[0].mirror is not None
+    else:  # the mirror would exceed its share: the groups stay, gathered
+        assert all(ours > 1 for ours, _ in groups)
