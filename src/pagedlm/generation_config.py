@@ -2,10 +2,10 @@
 
 Model creators publish recommended sampling settings in the checkpoint's Hugging Face
 generation config (Qwen3: temperature 0.6, top_p 0.95, top_k 20). vLLM applies them by
-default (``--generation-config auto``), and so does pagedlm: five of its fields
-(``GENERATION_FIELDS``) become the defaults of every request that does not set them, in
-``LLM.generate``/``LLM.chat`` without sampling parameters and over HTTP, and
-``max_new_tokens`` becomes the default ``max_tokens`` (over HTTP, a cap on every
+default (``--generation-config auto``), and so does pagedlm: of its fields
+(``GENERATION_FIELDS``), the five sampling ones become the defaults of every request that
+does not set them, in ``LLM.generate``/``LLM.chat`` without sampling parameters and over
+HTTP, and ``max_new_tokens`` becomes the default ``max_tokens`` (over HTTP, a cap on every
 request's). Other fields (``do_sample``, ``eos_token_id``, ...) are not read.
 
 - ``generation_config="auto"``: the model directory's file (a .gguf file has none);
