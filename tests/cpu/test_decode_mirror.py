@@ -130,16 +130,22 @@ def test_decodes_read_from_the_mirror_match_decodes_gathered_from_the_cache(monk
     assert calls["read"] > 0 and calls["rebuild"] < calls["read"]
 
 
-def test_a_mirror_over_its_share_of_the_cache_falls_back_to_gathering(monkeypatch):
-    monkeypatch.setattr(decode_mirror, "MAX_FRACTION", 1e-4)
+def _against_gathering(seed: int):
+    """(a backend with its mirror, one without, each one's float32 caches (equal), the
+    request rng, the tensors' generator, the free block ids)."""
     backend = CpuSdpaBackend(torch.device("cpu"))
     reference = CpuSdpaBackend(torch.device("cpu"))
     reference._mirror = None
     shape = (NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     cache = (torch.randn(shape), torch.randn(shape))
     caches = [cache, (cache[0].clone(), cache[1].clone())]
-    rng, generator = random.Random(1), torch.Generator().manual_seed(1)
-    free = list(range(NUM_BLOCKS))
+    generator = torch.Generator().manual_seed(seed)
+    return backend, reference, caches, random.Random(seed), generator, list(range(NUM_BLOCKS))
+
+
+def test_a_mirror_over_its_share_of_the_cache_falls_back_to_gathering(monkeypatch):
+    monkeypatch.setattr(decode_mirror, "MAX_FRACTION", 1e-4)
+    backend, reference, caches, rng, generator, free = _against_gathering(seed=1)
     requests = [Request(rng, free, 12) for _ in range(4)]
     for _ in range(3):
         outs = _step([backend, reference], caches, requests, [1] * 4, torch.float32, generator)
@@ -169,14 +175,7 @@ def test_ragged_decodes_go_as_one_mirrored_group_where_the_mirror_holds_them(mon
     monkeypatch.setattr("pagedlm_cpu.attention.MIN_DECODE_GROUP", 2)
     if not fits:
         monkeypatch.setattr(decode_mirror, "MAX_FRACTION", 1e-4)
-    backend = CpuSdpaBackend(torch.device("cpu"))
-    reference = CpuSdpaBackend(torch.device("cpu"))
-    reference._mirror = None
-    shape = (NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    cache = (torch.randn(shape), torch.randn(shape))
-    caches = [cache, (cache[0].clone(), cache[1].clone())]
-    rng, generator = random.Random(3), torch.Generator().manual_seed(3)
-    free = list(range(NUM_BLOCKS))
+    backend, reference, caches, rng, generator, free = _against_gathering(seed=3)
     # Contexts 3 to 60: one call would pad them 5x, so the partition splits them.
     requests = [Request(rng, free, length) for length in [3, 60, 5, 41, 7, 9, 2, 33] * 2]
 

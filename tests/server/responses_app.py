@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import openai
 from fake_engine import FakeEngine
@@ -22,14 +23,19 @@ BASE_URL = "http://testserver"
 
 
 @contextmanager
-def in_process_app(checkpoint: Path, num_tokens: int = 3) -> Iterator[TestClient]:
-    engine = FakeEngine(checkpoint, num_tokens=num_tokens)
+def in_process_app(
+    checkpoint: Path, num_tokens: int = 3, engine: FakeEngine | None = None, **context: Any
+) -> Iterator[TestClient]:
+    """The app over ``engine`` (a new ``FakeEngine`` by default); ``context``: further
+    ``ServingContext`` fields."""
+    engine = engine or FakeEngine(checkpoint, num_tokens=num_tokens)
     ctx = ServingContext(
         engine=engine,
         model_names=["tiny"],
         metrics=PrometheusMetrics("tiny"),
         tokenizer=engine.tokenizer,
         max_model_len=512,
+        **context,
     )
     with TestClient(build_app(ctx), base_url=BASE_URL) as http:
         yield http

@@ -5,12 +5,7 @@ from __future__ import annotations
 
 import pytest
 from fake_engine import FakeEngine
-from responses_app import BASE_URL
-from starlette.testclient import TestClient
-
-from pagedlm.entrypoints.openai.app import build_app
-from pagedlm.entrypoints.openai.serving_engine import ServingContext
-from pagedlm.metrics.prometheus import PrometheusMetrics
+from responses_app import in_process_app
 
 DEFAULTS = {"temperature": 0.25, "top_k": 7, "top_p": 0.5, "max_tokens": 4}
 
@@ -30,15 +25,7 @@ class RecordingEngine(FakeEngine):
 @pytest.fixture
 def served(chat_checkpoint):
     engine = RecordingEngine(chat_checkpoint, num_tokens=20)
-    ctx = ServingContext(
-        engine=engine,
-        model_names=["tiny"],
-        metrics=PrometheusMetrics("tiny"),
-        tokenizer=engine.tokenizer,
-        max_model_len=512,
-        sampling_defaults=DEFAULTS,
-    )
-    with TestClient(build_app(ctx), base_url=BASE_URL) as http:
+    with in_process_app(chat_checkpoint, engine=engine, sampling_defaults=DEFAULTS) as http:
         yield http, engine
 
 
