@@ -66,3 +66,34 @@ def test_the_responses_object_reports_the_temperature_it_ran_with(served):
     http, _ = served
     response = http.post("/v1/responses", json={"model": "tiny", "input": "Hello"}).json()
     assert (response["temperature"], response["top_p"]) == (0.25, 0.5)
+
+
+def test_pagedlm_serve_reads_the_checkpoints_generation_config(chat_checkpoint, tmp_path):
+    """End to end: the server's engine config carries the file's defaults to the routes;
+    --override-generation-config changes them."""
+    import json
+    import shutil
+
+    import httpx
+    from server_utils import start_server
+
+    model = tmp_path / "model"
+    shutil.copytree(chat_checkpoint, model)
+    config_path = model / "generation_config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    config.update(temperature=0.0, max_new_tokens=5)
+    config_path.write_text(json.dumps(config))
+    server = start_server(
+        model, tmp_path / "server.log", "--override-generation-config", '{"max_new_tokens": 3}'
+    )
+    try:
+        body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 40}
+        first = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        again = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    finally:
+        server.stop()
+    # temperature 0 from the file (greedy: the same text twice), max_tokens capped at the
+    # override's 3 (the request asked 40).
+    assert first["usage"]["completion_tokens"] == 3
+    assert first["choices"][0]["text"] == again["choices"][0]["text"]
+    assert "come from" in (tmp_path / "server.log").read_text()
