@@ -3,9 +3,14 @@ model's generation config, and caps max_tokens with its max_new_tokens (vLLM's s
 
 from __future__ import annotations
 
+import json
+import shutil
+
+import httpx
 import pytest
 from fake_engine import FakeEngine
 from responses_app import in_process_app
+from server_utils import start_server
 
 DEFAULTS = {"temperature": 0.25, "top_k": 7, "top_p": 0.5, "max_tokens": 4}
 
@@ -71,12 +76,6 @@ def test_the_responses_object_reports_the_temperature_it_ran_with(served):
 def test_pagedlm_serve_reads_the_checkpoints_generation_config(chat_checkpoint, tmp_path):
     """End to end: the server's engine config carries the file's defaults to the routes;
     --override-generation-config changes them."""
-    import json
-    import shutil
-
-    import httpx
-    from server_utils import start_server
-
     model = tmp_path / "model"
     shutil.copytree(chat_checkpoint, model)
     config_path = model / "generation_config.json"
