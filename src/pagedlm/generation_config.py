@@ -41,12 +41,16 @@ MODES = ("auto", "vllm")
 
 
 def sampling_defaults(
-    model: str, generation_config: str, overrides: Mapping[str, Any] | None = None
+    model: str,
+    generation_config: str,
+    overrides: Mapping[str, Any] | None = None,
+    log: bool = True,
 ) -> dict[str, Any]:
     """``SamplingParams`` field -> default for requests that leave it unset (``max_tokens``
     for the config's ``max_new_tokens``); ``{}`` where nothing applies. Raises
     ``ValueError`` naming the fix for a missing or unreadable file, unknown override keys
-    and values ``SamplingParams`` rejects."""
+    and values ``SamplingParams`` rejects. ``log``: warn which defaults apply (once per
+    engine: its core process resolves the same arguments without it)."""
     from pagedlm.sampling_params import SamplingParams
 
     overrides = dict(overrides or {})
@@ -77,7 +81,7 @@ def sampling_defaults(
             f"rejects ({error}); fix them with override_generation_config, or pass "
             "generation_config='vllm' to ignore the file."
         ) from None
-    if defaults:
+    if defaults and log:
         if overrides and generation_config != "vllm":
             source += " and override_generation_config"
         logger.warning(

@@ -43,6 +43,10 @@ def test_auto_reads_the_sampling_fields_of_the_models_file(tmp_path, caplog):
         "max_tokens": 300,
     }
     assert "generation_config='vllm'" in caplog.text  # the start-up log names the way out
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pagedlm.generation_config"):
+        assert sampling_defaults(model, "auto", log=False) == defaults
+    assert not caplog.text
 
 
 def test_vllm_mode_a_directory_and_overrides(tmp_path):

@@ -223,7 +223,10 @@ class EngineArgs:
             return None
         return _resolve_path("Tokenizer", str(self.tokenizer), self.revision, weights=False)
 
-    def create_engine_config(self) -> tuple[EngineConfig, Platform]:
+    def create_engine_config(self, log_defaults: bool = True) -> tuple[EngineConfig, Platform]:
+        """The engine's configuration and platform; ``log_defaults=False`` keeps the
+        sampling defaults out of the log (the engine-core process: its front end logged
+        them when it resolved the same arguments)."""
         from pagedlm.model_executor.models.registry import SUPPORTED_ARCHITECTURES
         from pagedlm.multimodal.config_args import multimodal_config
         from pagedlm.plugins.registry import configure, select_platform
@@ -320,7 +323,10 @@ class EngineArgs:
                 pooler=pooler,
                 sampling_defaults=(
                     sampling_defaults(
-                        model, self.generation_config, self.override_generation_config
+                        model,
+                        self.generation_config,
+                        self.override_generation_config,
+                        log=log_defaults,
                     )
                     if runner == "generate"
                     else {}

@@ -258,7 +258,7 @@ def main(argv: list[str]) -> int:
     status = 0
     try:
         args = start.engine_args
-        config, platform = args.create_engine_config()
+        config, platform = args.create_engine_config(log_defaults=False)
         core = make_engine_core(config, platform)  # one, or one per data-parallel replica
         core.set_grammar_limits(GrammarLimits.of(args))
         scheduler = config.scheduler
