@@ -1,5 +1,6 @@
-"""Tiny random embedding checkpoints (BERT with a WordPiece tokenizer, headless decoders)
-and their reference vectors from transformers (and sentence-transformers when installed).
+"""Tiny random embedding checkpoints (BERT with a WordPiece tokenizer, headless decoders),
+sequence classifiers (BERT cross-encoders, decoders with a ``score`` head) and their
+reference vectors from transformers (and sentence-transformers when installed).
 
 The sentence-transformers files (``modules.json``, ``1_Pooling/config.json``,
 ``2_Normalize``) are written by hand, as sentence-transformers saves them, so the tests
@@ -132,12 +133,34 @@ def write_bert(path: Path, pooling: str | None, normalize: bool = True) -> torch
     return model
 
 
-def write_decoder(path: Path, config_class: str, model_class: str) -> torch.nn.Module:
-    """A random decoder (``Qwen3Model``, ``LlamaForCausalLM``, ...) saved in ``path``."""
-    config = getattr(transformers, config_class)(**DECODER_SIZES)
+def write_decoder(
+    path: Path, config_class: str, model_class: str, **config_extra: object
+) -> torch.nn.Module:
+    """A random decoder (``Qwen3Model``, ``LlamaForCausalLM``, ...) saved in ``path``;
+    ``config_extra``: more config fields (``num_labels`` for a classifier)."""
+    config = getattr(transformers, config_class)(**DECODER_SIZES, **config_extra)
     model = _randomize(getattr(transformers, model_class)(config))
     model.save_pretrained(path)
     return model
+
+
+def write_bert_classifier(path: Path, num_labels: int, **config_extra: object) -> torch.nn.Module:
+    """A random ``BertForSequenceClassification`` (a cross-encoder with one label) with
+    the WordPiece tokenizer, which joins pairs with token types 0 and 1."""
+    path.mkdir(parents=True, exist_ok=True)
+    _write_wordpiece_tokenizer(path)
+    vocab_size = len((path / "vocab.txt").read_text().split())
+    config = transformers.BertConfig(
+        vocab_size=vocab_size, num_labels=num_labels, **BERT_SIZES, **config_extra
+    )
+    model = _randomize(transformers.BertForSequenceClassification(config))
+    model.save_pretrained(path)
+    return model
+
+
+def write_wordpiece_tokenizer(path: Path) -> None:
+    """The BERT tests' WordPiece tokenizer in ``path`` (its ids fit ``DECODER_SIZES``)."""
+    _write_wordpiece_tokenizer(path)
 
 
 def hf_hidden(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:

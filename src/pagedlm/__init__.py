@@ -14,19 +14,40 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "AsyncLLM",
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
     "CompletionOutput",
+    "EmbeddingOutput",
     "EmbeddingRequestOutput",
     "LoRARequest",
     "Logprob",
+    "PoolingOutput",
     "PoolingParams",
     "PoolingRequestOutput",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "ScoringOutput",
+    "ScoringRequestOutput",
     "StructuredOutputsParams",
     "__version__",
     "hookimpl",
 ]
+
+
+_POOLING_NAMES = frozenset(
+    {
+        "ClassificationOutput",
+        "ClassificationRequestOutput",
+        "EmbeddingOutput",
+        "EmbeddingRequestOutput",
+        "PoolingOutput",
+        "PoolingParams",
+        "PoolingRequestOutput",
+        "ScoringOutput",
+        "ScoringRequestOutput",
+    }
+)
 
 
 def __getattr__(name: str):
@@ -35,7 +56,7 @@ def __getattr__(name: str):
         from pagedlm.entrypoints.llm import LLM
 
         return LLM
-    if name in ("PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput"):
+    if name in _POOLING_NAMES:
         import pagedlm.pooling  # torch, which `import pagedlm` alone does not load
 
         return getattr(pagedlm.pooling, name)

@@ -185,6 +185,7 @@ class ArchConfig:
 
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
+CLASSIFIER_ACTIVATIONS = ("softmax", "sigmoid", "identity")
 RUNNERS = ("auto", "generate", "pooling")
 """``runner`` values (vLLM's); "auto" resolves to one of the other two at the edge."""
 
@@ -206,6 +207,18 @@ class PoolerConfig:
     ``matryoshka_dimensions``)."""
     matryoshka_dimensions: tuple[int, ...] | None = None
     """The prefix lengths ``dimensions`` may take (None: any up to the hidden size)."""
+    labels: tuple[str, ...] | None = None
+    """A classifier's class names, one per logit (config.json's ``id2label``); None: the
+    model embeds. A classifier's pooled vector goes through its head on the worker, and
+    ``normalize``/``is_matryoshka`` do not apply to it."""
+    activation: str = "identity"
+    """What turns a classifier's logits into its outputs when a request does not turn it
+    off (``PoolingParams.use_activation``): one of ``CLASSIFIER_ACTIVATIONS``."""
+
+    @property
+    def num_labels(self) -> int | None:
+        """A classifier's number of logits; None for an embedding model."""
+        return None if self.labels is None else len(self.labels)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,15 @@ from pagedlm.lora.request import LoRARequest
 from pagedlm.metrics import Metric
 from pagedlm.multimodal.chat import has_images, split_images
 from pagedlm.outputs import RequestOutput
-from pagedlm.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
+from pagedlm.pooling import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingParams,
+    PoolingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from pagedlm.pooling.requests import PairPrompt
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -240,10 +248,20 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[PoolingRequestOutput]:
         """One pooled vector per prompt (``outputs.data``, float32), in input order; needs
-        a pooling model (``runner="pooling"``, or "auto" on an embedding checkpoint)."""
+        a pooling model (``runner="pooling"``, or "auto" on an embedding checkpoint). A
+        classifier's vector is its labels' probabilities (``LLM.classify``)."""
+        prompts = _prompt_list(prompts)
+        return self._pool(prompts, pooling_params, use_tqdm)
+
+    def _pool(
+        self,
+        prompts: Sequence[PromptType | PairPrompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None,
+        use_tqdm: bool,
+    ) -> list[PoolingRequestOutput]:
+        """``encode`` for prompts and text pairs (a cross-encoder's)."""
         from pagedlm.pooling.requests import process_pooling_request
 
-        prompts = _prompt_list(prompts)
         params_list = _one_per_prompt(pooling_params or PoolingParams(), len(prompts))
         engine = self.llm_engine
         processed = [
@@ -271,8 +289,77 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (``outputs.embedding``, a list of floats), in input
         order; ``encode`` with vLLM's embedding output type."""
+        self._check_task("embed")
         outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm)
         return [EmbeddingRequestOutput.from_base(output) for output in outputs]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ClassificationRequestOutput]:
+        """One probability per label for each prompt (``outputs.probs``), in input order;
+        needs a classification model (``*ForSequenceClassification``).
+        ``PoolingParams(use_activation=False)`` gives the raw logits."""
+        self._check_task("classify")
+        outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm)
+        return [ClassificationRequestOutput.from_base(output) for output in outputs]
+
+    def score(
+        self,
+        data_1: PromptType | Sequence[PromptType],
+        data_2: PromptType | Sequence[PromptType],
+        /,
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """One score per pair (``outputs.score``), in order: one ``data_1`` text against
+        every ``data_2`` text, or the two element-wise. A cross-encoder (a classifier with
+        one label) reads each pair as one prompt; an embedding model scores the cosine
+        similarity of the two texts' embeddings (``pagedlm.pooling.scoring``)."""
+        from pagedlm.pooling import scoring
+
+        pooler = self.llm_engine.config.model.pooler
+        self._check_task("score")
+        assert pooler is not None
+        pairs = scoring.pair_up(
+            scoring.as_list(data_1), scoring.as_list(data_2), ("data_1", "data_2")
+        )
+        if scoring.is_cross_encoder(pooler):
+            if not all(isinstance(a, str) and isinstance(b, str) for a, b in pairs):
+                raise ValueError(
+                    "A cross-encoder joins each pair's texts with its tokenizer; pass strings "
+                    "in data_1 and data_2."
+                )
+            outputs = self._pool(pairs, pooling_params, use_tqdm)
+            return [
+                ScoringRequestOutput(
+                    output.request_id,
+                    ScoringOutput(float(output.outputs.data[0])),
+                    output.prompt_token_ids,
+                    output.finished,
+                )
+                for output in outputs
+            ]
+        firsts = scoring.as_list(data_1)
+        vectors = self._pool(firsts + [b for _, b in pairs], pooling_params, use_tqdm)
+        first_out = vectors[: len(firsts)] * (len(pairs) if len(firsts) == 1 else 1)
+        return [
+            ScoringRequestOutput(
+                f"{a.request_id}_{b.request_id}",
+                ScoringOutput(scoring.cosine(a.outputs.data, b.outputs.data)),
+                a.prompt_token_ids + b.prompt_token_ids,
+            )
+            for a, b in zip(first_out, vectors[len(firsts) :], strict=True)
+        ]
+
+    def _check_task(self, task: str) -> None:
+        from pagedlm.pooling.scoring import check_task
+
+        check_task(self.llm_engine.config.model.pooler, task)
 
     def chat(
         self,

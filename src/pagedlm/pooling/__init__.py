@@ -1,22 +1,32 @@
-"""Pooling models: one vector per prompt (embeddings) instead of generated tokens.
+"""Pooling models: one vector per prompt (embeddings, or a classifier's label
+probabilities) instead of generated tokens.
 
 ``model_config.py`` picks the runner and the pooling, ``pooler.py`` pools on the worker,
-``requests.py`` turns a prompt into an engine-core request, ``params.py`` holds the
-per-request options and ``outputs.py`` what users get back.
+``requests.py`` turns a prompt (or a cross-encoder's text pair) into an engine-core
+request, ``params.py`` holds the per-request options, ``scoring.py`` pairs texts up and
+scores them, and ``outputs.py`` holds what users get back.
 """
 
 from pagedlm.pooling.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     PoolingOutput,
     PoolingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from pagedlm.pooling.params import PoolingParams
 
 __all__ = [
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
     "PoolingOutput",
     "PoolingParams",
     "PoolingRequestOutput",
+    "ScoringOutput",
+    "ScoringRequestOutput",
 ]

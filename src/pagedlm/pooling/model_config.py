@@ -8,6 +8,12 @@ The pooling of a sentence-transformers directory comes from its modules: the ``P
 module's config (CLS, mean or last token) and whether a ``Normalize`` module follows.
 Without one, vLLM's defaults apply: CLS for BERT-family encoders, the last token for
 decoders, L2-normalized either way.
+
+Sequence classifiers (``*ForSequenceClassification``) are pooling models too: the same
+pooling, then the checkpoint's head gives one logit per label (``id2label``). What turns
+the logits into outputs follows sentence-transformers' ``CrossEncoder`` where its config
+says (``activation_fn``), else transformers' ``problem_type``: identity for regression,
+sigmoid for multi-label or a single label, softmax otherwise (vLLM does the same).
 """
 
 from __future__ import annotations
@@ -22,8 +28,20 @@ POOLING_ARCHITECTURES = frozenset(
     {"BertModel", "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"}
 )
 """Architectures that only embed (no LM head): "auto" runs them as pooling models."""
-ENCODER_ARCHITECTURES = frozenset({"BertModel"})
+CLASSIFIER_ARCHITECTURES = frozenset(
+    {
+        "BertForSequenceClassification",
+        "LlamaForSequenceClassification",
+        "MistralForSequenceClassification",
+        "Qwen2ForSequenceClassification",
+        "Qwen3ForSequenceClassification",
+    }
+)
+"""Architectures with a classification head instead of an LM head: pooling models that
+give one logit per label (``LLM.classify``, ``LLM.score``, /classify, /score, /rerank)."""
+ENCODER_ARCHITECTURES = frozenset({"BertModel", "BertForSequenceClassification"})
 """Bidirectional encoders: their default pooling is CLS, and they cannot generate."""
+_ST_ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "identity", "Softmax": "softmax"}
 
 _ST_MODULES = "sentence_transformers.models."
 _ST_POOLING_MODES = {
@@ -53,7 +71,7 @@ def resolve_runner(requested: str, arch: ArchConfig, model_path: str) -> str:
     """ "generate" or "pooling" for ``runner=requested``; errors name the fix."""
     if requested not in RUNNERS:
         raise ValueError(f"runner={requested!r} is unknown; use one of {list(RUNNERS)}.")
-    embeds = arch.architecture in POOLING_ARCHITECTURES
+    embeds = arch.architecture in POOLING_ARCHITECTURES | CLASSIFIER_ARCHITECTURES
     if requested == "auto":
         is_st = not model_path.endswith(".gguf") and _modules(model_path) is not None
         return "pooling" if embeds or is_st else "generate"
@@ -67,6 +85,8 @@ def resolve_runner(requested: str, arch: ArchConfig, model_path: str) -> str:
 
 def pooler_config(arch: ArchConfig, model_path: str) -> PoolerConfig:
     """How a pooling model pools: from its sentence-transformers modules, else defaults."""
+    if arch.architecture in CLASSIFIER_ARCHITECTURES:
+        return classifier_config(arch)
     matryoshka = arch.raw.get("matryoshka_dimensions")
     is_matryoshka = bool(arch.raw.get("is_matryoshka")) or bool(matryoshka)
     dimensions = tuple(int(d) for d in matryoshka) if matryoshka else None
@@ -118,3 +138,44 @@ def _pooling_type(path: Path) -> str:
     if config.get("include_prompt") is False:
         raise ValueError(f"{path} sets include_prompt=false, which pagedlm does not support.")
     return chosen[0]
+
+
+def classifier_config(arch: ArchConfig) -> PoolerConfig:
+    """A sequence classifier's pooling: CLS for encoders, the last token for decoders (as
+    transformers' heads read them), never normalized; its labels and activation."""
+    raw = arch.raw
+    id2label = raw.get("id2label")
+    if id2label:
+        labels = tuple(str(id2label[key]) for key in sorted(id2label, key=int))
+    else:  # transformers' default: two labels
+        count = int(raw.get("num_labels", 2))
+        labels = tuple(f"LABEL_{i}" for i in range(count))
+    pooling = "CLS" if arch.architecture in ENCODER_ARCHITECTURES else "LAST"
+    return PoolerConfig(pooling, False, labels=labels, activation=_activation(raw, len(labels)))
+
+
+def _activation(raw: dict[str, Any], num_labels: int) -> str:
+    st_config = raw.get("sentence_transformers")
+    name = (st_config or {}).get("activation_fn") or raw.get("sbert_ce_default_activation_function")
+    if name:
+        activation = _ST_ACTIVATIONS.get(str(name).rsplit(".", 1)[-1])
+        if activation is None:
+            raise ValueError(
+                f"config.json asks for the cross-encoder activation {name!r}; pagedlm "
+                f"supports {sorted(_ST_ACTIVATIONS)} (torch.nn.modules.*)."
+            )
+        return activation
+    problem = raw.get("problem_type")
+    if problem == "regression":
+        return "identity"
+    if problem == "multi_label_classification" or num_labels == 1:
+        return "sigmoid"
+    return "softmax"
+
+
+def reads_token_types(arch: ArchConfig) -> bool:
+    """Whether the model tells a pair's two segments apart by token type (BERT with more
+    than one type), so that a pair's engine-core ids carry them."""
+    return (
+        arch.architecture in ENCODER_ARCHITECTURES and int(arch.raw.get("type_vocab_size", 2)) > 1
+    )

@@ -12,14 +12,31 @@ from pagedlm.config import PoolerConfig
 
 @dataclass(frozen=True)
 class PoolingParams:
-    """``dimensions``: keep the first this many values (Matryoshka models only), then
-    normalize; ``normalize``: L2-normalize (None: the model's pooler config decides)."""
+    """Embedding models: ``dimensions``, keep the first this many values (Matryoshka
+    models only), then normalize; ``normalize``, L2-normalize (None: the model's pooler
+    config decides). Classifiers: ``use_activation``, turn the logits into probabilities
+    or scores with the model's activation (None: yes; False: the raw logits)."""
 
     dimensions: int | None = None
     normalize: bool | None = None
+    use_activation: bool | None = None
 
     def validate(self, pooler: PoolerConfig, hidden_size: int) -> None:
         """Raise ``ValueError`` naming the fix when the model cannot honour these."""
+        if pooler.labels is not None:
+            for name in ("dimensions", "normalize"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{name} applies to embedding models; this one is a classifier "
+                        f"({len(pooler.labels)} labels). Omit {name}, or pass "
+                        "use_activation=False for the raw logits."
+                    )
+            return
+        if self.use_activation is not None:
+            raise ValueError(
+                "use_activation applies to classification models; this one embeds. Omit "
+                "it (normalize chooses whether embeddings are L2-normalized)."
+            )
         dims = self.dimensions
         if dims is None:
             return
@@ -43,9 +60,14 @@ class PoolingParams:
             raise ValueError(f"dimensions={dims} exceeds the model's {hidden_size} dimensions.")
 
     def finish(self, pooled: list[float], pooler: PoolerConfig) -> torch.Tensor:
-        """The user's vector from the engine's raw one: cut to ``dimensions``, then
-        normalized when asked (float32)."""
+        """The user's vector from the engine's raw one (float32). Embeddings: cut to
+        ``dimensions``, then normalized when asked. Classifiers: the logits through the
+        model's activation unless ``use_activation=False``."""
         vector = torch.tensor(pooled, dtype=torch.float32)
+        if pooler.labels is not None:
+            if self.use_activation is False or pooler.activation == "identity":
+                return vector
+            return vector.sigmoid() if pooler.activation == "sigmoid" else vector.softmax(-1)
         if self.dimensions is not None:
             vector = vector[: self.dimensions]
         normalize = pooler.normalize if self.normalize is None else self.normalize

@@ -4,6 +4,10 @@ The engine core runs a pooling request like a prompt that samples nothing: the w
 prompt in one step (``SchedulerConfig.whole_prompts``), then the scheduler finishes it
 with the pooled vector (``ModelRunnerOutput.pooler_output``). Its ``SamplingParams`` only
 keep the core's length bookkeeping true: one output slot (``max_tokens=1``), never filled.
+
+A cross-encoder scores a text pair as one prompt: a ``(text_1, text_2)`` tuple, joined by
+the tokenizer as it joins pairs (``[CLS] a [SEP] b [SEP]`` for BERT); a model that reads
+token types gets the second segment's inside the engine-core ids (``encode_token_types``).
 """
 
 from __future__ import annotations
@@ -13,8 +17,12 @@ import time
 from pagedlm.config import ModelConfig
 from pagedlm.core.request import Request
 from pagedlm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
+from pagedlm.pooling.model_config import reads_token_types
 from pagedlm.pooling.params import PoolingParams
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
+
+PairPrompt = tuple[str, str]
+"""A cross-encoder's input: the query (or first text) and the document."""
 
 
 def pooling_sampling_params() -> SamplingParams:
@@ -36,14 +44,21 @@ def require_pooling(model_config: ModelConfig) -> None:
 
 
 def process_pooling_request(
-    processor: InputProcessor, request_id: str, prompt: PromptType, params: PoolingParams
+    processor: InputProcessor,
+    request_id: str,
+    prompt: PromptType | PairPrompt,
+    params: PoolingParams,
 ) -> ProcessedRequest:
     """Validate and tokenize one pooling prompt (raises ``ValueError`` naming the fix)."""
     config = processor.model_config
     require_pooling(config)
     assert config.pooler is not None, "a pooling model config has a pooler"
     params.validate(config.pooler, config.arch.hidden_size)
-    text, token_ids = processor.tokenize(prompt)
+    if isinstance(prompt, tuple):
+        text, token_ids, engine_ids = _tokenize_pair(processor, prompt)
+    else:
+        text, token_ids = processor.tokenize(prompt)
+        engine_ids = token_ids
     if len(token_ids) > config.max_model_len:
         raise ValueError(
             f"The input has {len(token_ids)} tokens, more than max_model_len="
@@ -51,5 +66,31 @@ def process_pooling_request(
         )
     sampling = pooling_sampling_params()
     arrival = time.monotonic()
-    child = Request(request_id, token_ids, sampling, arrival_time=arrival)
+    child = Request(request_id, engine_ids, sampling, arrival_time=arrival)
     return ProcessedRequest(request_id, text, token_ids, sampling, [child], arrival)
+
+
+def _tokenize_pair(
+    processor: InputProcessor, pair: PairPrompt
+) -> tuple[None, list[int], list[int]]:
+    """(no single text, the joined prompt's ids, the ids the engine core runs)."""
+    if len(pair) != 2 or not all(isinstance(text, str) for text in pair):
+        raise ValueError("A text pair is two strings (text_1, text_2).")
+    tokenizer = processor.tokenizer
+    if tokenizer is None:
+        raise ValueError(
+            "skip_tokenizer_init=True: a cross-encoder's text pairs cannot be joined "
+            "without the tokenizer; start the engine with its tokenizer."
+        )
+    text_1, text_2 = pair
+    encoded = tokenizer(text_1, text_pair=text_2)
+    token_ids = [int(t) for t in encoded["input_ids"]]
+    if not token_ids:
+        raise ValueError("The text pair tokenizes to no tokens.")
+    arch = processor.model_config.arch
+    token_types = encoded.get("token_type_ids")
+    if token_types is None or not reads_token_types(arch):
+        return None, token_ids, token_ids
+    from pagedlm.model_executor.models.bert import encode_token_types
+
+    return None, token_ids, encode_token_types(token_ids, token_types, arch.vocab_size)

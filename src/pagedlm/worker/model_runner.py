@@ -164,7 +164,7 @@ class ModelRunner:
             host_lengths,
             greedy_verifier=platform.fused_greedy_verifier(),
         )
-        self.pooler = make_pooler(config.model)
+        self.pooler = make_pooler(config.model, self.model)
         """The pooling runner's pooler (None: the runner samples tokens)."""
         self.kv_cache: KVCache | None = None
         self.graph_runner: GraphRunner | None = None

@@ -2,8 +2,15 @@
 
 Absolute learned positions plus token-type embeddings, post-LayerNorm blocks, a GELU MLP
 and bidirectional attention (``Attention(causal=False)``: the pooling runner feeds each
-prompt whole, so every token sees every other). Every prompt is one segment: token type
-0 for all tokens, as sentence-transformers encodes a single text.
+prompt whole, so every token sees every other). A single text is one segment (token type
+0), as sentence-transformers encodes it. A text pair's second segment (a cross-encoder's
+document) has token type 1, which reaches the model inside the token ids: an engine-core
+request carries ``id + type * vocab_size`` (``encode_token_types``; the user-facing
+prompt ids stay plain), so the types need no field of their own in the step protocol and
+survive CUDA graphs.
+
+``BertForSequenceClassification`` adds transformers' head on the CLS token: the pooler's
+``tanh(dense(x))``, then ``classifier`` to one logit per label.
 
 Layout: ``input_ids``/``positions`` [num_tokens] of the flattened batch, activations
 [num_tokens, hidden_size]. Parameter names follow HF's except the merged ``qkv_proj``,
@@ -51,10 +58,19 @@ class BertEmbeddings(nn.Module):
         )
         self.LayerNorm = nn.LayerNorm(hidden, eps=_eps(arch))
 
+        self.vocab_size = arch.vocab_size
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        token_types = torch.zeros_like(input_ids)
-        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
+        token_types = torch.div(input_ids, self.vocab_size, rounding_mode="floor")
+        ids = input_ids - token_types * self.vocab_size
+        x = self.word_embeddings(ids) + self.position_embeddings(positions)
         return self.LayerNorm(x + self.token_type_embeddings(token_types))
+
+
+def encode_token_types(token_ids: list[int], token_types: list[int], vocab_size: int) -> list[int]:
+    """A text pair's ids as ``BertEmbeddings`` reads them: each id plus its token type
+    times the vocabulary size (see the module's doc)."""
+    return [t + kind * vocab_size for t, kind in zip(token_ids, token_types, strict=True)]
 
 
 class BertAttention(nn.Module):
@@ -126,14 +142,20 @@ class BertModel(nn.Module):
             x = layer(x, ctx)
         return x
 
+    skipped_prefixes = _SKIPPED_PREFIXES
+    """Tensor names (after ``bert.``) that this class does not read: a task model's
+    pooler and heads."""
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the parameters; returns the parameter names filled."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("bert.")
-            if name.startswith(_SKIPPED_PREFIXES):
+            if name.startswith(self.skipped_prefixes):
                 continue
+            if name.startswith("pooler.dense."):
+                name = name.replace("pooler.dense.", "pooler_dense.")
             name = name.replace("encoder.layer.", "layers.")
             name = name.replace(".attention.output.dense.", ".attention.dense.")
             name = name.replace(".attention.output.LayerNorm.", ".attention.LayerNorm.")
@@ -147,8 +169,8 @@ class BertModel(nn.Module):
                     shard_id = shard
             if name not in params:
                 raise ValueError(
-                    f"checkpoint tensor {hf_name!r} has no parameter in BertModel; the file "
-                    "does not match a BERT architecture."
+                    f"checkpoint tensor {hf_name!r} has no parameter in {type(self).__name__}; "
+                    "the file does not match a BERT architecture."
                 )
             param = params[name]
             if shard_id is not None:
@@ -157,3 +179,23 @@ class BertModel(nn.Module):
                 get_weight_loader(param)(param, tensor)
             loaded.add(name)
         return loaded
+
+
+class BertForSequenceClassification(BertModel):
+    """``BertForSequenceClassification`` checkpoints (cross-encoders such as
+    ms-marco-MiniLM): ``BertModel``'s hidden states, and ``classifier_logits`` for the
+    pooled CLS rows [N, hidden] -> [N, num_labels]."""
+
+    skipped_prefixes = ("cls.", "embeddings.position_ids")
+
+    def __init__(self, arch: ArchConfig, max_model_len: int | None = None) -> None:
+        super().__init__(arch, max_model_len)
+        from pagedlm.pooling.model_config import classifier_config
+
+        num_labels = classifier_config(arch).num_labels
+        assert num_labels is not None
+        self.pooler_dense = nn.Linear(arch.hidden_size, arch.hidden_size)
+        self.classifier = nn.Linear(arch.hidden_size, num_labels)
+
+    def classifier_logits(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.tanh(self.pooler_dense(pooled)))

@@ -9,6 +9,7 @@ from torch import nn
 _MODELS = "pagedlm.model_executor.models"
 _LLAMA = f"{_MODELS}.llama"
 _EMBEDDING = f"{_MODELS}.decoder_embedding"
+_CLASSIFIER = f"{_MODELS}.sequence_classification"
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": f"{_LLAMA}:LlamaForCausalLM",
@@ -27,6 +28,12 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralModel": f"{_EMBEDDING}:MistralModel",
     "Qwen2Model": f"{_EMBEDDING}:Qwen2Model",
     "Qwen3Model": f"{_EMBEDDING}:Qwen3Model",
+    # Sequence classifiers (cross-encoders, rerankers): also pooling models.
+    "BertForSequenceClassification": f"{_MODELS}.bert:BertForSequenceClassification",
+    "LlamaForSequenceClassification": f"{_CLASSIFIER}:LlamaForSequenceClassification",
+    "MistralForSequenceClassification": f"{_CLASSIFIER}:MistralForSequenceClassification",
+    "Qwen2ForSequenceClassification": f"{_CLASSIFIER}:Qwen2ForSequenceClassification",
+    "Qwen3ForSequenceClassification": f"{_CLASSIFIER}:Qwen3ForSequenceClassification",
     "LlavaForConditionalGeneration": f"{_MODELS}.llava:LlavaForConditionalGeneration",
     "Gemma3ForConditionalGeneration": f"{_MODELS}.gemma3_mm:Gemma3ForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": (
