@@ -3,9 +3,10 @@
 
 The embedded model (``LLM()``, ``EngineArgs()``) and the placeholder paths
 (``path/to/model``, ``path/to/sql-adapter``, ``path/to/all-MiniLM-L6-v2``,
-``path/to/llava-1.5-7b-hf``) are swapped for a tiny random chat checkpoint, a PEFT adapter
-for it, a tiny sentence-transformers BERT and a tiny LLaVA (with a ``cat.jpg`` beside the
-script), so the blocks run in seconds; ``-m slow`` also
+``path/to/ms-marco-MiniLM-L-6-v2``, ``path/to/llava-1.5-7b-hf``) are swapped for a tiny
+random chat checkpoint, a PEFT adapter for it, a tiny sentence-transformers BERT, a tiny
+BERT cross-encoder and a tiny LLaVA (with a ``cat.jpg`` beside the script), so the blocks
+run in seconds; ``-m slow`` also
 runs the blocks that need several worker processes, and the first block on the real
 embedded GGUF.
 """
@@ -46,6 +47,15 @@ def adapter(chat_checkpoint, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory) -> Path:
+    from embedding_checkpoints import write_bert_classifier
+
+    out = tmp_path_factory.mktemp("readme-cross-encoder")
+    write_bert_classifier(out, num_labels=1)
+    return out
+
+
+@pytest.fixture(scope="module")
 def embedder(tmp_path_factory) -> Path:
     from embedding_checkpoints import write_bert
 
@@ -70,7 +80,12 @@ def vision_model(tmp_path_factory) -> Path:
 
 
 def with_tiny_model(
-    code: str, model: Path, adapter: Path, embedder: Path, vision: Path = Path("unused")
+    code: str,
+    model: Path,
+    adapter: Path,
+    embedder: Path,
+    vision: Path = Path("unused"),
+    cross_encoder: Path = Path("unused"),
 ) -> str:
     swapped = (
         code.replace("LLM()", f"LLM({str(model)!r})")
@@ -78,6 +93,7 @@ def with_tiny_model(
         .replace('"path/to/model"', repr(str(model)))
         .replace('"path/to/sql-adapter"', repr(str(adapter)))
         .replace('"path/to/all-MiniLM-L6-v2"', repr(str(embedder)))
+        .replace('"path/to/ms-marco-MiniLM-L-6-v2"', repr(str(cross_encoder)))
         .replace('"path/to/llava-1.5-7b-hf"', repr(str(vision)))
     )
     code_only = re.sub(r"#.*$", "", swapped, flags=re.M)  # comments may name other paths
@@ -101,11 +117,14 @@ def test_readme_has_python_blocks():
 def test_block_runs(code, chat_checkpoint, tmp_path, request, monkeypatch, capsys):
     adapter = request.getfixturevalue("adapter") if "LoRARequest" in code else Path("unused")
     embedder = request.getfixturevalue("embedder") if ".embed(" in code else Path("unused")
+    scorer = Path("unused")
+    if ".score(" in code:
+        scorer = request.getfixturevalue("cross_encoder")
     vision = Path("unused")
     if "multi_modal_data" in code:
         vision = request.getfixturevalue("vision_model")
         _tiny_llava_module().random_image(64, 48, 0).save(tmp_path / "cat.jpg")
-    code = with_tiny_model(code, chat_checkpoint, adapter, embedder, vision)
+    code = with_tiny_model(code, chat_checkpoint, adapter, embedder, vision, scorer)
     run_script(code, tmp_path, monkeypatch)
     if "print(" in code:
         assert capsys.readouterr().out.strip(), "the block printed nothing"

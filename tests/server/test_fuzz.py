@@ -108,6 +108,13 @@ def test_every_body_route_is_described(fast_schema):
         "/v1/load_lora_adapter": "#/components/schemas/LoadLoRAAdapterRequest",
         "/v1/unload_lora_adapter": "#/components/schemas/UnloadLoRAAdapterRequest",
         "/v1/responses": "#/components/schemas/ResponsesRequest",
+        "/classify": "#/components/schemas/ClassificationRequest",
+        "/pooling": "#/components/schemas/PoolingRequest",
+        "/score": "#/components/schemas/ScoreRequest",
+        "/v1/score": "#/components/schemas/ScoreRequest",
+        "/rerank": "#/components/schemas/RerankRequest",
+        "/v1/rerank": "#/components/schemas/RerankRequest",
+        "/v2/rerank": "#/components/schemas/RerankRequest",
     }
     schemas = raw["components"]["schemas"]
     assert {"ChatMessage", "AnthropicMessage", "TextPart"} <= set(schemas)

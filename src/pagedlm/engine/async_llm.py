@@ -55,6 +55,7 @@ from pagedlm.metrics import EngineMetrics, Metric
 from pagedlm.metrics.stats import cache_info
 from pagedlm.outputs import RequestOutput
 from pagedlm.pooling import PoolingParams, PoolingRequestOutput
+from pagedlm.pooling.requests import PairPrompt
 from pagedlm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -205,10 +206,14 @@ class AsyncLLM:
                 yield output
 
     async def encode(
-        self, prompt: PromptType, pooling_params: PoolingParams | None, request_id: str
+        self,
+        prompt: PromptType | PairPrompt,
+        pooling_params: PoolingParams | None,
+        request_id: str,
     ) -> AsyncIterator[PoolingRequestOutput]:
         """The one output of a pooling request (``outputs.data``: its vector, after
-        ``pooling_params``); needs a pooling model. Errors as in ``generate``."""
+        ``pooling_params``; a classifier's label probabilities); needs a pooling model. A
+        ``(text_1, text_2)`` tuple is a cross-encoder's pair. Errors as in ``generate``."""
         from pagedlm.pooling.requests import process_pooling_request
 
         self._check_alive()

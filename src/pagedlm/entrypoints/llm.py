@@ -208,9 +208,9 @@ class LLM:
         ``enable_lora=True``."""
         if self.llm_engine.config.model.runner == "pooling":
             raise ValueError(
-                "This model runs with runner='pooling', which embeds and does not generate; "
-                "use LLM.embed() or LLM.encode() (to generate, load a generative model with "
-                "runner='generate')."
+                "This model runs with runner='pooling', which does not generate; use "
+                "LLM.embed(), LLM.classify(), LLM.score() or LLM.encode() (to generate, load "
+                "a generative model with runner='generate')."
             )
         prompts = _prompt_list(prompts)
         if sampling_params is None:

@@ -43,6 +43,7 @@ MODEL_ROUTES = (
     "/v1/embeddings",
     "/v1/responses",
     "/pooling",
+    "/classify",
     "/score",
     "/v1/score",
     "/rerank",

@@ -58,6 +58,12 @@ from pagedlm.entrypoints.openai.protocol import (
 )
 from pagedlm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
 from pagedlm.entrypoints.openai.protocol_embedding import EmbeddingRequest
+from pagedlm.entrypoints.openai.protocol_pooling import (
+    ClassificationRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from pagedlm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedlm.entrypoints.openai.request_body import parse_body, warning_header
 from pagedlm.entrypoints.openai.responses_store import owner_of
@@ -70,6 +76,7 @@ from pagedlm.entrypoints.openai.serving_lora import (
     UnloadLoRAAdapterRequest,
 )
 from pagedlm.entrypoints.openai.serving_messages import MessagesServer
+from pagedlm.entrypoints.openai.serving_pooling import PoolingServer
 from pagedlm.entrypoints.openai.serving_responses import ResponsesServer
 
 logger = logging.getLogger("pagedlm.server")
@@ -129,7 +136,8 @@ def _body_route(
     ``model`` in ``app.state.body_models``, for /openapi.json)."""
 
     def decorate(handler: BodyHandler) -> BodyHandler:
-        app.state.body_models.append(model)
+        if model not in app.state.body_models:  # a model may serve several paths
+            app.state.body_models.append(model)
 
         async def route(request: Request) -> Response:
             return await handler(request, await parse_body(request, model, ctx.limits))
@@ -226,6 +234,28 @@ def _add_embedding_routes(app: FastAPI, ctx: ServingContext) -> None:
     @_body_route(app, ctx, "/v1/embeddings", EmbeddingRequest, anthropic=False)
     async def create_embedding(request: Request, body: EmbeddingRequest) -> Response:
         return await _respond(request, embeddings.create(body), anthropic=False)
+
+    pooling = PoolingServer(ctx)
+
+    @_body_route(app, ctx, "/classify", ClassificationRequest, anthropic=False)
+    async def create_classification(request: Request, body: ClassificationRequest) -> Response:
+        return await _respond(request, pooling.classify(body), anthropic=False)
+
+    @_body_route(app, ctx, "/pooling", PoolingRequest, anthropic=False)
+    async def create_pooling(request: Request, body: PoolingRequest) -> Response:
+        return await _respond(request, pooling.pooling(body), anthropic=False)
+
+    for path in ("/score", "/v1/score"):
+
+        @_body_route(app, ctx, path, ScoreRequest, anthropic=False)
+        async def create_score(request: Request, body: ScoreRequest) -> Response:
+            return await _respond(request, pooling.score(body), anthropic=False)
+
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+
+        @_body_route(app, ctx, path, RerankRequest, anthropic=False)
+        async def do_rerank(request: Request, body: RerankRequest) -> Response:
+            return await _respond(request, pooling.rerank(body), anthropic=False)
 
 
 def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:

@@ -68,7 +68,8 @@ class ServingContext:
     structured_outputs_backend: str = "xgrammar"
     """The engine's grammar backend (what a request's ``guided_decoding_backend`` must name)."""
     runner: str = "generate"
-    """The engine's runner: "pooling" serves /v1/embeddings and answers 400 to generation."""
+    """The engine's runner: "pooling" serves /v1/embeddings, /classify, /score, /rerank and
+    /pooling, and answers 400 to generation."""
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     """The model's defaults for sampling fields a request leaves unset (its generation
     config: ``ModelConfig.sampling_defaults``); ``max_tokens`` there caps every request's."""
@@ -164,9 +165,9 @@ class ServingContext:
             raise APIError(SHUTDOWN_MESSAGE, status=503)
         if self.runner == "pooling":
             raise APIError(
-                "This model is served with --runner pooling, which embeds and does not "
-                "generate; use /v1/embeddings (to generate, serve a generative model "
-                "with --runner generate)."
+                "This model is served with --runner pooling, which does not generate; use "
+                "/v1/embeddings for an embedding model, /classify, /score or /rerank for a "
+                "classifier (to generate, serve a generative model with --runner generate)."
             )
         stream = self.engine.generate(prompt, params, request_id, priority, lora_request)
         if self.tracer is not None:

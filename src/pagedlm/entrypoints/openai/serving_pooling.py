@@ -1,0 +1,225 @@
+"""``POST /classify``, ``/score``, ``/rerank`` and ``/pooling``: a pooling model's
+classifications, pair scores and raw outputs, with vLLM's request and response shapes.
+
+Every prompt is its own engine request (``pool_all``: all started together, so they share
+steps; a bad one fails the whole request with 400 and aborts the others). Scoring follows
+``pagedlm.pooling.scoring``: a cross-encoder reads each (text_1, text_2) pair as one
+prompt, an embedding model scores the cosine similarity of the two texts' embeddings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from typing import Any
+
+import numpy as np
+
+from pagedlm.config import PoolerConfig
+from pagedlm.entrypoints.openai.errors import APIError, from_value_error
+from pagedlm.entrypoints.openai.protocol_pooling import (
+    ClassificationRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
+from pagedlm.entrypoints.openai.serving_engine import ServingContext
+from pagedlm.pooling import PoolingParams, PoolingRequestOutput, scoring
+
+
+def encode_vector(vector: Any, encoding_format: str) -> list[float] | str:
+    """A float32 vector (tensor) as a response's ``embedding``/``data`` field: JSON floats,
+    or base64 of its little-endian float32 bytes."""
+    values = np.asarray(vector, dtype="<f4")
+    if encoding_format == "base64":
+        return base64.b64encode(values.tobytes()).decode("ascii")
+    return values.tolist()
+
+
+async def pool_all(
+    ctx: ServingContext, prompts: list[Any], params: PoolingParams, request_id: str
+) -> list[PoolingRequestOutput]:
+    """Each prompt's final output, in order; an engine-side ``ValueError`` becomes a 400,
+    and a failure (or the client leaving) aborts what still runs."""
+    limit = ctx.limits.max_completion_prompts
+    if len(prompts) > limit:
+        raise APIError(
+            f"The request has {len(prompts)} inputs; this server accepts at most {limit} (its "
+            "--max-completion-prompts flag). Send fewer, or raise the flag.",
+        )
+    tasks = [
+        asyncio.ensure_future(_one(ctx, prompt, params, f"{request_id}-{i}"))
+        for i, prompt in enumerate(prompts)
+    ]
+    try:
+        return await asyncio.gather(*tasks)
+    except ValueError as error:
+        raise from_value_error(error) from error
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _one(
+    ctx: ServingContext, prompt: Any, params: PoolingParams, request_id: str
+) -> PoolingRequestOutput:
+    final = None
+    async for output in ctx.engine.encode(prompt, params, request_id):
+        final = output
+    if final is None:
+        raise APIError("The request was aborted before it finished.", status=503)
+    return final
+
+
+def pooling_model(ctx: ServingContext, model: str | None, route: str) -> PoolerConfig:
+    """The served pooling model's config; 400 naming ``--runner`` on a generative server,
+    and for LoRA adapters (which do not pool)."""
+    ctx.check_model(model)
+    if model in ctx.loras:
+        raise APIError(f"LoRA adapters do not serve {route}; name the base model.", param="model")
+    if ctx.runner != "pooling":
+        raise APIError(
+            f"This model is served for generation; {route} needs a pooling model. Serve an "
+            "embedding model or a *ForSequenceClassification checkpoint (--runner pooling)."
+        )
+    pooler = ctx.engine.config.model.pooler
+    assert pooler is not None, "a pooling engine has a pooler config"
+    return pooler
+
+
+def _usage(outputs: list[PoolingRequestOutput]) -> dict[str, Any]:
+    tokens = sum(len(output.prompt_token_ids) for output in outputs)
+    return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
+
+
+class PoolingServer:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    def _check(self, model: str | None, route: str, task: str | None) -> PoolerConfig:
+        pooler = pooling_model(self.ctx, model, route)
+        if task is not None:
+            try:
+                scoring.check_task(pooler, task)
+            except ValueError as error:
+                raise APIError(str(error)) from None
+        return pooler
+
+    def _params(self, pooler: PoolerConfig, **fields: Any) -> PoolingParams:
+        params = PoolingParams(**fields)
+        try:
+            params.validate(pooler, self.ctx.engine.config.model.arch.hidden_size)
+        except ValueError as error:
+            raise from_value_error(error) from None
+        return params
+
+    async def classify(self, body: ClassificationRequest) -> tuple[dict[str, Any], None]:
+        pooler = self._check(body.model, "/classify", "classify")
+        params = self._params(pooler, use_activation=body.activation_choice())
+        request_id = self.ctx.request_id("classify")
+        outputs = await pool_all(self.ctx, body.prompts(), params, request_id)
+        labels = pooler.labels
+        assert labels is not None
+        data = []
+        for index, output in enumerate(outputs):
+            probs = output.outputs.data.tolist()
+            best = max(range(len(probs)), key=probs.__getitem__)
+            data.append(
+                {"index": index, "label": labels[best], "probs": probs, "num_classes": len(probs)}
+            )
+        return self._listing(request_id, data, outputs), None
+
+    async def score(self, body: ScoreRequest) -> tuple[dict[str, Any], None]:
+        request_id = self.ctx.request_id("score")
+        scores, outputs = await self._scores(
+            body, scoring.as_list(body.text_1), scoring.as_list(body.text_2),
+            ("text_1", "text_2"), request_id,
+        )  # fmt: skip
+        data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
+        return self._listing(request_id, data, outputs), None
+
+    async def rerank(self, body: RerankRequest) -> tuple[dict[str, Any], None]:
+        request_id = self.ctx.request_id("rerank")
+        scores, outputs = await self._scores(
+            body, [body.query], body.documents, ("query", "documents"), request_id
+        )
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])
+        if body.top_n:
+            order = order[: body.top_n]
+        results = [
+            {"index": i, "document": {"text": body.documents[i]}, "relevance_score": scores[i]}
+            for i in order
+        ]
+        response = {
+            "id": request_id,
+            "model": self.ctx.response_model(body.model),
+            "usage": {"total_tokens": _usage(outputs)["total_tokens"]},
+            "results": results,
+        }
+        return response, None
+
+    async def pooling(self, body: PoolingRequest) -> tuple[dict[str, Any], None]:
+        pooler = self._check(body.model, "/pooling", None)
+        params = self._params(
+            pooler,
+            dimensions=body.dimensions,
+            normalize=body.normalize,
+            use_activation=body.activation_choice(),
+        )
+        request_id = self.ctx.request_id("pool")
+        outputs = await pool_all(self.ctx, body.prompts(), params, request_id)
+        data = [
+            {
+                "index": index,
+                "object": "pooling",
+                "data": encode_vector(output.outputs.data, body.encoding_format),
+            }
+            for index, output in enumerate(outputs)
+        ]
+        return self._listing(request_id, data, outputs), None
+
+    async def _scores(
+        self,
+        body: ScoreRequest | RerankRequest,
+        first: list[str],
+        second: list[str],
+        names: tuple[str, str],
+        request_id: str,
+    ) -> tuple[list[float], list[PoolingRequestOutput]]:
+        route = "/rerank" if isinstance(body, RerankRequest) else "/score"
+        pooler = self._check(body.model, route, "score")
+        try:
+            pairs = scoring.pair_up(first, second, names)
+        except ValueError as error:
+            raise APIError(str(error), param=names[1]) from None
+        if scoring.is_cross_encoder(pooler):
+            params = self._params(pooler, use_activation=body.activation_choice())
+            outputs = await pool_all(self.ctx, pairs, params, request_id)
+            return [float(output.outputs.data[0]) for output in outputs], outputs
+        if body.activation_choice() is not None:
+            raise APIError(
+                "use_activation applies to cross-encoders; this model embeds and scores by "
+                "cosine similarity. Omit it.",
+                param="use_activation",
+            )
+        params = PoolingParams()
+        firsts = first[:1] if len(first) == 1 else first
+        outputs = await pool_all(self.ctx, firsts + [b for _, b in pairs], params, request_id)
+        vectors = [output.outputs.data for output in outputs]
+        heads = vectors[:1] * len(pairs) if len(firsts) == 1 else vectors[: len(firsts)]
+        tails = vectors[len(firsts) :]
+        return [scoring.cosine(a, b) for a, b in zip(heads, tails, strict=True)], outputs
+
+    def _listing(
+        self, request_id: str, data: list[dict[str, Any]], outputs: list[PoolingRequestOutput]
+    ) -> dict[str, Any]:
+        return {
+            "id": request_id,
+            "object": "list",
+            "created": int(time.time()),
+            "model": self.ctx.model_name,
+            "data": data,
+            "usage": _usage(outputs),
+        }
