@@ -167,7 +167,9 @@ def hf_hidden(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     """[len, hidden] float32 last hidden states (after a decoder's final norm)."""
     with torch.no_grad():
         ids = torch.tensor([token_ids])
-        if hasattr(model, "model") and not isinstance(model, transformers.BertModel):
+        if hasattr(model, "model") and not isinstance(
+            model, (transformers.BertModel, transformers.XLMRobertaModel)
+        ):
             model = model.model  # a *ForCausalLM: the stack under the head
         kwargs = {"attention_mask": torch.ones_like(ids)}
         return model(ids, **kwargs).last_hidden_state[0].float()
@@ -176,3 +178,43 @@ def hf_hidden(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
 def reference_vector(hidden: torch.Tensor, pooling: str, normalize: bool) -> torch.Tensor:
     pooled = {"cls": hidden[0], "mean": hidden.mean(0), "lasttoken": hidden[-1]}[pooling]
     return F.normalize(pooled, dim=-1) if normalize else pooled
+
+
+ROBERTA_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+
+
+def write_roberta(path: Path, num_labels: int | None = None) -> torch.nn.Module:
+    """A random ``XLMRobertaModel`` (or, with ``num_labels``, an
+    ``XLMRobertaForSequenceClassification``) with a byte-level BPE tokenizer that joins
+    pairs as ``<s> a </s></s> b </s>``; the position table has ``pad_token_id + 1`` rows
+    more than the tokens it takes, as RoBERTa's."""
+    from tokenizers import ByteLevelBPETokenizer, processors
+
+    path.mkdir(parents=True, exist_ok=True)
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(
+        TEXTS * 3 + WORDS, vocab_size=300, min_frequency=1, special_tokens=ROBERTA_SPECIALS
+    )
+    backend = bpe._tokenizer
+    backend.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        pad_token="<pad>",
+        eos_token="</s>",
+        sep_token="</s>",
+        cls_token="<s>",
+        unk_token="<unk>",
+        mask_token="<mask>",
+    ).save_pretrained(path)
+    sizes = {**BERT_SIZES, "max_position_embeddings": BERT_SIZES["max_position_embeddings"] + 2}
+    config = transformers.XLMRobertaConfig(
+        vocab_size=300, pad_token_id=1, type_vocab_size=1, num_labels=num_labels or 2, **sizes
+    )
+    if num_labels is None:
+        model = transformers.XLMRobertaModel(config, add_pooling_layer=True)
+    else:
+        model = transformers.XLMRobertaForSequenceClassification(config)
+    model = _randomize(model)
+    model.save_pretrained(path)
+    return model

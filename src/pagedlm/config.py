@@ -153,7 +153,8 @@ class ArchConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048)
+            - position_offset(arch, cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch == "Qwen3ForCausalLM",
@@ -182,6 +183,26 @@ class ArchConfig:
         if isinstance(self.eos_token_id, int):
             return {self.eos_token_id}
         return set(self.eos_token_id)
+
+
+ROBERTA_ARCHITECTURES = frozenset(
+    {
+        "RobertaModel",
+        "XLMRobertaModel",
+        "RobertaForSequenceClassification",
+        "XLMRobertaForSequenceClassification",
+    }
+)
+"""BERT-family encoders whose positions start after the padding id (``pad_token_id + 1``)."""
+
+
+def position_offset(architecture: str, cfg: dict[str, Any]) -> int:
+    """The first position id a model's position table is read at: ``pad_token_id + 1``
+    for RoBERTa, whose table has that many rows more than the tokens it takes (514 for
+    512); 0 otherwise. ``ArchConfig.max_position_embeddings`` counts tokens."""
+    if architecture not in ROBERTA_ARCHITECTURES:
+        return 0
+    return int(cfg.get("pad_token_id", 1)) + 1
 
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")

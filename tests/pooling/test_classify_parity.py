@@ -16,6 +16,7 @@ from embedding_checkpoints import (
     write_bert,
     write_bert_classifier,
     write_decoder,
+    write_roberta,
     write_wordpiece_tokenizer,
 )
 from pagedlm import LLM, PoolingParams
@@ -193,3 +194,29 @@ def test_labels_come_from_id2label_which_transformers_saves_instead_of_num_label
     pooler = classifier_config(ArchConfig.from_directory(tmp_path))
     assert pooler.labels == tuple(f"LABEL_{i}" for i in range(5))
     assert (pooler.pooling_type, pooler.normalize, pooler.activation) == ("CLS", False, "softmax")
+
+
+def test_xlm_roberta_embeds_and_reranks_as_transformers_does(tmp_path):
+    """RoBERTa's positions start after the padding id (bge-m3, bge-reranker-v2-m3)."""
+    embedder = write_roberta(tmp_path / "embed")
+    llm = LLM(str(tmp_path / "embed"), **ENGINE)
+    try:
+        config = llm.llm_engine.config.model
+        assert (config.runner, config.pooler.pooling_type) == ("pooling", "CLS")
+        assert config.max_model_len == 64  # the table's 66 rows less pad_token_id + 1
+        tokenizer = llm.get_tokenizer()
+        for text, output in zip(TEXTS, llm.embed(TEXTS, use_tqdm=False), strict=True):
+            want = F.normalize(hf_hidden(embedder, tokenizer.encode(text))[0], dim=-1)
+            assert (torch.tensor(output.outputs.embedding) - want).abs().max().item() < TOLERANCE
+    finally:
+        llm.llm_engine.shutdown()
+    reranker = write_roberta(tmp_path / "rerank", num_labels=1)
+    llm = LLM(str(tmp_path / "rerank"), **ENGINE)
+    try:
+        tokenizer = llm.get_tokenizer()
+        for document, output in zip(DOCUMENTS, llm.score(QUERY, DOCUMENTS), strict=True):
+            assert tokenizer(QUERY, document)["input_ids"].count(2) == 3  # </s></s> between
+            logit = _hf_logits(reranker, tokenizer, QUERY, document)
+            assert abs(output.outputs.score - logit.sigmoid().item()) < TOLERANCE
+    finally:
+        llm.llm_engine.shutdown()

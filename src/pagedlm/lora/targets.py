@@ -14,9 +14,20 @@ from dataclasses import dataclass
 
 from pagedlm.config import ArchConfig
 
+_BERT_REASON = "BERT's query/key/value and dense projections"
 UNSUPPORTED_ARCHITECTURES = {
     "GPT2LMHeadModel": "GPT-2's Conv1D projections (c_attn, c_proj, c_fc)",
-    "BertModel": "BERT's query/key/value and dense projections",
+    **dict.fromkeys(
+        (
+            "BertModel",
+            "BertForSequenceClassification",
+            "RobertaModel",
+            "XLMRobertaModel",
+            "RobertaForSequenceClassification",
+            "XLMRobertaForSequenceClassification",
+        ),
+        _BERT_REASON,
+    ),
 }
 MOE_ARCHITECTURES = frozenset({"MixtralForCausalLM", "Qwen3MoeForCausalLM"})
 

@@ -22,15 +22,25 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pagedlm.config import RUNNERS, ArchConfig, PoolerConfig
+from pagedlm.config import ROBERTA_ARCHITECTURES, RUNNERS, ArchConfig, PoolerConfig
 
 POOLING_ARCHITECTURES = frozenset(
-    {"BertModel", "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"}
+    {
+        "BertModel",
+        "RobertaModel",
+        "XLMRobertaModel",
+        "LlamaModel",
+        "MistralModel",
+        "Qwen2Model",
+        "Qwen3Model",
+    }
 )
 """Architectures that only embed (no LM head): "auto" runs them as pooling models."""
 CLASSIFIER_ARCHITECTURES = frozenset(
     {
         "BertForSequenceClassification",
+        "RobertaForSequenceClassification",
+        "XLMRobertaForSequenceClassification",
         "LlamaForSequenceClassification",
         "MistralForSequenceClassification",
         "Qwen2ForSequenceClassification",
@@ -39,7 +49,9 @@ CLASSIFIER_ARCHITECTURES = frozenset(
 )
 """Architectures with a classification head instead of an LM head: pooling models that
 give one logit per label (``LLM.classify``, ``LLM.score``, /classify, /score, /rerank)."""
-ENCODER_ARCHITECTURES = frozenset({"BertModel", "BertForSequenceClassification"})
+ENCODER_ARCHITECTURES = frozenset(
+    {"BertModel", "BertForSequenceClassification"} | ROBERTA_ARCHITECTURES
+)
 """Bidirectional encoders: their default pooling is CLS, and they cannot generate."""
 _ST_ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "identity", "Softmax": "softmax"}
 

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagedlm.config import ArchConfig
+from pagedlm.config import ArchConfig, position_offset
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.layers.attention import Attention
 from pagedlm.model_executor.layers.gelu import get_gelu
@@ -46,13 +46,17 @@ def _eps(arch: ArchConfig) -> float:
 
 
 class BertEmbeddings(nn.Module):
-    """ids, positions [T] -> LayerNorm(word + position + token type 0) [T, hidden]."""
+    """ids, positions [T] -> LayerNorm(word + position + token type) [T, hidden]; RoBERTa
+    reads its position table ``position_offset`` rows further (``config.position_offset``)."""
 
     def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
         hidden = arch.hidden_size
+        self.position_offset = position_offset(arch.architecture, arch.raw)
         self.word_embeddings = VocabParallelEmbedding(arch.vocab_size, hidden)
-        self.position_embeddings = VocabParallelEmbedding(arch.max_position_embeddings, hidden)
+        self.position_embeddings = VocabParallelEmbedding(
+            arch.max_position_embeddings + self.position_offset, hidden
+        )
         self.token_type_embeddings = VocabParallelEmbedding(
             int(arch.raw.get("type_vocab_size", 2)), hidden
         )
@@ -63,6 +67,8 @@ class BertEmbeddings(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         token_types = torch.div(input_ids, self.vocab_size, rounding_mode="floor")
         ids = input_ids - token_types * self.vocab_size
+        if self.position_offset:
+            positions = positions + self.position_offset
         x = self.word_embeddings(ids) + self.position_embeddings(positions)
         return self.LayerNorm(x + self.token_type_embeddings(token_types))
 
@@ -142,16 +148,18 @@ class BertModel(nn.Module):
             x = layer(x, ctx)
         return x
 
+    checkpoint_prefix = "bert."
+    """What a task model's checkpoint puts before the encoder's tensor names."""
     skipped_prefixes = _SKIPPED_PREFIXES
-    """Tensor names (after ``bert.``) that this class does not read: a task model's
-    pooler and heads."""
+    """Tensor names (after ``checkpoint_prefix``) that this class does not read: a task
+    model's pooler and heads."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the parameters; returns the parameter names filled."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
-            name = hf_name.removeprefix("bert.")
+            name = hf_name.removeprefix(self.checkpoint_prefix)
             if name.startswith(self.skipped_prefixes):
                 continue
             if name.startswith("pooler.dense."):
@@ -199,3 +207,32 @@ class BertForSequenceClassification(BertModel):
 
     def classifier_logits(self, pooled: torch.Tensor) -> torch.Tensor:
         return self.classifier(torch.tanh(self.pooler_dense(pooled)))
+
+
+class RobertaModel(BertModel):
+    """``RobertaModel`` and ``XLMRobertaModel`` checkpoints (bge-m3, multilingual-e5):
+    BERT's blocks, positions from ``pad_token_id + 1``, one token type."""
+
+    checkpoint_prefix = "roberta."
+
+
+class RobertaForSequenceClassification(RobertaModel):
+    """``RobertaForSequenceClassification`` and ``XLMRobertaForSequenceClassification``
+    (bge-reranker-v2-m3): transformers' head on the ``<s>`` row, ``out_proj(tanh(dense(x)))``
+    (no BERT pooler)."""
+
+    skipped_prefixes = ("embeddings.position_ids",)
+
+    def __init__(self, arch: ArchConfig, max_model_len: int | None = None) -> None:
+        super().__init__(arch, max_model_len)
+        from pagedlm.pooling.model_config import classifier_config
+
+        num_labels = classifier_config(arch).num_labels
+        assert num_labels is not None
+        self.classifier = nn.Module()
+        self.classifier.dense = nn.Linear(arch.hidden_size, arch.hidden_size)
+        self.classifier.out_proj = nn.Linear(arch.hidden_size, num_labels)
+
+    def classifier_logits(self, pooled: torch.Tensor) -> torch.Tensor:
+        head = self.classifier
+        return head.out_proj(torch.tanh(head.dense(pooled)))

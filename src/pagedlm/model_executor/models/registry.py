@@ -24,12 +24,16 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "GPT2LMHeadModel": f"{_MODELS}.gpt2:GPT2LMHeadModel",
     # Embedding models (no LM head): served by the pooling runner.
     "BertModel": f"{_MODELS}.bert:BertModel",
+    "RobertaModel": f"{_MODELS}.bert:RobertaModel",
+    "XLMRobertaModel": f"{_MODELS}.bert:RobertaModel",
     "LlamaModel": f"{_EMBEDDING}:LlamaModel",
     "MistralModel": f"{_EMBEDDING}:MistralModel",
     "Qwen2Model": f"{_EMBEDDING}:Qwen2Model",
     "Qwen3Model": f"{_EMBEDDING}:Qwen3Model",
     # Sequence classifiers (cross-encoders, rerankers): also pooling models.
     "BertForSequenceClassification": f"{_MODELS}.bert:BertForSequenceClassification",
+    "RobertaForSequenceClassification": f"{_MODELS}.bert:RobertaForSequenceClassification",
+    "XLMRobertaForSequenceClassification": f"{_MODELS}.bert:RobertaForSequenceClassification",
     "LlamaForSequenceClassification": f"{_CLASSIFIER}:LlamaForSequenceClassification",
     "MistralForSequenceClassification": f"{_CLASSIFIER}:MistralForSequenceClassification",
     "Qwen2ForSequenceClassification": f"{_CLASSIFIER}:Qwen2ForSequenceClassification",
