@@ -100,6 +100,17 @@ class StructuredOutputsParams:
         return next(name for name in _STRUCTURED_KINDS if self._is_set(name))
 
 
+def check_truncate_prompt_tokens(value: object) -> None:
+    """``truncate_prompt_tokens`` is None, -1 (up to ``max_model_len``) or a count >= 1."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
+        raise ValueError(
+            f"truncate_prompt_tokens must be -1 (truncate to max_model_len) or a positive "
+            f"integer, got {value!r}."
+        )
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. Field names and defaults follow vLLM.
@@ -132,6 +143,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    truncate_prompt_tokens: int | None = None
+    """Keep only the prompt's last this many tokens (left truncation); -1: as many as
+    ``max_model_len``; None: no truncation (vLLM's field)."""
     # Filled by the engine from the tokenizer/model: EOS plus any extra ids that end the request.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -194,6 +208,7 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty.")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True; use stop_token_ids instead.")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):

@@ -192,3 +192,17 @@ def test_pooling_routes_on_a_generative_server_name_the_runner_flag():
     )
     for status, body in answers:
         assert status == 400 and "--runner pooling" in body["error"]["message"]
+
+
+def test_truncate_prompt_tokens_reaches_the_pairs(cross_encoder):
+    model, app = cross_encoder
+    tokenizer = app.tokenizer
+    document = "embeddings are vectors of floats one two three four five"
+    ((status, body),) = _post_all(
+        app, [("/rerank", {"query": QUERY, "documents": [document], "truncate_prompt_tokens": 9})]
+    )
+    encoded = tokenizer(QUERY, document, truncation=True, max_length=9, return_tensors="pt")
+    with torch.no_grad():
+        want = model(**encoded).logits[0, 0].sigmoid().item()
+    assert status == 200 and body["usage"]["total_tokens"] == 9
+    assert body["results"][0]["relevance_score"] == pytest.approx(want, abs=TOLERANCE)

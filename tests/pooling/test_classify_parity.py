@@ -29,8 +29,8 @@ QUERY = "the quick brown fox"
 DOCUMENTS = ["a cat sat on the mat", "the lazy dog", "hello world one two three"]
 
 
-def _hf_logits(model, tokenizer, *texts: str, **kwargs) -> torch.Tensor:
-    encoded = tokenizer(*texts, return_tensors="pt")
+def _hf_logits(model, tokenizer, *texts: str, truncation=False, max_length=None, **kwargs):
+    encoded = tokenizer(*texts, return_tensors="pt", truncation=truncation, max_length=max_length)
     encoded.update(kwargs)
     with torch.no_grad():
         return model(**encoded).logits[0].float()
@@ -220,3 +220,29 @@ def test_xlm_roberta_embeds_and_reranks_as_transformers_does(tmp_path):
             assert abs(output.outputs.score - logit.sigmoid().item()) < TOLERANCE
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_truncate_prompt_tokens_cuts_texts_with_the_tokenizer_and_ids_from_the_left(
+    cross_encoder,
+):
+    model, llm = cross_encoder
+    tokenizer = llm.get_tokenizer()
+    long_text = TEXTS[3]
+    params = PoolingParams(truncate_prompt_tokens=6)
+    (text_out,) = llm.classify(long_text, pooling_params=params, use_tqdm=False)
+    cut = tokenizer(long_text, truncation=True, max_length=6)["input_ids"]
+    assert text_out.prompt_token_ids == cut and cut[0] == tokenizer.cls_token_id
+    assert cut[-1] == tokenizer.sep_token_id  # the tokenizer keeps the special tokens
+    want = _hf_logits(model, tokenizer, long_text, truncation=True, max_length=6)
+    assert abs(text_out.outputs.probs[0] - want.sigmoid().item()) < TOLERANCE
+    ids = tokenizer.encode(long_text)
+    (ids_out,) = llm.classify({"prompt_token_ids": ids}, pooling_params=params, use_tqdm=False)
+    assert ids_out.prompt_token_ids == ids[-6:]
+    (pair,) = llm.score(QUERY, long_text, pooling_params=params, use_tqdm=False)
+    assert (
+        pair.prompt_token_ids
+        == tokenizer(QUERY, long_text, truncation=True, max_length=6)["input_ids"]
+    )
+    for bad in (0, -2, 10_000):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            llm.classify(long_text, pooling_params=PoolingParams(truncate_prompt_tokens=bad))

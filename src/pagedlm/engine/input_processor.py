@@ -134,6 +134,18 @@ class InputProcessor:
             )
         return token_ids
 
+    def truncation_size(self, truncate_prompt_tokens: int | None) -> int | None:
+        """How many prompt tokens a request's ``truncate_prompt_tokens`` keeps (None: all)."""
+        max_model_len = self.model_config.max_model_len
+        if truncate_prompt_tokens == -1:
+            return max_model_len
+        if truncate_prompt_tokens is not None and truncate_prompt_tokens > max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens={truncate_prompt_tokens} exceeds max_model_len="
+                f"{max_model_len}; use at most {max_model_len}, or -1 for max_model_len."
+            )
+        return truncate_prompt_tokens
+
     def resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         max_model_len = self.model_config.max_model_len
         if num_prompt_tokens >= max_model_len:
@@ -220,6 +232,14 @@ class InputProcessor:
             )
         self.adapters.check(lora_request)
         text, token_ids, mm_features = self.tokenize_multimodal(prompt)
+        keep = self.truncation_size(params.truncate_prompt_tokens)
+        if keep is not None and len(token_ids) > keep:
+            if mm_features:
+                raise ValueError(
+                    "truncate_prompt_tokens would cut through the prompt's images; drop it, "
+                    "or shorten the text around them."
+                )
+            token_ids = token_ids[-keep:]
         resolved = self.resolve_params(params, len(token_ids))
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):

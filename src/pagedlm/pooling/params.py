@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedlm.config import PoolerConfig
+from pagedlm.sampling_params import check_truncate_prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -15,14 +16,18 @@ class PoolingParams:
     """Embedding models: ``dimensions``, keep the first this many values (Matryoshka
     models only), then normalize; ``normalize``, L2-normalize (None: the model's pooler
     config decides). Classifiers: ``use_activation``, turn the logits into probabilities
-    or scores with the model's activation (None: yes; False: the raw logits)."""
+    or scores with the model's activation (None: yes; False: the raw logits). Both:
+    ``truncate_prompt_tokens``, at most this many prompt tokens (-1: ``max_model_len``),
+    a text cut by its tokenizer (which keeps the special tokens), token ids from the left."""
 
     dimensions: int | None = None
     normalize: bool | None = None
     use_activation: bool | None = None
+    truncate_prompt_tokens: int | None = None
 
     def validate(self, pooler: PoolerConfig, hidden_size: int) -> None:
         """Raise ``ValueError`` naming the fix when the model cannot honour these."""
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if pooler.labels is not None:
             for name in ("dimensions", "normalize"):
                 if getattr(self, name) is not None:

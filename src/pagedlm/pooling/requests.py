@@ -20,6 +20,7 @@ from pagedlm.engine.input_processor import InputProcessor, ProcessedRequest, Pro
 from pagedlm.pooling.model_config import reads_token_types
 from pagedlm.pooling.params import PoolingParams
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
+from pagedlm.tokenizer import as_transformers
 
 PairPrompt = tuple[str, str]
 """A cross-encoder's input: the query (or first text) and the document."""
@@ -54,10 +55,11 @@ def process_pooling_request(
     require_pooling(config)
     assert config.pooler is not None, "a pooling model config has a pooler"
     params.validate(config.pooler, config.arch.hidden_size)
+    keep = processor.truncation_size(params.truncate_prompt_tokens)
     if isinstance(prompt, tuple):
-        text, token_ids, engine_ids = _tokenize_pair(processor, prompt)
+        text, token_ids, engine_ids = _tokenize_pair(processor, prompt, keep)
     else:
-        text, token_ids = processor.tokenize(prompt)
+        text, token_ids = _tokenize(processor, prompt, keep)
         engine_ids = token_ids
     if len(token_ids) > config.max_model_len:
         raise ValueError(
@@ -70,10 +72,25 @@ def process_pooling_request(
     return ProcessedRequest(request_id, text, token_ids, sampling, [child], arrival)
 
 
+def _tokenize(
+    processor: InputProcessor, prompt: PromptType, keep: int | None
+) -> tuple[str | None, list[int]]:
+    """A prompt's text and ids, at most ``keep`` of them (see ``PoolingParams``)."""
+    text = prompt if isinstance(prompt, str) else None
+    if isinstance(prompt, dict) and prompt.get("prompt_token_ids") is None:
+        text = prompt.get("prompt")
+    if keep is None or not isinstance(text, str) or processor.tokenizer is None:
+        text, token_ids = processor.tokenize(prompt)
+        return text, token_ids if keep is None else token_ids[-keep:]
+    encoded = as_transformers(processor.tokenizer)(text, truncation=True, max_length=keep)
+    return text, processor.tokenize({"prompt_token_ids": encoded["input_ids"]})[1]
+
+
 def _tokenize_pair(
-    processor: InputProcessor, pair: PairPrompt
+    processor: InputProcessor, pair: PairPrompt, keep: int | None
 ) -> tuple[None, list[int], list[int]]:
-    """(no single text, the joined prompt's ids, the ids the engine core runs)."""
+    """(no single text, the joined prompt's ids, the ids the engine core runs), at most
+    ``keep`` ids (the tokenizer's longest-first truncation)."""
     if len(pair) != 2 or not all(isinstance(text, str) for text in pair):
         raise ValueError("A text pair is two strings (text_1, text_2).")
     tokenizer = processor.tokenizer
@@ -83,7 +100,8 @@ def _tokenize_pair(
             "without the tokenizer; start the engine with its tokenizer."
         )
     text_1, text_2 = pair
-    encoded = tokenizer(text_1, text_pair=text_2)
+    truncation = {} if keep is None else {"truncation": True, "max_length": keep}
+    encoded = as_transformers(tokenizer)(text_1, text_pair=text_2, **truncation)
     token_ids = [int(t) for t in encoded["input_ids"]]
     if not token_ids:
         raise ValueError("The text pair tokenizes to no tokens.")

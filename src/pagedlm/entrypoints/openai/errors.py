@@ -48,6 +48,7 @@ class APIError(Exception):
 
 _REQUEST_FIELDS = frozenset(
     {"prompt", "priority", "cache_salt", "messages", "model"}
+    | {"dimensions", "normalize", "use_activation"}  # PoolingParams'
     | {f.name for f in dataclasses.fields(SamplingParams)}
 )
 _LEADING_NAME = re.compile(r"([a-z][a-z_]*)\b")

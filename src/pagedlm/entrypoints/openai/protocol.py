@@ -76,6 +76,7 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     cache_salt: str | None = Field(None, min_length=1)
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     response_format: dict[str, Any] | None = None
@@ -151,6 +152,7 @@ class SamplingFields(OpenAIModel):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 output_kind=RequestOutputKind.DELTA,
                 structured_outputs=structured_outputs,
+                truncate_prompt_tokens=self.truncate_prompt_tokens,
             )
         except ValueError as error:
             raise from_value_error(error) from error

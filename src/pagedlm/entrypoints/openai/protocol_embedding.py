@@ -21,6 +21,8 @@ class EmbeddingRequest(OpenAIModel):
     # vLLM extras
     normalize: bool | None = None
     """L2-normalize (None: as the model's sentence-transformers config says)."""
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    """At most this many tokens per input (-1: ``max_model_len``), as ``PoolingParams``."""
 
     def prompts(self) -> list[str | dict[str, Any]]:
         """The input field as engine prompts (text or token ids)."""

@@ -13,8 +13,8 @@ _USE_ACTIVATION = "use use_activation, which means the same"
 
 
 class ActivationFields(OpenAIModel):
-    """``use_activation`` (None: the model's activation applies; False: raw logits), and
-    the older names vLLM still reads."""
+    """``use_activation`` (None: the model's activation applies; False: raw logits), the
+    older names vLLM still reads, and ``truncate_prompt_tokens``."""
 
     deprecated_fields: ClassVar[dict[str, str]] = {
         "activation": _USE_ACTIVATION,
@@ -23,6 +23,8 @@ class ActivationFields(OpenAIModel):
     use_activation: bool | None = None
     activation: bool | None = None
     softmax: bool | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    """At most this many tokens per prompt (-1: ``max_model_len``), as ``PoolingParams``."""
 
     def activation_choice(self) -> bool | None:
         for value in (self.use_activation, self.activation, self.softmax):

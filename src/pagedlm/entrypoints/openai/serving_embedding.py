@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pagedlm.entrypoints.openai.errors import APIError
+from pagedlm.entrypoints.openai.errors import APIError, from_value_error
 from pagedlm.entrypoints.openai.protocol_embedding import EmbeddingRequest
 from pagedlm.entrypoints.openai.serving_engine import ServingContext
 from pagedlm.entrypoints.openai.serving_pooling import encode_vector, pool_all, pooling_model
@@ -30,11 +30,15 @@ class EmbeddingServer:
             check_task(pooler, "embed")
         except ValueError as error:
             raise APIError(str(error)) from None
-        params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
+        params = PoolingParams(
+            dimensions=body.dimensions,
+            normalize=body.normalize,
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
+        )
         try:
             params.validate(pooler, ctx.engine.config.model.arch.hidden_size)
         except ValueError as error:
-            raise APIError(str(error), param="dimensions") from None
+            raise from_value_error(error) from None
         return params
 
     async def create(self, body: EmbeddingRequest) -> tuple[dict[str, Any], None]:

@@ -117,7 +117,11 @@ class PoolingServer:
 
     async def classify(self, body: ClassificationRequest) -> tuple[dict[str, Any], None]:
         pooler = self._check(body.model, "/classify", "classify")
-        params = self._params(pooler, use_activation=body.activation_choice())
+        params = self._params(
+            pooler,
+            use_activation=body.activation_choice(),
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
+        )
         request_id = self.ctx.request_id("classify")
         outputs = await pool_all(self.ctx, body.prompts(), params, request_id)
         labels = pooler.labels
@@ -167,6 +171,7 @@ class PoolingServer:
             dimensions=body.dimensions,
             normalize=body.normalize,
             use_activation=body.activation_choice(),
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
         )
         request_id = self.ctx.request_id("pool")
         outputs = await pool_all(self.ctx, body.prompts(), params, request_id)
@@ -194,8 +199,11 @@ class PoolingServer:
             pairs = scoring.pair_up(first, second, names)
         except ValueError as error:
             raise APIError(str(error), param=names[1]) from None
+        truncate = body.truncate_prompt_tokens
         if scoring.is_cross_encoder(pooler):
-            params = self._params(pooler, use_activation=body.activation_choice())
+            params = self._params(
+                pooler, use_activation=body.activation_choice(), truncate_prompt_tokens=truncate
+            )
             outputs = await pool_all(self.ctx, pairs, params, request_id)
             return [float(output.outputs.data[0]) for output in outputs], outputs
         if body.activation_choice() is not None:
@@ -204,7 +212,7 @@ class PoolingServer:
                 "cosine similarity. Omit it.",
                 param="use_activation",
             )
-        params = PoolingParams()
+        params = self._params(pooler, truncate_prompt_tokens=truncate)
         firsts = first[:1] if len(first) == 1 else first
         outputs = await pool_all(self.ctx, firsts + [b for _, b in pairs], params, request_id)
         vectors = [output.outputs.data for output in outputs]

@@ -1,0 +1,92 @@
+"""``truncate_prompt_tokens`` (vLLM's): a generation request keeps its prompt's last k
+tokens and generates exactly as from that shorter prompt; -1 means ``max_model_len``;
+the HTTP routes take the field too."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from pagedlm import LLM, SamplingParams
+
+PROMPT = list(range(3, 43))  # 40 tokens
+
+
+@pytest.fixture(scope="module")
+def llm(chat_checkpoint):
+    llm = LLM(str(chat_checkpoint), num_kv_blocks=64, block_size=16, max_model_len=64)
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+def _greedy(**extra) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, **extra)
+
+
+def test_the_prompt_keeps_its_last_tokens_and_generates_as_that_prompt(llm):
+    cut, plain = llm.generate(
+        [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": PROMPT[-12:]}],
+        [_greedy(truncate_prompt_tokens=12), _greedy()],
+        use_tqdm=False,
+    )
+    assert cut.prompt_token_ids == PROMPT[-12:]
+    assert cut.outputs[0].token_ids == plain.outputs[0].token_ids
+    (whole,) = llm.generate(
+        {"prompt_token_ids": PROMPT}, _greedy(truncate_prompt_tokens=50), use_tqdm=False
+    )
+    assert whole.prompt_token_ids == PROMPT  # shorter than k: unchanged
+
+
+def test_minus_one_is_max_model_len_and_bad_values_name_the_field(llm):
+    long_prompt = list(range(3, 103))  # 100 tokens, max_model_len 64
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        llm.generate({"prompt_token_ids": long_prompt}, _greedy(), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=None, truncate_prompt_tokens=-1)
+    with pytest.raises(ValueError, match="leaves no room to generate"):
+        # -1 keeps max_model_len tokens, so nothing is left to generate (as vLLM)
+        llm.generate({"prompt_token_ids": long_prompt}, params, use_tqdm=False)
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens=65 exceeds max_model_len=64"):
+        llm.generate("hi", _greedy(truncate_prompt_tokens=65), use_tqdm=False)
+
+
+def test_completions_take_the_field(chat_checkpoint):
+    from pagedlm import AsyncLLM
+    from pagedlm.engine.arg_utils import EngineArgs
+    from pagedlm.entrypoints.openai.app import build_app
+    from pagedlm.entrypoints.openai.serving_engine import ServingContext
+    from pagedlm.metrics.prometheus import PrometheusMetrics
+
+    engine = AsyncLLM.from_engine_args(
+        EngineArgs(model=str(chat_checkpoint), num_kv_blocks=64, max_model_len=64)
+    )
+    ctx = ServingContext(
+        engine=engine,
+        model_names=["tiny"],
+        metrics=PrometheusMetrics("tiny"),
+        tokenizer=engine.get_tokenizer(),
+        max_model_len=64,
+    )
+    body = {"model": "tiny", "prompt": list(range(3, 103)), "max_tokens": 4, "temperature": 0}
+
+    async def main():
+        transport = httpx.ASGITransport(app=build_app(ctx))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            too_long = await http.post("/v1/completions", json=body)
+            cut = await http.post("/v1/completions", json={**body, "truncate_prompt_tokens": 20})
+            zero = await http.post("/v1/completions", json={**body, "truncate_prompt_tokens": 0})
+            return too_long, cut, zero
+
+    try:
+        too_long, cut, zero = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert too_long.status_code == 400
+    assert cut.status_code == 200, cut.text
+    assert cut.json()["usage"]["prompt_tokens"] == 20
+    assert zero.status_code == 400
+    assert zero.json()["error"]["param"] == "truncate_prompt_tokens"
