@@ -140,6 +140,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    """Sample only among these tokens (vLLM's field); None: the whole vocabulary."""
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
@@ -165,6 +167,8 @@ class SamplingParams:
         if self.top_k == 0:
             self.top_k = -1
         self._validate()
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
         self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _validate(self) -> None:
@@ -235,10 +239,15 @@ class SamplingParams:
             )
         if self.logit_bias and not all(math.isfinite(v) for v in self.logit_bias.values()):
             raise ValueError("logit_bias values must be finite numbers (-100 to 100).")
-        if not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids or ()
-        ):
-            raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids}.")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            token_ids = getattr(self, name) or ()
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+                raise ValueError(f"{name} must be integers, got {getattr(self, name)}.")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError(
+                "allowed_token_ids is empty, so no token could be sampled; name at least one, "
+                "or pass None to allow every token."
+            )
 
     @property
     def is_greedy(self) -> bool:

@@ -1,6 +1,6 @@
 """``truncate_prompt_tokens`` (vLLM's): a generation request keeps its prompt's last k
 tokens and generates exactly as from that shorter prompt; -1 means ``max_model_len``;
-the HTTP routes take the field too."""
+the HTTP routes take the field too, and ``allowed_token_ids``."""
 
 from __future__ import annotations
 
@@ -79,12 +79,26 @@ def test_completions_take_the_field(chat_checkpoint):
             too_long = await http.post("/v1/completions", json=body)
             cut = await http.post("/v1/completions", json={**body, "truncate_prompt_tokens": 20})
             zero = await http.post("/v1/completions", json={**body, "truncate_prompt_tokens": 0})
-            return too_long, cut, zero
+            allowed = await http.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 12,
+                    "allowed_token_ids": ab_ids,
+                    "temperature": 1.0,
+                },
+            )
+            return too_long, cut, zero, allowed
 
+    tokenizer = engine.get_tokenizer()
+    ab_ids = [tokenizer.convert_tokens_to_ids(c) for c in "ab"]
     try:
-        too_long, cut, zero = asyncio.run(main())
+        too_long, cut, zero, allowed = asyncio.run(main())
     finally:
         engine.shutdown()
+    text = allowed.json()["choices"][0]["message"]["content"]
+    assert text and set(text) <= set("ab")
     assert too_long.status_code == 400
     assert cut.status_code == 200, cut.text
     assert cut.json()["usage"]["prompt_tokens"] == 20

@@ -231,6 +231,28 @@ def test_logit_bias_forces_and_forbids_tokens() -> None:
     assert sampled[2] == logits[2].argmax()
 
 
+def test_allowed_token_ids_keep_only_those_tokens_whatever_the_bias() -> None:
+    torch.manual_seed(3)
+    logits = torch.randn(4, 30)
+    allowed = [4, 17, 25]
+    rows = [
+        make_row(temperature=0.0, allowed_token_ids=allowed),
+        make_row(temperature=1.0, allowed_token_ids=allowed, logit_bias={0: 100.0}, seed=1),
+        make_row(temperature=0.0),
+        make_row(temperature=0.0, allowed_token_ids=[9]),
+    ]
+    for _ in range(20):
+        sampled = sample(logits, rows).tolist()
+        assert sampled[0] == allowed[int(logits[0, allowed].argmax())]
+        assert sampled[1] in allowed
+        assert sampled[2] == int(logits[2].argmax())
+        assert sampled[3] == 9
+    with pytest.raises(ValueError, match="allowed_token_ids names a token id outside"):
+        SamplingMetadata.build([make_row(allowed_token_ids=[30])], 30, CPU)
+    with pytest.raises(ValueError, match="allowed_token_ids is empty"):
+        make_row(allowed_token_ids=[])
+
+
 def test_logit_bias_outside_vocab_is_rejected() -> None:
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         SamplingMetadata.build([make_row(logit_bias={30: 1.0})], 30, CPU)

@@ -1,6 +1,7 @@
 """Speculative decoding with every per-request feature in one batch: grammars (a mask per
 drafted position), stop strings and stop tokens inside an accepted run, ``min_tokens``,
-penalties and logit bias (per position, the drafts counted as outputs), logprobs of every
+penalties, logit bias and allowed token ids (per position, the drafts counted as outputs),
+logprobs of every
 emitted token, prompt logprobs; greedy outputs equal those without speculation, and
 random requests run alongside."""
 
@@ -12,7 +13,15 @@ from pagedlm import LLM, SamplingParams
 from pagedlm.sampling_params import StructuredOutputsParams
 from server.server_utils import write_chat_checkpoint
 
-PROMPTS = ["Hello world, hello world, hello", "abcabcabcabc", "Café résumé", "short", "xyz"]
+PROMPTS = [
+    "Hello world, hello world, hello",
+    "abcabcabcabc",
+    "Café résumé",
+    "short",
+    "only a few tokens",
+    "xyz",
+]
+ALLOWED = [40, 41, 42, 43, 50, 101]
 
 
 def _params() -> list[SamplingParams]:
@@ -32,6 +41,7 @@ def _params() -> list[SamplingParams]:
             **greedy,
         ),
         SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=[101], **greedy),
+        SamplingParams(max_tokens=12, allowed_token_ids=ALLOWED, logit_bias={7: 50.0}, **greedy),
         SamplingParams(temperature=0.9, top_p=0.9, max_tokens=12, seed=4),
     ]
 
@@ -69,6 +79,7 @@ def _summary(model_path: str, speculative_config=None, **engine_args) -> list:
 def expected(model_path: str) -> list:
     summary = _summary(model_path)
     assert summary[1][1] and set(summary[1][1]) <= set("abcde")  # the grammar held
+    assert summary[4][0] and set(summary[4][0]) <= set(ALLOWED)  # bias cannot escape
     return summary
 
 

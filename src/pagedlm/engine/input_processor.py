@@ -190,6 +190,7 @@ class InputProcessor:
         for name, token_ids in (
             ("logit_bias", params.logit_bias or ()),
             ("stop_token_ids", params.stop_token_ids or ()),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
         ):
             bad = [t for t in token_ids if not 0 <= t < vocab]
             if bad:

@@ -1,8 +1,10 @@
-"""Sparse per-(row, token) logit edits: ``logit_bias`` and the ``min_tokens`` stop mask.
+"""Per-(row, token) logit edits: ``logit_bias``, ``allowed_token_ids`` and the
+``min_tokens`` stop mask.
 
-Both touch a handful of (row, token) pairs out of ``[num_rows, vocab_size]``, so they are
-stored as coordinate lists and applied with one ``index_put_`` each, never as dense
-``[num_rows, vocab_size]`` tensors.
+The bias and the stop mask touch a handful of (row, token) pairs out of
+``[num_rows, vocab_size]``, so they are stored as coordinate lists and applied with one
+``index_put_`` each. ``allowed_token_ids`` keeps a few tokens of a row and masks the rest:
+a dense keep mask over the restricted rows only, built once with the metadata.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ class LogitAdjustments:
 
     ``bias_rows``/``bias_token_ids``/``bias_values``: ``[num_bias]`` each; the value is added.
     ``masked_rows``/``masked_token_ids``: ``[num_masked]`` each; the logit becomes ``-inf``.
-    Invariant: every token id is in ``[0, vocab_size)``; either list may be empty.
+    ``allowed_rows`` ``[R]`` and ``allowed_mask`` ``[R, vocab_size]`` (bool): the rows with
+    ``allowed_token_ids`` keep only the tokens their mask row marks; None when no row has
+    them. Invariant: every token id is in ``[0, vocab_size)``; any list may be empty.
     """
 
     bias_rows: torch.Tensor
@@ -30,6 +34,8 @@ class LogitAdjustments:
     bias_values: torch.Tensor
     masked_rows: torch.Tensor
     masked_token_ids: torch.Tensor
+    allowed_rows: torch.Tensor | None = None
+    allowed_mask: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -41,8 +47,15 @@ class LogitAdjustments:
         bias_values: list[float] = []
         masked_rows: list[int] = []
         masked_token_ids: list[int] = []
+        allowed_rows: list[int] = []
+        allowed_at: list[int] = []
+        allowed_token_ids: list[int] = []
         for row_index, row in enumerate(rows):
             params = row.params
+            if params.allowed_token_ids is not None:
+                allowed_at.extend([len(allowed_rows)] * len(params.allowed_token_ids))
+                allowed_rows.append(row_index)
+                allowed_token_ids.extend(params.allowed_token_ids)
             for token_id, value in (params.logit_bias or {}).items():
                 if not 0 <= token_id < vocab_size:
                     raise ValueError(
@@ -58,26 +71,41 @@ class LogitAdjustments:
                     if 0 <= token_id < vocab_size:
                         masked_rows.append(row_index)
                         masked_token_ids.append(token_id)
-        if not bias_rows and not masked_rows:
+        if not bias_rows and not masked_rows and not allowed_rows:
             return None
 
         def as_index(values: list[int]) -> torch.Tensor:
             return to_device(values, torch.int64, device)
 
+        allowed_mask = None
+        if allowed_rows:
+            if not all(0 <= t < vocab_size for t in allowed_token_ids):
+                raise ValueError(
+                    f"allowed_token_ids names a token id outside the model's vocabulary "
+                    f"[0, {vocab_size}); remove it."
+                )
+            allowed_mask = torch.zeros(
+                len(allowed_rows), vocab_size, dtype=torch.bool, device=device
+            )
+            allowed_mask[as_index(allowed_at), as_index(allowed_token_ids)] = True
         return cls(
             bias_rows=as_index(bias_rows),
             bias_token_ids=as_index(bias_token_ids),
             bias_values=to_device(bias_values, torch.float32, device),
             masked_rows=as_index(masked_rows),
             masked_token_ids=as_index(masked_token_ids),
+            allowed_rows=as_index(allowed_rows) if allowed_rows else None,
+            allowed_mask=allowed_mask,
         )
 
 
 def apply_logit_adjustments(logits: torch.Tensor, adjustments: LogitAdjustments) -> None:
-    """Add the biases, then mask the stop tokens, in place. ``logits``: ``[num_rows, vocab]``.
+    """Add the biases, keep only the allowed tokens, then mask the stop tokens, in place.
+    ``logits``: ``[num_rows, vocab]``.
 
-    The mask is written after the bias (not accumulated) so that a stop token stays
-    unsamplable under ``min_tokens`` whatever bias the request put on it.
+    The masks are written after the bias (not accumulated) so that a stop token stays
+    unsamplable under ``min_tokens``, and a token outside ``allowed_token_ids`` always,
+    whatever bias the request put on it.
     """
     if adjustments.bias_rows.numel():
         logits.index_put_(
@@ -85,6 +113,11 @@ def apply_logit_adjustments(logits: torch.Tensor, adjustments: LogitAdjustments)
             adjustments.bias_values,
             accumulate=True,
         )
+    if adjustments.allowed_rows is not None:
+        assert adjustments.allowed_mask is not None
+        rows = logits.index_select(0, adjustments.allowed_rows)
+        rows.masked_fill_(~adjustments.allowed_mask, float("-inf"))
+        logits.index_copy_(0, adjustments.allowed_rows, rows)
     if adjustments.masked_rows.numel():
         logits.index_put_(
             (adjustments.masked_rows, adjustments.masked_token_ids),

@@ -77,6 +77,7 @@ class SamplingFields(OpenAIModel):
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    allowed_token_ids: list[int] | None = None
     cache_salt: str | None = Field(None, min_length=1)
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     response_format: dict[str, Any] | None = None
@@ -153,6 +154,7 @@ class SamplingFields(OpenAIModel):
                 output_kind=RequestOutputKind.DELTA,
                 structured_outputs=structured_outputs,
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
+                allowed_token_ids=self.allowed_token_ids,
             )
         except ValueError as error:
             raise from_value_error(error) from error
