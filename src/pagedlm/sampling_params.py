@@ -142,6 +142,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     """Sample only among these tokens (vLLM's field); None: the whole vocabulary."""
+    bad_words: list[str] | None = None
+    """Words never to generate (vLLM's field): each word's tokens, with and without a
+    leading space; a word of several tokens is blocked at its last token once the output
+    ends with the others."""
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
@@ -150,8 +154,12 @@ class SamplingParams:
     ``max_model_len``; None: no truncation (vLLM's field)."""
     # Filled by the engine from the tokenizer/model: EOS plus any extra ids that end the request.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled by the engine from the tokenizer: ``bad_words`` as token sequences.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -243,6 +251,10 @@ class SamplingParams:
             token_ids = getattr(self, name) or ()
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
                 raise ValueError(f"{name} must be integers, got {getattr(self, name)}.")
+        if self.bad_words is not None and not all(
+            isinstance(word, str) and word.strip() for word in self.bad_words
+        ):
+            raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}.")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError(
                 "allowed_token_ids is empty, so no token could be sampled; name at least one, "

@@ -253,6 +253,30 @@ def test_allowed_token_ids_keep_only_those_tokens_whatever_the_bias() -> None:
         make_row(allowed_token_ids=[])
 
 
+def test_bad_words_mask_one_token_always_and_the_last_of_several_after_the_others() -> None:
+    logits = torch.zeros(4, 20)
+    logits[:, 7] = 9.0  # the one-token bad word
+    logits[:, 5] = 8.0  # the last token of the bad word [3, 4, 5]
+    logits[:, 6] = 1.0
+
+    def row(outputs: list[int]) -> tuple[SamplingRow, list[int]]:
+        params = SamplingParams(temperature=0.0)
+        params.bad_words_token_ids = [[7], [3, 4, 5], [4, 5]]  # as the engine resolves them
+        return SamplingRow(params, None, len(outputs)), outputs
+
+    rows, outputs = zip(
+        row([1, 2, 3, 4]),  # ends with 3 4: 5 masked
+        row([1, 3, 9]),  # neither prefix: 5 stays
+        row([4]),  # ends with 4 ([4, 5]): 5 masked; [3, 4] needs two outputs
+        row([]),  # no outputs: only the one-token word
+        strict=True,
+    )
+    history = token_history_from_lists([[0]] * 4, list(outputs), CPU)
+    metadata = SamplingMetadata.build(list(rows), 20, CPU, token_history=history)
+    sampled = Sampler()(logits.clone(), metadata).sampled_token_ids.tolist()
+    assert sampled == [6, 5, 6, 5]
+
+
 def test_logit_bias_outside_vocab_is_rejected() -> None:
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         SamplingMetadata.build([make_row(logit_bias={30: 1.0})], 30, CPU)

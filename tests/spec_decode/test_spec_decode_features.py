@@ -1,9 +1,8 @@
 """Speculative decoding with every per-request feature in one batch: grammars (a mask per
 drafted position), stop strings and stop tokens inside an accepted run, ``min_tokens``,
-penalties, logit bias and allowed token ids (per position, the drafts counted as outputs),
-logprobs of every
-emitted token, prompt logprobs; greedy outputs equal those without speculation, and
-random requests run alongside."""
+penalties, logit bias, allowed token ids and bad words (per position, the drafts counted as
+outputs), logprobs of every emitted token, prompt logprobs; greedy outputs equal those
+without speculation, and random requests run alongside."""
 
 from __future__ import annotations
 
@@ -19,8 +18,10 @@ PROMPTS = [
     "Café résumé",
     "short",
     "only a few tokens",
+    "no two a in a row",
     "xyz",
 ]
+A, B = 67, 68  # "a" and "b" in the checkpoint's byte-level vocabulary (checked below)
 ALLOWED = [40, 41, 42, 43, 50, 101]
 
 
@@ -42,6 +43,13 @@ def _params() -> list[SamplingParams]:
         ),
         SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=[101], **greedy),
         SamplingParams(max_tokens=12, allowed_token_ids=ALLOWED, logit_bias={7: 50.0}, **greedy),
+        SamplingParams(
+            max_tokens=10,
+            allowed_token_ids=[A, B],
+            logit_bias={A: 50.0},
+            bad_words=["aa"],  # drafts say "aaaa"; every position blocks a after a
+            **greedy,
+        ),
         SamplingParams(temperature=0.9, top_p=0.9, max_tokens=12, seed=4),
     ]
 
@@ -80,6 +88,7 @@ def expected(model_path: str) -> list:
     summary = _summary(model_path)
     assert summary[1][1] and set(summary[1][1]) <= set("abcde")  # the grammar held
     assert summary[4][0] and set(summary[4][0]) <= set(ALLOWED)  # bias cannot escape
+    assert summary[5][1] == "ababababab"
     return summary
 
 

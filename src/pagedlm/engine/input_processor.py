@@ -175,9 +175,33 @@ class InputProcessor:
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         resolved.all_stop_token_ids = stop_ids
+        if params.bad_words:
+            resolved.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+            always = {ids[0] for ids in resolved.bad_words_token_ids if len(ids) == 1}
+            if params.allowed_token_ids is not None and always >= set(params.allowed_token_ids):
+                raise ValueError(
+                    "bad_words block every token of allowed_token_ids, so nothing could be "
+                    "generated; allow more tokens or drop a bad word."
+                )
         if self.tokenizer is None:
             resolved.detokenize = False
         return resolved
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's token sequence as it starts a text and after a space (a tokenizer
+        may spell the two differently), without duplicates."""
+        if self.tokenizer is None:
+            raise ValueError(
+                "bad_words need the tokenizer to find their tokens; do not pass "
+                "skip_tokenizer_init=True, or ban token ids with logit_bias."
+            )
+        sequences: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    sequences[ids] = None
+        return [list(ids) for ids in sequences]
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         """Everything that names a token must name one of this model's."""

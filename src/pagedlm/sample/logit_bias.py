@@ -1,10 +1,13 @@
-"""Per-(row, token) logit edits: ``logit_bias``, ``allowed_token_ids`` and the
-``min_tokens`` stop mask.
+"""Per-(row, token) logit edits: ``logit_bias``, ``allowed_token_ids``, ``bad_words`` and
+the ``min_tokens`` stop mask.
 
-The bias and the stop mask touch a handful of (row, token) pairs out of
+The bias and the masks touch a handful of (row, token) pairs out of
 ``[num_rows, vocab_size]``, so they are stored as coordinate lists and applied with one
 ``index_put_`` each. ``allowed_token_ids`` keeps a few tokens of a row and masks the rest:
-a dense keep mask over the restricted rows only, built once with the metadata.
+a dense keep mask over the restricted rows only, built once with the metadata. A bad word
+of one token is always masked; one of several tokens masks its last token where the
+output so far ends with the others, compared on the device against the batch's
+``TokenHistory`` (so the tokens of the step in flight count without the host seeing them).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedlm.sample.host_copy import to_device
+from pagedlm.sample.penalties import TokenHistory
 from pagedlm.sample.row import SamplingRow
 
 
@@ -36,12 +40,22 @@ class LogitAdjustments:
     masked_token_ids: torch.Tensor
     allowed_rows: torch.Tensor | None = None
     allowed_mask: torch.Tensor | None = None
+    banned_rows: torch.Tensor | None = None
+    banned_token_ids: torch.Tensor | None = None
+    banned_if: torch.Tensor | None = None
+    """Bad words of several tokens: ``[B]`` each; the logit of (row, token) becomes
+    ``-inf`` where ``banned_if`` (bool, computed from the row's output so far) holds."""
 
     @classmethod
     def build(
-        cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
+        cls,
+        rows: Sequence[SamplingRow],
+        vocab_size: int,
+        device: torch.device,
+        token_history: TokenHistory | None = None,
     ) -> LogitAdjustments | None:
-        """Collect the edits of every row; ``None`` when no row has any."""
+        """Collect the edits of every row; ``None`` when no row has any. ``token_history``
+        is read only for bad words of several tokens."""
         bias_rows: list[int] = []
         bias_token_ids: list[int] = []
         bias_values: list[float] = []
@@ -65,13 +79,18 @@ class LogitAdjustments:
                 bias_rows.append(row_index)
                 bias_token_ids.append(token_id)
                 bias_values.append(value)
+            for ids in params.bad_words_token_ids:
+                if len(ids) == 1:
+                    masked_rows.append(row_index)
+                    masked_token_ids.append(ids[0])
             if row.num_output_tokens < params.min_tokens:
                 for token_id in params.all_stop_token_ids:
                     # An id the LM head cannot produce can never be sampled: nothing to mask.
                     if 0 <= token_id < vocab_size:
                         masked_rows.append(row_index)
                         masked_token_ids.append(token_id)
-        if not bias_rows and not masked_rows and not allowed_rows:
+        banned = _multi_token_bad_words(rows, vocab_size, device, token_history)
+        if not bias_rows and not masked_rows and not allowed_rows and banned is None:
             return None
 
         def as_index(values: list[int]) -> torch.Tensor:
@@ -96,7 +115,51 @@ class LogitAdjustments:
             masked_token_ids=as_index(masked_token_ids),
             allowed_rows=as_index(allowed_rows) if allowed_rows else None,
             allowed_mask=allowed_mask,
+            **(banned or {}),
         )
+
+
+def _multi_token_bad_words(
+    rows: Sequence[SamplingRow],
+    vocab_size: int,
+    device: torch.device,
+    token_history: TokenHistory | None,
+) -> dict[str, torch.Tensor] | None:
+    """``banned_rows``/``banned_token_ids``/``banned_if`` for the bad words of several
+    tokens whose prefix fits in the row's output so far; None when there are none."""
+    entries = [
+        (index, ids)
+        for index, row in enumerate(rows)
+        for ids in row.params.bad_words_token_ids
+        if 1 < len(ids) <= row.num_output_tokens + 1
+    ]
+    if not entries:
+        return None
+    if token_history is None:
+        raise ValueError("bad words of several tokens need the batch's token history.")
+    history_rows = sorted({index for index, _ in entries})
+    _, outputs = token_history(history_rows, vocab_size)
+    at = {row: position for position, row in enumerate(history_rows)}
+    # One comparison per prefix token: (history row, column, expected id, entry).
+    gather_rows, gather_cols, expected, owner = [], [], [], []
+    for entry, (index, ids) in enumerate(entries):
+        prefix = ids[:-1]
+        start = rows[index].num_output_tokens - len(prefix)
+        gather_rows += [at[index]] * len(prefix)
+        gather_cols += range(start, start + len(prefix))
+        expected += prefix
+        owner += [entry] * len(prefix)
+    seen = outputs[
+        to_device(gather_rows, torch.int64, device), to_device(gather_cols, torch.int64, device)
+    ]
+    differs = (seen != to_device(expected, torch.int64, device)).to(torch.int32)
+    mismatches = torch.zeros(len(entries), dtype=torch.int32, device=device)
+    mismatches.index_add_(0, to_device(owner, torch.int64, device), differs)
+    return {
+        "banned_rows": to_device([index for index, _ in entries], torch.int64, device),
+        "banned_token_ids": to_device([ids[-1] for _, ids in entries], torch.int64, device),
+        "banned_if": mismatches == 0,
+    }
 
 
 def apply_logit_adjustments(logits: torch.Tensor, adjustments: LogitAdjustments) -> None:
@@ -118,6 +181,13 @@ def apply_logit_adjustments(logits: torch.Tensor, adjustments: LogitAdjustments)
         rows = logits.index_select(0, adjustments.allowed_rows)
         rows.masked_fill_(~adjustments.allowed_mask, float("-inf"))
         logits.index_copy_(0, adjustments.allowed_rows, rows)
+    if adjustments.banned_rows is not None:
+        assert adjustments.banned_token_ids is not None and adjustments.banned_if is not None
+        # Added, not written: of two entries on one (row, token), either may ban it.
+        penalty = torch.where(adjustments.banned_if, float("-inf"), 0.0).to(logits.dtype)
+        logits.index_put_(
+            (adjustments.banned_rows, adjustments.banned_token_ids), penalty, accumulate=True
+        )
     if adjustments.masked_rows.numel():
         logits.index_put_(
             (adjustments.masked_rows, adjustments.masked_token_ids),

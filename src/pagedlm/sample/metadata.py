@@ -95,7 +95,7 @@ class SamplingMetadata:
             ),
             filters=filters,
             penalties=PenaltyTensors.build(rows, vocab_size, device, token_history),
-            logit_adjustments=LogitAdjustments.build(rows, vocab_size, device),
+            logit_adjustments=LogitAdjustments.build(rows, vocab_size, device, token_history),
             seeded_rows=seeded_rows,
             has_unseeded_random_rows=len(rows) - sum(greedy) > len(seeded_rows),
             default_generator=default_generator,

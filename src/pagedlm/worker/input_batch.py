@@ -54,12 +54,14 @@ class RequestState:
 
     @property
     def needs_token_history(self) -> bool:
-        """Whether sampling reads its earlier tokens (penalties)."""
+        """Whether sampling reads its earlier tokens (penalties, bad words of several
+        tokens)."""
         params = self.sampling_params
         return (
             params.repetition_penalty != 1.0
             or params.frequency_penalty != 0.0
             or params.presence_penalty != 0.0
+            or any(len(ids) > 1 for ids in params.bad_words_token_ids)
         )
 
 

@@ -78,6 +78,7 @@ class SamplingFields(OpenAIModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     cache_salt: str | None = Field(None, min_length=1)
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     response_format: dict[str, Any] | None = None
@@ -155,6 +156,7 @@ class SamplingFields(OpenAIModel):
                 structured_outputs=structured_outputs,
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
                 allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words,
             )
         except ValueError as error:
             raise from_value_error(error) from error

@@ -1,6 +1,7 @@
-"""``truncate_prompt_tokens`` (vLLM's): a generation request keeps its prompt's last k
-tokens and generates exactly as from that shorter prompt; -1 means ``max_model_len``;
-the HTTP routes take the field too, and ``allowed_token_ids``."""
+"""vLLM's request fields beyond OpenAI's: ``truncate_prompt_tokens`` (the prompt's last k
+tokens, generating exactly as from that shorter prompt; -1 means ``max_model_len``),
+``bad_words`` (never generated, a word of several tokens blocked at its last one) and
+``allowed_token_ids``, offline and over HTTP."""
 
 from __future__ import annotations
 
@@ -86,6 +87,7 @@ def test_completions_take_the_field(chat_checkpoint):
                     "messages": [{"role": "user", "content": "hi"}],
                     "max_tokens": 12,
                     "allowed_token_ids": ab_ids,
+                    "bad_words": ["b"],
                     "temperature": 1.0,
                 },
             )
@@ -98,9 +100,45 @@ def test_completions_take_the_field(chat_checkpoint):
     finally:
         engine.shutdown()
     text = allowed.json()["choices"][0]["message"]["content"]
-    assert text and set(text) <= set("ab")
+    assert text and set(text) == {"a"}  # b is allowed, but a bad word
     assert too_long.status_code == 400
     assert cut.status_code == 200, cut.text
     assert cut.json()["usage"]["prompt_tokens"] == 20
     assert zero.status_code == 400
     assert zero.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_bad_words_are_never_generated(chat_checkpoint, async_scheduling):
+    llm = LLM(
+        str(chat_checkpoint),
+        num_kv_blocks=64,
+        block_size=16,
+        max_model_len=64,
+        async_scheduling=async_scheduling,
+    )
+    try:
+        tokenizer = llm.get_tokenizer()
+        a, b = (tokenizer.convert_tokens_to_ids(c) for c in "ab")
+        assert tokenizer.encode("aa", add_special_tokens=False) == [a, a]
+        # Only a and b, a far likelier: greedy says "aaaa..." unless a word forbids it.
+        only_ab = dict(allowed_token_ids=[a, b], logit_bias={a: 50.0})
+        prompt = {"prompt_token_ids": PROMPT[:8]}
+        plain, no_aa, no_a = llm.generate(
+            [prompt] * 3,
+            [
+                _greedy(**only_ab),
+                _greedy(bad_words=["aa"], **only_ab),
+                _greedy(bad_words=["a"], **only_ab),
+            ],
+            use_tqdm=False,
+        )
+        assert plain.outputs[0].token_ids == [a] * 8
+        assert no_aa.outputs[0].token_ids == [a, b] * 4  # a after a is blocked, not a alone
+        assert no_a.outputs[0].token_ids == [b] * 8
+        with pytest.raises(ValueError, match="bad_words block every token of allowed_token_ids"):
+            llm.generate("hi", _greedy(allowed_token_ids=[b], bad_words=["b"]), use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    with pytest.raises(ValueError, match="bad_words must be non-empty strings"):
+        SamplingParams(bad_words=["ok", " "])
