@@ -6,7 +6,9 @@
 - Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``.
 
 Each position's dict (``dict[int, Logprob]``) holds the chosen token plus the top-k
-candidates with ranks 1..k; ``num_top`` picks how many of those to report.
+candidates with ranks 1..k; ``num_top`` picks how many of those to report. With vLLM's
+``return_tokens_as_token_ids`` every token is written ``"token_id:<id>"`` instead of its
+text (tokens whose bytes are not valid UTF-8 on their own stay identifiable).
 """
 
 from __future__ import annotations
@@ -19,7 +21,11 @@ from pagedlm.outputs import Logprob
 PositionLogprobs = dict[int, Logprob] | None
 
 
-def _token_text(token_id: int, entry: Logprob | None, decode: Callable[[int], str]) -> str:
+def _token_text(
+    token_id: int, entry: Logprob | None, decode: Callable[[int], str], as_id: bool = False
+) -> str:
+    if as_id:
+        return f"token_id:{token_id}"
     if entry is not None and entry.decoded_token is not None:
         return entry.decoded_token
     return decode(token_id)
@@ -31,6 +37,7 @@ class LegacyLogprobs:
 
     num_top: int
     decode: Callable[[int], str]
+    as_token_ids: bool = False
     next_offset: int = 0
     tokens: list[str] = field(default_factory=list)
     token_logprobs: list[float | None] = field(default_factory=list)
@@ -40,7 +47,7 @@ class LegacyLogprobs:
     def add(self, token_ids: Sequence[int], positions: Sequence[PositionLogprobs]) -> None:
         for token_id, position in zip(token_ids, positions):
             entry = position.get(token_id) if position is not None else None
-            text = _token_text(token_id, entry, self.decode)
+            text = _token_text(token_id, entry, self.decode, self.as_token_ids)
             self.tokens.append(text)
             self.text_offset.append(self.next_offset)
             self.next_offset += len(text)
@@ -50,7 +57,7 @@ class LegacyLogprobs:
                 continue
             self.token_logprobs.append(entry.logprob)
             top = {
-                _token_text(tid, lp, self.decode): lp.logprob
+                _token_text(tid, lp, self.decode, self.as_token_ids): lp.logprob
                 for tid, lp in position.items()
                 if tid == token_id or (lp.rank is not None and lp.rank <= self.num_top)
             }
@@ -80,13 +87,14 @@ def chat_logprobs(
     positions: Sequence[PositionLogprobs],
     num_top: int,
     decode: Callable[[int], str],
+    as_token_ids: bool = False,
 ) -> list[dict]:
     """The ``content`` list of a chat choice's ``logprobs`` for these tokens."""
     content = []
     for token_id, position in zip(token_ids, positions):
         position = position or {}
         entry = position.get(token_id)
-        text = _token_text(token_id, entry, decode)
+        text = _token_text(token_id, entry, decode, as_token_ids)
         item = _chat_entry(text, entry.logprob if entry is not None else float("-inf"))
         ranked = sorted(
             (
@@ -97,7 +105,8 @@ def chat_logprobs(
             key=lambda item: item[0],
         )
         item["top_logprobs"] = [
-            _chat_entry(_token_text(tid, lp, decode), lp.logprob) for _, tid, lp in ranked
+            _chat_entry(_token_text(tid, lp, decode, as_token_ids), lp.logprob)
+            for _, tid, lp in ranked
         ]
         content.append(item)
     return content

@@ -79,6 +79,11 @@ class SamplingFields(OpenAIModel):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    return_token_ids: bool | None = None
+    """Also answer with the prompt's and each choice's token ids (streamed: the prompt's in
+    the first chunk, each chunk's new ones)."""
+    return_tokens_as_token_ids: bool | None = None
+    """Write logprobs' tokens as ``"token_id:<id>"``."""
     cache_salt: str | None = Field(None, min_length=1)
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     response_format: dict[str, Any] | None = None

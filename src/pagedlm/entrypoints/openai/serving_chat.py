@@ -34,6 +34,9 @@ class _ChatChoice:
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    num_token_ids_sent: int = 0
+    """How many of ``token_ids`` streamed chunks carried (``return_token_ids``)."""
 
 
 class ChatServer:
@@ -106,8 +109,10 @@ class ChatServer:
         self, request: ChatCompletionRequest, request_id: str, started, plan: ToolPlan
     ) -> AsyncIterator:
         num_top = request.top_logprobs or 0
+        as_ids = bool(request.return_tokens_as_token_ids)
         choices: dict[int, _ChatChoice] = {}
-        prompt_tokens = len(started[0][0].prompt_token_ids)
+        prompt_ids = started[0][0].prompt_token_ids
+        prompt_tokens = len(prompt_ids)
         base = {
             "id": request_id,
             "created": self.ctx.created,
@@ -123,7 +128,16 @@ class ChatServer:
                 ],
             }
             body["choices"][0].update(extra)
+            if request.return_token_ids:
+                choice = choices[index]
+                if not announced:  # vLLM's place: the stream's first chunk, top level
+                    body["prompt_token_ids"] = prompt_ids
+                    announced.add(index)
+                body["choices"][0]["token_ids"] = choice.token_ids[choice.num_token_ids_sent :]
+                choice.num_token_ids_sent = len(choice.token_ids)
             return f"data: {json.dumps(body)}\n\n"
+
+        announced: set[int] = set()
 
         prompt_logprobs = None
         async for _, output in merge_streams(started):
@@ -137,10 +151,11 @@ class ChatServer:
                         yield chunk(sample.index, {"role": "assistant", "content": ""})
                 delta = choice.parser.feed(sample.text)
                 choice.num_tokens += len(sample.token_ids)
+                choice.token_ids += sample.token_ids
                 new_logprobs = None
                 if request.logprobs and sample.logprobs is not None:
                     new_logprobs = chat_logprobs(
-                        sample.token_ids, sample.logprobs, num_top, self._decode
+                        sample.token_ids, sample.logprobs, num_top, self._decode, as_ids
                     )
                     choice.logprobs.extend(new_logprobs)
                 if request.stream and (delta or new_logprobs):
@@ -180,9 +195,11 @@ class ChatServer:
                     "logprobs": {"content": c.logprobs} if request.logprobs else None,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
+                    **({"token_ids": c.token_ids} if request.return_token_ids else {}),
                 }
                 for c in sorted(choices.values(), key=lambda c: c.index)
             ],
             "usage": usage,
             **({"prompt_logprobs": prompt_logprobs} if request.prompt_logprobs is not None else {}),
+            **({"prompt_token_ids": prompt_ids} if request.return_token_ids else {}),
         }

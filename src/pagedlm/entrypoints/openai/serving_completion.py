@@ -34,6 +34,9 @@ class _Choice:
     echoed: bool = False
     prompt_logprobs: list[dict | None] | None = None
     """vLLM extra, when the request asked for ``prompt_logprobs``."""
+    token_ids: list[int] = field(default_factory=list)
+    num_token_ids_sent: int = 0
+    """How many of ``token_ids`` streamed chunks carried (``return_token_ids``)."""
 
 
 class CompletionServer:
@@ -77,7 +80,8 @@ class CompletionServer:
     def _new_choice(self, request: CompletionRequest, index: int) -> _Choice:
         logprobs = None
         if request.logprobs is not None:
-            logprobs = LegacyLogprobs(request.logprobs, self._decode)
+            as_ids = bool(request.return_tokens_as_token_ids)
+            logprobs = LegacyLogprobs(request.logprobs, self._decode, as_ids)
         return _Choice(index, logprobs=logprobs)
 
     def _fold(
@@ -109,6 +113,7 @@ class CompletionServer:
         if not score_only:
             new_text += sample.text
             choice.num_tokens += len(sample.token_ids)
+            choice.token_ids += sample.token_ids
             if choice.logprobs is not None and sample.logprobs is not None:
                 choice.logprobs.add(sample.token_ids, sample.logprobs)
         if sample.finish_reason is not None:
@@ -166,12 +171,19 @@ class CompletionServer:
                 }
                 if first_chunk and choice.prompt_logprobs is not None:
                     body["choices"][0]["prompt_logprobs"] = choice.prompt_logprobs
+                if request.return_token_ids:
+                    extra = body["choices"][0]
+                    if first_chunk:
+                        extra["prompt_token_ids"] = output.prompt_token_ids
+                    extra["token_ids"] = choice.token_ids[choice.num_token_ids_sent :]
+                    choice.num_token_ids_sent = len(choice.token_ids)
                 yield f"data: {json.dumps(body)}\n\n"
         usage = {
             "prompt_tokens": sum(prompt_tokens),
             "completion_tokens": sum(c.num_tokens for c in choices.values()),
         }
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        prompt_ids = [first.prompt_token_ids for first, _ in started]
         if request.stream:
             if request.include_usage:
                 yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n"
@@ -187,6 +199,11 @@ class CompletionServer:
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                     **({"prompt_logprobs": c.prompt_logprobs} if c.prompt_logprobs else {}),
+                    **(
+                        {"prompt_token_ids": prompt_ids[c.index // n], "token_ids": c.token_ids}
+                        if request.return_token_ids
+                        else {}
+                    ),
                 }
                 for c in sorted(choices.values(), key=lambda c: c.index)
             ],
