@@ -1,6 +1,7 @@
-"""vLLM's ``return_token_ids`` and ``return_tokens_as_token_ids`` on /v1/completions and
-/v1/chat/completions, whole and streamed, over a real ``AsyncLLM`` on a tiny chat model:
-the ids are the engine's (the same as ``LLM.generate`` gives), streamed deltas add up."""
+"""vLLM's ``return_token_ids``, ``return_tokens_as_token_ids`` and
+``stream_options.continuous_usage_stats`` on /v1/completions and /v1/chat/completions,
+whole and streamed, over a real ``AsyncLLM`` on a tiny chat model: the ids are the
+engine's (the same as ``LLM.generate`` gives), streamed deltas add up."""
 
 from __future__ import annotations
 
@@ -58,6 +59,16 @@ def answers(chat_checkpoint):
                 "plain": (
                     await http.post("/v1/completions", json={**completion, "return_token_ids": False})
                 ).json(),
+                "usage_stream": await stream(
+                    http, "/v1/chat/completions",
+                    {**chat, "stream_options": {"include_usage": True,
+                                                "continuous_usage_stats": True}},
+                ),
+                "usage_completion_stream": await stream(
+                    http, "/v1/completions",
+                    {**completion, "stream_options": {"include_usage": True,
+                                                      "continuous_usage_stats": True}},
+                ),
             }  # fmt: skip
 
     try:
@@ -108,3 +119,19 @@ def test_chat_answers_with_the_prompt_and_choice_token_ids(answers):
     content = answers["chat_ids"]["choices"][0]["logprobs"]["content"]
     assert [item["token"] for item in content] == [f"token_id:{t}" for t in tokens]
     assert all(top["token"].startswith("token_id:") for i in content for top in i["top_logprobs"])
+
+
+@pytest.mark.parametrize("kind", ["usage_stream", "usage_completion_stream"])
+def test_continuous_usage_stats_count_each_chunks_tokens_so_far(answers, kind):
+    chunks = answers[kind]
+    with_choices = [c for c in chunks if c["choices"]]
+    assert all("usage" in c for c in chunks)
+    counts = [c["usage"]["completion_tokens"] for c in with_choices]
+    streamed = 0
+    for chunk, count in zip(with_choices, counts, strict=True):
+        streamed += len(chunk["choices"][0]["token_ids"])
+        assert count == streamed  # the tokens sent so far, this chunk's included
+        usage = chunk["usage"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + count
+    final = chunks[-1]
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == counts[-1] == 6

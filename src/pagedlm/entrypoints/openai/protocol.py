@@ -48,6 +48,8 @@ class OpenAIModel(RequestModel):
 class StreamOptions(OpenAIModel):
     field_path = "stream_options"
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's: with ``include_usage``, every chunk carries its choice's usage so far."""
 
 
 class SamplingFields(OpenAIModel):
@@ -213,6 +215,11 @@ class SamplingFields(OpenAIModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingFields):

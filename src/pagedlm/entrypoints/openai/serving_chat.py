@@ -3,7 +3,8 @@
 Streaming sends, per choice, a first chunk with ``{"role": "assistant", "content": ""}``,
 then content deltas (with ``reasoning_content`` and ``tool_calls`` pieces when a reasoning
 parser or tools apply, see ``chat_output``), then an empty delta with ``finish_reason``; with
-``stream_options.include_usage`` a last chunk with no choices carries the usage.
+``stream_options.include_usage`` a last chunk with no choices carries the usage (and with
+vLLM's ``continuous_usage_stats`` every chunk its choice's usage so far).
 """
 
 from __future__ import annotations
@@ -128,8 +129,14 @@ class ChatServer:
                 ],
             }
             body["choices"][0].update(extra)
+            choice = choices[index]
+            if request.continuous_usage:
+                body["usage"] = {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": choice.num_tokens,
+                    "total_tokens": prompt_tokens + choice.num_tokens,
+                }
             if request.return_token_ids:
-                choice = choices[index]
                 if not announced:  # vLLM's place: the stream's first chunk, top level
                     body["prompt_token_ids"] = prompt_ids
                     announced.add(index)

@@ -39,6 +39,14 @@ class _Choice:
     """How many of ``token_ids`` streamed chunks carried (``return_token_ids``)."""
 
 
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
 class CompletionServer:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
@@ -171,6 +179,8 @@ class CompletionServer:
                 }
                 if first_chunk and choice.prompt_logprobs is not None:
                     body["choices"][0]["prompt_logprobs"] = choice.prompt_logprobs
+                if request.continuous_usage:
+                    body["usage"] = _usage(prompt_tokens[prompt_index], choice.num_tokens)
                 if request.return_token_ids:
                     extra = body["choices"][0]
                     if first_chunk:
@@ -178,11 +188,7 @@ class CompletionServer:
                     extra["token_ids"] = choice.token_ids[choice.num_token_ids_sent :]
                     choice.num_token_ids_sent = len(choice.token_ids)
                 yield f"data: {json.dumps(body)}\n\n"
-        usage = {
-            "prompt_tokens": sum(prompt_tokens),
-            "completion_tokens": sum(c.num_tokens for c in choices.values()),
-        }
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        usage = _usage(sum(prompt_tokens), sum(c.num_tokens for c in choices.values()))
         prompt_ids = [first.prompt_token_ids for first, _ in started]
         if request.stream:
             if request.include_usage:
