@@ -91,12 +91,13 @@ def test_completions_take_the_field(chat_checkpoint):
                     "temperature": 1.0,
                 },
             )
-            return too_long, cut, zero, allowed
+            invoked = await http.post("/invocations", json={**body, "truncate_prompt_tokens": 20})
+            return too_long, cut, zero, allowed, invoked
 
     tokenizer = engine.get_tokenizer()
     ab_ids = [tokenizer.convert_tokens_to_ids(c) for c in "ab"]
     try:
-        too_long, cut, zero, allowed = asyncio.run(main())
+        too_long, cut, zero, allowed, invoked = asyncio.run(main())
     finally:
         engine.shutdown()
     text = allowed.json()["choices"][0]["message"]["content"]
@@ -104,6 +105,9 @@ def test_completions_take_the_field(chat_checkpoint):
     assert too_long.status_code == 400
     assert cut.status_code == 200, cut.text
     assert cut.json()["usage"]["prompt_tokens"] == 20
+    assert invoked.status_code == 200  # SageMaker's route: a body with prompt completes
+    assert invoked.json()["object"] == "text_completion"
+    assert invoked.json()["choices"][0]["text"] == cut.json()["choices"][0]["text"]
     assert zero.status_code == 400
     assert zero.json()["error"]["param"] == "truncate_prompt_tokens"
 

@@ -206,3 +206,29 @@ def test_truncate_prompt_tokens_reaches_the_pairs(cross_encoder):
         want = model(**encoded).logits[0, 0].sigmoid().item()
     assert status == 200 and body["usage"]["total_tokens"] == 9
     assert body["results"][0]["relevance_score"] == pytest.approx(want, abs=TOLERANCE)
+
+
+def test_invocations_answers_as_the_route_its_body_belongs_to(cross_encoder):
+    _, app = cross_encoder
+    direct = _post_all(
+        app,
+        [
+            ("/rerank", {"query": QUERY, "documents": DOCUMENTS}),
+            ("/score", {"text_1": QUERY, "text_2": DOCUMENTS[0]}),
+            ("/classify", {"input": QUERY}),
+        ],
+    )
+    routed = _post_all(
+        app,
+        [
+            ("/invocations", {"query": QUERY, "documents": DOCUMENTS}),
+            ("/invocations", {"text_1": QUERY, "text_2": DOCUMENTS[0]}),
+            ("/invocations", {"input": QUERY}),  # a classifier: /classify
+            ("/invocations", {"nothing": 1}),
+        ],
+    )
+    for (s1, want), (s2, got) in zip(direct, routed, strict=False):
+        assert s1 == s2 == 200
+        assert got.get("results", got.get("data")) == want.get("results", want.get("data"))
+    status, body = routed[-1]
+    assert status == 400 and "query and documents (rerank)" in body["error"]["message"]

@@ -65,7 +65,7 @@ from pagedlm.entrypoints.openai.protocol_pooling import (
     ScoreRequest,
 )
 from pagedlm.entrypoints.openai.protocol_responses import ResponsesRequest
-from pagedlm.entrypoints.openai.request_body import parse_body, warning_header
+from pagedlm.entrypoints.openai.request_body import loads_strict, parse_body, warning_header
 from pagedlm.entrypoints.openai.responses_store import owner_of
 from pagedlm.entrypoints.openai.serving_chat import ChatServer
 from pagedlm.entrypoints.openai.serving_completion import CompletionServer
@@ -138,6 +138,7 @@ def _body_route(
     def decorate(handler: BodyHandler) -> BodyHandler:
         if model not in app.state.body_models:  # a model may serve several paths
             app.state.body_models.append(model)
+        app.state.body_routes[path] = (model, handler)
 
         async def route(request: Request) -> Response:
             return await handler(request, await parse_body(request, model, ctx.limits))
@@ -256,6 +257,38 @@ def _add_embedding_routes(app: FastAPI, ctx: ServingContext) -> None:
         @_body_route(app, ctx, path, RerankRequest, anthropic=False)
         async def do_rerank(request: Request, body: RerankRequest) -> Response:
             return await _respond(request, pooling.rerank(body), anthropic=False)
+
+
+def _invocation_path(raw: Any, ctx: ServingContext) -> str:
+    """The route an ``/invocations`` body belongs to, by the fields that route requires."""
+    if isinstance(raw, dict):
+        if "messages" in raw:
+            return "/v1/chat/completions"
+        if "prompt" in raw:
+            return "/v1/completions"
+        if "query" in raw and "documents" in raw:
+            return "/rerank"
+        if "text_1" in raw:
+            return "/score"
+        if "input" in raw:
+            pooler = ctx.engine.config.model.pooler if ctx.runner == "pooling" else None
+            return "/classify" if pooler is not None and pooler.labels else "/v1/embeddings"
+    raise APIError(
+        "/invocations answers the body of another route: send messages (chat), prompt "
+        "(completions), input (embeddings, or classification on a classifier), text_1 and "
+        "text_2 (score) or query and documents (rerank)."
+    )
+
+
+def _add_invocations_route(app: FastAPI, ctx: ServingContext) -> None:
+    """SageMaker's one route (as vLLM serves it): the body decides which route answers."""
+
+    @app.post("/invocations")
+    @_guarded(anthropic=False)
+    async def invocations(request: Request) -> Response:
+        path = _invocation_path(loads_strict(await request.body()), ctx)
+        model, handler = app.state.body_routes[path]
+        return await handler(request, await parse_body(request, model, ctx.limits))
 
 
 def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
@@ -404,6 +437,7 @@ def build_app(
     app = FastAPI(title="pagedlm", version=__version__, lifespan=lifespan)
     app.state.ctx = ctx
     app.state.body_models = []
+    app.state.body_routes = {}
 
     async def http_error(request: Request, error: Exception) -> Response:
         # Unknown paths and wrong methods, in the API's error shape rather than FastAPI's.
@@ -417,6 +451,7 @@ def build_app(
     _add_embedding_routes(app, ctx)
     _add_info_routes(app, ctx)
     _add_lora_routes(app, ctx)
+    _add_invocations_route(app, ctx)
     install_admin_routes(app, ctx.engine, admin or AdminOptions())
     install_openapi(app, app.state.body_models)
     outer: Any = BodySizeLimitMiddleware(SleepingModelGuard(app, ctx.engine), max_body_bytes)
