@@ -83,6 +83,7 @@ class TritonAttentionBackend(AttentionBackend):
     supports_logits_soft_cap = True
     supports_fp8_kv_cache = True
     supports_batch_invariant = True
+    supports_non_causal = True
     reads_host_lengths = False  # kernels read lengths on the device; max_* are bounds
 
     @staticmethod
@@ -147,6 +148,7 @@ class TritonAttentionBackend(AttentionBackend):
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
         rotary: FusedRotary | None = None,
+        causal: bool = True,
     ) -> torch.Tensor:
         from pagedlm_cuda.kernels import (
             paged_decode_attention,
@@ -160,6 +162,18 @@ class TritonAttentionBackend(AttentionBackend):
         if is_fp8(key_cache.dtype):
             check_fp8_device(query.device)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if not causal:
+            # An encoder's step (whole prompts, one program per request's rows): the same
+            # kernel whatever the batch, so batch-invariant mode needs nothing else.
+            if rotary is not None:
+                raise ValueError("the Triton backend fuses no rotary into bidirectional steps.")
+            write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping, **scales)
+            return paged_prefill_attention(
+                query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
+                metadata.query_start_loc, scale, metadata.max_query_len, out,
+                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, causal=False,
+                **scales,
+            )  # fmt: skip
         if self.batch_invariant:
             return self._invariant(
                 query, key, value, key_cache, value_cache, metadata, scale, out,

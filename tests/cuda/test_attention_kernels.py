@@ -49,9 +49,11 @@ def make_cache(
 
 
 def reference(
-    query, key_cache, value_cache, tables, seq_lens, query_lens, scale, window=None, cap=None
-):
-    """float64 causal attention, one request at a time. query: [T, H, D] (CPU)."""
+    query, key_cache, value_cache, tables, seq_lens, query_lens, scale, window=None, cap=None,
+    causal=True,
+):  # fmt: skip
+    """float64 attention (causal unless ``causal=False``), one request at a time. query:
+    [T, H, D] (CPU)."""
     q64 = query.double().cpu()
     # [blocks, kv_heads, block_size, D] -> [blocks, block_size, kv_heads, D]
     kc = key_cache.double().cpu().transpose(1, 2)
@@ -70,7 +72,7 @@ def reference(
             scores = cap * torch.tanh(scores / cap)
         q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
         k_pos = torch.arange(seq_len)[None, :]
-        hidden = k_pos > q_pos
+        hidden = k_pos > q_pos if causal else torch.zeros_like(k_pos > q_pos)
         if window is not None:
             hidden |= k_pos <= q_pos - window
         scores = scores.masked_fill(hidden, float("-inf"))
@@ -382,7 +384,7 @@ FULL_PREFILL_CASES = [
 
 def check_prefill(
     block_size, head_dim, num_kv_heads, group, chunks, dtype,
-    block_m=64, window=None, cap=None, q_scale=1.0,
+    block_m=64, window=None, cap=None, q_scale=1.0, causal=True,
 ):  # fmt: skip
     query_lens = [q for q, _ in chunks]
     seq_lens = [q + c for q, c in chunks]
@@ -401,10 +403,10 @@ def check_prefill(
         torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
         torch.tensor(starts, dtype=torch.int32, device=DEVICE),
         scale, max(query_lens), out, block_m=block_m, block_n=block_m,
-        sliding_window=window, logits_soft_cap=cap,
+        sliding_window=window, logits_soft_cap=cap, causal=causal,
     )  # fmt: skip
     args = (query, key_cache, value_cache, tables, seq_lens, query_lens, scale)
-    ref = reference(*args, window=window, cap=cap)
+    ref = reference(*args, window=window, cap=cap, causal=causal)
     assert rel_error(out, ref) < tolerance(dtype)
     return ref, reference(*args)
 
@@ -429,6 +431,27 @@ def test_prefill_attention_sliding_window(case) -> None:
     *shape, window = case
     windowed, full = check_prefill(*shape, block_m=16, window=window)
     assert rel_error(windowed, full) > 0.05
+
+
+BIDIRECTIONAL_CASES = [
+    # block_size, head_dim, num_kv_heads, group, whole prompts (query_len == seq_len), dtype
+    (16, 64, 2, 1, [(37, 0), (1, 0), (5, 0)], torch.float32),  # BERT: kv heads = heads
+    (16, 32, 4, 1, [(20, 0), (9, 0)], torch.float16),
+    (32, 64, 1, 4, [(70, 0)], SMALL_BF16),  # several row tiles and key tiles
+]
+
+
+@pytest.mark.parametrize("case", BIDIRECTIONAL_CASES)
+def test_prefill_attention_bidirectional(case) -> None:
+    """An encoder's whole prompts: every row sees every key of its request."""
+    both_ways, causal = check_prefill(*case, block_m=16, causal=False)
+    assert rel_error(both_ways, causal) > 0.05  # the reference differs from causal's
+    check_prefill(*case, block_m=16, causal=False, cap=3.0, q_scale=6)
+
+
+def test_prefill_attention_bidirectional_has_no_window() -> None:
+    with pytest.raises(ValueError, match="bidirectional attention has none"):
+        check_prefill(16, 32, 1, 1, [(8, 0)], torch.float32, window=4, causal=False)
 
 
 @pytest.mark.parametrize("group", [1, 4])

@@ -1,4 +1,6 @@
-"""Varlen causal attention over the paged cache: prompts, chunked prefills, prefix hits.
+"""Varlen attention over the paged cache: prompts, chunked prefills, prefix hits; causal,
+or bidirectional for encoders (``causal=False``: every row sees all ``seq_len`` keys of its
+request, as BERT's pooling steps need).
 
 Request ``i`` owns query rows ``query_start_loc[i] .. query_start_loc[i+1]-1``; they are
 the tokens at positions ``seq_lens[i] - query_len .. seq_lens[i]-1``, and every key they
@@ -38,7 +40,7 @@ def _prefill_kernel(
     score_scale, cap_log2e, window, group_size, head_dim,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, CAUSAL: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
@@ -65,7 +67,9 @@ def _prefill_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)  # noqa: E741 - the softmax denominator's usual name
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    kv_end = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_M)
+    kv_end = seq_len
+    if CAUSAL:
+        kv_end = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_M)
     kv_start = 0
     if USE_WINDOW:
         kv_start = tl.maximum(context_len + tile * BLOCK_M - window + 1, 0)
@@ -81,7 +85,9 @@ def _prefill_kernel(
         if FP8:
             dots = dots * k_scale
         s = scaled_scores(dots, score_scale, cap_log2e, USE_SOFT_CAP)
-        visible = pos_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        visible = pos_mask[None, :]
+        if CAUSAL:
+            visible = visible & (pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
@@ -121,8 +127,10 @@ def paged_prefill_attention(
     logits_soft_cap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Causal attention of every scheduled token over its request's cached keys.
+    """Attention of every scheduled token over its request's cached keys: causal, or with
+    ``causal=False`` over all of them (an encoder's whole prompt; no sliding window).
 
     query: [num_tokens, num_heads, head_dim]; key_cache, value_cache: [num_blocks,
     num_kv_heads, block_size, head_dim] already holding this step's K/V; block_tables:
@@ -141,6 +149,8 @@ def paged_prefill_attention(
         return out
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}.")
+    if sliding_window is not None and not causal:
+        raise ValueError("a sliding window is causal; bidirectional attention has none.")
     if block_n is None:
         block_n = 64 if head_dim <= 128 else 32
     group_size = num_heads // key_cache.shape[1]
@@ -158,6 +168,7 @@ def paged_prefill_attention(
         BLOCK_SIZE=key_cache.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs K >= 16
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logits_soft_cap is not None,
-        FP8=fp8, num_warps=4 if head_dim <= 128 else 8,  # a 64 x 256 float32 accumulator needs more
+        FP8=fp8, CAUSAL=causal,
+        num_warps=4 if head_dim <= 128 else 8,  # a 64 x 256 float32 accumulator needs more
     )  # fmt: skip
     return out
