@@ -1,13 +1,20 @@
 """The pooling runner on the GPU: a decoder embedding model (causal, last-token pooling)
-matches transformers' float32 vectors, and a BERT encoder is refused by the triton backend
-(it has no bidirectional attention) with an error naming what to do. Run with ``-m cuda``."""
+and BERT (the triton backend's bidirectional prefill) match transformers' float32 vectors,
+and a BERT cross-encoder its scores. Run with ``-m cuda``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from embedding_checkpoints import hf_hidden, reference_vector, write_bert, write_decoder
+from embedding_checkpoints import (
+    TEXTS,
+    hf_hidden,
+    reference_vector,
+    write_bert,
+    write_bert_classifier,
+    write_decoder,
+)
 from pagedlm import LLM
 
 pytestmark = pytest.mark.cuda
@@ -26,7 +33,21 @@ def test_decoder_embeddings_match_transformers_on_the_gpu(tmp_path):
         assert (got - want).abs().max().item() < 2e-3
 
 
-def test_bert_is_refused_by_a_backend_without_bidirectional_attention(tmp_path):
-    write_bert(tmp_path, "cls")
-    with pytest.raises(ValueError, match=r"causal=False.*'triton'"):
-        LLM(str(tmp_path), num_kv_blocks=64)
+def test_bert_embeddings_and_cross_encoder_scores_match_transformers_on_the_gpu(tmp_path):
+    model = write_bert(tmp_path / "embed", "mean")
+    llm = LLM(str(tmp_path / "embed"), dtype="float32", num_kv_blocks=64)
+    assert llm.llm_engine.config.platform == "cuda"
+    tokenizer = llm.get_tokenizer()
+    outputs = llm.embed(TEXTS, use_tqdm=False)
+    llm.llm_engine.shutdown()
+    for text, output in zip(TEXTS, outputs, strict=True):
+        want = reference_vector(hf_hidden(model, tokenizer.encode(text)), "mean", True)
+        assert (torch.tensor(output.outputs.embedding) - want).abs().max().item() < 2e-3
+    scorer = write_bert_classifier(tmp_path / "score", num_labels=1)
+    llm = LLM(str(tmp_path / "score"), dtype="float32", num_kv_blocks=64)
+    scores = llm.score(TEXTS[1], TEXTS, use_tqdm=False)
+    llm.llm_engine.shutdown()
+    for text, output in zip(TEXTS, scores, strict=True):
+        with torch.no_grad():
+            logit = scorer(**tokenizer(TEXTS[1], text, return_tensors="pt")).logits[0, 0]
+        assert abs(output.outputs.score - logit.sigmoid().item()) < 2e-3
