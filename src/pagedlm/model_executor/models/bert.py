@@ -210,16 +210,16 @@ class BertForSequenceClassification(BertModel):
 
 
 class RobertaModel(BertModel):
-    """``RobertaModel`` and ``XLMRobertaModel`` checkpoints (bge-m3, multilingual-e5):
+    """``RobertaModel`` checkpoints (and, as ``XLMRobertaModel``, bge-m3 and multilingual-e5):
     BERT's blocks, positions from ``pad_token_id + 1``, one token type."""
 
     checkpoint_prefix = "roberta."
 
 
 class RobertaForSequenceClassification(RobertaModel):
-    """``RobertaForSequenceClassification`` and ``XLMRobertaForSequenceClassification``
-    (bge-reranker-v2-m3): transformers' head on the ``<s>`` row, ``out_proj(tanh(dense(x)))``
-    (no BERT pooler)."""
+    """``RobertaForSequenceClassification`` checkpoints (and, under the XLM name,
+    bge-reranker-v2-m3): transformers' head on the ``<s>`` row,
+    ``out_proj(tanh(dense(x)))`` (no BERT pooler)."""
 
     skipped_prefixes = ("embeddings.position_ids",)
 
@@ -236,3 +236,11 @@ class RobertaForSequenceClassification(RobertaModel):
     def classifier_logits(self, pooled: torch.Tensor) -> torch.Tensor:
         head = self.classifier
         return head.out_proj(torch.tanh(head.dense(pooled)))
+
+
+class XLMRobertaModel(RobertaModel):
+    """``XLMRobertaModel`` checkpoints: RoBERTa's layout under its own name."""
+
+
+class XLMRobertaForSequenceClassification(RobertaForSequenceClassification):
+    """``XLMRobertaForSequenceClassification`` checkpoints: RoBERTa's layout."""

@@ -25,7 +25,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     # Embedding models (no LM head): served by the pooling runner.
     "BertModel": f"{_MODELS}.bert:BertModel",
     "RobertaModel": f"{_MODELS}.bert:RobertaModel",
-    "XLMRobertaModel": f"{_MODELS}.bert:RobertaModel",
+    "XLMRobertaModel": f"{_MODELS}.bert:XLMRobertaModel",
     "LlamaModel": f"{_EMBEDDING}:LlamaModel",
     "MistralModel": f"{_EMBEDDING}:MistralModel",
     "Qwen2Model": f"{_EMBEDDING}:Qwen2Model",
@@ -33,7 +33,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     # Sequence classifiers (cross-encoders, rerankers): also pooling models.
     "BertForSequenceClassification": f"{_MODELS}.bert:BertForSequenceClassification",
     "RobertaForSequenceClassification": f"{_MODELS}.bert:RobertaForSequenceClassification",
-    "XLMRobertaForSequenceClassification": f"{_MODELS}.bert:RobertaForSequenceClassification",
+    "XLMRobertaForSequenceClassification": (f"{_MODELS}.bert:XLMRobertaForSequenceClassification"),
     "LlamaForSequenceClassification": f"{_CLASSIFIER}:LlamaForSequenceClassification",
     "MistralForSequenceClassification": f"{_CLASSIFIER}:MistralForSequenceClassification",
     "Qwen2ForSequenceClassification": f"{_CLASSIFIER}:Qwen2ForSequenceClassification",
