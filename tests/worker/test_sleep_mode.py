@@ -1,6 +1,7 @@
-"""Sleep mode through the engine core on CPU: levels 1 and 2 free the KV cache (level 2
-the model runner), wake_up gives the same greedy tokens, and busy or sleeping engines
-refuse what they cannot do. The benchmark module runs on a tiny checkpoint."""
+"""Sleep mode through ``LLM`` on CPU: levels 1 and 2 free the KV cache (level 2 the model
+runner), wake_up gives the same greedy tokens, and busy or sleeping engines refuse what
+they cannot do; ``LLM.reset_prefix_cache``. The benchmark module runs on a tiny
+checkpoint."""
 
 from __future__ import annotations
 
@@ -26,19 +27,18 @@ def tokens(llm: LLM) -> list[int]:
 
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_frees_and_wake_up_restores(llm, level):
-    core = llm.llm_engine.engine_core
-    worker = core.executor.worker
+    worker = llm.llm_engine.engine_core.executor.worker
     expected = tokens(llm)
-    core.sleep(level)
-    assert worker.sleep_level == level
+    llm.sleep(level)  # vLLM's LLM.sleep / LLM.wake_up
+    assert worker.sleep_level == level and llm.llm_engine.is_sleeping()
     if level == 1:
         assert worker.model_runner.kv_cache is None
     else:
         assert worker.model_runner is None
-    with pytest.raises(ValueError, match="wake"):
+    with pytest.raises(ValueError, match=r"asleep; call wake_up\(\)"):
         llm.generate(PROMPT, PARAMS, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()  # the refusal left nothing behind
-    core.wake_up()
+    llm.wake_up()
     assert worker.sleep_level == 0 and worker.model_runner.kv_cache is not None
     assert tokens(llm) == expected
 
@@ -73,3 +73,18 @@ def test_benchmark_reports_every_level(tiny_checkpoint, tmp_path):
     assert json.loads(out.read_text()) == figures
     assert [level["level"] for level in figures["levels"]] == [1, 2]
     assert all(level["same_tokens_after_wake_up"] for level in figures["levels"])
+
+
+def test_reset_prefix_cache_forgets_the_cached_prompt(llm):
+    def hits() -> int:
+        return llm.llm_engine.engine_core.make_stats().prefix_cache_hits
+
+    tokens(llm)
+    before = hits()
+    tokens(llm)  # the same prompt: its full blocks come from the cache
+    cached = hits() - before
+    assert cached > 0
+    assert llm.reset_prefix_cache()
+    before = hits()
+    tokens(llm)
+    assert hits() - before == 0

@@ -71,6 +71,8 @@ class LLMEngine:
         return self.input_processor.process(request_id, prompt, params, priority, lora_request)
 
     def add_processed_request(self, request: ProcessedRequest) -> None:
+        if self.engine_core.sleep_level:
+            raise ValueError("The engine is asleep; call wake_up() before adding requests.")
         # Check every child fits before queueing any, so a rejection leaves no trace.
         self.output_processor.add_request(
             request.request_id,
@@ -129,6 +131,22 @@ class LLMEngine:
 
     def get_metrics(self) -> list[Metric]:
         return self.metrics.snapshot(self.engine_core.make_stats())
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False while requests hold KV blocks."""
+        return self.engine_core.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free device memory until ``wake_up`` (level 1: the weights move to host memory;
+        level 2: they are dropped and read again). ValueError while requests run."""
+        self.engine_core.sleep(level)
+
+    def wake_up(self) -> None:
+        """The weights back on the device and an empty KV cache."""
+        self.engine_core.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return bool(self.engine_core.sleep_level)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

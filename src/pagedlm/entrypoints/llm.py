@@ -194,6 +194,20 @@ class LLM:
     def get_metrics(self) -> list[Metric]:
         return self.llm_engine.get_metrics()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's); False while requests hold KV blocks."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the GPU memory the engine holds until ``wake_up`` (vLLM's sleep mode): the
+        KV cache always; the weights move to host memory (``level=1``) or are dropped and
+        read again on waking (``level=2``, for weights about to be replaced). Requests
+        added meanwhile raise ValueError."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.llm_engine.wake_up()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
