@@ -146,3 +146,14 @@ def test_bad_words_are_never_generated(chat_checkpoint, async_scheduling):
         llm.llm_engine.shutdown()
     with pytest.raises(ValueError, match="bad_words must be non-empty strings"):
         SamplingParams(bad_words=["ok", " "])
+
+
+def test_chat_hands_tools_to_the_template(llm):
+    template = "{% for t in tools %}{{ t.function.name }};{% endfor %}{{ messages[0].content }}"
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    messages = [{"role": "user", "content": "hi"}]
+    (out,) = llm.chat(
+        messages, _greedy(), use_tqdm=False, chat_template=template, tools=tools,
+        add_generation_prompt=False,
+    )  # fmt: skip
+    assert llm.get_tokenizer().decode(out.prompt_token_ids) == "get_time;hi"

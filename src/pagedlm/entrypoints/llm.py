@@ -385,8 +385,10 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+        """Apply the tokenizer's chat template to each conversation, then generate.
+        ``tools``: OpenAI-style tool definitions for the template to render (vLLM's)."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat() needs a tokenizer; do not set skip_tokenizer_init=True.")
@@ -396,6 +398,8 @@ class LLM:
                 "add_generation_prompt=False with it."
             )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if tools is not None:
+            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
 
         def to_prompt(conversation: Conversation) -> PromptType:
             if has_images(conversation):
