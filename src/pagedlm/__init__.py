@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "AsyncLLM",
+    "BeamSearchParams",
     "ClassificationOutput",
     "ClassificationRequestOutput",
     "CompletionOutput",
@@ -60,6 +61,10 @@ def __getattr__(name: str):
         import pagedlm.pooling  # torch, which `import pagedlm` alone does not load
 
         return getattr(pagedlm.pooling, name)
+    if name == "BeamSearchParams":
+        from pagedlm.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     if name == "AsyncLLM":
         from pagedlm.engine.async_llm import AsyncLLM
 

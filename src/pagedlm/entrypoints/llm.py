@@ -12,13 +12,14 @@ from typing import Any, TypeVar
 
 from tqdm.auto import tqdm
 
+from pagedlm.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.input_processor import ProcessedRequest, PromptType
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.lora.request import LoRARequest
 from pagedlm.metrics import Metric
 from pagedlm.multimodal.chat import has_images, split_images
-from pagedlm.outputs import RequestOutput
+from pagedlm.outputs import Logprob, RequestOutput
 from pagedlm.pooling import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -374,6 +375,49 @@ class LLM:
         from pagedlm.pooling.scoring import check_task
 
         check_task(self.llm_engine.config.model.pooler, task)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's): each prompt's ``params.beam_width`` best beams, best first
+        (``pagedlm.beam_search``); every step sends all live beams to the engine at once."""
+        from pagedlm.beam_search import search
+
+        engine = self.llm_engine
+        processor = engine.input_processor
+        token_prompts = []
+        for prompt in _prompt_list(prompts):
+            if _has_multimodal_data(prompt):
+                raise ValueError("beam_search takes text or token-id prompts, not images.")
+            token_prompts.append(processor.tokenize(prompt)[1])
+
+        def step(beams: list[list[int]], sampling: SamplingParams) -> list[dict[int, Logprob]]:
+            outputs = self.generate(
+                [{"prompt_token_ids": tokens} for tokens in beams],
+                sampling,
+                use_tqdm=False,
+                lora_request=lora_request,
+            )
+            return [output.outputs[0].logprobs[0] for output in outputs]  # type: ignore[index]
+
+        tokenizer = self.get_tokenizer()
+        steps = range(params.max_tokens)
+        if use_tqdm:
+            steps = tqdm(steps, desc="Beam search", unit="token")
+        return search(
+            token_prompts,
+            params,
+            step,
+            set(processor.eos_token_ids),
+            engine.config.model.max_model_len,
+            None if tokenizer is None else tokenizer.decode,
+            steps,
+        )
 
     def chat(
         self,

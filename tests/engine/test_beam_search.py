@@ -1,0 +1,130 @@
+"""``LLM.beam_search`` (vLLM's): against a beam search over transformers' float32 logits on
+a tiny random model, width 1 as greedy decoding, and the search itself over a scripted
+step (end-of-sequence beams, the length penalty, ``max_model_len``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers
+
+from pagedlm import LLM, BeamSearchParams, SamplingParams
+from pagedlm.beam_search import BeamSearchSequence, beam_score, search
+from pagedlm.outputs import Logprob
+
+PROMPTS = [[5, 17, 33, 8, 2], [9, 10, 11]]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    llm = LLM(str(path), skip_tokenizer_init=True, dtype="float32", num_kv_blocks=128)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    yield llm, hf
+    llm.llm_engine.shutdown()
+
+
+def _reference(hf, prompt: list[int], width: int, steps: int) -> list[tuple[list[int], float]]:
+    """The same search, every step's candidates from transformers' log-softmax."""
+    beams = [(list(prompt), 0.0)]
+    for _ in range(steps):
+        grown = []
+        for tokens, cum in beams:
+            with torch.no_grad():
+                logits = hf(torch.tensor([tokens])).logits[0, -1].double()
+            top = logits.log_softmax(-1).topk(2 * width)
+            grown += [(tokens + [int(t)], cum + float(lp)) for lp, t in zip(*top, strict=True)]
+        beams = sorted(grown, key=lambda b: b[1] / len(b[0]), reverse=True)[:width]
+    return beams
+
+
+def test_beams_match_a_search_over_transformers_logits(setup):
+    llm, hf = setup
+    params = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)
+    outputs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        want = _reference(hf, prompt, 3, 5)
+        got = [(s.tokens, s.cum_logprob) for s in output.sequences]
+        assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+        for (_, cum), (_, want_cum) in zip(got, want, strict=True):
+            assert abs(cum - want_cum) < 1e-3
+        assert all(len(s.logprobs) == 5 and s.finish_reason == "length" for s in output.sequences)
+        assert output.sequences[0].text is None  # no tokenizer
+
+
+def test_width_one_is_greedy_decoding(setup):
+    llm, _ = setup
+    (beam,) = llm.beam_search(
+        {"prompt_token_ids": PROMPTS[0]}, BeamSearchParams(1, 6, ignore_eos=True)
+    )[0].sequences
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    (greedy,) = llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)
+    completion = greedy.outputs[0]
+    assert beam.tokens == PROMPTS[0] + completion.token_ids
+    total = sum(lp[t].logprob for t, lp in zip(completion.token_ids, completion.logprobs))
+    assert abs(beam.cum_logprob - total) < 1e-4
+
+
+def test_bad_parameters_name_the_fix():
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="beam_width must be a positive integer"):
+            BeamSearchParams(beam_width=bad, max_tokens=4)
+    with pytest.raises(ValueError, match="use at most 10"):
+        BeamSearchParams(beam_width=11, max_tokens=4)
+    with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
+        BeamSearchParams(beam_width=2, max_tokens=0)
+
+
+def _scripted(table: dict[int, dict[int, float]]):
+    """A step whose candidates depend on the beam's last token only."""
+
+    def step(beams, sampling):
+        assert sampling.max_tokens == 1 and sampling.logprobs in (2, 4)
+        return [
+            {t: Logprob(lp, rank) for rank, (t, lp) in enumerate(table[b[-1]].items(), 1)}
+            for b in beams
+        ]
+
+    return step
+
+
+def test_an_end_of_sequence_candidate_finishes_its_beam_and_lengths_are_penalized():
+    eos = 0
+    table = {
+        1: {eos: math.log(0.5), 2: math.log(0.3), 3: math.log(0.2)},
+        2: {4: math.log(0.9), eos: math.log(0.1)},
+        3: {4: math.log(0.6), 2: math.log(0.4)},
+        4: {4: math.log(0.99), eos: math.log(0.01)},
+        eos: {4: math.log(0.5), 2: math.log(0.5)},  # read only with ignore_eos
+    }
+    params = BeamSearchParams(beam_width=2, max_tokens=3)
+    (output,) = search([[1]], params, _scripted(table), {eos}, 100, None)
+    # Scores divide by the length: [1, 2, 4, 4] (log 0.3 * 0.9 * 0.99 over 4 tokens, -0.33)
+    # beats [1, eos] (log 0.5 over 1 token: the eos does not count, -0.69).
+    assert [s.tokens for s in output.sequences] == [[1, 2, 4, 4], [1, 3, 4, 4]]
+    assert output.sequences[0].cum_logprob == pytest.approx(math.log(0.3 * 0.9 * 0.99))
+    assert all(s.finish_reason == "length" for s in output.sequences)
+    # A length penalty of 0 scores by the cumulative logprob alone: the early stop wins.
+    flat = BeamSearchParams(2, 3, length_penalty=0.0)
+    (output,) = search([[1]], flat, _scripted(table), {eos}, 100, None)
+    assert [s.tokens for s in output.sequences] == [[1, eos], [1, 2, 4, 4]]
+    assert [s.finish_reason for s in output.sequences] == ["stop", "length"]
+    # ignore_eos: eos is an ordinary token, so nothing stops early.
+    kept = BeamSearchParams(2, 3, length_penalty=0.0, ignore_eos=True)
+    (output,) = search([[1]], kept, _scripted(table), {eos}, 100, None)
+    assert all(s.finish_reason == "length" and len(s.tokens) == 4 for s in output.sequences)
+
+
+def test_max_model_len_ends_beams():
+    table = {1: {1: -0.1, 2: -0.2}, 2: {1: -0.1, 2: -0.2}}
+    (output,) = search([[1, 2]], BeamSearchParams(1, 10), _scripted(table), set(), 4, None)
+    (beam,) = output.sequences
+    assert len(beam.tokens) == 4 and beam.finish_reason == "length"
+
+
+def test_beam_score_drops_a_final_end_of_sequence_token():
+    beam = BeamSearchSequence([1, 2, 0], cum_logprob=-2.0)
+    assert beam_score(beam, {0}, 1.0) == -1.0
+    assert beam_score(beam, set(), 1.0) == pytest.approx(-2 / 3)
