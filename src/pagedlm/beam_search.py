@@ -14,7 +14,7 @@ Score (vLLM's): the beam's cumulative logprob divided by its length to the power
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pagedlm.outputs import Logprob
@@ -73,6 +73,83 @@ def beam_score(beam: BeamSearchSequence, eos_token_ids: set[int], length_penalty
     return beam.cum_logprob / (length**length_penalty)
 
 
+class BeamSearch:
+    """The search's state between engine steps: ``pending()`` gives the live beams' token
+    lists to step, ``advance`` takes each one's next-token candidates, ``result()`` the
+    outputs once ``done``. Drivers: ``search`` (a synchronous step function) and
+    ``AsyncLLM.beam_search``."""
+
+    def __init__(
+        self,
+        prompts: Sequence[list[int]],
+        params: BeamSearchParams,
+        eos_token_ids: set[int],
+        max_model_len: int,
+    ) -> None:
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.sampling = SamplingParams(
+            max_tokens=1,
+            logprobs=2 * params.beam_width,
+            temperature=params.temperature,
+            ignore_eos=True,  # the end-of-sequence token is a candidate like any other
+            detokenize=False,
+        )
+        self.num_steps = 0
+        self._live = [[BeamSearchSequence(list(p))] for p in prompts]
+        self._done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        self._batch: list[tuple[int, BeamSearchSequence]] = []
+
+    def score(self, beam: BeamSearchSequence) -> float:
+        return beam_score(beam, self.eos_token_ids, self.params.length_penalty)
+
+    @property
+    def done(self) -> bool:
+        return self.num_steps >= self.params.max_tokens or not any(self._live)
+
+    def pending(self) -> list[list[int]]:
+        self._batch = [(i, beam) for i, beams in enumerate(self._live) for beam in beams]
+        return [beam.tokens for _, beam in self._batch]
+
+    def advance(self, candidates: Sequence[dict[int, Logprob]]) -> None:
+        """One step: ``candidates[j]``, token id -> logprob, for ``pending()[j]``."""
+        params = self.params
+        grown: list[list[BeamSearchSequence]] = [[] for _ in self._live]
+        for (i, beam), options in zip(self._batch, candidates, strict=True):
+            for token_id, entry in options.items():
+                child = BeamSearchSequence(
+                    beam.tokens + [token_id],
+                    beam.logprobs + [options],
+                    beam.cum_logprob + entry.logprob,
+                )
+                if token_id in self.eos_token_ids and not params.ignore_eos:
+                    child.finish_reason = "stop"
+                    self._done[i].append(child)
+                elif len(child.tokens) >= self.max_model_len:
+                    child.finish_reason = "length"
+                    self._done[i].append(child)
+                else:
+                    grown[i].append(child)
+        width = params.beam_width
+        self._live = [sorted(beams, key=self.score, reverse=True)[:width] for beams in grown]
+        self.num_steps += 1
+
+    def result(self, decode: Callable[[list[int]], str] | None) -> list[BeamSearchOutput]:
+        """Each prompt's ``beam_width`` best beams, best first (texts decoded with
+        ``decode`` when given)."""
+        outputs = []
+        for done, live in zip(self._done, self._live, strict=True):
+            for beam in live:
+                beam.finish_reason = "length"
+            best = sorted(done + live, key=self.score, reverse=True)[: self.params.beam_width]
+            if decode is not None:
+                for beam in best:
+                    beam.text = decode(beam.tokens)
+            outputs.append(BeamSearchOutput(best))
+        return outputs
+
+
 StepFn = Callable[[list[list[int]], SamplingParams], list[dict[int, Logprob]]]
 """Prompts (token ids) -> the candidates of each one's next token (one engine step)."""
 
@@ -84,53 +161,13 @@ def search(
     eos_token_ids: set[int],
     max_model_len: int,
     decode: Callable[[list[int]], str] | None,
-    steps: Iterable[int] | None = None,
+    on_step: Callable[[], None] | None = None,
 ) -> list[BeamSearchOutput]:
-    """Beam search for every prompt (token ids), ``step`` running the engine; ``steps``:
-    ``range(params.max_tokens)`` or the same wrapped in a progress bar."""
-    width = params.beam_width
-    sampling = SamplingParams(
-        max_tokens=1,
-        logprobs=2 * width,
-        temperature=params.temperature,
-        ignore_eos=True,  # the end-of-sequence token is a candidate like any other
-        detokenize=False,
-    )
-
-    def score(beam: BeamSearchSequence) -> float:
-        return beam_score(beam, eos_token_ids, params.length_penalty)
-
-    live = [[BeamSearchSequence(list(p))] for p in prompts]
-    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    for _ in range(params.max_tokens) if steps is None else steps:
-        batch = [(i, beam) for i, beams in enumerate(live) for beam in beams]
-        if not batch:
-            break
-        candidates = step([beam.tokens for _, beam in batch], sampling)
-        grown: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-        for (i, beam), options in zip(batch, candidates, strict=True):
-            for token_id, entry in options.items():
-                child = BeamSearchSequence(
-                    beam.tokens + [token_id],
-                    beam.logprobs + [options],
-                    beam.cum_logprob + entry.logprob,
-                )
-                if token_id in eos_token_ids and not params.ignore_eos:
-                    child.finish_reason = "stop"
-                    done[i].append(child)
-                elif len(child.tokens) >= max_model_len:
-                    child.finish_reason = "length"
-                    done[i].append(child)
-                else:
-                    grown[i].append(child)
-        live = [sorted(beams, key=score, reverse=True)[:width] for beams in grown]
-    outputs = []
-    for i, beams in enumerate(live):
-        for beam in beams:
-            beam.finish_reason = "length"
-        best = sorted(done[i] + beams, key=score, reverse=True)[:width]
-        for beam in best:
-            if decode is not None:
-                beam.text = decode(beam.tokens)
-        outputs.append(BeamSearchOutput(best))
-    return outputs
+    """Beam search for every prompt (token ids), ``step`` running the engine;
+    ``on_step`` is called after each step (a progress bar)."""
+    state = BeamSearch(prompts, params, eos_token_ids, max_model_len)
+    while not state.done:
+        state.advance(step(state.pending(), state.sampling))
+        if on_step is not None:
+            on_step()
+    return state.result(decode)

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from pagedlm.beam_search import BeamSearchParams
 from pagedlm.config import EngineConfig
 from pagedlm.core.scheduler_interface import SchedulerStats
 from pagedlm.engine.arg_utils import EngineArgs
@@ -53,10 +54,10 @@ from pagedlm.gc_heap import freeze_startup_heap, thaw_heap
 from pagedlm.lora.request import LoRARequest
 from pagedlm.metrics import EngineMetrics, Metric
 from pagedlm.metrics.stats import cache_info
-from pagedlm.outputs import RequestOutput
+from pagedlm.outputs import CompletionOutput, RequestOutput
 from pagedlm.pooling import PoolingParams, PoolingRequestOutput
 from pagedlm.pooling.requests import PairPrompt
-from pagedlm.sampling_params import SamplingParams
+from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +205,70 @@ class AsyncLLM:
         async with contextlib.aclosing(self._run(processed)) as outputs:
             async for output in outputs:  # closing early aborts the request at once
                 yield output
+
+    async def beam_search(
+        self,
+        prompt: PromptType,
+        request_id: str,
+        params: BeamSearchParams,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """vLLM's beam search for one prompt (``pagedlm.beam_search``): one final output
+        whose ``outputs`` are the ``beam_width`` best beams, best first (each one's
+        generated tokens, text, cumulative logprob and logprobs). Each step runs every live
+        beam as a request of its own; closing the iterator aborts them."""
+        from pagedlm.beam_search import BeamSearch
+
+        self._check_alive()
+        text, prompt_ids = self.input_processor.tokenize(prompt)
+        state = BeamSearch(
+            [prompt_ids],
+            params,
+            set(self.input_processor.eos_token_ids),
+            self.config.model.max_model_len,
+        )
+        sampling = state.sampling.clone()
+        sampling.output_kind = RequestOutputKind.FINAL_ONLY
+
+        async def last(tokens: list[int], beam_id: str) -> RequestOutput:
+            final = None
+            async for output in self.generate(
+                {"prompt_token_ids": tokens}, sampling, beam_id, lora_request=lora_request
+            ):
+                final = output
+            assert final is not None, "a finished request has a final output"
+            return final
+
+        while not state.done:
+            step = state.num_steps
+            tasks = [
+                asyncio.ensure_future(last(tokens, f"{request_id}-beam{step}-{j}"))
+                for j, tokens in enumerate(state.pending())
+            ]
+            try:
+                finals = await asyncio.gather(*tasks)
+            finally:  # an error, or the caller leaving, cancels (so aborts) the rest
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            state.advance([final.outputs[0].logprobs[0] for final in finals])  # type: ignore[index]
+        (result,) = state.result(None)
+        tokenizer = self.get_tokenizer()
+        outputs = []
+        for index, beam in enumerate(result.sequences):
+            generated = beam.tokens[len(prompt_ids) :]
+            outputs.append(
+                CompletionOutput(
+                    index,
+                    tokenizer.decode(generated) if tokenizer is not None else "",
+                    generated,
+                    beam.cum_logprob,
+                    beam.logprobs,
+                    beam.finish_reason,
+                    beam.stop_reason,
+                )
+            )
+        yield RequestOutput(request_id, text, prompt_ids, None, outputs, finished=True)
 
     async def encode(
         self,

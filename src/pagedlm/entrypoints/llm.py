@@ -406,18 +406,20 @@ class LLM:
             return [output.outputs[0].logprobs[0] for output in outputs]  # type: ignore[index]
 
         tokenizer = self.get_tokenizer()
-        steps = range(params.max_tokens)
-        if use_tqdm:
-            steps = tqdm(steps, desc="Beam search", unit="token")
-        return search(
-            token_prompts,
-            params,
-            step,
-            set(processor.eos_token_ids),
-            engine.config.model.max_model_len,
-            None if tokenizer is None else tokenizer.decode,
-            steps,
-        )
+        bar = tqdm(total=params.max_tokens, desc="Beam search", unit="token") if use_tqdm else None
+        try:
+            return search(
+                token_prompts,
+                params,
+                step,
+                set(processor.eos_token_ids),
+                engine.config.model.max_model_len,
+                None if tokenizer is None else tokenizer.decode,
+                None if bar is None else bar.update,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
 
     def chat(
         self,

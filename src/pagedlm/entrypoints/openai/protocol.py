@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
+from pagedlm.beam_search import BeamSearchParams
 from pagedlm.entrypoints.openai.chat_message import ChatMessage
 from pagedlm.entrypoints.openai.errors import APIError, from_value_error
 from pagedlm.entrypoints.openai.request_body import RequestModel
@@ -86,6 +87,10 @@ class SamplingFields(OpenAIModel):
     the first chunk, each chunk's new ones)."""
     return_tokens_as_token_ids: bool | None = None
     """Write logprobs' tokens as ``"token_id:<id>"``."""
+    use_beam_search: bool = False
+    """Beam search (``n`` beams, the choices best first) instead of sampling."""
+    length_penalty: float = 1.0
+    """Beam search: a beam's score is its cumulative logprob over its length to this."""
     cache_salt: str | None = Field(None, min_length=1)
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     response_format: dict[str, Any] | None = None
@@ -167,6 +172,40 @@ class SamplingFields(OpenAIModel):
             )
         except ValueError as error:
             raise from_value_error(error) from error
+
+    def beam_search_params(
+        self, max_tokens: int | None, max_model_len: int
+    ) -> BeamSearchParams | None:
+        """With ``use_beam_search``, the search's parameters (``n`` beams); else None. What
+        beam search cannot honour is a 400 naming it."""
+        if not self.use_beam_search:
+            return None
+        unsupported = {
+            "stop": bool(self.stop),
+            "response_format": self.response_format is not None,
+            "structured_outputs": self.requested_structured_outputs() is not None,
+            "logit_bias": bool(self.logit_bias),
+            "bad_words": bool(self.bad_words),
+            "allowed_token_ids": self.allowed_token_ids is not None,
+            "min_tokens": self.min_tokens > 0,
+        }
+        for name, is_set in unsupported.items():
+            if is_set:
+                raise APIError(
+                    f"use_beam_search does not combine with {name}; drop one of them.",
+                    param=name,
+                )
+        try:
+            return BeamSearchParams(
+                beam_width=self.n,
+                max_tokens=max_tokens or max_model_len,
+                ignore_eos=self.ignore_eos,
+                temperature=self.temperature or 0.0,
+                length_penalty=self.length_penalty,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+            )
+        except ValueError as error:
+            raise APIError(f"use_beam_search with n={self.n}: {error}", param="n") from None
 
     def requested_structured_outputs(self) -> dict[str, Any] | None:
         """``structured_outputs``, or the same built from the deprecated ``guided_*`` fields."""

@@ -93,9 +93,18 @@ class ChatServer:
         )
         request_id = ctx.request_id("chatcmpl")
         prompts = request.engine_prompts([prompt])
-        started = await ctx.start(
-            prompts, params, request_id, request.priority, ctx.lora_request(request.model)
-        )
+        lora = ctx.lora_request(request.model)
+        beam = request.beam_search_params(max_tokens, ctx.max_model_len)
+        if beam is not None and plan.structured_outputs is not None:
+            raise APIError(
+                f'use_beam_search does not combine with tool_choice="{plan.mode}" (a forced '
+                "call's grammar); use tool_choice='auto' or drop one.",
+                param="tool_choice",
+            )
+        if beam is not None:
+            started = await ctx.start_beam_search(prompts, beam, request_id, lora)
+        else:
+            started = await ctx.start(prompts, params, request_id, request.priority, lora)
         events = self._events(request, request_id, started, plan)
         return await stream_or_collect(events, request.stream)
 

@@ -79,9 +79,14 @@ class CompletionServer:
             params.prompt_logprobs = max(params.prompt_logprobs or 0, request.logprobs)
         request_id = ctx.request_id("cmpl")
         prompts = request.engine_prompts(request.prompts())
-        started = await ctx.start(
-            prompts, params, request_id, request.priority, ctx.lora_request(request.model)
-        )
+        lora = ctx.lora_request(request.model)
+        beam = request.beam_search_params(request.max_tokens, ctx.max_model_len)
+        if beam is not None and score_only:
+            raise APIError("use_beam_search needs max_tokens >= 1.", param="max_tokens")
+        if beam is not None:
+            started = await ctx.start_beam_search(prompts, beam, request_id, lora)
+        else:
+            started = await ctx.start(prompts, params, request_id, request.priority, lora)
         events = self._events(request, request_id, started, score_only)
         return await stream_or_collect(events, request.stream)
 

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from pagedlm.beam_search import BeamSearchParams
 from pagedlm.engine.exceptions import EngineDeadError
 from pagedlm.entrypoints.openai.chat_template import ChatTemplateRenderer
 from pagedlm.entrypoints.openai.errors import APIError, from_value_error
@@ -228,6 +229,44 @@ class ServingContext:
                 raise from_value_error(failure) from failure
             raise failure
         return list(zip(firsts, streams))
+
+    async def start_beam_search(
+        self,
+        prompts: list[Any],
+        params: BeamSearchParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
+    ) -> list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]:
+        """``start`` for vLLM's ``use_beam_search``: each prompt's search runs to the end
+        (``AsyncLLM.beam_search``), and its one output holds the beams as its samples."""
+        if self.runner == "pooling":
+            raise APIError("This model is served with --runner pooling, which does not generate.")
+
+        async def one(prompt: Any, search_id: str) -> RequestOutput:
+            final = None
+            async for output in self.engine.beam_search(prompt, search_id, params, lora_request):
+                final = output
+            assert final is not None
+            return final
+
+        tasks = [
+            asyncio.ensure_future(one(prompt, f"{request_id}-{i}"))
+            for i, prompt in enumerate(prompts)
+        ]
+        try:
+            finals = await asyncio.gather(*tasks)
+        except ValueError as error:
+            raise from_value_error(error) from error
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return [(final, _nothing()) for final in finals]
+
+
+async def _nothing() -> AsyncIterator[RequestOutput]:
+    return
+    yield  # an async generator that yields nothing
 
 
 async def merge_streams(

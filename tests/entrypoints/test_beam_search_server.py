@@ -1,0 +1,102 @@
+"""vLLM's ``use_beam_search`` on /v1/completions and /v1/chat/completions over a real
+``AsyncLLM``: the ``n`` choices are ``LLM.beam_search``'s beams, best first, whole or
+streamed; what beam search cannot combine with is a 400."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from pagedlm import LLM, AsyncLLM, BeamSearchParams
+from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.entrypoints.openai.app import build_app
+from pagedlm.entrypoints.openai.serving_engine import ServingContext
+from pagedlm.metrics.prometheus import PrometheusMetrics
+
+PROMPT = [5, 6, 7, 8, 9]
+
+
+@pytest.fixture(scope="module")
+def answers(chat_checkpoint):
+    engine = AsyncLLM.from_engine_args(
+        EngineArgs(model=str(chat_checkpoint), num_kv_blocks=128, max_model_len=64)
+    )
+    ctx = ServingContext(
+        engine=engine,
+        model_names=["tiny"],
+        metrics=PrometheusMetrics("tiny"),
+        tokenizer=engine.get_tokenizer(),
+        max_model_len=64,
+    )
+    beam = {"model": "tiny", "use_beam_search": True, "n": 3, "max_tokens": 5}
+
+    async def main():
+        transport = httpx.ASGITransport(app=build_app(ctx))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            post = http.post
+            completion = await post(
+                "/v1/completions",
+                json={**beam, "prompt": PROMPT, "logprobs": 1, "return_token_ids": True},
+            )
+            async with http.stream(
+                "POST", "/v1/completions", json={**beam, "prompt": PROMPT, "stream": True}
+            ) as response:
+                lines = [x async for x in response.aiter_lines() if x.startswith("data: {")]
+            chat = await post(
+                "/v1/chat/completions",
+                json={**beam, "messages": [{"role": "user", "content": "hi"}]},
+            )
+            bad = [
+                await post("/v1/completions", json={**beam, "prompt": PROMPT, **extra})
+                for extra in ({"stop": ["x"]}, {"n": 11}, {"logit_bias": {"5": 1}})
+            ]
+            return completion.json(), [json.loads(x[6:]) for x in lines], chat.json(), bad
+
+    try:
+        yield asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline(chat_checkpoint):
+    llm = LLM(str(chat_checkpoint), num_kv_blocks=128, max_model_len=64)
+    try:
+        (result,) = llm.beam_search({"prompt_token_ids": PROMPT}, BeamSearchParams(3, 5))
+        return result.sequences
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_completion_choices_are_the_beams_best_first(answers, offline):
+    completion, chunks, _, _ = answers
+    choices = completion["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    for choice, beam in zip(choices, offline, strict=True):
+        generated = beam.tokens[len(PROMPT) :]
+        assert choice["token_ids"] == generated
+        assert len(choice["logprobs"]["tokens"]) == len(generated)
+        assert choice["finish_reason"] == beam.finish_reason
+    assert completion["usage"]["completion_tokens"] == sum(
+        len(b.tokens) - len(PROMPT) for b in offline
+    )
+    streamed = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            streamed[choice["index"]] = streamed.get(choice["index"], "") + choice["text"]
+    assert [streamed[i] for i in range(3)] == [c["text"] for c in choices]
+
+
+def test_chat_choices_are_beams_too_and_bad_combinations_are_400(answers):
+    _, _, chat, bad = answers
+    assert len(chat["choices"]) == 3
+    assert all(c["message"]["role"] == "assistant" for c in chat["choices"])
+    statuses = [r.status_code for r in bad]
+    messages = [r.json()["error"]["message"] for r in bad]
+    assert statuses == [400, 400, 400]
+    assert "does not combine with stop" in messages[0]
+    assert "use at most 10" in messages[1]
+    assert "does not combine with logit_bias" in messages[2]
