@@ -135,3 +135,40 @@ def test_continuous_usage_stats_count_each_chunks_tokens_so_far(answers, kind):
         assert usage["total_tokens"] == usage["prompt_tokens"] + count
     final = chunks[-1]
     assert final["choices"] == [] and final["usage"]["completion_tokens"] == counts[-1] == 6
+
+
+def test_server_flags_report_cached_tokens_and_default_to_token_ids(chat_checkpoint):
+    engine = AsyncLLM.from_engine_args(
+        EngineArgs(model=str(chat_checkpoint), num_kv_blocks=64, max_model_len=64, block_size=16)
+    )
+    ctx = ServingContext(
+        engine=engine,
+        model_names=["tiny"],
+        metrics=PrometheusMetrics("tiny"),
+        tokenizer=engine.get_tokenizer(),
+        max_model_len=64,
+        enable_prompt_tokens_details=True,  # --enable-prompt-tokens-details
+        return_tokens_as_token_ids=True,  # --return-tokens-as-token-ids
+    )
+    body = {"model": "tiny", "prompt": list(range(3, 43)), "max_tokens": 2, "logprobs": 1}
+
+    async def main():
+        transport = httpx.ASGITransport(app=build_app(ctx))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            first = (await http.post("/v1/completions", json=body)).json()
+            second = (await http.post("/v1/completions", json=body)).json()
+            as_text = (
+                await http.post(
+                    "/v1/completions", json={**body, "return_tokens_as_token_ids": False}
+                )
+            ).json()
+            return first, second, as_text
+
+    try:
+        first, second, as_text = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}  # 2 full blocks
+    assert all(t.startswith("token_id:") for t in first["choices"][0]["logprobs"]["tokens"])
+    assert not any(t.startswith("token_id:") for t in as_text["choices"][0]["logprobs"]["tokens"])

@@ -106,6 +106,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "http://localhost:4318/v1/traces); a W3C traceparent header is its parent. Needs "
         "pip install 'pagedlm[tracing]' (default: off).",
     )
+    group.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="Report usage.prompt_tokens_details.cached_tokens (prompt tokens the prefix "
+        "cache served) on completions and chat (vLLM's flag; default: off).",
+    )
+    group.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="Write logprobs' tokens as 'token_id:<id>' for requests that do not say "
+        "(their return_tokens_as_token_ids field; default: off).",
+    )
     _add_tool_args(group)
     add_lora_args(group)
     add_admin_args(group)
@@ -304,6 +316,8 @@ def run_server(args: argparse.Namespace, core_launch: CoreLaunch | None = None) 
             structured_outputs_backend=engine.config.structured_outputs_backend,
             runner=engine.config.model.runner,
             sampling_defaults=engine.config.model.sampling_defaults,
+            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+            return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         )
         if tracer_provider is not None:
             from pagedlm.entrypoints.openai.tracing import RequestTracer

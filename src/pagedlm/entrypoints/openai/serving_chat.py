@@ -119,7 +119,7 @@ class ChatServer:
         self, request: ChatCompletionRequest, request_id: str, started, plan: ToolPlan
     ) -> AsyncIterator:
         num_top = request.top_logprobs or 0
-        as_ids = bool(request.return_tokens_as_token_ids)
+        as_ids = self.ctx.tokens_as_ids(request.return_tokens_as_token_ids)
         choices: dict[int, _ChatChoice] = {}
         prompt_ids = started[0][0].prompt_token_ids
         prompt_tokens = len(prompt_ids)
@@ -140,11 +140,7 @@ class ChatServer:
             body["choices"][0].update(extra)
             choice = choices[index]
             if request.continuous_usage:
-                body["usage"] = {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": choice.num_tokens,
-                    "total_tokens": prompt_tokens + choice.num_tokens,
-                }
+                body["usage"] = self.ctx.usage(prompt_tokens, choice.num_tokens, cached)
             if request.return_token_ids:
                 if not announced:  # vLLM's place: the stream's first chunk, top level
                     body["prompt_token_ids"] = prompt_ids
@@ -156,7 +152,9 @@ class ChatServer:
         announced: set[int] = set()
 
         prompt_logprobs = None
+        cached = 0
         async for _, output in merge_streams(started):
+            cached = max(cached, output.num_cached_tokens)
             if output.prompt_logprobs is not None and prompt_logprobs is None:
                 prompt_logprobs = prompt_logprobs_json(output.prompt_logprobs)
             for sample in output.outputs:
@@ -191,11 +189,7 @@ class ChatServer:
                             sample.index, {}, choice.finish_reason, stop_reason=sample.stop_reason
                         )
         completion_tokens = sum(c.num_tokens for c in choices.values())
-        usage = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        }
+        usage = self.ctx.usage(prompt_tokens, completion_tokens, cached)
         if request.stream:
             if request.include_usage:
                 yield f"data: {json.dumps({**chunk_base, 'choices': [], 'usage': usage})}\n\n"

@@ -39,14 +39,6 @@ class _Choice:
     """How many of ``token_ids`` streamed chunks carried (``return_token_ids``)."""
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
 class CompletionServer:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
@@ -93,7 +85,7 @@ class CompletionServer:
     def _new_choice(self, request: CompletionRequest, index: int) -> _Choice:
         logprobs = None
         if request.logprobs is not None:
-            as_ids = bool(request.return_tokens_as_token_ids)
+            as_ids = self.ctx.tokens_as_ids(request.return_tokens_as_token_ids)
             logprobs = LegacyLogprobs(request.logprobs, self._decode, as_ids)
         return _Choice(index, logprobs=logprobs)
 
@@ -150,7 +142,9 @@ class CompletionServer:
         }
         prompt_logprobs: dict[int, list] = {}
         announced: set[int] = set()
+        cached = [0] * len(started)
         async for prompt_index, output in merge_streams(started):
+            cached[prompt_index] = max(cached[prompt_index], output.num_cached_tokens)
             # DELTA outputs carry the prompt's logprobs once; later samples still echo them.
             if output.prompt_logprobs is not None:
                 prompt_logprobs.setdefault(prompt_index, output.prompt_logprobs)
@@ -185,7 +179,9 @@ class CompletionServer:
                 if first_chunk and choice.prompt_logprobs is not None:
                     body["choices"][0]["prompt_logprobs"] = choice.prompt_logprobs
                 if request.continuous_usage:
-                    body["usage"] = _usage(prompt_tokens[prompt_index], choice.num_tokens)
+                    body["usage"] = self.ctx.usage(
+                        prompt_tokens[prompt_index], choice.num_tokens, cached[prompt_index]
+                    )
                 if request.return_token_ids:
                     extra = body["choices"][0]
                     if first_chunk:
@@ -193,7 +189,9 @@ class CompletionServer:
                     extra["token_ids"] = choice.token_ids[choice.num_token_ids_sent :]
                     choice.num_token_ids_sent = len(choice.token_ids)
                 yield f"data: {json.dumps(body)}\n\n"
-        usage = _usage(sum(prompt_tokens), sum(c.num_tokens for c in choices.values()))
+        usage = self.ctx.usage(
+            sum(prompt_tokens), sum(c.num_tokens for c in choices.values()), sum(cached)
+        )
         prompt_ids = [first.prompt_token_ids for first, _ in started]
         if request.stream:
             if request.include_usage:

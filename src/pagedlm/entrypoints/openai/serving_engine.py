@@ -76,6 +76,10 @@ class ServingContext:
     config: ``ModelConfig.sampling_defaults``); ``max_tokens`` there caps every request's."""
     tracer: Any = None
     """A ``tracing.RequestTracer`` with ``--otlp-traces-endpoint``, else None."""
+    enable_prompt_tokens_details: bool = False
+    """``--enable-prompt-tokens-details``: usage reports the prompt's cached tokens."""
+    return_tokens_as_token_ids: bool = False
+    """``--return-tokens-as-token-ids``: the default of the request field."""
     created: int = field(default_factory=lambda: int(time.time()))
     _counter: itertools.count = field(default_factory=itertools.count)
     _background: set[asyncio.Task] = field(default_factory=set)
@@ -87,6 +91,24 @@ class ServingContext:
     @property
     def model_name(self) -> str:
         return self.model_names[0]
+
+    def tokens_as_ids(self, requested: bool | None) -> bool:
+        """A request's ``return_tokens_as_token_ids``, the server's flag when unset."""
+        return self.return_tokens_as_token_ids if requested is None else requested
+
+    def usage(
+        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int
+    ) -> dict[str, Any]:
+        """A response's ``usage`` (with ``--enable-prompt-tokens-details`` the prompt's
+        tokens the prefix cache served)."""
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        if self.enable_prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+        return usage
 
     def request_id(self, prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex[:16]}-{next(self._counter)}"
