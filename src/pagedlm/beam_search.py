@@ -36,12 +36,6 @@ class BeamSearchParams:
         width = self.beam_width
         if isinstance(width, bool) or not isinstance(width, int) or width < 1:
             raise ValueError(f"beam_width must be a positive integer, got {width!r}.")
-        if 2 * width > MAX_LOGPROBS:
-            raise ValueError(
-                f"beam_width={width} needs {2 * width} candidates per beam and step, more "
-                f"than the {MAX_LOGPROBS} logprobs a step reports; use at most "
-                f"{MAX_LOGPROBS // 2}."
-            )
         tokens = self.max_tokens
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {tokens!r}.")
@@ -85,7 +79,15 @@ class BeamSearch:
         params: BeamSearchParams,
         eos_token_ids: set[int],
         max_model_len: int,
+        max_logprobs: int = MAX_LOGPROBS,
     ) -> None:
+        width = params.beam_width
+        if 2 * width > max_logprobs:
+            raise ValueError(
+                f"beam_width={width} needs {2 * width} candidates per beam and step, more "
+                f"than the engine's max_logprobs={max_logprobs}; use at most "
+                f"{max_logprobs // 2}, or start the engine with a larger max_logprobs."
+            )
         self.params = params
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -162,10 +164,11 @@ def search(
     max_model_len: int,
     decode: Callable[[list[int]], str] | None,
     on_step: Callable[[], None] | None = None,
+    max_logprobs: int = MAX_LOGPROBS,
 ) -> list[BeamSearchOutput]:
     """Beam search for every prompt (token ids), ``step`` running the engine;
     ``on_step`` is called after each step (a progress bar)."""
-    state = BeamSearch(prompts, params, eos_token_ids, max_model_len)
+    state = BeamSearch(prompts, params, eos_token_ids, max_model_len, max_logprobs)
     while not state.done:
         state.advance(step(state.pending(), state.sampling))
         if on_step is not None:

@@ -271,6 +271,9 @@ class ModelConfig:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     """``SamplingParams`` fields a request that leaves them unset gets (from the model's
     generation config: ``pagedlm.generation_config``); empty for pagedlm's own defaults."""
+    max_logprobs: int = 20
+    """The most ``logprobs`` / ``prompt_logprobs`` a request may ask for (the vocabulary
+    size where ``EngineArgs.max_logprobs`` is -1)."""
 
     @property
     def is_gguf(self) -> bool:

@@ -214,8 +214,11 @@ class SamplingParams:
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}.")
+            if value is not None and value < -1:
+                raise ValueError(
+                    f"{name} must be -1 (the whole vocabulary) or at least 0, got {value}; the "
+                    f"engine's max_logprobs (default {MAX_LOGPROBS}) caps it."
+                )
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty.")
         if self.stop and not self.detokenize:

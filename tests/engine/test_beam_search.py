@@ -67,12 +67,13 @@ def test_width_one_is_greedy_decoding(setup):
     assert abs(beam.cum_logprob - total) < 1e-4
 
 
-def test_bad_parameters_name_the_fix():
+def test_bad_parameters_name_the_fix(setup):
+    llm, _ = setup
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match="beam_width must be a positive integer"):
             BeamSearchParams(beam_width=bad, max_tokens=4)
-    with pytest.raises(ValueError, match="use at most 10"):
-        BeamSearchParams(beam_width=11, max_tokens=4)
+    with pytest.raises(ValueError, match="max_logprobs=20; use at most 10"):
+        llm.beam_search({"prompt_token_ids": [1, 2]}, BeamSearchParams(beam_width=11, max_tokens=4))
     with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
         BeamSearchParams(beam_width=2, max_tokens=0)
 

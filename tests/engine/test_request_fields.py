@@ -157,3 +157,23 @@ def test_chat_hands_tools_to_the_template(llm):
         add_generation_prompt=False,
     )  # fmt: skip
     assert llm.get_tokenizer().decode(out.prompt_token_ids) == "get_time;hi"
+
+
+def test_max_logprobs_caps_what_a_request_may_ask(chat_checkpoint, llm):
+    prompt = {"prompt_token_ids": PROMPT[:6]}
+    with pytest.raises(ValueError, match="logprobs=25 exceeds max_logprobs=20"):
+        llm.generate(prompt, _greedy(logprobs=25), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_logprobs=21 exceeds max_logprobs=20"):
+        llm.generate(prompt, _greedy(prompt_logprobs=21), use_tqdm=False)
+    wide = LLM(str(chat_checkpoint), num_kv_blocks=32, max_model_len=64, max_logprobs=-1)
+    try:
+        vocab = wide.llm_engine.config.model.arch.vocab_size
+        assert wide.llm_engine.config.model.max_logprobs == vocab
+        params = SamplingParams(temperature=0, max_tokens=2, logprobs=-1)
+        (out,) = wide.generate(prompt, params, use_tqdm=False)
+        # -1: every token of the vocabulary, the sampled one among them.
+        assert all(len(position) == vocab for position in out.outputs[0].logprobs)
+    finally:
+        wide.llm_engine.shutdown()
+    with pytest.raises(ValueError, match="max_logprobs must be -1"):
+        LLM(str(chat_checkpoint), num_kv_blocks=32, max_logprobs=-2)

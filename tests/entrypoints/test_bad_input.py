@@ -32,7 +32,7 @@ def llm(tiny_checkpoint):
         ({"stop_token_ids": [1, "2"]}, "stop_token_ids must be integers"),
         ({"min_p": 1.5}, "min_p"),
         ({"n": 0}, "n must be"),
-        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -2}, "logprobs must be -1"),  # the engine's max_logprobs caps it
         ({"max_tokens": 0}, "max_tokens"),
     ],
 )
@@ -56,6 +56,7 @@ def test_token_ids_and_ranges_checked_against_the_model(llm):
         (SamplingParams(stop_token_ids=[2**70]), "stop_token_ids token id"),
         (SamplingParams(stop_token_ids=[-1]), "stop_token_ids token id -1"),
         (SamplingParams(logit_bias={384: 1.0}), "logit_bias token id 384"),
+        (SamplingParams(logprobs=21), "logprobs=21 exceeds max_logprobs=20"),
     ]:
         with pytest.raises(ValueError, match=match):
             llm.generate(good, params, use_tqdm=False)

@@ -116,6 +116,9 @@ class EngineArgs:
     trust_remote_code: bool = False
     """Let the tokenizer run code shipped with the checkpoint (transformers' flag); a
     checkpoint's model code is never run."""
+    max_logprobs: int = 20
+    """The most logprobs (and prompt logprobs) per token a request may ask for (vLLM's
+    flag); -1: the whole vocabulary."""
     generation_config: str = "auto"
     """Where requests' default sampling parameters come from (vLLM's flag): "auto" the
     model's generation_config.json (its temperature, top_p, top_k, min_p,
@@ -321,6 +324,7 @@ class EngineArgs:
                 enforce_eager=self.enforce_eager,
                 runner=runner,
                 pooler=pooler,
+                max_logprobs=self._max_logprobs(arch),
                 sampling_defaults=(
                     sampling_defaults(
                         model,
@@ -537,6 +541,14 @@ class EngineArgs:
                 f"load_format='safetensors' needs a model directory, but {model} is a .gguf file; "
                 "use load_format='auto' or 'gguf'."
             )
+
+    def _max_logprobs(self, arch: ArchConfig) -> int:
+        value = self.max_logprobs
+        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+            raise ValueError(
+                f"max_logprobs must be -1 (the whole vocabulary) or at least 0, got {value!r}."
+            )
+        return arch.vocab_size if value == -1 else value
 
     def _max_model_len(self, arch: ArchConfig) -> int:
         limit = arch.max_position_embeddings

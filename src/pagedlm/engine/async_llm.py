@@ -226,6 +226,7 @@ class AsyncLLM:
             params,
             set(self.input_processor.eos_token_ids),
             self.config.model.max_model_len,
+            self.config.model.max_logprobs,
         )
         sampling = state.sampling.clone()
         sampling.output_kind = RequestOutputKind.FINAL_ONLY

@@ -165,12 +165,14 @@ class InputProcessor:
                 "max_model_len."
             )
         self._check_token_ids(params)
+        counts = self._logprob_counts(params)
         if params.detokenize and self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids instead.")
         if params.structured_outputs is not None:
             self._validate_structured_outputs(params)
         resolved = params.clone()
         resolved.max_tokens = max_tokens
+        resolved.logprobs, resolved.prompt_logprobs = counts
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -186,6 +188,24 @@ class InputProcessor:
         if self.tokenizer is None:
             resolved.detokenize = False
         return resolved
+
+    def _logprob_counts(self, params: SamplingParams) -> tuple[int | None, int | None]:
+        """``logprobs`` and ``prompt_logprobs`` with -1 as the vocabulary size, each within
+        the engine's ``max_logprobs``."""
+        limit = self.model_config.max_logprobs
+        counts = []
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value == -1:
+                value = self.vocab_size
+            if value is not None and value > limit:
+                raise ValueError(
+                    f"{name}={value} exceeds max_logprobs={limit}; ask for at most {limit}, or "
+                    "start the engine with a larger max_logprobs (--max-logprobs; -1 for the "
+                    "whole vocabulary)."
+                )
+            counts.append(value)
+        return counts[0], counts[1]
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's token sequence as it starts a text and after a space (a tokenizer

@@ -416,6 +416,7 @@ class LLM:
                 engine.config.model.max_model_len,
                 None if tokenizer is None else tokenizer.decode,
                 None if bar is None else bar.update,
+                engine.config.model.max_logprobs,
             )
         finally:
             if bar is not None:

@@ -21,7 +21,6 @@ from pagedlm.entrypoints.openai.request_body import RequestModel
 from pagedlm.entrypoints.openai.structured_request import structured_outputs_from_request
 from pagedlm.generation_config import request_fields
 from pagedlm.sampling_params import (
-    MAX_LOGPROBS,
     MAX_TEMPERATURE,
     RequestOutputKind,
     SamplingParams,
@@ -78,7 +77,7 @@ class SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=-1)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -204,7 +203,7 @@ class SamplingFields(OpenAIModel):
                 length_penalty=self.length_penalty,
                 include_stop_str_in_output=self.include_stop_str_in_output,
             )
-        except ValueError as error:
+        except ValueError as error:  # n is the beam width
             raise APIError(f"use_beam_search with n={self.n}: {error}", param="n") from None
 
     def requested_structured_outputs(self) -> dict[str, Any] | None:
@@ -266,7 +265,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)
     best_of: int | None = None
 
     def prompts(self) -> list[str | dict[str, Any]]:
@@ -321,7 +320,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
