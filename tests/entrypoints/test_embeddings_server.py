@@ -23,6 +23,7 @@ from pagedlm.entrypoints.openai.serving_engine import ServingContext
 from pagedlm.metrics.prometheus import PrometheusMetrics
 
 MODEL = "tiny-bert"
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +42,7 @@ def app(bert_dir):
         tokenizer=engine.get_tokenizer(),
         max_model_len=engine.config.model.max_model_len,
         runner=engine.config.model.runner,
+        chat_template=CHAT_TEMPLATE,  # --chat-template: BERT's tokenizer has none
     )
     app = build_app(ctx)
     app.tokenizer = engine.get_tokenizer()  # for the tests' references
@@ -151,3 +153,28 @@ def test_embeddings_on_a_generative_server_name_the_runner_flag():
 
     error = _run(app, work)
     assert "--runner pooling" in str(error)
+
+
+def test_the_chat_form_embeds_the_rendered_conversation(app):
+    """vLLM's chat-form embedding request: ``messages`` through the chat template."""
+    messages = [{"role": "user", "content": "the quick fox"}, {"role": "user", "content": "a cat"}]
+    ids = app.tokenizer.apply_chat_template(
+        messages, chat_template=CHAT_TEMPLATE, tokenize=True, return_dict=False
+    )
+
+    async def work(client, http):
+        chat = await http.post("/v1/embeddings", json={"model": MODEL, "messages": messages})
+        direct = await http.post("/v1/embeddings", json={"model": MODEL, "input": list(ids)})
+        both = await http.post(
+            "/v1/embeddings", json={"model": MODEL, "messages": messages, "input": "x"}
+        )
+        neither = await http.post("/v1/embeddings", json={"model": MODEL})
+        return chat, direct, both, neither
+
+    chat, direct, both, neither = _run(app, work)
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["data"][0]["embedding"] == direct.json()["data"][0]["embedding"]
+    assert chat.json()["usage"]["prompt_tokens"] == len(ids)
+    assert both.status_code == neither.status_code == 400
+    assert "not both" in both.json()["error"]["message"]
+    assert "Send input" in neither.json()["error"]["message"]

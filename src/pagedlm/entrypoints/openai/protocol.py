@@ -315,19 +315,15 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(OpenAIModel):
+    """A conversation and how the chat template renders it (chat completions, and
+    vLLM's chat-form embedding and pooling requests)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
 
     def conversation(self) -> list[dict[str, Any]]:
         return [m.template_message(f"messages.{i}") for i, m in enumerate(self.messages)]
@@ -348,6 +344,16 @@ class ChatCompletionRequest(SamplingFields):
                 param="continue_final_message",
             )
         return kwargs
+
+
+class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     def num_logprobs(self) -> int | None:
         if not self.logprobs:

@@ -44,7 +44,19 @@ class EmbeddingServer:
     async def create(self, body: EmbeddingRequest) -> tuple[dict[str, Any], None]:
         params = self._check(body)
         request_id = self.ctx.request_id("embd")
-        outputs = await pool_all(self.ctx, body.prompts(), params, request_id)
+        chat = body.chat()
+        if chat is None:
+            prompts = body.prompts()
+        else:
+            ids = await self.ctx.apply_chat_template(
+                chat.conversation(),
+                chat.chat_template,
+                chat.add_generation_prompt,
+                chat.continue_final_message,
+                chat.template_kwargs(),
+            )
+            prompts = [{"prompt_token_ids": ids}]
+        outputs = await pool_all(self.ctx, prompts, params, request_id)
         num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
         data = [
             {
