@@ -14,11 +14,13 @@ Score (vLLM's): the beam's cumulative logprob divided by its length to the power
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from pagedlm.outputs import Logprob
-from pagedlm.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedlm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedlm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -174,3 +176,87 @@ def search(
         if on_step is not None:
             on_step()
     return state.result(decode)
+
+
+AsyncStep = Callable[[list[list[int]], SamplingParams, int], Awaitable[list[dict[int, Logprob]]]]
+"""(beams' token ids, sampling, step number) -> each beam's candidates (asynchronously)."""
+
+
+async def search_async(
+    prompt_ids: list[int],
+    params: BeamSearchParams,
+    step: AsyncStep,
+    eos_token_ids: set[int],
+    max_model_len: int,
+    max_logprobs: int,
+) -> BeamSearchOutput:
+    """``search`` for one prompt with an asynchronous step (a server's engine)."""
+    state = BeamSearch([prompt_ids], params, eos_token_ids, max_model_len, max_logprobs)
+    while not state.done:
+        state.advance(await step(state.pending(), state.sampling, state.num_steps))
+    (result,) = state.result(None)
+    return result
+
+
+def engine_step(
+    generate: Callable[..., AsyncIterator[RequestOutput]],
+    request_id: str,
+    lora_request: Any = None,
+) -> AsyncStep:
+    """An ``AsyncStep`` over an engine's ``generate(prompt, params, request_id, priority,
+    lora_request)``: every beam a request of its own, all at once; an error, or the caller
+    leaving, cancels (so aborts) the rest."""
+
+    async def last(tokens: list[int], sampling: SamplingParams, beam_id: str) -> RequestOutput:
+        final = None
+        async for output in generate(
+            {"prompt_token_ids": tokens}, sampling, beam_id, 0, lora_request
+        ):
+            final = output
+        assert final is not None, "a finished request has a final output"
+        return final
+
+    async def step(
+        beams: list[list[int]], sampling: SamplingParams, number: int
+    ) -> list[dict[int, Logprob]]:
+        final_only = sampling.clone()
+        final_only.output_kind = RequestOutputKind.FINAL_ONLY
+        tasks = [
+            asyncio.ensure_future(last(tokens, final_only, f"{request_id}-beam{number}-{j}"))
+            for j, tokens in enumerate(beams)
+        ]
+        try:
+            finals = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return [final.outputs[0].logprobs[0] for final in finals]  # type: ignore[index]
+
+    return step
+
+
+def request_output(
+    request_id: str,
+    prompt: str | None,
+    prompt_ids: list[int],
+    result: BeamSearchOutput,
+    decode: Callable[[list[int]], str] | None,
+) -> RequestOutput:
+    """One finished output whose samples are the beams, best first: each one's generated
+    tokens (after the prompt), their text, cumulative logprob and logprobs."""
+    outputs = []
+    for index, beam in enumerate(result.sequences):
+        generated = beam.tokens[len(prompt_ids) :]
+        outputs.append(
+            CompletionOutput(
+                index,
+                decode(generated) if decode is not None else "",
+                generated,
+                beam.cum_logprob,
+                beam.logprobs,
+                beam.finish_reason,
+                beam.stop_reason,
+            )
+        )
+    return RequestOutput(request_id, prompt, prompt_ids, None, outputs, finished=True)

@@ -85,6 +85,24 @@ class FakeEngine:
             self.output_processor.abort_requests([request_id])
             self._aborted.discard(request_id)
 
+    async def beam_search(
+        self, prompt: Any, request_id: str, params: Any, lora_request: Any = None
+    ) -> AsyncIterator[RequestOutput]:
+        """``AsyncLLM.beam_search`` over this engine's ``generate``."""
+        from pagedlm.beam_search import engine_step, request_output, search_async
+
+        text, prompt_ids = self.input_processor.tokenize(prompt)
+        config = self.input_processor.model_config
+        result = await search_async(
+            prompt_ids,
+            params,
+            engine_step(self.generate, request_id, lora_request),
+            set(self.input_processor.eos_token_ids),
+            config.max_model_len,
+            config.max_logprobs,
+        )
+        yield request_output(request_id, text, prompt_ids, result, self.tokenizer.decode)
+
     def _step(self, child_id: str, processed: Any, step: int) -> EngineCoreOutput:
         params = processed.params
         token = self._random.randrange(3, self.vocab_size)

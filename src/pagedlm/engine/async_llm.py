@@ -54,10 +54,10 @@ from pagedlm.gc_heap import freeze_startup_heap, thaw_heap
 from pagedlm.lora.request import LoRARequest
 from pagedlm.metrics import EngineMetrics, Metric
 from pagedlm.metrics.stats import cache_info
-from pagedlm.outputs import CompletionOutput, RequestOutput
+from pagedlm.outputs import RequestOutput
 from pagedlm.pooling import PoolingParams, PoolingRequestOutput
 from pagedlm.pooling.requests import PairPrompt
-from pagedlm.sampling_params import RequestOutputKind, SamplingParams
+from pagedlm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -217,59 +217,21 @@ class AsyncLLM:
         whose ``outputs`` are the ``beam_width`` best beams, best first (each one's
         generated tokens, text, cumulative logprob and logprobs). Each step runs every live
         beam as a request of its own; closing the iterator aborts them."""
-        from pagedlm.beam_search import BeamSearch
+        from pagedlm.beam_search import engine_step, request_output, search_async
 
         self._check_alive()
         text, prompt_ids = self.input_processor.tokenize(prompt)
-        state = BeamSearch(
-            [prompt_ids],
+        result = await search_async(
+            prompt_ids,
             params,
+            engine_step(self.generate, request_id, lora_request),
             set(self.input_processor.eos_token_ids),
             self.config.model.max_model_len,
             self.config.model.max_logprobs,
         )
-        sampling = state.sampling.clone()
-        sampling.output_kind = RequestOutputKind.FINAL_ONLY
-
-        async def last(tokens: list[int], beam_id: str) -> RequestOutput:
-            final = None
-            async for output in self.generate(
-                {"prompt_token_ids": tokens}, sampling, beam_id, lora_request=lora_request
-            ):
-                final = output
-            assert final is not None, "a finished request has a final output"
-            return final
-
-        while not state.done:
-            step = state.num_steps
-            tasks = [
-                asyncio.ensure_future(last(tokens, f"{request_id}-beam{step}-{j}"))
-                for j, tokens in enumerate(state.pending())
-            ]
-            try:
-                finals = await asyncio.gather(*tasks)
-            finally:  # an error, or the caller leaving, cancels (so aborts) the rest
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-            state.advance([final.outputs[0].logprobs[0] for final in finals])  # type: ignore[index]
-        (result,) = state.result(None)
         tokenizer = self.get_tokenizer()
-        outputs = []
-        for index, beam in enumerate(result.sequences):
-            generated = beam.tokens[len(prompt_ids) :]
-            outputs.append(
-                CompletionOutput(
-                    index,
-                    tokenizer.decode(generated) if tokenizer is not None else "",
-                    generated,
-                    beam.cum_logprob,
-                    beam.logprobs,
-                    beam.finish_reason,
-                    beam.stop_reason,
-                )
-            )
-        yield RequestOutput(request_id, text, prompt_ids, None, outputs, finished=True)
+        decode = None if tokenizer is None else tokenizer.decode
+        yield request_output(request_id, text, prompt_ids, result, decode)
 
     async def encode(
         self,

@@ -80,7 +80,7 @@ class LogitAdjustments:
                 bias_token_ids.append(token_id)
                 bias_values.append(value)
             for ids in params.bad_words_token_ids:
-                if len(ids) == 1:
+                if len(ids) == 1 and 0 <= ids[0] < vocab_size:  # else it cannot be sampled
                     masked_rows.append(row_index)
                     masked_token_ids.append(ids[0])
             if row.num_output_tokens < params.min_tokens:
@@ -131,7 +131,7 @@ def _multi_token_bad_words(
         (index, ids)
         for index, row in enumerate(rows)
         for ids in row.params.bad_words_token_ids
-        if 1 < len(ids) <= row.num_output_tokens + 1
+        if 1 < len(ids) <= row.num_output_tokens + 1 and 0 <= ids[-1] < vocab_size
     ]
     if not entries:
         return None
