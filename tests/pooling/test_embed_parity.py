@@ -147,7 +147,8 @@ def test_the_edge_refuses_what_pooling_cannot_do(tmp_path):
     generative.llm_engine.shutdown()
     pooling = LLM(path, runner="pooling", skip_tokenizer_init=True, max_model_len=64, **ENGINE)
     config = pooling.llm_engine.config
-    assert config.scheduler.whole_prompts and not config.cache.enable_prefix_caching
+    # Causal attention and last-token pooling: prefixes may come from the cache.
+    assert config.scheduler.whole_prompts and config.cache.enable_prefix_caching
     with pytest.raises(ValueError, match=r"LLM.embed\(\)"):
         pooling.generate({"prompt_token_ids": [1, 2]}, use_tqdm=False)
     with pytest.raises(ValueError, match="more than max_model_len=64"):
@@ -155,3 +156,30 @@ def test_the_edge_refuses_what_pooling_cannot_do(tmp_path):
     # A prompt of exactly max_model_len tokens has room: pooling generates nothing.
     (full,) = pooling.embed({"prompt_token_ids": [1] * 64}, use_tqdm=False)
     assert len(full.outputs.embedding) == 32
+
+
+def test_a_decoder_embeds_cached_prefixes_as_transformers_does(tmp_path):
+    """Last-token pooling over causal attention reads only the last row, so a prompt's
+    prefix may come from the prefix cache; encoders keep computing every token."""
+    model = write_decoder(tmp_path, "Qwen3Config", "Qwen3Model")
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, **ENGINE)
+    prefix = list(range(3, 43))  # 40 tokens: two full blocks of 16
+    prompts = [prefix + [50 + i, 60 + i] for i in range(3)]
+    try:
+        assert llm.llm_engine.config.cache.enable_prefix_caching
+        first = llm.embed({"prompt_token_ids": prompts[0]}, use_tqdm=False)
+        hits_before = llm.llm_engine.engine_core.make_stats().prefix_cache_hits
+        rest = llm.embed([{"prompt_token_ids": p} for p in prompts[1:]], use_tqdm=False)
+        hits = llm.llm_engine.engine_core.make_stats().prefix_cache_hits - hits_before
+    finally:
+        llm.llm_engine.shutdown()
+    assert hits == 2 * 32  # both later prompts took two blocks from the cache
+    for ids, output in zip(prompts, first + rest, strict=True):
+        want = reference_vector(hf_hidden(model, ids), "lasttoken", True)
+        _assert_close(torch.tensor(output.outputs.embedding), want)
+
+
+def test_encoders_compute_every_token(tmp_path):
+    write_bert(tmp_path, "cls")
+    config = EngineArgs(model=str(tmp_path), **ENGINE).create_engine_config()[0]
+    assert not config.cache.enable_prefix_caching  # bidirectional: no reusable keys

@@ -339,8 +339,10 @@ class EngineArgs:
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,
-                # Pooling needs every prompt token's hidden state: nothing comes from cache.
-                enable_prefix_caching=self.enable_prefix_caching and runner != "pooling",
+                # A pooling model whose pooler reads every row (or whose attention looks
+                # ahead) takes nothing from the cache.
+                enable_prefix_caching=self.enable_prefix_caching
+                and (pooler is None or _caches_prefixes(arch, pooler)),
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 cache_dtype=validate_kv_cache_dtype(self.kv_cache_dtype),
@@ -562,6 +564,12 @@ class EngineArgs:
         else:
             max_model_len = self.max_model_len
         return max_model_len
+
+
+def _caches_prefixes(arch: ArchConfig, pooler: PoolerConfig) -> bool:
+    from pagedlm.pooling.model_config import caches_prefixes
+
+    return caches_prefixes(arch, pooler)
 
 
 def _resolve_path(what: str, name: str, revision: str | None, weights: bool = True) -> str:

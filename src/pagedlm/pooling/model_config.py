@@ -191,3 +191,11 @@ def reads_token_types(arch: ArchConfig) -> bool:
     return (
         arch.architecture in ENCODER_ARCHITECTURES and int(arch.raw.get("type_vocab_size", 2)) > 1
     )
+
+
+def caches_prefixes(arch: ArchConfig, pooler: PoolerConfig) -> bool:
+    """Whether a pooling model may take a prompt's prefix from the prefix cache: causal
+    attention (a token's keys do not depend on later tokens) and last-token pooling (the
+    pooler reads only the last row, which is always computed). Encoders and MEAN/CLS
+    pooling need every row of the prompt in the step."""
+    return pooler.pooling_type == "LAST" and arch.architecture not in ENCODER_ARCHITECTURES

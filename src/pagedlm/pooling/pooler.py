@@ -1,8 +1,10 @@
 """The worker's pooler: one vector per finished prompt from a step's hidden states.
 
-Invariant it relies on: the pooling runner schedules whole prompts (``whole_prompts``,
-no prefix caching), so a request that finishes its prompt in a step has every one of its
-tokens among that step's rows, ``query_start_loc[i] .. query_start_loc[i + 1] - 1``.
+Invariant it relies on: the pooling runner schedules whole prompts (``whole_prompts``), so
+a request that finishes its prompt in a step has every token it did not take from the
+prefix cache among that step's rows, ``query_start_loc[i] .. query_start_loc[i + 1] - 1``;
+only last-token pooling over causal attention takes any (``caches_prefixes``), and the
+last token is always computed.
 Normalization and ``dimensions`` are per request and applied by the front end
 (``PoolingParams.finish``), so what travels back is the raw pooled vector; a classifier's
 is its head's logits (``classifier_logits``: pooled hidden states in the model's dtype ->
