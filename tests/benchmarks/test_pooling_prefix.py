@@ -11,7 +11,7 @@ def test_the_prefix_cache_changes_no_logit(tmp_path):
     write_decoder(tmp_path, "Qwen3Config", "Qwen3ForSequenceClassification", num_labels=1)
     figures = pooling_prefix.main(
         ["--model", str(tmp_path), "--query-len", "40", "--num-docs", "4", "--doc-len", "5",
-         "--dtype", "float32"]
+         "--dtype", "float32", "--max-model-len", "128"]
     )  # fmt: skip
     assert figures["max_abs_logit_difference"] < 1e-5
     assert figures["with_prefix_cache_s"] > 0 and figures["without_s"] > 0
