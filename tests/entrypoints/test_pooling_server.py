@@ -23,6 +23,7 @@ MODEL = "tiny"
 QUERY = "the quick brown fox"
 DOCUMENTS = ["a cat sat on the mat", "the lazy dog", "hello world one two three"]
 TOLERANCE = 1e-4
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
 def _app(path):
@@ -34,6 +35,7 @@ def _app(path):
         tokenizer=engine.get_tokenizer(),
         max_model_len=engine.config.model.max_model_len,
         runner=engine.config.model.runner,
+        chat_template=CHAT_TEMPLATE,
     )
     app = build_app(ctx)
     app.tokenizer = engine.get_tokenizer()
@@ -232,3 +234,23 @@ def test_invocations_answers_as_the_route_its_body_belongs_to(cross_encoder):
         assert got.get("results", got.get("data")) == want.get("results", want.get("data"))
     status, body = routed[-1]
     assert status == 400 and "query and documents (rerank)" in body["error"]["message"]
+
+
+def test_classify_and_pooling_take_the_chat_form(cross_encoder):
+    _, app = cross_encoder
+    messages = [{"role": "user", "content": QUERY}, {"role": "user", "content": "the lazy dog"}]
+    ids = app.tokenizer.apply_chat_template(
+        messages, chat_template=CHAT_TEMPLATE, tokenize=True, return_dict=False
+    )
+    (s1, chat), (s2, direct), (s3, pooled) = _post_all(
+        app,
+        [
+            ("/classify", {"messages": messages}),
+            ("/classify", {"input": list(ids)}),
+            ("/pooling", {"messages": messages}),
+        ],
+    )
+    assert (s1, s2, s3) == (200, 200, 200)
+    assert chat["data"][0]["probs"] == direct["data"][0]["probs"]
+    assert pooled["data"][0]["data"] == direct["data"][0]["probs"]
+    assert chat["usage"]["prompt_tokens"] == len(ids)

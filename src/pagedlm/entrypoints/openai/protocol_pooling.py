@@ -1,5 +1,6 @@
-"""Request bodies of the pooling routes besides /v1/embeddings, with vLLM's fields:
-``/classify``, ``/score``, ``/rerank`` (Jina's and Cohere's shape) and ``/pooling``."""
+"""Request bodies of the pooling routes, with vLLM's fields: ``/classify``, ``/score``,
+``/rerank`` (Jina's and Cohere's shape) and ``/pooling``; the input or chat form that
+``/v1/embeddings`` shares with ``/classify`` and ``/pooling`` (``InputOrMessages``)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,46 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from pagedlm.entrypoints.openai.protocol import OpenAIModel, engine_prompts
+from pagedlm.entrypoints.openai.chat_message import ChatMessage
+from pagedlm.entrypoints.openai.errors import APIError
+from pagedlm.entrypoints.openai.protocol import ChatTemplateFields, OpenAIModel, engine_prompts
 
 _USE_ACTIVATION = "use use_activation, which means the same"
+
+
+class InputOrMessages(OpenAIModel):
+    """``input`` (a text, texts, one token-id list, or token-id lists: one result each),
+    or vLLM's chat form: ``messages``, one result for the conversation as the chat
+    template renders it (``add_generation_prompt`` off unless asked)."""
+
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def prompts(self) -> list[str | dict[str, Any]]:
+        """The input field as engine prompts (text or token ids)."""
+        if self.input is None:
+            raise APIError("Send input (texts or token ids) or messages (a chat).", param="input")
+        return engine_prompts(self.input, "input")
+
+    def chat(self) -> ChatTemplateFields | None:
+        """The chat form's fields (None: the request sends ``input``)."""
+        if self.messages is None:
+            return None
+        if self.input is not None:
+            raise APIError("Send input or messages, not both.", param="messages")
+        if not self.messages:
+            raise APIError("messages is empty; send at least one message.", param="messages")
+        return ChatTemplateFields.model_construct(
+            messages=self.messages,
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            chat_template=self.chat_template,
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
 
 
 class ActivationFields(OpenAIModel):
@@ -33,14 +71,9 @@ class ActivationFields(OpenAIModel):
         return None
 
 
-class ClassificationRequest(ActivationFields):
+class ClassificationRequest(InputOrMessages, ActivationFields):
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
-    """A text, texts, one token-id list, or token-id lists: one classification each."""
     user: str | None = None
-
-    def prompts(self) -> list[str | dict[str, Any]]:
-        return engine_prompts(self.input, "input")
 
 
 class ScoreRequest(ActivationFields):
@@ -58,15 +91,11 @@ class RerankRequest(ActivationFields):
     """Return the best this many documents (0: all of them), best first."""
 
 
-class PoolingRequest(ActivationFields):
+class PoolingRequest(InputOrMessages, ActivationFields):
     """The model's pooled output as it is: an embedding, or a classifier's probabilities."""
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     normalize: bool | None = None
     user: str | None = None
-
-    def prompts(self) -> list[str | dict[str, Any]]:
-        return engine_prompts(self.input, "input")

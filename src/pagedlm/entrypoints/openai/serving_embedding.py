@@ -14,7 +14,12 @@ from typing import Any
 from pagedlm.entrypoints.openai.errors import APIError, from_value_error
 from pagedlm.entrypoints.openai.protocol_embedding import EmbeddingRequest
 from pagedlm.entrypoints.openai.serving_engine import ServingContext
-from pagedlm.entrypoints.openai.serving_pooling import encode_vector, pool_all, pooling_model
+from pagedlm.entrypoints.openai.serving_pooling import (
+    body_prompts,
+    encode_vector,
+    pool_all,
+    pooling_model,
+)
 from pagedlm.pooling import PoolingParams
 from pagedlm.pooling.scoring import check_task
 
@@ -44,18 +49,7 @@ class EmbeddingServer:
     async def create(self, body: EmbeddingRequest) -> tuple[dict[str, Any], None]:
         params = self._check(body)
         request_id = self.ctx.request_id("embd")
-        chat = body.chat()
-        if chat is None:
-            prompts = body.prompts()
-        else:
-            ids = await self.ctx.apply_chat_template(
-                chat.conversation(),
-                chat.chat_template,
-                chat.add_generation_prompt,
-                chat.continue_final_message,
-                chat.template_kwargs(),
-            )
-            prompts = [{"prompt_token_ids": ids}]
+        prompts = await body_prompts(self.ctx, body)
         outputs = await pool_all(self.ctx, prompts, params, request_id)
         num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
         data = [

@@ -20,6 +20,7 @@ from pagedlm.config import PoolerConfig
 from pagedlm.entrypoints.openai.errors import APIError, from_value_error
 from pagedlm.entrypoints.openai.protocol_pooling import (
     ClassificationRequest,
+    InputOrMessages,
     PoolingRequest,
     RerankRequest,
     ScoreRequest,
@@ -35,6 +36,22 @@ def encode_vector(vector: Any, encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(values.tobytes()).decode("ascii")
     return values.tolist()
+
+
+async def body_prompts(ctx: ServingContext, body: InputOrMessages) -> list[Any]:
+    """The engine prompts of a body's ``input``, or its conversation rendered by the chat
+    template (one prompt)."""
+    chat = body.chat()
+    if chat is None:
+        return body.prompts()
+    ids = await ctx.apply_chat_template(
+        chat.conversation(),
+        chat.chat_template,
+        chat.add_generation_prompt,
+        chat.continue_final_message,
+        chat.template_kwargs(),
+    )
+    return [{"prompt_token_ids": ids}]
 
 
 async def pool_all(
@@ -123,7 +140,7 @@ class PoolingServer:
             truncate_prompt_tokens=body.truncate_prompt_tokens,
         )
         request_id = self.ctx.request_id("classify")
-        outputs = await pool_all(self.ctx, body.prompts(), params, request_id)
+        outputs = await pool_all(self.ctx, await body_prompts(self.ctx, body), params, request_id)
         labels = pooler.labels
         assert labels is not None
         data = []
@@ -174,7 +191,7 @@ class PoolingServer:
             truncate_prompt_tokens=body.truncate_prompt_tokens,
         )
         request_id = self.ctx.request_id("pool")
-        outputs = await pool_all(self.ctx, body.prompts(), params, request_id)
+        outputs = await pool_all(self.ctx, await body_prompts(self.ctx, body), params, request_id)
         data = [
             {
                 "index": index,
