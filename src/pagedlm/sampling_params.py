@@ -37,17 +37,23 @@ class RequestOutputKind(enum.Enum):
     """Only the finished output is returned."""
 
 
-_STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass
 class StructuredOutputsParams:
-    """Constrain the output to a JSON schema, any JSON object, a regex, a choice or an EBNF grammar.
+    """Constrain the output to a JSON schema, any JSON object, a regex, a choice, an EBNF
+    grammar or a structural tag.
 
     Exactly one of ``json`` (a schema as dict or JSON string), ``json_object=True``,
-    ``regex``, ``choice`` (list of strings) or ``grammar`` (EBNF) must be set. Field names
-    follow vLLM. Checks that need a grammar backend (is the regex valid? does the grammar
-    parse?) run in the input processor, before the request enters the engine.
+    ``regex``, ``choice`` (list of strings), ``grammar`` (EBNF) or ``structural_tag`` must
+    be set. Field names follow vLLM. ``structural_tag`` (a JSON string, xgrammar only):
+    free text in which each tag's ``begin`` (once the output reaches one of ``triggers``)
+    is followed by JSON of its ``schema`` and its ``end``, in vLLM's
+    ``{"type": "structural_tag", "structures": [...], "triggers": [...]}`` form or
+    xgrammar's own (``{"type": "structural_tag", "format": {...}}``). Checks that need a
+    grammar backend (is the regex valid? does the grammar parse?) run in the input
+    processor, before the request enters the engine.
     """
 
     json: dict[str, Any] | str | None = None
@@ -55,6 +61,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | None = None
     disable_any_whitespace: bool = False
     """JSON only: emit compact JSON (no free whitespace between tokens); small models may
     otherwise spend their tokens on whitespace."""
@@ -65,7 +72,7 @@ class StructuredOutputsParams:
             found = ", ".join(given) if given else "none"
             raise ValueError(
                 "StructuredOutputsParams needs exactly one of json, json_object=True, regex, "
-                f"choice or grammar; got {found}."
+                f"choice, grammar or structural_tag; got {found}."
             )
         if self.json_object is False:
             raise ValueError("json_object must be True or None.")
@@ -85,10 +92,19 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
-        for name in ("regex", "grammar"):
+        for name in ("regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string.")
+        if self.structural_tag is not None:
+            try:
+                tag = _json.loads(self.structural_tag)
+            except ValueError as exc:
+                raise ValueError(
+                    f"structured_outputs.structural_tag is not valid JSON: {exc}"
+                ) from None
+            if not isinstance(tag, dict):
+                raise ValueError("structured_outputs.structural_tag must be a JSON object.")
 
     def _is_set(self, name: str) -> bool:
         value = getattr(self, name)
@@ -96,7 +112,8 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """Which constraint this is: "json", "json_object", "regex", "choice" or "grammar"."""
+        """Which constraint this is: "json", "json_object", "regex", "choice", "grammar" or
+        "structural_tag"."""
         return next(name for name in _STRUCTURED_KINDS if self._is_set(name))
 
 

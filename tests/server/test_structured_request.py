@@ -3,6 +3,8 @@ structured_outputs, tools/tool_choice, and the chat output chain (reasoning then
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pagedlm.entrypoints.openai.chat_output import ChatOutputParser
@@ -32,6 +34,19 @@ def test_response_format_kinds():
         structured_outputs_from_request({"type": "json_object"}, {"regex": "a"})
     with pytest.raises(APIError, match="json_schema"):
         structured_outputs_from_request({"type": "json_schema"}, None)
+
+
+def test_a_structural_tag_response_format_is_the_tag_itself():
+    """vLLM's: the whole response_format object, as JSON, is the structural tag."""
+    tag = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}],
+        "triggers": ["<f"],
+    }
+    params = structured_outputs_from_request(tag, None)
+    assert params.kind == "structural_tag" and json.loads(params.structural_tag) == tag
+    from_field = structured_outputs_from_request(None, {"structural_tag": json.dumps(tag)})
+    assert from_field.structural_tag == params.structural_tag
 
 
 def test_tool_plans():

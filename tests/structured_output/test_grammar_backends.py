@@ -93,3 +93,66 @@ def test_byte_level_token_bytes(tokenizer):
     newline = tokenizer.convert_tokens_to_ids("Ċ")
     assert table[the] == b" the" and table[newline] == b"\n"
     assert tokenizer.eos_token_id not in table, "special tokens are not text"
+
+
+TOOL_TAG = {
+    "type": "structural_tag",
+    "structures": [
+        {
+            "begin": "<function=get_weather>",
+            "schema": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+            "end": "</function>",
+        }
+    ],
+    "triggers": ["<function="],
+}
+"""vLLM's form: free text until a trigger, then a tag's begin, its schema's JSON, its end."""
+
+
+@pytest.mark.parametrize(
+    "tag",
+    [
+        TOOL_TAG,
+        {  # xgrammar's own form of the same constraint
+            "type": "structural_tag",
+            "format": {
+                "type": "triggered_tags",
+                "triggers": ["<function="],
+                "tags": [
+                    {
+                        "begin": "<function=get_weather>",
+                        "content": {
+                            "type": "json_schema",
+                            "json_schema": TOOL_TAG["structures"][0]["schema"],
+                        },
+                        "end": "</function>",
+                    }
+                ],
+            },
+        },
+    ],
+)
+def test_a_structural_tag_frees_text_and_constrains_what_follows_a_trigger(tokenizer, tag):
+    xgrammar = backend_class("xgrammar")(tokenizer, 49152, [tokenizer.eos_token_id])
+    params = StructuredOutputsParams(structural_tag=json.dumps(tag))
+    text = 'Let me check. <function=get_weather>{"city": "Paris"}</function> Done.'
+    _walk(xgrammar, tokenizer, params, text)  # free text, the call, free text again
+    matcher = _walk(xgrammar, tokenizer, params, "Sure <function=get_weather>")
+    assert not matcher.accept_token(tokenizer.encode("[", add_special_tokens=False)[0])
+    outlines = backend_class("outlines")
+    with pytest.raises(ValueError, match="outlines backend cannot run structural tags"):
+        outlines.validate(grammar_spec(params))
+
+
+def test_a_structural_tag_is_checked_before_the_engine():
+    with pytest.raises(ValueError, match="structural_tag is not valid JSON"):
+        StructuredOutputsParams(structural_tag="{not json")
+    with pytest.raises(ValueError, match="structural_tag must be a JSON object"):
+        StructuredOutputsParams(structural_tag="[1]")
+    xgrammar = backend_class("xgrammar")
+    with pytest.raises(ValueError, match=r"Invalid structured_outputs\.structural_tag"):
+        xgrammar.validate(grammar_spec(StructuredOutputsParams(structural_tag='{"type": 1}')))

@@ -27,9 +27,10 @@ BACKENDS: dict[str, str] = {
 class GrammarSpec:
     """One constraint in canonical form; equal specs share one compiled grammar.
 
-    ``kind`` is "json", "json_object", "regex", "choice" or "grammar". ``spec`` is the
-    schema as a JSON string, the regex, the EBNF text, or the choices as a JSON list
-    (empty for json_object). ``compact`` asks JSON kinds for no free whitespace.
+    ``kind`` is "json", "json_object", "regex", "choice", "grammar" or "structural_tag".
+    ``spec`` is the schema as a JSON string, the regex, the EBNF text, the choices as a JSON
+    list, or the structural tag's JSON (empty for json_object). ``compact`` asks JSON kinds
+    for no free whitespace.
     """
 
     kind: str

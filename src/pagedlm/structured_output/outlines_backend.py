@@ -77,6 +77,11 @@ def _regex(spec: GrammarSpec) -> str:
             "The outlines backend cannot run EBNF grammars; use "
             "structured_outputs_backend='xgrammar' or express the grammar as a regex."
         )
+    if spec.kind == "structural_tag":
+        raise ValueError(
+            "The outlines backend cannot run structural tags; use "
+            "structured_outputs_backend='xgrammar'."
+        )
     raise ValueError(f"Unknown structured output kind {spec.kind!r}.")
 
 

@@ -52,6 +52,10 @@ def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
         return GrammarSpec("json_object", "", compact)
     if kind == "choice":
         return GrammarSpec("choice", json.dumps(params.choice, ensure_ascii=False))
+    if kind == "structural_tag":
+        assert params.structural_tag is not None
+        tag = json.loads(params.structural_tag)
+        return GrammarSpec("structural_tag", json.dumps(tag, ensure_ascii=False))
     text = params.regex if kind == "regex" else params.grammar
     assert text is not None
     return GrammarSpec(kind, text)

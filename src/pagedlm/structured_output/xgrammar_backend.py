@@ -1,4 +1,5 @@
-"""The xgrammar backend (the default): JSON schema, any JSON, regex, choice and EBNF."""
+"""The xgrammar backend (the default): JSON schema, any JSON, regex, choice, EBNF and
+structural tags."""
 
 from __future__ import annotations
 
@@ -29,7 +30,27 @@ def _grammar(spec: GrammarSpec) -> xgr.Grammar:
         return xgr.Grammar.from_ebnf(_choice_ebnf(json.loads(spec.spec)))
     if spec.kind == "grammar":
         return xgr.Grammar.from_ebnf(spec.spec)
+    if spec.kind == "structural_tag":
+        return _structural_tag(json.loads(spec.spec))
     raise ValueError(f"Unknown structured output kind {spec.kind!r}.")
+
+
+def _structural_tag(tag: dict[str, Any]) -> xgr.Grammar:
+    """vLLM's form (``structures`` of begin/schema/end, ``triggers``) or xgrammar's own."""
+    if "structures" not in tag:
+        return xgr.Grammar.from_structural_tag(json.dumps(tag))
+    structures, triggers = tag["structures"], tag.get("triggers")
+    if not isinstance(structures, list) or not isinstance(triggers, list):
+        raise ValueError("a structural tag needs a list of structures and a list of triggers.")
+    items = []
+    for i, item in enumerate(structures):
+        if not isinstance(item, dict) or not {"begin", "end"} <= set(item):
+            raise ValueError(f"structures[{i}] needs begin, schema and end.")
+        schema = item.get("schema", {})
+        items.append(
+            xgr.StructuralTagItem(begin=item["begin"], schema=json.dumps(schema), end=item["end"])
+        )
+    return xgr.Grammar.from_structural_tag(items, triggers)
 
 
 class XgrammarMatcher(GrammarMatcher):

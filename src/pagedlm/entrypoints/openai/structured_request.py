@@ -9,6 +9,7 @@ engine's input processor.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -72,9 +73,11 @@ def _from_response_format(response_format: dict[str, Any]) -> StructuredOutputsP
             )
         _check_schema(schema, "response_format.json_schema.schema")
         return _params("response_format", json=schema)
+    if kind == "structural_tag":  # vLLM's: the whole object is the tag
+        return _params("response_format", structural_tag=json.dumps(response_format))
     raise APIError(
-        f"response_format type {kind!r} is not supported; use 'text', 'json_object' or "
-        "'json_schema'.",
+        f"response_format type {kind!r} is not supported; use 'text', 'json_object', "
+        "'json_schema' or 'structural_tag'.",
         param="response_format",
     )
 
