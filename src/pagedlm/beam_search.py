@@ -14,11 +14,11 @@ Score (vLLM's): the beam's cumulative logprob divided by its length to the power
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedlm.engine.concurrent_requests import final_output, gather_all
 from pagedlm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedlm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
@@ -204,16 +204,14 @@ def engine_step(
     lora_request: Any = None,
 ) -> AsyncStep:
     """An ``AsyncStep`` over an engine's ``generate(prompt, params, request_id, priority,
-    lora_request)``: every beam a request of its own, all at once; an error, or the caller
-    leaving, cancels (so aborts) the rest."""
+    lora_request)``: every beam a request of its own, all at once (``gather_all``: an
+    error, or the caller leaving, aborts the rest)."""
 
     async def last(tokens: list[int], sampling: SamplingParams, beam_id: str) -> RequestOutput:
-        final = None
-        async for output in generate(
-            {"prompt_token_ids": tokens}, sampling, beam_id, 0, lora_request
-        ):
-            final = output
-        assert final is not None, "a finished request has a final output"
+        prompt = {"prompt_token_ids": tokens}
+        final = await final_output(generate(prompt, sampling, beam_id, 0, lora_request))
+        if final is None:
+            raise ValueError(f"beam request {beam_id} was aborted before it finished.")
         return final
 
     async def step(
@@ -221,16 +219,10 @@ def engine_step(
     ) -> list[dict[int, Logprob]]:
         final_only = sampling.clone()
         final_only.output_kind = RequestOutputKind.FINAL_ONLY
-        tasks = [
-            asyncio.ensure_future(last(tokens, final_only, f"{request_id}-beam{number}-{j}"))
+        finals = await gather_all(
+            last(tokens, final_only, f"{request_id}-beam{number}-{j}")
             for j, tokens in enumerate(beams)
-        ]
-        try:
-            finals = await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        )
         return [final.outputs[0].logprobs[0] for final in finals]  # type: ignore[index]
 
     return step

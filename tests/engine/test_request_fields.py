@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from pagedlm import LLM, SamplingParams
+from server.server_utils import in_process_app
 
 PROMPT = list(range(3, 43))  # 40 tokens
 
@@ -56,26 +57,12 @@ def test_minus_one_is_max_model_len_and_bad_values_name_the_field(llm):
 
 
 def test_completions_take_the_field(chat_checkpoint):
-    from pagedlm import AsyncLLM
-    from pagedlm.engine.arg_utils import EngineArgs
-    from pagedlm.entrypoints.openai.app import build_app
-    from pagedlm.entrypoints.openai.serving_engine import ServingContext
-    from pagedlm.metrics.prometheus import PrometheusMetrics
 
-    engine = AsyncLLM.from_engine_args(
-        EngineArgs(model=str(chat_checkpoint), num_kv_blocks=64, max_model_len=64)
-    )
-    ctx = ServingContext(
-        engine=engine,
-        model_names=["tiny"],
-        metrics=PrometheusMetrics("tiny"),
-        tokenizer=engine.get_tokenizer(),
-        max_model_len=64,
-    )
+    engine, app = in_process_app(chat_checkpoint, num_kv_blocks=64, max_model_len=64)
     body = {"model": "tiny", "prompt": list(range(3, 103)), "max_tokens": 4, "temperature": 0}
 
     async def main():
-        transport = httpx.ASGITransport(app=build_app(ctx))
+        transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
             too_long = await http.post("/v1/completions", json=body)
             cut = await http.post("/v1/completions", json={**body, "truncate_prompt_tokens": 20})

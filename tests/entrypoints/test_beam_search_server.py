@@ -10,31 +10,19 @@ import json
 import httpx
 import pytest
 
-from pagedlm import LLM, AsyncLLM, BeamSearchParams
-from pagedlm.engine.arg_utils import EngineArgs
-from pagedlm.entrypoints.openai.app import build_app
-from pagedlm.entrypoints.openai.serving_engine import ServingContext
-from pagedlm.metrics.prometheus import PrometheusMetrics
+from pagedlm import LLM, BeamSearchParams
+from server.server_utils import in_process_app
 
 PROMPT = [5, 6, 7, 8, 9]
 
 
 @pytest.fixture(scope="module")
 def answers(chat_checkpoint):
-    engine = AsyncLLM.from_engine_args(
-        EngineArgs(model=str(chat_checkpoint), num_kv_blocks=128, max_model_len=64)
-    )
-    ctx = ServingContext(
-        engine=engine,
-        model_names=["tiny"],
-        metrics=PrometheusMetrics("tiny"),
-        tokenizer=engine.get_tokenizer(),
-        max_model_len=64,
-    )
+    engine, app = in_process_app(chat_checkpoint, num_kv_blocks=128, max_model_len=64)
     beam = {"model": "tiny", "use_beam_search": True, "n": 3, "max_tokens": 5}
 
     async def main():
-        transport = httpx.ASGITransport(app=build_app(ctx))
+        transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
             post = http.post
             completion = await post(

@@ -15,12 +15,11 @@ import pytest
 import torch
 
 from embedding_checkpoints import TEXTS, hf_hidden, reference_vector, write_bert
-from pagedlm import AsyncLLM
-from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.entrypoints.openai.app import build_app
 from pagedlm.entrypoints.openai.serving_embedding import encode_vector
 from pagedlm.entrypoints.openai.serving_engine import ServingContext
 from pagedlm.metrics.prometheus import PrometheusMetrics
+from server.server_utils import in_process_app
 
 MODEL = "tiny-bert"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
@@ -34,18 +33,12 @@ def bert_dir(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
 
 @pytest.fixture(scope="module")
 def app(bert_dir):
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=str(bert_dir[0]), num_kv_blocks=64))
-    ctx = ServingContext(
-        engine=engine,
-        model_names=[MODEL],
-        metrics=PrometheusMetrics(MODEL),
-        tokenizer=engine.get_tokenizer(),
-        max_model_len=engine.config.model.max_model_len,
-        runner=engine.config.model.runner,
+    engine, app = in_process_app(
+        bert_dir[0],
+        MODEL,
+        num_kv_blocks=64,
         chat_template=CHAT_TEMPLATE,  # --chat-template: BERT's tokenizer has none
     )
-    app = build_app(ctx)
-    app.tokenizer = engine.get_tokenizer()  # for the tests' references
     yield app
     engine.shutdown()
 

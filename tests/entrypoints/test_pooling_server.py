@@ -13,11 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from embedding_checkpoints import hf_hidden, write_bert, write_bert_classifier
-from pagedlm import AsyncLLM
-from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.entrypoints.openai.app import build_app
 from pagedlm.entrypoints.openai.serving_engine import ServingContext
 from pagedlm.metrics.prometheus import PrometheusMetrics
+from server.server_utils import in_process_app
 
 MODEL = "tiny"
 QUERY = "the quick brown fox"
@@ -27,19 +26,7 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
 def _app(path):
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=str(path), num_kv_blocks=64))
-    ctx = ServingContext(
-        engine=engine,
-        model_names=[MODEL],
-        metrics=PrometheusMetrics(MODEL),
-        tokenizer=engine.get_tokenizer(),
-        max_model_len=engine.config.model.max_model_len,
-        runner=engine.config.model.runner,
-        chat_template=CHAT_TEMPLATE,
-    )
-    app = build_app(ctx)
-    app.tokenizer = engine.get_tokenizer()
-    return engine, app
+    return in_process_app(path, MODEL, num_kv_blocks=64, chat_template=CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

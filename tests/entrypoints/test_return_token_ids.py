@@ -11,27 +11,15 @@ import json
 import httpx
 import pytest
 
-from pagedlm import LLM, AsyncLLM, SamplingParams
-from pagedlm.engine.arg_utils import EngineArgs
-from pagedlm.entrypoints.openai.app import build_app
-from pagedlm.entrypoints.openai.serving_engine import ServingContext
-from pagedlm.metrics.prometheus import PrometheusMetrics
+from pagedlm import LLM, SamplingParams
+from server.server_utils import in_process_app
 
 PROMPT = [5, 6, 7, 8, 9]
 
 
 @pytest.fixture(scope="module")
 def answers(chat_checkpoint):
-    engine = AsyncLLM.from_engine_args(
-        EngineArgs(model=str(chat_checkpoint), num_kv_blocks=64, max_model_len=64)
-    )
-    ctx = ServingContext(
-        engine=engine,
-        model_names=["tiny"],
-        metrics=PrometheusMetrics("tiny"),
-        tokenizer=engine.get_tokenizer(),
-        max_model_len=64,
-    )
+    engine, app = in_process_app(chat_checkpoint, num_kv_blocks=64, max_model_len=64)
     common = {"model": "tiny", "max_tokens": 6, "temperature": 0, "return_token_ids": True}
     chat = {**common, "messages": [{"role": "user", "content": "hi"}]}
     completion = {**common, "prompt": PROMPT, "logprobs": 2, "return_tokens_as_token_ids": True}
@@ -42,7 +30,7 @@ def answers(chat_checkpoint):
         return [json.loads(line.removeprefix("data: ")) for line in lines]
 
     async def main():
-        transport = httpx.ASGITransport(app=build_app(ctx))
+        transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
             return {
                 "completion": (await http.post("/v1/completions", json=completion)).json(),
@@ -138,22 +126,18 @@ def test_continuous_usage_stats_count_each_chunks_tokens_so_far(answers, kind):
 
 
 def test_server_flags_report_cached_tokens_and_default_to_token_ids(chat_checkpoint):
-    engine = AsyncLLM.from_engine_args(
-        EngineArgs(model=str(chat_checkpoint), num_kv_blocks=64, max_model_len=64, block_size=16)
-    )
-    ctx = ServingContext(
-        engine=engine,
-        model_names=["tiny"],
-        metrics=PrometheusMetrics("tiny"),
-        tokenizer=engine.get_tokenizer(),
+    engine, app = in_process_app(
+        chat_checkpoint,
+        num_kv_blocks=64,
         max_model_len=64,
+        block_size=16,
         enable_prompt_tokens_details=True,  # --enable-prompt-tokens-details
         return_tokens_as_token_ids=True,  # --return-tokens-as-token-ids
     )
     body = {"model": "tiny", "prompt": list(range(3, 43)), "max_tokens": 2, "logprobs": 1}
 
     async def main():
-        transport = httpx.ASGITransport(app=build_app(ctx))
+        transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
             first = (await http.post("/v1/completions", json=body)).json()
             second = (await http.post("/v1/completions", json=body)).json()

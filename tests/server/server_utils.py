@@ -144,3 +144,35 @@ def child_pids(pid: int) -> list[int]:
         text = (task / "children").read_text().split()
         children.extend(int(c) for c in text)
     return children
+
+
+def in_process_app(model: Path | str, name: str = "tiny", /, **options: object):
+    """(engine, app): a real ``AsyncLLM`` (its engine core in a child process) behind the
+    HTTP app, served in this process (drive it with ``httpx.ASGITransport``). ``options``
+    are ``EngineArgs`` fields, or ``ServingContext`` fields (server flags) where
+    ``EngineArgs`` has none. The app's ``tokenizer`` attribute is the engine's, for the
+    tests' references; the caller shuts the engine down."""
+    import dataclasses
+
+    from pagedlm import AsyncLLM
+    from pagedlm.engine.arg_utils import EngineArgs
+    from pagedlm.entrypoints.openai.app import build_app
+    from pagedlm.entrypoints.openai.serving_engine import ServingContext
+    from pagedlm.metrics.prometheus import PrometheusMetrics
+
+    engine_fields = {field.name for field in dataclasses.fields(EngineArgs)}
+    engine_options = {k: v for k, v in options.items() if k in engine_fields}
+    context_options = {k: v for k, v in options.items() if k not in engine_fields}
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=str(model), **engine_options))
+    ctx = ServingContext(
+        engine=engine,
+        model_names=[name],
+        metrics=PrometheusMetrics(name),
+        tokenizer=engine.get_tokenizer(),
+        max_model_len=engine.config.model.max_model_len,
+        runner=engine.config.model.runner,
+        **context_options,
+    )
+    app = build_app(ctx)
+    app.tokenizer = engine.get_tokenizer()
+    return engine, app

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from pagedlm.beam_search import BeamSearchParams
+from pagedlm.engine.concurrent_requests import final_output, gather_all
 from pagedlm.engine.exceptions import EngineDeadError
 from pagedlm.entrypoints.openai.chat_template import ChatTemplateRenderer
 from pagedlm.entrypoints.openai.errors import APIError, from_value_error
@@ -264,25 +265,14 @@ class ServingContext:
         if self.runner == "pooling":
             raise APIError("This model is served with --runner pooling, which does not generate.")
 
-        async def one(prompt: Any, search_id: str) -> RequestOutput:
-            final = None
-            async for output in self.engine.beam_search(prompt, search_id, params, lora_request):
-                final = output
-            assert final is not None
-            return final
-
-        tasks = [
-            asyncio.ensure_future(one(prompt, f"{request_id}-{i}"))
+        searches = (
+            final_output(self.engine.beam_search(prompt, f"{request_id}-{i}", params, lora_request))
             for i, prompt in enumerate(prompts)
-        ]
+        )
         try:
-            finals = await asyncio.gather(*tasks)
+            finals = await gather_all(searches)
         except ValueError as error:
             raise from_value_error(error) from error
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
         return [(final, _nothing()) for final in finals]
 
 

@@ -9,7 +9,6 @@ prompt, an embedding model scores the cosine similarity of the two texts' embedd
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from pagedlm.config import PoolerConfig
+from pagedlm.engine.concurrent_requests import final_output, gather_all
 from pagedlm.entrypoints.openai.errors import APIError, from_value_error
 from pagedlm.entrypoints.openai.protocol_pooling import (
     ClassificationRequest,
@@ -65,26 +65,18 @@ async def pool_all(
             f"The request has {len(prompts)} inputs; this server accepts at most {limit} (its "
             "--max-completion-prompts flag). Send fewer, or raise the flag.",
         )
-    tasks = [
-        asyncio.ensure_future(_one(ctx, prompt, params, f"{request_id}-{i}"))
-        for i, prompt in enumerate(prompts)
-    ]
     try:
-        return await asyncio.gather(*tasks)
+        return await gather_all(
+            _one(ctx, prompt, params, f"{request_id}-{i}") for i, prompt in enumerate(prompts)
+        )
     except ValueError as error:
         raise from_value_error(error) from error
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _one(
     ctx: ServingContext, prompt: Any, params: PoolingParams, request_id: str
 ) -> PoolingRequestOutput:
-    final = None
-    async for output in ctx.engine.encode(prompt, params, request_id):
-        final = output
+    final = await final_output(ctx.engine.encode(prompt, params, request_id))
     if final is None:
         raise APIError("The request was aborted before it finished.", status=503)
     return final
