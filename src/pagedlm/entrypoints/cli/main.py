@@ -1,4 +1,5 @@
-"""``pagedlm`` command line: ``serve``, ``generate``, ``chat``, ``bench serve|throughput|latency``.
+"""``pagedlm`` command line: ``serve``, ``generate``, ``chat``, ``run-batch``, ``bench
+serve|throughput|latency``.
 
 Every subcommand that runs an engine takes the same engine flags, generated from
 ``EngineArgs`` (``pagedlm.engine.cli_args``), plus an optional positional MODEL.
@@ -69,6 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
     interactive.add_chat_args(chat)
     add_engine_args(chat)
 
+    from pagedlm.entrypoints.openai.run_batch import add_run_batch_args
+
+    run_batch = commands.add_parser(
+        "run-batch",
+        help="Run a file of requests in OpenAI's Batch format, offline.",
+        description="Run a file in OpenAI's Batch format (one {custom_id, method, url, body} "
+        "per line) through the server's routes in this process, and write one result per "
+        "line. Takes the server's flags (--chat-template, --served-model-name, ...) too.",
+    )
+    _add_model_positional(run_batch)
+    add_run_batch_args(run_batch)
+    add_server_args(run_batch)
+    add_engine_args(run_batch)
+
     bench_parser = commands.add_parser(
         "bench", help="Benchmarks.", description="Benchmarks against a running server."
     )
@@ -133,6 +148,10 @@ def _run(args: argparse.Namespace, core_launch: CoreLaunch | None = None) -> Non
         from pagedlm.entrypoints.cli.interactive import run_chat
 
         run_chat(args)
+    elif args.command == "run-batch":
+        from pagedlm.entrypoints.openai.run_batch import run_batch
+
+        run_batch(args)
     elif args.command == "bench" and args.bench_command == "serve":
         from pagedlm.entrypoints.cli.bench import run_bench_serve
 

@@ -23,13 +23,17 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedlm.engine.cli_args import engine_args_from_cli
 from pagedlm.engine.core_launch import CoreLaunch
 from pagedlm.entrypoints.openai.admin import AdminOptions, add_admin_args
 from pagedlm.entrypoints.openai.limits import add_limit_args, limits_from_args
 from pagedlm.entrypoints.openai.serving_lora import add_lora_args, registry_from_args
+
+if TYPE_CHECKING:
+    from pagedlm.entrypoints.openai.limits import RequestLimits
+    from pagedlm.entrypoints.openai.serving_engine import ServingContext
 
 logger = logging.getLogger("pagedlm.server")
 
@@ -150,7 +154,8 @@ def _add_tool_args(group: argparse._ArgumentGroup) -> None:
     )
 
 
-def _chat_template(value: str | None) -> str | None:
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's contents, or the template given inline."""
     if value is None:
         return None
     if os.path.isfile(value):
@@ -259,6 +264,43 @@ def _import_server_modules() -> None:
     import pagedlm.metrics.prometheus  # noqa: F401
 
 
+def serving_context(
+    args: argparse.Namespace,
+    engine: Any,
+    names: list[str],
+    limits: RequestLimits,
+    chat_template: str | None,
+) -> ServingContext:
+    """The routes' context for ``engine`` from the server flags (also ``run-batch``'s);
+    a bad ``--lora-modules`` entry exits naming it."""
+    from pagedlm.entrypoints.openai.serving_engine import ServingContext
+    from pagedlm.metrics.prometheus import PrometheusMetrics
+
+    try:
+        loras = asyncio.run(registry_from_args(args, engine, names[0]))
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+    return ServingContext(
+        engine=engine,
+        model_names=list(names),
+        metrics=PrometheusMetrics(names[0]),
+        chat_template=chat_template,
+        tokenizer=engine.get_tokenizer(),
+        max_model_len=engine.config.model.max_model_len,
+        tool_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
+        limits=limits,
+        trust_request_chat_template=args.trust_request_chat_template,
+        loras=loras,
+        structured_outputs_backend=engine.config.structured_outputs_backend,
+        runner=engine.config.model.runner,
+        sampling_defaults=engine.config.model.sampling_defaults,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+    )
+
+
 def run_server(args: argparse.Namespace, core_launch: CoreLaunch | None = None) -> None:
     """Start the engine (in ``core_launch``'s process, started before the server's imports,
     if given; the caller abandons it if the engine never starts), then serve until
@@ -280,7 +322,7 @@ def run_server(args: argparse.Namespace, core_launch: CoreLaunch | None = None) 
     os.environ.setdefault("PAGEDLM_LOG_LEVEL", args.log_level.upper())
     started = time.monotonic()
     engine_args = engine_args_from_cli(args)
-    chat_template = _chat_template(args.chat_template)
+    chat_template = read_chat_template(args.chat_template)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     names = args.served_model_name or [engine_args.model or DEFAULT_MODEL_NAME]
     try:
@@ -292,33 +334,9 @@ def run_server(args: argparse.Namespace, core_launch: CoreLaunch | None = None) 
     import uvicorn
 
     from pagedlm.entrypoints.openai.app import build_app
-    from pagedlm.entrypoints.openai.serving_engine import ServingContext
-    from pagedlm.metrics.prometheus import PrometheusMetrics
 
     try:
-        try:
-            loras = asyncio.run(registry_from_args(args, engine, names[0]))
-        except ValueError as error:
-            raise SystemExit(f"error: {error}") from None
-        ctx = ServingContext(
-            engine=engine,
-            model_names=list(names),
-            metrics=PrometheusMetrics(names[0]),
-            chat_template=chat_template,
-            tokenizer=engine.get_tokenizer(),
-            max_model_len=engine.config.model.max_model_len,
-            tool_parser=args.tool_call_parser,
-            enable_auto_tool_choice=args.enable_auto_tool_choice,
-            reasoning_parser=args.reasoning_parser,
-            limits=limits,
-            trust_request_chat_template=args.trust_request_chat_template,
-            loras=loras,
-            structured_outputs_backend=engine.config.structured_outputs_backend,
-            runner=engine.config.model.runner,
-            sampling_defaults=engine.config.model.sampling_defaults,
-            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-            return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-        )
+        ctx = serving_context(args, engine, names, limits, chat_template)
         if tracer_provider is not None:
             from pagedlm.entrypoints.openai.tracing import RequestTracer
 

@@ -1,0 +1,81 @@
+"""``pagedlm run-batch``: OpenAI's Batch format through the server's routes in process, one
+result per line in input order, bad lines answered without harming the others; and the
+command itself on a file."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from pagedlm.entrypoints.cli.main import main
+from pagedlm.entrypoints.openai.run_batch import run_lines
+from server.server_utils import in_process_app
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        "temperature": 0}  # fmt: skip
+COMPLETION = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+
+
+def _line(custom_id: str, url: str, body: dict) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+LINES = [
+    _line("chat", "/v1/chat/completions", CHAT),
+    "",  # blank lines are skipped
+    _line("completion", "/v1/completions", COMPLETION),
+    "{not json",
+    _line("streamed", "/v1/completions", {**COMPLETION, "stream": True}),
+    _line("too hot", "/v1/completions", {**COMPLETION, "temperature": 9}),
+    _line("nowhere", "/v1/nothing", COMPLETION),
+]
+
+
+@pytest.fixture(scope="module")
+def results(chat_checkpoint):
+    engine, app = in_process_app(chat_checkpoint, num_kv_blocks=64, max_model_len=64)
+
+    async def direct():
+        import httpx
+
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            return (await http.post("/v1/completions", json=COMPLETION)).json()
+
+    try:
+        yield asyncio.run(run_lines(app, LINES, 2)), asyncio.run(direct())
+    finally:
+        engine.shutdown()
+
+
+def test_every_line_gets_its_result_in_order(results):
+    outputs, direct = results
+    assert [o["custom_id"] for o in outputs] == [
+        "chat", "completion", None, "streamed", "too hot", "nowhere"
+    ]  # fmt: skip
+    statuses = [o["response"]["status_code"] for o in outputs]
+    assert statuses == [200, 200, 400, 400, 400, 404]
+    chat, completion = outputs[0], outputs[1]
+    assert chat["error"] is None and chat["response"]["body"]["object"] == "chat.completion"
+    assert chat["response"]["request_id"] == chat["response"]["body"]["id"]
+    # The same text as the route gives directly (greedy).
+    assert completion["response"]["body"]["choices"][0]["text"] == direct["choices"][0]["text"]
+    assert "not JSON" in outputs[2]["error"]
+    assert "stream is not supported" in outputs[3]["error"]
+    assert "temperature" in outputs[4]["error"] and outputs[4]["response"]["body"]["error"]
+    assert all(o["id"].startswith("batch_req_") for o in outputs)
+
+
+def test_the_command_reads_and_writes_files(chat_checkpoint, tmp_path):
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("\n".join(LINES[:3]) + "\n")
+    argv = ["run-batch", "-i", str(source), "-o", str(target), str(chat_checkpoint),
+            "--served-model-name", "tiny", "--num-kv-blocks", "64", "--max-model-len", "64"]  # fmt: skip
+    assert main(argv) == 0
+    outputs = [json.loads(line) for line in target.read_text().splitlines()]
+    assert [o["custom_id"] for o in outputs] == ["chat", "completion"]
+    assert all(o["response"]["status_code"] == 200 for o in outputs)
+    with pytest.raises(SystemExit, match="--max-concurrency must be at least 1"):
+        main([*argv, "--max-concurrency", "0"])
