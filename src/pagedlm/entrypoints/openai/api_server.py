@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from pagedlm.engine.cli_args import engine_args_from_cli
 from pagedlm.engine.core_launch import CoreLaunch
 from pagedlm.entrypoints.openai.admin import AdminOptions, add_admin_args
+from pagedlm.entrypoints.openai.http_options import HttpOptions, add_http_args, uvicorn_options
 from pagedlm.entrypoints.openai.limits import add_limit_args, limits_from_args
 from pagedlm.entrypoints.openai.serving_lora import add_lora_args, registry_from_args
 
@@ -125,6 +126,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add_tool_args(group)
     add_lora_args(group)
     add_admin_args(group)
+    add_http_args(group)
     return parser
 
 
@@ -298,6 +300,7 @@ def serving_context(
         sampling_defaults=engine.config.model.sampling_defaults,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        response_role=args.response_role,
     )
 
 
@@ -348,26 +351,29 @@ def run_server(args: argparse.Namespace, core_launch: CoreLaunch | None = None) 
             max_body_bytes=args.max_request_body_bytes,
             on_engine_death=on_death,
             admin=AdminOptions.from_args(args),
+            http=HttpOptions.from_args(args),
         )
         if ctx.tracer is not None:
             from pagedlm.entrypoints.openai.tracing import TraceContextMiddleware
 
             app = TraceContextMiddleware(app)
         logger.info(
-            "Engine ready in %.1f s; serving %s on http://%s:%d%s",
+            "Engine ready in %.1f s; serving %s on %s://%s:%d%s%s",
             time.monotonic() - started,
             names,
+            "https" if args.ssl_certfile else "http",
             args.host,
             args.port,
+            args.root_path,
             " (API key required)" if api_key else "",
         )
         config = uvicorn.Config(
             app,
             host=args.host,
             port=args.port,
-            log_level=args.log_level,
             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S,
             lifespan="on",
+            **uvicorn_options(args),
         )
         server = on_death.server = _uvicorn_server_class()(config)
         server.on_shutdown = lambda: ctx.begin_shutdown(args.shutdown_timeout)

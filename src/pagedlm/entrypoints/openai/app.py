@@ -44,6 +44,7 @@ from pagedlm.entrypoints.openai.errors import (
     sse_error_event,
 )
 from pagedlm.entrypoints.openai.extras import missing_package_error
+from pagedlm.entrypoints.openai.http_options import HttpOptions
 from pagedlm.entrypoints.openai.middleware import (
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
@@ -408,13 +409,16 @@ def build_app(
     max_body_bytes: int = 10 << 20,
     on_engine_death: Callable[[BaseException], None] | None = None,
     admin: AdminOptions | None = None,
+    http: HttpOptions | None = None,
 ) -> Any:
-    """The ASGI app: FastAPI routes inside the body-size and API-key middleware, and
-    outermost the one that answers requests cancelled at shutdown.
+    """The ASGI app: FastAPI routes inside the body-size and API-key middleware, those
+    inside CORS (``http``: vLLM's defaults when None), and outermost the one that answers
+    requests cancelled at shutdown.
 
     ``on_engine_death(error)`` is called once if the engine core dies while serving.
     ``admin``: the sleep-mode and profiler switches of the admin routes (``admin.py``).
     """
+    http = http or HttpOptions()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -434,7 +438,8 @@ def build_app(
 
     from pagedlm import __version__
 
-    app = FastAPI(title="pagedlm", version=__version__, lifespan=lifespan)
+    docs = {} if http.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="pagedlm", version=__version__, lifespan=lifespan, **docs)
     app.state.ctx = ctx
     app.state.body_models = []
     app.state.body_routes = {}
@@ -453,8 +458,9 @@ def build_app(
     _add_lora_routes(app, ctx)
     _add_invocations_route(app, ctx)
     install_admin_routes(app, ctx.engine, admin or AdminOptions())
-    install_openapi(app, app.state.body_models)
+    if http.docs:
+        install_openapi(app, app.state.body_models)
     outer: Any = BodySizeLimitMiddleware(SleepingModelGuard(app, ctx.engine), max_body_bytes)
     if api_key:
         outer = APIKeyMiddleware(outer, api_key)
-    return CancelledRequestMiddleware(outer)
+    return CancelledRequestMiddleware(http.wrap(outer))

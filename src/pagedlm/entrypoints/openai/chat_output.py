@@ -90,10 +90,10 @@ class ChatOutputParser:
     def has_tool_calls(self) -> bool:
         return bool(self.call_ids)
 
-    def message(self) -> dict[str, Any]:
+    def message(self, role: str = "assistant") -> dict[str, Any]:
         """The whole ``message`` of a non-streaming response."""
         content = "".join(self.content)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
+        message: dict[str, Any] = {"role": role, "content": content}
         if self.reasoning_parser is not None:
             message["reasoning_content"] = "".join(self.reasoning) or None
         if self.tool_parser is not None:

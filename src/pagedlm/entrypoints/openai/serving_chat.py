@@ -162,7 +162,7 @@ class ChatServer:
                 if choice is None:
                     choice = choices[sample.index] = self._new_choice(sample.index, plan)
                     if request.stream:
-                        yield chunk(sample.index, {"role": "assistant", "content": ""})
+                        yield chunk(sample.index, {"role": self.ctx.response_role, "content": ""})
                 delta = choice.parser.feed(sample.text)
                 choice.num_tokens += len(sample.token_ids)
                 choice.token_ids += sample.token_ids
@@ -201,7 +201,7 @@ class ChatServer:
             "choices": [
                 {
                     "index": c.index,
-                    "message": c.parser.message(),
+                    "message": c.parser.message(self.ctx.response_role),
                     "logprobs": {"content": c.logprobs} if request.logprobs else None,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,

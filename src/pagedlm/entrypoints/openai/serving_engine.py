@@ -81,6 +81,8 @@ class ServingContext:
     """``--enable-prompt-tokens-details``: usage reports the prompt's cached tokens."""
     return_tokens_as_token_ids: bool = False
     """``--return-tokens-as-token-ids``: the default of the request field."""
+    response_role: str = "assistant"
+    """``--response-role``: the role of chat completions' messages."""
     created: int = field(default_factory=lambda: int(time.time()))
     _counter: itertools.count = field(default_factory=itertools.count)
     _background: set[asyncio.Task] = field(default_factory=set)

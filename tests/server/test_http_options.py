@@ -1,0 +1,86 @@
+"""vLLM's HTTP-level flags: CORS (permissive by default, preflights answered before the
+API key), narrowed origins, no docs, the chat response role, and what uvicorn is given."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from fake_engine import FakeEngine
+
+from pagedlm.entrypoints.cli.main import build_parser
+from pagedlm.entrypoints.openai.app import build_app
+from pagedlm.entrypoints.openai.http_options import HttpOptions, uvicorn_options
+from pagedlm.entrypoints.openai.serving_engine import ServingContext
+from pagedlm.metrics.prometheus import PrometheusMetrics
+
+PREFLIGHT = {"origin": "https://app.example", "access-control-request-method": "POST"}
+
+
+def _app(checkpoint, **kwargs):
+    engine = FakeEngine(checkpoint)
+    ctx = ServingContext(
+        engine=engine,
+        model_names=["tiny"],
+        metrics=PrometheusMetrics("tiny"),
+        tokenizer=engine.tokenizer,
+        max_model_len=512,
+        response_role=kwargs.pop("response_role", "assistant"),
+    )
+    return build_app(ctx, **kwargs)
+
+
+def _send(app, method: str, path: str, **kwargs) -> httpx.Response:
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            return await http.request(method, path, **kwargs)
+
+    return asyncio.run(main())
+
+
+def test_cors_is_open_by_default_and_preflights_need_no_key(chat_checkpoint):
+    app = _app(chat_checkpoint, api_key="secret")
+    preflight = _send(app, "OPTIONS", "/v1/chat/completions", headers=PREFLIGHT)
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    unauthorized = _send(app, "GET", "/v1/models", headers={"origin": "https://app.example"})
+    assert unauthorized.status_code == 401  # the key is still required for the call itself
+    assert unauthorized.headers["access-control-allow-origin"] == "*"
+
+
+def test_narrowed_origins_and_no_docs(chat_checkpoint):
+    http = HttpOptions(allowed_origins=("https://ok.example",), docs=False)
+    app = _app(chat_checkpoint, http=http)
+    refused = _send(app, "OPTIONS", "/v1/models", headers=PREFLIGHT)
+    assert "access-control-allow-origin" not in refused.headers
+    allowed = _send(
+        app, "OPTIONS", "/v1/models", headers={**PREFLIGHT, "origin": "https://ok.example"}
+    )
+    assert allowed.headers["access-control-allow-origin"] == "https://ok.example"
+    for path in ("/openapi.json", "/docs", "/redoc"):
+        assert _send(app, "GET", path).status_code == 404
+    assert _send(_app(chat_checkpoint), "GET", "/openapi.json").status_code == 200
+
+
+def test_the_response_role(chat_checkpoint):
+    app = _app(chat_checkpoint, response_role="bot")
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    answer = _send(app, "POST", "/v1/chat/completions", json=body).json()
+    assert answer["choices"][0]["message"]["role"] == "bot"
+
+
+def test_the_flags_reach_uvicorn():
+    args = build_parser().parse_args(
+        ["serve", "--root-path", "/llm", "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem",
+         "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
+         "--allowed-origins", '["https://a"]', "--allow-credentials"]
+    )  # fmt: skip
+    options = uvicorn_options(args)
+    assert options == {
+        "root_path": "/llm", "ssl_keyfile": "k.pem", "ssl_certfile": "c.pem",
+        "ssl_ca_certs": None, "log_level": "warning", "access_log": False,
+    }  # fmt: skip
+    http = HttpOptions.from_args(args)
+    assert http.allowed_origins == ("https://a",) and http.allow_credentials and http.docs
+    assert uvicorn_options(build_parser().parse_args(["serve"]))["log_level"] == "info"
