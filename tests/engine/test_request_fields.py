@@ -164,3 +164,37 @@ def test_max_logprobs_caps_what_a_request_may_ask(chat_checkpoint, llm):
         wide.llm_engine.shutdown()
     with pytest.raises(ValueError, match="max_logprobs must be -1"):
         LLM(str(chat_checkpoint), num_kv_blocks=32, max_logprobs=-2)
+
+
+def test_hf_overrides_replace_config_fields(chat_checkpoint, smollm2_path):
+    from pagedlm.engine.arg_utils import EngineArgs
+
+    config = EngineArgs(
+        model=str(chat_checkpoint),
+        hf_overrides={"max_position_embeddings": 48, "rms_norm_eps": 1e-3},
+    ).create_engine_config()[0]
+    assert config.model.max_model_len == 48 and config.model.arch.rms_norm_eps == 1e-3
+    with pytest.raises(ValueError, match=r"a \.gguf file has none"):
+        EngineArgs(model=smollm2_path, hf_overrides={"rms_norm_eps": 1e-3}).create_engine_config()
+
+
+def test_chunked_prefill_off_runs_each_prompt_in_one_step(chat_checkpoint, llm):
+    from pagedlm.engine.arg_utils import EngineArgs
+
+    path = str(chat_checkpoint)
+    with pytest.raises(ValueError, match="enable_chunked_prefill=False runs each prompt in one"):
+        EngineArgs(
+            model=path, enable_chunked_prefill=False, max_model_len=64, max_num_batched_tokens=16
+        ).create_engine_config()
+    whole = LLM(
+        path, num_kv_blocks=64, block_size=16, max_model_len=64, enable_chunked_prefill=False
+    )
+    try:
+        config = whole.llm_engine.config
+        assert config.scheduler.whole_prompts and config.scheduler.max_num_batched_tokens >= 64
+        prompt = {"prompt_token_ids": PROMPT}
+        (got,) = whole.generate(prompt, _greedy(), use_tqdm=False)
+    finally:
+        whole.llm_engine.shutdown()
+    (want,) = llm.generate(prompt, _greedy(), use_tqdm=False)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids

@@ -139,3 +139,29 @@ def test_hub_only_downloads_what_pagedlm_reads(hf_home: Path) -> None:
 )
 def test_hub_id_shape(name: str, expected: bool) -> None:
     assert looks_like_hub_id(name) is expected
+
+
+def test_download_dir_is_the_cache_hub_ids_resolve_from(tmp_path: Path) -> None:
+    """vLLM's download_dir: a hub cache of its own (here offline, already filled)."""
+    elsewhere = tmp_path / "models"
+    add_snapshot(elsewhere, "tiny-org/elsewhere", MAIN_COMMIT, "main", seed=2)
+    script = (
+        "import sys\nfrom pagedlm.engine.arg_utils import EngineArgs\n"
+        "for download_dir in (sys.argv[1], None):\n"
+        "    try:\n"
+        "        args = EngineArgs(model='tiny-org/elsewhere', download_dir=download_dir)\n"
+        "        print(args.create_engine_config()[0].model.model)\n"
+        "    except ValueError as error:\n"
+        "        print('error:', error)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env.update(
+        HF_HOME=str(tmp_path / "empty"), HF_HUB_OFFLINE="1", HTTPS_PROXY="http://127.0.0.1:9"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(elsewhere)],
+        capture_output=True, text=True, env=env, timeout=300, check=True,
+    )  # fmt: skip
+    found, default = result.stdout.strip().splitlines()[-2:]
+    assert found.startswith(str(elsewhere)) and found.endswith(f"snapshots/{MAIN_COMMIT}")
+    assert default.startswith("error:")  # the default cache does not have it

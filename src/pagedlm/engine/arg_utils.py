@@ -116,6 +116,15 @@ class EngineArgs:
     trust_remote_code: bool = False
     """Let the tokenizer run code shipped with the checkpoint (transformers' flag); a
     checkpoint's model code is never run."""
+    hf_overrides: dict[str, Any] | None = None
+    """Fields that replace the model's config.json ones (vLLM's flag), as JSON, e.g.
+    '{"max_position_embeddings": 4096}'; a nested object merges into the nested one."""
+    download_dir: str | None = None
+    """Where hub models are downloaded (None: the Hugging Face cache)."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts over several steps within the token budget (vLLM's flag; on).
+    Off: a prompt waits for a step with room for all of it, so max_num_batched_tokens
+    must hold max_model_len tokens."""
     max_logprobs: int = 20
     """The most logprobs (and prompt logprobs) per token a request may ask for (vLLM's
     flag); -1: the whole vocabulary."""
@@ -219,12 +228,18 @@ class EngineArgs:
             from pagedlm.model_executor.loader.default_model import default_model_path
 
             return default_model_path()
-        return _resolve_path("Model", str(self.model), self.revision)
+        return _resolve_path("Model", str(self.model), self.revision, cache_dir=self.download_dir)
 
     def resolve_tokenizer(self) -> str | None:
         if self.tokenizer is None:
             return None
-        return _resolve_path("Tokenizer", str(self.tokenizer), self.revision, weights=False)
+        return _resolve_path(
+            "Tokenizer",
+            str(self.tokenizer),
+            self.revision,
+            weights=False,
+            cache_dir=self.download_dir,
+        )
 
     def create_engine_config(self, log_defaults: bool = True) -> tuple[EngineConfig, Platform]:
         """The engine's configuration and platform; ``log_defaults=False`` keeps the
@@ -273,6 +288,13 @@ class EngineArgs:
             arch = gguf_arch_config(model)
         else:
             arch = ArchConfig.from_directory(model)
+        if self.hf_overrides:
+            if model.endswith(".gguf"):
+                raise ValueError(
+                    "hf_overrides replaces config.json fields, and a .gguf file has none; "
+                    "drop hf_overrides or use the model's Hugging Face directory."
+                )
+            arch = ArchConfig.from_hf_dict(_merged(arch.raw, self.hf_overrides))
         if arch.architecture not in SUPPORTED_ARCHITECTURES:
             supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
             remote = (
@@ -303,9 +325,12 @@ class EngineArgs:
             platform.default_max_num_batched_tokens, self.max_num_seqs
         )
         runner, pooler = self._runner(arch, model)
-        if runner == "pooling":
-            max_num_batched_tokens = self._pooling_token_budget(
-                max_model_len, platform.default_max_num_batched_tokens
+        whole_prompts = runner == "pooling" or not self.enable_chunked_prefill
+        if whole_prompts:
+            max_num_batched_tokens = self._whole_prompt_budget(
+                max_model_len,
+                platform.default_max_num_batched_tokens,
+                "runner='pooling'" if runner == "pooling" else "enable_chunked_prefill=False",
             )
         config = EngineConfig(
             model=ModelConfig(
@@ -358,7 +383,7 @@ class EngineArgs:
                 scheduling_policy=self.scheduling_policy,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
-                whole_prompts=runner == "pooling",
+                whole_prompts=whole_prompts,
                 max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
                 encoder_cache_size=self.encoder_cache_size,
             ),
@@ -407,12 +432,13 @@ class EngineArgs:
                 )
         return runner, pooler_config(arch, model)
 
-    def _pooling_token_budget(self, max_model_len: int, default: int) -> int:
-        """The pooling runner schedules whole prompts, so one must fit a step's budget."""
+    def _whole_prompt_budget(self, max_model_len: int, default: int, why: str) -> int:
+        """Whole prompts (the pooling runner, or chunked prefill off): the longest must fit
+        one step's budget."""
         budget = self.max_num_batched_tokens
         if budget is not None and budget < max_model_len:
             raise ValueError(
-                f"runner='pooling' runs each prompt in one step, so max_num_batched_tokens="
+                f"{why} runs each prompt in one step, so max_num_batched_tokens="
                 f"{budget} must be at least max_model_len={max_model_len}; raise "
                 "--max-num-batched-tokens or lower --max-model-len."
             )
@@ -572,7 +598,20 @@ def _caches_prefixes(arch: ArchConfig, pooler: PoolerConfig) -> bool:
     return caches_prefixes(arch, pooler)
 
 
-def _resolve_path(what: str, name: str, revision: str | None, weights: bool = True) -> str:
+def _merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overrides`` in it, nested objects merged key by key."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merged(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _resolve_path(
+    what: str, name: str, revision: str | None, weights: bool = True, cache_dir: str | None = None
+) -> str:
     """A local path as given, else a hub id's snapshot directory; errors name the fix."""
     path = os.path.expanduser(name)
     if os.path.exists(path):
@@ -589,7 +628,7 @@ def _resolve_path(what: str, name: str, revision: str | None, weights: bool = Tr
     from pagedlm.model_executor.loader.hub import looks_like_hub_id, resolve_hub_model
 
     if looks_like_hub_id(name):
-        return resolve_hub_model(name, revision)
+        return resolve_hub_model(name, revision, cache_dir)
     raise ValueError(
         f"{what} {name!r} not found: pass a local Hugging Face model directory "
         "(config.json + *.safetensors), a .gguf file, a hub id (org/name), or model=None "

@@ -37,8 +37,11 @@ def _offline() -> bool:
     return value.strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
-def resolve_hub_model(repo_id: str, revision: str | None = None) -> str:
-    """The local snapshot directory of ``repo_id`` at ``revision`` (None: the default branch).
+def resolve_hub_model(
+    repo_id: str, revision: str | None = None, cache_dir: str | None = None
+) -> str:
+    """The local snapshot directory of ``repo_id`` at ``revision`` (None: the default branch),
+    under ``cache_dir`` (None: the Hugging Face cache).
 
     Raises ``ValueError`` naming the fix when the repository, the revision or (offline) the
     cached copy does not exist.
@@ -60,6 +63,7 @@ def resolve_hub_model(repo_id: str, revision: str | None = None) -> str:
             revision=revision,
             allow_patterns=list(HUB_ALLOW_PATTERNS),
             local_files_only=offline,
+            cache_dir=cache_dir,
         )
     except GatedRepoError:
         raise ValueError(
