@@ -31,6 +31,7 @@ from pagedlm.entrypoints.openai.admin import AdminOptions, add_admin_args
 from pagedlm.entrypoints.openai.http_options import HttpOptions, add_http_args, uvicorn_options
 from pagedlm.entrypoints.openai.limits import add_limit_args, limits_from_args
 from pagedlm.entrypoints.openai.serving_lora import add_lora_args, registry_from_args
+from pagedlm.metrics.log_line import DEFAULT_INTERVAL_S
 
 if TYPE_CHECKING:
     from pagedlm.entrypoints.openai.limits import RequestLimits
@@ -122,6 +123,23 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="Write logprobs' tokens as 'token_id:<id>' for requests that do not say "
         "(their return_tokens_as_token_ids field; default: off).",
+    )
+    group.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="Log each request's id, prompt (its first characters) and parameters.",
+    )
+    group.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="Do not log requests: the default (vLLM's older spelling, kept for its command "
+        "lines).",
+    )
+    group.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="No periodic line of throughput, running and waiting requests and cache usage "
+        "(every 10 s while the engine is busy).",
     )
     _add_tool_args(group)
     add_lora_args(group)
@@ -301,6 +319,7 @@ def serving_context(
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         response_role=args.response_role,
+        log_requests=args.enable_log_requests and not args.disable_log_requests,
     )
 
 
@@ -352,6 +371,7 @@ def run_server(args: argparse.Namespace, core_launch: CoreLaunch | None = None) 
             on_engine_death=on_death,
             admin=AdminOptions.from_args(args),
             http=HttpOptions.from_args(args),
+            log_stats_interval_s=None if args.disable_log_stats else DEFAULT_INTERVAL_S,
         )
         if ctx.tracer is not None:
             from pagedlm.entrypoints.openai.tracing import TraceContextMiddleware

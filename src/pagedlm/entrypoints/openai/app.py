@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -79,6 +80,7 @@ from pagedlm.entrypoints.openai.serving_lora import (
 from pagedlm.entrypoints.openai.serving_messages import MessagesServer
 from pagedlm.entrypoints.openai.serving_pooling import PoolingServer
 from pagedlm.entrypoints.openai.serving_responses import ResponsesServer
+from pagedlm.metrics.log_line import StatsLine
 
 logger = logging.getLogger("pagedlm.server")
 
@@ -383,6 +385,15 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
         )
 
 
+async def _log_stats(ctx: ServingContext, interval_s: float) -> None:
+    line = StatsLine()
+    while True:
+        text = line.line(ctx.engine.get_metrics(), time.monotonic())
+        if text is not None:
+            logger.info(text)
+        await asyncio.sleep(interval_s)
+
+
 async def _watch_engine(ctx: ServingContext, on_death: Callable[[BaseException], None]) -> None:
     on_death(await ctx.engine.wait_until_dead())  # the engine has logged the cause
 
@@ -410,6 +421,7 @@ def build_app(
     on_engine_death: Callable[[BaseException], None] | None = None,
     admin: AdminOptions | None = None,
     http: HttpOptions | None = None,
+    log_stats_interval_s: float | None = None,
 ) -> Any:
     """The ASGI app: FastAPI routes inside the body-size and API-key middleware, those
     inside CORS (``http``: vLLM's defaults when None), and outermost the one that answers
@@ -417,21 +429,25 @@ def build_app(
 
     ``on_engine_death(error)`` is called once if the engine core dies while serving.
     ``admin``: the sleep-mode and profiler switches of the admin routes (``admin.py``).
+    ``log_stats_interval_s``: log vLLM's throughput line that often (None: never).
     """
     http = http or HttpOptions()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        watcher = None
+        watcher = stats = None
         if on_engine_death is not None:
             watcher = asyncio.ensure_future(_watch_engine(ctx, on_engine_death))
+        if log_stats_interval_s is not None:
+            stats = asyncio.ensure_future(_log_stats(ctx, log_stats_interval_s))
         if ctx.tokenizer is not None:
             ctx.chat_templates().start()  # sandbox workers start meanwhile, if trusted
         try:
             yield
         finally:
-            if watcher is not None:
-                watcher.cancel()
+            for task in (watcher, stats):
+                if task is not None:
+                    task.cancel()
             if ctx.tokenizer is not None:
                 ctx.chat_templates().close()
             ctx.engine.shutdown()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -37,6 +38,9 @@ from pagedlm.outputs import RequestOutput
 from pagedlm.sampling_params import SamplingParams
 
 T = TypeVar("T")
+logger = logging.getLogger("pagedlm.server")
+MAX_LOGGED_PROMPT_CHARS = 200
+"""``--enable-log-requests`` shows this much of a prompt."""
 
 SHUTDOWN_MESSAGE = (
     "The server is shutting down and its --shutdown-timeout ran out before this request "
@@ -83,6 +87,9 @@ class ServingContext:
     """``--return-tokens-as-token-ids``: the default of the request field."""
     response_role: str = "assistant"
     """``--response-role``: the role of chat completions' messages."""
+    log_requests: bool = False
+    """``--enable-log-requests``: one INFO line per engine request (its id, prompt and
+    parameters)."""
     created: int = field(default_factory=lambda: int(time.time()))
     _counter: itertools.count = field(default_factory=itertools.count)
     _background: set[asyncio.Task] = field(default_factory=set)
@@ -94,6 +101,13 @@ class ServingContext:
     @property
     def model_name(self) -> str:
         return self.model_names[0]
+
+    def log_request(self, request_id: str, prompt: Any, params: Any) -> None:
+        if self.log_requests:
+            text = repr(prompt)
+            if len(text) > MAX_LOGGED_PROMPT_CHARS:
+                text = text[:MAX_LOGGED_PROMPT_CHARS] + "..."
+            logger.info("Received request %s: prompt %s, params %s", request_id, text, params)
 
     def tokens_as_ids(self, requested: bool | None) -> bool:
         """A request's ``return_tokens_as_token_ids``, the server's flag when unset."""
@@ -195,6 +209,7 @@ class ServingContext:
                 "/v1/embeddings for an embedding model, /classify, /score or /rerank for a "
                 "classifier (to generate, serve a generative model with --runner generate)."
             )
+        self.log_request(request_id, prompt, params)
         stream = self.engine.generate(prompt, params, request_id, priority, lora_request)
         if self.tracer is not None:
             stream = self.tracer.trace(stream, request_id, params)

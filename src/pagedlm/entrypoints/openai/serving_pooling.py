@@ -76,6 +76,7 @@ async def pool_all(
 async def _one(
     ctx: ServingContext, prompt: Any, params: PoolingParams, request_id: str
 ) -> PoolingRequestOutput:
+    ctx.log_request(request_id, prompt, params)
     final = await final_output(ctx.engine.encode(prompt, params, request_id))
     if final is None:
         raise APIError("The request was aborted before it finished.", status=503)

@@ -1,0 +1,49 @@
+"""vLLM's periodic engine log line: prompt and generation throughput since the last line,
+running and waiting requests, KV cache usage and the prefix cache's hit rate, computed
+from the engine's metrics (``LLMEngine/AsyncLLM.get_metrics()``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagedlm.metrics.stats import Metric
+
+DEFAULT_INTERVAL_S = 10.0
+"""Seconds between lines (vLLM's default)."""
+
+
+class StatsLine:
+    """``line(metrics, now)``: the log line for the time since the previous call, or None
+    while the engine has been idle (nothing ran, nothing waits)."""
+
+    def __init__(self) -> None:
+        self._last: tuple[float, dict[str, float]] | None = None
+
+    def line(self, metrics: Sequence[Metric], now: float) -> str | None:
+        values: dict[str, float] = {}
+        for metric in metrics:
+            if metric.kind != "histogram":
+                values[metric.name] = values.get(metric.name, 0.0) + metric.value
+        last, self._last = self._last, (now, values)
+        if last is None:
+            return None
+        then, before = last
+        seconds = max(now - then, 1e-9)
+
+        def delta(name: str) -> float:
+            return values.get(f"pagedlm:{name}", 0.0) - before.get(f"pagedlm:{name}", 0.0)
+
+        running = values.get("pagedlm:num_requests_running", 0.0)
+        waiting = values.get("pagedlm:num_requests_waiting", 0.0)
+        prompt, generated = delta("prompt_tokens"), delta("generation_tokens")
+        if not (prompt or generated or running or waiting):
+            return None
+        queries = values.get("pagedlm:prefix_cache_queries", 0.0)
+        hits = values.get("pagedlm:prefix_cache_hits", 0.0)
+        return (
+            f"Avg prompt throughput: {prompt / seconds:.1f} tokens/s, "
+            f"Avg generation throughput: {generated / seconds:.1f} tokens/s, "
+            f"Running: {running:.0f} reqs, Waiting: {waiting:.0f} reqs, "
+            f"KV cache usage: {100 * values.get('pagedlm:kv_cache_usage_perc', 0.0):.1f}%, "
+            f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"
+        )

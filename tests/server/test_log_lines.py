@@ -1,0 +1,72 @@
+"""The server's logging flags: vLLM's periodic throughput line (``--disable-log-stats``
+turns it off) and ``--enable-log-requests``."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+from fake_engine import FakeEngine
+from starlette.testclient import TestClient
+
+from pagedlm.entrypoints.openai.app import build_app
+from pagedlm.entrypoints.openai.serving_engine import ServingContext
+from pagedlm.metrics.log_line import StatsLine
+from pagedlm.metrics.prometheus import PrometheusMetrics
+from pagedlm.metrics.stats import Metric
+
+
+def _metrics(prompt: float, generated: float, running: float, waiting: float = 0.0):
+    return [
+        Metric("pagedlm:prompt_tokens", prompt),
+        Metric("pagedlm:generation_tokens", generated),
+        Metric("pagedlm:num_requests_running", running, "gauge"),
+        Metric("pagedlm:num_requests_waiting", waiting, "gauge"),
+        Metric("pagedlm:kv_cache_usage_perc", 0.25, "gauge"),
+        Metric("pagedlm:prefix_cache_queries", 200),
+        Metric("pagedlm:prefix_cache_hits", 50),
+    ]
+
+
+def test_the_line_gives_rates_since_the_last_and_stays_quiet_when_idle():
+    line = StatsLine()
+    assert line.line(_metrics(0, 0, 0), now=0.0) is None  # nothing to compare with yet
+    text = line.line(_metrics(1000, 200, 3, 1), now=10.0)
+    assert text == (
+        "Avg prompt throughput: 100.0 tokens/s, Avg generation throughput: 20.0 tokens/s, "
+        "Running: 3 reqs, Waiting: 1 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 25.0%"
+    )
+    assert line.line(_metrics(1000, 200, 0), now=20.0) is None  # idle: no line
+
+
+def _ctx(checkpoint, **fields) -> ServingContext:
+    engine = FakeEngine(checkpoint)
+    return ServingContext(
+        engine=engine, model_names=["tiny"], metrics=PrometheusMetrics("tiny"),
+        tokenizer=engine.tokenizer, max_model_len=512, **fields,
+    )  # fmt: skip
+
+
+def test_the_server_logs_the_line_while_busy(chat_checkpoint, caplog):
+    ctx = _ctx(chat_checkpoint)
+    tokens = itertools.count(0, 100)
+    ctx.engine.get_metrics = lambda: _metrics(next(tokens), 0, 1)
+    app = build_app(ctx, log_stats_interval_s=0.05)
+    with caplog.at_level(logging.INFO, logger="pagedlm.server"), TestClient(app):
+        deadline = time.monotonic() + 10
+        while "Avg prompt throughput" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert "Avg prompt throughput" in caplog.text and "Running: 1 reqs" in caplog.text
+
+
+def test_requests_are_logged_when_asked(chat_checkpoint, caplog):
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": 2}
+    for log_requests in (False, True):
+        ctx = _ctx(chat_checkpoint, log_requests=log_requests)
+        caplog.clear()
+        level = caplog.at_level(logging.INFO, logger="pagedlm.server")
+        with level, TestClient(build_app(ctx)) as client:
+            assert client.post("/v1/completions", json=body).status_code == 200
+        logged = "Received request cmpl-" in caplog.text and "'hello there'" in caplog.text
+        assert logged == log_requests
