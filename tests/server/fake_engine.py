@@ -148,3 +148,19 @@ class FakeEngine:
 
     def shutdown(self) -> None:
         """The app's lifespan calls this; a test client may run it for every call."""
+
+
+def fake_context(engine: FakeEngine, **fields: Any) -> Any:
+    """The routes' ``ServingContext`` over ``engine``, serving it as "tiny"; ``fields``:
+    further ``ServingContext`` fields (server flags)."""
+    from pagedlm.entrypoints.openai.serving_engine import ServingContext
+    from pagedlm.metrics.prometheus import PrometheusMetrics
+
+    return ServingContext(
+        engine=engine,
+        model_names=["tiny"],
+        metrics=PrometheusMetrics("tiny"),
+        tokenizer=engine.tokenizer,
+        max_model_len=512,
+        **fields,
+    )

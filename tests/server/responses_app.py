@@ -12,12 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import openai
-from fake_engine import FakeEngine
+from fake_engine import FakeEngine, fake_context
 from starlette.testclient import TestClient
 
 from pagedlm.entrypoints.openai.app import build_app
-from pagedlm.entrypoints.openai.serving_engine import ServingContext
-from pagedlm.metrics.prometheus import PrometheusMetrics
 
 BASE_URL = "http://testserver"
 
@@ -28,15 +26,7 @@ def in_process_app(
 ) -> Iterator[TestClient]:
     """The app over ``engine`` (a new ``FakeEngine`` by default); ``context``: further
     ``ServingContext`` fields."""
-    engine = engine or FakeEngine(checkpoint, num_tokens=num_tokens)
-    ctx = ServingContext(
-        engine=engine,
-        model_names=["tiny"],
-        metrics=PrometheusMetrics("tiny"),
-        tokenizer=engine.tokenizer,
-        max_model_len=512,
-        **context,
-    )
+    ctx = fake_context(engine or FakeEngine(checkpoint, num_tokens=num_tokens), **context)
     with TestClient(build_app(ctx), base_url=BASE_URL) as http:
         yield http
 

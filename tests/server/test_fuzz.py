@@ -12,13 +12,11 @@ import collections
 
 import pytest
 import schemathesis
-from fake_engine import FakeEngine
+from fake_engine import FakeEngine, fake_context
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
 from pagedlm.entrypoints.openai.app import build_app
-from pagedlm.entrypoints.openai.serving_engine import ServingContext
-from pagedlm.metrics.prometheus import PrometheusMetrics
 
 FAST_EXAMPLES = 8
 SLOW_EXAMPLES = 1000
@@ -30,15 +28,7 @@ STATUSES: dict[str, collections.Counter] = collections.defaultdict(collections.C
 
 
 def _app(checkpoint):
-    engine = FakeEngine(checkpoint)
-    ctx = ServingContext(
-        engine=engine,
-        model_names=["tiny"],
-        metrics=PrometheusMetrics("tiny"),
-        tokenizer=engine.tokenizer,
-        max_model_len=512,
-    )
-    return build_app(ctx)
+    return build_app(fake_context(FakeEngine(checkpoint)))
 
 
 def _config(coverage: bool) -> schemathesis.Config:

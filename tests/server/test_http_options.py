@@ -6,28 +6,18 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-from fake_engine import FakeEngine
+from fake_engine import FakeEngine, fake_context
 
 from pagedlm.entrypoints.cli.main import build_parser
 from pagedlm.entrypoints.openai.app import build_app
 from pagedlm.entrypoints.openai.http_options import HttpOptions, uvicorn_options
-from pagedlm.entrypoints.openai.serving_engine import ServingContext
-from pagedlm.metrics.prometheus import PrometheusMetrics
 
 PREFLIGHT = {"origin": "https://app.example", "access-control-request-method": "POST"}
 
 
 def _app(checkpoint, **kwargs):
-    engine = FakeEngine(checkpoint)
-    ctx = ServingContext(
-        engine=engine,
-        model_names=["tiny"],
-        metrics=PrometheusMetrics("tiny"),
-        tokenizer=engine.tokenizer,
-        max_model_len=512,
-        response_role=kwargs.pop("response_role", "assistant"),
-    )
-    return build_app(ctx, **kwargs)
+    role = kwargs.pop("response_role", "assistant")
+    return build_app(fake_context(FakeEngine(checkpoint), response_role=role), **kwargs)
 
 
 def _send(app, method: str, path: str, **kwargs) -> httpx.Response:

@@ -7,13 +7,11 @@ import itertools
 import logging
 import time
 
-from fake_engine import FakeEngine
+from fake_engine import FakeEngine, fake_context
 from starlette.testclient import TestClient
 
 from pagedlm.entrypoints.openai.app import build_app
-from pagedlm.entrypoints.openai.serving_engine import ServingContext
 from pagedlm.metrics.log_line import StatsLine
-from pagedlm.metrics.prometheus import PrometheusMetrics
 from pagedlm.metrics.stats import Metric
 
 
@@ -40,12 +38,8 @@ def test_the_line_gives_rates_since_the_last_and_stays_quiet_when_idle():
     assert line.line(_metrics(1000, 200, 0), now=20.0) is None  # idle: no line
 
 
-def _ctx(checkpoint, **fields) -> ServingContext:
-    engine = FakeEngine(checkpoint)
-    return ServingContext(
-        engine=engine, model_names=["tiny"], metrics=PrometheusMetrics("tiny"),
-        tokenizer=engine.tokenizer, max_model_len=512, **fields,
-    )  # fmt: skip
+def _ctx(checkpoint, **fields):
+    return fake_context(FakeEngine(checkpoint), **fields)
 
 
 def test_the_server_logs_the_line_while_busy(chat_checkpoint, caplog):

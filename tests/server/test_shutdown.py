@@ -14,13 +14,11 @@ import threading
 
 import httpx
 import pytest
-from fake_engine import FakeEngine
+from fake_engine import FakeEngine, fake_context
 from server_utils import start_server
 
 from pagedlm.entrypoints.openai.app import build_app
 from pagedlm.entrypoints.openai.middleware import CancelledRequestMiddleware
-from pagedlm.entrypoints.openai.serving_engine import ServingContext
-from pagedlm.metrics.prometheus import PrometheusMetrics
 
 LONG = {"max_tokens": 400, "ignore_eos": True}
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
@@ -33,13 +31,7 @@ def _events(text: str) -> list[str]:
 
 def test_requests_cut_at_the_deadline_end_in_the_api_error_shapes(chat_checkpoint):
     engine = FakeEngine(chat_checkpoint, num_tokens=10_000, step_s=0.01)
-    ctx = ServingContext(
-        engine=engine,
-        model_names=["tiny"],
-        metrics=PrometheusMetrics("tiny"),
-        tokenizer=engine.tokenizer,
-        max_model_len=512,
-    )
+    ctx = fake_context(engine)
     app = build_app(ctx)
 
     async def run() -> list[httpx.Response]:
