@@ -243,6 +243,11 @@ def test_truncate_prompt_tokens_cuts_texts_with_the_tokenizer_and_ids_from_the_l
         pair.prompt_token_ids
         == tokenizer(QUERY, long_text, truncation=True, max_length=6)["input_ids"]
     )
+    # vLLM's keyword does the same as the PoolingParams field.
+    (keyword,) = llm.score(QUERY, long_text, truncate_prompt_tokens=6, use_tqdm=False)
+    assert keyword.prompt_token_ids == pair.prompt_token_ids
+    (embedded,) = llm.classify(long_text, truncate_prompt_tokens=6, use_tqdm=False)
+    assert embedded.prompt_token_ids == cut
     for bad in (0, -2, 10_000):
         with pytest.raises(ValueError, match="truncate_prompt_tokens"):
             llm.classify(long_text, pooling_params=PoolingParams(truncate_prompt_tokens=bad))

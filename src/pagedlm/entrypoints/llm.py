@@ -261,23 +261,32 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[PoolingRequestOutput]:
         """One pooled vector per prompt (``outputs.data``, float32), in input order; needs
         a pooling model (``runner="pooling"``, or "auto" on an embedding checkpoint). A
-        classifier's vector is its labels' probabilities (``LLM.classify``)."""
+        classifier's vector is its labels' probabilities (``LLM.classify``).
+        ``truncate_prompt_tokens``: every prompt's ``PoolingParams.truncate_prompt_tokens``
+        (vLLM's keyword)."""
         prompts = _prompt_list(prompts)
-        return self._pool(prompts, pooling_params, use_tqdm)
+        return self._pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
 
     def _pool(
         self,
         prompts: Sequence[PromptType | PairPrompt],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None,
         use_tqdm: bool,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[PoolingRequestOutput]:
         """``encode`` for prompts and text pairs (a cross-encoder's)."""
         from pagedlm.pooling.requests import process_pooling_request
 
         params_list = _one_per_prompt(pooling_params or PoolingParams(), len(prompts))
+        if truncate_prompt_tokens is not None:
+            params_list = [
+                dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+                for params in params_list
+            ]
         engine = self.llm_engine
         processed = [
             process_pooling_request(
@@ -301,11 +310,17 @@ class LLM:
         *,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (``outputs.embedding``, a list of floats), in input
         order; ``encode`` with vLLM's embedding output type."""
         self._check_task("embed")
-        outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm)
+        outputs = self.encode(
+            prompts,
+            pooling_params,
+            use_tqdm=use_tqdm,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
         return [EmbeddingRequestOutput.from_base(output) for output in outputs]
 
     def classify(
@@ -314,12 +329,18 @@ class LLM:
         *,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[ClassificationRequestOutput]:
         """One probability per label for each prompt (``outputs.probs``), in input order;
         needs a classification model (``*ForSequenceClassification``).
         ``PoolingParams(use_activation=False)`` gives the raw logits."""
         self._check_task("classify")
-        outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm)
+        outputs = self.encode(
+            prompts,
+            pooling_params,
+            use_tqdm=use_tqdm,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
         return [ClassificationRequestOutput.from_base(output) for output in outputs]
 
     def score(
@@ -330,6 +351,7 @@ class LLM:
         *,
         use_tqdm: bool = True,
         pooling_params: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[ScoringRequestOutput]:
         """One score per pair (``outputs.score``), in order: one ``data_1`` text against
         every ``data_2`` text, or the two element-wise. A cross-encoder (a classifier with
@@ -349,7 +371,7 @@ class LLM:
                     "A cross-encoder joins each pair's texts with its tokenizer; pass strings "
                     "in data_1 and data_2."
                 )
-            outputs = self._pool(pairs, pooling_params, use_tqdm)
+            outputs = self._pool(pairs, pooling_params, use_tqdm, truncate_prompt_tokens)
             return [
                 ScoringRequestOutput(
                     output.request_id,
@@ -360,7 +382,9 @@ class LLM:
                 for output in outputs
             ]
         firsts = scoring.as_list(data_1)
-        vectors = self._pool(firsts + [b for _, b in pairs], pooling_params, use_tqdm)
+        vectors = self._pool(
+            firsts + [b for _, b in pairs], pooling_params, use_tqdm, truncate_prompt_tokens
+        )
         first_out = vectors[: len(firsts)] * (len(pairs) if len(firsts) == 1 else 1)
         return [
             ScoringRequestOutput(
