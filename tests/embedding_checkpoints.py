@@ -87,8 +87,8 @@ def _randomize(model: torch.nn.Module) -> torch.nn.Module:
     return model.eval()
 
 
-def _write_wordpiece_tokenizer(path: Path) -> None:
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
+def _write_wordpiece_tokenizer(path: Path, extra: tuple[str, ...] = ()) -> None:
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, *extra]
     vocab += [c for c in "abcdefghijklmnopqrstuvwxyz" if c not in vocab]
     vocab_file = path / "vocab.txt"
     vocab_file.write_text("\n".join(dict.fromkeys(vocab)) + "\n")
@@ -158,9 +158,10 @@ def write_bert_classifier(path: Path, num_labels: int, **config_extra: object) -
     return model
 
 
-def write_wordpiece_tokenizer(path: Path) -> None:
-    """The BERT tests' WordPiece tokenizer in ``path`` (its ids fit ``DECODER_SIZES``)."""
-    _write_wordpiece_tokenizer(path)
+def write_wordpiece_tokenizer(path: Path, extra: tuple[str, ...] = ()) -> None:
+    """The BERT tests' WordPiece tokenizer in ``path`` (its ids fit ``DECODER_SIZES``),
+    with ``extra`` words as tokens of their own."""
+    _write_wordpiece_tokenizer(path, extra)
 
 
 def hf_hidden(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:

@@ -251,3 +251,43 @@ def test_truncate_prompt_tokens_cuts_texts_with_the_tokenizer_and_ids_from_the_l
     for bad in (0, -2, 10_000):
         with pytest.raises(ValueError, match="truncate_prompt_tokens"):
             llm.classify(long_text, pooling_params=PoolingParams(truncate_prompt_tokens=bad))
+
+
+@pytest.mark.parametrize("words", [("no", "yes"), ("no", "yes", "maybe")])
+def test_a_causal_lm_classifies_from_its_head_rows(tmp_path, words):
+    """vLLM's hf_overrides for Qwen3-Reranker: the LM head's rows of the given tokens are
+    the classifier; two tokens give P(second) as a sigmoid of one logit."""
+    write_wordpiece_tokenizer(tmp_path, extra=("yes", "no", "maybe"))
+    model = write_decoder(tmp_path, "Qwen3Config", "Qwen3ForCausalLM")
+    overrides = {
+        "architectures": ["Qwen3ForSequenceClassification"],
+        "classifier_from_token": list(words),
+    }
+    llm = LLM(str(tmp_path), hf_overrides=overrides, **ENGINE)
+    try:
+        assert llm.llm_engine.config.model.runner == "pooling"
+        tokenizer = llm.get_tokenizer()
+        ids = [tokenizer.convert_tokens_to_ids(w) for w in words]
+        outputs = llm.classify(TEXTS, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    for text, output in zip(TEXTS, outputs, strict=True):
+        with torch.no_grad():
+            logits = model(torch.tensor([tokenizer.encode(text)])).logits[0, -1].float()
+        want = logits[ids].softmax(-1)
+        got = torch.tensor(output.outputs.probs)
+        if len(words) == 2:
+            assert got.shape == (1,) and abs(got.item() - want[1].item()) < TOLERANCE
+        else:
+            assert (got - want).abs().max().item() < TOLERANCE
+
+
+def test_classifier_from_token_words_must_be_single_tokens(tmp_path):
+    write_wordpiece_tokenizer(tmp_path)
+    write_decoder(tmp_path, "Qwen3Config", "Qwen3ForCausalLM")
+    overrides = {
+        "architectures": ["Qwen3ForSequenceClassification"],
+        "classifier_from_token": ["the", "quick fox"],
+    }
+    with pytest.raises(ValueError, match=r"'quick fox' is 2 tokens of this tokenizer"):
+        LLM(str(tmp_path), hf_overrides=overrides, **ENGINE)

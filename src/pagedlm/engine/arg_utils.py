@@ -295,6 +295,11 @@ class EngineArgs:
                     "drop hf_overrides or use the model's Hugging Face directory."
                 )
             arch = ArchConfig.from_hf_dict(_merged(arch.raw, self.hf_overrides))
+        if arch.raw.get("classifier_from_token"):
+            from pagedlm.pooling.model_config import with_classifier_token_ids
+            from pagedlm.tokenizer import get_tokenizer
+
+            arch = with_classifier_token_ids(arch, get_tokenizer(model, self.resolve_tokenizer()))
         if arch.architecture not in SUPPORTED_ARCHITECTURES:
             supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
             remote = (

@@ -18,6 +18,7 @@ sigmoid for multi-label or a single label, softmax otherwise (vLLM does the same
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -156,14 +157,52 @@ def classifier_config(arch: ArchConfig) -> PoolerConfig:
     """A sequence classifier's pooling: CLS for encoders, the last token for decoders (as
     transformers' heads read them), never normalized; its labels and activation."""
     raw = arch.raw
+    from_tokens = raw.get("classifier_from_token")
+    pooling = "CLS" if arch.architecture in ENCODER_ARCHITECTURES else "LAST"
+    if from_tokens:
+        # A causal LM read as a classifier (vLLM's hf_overrides): two tokens give one logit,
+        # the second's minus the first's (Qwen3-Reranker's "no", "yes"), under a sigmoid.
+        if len(from_tokens) == 2:
+            return PoolerConfig(pooling, False, labels=(str(from_tokens[1]),), activation="sigmoid")
+        labels = tuple(str(token) for token in from_tokens)
+        return PoolerConfig(pooling, False, labels=labels, activation="softmax")
     id2label = raw.get("id2label")
     if id2label:
         labels = tuple(str(id2label[key]) for key in sorted(id2label, key=int))
     else:  # transformers' default: two labels
         count = int(raw.get("num_labels", 2))
         labels = tuple(f"LABEL_{i}" for i in range(count))
-    pooling = "CLS" if arch.architecture in ENCODER_ARCHITECTURES else "LAST"
     return PoolerConfig(pooling, False, labels=labels, activation=_activation(raw, len(labels)))
+
+
+def with_classifier_token_ids(arch: ArchConfig, tokenizer: Any) -> ArchConfig:
+    """``arch`` with the ids of its ``classifier_from_token`` words
+    (``classifier_from_token_ids``), which the model reads its head from; each word must
+    be one token of ``tokenizer``."""
+    tokens = arch.raw.get("classifier_from_token")
+    if not tokens:
+        return arch
+    if (
+        arch.architecture in ENCODER_ARCHITECTURES
+        or arch.architecture not in CLASSIFIER_ARCHITECTURES
+    ):
+        raise ValueError(
+            "classifier_from_token reads a classifier from a causal LM's head; set "
+            'hf_overrides {"architectures": ["Qwen3ForSequenceClassification"], ...} (or the '
+            "Llama, Mistral or Qwen2 one) for a decoder checkpoint."
+        )
+    if tokenizer is None:
+        raise ValueError("classifier_from_token needs the model's tokenizer; do not skip it.")
+    ids = []
+    for token in tokens:
+        encoded = tokenizer.encode(str(token), add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ValueError(
+                f"classifier_from_token word {token!r} is {len(encoded)} tokens of this "
+                "tokenizer; each must be exactly one."
+            )
+        ids.append(int(encoded[0]))
+    return dataclasses.replace(arch, raw={**arch.raw, "classifier_from_token_ids": ids})
 
 
 def _activation(raw: dict[str, Any], num_labels: int) -> str:
