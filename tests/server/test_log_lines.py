@@ -64,3 +64,12 @@ def test_requests_are_logged_when_asked(chat_checkpoint, caplog):
             assert client.post("/v1/completions", json=body).status_code == 200
         logged = "Received request cmpl-" in caplog.text and "'hello there'" in caplog.text
         assert logged == log_requests
+
+
+def test_max_log_len_cuts_the_logged_prompt(chat_checkpoint, caplog):
+    ctx = _ctx(chat_checkpoint, log_requests=True, max_log_len=8)
+    body = {"model": "tiny", "prompt": "a long prompt to cut", "max_tokens": 2}
+    level = caplog.at_level(logging.INFO, logger="pagedlm.server")
+    with level, TestClient(build_app(ctx)) as client:
+        assert client.post("/v1/completions", json=body).status_code == 200
+    assert "prompt 'a long ..." in caplog.text and "to cut" not in caplog.text

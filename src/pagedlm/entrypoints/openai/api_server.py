@@ -28,7 +28,12 @@ from typing import TYPE_CHECKING, Any
 from pagedlm.engine.cli_args import engine_args_from_cli
 from pagedlm.engine.core_launch import CoreLaunch
 from pagedlm.entrypoints.openai.admin import AdminOptions, add_admin_args
-from pagedlm.entrypoints.openai.http_options import HttpOptions, add_http_args, uvicorn_options
+from pagedlm.entrypoints.openai.http_options import (
+    MAX_LOGGED_PROMPT_CHARS,
+    HttpOptions,
+    add_http_args,
+    uvicorn_options,
+)
 from pagedlm.entrypoints.openai.limits import add_limit_args, limits_from_args
 from pagedlm.entrypoints.openai.serving_lora import add_lora_args, registry_from_args
 from pagedlm.metrics.log_line import DEFAULT_INTERVAL_S
@@ -128,6 +133,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--enable-log-requests",
         action="store_true",
         help="Log each request's id, prompt (its first characters) and parameters.",
+    )
+    group.add_argument(
+        "--max-log-len",
+        type=int,
+        default=MAX_LOGGED_PROMPT_CHARS,
+        help="With --enable-log-requests, the most characters of a prompt logged "
+        "(default: %(default)s).",
     )
     group.add_argument(
         "--disable-log-requests",
@@ -320,6 +332,7 @@ def serving_context(
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         response_role=args.response_role,
         log_requests=args.enable_log_requests and not args.disable_log_requests,
+        max_log_len=args.max_log_len,
     )
 
 

@@ -14,6 +14,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+MAX_LOGGED_PROMPT_CHARS = 200
+"""``--enable-log-requests`` shows this much of a prompt unless ``--max-log-len`` says."""
+
 
 def _json_list(value: str) -> list[str]:
     try:

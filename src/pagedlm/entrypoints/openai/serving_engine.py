@@ -30,6 +30,7 @@ from pagedlm.engine.concurrent_requests import final_output, gather_all
 from pagedlm.engine.exceptions import EngineDeadError
 from pagedlm.entrypoints.openai.chat_template import ChatTemplateRenderer
 from pagedlm.entrypoints.openai.errors import APIError, from_value_error
+from pagedlm.entrypoints.openai.http_options import MAX_LOGGED_PROMPT_CHARS
 from pagedlm.entrypoints.openai.limits import RequestLimits
 from pagedlm.entrypoints.openai.serving_lora import LoRARegistry
 from pagedlm.lora.request import LoRARequest
@@ -39,8 +40,6 @@ from pagedlm.sampling_params import SamplingParams
 
 T = TypeVar("T")
 logger = logging.getLogger("pagedlm.server")
-MAX_LOGGED_PROMPT_CHARS = 200
-"""``--enable-log-requests`` shows this much of a prompt."""
 
 SHUTDOWN_MESSAGE = (
     "The server is shutting down and its --shutdown-timeout ran out before this request "
@@ -90,6 +89,8 @@ class ServingContext:
     log_requests: bool = False
     """``--enable-log-requests``: one INFO line per engine request (its id, prompt and
     parameters)."""
+    max_log_len: int = MAX_LOGGED_PROMPT_CHARS
+    """``--max-log-len``: the most characters of a logged prompt."""
     created: int = field(default_factory=lambda: int(time.time()))
     _counter: itertools.count = field(default_factory=itertools.count)
     _background: set[asyncio.Task] = field(default_factory=set)
@@ -105,8 +106,8 @@ class ServingContext:
     def log_request(self, request_id: str, prompt: Any, params: Any) -> None:
         if self.log_requests:
             text = repr(prompt)
-            if len(text) > MAX_LOGGED_PROMPT_CHARS:
-                text = text[:MAX_LOGGED_PROMPT_CHARS] + "..."
+            if len(text) > self.max_log_len:
+                text = text[: self.max_log_len] + "..."
             logger.info("Received request %s: prompt %s, params %s", request_id, text, params)
 
     def tokens_as_ids(self, requested: bool | None) -> bool:
