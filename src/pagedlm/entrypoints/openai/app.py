@@ -355,9 +355,14 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
                 tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
             )
             tokens = list(encoded)
-        return JSONResponse(
-            {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len}
-        )
+        answer: dict[str, Any] = {
+            "tokens": tokens,
+            "count": len(tokens),
+            "max_model_len": ctx.max_model_len,
+        }
+        if body.return_token_strs:
+            answer["token_strs"] = ctx.require_tokenizer().convert_ids_to_tokens(tokens)
+        return JSONResponse(answer)
 
     @_body_route(app, ctx, "/detokenize", DetokenizeRequest, anthropic=False)
     async def detokenize(request: Request, body: DetokenizeRequest) -> Response:

@@ -10,7 +10,7 @@ callers), with API-level limits and what must fit the engine's 64-bit wire forma
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -354,6 +354,8 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    """OpenAI's field, handed to the chat template (which may read it, as gpt-oss's does)."""
 
     def num_logprobs(self) -> int | None:
         if not self.logprobs:
@@ -369,6 +371,8 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    """Also answer with each token's string (vLLM's ``token_strs``)."""
 
 
 class DetokenizeRequest(OpenAIModel):

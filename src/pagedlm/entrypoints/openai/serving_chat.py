@@ -71,6 +71,8 @@ class ChatServer:
         template_kwargs = request.template_kwargs()
         if plan.template_tools is not None:
             template_kwargs["tools"] = plan.template_tools
+        if request.reasoning_effort is not None:
+            template_kwargs.setdefault("reasoning_effort", request.reasoning_effort)
         prompt: dict = await multimodal_prompt(
             ctx,
             openai_conversation(request.messages),

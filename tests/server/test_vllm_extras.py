@@ -1,0 +1,36 @@
+"""Small request fields of vLLM's server over ``FakeEngine``: ``/tokenize``'s
+``return_token_strs`` and chat's ``reasoning_effort`` handed to the chat template."""
+
+from __future__ import annotations
+
+from fake_engine import FakeEngine, fake_context
+from starlette.testclient import TestClient
+
+from pagedlm.entrypoints.openai.app import build_app
+
+TEMPLATE = "{{ reasoning_effort or 'none' }}|{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def test_tokenize_returns_the_token_strings(chat_checkpoint):
+    engine = FakeEngine(chat_checkpoint)
+    with TestClient(build_app(fake_context(engine))) as client:
+        answer = client.post("/tokenize", json={"prompt": "héllo", "return_token_strs": True})
+        plain = client.post("/tokenize", json={"prompt": "héllo"}).json()
+    body = answer.json()
+    assert body["token_strs"] == engine.tokenizer.convert_ids_to_tokens(body["tokens"])
+    assert len(body["token_strs"]) == body["count"] and "token_strs" not in plain
+
+
+def test_reasoning_effort_reaches_the_chat_template(chat_checkpoint):
+    engine = FakeEngine(chat_checkpoint)
+    ctx = fake_context(engine, chat_template=TEMPLATE)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "return_token_ids": True}  # fmt: skip
+    with TestClient(build_app(ctx)) as client:
+        effort = client.post("/v1/chat/completions", json={**body, "reasoning_effort": "high"})
+        default = client.post("/v1/chat/completions", json=body)
+        bad = client.post("/v1/chat/completions", json={**body, "reasoning_effort": "max"})
+    decode = engine.tokenizer.decode
+    assert decode(effort.json()["prompt_token_ids"]) == "high|hi"
+    assert decode(default.json()["prompt_token_ids"]) == "none|hi"
+    assert bad.status_code == 400 and "reasoning_effort" in bad.json()["error"]["message"]
