@@ -1,5 +1,6 @@
-"""Small request fields of vLLM's server over ``FakeEngine``: ``/tokenize``'s
-``return_token_strs`` and chat's ``reasoning_effort`` handed to the chat template."""
+"""Small request fields and flags of vLLM's server over ``FakeEngine``: ``/tokenize``'s
+``return_token_strs``, chat's ``reasoning_effort`` handed to the chat template, and
+``--enable-force-include-usage``."""
 
 from __future__ import annotations
 
@@ -34,3 +35,12 @@ def test_reasoning_effort_reaches_the_chat_template(chat_checkpoint):
     assert decode(effort.json()["prompt_token_ids"]) == "high|hi"
     assert decode(default.json()["prompt_token_ids"]) == "none|hi"
     assert bad.status_code == 400 and "reasoning_effort" in bad.json()["error"]["message"]
+
+
+def test_force_include_usage_ends_every_stream_with_the_usage(chat_checkpoint):
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "stream": True}
+    for forced in (False, True):
+        ctx = fake_context(FakeEngine(chat_checkpoint), force_include_usage=forced)
+        with TestClient(build_app(ctx)) as client:
+            text = client.post("/v1/completions", json=body).text
+        assert ('"usage"' in text) == forced

@@ -124,6 +124,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "cache served) on completions and chat (vLLM's flag; default: off).",
     )
     group.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="End every stream with the usage chunk, as stream_options.include_usage asks "
+        "(vLLM's flag; default: off).",
+    )
+    group.add_argument(
         "--return-tokens-as-token-ids",
         action="store_true",
         help="Write logprobs' tokens as 'token_id:<id>' for requests that do not say "
@@ -331,6 +337,7 @@ def serving_context(
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         response_role=args.response_role,
+        force_include_usage=args.enable_force_include_usage,
         log_requests=args.enable_log_requests and not args.disable_log_requests,
         max_log_len=args.max_log_len,
     )

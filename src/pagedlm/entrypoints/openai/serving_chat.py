@@ -193,7 +193,7 @@ class ChatServer:
         completion_tokens = sum(c.num_tokens for c in choices.values())
         usage = self.ctx.usage(prompt_tokens, completion_tokens, cached)
         if request.stream:
-            if request.include_usage:
+            if request.include_usage or self.ctx.force_include_usage:
                 yield f"data: {json.dumps({**chunk_base, 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
             return

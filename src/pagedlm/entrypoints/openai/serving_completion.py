@@ -194,7 +194,7 @@ class CompletionServer:
         )
         prompt_ids = [first.prompt_token_ids for first, _ in started]
         if request.stream:
-            if request.include_usage:
+            if request.include_usage or self.ctx.force_include_usage:
                 yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
             return

@@ -84,6 +84,9 @@ class ServingContext:
     """``--enable-prompt-tokens-details``: usage reports the prompt's cached tokens."""
     return_tokens_as_token_ids: bool = False
     """``--return-tokens-as-token-ids``: the default of the request field."""
+    force_include_usage: bool = False
+    """``--enable-force-include-usage``: streams end with the usage chunk whether or not
+    the request asks (``stream_options.include_usage``)."""
     response_role: str = "assistant"
     """``--response-role``: the role of chat completions' messages."""
     log_requests: bool = False
