@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pagedlm.entrypoints.openai.errors import APIError, from_value_error
 from pagedlm.entrypoints.openai.protocol_embedding import EmbeddingRequest
 from pagedlm.entrypoints.openai.serving_engine import ServingContext
 from pagedlm.entrypoints.openai.serving_pooling import (
@@ -19,9 +18,9 @@ from pagedlm.entrypoints.openai.serving_pooling import (
     encode_vector,
     pool_all,
     pooling_model,
+    pooling_params,
 )
 from pagedlm.pooling import PoolingParams
-from pagedlm.pooling.scoring import check_task
 
 
 class EmbeddingServer:
@@ -29,22 +28,14 @@ class EmbeddingServer:
         self.ctx = ctx
 
     def _check(self, body: EmbeddingRequest) -> PoolingParams:
-        ctx = self.ctx
-        pooler = pooling_model(ctx, body.model, "/v1/embeddings")
-        try:
-            check_task(pooler, "embed")
-        except ValueError as error:
-            raise APIError(str(error)) from None
-        params = PoolingParams(
+        pooler = pooling_model(self.ctx, body.model, "/v1/embeddings", "embed")
+        return pooling_params(
+            self.ctx,
+            pooler,
             dimensions=body.dimensions,
             normalize=body.normalize,
             truncate_prompt_tokens=body.truncate_prompt_tokens,
         )
-        try:
-            params.validate(pooler, ctx.engine.config.model.arch.hidden_size)
-        except ValueError as error:
-            raise from_value_error(error) from None
-        return params
 
     async def create(self, body: EmbeddingRequest) -> tuple[dict[str, Any], None]:
         params = self._check(body)

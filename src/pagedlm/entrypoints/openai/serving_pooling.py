@@ -83,9 +83,12 @@ async def _one(
     return final
 
 
-def pooling_model(ctx: ServingContext, model: str | None, route: str) -> PoolerConfig:
-    """The served pooling model's config; 400 naming ``--runner`` on a generative server,
-    and for LoRA adapters (which do not pool)."""
+def pooling_model(
+    ctx: ServingContext, model: str | None, route: str, task: str | None = None
+) -> PoolerConfig:
+    """The served pooling model's config, checked to serve ``task`` (``scoring.TASKS``;
+    None: any); 400 naming ``--runner`` on a generative server, for LoRA adapters (which
+    do not pool), and naming the route that fits a model of another task."""
     ctx.check_model(model)
     if model in ctx.loras:
         raise APIError(f"LoRA adapters do not serve {route}; name the base model.", param="model")
@@ -96,7 +99,22 @@ def pooling_model(ctx: ServingContext, model: str | None, route: str) -> PoolerC
         )
     pooler = ctx.engine.config.model.pooler
     assert pooler is not None, "a pooling engine has a pooler config"
+    if task is not None:
+        try:
+            scoring.check_task(pooler, task)
+        except ValueError as error:
+            raise APIError(str(error)) from None
     return pooler
+
+
+def pooling_params(ctx: ServingContext, pooler: PoolerConfig, **fields: Any) -> PoolingParams:
+    """``PoolingParams(**fields)`` checked against the model; a 400 naming the field."""
+    params = PoolingParams(**fields)
+    try:
+        params.validate(pooler, ctx.engine.config.model.arch.hidden_size)
+    except ValueError as error:
+        raise from_value_error(error) from None
+    return params
 
 
 def _usage(outputs: list[PoolingRequestOutput]) -> dict[str, Any]:
@@ -108,26 +126,10 @@ class PoolingServer:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    def _check(self, model: str | None, route: str, task: str | None) -> PoolerConfig:
-        pooler = pooling_model(self.ctx, model, route)
-        if task is not None:
-            try:
-                scoring.check_task(pooler, task)
-            except ValueError as error:
-                raise APIError(str(error)) from None
-        return pooler
-
-    def _params(self, pooler: PoolerConfig, **fields: Any) -> PoolingParams:
-        params = PoolingParams(**fields)
-        try:
-            params.validate(pooler, self.ctx.engine.config.model.arch.hidden_size)
-        except ValueError as error:
-            raise from_value_error(error) from None
-        return params
-
     async def classify(self, body: ClassificationRequest) -> tuple[dict[str, Any], None]:
-        pooler = self._check(body.model, "/classify", "classify")
-        params = self._params(
+        pooler = pooling_model(self.ctx, body.model, "/classify", "classify")
+        params = pooling_params(
+            self.ctx,
             pooler,
             use_activation=body.activation_choice(),
             truncate_prompt_tokens=body.truncate_prompt_tokens,
@@ -175,8 +177,9 @@ class PoolingServer:
         return response, None
 
     async def pooling(self, body: PoolingRequest) -> tuple[dict[str, Any], None]:
-        pooler = self._check(body.model, "/pooling", None)
-        params = self._params(
+        pooler = pooling_model(self.ctx, body.model, "/pooling")
+        params = pooling_params(
+            self.ctx,
             pooler,
             dimensions=body.dimensions,
             normalize=body.normalize,
@@ -204,15 +207,18 @@ class PoolingServer:
         request_id: str,
     ) -> tuple[list[float], list[PoolingRequestOutput]]:
         route = "/rerank" if isinstance(body, RerankRequest) else "/score"
-        pooler = self._check(body.model, route, "score")
+        pooler = pooling_model(self.ctx, body.model, route, "score")
         try:
             pairs = scoring.pair_up(first, second, names)
         except ValueError as error:
             raise APIError(str(error), param=names[1]) from None
         truncate = body.truncate_prompt_tokens
         if scoring.is_cross_encoder(pooler):
-            params = self._params(
-                pooler, use_activation=body.activation_choice(), truncate_prompt_tokens=truncate
+            params = pooling_params(
+                self.ctx,
+                pooler,
+                use_activation=body.activation_choice(),
+                truncate_prompt_tokens=truncate,
             )
             outputs = await pool_all(self.ctx, pairs, params, request_id)
             return [float(output.outputs.data[0]) for output in outputs], outputs
@@ -222,7 +228,7 @@ class PoolingServer:
                 "cosine similarity. Omit it.",
                 param="use_activation",
             )
-        params = self._params(pooler, truncate_prompt_tokens=truncate)
+        params = pooling_params(self.ctx, pooler, truncate_prompt_tokens=truncate)
         firsts = first[:1] if len(first) == 1 else first
         outputs = await pool_all(self.ctx, firsts + [b for _, b in pairs], params, request_id)
         vectors = [output.outputs.data for output in outputs]
