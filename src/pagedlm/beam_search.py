@@ -33,6 +33,7 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    """vLLM's field, kept for its signature: beam search has no stop strings to include."""
 
     def __post_init__(self) -> None:
         width = self.beam_width

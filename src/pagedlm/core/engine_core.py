@@ -103,7 +103,10 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         if self.sleep_level:
-            raise ValueError("The engine is sleeping; wake it up (POST /wake_up) first.")
+            raise ValueError(
+                "The engine is asleep; call wake_up() (POST /wake_up on a server) before "
+                "adding requests."
+            )
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:

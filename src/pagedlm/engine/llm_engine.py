@@ -71,8 +71,6 @@ class LLMEngine:
         return self.input_processor.process(request_id, prompt, params, priority, lora_request)
 
     def add_processed_request(self, request: ProcessedRequest) -> None:
-        if self.engine_core.sleep_level:
-            raise ValueError("The engine is asleep; call wake_up() before adding requests.")
         # Check every child fits before queueing any, so a rejection leaves no trace.
         self.output_processor.add_request(
             request.request_id,
