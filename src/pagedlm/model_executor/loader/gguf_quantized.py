@@ -2,50 +2,35 @@
 
 A platform with a weight-only quantized matmul asks ``gguf_linear_blocks`` for the file's
 blocks in affine form (``gguf_blocks.AffineBlocks``), laid out exactly like each layer's
-weight: q/k/v stacked into ``qkv_proj``, gate/up into ``gate_up_proj``, this rank's
-tensor-parallel shard, llama's q/k rows un-permuted, a tied LM head sharing the embedding's.
-
-No model knowledge is repeated here: the blocks go through the model's own
-``load_weights`` and weight loaders, once per part (codes, then scales, then minimums), with
-every 2-D parameter temporarily replaced by a stand-in of the shape that part has (codes:
-the weight's shape; scales and minimums: one column per 32). Every step on the way copies
-whole rows or block-aligned column slices, so each stand-in ends up holding its layer's
-blocks. A caller whose kernels take a scale per 16 columns (``groups_of_16``: the CUDA
-platform) also gets the blocks of Q2_K, Q3_K and Q6_K tensors: when the file has any,
-every tensor's scales are routed at one column per 16 (a 32-column group's scale twice),
-and a layer whose scales come in equal pairs is handed over with one per 32 again, so only
-layers with such rows keep the finer groups (v_proj in Q6_K next to q/k in Q4_K makes the
-whole qkv_proj so). Layers where routing does not give a layer its blocks are left out,
-never approximated:
-
-- a layer fed by a tensor without an affine form (one in an IQ type or F16, or in Q2_K,
-  Q3_K or Q6_K for a caller without groups of 16): its scales keep the NaN they start with;
-- a layer whose blocks do not dequantize to exactly the float weight it was loaded with
-  (a ``load_weights`` that does more than copy), or whose input width is not a multiple
-  of 32.
+weight; ``block_routing`` routes them through the model's own ``load_weights`` (llama's
+q/k rows are un-permuted on the way by the GGUF entries' ``fix_rows``). A caller whose
+kernels take a scale per 16 columns (``groups_of_16``: the CUDA platform) also gets the
+blocks of Q2_K, Q3_K and Q6_K tensors: when the file has any, every tensor's scales are
+routed at one column per 16, and only layers with such rows keep the finer groups (v_proj
+in Q6_K next to q/k in Q4_K makes the whole qkv_proj so). A tensor without an affine form
+(an IQ type or F16, or Q2_K, Q3_K or Q6_K for a caller without groups of 16) gives its
+layer no blocks.
 
 Two ways in. After an ordinary load (float weights dequantized), ``gguf_linear_blocks``
 reads the file's blocks again and checks each layer against its weight. A platform that
-will put every such layer on its blocks (``Platform.computes_on_gguf_blocks``) has the
+will put every such layer on its blocks (``Platform.computes_on_weight_blocks``) has the
 model loaded by ``load_gguf_keeping_blocks`` instead: each tensor is read once, the blocks
-are routed first, and the float weights of the layers that get them are never computed
-(they are what the kernels replace); ``gguf_linear_blocks`` then hands over those blocks.
-Those layers are checked by the parity tests (``tests/cpu/test_quantized_parity.py``)
-rather than at start-up, since there is no float weight to compare with.
+are routed first, and the float weights of the layers that get them are never computed;
+``gguf_linear_blocks`` then hands over those blocks.
 """
 
 from __future__ import annotations
 
-import logging
-import weakref
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from typing import Literal
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
-from pagedlm.model_executor.layers.linear_base import LinearBase
+from pagedlm.model_executor.loader.block_routing import (
+    linear_blocks_from,
+    load_keeping_blocks,
+    take_kept_blocks,
+)
 from pagedlm.model_executor.loader.gguf_blocks import GROUP_SIZE, AffineBlocks, decode_blocks
 from pagedlm.model_executor.loader.gguf_loader import (
     GGUF_ARCHITECTURES,
@@ -57,18 +42,9 @@ from pagedlm.model_executor.loader.gguf_reader import (
     read_gguf_header,
     read_gguf_raw,
 )
-from pagedlm.model_executor.loader.weight_utils import (
-    get_weight_loader,
-    one_intra_op_thread,
-    set_weight_loader,
-)
+from pagedlm.model_executor.loader.weight_utils import one_intra_op_thread
 
-logger = logging.getLogger(__name__)
-
-Part = Literal["codes", "scales", "mins", "sources"]
-_PARTS: tuple[Part, ...] = ("codes", "scales", "mins")
-_KEPT: weakref.WeakKeyDictionary[nn.Module, dict[str, AffineBlocks]] = weakref.WeakKeyDictionary()
-"""Blocks ``load_gguf_keeping_blocks`` routed, until ``gguf_linear_blocks`` takes them."""
+_PARTS = ("codes", "scales", "mins")
 
 
 def _iter_blocks(
@@ -87,120 +63,6 @@ def _iter_blocks(
                 yield name, AffineBlocks(*(fix_rows(getattr(blocks, p)) for p in _PARTS))
 
 
-def _stand_in(weight: torch.Tensor, part: Part, group: int) -> torch.Tensor | None:
-    rows, cols = _full_shape(weight)
-    if part == "codes":
-        # Uninitialized: codes are used only where the scales show every row was filled.
-        return torch.empty(rows, cols, dtype=torch.uint8)
-    if cols % GROUP_SIZE:
-        return None
-    return torch.full((rows, cols // group), float("nan"), dtype=torch.float32)
-
-
-@contextmanager
-def _stand_ins(
-    model: nn.Module, part: Part, group: int = GROUP_SIZE
-) -> Iterator[dict[int, torch.Tensor]]:
-    """Every 2-D parameter replaced (in every module holding it) by a stand-in for ``part``
-    (scales and minimums: one column per ``group``); yields ``{id(original parameter):
-    stand-in data}`` and puts the originals back."""
-    holders: list[tuple[nn.Module, str, nn.Parameter]] = []
-    replacements: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for attr, param in list(module.named_parameters(recurse=False)):
-            if len(_full_shape(param)) != 2:
-                continue
-            if id(param) not in replacements:
-                data = _stand_in(param, part, group)
-                if data is None:
-                    continue
-                replacement = nn.Parameter(data, requires_grad=False)
-                set_weight_loader(replacement, get_weight_loader(param))
-                replacements[id(param)] = replacement
-            holders.append((module, attr, param))
-            setattr(module, attr, replacements[id(param)])
-    try:
-        yield {key: value.data for key, value in replacements.items()}
-    finally:
-        for module, attr, param in holders:
-            setattr(module, attr, param)
-
-
-def _route(
-    model: nn.Module, parts: Iterable[tuple[str, AffineBlocks]]
-) -> tuple[dict[Part, dict[int, torch.Tensor]], set[str]]:
-    """Each part of ``parts``' blocks through ``load_weights`` into stand-ins: {part:
-    {id(parameter): its stand-in}}, and the names of the parameters that were fed. Scales
-    go at the finest group any of the blocks has."""
-    decoded = list(parts)
-    group = min((blocks.group_size for _, blocks in decoded), default=GROUP_SIZE)
-    if group < GROUP_SIZE:
-        decoded = [(name, _regrouped(blocks, group)) for name, blocks in decoded]
-    routed: dict[Part, dict[int, torch.Tensor]] = {}
-    loaded: set[str] = set()
-    with torch.no_grad():
-        for part in _PARTS:
-            with _stand_ins(model, part, group) as filled:
-                loaded |= model.load_weights((name, getattr(b, part)) for name, b in decoded)
-            routed[part] = filled
-    return routed, loaded
-
-
-def _complete_layers(
-    model: nn.Module, routed: dict[Part, dict[int, torch.Tensor]]
-) -> dict[str, AffineBlocks]:
-    """Module name -> blocks, for every ``LinearBase`` whose every row came from blocks."""
-    found: dict[str, AffineBlocks] = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, LinearBase) or module.weight.dim() != 2:
-            continue
-        key = id(module.weight)
-        if any(key not in routed[part] for part in _PARTS):
-            continue
-        blocks = AffineBlocks(*(routed[part][key] for part in _PARTS))
-        if not torch.isnan(blocks.scales).any():  # NaN: rows from a tensor without blocks
-            found[name] = _coarsest(blocks)
-    return found
-
-
-def _regrouped(blocks: AffineBlocks, group: int) -> AffineBlocks:
-    """The same values with a scale and a minimum per ``group`` columns (each repeated)."""
-    repeat = blocks.group_size // group
-    if repeat == 1:
-        return blocks
-    return AffineBlocks(
-        blocks.codes,
-        blocks.scales.repeat_interleave(repeat, dim=1),
-        blocks.mins.repeat_interleave(repeat, dim=1),
-    )
-
-
-def _coarsest(blocks: AffineBlocks) -> AffineBlocks:
-    """Groups of 16 whose scales and minimums come in equal pairs, as groups of 32."""
-    scales, mins = blocks.scales, blocks.mins
-    if blocks.group_size != GROUP_SIZE // 2 or scales.shape[1] % 2:
-        return blocks
-    if torch.equal(scales[:, 0::2], scales[:, 1::2]) and torch.equal(mins[:, 0::2], mins[:, 1::2]):
-        return AffineBlocks(blocks.codes, scales[:, 0::2].contiguous(), mins[:, 0::2].contiguous())
-    return blocks
-
-
-def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
-    """A parameter's shape, or for a kept layer's emptied weight the shape it stands for."""
-    return getattr(param, "full_shape", tuple(param.shape))
-
-
-def _reproduces_weight(name: str, blocks: AffineBlocks, weight: torch.Tensor) -> bool:
-    if weight.numel() == 0:  # a kept layer's weight: nothing to compare (blocks in a kernel)
-        return False
-    # Checked where the weight lives (the GPU dequantizes an 8B model in moments).
-    on_device = AffineBlocks(*(getattr(blocks, p).to(weight.device) for p in _PARTS))
-    if torch.equal(on_device.dequantize().to(weight.dtype), weight):
-        return True
-    logger.warning("%s: the GGUF blocks do not reproduce the loaded weight; it stays dense.", name)
-    return False
-
-
 def gguf_linear_blocks(
     model: nn.Module, path: str, groups_of_16: bool = False
 ) -> dict[str, AffineBlocks]:
@@ -212,16 +74,11 @@ def gguf_linear_blocks(
     For a model that ``load_gguf_keeping_blocks`` filled, the blocks it kept (once: a
     second call reads the file).
     """
-    kept = _KEPT.pop(model, None)
+    kept = take_kept_blocks(model)
     if kept is not None:
         return kept
     # Decoded once (about 1.1 bytes per weight), then routed part by part.
-    routed, _ = _route(model, _iter_blocks(path, model, groups_of_16))
-    return {
-        name: blocks
-        for name, blocks in _complete_layers(model, routed).items()
-        if _reproduces_weight(name, blocks, model.get_submodule(name).weight)
-    }
+    return linear_blocks_from(model, _iter_blocks(path, model, groups_of_16))
 
 
 def load_gguf_keeping_blocks(
@@ -229,39 +86,11 @@ def load_gguf_keeping_blocks(
 ) -> set[str]:
     """Fill ``model`` from the GGUF file ``path``, reading each tensor once, and keep the
     blocks of every linear layer whose whole weight has them for ``gguf_linear_blocks``
-    (those in groups of 16 too with ``groups_of_16``); returns the names of the parameters filled (all
-    of them, for ``check_all_loaded``).
-
-    The float weight of a kept layer that no other module shares is never made: it becomes
-    an empty tensor (on ``device``, where a linear weight built under
-    ``linear_base.deferred_weights`` sits on the meta device until then; other such
-    weights get their memory here, then their values). The caller must give every layer
-    ``gguf_linear_blocks`` returns a kernel on its blocks before the model runs. A shared
-    one (an LM head tied to the embedding) is filled and checked against its blocks as in
-    ``gguf_linear_blocks``.
-    """
+    (those in groups of 16 too with ``groups_of_16``); returns the names of the parameters
+    filled. The float weights of kept layers are never made: the caller must give each of
+    them a kernel on its blocks (``block_routing.load_keeping_blocks``)."""
     with one_intra_op_thread():
         return _load_keeping_blocks(model, path, groups_of_16, device)
-
-
-def _allocate_weights(model: nn.Module, kept: set[int], device: torch.device | None) -> None:
-    """Give every parameter on the meta device (a linear weight built under
-    ``deferred_weights``) memory on ``device``, uninitialized for the loader to fill, and
-    every one in ``kept`` (ids) an empty tensor instead (a kernel over its blocks will
-    compute the layer); in every module holding it."""
-    replaced: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for attr, param in list(module.named_parameters(recurse=False)):
-            if id(param) not in replaced and (param.is_meta or id(param) in kept):
-                at = device if param.is_meta else param.device
-                shape = (0,) if id(param) in kept else param.shape
-                new = nn.Parameter(torch.empty(shape, dtype=param.dtype, device=at), False)
-                set_weight_loader(new, get_weight_loader(param))
-                if id(param) in kept:  # so that a later routing still knows the layer's shape
-                    new.full_shape = tuple(param.shape)  # type: ignore[attr-defined]
-                replaced[id(param)] = new
-            if id(param) in replaced:
-                setattr(module, attr, replaced[id(param)])
 
 
 def _load_keeping_blocks(
@@ -282,65 +111,14 @@ def _load_keeping_blocks(
                     )
                     continue
             others.append((name, info, fix_rows))
-        routed, loaded = _route(model, blocks_by_tensor.items())
-        found = _complete_layers(model, routed)
-        shared = {id(p) for p, n in _parameter_uses(model).items() if n > 1}
-        unfilled = {
-            id(model.get_submodule(name).weight)
-            for name in found
-            if id(model.get_submodule(name).weight) not in shared
-        }
-        needed = _tensors_feeding(model, blocks_by_tensor, skip=unfilled)
-        kept_names = {name for name in found if id(model.get_submodule(name).weight) in unfilled}
-        _allocate_weights(model, unfilled, device)
 
         def float_weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, blocks in blocks_by_tensor.items():
-                if name in needed:
-                    yield name, blocks.dequantize()
             for name, info, fix_rows in others:
                 raw, type_name = read_gguf_raw(file, info, path)
                 tensor = fix_rows(dequantize_gguf_raw(raw, type_name, info, path))
                 yield name, offset_norm(tensor, info, norm_offset)
 
-        with torch.no_grad():
-            loaded |= model.load_weights(float_weights())
-    if any(param.is_meta for param in model.parameters()):
-        raise RuntimeError("load_gguf_keeping_blocks left a parameter without memory.")
-    _KEPT[model] = {
-        name: blocks
-        for name, blocks in found.items()
-        if name in kept_names or _reproduces_weight(name, blocks, model.get_submodule(name).weight)
-    }
-    return loaded
-
-
-def _parameter_uses(model: nn.Module) -> dict[nn.Parameter, int]:
-    uses: dict[nn.Parameter, int] = {}
-    for _, param in model.named_parameters(remove_duplicate=False):
-        uses[param] = uses.get(param, 0) + 1
-    return uses
-
-
-def _tensors_feeding(
-    model: nn.Module, blocks_by_tensor: dict[str, AffineBlocks], skip: set[int]
-) -> set[str]:
-    """The checkpoint tensors of ``blocks_by_tensor`` that feed some parameter whose id is
-    not in ``skip``: found by routing each tensor's index (one value per block) into
-    stand-ins, the way the blocks went."""
-    names = list(blocks_by_tensor)
-    group = min((b.group_size for b in blocks_by_tensor.values()), default=GROUP_SIZE)
-    with torch.no_grad(), _stand_ins(model, "sources", group) as filled:
-        model.load_weights(
-            (name, torch.full((b.codes.shape[0], b.codes.shape[1] // group), float(index)))
-            for index, (name, b) in enumerate(blocks_by_tensor.items())
-        )
-    needed: set[str] = set()
-    for key, sources in filled.items():
-        if key not in skip:
-            indices = sources[~torch.isnan(sources)].unique().tolist()
-            needed.update(names[int(index)] for index in indices)
-    return needed
+        return load_keeping_blocks(model, blocks_by_tensor, float_weights, device)
 
 
 __all__ = ["gguf_linear_blocks", "load_gguf_keeping_blocks"]
