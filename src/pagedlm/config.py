@@ -257,8 +257,9 @@ class ModelConfig:
     revision: str | None = None
     """The hub revision ``model`` was resolved at (None: a local path or the default branch)."""
     quantization: str | None = None
-    """None, "bitsandbytes" (linear layers quantized at load, see ``bnb_quant_type``) or "fp8"
-    (E4M3 weights: quantized at load, or read from an FP8 checkpoint)."""
+    """None, "bitsandbytes" (linear layers quantized at load, see ``bnb_quant_type``), "fp8"
+    (E4M3 weights: quantized at load, or read from an FP8 checkpoint), or "gptq" / "awq"
+    (a checkpoint of integer codes: ``quantization.int_checkpoint``)."""
     bnb_quant_type: str = "nf4"
     """With bitsandbytes: "nf4" or "fp4" (4-bit, blocks of 64) or "int8" (per-row 8-bit)."""
     trust_remote_code: bool = False
@@ -278,6 +279,17 @@ class ModelConfig:
     @property
     def is_gguf(self) -> bool:
         return self.model.endswith(".gguf")
+
+    @property
+    def has_weight_blocks(self) -> bool:
+        """Whether the checkpoint's linear layers come as quantized blocks a platform's
+        kernels can compute on (``Platform.computes_on_weight_blocks``): a GGUF file's, not
+        requantized, or a GPTQ or AWQ checkpoint's; never dummy weights."""
+        if self.load_format == "dummy":
+            return False
+        if self.is_gguf:
+            return self.quantization is None
+        return self.quantization in ("gptq", "awq")
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,7 @@ class CpuPlatform(Platform):
         with_copies = self._install_dense_copies(model) if quantized else ""
         packed = prepack_linears(model)
         logger.info(
-            "CPU linear layers: %d on the GGUF file's quantized blocks (int4 kernel%s%s), %d "
+            "CPU linear layers: %d on the checkpoint's quantized blocks (int4 kernel%s%s), %d "
             "dense on oneDNN (%s=1 computes on dequantized weights).",
             quantized,
             int8_head,
@@ -166,28 +166,27 @@ class CpuPlatform(Platform):
                     FAST_DECODE_ENV,
                 )
 
-    def computes_on_gguf_blocks(self, model_config: ModelConfig) -> bool:
+    def computes_on_weight_blocks(self, model_config: ModelConfig) -> bool:
         from pagedlm_cpu.quantized_linear import int4_kernel_available
 
         return (
-            model_config.is_gguf
-            and model_config.load_format != "dummy"
-            and model_config.quantization is None
+            model_config.has_weight_blocks
             and os.environ.get(DEQUANTIZE_GGUF_ENV, "0") in ("", "0")
             and int4_kernel_available()
         )
 
     def _install_quantized_kernels(self, model: torch.nn.Module) -> int:
-        """Give the layers of a GGUF model int4 kernels over the file's blocks; how many."""
+        """Give the layers of a GGUF, GPTQ or AWQ model int4 kernels over the checkpoint's
+        blocks; how many."""
         config = self._model_config
-        if config is None or not self.computes_on_gguf_blocks(config):
-            if config is not None and config.is_gguf and config.quantization is None:
+        if config is None or not self.computes_on_weight_blocks(config):
+            if config is not None and config.has_weight_blocks:
                 logger.info(
-                    "GGUF weights stay dequantized (no CPU int4 kernel, or %s=1).",
+                    "Quantized weights stay dequantized (no CPU int4 kernel, or %s=1).",
                     DEQUANTIZE_GGUF_ENV,
                 )
             return 0
-        from pagedlm.model_executor.loader.gguf_quantized import gguf_linear_blocks
+        from pagedlm.model_executor.loader import quantized_linear_blocks
         from pagedlm_cpu.quantized_linear import DEFAULT_MAX_ROWS, install_int4_kernels
 
         try:
@@ -197,7 +196,7 @@ class CpuPlatform(Platform):
                 f"{INT4_MAX_ROWS_ENV} must be a whole number of rows, "
                 f"got {os.environ[INT4_MAX_ROWS_ENV]!r}."
             ) from None
-        return install_int4_kernels(model, gguf_linear_blocks(model, config.model), max_rows)
+        return install_int4_kernels(model, quantized_linear_blocks(model, config), max_rows)
 
     def _install_int8_lm_head(self, model: torch.nn.Module) -> str:
         """Put a two-plane LM head's one or two rows on fbgemm's int8 GEMM; says so."""

@@ -119,10 +119,10 @@ class CudaPlatform(Platform):
 
     gguf_groups_of_16 = True  # Q2_K, Q3_K and Q6_K layers stay quantized too
 
-    def computes_on_gguf_blocks(self, model_config: ModelConfig) -> bool:
-        from pagedlm_cuda.quantized_linear import computes_on_gguf_blocks
+    def computes_on_weight_blocks(self, model_config: ModelConfig) -> bool:
+        from pagedlm_cuda.quantized_linear import computes_on_weight_blocks
 
-        return computes_on_gguf_blocks(model_config)
+        return computes_on_weight_blocks(model_config)
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         from pagedlm_cuda.fused_layers import install_fused_kernels

@@ -1,6 +1,7 @@
 """Linear kernels over quantized weights on the GPU, installed through ``set_kernel``:
-FP8 E4M3 layers (``quantization="fp8"``) and the layers of a ``.gguf`` model, which keep
-the file's blocks on the device instead of a bf16 copy.
+FP8 E4M3 layers (``quantization="fp8"``) and the layers of a ``.gguf`` model or a GPTQ or
+AWQ checkpoint, which keep the checkpoint's integer blocks on the device instead of a bf16
+copy (``GgufCudaLinear``: a GPTQ/AWQ layer's blocks are GGUF Q4_1- or Q8-like).
 
 Both route by row count only (never by anything else in the step), so a step gives the
 same result from a CUDA graph or eagerly:
@@ -48,7 +49,8 @@ from pagedlm.model_executor.quantization.fp8 import (
 logger = logging.getLogger(__name__)
 
 DEQUANTIZE_GGUF_ENV = "PAGEDLM_CUDA_DEQUANTIZE_GGUF"
-"""Set to 1 to compute GGUF models on dequantized bf16 weights (the parity reference)."""
+"""Set to 1 to compute GGUF (and GPTQ, AWQ) models on dequantized weights (the parity
+reference)."""
 FP8_MIN_CAPABILITY = (8, 9)
 DEFAULT_MAX_TILED_ROWS = 64
 """Rows up to which GGUF layers use the tiled dequantizing GEMM (a first guess until the
@@ -214,39 +216,34 @@ def install_gguf_kernels(
     return count
 
 
-def computes_on_gguf_blocks(model_config: ModelConfig) -> bool:
-    """Whether a model of ``model_config`` runs its GGUF layers on their blocks (the
-    platform's ``computes_on_gguf_blocks``): a ``.gguf`` file's weights, not dummy ones,
-    unless ``PAGEDLM_CUDA_DEQUANTIZE_GGUF=1``."""
-    return (
-        model_config.is_gguf
-        and model_config.load_format != "dummy"
-        and model_config.quantization is None
-        and os.environ.get(DEQUANTIZE_GGUF_ENV, "0") in ("", "0")
-    )
+def computes_on_weight_blocks(model_config: ModelConfig) -> bool:
+    """Whether a model of ``model_config`` runs its quantized layers on their blocks (the
+    platform's ``computes_on_weight_blocks``): a ``.gguf`` file's, a GPTQ or AWQ
+    checkpoint's, unless ``PAGEDLM_CUDA_DEQUANTIZE_GGUF=1``."""
+    return model_config.has_weight_blocks and os.environ.get(DEQUANTIZE_GGUF_ENV, "0") in ("", "0")
 
 
 def install_quantized_kernels(model: nn.Module, model_config: ModelConfig | None) -> None:
     """The GPU kernels of ``model``'s quantized layers: its E4M3 ones, and, when it is the
-    model of a ``.gguf`` file (not a draft model sharing the config), its GGUF blocks:
-    those the loader kept (the model runner loads such a model keeping them, the float
-    weights of their layers never made), those with groups of 16 included."""
+    model of a GGUF file or a GPTQ or AWQ checkpoint (not a draft model sharing the
+    config), its blocks: those the loader kept (the model runner loads such a model keeping
+    them, the float weights of their layers never made), those with groups of 16 included."""
     fp8_layers = install_fp8_kernels(model)
     gguf_layers = 0
     if (
         model_config is not None
-        and computes_on_gguf_blocks(model_config)
+        and computes_on_weight_blocks(model_config)
         and getattr(model, "arch", None) == model_config.arch
     ):
-        from pagedlm.model_executor.loader.gguf_quantized import gguf_linear_blocks
+        from pagedlm.model_executor.loader import quantized_linear_blocks
 
-        blocks = gguf_linear_blocks(model, model_config.model, groups_of_16=True)
+        blocks = quantized_linear_blocks(model, model_config, groups_of_16=True)
         gguf_layers = install_gguf_kernels(model, blocks)
         torch.cuda.empty_cache()  # the dense weights just freed
     if fp8_layers or gguf_layers:
         logger.info(
-            "CUDA quantized linear layers: %d in FP8, %d on the GGUF file's blocks "
-            "(%s=1 computes GGUF models on dequantized weights).",
+            "CUDA quantized linear layers: %d in FP8, %d on the checkpoint's integer blocks "
+            "(%s=1 computes GGUF, GPTQ and AWQ models on dequantized weights).",
             fp8_layers,
             gguf_layers,
             DEQUANTIZE_GGUF_ENV,

@@ -116,7 +116,7 @@ def runs(request, tmp_path_factory):
         results["alone choices"] = [choices[0] for _, _, choices in alone]
         # As the CPU platform loads it: each tensor read once, no float weights for the
         # layers the kernel replaces.
-        kept = load_model(config.model, torch.device("cpu"), keep_gguf_blocks=True)
+        kept = load_model(config.model, torch.device("cpu"), keep_weight_blocks=True)
         assert install_int4_kernels(kept, gguf_linear_blocks(kept, path)) == num_linears
         results["int4_kept"] = (prompts, *_run(kept, prompts)[:2])
     finally:

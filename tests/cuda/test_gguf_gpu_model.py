@@ -70,13 +70,13 @@ def _logprobs(model: torch.nn.Module) -> list[torch.Tensor]:
 @pytest.mark.parametrize("file", ["tiny_gguf", "tiny_k_gguf"])
 def test_gguf_kernels_in_a_model_match_its_dequantized_weights(file: str, request) -> None:
     """Loaded as the CUDA platform loads it: the blocks kept, the float weights of their
-    layers never made (``computes_on_gguf_blocks``, ``gguf_groups_of_16``)."""
+    layers never made (``computes_on_weight_blocks``, ``gguf_groups_of_16``)."""
     path = request.getfixturevalue(file)
     config, _ = EngineArgs(model=path, dtype="float32").create_engine_config()
     with torch.no_grad():
         reference = _logprobs(load_model(config.model, torch.device("cpu")))
         model = load_model(
-            config.model, torch.device("cpu"), keep_gguf_blocks=True, gguf_groups_of_16=True
+            config.model, torch.device("cpu"), keep_weight_blocks=True, gguf_groups_of_16=True
         )
         tied = model.lm_head.weight is model.model.embed_tokens.weight
         blocks = gguf_linear_blocks(model, path, groups_of_16=True)
@@ -162,6 +162,6 @@ def test_the_cuda_platform_keeps_gguf_blocks_unless_asked_not_to(tiny_gguf, monk
 
     config, _ = EngineArgs(model=tiny_gguf, dtype="float32").create_engine_config()
     platform = CudaPlatform()
-    assert platform.computes_on_gguf_blocks(config.model) and platform.gguf_groups_of_16
+    assert platform.computes_on_weight_blocks(config.model) and platform.gguf_groups_of_16
     monkeypatch.setenv(DEQUANTIZE_GGUF_ENV, "1")
-    assert not platform.computes_on_gguf_blocks(config.model)
+    assert not platform.computes_on_weight_blocks(config.model)

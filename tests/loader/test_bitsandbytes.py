@@ -183,7 +183,7 @@ def test_other_quantized_checkpoints_are_refused(checkpoint: Path, tmp_path: Pat
     for file in checkpoint.iterdir():
         (tmp_path / file.name).write_bytes(file.read_bytes())
     config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "hqq", "bits": 4}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quantized with 'awq', which pagedlm cannot load"):
+    with pytest.raises(ValueError, match="quantized with 'hqq', which pagedlm cannot load"):
         EngineArgs(model=str(tmp_path)).create_engine_config()

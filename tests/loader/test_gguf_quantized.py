@@ -89,7 +89,7 @@ def test_layers_fed_by_a_type_without_affine_form_are_left_out(tmp_path):
 def _load_keeping_blocks(path: str, dtype: str = "float32", groups_of_16: bool = False):
     config, _ = EngineArgs(model=path, dtype=dtype, platform="cpu").create_engine_config()
     return load_model(
-        config.model, torch.device("cpu"), keep_gguf_blocks=True, gguf_groups_of_16=groups_of_16
+        config.model, torch.device("cpu"), keep_weight_blocks=True, gguf_groups_of_16=groups_of_16
     )
 
 

@@ -95,7 +95,7 @@ def test_directory_without_config_json(tmp_path: Path) -> None:
     [
         ({"load_format": "pt"}, "load_format='pt' is unknown; use one of auto, safetensors"),
         ({"load_format": "gguf"}, "load_format='gguf' needs a .gguf file"),
-        ({"quantization": "awq"}, "quantization='awq' is not supported"),
+        ({"quantization": "hqq"}, "quantization='hqq' is not supported"),
         ({"quantization": "bitsandbytes", "bnb_quant_type": "nf3"}, "bnb_quant_type='nf3'"),
         ({"revision": "main"}, "revision='main' applies to hub ids"),
         ({"dtype": "float64"}, "Unknown dtype 'float64'"),

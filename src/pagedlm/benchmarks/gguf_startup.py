@@ -9,7 +9,7 @@ Writes a random Q4_0 file of Llama-3-8B's shape cut to ``--layers`` layers
   ``gguf_linear_blocks`` reading and decoding the file again and checking each layer's
   blocks against its loaded weight (how the CUDA platform loaded GGUF models before
   session 17);
-- *keeping the blocks*: ``load_model(keep_gguf_blocks=True)``, each tensor read once and
+- *keeping the blocks*: ``load_model(keep_weight_blocks=True)``, each tensor read once and
   the float weights of the layers with blocks never computed, nor allocated (the CPU and
   CUDA platforms' way now).
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
 
         def timed(keep: bool) -> tuple[float, int, float]:
             start = time.perf_counter()
-            model = load_model(config.model, cpu, keep_gguf_blocks=keep, gguf_groups_of_16=True)
+            model = load_model(config.model, cpu, keep_weight_blocks=keep, gguf_groups_of_16=True)
             gigabytes = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
             layers = len(gguf_linear_blocks(model, str(path), groups_of_16=True))
             elapsed = time.perf_counter() - start

@@ -56,7 +56,9 @@ class EngineArgs:
     quantization: str | None = None
     """None, "bitsandbytes" to quantize linear layers at load (needs pagedlm[bnb]), or "fp8":
     E4M3 weights with per-channel scales (float checkpoints quantized at load; FP8
-    checkpoints, vLLM "fp8" or "compressed-tensors", are read as FP8 without it)."""
+    checkpoints, vLLM "fp8" or "compressed-tensors", are read as FP8 without it). GPTQ and
+    AWQ checkpoints are read as such without it ("gptq", "awq"; vLLM's "gptq_marlin",
+    "awq_marlin" name the same)."""
     bnb_quant_type: str = "nf4"
     """With quantization="bitsandbytes": "nf4" or "fp4" (4-bit), or "int8"."""
     dtype: str = "auto"
@@ -510,10 +512,16 @@ class EngineArgs:
                 f"load_format={self.load_format!r} is unknown; use one of "
                 f"{', '.join(LOAD_FORMATS)}."
             )
-        if self.quantization not in (None, "bitsandbytes", *_FP8_NAMES):
+        from pagedlm.model_executor.quantization.int_checkpoint import (
+            INT_CHECKPOINT_METHODS,
+            METHOD_ALIASES,
+        )
+
+        known = (None, "bitsandbytes", *_FP8_NAMES, *INT_CHECKPOINT_METHODS, *METHOD_ALIASES)
+        if self.quantization not in known:
             raise ValueError(
                 f"quantization={self.quantization!r} is not supported; use None, "
-                "'bitsandbytes' or 'fp8'."
+                "'bitsandbytes' or 'fp8' (or 'gptq', 'awq' for checkpoints quantized so)."
             )
         if self.quantization == "bitsandbytes":
             from pagedlm.model_executor.loader.bitsandbytes import (
@@ -530,11 +538,18 @@ class EngineArgs:
 
     def _quantization(self, arch: ArchConfig) -> tuple[str | None, str]:
         """The requested quantization, or the one a pre-quantized checkpoint was saved with."""
+        from pagedlm.model_executor.quantization.int_checkpoint import (
+            METHOD_ALIASES,
+            int_checkpoint_scheme,
+        )
+
+        asked = METHOD_ALIASES.get(self.quantization or "", self.quantization)
         if "quantization_config" not in arch.raw:
-            if self.quantization == "compressed-tensors":
+            if asked in ("compressed-tensors", "gptq", "awq"):
                 raise ValueError(
-                    "quantization='compressed-tensors' needs a compressed-tensors checkpoint; "
-                    "to quantize a float checkpoint to FP8 use quantization='fp8'."
+                    f"quantization={self.quantization!r} needs a checkpoint quantized that way "
+                    "(its config.json has a quantization_config); to quantize a float "
+                    "checkpoint at load use quantization='fp8' or 'bitsandbytes'."
                 )
             fp8 = self.quantization in _FP8_NAMES
             return ("fp8" if fp8 else self.quantization), self.bnb_quant_type
@@ -544,6 +559,15 @@ class EngineArgs:
         )
         from pagedlm.model_executor.quantization.fp8_checkpoint import fp8_checkpoint_scheme
 
+        int_scheme = int_checkpoint_scheme(arch.raw)  # refuses variants it cannot read
+        if int_scheme is not None:
+            if asked not in (None, int_scheme.method):
+                raise ValueError(
+                    f"The checkpoint is quantized with {int_scheme.method!r} but "
+                    f"quantization={self.quantization!r} was asked for; drop --quantization "
+                    f"or pass {int_scheme.method!r}."
+                )
+            return int_scheme.method, self.bnb_quant_type
         fp8_scheme = fp8_checkpoint_scheme(arch.raw)  # refuses FP8 variants it cannot read
         if fp8_scheme is not None:
             if self.quantization not in (None, "fp8", fp8_scheme.method):
@@ -558,8 +582,8 @@ class EngineArgs:
             method = arch.raw["quantization_config"].get("quant_method")
             raise ValueError(
                 f"The checkpoint is quantized with {method!r}, which pagedlm cannot load; it "
-                "loads float checkpoints, bitsandbytes ones (or quantization='bitsandbytes') "
-                "and FP8 ones ('fp8', 'compressed-tensors')."
+                "loads float checkpoints, bitsandbytes ones (or quantization='bitsandbytes'), "
+                "FP8 ones ('fp8', 'compressed-tensors'), GPTQ and AWQ ones."
             )
         import_bitsandbytes()
         return "bitsandbytes", saved

@@ -137,16 +137,17 @@ class Platform(ABC):
         faster kernel (``LinearBase.set_kernel``). Must not change the model's results
         beyond floating-point rounding."""
 
-    def computes_on_gguf_blocks(self, model_config: ModelConfig) -> bool:
-        """Whether ``prepare_model`` will give every linear layer of this GGUF model that
-        ``gguf_quantized.gguf_linear_blocks`` returns a kernel over those blocks. The loader
-        then reads each tensor once and never computes those layers' float weights
-        (``load_gguf_keeping_blocks``). Default False: weights are loaded dequantized."""
+    def computes_on_weight_blocks(self, model_config: ModelConfig) -> bool:
+        """Whether ``prepare_model`` will give every linear layer of this model (one whose
+        ``model_config.has_weight_blocks``: a GGUF file, a GPTQ or AWQ checkpoint) that
+        ``loader.quantized_linear_blocks`` returns a kernel over those blocks. The loader
+        then never computes those layers' float weights (``block_routing.
+        load_keeping_blocks``). Default False: weights are loaded dequantized."""
         return False
 
     gguf_groups_of_16: bool = False
-    """Whether this platform's GGUF kernels take a scale per 16 columns (Q2_K, Q3_K, Q6_K),
-    so that the loader hands over those layers' blocks too (``gguf_linear_blocks(
+    """Whether this platform's block kernels take a scale per 16 columns (GGUF Q2_K, Q3_K,
+    Q6_K), so that the loader hands over those layers' blocks too (``quantized_linear_blocks(
     groups_of_16=...)``)."""
 
     def lora_ops(self) -> LoRAOps:

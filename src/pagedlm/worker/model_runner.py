@@ -112,7 +112,7 @@ class ModelRunner:
         self.model = load_model(
             config.model,
             self.device,
-            keep_gguf_blocks=platform.computes_on_gguf_blocks(config.model),
+            keep_weight_blocks=platform.computes_on_weight_blocks(config.model),
             gguf_groups_of_16=platform.gguf_groups_of_16,
         )
         platform.prepare_model(self.model)

@@ -14,6 +14,7 @@ from pagedlm.config import ModelConfig
 from pagedlm.kv_cache import fp8
 from pagedlm.model_executor.layers.attention import install_kv_scales
 from pagedlm.model_executor.layers.linear_base import deferred_weights
+from pagedlm.model_executor.loader.gguf_blocks import AffineBlocks
 
 
 @contextmanager
@@ -60,7 +61,7 @@ def load_model(
     model_config: ModelConfig,
     device: torch.device,
     *,
-    keep_gguf_blocks: bool = False,
+    keep_weight_blocks: bool = False,
     gguf_groups_of_16: bool = False,
 ) -> nn.Module:
     """The model of ``model_config``, in ``model_config.dtype`` on ``device``, in eval mode.
@@ -71,19 +72,16 @@ def load_model(
     ``quantization="bitsandbytes"`` or ``"fp8"`` the linear layers are then quantized one
     by one (an FP8 checkpoint's layers are loaded quantized).
 
-    ``keep_gguf_blocks`` (a GGUF file): load through ``gguf_quantized.load_gguf_keeping_blocks``,
-    which leaves the float weights of the layers with affine blocks unfilled; the caller
-    must then put every layer ``gguf_linear_blocks`` returns on a kernel over its blocks
-    (Q6_K layers among them with ``gguf_groups_of_16``).
+    ``keep_weight_blocks`` (a model whose ``has_weight_blocks``: a GGUF file, a GPTQ or AWQ
+    checkpoint): the float weights of the layers with quantized blocks are left unfilled
+    (``block_routing.load_keeping_blocks``); the caller must then put every layer
+    ``quantized_linear_blocks`` returns on a kernel over its blocks (GGUF Q6_K layers among
+    them with ``gguf_groups_of_16``).
     """
     from pagedlm.model_executor.models.registry import get_model_class
 
     model_class = get_model_class(model_config.arch.architecture)
-    keep_blocks = (
-        keep_gguf_blocks
-        and model_config.is_gguf
-        and model_config.load_format not in ("dummy", "safetensors")
-    )
+    keep_blocks = keep_weight_blocks and model_config.has_weight_blocks
     # Keeping blocks, linear weights start on the meta device: the loader allocates those
     # it fills, so a layer that a kernel over its blocks replaces never takes its size.
     deferred = deferred_weights() if keep_blocks else contextlib.nullcontext()
@@ -94,9 +92,7 @@ def load_model(
 
         fill_dummy_weights(model, model_config.seed)
     elif keep_blocks:
-        from pagedlm.model_executor.loader.gguf_quantized import load_gguf_keeping_blocks
-
-        loaded = load_gguf_keeping_blocks(model, model_config.model, gguf_groups_of_16, device)
+        loaded = _load_keeping_blocks(model, model_config, device, gguf_groups_of_16)
         check_all_loaded(model, loaded, model_config)
     else:
         weights = iter_model_weights(model_config)
@@ -116,12 +112,48 @@ def load_model(
         from pagedlm.model_executor.quantization import fp8 as fp8_weights
 
         fp8_weights.quantize_model(model)  # leaves the layers a pre-quantized checkpoint filled
-    elif model_config.quantization is not None:
+    elif model_config.quantization not in (None, "gptq", "awq"):
         raise ValueError(
             f"quantization={model_config.quantization!r} is not supported; use None, "
             "'bitsandbytes' or 'fp8'."
         )
     return model.eval()
+
+
+def _load_keeping_blocks(
+    model: nn.Module, model_config: ModelConfig, device: torch.device, groups_of_16: bool
+) -> set[str]:
+    if model_config.is_gguf:
+        from pagedlm.model_executor.loader.gguf_quantized import load_gguf_keeping_blocks
+
+        return load_gguf_keeping_blocks(model, model_config.model, groups_of_16, device)
+    from pagedlm.model_executor.quantization.int_checkpoint import (
+        int_checkpoint_scheme,
+        load_int_checkpoint_keeping_blocks,
+    )
+
+    scheme = int_checkpoint_scheme(model_config.arch.raw)
+    assert scheme is not None  # has_weight_blocks: a GPTQ or AWQ checkpoint
+    return load_int_checkpoint_keeping_blocks(model, model_config.model, scheme, device)
+
+
+def quantized_linear_blocks(
+    model: nn.Module, model_config: ModelConfig, groups_of_16: bool = False
+) -> dict[str, AffineBlocks]:
+    """Module name -> the quantized blocks of that linear layer's weight, for a model of
+    ``model_config`` (``has_weight_blocks``): those ``load_model(keep_weight_blocks=True)``
+    kept, else a GGUF file's read again and checked against the loaded weights (a GPTQ or
+    AWQ model loaded dequantized has none to give)."""
+    from pagedlm.model_executor.loader.block_routing import take_kept_blocks
+
+    kept = take_kept_blocks(model)
+    if kept is not None:
+        return kept
+    if model_config.is_gguf:
+        from pagedlm.model_executor.loader.gguf_quantized import gguf_linear_blocks
+
+        return gguf_linear_blocks(model, model_config.model, groups_of_16)
+    return {}
 
 
 def _prequantized_weights(
@@ -138,6 +170,15 @@ def _prequantized_weights(
     raw = model_config.arch.raw
     if bitsandbytes.checkpoint_quant_type(raw):
         return bitsandbytes.dequantize_checkpoint(weights)
+    if model_config.quantization in ("gptq", "awq"):
+        from pagedlm.model_executor.quantization.int_checkpoint import (
+            dequantized_weights,
+            int_checkpoint_scheme,
+        )
+
+        scheme = int_checkpoint_scheme(raw)
+        assert scheme is not None  # quantization is set from the checkpoint's config
+        return dequantized_weights(scheme, weights)
     scheme = fp8_checkpoint_scheme(raw)
     if scheme is None or model_config.is_gguf:
         return weights
@@ -161,4 +202,10 @@ def check_all_loaded(model: nn.Module, loaded: set[str], model_config: ModelConf
         )
 
 
-__all__ = ["LOAD_FORMATS", "check_all_loaded", "iter_model_weights", "load_model"]
+__all__ = [
+    "LOAD_FORMATS",
+    "check_all_loaded",
+    "iter_model_weights",
+    "load_model",
+    "quantized_linear_blocks",
+]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -145,9 +145,12 @@ def _read_tensor(file: BinaryIO, entry: SafetensorsEntry) -> torch.Tensor:
 
 
 def iter_safetensors_weights(
-    directory: str | os.PathLike[str], slices: bool = False
+    directory: str | os.PathLike[str],
+    slices: bool = False,
+    select: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (HF tensor name, CPU tensor in the file's dtype) for every tensor of every shard.
+    """Yields (HF tensor name, CPU tensor in the file's dtype) for every tensor of every shard
+    (every one whose name ``select`` accepts, when given; the others are not read).
 
     Each tensor is read into its own buffer just before it is yielded; the consumer copies it
     into its parameter and drops it, so at most about two tensors exist besides the model.
@@ -156,6 +159,8 @@ def iter_safetensors_weights(
     """
     for path in safetensors_files(directory):
         entries = read_safetensors_header(path)
+        if select is not None:
+            entries = [entry for entry in entries if select(entry.name)]
         if slices:
             for entry in entries:
                 lazy = SafetensorsSlice(path, entry.name, entry.dtype, entry.begin, entry.shape)
