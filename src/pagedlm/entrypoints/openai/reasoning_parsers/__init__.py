@@ -7,6 +7,11 @@ from pagedlm.entrypoints.openai.reasoning_parsers.abstract import (
     ReasoningParser,
     split_reasoning,
 )
+from pagedlm.entrypoints.openai.reasoning_parsers.ernie45 import Ernie45ReasoningParser
+from pagedlm.entrypoints.openai.reasoning_parsers.glm45 import Glm45ReasoningParser
+from pagedlm.entrypoints.openai.reasoning_parsers.granite import GraniteReasoningParser
+from pagedlm.entrypoints.openai.reasoning_parsers.mistral import MistralReasoningParser
+from pagedlm.entrypoints.openai.reasoning_parsers.seed_oss import SeedOssReasoningParser
 from pagedlm.entrypoints.openai.reasoning_parsers.think import (
     DeepSeekR1ReasoningParser,
     Qwen3ReasoningParser,
@@ -14,7 +19,12 @@ from pagedlm.entrypoints.openai.reasoning_parsers.think import (
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
+    "ernie45": Ernie45ReasoningParser,
+    "glm45": Glm45ReasoningParser,
+    "granite": GraniteReasoningParser,
+    "mistral": MistralReasoningParser,
     "qwen3": Qwen3ReasoningParser,
+    "seed_oss": SeedOssReasoningParser,
 }
 
 
@@ -31,9 +41,14 @@ def get_reasoning_parser(name: str) -> type[ReasoningParser]:
 __all__ = [
     "REASONING_PARSERS",
     "DeepSeekR1ReasoningParser",
+    "Ernie45ReasoningParser",
+    "Glm45ReasoningParser",
+    "GraniteReasoningParser",
+    "MistralReasoningParser",
     "Qwen3ReasoningParser",
     "ReasoningDelta",
     "ReasoningParser",
+    "SeedOssReasoningParser",
     "get_reasoning_parser",
     "split_reasoning",
 ]

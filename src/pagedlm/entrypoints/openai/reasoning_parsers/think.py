@@ -1,16 +1,19 @@
-"""``<think>...</think>`` reasoning, split from the answer as text streams in.
+"""Reasoning between a start and an end marker (``<think>...</think>`` and kin), split from
+the answer as text streams in.
 
 Two conventions exist:
 
-- ``deepseek_r1``: the chat template already opened ``<think>``, so the output starts
-  inside the reasoning (a leading ``<think>`` is skipped if the model writes it anyway);
-  everything up to ``</think>`` is reasoning, and an output that never closes it is all
-  reasoning (a thought cut off by max_tokens).
-- ``qwen3``: reasoning only when the output opens with ``<think>``; otherwise it is all
-  content (Qwen3 with thinking disabled).
+- ``starts_in_reasoning`` (``deepseek_r1``): the chat template already opened the thought,
+  so the output starts inside the reasoning (a leading start marker is skipped if the model
+  writes it anyway); everything up to the end marker is reasoning, and an output that never
+  closes it is all reasoning (a thought cut off by max_tokens).
+- otherwise (``qwen3``): reasoning only when the output opens with the start marker;
+  otherwise it is all content (Qwen3 with thinking disabled).
 
-Whitespace between ``</think>`` and the answer is dropped. Parsers hold back text that
-may be the start of a tag, so any split of the same text yields the same result.
+A family may spell a marker several ways (``start_tags``/``end_tags``); the first end marker
+of any spelling closes the thought. Whitespace between the end marker and the answer is
+dropped. Parsers hold back text that may be the start of a marker, so any split of the same
+text yields the same result.
 """
 
 from __future__ import annotations
@@ -31,9 +34,18 @@ class _State(enum.Enum):
     ANSWER = 3
 
 
+def _earliest(text: str, tags: tuple[str, ...]) -> tuple[int, str]:
+    """(index, tag) of the first complete occurrence of any of ``tags`` in ``text``, or
+    (-1, "")."""
+    found = [(index, tag) for tag in tags if (index := text.find(tag)) != -1]
+    return min(found, default=(-1, ""))
+
+
 class ThinkReasoningParser(ReasoningParser):
+    start_tags: tuple[str, ...] = (OPEN,)
+    end_tags: tuple[str, ...] = (CLOSE,)
     starts_in_reasoning = True
-    """Without a leading ``<think>``: reasoning (True) or content (False)."""
+    """Without a leading start marker: reasoning (True) or content (False)."""
 
     def __init__(self) -> None:
         self._buffer = ""
@@ -51,23 +63,25 @@ class ThinkReasoningParser(ReasoningParser):
         reasoning, content = "", ""
         if self._state is _State.START:
             head = self._buffer.lstrip()
-            if head.startswith(OPEN):
-                self._pos = len(self._buffer) - len(head) + len(OPEN)
+            opener = next((tag for tag in self.start_tags if head.startswith(tag)), None)
+            if opener is not None:
+                self._pos = len(self._buffer) - len(head) + len(opener)
                 self._state = _State.REASONING
-            elif not final and OPEN.startswith(head):
+            elif not final and any(tag.startswith(head) for tag in self.start_tags):
                 return ReasoningDelta()
             else:
                 self._state = _State.REASONING if self.starts_in_reasoning else _State.ANSWER
         if self._state is _State.REASONING:
             rest = self._buffer[self._pos :]
-            close = rest.find(CLOSE)
+            close, tag = _earliest(rest, self.end_tags)
             if close == -1:
-                cut = len(rest) if final else len(rest) - held_tag_prefix(rest, CLOSE)
+                held = max(held_tag_prefix(rest, tag) for tag in self.end_tags)
+                cut = len(rest) if final else len(rest) - held
                 reasoning = rest[:cut]
                 self._pos += cut
             else:
                 reasoning = rest[:close]
-                self._pos += close + len(CLOSE)
+                self._pos += close + len(tag)
                 self._state = _State.ANSWER_START
         if self._state is _State.ANSWER_START:
             rest = self._buffer[self._pos :]
