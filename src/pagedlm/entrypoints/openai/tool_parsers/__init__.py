@@ -11,17 +11,33 @@ from pagedlm.entrypoints.openai.tool_parsers.abstract import (
     ToolParser,
     parse_all,
 )
+from pagedlm.entrypoints.openai.tool_parsers.deepseek_v3 import (
+    DeepSeekV3ToolParser,
+    DeepSeekV31ToolParser,
+)
 from pagedlm.entrypoints.openai.tool_parsers.forced import (
     NamedToolCallParser,
     RequiredToolCallsParser,
     required_calls_schema,
 )
+from pagedlm.entrypoints.openai.tool_parsers.granite import GraniteToolParser
 from pagedlm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+from pagedlm.entrypoints.openai.tool_parsers.internlm import InternLM2ToolParser
 from pagedlm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
+from pagedlm.entrypoints.openai.tool_parsers.mistral import MistralToolParser
+from pagedlm.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
+from pagedlm.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "deepseek_v3": DeepSeekV3ToolParser,
+    "deepseek_v31": DeepSeekV31ToolParser,
+    "granite": GraniteToolParser,
     "hermes": HermesToolParser,
+    "internlm": InternLM2ToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser,
+    "qwen3_coder": Qwen3CoderToolParser,
 }
 
 
@@ -37,11 +53,18 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 
 __all__ = [
     "TOOL_PARSERS",
+    "DeepSeekV3ToolParser",
+    "DeepSeekV31ToolParser",
+    "GraniteToolParser",
     "HermesToolParser",
+    "InternLM2ToolParser",
     "Llama3JsonToolParser",
+    "MistralToolParser",
     "NamedToolCallParser",
     "ParsedDelta",
     "ParsedOutput",
+    "PythonicToolParser",
+    "Qwen3CoderToolParser",
     "RequiredToolCallsParser",
     "ToolCall",
     "ToolCallAccumulator",
