@@ -1,4 +1,5 @@
-"""Rotary position embedding (neox style: the head's two halves form the rotated pairs).
+"""Rotary position embedding (neox style: the head's two halves form the rotated pairs;
+``is_neox_style=False``: adjacent features do, GPT-J's interleaved layout).
 
 HF Llama-family checkpoints store q/k weights in the layout this style expects
 (``rotate_half``), so no permutation is needed. The cos/sin table is computed once per
@@ -83,7 +84,8 @@ class RotaryEmbedding(nn.Module):
 
     kernel: RotaryKernel | None = None
     is_neox_style: bool = True
-    """Pairs are the head's two halves (True; HF Llama layout) or adjacent elements."""
+    """Pairs are the head's two halves (True; HF Llama layout) or adjacent elements
+    (False; GPT-J's interleaved layout, e.g. Cohere); a kernel is told which."""
 
     def __init__(
         self,
@@ -91,10 +93,13 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         base: float,
         scaling: dict[str, Any] | None = None,
+        *,
+        is_neox_style: bool = True,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.max_position = max_position
+        self.is_neox_style = is_neox_style
         inv_freq = rope_inv_freq(head_dim, base, scaling)
         angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         # [max_position, head_dim]: cos of each pair's angle, then sin. Kept in float32 (like
@@ -143,7 +148,8 @@ class RotaryEmbedding(nn.Module):
         self.kernel = kernel
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, max_position={self.max_position}"
+        style = "" if self.is_neox_style else ", is_neox_style=False"
+        return f"head_dim={self.head_dim}, max_position={self.max_position}{style}"
 
 
 class PendingRotation(NamedTuple):

@@ -107,13 +107,24 @@ def get_rope(
     scaling: dict[str, Any] | None = None,
     rotary_dim: int | None = None,
     max_model_len: int | None = None,
+    *,
+    is_neox_style: bool = True,
 ) -> RotaryEmbedding:
     """The rotary module for a config: ``scaling`` is its rope dict (None: plain RoPE),
     ``rotary_dim`` the rotated features per head (None: all of them), ``max_model_len``
     the longest sequence served (None: ``max_position``); LongRoPE uses its long factors
-    exactly when that exceeds the pretraining length."""
+    exactly when that exceeds the pretraining length. ``is_neox_style=False`` rotates
+    adjacent pairs (Cohere), for whole heads and the table-free rope types only."""
     rotary_dim = head_dim if rotary_dim is None else rotary_dim
     rope_type = "default" if scaling is None else scaling.get("rope_type", "default")
+    if not is_neox_style:
+        if rotary_dim != head_dim or rope_type in ("mrope", "longrope"):
+            raise ValueError(
+                f"interleaved (is_neox_style=False) rotary supports whole heads and rope types "
+                f"'default', 'linear', 'llama3'; got rope_type={rope_type!r}, "
+                f"rotary_dim={rotary_dim} of head_dim={head_dim}."
+            )
+        return RotaryEmbedding(head_dim, max_position, base, scaling, is_neox_style=False)
     if rope_type == "mrope":
         assert scaling is not None
         if rotary_dim != head_dim:

@@ -69,9 +69,17 @@ class ParallelLMHead(VocabParallelEmbedding, LinearBase):
     would cost a full extra pass over them every step).
 
     For tied embeddings, call ``tie_to(embedding)``: both then share one parameter.
+    ``bias`` (Phi): a bias per vocabulary row, split across ranks as the rows are.
     """
 
     _new_weight = staticmethod(linear_weight)  # a linear weight: deferred like the others
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.rows_per_rank), requires_grad=False)
+            set_weight_loader(self.bias, self.weight_loader)  # the weight's rows, padded alike
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight

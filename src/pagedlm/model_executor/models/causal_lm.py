@@ -51,13 +51,16 @@ class CausalLM(nn.Module, ABC):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the parameters; returns the parameter names filled."""
 
-    def add_lm_head(self, embedding: VocabParallelEmbedding, tied: bool) -> None:
-        """Create ``lm_head`` [vocab, hidden], sharing ``embedding``'s table when ``tied``."""
+    def add_lm_head(
+        self, embedding: VocabParallelEmbedding, tied: bool, bias: bool = False
+    ) -> None:
+        """Create ``lm_head`` [vocab, hidden], sharing ``embedding``'s table when ``tied``;
+        ``bias``: with ``lm_head.bias`` [vocab] (Phi), loaded even when tied."""
         self.tied = tied
         if not get_pipeline_state().is_last:
             self.lm_head = PPMissingLayer()  # type: ignore[assignment]
             return
-        self.lm_head = ParallelLMHead(self.arch.vocab_size, self.arch.hidden_size)
+        self.lm_head = ParallelLMHead(self.arch.vocab_size, self.arch.hidden_size, bias=bias)
         if tied:
             self.lm_head.tie_to(embedding)
 
