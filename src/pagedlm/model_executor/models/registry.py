@@ -22,6 +22,12 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": f"{_MODELS}.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": f"{_MODELS}.gemma3:Gemma3ForCausalLM",
     "GPT2LMHeadModel": f"{_MODELS}.gpt2:GPT2LMHeadModel",
+    "GPTNeoXForCausalLM": f"{_MODELS}.gpt_neox:GPTNeoXForCausalLM",
+    "StableLmForCausalLM": f"{_MODELS}.stablelm:StableLmForCausalLM",
+    "PhiForCausalLM": f"{_MODELS}.phi:PhiForCausalLM",
+    "Starcoder2ForCausalLM": f"{_MODELS}.starcoder2:Starcoder2ForCausalLM",
+    "CohereForCausalLM": f"{_MODELS}.cohere:CohereForCausalLM",
+    "Cohere2ForCausalLM": f"{_MODELS}.cohere:Cohere2ForCausalLM",
     # Embedding models (no LM head): served by the pooling runner.
     "BertModel": f"{_MODELS}.bert:BertModel",
     "RobertaModel": f"{_MODELS}.bert:RobertaModel",
