@@ -242,6 +242,10 @@ class PoolerConfig:
         return None if self.labels is None else len(self.labels)
 
 
+INT_CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors")
+"""``ModelConfig.quantization`` values of checkpoints whose layers are integer codes."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str
@@ -258,8 +262,9 @@ class ModelConfig:
     """The hub revision ``model`` was resolved at (None: a local path or the default branch)."""
     quantization: str | None = None
     """None, "bitsandbytes" (linear layers quantized at load, see ``bnb_quant_type``), "fp8"
-    (E4M3 weights: quantized at load, or read from an FP8 checkpoint), or "gptq" / "awq"
-    (a checkpoint of integer codes: ``quantization.int_checkpoint``)."""
+    (E4M3 weights: quantized at load, or read from an FP8 checkpoint), or one of
+    ``INT_CHECKPOINT_METHODS`` (a checkpoint of integer codes: ``quantization.int_formats``;
+    "compressed-tensors" here means its integer format, its FP8 one being "fp8")."""
     bnb_quant_type: str = "nf4"
     """With bitsandbytes: "nf4" or "fp4" (4-bit, blocks of 64) or "int8" (per-row 8-bit)."""
     trust_remote_code: bool = False
@@ -289,7 +294,7 @@ class ModelConfig:
             return False
         if self.is_gguf:
             return self.quantization is None
-        return self.quantization in ("gptq", "awq")
+        return self.quantization in INT_CHECKPOINT_METHODS
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,9 @@ from pagedlm.model_executor.loader import load_model, quantized_linear_blocks
 from pagedlm_cuda.quantized_linear import DEQUANTIZE_GGUF_ENV, GgufCudaLinear, install_gguf_kernels
 
 PROMPTS = [[5, 17, 33, 2, 80, 41, 9, 60, 12], [7, 7, 90, 3]]
-KINDS = ["gptq_sym_v1", "gptq_8bit_per_row", "awq"]
-"""Q4_0-like (a zero point of 8: the offset path), 8-bit codes, and stored minimums."""
+KINDS = ["gptq_sym_v1", "gptq_8bit_per_row", "awq", "w4a16_asym"]
+"""Q4_0-like (a zero point of 8: the offset path), 8-bit codes, stored minimums (from float16
+and bfloat16 scales)."""
 
 
 def _logprobs(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -18,10 +18,8 @@ from pagedlm import LLM, SamplingParams
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.model_executor.layers.linear_base import LinearBase
 from pagedlm.model_executor.loader import load_model, quantized_linear_blocks
-from pagedlm.model_executor.quantization.int_checkpoint import (
-    int_checkpoint_scheme,
-    iter_int_layers,
-)
+from pagedlm.model_executor.quantization.int_checkpoint import iter_int_layers
+from pagedlm.model_executor.quantization.int_formats import int_checkpoint_scheme
 from pagedlm_cpu.quantized_linear import install_int4_kernels, int4_kernel_available
 from tiny_checkpoints import hf_greedy, hf_logits, random_prompts, save_random_model
 
@@ -39,6 +37,7 @@ class Case:
     checkpoint_format: str = "gptq_v2"
     act_order: bool = False
     intermediate_size: int = 96
+    scale_dtype: torch.dtype = torch.float16
     kept_layers: int = 2 * 4
     """Linear layers computed on blocks (qkv_proj, o_proj, gate_up_proj and down_proj of
     both decoder layers; the others dequantized)."""
@@ -52,6 +51,10 @@ CASES = {
     "gptq_group_16": Case("gptq", group_size=16, kept_layers=0),
     "awq": Case("awq"),
     "awq_group_64": Case("awq", group_size=64, intermediate_size=128),
+    "w4a16_sym": Case("compressed-tensors", sym=True, scale_dtype=torch.bfloat16),
+    "w4a16_asym": Case("compressed-tensors", scale_dtype=torch.bfloat16),
+    "w8a16_per_row": Case("compressed-tensors", bits=8, group_size=-1, sym=True),
+    "w4a16_act_order": Case("compressed-tensors", act_order=True, kept_layers=0),
 }
 
 
@@ -69,7 +72,7 @@ def _round(weight: torch.Tensor, case: Case) -> tuple[torch.Tensor, torch.Tensor
         scales = (high - low) / top
         # GPTQ's original format cannot store a zero point of 0 (it keeps z - 1).
         zeros = (-low / scales).round().long().clamp(1, top)
-    scales = scales.half()
+    scales = scales.to(case.scale_dtype)
     codes = (grouped / scales.float()[..., None]).round().long() + zeros[..., None]
     return codes.clamp(0, top).view(out_features, in_features), zeros, scales
 
@@ -118,24 +121,55 @@ def _write_quantized(path: Path, case: Case) -> torch.nn.Module:
             tensors[f"{layer}.qweight"] = _pack_along_rows(codes.t(), case.bits)
             tensors[f"{layer}.qzeros"] = _pack_along_columns(stored_zeros.t(), case.bits)
             tensors[f"{layer}.g_idx"] = column_group.to(torch.int32)
-        else:
+            tensors[f"{layer}.scales"] = scales.t().contiguous()
+        elif case.method == "awq":
             tensors[f"{layer}.qweight"] = _pack_along_columns(codes.t(), 4, AWQ_ORDER)
             tensors[f"{layer}.qzeros"] = _pack_along_columns(zeros.t(), 4, AWQ_ORDER)
-        tensors[f"{layer}.scales"] = scales.t().contiguous()
+            tensors[f"{layer}.scales"] = scales.t().contiguous()
+        else:  # compressed-tensors: [out, ...] like the float weight
+            tensors[f"{layer}.weight_packed"] = _pack_along_columns(codes, case.bits)
+            tensors[f"{layer}.weight_scale"] = scales
+            tensors[f"{layer}.weight_shape"] = torch.tensor(weight.shape, dtype=torch.int32)
+            if not case.sym:
+                tensors[f"{layer}.weight_zero_point"] = _pack_along_rows(zeros, case.bits)
+            if case.act_order:
+                tensors[f"{layer}.weight_g_idx"] = column_group.to(torch.int32)
     save_file(tensors, path / "model.safetensors")
     config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = _quantization_config(case)
+    (path / "config.json").write_text(json.dumps(config))
+    return hf_model
+
+
+def _quantization_config(case: Case) -> dict:
+    if case.method == "compressed-tensors":
+        return _ct_config(case)
     quantization = {"quant_method": case.method, "bits": case.bits, "group_size": case.group_size}
     if case.method == "gptq":
-        quantization |= {
+        return quantization | {
             "sym": case.sym,
             "desc_act": case.act_order,
             "checkpoint_format": case.checkpoint_format,
         }
-    else:
-        quantization |= {"zero_point": True, "version": "gemm"}
-    config["quantization_config"] = quantization
-    (path / "config.json").write_text(json.dumps(config))
-    return hf_model
+    return quantization | {"zero_point": True, "version": "gemm"}
+
+
+def _ct_config(case: Case, input_activations: dict | None = None) -> dict:
+    weights = {
+        "num_bits": case.bits,
+        "type": "int",
+        "symmetric": case.sym,
+        "strategy": "channel" if case.group_size == -1 else "group",
+        "group_size": None if case.group_size == -1 else case.group_size,
+        "actorder": "group" if case.act_order else None,
+    }
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": input_activations}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": group},
+        "ignore": ["lm_head"],
+    }
 
 
 def _round_with_groups(weight: torch.Tensor, column_group: torch.Tensor, case: Case):
@@ -235,6 +269,8 @@ def test_llm_greedy_matches_transformers_on_the_dequantized_weights(tmp_path, mo
         ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version='gemv'"),
         ({"quant_method": "awq", "bits": 4, "zero_point": False}, "zero_point=false"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size=0"),
+        (_ct_config(Case("compressed-tensors"), input_activations={"num_bits": 8}), "activations"),
+        (_ct_config(Case("compressed-tensors", bits=2)), "2-bit int weights"),
     ],
 )
 def test_variants_that_are_not_read_are_refused(quantization_config, message) -> None:

@@ -56,9 +56,9 @@ class EngineArgs:
     quantization: str | None = None
     """None, "bitsandbytes" to quantize linear layers at load (needs pagedlm[bnb]), or "fp8":
     E4M3 weights with per-channel scales (float checkpoints quantized at load; FP8
-    checkpoints, vLLM "fp8" or "compressed-tensors", are read as FP8 without it). GPTQ and
-    AWQ checkpoints are read as such without it ("gptq", "awq"; vLLM's "gptq_marlin",
-    "awq_marlin" name the same)."""
+    checkpoints, vLLM "fp8" or "compressed-tensors", are read as FP8 without it). GPTQ,
+    AWQ and integer compressed-tensors checkpoints are read as such without it ("gptq",
+    "awq", "compressed-tensors"; vLLM's "gptq_marlin", "awq_marlin" name the same)."""
     bnb_quant_type: str = "nf4"
     """With quantization="bitsandbytes": "nf4" or "fp4" (4-bit), or "int8"."""
     dtype: str = "auto"
@@ -512,7 +512,7 @@ class EngineArgs:
                 f"load_format={self.load_format!r} is unknown; use one of "
                 f"{', '.join(LOAD_FORMATS)}."
             )
-        from pagedlm.model_executor.quantization.int_checkpoint import (
+        from pagedlm.model_executor.quantization.int_formats import (
             INT_CHECKPOINT_METHODS,
             METHOD_ALIASES,
         )
@@ -538,14 +538,15 @@ class EngineArgs:
 
     def _quantization(self, arch: ArchConfig) -> tuple[str | None, str]:
         """The requested quantization, or the one a pre-quantized checkpoint was saved with."""
-        from pagedlm.model_executor.quantization.int_checkpoint import (
+        from pagedlm.model_executor.quantization.int_formats import (
+            INT_CHECKPOINT_METHODS,
             METHOD_ALIASES,
             int_checkpoint_scheme,
         )
 
         asked = METHOD_ALIASES.get(self.quantization or "", self.quantization)
         if "quantization_config" not in arch.raw:
-            if asked in ("compressed-tensors", "gptq", "awq"):
+            if asked in INT_CHECKPOINT_METHODS:
                 raise ValueError(
                     f"quantization={self.quantization!r} needs a checkpoint quantized that way "
                     "(its config.json has a quantization_config); to quantize a float "
@@ -583,7 +584,8 @@ class EngineArgs:
             raise ValueError(
                 f"The checkpoint is quantized with {method!r}, which pagedlm cannot load; it "
                 "loads float checkpoints, bitsandbytes ones (or quantization='bitsandbytes'), "
-                "FP8 ones ('fp8', 'compressed-tensors'), GPTQ and AWQ ones."
+                "FP8 ones ('fp8', 'compressed-tensors'), GPTQ, AWQ and integer "
+                "compressed-tensors ones."
             )
         import_bitsandbytes()
         return "bitsandbytes", saved

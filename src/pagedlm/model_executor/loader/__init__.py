@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pagedlm.config import ModelConfig
+from pagedlm.config import INT_CHECKPOINT_METHODS, ModelConfig
 from pagedlm.kv_cache import fp8
 from pagedlm.model_executor.layers.attention import install_kv_scales
 from pagedlm.model_executor.layers.linear_base import deferred_weights
@@ -112,7 +112,7 @@ def load_model(
         from pagedlm.model_executor.quantization import fp8 as fp8_weights
 
         fp8_weights.quantize_model(model)  # leaves the layers a pre-quantized checkpoint filled
-    elif model_config.quantization not in (None, "gptq", "awq"):
+    elif model_config.quantization not in (None, *INT_CHECKPOINT_METHODS):
         raise ValueError(
             f"quantization={model_config.quantization!r} is not supported; use None, "
             "'bitsandbytes' or 'fp8'."
@@ -128,12 +128,12 @@ def _load_keeping_blocks(
 
         return load_gguf_keeping_blocks(model, model_config.model, groups_of_16, device)
     from pagedlm.model_executor.quantization.int_checkpoint import (
-        int_checkpoint_scheme,
         load_int_checkpoint_keeping_blocks,
     )
+    from pagedlm.model_executor.quantization.int_formats import int_checkpoint_scheme
 
     scheme = int_checkpoint_scheme(model_config.arch.raw)
-    assert scheme is not None  # has_weight_blocks: a GPTQ or AWQ checkpoint
+    assert scheme is not None  # has_weight_blocks: an integer checkpoint
     return load_int_checkpoint_keeping_blocks(model, model_config.model, scheme, device)
 
 
@@ -170,11 +170,9 @@ def _prequantized_weights(
     raw = model_config.arch.raw
     if bitsandbytes.checkpoint_quant_type(raw):
         return bitsandbytes.dequantize_checkpoint(weights)
-    if model_config.quantization in ("gptq", "awq"):
-        from pagedlm.model_executor.quantization.int_checkpoint import (
-            dequantized_weights,
-            int_checkpoint_scheme,
-        )
+    if model_config.quantization in INT_CHECKPOINT_METHODS:
+        from pagedlm.model_executor.quantization.int_checkpoint import dequantized_weights
+        from pagedlm.model_executor.quantization.int_formats import int_checkpoint_scheme
 
         scheme = int_checkpoint_scheme(raw)
         assert scheme is not None  # quantization is set from the checkpoint's config
