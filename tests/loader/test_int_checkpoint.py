@@ -21,9 +21,17 @@ from pagedlm.model_executor.loader import load_model, quantized_linear_blocks
 from pagedlm.model_executor.quantization.int_checkpoint import iter_int_layers
 from pagedlm.model_executor.quantization.int_formats import int_checkpoint_scheme
 from pagedlm_cpu.quantized_linear import install_int4_kernels, int4_kernel_available
-from tiny_checkpoints import hf_greedy, hf_logits, random_prompts, save_random_model
+from tiny_checkpoints import (
+    hf_greedy,
+    hf_logits,
+    load_hf_model,
+    random_prompts,
+    save_random_model,
+)
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EXPERTS = ("w1", "w2", "w3")
+"""Mixtral's per-expert projections, quantized in GPTQ/AWQ checkpoints of MoE models."""
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 """AutoAWQ's packing: slot i of a word holds output column 8 c + AWQ_ORDER[i]."""
 
@@ -38,6 +46,7 @@ class Case:
     act_order: bool = False
     intermediate_size: int = 96
     scale_dtype: torch.dtype = torch.float16
+    config_class: str = "LlamaConfig"
     kept_layers: int = 2 * 4
     """Linear layers computed on blocks (qkv_proj, o_proj, gate_up_proj and down_proj of
     both decoder layers; the others dequantized)."""
@@ -55,6 +64,8 @@ CASES = {
     "w4a16_asym": Case("compressed-tensors", scale_dtype=torch.bfloat16),
     "w8a16_per_row": Case("compressed-tensors", bits=8, group_size=-1, sym=True),
     "w4a16_act_order": Case("compressed-tensors", act_order=True, kept_layers=0),
+    # Experts live in 3-D tensors, not linear layers: dequantized; attention kept.
+    "gptq_mixtral": Case("gptq", config_class="MixtralConfig", kept_layers=2 * 2),
 }
 
 
@@ -102,11 +113,16 @@ def _as_int32(words: torch.Tensor) -> torch.Tensor:
 
 def _write_quantized(path: Path, case: Case) -> torch.nn.Module:
     """Rewrite the checkpoint in ``path`` with its decoder's linear layers quantized;
-    return the transformers model holding the dequantized weights."""
-    hf_model = save_random_model(path, "LlamaConfig", {"intermediate_size": case.intermediate_size})
+    return transformers' model of the dequantized weights."""
+    overrides = {"intermediate_size": case.intermediate_size}
+    if case.config_class == "MixtralConfig":
+        overrides["num_local_experts"] = 4
+    save_random_model(path, case.config_class, overrides)
     tensors = load_file(path / "model.safetensors")
+    dequantized_tensors = dict(tensors)
     generator = torch.Generator().manual_seed(3)
-    for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in PROJECTIONS]:
+    quantized = PROJECTIONS + EXPERTS
+    for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in quantized]:
         weight = tensors.pop(name)
         group = weight.shape[1] if case.group_size == -1 else case.group_size
         column_group = torch.arange(weight.shape[1]) // group
@@ -114,7 +130,7 @@ def _write_quantized(path: Path, case: Case) -> torch.nn.Module:
             column_group = column_group[torch.randperm(weight.shape[1], generator=generator)]
         codes, zeros, scales = _round_with_groups(weight, column_group, case)
         dequantized = (codes - zeros[:, column_group]) * scales.float()[:, column_group]
-        hf_model.get_parameter(name).data.copy_(dequantized)
+        dequantized_tensors[name] = dequantized
         layer = name.removesuffix(".weight")
         stored_zeros = zeros - 1 if case.checkpoint_format == "gptq" else zeros
         if case.method == "gptq":
@@ -136,9 +152,13 @@ def _write_quantized(path: Path, case: Case) -> torch.nn.Module:
                 tensors[f"{layer}.weight_g_idx"] = column_group.to(torch.int32)
     save_file(tensors, path / "model.safetensors")
     config = json.loads((path / "config.json").read_text())
+    reference = path / "dequantized"
+    reference.mkdir()
+    (reference / "config.json").write_text(json.dumps(config))
+    save_file(dequantized_tensors, reference / "model.safetensors")
     config["quantization_config"] = _quantization_config(case)
     (path / "config.json").write_text(json.dumps(config))
-    return hf_model
+    return load_hf_model(reference).eval()
 
 
 def _quantization_config(case: Case) -> dict:
@@ -241,7 +261,7 @@ def test_blocks_dequantize_exactly_to_the_layer(checkpoint) -> None:
         if blocks is not None:
             assert torch.equal(blocks.dequantize(), layer.dequantize())
         found += 1
-    assert found == 2 * len(PROJECTIONS)
+    assert found == (2 * len(PROJECTIONS) if case.config_class == "LlamaConfig" else 32)
 
 
 def test_llm_greedy_matches_transformers_on_the_dequantized_weights(tmp_path, monkeypatch):

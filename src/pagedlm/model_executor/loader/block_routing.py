@@ -89,6 +89,41 @@ def _stand_ins(
             setattr(module, attr, param)
 
 
+def unroutable_tensors(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> set[str]:
+    """The names among ``shapes`` (HF name -> full shape) that ``load_weights`` feeds into a
+    parameter that is not 2-D (mixture-of-experts weights stacked [experts, out, in]):
+    their blocks cannot be routed, so those tensors are loaded dequantized. Found by one
+    pass of shape-only tensors over parameters whose loaders only record what they get."""
+    feeds: dict[str, set[int]] = {}
+    current = [""]
+    holders: list[tuple[nn.Module, str, nn.Parameter]] = []
+    probes: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for attr, param in list(module.named_parameters(recurse=False)):
+            if id(param) not in probes:
+                ndim = len(_full_shape(param))
+                probe = nn.Parameter(torch.empty(_full_shape(param), device="meta"), False)
+                set_weight_loader(
+                    probe, lambda *_args, ndim=ndim: feeds.setdefault(current[0], set()).add(ndim)
+                )
+                probes[id(param)] = probe
+            holders.append((module, attr, param))
+            setattr(module, attr, probes[id(param)])
+
+    def shape_only() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, shape in shapes.items():
+            current[0] = name
+            yield name, torch.empty(shape, device="meta")
+
+    try:
+        with torch.no_grad():
+            model.load_weights(shape_only())
+    finally:
+        for module, attr, param in holders:
+            setattr(module, attr, param)
+    return {name for name, ndims in feeds.items() if ndims != {2}}
+
+
 def route_blocks(
     model: nn.Module, parts: Iterable[tuple[str, AffineBlocks]]
 ) -> tuple[dict[Part, dict[int, torch.Tensor]], set[str]]:
@@ -171,7 +206,9 @@ def linear_blocks_from(
 ) -> dict[str, AffineBlocks]:
     """Module name -> its weight's blocks, for every ``LinearBase`` of ``model`` (loaded the
     ordinary way) whose whole weight came from ``blocks_by_tensor`` (HF name, blocks)."""
-    routed, _ = route_blocks(model, blocks_by_tensor)
+    blocks = list(blocks_by_tensor)
+    skipped = unroutable_tensors(model, {name: tuple(b.codes.shape) for name, b in blocks})
+    routed, _ = route_blocks(model, ((n, b) for n, b in blocks if n not in skipped))
     return {
         name: blocks
         for name, blocks in complete_layers(model, routed).items()
@@ -193,7 +230,9 @@ def load_keeping_blocks(
     """Fill ``model`` from ``blocks_by_tensor`` (HF name -> blocks) and ``other_weights``
     (the checkpoint's float tensors, called once after the blocks are routed), keeping the
     blocks of every linear layer whose whole weight has them for ``take_kept_blocks``;
-    returns the names of the parameters filled (for ``check_all_loaded``).
+    returns the names of the parameters filled (for ``check_all_loaded``). Blocks that feed
+    no 2-D parameter (``unroutable_tensors``) are taken out of ``blocks_by_tensor`` and
+    loaded dequantized.
 
     The float weight of a kept layer that no other module shares is never made: it becomes
     an empty tensor (on ``device``; a linear weight built under ``linear_base.
@@ -202,6 +241,8 @@ def load_keeping_blocks(
     on its blocks before the model runs. A shared one (an LM head tied to the embedding)
     is filled and checked against its blocks as in ``linear_blocks_from``.
     """
+    shapes = {name: tuple(blocks.codes.shape) for name, blocks in blocks_by_tensor.items()}
+    dense = {name: blocks_by_tensor.pop(name) for name in unroutable_tensors(model, shapes)}
     routed, loaded = route_blocks(model, blocks_by_tensor.items())
     found = complete_layers(model, routed)
     shared = {id(p) for p, n in _parameter_uses(model).items() if n > 1}
@@ -218,6 +259,8 @@ def load_keeping_blocks(
         for name, blocks in blocks_by_tensor.items():
             if name in needed:
                 yield name, blocks.dequantize()
+        for name, blocks in dense.items():
+            yield name, blocks.dequantize()
         yield from other_weights()
 
     with torch.no_grad():
@@ -280,4 +323,10 @@ def _tensors_feeding(
     return needed
 
 
-__all__ = ["linear_blocks_from", "load_keeping_blocks", "route_blocks", "take_kept_blocks"]
+__all__ = [
+    "linear_blocks_from",
+    "load_keeping_blocks",
+    "route_blocks",
+    "take_kept_blocks",
+    "unroutable_tensors",
+]
