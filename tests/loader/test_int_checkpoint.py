@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model_utils import PagedRunner
-from pagedlm import LLM, SamplingParams
+from pagedlm import LLM, LoRARequest, SamplingParams
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.model_executor.layers.linear_base import LinearBase
 from pagedlm.model_executor.loader import load_model, quantized_linear_blocks
@@ -325,3 +325,29 @@ def test_every_linear_layer_is_a_kernel_or_dense(checkpoint) -> None:
     for name, module in model.named_modules():
         if isinstance(module, LinearBase) and name not in blocks:
             assert module.weight.numel() > 0
+
+
+@pytest.mark.parametrize("dequantized", [True, False])
+def test_lora_adapters_apply_over_quantized_layers(tmp_path, monkeypatch, dequantized) -> None:
+    """A PEFT adapter on a GPTQ model: transformers' tokens on the dequantized path; on the
+    int4 kernel the prompt log-probabilities stay within its rounding."""
+    from peft_adapters import LLAMA_MODULES, make_adapter
+
+    _write_quantized(tmp_path / "model", CASES["gptq_asym_v2"])
+    merged = make_adapter(tmp_path / "model" / "dequantized", tmp_path / "adapter", LLAMA_MODULES)
+    prompts = random_prompts([5, 17])
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+    if dequantized:
+        monkeypatch.setenv("PAGEDLM_CPU_DEQUANTIZE_GGUF", "1")
+    llm = LLM(str(tmp_path / "model"), skip_tokenizer_init=True, dtype="float32",
+              enable_lora=True, max_lora_rank=8)  # fmt: skip
+    lora = LoRARequest("adapter", 1, str(tmp_path / "adapter"))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=lora)
+    if dequantized:
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(merged, prompts, 6)
+    for prompt, out in zip(prompts, outs, strict=True):
+        want = hf_logits(merged, prompt).log_softmax(-1)
+        got = [out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))]
+        expected = want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+        tolerance = 1e-4 if dequantized else 0.05
+        torch.testing.assert_close(torch.tensor(got), expected, atol=tolerance, rtol=0)
