@@ -166,16 +166,26 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _parser_names(names: list[str], aliases: dict[str, str]) -> str:
+    """``names`` for a help text, each alias in parentheses after the name it stands for."""
+    listed = []
+    for name in sorted(set(names) - set(aliases)):
+        others = sorted(alias for alias, target in aliases.items() if target == name)
+        listed.append(f"{name} ({', '.join(others)})" if others else name)
+    return ", ".join(listed)
+
+
 def _add_tool_args(group: argparse._ArgumentGroup) -> None:
     from pagedlm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
-    from pagedlm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+    from pagedlm.entrypoints.openai.tool_parsers import TOOL_PARSER_ALIASES, TOOL_PARSERS
 
     group.add_argument(
         "--tool-call-parser",
         default=None,
         choices=sorted(TOOL_PARSERS),
-        help="How tool calls are read from the model's text for tool_choice='auto' "
-        "(hermes: <tool_call>{...}</tool_call>; llama3_json: Llama 3.x JSON calls).",
+        help="How tool calls are read from the model's text for tool_choice='auto', by "
+        f"vLLM's names: {_parser_names(list(TOOL_PARSERS), TOOL_PARSER_ALIASES)}. The model "
+        "families of each are in the README's tool-calling section.",
     )
     group.add_argument(
         "--enable-auto-tool-choice",
@@ -187,8 +197,9 @@ def _add_tool_args(group: argparse._ArgumentGroup) -> None:
         "--reasoning-parser",
         default=None,
         choices=sorted(REASONING_PARSERS),
-        help="Return <think>...</think> as reasoning_content in chat responses "
-        "(deepseek_r1: output starts inside the thought; qwen3: only after <think>).",
+        help="Return the model's thought (<think>...</think> and kin) as reasoning_content "
+        f"in chat responses, by vLLM's names: {_parser_names(list(REASONING_PARSERS), {})}. "
+        "deepseek_r1: the output starts inside the thought; qwen3: only after <think>.",
     )
 
 

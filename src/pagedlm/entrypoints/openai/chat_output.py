@@ -2,12 +2,12 @@
 
 The model's text goes through the reasoning parser (if the server has one), and the
 content that comes out goes through the tool parser (if the request uses one). Streaming
-and non-streaming responses use the same deltas, so they always agree.
+and non-streaming responses use the same deltas, so they always agree. Each call gets an id
+in its model family's form (``ToolParser.new_call_id``).
 """
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,16 +16,14 @@ from pagedlm.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pagedlm.entrypoints.openai.tool_parsers import ParsedDelta, ToolCallDelta, ToolParser
 
 
-def new_tool_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 @dataclass
 class ChatOutputParser:
     """Per-choice parser chain; ``feed``/``finish`` return an OpenAI ``delta`` dict (or {})."""
 
     reasoning_parser: ReasoningParser | None = None
     tool_parser: ToolParser | None = None
+    new_call_id: Callable[[], str] | None = None
+    """Names each call; None: the tool parser's own ``new_call_id``."""
     reasoning: list[str] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
     call_ids: list[str] = field(default_factory=list)
@@ -37,10 +35,12 @@ class ChatOutputParser:
         cls,
         new_reasoning_parser: Callable[[], ReasoningParser] | None,
         new_tool_parser: Callable[[], ToolParser] | None,
+        new_call_id: Callable[[], str] | None = None,
     ) -> ChatOutputParser:
         return cls(
             new_reasoning_parser() if new_reasoning_parser else None,
             new_tool_parser() if new_tool_parser else None,
+            new_call_id,
         )
 
     def feed(self, text: str) -> dict[str, Any]:
@@ -73,7 +73,9 @@ class ChatOutputParser:
 
     def _call_delta(self, call: ToolCallDelta) -> dict[str, Any]:
         if call.name is not None:
-            self.call_ids.append(new_tool_call_id())
+            assert self.tool_parser is not None  # only a tool parser makes calls
+            new_call_id = self.new_call_id or self.tool_parser.new_call_id
+            self.call_ids.append(new_call_id())
             self.call_names.append(call.name)
             self.call_arguments.append([])
             self.call_arguments[call.index].append(call.arguments)

@@ -127,12 +127,15 @@ class SamplingFields(OpenAIModel):
         logprobs: int | None,
         structured_outputs: StructuredOutputsParams | None = None,
         defaults: Mapping[str, Any] | None = None,
+        keep_special_tokens: bool = False,
     ) -> SamplingParams:
         """Engine parameters for this request; bad values -> ``APIError`` 400.
 
         ``structured_outputs`` (forced tool calls) replaces the request's own
         ``response_format``/``structured_outputs``. ``defaults``: the model's sampling
         defaults (``ModelConfig.sampling_defaults``) for the fields the request leaves unset.
+        ``keep_special_tokens``: a parser reads markers that are special tokens, so the text
+        keeps them whatever ``skip_special_tokens`` says (vLLM's parsers do the same).
         """
         if structured_outputs is None:
             structured_outputs = structured_outputs_from_request(
@@ -159,7 +162,7 @@ class SamplingFields(OpenAIModel):
                 min_tokens=self.min_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=self.prompt_logprobs,
-                skip_special_tokens=self.skip_special_tokens,
+                skip_special_tokens=self.skip_special_tokens and not keep_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 logit_bias=self._logit_bias(),
                 include_stop_str_in_output=self.include_stop_str_in_output,

@@ -5,12 +5,16 @@ then content deltas (with ``reasoning_content`` and ``tool_calls`` pieces when a
 parser or tools apply, see ``chat_output``), then an empty delta with ``finish_reason``; with
 ``stream_options.include_usage`` a last chunk with no choices carries the usage (and with
 vLLM's ``continuous_usage_stats`` every chunk its choice's usage so far).
+
+A request whose parsers read special tokens (Mistral's ``[TOOL_CALLS]``, ``[THINK]``) is
+detokenized with them kept; the token that ended the output (EOS) is still left out of the
+text unless ``include_stop_str_in_output``.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from pagedlm.entrypoints.openai.chat_images import multimodal_prompt, openai_conversation
@@ -18,7 +22,7 @@ from pagedlm.entrypoints.openai.chat_output import ChatOutputParser
 from pagedlm.entrypoints.openai.errors import APIError
 from pagedlm.entrypoints.openai.logprobs_format import chat_logprobs, prompt_logprobs_json
 from pagedlm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedlm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+from pagedlm.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from pagedlm.entrypoints.openai.serving_engine import (
     ServingContext,
     merge_streams,
@@ -90,8 +94,16 @@ class ChatServer:
             )
         }
         max_tokens = request.max_completion_tokens or request.max_tokens
+        new_reasoning_parser = self._reasoning_parser(plan)
+        keep_special_tokens = plan.needs_special_tokens or (
+            new_reasoning_parser is not None and new_reasoning_parser.needs_special_tokens
+        )
         params = request.base_sampling_params(
-            max_tokens, request.num_logprobs(), plan.structured_outputs, ctx.sampling_defaults
+            max_tokens,
+            request.num_logprobs(),
+            plan.structured_outputs,
+            ctx.sampling_defaults,
+            keep_special_tokens,
         )
         request_id = ctx.request_id("chatcmpl")
         prompts = request.engine_prompts([prompt])
@@ -107,18 +119,23 @@ class ChatServer:
             started = await ctx.start_beam_search(prompts, beam, request_id, lora)
         else:
             started = await ctx.start(prompts, params, request_id, request.priority, lora)
-        events = self._events(request, request_id, started, plan)
+        events = self._events(request, request_id, started, plan, new_reasoning_parser)
         return await stream_or_collect(events, request.stream)
 
-    def _new_choice(self, index: int, plan: ToolPlan) -> _ChatChoice:
+    def _reasoning_parser(self, plan: ToolPlan) -> type[ReasoningParser] | None:
+        """The server's reasoning parser, unless a forced tool call is all the output (its
+        grammar leaves no room for a thought)."""
         name = self.ctx.reasoning_parser
-        # A forced tool call is all the output (its grammar leaves no room for a thought).
         forced = plan.structured_outputs is not None
-        new_reasoning_parser = get_reasoning_parser(name) if name and not forced else None
-        return _ChatChoice(index, ChatOutputParser.build(new_reasoning_parser, plan.new_parser))
+        return get_reasoning_parser(name) if name and not forced else None
 
     async def _events(
-        self, request: ChatCompletionRequest, request_id: str, started, plan: ToolPlan
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        started,
+        plan: ToolPlan,
+        new_reasoning_parser: Callable[[], ReasoningParser] | None,
     ) -> AsyncIterator:
         num_top = request.top_logprobs or 0
         as_ids = self.ctx.tokens_as_ids(request.return_tokens_as_token_ids)
@@ -162,7 +179,10 @@ class ChatServer:
             for sample in output.outputs:
                 choice = choices.get(sample.index)
                 if choice is None:
-                    choice = choices[sample.index] = self._new_choice(sample.index, plan)
+                    parser = ChatOutputParser.build(
+                        new_reasoning_parser, plan.new_parser, plan.new_call_id
+                    )
+                    choice = choices[sample.index] = _ChatChoice(sample.index, parser)
                     if request.stream:
                         yield chunk(sample.index, {"role": self.ctx.response_role, "content": ""})
                 delta = choice.parser.feed(sample.text)

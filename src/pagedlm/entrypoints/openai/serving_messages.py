@@ -5,7 +5,9 @@ content_block_stop, message_delta (stop reason, output tokens), message_stop. Th
 a text block (index 0), then one ``tool_use`` block per tool call; tools are planned, forced
 and parsed exactly as for chat completions (``structured_request.plan_tools`` and the
 server's ``--tool-call-parser``), and a streamed tool call arrives whole, as one
-``input_json_delta``, once the model has finished it.
+``input_json_delta``, once the model has finished it. A call's id is Anthropic's ``toolu_``
+form of the chat id, except where the parser's family has its own (Mistral's 9 characters,
+which its chat template checks when the ``tool_use`` block comes back).
 """
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ def _tool_use_blocks(parser: ChatOutputParser) -> list[dict[str, Any]]:
             tool_input = {}
         if not isinstance(tool_input, dict):
             tool_input = {"value": tool_input}
-        tool_id = "toolu_" + call_id.removeprefix("call_")
+        tool_id = (
+            "toolu_" + call_id.removeprefix("call_") if call_id.startswith("call_") else call_id
+        )
         blocks.append({"type": "tool_use", "id": tool_id, "name": name, "input": tool_input})
     return blocks
 
@@ -129,6 +133,7 @@ class MessagesServer:
             params = SamplingParams(
                 **request_fields(requested, self.ctx.sampling_defaults),
                 stop=request.stop_sequences,
+                skip_special_tokens=not plan.needs_special_tokens,
                 output_kind=RequestOutputKind.DELTA,
                 structured_outputs=plan.structured_outputs,
             )
@@ -168,7 +173,7 @@ class MessagesServer:
                     "content_block": {"type": "text", "text": ""},
                 },
             )
-        parser = ChatOutputParser.build(None, plan.new_parser)
+        parser = ChatOutputParser.build(None, plan.new_parser, plan.new_call_id)
         output_tokens = 0
         finish: tuple[str, str | None] = ("end_turn", None)
         async for _, output in merge_streams(started):

@@ -21,6 +21,7 @@ from pagedlm.entrypoints.openai.tool_parsers import (
     RequiredToolCallsParser,
     ToolParser,
     get_tool_parser,
+    parser_factory,
     required_calls_schema,
 )
 from pagedlm.entrypoints.openai.tool_parsers.forced import parameters_schema
@@ -104,13 +105,18 @@ class ToolPlan:
 
     ``mode`` is "none", "auto", "required" or "named"; ``template_tools`` go to the chat
     template; ``structured_outputs`` forces the calls (required/named); ``new_parser``
-    makes a parser per choice (None: the output is plain content).
+    makes a parser per choice (None: the output is plain content); ``new_call_id`` names
+    the calls as the server's ``--tool-call-parser`` family does, forced calls too (its chat
+    template may check the ids when the conversation comes back); ``needs_special_tokens``:
+    the text must keep special tokens for the parser to see its markers.
     """
 
     mode: str
     template_tools: list[dict[str, Any]] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     new_parser: Callable[[], ToolParser] | None = None
+    new_call_id: Callable[[], str] = ToolParser.new_call_id
+    needs_special_tokens: bool = False
 
 
 def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -146,7 +152,8 @@ def plan_tools(
     """Check ``tools``/``tool_choice`` and decide how the output is constrained and parsed.
 
     ``tool_choice`` left out means "auto" when the server parses tool calls
-    (``--enable-auto-tool-choice``), else "none".
+    (``--enable-auto-tool-choice``), else "none". Under "auto" the server's parser reads the
+    text; it is given ``tools`` where it takes them (to type values by their schema).
     """
     if not tools:
         if tool_choice not in (None, "none"):
@@ -157,20 +164,28 @@ def plan_tools(
         tool_choice = "auto" if enable_auto_tool_choice else "none"
     if tool_choice == "none":
         return ToolPlan("none")
+    server_parser = get_tool_parser(tool_parser) if tool_parser else None
+    new_call_id = server_parser.new_call_id if server_parser else ToolParser.new_call_id
     if tool_choice == "auto":
-        if not (enable_auto_tool_choice and tool_parser):
+        if not (enable_auto_tool_choice and server_parser):
             raise APIError(
                 'tool_choice="auto" needs a server started with --enable-auto-tool-choice '
                 "and --tool-call-parser; use 'required' or a named function instead.",
                 param="tool_choice",
             )
-        return ToolPlan("auto", tools, None, get_tool_parser(tool_parser))
+        return ToolPlan(
+            "auto",
+            tools,
+            new_parser=parser_factory(server_parser, tools),
+            new_call_id=new_call_id,
+            needs_special_tokens=server_parser.needs_special_tokens,
+        )
     if tool_choice == "required":
         schema = required_calls_schema(functions)
         if not parallel_tool_calls:
             schema["maxItems"] = 1
         structured = _params("tools", json=schema, disable_any_whitespace=True)
-        return ToolPlan("required", tools, structured, RequiredToolCallsParser)
+        return ToolPlan("required", tools, structured, RequiredToolCallsParser, new_call_id)
     name = _named_choice(tool_choice)
     function = next((f for f in functions if f["name"] == name), None)
     if function is None:
@@ -180,7 +195,7 @@ def plan_tools(
             param="tool_choice",
         )
     structured = _params("tools", json=parameters_schema(function), disable_any_whitespace=True)
-    return ToolPlan("named", tools, structured, lambda: NamedToolCallParser(name))
+    return ToolPlan("named", tools, structured, lambda: NamedToolCallParser(name), new_call_id)
 
 
 def _named_choice(tool_choice: str | dict[str, Any]) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,10 @@ class ReasoningDelta:
 
 class ReasoningParser(ABC):
     """Stateful, one instance per output (per choice)."""
+
+    needs_special_tokens: ClassVar[bool] = False
+    """Its markers are special tokens of the model's tokenizer: a request it parses is
+    detokenized with ``skip_special_tokens=False``, or it would never see them."""
 
     @abstractmethod
     def feed(self, text: str) -> ReasoningDelta:

@@ -10,6 +10,7 @@ from pagedlm.entrypoints.openai.tool_parsers.abstract import (
     ToolCallDelta,
     ToolParser,
     parse_all,
+    parser_factory,
 )
 from pagedlm.entrypoints.openai.tool_parsers.deepseek_v3 import (
     DeepSeekV3ToolParser,
@@ -28,6 +29,12 @@ from pagedlm.entrypoints.openai.tool_parsers.mistral import MistralToolParser
 from pagedlm.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
 from pagedlm.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
+TOOL_PARSER_ALIASES: dict[str, str] = {
+    "llama4_json": "llama3_json",
+    "llama4_pythonic": "pythonic",
+}
+"""vLLM's other names for the same formats: alias -> name."""
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "deepseek_v3": DeepSeekV3ToolParser,
     "deepseek_v31": DeepSeekV31ToolParser,
@@ -39,6 +46,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "pythonic": PythonicToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
 }
+TOOL_PARSERS |= {alias: TOOL_PARSERS[name] for alias, name in TOOL_PARSER_ALIASES.items()}
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:
@@ -53,6 +61,7 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 
 __all__ = [
     "TOOL_PARSERS",
+    "TOOL_PARSER_ALIASES",
     "DeepSeekV3ToolParser",
     "DeepSeekV31ToolParser",
     "GraniteToolParser",
@@ -72,5 +81,6 @@ __all__ = [
     "ToolParser",
     "get_tool_parser",
     "parse_all",
+    "parser_factory",
     "required_calls_schema",
 ]

@@ -12,10 +12,14 @@ Invariants every parser keeps:
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
+import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass(frozen=True)
@@ -52,10 +56,24 @@ class ParsedOutput:
 
 
 class ToolParser(ABC):
-    """Stateful, one instance per output (per choice)."""
+    """Stateful, one instance per output (per choice).
+
+    A parser whose constructor takes ``tools`` (the request's OpenAI function tools) is
+    given them by the server; others are built with no arguments.
+    """
+
+    needs_special_tokens: ClassVar[bool] = False
+    """Its markers are special tokens of the model's tokenizer: a request it parses is
+    detokenized with ``skip_special_tokens=False``, or it would never see them."""
 
     def __init__(self) -> None:
         self._num_calls = 0
+
+    @classmethod
+    def new_call_id(cls) -> str:
+        """A fresh id for a call this family's model made (OpenAI's ``call_`` form unless the
+        family's chat template checks another when the conversation comes back)."""
+        return f"call_{uuid.uuid4().hex[:24]}"
 
     @abstractmethod
     def feed(self, text: str) -> ParsedDelta:
@@ -113,6 +131,16 @@ class ToolCallAccumulator:
     def result(self) -> ParsedOutput:
         calls = tuple(ToolCall(n, "".join(a)) for n, a in zip(self.names, self.arguments))
         return ParsedOutput("".join(self.content), calls)
+
+
+def parser_factory(
+    parser_class: type[ToolParser], tools: list[dict[str, Any]] | None
+) -> Callable[[], ToolParser]:
+    """Makes ``parser_class`` parsers (one per choice), given the request's ``tools`` where
+    the constructor takes them."""
+    if "tools" in inspect.signature(parser_class).parameters:
+        return functools.partial(parser_class, tools=tools)
+    return parser_class
 
 
 def parse_all(parser: ToolParser, text: str) -> ParsedOutput:

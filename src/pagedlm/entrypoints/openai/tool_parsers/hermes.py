@@ -3,7 +3,8 @@
 Text outside the tags is content. A block whose body is not a JSON call object stays in
 the content verbatim. Whitespace next to a call is dropped (models put newlines between
 calls). A block left open at the end still counts if its body is a whole call (models often
-stop at EOS before the closing tag).
+stop at EOS before the closing tag). Some checkpoints make the tags special tokens, so the
+text is read with them kept (as vLLM's parser does).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ END = "</tool_call>"
 
 
 class HermesToolParser(BufferedToolParser):
+    needs_special_tokens = True
+
     def __init__(self) -> None:
         super().__init__()
         self._after_call = False

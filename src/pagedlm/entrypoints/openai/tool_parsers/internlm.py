@@ -2,7 +2,8 @@
 {...}}<|action_end|>`` after the answer's text.
 
 ``<|action_start|>``, ``<|plugin|>`` and ``<|action_end|>`` are special tokens: the text must
-be detokenized with ``skip_special_tokens=False`` for this parser to see them.
+be detokenized with ``skip_special_tokens=False`` for this parser to see them (the server does
+so for the requests it parses).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ ACTION_END = "<|action_end|>"
 
 class InternLM2ToolParser(TaggedBlockToolParser):
     blocks = ((ACTION_START, ACTION_END),)
+    needs_special_tokens = True
 
     def _decode(self, start: str, body: str, closed: bool) -> list[ToolCall] | None:
         call = call_from_json(json.loads(body))

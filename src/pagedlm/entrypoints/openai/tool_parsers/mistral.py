@@ -10,7 +10,9 @@
 Text before and between calls is content, whitespace next to a call dropped; a
 ``[TOOL_CALLS]`` not followed by a readable call stays in the content with what follows.
 ``[TOOL_CALLS]``, ``[ARGS]`` and ``[CALL_ID]`` are special tokens: the text must be
-detokenized with ``skip_special_tokens=False`` for this parser to see them.
+detokenized with ``skip_special_tokens=False`` for this parser to see them (the server does
+so for the requests it parses). Calls are named with 9 letters and digits, the only ids
+Mistral's chat templates accept when the conversation is sent back.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import enum
 import json
 import re
+import secrets
+import string
 
 from pagedlm.entrypoints.openai.tool_parsers.abstract import (
     BufferedToolParser,
@@ -32,6 +36,8 @@ TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
 CALL_ID = "[CALL_ID]"
 _NAME = re.compile(r"[A-Za-z0-9_.\-]*")
+_ID_ALPHABET = string.ascii_letters + string.digits
+MISTRAL_CALL_ID_LENGTH = 9
 _DECODER = json.JSONDecoder()
 
 
@@ -49,6 +55,12 @@ class _Read(enum.Enum):
 
 
 class MistralToolParser(BufferedToolParser):
+    needs_special_tokens = True
+
+    @classmethod
+    def new_call_id(cls) -> str:
+        return "".join(secrets.choice(_ID_ALPHABET) for _ in range(MISTRAL_CALL_ID_LENGTH))
+
     def __init__(self) -> None:
         super().__init__()
         self._state = _State.CONTENT

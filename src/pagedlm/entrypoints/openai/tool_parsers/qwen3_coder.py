@@ -11,10 +11,12 @@
 Parameter values are raw text (one newline just inside each tag is dropped) and become JSON
 values by the parameter's type in the request's tool schema: strings stay strings, integers,
 numbers and booleans are converted, objects and arrays are read as JSON (or Python
-literals); a value that does not convert stays a string, and ``null`` is null. A parser made
-without the tools (how the server makes parsers today) converts by the value's look: text
-that reads as a JSON number, boolean, null, object or array becomes that, anything else a
-string. A bare ``<function=...>...</function>`` outside ``<tool_call>`` counts as a call too.
+literals); a value that does not convert stays a string, and ``null`` is null. The server
+builds the parser with the request's tools; a function they do not declare (or a parser made
+without them) converts by the value's look: text that reads as a JSON number, boolean, null,
+object or array becomes that, anything else a string. A bare ``<function=...>...</function>``
+outside ``<tool_call>`` counts as a call too. The tags are read with special tokens kept (some
+checkpoints make them special, as vLLM's parser assumes).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ _INTEGER_PREFIXES = ("int", "uint", "long", "short", "unsigned")
 
 class Qwen3CoderToolParser(TaggedBlockToolParser):
     blocks = ((TOOL_CALL, TOOL_CALL_END), (FUNCTION, FUNCTION_END))
+    needs_special_tokens = True
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         super().__init__()
