@@ -7,6 +7,7 @@ pagedlm's loader, so the tests do not check the loader against itself.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -32,6 +33,12 @@ _LAYER_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    # Mixture-of-experts routers and shared experts (the experts themselves: _converted).
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 # Where an architecture departs from llama's layer names.
 _ARCH_LAYER_NAMES = {
@@ -43,6 +50,13 @@ _ARCH_LAYER_NAMES = {
     },
     "phi3": {**_LAYER_NAMES, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
 }
+_ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
+_FLOAT32_STEMS = ("ffn_gate_inp", "ffn_gate_inp_shexp")
+"""Tensors the converter always keeps in float32 (expert routers), whatever the file type."""
+EXPERT_LAYOUTS = ("stacked", "fused", "split")
+"""How a file holds each layer's experts: ``ffn_{gate,up,down}_exps`` [experts, rows, cols]
+(the converter's default), gate and up as one ``ffn_gate_up_exps`` (``--fuse-gate-up-exps``),
+or one 2-D ``ffn_{gate,up,down}.E`` per expert (early llama.cpp Mixtral files)."""
 
 # Byte offsets of the float16 scale fields (d, and dmin where the type has one) in a K-quant block.
 _K_QUANT_SCALE_OFFSETS = {
@@ -110,6 +124,63 @@ def tiny_causal_lm(config_class, model_class, *, seed: int = 0, norm_center: flo
     return config, model
 
 
+def _converted(
+    hf_name: str, array: np.ndarray, arch: str, expert_layout: str
+) -> tuple[list[tuple[str, np.ndarray]], Callable[[list[np.ndarray]], np.ndarray]]:
+    """The GGUF tensors the converter makes of one HF tensor, and how their (dequantized)
+    values make the HF tensor again. transformers stacks a layer's experts as
+    ``mlp.experts.gate_up_proj`` [experts, 2 * ff, hidden] (gate rows first) and
+    ``mlp.experts.down_proj`` [experts, hidden, ff]; the file holds them as
+    ``EXPERT_LAYOUTS`` says."""
+    match = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", hf_name)
+    if match is None:
+        return [(gguf_name(hf_name, arch), array)], lambda values: values[0]
+    layer, projection = match.groups()
+    if projection == "down_proj":
+        stems = ["ffn_down"]
+    else:
+        stems = ["ffn_gate_up"] if expert_layout == "fused" else ["ffn_gate", "ffn_up"]
+    parts = np.split(array, len(stems), axis=1)
+    if expert_layout != "split":
+        tensors = [(f"blk.{layer}.{stem}_exps.weight", part) for stem, part in zip(stems, parts)]
+        return tensors, lambda values: np.concatenate(values, axis=1)
+    experts = array.shape[0]
+    tensors = [
+        (f"blk.{layer}.{stem}.{expert}.weight", part[expert])
+        for stem, part in zip(stems, parts)
+        for expert in range(experts)
+    ]
+
+    def join(values: list[np.ndarray]) -> np.ndarray:
+        stacked = [np.stack(values[i : i + experts]) for i in range(0, len(values), experts)]
+        return np.concatenate(stacked, axis=1)
+
+    return tensors, join
+
+
+def _add_arch_metadata(writer: gguf.GGUFWriter, arch: str, config) -> None:
+    """What convert_hf_to_gguf writes for ``arch`` beyond the common keys: expert counts and
+    sizes; Gemma 3's local rope base, global rope scaling, window and final soft cap.
+    (Gemma 2's and Phi-3's extras come from their tests' ``add_extras``.)"""
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+    if arch in ("qwen2moe", "qwen3moe"):
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if arch == "gemma3":
+        writer.add_rope_freq_base_swa(config.rope_parameters["sliding_attention"]["rope_theta"])
+        full = config.rope_parameters["full_attention"]
+        if full.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(full["factor"])
+        if config.final_logit_softcapping:
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        writer.add_sliding_window(config.sliding_window)
+
+
 def k_quant_bytes(
     array: np.ndarray, qtype: gguf.GGMLQuantizationType, scale: float = 0.01
 ) -> np.ndarray:
@@ -137,11 +208,11 @@ def _encode(
     if qtype == gguf.GGMLQuantizationType.F32:
         data = np.ascontiguousarray(array)
         return data, data
-    data = (
-        k_quant_bytes(array, qtype, k_quant_scale)
-        if qtype_name.endswith("_K")
-        else gguf.quants.quantize(array, qtype)
-    )
+    if qtype_name.endswith("_K"):  # [.., rows, cols] as one matrix of rows
+        matrix = array.reshape(-1, array.shape[-1])
+        data = k_quant_bytes(matrix, qtype, k_quant_scale).reshape(*array.shape[:-1], -1)
+    else:
+        data = gguf.quants.quantize(array, qtype)
     values = np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32)
     return data, values.reshape(array.shape)
 
@@ -157,14 +228,16 @@ def write_gguf(
     tokenizer_pre: str | None = "gpt-2",
     add_extras: Callable[[gguf.GGUFWriter], None] | None = None,
     k_quant_scale: float = 0.01,
+    expert_layout: str = "stacked",
 ) -> dict[str, torch.Tensor]:
     """Write an HF state dict as a llama.cpp GGUF of architecture ``arch``.
 
-    2-D weights take ``qtype_names`` (one type, or a list the 2-D weights take in turn, so one
-    file can hold every K-quant); 1-D tensors stay F32. ``rope_dims`` defaults to the head
-    size; ``tokenizer_pre=None`` writes no vocabulary (a weights-only file). ``add_extras``
-    adds an architecture's own metadata and tensors before the weights. K-quants get random
-    blocks with super-block scales ``k_quant_scale`` (``k_quant_bytes``).
+    2-D and 3-D (stacked expert) weights take ``qtype_names`` (one type, or a list the file's
+    matrices take in turn, so one file can hold every K-quant); 1-D tensors and expert
+    routers stay F32. ``rope_dims`` defaults to the head size; ``tokenizer_pre=None`` writes
+    no vocabulary (a weights-only file). ``add_extras`` adds an architecture's own metadata
+    and tensors before the weights. K-quants get random blocks with super-block scales
+    ``k_quant_scale`` (``k_quant_bytes``). ``expert_layout``: one of ``EXPERT_LAYOUTS``.
 
     Returns the weights the file actually holds, in HF layout and float32 (quantized types
     dequantized, K-quants their random blocks), for exact comparisons.
@@ -180,7 +253,8 @@ def write_gguf(
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters  # Gemma 3: per layer type; the global layers' base here
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_dimension_count(rope_dims or head_dim)
     writer.add_vocab_size(config.vocab_size)
@@ -191,6 +265,7 @@ def write_gguf(
         writer.add_tokenizer_pre(tokenizer_pre)
         writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
         writer.add_token_merges([])
+    _add_arch_metadata(writer, arch, config)
     if add_extras is not None:
         add_extras(writer)
     held = {}
@@ -203,11 +278,17 @@ def write_gguf(
                 config.num_attention_heads if "q_proj" in hf_name else config.num_key_value_heads
             )
             array = interleave_rotary_rows(array, permuted_heads)
-        qtype_name = cycle[matrices % len(cycle)] if array.ndim == 2 else "F32"
-        matrices += array.ndim == 2
-        data, values = _encode(array, qtype_name, k_quant_scale)
-        raw_dtype = None if qtype_name == "F32" else gguf.GGMLQuantizationType[qtype_name]
-        writer.add_tensor(gguf_name(hf_name, arch), data, raw_dtype=raw_dtype)
+        tensors, join = _converted(hf_name, array, arch, expert_layout)
+        parts = []
+        for name, part in tensors:
+            matrix = part.ndim >= 2 and name.split(".")[-2] not in _FLOAT32_STEMS
+            qtype_name = cycle[matrices % len(cycle)] if matrix else "F32"
+            matrices += matrix
+            data, part_values = _encode(part, qtype_name, k_quant_scale)
+            raw_dtype = None if qtype_name == "F32" else gguf.GGMLQuantizationType[qtype_name]
+            writer.add_tensor(name, data, raw_dtype=raw_dtype)
+            parts.append(part_values)
+        values = join(parts)
         if permuted_heads is not None:
             values = deinterleave_rotary_rows(values, permuted_heads)
         held[hf_name] = torch.from_numpy(np.ascontiguousarray(values))
