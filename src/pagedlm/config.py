@@ -77,6 +77,20 @@ def _with_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**cfg, **{k: v for k, v in text.items() if k != "architectures"}}
 
 
+def _complete_yarn(rope_scaling: dict[str, Any], cfg: dict[str, Any]) -> None:
+    """YaRN's pretraining length as transformers reads it (a top-level
+    ``original_max_position_embeddings`` first, then the rope dict's, then
+    ``max_position_embeddings``), and its factor from the two lengths where not given."""
+    original = (
+        cfg.get("original_max_position_embeddings")
+        or rope_scaling.get("original_max_position_embeddings")
+        or cfg.get("max_position_embeddings", 2048)
+    )
+    rope_scaling["original_max_position_embeddings"] = int(original)
+    if rope_scaling.get("factor") is None:
+        rope_scaling["factor"] = cfg.get("max_position_embeddings", 2048) / original
+
+
 @dataclass(frozen=True)
 class ArchConfig:
     """The shape of a decoder-only transformer, independent of how the file spelled it.
@@ -136,6 +150,8 @@ class ArchConfig:
                 rope_scaling["rope_type"] = "mrope"
             if rope_scaling["rope_type"] == "default":
                 rope_scaling = None
+            elif rope_scaling["rope_type"] == "yarn":
+                _complete_yarn(rope_scaling, cfg)
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         head_dim = cfg.get("head_dim") or hidden // num_heads

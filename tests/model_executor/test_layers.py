@@ -178,7 +178,7 @@ def test_linear_rope_scaling_divides_frequencies() -> None:
 
 
 def test_unsupported_rope_and_activation_are_named() -> None:
-    with pytest.raises(ValueError, match=r"rope_type='yarn'.*'llama3'"):
-        rope_inv_freq(8, 10000.0, {"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(ValueError, match=r"rope_type='dynamic'.*'llama3', 'yarn'"):
+        rope_inv_freq(8, 10000.0, {"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(ValueError, match=r"hidden_act='gelu'.*silu"):
         get_act_and_mul("gelu")

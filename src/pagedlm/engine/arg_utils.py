@@ -610,7 +610,9 @@ class EngineArgs:
         return arch.vocab_size if value == -1 else value
 
     def _max_model_len(self, arch: ArchConfig) -> int:
-        limit = arch.max_position_embeddings
+        from pagedlm.model_executor.layers.rope_frequencies import rope_context_length
+
+        limit = rope_context_length(arch.max_position_embeddings, arch.rope_scaling)
         if self.max_model_len is None:
             max_model_len = limit
         elif self.max_model_len > limit:

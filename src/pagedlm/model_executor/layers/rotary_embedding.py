@@ -8,7 +8,6 @@ model for every position up to ``max_position`` and indexed by each token's posi
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -17,45 +16,7 @@ from torch import nn
 
 from pagedlm.attention.backend import FusedRotary
 from pagedlm.model_executor.layers.layernorm import RMSNorm
-
-
-def default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
-    """[head_dim / 2] the rotation frequency of each pair: ``base^(-2i / head_dim)``."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    return 1.0 / (base**exponents)
-
-
-def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
-    """Llama 3.1's context extension: slow frequencies divided by ``factor``, fast ones
-    kept, and the band between interpolated smoothly (by wavelength)."""
-    factor = scaling["factor"]
-    low_freq_factor = scaling.get("low_freq_factor", 1.0)
-    high_freq_factor = scaling.get("high_freq_factor", 4.0)
-    original_len = scaling["original_max_position_embeddings"]
-    low_freq_wavelen = original_len / low_freq_factor
-    high_freq_wavelen = original_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (original_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def rope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Frequencies for a config's ``rope_scaling`` (None, or a dict with ``rope_type``)."""
-    inv_freq = default_inv_freq(head_dim, base)
-    rope_type = "default" if scaling is None else scaling.get("rope_type", "default")
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / scaling["factor"]
-    if rope_type == "llama3":
-        return llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(
-        f"rope_type={rope_type!r} is not supported; supported: 'default', 'linear', 'llama3'."
-    )
-
+from pagedlm.model_executor.layers.rope_frequencies import rope_attention_factor, rope_inv_freq
 
 RotaryKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """(positions, query, key, cos_sin_cache, head_dim, is_neox_style, qk_norm=None) ->
@@ -102,11 +63,11 @@ class RotaryEmbedding(nn.Module):
         self.is_neox_style = is_neox_style
         inv_freq = rope_inv_freq(head_dim, base, scaling)
         angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        # [max_position, head_dim]: cos of each pair's angle, then sin. Kept in float32 (like
-        # the reference) and cast per step; not saved, it is derived from the config.
-        self.register_buffer(
-            "cos_sin_cache", torch.cat([angles.cos(), angles.sin()], dim=-1), persistent=False
-        )
+        # [max_position, head_dim]: cos of each pair's angle, then sin (times YaRN's
+        # attention factor, 1 otherwise). Kept in float32 (like the reference) and cast per
+        # step; not saved, it is derived from the config.
+        table = torch.cat([angles.cos(), angles.sin()], dim=-1) * rope_attention_factor(scaling)
+        self.register_buffer("cos_sin_cache", table, persistent=False)
 
     def forward(
         self,

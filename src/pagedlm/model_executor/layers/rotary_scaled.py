@@ -17,10 +17,12 @@ import torch
 from torch import nn
 
 from pagedlm.config import ArchConfig
-from pagedlm.model_executor.layers.rotary_embedding import (
-    RotaryEmbedding,
+from pagedlm.model_executor.layers.rope_frequencies import (
+    rope_attention_factor,
+    rope_context_length,
     rope_inv_freq,
 )
+from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from pagedlm.model_executor.layers.rotary_mrope import MRotaryEmbedding
 
 
@@ -121,7 +123,7 @@ def get_rope(
         if rotary_dim != head_dim or rope_type in ("mrope", "longrope"):
             raise ValueError(
                 f"interleaved (is_neox_style=False) rotary supports whole heads and rope types "
-                f"'default', 'linear', 'llama3'; got rope_type={rope_type!r}, "
+                f"'default', 'linear', 'llama3', 'yarn'; got rope_type={rope_type!r}, "
                 f"rotary_dim={rotary_dim} of head_dim={head_dim}."
             )
         return RotaryEmbedding(head_dim, max_position, base, scaling, is_neox_style=False)
@@ -139,7 +141,8 @@ def get_rope(
     if rotary_dim == head_dim:
         return RotaryEmbedding(head_dim, max_position, base, scaling)
     inv_freq = rope_inv_freq(rotary_dim, base, scaling)
-    return TableRotaryEmbedding(head_dim, rotary_dim, _table(inv_freq.expand(max_position, -1)))
+    table = _table(inv_freq.expand(max_position, -1), rope_attention_factor(scaling))
+    return TableRotaryEmbedding(head_dim, rotary_dim, table)
 
 
 def get_rope_for_arch(arch: ArchConfig, max_model_len: int | None = None) -> RotaryEmbedding:
@@ -161,7 +164,7 @@ def get_rope_for_arch(arch: ArchConfig, max_model_len: int | None = None) -> Rot
             )
     return get_rope(
         arch.head_dim,
-        arch.max_position_embeddings,
+        rope_context_length(arch.max_position_embeddings, scaling),
         arch.rope_theta,
         scaling,
         rotary_dim=int(arch.head_dim * partial),
