@@ -23,9 +23,10 @@ import numpy as np
 import torch
 
 from pagedlm.config import ArchConfig, EngineConfig, LoRAConfig
+from pagedlm.distributed.pipeline import this_stage_layers
 from pagedlm.lora.layers import LoRALinear
 from pagedlm.lora.ops import LoRAOps, LoRAStepState
-from pagedlm.lora.peft_format import AdapterWeights, load_adapter
+from pagedlm.lora.peft_format import AdapterWeights, layer_index, load_adapter
 from pagedlm.lora.request import LoRARequest
 from pagedlm.lora.targets import LoRATarget, lora_targets
 from pagedlm.model_executor.layers.linear_base import LinearBase
@@ -169,8 +170,18 @@ class LoRAManager:
         for module, (lora_a, lora_b) in weights.modules.items():
             target = self.targets.get(module)
             if target is None:
+                if self._on_this_stage(module):
+                    raise ValueError(
+                        f"LoRA module {module!r} has no layer in {self.arch.architecture} to "
+                        "apply to; this architecture's layers do not take that adapter."
+                    )
                 continue  # a layer of another pipeline stage
             self.layers[target.module_name].write_module(slot, target.slices, lora_a, lora_b)
+
+    def _on_this_stage(self, module: str) -> bool:
+        layer = layer_index(module)
+        start, end = this_stage_layers(self.arch.num_hidden_layers)
+        return layer is None or start <= layer < end
 
 
 def make_lora(

@@ -104,6 +104,12 @@ def _read_config(file: Path, max_lora_rank: int) -> dict:
     return raw
 
 
+def layer_index(module: str) -> int | None:
+    """The decoder layer an adapter module belongs to (``model.layers.3.mlp.up_proj`` -> 3)."""
+    match = _LAYER.search(f".{module}.")
+    return None if match is None else int(match.group(1))
+
+
 def _check_module(module: str, arch: ArchConfig, shapes: dict[str, tuple[int, int]]) -> str:
     """The projection name of ``module``, after refusing what the model lacks."""
     parts = module.split(".")

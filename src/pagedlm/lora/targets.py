@@ -101,12 +101,22 @@ def lora_targets(model: object) -> dict[str, LoRATarget]:
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             continue
         parent, _, leaf = name.rpartition(".")
-        parts = [(part, _shard_index(shard)) for merged, part, shard in stacked if merged == leaf]
+        parts = [
+            (_leaf(part), _shard_index(shard))
+            for merged, part, shard in stacked
+            if _leaf(merged) == leaf
+        ]
         num_slices = len(layer_slices(module))
         for part, index in parts:
             targets[f"{parent}.{part}"] = LoRATarget(name, (index,))
         targets[name] = LoRATarget(name, tuple(range(num_slices)))
     return targets
+
+
+def _leaf(name: str) -> str:
+    """A ``stacked_params`` entry's module name: ``qkv_proj`` (Llama's spelling) or the
+    last part of a dotted path (``.self_attn.qkv_proj.``, the LayerNorm decoders')."""
+    return name.strip(".").rpartition(".")[2]
 
 
 def layer_slices(layer: object) -> list[int]:

@@ -1,0 +1,29 @@
+"""PEFT adapters on the LayerNorm decoder families (their merged q/k/v and gate/up layers
+are named by dotted ``stacked_params``): transformers' tokens with the adapter merged."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedlm import LLM, LoRARequest, SamplingParams
+from peft_adapters import make_adapter
+from tiny_checkpoints import hf_greedy, random_prompts, save_random_model
+
+CASES = {
+    "StableLmConfig": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"],
+    "CohereConfig": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "PhiConfig": ["q_proj", "k_proj", "v_proj"],
+}
+
+
+@pytest.mark.parametrize("config_class", list(CASES))
+def test_adapter_tokens_match_the_merged_model(tmp_path, config_class) -> None:
+    save_random_model(tmp_path / "model", config_class, {})
+    merged = make_adapter(tmp_path / "model", tmp_path / "adapter", CASES[config_class])
+    prompts = random_prompts([9, 5])
+    llm = LLM(str(tmp_path / "model"), skip_tokenizer_init=True, dtype="float32",
+              enable_lora=True, max_lora_rank=8)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    lora = LoRARequest("adapter", 1, str(tmp_path / "adapter"))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=lora)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(merged, prompts, 6)
