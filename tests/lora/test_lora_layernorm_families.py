@@ -1,5 +1,6 @@
 """PEFT adapters on the LayerNorm decoder families (their merged q/k/v and gate/up layers
-are named by dotted ``stacked_params``): transformers' tokens with the adapter merged."""
+are named by dotted ``stacked_params``, their other projections by the checkpoint renames):
+transformers' tokens with the adapter merged; GPT-NeoX is refused."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from tiny_checkpoints import hf_greedy, random_prompts, save_random_model
 CASES = {
     "StableLmConfig": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"],
     "CohereConfig": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    "PhiConfig": ["q_proj", "k_proj", "v_proj"],
+    "PhiConfig": ["q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"],  # Phi's own names
+    "Starcoder2Config": ["q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"],
 }
 
 
@@ -27,3 +29,9 @@ def test_adapter_tokens_match_the_merged_model(tmp_path, config_class) -> None:
     lora = LoRARequest("adapter", 1, str(tmp_path / "adapter"))
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=lora)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(merged, prompts, 6)
+
+
+def test_gpt_neox_is_refused(tmp_path) -> None:
+    save_random_model(tmp_path, "GPTNeoXConfig", {"num_key_value_heads": None})
+    with pytest.raises(ValueError, match="query_key_value, which interleaves"):
+        LLM(str(tmp_path), skip_tokenizer_init=True, enable_lora=True)

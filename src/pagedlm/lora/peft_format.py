@@ -104,6 +104,30 @@ def _read_config(file: Path, max_lora_rank: int) -> dict:
     return raw
 
 
+def _renames(arch: ArchConfig) -> tuple[tuple[str, str], ...]:
+    from pagedlm.model_executor.models.registry import get_model_class
+
+    return getattr(get_model_class(arch.architecture), "hf_renames", ())
+
+
+def _our_module(module: str, arch: ArchConfig) -> str:
+    """An adapter's module path in the model's own names: the architecture's checkpoint
+    renames applied (Phi's ``self_attn.dense`` is its ``o_proj``, ``mlp.fc1`` its
+    ``fc_in``), as ``load_weights`` applies them to the base model's tensors."""
+    name = f".{module}."
+    for theirs, ours in _renames(arch):
+        name = name.replace(theirs, ours)
+    return name[1:-1]
+
+
+def _our_leaf(target: str, arch: ArchConfig) -> str:
+    """A ``target_modules`` entry (a bare name such as ``fc1``) in the model's names."""
+    for theirs, ours in _renames(arch):
+        if theirs.strip(".").rpartition(".")[2] == target:
+            return ours.strip(".").rpartition(".")[2]
+    return target
+
+
 def layer_index(module: str) -> int | None:
     """The decoder layer an adapter module belongs to (``model.layers.3.mlp.up_proj`` -> 3)."""
     match = _LAYER.search(f".{module}.")
@@ -142,7 +166,7 @@ def check_adapter(path: str, arch: ArchConfig, max_lora_rank: int) -> PeftAdapte
     targets = raw.get("target_modules")
     if isinstance(targets, list):
         for target in targets:
-            _check_module(f"model.layers.0.{target}", arch, shapes)
+            _check_module(f"model.layers.0.{_our_leaf(target, arch)}", arch, shapes)
     found: dict[str, set[str]] = {}
     with safe_open(str(weights_file), framework="pt") as tensors:
         for key in tensors.keys():  # noqa: SIM118 - safe_open has no __iter__
@@ -152,7 +176,7 @@ def check_adapter(path: str, arch: ArchConfig, max_lora_rank: int) -> PeftAdapte
                     f"LoRA adapter {path!r}: tensor {key!r} is not a lora_A/lora_B weight "
                     "(embedding, bias or DoRA tensors are not supported)."
                 )
-            module, kind = match["module"], match["kind"]
+            module, kind = _our_module(match["module"], arch), match["kind"]
             in_features, out_features = shapes[_check_module(module, arch, shapes)]
             expected = (rank, in_features) if kind == "A" else (out_features, rank)
             shape = tuple(tensors.get_slice(key).get_shape())
@@ -188,7 +212,7 @@ def load_adapter(path: str, arch: ArchConfig, max_lora_rank: int) -> AdapterWeig
         match = _KEY.match(key)
         assert match is not None, "check_adapter accepted every key"
         if match["kind"] == "A":
-            module = match["module"]
+            module = _our_module(match["module"], arch)
             lora_b = tensors[key[: -len("lora_A.weight")] + "lora_B.weight"]
             modules[module] = (
                 tensor.to(torch.float32),

@@ -17,6 +17,7 @@ from pagedlm.config import ArchConfig
 _BERT_REASON = "BERT's query/key/value and dense projections"
 UNSUPPORTED_ARCHITECTURES = {
     "GPT2LMHeadModel": "GPT-2's Conv1D projections (c_attn, c_proj, c_fc)",
+    "GPTNeoXForCausalLM": "GPT-NeoX's query_key_value, which interleaves q, k and v per head",
     **dict.fromkeys(
         (
             "BertModel",
@@ -42,8 +43,8 @@ def check_lora_architecture(arch: ArchConfig) -> None:
     if reason is not None:
         raise ValueError(
             f"enable_lora does not support {arch.architecture} ({reason}); LoRA serves "
-            "Llama-family models (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, and the "
-            "attention of Mixtral/Qwen3-MoE)."
+            "Llama-family models (Llama, Mistral, Qwen2/3, Phi-3, Gemma, Granite, OLMo, the "
+            "attention of the MoE models), Phi-1/2, StableLM, StarCoder2 and Cohere."
         )
 
 
@@ -66,6 +67,8 @@ def module_shapes(arch: ArchConfig) -> dict[str, tuple[int, int]]:
             "up_proj": (hidden, inter),
             "down_proj": (inter, hidden),
             "gate_up_proj": (hidden, 2 * inter),
+            "fc_in": (hidden, inter),  # the LayerNorm decoders' GELU MLP (Phi, StarCoder2)
+            "fc_out": (inter, hidden),
         }
     return shapes
 
