@@ -48,7 +48,10 @@ def _rope_scaling(meta: dict[str, Any], prefix: str, path: str) -> dict[str, Any
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(factor)}
     if kind == "yarn":
-        original = meta.get(f"{prefix}.rope.scaling.original_context_length")
+        # llama.cpp falls back to the training context where the file names no original.
+        original = meta.get(f"{prefix}.rope.scaling.original_context_length") or meta.get(
+            f"{prefix}.context_length"
+        )
         return {
             "rope_type": "yarn",
             "factor": float(factor),
