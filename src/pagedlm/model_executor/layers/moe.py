@@ -3,6 +3,8 @@
 One component for every MoE architecture: Mixtral (top-2, always renormalized) and
 Qwen3-MoE (top-k, renormalized when ``norm_topk_prob``) differ only in ``renormalize``
 and in their checkpoints' tensor names, which the model maps to ``(expert_id, shard)``.
+DeepSeek's routers choose differently (``ExpertRouting``): sigmoid scores, a per-expert
+bias that only steers the choice, group-limited choice and a scaling of the weights.
 
 Parallelism: each rank holds the experts ``expert_start .. expert_start +
 num_local_experts - 1`` and, of each, a slice of the intermediate dimension. Without
@@ -14,6 +16,8 @@ contract as a row-parallel linear.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -46,19 +50,108 @@ class MoERouter(LinearBase):
         return self.apply_linear(x)
 
 
+@dataclass(frozen=True)
+class ExpertGroups:
+    """Group-limited choice (DeepSeek): the experts form ``num_groups`` equal groups in id
+    order, and a token chooses only among the experts of its ``topk_groups`` best groups.
+    A group scores its best expert (``score="max"``, DeepSeek-V2's ``group_limited_greedy``)
+    or its best two summed (``"top2_sum"``, DeepSeek-V3's ``noaux_tc``)."""
+
+    num_groups: int
+    topk_groups: int
+    score: str = "max"
+
+
+@dataclass(frozen=True)
+class ExpertRouting:
+    """How a router's logits choose and weigh experts when it is not a plain softmax top-k.
+
+    ``scoring``: "softmax" over all experts or an independent "sigmoid" per expert, in
+    float32. ``correction_bias``: the layer holds ``e_score_correction_bias`` [num_experts]
+    (float32), added to the scores to *choose* experts only; the weights are the unbiased
+    scores of the chosen ones. ``groups``: group-limited choice (None: any expert).
+    ``scaling_factor``: multiplies the final weights (DeepSeek's ``routed_scaling_factor``,
+    after any renormalization).
+    """
+
+    scoring: str = "softmax"
+    correction_bias: bool = False
+    groups: ExpertGroups | None = None
+    scaling_factor: float = 1.0
+
+    def check(self, num_experts: int, top_k: int) -> None:
+        """Refuse settings that cannot route ``top_k`` of ``num_experts`` experts."""
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(
+                f"scoring_func={self.scoring!r} is not supported; use 'softmax' or 'sigmoid'."
+            )
+        groups = self.groups
+        if groups is None:
+            return
+        if groups.score not in ("max", "top2_sum"):
+            raise ValueError(f"unknown group score {groups.score!r}; use 'max' or 'top2_sum'.")
+        if num_experts % groups.num_groups or not 1 <= groups.topk_groups <= groups.num_groups:
+            raise ValueError(
+                f"n_group={groups.num_groups} must divide the {num_experts} experts and "
+                f"topk_group={groups.topk_groups} must be between 1 and n_group; check "
+                "config.json."
+            )
+        per_group = num_experts // groups.num_groups
+        if top_k > groups.topk_groups * per_group or (groups.score == "top2_sum" and per_group < 2):
+            raise ValueError(
+                f"num_experts_per_tok={top_k} cannot be chosen from topk_group="
+                f"{groups.topk_groups} groups of {per_group} experts (a group scored by its top "
+                "two needs two experts); check n_group, topk_group and num_experts_per_tok."
+            )
+
+
 def select_experts(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    routing: ExpertRouting | None = None,
+    correction_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, num_experts] -> (weights float32 [T, top_k], expert ids [T, top_k]).
 
-    Softmax over all experts in float32, then the ``top_k`` largest; with ``renormalize``
-    the chosen weights are divided by their sum (so they add up to 1).
+    Without ``routing``: softmax over all experts in float32, then the ``top_k`` largest;
+    with ``renormalize`` the chosen weights are divided by their sum (so they add up to
+    1). With it, as ``ExpertRouting`` says; ``correction_bias`` [num_experts] is the
+    layer's ``e_score_correction_bias`` when ``routing.correction_bias``.
     """
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    if routing is None:
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, expert_ids
+    if routing.scoring == "sigmoid":
+        scores = router_logits.float().sigmoid()
+    else:
+        scores = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if routing.groups is not None:
+        choice = _best_groups_only(choice, routing.groups)
+    expert_ids = torch.topk(choice, top_k, dim=-1).indices
+    weights = scores.gather(1, expert_ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if routing.scaling_factor != 1.0:
+        weights = weights * routing.scaling_factor
     return weights, expert_ids
+
+
+def _best_groups_only(choice: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+    """choice [T, num_experts] with the experts outside each token's best groups at -inf."""
+    num_tokens, num_experts = choice.shape
+    grouped = choice.view(num_tokens, groups.num_groups, num_experts // groups.num_groups)
+    if groups.score == "max":
+        group_scores = grouped.max(dim=-1).values
+    else:
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    best = torch.topk(group_scores, groups.topk_groups, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, num_experts)
 
 
 class FusedMoE(nn.Module):
@@ -69,7 +162,9 @@ class FusedMoE(nn.Module):
     [num_local_experts, 2 * intermediate / tp, hidden] (gate rows, then up rows) and
     ``w2`` [num_local_experts, hidden, intermediate / tp]. ``load_expert(name, tensor,
     expert_id, shard)`` fills them from per-expert checkpoint tensors, shard being
-    "gate", "up" or "down"; experts of other ranks are skipped.
+    "gate", "up" or "down"; experts of other ranks are skipped. ``routing`` (None: softmax
+    top-k) chooses experts otherwise; with ``routing.correction_bias`` the layer also holds
+    ``e_score_correction_bias`` [num_experts], float32 in any model dtype as the scores are.
     """
 
     def __init__(
@@ -82,6 +177,7 @@ class FusedMoE(nn.Module):
         hidden_act: str = "silu",
         expert_start: int = 0,
         num_local_experts: int | None = None,
+        routing: ExpertRouting | None = None,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -89,9 +185,17 @@ class FusedMoE(nn.Module):
                 f"num_experts_per_tok={top_k} must be between 1 and the number of experts "
                 f"({num_experts}); check config.json."
             )
+        if routing is not None:
+            routing.check(num_experts, top_k)
         self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
+        self.routing = routing
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if routing is not None and routing.correction_bias:
+            self.e_score_correction_bias = nn.Parameter(
+                torch.empty(num_experts, dtype=torch.float32), requires_grad=False
+            )
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
         # (rank, ranks) among which each expert's intermediate dimension is sliced.
@@ -135,7 +239,9 @@ class FusedMoE(nn.Module):
         copy_checked(target, shard_of(loaded_weight, 0, self.slice_rank, size), f"expert {shard}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, expert_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        weights, expert_ids = select_experts(
+            self.gate(x), self.top_k, self.renormalize, self.routing, self.e_score_correction_bias
+        )
         out = torch.zeros_like(x)
         # Sort the (token, slot) pairs by expert so each expert runs one matmul on its rows.
         flat_ids = expert_ids.flatten()
@@ -162,4 +268,5 @@ class FusedMoE(nn.Module):
             f"renormalize={self.renormalize}, local_experts={self.expert_start}.."
             f"{self.expert_start + self.num_local_experts - 1}, tp_size={self.tp_size}, "
             f"slices={self.slice_size}"
+            + ("" if self.routing is None else f", routing={self.routing}")
         )

@@ -35,6 +35,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Starcoder2ForCausalLM": f"{_MODELS}.starcoder2:Starcoder2ForCausalLM",
     "CohereForCausalLM": f"{_MODELS}.cohere:CohereForCausalLM",
     "Cohere2ForCausalLM": f"{_MODELS}.cohere:Cohere2ForCausalLM",
+    "DeepseekV2ForCausalLM": f"{_MODELS}.deepseek_v2:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": f"{_MODELS}.deepseek_v2:DeepseekV3ForCausalLM",
     # Embedding models (no LM head): served by the pooling runner.
     "BertModel": f"{_MODELS}.bert:BertModel",
     "RobertaModel": f"{_MODELS}.bert:RobertaModel",

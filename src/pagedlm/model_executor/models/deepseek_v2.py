@@ -1,0 +1,265 @@
+"""DeepSeek-V2 and -V3 (V2-Lite, R1, Kimi-K2): multi-head latent attention (MLA) and
+DeepSeek's mixture of experts (``deepseek_moe.py``).
+
+MLA compresses keys and values through a ``kv_lora_rank`` latent: ``kv_a_proj_with_mqa``
+gives the latent plus one rotary key of ``qk_rope_head_dim`` shared by all heads;
+``kv_a_layernorm`` then ``kv_b_proj`` expand the latent to each head's non-rotary key
+(``qk_nope_head_dim``) and value (``v_head_dim``). Queries come from ``q_proj``, or from
+``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj`` when ``q_lora_rank`` is set. Only the
+last ``qk_rope_head_dim`` features of each query and key rotate, as adjacent pairs
+(V2 always; V3 when ``rope_interleave``, its default) or as halves.
+
+Here MLA runs as ordinary multi-head attention over the expanded keys and values, as
+vLLM's first MLA support did: the paged cache holds per-head keys of ``qk_nope_head_dim +
+qk_rope_head_dim`` and values zero-padded to that size (backends take one head size for
+both), and each head's attention output is cut back to ``v_head_dim``. Memory: per token
+and layer the cache holds ``2 * num_heads * (qk_nope + qk_rope)`` elements where the
+latent would need ``kv_lora_rank + qk_rope``: for V3 (128 heads of 192, values of 128)
+49,152 instead of 576, 85 times more, of which the value padding is 8,192. A latent cache
+with absorbed ``kv_b_proj`` weights is future work. The KV cache's head size is
+``ArchConfig.head_dim``, which must therefore equal ``qk_nope + qk_rope``.
+
+Softmax scale: ``(qk_nope + qk_rope) ** -0.5``, times ``mscale(factor, mscale_all_dim)^2``
+when the rope scaling names ``mscale_all_dim`` (any type but "default", as transformers
+has it); YaRN's cos/sin factor (``mscale / mscale_all_dim``) scales the rotary features
+only. Tensor parallel: heads split across ranks (``q_proj``/``q_b_proj`` and
+``kv_b_proj`` column-parallel, ``o_proj`` row-parallel); the ``*_a_proj`` layers and their
+norms are replicated.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Iterator
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedlm.config import ArchConfig
+from pagedlm.distributed import divide, get_tensor_model_parallel_world_size
+from pagedlm.model_executor.forward_context import ForwardContext
+from pagedlm.model_executor.layers.attention import Attention
+from pagedlm.model_executor.layers.layernorm import RMSNorm
+from pagedlm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedlm.model_executor.layers.linear_base import LinearBase, linear_weight
+from pagedlm.model_executor.layers.rope_frequencies import rope_context_length
+from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from pagedlm.model_executor.layers.rotary_scaled import get_rope
+from pagedlm.model_executor.models.deepseek_moe import (
+    V2_ARCHITECTURE,
+    DeepseekMoE,
+    is_moe_layer,
+    split_stacked_experts,
+)
+from pagedlm.model_executor.models.llama import LlamaDecoderLayer, LlamaMLP
+from pagedlm.model_executor.models.llama_stack import LlamaStack
+from pagedlm.model_executor.models.mixtral import MoEForCausalLM
+
+LATENT_NORM_EPS = 1e-6
+"""``q_a_layernorm``/``kv_a_layernorm`` use RMSNorm's default eps in the reference and in
+transformers, not ``rms_norm_eps``."""
+
+
+def key_head_dim(arch: ArchConfig) -> int:
+    return int(arch.raw["qk_nope_head_dim"]) + int(arch.raw["qk_rope_head_dim"])
+
+
+def softmax_scale(arch: ArchConfig) -> float:
+    """``key_head_dim ** -0.5``, times YaRN's ``mscale`` for ``mscale_all_dim`` squared."""
+    scale = key_head_dim(arch) ** -0.5
+    scaling = arch.rope_scaling or {}
+    mscale_all_dim = scaling.get("mscale_all_dim")
+    factor = scaling.get("factor") or 1.0
+    if mscale_all_dim and factor > 1:
+        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+def latent_rotary(arch: ArchConfig) -> RotaryEmbedding:
+    """The rotation of the ``qk_rope_head_dim`` features (one module for all layers)."""
+    raw = arch.raw
+    interleaved = arch.architecture == V2_ARCHITECTURE or raw.get("rope_interleave", True)
+    scaling = arch.rope_scaling
+    return get_rope(
+        int(raw["qk_rope_head_dim"]),
+        rope_context_length(arch.max_position_embeddings, scaling),
+        arch.rope_theta,
+        scaling,
+        is_neox_style=not interleaved,
+    )
+
+
+class ReplicatedLinear(LinearBase):
+    """``y = x W^T (+ b)`` with the whole weight on every rank: x [T, in] -> [T, out]."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = linear_weight(output_size, input_size)
+        self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.apply_linear(x)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """x [T, hidden] -> o_proj(attention over keys and values expanded from the latent)
+    [T, hidden]; see the module docstring."""
+
+    def __init__(self, arch: ArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        raw = arch.raw
+        num_heads = arch.num_attention_heads
+        self.nope_dim = int(raw["qk_nope_head_dim"])
+        self.rope_dim = int(raw["qk_rope_head_dim"])
+        self.v_head_dim = int(raw["v_head_dim"])
+        self.kv_lora_rank = int(raw["kv_lora_rank"])
+        self.head_dim = self.nope_dim + self.rope_dim
+        if self.v_head_dim > self.head_dim:
+            raise ValueError(
+                f"v_head_dim={self.v_head_dim} exceeds qk_nope_head_dim + qk_rope_head_dim="
+                f"{self.head_dim}; MLA as multi-head attention pads values to the key size."
+            )
+        self.num_local_heads = divide(num_heads, get_tensor_model_parallel_world_size())
+        bias = arch.attention_bias
+        q_size = num_heads * self.head_dim
+        q_lora_rank = raw.get("q_lora_rank")
+        self.q_through_latent = q_lora_rank is not None
+        if q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(arch.hidden_size, q_size)
+        else:
+            self.q_a_proj = ReplicatedLinear(arch.hidden_size, int(q_lora_rank), bias)
+            self.q_a_layernorm = RMSNorm(int(q_lora_rank), LATENT_NORM_EPS)
+            self.q_b_proj = ColumnParallelLinear(int(q_lora_rank), q_size)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(
+            arch.hidden_size, self.kv_lora_rank + self.rope_dim, bias
+        )
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora_rank, num_heads * (self.nope_dim + self.v_head_dim)
+        )
+        self.o_proj = RowParallelLinear(num_heads * self.v_head_dim, arch.hidden_size, bias=bias)
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(
+            layer_idx,
+            num_heads=self.num_local_heads,
+            num_kv_heads=self.num_local_heads,
+            head_dim=self.head_dim,
+            scale=softmax_scale(arch),
+        )
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q_through_latent:
+            return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return self.q_proj(x)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        num_tokens, heads = x.shape[0], self.num_local_heads
+        q = self._query(x).view(num_tokens, heads, self.head_dim)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split(
+            [self.kv_lora_rank, self.rope_dim], dim=-1
+        )
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent.contiguous()))
+        k_nope, v = kv.view(num_tokens, heads, -1).split([self.nope_dim, self.v_head_dim], -1)
+        # [T, heads * rope] and [T, rope] (one key head shared by all): rotated as such.
+        q_rope = q[..., self.nope_dim :].reshape(num_tokens, heads * self.rope_dim)
+        q_rope, k_rope = self.rotary_emb(positions, q_rope, k_rope.contiguous())
+        q = torch.cat([q[..., : self.nope_dim], q_rope.view(num_tokens, heads, -1)], dim=-1)
+        k_rope = k_rope.view(num_tokens, 1, self.rope_dim).expand(-1, heads, -1)
+        k = torch.cat([k_nope, k_rope], dim=-1)
+        v = F.pad(v, (0, self.head_dim - self.v_head_dim))  # zeros: one head size for k and v
+        out = self.attn(
+            q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.reshape(num_tokens, -1), ctx
+        )
+        out = out.view(num_tokens, heads, self.head_dim)[..., : self.v_head_dim]
+        return self.o_proj(out.reshape(num_tokens, heads * self.v_head_dim))
+
+
+class DeepseekDecoderLayer(LlamaDecoderLayer):
+    """Llama's pre-norm block around MLA and a dense or DeepSeek MoE MLP: a class of its
+    own so no platform's whole-block Llama kernel takes it."""
+
+
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class DeepseekV2ForCausalLM(MoEForCausalLM):
+    """DeepSeek-V2 / V2-Lite (and, through ``DeepseekV3ForCausalLM``, V3, R1, Kimi-K2).
+
+    Checkpoint names are transformers': ``self_attn.{q_proj | q_a_proj, q_a_layernorm,
+    q_b_proj}``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``;
+    ``mlp.{gate, experts.{e}.*_proj, shared_experts.*}``, V3's router bias
+    ``mlp.gate.e_score_correction_bias``. Stacked expert tensors and the reference's
+    multi-token-prediction layers (``model.layers.{num_hidden_layers}..``, unused) are
+    accepted.
+    """
+
+    stacked_params: ClassVar[tuple[tuple[str, str, str | int], ...]] = (
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    )
+
+    def __init__(self, arch: ArchConfig, max_model_len: int | None = None) -> None:
+        nn.Module.__init__(self)
+        self.arch = arch
+        check_cache_head_size(arch)
+        rotary_emb = latent_rotary(arch)
+        mlp_bias = bool(arch.raw.get("mlp_bias", False))
+
+        def build_layer(i: int) -> DeepseekDecoderLayer:
+            mlp = DeepseekMoE(arch) if is_moe_layer(arch, i) else LlamaMLP(arch, bias=mlp_bias)
+            return DeepseekDecoderLayer(arch, MultiHeadLatentAttention(arch, i, rotary_emb), mlp)
+
+        self.model = LlamaStack(arch, build_layer)
+        self.add_lm_head(self.model.embed_tokens, arch.tie_word_embeddings)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        num_layers = self.arch.num_hidden_layers
+
+        def remaining(
+            weights: Iterable[tuple[str, torch.Tensor]],
+        ) -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                layer = _LAYER_INDEX.match(name)
+                if layer is not None and int(layer.group(1)) >= num_layers:
+                    continue  # a multi-token-prediction layer
+                if self.is_other_stage(name):
+                    continue
+                # The router's bias is the MoE layer's (the router is a plain linear).
+                name = name.replace(".gate.e_score_correction_bias", ".e_score_correction_bias")
+                experts = split_stacked_experts(name, tensor)
+                if experts is None:
+                    yield name, tensor
+                    continue
+                moe = name.rpartition(".experts.")[0]
+                param_name = f"{moe}.{'w2' if name.endswith('down_proj') else 'w13'}"
+                param = self._param(params, param_name, name)
+                for expert_id, shard, expert_tensor in experts:
+                    param.weight_loader(param, expert_tensor, expert_id, shard)
+                loaded.add(param_name)
+
+        return loaded | super().load_weights(remaining(weights))
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """DeepSeek-V3 / R1 and Kimi-K2: V2's model with sigmoid, bias-corrected routing."""
+
+
+def check_cache_head_size(arch: ArchConfig) -> None:
+    """The KV cache is sized by ``arch.head_dim``; MLA as multi-head attention needs keys
+    (and padded values) of ``qk_nope_head_dim + qk_rope_head_dim`` there."""
+    needed = key_head_dim(arch)
+    if arch.head_dim != needed:
+        raise ValueError(
+            f"{arch.architecture} attends with heads of qk_nope_head_dim + qk_rope_head_dim = "
+            f"{needed}, but the KV cache would be sized for head_dim={arch.head_dim} (from "
+            f"config.json); pass hf_overrides={{'head_dim': {needed}}} (--hf-overrides "
+            f"'{{\"head_dim\": {needed}}}')."
+        )

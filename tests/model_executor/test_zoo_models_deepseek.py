@@ -1,0 +1,373 @@
+"""DeepSeek-V2/V3 (multi-head latent attention, DeepSeek MoE) against transformers, and the
+routing options they added to ``select_experts``.
+
+Logits of tiny random checkpoints, fp32, through the paged CPU backend: one prefill step
+for all prompts, then the same prompts as a prefix chunk followed by single-token decode
+steps (which read the cache). Each checkpoint has a dense first layer and MoE layers with
+8 experts in groups, shared experts and a routed scaling factor; values (16 wide) are
+narrower than keys (16 + 8), so the value padding is exercised. V3's router bias is
+random (transformers starts it at zero), so it changes which experts are chosen.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from model_executor.test_tensor_parallel import paged_logits
+from model_utils import PagedRunner
+from pagedlm.config import ArchConfig
+from pagedlm.distributed import destroy_tensor_model_parallel, init_tensor_model_parallel
+from pagedlm.model_executor.layers.moe import (
+    ExpertGroups,
+    ExpertRouting,
+    FusedMoE,
+    select_experts,
+)
+from pagedlm.model_executor.loader import load_model
+from pagedlm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM
+from tiny_checkpoints import PROMPT_LENS, hf_logits, model_config, random_prompts, save_random_model
+
+BLOCK_SIZE = 4
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "mscale": 0.9,
+    "mscale_all_dim": 0.7,
+}
+MLA = {
+    "num_hidden_layers": 3,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+KEY_HEAD_DIM = 16 + 8
+
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    # V2-Lite's shape: q_proj, V2's group-limited greedy routing (3 experts from 2 groups:
+    # with no more experts than groups, the best-expert group rule never binds).
+    "v2_lite": (
+        "DeepseekV2Config",
+        {
+            **MLA,
+            "num_experts_per_tok": 3,
+            "q_lora_rank": None,
+            "topk_method": "group_limited_greedy",
+            "n_group": 4,
+            "topk_group": 2,
+            "n_shared_experts": 2,
+            "routed_scaling_factor": 1.5,
+        },
+    ),
+    # V2: q through its latent, YaRN with mscale_all_dim in the softmax scale.
+    "v2_yarn": (
+        "DeepseekV2Config",
+        {
+            **MLA,
+            "q_lora_rank": 24,
+            "topk_method": "greedy",
+            "n_shared_experts": 1,
+            "routed_scaling_factor": 2.0,
+            "rope_parameters": YARN,
+        },
+    ),
+    # V3: sigmoid + bias, groups by their top two, renormalized then scaled; YaRN.
+    "v3": (
+        "DeepseekV3Config",
+        {
+            **MLA,
+            "q_lora_rank": 24,
+            "n_group": 4,
+            "topk_group": 2,
+            "n_shared_experts": 1,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "rope_parameters": YARN,
+        },
+    ),
+    # V3 with rotary halves (rope_interleave false), two groups of four, unnormalized.
+    "v3_halves": (
+        "DeepseekV3Config",
+        {
+            **MLA,
+            "num_hidden_layers": 2,
+            "q_lora_rank": None,
+            "rope_interleave": False,
+            "n_group": 2,
+            "topk_group": 1,
+            "n_shared_experts": 2,
+            "routed_scaling_factor": 0.5,
+            "norm_topk_prob": False,
+        },
+    ),
+}
+
+
+def save_deepseek(
+    path: Path, config_class: str, overrides: dict[str, Any], cache_head_dim: bool = True
+) -> torch.nn.Module:
+    """``save_random_model`` with V3's router biases random too; with ``cache_head_dim``
+    config.json's head_dim becomes the key head size, as ``hf_overrides={"head_dim": 24}``
+    would make it (the file says qk_rope_head_dim, transformers' rotary width)."""
+    hf_model = save_random_model(path, config_class, overrides)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, buffer in hf_model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.uniform_(-0.1, 0.1, generator=generator)
+    hf_model.save_pretrained(path)
+    if not cache_head_dim:
+        return hf_model
+    config_file = path / "config.json"
+    raw = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**raw, "head_dim": KEY_HEAD_DIM}))
+    return hf_model
+
+
+def paged_runner(model: torch.nn.Module) -> PagedRunner:
+    return PagedRunner(model, len(PROMPT_LENS), max(PROMPT_LENS), BLOCK_SIZE)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf_model = save_deepseek(path, *CASES[request.param])
+    prompts = random_prompts()
+    expected = [hf_logits(hf_model, p) for p in prompts]
+    return load_model(model_config(path), torch.device("cpu")), prompts, expected, path
+
+
+def test_prefill_matches_transformers(case) -> None:
+    model, prompts, expected, _ = case
+    got = paged_runner(model).step([(i, 0, p) for i, p in enumerate(prompts)])
+    torch.testing.assert_close(torch.cat(got), torch.cat(expected), atol=1e-4, rtol=0)
+
+
+def test_chunk_then_decodes_read_the_cache(case) -> None:
+    model, prompts, expected, _ = case
+    got = paged_runner(model).chunk_then_decodes(prompts)
+    torch.testing.assert_close(torch.cat(got), torch.cat(expected), atol=1e-4, rtol=0)
+
+
+def test_stacked_experts_and_prediction_layers_load(case, tmp_path: Path) -> None:
+    """The same weights with each layer's experts stacked as transformers holds them in
+    memory (``experts.gate_up_proj`` [E, 2I, hidden], ``experts.down_proj``) and a
+    multi-token-prediction layer past ``num_hidden_layers``, as the reference ships it."""
+    model, prompts, expected, path = case
+    tensors = load_file(path / "model.safetensors")
+    stacked: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if ".experts." not in name:
+            stacked[name] = tensor
+    for layer in range(model.arch.num_hidden_layers):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        if f"{prefix}.0.gate_proj.weight" not in tensors:
+            continue
+        experts = range(MLA["n_routed_experts"])
+        gate_up = [
+            torch.cat(
+                [tensors[f"{prefix}.{e}.gate_proj.weight"], tensors[f"{prefix}.{e}.up_proj.weight"]]
+            )
+            for e in experts
+        ]
+        stacked[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
+        stacked[f"{prefix}.down_proj"] = torch.stack(
+            [tensors[f"{prefix}.{e}.down_proj.weight"] for e in experts]
+        )
+    mtp_layer = model.arch.num_hidden_layers
+    stacked[f"model.layers.{mtp_layer}.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(stacked, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    restacked = load_model(model_config(tmp_path), torch.device("cpu"))
+    got = paged_runner(restacked).step([(i, 0, p) for i, p in enumerate(prompts)])
+    torch.testing.assert_close(torch.cat(got), torch.cat(expected), atol=1e-4, rtol=0)
+
+
+def test_cache_head_size_must_be_the_key_head_size() -> None:
+    raw = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": 64,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 1,
+        **{k: MLA[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")},
+        "v_head_dim": 16,
+        "head_dim": 8,
+    }
+    with pytest.raises(ValueError, match="hf_overrides=\\{'head_dim': 24\\}"):
+        DeepseekV2ForCausalLM(ArchConfig.from_hf_dict(raw))
+
+
+# ---- routing -------------------------------------------------------------------------
+
+
+def _reference_routing(
+    logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    routing: ExpertRouting,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token by token in float64, experts sorted by id."""
+    all_weights, all_ids = [], []
+    for row in logits.double():
+        scores = row.sigmoid() if routing.scoring == "sigmoid" else row.softmax(-1)
+        choice = scores + (0 if bias is None else bias.double())
+        allowed = list(range(len(row)))
+        groups = routing.groups
+        if groups is not None:
+            size = len(row) // groups.num_groups
+            members = [list(range(g * size, (g + 1) * size)) for g in range(groups.num_groups)]
+            best = {"max": 1, "top2_sum": 2}[groups.score]
+            group_scores = [
+                sum(sorted((choice[i].item() for i in m), reverse=True)[:best]) for m in members
+            ]
+            ranked = sorted(range(groups.num_groups), key=lambda g: -group_scores[g])
+            kept = [members[g] for g in ranked[: groups.topk_groups]]
+            allowed = sorted(i for m in kept for i in m)
+        ids = sorted(sorted(allowed, key=lambda i: choice[i].item(), reverse=True)[:top_k])
+        weights = scores[ids]
+        if renormalize:
+            weights = weights / weights.sum()
+        all_weights.append(weights * routing.scaling_factor)
+        all_ids.append(torch.tensor(ids))
+    return torch.stack(all_weights), torch.stack(all_ids)
+
+
+ROUTINGS = {
+    "v2_groups": (ExpertRouting(groups=ExpertGroups(4, 2, "max"), scaling_factor=1.5), False),
+    "v3": (
+        ExpertRouting(
+            scoring="sigmoid",
+            correction_bias=True,
+            groups=ExpertGroups(4, 2, "top2_sum"),
+            scaling_factor=2.5,
+        ),
+        True,
+    ),
+    "sigmoid_bias_only": (ExpertRouting(scoring="sigmoid", correction_bias=True), False),
+}
+
+
+@pytest.mark.parametrize("name", list(ROUTINGS))
+def test_routing_matches_a_per_token_reference(name: str) -> None:
+    routing, renormalize = ROUTINGS[name]
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 8, generator=generator)
+    bias = torch.randn(8, generator=generator) * 0.3 if routing.correction_bias else None
+    weights, ids = select_experts(logits, 3, renormalize, routing, bias)
+    ids, order = ids.sort(dim=-1)
+    want_weights, want_ids = _reference_routing(logits, 3, renormalize, routing, bias)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights.gather(1, order).double(), want_weights)
+
+
+def test_group_limit_changes_the_choice() -> None:
+    """Experts 0 and 1 (group 0) score best alone, but group 1 holds the best pair: the
+    top-two sum keeps group 1, the best expert keeps group 0."""
+    scores = torch.tensor([[0.9, 0.0, 0.8, 0.8]])
+    logits = torch.logit(scores.clamp(1e-4, 1 - 1e-4))
+    by_pair = ExpertRouting(scoring="sigmoid", groups=ExpertGroups(2, 1, "top2_sum"))
+    by_best = ExpertRouting(scoring="sigmoid", groups=ExpertGroups(2, 1, "max"))
+    assert select_experts(logits, 2, False, by_pair)[1].sort().values.tolist() == [[2, 3]]
+    assert select_experts(logits, 2, False, by_best)[1].sort().values.tolist() == [[0, 1]]
+    plain = ExpertRouting(scoring="sigmoid")
+    assert select_experts(logits, 2, False, plain)[1].sort().values.tolist() == [[0, 2]]
+
+
+def test_correction_bias_chooses_but_does_not_weigh() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    bias = torch.tensor([5.0, 0.0, 0.0, 0.0])
+    routing = ExpertRouting(scoring="sigmoid", correction_bias=True, scaling_factor=2.0)
+    weights, ids = select_experts(logits, 1, False, routing, bias)
+    assert ids.tolist() == [[0]]
+    torch.testing.assert_close(weights, torch.tensor([[0.5 * 2.0]]))
+    weights, _ = select_experts(logits, 2, True, routing, bias)
+    torch.testing.assert_close(weights.sum(-1), torch.tensor([2.0]))  # renormalized, scaled
+
+
+def test_default_routing_is_the_plain_softmax_top_k() -> None:
+    logits = torch.randn(33, 6, generator=torch.Generator().manual_seed(4))
+    for renormalize in (True, False):
+        plain = select_experts(logits, 2, renormalize)
+        explicit = select_experts(logits, 2, renormalize, ExpertRouting())
+        assert torch.equal(plain[0], explicit[0]) and torch.equal(plain[1], explicit[1])
+
+
+def test_bad_groups_are_explained() -> None:
+    with pytest.raises(ValueError, match="n_group=3 must divide the 8 experts"):
+        FusedMoE(8, 2, 16, 8, False, routing=ExpertRouting(groups=ExpertGroups(3, 1)))
+    with pytest.raises(ValueError, match="num_experts_per_tok=3 cannot be chosen"):
+        FusedMoE(8, 3, 16, 8, False, routing=ExpertRouting(groups=ExpertGroups(4, 1)))
+    with pytest.raises(ValueError, match="scoring_func='tanh'"):
+        FusedMoE(8, 2, 16, 8, False, routing=ExpertRouting(scoring="tanh"))
+
+
+def test_correction_bias_stays_float32_in_a_bfloat16_model() -> None:
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        moe = FusedMoE(8, 2, 16, 8, True, routing=ExpertRouting(correction_bias=True))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert moe.w13.dtype == torch.bfloat16
+    assert moe.e_score_correction_bias is not None
+    assert moe.e_score_correction_bias.dtype == torch.float32
+
+
+# ---- tensor parallel -----------------------------------------------------------------
+
+
+def _tensor_parallel_worker(
+    rank: int, world_size: int, model_dirs: list[str], init_file: str, out_dir: str
+) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    try:
+        init_tensor_model_parallel(rank, world_size)
+        for i, model_dir in enumerate(model_dirs):
+            torch.save(paged_logits(model_dir, world_size), f"{out_dir}/model{i}-rank{rank}.pt")
+    finally:
+        destroy_tensor_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one(tmp_path: Path) -> None:
+    """Heads split over two gloo ranks (q and kv_b column-parallel, o_proj row-parallel),
+    experts and shared experts sliced: the logits of one worker."""
+    model_dirs = []
+    for name in ("v2_lite", "v3"):
+        save_deepseek(tmp_path / name, *CASES[name])
+        model_dirs.append(str(tmp_path / name))
+    expected = [paged_logits(model_dir, 1) for model_dir in model_dirs]
+    mp.spawn(
+        _tensor_parallel_worker,
+        args=(2, model_dirs, str(tmp_path / "init"), str(tmp_path)),
+        nprocs=2,
+        join=True,
+    )
+    for i, want in enumerate(expected):
+        for rank in range(2):
+            got = torch.load(tmp_path / f"model{i}-rank{rank}.pt")
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
