@@ -29,8 +29,10 @@ Sliding windows (per layer), logit soft-capping (Gemma 2) and bidirectional imag
 (Gemma 3: a chunk's mask also lets positions of one image see each other) change only the
 mask and the score function: window masks are built on first use per step and window size, and shared
 by every layer with that window; soft-capped scores are computed explicitly, because SDPA
-has no hook between the scores and the softmax. ``causal=False`` (encoders) drops the
-causal mask: every row of a request sees all its keys (a decode's single row already does).
+has no hook between the scores and the softmax; so are those of layers with attention
+sinks (gpt-oss: a per-head logit joins each softmax's denominator), which the decode
+matmuls and ``DecodeOnlyStep`` never see. ``causal=False`` (encoders) drops the causal
+mask: every row of a request sees all its keys (a decode's single row already does).
 """
 
 from __future__ import annotations
@@ -166,6 +168,7 @@ class CpuSdpaBackend(AttentionBackend):
     supports_batch_invariant = True
     supports_non_causal = True
     supports_bidirectional_spans = True
+    supports_sinks = True
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
@@ -315,6 +318,7 @@ class CpuSdpaBackend(AttentionBackend):
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
         causal: bool = True,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not causal and (sliding_window is not None or self.batch_invariant):
             raise ValueError(
@@ -328,7 +332,7 @@ class CpuSdpaBackend(AttentionBackend):
         if self.batch_invariant:
             return attend_per_token(
                 self._read, query, key_cache, value_cache, metadata, scale,
-                sliding_window, logits_soft_cap, (k_scale, v_scale),
+                sliding_window, logits_soft_cap, (k_scale, v_scale), sinks,
             )  # fmt: skip
 
         output = None
@@ -338,7 +342,7 @@ class CpuSdpaBackend(AttentionBackend):
                 mask = _decode_window_mask(metadata, index, sliding_window)
             out = self._decode(
                 query, key_cache, value_cache, group, scale, mask, logits_soft_cap,
-                (k_scale, v_scale),
+                (k_scale, v_scale), sinks,
             )  # fmt: skip
             if output is None:
                 if not metadata.chunks and group.token_rows is None and len(out) == len(query):
@@ -372,6 +376,7 @@ class CpuSdpaBackend(AttentionBackend):
                 scale,
                 logits_soft_cap,
                 causal=causal,
+                sinks=None if sinks is None else sinks.view(1, -1, 1, 1),
             )
             output[rows] = out[0].transpose(0, 1)
         return output
@@ -397,6 +402,7 @@ class CpuSdpaBackend(AttentionBackend):
         key_mask: torch.Tensor | None,
         logits_soft_cap: float | None,
         scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One batched SDPA for every single-token query -> [num_decodes, heads, head_dim].
 
@@ -413,7 +419,12 @@ class CpuSdpaBackend(AttentionBackend):
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = key_cache.shape[-2]
         q = q.reshape(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        plain = key_mask is group.key_mask and logits_soft_cap is None and scales[0] is None
+        plain = (
+            key_mask is group.key_mask
+            and logits_soft_cap is None
+            and scales[0] is None
+            and sinks is None
+        )
         if plain and self.decodes_by_matmuls(group, q.dtype, key_cache.dtype):
             out = self.attend_by_heads(q, key_cache, value_cache, group, scale)
         else:
@@ -425,6 +436,8 @@ class CpuSdpaBackend(AttentionBackend):
                 scale,
                 logits_soft_cap,
                 causal=False,
+                # Query heads are folded as q is: head kv * group + g at [kv, g].
+                sinks=None if sinks is None else sinks.view(1, num_kv_heads, -1, 1),
             )
         return out.reshape(num_decodes, num_heads, head_dim)  # a view where SDPA allows
 
@@ -432,7 +445,7 @@ class CpuSdpaBackend(AttentionBackend):
     def decodes_by_matmuls(
         group: DecodeGroup, dtype: torch.dtype, cache_dtype: torch.dtype
     ) -> bool:
-        """Whether ``group``'s decodes (without a window, soft cap or FP8 scales) go
+        """Whether ``group``'s decodes (without a window, soft cap, FP8 scales or sinks) go
         through ``decode_matmuls``: many of them, in a 16-bit dtype that is the cache's,
         their keys not read in place."""
         return (
@@ -616,7 +629,7 @@ class CpuSdpaBackend(AttentionBackend):
 class DecodeOnlyStep:
     """``CpuSdpaBackend.forward`` for a step whose rows are all decodes of one decode
     group, rows in order, on a cache in the activations' dtype, without a sliding window,
-    soft cap or FP8 scales: the same writes, key views and SDPA call, fewer Python calls.
+    soft cap, FP8 scales or sinks: the same writes, key views and SDPA call, fewer Python calls.
     Made once per step (``decode_only_step``) and called by every layer of the step.
 
     Where the one decode's blocks are consecutive its keys are one ``as_strided`` view of

@@ -16,7 +16,8 @@ It declines (returns None, and the modules run) for every other step, chunks of 
 included, and for anything it does not reproduce: a layer whose kernels are not the
 platform's own (LoRA adapters, batch-invariant tiles), FP8 caches or caches of another
 dtype, scales being measured. Layers it could never compute (sliding windows, soft caps,
-non-causal attention, tensor parallelism, other norms, rotations or MLPs) get no kernel.
+non-causal attention, attention sinks, tensor parallelism, other norms, rotations or MLPs)
+get no kernel.
 ``PAGEDLM_CPU_FAST_DECODE=0`` installs none.
 """
 
@@ -322,6 +323,7 @@ def _decodable(layer: nn.Module) -> bool:
         and (attn.q_norm is None or attn.q_norm.eps == attn.k_norm.eps)
         and type(attention) is Attention
         and not attention._extra_kwargs  # sliding window, soft cap, non-causal
+        and attention.sinks is None
         and attention.head_dim == qkv.head_dim
         and attention.num_heads == qkv.num_heads
         and attention.num_kv_heads == qkv.num_kv_heads

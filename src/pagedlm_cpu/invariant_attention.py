@@ -51,14 +51,17 @@ def attend_per_token(
     sliding_window: int | None,
     logits_soft_cap: float | None,
     scales: Scales,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [num_tokens, heads, d] -> [num_tokens, heads, d]; the step's K/V are already
-    in the caches. Same contract as ``CpuSdpaBackend.forward`` after its write."""
+    in the caches. Same contract as ``CpuSdpaBackend.forward`` after its write (``sinks``:
+    [heads] or None, as there)."""
     output = torch.empty_like(query)
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = key_cache.shape[-2]
     group = num_heads // num_kv_heads
     block_size = key_cache.shape[1]
+    row_sinks = None if sinks is None else sinks.view(1, num_kv_heads, group, 1)
     for rows, first_position, block_ids in _requests(metadata):
         num_keys = first_position + len(rows)
         blocks = block_ids[: -(-num_keys // block_size)]
@@ -72,6 +75,6 @@ def attend_per_token(
             k = keys[start:end].transpose(0, 1).contiguous()[None]
             v = values[start:end].transpose(0, 1).contiguous()[None]
             q = query[row].view(1, num_kv_heads, group, head_dim)
-            out = attend(q, k, v, None, scale, logits_soft_cap, causal=False)
+            out = attend(q, k, v, None, scale, logits_soft_cap, causal=False, sinks=row_sinks)
             output[row] = out.view(num_heads, head_dim)
     return output

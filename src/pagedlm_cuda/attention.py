@@ -7,9 +7,10 @@ every request schedules one token; the verification kernel (split-K over all of 
 request's rows at once, writing the new K/V too) when none schedules more than
 ``verify_attention.MAX_QUERY_LEN`` tokens (speculative verification, short chunks); else
 it writes the new K/V by slot and runs the varlen prefill kernel (prompts, long chunks).
-All three take a per-layer sliding window and logit soft-cap. At up to
-``FUSED_ROTARY_MAX_REQS`` requests the decode and verification kernels also rotate the
-query and new keys themselves (``fuses_rotary``: one rotary launch per layer fewer).
+All three take a per-layer sliding window, logit soft-cap and attention sinks (gpt-oss).
+At up to ``FUSED_ROTARY_MAX_REQS`` requests the decode and verification kernels also
+rotate the query and new keys themselves (``fuses_rotary``: one rotary launch per layer
+fewer).
 
 FP8 cache: the kernels quantize on write and dequantize tiles in registers, with the
 layer's per-tensor ``k_scale``/``v_scale`` read from device memory (a graph replays them
@@ -84,6 +85,7 @@ class TritonAttentionBackend(AttentionBackend):
     supports_fp8_kv_cache = True
     supports_batch_invariant = True
     supports_non_causal = True
+    supports_sinks = True
     reads_host_lengths = False  # kernels read lengths on the device; max_* are bounds
 
     @staticmethod
@@ -149,6 +151,7 @@ class TritonAttentionBackend(AttentionBackend):
         v_scale: torch.Tensor | None = None,
         rotary: FusedRotary | None = None,
         causal: bool = True,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         from pagedlm_cuda.kernels import (
             paged_decode_attention,
@@ -159,6 +162,9 @@ class TritonAttentionBackend(AttentionBackend):
         from pagedlm_cuda.kernels.verify_attention import MAX_QUERY_LEN
 
         scales = dict(k_scale=k_scale, v_scale=v_scale)
+        # The attention kernels' arguments: the sinks only when given (a layer without
+        # them runs the kernels exactly as before they existed).
+        attend = scales if sinks is None else {**scales, "sinks": sinks}
         if is_fp8(key_cache.dtype):
             check_fp8_device(query.device)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -172,12 +178,12 @@ class TritonAttentionBackend(AttentionBackend):
                 query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
                 metadata.query_start_loc, scale, metadata.max_query_len, out,
                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, causal=False,
-                **scales,
+                **attend,
             )  # fmt: skip
         if self.batch_invariant:
             return self._invariant(
                 query, key, value, key_cache, value_cache, metadata, scale, out,
-                sliding_window, logits_soft_cap, scales,
+                sliding_window, logits_soft_cap, scales, sinks,
             )  # fmt: skip
         if metadata.is_decode_only:
             # The decode kernel writes the new K/V itself (one launch per layer).
@@ -194,7 +200,7 @@ class TritonAttentionBackend(AttentionBackend):
                 sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap,
                 rotary=rotary,
-                **scales,
+                **attend,
             )
         if metadata.max_query_len <= MAX_QUERY_LEN:
             # The verification kernel writes the new K/V itself too.
@@ -213,7 +219,7 @@ class TritonAttentionBackend(AttentionBackend):
                 sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap,
                 rotary=rotary,
-                **scales,
+                **attend,
             )
         if rotary is not None:
             raise ValueError("the Triton backend fuses a rotary into steps of <= 8 tokens only.")
@@ -230,7 +236,7 @@ class TritonAttentionBackend(AttentionBackend):
             out,
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
-            **scales,
+            **attend,
         )
 
     @staticmethod
@@ -246,6 +252,7 @@ class TritonAttentionBackend(AttentionBackend):
         sliding_window: int | None,
         logits_soft_cap: float | None,
         scales: dict[str, torch.Tensor | None],
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         """Every token through the decode kernel with the fixed split, after the write (so
         the last key is read from the cache like every other, never attended from
@@ -260,7 +267,7 @@ class TritonAttentionBackend(AttentionBackend):
         return paged_decode_attention(
             query, key_cache, value_cache, tables, seq_lens, scale, metadata.max_seq_len, out,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-            config=batch_invariant_config(query.shape[-1]), **scales,
+            config=batch_invariant_config(query.shape[-1]), sinks=sinks, **scales,
         )  # fmt: skip
 
 

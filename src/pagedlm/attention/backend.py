@@ -170,6 +170,9 @@ class AttentionBackend(ABC):
     batch_invariant: bool = False
     supports_non_causal: ClassVar[bool] = False
     """Whether ``forward`` honours ``causal=False`` (bidirectional encoders)."""
+    supports_sinks: ClassVar[bool] = False
+    """Whether ``forward`` honours ``sinks`` (a learned logit per head in every softmax
+    denominator, gpt-oss's attention sinks)."""
     supports_bidirectional_spans: ClassVar[bool] = False
     """Whether ``build_metadata`` honours ``BatchLayout.bidirectional_spans``; the model
     runner refuses to load a model that needs them on a backend without."""
@@ -248,6 +251,7 @@ class AttentionBackend(ABC):
         v_scale: torch.Tensor | None = None,
         causal: bool = True,
         rotary: FusedRotary | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention for every scheduled token.
 
@@ -266,5 +270,9 @@ class AttentionBackend(ABC):
         (``supports_fp8_kv_cache``): the new K/V are stored as ``saturate(k / k_scale)``
         and cached ones read as ``stored * k_scale``. ``rotary``: the query and keys are
         not rotated yet; apply this ``FusedRotary`` first (only passed where
-        ``fuses_rotary`` said so for this step).
+        ``fuses_rotary`` said so for this step). ``sinks``: None, or [num_heads] logits
+        (any float dtype) that join each query's softmax as one more term of its
+        denominator with no value: head ``h``'s weights become ``exp(s_j) / (exp(sinks[h])
+        + sum_j exp(s_j))`` over its visible keys, so they may sum to less than 1
+        (gpt-oss). Only passed to backends with ``supports_sinks``.
         """

@@ -38,8 +38,12 @@ cos/sin row read before the PDL wait. It saves the separate rotary launch per la
 
 Sliding window ``w``: the query at position ``seq_len - 1`` sees keys ``seq_len - w ..
 seq_len - 1``; partitions wholly before that exit at once and the merge skips them.
-Soft-cap ``c``: scores become ``c * tanh(s / c)`` before the softmax. Both are constexpr
-switches, so the common path compiles without them.
+Soft-cap ``c``: scores become ``c * tanh(s / c)`` before the softmax. Attention sinks
+(gpt-oss: a logit per query head that joins the softmax's denominator with no value) are
+one more online-softmax term, folded in where a head's sums are final: by the partition
+itself with one partition, else by the merge, so a partial's log-sum-exp stays its keys'
+own (``fold_sinks``). All three are constexpr switches, so the common path compiles
+without them.
 
 FP8 cache (a third switch): tiles are cast to float16 after loading (one hardware convert
 per pair of E4M3 values; bfloat16 takes a longer path, and the bf16 kernel's speed in
@@ -100,13 +104,29 @@ def merge_counters(device: torch.device, size: int) -> torch.Tensor:
 
 
 @triton.jit
+def fold_sinks(m, denom, acc, sinks_ptr, heads, head_mask):
+    """An online softmax's (running max [M], denominator [M], unnormalized output [M, D])
+    of query heads ``heads`` [M] (log2 domain) with each head's sink added as one more
+    term: its logit (natural units, read from ``sinks_ptr``) joins the max and the
+    denominator, and no value joins the output. For sums that are final, right before
+    the division."""
+    sink = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0).to(tl.float32)
+    sink = sink * 1.4426950408889634  # log2(e): scores are in the log2 domain
+    m_new = tl.maximum(m, sink)
+    alpha = tl.exp2(m - m_new)  # m may be -inf (no key): 0, and m_new is finite
+    return m_new, denom * alpha + tl.exp2(sink - m_new), acc * alpha[:, None]
+
+
+@triton.jit
 def _merge_group(
     out_ptr, partial_out_ptr, partial_lse_ptr, seq, kv_head, first, num_parts,
     out_stride_token, out_stride_head, max_partitions, num_heads, group_size, head_dim,
-    MERGE_G: tl.constexpr, MERGE_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    sinks_ptr, MERGE_G: tl.constexpr, MERGE_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     """Combine partitions ``first .. num_parts - 1`` of the group's heads by their
-    log-sum-exp, ``MERGE_P`` partitions at a time in order, with a running max."""
+    log-sum-exp, ``MERGE_P`` partitions at a time in order, with a running max; then the
+    heads' sinks (``HAS_SINKS``)."""
     groups = tl.arange(0, MERGE_G)
     heads = kv_head * group_size + groups
     head_mask = groups < group_size
@@ -137,6 +157,8 @@ def _merge_group(
         denom = denom * alpha + tl.sum(weight, axis=1)
         acc = acc * alpha[:, None] + tl.sum(partial * weight[:, :, None], axis=1)
         top = new_top
+    if HAS_SINKS:
+        top, denom, acc = fold_sinks(top, denom, acc, sinks_ptr, heads, head_mask)
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     dst = out_ptr + seq * out_stride_token + heads[:, None] * out_stride_head + dims[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
@@ -220,12 +242,13 @@ def _attend_partition(
 def _finish_partition(
     m, denom, acc, part, new_part, q, new_k, new_v, score_scale, cap_log2e, v_scale,
     out_ptr, partial_out_ptr, partial_lse_ptr, seq, heads, head_mask, dims, dim_mask,
-    out_stride_token, out_stride_head, max_partitions, num_heads, head_dim,
+    out_stride_token, out_stride_head, max_partitions, num_heads, head_dim, sinks_ptr,
     USE_SOFT_CAP: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr,
-    WRITE_NEW: tl.constexpr,
+    WRITE_NEW: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     """Partition ``part``'s result: the new key attended to if it is ``new_part``, then
-    stored, as the output (``DIRECT``) or as a partial and its log-sum-exp."""
+    stored, as the output (``DIRECT``, the sinks folded in first) or as a partial and its
+    log-sum-exp (the merge folds the sinks in)."""
     if WRITE_NEW:  # noqa: SIM102 - a compile-time switch around a runtime test
         if part == new_part:
             # The new key, in float32 (the tiles' dots take bf16 p; here p stays float32).
@@ -237,6 +260,8 @@ def _finish_partition(
             denom = denom * alpha + p_new
             acc = acc * alpha[:, None] + p_new[:, None] * new_v.to(tl.float32)[None, :]
             m = m_new
+    if DIRECT and HAS_SINKS:
+        m, denom, acc = fold_sinks(m, denom, acc, sinks_ptr, heads, head_mask)
     safe_denom = tl.where(denom > 0, denom, 1.0)
     out = acc / safe_denom[:, None]
     if FP8:
@@ -258,7 +283,7 @@ def _decode_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
     new_key_ptr, new_value_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
-    positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr,
+    positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, sinks_ptr,
     q_stride_token, q_stride_head, out_stride_token, out_stride_head,
     new_key_stride_token, new_key_stride_head, new_value_stride_token, new_value_stride_head,
     cache_stride_block, cache_stride_head, cache_stride_slot, block_table_stride,
@@ -270,6 +295,7 @@ def _decode_kernel(
     LOOP: tl.constexpr, WRITE_NEW: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
     FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, ROTARY: tl.constexpr,
     IS_NEOX: tl.constexpr, QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
 ):  # fmt: skip
     pdl.allow_next(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
@@ -387,7 +413,7 @@ def _decode_kernel(
                 m, denom, acc, p, new_part, q, new_k, new_v, score_scale, cap_log2e, v_scale,
                 out_ptr, partial_out_ptr, partial_lse_ptr, seq, heads, head_mask, dims,
                 dim_mask, out_stride_token, out_stride_head, max_partitions, num_heads,
-                head_dim, USE_SOFT_CAP, FP8, DIRECT, WRITE_NEW,
+                head_dim, sinks_ptr, USE_SOFT_CAP, FP8, DIRECT, WRITE_NEW, HAS_SINKS,
             )  # fmt: skip
     else:
         m, denom, acc = _attend_partition(
@@ -399,8 +425,8 @@ def _decode_kernel(
         _finish_partition(
             m, denom, acc, part, new_part, q, new_k, new_v, score_scale, cap_log2e, v_scale,
             out_ptr, partial_out_ptr, partial_lse_ptr, seq, heads, head_mask, dims, dim_mask,
-            out_stride_token, out_stride_head, max_partitions, num_heads, head_dim,
-            USE_SOFT_CAP, FP8, DIRECT, WRITE_NEW,
+            out_stride_token, out_stride_head, max_partitions, num_heads, head_dim, sinks_ptr,
+            USE_SOFT_CAP, FP8, DIRECT, WRITE_NEW, HAS_SINKS,
         )  # fmt: skip
     if not DIRECT and MERGE_IN_KERNEL:
         # Every thread's stores land before the ticket (release); the last ticket's holder
@@ -413,7 +439,8 @@ def _decode_kernel(
             _merge_group(
                 out_ptr, partial_out_ptr, partial_lse_ptr, seq, kv_head, first_part,
                 num_parts, out_stride_token, out_stride_head, max_partitions, num_heads,
-                group_size, head_dim, MERGE_G=MERGE_G, MERGE_P=MERGE_P, BLOCK_D=BLOCK_D,
+                group_size, head_dim, sinks_ptr, MERGE_G=MERGE_G, MERGE_P=MERGE_P,
+                BLOCK_D=BLOCK_D, HAS_SINKS=HAS_SINKS,
             )  # fmt: skip
 
 
@@ -423,6 +450,7 @@ def _decode_merge_kernel(
     out_stride_token, out_stride_head, max_partitions, num_heads, group_size, head_dim,
     window, PARTITION: tl.constexpr, MERGE_G: tl.constexpr, MERGE_P: tl.constexpr,
     BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
+    sinks_ptr=None, HAS_SINKS: tl.constexpr = False,
 ):  # fmt: skip
     """The merge as a kernel of its own, one program per (sequence, kv head); a padding
     row (no partitions) gets zeros."""
@@ -436,7 +464,8 @@ def _decode_merge_kernel(
     _merge_group(
         out_ptr, partial_out_ptr, partial_lse_ptr, seq, kv_head, first,
         tl.cdiv(seq_len, PARTITION), out_stride_token, out_stride_head, max_partitions,
-        num_heads, group_size, head_dim, MERGE_G=MERGE_G, MERGE_P=MERGE_P, BLOCK_D=BLOCK_D,
+        num_heads, group_size, head_dim, sinks_ptr, MERGE_G=MERGE_G, MERGE_P=MERGE_P,
+        BLOCK_D=BLOCK_D, HAS_SINKS=HAS_SINKS,
     )  # fmt: skip
 
 
@@ -467,6 +496,7 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
     rotary: FusedRotary | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's one new token over its cached keys (positions
     ``0 .. seq_lens[i]-1``).
@@ -489,6 +519,8 @@ def paged_decode_attention(
     (and with ``qk_norm`` first normalizes) its query heads, and the program that writes
     the new key rotates it before storing it (``FusedRotary``; ``positions`` one per
     sequence). Needs ``new_kv`` and a power-of-two ``head_dim`` of at least 16.
+    ``sinks``: [num_heads] logits (contiguous, any float dtype), each joining its head's
+    softmax denominator with no value (gpt-oss's attention sinks).
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
@@ -499,6 +531,7 @@ def paged_decode_attention(
         return out
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}.")
+    check_sinks(sinks, num_heads)
     fp8 = is_fp8(key_cache.dtype)
     if config is None:
         config = decode_config(num_seqs, num_kv_heads, head_dim, fp8)
@@ -549,7 +582,7 @@ def paged_decode_attention(
         query, key_cache, value_cache, block_tables, seq_lens,
         new_key, new_value, slot_mapping,
         k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,
-        out, partial_out, partial_lse, counters, positions, cos_sin, q_norm, k_norm,
+        out, partial_out, partial_lse, counters, positions, cos_sin, q_norm, k_norm, sinks,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         new_key.stride(0), new_key.stride(1), new_value.stride(0), new_value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
@@ -561,14 +594,25 @@ def paged_decode_attention(
         DIRECT=direct, LOOP=loop, WRITE_NEW=new_kv is not None,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logits_soft_cap is not None,
         FP8=fp8, COMPUTE_DTYPE=tl.float16 if fp8 else _TL_DTYPES[query.dtype],
-        num_warps=config.num_warps, num_stages=config.num_stages, **rotary_flags,
-        **pdl.launch_options(), **register_cap(config.max_registers),
+        HAS_SINKS=sinks is not None, num_warps=config.num_warps,
+        num_stages=config.num_stages, **rotary_flags, **pdl.launch_options(),
+        **register_cap(config.max_registers),
     )  # fmt: skip
     if not direct and not config.merge_in_kernel:
         _decode_merge_kernel[(num_seqs, num_kv_heads)](
             out, partial_out, partial_lse, seq_lens,
             out.stride(0), out.stride(1), max_partitions, num_heads, group_size, head_dim,
             window, PARTITION=partition, MERGE_G=merge_g, MERGE_P=merge_p, BLOCK_D=block_d,
-            USE_WINDOW=sliding_window is not None, **pdl.launch_options(),
+            USE_WINDOW=sliding_window is not None, sinks_ptr=sinks,
+            HAS_SINKS=sinks is not None, **pdl.launch_options(),
         )  # fmt: skip
     return out
+
+
+def check_sinks(sinks: torch.Tensor | None, num_heads: int) -> None:
+    """Refuse sinks the kernels would misread (they index ``sinks_ptr + head``)."""
+    if sinks is not None and (sinks.shape != (num_heads,) or not sinks.is_contiguous()):
+        raise ValueError(
+            f"sinks must be a contiguous [{num_heads}] tensor (one logit per query head), "
+            f"got shape {tuple(sinks.shape)}."
+        )

@@ -11,7 +11,9 @@ Decode rows (query_len 1) are handled too, so a mixed batch needs this kernel on
 
 Sliding window ``w`` (constexpr switch): the row at position ``p`` sees keys ``p - w + 1
 .. p``; a tile's walk starts at its first row's window, so keys before it are never read.
-Soft-cap ``c``: scores become ``c * tanh(s / c)`` before the softmax.
+Soft-cap ``c``: scores become ``c * tanh(s / c)`` before the softmax. Attention sinks
+(constexpr switch, gpt-oss): each query head's sink logit joins the softmax's denominator
+once the walk is done (``decode_attention.fold_sinks``).
 
 FP8 cache (constexpr switch): tiles are cast to the query's dtype after loading, the dots
 are multiplied by ``k_scale`` and the output by ``v_scale`` (both per tensor, so they
@@ -25,6 +27,7 @@ import triton
 import triton.language as tl
 
 from pagedlm.kv_cache.fp8 import is_fp8
+from pagedlm_cuda.kernels.decode_attention import check_sinks, fold_sinks
 from pagedlm_cuda.kernels.kv_tile import fp8_scales, load_kv_tile
 from pagedlm_cuda.kernels.score_mod import scaled_scores, score_args
 
@@ -40,7 +43,7 @@ def _prefill_kernel(
     score_scale, cap_log2e, window, group_size, head_dim,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-    FP8: tl.constexpr, CAUSAL: tl.constexpr,
+    FP8: tl.constexpr, CAUSAL: tl.constexpr, sinks_ptr=None, HAS_SINKS: tl.constexpr = False,
 ):  # fmt: skip
     req = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
@@ -103,6 +106,9 @@ def _prefill_kernel(
         l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
+    if HAS_SINKS:
+        heads = tl.full([BLOCK_M], 0, tl.int32) + head
+        m, l, acc = fold_sinks(m, l, acc, sinks_ptr, heads, row_mask)  # noqa: E741
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     if FP8:
         out = out * v_scale
@@ -128,6 +134,7 @@ def paged_prefill_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     causal: bool = True,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every scheduled token over its request's cached keys: causal, or with
     ``causal=False`` over all of them (an encoder's whole prompt; no sliding window).
@@ -139,7 +146,9 @@ def paged_prefill_attention(
     ``sliding_window`` ``w``: row at position ``p`` sees keys ``p - w + 1 .. p`` only;
     ``logits_soft_cap`` ``c``: scores ``c * tanh(s / c)``. ``block_n`` None: 64, or 32
     for head_dim > 128 (shared memory; those also run 8 warps). A float8 cache needs
-    ``k_scale``/``v_scale`` (float32 [1]). Returns [num_tokens, num_heads, head_dim].
+    ``k_scale``/``v_scale`` (float32 [1]). ``sinks``: [num_heads] logits, each joining
+    its head's softmax denominator with no value (gpt-oss). Returns [num_tokens,
+    num_heads, head_dim].
     """
     num_tokens, num_heads, head_dim = query.shape
     num_reqs = seq_lens.shape[0]
@@ -151,6 +160,7 @@ def paged_prefill_attention(
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}.")
     if sliding_window is not None and not causal:
         raise ValueError("a sliding window is causal; bidirectional attention has none.")
+    check_sinks(sinks, num_heads)
     if block_n is None:
         block_n = 64 if head_dim <= 128 else 32
     group_size = num_heads // key_cache.shape[1]
@@ -168,7 +178,7 @@ def paged_prefill_attention(
         BLOCK_SIZE=key_cache.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs K >= 16
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logits_soft_cap is not None,
-        FP8=fp8, CAUSAL=causal,
+        FP8=fp8, CAUSAL=causal, sinks_ptr=sinks, HAS_SINKS=sinks is not None,
         num_warps=4 if head_dim <= 128 else 8,  # a 64 x 256 float32 accumulator needs more
     )  # fmt: skip
     return out

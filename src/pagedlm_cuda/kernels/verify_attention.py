@@ -32,6 +32,9 @@ The step's keys and values may be passed along (``new_kv``): each program then f
 writes those at positions of its own partition into the cache by slot (no other program
 reads them), which saves the separate KV-write launch, and reads them back with the
 rest of its tiles. Padding rows (``seq_len == 0``, a captured graph's) get zeros.
+
+Attention sinks (``HAS_SINKS``, gpt-oss) are folded in as the decode kernel folds them:
+by the program itself with one partition, else by the merge (``fold_sinks``).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ from pagedlm_cuda.kernels.decode_attention import (
     MERGE_CONTEXT,
     MERGE_TILE,
     _merge_group,
+    check_sinks,
+    fold_sinks,
 )
 from pagedlm_cuda.kernels.decode_config import DecodeConfig, decode_config
 from pagedlm_cuda.kernels.kv_tile import (
@@ -111,7 +116,7 @@ def _verify_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, new_key_ptr, new_value_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr,
-    positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr,
+    positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, sinks_ptr,
     q_stride_token, q_stride_head, out_stride_token, out_stride_head,
     new_key_stride_token, new_key_stride_head, new_value_stride_token, new_value_stride_head,
     cache_stride_block, cache_stride_head, cache_stride_slot, block_table_stride,
@@ -122,6 +127,7 @@ def _verify_kernel(
     DIRECT: tl.constexpr, WRITE_NEW: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
     FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, ROTARY: tl.constexpr,
     IS_NEOX: tl.constexpr, QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
 ):  # fmt: skip
     pdl.allow_next(USE_PDL)
     req = tl.program_id(0).to(tl.int64)
@@ -245,6 +251,8 @@ def _verify_kernel(
             q, k, v, visible, m, denom, acc, score_scale, cap_log2e, k_scale, stager,
             USE_SOFT_CAP, FP8,
         )  # fmt: skip
+    if DIRECT and HAS_SINKS:  # every row's sums are final here
+        m, denom, acc = fold_sinks(m, denom, acc, sinks_ptr, heads, row_mask)
     safe_denom = tl.where(denom > 0, denom, 1.0)
     out = acc / safe_denom[:, None]
     if FP8:
@@ -263,7 +271,7 @@ def _verify_merge_kernel(
     out_stride_token, out_stride_head, max_partitions, num_heads, group_size, head_dim,
     window, PARTITION: tl.constexpr, MERGE_G: tl.constexpr, MERGE_P: tl.constexpr,
     BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, sinks_ptr=None, HAS_SINKS: tl.constexpr = False,
 ):  # fmt: skip
     """The merge as a kernel of its own, one program per (request, kv head, token), so a
     request's tokens merge in parallel; padding rows already hold their zeros."""
@@ -283,7 +291,8 @@ def _verify_merge_kernel(
     _merge_group(
         out_ptr, partial_out_ptr, partial_lse_ptr, q_start + i, kv_head, first,
         tl.cdiv(visible_end, PARTITION), out_stride_token, out_stride_head, max_partitions,
-        num_heads, group_size, head_dim, MERGE_G=MERGE_G, MERGE_P=MERGE_P, BLOCK_D=BLOCK_D,
+        num_heads, group_size, head_dim, sinks_ptr, MERGE_G=MERGE_G, MERGE_P=MERGE_P,
+        BLOCK_D=BLOCK_D, HAS_SINKS=HAS_SINKS,
     )  # fmt: skip
 
 
@@ -323,6 +332,7 @@ def paged_verify_attention(
     v_scale: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
     rotary: FusedRotary | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's few new tokens over its cached keys.
 
@@ -337,8 +347,8 @@ def paged_verify_attention(
     are written at their slots here first. ``sliding_window``, ``logits_soft_cap``,
     ``k_scale``/``v_scale`` as in ``paged_decode_attention``; ``config`` None:
     ``verify_config`` of the request count (its ``merge_in_kernel`` is not read).
-    ``rotary``: as in ``paged_decode_attention`` (``positions`` one per token). Returns
-    ``out`` ([num_tokens, num_heads, head_dim]).
+    ``rotary``: as in ``paged_decode_attention`` (``positions`` one per token); ``sinks``
+    too. Returns ``out`` ([num_tokens, num_heads, head_dim]).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_reqs = seq_lens.shape[0]
@@ -355,6 +365,7 @@ def paged_verify_attention(
         )
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}.")
+    check_sinks(sinks, num_heads)
     fp8 = is_fp8(key_cache.dtype)
     if fp8 and (k_scale is None or v_scale is None):
         raise ValueError("an FP8 KV cache needs k_scale and v_scale.")
@@ -393,7 +404,7 @@ def paged_verify_attention(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         new_key, new_value, slot_mapping,
         k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,
-        out, partial_out, partial_lse, *rotary_args[:4],
+        out, partial_out, partial_lse, *rotary_args[:4], sinks,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         new_key.stride(0), new_key.stride(1), new_value.stride(0), new_value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
@@ -404,13 +415,14 @@ def paged_verify_attention(
         DIRECT=direct, WRITE_NEW=new_kv is not None,
         USE_SOFT_CAP=logits_soft_cap is not None, FP8=fp8,
         COMPUTE_DTYPE=tl.float16 if fp8 else _TL_DTYPES[query.dtype],
-        num_warps=config.num_warps, num_stages=config.num_stages, **common, **rotary_flags,
-        **pdl.launch_options(),
+        HAS_SINKS=sinks is not None, num_warps=config.num_warps,
+        num_stages=config.num_stages, **common, **rotary_flags, **pdl.launch_options(),
     )  # fmt: skip
     if not direct:
         _verify_merge_kernel[(num_reqs, num_kv_heads, max_query_len)](
             out, partial_out, partial_lse, seq_lens, query_start_loc,
             out.stride(0), out.stride(1), max_partitions, num_heads, group_size, head_dim,
-            window, MERGE_G=merge_g, MERGE_P=merge_p, **common, **pdl.launch_options(),
+            window, MERGE_G=merge_g, MERGE_P=merge_p, **common, sinks_ptr=sinks,
+            HAS_SINKS=sinks is not None, **pdl.launch_options(),
         )  # fmt: skip
     return out

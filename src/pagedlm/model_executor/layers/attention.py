@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from pagedlm.attention.backend import FusedRotary
+from pagedlm.distributed import get_tensor_model_parallel_rank
 from pagedlm.kv_cache import fp8
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.layers.rotary_embedding import PendingRotation
@@ -15,7 +16,10 @@ class Attention(nn.Module):
     """Attention of one layer over the paged KV cache (causal unless ``causal=False``).
 
     forward(q [T, num_heads * head_dim], k, v [T, num_kv_heads * head_dim], ctx, rotation)
-    -> [T, num_heads * head_dim]. Holds no weights; ``layer_idx`` picks this layer's cache.
+    -> [T, num_heads * head_dim]. ``layer_idx`` picks this layer's cache. Holds no weights
+    unless ``sinks``: then ``sinks`` [num_heads] (this rank's heads, loaded from the
+    checkpoint's [total heads] by tensor-parallel rank) are per-head logits that join every
+    query's softmax denominator (gpt-oss), only on backends with ``supports_sinks``.
     ``rotation``: q and k still need their rotary embedding; the backend applies it inside
     its kernel where it can (``AttentionBackend.fuses_rotary``), else this layer first.
     ``sliding_window`` (keys within the last ``w`` positions only) and ``logits_soft_cap``
@@ -41,6 +45,7 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         causal: bool = True,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
@@ -66,6 +71,11 @@ class Attention(nn.Module):
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         if not causal:
             self._extra_kwargs["causal"] = False
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks  # type: ignore[attr-defined]
+        self._checks_backend = bool(self._extra_kwargs) or sinks
 
     def forward(
         self,
@@ -77,9 +87,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = q.shape[0]
         key_cache, value_cache = ctx.kv_cache.layer(self.layer_idx)
-        if self._extra_kwargs:
+        if self._checks_backend:
             self._check_backend(ctx)
         extra = self._extra_kwargs
+        if self.sinks is not None:
+            extra = {**extra, "sinks": self.sinks}
         if rotation is not None:
             fused = self._fused_rotary(rotation, ctx)
             if fused is None:
@@ -126,16 +138,29 @@ class Attention(nn.Module):
                 self.calculate_kv_scales = False
         return {"k_scale": self.k_scale, "v_scale": self.v_scale}
 
+    def _load_sinks(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        """This rank's heads of the checkpoint's [total heads] sinks (``QKVParallelLinear``
+        gives rank ``r`` query heads ``r * num_heads ..``)."""
+        # Imported here: the loader package imports this module.
+        from pagedlm.model_executor.loader.weight_utils import copy_checked, shard_of
+
+        rank = get_tensor_model_parallel_rank()
+        copy_checked(param.data, shard_of(loaded_weight, 0, rank, self.num_heads), "sinks")
+
     def _check_backend(self, ctx: ForwardContext) -> None:
         backend = ctx.attn_backend
+        features: dict[str, object] = dict(self._extra_kwargs)
+        if self.sinks is not None:
+            features["sinks"] = f"[{self.num_heads}]"
         for feature, flag in (
             ("sliding_window", "supports_sliding_window"),
             ("logits_soft_cap", "supports_logits_soft_cap"),
             ("causal", "supports_non_causal"),
+            ("sinks", "supports_sinks"),
         ):
-            if feature in self._extra_kwargs and not getattr(backend, flag, False):
+            if feature in features and not getattr(backend, flag, False):
                 raise ValueError(
-                    f"layer {self.layer_idx} needs {feature}={self._extra_kwargs[feature]}, "
+                    f"layer {self.layer_idx} needs {feature}={features[feature]}, "
                     f"which the {backend.name!r} attention backend does not implement; choose "
                     "a backend that does (e.g. the CPU platform's attention_backend='cpu_sdpa') "
                     "or another model."
@@ -146,7 +171,7 @@ class Attention(nn.Module):
             f"layer_idx={self.layer_idx}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, scale={self.scale}, "
             f"sliding_window={self.sliding_window}, logits_soft_cap={self.logits_soft_cap}, "
-            f"causal={self.causal}"
+            f"causal={self.causal}, sinks={self.sinks is not None}"
         )
 
 
