@@ -35,6 +35,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Starcoder2ForCausalLM": f"{_MODELS}.starcoder2:Starcoder2ForCausalLM",
     "CohereForCausalLM": f"{_MODELS}.cohere:CohereForCausalLM",
     "Cohere2ForCausalLM": f"{_MODELS}.cohere:Cohere2ForCausalLM",
+    "GptOssForCausalLM": f"{_MODELS}.gpt_oss:GptOssForCausalLM",
     "DeepseekV2ForCausalLM": f"{_MODELS}.deepseek_v2:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": f"{_MODELS}.deepseek_v2:DeepseekV3ForCausalLM",
     # Embedding models (no LM head): served by the pooling runner.
