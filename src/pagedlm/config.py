@@ -155,6 +155,10 @@ class ArchConfig:
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         head_dim = cfg.get("head_dim") or hidden // num_heads
+        if cfg.get("kv_lora_rank") and cfg.get("qk_nope_head_dim") is not None:
+            # Multi-head latent attention run as multi-head attention (DeepSeek): the
+            # cached keys have the no-rope and rope features of each head.
+            head_dim = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
         arch = archs[0]
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         return cls(

@@ -2,8 +2,8 @@
 random checkpoints of ``test_zoo_models_deepseek``): greedy token ids over a batch of
 mixed-length prompts identical, prompt logprobs within 1e-4.
 
-The checkpoints keep the config.json transformers writes (head_dim = qk_rope_head_dim),
-so the KV cache's head size comes from ``hf_overrides``, as a user passes it.
+The checkpoints keep the config.json transformers writes (head_dim = qk_rope_head_dim);
+the KV cache's head size comes from qk_nope + qk_rope all the same.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from model_executor.test_zoo_models_deepseek import CASES, KEY_HEAD_DIM, save_deepseek
+from model_executor.test_zoo_models_deepseek import CASES, save_deepseek
 from pagedlm import LLM, SamplingParams
 from tiny_checkpoints import hf_greedy, hf_logits
 
@@ -27,7 +27,6 @@ def test_greedy_and_prompt_logprobs_match_transformers(tmp_path, case: str) -> N
     llm = LLM(
         str(tmp_path),
         skip_tokenizer_init=True,
-        hf_overrides={"head_dim": KEY_HEAD_DIM},
         max_model_len=128,
     )
     rng = random.Random(0)
@@ -52,7 +51,6 @@ def _greedy_run(path, **parallel) -> list:
     llm = LLM(
         str(path),
         skip_tokenizer_init=True,
-        hf_overrides={"head_dim": KEY_HEAD_DIM},
         max_model_len=128,
         num_kv_blocks=64,
         **parallel,

@@ -11,6 +11,7 @@ random (transformers starts it at zero), so it changes which experts are chosen.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -125,8 +126,8 @@ def save_deepseek(
     path: Path, config_class: str, overrides: dict[str, Any], cache_head_dim: bool = True
 ) -> torch.nn.Module:
     """``save_random_model`` with V3's router biases random too; with ``cache_head_dim``
-    config.json's head_dim becomes the key head size, as ``hf_overrides={"head_dim": 24}``
-    would make it (the file says qk_rope_head_dim, transformers' rotary width)."""
+    config.json's head_dim becomes the key head size (transformers writes
+    qk_rope_head_dim, its rotary width; pagedlm reads qk_nope + qk_rope either way)."""
     hf_model = save_random_model(path, config_class, overrides)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -201,7 +202,10 @@ def test_stacked_experts_and_prediction_layers_load(case, tmp_path: Path) -> Non
     torch.testing.assert_close(torch.cat(got), torch.cat(expected), atol=1e-4, rtol=0)
 
 
-def test_cache_head_size_must_be_the_key_head_size() -> None:
+def test_cache_head_size_is_the_key_head_size() -> None:
+    """config.json's head_dim (transformers writes qk_rope_head_dim there; hub configs have
+    none) gives way to qk_nope + qk_rope, the heads the cache holds; an override that
+    names another size is refused."""
     raw = {
         "architectures": ["DeepseekV3ForCausalLM"],
         "vocab_size": 64,
@@ -213,8 +217,11 @@ def test_cache_head_size_must_be_the_key_head_size() -> None:
         "v_head_dim": 16,
         "head_dim": 8,
     }
-    with pytest.raises(ValueError, match="hf_overrides=\\{'head_dim': 24\\}"):
-        DeepseekV2ForCausalLM(ArchConfig.from_hf_dict(raw))
+    arch = ArchConfig.from_hf_dict(raw)
+    assert arch.head_dim == KEY_HEAD_DIM == 24
+    DeepseekV2ForCausalLM(arch)
+    with pytest.raises(ValueError, match="head_dim=8"):
+        DeepseekV2ForCausalLM(dataclasses.replace(arch, head_dim=8))
 
 
 # ---- routing -------------------------------------------------------------------------

@@ -19,6 +19,10 @@ UNSUPPORTED_ARCHITECTURES = {
     "GPT2LMHeadModel": "GPT-2's Conv1D projections (c_attn, c_proj, c_fc)",
     "GPTNeoXForCausalLM": "GPT-NeoX's query_key_value, which interleaves q, k and v per head",
     **dict.fromkeys(
+        ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
+        "DeepSeek's latent-attention projections, whose shapes are not q/k/v's",
+    ),
+    **dict.fromkeys(
         (
             "BertModel",
             "BertForSequenceClassification",

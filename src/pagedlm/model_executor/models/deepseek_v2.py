@@ -17,7 +17,8 @@ and layer the cache holds ``2 * num_heads * (qk_nope + qk_rope)`` elements where
 latent would need ``kv_lora_rank + qk_rope``: for V3 (128 heads of 192, values of 128)
 49,152 instead of 576, 85 times more, of which the value padding is 8,192. A latent cache
 with absorbed ``kv_b_proj`` weights is future work. The KV cache's head size is
-``ArchConfig.head_dim``, which must therefore equal ``qk_nope + qk_rope``.
+``ArchConfig.head_dim``, which ``ArchConfig.from_hf_dict`` makes ``qk_nope + qk_rope``
+for such configs.
 
 Softmax scale: ``(qk_nope + qk_rope) ** -0.5``, times ``mscale(factor, mscale_all_dim)^2``
 when the rope scaling names ``mscale_all_dim`` (any type but "default", as transformers
@@ -259,7 +260,6 @@ def check_cache_head_size(arch: ArchConfig) -> None:
     if arch.head_dim != needed:
         raise ValueError(
             f"{arch.architecture} attends with heads of qk_nope_head_dim + qk_rope_head_dim = "
-            f"{needed}, but the KV cache would be sized for head_dim={arch.head_dim} (from "
-            f"config.json); pass hf_overrides={{'head_dim': {needed}}} (--hf-overrides "
-            f"'{{\"head_dim\": {needed}}}')."
+            f"{needed}, but the KV cache would be sized for head_dim={arch.head_dim} (an "
+            "hf_overrides value?); drop the head_dim override."
         )
