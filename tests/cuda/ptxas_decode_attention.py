@@ -57,6 +57,7 @@ def compile_config(
         USE_WINDOW=False, USE_SOFT_CAP=False, FP8=fp8,
         COMPUTE_DTYPE=tl.float16 if fp8 else tl.bfloat16,
         ROTARY=False, IS_NEOX=True, QK_NORM=False, USE_PDL=True,  # W1's batch: no fused rotary
+        HAS_SINKS=False,
     )  # fmt: skip
     signature, attrs = {}, {}
     for index, name in enumerate(_decode_kernel.arg_names):

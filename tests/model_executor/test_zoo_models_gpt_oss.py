@@ -164,6 +164,10 @@ def test_mxfp4_checkpoints_are_refused(checkpoint, tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=r"MXFP4.*gpt-oss-20b-BF16"):
         load_model(model_config(tmp_path, 128), torch.device("cpu"))
+    from pagedlm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match=r"MXFP4.*gpt-oss-20b-BF16"):  # LLM's and serve's way
+        EngineArgs(model=str(tmp_path), load_format="dummy").create_engine_config()
     model = load_model(model_config(path, 128), torch.device("cpu"))
     blocks = [("model.layers.0.mlp.experts.gate_up_proj_blocks", torch.zeros(4, 192, 2, 16))]
     with pytest.raises(ValueError, match=r"MXFP4.*bf16 conversion"):

@@ -581,6 +581,10 @@ class EngineArgs:
         saved = checkpoint_quant_type(arch.raw)
         if saved is None:
             method = arch.raw["quantization_config"].get("quant_method")
+            if arch.architecture == "GptOssForCausalLM":
+                from pagedlm.model_executor.models.gpt_oss import refuse_mxfp4
+
+                refuse_mxfp4(arch)  # names the bf16 conversions to use instead
             raise ValueError(
                 f"The checkpoint is quantized with {method!r}, which pagedlm cannot load; it "
                 "loads float checkpoints, bitsandbytes ones (or quantization='bitsandbytes'), "
