@@ -22,13 +22,10 @@ from pagedlm.model_executor.models.layernorm_decoder import (
     LayerNormAttention,
     LayerNormCausalLM,
     LayerNormDecoderLayer,
+    layer_norm_eps,
     rope_for,
 )
 from pagedlm.model_executor.models.llama import LlamaMLP
-
-
-def _eps(arch: ArchConfig) -> float:
-    return float(arch.raw.get("layer_norm_eps", 1e-5))
 
 
 def _head_norm(arch: ArchConfig) -> HeadNormFactory | None:
@@ -37,7 +34,9 @@ def _head_norm(arch: ArchConfig) -> HeadNormFactory | None:
         return None
 
     def build(num_heads: int, first_head: int) -> nn.Module:
-        return HeadLayerNorm(arch.head_dim, _eps(arch), num_heads=num_heads, first_head=first_head)
+        return HeadLayerNorm(
+            arch.head_dim, layer_norm_eps(arch), num_heads=num_heads, first_head=first_head
+        )
 
     return build
 
@@ -88,7 +87,7 @@ class CohereForCausalLM(LayerNormCausalLM):
         )
 
     def make_norm(self, arch: ArchConfig) -> nn.Module:
-        return nn.LayerNorm(arch.hidden_size, eps=_eps(arch), bias=False)
+        return nn.LayerNorm(arch.hidden_size, eps=layer_norm_eps(arch), bias=False)
 
 
 class Cohere2ForCausalLM(CohereForCausalLM):

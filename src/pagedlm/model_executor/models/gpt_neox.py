@@ -26,13 +26,14 @@ from pagedlm.model_executor.models.layernorm_decoder import (
     LayerNormCausalLM,
     LayerNormDecoderLayer,
     ParamShard,
+    layer_norm_eps,
     partial_rotary_factor,
     rope_for,
 )
 
 
 def _layer_norm(arch: ArchConfig) -> nn.LayerNorm:
-    return nn.LayerNorm(arch.hidden_size, eps=float(arch.raw.get("layer_norm_eps", 1e-5)))
+    return nn.LayerNorm(arch.hidden_size, eps=layer_norm_eps(arch))
 
 
 def _rope_base(arch: ArchConfig) -> float:

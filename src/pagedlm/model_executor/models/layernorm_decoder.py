@@ -234,6 +234,11 @@ class LayerNormModel(nn.Module):
         return self.norm(x)
 
 
+def layer_norm_eps(arch: ArchConfig) -> float:
+    """config.json's ``layer_norm_eps`` (transformers' default 1e-5)."""
+    return float(arch.raw.get("layer_norm_eps", 1e-5))
+
+
 class LayerNormCausalLM(CausalLM):
     """Base of the LayerNorm families' model classes: a subclass builds its rotary, its
     blocks and its norms (``make_*``) and names its checkpoint's tensors (``hf_renames``)."""

@@ -20,13 +20,10 @@ from pagedlm.model_executor.models.layernorm_decoder import (
     LayerNormAttention,
     LayerNormCausalLM,
     LayerNormDecoderLayer,
+    layer_norm_eps,
     partial_rotary_factor,
     rope_for,
 )
-
-
-def _eps(arch: ArchConfig) -> float:
-    return float(arch.raw.get("layer_norm_eps", 1e-5))
 
 
 def _head_norm(arch: ArchConfig) -> HeadNormFactory | None:
@@ -35,7 +32,7 @@ def _head_norm(arch: ArchConfig) -> HeadNormFactory | None:
         return None
 
     def build(num_heads: int, first_head: int) -> nn.Module:
-        return HeadLayerNorm(arch.head_dim, _eps(arch), per_head=False, bias=True)
+        return HeadLayerNorm(arch.head_dim, layer_norm_eps(arch), per_head=False, bias=True)
 
     return build
 
@@ -77,4 +74,4 @@ class PhiForCausalLM(LayerNormCausalLM):
         )
 
     def make_norm(self, arch: ArchConfig) -> nn.Module:
-        return nn.LayerNorm(arch.hidden_size, eps=_eps(arch))
+        return nn.LayerNorm(arch.hidden_size, eps=layer_norm_eps(arch))

@@ -25,6 +25,7 @@ from pagedlm.model_executor.models.layernorm_decoder import (
     LayerNormCausalLM,
     LayerNormDecoderLayer,
     ParamShard,
+    layer_norm_eps,
     partial_rotary_factor,
     rope_for,
 )
@@ -33,17 +34,15 @@ from pagedlm.model_executor.models.llama import LlamaMLP
 _HEAD_NORM = re.compile(r"\.self_attn\.([qk])_layernorm\.norms\.(\d+)\.")
 
 
-def _eps(arch: ArchConfig) -> float:
-    return float(arch.raw.get("layer_norm_eps", 1e-5))
-
-
 def _head_norm(arch: ArchConfig) -> HeadNormFactory | None:
     """A LayerNorm of each head's own (no bias) for q and k, with ``qk_layernorm``."""
     if not arch.raw.get("qk_layernorm", False):
         return None
 
     def build(num_heads: int, first_head: int) -> nn.Module:
-        return HeadLayerNorm(arch.head_dim, _eps(arch), num_heads=num_heads, first_head=first_head)
+        return HeadLayerNorm(
+            arch.head_dim, layer_norm_eps(arch), num_heads=num_heads, first_head=first_head
+        )
 
     return build
 
@@ -76,7 +75,7 @@ class StableLmForCausalLM(LayerNormCausalLM):
         )
 
     def make_norm(self, arch: ArchConfig) -> nn.Module:
-        return nn.LayerNorm(arch.hidden_size, eps=_eps(arch))
+        return nn.LayerNorm(arch.hidden_size, eps=layer_norm_eps(arch))
 
     def param_shards(self, name: str, tensor: torch.Tensor) -> Iterator[ParamShard]:
         match = _HEAD_NORM.search(name)
