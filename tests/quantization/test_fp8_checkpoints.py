@@ -132,7 +132,10 @@ def test_llm_generates_from_an_fp8_checkpoint(float_checkpoint: Path, tmp_path: 
 @pytest.mark.parametrize(
     ("quantization_config", "message"),
     [
-        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
+        (
+            {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
+            "weight_block_size",
+        ),
         (
             {
                 "quant_method": "compressed-tensors",

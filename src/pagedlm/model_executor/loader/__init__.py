@@ -180,6 +180,10 @@ def _prequantized_weights(
     scheme = fp8_checkpoint_scheme(raw)
     if scheme is None or model_config.is_gguf:
         return weights
+    if scheme.block_size is not None:  # float weights now; quantized per row after loading
+        from pagedlm.model_executor.quantization.fp8_checkpoint import dequantize_blocks
+
+        return dequantize_blocks(weights, scheme.block_size)
     from pagedlm.model_executor.loader.safetensors_loader import safetensors_shapes
 
     shapes = safetensors_shapes(model_config.model)

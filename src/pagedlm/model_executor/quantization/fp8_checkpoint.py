@@ -44,6 +44,11 @@ class Fp8CheckpointScheme:
     """ "fp8" (vLLM's layout) or "compressed-tensors"."""
     static_input_scales: bool
     """Activations use the checkpoint's per-tensor ``input_scale`` (else: per token)."""
+    block_size: tuple[int, int] | None = None
+    """``weight_block_size`` (Qwen3-FP8, DeepSeek-V3): a float32 ``weight_scale_inv`` per
+    [rows, cols] block of each E4M3 weight. Such a checkpoint is dequantized while it
+    streams (``dequantize_blocks``) and its layers quantized again per row, as
+    ``quantization="fp8"`` quantizes a float model."""
 
 
 def _unsupported(what: str) -> ValueError:
@@ -87,13 +92,14 @@ def fp8_checkpoint_scheme(hf_config: dict[str, Any]) -> Fp8CheckpointScheme | No
     config = hf_config.get("quantization_config") or {}
     method = config.get("quant_method")
     if method == "fp8":
-        if config.get("weight_block_size"):
-            raise _unsupported(
-                f"block-wise scales (weight_block_size {config['weight_block_size']})"
-            )
         scheme = config.get("activation_scheme", "dynamic")
         if scheme not in ("dynamic", "static"):
             raise _unsupported(f"activation_scheme {scheme!r}")
+        block = config.get("weight_block_size")
+        if block:
+            if scheme != "dynamic" or len(block) != 2 or min(block) < 1:
+                raise _unsupported(f"weight_block_size {block} with {scheme} activations")
+            return Fp8CheckpointScheme(method, False, (int(block[0]), int(block[1])))
         return Fp8CheckpointScheme(method, static_input_scales=scheme == "static")
     if method == "compressed-tensors":
         return Fp8CheckpointScheme(method, static_input_scales=_compressed_tensors_scheme(config))
@@ -198,9 +204,50 @@ def prepare_fp8_checkpoint(
     return _expand_scales(weights, rows_of, scheme.static_input_scales)
 
 
+def dequantize_blocks(
+    weights: Iterable[tuple[str, torch.Tensor]], block_size: tuple[int, int]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream of a block-scaled FP8 checkpoint with each E4M3 ``<layer>.weight`` and
+    its ``<layer>.weight_scale_inv`` joined into the float32 weight ``codes * scale`` (the
+    scale of the block each element is in; edge blocks may be partial), exactly; every
+    other tensor as it is."""
+    rows_per_block, cols_per_block = block_size
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        if name.endswith(".weight_scale_inv"):
+            layer, part = name.removesuffix(".weight_scale_inv"), "scale"
+        elif name.endswith(".weight") and tensor.dtype == FP8_DTYPE:
+            layer, part = name.removesuffix(".weight"), "codes"
+        else:
+            if not name.endswith(_DROPPED_SUFFIXES):
+                yield name, tensor
+            continue
+        parts = pending.setdefault(layer, {})
+        parts[part] = tensor
+        if len(parts) == 2:
+            del pending[layer]
+            codes, scale = parts["codes"], parts["scale"].float()
+            rows, cols = codes.shape
+            expected = (-(-rows // rows_per_block), -(-cols // cols_per_block))
+            if tuple(scale.shape) != expected:
+                raise _unsupported(f"{tuple(scale.shape)} block scales for {name} {rows}x{cols}")
+            scale = scale.repeat_interleave(rows_per_block, 0)[:rows]
+            yield (
+                f"{layer}.weight",
+                codes.float() * scale.repeat_interleave(cols_per_block, 1)[:, :cols],
+            )
+    if pending:
+        layer, parts = next(iter(pending.items()))
+        raise ValueError(
+            f"the FP8 checkpoint has {layer}'s {next(iter(parts))} but not its "
+            f"{'scale' if 'codes' in parts else 'E4M3 weight'}; it is incomplete."
+        )
+
+
 __all__ = [
     "FP8_CHECKPOINT_METHODS",
     "Fp8CheckpointScheme",
+    "dequantize_blocks",
     "fp8_checkpoint_scheme",
     "prepare_fp8_checkpoint",
 ]
