@@ -309,7 +309,8 @@ class ModelConfig:
     def has_weight_blocks(self) -> bool:
         """Whether the checkpoint's linear layers come as quantized blocks a platform's
         kernels can compute on (``Platform.computes_on_weight_blocks``): a GGUF file's, not
-        requantized, or a GPTQ or AWQ checkpoint's; never dummy weights."""
+        requantized, or an integer checkpoint's (GPTQ, AWQ, compressed-tensors); never
+        dummy weights."""
         if self.load_format == "dummy":
             return False
         if self.is_gguf:
