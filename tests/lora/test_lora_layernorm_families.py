@@ -35,3 +35,23 @@ def test_gpt_neox_is_refused(tmp_path) -> None:
     save_random_model(tmp_path, "GPTNeoXConfig", {"num_key_value_heads": None})
     with pytest.raises(ValueError, match="query_key_value, which interleaves"):
         LLM(str(tmp_path), skip_tokenizer_init=True, enable_lora=True)
+
+
+def test_a_module_the_architecture_lacks_fails_its_own_request(tmp_path) -> None:
+    """A Phi adapter renamed to target gate_proj (Phi has none; its fc1 has that shape) is
+    refused when the request arrives, and the engine serves the next request."""
+    from safetensors.torch import load_file, save_file
+
+    save_random_model(tmp_path / "model", "PhiConfig", {})
+    make_adapter(tmp_path / "model", tmp_path / "adapter", ["fc1"])
+    weights_file = tmp_path / "adapter" / "adapter_model.safetensors"
+    tensors = load_file(weights_file)
+    save_file({k.replace(".mlp.fc1.", ".mlp.gate_proj."): v for k, v in tensors.items()},
+              weights_file)  # fmt: skip
+    llm = LLM(str(tmp_path / "model"), skip_tokenizer_init=True, enable_lora=True,
+              max_lora_rank=8)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    lora = LoRARequest("adapter", 1, str(tmp_path / "adapter"))
+    with pytest.raises(ValueError, match="gate_proj' does not exist in PhiForCausalLM"):
+        llm.generate([{"prompt_token_ids": [5, 6]}], params, lora_request=lora)
+    assert len(llm.generate([{"prompt_token_ids": [5, 6]}], params)[0].outputs[0].token_ids) == 2

@@ -34,7 +34,9 @@ UNSUPPORTED_ARCHITECTURES = {
         _BERT_REASON,
     ),
 }
-MOE_ARCHITECTURES = frozenset({"MixtralForCausalLM", "Qwen3MoeForCausalLM"})
+MOE_ARCHITECTURES = frozenset(
+    {"MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM"}
+)
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
@@ -53,7 +55,33 @@ def check_lora_architecture(arch: ArchConfig) -> None:
 
 
 def module_shapes(arch: ArchConfig) -> dict[str, tuple[int, int]]:
-    """HF projection name -> (in_features, out_features) of the whole (unsharded) layer."""
+    """HF projection name -> (in_features, out_features) of the whole (unsharded) layer,
+    for the projections this architecture has (``adaptable_modules``)."""
+    available = adaptable_modules(arch)
+    return {name: shape for name, shape in _shapes(arch).items() if name in available}
+
+
+_ADAPTABLE: dict[str, frozenset[str]] = {}
+"""``repr(arch)`` -> ``adaptable_modules(arch)`` (an ``ArchConfig`` holds a dict: unhashable)."""
+
+
+def adaptable_modules(arch: ArchConfig) -> frozenset[str]:
+    """The projection names an adapter may target in this architecture: its linear layers'
+    own and the HF names its merged layers hold (``q_proj`` of ``qkv_proj``), found once
+    per configuration by building the model on the meta device."""
+    key = repr(arch)
+    if key not in _ADAPTABLE:
+        import torch
+
+        from pagedlm.model_executor.models.registry import get_model_class
+
+        with torch.device("meta"):  # modules only: no memory, no weights
+            model = get_model_class(arch.architecture)(arch)
+        _ADAPTABLE[key] = frozenset(name.rpartition(".")[2] for name in lora_targets(model))
+    return _ADAPTABLE[key]
+
+
+def _shapes(arch: ArchConfig) -> dict[str, tuple[int, int]]:
     hidden, head_dim = arch.hidden_size, arch.head_dim
     q_size = arch.num_attention_heads * head_dim
     kv_size = arch.num_key_value_heads * head_dim
