@@ -1,6 +1,7 @@
 """PEFT adapters on the LayerNorm decoder families (their merged q/k/v and gate/up layers
-are named by dotted ``stacked_params``, their other projections by the checkpoint renames):
-transformers' tokens with the adapter merged; GPT-NeoX is refused."""
+are named by dotted ``stacked_params``, their other projections by the checkpoint renames)
+and on the attention of gpt-oss and Qwen2-MoE: transformers' tokens with the adapter
+merged; GPT-NeoX is refused, and so is a module the architecture lacks."""
 
 from __future__ import annotations
 
@@ -15,12 +16,16 @@ CASES = {
     "CohereConfig": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "PhiConfig": ["q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"],  # Phi's own names
     "Starcoder2Config": ["q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"],
+    # MoE models adapt their attention only.
+    "GptOssConfig": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "Qwen2MoeConfig": ["q_proj", "k_proj", "v_proj", "o_proj"],
 }
+OVERRIDES = {"GptOssConfig": {"num_local_experts": 4}}
 
 
 @pytest.mark.parametrize("config_class", list(CASES))
 def test_adapter_tokens_match_the_merged_model(tmp_path, config_class) -> None:
-    save_random_model(tmp_path / "model", config_class, {})
+    save_random_model(tmp_path / "model", config_class, OVERRIDES.get(config_class, {}))
     merged = make_adapter(tmp_path / "model", tmp_path / "adapter", CASES[config_class])
     prompts = random_prompts([9, 5])
     llm = LLM(str(tmp_path / "model"), skip_tokenizer_init=True, dtype="float32",
