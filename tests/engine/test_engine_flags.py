@@ -90,3 +90,24 @@ def test_per_parser_defaults_must_name_engine_fields() -> None:
 
     with pytest.raises(ValueError, match="no_such_field"):
         add_engine_args(argparse.ArgumentParser(), defaults={"no_such_field": 1})
+
+
+def test_disable_sliding_window_caps_the_context_at_the_window(tmp_path) -> None:
+    """vLLM's flag: the context stops at the window, where sliding and full attention
+    agree; a longer max_model_len names the flag; a model without a window ignores it."""
+    from tiny_checkpoints import save_random_model
+
+    save_random_model(tmp_path / "mistral", "MistralConfig", {"sliding_window": 48})
+    save_random_model(tmp_path / "llama", "LlamaConfig", {})
+
+    def max_len(path, **kwargs) -> int:
+        args = EngineArgs(model=str(path), load_format="dummy", **kwargs)
+        return args.create_engine_config()[0].model.max_model_len
+
+    assert max_len(tmp_path / "mistral") == 128
+    assert max_len(tmp_path / "mistral", disable_sliding_window=True) == 48
+    assert max_len(tmp_path / "llama", disable_sliding_window=True) == 128
+    with pytest.raises(ValueError, match="with disable_sliding_window, the sliding window"):
+        max_len(tmp_path / "mistral", disable_sliding_window=True, max_model_len=64)
+    args = engine_args_from_cli(build_parser().parse_args(["serve", "--disable-sliding-window"]))
+    assert args.disable_sliding_window is True

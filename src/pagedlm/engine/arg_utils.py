@@ -79,6 +79,9 @@ class EngineArgs:
     """Longest prompt + output a request may have; None: the model's context length. Every
     request must fit the KV cache at this length, so lowering it helps a cache that is too
     small."""
+    disable_sliding_window: bool = False
+    """vLLM's switch: cap the context at the model's sliding window, where sliding-window
+    attention and full attention are the same (ignored for models without a window)."""
     async_scheduling: bool | None = None
     """Schedule each step while the previous one still runs on the device (vLLM's flag), so
     the host's per-step work (scheduling, stops, outputs) hides behind the device's; None:
@@ -617,12 +620,16 @@ class EngineArgs:
         from pagedlm.model_executor.layers.rope_frequencies import rope_context_length
 
         limit = rope_context_length(arch.max_position_embeddings, arch.rope_scaling)
+        capped = self.disable_sliding_window and arch.sliding_window is not None
+        if capped:
+            limit = min(limit, arch.sliding_window)
         if self.max_model_len is None:
             max_model_len = limit
         elif self.max_model_len > limit:
+            why = " with disable_sliding_window, the sliding window" if capped else ""
             raise ValueError(
-                f"max_model_len={self.max_model_len} exceeds the model's context length "
-                f"({limit} positions); lower max_model_len to at most {limit}."
+                f"max_model_len={self.max_model_len} exceeds the model's context length"
+                f"{why} ({limit} positions); lower max_model_len to at most {limit}."
             )
         else:
             max_model_len = self.max_model_len
