@@ -11,6 +11,9 @@ from pagedlm.entrypoints.openai.reasoning_parsers.ernie45 import Ernie45Reasonin
 from pagedlm.entrypoints.openai.reasoning_parsers.glm45 import Glm45ReasoningParser
 from pagedlm.entrypoints.openai.reasoning_parsers.granite import GraniteReasoningParser
 from pagedlm.entrypoints.openai.reasoning_parsers.mistral import MistralReasoningParser
+from pagedlm.entrypoints.openai.reasoning_parsers.openai_harmony import (
+    OpenAIGptOssReasoningParser,
+)
 from pagedlm.entrypoints.openai.reasoning_parsers.seed_oss import SeedOssReasoningParser
 from pagedlm.entrypoints.openai.reasoning_parsers.think import (
     DeepSeekR1ReasoningParser,
@@ -23,6 +26,7 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "glm45": Glm45ReasoningParser,
     "granite": GraniteReasoningParser,
     "mistral": MistralReasoningParser,
+    "openai_gptoss": OpenAIGptOssReasoningParser,
     "qwen3": Qwen3ReasoningParser,
     "seed_oss": SeedOssReasoningParser,
 }
@@ -45,6 +49,7 @@ __all__ = [
     "Glm45ReasoningParser",
     "GraniteReasoningParser",
     "MistralReasoningParser",
+    "OpenAIGptOssReasoningParser",
     "Qwen3ReasoningParser",
     "ReasoningDelta",
     "ReasoningParser",

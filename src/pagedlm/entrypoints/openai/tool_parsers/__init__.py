@@ -26,6 +26,7 @@ from pagedlm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagedlm.entrypoints.openai.tool_parsers.internlm import InternLM2ToolParser
 from pagedlm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from pagedlm.entrypoints.openai.tool_parsers.mistral import MistralToolParser
+from pagedlm.entrypoints.openai.tool_parsers.openai_harmony import OpenAIToolParser
 from pagedlm.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
 from pagedlm.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
@@ -43,6 +44,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "internlm": InternLM2ToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
+    "openai": OpenAIToolParser,
     "pythonic": PythonicToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
 }
@@ -70,6 +72,7 @@ __all__ = [
     "Llama3JsonToolParser",
     "MistralToolParser",
     "NamedToolCallParser",
+    "OpenAIToolParser",
     "ParsedDelta",
     "ParsedOutput",
     "PythonicToolParser",
