@@ -1,6 +1,6 @@
 """Calls written as tagged blocks in free text: ``content <start>body<end> content ...``.
 
-The machinery of the tag-pair formats (Qwen3-Coder's XML, DeepSeek's special tokens,
+The machinery of the tag-pair formats (Hermes's JSON, Qwen3-Coder's XML, DeepSeek's special tokens,
 InternLM's actions): text outside the blocks is content; a block whose body decodes to
 calls gives those calls, any other block stays in the content verbatim. Whitespace next to
 a call is dropped (models put newlines between calls). A block left open at the end still
