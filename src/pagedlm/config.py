@@ -550,6 +550,9 @@ class EngineConfig:
     """A request's logits are bitwise the same whatever batch it shares and however its
     prompt is chunked (``pagedlm.batch_invariant``); costs speed."""
     multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
+    logits_processors: tuple[Any, ...] = ()
+    """Custom logits processor classes (``pagedlm.sample.logits_processor``), or their
+    qualified names where the config crossed a process boundary."""
 
     def with_num_kv_blocks(self, num_kv_blocks: int) -> EngineConfig:
         return replace(self, cache=replace(self.cache, num_kv_blocks=num_kv_blocks))

@@ -169,6 +169,9 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     """Keep only the prompt's last this many tokens (left truncation); -1: as many as
     ``max_model_len``; None: no truncation (vLLM's field)."""
+    extra_args: dict[str, Any] | None = None
+    """Arguments for custom logits processors and other extensions, which read them from
+    here (vLLM's field; ``vllm_xargs`` over HTTP); the engine itself reads none."""
     # Filled by the engine from the tokenizer/model: EOS plus any extra ids that end the request.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the engine from the tokenizer: ``bad_words`` as token sequences.
@@ -275,6 +278,12 @@ class SamplingParams:
             isinstance(word, str) and word.strip() for word in self.bad_words
         ):
             raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}.")
+        if self.extra_args is not None and not (
+            isinstance(self.extra_args, dict) and all(isinstance(k, str) for k in self.extra_args)
+        ):
+            raise ValueError(
+                f"extra_args must be a dict with string keys, got {self.extra_args!r}."
+            )
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError(
                 "allowed_token_ids is empty, so no token could be sampled; name at least one, "

@@ -112,6 +112,10 @@ class EngineArgs:
     calculate_kv_scales: bool = False
     """With kv_cache_dtype="fp8": measure each layer's k/v scales on the first step (vLLM's
     flag) instead of reading the checkpoint's k_scale/v_scale (default 1.0)."""
+    logits_processors: list[Any] | None = None
+    """Custom logits processors: classes (``LLM(...)`` in this process) or qualified names
+    ('package.module:Class'), subclasses of pagedlm.sample.logits_processor.LogitsProcessor;
+    those installed under the 'pagedlm.logits_processors' entry points are added."""
     batch_invariant: bool = False
     """Make each request's logits bitwise independent of the batch it shares and of how its
     prompt is chunked (fixed reduction orders; slower). The VLLM_BATCH_INVARIANT=1
@@ -421,9 +425,29 @@ class EngineArgs:
                 "verification's accepted counts would have to reach every stage); drop one "
                 "of them."
             )
+        config = replace(config, logits_processors=self._logits_processors(config))
         config = configure(config, platform)
         platform.bind_config(config)
         return config, platform
+
+    def _logits_processors(self, config: EngineConfig) -> tuple[type, ...]:
+        from pagedlm.sample.logits_processor import load_logits_processors
+
+        classes = load_logits_processors(self.logits_processors or ())
+        if not classes:
+            return ()
+        names = ", ".join(cls.__qualname__ for cls in classes)
+        if config.model.runner == "pooling":
+            raise ValueError(
+                f"logits_processors ({names}) need a generating model; runner='pooling' "
+                "samples nothing. Drop logits_processors."
+            )
+        if config.speculative is not None:
+            raise ValueError(
+                f"logits_processors ({names}) do not combine with speculative_config "
+                "(processors see one row per request); drop one of them."
+            )
+        return classes
 
     def _runner(self, arch: ArchConfig, model: str) -> tuple[str, PoolerConfig | None]:
         from pagedlm.pooling.model_config import pooler_config, resolve_runner

@@ -113,6 +113,7 @@ class AsyncLLM:
             args.structured_outputs_max_spec_chars,
             lora_config=config.lora,
             multimodal_config=config.multimodal,
+            logits_processors=config.logits_processors,
         )
         # Not at a lower priority: a niced thread descheduled while it holds the GIL stalls
         # the event loop (a 2.5M-character prompt: /health p99 202 ms niced, 57 ms not).

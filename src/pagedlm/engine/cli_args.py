@@ -124,6 +124,9 @@ def add_engine_args(
                 flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
             )
             continue
+        if typing.get_origin(kind) is list:  # names, one or more: --flag a b
+            group.add_argument(*flags, nargs="+", default=default, help=help_text)
+            continue
         if kind is dict:
             converter: Any = _json_object
         elif kind in (int, float, str):
@@ -131,7 +134,7 @@ def add_engine_args(
         else:
             raise TypeError(
                 f"EngineArgs.{field.name} has type {kind}, which the CLI cannot parse; use "
-                "bool, int, float or str (optionally | None)."
+                "bool, int, float, str or list (optionally | None)."
             )
         group.add_argument(*flags, type=converter, default=default, help=help_text)
     return parser

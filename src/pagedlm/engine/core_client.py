@@ -58,6 +58,9 @@ class CoreClient:
     def __init__(self, args: EngineArgs, launch: CoreLaunch | None = None) -> None:
         """Start the core for ``args``, in ``launch``'s process if one was started early
         (``core_launch``; this client then owns it)."""
+        log_level = os.environ.get("PAGEDLM_LOG_LEVEL", "WARNING")
+        # First: arguments that cannot reach the core fail before anything starts.
+        start = msgspec.json.encode(CoreStart(args, log_level), enc_hook=_by_name)
         self._encoder = make_encoder()
         self._decoder = make_core_decoder()
         launch = launch if launch is not None else CoreLaunch()
@@ -76,8 +79,7 @@ class CoreClient:
         self._closed = False
         self.process = launch.process
         atexit.register(self.shutdown)
-        log_level = os.environ.get("PAGEDLM_LOG_LEVEL", "WARNING")
-        launch.send_start(msgspec.json.encode(CoreStart(args, log_level)))
+        launch.send_start(start)
 
     def wait_ready(self, timeout_s: float) -> Ready:
         """Block until the core has loaded the model; raises RuntimeError (with the core's
@@ -183,3 +185,12 @@ class CoreClient:
             self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
             escalate()
+
+
+def _by_name(obj: object) -> object:
+    """Classes in the engine arguments (custom logits processors) go by their names."""
+    if isinstance(obj, type):
+        from pagedlm.sample.logits_processor import portable_name
+
+        return portable_name(obj)
+    raise NotImplementedError(f"cannot send {type(obj).__name__} to the engine core")

@@ -59,7 +59,10 @@ class InputProcessor:
         structured_outputs_max_spec_chars: int | None = None,
         lora_config: LoRAConfig | None = None,
         multimodal_config: MultiModalConfig | None = None,
+        logits_processors: tuple[type, ...] = (),
     ) -> None:
+        """``logits_processors``: the engine's custom processor classes; each request's
+        parameters pass their ``validate_params``."""
         from pagedlm.multimodal.inputs import MultiModalInputs
         from pagedlm.structured_output.params import DEFAULT_MAX_SPEC_CHARS
 
@@ -67,6 +70,7 @@ class InputProcessor:
         self.adapters = AdapterChecker(lora_config, model_config.arch)
         self.multimodal = MultiModalInputs(model_config, multimodal_config or MultiModalConfig())
         self.scheduling_policy = scheduling_policy
+        self.logits_processors = logits_processors
         self.tokenizer = tokenizer
         self.structured_outputs_backend = structured_outputs_backend
         self.structured_outputs_max_spec_chars = (
@@ -170,6 +174,8 @@ class InputProcessor:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids instead.")
         if params.structured_outputs is not None:
             self._validate_structured_outputs(params)
+        for processor in self.logits_processors:
+            processor.validate_params(params)
         resolved = params.clone()
         resolved.max_tokens = max_tokens
         resolved.logprobs, resolved.prompt_logprobs = counts

@@ -40,6 +40,7 @@ class LLMEngine:
             config.scheduler.scheduling_policy,
             lora_config=config.lora,
             multimodal_config=config.multimodal,
+            logits_processors=config.logits_processors,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = make_engine_core(config, platform)

@@ -114,6 +114,10 @@ def _enc_hook(obj: Any) -> Any:
         return obj.tolist()
     if isinstance(obj, np.generic):
         return obj.item()
+    if isinstance(obj, type):  # a custom logits processor class: its importable name
+        from pagedlm.sample.logits_processor import portable_name
+
+        return portable_name(obj)
     raise NotImplementedError(f"cannot send {type(obj).__name__} to a worker")
 
 

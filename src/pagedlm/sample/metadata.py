@@ -13,6 +13,7 @@ import torch
 
 from pagedlm.sample.host_copy import to_device
 from pagedlm.sample.logit_bias import LogitAdjustments
+from pagedlm.sample.logits_processor.batch import CustomLogitsProcessors
 from pagedlm.sample.penalties import PenaltyTensors, TokenHistory
 from pagedlm.sample.row import SamplingRow, is_greedy
 from pagedlm.sample.topk_topp import FilterTensors
@@ -29,6 +30,8 @@ class SamplingMetadata:
     ``has_unseeded_random_rows``: some random row draws from ``default_generator``
     (``None`` = torch's default generator of the device).
     ``max_num_logprobs``: the largest ``params.logprobs`` of the batch, ``None`` if no row asks.
+    ``logits_processors``: the engine's custom processors, told this batch's rows already
+    (``CustomLogitsProcessors.update``); None when the engine has none.
     """
 
     num_rows: int
@@ -45,6 +48,7 @@ class SamplingMetadata:
     has_unseeded_random_rows: bool
     default_generator: torch.Generator | None
     max_num_logprobs: int | None
+    logits_processors: CustomLogitsProcessors | None = None
 
     @classmethod
     def build(
@@ -54,6 +58,7 @@ class SamplingMetadata:
         device: torch.device,
         default_generator: torch.Generator | None = None,
         token_history: TokenHistory | None = None,
+        logits_processors: CustomLogitsProcessors | None = None,
     ) -> SamplingMetadata:
         """Build the batch tensors for ``rows`` (one per logits row, same order);
         ``token_history`` gives the penalized rows' tokens (needed only if any row has a
@@ -100,4 +105,5 @@ class SamplingMetadata:
             has_unseeded_random_rows=len(rows) - sum(greedy) > len(seeded_rows),
             default_generator=default_generator,
             max_num_logprobs=max(logprob_counts) if logprob_counts else None,
+            logits_processors=logits_processors,
         )

@@ -5,10 +5,11 @@ Pipeline (vLLM order), each stage skipped when no row of the batch needs it:
 0. the structured-output token bitmask, if any row is constrained: disallowed tokens
    become ``-inf`` in one batched call, before everything else, so logprobs describe
    the distribution actually sampled from (as in vLLM);
-1. logit bias (added), then the ``min_tokens`` mask on stop tokens;
+1. logit bias (added), then the ``min_tokens`` mask on stop tokens, then the custom
+   logits processors that may change the argmax;
 2. repetition / frequency / presence penalties;
 3. greedy rows take the argmax here (lowest index on ties, like ``torch.argmax``);
-4. temperature, then min-p, top-k, top-p;
+4. temperature, the argmax-invariant custom processors, then min-p, top-k, top-p;
 5. sample with the exponential race: ``argmax(probs / E)``, ``E ~ Exp(1)`` per token,
    which draws exactly from ``probs``. A seeded row fills its noise row with one
    ``exponential_`` call on its own generator, so its token depends only on its seed,
@@ -110,7 +111,10 @@ class Sampler:
 
     def _can_fuse(self, metadata: SamplingMetadata) -> bool:
         return (
-            self.fused_random is not None and metadata.filters.is_empty and not metadata.seeded_rows
+            self.fused_random is not None
+            and metadata.filters.is_empty
+            and not metadata.seeded_rows
+            and metadata.logits_processors is None
         )
 
     def _sample_fused(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -139,9 +143,11 @@ class Sampler:
         in which case the caller's tensor is returned only to be read by ``argmax``.
         """
         adjusted = logits.float()
+        processors = metadata.logits_processors
         needs_write = (
             metadata.logit_adjustments is not None
             or metadata.penalties is not None
+            or processors is not None
             or (
                 not metadata.all_greedy
                 and metadata.temperature is None
@@ -152,6 +158,8 @@ class Sampler:
             adjusted = adjusted.clone()
         if metadata.logit_adjustments is not None:
             apply_logit_adjustments(adjusted, metadata.logit_adjustments)
+        if processors is not None:
+            adjusted = processors.apply(adjusted, argmax_invariant=False)
         if metadata.penalties is not None:
             apply_penalties(adjusted, metadata.penalties)
         return adjusted
@@ -168,10 +176,13 @@ class Sampler:
 
     @staticmethod
     def random_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Stage 4: the distribution each random row samples from (temperature, min-p,
-        top-k, top-p), ``[N, vocab]`` float32; ``logits`` come from ``adjust_logits``."""
+        """Stage 4: the distribution each random row samples from (temperature, the
+        argmax-invariant custom processors, min-p, top-k, top-p), ``[N, vocab]`` float32;
+        ``logits`` come from ``adjust_logits``."""
         if metadata.temperature is not None:
             logits = logits / metadata.temperature.unsqueeze(1)
+        if metadata.logits_processors is not None:
+            logits = metadata.logits_processors.apply(logits, argmax_invariant=True)
         if not metadata.filters.is_empty:
             apply_filters(logits, metadata.filters)
         return logits.softmax(dim=-1)

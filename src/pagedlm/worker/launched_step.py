@@ -83,6 +83,12 @@ class LaunchedStep:
         self._has_logprobs = logprobs is not None
         self._has_prompt_logprobs = prompt_logprobs is not None
 
+    def first_sampled_ids(self) -> list[int]:
+        """Each sampled row's first token id, after waiting for the copy to the host."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host[0][:, 0].tolist()
+
     def result(self) -> ModelRunnerOutput:
         if self._copied is not None:
             self._copied.synchronize()  # the one wait for the device

@@ -58,6 +58,7 @@ from pagedlm.step import (
 )
 from pagedlm.worker.input_batch import InputBatch
 from pagedlm.worker.launched_step import LaunchedStep, Verified
+from pagedlm.worker.logits_processors import make_logits_processors
 from pagedlm.worker.pipeline_stage import run_stage, write_new_token_ids
 from pagedlm.worker.sampling_inputs import (
     DeviceTokenHistory,
@@ -134,6 +135,9 @@ class ModelRunner:
                 "kv_cache_dtype='auto' or another attention_backend."
             )
         self.sampler = Sampler(fused_random=platform.fused_sampler())
+        self.logits_processors = make_logits_processors(
+            config, self.device, platform.pin_host_memory
+        )
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(config.model.seed)
         sched = config.scheduler
@@ -291,6 +295,8 @@ class ModelRunner:
         self.input_batch.update(scheduler_output)
         write_new_token_ids(self.input_batch, scheduler_output)
         self.speculator.admit(scheduler_output)
+        if self.logits_processors is not None:
+            self.logits_processors.admit(scheduler_output)
         self.encoder.update(scheduler_output)
         self.rope_positions.update(scheduler_output)
         if scheduler_output.is_empty:
@@ -406,6 +412,9 @@ class ModelRunner:
             row_states, row_lens = verification_rows(
                 states, inputs.seq_lens[sampled] - inputs.num_drafts[sampled], num_rows
             )
+            processors = None
+            if self.logits_processors is not None:
+                processors = self.logits_processors.before_sampling(row_states)
             metadata = self._sampling_metadata.get(
                 row_states,
                 row_lens,
@@ -415,6 +424,7 @@ class ModelRunner:
                     device=self.device,
                     default_generator=self.default_generator,
                     token_history=DeviceTokenHistory(batch, row_states, row_lens),
+                    logits_processors=processors,
                 ),
             )
             bitmask = None
@@ -443,7 +453,7 @@ class ModelRunner:
             prompt_logprobs = compute_logprobs(logits[num_sampling_rows:], targets, num_top)
         if token_ids is None:
             token_ids = torch.zeros(0, dtype=torch.int64, device=self.device)
-        return LaunchedStep(
+        launched = LaunchedStep(
             req_ids=inputs.req_ids,
             sampled=sampled.tolist(),
             token_ids=token_ids,
@@ -456,6 +466,9 @@ class ModelRunner:
             verified=verified,
             proposals=proposals,
         )
+        if self.logits_processors is not None and len(sampled):
+            self.logits_processors.launched(launched, states, inputs.seq_lens[sampled])
+        return launched
 
     def execute_and_sample(
         self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None

@@ -91,6 +91,8 @@ class SamplingFields(OpenAIModel):
     length_penalty: float = 1.0
     """Beam search: a beam's score is its cumulative logprob over its length to this."""
     cache_salt: str | None = Field(None, min_length=1)
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
+    """Arguments for the server's custom logits processors (``SamplingParams.extra_args``)."""
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -171,6 +173,7 @@ class SamplingFields(OpenAIModel):
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
                 allowed_token_ids=self.allowed_token_ids,
                 bad_words=self.bad_words,
+                extra_args=self.vllm_xargs,
             )
         except ValueError as error:
             raise from_value_error(error) from error
