@@ -300,6 +300,8 @@ class ModelConfig:
     max_logprobs: int = 20
     """The most ``logprobs`` / ``prompt_logprobs`` a request may ask for (the vocabulary
     size where ``EngineArgs.max_logprobs`` is -1)."""
+    logprobs_mode: str = "raw_logprobs"
+    """What sampled tokens' logprobs report (``pagedlm.sample.logprobs.LOGPROBS_MODES``)."""
 
     @property
     def is_gguf(self) -> bool:

@@ -137,6 +137,11 @@ class EngineArgs:
     max_logprobs: int = 20
     """The most logprobs (and prompt logprobs) per token a request may ask for (vLLM's
     flag); -1: the whole vocabulary."""
+    logprobs_mode: str = "raw_logprobs"
+    """What sampled tokens' logprobs report (vLLM's flag): "raw_logprobs" the model's
+    distribution, "processed_logprobs" the one the token was sampled from (after logit
+    bias, penalties, temperature, top-k/top-p/min-p), "raw_logits" / "processed_logits"
+    the logits themselves. Prompt logprobs are always raw logprobs."""
     generation_config: str = "auto"
     """Where requests' default sampling parameters come from (vLLM's flag): "auto" the
     model's generation_config.json (its temperature, top_p, top_k, min_p,
@@ -364,6 +369,7 @@ class EngineArgs:
                 runner=runner,
                 pooler=pooler,
                 max_logprobs=self._max_logprobs(arch),
+                logprobs_mode=self._logprobs_mode(),
                 sampling_defaults=(
                     sampling_defaults(
                         model,
@@ -631,6 +637,12 @@ class EngineArgs:
                 f"load_format='safetensors' needs a model directory, but {model} is a .gguf file; "
                 "use load_format='auto' or 'gguf'."
             )
+
+    def _logprobs_mode(self) -> str:
+        from pagedlm.sample.logprobs import check_logprobs_mode
+
+        check_logprobs_mode(self.logprobs_mode)
+        return self.logprobs_mode
 
     def _max_logprobs(self, arch: ArchConfig) -> int:
         value = self.max_logprobs

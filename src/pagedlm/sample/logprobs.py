@@ -1,9 +1,11 @@
 """Logprobs of chosen tokens plus the top-k alternatives, as tensors and as Python lists.
 
-Logprobs are *raw*: ``log_softmax`` of the model's logits before logit bias, penalties,
-temperature or any filter (vLLM's default ``raw_logprobs``). The same function serves
-sampled tokens (one row per request) and prompt logprobs (one row per prompt position,
-``token_ids`` = the next prompt token).
+By default logprobs are *raw*: ``log_softmax`` of the model's logits before logit bias,
+penalties, temperature or any filter (vLLM's default ``raw_logprobs``); the engine's
+``logprobs_mode`` may report sampled tokens' from the processed logits, or logits instead
+(``LOGPROBS_MODES``). The same function serves sampled tokens (one row per request) and
+prompt logprobs (one row per prompt position, ``token_ids`` = the next prompt token;
+always raw logprobs).
 """
 
 from __future__ import annotations
@@ -14,6 +16,15 @@ from typing import NamedTuple
 import torch
 
 from pagedlm.step import LogprobsLists
+
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+"""vLLM's names: raw = the model's logits (after a grammar's mask); processed = what the
+token was sampled from (logit bias, penalties, temperature, filters applied)."""
+
+
+def check_logprobs_mode(mode: str) -> None:
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode={mode!r} is unknown; use one of {list(LOGPROBS_MODES)}.")
 
 
 class LogprobsTensors(NamedTuple):
@@ -82,19 +93,20 @@ class LogprobsTensors(NamedTuple):
 
 
 def compute_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, as_logits: bool = False
 ) -> LogprobsTensors:
-    """Raw logprobs of ``token_ids`` and the ``num_top`` most likely tokens.
+    """Logprobs of ``token_ids`` and the ``num_top`` most likely tokens under ``logits``.
 
     ``logits``: ``[N, vocab]`` (any float dtype; computed in float32). ``token_ids``: ``[N]``
-    int64. ``num_top``: 0 for the chosen token alone. Among exactly tied logprobs the
-    order of the top-k entries is whatever ``torch.topk`` returns.
+    int64. ``num_top``: 0 for the chosen token alone. ``as_logits``: report the logits
+    themselves (same tokens and ranks). Among exactly tied logprobs the order of the top-k
+    entries is whatever ``torch.topk`` returns.
     """
     if not 0 <= num_top <= logits.shape[-1]:
         raise ValueError(
             f"num_top={num_top} must be between 0 and the vocabulary size {logits.shape[-1]}."
         )
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    logprobs = logits.float() if as_logits else torch.log_softmax(logits.float(), dim=-1)
     token_ids = token_ids.to(torch.int64).unsqueeze(1)
     chosen_logprobs = logprobs.gather(1, token_ids)
     ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from pagedlm.sample.host_copy import arrays_to_device
-from pagedlm.sample.logprobs import LogprobsTensors, compute_logprobs
+from pagedlm.sample.logprobs import LogprobsTensors
 from pagedlm.sample.metadata import SamplingMetadata
 from pagedlm.sample.sampler import Sampler, argmax_rows
 from pagedlm.structured_output.bitmask import apply_token_bitmask
@@ -104,11 +104,13 @@ class RejectionSampler:
         drafts = draft_token_ids.clamp(min=0)
         is_draft = rows.position < num_verified[rows.request]
         greedy = None if metadata.all_random else self._argmax(adjusted)
+        processed = adjusted
         if metadata.all_greedy:
             assert greedy is not None
             accepted, fallback = drafts == greedy, greedy
         else:
-            probs = Sampler.random_probs(adjusted, metadata)
+            processed = Sampler.processed_logits(adjusted, metadata)
+            probs = processed.softmax(dim=-1)
             accepted, fallback = self._random(probs, drafts, is_draft, metadata, draft_probs)
             if greedy is not None and metadata.greedy_mask is not None:
                 accepted = torch.where(metadata.greedy_mask, drafts == greedy, accepted)
@@ -124,7 +126,9 @@ class RejectionSampler:
         logprobs = None
         if metadata.max_num_logprobs is not None:
             emitted = token_ids[rows.request, rows.position]
-            logprobs = compute_logprobs(raw_logits, emitted, metadata.max_num_logprobs)
+            logprobs = self.sampler.logprobs(
+                raw_logits, processed, emitted, metadata.max_num_logprobs
+            )
         return RejectionOutput(token_ids, num_accepted + 1, logprobs)
 
     @staticmethod

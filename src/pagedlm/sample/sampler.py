@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 from pagedlm.sample.logit_bias import apply_logit_adjustments
-from pagedlm.sample.logprobs import LogprobsTensors, compute_logprobs
+from pagedlm.sample.logprobs import LogprobsTensors, check_logprobs_mode, compute_logprobs
 from pagedlm.sample.metadata import SamplingMetadata
 from pagedlm.sample.penalties import apply_penalties
 from pagedlm.sample.topk_topp import apply_filters
@@ -68,10 +68,21 @@ class Sampler:
 
     ``fused_random``: the platform's fused stages 4-5, used when a batch has no
     top-k/top-p/min-p filter and no row with its own seed (all-greedy batches included).
+    ``logprobs_mode``: what sampled tokens' logprobs report (vLLM's ``logprobs_mode``,
+    ``LOGPROBS_MODES``): the model's raw distribution, or the one sampled from ("processed":
+    after stages 1-2, and for random rows temperature and the filters too), as logprobs or
+    as logits.
     """
 
-    def __init__(self, fused_random: FusedRandomSampler | None = None) -> None:
+    def __init__(
+        self,
+        fused_random: FusedRandomSampler | None = None,
+        logprobs_mode: str = "raw_logprobs",
+    ) -> None:
+        check_logprobs_mode(logprobs_mode)
         self.fused_random = fused_random
+        self.logprobs_mode = logprobs_mode
+        self.reports_processed = logprobs_mode.startswith("processed")
 
     def __call__(
         self,
@@ -91,23 +102,38 @@ class Sampler:
             )
         if token_bitmask is not None:
             logits = apply_token_bitmask(logits, token_bitmask)
-        raw_logits = logits
+        raw_logits = processed = logits
         if self._can_fuse(metadata):
             if metadata.logit_adjustments is not None or metadata.penalties is not None:
                 logits = self.adjust_logits(logits, metadata)
             sampled = self._sample_fused(logits, metadata)
         else:
-            logits = self.adjust_logits(logits, metadata)
+            logits = processed = self.adjust_logits(logits, metadata)
             if metadata.all_greedy:
                 sampled = argmax_rows(logits)
             else:
-                sampled = self._sample_random(logits, metadata)
+                processed = self.processed_logits(logits, metadata)
+                sampled = self.race(processed.softmax(dim=-1), metadata)
                 if metadata.greedy_mask is not None:
                     sampled = torch.where(metadata.greedy_mask, argmax_rows(logits), sampled)
         logprobs = None
         if metadata.max_num_logprobs is not None:
-            logprobs = compute_logprobs(raw_logits, sampled, metadata.max_num_logprobs)
+            logprobs = self.logprobs(raw_logits, processed, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def logprobs(
+        self,
+        raw_logits: torch.Tensor,
+        processed_logits: torch.Tensor,
+        token_ids: torch.Tensor,
+        num_top: int,
+    ) -> LogprobsTensors:
+        """The logprobs ``logprobs_mode`` reports for ``token_ids``, from the raw logits
+        (after the grammar's mask) or those the tokens were sampled from."""
+        source = processed_logits if self.reports_processed else raw_logits
+        return compute_logprobs(
+            source, token_ids, num_top, as_logits=self.logprobs_mode.endswith("logits")
+        )
 
     def _can_fuse(self, metadata: SamplingMetadata) -> bool:
         return (
@@ -115,6 +141,8 @@ class Sampler:
             and metadata.filters.is_empty
             and not metadata.seeded_rows
             and metadata.logits_processors is None
+            # the fused kernel keeps no processed logits to report
+            and not (self.reports_processed and metadata.max_num_logprobs is not None)
         )
 
     def _sample_fused(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -165,27 +193,24 @@ class Sampler:
         return adjusted
 
     @staticmethod
-    def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Stages 4-5 over every row (greedy rows ride along with neutral values).
-
-        ``logits`` is not modified when temperature applies (division makes a new
-        tensor); otherwise it is owned by the sampler and filtered in place.
-        """
-        probs = Sampler.random_probs(logits, metadata)
-        return Sampler.race(probs, metadata)
+    def random_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Stage 4: the distribution each random row samples from, ``[N, vocab]`` float32;
+        ``logits`` come from ``adjust_logits``."""
+        return Sampler.processed_logits(logits, metadata).softmax(dim=-1)
 
     @staticmethod
-    def random_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Stage 4: the distribution each random row samples from (temperature, the
-        argmax-invariant custom processors, min-p, top-k, top-p), ``[N, vocab]`` float32;
-        ``logits`` come from ``adjust_logits``."""
+    def processed_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Stage 4 before the softmax: temperature, the argmax-invariant custom
+        processors, min-p, top-k, top-p (filtered tokens ``-inf``). ``logits`` (from
+        ``adjust_logits``) is not modified when temperature applies (division makes a new
+        tensor); otherwise it is owned by the sampler and filtered in place."""
         if metadata.temperature is not None:
             logits = logits / metadata.temperature.unsqueeze(1)
         if metadata.logits_processors is not None:
             logits = metadata.logits_processors.apply(logits, argmax_invariant=True)
         if not metadata.filters.is_empty:
             apply_filters(logits, metadata.filters)
-        return logits.softmax(dim=-1)
+        return logits
 
     @staticmethod
     def race(probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

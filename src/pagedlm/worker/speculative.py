@@ -21,7 +21,6 @@ import torch
 
 from pagedlm.config import EngineConfig
 from pagedlm.sample.host_copy import arrays_to_device
-from pagedlm.sample.logprobs import compute_logprobs
 from pagedlm.sample.metadata import SamplingMetadata
 from pagedlm.sample.rejection_sampler import (
     FusedGreedyVerifier,
@@ -160,7 +159,9 @@ class Speculator:
         )  # fmt: skip
         logprobs = None
         if metadata.max_num_logprobs is not None:
-            logprobs = compute_logprobs(raw_logits, emitted, metadata.max_num_logprobs)
+            logprobs = self.rejection_sampler.sampler.logprobs(
+                raw_logits, logits, emitted, metadata.max_num_logprobs
+            )
         return RejectionOutput(token_ids, num_emitted, logprobs)
 
     def after_step(

@@ -21,6 +21,10 @@ from pagedlm.outputs import Logprob
 PositionLogprobs = dict[int, Logprob] | None
 
 
+MIN_LOGPROB = -9999.0
+"""What an impossible token's ``-inf`` is written as (JSON has no infinity), as in vLLM."""
+
+
 def _token_text(
     token_id: int, entry: Logprob | None, decode: Callable[[int], str], as_id: bool = False
 ) -> str:
@@ -55,9 +59,9 @@ class LegacyLogprobs:
                 self.token_logprobs.append(None)
                 self.top_logprobs.append(None)
                 continue
-            self.token_logprobs.append(entry.logprob)
+            self.token_logprobs.append(max(entry.logprob, MIN_LOGPROB))
             top = {
-                _token_text(tid, lp, self.decode, self.as_token_ids): lp.logprob
+                _token_text(tid, lp, self.decode, self.as_token_ids): max(lp.logprob, MIN_LOGPROB)
                 for tid, lp in position.items()
                 if tid == token_id or (lp.rank is not None and lp.rank <= self.num_top)
             }
@@ -79,7 +83,7 @@ class LegacyLogprobs:
 
 
 def _chat_entry(text: str, logprob: float) -> dict:
-    return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode())}
+    return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(text.encode())}
 
 
 def chat_logprobs(
