@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedlm import __version__
     from pagedlm.engine.cli_args import add_engine_args
     from pagedlm.entrypoints.cli import bench, interactive
+    from pagedlm.entrypoints.cli.config_file import add_config_arg
     from pagedlm.entrypoints.openai.api_server import add_server_args
 
     parser = argparse.ArgumentParser(
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"pagedlm {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.set_defaults(subparsers=commands.choices)
 
     serve = commands.add_parser(
         "serve",
@@ -51,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_positional(serve)
     add_server_args(serve)
     add_engine_args(serve)
+    add_config_arg(serve)
 
     generate = commands.add_parser(
         "generate",
@@ -60,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_positional(generate)
     interactive.add_generate_args(generate)
     add_engine_args(generate)
+    add_config_arg(generate)
 
     chat = commands.add_parser(
         "chat",
@@ -69,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_positional(chat)
     interactive.add_chat_args(chat)
     add_engine_args(chat)
+    add_config_arg(chat)
 
     from pagedlm.entrypoints.openai.run_batch import add_run_batch_args
 
@@ -83,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_batch_args(run_batch)
     add_server_args(run_batch)
     add_engine_args(run_batch)
+    add_config_arg(run_batch)
 
     bench_parser = commands.add_parser(
         "bench", help="Benchmarks.", description="Benchmarks against a running server."
@@ -124,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     # The core imports torch while this process imports it and the server (seconds each).
     core_launch = CoreLaunch.for_command_line(argv)
     try:
-        args = build_parser().parse_args(argv)
+        args = parse_args(argv)
         _run(args, core_launch)
     except KeyboardInterrupt:  # Ctrl-C (while loading, chatting, generating): no traceback
         print("\nInterrupted.", file=sys.stderr)
@@ -133,6 +139,24 @@ def main(argv: list[str] | None = None) -> int:
         if core_launch is not None:
             core_launch.abandon()  # unless the engine took it
     return 0
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line, with a ``--config`` file's values as the subcommand's defaults."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    path = getattr(args, "config", None)
+    if path is None:
+        return args
+    from pagedlm.engine.cli_args import POSITIONAL_MODEL_DEST
+    from pagedlm.entrypoints.cli.config_file import config_defaults
+
+    subparser = args.subparsers[args.command]
+    defaults = config_defaults(path, subparser)
+    if getattr(args, POSITIONAL_MODEL_DEST, None) is not None:
+        defaults.pop("model", None)  # MODEL on the command line wins over the file's
+    subparser.set_defaults(**defaults)
+    return parser.parse_args(argv)
 
 
 def _run(args: argparse.Namespace, core_launch: CoreLaunch | None = None) -> None:
