@@ -147,9 +147,11 @@ def test_registered_under_vllms_names(capsys):
             build_parser().parse_args(["serve", "--reasoning-parser", name]).reasoning_parser
             == name
         )
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--reasoning-parser", "nope"])
-    error = capsys.readouterr().err
+    from pagedlm.entrypoints.openai.parser_plugins import check_parser_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        check_parser_args(build_parser().parse_args(["serve", "--reasoning-parser", "nope"]))
+    error = str(exit_info.value)
     assert all(repr(name) in error for name in CASES), error
 
 

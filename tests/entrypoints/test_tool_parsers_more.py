@@ -365,9 +365,11 @@ def test_cli_accepts_the_new_names_and_lists_them_for_an_unknown_one(capsys):
     for name in NEW_PARSERS:
         args = build_parser().parse_args(["serve", "--tool-call-parser", name])
         assert args.tool_call_parser == name
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--tool-call-parser", "nope"])
-    error = capsys.readouterr().err
+    from pagedlm.entrypoints.openai.parser_plugins import check_parser_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        check_parser_args(build_parser().parse_args(["serve", "--tool-call-parser", "nope"]))
+    error = str(exit_info.value)
     assert all(repr(name) in error for name in NEW_PARSERS), error
 
 

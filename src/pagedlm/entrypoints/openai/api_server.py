@@ -182,10 +182,18 @@ def _add_tool_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--tool-call-parser",
         default=None,
-        choices=sorted(TOOL_PARSERS),
+        metavar="NAME",
         help="How tool calls are read from the model's text for tool_choice='auto', by "
-        f"vLLM's names: {_parser_names(list(TOOL_PARSERS), TOOL_PARSER_ALIASES)}. The model "
-        "families of each are in the README's tool-calling section.",
+        f"vLLM's names: {_parser_names(list(TOOL_PARSERS), TOOL_PARSER_ALIASES)}, or one a "
+        "--tool-parser-plugin registers. The model families of each are in the README's "
+        "tool-calling section.",
+    )
+    group.add_argument(
+        "--tool-parser-plugin",
+        default=None,
+        metavar="FILE",
+        help="A .py file (or module name) that registers tool parsers of its own with "
+        "pagedlm.entrypoints.openai.tool_parsers.register_tool_parser.",
     )
     group.add_argument(
         "--enable-auto-tool-choice",
@@ -196,10 +204,17 @@ def _add_tool_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--reasoning-parser",
         default=None,
-        choices=sorted(REASONING_PARSERS),
+        metavar="NAME",
         help="Return the model's thought (<think>...</think> and kin) as reasoning_content "
         f"in chat responses, by vLLM's names: {_parser_names(list(REASONING_PARSERS), {})}. "
         "deepseek_r1: the output starts inside the thought; qwen3: only after <think>.",
+    )
+    group.add_argument(
+        "--reasoning-parser-plugin",
+        default=None,
+        metavar="FILE",
+        help="A .py file (or module name) that registers reasoning parsers of its own with "
+        "pagedlm.entrypoints.openai.reasoning_parsers.register_reasoning_parser.",
     )
 
 
@@ -359,9 +374,11 @@ def run_server(args: argparse.Namespace, core_launch: CoreLaunch | None = None) 
     if given; the caller abandons it if the engine never starts), then serve until
     SIGINT/SIGTERM (or the engine's death)."""
     from pagedlm.engine.async_llm import AsyncLLM
+    from pagedlm.entrypoints.openai.parser_plugins import check_parser_args
 
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser (e.g. hermes).")
+    check_parser_args(args)
     try:
         limits = limits_from_args(args)
     except ValueError as error:

@@ -117,6 +117,7 @@ def run_batch(args: argparse.Namespace) -> None:
     )
     from pagedlm.entrypoints.openai.app import build_app
     from pagedlm.entrypoints.openai.limits import limits_from_args
+    from pagedlm.entrypoints.openai.parser_plugins import check_parser_args
 
     if args.max_concurrency < 1:
         raise SystemExit(
@@ -126,6 +127,7 @@ def run_batch(args: argparse.Namespace) -> None:
         limits = limits_from_args(args)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
+    check_parser_args(args)
     if args.input_file == "-":
         lines = sys.stdin.read().splitlines()
     else:

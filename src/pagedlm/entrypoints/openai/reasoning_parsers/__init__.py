@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from pagedlm.entrypoints.openai.parser_registry import register as _register
 from pagedlm.entrypoints.openai.reasoning_parsers.abstract import (
     ReasoningDelta,
     ReasoningParser,
@@ -32,6 +35,22 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
 }
 
 
+def register_reasoning_parser(
+    *names: str,
+) -> Callable[[type[ReasoningParser]], type[ReasoningParser]]:
+    """Class decorator: make a ``ReasoningParser`` subclass ``--reasoning-parser`` choices
+    ``names`` (a plugin's, ``--reasoning-parser-plugin``). A name already taken by another
+    parser is an error."""
+    if not names:
+        raise ValueError("register_reasoning_parser needs at least one name.")
+
+    def register(cls: type[ReasoningParser]) -> type[ReasoningParser]:
+        _register(REASONING_PARSERS, names, cls, ReasoningParser, "reasoning")
+        return cls
+
+    return register
+
+
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:
     """The parser class registered as ``name``; unknown names -> ``ValueError``."""
     try:
@@ -55,5 +74,6 @@ __all__ = [
     "ReasoningParser",
     "SeedOssReasoningParser",
     "get_reasoning_parser",
+    "register_reasoning_parser",
     "split_reasoning",
 ]

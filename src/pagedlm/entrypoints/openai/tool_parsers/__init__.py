@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from pagedlm.entrypoints.openai.parser_registry import register as _register
 from pagedlm.entrypoints.openai.tool_parsers.abstract import (
     ParsedDelta,
     ParsedOutput,
@@ -51,6 +54,20 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 TOOL_PARSERS |= {alias: TOOL_PARSERS[name] for alias, name in TOOL_PARSER_ALIASES.items()}
 
 
+def register_tool_parser(*names: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
+    """Class decorator: make a ``ToolParser`` subclass ``--tool-call-parser`` choices
+    ``names`` (a plugin's, ``--tool-parser-plugin``). A name already taken by another
+    parser is an error."""
+    if not names:
+        raise ValueError("register_tool_parser needs at least one name.")
+
+    def register(cls: type[ToolParser]) -> type[ToolParser]:
+        _register(TOOL_PARSERS, names, cls, ToolParser, "tool")
+        return cls
+
+    return register
+
+
 def get_tool_parser(name: str) -> type[ToolParser]:
     """The parser class registered as ``name``; unknown names -> ``ValueError``."""
     try:
@@ -85,5 +102,6 @@ __all__ = [
     "get_tool_parser",
     "parse_all",
     "parser_factory",
+    "register_tool_parser",
     "required_calls_schema",
 ]
