@@ -351,6 +351,9 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
     """"fcfs" (arrival order) or "priority" (lowest ``priority`` value first, then
     arrival; preemption takes the lowest-priority running request)."""
+    long_prefill_token_threshold: int = 0
+    """A prompt computes at most this many tokens per step (vLLM's flag), leaving the rest
+    of the budget to other requests; 0: no cap beyond the budget."""
     whole_prompts: bool = False
     """A prompt is scheduled in one step or waits (the pooling runner: mean and CLS pooling
     and bidirectional attention need every token of the prompt in the same forward)."""

@@ -454,3 +454,40 @@ def test_priority_policy_preempts_the_least_urgent_running_request():
     assert preempted == {"low"}  # admitted first, but the less urgent one
     assert scheduler.requests == {}
     _assert_all_free(scheduler)
+
+
+def test_long_prefill_token_threshold_caps_each_prompts_chunk() -> None:
+    scheduler = OneBudgetScheduler(
+        SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+            long_prefill_token_threshold=12,
+        ),
+        CacheConfig(block_size=BLOCK),
+        64,
+    )  # fmt: skip
+    scheduler.add_request(_request("long", 40))
+    scheduler.add_request(_request("short", 5, first_token=100))
+    first, _ = _step(scheduler)
+    # Each prompt takes at most 12 tokens of the 64, the short one its 5.
+    assert first.num_scheduled_tokens == {"long": 12, "short": 5}
+    counts = [first.num_scheduled_tokens["long"]]
+    for output in _run_to_completion(scheduler):
+        if "long" in output.num_scheduled_tokens:
+            counts.append(output.num_scheduled_tokens["long"])
+    assert counts[:4] == [12, 12, 12, 4] and set(counts[4:]) == {1}
+
+
+def test_long_prefill_token_threshold_is_checked_at_the_edge(chat_checkpoint) -> None:
+    from pagedlm.engine.arg_utils import EngineArgs
+
+    for bad in (-1, 1.5):
+        with pytest.raises(ValueError, match="must be a non-negative integer"):
+            EngineArgs(
+                model=str(chat_checkpoint), long_prefill_token_threshold=bad
+            ).create_engine_config()
+    with pytest.raises(ValueError, match="prompts run whole here"):
+        EngineArgs(
+            model=str(chat_checkpoint),
+            long_prefill_token_threshold=16,
+            enable_chunked_prefill=False,
+        ).create_engine_config()

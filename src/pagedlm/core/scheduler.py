@@ -88,6 +88,7 @@ has ``num_computed_tokens < num_tokens`` and samples nothing.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -137,6 +138,8 @@ class OneBudgetScheduler(Scheduler):
         ``disjoint_steps``: the pipeline-parallel batch queue (see the module doc).
         ``consecutive_blocks``: the platform's ``prefers_consecutive_blocks``."""
         self.config = scheduler_config
+        self._prefill_cap = scheduler_config.long_prefill_token_threshold or sys.maxsize
+        """The most tokens one request computes per step (decodes feed one anyway)."""
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
         self.kv_manager = KVCacheManager(
@@ -291,7 +294,7 @@ class OneBudgetScheduler(Scheduler):
                 # compute a token to drop.
                 continue
             computed = request.num_computed_tokens
-            num_new_tokens = min(num_tokens - computed, budget)
+            num_new_tokens = min(num_tokens - computed, budget, self._prefill_cap)
             plan = None
             if request.mm_features:
                 plan = self.encoder.plan(request, computed, num_new_tokens)
@@ -483,7 +486,9 @@ class OneBudgetScheduler(Scheduler):
         """
         assert request.num_output_placeholders == 0, "admitted only once its tokens are known"
         computed = self.kv_manager.get_computed_blocks(request)
-        num_new_tokens = min(request.num_tokens - computed.num_computed_tokens, budget)
+        num_new_tokens = min(
+            request.num_tokens - computed.num_computed_tokens, budget, self._prefill_cap
+        )
         if self.config.whole_prompts and computed.num_computed_tokens + num_new_tokens < (
             request.num_tokens
         ):

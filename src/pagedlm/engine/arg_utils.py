@@ -134,6 +134,9 @@ class EngineArgs:
     """Split long prompts over several steps within the token budget (vLLM's flag; on).
     Off: a prompt waits for a step with room for all of it, so max_num_batched_tokens
     must hold max_model_len tokens."""
+    long_prefill_token_threshold: int = 0
+    """A prompt computes at most this many tokens per step (vLLM's flag), so one long
+    prompt does not take a step's whole budget from the others; 0: no cap."""
     max_logprobs: int = 20
     """The most logprobs (and prompt logprobs) per token a request may ask for (vLLM's
     flag); -1: the whole vocabulary."""
@@ -404,6 +407,7 @@ class EngineArgs:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
                 whole_prompts=whole_prompts,
+                long_prefill_token_threshold=self._long_prefill_token_threshold(whole_prompts),
                 max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
                 encoder_cache_size=self.encoder_cache_size,
             ),
@@ -637,6 +641,20 @@ class EngineArgs:
                 f"load_format='safetensors' needs a model directory, but {model} is a .gguf file; "
                 "use load_format='auto' or 'gguf'."
             )
+
+    def _long_prefill_token_threshold(self, whole_prompts: bool) -> int:
+        threshold = self.long_prefill_token_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be a non-negative integer (0: no cap), "
+                f"got {threshold!r}."
+            )
+        if threshold and whole_prompts:
+            raise ValueError(
+                f"long_prefill_token_threshold={threshold} splits prompts over steps, but "
+                "prompts run whole here (chunked prefill off, or a pooling model); drop it."
+            )
+        return threshold
 
     def _logprobs_mode(self) -> str:
         from pagedlm.sample.logprobs import check_logprobs_mode
