@@ -239,6 +239,15 @@ class FusedMoE(nn.Module):
         copy_checked(target, shard_of(loaded_weight, 0, self.slice_rank, size), f"expert {shard}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce(self.routed_partial(x))
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum a per-rank partial output over the tensor-parallel ranks."""
+        return tensor_model_parallel_all_reduce(partial) if self.tp_size > 1 else partial
+
+    def routed_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output from this rank's experts or expert slices; ``reduce``
+        sums it over the ranks (subclasses add their shared experts' partial first)."""
         weights, expert_ids = select_experts(
             self.gate(x), self.top_k, self.renormalize, self.routing, self.e_score_correction_bias
         )
@@ -260,7 +269,7 @@ class FusedMoE(nn.Module):
             hidden = hidden * flat_weights[order[start : start + count], None]
             out.index_add_(0, rows, hidden.to(out.dtype))
             start += count
-        return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
+        return out
 
     def extra_repr(self) -> str:
         return (

@@ -75,7 +75,8 @@ class DeepseekMoE(FusedMoE):
 
     A subclass so the router, expert weights and ``e_score_correction_bias`` keep
     ``FusedMoE``'s names at the layer's ``mlp``; the shared experts are ``shared_experts``
-    as in the checkpoint, sharded like any dense MLP under tensor parallelism.
+    as in the checkpoint, sharded like any dense MLP under tensor parallelism (one
+    all-reduce for both partial sums).
     """
 
     def __init__(self, arch: ArchConfig) -> None:
@@ -94,11 +95,15 @@ class DeepseekMoE(FusedMoE):
         self.shared_experts: LlamaMLP | None = None
         if num_shared:
             shared = dataclasses.replace(arch, intermediate_size=num_shared * intermediate)
-            self.shared_experts = LlamaMLP(shared, bias=bool(raw.get("mlp_bias", False)))
+            self.shared_experts = LlamaMLP(
+                shared, bias=bool(raw.get("mlp_bias", False)), reduce_results=False
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routed = super().forward(x)
-        return routed if self.shared_experts is None else routed + self.shared_experts(x)
+        routed = self.routed_partial(x)
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(x)
+        return self.reduce(routed)
 
 
 def split_stacked_experts(

@@ -56,14 +56,18 @@ class BlockOptions:
 
 
 class LlamaMLP(nn.Module):
-    """x [T, hidden] -> down(silu(gate(x)) * up(x)) [T, hidden]."""
+    """x [T, hidden] -> down(silu(gate(x)) * up(x)) [T, hidden]; ``reduce_results=False``
+    leaves each tensor-parallel rank's partial sum to the caller (one all-reduce for it and
+    a sibling, as a MoE layer's shared expert and routed experts)."""
 
-    def __init__(self, arch: ArchConfig, bias: bool) -> None:
+    def __init__(self, arch: ArchConfig, bias: bool, reduce_results: bool = True) -> None:
         super().__init__()
         size = arch.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [size, size], bias=bias)
         self.act_fn = get_act_and_mul(arch.hidden_act)
-        self.down_proj = RowParallelLinear(size, arch.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(
+            size, arch.hidden_size, bias=bias, reduce_results=reduce_results
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn.after(self.gate_up_proj, x))

@@ -31,19 +31,19 @@ class SharedExpertMoE(FusedMoE):
 
     A subclass rather than a wrapper so the router and expert weights keep ``FusedMoE``'s
     names at the layer's ``mlp``. Under tensor parallelism the shared expert shards like
-    any dense MLP (its own all-reduce).
+    any dense MLP, and its partial sum joins the routed experts' in one all-reduce.
     """
 
     def __init__(self, arch: ArchConfig, shared_intermediate_size: int, **moe_args) -> None:
         super().__init__(**moe_args)
         shared = dataclasses.replace(arch, intermediate_size=shared_intermediate_size)
-        self.shared_expert = LlamaMLP(shared, bias=False)
+        self.shared_expert = LlamaMLP(shared, bias=False, reduce_results=False)
         # [1, hidden], replicated: one gate logit per token.
         self.shared_expert_gate = MoERouter(arch.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return super().forward(x) + shared
+        return self.reduce(self.routed_partial(x) + shared)
 
 
 class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):

@@ -1,0 +1,55 @@
+"""MoE layers with shared experts (Qwen2-MoE, DeepSeek-V2/V3) under TP=2: the shared and
+routed experts' partial sums meet in one all-reduce, and the run equals one worker's
+(DeepSeek's latent attention, with its replicated down-projections, included)."""
+
+from __future__ import annotations
+
+import pytest
+from parity import assert_same_run, greedy_run, make_llm, processes_gone, run_and_stop
+
+from tiny_checkpoints import save_random_model
+
+QWEN2_MOE = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+    "mlp_only_layers": [1],
+}
+DEEPSEEK = {
+    "num_hidden_layers": 3,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 24,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "n_group": 4,
+    "topk_group": 2,
+    "n_shared_experts": 2,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+}
+CASES = {
+    "deepseek_v3": ("DeepseekV3Config", DEEPSEEK),
+    "deepseek_v2": ("DeepseekV2Config", {**DEEPSEEK, "topk_method": "greedy"}),
+    "qwen2_moe": ("Qwen2MoeConfig", QWEN2_MOE),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_tensor_parallel_matches_one_worker(tmp_path, name) -> None:
+    config_class, overrides = CASES[name]
+    save_random_model(tmp_path, config_class, overrides)
+    llm = make_llm(tmp_path)
+    try:
+        expected = greedy_run(llm)
+    finally:
+        llm.llm_engine.shutdown()
+    outputs, pids = run_and_stop(tmp_path, tensor_parallel_size=2)
+    assert_same_run(outputs, expected)
+    assert processes_gone(pids)
