@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from parity import assert_same_run, greedy_run, make_llm, processes_gone, run_and_stop
 
+from model_executor.test_zoo_models_deepseek import MLA
 from tiny_checkpoints import save_random_model
 
 QWEN2_MOE = {
@@ -17,17 +18,8 @@ QWEN2_MOE = {
     "mlp_only_layers": [1],
 }
 DEEPSEEK = {
-    "num_hidden_layers": 3,
-    "num_key_value_heads": 4,
-    "kv_lora_rank": 32,
+    **MLA,
     "q_lora_rank": 24,
-    "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 8,
-    "v_head_dim": 16,
-    "moe_intermediate_size": 32,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
-    "first_k_dense_replace": 1,
     "n_group": 4,
     "topk_group": 2,
     "n_shared_experts": 2,

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+P = TypeVar("P", bound=type)
 
 
 def register(
@@ -21,3 +24,19 @@ def register(
             )
     for name in names:
         registry[name] = cls
+
+
+def registrar(registry: dict[str, type], base: type, kind: str) -> Callable[..., Callable[[P], P]]:
+    """The class decorator factory ``register_<kind>_parser(*names)`` of ``registry``."""
+
+    def register_names(*names: str) -> Callable[[P], P]:
+        if not names:
+            raise ValueError(f"register_{kind}_parser needs at least one name.")
+
+        def register_class(cls: P) -> P:
+            register(registry, names, cls, base, kind)
+            return cls
+
+        return register_class
+
+    return register_names

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from pagedlm.entrypoints.openai.parser_registry import register as _register
+from pagedlm.entrypoints.openai.parser_registry import registrar
 from pagedlm.entrypoints.openai.reasoning_parsers.abstract import (
     ReasoningDelta,
     ReasoningParser,
@@ -35,20 +33,10 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
 }
 
 
-def register_reasoning_parser(
-    *names: str,
-) -> Callable[[type[ReasoningParser]], type[ReasoningParser]]:
-    """Class decorator: make a ``ReasoningParser`` subclass ``--reasoning-parser`` choices
-    ``names`` (a plugin's, ``--reasoning-parser-plugin``). A name already taken by another
-    parser is an error."""
-    if not names:
-        raise ValueError("register_reasoning_parser needs at least one name.")
-
-    def register(cls: type[ReasoningParser]) -> type[ReasoningParser]:
-        _register(REASONING_PARSERS, names, cls, ReasoningParser, "reasoning")
-        return cls
-
-    return register
+register_reasoning_parser = registrar(REASONING_PARSERS, ReasoningParser, "reasoning")
+"""``@register_reasoning_parser("name", ...)``: make a ``ReasoningParser`` subclass
+``--reasoning-parser`` choices (a plugin's, ``--reasoning-parser-plugin``); a name another
+parser holds is an error."""
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:

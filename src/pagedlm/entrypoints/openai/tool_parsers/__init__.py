@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from pagedlm.entrypoints.openai.parser_registry import register as _register
+from pagedlm.entrypoints.openai.parser_registry import registrar
 from pagedlm.entrypoints.openai.tool_parsers.abstract import (
     ParsedDelta,
     ParsedOutput,
@@ -54,18 +52,9 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 TOOL_PARSERS |= {alias: TOOL_PARSERS[name] for alias, name in TOOL_PARSER_ALIASES.items()}
 
 
-def register_tool_parser(*names: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
-    """Class decorator: make a ``ToolParser`` subclass ``--tool-call-parser`` choices
-    ``names`` (a plugin's, ``--tool-parser-plugin``). A name already taken by another
-    parser is an error."""
-    if not names:
-        raise ValueError("register_tool_parser needs at least one name.")
-
-    def register(cls: type[ToolParser]) -> type[ToolParser]:
-        _register(TOOL_PARSERS, names, cls, ToolParser, "tool")
-        return cls
-
-    return register
+register_tool_parser = registrar(TOOL_PARSERS, ToolParser, "tool")
+"""``@register_tool_parser("name", ...)``: make a ``ToolParser`` subclass ``--tool-call-parser``
+choices (a plugin's, ``--tool-parser-plugin``); a name another parser holds is an error."""
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:
