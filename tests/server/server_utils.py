@@ -150,8 +150,9 @@ def in_process_app(model: Path | str, name: str = "tiny", /, **options: object):
     """(engine, app): a real ``AsyncLLM`` (its engine core in a child process) behind the
     HTTP app, served in this process (drive it with ``httpx.ASGITransport``). ``options``
     are ``EngineArgs`` fields, or ``ServingContext`` fields (server flags) where
-    ``EngineArgs`` has none. The app's ``tokenizer`` attribute is the engine's, for the
-    tests' references; the caller shuts the engine down."""
+    ``EngineArgs`` has none, or ``admin`` (the app's ``AdminOptions``). The app's
+    ``tokenizer`` attribute is the engine's, for the tests' references; the caller shuts
+    the engine down."""
     import dataclasses
 
     from pagedlm import AsyncLLM
@@ -160,6 +161,7 @@ def in_process_app(model: Path | str, name: str = "tiny", /, **options: object):
     from pagedlm.entrypoints.openai.serving_engine import ServingContext
     from pagedlm.metrics.prometheus import PrometheusMetrics
 
+    admin = options.pop("admin", None)  # an AdminOptions for build_app
     engine_fields = {field.name for field in dataclasses.fields(EngineArgs)}
     engine_options = {k: v for k, v in options.items() if k in engine_fields}
     context_options = {k: v for k, v in options.items() if k not in engine_fields}
@@ -173,6 +175,6 @@ def in_process_app(model: Path | str, name: str = "tiny", /, **options: object):
         runner=engine.config.model.runner,
         **context_options,
     )
-    app = build_app(ctx)
+    app = build_app(ctx, admin=admin)
     app.tokenizer = engine.get_tokenizer()
     return engine, app

@@ -31,12 +31,15 @@ from collections import deque
 from collections.abc import Iterable
 from typing import NamedTuple
 
+import torch
+
 from pagedlm.config import EngineConfig
 from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.core.request import Request
 from pagedlm.core.scheduler import OneBudgetScheduler
 from pagedlm.core.scheduler_interface import Scheduler, SchedulerStats
 from pagedlm.executor import Executor
+from pagedlm.model_executor.loader.replacement import check_replacement
 from pagedlm.platforms import Platform
 from pagedlm.plugins.registry import select_executor
 from pagedlm.step import SchedulerOutput, StepResult
@@ -200,6 +203,30 @@ class EngineCore:
         if self.sleep_level:
             self.executor.wake_up()
             self.sleep_level = 0
+
+    def update_weights(
+        self,
+        model_path: str | None = None,
+        weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+    ) -> None:
+        """Replace the model's weights (``pagedlm.model_executor.loader.replacement``) from the
+        checkpoint at ``model_path`` or from ``weights``. ValueError while requests are
+        unfinished, while asleep, or for a checkpoint of another shape; the cached prefixes
+        are forgotten (their keys and values came from the old weights)."""
+        if (model_path is None) == (weights is None):
+            raise ValueError("Pass model_path or weights (one of them).")
+        if self.sleep_level:
+            raise ValueError("The engine is asleep; wake_up() before updating its weights.")
+        if self.has_unfinished_requests():
+            num = self.scheduler.get_num_unfinished_requests()
+            raise ValueError(
+                f"Cannot update the weights while {num} requests are unfinished; wait for "
+                "them (or abort them) first."
+            )
+        if model_path is not None:
+            check_replacement(self.config.model, model_path)
+        self.reset_prefix_cache()
+        self.executor.reload_weights(model_path, weights)
 
     def _publish_kv_events(self) -> None:
         if self._kv_event_publisher is not None:

@@ -407,6 +407,13 @@ class AsyncLLM:
         await self._admin_call("wake_up", ADMIN_TIMEOUT_S)
         self.sleep_level = 0
 
+    async def update_weights_from_disk(self, model_path: str) -> None:
+        """Load the checkpoint at ``model_path`` (the model's shape and format) in place of
+        the current weights (``LLM.update_weights_from_disk``). ValueError while requests
+        run, while asleep, or for another shape; the previous weights come back if it fails.
+        """
+        await self._admin_call("update_weights_from_disk", ADMIN_TIMEOUT_S, model_path)
+
     async def is_sleeping(self) -> bool:
         return self.sleep_level > 0
 

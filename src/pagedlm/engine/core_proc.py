@@ -216,6 +216,10 @@ def _wake_up(proc: EngineCoreProc) -> None:
     proc.core.wake_up()
 
 
+def _update_weights_from_disk(proc: EngineCoreProc, model_path: str) -> None:
+    proc.core.update_weights(model_path=str(model_path))
+
+
 def _start_profile(proc: EngineCoreProc, directory: str) -> None:
     proc.profiler.start(directory)
 
@@ -228,6 +232,7 @@ ADMIN_CALLS: dict[str, Callable[..., bool | None]] = {
     "reset_prefix_cache": lambda proc: proc.core.reset_prefix_cache(),
     "sleep": _sleep,
     "wake_up": _wake_up,
+    "update_weights_from_disk": _update_weights_from_disk,
     "start_profile": _start_profile,
     "stop_profile": _stop_profile,
 }

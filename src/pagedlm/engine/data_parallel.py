@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from pagedlm.config import EngineConfig
 from pagedlm.core.engine_core import EngineCore
@@ -31,6 +32,9 @@ from pagedlm.core.request import Request
 from pagedlm.core.scheduler_interface import SchedulerStats
 from pagedlm.platforms import Platform
 from pagedlm.structured_output.params import GrammarLimits
+
+if TYPE_CHECKING:
+    import torch
 
 
 def load_score(stats: SchedulerStats) -> tuple[int, float]:
@@ -143,6 +147,17 @@ class DataParallelEngineCore:
     def wake_up(self) -> None:
         for core in self.replicas:
             core.wake_up()
+
+    def update_weights(
+        self,
+        model_path: str | None = None,
+        weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+    ) -> None:
+        # A busy replica refuses before any replica has changed: all update, or none.
+        busy = [core for core in self.replicas if core.has_unfinished_requests()]
+        weights = None if weights is None else list(weights)
+        for core in busy[:1] + self.replicas:
+            core.update_weights(model_path, weights)
 
     @property
     def sleep_level(self) -> int:

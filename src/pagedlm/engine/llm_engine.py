@@ -4,8 +4,8 @@ one process. ``LLM`` drives it; the async front end reuses its pieces."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from pagedlm.config import EngineConfig
 from pagedlm.engine.arg_utils import EngineArgs
@@ -19,6 +19,9 @@ from pagedlm.metrics.stats import cache_info
 from pagedlm.outputs import RequestOutput
 from pagedlm.platforms import Platform
 from pagedlm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +146,20 @@ class LLMEngine:
     def wake_up(self) -> None:
         """The weights back on the device and an empty KV cache."""
         self.engine_core.wake_up()
+
+    def update_weights_from_disk(self, model_path: str) -> None:
+        """Load the weights of the checkpoint at ``model_path`` (the model's shape and
+        format) in place of the current ones. ValueError while requests run."""
+        self.engine_core.update_weights(model_path=model_path)
+
+    def update_weights_from_tensor(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+    ) -> None:
+        """Load ``named_tensors`` (checkpoint names, every weight of the model) in place of
+        the current weights. ValueError while requests run."""
+        if isinstance(named_tensors, Mapping):
+            named_tensors = named_tensors.items()
+        self.engine_core.update_weights(weights=list(named_tensors))
 
     def is_sleeping(self) -> bool:
         return bool(self.engine_core.sleep_level)

@@ -115,8 +115,9 @@ class UtilityCall(msgspec.Struct, tag=True):
     call_id: int
     method: str
     """"ping" (liveness), "get_stats" (a fresh ``SchedulerStats``), or an admin call:
-    "reset_prefix_cache", "sleep" (``args``: [level]), "wake_up", "start_profile"
-    (``args``: [directory]), "stop_profile"."""
+    "reset_prefix_cache", "sleep" (``args``: [level]), "wake_up",
+    "update_weights_from_disk" (``args``: [model_path]), "start_profile" (``args``:
+    [directory]), "stop_profile"."""
     args: list[int | str] = []
 
 

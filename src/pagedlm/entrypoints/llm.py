@@ -6,9 +6,9 @@ import copy
 import dataclasses
 import itertools
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tqdm.auto import tqdm
 
@@ -30,6 +30,9 @@ from pagedlm.pooling import (
 )
 from pagedlm.pooling.requests import PairPrompt
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 Conversation = list[dict[str, Any]]
 
@@ -208,6 +211,27 @@ class LLM:
 
     def wake_up(self) -> None:
         self.llm_engine.wake_up()
+
+    def update_weights_from_disk(self, model_path: str) -> None:
+        """Replace the weights with those of the checkpoint at ``model_path`` (a local
+        directory or ``.gguf`` file of the model's shape and format; SGLang's name), e.g.
+        a trainer's between rollouts. The model is built again from them (kernels, graphs
+        and an empty KV cache: cached prefixes are forgotten); a level-2 ``wake_up`` reads
+        this checkpoint from then on. ValueError while requests run, while asleep, or for a
+        checkpoint of another shape; if loading fails, the previous checkpoint's weights
+        are loaded again."""
+        self.llm_engine.update_weights_from_disk(model_path)
+
+    def update_weights_from_tensor(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+    ) -> None:
+        """Replace the weights with ``named_tensors`` (a state dict, or ``(name, tensor)``
+        pairs, by the checkpoint's names; every weight of the model), as
+        ``update_weights_from_disk`` does with a checkpoint (SGLang's name). Float
+        checkpoints only (``quantization="fp8"`` or ``"bitsandbytes"`` quantize the given
+        tensors as at load); with one worker in this process. A later level-2 ``wake_up``
+        reads the checkpoint's weights, not these."""
+        self.llm_engine.update_weights_from_tensor(named_tensors)
 
     def generate(
         self,

@@ -6,6 +6,10 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    import torch
+
     from pagedlm.config import EngineConfig
     from pagedlm.platforms import Platform
     from pagedlm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, StepResult
@@ -74,6 +78,16 @@ class Executor(ABC):
     def wake_up(self) -> None:
         """Undo ``sleep``: weights on the device again and a new, empty KV cache."""
         raise NotImplementedError(f"the {self.name!r} executor does not support sleep mode")
+
+    def reload_weights(
+        self, model_path: str | None, weights: Iterable[tuple[str, torch.Tensor]] | None
+    ) -> None:
+        """Replace the model's weights (``Worker.reload_weights``): from the checkpoint at
+        ``model_path`` or from ``weights``. Only called awake, without unfinished requests."""
+        raise NotImplementedError(
+            f"the {self.name!r} executor does not support weight updates; run one worker "
+            "in the engine's process (tensor_parallel_size=1, pipeline_parallel_size=1)"
+        )
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release workers and device memory."""

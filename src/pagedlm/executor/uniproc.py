@@ -9,6 +9,10 @@ from pagedlm.plugins.registry import select_attention_backend
 from pagedlm.worker.worker import Worker
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    import torch
+
     from pagedlm.config import EngineConfig
     from pagedlm.platforms import Platform
     from pagedlm.step import GrammarBitmask, SchedulerOutput, StepResult
@@ -39,6 +43,11 @@ class UniprocExecutor(Executor):
 
     def wake_up(self) -> None:
         self.worker.wake_up()
+
+    def reload_weights(
+        self, model_path: str | None, weights: Iterable[tuple[str, torch.Tensor]] | None
+    ) -> None:
+        self.worker.reload_weights(model_path, weights)
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -104,7 +105,10 @@ class ModelRunner:
         config: EngineConfig,
         platform: Platform,
         attn_backend_cls: type[AttentionBackend],
+        weights: Iterable[tuple[str, torch.Tensor]] | None = None,
     ) -> None:
+        """``weights``: load these ``(name, tensor)`` pairs instead of the checkpoint's
+        (``Worker.reload_weights``)."""
         self.config = config
         self.platform = platform
         self.device = platform.device
@@ -115,6 +119,7 @@ class ModelRunner:
             self.device,
             keep_weight_blocks=platform.computes_on_weight_blocks(config.model),
             gguf_groups_of_16=platform.gguf_groups_of_16,
+            weights=weights,
         )
         platform.prepare_model(self.model)
         if config.batch_invariant:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -154,6 +155,42 @@ class Worker:
             self._offloaded = None
         self.model_runner.initialize_kv_cache(self.num_kv_blocks)
         self.sleep_level = 0
+
+    def reload_weights(
+        self,
+        model_path: str | None = None,
+        weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+    ) -> None:
+        """Replace the model's weights, read from ``model_path`` (a checkpoint of the same
+        architecture and shapes, which later level-2 wake-ups read too) or taken from
+        ``weights`` (``(name, tensor)`` pairs with the checkpoint's names). The model is
+        built again (the platform's kernels, graphs and an empty KV cache included), so the
+        old weights are dropped first: at no point are there two copies on the device. If
+        the new weights fail to load, the last checkpoint's are loaded again and the error
+        is raised (``ValueError``). Only while awake; the engine has no running requests."""
+        if self.sleep_level:
+            raise ValueError("The model is asleep; wake_up() before updating its weights.")
+        config = self.config
+        if model_path is not None:
+            model = replace(config.model, model=model_path, load_format="auto")
+            config = replace(config, model=model)
+        self.model_runner = None
+        self.platform.release_memory()
+        started = time.monotonic()
+        try:
+            runner = ModelRunner(config, self.platform, self.attn_backend_cls, weights)
+        except (ValueError, KeyError, RuntimeError, OSError) as error:
+            self.platform.release_memory()
+            self.model_runner = ModelRunner(self.config, self.platform, self.attn_backend_cls)
+            self.model_runner.initialize_kv_cache(self.num_kv_blocks)
+            raise ValueError(
+                f"The new weights did not load ({error}); the model has the weights of "
+                f"{self.config.model.model} again."
+            ) from error
+        self.config = config
+        self.model_runner = runner
+        runner.initialize_kv_cache(self.num_kv_blocks)
+        logger.info("Weights updated in %.1f s", time.monotonic() - started)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         self.runner.execute_model(scheduler_output)

@@ -8,6 +8,11 @@
   While the model sleeps, the routes that need it (completions, chat, messages,
   embeddings, responses, ...) answer 503 naming ``/wake_up``, as vLLM's do; the others
   (models, tokenize, health, metrics) keep working.
+- ``POST /update_weights_from_disk`` ``{"model_path": DIR}`` (SGLang's route, for
+  reinforcement-learning loops): load a checkpoint of the served model's shape in place of
+  its weights; needs ``--enable-weight-updates`` (a 400 naming it otherwise). Refused
+  (400, saying why) while requests run, while asleep, or for another shape; answers
+  ``{"success": true, "message": ...}``.
 - ``POST /start_profile``, ``POST /stop_profile``: a torch profiler in the engine core,
   whose trace lands in ``--profiler-dir``; without that flag the routes do not exist (404),
   as in vLLM without ``VLLM_TORCH_PROFILER_DIR``.
@@ -59,10 +64,11 @@ SLEEPING_MESSAGE = "The model is sleeping (POST /sleep); POST /wake_up first."
 class AdminOptions:
     enable_sleep_mode: bool = False
     profiler_dir: str | None = None
+    enable_weight_updates: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> AdminOptions:
-        return cls(args.enable_sleep_mode, args.profiler_dir)
+        return cls(args.enable_sleep_mode, args.profiler_dir, args.enable_weight_updates)
 
 
 def add_admin_args(group: argparse._ArgumentGroup) -> None:
@@ -71,6 +77,13 @@ def add_admin_args(group: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="Allow POST /sleep?level=1|2 and /wake_up (vLLM's flag): level 1 moves the "
         "weights to host memory and frees the KV cache, level 2 drops the weights too.",
+    )
+    group.add_argument(
+        "--enable-weight-updates",
+        action="store_true",
+        help='Allow POST /update_weights_from_disk {"model_path": DIR} (SGLang\'s route): '
+        "load a checkpoint of the served model's shape from the server's disk in place of "
+        "its weights, e.g. a trainer's between rollouts.",
     )
     group.add_argument(
         "--profiler-dir",
@@ -129,6 +142,7 @@ def install_admin_routes(app: FastAPI, engine: Any, options: AdminOptions) -> No
         return await _answer(reset())
 
     _install_sleep_routes(app, engine, options)
+    _install_weight_routes(app, engine, options)
     if options.profiler_dir is not None:
         _install_profiler_routes(app, engine, options.profiler_dir)
 
@@ -165,6 +179,29 @@ def _install_sleep_routes(app: FastAPI, engine: Any, options: AdminOptions) -> N
     @app.get("/is_sleeping")
     async def is_sleeping() -> JSONResponse:
         return JSONResponse({"is_sleeping": _sleep_level(engine) > 0})
+
+
+def _install_weight_routes(app: FastAPI, engine: Any, options: AdminOptions) -> None:
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> Response:
+        if not options.enable_weight_updates:
+            return error_response(
+                "Weight updates are off; restart the server with --enable-weight-updates.", 400
+            )
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        model_path = body.get("model_path") if isinstance(body, dict) else None
+        if not isinstance(model_path, str) or not model_path:
+            return error_response('Send a JSON object {"model_path": "/path/to/checkpoint"}.', 400)
+
+        async def update() -> Response:
+            await _timed("update_weights_from_disk", engine.update_weights_from_disk(model_path))
+            message = f"Loaded the weights of {model_path}."
+            return JSONResponse({"success": True, "message": message})
+
+        return await _answer(update(), refused_status=400)
 
 
 def _install_profiler_routes(app: FastAPI, engine: Any, directory: str) -> None:

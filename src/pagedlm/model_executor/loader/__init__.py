@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -63,6 +63,7 @@ def load_model(
     *,
     keep_weight_blocks: bool = False,
     gguf_groups_of_16: bool = False,
+    weights: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> nn.Module:
     """The model of ``model_config``, in ``model_config.dtype`` on ``device``, in eval mode.
 
@@ -77,17 +78,24 @@ def load_model(
     (``block_routing.load_keeping_blocks``); the caller must then put every layer
     ``quantized_linear_blocks`` returns on a kernel over its blocks (GGUF Q6_K layers among
     them with ``gguf_groups_of_16``).
+
+    ``weights``: ``(checkpoint name, tensor)`` pairs to load instead of the checkpoint's
+    files (a trainer's new weights, ``update_weights_from_tensor``); every parameter must
+    be among them. Not for models kept on quantized blocks or loaded from pre-quantized
+    checkpoints, whose layers are not float tensors.
     """
     from pagedlm.model_executor.models.registry import get_model_class
 
     model_class = get_model_class(model_config.arch.architecture)
     keep_blocks = keep_weight_blocks and model_config.has_weight_blocks
+    if weights is not None:
+        _check_float_layers(model_config, keep_blocks)
     # Keeping blocks, linear weights start on the meta device: the loader allocates those
     # it fills, so a layer that a kernel over its blocks replaces never takes its size.
     deferred = deferred_weights() if keep_blocks else contextlib.nullcontext()
     with _default_dtype(model_config.dtype), torch.device(device), deferred:
         model = model_class(model_config.arch, max_model_len=model_config.max_model_len)
-    if model_config.load_format == "dummy":
+    if model_config.load_format == "dummy" and weights is None:
         from pagedlm.model_executor.loader.dummy import fill_dummy_weights
 
         fill_dummy_weights(model, model_config.seed)
@@ -95,7 +103,8 @@ def load_model(
         loaded = _load_keeping_blocks(model, model_config, device, gguf_groups_of_16)
         check_all_loaded(model, loaded, model_config)
     else:
-        weights = iter_model_weights(model_config)
+        if weights is None:
+            weights = iter_model_weights(model_config)
         kv_scales: dict[tuple[int, str], float] = {}
         weights = fp8.split_kv_scales(weights, kv_scales)  # the models have no parameter
         if "quantization_config" in model_config.arch.raw:
@@ -118,6 +127,23 @@ def load_model(
             "'bitsandbytes' or 'fp8'."
         )
     return model.eval()
+
+
+def _check_float_layers(model_config: ModelConfig, keep_blocks: bool) -> None:
+    """Weights given as tensors fill float layers only (``load_model``'s ``weights``)."""
+    if keep_blocks or model_config.is_gguf:
+        raise ValueError(
+            f"{model_config.model} computes on a GGUF file's quantized blocks, which float "
+            "tensors cannot replace; update the weights from a file of the same kind "
+            "(update_weights_from_disk) instead."
+        )
+    if "quantization_config" in model_config.arch.raw:
+        raise ValueError(
+            f"{model_config.model} is a pre-quantized checkpoint, whose layers float tensors "
+            "cannot replace; update the weights from a checkpoint of the same kind "
+            "(update_weights_from_disk), or serve a float checkpoint (quantization='fp8' "
+            "quantizes given tensors too)."
+        )
 
 
 def _load_keeping_blocks(
