@@ -5,7 +5,7 @@ routed experts' partial sums meet in one all-reduce, and the run equals one work
 from __future__ import annotations
 
 import pytest
-from parity import assert_same_run, greedy_run, make_llm, processes_gone, run_and_stop
+from parity import assert_same_run, one_worker_run, processes_gone, run_and_stop
 
 from model_executor.test_zoo_models_deepseek import MLA
 from tiny_checkpoints import save_random_model
@@ -37,11 +37,7 @@ CASES = {
 def test_tensor_parallel_matches_one_worker(tmp_path, name) -> None:
     config_class, overrides = CASES[name]
     save_random_model(tmp_path, config_class, overrides)
-    llm = make_llm(tmp_path)
-    try:
-        expected = greedy_run(llm)
-    finally:
-        llm.llm_engine.shutdown()
+    expected = one_worker_run(tmp_path)
     outputs, pids = run_and_stop(tmp_path, tensor_parallel_size=2)
     assert_same_run(outputs, expected)
     assert processes_gone(pids)
