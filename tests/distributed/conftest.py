@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from parity import greedy_run, make_llm
+from parity import one_worker_run
 
 
 @pytest.fixture(scope="session")
@@ -14,8 +14,4 @@ def llama(tiny_checkpoint):
 @pytest.fixture(scope="session")
 def llama_reference(llama):
     """One in-process worker's greedy run on the tiny Llama."""
-    llm = make_llm(llama)
-    try:
-        return greedy_run(llm)
-    finally:
-        llm.llm_engine.shutdown()
+    return one_worker_run(llama)

@@ -7,7 +7,14 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from parity import assert_same_run, greedy_run, make_llm, processes_gone, run_and_stop
+from parity import (
+    assert_same_run,
+    greedy_run,
+    make_llm,
+    one_worker_run,
+    processes_gone,
+    run_and_stop,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -37,11 +44,7 @@ _references: dict[str, list] = {}
 
 def _reference(tiny_checkpoint, arch: str) -> list:
     if arch not in _references:
-        llm = make_llm(tiny_checkpoint(arch))
-        try:
-            _references[arch] = greedy_run(llm)
-        finally:
-            llm.llm_engine.shutdown()
+        _references[arch] = one_worker_run(tiny_checkpoint(arch))
     return _references[arch]
 
 
