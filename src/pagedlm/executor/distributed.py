@@ -40,6 +40,10 @@ from pagedlm.step import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    import torch
+
     from pagedlm.config import EngineConfig
     from pagedlm.platforms import Platform
 
@@ -86,6 +90,8 @@ class DistributedExecutor(Executor):
         self._last_step_empty = True
         self._failure: str | None = None
         self._closed = False
+        self._model_path = config.model.model
+        """The checkpoint the workers' weights came from (``reload_weights`` changes it)."""
         try:
             broadcast_address, reply_address = self._bind(self._calls, self._replies)
             self._start_workers(broadcast_address, reply_address, wire.encode_config(config))
@@ -142,6 +148,28 @@ class DistributedExecutor(Executor):
         self._broadcast(wire.SampleTokens(step_id, grammar_bitmask is not None), payload)
         return _RemoteStep(self, step_id)
 
+    def sleep(self, level: int) -> None:
+        self._admin(wire.Sleep(level))
+
+    def wake_up(self) -> None:
+        self._admin(wire.WakeUp())
+
+    def reload_weights(
+        self, model_path: str | None, weights: Iterable[tuple[str, torch.Tensor]] | None
+    ) -> None:
+        if model_path is None:
+            raise NotImplementedError(
+                f"the {self.name!r} executor's workers run in other processes, which tensors "
+                "given here do not reach; save them and update_weights_from_disk instead"
+            )
+        try:
+            self._admin(wire.ReloadWeights(model_path))
+        except ValueError:
+            # The ranks that loaded the new weights go back too: all ranks hold one model.
+            self._admin(wire.ReloadWeights(self._model_path))
+            raise
+        self._model_path = model_path
+
     def shutdown(self) -> None:
         if self._closed:
             return
@@ -168,6 +196,15 @@ class DistributedExecutor(Executor):
         else:
             self._calls.send_multipart([header, payload], copy=False)
 
+    def _admin(self, call: wire.WorkerCall) -> None:
+        """Broadcast an admin call and wait for every rank; ``ValueError`` (the first
+        refusal's message) if any rank declined it."""
+        self._broadcast(call)
+        replies = self._gather((wire.Done, wire.Refused), READY_TIMEOUT_S)
+        refused = [reply for reply in replies if isinstance(reply, wire.Refused)]
+        if refused:
+            raise ValueError(refused[0].message)
+
     def _wait_output(self, step_id: int) -> ModelRunnerOutput:
         """The output rank's result of step ``step_id`` (earlier ones are kept until
         their handles ask)."""
@@ -179,8 +216,8 @@ class DistributedExecutor(Executor):
                 logger.warning("ignoring %s from a worker mid-step", type(reply).__name__)
         return self._outputs.pop(step_id)
 
-    def _gather(self, kind: type, timeout_s: float) -> list:
-        """One ``kind`` reply from every rank."""
+    def _gather(self, kind: type | tuple[type, ...], timeout_s: float) -> list:
+        """One ``kind`` reply (or one of the ``kind`` types) from every rank."""
         deadline = time.monotonic() + timeout_s
         replies: dict[int, object] = {}
         while len(replies) < self.world_size:

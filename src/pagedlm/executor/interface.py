@@ -84,10 +84,7 @@ class Executor(ABC):
     ) -> None:
         """Replace the model's weights (``Worker.reload_weights``): from the checkpoint at
         ``model_path`` or from ``weights``. Only called awake, without unfinished requests."""
-        raise NotImplementedError(
-            f"the {self.name!r} executor does not support weight updates; run one worker "
-            "in the engine's process (tensor_parallel_size=1, pipeline_parallel_size=1)"
-        )
+        raise NotImplementedError(f"the {self.name!r} executor does not support weight updates")
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release workers and device memory."""

@@ -43,11 +43,38 @@ class InitializeKvCache(msgspec.Struct, tag=True, frozen=True):
     num_blocks: int
 
 
+class Sleep(msgspec.Struct, tag=True, frozen=True):
+    """Every rank sleeps at ``level`` (``Worker.sleep``) and answers ``Done``."""
+
+    level: int
+
+
+class WakeUp(msgspec.Struct, tag=True, frozen=True):
+    """Every rank wakes up and answers ``Done``."""
+
+
+class ReloadWeights(msgspec.Struct, tag=True, frozen=True):
+    """Every rank loads its shard of the checkpoint at ``model_path``
+    (``Worker.reload_weights``) and answers ``Done``, or ``Refused`` having loaded its last
+    checkpoint again."""
+
+    model_path: str
+
+
 class Shutdown(msgspec.Struct, tag=True, frozen=True):
     pass
 
 
-WorkerCall = ExecuteModel | SampleTokens | DetermineKvBlocks | InitializeKvCache | Shutdown
+WorkerCall = (
+    ExecuteModel
+    | SampleTokens
+    | DetermineKvBlocks
+    | InitializeKvCache
+    | Sleep
+    | WakeUp
+    | ReloadWeights
+    | Shutdown
+)
 
 # ---- workers -> executor -------------------------------------------------------------
 
@@ -73,6 +100,13 @@ class StepOutput(msgspec.Struct, tag=True, frozen=True):
     step_id: int
 
 
+class Refused(msgspec.Struct, tag=True, frozen=True):
+    """An admin call the worker declined (a ``ValueError``: its message); it carries on."""
+
+    rank: int
+    message: str
+
+
 class Failed(msgspec.Struct, tag=True, frozen=True):
     """The worker hit an exception (its traceback) and exits."""
 
@@ -80,7 +114,7 @@ class Failed(msgspec.Struct, tag=True, frozen=True):
     message: str
 
 
-WorkerReply = Ready | KvBlocks | Done | StepOutput | Failed
+WorkerReply = Ready | KvBlocks | Done | Refused | StepOutput | Failed
 
 
 # ---- start-up ------------------------------------------------------------------------

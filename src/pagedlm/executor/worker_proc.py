@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 
 import zmq
 
@@ -117,9 +118,24 @@ class WorkerLoop:
             worker.initialize_kv_cache(call.num_blocks)
             freeze_startup_heap(f"worker {rank}")  # start-up ends with the KV cache
             self._reply(wire.Done(rank))
+        elif isinstance(call, wire.Sleep):
+            self._answer(lambda: worker.sleep(call.level))
+        elif isinstance(call, wire.WakeUp):
+            self._answer(worker.wake_up)
+        elif isinstance(call, wire.ReloadWeights):
+            self._answer(lambda: worker.reload_weights(call.model_path))
         elif isinstance(call, wire.Shutdown):
             return False
         return True
+
+    def _answer(self, action: Callable[[], object]) -> None:
+        """``Done``, or ``Refused`` for the ``ValueError`` of a declined admin call."""
+        try:
+            action()
+        except ValueError as error:
+            self._reply(wire.Refused(self.spec.rank, str(error)))
+        else:
+            self._reply(wire.Done(self.spec.rank))
 
     def _reply(self, message: wire.WorkerReply) -> None:
         self.replies.send(wire.encode(message))
