@@ -150,7 +150,8 @@ def in_process_app(model: Path | str, name: str = "tiny", /, **options: object):
     """(engine, app): a real ``AsyncLLM`` (its engine core in a child process) behind the
     HTTP app, served in this process (drive it with ``httpx.ASGITransport``). ``options``
     are ``EngineArgs`` fields, or ``ServingContext`` fields (server flags) where
-    ``EngineArgs`` has none, or ``admin`` (the app's ``AdminOptions``). The app's
+    ``EngineArgs`` has none, or ``admin`` / ``http`` (the app's ``AdminOptions`` and
+    ``HttpOptions``). The app's
     ``tokenizer`` attribute is the engine's, for the tests' references; the caller shuts
     the engine down."""
     import dataclasses
@@ -161,7 +162,8 @@ def in_process_app(model: Path | str, name: str = "tiny", /, **options: object):
     from pagedlm.entrypoints.openai.serving_engine import ServingContext
     from pagedlm.metrics.prometheus import PrometheusMetrics
 
-    admin = options.pop("admin", None)  # an AdminOptions for build_app
+    admin = options.pop("admin", None)  # build_app's AdminOptions and HttpOptions
+    http = options.pop("http", None)
     engine_fields = {field.name for field in dataclasses.fields(EngineArgs)}
     engine_options = {k: v for k, v in options.items() if k in engine_fields}
     context_options = {k: v for k, v in options.items() if k not in engine_fields}
@@ -175,6 +177,6 @@ def in_process_app(model: Path | str, name: str = "tiny", /, **options: object):
         runner=engine.config.model.runner,
         **context_options,
     )
-    app = build_app(ctx, admin=admin)
+    app = build_app(ctx, admin=admin, http=http)
     app.tokenizer = engine.get_tokenizer()
     return engine, app

@@ -66,6 +66,12 @@ def add_http_args(group: argparse._ArgumentGroup) -> None:
         help="The role chat completions answer with (default: %(default)s).",
     )
     group.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="Answer every request with an X-Request-Id header: the client's, or a fresh "
+        "id (vLLM's flag). A client's X-Request-Id names its completions either way.",
+    )
+    group.add_argument(
         "--disable-fastapi-docs",
         action="store_true",
         help="Serve no /docs, /redoc or /openapi.json.",
@@ -79,6 +85,7 @@ class HttpOptions:
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
     docs: bool = True
+    request_id_headers: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> HttpOptions:
@@ -88,14 +95,17 @@ class HttpOptions:
             tuple(args.allowed_headers),
             args.allow_credentials,
             not args.disable_fastapi_docs,
+            args.enable_request_id_headers,
         )
 
     def wrap(self, app: Any) -> Any:
-        """``app`` behind the CORS middleware."""
+        """``app`` behind the request-id and CORS middleware."""
         from starlette.middleware.cors import CORSMiddleware
 
+        from pagedlm.entrypoints.openai.middleware import RequestIdMiddleware
+
         return CORSMiddleware(
-            app,
+            RequestIdMiddleware(app, self.request_id_headers),
             allow_origins=list(self.allowed_origins),
             allow_methods=list(self.allowed_methods),
             allow_headers=list(self.allowed_headers),

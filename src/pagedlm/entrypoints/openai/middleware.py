@@ -1,5 +1,5 @@
-"""Pure ASGI middleware: API-key check, request-body size limit, and the last word for
-requests cancelled at shutdown.
+"""Pure ASGI middleware: API-key check, request-body size limit, the client's request id,
+and the last word for requests cancelled at shutdown.
 
 They decide on the raw ASGI scope, before routing, so no route (or a route added later)
 can forget them. None ever logs the key or the body.
@@ -8,7 +8,9 @@ can forget them. None ever logs the key or the body.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hmac
+import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -45,6 +47,61 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
         if key.lower() == name:
             return value
     return None
+
+
+INCOMING_REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "incoming_request_id", default=None
+)
+"""The ``X-Request-Id`` the client sent with the request being handled (None: none)."""
+MAX_REQUEST_ID_CHARS = 256
+
+
+class RequestIdMiddleware:
+    """Makes the client's ``X-Request-Id`` the base of the ids the routes give the request
+    (``chatcmpl-<id>``, as vLLM does) and, with ``echo`` (``--enable-request-id-headers``),
+    answers with an ``X-Request-Id`` header: the client's, or a fresh one. An id that is
+    not 1-256 printable ASCII characters is a 400."""
+
+    def __init__(self, app: ASGIApp, echo: bool) -> None:
+        self.app = app
+        self.echo = echo
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        raw = _header(scope, b"x-request-id")
+        incoming = None
+        if raw is not None:
+            incoming = raw.decode("latin-1")
+            if not (
+                0 < len(incoming) <= MAX_REQUEST_ID_CHARS
+                and incoming.isascii()
+                and incoming.isprintable()
+            ):
+                message = (
+                    f"X-Request-Id must be 1-{MAX_REQUEST_ID_CHARS} printable ASCII "
+                    "characters; send another or none."
+                )
+                await _send_error(send, 400, message, scope.get("path", ""))
+                return
+        token = INCOMING_REQUEST_ID.set(incoming)
+        try:
+            if not self.echo:
+                await self.app(scope, receive, send)
+                return
+            header = (incoming or uuid.uuid4().hex).encode("latin-1")
+
+            async def send_with_id(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    headers = list(message.get("headers", ()))
+                    headers.append((b"x-request-id", header))
+                    message = {**message, "headers": headers}
+                await send(message)
+
+            await self.app(scope, receive, send_with_id)
+        finally:
+            INCOMING_REQUEST_ID.reset(token)
 
 
 class APIKeyMiddleware:

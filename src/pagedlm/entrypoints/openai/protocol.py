@@ -91,6 +91,9 @@ class SamplingFields(OpenAIModel):
     length_penalty: float = 1.0
     """Beam search: a beam's score is its cumulative logprob over its length to this."""
     cache_salt: str | None = Field(None, min_length=1)
+    request_id: str | None = Field(None, min_length=1, max_length=256)
+    """The id the response carries (``cmpl-<request_id>``); an ``X-Request-Id`` header
+    wins over it (vLLM's order)."""
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
     """Arguments for the server's custom logits processors (``SamplingParams.extra_args``)."""
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)

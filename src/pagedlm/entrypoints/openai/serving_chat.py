@@ -105,7 +105,7 @@ class ChatServer:
             ctx.sampling_defaults,
             keep_special_tokens,
         )
-        request_id = ctx.request_id("chatcmpl")
+        request_id = ctx.request_id("chatcmpl", request.request_id)
         prompts = request.engine_prompts([prompt])
         lora = ctx.lora_request(request.model)
         beam = request.beam_search_params(max_tokens, ctx.max_model_len)

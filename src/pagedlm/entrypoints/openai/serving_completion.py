@@ -69,7 +69,7 @@ class CompletionServer:
         )
         if request.echo and request.logprobs is not None:
             params.prompt_logprobs = max(params.prompt_logprobs or 0, request.logprobs)
-        request_id = ctx.request_id("cmpl")
+        request_id = ctx.request_id("cmpl", request.request_id)
         prompts = request.engine_prompts(request.prompts())
         lora = ctx.lora_request(request.model)
         beam = request.beam_search_params(request.max_tokens, ctx.max_model_len)

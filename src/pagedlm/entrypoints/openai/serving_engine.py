@@ -32,6 +32,7 @@ from pagedlm.entrypoints.openai.chat_template import ChatTemplateRenderer
 from pagedlm.entrypoints.openai.errors import APIError, from_value_error
 from pagedlm.entrypoints.openai.http_options import MAX_LOGGED_PROMPT_CHARS
 from pagedlm.entrypoints.openai.limits import RequestLimits
+from pagedlm.entrypoints.openai.middleware import INCOMING_REQUEST_ID
 from pagedlm.entrypoints.openai.serving_lora import LoRARegistry
 from pagedlm.lora.request import LoRARequest
 from pagedlm.metrics.prometheus import PrometheusMetrics
@@ -131,7 +132,13 @@ class ServingContext:
             usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
         return usage
 
-    def request_id(self, prefix: str) -> str:
+    def request_id(self, prefix: str, requested: str | None = None) -> str:
+        """``prefix-<the client's X-Request-Id>``, else ``prefix-<requested>`` (the body's
+        ``request_id``), else a fresh one (vLLM's order). A client's id still in use by
+        another of its requests makes the engine refuse the new one (400)."""
+        base = INCOMING_REQUEST_ID.get() or requested
+        if base:
+            return f"{prefix}-{base}"
         return f"{prefix}-{uuid.uuid4().hex[:16]}-{next(self._counter)}"
 
     def check_model(self, name: str | None) -> None:
@@ -212,6 +219,12 @@ class ServingContext:
                 "This model is served with --runner pooling, which does not generate; use "
                 "/v1/embeddings for an embedding model, /classify, /score or /rerank for a "
                 "classifier (to generate, serve a generative model with --runner generate)."
+            )
+        if request_id in self._generating:
+            # Refused here, before the cleanup below could abort the request that holds it.
+            raise APIError(
+                f"Request id {request_id!r} is already in use; give each request a unique "
+                "id (X-Request-Id, request_id).",
             )
         self.log_request(request_id, prompt, params)
         stream = self.engine.generate(prompt, params, request_id, priority, lora_request)
