@@ -146,7 +146,7 @@ def test_names_resolve_and_bad_names_say_what_to_do(monkeypatch) -> None:
         load_logits_processors(["sample.logits_processor_examples:Nope"])
     with pytest.raises(ValueError, match="not a subclass of"):
         load_logits_processors(["pagedlm.sampling_params:SamplingParams"])
-    with pytest.raises(ValueError, match="not a qualified class name"):
+    with pytest.raises(ValueError, match="not a qualified name"):
         load_logits_processors(["TargetToken"])
 
     class Local(TargetToken):

@@ -74,3 +74,77 @@ def test_the_flags_reach_uvicorn():
     http = HttpOptions.from_args(args)
     assert http.allowed_origins == ("https://a",) and http.allow_credentials and http.docs
     assert uvicorn_options(build_parser().parse_args(["serve"]))["log_level"] == "info"
+
+
+def test_any_of_several_api_keys_opens_the_api(chat_checkpoint):
+    app = _app(chat_checkpoint, api_key=["old-key", "new-key"])
+    for key in ("old-key", "new-key"):
+        assert _send(app, "GET", "/v1/models", headers={"x-api-key": key}).status_code == 200
+    assert _send(app, "GET", "/v1/models", headers={"x-api-key": "other"}).status_code == 401
+    args = build_parser().parse_args(["serve", "--api-key", "a", "b"])
+    assert args.api_key == ["a", "b"]
+
+
+class _Tagging:
+    """An ASGI middleware class that tags responses."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        async def tagged(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message["headers"], (b"x-order", b"class")]}
+            await send(message)
+
+        await self.app(scope, receive, tagged)
+
+
+async def _stamp(request, call_next):
+    response = await call_next(request)
+    response.headers["x-stamp"] = request.url.path
+    return response
+
+
+def test_middleware_classes_and_functions_wrap_the_routes(chat_checkpoint):
+    app = _app(chat_checkpoint, api_key="k", middleware=[_Tagging, _stamp])
+    answer = _send(app, "GET", "/v1/models", headers={"x-api-key": "k"})
+    assert answer.headers["x-order"] == "class" and answer.headers["x-stamp"] == "/v1/models"
+    refused = _send(app, "GET", "/v1/models")
+    assert refused.status_code == 401 and "x-stamp" not in refused.headers  # key first
+
+
+def test_middleware_paths_are_checked_before_the_model_loads():
+    import pytest
+
+    from pagedlm.entrypoints.openai.api_server import load_middleware
+
+    assert load_middleware(["server.fake_engine:FakeEngine"])[0].__name__ == "FakeEngine"
+    with pytest.raises(SystemExit, match="cannot import 'no_such_module'"):
+        load_middleware(["no_such_module:Thing"])
+    with pytest.raises(SystemExit, match="give an ASGI middleware class or an async function"):
+        load_middleware(["os.path:sep"])
+
+
+def test_a_unix_socket_replaces_a_stale_one_and_refuses_a_live_one(tmp_path):
+    import os
+    import socket
+
+    import pytest
+
+    from pagedlm.entrypoints.openai.api_server import bind_listener
+
+    path = str(tmp_path / "s.sock")
+    first = bind_listener("unused", 0, uds=path)
+    with pytest.raises(SystemExit, match="already listens"):
+        bind_listener("unused", 0, uds=path)
+    first.close()  # the file stays behind, nobody listening
+    second = bind_listener("unused", 0, uds=path)
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.connect(path)
+    client.close()
+    second.close()
+    os.unlink(path)
+    (tmp_path / "plain").write_text("x")
+    with pytest.raises(SystemExit, match="not a socket"):
+        bind_listener("unused", 0, uds=str(tmp_path / "plain"))

@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import signal
 import socket
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -60,9 +62,26 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument("--port", type=int, default=8000, help="Port (default: %(default)s).")
     group.add_argument(
-        "--api-key",
+        "--uds",
         default=None,
-        help=f"Require this key as 'Authorization: Bearer <key>' or 'x-api-key' (default: ${API_KEY_ENV} if set). /health, /ready and /metrics stay open.",
+        metavar="PATH",
+        help="Listen on a Unix domain socket at PATH instead of --host/--port (vLLM's flag).",
+    )
+    group.add_argument(
+        "--middleware",
+        action="append",
+        default=[],
+        metavar="IMPORT_PATH",
+        help="Add an ASGI middleware ('package.module:Name'; repeatable, the first "
+        "outermost): a class taking the app, or an async function (request, call_next) "
+        "(vLLM's flag).",
+    )
+    group.add_argument(
+        "--api-key",
+        nargs="+",
+        default=None,
+        help="Require one of these keys as 'Authorization: Bearer <key>' or 'x-api-key' "
+        f"(default: ${API_KEY_ENV} if set). /health, /ready and /metrics stay open.",
     )
     group.add_argument(
         "--served-model-name",
@@ -288,9 +307,31 @@ class _EngineDeathExit:
             self.server.should_exit = True
 
 
-def bind_listener(host: str, port: int) -> socket.socket:
+def load_middleware(paths: list[str]) -> list[Any]:
+    """The ``--middleware`` objects, imported before the model loads (a bad path exits)."""
+    from pagedlm.qualified_names import import_object
+
+    loaded = []
+    for path in paths:
+        try:
+            found = import_object(path, "middleware")
+        except ValueError as error:
+            raise SystemExit(f"error: --middleware: {error}") from None
+        if not (isinstance(found, type) or inspect.iscoroutinefunction(found)):
+            raise SystemExit(
+                f"error: --middleware {path} is {found!r}; give an ASGI middleware class or "
+                "an async function (request, call_next)."
+            )
+        loaded.append(found)
+    return loaded
+
+
+def bind_listener(host: str, port: int, uds: str | None = None) -> socket.socket:
     """The server's listening socket, bound now so that a busy or forbidden address stops
-    ``pagedlm serve`` at once, with the fix, instead of after the model has loaded."""
+    ``pagedlm serve`` at once, with the fix, instead of after the model has loaded. With
+    ``uds``, a Unix domain socket at that path (``host`` and ``port`` unused)."""
+    if uds is not None:
+        return _bind_unix(uds)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
@@ -304,6 +345,31 @@ def bind_listener(host: str, port: int) -> socket.socket:
             f"error: cannot listen on {host}:{port} ({reason}); choose another --port "
             "(or --host), or stop the process that uses it."
         ) from None
+    return listener
+
+
+def _bind_unix(path: str) -> socket.socket:
+    """A Unix socket at ``path``; a socket file left there by a server that is gone is
+    replaced, one a server still answers on is an error, as is any other file."""
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise SystemExit(f"error: --uds {path} exists and is not a socket; choose another.")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # nobody listens: a stale socket
+        else:
+            raise SystemExit(f"error: a server already listens on --uds {path}; stop it first.")
+        finally:
+            probe.close()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(path)
+        listener.listen(2048)
+    except OSError as error:
+        listener.close()
+        raise SystemExit(f"error: cannot listen on --uds {path} ({error.strerror}).") from None
     return listener
 
 
@@ -387,13 +453,17 @@ def run_server(args: argparse.Namespace, core_launch: CoreLaunch | None = None) 
         raise SystemExit("error: --engine-death-grace-period must be >= 0 seconds.")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     tracer_provider = _tracer_provider(args.otlp_traces_endpoint)
-    listener = bind_listener(args.host, args.port)  # a busy port fails before the model loads
+    middleware = load_middleware(args.middleware)
+    # A busy port fails before the model loads.
+    listener = bind_listener(args.host, args.port, args.uds)
     # The engine-core process logs its loading progress at the server's level.
     os.environ.setdefault("PAGEDLM_LOG_LEVEL", args.log_level.upper())
     started = time.monotonic()
     engine_args = engine_args_from_cli(args)
     chat_template = read_chat_template(args.chat_template)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if api_key is not None and not all(api_key):
+        raise SystemExit("error: --api-key takes non-empty keys.")
     names = args.served_model_name or [engine_args.model or DEFAULT_MODEL_NAME]
     try:
         # The server's own modules (FastAPI, uvicorn: ~0.5 s) import while the core loads.
@@ -420,18 +490,19 @@ def run_server(args: argparse.Namespace, core_launch: CoreLaunch | None = None) 
             admin=AdminOptions.from_args(args),
             http=HttpOptions.from_args(args),
             log_stats_interval_s=None if args.disable_log_stats else DEFAULT_INTERVAL_S,
+            middleware=middleware,
         )
         if ctx.tracer is not None:
             from pagedlm.entrypoints.openai.tracing import TraceContextMiddleware
 
             app = TraceContextMiddleware(app)
+        scheme = "https" if args.ssl_certfile else "http"
+        where = f"unix:{args.uds}" if args.uds else f"{scheme}://{args.host}:{args.port}"
         logger.info(
-            "Engine ready in %.1f s; serving %s on %s://%s:%d%s%s",
+            "Engine ready in %.1f s; serving %s on %s%s%s",
             time.monotonic() - started,
             names,
-            "https" if args.ssl_certfile else "http",
-            args.host,
-            args.port,
+            where,
             args.root_path,
             " (API key required)" if api_key else "",
         )
@@ -448,6 +519,9 @@ def run_server(args: argparse.Namespace, core_launch: CoreLaunch | None = None) 
         server.run(sockets=[listener])
     finally:
         listener.close()
+        if args.uds is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(args.uds)  # the socket file goes with the server
         engine.shutdown()
         if tracer_provider is not None:
             tracer_provider.shutdown()  # export the spans still queued

@@ -22,7 +22,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI
@@ -421,12 +421,13 @@ def _add_lora_routes(app: FastAPI, ctx: ServingContext) -> None:
 
 def build_app(
     ctx: ServingContext,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     max_body_bytes: int = 10 << 20,
     on_engine_death: Callable[[BaseException], None] | None = None,
     admin: AdminOptions | None = None,
     http: HttpOptions | None = None,
     log_stats_interval_s: float | None = None,
+    middleware: Sequence[Any] = (),
 ) -> Any:
     """The ASGI app: FastAPI routes inside the body-size and API-key middleware, those
     inside CORS (``http``: vLLM's defaults when None), and outermost the one that answers
@@ -435,6 +436,8 @@ def build_app(
     ``on_engine_death(error)`` is called once if the engine core dies while serving.
     ``admin``: the sleep-mode and profiler switches of the admin routes (``admin.py``).
     ``log_stats_interval_s``: log vLLM's throughput line that often (None: never).
+    ``middleware``: ``--middleware``'s classes and ``(request, call_next)`` functions, run
+    inside the API-key check, around the routes.
     """
     http = http or HttpOptions()
 
@@ -481,6 +484,12 @@ def build_app(
     install_admin_routes(app, ctx.engine, admin or AdminOptions())
     if http.docs:
         install_openapi(app, app.state.body_models)
+    # ``--middleware``, the first outermost (each add_* wraps what was added before it).
+    for extra in reversed(middleware):
+        if isinstance(extra, type):
+            app.add_middleware(extra)
+        else:
+            app.middleware("http")(extra)
     outer: Any = BodySizeLimitMiddleware(SleepingModelGuard(app, ctx.engine), max_body_bytes)
     if api_key:
         outer = APIKeyMiddleware(outer, api_key)

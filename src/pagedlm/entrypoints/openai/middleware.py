@@ -11,7 +11,7 @@ import asyncio
 import contextvars
 import hmac
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 from pagedlm.entrypoints.openai.errors import error_bytes, is_anthropic_path, sse_error_event
@@ -105,15 +105,19 @@ class RequestIdMiddleware:
 
 
 class APIKeyMiddleware:
-    """401 unless ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` matches.
+    """401 unless ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` matches one of
+    the keys (several let clients move from an old key to a new one).
 
-    The comparison is constant-time (``hmac.compare_digest``) on bytes; only the exact
-    paths in ``OPEN_PATHS`` skip it.
+    The comparison is constant-time (``hmac.compare_digest``) on bytes, against every key;
+    only the exact paths in ``OPEN_PATHS`` skip it.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_keys: str | Sequence[str]) -> None:
         self.app = app
-        self._key = api_key.encode()
+        keys = [api_keys] if isinstance(api_keys, str) else list(api_keys)
+        if not keys or not all(keys):
+            raise ValueError("an API key must be a non-empty string")
+        self._keys = [key.encode() for key in keys]
 
     def _authorized(self, scope: Scope) -> bool:
         presented = b""
@@ -122,7 +126,8 @@ class APIKeyMiddleware:
             presented = authorization[7:].strip()
         elif (x_api_key := _header(scope, b"x-api-key")) is not None:
             presented = x_api_key.strip()
-        return hmac.compare_digest(presented, self._key)
+        matches = [hmac.compare_digest(presented, key) for key in self._keys]
+        return any(matches)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":

@@ -7,49 +7,18 @@ object must be importable by its name there; ``portable_name`` checks that.
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
 from collections.abc import Iterable
 from importlib.metadata import entry_points
 from typing import Any
 
+from pagedlm.qualified_names import import_object, qualified_name
 from pagedlm.sample.logits_processor.interface import LogitsProcessor
 
 ENTRY_POINT_GROUP = "pagedlm.logits_processors"
 """Installed packages register processor classes here (vLLM: ``vllm.logits_processors``);
 every one is loaded unless ``PAGEDLM_DISABLE_PLUGIN_AUTOLOAD`` is set."""
 _AUTOLOAD_ENV = "PAGEDLM_DISABLE_PLUGIN_AUTOLOAD"
-
-
-def qualified_name(cls: type) -> str:
-    return f"{cls.__module__}:{cls.__qualname__}"
-
-
-def _import(name: str) -> Any:
-    module_name, sep, attribute = name.partition(":")
-    if not sep:
-        module_name, _, attribute = name.rpartition(".")
-    if not module_name or not attribute:
-        raise ValueError(
-            f"logits processor {name!r} is not a qualified class name; write "
-            "'package.module:Class' (or 'package.module.Class')."
-        )
-    try:
-        module = sys.modules.get(module_name) or importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(
-            f"logits processor {name!r}: cannot import {module_name!r} ({error}); make the "
-            "module importable (install it, or add its directory to PYTHONPATH)."
-        ) from None
-    target: Any = module
-    for part in attribute.split("."):
-        target = getattr(target, part, None)
-        if target is None:
-            raise ValueError(
-                f"logits processor {name!r}: {module_name!r} has no attribute {attribute!r}."
-            )
-    return target
 
 
 def _checked(candidate: Any, origin: str) -> type[LogitsProcessor]:
@@ -64,7 +33,7 @@ def _checked(candidate: Any, origin: str) -> type[LogitsProcessor]:
 def resolve(spec: str | type) -> type[LogitsProcessor]:
     """The class a spec names (or the class itself), checked to be a ``LogitsProcessor``."""
     if isinstance(spec, str):
-        return _checked(_import(spec), repr(spec))
+        return _checked(import_object(spec, "logits processor"), repr(spec))
     return _checked(spec, qualified_name(spec) if isinstance(spec, type) else repr(spec))
 
 
@@ -77,7 +46,7 @@ def portable_name(cls: type) -> str:
             f"logits processor {name} cannot be sent to another process by name; define it "
             "at the top level of an importable module and pass 'module:Class'."
         )
-    if _import(name) is not cls:
+    if import_object(name, "logits processor") is not cls:
         raise ValueError(f"logits processor {name} does not import back as the same class.")
     return name
 
