@@ -140,9 +140,11 @@ def test_llm_generates_from_an_fp8_checkpoint(float_checkpoint: Path, tmp_path: 
             {
                 "quant_method": "compressed-tensors",
                 "format": "int-quantized",
-                "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int"}}},
+                "config_groups": {
+                    "g": {"weights": {"num_bits": 8, "type": "int", "strategy": "block"}}
+                },
             },
-            "int-quantized",
+            "int8 compressed-tensors checkpoint uses 'block' weight scales",
         ),
         (
             {

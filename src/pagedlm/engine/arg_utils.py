@@ -606,6 +606,16 @@ class EngineArgs:
                     f"or pass {int_scheme.method!r}."
                 )
             return int_scheme.method, self.bnb_quant_type
+        from pagedlm.model_executor.quantization.int8_checkpoint import int8_checkpoint_scheme
+
+        if int8_checkpoint_scheme(arch.raw) is not None:  # loaded as float weights
+            if self.quantization not in (None, "fp8", "compressed-tensors"):
+                raise ValueError(
+                    "The checkpoint holds int8 weights (compressed-tensors), which load as "
+                    f"float weights; quantization={self.quantization!r} does not apply. "
+                    "Drop --quantization, or pass 'fp8' to store them in FP8."
+                )
+            return ("fp8" if self.quantization == "fp8" else None), self.bnb_quant_type
         fp8_scheme = fp8_checkpoint_scheme(arch.raw)  # refuses FP8 variants it cannot read
         if fp8_scheme is not None:
             if self.quantization not in (None, "fp8", fp8_scheme.method):

@@ -185,8 +185,9 @@ def quantized_linear_blocks(
 def _prequantized_weights(
     model: nn.Module, model_config: ModelConfig, weights: Iterator[tuple[str, torch.Tensor]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The weight stream of a bitsandbytes checkpoint (dequantized) or an FP8 one (the
-    model's quantized layers prepared to take its codes and scales)."""
+    """The weight stream of a bitsandbytes or int8 compressed-tensors checkpoint
+    (dequantized) or an FP8 one (the model's quantized layers prepared to take its codes
+    and scales)."""
     from pagedlm.model_executor.loader import bitsandbytes
     from pagedlm.model_executor.quantization.fp8_checkpoint import (
         fp8_checkpoint_scheme,
@@ -203,6 +204,14 @@ def _prequantized_weights(
         scheme = int_checkpoint_scheme(raw)
         assert scheme is not None  # quantization is set from the checkpoint's config
         return dequantized_weights(scheme, weights)
+    from pagedlm.model_executor.quantization.int8_checkpoint import (
+        dequantize_int8,
+        int8_checkpoint_scheme,
+    )
+
+    int8_scheme = int8_checkpoint_scheme(raw)
+    if int8_scheme is not None:
+        return dequantize_int8(weights, int8_scheme)
     scheme = fp8_checkpoint_scheme(raw)
     if scheme is None or model_config.is_gguf:
         return weights
