@@ -194,7 +194,13 @@ class ArchConfig:
                 f"{path} has no config.json; pass a Hugging Face model directory "
                 "(config.json + *.safetensors) or a .gguf file."
             )
-        return cls.from_hf_dict(json.loads(config_file.read_text()))
+        raw = json.loads(config_file.read_text())
+        modelopt_file = Path(path) / "hf_quant_config.json"
+        if "quantization_config" not in raw and modelopt_file.is_file():
+            # NVIDIA ModelOpt writes its quantization beside config.json.
+            quantization = json.loads(modelopt_file.read_text()).get("quantization") or {}
+            raw["quantization_config"] = {"quant_method": "modelopt", **quantization}
+        return cls.from_hf_dict(raw)
 
     @property
     def eos_token_ids(self) -> set[int]:

@@ -177,3 +177,52 @@ def test_a_mismatched_quantization_argument_is_refused(float_checkpoint: Path, t
         EngineArgs(
             model=str(tmp_path / "ct"), skip_tokenizer_init=True, quantization="bitsandbytes"
         ).create_engine_config()
+
+
+@pytest.mark.parametrize("config_in", ["hf_quant_config.json", "config.json"])
+def test_modelopt_fp8_checkpoint_loads_as_vllm_fp8(
+    float_checkpoint: Path, tmp_path: Path, config_in: str
+) -> None:
+    """NVIDIA ModelOpt's "FP8": vLLM's fp8 tensors, its quantization in hf_quant_config.json
+    (or config.json's quantization_config), KV scales as ``k_proj.k_scale``."""
+    state = write_fp8_checkpoint(float_checkpoint, tmp_path / "vllm", "fp8")
+    target = tmp_path / "modelopt"
+    target.mkdir()
+    state = dict(state)
+    for layer in (0, 1):
+        prefix = f"model.layers.{layer}.self_attn."
+        state[prefix + "k_proj.k_scale"] = torch.tensor(0.5 + layer)
+        state[prefix + "v_proj.v_scale"] = torch.tensor(0.25 + layer)
+    save_file(state, target / "model.safetensors")
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    del config["quantization_config"]
+    quantization = {
+        "quant_algo": "FP8",
+        "kv_cache_quant_algo": "FP8",
+        "exclude_modules": ["lm_head"],
+    }
+    if config_in == "config.json":
+        config["quantization_config"] = {"quant_method": "modelopt", **quantization}
+    else:
+        (target / "hf_quant_config.json").write_text(
+            json.dumps({"producer": {"name": "modelopt"}, "quantization": quantization})
+        )
+    (target / "config.json").write_text(json.dumps(config))
+    loaded_configs = [
+        EngineArgs(model=str(path), skip_tokenizer_init=True, dtype="float32")
+        .create_engine_config()[0]
+        .model
+        for path in (target, tmp_path / "vllm")
+    ]
+    assert loaded_configs[0].quantization == "fp8"
+    modelopt, vllm_fp8 = (load_model(c, CPU) for c in loaded_configs)
+    attention = [m for m in modelopt.modules() if hasattr(m, "k_scale") and hasattr(m, "v_scale")]
+    assert [(a.k_scale.item(), a.v_scale.item()) for a in attention] == [(0.5, 0.25), (1.5, 1.25)]
+    backend, prompt = CpuSdpaBackend(CPU), random_prompts()[2]
+    with torch.no_grad():
+        got = full_logits(modelopt, loaded_configs[0].arch, backend, prompt)
+        want = full_logits(vllm_fp8, loaded_configs[1].arch, backend, prompt)
+    assert torch.equal(got, want)
+    EngineArgs(
+        model=str(target), skip_tokenizer_init=True, quantization="modelopt"
+    ).create_engine_config()

@@ -38,6 +38,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 _FP8_NAMES = ("fp8", "compressed-tensors")
+_FP8_CHECKPOINT_NAMES = ("modelopt",)
+"""Methods that name how an FP8 checkpoint was saved (NVIDIA ModelOpt's); not for
+quantizing a float checkpoint at load."""
 """Values of ``quantization`` meaning FP8 weights (vLLM's names)."""
 
 
@@ -554,7 +557,10 @@ class EngineArgs:
             METHOD_ALIASES,
         )
 
-        known = (None, "bitsandbytes", *_FP8_NAMES, *INT_CHECKPOINT_METHODS, *METHOD_ALIASES)
+        known = (
+            None, "bitsandbytes", *_FP8_NAMES, *_FP8_CHECKPOINT_NAMES, *INT_CHECKPOINT_METHODS,
+            *METHOD_ALIASES,
+        )  # fmt: skip
         if self.quantization not in known:
             raise ValueError(
                 f"quantization={self.quantization!r} is not supported; use None, "
@@ -583,7 +589,7 @@ class EngineArgs:
 
         asked = METHOD_ALIASES.get(self.quantization or "", self.quantization)
         if "quantization_config" not in arch.raw:
-            if asked in INT_CHECKPOINT_METHODS:
+            if asked in (*INT_CHECKPOINT_METHODS, *_FP8_CHECKPOINT_NAMES):
                 raise ValueError(
                     f"quantization={self.quantization!r} needs a checkpoint quantized that way "
                     "(its config.json has a quantization_config); to quantize a float "
@@ -618,7 +624,8 @@ class EngineArgs:
             return ("fp8" if self.quantization == "fp8" else None), self.bnb_quant_type
         fp8_scheme = fp8_checkpoint_scheme(arch.raw)  # refuses FP8 variants it cannot read
         if fp8_scheme is not None:
-            if self.quantization not in (None, "fp8", fp8_scheme.method):
+            saved_method = arch.raw["quantization_config"].get("quant_method")
+            if self.quantization not in (None, "fp8", fp8_scheme.method, saved_method):
                 raise ValueError(
                     f"The checkpoint is quantized with {fp8_scheme.method!r} (FP8) but "
                     f"quantization={self.quantization!r} was asked for; drop --quantization "

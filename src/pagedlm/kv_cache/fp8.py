@@ -33,7 +33,7 @@ V_SCALE_CONSTANT = 100.0
 # older single scale for both), ...self_attn.k_proj.output_scale (compressed-tensors).
 _SCALE_NAME = re.compile(
     r"(?:^|\.)layers\.(\d+)\.self_attn\.(?:attn\.)?(k_scale|v_scale|kv_scale|"
-    r"k_proj\.output_scale|v_proj\.output_scale)$"
+    r"k_proj\.output_scale|v_proj\.output_scale|k_proj\.k_scale|v_proj\.v_scale)$"
 )
 
 

@@ -103,7 +103,18 @@ def fp8_checkpoint_scheme(hf_config: dict[str, Any]) -> Fp8CheckpointScheme | No
         return Fp8CheckpointScheme(method, static_input_scales=scheme == "static")
     if method == "compressed-tensors":
         return Fp8CheckpointScheme(method, static_input_scales=_compressed_tensors_scheme(config))
+    if method == "modelopt":
+        return _modelopt_scheme(config)
     return None
+
+
+def _modelopt_scheme(config: dict[str, Any]) -> Fp8CheckpointScheme:
+    """NVIDIA ModelOpt's "FP8" checkpoints store vLLM's ``fp8`` layout: per-tensor
+    ``weight_scale`` and static ``input_scale``."""
+    algorithm = config.get("quant_algo")
+    if algorithm != "FP8":
+        raise _unsupported(f"ModelOpt quant_algo {algorithm!r} (only 'FP8' is read)")
+    return Fp8CheckpointScheme("fp8", static_input_scales=True)
 
 
 def _meta_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
