@@ -124,7 +124,7 @@ def test_decode_attention_sinks_in_bfloat16_and_padding_rows() -> None:
         )  # fmt: skip
         assert torch.equal(out[1], torch.zeros_like(out[1]))
         ref = sink_reference(query[:1], key_cache, value_cache, tables, [40], [1], 0.125, sinks)
-        assert rel_error(out[:1], ref) < 1e-4
+        assert rel_error(out[:1], ref) < tolerance(torch.float32)  # tf32 dots on a GPU
 
 
 def run_prefill(block_size, head_dim, num_kv_heads, group, chunks, dtype, sinks, window=None):

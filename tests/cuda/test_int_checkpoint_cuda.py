@@ -60,7 +60,7 @@ def test_int_checkpoints_on_the_gpu_match_their_dequantized_weights(
     inputs = [{"prompt_token_ids": p * 3} for p in PROMPTS]
 
     def run() -> tuple[list[list[int]], torch.Tensor]:
-        llm = LLM(str(tmp_path), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256)
+        llm = LLM(str(tmp_path), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128)
         outs = llm.generate(inputs, params, use_tqdm=False)
         logprobs = [next(iter(d.values())).logprob for o in outs for d in o.prompt_logprobs[1:]]
         return [list(o.outputs[0].token_ids) for o in outs], torch.tensor(logprobs)
