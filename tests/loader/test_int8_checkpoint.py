@@ -5,14 +5,13 @@ against transformers' on the dequantized weights."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from loader.test_int_checkpoint import PROJECTIONS, _config, _logits
+from loader.test_int_checkpoint import PROJECTIONS, _config, _logits, save_with_reference
 from pagedlm import LLM, SamplingParams
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.model_executor.loader import load_model
@@ -20,7 +19,7 @@ from pagedlm.model_executor.quantization.int8_checkpoint import (
     dequantize_int8,
     int8_checkpoint_scheme,
 )
-from tiny_checkpoints import hf_greedy, hf_logits, load_hf_model, random_prompts, save_random_model
+from tiny_checkpoints import hf_greedy, hf_logits, random_prompts, save_random_model
 
 CASES = {
     "tensor": ("tensor", None, True),
@@ -70,25 +69,18 @@ def _write(path: Path, strategy: str, group_size: int | None, symmetric: bool):
         tensors[f"{layer}.input_scale"] = torch.tensor([0.02])  # static activations: dropped
         if not symmetric:
             tensors[f"{layer}.weight_zero_point"] = zero
-    save_file(tensors, path / "model.safetensors")
-    config = json.loads((path / "config.json").read_text())
-    reference = path / "dequantized"
-    reference.mkdir()
-    (reference / "config.json").write_text(json.dumps(config))
-    save_file(dequantized_tensors, reference / "model.safetensors")
     weights = {"num_bits": 8, "type": "int", "symmetric": symmetric, "strategy": strategy,
                "group_size": group_size}  # fmt: skip
     activations = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True,
                    "strategy": "token"}  # fmt: skip
-    config["quantization_config"] = {
+    quantization_config = {
         "quant_method": "compressed-tensors",
         "format": "int-quantized",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
                                       "input_activations": activations}},
         "ignore": ["lm_head"],
     }  # fmt: skip
-    (path / "config.json").write_text(json.dumps(config))
-    return load_hf_model(reference).eval()
+    return save_with_reference(path, tensors, dequantized_tensors, quantization_config)
 
 
 @pytest.fixture(scope="module", params=list(CASES))

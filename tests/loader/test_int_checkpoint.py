@@ -150,13 +150,25 @@ def _write_quantized(path: Path, case: Case) -> torch.nn.Module:
                 tensors[f"{layer}.weight_zero_point"] = _pack_along_rows(zeros, case.bits)
             if case.act_order:
                 tensors[f"{layer}.weight_g_idx"] = column_group.to(torch.int32)
+    return save_with_reference(path, tensors, dequantized_tensors, _quantization_config(case))
+
+
+def save_with_reference(
+    path: Path,
+    tensors: dict[str, torch.Tensor],
+    dequantized_tensors: dict[str, torch.Tensor],
+    quantization_config: dict,
+) -> torch.nn.Module:
+    """Write the quantized checkpoint in ``path`` and its dequantized twin (no
+    quantization_config) in ``path / "dequantized"``; return transformers' model of the
+    twin."""
     save_file(tensors, path / "model.safetensors")
     config = json.loads((path / "config.json").read_text())
     reference = path / "dequantized"
     reference.mkdir()
     (reference / "config.json").write_text(json.dumps(config))
     save_file(dequantized_tensors, reference / "model.safetensors")
-    config["quantization_config"] = _quantization_config(case)
+    config["quantization_config"] = quantization_config
     (path / "config.json").write_text(json.dumps(config))
     return load_hf_model(reference).eval()
 
