@@ -17,6 +17,7 @@ contract as a row-parallel linear.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -154,6 +155,28 @@ def _best_groups_only(choice: torch.Tensor, groups: ExpertGroups) -> torch.Tenso
     return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, num_experts)
 
 
+def expert_groups(
+    expert_ids: torch.Tensor, weights: torch.Tensor, num_experts: int, expert_start: int = 0
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """The (token, slot) pairs of a routing (``expert_ids``, ``weights``: [T, top_k]) sorted
+    by expert, so each expert runs one matmul on its rows: ``(local expert, token rows,
+    their routing weights)`` for experts ``expert_start`` on, in order, skipping experts no
+    token chose. The caller stops at its last local expert."""
+    top_k = expert_ids.shape[-1]
+    flat_ids = expert_ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    token_rows = order // top_k
+    flat_weights = weights.flatten()
+    start = sum(counts[:expert_start])
+    for expert in range(expert_start, num_experts):
+        count = counts[expert]
+        if count:
+            picked = order[start : start + count]
+            yield expert - expert_start, token_rows[start : start + count], flat_weights[picked]
+        start += count
+
+
 class FusedMoE(nn.Module):
     """forward(x [T, hidden]) -> [T, hidden]: sum over each token's top-k experts of
     ``weight * down(act(gate(x)) * up(x))``.
@@ -252,23 +275,13 @@ class FusedMoE(nn.Module):
             self.gate(x), self.top_k, self.renormalize, self.routing, self.e_score_correction_bias
         )
         out = torch.zeros_like(x)
-        # Sort the (token, slot) pairs by expert so each expert runs one matmul on its rows.
-        flat_ids = expert_ids.flatten()
-        order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        token_rows = order // self.top_k
-        flat_weights = weights.flatten()
-        start = sum(counts[: self.expert_start])
-        for local in range(self.num_local_experts):
-            count = counts[self.expert_start + local]
-            if count == 0:
-                continue
-            rows = token_rows[start : start + count]
+        groups = expert_groups(expert_ids, weights, self.num_experts, self.expert_start)
+        for local, rows, row_weights in groups:
+            if local >= self.num_local_experts:
+                break
             hidden = self.act_fn(F.linear(x[rows], self.w13[local]))
             hidden = F.linear(hidden, self.w2[local])
-            hidden = hidden * flat_weights[order[start : start + count], None]
-            out.index_add_(0, rows, hidden.to(out.dtype))
-            start += count
+            out.index_add_(0, rows, (hidden * row_weights[:, None]).to(out.dtype))
         return out
 
     def extra_repr(self) -> str:

@@ -41,6 +41,7 @@ from pagedlm.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from pagedlm.model_executor.layers.linear_base import LinearBase
+from pagedlm.model_executor.layers.moe import expert_groups
 from pagedlm.model_executor.loader.weight_utils import copy_checked, default_weight_loader
 
 EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
@@ -137,26 +138,17 @@ class GptOssMoE(nn.Module):
         top_logits, expert_ids = torch.topk(self.router(x), self.top_k, dim=-1)
         weights = torch.softmax(top_logits, dim=-1, dtype=torch.float32)
         out = torch.zeros_like(x)
-        # Sort the (token, slot) pairs by expert so each expert runs one matmul on its rows.
-        flat_ids = expert_ids.flatten()
-        order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        token_rows = order // self.top_k
-        flat_weights = weights.flatten()
-        start = sum(counts[: self.expert_start])
         size = self.intermediate_per_rank
-        for local in range(self.num_local_experts):
-            count = counts[self.expert_start + local]
-            if count == 0:
-                continue
-            picked = order[start : start + count]
-            rows = token_rows[start : start + count]
+        for local, rows, row_weights in expert_groups(
+            expert_ids, weights, self.num_experts, self.expert_start
+        ):
+            if local >= self.num_local_experts:
+                break
             gate_up = F.linear(x[rows], self.w13[local], self.b13[local])
             hidden = clamped_swiglu(gate_up[:, :size], gate_up[:, size:], self.alpha, self.limit)
             bias = self.b2[local] if self.slice_rank == 0 else None
             hidden = F.linear(hidden, self.w2[local], bias)
-            out.index_add_(0, rows, (hidden * flat_weights[picked, None]).to(out.dtype))
-            start += count
+            out.index_add_(0, rows, (hidden * row_weights[:, None]).to(out.dtype))
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
     def extra_repr(self) -> str:
