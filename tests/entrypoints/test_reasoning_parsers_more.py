@@ -157,32 +157,24 @@ def test_registered_under_vllms_names(capsys):
 
 def test_reasoning_and_tool_call_through_the_app(chat_checkpoint):
     """Mistral v11 output: a thought, then a call; both parsers chained per choice."""
-    from starlette.testclient import TestClient
-
-    from pagedlm.core.outputs import EngineCoreOutput
-    from pagedlm.entrypoints.openai.app import build_app
-    from server.fake_engine import FakeEngine, fake_context
-    from server.server_utils import EOS_ID
+    from server.fake_engine import scripted_chat
 
     output = '[THINK]Paris weather: call the tool.[/THINK]Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
 
-    class ScriptedEngine(FakeEngine):
-        def _step(self, child_id, processed, step):
-            script = [*self.tokenizer.encode(output, add_special_tokens=False), EOS_ID]
-            finish = "stop" if step + 1 == len(script) else None
-            return EngineCoreOutput(child_id, [script[step]], finish_reason=finish)
-
-    ctx = fake_context(ScriptedEngine(chat_checkpoint, num_tokens=10**6), tool_parser="mistral",
-                       reasoning_parser="mistral", enable_auto_tool_choice=True)  # fmt: skip
     tool = {
         "type": "function",
         "function": {"name": "get_weather", "parameters": {"type": "object"}},
     }
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}],
             "tools": [tool], "max_tokens": 400}  # fmt: skip
-    with TestClient(build_app(ctx)) as client:
-        message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
-        stream = client.post("/v1/chat/completions", json={**body, "stream": True}).text
+    message, stream = scripted_chat(
+        chat_checkpoint,
+        output,
+        body,
+        tool_parser="mistral",
+        reasoning_parser="mistral",
+        enable_auto_tool_choice=True,
+    )
     assert message["reasoning_content"] == "Paris weather: call the tool."
     assert message["content"] == "Checking."
     [call] = message["tool_calls"]

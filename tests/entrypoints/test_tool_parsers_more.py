@@ -387,29 +387,13 @@ WEATHER_TOOL = {
     ],
 )
 def test_chat_completion_through_the_app(chat_checkpoint, parser, output):
-    from starlette.testclient import TestClient
+    from server.fake_engine import scripted_chat
 
-    from pagedlm.core.outputs import EngineCoreOutput
-    from pagedlm.entrypoints.openai.app import build_app
-    from server.fake_engine import FakeEngine, fake_context
-    from server.server_utils import EOS_ID
-
-    class ScriptedEngine(FakeEngine):
-        """Writes ``output`` one token per step (the tokenizer has a token per byte), then
-        EOS."""
-
-        def _step(self, child_id, processed, step):
-            script = [*self.tokenizer.encode(output, add_special_tokens=False), EOS_ID]
-            finish = "stop" if step + 1 == len(script) else None
-            return EngineCoreOutput(child_id, [script[step]], finish_reason=finish)
-
-    ctx = fake_context(ScriptedEngine(chat_checkpoint, num_tokens=10**6), tool_parser=parser,
-                       enable_auto_tool_choice=True)  # fmt: skip
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}],
             "tools": [WEATHER_TOOL], "max_tokens": 400}  # fmt: skip
-    with TestClient(build_app(ctx)) as client:
-        message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
-        stream = client.post("/v1/chat/completions", json={**body, "stream": True}).text
+    message, stream = scripted_chat(
+        chat_checkpoint, output, body, tool_parser=parser, enable_auto_tool_choice=True
+    )
     calls = [
         (c["function"]["name"], json.loads(c["function"]["arguments"]))
         for c in message["tool_calls"]

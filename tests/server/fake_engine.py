@@ -164,3 +164,40 @@ def fake_context(engine: FakeEngine, **fields: Any) -> Any:
         max_model_len=512,
         **fields,
     )
+
+
+class ScriptedEngine(FakeEngine):
+    """Writes ``script`` one token per step, then EOS (the tiny tokenizer has a token per
+    byte); keeps every request's parameters."""
+
+    def __init__(self, checkpoint: Path | str, script: str = "") -> None:
+        super().__init__(checkpoint, num_tokens=10**6)
+        self.script = script
+        self.params: list[SamplingParams] = []
+
+    def generate(self, prompt, params, request_id, priority=0, lora_request=None):
+        self.params.append(params)
+        return super().generate(prompt, params, request_id, priority, lora_request)
+
+    def _step(self, child_id, processed, step):
+        from server.server_utils import EOS_ID
+
+        ids = [*self.tokenizer.encode(self.script, add_special_tokens=False), EOS_ID]
+        finish = "stop" if step + 1 == len(ids) else None
+        return EngineCoreOutput(child_id, [ids[step]], finish_reason=finish)
+
+
+def scripted_chat(
+    checkpoint: Path | str, script: str, body: dict[str, Any], **fields: Any
+) -> tuple[dict[str, Any], str]:
+    """The message of a chat completion whose model writes ``script``, and the same
+    request's stream (its SSE text); ``fields``: server flags (``ServingContext``)."""
+    from starlette.testclient import TestClient
+
+    from pagedlm.entrypoints.openai.app import build_app
+
+    ctx = fake_context(ScriptedEngine(checkpoint, script), **fields)
+    with TestClient(build_app(ctx)) as client:
+        message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        stream = client.post("/v1/chat/completions", json={**body, "stream": True}).text
+    return message, stream

@@ -14,11 +14,10 @@ import re
 import shutil
 
 import pytest
-from fake_engine import FakeEngine, fake_context
-from server_utils import EOS_ID, SPECIAL_TOKENS
+from fake_engine import ScriptedEngine, fake_context
+from server_utils import SPECIAL_TOKENS
 from starlette.testclient import TestClient
 
-from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.entrypoints.openai.app import build_app
 from pagedlm.entrypoints.openai.chat_output import ChatOutputParser
 from pagedlm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
@@ -45,24 +44,6 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 MISTRAL_OUTPUT = (
     '[THINK]Paris: call the tool.[/THINK]Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
 )
-
-
-class ScriptedEngine(FakeEngine):
-    """Writes ``script`` one token per step, then EOS; keeps every request's parameters."""
-
-    def __init__(self, checkpoint, script: str = "") -> None:
-        super().__init__(checkpoint, num_tokens=10**6)
-        self.script = script
-        self.params = []
-
-    def generate(self, prompt, params, request_id, priority=0, lora_request=None):
-        self.params.append(params)
-        return super().generate(prompt, params, request_id, priority, lora_request)
-
-    def _step(self, child_id, processed, step):
-        ids = [*self.tokenizer.encode(self.script, add_special_tokens=False), EOS_ID]
-        finish = "stop" if step + 1 == len(ids) else None
-        return EngineCoreOutput(child_id, [ids[step]], finish_reason=finish)
 
 
 @pytest.fixture(scope="module")
