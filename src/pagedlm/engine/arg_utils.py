@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -27,21 +26,16 @@ from pagedlm.config import (
     validate_fraction,
     validate_positive,
 )
+from pagedlm.engine.quantization_args import check_quantization_name, resolve_quantization
 from pagedlm.engine.speculative_args import parse_speculative_config
 from pagedlm.generation_config import sampling_defaults
 from pagedlm.kv_cache.fp8 import validate_kv_cache_dtype
+from pagedlm.model_executor.loader.hub import resolve_model_path
 
 if TYPE_CHECKING:
     from pagedlm.platforms import Platform
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
-
-
-_FP8_NAMES = ("fp8", "compressed-tensors")
-_FP8_CHECKPOINT_NAMES = ("modelopt",)
-"""Methods that name how an FP8 checkpoint was saved (NVIDIA ModelOpt's); not for
-quantizing a float checkpoint at load."""
-"""Values of ``quantization`` meaning FP8 weights (vLLM's names)."""
 
 
 @dataclass
@@ -214,14 +208,6 @@ class EngineArgs:
     """Image embedding rows kept cached beyond what running requests need (None: the
     encoder budget)."""
 
-    def __post_init__(self) -> None:
-        # A dict (or KVEventsConfig) from Python travels as the CLI's JSON text, so the
-        # arguments stay JSON-serializable for the engine-core process.
-        if self.kv_events_config is not None and not isinstance(self.kv_events_config, str):
-            self.kv_events_config = json.dumps(
-                dataclasses.asdict(KVEventsConfig.parse(self.kv_events_config))
-            )
-
     structured_outputs_max_spec_chars: int = 65536
     """Longest JSON schema, regex, grammar or choice list (as canonical JSON text) a
     request may constrain with; longer ones get 400 before compiling (0: no limit)."""
@@ -236,6 +222,14 @@ class EngineArgs:
     """/health says the engine core is unresponsive (stopped, frozen or dead) after this
     many seconds without its heartbeat, which it sends every 0.5 s, during steps too."""
 
+    def __post_init__(self) -> None:
+        # A dict (or KVEventsConfig) from Python travels as the CLI's JSON text, so the
+        # arguments stay JSON-serializable for the engine-core process.
+        if self.kv_events_config is not None and not isinstance(self.kv_events_config, str):
+            self.kv_events_config = json.dumps(
+                dataclasses.asdict(KVEventsConfig.parse(self.kv_events_config))
+            )
+
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
@@ -248,12 +242,14 @@ class EngineArgs:
             from pagedlm.model_executor.loader.default_model import default_model_path
 
             return default_model_path()
-        return _resolve_path("Model", str(self.model), self.revision, cache_dir=self.download_dir)
+        return resolve_model_path(
+            "Model", str(self.model), self.revision, cache_dir=self.download_dir
+        )
 
     def resolve_tokenizer(self) -> str | None:
         if self.tokenizer is None:
             return None
-        return _resolve_path(
+        return resolve_model_path(
             "Tokenizer",
             str(self.tokenizer),
             self.revision,
@@ -336,7 +332,9 @@ class EngineArgs:
 
             safetensors_files(model)  # before any memory is allocated
 
-        quantization, bnb_quant_type = self._quantization(arch)
+        quantization, bnb_quant_type = resolve_quantization(
+            self.quantization, self.bnb_quant_type, arch
+        )
         platform = select_platform(self.platform)
         if self.dtype == "auto":
             config_dtype = parse_dtype(arch.torch_dtype) if arch.torch_dtype else None
@@ -429,7 +427,7 @@ class EngineArgs:
                 self.speculative_config,
                 config.model,
                 max_num_batched_tokens,
-                lambda what, name, revision: _resolve_path(what, name, revision),
+                lambda what, name, revision: resolve_model_path(what, name, revision),
             ),
         )
         if config.speculative is not None and config.parallel.pipeline_parallel_size > 1:
@@ -552,101 +550,7 @@ class EngineArgs:
                 f"load_format={self.load_format!r} is unknown; use one of "
                 f"{', '.join(LOAD_FORMATS)}."
             )
-        from pagedlm.model_executor.quantization.int_formats import (
-            INT_CHECKPOINT_METHODS,
-            METHOD_ALIASES,
-        )
-
-        known = (
-            None, "bitsandbytes", *_FP8_NAMES, *_FP8_CHECKPOINT_NAMES, *INT_CHECKPOINT_METHODS,
-            *METHOD_ALIASES,
-        )  # fmt: skip
-        if self.quantization not in known:
-            raise ValueError(
-                f"quantization={self.quantization!r} is not supported; use None, "
-                "'bitsandbytes' or 'fp8' (or 'gptq', 'awq' for checkpoints quantized so)."
-            )
-        if self.quantization == "bitsandbytes":
-            from pagedlm.model_executor.loader.bitsandbytes import (
-                BNB_QUANT_TYPES,
-                import_bitsandbytes,
-            )
-
-            if self.bnb_quant_type not in BNB_QUANT_TYPES:
-                raise ValueError(
-                    f"bnb_quant_type={self.bnb_quant_type!r} is unknown; use one of "
-                    f"{', '.join(BNB_QUANT_TYPES)}."
-                )
-            import_bitsandbytes()
-
-    def _quantization(self, arch: ArchConfig) -> tuple[str | None, str]:
-        """The requested quantization, or the one a pre-quantized checkpoint was saved with."""
-        from pagedlm.model_executor.quantization.int_formats import (
-            INT_CHECKPOINT_METHODS,
-            METHOD_ALIASES,
-            int_checkpoint_scheme,
-        )
-
-        asked = METHOD_ALIASES.get(self.quantization or "", self.quantization)
-        if "quantization_config" not in arch.raw:
-            if asked in (*INT_CHECKPOINT_METHODS, *_FP8_CHECKPOINT_NAMES):
-                raise ValueError(
-                    f"quantization={self.quantization!r} needs a checkpoint quantized that way "
-                    "(its config.json has a quantization_config); to quantize a float "
-                    "checkpoint at load use quantization='fp8' or 'bitsandbytes'."
-                )
-            fp8 = self.quantization in _FP8_NAMES
-            return ("fp8" if fp8 else self.quantization), self.bnb_quant_type
-        from pagedlm.model_executor.loader.bitsandbytes import (
-            checkpoint_quant_type,
-            import_bitsandbytes,
-        )
-        from pagedlm.model_executor.quantization.fp8_checkpoint import fp8_checkpoint_scheme
-
-        int_scheme = int_checkpoint_scheme(arch.raw)  # refuses variants it cannot read
-        if int_scheme is not None:
-            if asked not in (None, int_scheme.method):
-                raise ValueError(
-                    f"The checkpoint is quantized with {int_scheme.method!r} but "
-                    f"quantization={self.quantization!r} was asked for; drop --quantization "
-                    f"or pass {int_scheme.method!r}."
-                )
-            return int_scheme.method, self.bnb_quant_type
-        from pagedlm.model_executor.quantization.int8_checkpoint import int8_checkpoint_scheme
-
-        if int8_checkpoint_scheme(arch.raw) is not None:  # loaded as float weights
-            if self.quantization not in (None, "fp8", "compressed-tensors"):
-                raise ValueError(
-                    "The checkpoint holds int8 weights (compressed-tensors), which load as "
-                    f"float weights; quantization={self.quantization!r} does not apply. "
-                    "Drop --quantization, or pass 'fp8' to store them in FP8."
-                )
-            return ("fp8" if self.quantization == "fp8" else None), self.bnb_quant_type
-        fp8_scheme = fp8_checkpoint_scheme(arch.raw)  # refuses FP8 variants it cannot read
-        if fp8_scheme is not None:
-            saved_method = arch.raw["quantization_config"].get("quant_method")
-            if self.quantization not in (None, "fp8", fp8_scheme.method, saved_method):
-                raise ValueError(
-                    f"The checkpoint is quantized with {fp8_scheme.method!r} (FP8) but "
-                    f"quantization={self.quantization!r} was asked for; drop --quantization "
-                    "or pass 'fp8'."
-                )
-            return "fp8", self.bnb_quant_type
-        saved = checkpoint_quant_type(arch.raw)
-        if saved is None:
-            method = arch.raw["quantization_config"].get("quant_method")
-            if arch.architecture == "GptOssForCausalLM":
-                from pagedlm.model_executor.models.gpt_oss import refuse_mxfp4
-
-                refuse_mxfp4(arch)  # names the bf16 conversions to use instead
-            raise ValueError(
-                f"The checkpoint is quantized with {method!r}, which pagedlm cannot load; it "
-                "loads float checkpoints, bitsandbytes ones (or quantization='bitsandbytes'), "
-                "FP8 ones ('fp8', 'compressed-tensors'), GPTQ, AWQ and integer "
-                "compressed-tensors ones."
-            )
-        import_bitsandbytes()
-        return "bitsandbytes", saved
+        check_quantization_name(self.quantization, self.bnb_quant_type)
 
     def _check_weight_files(self, model: str) -> None:
         """Fails early when ``load_format`` does not fit the file type (before parsing it)."""
@@ -722,30 +626,3 @@ def _merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
         else:
             merged[key] = value
     return merged
-
-
-def _resolve_path(
-    what: str, name: str, revision: str | None, weights: bool = True, cache_dir: str | None = None
-) -> str:
-    """A local path as given, else a hub id's snapshot directory; errors name the fix."""
-    path = os.path.expanduser(name)
-    if os.path.exists(path):
-        if revision is not None and weights:
-            raise ValueError(
-                f"revision={revision!r} applies to hub ids, but {name} is a local path; "
-                "drop revision or check out that revision into the directory."
-            )
-        if os.path.isfile(path) and not path.endswith(".gguf"):
-            raise ValueError(
-                f"{what} file {path!r} is not a .gguf file; pass a directory or a .gguf file."
-            )
-        return path
-    from pagedlm.model_executor.loader.hub import looks_like_hub_id, resolve_hub_model
-
-    if looks_like_hub_id(name):
-        return resolve_hub_model(name, revision, cache_dir)
-    raise ValueError(
-        f"{what} {name!r} not found: pass a local Hugging Face model directory "
-        "(config.json + *.safetensors), a .gguf file, a hub id (org/name), or model=None "
-        "for the embedded default model."
-    )

@@ -1,4 +1,5 @@
-"""Resolving a Hugging Face hub id (``org/name``) to a local snapshot directory.
+"""Resolving a model name (a local path or a Hugging Face hub id, ``org/name``) to a local
+path: a hub id becomes its snapshot directory.
 
 ``huggingface_hub.snapshot_download`` does the work: it reuses the local cache
 (``$HF_HOME/hub`` or ``$HF_HUB_CACHE``), fetches only what is missing, and with
@@ -95,3 +96,28 @@ def resolve_hub_model(
             f"Downloading {repo_id}{at} from the Hugging Face hub failed ({error}); retry, "
             "or pass a local model directory."
         ) from None
+
+
+def resolve_model_path(
+    what: str, name: str, revision: str | None, weights: bool = True, cache_dir: str | None = None
+) -> str:
+    """A local path as given, else a hub id's snapshot directory; errors name the fix."""
+    path = os.path.expanduser(name)
+    if os.path.exists(path):
+        if revision is not None and weights:
+            raise ValueError(
+                f"revision={revision!r} applies to hub ids, but {name} is a local path; "
+                "drop revision or check out that revision into the directory."
+            )
+        if os.path.isfile(path) and not path.endswith(".gguf"):
+            raise ValueError(
+                f"{what} file {path!r} is not a .gguf file; pass a directory or a .gguf file."
+            )
+        return path
+    if looks_like_hub_id(name):
+        return resolve_hub_model(name, revision, cache_dir)
+    raise ValueError(
+        f"{what} {name!r} not found: pass a local Hugging Face model directory "
+        "(config.json + *.safetensors), a .gguf file, a hub id (org/name), or model=None "
+        "for the embedded default model."
+    )
