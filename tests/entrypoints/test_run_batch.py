@@ -79,3 +79,13 @@ def test_the_command_reads_and_writes_files(chat_checkpoint, tmp_path):
     assert all(o["response"]["status_code"] == 200 for o in outputs)
     with pytest.raises(SystemExit, match="--max-concurrency must be at least 1"):
         main([*argv, "--max-concurrency", "0"])
+    with pytest.raises(SystemExit, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        main([*argv, "--enable-auto-tool-choice"])
+
+
+@pytest.mark.parametrize("flag", [["--port", "9000"], ["--middleware", "m:M"], ["--api-key", "k"]])
+def test_the_listeners_flags_are_refused_not_ignored(flag, capsys):
+    # run-batch serves no port: serve's listener flags would do nothing there.
+    with pytest.raises(SystemExit):
+        main(["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", *flag])
+    assert f"unrecognized arguments: {flag[0]}" in capsys.readouterr().err

@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedlm.engine.cli_args import add_engine_args
     from pagedlm.entrypoints.cli import bench, interactive
     from pagedlm.entrypoints.cli.config_file import add_config_arg
-    from pagedlm.entrypoints.openai.api_server import add_server_args
+    from pagedlm.entrypoints.openai.api_server import add_server_args, add_serving_args
 
     parser = argparse.ArgumentParser(
         prog="pagedlm", description="pagedlm: LLM inference and an OpenAI-compatible server."
@@ -82,11 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="Run a file of requests in OpenAI's Batch format, offline.",
         description="Run a file in OpenAI's Batch format (one {custom_id, method, url, body} "
         "per line) through the server's routes in this process, and write one result per "
-        "line. Takes the server's flags (--chat-template, --served-model-name, ...) too.",
+        "line. Takes the server's serving flags (--chat-template, --served-model-name, ...) too.",
     )
     _add_model_positional(run_batch)
     add_run_batch_args(run_batch)
-    add_server_args(run_batch)
+    add_serving_args(run_batch)
     add_engine_args(run_batch)
     add_config_arg(run_batch)
 

@@ -54,6 +54,9 @@ ENGINE_DEATH_EXIT_STATUS = 1
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``pagedlm serve``'s flags: how requests are served (``add_serving_args``), then the
+    listener's, the process's and the HTTP layer's."""
+    add_serving_args(parser)
     group = parser.add_argument_group("server arguments")
     group.add_argument(
         "--host",
@@ -84,17 +87,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         f"(default: ${API_KEY_ENV} if set). /health, /ready and /metrics stay open.",
     )
     group.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="Name(s) clients use in 'model'; the first is reported (default: the model argument).",
-    )
-    group.add_argument(
-        "--chat-template",
-        default=None,
-        help="Jinja chat template: a file path or the template itself (default: the tokenizer's).",
-    )
-    group.add_argument(
         "--max-request-body-bytes",
         type=int,
         default=10 << 20,
@@ -106,15 +98,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=30.0,
         help="Seconds in-flight requests may take to finish after SIGTERM; then they end "
         "with an error (default: %(default)s).",
-    )
-    group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    add_limit_args(group)
-    group.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="Accept a chat_template in requests (vLLM's flag; refused with 400 otherwise). "
-        "Trusted request templates render in a sandboxed worker process with a time and "
-        "size limit.",
     )
     group.add_argument(
         "--engine-death-grace-period",
@@ -135,6 +118,47 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Send one OpenTelemetry span per request to this OTLP/HTTP traces URL (e.g. "
         "http://localhost:4318/v1/traces); a W3C traceparent header is its parent. Needs "
         "pip install 'pagedlm[tracing]' (default: off).",
+    )
+    group.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="No periodic line of throughput, running and waiting requests and cache usage "
+        "(every 10 s while the engine is busy).",
+    )
+    add_admin_args(group)
+    add_http_args(group)
+    return parser
+
+
+def add_serving_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """How the routes answer: model names, chat template, request limits, tools, LoRA,
+    request logging. ``serve`` and ``run-batch`` take these (``serving_context`` reads
+    them); the listener's flags are ``serve``'s alone."""
+    group = parser.add_argument_group("serving arguments")
+    group.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="Name(s) clients use in 'model'; the first is reported (default: the model argument).",
+    )
+    group.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja chat template: a file path or the template itself (default: the tokenizer's).",
+    )
+    group.add_argument(
+        "--response-role",
+        default="assistant",
+        help="The role chat completions answer with (default: %(default)s).",
+    )
+    group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_limit_args(group)
+    group.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="Accept a chat_template in requests (vLLM's flag; refused with 400 otherwise). "
+        "Trusted request templates render in a sandboxed worker process with a time and "
+        "size limit.",
     )
     group.add_argument(
         "--enable-prompt-tokens-details",
@@ -172,17 +196,23 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Do not log requests: the default (vLLM's older spelling, kept for its command "
         "lines).",
     )
-    group.add_argument(
-        "--disable-log-stats",
-        action="store_true",
-        help="No periodic line of throughput, running and waiting requests and cache usage "
-        "(every 10 s while the engine is busy).",
-    )
     _add_tool_args(group)
     add_lora_args(group)
-    add_admin_args(group)
-    add_http_args(group)
     return parser
+
+
+def check_serving_args(args: argparse.Namespace) -> RequestLimits:
+    """``add_serving_args``'s flags checked before the model loads (a bad one exits,
+    naming it); the request limits they set."""
+    from pagedlm.entrypoints.openai.parser_plugins import check_parser_args
+
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser (e.g. hermes).")
+    check_parser_args(args)
+    try:
+        return limits_from_args(args)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
 
 
 def _parser_names(names: list[str], aliases: dict[str, str]) -> str:
@@ -440,15 +470,8 @@ def run_server(args: argparse.Namespace, core_launch: CoreLaunch | None = None) 
     if given; the caller abandons it if the engine never starts), then serve until
     SIGINT/SIGTERM (or the engine's death)."""
     from pagedlm.engine.async_llm import AsyncLLM
-    from pagedlm.entrypoints.openai.parser_plugins import check_parser_args
 
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser (e.g. hermes).")
-    check_parser_args(args)
-    try:
-        limits = limits_from_args(args)
-    except ValueError as error:
-        raise SystemExit(f"error: {error}") from None
+    limits = check_serving_args(args)
     if not args.engine_death_grace_period >= 0:
         raise SystemExit("error: --engine-death-grace-period must be >= 0 seconds.")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

@@ -1,5 +1,5 @@
-"""vLLM's HTTP-level server flags: CORS, a proxy's root path, TLS, uvicorn's logging, the
-interactive docs and the role chat answers carry.
+"""vLLM's HTTP-level server flags: CORS, a proxy's root path, TLS, uvicorn's logging and the
+interactive docs.
 
 CORS is on with vLLM's defaults (every origin, method and header; no credentials), so a
 browser page may call the API; ``--allowed-origins '["https://app.example"]'`` narrows it.
@@ -59,11 +59,6 @@ def add_http_args(group: argparse._ArgumentGroup) -> None:
         "--disable-uvicorn-access-log",
         action="store_true",
         help="No line per HTTP request in the log (uvicorn's access log).",
-    )
-    group.add_argument(
-        "--response-role",
-        default="assistant",
-        help="The role chat completions answer with (default: %(default)s).",
     )
     group.add_argument(
         "--enable-request-id-headers",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 import uuid
 from collections.abc import Sequence
@@ -112,22 +113,18 @@ def run_batch(args: argparse.Namespace) -> None:
     from pagedlm.engine.cli_args import engine_args_from_cli
     from pagedlm.entrypoints.openai.api_server import (
         DEFAULT_MODEL_NAME,
+        check_serving_args,
         read_chat_template,
         serving_context,
     )
     from pagedlm.entrypoints.openai.app import build_app
-    from pagedlm.entrypoints.openai.limits import limits_from_args
-    from pagedlm.entrypoints.openai.parser_plugins import check_parser_args
 
     if args.max_concurrency < 1:
         raise SystemExit(
             f"error: --max-concurrency must be at least 1, got {args.max_concurrency}."
         )
-    try:
-        limits = limits_from_args(args)
-    except ValueError as error:
-        raise SystemExit(f"error: {error}") from None
-    check_parser_args(args)
+    limits = check_serving_args(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.input_file == "-":
         lines = sys.stdin.read().splitlines()
     else:
