@@ -13,10 +13,11 @@ import dataclasses
 import inspect
 import itertools
 import json
+import re
 import textwrap
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from pagedlm.engine.arg_utils import EngineArgs
@@ -24,12 +25,45 @@ from pagedlm.engine.arg_utils import EngineArgs
 # Fields that the subcommands take as a positional argument as well as a flag.
 POSITIONAL_MODEL_DEST = "model_tag"
 SHORT_FLAGS = {
+    "quantization": "-q",
     "tensor_parallel_size": "-tp",
     "pipeline_parallel_size": "-pp",
     "data_parallel_size": "-dp",
-    "data_parallel_rank": "-dpr",
+    "data_parallel_rank": "-dpn",
+    "enable_expert_parallel": "-ep",
 }
-"""vLLM's short spellings of the parallelism flags."""
+"""vLLM's short spellings (its ``-dpr`` is the start rank of a node's replicas, which
+pagedlm does not have, so it is not the rank's)."""
+HUMAN_READABLE_INTS = {"max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"}
+"""Fields whose flags take ``32k`` or ``1G``, as vLLM's do (``human_readable_int``)."""
+MODEL_MAX_SPELLINGS = {"auto", "-1"}
+"""``--max-model-len auto`` (or -1): the model's own context length, as None gives."""
+
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
+
+
+def human_readable_int(text: str) -> int:
+    """``4096``, ``32k`` (lower case: powers of 1000, decimals allowed, ``25.6k``) or
+    ``16K`` (upper case: powers of 1024, whole numbers only), vLLM's spellings."""
+    match = _HUMAN_INT.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a count; give digits with an optional k/m/g/t (x1000) or "
+            "K/M/G/T (x1024) suffix, e.g. 32k."
+        )
+    number, suffix = match.groups()
+    if suffix in _DECIMAL_SUFFIXES:
+        return int(float(number) * _DECIMAL_SUFFIXES[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a fraction takes a decimal suffix (k/m/g/t), e.g. {number}{suffix.lower()}."
+        )
+    return int(number) * _BINARY_SUFFIXES.get(suffix, 1)
+
+
+human_readable_int.__name__ = "int"
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -82,9 +116,11 @@ def _scalar_type(annotation: Any) -> tuple[type, bool]:
     return annotation, False
 
 
-def _none_or(convert: type) -> Any:
+def _none_or(convert: Any, nones: Collection[str] = ()) -> Any:
+    """``convert``, with "none" (and ``nones``) meaning None."""
+
     def parse(text: str) -> Any:
-        return None if text.lower() == "none" else convert(text)
+        return None if text.lower() == "none" or text.lower() in nones else convert(text)
 
     parse.__name__ = convert.__name__
     return parse
@@ -117,11 +153,15 @@ def add_engine_args(
             default = field.default_factory()
         default = defaults.get(field.name, default)
         help_text = help_texts.get(field.name) or docs.get(field.name, field.name.replace("_", " "))
+        if field.name in HUMAN_READABLE_INTS:
+            help_text += " Takes 32k (x1000) or 16K (x1024) as well as digits."
+        if field.name == "max_model_len":
+            help_text += " 'auto' or -1: the model's own context length."
         help_text = help_text.replace("%", "%%") + " (default: %(default)s)"
         if kind is bool:
             # --flag / --no-flag; a nullable one stays None (auto) when neither is given.
             group.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
+                *flags, action=argparse.BooleanOptionalAction, default=default, help=help_text
             )
             continue
         if typing.get_origin(kind) is list:  # names, one or more: --flag a b
@@ -129,6 +169,9 @@ def add_engine_args(
             continue
         if kind is dict:
             converter: Any = _json_object
+        elif kind is int and field.name in HUMAN_READABLE_INTS:
+            nones = MODEL_MAX_SPELLINGS if field.name == "max_model_len" else ()
+            converter = _none_or(human_readable_int, nones)
         elif kind in (int, float, str):
             converter = _none_or(kind) if nullable else kind
         else:

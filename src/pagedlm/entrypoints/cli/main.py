@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line, with a ``--config`` file's values as the subcommand's defaults."""
+    argv = dashed_flags(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     path = getattr(args, "config", None)
@@ -157,6 +158,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         defaults.pop("model", None)  # MODEL on the command line wins over the file's
     subparser.set_defaults(**defaults)
     return parser.parse_args(argv)
+
+
+def dashed_flags(argv: list[str]) -> list[str]:
+    """``--max_model_len=4096`` as ``--max-model-len=4096``: vLLM's parser takes either
+    spelling of a long flag, so command lines written for it work here. Values and
+    everything after a bare ``--`` stay as given."""
+    dashed = []
+    for index, arg in enumerate(argv):
+        if arg == "--":
+            return dashed + argv[index:]
+        if arg.startswith("--"):
+            name, equals, value = arg.partition("=")
+            arg = name.replace("_", "-") + equals + value
+        dashed.append(arg)
+    return dashed
 
 
 def _run(args: argparse.Namespace, core_launch: CoreLaunch | None = None) -> None:

@@ -1,0 +1,67 @@
+"""Command lines written for vLLM parse here: long flags with underscores, counts such as
+``32k``, ``--max-model-len auto``, and vLLM's short flags."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedlm.engine.cli_args import engine_args_from_cli, human_readable_int
+from pagedlm.entrypoints.cli.main import dashed_flags, parse_args
+
+
+def test_underscored_flags_parse_and_values_keep_their_underscores() -> None:
+    args = parse_args(
+        ["serve", "my_model", "--max_model_len", "64", "--served_model_name=tiny_one",
+         "--enable_prefix_caching", "--tool_call_parser", "hermes"]
+    )  # fmt: skip
+    engine = engine_args_from_cli(args)
+    assert engine.model == "my_model" and engine.max_model_len == 64
+    assert args.served_model_name == ["tiny_one"] and args.tool_call_parser == "hermes"
+
+
+def test_nothing_after_a_bare_double_dash_is_rewritten() -> None:
+    assert dashed_flags(["serve", "--max_num_seqs=2", "--", "--keep_me"]) == [
+        "serve", "--max-num-seqs=2", "--", "--keep_me",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("4096", 4096), ("32k", 32_000), ("25.6k", 25_600), ("16K", 16_384), ("1G", 2**30),
+     ("1.5g", 1_500_000_000), ("2M", 2 * 2**20)],
+)  # fmt: skip
+def test_counts_take_vllms_suffixes(text: str, value: int) -> None:
+    assert human_readable_int(text) == value
+
+
+def test_the_count_flags_take_suffixes_and_the_model_length_takes_auto() -> None:
+    args = parse_args(
+        ["serve", "m", "--max-model-len", "32K", "--max-num-batched-tokens", "8k",
+         "--kv-cache-memory-bytes", "2G"]
+    )  # fmt: skip
+    assert (args.max_model_len, args.max_num_batched_tokens) == (32_768, 8_000)
+    assert args.kv_cache_memory_bytes == 2 * 2**30
+    for spelling in ("auto", "-1", "none"):
+        assert parse_args(["serve", "m", "--max-model-len", spelling]).max_model_len is None
+
+
+@pytest.mark.parametrize("text", ["1.5K", "12x", "k", "-3"])
+def test_a_bad_count_names_the_flag(text: str, capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "m", "--max-num-batched-tokens", text])
+    assert "--max-num-batched-tokens" in capsys.readouterr().err
+
+
+def test_vllms_short_flags() -> None:
+    args = engine_args_from_cli(parse_args(["serve", "m", "-q", "fp8", "-ep", "-dpn", "1",
+                                            "-dp", "2"]))  # fmt: skip
+    assert args.quantization == "fp8" and args.enable_expert_parallel
+    assert (args.data_parallel_size, args.data_parallel_rank) == (2, 1)
+
+
+def test_dpr_is_refused_since_vllm_means_another_rank_by_it(capsys) -> None:
+    # vLLM's -dpr is --data-parallel-start-rank: taking it as the rank would run the wrong
+    # replica without a word.
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "m", "-dpr", "1"])
+    assert "unrecognized arguments: -dpr" in capsys.readouterr().err
