@@ -360,6 +360,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     """A prompt computes at most this many tokens per step (vLLM's flag), leaving the rest
     of the budget to other requests; 0: no cap beyond the budget."""
+    stream_interval: int = 1
+    """A running request's outputs go to the caller every this many new tokens (after its
+    first ones; vLLM's flag): the front end's work per token, not the engine's."""
     whole_prompts: bool = False
     """A prompt is scheduled in one step or waits (the pooling runner: mean and CLS pooling
     and bidirectional attention need every token of the prompt in the same forward)."""

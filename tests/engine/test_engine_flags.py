@@ -111,3 +111,24 @@ def test_disable_sliding_window_caps_the_context_at_the_window(tmp_path) -> None
         max_len(tmp_path / "mistral", disable_sliding_window=True, max_model_len=64)
     args = engine_args_from_cli(build_parser().parse_args(["serve", "--disable-sliding-window"]))
     assert args.disable_sliding_window is True
+
+
+def test_stream_interval_reaches_the_output_processor(tiny_checkpoint) -> None:
+    from pagedlm.engine.llm_engine import LLMEngine
+    from pagedlm.sampling_params import RequestOutputKind, SamplingParams
+
+    args = engine_args_from_cli(build_parser().parse_args(["serve", "--stream-interval", "4"]))
+    assert args.stream_interval == 4 and EngineArgs().stream_interval == 1  # vLLM's default
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(str(tiny_checkpoint("llama")), skip_tokenizer_init=True, num_kv_blocks=8,
+                   max_model_len=64, stream_interval=4)
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=10, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    engine.add_request("r", {"prompt_token_ids": [1, 2, 3]}, params)
+    sizes = []
+    while engine.has_unfinished_requests():
+        sizes += [len(out.outputs[0].token_ids) for out in engine.step()]
+    assert sizes == [1, 4, 4, 1], sizes  # the first token, every 4, the rest when finished
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="stream_interval"):
+            EngineArgs(str(tiny_checkpoint("llama")), stream_interval=bad).create_engine_config()

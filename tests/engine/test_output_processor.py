@@ -262,3 +262,36 @@ def test_cached_tokens_and_metrics_are_reported(bpe_tokenizer):
     }
     assert last.metrics["finished_time"] >= last.metrics["first_token_time"]
     assert last.metrics["num_generation_tokens"] == 2.0
+
+
+@pytest.mark.parametrize("kind", [DELTA, CUMULATIVE])
+def test_stream_interval_speaks_on_the_first_tokens_then_every_n(bpe_tokenizer, kind):
+    ids = bpe_tokenizer.encode("one two three four five six seven")
+    processor = OutputProcessor(bpe_tokenizer, stream_interval=3)
+    add(processor, SamplingParams(output_kind=kind, max_tokens=99))
+    results = run_steps(processor, "r", [[t] for t in ids])
+    spoke = [i for i, result in enumerate(results) if result.request_outputs]
+    # the first token, then after 3 more each time, and the finishing step whatever it holds
+    assert len(ids) > 7 and spoke == sorted({*range(0, len(ids) - 1, 3), len(ids) - 1})
+    outputs = [out.outputs[0] for result in results for out in result.request_outputs]
+    if kind is DELTA:
+        assert [t for out in outputs for t in out.token_ids] == ids
+        assert "".join(out.text for out in outputs) == bpe_tokenizer.decode(ids)
+        assert [len(out.token_ids) for out in outputs[:3]] == [1, 3, 3]
+    else:
+        assert outputs[-1].token_ids == ids and outputs[1].token_ids == ids[:4]
+
+
+def test_stream_interval_keeps_every_held_child_of_n(bpe_tokenizer):
+    processor = OutputProcessor(bpe_tokenizer, stream_interval=4)
+    add(processor, SamplingParams(n=2, output_kind=DELTA), children=["a", "b"])
+    a, b = bpe_tokenizer.encode("alpha beta gamma"), bpe_tokenizer.encode("one two three")
+    assert feed(processor, "a", a[:1]).request_outputs  # the first tokens speak
+    assert not feed(processor, "b", b[:1]).request_outputs  # 1 held
+    assert not feed(processor, "a", a[1:2]).request_outputs  # 2 held
+    [out] = feed(processor, "b", b[1:3]).request_outputs  # 4: both children, all they held
+    assert {(c.index, tuple(c.token_ids)) for c in out.outputs} == {
+        (0, tuple(a[1:2])), (1, tuple(b[:3])),
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="stream_interval"):
+        OutputProcessor(bpe_tokenizer, stream_interval=0)

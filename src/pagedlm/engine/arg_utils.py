@@ -134,6 +134,10 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     """A prompt computes at most this many tokens per step (vLLM's flag), so one long
     prompt does not take a step's whole budget from the others; 0: no cap."""
+    stream_interval: int = 1
+    """Hand a running request's output to the caller (a stream, an async generator) every
+    this many new tokens after its first ones (vLLM's flag): larger values cost the front
+    end less per token when it serves many streams, and make each chunk longer."""
     max_logprobs: int = 20
     """The most logprobs (and prompt logprobs) per token a request may ask for (vLLM's
     flag); -1: the whole vocabulary."""
@@ -409,6 +413,7 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 whole_prompts=whole_prompts,
                 long_prefill_token_threshold=self._long_prefill_token_threshold(whole_prompts),
+                stream_interval=self._stream_interval(),
                 max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
                 encoder_cache_size=self.encoder_cache_size,
             ),
@@ -576,6 +581,12 @@ class EngineArgs:
                 "prompts run whole here (chunked prefill off, or a pooling model); drop it."
             )
         return threshold
+
+    def _stream_interval(self) -> int:
+        value = self.stream_interval
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1 (tokens), got {value!r}.")
+        return value
 
     def _logprobs_mode(self) -> str:
         from pagedlm.sample.logprobs import check_logprobs_mode

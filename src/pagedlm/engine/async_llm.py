@@ -122,7 +122,7 @@ class AsyncLLM:
             args.engine_heartbeat_timeout_s, busy_num_waiting=config.scheduler.max_num_seqs
         )
         self._death_waiters: list[asyncio.Future] = []
-        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, config.scheduler.stream_interval)
         self.metrics = EngineMetrics(
             config.model.max_model_len, cache_info(config.cache, ready.num_kv_blocks)
         )

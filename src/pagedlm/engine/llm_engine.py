@@ -45,7 +45,9 @@ class LLMEngine:
             multimodal_config=config.multimodal,
             logits_processors=config.logits_processors,
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, config.scheduler.stream_interval
+        )
         self.engine_core = make_engine_core(config, platform)
         self.metrics = EngineMetrics(
             config.model.max_model_len, cache_info(config.cache, self.engine_core.num_kv_blocks)

@@ -9,6 +9,10 @@ processor is where they meet again. Each step it folds every child's new tokens 
 - CUMULATIVE: all children, each with everything so far.
 - FINAL_ONLY: all children, once, when the last one finishes.
 
+With ``stream_interval`` N > 1 (vLLM's ``--stream-interval``) an unfinished parent speaks
+only on its first tokens and then once N more have come (DELTA outputs then carry those
+N tokens at once): fewer, larger outputs for a front end serving many streams.
+
 A parent is finished when all its children are. ``prompt_logprobs`` (``[None]`` plus
 one dict per later prompt position, gathered across prefill chunks) ride on the first
 output in DELTA mode and on every output otherwise. A pooling request's one output is a
@@ -69,6 +73,12 @@ class _ParentRequest:
         """Tokens its children kept in the step being processed."""
         self.pooled: list[float] | None = None
         """A pooling request's vector, once its step is done."""
+        self.held: list[CompletionState] = []
+        """Children changed since the last output, which ``stream_interval`` held back."""
+        self.tokens_held = 0
+        """Tokens they kept since then."""
+        self.spoken = False
+        """Whether an output went out yet."""
 
     @property
     def finished(self) -> bool:
@@ -141,8 +151,13 @@ class OutputProcessor:
     every ``Logprob.decoded_token`` None, as with ``detokenize=False``.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase | None, stream_interval: int = 1
+    ) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {stream_interval}.")
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self._detokenizers = DetokenizerFactory(tokenizer) if tokenizer is not None else None
         self._token_texts = TokenTextCache(tokenizer) if tokenizer is not None else None
         self._parents: dict[str, _ParentRequest] = {}
@@ -239,15 +254,30 @@ class OutputProcessor:
         final_only = RequestOutputKind.FINAL_ONLY
         for parent, changed_children in changed.items():
             parent.record_step(now, parent.step_new_tokens)
+            parent.tokens_held += parent.step_new_tokens
             parent.step_new_tokens = 0
             if parent.num_unfinished == 0:
                 del self._parents[parent.request_id]
             elif parent.output_kind is final_only:
                 continue  # nothing to say before it finishes
+            elif self.stream_interval > 1 and self._hold(parent, changed_children):
+                continue
+            if parent.held:
+                changed_children = _merged(parent.held, changed_children)
+                parent.held = []
+            parent.spoken, parent.tokens_held = True, 0
             request_output = parent.make_output(changed_children)
             if request_output is not None:
                 request_outputs.append(request_output)
         return ProcessedOutputs(request_outputs, reqs_to_abort)
+
+    def _hold(self, parent: _ParentRequest, changed: list[CompletionState]) -> bool:
+        """Whether ``stream_interval`` holds this unfinished parent's output back (keeping
+        its changed children for the next one)."""
+        if not parent.spoken or parent.tokens_held >= self.stream_interval:
+            return False
+        parent.held = _merged(parent.held, changed)
+        return True
 
     def _logprob_token_ids(self, outputs: list[EngineCoreOutput]) -> Iterable[int]:
         for output in outputs:
@@ -274,3 +304,8 @@ class OutputProcessor:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._parents)
+
+
+def _merged(first: list[CompletionState], then: list[CompletionState]) -> list[CompletionState]:
+    """Both lists' children, each once, in first-seen order."""
+    return list(dict.fromkeys([*first, *then]))
