@@ -51,17 +51,30 @@ def paged_logits(model_dir: str, tp_size: int) -> torch.Tensor:
         return model.compute_logits(model(torch.tensor(ids), torch.tensor(positions), ctx))
 
 
-def _worker(rank: int, world_size: int, model_dir: str, init_file: str, out_dir: str) -> None:
+def _worker(
+    rank: int, world_size: int, model_dirs: list[str], init_file: str, out_dir: str
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
     )
     try:
         init_tensor_model_parallel(rank, world_size)
-        torch.save(paged_logits(model_dir, world_size), f"{out_dir}/rank{rank}.pt")
+        for i, model_dir in enumerate(model_dirs):
+            torch.save(paged_logits(model_dir, world_size), f"{out_dir}/model{i}-rank{rank}.pt")
     finally:
         destroy_tensor_model_parallel()
         dist.destroy_process_group()
+
+
+def assert_two_ranks_match_one(model_dirs: list[str], tmp_path: Path, **tolerance) -> None:
+    """Each model's logits sharded over two gloo worker processes equal one process's."""
+    expected = [paged_logits(model_dir, 1) for model_dir in model_dirs]
+    mp.spawn(_worker, args=(2, model_dirs, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    for i, want in enumerate(expected):
+        for rank in range(2):
+            got = torch.load(tmp_path / f"model{i}-rank{rank}.pt")
+            torch.testing.assert_close(got, want, **tolerance)
 
 
 @pytest.mark.slow
@@ -80,13 +93,4 @@ def test_two_ranks_match_one(tmp_path: Path, tie: bool) -> None:
     )
     model_dir = tmp_path / "model"
     transformers.Qwen2ForCausalLM(config).save_pretrained(model_dir)
-    expected = paged_logits(str(model_dir), 1)
-
-    mp.spawn(
-        _worker,
-        args=(2, str(model_dir), str(tmp_path / "init"), str(tmp_path)),
-        nprocs=2,
-        join=True,
-    )
-    for rank in range(2):
-        torch.testing.assert_close(torch.load(tmp_path / f"rank{rank}.pt"), expected)
+    assert_two_ranks_match_one([str(model_dir)], tmp_path)

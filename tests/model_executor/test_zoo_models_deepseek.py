@@ -18,14 +18,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from model_executor.test_tensor_parallel import paged_logits
+from model_executor.test_tensor_parallel import assert_two_ranks_match_one
 from model_utils import PagedRunner
 from pagedlm.config import ArchConfig
-from pagedlm.distributed import destroy_tensor_model_parallel, init_tensor_model_parallel
 from pagedlm.model_executor.layers.moe import (
     ExpertGroups,
     ExpertRouting,
@@ -343,22 +340,6 @@ def test_correction_bias_stays_float32_in_a_bfloat16_model() -> None:
 # ---- tensor parallel -----------------------------------------------------------------
 
 
-def _tensor_parallel_worker(
-    rank: int, world_size: int, model_dirs: list[str], init_file: str, out_dir: str
-) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
-    )
-    try:
-        init_tensor_model_parallel(rank, world_size)
-        for i, model_dir in enumerate(model_dirs):
-            torch.save(paged_logits(model_dir, world_size), f"{out_dir}/model{i}-rank{rank}.pt")
-    finally:
-        destroy_tensor_model_parallel()
-        dist.destroy_process_group()
-
-
 @pytest.mark.slow
 def test_two_ranks_match_one(tmp_path: Path) -> None:
     """Heads split over two gloo ranks (q and kv_b column-parallel, o_proj row-parallel),
@@ -367,14 +348,4 @@ def test_two_ranks_match_one(tmp_path: Path) -> None:
     for name in ("v2_lite", "v3"):
         save_deepseek(tmp_path / name, *CASES[name])
         model_dirs.append(str(tmp_path / name))
-    expected = [paged_logits(model_dir, 1) for model_dir in model_dirs]
-    mp.spawn(
-        _tensor_parallel_worker,
-        args=(2, model_dirs, str(tmp_path / "init"), str(tmp_path)),
-        nprocs=2,
-        join=True,
-    )
-    for i, want in enumerate(expected):
-        for rank in range(2):
-            got = torch.load(tmp_path / f"model{i}-rank{rank}.pt")
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert_two_ranks_match_one(model_dirs, tmp_path, atol=1e-5, rtol=0)
