@@ -30,6 +30,17 @@ _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 @functools.lru_cache(maxsize=16)
 def compile_template(template: str) -> Any:
     """The compiled ``jinja2.Template`` (cached: a server renders one template many times)."""
+    return _environment().from_string(template)
+
+
+def parse_template(template: str) -> Any:
+    """The template's syntax tree (a ``jinja2.nodes.Template``), parsed by the environment
+    that renders it (its ``{% generation %}`` and loop-control tags known); nothing runs."""
+    return _environment().parse(template)
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> Any:
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -83,7 +94,7 @@ def compile_template(template: str) -> Any:
     environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     environment.globals["dict"] = _SafeDict()
     environment.globals["namespace"] = Namespace
-    return environment.from_string(template)
+    return environment
 
 
 def _tojson(

@@ -13,6 +13,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from tqdm.auto import tqdm
 
 from pagedlm.beam_search import BeamSearchOutput, BeamSearchParams
+from pagedlm.chat_content import (
+    ContentFormatOption,
+    check_content_format,
+    format_conversation,
+    resolve_content_format,
+    template_source,
+)
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.input_processor import ProcessedRequest, PromptType
 from pagedlm.engine.llm_engine import LLMEngine
@@ -481,12 +488,21 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_content_format: ContentFormatOption = "auto",
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate.
-        ``tools``: OpenAI-style tool definitions for the template to render (vLLM's)."""
+        ``tools``: OpenAI-style tool definitions for the template to render (vLLM's).
+        ``chat_template_content_format`` (vLLM's): message content as a string ("string":
+        text parts joined with newlines), as OpenAI's list of parts ("openai"), or
+        ("auto") as the template reads it (``pagedlm.chat_content``); conversations with
+        images keep their parts for the processor's template."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat() needs a tokenizer; do not set skip_tokenizer_init=True.")
+        content_format = resolve_content_format(
+            check_content_format(chat_template_content_format),
+            template_source(tokenizer, chat_template, tools),
+        )
         if continue_final_message and add_generation_prompt:
             raise ValueError(
                 "continue_final_message=True continues the last message; set "
@@ -506,7 +522,7 @@ class LLM:
                     **(chat_template_kwargs or {}),
                 )
             token_ids = tokenizer.apply_chat_template(
-                list(conversation),
+                format_conversation(conversation, content_format),
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,

@@ -1,0 +1,196 @@
+"""How a chat message's ``content`` reaches the chat template (vLLM's
+``chat_template_content_format``).
+
+Templates read content one of two ways: most print ``message['content']`` and want a
+string; some (Llama 4, Gemma 3, most vision models) loop over it and want OpenAI's list of
+parts. The format is one of
+
+- ``"string"``: the text parts joined with newlines into one string (``None`` is "");
+- ``"openai"``: a list of ``{"type": "text", "text": ...}`` parts (a string becomes one
+  part, ``None`` none); a tool message of text parts only still gets a string, as most
+  templates print tool results as they are;
+- ``"auto"``: ``"openai"`` if the template loops over some message's content, else
+  ``"string"``, read from the template's syntax tree (nothing runs), as vLLM does: a
+  ``{% for ... in X %}`` counts when X is ``messages`` or a name set from it (through
+  filters, tests and slices) and Y is its loop variable's ``content``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+ContentFormatOption = Literal["auto", "string", "openai"]
+ContentFormat = Literal["string", "openai"]
+CONTENT_FORMAT_OPTIONS: tuple[str, ...] = ("auto", "string", "openai")
+
+
+def check_content_format(option: str) -> ContentFormatOption:
+    if option not in CONTENT_FORMAT_OPTIONS:
+        raise ValueError(
+            f"chat_template_content_format={option!r} is not one of {list(CONTENT_FORMAT_OPTIONS)}."
+        )
+    return option  # type: ignore[return-value]
+
+
+def resolve_content_format(option: ContentFormatOption, template: str | None) -> ContentFormat:
+    """``option``, or for "auto" the format ``template`` reads ("string" without one)."""
+    if option != "auto":
+        return option
+    return "string" if template is None else detect_content_format(template)
+
+
+def template_source(tokenizer: Any, chat_template: str | None, tools: Any = None) -> str | None:
+    """The template text ``apply_chat_template`` would use: ``chat_template`` (or, for a
+    tokenizer with named templates, the one it names), else the tokenizer's ("tool_use"
+    when there are tools and it has one); None when there is none."""
+    try:
+        source = tokenizer.get_chat_template(chat_template, tools=tools)
+    except AttributeError:  # a tokenizer without named templates (GGUFTokenizer)
+        source = chat_template if chat_template is not None else tokenizer.chat_template
+    except ValueError:  # no template at all; rendering says so
+        return None
+    return source if isinstance(source, str) else None
+
+
+@functools.lru_cache(maxsize=32)
+def detect_content_format(template: str) -> ContentFormat:
+    """The format ``template`` reads: "openai" when it loops over a message's content, else
+    "string" (also when it does not parse: rendering then reports the template's error)."""
+    from pagedlm.chat_templates import parse_template
+
+    try:
+        tree = parse_template(template)
+        found = next(_content_loops(tree), None) is not None
+    except Exception as error:  # a syntax error, or a tree too deep to walk
+        logger.debug("chat template not parsed for its content format: %s", error)
+        return "string"
+    return "openai" if found else "string"
+
+
+def _content_loops(tree: Any) -> Iterator[Any]:
+    """The ``For`` nodes whose iterable is a message's content."""
+    import jinja2.nodes as nodes
+
+    message_names = {loop.target.name for loop in _loops_over(tree, _names_of(tree, "messages"))}
+    for loop in tree.find_all(nodes.For):
+        if any(_reads(loop.iter, name, "content") for name in message_names):
+            yield loop
+
+
+def _names_of(tree: Any, root: str) -> set[str]:
+    """``root`` and every name set (``{% set x = ... %}``) from one of these names."""
+    import jinja2.nodes as nodes
+
+    names, pending = {root}, [root]
+    while pending:
+        name = pending.pop()
+        for assign in tree.find_all(nodes.Assign):
+            target = assign.target
+            new = isinstance(target, nodes.Name) and target.name not in names
+            if new and _reads(assign.node, name):
+                names.add(target.name)
+                pending.append(target.name)
+    return names
+
+
+def _loops_over(tree: Any, names: set[str]) -> Iterator[Any]:
+    """``For`` nodes over one of ``names`` with a single loop variable."""
+    import jinja2.nodes as nodes
+
+    for loop in tree.find_all(nodes.For):
+        if isinstance(loop.target, nodes.Name) and any(_reads(loop.iter, n) for n in names):
+            yield loop
+
+
+def _reads(node: Any, name: str, key: str | None = None) -> bool:
+    """``node`` is ``name`` (or ``name[key]`` / ``name.key``), maybe filtered, tested or
+    sliced."""
+    import jinja2.nodes as nodes
+
+    while (isinstance(node, nodes.Filter | nodes.Test) and node.node is not None) or (
+        isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)
+    ):
+        node = node.node
+    if key is None:
+        return _is_name(node, name)
+    if isinstance(node, nodes.Getitem):
+        return (
+            _is_name(node.node, name)
+            and isinstance(node.arg, nodes.Const)
+            and node.arg.value == key
+        )
+    return isinstance(node, nodes.Getattr) and _is_name(node.node, name) and node.attr == key
+
+
+def _is_name(node: Any, name: str) -> bool:
+    import jinja2.nodes as nodes
+
+    return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == name
+
+
+def format_conversation(
+    conversation: Sequence[dict[str, Any]], content_format: ContentFormat
+) -> list[dict[str, Any]]:
+    """The messages (copies) with ``content`` in ``content_format``. Content is a string,
+    None, or a list of parts: strings or ``{"type": "text", "text": ...}``, and, kept
+    as they are in "openai", other parts (a ``ValueError`` in "string")."""
+    formatted = []
+    for i, message in enumerate(conversation):
+        if not isinstance(message, dict):  # the renderer refuses it, naming it
+            formatted.append(message)
+            continue
+        content = message.get("content")
+        where = f"messages.{i}.content"
+        if content_format == "string":
+            content = "\n".join(_texts(content, where))
+        else:
+            content = _parts(content, where)
+            if message.get("role") == "tool" and all(p.get("type") == "text" for p in content):
+                content = "\n".join(part["text"] for part in content)
+        formatted.append({**message, "content": content})
+    return formatted
+
+
+def _texts(content: Any, where: str) -> list[str]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    texts = []
+    for j, part in enumerate(content):
+        text = _part_text(part)
+        if text is None:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(
+                f"{where}.{j}: a part of type {kind!r} cannot be joined into the string "
+                'content this chat template reads; send {"type": "text", "text": ...} '
+                "parts, or use chat_template_content_format='openai'."
+            )
+        texts.append(text)
+    return texts
+
+
+def _parts(content: Any, where: str) -> list[Any]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    parts = []
+    for part in content:
+        text = _part_text(part)
+        parts.append(part if text is None else {"type": "text", "text": text})
+    return parts
+
+
+def _part_text(part: Any) -> str | None:
+    """The text of a text part (a string or a ``"text"`` part); None for other parts."""
+    if isinstance(part, str):
+        return part
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    return None

@@ -1,0 +1,52 @@
+"""``LLM.chat(chat_template_content_format=...)`` (vLLM's): message content handed to the
+template as a string, as OpenAI's parts, or ("auto") as the template reads it."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedlm import LLM, SamplingParams
+
+PARTS_TEMPLATE = (
+    "{% for m in messages %}{% if m['content'] is string %}S:{{ m['content'] }}"
+    "{% else %}{% for part in m['content'] %}P:{{ part['text'] }},{% endfor %}{% endif %};"
+    "{% endfor %}"
+)
+STRING_TEMPLATE = "{% for m in messages %}{{ m['content'] }};{% endfor %}"
+MESSAGES = [
+    {"role": "user", "content": "hi"},
+    {"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]},
+]
+
+
+@pytest.fixture(scope="module")
+def llm(chat_checkpoint):
+    llm = LLM(str(chat_checkpoint), num_kv_blocks=64, block_size=16, max_model_len=128)
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("content_format", "template", "expected"),
+    [
+        ("auto", STRING_TEMPLATE, "hi;x\ny;"),
+        ("auto", PARTS_TEMPLATE, "P:hi,;P:x,P:y,;"),
+        ("string", PARTS_TEMPLATE, "S:hi;S:x\ny;"),
+        ("openai", PARTS_TEMPLATE, "P:hi,;P:x,P:y,;"),
+    ],
+)
+def test_chat_content_format(llm, content_format, template, expected):
+    (out,) = llm.chat(
+        MESSAGES,
+        SamplingParams(temperature=0, max_tokens=1),
+        use_tqdm=False,
+        chat_template=template,
+        add_generation_prompt=False,
+        chat_template_content_format=content_format,
+    )
+    assert llm.get_tokenizer().decode(out.prompt_token_ids) == expected
+
+
+def test_an_unknown_content_format_is_refused(llm):
+    with pytest.raises(ValueError, match="chat_template_content_format='list' is not one of"):
+        llm.chat(MESSAGES, use_tqdm=False, chat_template_content_format="list")
