@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import inspect
+import json
 import logging
 import os
 import signal
@@ -27,6 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from pagedlm.chat_content import CONTENT_FORMAT_OPTIONS
 from pagedlm.engine.cli_args import engine_args_from_cli
 from pagedlm.engine.core_launch import CoreLaunch
 from pagedlm.entrypoints.openai.admin import AdminOptions, add_admin_args
@@ -147,6 +149,23 @@ def add_serving_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="Jinja chat template: a file path or the template itself (default: the tokenizer's).",
     )
     group.add_argument(
+        "--default-chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="Keyword arguments for the chat template of every request, a JSON object such "
+        "as '{\"enable_thinking\": false}'; a request's chat_template_kwargs override them "
+        "key by key (vLLM's flag; default: none).",
+    )
+    group.add_argument(
+        "--chat-template-content-format",
+        default="auto",
+        choices=CONTENT_FORMAT_OPTIONS,
+        help="How message content reaches the chat template: 'string' (text parts joined "
+        'with newlines), \'openai\' (a list of {"type": "text", "text": ...} parts) or '
+        "'auto', the one the template reads (a template that loops over a message's "
+        "content gets 'openai') (vLLM's flag; default: %(default)s).",
+    )
+    group.add_argument(
         "--response-role",
         default="assistant",
         help="The role chat completions answer with (default: %(default)s).",
@@ -209,6 +228,7 @@ def check_serving_args(args: argparse.Namespace) -> RequestLimits:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser (e.g. hermes).")
     check_parser_args(args)
+    read_template_kwargs(args.default_chat_template_kwargs)
     try:
         return limits_from_args(args)
     except ValueError as error:
@@ -277,6 +297,33 @@ def read_chat_template(value: str | None) -> str | None:
     if "{" not in value:
         raise SystemExit(
             f"error: --chat-template {value!r} is neither a file nor a Jinja template."
+        )
+    return value
+
+
+def read_template_kwargs(value: Any) -> dict[str, Any]:
+    """``--default-chat-template-kwargs``: a JSON object (a mapping from a ``--config``
+    file) of keys the server does not set itself; a bad one exits naming the flag."""
+    from pagedlm.entrypoints.openai.protocol import RESERVED_TEMPLATE_KWARGS
+
+    flag = "--default-chat-template-kwargs"
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as error:
+            raise SystemExit(f"error: {flag} is not JSON ({error}): {value!r}.") from None
+    if not isinstance(value, dict):
+        raise SystemExit(
+            f"error: {flag} takes a JSON object such as '{{\"enable_thinking\": false}}', "
+            f"not {value!r}."
+        )
+    reserved = sorted(set(value) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise SystemExit(
+            f"error: {flag} may not set {reserved}: the server sets these itself from each "
+            "request (its tools, add_generation_prompt, ...)."
         )
     return value
 
@@ -445,6 +492,8 @@ def serving_context(
         model_names=list(names),
         metrics=PrometheusMetrics(names[0]),
         chat_template=chat_template,
+        default_chat_template_kwargs=read_template_kwargs(args.default_chat_template_kwargs),
+        chat_template_content_format=args.chat_template_content_format,
         tokenizer=engine.get_tokenizer(),
         max_model_len=engine.config.model.max_model_len,
         tool_parser=args.tool_call_parser,

@@ -343,8 +343,7 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
             raise APIError("Send exactly one of prompt or messages.")
         if body.messages is not None:
             conversation = [
-                {"role": m.role, "content": m.text(f"messages.{i}")}
-                for i, m in enumerate(body.messages)
+                m.template_message(f"messages.{i}") for i, m in enumerate(body.messages)
             ]
             tokens = await ctx.apply_chat_template(
                 conversation, None, body.add_generation_prompt, False, {}

@@ -93,7 +93,9 @@ async def multimodal_prompt(
     images to a vision-language model; None otherwise (the text path takes it).
 
     The template is the server's ``--chat-template`` or the processor's; a request's own
-    ``chat_template`` is refused here (the text path renders those sandboxed)."""
+    ``chat_template`` is refused here (the text path renders those sandboxed). Content
+    parts stay a list whatever ``--chat-template-content-format`` says (the processor's
+    template places the images by them); ``--default-chat-template-kwargs`` apply."""
     inputs = _inputs(ctx)
     if conversation is None or inputs is None:
         return None
@@ -103,6 +105,7 @@ async def multimodal_prompt(
             "model's processor template, or the server's --chat-template, applies).",
             param="chat_template",
         )
+    template_kwargs = {**ctx.default_chat_template_kwargs, **template_kwargs}
     template_kwargs["chat_template"] = ctx.chat_template
     try:
         messages, sources = split_images(conversation)

@@ -2,7 +2,8 @@
 
 Content is a string or a list of parts; only text parts are served (this server runs
 text-only models), and a malformed or unsupported part is a 400 naming its place
-("messages.2.content.1") and the fix.
+("messages.2.content.1") and the fix. Templates get the parts as they came; the renderer
+hands them on as one string or as the list (``pagedlm.chat_content``).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class ChatMessage(RequestModel):
     def template_message(self, where: str) -> dict[str, Any]:
         """The message as chat templates expect it (tool-call arguments as objects);
         ``where`` ("messages.3") locates it in errors."""
-        message: dict[str, Any] = {"role": self.role, "content": self.text(where)}
+        message: dict[str, Any] = {"role": self.role, "content": self.template_content(where)}
         if self.tool_calls:
             message["tool_calls"] = [_template_tool_call(call) for call in self.tool_calls]
         if self.tool_call_id is not None:
@@ -67,14 +68,14 @@ class ChatMessage(RequestModel):
             message["name"] = self.name
         return message
 
-    def text(self, where: str) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
+    def template_content(self, where: str) -> str | list[dict[str, str]] | None:
+        """The content, its parts checked and rebuilt as ``{"type": "text", "text": ...}``."""
+        if self.content is None or isinstance(self.content, str):
             return self.content
-        return "\n".join(
-            _part_text(part, f"{where}.content.{j}") for j, part in enumerate(self.content)
-        )
+        return [
+            {"type": "text", "text": _part_text(part, f"{where}.content.{j}")}
+            for j, part in enumerate(self.content)
+        ]
 
 
 def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:

@@ -5,15 +5,33 @@ renders and the text is tokenized on a worker thread. A request's ``chat_templat
 code written by the client: it is refused (vLLM's message and flag) unless the server
 runs with ``--trust-request-chat-template``, and then renders in a ``TemplateSandbox``
 worker process with time and size limits.
+
+Every render takes the server's ``--default-chat-template-kwargs`` under the request's own
+kwargs, and hands message content to the template in the format
+``--chat-template-content-format`` names (``pagedlm.chat_content``; "auto": the one the
+template reads).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
+from pagedlm.chat_content import (
+    ContentFormatOption,
+    format_conversation,
+    resolve_content_format,
+    template_source,
+)
 from pagedlm.entrypoints.openai.errors import APIError
-from pagedlm.entrypoints.openai.template_sandbox import TemplateError, TemplateSandbox
+from pagedlm.entrypoints.openai.template_sandbox import (
+    MAX_TEMPLATE_CHARS,
+    TemplateError,
+    TemplateSandbox,
+)
+
+logger = logging.getLogger("pagedlm.server")
 
 UNTRUSTED_TEMPLATE_MESSAGE = (
     "Chat template is passed with request, but --trust-request-chat-template is not set. "
@@ -24,12 +42,22 @@ UNTRUSTED_TEMPLATE_MESSAGE = (
 
 class ChatTemplateRenderer:
     def __init__(
-        self, tokenizer: Any, server_template: str | None, trust_request_templates: bool
+        self,
+        tokenizer: Any,
+        server_template: str | None,
+        trust_request_templates: bool,
+        default_kwargs: dict[str, Any] | None = None,
+        content_format: ContentFormatOption = "auto",
     ) -> None:
         self.tokenizer = tokenizer
         self.server_template = server_template
         self.trust_request_templates = trust_request_templates
+        self.default_kwargs = dict(default_kwargs or {})
+        """``--default-chat-template-kwargs`` (a request's own kwargs override them)."""
+        self.content_format = content_format
+        """``--chat-template-content-format``."""
         self._sandbox: TemplateSandbox | None = None
+        self._logged_sources: set[str] = set()
 
     def start(self) -> None:
         """Start the sandbox's workers in the background if request templates are trusted
@@ -51,9 +79,16 @@ class ChatTemplateRenderer:
     ) -> list[int]:
         """Raises ``APIError`` (400) for a refused, failing or too costly template."""
         tokenizer = self.tokenizer
+        template_kwargs = {**self.default_kwargs, **template_kwargs}
         if request_template is not None:
             if not self.trust_request_templates:
                 raise APIError(UNTRUSTED_TEMPLATE_MESSAGE, param="chat_template")
+            # Parsed, never run, here; one past the limit is refused by the sandbox.
+            source = request_template if len(request_template) <= MAX_TEMPLATE_CHARS else None
+            if self.content_format == "auto":
+                conversation = await asyncio.to_thread(self._formatted, conversation, source)
+            else:
+                conversation = self._formatted(conversation, source)
             try:
                 text = await self._get_sandbox().render(
                     request_template,
@@ -72,9 +107,11 @@ class ChatTemplateRenderer:
             )
 
         def render_and_encode() -> list[int]:
+            source = template_source(tokenizer, self.server_template, template_kwargs.get("tools"))
+            messages = self._formatted(conversation, source, log=True)
             try:
                 text = tokenizer.apply_chat_template(
-                    conversation,
+                    messages,
                     chat_template=self.server_template,
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
@@ -86,6 +123,23 @@ class ChatTemplateRenderer:
             return _encode(tokenizer, text)
 
         return await asyncio.to_thread(render_and_encode)
+
+    def _formatted(
+        self, conversation: list[dict[str, Any]], source: str | None, log: bool = False
+    ) -> list[dict[str, Any]]:
+        """``conversation`` with its content in the format for the template ``source``."""
+        content_format = resolve_content_format(self.content_format, source)
+        if log and self.content_format == "auto" and source not in self._logged_sources:
+            self._logged_sources.add(source)  # type: ignore[arg-type]
+            logger.info(
+                "The chat template reads message content as %r (detected; "
+                "--chat-template-content-format overrides this).",
+                content_format,
+            )
+        try:
+            return format_conversation(conversation, content_format)
+        except ValueError as error:
+            raise APIError(str(error), param="messages") from error
 
     def _get_sandbox(self) -> TemplateSandbox:
         if self._sandbox is None:

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from pagedlm.beam_search import BeamSearchParams
+from pagedlm.chat_content import check_content_format
 from pagedlm.engine.concurrent_requests import final_output, gather_all
 from pagedlm.engine.exceptions import EngineDeadError
 from pagedlm.entrypoints.openai.chat_template import ChatTemplateRenderer
@@ -58,6 +59,12 @@ class ServingContext:
     """Names a request's ``model`` may use; the first is reported in responses."""
     metrics: PrometheusMetrics
     chat_template: str | None = None
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """``--default-chat-template-kwargs``: every chat template render gets these under the
+    request's own ``chat_template_kwargs``."""
+    chat_template_content_format: str = "auto"
+    """``--chat-template-content-format``: message content as a string, OpenAI's list of
+    parts, or ("auto") whichever the template reads (``pagedlm.chat_content``)."""
     tokenizer: Any = None
     max_model_len: int = 0
     tool_parser: str | None = None
@@ -171,7 +178,11 @@ class ServingContext:
     def chat_templates(self) -> ChatTemplateRenderer:
         if self._templates is None:
             self._templates = ChatTemplateRenderer(
-                self.require_tokenizer(), self.chat_template, self.trust_request_chat_template
+                self.require_tokenizer(),
+                self.chat_template,
+                self.trust_request_chat_template,
+                self.default_chat_template_kwargs,
+                check_content_format(self.chat_template_content_format),
             )
         return self._templates
 
