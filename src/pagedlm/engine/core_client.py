@@ -41,6 +41,7 @@ from pagedlm.engine.messages import (
     make_core_decoder,
     make_encoder,
 )
+from pagedlm.logging_config import LOG_LEVEL_ENV, LOGGING_CONFIG_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +59,10 @@ class CoreClient:
     def __init__(self, args: EngineArgs, launch: CoreLaunch | None = None) -> None:
         """Start the core for ``args``, in ``launch``'s process if one was started early
         (``core_launch``; this client then owns it)."""
-        log_level = os.environ.get("PAGEDLM_LOG_LEVEL", "WARNING")
+        log_level = os.environ.get(LOG_LEVEL_ENV, "WARNING")
+        log_config_path = os.environ.get(LOGGING_CONFIG_ENV) or None
         # First: arguments that cannot reach the core fail before anything starts.
-        start = msgspec.json.encode(CoreStart(args, log_level), enc_hook=_by_name)
+        start = msgspec.json.encode(CoreStart(args, log_level, log_config_path), enc_hook=_by_name)
         self._encoder = make_encoder()
         self._decoder = make_core_decoder()
         launch = launch if launch is not None else CoreLaunch()

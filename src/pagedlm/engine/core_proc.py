@@ -53,6 +53,7 @@ from pagedlm.engine.messages import (
     request_from_wire,
 )
 from pagedlm.gc_heap import freeze_startup_heap
+from pagedlm.logging_config import LOG_LEVEL_ENV, LOGGING_CONFIG_ENV, configure_logging
 from pagedlm.structured_output.manager import grammar_failure
 from pagedlm.structured_output.params import GrammarLimits
 
@@ -249,11 +250,10 @@ def main(argv: list[str]) -> int:
     if not payload:
         return 0  # the front end gave up before starting the engine
     start = msgspec.json.decode(payload, type=CoreStart)
-    os.environ["PAGEDLM_LOG_LEVEL"] = start.log_level  # for worker processes
-    logging.basicConfig(
-        level=start.log_level,
-        format="%(levelname)s %(name)s: %(message)s",  # the server's format
-    )
+    os.environ[LOG_LEVEL_ENV] = start.log_level  # for worker processes
+    if start.log_config_path is not None:
+        os.environ[LOGGING_CONFIG_ENV] = start.log_config_path
+    configure_logging(start.log_level, start.log_config_path)  # checked by the front end
     context = zmq.Context()
     output_socket = context.socket(zmq.PUSH)
     output_socket.connect(output_address)

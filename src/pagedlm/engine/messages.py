@@ -127,6 +127,8 @@ class CoreStart(msgspec.Struct):
     engine_args: EngineArgs
     log_level: str = "WARNING"
     """The core's logging level (the server's ``--log-level``)."""
+    log_config_path: str | None = None
+    """A ``dictConfig`` JSON file that replaces the level (``--log-config-file``)."""
 
 
 class Shutdown(msgspec.Struct, tag=True):

@@ -30,6 +30,7 @@ import zmq
 
 from pagedlm.executor import worker_messages as wire
 from pagedlm.gc_heap import freeze_startup_heap
+from pagedlm.logging_config import configure_logging
 from pagedlm.step import GrammarBitmask, SchedulerOutput, StepResult, codec
 from pagedlm.worker.worker import RankPlacement, Worker
 
@@ -180,7 +181,7 @@ def run_worker(spec: wire.WorkerSpec) -> int:
 def main() -> int:
     # Ctrl-C reaches the whole process group; the engine decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=os.environ.get("PAGEDLM_LOG_LEVEL", "WARNING"))
+    configure_logging()  # the core's level or configuration file, from its environment
     spec = wire.decode_spec(sys.stdin.buffer.read())
     if spec.die_with_parent:
         _die_with_parent()

@@ -36,10 +36,12 @@ from pagedlm.entrypoints.openai.http_options import (
     MAX_LOGGED_PROMPT_CHARS,
     HttpOptions,
     add_http_args,
+    filter_access_log,
     uvicorn_options,
 )
 from pagedlm.entrypoints.openai.limits import add_limit_args, limits_from_args
 from pagedlm.entrypoints.openai.serving_lora import add_lora_args, registry_from_args
+from pagedlm.logging_config import LOG_LEVEL_ENV, LOGGING_CONFIG_ENV, configure_logging
 from pagedlm.metrics.log_line import DEFAULT_INTERVAL_S
 
 if TYPE_CHECKING:
@@ -471,6 +473,17 @@ def _import_server_modules() -> None:
     import pagedlm.metrics.prometheus  # noqa: F401
 
 
+def _configure_logging(args: argparse.Namespace) -> None:
+    """The server's logging (``--log-level``, or ``--log-config-file`` for this process
+    and, through the environment, the engine core and its workers); a bad file exits."""
+    try:
+        configure_logging(args.log_level, args.log_config_file)
+    except ValueError as error:
+        raise SystemExit(f"error: --log-config-file: {error}") from None
+    if args.log_config_file is not None:
+        os.environ[LOGGING_CONFIG_ENV] = args.log_config_file
+
+
 def serving_context(
     args: argparse.Namespace,
     engine: Any,
@@ -523,13 +536,13 @@ def run_server(args: argparse.Namespace, core_launch: CoreLaunch | None = None) 
     limits = check_serving_args(args)
     if not args.engine_death_grace_period >= 0:
         raise SystemExit("error: --engine-death-grace-period must be >= 0 seconds.")
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    _configure_logging(args)
     tracer_provider = _tracer_provider(args.otlp_traces_endpoint)
     middleware = load_middleware(args.middleware)
     # A busy port fails before the model loads.
     listener = bind_listener(args.host, args.port, args.uds)
     # The engine-core process logs its loading progress at the server's level.
-    os.environ.setdefault("PAGEDLM_LOG_LEVEL", args.log_level.upper())
+    os.environ.setdefault(LOG_LEVEL_ENV, args.log_level.upper())
     started = time.monotonic()
     engine_args = engine_args_from_cli(args)
     chat_template = read_chat_template(args.chat_template)
@@ -586,6 +599,7 @@ def run_server(args: argparse.Namespace, core_launch: CoreLaunch | None = None) 
             lifespan="on",
             **uvicorn_options(args),
         )
+        filter_access_log(args)  # uvicorn.Config has configured its loggers
         server = on_death.server = _uvicorn_server_class()(config)
         server.on_shutdown = lambda: ctx.begin_shutdown(args.shutdown_timeout)
         server.run(sockets=[listener])

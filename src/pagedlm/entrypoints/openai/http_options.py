@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any
+
+from pagedlm.logging_config import LOGGING_CONFIG_ENV, read_logging_config
 
 MAX_LOGGED_PROMPT_CHARS = 200
 """``--enable-log-requests`` shows this much of a prompt unless ``--max-log-len`` says."""
@@ -59,6 +63,22 @@ def add_http_args(group: argparse._ArgumentGroup) -> None:
         "--disable-uvicorn-access-log",
         action="store_true",
         help="No line per HTTP request in the log (uvicorn's access log).",
+    )
+    group.add_argument(
+        "--disable-access-log-for-endpoints",
+        type=_paths,
+        default=frozenset(),
+        metavar="PATHS",
+        help="Comma-separated paths whose requests get no access-log line, e.g. "
+        "'/health,/metrics' for probes and scrapers (vLLM's flag; default: none).",
+    )
+    group.add_argument(
+        "--log-config-file",
+        default=os.environ.get(LOGGING_CONFIG_ENV) or None,
+        metavar="FILE",
+        help="A JSON file in logging.config.dictConfig's schema for every logger, uvicorn's "
+        "and the engine processes' included; it replaces --log-level's setup (vLLM's flag; "
+        f"default: ${LOGGING_CONFIG_ENV}).",
     )
     group.add_argument(
         "--enable-request-id-headers",
@@ -108,13 +128,50 @@ class HttpOptions:
         )
 
 
+def _paths(value: str) -> frozenset[str]:
+    paths = frozenset(path.strip() for path in value.split(",") if path.strip())
+    bad = sorted(path for path in paths if not path.startswith("/"))
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad} are not paths; give e.g. '/health,/metrics'.")
+    return paths
+
+
+class AccessLogPathFilter(logging.Filter):
+    """Drops uvicorn's access-log lines of the given paths (query strings aside)."""
+
+    def __init__(self, paths: frozenset[str]) -> None:
+        super().__init__()
+        self.paths = paths
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # uvicorn's access record: (client, method, path with query, HTTP version, status).
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            return args[2].partition("?")[0] not in self.paths
+        return True
+
+
+def filter_access_log(args: argparse.Namespace) -> None:
+    """``--disable-access-log-for-endpoints`` on uvicorn's access logger (after uvicorn
+    has configured its loggers)."""
+    if args.disable_access_log_for_endpoints:
+        access = logging.getLogger("uvicorn.access")
+        access.addFilter(AccessLogPathFilter(args.disable_access_log_for_endpoints))
+
+
 def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``uvicorn.Config`` keywords of the flags above."""
-    return {
+    """``uvicorn.Config`` keywords of the flags above. ``--log-config-file`` (checked at
+    start-up) configures uvicorn's loggers too, their levels included unless
+    ``--uvicorn-log-level`` says otherwise."""
+    path = args.log_config_file
+    options: dict[str, Any] = {
         "root_path": args.root_path,
         "ssl_keyfile": args.ssl_keyfile,
         "ssl_certfile": args.ssl_certfile,
         "ssl_ca_certs": args.ssl_ca_certs,
-        "log_level": args.uvicorn_log_level or args.log_level,
+        "log_level": args.uvicorn_log_level or (args.log_level if path is None else None),
         "access_log": not args.disable_uvicorn_access_log,
     }
+    if path is not None:
+        options["log_config"] = read_logging_config(path)
+    return options

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import sys
 import uuid
 from collections.abc import Sequence
@@ -118,13 +117,14 @@ def run_batch(args: argparse.Namespace) -> None:
         serving_context,
     )
     from pagedlm.entrypoints.openai.app import build_app
+    from pagedlm.logging_config import configure_logging
 
     if args.max_concurrency < 1:
         raise SystemExit(
             f"error: --max-concurrency must be at least 1, got {args.max_concurrency}."
         )
     limits = check_serving_args(args)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     if args.input_file == "-":
         lines = sys.stdin.read().splitlines()
     else:
