@@ -25,7 +25,8 @@ def test_busy_port_stops_serve_before_the_model_loads(monkeypatch):
         with pytest.raises(SystemExit) as exit_info:
             run_server(args)
     message = str(exit_info.value)
-    assert f"127.0.0.1:{port}" in message and "--port" in message
+    # vLLM's default host: every IPv4 interface, so a port taken on one of them is busy
+    assert f"0.0.0.0:{port}" in message and "--port" in message
 
 
 def closed_port() -> int:

@@ -65,3 +65,11 @@ def test_dpr_is_refused_since_vllm_means_another_rank_by_it(capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(["serve", "m", "-dpr", "1"])
     assert "unrecognized arguments: -dpr" in capsys.readouterr().err
+
+
+def test_server_switches_have_vllms_no_forms_and_the_host_defaults_to_every_interface() -> None:
+    args = parse_args(["serve", "m", "--enable-log-requests", "--no-enable-log-requests",
+                       "--no-enable-request-id-headers", "--enable-sleep-mode"])  # fmt: skip
+    assert args.enable_log_requests is False and args.enable_request_id_headers is False
+    assert args.enable_sleep_mode is True and args.return_tokens_as_token_ids is False
+    assert args.host is None  # bound as 0.0.0.0, as vLLM binds it

@@ -74,13 +74,15 @@ class AdminOptions:
 def add_admin_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--enable-sleep-mode",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="Allow POST /sleep?level=1|2 and /wake_up (vLLM's flag): level 1 moves the "
         "weights to host memory and frees the KV cache, level 2 drops the weights too.",
     )
     group.add_argument(
         "--enable-weight-updates",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help='Allow POST /update_weights_from_disk {"model_path": DIR} (SGLang\'s route): '
         "load a checkpoint of the served model's shape from the server's disk in place of "
         "its weights, e.g. a trainer's between rollouts.",

@@ -55,6 +55,9 @@ API_KEY_ENV = "PAGEDLM_API_KEY"
 SHUTDOWN_GRACE_S = 3.0
 """After --shutdown-timeout, how long cut requests have to send their error answers."""
 ENGINE_DEATH_EXIT_STATUS = 1
+ALL_INTERFACES = "0.0.0.0"
+"""What ``--host`` binds by default, as vLLM does (its default, None, binds every IPv4
+interface)."""
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -64,8 +67,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("server arguments")
     group.add_argument(
         "--host",
-        default="127.0.0.1",
-        help="Address to bind (default: %(default)s; 0.0.0.0 for all interfaces).",
+        default=None,
+        help="Address to bind (default: every IPv4 interface, as vLLM; 127.0.0.1 for this "
+        "machine only).",
     )
     group.add_argument("--port", type=int, default=8000, help="Port (default: %(default)s).")
     group.add_argument(
@@ -112,7 +116,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--keep-alive-on-engine-death",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="Stay up (answering 503) after the engine core died instead of exiting "
         "(vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH).",
     )
@@ -125,7 +130,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--disable-log-stats",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="No periodic line of throughput, running and waiting requests and cache usage "
         "(every 10 s while the engine is busy).",
     )
@@ -176,32 +182,37 @@ def add_serving_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     add_limit_args(group)
     group.add_argument(
         "--trust-request-chat-template",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="Accept a chat_template in requests (vLLM's flag; refused with 400 otherwise). "
         "Trusted request templates render in a sandboxed worker process with a time and "
         "size limit.",
     )
     group.add_argument(
         "--enable-prompt-tokens-details",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="Report usage.prompt_tokens_details.cached_tokens (prompt tokens the prefix "
         "cache served) on completions and chat (vLLM's flag; default: off).",
     )
     group.add_argument(
         "--enable-force-include-usage",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="End every stream with the usage chunk, as stream_options.include_usage asks "
         "(vLLM's flag; default: off).",
     )
     group.add_argument(
         "--return-tokens-as-token-ids",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="Write logprobs' tokens as 'token_id:<id>' for requests that do not say "
         "(their return_tokens_as_token_ids field; default: off).",
     )
     group.add_argument(
         "--enable-log-requests",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="Log each request's id, prompt (its first characters) and parameters.",
     )
     group.add_argument(
@@ -213,7 +224,8 @@ def add_serving_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     group.add_argument(
         "--disable-log-requests",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="Do not log requests: the default (vLLM's older spelling, kept for its command "
         "lines).",
     )
@@ -268,7 +280,8 @@ def _add_tool_args(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--enable-auto-tool-choice",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="Allow tool_choice='auto' (needs --tool-call-parser); it is then the default "
         "when a request has tools. 'required' and named tools work without it.",
     )
@@ -405,12 +418,14 @@ def load_middleware(paths: list[str]) -> list[Any]:
     return loaded
 
 
-def bind_listener(host: str, port: int, uds: str | None = None) -> socket.socket:
+def bind_listener(host: str | None, port: int, uds: str | None = None) -> socket.socket:
     """The server's listening socket, bound now so that a busy or forbidden address stops
-    ``pagedlm serve`` at once, with the fix, instead of after the model has loaded. With
-    ``uds``, a Unix domain socket at that path (``host`` and ``port`` unused)."""
+    ``pagedlm serve`` at once, with the fix, instead of after the model has loaded; on
+    every IPv4 interface when ``host`` is None. With ``uds``, a Unix domain socket at that
+    path (``host`` and ``port`` unused)."""
     if uds is not None:
         return _bind_unix(uds)
+    host = host or ALL_INTERFACES
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
@@ -582,7 +597,8 @@ def run_server(args: argparse.Namespace, core_launch: CoreLaunch | None = None) 
 
             app = TraceContextMiddleware(app)
         scheme = "https" if args.ssl_certfile else "http"
-        where = f"unix:{args.uds}" if args.uds else f"{scheme}://{args.host}:{args.port}"
+        host = args.host or ALL_INTERFACES
+        where = f"unix:{args.uds}" if args.uds else f"{scheme}://{host}:{args.port}"
         logger.info(
             "Engine ready in %.1f s; serving %s on %s%s%s",
             time.monotonic() - started,
@@ -593,7 +609,7 @@ def run_server(args: argparse.Namespace, core_launch: CoreLaunch | None = None) 
         )
         config = uvicorn.Config(
             app,
-            host=args.host,
+            host=host,
             port=args.port,
             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S,
             lifespan="on",

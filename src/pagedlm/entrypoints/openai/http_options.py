@@ -43,7 +43,10 @@ def add_http_args(group: argparse._ArgumentGroup) -> None:
             help=f"CORS: allowed {what}, a JSON list (default: '[\"*\"]', as vLLM).",
         )
     group.add_argument(
-        "--allow-credentials", action="store_true", help="CORS: allow credentials (default: off)."
+        "--allow-credentials",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="CORS: allow credentials (default: off).",
     )
     group.add_argument(
         "--root-path",
@@ -61,7 +64,8 @@ def add_http_args(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--disable-uvicorn-access-log",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="No line per HTTP request in the log (uvicorn's access log).",
     )
     group.add_argument(
@@ -82,13 +86,15 @@ def add_http_args(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--enable-request-id-headers",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="Answer every request with an X-Request-Id header: the client's, or a fresh "
         "id (vLLM's flag). A client's X-Request-Id names its completions either way.",
     )
     group.add_argument(
         "--disable-fastapi-docs",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="Serve no /docs, /redoc or /openapi.json.",
     )
 

@@ -49,7 +49,7 @@ def add_lora_args(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--allow-runtime-lora-updating",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=os.environ.get(RUNTIME_UPDATING_ENV, "").lower() in ("1", "true"),
         help="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs "
         f"--enable-lora; also ${RUNTIME_UPDATING_ENV}=true).",
