@@ -73,3 +73,27 @@ def test_max_log_len_cuts_the_logged_prompt(chat_checkpoint, caplog):
     with level, TestClient(build_app(ctx)) as client:
         assert client.post("/v1/completions", json=body).status_code == 200
     assert "prompt 'a long ..." in caplog.text and "to cut" not in caplog.text
+
+
+def test_outputs_are_logged_whole_at_the_end_and_piece_by_piece_when_asked(chat_checkpoint, caplog):
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": 4, "temperature": 0}
+    for deltas, stream in ((False, False), (True, True), (False, True)):
+        ctx = _ctx(chat_checkpoint, log_requests=True, log_outputs=True, log_deltas=deltas)
+        caplog.clear()
+        level = caplog.at_level(logging.INFO, logger="pagedlm.server")
+        with level, TestClient(build_app(ctx)) as client:
+            response = client.post("/v1/completions", json={**body, "stream": stream})
+            assert response.status_code == 200
+        lines = [r.getMessage() for r in caplog.records]
+        pieces = [line for line in lines if "(streaming delta)" in line]
+        [whole] = [line for line in lines if "finish_reason" in line]
+        assert whole.startswith("Generated response cmpl-"), whole
+        assert bool(pieces) == deltas, pieces  # the fake engine streams token by token
+        if not stream:
+            text = response.json()["choices"][0]["text"]
+            assert f"output {text!r}" in whole
+    ctx = _ctx(chat_checkpoint, log_requests=False, log_outputs=True)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pagedlm.server"), TestClient(build_app(ctx)) as c:
+        assert c.post("/v1/completions", json=body).status_code == 200
+    assert "Generated response" not in caplog.text  # vLLM's rule: outputs need requests

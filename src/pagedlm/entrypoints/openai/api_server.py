@@ -223,6 +223,20 @@ def add_serving_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "(default: %(default)s).",
     )
     group.add_argument(
+        "--enable-log-outputs",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="With --enable-log-requests, log each request's generated text and token ids "
+        "when it finishes (vLLM's flag).",
+    )
+    group.add_argument(
+        "--enable-log-deltas",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="With --enable-log-outputs, log each streamed piece as it goes out too "
+        "(vLLM's flag; default: on).",
+    )
+    group.add_argument(
         "--disable-log-requests",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -243,6 +257,8 @@ def check_serving_args(args: argparse.Namespace) -> RequestLimits:
         raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser (e.g. hermes).")
     check_parser_args(args)
     read_template_kwargs(args.default_chat_template_kwargs)
+    if args.enable_log_outputs and not args.enable_log_requests:
+        logger.warning("--enable-log-outputs logs nothing without --enable-log-requests; add it.")
     try:
         return limits_from_args(args)
     except ValueError as error:
@@ -538,6 +554,8 @@ def serving_context(
         response_role=args.response_role,
         force_include_usage=args.enable_force_include_usage,
         log_requests=args.enable_log_requests and not args.disable_log_requests,
+        log_outputs=args.enable_log_outputs,
+        log_deltas=args.enable_log_deltas,
         max_log_len=args.max_log_len,
     )
 

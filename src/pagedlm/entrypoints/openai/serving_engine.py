@@ -34,6 +34,7 @@ from pagedlm.entrypoints.openai.errors import APIError, from_value_error
 from pagedlm.entrypoints.openai.http_options import MAX_LOGGED_PROMPT_CHARS
 from pagedlm.entrypoints.openai.limits import RequestLimits
 from pagedlm.entrypoints.openai.middleware import INCOMING_REQUEST_ID
+from pagedlm.entrypoints.openai.request_log import OutputLog, log_received
 from pagedlm.entrypoints.openai.serving_lora import LoRARegistry
 from pagedlm.lora.request import LoRARequest
 from pagedlm.metrics.prometheus import PrometheusMetrics
@@ -100,8 +101,13 @@ class ServingContext:
     log_requests: bool = False
     """``--enable-log-requests``: one INFO line per engine request (its id, prompt and
     parameters)."""
+    log_outputs: bool = False
+    """``--enable-log-outputs`` (with ``log_requests``): an INFO line per completion when
+    its request finishes."""
+    log_deltas: bool = True
+    """``--enable-log-deltas`` (with ``log_outputs``): a line per streamed piece too."""
     max_log_len: int = MAX_LOGGED_PROMPT_CHARS
-    """``--max-log-len``: the most characters of a logged prompt."""
+    """``--max-log-len``: the most characters of a logged prompt or output."""
     created: int = field(default_factory=lambda: int(time.time()))
     _counter: itertools.count = field(default_factory=itertools.count)
     _background: set[asyncio.Task] = field(default_factory=set)
@@ -114,12 +120,15 @@ class ServingContext:
     def model_name(self) -> str:
         return self.model_names[0]
 
-    def log_request(self, request_id: str, prompt: Any, params: Any) -> None:
-        if self.log_requests:
-            text = repr(prompt)
-            if len(text) > self.max_log_len:
-                text = text[: self.max_log_len] + "..."
-            logger.info("Received request %s: prompt %s, params %s", request_id, text, params)
+    def log_request(self, request_id: str, prompt: Any, params: Any) -> OutputLog | None:
+        """Logs the request with ``--enable-log-requests``; its output log with
+        ``--enable-log-outputs`` too."""
+        if not self.log_requests:
+            return None
+        log_received(request_id, prompt, params, self.max_log_len)
+        return (
+            OutputLog(request_id, self.log_deltas, self.max_log_len) if self.log_outputs else None
+        )
 
     def tokens_as_ids(self, requested: bool | None) -> bool:
         """A request's ``return_tokens_as_token_ids``, the server's flag when unset."""
@@ -237,7 +246,7 @@ class ServingContext:
                 f"Request id {request_id!r} is already in use; give each request a unique "
                 "id (X-Request-Id, request_id).",
             )
-        self.log_request(request_id, prompt, params)
+        output_log = self.log_request(request_id, prompt, params)
         stream = self.engine.generate(prompt, params, request_id, priority, lora_request)
         if self.tracer is not None:
             stream = self.tracer.trace(stream, request_id, params)
@@ -246,6 +255,8 @@ class ServingContext:
         try:
             async for output in stream:
                 finished = output.finished
+                if output_log is not None:
+                    output_log.add(output)
                 yield output
             if not finished and self._shutdown_expired:
                 raise APIError(SHUTDOWN_MESSAGE, status=503)
