@@ -541,6 +541,9 @@ class MultiModalConfig:
     """Seconds an ``http(s)`` image URL may take to download."""
     media_max_bytes: int = 20 * 2**20
     """Largest image an ``http(s)`` URL, data URL or file may have."""
+    allowed_media_domains: tuple[str, ...] | None = None
+    """Hosts (lower case) that ``http(s)`` image URLs, and every redirect they take, may
+    name (None: any host)."""
 
 
 @dataclass(frozen=True)

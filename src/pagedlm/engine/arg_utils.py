@@ -205,6 +205,9 @@ class EngineArgs:
     """Seconds an http(s) image URL may take to download."""
     media_max_bytes: int = 20 * 2**20
     """Largest image (bytes) a URL, data URL or file may carry."""
+    allowed_media_domains: list[str] | None = None
+    """Hosts that http(s) image URLs may come from, e.g. upload.wikimedia.org (exact
+    host names; a redirect to any other host is refused too). None: any host."""
     max_num_encoder_input_tokens: int | None = None
     """Image embedding rows the vision encoder may produce per step (None: the token
     budget, max_num_batched_tokens)."""

@@ -5,7 +5,8 @@
   each image's placeholder and yields the prompt's ``MultiModalFeature`` list, each named
   by a content hash (``hash_item``).
 - ``media``: images from the API's content parts (data URLs, http(s) with a size cap and
-  timeout, local files under ``--allowed-local-media-path``), with PIL's pixel limit.
+  timeout from ``--allowed-media-domains`` hosts, local files under
+  ``--allowed-local-media-path``), with PIL's pixel limit.
 - ``encoder_runner``: the worker's side: encode the step's scheduled images into the
   encoder cache, then scatter their rows over the placeholder positions of the step's
   token embeddings.

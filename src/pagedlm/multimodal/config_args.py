@@ -39,6 +39,32 @@ def parse_limit_mm_per_prompt(value: dict[str, int] | str | None) -> dict[str, i
     return limits
 
 
+def parse_allowed_media_domains(
+    value: list[str] | tuple[str, ...] | None,
+) -> tuple[str, ...] | None:
+    """vLLM's ``allowed_media_domains``: exact host names (compared case-insensitively)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    hosts = []
+    for host in value:
+        if not isinstance(host, str) or not host.strip() or "/" in host or "@" in host:
+            raise ValueError(
+                f"allowed_media_domains has {host!r}, which is not a host name; give bare "
+                "hosts, e.g. --allowed-media-domains upload.wikimedia.org example.com."
+            )
+        hosts.append(host.strip().lower())
+    if not hosts:
+        # vLLM reads an empty list as "any host"; an allow-list that allows everything
+        # is too easy to get by accident, so pagedlm asks for None instead.
+        raise ValueError(
+            "allowed_media_domains is empty; name at least one host, or leave it unset "
+            "(None) to allow images from any host."
+        )
+    return tuple(hosts)
+
+
 def multimodal_config(args: Any) -> MultiModalConfig:
     """From ``EngineArgs``' multimodal fields."""
     path = args.allowed_local_media_path
@@ -61,4 +87,5 @@ def multimodal_config(args: Any) -> MultiModalConfig:
         allowed_local_media_path=path or None,
         media_fetch_timeout_s=float(args.media_fetch_timeout_s),
         media_max_bytes=int(args.media_max_bytes),
+        allowed_media_domains=parse_allowed_media_domains(args.allowed_media_domains),
     )

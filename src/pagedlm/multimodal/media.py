@@ -1,7 +1,8 @@
 """Images from API content parts: data URLs, http(s) URLs and allowed local files.
 
 Every failure is a ``MediaError`` (a ``ValueError``: HTTP 400) naming the problem: an
-unsupported URL scheme, a download that times out or exceeds ``media_max_bytes``, a
+unsupported URL scheme, an http(s) URL, or a redirect it takes, to a host outside
+``--allowed-media-domains``, a download that times out or exceeds ``media_max_bytes``, a
 ``file://`` path outside ``--allowed-local-media-path`` (or none allowed), bytes PIL cannot
 decode, and decompression bombs.
 
@@ -108,6 +109,35 @@ def _offline_bytes(url: str, scheme: str, config: MultiModalConfig) -> bytes:
     return _data_url_bytes(url, config) if scheme == "data" else _local_file_bytes(url, config)
 
 
+def _check_host(url: str, config: MultiModalConfig) -> None:
+    """Refuse an http(s) URL whose host is not in ``allowed_media_domains`` (exact host
+    names, as vLLM compares them; ``hostname`` is lower case)."""
+    allowed = config.allowed_media_domains
+    if allowed is None:
+        return
+    host = urllib.parse.urlsplit(url).hostname
+    if host not in allowed:
+        raise MediaError(
+            f"the image URL {url[:80]!r} is on host {host!r}, which is not among the "
+            f"allowed media domains ({', '.join(allowed)}); use an image from one of them "
+            "(--allowed-media-domains)."
+        )
+
+
+def _event_hooks(config: MultiModalConfig, *, is_async: bool) -> dict[str, list]:
+    """httpx calls its request hooks before every hop, so a redirect is checked too."""
+    if config.allowed_media_domains is None:
+        return {}
+
+    def check(request: Any) -> None:
+        _check_host(str(request.url), config)
+
+    async def check_async(request: Any) -> None:
+        check(request)
+
+    return {"request": [check_async if is_async else check]}
+
+
 def _http_error(url: str, exc: Exception, config: MultiModalConfig) -> MediaError:
     import httpx
 
@@ -131,13 +161,17 @@ async def load_image_url_async(url: str, config: MultiModalConfig) -> Image.Imag
         return decode_image(_offline_bytes(url, scheme, config))
     import httpx
 
+    _check_host(url, config)
     chunks, size = [], 0
     try:
         # httpx's timeout bounds each read; this bounds the whole download (a server
         # dripping bytes never ends otherwise).
         async with (
             asyncio.timeout(config.media_fetch_timeout_s),
-            httpx.AsyncClient(timeout=config.media_fetch_timeout_s) as client,
+            httpx.AsyncClient(
+                timeout=config.media_fetch_timeout_s,
+                event_hooks=_event_hooks(config, is_async=True),
+            ) as client,
             client.stream("GET", url, follow_redirects=True) as response,
         ):
             _checked_response(response, url)
@@ -157,12 +191,17 @@ def load_image_url(url: str, config: MultiModalConfig) -> Image.Image:
         return decode_image(_offline_bytes(url, scheme, config))
     import httpx
 
+    _check_host(url, config)
     chunks, size = [], 0
     deadline = time.monotonic() + config.media_fetch_timeout_s
     try:
-        with httpx.stream(
-            "GET", url, timeout=config.media_fetch_timeout_s, follow_redirects=True
-        ) as response:
+        with (
+            httpx.Client(
+                timeout=config.media_fetch_timeout_s,
+                event_hooks=_event_hooks(config, is_async=False),
+            ) as client,
+            client.stream("GET", url, follow_redirects=True) as response,
+        ):
             _checked_response(response, url)
             for chunk in response.iter_bytes():
                 size += len(chunk)
