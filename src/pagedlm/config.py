@@ -544,6 +544,9 @@ class MultiModalConfig:
     allowed_media_domains: tuple[str, ...] | None = None
     """Hosts (lower case) that ``http(s)`` image URLs, and every redirect they take, may
     name (None: any host)."""
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the model's image processor (``--mm-processor-kwargs``), under
+    which a request's own ``mm_processor_kwargs`` are merged."""
 
 
 @dataclass(frozen=True)

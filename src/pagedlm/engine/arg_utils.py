@@ -208,6 +208,10 @@ class EngineArgs:
     allowed_media_domains: list[str] | None = None
     """Hosts that http(s) image URLs may come from, e.g. upload.wikimedia.org (exact
     host names; a redirect to any other host is refused too). None: any host."""
+    mm_processor_kwargs: dict[str, Any] | str | None = None
+    """Keyword arguments for the model's image processor as JSON, e.g. '{"max_pixels":
+    802816}' (Qwen2.5-VL); the keys the processor takes, checked at start-up. A chat
+    request's own mm_processor_kwargs override them."""
     max_num_encoder_input_tokens: int | None = None
     """Image embedding rows the vision encoder may produce per step (None: the token
     budget, max_num_batched_tokens)."""

@@ -489,13 +489,16 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         tools: list[dict[str, Any]] | None = None,
         chat_template_content_format: ContentFormatOption = "auto",
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate.
         ``tools``: OpenAI-style tool definitions for the template to render (vLLM's).
         ``chat_template_content_format`` (vLLM's): message content as a string ("string":
         text parts joined with newlines), as OpenAI's list of parts ("openai"), or
         ("auto") as the template reads it (``pagedlm.chat_content``); conversations with
-        images keep their parts for the processor's template."""
+        images keep their parts for the processor's template. ``mm_processor_kwargs``
+        (vLLM's): image processor options for the conversations with images, over
+        ``--mm-processor-kwargs``."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat() needs a tokenizer; do not set skip_tokenizer_init=True.")
@@ -511,11 +514,14 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if tools is not None:
             chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
+        if mm_processor_kwargs is not None:  # checked once, images or not
+            self.llm_engine.input_processor.multimodal.processor_kwargs(mm_processor_kwargs)
 
         def to_prompt(conversation: Conversation) -> PromptType:
             if has_images(conversation):
                 return self._multimodal_chat_prompt(
                     conversation,
+                    mm_processor_kwargs,
                     chat_template=chat_template,
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
@@ -540,7 +546,10 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _multimodal_chat_prompt(
-        self, conversation: Conversation, **template_kwargs: Any
+        self,
+        conversation: Conversation,
+        mm_processor_kwargs: dict[str, Any] | None,
+        **template_kwargs: Any,
     ) -> dict[str, Any]:
         """A conversation with image parts as a ``multi_modal_data`` prompt, rendered by
         the model processor's chat template (one placeholder per image)."""
@@ -552,7 +561,10 @@ class LLM:
         config = inputs.config
         images = [load_image_url(s, config) if isinstance(s, str) else s for s in sources]
         text = inputs.processor.render_chat(messages, **template_kwargs)
-        return {"prompt": text, "multi_modal_data": {"image": images}}
+        prompt = {"prompt": text, "multi_modal_data": {"image": images}}
+        if mm_processor_kwargs is not None:
+            prompt["mm_processor_kwargs"] = mm_processor_kwargs
+        return prompt
 
     def _run_engine(
         self, request_ids: list[str], use_tqdm: bool

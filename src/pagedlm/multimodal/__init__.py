@@ -4,6 +4,9 @@
 - ``processing``: the front end's side: the model's own transformers processor expands
   each image's placeholder and yields the prompt's ``MultiModalFeature`` list, each named
   by a content hash (``hash_item``).
+- ``processor_kwargs``: ``mm_processor_kwargs`` checked against the options the model's
+  image processor declares; ``item_geometry``: each processed image checked against what
+  the model's encoder takes.
 - ``media``: images from the API's content parts (data URLs, http(s) with a size cap and
   timeout from ``--allowed-media-domains`` hosts, local files under
   ``--allowed-local-media-path``), with PIL's pixel limit.

@@ -65,6 +65,25 @@ def parse_allowed_media_domains(
     return tuple(hosts)
 
 
+def parse_mm_processor_kwargs(value: dict[str, Any] | str | None) -> dict[str, Any]:
+    """A JSON object (or dict) of processor keyword arguments; which keys the model's
+    processor takes is checked where the processor is (``MultiModalProcessor``)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"mm_processor_kwargs is not JSON ({exc}); pass e.g. '{{\"max_pixels\": 802816}}'."
+            ) from None
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        raise ValueError(
+            "mm_processor_kwargs must be a JSON object, e.g. '{\"max_pixels\": 802816}'."
+        )
+    return dict(value)
+
+
 def multimodal_config(args: Any) -> MultiModalConfig:
     """From ``EngineArgs``' multimodal fields."""
     path = args.allowed_local_media_path
@@ -88,4 +107,5 @@ def multimodal_config(args: Any) -> MultiModalConfig:
         media_fetch_timeout_s=float(args.media_fetch_timeout_s),
         media_max_bytes=int(args.media_max_bytes),
         allowed_media_domains=parse_allowed_media_domains(args.allowed_media_domains),
+        mm_processor_kwargs=parse_mm_processor_kwargs(args.mm_processor_kwargs),
     )

@@ -1,10 +1,11 @@
 """A prompt's ``multi_modal_data`` checked and turned into token ids and features.
 
 vLLM's prompt shape: ``{"prompt": "USER: <image>\\n...", "multi_modal_data": {"image":
-PIL.Image | [PIL.Image, ...]}}``. Every check raises ``ValueError`` naming the problem
-before anything enters the engine: images for a text-only model, an unknown modality,
-something that is not an image, more images than ``limit_mm_per_prompt``, placeholders
-that do not match the images.
+PIL.Image | [PIL.Image, ...]}, "mm_processor_kwargs": {...}}`` (the last optional, over
+``--mm-processor-kwargs``). Every check raises ``ValueError`` naming the problem before
+anything enters the engine: images for a text-only model, an unknown modality, something
+that is not an image, more images than ``limit_mm_per_prompt``, placeholders that do not
+match the images, a processor option the model's image processor does not take.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from pagedlm.config import ModelConfig, MultiModalConfig
 from pagedlm.multimodal.processing import FAMILIES, MultiModalProcessor, is_multimodal
+from pagedlm.multimodal.processor_kwargs import as_kwargs
 from pagedlm.step.multimodal import MultiModalFeature
 
 
@@ -40,8 +42,9 @@ def _images(value: Any) -> list[Any]:
 
 
 class MultiModalInputs:
-    """The front end's multimodal side for one engine (the processor loads on first use).
-    Thread safe: ``LLM`` and ``AsyncLLM`` preprocess prompts on thread pools."""
+    """The front end's multimodal side for one engine (the processor loads on first use,
+    or at once to check ``--mm-processor-kwargs``). Thread safe: ``LLM`` and ``AsyncLLM``
+    preprocess prompts on thread pools."""
 
     def __init__(self, model_config: ModelConfig, config: MultiModalConfig) -> None:
         self.model_config = model_config
@@ -49,6 +52,13 @@ class MultiModalInputs:
         self.supported = is_multimodal(model_config.arch.architecture)
         self._processor: MultiModalProcessor | None = None
         self._lock = threading.Lock()
+        if config.mm_processor_kwargs:
+            if not self.supported:
+                raise ValueError(
+                    f"--mm-processor-kwargs is for vision-language models; the model "
+                    f"{model_config.arch.architecture} is text-only: drop the flag."
+                )
+            self.processor.check_kwargs(config.mm_processor_kwargs, "--mm-processor-kwargs")
 
     @property
     def processor(self) -> MultiModalProcessor:
@@ -68,6 +78,19 @@ class MultiModalInputs:
                 f"{count}}}'."
             )
 
+    def processor_kwargs(self, request_kwargs: Any) -> dict[str, Any]:
+        """``--mm-processor-kwargs`` with a request's ``mm_processor_kwargs`` over them
+        (vLLM's merge), the request's checked against the model's image processor."""
+        request_kwargs = as_kwargs(request_kwargs, "mm_processor_kwargs")
+        if request_kwargs:
+            if not self.supported:
+                raise ValueError(
+                    f"mm_processor_kwargs is for image prompts; the model "
+                    f"{self.model_config.arch.architecture} is text-only: drop it."
+                )
+            self.processor.check_kwargs(request_kwargs, "mm_processor_kwargs")
+        return {**self.config.mm_processor_kwargs, **request_kwargs}
+
     def process(
         self, prompt: Mapping[str, Any], mm_data: Any
     ) -> tuple[str, list[int], list[MultiModalFeature]]:
@@ -86,6 +109,7 @@ class MultiModalInputs:
         if images and not self.supported:
             raise text_only_error(self.model_config)
         self.check_count("image", len(images))
+        kwargs = self.processor_kwargs(prompt.get("mm_processor_kwargs"))
         text = prompt.get("prompt")
         if not isinstance(text, str):
             raise ValueError(
@@ -94,5 +118,5 @@ class MultiModalInputs:
             )
         if not images:
             return text, [], []
-        token_ids, features = self.processor.process(text, images)
+        token_ids, features = self.processor.process(text, images, kwargs)
         return text, token_ids, features

@@ -2,9 +2,11 @@
 
 Preprocessing is the model's own transformers processor (``AutoProcessor`` from the model
 directory), so resizing, normalization and the expansion of each image's placeholder to
-its number of embedding rows are exactly transformers'. What pagedlm adds: splitting the
-processor's batch tensors per image, finding each image's run of placeholder tokens and
-naming it by a content hash (``hash_item``) for the encoder cache and the prefix cache.
+its number of embedding rows are exactly transformers'. What pagedlm adds: the
+``mm_processor_kwargs`` the processor is called with (``processor_kwargs``), splitting the
+processor's batch tensors per image, checking that each image fits the model's encoder
+(``item_geometry``), finding each image's run of placeholder tokens and naming it by a
+content hash (``hash_item``) for the encoder cache and the prefix cache.
 """
 
 from __future__ import annotations
@@ -19,6 +21,13 @@ from typing import Any
 import torch
 
 from pagedlm.config import ModelConfig
+from pagedlm.multimodal.item_geometry import (
+    ItemRows,
+    gemma3_rows,
+    llava_rows,
+    qwen2_5_vl_rows,
+)
+from pagedlm.multimodal.processor_kwargs import check_names
 from pagedlm.multimodal.tensors import to_tensor_data
 from pagedlm.step.multimodal import MultiModalFeature
 
@@ -59,6 +68,16 @@ def _qwen2_5_vl_processor(source: str) -> Any:
     return load_qwen2_5_vl_processor(source)
 
 
+def _qwen2_5_vl_kwargs(kwargs: dict[str, Any], processor: Any) -> dict[str, Any]:
+    from pagedlm.multimodal.qwen_vl_processor import pixel_bounds_as_size
+
+    return pixel_bounds_as_size(kwargs, processor)
+
+
+def _same_kwargs(kwargs: dict[str, Any], processor: Any) -> dict[str, Any]:
+    return kwargs
+
+
 @dataclass(frozen=True)
 class FamilySpec:
     """What differs between vision-language families on the front end."""
@@ -68,25 +87,38 @@ class FamilySpec:
     split_items: ItemSplitter
     image_placeholder: str
     """The text a prompt writes per image (``"<image>"``); chat templates insert it."""
+    item_rows: ItemRows
+    """The embedding rows the model's encoder makes of one processed image."""
     bidirectional: bool = False
     """Whether an image's tokens attend to each other both ways in the decoder."""
     load_processor: Callable[[str], Any] = _auto_processor
     """The checkpoint directory -> its transformers processor."""
+    adapt_kwargs: Callable[[dict[str, Any], Any], dict[str, Any]] = _same_kwargs
+    """(checked ``mm_processor_kwargs``, the processor) -> what the processor call takes."""
 
 
 FAMILIES: dict[str, FamilySpec] = {
     "LlavaForConditionalGeneration": FamilySpec(
-        "image_token_index", _split_pixel_values, "<image>"
+        "image_token_index", _split_pixel_values, "<image>", llava_rows
     ),
     # The prompt writes <start_of_image>; the processor expands it to
     # "\n\n<start_of_image>" + mm_tokens_per_image x <image_soft_token> + "<end_of_image>\n\n".
     "Gemma3ForConditionalGeneration": FamilySpec(
-        "image_token_index", _split_pixel_values, "<start_of_image>", bidirectional=True
+        "image_token_index",
+        _split_pixel_values,
+        "<start_of_image>",
+        gemma3_rows,
+        bidirectional=True,
     ),
     # The prompt writes <|vision_start|><|image_pad|><|vision_end|>; the processor repeats
     # <|image_pad|> once per merged patch group (the count follows the image's size).
     "Qwen2_5_VLForConditionalGeneration": FamilySpec(
-        "image_token_id", _split_patches, "<|image_pad|>", load_processor=_qwen2_5_vl_processor
+        "image_token_id",
+        _split_patches,
+        "<|image_pad|>",
+        qwen2_5_vl_rows,
+        load_processor=_qwen2_5_vl_processor,
+        adapt_kwargs=_qwen2_5_vl_kwargs,
     ),
 }
 """HF architecture -> its spec; an architecture not here is text-only."""
@@ -134,6 +166,7 @@ class MultiModalProcessor:
     def __init__(self, model_config: ModelConfig) -> None:
         arch = model_config.arch
         self.spec = FAMILIES[arch.architecture]
+        self.raw_config = arch.raw
         self.image_token_id = int(arch.raw[self.spec.image_token_key])
         self.source = model_config.tokenizer or model_config.model
         self._processor: Any = None
@@ -160,10 +193,15 @@ class MultiModalProcessor:
             conversation, chat_template=template, tokenize=False, **template_kwargs
         )
 
+    def check_kwargs(self, kwargs: Mapping[str, Any], where: str) -> None:
+        """``ValueError`` naming a key of ``kwargs`` the image processor does not take."""
+        check_names(kwargs, self.processor, where)
+
     def process(
-        self, text: str, images: Sequence[Any]
+        self, text: str, images: Sequence[Any], kwargs: Mapping[str, Any] | None = None
     ) -> tuple[list[int], list[MultiModalFeature]]:
-        """Token ids with every image's placeholder expanded, and the images' features."""
+        """Token ids with every image's placeholder expanded, and the images' features;
+        ``kwargs``: checked ``mm_processor_kwargs`` for the processor call."""
         num_placeholders = text.count(self.spec.image_placeholder)
         if num_placeholders != len(images):
             raise ValueError(
@@ -171,13 +209,20 @@ class MultiModalProcessor:
                 f"{self.spec.image_placeholder!r} but {len(images)} image(s) were given; "
                 "write one placeholder per image."
             )
-        outputs = self.processor(text=text, images=list(images), return_tensors="pt")
+        outputs = self._call_processor(text, images, dict(kwargs or {}))
         token_ids = [int(t) for t in outputs["input_ids"][0].tolist()]
         items = self.spec.split_items(outputs, len(images))
         runs = placeholder_runs(token_ids, self.image_token_id)
         runs = _split_runs(runs, len(items))
         features = []
-        for tensors, (offset, length) in zip(items, runs, strict=True):
+        for index, (tensors, (offset, length)) in enumerate(zip(items, runs, strict=True)):
+            rows = self.spec.item_rows(tensors, self.raw_config)
+            if rows != length:
+                raise ValueError(
+                    f"image {index}: the processor expanded its placeholder to {length} "
+                    f"tokens but the model's encoder makes {rows} embedding rows of it; "
+                    "check the processor options in mm_processor_kwargs."
+                )
             features.append(
                 MultiModalFeature(
                     modality="image",
@@ -189,6 +234,22 @@ class MultiModalProcessor:
                 )
             )
         return token_ids, features
+
+    def _call_processor(self, text: str, images: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """The processor's outputs; its failures (bad options, images it cannot resize)
+        as ``ValueError``, which the server answers with 400 (as vLLM does)."""
+        processor = self.processor
+        try:
+            kwargs = self.spec.adapt_kwargs(kwargs, processor)
+            return processor(text=text, images=list(images), return_tensors="pt", **kwargs)
+        except Exception as exc:  # transformers raises many types for bad options
+            with_kwargs = f" with mm_processor_kwargs {kwargs}" if kwargs else ""
+            # Some messages start with the processor's whole repr; the reason ends them.
+            lines = str(exc).strip().splitlines() or [""]
+            raise ValueError(
+                f"the image processor {type(processor).__name__} failed{with_kwargs}: "
+                f"{type(exc).__name__}: {lines[-1].strip()[:300]}"
+            ) from None
 
 
 def _split_runs(runs: list[tuple[int, int]], num_items: int) -> list[tuple[int, int]]:

@@ -33,3 +33,25 @@ def images_only_processor_class() -> type:
             ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
     return Qwen2_5_VLImageProcessor
+
+
+def pixel_bounds_as_size(kwargs: dict[str, Any], processor: Any) -> dict[str, Any]:
+    """``min_pixels``/``max_pixels`` (the names vLLM's examples and Qwen's model cards
+    use) as the ``size`` bounds transformers' Qwen2-VL image processor now reads
+    (``shortest_edge``/``longest_edge``: it warns that the call-time names are going away);
+    the other bound is the processor's own."""
+    if "min_pixels" not in kwargs and "max_pixels" not in kwargs:
+        return kwargs
+    kwargs = dict(kwargs)
+    own = processor.image_processor.size
+    size = {
+        "shortest_edge": getattr(own, "shortest_edge", None),
+        "longest_edge": getattr(own, "longest_edge", None),
+        **(kwargs.get("size") or {}),
+    }
+    if "min_pixels" in kwargs:
+        size["shortest_edge"] = kwargs.pop("min_pixels")
+    if "max_pixels" in kwargs:
+        size["longest_edge"] = kwargs.pop("max_pixels")
+    kwargs["size"] = size
+    return kwargs

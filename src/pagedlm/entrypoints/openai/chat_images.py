@@ -83,10 +83,23 @@ def openai_conversation(messages: list[Any]) -> list[dict[str, Any]] | None:
     return conversation if has_images(conversation) else None
 
 
+async def check_processor_kwargs(ctx: Any, kwargs: dict[str, Any]) -> None:
+    """400 for a request's ``mm_processor_kwargs`` that the model's image processor does
+    not take, or sent to a text-only model (images in the request or not)."""
+    inputs = getattr(getattr(ctx.engine, "input_processor", None), "multimodal", None)
+    if inputs is None:
+        return
+    try:  # the first check may load the processor: off the event loop
+        await asyncio.to_thread(inputs.processor_kwargs, kwargs)
+    except ValueError as error:
+        raise APIError(str(error), param="mm_processor_kwargs") from error
+
+
 async def multimodal_prompt(
     ctx: Any,
     conversation: list[dict[str, Any]] | None,
     request_template: str | None = None,
+    mm_processor_kwargs: dict[str, Any] | None = None,
     **template_kwargs: Any,
 ) -> dict[str, Any] | None:
     """``{"prompt": text, "multi_modal_data": {"image": [...]}}`` for a conversation with
@@ -95,7 +108,10 @@ async def multimodal_prompt(
     The template is the server's ``--chat-template`` or the processor's; a request's own
     ``chat_template`` is refused here (the text path renders those sandboxed). Content
     parts stay a list whatever ``--chat-template-content-format`` says (the processor's
-    template places the images by them); ``--default-chat-template-kwargs`` apply."""
+    template places the images by them); ``--default-chat-template-kwargs`` apply.
+    ``mm_processor_kwargs`` (a chat request's, vLLM's) are checked, and go with the prompt."""
+    if mm_processor_kwargs is not None:
+        await check_processor_kwargs(ctx, mm_processor_kwargs)
     inputs = _inputs(ctx)
     if conversation is None or inputs is None:
         return None
@@ -114,4 +130,7 @@ async def multimodal_prompt(
         text = await asyncio.to_thread(inputs.processor.render_chat, messages, **template_kwargs)
     except ValueError as error:
         raise APIError(str(error), param="messages") from error
-    return {"prompt": text, "multi_modal_data": {"image": list(images)}}
+    prompt = {"prompt": text, "multi_modal_data": {"image": list(images)}}
+    if mm_processor_kwargs:
+        prompt["mm_processor_kwargs"] = mm_processor_kwargs
+    return prompt

@@ -365,6 +365,8 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     parallel_tool_calls: bool = True
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     """OpenAI's field, handed to the chat template (which may read it, as gpt-oss's does)."""
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """vLLM's: options for the model's image processor, over ``--mm-processor-kwargs``."""
 
     def num_logprobs(self) -> int | None:
         if not self.logprobs:

@@ -81,6 +81,7 @@ class ChatServer:
             ctx,
             openai_conversation(request.messages),
             request_template=request.chat_template,
+            mm_processor_kwargs=request.mm_processor_kwargs,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             **template_kwargs,
