@@ -53,7 +53,18 @@ def decode_image(data: bytes) -> Image.Image:
             f"the image data could not be decoded ({type(exc).__name__}: {exc}); send a "
             "PNG, JPEG, WebP or GIF image."
         ) from None
-    return image.convert("RGB")
+    return to_rgb(image)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB, with any transparency composited onto white, as vLLM's image loader and
+    transformers' ``convert_to_rgb`` do (``convert("RGB")`` alone drops the alpha channel
+    and shows whatever colour the transparent pixels store, often black)."""
+    if "A" not in image.getbands() and image.info.get("transparency") is None:
+        return image.convert("RGB")
+    rgba = image.convert("RGBA")
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, rgba).convert("RGB")
 
 
 def _check_size(num_bytes: int, config: MultiModalConfig, what: str) -> None:
