@@ -561,6 +561,9 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs_backend: str = "xgrammar"
     """Grammar backend for structured outputs: "xgrammar" or "outlines"."""
+    structured_outputs_compact_json: bool = False
+    """Every JSON-constrained request emits compact JSON (vLLM's
+    ``structured_outputs_config.disable_any_whitespace``)."""
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     speculative: SpeculativeConfig | None = None
     """Speculative decoding, or None (off)."""

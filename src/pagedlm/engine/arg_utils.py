@@ -28,6 +28,7 @@ from pagedlm.config import (
 )
 from pagedlm.engine.quantization_args import check_quantization_name, resolve_quantization
 from pagedlm.engine.speculative_args import parse_speculative_config
+from pagedlm.engine.structured_outputs_args import resolve_structured_outputs
 from pagedlm.generation_config import sampling_defaults
 from pagedlm.kv_cache.fp8 import validate_kv_cache_dtype
 from pagedlm.model_executor.loader.hub import resolve_model_path
@@ -154,8 +155,13 @@ class EngineArgs:
     override_generation_config: dict[str, Any] | None = None
     """Sets or replaces those defaults, as vLLM's JSON, e.g. '{"temperature": 0.5}' (alone
     with generation_config="vllm")."""
-    structured_outputs_backend: str = "xgrammar"
-    """Grammar backend for structured outputs: "xgrammar" or "outlines"."""
+    structured_outputs_backend: str = "auto"
+    """Grammar backend for structured outputs: "xgrammar", "outlines", or "auto" (vLLM's
+    default: xgrammar, or outlines where only it is installed)."""
+    structured_outputs_config: dict[str, Any] | None = None
+    """vLLM's JSON for structured outputs, e.g. '{"backend": "xgrammar",
+    "disable_any_whitespace": true}' (compact JSON for every request); keys in
+    ``pagedlm.engine.structured_outputs_args``."""
     kv_events_config: str | None = None
     """Publish prefix-cache block events as vLLM does, as a JSON object (a dict from
     Python), e.g. '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557",
@@ -300,13 +306,9 @@ class EngineArgs:
             )
 
         self._check_loading_options()
-        from pagedlm.structured_output.backend import BACKENDS
-
-        if self.structured_outputs_backend not in BACKENDS:
-            raise ValueError(
-                f"structured_outputs_backend={self.structured_outputs_backend!r} is unknown; "
-                f"use one of {sorted(BACKENDS)}."
-            )
+        grammar_backend, compact_json = resolve_structured_outputs(
+            self.structured_outputs_backend, self.structured_outputs_config
+        )
         model = self.resolve_model()
         self._check_weight_files(model)
         if model.endswith(".gguf"):
@@ -427,7 +429,8 @@ class EngineArgs:
             platform=platform.name,
             attention_backend=self.attention_backend,
             parallel=self._parallel_config(arch, platform),
-            structured_outputs_backend=self.structured_outputs_backend,
+            structured_outputs_backend=grammar_backend,
+            structured_outputs_compact_json=compact_json,
             kv_events=KVEventsConfig.parse(self.kv_events_config),
             lora=self._lora_config(arch),
             batch_invariant=self.batch_invariant or batch_invariant_from_env(),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pagedlm.config import LoRAConfig, ModelConfig, MultiModalConfig
@@ -60,9 +60,11 @@ class InputProcessor:
         lora_config: LoRAConfig | None = None,
         multimodal_config: MultiModalConfig | None = None,
         logits_processors: tuple[type, ...] = (),
+        compact_json: bool = False,
     ) -> None:
         """``logits_processors``: the engine's custom processor classes; each request's
-        parameters pass their ``validate_params``."""
+        parameters pass their ``validate_params``. ``compact_json``: every JSON-constrained
+        request gets ``disable_any_whitespace`` (the engine's structured-outputs config)."""
         from pagedlm.multimodal.inputs import MultiModalInputs
         from pagedlm.structured_output.params import DEFAULT_MAX_SPEC_CHARS
 
@@ -71,6 +73,7 @@ class InputProcessor:
         self.multimodal = MultiModalInputs(model_config, multimodal_config or MultiModalConfig())
         self.scheduling_policy = scheduling_policy
         self.logits_processors = logits_processors
+        self.compact_json = compact_json
         self.tokenizer = tokenizer
         self.structured_outputs_backend = structured_outputs_backend
         self.structured_outputs_max_spec_chars = (
@@ -178,6 +181,9 @@ class InputProcessor:
             processor.validate_params(params)
         resolved = params.clone()
         resolved.max_tokens = max_tokens
+        structured = params.structured_outputs
+        if self.compact_json and structured is not None and not structured.disable_any_whitespace:
+            resolved.structured_outputs = replace(structured, disable_any_whitespace=True)
         resolved.logprobs, resolved.prompt_logprobs = counts
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:

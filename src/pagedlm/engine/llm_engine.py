@@ -44,10 +44,9 @@ class LLMEngine:
             lora_config=config.lora,
             multimodal_config=config.multimodal,
             logits_processors=config.logits_processors,
+            compact_json=config.structured_outputs_compact_json,
         )
-        self.output_processor = OutputProcessor(
-            self.tokenizer, config.scheduler.stream_interval
-        )
+        self.output_processor = OutputProcessor(self.tokenizer, config.scheduler.stream_interval)
         self.engine_core = make_engine_core(config, platform)
         self.metrics = EngineMetrics(
             config.model.max_model_len, cache_info(config.cache, self.engine_core.num_kv_blocks)

@@ -151,9 +151,7 @@ class OutputProcessor:
     every ``Logprob.decoded_token`` None, as with ``detokenize=False``.
     """
 
-    def __init__(
-        self, tokenizer: PreTrainedTokenizerBase | None, stream_interval: int = 1
-    ) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, stream_interval: int = 1) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {stream_interval}.")
         self.tokenizer = tokenizer
