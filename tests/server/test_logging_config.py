@@ -28,7 +28,7 @@ def _file_config(log_file) -> dict:
                 "filename": str(log_file),
                 "formatter": "tagged",
             },
-        },  # fmt: skip
+        },
         "root": {"level": "INFO", "handlers": ["file"]},
     }
 
