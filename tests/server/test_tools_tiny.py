@@ -78,3 +78,34 @@ def test_invalid_tool_schema_is_400(client):
     bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]
     with pytest.raises(openai.BadRequestError, match="not a valid JSON schema"):
         _chat(client, tools=bad, tool_choice="required")
+
+
+TOOLS_TEMPLATE = (
+    "tools={{ tools | map(attribute='function.name') | join(',') if tools else 'none' }}|"
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("exclude", [False, True])
+def test_tool_choice_none_shows_the_tools_to_the_template_unless_excluded(
+    chat_checkpoint, exclude
+):
+    from fake_engine import FakeEngine, fake_context
+    from starlette.testclient import TestClient
+
+    from pagedlm.entrypoints.openai.app import build_app
+
+    engine = FakeEngine(chat_checkpoint)
+    ctx = fake_context(engine, chat_template=TOOLS_TEMPLATE,
+                       exclude_tools_when_tool_choice_none=exclude)  # fmt: skip
+    with TestClient(build_app(ctx)) as client:
+        for tool_choice in ("none", None):  # left out: "none" without a tool parser
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                    "tools": TOOLS, "max_tokens": 1, "return_token_ids": True}  # fmt: skip
+            if tool_choice is not None:
+                body["tool_choice"] = tool_choice
+            answer = client.post("/v1/chat/completions", json=body)
+            assert answer.status_code == 200, answer.text
+            prompt = engine.tokenizer.decode(answer.json()["prompt_token_ids"])
+            names = ",".join(t["function"]["name"] for t in TOOLS)
+            assert prompt.startswith("tools=none|" if exclude else f"tools={names}|"), prompt

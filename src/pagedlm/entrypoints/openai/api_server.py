@@ -302,6 +302,14 @@ def _add_tool_args(group: argparse._ArgumentGroup) -> None:
         "when a request has tools. 'required' and named tools work without it.",
     )
     group.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Leave a request's tools out of its prompt when its tool_choice is 'none' "
+        "(vLLM's flag; by default the template sees them, and the model is not asked to "
+        "call one).",
+    )
+    group.add_argument(
         "--reasoning-parser",
         default=None,
         metavar="NAME",
@@ -555,6 +563,7 @@ def serving_context(
         force_include_usage=args.enable_force_include_usage,
         log_requests=args.enable_log_requests and not args.disable_log_requests,
         log_outputs=args.enable_log_outputs,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         log_deltas=args.enable_log_deltas,
         max_log_len=args.max_log_len,
     )

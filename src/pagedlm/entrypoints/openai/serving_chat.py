@@ -63,6 +63,7 @@ class ChatServer:
             request.parallel_tool_calls,
             ctx.tool_parser,
             ctx.enable_auto_tool_choice,
+            ctx.exclude_tools_when_tool_choice_none,
         )
         if plan.structured_outputs is not None and (
             request.response_format or request.requested_structured_outputs()

@@ -80,6 +80,7 @@ class MessagesServer:
             parallel,
             self.ctx.tool_parser,
             self.ctx.enable_auto_tool_choice,
+            self.ctx.exclude_tools_when_tool_choice_none,
         )
 
     async def _prompt(self, request: CountTokensRequest, plan: ToolPlan) -> list[int]:

@@ -148,12 +148,15 @@ def plan_tools(
     parallel_tool_calls: bool,
     tool_parser: str | None,
     enable_auto_tool_choice: bool,
+    exclude_tools_when_none: bool = False,
 ) -> ToolPlan:
     """Check ``tools``/``tool_choice`` and decide how the output is constrained and parsed.
 
     ``tool_choice`` left out means "auto" when the server parses tool calls
     (``--enable-auto-tool-choice``), else "none". Under "auto" the server's parser reads the
-    text; it is given ``tools`` where it takes them (to type values by their schema).
+    text; it is given ``tools`` where it takes them (to type values by their schema). Under
+    "none" the template still sees the tools, as in vLLM, unless ``exclude_tools_when_none``
+    (``--exclude-tools-when-tool-choice-none``).
     """
     if not tools:
         if tool_choice not in (None, "none"):
@@ -163,7 +166,7 @@ def plan_tools(
     if tool_choice is None:
         tool_choice = "auto" if enable_auto_tool_choice else "none"
     if tool_choice == "none":
-        return ToolPlan("none")
+        return ToolPlan("none", None if exclude_tools_when_none else tools)
     server_parser = get_tool_parser(tool_parser) if tool_parser else None
     new_call_id = server_parser.new_call_id if server_parser else ToolParser.new_call_id
     if tool_choice == "auto":
