@@ -64,12 +64,14 @@ def test_the_flags_reach_uvicorn():
     args = build_parser().parse_args(
         ["serve", "--root-path", "/llm", "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem",
          "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
-         "--allowed-origins", '["https://a"]', "--allow-credentials"]
+         "--allowed-origins", '["https://a"]', "--allow-credentials", "--ssl-cert-reqs", "2",
+         "--ssl-ciphers", "ECDHE+AESGCM"]
     )  # fmt: skip
     options = uvicorn_options(args)
     assert options == {
         "root_path": "/llm", "ssl_keyfile": "k.pem", "ssl_certfile": "c.pem",
-        "ssl_ca_certs": None, "log_level": "warning", "access_log": False,
+        "ssl_ca_certs": None, "ssl_cert_reqs": 2, "ssl_ciphers": "ECDHE+AESGCM",
+        "h11_max_incomplete_event_size": 4 << 20, "log_level": "warning", "access_log": False,
     }  # fmt: skip
     http = HttpOptions.from_args(args)
     assert http.allowed_origins == ("https://a",) and http.allow_credentials and http.docs
@@ -148,3 +150,46 @@ def test_a_unix_socket_replaces_a_stale_one_and_refuses_a_live_one(tmp_path):
     (tmp_path / "plain").write_text("x")
     with pytest.raises(SystemExit, match="not a socket"):
         bind_listener("unused", 0, uds=str(tmp_path / "plain"))
+
+
+def test_load_counts_requests_in_flight_only_when_tracked(chat_checkpoint):
+    import threading
+
+    from starlette.testclient import TestClient
+
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "stream": True}
+    for tracked in (False, True):
+        engine = FakeEngine(chat_checkpoint)
+        release = threading.Event()
+        generate = engine.generate
+
+        async def held(*args, **kwargs):
+            async for output in generate(*args, **kwargs):
+                yield output
+                # after the first output the stream stays open until released
+                assert await asyncio.to_thread(release.wait, 10)
+
+        engine.generate = held
+        app = build_app(fake_context(engine), http=HttpOptions(track_server_load=tracked))
+        with TestClient(app) as client:
+            assert client.get("/load").json() == {"server_load": 0}
+            with client.stream("POST", "/v1/completions", json=body) as stream:
+                assert client.get("/load").json() == {"server_load": int(tracked)}
+                release.set()
+                assert b"[DONE]" in b"".join(stream.iter_bytes())
+            assert client.get("/load").json() == {"server_load": 0}
+    assert build_parser().parse_args(["serve", "--enable-server-load-tracking"]
+                                     ).enable_server_load_tracking  # fmt: skip
+
+
+def test_log_error_stack_logs_the_traceback_of_an_error_answer(chat_checkpoint, caplog):
+    import logging
+
+    bad = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": 9}
+    for flag in (False, True):
+        app = build_app(fake_context(FakeEngine(chat_checkpoint), log_error_stack=flag))
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="pagedlm.server"):
+            assert _send(app, "POST", "/v1/completions", json=bad).status_code == 400
+        stacks = [r for r in caplog.records if r.exc_info and "Error response" in r.getMessage()]
+        assert bool(stacks) == flag

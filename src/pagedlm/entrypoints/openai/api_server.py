@@ -237,6 +237,13 @@ def add_serving_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "(vLLM's flag; default: on).",
     )
     group.add_argument(
+        "--log-error-stack",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Log the traceback of every exception a request's error answer came from "
+        "(vLLM's flag; unexpected errors are always logged with theirs).",
+    )
+    group.add_argument(
         "--disable-log-requests",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -564,6 +571,7 @@ def serving_context(
         log_requests=args.enable_log_requests and not args.disable_log_requests,
         log_outputs=args.enable_log_outputs,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        log_error_stack=args.log_error_stack,
         log_deltas=args.enable_log_deltas,
         max_log_len=args.max_log_len,
     )

@@ -34,6 +34,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 
 from pagedlm.engine.exceptions import EngineDeadError
 from pagedlm.entrypoints.openai.admin import (
+    MODEL_ROUTES,
     AdminOptions,
     SleepingModelGuard,
     install_admin_routes,
@@ -50,6 +51,8 @@ from pagedlm.entrypoints.openai.middleware import (
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
     CancelledRequestMiddleware,
+    ServerLoad,
+    ServerLoadMiddleware,
 )
 from pagedlm.entrypoints.openai.openapi import install_openapi, request_body_spec
 from pagedlm.entrypoints.openai.protocol import (
@@ -115,14 +118,23 @@ def _guarded(anthropic: bool) -> Callable[[Handler], Handler]:
     return decorate
 
 
+def _log_stack(ctx: ServingContext, error: BaseException) -> None:
+    """``--log-error-stack``: the traceback of an exception answered as an error."""
+    if ctx.log_error_stack:
+        logger.error("Error response from %r", error, exc_info=error)
+
+
 async def _answer(handler: Handler, request: Request, anthropic: bool) -> Response:
     try:
         return await handler(request)
     except APIError as error:
+        _log_stack(request.app.state.ctx, error)
         return error_response(error.message, error.status, error.param, anthropic=anthropic)
     except EngineDeadError as error:
+        _log_stack(request.app.state.ctx, error)
         return error_response(_engine_dead_message(error), ENGINE_DEAD_STATUS, anthropic=anthropic)
     except ImportError as error:  # an optional package: name the extra, never a bare 500
+        _log_stack(request.app.state.ctx, error)
         missing = missing_package_error(error)
         return error_response(missing.message, missing.status, anthropic=anthropic)
     except Exception:
@@ -154,17 +166,22 @@ def _body_route(
     return decorate
 
 
-async def _guard_stream(events: AsyncIterator[str], anthropic: bool) -> AsyncIterator[str]:
+async def _guard_stream(
+    events: AsyncIterator[str], anthropic: bool, ctx: ServingContext
+) -> AsyncIterator[str]:
     """Errors after the stream started become an error event (then [DONE] for OpenAI)."""
     try:
         async for event in events:
             yield event
         return
     except APIError as error:
+        _log_stack(ctx, error)
         yield sse_error_event(error.message, error.status, anthropic)
     except EngineDeadError as error:
+        _log_stack(ctx, error)
         yield sse_error_event(_engine_dead_message(error), ENGINE_DEAD_STATUS, anthropic)
     except ImportError as error:
+        _log_stack(ctx, error)
         missing = missing_package_error(error)
         yield sse_error_event(missing.message, missing.status, anthropic)
     except Exception:
@@ -184,7 +201,9 @@ async def _respond(
     if events is not None:
         headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
         return StreamingResponse(
-            _guard_stream(events, anthropic), media_type="text/event-stream", headers=headers
+            _guard_stream(events, anthropic, request.app.state.ctx),
+            media_type="text/event-stream",
+            headers=headers,
         )
     return JSONResponse(body)
 
@@ -316,6 +335,10 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.get("/version")
     async def version() -> JSONResponse:
         return JSONResponse({"version": __version__})
+
+    @app.get("/load")
+    async def load(request: Request) -> JSONResponse:
+        return JSONResponse({"server_load": request.app.state.server_load.value})
 
     @app.get("/health")
     async def health() -> Response:
@@ -464,6 +487,7 @@ def build_app(
     docs = {} if http.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="pagedlm", version=__version__, lifespan=lifespan, **docs)
     app.state.ctx = ctx
+    app.state.server_load = ServerLoad(MODEL_ROUTES)
     app.state.body_models = []
     app.state.body_routes = {}
 
@@ -490,6 +514,8 @@ def build_app(
         else:
             app.middleware("http")(extra)
     outer: Any = BodySizeLimitMiddleware(SleepingModelGuard(app, ctx.engine), max_body_bytes)
+    if http.track_server_load:
+        outer = ServerLoadMiddleware(outer, app.state.server_load)
     if api_key:
         outer = APIKeyMiddleware(outer, api_key)
     return CancelledRequestMiddleware(http.wrap(outer))

@@ -19,6 +19,8 @@ from typing import Any
 from pagedlm.logging_config import LOGGING_CONFIG_ENV, read_logging_config
 
 MAX_LOGGED_PROMPT_CHARS = 200
+H11_MAX_INCOMPLETE_EVENT_SIZE = 4 << 20
+"""vLLM's default for ``--h11-max-incomplete-event-size`` (h11's own: 16 KiB)."""
 """``--enable-log-requests`` shows this much of a prompt unless ``--max-log-len`` says."""
 
 
@@ -85,6 +87,28 @@ def add_http_args(group: argparse._ArgumentGroup) -> None:
         f"default: ${LOGGING_CONFIG_ENV}).",
     )
     group.add_argument(
+        "--enable-server-load-tracking",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Count the generation and pooling requests in flight, served at GET /load as "
+        '{"server_load": N} (vLLM\'s flag; without it /load answers 0).',
+    )
+    group.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        help="TLS: whether clients must present a certificate (the ssl module's "
+        "CERT_NONE 0, CERT_OPTIONAL 1, CERT_REQUIRED 2; default: %(default)s).",
+    )
+    group.add_argument("--ssl-ciphers", default=None, help="TLS: the ciphers allowed.")
+    group.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=H11_MAX_INCOMPLETE_EVENT_SIZE,
+        help="The most bytes of a request's head (line and headers) read before it is "
+        "refused (vLLM's flag; default: %(default)s).",
+    )
+    group.add_argument(
         "--enable-request-id-headers",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -107,6 +131,7 @@ class HttpOptions:
     allow_credentials: bool = False
     docs: bool = True
     request_id_headers: bool = False
+    track_server_load: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> HttpOptions:
@@ -117,6 +142,7 @@ class HttpOptions:
             args.allow_credentials,
             not args.disable_fastapi_docs,
             args.enable_request_id_headers,
+            args.enable_server_load_tracking,
         )
 
     def wrap(self, app: Any) -> Any:
@@ -175,6 +201,9 @@ def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
         "ssl_keyfile": args.ssl_keyfile,
         "ssl_certfile": args.ssl_certfile,
         "ssl_ca_certs": args.ssl_ca_certs,
+        "ssl_cert_reqs": args.ssl_cert_reqs,
+        "ssl_ciphers": args.ssl_ciphers,
+        "h11_max_incomplete_event_size": args.h11_max_incomplete_event_size,
         "log_level": args.uvicorn_log_level or (args.log_level if path is None else None),
         "access_log": not args.disable_uvicorn_access_log,
     }

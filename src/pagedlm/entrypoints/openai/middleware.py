@@ -1,5 +1,5 @@
 """Pure ASGI middleware: API-key check, request-body size limit, the client's request id,
-and the last word for requests cancelled at shutdown.
+the count of requests in flight, and the last word for requests cancelled at shutdown.
 
 They decide on the raw ASGI scope, before routing, so no route (or a route added later)
 can forget them. None ever logs the key or the body.
@@ -241,3 +241,41 @@ class CancelledRequestMiddleware:
                 tail = event if anthropic else event + "data: [DONE]\n\n"
                 body = {"type": "http.response.body", "body": tail.encode(), "more_body": False}
                 await send(body)
+
+
+class ServerLoad:
+    """Requests in flight on ``paths`` (vLLM's ``server_load_metrics``, read at ``/load``)."""
+
+    def __init__(self, paths: Sequence[str]) -> None:
+        self.paths = frozenset(paths)
+        self.value = 0
+
+
+class ServerLoadMiddleware:
+    """Counts a request on ``load.paths`` from its arrival until its response's last byte
+    is sent (a stream's too) or it ends otherwise."""
+
+    def __init__(self, app: ASGIApp, load: ServerLoad) -> None:
+        self.app = app
+        self.load = load
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.load.paths:
+            await self.app(scope, receive, send)
+            return
+        load = self.load
+        load.value += 1
+        counted = True
+
+        async def counting_send(message: Message) -> None:
+            nonlocal counted
+            await send(message)
+            if counted and message["type"] == "http.response.body" and not message.get("more_body"):
+                counted = False
+                load.value -= 1
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            if counted:
+                load.value -= 1
