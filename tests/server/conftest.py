@@ -13,6 +13,7 @@ from server_utils import Server, start_server
 @pytest.fixture(scope="session")
 def tiny_server(chat_checkpoint, tmp_path_factory) -> Iterator[Server]:
     """One shared server for the protocol tests (no API key)."""
-    server = start_server(chat_checkpoint, tmp_path_factory.mktemp("logs") / "server.log")
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    server = start_server(chat_checkpoint, log, "--enable-tokenizer-info-endpoint")
     yield server
     server.stop()

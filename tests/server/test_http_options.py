@@ -193,3 +193,17 @@ def test_log_error_stack_logs_the_traceback_of_an_error_answer(chat_checkpoint, 
             assert _send(app, "POST", "/v1/completions", json=bad).status_code == 400
         stacks = [r for r in caplog.records if r.exc_info and "Error response" in r.getMessage()]
         assert bool(stacks) == flag
+
+
+def test_tokenizer_info_is_served_only_when_asked(chat_checkpoint):
+    engine = FakeEngine(chat_checkpoint)
+    closed = build_app(fake_context(engine))
+    assert _send(closed, "GET", "/tokenizer_info").status_code == 404  # vLLM's default
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    app = build_app(fake_context(engine, tokenizer_info_endpoint=True, chat_template=template))
+    info = _send(app, "GET", "/tokenizer_info").json()
+    assert info["tokenizer_class"] == type(engine.tokenizer).__name__
+    assert info["chat_template"] == template  # the one the server renders with
+    assert info["eos_token"] == engine.tokenizer.eos_token and info["eos_token_id"] is not None
+    assert info["vocab_size"] == len(engine.tokenizer) and info["model_max_length"] > 0
+    assert not any(key.endswith("_file") for key in info)  # no paths of the server's disk

@@ -174,6 +174,13 @@ def add_serving_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "content gets 'openai') (vLLM's flag; default: %(default)s).",
     )
     group.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Serve GET /tokenizer_info: the tokenizer's configuration and the chat template "
+        "(vLLM's flag; off: they may be private to the deployment).",
+    )
+    group.add_argument(
         "--response-role",
         default="assistant",
         help="The role chat completions answer with (default: %(default)s).",
@@ -572,6 +579,7 @@ def serving_context(
         log_outputs=args.enable_log_outputs,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         log_error_stack=args.log_error_stack,
+        tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         log_deltas=args.enable_log_deltas,
         max_log_len=args.max_log_len,
     )

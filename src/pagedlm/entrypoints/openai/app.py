@@ -83,6 +83,7 @@ from pagedlm.entrypoints.openai.serving_lora import (
 from pagedlm.entrypoints.openai.serving_messages import MessagesServer
 from pagedlm.entrypoints.openai.serving_pooling import PoolingServer
 from pagedlm.entrypoints.openai.serving_responses import ResponsesServer
+from pagedlm.entrypoints.openai.tokenizer_info import tokenizer_info
 from pagedlm.metrics.log_line import StatsLine
 
 logger = logging.getLogger("pagedlm.server")
@@ -340,6 +341,14 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def load(request: Request) -> JSONResponse:
         return JSONResponse({"server_load": request.app.state.server_load.value})
 
+    if ctx.tokenizer_info_endpoint:
+
+        @app.get("/tokenizer_info")
+        @_guarded(anthropic=False)
+        async def get_tokenizer_info(request: Request) -> Response:
+            info = tokenizer_info(ctx.require_tokenizer(), ctx.chat_template)
+            return JSONResponse({**info, "model_max_length": ctx.max_model_len})
+
     @app.get("/health")
     async def health() -> Response:
         state = await ctx.engine.health()
@@ -393,23 +402,6 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
         if any(not 0 <= t < len(tokenizer) for t in body.tokens):
             raise APIError(f"tokens must be ids in [0, {len(tokenizer)}).", param="tokens")
         return JSONResponse({"prompt": tokenizer.decode(body.tokens)})
-
-    @app.get("/tokenizer_info")
-    @_guarded(anthropic=False)
-    async def tokenizer_info(request: Request) -> Response:
-        tokenizer = ctx.require_tokenizer()
-        return JSONResponse(
-            {
-                "tokenizer_class": type(tokenizer).__name__,
-                "eos_token": tokenizer.eos_token,
-                "eos_token_id": tokenizer.eos_token_id,
-                "bos_token": tokenizer.bos_token,
-                "pad_token": tokenizer.pad_token,
-                "vocab_size": len(tokenizer),
-                "model_max_length": ctx.max_model_len,
-                "chat_template": ctx.chat_template or getattr(tokenizer, "chat_template", None),
-            }
-        )
 
 
 async def _log_stats(ctx: ServingContext, interval_s: float) -> None:

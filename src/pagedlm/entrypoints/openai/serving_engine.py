@@ -96,6 +96,8 @@ class ServingContext:
     force_include_usage: bool = False
     """``--enable-force-include-usage``: streams end with the usage chunk whether or not
     the request asks (``stream_options.include_usage``)."""
+    tokenizer_info_endpoint: bool = False
+    """``--enable-tokenizer-info-endpoint``: serve ``GET /tokenizer_info``."""
     log_error_stack: bool = False
     """``--log-error-stack``: log the traceback of every exception answered as an error."""
     exclude_tools_when_tool_choice_none: bool = False
