@@ -183,3 +183,32 @@ def test_encoders_compute_every_token(tmp_path):
     write_bert(tmp_path, "cls")
     config = EngineArgs(model=str(tmp_path), **ENGINE).create_engine_config()[0]
     assert not config.cache.enable_prefix_caching  # bidirectional: no reusable keys
+
+
+def test_pooler_config_overrides_the_checkpoints_pooling(tmp_path):
+    """vLLM's --pooler-config: a decoder pooled by the mean, unnormalized."""
+    from pagedlm.engine.cli_args import engine_args_from_cli
+    from pagedlm.entrypoints.cli.main import parse_args
+
+    model = write_decoder(tmp_path, "Qwen3Config", "Qwen3Model")
+    args = engine_args_from_cli(parse_args(
+        ["serve", str(tmp_path), "--pooler-config", '{"pooling_type": "mean", "normalize": false}']
+    ))  # fmt: skip
+    llm = LLM(**{**vars(args), "skip_tokenizer_init": True, **ENGINE})
+    assert llm.llm_engine.config.model.pooler == PoolerConfig("MEAN", False)
+    prompts = [{"prompt_token_ids": ids} for ids in TOKEN_PROMPTS]
+    for ids, output in zip(TOKEN_PROMPTS, llm.encode(prompts, use_tqdm=False), strict=True):
+        _assert_close(output.outputs.data, reference_vector(hf_hidden(model, ids), "mean", False))
+    llm.llm_engine.shutdown()
+    for overrides, message in (
+        ({"pooling_type": "STEP"}, "not served"),
+        ({"dimensions": 8}, "dimensions is not supported"),
+        ({"pooling": "MEAN"}, "unknown key 'pooling'"),
+        ({"use_activation": False}, "applies to classifiers"),
+        ({"normalize": "no"}, "true or false"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            EngineArgs(str(tmp_path), pooler_config=overrides).create_engine_config()
+    write_decoder(tmp_path / "lm", "LlamaConfig", "LlamaForCausalLM")
+    with pytest.raises(ValueError, match="pooler_config applies to pooling models"):
+        EngineArgs(str(tmp_path / "lm"), pooler_config={"normalize": True}).create_engine_config()

@@ -183,3 +183,16 @@ def test_bidirectional_layer_refuses_a_backend_without_it():
     q = torch.zeros(3, 8)
     with pytest.raises(ValueError, match=r"causal=False.*causal_only"):
         layer(q, q, q, ctx)
+
+
+def test_pooler_config_turns_a_classifiers_activation_off():
+    from pagedlm.pooling.model_config import with_pooler_overrides
+
+    classifier = PoolerConfig("CLS", False, labels=("a", "b"), activation="softmax")
+    raw = with_pooler_overrides(classifier, {"use_activation": False, "seq_pooling_type": "LAST"})
+    assert (raw.activation, raw.pooling_type, raw.labels) == ("identity", "LAST", ("a", "b"))
+    assert with_pooler_overrides(classifier, {"use_activation": True}) == classifier
+    with pytest.raises(ValueError, match="applies to embedding models"):
+        with_pooler_overrides(classifier, {"normalize": True})
+    with pytest.raises(ValueError, match="different values"):
+        with_pooler_overrides(classifier, {"pooling_type": "CLS", "seq_pooling_type": "LAST"})

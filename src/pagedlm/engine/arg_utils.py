@@ -202,6 +202,10 @@ class EngineArgs:
     """"generate" (sample tokens), "pooling" (one vector per prompt: LLM.embed, /v1/embeddings)
     or "auto": pooling for embedding checkpoints (BertModel, Qwen3Model-style decoders without
     LM head, sentence-transformers directories), else generate."""
+    pooler_config: dict[str, Any] | None = None
+    """A pooling model's pooling over what its checkpoint says, as vLLM's JSON, e.g.
+    '{"pooling_type": "MEAN", "normalize": false}' (keys: pooling_type, seq_pooling_type,
+    normalize, use_activation)."""
 
     limit_mm_per_prompt: dict[str, int] | None = None
     """Most images per prompt as vLLM's JSON, e.g. '{"image": 2}' (None: 999)."""
@@ -476,10 +480,19 @@ class EngineArgs:
         return classes
 
     def _runner(self, arch: ArchConfig, model: str) -> tuple[str, PoolerConfig | None]:
-        from pagedlm.pooling.model_config import pooler_config, resolve_runner
+        from pagedlm.pooling.model_config import (
+            pooler_config,
+            resolve_runner,
+            with_pooler_overrides,
+        )
 
         runner = resolve_runner(self.runner, arch, model)
         if runner != "pooling":
+            if self.pooler_config:
+                raise ValueError(
+                    f"pooler_config applies to pooling models, but {arch.architecture} runs "
+                    "with runner='generate'; drop it, or pass runner='pooling' to embed."
+                )
             return runner, None
         for name, value, off in (
             ("speculative_config", self.speculative_config, None),
@@ -490,7 +503,7 @@ class EngineArgs:
                     f"runner='pooling' does not support {name}={value!r} (a pooling step "
                     f"ends every request it runs); drop {name}."
                 )
-        return runner, pooler_config(arch, model)
+        return runner, with_pooler_overrides(pooler_config(arch, model), self.pooler_config)
 
     def _whole_prompt_budget(self, max_model_len: int, default: int, why: str) -> int:
         """Whole prompts (the pooling runner, or chunked prefill off): the longest must fit

@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pagedlm.config import ROBERTA_ARCHITECTURES, RUNNERS, ArchConfig, PoolerConfig
+from pagedlm.config import POOLING_TYPES, ROBERTA_ARCHITECTURES, RUNNERS, ArchConfig, PoolerConfig
 
 POOLING_ARCHITECTURES = frozenset(
     {
@@ -238,3 +238,66 @@ def caches_prefixes(arch: ArchConfig, pooler: PoolerConfig) -> bool:
     pooler reads only the last row, which is always computed). Encoders and MEAN/CLS
     pooling need every row of the prompt in the step."""
     return pooler.pooling_type == "LAST" and arch.architecture not in ENCODER_ARCHITECTURES
+
+
+POOLER_CONFIG_KEYS = ("pooling_type", "seq_pooling_type", "normalize", "use_activation")
+"""The keys of vLLM's ``--pooler-config`` that pagedlm applies."""
+_UNSUPPORTED_POOLER_KEYS = {
+    "tok_pooling_type": "token-wise pooling (ALL, STEP) is not served",
+    "dimensions": "pass dimensions per request (matryoshka models)",
+    "enable_chunked_processing": "prompts longer than the model's context are refused",
+    "max_embed_len": "prompts longer than the model's context are refused",
+    "logit_bias": "classifier logits are not shifted",
+    "step_tag_id": "step pooling is not served",
+    "returned_token_ids": "step pooling is not served",
+}
+
+
+def with_pooler_overrides(config: PoolerConfig, overrides: dict[str, Any] | None) -> PoolerConfig:
+    """``config`` with vLLM's ``--pooler-config`` keys applied over what the checkpoint
+    says: ``pooling_type`` (or ``seq_pooling_type``), ``normalize`` (embeddings) and
+    ``use_activation`` (a classifier's activation; false: its raw logits)."""
+    if not overrides:
+        return config
+    for key in overrides:
+        if key in _UNSUPPORTED_POOLER_KEYS:
+            raise ValueError(
+                f"pooler_config.{key} is not supported ({_UNSUPPORTED_POOLER_KEYS[key]}); drop it."
+            )
+        if key not in POOLER_CONFIG_KEYS:
+            raise ValueError(
+                f"pooler_config has an unknown key {key!r}; use {list(POOLER_CONFIG_KEYS)}."
+            )
+    changes: dict[str, Any] = {}
+    both = {overrides.get("pooling_type"), overrides.get("seq_pooling_type")} - {None}
+    if len(both) > 1:
+        raise ValueError(
+            "pooler_config gives pooling_type and seq_pooling_type different values; pass one."
+        )
+    if both:
+        pooling_type = str(both.pop()).upper()
+        if pooling_type not in POOLING_TYPES:
+            raise ValueError(
+                f"pooler_config.pooling_type={pooling_type!r} is not served; use one of "
+                f"{list(POOLING_TYPES)}."
+            )
+        changes["pooling_type"] = pooling_type
+    for key in ("normalize", "use_activation"):
+        if key in overrides and not isinstance(overrides[key], bool):
+            raise ValueError(f"pooler_config.{key} must be true or false, got {overrides[key]!r}.")
+    if "normalize" in overrides:
+        if config.labels is not None:
+            raise ValueError(
+                "pooler_config.normalize applies to embedding models; this checkpoint is a "
+                "classifier (use use_activation)."
+            )
+        changes["normalize"] = overrides["normalize"]
+    if "use_activation" in overrides:
+        if config.labels is None:
+            raise ValueError(
+                "pooler_config.use_activation applies to classifiers; this checkpoint embeds "
+                "(use normalize)."
+            )
+        if not overrides["use_activation"]:
+            changes["activation"] = "identity"
+    return dataclasses.replace(config, **changes)
