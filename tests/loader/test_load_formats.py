@@ -93,7 +93,10 @@ def test_directory_without_config_json(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"load_format": "pt"}, "load_format='pt' is unknown; use one of auto, safetensors"),
+        (
+            {"load_format": "npcache"},
+            "load_format='npcache' is unknown; use one of auto, safetensors, pt",
+        ),
         ({"load_format": "gguf"}, "load_format='gguf' needs a .gguf file"),
         ({"quantization": "hqq"}, "quantization='hqq' is not supported"),
         ({"quantization": "bitsandbytes", "bnb_quant_type": "nf3"}, "bnb_quant_type='nf3'"),

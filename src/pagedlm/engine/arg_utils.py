@@ -49,8 +49,12 @@ class EngineArgs:
     revision: str | None = None
     """Branch, tag or commit of a hub id (model and, when it is a hub id too, tokenizer)."""
     load_format: str = "auto"
-    """"auto" (by file type), "safetensors", "gguf", or "dummy": random weights of the
-    configured shapes, no weight files needed (a directory with only config.json works)."""
+    """"auto": a .gguf file by its name, else the directory's *.safetensors, falling back
+    to PyTorch pytorch_model*.bin (sharded through pytorch_model.bin.index.json) or *.pt
+    files where it has none; "safetensors"; "pt": the PyTorch .bin/.pt files, read with
+    torch.load(weights_only=True) (a trainer's training_args.bin, optimizer.pt, ... are
+    never read); "gguf"; or "dummy": random weights of the configured shapes, no weight
+    files needed (a directory with only config.json works)."""
     quantization: str | None = None
     """None, "bitsandbytes" to quantize linear layers at load (needs pagedlm[bnb]), or "fp8":
     E4M3 weights with per-channel scales (float checkpoints quantized at load; FP8
@@ -344,10 +348,8 @@ class EngineArgs:
                 f"Architecture {arch.architecture!r} of {model} is not supported; "
                 f"supported architectures: {supported}.{remote}"
             )
-        if self.load_format in ("auto", "safetensors") and not model.endswith(".gguf"):
-            from pagedlm.model_executor.loader.safetensors_loader import safetensors_files
-
-            safetensors_files(model)  # before any memory is allocated
+        if self.load_format != "dummy" and not model.endswith(".gguf"):
+            self._check_checkpoint_files(model, arch)  # before any memory is allocated
 
         quantization, bnb_quant_type = resolve_quantization(
             self.quantization, self.bnb_quant_type, arch
@@ -585,10 +587,22 @@ class EngineArgs:
         is_gguf = model.endswith(".gguf")
         if self.load_format == "gguf" and not is_gguf:
             raise ValueError(f"load_format='gguf' needs a .gguf file, but {model} is a directory.")
-        if self.load_format == "safetensors" and is_gguf:
+        if self.load_format in ("safetensors", "pt") and is_gguf:
             raise ValueError(
-                f"load_format='safetensors' needs a model directory, but {model} is a .gguf file; "
-                "use load_format='auto' or 'gguf'."
+                f"load_format={self.load_format!r} needs a model directory, but {model} is a "
+                ".gguf file; use load_format='auto' or 'gguf'."
+            )
+
+    def _check_checkpoint_files(self, model: str, arch: ArchConfig) -> None:
+        """The directory has weights in the format asked for, and readable by its loader."""
+        from pagedlm.model_executor.loader.weight_files import checkpoint_files
+
+        files = checkpoint_files(model, self.load_format)
+        if files.format == "pt" and "quantization_config" in arch.raw:
+            raise ValueError(
+                f"{model} is a pre-quantized checkpoint in PyTorch .bin/.pt files; pagedlm "
+                "reads pre-quantized checkpoints from safetensors only. Convert it (load it "
+                "with transformers, then save_pretrained(dir)) and load that directory."
             )
 
     def _long_prefill_token_threshold(self, whole_prompts: bool) -> int:

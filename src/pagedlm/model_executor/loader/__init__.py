@@ -1,11 +1,12 @@
-"""Building a model and filling it with a checkpoint's weights (safetensors or GGUF)."""
+"""Building a model and filling it with a checkpoint's weights (safetensors, PyTorch .bin/.pt
+files or GGUF)."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -15,6 +16,8 @@ from pagedlm.kv_cache import fp8
 from pagedlm.model_executor.layers.attention import install_kv_scales
 from pagedlm.model_executor.layers.linear_base import deferred_weights
 from pagedlm.model_executor.loader.gguf_blocks import AffineBlocks
+
+logger = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -27,12 +30,16 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
+"""vLLM's names: "auto" (a .gguf file by its name; a directory's safetensors, else its
+PyTorch .bin/.pt files), "safetensors", "pt" (PyTorch pickles, read with ``weights_only``),
+"gguf", "dummy" (random weights)."""
 
 
 def iter_model_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs of the checkpoint: a .gguf file or a safetensors directory."""
-    if model_config.load_format not in ("auto", "safetensors", "gguf"):
+    """(HF name, tensor) pairs of the checkpoint: a .gguf file, or a directory's safetensors
+    or PyTorch files (``weight_files.checkpoint_files`` says which)."""
+    if model_config.load_format not in ("auto", "safetensors", "pt", "gguf"):
         raise ValueError(
             f"load_format={model_config.load_format!r} reads no weights; "
             f"use one of {', '.join(LOAD_FORMATS)}."
@@ -41,16 +48,26 @@ def iter_model_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.T
         from pagedlm.model_executor.loader.gguf_loader import iter_gguf_weights
 
         return iter_gguf_weights(model_config.model, model_config.arch)
-    from pagedlm.model_executor.loader.safetensors_loader import iter_safetensors_weights
-    from pagedlm.model_executor.loader.torch_bin import iter_torch_bin_weights, torch_bin_files
+    from pagedlm.model_executor.loader.weight_files import checkpoint_files
 
-    # Safetensors first; some draft heads (EAGLE's) are published as pytorch_model.bin only.
-    no_safetensors = not any(Path(model_config.model).glob("*.safetensors"))
-    if no_safetensors and torch_bin_files(model_config.model):
-        return iter_torch_bin_weights(model_config.model)
+    files = checkpoint_files(model_config.model, model_config.load_format)
+    if files.format == "pt":
+        from pagedlm.model_executor.loader.torch_bin import iter_torch_bin_weights
+
+        if files.fell_back:
+            names = [path.name for path in files.files]
+            logger.info(
+                "%s has no safetensors weights; load_format='auto' falls back to its PyTorch "
+                "files (%s), read with torch.load(weights_only=True).",
+                model_config.model,
+                ", ".join(names) if len(names) <= 3 else f"{names[0]} and {len(names) - 1} more",
+            )
+        # Plain tensors under tensor parallelism too: each rank's weight loaders narrow them.
+        return iter_torch_bin_weights(files.files)
     # Tensor-parallel ranks read only the slices their layers keep; a pre-quantized
     # checkpoint's parts go to bitsandbytes, which takes plain tensors only.
     from pagedlm.distributed import get_tensor_model_parallel_world_size
+    from pagedlm.model_executor.loader.safetensors_loader import iter_safetensors_weights
 
     quantized = "quantization_config" in model_config.arch.raw
     slices = get_tensor_model_parallel_world_size() > 1 and not quantized

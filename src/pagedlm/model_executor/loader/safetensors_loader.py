@@ -81,9 +81,9 @@ def safetensors_files(directory: str | os.PathLike[str]) -> list[Path]:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ValueError(
-            f"{directory} has no *.safetensors files; pagedlm reads safetensors or GGUF. "
-            "Convert the weights with transformers (model.save_pretrained(dir)), pass a .gguf, "
-            'or use load_format="dummy" for random weights.'
+            f"{directory} has no *.safetensors files. Save the weights with transformers "
+            '(model.save_pretrained(dir)), pass a .gguf, or use load_format="dummy" for '
+            "random weights (PyTorch .bin/.pt weights: load_format='auto' or 'pt')."
         )
     return files
 
