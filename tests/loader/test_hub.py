@@ -165,3 +165,100 @@ def test_download_dir_is_the_cache_hub_ids_resolve_from(tmp_path: Path) -> None:
     found, default = result.stdout.strip().splitlines()[-2:]
     assert found.startswith(str(elsewhere)) and found.endswith(f"snapshots/{MAIN_COMMIT}")
     assert default.startswith("error:")  # the default cache does not have it
+
+
+# ---- repositories with PyTorch .bin weights only (load_format "auto"'s fallback, "pt") ----
+
+BIN_REPO = ["config.json", "generation_config.json", "pytorch_model.bin", "training_args.bin",
+            "optimizer.pt", "scheduler.pt", "README.md", "checkpoint-500/pytorch_model.bin"]  # fmt: skip
+SHARDED_BIN_REPO = ["config.json", "pytorch_model.bin.index.json",
+                    "pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin"]  # fmt: skip
+BOTH_REPO = ["config.json", "model.safetensors", "pytorch_model.bin", "tf_model.h5"]
+
+
+@pytest.mark.parametrize(
+    ("files", "load_format", "weights"),
+    [
+        (BIN_REPO, "auto", ["pytorch_model.bin"]),
+        (BIN_REPO, "pt", ["pytorch_model.bin"]),
+        (SHARDED_BIN_REPO, "auto", SHARDED_BIN_REPO[2:]),
+        (BOTH_REPO, "auto", ["*.safetensors"]),
+        (BOTH_REPO, "pt", ["pytorch_model.bin"]),
+        (BOTH_REPO, "safetensors", ["*.safetensors"]),
+        (BIN_REPO, None, ["*.safetensors"]),  # a tokenizer's files
+        (None, "auto", ["*.safetensors"]),  # not listed (offline): the cache decides
+        (["config.json", "optimizer.pt", "training_args.bin"], "auto", ["*.safetensors"]),
+    ],
+)
+def test_hub_fetches_the_weight_files_the_format_reads(files, load_format, weights) -> None:
+    from pagedlm.model_executor.loader.hub import HUB_ALLOW_PATTERNS, hub_allow_patterns
+
+    others = [pattern for pattern in HUB_ALLOW_PATTERNS if pattern != "*.safetensors"]
+    patterns = hub_allow_patterns(files, load_format)
+    assert sorted(patterns) == sorted(others + weights)
+
+
+def test_pt_on_a_repository_without_pickles_fails_before_downloading() -> None:
+    from pagedlm.model_executor.loader.hub import hub_allow_patterns
+
+    with pytest.raises(ValueError, match=r"org/st on the Hugging Face hub has none \(it has \*"):
+        hub_allow_patterns(["config.json", "model.safetensors"], "pt", "org/st")
+
+
+def test_the_listing_chooses_what_snapshot_download_fetches(monkeypatch, tmp_path) -> None:
+    """Online: the repository is listed first and only its weights are fetched; a hub that
+    does not answer leaves the cache to snapshot_download, as it would without the listing."""
+    import huggingface_hub
+
+    from pagedlm.model_executor.loader.hub import resolve_hub_model
+
+    calls: list[dict] = []
+
+    def snapshot_download(repo_id, **kwargs):
+        calls.append(kwargs)
+        return str(tmp_path)
+
+    listing: list = [BIN_REPO]
+
+    def list_repo_files(repo_id, revision=None):
+        if isinstance(listing[0], Exception):
+            raise listing[0]
+        return listing[0]
+
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", list_repo_files)
+    assert resolve_hub_model("org/bin-only") == str(tmp_path)
+    assert "pytorch_model.bin" in calls[-1]["allow_patterns"]
+    assert not {"*.safetensors", "training_args.bin", "optimizer.pt"} & set(
+        calls[-1]["allow_patterns"]
+    )
+    assert calls[-1]["local_files_only"] is False
+    listing[0] = ConnectionError("connection refused")
+    resolve_hub_model("org/bin-only")
+    assert calls[-1]["local_files_only"] is True and "*.safetensors" in calls[-1]["allow_patterns"]
+    listing[0] = ["config.json", "model.safetensors"]
+    with pytest.raises(ValueError, match=r"org/st-only on the Hugging Face hub has none"):
+        resolve_hub_model("org/st-only", load_format="pt")
+    assert len(calls) == 2  # nothing was downloaded for it
+
+
+def test_a_cached_bin_only_repository_loads_offline(monkeypatch, tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    from pagedlm.engine.arg_utils import EngineArgs
+    from pagedlm.model_executor.loader import load_model
+
+    add_snapshot(tmp_path, "tiny-org/bin-only", MAIN_COMMIT, "main", seed=3)
+    snapshot = tmp_path / "models--tiny-org--bin-only" / "snapshots" / MAIN_COMMIT
+    state = load_file(snapshot / "model.safetensors")
+    (snapshot / "model.safetensors").unlink()
+    torch.save(state, snapshot / "pytorch_model.bin")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = EngineArgs(model="tiny-org/bin-only", download_dir=str(tmp_path), dtype="float32")
+    config, _ = args.create_engine_config()
+    assert config.model.model == str(snapshot)
+    model = load_model(config.model, torch.device("cpu"))
+    weight = "model.layers.0.mlp.down_proj.weight"
+    assert torch.equal(model.get_parameter(weight), state[weight])

@@ -268,7 +268,11 @@ class EngineArgs:
 
             return default_model_path()
         return resolve_model_path(
-            "Model", str(self.model), self.revision, cache_dir=self.download_dir
+            "Model",
+            str(self.model),
+            self.revision,
+            cache_dir=self.download_dir,
+            load_format=self.load_format,
         )
 
     def resolve_tokenizer(self) -> str | None:

@@ -4,14 +4,26 @@ path: a hub id becomes its snapshot directory.
 ``huggingface_hub.snapshot_download`` does the work: it reuses the local cache
 (``$HF_HOME/hub`` or ``$HF_HUB_CACHE``), fetches only what is missing, and with
 ``HF_HUB_OFFLINE=1`` never touches the network. We restrict it to what pagedlm reads:
-the config, tokenizer files and safetensors weights, never ``*.bin``/``*.pt`` pickles or
-Python files (``trust_remote_code`` is never honoured for model code).
+the config, tokenizer files and safetensors weights, never Python files
+(``trust_remote_code`` is never honoured for model code). A repository without
+safetensors weights (or ``load_format="pt"``) gets its PyTorch weight files instead, by
+name, as ``weight_files`` chooses them from the repository's listing: never a trainer's
+``training_args.bin`` or ``optimizer.pt``, which can be larger than the model.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+from collections.abc import Iterable
+
+from pagedlm.model_executor.loader.weight_files import (
+    SAFETENSORS_INDEX_FILE,
+    pickle_weight_names,
+)
+
+logger = logging.getLogger(__name__)
 
 HUB_ALLOW_PATTERNS = (
     "*.json",  # config, generation config, tokenizer config, safetensors index
@@ -21,6 +33,8 @@ HUB_ALLOW_PATTERNS = (
     "merges.txt",
     "*.jinja",  # chat templates stored beside tokenizer_config.json
 )
+PICKLE_FORMATS = ("auto", "pt")
+"""The load formats that may read a repository's PyTorch files (so its listing is asked for)."""
 
 # Hub ids as the hub itself validates them: one "/" between owner and name, each made of
 # letters, digits, "-", "_" and "."; no leading "-"/"." and no "--" or "..".
@@ -38,11 +52,59 @@ def _offline() -> bool:
     return value.strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
+def hub_allow_patterns(
+    repo_files: Iterable[str] | None, load_format: str | None, repo_id: str = "the repository"
+) -> list[str]:
+    """What to download of a repository whose files are ``repo_files`` (paths, as the hub
+    lists them; None: not listed) for ``load_format`` (None: no weights wanted, a tokenizer):
+    ``HUB_ALLOW_PATTERNS``, with the safetensors replaced by the PyTorch weight files where
+    ``"auto"`` finds no safetensors at the root or ``"pt"`` asks for them (a ``ValueError``
+    where it asks for them and there are none, before anything is downloaded)."""
+    patterns = list(HUB_ALLOW_PATTERNS)
+    if repo_files is None or load_format not in PICKLE_FORMATS:
+        return patterns
+    root = [path for path in repo_files if "/" not in path]
+    safetensors = any(n.endswith(".safetensors") or n == SAFETENSORS_INDEX_FILE for n in root)
+    pickles = pickle_weight_names(root)
+    if load_format == "pt" and not pickles:
+        has = " (it has *.safetensors files: use load_format='auto')" if safetensors else ""
+        raise ValueError(
+            "load_format='pt' reads PyTorch weight files (pytorch_model*.bin, other *.bin, "
+            f"or *.pt), but {repo_id} on the Hugging Face hub has none{has}."
+        )
+    if (load_format == "auto" and safetensors) or not pickles:
+        return patterns  # an "auto" repository with neither: the loader's error says so
+    return [pattern for pattern in patterns if pattern != "*.safetensors"] + pickles
+
+
+def _repo_files(repo_id: str, revision: str | None) -> list[str] | None:
+    """The repository's file paths; None when the hub does not answer at all (no network,
+    a proxy refusing): the snapshot then comes from the cache, as snapshot_download does."""
+    from huggingface_hub import list_repo_files
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        return list_repo_files(repo_id, revision=revision)
+    except HfHubHTTPError:
+        raise  # the hub answered (no such repository or revision, gated): the caller says so
+    except Exception as error:  # a transport error, whatever the HTTP library's class
+        logger.warning(
+            "Could not list %s on the Hugging Face hub (%s); looking in the local cache.",
+            repo_id,
+            error,
+        )
+        return None
+
+
 def resolve_hub_model(
-    repo_id: str, revision: str | None = None, cache_dir: str | None = None
+    repo_id: str,
+    revision: str | None = None,
+    cache_dir: str | None = None,
+    load_format: str | None = "auto",
 ) -> str:
     """The local snapshot directory of ``repo_id`` at ``revision`` (None: the default branch),
-    under ``cache_dir`` (None: the Hugging Face cache).
+    under ``cache_dir`` (None: the Hugging Face cache), with the weight files ``load_format``
+    reads (``hub_allow_patterns``; None: a tokenizer's files).
 
     Raises ``ValueError`` naming the fix when the repository, the revision or (offline) the
     cached copy does not exist.
@@ -59,11 +121,17 @@ def resolve_hub_model(
     offline = _offline()
     at = f" at revision {revision!r}" if revision else ""
     try:
+        listed = not offline and load_format in PICKLE_FORMATS
+        repo_files = _repo_files(repo_id, revision) if listed else None
+        patterns = hub_allow_patterns(repo_files, load_format, repo_id)
+        pickles = [pattern for pattern in patterns if pattern not in HUB_ALLOW_PATTERNS]
+        if pickles:
+            logger.info("%s: fetching its PyTorch weight files %s", repo_id, ", ".join(pickles))
         return snapshot_download(
             repo_id,
             revision=revision,
-            allow_patterns=list(HUB_ALLOW_PATTERNS),
-            local_files_only=offline,
+            allow_patterns=patterns,
+            local_files_only=offline or (listed and repo_files is None),
             cache_dir=cache_dir,
         )
     except GatedRepoError:
@@ -99,9 +167,15 @@ def resolve_hub_model(
 
 
 def resolve_model_path(
-    what: str, name: str, revision: str | None, weights: bool = True, cache_dir: str | None = None
+    what: str,
+    name: str,
+    revision: str | None,
+    weights: bool = True,
+    cache_dir: str | None = None,
+    load_format: str = "auto",
 ) -> str:
-    """A local path as given, else a hub id's snapshot directory; errors name the fix."""
+    """A local path as given, else a hub id's snapshot directory (with the weight files
+    ``load_format`` reads, when ``weights``); errors name the fix."""
     path = os.path.expanduser(name)
     if os.path.exists(path):
         if revision is not None and weights:
@@ -115,7 +189,7 @@ def resolve_model_path(
             )
         return path
     if looks_like_hub_id(name):
-        return resolve_hub_model(name, revision, cache_dir)
+        return resolve_hub_model(name, revision, cache_dir, load_format if weights else None)
     raise ValueError(
         f"{what} {name!r} not found: pass a local Hugging Face model directory "
         "(config.json + *.safetensors), a .gguf file, a hub id (org/name), or model=None "
