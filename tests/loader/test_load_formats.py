@@ -157,3 +157,18 @@ def test_model_code_in_the_directory_is_never_run(tmp_path: Path) -> None:
                 model=str(tmp_path), load_format="dummy", trust_remote_code=trust
             ).create_engine_config()
     assert not marker.exists()
+
+
+def test_the_cli_takes_the_load_formats_only(capsys) -> None:
+    import argparse
+
+    from pagedlm.engine.cli_args import add_engine_args
+    from pagedlm.model_executor.loader import LOAD_FORMATS
+
+    parser = add_engine_args(argparse.ArgumentParser())
+    for load_format in LOAD_FORMATS:
+        assert parser.parse_args(["--load-format", load_format]).load_format == load_format
+    assert "{auto,safetensors,pt,gguf,dummy}" in parser.format_help()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--load-format", "npcache"])
+    assert "invalid choice: 'npcache'" in capsys.readouterr().err

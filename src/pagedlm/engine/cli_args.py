@@ -21,6 +21,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.model_executor.loader import LOAD_FORMATS
 
 # Fields that the subcommands take as a positional argument as well as a flag.
 POSITIONAL_MODEL_DEST = "model_tag"
@@ -38,6 +39,9 @@ HUMAN_READABLE_INTS = {"max_model_len", "max_num_batched_tokens", "kv_cache_memo
 """Fields whose flags take ``32k`` or ``1G``, as vLLM's do (``human_readable_int``)."""
 MODEL_MAX_SPELLINGS = {"auto", "-1"}
 """``--max-model-len auto`` (or -1): the model's own context length, as None gives."""
+FIELD_CHOICES = {"load_format": LOAD_FORMATS}
+"""Fields whose flags take one of a few names (argparse lists them in the usage and refuses
+others when parsing)."""
 
 _DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -179,7 +183,8 @@ def add_engine_args(
                 f"EngineArgs.{field.name} has type {kind}, which the CLI cannot parse; use "
                 "bool, int, float, str or list (optionally | None)."
             )
-        group.add_argument(*flags, type=converter, default=default, help=help_text)
+        choices = FIELD_CHOICES.get(field.name)
+        group.add_argument(*flags, type=converter, default=default, choices=choices, help=help_text)
     return parser
 
 
