@@ -283,7 +283,9 @@ class ModelConfig:
     seed: int = 0
     skip_tokenizer_init: bool = False
     load_format: str = "auto"
-    """"auto" (by file type), "safetensors", "gguf", or "dummy" (random weights, no files)."""
+    """"auto" (by file type: a .gguf file, or a directory's safetensors, else its PyTorch
+    .bin/.pt files), "safetensors", "pt" (PyTorch files), "gguf", or "dummy" (random
+    weights, no files); ``loader.weight_files`` says which files each reads."""
     revision: str | None = None
     """The hub revision ``model`` was resolved at (None: a local path or the default branch)."""
     quantization: str | None = None
