@@ -440,6 +440,9 @@ class ParallelConfig:
     distributed_executor_backend: str = "uni"
     """The executor: "uni" (one worker in the engine's process), "mp" (a process per
     rank), "ray" (Ray actors), or a plugin's name; resolved at the edge."""
+    worker_extension_cls: str | None = None
+    """An importable class whose methods are mixed into every worker, for
+    ``collective_rpc`` (``pagedlm.worker.extension``); checked at the edge."""
 
     @property
     def world_size(self) -> int:

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
-from typing import NamedTuple
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -46,6 +46,9 @@ from pagedlm.step import SchedulerOutput, StepResult
 from pagedlm.structured_output.manager import StructuredOutputManager
 from pagedlm.structured_output.params import GrammarLimits
 from pagedlm.worker.sleep import check_level
+
+if TYPE_CHECKING:
+    from pagedlm.worker.rpc import RpcMethod
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +230,17 @@ class EngineCore:
             check_replacement(self.config.model, model_path)
         self.reset_prefix_cache()
         self.executor.reload_weights(model_path, weights)
+
+    def collective_rpc(
+        self,
+        method: RpcMethod,
+        timeout: float | None = None,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run ``method`` on every worker (``Executor.collective_rpc``), between steps;
+        a step in flight stays in flight."""
+        return self.executor.collective_rpc(method, timeout, tuple(args), dict(kwargs or {}))
 
     def _publish_kv_events(self) -> None:
         if self._kv_event_publisher is not None:

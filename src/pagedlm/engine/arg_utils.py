@@ -187,6 +187,10 @@ class EngineArgs:
     (Ray actors, for several nodes) or a plugin's executor; None: "uni" for one worker,
     "mp" for several on one node, "ray" when the node has too few devices or this process
     is in a Ray placement group."""
+    worker_extension_cls: str | None = None
+    """A class whose methods are added to every worker, for collective_rpc (vLLM's), as
+    'package.module:Class' or 'package.module.Class' (a class from Python); importable in
+    every worker process, with no attribute the worker has. Checked at start-up."""
     speculative_config: dict[str, Any] | str | None = None
     """Speculative decoding, vLLM's keys as a dict or JSON, e.g. '{"method": "ngram",
     "num_speculative_tokens": 4}'; methods ngram (prompt_lookup_min/max), draft_model,
@@ -248,6 +252,10 @@ class EngineArgs:
     many seconds without its heartbeat, which it sends every 0.5 s, during steps too."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.worker_extension_cls, type):  # its name crosses processes
+            from pagedlm.qualified_names import qualified_name
+
+            self.worker_extension_cls = qualified_name(self.worker_extension_cls)
         # A dict (or KVEventsConfig) from Python travels as the CLI's JSON text, so the
         # arguments stay JSON-serializable for the engine-core process.
         if self.kv_events_config is not None and not isinstance(self.kv_events_config, str):
@@ -540,11 +548,27 @@ class EngineArgs:
             data_parallel_rank=self.data_parallel_rank,
             enable_expert_parallel=self.enable_expert_parallel,
             distributed_executor_backend=backend,
+            worker_extension_cls=self._worker_extension(backend),
         )
         setup_checks.check_model_fits(arch, parallel)
         setup_checks.check_devices(parallel, platform)
         setup_checks.check_dist_backend(parallel, platform)
         return parallel
+
+    def _worker_extension(self, backend: str) -> str | None:
+        name = self.worker_extension_cls
+        if not name:
+            return None
+        from pagedlm.worker.extension import FLAG, load_worker_extension
+
+        extension = load_worker_extension(name)
+        if backend != "uni" and extension.__module__ == "__main__":
+            raise ValueError(
+                f"{FLAG} {name!r} is defined in __main__, which the worker processes of "
+                f"distributed_executor_backend={backend!r} cannot import; move the class to "
+                "a module."
+            )
+        return name
 
     def _check_operability_limits(self) -> None:
         for name in ("structured_outputs_max_spec_chars", "structured_outputs_compile_timeout_s"):

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from pagedlm.config import EngineConfig
 from pagedlm.core.engine_core import EngineCore
@@ -35,6 +35,8 @@ from pagedlm.structured_output.params import GrammarLimits
 
 if TYPE_CHECKING:
     import torch
+
+    from pagedlm.worker.rpc import RpcMethod
 
 
 def load_score(stats: SchedulerStats) -> tuple[int, float]:
@@ -158,6 +160,19 @@ class DataParallelEngineCore:
         weights = None if weights is None else list(weights)
         for core in busy[:1] + self.replicas:
             core.update_weights(model_path, weights)
+
+    def collective_rpc(
+        self,
+        method: RpcMethod,
+        timeout: float | None = None,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> list[Any]:
+        """Every replica's workers' results: replica 0's ranks first, then replica 1's, ..."""
+        results: list[Any] = []
+        for core in self.replicas:
+            results += core.collective_rpc(method, timeout, args, kwargs)
+        return results
 
     @property
     def sleep_level(self) -> int:

@@ -4,8 +4,8 @@ one process. ``LLM`` drives it; the async front end reuses its pieces."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedlm.config import EngineConfig
 from pagedlm.engine.arg_utils import EngineArgs
@@ -23,7 +23,11 @@ from pagedlm.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from pagedlm.worker.rpc import RpcMethod
+
 logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 
 class LLMEngine:
@@ -161,6 +165,21 @@ class LLMEngine:
         if isinstance(named_tensors, Mapping):
             named_tensors = named_tensors.items()
         self.engine_core.update_weights(weights=list(named_tensors))
+
+    def collective_rpc(
+        self,
+        method: RpcMethod,
+        timeout: float | None = None,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run ``method`` on every worker; one result per worker, in rank order
+        (``LLM.collective_rpc``)."""
+        return self.engine_core.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func: Callable[[torch.nn.Module], R]) -> list[R]:
+        """``func(model)`` on every worker's model; one result per worker."""
+        return self.collective_rpc("apply_model", args=(func,))
 
     def is_sleeping(self) -> bool:
         return bool(self.engine_core.sleep_level)

@@ -41,6 +41,8 @@ from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from pagedlm.worker.rpc import RpcMethod
+
 Conversation = list[dict[str, Any]]
 
 MAX_PREPROCESS_THREADS = 8
@@ -239,6 +241,31 @@ class LLM:
         tensors as at load); with one worker in this process. A later level-2 ``wake_up``
         reads the checkpoint's weights, not these."""
         self.llm_engine.update_weights_from_tensor(named_tensors)
+
+    def collective_rpc(
+        self,
+        method: RpcMethod,
+        timeout: float | None = None,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run a method on every worker and return one result per worker, in rank order
+        (vLLM's worker RPC, as RL frameworks use it). ``method``: the name of a worker
+        method (the worker's own, e.g. ``"apply_model"``, or one that
+        ``worker_extension_cls`` adds), or a function called as ``method(worker, *args,
+        **kwargs)``. Workers in this process take any values; workers in other processes
+        (``distributed_executor_backend="mp"`` or ``"ray"``) take msgspec-encodable values
+        and functions by importable name, nothing pickled (``pagedlm.worker.rpc_codec``).
+        A worker's exception raises ``WorkerRpcError`` naming its rank and the method, and
+        the engine carries on; ``timeout`` (seconds) bounds the wait for worker processes
+        (``TimeoutError``), not a call running in this process."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func: Callable[[torch.nn.Module], R]) -> list[R]:
+        """``func(model)`` on every worker's model (its shard under tensor parallelism);
+        one result per worker (vLLM's). With worker processes ``func`` must be importable
+        by name and its result msgspec-encodable."""
+        return self.llm_engine.apply_model(func)
 
     def generate(
         self,

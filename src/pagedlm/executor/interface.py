@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Mapping, Sequence
 
     import torch
 
     from pagedlm.config import EngineConfig
     from pagedlm.platforms import Platform
     from pagedlm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, StepResult
+    from pagedlm.worker.rpc import RpcMethod
 
 
 class Executor(ABC):
@@ -85,6 +86,19 @@ class Executor(ABC):
         """Replace the model's weights (``Worker.reload_weights``): from the checkpoint at
         ``model_path`` or from ``weights``. Only called awake, without unfinished requests."""
         raise NotImplementedError(f"the {self.name!r} executor does not support weight updates")
+
+    def collective_rpc(
+        self,
+        method: RpcMethod,
+        timeout: float | None,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+    ) -> list[Any]:
+        """Run ``method`` on every worker (``pagedlm.worker.rpc``): one result per worker,
+        in rank order. ``WorkerRpcError`` if a worker's call raised (the workers carry on);
+        ``TimeoutError`` if workers in other processes have not answered after ``timeout``
+        seconds; ``TypeError`` for what cannot reach them."""
+        raise NotImplementedError(f"the {self.name!r} executor does not support collective_rpc")
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release workers and device memory."""

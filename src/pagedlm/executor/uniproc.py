@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedlm.executor.interface import Executor
 from pagedlm.plugins.registry import select_attention_backend
-from pagedlm.worker.worker import Worker
+from pagedlm.worker.extension import make_worker
+from pagedlm.worker.rpc import call_on_worker, check_call
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Mapping, Sequence
 
     import torch
 
     from pagedlm.config import EngineConfig
     from pagedlm.platforms import Platform
     from pagedlm.step import GrammarBitmask, SchedulerOutput, StepResult
+    from pagedlm.worker.rpc import RpcMethod
 
 
 class UniprocExecutor(Executor):
@@ -24,7 +26,7 @@ class UniprocExecutor(Executor):
     def __init__(self, config: EngineConfig, platform: Platform) -> None:
         super().__init__(config, platform)
         backend_cls = select_attention_backend(platform, config.attention_backend)
-        self.worker = Worker(config, platform, backend_cls)
+        self.worker = make_worker(config, platform, backend_cls)
 
     def determine_num_kv_blocks(self) -> int:
         return self.worker.determine_num_kv_blocks()
@@ -48,6 +50,18 @@ class UniprocExecutor(Executor):
         self, model_path: str | None, weights: Iterable[tuple[str, torch.Tensor]] | None
     ) -> None:
         self.worker.reload_weights(model_path, weights)
+
+    def collective_rpc(
+        self,
+        method: RpcMethod,
+        timeout: float | None,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+    ) -> list[Any]:
+        # The call runs on this thread, where nothing can interrupt it: ``timeout`` bounds
+        # waits for other processes only (as in vLLM's uniproc executor).
+        check_call(method, timeout)
+        return [call_on_worker(self.worker, 0, method, args, kwargs)]
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 
@@ -24,6 +25,8 @@ from pagedlm.worker.model_runner import ModelRunner
 from pagedlm.worker.sleep import OffloadedWeights, check_level
 
 logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,24 @@ class Worker:
         """The rank whose ``ModelRunnerOutput`` the executor reads: TP rank 0 of the last
         pipeline stage (every other rank computes the same or nothing)."""
         return get_pipeline_state().is_last and get_tensor_model_parallel_rank() == 0
+
+    @property
+    def rank(self) -> int:
+        """Global rank (0 for the one worker of the "uni" executor)."""
+        return 0 if self.placement is None else self.placement.rank
+
+    @property
+    def device(self) -> torch.device:
+        """The ``torch.device`` this worker's model and KV cache live on."""
+        return self.platform.device
+
+    def get_model(self) -> torch.nn.Module:
+        """This rank's model (its shard under tensor or pipeline parallelism)."""
+        return self.runner.model
+
+    def apply_model(self, func: Callable[[torch.nn.Module], R]) -> R:
+        """``func(model)`` on this rank's model (vLLM's ``LLM.apply_model``)."""
+        return func(self.get_model())
 
     def shutdown(self) -> None:
         if self.placement is not None:
