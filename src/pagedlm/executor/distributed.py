@@ -7,6 +7,11 @@ replies. ``execute_model`` and ``sample_tokens`` are one broadcast each and neve
 ``ModelRunnerOutput`` of that step. An empty step is broadcast (the workers drop finished
 requests) but has no sampling and no reply.
 
+``collective_rpc`` is a broadcast too (the call encoded by ``pagedlm.worker.rpc_codec``),
+answered by every rank with an ``RpcResult`` carrying the call's id: step outputs that
+arrive meanwhile are kept for their handles, and late answers to an earlier call that
+timed out are dropped. A rank whose method raised answers with the error and carries on.
+
 Failures: every wait polls in slices of ``LIVENESS_POLL_S`` and asks the subclass which
 workers died; a dead worker, or one that reports ``Failed``, marks the executor failed,
 and that and every later call raise ``WorkerDiedError`` at once. The engine core lets it
@@ -24,7 +29,7 @@ import itertools
 import logging
 import time
 from abc import abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -38,9 +43,11 @@ from pagedlm.step import (
     StepResult,
     codec,
 )
+from pagedlm.worker import rpc_codec
+from pagedlm.worker.rpc import RpcMethod, WorkerRpcError, check_call, failure_message, method_label
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Mapping, Sequence
 
     import torch
 
@@ -86,6 +93,7 @@ class DistributedExecutor(Executor):
         self._replies.setsockopt(zmq.RCVHWM, 0)
         self._replies.setsockopt(zmq.LINGER, 0)
         self._step_ids = itertools.count()
+        self._rpc_ids = itertools.count()
         self._outputs: dict[int, ModelRunnerOutput] = {}
         self._last_step_empty = True
         self._failure: str | None = None
@@ -170,6 +178,26 @@ class DistributedExecutor(Executor):
             raise
         self._model_path = model_path
 
+    def collective_rpc(
+        self,
+        method: RpcMethod,
+        timeout: float | None,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+    ) -> list[Any]:
+        check_call(method, timeout)
+        payload = rpc_codec.encode_call(method, args, kwargs)  # TypeError: nothing sent
+        call_id = next(self._rpc_ids)
+        label = method_label(method)
+        self._broadcast(wire.CollectiveRpc(call_id), payload)
+        answers = self._gather_rpc(call_id, label, timeout)
+        failed = [rank for rank, (reply, _) in enumerate(answers) if reply.error is not None]
+        if failed:
+            first = answers[failed[0]][0]
+            message = failure_message(label, failed, first.error or "")
+            raise WorkerRpcError(f"{message}\n{first.traceback}".rstrip(), failed[0], label)
+        return [rpc_codec.decode_value(result) for _, result in answers]
+
     def shutdown(self) -> None:
         if self._closed:
             return
@@ -204,6 +232,35 @@ class DistributedExecutor(Executor):
         refused = [reply for reply in replies if isinstance(reply, wire.Refused)]
         if refused:
             raise ValueError(refused[0].message)
+
+    def _gather_rpc(
+        self, call_id: int, label: str, timeout: float | None
+    ) -> list[tuple[wire.RpcResult, bytes]]:
+        """Every rank's ``RpcResult`` of call ``call_id`` (and its result frame), by rank."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        answers: dict[int, tuple[wire.RpcResult, bytes]] = {}
+        while len(answers) < self.world_size:
+            try:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError
+                reply, frames = self._receive(deadline)
+            except TimeoutError:
+                missing = [rank for rank in range(self.world_size) if rank not in answers]
+                raise TimeoutError(
+                    f"collective_rpc {label!r}: worker ranks {missing} did not answer within "
+                    f"{timeout:g} s. The call goes on running there, and the workers take "
+                    "their next call (a step too) after it; pass a larger timeout."
+                ) from None
+            if isinstance(reply, wire.RpcResult) and reply.call_id == call_id:
+                result = bytes(frames[1].buffer) if reply.error is None else b""
+                answers[reply.rank] = (reply, result)
+            elif isinstance(reply, wire.StepOutput):  # a step in flight, kept for its handle
+                self._outputs[reply.step_id] = codec.decode(frames[1].buffer, ModelRunnerOutput)
+            elif isinstance(reply, wire.RpcResult):
+                logger.info("dropping rank %d's late answer to a timed-out call", reply.rank)
+            else:
+                logger.warning("ignoring %s while waiting for collective_rpc", type(reply).__name__)
+        return [answers[rank] for rank in sorted(answers)]
 
     def _wait_output(self, step_id: int) -> ModelRunnerOutput:
         """The output rank's result of step ``step_id`` (earlier ones are kept until

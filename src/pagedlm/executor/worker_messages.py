@@ -2,8 +2,10 @@
 
 Executor -> workers, one broadcast reaching every rank: a header (a tagged ``WorkerCall``)
 and, for the two step calls, a second frame holding the step message as
-``pagedlm.step.codec`` encodes it. Workers -> executor: a ``WorkerReply``, plus the
-``ModelRunnerOutput`` frame of a step, which only the output rank sends.
+``pagedlm.step.codec`` encodes it (for ``CollectiveRpc``, the call as
+``pagedlm.worker.rpc_codec`` encodes it). Workers -> executor: a ``WorkerReply``, plus the
+``ModelRunnerOutput`` frame of a step, which only the output rank sends (and each rank's
+``collective_rpc`` result).
 
 A worker's configuration travels once, at start-up, as a ``WorkerSpec`` (JSON on the
 worker's stdin, or a Ray actor's argument).
@@ -61,6 +63,13 @@ class ReloadWeights(msgspec.Struct, tag=True, frozen=True):
     model_path: str
 
 
+class CollectiveRpc(msgspec.Struct, tag=True, frozen=True):
+    """Frame 2: the call (``rpc_codec.encode_call``). Every rank runs it and answers
+    ``RpcResult`` with this ``call_id``."""
+
+    call_id: int
+
+
 class Shutdown(msgspec.Struct, tag=True, frozen=True):
     pass
 
@@ -73,6 +82,7 @@ WorkerCall = (
     | Sleep
     | WakeUp
     | ReloadWeights
+    | CollectiveRpc
     | Shutdown
 )
 
@@ -107,6 +117,17 @@ class Refused(msgspec.Struct, tag=True, frozen=True):
     message: str
 
 
+class RpcResult(msgspec.Struct, tag=True, frozen=True):
+    """A rank's answer to ``CollectiveRpc``. Frame 2, when ``error`` is None: the method's
+    return value (``rpc_codec.encode_value``). Otherwise ``error`` is its exception (one
+    line) and ``traceback`` where it was raised; the worker carries on."""
+
+    rank: int
+    call_id: int
+    error: str | None = None
+    traceback: str = ""
+
+
 class Failed(msgspec.Struct, tag=True, frozen=True):
     """The worker hit an exception (its traceback) and exits."""
 
@@ -114,7 +135,7 @@ class Failed(msgspec.Struct, tag=True, frozen=True):
     message: str
 
 
-WorkerReply = Ready | KvBlocks | Done | Refused | StepOutput | Failed
+WorkerReply = Ready | KvBlocks | Done | Refused | StepOutput | RpcResult | Failed
 
 
 # ---- start-up ------------------------------------------------------------------------

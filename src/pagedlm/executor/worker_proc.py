@@ -3,9 +3,11 @@
 Started as ``python -m pagedlm.executor.worker_proc`` with a ``WorkerSpec`` as JSON on
 stdin (a Ray actor calls ``run_worker`` with it). The worker subscribes to the executor's
 broadcast, builds its rank's model, says ``Ready`` and then applies every ``WorkerCall``
-in order. The output rank hands each step's ``StepResult`` to a sender thread, which waits
-for the device and pushes the ``ModelRunnerOutput``; the main thread meanwhile takes the
-next call, so a step in flight never holds up the launch of the next one.
+in order (a ``collective_rpc`` call too: it answers with the method's result or its
+error, and carries on). The output rank hands each step's ``StepResult`` to a sender
+thread, which waits for the device and pushes the ``ModelRunnerOutput``; the main thread
+meanwhile takes the next call, so a step in flight never holds up the launch of the next
+one.
 
 Exits: on ``Shutdown``; with status 1 after reporting ``Failed`` on any exception; and on
 its own when the engine process goes away (it polls the parent's pid, and on Linux, when
@@ -32,6 +34,9 @@ from pagedlm.executor import worker_messages as wire
 from pagedlm.gc_heap import freeze_startup_heap
 from pagedlm.logging_config import configure_logging
 from pagedlm.step import GrammarBitmask, SchedulerOutput, StepResult, codec
+from pagedlm.worker import rpc_codec
+from pagedlm.worker.extension import make_worker
+from pagedlm.worker.rpc import run_on_worker
 from pagedlm.worker.worker import RankPlacement, Worker
 
 logger = logging.getLogger(__name__)
@@ -125,9 +130,27 @@ class WorkerLoop:
             self._answer(worker.wake_up)
         elif isinstance(call, wire.ReloadWeights):
             self._answer(lambda: worker.reload_weights(call.model_path))
+        elif isinstance(call, wire.CollectiveRpc):
+            self._answer_rpc(call.call_id, frames[1].buffer)
         elif isinstance(call, wire.Shutdown):
             return False
         return True
+
+    def _answer_rpc(self, call_id: int, payload: memoryview) -> None:
+        """Run a ``collective_rpc`` call; its result, or any exception it raises (the
+        worker carries on), goes back as ``RpcResult``."""
+        rank = self.spec.rank
+        try:
+            call = rpc_codec.decode_call(payload)
+            result = rpc_codec.encode_value(
+                run_on_worker(self.worker, call.method, call.args, call.kwargs)
+            )
+        except Exception as error:
+            summary = f"{type(error).__name__}: {error}"
+            self._reply(wire.RpcResult(rank, call_id, summary, traceback.format_exc()))
+        else:
+            header = wire.encode(wire.RpcResult(rank, call_id))
+            self.replies.send_multipart([header, result], copy=False)
 
     def _answer(self, action: Callable[[], object]) -> None:
         """``Done``, or ``Refused`` for the ``ValueError`` of a declined admin call."""
@@ -161,7 +184,7 @@ def run_worker(spec: wire.WorkerSpec) -> int:
         platform.bind_config(config)
         backend_cls = select_attention_backend(platform, config.attention_backend)
         placement = RankPlacement(spec.rank, spec.local_rank, spec.distributed_init_method)
-        worker = Worker(config, platform, backend_cls, placement)
+        worker = make_worker(config, platform, backend_cls, placement)
         replies.send(wire.encode(wire.Ready(spec.rank)))
         WorkerLoop(worker, calls, replies, spec).run()
     except Exception:
