@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -58,6 +58,8 @@ from pagedlm.outputs import RequestOutput
 from pagedlm.pooling import PoolingParams, PoolingRequestOutput
 from pagedlm.pooling.requests import PairPrompt
 from pagedlm.sampling_params import SamplingParams
+from pagedlm.worker import rpc_codec
+from pagedlm.worker.rpc import RpcMethod, check_call, method_label
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,9 @@ READY_TIMEOUT_S = 600.0
 ADMIN_TIMEOUT_S = 600.0
 """How long ``sleep``/``wake_up`` and the profiler calls may take (a level-2 wake-up reloads
 the weights; starting torch's profiler took 11 s on a loaded 2-core machine)."""
+RPC_ANSWER_GRACE_S = 5.0
+"""How much longer than a ``collective_rpc`` timeout the front end waits for the core's
+answer (which, for worker processes, is the core's own ``TimeoutError``)."""
 MAX_MESSAGES_PER_WAKEUP = 32
 """The output task handles at most this many waiting core messages before it lets the
 consumers run (a bound on how long it holds the event loop: a few ms per message)."""
@@ -426,6 +431,32 @@ class AsyncLLM:
     async def stop_profile(self) -> None:
         await self._admin_call("stop_profile", ADMIN_TIMEOUT_S)
 
+    async def collective_rpc(
+        self,
+        method: RpcMethod,
+        timeout: float | None = None,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run a method on every worker of the engine core; one result per worker, in
+        rank order (``LLM.collective_rpc``). The engine core is another process, so
+        ``method`` is a worker method's name or a function importable by name, and the
+        values are msgspec-encodable (``pagedlm.worker.rpc_codec``: ``TypeError``
+        otherwise, before anything is sent). ``WorkerRpcError`` names the rank whose call
+        raised; ``TimeoutError`` after ``timeout`` seconds (the call may still be running)."""
+        check_call(method, timeout)
+        payload = rpc_codec.encode_call(method, args, kwargs or {}, timeout)
+        label = method_label(method)
+        # The core bounds its wait for worker processes by ``timeout``; this bounds the wait
+        # for the core, whose own worker (the "uni" executor) nothing can interrupt.
+        wait = None if timeout is None else timeout + RPC_ANSWER_GRACE_S
+        late = TimeoutError(
+            f"collective_rpc {label!r}: the engine core did not answer within {timeout} s; the "
+            "call may still be running there (requests wait for it). Pass a larger timeout."
+        )
+        reply = await self._call("collective_rpc", wait, payload=payload, late=late)
+        return rpc_codec.results_of(reply)
+
     async def _admin_call(self, method: str, timeout_s: float, *args: int | str) -> Any:
         """A utility call whose refusal (the core's error) is the caller's ValueError."""
         try:
@@ -433,16 +464,27 @@ class AsyncLLM:
         except UtilityError as error:
             raise ValueError(str(error)) from None
 
-    async def _call(self, method: str, timeout_s: float, *args: int | str) -> Any:
+    async def _call(
+        self,
+        method: str,
+        timeout_s: float | None,
+        *args: int | str,
+        payload: bytes = b"",
+        late: Exception | None = None,
+    ) -> Any:
+        """The core's answer; past ``timeout_s`` (None: no bound), ``late`` is raised, or
+        ``EngineDeadError``: a core that does not answer a quick call is hung."""
         self._check_alive()
         self._ensure_output_task()
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
         try:
-            self._client.send(UtilityCall(call_id, method, list(args)))
+            self._client.send(UtilityCall(call_id, method, list(args), payload))
             return await asyncio.wait_for(future, timeout_s)
         except asyncio.TimeoutError:  # not yet TimeoutError itself on Python 3.10
+            if late is not None:
+                raise late from None
             raise EngineDeadError(
                 f"The engine core did not answer {method!r} within {timeout_s:.0f} s; it is "
                 "hung or overloaded."
@@ -505,6 +547,8 @@ class AsyncLLM:
             if future is not None and not future.done():
                 if message.error is not None:
                     future.set_exception(UtilityError(message.error))
+                elif message.payload is not None:
+                    future.set_result(message.payload)
                 elif message.value is not None:
                     future.set_result(message.value)
                 else:

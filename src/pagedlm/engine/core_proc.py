@@ -56,6 +56,7 @@ from pagedlm.gc_heap import freeze_startup_heap
 from pagedlm.logging_config import LOG_LEVEL_ENV, LOGGING_CONFIG_ENV, configure_logging
 from pagedlm.structured_output.manager import grammar_failure
 from pagedlm.structured_output.params import GrammarLimits
+from pagedlm.worker import rpc_codec
 
 logger = logging.getLogger(__name__)
 
@@ -198,6 +199,9 @@ class EngineCoreProc:
             return UtilityResult(call.call_id)
         if call.method == "get_stats":
             return UtilityResult(call.call_id, stats=self.core.make_stats())
+        if call.method == "collective_rpc":
+            reply = rpc_codec.answer(self.core.collective_rpc, call.payload)
+            return UtilityResult(call.call_id, payload=reply)
         admin = ADMIN_CALLS.get(call.method)
         if admin is None:
             return UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")

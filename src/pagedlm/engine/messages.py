@@ -117,8 +117,10 @@ class UtilityCall(msgspec.Struct, tag=True):
     """"ping" (liveness), "get_stats" (a fresh ``SchedulerStats``), or an admin call:
     "reset_prefix_cache", "sleep" (``args``: [level]), "wake_up",
     "update_weights_from_disk" (``args``: [model_path]), "start_profile" (``args``:
-    [directory]), "stop_profile"."""
+    [directory]), "stop_profile"; or "collective_rpc" (``payload``)."""
     args: list[int | str] = []
+    payload: bytes = b""
+    """"collective_rpc": the call, as ``pagedlm.worker.rpc_codec.encode_call`` wrote it."""
 
 
 class CoreStart(msgspec.Struct):
@@ -168,6 +170,8 @@ class UtilityResult(msgspec.Struct, tag=True):
     error: str | None = None
     value: bool | None = None
     """An admin call's answer (``reset_prefix_cache``: whether the cache was reset)."""
+    payload: bytes | None = None
+    """"collective_rpc": its ``rpc_codec.RpcReply`` (results, or the error to raise)."""
 
 
 class CoreFailed(msgspec.Struct, tag=True):
