@@ -4,6 +4,7 @@ Importing this package loads only the core dependencies (torch, transformers, pl
 the server, gguf and grammar libraries are imported when a feature needs them.
 """
 
+from pagedlm.inputs import PromptType, TextPrompt, TokensPrompt
 from pagedlm.lora.request import LoRARequest
 from pagedlm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedlm.plugins.hookspecs import hookimpl
@@ -13,24 +14,31 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "AsyncEngineArgs",
     "AsyncLLM",
+    "AsyncLLMEngine",
     "BeamSearchParams",
     "ClassificationOutput",
     "ClassificationRequestOutput",
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
+    "EngineArgs",
+    "LLMEngine",
     "LoRARequest",
     "Logprob",
     "PoolingOutput",
     "PoolingParams",
     "PoolingRequestOutput",
+    "PromptType",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
     "ScoringOutput",
     "ScoringRequestOutput",
     "StructuredOutputsParams",
+    "TextPrompt",
+    "TokensPrompt",
     "__version__",
     "hookimpl",
 ]
@@ -65,8 +73,16 @@ def __getattr__(name: str):
         from pagedlm.beam_search import BeamSearchParams
 
         return BeamSearchParams
-    if name == "AsyncLLM":
+    if name in ("AsyncLLM", "AsyncLLMEngine"):  # vLLM's V1 names its AsyncLLM both ways
         from pagedlm.engine.async_llm import AsyncLLM
 
         return AsyncLLM
+    if name in ("EngineArgs", "AsyncEngineArgs"):  # one set of arguments for both engines
+        from pagedlm.engine.arg_utils import EngineArgs
+
+        return EngineArgs
+    if name == "LLMEngine":
+        from pagedlm.engine.llm_engine import LLMEngine
+
+        return LLMEngine
     raise AttributeError(f"module 'pagedlm' has no attribute {name!r}")

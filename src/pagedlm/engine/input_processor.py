@@ -13,6 +13,7 @@ from typing import Any
 
 from pagedlm.config import LoRAConfig, ModelConfig, MultiModalConfig
 from pagedlm.core.request import Request
+from pagedlm.inputs import PromptType
 from pagedlm.lora.frontend import AdapterChecker
 from pagedlm.lora.request import LoRARequest
 from pagedlm.sampling_params import SamplingParams
@@ -21,10 +22,6 @@ from pagedlm.step.multimodal import MultiModalFeature
 UINT64_RANGE = 2**64
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
-PromptType = str | Mapping[str, Any]
-"""A string, ``{"prompt": str}`` or ``{"prompt_token_ids": list[int]}``; a dict may also
-carry ``"cache_salt"``: requests with different salts never share prefix-cache blocks, and
-``"multi_modal_data"`` (``{"image": PIL image or list}``, with the text in ``"prompt"``)."""
 
 
 @dataclass(frozen=True)
