@@ -276,3 +276,27 @@ def test_tensor_parallel_ranks_slice_plain_tensors(
                 assert_same_parameters(load(pickles, "pt"), load(safetensors))
     finally:
         parallel_state.set_expert_parallel(previous)
+
+
+def test_shards_are_read_one_at_a_time(checkpoints, monkeypatch) -> None:
+    """A shard is loaded whole by torch, so the next one is opened only once every tensor of
+    the one before has been handed on (and the loader has dropped it)."""
+    from pagedlm.model_executor.loader.torch_bin import iter_torch_bin_weights
+
+    files = checkpoint_files(checkpoints["sharded"], "pt").files
+    opened: list[str] = []
+    real_load = torch.load
+
+    def counting_load(path, *args, **kwargs):
+        opened.append(Path(path).name)
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counting_load)
+    per_shard = [len(real_load(f, weights_only=True)) for f in files]
+    opened.clear()
+    weights = iter_torch_bin_weights(files)
+    for shard, count in enumerate(per_shard):
+        for _ in range(count):
+            next(weights)
+            assert opened == [f.name for f in files[: shard + 1]]
+    assert next(weights, None) is None
