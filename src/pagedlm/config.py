@@ -288,6 +288,9 @@ class ModelConfig:
     weights, no files); ``loader.weight_files`` says which files each reads."""
     revision: str | None = None
     """The hub revision ``model`` was resolved at (None: a local path or the default branch)."""
+    tokenizer_mode: str = "auto"
+    """vLLM's: "auto"/"hf" (a fast tokenizer where there is one) or "slow" (transformers'
+    Python tokenizer)."""
     quantization: str | None = None
     """None, "bitsandbytes" (linear layers quantized at load, see ``bnb_quant_type``), "fp8"
     (E4M3 weights: quantized at load, or read from an FP8 checkpoint), or one of

@@ -20,36 +20,71 @@ from pagedlm.model_executor.loader.gguf_reader import read_gguf_header
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from pagedlm.config import ModelConfig
+
+
+TOKENIZER_MODES = ("auto", "hf", "slow")
+"""vLLM's ``tokenizer_mode`` values pagedlm takes: "auto" and "hf" (transformers' fast
+tokenizer where the checkpoint has one), "slow" (its Python tokenizer)."""
+_REFUSED_MODES = {
+    "mistral": "it needs mistral_common's tokenizer, which pagedlm does not use",
+    "custom": "pagedlm registers no custom tokenizers",
+    "deepseek_v32": "pagedlm has no DeepSeek-V3.2 tokenizer",
+}
+
+
+def check_tokenizer_mode(mode: str) -> str:
+    if mode in _REFUSED_MODES:
+        raise ValueError(
+            f"tokenizer_mode={mode!r} is not supported ({_REFUSED_MODES[mode]}); use 'auto' "
+            "(the checkpoint's tokenizer.json)."
+        )
+    if mode not in TOKENIZER_MODES:
+        raise ValueError(f"tokenizer_mode={mode!r} is unknown; use one of {list(TOKENIZER_MODES)}.")
+    return mode
+
 
 def get_tokenizer(
-    model: str, tokenizer: str | None = None, *, trust_remote_code: bool = False
+    model: str,
+    tokenizer: str | None = None,
+    *,
+    trust_remote_code: bool = False,
+    mode: str = "auto",
 ) -> PreTrainedTokenizerBase | GGUFTokenizer:
     """The tokenizer for ``model``, or from ``tokenizer`` when given.
 
     A ``.gguf`` path yields the tokenizer and chat template embedded in the file (a
     ``GGUFTokenizer`` for byte-level BPE vocabularies); a directory goes through
-    ``AutoTokenizer`` (local files only: nothing is downloaded). Nothing is cached between
-    calls.
+    ``AutoTokenizer`` (local files only: nothing is downloaded), its Python tokenizer with
+    ``mode="slow"``. Nothing is cached between calls.
     """
+    check_tokenizer_mode(mode)
     source = os.fspath(tokenizer if tokenizer is not None else model)
     if source.endswith(".gguf"):
         if not os.path.isfile(source):
             raise ValueError(f"GGUF file {source} does not exist; check the path.")
+        if mode == "slow":
+            raise ValueError(
+                f"tokenizer_mode='slow' needs a Hugging Face tokenizer, but {source} carries "
+                "its vocabulary itself; use 'auto', or pass tokenizer=<a directory>."
+            )
         return _gguf_tokenizer(source)
     if os.path.isdir(source):
-        return _directory_tokenizer(source, trust_remote_code)
+        return _directory_tokenizer(source, trust_remote_code, use_fast=mode != "slow")
     raise ValueError(
         f"Cannot load a tokenizer from {source!r}: it is neither a .gguf file nor a directory. "
         "Pass tokenizer=<a Hugging Face directory with tokenizer.json> or a .gguf file."
     )
 
 
-def _directory_tokenizer(path: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+def _directory_tokenizer(
+    path: str, trust_remote_code: bool, use_fast: bool = True
+) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(
-            path, trust_remote_code=trust_remote_code, local_files_only=True
+            path, trust_remote_code=trust_remote_code, local_files_only=True, use_fast=use_fast
         )
     except Exception as error:
         raise ValueError(
@@ -105,3 +140,8 @@ def as_transformers(tokenizer: Any) -> PreTrainedTokenizerBase:
         chat_template=tokenizer.chat_template,
         clean_up_tokenization_spaces=False,
     )
+
+
+def model_tokenizer(model: ModelConfig) -> PreTrainedTokenizerBase | GGUFTokenizer:
+    """The tokenizer an engine's ``ModelConfig`` names (its source and mode)."""
+    return get_tokenizer(model.model, model.tokenizer, mode=model.tokenizer_mode)

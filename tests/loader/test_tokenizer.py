@@ -392,3 +392,52 @@ def test_serving_a_gguf_tokenizer_imports_no_transformers(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n there\n"
+
+
+def test_tokenizer_mode_takes_vllms_names(tmp_path, monkeypatch, chat_checkpoint, smollm2_path):
+    import transformers
+
+    from pagedlm.engine.arg_utils import EngineArgs
+
+    asked = []
+    load = transformers.AutoTokenizer.from_pretrained
+
+    def recording(*args, **kwargs):
+        asked.append(kwargs.get("use_fast"))
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", recording)
+    for mode, use_fast in (("auto", True), ("hf", True), ("slow", False)):
+        config, _ = EngineArgs(str(chat_checkpoint), tokenizer_mode=mode).create_engine_config()
+        assert config.model.tokenizer_mode == mode
+        from pagedlm.tokenizer import model_tokenizer
+
+        asked.clear()
+        assert model_tokenizer(config.model).encode("hi")
+        assert asked == [use_fast]
+    for mode, message in (("mistral", "mistral_common"), ("fast", "unknown")):
+        with pytest.raises(ValueError, match=message):
+            EngineArgs("/nonexistent", tokenizer_mode=mode).create_engine_config()
+    with pytest.raises(ValueError, match="carries its vocabulary itself"):
+        get_tokenizer(smollm2_path, mode="slow")
+    with pytest.raises(ValueError, match="tokenizer_revision applies to a hub id"):
+        EngineArgs(str(chat_checkpoint), tokenizer_revision="main").resolve_tokenizer()
+
+
+def test_tokenizer_revision_picks_the_tokenizers_snapshot(monkeypatch):
+    from pagedlm.engine import arg_utils
+
+    calls = []
+    monkeypatch.setattr(
+        arg_utils, "resolve_model_path", lambda *args, **kwargs: calls.append(args) or "/snap"
+    )
+    EngineArgs = arg_utils.EngineArgs
+    assert EngineArgs("org/model", tokenizer_revision="v2").resolve_tokenizer() == "/snap"
+    assert EngineArgs("org/model", tokenizer="org/tok", revision="r1").resolve_tokenizer()
+    assert EngineArgs("org/model", tokenizer="org/tok", revision="r1",
+                      tokenizer_revision="t1").resolve_tokenizer()  # fmt: skip
+    assert EngineArgs("org/model", revision="r1").resolve_tokenizer() is None  # the model's own
+    assert calls == [
+        ("Tokenizer", "org/model", "v2"), ("Tokenizer", "org/tok", "r1"),
+        ("Tokenizer", "org/tok", "t1"),
+    ]  # fmt: skip

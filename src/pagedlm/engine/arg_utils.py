@@ -31,7 +31,7 @@ from pagedlm.engine.speculative_args import parse_speculative_config
 from pagedlm.engine.structured_outputs_args import resolve_structured_outputs
 from pagedlm.generation_config import sampling_defaults
 from pagedlm.kv_cache.fp8 import validate_kv_cache_dtype
-from pagedlm.model_executor.loader.hub import resolve_model_path
+from pagedlm.model_executor.loader.hub import looks_like_hub_id, resolve_model_path
 
 if TYPE_CHECKING:
     from pagedlm.platforms import Platform
@@ -46,8 +46,14 @@ class EngineArgs:
     fetched with huggingface_hub); None: the embedded default model (SmolLM2-135M-Instruct)."""
     tokenizer: str | None = None
     """Tokenizer directory or hub id; None: the model's own."""
+    tokenizer_mode: str = "auto"
+    """"auto" or "hf" (transformers' fast tokenizer where the checkpoint has one), or "slow"
+    (its Python tokenizer), vLLM's names; "mistral" is refused (no mistral_common)."""
     revision: str | None = None
     """Branch, tag or commit of a hub id (model and, when it is a hub id too, tokenizer)."""
+    tokenizer_revision: str | None = None
+    """Branch, tag or commit of the tokenizer's hub id (vLLM's flag): of ``tokenizer``, or
+    of the model's repository, read for its tokenizer files only; None: ``revision``."""
     load_format: str = "auto"
     """"auto": a .gguf file by its name, else the directory's *.safetensors, falling back
     to PyTorch pytorch_model*.bin (sharded through pytorch_model.bin.index.json) or *.pt
@@ -284,14 +290,21 @@ class EngineArgs:
         )
 
     def resolve_tokenizer(self) -> str | None:
+        """The tokenizer's local path; None: the model's own files."""
+        revision = self.tokenizer_revision or self.revision
         if self.tokenizer is None:
-            return None
+            if self.tokenizer_revision is None:
+                return None
+            if self.model is None or not looks_like_hub_id(str(self.model)):
+                raise ValueError(
+                    "tokenizer_revision applies to a hub id (tokenizer=, or the model's); "
+                    "drop it for a local model."
+                )
+            source = str(self.model)
+        else:
+            source = str(self.tokenizer)
         return resolve_model_path(
-            "Tokenizer",
-            str(self.tokenizer),
-            self.revision,
-            weights=False,
-            cache_dir=self.download_dir,
+            "Tokenizer", source, revision, weights=False, cache_dir=self.download_dir
         )
 
     def create_engine_config(self, log_defaults: bool = True) -> tuple[EngineConfig, Platform]:
@@ -326,6 +339,9 @@ class EngineArgs:
             )
 
         self._check_loading_options()
+        from pagedlm.tokenizer import check_tokenizer_mode
+
+        check_tokenizer_mode(self.tokenizer_mode)
         grammar_backend, compact_json = resolve_structured_outputs(
             self.structured_outputs_backend, self.structured_outputs_config
         )
@@ -348,7 +364,8 @@ class EngineArgs:
             from pagedlm.pooling.model_config import with_classifier_token_ids
             from pagedlm.tokenizer import get_tokenizer
 
-            arch = with_classifier_token_ids(arch, get_tokenizer(model, self.resolve_tokenizer()))
+            tokenizer = get_tokenizer(model, self.resolve_tokenizer(), mode=self.tokenizer_mode)
+            arch = with_classifier_token_ids(arch, tokenizer)
         if arch.architecture not in SUPPORTED_ARCHITECTURES:
             supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
             remote = (
@@ -390,6 +407,7 @@ class EngineArgs:
             model=ModelConfig(
                 model=model,
                 tokenizer=self.resolve_tokenizer(),
+                tokenizer_mode=self.tokenizer_mode,
                 arch=arch,
                 dtype=dtype,
                 max_model_len=max_model_len,

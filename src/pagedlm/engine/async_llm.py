@@ -161,9 +161,9 @@ class AsyncLLM:
         try:
             tokenizer = None
             if not config.model.skip_tokenizer_init:
-                from pagedlm.tokenizer import get_tokenizer
+                from pagedlm.tokenizer import model_tokenizer
 
-                tokenizer = get_tokenizer(config.model.model, config.model.tokenizer)
+                tokenizer = model_tokenizer(config.model)
             if while_loading is not None:
                 while_loading()
             ready = client.wait_ready(READY_TIMEOUT_S)

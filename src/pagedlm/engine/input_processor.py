@@ -23,7 +23,6 @@ UINT64_RANGE = 2**64
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-
 @dataclass(frozen=True)
 class ProcessedRequest:
     request_id: str

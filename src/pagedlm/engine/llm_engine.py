@@ -37,9 +37,9 @@ class LLMEngine:
         self.platform = platform
         self.tokenizer = None
         if not config.model.skip_tokenizer_init:
-            from pagedlm.tokenizer import get_tokenizer
+            from pagedlm.tokenizer import model_tokenizer
 
-            self.tokenizer = get_tokenizer(config.model.model, config.model.tokenizer)
+            self.tokenizer = model_tokenizer(config.model)
         self.input_processor = InputProcessor(
             config.model,
             self.tokenizer,

@@ -88,10 +88,10 @@ class StructuredOutputManager:
         self.limits = limits
 
     def _make_backend(self) -> StructuredOutputBackend:
-        from pagedlm.tokenizer import get_tokenizer
+        from pagedlm.tokenizer import model_tokenizer
 
         model = self._model_config
-        tokenizer = get_tokenizer(model.model, model.tokenizer)
+        tokenizer = model_tokenizer(model)
         stop_ids = list(dict.fromkeys([tokenizer.eos_token_id, *model.arch.eos_token_ids]))
         stop_ids = [t for t in stop_ids if t is not None]
         return backend_class(self.backend_name)(tokenizer, self.vocab_size, stop_ids)
