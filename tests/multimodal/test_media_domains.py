@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import io
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -49,15 +51,24 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture(scope="module")
-def port():
+@contextlib.contextmanager
+def media_server() -> Iterator[int]:
+    """A local server of ``_Handler``'s image (and redirects) on 127.0.0.1; its port."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     server.daemon_threads = True
     _Handler.port = server.server_address[1]
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server.server_address[1]
-    server.shutdown()
-    server.server_close()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def port():
+    with media_server() as port:
+        yield port
 
 
 def _load(url: str, config: MultiModalConfig, use_async: bool):

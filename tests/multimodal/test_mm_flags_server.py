@@ -6,13 +6,10 @@ server healthy throughout. A server boot: slow, ``-m slow`` runs it."""
 
 from __future__ import annotations
 
-import threading
-from http.server import ThreadingHTTPServer
-
 import httpx
 import openai
 import pytest
-from test_media_domains import _Handler
+from test_media_domains import media_server
 from test_multimodal_server import _data_url, _png
 
 from multimodal.tiny_common import random_image
@@ -27,13 +24,8 @@ PICTURE = random_image(200, 150, 0)  # 20 merged tokens by default
 
 @pytest.fixture(scope="module")
 def media_port():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    server.daemon_threads = True
-    _Handler.port = server.server_address[1]
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server.server_address[1]
-    server.shutdown()
-    server.server_close()
+    with media_server() as port:
+        yield port
 
 
 @pytest.fixture(scope="module")
