@@ -1,8 +1,10 @@
-"""``/start_profile`` and ``/stop_profile``: a torch profiler around the engine core's steps.
+"""``/start_profile`` and ``/stop_profile`` (and ``LLM.start_profile``/``stop_profile``): a
+torch profiler around the engine core's steps.
 
 Runs in the engine-core process (where the uniproc executor's model runs); every activity
 torch supports here is recorded (CPU, and CUDA where present). The trace is written to
-the server's ``--profiler-dir`` when the profile stops, one file per profile, which
+the server's ``--profiler-dir`` (offline: the directory given, else
+``PROFILER_DIR_ENV``) when the profile stops, one file per profile, which
 TensorBoard or Perfetto (``chrome://tracing``) open.
 """
 
@@ -10,6 +12,13 @@ from __future__ import annotations
 
 import os
 from typing import Any
+
+PROFILER_DIR_ENV = ("PAGEDLM_TORCH_PROFILER_DIR", "VLLM_TORCH_PROFILER_DIR")
+"""Where an offline profile's trace goes when no directory is given (vLLM's name too)."""
+
+
+def profiler_dir_from_env() -> str | None:
+    return next((os.environ[name] for name in PROFILER_DIR_ENV if os.environ.get(name)), None)
 
 
 class CoreProfiler:
@@ -22,7 +31,7 @@ class CoreProfiler:
         import torch.profiler
 
         if self._profile is not None:
-            raise ValueError("A profile is already running; POST /stop_profile first.")
+            raise ValueError("A profile is already running; stop it first (stop_profile).")
         os.makedirs(directory, exist_ok=True)
         profile = torch.profiler.profile(
             activities=sorted(torch.profiler.supported_activities(), key=str),
@@ -36,6 +45,6 @@ class CoreProfiler:
     def stop(self) -> None:
         """Stop the profile and write its trace."""
         if self._profile is None:
-            raise ValueError("No profile is running; POST /start_profile first.")
+            raise ValueError("No profile is running; start one first (start_profile).")
         profile, self._profile = self._profile, None
         profile.stop()  # on_trace_ready writes the trace file

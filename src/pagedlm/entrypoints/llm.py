@@ -21,6 +21,7 @@ from pagedlm.chat_content import (
     template_source,
 )
 from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.core_profiler import PROFILER_DIR_ENV, CoreProfiler, profiler_dir_from_env
 from pagedlm.engine.input_processor import ProcessedRequest, PromptType
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.lora.request import LoRARequest
@@ -41,6 +42,7 @@ from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from pagedlm.config import ModelConfig
     from pagedlm.worker.rpc import RpcMethod
 
 Conversation = list[dict[str, Any]]
@@ -182,6 +184,7 @@ class LLM:
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._request_counter = itertools.count()
         self._preprocess_pool: ThreadPoolExecutor | None = None
+        self._profiler = CoreProfiler()
 
     def _pool_for(self, num_image_prompts: int) -> ThreadPoolExecutor | None:
         """The preprocessing pool, for a batch with at least two image prompts (text is
@@ -197,6 +200,26 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The resolved model configuration (``model``, ``dtype``, ``max_model_len``, ...)."""
+        return self.llm_engine.config.model
+
+    def start_profile(self, directory: str | None = None) -> None:
+        """Start a torch profiler around the engine's steps in this process (vLLM's);
+        ``stop_profile`` writes its trace into ``directory`` (default
+        ``$PAGEDLM_TORCH_PROFILER_DIR``, or vLLM's ``$VLLM_TORCH_PROFILER_DIR``)."""
+        directory = directory or profiler_dir_from_env()
+        if directory is None:
+            raise ValueError(
+                "start_profile needs a directory for the trace: pass one, or set "
+                f"${PROFILER_DIR_ENV[0]}."
+            )
+        self._profiler.start(directory)
+
+    def stop_profile(self) -> None:
+        self._profiler.stop()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` use without ``sampling_params``: pagedlm's
@@ -320,12 +343,21 @@ class LLM:
         *,
         use_tqdm: bool = True,
         truncate_prompt_tokens: int | None = None,
+        pooling_task: str | None = None,
     ) -> list[PoolingRequestOutput]:
         """One pooled vector per prompt (``outputs.data``, float32), in input order; needs
         a pooling model (``runner="pooling"``, or "auto" on an embedding checkpoint). A
         classifier's vector is its labels' probabilities (``LLM.classify``).
         ``truncate_prompt_tokens``: every prompt's ``PoolingParams.truncate_prompt_tokens``
-        (vLLM's keyword)."""
+        (vLLM's keyword). ``pooling_task`` (vLLM's): "embed" or "classify", checked
+        against the model; None: the model's own."""
+        if pooling_task is not None:
+            if pooling_task not in ("embed", "classify", "score"):
+                raise ValueError(
+                    f"pooling_task={pooling_task!r} is not served (token-wise pooling is not); "
+                    "use 'embed', 'classify' or 'score', or None for the model's own."
+                )
+            self._check_task(pooling_task)
         prompts = _prompt_list(prompts)
         return self._pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
 
