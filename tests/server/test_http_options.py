@@ -207,3 +207,10 @@ def test_tokenizer_info_is_served_only_when_asked(chat_checkpoint):
     assert info["eos_token"] == engine.tokenizer.eos_token and info["eos_token_id"] is not None
     assert info["vocab_size"] == len(engine.tokenizer) and info["model_max_length"] > 0
     assert not any(key.endswith("_file") for key in info)  # no paths of the server's disk
+
+
+def test_ping_is_health_without_a_key(chat_checkpoint):
+    app = _app(chat_checkpoint, api_key="secret")
+    for method in ("GET", "POST"):
+        assert _send(app, method, "/ping").status_code == 200  # SageMaker's probe, keyless
+    assert _send(app, "GET", "/v1/models").status_code == 401

@@ -356,6 +356,9 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
             return error_response(_health_message(state), 503)
         return Response(status_code=200)
 
+    # SageMaker's health check, as vLLM serves it: /health under another name.
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
     @app.get("/ready")
     async def ready() -> Response:
         state = await ctx.engine.health()

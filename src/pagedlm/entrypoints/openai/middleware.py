@@ -23,7 +23,16 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 OPEN_PATHS = frozenset(
-    {"/health", "/ready", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+    {
+        "/health",
+        "/ping",
+        "/ready",
+        "/metrics",
+        "/openapi.json",
+        "/docs",
+        "/docs/oauth2-redirect",
+        "/redoc",
+    }
 )
 """Paths answered without an API key: probes, scrapers and browsers (the API's own
 description) carry none."""
