@@ -192,6 +192,11 @@ class SamplingParams:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if self.seed is not None:
             self.seed = int(self.seed)
+        if self.seed == -1:  # vLLM's spelling of "no seed"
+            self.seed = None
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:  # vLLM's: the sampled token's alone
+                setattr(self, name, 1)
         if self.top_k == 0:
             self.top_k = -1
         self._validate()

@@ -46,6 +46,9 @@ def test_sampling_params_normalization():
     assert params.top_k == -1  # vLLM: 0 disables top-k, like -1
     assert params.stop_token_ids == [7, 3, 9]
     assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+    assert SamplingParams(seed=-1).seed is None  # vLLM's "no seed"
+    params = SamplingParams(logprobs=True, prompt_logprobs=True)
+    assert (params.logprobs, params.prompt_logprobs) == (1, 1)  # vLLM's: True is 1
 
 
 def test_token_ids_and_ranges_checked_against_the_model(llm):
