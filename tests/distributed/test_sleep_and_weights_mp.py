@@ -1,5 +1,6 @@
 """Sleep mode and weight updates with worker processes (TP=2 on gloo): every rank sleeps,
-wakes and loads its shard of a replacement checkpoint; afterwards the run equals one
+wakes (all at once, or by vLLM's tags: the weights, then the KV cache) and loads its shard
+of a replacement checkpoint (between waking the weights and the KV cache); afterwards the run equals one
 worker's on the same weights, and a replacement that fails to load on the ranks brings
 every rank back to the old weights."""
 
@@ -34,13 +35,24 @@ def test_ranks_sleep_wake_and_take_new_weights(llama, llama_reference, replaceme
     for weights in broken.glob("*.safetensors"):
         weights.unlink()  # the same config.json, no weights: every rank fails to load
     llm = make_llm(llama, tensor_parallel_size=2)
-    pids = list(llm.llm_engine.engine_core.executor.worker_pids)
+    executor = llm.llm_engine.engine_core.executor
+    pids = list(executor.worker_pids)
     try:
         for level in (1, 2):
             llm.sleep(level)
-            llm.wake_up()
+            if level == 1:
+                llm.wake_up()
+            else:
+                with pytest.raises(ValueError, match=r"wake_up\(tags=\['weights'\]\) before"):
+                    executor.wake_up(["kv_cache"])  # every rank refuses; none wakes anything
+                llm.wake_up(tags=["weights"])
+                llm.wake_up(tags=["kv_cache"])
             assert_same_run(greedy_run(llm), llama_reference)
+        # The reinforcement-learning order: new weights while the KV cache still sleeps.
+        llm.sleep(1)
+        llm.wake_up(tags=["weights"])
         llm.update_weights_from_disk(str(replacement))
+        llm.wake_up(tags=["kv_cache"])
         assert_same_run(greedy_run(llm), new_reference)
         with pytest.raises(ValueError, match="did not load"):
             llm.update_weights_from_disk(str(broken))

@@ -93,6 +93,33 @@ def test_from_disk_then_from_tensor_generate_as_fresh_engines(checkpoints) -> No
         llm.llm_engine.shutdown()
 
 
+def test_weights_replaced_between_waking_the_weights_and_the_kv_cache(checkpoints) -> None:
+    """The reinforcement-learning order (vLLM's tags): wake the weights, replace them while
+    the KV cache still sleeps, then wake the KV cache."""
+    from transformers import AutoModelForCausalLM
+
+    old, new, _, references = checkpoints
+    old_state = AutoModelForCausalLM.from_pretrained(old, dtype=torch.float32).state_dict()
+    llm = _llm(old)
+    worker = llm.llm_engine.engine_core.executor.worker
+    try:
+        _run(llm)
+        for level, update, expected in (
+            (1, lambda: llm.update_weights_from_disk(str(new)), "new"),
+            (2, lambda: llm.update_weights_from_tensor(old_state), "old"),
+        ):
+            llm.sleep(level)
+            llm.wake_up(tags=["weights"])
+            assert worker.sleeping_tags == {"kv_cache"} and llm.llm_engine.is_sleeping()
+            update()
+            assert worker.model_runner.kv_cache is None  # the new model got no KV cache yet
+            llm.wake_up(tags=["kv_cache"])
+            assert not llm.llm_engine.is_sleeping()
+            assert _run(llm) == references[expected]
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_what_cannot_be_updated_is_refused_and_a_failed_load_restores(
     checkpoints, tmp_path
 ) -> None:

@@ -1,5 +1,6 @@
 """Admin endpoints on a real server: prefix-cache reset, sleep levels 1 and 2 (requests
-answered 503 meanwhile, the same greedy tokens after waking), and the profiler; and the
+answered 503 meanwhile, woken at once or by tags, the same greedy tokens after waking), and
+the profiler; and the
 switches off (in process, over FakeEngine)."""
 
 from __future__ import annotations
@@ -74,7 +75,17 @@ def test_sleep_and_wake_up(server, level):
     assert "/wake_up" in asleep.json()["error"]["message"]
     assert httpx.get(f"{server.url}/v1/models").status_code == 200  # no weights needed
     assert httpx.get(f"{server.url}/health").status_code == 200
-    response = httpx.post(f"{server.url}/wake_up", timeout=120)
+    wake_up = f"{server.url}/wake_up"
+    assert httpx.post(wake_up, params={"tags": "gpu"}).status_code == 400
+    if level == 2:  # vLLM's tags: the weights, then the KV cache
+        assert httpx.post(wake_up, params={"tags": "kv_cache"}).status_code == 409
+        response = httpx.post(wake_up, params={"tags": "weights"}, timeout=120)
+        assert response.status_code == 200, response.text
+        assert httpx.get(f"{server.url}/is_sleeping").json() == {"is_sleeping": True}
+        assert complete(server.url).status_code == 503
+        response = httpx.post(wake_up, params={"tags": "kv_cache"}, timeout=120)
+    else:
+        response = httpx.post(wake_up, timeout=120)
     assert response.status_code == 200, response.text
     assert httpx.get(f"{server.url}/is_sleeping").json() == {"is_sleeping": False}
     awake = complete(server.url)

@@ -1,6 +1,7 @@
 """Sleep mode through ``LLM`` on CPU: levels 1 and 2 free the KV cache (level 2 the model
 runner), wake_up gives the same greedy tokens, and busy or sleeping engines refuse what
-they cannot do; ``LLM.reset_prefix_cache``. The benchmark module runs on a tiny
+they cannot do; ``wake_up(tags)`` wakes the weights, then the KV cache;
+``LLM.reset_prefix_cache``. The benchmark module runs on a tiny
 checkpoint."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.benchmarks import sleep_mode
+from pagedlm.step import CachedRequestData, SchedulerOutput
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPT = [{"prompt_token_ids": list(range(5, 40))}]
@@ -40,6 +42,35 @@ def test_sleep_frees_and_wake_up_restores(llm, level):
     assert not llm.llm_engine.has_unfinished_requests()  # the refusal left nothing behind
     llm.wake_up()
     assert worker.sleep_level == 0 and worker.model_runner.kv_cache is not None
+    assert tokens(llm) == expected
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_wake_up_by_tags_weights_then_kv_cache(llm, level):
+    engine = llm.llm_engine
+    worker = engine.engine_core.executor.worker
+    expected = tokens(llm)
+    llm.sleep(level)
+    with pytest.raises(ValueError, match=r"wake_up\(tags=\['weights'\]\) before"):
+        llm.wake_up(tags=["kv_cache"])
+    with pytest.raises(ValueError, match=r"\['optimizer'\] are not supported"):
+        llm.wake_up(tags=["weights", "optimizer"])
+    assert worker.sleeping_tags == {"weights", "kv_cache"}  # the refusals woke nothing
+    llm.wake_up(tags=["weights"])
+    assert engine.is_sleeping() and worker.sleeping_tags == {"kv_cache"}
+    assert worker.model_runner.kv_cache is None
+    assert llm.apply_model(lambda model: sum(p.numel() for p in model.parameters()))[0] > 0
+    with pytest.raises(ValueError, match=r"KV cache is still asleep; call wake_up\(tags="):
+        llm.generate(PROMPT, PARAMS, use_tqdm=False)
+    assert engine.step() == []  # nothing to run; nothing reaches the worker
+    with pytest.raises(RuntimeError, match="KV cache is asleep"):
+        worker.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0))
+    llm.wake_up(tags=["weights"])  # already awake: nothing to do
+    llm.sleep(level)  # the woken weights sleep again
+    assert worker.sleeping_tags == {"weights", "kv_cache"}
+    llm.wake_up(tags=["weights"])
+    llm.wake_up(tags=["kv_cache"])
+    assert not engine.is_sleeping() and worker.sleep_level == 0
     assert tokens(llm) == expected
 
 

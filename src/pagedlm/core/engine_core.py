@@ -45,7 +45,7 @@ from pagedlm.plugins.registry import select_executor
 from pagedlm.step import SchedulerOutput, StepResult
 from pagedlm.structured_output.manager import StructuredOutputManager
 from pagedlm.structured_output.params import GrammarLimits
-from pagedlm.worker.sleep import check_level
+from pagedlm.worker.sleep import SLEEP_TAGS, check_level, check_tags, check_wake_order
 
 if TYPE_CHECKING:
     from pagedlm.worker.rpc import RpcMethod
@@ -105,9 +105,17 @@ class EngineCore:
         self.max_steps_in_flight_seen = 0
         """The most steps that were launched and not collected at once (diagnostics)."""
         self.sleep_level = 0
-        """0 awake, else the level of ``sleep`` (no request may be added meanwhile)."""
+        """0 awake, else the level of ``sleep`` while any part still sleeps (no request may
+        be added meanwhile)."""
+        self.sleeping_tags: set[str] = set()
+        """The parts asleep ("weights", "kv_cache"; ``wake_up(tags)`` wakes them)."""
 
     def add_request(self, request: Request) -> None:
+        if self.sleeping_tags == {"kv_cache"}:
+            raise ValueError(
+                "The engine's KV cache is still asleep; call wake_up(tags=['kv_cache']) (POST "
+                "/wake_up?tags=kv_cache on a server) before adding requests."
+            )
         if self.sleep_level:
             raise ValueError(
                 "The engine is asleep; call wake_up() (POST /wake_up on a server) before "
@@ -131,6 +139,8 @@ class EngineCore:
         return self.has_step_in_flight or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.sleep_level:
+            return self._step_asleep()
         pipelined = self.max_concurrent_batches > 1
         outputs = self._step_with_batch_queue() if pipelined else self._step()
         self._publish_kv_events()
@@ -168,6 +178,16 @@ class EngineCore:
         scheduler_output, result = queue.popleft()
         return self.scheduler.update_from_output(scheduler_output, result.result())
 
+    def _step_asleep(self) -> list[EngineCoreOutput]:
+        """Nothing runs while any part sleeps: the engine slept without unfinished requests
+        and admits none until it is awake, so there is nothing to step (the next awake
+        step tells the workers which requests ended meanwhile)."""
+        if self.has_unfinished_requests():  # not reachable through the engine's API
+            raise RuntimeError(
+                "The engine is asleep but has unfinished requests; wake_up() before stepping."
+            )
+        return []
+
     def _collect(self) -> list[EngineCoreOutput]:
         """Wait for the step in flight, if any, and update the scheduler with it."""
         if self._in_flight is None:
@@ -189,8 +209,8 @@ class EngineCore:
         """Release device memory (``pagedlm.worker.sleep``). ValueError while requests
         are unfinished: the caller drains or aborts them first."""
         check_level(level)
-        if self.sleep_level:
-            return
+        if "weights" in self.sleeping_tags:
+            return  # all asleep (the KV cache wakes only after the weights)
         if self.has_unfinished_requests():
             num = self.scheduler.get_num_unfinished_requests()
             raise ValueError(
@@ -201,10 +221,22 @@ class EngineCore:
         self.reset_prefix_cache()
         self.executor.sleep(level)
         self.sleep_level = level
+        self.sleeping_tags = set(SLEEP_TAGS)
 
-    def wake_up(self) -> None:
-        if self.sleep_level:
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake the parts ``tags`` names (vLLM's "weights", "kv_cache"; None: both), in
+        that order; parts already awake are skipped. The engine admits requests again once
+        both are awake. ValueError for an unknown tag, or the KV cache before the weights."""
+        waking = [tag for tag in check_tags(tags) if tag in self.sleeping_tags]
+        if not waking:
+            return
+        check_wake_order(self.sleeping_tags, waking)
+        if len(waking) == len(SLEEP_TAGS):
             self.executor.wake_up()
+        else:
+            self.executor.wake_up(waking)
+        self.sleeping_tags.difference_update(waking)
+        if not self.sleeping_tags:
             self.sleep_level = 0
 
     def update_weights(
@@ -214,12 +246,16 @@ class EngineCore:
     ) -> None:
         """Replace the model's weights (``pagedlm.model_executor.loader.replacement``) from the
         checkpoint at ``model_path`` or from ``weights``. ValueError while requests are
-        unfinished, while asleep, or for a checkpoint of another shape; the cached prefixes
-        are forgotten (their keys and values came from the old weights)."""
+        unfinished, while the weights sleep (the KV cache may: ``wake_up(tags=["weights"])``,
+        update, then ``wake_up(tags=["kv_cache"])``), or for a checkpoint of another shape;
+        the cached prefixes are forgotten (their keys and values came from the old weights)."""
         if (model_path is None) == (weights is None):
             raise ValueError("Pass model_path or weights (one of them).")
-        if self.sleep_level:
-            raise ValueError("The engine is asleep; wake_up() before updating its weights.")
+        if "weights" in self.sleeping_tags:
+            raise ValueError(
+                "The weights are asleep; wake_up(tags=['weights']) (or wake_up()) before "
+                "updating them."
+            )
         if self.has_unfinished_requests():
             num = self.scheduler.get_num_unfinished_requests()
             raise ValueError(

@@ -61,6 +61,7 @@ from pagedlm.pooling.requests import PairPrompt
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.worker import rpc_codec
 from pagedlm.worker.rpc import RpcMethod, check_call, method_label
+from pagedlm.worker.sleep import check_tags
 
 logger = logging.getLogger(__name__)
 
@@ -409,10 +410,18 @@ class AsyncLLM:
         await self._admin_call("sleep", ADMIN_TIMEOUT_S, level)
         self.sleep_level = level
 
-    async def wake_up(self) -> None:
-        """Weights back on the device (level 2: loaded again) and an empty KV cache."""
-        await self._admin_call("wake_up", ADMIN_TIMEOUT_S)
-        self.sleep_level = 0
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo ``sleep`` for the parts ``tags`` names (``LLM.wake_up``): "weights" back on
+        the device (level 2: loaded again), "kv_cache" an empty KV cache; None: both. The
+        engine sleeps (``is_sleeping``) until both are awake. ValueError for an unknown
+        tag or for the KV cache before the weights."""
+        if tags is not None:
+            tags = list(check_tags(tags))
+            if not tags:
+                return
+        still_asleep = await self._admin_call("wake_up", ADMIN_TIMEOUT_S, *(tags or ()))
+        if not still_asleep:
+            self.sleep_level = 0
 
     async def update_weights_from_disk(self, model_path: str) -> None:
         """Load the checkpoint at ``model_path`` (the model's shape and format) in place of

@@ -217,8 +217,10 @@ def _sleep(proc: EngineCoreProc, level: int) -> None:
     proc.core.sleep(int(level))
 
 
-def _wake_up(proc: EngineCoreProc) -> None:
-    proc.core.wake_up()
+def _wake_up(proc: EngineCoreProc, *tags: str) -> bool:
+    """Whether a part still sleeps afterwards."""
+    proc.core.wake_up([str(tag) for tag in tags] if tags else None)
+    return bool(proc.core.sleep_level)
 
 
 def _update_weights_from_disk(proc: EngineCoreProc, model_path: str) -> None:

@@ -146,9 +146,9 @@ class DataParallelEngineCore:
         for core in busy[:1] + self.replicas:
             core.sleep(level)
 
-    def wake_up(self) -> None:
-        for core in self.replicas:
-            core.wake_up()
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        for core in self.replicas:  # the first refuses a bad call before any replica wakes
+            core.wake_up(tags)
 
     def update_weights(
         self,
@@ -177,6 +177,10 @@ class DataParallelEngineCore:
     @property
     def sleep_level(self) -> int:
         return self.replicas[0].sleep_level
+
+    @property
+    def sleeping_tags(self) -> set[str]:
+        return self.replicas[0].sleeping_tags
 
     def set_grammar_limits(self, limits: GrammarLimits) -> None:
         for core in self.replicas:

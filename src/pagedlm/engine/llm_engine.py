@@ -148,9 +148,12 @@ class LLMEngine:
         level 2: they are dropped and read again). ValueError while requests run."""
         self.engine_core.sleep(level)
 
-    def wake_up(self) -> None:
-        """The weights back on the device and an empty KV cache."""
-        self.engine_core.wake_up()
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo ``sleep`` for the parts ``tags`` names (vLLM's): "weights" back on the
+        device (level 2: read again), "kv_cache" a new, empty KV cache; None wakes both.
+        Requests are admitted again once both are awake. ValueError for an unknown tag or
+        for the KV cache before the weights."""
+        self.engine_core.wake_up(tags)
 
     def update_weights_from_disk(self, model_path: str) -> None:
         """Load the weights of the checkpoint at ``model_path`` (the model's shape and

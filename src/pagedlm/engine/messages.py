@@ -115,7 +115,8 @@ class UtilityCall(msgspec.Struct, tag=True):
     call_id: int
     method: str
     """"ping" (liveness), "get_stats" (a fresh ``SchedulerStats``), or an admin call:
-    "reset_prefix_cache", "sleep" (``args``: [level]), "wake_up",
+    "reset_prefix_cache", "sleep" (``args``: [level]), "wake_up" (``args``: its tags,
+    none for all),
     "update_weights_from_disk" (``args``: [model_path]), "start_profile" (``args``:
     [directory]), "stop_profile"; or "collective_rpc" (``payload``)."""
     args: list[int | str] = []
@@ -169,7 +170,8 @@ class UtilityResult(msgspec.Struct, tag=True):
     stats: SchedulerStats | None = None
     error: str | None = None
     value: bool | None = None
-    """An admin call's answer (``reset_prefix_cache``: whether the cache was reset)."""
+    """An admin call's answer (``reset_prefix_cache``: whether the cache was reset;
+    ``wake_up``: whether a part still sleeps)."""
     payload: bytes | None = None
     """"collective_rpc": its ``rpc_codec.RpcReply`` (results, or the error to raise)."""
 

@@ -241,8 +241,14 @@ class LLM:
         added meanwhile raise ValueError."""
         self.llm_engine.sleep(level)
 
-    def wake_up(self) -> None:
-        self.llm_engine.wake_up()
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo ``sleep`` (vLLM's): ``tags`` wakes one part at a time, "weights" (back on
+        the device, or read again after level 2) and then "kv_cache" (a new, empty cache);
+        None wakes both. A reinforcement-learning loop wakes the weights, replaces them
+        (``update_weights_from_disk``/``_tensor``, ``collective_rpc``), then wakes the KV
+        cache. Requests are admitted once both are awake; ValueError for an unknown tag or
+        for the KV cache before the weights."""
+        self.llm_engine.wake_up(tags)
 
     def update_weights_from_disk(self, model_path: str) -> None:
         """Replace the weights with those of the checkpoint at ``model_path`` (a local

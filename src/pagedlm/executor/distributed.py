@@ -159,8 +159,8 @@ class DistributedExecutor(Executor):
     def sleep(self, level: int) -> None:
         self._admin(wire.Sleep(level))
 
-    def wake_up(self) -> None:
-        self._admin(wire.WakeUp())
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._admin(wire.WakeUp(None if tags is None else list(tags)))
 
     def reload_weights(
         self, model_path: str | None, weights: Iterable[tuple[str, torch.Tensor]] | None

@@ -76,8 +76,9 @@ class Executor(ABC):
         requests."""
         raise NotImplementedError(f"the {self.name!r} executor does not support sleep mode")
 
-    def wake_up(self) -> None:
-        """Undo ``sleep``: weights on the device again and a new, empty KV cache."""
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo ``sleep`` for the parts ``tags`` names (``pagedlm.worker.sleep``: "weights",
+        "kv_cache"; None: both): weights on the device again, a new, empty KV cache."""
         raise NotImplementedError(f"the {self.name!r} executor does not support sleep mode")
 
     def reload_weights(

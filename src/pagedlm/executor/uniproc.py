@@ -43,8 +43,8 @@ class UniprocExecutor(Executor):
     def sleep(self, level: int) -> None:
         self.worker.sleep(level)
 
-    def wake_up(self) -> None:
-        self.worker.wake_up()
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.worker.wake_up(tags)
 
     def reload_weights(
         self, model_path: str | None, weights: Iterable[tuple[str, torch.Tensor]] | None

@@ -52,7 +52,10 @@ class Sleep(msgspec.Struct, tag=True, frozen=True):
 
 
 class WakeUp(msgspec.Struct, tag=True, frozen=True):
-    """Every rank wakes up and answers ``Done``."""
+    """Every rank wakes the parts ``tags`` names (``Worker.wake_up``; None: all) and
+    answers ``Done``, or ``Refused`` (an unknown tag, the KV cache before the weights)."""
+
+    tags: list[str] | None = None
 
 
 class ReloadWeights(msgspec.Struct, tag=True, frozen=True):

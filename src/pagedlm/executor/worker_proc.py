@@ -127,7 +127,7 @@ class WorkerLoop:
         elif isinstance(call, wire.Sleep):
             self._answer(lambda: worker.sleep(call.level))
         elif isinstance(call, wire.WakeUp):
-            self._answer(worker.wake_up)
+            self._answer(lambda: worker.wake_up(call.tags))
         elif isinstance(call, wire.ReloadWeights):
             self._answer(lambda: worker.reload_weights(call.model_path))
         elif isinstance(call, wire.CollectiveRpc):

@@ -15,18 +15,29 @@ vLLM's two levels:
 After dropping its references the worker asks the platform to ``release_memory`` (CUDA:
 ``torch.cuda.empty_cache``), so the memory really returns to the driver.
 
+``wake_up(tags)`` (vLLM's tags) wakes one part at a time: ``"weights"`` (back on the device,
+or loaded again) and ``"kv_cache"`` (a new, empty cache); ``None`` wakes both. A
+reinforcement-learning loop wakes the weights, replaces them, then wakes the KV cache, so
+the new weights never share the device with a KV cache. The KV cache wakes only with or
+after the weights (the platform's graphs, captured when it is allocated, run the model).
+Until both are awake the engine stays asleep: no request is admitted, and a worker refuses
+a step while its KV cache sleeps.
+
 Invariant: the engine sleeps only without unfinished requests (the scheduler refuses
 otherwise), so the dropped state holds nothing a request still needs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 SLEEP_LEVELS = (1, 2)
+SLEEP_TAGS = ("weights", "kv_cache")
+"""What ``wake_up(tags)`` wakes, in the order it wakes them."""
 HOST = torch.device("cpu")
 
 
@@ -69,4 +80,29 @@ def check_level(level: int) -> None:
         raise ValueError(
             f"sleep level {level!r} is not supported; use 1 (weights to host memory, KV "
             "cache dropped) or 2 (weights and KV cache dropped)."
+        )
+
+
+def check_tags(tags: Iterable[str] | None) -> tuple[str, ...]:
+    """The parts ``wake_up(tags)`` names, in waking order (None: all of them)."""
+    if tags is None:
+        return SLEEP_TAGS
+    if isinstance(tags, str):
+        raise ValueError(f"tags must be a list of tags, got the string {tags!r}; pass [{tags!r}].")
+    tags = list(tags)
+    unknown = [tag for tag in tags if tag not in SLEEP_TAGS]
+    if unknown:
+        raise ValueError(
+            f"wake_up tags {unknown} are not supported; use {list(SLEEP_TAGS)} (or None for both)."
+        )
+    return tuple(tag for tag in SLEEP_TAGS if tag in tags)
+
+
+def check_wake_order(asleep: Iterable[str], waking: Iterable[str]) -> None:
+    """The KV cache wakes with or after the weights: ValueError otherwise."""
+    asleep, waking = set(asleep), set(waking)
+    if "kv_cache" in waking and "weights" in asleep and "weights" not in waking:
+        raise ValueError(
+            "The weights are still asleep: wake_up(tags=['weights']) before "
+            "wake_up(tags=['kv_cache']), or wake both with wake_up()."
         )

@@ -22,7 +22,13 @@ from pagedlm.distributed import (
 from pagedlm.platforms import Platform
 from pagedlm.step import GrammarBitmask, SchedulerOutput, StepResult
 from pagedlm.worker.model_runner import ModelRunner
-from pagedlm.worker.sleep import OffloadedWeights, check_level
+from pagedlm.worker.sleep import (
+    SLEEP_TAGS,
+    OffloadedWeights,
+    check_level,
+    check_tags,
+    check_wake_order,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +86,10 @@ class Worker:
         logger.info("Model loaded in %.1f s", time.monotonic() - started)
         self.num_kv_blocks = 0
         self.sleep_level = 0
-        """0 awake; else the level of the last ``sleep`` (see ``worker.sleep``)."""
+        """0 awake; else the level of the last ``sleep`` while any part still sleeps (see
+        ``worker.sleep``)."""
+        self.sleeping_tags: set[str] = set()
+        """The parts asleep: "weights", "kv_cache" (vLLM's tags)."""
         self._offloaded: OffloadedWeights | None = None
 
     @property
@@ -143,15 +152,20 @@ class Worker:
     @property
     def runner(self) -> ModelRunner:
         if self.model_runner is None:
-            raise RuntimeError("the worker is asleep (level 2); wake_up() first")
+            raise RuntimeError(
+                "the worker's weights are asleep (level 2); wake_up() (or "
+                "wake_up(tags=['weights'])) first"
+            )
         return self.model_runner
 
     def sleep(self, level: int) -> None:
         """Release the KV cache and (level 1) move the weights to host memory or (level 2)
-        drop them; the engine must have no unfinished requests."""
+        drop them; the engine must have no unfinished requests. After a partial
+        ``wake_up`` the weights are awake (the KV cache wakes only after them), and sleep
+        again at ``level``."""
         check_level(level)
-        if self.sleep_level:
-            return
+        if "weights" in self.sleeping_tags:
+            return  # and so is the KV cache
         runner = self.runner
         runner.kv_cache = None
         runner.graph_runner = None  # captured graphs point into the KV cache
@@ -161,21 +175,39 @@ class Worker:
             self.model_runner = None
         del runner
         self.sleep_level = level
+        self.sleeping_tags = set(SLEEP_TAGS)
         self.platform.release_memory()
 
-    def wake_up(self) -> None:
-        """Undo ``sleep``: weights back on the device (level 2: loaded again from the
-        checkpoint), and a new, empty KV cache of the same size."""
-        if not self.sleep_level:
-            return
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo ``sleep`` for the parts ``tags`` names (None: all): "weights" back on the
+        device (level 2: loaded again from the checkpoint), "kv_cache" a new, empty cache of
+        the same size. Parts already awake are skipped; the KV cache wakes only with or
+        after the weights (ValueError otherwise, nothing woken)."""
+        waking = [tag for tag in check_tags(tags) if tag in self.sleeping_tags]
+        check_wake_order(self.sleeping_tags, waking)
+        if "weights" in waking:
+            self._wake_weights()
+            self.sleeping_tags.discard("weights")
+        if "kv_cache" in waking:
+            self.runner.initialize_kv_cache(self.num_kv_blocks)
+            self.sleeping_tags.discard("kv_cache")
+        if not self.sleeping_tags:
+            self.sleep_level = 0
+
+    def _wake_weights(self) -> None:
         if self.model_runner is None:
             torch.manual_seed(self.config.model.seed)  # dummy weights come out the same
             self.model_runner = ModelRunner(self.config, self.platform, self.attn_backend_cls)
         elif self._offloaded is not None:
             self._offloaded.restore(self.platform.device)
             self._offloaded = None
-        self.model_runner.initialize_kv_cache(self.num_kv_blocks)
-        self.sleep_level = 0
+
+    def _check_kv_cache_awake(self) -> None:
+        if "kv_cache" in self.sleeping_tags:
+            raise RuntimeError(
+                f"worker {self.rank}: the KV cache is asleep, so no step can run; call "
+                "wake_up(tags=['kv_cache']) (or wake_up()) first."
+            )
 
     def reload_weights(
         self,
@@ -188,9 +220,13 @@ class Worker:
         built again (the platform's kernels, graphs and an empty KV cache included), so the
         old weights are dropped first: at no point are there two copies on the device. If
         the new weights fail to load, the last checkpoint's are loaded again and the error
-        is raised (``ValueError``). Only while awake; the engine has no running requests."""
-        if self.sleep_level:
-            raise ValueError("The model is asleep; wake_up() before updating its weights.")
+        is raised (``ValueError``). Only while the weights are awake (the KV cache may still
+        sleep: it is then allocated when it wakes); the engine has no running requests."""
+        if "weights" in self.sleeping_tags:
+            raise ValueError(
+                "The weights are asleep; wake_up(tags=['weights']) (or wake_up()) before "
+                "updating them."
+            )
         config = self.config
         if model_path is not None:
             model = replace(config.model, model=model_path, load_format="auto")
@@ -203,17 +239,20 @@ class Worker:
         except (ValueError, KeyError, RuntimeError, OSError) as error:
             self.platform.release_memory()
             self.model_runner = ModelRunner(self.config, self.platform, self.attn_backend_cls)
-            self.model_runner.initialize_kv_cache(self.num_kv_blocks)
+            if "kv_cache" not in self.sleeping_tags:
+                self.model_runner.initialize_kv_cache(self.num_kv_blocks)
             raise ValueError(
                 f"The new weights did not load ({error}); the model has the weights of "
                 f"{self.config.model.model} again."
             ) from error
         self.config = config
         self.model_runner = runner
-        runner.initialize_kv_cache(self.num_kv_blocks)
+        if "kv_cache" not in self.sleeping_tags:
+            runner.initialize_kv_cache(self.num_kv_blocks)
         logger.info("Weights updated in %.1f s", time.monotonic() - started)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        self._check_kv_cache_awake()
         self.runner.execute_model(scheduler_output)
 
     def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> StepResult:

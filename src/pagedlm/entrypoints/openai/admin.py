@@ -5,6 +5,9 @@
 - ``POST /sleep?level=1|2``, ``POST /wake_up``, ``GET /is_sleeping``: sleep mode
   (``pagedlm.worker.sleep``), which needs ``--enable-sleep-mode`` as in vLLM (a 400 naming
   the flag otherwise). Sleeping with unfinished requests is refused (409): drain first.
+  ``/wake_up?tags=weights`` then ``?tags=kv_cache`` wakes one part at a time (vLLM's tags;
+  an unknown tag is a 400, the KV cache before the weights a 409); the model sleeps until
+  both are awake.
   While the model sleeps, the routes that need it (completions, chat, messages,
   embeddings, responses, ...) answer 503 naming ``/wake_up``, as vLLM's do; the others
   (models, tokenize, health, metrics) keep working.
@@ -35,6 +38,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedlm.engine.exceptions import EngineDeadError
 from pagedlm.entrypoints.openai.errors import error_bytes, error_response
+from pagedlm.worker.sleep import check_tags
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -171,12 +175,14 @@ def _install_sleep_routes(app: FastAPI, engine: Any, options: AdminOptions) -> N
         refused = check_enabled()
         if refused is not None:
             return refused
-        if request.query_params.getlist("tags"):
-            return error_response(
-                "wake_up by tags is not supported; POST /wake_up wakes weights and KV cache.",
-                400,
-            )
-        return await _answer(_timed("wake_up", engine.wake_up()))
+        tags = request.query_params.getlist("tags")
+        if not tags:
+            return await _answer(_timed("wake_up", engine.wake_up()))
+        try:
+            check_tags(tags)
+        except ValueError as error:
+            return error_response(str(error), 400)
+        return await _answer(_timed("wake_up", engine.wake_up(tags)))
 
     @app.get("/is_sleeping")
     async def is_sleeping() -> JSONResponse:
