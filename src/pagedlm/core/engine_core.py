@@ -26,9 +26,10 @@ disjoint, so a step's grammar bitmask is asked for right after its schedule.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -45,9 +46,11 @@ from pagedlm.plugins.registry import select_executor
 from pagedlm.step import SchedulerOutput, StepResult
 from pagedlm.structured_output.manager import StructuredOutputManager
 from pagedlm.structured_output.params import GrammarLimits
+from pagedlm.worker.rpc import WorkerRpcError
 from pagedlm.worker.sleep import SLEEP_TAGS, check_level, check_tags, check_wake_order
 
 if TYPE_CHECKING:
+    from pagedlm.lora.request import LoRARequest
     from pagedlm.worker.rpc import RpcMethod
 
 logger = logging.getLogger(__name__)
@@ -56,6 +59,16 @@ logger = logging.getLogger(__name__)
 class _InFlight(NamedTuple):
     scheduler_output: SchedulerOutput
     result: StepResult
+
+
+@contextlib.contextmanager
+def _worker_refusal() -> Iterator[None]:
+    """A worker's failure in an adapter call (say, files it cannot read) as the caller's
+    ``ValueError``; the engine carries on."""
+    try:
+        yield
+    except WorkerRpcError as error:
+        raise ValueError(str(error)) from error
 
 
 class EngineCore:
@@ -277,6 +290,36 @@ class EngineCore:
         """Run ``method`` on every worker (``Executor.collective_rpc``), between steps;
         a step in flight stays in flight."""
         return self.executor.collective_rpc(method, timeout, tuple(args), dict(kwargs or {}))
+
+    # ---- LoRA adapters (vLLM's): the workers' host caches ------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Every worker reads the adapter ahead of its first request (checked by the front
+        end first). ValueError if a worker cannot read it."""
+        with _worker_refusal():
+            return self.executor.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Every worker forgets the adapter; False if it was not loaded."""
+        with _worker_refusal():
+            return self.executor.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters loaded (added, or read for a request since)."""
+        with _worker_refusal():
+            return self.executor.list_loras()
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep a loaded adapter for good (``pagedlm.lora.manager``); ValueError if it is
+        not loaded."""
+        with _worker_refusal():
+            pinned = self.executor.pin_lora(lora_id)
+        if not pinned:
+            raise ValueError(
+                f"LoRA adapter {lora_id} is not loaded, so it cannot be pinned; add_lora() it "
+                "first."
+            )
+        return True
 
     def _publish_kv_events(self) -> None:
         if self._kv_event_publisher is not None:

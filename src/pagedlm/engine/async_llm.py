@@ -384,10 +384,30 @@ class AsyncLLM:
         return self._dead_error
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Check an adapter against the model (ValueError naming the problem); workers
-        read its weights with the first request that names it."""
+        """Check an adapter against the model (ValueError naming the problem) and have
+        every worker read it into its host cache (``LLMEngine.add_lora``). True."""
         self.input_processor.adapters.check(lora_request)
-        return True
+        lora = lora_request
+        return bool(
+            await self._admin_call(
+                "add_lora", ADMIN_TIMEOUT_S, lora.lora_name, lora.lora_int_id, lora.lora_path
+            )
+        )
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter (``LLMEngine.remove_lora``); False if it was not loaded."""
+        removed = bool(await self._admin_call("remove_lora", ADMIN_TIMEOUT_S, int(lora_id)))
+        self.input_processor.adapters.forget(lora_id)
+        return removed
+
+    async def list_loras(self) -> set[int]:
+        """The ids of the adapters loaded: added, or read for a request since."""
+        return set(await self._admin_call("list_loras", ADMIN_TIMEOUT_S))
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        """Keep a loaded adapter for good (``LLMEngine.pin_lora``); ValueError if it is
+        not loaded."""
+        return bool(await self._admin_call("pin_lora", ADMIN_TIMEOUT_S, int(lora_id)))
 
     async def get_scheduler_stats(self) -> SchedulerStats:
         """A fresh snapshot from the core (ordered after every earlier add and abort)."""

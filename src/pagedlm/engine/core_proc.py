@@ -54,6 +54,7 @@ from pagedlm.engine.messages import (
 )
 from pagedlm.gc_heap import freeze_startup_heap
 from pagedlm.logging_config import LOG_LEVEL_ENV, LOGGING_CONFIG_ENV, configure_logging
+from pagedlm.lora.request import LoRARequest
 from pagedlm.structured_output.manager import grammar_failure
 from pagedlm.structured_output.params import GrammarLimits
 from pagedlm.worker import rpc_codec
@@ -227,6 +228,14 @@ def _update_weights_from_disk(proc: EngineCoreProc, model_path: str) -> None:
     proc.core.update_weights(model_path=str(model_path))
 
 
+def _add_lora(proc: EngineCoreProc, name: str, lora_id: int, path: str) -> bool:
+    return proc.core.add_lora(LoRARequest(str(name), int(lora_id), str(path)))
+
+
+def _list_loras(proc: EngineCoreProc) -> list[int]:
+    return sorted(proc.core.list_loras())
+
+
 def _start_profile(proc: EngineCoreProc, directory: str) -> None:
     proc.profiler.start(directory)
 
@@ -235,11 +244,15 @@ def _stop_profile(proc: EngineCoreProc) -> None:
     proc.profiler.stop()
 
 
-ADMIN_CALLS: dict[str, Callable[..., bool | None]] = {
+ADMIN_CALLS: dict[str, Callable[..., bool | list[int] | None]] = {
     "reset_prefix_cache": lambda proc: proc.core.reset_prefix_cache(),
     "sleep": _sleep,
     "wake_up": _wake_up,
     "update_weights_from_disk": _update_weights_from_disk,
+    "add_lora": _add_lora,
+    "remove_lora": lambda proc, lora_id: proc.core.remove_lora(int(lora_id)),
+    "list_loras": _list_loras,
+    "pin_lora": lambda proc, lora_id: proc.core.pin_lora(int(lora_id)),
     "start_profile": _start_profile,
     "stop_profile": _stop_profile,
 }

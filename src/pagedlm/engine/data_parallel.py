@@ -36,6 +36,7 @@ from pagedlm.structured_output.params import GrammarLimits
 if TYPE_CHECKING:
     import torch
 
+    from pagedlm.lora.request import LoRARequest
     from pagedlm.worker.rpc import RpcMethod
 
 
@@ -173,6 +174,24 @@ class DataParallelEngineCore:
         for core in self.replicas:
             results += core.collective_rpc(method, timeout, args, kwargs)
         return results
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return all([core.add_lora(lora_request) for core in self.replicas])
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """True if any replica had it loaded (a request loads it only where it runs)."""
+        return any([core.remove_lora(lora_id) for core in self.replicas])
+
+    def list_loras(self) -> set[int]:
+        """Every replica's (requests load adapters on the replica that runs them)."""
+        return set().union(*(core.list_loras() for core in self.replicas))
+
+    def pin_lora(self, lora_id: int) -> bool:
+        # One that has not loaded it refuses before any replica pins.
+        missing = [core for core in self.replicas if lora_id not in core.list_loras()]
+        for core in missing[:1] + self.replicas:
+            core.pin_lora(lora_id)
+        return True
 
     @property
     def sleep_level(self) -> int:

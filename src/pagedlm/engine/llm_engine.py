@@ -111,10 +111,28 @@ class LLMEngine:
         )
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Check an adapter against the model (ValueError naming the problem); workers
-        read its weights with the first request that names it."""
+        """Check an adapter against the model (ValueError naming the problem) and have
+        every worker read it into its host cache (vLLM's; ``max_cpu_loras`` adapters, least
+        recently used dropped first). True."""
         self.input_processor.adapters.check(lora_request)
-        return True
+        return self.engine_core.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter (host cache, device slot, pin; ``lora_id`` may then name other
+        files); False if it was not loaded. A running request that uses it reads it again."""
+        removed = self.engine_core.remove_lora(lora_id)
+        self.input_processor.adapters.forget(lora_id)
+        return removed
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters loaded: added, or read for a request since."""
+        return self.engine_core.list_loras()
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep a loaded adapter for good: never dropped from the host cache, its device
+        slot given up only when a step needs more slots than unpinned adapters hold. True;
+        ValueError if it is not loaded."""
+        return self.engine_core.pin_lora(lora_id)
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         request_ids = list(request_ids)

@@ -117,7 +117,9 @@ class UtilityCall(msgspec.Struct, tag=True):
     """"ping" (liveness), "get_stats" (a fresh ``SchedulerStats``), or an admin call:
     "reset_prefix_cache", "sleep" (``args``: [level]), "wake_up" (``args``: its tags,
     none for all),
-    "update_weights_from_disk" (``args``: [model_path]), "start_profile" (``args``:
+    "update_weights_from_disk" (``args``: [model_path]), "add_lora" (``args``: [name,
+    id, path]), "remove_lora" / "pin_lora" (``args``: [id]), "list_loras",
+    "start_profile" (``args``:
     [directory]), "stop_profile"; or "collective_rpc" (``payload``)."""
     args: list[int | str] = []
     payload: bytes = b""
@@ -169,9 +171,9 @@ class UtilityResult(msgspec.Struct, tag=True):
     call_id: int
     stats: SchedulerStats | None = None
     error: str | None = None
-    value: bool | None = None
+    value: bool | list[int] | None = None
     """An admin call's answer (``reset_prefix_cache``: whether the cache was reset;
-    ``wake_up``: whether a part still sleeps)."""
+    ``wake_up``: whether a part still sleeps; ``list_loras``: the adapter ids)."""
     payload: bytes | None = None
     """"collective_rpc": its ``rpc_codec.RpcReply`` (results, or the error to raise)."""
 

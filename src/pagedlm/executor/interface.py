@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     import torch
 
     from pagedlm.config import EngineConfig
+    from pagedlm.lora.request import LoRARequest
     from pagedlm.platforms import Platform
     from pagedlm.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, StepResult
     from pagedlm.worker.rpc import RpcMethod
@@ -100,6 +101,24 @@ class Executor(ABC):
         ``TimeoutError`` if workers in other processes have not answered after ``timeout``
         seconds; ``TypeError`` for what cannot reach them."""
         raise NotImplementedError(f"the {self.name!r} executor does not support collective_rpc")
+
+    # ---- LoRA adapters: every worker's, through collective_rpc (vLLM's executor) -----
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Every worker reads the adapter into its host cache (``Worker.add_lora``)."""
+        return all(self.collective_rpc("add_lora", None, (lora_request,), {}))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Every worker forgets the adapter; False if one had not loaded it."""
+        return all(self.collective_rpc("remove_lora", None, (lora_id,), {}))
+
+    def list_loras(self) -> set[int]:
+        """The adapters the workers hold (each receives the same calls: the same set)."""
+        return {int(i) for i in self.collective_rpc("list_loras", None, (), {})[0]}
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Every worker keeps the adapter for good; False if one had not loaded it."""
+        return all(self.collective_rpc("pin_lora", None, (lora_id,), {}))
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release workers and device memory."""

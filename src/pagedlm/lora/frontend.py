@@ -54,3 +54,7 @@ class AdapterChecker:
             if len(self._checked) > _MAX_REMEMBERED:
                 self._checked.popitem(last=False)
         return remembered[1]
+
+    def forget(self, lora_id: int) -> None:
+        """``remove_lora``: the id may name another adapter from now on."""
+        self._checked.pop(lora_id, None)

@@ -5,9 +5,16 @@ device slot (from the host cache, else read from its directory), evicting the le
 recently used adapter the step does not need, then writes each token's slot into the
 fixed-address ``token_slots`` buffer every ``LoRALinear`` reads.
 
+vLLM's adapter management works on the host cache: ``add`` reads an adapter into it ahead
+of its first request, ``remove`` forgets one, ``list_ids`` names what it holds, ``pin``
+keeps one for good (never dropped from the host cache, and evicted from its device slot
+only when a step needs more slots than the unpinned adapters free). A new model runner
+(level-2 wake-up, new weights) ``adopt``s the old one's ``host_state``.
+
 Invariants:
 - At most ``max_loras`` distinct adapters per step (the scheduler's ``LoRAGate`` admits no
-  more), so a step's adapters always find slots.
+  more), so a step's adapters always find slots (a pinned adapter gives its slot up when
+  the step needs it).
 - An adapter's id names the same weights for the engine's lifetime (``LoRARequest``).
 - A slot rewritten for step N+1 while step N is in flight is safe: the copies are queued
   on the device after step N's kernels, which read the old weights first.
@@ -39,14 +46,39 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+HostState = tuple["OrderedDict[int, AdapterWeights]", set[int]]
+"""What outlives a model runner: the host cache (least recently used first) and the pins."""
+
+
 class NoLoRA:
-    """The component when ``enable_lora`` is off: nothing to prepare."""
+    """The component when ``enable_lora`` is off: nothing to prepare, nothing loaded."""
 
     graph_safe = True
 
     def prepare_step(
         self, states: list[RequestState], query_start_loc: np.ndarray, num_tokens: int
     ) -> None:
+        pass
+
+    def add(self, lora: LoRARequest) -> bool:
+        raise ValueError(
+            f"LoRA adapter {lora.lora_name!r} cannot be added: LoRA is not enabled; start "
+            "the engine with enable_lora=True (--enable-lora)."
+        )
+
+    def remove(self, lora_id: int) -> bool:
+        return False
+
+    def list_ids(self) -> set[int]:
+        return set()
+
+    def pin(self, lora_id: int) -> bool:
+        return False
+
+    def host_state(self) -> HostState | None:
+        return None
+
+    def adopt(self, state: HostState | None) -> None:
         pass
 
 
@@ -87,6 +119,8 @@ class LoRAManager:
         self._slot_of: OrderedDict[int, int] = OrderedDict()
         """Adapter id -> device slot, least recently used first."""
         self._free_slots = list(range(config.max_loras - 1, -1, -1))
+        self._pinned: set[int] = set()
+        """Adapters ``pin`` keeps (see the module's docstring)."""
 
     @property
     def slot_of(self) -> dict[int, int]:
@@ -130,6 +164,65 @@ class LoRAManager:
         self._clean_rows = 0 if wanted else num_tokens
         self.state.groups = groups
 
+    # ---- vLLM's add_lora / remove_lora / list_loras / pin_lora ----------------------
+
+    def add(self, lora: LoRARequest) -> bool:
+        """Read ``lora``'s weights into the host cache ahead of its first request (already
+        there: marked recently used). True."""
+        self._host_weights(lora)
+        return True
+
+    def remove(self, lora_id: int) -> bool:
+        """Forget adapter ``lora_id``: host cache, device slot, pin. False if it was not
+        loaded. A request still running with it reads it again at its next step."""
+        found = self._host_cache.pop(lora_id, None) is not None
+        slot = self._slot_of.pop(lora_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+            found = True
+        self._pinned.discard(lora_id)
+        return found
+
+    def list_ids(self) -> set[int]:
+        """The adapters loaded: in the host cache or a device slot."""
+        return set(self._host_cache) | set(self._slot_of)
+
+    def pin(self, lora_id: int) -> bool:
+        """Keep adapter ``lora_id`` (see the module's docstring) and give it a device slot
+        now, where one is free or held by an unpinned adapter. False if it is not loaded."""
+        if lora_id not in self.list_ids():
+            return False
+        self._pinned.add(lora_id)
+        if lora_id not in self._slot_of:
+            slot = self._take_slot(keep=set(), evict_pinned=False)
+            if slot is not None:
+                self._load_into(slot, self._host_cache[lora_id])
+                self._slot_of[lora_id] = slot
+        return True
+
+    def host_state(self) -> HostState:
+        return self._host_cache, set(self._pinned)
+
+    def adopt(self, state: HostState | None) -> None:
+        """Take over another manager's host cache and pins (its device slots stay behind)."""
+        if state is None:
+            return
+        host_cache, pinned = state
+        self._host_cache = OrderedDict(host_cache)
+        for lora_id in pinned:
+            self.pin(lora_id)
+
+    def _take_slot(self, keep: set[int], evict_pinned: bool) -> int | None:
+        """A free device slot, else the slot of the least recently used adapter outside
+        ``keep``, unpinned first (pinned ones only if ``evict_pinned``); None if none."""
+        if self._free_slots:
+            return self._free_slots.pop()
+        candidates = [i for i in self._slot_of if i not in keep]
+        unpinned = [i for i in candidates if i not in self._pinned]
+        if unpinned or (candidates and evict_pinned):
+            return self._slot_of.pop((unpinned or candidates)[0])
+        return None
+
     def _activate(self, wanted: dict[int, LoRARequest]) -> dict[int, int]:
         """A device slot for each wanted adapter, loading and evicting as needed."""
         if len(wanted) > self.config.max_loras:
@@ -143,11 +236,8 @@ class LoRAManager:
         for lora_id, lora in wanted.items():
             if lora_id in self._slot_of:
                 continue
-            if self._free_slots:
-                slot = self._free_slots.pop()
-            else:
-                victim = next(i for i in self._slot_of if i not in wanted)
-                slot = self._slot_of.pop(victim)
+            slot = self._take_slot(keep=set(wanted), evict_pinned=True)
+            assert slot is not None  # at most max_loras wanted: one is free or not wanted
             self._load_into(slot, self._host_weights(lora))
             self._slot_of[lora_id] = slot
         return {lora_id: self._slot_of[lora_id] for lora_id in wanted}
@@ -159,7 +249,10 @@ class LoRAManager:
             logger.info("LoRA adapter %r (id %d) loaded", lora.lora_name, lora.lora_int_id)
             self._host_cache[lora.lora_int_id] = weights
             while len(self._host_cache) > self.config.host_cache_size:
-                self._host_cache.popitem(last=False)
+                victim = next((i for i in self._host_cache if i not in self._pinned), None)
+                if victim is None or victim == lora.lora_int_id:
+                    break  # the rest are pinned: the cache holds them all
+                del self._host_cache[victim]
         else:
             self._host_cache.move_to_end(lora.lora_int_id)
         return weights

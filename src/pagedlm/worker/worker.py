@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -19,6 +19,8 @@ from pagedlm.distributed import (
     get_tensor_model_parallel_rank,
     init_worker_distributed,
 )
+from pagedlm.lora.manager import HostState
+from pagedlm.lora.request import LoRARequest
 from pagedlm.platforms import Platform
 from pagedlm.step import GrammarBitmask, SchedulerOutput, StepResult
 from pagedlm.worker.model_runner import ModelRunner
@@ -91,6 +93,8 @@ class Worker:
         self.sleeping_tags: set[str] = set()
         """The parts asleep: "weights", "kv_cache" (vLLM's tags)."""
         self._offloaded: OffloadedWeights | None = None
+        self._lora_host_state: HostState | None = None
+        """The adapters of a model runner dropped by a level-2 sleep, for the next one."""
 
     @property
     def is_output_rank(self) -> bool:
@@ -172,6 +176,7 @@ class Worker:
         if level == 1:
             self._offloaded = OffloadedWeights.offload(runner.model, self.platform.pin_host_memory)
         else:
+            self._lora_host_state = runner.lora.host_state()  # host memory: kept
             self.model_runner = None
         del runner
         self.sleep_level = level
@@ -198,6 +203,8 @@ class Worker:
         if self.model_runner is None:
             torch.manual_seed(self.config.model.seed)  # dummy weights come out the same
             self.model_runner = ModelRunner(self.config, self.platform, self.attn_backend_cls)
+            self.model_runner.lora.adopt(self._lora_host_state)
+            self._lora_host_state = None
         elif self._offloaded is not None:
             self._offloaded.restore(self.platform.device)
             self._offloaded = None
@@ -231,6 +238,7 @@ class Worker:
         if model_path is not None:
             model = replace(config.model, model=model_path, load_format="auto")
             config = replace(config, model=model)
+        lora_host_state = self.runner.lora.host_state()
         self.model_runner = None
         self.platform.release_memory()
         started = time.monotonic()
@@ -239,6 +247,7 @@ class Worker:
         except (ValueError, KeyError, RuntimeError, OSError) as error:
             self.platform.release_memory()
             self.model_runner = ModelRunner(self.config, self.platform, self.attn_backend_cls)
+            self.model_runner.lora.adopt(lora_host_state)
             if "kv_cache" not in self.sleeping_tags:
                 self.model_runner.initialize_kv_cache(self.num_kv_blocks)
             raise ValueError(
@@ -247,9 +256,31 @@ class Worker:
             ) from error
         self.config = config
         self.model_runner = runner
+        runner.lora.adopt(lora_host_state)
         if "kv_cache" not in self.sleeping_tags:
             runner.initialize_kv_cache(self.num_kv_blocks)
         logger.info("Weights updated in %.1f s", time.monotonic() - started)
+
+    # ---- LoRA adapters (vLLM's worker methods; ``pagedlm.lora.manager``) ------------
+
+    def add_lora(self, lora_request: LoRARequest | Mapping[str, Any]) -> bool:
+        """Read an adapter into this rank's host cache ahead of its first request. From
+        another process (``collective_rpc``) the request arrives as a dict of its fields."""
+        if isinstance(lora_request, Mapping):
+            lora_request = LoRARequest(**lora_request)
+        return self.runner.lora.add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter; False if this rank had not loaded it."""
+        return self.runner.lora.remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters this rank holds (host cache or device slot)."""
+        return self.runner.lora.list_ids()
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep an adapter loaded for good; False if this rank has not loaded it."""
+        return self.runner.lora.pin(lora_id)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         self._check_kv_cache_awake()

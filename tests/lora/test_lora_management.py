@@ -1,0 +1,169 @@
+"""vLLM's adapter management on CPU: ``add_lora`` loads into the workers' host cache,
+``list_loras`` names what is loaded (added, or read for a request), ``remove_lora`` forgets
+(False when nothing was loaded), ``pin_lora`` keeps an adapter through evictions and
+through a level-2 sleep; on ``LoRAManager`` alone, on ``LLMEngine``, and on ``AsyncLLM``
+through its engine-core process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from pagedlm import LLM, AsyncLLM, LoRARequest, SamplingParams
+from pagedlm.config import ArchConfig, LoRAConfig
+from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.lora.manager import LoRAManager
+from pagedlm.lora.ops import TorchLoRAOps
+from pagedlm.model_executor.models.llama import LlamaForCausalLM
+from peft_adapters import LLAMA_MODULES, make_adapter
+
+PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+PROMPT = {"prompt_token_ids": list(range(5, 30))}
+
+
+@pytest.fixture(scope="module")
+def base(tiny_checkpoint):
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def loras(base, tmp_path_factory) -> list[LoRARequest]:
+    """Four adapters, ids 1 to 4."""
+    root = tmp_path_factory.mktemp("adapters")
+    made = []
+    for index in range(1, 5):
+        make_adapter(base, root / str(index), LLAMA_MODULES, rank=4, seed=index)
+        made.append(LoRARequest(f"a{index}", index, str(root / str(index))))
+    return made
+
+
+class _State:
+    def __init__(self, lora: LoRARequest | None) -> None:
+        self.lora_request = lora
+
+
+def test_manager_add_list_remove_pin(base, loras):
+    arch = ArchConfig.from_directory(base)
+    config = LoRAConfig(max_loras=2, max_lora_rank=8, max_cpu_loras=2)
+    manager = LoRAManager(
+        config, arch, LlamaForCausalLM(arch), 16, TorchLoRAOps(), torch.float32, torch.device("cpu")
+    )
+    one, two, three, four = loras
+
+    def step(*adapters):
+        manager.prepare_step([_State(a) for a in adapters], np.array([0, 2, 4]), 8)
+
+    assert manager.add(one) and manager.add(two)
+    assert manager.list_ids() == {1, 2} and manager.slot_of == {}  # host memory only
+    assert not manager.pin(3)  # not loaded
+    assert manager.pin(1)
+    assert manager.slot_of == {1: 0}  # pinning gave it a device slot
+    manager.add(three)  # max_cpu_loras=2: the least recently used unpinned one goes
+    assert manager.list_ids() == {1, 3}
+    step(three, four)  # a step needing both slots takes the pinned adapter's
+    assert set(manager.slot_of) == {3, 4}
+    assert 1 in manager.list_ids()  # but never drops it from the host cache
+    step(one, None)  # back in a slot, from host memory, in place of adapter 3
+    assert set(manager.slot_of) == {1, 4} and manager.list_ids() == {1, 4}
+    assert manager.remove(4) and not manager.remove(4) and not manager.remove(99)
+    assert manager.list_ids() == {1} and manager._free_slots == [1 - manager.slot_of[1]]
+    assert manager.remove(1)  # a pinned one too
+    assert manager.list_ids() == set() and sorted(manager._free_slots) == [0, 1]
+    manager.add(four)
+    state = manager.host_state()
+    manager.pin(4)
+    fresh = LoRAManager(
+        config, arch, LlamaForCausalLM(arch), 16, TorchLoRAOps(), torch.float32, torch.device("cpu")
+    )
+    fresh.adopt(manager.host_state())  # what a new model runner takes over
+    assert fresh.list_ids() == {4} and fresh.slot_of == {4: 0}
+    assert state[1] == set()  # a snapshot: the later pin is not in it
+
+
+def _tokens(llm: LLM, lora: LoRARequest | None = None) -> list[int]:
+    output = llm.generate([PROMPT], PARAMS, use_tqdm=False, lora_request=lora)[0]
+    return list(output.outputs[0].token_ids)
+
+
+def test_llm_engine_adapters_survive_a_level_2_sleep(base, loras):
+    one, two, three, _ = loras
+    llm = LLM(
+        str(base),
+        skip_tokenizer_init=True,
+        enable_lora=True,
+        max_lora_rank=8,
+        max_loras=2,
+        max_cpu_loras=3,
+        num_kv_blocks=32,
+    )
+    engine = llm.llm_engine
+    try:
+        assert engine.list_loras() == set()
+        assert engine.add_lora(one) is True and engine.list_loras() == {1}
+        expected = _tokens(llm, two)
+        assert expected != _tokens(llm)  # the adapter changes the tokens
+        assert engine.list_loras() == {1, 2}  # a request loaded adapter 2
+        assert engine.pin_lora(2) is True
+        with pytest.raises(ValueError, match="3 is not loaded"):
+            engine.pin_lora(3)
+        llm.sleep(2)
+        llm.wake_up()  # a new model runner: it takes the adapters over
+        assert engine.list_loras() == {1, 2}
+        worker = engine.engine_core.executor.worker
+        assert 2 in worker.model_runner.lora.slot_of  # pinned: back in a device slot
+        assert _tokens(llm, two) == expected
+        assert engine.remove_lora(1) is True and engine.remove_lora(1) is False
+        assert engine.list_loras() == {2}
+        moved = LoRARequest("moved", 1, three.lora_path)  # a removed id may name other files
+        assert engine.add_lora(moved) and engine.list_loras() == {1, 2}
+        with pytest.raises(ValueError, match="already names the adapter"):
+            engine.add_lora(LoRARequest("again", 1, one.lora_path))
+    finally:
+        engine.shutdown()
+
+
+def test_without_enable_lora(base, loras):
+    llm = LLM(str(base), skip_tokenizer_init=True, num_kv_blocks=16)
+    engine = llm.llm_engine
+    try:
+        assert engine.list_loras() == set() and engine.remove_lora(1) is False
+        with pytest.raises(ValueError, match="not loaded"):
+            engine.pin_lora(1)
+        with pytest.raises(ValueError, match="enable_lora=True"):
+            engine.add_lora(loras[0])
+    finally:
+        engine.shutdown()
+
+
+def test_async_llm_manages_adapters_in_its_engine_core(base, loras):
+    one, two, *_ = loras
+    args = EngineArgs(
+        model=str(base),
+        skip_tokenizer_init=True,
+        enable_lora=True,
+        max_lora_rank=8,
+        max_loras=2,
+        num_kv_blocks=32,
+    )
+    engine = AsyncLLM.from_engine_args(args)
+
+    async def run() -> None:
+        assert await engine.add_lora(one) is True
+        assert await engine.list_loras() == {1}
+        outputs = [o async for o in engine.generate(PROMPT, PARAMS, "with-two", lora_request=two)]
+        assert outputs[-1].finished
+        assert await engine.list_loras() == {1, 2}
+        assert await engine.pin_lora(1) is True
+        with pytest.raises(ValueError, match="9 is not loaded"):
+            await engine.pin_lora(9)
+        assert await engine.remove_lora(2) is True
+        assert await engine.remove_lora(2) is False
+        assert await engine.list_loras() == {1}
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 120))
+    finally:
+        engine.shutdown()
