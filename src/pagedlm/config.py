@@ -299,6 +299,8 @@ class ModelConfig:
     bnb_quant_type: str = "nf4"
     """With bitsandbytes: "nf4" or "fp4" (4-bit, blocks of 64) or "int8" (per-row 8-bit)."""
     trust_remote_code: bool = False
+    enable_sleep_mode: bool = False
+    """``sleep``/``wake_up`` are allowed (vLLM's ``enable_sleep_mode``)."""
     enforce_eager: bool = False
     """Never replay decode steps from CUDA graphs (platforms without graphs are always eager)."""
     runner: str = "generate"

@@ -38,6 +38,7 @@ def test_sleep_releases_device_memory(level):
         skip_tokenizer_init=True,
         max_model_len=2048,
         num_kv_blocks=4096,
+        enable_sleep_mode=True,
     )
     core = llm.llm_engine.engine_core
     runner = core.executor.worker.model_runner

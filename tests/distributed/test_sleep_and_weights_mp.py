@@ -34,7 +34,7 @@ def test_ranks_sleep_wake_and_take_new_weights(llama, llama_reference, replaceme
     shutil.copytree(replacement, broken)
     for weights in broken.glob("*.safetensors"):
         weights.unlink()  # the same config.json, no weights: every rank fails to load
-    llm = make_llm(llama, tensor_parallel_size=2)
+    llm = make_llm(llama, tensor_parallel_size=2, enable_sleep_mode=True)
     executor = llm.llm_engine.engine_core.executor
     pids = list(executor.worker_pids)
     try:

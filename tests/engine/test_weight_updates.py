@@ -55,7 +55,10 @@ def _run(llm: LLM) -> list:
 
 
 def _llm(path) -> LLM:
-    return LLM(str(path), skip_tokenizer_init=True, num_kv_blocks=32, max_model_len=64)
+    return LLM(
+        str(path), skip_tokenizer_init=True, num_kv_blocks=32, max_model_len=64,
+        enable_sleep_mode=True,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -98,6 +98,7 @@ def test_llm_engine_adapters_survive_a_level_2_sleep(base, loras):
         max_loras=2,
         max_cpu_loras=3,
         num_kv_blocks=32,
+        enable_sleep_mode=True,
     )
     engine = llm.llm_engine
     try:

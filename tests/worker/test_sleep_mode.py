@@ -20,7 +20,10 @@ PROMPT = [{"prompt_token_ids": list(range(5, 40))}]
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint):
-    return LLM(str(tiny_checkpoint("llama")), skip_tokenizer_init=True, num_kv_blocks=32)
+    return LLM(
+        str(tiny_checkpoint("llama")), skip_tokenizer_init=True, num_kv_blocks=32,
+        enable_sleep_mode=True,
+    )  # fmt: skip
 
 
 def tokens(llm: LLM) -> list[int]:
@@ -119,3 +122,12 @@ def test_reset_prefix_cache_forgets_the_cached_prompt(llm):
     before = hits()
     tokens(llm)
     assert hits() - before == 0
+
+
+def test_sleep_needs_enable_sleep_mode_as_in_vllm(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint("llama")), skip_tokenizer_init=True, num_kv_blocks=8)
+    assert not llm.model_config.enable_sleep_mode  # vLLM's default
+    with pytest.raises(ValueError, match="enable_sleep_mode=True"):
+        llm.sleep(1)
+    assert llm.llm_engine.engine_core.sleep_level == 0
+    llm.llm_engine.shutdown()

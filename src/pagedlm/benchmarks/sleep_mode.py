@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         dtype="bfloat16",
         skip_tokenizer_init=True,
         max_model_len=args.max_model_len,
+        enable_sleep_mode=True,
     )
     config = llm.llm_engine.config
     figures = {

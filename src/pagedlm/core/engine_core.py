@@ -221,6 +221,11 @@ class EngineCore:
     def sleep(self, level: int) -> None:
         """Release device memory (``pagedlm.worker.sleep``). ValueError while requests
         are unfinished: the caller drains or aborts them first."""
+        if not self.config.model.enable_sleep_mode:
+            raise ValueError(
+                "Sleep mode is off; start the engine with enable_sleep_mode=True "
+                "(--enable-sleep-mode), as vLLM asks."
+            )
         check_level(level)
         if "weights" in self.sleeping_tags:
             return  # all asleep (the KV cache wakes only after the weights)

@@ -130,6 +130,10 @@ class EngineArgs:
     environment variable (vLLM's switch) turns it on too."""
     enforce_eager: bool = False
     """Never replay decode steps from CUDA graphs (skips capturing them at start-up)."""
+    enable_sleep_mode: bool = False
+    """Allow sleep and wake_up (vLLM's flag; LLM.sleep, POST /sleep?level=1|2): level 1
+    moves the weights to host memory and frees the KV cache, level 2 drops the weights too
+    (for weights about to be replaced)."""
     trust_remote_code: bool = False
     """Let the tokenizer run code shipped with the checkpoint (transformers' flag); a
     checkpoint's model code is never run."""
@@ -418,6 +422,7 @@ class EngineArgs:
                 quantization=quantization,
                 bnb_quant_type=bnb_quant_type,
                 trust_remote_code=self.trust_remote_code,
+                enable_sleep_mode=self.enable_sleep_mode,
                 enforce_eager=self.enforce_eager,
                 runner=runner,
                 pooler=pooler,

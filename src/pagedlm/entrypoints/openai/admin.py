@@ -77,13 +77,6 @@ class AdminOptions:
 
 def add_admin_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
-        "--enable-sleep-mode",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="Allow POST /sleep?level=1|2 and /wake_up (vLLM's flag): level 1 moves the "
-        "weights to host memory and frees the KV cache, level 2 drops the weights too.",
-    )
-    group.add_argument(
         "--enable-weight-updates",
         action=argparse.BooleanOptionalAction,
         default=False,
