@@ -11,20 +11,24 @@ from pagedlm.config import MultiModalConfig, validate_positive
 MODALITIES = ("image",)
 
 
+def _json_object(name: str, value: dict[str, Any] | str, example: str) -> dict[str, Any]:
+    """``value``, or the JSON object it spells; ValueError naming ``name`` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} is not JSON ({exc}); pass e.g. '{example}'.") from None
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        raise ValueError(f"{name} must be a JSON object, e.g. '{example}'.")
+    return dict(value)
+
+
 def parse_limit_mm_per_prompt(value: dict[str, int] | str | None) -> dict[str, int]:
     """vLLM's ``limit_mm_per_prompt``: a dict or its JSON, e.g. '{"image": 2}'."""
     limits = dict(MultiModalConfig().limit_per_prompt)
     if value is None:
         return limits
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(
-                f"limit_mm_per_prompt is not JSON ({exc}); pass e.g. '{{\"image\": 2}}'."
-            ) from None
-    if not isinstance(value, dict):
-        raise ValueError("limit_mm_per_prompt must be a JSON object, e.g. '{\"image\": 2}'.")
+    value = _json_object("limit_mm_per_prompt", value, '{"image": 2}')
     for modality, limit in value.items():
         if modality not in MODALITIES:
             raise ValueError(
@@ -70,18 +74,7 @@ def parse_mm_processor_kwargs(value: dict[str, Any] | str | None) -> dict[str, A
     processor takes is checked where the processor is (``MultiModalProcessor``)."""
     if value is None:
         return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(
-                f"mm_processor_kwargs is not JSON ({exc}); pass e.g. '{{\"max_pixels\": 802816}}'."
-            ) from None
-    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
-        raise ValueError(
-            "mm_processor_kwargs must be a JSON object, e.g. '{\"max_pixels\": 802816}'."
-        )
-    return dict(value)
+    return _json_object("mm_processor_kwargs", value, '{"max_pixels": 802816}')
 
 
 def multimodal_config(args: Any) -> MultiModalConfig:
