@@ -36,6 +36,7 @@ import torch
 
 from pagedlm.config import EngineConfig
 from pagedlm.core.outputs import EngineCoreOutput
+from pagedlm.core.pause import CORE_PAUSE_MODES, aborted_outputs, check_mode
 from pagedlm.core.request import Request
 from pagedlm.core.scheduler import OneBudgetScheduler
 from pagedlm.core.scheduler_interface import Scheduler, SchedulerStats
@@ -122,6 +123,8 @@ class EngineCore:
         be added meanwhile)."""
         self.sleeping_tags: set[str] = set()
         """The parts asleep ("weights", "kv_cache"; ``wake_up(tags)`` wakes them)."""
+        self.paused = False
+        """``pause`` stopped scheduling until ``resume`` (``pagedlm.core.pause``)."""
 
     def add_request(self, request: Request) -> None:
         if self.sleeping_tags == {"kv_cache"}:
@@ -134,6 +137,8 @@ class EngineCore:
                 "The engine is asleep; call wake_up() (POST /wake_up on a server) before "
                 "adding requests."
             )
+        if self.paused:
+            raise ValueError("Generation is paused; resume_generation() before adding requests.")
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -151,9 +156,18 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.has_step_in_flight or self.scheduler.has_unfinished_requests()
 
+    def has_work(self) -> bool:
+        """Whether ``step()`` would do anything: collect a step in flight, or run requests
+        (none while paused)."""
+        return self.has_step_in_flight or (
+            not self.paused and self.scheduler.has_unfinished_requests()
+        )
+
     def step(self) -> list[EngineCoreOutput]:
         if self.sleep_level:
             return self._step_asleep()
+        if self.paused:
+            return self._drain()
         pipelined = self.max_concurrent_batches > 1
         outputs = self._step_with_batch_queue() if pipelined else self._step()
         self._publish_kv_events()
@@ -201,6 +215,14 @@ class EngineCore:
             )
         return []
 
+    def _drain(self) -> list[EngineCoreOutput]:
+        """Collect every step in flight, launching none."""
+        outputs = self._collect()
+        while self._batch_queue:
+            scheduler_output, result = self._batch_queue.popleft()
+            outputs += self.scheduler.update_from_output(scheduler_output, result.result())
+        return outputs
+
     def _collect(self) -> list[EngineCoreOutput]:
         """Wait for the step in flight, if any, and update the scheduler with it."""
         if self._in_flight is None:
@@ -217,6 +239,28 @@ class EngineCore:
         reset = self.scheduler.reset_prefix_cache()
         self._publish_kv_events()
         return reset
+
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> list[EngineCoreOutput]:
+        """Schedule nothing until ``resume`` (``pagedlm.core.pause``): collect the steps in
+        flight, then end every unfinished request with finish reason "abort" (``mode``
+        "abort") or keep them ("keep"); ``clear_cache`` forgets the cached prefixes, kept
+        requests preempted first. Returns the outputs of the collected steps and of the
+        aborted requests, for the front end."""
+        check_mode(mode, CORE_PAUSE_MODES)
+        outputs = self._drain()
+        if mode == "abort":
+            aborted = self.scheduler.abort_requests(self.scheduler.unfinished_request_ids())
+            outputs += aborted_outputs([request.request_id for request in aborted])
+        self.paused = True
+        if clear_cache:
+            if mode == "keep":
+                self.scheduler.preempt_running()
+            self.reset_prefix_cache()
+        return outputs
+
+    def resume(self) -> None:
+        """Schedule again after ``pause``: kept requests continue, new ones are admitted."""
+        self.paused = False
 
     def sleep(self, level: int) -> None:
         """Release device memory (``pagedlm.worker.sleep``). ValueError while requests
@@ -264,9 +308,11 @@ class EngineCore:
     ) -> None:
         """Replace the model's weights (``pagedlm.model_executor.loader.replacement``) from the
         checkpoint at ``model_path`` or from ``weights``. ValueError while requests are
-        unfinished, while the weights sleep (the KV cache may: ``wake_up(tags=["weights"])``,
-        update, then ``wake_up(tags=["kv_cache"])``), or for a checkpoint of another shape;
-        the cached prefixes are forgotten (their keys and values came from the old weights)."""
+        unfinished (paused, while kept requests hold KV: the model runner is built again,
+        so only requests without KV, waiting or preempted, may stay), while the weights
+        sleep (the KV cache may: ``wake_up(tags=["weights"])``, update, then
+        ``wake_up(tags=["kv_cache"])``), or for a checkpoint of another shape; the cached
+        prefixes are forgotten (their keys and values came from the old weights)."""
         if (model_path is None) == (weights is None):
             raise ValueError("Pass model_path or weights (one of them).")
         if "weights" in self.sleeping_tags:
@@ -274,11 +320,19 @@ class EngineCore:
                 "The weights are asleep; wake_up(tags=['weights']) (or wake_up()) before "
                 "updating them."
             )
-        if self.has_unfinished_requests():
+        if self.paused:
+            num = self.scheduler.make_stats().num_running_reqs
+            if num:
+                raise ValueError(
+                    f"Cannot update the weights while {num} kept requests hold KV cache; "
+                    "pause_generation(mode='keep') with clear_cache=True (they recompute it "
+                    "on resume), or mode='abort'."
+                )
+        elif self.has_unfinished_requests():
             num = self.scheduler.get_num_unfinished_requests()
             raise ValueError(
                 f"Cannot update the weights while {num} requests are unfinished; wait for "
-                "them (or abort them) first."
+                "them (or abort them, or pause_generation()) first."
             )
         if model_path is not None:
             check_replacement(self.config.model, model_path)

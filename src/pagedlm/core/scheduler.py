@@ -158,6 +158,8 @@ class OneBudgetScheduler(Scheduler):
         self.loras = LoRAGate(max_loras)
         self._finished_req_ids: set[str] = set()
         """Requests that ended since the last ``schedule()``; reported to the workers."""
+        self._preempted_req_ids: set[str] = set()
+        """Requests ``preempt_running`` preempted since the last ``schedule()``; likewise."""
         self.order = QueueOrder(scheduler_config.scheduling_policy)
         self.num_model_steps = 0
         """Non-empty steps scheduled so far."""
@@ -229,6 +231,17 @@ class OneBudgetScheduler(Scheduler):
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.requests)
+
+    def preempt_running(self) -> int:
+        num = len(self.running)
+        while self.running:  # from the back, so they wait in their running order
+            request = self.running.pop()
+            self._preempt(request)
+            self._preempted_req_ids.add(request.request_id)
+        return num
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_manager.reset_prefix_cache()
@@ -377,7 +390,8 @@ class OneBudgetScheduler(Scheduler):
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_req_ids,
-            preempted_req_ids={request.request_id for request in preempted},
+            preempted_req_ids={request.request_id for request in preempted}
+            | self._preempted_req_ids,
             structured_output_req_ids=constrained,
             num_drafts_to_propose=spec.to_propose,
             num_drafts_in_flight=spec.in_flight,
@@ -386,6 +400,7 @@ class OneBudgetScheduler(Scheduler):
             free_encoder_mm_hashes=freed_encoder_entries,
         )
         self._finished_req_ids = set()
+        self._preempted_req_ids = set()
         if num_scheduled:
             self.num_model_steps += 1
             if self.disjoint_steps:

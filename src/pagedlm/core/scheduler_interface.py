@@ -83,6 +83,16 @@ class Scheduler(ABC):
     @abstractmethod
     def get_num_unfinished_requests(self) -> int: ...
 
+    def unfinished_request_ids(self) -> list[str]:
+        """The ids of every waiting or running request (``pause_generation``'s abort)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list its requests")
+
+    def preempt_running(self) -> int:
+        """Preempt every running request (blocks freed, KV recomputed when it runs again;
+        the workers hear of it with the next ``schedule()``); only with no step in flight.
+        Returns how many (``pause_generation(mode="keep")`` clearing the cache)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot preempt its requests")
+
     @abstractmethod
     def make_stats(self) -> SchedulerStats: ...
 

@@ -23,12 +23,14 @@ import dataclasses
 import functools
 import itertools
 import logging
+import warnings
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pagedlm.beam_search import BeamSearchParams
 from pagedlm.config import EngineConfig
+from pagedlm.core.pause import PauseMode, check_mode
 from pagedlm.core.scheduler_interface import SchedulerStats
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.core_client import CoreClient
@@ -145,6 +147,12 @@ class AsyncLLM:
         self._shut_down = False
         self.sleep_level = 0
         """0 awake; else the level of the last successful ``sleep``."""
+        self._paused = False
+        """``pause_generation`` was called: ``_run`` holds new requests until resumed."""
+        self._resume_waiters: list[asyncio.Future] = []
+        """Requests held by a pause (``resume_generation`` releases them)."""
+        self._idle_waiters: list[asyncio.Future] = []
+        """``pause_generation(mode="wait")``, until no request is unfinished."""
 
     @classmethod
     def from_engine_args(
@@ -262,13 +270,21 @@ class AsyncLLM:
         assert pooler is not None
         async with contextlib.aclosing(self._run(processed)) as outputs:
             async for output in outputs:
-                assert isinstance(output, PoolingRequestOutput)
+                if not isinstance(output, PoolingRequestOutput):  # finished by "abort"
+                    raise RuntimeError(
+                        f"pooling request {request_id!r} was aborted (pause_generation) "
+                        "before its vector was computed; send it again."
+                    )
                 output.outputs.data = params.finish(output.outputs.data.tolist(), pooler)
                 yield output
 
     async def _run(self, processed: ProcessedRequest) -> AsyncIterator[Any]:
-        """Send a processed request to the core and stream its outputs (see ``generate``)."""
+        """Send a processed request to the core and stream its outputs (see ``generate``).
+        While generation is paused the request waits here, before anything is recorded."""
         request_id = processed.request_id
+        while self._paused:
+            self._check_alive()
+            await self._wait_on(self._resume_waiters)
         self._check_alive()
         self._check_unique(request_id)  # the same id may have started while we tokenized
         self.output_processor.add_request(
@@ -345,6 +361,7 @@ class AsyncLLM:
                 self._client.send(AbortRequests(child_ids))
             except EngineDeadError as error:
                 self._fail(error)
+        self._notify_if_idle()
 
     # ------------------------------------------------------------------------- health and stats
 
@@ -422,6 +439,74 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False while requests hold KV blocks."""
         return bool(await self._call("reset_prefix_cache", HEALTH_TIMEOUT_S))
+
+    async def pause_generation(
+        self,
+        *,
+        mode: PauseMode = "abort",
+        wait_for_inflight_requests: bool | None = None,
+        clear_cache: bool = True,
+    ) -> None:
+        """Pause generation for a weight update (vLLM's, ``pagedlm.core.pause``): new
+        requests wait, neither sent nor failed, until ``resume_generation``; in-flight ones
+        end now with finish reason "abort" (``mode="abort"``), finish first ("wait"), or
+        freeze until resumed ("keep"). ``clear_cache`` forgets the cached prefixes (kept
+        requests then recompute their KV on resume). Returns once paused; the aborted
+        requests' final outputs have reached their streams by then.
+        ``wait_for_inflight_requests=True`` is the deprecated spelling of ``mode="wait"``."""
+        if wait_for_inflight_requests:
+            warnings.warn(
+                "pause_generation(wait_for_inflight_requests=True) is deprecated; pass "
+                "mode='wait'.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            mode = "wait"
+        check_mode(mode)
+        self._check_alive()
+        self._ensure_output_task()
+        self._paused = True
+        if mode == "wait":
+            while self.output_processor.has_unfinished_requests():
+                await self._wait_on(self._idle_waiters)
+            if not self._paused:
+                return  # resume_generation() came while waiting
+        core_mode = "keep" if mode == "wait" else mode  # nothing is left to keep
+        await self._admin_call("pause", ADMIN_TIMEOUT_S, core_mode, int(clear_cache))
+
+    async def resume_generation(self) -> None:
+        """Undo ``pause_generation``: kept requests continue, waiting ones are sent."""
+        await self._admin_call("resume", ADMIN_TIMEOUT_S)
+        self._paused = False
+        self._release(self._resume_waiters)
+
+    async def is_paused(self) -> bool:
+        return self._paused
+
+    async def _wait_on(self, waiters: list[asyncio.Future]) -> None:
+        """Until ``_release(waiters)`` (or the engine dies: ``EngineDeadError``)."""
+        future = asyncio.get_running_loop().create_future()
+        waiters.append(future)
+        try:
+            await future
+        finally:
+            with contextlib.suppress(ValueError):
+                waiters.remove(future)
+
+    @staticmethod
+    def _release(waiters: list[asyncio.Future], error: BaseException | None = None) -> None:
+        for future in list(waiters):
+            if not future.done():
+                with contextlib.suppress(RuntimeError):  # its event loop is already closed
+                    if error is None:
+                        future.set_result(None)
+                    else:
+                        future.set_exception(error)
+        waiters.clear()
+
+    def _notify_if_idle(self) -> None:
+        if self._idle_waiters and not self.output_processor.has_unfinished_requests():
+            self._release(self._idle_waiters)
 
     async def sleep(self, level: int = 1) -> None:
         """Release device memory (level 1: weights to host memory; level 2: dropped) until
@@ -596,6 +681,7 @@ class AsyncLLM:
             self.metrics.forget_request(message.parent_id, rejected=True)
             if stream is not None:
                 stream.put(ValueError(message.message))
+            self._notify_if_idle()
         elif isinstance(message, Heartbeat):
             self._liveness.record(message)
         elif isinstance(message, CoreFailed):
@@ -616,6 +702,7 @@ class AsyncLLM:
             stream = self._streams.get(output.request_id)
             if stream is not None:
                 stream.put(output)
+        self._notify_if_idle()
 
     def _fail(self, error: EngineDeadError) -> None:
         """Mark the engine dead and wake every waiter with ``error`` (first error wins)."""
@@ -631,6 +718,8 @@ class AsyncLLM:
                 with contextlib.suppress(RuntimeError):  # its event loop is already closed
                     future.set_exception(error)
         self._calls.clear()
+        self._release(self._resume_waiters, error)
+        self._release(self._idle_waiters, error)
         for future in self._death_waiters:
             if not future.done():
                 with contextlib.suppress(RuntimeError):

@@ -5,8 +5,9 @@ with a ``CoreStart`` (the ``EngineArgs``, the log level) as JSON on stdin, which
 after its imports (so it can be started before the front end knows them: ``core_launch``).
 The loop:
 
-- idle (no unfinished requests): block on the input socket, waking every second to
-  check that the parent is still alive (an orphaned core exits on its own);
+- idle (no unfinished requests, or paused: ``pagedlm.core.pause``): block on the input
+  socket, waking every second to check that the parent is still alive (an orphaned core
+  exits on its own);
 - busy: drain every pending input message without blocking, then run one step and send
   its outputs, with the scheduler's stats, as one ``CoreOutputs`` message.
 
@@ -99,10 +100,10 @@ class EngineCoreProc:
     def run(self) -> None:
         """Loop until ``Shutdown`` arrives or the parent goes away."""
         while True:
-            busy = self.core.has_unfinished_requests()
+            busy = self.core.has_work()  # a paused core waits for input, as an idle one
             if not self.handle_inputs(block=not busy):
                 return
-            if self.core.has_unfinished_requests() or self.flush_pending:
+            if self.core.has_work() or self.flush_pending:
                 # After an abort the stats change even when the step has no outputs; send
                 # them so the front end's metrics never show freed requests as running.
                 send_stats = self.flush_pending
@@ -110,11 +111,8 @@ class EngineCoreProc:
                 self.watch.start(self.work.step_tokens())
                 outputs = self.core.step()
                 self.watch.finish()
-                self.work.update(outputs)
-                outputs = self.reject_failed_grammars(outputs)
-                if outputs or send_stats:
-                    self.send(CoreOutputs(outputs, self.core.make_stats()))
-                if not outputs and self.core.has_unfinished_requests():
+                self.send_outputs(outputs, send_stats)
+                if not outputs and self.core.has_work():
                     # A step without outputs is a prefill chunk or one where nothing could
                     # run (a request waiting for its grammar): yield briefly to new input
                     # instead of spinning.
@@ -122,6 +120,12 @@ class EngineCoreProc:
             if os.getppid() != self.parent_pid:
                 logger.warning("engine core: the front-end process is gone; exiting")
                 return
+
+    def send_outputs(self, outputs: list[EngineCoreOutput], send_stats: bool = False) -> None:
+        self.work.update(outputs)
+        outputs = self.reject_failed_grammars(outputs)
+        if outputs or send_stats:
+            self.send(CoreOutputs(outputs, self.core.make_stats()))
 
     def handle_inputs(self, block: bool) -> bool:
         """Handle every pending message (waiting for one first if ``block``); False on
@@ -224,6 +228,13 @@ def _wake_up(proc: EngineCoreProc, *tags: str) -> bool:
     return bool(proc.core.sleep_level)
 
 
+def _pause(proc: EngineCoreProc, mode: str, clear_cache: int) -> None:
+    """``pagedlm.core.pause``; the outputs of the collected steps and aborted requests go
+    out before the answer, so the front end's streams have ended when its call returns."""
+    outputs = proc.core.pause(str(mode), bool(clear_cache))
+    proc.send_outputs(outputs, send_stats=True)  # workers free them with the next step
+
+
 def _update_weights_from_disk(proc: EngineCoreProc, model_path: str) -> None:
     proc.core.update_weights(model_path=str(model_path))
 
@@ -246,6 +257,8 @@ def _stop_profile(proc: EngineCoreProc) -> None:
 
 ADMIN_CALLS: dict[str, Callable[..., bool | list[int] | None]] = {
     "reset_prefix_cache": lambda proc: proc.core.reset_prefix_cache(),
+    "pause": _pause,
+    "resume": lambda proc: proc.core.resume(),
     "sleep": _sleep,
     "wake_up": _wake_up,
     "update_weights_from_disk": _update_weights_from_disk,

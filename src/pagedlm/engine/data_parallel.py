@@ -125,15 +125,35 @@ class DataParallelEngineCore:
     def has_unfinished_requests(self) -> bool:
         return any(core.has_unfinished_requests() for core in self.replicas)
 
+    def has_work(self) -> bool:
+        return any(core.has_work() for core in self.replicas)
+
     def step(self) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         for core in self.replicas:
-            if core.has_unfinished_requests():
+            if core.has_work():
                 outputs += core.step()
+        return self._forget_finished(outputs)
+
+    def _forget_finished(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         for output in outputs:
             if output.finished:
                 self._owner.pop(output.req_id, None)
         return outputs
+
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for core in self.replicas:  # the first refuses a bad mode before any replica pauses
+            outputs += core.pause(mode, clear_cache)
+        return self._forget_finished(outputs)
+
+    def resume(self) -> None:
+        for core in self.replicas:
+            core.resume()
+
+    @property
+    def paused(self) -> bool:
+        return self.replicas[0].paused
 
     def make_stats(self) -> SchedulerStats:
         return sum_stats([core.make_stats() for core in self.replicas])

@@ -115,12 +115,12 @@ class UtilityCall(msgspec.Struct, tag=True):
     call_id: int
     method: str
     """"ping" (liveness), "get_stats" (a fresh ``SchedulerStats``), or an admin call:
-    "reset_prefix_cache", "sleep" (``args``: [level]), "wake_up" (``args``: its tags,
-    none for all),
+    "reset_prefix_cache", "pause" (``args``: [mode, clear_cache as 0/1]), "resume",
+    "sleep" (``args``: [level]), "wake_up" (``args``: its tags, none for all),
     "update_weights_from_disk" (``args``: [model_path]), "add_lora" (``args``: [name,
     id, path]), "remove_lora" / "pin_lora" (``args``: [id]), "list_loras",
-    "start_profile" (``args``:
-    [directory]), "stop_profile"; or "collective_rpc" (``payload``)."""
+    "start_profile" (``args``: [directory]), "stop_profile"; or "collective_rpc"
+    (``payload``)."""
     args: list[int | str] = []
     payload: bytes = b""
     """"collective_rpc": the call, as ``pagedlm.worker.rpc_codec.encode_call`` wrote it."""
