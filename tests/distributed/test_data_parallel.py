@@ -1,5 +1,6 @@
 """Data parallelism behind one LLM: two replicas (each its own scheduler, KV cache and
-worker) share the requests by load, give one engine's tokens, and route aborts."""
+worker) share the requests by load, give one engine's tokens, route aborts, and pause
+together."""
 
 from __future__ import annotations
 
@@ -51,4 +52,24 @@ def test_requests_spread_and_aborts_reach_their_replica(dp_llm) -> None:
     assert engine.get_metrics()[1].value == 6  # waiting, summed over the replicas
     engine.abort_request([f"dp-{i}" for i in range(6)])
     assert all(not r.scheduler.has_unfinished_requests() for r in core.replicas)
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_pause_reaches_every_replica(dp_llm) -> None:
+    engine = dp_llm.llm_engine
+    core = engine.engine_core
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    ids = [f"pause-{i}" for i in range(4)]
+    for request_id in ids:
+        engine.add_request(request_id, {"prompt_token_ids": [3, 4, 5]}, params)
+    engine.step()
+    outputs = core.pause("abort")
+    assert sorted(o.req_id for o in outputs if o.finish_reason == "abort") == ids
+    assert all(replica.paused for replica in core.replicas) and not core.has_work()
+    assert all(core.owner_of(request_id) is None for request_id in ids)
+    with pytest.raises(ValueError, match="paused"):
+        engine.add_request("late", {"prompt_token_ids": [3]}, params)
+    engine.output_processor.process_outputs(outputs)
+    core.resume()
+    assert not any(replica.paused for replica in core.replicas)
     assert not engine.has_unfinished_requests()
