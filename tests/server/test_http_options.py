@@ -163,7 +163,7 @@ def test_load_counts_requests_in_flight_only_when_tracked(chat_checkpoint):
         release = threading.Event()
         generate = engine.generate
 
-        async def held(*args, **kwargs):
+        async def held(*args, generate=generate, release=release, **kwargs):
             async for output in generate(*args, **kwargs):
                 yield output
                 # after the first output the stream stays open until released

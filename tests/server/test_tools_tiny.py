@@ -87,9 +87,7 @@ TOOLS_TEMPLATE = (
 
 
 @pytest.mark.parametrize("exclude", [False, True])
-def test_tool_choice_none_shows_the_tools_to_the_template_unless_excluded(
-    chat_checkpoint, exclude
-):
+def test_tool_choice_none_shows_the_tools_to_the_template_unless_excluded(chat_checkpoint, exclude):
     from fake_engine import FakeEngine, fake_context
     from starlette.testclient import TestClient
 
