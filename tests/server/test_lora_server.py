@@ -94,3 +94,33 @@ def test_runtime_updating_is_off_without_the_flags(tiny_server, chat_checkpoint)
     )
     assert response.status_code == 404
     assert "--enable-lora --allow-runtime-lora-updating" in response.json()["error"]["message"]
+
+
+def test_unloading_an_adapter_drops_it_from_the_workers(chat_checkpoint, tmp_path):
+    """vLLM's unload route removes the adapter from the engine too, not only its name."""
+    import asyncio
+
+    from server_utils import in_process_app
+
+    from pagedlm.entrypoints.openai.serving_lora import LoRARegistry
+
+    make_adapter(chat_checkpoint, tmp_path / "a", LLAMA_MODULES, rank=8, std=0.3)
+    registry = LoRARegistry("tiny", enabled=True, runtime_updating=True)
+    engine, app = in_process_app(chat_checkpoint, enable_lora=True, max_lora_rank=8,
+                                 num_kv_blocks=64, loras=registry)  # fmt: skip
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            body = {"lora_name": "a", "lora_path": str(tmp_path / "a")}
+            assert (await http.post("/v1/load_lora_adapter", json=body)).status_code == 200
+            loaded = await engine.list_loras()
+            unloaded = await http.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
+            assert unloaded.status_code == 200
+            return loaded, await engine.list_loras()
+
+    try:
+        loaded, after = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert len(loaded) == 1 and after == set()

@@ -432,7 +432,9 @@ def _add_lora_routes(app: FastAPI, ctx: ServingContext) -> None:
     @_body_route(app, ctx, "/v1/unload_lora_adapter", UnloadLoRAAdapterRequest, anthropic=False)
     async def unload_lora_adapter(request: Request, body: UnloadLoRAAdapterRequest) -> Response:
         loras.require_runtime_updating()
-        loras.unload(body.lora_name, body.lora_int_id)
+        lora = loras.unload(body.lora_name, body.lora_int_id)
+        if lora.lora_int_id not in {other.lora_int_id for other in loras.adapters.values()}:
+            await ctx.engine.remove_lora(lora.lora_int_id)  # out of the workers' memory too
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 

@@ -103,13 +103,15 @@ class LoRARegistry:
         self.adapters[name] = lora
         return lora
 
-    def unload(self, name: str, lora_int_id: int | None = None) -> None:
+    def unload(self, name: str, lora_int_id: int | None = None) -> LoRARequest:
+        """Forget ``name``; the adapter it named (which the engine may now drop too)."""
         lora = self.adapters.get(name)
         if not name or lora is None or lora_int_id not in (None, lora.lora_int_id):
             raise APIError(
                 f"The lora adapter '{name}' cannot be found.", status=404, param="lora_name"
             )
         del self.adapters[name]
+        return lora
 
     def require_runtime_updating(self) -> None:
         if not (self.enabled and self.runtime_updating):
