@@ -148,8 +148,13 @@ def test_an_embedding_model_scores_by_cosine_similarity(tmp_path):
             assert output.prompt_token_ids == tokenizer.encode(QUERY) + tokenizer.encode(document)
         with pytest.raises(ValueError, match="does not classify"):
             llm.classify(TEXTS)
-        with pytest.raises(ValueError, match="use_activation applies to classification"):
-            llm.embed(TEXTS, pooling_params=PoolingParams(use_activation=False))
+        # vLLM's newer name for normalize: use_activation=False gives the raw vector.
+        [raw] = llm.embed(TEXTS[:1], pooling_params=PoolingParams(use_activation=False))
+        [unnormalized] = llm.embed(TEXTS[:1], pooling_params=PoolingParams(normalize=False))
+        assert raw.outputs.embedding == unnormalized.outputs.embedding
+        assert abs(torch.tensor(raw.outputs.embedding).norm().item() - 1.0) > 1e-3
+        with pytest.raises(ValueError, match="disagree"):
+            llm.embed(TEXTS, pooling_params=PoolingParams(use_activation=False, normalize=True))
     finally:
         llm.llm_engine.shutdown()
 

@@ -14,8 +14,8 @@ from pagedlm.sampling_params import check_truncate_prompt_tokens
 @dataclass(frozen=True)
 class PoolingParams:
     """Embedding models: ``dimensions``, keep the first this many values (Matryoshka
-    models only), then normalize; ``normalize``, L2-normalize (None: the model's pooler
-    config decides). Classifiers: ``use_activation``, turn the logits into probabilities
+    models only), then normalize; ``normalize`` (or ``use_activation``, vLLM's newer name
+    for it), L2-normalize (None: the model's pooler config decides). Classifiers: ``use_activation``, turn the logits into probabilities
     or scores with the model's activation (None: yes; False: the raw logits). Both:
     ``truncate_prompt_tokens``, at most this many prompt tokens (-1: ``max_model_len``),
     a text cut by its tokenizer (which keeps the special tokens), token ids from the left."""
@@ -37,10 +37,13 @@ class PoolingParams:
                         "use_activation=False for the raw logits."
                     )
             return
-        if self.use_activation is not None:
+        if None not in (self.use_activation, self.normalize) and (
+            self.use_activation != self.normalize
+        ):
             raise ValueError(
-                "use_activation applies to classification models; this one embeds. Omit "
-                "it (normalize chooses whether embeddings are L2-normalized)."
+                f"use_activation={self.use_activation} and normalize={self.normalize} "
+                "disagree; for an embedding model both say whether it is L2-normalized "
+                "(vLLM's newer and older names): pass one."
             )
         dims = self.dimensions
         if dims is None:
@@ -75,5 +78,6 @@ class PoolingParams:
             return vector.sigmoid() if pooler.activation == "sigmoid" else vector.softmax(-1)
         if self.dimensions is not None:
             vector = vector[: self.dimensions]
-        normalize = pooler.normalize if self.normalize is None else self.normalize
+        asked = self.normalize if self.normalize is not None else self.use_activation
+        normalize = pooler.normalize if asked is None else asked
         return F.normalize(vector, p=2, dim=-1) if normalize else vector
