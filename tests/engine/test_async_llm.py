@@ -188,6 +188,11 @@ def test_abort_paths_free_the_kv_cache(engine):
         assert not first.finished
         await engine.abort("explicit")
         assert [out async for out in explicit] == []
+        # 1b. several at once, as vLLM's abort takes them.
+        (one, _), (two, _) = [await first_output(name) for name in ("one", "two")]
+        await engine.abort(["one", "two", "unknown"])
+        for stream in (one, two):  # outputs queued before the abort, then the end
+            assert not any([out.finished async for out in stream])
         # 2. the consumer closes the iterator (a client disconnecting).
         closed, _ = await first_output("closed")
         await closed.aclose()

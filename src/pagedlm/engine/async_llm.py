@@ -24,7 +24,7 @@ import functools
 import itertools
 import logging
 import warnings
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -346,12 +346,15 @@ class AsyncLLM:
             return process()
         return await asyncio.get_running_loop().run_in_executor(self._input_pool, process)
 
-    async def abort(self, request_id: str) -> None:
-        """Stop a request; its ``generate`` iterator ends. Unknown ids are ignored."""
-        self._abort_now(request_id)
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put(None)
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Stop a request (or several, vLLM's form); each one's ``generate`` iterator
+        ends. Unknown ids are ignored."""
+        request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for one in request_ids:
+            self._abort_now(one)
+            stream = self._streams.get(one)
+            if stream is not None:
+                stream.put(None)
 
     def _abort_now(self, request_id: str) -> None:
         self.metrics.forget_request(request_id)
