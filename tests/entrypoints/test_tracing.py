@@ -143,8 +143,8 @@ def test_bad_endpoint_names_the_fix():
 def test_off_imports_nothing_of_opentelemetry_sdk():
     code = (
         "import argparse, sys\n"
-        "from pagedlm.entrypoints.openai import api_server, app\n"
-        "args = api_server.add_server_args(argparse.ArgumentParser()).parse_args([])\n"
+        "from pagedlm.entrypoints.openai import api_server, app, server_args\n"
+        "args = server_args.add_server_args(argparse.ArgumentParser()).parse_args([])\n"
         "assert args.otlp_traces_endpoint is None\n"
         "assert api_server._tracer_provider(args.otlp_traces_endpoint) is None\n"
         "loaded = [m for m in sys.modules if m.startswith('opentelemetry.sdk') "

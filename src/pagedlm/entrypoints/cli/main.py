@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedlm.engine.cli_args import add_engine_args
     from pagedlm.entrypoints.cli import bench, interactive
     from pagedlm.entrypoints.cli.config_file import add_config_arg
-    from pagedlm.entrypoints.openai.api_server import add_server_args, add_serving_args
+    from pagedlm.entrypoints.openai.server_args import add_server_args, add_serving_args
 
     parser = argparse.ArgumentParser(
         prog="pagedlm", description="pagedlm: LLM inference and an OpenAI-compatible server."

@@ -110,13 +110,9 @@ def run_batch(args: argparse.Namespace) -> None:
     """``pagedlm run-batch``: start the engine, run the file, write the results, stop."""
     from pagedlm.engine.async_llm import AsyncLLM
     from pagedlm.engine.cli_args import engine_args_from_cli
-    from pagedlm.entrypoints.openai.api_server import (
-        DEFAULT_MODEL_NAME,
-        check_serving_args,
-        read_chat_template,
-        serving_context,
-    )
+    from pagedlm.entrypoints.openai.api_server import DEFAULT_MODEL_NAME, serving_context
     from pagedlm.entrypoints.openai.app import build_app
+    from pagedlm.entrypoints.openai.server_args import check_serving_args, read_chat_template
     from pagedlm.logging_config import configure_logging
 
     if args.max_concurrency < 1:
