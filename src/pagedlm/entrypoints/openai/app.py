@@ -476,7 +476,7 @@ def build_app(
                 if task is not None:
                     task.cancel()
             if ctx.tokenizer is not None:
-                ctx.chat_templates().close()
+                await ctx.chat_templates().close()
             ctx.engine.shutdown()
 
     from pagedlm import __version__

@@ -65,9 +65,9 @@ class ChatTemplateRenderer:
         if self.trust_request_templates:
             self._get_sandbox().start()
 
-    def close(self) -> None:
+    async def close(self) -> None:
         if self._sandbox is not None:
-            self._sandbox.shutdown()
+            await self._sandbox.shutdown()
 
     async def render(
         self,

@@ -166,12 +166,18 @@ class TemplateSandbox:
         if self._idle is not None:
             self.start()  # a replacement, so the next request does not wait for one
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
+        """Kill every worker and wait for each to exit, so that their pipes close on this
+        event loop (not at some later garbage collection, when it is gone)."""
         self._closed = True
         for task in self._spawning:
             task.cancel()
-        for worker in list(self._workers):
+        workers = list(self._workers)
+        for worker in workers:
             self._discard(worker)
+        for worker in workers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(worker.process.wait(), STARTUP_TIMEOUT_S)
 
 
 # ----------------------------------------------------------------------------- the worker
