@@ -357,7 +357,8 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
         return Response(status_code=200)
 
     # SageMaker's health check, as vLLM serves it: /health under another name.
-    app.add_api_route("/ping", health, methods=["GET", "POST"])
+    app.get("/ping")(health)
+    app.post("/ping")(health)
 
     @app.get("/ready")
     async def ready() -> Response:
