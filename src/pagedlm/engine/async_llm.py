@@ -716,10 +716,7 @@ class AsyncLLM:
             logger.error("%s", error)
         for stream in self._streams.values():
             stream.put(error)
-        for future in self._calls.values():
-            if not future.done():
-                with contextlib.suppress(RuntimeError):  # its event loop is already closed
-                    future.set_exception(error)
+        self._release(list(self._calls.values()), error)
         self._calls.clear()
         self._release(self._resume_waiters, error)
         self._release(self._idle_waiters, error)
