@@ -1,10 +1,10 @@
 """Admin endpoints on a real server: prefix-cache reset, sleep levels 1 and 2 (requests
-answered 503 meanwhile, woken at once or by tags, the same greedy tokens after waking), and
-the profiler; and the
-switches off (in process, over FakeEngine)."""
+answered 503 meanwhile, woken at once or by tags, the same greedy tokens after waking),
+pause and resume, and the profiler; and the switches off (in process, over FakeEngine)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -26,6 +26,7 @@ def server(chat_checkpoint, tmp_path_factory):
         chat_checkpoint,
         tmp_path_factory.mktemp("logs") / "server.log",
         "--enable-sleep-mode",
+        "--enable-weight-updates",
         "--profiler-dir",
         str(profiles),
     )
@@ -116,3 +117,65 @@ def test_switches_off(chat_checkpoint):
         assert client.get("/is_sleeping").json() == {"is_sleeping": False}
         assert client.post("/start_profile").status_code == 404
         assert client.post("/stop_profile").status_code == 404
+
+
+def test_pause_and_resume_over_http(server):
+    """vLLM's /pause, /resume, /is_paused: an in-flight stream ends with "abort", a request
+    sent while paused waits and completes after /resume; a bad mode is a 400."""
+    import json
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    url = server.url
+    long = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    started = threading.Event()
+
+    def stream_reasons() -> list:
+        reasons = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=long, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+                    reasons.append(json.loads(line[6:])["choices"][0]["finish_reason"])
+        return reasons
+
+    with ThreadPoolExecutor(2) as pool:
+        streaming = pool.submit(stream_reasons)
+        assert started.wait(60)
+        assert httpx.post(f"{url}/pause", params={"mode": "later"}).status_code == 400
+        assert httpx.get(f"{url}/is_paused").json() == {"is_paused": False}
+        paused = httpx.post(f"{url}/pause", timeout=60)
+        assert paused.status_code == 200 and paused.json() == {"status": "paused"}
+        reasons = streaming.result(60)
+        assert reasons[-1] == "abort" and len(reasons) < 400
+        assert httpx.get(f"{url}/is_paused").json() == {"is_paused": True}
+        waiting = pool.submit(complete, url)
+        time.sleep(0.5)
+        assert not waiting.done()  # held in the front end, neither sent nor failed
+        assert httpx.post(f"{url}/resume", timeout=60).json() == {"status": "resumed"}
+        done = waiting.result(60)
+        assert done.status_code == 200
+        assert done.json()["choices"][0]["finish_reason"] == "length"
+        assert httpx.get(f"{url}/is_paused").json() == {"is_paused": False}
+
+
+def test_pause_routes_need_weight_updates_or_dev_mode(chat_checkpoint, monkeypatch):
+    import argparse
+
+    from pagedlm.entrypoints.openai.admin import AdminOptions
+
+    args = argparse.Namespace(
+        enable_sleep_mode=False, profiler_dir=None, enable_weight_updates=False
+    )
+    assert AdminOptions.from_args(args).dev_mode is False
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    assert AdminOptions.from_args(args).dev_mode is True
+
+    from starlette.testclient import TestClient
+
+    engine = FakeEngine(chat_checkpoint)
+    ctx = ServingContext(engine=engine, model_names=["tiny"], metrics=PrometheusMetrics("tiny"))
+    with TestClient(build_app(ctx)) as client:
+        assert client.post("/pause").status_code == 404
+        assert client.get("/is_paused").status_code == 404

@@ -16,6 +16,12 @@
   its weights; needs ``--enable-weight-updates`` (a 400 naming it otherwise). Refused
   (400, saying why) while requests run, while asleep, or for another shape; answers
   ``{"success": true, "message": ...}``.
+- ``POST /pause?mode=abort|wait|keep&clear_cache=true``, ``POST /resume``,
+  ``GET /is_paused``: ``AsyncLLM.pause_generation`` and its peers over HTTP (vLLM's routes,
+  for a trainer that updates the weights between rollouts). New requests wait while
+  paused. They exist with ``--enable-weight-updates`` or vLLM's ``VLLM_SERVER_DEV_MODE=1``
+  (``PAGEDLM_SERVER_DEV_MODE=1``), and are absent (404) otherwise, as in vLLM; a bad mode
+  is a 400.
 - ``POST /start_profile``, ``POST /stop_profile``: a torch profiler in the engine core,
   whose trace lands in ``--profiler-dir``; without that flag the routes do not exist (404),
   as in vLLM without ``VLLM_TORCH_PROFILER_DIR``.
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -64,15 +71,22 @@ MODEL_ROUTES = (
 SLEEPING_MESSAGE = "The model is sleeping (POST /sleep); POST /wake_up first."
 
 
+DEV_MODE_ENVS = ("PAGEDLM_SERVER_DEV_MODE", "VLLM_SERVER_DEV_MODE")
+
+
 @dataclass(frozen=True)
 class AdminOptions:
     enable_sleep_mode: bool = False
     profiler_dir: str | None = None
     enable_weight_updates: bool = False
+    dev_mode: bool = False
+    """vLLM's ``VLLM_SERVER_DEV_MODE``: the routes of a training loop without
+    ``--enable-weight-updates`` (today: pause and resume)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> AdminOptions:
-        return cls(args.enable_sleep_mode, args.profiler_dir, args.enable_weight_updates)
+        dev_mode = any(os.environ.get(name, "0").lower() in ("1", "true") for name in DEV_MODE_ENVS)
+        return cls(args.enable_sleep_mode, args.profiler_dir, args.enable_weight_updates, dev_mode)
 
 
 def add_admin_args(group: argparse._ArgumentGroup) -> None:
@@ -142,6 +156,8 @@ def install_admin_routes(app: FastAPI, engine: Any, options: AdminOptions) -> No
 
     _install_sleep_routes(app, engine, options)
     _install_weight_routes(app, engine, options)
+    if options.enable_weight_updates or options.dev_mode:
+        _install_pause_routes(app, engine)
     if options.profiler_dir is not None:
         _install_profiler_routes(app, engine, options.profiler_dir)
 
@@ -203,6 +219,37 @@ def _install_weight_routes(app: FastAPI, engine: Any, options: AdminOptions) -> 
             return JSONResponse({"success": True, "message": message})
 
         return await _answer(update(), refused_status=400)
+
+
+def _install_pause_routes(app: FastAPI, engine: Any) -> None:
+    @app.post("/pause")
+    async def pause(
+        mode: str = "abort", wait_for_inflight_requests: bool = False, clear_cache: bool = True
+    ) -> Response:
+        async def pause() -> Response:
+            await _timed(
+                "pause",
+                engine.pause_generation(
+                    mode=mode,
+                    wait_for_inflight_requests=wait_for_inflight_requests or None,
+                    clear_cache=clear_cache,
+                ),
+            )
+            return JSONResponse({"status": "paused"})
+
+        return await _answer(pause(), refused_status=400)
+
+    @app.post("/resume")
+    async def resume() -> Response:
+        async def resume() -> Response:
+            await _timed("resume", engine.resume_generation())
+            return JSONResponse({"status": "resumed"})
+
+        return await _answer(resume())
+
+    @app.get("/is_paused")
+    async def is_paused() -> JSONResponse:
+        return JSONResponse({"is_paused": await engine.is_paused()})
 
 
 def _install_profiler_routes(app: FastAPI, engine: Any, directory: str) -> None:
