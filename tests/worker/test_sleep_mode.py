@@ -1,7 +1,8 @@
 """Sleep mode through ``LLM`` on CPU: levels 1 and 2 free the KV cache (level 2 the model
 runner), wake_up gives the same greedy tokens, and busy or sleeping engines refuse what
 they cannot do; ``wake_up(tags)`` wakes the weights, then the KV cache;
-``LLM.reset_prefix_cache``. The benchmark module runs on a tiny
+``LLM.reset_prefix_cache``; a speculative proposer's KV cache and weights sleep with the
+target's. The benchmark module runs on a tiny
 checkpoint."""
 
 from __future__ import annotations
@@ -131,3 +132,34 @@ def test_sleep_needs_enable_sleep_mode_as_in_vllm(tiny_checkpoint):
         llm.sleep(1)
     assert llm.llm_engine.engine_core.sleep_level == 0
     llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_sleep_drops_the_proposers_kv_cache_and_offloads_its_weights(tmp_path, method):
+    """A speculative proposer's KV cache (and its graphs) sleep with the target's, and its
+    weights are offloaded with the target's; the woken engine drafts as before."""
+    from spec_decode.tiny_heads import write_eagle, write_llama
+
+    target = write_llama(tmp_path / "target", num_layers=2, seed=0)
+    if method == "eagle":
+        spec = {"method": "eagle", "model": str(write_eagle(tmp_path / "eagle"))}
+    else:
+        draft = write_llama(tmp_path / "draft", num_layers=1, seed=3)
+        spec = {"method": "draft_model", "model": str(draft)}
+    llm = LLM(
+        str(target), skip_tokenizer_init=True, num_kv_blocks=32, enable_sleep_mode=True,
+        speculative_config={**spec, "num_speculative_tokens": 2},
+    )  # fmt: skip
+    try:
+        runner = llm.llm_engine.engine_core.executor.worker.model_runner
+        proposer = runner.speculator.proposer
+        own = proposer.model if method == "draft_model" else proposer.head
+        assert any(module is own for module in runner.weight_modules())
+        expected = tokens(llm)
+        llm.sleep(1)
+        assert proposer.kv_cache is None and runner.kv_cache is None
+        llm.wake_up()
+        assert proposer.kv_cache is not None
+        assert tokens(llm) == expected
+    finally:
+        llm.llm_engine.shutdown()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+from torch import nn
 
 from pagedlm.attention.backend import BatchLayout
 from pagedlm.config import ModelConfig
@@ -50,6 +51,13 @@ class DraftModelProposer(ModelDrafter):
                 config=runner.config,  # type: ignore[attr-defined]
             )
         )
+
+    def release_kv_cache(self) -> None:
+        super().release_kv_cache()
+        self.observe_graphs = None
+
+    def weight_modules(self) -> list[nn.Module]:
+        return [self.model]
 
     def observe(self, step: SampledStep) -> None:
         inputs = step.inputs

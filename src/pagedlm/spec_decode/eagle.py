@@ -85,6 +85,9 @@ class EagleProposer(ModelDrafter):
         if self.eagle3:
             self._capture_aux_hidden(layers, arch.raw, target)
 
+    def weight_modules(self) -> list[nn.Module]:
+        return [self.head, self.embed]  # the embedding may be the target's own
+
     def _capture_aux_hidden(self, layers: nn.ModuleList, raw: dict, target: TargetParts) -> None:
         """Hooks copying the hidden states entering three target layers into ``aux``."""
         num_layers = len(layers)

@@ -109,6 +109,10 @@ class ModelDrafter(Proposer):
     def initialize_kv_cache(self, num_blocks: int, allocate: Allocate) -> None:
         self.kv_cache = allocate(num_blocks, *self.kv_shape)  # type: ignore[assignment]
 
+    def release_kv_cache(self) -> None:
+        self.kv_cache = None
+        self.graphs = None
+
     def context(self, layout: BatchLayout) -> ForwardContext:
         assert self.kv_cache is not None, "initialize_kv_cache must run first"
         return ForwardContext(

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
 from pagedlm.step import NewRequestData
 from pagedlm.worker.input_batch import InputBatch
@@ -97,6 +98,15 @@ class Proposer(ABC):
     def capture_graphs(self, runner: object) -> None:  # noqa: B027
         """Capture its forwards as graphs, where the platform replays graphs; ``runner``
         is the model runner (its ``config`` and persistent ``step_inputs``)."""
+
+    def release_kv_cache(self) -> None:  # noqa: B027
+        """Drop its own KV cache and the graphs that point into it (sleep mode);
+        ``initialize_kv_cache`` and ``capture_graphs`` make them again."""
+
+    def weight_modules(self) -> list[nn.Module]:
+        """The modules whose weights it holds besides the target's (sleep mode moves them
+        to host memory with the target's; a tensor shared with the target moves once)."""
+        return []
 
     def admit(self, data: NewRequestData, slot: int) -> None:  # noqa: B027
         """A request (re)admitted into ``slot``."""

@@ -264,6 +264,17 @@ class ModelRunner:
             first_layer=first_layer,
         )
 
+    def release_kv_cache(self) -> None:
+        """Drop the KV caches (the target's and a proposer's) and the graphs that point
+        into them (sleep mode); ``initialize_kv_cache`` makes them again."""
+        self.kv_cache = None
+        self.graph_runner = None
+        self.speculator.release_kv_cache()
+
+    def weight_modules(self) -> list[torch.nn.Module]:
+        """Every module whose weights this runner holds: the model's, a proposer's."""
+        return [self.model, *self.speculator.weight_modules()]
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = self._allocate_kv_cache(num_blocks)
         self.speculator.initialize_kv_cache(num_blocks, self._allocate)

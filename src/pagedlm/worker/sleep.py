@@ -51,10 +51,13 @@ class OffloadedWeights:
     """(the model's tensor, its host copy)."""
 
     @classmethod
-    def offload(cls, model: nn.Module, pin_memory: bool) -> OffloadedWeights:
+    def offload(cls, modules: Iterable[nn.Module], pin_memory: bool) -> OffloadedWeights:
+        """``modules``: the model and a speculative proposer's modules; a tensor they share
+        is copied once."""
         tensors = []
         seen: set[int] = set()
-        for tensor in [*model.parameters(), *model.buffers()]:
+        every = [t for module in modules for t in (*module.parameters(), *module.buffers())]
+        for tensor in every:
             if id(tensor) in seen or tensor.device == HOST:
                 continue
             seen.add(id(tensor))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
 from pagedlm.config import EngineConfig
 from pagedlm.sample.host_copy import arrays_to_device
@@ -86,6 +87,13 @@ class Speculator:
         """Let the proposer capture its forwards (the platform replays graphs)."""
         if self.proposer is not None:
             self.proposer.capture_graphs(runner)
+
+    def release_kv_cache(self) -> None:
+        if self.proposer is not None:
+            self.proposer.release_kv_cache()
+
+    def weight_modules(self) -> list[nn.Module]:
+        return [] if self.proposer is None else self.proposer.weight_modules()
 
     def admit(self, scheduler_output: SchedulerOutput) -> None:
         """Requests (re)admitted this step hold no drafts yet."""

@@ -171,10 +171,11 @@ class Worker:
         if "weights" in self.sleeping_tags:
             return  # and so is the KV cache
         runner = self.runner
-        runner.kv_cache = None
-        runner.graph_runner = None  # captured graphs point into the KV cache
+        runner.release_kv_cache()
         if level == 1:
-            self._offloaded = OffloadedWeights.offload(runner.model, self.platform.pin_host_memory)
+            self._offloaded = OffloadedWeights.offload(
+                runner.weight_modules(), self.platform.pin_host_memory
+            )
         else:
             self._lora_host_state = runner.lora.host_state()  # host memory: kept
             self.model_runner = None
