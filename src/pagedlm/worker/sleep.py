@@ -3,8 +3,8 @@
 vLLM's two levels:
 
 - level 1: the KV cache (and the CUDA graphs that point into it) is dropped, and every
-  parameter and buffer of the model is copied to host memory and its device storage
-  released. ``wake_up`` copies them back and allocates a fresh KV cache (its contents are
+  parameter and buffer of the model (and of a speculative proposer) is copied to host
+  memory and its device storage released. ``wake_up`` copies them back and allocates a fresh KV cache (its contents are
   gone, so the engine resets the prefix cache). Tensors already in host memory (the CPU
   platform) stay where they are.
 - level 2: the whole model runner is dropped (weights, KV cache, graphs, kernels'
