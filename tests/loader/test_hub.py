@@ -114,10 +114,11 @@ def test_uncached_hub_id_while_offline_names_the_fix(resolved: dict) -> None:
 
 
 def test_hub_only_downloads_what_pagedlm_reads(hf_home: Path) -> None:
-    from pagedlm.model_executor.loader.hub import HUB_ALLOW_PATTERNS
+    from pagedlm.model_executor.loader.hub import CACHED_WEIGHT_PATTERNS, HUB_ALLOW_PATTERNS
 
-    assert "*.safetensors" in HUB_ALLOW_PATTERNS and "*.json" in HUB_ALLOW_PATTERNS
-    assert not [p for p in HUB_ALLOW_PATTERNS if p == "*" or p.endswith((".py", ".bin", ".pt"))]
+    assert "*.json" in HUB_ALLOW_PATTERNS and CACHED_WEIGHT_PATTERNS == ("*.safetensors",)
+    weights_or_code = (".py", ".bin", ".pt", ".safetensors")
+    assert not [p for p in HUB_ALLOW_PATTERNS if p == "*" or p.endswith(weights_or_code)]
     snapshot = hf_home / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / MAIN_COMMIT
     assert json.loads((snapshot / "config.json").read_text())["architectures"]
 
@@ -176,26 +177,36 @@ SHARDED_BIN_REPO = ["config.json", "pytorch_model.bin.index.json",
 BOTH_REPO = ["config.json", "model.safetensors", "pytorch_model.bin", "tf_model.h5"]
 
 
+SHARDED_BIN_INDEX = {"pytorch_model.bin.index.json": SHARDED_BIN_REPO[2:]}
+
+
 @pytest.mark.parametrize(
     ("files", "load_format", "weights"),
     [
         (BIN_REPO, "auto", ["pytorch_model.bin"]),
         (BIN_REPO, "pt", ["pytorch_model.bin"]),
         (SHARDED_BIN_REPO, "auto", SHARDED_BIN_REPO[2:]),
-        (BOTH_REPO, "auto", ["*.safetensors"]),
+        (BOTH_REPO, "auto", ["model.safetensors"]),
         (BOTH_REPO, "pt", ["pytorch_model.bin"]),
-        (BOTH_REPO, "safetensors", ["*.safetensors"]),
-        (BIN_REPO, None, ["*.safetensors"]),  # a tokenizer's files
+        (BOTH_REPO, "safetensors", ["model.safetensors"]),
+        (BIN_REPO, None, []),  # a tokenizer's files
+        (BOTH_REPO, "dummy", []),  # random weights
         (None, "auto", ["*.safetensors"]),  # not listed (offline): the cache decides
-        (["config.json", "optimizer.pt", "training_args.bin"], "auto", ["*.safetensors"]),
     ],
 )
 def test_hub_fetches_the_weight_files_the_format_reads(files, load_format, weights) -> None:
     from pagedlm.model_executor.loader.hub import HUB_ALLOW_PATTERNS, hub_allow_patterns
 
-    others = [pattern for pattern in HUB_ALLOW_PATTERNS if pattern != "*.safetensors"]
-    patterns = hub_allow_patterns(files, load_format)
-    assert sorted(patterns) == sorted(others + weights)
+    patterns = hub_allow_patterns(files, load_format, "org/m", SHARDED_BIN_INDEX.__getitem__)
+    assert patterns == list(HUB_ALLOW_PATTERNS) + weights
+
+
+def test_a_repository_without_weights_fails_before_downloading() -> None:
+    from pagedlm.model_executor.loader.hub import hub_allow_patterns
+
+    trainer_state = ["config.json", "optimizer.pt", "training_args.bin"]
+    with pytest.raises(ValueError, match=r"org/t on the Hugging Face hub has no weights"):
+        hub_allow_patterns(trainer_state, "auto", "org/t")
 
 
 def test_pt_on_a_repository_without_pickles_fails_before_downloading() -> None:
@@ -262,3 +273,136 @@ def test_a_cached_bin_only_repository_loads_offline(monkeypatch, tmp_path) -> No
     model = load_model(config.model, torch.device("cpu"))
     weight = "model.layers.0.mlp.down_proj.weight"
     assert torch.equal(model.get_parameter(weight), state[weight])
+
+
+# ---- what is fetched, through a fake hub (no network) ----
+
+
+class FakeHub:
+    """Repositories in memory behind huggingface_hub's ``list_repo_files``,
+    ``hf_hub_download`` and ``snapshot_download``: each call is recorded (function, repo,
+    keyword arguments), and the files a download fetches are written under ``root``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
+        import huggingface_hub
+
+        self.root = root
+        self.repos: dict[str, dict[str, bytes]] = {}
+        self.calls: list[tuple[str, str, dict]] = []
+        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+            monkeypatch.delenv(name, raising=False)
+        for name in ("list_repo_files", "hf_hub_download", "snapshot_download"):
+            monkeypatch.setattr(huggingface_hub, name, getattr(self, name))
+
+    def add(self, repo_id: str, files: dict[str, bytes | str]) -> None:
+        self.repos[repo_id] = {k: v.encode() if isinstance(v, str) else v for k, v in files.items()}
+
+    def snapshot(self, repo_id: str) -> Path:
+        return self.root / repo_id.replace("/", "--")
+
+    def fetched(self, repo_id: str) -> set[str]:
+        snapshot = self.snapshot(repo_id)
+        return {str(p.relative_to(snapshot)) for p in snapshot.rglob("*") if p.is_file()}
+
+    def _write(self, repo_id: str, name: str) -> Path:
+        path = self.snapshot(repo_id) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(self.repos[repo_id][name])
+        return path
+
+    def list_repo_files(self, repo_id: str, **kwargs) -> list[str]:
+        self.calls.append(("list_repo_files", repo_id, kwargs))
+        return sorted(self.repos[repo_id])
+
+    def hf_hub_download(self, repo_id: str, filename: str, **kwargs) -> str:
+        self.calls.append(("hf_hub_download", repo_id, {"filename": filename, **kwargs}))
+        return str(self._write(repo_id, filename))
+
+    def snapshot_download(self, repo_id: str, **kwargs) -> str:
+        from huggingface_hub.utils import filter_repo_objects
+
+        self.calls.append(("snapshot_download", repo_id, kwargs))
+        patterns = kwargs.get("allow_patterns")
+        for name in filter_repo_objects(self.repos[repo_id], allow_patterns=patterns):
+            self._write(repo_id, name)
+        self.snapshot(repo_id).mkdir(parents=True, exist_ok=True)
+        return str(self.snapshot(repo_id))
+
+
+TINY_CONFIG = json.dumps({**TINY, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+NOT_WEIGHTS = {
+    "config.json": TINY_CONFIG,
+    "generation_config.json": json.dumps({"temperature": 0.6}),
+    "tokenizer.json": "{}",
+    "tokenizer_config.json": "{}",
+    "chat_template.jinja": "{{ messages }}",
+    "README.md": "not read",
+    "modeling_custom.py": "never fetched",
+}
+SHARDS = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+BIN_SHARDS = ["pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin"]
+FETCHED_NOT_WEIGHTS = {name for name in NOT_WEIGHTS if not name.endswith((".md", ".py"))}
+
+
+def index_of(shards: list[str]) -> str:
+    return json.dumps({"metadata": {}, "weight_map": {f"w{i}": s for i, s in enumerate(shards)}})
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeHub:
+    return FakeHub(monkeypatch, tmp_path / "hub")
+
+
+def test_dummy_weights_fetch_no_weight_file(hub: FakeHub) -> None:
+    from pagedlm.engine.arg_utils import EngineArgs
+
+    weights = {"model.safetensors": "w", "pytorch_model.bin": "w", "consolidated.safetensors": "w"}
+    hub.add("org/tiny", {**NOT_WEIGHTS, **weights})
+    config, _ = EngineArgs(model="org/tiny", load_format="dummy").create_engine_config()
+    assert config.model.model == str(hub.snapshot("org/tiny"))
+    assert hub.fetched("org/tiny") == FETCHED_NOT_WEIGHTS
+    assert config.model.sampling_defaults["temperature"] == 0.6  # generation_config.json came
+
+
+@pytest.mark.parametrize(
+    ("weights", "load_format", "expected"),
+    [
+        # An index decides: neither the single file nor Mistral's consolidated copy comes.
+        ({"model.safetensors": "w", "consolidated.safetensors": "w",
+          "model.safetensors.index.json": index_of(SHARDS), **dict.fromkeys(SHARDS, "w")},
+         "auto", {"model.safetensors.index.json", *SHARDS}),
+        ({"pytorch_model.bin": "w", "pytorch_model.bin.index.json": index_of(BIN_SHARDS),
+          "training_args.bin": "w", **dict.fromkeys(BIN_SHARDS, "w")},
+         "pt", {"pytorch_model.bin.index.json", *BIN_SHARDS}),
+        ({"pytorch_model.bin": "w", "pytorch_model.bin.index.json": index_of(BIN_SHARDS),
+          **dict.fromkeys(BIN_SHARDS, "w")},
+         "auto", {"pytorch_model.bin.index.json", *BIN_SHARDS}),
+        # No index: the single file of the shards' name (transformers reads it first).
+        ({"model.safetensors": "w", "consolidated.safetensors": "w",
+          **dict.fromkeys(SHARDS, "w")}, "safetensors", {"model.safetensors"}),
+    ],
+)  # fmt: skip
+def test_a_repository_holding_its_weights_twice_fetches_one_copy(
+    hub: FakeHub, weights: dict, load_format: str, expected: set[str]
+) -> None:
+    from pagedlm.model_executor.loader.hub import resolve_hub_model
+
+    hub.add("org/twice", {**NOT_WEIGHTS, **weights})
+    path = resolve_hub_model("org/twice", load_format=load_format)
+    assert hub.fetched("org/twice") == FETCHED_NOT_WEIGHTS | expected
+    from pagedlm.model_executor.loader.weight_files import checkpoint_files
+
+    files = checkpoint_files(path, load_format)
+    assert {p.name for p in files.files} == {n for n in expected if not n.endswith(".json")}
+
+
+def test_an_index_naming_missing_shards_fails_before_any_weight_comes(hub: FakeHub) -> None:
+    from pagedlm.model_executor.loader.hub import resolve_hub_model
+
+    listed = ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors"]
+    index = index_of([*listed, "model-00003-of-00003.safetensors"])
+    files = {**NOT_WEIGHTS, "model.safetensors.index.json": index, **dict.fromkeys(listed, "w")}
+    hub.add("org/broken", files)
+    with pytest.raises(ValueError, match=r"lists shard files the repository does not have: mod"):
+        resolve_hub_model("org/broken")
+    assert "snapshot_download" not in [call[0] for call in hub.calls]

@@ -4,37 +4,45 @@ path: a hub id becomes its snapshot directory.
 ``huggingface_hub.snapshot_download`` does the work: it reuses the local cache
 (``$HF_HOME/hub`` or ``$HF_HUB_CACHE``), fetches only what is missing, and with
 ``HF_HUB_OFFLINE=1`` never touches the network. We restrict it to what pagedlm reads:
-the config, tokenizer files and safetensors weights, never Python files
-(``trust_remote_code`` is never honoured for model code). A repository without
-safetensors weights (or ``load_format="pt"``) gets its PyTorch weight files instead, by
-name, as ``weight_files`` chooses them from the repository's listing: never a trainer's
-``training_args.bin`` or ``optimizer.pt``, which can be larger than the model.
+the config, generation config, tokenizer files and chat templates (``HUB_ALLOW_PATTERNS``),
+never Python files (``trust_remote_code`` is never honoured for model code), and the weight
+files a load reads, by name: the repository is listed first and ``weight_files`` chooses
+them from the listing (an index, when there is one, is fetched first and decides), so
+neither a second copy of the weights (a single file beside the shards, Mistral's
+``consolidated.safetensors``) nor a trainer's ``training_args.bin`` or ``optimizer.pt`` is
+downloaded. A load format that reads no weight files (``"dummy"``, a tokenizer's files)
+fetches no weights at all.
 """
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Collection
+from pathlib import Path
 
 from pagedlm.model_executor.loader.weight_files import (
-    SAFETENSORS_INDEX_FILE,
-    pickle_weight_names,
+    WEIGHT_FORMATS,
+    IndexReader,
+    choose_weight_names,
+    index_names,
 )
 
 logger = logging.getLogger(__name__)
 
 HUB_ALLOW_PATTERNS = (
-    "*.json",  # config, generation config, tokenizer config, safetensors index
-    "*.safetensors",
+    "*.json",  # config, generation config, tokenizer config, chat template, weight indexes
     "tokenizer*",
     "*.model",  # sentencepiece vocabularies
     "merges.txt",
     "*.jinja",  # chat templates stored beside tokenizer_config.json
 )
-PICKLE_FORMATS = ("auto", "pt")
-"""The load formats that may read a repository's PyTorch files (so its listing is asked for)."""
+"""What pagedlm reads of a repository besides its weights."""
+CACHED_WEIGHT_PATTERNS = ("*.safetensors",)
+"""The weights asked of the cache when the repository could not be listed (the loader
+then chooses among what the snapshot holds)."""
 
 # Hub ids as the hub itself validates them: one "/" between owner and name, each made of
 # letters, digits, "-", "_" and "."; no leading "-"/"." and no "--" or "..".
@@ -53,28 +61,48 @@ def _offline() -> bool:
 
 
 def hub_allow_patterns(
-    repo_files: Iterable[str] | None, load_format: str | None, repo_id: str = "the repository"
+    repo_files: Collection[str] | None,
+    load_format: str | None,
+    repo_id: str = "the repository",
+    read_index: IndexReader | None = None,
 ) -> list[str]:
     """What to download of a repository whose files are ``repo_files`` (paths, as the hub
     lists them; None: not listed) for ``load_format`` (None: no weights wanted, a tokenizer):
-    ``HUB_ALLOW_PATTERNS``, with the safetensors replaced by the PyTorch weight files where
-    ``"auto"`` finds no safetensors at the root or ``"pt"`` asks for them (a ``ValueError``
-    where it asks for them and there are none, before anything is downloaded)."""
+    ``HUB_ALLOW_PATTERNS`` plus, for a format that reads weight files, those
+    ``weight_files.choose_weight_names`` picks, by name (``read_index`` reads an index the
+    repository has). A ``ValueError`` naming the fix, before any weight is downloaded, where
+    the repository has no weights in that format or its index names files it does not have.
+    """
     patterns = list(HUB_ALLOW_PATTERNS)
-    if repo_files is None or load_format not in PICKLE_FORMATS:
-        return patterns
-    root = [path for path in repo_files if "/" not in path]
-    safetensors = any(n.endswith(".safetensors") or n == SAFETENSORS_INDEX_FILE for n in root)
-    pickles = pickle_weight_names(root)
-    if load_format == "pt" and not pickles:
-        has = " (it has *.safetensors files: use load_format='auto')" if safetensors else ""
+    if load_format not in WEIGHT_FORMATS:
+        return patterns  # "dummy" (random weights), "gguf" (a file, not a repository), None
+    if repo_files is None:
+        return patterns + list(CACHED_WEIGHT_PATTERNS)
+    where = f"{repo_id} on the Hugging Face hub"
+    chosen = choose_weight_names(repo_files, load_format, where, read_index or _no_index)
+    missing = sorted(set(chosen.names) - set(repo_files))
+    if missing:
         raise ValueError(
-            "load_format='pt' reads PyTorch weight files (pytorch_model*.bin, other *.bin, "
-            f"or *.pt), but {repo_id} on the Hugging Face hub has none{has}."
+            f"{chosen.index} of {where} lists shard files the repository does not have: "
+            f"{', '.join(missing)}; pass a revision where it is complete, or a local directory."
         )
-    if (load_format == "auto" and safetensors) or not pickles:
-        return patterns  # an "auto" repository with neither: the loader's error says so
-    return [pattern for pattern in patterns if pattern != "*.safetensors"] + pickles
+    return patterns + [glob.escape(name) for name in chosen.names]
+
+
+def _no_index(name: str) -> list[str]:
+    raise ValueError(f"{name} was not read (no index reader given).")
+
+
+def _hub_index_reader(repo_id: str, revision: str | None, cache_dir: str | None) -> IndexReader:
+    """Reads an index of the repository, downloading it (alone, into the cache) first."""
+
+    def read(name: str) -> list[str]:
+        from huggingface_hub import hf_hub_download
+
+        path = hf_hub_download(repo_id, name, revision=revision, cache_dir=cache_dir)
+        return index_names(Path(path), f"{name} of {repo_id}")
+
+    return read
 
 
 def _repo_files(repo_id: str, revision: str | None) -> list[str] | None:
@@ -104,7 +132,7 @@ def resolve_hub_model(
 ) -> str:
     """The local snapshot directory of ``repo_id`` at ``revision`` (None: the default branch),
     under ``cache_dir`` (None: the Hugging Face cache), with the weight files ``load_format``
-    reads (``hub_allow_patterns``; None: a tokenizer's files).
+    reads (``hub_allow_patterns``; none for "dummy" or None, a tokenizer's files).
 
     Raises ``ValueError`` naming the fix when the repository, the revision or (offline) the
     cached copy does not exist.
@@ -121,12 +149,13 @@ def resolve_hub_model(
     offline = _offline()
     at = f" at revision {revision!r}" if revision else ""
     try:
-        listed = not offline and load_format in PICKLE_FORMATS
+        listed = not offline and load_format in WEIGHT_FORMATS
         repo_files = _repo_files(repo_id, revision) if listed else None
-        patterns = hub_allow_patterns(repo_files, load_format, repo_id)
-        pickles = [pattern for pattern in patterns if pattern not in HUB_ALLOW_PATTERNS]
-        if pickles:
-            logger.info("%s: fetching its PyTorch weight files %s", repo_id, ", ".join(pickles))
+        read_index = _hub_index_reader(repo_id, revision, cache_dir)
+        patterns = hub_allow_patterns(repo_files, load_format, repo_id, read_index)
+        weights = patterns[len(HUB_ALLOW_PATTERNS) :]
+        if repo_files is not None:
+            logger.info("%s: fetching its weight files %s", repo_id, _shown(weights))
         return snapshot_download(
             repo_id,
             revision=revision,
@@ -164,6 +193,10 @@ def resolve_hub_model(
             f"Downloading {repo_id}{at} from the Hugging Face hub failed ({error}); retry, "
             "or pass a local model directory."
         ) from None
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names) if len(names) <= 3 else f"{names[0]} and {len(names) - 1} more"
 
 
 def resolve_model_path(

@@ -24,8 +24,9 @@ from typing import BinaryIO
 import torch
 
 from pagedlm.model_executor.loader.safetensors_slice import SafetensorsSlice, read_buffer
+from pagedlm.model_executor.loader.weight_files import SAFETENSORS_INDEX_FILE, checkpoint_files
 
-INDEX_FILE = "model.safetensors.index.json"
+INDEX_FILE = SAFETENSORS_INDEX_FILE
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 _DTYPES = {
@@ -55,37 +56,13 @@ class SafetensorsEntry:
 
 
 def safetensors_files(directory: str | os.PathLike[str]) -> list[Path]:
-    """The weight files of ``directory``: those its index names, else every *.safetensors.
+    """The weight files of ``directory``: those its index names, else its *.safetensors but
+    second copies (``weight_files.checkpoint_files`` with ``load_format="safetensors"``).
 
     The index wins because some repositories also ship a second copy of the weights in
     another layout (e.g. Mistral's ``consolidated.safetensors``).
     """
-    directory = Path(directory)
-    index = directory / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as error:
-            raise ValueError(
-                f"{index} is not a valid safetensors index (no 'weight_map': {error}); "
-                "download it again or delete it so every *.safetensors file is read."
-            ) from None
-        files = [directory / name for name in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ValueError(
-                f"{index} lists shard files that are not in {directory}: {', '.join(missing)}; "
-                "download the complete model directory (every shard the index names)."
-            )
-        return files
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ValueError(
-            f"{directory} has no *.safetensors files. Save the weights with transformers "
-            '(model.save_pretrained(dir)), pass a .gguf, or use load_format="dummy" for '
-            "random weights (PyTorch .bin/.pt weights: load_format='auto' or 'pt')."
-        )
-    return files
+    return list(checkpoint_files(directory, "safetensors").files)
 
 
 def read_safetensors_header(path: str | os.PathLike[str]) -> list[SafetensorsEntry]:

@@ -25,7 +25,7 @@ def iter_torch_bin_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF tensor name, CPU tensor) for every tensor of every file, file after file.
 
-    ``files`` come from ``weight_files.pickle_weight_files``. A file that is not a plain
+    ``files`` come from ``weight_files.checkpoint_files``. A file that is not a plain
     mapping of names to tensors is a ``ValueError`` naming it."""
     for path in map(Path, files):
         state = _load_plain(path)
