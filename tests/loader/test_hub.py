@@ -353,14 +353,22 @@ def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeHub:
     return FakeHub(monkeypatch, tmp_path / "hub")
 
 
+DRAFT = {"method": "draft_model", "model": "org/draft", "num_speculative_tokens": 2}
+
+
 def test_dummy_weights_fetch_no_weight_file(hub: FakeHub) -> None:
+    """Random weights need the config, tokenizer and generation config, of the model and of
+    its draft model, and no weight file of either."""
     from pagedlm.engine.arg_utils import EngineArgs
 
     weights = {"model.safetensors": "w", "pytorch_model.bin": "w", "consolidated.safetensors": "w"}
-    hub.add("org/tiny", {**NOT_WEIGHTS, **weights})
-    config, _ = EngineArgs(model="org/tiny", load_format="dummy").create_engine_config()
+    for repo_id in ("org/tiny", "org/draft"):
+        hub.add(repo_id, {**NOT_WEIGHTS, **weights})
+    args = EngineArgs(model="org/tiny", load_format="dummy", speculative_config=DRAFT)
+    config, _ = args.create_engine_config()
     assert config.model.model == str(hub.snapshot("org/tiny"))
-    assert hub.fetched("org/tiny") == FETCHED_NOT_WEIGHTS
+    assert config.speculative.draft_model.model == str(hub.snapshot("org/draft"))
+    assert hub.fetched("org/tiny") == hub.fetched("org/draft") == FETCHED_NOT_WEIGHTS
     assert config.model.sampling_defaults["temperature"] == 0.6  # generation_config.json came
 
 

@@ -483,7 +483,12 @@ class EngineArgs:
                 self.speculative_config,
                 config.model,
                 max_num_batched_tokens,
-                lambda what, name, revision: resolve_model_path(what, name, revision),
+                lambda what, name, revision: resolve_model_path(
+                    what,
+                    name,
+                    revision,
+                    load_format="dummy" if self.load_format == "dummy" else "auto",
+                ),
             ),
         )
         if config.speculative is not None and config.parallel.pipeline_parallel_size > 1:
