@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -231,7 +232,7 @@ def test_the_listing_chooses_what_snapshot_download_fetches(monkeypatch, tmp_pat
 
     listing: list = [BIN_REPO]
 
-    def list_repo_files(repo_id, revision=None):
+    def list_repo_files(repo_id, revision=None, token=None):
         if isinstance(listing[0], Exception):
             raise listing[0]
         return listing[0]
@@ -414,3 +415,58 @@ def test_an_index_naming_missing_shards_fails_before_any_weight_comes(hub: FakeH
     with pytest.raises(ValueError, match=r"lists shard files the repository does not have: mod"):
         resolve_hub_model("org/broken")
     assert "snapshot_download" not in [call[0] for call in hub.calls]
+
+
+# ---- hf_token (vLLM's --hf-token): sent with every hub call, never shown ----
+
+SECRET = "hf_NotARealToken1234567890"
+SHARDED_REPO = {**NOT_WEIGHTS, "model.safetensors.index.json": index_of(SHARDS),
+                **dict.fromkeys(SHARDS, "w")}  # fmt: skip
+
+
+def test_hf_token_flag_parses_as_vllms() -> None:
+    """``--hf-token`` alone: the stored token (True); with a value: that token."""
+    import argparse
+
+    from pagedlm.engine.cli_args import add_engine_args, engine_args_from_cli
+
+    parser = add_engine_args(argparse.ArgumentParser())
+    for argv, expected in (([], None), (["--hf-token"], True), (["--hf-token", SECRET], SECRET),
+                           ([f"--hf-token={SECRET}", "--revision", "v2"], SECRET)):  # fmt: skip
+        assert engine_args_from_cli(parser.parse_args(argv)).hf_token == expected, argv
+
+
+def test_hf_token_goes_with_every_hub_call_and_is_never_shown(hub: FakeHub, caplog) -> None:
+    """Listing, the index, the snapshot: of the model, the tokenizer and the draft model."""
+    from pagedlm.engine.arg_utils import EngineArgs
+
+    for repo_id in ("org/private", "org/draft"):
+        hub.add(repo_id, SHARDED_REPO)
+    hub.add("org/tokenizer", NOT_WEIGHTS)
+    args = EngineArgs(model="org/private", tokenizer="org/tokenizer", hf_token=SECRET,
+                      speculative_config=DRAFT)  # fmt: skip
+    with caplog.at_level(logging.DEBUG):
+        config, _ = args.create_engine_config()
+    assert config.model.tokenizer == str(hub.snapshot("org/tokenizer"))
+    asked = {(function, repo_id) for function, repo_id, _ in hub.calls}
+    for repo_id in ("org/private", "org/draft"):
+        for function in ("list_repo_files", "hf_hub_download", "snapshot_download"):
+            assert (function, repo_id) in asked
+    assert ("snapshot_download", "org/tokenizer") in asked
+    assert [kwargs.get("token") for _, _, kwargs in hub.calls] == [SECRET] * len(hub.calls)
+    assert SECRET not in caplog.text and SECRET not in repr(args) and SECRET not in str(config)
+
+
+def test_hf_token_true_sends_the_stored_token(hub: FakeHub, monkeypatch) -> None:
+    import huggingface_hub
+
+    from pagedlm.engine.arg_utils import EngineArgs
+
+    hub.add("org/private", SHARDED_REPO)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    with pytest.raises(ValueError, match=r"none is stored and HF_TOKEN is unset; log in, or pass"):
+        EngineArgs(model="org/private", hf_token=True).create_engine_config()
+    assert hub.calls == []  # nothing asked of the hub
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "stored")
+    EngineArgs(model="org/private", hf_token=True).create_engine_config()
+    assert hub.calls and all(kwargs["token"] is True for _, _, kwargs in hub.calls)

@@ -142,6 +142,11 @@ class EngineArgs:
     '{"max_position_embeddings": 4096}'; a nested object merges into the nested one."""
     download_dir: str | None = None
     """Where hub models are downloaded (None: the Hugging Face cache)."""
+    hf_token: bool | str | None = dataclasses.field(default=None, repr=False)
+    """The token sent with every request to the Hugging Face hub (vLLM's flag; model,
+    tokenizer, draft model): the token itself, or True (--hf-token without a value) for the
+    one `hf auth login` stored; None: huggingface_hub's default (HF_TOKEN, else the stored
+    one). Never logged."""
     enable_chunked_prefill: bool = True
     """Split long prompts over several steps within the token budget (vLLM's flag; on).
     Off: a prompt waits for a step with room for all of it, so max_num_batched_tokens
@@ -291,6 +296,7 @@ class EngineArgs:
             self.revision,
             cache_dir=self.download_dir,
             load_format=self.load_format,
+            token=self.hf_token,
         )
 
     def resolve_tokenizer(self) -> str | None:
@@ -308,7 +314,12 @@ class EngineArgs:
         else:
             source = str(self.tokenizer)
         return resolve_model_path(
-            "Tokenizer", source, revision, weights=False, cache_dir=self.download_dir
+            "Tokenizer",
+            source,
+            revision,
+            weights=False,
+            cache_dir=self.download_dir,
+            token=self.hf_token,
         )
 
     def create_engine_config(self, log_defaults: bool = True) -> tuple[EngineConfig, Platform]:
@@ -400,7 +411,9 @@ class EngineArgs:
             platform.default_max_num_batched_tokens, self.max_num_seqs
         )
         runner, pooler = self._runner(arch, model)
-        whole_prompts = runner == "pooling" or not self.enable_chunked_prefill
+        whole_prompts = not self.enable_chunked_prefill or (
+            runner == "pooling" and not _chunks_prompts(arch, pooler, self.max_num_batched_tokens)
+        )
         if whole_prompts:
             max_num_batched_tokens = self._whole_prompt_budget(
                 max_model_len,
@@ -488,6 +501,7 @@ class EngineArgs:
                     name,
                     revision,
                     load_format="dummy" if self.load_format == "dummy" else "auto",
+                    token=self.hf_token,
                 ),
             ),
         )
@@ -719,6 +733,13 @@ def _caches_prefixes(arch: ArchConfig, pooler: PoolerConfig) -> bool:
     from pagedlm.pooling.model_config import caches_prefixes
 
     return caches_prefixes(arch, pooler)
+
+
+def _chunks_prompts(arch: ArchConfig, pooler: PoolerConfig | None, budget: int | None) -> bool:
+    from pagedlm.pooling.model_config import chunks_prompts
+
+    assert pooler is not None, "a pooling runner has a pooler config"
+    return chunks_prompts(arch, pooler, budget)
 
 
 def _merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

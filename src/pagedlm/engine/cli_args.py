@@ -151,7 +151,9 @@ def add_engine_args(
     for field in dataclasses.fields(EngineArgs):
         flag = "--" + field.name.replace("_", "-")
         flags = (flag, SHORT_FLAGS[field.name]) if field.name in SHORT_FLAGS else (flag,)
-        kind, nullable = _scalar_type(hints[field.name])
+        # vLLM's bool | str fields (--hf-token): bare, True; with a value, that string.
+        optional_value = set(typing.get_args(hints[field.name])) == {bool, str, type(None)}
+        kind, nullable = (str, True) if optional_value else _scalar_type(hints[field.name])
         default = field.default
         if default is dataclasses.MISSING and field.default_factory is not dataclasses.MISSING:
             default = field.default_factory()
@@ -162,6 +164,11 @@ def add_engine_args(
         if field.name == "max_model_len":
             help_text += " 'auto' or -1: the model's own context length."
         help_text = help_text.replace("%", "%%") + " (default: %(default)s)"
+        if optional_value:
+            group.add_argument(
+                *flags, type=str, nargs="?", const=True, default=default, help=help_text
+            )
+            continue
         if kind is bool:
             # --flag / --no-flag; a nullable one stays None (auto) when neither is given.
             group.add_argument(

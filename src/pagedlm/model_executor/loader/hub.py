@@ -44,6 +44,30 @@ CACHED_WEIGHT_PATTERNS = ("*.safetensors",)
 """The weights asked of the cache when the repository could not be listed (the loader
 then chooses among what the snapshot holds)."""
 
+HubToken = bool | str | None
+"""vLLM's ``hf_token``: the token itself, True (the one ``hf auth login`` stored), or None
+(huggingface_hub's default: ``HF_TOKEN`` or the stored one, when there is one)."""
+
+
+def check_token(token: HubToken) -> None:
+    """A ``ValueError`` naming the fix for a token that cannot be sent (never showing it)."""
+    if token is True:
+        from huggingface_hub import get_token
+
+        if get_token() is None:
+            raise ValueError(
+                "hf_token=True (--hf-token without a value) sends the token stored by "
+                "`hf auth login` (huggingface-cli login), but none is stored and HF_TOKEN is "
+                "unset; log in, or pass the token itself (--hf-token <token>)."
+            )
+    elif token is not None and not isinstance(token, (bool, str)):
+        raise ValueError(
+            f"hf_token must be a string (the token), True or None, not a {type(token).__name__}."
+        )
+    elif isinstance(token, str) and not token.strip():
+        raise ValueError("hf_token is empty; pass the token, True for the stored one, or None.")
+
+
 # Hub ids as the hub itself validates them: one "/" between owner and name, each made of
 # letters, digits, "-", "_" and "."; no leading "-"/"." and no "--" or "..".
 _HUB_ID = re.compile(r"^(?![.-])[\w.-]{1,96}/(?![.-])[\w.-]{1,96}$")
@@ -93,26 +117,28 @@ def _no_index(name: str) -> list[str]:
     raise ValueError(f"{name} was not read (no index reader given).")
 
 
-def _hub_index_reader(repo_id: str, revision: str | None, cache_dir: str | None) -> IndexReader:
+def _hub_index_reader(
+    repo_id: str, revision: str | None, cache_dir: str | None, token: HubToken
+) -> IndexReader:
     """Reads an index of the repository, downloading it (alone, into the cache) first."""
 
     def read(name: str) -> list[str]:
         from huggingface_hub import hf_hub_download
 
-        path = hf_hub_download(repo_id, name, revision=revision, cache_dir=cache_dir)
+        path = hf_hub_download(repo_id, name, revision=revision, cache_dir=cache_dir, token=token)
         return index_names(Path(path), f"{name} of {repo_id}")
 
     return read
 
 
-def _repo_files(repo_id: str, revision: str | None) -> list[str] | None:
+def _repo_files(repo_id: str, revision: str | None, token: HubToken) -> list[str] | None:
     """The repository's file paths; None when the hub does not answer at all (no network,
     a proxy refusing): the snapshot then comes from the cache, as snapshot_download does."""
     from huggingface_hub import list_repo_files
     from huggingface_hub.errors import HfHubHTTPError
 
     try:
-        return list_repo_files(repo_id, revision=revision)
+        return list_repo_files(repo_id, revision=revision, token=token)
     except HfHubHTTPError:
         raise  # the hub answered (no such repository or revision, gated): the caller says so
     except Exception as error:  # a transport error, whatever the HTTP library's class
@@ -129,10 +155,12 @@ def resolve_hub_model(
     revision: str | None = None,
     cache_dir: str | None = None,
     load_format: str | None = "auto",
+    token: HubToken = None,
 ) -> str:
     """The local snapshot directory of ``repo_id`` at ``revision`` (None: the default branch),
     under ``cache_dir`` (None: the Hugging Face cache), with the weight files ``load_format``
-    reads (``hub_allow_patterns``; none for "dummy" or None, a tokenizer's files).
+    reads (``hub_allow_patterns``; none for "dummy" or None, a tokenizer's files). Every
+    request to the hub sends ``token`` (``check_token``).
 
     Raises ``ValueError`` naming the fix when the repository, the revision or (offline) the
     cached copy does not exist.
@@ -148,10 +176,12 @@ def resolve_hub_model(
 
     offline = _offline()
     at = f" at revision {revision!r}" if revision else ""
+    if not offline:
+        check_token(token)
     try:
         listed = not offline and load_format in WEIGHT_FORMATS
-        repo_files = _repo_files(repo_id, revision) if listed else None
-        read_index = _hub_index_reader(repo_id, revision, cache_dir)
+        repo_files = _repo_files(repo_id, revision, token) if listed else None
+        read_index = _hub_index_reader(repo_id, revision, cache_dir, token)
         patterns = hub_allow_patterns(repo_files, load_format, repo_id, read_index)
         weights = patterns[len(HUB_ALLOW_PATTERNS) :]
         if repo_files is not None:
@@ -162,16 +192,18 @@ def resolve_hub_model(
             allow_patterns=patterns,
             local_files_only=offline or (listed and repo_files is None),
             cache_dir=cache_dir,
+            token=token,
         )
     except GatedRepoError:
         raise ValueError(
             f"{repo_id} is gated on the Hugging Face hub; accept its license on the model "
-            "page and log in (huggingface-cli login or HF_TOKEN), or pass a local directory."
+            "page and log in (hf auth login, or HF_TOKEN), or pass hf_token, or a local "
+            "directory."
         ) from None
     except RepositoryNotFoundError:
         raise ValueError(
             f"{repo_id!r} is neither a local path nor a model on the Hugging Face hub; check "
-            "the spelling (or log in, if the repository is private)."
+            "the spelling (or log in or pass hf_token, if the repository is private)."
         ) from None
     except RevisionNotFoundError:
         raise ValueError(
@@ -206,9 +238,10 @@ def resolve_model_path(
     weights: bool = True,
     cache_dir: str | None = None,
     load_format: str = "auto",
+    token: HubToken = None,
 ) -> str:
     """A local path as given, else a hub id's snapshot directory (with the weight files
-    ``load_format`` reads, when ``weights``); errors name the fix."""
+    ``load_format`` reads, when ``weights``; ``token`` sent to the hub); errors name the fix."""
     path = os.path.expanduser(name)
     if os.path.exists(path):
         if revision is not None and weights:
@@ -222,7 +255,8 @@ def resolve_model_path(
             )
         return path
     if looks_like_hub_id(name):
-        return resolve_hub_model(name, revision, cache_dir, load_format if weights else None)
+        formats = load_format if weights else None
+        return resolve_hub_model(name, revision, cache_dir, formats, token)
     raise ValueError(
         f"{what} {name!r} not found: pass a local Hugging Face model directory "
         "(config.json + *.safetensors), a .gguf file, a hub id (org/name), or model=None "
