@@ -117,9 +117,24 @@ class GGUFTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
-        """``{"input_ids": ...}`` of one text (transformers' ``BatchEncoding`` keys)."""
-        ids = self.encode(text, add_special_tokens=add_special_tokens)
+    def __call__(
+        self,
+        text: str,
+        add_special_tokens: bool = True,
+        truncation: bool | str = False,
+        max_length: int | None = None,
+    ) -> dict[str, list[int]]:
+        """``{"input_ids": ...}`` of one text (transformers' ``BatchEncoding`` keys);
+        ``truncation`` cuts the text's tokens on the right to ``max_length`` with the
+        special tokens, which stay, as transformers does."""
+        backend = self.backend_tokenizer
+        encoding = backend.encode(text, add_special_tokens=False)
+        if truncation not in (False, "do_not_truncate") and max_length is not None:
+            specials = backend.post_processor.num_special_tokens_to_add(False)
+            encoding.truncate(max(max_length - specials * add_special_tokens, 0))
+        if add_special_tokens:
+            encoding = backend.post_process(encoding)
+        ids = encoding.ids
         return _Encoding(input_ids=ids, attention_mask=[1] * len(ids))
 
     def decode(

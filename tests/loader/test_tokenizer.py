@@ -132,6 +132,9 @@ def test_gguf_tokenizer_matches_transformers(tmp_path):
             ids, skip_special_tokens=True
         )
     assert ours.special_tokens_map == theirs.special_tokens_map
+    for text in SAMPLES:  # tokenization_kwargs go to __call__, as transformers takes them
+        for kwargs in ({"add_special_tokens": False}, {"truncation": True, "max_length": 3}):
+            assert ours(text, **kwargs)["input_ids"] == theirs(text, **kwargs)["input_ids"]
     messages = [{"role": "user", "content": "Hi"}]
     rendered = ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rendered == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"

@@ -206,9 +206,13 @@ class AsyncLLM:
         request_id: str,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        *,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request, following ``sampling_params.output_kind``.
         ``priority`` (lower first) needs the engine's "priority" scheduling policy.
+        ``tokenization_kwargs``: how a text prompt is tokenized (vLLM's;
+        ``pagedlm.engine.tokenization_kwargs``).
 
         Bad input raises ``ValueError`` at the first ``__anext__``, before anything reaches
         the core. Closing the iterator early (or cancelling its task) aborts the request;
@@ -218,7 +222,9 @@ class AsyncLLM:
         self._check_alive()
         self._ensure_output_task()
         self._check_unique(request_id)
-        processed = await self._process(request_id, prompt, sampling_params, priority, lora_request)
+        processed = await self._process(
+            request_id, prompt, sampling_params, priority, lora_request, tokenization_kwargs
+        )
         async with contextlib.aclosing(self._run(processed)) as outputs:
             async for output in outputs:  # closing early aborts the request at once
                 yield output
@@ -332,6 +338,7 @@ class AsyncLLM:
         params: SamplingParams,
         priority: int,
         lora_request: LoRARequest | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> ProcessedRequest:
         """``InputProcessor.process``: inline when cheap, else on a worker thread (it has no
         side effects, so a caller that gives up mid-way leaves nothing behind)."""
@@ -339,7 +346,13 @@ class AsyncLLM:
         token_ids = prompt.get("prompt_token_ids") if isinstance(prompt, Mapping) else None
         size = len(text) if isinstance(text, str) else len(token_ids or ())
         process = functools.partial(
-            self.input_processor.process, request_id, prompt, params, priority, lora_request
+            self.input_processor.process,
+            request_id,
+            prompt,
+            params,
+            priority,
+            lora_request,
+            tokenization_kwargs,
         )
         has_images = isinstance(prompt, Mapping) and prompt.get("multi_modal_data")
         if size <= INLINE_PROMPT_CHARS and params.structured_outputs is None and not has_images:

@@ -13,6 +13,7 @@ from typing import Any
 
 from pagedlm.config import LoRAConfig, ModelConfig, MultiModalConfig
 from pagedlm.core.request import Request
+from pagedlm.engine.tokenization_kwargs import check_tokenization_kwargs, encode_text
 from pagedlm.inputs import PromptType
 from pagedlm.lora.frontend import AdapterChecker
 from pagedlm.lora.request import LoRARequest
@@ -83,14 +84,19 @@ class InputProcessor:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = eos
 
-    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        text, token_ids, _ = self.tokenize_multimodal(prompt)
+    def tokenize(
+        self, prompt: PromptType, tokenization_kwargs: Mapping[str, Any] | None = None
+    ) -> tuple[str | None, list[int]]:
+        """``(text, token ids)``; ``tokenization_kwargs``: how a text prompt is tokenized
+        (``pagedlm.engine.tokenization_kwargs``)."""
+        text, token_ids, _ = self.tokenize_multimodal(prompt, tokenization_kwargs)
         return text, token_ids
 
     def tokenize_multimodal(
-        self, prompt: PromptType
+        self, prompt: PromptType, tokenization_kwargs: Mapping[str, Any] | None = None
     ) -> tuple[str | None, list[int], list[MultiModalFeature]]:
         """``tokenize``, and the prompt's images as features (a text prompt has none)."""
+        kwargs = check_tokenization_kwargs(tokenization_kwargs)
         features: list[MultiModalFeature] = []
         mm_data = prompt.get("multi_modal_data") if isinstance(prompt, Mapping) else None
         if mm_data is not None:
@@ -98,10 +104,12 @@ class InputProcessor:
             text, token_ids, features = self.multimodal.process(prompt, mm_data)
             if token_ids:
                 return text, self._checked(token_ids), features
-        text, token_ids = self._tokenize_text(prompt)
+        text, token_ids = self._tokenize_text(prompt, kwargs)
         return text, token_ids, features
 
-    def _tokenize_text(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _tokenize_text(
+        self, prompt: PromptType, kwargs: dict[str, Any] | None
+    ) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             text, token_ids = prompt, None
         elif isinstance(prompt, Mapping):
@@ -122,7 +130,7 @@ class InputProcessor:
                     "skip_tokenizer_init=True: text prompts cannot be tokenized; pass "
                     "{'prompt_token_ids': [...]} instead."
                 )
-            token_ids = self.tokenizer.encode(text)
+            token_ids = encode_text(self.tokenizer, text, kwargs)
         return text, self._checked(token_ids)
 
     def _checked(self, token_ids: list[int]) -> list[int]:
@@ -272,6 +280,7 @@ class InputProcessor:
         params: SamplingParams,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        tokenization_kwargs: Mapping[str, Any] | None = None,
     ) -> ProcessedRequest:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}.")
@@ -284,7 +293,7 @@ class InputProcessor:
                 "send priority 0."
             )
         self.adapters.check(lora_request)
-        text, token_ids, mm_features = self.tokenize_multimodal(prompt)
+        text, token_ids, mm_features = self.tokenize_multimodal(prompt, tokenization_kwargs)
         keep = self.truncation_size(params.truncate_prompt_tokens)
         if keep is not None and len(token_ids) > keep:
             if mm_features:

@@ -75,9 +75,12 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> ProcessedRequest:
         """Validate and tokenize without touching the engine (raises ValueError)."""
-        return self.input_processor.process(request_id, prompt, params, priority, lora_request)
+        return self.input_processor.process(
+            request_id, prompt, params, priority, lora_request, tokenization_kwargs
+        )
 
     def add_processed_request(self, request: ProcessedRequest) -> None:
         # Check every child fits before queueing any, so a rejection leaves no trace.
@@ -105,9 +108,12 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.add_processed_request(
-            self.process_request(request_id, prompt, params, priority, lora_request)
+            self.process_request(
+                request_id, prompt, params, priority, lora_request, tokenization_kwargs
+            )
         )
 
     def add_lora(self, lora_request: LoRARequest) -> bool:

@@ -303,11 +303,15 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        *,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in input order. ``priority``: one
         value per prompt (lower first), for an engine with ``scheduling_policy="priority"``.
         ``lora_request``: the adapter of every prompt, or one (or None) per prompt; needs
-        ``enable_lora=True``."""
+        ``enable_lora=True``. ``tokenization_kwargs``: how text prompts are tokenized,
+        e.g. ``{"add_special_tokens": False}`` (vLLM's;
+        ``pagedlm.engine.tokenization_kwargs``)."""
         if self.llm_engine.config.model.runner == "pooling":
             raise ValueError(
                 "This model runs with runner='pooling', which does not generate; use "
@@ -331,7 +335,7 @@ class LLM:
         # Validate everything first: one bad prompt must not leave the others queued.
         # Image prompts are preprocessed in parallel, the first bad one's error raised.
         jobs = [
-            (str(next(self._request_counter)), prompt, params, rank, lora)
+            (str(next(self._request_counter)), prompt, params, rank, lora, tokenization_kwargs)
             for prompt, params, rank, lora in zip(prompts, params_list, priorities, loras)
         ]
         pool = self._pool_for(sum(map(_has_multimodal_data, prompts)))

@@ -76,8 +76,11 @@ class ChatTemplateRenderer:
         add_generation_prompt: bool,
         continue_final_message: bool,
         template_kwargs: dict[str, Any],
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        """Raises ``APIError`` (400) for a refused, failing or too costly template."""
+        """Raises ``APIError`` (400) for a refused, failing or too costly template.
+        ``add_special_tokens`` (vLLM's request field): the tokenizer's BOS and the like on
+        top of what the template wrote."""
         tokenizer = self.tokenizer
         template_kwargs = {**self.default_kwargs, **template_kwargs}
         if request_template is not None:
@@ -99,7 +102,7 @@ class ChatTemplateRenderer:
                 )
             except TemplateError as error:
                 raise APIError(str(error), param="chat_template") from error
-            return await asyncio.to_thread(_encode, tokenizer, text)
+            return await asyncio.to_thread(_encode, tokenizer, text, add_special_tokens)
         if self.server_template is None and getattr(tokenizer, "chat_template", None) is None:
             raise APIError(
                 "The model's tokenizer has no chat template; start the server with "
@@ -120,7 +123,7 @@ class ChatTemplateRenderer:
                 )
             except Exception as error:  # jinja2 errors, template raise_exception(...)
                 raise APIError(f"The chat template failed on these messages: {error}") from error
-            return _encode(tokenizer, text)
+            return _encode(tokenizer, text, add_special_tokens)
 
         return await asyncio.to_thread(render_and_encode)
 
@@ -148,9 +151,10 @@ class ChatTemplateRenderer:
         return self._sandbox
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    # The template already wrote BOS and other special tokens as text.
-    return list(tokenizer.encode(text, add_special_tokens=False))
+def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    # The template already wrote BOS and other special tokens as text (unless the request
+    # asks for the tokenizer's too).
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def _plain(value: Any) -> Any:

@@ -276,6 +276,9 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
     best_of: int | None = None
+    add_special_tokens: bool = True
+    """vLLM's: the tokenizer's special tokens (BOS) on text prompts; false for a prompt
+    that already holds them as text."""
 
     def prompts(self) -> list[str | dict[str, Any]]:
         """The prompt field as a list of engine prompts (text or token ids)."""
@@ -367,6 +370,9 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     """OpenAI's field, handed to the chat template (which may read it, as gpt-oss's does)."""
     mm_processor_kwargs: dict[str, Any] | None = None
     """vLLM's: options for the model's image processor, over ``--mm-processor-kwargs``."""
+    add_special_tokens: bool = False
+    """vLLM's: the tokenizer's special tokens (BOS) on top of what the chat template
+    writes (most templates write them; true would then double them)."""
 
     def num_logprobs(self) -> int | None:
         if not self.logprobs:

@@ -93,6 +93,7 @@ class ChatServer:
                 request.add_generation_prompt,
                 request.continue_final_message,
                 template_kwargs,
+                request.add_special_tokens,
             )
         }
         max_tokens = request.max_completion_tokens or request.max_tokens

@@ -8,9 +8,11 @@ loglikelihood requests): the engine samples one token, which is dropped.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedlm.entrypoints.openai.errors import APIError
 from pagedlm.entrypoints.openai.logprobs_format import LegacyLogprobs, prompt_logprobs_json
@@ -70,7 +72,11 @@ class CompletionServer:
         if request.echo and request.logprobs is not None:
             params.prompt_logprobs = max(params.prompt_logprobs or 0, request.logprobs)
         request_id = ctx.request_id("cmpl", request.request_id)
-        prompts = request.engine_prompts(request.prompts())
+        prompts = request.prompts()
+        if not request.add_special_tokens:
+            tokenizer = ctx.require_tokenizer()
+            prompts = await asyncio.to_thread(_without_special_tokens, tokenizer, prompts)
+        prompts = request.engine_prompts(prompts)
         lora = ctx.lora_request(request.model)
         beam = request.beam_search_params(request.max_tokens, ctx.max_model_len)
         if beam is not None and score_only:
@@ -218,3 +224,14 @@ class CompletionServer:
             ],
             "usage": usage,
         }
+
+
+def _without_special_tokens(tokenizer: Any, prompts: list[str | dict[str, Any]]) -> list[Any]:
+    """Text prompts tokenized without the tokenizer's BOS (``add_special_tokens=false``);
+    token-id prompts as they are."""
+    return [
+        {"prompt": p, "prompt_token_ids": tokenizer.encode(p, add_special_tokens=False)}
+        if isinstance(p, str)
+        else p
+        for p in prompts
+    ]

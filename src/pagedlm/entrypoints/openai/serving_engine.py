@@ -208,6 +208,7 @@ class ServingContext:
         add_generation_prompt: bool,
         continue_final_message: bool,
         template_kwargs: dict[str, Any],
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """Prompt token ids of ``conversation`` rendered with the (request's or server's)
         template, off the event loop."""
@@ -217,6 +218,7 @@ class ServingContext:
             add_generation_prompt,
             continue_final_message,
             template_kwargs,
+            add_special_tokens,
         )
 
     def spawn(self, awaitable: Awaitable[Any]) -> None:
