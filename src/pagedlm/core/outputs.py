@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from pagedlm.step import LogprobsLists
+from pagedlm.step import LogprobsLists, TensorData
 
 
 class EngineCoreOutput(NamedTuple):
@@ -23,9 +23,9 @@ class EngineCoreOutput(NamedTuple):
     num_cached_tokens: int = 0
     queued_seconds: float | None = None
     """Seconds from arrival to first scheduling (None until the request was scheduled)."""
-    pooled: list[float] | None = None
-    """A pooling request's vector (float32 values, before normalization), in the output
-    that finishes it."""
+    pooled: list[float] | TensorData | None = None
+    """A pooling request's vector (float32 values, before normalization), or a token-wise
+    task's rows (float32 ``[num_rows, dims]``), in the output that finishes it."""
 
     @property
     def finished(self) -> bool:

@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from pagedlm.lora.request import LoRARequest
     from pagedlm.sampling_params import SamplingParams
     from pagedlm.step.multimodal import MultiModalFeature
+    from pagedlm.step.pooling import PoolingSpec
 
 
 class RequestStatus(enum.IntEnum):
@@ -69,6 +70,7 @@ class Request:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
         mm_features: list[MultiModalFeature] | None = None,
+        pooling: PoolingSpec | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -81,6 +83,8 @@ class Request:
         """The adapter it runs with (None: the base model)."""
         self.mm_features: list[MultiModalFeature] = list(mm_features or ())
         """The prompt's images, sorted by placeholder offset (empty: a text prompt)."""
+        self.pooling = pooling
+        """A pooling model's request: its task (None: the model's own, or generating)."""
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.all_token_ids)

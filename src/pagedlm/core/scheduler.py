@@ -375,6 +375,7 @@ class OneBudgetScheduler(Scheduler):
                     num_computed_tokens=request.num_computed_tokens,
                     lora_request=request.lora_request,
                     mm_features=request.mm_features,
+                    pooling=request.pooling,
                 )
             )
             num_scheduled[request.request_id] = num_new_tokens

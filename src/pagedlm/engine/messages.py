@@ -25,6 +25,7 @@ from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.lora.request import LoRARequest
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.step.multimodal import MultiModalFeature
+from pagedlm.step.pooling import PoolingSpec
 
 _SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
 _SAMPLING_HINTS = typing.get_type_hints(SamplingParams)
@@ -64,6 +65,7 @@ class WireRequest(msgspec.Struct, array_like=True):
     priority: int = 0
     lora_request: LoRARequest | None = None
     mm_features: list[MultiModalFeature] = []
+    pooling: PoolingSpec | None = None
 
 
 def request_to_wire(request: Request) -> WireRequest:
@@ -77,6 +79,7 @@ def request_to_wire(request: Request) -> WireRequest:
         request.priority,
         request.lora_request,
         request.mm_features,
+        request.pooling,
     )
 
 
@@ -91,6 +94,7 @@ def request_from_wire(wire: WireRequest) -> Request:
         priority=wire.priority,
         lora_request=wire.lora_request,
         mm_features=wire.mm_features,
+        pooling=wire.pooling,
     )
 
 

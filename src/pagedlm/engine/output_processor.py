@@ -26,15 +26,14 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
-import torch
-
 from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.engine.completion_state import CompletionState
 from pagedlm.engine.detokenizer import DetokenizerFactory
 from pagedlm.engine.logprobs_processor import LogprobsProcessor, TokenTextCache, row_token_ids
 from pagedlm.outputs import PromptLogprobs, RequestOutput
-from pagedlm.pooling.outputs import PoolingOutput, PoolingRequestOutput
+from pagedlm.pooling.outputs import PoolingOutput, PoolingRequestOutput, pooled_tensor
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
+from pagedlm.step import TensorData
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -71,8 +70,8 @@ class _ParentRequest:
         """Whether ``metrics`` holds its first scheduling time yet."""
         self.step_new_tokens = 0
         """Tokens its children kept in the step being processed."""
-        self.pooled: list[float] | None = None
-        """A pooling request's vector, once its step is done."""
+        self.pooled: list[float] | TensorData | None = None
+        """A pooling request's vector (a token-wise task's rows), once its step is done."""
         self.held: list[CompletionState] = []
         """Children changed since the last output, which ``stream_interval`` held back."""
         self.tokens_held = 0
@@ -108,7 +107,7 @@ class _ParentRequest:
         if self.pooled is not None:
             return PoolingRequestOutput(
                 self.request_id,
-                PoolingOutput(torch.tensor(self.pooled, dtype=torch.float32)),
+                PoolingOutput(pooled_tensor(self.pooled)),
                 self.prompt_token_ids,
                 self.finished,
                 self.prompt,

@@ -84,10 +84,14 @@ class KVCacheManager:
         At most ``(num_tokens - 1) // block_size`` blocks are returned, so at least the
         last token is always computed again and produces logits to sample from.
         Requests that want prompt logprobs skip the cache: they need every prompt
-        position's logits. Nothing changes until the result is passed to
-        ``allocate_slots``.
+        position's logits; so do token-wise pooling requests, every position's hidden
+        state. Nothing changes until the result is passed to ``allocate_slots``.
         """
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        if (
+            not self.enable_prefix_caching
+            or request.sampling_params.prompt_logprobs is not None
+            or (request.pooling is not None and request.pooling.token_wise)
+        ):
             return _NO_HIT
         block_hashes = update_block_hashes(request, self.block_size)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

@@ -2,19 +2,40 @@
 ``PoolingRequestOutput`` (``outputs.data``, a tensor), ``LLM.embed`` returns
 ``EmbeddingRequestOutput`` (``outputs.embedding``, a list of floats), ``LLM.classify``
 ``ClassificationRequestOutput`` (``outputs.probs``) and ``LLM.score``
-``ScoringRequestOutput`` (``outputs.score``)."""
+``ScoringRequestOutput`` (``outputs.score``). ``LLM.reward`` and the token-wise tasks
+return ``PoolingRequestOutput`` with one row per prompt token."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from pagedlm.step import TensorData
+
+
+def pooled_tensor(pooled: list[float] | TensorData) -> torch.Tensor:
+    """The engine's raw pooled output as a float32 tensor: a vector ``[dims]``, or a
+    token-wise task's rows ``[num_rows, dims]``."""
+    if isinstance(pooled, TensorData):
+        array = np.frombuffer(pooled.data, dtype=np.dtype(pooled.dtype)).reshape(pooled.shape)
+        return torch.from_numpy(array.copy())  # writable, owning its memory
+    return torch.tensor(pooled, dtype=torch.float32)
+
+
+def as_tensor_data(rows: torch.Tensor) -> TensorData:
+    """Host float32 rows ``[num_rows, dims]`` as the step protocol carries them."""
+    array = rows.contiguous().numpy()
+    return TensorData(str(array.dtype), list(array.shape), array.tobytes())
 
 
 @dataclass
 class PoolingOutput:
     data: torch.Tensor
-    """[dims] float32: the prompt's pooled (and, by default, normalized) vector."""
+    """float32: the prompt's pooled (and, by default, normalized) vector ``[dims]``; for
+    the token-wise tasks (``token_embed``, ``token_classify``, ``LLM.reward``) one row per
+    prompt token (STEP pooling: per step tag) ``[num_rows, hidden or num_labels]``."""
 
 
 @dataclass

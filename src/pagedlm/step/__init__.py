@@ -14,6 +14,7 @@ answered by one ``ModelRunnerOutput``, collected through a ``StepResult`` handle
 """
 
 from pagedlm.step.multimodal import MultiModalFeature, TensorData
+from pagedlm.step.pooling import PoolingSpec
 from pagedlm.step.runner_output import (
     FinishedStep,
     LogprobsLists,
@@ -35,6 +36,7 @@ __all__ = [
     "ModelRunnerOutput",
     "MultiModalFeature",
     "NewRequestData",
+    "PoolingSpec",
     "SchedulerOutput",
     "StepResult",
     "TensorData",

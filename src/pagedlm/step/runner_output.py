@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pagedlm.step.multimodal import TensorData
+
 
 @dataclass(frozen=True)
 class LogprobsLists:
@@ -27,7 +29,8 @@ class ModelRunnerOutput:
     prefilled (a partial chunk); it holds one token per sampled position, so more than
     one once speculative decoding accepts drafts (then ``len - 1`` drafts were accepted).
     ``logprobs[req_id]`` has one row per sampled token. ``pooler_output[req_id]`` is a
-    pooling model's vector for a request whose prompt finished this step.
+    pooling model's vector for a request whose prompt finished this step, or for a
+    token-wise task its rows, float32 ``[num_rows, dims]`` as ``TensorData``.
     ``draft_token_ids[req_id]`` are the tokens its proposer drafted for its next step (only
     for requests in ``SchedulerOutput.num_drafts_to_propose``; possibly fewer, or none).
     """
@@ -36,7 +39,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
-    pooler_output: dict[str, list[float]] = field(default_factory=dict)
+    pooler_output: dict[str, list[float] | TensorData] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 

@@ -9,6 +9,7 @@ import numpy as np
 from pagedlm.lora.request import LoRARequest
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.step.multimodal import MultiModalFeature
+from pagedlm.step.pooling import PoolingSpec
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class NewRequestData:
     mm_features: list[MultiModalFeature] = field(default_factory=list)
     """The prompt's images (sorted by offset); workers keep them while the request lives,
     so ``SchedulerOutput.scheduled_encoder_inputs`` names them by index."""
+    pooling: PoolingSpec | None = None
+    """A pooling model's request: what its workers pool (None: the model's own task)."""
 
 
 @dataclass(frozen=True)
