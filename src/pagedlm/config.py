@@ -232,6 +232,9 @@ def position_offset(architecture: str, cfg: dict[str, Any]) -> int:
 
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
+TOKEN_POOLING_TYPES = ("ALL", "STEP")
+"""Token-wise pooling (vLLM's ``tok_pooling_type``): every prompt token's row, or only the
+rows of the positions holding ``step_tag_id`` (process reward models)."""
 CLASSIFIER_ACTIVATIONS = ("softmax", "sigmoid", "identity")
 RUNNERS = ("auto", "generate", "pooling")
 """``runner`` values (vLLM's); "auto" resolves to one of the other two at the edge."""
@@ -261,6 +264,18 @@ class PoolerConfig:
     activation: str = "identity"
     """What turns a classifier's logits into its outputs when a request does not turn it
     off (``PoolingParams.use_activation``): one of ``CLASSIFIER_ACTIVATIONS``."""
+    sequence_pooling: bool = True
+    """Whether the model also pools whole prompts (``pooling_type``: embed, classify,
+    score) besides token-wise; False for models whose head reads every token
+    (``*ForTokenClassification``, reward models), which serve ``token_classify`` only."""
+    tok_pooling_type: str = "ALL"
+    """Token-wise tasks (``token_embed``, ``token_classify``): one of
+    ``TOKEN_POOLING_TYPES``."""
+    step_tag_id: int | None = None
+    """STEP pooling: keep the rows of the prompt positions holding this token id (None:
+    every row); a request's ``step_tag_id`` overrides it."""
+    returned_token_ids: tuple[int, ...] | None = None
+    """STEP pooling: keep these columns (a reward head's labels) before the activation."""
 
     @property
     def num_labels(self) -> int | None:

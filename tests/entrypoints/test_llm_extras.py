@@ -44,5 +44,9 @@ def test_pooling_task_is_checked_against_the_model(llm):
     prompt = {"prompt_token_ids": [1, 2]}
     with pytest.raises(ValueError, match="needs a pooling model"):
         llm.encode(prompt, pooling_task="embed", use_tqdm=False)
-    with pytest.raises(ValueError, match="token-wise pooling"):
+    with pytest.raises(ValueError, match="token_embed needs a pooling model"):
         llm.encode(prompt, pooling_task="token_embed", use_tqdm=False)
+    with pytest.raises(ValueError, match="pooling task 'reward' is unknown"):
+        llm.encode(prompt, pooling_task="reward", use_tqdm=False)
+    with pytest.raises(ValueError, match="token_classify needs a pooling model"):
+        llm.reward(prompt, use_tqdm=False)

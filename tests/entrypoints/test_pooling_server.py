@@ -6,13 +6,21 @@ fix."""
 from __future__ import annotations
 
 import asyncio
+import base64
 
 import httpx
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from embedding_checkpoints import hf_hidden, write_bert, write_bert_classifier
+from embedding_checkpoints import (
+    hf_hidden,
+    write_bert,
+    write_bert_classifier,
+    write_decoder,
+    write_wordpiece_tokenizer,
+)
 from pagedlm.entrypoints.openai.app import build_app
 from pagedlm.entrypoints.openai.serving_engine import ServingContext
 from pagedlm.metrics.prometheus import PrometheusMetrics
@@ -25,8 +33,8 @@ TOLERANCE = 1e-4
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
-def _app(path):
-    return in_process_app(path, MODEL, num_kv_blocks=64, chat_template=CHAT_TEMPLATE)
+def _app(path, **options):
+    return in_process_app(path, MODEL, num_kv_blocks=64, chat_template=CHAT_TEMPLATE, **options)
 
 
 @pytest.fixture(scope="module")
@@ -241,3 +249,60 @@ def test_classify_and_pooling_take_the_chat_form(cross_encoder):
     assert chat["data"][0]["probs"] == direct["data"][0]["probs"]
     assert pooled["data"][0]["data"] == direct["data"][0]["probs"]
     assert chat["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_pooling_takes_a_token_wise_task(tmp_path):
+    """vLLM's ``task`` on /pooling: a token classifier's probabilities at every token (its
+    prompt chunked over steps of 8 tokens), a row per token in ``data``; a task the model
+    does not serve is a 400 naming the ones it does."""
+    write_wordpiece_tokenizer(tmp_path)
+    model = write_decoder(tmp_path, "LlamaConfig", "LlamaForTokenClassification", num_labels=3)
+    engine, app = _app(tmp_path, max_num_batched_tokens=8)
+    try:
+        text = "the quick brown fox jumps over the lazy dog"
+        (s1, tokens), (s2, default), (s3, raw), (s4, wrong), (s5, classify) = _post_all(
+            app,
+            [
+                ("/pooling", {"input": text, "task": "token_classify"}),
+                ("/pooling", {"input": [text]}),  # the model's own task
+                ("/pooling", {"input": text, "task": "token_classify", "use_activation": False}),
+                ("/pooling", {"input": text, "task": "token_embed"}),
+                ("/classify", {"input": text}),
+            ],
+        )
+    finally:
+        engine.shutdown()
+    assert (s1, s2, s3, s4, s5) == (200, 200, 200, 400, 400)
+    ids = app.tokenizer.encode(text)
+    assert len(ids) > 8
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0]
+    rows = tokens["data"][0]["data"]
+    assert (torch.tensor(rows) - logits.softmax(-1)).abs().max().item() < TOLERANCE
+    assert (torch.tensor(raw["data"][0]["data"]) - logits).abs().max().item() < TOLERANCE
+    assert default["data"][0]["data"] == rows
+    assert tokens["usage"]["prompt_tokens"] == len(ids)
+    for body in (wrong, classify):
+        assert "serves the tasks ['token_classify']" in body["error"]["message"]
+    assert wrong["error"]["param"] == "task"
+
+
+def test_an_embedding_server_embeds_every_token_on_pooling(tmp_path):
+    model = write_bert(tmp_path, "cls", normalize=True)
+    engine, app = _app(tmp_path)
+    try:
+        (s1, tokens), (s2, reward) = _post_all(
+            app,
+            [
+                ("/pooling", {"input": QUERY, "task": "token_embed", "encoding_format": "base64"}),
+                ("/pooling", {"input": QUERY, "task": "token_classify"}),
+            ],
+        )
+    finally:
+        engine.shutdown()
+    assert (s1, s2) == (200, 400)
+    want = F.normalize(hf_hidden(model, app.tokenizer.encode(QUERY)), dim=-1)
+    got = np.frombuffer(base64.b64decode(tokens["data"][0]["data"]), dtype="<f4")
+    got = torch.from_numpy(got.copy()).reshape(want.shape)
+    assert (got - want).abs().max().item() < TOLERANCE
+    assert "token_embed" in reward["error"]["message"]

@@ -134,10 +134,20 @@ def test_more_prompts_than_one_step_holds_still_match(tmp_path, async_scheduling
 def test_the_edge_refuses_what_pooling_cannot_do(tmp_path):
     write_decoder(tmp_path, "LlamaConfig", "LlamaForCausalLM")
     path = str(tmp_path)
+    # Mean pooling reads every row in one step: a budget below max_model_len is refused.
     with pytest.raises(ValueError, match="--max-num-batched-tokens"):
         EngineArgs(
-            model=path, runner="pooling", max_model_len=64, max_num_batched_tokens=16
+            model=path,
+            runner="pooling",
+            max_model_len=64,
+            max_num_batched_tokens=16,
+            pooler_config={"pooling_type": "MEAN"},
         ).create_engine_config()
+    # Last-token pooling over causal attention reads only the last row: prompts chunk.
+    chunked, _ = EngineArgs(
+        model=path, runner="pooling", max_model_len=64, max_num_batched_tokens=16
+    ).create_engine_config()
+    assert not chunked.scheduler.whole_prompts
     spec = {"method": "ngram", "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="does not support speculative_config"):
         EngineArgs(model=path, runner="pooling", speculative_config=spec).create_engine_config()
@@ -201,7 +211,8 @@ def test_pooler_config_overrides_the_checkpoints_pooling(tmp_path):
         _assert_close(output.outputs.data, reference_vector(hf_hidden(model, ids), "mean", False))
     llm.llm_engine.shutdown()
     for overrides, message in (
-        ({"pooling_type": "STEP"}, "not served"),
+        ({"pooling_type": "MAX"}, "not served"),
+        ({"step_tag_id": 5}, 'add "tok_pooling_type": "STEP"'),
         ({"dimensions": 8}, "dimensions is not supported"),
         ({"pooling": "MEAN"}, "unknown key 'pooling'"),
         ({"use_activation": False}, "applies to classifiers"),

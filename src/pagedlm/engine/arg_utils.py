@@ -411,7 +411,9 @@ class EngineArgs:
             platform.default_max_num_batched_tokens, self.max_num_seqs
         )
         runner, pooler = self._runner(arch, model)
-        whole_prompts = runner == "pooling" or not self.enable_chunked_prefill
+        whole_prompts = not self.enable_chunked_prefill or (
+            runner == "pooling" and not _chunks_prompts(arch, pooler, self.max_num_batched_tokens)
+        )
         if whole_prompts:
             max_num_batched_tokens = self._whole_prompt_budget(
                 max_model_len,
@@ -731,6 +733,13 @@ def _caches_prefixes(arch: ArchConfig, pooler: PoolerConfig) -> bool:
     from pagedlm.pooling.model_config import caches_prefixes
 
     return caches_prefixes(arch, pooler)
+
+
+def _chunks_prompts(arch: ArchConfig, pooler: PoolerConfig | None, budget: int | None) -> bool:
+    from pagedlm.pooling.model_config import chunks_prompts
+
+    assert pooler is not None, "a pooling runner has a pooler config"
+    return chunks_prompts(arch, pooler, budget)
 
 
 def _merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

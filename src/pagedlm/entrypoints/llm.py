@@ -355,21 +355,19 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         pooling_task: str | None = None,
     ) -> list[PoolingRequestOutput]:
-        """One pooled vector per prompt (``outputs.data``, float32), in input order; needs
+        """One pooled output per prompt (``outputs.data``, float32), in input order; needs
         a pooling model (``runner="pooling"``, or "auto" on an embedding checkpoint). A
         classifier's vector is its labels' probabilities (``LLM.classify``).
         ``truncate_prompt_tokens``: every prompt's ``PoolingParams.truncate_prompt_tokens``
-        (vLLM's keyword). ``pooling_task`` (vLLM's): "embed" or "classify", checked
-        against the model; None: the model's own."""
+        (vLLM's keyword). ``pooling_task`` (vLLM's): "embed", "classify", "score",
+        "token_embed" or "token_classify", checked against the model (the error names the
+        tasks it serves); None: the parameters' ``task``, else the model's own. The
+        token-wise tasks give a row per prompt token, ``[num_prompt_tokens, hidden or
+        num_labels]`` (STEP pooling: a row per step tag; ``pagedlm.pooling.tasks``)."""
         if pooling_task is not None:
-            if pooling_task not in ("embed", "classify", "score"):
-                raise ValueError(
-                    f"pooling_task={pooling_task!r} is not served (token-wise pooling is not); "
-                    "use 'embed', 'classify' or 'score', or None for the model's own."
-                )
             self._check_task(pooling_task)
         prompts = _prompt_list(prompts)
-        return self._pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
+        return self._pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, pooling_task)
 
     def _pool(
         self,
@@ -377,11 +375,14 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None,
         use_tqdm: bool,
         truncate_prompt_tokens: int | None = None,
+        task: str | None = None,
     ) -> list[PoolingRequestOutput]:
         """``encode`` for prompts and text pairs (a cross-encoder's)."""
         from pagedlm.pooling.requests import process_pooling_request
 
         params_list = _one_per_prompt(pooling_params or PoolingParams(), len(prompts))
+        if task is not None:
+            params_list = [params.with_task(task) for params in params_list]
         if truncate_prompt_tokens is not None:
             params_list = [
                 dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
@@ -401,7 +402,7 @@ class LLM:
         assert pooler is not None
         for output, params in zip(outputs, params_list):
             assert isinstance(output, PoolingRequestOutput)
-            output.outputs.data = params.finish(output.outputs.data.tolist(), pooler)
+            output.outputs.data = params.finish(output.outputs.data, pooler)
         return outputs  # type: ignore[return-value]
 
     def embed(
@@ -420,6 +421,7 @@ class LLM:
             pooling_params,
             use_tqdm=use_tqdm,
             truncate_prompt_tokens=truncate_prompt_tokens,
+            pooling_task="embed",
         )
         return [EmbeddingRequestOutput.from_base(output) for output in outputs]
 
@@ -440,8 +442,32 @@ class LLM:
             pooling_params,
             use_tqdm=use_tqdm,
             truncate_prompt_tokens=truncate_prompt_tokens,
+            pooling_task="classify",
         )
         return [ClassificationRequestOutput.from_base(output) for output in outputs]
+
+    def reward(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        /,
+        *,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """Rewards per prompt token (vLLM's): ``encode`` with ``pooling_task=
+        "token_classify"``, so ``outputs.data`` is ``[num_prompt_tokens, num_labels]``,
+        the head's logits through the model's activation (``PoolingParams(
+        use_activation=False)``: raw), or with STEP pooling (process reward models) a row
+        per step tag; needs a model that serves token_classify (a reward model, a token or
+        sequence classifier)."""
+        return self.encode(
+            prompts,
+            pooling_params,
+            use_tqdm=use_tqdm,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            pooling_task="token_classify",
+        )
 
     def score(
         self,
@@ -496,7 +522,7 @@ class LLM:
         ]
 
     def _check_task(self, task: str) -> None:
-        from pagedlm.pooling.scoring import check_task
+        from pagedlm.pooling.tasks import check_task
 
         check_task(self.llm_engine.config.model.pooler, task)
 

@@ -14,6 +14,12 @@ pooling, then the checkpoint's head gives one logit per label (``id2label``). Wh
 the logits into outputs follows sentence-transformers' ``CrossEncoder`` where its config
 says (``activation_fn``), else transformers' ``problem_type``: identity for regression,
 sigmoid for multi-label or a single label, softmax otherwise (vLLM does the same).
+
+Token classifiers (``*ForTokenClassification``) and reward models (``Qwen2ForRewardModel``,
+``Qwen2ForProcessRewardModel``) read their head at every token: they pool token-wise only
+(``sequence_pooling=False``), every token ("ALL") or, for a process reward model, the
+positions of a step tag ("STEP", vLLM's defaults). Every pooling model also serves the
+token-wise task of its kind (``pagedlm.pooling.tasks``).
 """
 
 from __future__ import annotations
@@ -23,7 +29,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pagedlm.config import POOLING_TYPES, ROBERTA_ARCHITECTURES, RUNNERS, ArchConfig, PoolerConfig
+from pagedlm.config import (
+    POOLING_TYPES,
+    ROBERTA_ARCHITECTURES,
+    RUNNERS,
+    TOKEN_POOLING_TYPES,
+    ArchConfig,
+    PoolerConfig,
+)
 
 POOLING_ARCHITECTURES = frozenset(
     {
@@ -50,6 +63,20 @@ CLASSIFIER_ARCHITECTURES = frozenset(
 )
 """Architectures with a classification head instead of an LM head: pooling models that
 give one logit per label (``LLM.classify``, ``LLM.score``, /classify, /score, /rerank)."""
+TOKEN_CLASSIFIER_ARCHITECTURES = frozenset(
+    {
+        "LlamaForTokenClassification",
+        "MistralForTokenClassification",
+        "Qwen2ForTokenClassification",
+        "Qwen3ForTokenClassification",
+        "Qwen2ForRewardModel",
+        "Qwen2ForProcessRewardModel",
+    }
+)
+"""Architectures whose head gives logits at every token: pooling models serving
+``token_classify`` only (``LLM.reward``, ``LLM.encode(pooling_task="token_classify")``)."""
+_REWARD_LABELS = {"Qwen2ForRewardModel": 1, "Qwen2ForProcessRewardModel": 2}
+"""Reward models' heads have a fixed width whatever their config says (vLLM's)."""
 ENCODER_ARCHITECTURES = frozenset(
     {"BertModel", "BertForSequenceClassification"} | ROBERTA_ARCHITECTURES
 )
@@ -84,7 +111,9 @@ def resolve_runner(requested: str, arch: ArchConfig, model_path: str) -> str:
     """ "generate" or "pooling" for ``runner=requested``; errors name the fix."""
     if requested not in RUNNERS:
         raise ValueError(f"runner={requested!r} is unknown; use one of {list(RUNNERS)}.")
-    embeds = arch.architecture in POOLING_ARCHITECTURES | CLASSIFIER_ARCHITECTURES
+    embeds = arch.architecture in (
+        POOLING_ARCHITECTURES | CLASSIFIER_ARCHITECTURES | TOKEN_CLASSIFIER_ARCHITECTURES
+    )
     if requested == "auto":
         is_st = not model_path.endswith(".gguf") and _modules(model_path) is not None
         return "pooling" if embeds or is_st else "generate"
@@ -100,6 +129,8 @@ def pooler_config(arch: ArchConfig, model_path: str) -> PoolerConfig:
     """How a pooling model pools: from its sentence-transformers modules, else defaults."""
     if arch.architecture in CLASSIFIER_ARCHITECTURES:
         return classifier_config(arch)
+    if arch.architecture in TOKEN_CLASSIFIER_ARCHITECTURES:
+        return token_classifier_config(arch)
     matryoshka = arch.raw.get("matryoshka_dimensions")
     is_matryoshka = bool(arch.raw.get("is_matryoshka")) or bool(matryoshka)
     dimensions = tuple(int(d) for d in matryoshka) if matryoshka else None
@@ -175,6 +206,28 @@ def classifier_config(arch: ArchConfig) -> PoolerConfig:
     return PoolerConfig(pooling, False, labels=labels, activation=_activation(raw, len(labels)))
 
 
+def token_classifier_config(arch: ArchConfig) -> PoolerConfig:
+    """A token classifier's or reward model's pooling: its head at every token (STEP for a
+    process reward model), its labels and activation as a sequence classifier's."""
+    raw = arch.raw
+    count = _REWARD_LABELS.get(arch.architecture)
+    id2label = raw.get("id2label")
+    if id2label and (count is None or len(id2label) == count):
+        labels = tuple(str(id2label[key]) for key in sorted(id2label, key=int))
+    else:
+        count = count or int(raw.get("num_labels", 2))
+        labels = tuple(f"LABEL_{i}" for i in range(count))
+    step = arch.architecture == "Qwen2ForProcessRewardModel"
+    return PoolerConfig(
+        "LAST",
+        False,
+        labels=labels,
+        activation=_activation(raw, len(labels)),
+        sequence_pooling=False,
+        tok_pooling_type="STEP" if step else "ALL",
+    )
+
+
 def with_classifier_token_ids(arch: ArchConfig, tokenizer: Any) -> ArchConfig:
     """``arch`` with the ids of its ``classifier_from_token`` words
     (``classifier_from_token_ids``), which the model reads its head from; each word must
@@ -235,28 +288,52 @@ def reads_token_types(arch: ArchConfig) -> bool:
 def caches_prefixes(arch: ArchConfig, pooler: PoolerConfig) -> bool:
     """Whether a pooling model may take a prompt's prefix from the prefix cache: causal
     attention (a token's keys do not depend on later tokens) and last-token pooling (the
-    pooler reads only the last row, which is always computed). Encoders and MEAN/CLS
-    pooling need every row of the prompt in the step."""
-    return pooler.pooling_type == "LAST" and arch.architecture not in ENCODER_ARCHITECTURES
+    pooler reads only the last row, which is always computed). Encoders, MEAN/CLS pooling
+    and models that pool token-wise only need every row of the prompt (vLLM turns the
+    cache off for ALL pooling); a token-wise request to a model that caches reads nothing
+    from the cache (``PoolingSpec``)."""
+    return (
+        pooler.sequence_pooling
+        and pooler.pooling_type == "LAST"
+        and arch.architecture not in ENCODER_ARCHITECTURES
+    )
 
 
-POOLER_CONFIG_KEYS = ("pooling_type", "seq_pooling_type", "normalize", "use_activation")
+def chunks_prompts(arch: ArchConfig, pooler: PoolerConfig, budget: int | None) -> bool:
+    """Whether the pooling runner may compute a prompt over several steps: causal
+    attention, and a pooler that needs no more than the step's rows (the last token's, or
+    token-wise rows gathered chunk by chunk on the worker). Only when the step budget
+    (``max_num_batched_tokens``) is set: by default the pooling runner's budget holds
+    ``max_model_len`` tokens and every prompt runs whole."""
+    if budget is None or arch.architecture in ENCODER_ARCHITECTURES:
+        return False
+    return not pooler.sequence_pooling or pooler.pooling_type == "LAST"
+
+
+POOLER_CONFIG_KEYS = (
+    "pooling_type",
+    "seq_pooling_type",
+    "tok_pooling_type",
+    "normalize",
+    "use_activation",
+    "step_tag_id",
+    "returned_token_ids",
+)
 """The keys of vLLM's ``--pooler-config`` that pagedlm applies."""
 _UNSUPPORTED_POOLER_KEYS = {
-    "tok_pooling_type": "token-wise pooling (ALL, STEP) is not served",
     "dimensions": "pass dimensions per request (matryoshka models)",
     "enable_chunked_processing": "prompts longer than the model's context are refused",
     "max_embed_len": "prompts longer than the model's context are refused",
     "logit_bias": "classifier logits are not shifted",
-    "step_tag_id": "step pooling is not served",
-    "returned_token_ids": "step pooling is not served",
 }
 
 
 def with_pooler_overrides(config: PoolerConfig, overrides: dict[str, Any] | None) -> PoolerConfig:
     """``config`` with vLLM's ``--pooler-config`` keys applied over what the checkpoint
-    says: ``pooling_type`` (or ``seq_pooling_type``), ``normalize`` (embeddings) and
-    ``use_activation`` (a classifier's activation; false: its raw logits)."""
+    says: ``pooling_type`` (a sequence pooling, or "ALL"/"STEP" for the token-wise tasks,
+    as vLLM reads it), ``seq_pooling_type``, ``tok_pooling_type``, ``normalize``
+    (embeddings), ``use_activation`` (a classifier's activation; false: its raw logits),
+    and STEP pooling's ``step_tag_id`` and ``returned_token_ids``."""
     if not overrides:
         return config
     for key in overrides:
@@ -268,20 +345,7 @@ def with_pooler_overrides(config: PoolerConfig, overrides: dict[str, Any] | None
             raise ValueError(
                 f"pooler_config has an unknown key {key!r}; use {list(POOLER_CONFIG_KEYS)}."
             )
-    changes: dict[str, Any] = {}
-    both = {overrides.get("pooling_type"), overrides.get("seq_pooling_type")} - {None}
-    if len(both) > 1:
-        raise ValueError(
-            "pooler_config gives pooling_type and seq_pooling_type different values; pass one."
-        )
-    if both:
-        pooling_type = str(both.pop()).upper()
-        if pooling_type not in POOLING_TYPES:
-            raise ValueError(
-                f"pooler_config.pooling_type={pooling_type!r} is not served; use one of "
-                f"{list(POOLING_TYPES)}."
-            )
-        changes["pooling_type"] = pooling_type
+    changes: dict[str, Any] = _pooling_types(overrides)
     for key in ("normalize", "use_activation"):
         if key in overrides and not isinstance(overrides[key], bool):
             raise ValueError(f"pooler_config.{key} must be true or false, got {overrides[key]!r}.")
@@ -300,4 +364,71 @@ def with_pooler_overrides(config: PoolerConfig, overrides: dict[str, Any] | None
             )
         if not overrides["use_activation"]:
             changes["activation"] = "identity"
-    return dataclasses.replace(config, **changes)
+    changes.update(_step_fields(overrides))
+    result = dataclasses.replace(config, **changes)
+    step_keys = [key for key in ("step_tag_id", "returned_token_ids") if key in changes]
+    if step_keys and result.tok_pooling_type != "STEP":
+        raise ValueError(
+            f"pooler_config.{step_keys[0]} applies to STEP pooling, and this model pools "
+            f'token-wise with {result.tok_pooling_type!r}; add "tok_pooling_type": "STEP".'
+        )
+    columns = result.returned_token_ids
+    if columns and result.labels is not None and max(columns) >= len(result.labels):
+        raise ValueError(
+            f"pooler_config.returned_token_ids {list(columns)} name columns the head has not: "
+            f"it gives {len(result.labels)} labels."
+        )
+    return result
+
+
+def _pooling_types(overrides: dict[str, Any]) -> dict[str, str]:
+    """``pooling_type`` sorted into the sequence or token-wise kind it names, checked
+    against ``seq_pooling_type`` and ``tok_pooling_type``."""
+    given = {key: str(overrides[key]).upper() for key in POOLER_CONFIG_KEYS[:3] if key in overrides}
+    kinds = {"seq_pooling_type": POOLING_TYPES, "tok_pooling_type": TOKEN_POOLING_TYPES}
+    chosen: dict[str, str] = {}
+    for key, value in given.items():
+        kind = key
+        if key == "pooling_type":
+            kind = "tok_pooling_type" if value in TOKEN_POOLING_TYPES else "seq_pooling_type"
+        if value not in kinds[kind]:
+            allowed = (
+                list(POOLING_TYPES + TOKEN_POOLING_TYPES)
+                if key == "pooling_type"
+                else list(kinds[kind])
+            )
+            raise ValueError(f"pooler_config.{key}={value!r} is not served; use one of {allowed}.")
+        if chosen.get(kind, value) != value:
+            raise ValueError(
+                f"pooler_config gives pooling_type and {kind} different values; pass one."
+            )
+        chosen[kind] = value
+    changes = {}
+    if "seq_pooling_type" in chosen:
+        changes["pooling_type"] = chosen["seq_pooling_type"]
+    if "tok_pooling_type" in chosen:
+        changes["tok_pooling_type"] = chosen["tok_pooling_type"]
+    return changes
+
+
+def _step_fields(overrides: dict[str, Any]) -> dict[str, Any]:
+    changes: dict[str, Any] = {}
+    step_tag_id = overrides.get("step_tag_id")
+    if step_tag_id is not None:
+        if isinstance(step_tag_id, bool) or not isinstance(step_tag_id, int) or step_tag_id < 0:
+            raise ValueError(
+                f"pooler_config.step_tag_id must be a token id (an integer >= 0), got "
+                f"{step_tag_id!r}."
+            )
+        changes["step_tag_id"] = step_tag_id
+    columns = overrides.get("returned_token_ids")
+    if columns is not None:
+        if not isinstance(columns, list) or not all(
+            isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in columns
+        ):
+            raise ValueError(
+                f"pooler_config.returned_token_ids must be a list of column indices, got "
+                f"{columns!r}."
+            )
+        changes["returned_token_ids"] = tuple(columns)
+    return changes

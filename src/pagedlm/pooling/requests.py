@@ -1,9 +1,11 @@
 """A pooling prompt as an engine-core request.
 
 The engine core runs a pooling request like a prompt that samples nothing: the whole
-prompt in one step (``SchedulerConfig.whole_prompts``), then the scheduler finishes it
-with the pooled vector (``ModelRunnerOutput.pooler_output``). Its ``SamplingParams`` only
-keep the core's length bookkeeping true: one output slot (``max_tokens=1``), never filled.
+prompt in one step (``SchedulerConfig.whole_prompts``), or in chunks where the model's
+pooling allows it (``model_config.chunks_prompts``), then the scheduler finishes it with
+the pooled vector or rows (``ModelRunnerOutput.pooler_output``). Its ``SamplingParams``
+only keep the core's length bookkeeping true: one output slot (``max_tokens=1``), never
+filled; its ``PoolingSpec`` tells the core and the workers its task.
 
 A cross-encoder scores a text pair as one prompt: a ``(text_1, text_2)`` tuple, joined by
 the tokenizer as it joins pairs (``[CLS] a [SEP] b [SEP]`` for BERT); a model that reads
@@ -20,6 +22,7 @@ from pagedlm.engine.input_processor import InputProcessor, ProcessedRequest, Pro
 from pagedlm.pooling.model_config import reads_token_types
 from pagedlm.pooling.params import PoolingParams
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
+from pagedlm.step.pooling import TOKEN_TASKS, PoolingSpec
 from pagedlm.tokenizer import as_transformers
 
 PairPrompt = tuple[str, str]
@@ -68,7 +71,9 @@ def process_pooling_request(
         )
     sampling = pooling_sampling_params()
     arrival = time.monotonic()
-    child = Request(request_id, engine_ids, sampling, arrival_time=arrival)
+    task = params.resolved_task(config.pooler)
+    spec = PoolingSpec(task, params.step_tag(config.pooler) if task in TOKEN_TASKS else None)
+    child = Request(request_id, engine_ids, sampling, arrival_time=arrival, pooling=spec)
     return ProcessedRequest(request_id, text, token_ids, sampling, [child], arrival)
 
 

@@ -19,35 +19,6 @@ from pagedlm.config import PoolerConfig
 T = TypeVar("T")
 U = TypeVar("U")
 
-TASKS = ("embed", "classify", "score")
-
-
-def check_task(pooler: PoolerConfig | None, task: str) -> None:
-    """Raise ``ValueError`` naming the fix when the pooling model cannot run ``task``."""
-    assert task in TASKS, task
-    if pooler is None:
-        raise ValueError(
-            f"{task} needs a pooling model (an embedding model or a classifier); this one "
-            "generates. Load one with runner='pooling' (--runner pooling)."
-        )
-    labels = pooler.labels
-    if task == "embed" and labels is not None:
-        raise ValueError(
-            f"This model is a classifier ({len(labels)} labels) and does not embed; use "
-            "LLM.classify() or /classify (LLM.score() or /score for a cross-encoder)."
-        )
-    if task == "classify" and labels is None:
-        raise ValueError(
-            "This model embeds and does not classify; use LLM.embed() or /v1/embeddings "
-            "(serve a *ForSequenceClassification checkpoint to classify)."
-        )
-    if task == "score" and labels is not None and len(labels) != 1:
-        raise ValueError(
-            f"Scoring needs a cross-encoder (a classifier with one label) or an embedding "
-            f"model; this classifier has {len(labels)} labels. Use LLM.classify() or "
-            "/classify."
-        )
-
 
 def is_cross_encoder(pooler: PoolerConfig) -> bool:
     return pooler.labels is not None

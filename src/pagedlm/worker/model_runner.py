@@ -88,8 +88,8 @@ class _ForwardDone:
     """[num_tokens, hidden] the step's hidden states (proposers read them)."""
     to_propose: dict[str, int]
     """``SchedulerOutput.num_drafts_to_propose``."""
-    pooled: torch.Tensor | None = None
-    """The pooling runner's vectors [len(inputs.sampled), hidden] (then no logits)."""
+    pooled: PooledStep | None = None
+    """The pooling runner's outputs of the step (then no logits)."""
 
 
 def model_attention_layers(model: torch.nn.Module) -> list[int]:
@@ -315,6 +315,8 @@ class ModelRunner:
             self.logits_processors.admit(scheduler_output)
         self.encoder.update(scheduler_output)
         self.rope_positions.update(scheduler_output)
+        if self.pooler is not None:
+            self.pooler.update(scheduler_output)
         if scheduler_output.is_empty:
             self.input_batch.flush()
             return
@@ -336,7 +338,9 @@ class ModelRunner:
             self._forward_done = _ForwardDone(inputs, None, None, {})
             return
         if self.pooler is not None:
-            pooled = self.pooler(hidden, layout.query_start_loc_cpu, inputs.sampled)
+            pooled = self.pooler.pool(
+                hidden, inputs.req_ids, layout.query_start_loc_cpu, inputs.seq_lens, inputs.sampled
+            )
             self._forward_done = _ForwardDone(inputs, None, None, {}, pooled)
             return
         if inputs.logits_indices is None:
@@ -408,8 +412,7 @@ class ModelRunner:
             return FinishedStep(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         inputs, logits = done.inputs, done.logits
         if done.pooled is not None:
-            pooled_ids = [inputs.req_ids[i] for i in inputs.sampled]
-            return PooledStep(inputs.req_ids, pooled_ids, done.pooled)
+            return done.pooled
         if logits is None:  # a stage before the last: the last one samples and reports
             return FinishedStep(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         batch = self.input_batch

@@ -92,9 +92,12 @@ class RerankRequest(ActivationFields):
 
 
 class PoolingRequest(InputOrMessages, ActivationFields):
-    """The model's pooled output as it is: an embedding, or a classifier's probabilities."""
+    """The model's pooled output as it is: an embedding, or a classifier's probabilities;
+    with ``task`` (vLLM's) "token_embed" or "token_classify", one row per prompt token."""
 
     model: str | None = None
+    task: str | None = None
+    """The pooling task (``pagedlm.pooling.tasks``; None: the model's own)."""
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     normalize: bool | None = None

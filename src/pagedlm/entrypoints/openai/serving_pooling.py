@@ -1,5 +1,7 @@
 """``POST /classify``, ``/score``, ``/rerank`` and ``/pooling``: a pooling model's
-classifications, pair scores and raw outputs, with vLLM's request and response shapes.
+classifications, pair scores and raw outputs, with vLLM's request and response shapes
+(``/pooling`` takes vLLM's ``task``: a token-wise one answers with a row per prompt token,
+``data`` a list of lists).
 
 Every prompt is its own engine request (``pool_all``: all started together, so they share
 steps; a bad one fails the whole request with 400 and aborts the others). Scoring follows
@@ -26,12 +28,13 @@ from pagedlm.entrypoints.openai.protocol_pooling import (
     ScoreRequest,
 )
 from pagedlm.entrypoints.openai.serving_engine import ServingContext
-from pagedlm.pooling import PoolingParams, PoolingRequestOutput, scoring
+from pagedlm.pooling import PoolingParams, PoolingRequestOutput, scoring, tasks
 
 
-def encode_vector(vector: Any, encoding_format: str) -> list[float] | str:
-    """A float32 vector (tensor) as a response's ``embedding``/``data`` field: JSON floats,
-    or base64 of its little-endian float32 bytes."""
+def encode_vector(vector: Any, encoding_format: str) -> list[Any] | str:
+    """A float32 vector (tensor; a token-wise task's rows) as a response's
+    ``embedding``/``data`` field: JSON floats (a list of rows), or base64 of its
+    little-endian float32 bytes (row after row)."""
     values = np.asarray(vector, dtype="<f4")
     if encoding_format == "base64":
         return base64.b64encode(values.tobytes()).decode("ascii")
@@ -86,9 +89,9 @@ async def _one(
 def pooling_model(
     ctx: ServingContext, model: str | None, route: str, task: str | None = None
 ) -> PoolerConfig:
-    """The served pooling model's config, checked to serve ``task`` (``scoring.TASKS``;
+    """The served pooling model's config, checked to serve ``task`` (``tasks.POOLING_TASKS``;
     None: any); 400 naming ``--runner`` on a generative server, for LoRA adapters (which
-    do not pool), and naming the route that fits a model of another task."""
+    do not pool), and naming the tasks the model serves and their routes otherwise."""
     ctx.check_model(model)
     if model in ctx.loras:
         raise APIError(f"LoRA adapters do not serve {route}; name the base model.", param="model")
@@ -101,9 +104,9 @@ def pooling_model(
     assert pooler is not None, "a pooling engine has a pooler config"
     if task is not None:
         try:
-            scoring.check_task(pooler, task)
+            tasks.check_task(pooler, task)
         except ValueError as error:
-            raise APIError(str(error)) from None
+            raise APIError(str(error), param="task" if route == "/pooling" else None) from None
     return pooler
 
 
@@ -177,7 +180,7 @@ class PoolingServer:
         return response, None
 
     async def pooling(self, body: PoolingRequest) -> tuple[dict[str, Any], None]:
-        pooler = pooling_model(self.ctx, body.model, "/pooling")
+        pooler = pooling_model(self.ctx, body.model, "/pooling", body.task)
         params = pooling_params(
             self.ctx,
             pooler,
@@ -185,6 +188,7 @@ class PoolingServer:
             normalize=body.normalize,
             use_activation=body.activation_choice(),
             truncate_prompt_tokens=body.truncate_prompt_tokens,
+            task=body.task,
         )
         request_id = self.ctx.request_id("pool")
         outputs = await pool_all(self.ctx, await body_prompts(self.ctx, body), params, request_id)

@@ -10,6 +10,7 @@ _MODELS = "pagedlm.model_executor.models"
 _LLAMA = f"{_MODELS}.llama"
 _EMBEDDING = f"{_MODELS}.decoder_embedding"
 _CLASSIFIER = f"{_MODELS}.sequence_classification"
+_TOKEN_CLASSIFIER = f"{_MODELS}.token_classification"
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": f"{_LLAMA}:LlamaForCausalLM",
@@ -54,6 +55,13 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForSequenceClassification": f"{_CLASSIFIER}:MistralForSequenceClassification",
     "Qwen2ForSequenceClassification": f"{_CLASSIFIER}:Qwen2ForSequenceClassification",
     "Qwen3ForSequenceClassification": f"{_CLASSIFIER}:Qwen3ForSequenceClassification",
+    # Token classifiers and reward models: pooling models scoring every token.
+    "LlamaForTokenClassification": f"{_TOKEN_CLASSIFIER}:LlamaForTokenClassification",
+    "MistralForTokenClassification": f"{_TOKEN_CLASSIFIER}:MistralForTokenClassification",
+    "Qwen2ForTokenClassification": f"{_TOKEN_CLASSIFIER}:Qwen2ForTokenClassification",
+    "Qwen3ForTokenClassification": f"{_TOKEN_CLASSIFIER}:Qwen3ForTokenClassification",
+    "Qwen2ForRewardModel": f"{_TOKEN_CLASSIFIER}:Qwen2ForRewardModel",
+    "Qwen2ForProcessRewardModel": f"{_TOKEN_CLASSIFIER}:Qwen2ForProcessRewardModel",
     "LlavaForConditionalGeneration": f"{_MODELS}.llava:LlavaForConditionalGeneration",
     "Gemma3ForConditionalGeneration": f"{_MODELS}.gemma3_mm:Gemma3ForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": (
