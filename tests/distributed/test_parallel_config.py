@@ -128,6 +128,12 @@ def test_more_ranks_than_devices() -> None:
         setup_checks.check_devices(parallel, DevicePlatform(3))
     setup_checks.check_devices(parallel, DevicePlatform(4))
     setup_checks.check_devices(parallel, DevicePlatform(None))
+    # Rank 0 launches every replica on this node: two replicas of one rank need two devices
+    # (a one-GPU host failed inside torch with "invalid device ordinal").
+    replicas = ParallelConfig(data_parallel_size=2, distributed_executor_backend="mp")
+    with pytest.raises(ValueError, match="needs 2 fakegpu devices on this node but 1 are"):
+        setup_checks.check_devices(replicas, DevicePlatform(1))
+    setup_checks.check_devices(replicas, DevicePlatform(2))
     shared = ParallelConfig(data_parallel_size=2, distributed_executor_backend="uni")
     with pytest.raises(ValueError, match="every replica on one fakegpu device"):
         setup_checks.check_devices(shared, DevicePlatform(2))

@@ -110,10 +110,15 @@ def check_devices(parallel: ParallelConfig, platform: Platform) -> None:
             f"put every replica on one {platform.name} device; use "
             "distributed_executor_backend='mp' (the default) so each replica gets its own."
         )
-    needed = parallel.first_local_device + parallel.world_size
+    # Every replica runs on this node (``pagedlm.engine.data_parallel``).
+    needed = max(
+        parallel.first_local_device + parallel.world_size,
+        parallel.data_parallel_size * parallel.world_size,
+    )
     if needed > devices:
         raise ValueError(
-            f"data_parallel_rank={parallel.data_parallel_rank} with tensor_parallel_size="
+            f"data_parallel_size={parallel.data_parallel_size} (rank "
+            f"{parallel.data_parallel_rank}) x tensor_parallel_size="
             f"{parallel.tensor_parallel_size} x pipeline_parallel_size="
             f"{parallel.pipeline_parallel_size} needs {needed} {platform.name} devices on this "
             f"node but {devices} are visible; lower the parallel sizes, or use "
