@@ -103,3 +103,27 @@ def test_http_add_special_tokens(bos_checkpoint):
             BOS,
             *templated,
         ]
+
+
+def test_pooling_prompts_take_tokenization_kwargs(bos_checkpoint):
+    path, hf = bos_checkpoint
+    llm = LLM(str(path), runner="pooling", num_kv_blocks=16)
+    try:
+        (plain,) = llm.embed([TEXT], use_tqdm=False)
+        assert plain.prompt_token_ids == hf.encode(TEXT)
+        (without,) = llm.embed(
+            [TEXT], use_tqdm=False, tokenization_kwargs={"add_special_tokens": False}
+        )
+        assert without.prompt_token_ids == hf.encode(TEXT, add_special_tokens=False)
+        assert without.outputs.embedding != plain.outputs.embedding
+        (cut,) = llm.encode(
+            [TEXT],
+            use_tqdm=False,
+            truncate_prompt_tokens=6,
+            tokenization_kwargs={"truncation": True, "max_length": 3},
+        )
+        assert cut.prompt_token_ids == hf(TEXT, truncation=True, max_length=3)["input_ids"]
+        with pytest.raises(ValueError, match="not supported"):
+            llm.embed([TEXT], use_tqdm=False, tokenization_kwargs={"padding": True})
+    finally:
+        llm.llm_engine.shutdown()

@@ -261,17 +261,22 @@ class AsyncLLM:
         prompt: PromptType | PairPrompt,
         pooling_params: PoolingParams | None,
         request_id: str,
+        *,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> AsyncIterator[PoolingRequestOutput]:
         """The one output of a pooling request (``outputs.data``: its vector, after
         ``pooling_params``; a classifier's label probabilities); needs a pooling model. A
-        ``(text_1, text_2)`` tuple is a cross-encoder's pair. Errors as in ``generate``."""
+        ``(text_1, text_2)`` tuple is a cross-encoder's pair. Errors and
+        ``tokenization_kwargs`` as in ``generate``."""
         from pagedlm.pooling.requests import process_pooling_request
 
         self._check_alive()
         self._ensure_output_task()
         self._check_unique(request_id)
         params = pooling_params or PoolingParams()
-        processed = process_pooling_request(self.input_processor, request_id, prompt, params)
+        processed = process_pooling_request(
+            self.input_processor, request_id, prompt, params, tokenization_kwargs
+        )
         pooler = self.config.model.pooler
         assert pooler is not None
         async with contextlib.aclosing(self._run(processed)) as outputs:
@@ -281,7 +286,7 @@ class AsyncLLM:
                         f"pooling request {request_id!r} was aborted (pause_generation) "
                         "before its vector was computed; send it again."
                     )
-                output.outputs.data = params.finish(output.outputs.data.tolist(), pooler)
+                output.outputs.data = params.finish(output.outputs.data, pooler)
                 yield output
 
     async def _run(self, processed: ProcessedRequest) -> AsyncIterator[Any]:

@@ -354,6 +354,7 @@ class LLM:
         use_tqdm: bool = True,
         truncate_prompt_tokens: int | None = None,
         pooling_task: str | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[PoolingRequestOutput]:
         """One pooled output per prompt (``outputs.data``, float32), in input order; needs
         a pooling model (``runner="pooling"``, or "auto" on an embedding checkpoint). A
@@ -363,11 +364,19 @@ class LLM:
         "token_embed" or "token_classify", checked against the model (the error names the
         tasks it serves); None: the parameters' ``task``, else the model's own. The
         token-wise tasks give a row per prompt token, ``[num_prompt_tokens, hidden or
-        num_labels]`` (STEP pooling: a row per step tag; ``pagedlm.pooling.tasks``)."""
+        num_labels]`` (STEP pooling: a row per step tag; ``pagedlm.pooling.tasks``).
+        ``tokenization_kwargs``: as in ``generate``."""
         if pooling_task is not None:
             self._check_task(pooling_task)
         prompts = _prompt_list(prompts)
-        return self._pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, pooling_task)
+        return self._pool(
+            prompts,
+            pooling_params,
+            use_tqdm,
+            truncate_prompt_tokens,
+            pooling_task,
+            tokenization_kwargs,
+        )
 
     def _pool(
         self,
@@ -376,6 +385,7 @@ class LLM:
         use_tqdm: bool,
         truncate_prompt_tokens: int | None = None,
         task: str | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[PoolingRequestOutput]:
         """``encode`` for prompts and text pairs (a cross-encoder's)."""
         from pagedlm.pooling.requests import process_pooling_request
@@ -391,7 +401,11 @@ class LLM:
         engine = self.llm_engine
         processed = [
             process_pooling_request(
-                engine.input_processor, str(next(self._request_counter)), prompt, params
+                engine.input_processor,
+                str(next(self._request_counter)),
+                prompt,
+                params,
+                tokenization_kwargs,
             )
             for prompt, params in zip(prompts, params_list)
         ]
@@ -412,6 +426,7 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
         truncate_prompt_tokens: int | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (``outputs.embedding``, a list of floats), in input
         order; ``encode`` with vLLM's embedding output type."""
@@ -422,6 +437,7 @@ class LLM:
             use_tqdm=use_tqdm,
             truncate_prompt_tokens=truncate_prompt_tokens,
             pooling_task="embed",
+            tokenization_kwargs=tokenization_kwargs,
         )
         return [EmbeddingRequestOutput.from_base(output) for output in outputs]
 
@@ -432,6 +448,7 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
         truncate_prompt_tokens: int | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[ClassificationRequestOutput]:
         """One probability per label for each prompt (``outputs.probs``), in input order;
         needs a classification model (``*ForSequenceClassification``).
@@ -443,6 +460,7 @@ class LLM:
             use_tqdm=use_tqdm,
             truncate_prompt_tokens=truncate_prompt_tokens,
             pooling_task="classify",
+            tokenization_kwargs=tokenization_kwargs,
         )
         return [ClassificationRequestOutput.from_base(output) for output in outputs]
 
@@ -454,6 +472,7 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[PoolingRequestOutput]:
         """Rewards per prompt token (vLLM's): ``encode`` with ``pooling_task=
         "token_classify"``, so ``outputs.data`` is ``[num_prompt_tokens, num_labels]``,
@@ -467,6 +486,7 @@ class LLM:
             use_tqdm=use_tqdm,
             truncate_prompt_tokens=truncate_prompt_tokens,
             pooling_task="token_classify",
+            tokenization_kwargs=tokenization_kwargs,
         )
 
     def score(
@@ -478,6 +498,7 @@ class LLM:
         use_tqdm: bool = True,
         pooling_params: PoolingParams | None = None,
         truncate_prompt_tokens: int | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[ScoringRequestOutput]:
         """One score per pair (``outputs.score``), in order: one ``data_1`` text against
         every ``data_2`` text, or the two element-wise. A cross-encoder (a classifier with
@@ -497,7 +518,13 @@ class LLM:
                     "A cross-encoder joins each pair's texts with its tokenizer; pass strings "
                     "in data_1 and data_2."
                 )
-            outputs = self._pool(pairs, pooling_params, use_tqdm, truncate_prompt_tokens)
+            outputs = self._pool(
+                pairs,
+                pooling_params,
+                use_tqdm,
+                truncate_prompt_tokens,
+                tokenization_kwargs=tokenization_kwargs,
+            )
             return [
                 ScoringRequestOutput(
                     output.request_id,
@@ -509,7 +536,11 @@ class LLM:
             ]
         firsts = scoring.as_list(data_1)
         vectors = self._pool(
-            firsts + [b for _, b in pairs], pooling_params, use_tqdm, truncate_prompt_tokens
+            firsts + [b for _, b in pairs],
+            pooling_params,
+            use_tqdm,
+            truncate_prompt_tokens,
+            tokenization_kwargs=tokenization_kwargs,
         )
         first_out = vectors[: len(firsts)] * (len(pairs) if len(firsts) == 1 else 1)
         return [

@@ -15,10 +15,13 @@ token types gets the second segment's inside the engine-core ids (``encode_token
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from typing import Any
 
 from pagedlm.config import ModelConfig
 from pagedlm.core.request import Request
 from pagedlm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
+from pagedlm.engine.tokenization_kwargs import check_tokenization_kwargs
 from pagedlm.pooling.model_config import reads_token_types
 from pagedlm.pooling.params import PoolingParams
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
@@ -52,17 +55,21 @@ def process_pooling_request(
     request_id: str,
     prompt: PromptType | PairPrompt,
     params: PoolingParams,
+    tokenization_kwargs: Mapping[str, Any] | None = None,
 ) -> ProcessedRequest:
-    """Validate and tokenize one pooling prompt (raises ``ValueError`` naming the fix)."""
+    """Validate and tokenize one pooling prompt (raises ``ValueError`` naming the fix).
+    ``tokenization_kwargs``: how its text is tokenized (vLLM's;
+    ``pagedlm.engine.tokenization_kwargs``)."""
     config = processor.model_config
     require_pooling(config)
     assert config.pooler is not None, "a pooling model config has a pooler"
     params.validate(config.pooler, config.arch.hidden_size)
     keep = processor.truncation_size(params.truncate_prompt_tokens)
+    kwargs = check_tokenization_kwargs(tokenization_kwargs) or {}
     if isinstance(prompt, tuple):
-        text, token_ids, engine_ids = _tokenize_pair(processor, prompt, keep)
+        text, token_ids, engine_ids = _tokenize_pair(processor, prompt, keep, kwargs)
     else:
-        text, token_ids = _tokenize(processor, prompt, keep)
+        text, token_ids = _tokenize(processor, prompt, keep, kwargs)
         engine_ids = token_ids
     if len(token_ids) > config.max_model_len:
         raise ValueError(
@@ -78,21 +85,25 @@ def process_pooling_request(
 
 
 def _tokenize(
-    processor: InputProcessor, prompt: PromptType, keep: int | None
+    processor: InputProcessor, prompt: PromptType, keep: int | None, kwargs: dict[str, Any]
 ) -> tuple[str | None, list[int]]:
     """A prompt's text and ids, at most ``keep`` of them (see ``PoolingParams``)."""
     text = prompt if isinstance(prompt, str) else None
     if isinstance(prompt, dict) and prompt.get("prompt_token_ids") is None:
         text = prompt.get("prompt")
     if keep is None or not isinstance(text, str) or processor.tokenizer is None:
-        text, token_ids = processor.tokenize(prompt)
+        text, token_ids = processor.tokenize(prompt, kwargs)
         return text, token_ids if keep is None else token_ids[-keep:]
-    encoded = as_transformers(processor.tokenizer)(text, truncation=True, max_length=keep)
+    if kwargs.get("truncation") not in (None, False, "do_not_truncate"):
+        keep = min(keep, kwargs.get("max_length") or keep)  # the tighter bound holds
+    encoded = as_transformers(processor.tokenizer)(
+        text, **{**kwargs, "truncation": True, "max_length": keep}
+    )
     return text, processor.tokenize({"prompt_token_ids": encoded["input_ids"]})[1]
 
 
 def _tokenize_pair(
-    processor: InputProcessor, pair: PairPrompt, keep: int | None
+    processor: InputProcessor, pair: PairPrompt, keep: int | None, kwargs: dict[str, Any]
 ) -> tuple[None, list[int], list[int]]:
     """(no single text, the joined prompt's ids, the ids the engine core runs), at most
     ``keep`` ids (the tokenizer's longest-first truncation)."""
@@ -106,7 +117,7 @@ def _tokenize_pair(
         )
     text_1, text_2 = pair
     truncation = {} if keep is None else {"truncation": True, "max_length": keep}
-    encoded = as_transformers(tokenizer)(text_1, text_pair=text_2, **truncation)
+    encoded = as_transformers(tokenizer)(text_1, text_pair=text_2, **{**kwargs, **truncation})
     token_ids = [int(t) for t in encoded["input_ids"]]
     if not token_ids:
         raise ValueError("The text pair tokenizes to no tokens.")
