@@ -55,6 +55,15 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
+UseTqdm = bool | Callable[..., Any]
+"""vLLM's ``use_tqdm``: a progress bar or none, or the callable that makes it (e.g.
+``functools.partial(tqdm, leave=False)``)."""
+
+
+def _progress_bar(use_tqdm: UseTqdm) -> Callable[..., Any]:
+    return use_tqdm if callable(use_tqdm) else tqdm
+
+
 def _final_only(params: SamplingParams) -> SamplingParams:
     if params.output_kind is RequestOutputKind.FINAL_ONLY:
         return params
@@ -300,7 +309,7 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         priority: Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         *,
@@ -315,7 +324,8 @@ class LLM:
         if self.llm_engine.config.model.runner == "pooling":
             raise ValueError(
                 "This model runs with runner='pooling', which does not generate; use "
-                "LLM.embed(), LLM.classify(), LLM.score() or LLM.encode() (to generate, load "
+                "LLM.embed(), LLM.classify(), LLM.score(), LLM.reward() or LLM.encode() (to "
+                "generate, load "
                 "a generative model with runner='generate')."
             )
         prompts = _prompt_list(prompts)
@@ -351,7 +361,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         truncate_prompt_tokens: int | None = None,
         pooling_task: str | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
@@ -382,7 +392,7 @@ class LLM:
         self,
         prompts: Sequence[PromptType | PairPrompt],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None,
-        use_tqdm: bool,
+        use_tqdm: UseTqdm,
         truncate_prompt_tokens: int | None = None,
         task: str | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
@@ -424,7 +434,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         *,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         truncate_prompt_tokens: int | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[EmbeddingRequestOutput]:
@@ -446,7 +456,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         *,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         truncate_prompt_tokens: int | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[ClassificationRequestOutput]:
@@ -471,7 +481,7 @@ class LLM:
         *,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[PoolingRequestOutput]:
         """Rewards per prompt token (vLLM's): ``encode`` with ``pooling_task=
@@ -495,7 +505,7 @@ class LLM:
         data_2: PromptType | Sequence[PromptType],
         /,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         pooling_params: PoolingParams | None = None,
         truncate_prompt_tokens: int | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
@@ -562,7 +572,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
         *,
-        use_tqdm: bool = False,
+        use_tqdm: UseTqdm = False,
         lora_request: LoRARequest | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search (vLLM's): each prompt's ``params.beam_width`` best beams, best first
@@ -587,7 +597,11 @@ class LLM:
             return [output.outputs[0].logprobs[0] for output in outputs]  # type: ignore[index]
 
         tokenizer = self.get_tokenizer()
-        bar = tqdm(total=params.max_tokens, desc="Beam search", unit="token") if use_tqdm else None
+        bar = (
+            _progress_bar(use_tqdm)(total=params.max_tokens, desc="Beam search", unit="token")
+            if use_tqdm
+            else None
+        )
         try:
             return search(
                 token_prompts,
@@ -607,7 +621,7 @@ class LLM:
         self,
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
@@ -693,29 +707,32 @@ class LLM:
         return prompt
 
     def _run_engine(
-        self, request_ids: list[str], use_tqdm: bool
+        self, request_ids: list[str], use_tqdm: UseTqdm
     ) -> list[RequestOutput | PoolingRequestOutput]:
         engine = self.llm_engine
         final: dict[str, RequestOutput | PoolingRequestOutput] = {}
-        bar = tqdm(
+        bar = _progress_bar(use_tqdm)(
             total=len(request_ids),
             desc="Processed prompts",
             dynamic_ncols=True,
             disable=not use_tqdm,
-            postfix="output: 0 toks/s",
+            postfix="est. speed input: 0 toks/s, output: 0 toks/s",
         )
-        output_tokens = 0
+        input_tokens = output_tokens = 0
         with bar:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
                         final[out.request_id] = out
+                        input_tokens += len(out.prompt_token_ids or ())
                         if isinstance(out, RequestOutput):
                             output_tokens += sum(len(c.token_ids) for c in out.outputs)
                         bar.update(1)
                         elapsed = bar.format_dict.get("elapsed") or 0
                         if elapsed > 0:
                             bar.set_postfix_str(
-                                f"output: {output_tokens / elapsed:.0f} toks/s", refresh=False
+                                f"est. speed input: {input_tokens / elapsed:.0f} toks/s, "
+                                f"output: {output_tokens / elapsed:.0f} toks/s",
+                                refresh=False,
                             )
         return [final[r] for r in request_ids]
