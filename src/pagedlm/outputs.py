@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from pagedlm.lora.request import LoRARequest
 
 
 class Logprob(NamedTuple):
@@ -46,3 +49,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    lora_request: LoRARequest | None = None
+    """The adapter the request ran with (vLLM's field)."""

@@ -156,6 +156,7 @@ def test_async_llm_manages_adapters_in_its_engine_core(base, loras):
         assert await engine.list_loras() == {1}
         outputs = [o async for o in engine.generate(PROMPT, PARAMS, "with-two", lora_request=two)]
         assert outputs[-1].finished
+        assert outputs[-1].lora_request == two  # vLLM's RequestOutput field
         assert await engine.list_loras() == {1, 2}
         assert await engine.pin_lora(1) is True
         with pytest.raises(ValueError, match="9 is not loaded"):

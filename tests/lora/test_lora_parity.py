@@ -89,3 +89,7 @@ def test_mixed_batch_gives_every_request_its_solo_tokens(tiny_checkpoint, tmp_pa
     changed = [m != b for m, b, lora in zip(mixed, base_tokens, per_prompt) if lora is not None]
     assert all(changed)
     assert mixed[4] == base_tokens[4]  # the base-model request in the mixed batch
+    token_prompts = [{"prompt_token_ids": p} for p in prompts]
+    one = SamplingParams(max_tokens=1)
+    outputs = llm.generate(token_prompts, one, use_tqdm=False, lora_request=per_prompt)
+    assert [o.lora_request for o in outputs] == per_prompt  # vLLM's RequestOutput field

@@ -305,6 +305,7 @@ class AsyncLLM:
             processed.params,
             [child.request_id for child in processed.children],
             processed.arrival_time,
+            processed.children[0].lora_request,
         )
         num_prompt_tokens = len(processed.prompt_token_ids)
         stream = RequestStream(processed.params.output_kind, num_prompt_tokens * processed.params.n)

@@ -91,6 +91,7 @@ class LLMEngine:
             request.params,
             [child.request_id for child in request.children],
             request.arrival_time,
+            request.children[0].lora_request,
         )
         try:
             for child in request.children:

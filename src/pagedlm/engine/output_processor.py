@@ -38,6 +38,8 @@ from pagedlm.step import TensorData
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from pagedlm.lora.request import LoRARequest
+
 
 class ProcessedOutputs(NamedTuple):
     request_outputs: list[RequestOutput | PoolingRequestOutput]
@@ -57,8 +59,10 @@ class _ParentRequest:
         params: SamplingParams,
         children: list[CompletionState],
         arrival_time: float,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
+        self.lora_request = lora_request
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.output_kind = params.output_kind
@@ -125,6 +129,7 @@ class _ParentRequest:
             finished=self.finished,
             num_cached_tokens=self._num_cached_tokens(),
             metrics=dict(self.metrics),
+            lora_request=self.lora_request,
         )
 
     def _take_prompt_logprobs(self) -> PromptLogprobs | None:
@@ -168,8 +173,10 @@ class OutputProcessor:
         params: SamplingParams,
         child_request_ids: list[str],
         arrival_time: float,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Track a user request whose samples run as ``child_request_ids`` in the core.
+        """Track a user request whose samples run as ``child_request_ids`` in the core
+        (with ``lora_request``'s adapter, which its outputs name).
 
         ``CompletionOutput.index`` of each sample is its position in ``child_request_ids``.
         """
@@ -183,7 +190,13 @@ class OutputProcessor:
             logprobs = LogprobsProcessor(params, texts)
             children.append(CompletionState(index, child_id, params, detokenizer, logprobs))
         parent = _ParentRequest(
-            request_id, prompt, list(prompt_token_ids), params, children, arrival_time
+            request_id,
+            prompt,
+            list(prompt_token_ids),
+            params,
+            children,
+            arrival_time,
+            lora_request,
         )
         self._parents[request_id] = parent
         for child in children:
