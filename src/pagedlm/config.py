@@ -67,6 +67,39 @@ def _with_standard_names(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+)
+
+
+def _with_transformers_names(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` with the standard keys it lacks read from transformers' config class of its
+    ``model_type``, which maps a model's own spellings (``attribute_map``) and knows its
+    defaults: architectures pagedlm does not implement (the Transformers backend) may name
+    them otherwise. Unchanged when nothing is missing or transformers has no such class."""
+    missing = [key for key in _REQUIRED_KEYS if key not in cfg]
+    if not missing or not cfg.get("model_type"):
+        return cfg
+    from transformers import AutoConfig
+
+    try:
+        fields = {key: value for key, value in cfg.items() if key != "model_type"}
+        config = AutoConfig.for_model(cfg["model_type"], **fields)
+    except ValueError:  # a model_type transformers does not know
+        return cfg
+    out = dict(cfg)
+    for key in (*missing, "num_key_value_heads", "head_dim"):
+        value = getattr(config, key, None)
+        if key not in out and value is not None:
+            out[key] = value
+    out.setdefault("intermediate_size", 0)  # read by pagedlm's own MLPs only
+    return out
+
+
 def _with_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """A vision-language config (LLaVA, Qwen2.5-VL, Gemma 3) describes its decoder in
     ``text_config``: those keys win, the top level (``architectures``, ``vision_config``,
@@ -124,7 +157,7 @@ class ArchConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
-        cfg = _with_standard_names(_with_text_config(cfg))
+        cfg = _with_transformers_names(_with_standard_names(_with_text_config(cfg)))
         archs = cfg.get("architectures") or []
         if not archs:
             raise ValueError(
@@ -238,6 +271,11 @@ rows of the positions holding ``step_tag_id`` (process reward models)."""
 CLASSIFIER_ACTIVATIONS = ("softmax", "sigmoid", "identity")
 RUNNERS = ("auto", "generate", "pooling")
 """``runner`` values (vLLM's); "auto" resolves to one of the other two at the edge."""
+MODEL_IMPLS = ("auto", "vllm", "transformers")
+"""``model_impl`` values (vLLM's): "vllm" pagedlm's own model classes, "transformers" the
+Transformers modeling backend, "auto" the first where there is one; resolved at the edge
+(``pagedlm.engine.model_impl_args``) to "vllm" or "transformers"."""
+MODEL_IMPL_ALIASES = {"pagedlm": "vllm"}
 
 
 @dataclass(frozen=True)
@@ -330,6 +368,10 @@ class ModelConfig:
     size where ``EngineArgs.max_logprobs`` is -1)."""
     logprobs_mode: str = "raw_logprobs"
     """What sampled tokens' logprobs report (``pagedlm.sample.logprobs.LOGPROBS_MODES``)."""
+    model_impl: str = "vllm"
+    """Which implementation runs ``arch``: "vllm" (pagedlm's own class) or "transformers"
+    (the Transformers modeling backend); "auto" (the first of them that exists) when built
+    outside ``EngineArgs``."""
 
     @property
     def is_gguf(self) -> bool:

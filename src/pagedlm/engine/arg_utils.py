@@ -26,6 +26,7 @@ from pagedlm.config import (
     validate_fraction,
     validate_positive,
 )
+from pagedlm.engine.model_impl_args import check_transformers_backend, resolve_model_impl
 from pagedlm.engine.quantization_args import check_quantization_name, resolve_quantization
 from pagedlm.engine.speculative_args import parse_speculative_config
 from pagedlm.engine.structured_outputs_args import resolve_structured_outputs
@@ -221,6 +222,12 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     """With enable_lora: adapters cached in host memory (None: max_loras); at least
     max_loras."""
+    model_impl: str = "auto"
+    """Which implementation runs the model (vLLM's flag): "vllm" (alias "pagedlm") pagedlm's
+    own model classes, "transformers" the Transformers modeling backend (transformers'
+    modeling code with pagedlm's paged attention: no tensor/pipeline parallelism,
+    quantization, LoRA, pooling or EAGLE, no CUDA graphs), "auto" pagedlm's own class where
+    there is one, else the backend where transformers can run the architecture."""
     runner: str = "auto"
     """"generate" (sample tokens), "pooling" (one vector per prompt: LLM.embed, /v1/embeddings)
     or "auto": pooling for embedding checkpoints (BertModel, Qwen3Model-style decoders without
@@ -326,7 +333,6 @@ class EngineArgs:
         """The engine's configuration and platform; ``log_defaults=False`` keeps the
         sampling defaults out of the log (the engine-core process: its front end logged
         them when it resolved the same arguments)."""
-        from pagedlm.model_executor.models.registry import SUPPORTED_ARCHITECTURES
         from pagedlm.multimodal.config_args import multimodal_config
         from pagedlm.plugins.registry import configure, select_platform
 
@@ -381,17 +387,7 @@ class EngineArgs:
 
             tokenizer = get_tokenizer(model, self.resolve_tokenizer(), mode=self.tokenizer_mode)
             arch = with_classifier_token_ids(arch, tokenizer)
-        if arch.architecture not in SUPPORTED_ARCHITECTURES:
-            supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
-            remote = (
-                " It ships its own modeling code (auto_map), which pagedlm never executes."
-                if "auto_map" in arch.raw
-                else ""
-            )
-            raise ValueError(
-                f"Architecture {arch.architecture!r} of {model} is not supported; "
-                f"supported architectures: {supported}.{remote}"
-            )
+        model_impl, arch = resolve_model_impl(self.model_impl, arch, model)
         if self.load_format != "dummy" and not model.endswith(".gguf"):
             self._check_checkpoint_files(model, arch)  # before any memory is allocated
 
@@ -439,6 +435,7 @@ class EngineArgs:
                 enforce_eager=self.enforce_eager,
                 runner=runner,
                 pooler=pooler,
+                model_impl=model_impl,
                 max_logprobs=self._max_logprobs(arch),
                 logprobs_mode=self._logprobs_mode(),
                 sampling_defaults=(
@@ -511,6 +508,7 @@ class EngineArgs:
                 "verification's accepted counts would have to reach every stage); drop one "
                 "of them."
             )
+        check_transformers_backend(config, model.endswith(".gguf"))
         config = replace(config, logits_processors=self._logits_processors(config))
         config = configure(config, platform)
         platform.bind_config(config)

@@ -20,6 +20,7 @@ import typing
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from pagedlm.config import MODEL_IMPL_ALIASES, MODEL_IMPLS
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.model_executor.loader import LOAD_FORMATS
 
@@ -39,7 +40,10 @@ HUMAN_READABLE_INTS = {"max_model_len", "max_num_batched_tokens", "kv_cache_memo
 """Fields whose flags take ``32k`` or ``1G``, as vLLM's do (``human_readable_int``)."""
 MODEL_MAX_SPELLINGS = {"auto", "-1"}
 """``--max-model-len auto`` (or -1): the model's own context length, as None gives."""
-FIELD_CHOICES = {"load_format": LOAD_FORMATS}
+FIELD_CHOICES = {
+    "load_format": LOAD_FORMATS,
+    "model_impl": (*MODEL_IMPLS, *MODEL_IMPL_ALIASES),
+}
 """Fields whose flags take one of a few names (argparse lists them in the usage and refuses
 others when parsing)."""
 

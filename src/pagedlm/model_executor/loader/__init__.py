@@ -103,7 +103,7 @@ def load_model(
     """
     from pagedlm.model_executor.models.registry import get_model_class
 
-    model_class = get_model_class(model_config.arch.architecture)
+    model_class = get_model_class(model_config.arch.architecture, model_config.model_impl)
     keep_blocks = keep_weight_blocks and model_config.has_weight_blocks
     if weights is not None:
         _check_float_layers(model_config, keep_blocks)

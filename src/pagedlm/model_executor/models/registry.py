@@ -71,14 +71,26 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 """HF architecture name -> ``"module:Class"``."""
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
-    """The model class for config.json's ``architectures[0]``."""
-    try:
-        target = SUPPORTED_ARCHITECTURES[architecture]
-    except KeyError:
-        raise ValueError(
-            f"Model architecture {architecture!r} is not supported; supported: "
-            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}."
-        ) from None
+TRANSFORMERS_BACKEND = f"{_MODELS}.transformers_backend:TransformersForCausalLM"
+"""The class of ``model_impl="transformers"`` (transformers' modeling code, paged attention)."""
+
+
+def get_model_class(architecture: str, model_impl: str = "vllm") -> type[nn.Module]:
+    """The model class for config.json's ``architectures[0]``: pagedlm's own for
+    ``model_impl="vllm"``, the Transformers backend for "transformers", the first of them
+    for "auto" (``pagedlm.engine.model_impl_args`` checks the backend can run it)."""
+    if model_impl == "transformers" or (
+        model_impl == "auto" and architecture not in SUPPORTED_ARCHITECTURES
+    ):
+        target = TRANSFORMERS_BACKEND
+    else:
+        try:
+            target = SUPPORTED_ARCHITECTURES[architecture]
+        except KeyError:
+            raise ValueError(
+                f"Model architecture {architecture!r} is not supported; supported: "
+                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}. Others may run with "
+                "model_impl='transformers' (--model-impl transformers)."
+            ) from None
     module_name, class_name = target.split(":")
     return getattr(importlib.import_module(module_name), class_name)

@@ -1,0 +1,134 @@
+"""``model_impl`` (vLLM's ``--model-impl``): which implementation runs the architecture.
+
+"vllm" (alias "pagedlm") is pagedlm's own model class; "transformers" is the Transformers
+modeling backend (``model_executor/models/transformers_backend.py``): transformers' own
+modeling code with pagedlm's paged attention; "auto" takes the native class where there
+is one, else the backend where transformers can run the architecture with a custom
+attention function. ``resolve_model_impl`` decides at the edge;
+``check_transformers_backend`` refuses, naming the fix, what the backend does not run.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from pagedlm.config import MODEL_IMPL_ALIASES, MODEL_IMPLS, ArchConfig
+
+if TYPE_CHECKING:
+    from pagedlm.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+_MULTIMODAL_KEYS = ("vision_config", "audio_config", "image_token_id", "image_token_index")
+
+
+def transformers_refusal(arch: ArchConfig) -> str | None:
+    """Why the Transformers backend cannot run ``arch`` (None: it can)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = arch.architecture
+    if any(key in arch.raw for key in _MULTIMODAL_KEYS):
+        return f"{name} is a multimodal model, which the Transformers backend does not run yet"
+    if name not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+        return f"transformers {transformers.__version__} has no causal LM class {name!r}"
+    model_class = getattr(transformers, name, None)
+    if model_class is None:
+        return f"transformers {transformers.__version__} cannot import {name}"
+    if not getattr(model_class, "_supports_attention_backend", False):
+        return f"transformers' {name} does not call custom attention functions"
+    return None
+
+
+def resolve_model_impl(requested: str, arch: ArchConfig, model: str) -> tuple[str, ArchConfig]:
+    """``("vllm" | "transformers", arch)`` for ``model_impl=requested``; with the backend,
+    ``arch`` takes the head size transformers' attention uses (the KV cache's)."""
+    from pagedlm.model_executor.models.registry import SUPPORTED_ARCHITECTURES
+
+    impl = MODEL_IMPL_ALIASES.get(requested, requested)
+    if impl not in MODEL_IMPLS:
+        raise ValueError(
+            f"model_impl={requested!r} is unknown; use one of "
+            f"{', '.join(MODEL_IMPLS + tuple(MODEL_IMPL_ALIASES))} (--model-impl)."
+        )
+    native = arch.architecture in SUPPORTED_ARCHITECTURES
+    if impl == "vllm" or (impl == "auto" and native):
+        if not native:
+            raise ValueError(_unsupported(arch, model, "model_impl='vllm' (pagedlm's own)"))
+        return "vllm", arch
+    refusal = transformers_refusal(arch)
+    if refusal is not None:
+        if impl == "auto":
+            raise ValueError(_unsupported(arch, model, f"the Transformers backend: {refusal}"))
+        raise ValueError(
+            f"model_impl='transformers' cannot run {model}: {refusal}. Use a model that "
+            "transformers implements, or model_impl='auto'."
+        )
+    if impl == "auto":
+        logger.info(
+            "%s has no pagedlm implementation; running it with the Transformers modeling "
+            "backend (transformers' code, pagedlm's paged attention; --model-impl).",
+            arch.architecture,
+        )
+    from pagedlm.model_executor.models.transformers_backend import hf_config, hf_head_dim
+
+    return "transformers", replace(arch, head_dim=hf_head_dim(hf_config(arch)))
+
+
+def _unsupported(arch: ArchConfig, model: str, tried: str) -> str:
+    from pagedlm.model_executor.models.registry import SUPPORTED_ARCHITECTURES
+
+    remote = (
+        " It ships its own modeling code (auto_map), which pagedlm never executes."
+        if "auto_map" in arch.raw
+        else ""
+    )
+    return (
+        f"Architecture {arch.architecture!r} of {model} is not supported by {tried}. "
+        f"pagedlm implements: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}; other "
+        "transformers causal LMs run with --model-impl transformers (model_impl='auto' "
+        f"picks it where transformers can).{remote}"
+    )
+
+
+def check_transformers_backend(config: EngineConfig, is_gguf: bool) -> None:
+    """Refuses what the Transformers backend does not support in this version."""
+    if config.model.model_impl != "transformers":
+        return
+    parallel = config.parallel
+    speculative = config.speculative
+    refusals = (
+        (
+            parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1,
+            "tensor_parallel_size and pipeline_parallel_size above 1",
+            "run it on one device (tensor_parallel_size=1, pipeline_parallel_size=1)",
+        ),
+        (is_gguf, "GGUF files", "load the model's Hugging Face directory"),
+        (
+            config.model.quantization is not None or "quantization_config" in config.model.arch.raw,
+            f"quantization ({config.model.quantization or 'a pre-quantized checkpoint'}: "
+            "FP8, GPTQ, AWQ, bitsandbytes)",
+            "serve a float checkpoint without quantization",
+        ),
+        (config.lora is not None, "LoRA adapters", "drop enable_lora"),
+        (config.model.runner == "pooling", "the pooling runner", "use runner='generate'"),
+        (
+            speculative is not None and speculative.method in ("eagle", "eagle3"),
+            "EAGLE draft heads (they read the target's own layers)",
+            "use a draft_model or ngram speculator",
+        ),
+        (
+            config.batch_invariant,
+            "batch-invariant mode (transformers' layers are not tiled)",
+            "drop batch_invariant (and VLLM_BATCH_INVARIANT)",
+        ),
+    )
+    for refused, what, fix in refusals:
+        if refused:
+            raise ValueError(
+                f"The Transformers modeling backend (model_impl='transformers', running "
+                f"{config.model.arch.architecture}) does not support {what}; {fix}, or "
+                "serve a model pagedlm implements (model_impl='vllm')."
+            )

@@ -1,0 +1,200 @@
+"""The Transformers modeling backend (model_impl): transformers' modeling code with
+pagedlm's paged attention, against transformers itself on tiny random checkpoints (fp32).
+
+GLM (partial, interleaved rotary; no pagedlm implementation) runs through ``auto``; Llama
+and a windowed Mistral are forced through it. The engine runs chunked prefill (8-token
+steps over 4-token blocks), prefix-cache hits and, with few blocks, preemption.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AttentionInterface
+
+from pagedlm import LLM, SamplingParams
+from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.model_executor.models.transformers_backend import (
+    ATTENTION_NAME,
+    TransformersForCausalLM,
+    paged_attention,
+)
+from tiny_checkpoints import hf_greedy, hf_logits, random_prompts, save_random_model
+
+NEW_TOKENS = 6
+LENS = [1, 7, 40, 13, 25, 2]
+IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+GLM = ("GlmConfig", {"head_dim": 16, "partial_rotary_factor": 0.5, **IDS})
+ENGINE = dict(
+    dtype="float32",
+    skip_tokenizer_init=True,
+    max_model_len=128,
+    block_size=4,
+    max_num_batched_tokens=8,
+)
+
+
+def _llm(path: Path, **kwargs) -> LLM:
+    return LLM(str(path), **{**ENGINE, "num_kv_blocks": 64, **kwargs})
+
+
+def _generate(llm: LLM, prompts: list[list[int]], **params):
+    sampling = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, **params)
+    prompts = [{"prompt_token_ids": p} for p in prompts]
+    return llm.generate(prompts, sampling, use_tqdm=False)
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _model(llm: LLM) -> torch.nn.Module:
+    return llm.llm_engine.engine_core.executor.worker.model_runner.model
+
+
+def _prompt_logprobs(output, prompt: list[int]) -> torch.Tensor:
+    return torch.tensor([d[t].logprob for d, t in zip(output.prompt_logprobs[1:], prompt[1:])])
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp("glm")
+    hf_model = save_random_model(path, *GLM)
+    prompts = random_prompts(LENS)
+    prompts.append(prompts[2][:24] + prompts[3])  # shares 6 blocks with the 40-token prompt
+    return path, hf_model, prompts, hf_greedy(hf_model, prompts, NEW_TOKENS)
+
+
+def test_auto_runs_an_unimplemented_architecture(glm, caplog) -> None:
+    path, hf_model, prompts, expected = glm
+    with caplog.at_level(logging.INFO, logger="pagedlm.engine.model_impl_args"):
+        llm = _llm(path)
+    assert sum("Transformers modeling backend" in r.getMessage() for r in caplog.records) == 1
+    assert isinstance(_model(llm), TransformersForCausalLM)
+    assert llm.llm_engine.engine_core.executor.worker.model_runner.enforce_eager  # no graphs
+    outputs = _generate(llm, prompts, prompt_logprobs=0)
+    assert _tokens(outputs) == expected
+    for output, prompt in zip(outputs, prompts, strict=True):
+        want = torch.log_softmax(hf_logits(hf_model, prompt), -1)[:-1]
+        want = want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        torch.testing.assert_close(_prompt_logprobs(output, prompt), want, atol=1e-4, rtol=0)
+    again = _generate(llm, prompts)  # every prompt's full blocks from the cache now
+    assert _tokens(again) == expected
+    assert again[LENS.index(40)].num_cached_tokens == 36
+    assert again[-1].num_cached_tokens >= 24  # its prefix, shared with the 40-token prompt
+
+
+def test_preemption_recomputes_the_same_tokens(glm) -> None:
+    path, _, prompts, expected = glm
+    llm = _llm(path, num_kv_blocks=16)  # 4-token blocks: the batch needs far more
+    assert _tokens(_generate(llm, prompts)) == expected
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+
+
+def test_transformers_builds_no_mask(glm, monkeypatch) -> None:
+    """transformers makes no [T, T] mask for our implementation: the backend masks."""
+    path, _, prompts, expected = glm
+    masks = []
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        masks.append(attention_mask)
+        return paged_attention(module, query, key, value, attention_mask, **kwargs)
+
+    llm = _llm(path)
+    monkeypatch.setitem(AttentionInterface._global_mapping, ATTENTION_NAME, recording)
+    assert _tokens(_generate(llm, prompts[:3])) == expected[:3]
+    assert masks and all(mask is None for mask in masks)
+
+
+def test_forced_on_llama_matches_the_native_model(tmp_path: Path) -> None:
+    save_random_model(tmp_path, "LlamaConfig", {"tie_word_embeddings": True})
+    prompts = random_prompts(LENS)
+    native = _llm(tmp_path, model_impl="vllm")
+    backend = _llm(tmp_path, model_impl="transformers")
+    assert isinstance(_model(backend), TransformersForCausalLM)
+    assert not isinstance(_model(native), TransformersForCausalLM)
+    assert _tokens(_generate(backend, prompts)) == _tokens(_generate(native, prompts))
+
+
+def test_sliding_window_beyond_the_window(tmp_path: Path) -> None:
+    hf_model = save_random_model(tmp_path, "MistralConfig", {"sliding_window": 8})
+    prompts = random_prompts(LENS)
+    llm = _llm(tmp_path, model_impl="transformers")
+    assert {m.sliding_window for m in _model(llm).attention} == {8}
+    outputs = _generate(llm, prompts, prompt_logprobs=0)
+    assert _tokens(outputs) == hf_greedy(hf_model, prompts, NEW_TOKENS)
+    long = LENS.index(40)
+    want = torch.log_softmax(hf_logits(hf_model, prompts[long]), -1)[:-1]
+    want = want.gather(1, torch.tensor(prompts[long][1:])[:, None])[:, 0]
+    got = _prompt_logprobs(outputs[long], prompts[long])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(model_impl="vllm"), "not supported by model_impl='vllm'.*--model-impl transformers"),
+        (dict(model_impl="pagedlm"), "not supported by model_impl='vllm'"),
+        (dict(model_impl="hf"), r"model_impl='hf' is unknown.*auto, vllm, transformers"),
+        (dict(tensor_parallel_size=2), "does not support tensor_parallel_size.*run it on one"),
+        (dict(quantization="fp8"), "does not support quantization.*float checkpoint"),
+        (dict(enable_lora=True), "does not support LoRA adapters; drop enable_lora"),
+        (dict(runner="pooling"), "does not support the pooling runner"),
+    ],
+    ids=["vllm", "pagedlm-alias", "unknown", "tp2", "fp8", "lora", "pooling"],
+)
+def test_refusals_name_the_fix(glm, kwargs, match) -> None:
+    args = EngineArgs(model=str(glm[0]), skip_tokenizer_init=True, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        args.create_engine_config()
+
+
+def test_eagle_on_the_backend_is_refused(tmp_path: Path) -> None:
+    from spec_decode.tiny_heads import write_eagle, write_llama
+
+    target, head = write_llama(tmp_path / "target", 2, 0), write_eagle(tmp_path / "eagle")
+    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": 2}
+    args = EngineArgs(
+        model=str(target),
+        skip_tokenizer_init=True,
+        model_impl="transformers",
+        speculative_config=spec,
+    )
+    with pytest.raises(ValueError, match=r"does not support EAGLE draft heads.*draft_model"):
+        args.create_engine_config()
+    args.model_impl = "vllm"
+    assert args.create_engine_config()[0].speculative is not None
+
+
+def test_auto_without_a_transformers_class_keeps_the_error(tmp_path: Path) -> None:
+    save_random_model(tmp_path, "LlamaConfig", {})
+    config = tmp_path / "config.json"
+    config.write_text(config.read_text().replace("LlamaForCausalLM", "NoSuchForCausalLM"))
+    args = EngineArgs(model=str(tmp_path), skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="has no causal LM class 'NoSuchForCausalLM'"):
+        args.create_engine_config()
+
+
+def test_ngram_speculation_keeps_the_tokens(glm) -> None:
+    path, _, prompts, expected = glm
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    llm = _llm(path, speculative_config=spec)
+    assert _tokens(_generate(llm, prompts)) == expected
+
+
+def test_the_cli_flag(capsys) -> None:
+    import argparse
+
+    from pagedlm.engine.cli_args import add_engine_args, engine_args_from_cli
+
+    parser = add_engine_args(argparse.ArgumentParser())
+    assert engine_args_from_cli(parser.parse_args([])).model_impl == "auto"
+    for impl in ("auto", "vllm", "transformers", "pagedlm"):
+        args = engine_args_from_cli(parser.parse_args(["--model-impl", impl]))
+        assert args.model_impl == impl
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model-impl", "hf"])
+    assert "invalid choice: 'hf'" in capsys.readouterr().err
