@@ -41,6 +41,9 @@ class CausalLM(nn.Module, ABC):
     lm_head: ParallelLMHead
     intermediate_names: ClassVar[tuple[str, ...]] = ("hidden_states",)
     """What one stage of this model hands the next, each ``[num_tokens, hidden_size]``."""
+    supports_prompt_embeds: ClassVar[bool] = False
+    """``forward`` takes ``inputs_embeds`` (prompts given as embeddings): its decoder starts
+    from them and applies what the model does after its embedding layer (a multiplier)."""
 
     @property
     @abstractmethod
@@ -77,11 +80,22 @@ class CausalLM(nn.Module, ABC):
         positions: torch.Tensor,
         ctx: ForwardContext,
         intermediate: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size]
         (a pipeline stage but the last: its ``IntermediateTensors``; a stage but the
-        first reads ``intermediate`` instead of ``input_ids``)."""
-        return self.decoder(input_ids, positions, ctx, intermediate)
+        first reads ``intermediate`` instead of ``input_ids``). ``inputs_embeds``
+        [num_tokens, hidden_size] (models that ``supports_prompt_embeds``): the rows
+        ``embed_input_ids`` would give, read instead of ``input_ids``."""
+        if inputs_embeds is None:
+            return self.decoder(input_ids, positions, ctx, intermediate)
+        return self.decoder(input_ids, positions, ctx, intermediate, inputs_embeds=inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden]: what the checkpoint's input embedding layer gives
+        (transformers' ``get_input_embeddings()``), before any multiplier the decoder
+        applies after it."""
+        return self.decoder.embed_tokens(input_ids)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [N, hidden_size] (only the sampled rows) -> [N, vocab] logits in

@@ -126,6 +126,10 @@ class GemmaModel(nn.Module):
     ``rotary_embs`` maps each layer type to its rotary module (one table per type).
     """
 
+    scaled_embedding = False
+    """Transformers' embedding layer applies ``normalizer`` itself (Gemma 3), so
+    ``inputs_embeds`` come scaled (set per instance)."""
+
     def __init__(
         self,
         arch: ArchConfig,
@@ -163,9 +167,12 @@ class GemmaModel(nn.Module):
         positions: torch.Tensor,
         ctx: ForwardContext,
         intermediate: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        if intermediate is None:
-            x = self.embed_tokens(input_ids)
+        if intermediate is None and inputs_embeds is not None and self.scaled_embedding:
+            x = inputs_embeds  # the embedding layer scaled them already (Gemma 3)
+        elif intermediate is None:
+            x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
             x = x * torch.tensor(self.normalizer, dtype=x.dtype)
         else:
             x = intermediate["hidden_states"]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from pagedlm.config import ArchConfig
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from pagedlm.model_executor.models.gemma2 import FULL, SLIDING, Gemma2ForCausalLM
@@ -36,6 +38,15 @@ def _rope_settings(arch: ArchConfig) -> dict[str, tuple[float, dict[str, Any] | 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     qk_norm = True
     default_sliding_window_pattern = 6
+
+    def __init__(self, arch: ArchConfig, max_model_len: int | None = None) -> None:
+        super().__init__(arch, max_model_len)
+        self.model.scaled_embedding = True
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Scaled rows, as transformers' ``Gemma3TextScaledWordEmbedding`` gives them."""
+        x = self.model.embed_tokens(input_ids)
+        return x * torch.tensor(self.model.normalizer, dtype=x.dtype)
 
     def rotary_embs(self, arch: ArchConfig) -> dict[str, RotaryEmbedding]:
         return {

@@ -225,9 +225,11 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         ctx: ForwardContext,
         intermediate: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         if intermediate is None:
-            x, residual = self.embed_tokens(input_ids), None
+            x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
         else:
             x, residual = intermediate["hidden_states"], intermediate["residual"]
         for layer in itertools.islice(self.layers, self.start_layer, self.end_layer):
@@ -242,6 +244,7 @@ class LlamaForCausalLM(CausalLM):
     """The model runner's entry point for every Llama-family architecture."""
 
     intermediate_names = ("hidden_states", "residual")
+    supports_prompt_embeds = True
 
     # (our merged parameter, the HF projection it contains, that projection's shard id)
     stacked_params: ClassVar[tuple[tuple[str, str, str | int], ...]] = (

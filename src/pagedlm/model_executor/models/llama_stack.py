@@ -30,7 +30,7 @@ class LlamaStack(LlamaModel):
 
     Each layer is ``(positions, x, residual | None, ctx) -> (x, residual)`` like
     ``LlamaDecoderLayer``. ``embedding_multiplier`` scales the token embeddings (Granite's;
-    1.0: unscaled).
+    1.0: unscaled), ``inputs_embeds`` too.
     """
 
     def __init__(
@@ -56,10 +56,12 @@ class LlamaStack(LlamaModel):
         positions: torch.Tensor,
         ctx: ForwardContext,
         intermediate: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         residual: torch.Tensor | None
         if intermediate is None:
-            x, residual = self.embed_tokens(input_ids), None
+            x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
             if self.embedding_multiplier != 1.0:
                 x = x * self.embedding_multiplier
         else:

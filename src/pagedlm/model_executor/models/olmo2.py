@@ -166,8 +166,12 @@ class Olmo2Model(nn.Module):
         positions: torch.Tensor,
         ctx: ForwardContext,
         intermediate: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        x = self.embed_tokens(input_ids) if intermediate is None else intermediate["hidden_states"]
+        if intermediate is not None:
+            x = intermediate["hidden_states"]
+        else:
+            x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         for layer in itertools.islice(self.layers, self.start_layer, self.end_layer):
             x = layer(positions, x, ctx)
         if not self.is_last_stage:
