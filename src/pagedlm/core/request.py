@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pagedlm.lora.request import LoRARequest
     from pagedlm.sampling_params import SamplingParams
-    from pagedlm.step.multimodal import MultiModalFeature
+    from pagedlm.step.multimodal import MultiModalFeature, TensorData
     from pagedlm.step.pooling import PoolingSpec
 
 
@@ -71,6 +71,7 @@ class Request:
         lora_request: LoRARequest | None = None,
         mm_features: list[MultiModalFeature] | None = None,
         pooling: PoolingSpec | None = None,
+        prompt_embeds: TensorData | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -85,6 +86,9 @@ class Request:
         """The prompt's images, sorted by placeholder offset (empty: a text prompt)."""
         self.pooling = pooling
         """A pooling model's request: its task (None: the model's own, or generating)."""
+        self.prompt_embeds = prompt_embeds
+        """A prompt given as embeddings ``[num_prompt_tokens, hidden]`` (the prompt's token
+        ids are then placeholders); None: token ids."""
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.all_token_ids)

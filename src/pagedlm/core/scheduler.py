@@ -376,6 +376,7 @@ class OneBudgetScheduler(Scheduler):
                     lora_request=request.lora_request,
                     mm_features=request.mm_features,
                     pooling=request.pooling,
+                    prompt_embeds=request.prompt_embeds,
                 )
             )
             num_scheduled[request.request_id] = num_new_tokens

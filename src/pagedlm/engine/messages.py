@@ -24,7 +24,7 @@ from pagedlm.core.scheduler_interface import SchedulerStats
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.lora.request import LoRARequest
 from pagedlm.sampling_params import SamplingParams
-from pagedlm.step.multimodal import MultiModalFeature
+from pagedlm.step.multimodal import MultiModalFeature, TensorData
 from pagedlm.step.pooling import PoolingSpec
 
 _SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
@@ -66,6 +66,7 @@ class WireRequest(msgspec.Struct, array_like=True):
     lora_request: LoRARequest | None = None
     mm_features: list[MultiModalFeature] = []
     pooling: PoolingSpec | None = None
+    prompt_embeds: TensorData | None = None
 
 
 def request_to_wire(request: Request) -> WireRequest:
@@ -80,6 +81,7 @@ def request_to_wire(request: Request) -> WireRequest:
         request.lora_request,
         request.mm_features,
         request.pooling,
+        request.prompt_embeds,
     )
 
 
@@ -95,6 +97,7 @@ def request_from_wire(wire: WireRequest) -> Request:
         lora_request=wire.lora_request,
         mm_features=wire.mm_features,
         pooling=wire.pooling,
+        prompt_embeds=wire.prompt_embeds,
     )
 
 

@@ -5,8 +5,10 @@ block ``i`` and the block's extra keys (LoRA adapter id, cache salt). Two reques
 therefore share a block hash only if they share every token before and inside it, and
 the same extra keys. A block overlapping an image's placeholder tokens also carries the
 image's content hash: the placeholders are the same token ids for every image, the K/V
-are not. Digests are sha256 over a canonical byte encoding: stable across
-processes and runs, unlike Python's ``hash()``, which is salted per process.
+are not. A block of a prompt given as embeddings carries the digest of its rows'
+bytes for the same reason (its token ids are placeholders), so two prompts that share
+their first rows share those blocks. Digests are sha256 over a canonical byte encoding:
+stable across processes and runs, unlike Python's ``hash()``, which is salted per process.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pagedlm.core.request import Request
+    from pagedlm.step.multimodal import TensorData
 
 BlockHash = bytes
 """A 32-byte sha256 digest."""
@@ -61,7 +64,7 @@ def block_extra_keys(
     request: Request, block_index: int, block_size: int = 0
 ) -> tuple[ExtraKey, ...]:
     """Extra keys of one block of ``request`` (``block_size`` is needed only when the
-    request has images).
+    request has images or embeddings).
 
     The adapter id and the cache salt go into the first block only: the chain carries
     them into every later hash, so repeating them would cost time and change nothing.
@@ -81,7 +84,28 @@ def block_extra_keys(
         for feature in request.mm_features:
             if feature.offset < end and feature.end > start:
                 keys += (feature.identifier, max(start - feature.offset, 0))
+    if request.prompt_embeds is not None:
+        key = embeds_block_key(request.prompt_embeds, block_index, block_size)
+        if key is not None:
+            keys += (key,)
     return keys
+
+
+def embeds_block_key(prompt_embeds: TensorData, block_index: int, block_size: int) -> str | None:
+    """The digest of a block's rows of a prompt given as embeddings (None: the block
+    holds none of them). Tagged and typed into the key, so no token id, salt or image
+    identifier can collide with it."""
+    num_rows = prompt_embeds.shape[0]
+    start = block_index * block_size
+    if start >= num_rows:
+        return None
+    row_bytes = len(prompt_embeds.data) // max(num_rows, 1)
+    end = min(start + block_size, num_rows)
+    rows = memoryview(prompt_embeds.data)[start * row_bytes : end * row_bytes]
+    digest = hashlib.sha256(prompt_embeds.dtype.encode("utf-8"))
+    digest.update(struct.pack("<II", prompt_embeds.shape[-1], end - start))
+    digest.update(rows)
+    return "prompt_embeds:" + digest.hexdigest()
 
 
 def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:

@@ -8,7 +8,7 @@ import numpy as np
 
 from pagedlm.lora.request import LoRARequest
 from pagedlm.sampling_params import SamplingParams
-from pagedlm.step.multimodal import MultiModalFeature
+from pagedlm.step.multimodal import MultiModalFeature, TensorData
 from pagedlm.step.pooling import PoolingSpec
 
 
@@ -34,6 +34,11 @@ class NewRequestData:
     so ``SchedulerOutput.scheduled_encoder_inputs`` names them by index."""
     pooling: PoolingSpec | None = None
     """A pooling model's request: what its workers pool (None: the model's own task)."""
+    prompt_embeds: TensorData | None = None
+    """A prompt given as embeddings (``enable_prompt_embeds``): ``[num_prompt_tokens,
+    hidden]`` rows in the model's dtype, fed at the prompt's positions in place of the
+    embeddings of ``token_ids`` (placeholders there). Sent with every admission, a resumed
+    request's included; workers drop it once the prompt is computed."""
 
 
 @dataclass(frozen=True)
