@@ -81,13 +81,17 @@ def _check_call(layer: Attention, scaling: float | None, kwargs: dict[str, Any])
         layer.scale = float(scaling)  # the module's own value wins (as in vLLM)
     window = kwargs.get("sliding_window")
     cap = kwargs.get("softcap")
-    if (window is not None and window != layer.sliding_window) or (
-        cap is not None and cap != layer.logits_soft_cap
+    sinks = kwargs.get("s_aux")  # gpt-oss-style attention sinks: not wired to the backend
+    if (
+        (window is not None and window != layer.sliding_window)
+        or (cap is not None and cap != layer.logits_soft_cap)
+        or sinks is not None
     ):
         raise ValueError(
             f"layer {layer.layer_idx} of the Transformers backend was built with "
             f"sliding_window={layer.sliding_window}, logits_soft_cap={layer.logits_soft_cap}, "
-            f"but the model's attention asks for sliding_window={window}, softcap={cap}; "
+            f"but the model's attention asks for sliding_window={window}, softcap={cap}"
+            f"{', attention sinks' if sinks is not None else ''}; "
             "this model's attention pattern is not supported by the Transformers backend."
         )
 
