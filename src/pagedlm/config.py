@@ -372,6 +372,9 @@ class ModelConfig:
     """Which implementation runs ``arch``: "vllm" (pagedlm's own class) or "transformers"
     (the Transformers modeling backend); "auto" (the first of them that exists) when built
     outside ``EngineArgs``."""
+    enable_prompt_embeds: bool = False
+    """Prompts may be given as input embeddings ``[num_tokens, hidden_size]`` (vLLM's
+    ``enable_prompt_embeds``; ``pagedlm.engine.prompt_embeds``)."""
 
     @property
     def is_gguf(self) -> bool:

@@ -4,6 +4,8 @@ A prompt is a string, or a dict with the text (``TextPrompt``) or its token ids
 (``TokensPrompt``); either dict may carry ``cache_salt`` (requests with different salts
 never share prefix-cache blocks), and a text prompt ``multi_modal_data``
 (``{"image": PIL image or list}``) with ``mm_processor_kwargs`` for the image processor.
+An engine started with ``enable_prompt_embeds=True`` also takes the prompt's input
+embeddings (``EmbedsPrompt``).
 The TypedDicts only describe the dicts: plain dicts are what the engine reads.
 """
 
@@ -31,8 +33,17 @@ class TokensPrompt(TypedDict):
     cache_salt: NotRequired[str]
 
 
-SingletonPrompt = str | TextPrompt | TokensPrompt
+class EmbedsPrompt(TypedDict):
+    """A prompt as input embeddings (engines with ``enable_prompt_embeds=True``): a torch
+    tensor ``[num_tokens, hidden_size]`` of what the model's input embedding layer gives
+    (transformers' ``get_input_embeddings()``); ``pagedlm.engine.prompt_embeds``."""
+
+    prompt_embeds: Any
+    cache_salt: NotRequired[str]
+
+
+SingletonPrompt = str | TextPrompt | TokensPrompt | EmbedsPrompt
 PromptType = str | Mapping[str, Any]
 """What the engine accepts: a string or any mapping of the keys above."""
 
-__all__ = ["PromptType", "SingletonPrompt", "TextPrompt", "TokensPrompt"]
+__all__ = ["EmbedsPrompt", "PromptType", "SingletonPrompt", "TextPrompt", "TokensPrompt"]

@@ -27,6 +27,7 @@ from pagedlm.config import (
     validate_positive,
 )
 from pagedlm.engine.model_impl_args import check_transformers_backend, resolve_model_impl
+from pagedlm.engine.prompt_embeds import check_prompt_embeds_config
 from pagedlm.engine.quantization_args import check_quantization_name, resolve_quantization
 from pagedlm.engine.speculative_args import parse_speculative_config
 from pagedlm.engine.structured_outputs_args import resolve_structured_outputs
@@ -131,6 +132,10 @@ class EngineArgs:
     environment variable (vLLM's switch) turns it on too."""
     enforce_eager: bool = False
     """Never replay decode steps from CUDA graphs (skips capturing them at start-up)."""
+    enable_prompt_embeds: bool = False
+    """Accept prompts given as input embeddings (vLLM's flag): ``{"prompt_embeds": tensor
+    [num_tokens, hidden_size]}``, or base64 ``torch.save`` bytes over HTTP. Off by default:
+    a malformed tensor from an untrusted client costs memory and compute."""
     enable_sleep_mode: bool = False
     """Allow sleep and wake_up (vLLM's flag; LLM.sleep, POST /sleep?level=1|2): level 1
     moves the weights to host memory and frees the KV cache, level 2 drops the weights too
@@ -433,6 +438,7 @@ class EngineArgs:
                 trust_remote_code=self.trust_remote_code,
                 enable_sleep_mode=self.enable_sleep_mode,
                 enforce_eager=self.enforce_eager,
+                enable_prompt_embeds=self.enable_prompt_embeds,
                 runner=runner,
                 pooler=pooler,
                 model_impl=model_impl,
@@ -508,6 +514,7 @@ class EngineArgs:
                 "verification's accepted counts would have to reach every stage); drop one "
                 "of them."
             )
+        check_prompt_embeds_config(config)
         check_transformers_backend(config, model.endswith(".gguf"))
         config = replace(config, logits_processors=self._logits_processors(config))
         config = configure(config, platform)

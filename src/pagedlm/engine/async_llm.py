@@ -360,7 +360,10 @@ class AsyncLLM:
             lora_request,
             tokenization_kwargs,
         )
-        has_images = isinstance(prompt, Mapping) and prompt.get("multi_modal_data")
+        # Images and prompt embeddings (checked and converted whole) go to the pool too.
+        has_images = isinstance(prompt, Mapping) and (
+            prompt.get("multi_modal_data") or prompt.get("prompt_embeds") is not None
+        )
         if size <= INLINE_PROMPT_CHARS and params.structured_outputs is None and not has_images:
             return process()
         return await asyncio.get_running_loop().run_in_executor(self._input_pool, process)

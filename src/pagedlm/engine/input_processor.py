@@ -13,6 +13,7 @@ from typing import Any
 
 from pagedlm.config import LoRAConfig, ModelConfig, MultiModalConfig
 from pagedlm.core.request import Request
+from pagedlm.engine.prompt_embeds import checked_prompt_embeds, embeds_of
 from pagedlm.engine.tokenization_kwargs import check_tokenization_kwargs, encode_text
 from pagedlm.inputs import PromptType
 from pagedlm.lora.frontend import AdapterChecker
@@ -293,8 +294,15 @@ class InputProcessor:
                 "send priority 0."
             )
         self.adapters.check(lora_request)
-        text, token_ids, mm_features = self.tokenize_multimodal(prompt, tokenization_kwargs)
         keep = self.truncation_size(params.truncate_prompt_tokens)
+        embeds = None
+        if embeds_of(prompt) is not None:
+            assert isinstance(prompt, Mapping)
+            embeds = checked_prompt_embeds(prompt, params, lora_request, self.model_config, keep)
+            # Placeholder ids keep the scheduler's lengths; the rows are what is fed.
+            text, token_ids, mm_features = None, [0] * embeds.shape[0], []
+        else:
+            text, token_ids, mm_features = self.tokenize_multimodal(prompt, tokenization_kwargs)
         if keep is not None and len(token_ids) > keep:
             if mm_features:
                 raise ValueError(
@@ -326,6 +334,10 @@ class InputProcessor:
                     priority=priority,
                     lora_request=lora_request,
                     mm_features=mm_features,
+                    prompt_embeds=embeds,
                 )
             )
-        return ProcessedRequest(request_id, text, token_ids, resolved, children, arrival)
+        # An embeddings prompt reports no prompt token ids (vLLM's None), and its output
+        # is detokenized without a prompt context.
+        prompt_ids = [] if embeds is not None else token_ids
+        return ProcessedRequest(request_id, text, prompt_ids, resolved, children, arrival)

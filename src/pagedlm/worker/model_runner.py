@@ -61,6 +61,7 @@ from pagedlm.worker.input_batch import InputBatch
 from pagedlm.worker.launched_step import LaunchedStep, Verified
 from pagedlm.worker.logits_processors import make_logits_processors
 from pagedlm.worker.pipeline_stage import run_stage, write_new_token_ids
+from pagedlm.worker.prompt_embeds import make_prompt_embeds
 from pagedlm.worker.sampling_inputs import (
     DeviceTokenHistory,
     SamplingMetadataCache,
@@ -126,6 +127,7 @@ class ModelRunner:
             make_batch_invariant(self.model)
         self.lora = make_lora(config, platform, self.model)
         self.encoder = make_encoder_runner(self.model, self.device, attn_backend_cls)
+        self.prompt_embeds = make_prompt_embeds(config, self.model, self.device)
         self.rope_positions = make_positions(self.model, self.device)
         self.num_kv_heads = model_kv_heads(self.model, self.arch.num_key_value_heads)
         layers = model_attention_layers(self.model) or [0]
@@ -315,6 +317,7 @@ class ModelRunner:
         if self.logits_processors is not None:
             self.logits_processors.admit(scheduler_output)
         self.encoder.update(scheduler_output)
+        self.prompt_embeds.update(scheduler_output)
         self.rope_positions.update(scheduler_output)
         if self.pooler is not None:
             self.pooler.update(scheduler_output)
@@ -322,16 +325,23 @@ class ModelRunner:
             self.input_batch.flush()
             return
         feeds_images = self.encoder.feeds_images(scheduler_output)
+        feeds_embeds = self.prompt_embeds.feeds(scheduler_output)
         inputs = self.step_inputs.build(
             scheduler_output,
-            None if feeds_images else self._padded_num_reqs(scheduler_output),
+            None if feeds_images or feeds_embeds else self._padded_num_reqs(scheduler_output),
             self.speculator.num_rejected,
         )
         layout = inputs.layout
         self.lora.prepare_step(inputs.states, layout.query_start_loc_cpu, layout.num_tokens)
-        if feeds_images:  # eager, from embeddings with the images' rows scattered in
-            embeds = self.encoder.step_embeddings(scheduler_output, inputs.input_ids, layout)
-            spans = self.encoder.bidirectional_spans(scheduler_output)
+        if feeds_images or feeds_embeds:  # eager, from embeddings: images', prompts' rows
+            spans: tuple[tuple[int, int, int], ...] = ()
+            if feeds_images:
+                embeds = self.encoder.step_embeddings(scheduler_output, inputs.input_ids, layout)
+                spans = self.encoder.bidirectional_spans(scheduler_output)
+            else:
+                embeds = self.model.embed_input_ids(inputs.input_ids)
+            if feeds_embeds:
+                self.prompt_embeds.write(embeds, scheduler_output, layout)
             hidden = self._forward_embeddings(inputs, embeds, spans)
         else:
             hidden = self._forward(inputs)
@@ -390,9 +400,10 @@ class ModelRunner:
     def _forward_embeddings(
         self, inputs: StepInputs, embeds: torch.Tensor, spans: tuple[tuple[int, int, int], ...]
     ) -> torch.Tensor:
-        """Hidden states of a step fed from token embeddings (multimodal models, which
-        run on one pipeline stage); ``spans``: the layout's ``bidirectional_spans``. The
-        positions are the rotary's for image tokens too ([3, T] for M-RoPE models)."""
+        """Hidden states of a step fed from token embeddings (images, prompts given as
+        embeddings; both on one pipeline stage); ``spans``: the layout's
+        ``bidirectional_spans``. The positions are the rotary's for image tokens too
+        ([3, T] for M-RoPE models)."""
         assert self.kv_cache is not None, "initialize_kv_cache must run first"
         layout = replace(inputs.layout, bidirectional_spans=spans) if spans else inputs.layout
         ctx = ForwardContext(
