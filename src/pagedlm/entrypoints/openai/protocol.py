@@ -270,7 +270,11 @@ class SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    prompt_embeds: str | list[str] | None = None
+    """vLLM's: prompts as input embeddings, each the base64 of ``torch.save``'s bytes for
+    a tensor ``[num_tokens, hidden_size]`` (``--enable-prompt-embeds``); their choices come
+    before the ``prompt``'s."""
     suffix: str | None = None
     max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
@@ -281,8 +285,18 @@ class CompletionRequest(SamplingFields):
     that already holds them as text."""
 
     def prompts(self) -> list[str | dict[str, Any]]:
-        """The prompt field as a list of engine prompts (text or token ids)."""
+        """The prompt field as a list of engine prompts (text or token ids); empty when
+        only ``prompt_embeds`` is given."""
+        if self.prompt is None:
+            if not self.prompt_embeds:
+                raise APIError("prompt is required (or prompt_embeds).", param="prompt")
+            return []
         return engine_prompts(self.prompt, "prompt")
+
+    def embeds_list(self) -> list[str]:
+        """``prompt_embeds`` as a list of base64 strings (empty: none given)."""
+        value = self.prompt_embeds
+        return [] if value is None else [value] if isinstance(value, str) else list(value)
 
 
 def engine_prompts(

@@ -1,7 +1,9 @@
 """``POST /v1/completions``: text completions, streamed (SSE) or whole.
 
-Choice ``i * n + j`` is sample ``j`` of prompt ``i``. ``echo`` prepends each prompt (and,
-with ``logprobs``, the prompt tokens' logprobs, the first one ``None``).
+Choice ``i * n + j`` is sample ``j`` of prompt ``i``, the ``prompt_embeds`` (vLLM's:
+base64 ``torch.save`` bytes, ``--enable-prompt-embeds``) counted before the ``prompt``'s.
+``echo`` prepends each prompt (and, with ``logprobs``, the prompt tokens' logprobs, the
+first one ``None``).
 ``max_tokens=0`` with ``echo`` scores the prompt without generating (lm-eval's
 loglikelihood requests): the engine samples one token, which is dropped.
 """
@@ -76,16 +78,23 @@ class CompletionServer:
         if not request.add_special_tokens:
             tokenizer = ctx.require_tokenizer()
             prompts = await asyncio.to_thread(_without_special_tokens, tokenizer, prompts)
+        prompts = await _embeds_prompts(ctx, request) + prompts  # vLLM's order: embeds first
         prompts = request.engine_prompts(prompts)
         lora = ctx.lora_request(request.model)
         beam = request.beam_search_params(request.max_tokens, ctx.max_model_len)
+        if beam is not None and request.prompt_embeds:
+            raise APIError(
+                "use_beam_search takes text or token prompts, not prompt_embeds.",
+                param="prompt_embeds",
+            )
         if beam is not None and score_only:
             raise APIError("use_beam_search needs max_tokens >= 1.", param="max_tokens")
         if beam is not None:
             started = await ctx.start_beam_search(prompts, beam, request_id, lora)
         else:
             started = await ctx.start(prompts, params, request_id, request.priority, lora)
-        events = self._events(request, request_id, started, score_only)
+        rows = [_embeds_rows(p, request.truncate_prompt_tokens) for p in prompts]
+        events = self._events(request, request_id, started, score_only, rows)
         return await stream_or_collect(events, request.stream)
 
     def _new_choice(self, request: CompletionRequest, index: int) -> _Choice:
@@ -134,12 +143,21 @@ class CompletionServer:
         return new_text
 
     async def _events(
-        self, request: CompletionRequest, request_id: str, started, score_only: bool
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        started,
+        score_only: bool,
+        embeds_rows: list[int],
     ) -> AsyncIterator:
-        """SSE strings when streaming; otherwise yields the one response body at the end."""
+        """SSE strings when streaming; otherwise yields the one response body at the end.
+        ``embeds_rows``: each prompt's rows if given as embeddings (its usage), else 0."""
         n = request.n
         choices: dict[int, _Choice] = {}
-        prompt_tokens = [len(first.prompt_token_ids) for first, _ in started]
+        prompt_tokens = [
+            len(first.prompt_token_ids) or rows
+            for (first, _), rows in zip(started, embeds_rows, strict=True)
+        ]
         base = {
             "id": request_id,
             "object": "text_completion",
@@ -235,3 +253,35 @@ def _without_special_tokens(tokenizer: Any, prompts: list[str | dict[str, Any]])
         else p
         for p in prompts
     ]
+
+
+async def _embeds_prompts(ctx: ServingContext, request: CompletionRequest) -> list[Any]:
+    """``prompt_embeds`` as engine prompts, decoded off the event loop; a 400 naming the
+    problem (or the flag, on an engine without it)."""
+    encoded = request.embeds_list()
+    if not encoded:
+        return []
+    config = getattr(ctx.engine, "config", None)
+    if config is not None and not config.model.enable_prompt_embeds:
+        raise APIError(
+            "prompt_embeds needs a server started with --enable-prompt-embeds.",
+            param="prompt_embeds",
+        )
+    from pagedlm.engine.prompt_embeds import load_base64_embeds
+
+    try:
+        tensors = await asyncio.to_thread(lambda: [load_base64_embeds(e) for e in encoded])
+    except ValueError as error:
+        raise APIError(str(error), param="prompt_embeds") from None
+    return [{"prompt_embeds": tensor} for tensor in tensors]
+
+
+def _embeds_rows(prompt: Any, truncate_prompt_tokens: int | None) -> int:
+    """The prompt rows an embeddings prompt feeds (0 for other prompts)."""
+    tensor = prompt.get("prompt_embeds") if isinstance(prompt, dict) else None
+    if tensor is None:
+        return 0
+    rows = tensor.shape[-2] if tensor.dim() > 1 else 0
+    if truncate_prompt_tokens is not None and truncate_prompt_tokens >= 0:
+        rows = min(rows, truncate_prompt_tokens)
+    return rows
