@@ -55,6 +55,11 @@ def _model(llm: LLM) -> torch.nn.Module:
     return llm.llm_engine.engine_core.executor.worker.model_runner.model
 
 
+def _tolerance(llm: LLM) -> float:
+    """1e-4 on CPU; GPU kernels take float32 dots in TF32 (seen: 1.1e-3 on an H200)."""
+    return 1e-4 if llm.llm_engine.config.platform == "cpu" else 2e-3
+
+
 def _prompt_logprobs(output, prompt: list[int]) -> torch.Tensor:
     return torch.tensor([d[t].logprob for d, t in zip(output.prompt_logprobs[1:], prompt[1:])])
 
@@ -80,7 +85,8 @@ def test_auto_runs_an_unimplemented_architecture(glm, caplog) -> None:
     for output, prompt in zip(outputs, prompts, strict=True):
         want = torch.log_softmax(hf_logits(hf_model, prompt), -1)[:-1]
         want = want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
-        torch.testing.assert_close(_prompt_logprobs(output, prompt), want, atol=1e-4, rtol=0)
+        got = _prompt_logprobs(output, prompt)
+        torch.testing.assert_close(got, want, atol=_tolerance(llm), rtol=0)
     again = _generate(llm, prompts)  # every prompt's full blocks from the cache now
     assert _tokens(again) == expected
     assert again[LENS.index(40)].num_cached_tokens == 36
@@ -130,7 +136,7 @@ def test_sliding_window_beyond_the_window(tmp_path: Path) -> None:
     want = torch.log_softmax(hf_logits(hf_model, prompts[long]), -1)[:-1]
     want = want.gather(1, torch.tensor(prompts[long][1:])[:, None])[:, 0]
     got = _prompt_logprobs(outputs[long], prompts[long])
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    torch.testing.assert_close(got, want, atol=_tolerance(llm), rtol=0)
 
 
 @pytest.mark.parametrize(

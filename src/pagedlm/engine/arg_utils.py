@@ -26,7 +26,11 @@ from pagedlm.config import (
     validate_fraction,
     validate_positive,
 )
-from pagedlm.engine.model_impl_args import check_transformers_backend, resolve_model_impl
+from pagedlm.engine.model_impl_args import (
+    check_transformers_backend,
+    check_transformers_parallel,
+    resolve_model_impl,
+)
 from pagedlm.engine.prompt_embeds import check_prompt_embeds_config
 from pagedlm.engine.quantization_args import check_quantization_name, resolve_quantization
 from pagedlm.engine.speculative_args import parse_speculative_config
@@ -393,6 +397,9 @@ class EngineArgs:
             tokenizer = get_tokenizer(model, self.resolve_tokenizer(), mode=self.tokenizer_mode)
             arch = with_classifier_token_ids(arch, tokenizer)
         model_impl, arch = resolve_model_impl(self.model_impl, arch, model)
+        check_transformers_parallel(
+            model_impl, arch, self.tensor_parallel_size, self.pipeline_parallel_size
+        )
         if self.load_format != "dummy" and not model.endswith(".gguf"):
             self._check_checkpoint_files(model, arch)  # before any memory is allocated
 

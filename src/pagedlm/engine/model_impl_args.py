@@ -97,14 +97,8 @@ def check_transformers_backend(config: EngineConfig, is_gguf: bool) -> None:
     """Refuses what the Transformers backend does not support in this version."""
     if config.model.model_impl != "transformers":
         return
-    parallel = config.parallel
     speculative = config.speculative
     refusals = (
-        (
-            parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1,
-            "tensor_parallel_size and pipeline_parallel_size above 1",
-            "run it on one device (tensor_parallel_size=1, pipeline_parallel_size=1)",
-        ),
         (is_gguf, "GGUF files", "load the model's Hugging Face directory"),
         (
             config.model.quantization is not None or "quantization_config" in config.model.arch.raw,
@@ -127,8 +121,27 @@ def check_transformers_backend(config: EngineConfig, is_gguf: bool) -> None:
     )
     for refused, what, fix in refusals:
         if refused:
-            raise ValueError(
-                f"The Transformers modeling backend (model_impl='transformers', running "
-                f"{config.model.arch.architecture}) does not support {what}; {fix}, or "
-                "serve a model pagedlm implements (model_impl='vllm')."
+            raise ValueError(_refusal(config.model.arch, what, fix))
+
+
+def check_transformers_parallel(
+    model_impl: str, arch: ArchConfig, tensor_parallel_size: int, pipeline_parallel_size: int
+) -> None:
+    """Refuses parallel sizes above 1 on the Transformers backend; checked before the
+    parallel config, so the answer does not depend on the machine's device count."""
+    if model_impl == "transformers" and max(tensor_parallel_size, pipeline_parallel_size) > 1:
+        raise ValueError(
+            _refusal(
+                arch,
+                "tensor_parallel_size and pipeline_parallel_size above 1",
+                "run it on one device (tensor_parallel_size=1, pipeline_parallel_size=1)",
             )
+        )
+
+
+def _refusal(arch: ArchConfig, what: str, fix: str) -> str:
+    return (
+        f"The Transformers modeling backend (model_impl='transformers', running "
+        f"{arch.architecture}) does not support {what}; {fix}, or serve a model pagedlm "
+        "implements (model_impl='vllm')."
+    )
