@@ -204,3 +204,17 @@ def test_the_cli_flag(capsys) -> None:
     with pytest.raises(SystemExit):
         parser.parse_args(["--model-impl", "hf"])
     assert "invalid choice: 'hf'" in capsys.readouterr().err
+
+
+def test_prompt_embeds_give_the_tokens_of_their_ids(glm) -> None:
+    """``enable_prompt_embeds`` on the backend: transformers' input embeddings of a prompt
+    generate what its ids do (chunked over 8-token steps, beside token prompts)."""
+    path, hf_model, prompts, expected = glm
+    llm = _llm(path, enable_prompt_embeds=True)
+    embedding = hf_model.get_input_embeddings()
+    with torch.no_grad():
+        embeds = [{"prompt_embeds": embedding(torch.tensor(p))} for p in prompts[2:4]]
+    sampling = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    mixed = embeds + [{"prompt_token_ids": prompts[0]}]
+    outputs = llm.generate(mixed, sampling, use_tqdm=False)
+    assert _tokens(outputs) == [*expected[2:4], expected[0]]

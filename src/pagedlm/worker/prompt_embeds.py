@@ -87,7 +87,7 @@ def make_prompt_embeds(
         raise ValueError(
             f"enable_prompt_embeds=True, but {type(model).__name__} "
             f"({config.model.arch.architecture}) cannot take prompts as embeddings; the "
-            "Llama-family models can (Llama, Mistral, Qwen, Gemma, Granite, ...). Drop "
+            "Llama-family models and the Transformers backend can. Drop "
             "--enable-prompt-embeds."
         )
     return PromptEmbeds(device)

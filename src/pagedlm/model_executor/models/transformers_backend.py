@@ -148,6 +148,9 @@ class TransformersForCausalLM(nn.Module):
     graph_safe: ClassVar[bool] = False
     """The model runner runs it eagerly: transformers' forward is not known to be safe to
     capture in a device graph (host syncs, Python-side shape logic)."""
+    supports_prompt_embeds: ClassVar[bool] = True
+    """Prompts given as embeddings: the rows transformers' ``get_input_embeddings()``
+    gives, which its model takes as ``inputs_embeds`` (``enable_prompt_embeds``)."""
 
     def __init__(self, arch: ArchConfig, max_model_len: int | None = None) -> None:
         super().__init__()
@@ -218,16 +221,25 @@ class TransformersForCausalLM(nn.Module):
         positions: torch.Tensor,
         ctx: ForwardContext,
         intermediate: object = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size]."""
+        """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size];
+        ``inputs_embeds`` [num_tokens, hidden_size] in place of the ids' embeddings."""
+        inputs = (
+            {"input_ids": input_ids[None]}
+            if inputs_embeds is None
+            else {"inputs_embeds": inputs_embeds[None]}
+        )
         token = _STEP.set(_Step(ctx, self.attention))
         try:
-            out = self.hf.base_model(
-                input_ids=input_ids[None], position_ids=positions[None], use_cache=False
-            )
+            out = self.hf.base_model(**inputs, position_ids=positions[None], use_cache=False)
         finally:
             _STEP.reset(token)
         return out.last_hidden_state[0]
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden_size]: transformers' input embedding layer."""
+        return self.hf.get_input_embeddings()(input_ids)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [N, hidden_size] -> [N, vocab], with the config's logit scaling
