@@ -3,13 +3,15 @@ postfix reports the input and output speeds."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from tqdm import tqdm
 
 from pagedlm import LLM, SamplingParams
 
 
 class RecordingBar(tqdm):
-    made: list[RecordingBar] = []
+    made: ClassVar[list[RecordingBar]] = []
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs["disable"] = False

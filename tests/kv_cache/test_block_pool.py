@@ -131,7 +131,9 @@ def test_hash_encoding_is_unambiguous():
     assert hash_block_tokens(None, [1], ("ab",)) != hash_block_tokens(None, [1], ("a", "b"))
     assert hash_block_tokens(None, [1], (1,)) != hash_block_tokens(None, [1], ("1",))
     assert hash_block_tokens(None, [1, 2]) != hash_block_tokens(None, [1], (2,))
-    with pytest.raises(TypeError, match="str or int"):
+    # a prompt's embedding digest (bytes) never equals a salt or identifier (str)
+    assert hash_block_tokens(None, [0], (b"d",)) != hash_block_tokens(None, [0], ("d",))
+    with pytest.raises(TypeError, match="str, int or bytes"):
         hash_block_tokens(None, [1], (1.5,))  # type: ignore[arg-type]
 
 

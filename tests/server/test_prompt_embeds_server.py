@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import re
 import zipfile
 from dataclasses import replace
 
@@ -68,7 +69,10 @@ def test_embeds_complete_as_their_ids_do(chat_checkpoint) -> None:
 def _enabled_fake(checkpoint) -> FakeEngine:
     engine = FakeEngine(checkpoint)
     processor = engine.input_processor
-    processor.model_config = replace(processor.model_config, enable_prompt_embeds=True)
+    # float16, so a value finite in float32 can overflow where the model reads it
+    processor.model_config = replace(
+        processor.model_config, enable_prompt_embeds=True, dtype=torch.float16
+    )
     return engine
 
 
@@ -83,6 +87,10 @@ def test_bad_prompt_embeds_are_400s(chat_checkpoint) -> None:
         (base64.b64encode(stored.getvalue()).decode(), "compressed archive"),
         (b64(torch.zeros(3, hidden + 1)), "hidden size"),
         (b64(torch.zeros(3, hidden, dtype=torch.int32)), "floating point"),
+        # 2 kB on the wire claiming 4 M elements (stride 0): refused before materialized
+        (b64(torch.zeros(1).expand(1024, hidden)), "strides repeat or skip its storage"),
+        (b64(torch.empty(3, hidden, device="meta")), "meta tensor"),
+        (b64(torch.full((3, hidden), 1e6)), "NaN or infinite"),  # float16 model: inf
     ]
     base = {"model": "tiny", "max_tokens": 2}
     with fake_app(chat_checkpoint, engine=_enabled_fake(chat_checkpoint)) as http:
@@ -94,7 +102,7 @@ def test_bad_prompt_embeds_are_400s(chat_checkpoint) -> None:
         for data, message in cases:
             response = http.post("/v1/completions", json={**base, "prompt_embeds": data})
             assert response.status_code == 400, response.text
-            assert message in response.json()["error"]["message"]
+            assert re.search(message, response.json()["error"]["message"]), message
         beam = http.post(
             "/v1/completions",
             json={**base, "prompt_embeds": b64(torch.zeros(3, hidden)), "use_beam_search": True},
@@ -107,3 +115,17 @@ def test_bad_prompt_embeds_are_400s(chat_checkpoint) -> None:
             "/v1/completions", json={**base, "prompt_embeds": b64(torch.zeros(3, hidden))}
         )
         assert off.status_code == 400 and "enable-prompt-embeds" in off.text
+
+
+def test_prompt_embeds_count_against_max_completion_prompts() -> None:
+    from types import SimpleNamespace
+
+    import pytest
+
+    from pagedlm.entrypoints.openai.errors import APIError
+    from pagedlm.entrypoints.openai.limits import RequestLimits
+
+    limits = RequestLimits(max_completion_prompts=2)
+    limits.check(SimpleNamespace(prompt_embeds=["a", "b"]))
+    with pytest.raises(APIError, match=r"prompt_embeds has 3 entries.*--max-completion-prompts"):
+        limits.check(SimpleNamespace(prompt_embeds=["a", "b", "c"]))

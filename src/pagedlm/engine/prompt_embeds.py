@@ -134,9 +134,15 @@ def _checked_tensor(value: Any, model_config: ModelConfig) -> torch.Tensor:
             f"prompt_embeds has {num_rows} rows; a prompt needs 1 to {limit} "
             "(max_model_len) of them."
         )
-    value = value.detach().to("cpu")
+    if value.device.type == "meta":
+        raise ValueError("prompt_embeds is a meta tensor, which holds no values.")
+    # Checked in the model's dtype: a finite float32 value may overflow float16.
+    value = value.detach().to("cpu", dtype=model_config.dtype)
     if not bool(torch.isfinite(value).all()):
-        raise ValueError("prompt_embeds holds NaN or infinite values.")
+        raise ValueError(
+            f"prompt_embeds holds NaN or infinite values (in the model's dtype, "
+            f"{str(model_config.dtype).removeprefix('torch.')})."
+        )
     return value
 
 
@@ -165,4 +171,14 @@ def load_base64_embeds(data: str | bytes) -> torch.Tensor:
         ) from None
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"prompt_embeds must hold one torch.Tensor, got {type(tensor).__name__}.")
+    # Sizes and strides come from the payload: a few bytes of storage may claim gigabytes
+    # of elements (a stride of 0), which the checks would then materialize.
+    if tensor.device.type == "meta":
+        raise ValueError("prompt_embeds is a meta tensor, which holds no values.")
+    stored = tensor.untyped_storage().nbytes()
+    if not tensor.is_contiguous() or stored < tensor.numel() * tensor.element_size():
+        raise ValueError(
+            "prompt_embeds must be a dense, contiguous tensor whose data the payload holds "
+            "(torch.save of a plain tensor); this one's strides repeat or skip its storage."
+        )
     return tensor

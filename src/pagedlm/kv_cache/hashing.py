@@ -25,21 +25,26 @@ if TYPE_CHECKING:
 BlockHash = bytes
 """A 32-byte sha256 digest."""
 
-ExtraKey = str | int
+ExtraKey = str | int | bytes
+"""Adapter ids (int), cache salts and image identifiers (str), a prompt's embedding rows'
+digests (bytes): each type tagged apart, so a salt can never pose as a digest."""
 
 ROOT_HASH: BlockHash = hashlib.sha256(b"pagedlm-prefix-cache-root").digest()
 """Parent of the first block of every request; fixed so hashes are reproducible."""
 
 _TAG_STR = b"s"
 _TAG_INT = b"i"
+_TAG_BYTES = b"b"
 
 
 def _encode_extra_key(key: ExtraKey) -> bytes:
     # A type tag and a length prefix keep ("ab",) and ("a", "b") or 1 and "1" distinct.
-    if isinstance(key, bool) or not isinstance(key, (str, int)):
-        raise TypeError(f"extra keys must be str or int, got {type(key).__name__}: {key!r}")
+    if isinstance(key, bool) or not isinstance(key, (str, int, bytes)):
+        raise TypeError(f"extra keys must be str, int or bytes, got {type(key).__name__}: {key!r}")
     if isinstance(key, int):
         return _TAG_INT + struct.pack("<q", key)
+    if isinstance(key, bytes):
+        return _TAG_BYTES + struct.pack("<I", len(key)) + key
     raw = key.encode("utf-8")
     return _TAG_STR + struct.pack("<I", len(raw)) + raw
 
@@ -91,7 +96,7 @@ def block_extra_keys(
     return keys
 
 
-def embeds_block_key(prompt_embeds: TensorData, block_index: int, block_size: int) -> str | None:
+def embeds_block_key(prompt_embeds: TensorData, block_index: int, block_size: int) -> bytes | None:
     """The digest of a block's rows of a prompt given as embeddings (None: the block
     holds none of them). Tagged and typed into the key, so no token id, salt or image
     identifier can collide with it."""
@@ -105,7 +110,7 @@ def embeds_block_key(prompt_embeds: TensorData, block_index: int, block_size: in
     digest = hashlib.sha256(prompt_embeds.dtype.encode("utf-8"))
     digest.update(struct.pack("<II", prompt_embeds.shape[-1], end - start))
     digest.update(rows)
-    return "prompt_embeds:" + digest.hexdigest()
+    return digest.digest()
 
 
 def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:

@@ -47,6 +47,11 @@ class RequestLimits:
             ("tools", _length(body, "tools"), "max_tools"),
             ("messages", _length(body, "messages"), "max_messages"),
             ("prompt", _num_prompts(getattr(body, "prompt", None)), "max_completion_prompts"),
+            (
+                "prompt_embeds",
+                _num_embeds(getattr(body, "prompt_embeds", None)),
+                "max_completion_prompts",
+            ),
         ):
             limit = getattr(self, limit_name)
             if count > limit:
@@ -67,6 +72,13 @@ def _num_stop_strings(stop: Any) -> int:
     if stop is None:
         return 0
     return 1 if isinstance(stop, str) else len(stop)
+
+
+def _num_embeds(prompt_embeds: Any) -> int:
+    # One base64 string, or a list of them.
+    if prompt_embeds is None:
+        return 0
+    return len(prompt_embeds) if isinstance(prompt_embeds, list) else 1
 
 
 def _num_prompts(prompt: Any) -> int:
