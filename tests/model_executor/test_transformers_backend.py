@@ -218,3 +218,13 @@ def test_prompt_embeds_give_the_tokens_of_their_ids(glm) -> None:
     mixed = embeds + [{"prompt_token_ids": prompts[0]}]
     outputs = llm.generate(mixed, sampling, use_tqdm=False)
     assert _tokens(outputs) == [*expected[2:4], expected[0]]
+
+
+def test_hybrid_models_are_refused(tmp_path: Path) -> None:
+    """Convolution layers (LFM2) keep state a step-wise forward does not carry: run on the
+    backend they mixed one request's prompt into another's, so "auto" refuses them."""
+    overrides = {"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2, **IDS}
+    save_random_model(tmp_path, "Lfm2Config", overrides)
+    args = EngineArgs(model=str(tmp_path), skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match=r"\['conv'\] layers besides attention"):
+        args.create_engine_config()

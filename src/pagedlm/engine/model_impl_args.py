@@ -39,7 +39,20 @@ def transformers_refusal(arch: ArchConfig) -> str | None:
         return f"transformers {transformers.__version__} cannot import {name}"
     if not getattr(model_class, "_supports_attention_backend", False):
         return f"transformers' {name} does not call custom attention functions"
+    from pagedlm.model_executor.models.transformers_backend import hf_config
+
+    config = hf_config(arch)
+    others = sorted(set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYER_TYPES)
+    if others:
+        # Convolution, recurrent or linear-attention layers keep state across steps
+        # that a step-wise forward over the paged cache does not carry.
+        return f"{name} has {others} layers besides attention, which the backend cannot carry"
+    if getattr(config, "attention_chunk_size", None):
+        return f"{name} attends in chunks (attention_chunk_size), which the backend cannot mask"
     return None
+
+
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 
 
 def resolve_model_impl(requested: str, arch: ArchConfig, model: str) -> tuple[str, ArchConfig]:

@@ -163,6 +163,14 @@ class TransformersForCausalLM(nn.Module):
                 config, dtype=dtype, attn_implementation=ATTENTION_NAME
             )
         self.config = self.hf.config
+        found = len(self._hf_attention_modules())
+        if found != self.config.num_hidden_layers:
+            raise ValueError(
+                f"{arch.architecture} has {found} attention modules for "
+                f"{self.config.num_hidden_layers} layers: its other layers (recurrent, "
+                "convolution, ...) keep state the Transformers backend cannot carry. Serve "
+                "it with another engine, or a model whose every layer attends."
+            )
         self._materialize()
         self.attention = nn.ModuleList(
             self._attention_layer(i) for i in range(self.config.num_hidden_layers)
