@@ -41,6 +41,9 @@ class GGUFTokenizer:
     """Encode, decode and render chats with a ``tokenizers.Tokenizer``, answering like
     transformers' fast tokenizer with ``clean_up_tokenization_spaces=False``."""
 
+    truncation_side = "right"
+    """transformers' attribute: where ``truncation`` cuts (the engine sets it)."""
+
     is_fast = True
     padding_side = "right"
 
@@ -125,13 +128,16 @@ class GGUFTokenizer:
         max_length: int | None = None,
     ) -> dict[str, list[int]]:
         """``{"input_ids": ...}`` of one text (transformers' ``BatchEncoding`` keys);
-        ``truncation`` cuts the text's tokens on the right to ``max_length`` with the
-        special tokens, which stay, as transformers does."""
+        ``truncation`` cuts the text's tokens on ``truncation_side`` to ``max_length`` with
+        the special tokens, which stay, as transformers does."""
         backend = self.backend_tokenizer
         encoding = backend.encode(text, add_special_tokens=False)
         if truncation not in (False, "do_not_truncate") and max_length is not None:
             specials = backend.post_processor.num_special_tokens_to_add(False)
-            encoding.truncate(max(max_length - specials * add_special_tokens, 0))
+            encoding.truncate(
+                max(max_length - specials * add_special_tokens, 0),
+                direction=self.truncation_side,
+            )
         if add_special_tokens:
             encoding = backend.post_process(encoding)
         ids = encoding.ids

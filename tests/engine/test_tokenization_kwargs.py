@@ -54,8 +54,10 @@ def test_add_special_tokens_and_truncation(llm, bos_checkpoint):
         TEXT, add_special_tokens=False
     )
     truncated = prompt_ids(llm, tokenization_kwargs={"truncation": True, "max_length": 4})
+    hf.truncation_side = "left"  # vLLM's for a generating model: the prompt's end kept
     assert truncated == hf(TEXT, truncation=True, max_length=4)["input_ids"]
     assert len(truncated) == 4 and truncated[0] == BOS
+    assert truncated[1:] == hf.encode(TEXT, add_special_tokens=False)[-3:]
 
 
 @pytest.mark.parametrize(
@@ -116,6 +118,7 @@ def test_pooling_prompts_take_tokenization_kwargs(bos_checkpoint):
         )
         assert without.prompt_token_ids == hf.encode(TEXT, add_special_tokens=False)
         assert without.outputs.embedding != plain.outputs.embedding
+        hf.truncation_side = "right"  # a pooling model keeps the start, as vLLM's
         (cut,) = llm.encode(
             [TEXT],
             use_tqdm=False,

@@ -73,6 +73,10 @@ class InputProcessor:
         self.logits_processors = logits_processors
         self.compact_json = compact_json
         self.tokenizer = tokenizer
+        if tokenizer is not None and hasattr(tokenizer, "truncation_side"):
+            # vLLM's: a generating model keeps a truncated prompt's end, a pooling one its
+            # start (tokenization_kwargs' truncation; truncate_prompt_tokens keeps the end).
+            tokenizer.truncation_side = "right" if model_config.runner == "pooling" else "left"
         self.structured_outputs_backend = structured_outputs_backend
         self.structured_outputs_max_spec_chars = (
             DEFAULT_MAX_SPEC_CHARS

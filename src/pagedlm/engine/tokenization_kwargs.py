@@ -6,7 +6,8 @@ to that call as they are (``tokenizer(text, **kwargs)["input_ids"]``, as in vLLM
 - ``add_special_tokens`` (default True): the tokenizer's BOS (and EOS, where it adds one).
   False for a prompt that already holds them as text, e.g. a rendered chat template.
 - ``truncation`` with ``max_length``: at most ``max_length`` tokens, cut on the tokenizer's
-  ``truncation_side`` (transformers' default: the right); the special tokens stay. Without
+  ``truncation_side``, which the engine sets as vLLM does: the left (the prompt's end kept)
+  for a generating model, the right for a pooling one; the special tokens stay. Without
   ``max_length`` the tokenizer's ``model_max_length`` bounds it.
 
 Anything else is refused (``ValueError`` naming these keys) before the request is queued,

@@ -66,6 +66,8 @@ def process_pooling_request(
     params.validate(config.pooler, config.arch.hidden_size)
     keep = processor.truncation_size(params.truncate_prompt_tokens)
     kwargs = check_tokenization_kwargs(tokenization_kwargs) or {}
+    if keep is not None and kwargs.get("truncation") not in (None, False, "do_not_truncate"):
+        keep = min(keep, kwargs.get("max_length") or keep)  # the tighter bound holds
     if isinstance(prompt, tuple):
         text, token_ids, engine_ids = _tokenize_pair(processor, prompt, keep, kwargs)
     else:
@@ -94,8 +96,6 @@ def _tokenize(
     if keep is None or not isinstance(text, str) or processor.tokenizer is None:
         text, token_ids = processor.tokenize(prompt, kwargs)
         return text, token_ids if keep is None else token_ids[-keep:]
-    if kwargs.get("truncation") not in (None, False, "do_not_truncate"):
-        keep = min(keep, kwargs.get("max_length") or keep)  # the tighter bound holds
     encoded = as_transformers(processor.tokenizer)(
         text, **{**kwargs, "truncation": True, "max_length": keep}
     )
