@@ -134,7 +134,9 @@ def test_gguf_tokenizer_matches_transformers(tmp_path):
     assert ours.special_tokens_map == theirs.special_tokens_map
     for text in SAMPLES:  # tokenization_kwargs go to __call__, as transformers takes them
         for kwargs in ({"add_special_tokens": False}, {"truncation": True, "max_length": 3}):
-            assert ours(text, **kwargs)["input_ids"] == theirs(text, **kwargs)["input_ids"]
+            for side in ("right", "left"):
+                ours.truncation_side = theirs.truncation_side = side
+                assert ours(text, **kwargs)["input_ids"] == theirs(text, **kwargs)["input_ids"]
     messages = [{"role": "user", "content": "Hi"}]
     rendered = ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rendered == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
