@@ -165,17 +165,21 @@ def test_pause_routes_need_weight_updates_or_dev_mode(chat_checkpoint, monkeypat
 
     from pagedlm.entrypoints.openai.admin import AdminOptions
 
+    def pause_routes(admin: AdminOptions) -> set[str]:
+        engine = FakeEngine(chat_checkpoint)
+        ctx = ServingContext(engine=engine, model_names=["tiny"], metrics=PrometheusMetrics("tiny"))
+        paths = {getattr(route, "path", None) for route in build_app(ctx, admin=admin).routes}
+        return paths & {"/pause", "/resume", "/is_paused"}
+
     args = argparse.Namespace(
         enable_sleep_mode=False, profiler_dir=None, enable_weight_updates=False
     )
-    assert AdminOptions.from_args(args).dev_mode is False
+    off = AdminOptions.from_args(args)
+    assert off.dev_mode is False and pause_routes(off) == set()  # absent: 404, as vLLM's
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
-    assert AdminOptions.from_args(args).dev_mode is True
-
-    from starlette.testclient import TestClient
-
-    engine = FakeEngine(chat_checkpoint)
-    ctx = ServingContext(engine=engine, model_names=["tiny"], metrics=PrometheusMetrics("tiny"))
-    with TestClient(build_app(ctx)) as client:
-        assert client.post("/pause").status_code == 404
-        assert client.get("/is_paused").status_code == 404
+    dev = AdminOptions.from_args(args)
+    assert dev.dev_mode is True
+    assert pause_routes(dev) == {"/pause", "/resume", "/is_paused"}
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE")
+    args.enable_weight_updates = True
+    assert pause_routes(AdminOptions.from_args(args)) == {"/pause", "/resume", "/is_paused"}
