@@ -163,13 +163,22 @@ def test_pause_and_resume_over_http(server):
 def test_pause_routes_need_weight_updates_or_dev_mode(chat_checkpoint, monkeypatch):
     import argparse
 
+    from starlette.testclient import TestClient
+
     from pagedlm.entrypoints.openai.admin import AdminOptions
 
     def pause_routes(admin: AdminOptions) -> set[str]:
+        """The pause routes the app serves (FakeEngine cannot pause: 500, not 404)."""
         engine = FakeEngine(chat_checkpoint)
         ctx = ServingContext(engine=engine, model_names=["tiny"], metrics=PrometheusMetrics("tiny"))
-        paths = {getattr(route, "path", None) for route in build_app(ctx, admin=admin).routes}
-        return paths & {"/pause", "/resume", "/is_paused"}
+        app = build_app(ctx, admin=admin)
+        with TestClient(app, raise_server_exceptions=False) as client:
+            served = {
+                "/pause": client.post("/pause", params={"mode": "later"}).status_code,
+                "/resume": client.post("/resume").status_code,
+                "/is_paused": client.get("/is_paused").status_code,
+            }
+        return {path for path, status in served.items() if status != 404}
 
     args = argparse.Namespace(
         enable_sleep_mode=False, profiler_dir=None, enable_weight_updates=False
