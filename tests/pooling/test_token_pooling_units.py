@@ -91,6 +91,15 @@ def test_step_fields_need_step_pooling():
         PoolingParams(returned_token_ids=[0], task="classify").validate(CLASSIFIER, 8)
     with pytest.raises(ValueError, match=r"column indices in \[0, 2\)"):
         PoolingParams(returned_token_ids=[2]).validate(step, 8)
+    # An embedding model's STEP pooling keeps the columns too (vLLM's StepPool), before
+    # normalizing.
+    step_embedder = PoolerConfig("LAST", True, tok_pooling_type="STEP", step_tag_id=7)
+    kept = PoolingParams(task="token_embed", returned_token_ids=[0, 2])
+    kept.validate(step_embedder, 3)
+    torch.testing.assert_close(
+        kept.finish(rows.repeat(1, 2)[:, :3], step_embedder),
+        F.normalize(rows.repeat(1, 2)[:, [0, 2]], dim=-1),
+    )
 
 
 def test_pooler_config_sets_token_wise_pooling_as_vllm_reads_it():

@@ -95,7 +95,8 @@ class PoolingParams:
                 f"{' and '.join(given)} apply to STEP pooling of the token-wise tasks (process "
                 f"reward models); this request runs {task!r} and the model pools token-wise "
                 f"with {pooler.tok_pooling_type!r}. Omit them, or start the engine with "
-                "pooler_config={'tok_pooling_type': 'STEP'} and run 'token_classify'."
+                "pooler_config={'tok_pooling_type': 'STEP'} and run 'token_classify' (or "
+                "'token_embed' on an embedding model)."
             )
         step_tag_id = self.step_tag_id
         if step_tag_id is not None and (
@@ -142,16 +143,16 @@ class PoolingParams:
     def finish(self, pooled: Any, pooler: PoolerConfig) -> torch.Tensor:
         """The user's output from the engine's raw one (float32: a vector, or a token-wise
         task's rows, each row treated alike). Embeddings: cut to ``dimensions``, then
-        normalized when asked. Classifiers: the logits (STEP pooling: the
-        ``returned_token_ids`` columns) through the model's activation unless
-        ``use_activation=False``."""
+        normalized when asked. Classifiers: the logits through the model's activation
+        unless ``use_activation=False``. STEP pooling keeps the ``returned_token_ids``
+        columns of either token-wise task first."""
         data = torch.as_tensor(pooled, dtype=torch.float32)
         task = self.resolved_task(pooler)
+        if task.startswith("token_"):  # STEP pooling keeps its columns first, as vLLM's
+            columns = self._returned_columns(pooler)
+            if columns:
+                data = data[:, columns]
         if pooler.labels is not None:
-            if task == "token_classify":
-                columns = self._returned_columns(pooler)
-                if columns:
-                    data = data[:, columns]
             return self._activate(data, pooler, token_wise=task == "token_classify")
         if self.dimensions is not None:
             data = data[..., : self.dimensions]
