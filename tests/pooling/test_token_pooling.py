@@ -208,6 +208,26 @@ def test_an_encoder_embeds_every_token(tmp_path):
         llm.llm_engine.shutdown()
 
 
+def test_a_bert_classifier_classifies_every_token_with_its_classifier_alone(tmp_path):
+    """vLLM's token_classify on BERT: ``classifier(hidden)`` per token; BERT's pooler layer
+    (tanh(dense)) reads only the CLS row of the sequence form."""
+    from embedding_checkpoints import write_bert_classifier
+
+    model = write_bert_classifier(tmp_path, 3)
+    llm = LLM(str(tmp_path), **ENGINE)
+    try:
+        tokenizer = llm.get_tokenizer()
+        raw = PoolingParams(use_activation=False)
+        for text, output in zip(TEXTS, llm.reward(TEXTS, pooling_params=raw, use_tqdm=False)):
+            ids = torch.tensor([tokenizer.encode(text)])
+            with torch.no_grad():
+                hidden = model.bert(input_ids=ids).last_hidden_state[0]
+                want = model.classifier(hidden).float()
+            _close(output.outputs.data, want)
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_step_pooling_keeps_the_step_tags_rows_and_the_returned_columns(tmp_path):
     """vLLM's STEP pooling (math-shepherd style): the rows of the positions holding
     ``step_tag_id``, the ``returned_token_ids`` columns, softmax over those."""

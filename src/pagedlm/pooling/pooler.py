@@ -172,4 +172,8 @@ def make_pooler(model_config: ModelConfig, model: nn.Module) -> RequestPooler | 
                 f"{type(model).__name__} has no classification head, but its config names "
                 f"{len(config.labels)} labels."
             )
-    return RequestPooler(Pooler(config.pooling_type, head), TokenPooler(head, default_task(config)))
+    # A head whose sequence form differs per token (BERT's pooler layer) names its own.
+    token_head = getattr(model, "token_classifier_logits", head)
+    return RequestPooler(
+        Pooler(config.pooling_type, head), TokenPooler(token_head, default_task(config))
+    )

@@ -208,6 +208,11 @@ class BertForSequenceClassification(BertModel):
     def classifier_logits(self, pooled: torch.Tensor) -> torch.Tensor:
         return self.classifier(torch.tanh(self.pooler_dense(pooled)))
 
+    def token_classifier_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Every token's logits for ``token_classify``: the classifier alone, as vLLM's
+        (BERT's pooler layer reads the CLS row only)."""
+        return self.classifier(hidden)
+
 
 class RobertaModel(BertModel):
     """``RobertaModel`` checkpoints (and, as ``XLMRobertaModel``, bge-m3 and multilingual-e5):
