@@ -77,6 +77,8 @@ def test_pairs_are_one_to_many_or_element_wise(cross_encoder):
     assert [o.outputs.score for o in swapped] != pytest.approx(one_to_many, abs=1e-4)
     with pytest.raises(ValueError, match="data_1 has 2 items and data_2 3"):
         llm.score(DOCUMENTS[:2], DOCUMENTS)
+    with pytest.raises(ValueError, match="cannot overwrite"):  # scoring pins its task
+        llm.score(QUERY, DOCUMENTS[0], pooling_params=PoolingParams(task="token_classify"))
     with pytest.raises(ValueError, match="at least one item"):
         llm.score(QUERY, [])
     with pytest.raises(ValueError, match="pass strings"):

@@ -74,10 +74,13 @@ preemption from the back of ``running`` takes the least urgent request.
 A request that could never fit (``prompt + max_tokens`` tokens need more than
 ``num_blocks`` blocks) is rejected in ``add_request`` instead of waiting forever.
 
-Pooling (``whole_prompts``, the pooling runner): a waiting prompt is admitted only when
-all of it fits the step's remaining budget, so it is never chunked; the step that feeds
-it returns its vector in ``ModelRunnerOutput.pooler_output`` instead of a token, and
-``update_from_output`` finishes it (finish reason "stop") with that vector.
+Pooling (the pooling runner): with ``whole_prompts`` (poolers that need the whole prompt
+in one step: mean or CLS pooling, bidirectional encoders) a waiting prompt is admitted only
+when all of it fits the step's remaining budget, so it is never chunked; otherwise (last
+token or token-wise pooling) it is chunked as any prompt. The step that feeds its last
+token returns its vector (or a token-wise task's rows) in
+``ModelRunnerOutput.pooler_output`` instead of a token, and ``update_from_output`` finishes
+it (finish reason "stop") with that.
 
 Progress bookkeeping: ``schedule()`` advances ``num_computed_tokens`` of every scheduled
 request by its scheduled count as soon as the request's step data is recorded (which

@@ -533,6 +533,7 @@ class LLM:
                 pooling_params,
                 use_tqdm,
                 truncate_prompt_tokens,
+                "score",
                 tokenization_kwargs=tokenization_kwargs,
             )
             return [
@@ -550,6 +551,7 @@ class LLM:
             pooling_params,
             use_tqdm,
             truncate_prompt_tokens,
+            "score",
             tokenization_kwargs=tokenization_kwargs,
         )
         first_out = vectors[: len(firsts)] * (len(pairs) if len(firsts) == 1 else 1)
