@@ -156,6 +156,10 @@ def test_bad_embeds_and_unsupported_features_are_refused(models):
     for prompt, params, message in cases:
         with pytest.raises(ValueError, match=message):
             llm.generate([prompt], params, use_tqdm=False)
+    from pagedlm.beam_search import BeamSearchParams
+
+    with pytest.raises(ValueError, match="not prompt_embeds"):
+        llm.beam_search([{"prompt_embeds": rows}], BeamSearchParams(beam_width=2, max_tokens=2))
     # The engine is unharmed.
     assert llm.generate([{"prompt_embeds": rows}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 

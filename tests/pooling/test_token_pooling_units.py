@@ -93,6 +93,12 @@ def test_step_fields_need_step_pooling():
         PoolingParams(returned_token_ids=[2]).validate(step, 8)
     # An embedding model's STEP pooling keeps the columns too (vLLM's StepPool), before
     # normalizing.
+    from pagedlm.pooling.model_config import with_pooler_overrides
+
+    wide = {"tok_pooling_type": "STEP", "step_tag_id": 7, "returned_token_ids": [0, 3]}
+    with pytest.raises(ValueError, match=r"\[0, 3\] name columns the embeddings have not"):
+        with_pooler_overrides(EMBEDDER, wide, hidden_size=3)
+    assert with_pooler_overrides(EMBEDDER, wide, hidden_size=4).returned_token_ids == (0, 3)
     step_embedder = PoolerConfig("LAST", True, tok_pooling_type="STEP", step_tag_id=7)
     kept = PoolingParams(task="token_embed", returned_token_ids=[0, 2])
     kept.validate(step_embedder, 3)

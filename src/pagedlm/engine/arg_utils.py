@@ -571,7 +571,9 @@ class EngineArgs:
                     f"runner='pooling' does not support {name}={value!r} (a pooling step "
                     f"ends every request it runs); drop {name}."
                 )
-        return runner, with_pooler_overrides(pooler_config(arch, model), self.pooler_config)
+        return runner, with_pooler_overrides(
+            pooler_config(arch, model), self.pooler_config, arch.hidden_size
+        )
 
     def _whole_prompt_budget(self, max_model_len: int, default: int, why: str) -> int:
         """Whole prompts (the pooling runner, or chunked prefill off): the longest must fit

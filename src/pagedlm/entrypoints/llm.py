@@ -587,6 +587,11 @@ class LLM:
         for prompt in _prompt_list(prompts):
             if _has_multimodal_data(prompt):
                 raise ValueError("beam_search takes text or token-id prompts, not images.")
+            if isinstance(prompt, Mapping) and "prompt_embeds" in prompt:
+                raise ValueError(
+                    "beam_search takes text or token-id prompts, not prompt_embeds (each "
+                    "beam runs as a token prompt); use generate() for embeddings."
+                )
             token_prompts.append(processor.tokenize(prompt)[1])
 
         def step(beams: list[list[int]], sampling: SamplingParams) -> list[dict[int, Logprob]]:

@@ -328,7 +328,9 @@ _UNSUPPORTED_POOLER_KEYS = {
 }
 
 
-def with_pooler_overrides(config: PoolerConfig, overrides: dict[str, Any] | None) -> PoolerConfig:
+def with_pooler_overrides(
+    config: PoolerConfig, overrides: dict[str, Any] | None, hidden_size: int | None = None
+) -> PoolerConfig:
     """``config`` with vLLM's ``--pooler-config`` keys applied over what the checkpoint
     says: ``pooling_type`` (a sequence pooling, or "ALL"/"STEP" for the token-wise tasks,
     as vLLM reads it), ``seq_pooling_type``, ``tok_pooling_type``, ``normalize``
@@ -377,6 +379,11 @@ def with_pooler_overrides(config: PoolerConfig, overrides: dict[str, Any] | None
         raise ValueError(
             f"pooler_config.returned_token_ids {list(columns)} name columns the head has not: "
             f"it gives {len(result.labels)} labels."
+        )
+    if columns and result.labels is None and hidden_size and max(columns) >= hidden_size:
+        raise ValueError(
+            f"pooler_config.returned_token_ids {list(columns)} name columns the embeddings "
+            f"have not: they have {hidden_size} dimensions."
         )
     return result
 
