@@ -174,3 +174,21 @@ def test_embeds_need_the_flag(models):
 def test_a_model_without_embeds_input_refuses_the_flag_at_start_up(tiny_checkpoint):
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*cannot take prompts as embeddings"):
         LLM(str(tiny_checkpoint("gpt2")), **ENGINE)
+
+
+def test_a_lora_adapter_applies_after_the_embeddings(models, tmp_path):
+    """vLLM's: an embeddings prompt with a LoRA adapter generates what its ids do with it."""
+    from pagedlm import LoRARequest
+    from peft_adapters import LLAMA_MODULES, make_adapter
+
+    path, hf_model = models("llama")
+    make_adapter(path, tmp_path / "adapter", LLAMA_MODULES, rank=4, seed=1)
+    lora = LoRARequest("a", 1, str(tmp_path / "adapter"))
+    llm = LLM(str(path), enable_lora=True, max_lora_rank=8, **ENGINE)
+    prompts = random_prompts([25, 3])
+    ids = [{"prompt_token_ids": p} for p in prompts]
+    reference = llm.generate(ids, GREEDY, use_tqdm=False, lora_request=lora)
+    base = llm.generate(ids, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in reference] != [o.outputs[0].token_ids for o in base]
+    rows = [{"prompt_embeds": embeds(hf_model, p)} for p in prompts]
+    assert_same(llm.generate(rows, GREEDY, use_tqdm=False, lora_request=lora), reference)

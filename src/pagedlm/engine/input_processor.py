@@ -302,7 +302,7 @@ class InputProcessor:
         embeds = None
         if embeds_of(prompt) is not None:
             assert isinstance(prompt, Mapping)
-            embeds = checked_prompt_embeds(prompt, params, lora_request, self.model_config, keep)
+            embeds = checked_prompt_embeds(prompt, params, self.model_config, keep)
             # Placeholder ids keep the scheduler's lengths; the rows are what is fed.
             text, token_ids, mm_features = None, [0] * embeds.shape[0], []
         else:

@@ -12,7 +12,8 @@ prompt's positions (``worker/prompt_embeds.py``); generated tokens go back in as
 Checked here, once, at the edge: the engine's flag, the tensor (2-D after an optional
 leading batch dimension of one, floating, dense, the model's hidden size, finite, at most
 ``max_model_len`` rows), and the request features that need real prompt tokens or another
-input path (prompt logprobs, repetition penalty, LoRA, images).
+input path (prompt logprobs, repetition penalty, images). LoRA adapters apply to the
+layers after the embeddings, as in vLLM.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from pagedlm.step.multimodal import TensorData
 
 if TYPE_CHECKING:
     from pagedlm.config import EngineConfig, ModelConfig
-    from pagedlm.lora.request import LoRARequest
     from pagedlm.sampling_params import SamplingParams
 
 FLAG = "enable_prompt_embeds=True (--enable-prompt-embeds)"
@@ -67,7 +67,6 @@ def embeds_of(prompt: Any) -> Any:
 def checked_prompt_embeds(
     prompt: Mapping[str, Any],
     params: SamplingParams,
-    lora_request: LoRARequest | None,
     model_config: ModelConfig,
     keep: int | None,
 ) -> TensorData:
@@ -95,11 +94,6 @@ def checked_prompt_embeds(
             "repetition_penalty counts the prompt's tokens, which a prompt given as "
             "embeddings does not have; use presence_penalty or frequency_penalty (they "
             "count the generated tokens only)."
-        )
-    if lora_request is not None:
-        raise ValueError(
-            "LoRA adapters are not supported with prompt_embeds; drop lora_request or "
-            "send token ids."
         )
     tensor = _checked_tensor(prompt["prompt_embeds"], model_config)
     if keep is not None and tensor.shape[0] > keep:
