@@ -192,3 +192,19 @@ def test_a_lora_adapter_applies_after_the_embeddings(models, tmp_path):
     assert [o.outputs[0].token_ids for o in reference] != [o.outputs[0].token_ids for o in base]
     rows = [{"prompt_embeds": embeds(hf_model, p)} for p in prompts]
     assert_same(llm.generate(rows, GREEDY, use_tqdm=False, lora_request=lora), reference)
+
+
+def test_sleep_drops_the_rows_of_a_request_aborted_mid_prompt(models):
+    path, hf_model = models("llama")
+    llm = LLM(str(path), enable_sleep_mode=True, **ENGINE)
+    engine = llm.llm_engine
+    rows = embeds(hf_model, random_prompts([40])[0])  # three 16-token chunks
+    engine.add_request("r", {"prompt_embeds": rows}, GREEDY)
+    engine.step()
+    runner = engine.engine_core.executor.worker.model_runner
+    assert "r" in runner.prompt_embeds.rows  # its prompt is not fed whole yet
+    engine.abort_request(["r"])
+    llm.sleep(1)
+    assert runner.prompt_embeds.rows == {}
+    llm.wake_up()
+    assert llm.generate([{"prompt_embeds": rows}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids

@@ -269,10 +269,13 @@ class ModelRunner:
 
     def release_kv_cache(self) -> None:
         """Drop the KV caches (the target's and a proposer's) and the graphs that point
-        into them (sleep mode); ``initialize_kv_cache`` makes them again."""
+        into them (sleep mode); ``initialize_kv_cache`` makes them again. Prompt rows
+        still held for requests the engine has let go (aborted since the last step) go
+        too: the engine sleeps without unfinished requests."""
         self.kv_cache = None
         self.graph_runner = None
         self.speculator.release_kv_cache()
+        self.prompt_embeds.clear()
 
     def weight_modules(self) -> list[torch.nn.Module]:
         """Every module whose weights this runner holds: the model's, a proposer's."""

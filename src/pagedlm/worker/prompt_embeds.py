@@ -30,6 +30,9 @@ class NullPromptEmbeds:
     def feeds(self, scheduler_output: SchedulerOutput) -> bool:
         return False
 
+    def clear(self) -> None:
+        pass
+
 
 class PromptEmbeds:
     def __init__(self, device: torch.device) -> None:
@@ -59,6 +62,10 @@ class PromptEmbeds:
 
     def feeds(self, scheduler_output: SchedulerOutput) -> bool:
         return bool(self.rows) and any(True for _ in self._overlaps(scheduler_output))
+
+    def clear(self) -> None:
+        """Drop every request's rows (sleep mode: no request is unfinished)."""
+        self.rows.clear()
 
     def write(
         self, embeds: torch.Tensor, scheduler_output: SchedulerOutput, layout: BatchLayout
