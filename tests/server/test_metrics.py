@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -144,3 +145,21 @@ def test_grafana_dashboard_reads_existing_metrics(tiny_server):
     # Every histogram the issue names is on the dashboard.
     missing = [h for h in HISTOGRAMS if not any(u.startswith(f"pagedlm:{h}") for u in used)]
     assert not missing, missing
+
+
+def test_vllm_metric_names_on_request():
+    """``--metric-name-prefix vllm``: the same metrics under vLLM's names (dashboards and
+    autoscalers written for vLLM read them unchanged); the default keeps pagedlm's."""
+    from pagedlm.metrics.prometheus import PrometheusMetrics
+    from pagedlm.metrics.stats import Metric
+
+    sample = [Metric("pagedlm:num_requests_running", 3.0, "gauge")]
+    ours, theirs = PrometheusMetrics("m"), PrometheusMetrics("m", "vllm")
+    for metrics in (ours, theirs):
+        metrics.update_engine_metrics(sample)
+    assert b'pagedlm:num_requests_running{model_name="m"} 3.0' in ours.render()
+    text = theirs.render()
+    assert b'vllm:num_requests_running{model_name="m"} 3.0' in text and b"pagedlm:" not in text
+    assert b"# HELP vllm:num_requests_running Number of requests in model" in text
+    with pytest.raises(ValueError, match="not one of"):
+        PrometheusMetrics("m", "sglang")

@@ -1,4 +1,6 @@
-"""Prometheus exposition of the engine's metrics, named like vLLM's with a ``pagedlm:`` prefix.
+"""Prometheus exposition of the engine's metrics, named like vLLM's with a ``pagedlm:`` prefix
+(``--metric-name-prefix vllm``: vLLM's own names, for dashboards, alerts, autoscalers and
+routers written for vLLM).
 
 The engine's front end (``AsyncLLM.get_metrics()``, refreshed with ``get_scheduler_stats()``
 before each scrape) keeps every counter, gauge and histogram (``metrics.stats``,
@@ -56,12 +58,27 @@ _DOCS = {
 }
 
 
+METRIC_NAME_PREFIXES = ("pagedlm", "vllm")
+"""What a metric's name starts with (``--metric-name-prefix``): ``pagedlm:num_requests_running``
+or vLLM's ``vllm:num_requests_running``; the rest of the name is vLLM's either way."""
+
+
 class _EngineMetricsCollector:
     """Turns the latest ``list[EngineMetric]`` into Prometheus metric families."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, prefix: str = "pagedlm") -> None:
+        if prefix not in METRIC_NAME_PREFIXES:
+            raise ValueError(
+                f"metric name prefix {prefix!r} is not one of {list(METRIC_NAME_PREFIXES)}."
+            )
         self.model_name = model_name
+        self.prefix = prefix
         self.latest: list[EngineMetric] = []
+
+    def _exposed(self, name: str) -> str:
+        if self.prefix == "pagedlm" or not name.startswith("pagedlm:"):
+            return name
+        return f"{self.prefix}:{name.removeprefix('pagedlm:')}"
 
     def collect(self) -> Iterable[Metric]:
         grouped: dict[tuple[str, str], list[EngineMetric]] = defaultdict(list)
@@ -70,7 +87,7 @@ class _EngineMetricsCollector:
         for (name, kind), samples in grouped.items():
             label_names = ["model_name", *sorted(samples[0].labels)]
             family_type = _FAMILIES[kind]
-            family = family_type(name, _DOCS.get(name, name), labels=label_names)
+            family = family_type(self._exposed(name), _DOCS.get(name, name), labels=label_names)
             for sample in samples:
                 values = [self.model_name, *(sample.labels[k] for k in label_names[1:])]
                 if kind == "histogram":
@@ -95,9 +112,9 @@ def _bound(upper: float) -> str:
 class PrometheusMetrics:
     """The server's metrics registry. ``render()`` gives the text exposition format."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, prefix: str = "pagedlm") -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self._engine = _EngineMetricsCollector(model_name)
+        self._engine = _EngineMetricsCollector(model_name, prefix)
         self.registry.register(self._engine)
 
     def update_engine_metrics(self, metrics: list[EngineMetric]) -> None:

@@ -236,7 +236,7 @@ def serving_context(
     return ServingContext(
         engine=engine,
         model_names=list(names),
-        metrics=PrometheusMetrics(names[0]),
+        metrics=PrometheusMetrics(names[0], getattr(args, "metric_name_prefix", "pagedlm")),
         chat_template=chat_template,
         default_chat_template_kwargs=read_template_kwargs(args.default_chat_template_kwargs),
         chat_template_content_format=args.chat_template_content_format,

@@ -93,6 +93,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "pip install 'pagedlm[tracing]' (default: off).",
     )
     group.add_argument(
+        "--metric-name-prefix",
+        choices=("pagedlm", "vllm"),
+        default="pagedlm",
+        help="The prefix of every engine metric on /metrics: pagedlm:num_requests_running, "
+        "... (default), or vllm: for vLLM's own names, so dashboards, alerts, autoscalers "
+        "and routers written for vLLM read them unchanged.",
+    )
+    group.add_argument(
         "--disable-log-stats",
         action=argparse.BooleanOptionalAction,
         default=False,
