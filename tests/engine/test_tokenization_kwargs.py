@@ -130,3 +130,12 @@ def test_pooling_prompts_take_tokenization_kwargs(bos_checkpoint):
             llm.embed([TEXT], use_tqdm=False, tokenization_kwargs={"padding": True})
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_a_prompt_with_images_refuses_them(llm):
+    prompt = {"prompt": TEXT, "multi_modal_data": {"image": []}}
+    with pytest.raises(ValueError, match="do not reach the image processor"):
+        llm.generate(
+            [prompt], PARAMS, use_tqdm=False, tokenization_kwargs={"add_special_tokens": False}
+        )
+    assert not llm.llm_engine.has_unfinished_requests()

@@ -106,6 +106,11 @@ class InputProcessor:
         mm_data = prompt.get("multi_modal_data") if isinstance(prompt, Mapping) else None
         if mm_data is not None:
             assert isinstance(prompt, Mapping)
+            if kwargs:
+                raise ValueError(
+                    "tokenization_kwargs do not reach the image processor, which tokenizes "
+                    "a prompt with images itself; drop them for this prompt."
+                )
             text, token_ids, features = self.multimodal.process(prompt, mm_data)
             if token_ids:
                 return text, self._checked(token_ids), features
