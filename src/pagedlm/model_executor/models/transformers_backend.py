@@ -163,17 +163,17 @@ class TransformersForCausalLM(nn.Module):
                 config, dtype=dtype, attn_implementation=ATTENTION_NAME
             )
         self.config = self.hf.config
-        found = len(self._hf_attention_modules())
-        if found != self.config.num_hidden_layers:
+        modules = _attention_modules(self.hf)
+        if len(modules) != self.config.num_hidden_layers:
             raise ValueError(
-                f"{arch.architecture} has {found} attention modules for "
+                f"{arch.architecture} has {len(modules)} attention modules for "
                 f"{self.config.num_hidden_layers} layers: its other layers (recurrent, "
                 "convolution, ...) keep state the Transformers backend cannot carry. Serve "
                 "it with another engine, or a model whose every layer attends."
             )
         self._materialize()
         self.attention = nn.ModuleList(
-            self._attention_layer(i) for i in range(self.config.num_hidden_layers)
+            self._attention_layer(i, modules.get(i)) for i in range(self.config.num_hidden_layers)
         )
 
     def _materialize(self) -> None:
@@ -190,9 +190,8 @@ class TransformersForCausalLM(nn.Module):
                     )
                 module._parameters[name] = made[id(param)]
 
-    def _attention_layer(self, layer_idx: int) -> Attention:
+    def _attention_layer(self, layer_idx: int, module: nn.Module | None) -> Attention:
         config = self.config
-        module = self._hf_attention_modules().get(layer_idx)
         head_dim = int(getattr(module, "head_dim", 0) or hf_head_dim(config))
         if head_dim != self.arch.head_dim:
             raise ValueError(
@@ -210,18 +209,6 @@ class TransformersForCausalLM(nn.Module):
             sliding_window=_layer_window(config, layer_idx),
             logits_soft_cap=getattr(config, "attn_logit_softcapping", None),
         )
-
-    def _hf_attention_modules(self) -> dict[int, nn.Module]:
-        found = self.__dict__.get("_attention_modules")
-        if found is None:
-            found = {
-                m.layer_idx: m
-                for m in self.hf.modules()
-                if type(m).__name__.endswith("Attention")
-                and isinstance(getattr(m, "layer_idx", None), int)
-            }
-            self.__dict__["_attention_modules"] = found
-        return found
 
     def forward(
         self,
@@ -284,6 +271,15 @@ class TransformersForCausalLM(nn.Module):
             copy_checked(params[target].data, tensor, name)
             loaded.add(target)
         return loaded
+
+
+def _attention_modules(model: nn.Module) -> dict[int, nn.Module]:
+    """transformers' attention modules of ``model`` by their ``layer_idx``."""
+    return {
+        m.layer_idx: m
+        for m in model.modules()
+        if type(m).__name__.endswith("Attention") and isinstance(getattr(m, "layer_idx", None), int)
+    }
 
 
 def _matches(name: str, patterns: list[str]) -> bool:
