@@ -16,6 +16,10 @@ nothing (seq_len 0). The Triton decode kernel's split depends on the batch only 
 its capture-size bucket (``kernels/decode_config.py``) and its grid is sized by
 ``max_model_len``, so a request's result does not depend on the padding or on whether
 the step ran from a graph.
+
+A forward that cannot be captured (it waits for the device, as ``.item()`` does) fails
+its first capture; the runner then gives no graphs and every step runs eagerly, logged
+once at start-up.
 """
 
 from __future__ import annotations
@@ -95,7 +99,17 @@ class CudaGraphRunner(GraphRunner):
             query_lens,
             sched.max_model_len,
         )
-        graphs.capture()
+        try:
+            graphs.capture()
+        except Exception as error:
+            # A forward pagedlm did not write (the Transformers backend) may sync with the
+            # host or branch on device values; then every step runs eagerly, as it must.
+            logger.warning(
+                "CUDA graphs off (the forward cannot be captured; steps run eagerly, "
+                "enforce_eager=True skips the attempt): %s",
+                error,
+            )
+            return None
         graphs.pieces = graphs._capture_pieces(runner)
         return graphs
 

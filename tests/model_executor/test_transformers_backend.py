@@ -79,7 +79,6 @@ def test_auto_runs_an_unimplemented_architecture(glm, caplog) -> None:
         llm = _llm(path)
     assert sum("Transformers modeling backend" in r.getMessage() for r in caplog.records) == 1
     assert isinstance(_model(llm), TransformersForCausalLM)
-    assert llm.llm_engine.engine_core.executor.worker.model_runner.enforce_eager  # no graphs
     outputs = _generate(llm, prompts, prompt_logprobs=0)
     assert _tokens(outputs) == expected
     for output, prompt in zip(outputs, prompts, strict=True):
@@ -228,3 +227,42 @@ def test_hybrid_models_are_refused(tmp_path: Path) -> None:
     args = EngineArgs(model=str(tmp_path), skip_tokenizer_init=True)
     with pytest.raises(ValueError, match=r"\['conv'\] layers besides attention"):
         args.create_engine_config()
+
+
+def _on_triton_cpu(path: Path, prompts: list[list[int]]):
+    """Tokens on the CUDA platform's step path (Triton attention under the interpreter,
+    decode steps replayed from emulated graphs), and the graph runner's replay count."""
+    from spec_decode.triton_cpu import NAME, triton_cpu_platform
+
+    with triton_cpu_platform() as platform:
+        llm = _llm(path, platform=NAME, block_size=16, max_num_batched_tokens=64)
+        tokens = _tokens(_generate(llm, prompts))
+        llm.llm_engine.shutdown()
+        return tokens, sum(g.num_replays(1) for g in platform.graph_runners)
+
+
+def test_decode_steps_replay_from_graphs(glm) -> None:
+    """The backend's steps are captured like a native model's: decodes replay."""
+    path, _, prompts, expected = glm
+    tokens, replays = _on_triton_cpu(path, prompts[:3])
+    assert tokens == expected[:3]
+    assert replays > 0
+
+
+def test_a_forward_that_cannot_be_captured_runs_eagerly(glm, monkeypatch, caplog) -> None:
+    """A capture that fails (a forward reading device values on the host) leaves every
+    step eager, logged once, with the same tokens."""
+    from spec_decode.triton_cpu import InterpretedGraphRunner
+
+    def refuse(self, step, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(InterpretedGraphRunner, "_record", refuse)
+    path, _, prompts, expected = glm
+    with caplog.at_level(logging.WARNING, logger="pagedlm_cuda.graph_runner"):
+        tokens, replays = _on_triton_cpu(path, prompts[:3])
+    assert tokens == expected[:3]
+    assert replays == 0
+    warnings = [r.getMessage() for r in caplog.records if "CUDA graphs off" in r.getMessage()]
+    assert len(warnings) == 1 and "operation not permitted" in warnings[0]
+

@@ -186,7 +186,6 @@ class ModelRunner:
             bool(getattr(config.model, "enforce_eager", False))
             or os.environ.get(ENFORCE_EAGER_ENV, "0") not in ("", "0")
             or not self.lora.graph_safe
-            or not getattr(self.model, "graph_safe", True)  # the Transformers backend
         )
         if platform.profiles_memory:
             self.profile_run()

@@ -10,6 +10,12 @@ module of the model calls the attention function registered as ``ATTENTION_NAME`
 hands the already rotated q/k/v to the layer's ``Attention`` over the paged KV cache.
 transformers builds no mask for an attention implementation without a registered mask
 function: the backend masks by the step's paged metadata (causal, sliding windows).
+
+Its steps are captured in device graphs like a native model's: the forward's Python runs
+once per captured shape, its kernels replay. A model whose forward cannot be captured
+(one that reads device values on the host, such as dynamic rotary scaling's longest
+position) fails the capture at start-up, and the platform's graph runner then runs every
+step eagerly.
 """
 
 from __future__ import annotations
@@ -145,9 +151,6 @@ class TransformersForCausalLM(nn.Module):
     the module's head counts, head size, scale, sliding window and soft cap.
     """
 
-    graph_safe: ClassVar[bool] = False
-    """The model runner runs it eagerly: transformers' forward is not known to be safe to
-    capture in a device graph (host syncs, Python-side shape logic)."""
     supports_prompt_embeds: ClassVar[bool] = True
     """Prompts given as embeddings: the rows transformers' ``get_input_embeddings()``
     gives, which its model takes as ``inputs_embeds`` (``enable_prompt_embeds``)."""
