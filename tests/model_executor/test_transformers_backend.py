@@ -265,4 +265,3 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly(glm, monkeypatch, caplog
     assert replays == 0
     warnings = [r.getMessage() for r in caplog.records if "CUDA graphs off" in r.getMessage()]
     assert len(warnings) == 1 and "operation not permitted" in warnings[0]
-
