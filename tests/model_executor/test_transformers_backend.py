@@ -9,6 +9,7 @@ steps over 4-token blocks), prefix-cache hits and, with few blocks, preemption.
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from pagedlm.model_executor.models.transformers_backend import (
     TransformersForCausalLM,
     paged_attention,
 )
-from tiny_checkpoints import hf_greedy, hf_logits, random_prompts, save_random_model
+from tiny_checkpoints import SMALL, hf_greedy, hf_logits, random_prompts, save_random_model
 
 NEW_TOKENS = 6
 LENS = [1, 7, 40, 13, 25, 2]
@@ -144,12 +145,12 @@ def test_sliding_window_beyond_the_window(tmp_path: Path) -> None:
         (dict(model_impl="vllm"), "not supported by model_impl='vllm'.*--model-impl transformers"),
         (dict(model_impl="pagedlm"), "not supported by model_impl='vllm'"),
         (dict(model_impl="hf"), r"model_impl='hf' is unknown.*auto, vllm, transformers"),
-        (dict(tensor_parallel_size=2), "does not support tensor_parallel_size.*run it on one"),
-        (dict(quantization="fp8"), "does not support quantization.*float checkpoint"),
+        (dict(pipeline_parallel_size=2), "does not support pipeline_parallel_size above 1"),
+        (dict(quantization="bitsandbytes"), "quantization=bitsandbytes.*quantization='fp8'"),
         (dict(enable_lora=True), "does not support LoRA adapters; drop enable_lora"),
         (dict(runner="pooling"), "does not support the pooling runner"),
     ],
-    ids=["vllm", "pagedlm-alias", "unknown", "tp2", "fp8", "lora", "pooling"],
+    ids=["vllm", "pagedlm-alias", "unknown", "pp2", "bnb", "lora", "pooling"],
 )
 def test_refusals_name_the_fix(glm, kwargs, match) -> None:
     args = EngineArgs(model=str(glm[0]), skip_tokenizer_init=True, **kwargs)
@@ -265,3 +266,72 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly(glm, monkeypatch, caplog
     assert replays == 0
     warnings = [r.getMessage() for r in caplog.records if "CUDA graphs off" in r.getMessage()]
     assert len(warnings) == 1 and "operation not permitted" in warnings[0]
+
+
+def test_linear_layers_are_pagedlms(glm) -> None:
+    """transformers' nn.Linear, input embedding and LM head are pagedlm's layers (what
+    platform kernels, FP8 and tensor parallelism act on); no nn.Linear is left."""
+    from pagedlm.model_executor.layers.linear_base import LinearBase
+    from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead
+
+    model = _model(_llm(glm[0]))
+    assert not [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    # GLM: q, k, v, o, gate_up and down in each of 2 layers, and the LM head
+    assert sum(isinstance(m, LinearBase) for m in model.modules()) == 2 * 6 + 1
+    assert isinstance(model.hf.get_output_embeddings(), ParallelLMHead)
+
+
+def test_fp8_quantization_matches_the_native_model(tmp_path: Path) -> None:
+    """quantization="fp8" on the backend quantizes its linear layers as the native Llama's
+    (rows scaled alike, the LM head kept): the same tokens as the native FP8 model."""
+    from pagedlm.model_executor.quantization.fp8 import FP8_DTYPE
+
+    save_random_model(tmp_path, "LlamaConfig", {})
+    prompts = random_prompts(LENS)
+    backend = _llm(tmp_path, model_impl="transformers", quantization="fp8")
+    native = _llm(tmp_path, model_impl="vllm", quantization="fp8")
+    layers = _model(backend).hf.base_model.layers[0]
+    assert layers.self_attn.q_proj.weight.dtype == FP8_DTYPE
+    assert layers.mlp.down_proj.weight.dtype == FP8_DTYPE
+    assert _model(backend).hf.get_output_embeddings().weight.dtype == torch.float32
+    assert _tokens(_generate(backend, prompts)) == _tokens(_generate(native, prompts))
+
+
+def _meta_model(config_class: str, **overrides):
+    import transformers
+
+    config = getattr(transformers, config_class)(**{**SMALL, **overrides})
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize(
+    ("config_class", "overrides", "tp_size", "match"),
+    [
+        ("LlamaConfig", {}, 2, None),
+        ("GlmConfig", {"head_dim": 16, **IDS}, 2, None),  # gate/up gathered, down splits its input
+        ("LlamaConfig", {}, 4, "2 key/value heads do not split evenly over 4"),
+        ("Olmo2Config", {}, 2, "keeps every attention head of layers.0.self_attn"),
+        ("FalconConfig", {}, 2, "no tensor-parallel plan"),
+    ],
+    ids=["llama", "glm", "kv-heads", "olmo2-gathered", "no-plan"],
+)
+def test_tensor_parallel_plans(config_class, overrides, tp_size, match) -> None:
+    from pagedlm.model_executor.models.transformers_layers import tensor_parallel_refusal
+
+    model = _meta_model(config_class, **overrides)
+    refusal = tensor_parallel_refusal(model.base_model, model.config, tp_size)
+    assert refusal is None if match is None else re.search(match, refusal)
+    assert tensor_parallel_refusal(model.base_model, model.config, 1) is None
+
+
+def test_tensor_parallel_refusal_comes_before_the_engine(tmp_path: Path) -> None:
+    save_random_model(tmp_path, "Olmo2Config", {})
+    args = EngineArgs(
+        model=str(tmp_path),
+        skip_tokenizer_init=True,
+        model_impl="transformers",
+        tensor_parallel_size=2,
+    )
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: its plan keeps every attention"):
+        args.create_engine_config()

@@ -5,7 +5,8 @@ modeling backend (``model_executor/models/transformers_backend.py``): transforme
 modeling code with pagedlm's paged attention; "auto" takes the native class where there
 is one, else the backend where transformers can run the architecture with a custom
 attention function. ``resolve_model_impl`` decides at the edge;
-``check_transformers_backend`` refuses, naming the fix, what the backend does not run.
+``check_transformers_backend`` and ``check_transformers_parallel`` refuse, naming the
+fix, what the backend does not run.
 """
 
 from __future__ import annotations
@@ -114,10 +115,11 @@ def check_transformers_backend(config: EngineConfig, is_gguf: bool) -> None:
     refusals = (
         (is_gguf, "GGUF files", "load the model's Hugging Face directory"),
         (
-            config.model.quantization is not None or "quantization_config" in config.model.arch.raw,
-            f"quantization ({config.model.quantization or 'a pre-quantized checkpoint'}: "
-            "FP8, GPTQ, AWQ, bitsandbytes)",
-            "serve a float checkpoint without quantization",
+            config.model.quantization not in (None, "fp8")
+            or "quantization_config" in config.model.arch.raw,
+            f"quantization={config.model.quantization or 'a pre-quantized checkpoint'} "
+            "(GPTQ, AWQ, bitsandbytes, FP8 checkpoints)",
+            "serve a float checkpoint, unquantized or with quantization='fp8'",
         ),
         (config.lora is not None, "LoRA adapters", "drop enable_lora"),
         (config.model.runner == "pooling", "the pooling runner", "use runner='generate'"),
@@ -140,16 +142,39 @@ def check_transformers_backend(config: EngineConfig, is_gguf: bool) -> None:
 def check_transformers_parallel(
     model_impl: str, arch: ArchConfig, tensor_parallel_size: int, pipeline_parallel_size: int
 ) -> None:
-    """Refuses parallel sizes above 1 on the Transformers backend; checked before the
-    parallel config, so the answer does not depend on the machine's device count."""
-    if model_impl == "transformers" and max(tensor_parallel_size, pipeline_parallel_size) > 1:
+    """Refuses pipeline parallelism, and tensor parallelism the model's own plan does not
+    give (``transformers_layers.tensor_parallel_refusal``), on the Transformers backend;
+    checked before the parallel config, so the answer does not depend on the machine's
+    device count."""
+    if model_impl != "transformers":
+        return
+    if pipeline_parallel_size > 1:
         raise ValueError(
             _refusal(
                 arch,
-                "tensor_parallel_size and pipeline_parallel_size above 1",
-                "run it on one device (tensor_parallel_size=1, pipeline_parallel_size=1)",
+                "pipeline_parallel_size above 1",
+                "run it with pipeline_parallel_size=1 (tensor_parallel_size where its plan allows)",
             )
         )
+    if tensor_parallel_size > 1:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from pagedlm.model_executor.models.transformers_backend import ATTENTION_NAME, hf_config
+        from pagedlm.model_executor.models.transformers_layers import tensor_parallel_refusal
+
+        config = hf_config(arch)
+        with torch.device("meta"):  # module names and shapes only: nothing allocated
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME)
+        refusal = tensor_parallel_refusal(model.base_model, model.config, tensor_parallel_size)
+        if refusal is not None:
+            raise ValueError(
+                _refusal(
+                    arch,
+                    f"tensor_parallel_size={tensor_parallel_size}: {refusal}",
+                    "run it with tensor_parallel_size=1",
+                )
+            )
 
 
 def _refusal(arch: ArchConfig, what: str, fix: str) -> str:

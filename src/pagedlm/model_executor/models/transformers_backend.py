@@ -33,9 +33,15 @@ from torch import nn
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
 from pagedlm.config import ArchConfig
+from pagedlm.distributed import get_tensor_model_parallel_world_size
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.layers.attention import Attention
-from pagedlm.model_executor.loader.weight_utils import copy_checked
+from pagedlm.model_executor.loader.weight_utils import get_weight_loader
+from pagedlm.model_executor.models.transformers_layers import (
+    is_attention_module,
+    swap_layers,
+    tensor_parallel_refusal,
+)
 
 ATTENTION_NAME = "pagedlm"
 """The name pagedlm's attention function is registered under in transformers'
@@ -146,9 +152,12 @@ class TransformersForCausalLM(nn.Module):
     """Any transformers ``*ForCausalLM`` whose attention modules call the configured
     attention function (``_supports_attention_backend``), over the paged KV cache.
 
-    ``hf`` is transformers' model; checkpoint names load into it unchanged
-    (``hf.<name>``). ``attention[i]`` is decoder layer ``i``'s ``Attention``, built from
-    the module's head counts, head size, scale, sliding window and soft cap.
+    ``hf`` is transformers' model with its linear layers, input embedding and LM head
+    replaced by pagedlm's (``transformers_layers.swap_layers``: platform kernels, FP8,
+    tensor parallelism by the model's plan); checkpoint names load into it unchanged
+    (``hf.<name>``), each rank keeping its slices. ``attention[i]`` is decoder layer
+    ``i``'s ``Attention``, built from the module's head counts (this rank's), head size,
+    scale, sliding window and soft cap.
     """
 
     supports_prompt_embeds: ClassVar[bool] = True
@@ -174,6 +183,14 @@ class TransformersForCausalLM(nn.Module):
                 "convolution, ...) keep state the Transformers backend cannot carry. Serve "
                 "it with another engine, or a model whose every layer attends."
             )
+        tp_size = get_tensor_model_parallel_world_size()
+        refusal = tensor_parallel_refusal(self.hf.base_model, self.config, tp_size)
+        if refusal is not None:
+            raise ValueError(
+                f"{arch.architecture} cannot run with tensor_parallel_size={tp_size} on the "
+                f"Transformers backend: {refusal}; run it with tensor_parallel_size=1."
+            )
+        swap_layers(self.hf, self.config)
         self._materialize()
         self.attention = nn.ModuleList(
             self._attention_layer(i, modules.get(i)) for i in range(self.config.num_hidden_layers)
@@ -203,10 +220,12 @@ class TransformersForCausalLM(nn.Module):
                 f'"head_dim": {head_dim} to config.json.'
             )
         num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        tp_size = get_tensor_model_parallel_world_size()  # the projections split by head
         return Attention(
             layer_idx,
-            num_heads,
-            getattr(config, "num_key_value_heads", None) or num_heads,
+            num_heads // tp_size,
+            num_kv_heads // tp_size,
             head_dim,
             float(getattr(module, "scaling", head_dim**-0.5)),
             sliding_window=_layer_window(config, layer_idx),
@@ -271,18 +290,14 @@ class TransformersForCausalLM(nn.Module):
                     f"{type(self.hf).__name__}; the checkpoint does not match its config.json "
                     "(or was saved by another transformers version with other names)."
                 )
-            copy_checked(params[target].data, tensor, name)
+            get_weight_loader(params[target])(params[target], tensor)  # this rank's slice
             loaded.add(target)
         return loaded
 
 
 def _attention_modules(model: nn.Module) -> dict[int, nn.Module]:
     """transformers' attention modules of ``model`` by their ``layer_idx``."""
-    return {
-        m.layer_idx: m
-        for m in model.modules()
-        if type(m).__name__.endswith("Attention") and isinstance(getattr(m, "layer_idx", None), int)
-    }
+    return {m.layer_idx: m for m in model.modules() if is_attention_module(m)}
 
 
 def _matches(name: str, patterns: list[str]) -> bool:
