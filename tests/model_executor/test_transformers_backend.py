@@ -23,6 +23,7 @@ from pagedlm.model_executor.models.transformers_backend import (
     TransformersForCausalLM,
     paged_attention,
 )
+from pagedlm.model_executor.models.transformers_layers import Norm, computes_like_rmsnorm
 from tiny_checkpoints import SMALL, hf_greedy, hf_logits, random_prompts, save_random_model
 
 NEW_TOKENS = 6
@@ -279,6 +280,17 @@ def test_linear_layers_are_pagedlms(glm) -> None:
     # GLM: q, k, v, o, gate_up and down in each of 2 layers, and the LM head
     assert sum(isinstance(m, LinearBase) for m in model.modules()) == 2 * 6 + 1
     assert isinstance(model.hf.get_output_embeddings(), ParallelLMHead)
+    # GLM's RMSNorms compute as pagedlm's: two per layer and the final one are pagedlm's
+    assert sum(type(m) is Norm for m in model.modules()) == 2 * 2 + 1
+
+
+def test_only_norms_that_compute_alike_are_replaced() -> None:
+    """The probe takes Llama's RMSNorm and leaves Gemma's (scaled by 1 + weight)."""
+    llama = _meta_model("LlamaConfig").model
+    gemma = _meta_model("Gemma2Config", head_dim=16).model
+    assert computes_like_rmsnorm(llama.norm) == llama.config.rms_norm_eps
+    assert computes_like_rmsnorm(gemma.norm) is None
+    assert computes_like_rmsnorm(torch.nn.LayerNorm(8)) is None
 
 
 def test_fp8_quantization_matches_the_native_model(tmp_path: Path) -> None:

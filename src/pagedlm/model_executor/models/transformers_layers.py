@@ -24,16 +24,22 @@ Invariants:
   any memory is allocated (``tensor_parallel_refusal``).
 - Only an exact ``nn.Embedding`` is replaced; a subclass (a scaled embedding) stays as
   transformers built it, replicated.
+- An RMSNorm module is replaced by pagedlm's ``RMSNorm`` (a platform's fused kernel) only
+  where a probe shows the two give the same bits, in float32 and bfloat16, on random
+  weights and inputs (``computes_like_rmsnorm``); any other norm (Gemma's ``1 + weight``,
+  a LayerNorm) stays transformers'.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any
 
 import torch
 from torch import nn
 
+from pagedlm.model_executor.layers.layernorm import RMSNorm
 from pagedlm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
@@ -68,6 +74,45 @@ class RowLinear(RowParallelLinear):
         if self.split_input and self.tp_size > 1:
             x = x.narrow(-1, self.tp_rank * self.in_per_rank, self.in_per_rank)
         return _rows(super().forward, x)
+
+
+class Norm(RMSNorm):
+    """transformers' RMSNorm over [..., hidden] as pagedlm's (kernels take 2-D inputs)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return _rows(super().forward, x)
+
+
+def computes_like_rmsnorm(module: nn.Module) -> float | None:
+    """``module``'s epsilon when it is an RMSNorm computing exactly what ``RMSNorm`` does
+    (probed on a float32 and a bfloat16 copy on the CPU); None otherwise."""
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, float):
+        return None
+    if not type(module).__name__.endswith("RMSNorm") or list(module.children()):
+        return None
+    with torch.device("cpu"):  # whatever device the model is being built on
+        return eps if _probe(module, weight.shape[0], eps) else None
+
+
+def _probe(module: nn.Module, size: int, eps: float) -> bool:
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        probe = copy.deepcopy(module).to_empty(device="cpu").to(dtype)
+        ours = RMSNorm(size, eps).to(dtype)
+        values = torch.rand(size, generator=generator) + 0.5
+        x = torch.randn((3, size), generator=generator).to(dtype)
+        with torch.no_grad():
+            probe.weight.copy_(values)
+            ours.weight.copy_(values)
+            try:
+                same = torch.equal(probe(x), ours(x))
+            except Exception:  # another signature: not a plain norm
+                return False
+        if not same:
+            return False
+    return True
 
 
 class Embedding(VocabParallelEmbedding):
@@ -132,16 +177,25 @@ def is_attention_module(module: nn.Module) -> bool:
 def swap_layers(hf_model: nn.Module, config: Any) -> None:
     """Replace, in transformers' ``*ForCausalLM`` ``hf_model`` (built on the meta device,
     checked by ``tensor_parallel_refusal``), every linear layer of its base model, its
-    input embedding (an exact ``nn.Embedding``) and its LM head by pagedlm's layers,
-    allocated empty on the current device; a tied LM head stays tied."""
+    RMSNorms that compute as pagedlm's, its input embedding (an exact ``nn.Embedding``)
+    and its LM head by pagedlm's layers, allocated empty on the current device; a tied LM
+    head stays tied."""
     base = hf_model.base_model
     styles = plan_styles(config)
     embedding = hf_model.get_input_embeddings()
     head = hf_model.get_output_embeddings()
     tied = head is not None and head.weight is embedding.weight
+    norms: dict[tuple[type, Any], float | None] = {}  # probed once per class and epsilon
     for name, module in list(base.named_modules()):
         if isinstance(module, nn.Linear):
             _replace(base, name, _linear(module, style_of(name, styles)))
+            continue
+        key = (type(module), getattr(module, "variance_epsilon", getattr(module, "eps", None)))
+        if key[0].__name__.endswith("RMSNorm"):
+            if key not in norms:
+                norms[key] = computes_like_rmsnorm(module)
+            if norms[key] is not None:
+                _replace(base, name, Norm(module.weight.shape[0], norms[key]))
     if type(embedding) is nn.Embedding:
         new_embedding = Embedding(embedding.num_embeddings, embedding.embedding_dim)
         hf_model.set_input_embeddings(new_embedding)
