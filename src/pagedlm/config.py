@@ -572,6 +572,122 @@ class KVEventsConfig:
         return config
 
 
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+"""vLLM's ``KVRole``: an instance that saves KV, one that loads it, or both."""
+KV_LOAD_FAILURE_POLICIES = ("recompute",)
+"""What happens to blocks that fail to load: computed instead (vLLM's "recompute")."""
+
+
+def _new_engine_id() -> str:
+    import uuid
+
+    return str(uuid.uuid4())
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """vLLM's ``KVTransferConfig`` (``--kv-transfer-config``): a KV connector that moves
+    prompts' keys and values between this engine and others (``pagedlm.kv_transfer``).
+
+    vLLM's names and defaults for the fields kept; vLLM's fields for its network connectors
+    (``kv_ip``, ``kv_port``, ``kv_rank``, ``kv_parallel_size``, ``kv_buffer_size``,
+    ``enable_permute_local_kv``) are refused as unknown keys, since no connector here reads
+    them."""
+
+    kv_connector: str | None = None
+    """The connector's registered name (``pagedlm.kv_transfer.factory``), or a class name
+    in ``kv_connector_module_path``; None: no KV transfer."""
+    kv_role: str | None = None
+    """"kv_producer" (saves), "kv_consumer" (loads) or "kv_both"; required with a connector."""
+    engine_id: str = field(default_factory=_new_engine_id)
+    """This engine's identity in KV transfers (vLLM's default: a fresh uuid4)."""
+    kv_buffer_device: str = "cuda"
+    """Where a connector stages KV ("cuda", "cpu", "xpu"; vLLM's default "cuda"). The
+    shared-storage connector stages through host memory whatever it says, as vLLM's does."""
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    """The connector's own options (the shared-storage connector: ``shared_storage_path``)."""
+    kv_connector_module_path: str | None = None
+    """A module to import ``kv_connector`` from: a third-party connector class."""
+    kv_load_failure_policy: str = "recompute"
+    """Blocks that fail to load are computed instead. vLLM's default is "fail" (the request
+    ends with an error); pagedlm has no error finish reason and takes only "recompute"."""
+
+    def __post_init__(self) -> None:
+        if self.kv_role is not None and self.kv_role not in KV_ROLES:
+            raise ValueError(
+                f"Unsupported kv_role: {self.kv_role!r}. Supported roles are {list(KV_ROLES)}."
+            )
+        if self.kv_connector is not None and self.kv_role is None:
+            raise ValueError(
+                f"kv_transfer_config names kv_connector={self.kv_connector!r} but no kv_role; "
+                f'add "kv_role": one of {list(KV_ROLES)}.'
+            )
+        if self.kv_connector is None and self.kv_connector_module_path is not None:
+            raise ValueError(
+                "kv_transfer_config has kv_connector_module_path but no kv_connector; name "
+                "the connector class in that module as kv_connector."
+            )
+        if self.kv_buffer_device not in ("cuda", "cpu", "xpu"):
+            raise ValueError(
+                f"kv_buffer_device must be 'cuda', 'cpu' or 'xpu', got {self.kv_buffer_device!r}."
+            )
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError(
+                "kv_connector_extra_config must be a JSON object, got "
+                f"{self.kv_connector_extra_config!r}."
+            )
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(
+                f"kv_load_failure_policy={self.kv_load_failure_policy!r} is not supported: "
+                'pagedlm computes the blocks that fail to load ("recompute") and has no '
+                'error finish reason for vLLM\'s "fail"; drop the key or pass "recompute".'
+            )
+
+    @property
+    def is_kv_transfer_instance(self) -> bool:
+        return self.kv_connector is not None and self.kv_role in KV_ROLES
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.kv_connector is not None and self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.kv_connector is not None and self.kv_role in ("kv_consumer", "kv_both")
+
+    def get_from_extra_config(self, key: str, default: Any) -> Any:
+        return self.kv_connector_extra_config.get(key, default)
+
+    @classmethod
+    def parse(cls, value: object) -> KVTransferConfig | None:
+        """From None, a dict, a JSON object string (the CLI's form) or an instance; None
+        when no connector is named (KV transfer off)."""
+        import dataclasses
+        import json
+
+        if value is None or isinstance(value, cls):
+            return value if value is None or value.kv_connector is not None else None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"kv_transfer_config is not valid JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise ValueError(
+                "kv_transfer_config must be a JSON object, e.g. "
+                '\'{"kv_connector": "ExampleConnector", "kv_role": "kv_both", '
+                '"kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}\'.'
+            )
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"Unknown kv_transfer_config key(s) {unknown}; known: {sorted(known)}."
+            )
+        config = cls(**value)
+        return config if config.kv_connector is not None else None
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """Multi-LoRA serving (vLLM's names and defaults); present only with ``enable_lora``."""
@@ -635,6 +751,8 @@ class EngineConfig:
     """Every JSON-constrained request emits compact JSON (vLLM's
     ``structured_outputs_config.disable_any_whitespace``)."""
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    kv_transfer: KVTransferConfig | None = None
+    """A KV connector (``pagedlm.kv_transfer``), or None (off)."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding, or None (off)."""
     lora: LoRAConfig | None = None

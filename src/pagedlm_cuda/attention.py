@@ -95,6 +95,13 @@ class TritonAttentionBackend(AttentionBackend):
         """[num_blocks, num_kv_heads, block_size, head_dim]: heads outside slots."""
         return (num_blocks, num_kv_heads, block_size, head_dim)
 
+    @classmethod
+    def kv_block_view(
+        cls, layer_cache: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> torch.Tensor:
+        """Slots before heads: the cache with its middle dimensions swapped (a view)."""
+        return layer_cache.view(-1, num_kv_heads, block_size, head_dim).transpose(1, 2)
+
     def build_metadata(self, layout: BatchLayout) -> TritonMetadata:
         """Views of the layout's device tensors: nothing is copied, so the same metadata
         serve a captured graph at every replay."""

@@ -196,6 +196,23 @@ class AttentionBackend(ABC):
         sizing; how a block's slots, heads and dims are laid out is the backend's."""
         return (num_blocks, block_size, num_kv_heads, head_dim)
 
+    @classmethod
+    def kv_block_view(
+        cls, layer_cache: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> torch.Tensor:
+        """One layer's key (or value) cache as a view ``[num_blocks, block_size,
+        num_kv_heads, head_dim]`` (slot ``s`` at ``[s // block_size, s % block_size]``),
+        whatever the backend's own layout: KV connectors read and write whole blocks through
+        it. The default serves the default ``kv_cache_shape``; a backend that lays its cache
+        out otherwise overrides both (it is refused here rather than misread)."""
+        if cls.kv_cache_shape is not AttentionBackend.kv_cache_shape:
+            raise ValueError(
+                f"the {cls.name!r} attention backend has its own KV cache layout and no "
+                "kv_block_view, which KV transfer needs; implement it, or drop "
+                "kv_transfer_config."
+            )
+        return layer_cache.view(-1, block_size, num_kv_heads, head_dim)
+
     @abstractmethod
     def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
         """Turn the step's layout into whatever ``forward`` needs (device tensors, ...)."""

@@ -41,6 +41,7 @@ from pagedlm.core.request import Request
 from pagedlm.core.scheduler import OneBudgetScheduler
 from pagedlm.core.scheduler_interface import Scheduler, SchedulerStats
 from pagedlm.executor import Executor
+from pagedlm.kv_transfer.factory import KVConnectorRole, make_connector
 from pagedlm.model_executor.loader.replacement import check_replacement
 from pagedlm.platforms import Platform
 from pagedlm.plugins.registry import select_executor
@@ -102,6 +103,7 @@ class EngineCore:
             max_loras=None if config.lora is None else config.lora.max_loras,
             disjoint_steps=executor.max_concurrent_batches > 1,
             consecutive_blocks=platform is not None and platform.prefers_consecutive_blocks,
+            kv_connector=make_connector(config, KVConnectorRole.SCHEDULER),
         )
         self._kv_event_publisher = None
         if kv_events.publishes:
@@ -175,10 +177,11 @@ class EngineCore:
 
     def _step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
-        # An empty step still tells the workers which requests ended.
+        # An empty step still tells the workers which requests ended; one with a KV
+        # connector's loads and no tokens is collected like any other (it reports them).
         self.executor.execute_model(scheduler_output)
         outputs = self._collect()
-        if scheduler_output.is_empty:
+        if scheduler_output.is_empty and not scheduler_output.kv_connector_metadata:
             self.executor.sample_tokens(None)
             return outputs
         bitmask = self.scheduler.get_grammar_bitmask(scheduler_output)

@@ -19,10 +19,13 @@ class RequestStatus(enum.IntEnum):
     """Its structured-output grammar is compiling; other requests are admitted meanwhile."""
     RUNNING = 2
     PREEMPTED = 3
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH = 5
-    FINISHED_ABORTED = 6
-    FINISHED_IGNORED = 7
+    WAITING_FOR_REMOTE_KVS = 4
+    """A KV connector loads part of its prompt into its blocks (``core/external_kv.py``);
+    other requests are admitted meanwhile."""
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH = 6
+    FINISHED_ABORTED = 7
+    FINISHED_IGNORED = 8
 
     @property
     def is_finished(self) -> bool:
@@ -95,7 +98,10 @@ class Request:
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0
         self.num_cached_tokens = -1
-        """Prompt tokens served from the prefix cache at first scheduling (-1: not yet)."""
+        """Prompt tokens served from the prefix cache or a KV connector at first scheduling
+        (-1: not yet)."""
+        self.num_external_computed_tokens = 0
+        """Of those, tokens a KV connector loaded (vLLM's name)."""
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

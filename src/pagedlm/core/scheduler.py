@@ -66,6 +66,13 @@ tokens has the image encoded in the same step, under the per-step encoder budget
 the workers' encoder cache holds it; a chunk reaching an image the budget cannot pay for
 this step stops just before it.
 
+KV transfer (optional component, ``ExternalKV``, around a KV connector): a waiting request
+whose prompt continues, after its local prefix-cache hit, with blocks another engine stored
+first has them loaded in a step of its own (it waits as ``WAITING_FOR_REMOTE_KVS``, holding
+blocks for its whole prompt); the collected load counts its good blocks as computed, like
+prefix-cache hits, and the request is admitted in a later step (``core/external_kv.py``).
+Every step's ``SchedulerOutput`` carries the connector's loads and saves.
+
 Priority policy (``scheduling_policy="priority"``, vLLM's): ``waiting`` and ``running``
 are kept in ``(priority, arrival_time)`` order instead of arrival/admission order
 (``queue_order.py``), so the same passes serve lower priority values first and
@@ -99,6 +106,7 @@ from typing import TYPE_CHECKING
 
 from pagedlm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedlm.core.encoder_budget import EncoderCacheTracker, EncoderPlan
+from pagedlm.core.external_kv import ExternalKV
 from pagedlm.core.grammar_gate import GrammarGate
 from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.core.queue_order import QueueOrder
@@ -107,7 +115,7 @@ from pagedlm.core.scheduler_interface import Scheduler, SchedulerStats
 from pagedlm.core.speculation import Speculation, StepDrafts
 from pagedlm.core.stop_checker import append_token_ids, check_stop
 from pagedlm.kv_cache.events import EventLog, KVCacheEvent
-from pagedlm.kv_cache.manager import KVCacheManager
+from pagedlm.kv_cache.manager import ComputedBlocks, KVCacheManager
 from pagedlm.lora.scheduler_gate import LoRAGate
 from pagedlm.step import (
     CachedRequestData,
@@ -119,6 +127,7 @@ from pagedlm.step import (
 )
 
 if TYPE_CHECKING:
+    from pagedlm.kv_transfer.base import KVConnectorBase
     from pagedlm.structured_output.manager import StructuredOutputManager
 
 
@@ -136,10 +145,12 @@ class OneBudgetScheduler(Scheduler):
         max_loras: int | None = None,
         disjoint_steps: bool = False,
         consecutive_blocks: bool = False,
+        kv_connector: KVConnectorBase | None = None,
     ) -> None:
         """``max_loras``: distinct adapters that may run at once (None: LoRA is off).
         ``disjoint_steps``: the pipeline-parallel batch queue (see the module doc).
-        ``consecutive_blocks``: the platform's ``prefers_consecutive_blocks``."""
+        ``consecutive_blocks``: the platform's ``prefers_consecutive_blocks``.
+        ``kv_connector``: a KV connector's scheduler side (``core/external_kv.py``)."""
         self.config = scheduler_config
         self._prefill_cap = scheduler_config.long_prefill_token_threshold or sys.maxsize
         """The most tokens one request computes per step (decodes feed one anyway)."""
@@ -153,6 +164,8 @@ class OneBudgetScheduler(Scheduler):
         )
         if record_kv_cache_events:
             self.kv_manager.pool.event_log = EventLog()
+        self.external = None if kv_connector is None else ExternalKV(kv_connector, self.kv_manager)
+        """Loads of prompts' KV through a KV connector (None: no connector)."""
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -244,6 +257,8 @@ class OneBudgetScheduler(Scheduler):
             request = self.running.pop()
             self._preempt(request)
             self._preempted_req_ids.add(request.request_id)
+        if self.external is not None:
+            self.external.release_loaded()  # waiting requests holding loaded blocks
         return num
 
     def reset_prefix_cache(self) -> bool:
@@ -361,10 +376,20 @@ class OneBudgetScheduler(Scheduler):
                 not self.grammars.ready(request)
                 or not self.loras.admits(request, active_loras)
                 or (in_flight and request.request_id in in_flight)
+                or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             ):
                 skipped.append(self.waiting.popleft())
                 continue
-            num_new_tokens = self._admit(request, budget, spec)
+            computed = None
+            if self.external is not None and not self.external.is_loaded(request):
+                computed = self.kv_manager.get_computed_blocks(request)
+                loading = self._start_external_load(request, computed)
+                if loading is None:
+                    break
+                if loading:
+                    skipped.append(self.waiting.popleft())
+                    continue
+            num_new_tokens = self._admit(request, budget, spec, computed)
             if num_new_tokens is None:
                 break
             self.waiting.popleft()
@@ -404,6 +429,8 @@ class OneBudgetScheduler(Scheduler):
             scheduled_encoder_inputs=self.encoder.take_scheduled(),
             free_encoder_mm_hashes=freed_encoder_entries,
         )
+        if self.external is not None:
+            output = self.external.attach_metadata(output)
         self._finished_req_ids = set()
         self._preempted_req_ids = set()
         if num_scheduled:
@@ -496,34 +523,53 @@ class OneBudgetScheduler(Scheduler):
         self.num_preemptions += 1
         self.order.wait(self.waiting, request, preempted=True)
 
-    def _admit(self, request: Request, budget: int, spec: StepDrafts) -> int | None:
+    def _start_external_load(self, request: Request, computed: ComputedBlocks) -> bool | None:
+        """Have the KV connector load what it holds of ``request``'s prompt after its local
+        hit (``core/external_kv.py``): True if a load was planned (the request waits for
+        it), False if there is nothing to load, None if it must wait: no seat (running and
+        block-holding waiting requests fill ``max_num_seqs``) or no blocks."""
+        assert self.external is not None
+        if len(self.running) + self.external.num_holding >= self.config.max_num_seqs:
+            num_external = self.external.connector.get_num_new_matched_tokens(
+                request, computed.num_computed_tokens
+            )
+            return None if num_external > 0 else False
+        return self.external.start_load(request, computed)
+
+    def _admit(
+        self,
+        request: Request,
+        budget: int,
+        spec: StepDrafts,
+        computed: ComputedBlocks | None = None,
+    ) -> int | None:
         """Try to move the head of the waiting queue to running. A request whose whole
         prompt is scheduled samples this step, and when speculating asks its proposer for
         drafts right away (recorded in ``spec``), so its first decode step verifies them.
+        ``computed``: its prefix-cache hit, if already looked up. A request whose KV a
+        connector loaded already holds its blocks, and starts at its ``num_computed_tokens``.
 
         Returns the number of tokens scheduled for it, or None (nothing changed) if its
         blocks do not fit.
         """
         assert request.num_output_placeholders == 0, "admitted only once its tokens are known"
-        computed = self.kv_manager.get_computed_blocks(request)
-        num_new_tokens = min(
-            request.num_tokens - computed.num_computed_tokens, budget, self._prefill_cap
-        )
-        if self.config.whole_prompts and computed.num_computed_tokens + num_new_tokens < (
-            request.num_tokens
-        ):
+        if self.external is not None and self.external.is_loaded(request):
+            computed, start = None, request.num_computed_tokens
+        else:
+            if computed is None:
+                computed = self.kv_manager.get_computed_blocks(request)
+            start = computed.num_computed_tokens
+        num_new_tokens = min(request.num_tokens - start, budget, self._prefill_cap)
+        if self.config.whole_prompts and start + num_new_tokens < request.num_tokens:
             return None  # not chunked: it waits for a step with room for all of it
         plan: EncoderPlan | None = None
         if request.mm_features:
-            plan = self.encoder.plan(request, computed.num_computed_tokens, num_new_tokens)
+            plan = self.encoder.plan(request, start, num_new_tokens)
             num_new_tokens = plan.num_new_tokens
             if num_new_tokens <= 0:
                 return None  # the step's encoder budget is spent; next step
         num_proposals = 0
-        if (
-            self.speculation.enabled
-            and computed.num_computed_tokens + num_new_tokens >= request.num_tokens
-        ):
+        if self.speculation.enabled and start + num_new_tokens >= request.num_tokens:
             num_proposals = self.speculation.drafts_to_propose(request, 0)
         extra = self.speculation.lookahead(num_proposals)
         if self.kv_manager.allocate_slots(request, num_new_tokens + extra, computed) is None:
@@ -536,13 +582,15 @@ class OneBudgetScheduler(Scheduler):
         if self.speculation.enabled:
             spec.record(request, [], num_proposals)  # also clears a resumed one's draft counts
         if plan is not None:
-            self.encoder.commit(request, computed.num_computed_tokens, plan)
-        request.num_computed_tokens = computed.num_computed_tokens
+            self.encoder.commit(request, start, plan)
+        request.num_computed_tokens = start
         if request.num_cached_tokens < 0:
-            request.num_cached_tokens = computed.num_computed_tokens
+            request.num_cached_tokens = start
             request.queued_seconds = time.monotonic() - request.arrival_time
         request.status = RequestStatus.RUNNING
         self.order.run(self.running, request)
+        if self.external is not None:
+            self.external.admitted(request)
         return num_new_tokens
 
     # --------------------------------------------------------------- update from output
@@ -558,6 +606,8 @@ class OneBudgetScheduler(Scheduler):
         all_prompt_logprobs = runner_output.prompt_logprobs
         if self._in_flight_req_ids:
             self._in_flight_req_ids.difference_update(scheduled)
+        if self.external is not None:
+            self.external.finish_loads(runner_output.kv_connector_output)
         pooled_outputs = runner_output.pooler_output
         requests = self.requests
         # The common output, taken without the general path's lookups: one token sampled
@@ -680,6 +730,8 @@ class OneBudgetScheduler(Scheduler):
         self.grammars.remove(request)
         self.kv_manager.free(request)
         self.encoder.release(request)
+        if self.external is not None:
+            self.external.finished(request)
         del self.requests[request.request_id]
         self._finished_req_ids.add(request.request_id)
 

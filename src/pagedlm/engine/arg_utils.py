@@ -17,6 +17,7 @@ from pagedlm.config import (
     CacheConfig,
     EngineConfig,
     KVEventsConfig,
+    KVTransferConfig,
     LoRAConfig,
     ModelConfig,
     ParallelConfig,
@@ -26,6 +27,7 @@ from pagedlm.config import (
     validate_fraction,
     validate_positive,
 )
+from pagedlm.engine.kv_transfer_args import check_kv_transfer_config
 from pagedlm.engine.model_impl_args import (
     check_transformers_backend,
     check_transformers_parallel,
@@ -195,6 +197,11 @@ class EngineArgs:
     """Publish prefix-cache block events as vLLM does, as a JSON object (a dict from
     Python), e.g. '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557",
     "replay_endpoint": "tcp://*:5558"}'; off by default."""
+    kv_transfer_config: dict[str, Any] | str | None = None
+    """A KV connector, as vLLM's JSON (a dict or KVTransferConfig from Python), e.g.
+    '{"kv_connector": "ExampleConnector", "kv_role": "kv_both", "kv_connector_extra_config":
+    {"shared_storage_path": "/tmp/kv"}}': save prompts' KV for other engines (kv_producer),
+    load theirs instead of computing it (kv_consumer), or both; off by default."""
     tensor_parallel_size: int = 1
     """Ranks each layer's heads, MLP and vocabulary are split over (one all-reduce per
     attention and per MLP block)."""
@@ -293,6 +300,8 @@ class EngineArgs:
             self.kv_events_config = json.dumps(
                 dataclasses.asdict(KVEventsConfig.parse(self.kv_events_config))
             )
+        if isinstance(self.kv_transfer_config, KVTransferConfig):
+            self.kv_transfer_config = dataclasses.asdict(self.kv_transfer_config)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -496,6 +505,7 @@ class EngineArgs:
             structured_outputs_backend=grammar_backend,
             structured_outputs_compact_json=compact_json,
             kv_events=KVEventsConfig.parse(self.kv_events_config),
+            kv_transfer=KVTransferConfig.parse(self.kv_transfer_config),
             lora=self._lora_config(arch),
             batch_invariant=self.batch_invariant or batch_invariant_from_env(),
             multimodal=multimodal_config(self),
@@ -522,6 +532,7 @@ class EngineArgs:
                 "of them."
             )
         check_prompt_embeds_config(config)
+        check_kv_transfer_config(config)
         check_transformers_backend(config, model.endswith(".gguf"))
         config = replace(config, logits_processors=self._logits_processors(config))
         config = configure(config, platform)

@@ -115,6 +115,7 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: ComputedBlocks | None = None,
+        delay_cache_blocks: bool = False,
     ) -> list[int] | None:
         """Give ``request`` slots for ``num_new_tokens`` more tokens.
 
@@ -122,7 +123,9 @@ class KVCacheManager:
         in ``new_computed_blocks`` (only for a request being admitted from waiting).
         Returns the ids of the freshly allocated blocks (cache hits not included; see
         ``get_block_ids`` for the whole table), or None when the free blocks do not
-        suffice, in which case nothing changed.
+        suffice, in which case nothing changed. ``delay_cache_blocks``: index none of the
+        new full blocks yet (their contents come from a KV connector's load, which may
+        fail): ``cache_blocks`` does it once they are known good.
         """
         table = self._tables.get(request.request_id, [])
         if new_computed_blocks is None:
@@ -154,8 +157,16 @@ class KVCacheManager:
         table.extend(new_blocks)
         self.prefix_cache_queries += computed.num_queried_tokens
         self.prefix_cache_hits += computed.num_computed_tokens
-        self._cache_full_blocks(request, table, num_tokens_with_slots)
+        if not delay_cache_blocks:
+            self._cache_full_blocks(request, table, num_tokens_with_slots)
         return [block.block_id for block in new_blocks]
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Index ``request``'s full blocks among its first ``num_computed_tokens`` tokens
+        (after ``allocate_slots(..., delay_cache_blocks=True)``, once their KV is known)."""
+        table = self._tables.get(request.request_id)
+        if table:
+            self._cache_full_blocks(request, table, num_computed_tokens)
 
     def free(self, request: Request) -> None:
         """Release every block of ``request`` (no-op if it holds none).

@@ -13,6 +13,7 @@ One step is two calls on the workers (``Executor.execute_model`` with the
 answered by one ``ModelRunnerOutput``, collected through a ``StepResult`` handle.
 """
 
+from pagedlm.step.kv_transfer import BlockTransfer, KVConnectorMetadata, KVConnectorOutput
 from pagedlm.step.multimodal import MultiModalFeature, TensorData
 from pagedlm.step.pooling import PoolingSpec
 from pagedlm.step.runner_output import (
@@ -29,9 +30,12 @@ from pagedlm.step.scheduler_output import (
 )
 
 __all__ = [
+    "BlockTransfer",
     "CachedRequestData",
     "FinishedStep",
     "GrammarBitmask",
+    "KVConnectorMetadata",
+    "KVConnectorOutput",
     "LogprobsLists",
     "ModelRunnerOutput",
     "MultiModalFeature",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pagedlm.step.kv_transfer import KVConnectorOutput
 from pagedlm.step.multimodal import TensorData
 
 
@@ -41,6 +42,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     pooler_output: dict[str, list[float] | TensorData] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput | None = None
+    """A KV connector's outcome of the step's loads and saves (None: no connector)."""
 
 
 class StepResult(Protocol):

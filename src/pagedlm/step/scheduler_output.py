@@ -8,6 +8,7 @@ import numpy as np
 
 from pagedlm.lora.request import LoRARequest
 from pagedlm.sampling_params import SamplingParams
+from pagedlm.step.kv_transfer import KVConnectorMetadata
 from pagedlm.step.multimodal import MultiModalFeature, TensorData
 from pagedlm.step.pooling import PoolingSpec
 
@@ -103,6 +104,9 @@ class SchedulerOutput:
     their encoder cache) before the forward; the others its tokens reach are cached."""
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
     """Encoder-cache entries (feature identifiers) the workers drop before this step."""
+    kv_connector_metadata: KVConnectorMetadata | None = None
+    """A KV connector's loads and saves for this step (``pagedlm.kv_transfer``); None when
+    there are none. A step may carry loads and no tokens: it still runs on the workers."""
 
     @property
     def is_empty(self) -> bool:

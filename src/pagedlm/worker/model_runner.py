@@ -32,6 +32,8 @@ from pagedlm.distributed.parallel_state import get_pipeline_state
 from pagedlm.kv_cache import fp8
 from pagedlm.kv_cache.fp8 import kv_cache_torch_dtype
 from pagedlm.kv_cache.interface import KVCache, TensorKVCache, kv_bytes_per_block
+from pagedlm.kv_transfer.factory import KVConnectorRole, make_connector
+from pagedlm.kv_transfer.kv_blocks import KVCacheBlocks
 from pagedlm.lora.manager import make_lora
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.layers.attention import (
@@ -53,6 +55,7 @@ from pagedlm.spec_decode.model_drafter import TargetParts
 from pagedlm.step import (
     FinishedStep,
     GrammarBitmask,
+    KVConnectorOutput,
     ModelRunnerOutput,
     SchedulerOutput,
     StepResult,
@@ -178,6 +181,9 @@ class ModelRunner:
         self.pooler = make_pooler(config.model, self.model)
         """The pooling runner's pooler (None: the runner samples tokens)."""
         self.kv_cache: KVCache | None = None
+        self.kv_connector = make_connector(config, KVConnectorRole.WORKER)
+        """A KV connector's worker side (None: no ``kv_transfer_config``): loads before the
+        forward, saves after it (``pagedlm.kv_transfer``)."""
         self.graph_runner: GraphRunner | None = None
         self._measuring_kv_scales = False
         self._forward_done: _ForwardDone | None = None
@@ -273,6 +279,8 @@ class ModelRunner:
         too: the engine sleeps without unfinished requests."""
         self.kv_cache = None
         self.graph_runner = None
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(None)
         self.speculator.release_kv_cache()
         self.prompt_embeds.clear()
 
@@ -282,6 +290,16 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = self._allocate_kv_cache(num_blocks)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(
+                KVCacheBlocks(
+                    self.kv_cache,
+                    type(self.attn_backend),
+                    range(self.first_layer, self.first_layer + self.num_layers),
+                    self.num_kv_heads,
+                    self.arch.head_dim,
+                )
+            )
         self.speculator.initialize_kv_cache(num_blocks, self._allocate)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",
@@ -310,7 +328,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
-        """Queue the step's forward and logits; ``sample_tokens`` must follow."""
+        """Queue the step's forward and logits; ``sample_tokens`` must follow. A KV
+        connector's loads are written before the forward, its saves read after it."""
+        transfers = scheduler_output.kv_connector_metadata
+        if self.kv_connector is None or transfers is None:
+            self._execute_model(scheduler_output)
+            return
+        self.kv_connector.start_load_kv(transfers)
+        self._execute_model(scheduler_output)
+        self.kv_connector.wait_for_save(transfers)
+
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> None:
         if self._forward_done is not None:
             raise RuntimeError("sample_tokens must be called after every execute_model")
         self.input_batch.update(scheduler_output)
@@ -417,10 +445,19 @@ class ModelRunner:
         )
         return self.model(inputs.input_ids, positions, ctx, inputs_embeds=embeds)
 
-    @torch.inference_mode()
     def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> StepResult:
         """Sample (or verify) the step ``execute_model`` queued, then let the proposer draft
-        the next step's tokens; the result is collected later."""
+        the next step's tokens; the result is collected later (with a KV connector's report
+        of the step's transfers)."""
+        result = self._sample_tokens(grammar_bitmask)
+        if self.kv_connector is not None:
+            report = self.kv_connector.get_connector_output()
+            if report is not None:
+                return _WithConnectorOutput(result, report)
+        return result
+
+    @torch.inference_mode()
+    def _sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> StepResult:
         done, self._forward_done = self._forward_done, None
         if done is None:
             return FinishedStep(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
@@ -509,6 +546,17 @@ class ModelRunner:
         """One whole step, waited for (tests and simple drivers)."""
         self.execute_model(scheduler_output)
         return self.sample_tokens(grammar_bitmask).result()
+
+
+class _WithConnectorOutput:
+    """A launched step whose output carries the KV connector's report."""
+
+    def __init__(self, step: StepResult, report: KVConnectorOutput) -> None:
+        self.step = step
+        self.report = report
+
+    def result(self) -> ModelRunnerOutput:
+        return replace(self.step.result(), kv_connector_output=self.report)
 
 
 def _batch_bitmask(

@@ -53,6 +53,13 @@ class ExampleAttentionBackend(AttentionBackend):
     ) -> tuple[int, ...]:
         return (num_blocks, num_kv_heads, head_dim, block_size)
 
+    @classmethod
+    def kv_block_view(
+        cls, layer_cache: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> torch.Tensor:
+        """[num_blocks, block_size, num_kv_heads, head_dim] as a view of this layout."""
+        return layer_cache.view(-1, num_kv_heads, head_dim, block_size).permute(0, 3, 1, 2)
+
     def build_metadata(self, layout: BatchLayout) -> ExampleMetadata:
         """Host-side planning from the layout's host copies, once per step."""
         slots = layout.slot_mapping.to(self.device, torch.long)

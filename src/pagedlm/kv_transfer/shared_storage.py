@@ -1,0 +1,341 @@
+"""The shared-storage connector (vLLM's ``ExampleConnector``, formerly
+``SharedStorageConnector``): prompts' KV as files in a directory every engine can read.
+
+A producer writes each full block of a prompt once its step has computed it, one
+safetensors file per block: ``<shared_storage_path>/pagedlm-<model>/<digest>.safetensors``,
+where ``<digest>`` is the block's chained prefix digest (``kv_cache/hashing.py``: the
+block's tokens, every token before it, and its adapter, cache salt, image and embedding
+keys) and ``<model>`` a digest of what shapes the KV (the checkpoint's config, its directory
+name, dtypes, block size, quantization). A consumer whose prompt starts with stored blocks
+loads the longest run of them after its local prefix-cache hit and computes the rest; a
+prompt that shares only a prefix with a stored one therefore loads that prefix.
+
+A file holds ``key`` and ``value``, ``[num_layers, block_size, num_kv_heads, head_dim]`` in
+the cache's dtype, and in its metadata the model digest, the block digest and a sha256 of
+the tensors' bytes. A block whose file is missing, unreadable, of another shape or model,
+or whose bytes do not match is reported failed and computed instead. Files are written to a
+temporary name and renamed, so a reader never sees half a file; a block already stored is
+not written again.
+
+Differences from vLLM's ``ExampleConnector``: files per block (vLLM: per request and layer,
+under a digest of the whole prompt, so only a prompt whose every block matches loads
+anything); ``kv_producer`` only saves and ``kv_consumer`` only loads (vLLM's saves and
+loads whatever the role); only prompt tokens are saved, as vLLM's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedlm.kv_cache.hashing import update_block_hashes
+from pagedlm.kv_transfer.base import KVConnectorBase, KVConnectorRole
+from pagedlm.step.kv_transfer import BlockTransfer, KVConnectorMetadata, KVConnectorOutput
+
+if TYPE_CHECKING:
+    from pagedlm.config import EngineConfig
+    from pagedlm.core.request import Request
+    from pagedlm.kv_transfer.kv_blocks import KVCacheBlocks
+    from pagedlm.step import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STORAGE_PATH = "/tmp"
+"""vLLM's default ``shared_storage_path``."""
+EXTRA_CONFIG_KEYS = ("shared_storage_path",)
+FORMAT_VERSION = "1"
+
+
+def model_digest(config: EngineConfig) -> str:
+    """16 hex digits naming what shapes a block's KV: files of another model never match."""
+    model = config.model
+    facts = {
+        "format": FORMAT_VERSION,
+        "arch": model.arch.raw,
+        "model": Path(model.model).name,
+        "dtype": str(model.dtype),
+        "cache_dtype": config.cache.cache_dtype,
+        "block_size": config.cache.block_size,
+        "quantization": model.quantization,
+        "model_impl": getattr(model, "model_impl", None),
+    }
+    text = json.dumps(facts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def storage_dir(config: EngineConfig) -> Path:
+    """Where this model's blocks live under the configured ``shared_storage_path``."""
+    assert config.kv_transfer is not None
+    root = config.kv_transfer.get_from_extra_config("shared_storage_path", DEFAULT_STORAGE_PATH)
+    return Path(root) / f"pagedlm-{model_digest(config)}"
+
+
+def _tensor_digest(key: torch.Tensor, value: torch.Tensor) -> str:
+    digest = hashlib.sha256()
+    for tensor in (key, value):
+        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class SharedStorageConnector(KVConnectorBase):
+    """Blocks of prompts' KV in a shared directory (module doc)."""
+
+    def __init__(self, config: EngineConfig, role: KVConnectorRole) -> None:
+        super().__init__(config, role)
+        self.block_size = config.cache.block_size
+        self.model_digest = model_digest(config)
+        self.directory = storage_dir(config)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(
+                f"kv_connector_extra_config shared_storage_path: cannot create {self.directory} "
+                f"({error}); give a writable directory."
+            ) from None
+        transfer = self.kv_transfer_config
+        self.saves = transfer.is_kv_producer
+        self.loads = transfer.is_kv_consumer
+        # Scheduler side.
+        self._requests: dict[str, Request] = {}
+        self._tables: dict[str, list[int]] = {}
+        self._planned_loads: list[BlockTransfer] = []
+        self._stored: set[str] = set()
+        """Block digests known to be stored (written here, or seen on disk)."""
+        self.num_loaded_blocks = 0
+        self.num_failed_loads = 0
+        self.num_saved_blocks = 0
+        self.num_failed_saves = 0
+        # Worker side.
+        self._blocks: KVCacheBlocks | None = None
+        self._output: KVConnectorOutput | None = None
+
+    @classmethod
+    def check_config(cls, config: EngineConfig) -> None:
+        assert config.kv_transfer is not None
+        extra = config.kv_transfer.kv_connector_extra_config
+        unknown = sorted(set(extra) - set(EXTRA_CONFIG_KEYS))
+        if unknown:
+            raise ValueError(
+                f"Unknown kv_connector_extra_config key(s) {unknown} for "
+                f"{config.kv_transfer.kv_connector}; known: {list(EXTRA_CONFIG_KEYS)}."
+            )
+        path = extra.get("shared_storage_path", DEFAULT_STORAGE_PATH)
+        if not isinstance(path, str) or not path:
+            raise ValueError(
+                f"kv_connector_extra_config shared_storage_path must be a directory path, got "
+                f"{path!r}."
+            )
+
+    def path(self, key: str) -> Path:
+        return self.directory / f"{key}.safetensors"
+
+    # ---- scheduler side ------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        if not self.loads or not _may_load(request):
+            return 0
+        hashes = update_block_hashes(request, self.block_size)
+        last = (request.num_tokens - 1) // self.block_size  # the last token is computed
+        index = num_computed_tokens // self.block_size
+        while index < min(last, len(hashes)) and self._is_stored(hashes[index].hex()):
+            index += 1
+        return max(0, index * self.block_size - num_computed_tokens)
+
+    def _is_stored(self, key: str) -> bool:
+        if key in self._stored:
+            return True
+        if self.path(key).is_file():
+            self._stored.add(key)
+            return True
+        return False
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        self._requests[request.request_id] = request
+        if not num_external_tokens:
+            return
+        first = request.num_computed_tokens // self.block_size
+        end = first + num_external_tokens // self.block_size
+        hashes = request.block_hashes
+        self._planned_loads.append(
+            BlockTransfer(
+                request.request_id,
+                list(block_ids[first:end]),
+                [block_hash.hex() for block_hash in hashes[first:end]],
+            )
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        loads, self._planned_loads = self._planned_loads, []
+        saves: list[BlockTransfer] = []
+        for req_id in scheduler_output.preempted_req_ids | scheduler_output.finished_req_ids:
+            self._tables.pop(req_id, None)  # a resumed request comes back with its table
+        for new in scheduler_output.scheduled_new_reqs:
+            self._tables[new.req_id] = list(new.block_ids)
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if new_block_ids:
+                self._tables.setdefault(req_id, []).extend(new_block_ids)
+        if self.saves:
+            for req_id, start in zip(
+                scheduler_output.req_ids, scheduler_output.num_computed_tokens, strict=True
+            ):
+                transfer = self._blocks_to_save(req_id, start, scheduler_output)
+                if transfer is not None:
+                    saves.append(transfer)
+        return KVConnectorMetadata(loads=loads, saves=saves)
+
+    def _blocks_to_save(
+        self, req_id: str, start: int, scheduler_output: SchedulerOutput
+    ) -> BlockTransfer | None:
+        """The prompt blocks that ``req_id``'s tokens of this step complete, not stored yet."""
+        request = self._requests.get(req_id)
+        if request is None:
+            return None
+        end = min(start + scheduler_output.num_scheduled_tokens[req_id], request.num_prompt_tokens)
+        first, last = start // self.block_size, end // self.block_size
+        if first >= last:
+            return None
+        hashes = update_block_hashes(request, self.block_size)
+        table = self._tables[req_id]
+        block_ids, keys = [], []
+        for index in range(first, last):
+            key = hashes[index].hex()
+            if not self._is_stored(key):
+                block_ids.append(table[index])
+                keys.append(key)
+                self._stored.add(key)  # written by this step; no second writer
+        return BlockTransfer(req_id, block_ids, keys) if keys else None
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self.num_saved_blocks += output.num_saved_blocks
+        self.num_failed_saves += output.num_failed_saves
+
+    def request_finished(self, request: Request) -> None:
+        self._requests.pop(request.request_id, None)
+        self._tables.pop(request.request_id, None)
+
+    # ---- worker side ---------------------------------------------------------------
+
+    def register_kv_caches(self, blocks: KVCacheBlocks | None) -> None:
+        self._blocks = blocks
+
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        if not metadata.loads:
+            return
+        assert self._blocks is not None, "register_kv_caches must run first"
+        finished: set[str] = set()
+        invalid: set[int] = set()
+        block_ids: list[int] = []
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for transfer in metadata.loads:
+            finished.add(transfer.req_id)
+            for position, (block_id, key) in enumerate(
+                zip(transfer.block_ids, transfer.keys, strict=True)
+            ):
+                block = self._read_block(key)
+                if block is None:  # this block and every later one are computed instead
+                    invalid.update(transfer.block_ids[position:])
+                    break
+                block_ids.append(block_id)
+                keys.append(block[0])
+                values.append(block[1])
+        if block_ids:
+            self._blocks.write(block_ids, torch.stack(keys, 1), torch.stack(values, 1))
+        self._report(KVConnectorOutput(finished_recving=finished, invalid_block_ids=invalid))
+
+    def _read_block(self, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A stored block's ``(key, value)`` on the host, or None if it cannot be trusted."""
+        from safetensors import safe_open
+
+        assert self._blocks is not None
+        path = self.path(key)
+        try:
+            with safe_open(str(path), framework="pt") as file:
+                meta = file.metadata() or {}
+                keys, values = file.get_tensor("key"), file.get_tensor("value")
+        except Exception as error:
+            logger.warning(
+                "KV block %s not loaded (%s: %s); computing it", path, type(error).__name__, error
+            )
+            return None
+        expected = self._blocks.block_shape
+        problem = None
+        if meta.get("model") != self.model_digest or meta.get("block") != key:
+            problem = "written for another model or block"
+        elif tuple(keys.shape) != expected or tuple(values.shape) != expected:
+            problem = f"shape {tuple(keys.shape)}, expected {expected}"
+        elif keys.dtype != self._blocks.dtype or values.dtype != self._blocks.dtype:
+            problem = f"dtype {keys.dtype}, expected {self._blocks.dtype}"
+        elif meta.get("sha256") != _tensor_digest(keys, values):
+            problem = "its bytes do not match their digest"
+        if problem is not None:
+            logger.warning("KV block %s not loaded (%s); computing it", path, problem)
+            return None
+        return keys, values
+
+    def wait_for_save(self, metadata: KVConnectorMetadata) -> None:
+        if not metadata.saves:
+            return
+        assert self._blocks is not None, "register_kv_caches must run first"
+        from safetensors.torch import save_file
+
+        block_ids = [block_id for transfer in metadata.saves for block_id in transfer.block_ids]
+        names = [key for transfer in metadata.saves for key in transfer.keys]
+        keys, values = self._blocks.read(block_ids)
+        keys, values = keys.cpu(), values.cpu()  # waits for the step that writes them
+        saved = failed = 0
+        for index, name in enumerate(names):
+            key, value = keys[:, index].contiguous(), values[:, index].contiguous()
+            meta = {
+                "format": FORMAT_VERSION,
+                "model": self.model_digest,
+                "block": name,
+                "sha256": _tensor_digest(key, value),
+            }
+            target = self.path(name)
+            temporary = None
+            try:
+                handle, temporary = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+                os.close(handle)
+                save_file({"key": key, "value": value}, temporary, metadata=meta)
+                os.replace(temporary, target)
+                saved += 1
+            except OSError as error:
+                logger.warning("KV block %s not saved: %s", target, error)
+                failed += 1
+                if temporary is not None:
+                    Path(temporary).unlink(missing_ok=True)
+        self._report(KVConnectorOutput(num_saved_blocks=saved, num_failed_saves=failed))
+
+    def _report(self, output: KVConnectorOutput) -> None:
+        previous = self._output
+        if previous is not None:
+            output = KVConnectorOutput(
+                previous.finished_recving | output.finished_recving,
+                previous.invalid_block_ids | output.invalid_block_ids,
+                previous.num_saved_blocks + output.num_saved_blocks,
+                previous.num_failed_saves + output.num_failed_saves,
+            )
+        self._output = output
+
+    def get_connector_output(self) -> KVConnectorOutput | None:
+        output, self._output = self._output, None
+        return output
+
+
+def _may_load(request: Request) -> bool:
+    """Requests that need every prompt position computed load nothing, as they hit no
+    prefix cache: prompt logprobs, token-wise pooling."""
+    if request.sampling_params.prompt_logprobs is not None:
+        return False
+    return request.pooling is None or not request.pooling.token_wise

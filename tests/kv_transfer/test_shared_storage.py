@@ -1,0 +1,247 @@
+"""The shared-storage KV connector (vLLM's ``ExampleConnector``) end to end on CPU.
+
+A producer engine computes prompts and stores their blocks; a fresh consumer engine over
+the same directory loads them instead of computing them. The loaded tokens are reported as
+vLLM reports them, in ``RequestOutput.num_cached_tokens`` (local prefix-cache hits plus
+loaded tokens), and counted by the scheduler's ``ExternalKV.num_loaded_tokens``. Tiny random
+fp32 Llama checkpoint, greedy decoding: the consumer's tokens must equal the producer's.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pagedlm import LLM, SamplingParams
+from pagedlm.config import EngineConfig, KVTransferConfig
+from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.cli_args import add_engine_args, engine_args_from_cli
+from pagedlm.kv_cache.hashing import hash_block_tokens
+from pagedlm.kv_transfer.shared_storage import SharedStorageConnector, storage_dir
+from tiny_checkpoints import random_prompts, save_random_model
+
+BLOCK = 4
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
+ENGINE = dict(
+    skip_tokenizer_init=True,
+    max_model_len=96,
+    block_size=BLOCK,
+    num_kv_blocks=96,
+    max_num_batched_tokens=32,
+    enable_prefix_caching=False,  # every load below comes from storage, not local hits
+)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("kv-transfer-llama")
+    save_random_model(path, "LlamaConfig", {})
+    return str(path)
+
+
+def engine(model: str, storage, role: str | None, **overrides) -> LLM:
+    transfer = None
+    if role is not None:
+        transfer = {
+            "kv_connector": "ExampleConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+        }
+    return LLM(model, kv_transfer_config=transfer, **{**ENGINE, **overrides})
+
+
+def generate(llm: LLM, prompts: list[list[int]]):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in outputs]
+
+
+def loaded_tokens(llm: LLM) -> int:
+    return llm.llm_engine.engine_core.scheduler.external.num_loaded_tokens
+
+
+def stored_blocks(prompt: list[int]) -> list[str]:
+    """The file names (block digests) of a plain prompt's full blocks."""
+    keys, parent = [], None
+    for start in range(0, len(prompt) - BLOCK + 1, BLOCK):
+        parent = hash_block_tokens(parent, prompt[start : start + BLOCK])
+        keys.append(parent.hex())
+    return keys
+
+
+def block_file(llm: LLM, prompt: list[int], index: int):
+    config: EngineConfig = llm.llm_engine.config
+    return storage_dir(config) / f"{stored_blocks(prompt)[index]}.safetensors"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_consumer_loads_what_the_producer_saved(model, tmp_path, async_scheduling):
+    prompts = random_prompts([21, 9, 40, 3])
+    producer = engine(model, tmp_path, "kv_producer")
+    expected = generate(producer, prompts)
+    assert [o.num_cached_tokens for o in expected] == [0, 0, 0, 0]
+    # Every full prompt block was saved (the 3-token prompt has none).
+    saved = sorted(p.name for p in storage_dir(producer.llm_engine.config).iterdir())
+    assert saved == sorted(f"{k}.safetensors" for p in prompts for k in stored_blocks(p))
+    del producer
+
+    consumer = engine(model, tmp_path, "kv_consumer", async_scheduling=async_scheduling)
+    got = generate(consumer, prompts)
+    assert tokens(got) == tokens(expected)
+    # All full blocks but the one holding the last prompt token (it must be computed).
+    want = [(len(p) - 1) // BLOCK * BLOCK for p in prompts]
+    assert [o.num_cached_tokens for o in got] == want == [20, 8, 36, 0]
+    assert loaded_tokens(consumer) == sum(want)
+
+
+def test_a_shared_prefix_loads_only_the_stored_part(model, tmp_path):
+    (stored,) = random_prompts([20], seed=3)
+    (other,) = random_prompts([11], seed=4)
+    prompt = stored[:13] + other  # shares 3 full blocks (12 tokens) and one more token
+    producer = engine(model, tmp_path, "kv_producer")
+    generate(producer, [stored])
+    reference = generate(engine(model, tmp_path, None), [prompt])
+    consumer = engine(model, tmp_path, "kv_consumer")
+    got = generate(consumer, [prompt])
+    assert tokens(got) == tokens(reference)
+    assert got[0].num_cached_tokens == 12
+    assert loaded_tokens(consumer) == 12
+
+
+def test_kv_both_saves_then_loads_in_one_engine(model, tmp_path):
+    (prompt,) = random_prompts([17], seed=5)
+    llm = engine(model, tmp_path, "kv_both")
+    first = generate(llm, [prompt])
+    second = generate(llm, [prompt])  # no prefix caching: the blocks come from storage
+    assert first[0].num_cached_tokens == 0
+    assert second[0].num_cached_tokens == 16
+    assert tokens(first) == tokens(second)
+
+
+def test_missing_and_corrupt_blocks_are_computed(model, tmp_path):
+    prompts = random_prompts([22, 18, 13], seed=6)
+    producer = engine(model, tmp_path, "kv_producer")
+    expected = generate(producer, prompts)
+    block_file(producer, prompts[0], 2).write_bytes(b"\x00garbage")  # unreadable
+    block_file(producer, prompts[1], 1).unlink()  # gone
+    corrupt = block_file(producer, prompts[2], 0)
+    data = bytearray(corrupt.read_bytes())
+    data[-3] ^= 0xFF  # a flipped bit in the values: readable, but its digest differs
+    corrupt.write_bytes(bytes(data))
+
+    consumer = engine(model, tmp_path, "kv_consumer")
+    got = generate(consumer, prompts)
+    assert tokens(got) == tokens(expected)
+    # The blocks before the first bad one load; the rest are computed.
+    assert [o.num_cached_tokens for o in got] == [8, 4, 0]
+    # A missing file is a miss at lookup (only block 0 of the second prompt is planned);
+    # unreadable and corrupt ones fail at load, with every block planned after them.
+    external = consumer.llm_engine.engine_core.scheduler.external
+    assert external.num_failed_tokens == (20 - 8) + 0 + 12
+    assert external.num_loaded_tokens == 8 + 4
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_deleted_block_between_lookup_and_load_is_computed(model, tmp_path, prefix_caching):
+    """The scheduler saw the file, the worker did not find it: the load fails late, the
+    request is computed, and requests in the same steps are untouched; with prefix caching,
+    the same prompt twice in one batch loads twice (a block is indexed only once loaded)."""
+    prompts = random_prompts([21, 15], seed=7)
+    prompts.append(prompts[0])
+    producer = engine(model, tmp_path, "kv_producer")
+    expected = generate(producer, prompts)
+    consumer = engine(model, tmp_path, "kv_consumer", enable_prefix_caching=prefix_caching)
+    connector = consumer.llm_engine.engine_core.executor.worker.model_runner.kv_connector
+    doomed = block_file(consumer, prompts[0], 1)
+    start_load_kv = connector.start_load_kv
+
+    def delete_then_load(metadata):
+        doomed.unlink(missing_ok=True)
+        start_load_kv(metadata)
+
+    connector.start_load_kv = delete_then_load
+    got = generate(consumer, prompts)
+    assert tokens(got) == tokens(expected)
+    assert [o.num_cached_tokens for o in got] == [4, 12, 4]
+
+
+class CountingConnector(SharedStorageConnector):
+    """A third-party connector, found through ``kv_connector_module_path``."""
+
+    num_loads = 0
+
+    def start_load_kv(self, metadata):
+        CountingConnector.num_loads += len(metadata.loads)
+        super().start_load_kv(metadata)
+
+
+def test_a_connector_from_a_module_path(model, tmp_path):
+    (prompt,) = random_prompts([13], seed=8)
+    generate(engine(model, tmp_path, "kv_producer"), [prompt])
+    transfer = KVTransferConfig(
+        kv_connector="CountingConnector",
+        kv_connector_module_path=__name__,
+        kv_role="kv_consumer",
+        kv_connector_extra_config={"shared_storage_path": str(tmp_path)},
+    )
+    llm = LLM(model, kv_transfer_config=transfer, **ENGINE)
+    got = generate(llm, [prompt])
+    assert got[0].num_cached_tokens == 12
+    assert CountingConnector.num_loads == 1
+
+
+@pytest.mark.parametrize(
+    ("transfer", "message"),
+    [
+        ({"kv_connector": "ExampleConnector"}, "no kv_role"),
+        ({"kv_connector": "ExampleConnector", "kv_role": "both"}, "Unsupported kv_role"),
+        ({"kv_connector": "ExampleConnector", "kv_role": "kv_both", "kv_ip": "x"}, "kv_ip"),
+        ({"kv_connector": "NoSuchConnector", "kv_role": "kv_both"}, "ExampleConnector"),
+        (
+            {
+                "kv_connector": "ExampleConnector",
+                "kv_role": "kv_both",
+                "kv_load_failure_policy": "fail",
+            },
+            "recompute",
+        ),
+        (
+            {
+                "kv_connector": "SharedStorageConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"storage_path": "/tmp"},
+            },
+            "shared_storage_path",
+        ),
+        ("[1, 2]", "JSON object"),
+    ],
+)
+def test_bad_config_is_refused_naming_the_fix(model, transfer, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model=model, kv_transfer_config=transfer, **ENGINE).create_engine_config()
+
+
+def test_unknown_keys_are_listed_with_the_known_ones():
+    with pytest.raises(ValueError) as error:
+        KVTransferConfig.parse({"kv_connector": "ExampleConnector", "kv_port": 1})
+    assert "kv_port" in str(error.value) and "kv_connector_extra_config" in str(error.value)
+
+
+def test_the_cli_flag_reaches_the_engine_config(model, tmp_path):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    flag = (
+        '{"kv_connector": "SharedStorageConnector", "kv_role": "kv_consumer", '
+        f'"kv_connector_extra_config": {{"shared_storage_path": "{tmp_path}"}}}}'
+    )
+    args = engine_args_from_cli(
+        parser.parse_args(["--model", model, "--kv-transfer-config", flag, "--block-size", "4"])
+    )
+    config, _ = args.create_engine_config()
+    assert config.kv_transfer is not None
+    assert config.kv_transfer.kv_role == "kv_consumer"
+    assert config.kv_transfer.is_kv_consumer and not config.kv_transfer.is_kv_producer
+    assert config.kv_transfer.kv_connector_extra_config == {"shared_storage_path": str(tmp_path)}
