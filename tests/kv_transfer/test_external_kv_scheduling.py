@@ -1,0 +1,194 @@
+"""The scheduler's side of KV transfer (``core/external_kv.py``) with a fake connector and
+a fake model runner: pure Python, no model."""
+
+from __future__ import annotations
+
+from pagedlm.config import CacheConfig, SchedulerConfig
+from pagedlm.core.request import Request, RequestStatus
+from pagedlm.core.scheduler import OneBudgetScheduler
+from pagedlm.kv_cache.hashing import update_block_hashes
+from pagedlm.kv_transfer.base import KVConnectorBase
+from pagedlm.sampling_params import SamplingParams
+from pagedlm.step import (
+    BlockTransfer,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+
+BLOCK = 4
+NUM_BLOCKS = 32
+
+
+class FakeConnector(KVConnectorBase):
+    """Scheduler side only: the blocks whose digests are in ``stored`` can be loaded."""
+
+    def __init__(self) -> None:  # no EngineConfig: the scheduler needs none
+        self.stored: set[bytes] = set()
+        self.planned: list[BlockTransfer] = []
+        self.finished: list[str] = []
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        hashes = update_block_hashes(request, BLOCK)
+        last = (request.num_tokens - 1) // BLOCK
+        index = num_computed_tokens // BLOCK
+        while index < min(last, len(hashes)) and hashes[index] in self.stored:
+            index += 1
+        return max(0, index * BLOCK - num_computed_tokens)
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens) -> None:
+        if num_external_tokens:
+            first = request.num_computed_tokens // BLOCK
+            end = first + num_external_tokens // BLOCK
+            keys = [h.hex() for h in request.block_hashes[first:end]]
+            self.planned.append(BlockTransfer(request.request_id, block_ids[first:end], keys))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        loads, self.planned = self.planned, []
+        return KVConnectorMetadata(loads=loads)
+
+    def request_finished(self, request: Request) -> None:
+        self.finished.append(request.request_id)
+
+    def register_kv_caches(self, blocks) -> None:
+        raise AssertionError("scheduler side only")
+
+    def start_load_kv(self, metadata) -> None:
+        raise AssertionError("scheduler side only")
+
+    def wait_for_save(self, metadata) -> None:
+        raise AssertionError("scheduler side only")
+
+    def get_connector_output(self):
+        raise AssertionError("scheduler side only")
+
+
+def make(max_seqs: int = 8) -> tuple[OneBudgetScheduler, FakeConnector]:
+    connector = FakeConnector()
+    scheduler = OneBudgetScheduler(
+        SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=64, max_model_len=128),
+        CacheConfig(block_size=BLOCK),
+        NUM_BLOCKS,
+        kv_connector=connector,
+    )
+    return scheduler, connector
+
+
+def request(request_id: str, prompt: list[int]) -> Request:
+    return Request(request_id, list(prompt), SamplingParams(max_tokens=2), eos_token_ids=set())
+
+
+def store(connector: FakeConnector, prompt: list[int], num_blocks: int) -> None:
+    connector.stored.update(update_block_hashes(request("x", prompt), BLOCK)[:num_blocks])
+
+
+def collect(
+    scheduler: OneBudgetScheduler,
+    output: SchedulerOutput,
+    invalid: set[int] = frozenset(),
+) -> None:
+    """The fake workers: every load ends (``invalid`` blocks failing), samples token 7."""
+    report = None
+    if output.kv_connector_metadata is not None:
+        loads = output.kv_connector_metadata.loads
+        report = KVConnectorOutput(
+            finished_recving={t.req_id for t in loads}, invalid_block_ids=set(invalid)
+        )
+    req_ids = output.req_ids
+    sampled = []
+    for req_id in req_ids:
+        state = scheduler.requests[req_id]
+        sampled.append([7] if state.num_computed_tokens >= state.num_tokens else [])
+    runner_output = ModelRunnerOutput(req_ids, sampled, kv_connector_output=report)
+    scheduler.update_from_output(output, runner_output)
+
+
+PROMPT = list(range(100, 114))  # 14 tokens: 3 full blocks may load, the last is computed
+
+
+def test_a_stored_prefix_loads_in_a_step_of_its_own_then_counts_as_computed():
+    scheduler, connector = make()
+    store(connector, PROMPT, 4)
+    req = request("a", PROMPT)
+    scheduler.add_request(req)
+
+    first = scheduler.schedule()
+    assert first.is_empty and first.num_scheduled_tokens == {}
+    (load,) = first.kv_connector_metadata.loads
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    table = scheduler.kv_manager.get_block_ids(req)
+    assert len(table) == 4 and load.block_ids == table[:3]  # slots for the whole prompt
+    collect(scheduler, first)
+
+    second = scheduler.schedule()
+    (new,) = second.scheduled_new_reqs
+    assert (new.num_computed_tokens, second.num_scheduled_tokens) == (12, {"a": 2})
+    assert new.block_ids == table
+    assert req.num_cached_tokens == 12 and req.num_external_computed_tokens == 12
+    assert scheduler.external.num_loaded_tokens == 12
+
+
+def test_blocks_after_a_failed_one_are_computed_and_never_hit_before_loading():
+    scheduler, connector = make()
+    store(connector, PROMPT, 3)
+    req = request("a", PROMPT)
+    scheduler.add_request(req)
+    first = scheduler.schedule()
+    table = scheduler.kv_manager.get_block_ids(req)
+    # While the load is in flight no block of it is in the prefix cache.
+    assert scheduler.kv_manager.get_computed_blocks(request("probe", PROMPT)).blocks == ()
+    collect(scheduler, first, invalid={table[1]})
+    hit = scheduler.kv_manager.get_computed_blocks(request("probe", PROMPT))
+    assert [b.block_id for b in hit.blocks] == table[:1]  # the failed blocks are not indexed
+
+    second = scheduler.schedule()
+    assert second.num_scheduled_tokens == {"a": 10}  # from block 1 on
+    assert req.num_cached_tokens == 4
+    assert scheduler.external.num_failed_tokens == 8
+    # Blocks 1 and 2 are indexed by the step that computes them, as any scheduled block.
+    hit = scheduler.kv_manager.get_computed_blocks(request("probe", PROMPT))
+    assert [b.block_id for b in hit.blocks] == table[:3]
+
+
+def test_an_aborted_loading_request_frees_its_blocks_and_its_late_report_is_ignored():
+    scheduler, connector = make()
+    store(connector, PROMPT, 3)
+    scheduler.add_request(request("a", PROMPT))
+    first = scheduler.schedule()
+    assert scheduler.kv_manager.num_free_blocks == NUM_BLOCKS - 4
+    scheduler.abort_requests(["a"])
+    assert scheduler.kv_manager.num_free_blocks == NUM_BLOCKS
+    assert connector.finished == ["a"]
+    collect(scheduler, first)  # the load step reports a request that is gone
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.external.num_holding == 0
+
+
+def test_a_load_waits_for_a_seat():
+    scheduler, connector = make(max_seqs=1)
+    store(connector, PROMPT, 3)
+    scheduler.add_request(request("runs", [1, 2, 3]))
+    scheduler.add_request(request("loads", PROMPT))
+    first = scheduler.schedule()
+    assert first.num_scheduled_tokens == {"runs": 3} and first.kv_connector_metadata is None
+    collect(scheduler, first)
+    while "runs" in scheduler.requests:
+        collect(scheduler, scheduler.schedule())
+    output = scheduler.schedule()
+    assert [t.req_id for t in output.kv_connector_metadata.loads] == ["loads"]
+
+
+def test_preempting_for_a_pause_releases_loaded_blocks():
+    scheduler, connector = make()
+    store(connector, PROMPT, 3)
+    req = request("a", PROMPT)
+    scheduler.add_request(req)
+    collect(scheduler, scheduler.schedule())
+    assert scheduler.external.is_loaded(req)
+    scheduler.preempt_running()
+    assert scheduler.kv_manager.num_free_blocks == NUM_BLOCKS
+    assert scheduler.reset_prefix_cache()
+    # Resumed, it loads again from storage.
+    again = scheduler.schedule()
+    assert [t.req_id for t in again.kv_connector_metadata.loads] == ["a"]
