@@ -736,6 +736,45 @@ class MultiModalConfig:
 
 
 @dataclass(frozen=True)
+class CompilationConfig:
+    """Which steps replay from CUDA graphs, in vLLM's terms (``compilation_config``,
+    resolved by ``pagedlm.engine.compilation_args``). pagedlm compiles no graph with
+    ``torch.compile``: its kernels are Triton's, so only the graph fields act.
+
+    ``cudagraph_mode``: "NONE" (every step eager), "PIECEWISE" (any step up to the
+    largest piece size replays the layers between attention calls), "FULL_DECODE_ONLY"
+    (uniform steps, decodes and speculative verifications, replay whole), "FULL" (the
+    same here: a mixed step's attention cannot be captured whole), "FULL_AND_PIECEWISE"
+    (both; the default). Platforms without graphs run every step eagerly whatever it says.
+    """
+
+    cudagraph_mode: str = "FULL_AND_PIECEWISE"
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+    """Sizes to capture: requests for whole-step graphs, tokens for pieces (None: the
+    platform's ladders)."""
+    max_cudagraph_capture_size: int | None = None
+    """The largest size captured (None: the platform's ladders' own bound)."""
+
+    @property
+    def full_graphs(self) -> bool:
+        return self.cudagraph_mode in ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
+    @property
+    def piecewise_graphs(self) -> bool:
+        return self.cudagraph_mode in ("PIECEWISE", "FULL_AND_PIECEWISE")
+
+    def sizes(self, ladder: list[int]) -> list[int]:
+        """The sizes to capture where the platform would capture ``ladder`` (ascending):
+        the configured sizes within the ladder's bound, or the ladder itself, cut at
+        ``max_cudagraph_capture_size``."""
+        bound = ladder[-1] if ladder else 0
+        if self.max_cudagraph_capture_size is not None:
+            bound = min(bound, self.max_cudagraph_capture_size)
+        chosen = ladder if self.cudagraph_capture_sizes is None else self.cudagraph_capture_sizes
+        return sorted({s for s in chosen if s <= bound})
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -764,6 +803,8 @@ class EngineConfig:
     logits_processors: tuple[Any, ...] = ()
     """Custom logits processor classes (``pagedlm.sample.logits_processor``), or their
     qualified names where the config crossed a process boundary."""
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    """Which steps replay from CUDA graphs (vLLM's ``compilation_config``)."""
 
     def with_num_kv_blocks(self, num_kv_blocks: int) -> EngineConfig:
         return replace(self, cache=replace(self.cache, num_kv_blocks=num_kv_blocks))

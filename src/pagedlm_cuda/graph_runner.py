@@ -20,6 +20,11 @@ the step ran from a graph.
 A forward that cannot be captured (it waits for the device, as ``.item()`` does) fails
 its first capture; the runner then gives no graphs and every step runs eagerly, logged
 once at start-up.
+
+Which graphs and sizes are captured is the engine's ``CompilationConfig`` (vLLM's
+``cudagraph_mode``, ``cudagraph_capture_sizes``, ``max_cudagraph_capture_size``): whole
+steps at the ladder's sizes (or the configured ones) unless the mode has no full graphs,
+pieces (``piecewise_graphs``) unless it has no piecewise ones.
 """
 
 from __future__ import annotations
@@ -88,15 +93,17 @@ class CudaGraphRunner(GraphRunner):
         if not query_lens:
             logger.info("CUDA graphs off: attention backend %s captures no step", backend.name)
             return None
+        compilation = runner.config.compilation  # which graphs, at which sizes
         sched = runner.config.scheduler
         largest = min(sched.max_num_seqs, sched.max_num_batched_tokens // max(query_lens))
+        sizes = compilation.sizes(capture_sizes(largest)) if compilation.full_graphs else []
         graphs = cls(
             runner.model,
             runner.kv_cache,
             backend,
             runner.step_inputs,
-            capture_sizes(largest),
-            query_lens,
+            sizes,
+            query_lens if sizes else (),
             sched.max_model_len,
         )
         try:
@@ -110,12 +117,15 @@ class CudaGraphRunner(GraphRunner):
                 error,
             )
             return None
-        graphs.pieces = graphs._capture_pieces(runner)
-        return graphs
+        if compilation.piecewise_graphs:
+            graphs.pieces = graphs._capture_pieces(runner)
+        return graphs if graphs.sizes or graphs.pieces is not None else None
 
     def capture(self) -> None:
         start = time.perf_counter()
-        pool = self.pool = self._new_pool()
+        pool = self.pool = self._new_pool()  # the pieces' too
+        if not self.sizes:
+            return
         for query_len in self.query_lens:
             for size in reversed(self.sizes):
                 self._graphs[size, query_len] = self._capture_one(size, query_len, pool)
@@ -164,7 +174,7 @@ class CudaGraphRunner(GraphRunner):
         return graph, hidden
 
     def padded_num_reqs(self, num_reqs: int, query_len: int) -> int | None:
-        if query_len not in self.query_lens or num_reqs > self.sizes[-1]:
+        if query_len not in self.query_lens or not self.sizes or num_reqs > self.sizes[-1]:
             return None
         return self.sizes[bisect.bisect_left(self.sizes, num_reqs)]
 

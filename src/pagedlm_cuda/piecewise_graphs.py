@@ -145,7 +145,8 @@ class PiecewiseGraphs:
     def for_model_runner(cls, runner: Any, pool: Any) -> PiecewiseGraphs | None:
         """Pieces for ``runner``'s model, captured into ``pool``; None when turned off or
         when its forward cannot be captured."""
-        sizes = piece_sizes(max_piece_tokens(runner.config.scheduler.max_num_batched_tokens))
+        ladder = piece_sizes(max_piece_tokens(runner.config.scheduler.max_num_batched_tokens))
+        sizes = runner.config.compilation.sizes(ladder)
         if not sizes:
             return None
         pieces = cls(runner.model, runner.kv_cache, runner.attn_backend, runner.step_inputs, sizes)

@@ -27,6 +27,7 @@ from pagedlm.config import (
     validate_fraction,
     validate_positive,
 )
+from pagedlm.engine.compilation_args import resolve_compilation
 from pagedlm.engine.kv_transfer_args import check_kv_transfer_config
 from pagedlm.engine.model_impl_args import (
     check_transformers_backend,
@@ -137,7 +138,15 @@ class EngineArgs:
     prompt is chunked (fixed reduction orders; slower). The VLLM_BATCH_INVARIANT=1
     environment variable (vLLM's switch) turns it on too."""
     enforce_eager: bool = False
-    """Never replay decode steps from CUDA graphs (skips capturing them at start-up)."""
+    """Never replay steps from CUDA graphs (skips capturing them at start-up)."""
+    compilation_config: dict[str, Any] | str | None = None
+    """vLLM's compilation config (JSON): of it pagedlm takes the CUDA-graph fields,
+    cudagraph_mode (NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE),
+    cudagraph_capture_sizes and max_cudagraph_capture_size; it compiles nothing with
+    torch.compile, so other compiler options are refused."""
+    optimization_level: int = 2
+    """vLLM's -O0 .. -O3: the default graph mode (0: no CUDA graphs, 1: piecewise, 2 and
+    3: full and piecewise); compilation_config's cudagraph_mode wins."""
     enable_prompt_embeds: bool = False
     """Accept prompts given as input embeddings (vLLM's flag): ``{"prompt_embeds": tensor
     [num_tokens, hidden_size]}``, or base64 ``torch.save`` bytes over HTTP. Off by default:
@@ -509,6 +518,9 @@ class EngineArgs:
             lora=self._lora_config(arch),
             batch_invariant=self.batch_invariant or batch_invariant_from_env(),
             multimodal=multimodal_config(self),
+            compilation=resolve_compilation(
+                self.compilation_config, self.optimization_level, self.enforce_eager
+            ),
         )
         config = replace(
             config,

@@ -33,6 +33,8 @@ SHORT_FLAGS = {
     "data_parallel_size": "-dp",
     "data_parallel_rank": "-dpn",
     "enable_expert_parallel": "-ep",
+    "optimization_level": "-O",
+    "compilation_config": "-cc",
 }
 """vLLM's short spellings (its ``-dpr`` is the start rank of a node's replicas, which
 pagedlm does not have, so it is not the rank's)."""

@@ -190,6 +190,7 @@ class ModelRunner:
         self._sampling_metadata = SamplingMetadataCache()
         self.enforce_eager = (
             bool(getattr(config.model, "enforce_eager", False))
+            or config.compilation.cudagraph_mode == "NONE"
             or os.environ.get(ENFORCE_EAGER_ENV, "0") not in ("", "0")
             or not self.lora.graph_safe
         )
