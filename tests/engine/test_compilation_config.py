@@ -9,12 +9,18 @@ import argparse
 import logging
 
 import pytest
+import torch
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.config import CompilationConfig
 from pagedlm.engine.cli_args import add_engine_args, engine_args_from_cli
 from pagedlm.engine.compilation_args import resolve_compilation
 from spec_decode.tiny_heads import write_llama
+
+INTERPRETER_ONLY = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="Triton under the interpreter: the CPU only (the GPU runs the kernels)",
+)
 
 
 @pytest.mark.parametrize(
@@ -111,6 +117,7 @@ def _run(target: str, **kwargs):
     return [o.outputs[0].token_ids for o in outputs], (runners[0] if runners else None)
 
 
+@INTERPRETER_ONLY
 def test_graph_modes_and_sizes_on_the_step_path(target) -> None:
     tokens, runner = _run(target)  # the default: the ladder up to max_num_seqs
     assert runner is not None and runner.sizes == [1, 2, 4] and runner.num_replays(1) > 0

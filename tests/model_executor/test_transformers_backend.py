@@ -176,6 +176,12 @@ def test_eagle_on_the_backend_is_refused(tmp_path: Path) -> None:
     assert args.create_engine_config()[0].speculative is not None
 
 
+INTERPRETER_ONLY = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="Triton under the interpreter: the CPU only (the GPU runs the kernels)",
+)
+
+
 def test_auto_without_a_transformers_class_keeps_the_error(tmp_path: Path) -> None:
     save_random_model(tmp_path, "LlamaConfig", {})
     config = tmp_path / "config.json"
@@ -243,6 +249,7 @@ def _on_triton_cpu(path: Path, prompts: list[list[int]]):
         return tokens, sum(g.num_replays(1) for g in platform.graph_runners)
 
 
+@INTERPRETER_ONLY
 def test_decode_steps_replay_from_graphs(glm) -> None:
     """The backend's steps are captured like a native model's: decodes replay."""
     path, _, prompts, expected = glm
@@ -251,6 +258,7 @@ def test_decode_steps_replay_from_graphs(glm) -> None:
     assert replays > 0
 
 
+@INTERPRETER_ONLY
 def test_a_forward_that_cannot_be_captured_runs_eagerly(glm, monkeypatch, caplog) -> None:
     """A capture that fails (a forward reading device values on the host) leaves every
     step eager, logged once, with the same tokens."""
