@@ -9,9 +9,16 @@ import sys
 import pytest
 import torch
 
+from pagedlm.attention import AttentionBackend
 from pagedlm.plugins import CONTRACT_VERSION, PlatformSpec, hookimpl
 from pagedlm.plugins.registry import get_plugin_manager
-from pagedlm.testing import BACKEND_CHECKS, AttentionTarget, ConformanceFailure, HeadShape
+from pagedlm.testing import (
+    BACKEND_CHECKS,
+    AttentionTarget,
+    ConformanceFailure,
+    HeadShape,
+    NotApplicable,
+)
 from pagedlm.testing.parity import check_greedy_parity
 from pagedlm.testing.platform_checks import (
     check_dtypes,
@@ -112,6 +119,31 @@ def test_ignoring_the_window_fails_sliding_window() -> None:
 def test_ignoring_the_soft_cap_fails_logits_soft_cap() -> None:
     message = expect_broken("logits_soft_cap", "logits_soft_cap", IgnoresSoftCap)
     assert "logits_soft_cap" in message
+
+
+class DefaultBlockView(ExampleAttentionBackend):
+    """Its own layout, read through the default layout's block view."""
+
+    @classmethod
+    def kv_block_view(cls, layer_cache, block_size, num_kv_heads, head_dim):
+        return layer_cache.view(-1, block_size, num_kv_heads, head_dim)
+
+
+class NoBlockView(ExampleAttentionBackend):
+    """Its own layout and no block view of it (the base class refuses)."""
+
+    kv_block_view = AttentionBackend.__dict__["kv_block_view"]  # the classmethod, unbound
+
+
+def test_a_block_view_of_another_layout_fails_kv_block_view() -> None:
+    BACKEND_CHECKS["kv_block_view"](AttentionTarget(ExampleAttentionBackend, **SMALL))
+    message = expect_broken("kv_block_view", "kv_block_view", DefaultBlockView)
+    assert "slot // block_size" in message
+
+
+def test_a_layout_without_a_block_view_is_refused_not_misread() -> None:
+    with pytest.raises(NotApplicable, match="kv_block_view"):
+        BACKEND_CHECKS["kv_block_view"](AttentionTarget(NoBlockView, **SMALL))
 
 
 def test_padded_layout_fails_kv_cache_shape() -> None:

@@ -18,7 +18,7 @@ from pagedlm.kv_cache.interface import TensorKVCache
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.layers.attention import Attention
 from pagedlm.testing.paged_steps import PagedSteps
-from pagedlm.testing.promises import ConformanceFailure
+from pagedlm.testing.promises import ConformanceFailure, NotApplicable
 from pagedlm.testing.target import AttentionTarget
 
 SOFT_CAP = 2.0
@@ -54,6 +54,79 @@ def check_kv_cache_shape(target: AttentionTarget) -> None:
                     f"is {shape}: {math.prod(shape)} elements, expected {num_blocks} first and "
                     f"{expected} in all",
                 )
+
+
+def check_kv_block_view(target: AttentionTarget) -> None:
+    """``kv_block_view`` shows the cache as ``[num_blocks, block_size, num_kv_heads,
+    head_dim]`` over the cache's own memory: the K/V ``forward`` writes at slot ``s`` are at
+    ``[s // block_size, s % block_size]`` of the views, and a write through a view is a
+    write into the cache (KV connectors load blocks that way)."""
+    num_blocks = 3
+    for block_size in target.block_sizes:
+        for num_heads, num_kv_heads, head_dim in target.head_shapes:
+            shape = tuple(
+                target.backend_cls.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+            )
+            caches = (target.allocate(shape), target.allocate(shape))
+            num_tokens = block_size + 3
+            generator = torch.Generator().manual_seed(block_size + head_dim)
+            # One request over blocks 2, 0: the second block starts at slot 0.
+            slots = [
+                2 * block_size + p if p < block_size else p - block_size for p in range(num_tokens)
+            ]
+            layout = BatchLayout.from_lists(
+                [0, num_tokens], [num_tokens], [[2, 0]], slots, block_size, target.device
+            )
+            new = [
+                torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(
+                    target.device, target.dtype
+                )
+                for _ in range(2)
+            ]
+            query = torch.zeros(num_tokens, num_heads, head_dim, device=target.device).to(
+                target.dtype
+            )
+            backend = target.new_backend()
+            metadata = backend.build_metadata(layout)
+            backend.forward(query, new[0], new[1], caches[0], caches[1], metadata, 1.0)
+            index = torch.tensor(slots)
+            for which, cache, written in zip(("key", "value"), caches, new, strict=True):
+                try:
+                    view = target.backend_cls.kv_block_view(
+                        cache, block_size, num_kv_heads, head_dim
+                    )
+                except ValueError as refusal:  # no view of its layout: KV transfer refused
+                    raise NotApplicable(str(refusal)) from None
+                if tuple(view.shape) != (num_blocks, block_size, num_kv_heads, head_dim):
+                    raise ConformanceFailure(
+                        target.name,
+                        "kv_block_view",
+                        f"the {which} view has shape {tuple(view.shape)}, expected "
+                        f"{(num_blocks, block_size, num_kv_heads, head_dim)}",
+                    )
+                read = view[index // block_size, index % block_size]
+                if not torch.equal(read.cpu(), written.cpu()):
+                    raise ConformanceFailure(
+                        target.name,
+                        "kv_block_view",
+                        f"the {which}s forward() wrote at slots {slots} are not at "
+                        "[slot // block_size, slot % block_size] of the view",
+                    )
+                view[1] = written[:block_size]
+                if not torch.equal(view[1].cpu(), written[:block_size].cpu()) or torch.equal(
+                    cache, torch.zeros_like(cache)
+                ):
+                    raise ConformanceFailure(
+                        target.name, "kv_block_view", f"the {which} view is not the cache's memory"
+                    )
+                view[1] = 0
+                if cache.count_nonzero() != written.count_nonzero():
+                    raise ConformanceFailure(
+                        target.name,
+                        "kv_block_view",
+                        f"zeroing block 1 through the {which} view left other values than "
+                        "the written tokens' in the cache",
+                    )
 
 
 def check_slot_mapping(target: AttentionTarget) -> None:

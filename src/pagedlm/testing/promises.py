@@ -30,6 +30,12 @@ PROMISES: dict[str, Promise] = {
             f"{_BACKEND}:AttentionBackend.kv_cache_shape",
         ),
         Promise(
+            "kv_block_view",
+            "kv_block_view() shows a layer's cache as [num_blocks, block_size, num_kv_heads, "
+            "head_dim] over the cache's memory, slot s at [s // block_size, s % block_size]",
+            f"{_BACKEND}:AttentionBackend.kv_block_view",
+        ),
+        Promise(
             "output",
             "forward() returns [num_tokens, num_heads, head_dim] in the query's dtype and device",
             f"{_BACKEND}:AttentionBackend.forward",

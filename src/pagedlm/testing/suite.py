@@ -24,6 +24,7 @@ HEAD_SHAPES_ENV = "PAGEDLM_KIT_HEAD_SHAPES"
 
 BACKEND_CHECKS: dict[str, Callable[[AttentionTarget], None]] = {
     "kv_cache_shape": attention_checks.check_kv_cache_shape,
+    "kv_block_view": attention_checks.check_kv_block_view,
     "slot_mapping": attention_checks.check_slot_mapping,
     "causal_prefill": attention_checks.check_causal_prefill,
     "decode": attention_checks.check_decode,
