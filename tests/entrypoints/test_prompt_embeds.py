@@ -194,9 +194,12 @@ def test_a_lora_adapter_applies_after_the_embeddings(models, tmp_path):
     assert_same(llm.generate(rows, GREEDY, use_tqdm=False, lora_request=lora), reference)
 
 
-def test_sleep_drops_the_rows_of_a_request_aborted_mid_prompt(models):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_sleep_drops_the_rows_of_a_request_aborted_mid_prompt(models, async_scheduling):
+    """With asynchronous scheduling the aborted request's next step is in flight when
+    sleep is asked: sleep collects it (it reports nothing) instead of refusing."""
     path, hf_model = models("llama")
-    llm = LLM(str(path), enable_sleep_mode=True, **ENGINE)
+    llm = LLM(str(path), enable_sleep_mode=True, async_scheduling=async_scheduling, **ENGINE)
     engine = llm.llm_engine
     rows = embeds(hf_model, random_prompts([40])[0])  # three 16-token chunks
     engine.add_request("r", {"prompt_embeds": rows}, GREEDY)

@@ -276,6 +276,10 @@ class EngineCore:
         check_level(level)
         if "weights" in self.sleeping_tags:
             return  # all asleep (the KV cache wakes only after the weights)
+        if not self.scheduler.has_unfinished_requests():
+            # A step launched before its requests were aborted (asynchronous scheduling):
+            # collected here, it reports nothing, and then nothing runs.
+            self._drain()
         if self.has_unfinished_requests():
             num = self.scheduler.get_num_unfinished_requests()
             raise ValueError(
