@@ -750,8 +750,10 @@ class CompilationConfig:
 
     cudagraph_mode: str = "FULL_AND_PIECEWISE"
     cudagraph_capture_sizes: tuple[int, ...] | None = None
-    """Sizes to capture: requests for whole-step graphs, tokens for pieces (None: the
-    platform's ladders)."""
+    """Sizes to capture (None: the platform's ladders): tokens for pieces, requests for
+    whole-step graphs, which are keyed by requests. A decode step's tokens are its
+    requests, as in vLLM; a speculative verification step feeds ``1 + k`` tokens per
+    request, where vLLM's sizes would count its tokens."""
     max_cudagraph_capture_size: int | None = None
     """The largest size captured (None: the platform's ladders' own bound)."""
 

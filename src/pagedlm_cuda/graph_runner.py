@@ -17,9 +17,10 @@ its capture-size bucket (``kernels/decode_config.py``) and its grid is sized by
 ``max_model_len``, so a request's result does not depend on the padding or on whether
 the step ran from a graph.
 
-A forward that cannot be captured (it waits for the device, as ``.item()`` does) fails
-its first capture; the runner then gives no graphs and every step runs eagerly, logged
-once at start-up.
+A model whose forward may not be capturable (``capture_may_fail``: the Transformers
+backend, whose forward may wait for the device, as ``.item()`` does) fails its first
+capture; the runner then gives no graphs and every step runs eagerly, logged once at
+start-up. Any other model's failed capture is an error.
 
 Which graphs and sizes are captured is the engine's ``CompilationConfig`` (vLLM's
 ``cudagraph_mode``, ``cudagraph_capture_sizes``, ``max_cudagraph_capture_size``): whole
@@ -108,9 +109,14 @@ class CudaGraphRunner(GraphRunner):
         )
         try:
             graphs.capture()
+        except torch.OutOfMemoryError:
+            raise
         except Exception as error:
             # A forward pagedlm did not write (the Transformers backend) may sync with the
             # host or branch on device values; then every step runs eagerly, as it must.
+            # pagedlm's own models are written to be captured: their failures are bugs.
+            if not getattr(runner.model, "capture_may_fail", False):
+                raise
             logger.warning(
                 "CUDA graphs off (the forward cannot be captured; steps run eagerly, "
                 "enforce_eager=True skips the attempt): %s",

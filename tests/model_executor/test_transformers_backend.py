@@ -147,11 +147,10 @@ def test_sliding_window_beyond_the_window(tmp_path: Path) -> None:
         (dict(model_impl="pagedlm"), "not supported by model_impl='vllm'"),
         (dict(model_impl="hf"), r"model_impl='hf' is unknown.*auto, vllm, transformers"),
         (dict(pipeline_parallel_size=2), "does not support pipeline_parallel_size above 1"),
-        (dict(quantization="bitsandbytes"), "quantization=bitsandbytes.*quantization='fp8'"),
         (dict(enable_lora=True), "does not support LoRA adapters; drop enable_lora"),
         (dict(runner="pooling"), "does not support the pooling runner"),
     ],
-    ids=["vllm", "pagedlm-alias", "unknown", "pp2", "bnb", "lora", "pooling"],
+    ids=["vllm", "pagedlm-alias", "unknown", "pp2", "lora", "pooling"],
 )
 def test_refusals_name_the_fix(glm, kwargs, match) -> None:
     args = EngineArgs(model=str(glm[0]), skip_tokenizer_init=True, **kwargs)
@@ -277,6 +276,20 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly(glm, monkeypatch, caplog
     assert len(warnings) == 1 and "operation not permitted" in warnings[0]
 
 
+@INTERPRETER_ONLY
+def test_a_native_model_that_cannot_be_captured_fails_start_up(tmp_path: Path, monkeypatch) -> None:
+    """pagedlm's own models are written to be captured: their failure is an error."""
+    from spec_decode.triton_cpu import InterpretedGraphRunner
+
+    def refuse(self, step, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(InterpretedGraphRunner, "_record", refuse)
+    save_random_model(tmp_path, "LlamaConfig", {})
+    with pytest.raises(RuntimeError, match="operation not permitted"):
+        _on_triton_cpu(tmp_path, random_prompts(LENS)[:1])
+
+
 def test_linear_layers_are_pagedlms(glm) -> None:
     """transformers' nn.Linear, input embedding and LM head are pagedlm's layers (what
     platform kernels, FP8 and tensor parallelism act on); no nn.Linear is left."""
@@ -354,4 +367,20 @@ def test_tensor_parallel_refusal_comes_before_the_engine(tmp_path: Path) -> None
         tensor_parallel_size=2,
     )
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2: its plan keeps every attention"):
+        args.create_engine_config()
+
+
+def test_a_pre_quantized_checkpoint_is_refused(tmp_path: Path) -> None:
+    """Only FP8 of a float checkpoint runs on the backend (no quantization package needed
+    to say so)."""
+    import json
+
+    save_random_model(tmp_path, "GlmConfig", {"head_dim": 16, **IDS})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = EngineArgs(model=str(tmp_path), skip_tokenizer_init=True, load_format="dummy")
+    with pytest.raises(
+        ValueError, match=r"pre-quantized checkpoints \(this one's: fp8\).*quantization='fp8'"
+    ):
         args.create_engine_config()

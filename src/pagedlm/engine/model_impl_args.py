@@ -115,11 +115,14 @@ def check_transformers_backend(config: EngineConfig, is_gguf: bool) -> None:
     refusals = (
         (is_gguf, "GGUF files", "load the model's Hugging Face directory"),
         (
-            config.model.quantization not in (None, "fp8")
-            or "quantization_config" in config.model.arch.raw,
-            f"quantization={config.model.quantization or 'a pre-quantized checkpoint'} "
-            "(GPTQ, AWQ, bitsandbytes, FP8 checkpoints)",
-            "serve a float checkpoint, unquantized or with quantization='fp8'",
+            "quantization_config" in config.model.arch.raw,
+            f"pre-quantized checkpoints (this one's: {config.model.quantization})",
+            "serve its float checkpoint, unquantized or with quantization='fp8'",
+        ),
+        (
+            config.model.quantization not in (None, "fp8"),
+            f"quantization={config.model.quantization!r}",
+            "serve the float checkpoint, unquantized or with quantization='fp8'",
         ),
         (config.lora is not None, "LoRA adapters", "drop enable_lora"),
         (config.model.runner == "pooling", "the pooling runner", "use runner='generate'"),

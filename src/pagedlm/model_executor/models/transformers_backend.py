@@ -160,6 +160,10 @@ class TransformersForCausalLM(nn.Module):
     scale, sliding window and soft cap.
     """
 
+    capture_may_fail: ClassVar[bool] = True
+    """transformers' forward may wait for the device or branch on device values (dynamic
+    rotary scaling reads the longest position): a failed CUDA-graph capture leaves the
+    runner eager instead of failing start-up."""
     supports_prompt_embeds: ClassVar[bool] = True
     """Prompts given as embeddings: the rows transformers' ``get_input_embeddings()``
     gives, which its model takes as ``inputs_embeds`` (``enable_prompt_embeds``)."""

@@ -22,8 +22,9 @@ Invariants:
   sized so); a plan that gathers them (Olmo2's whole-projection norms), leaves a linear
   layer of a decoder layer without a style, or uses another style is refused before
   any memory is allocated (``tensor_parallel_refusal``).
-- Only an exact ``nn.Embedding`` is replaced; a subclass (a scaled embedding) stays as
-  transformers built it, replicated.
+- Only an exact ``nn.Linear`` or ``nn.Embedding`` is replaced; a subclass (a router whose
+  forward returns a tuple, a scaled embedding) stays as transformers built it, replicated
+  (a linear subclass refuses tensor parallelism).
 - An RMSNorm module is replaced by pagedlm's ``RMSNorm`` (a platform's fused kernel) only
   where a probe shows the two give the same bits, in float32 and bfloat16, on random
   weights and inputs (``computes_like_rmsnorm``); any other norm (Gemma's ``1 + weight``,
@@ -151,6 +152,8 @@ def tensor_parallel_refusal(base_model: nn.Module, config: Any, tp_size: int) ->
         style = style_of(name, styles)
         if style is not None and style not in LINEAR_STYLES | REPLICATED:
             return f"its plan splits {name} as {style!r}, which pagedlm does not implement"
+        if isinstance(module, nn.Linear) and type(module) is not nn.Linear:
+            return f"its linear layer {name} is a {type(module).__name__}, which pagedlm does not split"
         if isinstance(module, nn.Linear) and style not in LINEAR_STYLES:
             return f"its plan does not say how to split the linear layer {name}"
         if is_attention_module(module):
@@ -187,7 +190,7 @@ def swap_layers(hf_model: nn.Module, config: Any) -> None:
     tied = head is not None and head.weight is embedding.weight
     norms: dict[tuple[type, Any], float | None] = {}  # probed once per class and epsilon
     for name, module in list(base.named_modules()):
-        if isinstance(module, nn.Linear):
+        if type(module) is nn.Linear:  # a subclass (a router returning a tuple) stays
             _replace(base, name, _linear(module, style_of(name, styles)))
             continue
         key = (type(module), getattr(module, "variance_epsilon", getattr(module, "eps", None)))
