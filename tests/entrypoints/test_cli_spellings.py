@@ -73,3 +73,27 @@ def test_server_switches_have_vllms_no_forms_and_the_host_defaults_to_every_inte
     assert args.enable_log_requests is False and args.enable_request_id_headers is False
     assert args.enable_sleep_mode is True and args.return_tokens_as_token_ids is False
     assert args.host is None  # bound as 0.0.0.0, as vLLM binds it
+
+
+def test_vllms_dotted_json_flags() -> None:
+    """``-cc.key=value`` and ``--flag.key value`` build the flag's JSON object, nested on
+    dots and merged over the flag's own JSON; values read as JSON where they parse."""
+    args = engine_args_from_cli(
+        parse_args(
+            ["serve", "m", "-cc.cudagraph_mode=NONE", "-cc.cudagraph_capture_sizes", "[1, 2]",
+             "--speculative-config", '{"method": "ngram"}',
+             "--speculative-config.num_speculative_tokens=3", "--max-num-seqs", "4"]
+        )
+    )  # fmt: skip
+    assert args.compilation_config == {"cudagraph_mode": "NONE", "cudagraph_capture_sizes": [1, 2]}
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    assert args.max_num_seqs == 4
+    args = engine_args_from_cli(
+        parse_args(["serve", "m", "--hf-overrides.rope_scaling.factor", "2.0"])
+    )
+    assert args.hf_overrides == {"rope_scaling": {"factor": 2.0}}
+
+
+def test_a_dotted_flag_without_a_value_is_an_error(capsys) -> None:
+    with pytest.raises(SystemExit, match=r"-cc.cudagraph_mode needs a value"):
+        parse_args(["serve", "m", "-cc.cudagraph_mode"])

@@ -201,6 +201,110 @@ def add_engine_args(
     return parser
 
 
+def json_flags() -> dict[str, str]:
+    """Every spelling of a flag that takes a JSON object (an ``EngineArgs`` dict field)
+    -> its long flag: ``--compilation-config`` and ``-cc`` -> ``--compilation-config``."""
+    hints = typing.get_type_hints(EngineArgs)
+    spellings: dict[str, str] = {}
+    for field in dataclasses.fields(EngineArgs):
+        args = typing.get_args(hints[field.name])
+        if not any(a is dict or typing.get_origin(a) is dict for a in args):
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        spellings[flag] = flag
+        if field.name in SHORT_FLAGS:
+            spellings[SHORT_FLAGS[field.name]] = flag
+    return spellings
+
+
+def dotted_json_flags(argv: list[str]) -> list[str]:
+    """vLLM's dotted spelling of a JSON flag's keys, as one JSON object per flag (run
+    before ``--flag_name`` spellings are dashed: the keys keep their underscores):
+    ``-cc.cudagraph_mode=NONE`` (or ``--compilation-config.cudagraph_mode NONE``), with
+    ``--flag.a.b value`` nesting, merged over the flag's own JSON where both are given.
+    A value is read as JSON where it parses (numbers, booleans, lists), else as a string.
+    Everything after a bare ``--`` stays as given."""
+    spellings = json_flags()
+    end = argv.index("--") if "--" in argv else len(argv)
+    dotted = set()
+    for arg in argv[:end]:
+        flag, dot, _ = arg.partition("=")[0].partition(".")
+        flag = flag.replace("_", "-") if flag.startswith("--") else flag
+        if dot and flag in spellings:
+            dotted.add(spellings[flag])
+    # Only flags spelled dotted somewhere are merged; the others stay for argparse.
+    spellings = {k: v for k, v in spellings.items() if v in dotted}
+    if not spellings:
+        return argv
+    objects: dict[str, dict[str, Any]] = {}
+    out: list[str] = []
+    index = 0
+    while index < len(argv):
+        arg = argv[index]
+        if arg == "--":
+            out += argv[index:]
+            break
+        name, equals, value = arg.partition("=")
+        flag, dot, path = name.partition(".")
+        flag = flag.replace("_", "-") if flag.startswith("--") else flag
+        if flag in spellings and (dot or equals or index + 1 < len(argv)):
+            long = spellings[flag]
+            if not dot:  # the whole object: --flag JSON or --flag=JSON
+                if not equals:
+                    index += 1
+                    value = argv[index]
+                try:
+                    merged = _json_object(value)
+                except argparse.ArgumentTypeError as error:
+                    raise SystemExit(f"error: argument {flag}: {error}") from None
+                objects[long] = _merged(objects.get(long, {}), merged or {})
+                if long not in out:
+                    out.append(long)
+                index += 1
+                continue
+            if not equals:
+                if index + 1 >= len(argv):
+                    raise SystemExit(f"error: {name} needs a value (e.g. {name}=VALUE).")
+                index += 1
+                value = argv[index]
+            keys = path.split(".")
+            if not all(keys):
+                raise SystemExit(f"error: {name}: empty key in the dotted flag.")
+            nested: dict[str, Any] = {keys[-1]: _json_value(value)}
+            for key in reversed(keys[:-1]):
+                nested = {key: nested}
+            objects[long] = _merged(objects.get(long, {}), nested)
+            if long not in out:
+                out.append(long)
+            index += 1
+            continue
+        out.append(arg)
+        index += 1
+    result: list[str] = []
+    for arg in out:
+        result.append(arg)
+        if arg in objects:
+            result.append(json.dumps(objects[arg]))
+    return result
+
+
+def _json_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _merged(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merged(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
 def engine_args_from_cli(namespace: argparse.Namespace) -> EngineArgs:
     """``EngineArgs`` from parsed flags; a positional MODEL wins over ``--model``."""
     values = {

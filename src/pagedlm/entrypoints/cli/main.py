@@ -143,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line, with a ``--config`` file's values as the subcommand's defaults."""
-    argv = dashed_flags(argv)
+    from pagedlm.engine.cli_args import dotted_json_flags
+
+    argv = dashed_flags(dotted_json_flags(argv))
     parser = build_parser()
     args = parser.parse_args(argv)
     path = getattr(args, "config", None)
