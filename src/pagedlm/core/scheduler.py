@@ -262,7 +262,10 @@ class OneBudgetScheduler(Scheduler):
         return num
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv_manager.reset_prefix_cache()
+        reset = self.kv_manager.reset_prefix_cache()
+        if reset and self.external is not None:
+            self.external.connector.reset_cache()  # a host pool's copies go too
+        return reset
 
     def take_kv_cache_events(self) -> list[KVCacheEvent]:
         log = self.kv_manager.pool.event_log

@@ -28,7 +28,7 @@ from pagedlm.config import (
     validate_positive,
 )
 from pagedlm.engine.compilation_args import resolve_compilation
-from pagedlm.engine.kv_transfer_args import check_kv_transfer_config
+from pagedlm.engine.kv_transfer_args import check_kv_transfer_config, offloading_transfer_config
 from pagedlm.engine.model_impl_args import (
     check_transformers_backend,
     check_transformers_parallel,
@@ -211,6 +211,13 @@ class EngineArgs:
     '{"kv_connector": "ExampleConnector", "kv_role": "kv_both", "kv_connector_extra_config":
     {"shared_storage_path": "/tmp/kv"}}': save prompts' KV for other engines (kv_producer),
     load theirs instead of computing it (kv_consumer), or both; off by default."""
+    kv_offloading_size: float | None = None
+    """GiB of host memory that keep computed KV blocks for later prompts with the same
+    prefix, a second tier under the prefix cache (vLLM's flag; builds the
+    OffloadingConnector's kv_transfer_config, so not together with one); None: off."""
+    kv_offloading_backend: str = "native"
+    """What offloads with kv_offloading_size: "native" (pagedlm's host-memory pool, vLLM's
+    default); vLLM's "lmcache" is not available here."""
     tensor_parallel_size: int = 1
     """Ranks each layer's heads, MLP and vocabulary are split over (one all-reduce per
     attention and per MLP block)."""
@@ -514,7 +521,11 @@ class EngineArgs:
             structured_outputs_backend=grammar_backend,
             structured_outputs_compact_json=compact_json,
             kv_events=KVEventsConfig.parse(self.kv_events_config),
-            kv_transfer=KVTransferConfig.parse(self.kv_transfer_config),
+            kv_transfer=KVTransferConfig.parse(
+                offloading_transfer_config(
+                    self.kv_offloading_size, self.kv_offloading_backend, self.kv_transfer_config
+                )
+            ),
             lora=self._lora_config(arch),
             batch_invariant=self.batch_invariant or batch_invariant_from_env(),
             multimodal=multimodal_config(self),

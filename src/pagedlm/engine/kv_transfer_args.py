@@ -3,7 +3,58 @@ start-up: what a KV connector cannot serve is refused with the fix named."""
 
 from __future__ import annotations
 
-from pagedlm.config import EngineConfig
+import math
+from typing import Any
+
+from pagedlm.config import EngineConfig, KVTransferConfig
+
+OFFLOADING_BACKENDS = ("native", "lmcache")
+"""vLLM's ``kv_offloading_backend`` names; pagedlm serves "native" only."""
+
+
+def offloading_transfer_config(
+    size_gib: float | None, backend: str, kv_transfer_config: dict[str, Any] | str | None
+) -> dict[str, Any] | str | None:
+    """The ``kv_transfer_config`` that ``kv_offloading_size`` / ``kv_offloading_backend``
+    (vLLM's flags) build: the OffloadingConnector over ``size_gib`` GiB of host memory, or
+    ``kv_transfer_config`` as given when the size is None. ValueError, naming the fix, for
+    a size that is not a positive number, a backend other than "native", or both a size
+    and a ``kv_transfer_config`` (vLLM replaces the latter's connector; pagedlm refuses)."""
+    if backend not in OFFLOADING_BACKENDS:
+        raise ValueError(
+            f"Unknown kv_offloading_backend {backend!r}; known: {list(OFFLOADING_BACKENDS)} "
+            "(pagedlm serves 'native')."
+        )
+    if size_gib is None:
+        return kv_transfer_config
+    if (
+        isinstance(size_gib, bool)
+        or not isinstance(size_gib, (int, float))
+        or not math.isfinite(size_gib)
+        or size_gib <= 0
+    ):
+        raise ValueError(
+            f"kv_offloading_size must be a positive number of GiB, got {size_gib!r}; e.g. "
+            "--kv-offloading-size 4, or leave it unset (no offloading)."
+        )
+    if backend == "lmcache":
+        raise ValueError(
+            "kv_offloading_backend='lmcache' needs vLLM's LMCache connector, which pagedlm "
+            "does not have; use kv_offloading_backend='native' (pagedlm's host-memory pool) "
+            "or drop kv_offloading_size."
+        )
+    if KVTransferConfig.parse(kv_transfer_config) is not None:
+        raise ValueError(
+            "kv_offloading_size builds its own kv_transfer_config (the OffloadingConnector), "
+            "so it cannot be combined with one; drop kv_transfer_config, or drop "
+            "kv_offloading_size and give the OffloadingConnector in kv_transfer_config "
+            '(kv_connector_extra_config {"cpu_bytes_to_use": <bytes>}).'
+        )
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": int(size_gib * 2**30)},
+    }
 
 
 def check_kv_transfer_config(config: EngineConfig) -> None:

@@ -22,7 +22,8 @@ A step, seen from the connector:
 4. Scheduler, collecting the step: ``update_connector_output``; the scheduler counts each
    loading request's blocks up to its first failed one as computed (the rest are computed
    like any prompt) and admits it in a later step.
-5. Scheduler: ``request_finished`` when a request ends or is aborted.
+5. Scheduler: ``request_finished`` when a request ends or is aborted; ``reset_cache``
+   when the engine's prefix cache is reset.
 
 Differences from vLLM's interface, on purpose: loads always complete within one worker
 step and the loading request joins a *later* step (vLLM's asynchronous loading), so a
@@ -111,6 +112,12 @@ class KVConnectorBase(ABC):
 
     def request_finished(self, request: Request) -> None:  # noqa: B027 - optional hook
         """``request`` ended or was aborted; its blocks are being freed. Default: nothing."""
+
+    def reset_cache(self) -> None:  # noqa: B027 - optional hook
+        """The engine forgot its cached prefixes (``reset_prefix_cache``: asked for, or
+        because the KV cache was released or the weights replaced): forget whatever this
+        engine alone holds, so no request loads keys and values of other weights. Stores
+        that other engines share are not this engine's to clear. Default: nothing."""
 
     # ---- worker side ---------------------------------------------------------------
 

@@ -14,9 +14,10 @@ if TYPE_CHECKING:
 CONNECTORS: dict[str, str] = {
     "ExampleConnector": "pagedlm.kv_transfer.shared_storage:SharedStorageConnector",
     "SharedStorageConnector": "pagedlm.kv_transfer.shared_storage:SharedStorageConnector",
+    "OffloadingConnector": "pagedlm.kv_transfer.offloading:OffloadingConnector",
 }
 """Built-in connectors (``SharedStorageConnector`` is vLLM's former name of
-``ExampleConnector``)."""
+``ExampleConnector``; ``OffloadingConnector`` is what ``kv_offloading_size`` builds)."""
 
 
 def connector_class(config: KVTransferConfig) -> type[KVConnectorBase]:

@@ -22,7 +22,9 @@ class KVCacheBlocks:
 
     Invariants: ``layers`` lists this worker's global layer indices in order, and the views
     of layer ``layers[i]`` are ``keys[i]`` / ``values[i]``, each ``[num_blocks, block_size,
-    num_kv_heads, head_dim]`` over the cache's own memory."""
+    num_kv_heads, head_dim]`` over the cache's own memory. ``pin_host_memory`` is the
+    platform's answer to whether host buffers that blocks are copied through should be
+    pinned (only where the device reads pinned memory)."""
 
     def __init__(
         self,
@@ -31,8 +33,10 @@ class KVCacheBlocks:
         layers: Sequence[int],
         num_kv_heads: int,
         head_dim: int,
+        pin_host_memory: bool = False,
     ) -> None:
         self.layers = list(layers)
+        self.pin_host_memory = pin_host_memory
         self.block_size = cache.block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -65,14 +69,14 @@ class KVCacheBlocks:
         keys = keys.to(self.device, self.dtype)
         values = values.to(self.device, self.dtype)
         for layer, (key_view, value_view) in enumerate(zip(self.keys, self.values, strict=True)):
-            _as_bits(key_view).index_copy_(0, index, _as_bits(keys[layer]))
-            _as_bits(value_view).index_copy_(0, index, _as_bits(values[layer]))
+            as_bits(key_view).index_copy_(0, index, as_bits(keys[layer]))
+            as_bits(value_view).index_copy_(0, index, as_bits(values[layer]))
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
+def as_bits(tensor: torch.Tensor) -> torch.Tensor:
     """The same memory as integers of the element's width: a copy moves bits, and works for
     dtypes whose copy kernels a device lacks (float8 on CPU)."""
     return tensor.view(_BITS[tensor.element_size()])

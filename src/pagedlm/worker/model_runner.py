@@ -299,6 +299,7 @@ class ModelRunner:
                     range(self.first_layer, self.first_layer + self.num_layers),
                     self.num_kv_heads,
                     self.arch.head_dim,
+                    pin_host_memory=self.platform.pin_host_memory,
                 )
             )
         self.speculator.initialize_kv_cache(num_blocks, self._allocate)

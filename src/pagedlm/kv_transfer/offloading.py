@@ -1,0 +1,348 @@
+"""The offloading connector (vLLM's ``OffloadingConnector``; ``--kv-offloading-size`` turns
+it on): a second tier under the prefix cache, in host memory.
+
+Every full block a step computes (a prompt's, or one filled by generated tokens) is copied
+into a bounded pool of host blocks under its chained prefix digest (``kv_cache/hashing.py``:
+its tokens, every token before it, and its adapter, cache salt, image and embedding keys),
+the least recently used block giving way when the pool is full. A later request whose
+prompt continues, after its prefix-cache hit, with blocks the pool holds loads them in a
+step of its own (``core/external_kv.py``) instead of computing them, so a prefix evicted
+from the device cache by other prompts comes back at the cost of a copy.
+
+The pool's index lives with the scheduler (``host_pool.HostBlockIndex``): it picks the host
+block of every save and of every load, so the scheduler's view of the pool is never stale.
+The workers hold the bytes (``host_pool.HostKVStore``) and copy in step order: a step's
+loads before its forward, its saves after it. A load whose host block no longer holds the
+planned digest (evicted after the scheduler looked it up) is reported failed, and that
+block and the ones after it are computed.
+
+Options (``kv_connector_extra_config``, vLLM's names): ``cpu_bytes_to_use`` (the pool's
+bytes; ``kv_offloading_size`` GiB sets it) or ``num_cpu_blocks`` (vLLM's earlier key: a
+block count); ``block_size`` (must be the cache's), ``eviction_policy`` ("lru") and
+``spec_name`` ("CPUOffloadingSpec") are accepted for vLLM's configurations.
+
+Differences from vLLM's: transfers are synchronous steps of the framework (a load takes a
+step of its own; saves are queued on the device's stream after the forward, not run by a
+separate thread); host blocks are the cache's blocks (vLLM may group several into one);
+only LRU eviction (vLLM also has ARC); the pool also works on the CPU platform (vLLM's needs
+a CUDA-like GPU); the pool forgets everything when the prefix cache is reset (sleep, new
+weights).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING
+
+from pagedlm.kv_cache.hashing import update_block_hashes
+from pagedlm.kv_cache.interface import kv_bytes_per_block
+from pagedlm.kv_transfer.base import KVConnectorBase, KVConnectorRole
+from pagedlm.kv_transfer.host_pool import HostBlockIndex, HostKVStore
+from pagedlm.step.kv_transfer import BlockTransfer, KVConnectorMetadata, KVConnectorOutput
+
+if TYPE_CHECKING:
+    from pagedlm.config import EngineConfig
+    from pagedlm.core.request import Request
+    from pagedlm.kv_transfer.kv_blocks import KVCacheBlocks
+    from pagedlm.step import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+EXTRA_CONFIG_KEYS = (
+    "cpu_bytes_to_use",
+    "num_cpu_blocks",
+    "block_size",
+    "eviction_policy",
+    "spec_name",
+)
+EVICTION_POLICIES = ("lru",)
+SPEC_NAMES = ("CPUOffloadingSpec",)
+
+
+def host_block_bytes(config: EngineConfig) -> int:
+    """Bytes one host block takes: every layer's keys and values of one cache block, in
+    the cache's dtype."""
+    from pagedlm.kv_cache.fp8 import kv_cache_torch_dtype
+
+    arch = config.model.arch
+    return kv_bytes_per_block(
+        config.cache.block_size,
+        arch.num_hidden_layers,
+        arch.num_key_value_heads,
+        arch.head_dim,
+        kv_cache_torch_dtype(config.cache.cache_dtype, config.model.dtype),
+    )
+
+
+def num_host_blocks(config: EngineConfig) -> int:
+    """The pool's size in blocks: ``num_cpu_blocks``, or ``cpu_bytes_to_use`` over the
+    bytes of one block (``check_config`` has refused anything else)."""
+    assert config.kv_transfer is not None
+    extra = config.kv_transfer.kv_connector_extra_config
+    if extra.get("num_cpu_blocks") is not None:
+        return int(extra["num_cpu_blocks"])
+    return int(extra["cpu_bytes_to_use"]) // host_block_bytes(config)
+
+
+def _check_extra_config(config: EngineConfig) -> None:
+    assert config.kv_transfer is not None
+    extra = config.kv_transfer.kv_connector_extra_config
+    name = config.kv_transfer.kv_connector
+    unknown = sorted(set(extra) - set(EXTRA_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(
+            f"Unknown kv_connector_extra_config key(s) {unknown} for {name}; known: "
+            f"{list(EXTRA_CONFIG_KEYS)}."
+        )
+    size_keys = [key for key in ("cpu_bytes_to_use", "num_cpu_blocks") if extra.get(key)]
+    if len(size_keys) != 1:
+        raise ValueError(
+            f"{name} needs the host pool's size: kv_connector_extra_config cpu_bytes_to_use "
+            "(bytes) or num_cpu_blocks (blocks), one of them, e.g. "
+            '{"cpu_bytes_to_use": 4294967296}; or start with --kv-offloading-size <GiB> '
+            "instead of kv_transfer_config."
+        )
+    value = extra[size_keys[0]]
+    valid = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if size_keys[0] == "num_cpu_blocks":
+        valid = valid and float(value).is_integer()
+    if not valid or not math.isfinite(value) or value <= 0:
+        what = "a positive whole number" if size_keys[0] == "num_cpu_blocks" else "positive"
+        raise ValueError(f"kv_connector_extra_config {size_keys[0]} must be {what}, got {value!r}.")
+    block_size = extra.get("block_size", config.cache.block_size)
+    if block_size != config.cache.block_size:
+        raise ValueError(
+            f"kv_connector_extra_config block_size={block_size!r}: pagedlm's {name} keeps "
+            f"host blocks of the cache's block_size ({config.cache.block_size}); drop "
+            "block_size or set it to the cache's."
+        )
+    policy = extra.get("eviction_policy", "lru")
+    if policy not in EVICTION_POLICIES:
+        raise ValueError(
+            f"kv_connector_extra_config eviction_policy={policy!r} is not supported; "
+            f"pagedlm's {name} evicts the least recently used block: use 'lru' or drop it."
+        )
+    spec = extra.get("spec_name", SPEC_NAMES[0])
+    if spec not in SPEC_NAMES:
+        raise ValueError(
+            f"kv_connector_extra_config spec_name={spec!r}: pagedlm's {name} has only "
+            f"{list(SPEC_NAMES)} (host memory); drop spec_name."
+        )
+
+
+class OffloadingConnector(KVConnectorBase):
+    """Blocks of KV kept in a host-memory pool (module doc)."""
+
+    def __init__(self, config: EngineConfig, role: KVConnectorRole) -> None:
+        super().__init__(config, role)
+        self.block_size = config.cache.block_size
+        self.num_host_blocks = num_host_blocks(config)
+        # Scheduler side.
+        self.index = HostBlockIndex(self.num_host_blocks)
+        self._requests: dict[str, Request] = {}
+        self._tables: dict[str, list[int]] = {}
+        self._next_block: dict[str, int] = {}
+        """Per scheduled request, the first of its blocks not yet considered for saving."""
+        self._planned_loads: list[BlockTransfer] = []
+        self.num_saved_blocks = 0
+        # Worker side.
+        self._blocks: KVCacheBlocks | None = None
+        self._store: HostKVStore | None = None
+        self._output: KVConnectorOutput | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            logger.info(
+                "KV offloading: %d host blocks of %d tokens (%.2f GiB)",
+                self.num_host_blocks,
+                self.block_size,
+                self.num_host_blocks * host_block_bytes(config) / 2**30,
+            )
+
+    @classmethod
+    def check_config(cls, config: EngineConfig) -> None:
+        assert config.kv_transfer is not None
+        if config.kv_transfer.kv_role != "kv_both":
+            raise ValueError(
+                f"{config.kv_transfer.kv_connector} keeps this engine's own host pool, which "
+                f"it both fills and reads: kv_role must be 'kv_both', not "
+                f"{config.kv_transfer.kv_role!r}."
+            )
+        _check_extra_config(config)
+        if num_host_blocks(config) < 1:
+            raise ValueError(
+                f"The KV offloading pool holds no block: one block takes "
+                f"{host_block_bytes(config)} bytes ({host_block_bytes(config) / 2**30:.6f} "
+                "GiB); raise kv_offloading_size (or cpu_bytes_to_use) to at least that."
+            )
+        model = config.model
+        if model.pooler is not None:
+            from pagedlm.pooling.model_config import caches_prefixes
+
+            if not caches_prefixes(model.arch, model.pooler):
+                raise ValueError(
+                    "KV offloading keeps prompts' KV for later prompts, and this pooling "
+                    "model reuses none (its pooler reads every row, or its attention looks "
+                    "ahead); drop kv_offloading_size / the OffloadingConnector."
+                )
+
+    # ---- scheduler side ------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        if not _may_load(request):
+            return 0
+        hashes = update_block_hashes(request, self.block_size)
+        last = (request.num_tokens - 1) // self.block_size  # the last token is computed
+        index = num_computed_tokens // self.block_size
+        while index < min(last, len(hashes)) and hashes[index] in self.index:
+            index += 1
+        return max(0, index * self.block_size - num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        self._requests[request.request_id] = request
+        hashes = update_block_hashes(request, self.block_size)
+        first = request.num_computed_tokens // self.block_size
+        self.index.touch(hashes[:first])  # its prefix-cache hits: their host copies stay
+        if not num_external_tokens:
+            return
+        end = first + num_external_tokens // self.block_size
+        keys = []
+        for block_hash in hashes[first:end]:
+            host = self.index.get(block_hash)
+            keys.append(f"{-1 if host is None else host}:{block_hash.hex()}")
+        self.index.touch(hashes[first:end])
+        self._planned_loads.append(
+            BlockTransfer(request.request_id, list(block_ids[first:end]), keys)
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        # Loads first: the workers read them before this step's saves reuse host blocks.
+        loads, self._planned_loads = self._planned_loads, []
+        for req_id in scheduler_output.preempted_req_ids | scheduler_output.finished_req_ids:
+            self._forget(req_id)  # a resumed request comes back with its table
+        for new in scheduler_output.scheduled_new_reqs:
+            self._tables[new.req_id] = list(new.block_ids)
+            self._next_block[new.req_id] = new.num_computed_tokens // self.block_size
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if new_block_ids:
+                self._tables.setdefault(req_id, []).extend(new_block_ids)
+        saves: list[BlockTransfer] = []
+        for req_id, start in zip(
+            scheduler_output.req_ids, scheduler_output.num_computed_tokens, strict=True
+        ):
+            transfer = self._blocks_to_save(req_id, start, scheduler_output)
+            if transfer is not None:
+                saves.append(transfer)
+        return KVConnectorMetadata(loads=loads, saves=saves)
+
+    def _blocks_to_save(
+        self, req_id: str, start: int, scheduler_output: SchedulerOutput
+    ) -> BlockTransfer | None:
+        """The full blocks of ``req_id`` whose tokens are all known and whose KV is written
+        by the end of this step (drafts and tokens still in flight are not known), not held
+        by the pool yet. The request is in this step, so it holds them until it ends."""
+        request = self._requests.get(req_id)
+        if request is None:
+            return None
+        end = min(start + scheduler_output.num_scheduled_tokens[req_id], request.num_tokens)
+        first = self._next_block.get(req_id, start // self.block_size)
+        last = end // self.block_size
+        if first >= last:
+            return None
+        self._next_block[req_id] = last
+        hashes = update_block_hashes(request, self.block_size)
+        table = self._tables[req_id]
+        block_ids, keys = [], []
+        for index in range(first, last):
+            host = self.index.store(hashes[index])
+            if host is not None:
+                block_ids.append(table[index])
+                keys.append(f"{host}:{hashes[index].hex()}")
+        self.num_saved_blocks += len(keys)
+        return BlockTransfer(req_id, block_ids, keys) if keys else None
+
+    def _forget(self, req_id: str) -> None:
+        self._tables.pop(req_id, None)
+        self._next_block.pop(req_id, None)
+
+    def request_finished(self, request: Request) -> None:
+        self._requests.pop(request.request_id, None)
+        self._forget(request.request_id)
+
+    def reset_cache(self) -> None:
+        self.index.reset()
+
+    # ---- worker side ---------------------------------------------------------------
+
+    def register_kv_caches(self, blocks: KVCacheBlocks | None) -> None:
+        self._blocks = blocks
+        if blocks is None:
+            return  # the pool stays: its contents are forgotten by the scheduler's reset
+        if self._store is None:
+            self._store = HostKVStore(self.num_host_blocks, blocks.pin_host_memory)
+        self._store.bind(blocks)
+
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        if not metadata.loads:
+            return
+        assert self._blocks is not None and self._store is not None, "no KV cache registered"
+        finished: set[str] = set()
+        invalid: set[int] = set()
+        block_ids: list[int] = []
+        host_blocks: list[int] = []
+        for transfer in metadata.loads:
+            finished.add(transfer.req_id)
+            for position, (block_id, key) in enumerate(
+                zip(transfer.block_ids, transfer.keys, strict=True)
+            ):
+                host, tag = _parse_key(key)
+                if not self._store.holds(host, tag):  # this block and every later one
+                    invalid.update(transfer.block_ids[position:])
+                    break
+                block_ids.append(block_id)
+                host_blocks.append(host)
+        if block_ids:
+            self._store.load(self._blocks, block_ids, host_blocks)
+        self._report(KVConnectorOutput(finished_recving=finished, invalid_block_ids=invalid))
+
+    def wait_for_save(self, metadata: KVConnectorMetadata) -> None:
+        if not metadata.saves:
+            return
+        assert self._blocks is not None and self._store is not None, "no KV cache registered"
+        block_ids = [block_id for transfer in metadata.saves for block_id in transfer.block_ids]
+        parsed = [_parse_key(key) for transfer in metadata.saves for key in transfer.keys]
+        self._store.save(
+            self._blocks, block_ids, [host for host, _ in parsed], [tag for _, tag in parsed]
+        )
+        self._report(KVConnectorOutput(num_saved_blocks=len(block_ids)))
+
+    def _report(self, output: KVConnectorOutput) -> None:
+        previous = self._output
+        if previous is not None:
+            output = KVConnectorOutput(
+                previous.finished_recving | output.finished_recving,
+                previous.invalid_block_ids | output.invalid_block_ids,
+                previous.num_saved_blocks + output.num_saved_blocks,
+                previous.num_failed_saves + output.num_failed_saves,
+            )
+        self._output = output
+
+    def get_connector_output(self) -> KVConnectorOutput | None:
+        output, self._output = self._output, None
+        return output
+
+
+def _parse_key(key: str) -> tuple[int, str]:
+    """A transfer key ``"<host block>:<digest hex>"`` (host block -1: not in the pool)."""
+    host, _, tag = key.partition(":")
+    return int(host), tag
+
+
+def _may_load(request: Request) -> bool:
+    """Requests that need every prompt position computed load nothing, as they hit no
+    prefix cache: prompt logprobs, token-wise pooling."""
+    if request.sampling_params.prompt_logprobs is not None:
+        return False
+    return request.pooling is None or not request.pooling.token_wise

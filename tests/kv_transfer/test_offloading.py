@@ -1,0 +1,271 @@
+"""KV offloading to host memory (vLLM's ``OffloadingConnector``, ``--kv-offloading-size``)
+end to end on CPU.
+
+A tiny device cache (16 blocks of 4 tokens) loses a prompt's prefix to other prompts; the
+host pool keeps it, and the prompt's next run loads it. Loaded tokens show in
+``RequestOutput.num_cached_tokens`` (prefix-cache hits plus loaded tokens) and in the
+scheduler's ``ExternalKV.num_loaded_tokens``. Tiny random fp32 Llama checkpoint, greedy
+decoding: every run's tokens must equal those of an engine without offloading.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pagedlm import LLM, SamplingParams
+from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.cli_args import add_engine_args, engine_args_from_cli
+from pagedlm.kv_cache.hashing import update_block_hashes
+from pagedlm.kv_transfer.host_pool import HostBlockIndex
+from pagedlm.kv_transfer.offloading import host_block_bytes, num_host_blocks
+from tiny_checkpoints import random_prompts, save_random_model
+
+BLOCK = 4
+BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4  # keys and values, 2 layers, 2 KV heads of 16, fp32
+ENGINE = dict(
+    skip_tokenizer_init=True,
+    max_model_len=64,
+    block_size=BLOCK,
+    num_kv_blocks=16,
+    max_num_batched_tokens=32,
+)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("offloading-llama")
+    save_random_model(path, "LlamaConfig", {})
+    return str(path)
+
+
+def offloading(model: str, num_blocks: int, **overrides) -> LLM:
+    transfer = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"num_cpu_blocks": num_blocks},
+    }
+    return LLM(model, kv_transfer_config=transfer, **{**ENGINE, **overrides})
+
+
+def generate(llm: LLM, prompts: list[list[int]], max_tokens: int = 6):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in outputs]
+
+
+def external(llm: LLM):
+    return llm.llm_engine.engine_core.scheduler.external
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_prefix_evicted_from_the_device_is_loaded_from_host(
+    model, async_scheduling, prefix_caching
+):
+    (first, *others) = random_prompts([21, 21, 21, 21], seed=11)
+    reference = LLM(model, **ENGINE)
+    expected = tokens(generate(reference, [first])) + tokens(generate(reference, others))
+    llm = offloading(
+        model,
+        64,
+        async_scheduling=async_scheduling,
+        enable_prefix_caching=prefix_caching,
+    )
+    outputs = generate(llm, [first])
+    assert outputs[0].num_cached_tokens == 0
+    # Three more prompts of 7 blocks each (21 tokens + 6 generated) through 16 device
+    # blocks: the first prompt's blocks are reused for them.
+    outputs += generate(llm, others)
+    assert tokens(outputs) == expected
+    kv_manager = llm.llm_engine.engine_core.scheduler.kv_manager
+    local_hit = kv_manager.get_computed_blocks(llm_request(first)).num_computed_tokens
+    assert local_hit < 20  # the device lost (some of) its prefix
+    again = generate(llm, [first])
+    assert tokens(again) == expected[:1]
+    # Every full block but the one holding the last prompt token: 5 blocks, 20 tokens.
+    assert again[0].num_cached_tokens == 20
+    assert external(llm).num_loaded_tokens == 20 - local_hit
+    assert external(llm).num_failed_tokens == 0
+
+
+def llm_request(prompt: list[int]):
+    from pagedlm.core.request import Request
+
+    return Request("probe", list(prompt), SamplingParams(max_tokens=1))
+
+
+def test_the_pool_keeps_the_most_recently_used_blocks(model):
+    """Prompts of 9 tokens store 2 blocks each (the generated tokens fill no block); a pool
+    of 6 blocks keeps 3 prompts, and the least recently used one is computed again."""
+    prompts = random_prompts([9, 9, 9, 9], seed=12)
+    expected = tokens(generate(LLM(model, **ENGINE), prompts, max_tokens=2))
+    llm = offloading(model, 6, enable_prefix_caching=False)
+    for prompt in prompts:
+        generate(llm, [prompt], max_tokens=2)
+    connector = external(llm).connector
+    assert len(connector.index) == 6 and connector.index.num_evicted == 2  # prompt 0's
+    cached = []
+    for index in (1, 0, 2, 3):  # 1 loads (now the newest); 0 evicts 2; 2 evicts 3
+        (output,) = generate(llm, [prompts[index]], max_tokens=2)
+        assert output.outputs[0].token_ids == expected[index]
+        cached.append(output.num_cached_tokens)
+    assert cached == [8, 0, 0, 0]
+    assert external(llm).num_loaded_tokens == 8
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_generated_blocks_serve_the_next_turn(model, async_scheduling):
+    """A conversation's next prompt holds the previous answer: the blocks its generated
+    tokens filled load too."""
+    (prompt, more) = random_prompts([10, 5], seed=13)
+    reference = LLM(model, **ENGINE)
+    (answer,) = tokens(generate(reference, [prompt], max_tokens=8))
+    follow_up = prompt + answer[:6] + more  # 16 known tokens, then 5 new ones
+    (expected,) = tokens(generate(reference, [follow_up]))
+    llm = offloading(model, 64, enable_prefix_caching=False, async_scheduling=async_scheduling)
+    assert tokens(generate(llm, [prompt], max_tokens=8)) == [answer]
+    (got,) = generate(llm, [follow_up])
+    assert got.outputs[0].token_ids == expected
+    assert got.num_cached_tokens == 16  # 2 prompt blocks and 2 blocks of the answer
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_block_evicted_between_lookup_and_load_is_computed(model, prefix_caching):
+    """The scheduler found the prompt's blocks, then lost the second one before planning
+    the load: the load fails from that block on and the request computes the rest."""
+    (prompt, *others) = random_prompts([21, 21, 21, 21], seed=14)
+    expected = tokens(generate(LLM(model, **ENGINE), [prompt]))
+    llm = offloading(model, 64, enable_prefix_caching=prefix_caching)
+    generate(llm, [prompt])
+    generate(llm, others)  # the device cache loses the prompt's blocks
+    connector = external(llm).connector
+    lookup = connector.get_num_new_matched_tokens
+    lost = []
+
+    def lookup_then_evict(request, num_computed_tokens):
+        found = lookup(request, num_computed_tokens)
+        if found and not lost:
+            second = num_computed_tokens // BLOCK + 1
+            lost.append(request.block_hashes[second])
+            connector.index.discard(lost[0])
+        return found
+
+    connector.get_num_new_matched_tokens = lookup_then_evict
+    (got,) = generate(llm, [prompt])
+    assert lost and got.outputs[0].token_ids == expected[0]
+    local_hit = got.num_cached_tokens - external(llm).num_loaded_tokens
+    assert external(llm).num_loaded_tokens == 4  # the block before the lost one
+    assert external(llm).num_failed_tokens == 20 - local_hit - 4
+    assert lost[0] in connector.index  # computed, then stored again
+
+
+def test_a_reset_prefix_cache_empties_the_pool(model):
+    (prompt,) = random_prompts([13], seed=15)
+    llm = offloading(model, 64, enable_prefix_caching=False)
+    generate(llm, [prompt])
+    assert len(external(llm).connector.index) > 0
+    assert llm.reset_prefix_cache()
+    assert len(external(llm).connector.index) == 0
+    (got,) = generate(llm, [prompt])
+    assert got.num_cached_tokens == 0
+
+
+def test_kv_offloading_size_sizes_the_pool_from_the_block_bytes(model):
+    args = EngineArgs(model=model, kv_offloading_size=5.5 * BLOCK_BYTES / 2**30, **ENGINE)
+    config, _ = args.create_engine_config()
+    transfer = config.kv_transfer
+    assert transfer is not None and transfer.kv_connector == "OffloadingConnector"
+    assert transfer.kv_role == "kv_both"
+    assert host_block_bytes(config) == BLOCK_BYTES
+    assert num_host_blocks(config) == 5
+
+
+def test_the_cli_flags_reach_the_engine_config(model):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    argv = ["--model", model, "--block-size", "4", "--kv-offloading-size", "0.5"]
+    argv += ["--kv-offloading-backend", "native"]
+    args = engine_args_from_cli(parser.parse_args(argv))
+    assert args.kv_offloading_size == 0.5 and args.kv_offloading_backend == "native"
+    config, _ = args.create_engine_config()
+    assert config.kv_transfer is not None
+    assert config.kv_transfer.kv_connector == "OffloadingConnector"
+    assert config.kv_transfer.kv_connector_extra_config == {"cpu_bytes_to_use": 2**29}
+    assert num_host_blocks(config) == 2**29 // BLOCK_BYTES
+
+
+def with_extra(extra: dict, role: str = "kv_both") -> dict:
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": extra,
+    }
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"kv_offloading_size": 0}, "positive number of GiB"),
+        ({"kv_offloading_size": -1.0}, "positive number of GiB"),
+        ({"kv_offloading_size": float("nan")}, "positive number of GiB"),
+        ({"kv_offloading_size": 1.0, "kv_offloading_backend": "lmcache"}, "'native'"),
+        ({"kv_offloading_backend": "disk"}, "Unknown kv_offloading_backend"),
+        (
+            {"kv_offloading_size": 1.0, "kv_transfer_config": with_extra({"num_cpu_blocks": 4})},
+            "drop kv_transfer_config",
+        ),
+        ({"kv_offloading_size": 1e-9}, "raise kv_offloading_size"),
+        ({"kv_transfer_config": with_extra({})}, "cpu_bytes_to_use"),
+        (
+            {"kv_transfer_config": with_extra({"num_cpu_blocks": 4, "cpu_bytes_to_use": 8192})},
+            "one of them",
+        ),
+        ({"kv_transfer_config": with_extra({"num_cpu_blocks": 2.5})}, "whole number"),
+        ({"kv_transfer_config": with_extra({"num_cpu_blocks": 4, "block_size": 8})}, "block_size"),
+        (
+            {"kv_transfer_config": with_extra({"num_cpu_blocks": 4, "eviction_policy": "arc"})},
+            "'lru'",
+        ),
+        ({"kv_transfer_config": with_extra({"num_cpu_blocks": 4, "disk": 1})}, "known"),
+        (
+            {"kv_transfer_config": with_extra({"num_cpu_blocks": 4}, role="kv_producer")},
+            "kv_both",
+        ),
+    ],
+)
+def test_bad_offloading_options_are_refused_naming_the_fix(model, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model=model, **{**ENGINE, **overrides}).create_engine_config()
+
+
+def test_the_index_evicts_the_least_recently_used_digest():
+    index = HostBlockIndex(2)
+    first, second, third = b"a", b"b", b"c"
+    assert index.store(first) is not None and index.store(second) is not None
+    assert index.store(first) is None  # held: touched, not stored again
+    slot = index.get(second)
+    assert index.store(third) == slot  # the second was the least recently used
+    assert second not in index and index.num_evicted == 1
+    index.touch([first])
+    index.store(second)
+    assert first in index and third not in index
+    index.discard(first)
+    assert index.store(third) is not None and len(index) == 2
+    index.reset()
+    assert len(index) == 0
+
+
+def test_digests_match_the_prefix_cache(model):
+    """The pool is keyed by the prefix cache's chained digests (an adapter, salt or image
+    changes them exactly as it changes the prefix cache's)."""
+    (prompt,) = random_prompts([9], seed=16)
+    llm = offloading(model, 64, enable_prefix_caching=False)
+    generate(llm, [prompt], max_tokens=2)
+    request = llm_request(prompt)
+    digests = update_block_hashes(request, BLOCK)
+    assert all(digest in external(llm).connector.index for digest in digests)
