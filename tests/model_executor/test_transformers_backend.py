@@ -147,10 +147,9 @@ def test_sliding_window_beyond_the_window(tmp_path: Path) -> None:
         (dict(model_impl="pagedlm"), "not supported by model_impl='vllm'"),
         (dict(model_impl="hf"), r"model_impl='hf' is unknown.*auto, vllm, transformers"),
         (dict(pipeline_parallel_size=2), "does not support pipeline_parallel_size above 1"),
-        (dict(enable_lora=True), "does not support LoRA adapters; drop enable_lora"),
         (dict(runner="pooling"), "does not support the pooling runner"),
     ],
-    ids=["vllm", "pagedlm-alias", "unknown", "pp2", "lora", "pooling"],
+    ids=["vllm", "pagedlm-alias", "unknown", "pp2", "pooling"],
 )
 def test_refusals_name_the_fix(glm, kwargs, match) -> None:
     args = EngineArgs(model=str(glm[0]), skip_tokenizer_init=True, **kwargs)
@@ -384,3 +383,22 @@ def test_a_pre_quantized_checkpoint_is_refused(tmp_path: Path) -> None:
         ValueError, match=r"pre-quantized checkpoints \(this one's: fp8\).*quantization='fp8'"
     ):
         args.create_engine_config()
+
+
+def test_lora_adapters_on_the_backend(glm, tmp_path: Path) -> None:
+    """A PEFT adapter of GLM's own projections (its packed gate_up_proj among them): the
+    tokens of transformers with the adapter merged, and the base model's beside them."""
+    from pagedlm import LoRARequest
+    from peft_adapters import make_adapter
+
+    path, _, prompts, expected = glm
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]
+    merged = make_adapter(path, tmp_path / "adapter", modules)
+    llm = _llm(path, enable_lora=True, max_lora_rank=8)
+    lora = LoRARequest("adapter", 1, str(tmp_path / "adapter"))
+    sampling = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    both = [{"prompt_token_ids": p} for p in prompts[:3]] * 2
+    outputs = llm.generate(both, sampling, use_tqdm=False, lora_request=[lora] * 3 + [None] * 3)
+    adapted = hf_greedy(merged, prompts[:3], NEW_TOKENS)
+    assert _tokens(outputs) == adapted + expected[:3]
+    assert adapted != expected[:3]  # the adapter changed the outputs

@@ -67,7 +67,7 @@ class InputProcessor:
         from pagedlm.structured_output.params import DEFAULT_MAX_SPEC_CHARS
 
         self.model_config = model_config
-        self.adapters = AdapterChecker(lora_config, model_config.arch)
+        self.adapters = AdapterChecker(lora_config, model_config.arch, model_config.model_impl)
         self.multimodal = MultiModalInputs(model_config, multimodal_config or MultiModalConfig())
         self.scheduling_policy = scheduling_policy
         self.logits_processors = logits_processors

@@ -20,9 +20,12 @@ _MAX_REMEMBERED = 256
 class AdapterChecker:
     """``config``: the engine's LoRA settings (None: ``enable_lora`` is off)."""
 
-    def __init__(self, config: LoRAConfig | None, arch: ArchConfig) -> None:
+    def __init__(
+        self, config: LoRAConfig | None, arch: ArchConfig, model_impl: str = "vllm"
+    ) -> None:
         self.config = config
         self.arch = arch
+        self.model_impl = model_impl
         self._checked: OrderedDict[int, tuple[str, PeftAdapterConfig]] = OrderedDict()
         """Adapter id -> (its path, its checked config), oldest first."""
 
@@ -49,7 +52,10 @@ class AdapterChecker:
                 f"{path!r}; give every adapter its own lora_int_id."
             )
         if remembered is None:
-            remembered = (path, check_adapter(path, self.arch, self.config.max_lora_rank))
+            remembered = (
+                path,
+                check_adapter(path, self.arch, self.config.max_lora_rank, self.model_impl),
+            )
             self._checked[lora_id] = remembered
             if len(self._checked) > _MAX_REMEMBERED:
                 self._checked.popitem(last=False)

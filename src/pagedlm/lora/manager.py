@@ -92,9 +92,11 @@ class LoRAManager:
         ops: LoRAOps,
         dtype: torch.dtype,
         device: torch.device,
+        model_impl: str = "vllm",
     ) -> None:
         self.config = config
         self.arch = arch
+        self.model_impl = model_impl
         self.graph_safe = ops.graph_safe
         self._token_slots = HostToDevice(max_num_tokens, torch.int32, device, fixed=True)
         self._token_slots.device.fill_(-1)
@@ -245,7 +247,9 @@ class LoRAManager:
     def _host_weights(self, lora: LoRARequest) -> AdapterWeights:
         weights = self._host_cache.get(lora.lora_int_id)
         if weights is None:
-            weights = load_adapter(lora.lora_path, self.arch, self.config.max_lora_rank)
+            weights = load_adapter(
+                lora.lora_path, self.arch, self.config.max_lora_rank, self.model_impl
+            )
             logger.info("LoRA adapter %r (id %d) loaded", lora.lora_name, lora.lora_int_id)
             self._host_cache[lora.lora_int_id] = weights
             while len(self._host_cache) > self.config.host_cache_size:
@@ -292,4 +296,5 @@ def make_lora(
         platform.lora_ops(),
         config.model.dtype,
         platform.device,
+        config.model.model_impl,
     )

@@ -104,25 +104,25 @@ def _read_config(file: Path, max_lora_rank: int) -> dict:
     return raw
 
 
-def _renames(arch: ArchConfig) -> tuple[tuple[str, str], ...]:
+def _renames(arch: ArchConfig, model_impl: str) -> tuple[tuple[str, str], ...]:
     from pagedlm.model_executor.models.registry import get_model_class
 
-    return getattr(get_model_class(arch.architecture), "hf_renames", ())
+    return getattr(get_model_class(arch.architecture, model_impl), "hf_renames", ())
 
 
-def _our_module(module: str, arch: ArchConfig) -> str:
+def _our_module(module: str, arch: ArchConfig, model_impl: str) -> str:
     """An adapter's module path in the model's own names: the architecture's checkpoint
     renames applied (Phi's ``self_attn.dense`` is its ``o_proj``, ``mlp.fc1`` its
     ``fc_in``), as ``load_weights`` applies them to the base model's tensors."""
     name = f".{module}."
-    for theirs, ours in _renames(arch):
+    for theirs, ours in _renames(arch, model_impl):
         name = name.replace(theirs, ours)
     return name[1:-1]
 
 
-def _our_leaf(target: str, arch: ArchConfig) -> str:
+def _our_leaf(target: str, arch: ArchConfig, model_impl: str) -> str:
     """A ``target_modules`` entry (a bare name such as ``fc1``) in the model's names."""
-    for theirs, ours in _renames(arch):
+    for theirs, ours in _renames(arch, model_impl):
         if theirs.strip(".").rpartition(".")[2] == target:
             return ours.strip(".").rpartition(".")[2]
     return target
@@ -153,7 +153,9 @@ def _check_module(module: str, arch: ArchConfig, shapes: dict[str, tuple[int, in
     return leaf
 
 
-def check_adapter(path: str, arch: ArchConfig, max_lora_rank: int) -> PeftAdapterConfig:
+def check_adapter(
+    path: str, arch: ArchConfig, max_lora_rank: int, model_impl: str = "vllm"
+) -> PeftAdapterConfig:
     """Validate ``path`` for ``arch`` without reading tensors; raises ValueError naming
     the problem (missing files, rank above ``max_lora_rank``, a module the model lacks, a
     shape of another base model, MoE experts)."""
@@ -162,11 +164,11 @@ def check_adapter(path: str, arch: ArchConfig, max_lora_rank: int) -> PeftAdapte
     config_file, weights_file = _files(path)
     raw = _read_config(config_file, max_lora_rank)
     rank = raw["r"]
-    shapes = module_shapes(arch)
+    shapes = module_shapes(arch, model_impl)
     targets = raw.get("target_modules")
     if isinstance(targets, list):
         for target in targets:
-            _check_module(f"model.layers.0.{_our_leaf(target, arch)}", arch, shapes)
+            _check_module(f"model.layers.0.{_our_leaf(target, arch, model_impl)}", arch, shapes)
     found: dict[str, set[str]] = {}
     with safe_open(str(weights_file), framework="pt") as tensors:
         for key in tensors.keys():  # noqa: SIM118 - safe_open has no __iter__
@@ -176,7 +178,7 @@ def check_adapter(path: str, arch: ArchConfig, max_lora_rank: int) -> PeftAdapte
                     f"LoRA adapter {path!r}: tensor {key!r} is not a lora_A/lora_B weight "
                     "(embedding, bias or DoRA tensors are not supported)."
                 )
-            module, kind = _our_module(match["module"], arch), match["kind"]
+            module, kind = _our_module(match["module"], arch, model_impl), match["kind"]
             in_features, out_features = shapes[_check_module(module, arch, shapes)]
             expected = (rank, in_features) if kind == "A" else (out_features, rank)
             shape = tuple(tensors.get_slice(key).get_shape())
@@ -200,19 +202,21 @@ def check_adapter(path: str, arch: ArchConfig, max_lora_rank: int) -> PeftAdapte
     )
 
 
-def load_adapter(path: str, arch: ArchConfig, max_lora_rank: int) -> AdapterWeights:
+def load_adapter(
+    path: str, arch: ArchConfig, max_lora_rank: int, model_impl: str = "vllm"
+) -> AdapterWeights:
     """Check, then read the adapter's tensors (float32, host), B scaled."""
     import torch
     from safetensors.torch import load_file
 
-    config = check_adapter(path, arch, max_lora_rank)
+    config = check_adapter(path, arch, max_lora_rank, model_impl)
     tensors = load_file(str(_files(path)[1]), device="cpu")
     modules = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key)
         assert match is not None, "check_adapter accepted every key"
         if match["kind"] == "A":
-            module = _our_module(match["module"], arch)
+            module = _our_module(match["module"], arch, model_impl)
             lora_b = tensors[key[: -len("lora_A.weight")] + "lora_B.weight"]
             modules[module] = (
                 tensor.to(torch.float32),

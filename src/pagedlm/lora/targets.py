@@ -54,31 +54,51 @@ def check_lora_architecture(arch: ArchConfig) -> None:
         )
 
 
-def module_shapes(arch: ArchConfig) -> dict[str, tuple[int, int]]:
+def module_shapes(arch: ArchConfig, model_impl: str = "vllm") -> dict[str, tuple[int, int]]:
     """HF projection name -> (in_features, out_features) of the whole (unsharded) layer,
-    for the projections this architecture has (``adaptable_modules``)."""
-    available = adaptable_modules(arch)
-    return {name: shape for name, shape in _shapes(arch).items() if name in available}
+    for the projections this architecture has (``adaptable_modules``). On the Transformers
+    backend (``model_impl="transformers"``) the layers are transformers' own, one per
+    projection, and their sizes are read from them."""
+    shapes = _model_modules(arch, model_impl)
+    if model_impl == "transformers":
+        return dict(shapes)
+    return {name: shape for name, shape in _shapes(arch).items() if name in shapes}
 
 
-_ADAPTABLE: dict[str, frozenset[str]] = {}
-"""``repr(arch)`` -> ``adaptable_modules(arch)`` (an ``ArchConfig`` holds a dict: unhashable)."""
+_MODULES: dict[tuple[str, str], dict[str, tuple[int, int]]] = {}
+"""``(repr(arch), model_impl)`` -> ``_model_modules`` (an ``ArchConfig`` holds a dict:
+unhashable)."""
 
 
-def adaptable_modules(arch: ArchConfig) -> frozenset[str]:
+def adaptable_modules(arch: ArchConfig, model_impl: str = "vllm") -> frozenset[str]:
     """The projection names an adapter may target in this architecture: its linear layers'
     own and the HF names its merged layers hold (``q_proj`` of ``qkv_proj``), found once
     per configuration by building the model on the meta device."""
-    key = repr(arch)
-    if key not in _ADAPTABLE:
+    return frozenset(_model_modules(arch, model_impl))
+
+
+def _model_modules(arch: ArchConfig, model_impl: str) -> dict[str, tuple[int, int]]:
+    """Projection name -> the whole layer's (in, out) features (a merged layer's: the
+    native shapes come from ``_shapes``), from the model built on the meta device."""
+    key = (repr(arch), model_impl)
+    if key not in _MODULES:
         import torch
 
         from pagedlm.model_executor.models.registry import get_model_class
 
         with torch.device("meta"):  # modules only: no memory, no weights
-            model = get_model_class(arch.architecture)(arch)
-        _ADAPTABLE[key] = frozenset(name.rpartition(".")[2] for name in lora_targets(model))
-    return _ADAPTABLE[key]
+            model = get_model_class(arch.architecture, model_impl)(arch)
+        modules = dict(model.named_modules())
+        _MODULES[key] = {
+            name.rpartition(".")[2]: _whole_features(modules[target.module_name])
+            for name, target in lora_targets(model).items()
+        }
+    return _MODULES[key]
+
+
+def _whole_features(layer: object) -> tuple[int, int]:
+    """A tensor-parallel layer's unsharded (in, out) features."""
+    return layer.input_size, layer.output_size  # type: ignore[attr-defined]
 
 
 def _shapes(arch: ArchConfig) -> dict[str, tuple[int, int]]:
@@ -131,10 +151,15 @@ def lora_targets(model: object) -> dict[str, LoRATarget]:
 
     assert isinstance(model, nn.Module)
     stacked = getattr(model, "stacked_params", ())
+    # The Transformers backend holds transformers' model under a name of its own (``hf.``).
+    prefix = getattr(model, "lora_module_prefix", "")
     targets: dict[str, LoRATarget] = {}
-    for name, module in model.named_modules():
+    for module_name, module in model.named_modules():
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             continue
+        if not module_name.startswith(prefix):
+            continue
+        name = module_name.removeprefix(prefix)
         parent, _, leaf = name.rpartition(".")
         parts = [
             (_leaf(part), _shard_index(shard))
@@ -143,8 +168,8 @@ def lora_targets(model: object) -> dict[str, LoRATarget]:
         ]
         num_slices = len(layer_slices(module))
         for part, index in parts:
-            targets[f"{parent}.{part}"] = LoRATarget(name, (index,))
-        targets[name] = LoRATarget(name, tuple(range(num_slices)))
+            targets[f"{parent}.{part}"] = LoRATarget(module_name, (index,))
+        targets[name] = LoRATarget(module_name, tuple(range(num_slices)))
     return targets
 
 

@@ -160,6 +160,8 @@ class TransformersForCausalLM(nn.Module):
     scale, sliding window and soft cap.
     """
 
+    lora_module_prefix: ClassVar[str] = "hf."
+    """LoRA adapters name transformers' modules, which live under ``hf``."""
     capture_may_fail: ClassVar[bool] = True
     """transformers' forward may wait for the device or branch on device values (dynamic
     rotary scaling reads the longest position): a failed CUDA-graph capture leaves the
