@@ -19,7 +19,7 @@ from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.cli_args import add_engine_args, engine_args_from_cli
 from pagedlm.kv_cache.hashing import update_block_hashes
 from pagedlm.kv_transfer.host_pool import HostBlockIndex
-from pagedlm.kv_transfer.offloading import host_block_bytes, num_host_blocks
+from pagedlm.kv_transfer.offloading_config import host_block_bytes, num_host_blocks
 from tiny_checkpoints import random_prompts, save_random_model
 
 BLOCK = 4

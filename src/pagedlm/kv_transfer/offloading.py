@@ -32,13 +32,16 @@ weights).
 from __future__ import annotations
 
 import logging
-import math
 from typing import TYPE_CHECKING
 
 from pagedlm.kv_cache.hashing import update_block_hashes
-from pagedlm.kv_cache.interface import kv_bytes_per_block
 from pagedlm.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from pagedlm.kv_transfer.host_pool import HostBlockIndex, HostKVStore
+from pagedlm.kv_transfer.offloading_config import (
+    check_extra_config,
+    host_block_bytes,
+    num_host_blocks,
+)
 from pagedlm.step.kv_transfer import BlockTransfer, KVConnectorMetadata, KVConnectorOutput
 
 if TYPE_CHECKING:
@@ -48,87 +51,6 @@ if TYPE_CHECKING:
     from pagedlm.step import SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-EXTRA_CONFIG_KEYS = (
-    "cpu_bytes_to_use",
-    "num_cpu_blocks",
-    "block_size",
-    "eviction_policy",
-    "spec_name",
-)
-EVICTION_POLICIES = ("lru",)
-SPEC_NAMES = ("CPUOffloadingSpec",)
-
-
-def host_block_bytes(config: EngineConfig) -> int:
-    """Bytes one host block takes: every layer's keys and values of one cache block, in
-    the cache's dtype."""
-    from pagedlm.kv_cache.fp8 import kv_cache_torch_dtype
-
-    arch = config.model.arch
-    return kv_bytes_per_block(
-        config.cache.block_size,
-        arch.num_hidden_layers,
-        arch.num_key_value_heads,
-        arch.head_dim,
-        kv_cache_torch_dtype(config.cache.cache_dtype, config.model.dtype),
-    )
-
-
-def num_host_blocks(config: EngineConfig) -> int:
-    """The pool's size in blocks: ``num_cpu_blocks``, or ``cpu_bytes_to_use`` over the
-    bytes of one block (``check_config`` has refused anything else)."""
-    assert config.kv_transfer is not None
-    extra = config.kv_transfer.kv_connector_extra_config
-    if extra.get("num_cpu_blocks") is not None:
-        return int(extra["num_cpu_blocks"])
-    return int(extra["cpu_bytes_to_use"]) // host_block_bytes(config)
-
-
-def _check_extra_config(config: EngineConfig) -> None:
-    assert config.kv_transfer is not None
-    extra = config.kv_transfer.kv_connector_extra_config
-    name = config.kv_transfer.kv_connector
-    unknown = sorted(set(extra) - set(EXTRA_CONFIG_KEYS))
-    if unknown:
-        raise ValueError(
-            f"Unknown kv_connector_extra_config key(s) {unknown} for {name}; known: "
-            f"{list(EXTRA_CONFIG_KEYS)}."
-        )
-    size_keys = [key for key in ("cpu_bytes_to_use", "num_cpu_blocks") if extra.get(key)]
-    if len(size_keys) != 1:
-        raise ValueError(
-            f"{name} needs the host pool's size: kv_connector_extra_config cpu_bytes_to_use "
-            "(bytes) or num_cpu_blocks (blocks), one of them, e.g. "
-            '{"cpu_bytes_to_use": 4294967296}; or start with --kv-offloading-size <GiB> '
-            "instead of kv_transfer_config."
-        )
-    value = extra[size_keys[0]]
-    valid = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if size_keys[0] == "num_cpu_blocks":
-        valid = valid and float(value).is_integer()
-    if not valid or not math.isfinite(value) or value <= 0:
-        what = "a positive whole number" if size_keys[0] == "num_cpu_blocks" else "positive"
-        raise ValueError(f"kv_connector_extra_config {size_keys[0]} must be {what}, got {value!r}.")
-    block_size = extra.get("block_size", config.cache.block_size)
-    if block_size != config.cache.block_size:
-        raise ValueError(
-            f"kv_connector_extra_config block_size={block_size!r}: pagedlm's {name} keeps "
-            f"host blocks of the cache's block_size ({config.cache.block_size}); drop "
-            "block_size or set it to the cache's."
-        )
-    policy = extra.get("eviction_policy", "lru")
-    if policy not in EVICTION_POLICIES:
-        raise ValueError(
-            f"kv_connector_extra_config eviction_policy={policy!r} is not supported; "
-            f"pagedlm's {name} evicts the least recently used block: use 'lru' or drop it."
-        )
-    spec = extra.get("spec_name", SPEC_NAMES[0])
-    if spec not in SPEC_NAMES:
-        raise ValueError(
-            f"kv_connector_extra_config spec_name={spec!r}: pagedlm's {name} has only "
-            f"{list(SPEC_NAMES)} (host memory); drop spec_name."
-        )
 
 
 class OffloadingConnector(KVConnectorBase):
@@ -167,7 +89,7 @@ class OffloadingConnector(KVConnectorBase):
                 f"it both fills and reads: kv_role must be 'kv_both', not "
                 f"{config.kv_transfer.kv_role!r}."
             )
-        _check_extra_config(config)
+        check_extra_config(config)
         if num_host_blocks(config) < 1:
             raise ValueError(
                 f"The KV offloading pool holds no block: one block takes "
