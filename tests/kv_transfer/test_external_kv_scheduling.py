@@ -64,12 +64,16 @@ class FakeConnector(KVConnectorBase):
         raise AssertionError("scheduler side only")
 
 
-def make(max_seqs: int = 8) -> tuple[OneBudgetScheduler, FakeConnector]:
+def make(
+    max_seqs: int = 8, num_blocks: int = NUM_BLOCKS, **config
+) -> tuple[OneBudgetScheduler, FakeConnector]:
     connector = FakeConnector()
     scheduler = OneBudgetScheduler(
-        SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=64, max_model_len=128),
+        SchedulerConfig(
+            max_num_seqs=max_seqs, max_num_batched_tokens=64, max_model_len=128, **config
+        ),
         CacheConfig(block_size=BLOCK),
-        NUM_BLOCKS,
+        num_blocks,
         kv_connector=connector,
     )
     return scheduler, connector
@@ -192,3 +196,115 @@ def test_preempting_for_a_pause_releases_loaded_blocks():
     # Resumed, it loads again from storage.
     again = scheduler.schedule()
     assert [t.req_id for t in again.kv_connector_metadata.loads] == ["a"]
+
+
+def run_to_completion(scheduler: OneBudgetScheduler, max_steps: int = 60) -> list[str]:
+    """Steps until every request ends; returns the order they ended in. A hang fails."""
+    ended = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return ended
+        before = set(scheduler.requests)
+        collect(scheduler, scheduler.schedule())
+        ended += sorted(before - set(scheduler.requests))
+    raise AssertionError(
+        f"no progress: waiting {[(r.request_id, r.status.name) for r in scheduler.waiting]}, "
+        f"running {[r.request_id for r in scheduler.running]}, "
+        f"{scheduler.kv_manager.num_free_blocks} blocks free"
+    )
+
+
+def test_a_loaded_request_gives_its_blocks_back_before_a_running_one_is_preempted():
+    scheduler, connector = make(num_blocks=5)
+    store(connector, PROMPT, 3)
+    runs = Request("runs", [1, 2, 3, 4], SamplingParams(max_tokens=12), eos_token_ids=set())
+    scheduler.add_request(runs)
+    scheduler.add_request(request("loads", PROMPT))
+    first = scheduler.schedule()  # "loads" takes the 4 blocks "runs" does not hold
+    assert [t.req_id for t in first.kv_connector_metadata.loads] == ["loads"]
+    assert scheduler.kv_manager.num_free_blocks == 0
+    collect(scheduler, first)
+
+    second = scheduler.schedule()  # "runs" needs a second block: the loaded ones go back
+    assert second.num_scheduled_tokens == {"runs": 1} and not second.preempted_req_ids
+    assert scheduler.external.num_holding == 0
+    collect(scheduler, second)
+    assert run_to_completion(scheduler) == ["runs", "loads"]
+    assert scheduler.num_preemptions == 0
+
+
+def test_a_head_that_cannot_be_admitted_takes_back_the_blocks_of_loaded_requests():
+    scheduler, connector = make(num_blocks=5, scheduling_policy="priority")
+    store(connector, PROMPT, 3)
+    scheduler.add_request(request("loads", PROMPT))
+    collect(scheduler, scheduler.schedule())
+    assert scheduler.external.is_loaded(scheduler.requests["loads"])
+    urgent = Request("urgent", list(range(8)), SamplingParams(max_tokens=2), priority=-1)
+    scheduler.add_request(urgent)  # ahead of "loads"; needs 3 blocks, 1 is free
+
+    output = scheduler.schedule()
+    assert output.num_scheduled_tokens == {"urgent": 8}
+    assert not scheduler.external.is_loaded(scheduler.requests["loads"])
+    collect(scheduler, output)
+    assert run_to_completion(scheduler) == ["urgent", "loads"]
+
+
+def test_a_head_with_stored_blocks_takes_back_the_seats_of_loaded_requests():
+    scheduler, connector = make(num_blocks=32, max_seqs=1, scheduling_policy="priority")
+    urgent_prompt = list(range(200, 214))
+    store(connector, PROMPT, 3)
+    store(connector, urgent_prompt, 3)
+    scheduler.add_request(request("loads", PROMPT))
+    collect(scheduler, scheduler.schedule())
+    urgent = Request("urgent", urgent_prompt, SamplingParams(max_tokens=2), priority=-1)
+    scheduler.add_request(urgent)  # ahead of "loads", whose load holds the only seat
+
+    output = scheduler.schedule()
+    assert [t.req_id for t in output.kv_connector_metadata.loads] == ["urgent"]
+    collect(scheduler, output)
+    # "loads" finds its released blocks as a local hit, with nothing left to load.
+    assert sorted(run_to_completion(scheduler)) == ["loads", "urgent"]
+
+
+def collect_in_flight(scheduler: OneBudgetScheduler, output: SchedulerOutput) -> None:
+    """The fake workers for a step collected after the next was scheduled: a request samples
+    token 7 when the step reaches past its prompt (its count at collection may differ)."""
+    report = None
+    if output.kv_connector_metadata is not None:
+        loads = output.kv_connector_metadata.loads
+        report = KVConnectorOutput(finished_recving={t.req_id for t in loads})
+    sampled = [
+        [7]
+        if start + output.num_scheduled_tokens[req_id]
+        >= len(scheduler.requests[req_id].prompt_token_ids)
+        else []
+        for req_id, start in zip(output.req_ids, output.num_computed_tokens, strict=True)
+    ]
+    runner_output = ModelRunnerOutput(output.req_ids, sampled, kv_connector_output=report)
+    scheduler.update_from_output(output, runner_output)
+
+
+def test_a_preempted_head_takes_back_blocks_loaded_while_its_step_was_in_flight():
+    scheduler, connector = make(num_blocks=5, async_scheduling=True)
+    store(connector, PROMPT, 3)
+    runs = Request("runs", [1, 2, 3, 4], SamplingParams(max_tokens=12), eos_token_ids=set())
+    scheduler.add_request(runs)
+    scheduler.add_request(request("loads", PROMPT))
+    in_flight = scheduler.schedule()  # "runs" computes its prompt, "loads" loads
+    assert scheduler.kv_manager.num_free_blocks == 0
+    # "runs" needs a second block while the load (not releasable) is in flight.
+    in_flight, collected = scheduler.schedule(), in_flight
+    assert in_flight.preempted_req_ids == {"runs"}
+    collect_in_flight(scheduler, collected)
+    assert scheduler.external.is_loaded(scheduler.requests["loads"])
+
+    ended = []
+    for _ in range(40):  # the preempted head needs the loaded request's blocks
+        if not scheduler.has_unfinished_requests():
+            break
+        before = set(scheduler.requests)
+        in_flight, collected = scheduler.schedule(), in_flight
+        collect_in_flight(scheduler, collected)
+        ended += sorted(before - set(scheduler.requests))
+    collect_in_flight(scheduler, in_flight)
+    assert ended == ["runs", "loads"] and not scheduler.has_unfinished_requests()

@@ -269,3 +269,38 @@ def test_digests_match_the_prefix_cache(model):
     request = llm_request(prompt)
     digests = update_block_hashes(request, BLOCK)
     assert all(digest in external(llm).connector.index for digest in digests)
+
+
+@pytest.mark.parametrize("async_scheduling,delay", [(False, 36), (True, 35)])
+def test_a_loaded_prompt_never_stalls_a_request_that_needs_its_blocks(
+    model, async_scheduling, delay
+):
+    """A long generation fills the cache while a prompt loads its evicted prefix from the
+    host into the remaining blocks; the generation needs one more block the very next step.
+    The loaded prompt gives its blocks back (to load or hit them again later) instead of
+    holding them while the generation, preempted, waits for them at the head of the queue."""
+    (prompt,) = random_prompts([21], seed=3)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    long_params = SamplingParams(max_tokens=56, temperature=0.0, ignore_eos=True)
+    reference = LLM(model, **ENGINE)
+    expected = tokens(generate(reference, [[1, 2, 3, 4]], max_tokens=56)) + tokens(
+        generate(reference, [prompt], max_tokens=4)
+    )
+    llm = offloading(model, 64, async_scheduling=async_scheduling)
+    generate(llm, [prompt], max_tokens=2)
+    generate(llm, random_prompts([21, 21, 21], seed=4), max_tokens=2)  # evicts its blocks
+    engine = llm.llm_engine
+    engine.add_request("long", {"prompt_token_ids": [1, 2, 3, 4]}, long_params)
+    for _ in range(delay):
+        engine.step()
+    engine.add_request("loads", {"prompt_token_ids": prompt}, params)
+    finished = {}
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        finished.update({out.request_id: out for out in engine.step() if out.finished})
+    assert not engine.has_unfinished_requests(), "no progress"
+    assert [finished["long"].outputs[0].token_ids, finished["loads"].outputs[0].token_ids] == (
+        expected
+    )
+    assert external(llm).num_loaded_tokens > 0

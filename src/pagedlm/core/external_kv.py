@@ -5,8 +5,7 @@ Loading takes a step of its own, before the request joins any batch:
 
 1. Admission (``start_load``): after a waiting request's local prefix-cache hit, the
    connector says how many following tokens it can load. If any, the request gets blocks
-   for its whole prompt at once (so once loaded it is always admissible, and never waits
-   for blocks while holding some: no deadlock between requests holding loaded blocks),
+   for its whole prompt at once (so once loaded it needs no new block to be admitted),
    stays in ``waiting`` as ``WAITING_FOR_REMOTE_KVS`` and is skipped like a compiling
    grammar. The new blocks are not indexed in the prefix cache yet: no other request may
    hit a block before it is known to hold the right KV.
@@ -20,6 +19,14 @@ Under asynchronous scheduling the load is collected one step later than synchron
 nothing else differs: the loaded blocks are written on the device stream before any step
 that reads them. A loading or loaded request counts against ``max_num_seqs`` when another
 load is started, so loads cannot fill the cache with requests that have no seat.
+
+Progress: a loaded request waits in the queue behind requests that may need its blocks or
+its seat (a preempted request goes back to the front). So loaded requests give their
+blocks back (``release_loaded``) before a running request is preempted for blocks, and
+whenever the head of the queue cannot be admitted or start its load; released blocks stay
+in the prefix cache, so a released request usually finds them again as a local hit.
+Loading requests keep theirs (a load in flight writes them, and its report must not be
+taken for a later load's); they are loaded, and releasable, once their step is collected.
 """
 
 from __future__ import annotations
@@ -122,14 +129,18 @@ class ExternalKV:
             request.status = RequestStatus.WAITING
             self.loaded[req_id] = request
 
-    def release_loaded(self) -> None:
-        """Free the blocks of loaded requests not admitted yet (they wait as new ones, and
-        load again when admitted): no request holds blocks afterwards but running ones."""
-        for request in self.loaded.values():
+    def release_loaded(self, keep: Request | None = None) -> bool:
+        """Free the blocks of loaded requests not admitted yet, but ``keep``'s (they wait as
+        new ones: their blocks stay in the prefix cache, and what is gone loads again).
+        Returns whether any was released. Afterwards no waiting request holds blocks but
+        ``keep`` and loading ones."""
+        released = [request for request in self.loaded.values() if request is not keep]
+        for request in released:
+            del self.loaded[request.request_id]
             self.kv_manager.free(request)
             request.num_computed_tokens = 0
             request.num_external_computed_tokens = 0
-        self.loaded.clear()
+        return bool(released)
 
     def finished(self, request: Request) -> None:
         self.loading.pop(request.request_id, None)

@@ -71,6 +71,8 @@ whose prompt continues, after its local prefix-cache hit, with blocks another en
 first has them loaded in a step of its own (it waits as ``WAITING_FOR_REMOTE_KVS``, holding
 blocks for its whole prompt); the collected load counts its good blocks as computed, like
 prefix-cache hits, and the request is admitted in a later step (``core/external_kv.py``).
+Loaded requests waiting for admission give their blocks back before a running request is
+preempted, and when the head of the queue cannot be admitted, so they never stall it.
 Every step's ``SchedulerOutput`` carries the connector's loads and saves.
 
 Priority policy (``scheduling_policy="priority"``, vLLM's): ``waiting`` and ``running``
@@ -388,12 +390,16 @@ class OneBudgetScheduler(Scheduler):
                 computed = self.kv_manager.get_computed_blocks(request)
                 loading = self._start_external_load(request, computed)
                 if loading is None:
+                    if self.external.release_loaded(keep=request):
+                        continue  # the head again, with the blocks and seats they held
                     break
                 if loading:
                     skipped.append(self.waiting.popleft())
                     continue
             num_new_tokens = self._admit(request, budget, spec, computed)
             if num_new_tokens is None:
+                if self.external is not None and self.external.release_loaded(keep=request):
+                    continue  # loaded requests behind it must not hold the queue up
                 break
             self.waiting.popleft()
             new_reqs.append(
@@ -510,6 +516,8 @@ class OneBudgetScheduler(Scheduler):
             new_block_ids = self.kv_manager.allocate_slots(request, num_new_tokens)
             if new_block_ids is not None:
                 return new_block_ids
+            if self.external is not None and self.external.release_loaded():
+                continue  # waiting requests' loaded blocks go before any running request
             victim = self.running.pop()
             self._preempt(victim)
             preempted.append(victim)
