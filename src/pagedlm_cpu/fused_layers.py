@@ -170,7 +170,7 @@ def install_fused_kernels(model: nn.Module) -> int:
     multimodal rotary variants) keep their own code; so do layers with a kernel already."""
     switched = 0
     for module in model.modules():
-        if type(module) is RMSNorm and module.kernel is None:
+        if RMSNorm.takes_kernel(module) and module.kernel is None:
             module.set_kernel(rms_norm)
         elif (
             type(module) is RotaryEmbedding

@@ -177,7 +177,7 @@ def install_fused_kernels(model: nn.Module) -> int:
             if module.kernel is not None or module.weight.dtype not in _GEMV_DTYPES:
                 continue
             module.set_kernel(SingleRowLinear(module))
-        elif isinstance(module, RMSNorm) and type(module) is RMSNorm:
+        elif RMSNorm.takes_kernel(module):
             module.set_kernel(_rms_norm_kernel)
         elif isinstance(module, RotaryEmbedding) and type(module) in _PLAIN_ROTARY:
             if module.head_dim & (module.head_dim - 1):

@@ -42,6 +42,16 @@ class RMSNorm(nn.Module):
         out = self.weight * x32.to(dtype)
         return out if residual is None else (out, residual)
 
+    same_math: bool = False
+    """A subclass that only reshapes around ``RMSNorm.forward`` (the Transformers
+    backend's) sets True, so platforms give it their kernel (``takes_kernel``); any other
+    subclass computes something else and keeps its own code."""
+
+    @classmethod
+    def takes_kernel(cls, module: nn.Module) -> bool:
+        """Whether a platform's RMSNorm kernel computes ``module``."""
+        return type(module) is RMSNorm or (isinstance(module, RMSNorm) and type(module).same_math)
+
     def set_kernel(self, kernel: RMSNormKernel | None) -> None:
         """Compute this norm with ``kernel`` from now on (None: back to the torch code)."""
         self.kernel = kernel

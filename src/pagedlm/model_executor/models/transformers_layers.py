@@ -80,6 +80,8 @@ class RowLinear(RowParallelLinear):
 class Norm(RMSNorm):
     """transformers' RMSNorm over [..., hidden] as pagedlm's (kernels take 2-D inputs)."""
 
+    same_math = True  # platforms' RMSNorm kernels serve it
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return _rows(super().forward, x)
 
