@@ -212,24 +212,3 @@ def test_swiglu_mlp_runs_one_row_through_the_fused_epilogue(monkeypatch) -> None
     monkeypatch.setattr(fused_layers.SingleRowLinear, "silu_and_mul", None)
     assert torch.equal(mlp(x[:1]), got[0]) and calls == [33, 1]
     assert torch.equal(mlp(x[:3]), got[1]) and calls == [33, 1, 3]
-
-
-@pytest.mark.parametrize("shape", [(40, 600), (96, 1100), (33, 64)])
-def test_preloading_two_slices_gives_the_same_bits(shape, monkeypatch) -> None:
-    """PAGEDLM_GEMV_PRELOAD=2 reads a second slice before the PDL wait and sums it in the
-    loop's order: the same bits as one slice (and one-slice weights are unchanged)."""
-    from pagedlm_cuda.kernels import gemv as gemv_module
-
-    n, k = shape
-    torch.manual_seed(n + k)
-    x = torch.randn(1, k, device=DEVICE).to(torch.bfloat16)
-    weight = (torch.randn(n, k, device=DEVICE) / k**0.5).to(torch.bfloat16)
-    config = GemvConfig(16, 256, 4)
-    one = gemv(x, weight, config=config)
-    gemv_module._preload_setting.cache_clear()
-    monkeypatch.setenv(gemv_module.PRELOAD_ENV, "2")
-    try:
-        two = gemv(x, weight, config=config)
-    finally:
-        gemv_module._preload_setting.cache_clear()
-    assert torch.equal(one, two)

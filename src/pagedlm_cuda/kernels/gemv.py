@@ -68,33 +68,24 @@ def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_w,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PIPELINE: tl.constexpr, GATED: tl.constexpr,
-    USE_PDL: tl.constexpr, PRELOAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.allow_next(USE_PDL)
     rows, row_mask = weight_rows(N, BLOCK_N, GATED)
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
     cols = tl.arange(0, BLOCK_K)
-    # The first weight slice (the first two with PRELOAD == 2) is read before waiting for
-    # the kernel that produces x: weights never change, so this overlaps the previous
-    # kernel's tail.
+    # The first weight slice is read before waiting for the kernel that produces x:
+    # weights never change, so this overlaps the previous kernel's tail.
     k_mask = cols < K
     w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-    if PRELOAD == 2:
-        k_mask2 = cols + BLOCK_K < K
-        w2 = tl.load(
-            w_rows + BLOCK_K + cols[None, :], mask=row_mask[:, None] & k_mask2[None, :], other=0.0
-        )
     if HAS_SCALE:  # quantized rows (FP8): w[r] stands for w[r] * scale[r]
         scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
     pdl.wait_for_previous(USE_PDL)
     x = tl.load(x_ptr + cols, mask=k_mask, other=0.0)
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
-    if PRELOAD == 2:  # summed in the same order as the loop would
-        x2 = tl.load(x_ptr + BLOCK_K + cols, mask=k_mask2, other=0.0)
-        acc += w2.to(tl.float32) * x2.to(tl.float32)[None, :]
     # PIPELINE > 1 keeps that many slices in flight (copied asynchronously to shared
     # memory); a plain loop issues a slice's loads only once the previous one is summed.
-    for k0 in tl.range(PRELOAD * BLOCK_K, K, BLOCK_K, num_stages=PIPELINE):
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=PIPELINE):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < K
         w = tl.load(w_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -265,23 +256,6 @@ def gemv(
         HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PIPELINE=cfg.pipeline_stages,
         GATED=silu_and_mul, num_warps=cfg.num_warps, num_stages=cfg.pipeline_stages,
-        PRELOAD=_preload(k, cfg.block_k), **pdl.launch_options(),
+        **pdl.launch_options(),
     )  # fmt: skip
     return out
-
-
-PRELOAD_ENV = "PAGEDLM_GEMV_PRELOAD"
-"""For measuring only: 2 reads each program's first two weight slices (not one) before
-its PDL wait, where the weight has at least two."""
-
-
-@functools.cache
-def _preload_setting() -> int:
-    value = os.environ.get(PRELOAD_ENV, "1")
-    if value not in ("1", "2"):
-        raise ValueError(f"{PRELOAD_ENV} must be 1 or 2, got {value!r}.")
-    return int(value)
-
-
-def _preload(k: int, block_k: int) -> int:
-    return 2 if _preload_setting() == 2 and k > block_k else 1
