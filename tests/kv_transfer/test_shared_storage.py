@@ -10,14 +10,19 @@ fp32 Llama checkpoint, greedy decoding: the consumer's tokens must equal the pro
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+from pathlib import Path
 
 import pytest
+import torch
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.config import EngineConfig, KVTransferConfig
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.cli_args import add_engine_args, engine_args_from_cli
 from pagedlm.kv_cache.hashing import hash_block_tokens
+from pagedlm.kv_transfer.model_identity import model_digest
 from pagedlm.kv_transfer.shared_storage import SharedStorageConnector, storage_dir
 from tiny_checkpoints import random_prompts, save_random_model
 
@@ -245,3 +250,56 @@ def test_the_cli_flag_reaches_the_engine_config(model, tmp_path):
     assert config.kv_transfer.kv_role == "kv_consumer"
     assert config.kv_transfer.is_kv_consumer and not config.kv_transfer.is_kv_producer
     assert config.kv_transfer.kv_connector_extra_config == {"shared_storage_path": str(tmp_path)}
+
+
+def perturbed_copy(model: str, target) -> str:
+    """``model``'s config with other weights (a fine-tune of the same base, say)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, target)
+    weights = load_file(target / "model.safetensors")
+    generator = torch.Generator().manual_seed(5)
+    for name, tensor in weights.items():
+        if "proj" in name:
+            weights[name] = tensor + 0.08 * torch.randn(tensor.shape, generator=generator)
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    return str(target)
+
+
+def test_checkpoints_of_the_same_name_and_config_do_not_share_blocks(model, tmp_path):
+    other = perturbed_copy(model, tmp_path / "orgB" / Path(model).name)
+    prompts = random_prompts([17, 21], seed=9)
+    expected = tokens(generate(engine(other, tmp_path, None), prompts))
+    generate(engine(model, tmp_path / "kv", "kv_producer"), prompts)
+    consumer = engine(other, tmp_path / "kv", "kv_consumer")
+    assert tokens(generate(consumer, prompts)) == expected
+    assert loaded_tokens(consumer) == 0
+
+
+def digest(model: str, **overrides) -> str:
+    config, _ = EngineArgs(model=model, **{**ENGINE, **overrides}).create_engine_config()
+    return model_digest(config)
+
+
+def test_the_model_digest_names_the_weights(model, tmp_path):
+    copy = shutil.copytree(model, tmp_path / "copy")
+    assert digest(model) == digest(model)
+    assert digest(str(copy)) != digest(model)  # another path: maybe other weights
+    weights = copy / "model.safetensors"
+    before = digest(str(copy))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert digest(str(copy)) != before  # rewritten in place
+    dummy = digest(model, load_format="dummy")
+    assert dummy != digest(model)
+    assert digest(model, load_format="dummy", seed=1) != dummy
+
+
+def test_updating_the_weights_is_refused_naming_the_fix(model, tmp_path):
+    """The storage directory is named for the weights the engine started with: the new
+    weights' KV must be neither loaded from it nor stored in it."""
+    other = perturbed_copy(model, tmp_path / "new")
+    llm = engine(model, tmp_path / "kv", "kv_both")
+    with pytest.raises(ValueError, match="Start an engine on the new checkpoint"):
+        llm.llm_engine.update_weights_from_disk(other)
+    (prompt,) = random_prompts([9], seed=10)
+    assert generate(llm, [prompt])[0].num_cached_tokens == 0  # still serving the old weights

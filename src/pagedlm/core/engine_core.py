@@ -41,7 +41,7 @@ from pagedlm.core.request import Request
 from pagedlm.core.scheduler import OneBudgetScheduler
 from pagedlm.core.scheduler_interface import Scheduler, SchedulerStats
 from pagedlm.executor import Executor
-from pagedlm.kv_transfer.factory import KVConnectorRole, make_connector
+from pagedlm.kv_transfer.factory import KVConnectorRole, check_weight_update, make_connector
 from pagedlm.model_executor.loader.replacement import check_replacement
 from pagedlm.platforms import Platform
 from pagedlm.plugins.registry import select_executor
@@ -322,6 +322,7 @@ class EngineCore:
         prefixes are forgotten (their keys and values came from the old weights)."""
         if (model_path is None) == (weights is None):
             raise ValueError("Pass model_path or weights (one of them).")
+        check_weight_update(self.config)  # a KV connector whose store outlives these weights
         if "weights" in self.sleeping_tags:
             raise ValueError(
                 "The weights are asleep; wake_up(tags=['weights']) (or wake_up()) before "

@@ -72,6 +72,12 @@ class KVConnectorBase(ABC):
       failed too, or not trusted by the scheduler anyway.
     """
 
+    supports_weight_updates: bool = True
+    """Whether the engine may replace its weights (``update_weights``) while this connector
+    runs: ``reset_cache`` is called then, and must leave no KV of the old weights to load.
+    A connector whose store other engines share under the old weights' name says False, and
+    ``update_weights`` is refused naming the fix."""
+
     def __init__(self, config: EngineConfig, role: KVConnectorRole) -> None:
         assert config.kv_transfer is not None, "built only when kv_transfer_config is set"
         self.config = config

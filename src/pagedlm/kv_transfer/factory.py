@@ -47,3 +47,18 @@ def make_connector(config: EngineConfig, role: KVConnectorRole) -> KVConnectorBa
     if config.kv_transfer is None:
         return None
     return connector_class(config.kv_transfer)(config, role)
+
+
+def check_weight_update(config: EngineConfig) -> None:
+    """ValueError, naming the fix, when the configured connector cannot go on after the
+    weights are replaced (``KVConnectorBase.supports_weight_updates``)."""
+    transfer = config.kv_transfer
+    if transfer is None or connector_class(transfer).supports_weight_updates:
+        return
+    raise ValueError(
+        f"Cannot update the weights with kv_connector {transfer.kv_connector!r}: its stored "
+        "KV is named for the weights the engine started with, which other engines may still "
+        "use, so the new weights' KV would be stored and loaded as theirs. Start an engine on "
+        "the new checkpoint instead (its KV gets a storage directory of its own), or run "
+        "without kv_transfer_config."
+    )

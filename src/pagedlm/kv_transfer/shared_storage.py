@@ -5,8 +5,9 @@ A producer writes each full block of a prompt once its step has computed it, one
 safetensors file per block: ``<shared_storage_path>/pagedlm-<model>/<digest>.safetensors``,
 where ``<digest>`` is the block's chained prefix digest (``kv_cache/hashing.py``: the
 block's tokens, every token before it, and its adapter, cache salt, image and embedding
-keys) and ``<model>`` a digest of what shapes the KV (the checkpoint's config, its directory
-name, dtypes, block size, quantization). A consumer whose prompt starts with stored blocks
+keys) and ``<model>`` a digest of what shapes the KV (``model_identity.py``: the weights,
+named by their files' resolved path, names, sizes and modification times, or a dummy
+model's seed; the checkpoint's config, dtypes, block size, quantization). A consumer whose prompt starts with stored blocks
 loads the longest run of them after its local prefix-cache hit and computes the rest; a
 prompt that shares only a prefix with a stored one therefore loads that prefix.
 
@@ -26,7 +27,6 @@ loads whatever the role); only prompt tokens are saved, as vLLM's.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import tempfile
@@ -37,6 +37,7 @@ import torch
 
 from pagedlm.kv_cache.hashing import update_block_hashes
 from pagedlm.kv_transfer.base import KVConnectorBase, KVConnectorRole
+from pagedlm.kv_transfer.model_identity import FORMAT_VERSION, model_digest
 from pagedlm.step.kv_transfer import BlockTransfer, KVConnectorMetadata, KVConnectorOutput
 
 if TYPE_CHECKING:
@@ -50,24 +51,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_STORAGE_PATH = "/tmp"
 """vLLM's default ``shared_storage_path``."""
 EXTRA_CONFIG_KEYS = ("shared_storage_path",)
-FORMAT_VERSION = "1"
-
-
-def model_digest(config: EngineConfig) -> str:
-    """16 hex digits naming what shapes a block's KV: files of another model never match."""
-    model = config.model
-    facts = {
-        "format": FORMAT_VERSION,
-        "arch": model.arch.raw,
-        "model": Path(model.model).name,
-        "dtype": str(model.dtype),
-        "cache_dtype": config.cache.cache_dtype,
-        "block_size": config.cache.block_size,
-        "quantization": model.quantization,
-        "model_impl": getattr(model, "model_impl", None),
-    }
-    text = json.dumps(facts, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def storage_dir(config: EngineConfig) -> Path:
@@ -86,6 +69,8 @@ def _tensor_digest(key: torch.Tensor, value: torch.Tensor) -> str:
 
 class SharedStorageConnector(KVConnectorBase):
     """Blocks of prompts' KV in a shared directory (module doc)."""
+
+    supports_weight_updates = False  # the directory is named for the starting weights
 
     def __init__(self, config: EngineConfig, role: KVConnectorRole) -> None:
         super().__init__(config, role)
