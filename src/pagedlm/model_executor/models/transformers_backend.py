@@ -81,6 +81,13 @@ def paged_attention(
         )
     layer: Attention = step.layers[module.layer_idx]
     _check_call(layer, scaling, kwargs)
+    if key.shape[1] != layer.num_kv_heads or query.shape[1] != layer.num_heads:
+        raise ValueError(
+            f"layer {layer.layer_idx} of transformers' {type(module).__name__} attends with "
+            f"{query.shape[1]} query and {key.shape[1]} key/value heads, but the KV cache was "
+            f"sized for {layer.num_heads} and {layer.num_kv_heads} from config.json "
+            "(num_attention_heads, num_key_value_heads); make config.json say what the model uses."
+        )
     num_tokens = query.shape[2]
     q, k, v = (x[0].transpose(0, 1).reshape(num_tokens, -1) for x in (query, key, value))
     out = layer(q, k, v, step.ctx)
@@ -286,19 +293,43 @@ class TransformersForCausalLM(nn.Module):
         buffers = {name for name, _ in self.hf.named_buffers()}
         ignored = getattr(self.hf, "_keys_to_ignore_on_load_unexpected", None) or []
         loaded: set[str] = set()
-        for name, tensor in weights:
+        renames = checkpoint_renames(self.hf)
+        for saved_name, tensor in weights:
+            name = renamed(saved_name, renames)
             target = f"hf.{name}"
             if target not in params:
                 if name in buffers or _matches(name, ignored) or name.endswith("lm_head.weight"):
                     continue
                 raise ValueError(
-                    f"checkpoint tensor {name!r} has no parameter in transformers' "
+                    f"checkpoint tensor {saved_name!r} has no parameter in transformers' "
                     f"{type(self.hf).__name__}; the checkpoint does not match its config.json "
                     "(or was saved by another transformers version with other names)."
                 )
             get_weight_loader(params[target])(params[target], tensor)  # this rank's slice
             loaded.add(target)
         return loaded
+
+
+def checkpoint_renames(model: nn.Module) -> list[Any]:
+    """transformers' renames of saved tensor names to its modules' (``lm_head`` saved as
+    GPT-NeoX's ``embed_out``, old LayerNorm ``gamma``/``beta``, ...), as its own loader
+    applies them: its ``WeightRenaming`` transforms for ``model``. Transforms that merge
+    tensors (``WeightConverter``: MoE experts saved one by one) are not applied, so such a
+    checkpoint names a tensor the model lacks and is refused by ``load_weights``."""
+    try:
+        from transformers.conversion_mapping import WeightRenaming, get_model_conversion_mapping
+
+        transforms = get_model_conversion_mapping(model)
+    except (ImportError, TypeError, AttributeError):  # a transformers without them
+        return []
+    return [t for t in transforms if type(t) is WeightRenaming and hasattr(t, "rename_source_key")]
+
+
+def renamed(name: str, renames: list[Any]) -> str:
+    """``name`` after each of ``checkpoint_renames``' transforms, in order."""
+    for rename in renames:
+        name = rename.rename_source_key(name)[0]
+    return name
 
 
 def _attention_modules(model: nn.Module) -> dict[int, nn.Module]:
