@@ -83,3 +83,15 @@ def test_a_config_whose_head_counts_the_model_ignores_is_refused(tmp_path: Path)
     params = SamplingParams(max_tokens=2)
     with pytest.raises(ValueError, match=r"4 query and 4 key/value heads.*sized for 4 and 2"):
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+
+
+def test_experts_saved_one_by_one_are_refused_by_name(tmp_path: Path) -> None:
+    """transformers merges Qwen2-MoE's per-expert tensors when it loads; the backend does
+    not, and says so."""
+    save_random_model(
+        tmp_path, "Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"mlp\.experts\.0\..*one of those transformers merges"):
+        LLM(str(tmp_path), model_impl="transformers", dtype="float32", skip_tokenizer_init=True,
+            max_model_len=64, num_kv_blocks=16)  # fmt: skip

@@ -300,6 +300,13 @@ class TransformersForCausalLM(nn.Module):
             if target not in params:
                 if name in buffers or _matches(name, ignored) or name.endswith("lm_head.weight"):
                     continue
+                if _merged_on_load(name, self.hf):
+                    raise ValueError(
+                        f"checkpoint tensor {saved_name!r} is one of those transformers merges "
+                        "into one parameter when it loads (MoE experts saved one by one), "
+                        "which the Transformers backend does not do; serve this model with an "
+                        "engine that implements its architecture."
+                    )
                 raise ValueError(
                     f"checkpoint tensor {saved_name!r} has no parameter in transformers' "
                     f"{type(self.hf).__name__}; the checkpoint does not match its config.json "
@@ -316,13 +323,27 @@ def checkpoint_renames(model: nn.Module) -> list[Any]:
     applies them: its ``WeightRenaming`` transforms for ``model``. Transforms that merge
     tensors (``WeightConverter``: MoE experts saved one by one) are not applied, so such a
     checkpoint names a tensor the model lacks and is refused by ``load_weights``."""
+    return [t for t in _transforms(model) if type(t).__name__ == "WeightRenaming"]
+
+
+def _transforms(model: nn.Module) -> list[Any]:
     try:
-        from transformers.conversion_mapping import WeightRenaming, get_model_conversion_mapping
+        from transformers.conversion_mapping import get_model_conversion_mapping
 
         transforms = get_model_conversion_mapping(model)
     except (ImportError, TypeError, AttributeError):  # a transformers without them
         return []
-    return [t for t in transforms if type(t) is WeightRenaming and hasattr(t, "rename_source_key")]
+    return [t for t in transforms if hasattr(t, "rename_source_key")]
+
+
+def _merged_on_load(name: str, model: nn.Module) -> bool:
+    """Whether transformers merges the saved tensor ``name`` with others when it loads
+    (a ``WeightConverter``: MoE experts saved one by one)."""
+    return any(
+        t.rename_source_key(name)[1] is not None
+        for t in _transforms(model)
+        if type(t).__name__ == "WeightConverter"
+    )
 
 
 def renamed(name: str, renames: list[Any]) -> str:
