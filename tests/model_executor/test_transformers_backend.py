@@ -147,9 +147,8 @@ def test_sliding_window_beyond_the_window(tmp_path: Path) -> None:
         (dict(model_impl="pagedlm"), "not supported by model_impl='vllm'"),
         (dict(model_impl="hf"), r"model_impl='hf' is unknown.*auto, vllm, transformers"),
         (dict(pipeline_parallel_size=2), "does not support pipeline_parallel_size above 1"),
-        (dict(runner="pooling"), "does not support the pooling runner"),
     ],
-    ids=["vllm", "pagedlm-alias", "unknown", "pp2", "pooling"],
+    ids=["vllm", "pagedlm-alias", "unknown", "pp2"],
 )
 def test_refusals_name_the_fix(glm, kwargs, match) -> None:
     args = EngineArgs(model=str(glm[0]), skip_tokenizer_init=True, **kwargs)
@@ -404,3 +403,17 @@ def test_lora_adapters_on_the_backend(glm, tmp_path: Path) -> None:
     adapted = hf_greedy(merged, prompts[:3], NEW_TOKENS)
     assert _tokens(outputs) == adapted + expected[:3]
     assert adapted != expected[:3]  # the adapter changed the outputs
+
+
+def test_the_pooling_runner_embeds_with_the_backend(glm) -> None:
+    """runner="pooling" on a causal LM the backend runs (vLLM's --convert embed): the
+    normalized last hidden state of transformers' base model, per prompt and per token."""
+    path, hf_model, prompts, _ = glm
+    llm = _llm(path, runner="pooling")
+    outputs = llm.embed([{"prompt_token_ids": p} for p in prompts[1:3]], use_tqdm=False)
+    with torch.no_grad():
+        for output, prompt in zip(outputs, prompts[1:3], strict=True):
+            hidden = hf_model.model(torch.tensor([prompt])).last_hidden_state[0]
+            want = torch.nn.functional.normalize(hidden[-1], dim=-1)
+            got = torch.tensor(output.outputs.embedding)
+            torch.testing.assert_close(got, want, atol=_tolerance(llm), rtol=0)

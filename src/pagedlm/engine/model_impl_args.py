@@ -124,7 +124,6 @@ def check_transformers_backend(config: EngineConfig, is_gguf: bool) -> None:
             f"quantization={config.model.quantization!r}",
             "serve the float checkpoint, unquantized or with quantization='fp8'",
         ),
-        (config.model.runner == "pooling", "the pooling runner", "use runner='generate'"),
         (
             speculative is not None and speculative.method in ("eagle", "eagle3"),
             "EAGLE draft heads (they read the target's own layers)",
