@@ -11,6 +11,7 @@ decoding: every run's tokens must equal those of an engine without offloading.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -304,3 +305,32 @@ def test_a_loaded_prompt_never_stalls_a_request_that_needs_its_blocks(
         expected
     )
     assert external(llm).num_loaded_tokens > 0
+
+
+def test_an_adapter_id_reused_for_another_adapter_loads_none_of_the_old_ones_blocks(
+    model, tmp_path
+):
+    """After ``remove_lora`` the id may name another adapter: its prompts must not load
+    the blocks the first adapter computed under that id."""
+    from pagedlm.lora.request import LoRARequest
+    from peft_adapters import LLAMA_MODULES, make_adapter
+
+    for name, seed in (("first", 0), ("second", 1)):
+        make_adapter(Path(model), tmp_path / name, LLAMA_MODULES, rank=8, seed=seed)
+    first, second = (LoRARequest(n, 1, str(tmp_path / n)) for n in ("first", "second"))
+    (prompt,) = random_prompts([17], seed=17)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    lora = dict(enable_lora=True, max_lora_rank=8, enable_prefix_caching=False)
+
+    def run(llm: LLM, adapter: LoRARequest):
+        request = {"prompt_token_ids": prompt}
+        (output,) = llm.generate([request], params, lora_request=adapter, use_tqdm=False)
+        return output
+
+    expected = run(LLM(model, **ENGINE, **lora), second).outputs[0].token_ids
+    llm = offloading(model, 64, **lora)
+    run(llm, first)
+    assert llm.llm_engine.remove_lora(1)
+    output = run(llm, second)
+    assert output.outputs[0].token_ids == expected
+    assert output.num_cached_tokens == 0

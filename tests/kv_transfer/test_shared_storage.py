@@ -303,3 +303,29 @@ def test_updating_the_weights_is_refused_naming_the_fix(model, tmp_path):
         llm.llm_engine.update_weights_from_disk(other)
     (prompt,) = random_prompts([9], seed=10)
     assert generate(llm, [prompt])[0].num_cached_tokens == 0  # still serving the old weights
+
+
+def test_requests_with_an_adapter_neither_save_nor_load(model, tmp_path):
+    """An adapter's id and path name it only within one engine: here the consumer runs
+    other weights under the producer's id and path."""
+    from pagedlm.lora.request import LoRARequest
+    from peft_adapters import LLAMA_MODULES, make_adapter
+
+    adapter = LoRARequest("adapter", 1, str(tmp_path / "adapter"))
+    (prompt,) = random_prompts([17], seed=11)
+    lora = dict(enable_lora=True, max_lora_rank=8)
+
+    def run(llm: LLM):
+        request = {"prompt_token_ids": prompt}
+        return llm.generate([request], GREEDY, lora_request=adapter, use_tqdm=False)
+
+    make_adapter(Path(model), tmp_path / "adapter", LLAMA_MODULES, rank=8, seed=0)
+    producer = engine(model, tmp_path / "kv", "kv_producer", **lora)
+    run(producer)
+    assert not any(storage_dir(producer.llm_engine.config).iterdir())
+    shutil.rmtree(tmp_path / "adapter")
+    make_adapter(Path(model), tmp_path / "adapter", LLAMA_MODULES, rank=8, seed=1)
+    expected = tokens(run(engine(model, tmp_path, None, **lora)))
+    consumer = engine(model, tmp_path / "kv", "kv_consumer", **lora)
+    assert tokens(run(consumer)) == expected
+    assert loaded_tokens(consumer) == 0

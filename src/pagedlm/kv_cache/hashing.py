@@ -1,7 +1,7 @@
 """Content digests of full KV blocks, chained so that a hash names a whole prefix.
 
 The hash of block ``i`` covers the hash of block ``i - 1``, the ``block_size`` token ids of
-block ``i`` and the block's extra keys (LoRA adapter id, cache salt). Two requests
+block ``i`` and the block's extra keys (LoRA adapter id and path, cache salt). Two requests
 therefore share a block hash only if they share every token before and inside it, and
 the same extra keys. A block overlapping an image's placeholder tokens also carries the
 image's content hash: the placeholders are the same token ids for every image, the K/V
@@ -74,6 +74,10 @@ def block_extra_keys(
     The adapter id and the cache salt go into the first block only: the chain carries
     them into every later hash, so repeating them would cost time and change nothing.
     Two adapters therefore never share a block (their K/V differ from the first token).
+    The adapter's path goes in beside its id: after ``remove_lora`` the id may name another
+    adapter, whose prompts must not hit the old one's blocks (in the prefix cache or the
+    offloading connector's host pool); an adapter rewritten in place under the same path
+    and id is not told apart.
     Each image's identifier goes into every block its placeholders overlap, with the
     offset of the block's first placeholder inside the image, so the same tokens with
     another image (or the image moved) never hit.
@@ -81,7 +85,7 @@ def block_extra_keys(
     keys: tuple[ExtraKey, ...] = ()
     if block_index == 0:
         if request.lora_request is not None:
-            keys = (request.lora_request.lora_int_id,)
+            keys = (request.lora_request.lora_int_id, request.lora_request.lora_path)
         if request.cache_salt is not None:
             keys += (request.cache_salt,)
     if request.mm_features:

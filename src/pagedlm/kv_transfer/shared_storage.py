@@ -21,7 +21,9 @@ not written again.
 Differences from vLLM's ``ExampleConnector``: files per block (vLLM: per request and layer,
 under a digest of the whole prompt, so only a prompt whose every block matches loads
 anything); ``kv_producer`` only saves and ``kv_consumer`` only loads (vLLM's saves and
-loads whatever the role); only prompt tokens are saved, as vLLM's.
+loads whatever the role); only prompt tokens are saved, as vLLM's; requests with a LoRA
+adapter neither save nor load (an adapter's id and path name it only within one engine:
+another engine may run other weights under them).
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ class SharedStorageConnector(KVConnectorBase):
     # ---- scheduler side ------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        if not self.loads or not _may_load(request):
+        if not self.loads or not _may_load(request) or not _is_shared(request):
             return 0
         hashes = update_block_hashes(request, self.block_size)
         last = (request.num_tokens - 1) // self.block_size  # the last token is computed
@@ -183,7 +185,7 @@ class SharedStorageConnector(KVConnectorBase):
     ) -> BlockTransfer | None:
         """The prompt blocks that ``req_id``'s tokens of this step complete, not stored yet."""
         request = self._requests.get(req_id)
-        if request is None:
+        if request is None or not _is_shared(request):
             return None
         end = min(start + scheduler_output.num_scheduled_tokens[req_id], request.num_prompt_tokens)
         first, last = start // self.block_size, end // self.block_size
@@ -324,3 +326,9 @@ def _may_load(request: Request) -> bool:
     if request.sampling_params.prompt_logprobs is not None:
         return False
     return request.pooling is None or not request.pooling.token_wise
+
+
+def _is_shared(request: Request) -> bool:
+    """Whether ``request``'s blocks may be stored for, and loaded from, other engines: not
+    with a LoRA adapter, whose id and path name it only inside one engine."""
+    return request.lora_request is None
