@@ -329,3 +329,53 @@ def test_requests_with_an_adapter_neither_save_nor_load(model, tmp_path):
     consumer = engine(model, tmp_path / "kv", "kv_consumer", **lora)
     assert tokens(run(consumer)) == expected
     assert loaded_tokens(consumer) == 0
+
+
+def test_a_block_whose_save_failed_is_saved_by_a_later_step(model, tmp_path, monkeypatch):
+    import safetensors.torch
+
+    write = safetensors.torch.save_file
+    failures = []
+
+    def failing_once(tensors, filename, metadata=None):
+        if not failures:
+            failures.append(filename)
+            raise OSError(28, "No space left on device")
+        write(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", failing_once)
+    (prompt,) = random_prompts([13], seed=12)
+    producer = engine(model, tmp_path, "kv_producer")
+    generate(producer, [prompt])
+    connector = producer.llm_engine.engine_core.scheduler.external.connector
+    assert failures and connector.num_failed_saves == 1 and connector.num_saved_blocks == 2
+    generate(producer, [prompt])  # the prompt again: its missing block is written now
+    assert connector.num_saved_blocks == 3
+    assert all(block_file(producer, prompt, index).is_file() for index in range(3))
+
+
+def test_the_scheduler_remembers_stored_blocks_within_a_bound(tmp_path):
+    from pagedlm.kv_transfer.stored_blocks import StoredBlocks
+
+    on_disk = {"a", "b", "c"}
+    looked_up = []
+
+    def exists(key: str) -> bool:
+        looked_up.append(key)
+        return key in on_disk
+
+    stored = StoredBlocks(exists, max_remembered=2)
+    assert stored.is_stored("a") and stored.is_stored("b") and stored.is_stored("c")
+    assert len(stored) == 2  # "a" forgotten
+    looked_up.clear()
+    assert stored.is_stored("c") and looked_up == []
+    assert stored.is_stored("a") and looked_up == ["a"]  # on disk again
+
+    assert stored.plan_save("d") and not stored.plan_save("d")  # one writer
+    stored.end_step()
+    assert stored.plan_save("e")
+    stored.end_step()
+    stored.saved(num_failed=0)  # "d" written
+    assert stored.is_stored("d")
+    stored.saved(num_failed=1)  # "e" not written: planned again
+    assert stored.plan_save("e")

@@ -16,7 +16,8 @@ the cache's dtype, and in its metadata the model digest, the block digest and a 
 the tensors' bytes. A block whose file is missing, unreadable, of another shape or model,
 or whose bytes do not match is reported failed and computed instead. Files are written to a
 temporary name and renamed, so a reader never sees half a file; a block already stored is
-not written again.
+not written again, and one whose write failed is written by a later step that computes it
+(``stored_blocks.py``).
 
 Differences from vLLM's ``ExampleConnector``: files per block (vLLM: per request and layer,
 under a digest of the whole prompt, so only a prompt whose every block matches loads
@@ -40,6 +41,7 @@ import torch
 from pagedlm.kv_cache.hashing import update_block_hashes
 from pagedlm.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from pagedlm.kv_transfer.model_identity import FORMAT_VERSION, model_digest
+from pagedlm.kv_transfer.stored_blocks import StoredBlocks
 from pagedlm.step.kv_transfer import BlockTransfer, KVConnectorMetadata, KVConnectorOutput
 
 if TYPE_CHECKING:
@@ -93,8 +95,7 @@ class SharedStorageConnector(KVConnectorBase):
         self._requests: dict[str, Request] = {}
         self._tables: dict[str, list[int]] = {}
         self._planned_loads: list[BlockTransfer] = []
-        self._stored: set[str] = set()
-        """Block digests known to be stored (written here, or seen on disk)."""
+        self._stored = StoredBlocks(lambda key: self.path(key).is_file())
         self.num_loaded_blocks = 0
         self.num_failed_loads = 0
         self.num_saved_blocks = 0
@@ -131,17 +132,9 @@ class SharedStorageConnector(KVConnectorBase):
         hashes = update_block_hashes(request, self.block_size)
         last = (request.num_tokens - 1) // self.block_size  # the last token is computed
         index = num_computed_tokens // self.block_size
-        while index < min(last, len(hashes)) and self._is_stored(hashes[index].hex()):
+        while index < min(last, len(hashes)) and self._stored.is_stored(hashes[index].hex()):
             index += 1
         return max(0, index * self.block_size - num_computed_tokens)
-
-    def _is_stored(self, key: str) -> bool:
-        if key in self._stored:
-            return True
-        if self.path(key).is_file():
-            self._stored.add(key)
-            return True
-        return False
 
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
@@ -178,6 +171,7 @@ class SharedStorageConnector(KVConnectorBase):
                 transfer = self._blocks_to_save(req_id, start, scheduler_output)
                 if transfer is not None:
                     saves.append(transfer)
+            self._stored.end_step()
         return KVConnectorMetadata(loads=loads, saves=saves)
 
     def _blocks_to_save(
@@ -196,15 +190,19 @@ class SharedStorageConnector(KVConnectorBase):
         block_ids, keys = [], []
         for index in range(first, last):
             key = hashes[index].hex()
-            if not self._is_stored(key):
+            if self._stored.plan_save(key):  # one writer, and none for a stored block
                 block_ids.append(table[index])
                 keys.append(key)
-                self._stored.add(key)  # written by this step; no second writer
         return BlockTransfer(req_id, block_ids, keys) if keys else None
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self.num_saved_blocks += output.num_saved_blocks
         self.num_failed_saves += output.num_failed_saves
+        if output.num_saved_blocks or output.num_failed_saves:
+            self._stored.saved(output.num_failed_saves)  # failed blocks are planned again
+
+    def reset_cache(self) -> None:
+        self._stored.forget()  # files may be gone; they are looked up again
 
     def request_finished(self, request: Request) -> None:
         self._requests.pop(request.request_id, None)

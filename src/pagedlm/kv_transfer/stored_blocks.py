@@ -1,0 +1,83 @@
+"""What the shared-storage connector's scheduler side knows about the files in its
+directory (``shared_storage.py``): which blocks are stored, and which it has asked the
+workers to write.
+
+Invariants: a block counts as stored only once a file for it was seen on disk or its write
+was reported done; a block whose write is in flight is planned by no other step; a step
+whose writes are reported with a failure leaves its blocks to be looked up on disk again,
+so those that were not written are planned again by a later step. Memory is bounded: at
+most ``max_remembered`` stored blocks are remembered (least recently used forgotten, and
+looked up on disk again when asked about).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable
+
+MAX_REMEMBERED_BLOCKS = 1 << 16
+"""Stored block digests the scheduler side remembers (about 10 MiB of Python strings)."""
+
+
+class StoredBlocks:
+    """Stored and in-flight blocks by digest (module doc). ``exists(key)``: whether a file
+    for ``key`` is on disk now."""
+
+    def __init__(
+        self, exists: Callable[[str], bool], max_remembered: int = MAX_REMEMBERED_BLOCKS
+    ) -> None:
+        assert max_remembered > 0
+        self._exists = exists
+        self.max_remembered = max_remembered
+        self._stored: OrderedDict[str, None] = OrderedDict()
+        self._saving: set[str] = set()
+        self._saves_in_flight: deque[list[str]] = deque()
+        """Per step with saves, in step order: the digests it writes."""
+        self._step: list[str] = []
+        """The saves of the step being planned."""
+
+    def __len__(self) -> int:
+        return len(self._stored)
+
+    def is_stored(self, key: str) -> bool:
+        if key in self._stored:
+            self._stored.move_to_end(key)
+            return True
+        if self._exists(key):
+            self._remember(key)
+            return True
+        return False
+
+    def plan_save(self, key: str) -> bool:
+        """Whether the step being planned should write ``key`` (neither stored nor being
+        written); if so, it now counts as being written."""
+        if key in self._saving or self.is_stored(key):
+            return False
+        self._saving.add(key)
+        self._step.append(key)
+        return True
+
+    def end_step(self) -> None:
+        """The step being planned is complete (its saves are reported by ``saved``)."""
+        if self._step:
+            self._saves_in_flight.append(self._step)
+            self._step = []
+
+    def saved(self, num_failed: int) -> None:
+        """The oldest step with saves reported, ``num_failed`` of its writes failing."""
+        keys = self._saves_in_flight.popleft()
+        self._saving.difference_update(keys)
+        if not num_failed:
+            for key in keys:
+                self._remember(key)
+        # Else which ones failed is not reported: each is looked up on disk when next asked.
+
+    def forget(self) -> None:
+        """Forget the stored blocks (files may have been removed); writes in flight stay."""
+        self._stored.clear()
+
+    def _remember(self, key: str) -> None:
+        self._stored[key] = None
+        self._stored.move_to_end(key)
+        if len(self._stored) > self.max_remembered:
+            self._stored.popitem(last=False)
