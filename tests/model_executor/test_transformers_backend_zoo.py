@@ -71,17 +71,20 @@ def test_forced_through_the_backend_matches_transformers(case: str, tmp_path: Pa
         want = torch.log_softmax(hf_logits(hf_model, prompt), -1)[:-1]
         want = want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
         got = torch.tensor([d[t].logprob for d, t in zip(output.prompt_logprobs[1:], prompt[1:])])
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        # GPU kernels take float32 dots in TF32 (seen: 1.0e-3 on an H100)
+        atol = 1e-4 if llm.llm_engine.config.platform == "cpu" else 2e-3
+        torch.testing.assert_close(got, want, atol=atol, rtol=0)
 
 
 def test_a_config_whose_head_counts_the_model_ignores_is_refused(tmp_path: Path) -> None:
     """GPT-NeoX ignores num_key_value_heads; a config.json that gives one would size the
     KV cache for heads the model does not have: refused, naming the fix."""
     save_random_model(tmp_path, "GPTNeoXConfig", {"num_key_value_heads": 2, **IDS})
-    llm = LLM(str(tmp_path), model_impl="transformers", dtype="float32",
-              skip_tokenizer_init=True, max_model_len=64, num_kv_blocks=16)  # fmt: skip
     params = SamplingParams(max_tokens=2)
+    # Refused at the first forward: the GPU's memory profiling at start-up, the CPU's step.
     with pytest.raises(ValueError, match=r"4 query and 4 key/value heads.*sized for 4 and 2"):
+        llm = LLM(str(tmp_path), model_impl="transformers", dtype="float32",
+                  skip_tokenizer_init=True, max_model_len=64, num_kv_blocks=16)  # fmt: skip
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
 
 
