@@ -334,3 +334,27 @@ def test_an_adapter_id_reused_for_another_adapter_loads_none_of_the_old_ones_blo
     output = run(llm, second)
     assert output.outputs[0].token_ids == expected
     assert output.num_cached_tokens == 0
+
+
+def test_new_weights_while_a_loaded_request_waits_forget_its_blocks(model, tmp_path):
+    """Paused with its cache kept, a request whose prefix was loaded from the pool waits
+    holding those blocks; new weights must not leave them (or the pool's copies) to be read:
+    after the update it generates what a fresh engine on the new weights does."""
+    other = tmp_path / "other"
+    save_random_model(other, "LlamaConfig", {"initializer_range": 0.5})
+    (first, *others) = random_prompts([21, 21, 21, 21], seed=11)
+    expected = tokens(generate(LLM(str(other), **ENGINE), [first]))
+    llm = offloading(model, 64)
+    generate(llm, [first] + others)  # first's blocks leave the device for the pool
+    engine, core = llm.llm_engine, llm.llm_engine.engine_core
+    engine.add_request("r", {"prompt_token_ids": first}, SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True))  # fmt: skip
+    engine.step()  # its load step: it waits holding the loaded blocks
+    assert external(llm).num_loaded_tokens >= 20
+    core.pause("keep", clear_cache=False)
+    llm.update_weights_from_disk(str(other))
+    core.resume()
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [list(finished[0].outputs[0].token_ids)] == expected

@@ -344,7 +344,15 @@ class EngineCore:
             )
         if model_path is not None:
             check_replacement(self.config.model, model_path)
-        self.reset_prefix_cache()
+        # Waiting requests may hold blocks a KV connector loaded (paused with the cache
+        # kept): those keys and values are the old weights' too, so they go first.
+        self.scheduler.preempt_running()
+        if not self.reset_prefix_cache():
+            raise RuntimeError(
+                "Blocks are still held after every request gave its own back; the cached "
+                "prefixes of the old weights cannot be forgotten, so the weights were not "
+                "updated."
+            )
         self.executor.reload_weights(model_path, weights)
 
     def collective_rpc(
