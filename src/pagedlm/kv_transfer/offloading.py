@@ -36,6 +36,12 @@ from typing import TYPE_CHECKING
 
 from pagedlm.kv_cache.hashing import update_block_hashes
 from pagedlm.kv_transfer.base import KVConnectorBase, KVConnectorRole
+from pagedlm.kv_transfer.bookkeeping import (
+    RequestTables,
+    StepReport,
+    loadable_tokens,
+    read_loads,
+)
 from pagedlm.kv_transfer.host_pool import HostBlockIndex, HostKVStore
 from pagedlm.kv_transfer.offloading_config import (
     check_extra_config,
@@ -62,8 +68,7 @@ class OffloadingConnector(KVConnectorBase):
         self.num_host_blocks = num_host_blocks(config)
         # Scheduler side.
         self.index = HostBlockIndex(self.num_host_blocks)
-        self._requests: dict[str, Request] = {}
-        self._tables: dict[str, list[int]] = {}
+        self._requests = RequestTables()
         self._next_block: dict[str, int] = {}
         """Per scheduled request, the first of its blocks not yet considered for saving."""
         self._planned_loads: list[BlockTransfer] = []
@@ -71,7 +76,7 @@ class OffloadingConnector(KVConnectorBase):
         # Worker side.
         self._blocks: KVCacheBlocks | None = None
         self._store: HostKVStore | None = None
-        self._output: KVConnectorOutput | None = None
+        self._report = StepReport()
         if role == KVConnectorRole.SCHEDULER:
             logger.info(
                 "KV offloading: %d host blocks of %d tokens (%.2f GiB)",
@@ -110,19 +115,17 @@ class OffloadingConnector(KVConnectorBase):
     # ---- scheduler side ------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        if not _may_load(request):
-            return 0
-        hashes = update_block_hashes(request, self.block_size)
-        last = (request.num_tokens - 1) // self.block_size  # the last token is computed
-        index = num_computed_tokens // self.block_size
-        while index < min(last, len(hashes)) and hashes[index] in self.index:
-            index += 1
-        return max(0, index * self.block_size - num_computed_tokens)
+        return loadable_tokens(
+            request,
+            num_computed_tokens,
+            self.block_size,
+            lambda block_hash: block_hash in self.index,
+        )
 
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
-        self._requests[request.request_id] = request
+        self._requests.add(request)
         hashes = update_block_hashes(request, self.block_size)
         first = request.num_computed_tokens // self.block_size
         self.index.touch(hashes[:first])  # its prefix-cache hits: their host copies stay
@@ -141,15 +144,10 @@ class OffloadingConnector(KVConnectorBase):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         # Loads first: the workers read them before this step's saves reuse host blocks.
         loads, self._planned_loads = self._planned_loads, []
-        for req_id in scheduler_output.preempted_req_ids | scheduler_output.finished_req_ids:
-            self._forget(req_id)  # a resumed request comes back with its table
-        for new in scheduler_output.scheduled_new_reqs:
-            self._tables[new.req_id] = list(new.block_ids)
+        for req_id in self._requests.update(scheduler_output):
+            self._next_block.pop(req_id, None)
+        for new in scheduler_output.scheduled_new_reqs:  # first scheduled, or resumed
             self._next_block[new.req_id] = new.num_computed_tokens // self.block_size
-        cached = scheduler_output.scheduled_cached_reqs
-        for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
-            if new_block_ids:
-                self._tables.setdefault(req_id, []).extend(new_block_ids)
         saves: list[BlockTransfer] = []
         for req_id, start in zip(
             scheduler_output.req_ids, scheduler_output.num_computed_tokens, strict=True
@@ -175,7 +173,7 @@ class OffloadingConnector(KVConnectorBase):
             return None
         self._next_block[req_id] = last
         hashes = update_block_hashes(request, self.block_size)
-        table = self._tables[req_id]
+        table = self._requests.table(req_id)
         block_ids, keys = [], []
         for index in range(first, last):
             host = self.index.store(hashes[index])
@@ -185,13 +183,9 @@ class OffloadingConnector(KVConnectorBase):
         self.num_saved_blocks += len(keys)
         return BlockTransfer(req_id, block_ids, keys) if keys else None
 
-    def _forget(self, req_id: str) -> None:
-        self._tables.pop(req_id, None)
-        self._next_block.pop(req_id, None)
-
     def request_finished(self, request: Request) -> None:
-        self._requests.pop(request.request_id, None)
-        self._forget(request.request_id)
+        self._requests.finish(request.request_id)
+        self._next_block.pop(request.request_id, None)
 
     def reset_cache(self) -> None:
         self.index.reset()
@@ -210,24 +204,16 @@ class OffloadingConnector(KVConnectorBase):
         if not metadata.loads:
             return
         assert self._blocks is not None and self._store is not None, "no KV cache registered"
-        finished: set[str] = set()
-        invalid: set[int] = set()
-        block_ids: list[int] = []
-        host_blocks: list[int] = []
-        for transfer in metadata.loads:
-            finished.add(transfer.req_id)
-            for position, (block_id, key) in enumerate(
-                zip(transfer.block_ids, transfer.keys, strict=True)
-            ):
-                host, tag = _parse_key(key)
-                if not self._store.holds(host, tag):  # this block and every later one
-                    invalid.update(transfer.block_ids[position:])
-                    break
-                block_ids.append(block_id)
-                host_blocks.append(host)
-        if block_ids:
-            self._store.load(self._blocks, block_ids, host_blocks)
-        self._report(KVConnectorOutput(finished_recving=finished, invalid_block_ids=invalid))
+        read = read_loads(metadata.loads, self._held_host_block)
+        if read.block_ids:
+            self._store.load(self._blocks, read.block_ids, read.contents)
+        self._report.add(read.output)
+
+    def _held_host_block(self, key: str) -> int | None:
+        """The host block a load's key names, or None if it no longer holds that digest."""
+        assert self._store is not None
+        host, tag = _parse_key(key)
+        return host if self._store.holds(host, tag) else None
 
     def wait_for_save(self, metadata: KVConnectorMetadata) -> None:
         if not metadata.saves:
@@ -238,33 +224,13 @@ class OffloadingConnector(KVConnectorBase):
         self._store.save(
             self._blocks, block_ids, [host for host, _ in parsed], [tag for _, tag in parsed]
         )
-        self._report(KVConnectorOutput(num_saved_blocks=len(block_ids)))
-
-    def _report(self, output: KVConnectorOutput) -> None:
-        previous = self._output
-        if previous is not None:
-            output = KVConnectorOutput(
-                previous.finished_recving | output.finished_recving,
-                previous.invalid_block_ids | output.invalid_block_ids,
-                previous.num_saved_blocks + output.num_saved_blocks,
-                previous.num_failed_saves + output.num_failed_saves,
-            )
-        self._output = output
+        self._report.add(KVConnectorOutput(num_saved_blocks=len(block_ids)))
 
     def get_connector_output(self) -> KVConnectorOutput | None:
-        output, self._output = self._output, None
-        return output
+        return self._report.take()
 
 
 def _parse_key(key: str) -> tuple[int, str]:
     """A transfer key ``"<host block>:<digest hex>"`` (host block -1: not in the pool)."""
     host, _, tag = key.partition(":")
     return int(host), tag
-
-
-def _may_load(request: Request) -> bool:
-    """Requests that need every prompt position computed load nothing, as they hit no
-    prefix cache: prompt logprobs, token-wise pooling."""
-    if request.sampling_params.prompt_logprobs is not None:
-        return False
-    return request.pooling is None or not request.pooling.token_wise

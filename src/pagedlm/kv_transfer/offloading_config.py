@@ -7,6 +7,7 @@ import math
 from typing import TYPE_CHECKING
 
 from pagedlm.kv_cache.interface import kv_bytes_per_block
+from pagedlm.kv_transfer.bookkeeping import check_extra_config_keys
 
 if TYPE_CHECKING:
     from pagedlm.config import EngineConfig
@@ -49,15 +50,10 @@ def num_host_blocks(config: EngineConfig) -> int:
 
 def check_extra_config(config: EngineConfig) -> None:
     """ValueError naming the fix for extra-config keys the connector does not honour."""
+    check_extra_config_keys(config, EXTRA_CONFIG_KEYS)
     assert config.kv_transfer is not None
     extra = config.kv_transfer.kv_connector_extra_config
     name = config.kv_transfer.kv_connector
-    unknown = sorted(set(extra) - set(EXTRA_CONFIG_KEYS))
-    if unknown:
-        raise ValueError(
-            f"Unknown kv_connector_extra_config key(s) {unknown} for {name}; known: "
-            f"{list(EXTRA_CONFIG_KEYS)}."
-        )
     size_keys = [key for key in ("cpu_bytes_to_use", "num_cpu_blocks") if extra.get(key)]
     if len(size_keys) != 1:
         raise ValueError(

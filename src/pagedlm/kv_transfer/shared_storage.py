@@ -40,6 +40,13 @@ import torch
 
 from pagedlm.kv_cache.hashing import update_block_hashes
 from pagedlm.kv_transfer.base import KVConnectorBase, KVConnectorRole
+from pagedlm.kv_transfer.bookkeeping import (
+    RequestTables,
+    StepReport,
+    check_extra_config_keys,
+    loadable_tokens,
+    read_loads,
+)
 from pagedlm.kv_transfer.model_identity import FORMAT_VERSION, model_digest
 from pagedlm.kv_transfer.stored_blocks import StoredBlocks
 from pagedlm.step.kv_transfer import BlockTransfer, KVConnectorMetadata, KVConnectorOutput
@@ -92,8 +99,7 @@ class SharedStorageConnector(KVConnectorBase):
         self.saves = transfer.is_kv_producer
         self.loads = transfer.is_kv_consumer
         # Scheduler side.
-        self._requests: dict[str, Request] = {}
-        self._tables: dict[str, list[int]] = {}
+        self._requests = RequestTables()
         self._planned_loads: list[BlockTransfer] = []
         self._stored = StoredBlocks(lambda key: self.path(key).is_file())
         self.num_loaded_blocks = 0
@@ -102,18 +108,13 @@ class SharedStorageConnector(KVConnectorBase):
         self.num_failed_saves = 0
         # Worker side.
         self._blocks: KVCacheBlocks | None = None
-        self._output: KVConnectorOutput | None = None
+        self._report = StepReport()
 
     @classmethod
     def check_config(cls, config: EngineConfig) -> None:
+        check_extra_config_keys(config, EXTRA_CONFIG_KEYS)
         assert config.kv_transfer is not None
         extra = config.kv_transfer.kv_connector_extra_config
-        unknown = sorted(set(extra) - set(EXTRA_CONFIG_KEYS))
-        if unknown:
-            raise ValueError(
-                f"Unknown kv_connector_extra_config key(s) {unknown} for "
-                f"{config.kv_transfer.kv_connector}; known: {list(EXTRA_CONFIG_KEYS)}."
-            )
         path = extra.get("shared_storage_path", DEFAULT_STORAGE_PATH)
         if not isinstance(path, str) or not path:
             raise ValueError(
@@ -127,19 +128,19 @@ class SharedStorageConnector(KVConnectorBase):
     # ---- scheduler side ------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        if not self.loads or not _may_load(request) or not _is_shared(request):
+        if not self.loads or not _is_shared(request):
             return 0
-        hashes = update_block_hashes(request, self.block_size)
-        last = (request.num_tokens - 1) // self.block_size  # the last token is computed
-        index = num_computed_tokens // self.block_size
-        while index < min(last, len(hashes)) and self._stored.is_stored(hashes[index].hex()):
-            index += 1
-        return max(0, index * self.block_size - num_computed_tokens)
+        return loadable_tokens(
+            request,
+            num_computed_tokens,
+            self.block_size,
+            lambda block_hash: self._stored.is_stored(block_hash.hex()),
+        )
 
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
-        self._requests[request.request_id] = request
+        self._requests.add(request)
         if not num_external_tokens:
             return
         first = request.num_computed_tokens // self.block_size
@@ -156,14 +157,7 @@ class SharedStorageConnector(KVConnectorBase):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         loads, self._planned_loads = self._planned_loads, []
         saves: list[BlockTransfer] = []
-        for req_id in scheduler_output.preempted_req_ids | scheduler_output.finished_req_ids:
-            self._tables.pop(req_id, None)  # a resumed request comes back with its table
-        for new in scheduler_output.scheduled_new_reqs:
-            self._tables[new.req_id] = list(new.block_ids)
-        cached = scheduler_output.scheduled_cached_reqs
-        for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
-            if new_block_ids:
-                self._tables.setdefault(req_id, []).extend(new_block_ids)
+        self._requests.update(scheduler_output)
         if self.saves:
             for req_id, start in zip(
                 scheduler_output.req_ids, scheduler_output.num_computed_tokens, strict=True
@@ -186,7 +180,7 @@ class SharedStorageConnector(KVConnectorBase):
         if first >= last:
             return None
         hashes = update_block_hashes(request, self.block_size)
-        table = self._tables[req_id]
+        table = self._requests.table(req_id)
         block_ids, keys = [], []
         for index in range(first, last):
             key = hashes[index].hex()
@@ -205,8 +199,7 @@ class SharedStorageConnector(KVConnectorBase):
         self._stored.forget()  # files may be gone; they are looked up again
 
     def request_finished(self, request: Request) -> None:
-        self._requests.pop(request.request_id, None)
-        self._tables.pop(request.request_id, None)
+        self._requests.finish(request.request_id)
 
     # ---- worker side ---------------------------------------------------------------
 
@@ -217,26 +210,12 @@ class SharedStorageConnector(KVConnectorBase):
         if not metadata.loads:
             return
         assert self._blocks is not None, "register_kv_caches must run first"
-        finished: set[str] = set()
-        invalid: set[int] = set()
-        block_ids: list[int] = []
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
-        for transfer in metadata.loads:
-            finished.add(transfer.req_id)
-            for position, (block_id, key) in enumerate(
-                zip(transfer.block_ids, transfer.keys, strict=True)
-            ):
-                block = self._read_block(key)
-                if block is None:  # this block and every later one are computed instead
-                    invalid.update(transfer.block_ids[position:])
-                    break
-                block_ids.append(block_id)
-                keys.append(block[0])
-                values.append(block[1])
-        if block_ids:
-            self._blocks.write(block_ids, torch.stack(keys, 1), torch.stack(values, 1))
-        self._report(KVConnectorOutput(finished_recving=finished, invalid_block_ids=invalid))
+        read = read_loads(metadata.loads, self._read_block)
+        if read.block_ids:
+            keys = torch.stack([key for key, _ in read.contents], 1)
+            values = torch.stack([value for _, value in read.contents], 1)
+            self._blocks.write(read.block_ids, keys, values)
+        self._report.add(read.output)
 
     def _read_block(self, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A stored block's ``(key, value)`` on the host, or None if it cannot be trusted."""
@@ -300,30 +279,10 @@ class SharedStorageConnector(KVConnectorBase):
                 failed += 1
                 if temporary is not None:
                     Path(temporary).unlink(missing_ok=True)
-        self._report(KVConnectorOutput(num_saved_blocks=saved, num_failed_saves=failed))
-
-    def _report(self, output: KVConnectorOutput) -> None:
-        previous = self._output
-        if previous is not None:
-            output = KVConnectorOutput(
-                previous.finished_recving | output.finished_recving,
-                previous.invalid_block_ids | output.invalid_block_ids,
-                previous.num_saved_blocks + output.num_saved_blocks,
-                previous.num_failed_saves + output.num_failed_saves,
-            )
-        self._output = output
+        self._report.add(KVConnectorOutput(num_saved_blocks=saved, num_failed_saves=failed))
 
     def get_connector_output(self) -> KVConnectorOutput | None:
-        output, self._output = self._output, None
-        return output
-
-
-def _may_load(request: Request) -> bool:
-    """Requests that need every prompt position computed load nothing, as they hit no
-    prefix cache: prompt logprobs, token-wise pooling."""
-    if request.sampling_params.prompt_logprobs is not None:
-        return False
-    return request.pooling is None or not request.pooling.token_wise
+        return self._report.take()
 
 
 def _is_shared(request: Request) -> bool:
