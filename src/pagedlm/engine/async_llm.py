@@ -35,7 +35,7 @@ from pagedlm.core.scheduler_interface import SchedulerStats
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.core_client import CoreClient
 from pagedlm.engine.core_launch import CoreLaunch
-from pagedlm.engine.core_profiler import PROFILER_DIR_ENV, profiler_dir_from_env
+from pagedlm.engine.core_profiler import profile_directory
 from pagedlm.engine.exceptions import EngineDeadError, EngineStalledError
 from pagedlm.engine.health import CoreLiveness, EngineHealth
 from pagedlm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
@@ -567,13 +567,7 @@ class AsyncLLM:
         """Start a torch profiler in the engine core; ``stop_profile`` writes its trace
         into ``directory`` (default ``$PAGEDLM_TORCH_PROFILER_DIR``, or vLLM's
         ``$VLLM_TORCH_PROFILER_DIR``)."""
-        directory = directory or profiler_dir_from_env()
-        if directory is None:
-            raise ValueError(
-                "start_profile needs a directory for the trace: pass one, or set "
-                f"${PROFILER_DIR_ENV[0]}."
-            )
-        await self._admin_call("start_profile", ADMIN_TIMEOUT_S, directory)
+        await self._admin_call("start_profile", ADMIN_TIMEOUT_S, profile_directory(directory))
 
     async def stop_profile(self) -> None:
         await self._admin_call("stop_profile", ADMIN_TIMEOUT_S)

@@ -21,6 +21,18 @@ def profiler_dir_from_env() -> str | None:
     return next((os.environ[name] for name in PROFILER_DIR_ENV if os.environ.get(name)), None)
 
 
+def profile_directory(directory: str | None) -> str:
+    """Where ``start_profile`` (``LLM``'s and ``AsyncLLM``'s) writes its trace: ``directory``,
+    else ``PROFILER_DIR_ENV``'s; ValueError naming the fix when neither is given."""
+    directory = directory or profiler_dir_from_env()
+    if directory is None:
+        raise ValueError(
+            "start_profile needs a directory for the trace: pass one, or set "
+            f"${PROFILER_DIR_ENV[0]}."
+        )
+    return directory
+
+
 class CoreProfiler:
     """At most one profile at a time; ``stop`` without ``start`` is an error."""
 

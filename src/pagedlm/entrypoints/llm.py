@@ -21,7 +21,7 @@ from pagedlm.chat_content import (
     template_source,
 )
 from pagedlm.engine.arg_utils import EngineArgs
-from pagedlm.engine.core_profiler import PROFILER_DIR_ENV, CoreProfiler, profiler_dir_from_env
+from pagedlm.engine.core_profiler import CoreProfiler, profile_directory
 from pagedlm.engine.input_processor import ProcessedRequest, PromptType
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.lora.request import LoRARequest
@@ -219,13 +219,7 @@ class LLM:
         """Start a torch profiler around the engine's steps in this process (vLLM's);
         ``stop_profile`` writes its trace into ``directory`` (default
         ``$PAGEDLM_TORCH_PROFILER_DIR``, or vLLM's ``$VLLM_TORCH_PROFILER_DIR``)."""
-        directory = directory or profiler_dir_from_env()
-        if directory is None:
-            raise ValueError(
-                "start_profile needs a directory for the trace: pass one, or set "
-                f"${PROFILER_DIR_ENV[0]}."
-            )
-        self._profiler.start(directory)
+        self._profiler.start(profile_directory(directory))
 
     def stop_profile(self) -> None:
         self._profiler.stop()
