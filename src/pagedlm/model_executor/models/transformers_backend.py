@@ -37,6 +37,11 @@ from pagedlm.distributed import get_tensor_model_parallel_world_size
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.layers.attention import Attention
 from pagedlm.model_executor.loader.weight_utils import get_weight_loader
+from pagedlm.model_executor.models.transformers_checkpoint import (
+    ExpertMerges,
+    checkpoint_renames,
+    renamed,
+)
 from pagedlm.model_executor.models.transformers_layers import (
     is_attention_module,
     swap_layers,
@@ -288,25 +293,28 @@ class TransformersForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint tensors by transformers' own names; returns the parameters filled.
         Names of buffers (old checkpoints' rotary tables), those the model says to ignore
-        and a tied LM head are skipped."""
+        and a tied LM head are skipped. Tensors transformers merges into one parameter (MoE
+        experts saved one by one) are held until the last of them arrives, then merged as
+        transformers does (``transformers_checkpoint.ExpertMerges``)."""
         params = dict(self.named_parameters())
         buffers = {name for name, _ in self.hf.named_buffers()}
         ignored = getattr(self.hf, "_keys_to_ignore_on_load_unexpected", None) or []
         loaded: set[str] = set()
         renames = checkpoint_renames(self.hf)
+        merges = ExpertMerges(self.hf)
         for saved_name, tensor in weights:
             name = renamed(saved_name, renames)
+            merge = merges.target_of(name)
+            if merge is not None:
+                for merged_name, merged in merges.add(saved_name, merge, tensor).items():
+                    target = f"hf.{merged_name}"
+                    get_weight_loader(params[target])(params[target], merged)
+                    loaded.add(target)
+                continue
             target = f"hf.{name}"
             if target not in params:
                 if name in buffers or _matches(name, ignored) or name.endswith("lm_head.weight"):
                     continue
-                if _merged_on_load(name, self.hf):
-                    raise ValueError(
-                        f"checkpoint tensor {saved_name!r} is one of those transformers merges "
-                        "into one parameter when it loads (MoE experts saved one by one), "
-                        "which the Transformers backend does not do; serve this model with an "
-                        "engine that implements its architecture."
-                    )
                 raise ValueError(
                     f"checkpoint tensor {saved_name!r} has no parameter in transformers' "
                     f"{type(self.hf).__name__}; the checkpoint does not match its config.json "
@@ -314,43 +322,8 @@ class TransformersForCausalLM(nn.Module):
                 )
             get_weight_loader(params[target])(params[target], tensor)  # this rank's slice
             loaded.add(target)
+        merges.finish()
         return loaded
-
-
-def checkpoint_renames(model: nn.Module) -> list[Any]:
-    """transformers' renames of saved tensor names to its modules' (``lm_head`` saved as
-    GPT-NeoX's ``embed_out``, old LayerNorm ``gamma``/``beta``, ...), as its own loader
-    applies them: its ``WeightRenaming`` transforms for ``model``. Transforms that merge
-    tensors (``WeightConverter``: MoE experts saved one by one) are not applied, so such a
-    checkpoint names a tensor the model lacks and is refused by ``load_weights``."""
-    return [t for t in _transforms(model) if type(t).__name__ == "WeightRenaming"]
-
-
-def _transforms(model: nn.Module) -> list[Any]:
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-
-        transforms = get_model_conversion_mapping(model)
-    except (ImportError, TypeError, AttributeError):  # a transformers without them
-        return []
-    return [t for t in transforms if hasattr(t, "rename_source_key")]
-
-
-def _merged_on_load(name: str, model: nn.Module) -> bool:
-    """Whether transformers merges the saved tensor ``name`` with others when it loads
-    (a ``WeightConverter``: MoE experts saved one by one)."""
-    return any(
-        t.rename_source_key(name)[1] is not None
-        for t in _transforms(model)
-        if type(t).__name__ == "WeightConverter"
-    )
-
-
-def renamed(name: str, renames: list[Any]) -> str:
-    """``name`` after each of ``checkpoint_renames``' transforms, in order."""
-    for rename in renames:
-        name = rename.rename_source_key(name)[0]
-    return name
 
 
 def _attention_modules(model: nn.Module) -> dict[int, nn.Module]:

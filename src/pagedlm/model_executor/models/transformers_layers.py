@@ -21,7 +21,8 @@ Invariants:
   ``colwise``, so each rank attends over its own ``1/tp`` of the heads (the KV cache is
   sized so); a plan that gathers them (Olmo2's whole-projection norms), leaves a linear
   layer of a decoder layer without a style, or uses another style is refused before
-  any memory is allocated (``tensor_parallel_refusal``).
+  any memory is allocated (``tensor_parallel_refusal``); so is a module with a parameter
+  of more than two dimensions (MoE experts fused as [num_experts, ...]), whatever the plan.
 - Only an exact ``nn.Linear`` or ``nn.Embedding`` is replaced; a subclass (a router whose
   forward returns a tuple, a scaled embedding) stays as transformers built it, replicated
   (a linear subclass refuses tensor parallelism).
@@ -151,6 +152,12 @@ def tensor_parallel_refusal(base_model: nn.Module, config: Any, tp_size: int) ->
             f"evenly over {tp_size} ranks"
         )
     for name, module in base_model.named_modules():
+        fused = [n for n, p in module.named_parameters(recurse=False) if p.dim() > 2]
+        if fused:  # whatever the plan says of them (5.25's Mixtral plan says nothing)
+            return (
+                f"its {type(module).__name__} keeps MoE experts fused in {name}.{fused[0]}, "
+                "which pagedlm does not split across ranks"
+            )
         style = style_of(name, styles)
         if style is not None and style not in LINEAR_STYLES | REPLICATED:
             return f"its plan splits {name} as {style!r}, which pagedlm does not implement"
