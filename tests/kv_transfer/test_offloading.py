@@ -336,7 +336,10 @@ def test_an_adapter_id_reused_for_another_adapter_loads_none_of_the_old_ones_blo
     assert output.num_cached_tokens == 0
 
 
-def test_new_weights_while_a_loaded_request_waits_forget_its_blocks(model, tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_new_weights_while_a_loaded_request_waits_forget_its_blocks(
+    model, tmp_path, async_scheduling
+):
     """Paused with its cache kept, a request whose prefix was loaded from the pool waits
     holding those blocks; new weights must not leave them (or the pool's copies) to be read:
     after the update it generates what a fresh engine on the new weights does."""
@@ -344,14 +347,14 @@ def test_new_weights_while_a_loaded_request_waits_forget_its_blocks(model, tmp_p
     save_random_model(other, "LlamaConfig", {"initializer_range": 0.5})
     (first, *others) = random_prompts([21, 21, 21, 21], seed=11)
     expected = tokens(generate(LLM(str(other), **ENGINE), [first]))
-    llm = offloading(model, 64)
+    llm = offloading(model, 64, async_scheduling=async_scheduling)
     generate(llm, [first] + others)  # first's blocks leave the device for the pool
     engine, core = llm.llm_engine, llm.llm_engine.engine_core
     engine.add_request("r", {"prompt_token_ids": first}, SamplingParams(
         max_tokens=6, temperature=0.0, ignore_eos=True))  # fmt: skip
     engine.step()  # its load step: it waits holding the loaded blocks
+    core.pause("keep", clear_cache=False)  # (collects the load where steps run ahead)
     assert external(llm).num_loaded_tokens >= 20
-    core.pause("keep", clear_cache=False)
     llm.update_weights_from_disk(str(other))
     core.resume()
     finished = []
