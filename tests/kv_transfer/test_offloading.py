@@ -186,6 +186,19 @@ def test_kv_offloading_size_sizes_the_pool_from_the_block_bytes(model):
     assert num_host_blocks(config) == 5
 
 
+def test_a_zero_block_count_beside_a_byte_budget_takes_the_budget(model):
+    """Older vLLM configs carry ``num_cpu_blocks: 0`` next to ``cpu_bytes_to_use``."""
+    transfer = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 8 * BLOCK_BYTES, "num_cpu_blocks": 0},
+    }
+    config, _ = EngineArgs(
+        model=model, kv_transfer_config=transfer, **ENGINE
+    ).create_engine_config()
+    assert num_host_blocks(config) == 8
+
+
 def test_the_cli_flags_reach_the_engine_config(model):
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

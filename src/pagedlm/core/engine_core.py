@@ -351,7 +351,8 @@ class EngineCore:
             raise RuntimeError(
                 "Blocks are still held after every request gave its own back; the cached "
                 "prefixes of the old weights cannot be forgotten, so the weights were not "
-                "updated."
+                "updated. Abort the waiting requests (pause_generation(mode='abort')) and "
+                "update again."
             )
         self.executor.reload_weights(model_path, weights)
 

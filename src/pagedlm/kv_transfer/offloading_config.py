@@ -43,7 +43,7 @@ def num_host_blocks(config: EngineConfig) -> int:
     bytes of one block (``check_config`` has refused anything else)."""
     assert config.kv_transfer is not None
     extra = config.kv_transfer.kv_connector_extra_config
-    if extra.get("num_cpu_blocks") is not None:
+    if extra.get("num_cpu_blocks"):  # 0 beside a byte budget: unset, as check_config reads it
         return int(extra["num_cpu_blocks"])
     return int(extra["cpu_bytes_to_use"]) // host_block_bytes(config)
 
