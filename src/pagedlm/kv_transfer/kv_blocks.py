@@ -9,7 +9,7 @@ step's kernels, so the next forward sees them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -24,7 +24,7 @@ class KVCacheBlocks:
     of layer ``layers[i]`` are ``keys[i]`` / ``values[i]``, each ``[num_blocks, block_size,
     num_kv_heads, head_dim]`` over the cache's own memory. ``pin_host_memory`` is the
     platform's answer to whether host buffers that blocks are copied through should be
-    pinned (only where the device reads pinned memory)."""
+    pinned (only where the device reads pinned memory); ``empty_host`` allocates them."""
 
     def __init__(
         self,
@@ -34,9 +34,14 @@ class KVCacheBlocks:
         num_kv_heads: int,
         head_dim: int,
         pin_host_memory: bool = False,
+        empty_host: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
     ) -> None:
         self.layers = list(layers)
         self.pin_host_memory = pin_host_memory
+        self.empty_host = empty_host or (
+            lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=pin_host_memory)
+        )
+        """Allocates host buffers blocks are copied through (``Platform.empty_host``)."""
         self.block_size = cache.block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

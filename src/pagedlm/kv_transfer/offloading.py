@@ -197,7 +197,9 @@ class OffloadingConnector(KVConnectorBase):
         if blocks is None:
             return  # the pool stays: its contents are forgotten by the scheduler's reset
         if self._store is None:
-            self._store = HostKVStore(self.num_host_blocks, blocks.pin_host_memory)
+            self._store = HostKVStore(
+                self.num_host_blocks, blocks.pin_host_memory, blocks.empty_host
+            )
         self._store.bind(blocks)
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:

@@ -210,6 +210,12 @@ class Platform(ABC):
     """Host copies of device tensors (sleep mode's offloaded weights) are pinned, so that
     copying them back is fast; only where the device can read pinned memory."""
 
+    def empty_host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized host tensor that device copies read and write without waiting
+        (pinned where ``pin_host_memory``), taking its own size of host memory: for large,
+        long-lived buffers such as a KV offloading pool."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.pin_host_memory)
+
     def release_memory(self) -> None:
         """Give memory whose tensors were just dropped (sleep mode: the KV cache, weights)
         back to the system; a device with a caching allocator empties its cache here."""

@@ -300,6 +300,7 @@ class ModelRunner:
                     self.num_kv_heads,
                     self.arch.head_dim,
                     pin_host_memory=self.platform.pin_host_memory,
+                    empty_host=self.platform.empty_host,
                 )
             )
         self.speculator.initialize_kv_cache(num_blocks, self._allocate)
