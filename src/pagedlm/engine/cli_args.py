@@ -21,7 +21,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from pagedlm.config import MODEL_IMPL_ALIASES, MODEL_IMPLS
-from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.arg_utils import EngineArgs, _merged
 from pagedlm.model_executor.loader import LOAD_FORMATS
 
 # Fields that the subcommands take as a positional argument as well as a flag.
@@ -293,16 +293,6 @@ def _json_value(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         return text
-
-
-def _merged(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merged(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
 
 
 def engine_args_from_cli(namespace: argparse.Namespace) -> EngineArgs:
