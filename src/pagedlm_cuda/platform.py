@@ -154,9 +154,14 @@ class CudaPlatform(Platform):
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes == 0:
             return tensor
-        cudart = torch.cuda.cudart()
-        if cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 0) != cudart.cudaError.success:
-            return torch.empty(shape, dtype=dtype, pin_memory=True)  # torch's way, rounded
+        try:  # (ROCm's runtime bindings may lack it: then torch's way, rounded)
+            cudart = torch.cuda.cudart()
+            registered = cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+            success = registered == cudart.cudaError.success
+        except (AttributeError, RuntimeError):
+            success = False
+        if not success:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
         weakref.finalize(tensor, _unregister_host, tensor.data_ptr())
         return tensor
 
