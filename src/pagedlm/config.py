@@ -521,6 +521,27 @@ class ParallelConfig:
         return self.data_parallel_rank * self.world_size
 
 
+def _json_fields(cls: type, name: str, value: object, example: str) -> dict[str, Any]:
+    """The fields of config dataclass ``cls`` given as a dict or its JSON (the CLI's
+    form) for the option ``name``; ValueError for invalid JSON, a non-object (showing
+    ``example``) or keys ``cls`` lacks (listing those it has)."""
+    import dataclasses
+    import json
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{name} is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, e.g. '{example}'.")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"Unknown {name} key(s) {unknown}; known: {sorted(known)}.")
+    return value
+
+
 @dataclass(frozen=True)
 class KVEventsConfig:
     """vLLM's ``KVEventsConfig``: publish the prefix cache's block events
@@ -545,26 +566,10 @@ class KVEventsConfig:
     @classmethod
     def parse(cls, value: object) -> KVEventsConfig:
         """From None, a dict, a JSON object string (the CLI's form) or an instance."""
-        import dataclasses
-        import json
-
         if value is None or isinstance(value, cls):
             return value or cls()
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"kv_events_config is not valid JSON: {error}") from None
-        if not isinstance(value, dict):
-            raise ValueError(
-                "kv_events_config must be a JSON object, e.g. "
-                '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'.'
-            )
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"Unknown kv_events_config key(s) {unknown}; known: {sorted(known)}.")
-        config = cls(**value)
+        example = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'
+        config = cls(**_json_fields(cls, "kv_events_config", value, example))
         if config.publisher not in (None, "zmq", "null"):
             raise ValueError(
                 f'kv_events_config publisher must be "zmq" or "null", got {config.publisher!r}.'
@@ -662,29 +667,13 @@ class KVTransferConfig:
     def parse(cls, value: object) -> KVTransferConfig | None:
         """From None, a dict, a JSON object string (the CLI's form) or an instance; None
         when no connector is named (KV transfer off)."""
-        import dataclasses
-        import json
-
         if value is None or isinstance(value, cls):
             return value if value is None or value.kv_connector is not None else None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {error}") from None
-        if not isinstance(value, dict):
-            raise ValueError(
-                "kv_transfer_config must be a JSON object, e.g. "
-                '\'{"kv_connector": "ExampleConnector", "kv_role": "kv_both", '
-                '"kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}\'.'
-            )
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(
-                f"Unknown kv_transfer_config key(s) {unknown}; known: {sorted(known)}."
-            )
-        config = cls(**value)
+        example = (
+            '{"kv_connector": "ExampleConnector", "kv_role": "kv_both", '
+            '"kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}'
+        )
+        config = cls(**_json_fields(cls, "kv_transfer_config", value, example))
         return config if config.kv_connector is not None else None
 
 
