@@ -34,6 +34,7 @@ def test_a_buffer_takes_its_own_size_and_copies_both_ways(monkeypatch) -> None:
         cuda_platform, "_unregister_host", lambda ptr: (unregistered.append(ptr), real(ptr))
     )
     platform = CudaPlatform()
+    torch.zeros(1, device="cuda")  # the CUDA context's own host memory, outside the window
     size = 640 * MIB  # torch's pinned allocator would take 1 GiB for it
     before = _rss_mib()
     buffer = platform.empty_host((size,), torch.uint8)
