@@ -176,6 +176,13 @@ class AttentionBackend(ABC):
     supports_bidirectional_spans: ClassVar[bool] = False
     """Whether ``build_metadata`` honours ``BatchLayout.bidirectional_spans``; the model
     runner refuses to load a model that needs them on a backend without."""
+    supports_latent_kv: ClassVar[bool] = False
+    """Whether ``forward`` takes ``value_dim`` (latent attention: DeepSeek's MLA over a
+    latent cache). Each token then has one key "head" that is also its value: ``value is
+    key`` ([num_tokens, 1, head_dim]), ``value_cache is key_cache`` (one tensor per layer,
+    written once), and a key's first ``value_dim`` features are its value; the output is
+    [num_tokens, num_heads, value_dim]. A model that asks for it on a backend without it
+    falls back to attention over expanded keys and values (a larger cache)."""
     reads_host_lengths: ClassVar[bool] = True
     """Whether ``build_metadata`` plans from the layout's host arrays (``*_cpu``). A backend
     that reads only its device tensors, taking ``max_*`` as bounds, sets False: the model
@@ -269,6 +276,7 @@ class AttentionBackend(ABC):
         causal: bool = True,
         rotary: FusedRotary | None = None,
         sinks: torch.Tensor | None = None,
+        value_dim: int | None = None,
     ) -> torch.Tensor:
         """Attention for every scheduled token.
 
@@ -291,5 +299,9 @@ class AttentionBackend(ABC):
         (any float dtype) that join each query's softmax as one more term of its
         denominator with no value: head ``h``'s weights become ``exp(s_j) / (exp(sinks[h])
         + sum_j exp(s_j))`` over its visible keys, so they may sum to less than 1
-        (gpt-oss). Only passed to backends with ``supports_sinks``.
+        (gpt-oss). Only passed to backends with ``supports_sinks``. ``value_dim``: None,
+        or ``d`` for latent attention (only to backends with ``supports_latent_kv``):
+        ``num_kv_heads`` is 1, ``value is key`` and ``value_cache is key_cache``, each
+        key's first ``d`` features are its value, and the result is [num_tokens,
+        num_heads, d]; with an FP8 cache ``v_scale is k_scale``.
         """
