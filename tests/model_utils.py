@@ -9,6 +9,7 @@ import torch
 from pagedlm.attention import BatchLayout
 from pagedlm.kv_cache.interface import TensorKVCache
 from pagedlm.model_executor.forward_context import ForwardContext
+from pagedlm.model_executor.layers.attention import model_kv_geometry
 
 
 @torch.inference_mode()
@@ -64,17 +65,19 @@ class PagedRunner:
             [r + i * num_requests for i in range(blocks_per_request)] for r in range(num_requests)
         ]
         arch = model.arch
+        geometry = model_kv_geometry(model, arch.num_key_value_heads, arch.head_dim)
         self.kv_cache = TensorKVCache(
             self.backend.kv_cache_shape(
                 num_requests * blocks_per_request,
                 block_size,
-                arch.num_key_value_heads,
-                arch.head_dim,
+                geometry.num_kv_heads,
+                geometry.head_dim,
             ),
             arch.num_hidden_layers,
             block_size,
             next(model.parameters()).dtype,
             lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=self.device),
+            shares_values=geometry.shares_values,
         )
 
     def step(self, chunks: list[tuple[int, int, list[int]]]) -> list[torch.Tensor]:

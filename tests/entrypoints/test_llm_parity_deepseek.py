@@ -13,22 +13,37 @@ import random
 import pytest
 import torch
 
-from model_executor.test_zoo_models_deepseek import CASES, save_deepseek
+from model_executor.test_zoo_models_deepseek import CASES, KEY_HEAD_DIM, MLA, save_deepseek
 from pagedlm import LLM, SamplingParams
+from pagedlm.model_executor.layers.attention import KVGeometry
 from tiny_checkpoints import hf_greedy, hf_logits
 
 PROMPT_LENS = [1, 3, 17, 40, 90]
 NEW_TOKENS = 24
 
 
+@pytest.mark.parametrize("form", ["latent", "expanded"])
 @pytest.mark.parametrize("case", ["v2_lite", "v3"])
-def test_greedy_and_prompt_logprobs_match_transformers(tmp_path, case: str) -> None:
+def test_greedy_and_prompt_logprobs_match_transformers(
+    tmp_path, monkeypatch, case: str, form: str
+) -> None:
+    """By default the cache holds one latent vector per token and layer (the CPU backend
+    has latent attention); ``PAGEDLM_MLA_DISABLE=1`` keeps every head's expanded keys and
+    values. Both give transformers' tokens."""
+    if form == "expanded":
+        monkeypatch.setenv("PAGEDLM_MLA_DISABLE", "1")
     hf_model = save_deepseek(tmp_path, *CASES[case], cache_head_dim=False)
     llm = LLM(
         str(tmp_path),
         skip_tokenizer_init=True,
         max_model_len=128,
     )
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    latent_width = MLA["kv_lora_rank"] + MLA["qk_rope_head_dim"]
+    if form == "latent":
+        assert runner.kv_geometry == KVGeometry(1, latent_width, shares_values=True)
+    else:
+        assert runner.kv_geometry == KVGeometry(MLA["num_key_value_heads"], KEY_HEAD_DIM)
     rng = random.Random(0)
     vocab_size = llm.llm_engine.config.model.arch.vocab_size
     prompts = [[rng.randrange(vocab_size) for _ in range(n)] for n in PROMPT_LENS]

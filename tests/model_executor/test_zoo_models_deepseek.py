@@ -349,3 +349,48 @@ def test_two_ranks_match_one(tmp_path: Path) -> None:
         save_deepseek(tmp_path / name, *CASES[name])
         model_dirs.append(str(tmp_path / name))
     assert_two_ranks_match_one(model_dirs, tmp_path, atol=1e-5, rtol=0)
+
+
+def latent_model(path: Path) -> torch.nn.Module:
+    model = load_model(model_config(path), torch.device("cpu"))
+    model.enable_latent_kv()
+    return model
+
+
+def test_latent_cache_matches_transformers(case) -> None:
+    """The latent form (``kv_b_proj`` folded into queries and outputs, one vector of
+    ``kv_lora_rank + qk_rope_head_dim`` cached per token and layer): the same logits,
+    for a prefill and for decodes that read the cache."""
+    _, prompts, expected, path = case
+    model = latent_model(path)
+    runner = paged_runner(model)
+    key_cache, value_cache = runner.kv_cache.layer(0)
+    assert key_cache is value_cache  # one tensor per layer
+    assert key_cache.shape[-2:] == (1, MLA["kv_lora_rank"] + MLA["qk_rope_head_dim"])
+    assert not any("kv_b_proj" in name for name, _ in model.named_parameters())
+    got = runner.step([(i, 0, p) for i, p in enumerate(prompts)])
+    torch.testing.assert_close(torch.cat(got), torch.cat(expected), atol=1e-4, rtol=0)
+    got = paged_runner(model).chunk_then_decodes(prompts)
+    torch.testing.assert_close(torch.cat(got), torch.cat(expected), atol=1e-4, rtol=0)
+
+
+def test_latent_cache_in_bf16_stays_near_the_expanded_form(tmp_path: Path) -> None:
+    """bf16: the latent form rounds other products than the expanded one (the query's
+    fold, the output's); its logits stay as close to float32 as the expanded form's."""
+    save_deepseek(tmp_path, *CASES["v3"])
+    prompts = random_prompts()
+    reference = torch.cat(
+        paged_runner(load_model(model_config(tmp_path), torch.device("cpu"))).step(
+            [(i, 0, p) for i, p in enumerate(prompts)]
+        )
+    )
+    errors = []
+    for latent in (False, True):
+        config = model_config(tmp_path, dtype=torch.bfloat16)
+        model = load_model(config, torch.device("cpu"))
+        if latent:
+            model.enable_latent_kv()
+        error = (torch.cat(paged_runner(model).chunk_then_decodes(prompts)) - reference).abs()
+        errors.append((error.max().item(), error.mean().item()))
+    (expanded_max, expanded_mean), (latent_max, latent_mean) = errors
+    assert latent_max <= 2 * expanded_max and latent_mean <= 1.5 * expanded_mean, errors

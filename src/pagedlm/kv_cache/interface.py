@@ -33,7 +33,9 @@ class KVCache(ABC):
 
 
 class TensorKVCache(KVCache):
-    """One key and one value tensor per layer, allocated up front."""
+    """One key and one value tensor per layer, allocated up front; with ``shares_values``
+    (latent attention, whose keys are also its values) one tensor per layer, returned as
+    both."""
 
     def __init__(
         self,
@@ -43,6 +45,7 @@ class TensorKVCache(KVCache):
         dtype: torch.dtype,
         zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor],
         first_layer: int = 0,
+        shares_values: bool = False,
     ) -> None:
         """``zeros(shape, dtype)`` allocates a zeroed tensor on the device (``Platform.zeros``);
         the cache holds layers ``first_layer .. first_layer + num_layers - 1`` (a pipeline
@@ -50,19 +53,37 @@ class TensorKVCache(KVCache):
         self.num_blocks = shape[0]
         self.block_size = block_size
         self.first_layer = first_layer
-        self._layers = [(zeros(shape, dtype), zeros(shape, dtype)) for _ in range(num_layers)]
+        self.shares_values = shares_values
+        self._layers = [
+            _shared(zeros(shape, dtype))
+            if shares_values
+            else (zeros(shape, dtype), zeros(shape, dtype))
+            for _ in range(num_layers)
+        ]
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._layers[layer_idx - self.first_layer]
 
     @property
     def num_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self._layers)
+        per_layer = 1 if self.shares_values else 2
+        return sum(k.numel() * k.element_size() * per_layer for k, _ in self._layers)
+
+
+def _shared(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return tensor, tensor
 
 
 def kv_bytes_per_block(
-    block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    block_size: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    shares_values: bool = False,
 ) -> int:
-    """Bytes one block takes across all layers, keys and values together."""
+    """Bytes one block takes across all layers, keys and values together (one tensor per
+    layer where ``shares_values``)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+    tensors = 1 if shares_values else 2
+    return tensors * num_layers * block_size * num_kv_heads * head_dim * element

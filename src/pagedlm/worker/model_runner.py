@@ -39,7 +39,7 @@ from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.layers.attention import (
     arm_kv_scale_calculation,
     kv_scales_pending,
-    model_kv_heads,
+    model_kv_geometry,
 )
 from pagedlm.model_executor.loader import load_model
 from pagedlm.multimodal.encoder_runner import make_encoder_runner
@@ -61,6 +61,7 @@ from pagedlm.step import (
     StepResult,
 )
 from pagedlm.worker.input_batch import InputBatch
+from pagedlm.worker.latent_kv import choose_latent_kv
 from pagedlm.worker.launched_step import LaunchedStep, Verified
 from pagedlm.worker.logits_processors import make_logits_processors
 from pagedlm.worker.pipeline_stage import run_stage, write_new_token_ids
@@ -126,13 +127,16 @@ class ModelRunner:
             weights=weights,
         )
         platform.prepare_model(self.model)
+        choose_latent_kv(self.model, config, attn_backend_cls)
         if config.batch_invariant:
             make_batch_invariant(self.model)
         self.lora = make_lora(config, platform, self.model)
         self.encoder = make_encoder_runner(self.model, self.device, attn_backend_cls)
         self.prompt_embeds = make_prompt_embeds(config, self.model, self.device)
         self.rope_positions = make_positions(self.model, self.device)
-        self.num_kv_heads = model_kv_heads(self.model, self.arch.num_key_value_heads)
+        self.kv_geometry = model_kv_geometry(
+            self.model, self.arch.num_key_value_heads, self.arch.head_dim
+        )
         layers = model_attention_layers(self.model) or [0]
         self.first_layer, self.num_layers = layers[0], len(layers)
         self.attn_backend = attn_backend_cls(self.device)
@@ -237,20 +241,26 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block on this worker: its own KV heads, its own layers."""
-        arch = self.arch
+        geometry = self.kv_geometry
         target = kv_bytes_per_block(
             self.block_size,
             self.num_layers,
-            self.num_kv_heads,
-            arch.head_dim,
+            geometry.num_kv_heads,
+            geometry.head_dim,
             self.kv_cache_dtype,
+            shares_values=geometry.shares_values,
         )
         return target + self.speculator.kv_bytes_per_block()  # a proposer's own KV too
 
     def _allocate_kv_cache(self, num_blocks: int) -> TensorKVCache:
-        arch = self.arch
+        geometry = self.kv_geometry
         return self._allocate(
-            num_blocks, self.num_layers, self.num_kv_heads, arch.head_dim, self.first_layer
+            num_blocks,
+            self.num_layers,
+            geometry.num_kv_heads,
+            geometry.head_dim,
+            self.first_layer,
+            shares_values=geometry.shares_values,
         )
 
     def _allocate(
@@ -260,6 +270,7 @@ class ModelRunner:
         num_kv_heads: int,
         head_dim: int,
         first_layer: int = 0,
+        shares_values: bool = False,
     ) -> TensorKVCache:
         shape = self.attn_backend.kv_cache_shape(
             num_blocks, self.block_size, num_kv_heads, head_dim
@@ -271,6 +282,7 @@ class ModelRunner:
             self.kv_cache_dtype,
             self.platform.zeros,
             first_layer=first_layer,
+            shares_values=shares_values,
         )
 
     def release_kv_cache(self) -> None:
@@ -297,8 +309,8 @@ class ModelRunner:
                     self.kv_cache,
                     type(self.attn_backend),
                     range(self.first_layer, self.first_layer + self.num_layers),
-                    self.num_kv_heads,
-                    self.arch.head_dim,
+                    self.kv_geometry.num_kv_heads,
+                    self.kv_geometry.head_dim,
                     pin_host_memory=self.platform.pin_host_memory,
                     empty_host=self.platform.empty_host,
                 )

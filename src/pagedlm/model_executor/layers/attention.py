@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -31,6 +33,12 @@ class Attention(nn.Module):
     ``causal=False`` (encoders such as BERT) lets every token of a request attend to every
     token of it, only for backends with ``supports_non_causal``, and only for steps that
     feed each request's whole prompt (the pooling runner schedules no chunks).
+
+    ``value_dim`` (latent attention, DeepSeek's MLA over a latent cache): one key head
+    (``num_kv_heads`` 1) that is also the value, its first ``value_dim`` features being
+    the value; forward(q [T, num_heads * head_dim], kv [T, head_dim], kv, ctx) -> [T,
+    num_heads * value_dim]. The layer's cache is then one tensor (``KVGeometry``'s
+    ``shares_values``), and only backends with ``supports_latent_kv`` take it.
     """
 
     calculate_kv_scales: bool = False
@@ -46,8 +54,15 @@ class Attention(nn.Module):
         logits_soft_cap: float | None = None,
         causal: bool = True,
         sinks: bool = False,
+        value_dim: int | None = None,
     ) -> None:
         super().__init__()
+        if value_dim is not None and (num_kv_heads != 1 or not 0 < value_dim < head_dim):
+            raise ValueError(
+                f"latent attention takes one key head whose first value_dim features are "
+                f"the value; got num_kv_heads={num_kv_heads}, value_dim={value_dim}, "
+                f"head_dim={head_dim}."
+            )
         if num_heads % num_kv_heads != 0:
             raise ValueError(
                 f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}; "
@@ -71,6 +86,9 @@ class Attention(nn.Module):
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         if not causal:
             self._extra_kwargs["causal"] = False
+        self.value_dim = value_dim
+        if value_dim is not None:
+            self._extra_kwargs["value_dim"] = value_dim
         self.sinks: nn.Parameter | None = None
         if sinks:
             self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False)
@@ -100,17 +118,22 @@ class Attention(nn.Module):
                 extra = {**extra, "rotary": fused}
         if fp8.is_fp8(key_cache.dtype):
             extra = {**extra, **self._fp8_kwargs(k, v, ctx)}
+        key = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.value_dim is None:
+            value, out_dim = v.view(num_tokens, self.num_kv_heads, self.head_dim), self.head_dim
+        else:  # the keys are the values: one tensor
+            value, out_dim = key, self.value_dim
         out = ctx.attn_backend.forward(
             q.view(num_tokens, self.num_heads, self.head_dim),
-            k.view(num_tokens, self.num_kv_heads, self.head_dim),
-            v.view(num_tokens, self.num_kv_heads, self.head_dim),
+            key,
+            value,
             key_cache,
             value_cache,
             ctx.attn_metadata,
             self.scale,
             **extra,
         )
-        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+        return out.reshape(num_tokens, self.num_heads * out_dim)
 
     def _fused_rotary(self, rotation: PendingRotation, ctx: ForwardContext) -> FusedRotary | None:
         """The rotation for the backend to apply in its kernel, or None (the layer does it):
@@ -136,6 +159,8 @@ class Attention(nn.Module):
                 self.k_scale.fill_(scales[0])
                 self.v_scale.fill_(scales[1])
                 self.calculate_kv_scales = False
+        if self.value_dim is not None:  # one tensor, one scale
+            return {"k_scale": self.k_scale, "v_scale": self.k_scale}
         return {"k_scale": self.k_scale, "v_scale": self.v_scale}
 
     def _load_sinks(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -157,6 +182,7 @@ class Attention(nn.Module):
             ("logits_soft_cap", "supports_logits_soft_cap"),
             ("causal", "supports_non_causal"),
             ("sinks", "supports_sinks"),
+            ("value_dim", "supports_latent_kv"),
         ):
             if feature in features and not getattr(backend, flag, False):
                 raise ValueError(
@@ -171,7 +197,7 @@ class Attention(nn.Module):
             f"layer_idx={self.layer_idx}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, scale={self.scale}, "
             f"sliding_window={self.sliding_window}, logits_soft_cap={self.logits_soft_cap}, "
-            f"causal={self.causal}, sinks={self.sinks is not None}"
+            f"causal={self.causal}, sinks={self.sinks is not None}, value_dim={self.value_dim}"
         )
 
 
@@ -182,6 +208,30 @@ def model_kv_heads(model: nn.Module, default: int) -> int:
         if isinstance(module, Attention):
             return module.num_kv_heads
     return default
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What one layer's KV cache holds per token on this worker: ``num_kv_heads`` heads
+    of ``head_dim`` for the keys and as many for the values, or, ``shares_values``
+    (latent attention), one tensor whose keys are also the values."""
+
+    num_kv_heads: int
+    head_dim: int
+    shares_values: bool = False
+
+    @property
+    def tensors_per_layer(self) -> int:
+        return 1 if self.shares_values else 2
+
+
+def model_kv_geometry(model: nn.Module, num_kv_heads: int, head_dim: int) -> KVGeometry:
+    """The KV cache geometry of ``model``'s attention layers on this worker (they all
+    share one); ``num_kv_heads``/``head_dim`` for a model without any."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            return KVGeometry(module.num_kv_heads, module.head_dim, module.value_dim is not None)
+    return KVGeometry(num_kv_heads, head_dim)
 
 
 def install_kv_scales(model: torch.nn.Module, found: dict[tuple[int, str], float]) -> None:

@@ -9,16 +9,23 @@ gives the latent plus one rotary key of ``qk_rope_head_dim`` shared by all heads
 last ``qk_rope_head_dim`` features of each query and key rotate, as adjacent pairs
 (V2 always; V3 when ``rope_interleave``, its default) or as halves.
 
-Here MLA runs as ordinary multi-head attention over the expanded keys and values, as
-vLLM's first MLA support did: the paged cache holds per-head keys of ``qk_nope_head_dim +
-qk_rope_head_dim`` and values zero-padded to that size (backends take one head size for
-both), and each head's attention output is cut back to ``v_head_dim``. Memory: per token
-and layer the cache holds ``2 * num_heads * (qk_nope + qk_rope)`` elements where the
-latent would need ``kv_lora_rank + qk_rope``: for V3 (128 heads of 192, values of 128)
-49,152 instead of 576, 85 times more, of which the value padding is 8,192. A latent cache
-with absorbed ``kv_b_proj`` weights is future work. The KV cache's head size is
-``ArchConfig.head_dim``, which ``ArchConfig.from_hf_dict`` makes ``qk_nope + qk_rope``
-for such configs.
+Two forms of the same attention (``pagedlm.worker.latent_kv`` picks, the latent one by
+default):
+
+- **Latent** (``enable_latent_kv``, vLLM's MLA backends): the cache holds, per token and
+  layer, one vector of ``kv_lora_rank + qk_rope_head_dim`` features, the normalized
+  latent and the rotated shared key, which is every head's key and, in its first
+  ``kv_lora_rank`` features, every head's value (``Attention``'s ``value_dim``).
+  ``kv_b_proj``'s per-head maps are folded in once after loading: each head's query
+  becomes ``q_nope @ W_UK`` (its ``kv_lora_rank`` features) next to its rotated
+  ``q_rope``, and each head's output over the latent ``o @ W_UV^T``. Scores are the same
+  sums, ``q_nope . (W_UK latent) + q_rope . k_rope``, in another order. For V3 that is 576
+  elements per token and layer against 49,152 expanded: 85 times less.
+- **Expanded** (as vLLM's first MLA support did): ordinary multi-head attention over each
+  head's keys of ``qk_nope_head_dim + qk_rope_head_dim`` and values zero-padded to that
+  size (backends take one head size for both), each head's output cut back to
+  ``v_head_dim``. The KV cache's head size is then ``ArchConfig.head_dim``, which
+  ``ArchConfig.from_hf_dict`` makes ``qk_nope + qk_rope`` for such configs.
 
 Softmax scale: ``(qk_nope + qk_rope) ** -0.5``, times ``mscale(factor, mscale_all_dim)^2``
 when the rope scaling names ``mscale_all_dim`` (any type but "default", as transformers
@@ -151,6 +158,37 @@ class MultiHeadLatentAttention(nn.Module):
             head_dim=self.head_dim,
             scale=softmax_scale(arch),
         )
+        self.latent = False
+        """Whether ``enable_latent`` switched this layer to the latent cache."""
+
+    def enable_latent(self) -> None:
+        """Attend over the latent cache from now on: ``kv_b_proj``'s key and value maps of
+        this rank's heads folded into ``w_uk`` [heads, qk_nope, rank] and ``w_uv`` [heads,
+        rank, v_head_dim], read from the loaded layer whatever its format (its product
+        with the identity), and the layer itself dropped."""
+        if self.latent:
+            return
+        if self.kv_b_proj.bias is not None:
+            raise ValueError("kv_b_proj with a bias cannot be folded into latent attention.")
+        rank, heads = self.kv_lora_rank, self.num_local_heads
+        norm_weight = self.kv_a_layernorm.weight
+        with torch.no_grad():
+            eye = torch.eye(rank, dtype=norm_weight.dtype, device=norm_weight.device)
+            maps = self.kv_b_proj(eye).t().reshape(heads, self.nope_dim + self.v_head_dim, rank)
+        self.register_buffer("w_uk", maps[:, : self.nope_dim].contiguous(), persistent=False)
+        self.register_buffer(
+            "w_uv", maps[:, self.nope_dim :].transpose(1, 2).contiguous(), persistent=False
+        )
+        del self.kv_b_proj
+        self.attn = Attention(
+            self.attn.layer_idx,
+            num_heads=heads,
+            num_kv_heads=1,
+            head_dim=rank + self.rope_dim,
+            scale=self.attn.scale,
+            value_dim=rank,
+        )
+        self.latent = True
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if self.q_through_latent:
@@ -165,6 +203,8 @@ class MultiHeadLatentAttention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split(
             [self.kv_lora_rank, self.rope_dim], dim=-1
         )
+        if self.latent:
+            return self._latent_forward(positions, q, latent, k_rope, ctx)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent.contiguous()))
         k_nope, v = kv.view(num_tokens, heads, -1).split([self.nope_dim, self.v_head_dim], -1)
         # [T, heads * rope] and [T, rope] (one key head shared by all): rotated as such.
@@ -179,6 +219,30 @@ class MultiHeadLatentAttention(nn.Module):
         )
         out = out.view(num_tokens, heads, self.head_dim)[..., : self.v_head_dim]
         return self.o_proj(out.reshape(num_tokens, heads * self.v_head_dim))
+
+    def _latent_forward(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        """q [T, heads, qk_nope + qk_rope], latent [T, rank], k_rope [T, qk_rope] ->
+        [T, hidden] through the latent cache (see the module docstring)."""
+        num_tokens, heads, rank = q.shape[0], self.num_local_heads, self.kv_lora_rank
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_rope, k_rope = self.rotary_emb(
+            positions, q_rope.reshape(num_tokens, heads * self.rope_dim), k_rope.contiguous()
+        )
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk)  # [heads, T, rank]
+        query = torch.cat(
+            [q_latent.transpose(0, 1), q_rope.view(num_tokens, heads, self.rope_dim)], dim=-1
+        )
+        kv = torch.cat([self.kv_a_layernorm(latent.contiguous()), k_rope], dim=-1)
+        out = self.attn(query.reshape(num_tokens, -1), kv, kv, ctx)  # [T, heads * rank]
+        out = torch.bmm(out.view(num_tokens, heads, rank).transpose(0, 1), self.w_uv)
+        return self.o_proj(out.transpose(0, 1).reshape(num_tokens, heads * self.v_head_dim))
 
 
 class DeepseekDecoderLayer(LlamaDecoderLayer):
@@ -218,6 +282,13 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
 
         self.model = LlamaStack(arch, build_layer)
         self.add_lm_head(self.model.embed_tokens, arch.tie_word_embeddings)
+
+    def enable_latent_kv(self) -> None:
+        """Every layer of this stage attends over the latent cache (``pagedlm.worker.
+        latent_kv`` decides; after loading, before the KV cache is sized)."""
+        for module in self.modules():
+            if isinstance(module, MultiHeadLatentAttention):
+                module.enable_latent()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
