@@ -237,6 +237,58 @@ def check_logits_soft_cap(target: AttentionTarget) -> None:
         _run_cases(target, "logits_soft_cap", SOFT_CAP_QUERY_SCALE, **features)
 
 
+def latent_value_dim(head_dim: int) -> int:
+    """The value width the kit's latent cases use for keys of ``head_dim``: DeepSeek's 512
+    of 576, else three quarters."""
+    return head_dim * 8 // 9 if head_dim % 9 == 0 else head_dim * 3 // 4
+
+
+def check_latent_kv(target: AttentionTarget) -> None:
+    """Latent attention (one kv head that is also the value, one cache tensor) in the
+    decode, chunked and shared-prefix cases when ``supports_latent_kv``, else refused by
+    the attention layer."""
+    flag = getattr(target.backend_cls, "supports_latent_kv", None)
+    if not isinstance(flag, bool):
+        raise ConformanceFailure(
+            target.name, "latent_kv", f"supports_latent_kv must be a bool, got {flag!r}"
+        )
+    if not flag:
+        _check_latent_refused(target)
+        return
+    for block_size in target.block_sizes:
+        for seed, shape in enumerate(target.head_shapes):
+            value_dim = latent_value_dim(shape.head_dim)
+            for case in (_decode_case, _chunked_case):
+                steps = PagedSteps(target, shape, block_size, seed=seed, value_dim=value_dim)
+                case(steps, "latent_kv")
+
+
+def _check_latent_refused(target: AttentionTarget) -> None:
+    num_heads, _, head_dim = target.head_shapes[0]
+    block_size = target.block_sizes[0]
+    backend = target.new_backend()
+    shape = tuple(target.backend_cls.kv_cache_shape(2, block_size, 1, head_dim))
+    cache = TensorKVCache(
+        shape, 1, block_size, target.dtype, lambda s, d: target.allocate(s), shares_values=True
+    )
+    layout = BatchLayout.from_lists([0, 1], [1], [[0]], [0], block_size, target.device)
+    value_dim = latent_value_dim(head_dim)
+    layer = Attention(0, num_heads, 1, head_dim, 1.0, value_dim=value_dim)
+    q = torch.zeros(1, num_heads * head_dim, dtype=target.dtype, device=target.device)
+    kv = torch.zeros(1, head_dim, dtype=target.dtype, device=target.device)
+    try:
+        layer(q, kv, kv, ForwardContext(backend, backend.build_metadata(layout), cache))
+    except ValueError as exc:
+        if "value_dim" in str(exc):
+            return
+        raise ConformanceFailure(
+            target.name, "latent_kv", f"refused with a message that does not name it: {exc}"
+        ) from exc
+    raise ConformanceFailure(
+        target.name, "latent_kv", "supports_latent_kv is False, yet a latent layer ran on it"
+    )
+
+
 def _run_cases(target: AttentionTarget, promise: str, query_scale: float = 1.0, **features) -> None:
     """The decode and chunked cases with ``features`` (a window of None: block_size + 1)."""
     for case in (_decode_case, _chunked_case):

@@ -70,7 +70,13 @@ class PagedSteps:
         num_blocks: int = 48,
         seed: int = 0,
         query_scale: float = 1.0,
+        value_dim: int | None = None,
     ) -> None:
+        """``value_dim``: latent attention (``supports_latent_kv``): one kv head whose
+        first ``value_dim`` features are the values, one cache tensor."""
+        if value_dim is not None:
+            shape = type(shape)(shape.num_heads, 1, shape.head_dim)
+        self.value_dim = value_dim
         self.target = target
         self.shape = shape
         self.block_size = block_size
@@ -84,14 +90,15 @@ class PagedSteps:
             )
         )
         self.key_cache = target.allocate(cache_shape)
-        self.value_cache = target.allocate(cache_shape)
-        for cache in (self.key_cache, self.value_cache):
+        self.value_cache = self.key_cache if value_dim else target.allocate(cache_shape)
+        for cache in {id(c): c for c in (self.key_cache, self.value_cache)}.values():
             cache.copy_(self.random_tensor(cache_shape, GARBAGE_SCALE))
         self._free_blocks = torch.randperm(num_blocks, generator=self.generator).tolist()
         self.requests: list[SimRequest] = []
 
     def describe(self) -> str:
-        return f"block_size {self.block_size}, {self.shape}, {self.target.dtype}"
+        latent = "" if self.value_dim is None else f", value_dim {self.value_dim}"
+        return f"block_size {self.block_size}, {self.shape}{latent}, {self.target.dtype}"
 
     def random_tensor(self, shape: Sequence[int], scale: float = 1.0) -> torch.Tensor:
         values = torch.randn(tuple(shape), generator=self.generator) * scale
@@ -106,13 +113,14 @@ class PagedSteps:
         num_heads, num_kv_heads, head_dim = self.shape
         query = self.random_tensor((length, num_heads, head_dim), self.query_scale)
         key = self.random_tensor((length, num_kv_heads, head_dim))
-        value = self.random_tensor((length, num_kv_heads, head_dim))
+        value = key if self.value_dim else self.random_tensor((length, num_kv_heads, head_dim))
         table: list[int] = []
         if shares_blocks_of is not None:
             owner = self.requests[shares_blocks_of]
             table = owner.block_table[:shared_blocks]
             shared = shared_blocks * self.block_size
-            key[:shared], value[:shared] = owner.key[:shared], owner.value[:shared]
+            key[:shared] = owner.key[:shared]
+            value[:shared] = owner.value[:shared]
         needed = -(-length // self.block_size) + 1 - len(table)
         if needed > len(self._free_blocks):
             raise RuntimeError("the kit's block pool is too small for its own scenario")
@@ -189,6 +197,11 @@ class PagedSteps:
     ) -> torch.Tensor:
         """``backend.forward`` over this object's caches; a raise or a malformed result is a
         failure of ``promise`` (or of 'output')."""
+        out_shape = tuple(query.shape)
+        if self.value_dim is not None:
+            value = key  # the contract: one tensor
+            features = {**features, "value_dim": self.value_dim}
+            out_shape = (*out_shape[:-1], self.value_dim)
         out = self.call(
             promise,
             "forward",
@@ -202,7 +215,7 @@ class PagedSteps:
             self.scale,
             **features,
         )
-        expected = (tuple(query.shape), query.dtype, query.device.type)
+        expected = (out_shape, query.dtype, query.device.type)
         got = (tuple(out.shape), out.dtype, out.device.type)
         if got != expected:
             raise ConformanceFailure(
@@ -270,10 +283,13 @@ class PagedSteps:
         request = self.requests[index]
         end = request.num_computed + num_tokens
         positions = torch.arange(request.num_computed, end)
+        values = request.value[:end]
+        if self.value_dim is not None:
+            values = values[..., : self.value_dim]
         return reference_attention(
             rows.query[start : start + num_tokens],
             request.key[:end],
-            request.value[:end],
+            values,
             positions,
             self.scale,
             **features,

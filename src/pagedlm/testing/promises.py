@@ -81,6 +81,13 @@ PROMISES: dict[str, Promise] = {
             f"{_BACKEND}:AttentionBackend.forward",
         ),
         Promise(
+            "latent_kv",
+            "with supports_latent_kv, forward(value_dim=d) attends over one cache tensor whose "
+            "keys' first d features are the values (latent attention) and returns d features "
+            "per head; without it the attention layer refuses the model",
+            f"{_BACKEND}:AttentionBackend.forward",
+        ),
+        Promise(
             "graph_metadata",
             "build_graph_metadata()'s result reads the static buffers at every replay (after "
             "prepare_graph_replay), never values copied at capture",

@@ -32,6 +32,7 @@ BACKEND_CHECKS: dict[str, Callable[[AttentionTarget], None]] = {
     "write_before_read": attention_checks.check_write_before_read,
     "sliding_window": attention_checks.check_sliding_window,
     "logits_soft_cap": attention_checks.check_logits_soft_cap,
+    "latent_kv": attention_checks.check_latent_kv,
     "graph_replay": graph_checks.check_graph_replay,
 }
 """Each takes an ``AttentionTarget`` and raises ``ConformanceFailure`` or ``NotApplicable``."""
