@@ -12,6 +12,11 @@ At up to ``FUSED_ROTARY_MAX_REQS`` requests the decode and verification kernels 
 rotate the query and new keys themselves (``fuses_rotary``: one rotary launch per layer
 fewer).
 
+Latent layers (``value_dim``: DeepSeek's MLA, one latent "head" per token that is also its
+value) run the kernels of ``kernels/latent_attention.py``: split-KV over blocks of heads for
+decode and verification steps (a decode writing its new keys itself), flash attention for
+longer ones, after a write of the new keys; FP8 caches too, none of the other features.
+
 FP8 cache: the kernels quantize on write and dequantize tiles in registers, with the
 layer's per-tensor ``k_scale``/``v_scale`` read from device memory (a graph replays them
 in place). Batch-invariant mode (``set_batch_invariant``): the new K/V are always written
@@ -86,6 +91,7 @@ class TritonAttentionBackend(AttentionBackend):
     supports_batch_invariant = True
     supports_non_causal = True
     supports_sinks = True
+    supports_latent_kv = True
     reads_host_lengths = False  # kernels read lengths on the device; max_* are bounds
 
     @staticmethod
@@ -159,7 +165,25 @@ class TritonAttentionBackend(AttentionBackend):
         rotary: FusedRotary | None = None,
         causal: bool = True,
         sinks: torch.Tensor | None = None,
+        value_dim: int | None = None,
     ) -> torch.Tensor:
+        if value_dim is not None:
+            unsupported = {
+                "sliding_window": sliding_window is not None,
+                "logits_soft_cap": logits_soft_cap is not None,
+                "rotary": rotary is not None,
+                "causal=False": not causal,
+                "sinks": sinks is not None,
+                "batch-invariant mode": self.batch_invariant,
+            }
+            named = [name for name, given in unsupported.items() if given]
+            if named:
+                raise ValueError(
+                    f"the Triton backend's latent attention (value_dim) takes no "
+                    f"{', '.join(named)}; a latent layer must not ask for them."
+                )
+            return self._latent(query, key, value, key_cache, value_cache, metadata, scale,
+                                value_dim, k_scale, v_scale)  # fmt: skip
         from pagedlm_cuda.kernels import (
             paged_decode_attention,
             paged_prefill_attention,
@@ -245,6 +269,46 @@ class TritonAttentionBackend(AttentionBackend):
             logits_soft_cap=logits_soft_cap,
             **attend,
         )
+
+    @staticmethod
+    def _latent(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: TritonMetadata,
+        scale: float,
+        value_dim: int,
+        k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Latent attention: one cache tensor, written once (by the decode kernel itself in
+        a decode-only step), read by the latent kernels."""
+        from pagedlm_cuda.kernels.latent_attention import (
+            paged_latent_attention,
+            write_latent_cache,
+        )
+
+        if value is not key or value_cache is not key_cache:
+            raise ValueError(
+                "latent attention (value_dim) takes value=key and value_cache=key_cache: "
+                "one latent tensor whose first value_dim features are the values."
+            )
+        if is_fp8(key_cache.dtype):
+            check_fp8_device(query.device)
+            if k_scale is None or (v_scale is not None and v_scale is not k_scale):
+                raise ValueError("an FP8 latent cache takes k_scale, and v_scale is k_scale.")
+        attend = (
+            query, key_cache, metadata.block_tables, metadata.seq_lens,
+            metadata.query_start_loc, scale, value_dim, metadata.max_query_len,
+        )  # fmt: skip
+        if metadata.is_decode_only:
+            return paged_latent_attention(
+                *attend, new_key=key, slot_mapping=metadata.slot_mapping, k_scale=k_scale
+            )
+        write_latent_cache(key, key_cache, metadata.slot_mapping, k_scale)
+        return paged_latent_attention(*attend, k_scale=k_scale)
 
     @staticmethod
     def _invariant(
