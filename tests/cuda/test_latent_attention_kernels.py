@@ -11,6 +11,7 @@ touched (padding rows, slot -1, write nothing).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -237,3 +238,38 @@ def test_deepseek_fp8_decode_with_padding() -> None:
     step = Step(DEEPSEEK[0][0], 16, 576, 512, torch.bfloat16, padding=4,
                 cache_dtype=fp8.FP8_DTYPE)  # fmt: skip
     step.check(run_backend(step), torch.bfloat16)
+
+
+@pytest.mark.cuda
+@cuda_only
+@pytest.mark.parametrize("query_len", [1, 4])
+def test_deepseek_graph_replay(query_len) -> None:
+    """A uniform step captured over padding rows only (nothing written, max_seq_len a
+    bound), then replayed with real rows in the same buffers: the kernels read lengths,
+    tables and slots on the device at replay."""
+    chunks = [(query_len, 100), (query_len, 1000), (query_len, 3000)]
+    step = Step(chunks, 16, 576, 512, torch.bfloat16, padding=2, padding_len=query_len, seed=3)
+    layout = step.layout
+    real_seq_lens, real_slots = layout.seq_lens.clone(), layout.slot_mapping.clone()
+    layout.seq_lens.zero_()
+    layout.slot_mapping.fill_(-1)
+    backend = TritonAttentionBackend(DEVICE)
+    assert backend.supports_graph(query_len)
+    metadata = backend.build_graph_metadata(dataclasses.replace(layout, max_seq_len=8192))
+
+    def forward() -> torch.Tensor:
+        return backend.forward(
+            step.query, step.key, step.key, step.cache, step.cache, metadata, step.scale,
+            value_dim=512,
+        )  # fmt: skip
+
+    forward()  # compiles the kernels outside the capture; padding rows write nothing
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward()
+    layout.seq_lens.copy_(real_seq_lens)
+    layout.slot_mapping.copy_(real_slots)
+    graph.replay()
+    torch.cuda.synchronize()
+    step.check(out, torch.bfloat16)

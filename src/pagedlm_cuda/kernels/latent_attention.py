@@ -20,10 +20,11 @@ One kernel, two configurations (``latent_config``):
   ``num_splits`` contiguous key ranges of the sequence (each a multiple of ``BLOCK_N``).
   Each split stores its partial output and log-sum-exp; a merge kernel, one program per
   (token, head), combines them in split order. The split count comes from the batch's
-  CUDA-graph bucket and the heads only (never from ``max_seq_len``), so the grid does not
-  grow with ``max_model_len`` under a graph, the partials stay small, and a graph replay
-  and an eager step of the same bucket give the same bits. A decode step may pass its new
-  keys (``new_key``): the split holding the last position attends to it from registers,
+  CUDA-graph bucket, the heads and ``max_query_len`` only (never from ``max_seq_len``), so
+  the grid does not grow with ``max_model_len`` under a graph, the partials stay small,
+  and a graph replay and an eager step of the same bucket and query length give the same
+  bits. A decode step may pass its new keys (``new_key``): the split holding the last
+  position attends to it from there (after its cached keys) rather than from the cache,
   and that split's first head block writes it at its slot, which saves the write launch.
 - prefill (longer queries: prompts, chunks, mixed steps): one split, so programs store
   the output directly; ``PREFILL_ROWS`` query rows of one head per program, walking the
@@ -41,9 +42,15 @@ its range); ``k_scale`` is folded into the scores' scale and the output is multi
 (``v_scale is k_scale``); a new key is quantized on write and attended from its quantized
 value, as a later step reads it.
 
-Not measured on a GPU yet: tile sizes, warps, stages and ``SPLIT_PROGRAMS`` are first
+Not timed on a GPU yet: tile sizes, warps, stages and ``SPLIT_PROGRAMS`` are first
 guesses (16 x 32 tiles at 4 warps is what the Triton MLA decode kernels of SGLang/vLLM
-run), to be swept on an H100 at DeepSeek-V2-Lite's shape.
+run), to be swept on an H100 at DeepSeek-V2-Lite's shape. What was measured is what
+Triton 3.6's ``ptxas`` reports for sm_90a at 576 = 512 + 64 features (compiled without a
+GPU, as ``tests/cuda/ptxas_decode_attention.py`` does): the bf16 decode (16 rows, 32-key
+tiles, 4 warps, the new key written) 240 registers, no spills, 54 KiB of shared memory,
+two programs per SM; it spilled 488 bytes while the new key was loaded before the key
+loop, which is why it is read after it, and the query again with it. An FP8 cache's
+decode spilled 68 bytes at 32-key tiles and none at 16 (252 registers).
 """
 
 from __future__ import annotations
@@ -66,7 +73,8 @@ SPLIT_ROWS = 16
 
 PREFILL_ROWS = 32
 """Query rows per program of a prefill step: a [32, 512] float32 accumulator is 64
-registers per thread at 8 warps."""
+registers per thread at 8 warps (244 in all at 576 = 512 + 64 features in bf16, no spills;
+4 warps spilled 196 bytes, 64 rows 132)."""
 
 SPLIT_PROGRAMS = 512
 """Programs a split step aims at (about four per SM of an H100) before splitting no more."""
@@ -90,12 +98,19 @@ class LatentConfig(NamedTuple):
 
 
 def latent_config(
-    num_reqs: int, num_heads: int, max_query_len: int, value_dim: int, element_size: int
+    num_reqs: int,
+    num_heads: int,
+    max_query_len: int,
+    value_dim: int,
+    element_size: int,
+    fp8: bool = False,
 ) -> LatentConfig:
-    """The launch configuration of a step: split for short queries, prefill for long."""
+    """The launch configuration of a step: split for short queries, prefill for long.
+    ``element_size``: the query's bytes per element; ``fp8``: the cache is float8."""
     value_block = triton.next_power_of_2(value_dim)
-    # Float32 tiles of a wide value part would need twice the shared memory.
-    block_n = 16 if element_size > 2 and value_block >= 256 else 32
+    # 16-key tiles where 32 spill at 512 value features (sm_90a, ptxas): an FP8 cache's
+    # tiles are converted in registers, and float32 tiles are twice as wide.
+    block_n = 16 if value_block >= 256 and (fp8 or element_size > 2) else 32
     if max_query_len > MAX_SPLIT_QUERY_LEN:
         return LatentConfig(PREFILL_ROWS, 1, block_n, 1, num_warps=8 if value_block >= 256 else 4,
                             num_stages=2)  # fmt: skip
@@ -118,13 +133,51 @@ def _split_range(seq_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr
 
 
 @triton.jit
-def _attend_new_key(
-    m, denom, acc, q_main, q_tail, new_main, new_tail, score_scale
+def _load_query(
+    q_rows, row_mask, v_dims, v_mask, t_dims, t_mask, value_dim, FP8: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """One more online-softmax step over the new key (float32, every row sees it)."""
-    main = new_main.to(tl.float32)
+    """The rows' queries (value part, tail) in the dtype of the dots: an FP8 cache's are
+    float16, clamped to its range."""
+    main_mask = row_mask[:, None] & v_mask[None, :]
+    q_main = tl.load(q_rows + v_dims[None, :], mask=main_mask, other=0.0)
+    tail_mask = row_mask[:, None] & t_mask[None, :]
+    q_tail = tl.load(q_rows + value_dim + t_dims[None, :], mask=tail_mask, other=0.0)
+    if FP8:
+        q_main = tl.clamp(q_main.to(tl.float32), -65504.0, 65504.0)
+        q_tail = tl.clamp(q_tail.to(tl.float32), -65504.0, 65504.0)
+    return q_main.to(COMPUTE_DTYPE), q_tail.to(COMPUTE_DTYPE)
+
+
+@triton.jit
+def _write_and_attend_new_key(
+    m, denom, acc, q_rows, row_mask, score_scale, k_scale, new_key_ptr, new_key_stride,
+    slot_mapping_ptr, token, cache_ptr, cache_stride_block, cache_stride_slot, writes,
+    v_dims, v_mask, t_dims, t_mask, value_dim, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """A decode's new key (row ``token`` of ``new_key``): stored at its slot when
+    ``writes`` (one program of the split that holds it; a slot of -1 stores nothing), and
+    one more online-softmax step for every row, in float32, over the value as stored (a
+    later step reads it so). The query is read again rather than kept through the loop
+    in a second layout (registers)."""
+    key_row = new_key_ptr + token.to(tl.int64) * new_key_stride
+    cache_dtype = cache_ptr.dtype.element_ty
+    main = tl.load(key_row + v_dims, mask=v_mask, other=0.0)
+    main = fp8_store_value(main, k_scale, cache_dtype, FP8)
+    tail = tl.load(key_row + value_dim + t_dims, mask=t_mask, other=0.0)
+    tail = fp8_store_value(tail, k_scale, cache_dtype, FP8)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if writes & (slot >= 0):
+        row = (slot // BLOCK_SIZE) * cache_stride_block + (slot % BLOCK_SIZE) * cache_stride_slot
+        tl.store(cache_ptr + row + v_dims, main, mask=v_mask)
+        tl.store(cache_ptr + row + value_dim + t_dims, tail, mask=t_mask)
+    q_main, q_tail = _load_query(
+        q_rows, row_mask, v_dims, v_mask, t_dims, t_mask, value_dim, FP8, COMPUTE_DTYPE
+    )
+    main = main.to(tl.float32)
     dots = tl.sum(q_main.to(tl.float32) * main[None, :], axis=1)
-    dots += tl.sum(q_tail.to(tl.float32) * new_tail.to(tl.float32)[None, :], axis=1)
+    dots += tl.sum(q_tail.to(tl.float32) * tail.to(tl.float32)[None, :], axis=1)
     s_new = dots * score_scale
     m_new = tl.maximum(m, s_new)
     p_new = tl.exp2(s_new - m_new)
@@ -173,50 +226,19 @@ def _latent_kernel(
     t_dims = tl.arange(0, BLOCK_T)
     t_mask = t_dims < tail_dim
     q_rows = q_ptr + tokens[:, None] * q_stride_token + head[:, None] * q_stride_head
-    q_main = tl.load(q_rows + v_dims[None, :], mask=row_mask[:, None] & v_mask[None, :], other=0.0)
-    q_tail = tl.load(
-        q_rows + value_dim + t_dims[None, :], mask=row_mask[:, None] & t_mask[None, :], other=0.0
-    )
     k_scale = 1.0
     if FP8:
         k_scale = tl.load(k_scale_ptr).to(tl.float32)
         score_scale = score_scale * k_scale
-        q_main = tl.clamp(q_main.to(tl.float32), -65504.0, 65504.0)
-        q_tail = tl.clamp(q_tail.to(tl.float32), -65504.0, 65504.0)
-    q_main = q_main.to(COMPUTE_DTYPE)
-    q_tail = q_tail.to(COMPUTE_DTYPE)
+    q_main, q_tail = _load_query(
+        q_rows, row_mask, v_dims, v_mask, t_dims, t_mask, value_dim, FP8, COMPUTE_DTYPE
+    )
 
     cached_end = kv_end
-    new_split = -1
-    new_main = tl.zeros([BLOCK_V], tl.float32)  # without WRITE_NEW, unused
-    new_tail = tl.zeros([BLOCK_T], tl.float32)
     if WRITE_NEW:
-        # A decode: the last position comes from new_key, written by one program (no
-        # program reads it from the cache).
+        # A decode: the last position is not read from the cache but from new_key, after
+        # the loop (so the new key holds no registers during it).
         cached_end = tl.minimum(kv_end, seq_len - 1)
-        new_split = tl.where(seq_len > 0, (seq_len - 1) // per_split, -1)
-        if split == new_split:
-            key_row = new_key_ptr + q_start.to(tl.int64) * new_key_stride
-            cache_dtype = cache_ptr.dtype.element_ty
-            stored_main = fp8_store_value(
-                tl.load(key_row + v_dims, mask=v_mask, other=0.0), k_scale, cache_dtype, FP8
-            )
-            stored_tail = fp8_store_value(
-                tl.load(key_row + value_dim + t_dims, mask=t_mask, other=0.0), k_scale,
-                cache_dtype, FP8,
-            )  # fmt: skip
-            slot = tl.load(slot_mapping_ptr + q_start).to(tl.int64)
-            if (head_block == 0) & (slot >= 0):
-                dst = (
-                    cache_ptr
-                    + (slot // BLOCK_SIZE) * cache_stride_block
-                    + (slot % BLOCK_SIZE) * cache_stride_slot
-                )
-                tl.store(dst + v_dims, stored_main, mask=v_mask)
-                tl.store(dst + value_dim + t_dims, stored_tail, mask=t_mask)
-            # Attended from the stored value, as a later step reads it.
-            new_main = stored_main.to(tl.float32)
-            new_tail = stored_tail.to(tl.float32)
 
     table = block_tables_ptr + req * block_table_stride
     m = tl.full([TOKENS * HEADS], float("-inf"), tl.float32)
@@ -248,9 +270,12 @@ def _latent_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), k_main)
         m = m_new
     if WRITE_NEW:  # noqa: SIM102 - a compile-time switch around a runtime test
-        if split == new_split:
-            m, denom, acc = _attend_new_key(
-                m, denom, acc, q_main, q_tail, new_main, new_tail, score_scale
+        if split == tl.where(seq_len > 0, (seq_len - 1) // per_split, -1):
+            m, denom, acc = _write_and_attend_new_key(
+                m, denom, acc, q_rows, row_mask, score_scale, k_scale, new_key_ptr,
+                new_key_stride, slot_mapping_ptr, q_start, cache_ptr, cache_stride_block,
+                cache_stride_slot, head_block == 0, v_dims, v_mask, t_dims, t_mask, value_dim,
+                BLOCK_SIZE, FP8, COMPUTE_DTYPE,
             )  # fmt: skip
 
     safe_denom = tl.where(denom > 0, denom, 1.0)
@@ -410,7 +435,9 @@ def paged_latent_attention(
             raise ValueError("new_key is for decode steps (max_query_len 1) with a slot_mapping.")
         _check_latent_cache(new_key, cache)
     if config is None:
-        config = latent_config(num_reqs, num_heads, max_query_len, value_dim, query.element_size())
+        config = latent_config(
+            num_reqs, num_heads, max_query_len, value_dim, query.element_size(), fp8
+        )
     splits = config.num_splits
     if splits & (splits - 1) or (splits > 1 and max_query_len > MAX_SPLIT_QUERY_LEN):
         raise ValueError(f"num_splits={splits}: a power of two, 1 past short queries.")
