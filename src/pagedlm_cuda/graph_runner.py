@@ -17,10 +17,12 @@ its capture-size bucket (``kernels/decode_config.py``) and its grid is sized by
 ``max_model_len``, so a request's result does not depend on the padding or on whether
 the step ran from a graph.
 
-A model whose forward may not be capturable (``capture_may_fail``: the Transformers
-backend, whose forward may wait for the device, as ``.item()`` does) fails its first
-capture; the runner then gives no graphs and every step runs eagerly, logged once at
-start-up. Any other model's failed capture is an error.
+A model with a module known not to be capturable (its ``uncapturable`` says why: the MoE
+layers, which group tokens by expert on the host) gets no graphs: every step runs eagerly,
+logged once at start-up. A model whose forward may not be capturable (``capture_may_fail``:
+the Transformers backend, whose forward may wait for the device, as ``.item()`` does)
+fails its first capture and then runs eagerly likewise. Any other model's failed capture
+is an error.
 
 Which graphs and sizes are captured is the engine's ``CompilationConfig`` (vLLM's
 ``cudagraph_mode``, ``cudagraph_capture_sizes``, ``max_cudagraph_capture_size``): whole
@@ -93,6 +95,13 @@ class CudaGraphRunner(GraphRunner):
         query_lens = tuple(q for q in wanted if backend.supports_graph(q))
         if not query_lens:
             logger.info("CUDA graphs off: attention backend %s captures no step", backend.name)
+            return None
+        blocker = next(
+            (m.uncapturable for m in runner.model.modules() if getattr(m, "uncapturable", None)),
+            None,
+        )
+        if blocker is not None:
+            logger.info("CUDA graphs off: %s; steps run eagerly", blocker)
             return None
         compilation = runner.config.compilation  # which graphs, at which sizes
         sched = runner.config.scheduler

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -155,13 +156,20 @@ def _best_groups_only(choice: torch.Tensor, groups: ExpertGroups) -> torch.Tenso
     return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, num_experts)
 
 
+HOST_GROUPING = "its MoE layers group tokens by expert on the host"
+"""Why a forward through ``expert_groups`` cannot be captured in a CUDA graph: it reads each
+expert's token count back from the device (a wait, and shapes that change per step). The
+layers that use it carry this as ``uncapturable``; a graph runner skips such models."""
+
+
 def expert_groups(
     expert_ids: torch.Tensor, weights: torch.Tensor, num_experts: int, expert_start: int = 0
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """The (token, slot) pairs of a routing (``expert_ids``, ``weights``: [T, top_k]) sorted
     by expert, so each expert runs one matmul on its rows: ``(local expert, token rows,
     their routing weights)`` for experts ``expert_start`` on, in order, skipping experts no
-    token chose. The caller stops at its last local expert."""
+    token chose. The caller stops at its last local expert. Reads the counts on the host
+    (``HOST_GROUPING``)."""
     top_k = expert_ids.shape[-1]
     flat_ids = expert_ids.flatten()
     order = torch.argsort(flat_ids, stable=True)
@@ -189,6 +197,8 @@ class FusedMoE(nn.Module):
     top-k) chooses experts otherwise; with ``routing.correction_bias`` the layer also holds
     ``e_score_correction_bias`` [num_experts], float32 in any model dtype as the scores are.
     """
+
+    uncapturable: ClassVar[str] = HOST_GROUPING
 
     def __init__(
         self,

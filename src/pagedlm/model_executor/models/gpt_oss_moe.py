@@ -28,6 +28,8 @@ first part of each expert, so it counts once.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,7 +43,7 @@ from pagedlm.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from pagedlm.model_executor.layers.linear_base import LinearBase
-from pagedlm.model_executor.layers.moe import expert_groups
+from pagedlm.model_executor.layers.moe import HOST_GROUPING, expert_groups
 from pagedlm.model_executor.loader.weight_utils import copy_checked, default_weight_loader
 
 EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
@@ -77,6 +79,8 @@ class GptOssMoE(nn.Module):
     slices], ``w2`` [local experts, hidden, I / slices], ``b2`` [local experts, hidden].
     ``load_expert_tensor(name, tensor)`` fills them from a stacked checkpoint tensor.
     """
+
+    uncapturable: ClassVar[str] = HOST_GROUPING
 
     def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
