@@ -29,7 +29,8 @@ def test_greedy_and_prompt_logprobs_match_transformers(
 ) -> None:
     """By default the cache holds one latent vector per token and layer (the CPU backend
     has latent attention); ``PAGEDLM_MLA_DISABLE=1`` keeps every head's expanded keys and
-    values. Both give transformers' tokens."""
+    values. Both give transformers' tokens, and prompt logprobs within 1e-4 (1e-3 on a GPU,
+    whose kernels take float32 dots in TF32)."""
     if form == "expanded":
         monkeypatch.setenv("PAGEDLM_MLA_DISABLE", "1")
     hf_model = save_deepseek(tmp_path, *CASES[case], cache_head_dim=False)
@@ -59,7 +60,9 @@ def test_greedy_and_prompt_logprobs_match_transformers(
         got = torch.tensor(
             [out.prompt_logprobs[pos][prompt[pos]].logprob for pos in range(1, len(prompt))]
         )
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            got, want, atol=1e-4 if runner.device.type == "cpu" else 1e-3, rtol=0
+        )
 
 
 def _greedy_run(path, **parallel) -> list:

@@ -394,3 +394,16 @@ def test_latent_cache_in_bf16_stays_near_the_expanded_form(tmp_path: Path) -> No
         errors.append((error.max().item(), error.mean().item()))
     (expanded_max, expanded_mean), (latent_max, latent_mean) = errors
     assert latent_max <= 2 * expanded_max and latent_mean <= 1.5 * expanded_mean, errors
+
+
+def test_the_latent_switch_keeps_every_tensor_on_the_model_device(tmp_path: Path) -> None:
+    """``enable_latent_kv`` runs after loading, outside the loader's device context: the
+    folded maps and the new attention layer's scale buffers must land beside the weights
+    (here the meta device stands in for a GPU)."""
+    save_deepseek(tmp_path, *CASES["v3"])
+    arch = ArchConfig.from_directory(tmp_path)
+    with torch.device("meta"):
+        model = DeepseekV2ForCausalLM(arch)
+    model.enable_latent_kv()
+    devices = {t.device.type for t in (*model.parameters(), *model.buffers())}
+    assert devices == {"meta"}, devices

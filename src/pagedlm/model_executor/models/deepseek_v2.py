@@ -180,14 +180,15 @@ class MultiHeadLatentAttention(nn.Module):
             "w_uv", maps[:, self.nope_dim :].transpose(1, 2).contiguous(), persistent=False
         )
         del self.kv_b_proj
-        self.attn = Attention(
-            self.attn.layer_idx,
-            num_heads=heads,
-            num_kv_heads=1,
-            head_dim=rank + self.rope_dim,
-            scale=self.attn.scale,
-            value_dim=rank,
-        )
+        with torch.device(norm_weight.device):  # its scale buffers beside the weights
+            self.attn = Attention(
+                self.attn.layer_idx,
+                num_heads=heads,
+                num_kv_heads=1,
+                head_dim=rank + self.rope_dim,
+                scale=self.attn.scale,
+                value_dim=rank,
+            )
         self.latent = True
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
