@@ -29,7 +29,7 @@ def test_greedy_and_prompt_logprobs_match_transformers(
 ) -> None:
     """By default the cache holds one latent vector per token and layer (the CPU backend
     has latent attention); ``PAGEDLM_MLA_DISABLE=1`` keeps every head's expanded keys and
-    values. Both give transformers' tokens, and prompt logprobs within 1e-4 (1e-3 on a GPU,
+    values. Both give transformers' tokens, and prompt logprobs within 1e-4 (5e-3 on a GPU,
     whose kernels take float32 dots in TF32)."""
     if form == "expanded":
         monkeypatch.setenv("PAGEDLM_MLA_DISABLE", "1")
@@ -61,7 +61,7 @@ def test_greedy_and_prompt_logprobs_match_transformers(
             [out.prompt_logprobs[pos][prompt[pos]].logprob for pos in range(1, len(prompt))]
         )
         torch.testing.assert_close(
-            got, want, atol=1e-4 if runner.device.type == "cpu" else 1e-3, rtol=0
+            got, want, atol=1e-4 if runner.device.type == "cpu" else 5e-3, rtol=0
         )
 
 

@@ -85,7 +85,8 @@ def test_the_latent_cache_takes_fewer_bytes_per_block_and_serves_fp8(tmp_path, m
     assert (
         expanded_runner.kv_bytes_per_block() == runner.block_size * layers * 2 * heads * key_dim * 4
     )
-    assert _max_difference(expanded_logprobs, logprobs) < 1e-4  # the two forms agree
+    agree = 1e-4 if runner.device.type == "cpu" else 5e-3  # GPUs: TF32 dots
+    assert _max_difference(expanded_logprobs, logprobs) < agree  # the two forms agree
     _, expanded_fp8, _ = _run(tmp_path, kv_cache_dtype="fp8")
     expanded_error = _max_difference(expanded_fp8, expanded_logprobs)
     assert 0 < latent_error < 2 * expanded_error, (latent_error, expanded_error)
