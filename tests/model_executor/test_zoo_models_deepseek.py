@@ -407,3 +407,26 @@ def test_the_latent_switch_keeps_every_tensor_on_the_model_device(tmp_path: Path
     model.enable_latent_kv()
     devices = {t.device.type for t in (*model.parameters(), *model.buffers())}
     assert devices == {"meta"}, devices
+
+
+def test_in_place_weight_loads_reach_the_folded_maps(tmp_path: Path) -> None:
+    """After the switch ``kv_b_proj`` is gone; a later in-place ``load_weights`` of the
+    checkpoint's names (an RL trainer's update through ``collective_rpc``) folds the new
+    ``kv_b_proj.weight`` into the latent maps: the model then computes what a model loaded
+    from the new weights computes."""
+    save_deepseek(tmp_path, *CASES["v2_lite"])
+    tensors = load_file(tmp_path / "model.safetensors")
+    changed = {
+        name: tensor * 1.5 if name.endswith("kv_b_proj.weight") else tensor
+        for name, tensor in tensors.items()
+    }
+    updated = latent_model(tmp_path)
+    loaded = updated.load_weights(changed.items())
+    assert "model.layers.0.self_attn.kv_b_proj.weight" in loaded
+    save_file(changed, tmp_path / "model.safetensors")
+    prompts = random_prompts()
+    want = paged_runner(load_model(model_config(tmp_path), torch.device("cpu"))).step(
+        [(i, 0, p) for i, p in enumerate(prompts)]
+    )
+    got = paged_runner(updated).step([(i, 0, p) for i, p in enumerate(prompts)])
+    torch.testing.assert_close(torch.cat(got), torch.cat(want), atol=1e-4, rtol=0)

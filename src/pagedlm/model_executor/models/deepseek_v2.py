@@ -47,7 +47,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedlm.config import ArchConfig
-from pagedlm.distributed import divide, get_tensor_model_parallel_world_size
+from pagedlm.distributed import (
+    divide,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.layers.attention import Attention
 from pagedlm.model_executor.layers.layernorm import RMSNorm
@@ -191,6 +195,22 @@ class MultiHeadLatentAttention(nn.Module):
             )
         self.latent = True
 
+    def fold_kv_b_proj(self, weight: torch.Tensor) -> None:
+        """Load a checkpoint's whole ``kv_b_proj.weight`` [heads * (qk_nope + v), rank] into
+        ``w_uk``/``w_uv`` after the switch (in-place weight updates: vLLM's
+        ``load_weights`` through ``collective_rpc``), this rank's heads only."""
+        heads, rank = self.num_local_heads, self.kv_lora_rank
+        per_head = self.nope_dim + self.v_head_dim
+        if weight.dim() != 2 or weight.shape[1] != rank or weight.shape[0] % per_head:
+            raise ValueError(
+                f"kv_b_proj.weight of shape {tuple(weight.shape)} does not fit heads of "
+                f"{per_head} rows over kv_lora_rank={rank}."
+            )
+        first = get_tensor_model_parallel_rank() * heads
+        maps = weight.view(-1, per_head, rank)[first : first + heads]
+        self.w_uk.copy_(maps[:, : self.nope_dim])
+        self.w_uv.copy_(maps[:, self.nope_dim :].transpose(1, 2))
+
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if self.q_through_latent:
             return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -305,6 +325,12 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
                     continue  # a multi-token-prediction layer
                 if self.is_other_stage(name):
                     continue
+                if name.endswith(".self_attn.kv_b_proj.weight") and name not in params:
+                    attention = self.get_submodule(name.removesuffix(".kv_b_proj.weight"))
+                    if getattr(attention, "latent", False):  # folded at the switch
+                        attention.fold_kv_b_proj(tensor)
+                        loaded.add(name)
+                        continue
                 # The router's bias is the MoE layer's (the router is a plain linear).
                 name = name.replace(".gate.e_score_correction_bias", ".e_score_correction_bias")
                 experts = split_stacked_experts(name, tensor)
