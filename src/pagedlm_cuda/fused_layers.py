@@ -1,4 +1,4 @@
-"""Hands the model's norm, rotary, activation and linear layers their Triton kernels.
+"""Hands the model's norm, rotary, activation, linear and MoE layers their Triton kernels.
 
 Called from ``CudaPlatform.prepare_model`` (and ROCm's): the layers keep their weights and
 torch code; only their ``kernel`` hook changes, so core model code never asks which device
@@ -17,6 +17,7 @@ from torch import nn
 from pagedlm.model_executor.layers.activation import SiluAndMul
 from pagedlm.model_executor.layers.layernorm import RMSNorm
 from pagedlm.model_executor.layers.linear_base import LinearBase
+from pagedlm.model_executor.layers.moe import FusedMoE
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from pagedlm.model_executor.layers.rotary_mrope import MRotaryEmbedding
 
@@ -160,6 +161,46 @@ def _gemv_silu_on() -> bool:
 _GEMV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+FUSED_MOE_ENV = "PAGEDLM_FUSED_MOE"
+"""``0``: MoE layers keep grouping tokens by expert on the host, and their models run
+without CUDA graphs again (to measure or compare)."""
+
+
+class FusedExperts:
+    """A ``FusedMoE``'s routed experts through the grouped GEMM (``kernels/fused_moe.py``):
+    the routing aligned into expert blocks on the device and no host wait, so a model of
+    such layers can be captured in CUDA graphs."""
+
+    def __init__(self, layer: FusedMoE) -> None:
+        self.layer = layer
+
+    @staticmethod
+    def takes(layer: FusedMoE) -> bool:
+        """SiLU-and-mul experts with float weights of one dtype, no kernel of their own,
+        unless ``PAGEDLM_FUSED_MOE=0``; others keep ``expert_groups``."""
+        w13, w2 = layer.w13, layer.w2
+        return (
+            os.environ.get(FUSED_MOE_ENV, "1") != "0"
+            and layer.kernel is None
+            and type(layer.act_fn) is SiluAndMul
+            and w13.dtype in _GEMV_DTYPES
+            and w2.dtype == w13.dtype
+            and not w13.is_meta
+            and w13.stride(2) == 1
+            and w2.stride(2) == 1
+        )
+
+    def __call__(
+        self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
+    ) -> torch.Tensor:
+        from pagedlm_cuda.kernels.fused_moe import fused_experts
+
+        layer = self.layer
+        return fused_experts(
+            x, layer.w13, layer.w2, weights, expert_ids, layer.expert_start, layer.num_experts
+        )
+
+
 _PLAIN_ROTARY = (RotaryEmbedding, MRotaryEmbedding)
 """Rotary classes whose kernel calls are plain RoPE over ``cos_sin_cache`` (M-RoPE hands
 the kernel only its [T] positions, text tokens'; its [3, T] steps run the torch code)."""
@@ -167,8 +208,10 @@ the kernel only its [T] positions, text tokens'; its [3, T] steps run the torch 
 
 def install_fused_kernels(model: nn.Module) -> int:
     """Point every RMSNorm, RotaryEmbedding and SiluAndMul of ``model`` at the Triton
-    kernels, and every plain linear layer (float weights, no kernel of its own such as a
-    bitsandbytes one) at ``SingleRowLinear``; returns how many layers were switched.
+    kernels, every plain linear layer (float weights, no kernel of its own such as a
+    bitsandbytes one) at ``SingleRowLinear`` and every ``FusedMoE`` that
+    ``FusedExperts.takes`` at the grouped GEMM (capturable from then on); returns how many
+    layers were switched.
     Rotary layers whose head_dim is not a power of two keep the torch code (the kernel
     tiles whole halves)."""
     switched = 0
@@ -185,6 +228,10 @@ def install_fused_kernels(model: nn.Module) -> int:
             module.set_kernel(_rotary_kernel)
         elif isinstance(module, SiluAndMul):
             module.set_kernel(_silu_and_mul_kernel)
+        elif isinstance(module, FusedMoE):
+            if not FusedExperts.takes(module):
+                continue
+            module.set_kernel(FusedExperts(module), capturable=True)
         else:
             continue
         switched += 1

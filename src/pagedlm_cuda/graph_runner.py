@@ -17,8 +17,9 @@ its capture-size bucket (``kernels/decode_config.py``) and its grid is sized by
 ``max_model_len``, so a request's result does not depend on the padding or on whether
 the step ran from a graph.
 
-A model with a module known not to be capturable (its ``uncapturable`` says why: the MoE
-layers, which group tokens by expert on the host) gets no graphs: every step runs eagerly,
+A model with a module known not to be capturable (its ``uncapturable`` says why: MoE
+layers that group tokens by expert on the host, gpt-oss's and any ``FusedMoE`` the
+platform gave no grouped GEMM) gets no graphs: every step runs eagerly,
 logged once at start-up. A model whose forward may not be capturable (``capture_may_fail``:
 the Transformers backend, whose forward may wait for the device, as ``.item()`` does)
 fails its first capture and then runs eagerly likewise. Any other model's failed capture

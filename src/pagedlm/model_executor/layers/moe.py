@@ -17,7 +17,7 @@ contract as a row-parallel linear.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -185,6 +185,11 @@ def expert_groups(
         start += count
 
 
+MoEKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(x [T, hidden], weights float32 [T, top_k], expert ids [T, top_k]) -> this rank's
+routed-expert partial [T, hidden] in x's dtype, as ``FusedMoE.routed_partial`` computes it."""
+
+
 class FusedMoE(nn.Module):
     """forward(x [T, hidden]) -> [T, hidden]: sum over each token's top-k experts of
     ``weight * down(act(gate(x)) * up(x))``.
@@ -199,6 +204,7 @@ class FusedMoE(nn.Module):
     """
 
     uncapturable: ClassVar[str] = HOST_GROUPING
+    kernel: MoEKernel | None = None
 
     def __init__(
         self,
@@ -271,6 +277,17 @@ class FusedMoE(nn.Module):
         target = param.data[local].narrow(0, 0 if shard == "gate" else size, size)
         copy_checked(target, shard_of(loaded_weight, 0, self.slice_rank, size), f"expert {shard}")
 
+    def set_kernel(self, kernel: MoEKernel | None, capturable: bool = False) -> None:
+        """Compute the routed experts with ``kernel`` from now on (None: back to
+        ``expert_groups``). ``capturable``: the kernel never waits for the device and its
+        shapes follow x's alone, so this layer no longer keeps a graph runner from
+        capturing the model (its ``uncapturable`` becomes None)."""
+        self.kernel = kernel
+        if kernel is not None and capturable:
+            self.__dict__["uncapturable"] = None  # shadows the class's reason
+        else:
+            self.__dict__.pop("uncapturable", None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.reduce(self.routed_partial(x))
 
@@ -284,6 +301,8 @@ class FusedMoE(nn.Module):
         weights, expert_ids = select_experts(
             self.gate(x), self.top_k, self.renormalize, self.routing, self.e_score_correction_bias
         )
+        if self.kernel is not None:
+            return self.kernel(x, weights, expert_ids)
         out = torch.zeros_like(x)
         groups = expert_groups(expert_ids, weights, self.num_experts, self.expert_start)
         for local, rows, row_weights in groups:
