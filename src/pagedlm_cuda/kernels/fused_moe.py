@@ -89,16 +89,21 @@ def _layout_kernel(
     sentinel everywhere and each block's expert."""
     experts = tl.arange(0, EXPERTS)
     counts = tl.zeros((EXPERTS,), dtype=tl.int32)
-    for chunk in range(num_chunks):
-        tl.store(chunk_offsets_ptr + chunk * EXPERTS + experts, counts)
-        counts += tl.load(chunk_counts_ptr + chunk * EXPERTS + experts)
+    for start in range(0, num_chunks, CHUNK):  # CHUNK chunks' counts at a time
+        chunks = start + tl.arange(0, CHUNK)
+        index = chunks[:, None] * EXPERTS + experts[None, :]
+        mask = (chunks < num_chunks)[:, None]
+        tile = tl.load(chunk_counts_ptr + index, mask=mask, other=0)
+        before = counts[None, :] + tl.cumsum(tile, axis=0) - tile
+        tl.store(chunk_offsets_ptr + index, before, mask=mask)
+        counts += tl.sum(tile, axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     tl.store(expert_rows_ptr + experts, ends - padded)
     total = tl.sum(padded, axis=0)
     tl.store(total_ptr, total)
-    for start in range(0, capacity, CHUNK):
-        rows = start + tl.arange(0, CHUNK)
+    for start in range(0, capacity, 1024):
+        rows = start + tl.arange(0, 1024)
         tl.store(pair_ids_ptr + rows, num_pairs, mask=rows < capacity)
     num_blocks = capacity // BLOCK_M
     for start in range(0, num_blocks, CHUNK):
@@ -127,9 +132,9 @@ def _place_kernel(
 
 
 def _alignment_tiles(num_local_experts: int) -> tuple[int, int]:
-    """(experts padded to a power of two, pairs per chunk): a chunk's one-hot table of at
-    most 4096 entries, at least 16 pairs."""
-    experts = triton.next_power_of_2(num_local_experts)
+    """(experts padded to a power of two from 16, pairs per chunk): a chunk's one-hot
+    table of at most 4096 entries, at least 16 pairs."""
+    experts = max(16, triton.next_power_of_2(num_local_experts))
     return experts, max(16, min(256, 4096 // experts))
 
 
