@@ -296,6 +296,8 @@ def test_bad_shapes_are_explained() -> None:
         fused_experts(x, moe.w13, moe.w2[:, :, :8], weights, ids)
     with pytest.raises(ValueError, match=r"expert_ids must be \[T, top_k\] for T=3"):
         fused_experts(x, moe.w13, moe.w2, weights, ids[:2])
+    with pytest.raises(ValueError, match=r"weights must have expert_ids' shape \(3, 2\)"):
+        fused_experts(x, moe.w13, moe.w2, weights[:, :1], ids)
 
 
 # ---- GPU: real shapes, CUDA graphs -----------------------------------------------------

@@ -243,7 +243,13 @@ def fused_moe_config(num_pairs: int, num_local_experts: int, dtype: torch.dtype)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, expert_ids: torch.Tensor):
+def _check(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+) -> None:
     num_local, two_i, hidden = w13.shape
     if x.dim() != 2 or x.shape[1] != hidden or two_i % 2:
         raise ValueError(
@@ -263,6 +269,11 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, expert_ids: tor
     if expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0]:
         raise ValueError(
             f"expert_ids must be [T, top_k] for T={x.shape[0]}; got {tuple(expert_ids.shape)}."
+        )
+    if weights.shape != expert_ids.shape:
+        raise ValueError(
+            f"weights must have expert_ids' shape {tuple(expert_ids.shape)}; got "
+            f"{tuple(weights.shape)}."
         )
     if w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("fused_experts needs unit-stride rows in w13 and w2.")
@@ -285,7 +296,7 @@ def fused_experts(
     [num_local_experts, hidden, I]; weights float32 [T, top_k]; expert_ids [T, top_k]
     (global ids, experts ``expert_start ..`` local). ``num_experts`` (default: the local
     count) only tells whether every expert is local, so every pair's row is written."""
-    _check(x, w13, w2, expert_ids)
+    _check(x, w13, w2, weights, expert_ids)
     num_tokens, top_k = expert_ids.shape
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
