@@ -374,3 +374,24 @@ def test_new_weights_while_a_loaded_request_waits_forget_its_blocks(
     while engine.has_unfinished_requests():
         finished += [o for o in engine.step() if o.finished]
     assert [list(finished[0].outputs[0].token_ids)] == expected
+
+
+def test_a_latent_cache_is_offloaded_once_per_layer(tmp_path):
+    """DeepSeek's latent cache (one tensor per layer, keys that are the values) goes
+    through the pool as one tensor: the pool holds it once, and a prefix evicted from the
+    device comes back from it with the tokens of an engine without offloading."""
+    from model_executor.test_zoo_models_deepseek import CASES, save_deepseek
+
+    save_deepseek(tmp_path, *CASES["v3"], cache_head_dim=False)
+    model = str(tmp_path)
+    (first, *others) = random_prompts([21, 21, 21, 21], seed=11)
+    reference = LLM(model, **ENGINE)
+    expected = tokens(generate(reference, [first])) + tokens(generate(reference, others))
+    llm = offloading(model, 64)
+    outputs = generate(llm, [first]) + generate(llm, others)
+    assert tokens(outputs) == expected
+    again = generate(llm, [first])
+    assert tokens(again) == expected[:1]
+    assert external(llm).num_loaded_tokens > 0 and external(llm).num_failed_tokens == 0
+    connector = llm.llm_engine.engine_core.executor.worker.model_runner.kv_connector
+    assert connector._store.values is connector._store.keys

@@ -104,7 +104,8 @@ class HostKVStore:
         if self.keys is not None and self.keys.shape == shape and self.keys.dtype == blocks.dtype:
             return
         self.keys = self.empty_host(shape, blocks.dtype)
-        self.values = self.empty_host(shape, blocks.dtype)
+        # A latent cache's keys are its values: held once.
+        self.values = self.keys if blocks.shares_values else self.empty_host(shape, blocks.dtype)
         self.tags = [None] * self.num_blocks
 
     def save(
@@ -120,9 +121,10 @@ class HostKVStore:
         keys, values = blocks.read(block_ids)  # [num_layers, n, ...] on the device
         for index, (host, tag) in enumerate(zip(host_blocks, tags, strict=True)):
             as_bits(self.keys[host]).copy_(as_bits(keys[:, index]), non_blocking=self.pin_memory)
-            as_bits(self.values[host]).copy_(
-                as_bits(values[:, index]), non_blocking=self.pin_memory
-            )
+            if self.values is not self.keys:
+                as_bits(self.values[host]).copy_(
+                    as_bits(values[:, index]), non_blocking=self.pin_memory
+                )
             self.tags[host] = tag
 
     def load(
@@ -133,10 +135,14 @@ class HostKVStore:
         assert self.keys is not None and self.values is not None, "bind() first"
         shape = (len(block_ids), *blocks.block_shape)
         keys = torch.empty(shape, dtype=blocks.dtype, device=blocks.device)
-        values = torch.empty(shape, dtype=blocks.dtype, device=blocks.device)
+        shared = self.values is self.keys
+        values = keys if shared else torch.empty(shape, dtype=blocks.dtype, device=blocks.device)
         for index, host in enumerate(host_blocks):
             as_bits(keys[index]).copy_(as_bits(self.keys[host]), non_blocking=self.pin_memory)
-            as_bits(values[index]).copy_(as_bits(self.values[host]), non_blocking=self.pin_memory)
+            if not shared:
+                as_bits(values[index]).copy_(
+                    as_bits(self.values[host]), non_blocking=self.pin_memory
+                )
         blocks.write(block_ids, keys.transpose(0, 1), values.transpose(0, 1))
 
     def holds(self, host_block: int, tag: str) -> bool:

@@ -24,7 +24,9 @@ class KVCacheBlocks:
     of layer ``layers[i]`` are ``keys[i]`` / ``values[i]``, each ``[num_blocks, block_size,
     num_kv_heads, head_dim]`` over the cache's own memory. ``pin_host_memory`` is the
     platform's answer to whether host buffers that blocks are copied through should be
-    pinned (only where the device reads pinned memory); ``empty_host`` allocates them."""
+    pinned (only where the device reads pinned memory); ``empty_host`` allocates them.
+    ``shares_values``: every layer's keys are its values (a latent cache, one tensor per
+    layer): ``values`` is ``keys``, and reads and writes touch the tensor once."""
 
     def __init__(
         self,
@@ -47,11 +49,15 @@ class KVCacheBlocks:
         self.head_dim = head_dim
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        for layer in self.layers:
-            key_cache, value_cache = cache.layer(layer)
+        caches = [cache.layer(layer) for layer in self.layers]
+        self.shares_values = all(key is value for key, value in caches)
+        for key_cache, value_cache in caches:
             args = (self.block_size, num_kv_heads, head_dim)
             self.keys.append(backend_cls.kv_block_view(key_cache, *args))
-            self.values.append(backend_cls.kv_block_view(value_cache, *args))
+            if not self.shares_values:
+                self.values.append(backend_cls.kv_block_view(value_cache, *args))
+        if self.shares_values:
+            self.values = self.keys
         self.dtype = self.keys[0].dtype
         self.device = self.keys[0].device
 
@@ -65,6 +71,8 @@ class KVCacheBlocks:
         block_size, num_kv_heads, head_dim]``, on the cache's device."""
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
         keys = torch.stack([view.index_select(0, index) for view in self.keys])
+        if self.shares_values:
+            return keys, keys
         values = torch.stack([view.index_select(0, index) for view in self.values])
         return keys, values
 
@@ -75,7 +83,8 @@ class KVCacheBlocks:
         values = values.to(self.device, self.dtype)
         for layer, (key_view, value_view) in enumerate(zip(self.keys, self.values, strict=True)):
             as_bits(key_view).index_copy_(0, index, as_bits(keys[layer]))
-            as_bits(value_view).index_copy_(0, index, as_bits(values[layer]))
+            if not self.shares_values:
+                as_bits(value_view).index_copy_(0, index, as_bits(values[layer]))
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
