@@ -220,10 +220,6 @@ class KVGeometry:
     head_dim: int
     shares_values: bool = False
 
-    @property
-    def tensors_per_layer(self) -> int:
-        return 1 if self.shares_values else 2
-
 
 def model_kv_geometry(model: nn.Module, num_kv_heads: int, head_dim: int) -> KVGeometry:
     """The KV cache geometry of ``model``'s attention layers on this worker (they all
