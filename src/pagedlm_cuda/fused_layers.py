@@ -162,8 +162,10 @@ _GEMV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 FUSED_MOE_ENV = "PAGEDLM_FUSED_MOE"
-"""``0``: MoE layers keep grouping tokens by expert on the host, and their models run
-without CUDA graphs again (to measure or compare)."""
+"""``1``: MoE layers run through ``FusedExperts`` and their models under CUDA graphs. Off
+by default until its GPU tests (``tests/cuda/test_fused_moe_kernels.py``) have passed on a
+GPU: written and tested under the Triton interpreter only (session 43, no GPU left). Off,
+MoE layers group tokens by expert on the host and their models run eagerly."""
 
 
 class FusedExperts:
@@ -177,10 +179,10 @@ class FusedExperts:
     @staticmethod
     def takes(layer: FusedMoE) -> bool:
         """SiLU-and-mul experts with float weights of one dtype, no kernel of their own,
-        unless ``PAGEDLM_FUSED_MOE=0``; others keep ``expert_groups``."""
+        with ``PAGEDLM_FUSED_MOE=1``; others keep ``expert_groups``."""
         w13, w2 = layer.w13, layer.w2
         return (
-            os.environ.get(FUSED_MOE_ENV, "1") != "0"
+            os.environ.get(FUSED_MOE_ENV, "0") == "1"
             and layer.kernel is None
             and type(layer.act_fn) is SiluAndMul
             and w13.dtype in _GEMV_DTYPES
