@@ -90,3 +90,35 @@ def test_the_latent_cache_takes_fewer_bytes_per_block_and_serves_fp8(tmp_path, m
     _, expanded_fp8, _ = _run(tmp_path, kv_cache_dtype="fp8")
     expanded_error = _max_difference(expanded_fp8, expanded_logprobs)
     assert 0 < latent_error < 2 * expanded_error, (latent_error, expanded_error)
+
+
+def test_speculative_verification_over_the_latent_cache(tmp_path) -> None:
+    """Verification steps (1 + k query rows per request) and rejected drafts' slots
+    written over read the latent cache as decodes do: n-gram speculation and a draft model
+    leave greedy tokens unchanged."""
+    save_deepseek(tmp_path, *CASES["v2_lite"], cache_head_dim=False)
+    prompts = [[5, 9, 2, 77, 5, 9, 2, 77, 5, 9, 2], [42, 8, 42, 8, 42, 8], list(range(7, 47))]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    results = []
+    ngram = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    # The target as its own draft model (its KV cache its own, expanded): every draft right.
+    itself = {"method": "draft_model", "model": str(tmp_path)}
+    for method in (None, ngram, itself):
+        speculative = method and {**method, "num_speculative_tokens": 3, "min_acceptance_rate": 0}
+        llm = LLM(
+            str(tmp_path),
+            skip_tokenizer_init=True,
+            max_model_len=128,
+            speculative_config=speculative,
+        )
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            runner = llm.llm_engine.engine_core.executor.worker.model_runner
+            assert runner.kv_geometry.shares_values
+            results.append([o.outputs[0].token_ids for o in outs])
+            if speculative is not None:
+                metrics = {m.name: m for m in llm.get_metrics()}
+                assert metrics["pagedlm:spec_decode_num_draft_tokens"].value > 0
+        finally:
+            llm.llm_engine.shutdown()
+    assert results[0] == results[1] == results[2]
