@@ -14,6 +14,7 @@ import argparse
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.engine.arg_utils import EngineArgs
@@ -395,3 +396,41 @@ def test_a_latent_cache_is_offloaded_once_per_layer(tmp_path):
     assert external(llm).num_loaded_tokens > 0 and external(llm).num_failed_tokens == 0
     connector = llm.llm_engine.engine_core.executor.worker.model_runner.kv_connector
     assert connector._store.values is connector._store.keys
+
+
+def test_a_latent_model_sizes_the_pool_from_its_latent_blocks(tmp_path, monkeypatch):
+    """The pool's block count is decided from the configuration: for a DeepSeek model its
+    latent cache's one tensor per layer (unless PAGEDLM_MLA_DISABLE=1), so a byte budget
+    buys as many latent blocks as it holds. A worker whose blocks then turn out larger
+    (a backend that keeps latent attention expanded) refuses rather than overspend."""
+    import types
+
+    from model_executor.test_zoo_models_deepseek import CASES, KEY_HEAD_DIM, MLA, save_deepseek
+    from pagedlm.kv_transfer.base import KVConnectorRole
+    from pagedlm.kv_transfer.offloading import OffloadingConnector
+
+    monkeypatch.delenv("PAGEDLM_MLA_DISABLE", raising=False)
+    save_deepseek(tmp_path, *CASES["v3"], cache_head_dim=False)
+    width = MLA["kv_lora_rank"] + MLA["qk_rope_head_dim"]
+    latent = MLA["num_hidden_layers"] * BLOCK * width * 4  # one float32 tensor per layer
+    expanded = MLA["num_hidden_layers"] * 2 * BLOCK * MLA["num_key_value_heads"] * KEY_HEAD_DIM * 4
+    size = 10.5 * latent / 2**30
+    config, _ = EngineArgs(
+        model=str(tmp_path), kv_offloading_size=size, **ENGINE
+    ).create_engine_config()
+    assert host_block_bytes(config) == latent and num_host_blocks(config) == 10
+
+    worker = OffloadingConnector(config, KVConnectorRole.WORKER)
+    shape = (MLA["num_hidden_layers"], BLOCK, MLA["num_key_value_heads"], KEY_HEAD_DIM)
+    expanded_blocks = types.SimpleNamespace(
+        block_shape=shape, dtype=torch.float32, shares_values=False
+    )
+    with pytest.raises(ValueError, match="PAGEDLM_MLA_DISABLE=1"):
+        worker.register_kv_caches(expanded_blocks)
+
+    monkeypatch.setenv("PAGEDLM_MLA_DISABLE", "1")
+    config, _ = EngineArgs(
+        model=str(tmp_path), kv_offloading_size=size, **ENGINE
+    ).create_engine_config()
+    assert host_block_bytes(config) == expanded
+    assert num_host_blocks(config) == int(10.5 * latent) // expanded  # 2 of 10

@@ -32,6 +32,7 @@ weights).
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING
 
 from pagedlm.kv_cache.hashing import update_block_hashes
@@ -197,10 +198,26 @@ class OffloadingConnector(KVConnectorBase):
         if blocks is None:
             return  # the pool stays: its contents are forgotten by the scheduler's reset
         if self._store is None:
+            self._check_block_bytes(blocks)
             self._store = HostKVStore(
                 self.num_host_blocks, blocks.pin_host_memory, blocks.empty_host
             )
         self._store.bind(blocks)
+
+    def _check_block_bytes(self, blocks: KVCacheBlocks) -> None:
+        """The pool was sized from the configuration (``host_block_bytes``); refuse blocks
+        larger than that, which would take more host memory than the budget (latent
+        attention kept expanded by a backend without it)."""
+        tensors = 1 if blocks.shares_values else 2
+        actual = math.prod(blocks.block_shape) * blocks.dtype.itemsize * tensors
+        planned = host_block_bytes(self.config)
+        if actual > planned:
+            raise ValueError(
+                f"This worker's KV blocks take {actual} bytes, more than the {planned} the "
+                "offloading pool was sized for (the attention backend keeps latent "
+                "attention expanded); set PAGEDLM_MLA_DISABLE=1 so the pool is sized for "
+                "expanded keys and values, or use a backend with latent attention."
+            )
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         if not metadata.loads:

@@ -24,17 +24,19 @@ SPEC_NAMES = ("CPUOffloadingSpec",)
 
 
 def host_block_bytes(config: EngineConfig) -> int:
-    """Bytes one host block takes: every layer's keys and values of one cache block, in
-    the cache's dtype."""
+    """Bytes one host block takes: every layer's keys and values of one cache block (a
+    latent cache's one tensor, ``planned_kv_geometry``), in the cache's dtype."""
     from pagedlm.kv_cache.fp8 import kv_cache_torch_dtype
+    from pagedlm.worker.latent_kv import planned_kv_geometry
 
-    arch = config.model.arch
+    geometry = planned_kv_geometry(config)
     return kv_bytes_per_block(
         config.cache.block_size,
-        arch.num_hidden_layers,
-        arch.num_key_value_heads,
-        arch.head_dim,
+        config.model.arch.num_hidden_layers,
+        geometry.num_kv_heads,
+        geometry.head_dim,
         kv_cache_torch_dtype(config.cache.cache_dtype, config.model.dtype),
+        shares_values=geometry.shares_values,
     )
 
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from pagedlm.attention.backend import AttentionBackend
 from pagedlm.config import EngineConfig
+from pagedlm.model_executor.layers.attention import KVGeometry
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +31,15 @@ DISABLE_ENVS = ("PAGEDLM_MLA_DISABLE", "VLLM_MLA_DISABLE")
 """Set to 1 to keep latent attention over expanded keys and values."""
 
 
-def latent_kv_refusal(config: EngineConfig, backend_cls: type[AttentionBackend]) -> str | None:
-    """Why the latent cache cannot serve this run, or None when it can."""
+def latent_kv_refusal(
+    config: EngineConfig, backend_cls: type[AttentionBackend] | None
+) -> str | None:
+    """Why the latent cache cannot serve this run, or None when it can (``backend_cls``
+    None: whatever the attention backend)."""
     for name in DISABLE_ENVS:
         if os.environ.get(name, "0") not in ("", "0"):
             return f"{name}={os.environ[name]}"
-    if not backend_cls.supports_latent_kv:
+    if backend_cls is not None and not backend_cls.supports_latent_kv:
         return f"the {backend_cls.name!r} attention backend has no latent attention"
     if config.lora is not None:
         return "LoRA is enabled (adapters may change kv_b_proj)"
@@ -63,3 +67,17 @@ def choose_latent_kv(
     enable()
     logger.info("Latent attention over a latent KV cache (one vector per token and layer).")
     return True
+
+
+def planned_kv_geometry(config: EngineConfig) -> KVGeometry:
+    """The whole model's KV geometry (every head: no tensor-parallel split), decided from
+    the configuration alone, for sizing what outlives a worker's cache (the offloading
+    pool): a model with latent attention (``kv_lora_rank`` in its config) gets its latent
+    cache unless the configuration refuses it. Whether the attention backend has latent
+    attention is not known here; a worker whose blocks turn out larger says so
+    (``OffloadingConnector.register_kv_caches``)."""
+    arch = config.model.arch
+    rank = arch.raw.get("kv_lora_rank")
+    if rank and latent_kv_refusal(config, None) is None:
+        return KVGeometry(1, int(rank) + int(arch.raw["qk_rope_head_dim"]), shares_values=True)
+    return KVGeometry(arch.num_key_value_heads, arch.head_dim)
