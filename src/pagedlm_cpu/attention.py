@@ -326,8 +326,8 @@ class CpuSdpaBackend(AttentionBackend):
             # Latent attention: the keys are the values, one tensor written once. Attending
             # with the whole key as the value and keeping its value features costs the
             # product over the other features (64 of 576 for DeepSeek), nothing else.
-            out = self.forward(
-                query, key, key, key_cache, key_cache, metadata, scale,
+            out = CpuSdpaBackend.forward(
+                self, query, key, key, key_cache, key_cache, metadata, scale,
                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                 k_scale=k_scale, v_scale=k_scale, causal=causal, sinks=sinks,
             )  # fmt: skip

@@ -37,6 +37,7 @@ norms are replicated.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Iterable, Iterator
@@ -69,6 +70,10 @@ from pagedlm.model_executor.models.deepseek_moe import (
 from pagedlm.model_executor.models.llama import LlamaDecoderLayer, LlamaMLP
 from pagedlm.model_executor.models.llama_stack import LlamaStack
 from pagedlm.model_executor.models.mixtral import MoEForCausalLM
+from pagedlm.model_executor.quantization import fp8
+from pagedlm.model_executor.quantization.fp8 import is_fp8_layer
+
+logger = logging.getLogger(__name__)
 
 LATENT_NORM_EPS = 1e-6
 """``q_a_layernorm``/``kv_a_layernorm`` use RMSNorm's default eps in the reference and in
@@ -177,13 +182,28 @@ class MultiHeadLatentAttention(nn.Module):
         rank, heads = self.kv_lora_rank, self.num_local_heads
         norm_weight = self.kv_a_layernorm.weight
         with torch.no_grad():
-            eye = torch.eye(rank, dtype=norm_weight.dtype, device=norm_weight.device)
-            maps = self.kv_b_proj(eye).t().reshape(heads, self.nope_dim + self.v_head_dim, rank)
+            if is_fp8_layer(self.kv_b_proj):
+                # Its codes times their row scales: the product with the identity would
+                # quantize the identity too, inexactly under a static input scale.
+                layer = self.kv_b_proj
+                dense = fp8.dequantize(layer.weight, layer.weight_scale).to(norm_weight.dtype)
+            else:
+                eye = torch.eye(rank, dtype=norm_weight.dtype, device=norm_weight.device)
+                dense = self.kv_b_proj(eye).t()
+            maps = dense.reshape(heads, self.nope_dim + self.v_head_dim, rank)
         self.register_buffer("w_uk", maps[:, : self.nope_dim].contiguous(), persistent=False)
         self.register_buffer(
             "w_uv", maps[:, self.nope_dim :].transpose(1, 2).contiguous(), persistent=False
         )
         del self.kv_b_proj
+        old = self.attn
+        scales = torch.cat([old.k_scale, old.v_scale])
+        if not scales.is_meta and bool((scales != 1).any()):
+            logger.warning(
+                "Layer %d: the checkpoint's KV cache scales were calibrated for expanded "
+                "keys and values; the latent cache keeps 1.0 (PAGEDLM_MLA_DISABLE=1 uses them).",
+                old.layer_idx,
+            )
         with torch.device(norm_weight.device):  # its scale buffers beside the weights
             self.attn = Attention(
                 self.attn.layer_idx,
@@ -201,13 +221,18 @@ class MultiHeadLatentAttention(nn.Module):
         ``load_weights`` through ``collective_rpc``), this rank's heads only."""
         heads, rank = self.num_local_heads, self.kv_lora_rank
         per_head = self.nope_dim + self.v_head_dim
+        if not weight.is_floating_point() or weight.dtype == fp8.FP8_DTYPE:
+            raise ValueError(
+                f"kv_b_proj.weight arrives as {weight.dtype}: in-place loads into the latent "
+                "form take float weights (load quantized checkpoints anew, reload_weights)."
+            )
         if weight.dim() != 2 or weight.shape[1] != rank or weight.shape[0] % per_head:
             raise ValueError(
                 f"kv_b_proj.weight of shape {tuple(weight.shape)} does not fit heads of "
                 f"{per_head} rows over kv_lora_rank={rank}."
             )
         first = get_tensor_model_parallel_rank() * heads
-        maps = weight.view(-1, per_head, rank)[first : first + heads]
+        maps = weight.reshape(-1, per_head, rank)[first : first + heads]
         self.w_uk.copy_(maps[:, : self.nope_dim])
         self.w_uv.copy_(maps[:, self.nope_dim :].transpose(1, 2))
 
