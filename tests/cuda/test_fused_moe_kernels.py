@@ -249,14 +249,22 @@ def test_shared_experts_keep_working() -> None:
     moe = DeepseekMoE(arch)
     for param in moe.parameters():
         nn.init.normal_(param, std=0.2)
-    moe.to(DEVICE)
-    x = torch.randn(5, HIDDEN, device=DEVICE)
+    moe.to(DEVICE, torch.bfloat16)
+    x = torch.randn(5, HIDDEN, device=DEVICE, dtype=torch.bfloat16)
     with torch.no_grad():
         eager = moe(x)
         assert FusedExperts.takes(moe)
         moe.set_kernel(FusedExperts(moe), capturable=True)
         fused = moe(x)
-    assert rel_error(fused, eager) < tolerance(torch.float32)
+    assert rel_error(fused, eager) < tolerance(torch.bfloat16)
+
+
+def test_float32_experts_keep_the_eager_path() -> None:
+    """tl.dot takes float32 inputs in TF32 on GPUs, where the eager path's matmuls are
+    full float32: float32 layers are not taken."""
+    moe = _moe(torch.float32)
+    install_fused_kernels(moe)
+    assert moe.kernel is None and moe.uncapturable == HOST_GROUPING
 
 
 # ---- installation ---------------------------------------------------------------------

@@ -194,7 +194,7 @@ def _grouped_gemm_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     w_rows = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
-    up_rows = w_rows + N * stride_wn  # GATED: the up row paired with each gate row
+    up_rows = w_rows + N.to(tl.int64) * stride_wn  # GATED: the up row paired with each gate row
     slice_cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
