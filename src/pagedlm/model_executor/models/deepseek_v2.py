@@ -173,8 +173,9 @@ class MultiHeadLatentAttention(nn.Module):
     def enable_latent(self) -> None:
         """Attend over the latent cache from now on: ``kv_b_proj``'s key and value maps of
         this rank's heads folded into ``w_uk`` [heads, qk_nope, rank] and ``w_uv`` [heads,
-        rank, v_head_dim], read from the loaded layer whatever its format (its product
-        with the identity), and the layer itself dropped."""
+        rank, v_head_dim], read from the loaded layer whatever its format (an FP8 layer's
+        codes times their scales, any other's product with the identity), and the layer
+        itself dropped."""
         if self.latent:
             return
         if self.kv_b_proj.bias is not None:
