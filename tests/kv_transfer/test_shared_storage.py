@@ -379,3 +379,24 @@ def test_the_scheduler_remembers_stored_blocks_within_a_bound(tmp_path):
     assert stored.is_stored("d")
     stored.saved(num_failed=1)  # "e" not written: planned again
     assert stored.plan_save("e")
+
+
+def test_a_latent_cache_is_stored_once_and_loaded(tmp_path):
+    """DeepSeek's latent cache (keys that are the values) goes to storage as ``key``
+    alone, and a consumer loads it into the same tokens as the producer computed."""
+    from safetensors import safe_open
+
+    from model_executor.test_zoo_models_deepseek import CASES, save_deepseek
+
+    path = tmp_path / "deepseek"
+    save_deepseek(path, *CASES["v3"], cache_head_dim=False)
+    prompts = random_prompts([21, 9])
+    producer = engine(str(path), tmp_path / "kv", "kv_producer")
+    expected = generate(producer, prompts)
+    with safe_open(str(block_file(producer, prompts[0], 0)), framework="pt") as stored:
+        assert list(stored.keys()) == ["key"]
+    del producer
+    consumer = engine(str(path), tmp_path / "kv", "kv_consumer")
+    got = generate(consumer, prompts)
+    assert tokens(got) == tokens(expected)
+    assert loaded_tokens(consumer) == 20 + 8

@@ -12,7 +12,8 @@ loads the longest run of them after its local prefix-cache hit and computes the 
 prompt that shares only a prefix with a stored one therefore loads that prefix.
 
 A file holds ``key`` and ``value``, ``[num_layers, block_size, num_kv_heads, head_dim]`` in
-the cache's dtype, and in its metadata the model digest, the block digest and a sha256 of
+the cache's dtype (a latent cache, whose keys are its values, ``key`` alone), and in its
+metadata the model digest, the block digest and a sha256 of
 the tensors' bytes. A block whose file is missing, unreadable, of another shape or model,
 or whose bytes do not match is reported failed and computed instead. Files are written to a
 temporary name and renamed, so a reader never sees half a file; a block already stored is
@@ -213,7 +214,10 @@ class SharedStorageConnector(KVConnectorBase):
         read = read_loads(metadata.loads, self._read_block)
         if read.block_ids:
             keys = torch.stack([key for key, _ in read.contents], 1)
-            values = torch.stack([value for _, value in read.contents], 1)
+            if self._blocks.shares_values:
+                values = keys
+            else:
+                values = torch.stack([value for _, value in read.contents], 1)
             self._blocks.write(read.block_ids, keys, values)
         self._report.add(read.output)
 
@@ -226,7 +230,10 @@ class SharedStorageConnector(KVConnectorBase):
         try:
             with safe_open(str(path), framework="pt") as file:
                 meta = file.metadata() or {}
-                keys, values = file.get_tensor("key"), file.get_tensor("value")
+                keys = file.get_tensor("key")
+                # A latent cache's keys are its values: its files hold them once.
+                shared = self._blocks.shares_values
+                values = keys if shared else file.get_tensor("value")
         except Exception as error:
             logger.warning(
                 "KV block %s not loaded (%s: %s); computing it", path, type(error).__name__, error
@@ -271,7 +278,10 @@ class SharedStorageConnector(KVConnectorBase):
             try:
                 handle, temporary = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
                 os.close(handle)
-                save_file({"key": key, "value": value}, temporary, metadata=meta)
+                tensors = (
+                    {"key": key} if self._blocks.shares_values else {"key": key, "value": value}
+                )
+                save_file(tensors, temporary, metadata=meta)
                 os.replace(temporary, target)
                 saved += 1
             except OSError as error:
