@@ -122,3 +122,29 @@ def test_speculative_verification_over_the_latent_cache(tmp_path) -> None:
         finally:
             llm.llm_engine.shutdown()
     assert results[0] == results[1] == results[2]
+
+
+def test_sleep_and_wake_up_keep_the_folded_maps(tmp_path) -> None:
+    """Level 1 moves the folded maps (buffers) to host memory and back; level 2 loads the
+    checkpoint and folds again: the same tokens after either."""
+    save_deepseek(tmp_path, *CASES["v3"], cache_head_dim=False)
+    llm = LLM(
+        str(tmp_path),
+        skip_tokenizer_init=True,
+        max_model_len=128,
+        num_kv_blocks=32,
+        enable_sleep_mode=True,
+    )
+    prompts = [{"prompt_token_ids": list(range(5, 40))}]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    try:
+        expected = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids
+        for level in (1, 2):
+            llm.sleep(level)
+            llm.wake_up()
+            runner = llm.llm_engine.engine_core.executor.worker.model_runner
+            assert runner.kv_geometry.shares_values
+            got = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids
+            assert got == expected, level
+    finally:
+        llm.llm_engine.shutdown()
