@@ -72,12 +72,16 @@ def choose_latent_kv(
 def planned_kv_geometry(config: EngineConfig) -> KVGeometry:
     """The whole model's KV geometry (every head: no tensor-parallel split), decided from
     the configuration alone, for sizing what outlives a worker's cache (the offloading
-    pool): a model with latent attention (``kv_lora_rank`` in its config) gets its latent
-    cache unless the configuration refuses it. Whether the attention backend has latent
+    pool): a model class with a latent cache (``enable_latent_kv``) gets it unless the
+    configuration refuses it. Whether the attention backend has latent
     attention is not known here; a worker whose blocks turn out larger says so
     (``OffloadingConnector.register_kv_caches``)."""
+    from pagedlm.model_executor.models.registry import get_model_class
+
     arch = config.model.arch
     rank = arch.raw.get("kv_lora_rank")
-    if rank and latent_kv_refusal(config, None) is None:
+    model_class = get_model_class(arch.architecture, config.model.model_impl)
+    latent = rank and hasattr(model_class, "enable_latent_kv")
+    if latent and latent_kv_refusal(config, None) is None:
         return KVGeometry(1, int(rank) + int(arch.raw["qk_rope_head_dim"]), shares_values=True)
     return KVGeometry(arch.num_key_value_heads, arch.head_dim)
