@@ -417,3 +417,31 @@ def test_the_pooling_runner_embeds_with_the_backend(glm) -> None:
             want = torch.nn.functional.normalize(hidden[-1], dim=-1)
             got = torch.tensor(output.outputs.embedding)
             torch.testing.assert_close(got, want, atol=_tolerance(llm), rtol=0)
+
+
+def test_modules_transformers_keeps_in_float32_stay_float32(tmp_path: Path) -> None:
+    """A bf16 run keeps what the model class lists in ``_keep_in_fp32_modules`` (GLM-4.5's
+    router weight and its correction bias) in float32, as transformers does, so experts
+    are chosen as transformers chooses them."""
+    import dataclasses
+
+    from pagedlm.model_executor.loader import load_model
+    from tiny_checkpoints import model_config
+
+    save_random_model(
+        tmp_path,
+        "Glm4MoeConfig",
+        {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "first_k_dense_replace": 0, "head_dim": 16, "n_group": 1, "topk_group": 1},
+    )  # fmt: skip
+    config = dataclasses.replace(
+        model_config(tmp_path, dtype=torch.bfloat16), model_impl="transformers"
+    )
+    model = load_model(config, torch.device("cpu"))
+    kept = {
+        name: tensor.dtype
+        for name, tensor in (*model.named_parameters(), *model.named_buffers())
+        if name.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias"))
+    }
+    assert len(kept) == 4 and set(kept.values()) == {torch.float32}, kept
+    assert model.hf.model.layers[0].self_attn.o_proj.weight.dtype == torch.bfloat16
