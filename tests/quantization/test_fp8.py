@@ -110,3 +110,22 @@ def test_llm_runs_fp8_on_cpu_and_mostly_agrees_with_float(checkpoint: Path) -> N
     first = [a[0] == b[0] for a, b in zip(outputs[None], outputs["fp8"], strict=True)]
     # Greedy paths diverge once a near-tie flips; the first tokens mostly agree.
     assert sum(first) >= len(first) - 2
+
+
+def test_moe_routers_stay_unquantized(tmp_path: Path) -> None:
+    """As vLLM builds its MoE gates without a quantization config, ``quantization="fp8"``
+    leaves the routers in the model's dtype (a router's rounding moves tokens to other
+    experts) and quantizes the experts' and attention's layers."""
+    from dataclasses import replace
+
+    from pagedlm.model_executor.layers.moe import MoERouter
+
+    save_random_model(
+        tmp_path,
+        "MixtralConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
+    )
+    model = load_model(replace(model_config(tmp_path), quantization="fp8"), torch.device("cpu"))
+    routers = [m for m in model.modules() if isinstance(m, MoERouter)]
+    assert routers and all(m.weight.dtype == torch.float32 for m in routers)
+    assert any(fp8.is_fp8_layer(m) for m in model.modules())

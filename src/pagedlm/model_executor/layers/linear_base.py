@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,10 @@ def linear_weight(rows: int, cols: int) -> nn.Parameter:
 
 class LinearBase(nn.Module):
     kernel: LinearKernel | None = None
+    quantized_at_load: ClassVar[bool] = True
+    """Whether ``quantization="fp8"`` / ``"bitsandbytes"`` quantize this layer at load.
+    MoE routers say no, as vLLM builds its gates without a quantization config: a router's
+    rounding changes which experts a token gets."""
 
     @property
     def linear_bias(self) -> torch.Tensor | None:

@@ -42,7 +42,10 @@ from pagedlm.model_executor.loader.weight_utils import (
 
 
 class MoERouter(LinearBase):
-    """Router logits, replicated on every rank: x [T, hidden] -> [T, num_experts]."""
+    """Router logits, replicated on every rank: x [T, hidden] -> [T, num_experts]. Never
+    quantized at load (``quantized_at_load``)."""
+
+    quantized_at_load: ClassVar[bool] = False
 
     def __init__(self, hidden_size: int, num_experts: int) -> None:
         super().__init__()

@@ -107,7 +107,8 @@ def quantize_linear(module: LinearBase, quant_type: str) -> None:
 
 
 def quantize_model(model: nn.Module, quant_type: str = "nf4") -> int:
-    """Quantize every linear layer of ``model`` but the LM head; returns how many."""
+    """Quantize every linear layer of ``model`` but the LM head and MoE routers
+    (``LinearBase.quantized_at_load``); returns how many."""
     if quant_type not in BNB_QUANT_TYPES:
         raise ValueError(
             f"bnb_quant_type={quant_type!r} is not one of {', '.join(BNB_QUANT_TYPES)}."
@@ -116,7 +117,11 @@ def quantize_model(model: nn.Module, quant_type: str = "nf4") -> int:
     count = 0
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, LinearBase) and not isinstance(module, ParallelLMHead):
+            if (
+                isinstance(module, LinearBase)
+                and not isinstance(module, ParallelLMHead)
+                and module.quantized_at_load
+            ):
                 quantize_linear(module, quant_type)
                 count += 1
     return count

@@ -51,7 +51,10 @@ EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_b
 
 
 class GptOssRouter(LinearBase):
-    """Router logits with a bias, replicated on every rank: x [T, hidden] -> [T, E]."""
+    """Router logits with a bias, replicated on every rank: x [T, hidden] -> [T, E]. Never
+    quantized at load (``quantized_at_load``)."""
+
+    quantized_at_load: ClassVar[bool] = False
 
     def __init__(self, hidden_size: int, num_experts: int) -> None:
         super().__init__()

@@ -138,14 +138,16 @@ def quantize_layer(layer: LinearBase) -> None:
 
 def quantize_model(model: nn.Module) -> int:
     """Quantize every linear layer of a loaded float model except the LM head (its error
-    would land directly on the logits, and a tied head shares the embedding table);
-    returns how many. Layers that are already E4M3 (a pre-quantized checkpoint) are left."""
+    would land directly on the logits, and a tied head shares the embedding table) and MoE
+    routers (``LinearBase.quantized_at_load``); returns how many. Layers that are already
+    E4M3 (a pre-quantized checkpoint) are left."""
     count = 0
     with torch.no_grad():
         for module in model.modules():
             if (
                 isinstance(module, LinearBase)
                 and not isinstance(module, ParallelLMHead)
+                and module.quantized_at_load
                 and not is_fp8_layer(module)
                 and module.weight.dim() == 2
             ):
