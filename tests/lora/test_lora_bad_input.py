@@ -97,3 +97,28 @@ def test_moe_expert_adapters_are_refused(tiny_checkpoint, tmp_path):
     edit_config(adapter, target_modules=["q_proj"])
     with pytest.raises(ValueError, match="adapters for MoE experts"):
         check_adapter(str(adapter), arch, 16)
+
+
+def test_an_id_keeps_its_path_however_many_adapters_came_after(
+    tiny_checkpoint, tmp_path, monkeypatch
+):
+    """The checker forgets old adapters' checked configs (a bounded cache) but never which
+    path an id names: the workers cache weights by id, so reusing an id for another path
+    after many other adapters would serve the first path's weights."""
+    from pagedlm.config import LoRAConfig
+    from pagedlm.lora import frontend
+    from pagedlm.lora.frontend import AdapterChecker
+
+    monkeypatch.setattr(frontend, "_MAX_REMEMBERED", 2)
+    base = tiny_checkpoint("llama")
+    for name in ("a", "b", "c", "d"):
+        make_adapter(base, tmp_path / name, LLAMA_MODULES)
+    checker = AdapterChecker(LoRAConfig(), ArchConfig.from_directory(base))
+    for index, name in enumerate("abcd", start=1):
+        checker.check(LoRARequest(name, index, str(tmp_path / name)))
+    assert len(checker._checked) == 2  # the configs of ids 1 and 2 were let go
+    checker.check(LoRARequest("a", 1, str(tmp_path / "a")))  # checked again, same path
+    with pytest.raises(ValueError, match="lora_int_id 2 already names the adapter"):
+        checker.check(LoRARequest("other", 2, str(tmp_path / "c")))
+    checker.forget(2)
+    checker.check(LoRARequest("other", 2, str(tmp_path / "c")))  # removed: free again

@@ -14,7 +14,8 @@ from pagedlm.lora.peft_format import PeftAdapterConfig, check_adapter
 from pagedlm.lora.request import LoRARequest
 
 _MAX_REMEMBERED = 256
-"""Adapters whose check is remembered (a check reads a config and a safetensors header)."""
+"""Adapters whose checked config is remembered (a check reads a config and a safetensors
+header); every id's path is remembered for good, a string each."""
 
 
 class AdapterChecker:
@@ -26,6 +27,9 @@ class AdapterChecker:
         self.config = config
         self.arch = arch
         self.model_impl = model_impl
+        self._paths: dict[int, str] = {}
+        """Adapter id -> the path it names, until ``forget``: the workers cache weights by
+        id, so an id must never name a second path, however many adapters came between."""
         self._checked: OrderedDict[int, tuple[str, PeftAdapterConfig]] = OrderedDict()
         """Adapter id -> (its path, its checked config), oldest first."""
 
@@ -43,20 +47,22 @@ class AdapterChecker:
                 "enabled; start the engine with enable_lora=True (--enable-lora)."
             )
         lora_id, path = lora_request.lora_int_id, lora_request.lora_path
-        remembered = self._checked.get(lora_id)
-        if remembered is not None and remembered[0] != path:
+        named = self._paths.get(lora_id)
+        if named is not None and named != path:
             # The workers cache weights by id: a second path under one id would be served
             # the first path's weights.
             raise ValueError(
-                f"lora_int_id {lora_id} already names the adapter at {remembered[0]!r}, not "
+                f"lora_int_id {lora_id} already names the adapter at {named!r}, not "
                 f"{path!r}; give every adapter its own lora_int_id."
             )
+        remembered = self._checked.get(lora_id)
         if remembered is None:
             remembered = (
                 path,
                 check_adapter(path, self.arch, self.config.max_lora_rank, self.model_impl),
             )
             self._checked[lora_id] = remembered
+            self._paths[lora_id] = path
             if len(self._checked) > _MAX_REMEMBERED:
                 self._checked.popitem(last=False)
         return remembered[1]
@@ -64,3 +70,4 @@ class AdapterChecker:
     def forget(self, lora_id: int) -> None:
         """``remove_lora``: the id may name another adapter from now on."""
         self._checked.pop(lora_id, None)
+        self._paths.pop(lora_id, None)
