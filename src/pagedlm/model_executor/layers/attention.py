@@ -204,10 +204,7 @@ class Attention(nn.Module):
 def model_kv_heads(model: nn.Module, default: int) -> int:
     """KV heads ``model``'s attention layers hold on this worker (its shard under tensor
     parallelism); ``default`` for a model without any."""
-    for module in model.modules():
-        if isinstance(module, Attention):
-            return module.num_kv_heads
-    return default
+    return model_kv_geometry(model, default, 0).num_kv_heads
 
 
 @dataclass(frozen=True)
