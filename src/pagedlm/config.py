@@ -404,6 +404,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     """Fraction in (0, 1] of the device's memory the engine may use in all (weights,
     activations, KV cache); read by GPU platforms when they size the KV cache."""
+    cpu_offload_gb: float = 0
+    """GiB of weights per device kept in pinned host memory and read in place
+    (``pagedlm.model_executor.weight_offload``)."""
     cache_dtype: str = "auto"
     """vLLM's ``kv_cache_dtype``: "auto" (the model's dtype) or "fp8" (= "fp8_e4m3"):
     keys and values stored in float8 E4M3 with per-layer ``k_scale``/``v_scale``

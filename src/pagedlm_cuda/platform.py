@@ -41,6 +41,22 @@ class GpuMemory(NamedTuple):
     """How far the profiling forward's peak rose above what is allocated now."""
 
 
+class _HostBytes:
+    """A pinned host tensor's bytes as a ``__cuda_array_interface__`` (version 3), holding
+    the tensor alive for as long as a CUDA tensor built from it."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self.host = host
+        nbytes = host.numel() * host.element_size()
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (host.data_ptr(), False),
+            "strides": None,
+            "version": 3,
+        }
+
+
 def kv_cache_budget(memory: GpuMemory, gpu_memory_utilization: float) -> int:
     """Bytes the KV cache may take: ``utilization * total`` minus what is in use now and
     minus room for the activation peak of the largest step (never negative)."""
@@ -164,6 +180,16 @@ class CudaPlatform(Platform):
             return torch.empty(shape, dtype=dtype, pin_memory=True)
         weakref.finalize(tensor, _unregister_host, tensor.data_ptr())
         return tensor
+
+    def map_host_tensor(self, host: torch.Tensor) -> torch.Tensor:
+        """Unified virtual addressing: pinned host memory has one address on the host and
+        the device, so a CUDA tensor over that address reads it across the host link
+        (torch builds it from a ``__cuda_array_interface__``, as bytes: the interface has
+        no bfloat16 or float8 type string). The view keeps ``host`` alive."""
+        if not host.is_contiguous() or not host.is_pinned():
+            raise ValueError("map_host_tensor takes a contiguous pinned tensor (empty_host)")
+        view = torch.as_tensor(_HostBytes(host), device=self.device)
+        return view.view(host.dtype).view(host.shape)
 
     def release_memory(self) -> None:
         super().release_memory()

@@ -23,6 +23,7 @@ from pagedlm.testing.parity import check_greedy_parity
 from pagedlm.testing.platform_checks import (
     check_dtypes,
     check_fused_sampler,
+    check_host_mapping,
     check_memory_sizing,
     check_zeros,
 )
@@ -226,6 +227,13 @@ class LaxPlatform(CpuPlatform):
         return torch.ones(shape, dtype=dtype)
 
 
+class CopyingHostPlatform(CpuPlatform):
+    """Its "view" of host memory is a copy: writes do not reach the host tensor."""
+
+    def map_host_tensor(self, host):
+        return host.clone()
+
+
 @pytest.mark.parametrize(
     ("check", "promise"),
     [(check_dtypes, "dtype"), (check_memory_sizing, "memory_sizing"), (check_zeros, "zeros")],
@@ -234,6 +242,18 @@ def test_broken_platform_methods_fail(check, promise) -> None:
     check(CpuPlatform())
     with pytest.raises(ConformanceFailure, match=rf"breaks promise '{promise}'"):
         check(LaxPlatform())
+
+
+def test_a_host_mapping_that_copies_fails() -> None:
+    with pytest.raises(NotApplicable, match="maps no host memory"):
+        check_host_mapping(CpuPlatform())
+    check_host_mapping(
+        type(
+            "AliasingPlatform", (CpuPlatform,), {"map_host_tensor": lambda self, h: h.view(h.shape)}
+        )()
+    )
+    with pytest.raises(ConformanceFailure, match=r"breaks promise 'host_mapping'.*does not show"):
+        check_host_mapping(CopyingHostPlatform())
 
 
 class SkewedPlatform(CpuPlatform):

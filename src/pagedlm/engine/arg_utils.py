@@ -41,6 +41,7 @@ from pagedlm.engine.structured_outputs_args import resolve_structured_outputs
 from pagedlm.generation_config import sampling_defaults
 from pagedlm.kv_cache.fp8 import validate_kv_cache_dtype
 from pagedlm.model_executor.loader.hub import looks_like_hub_id, resolve_model_path
+from pagedlm.model_executor.weight_offload import offload_budget_bytes
 
 if TYPE_CHECKING:
     from pagedlm.platforms import Platform
@@ -123,6 +124,11 @@ class EngineArgs:
     """Fraction in (0, 1] of GPU memory the engine may use in all (weights, activations,
     KV cache); the KV cache gets what is left after the profiling forward. CPU platforms
     accept and ignore it (their KV budget is PAGEDLM_CPU_KVCACHE_SPACE GiB)."""
+    cpu_offload_gb: float = 0
+    """GiB of the model's weights (per device) kept in the host's pinned memory and read by
+    the device in place at every step (vLLM's flag): room for a model or a KV cache the
+    device cannot otherwise hold, at the host link's speed for those weights; 0: none.
+    No effect on the CPU platform."""
     kv_cache_dtype: str = "auto"
     """"auto" (the model's dtype) or "fp8" (= "fp8_e4m3", vLLM's names): keys and values
     stored in float8 E4M3 with per-layer scales, half the bytes, twice the blocks."""
@@ -386,6 +392,7 @@ class EngineArgs:
         for name in ("num_kv_blocks", "max_num_batched_tokens", "max_model_len"):
             validate_positive(name, getattr(self, name))
         validate_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
+        offload_budget_bytes(self.cpu_offload_gb)
         self._check_operability_limits()
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
@@ -496,6 +503,7 @@ class EngineArgs:
                 and (pooler is None or _caches_prefixes(arch, pooler)),
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
+                cpu_offload_gb=self.cpu_offload_gb,
                 cache_dtype=validate_kv_cache_dtype(self.kv_cache_dtype),
                 calculate_kv_scales=self.calculate_kv_scales,
             ),

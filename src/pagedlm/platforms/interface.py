@@ -216,6 +216,13 @@ class Platform(ABC):
         long-lived buffers such as a KV offloading pool."""
         return torch.empty(shape, dtype=dtype, pin_memory=self.pin_host_memory)
 
+    def map_host_tensor(self, host: torch.Tensor) -> torch.Tensor | None:
+        """A tensor on ``device`` over ``host``'s memory (an ``empty_host`` tensor), which the
+        device's kernels read and write in place: same shape, dtype and values, and a
+        later write to either shows in the other. None where the device cannot address
+        host memory (the default); ``cpu_offload_gb`` then has no effect."""
+        return None
+
     def release_memory(self) -> None:
         """Give memory whose tensors were just dropped (sleep mode: the KV cache, weights)
         back to the system; a device with a caching allocator empties its cache here."""

@@ -123,6 +123,30 @@ def check_memory_sizing(platform: Platform) -> None:
             )
 
 
+def check_host_mapping(platform: Platform) -> None:
+    """``map_host_tensor`` gives None, or a tensor on the device with the host tensor's
+    shape, dtype and values that reads later writes to the host tensor (and back)."""
+    host = platform.empty_host((4, 6), torch.bfloat16)
+    host.copy_(torch.arange(24, dtype=torch.bfloat16).view(4, 6))
+    view = platform.map_host_tensor(host)
+    if view is None:
+        raise NotApplicable(f"{_subject(platform)} maps no host memory (cpu_offload_gb: none)")
+
+    def fail(detail: str) -> ConformanceFailure:
+        return ConformanceFailure(_subject(platform), "host_mapping", detail)
+
+    got = (tuple(view.shape), view.dtype, view.device.type)
+    if got != ((4, 6), torch.bfloat16, platform.device_type):
+        raise fail(f"map_host_tensor gave {got} for a (4, 6) bfloat16 host tensor")
+    if not torch.equal(view.cpu(), host):
+        raise fail("the view's values differ from the host tensor's")
+    host[1, 2] = -7.0
+    view[3, 5] = 11.0  # a kernel writing through the view
+    platform.synchronize()
+    if float(view[1, 2].cpu()) != -7.0 or float(host[3, 5]) != 11.0:
+        raise fail("a write to the host tensor or the view does not show in the other")
+
+
 def _kernel_of(platform: Platform, hook: str, without: str):
     """What ``platform.<hook>()`` hands the engine; NotApplicable (``without`` says what the
     platform does instead) where it hands nothing."""

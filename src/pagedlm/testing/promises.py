@@ -123,6 +123,12 @@ PROMISES: dict[str, Promise] = {
             f"{_PLATFORM}:Platform.kv_cache_memory_bytes",
         ),
         Promise(
+            "host_mapping",
+            "map_host_tensor(host) is None or a device tensor over the host tensor's memory: "
+            "same shape, dtype and values, writes shown both ways",
+            f"{_PLATFORM}:Platform.map_host_tensor",
+        ),
+        Promise(
             "fused_sampler",
             "fused_sampler() is None or draws [N] int64 ids: the argmax for greedy rows, "
             "softmax(logits / temperature) for the others, leaving the logits unchanged",

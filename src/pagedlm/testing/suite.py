@@ -42,6 +42,7 @@ PLATFORM_CHECKS: dict[str, Callable[[Platform], None]] = {
     "dtypes": platform_checks.check_dtypes,
     "zeros": platform_checks.check_zeros,
     "memory_sizing": platform_checks.check_memory_sizing,
+    "host_mapping": platform_checks.check_host_mapping,
     "fused_sampler": platform_checks.check_platform_sampler,
     "fused_greedy_verifier": platform_checks.check_platform_greedy_verifier,
     "in_flight_corrector": platform_checks.check_platform_in_flight_corrector,

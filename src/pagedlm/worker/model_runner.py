@@ -42,6 +42,7 @@ from pagedlm.model_executor.layers.attention import (
     model_kv_geometry,
 )
 from pagedlm.model_executor.loader import load_model
+from pagedlm.model_executor.weight_offload import make_weight_offload
 from pagedlm.multimodal.encoder_runner import make_encoder_runner
 from pagedlm.multimodal.mrope import make_positions
 from pagedlm.platforms import Platform
@@ -119,17 +120,28 @@ class ModelRunner:
         self.device = platform.device
         self.block_size = config.cache.block_size
         self.arch = config.model.arch
+        self.weight_offload = make_weight_offload(
+            config.cache.cpu_offload_gb,
+            platform.name,
+            platform.map_host_tensor,
+            platform.empty_host,
+        )
+        """Weights in host memory that the device reads in place (None: none)."""
         self.model = load_model(
             config.model,
             self.device,
             keep_weight_blocks=platform.computes_on_weight_blocks(config.model),
             gguf_groups_of_16=platform.gguf_groups_of_16,
             weights=weights,
+            offload=self.weight_offload,
         )
         platform.prepare_model(self.model)
         choose_latent_kv(self.model, config, attn_backend_cls)
         if config.batch_invariant:
             make_batch_invariant(self.model)
+        if self.weight_offload is not None:
+            self.weight_offload.settle([self.model])
+            platform.release_memory()  # the device copies of what settle moved
         self.lora = make_lora(config, platform, self.model)
         self.encoder = make_encoder_runner(self.model, self.device, attn_backend_cls)
         self.prompt_embeds = make_prompt_embeds(config, self.model, self.device)

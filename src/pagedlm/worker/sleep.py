@@ -29,7 +29,7 @@ otherwise), so the dropped state holds nothing a request still needs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -51,14 +51,20 @@ class OffloadedWeights:
     """(the model's tensor, its host copy)."""
 
     @classmethod
-    def offload(cls, modules: Iterable[nn.Module], pin_memory: bool) -> OffloadedWeights:
+    def offload(
+        cls,
+        modules: Iterable[nn.Module],
+        pin_memory: bool,
+        in_host_memory: Callable[[torch.Tensor], bool] = lambda tensor: False,
+    ) -> OffloadedWeights:
         """``modules``: the model and a speculative proposer's modules; a tensor they share
-        is copied once."""
+        is copied once. Tensors on the host device, or for which ``in_host_memory`` is
+        true (``cpu_offload_gb``'s, device views of host memory), stay as they are."""
         tensors = []
         seen: set[int] = set()
         every = [t for module in modules for t in (*module.parameters(), *module.buffers())]
         for tensor in every:
-            if id(tensor) in seen or tensor.device == HOST:
+            if id(tensor) in seen or tensor.device == HOST or in_host_memory(tensor):
                 continue
             seen.add(id(tensor))
             host = torch.empty(tensor.shape, dtype=tensor.dtype, device=HOST, pin_memory=pin_memory)

@@ -173,8 +173,11 @@ class Worker:
         runner = self.runner
         runner.release_kv_cache()
         if level == 1:
+            offload = runner.weight_offload
             self._offloaded = OffloadedWeights.offload(
-                runner.weight_modules(), self.platform.pin_host_memory
+                runner.weight_modules(),
+                self.platform.pin_host_memory,
+                in_host_memory=offload.holds if offload is not None else lambda tensor: False,
             )
         else:
             self._lora_host_state = runner.lora.host_state()  # host memory: kept

@@ -16,6 +16,7 @@ from pagedlm.kv_cache import fp8
 from pagedlm.model_executor.layers.attention import install_kv_scales
 from pagedlm.model_executor.layers.linear_base import deferred_weights
 from pagedlm.model_executor.loader.gguf_blocks import AffineBlocks
+from pagedlm.model_executor.weight_offload import WeightOffload
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ def load_model(
     keep_weight_blocks: bool = False,
     gguf_groups_of_16: bool = False,
     weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+    offload: WeightOffload | None = None,
 ) -> nn.Module:
     """The model of ``model_config``, in ``model_config.dtype`` on ``device``, in eval mode.
 
@@ -100,6 +102,9 @@ def load_model(
     files (a trainer's new weights, ``update_weights_from_tensor``); every parameter must
     be among them. Not for models kept on quantized blocks or loaded from pre-quantized
     checkpoints, whose layers are not float tensors.
+
+    ``offload``: parameters go to host memory as the model creates them, up to its budget
+    (``WeightOffload.while_building``); the caller settles it once the model is final.
     """
     from pagedlm.model_executor.models.registry import get_model_class
 
@@ -110,7 +115,8 @@ def load_model(
     # Keeping blocks, linear weights start on the meta device: the loader allocates those
     # it fills, so a layer that a kernel over its blocks replaces never takes its size.
     deferred = deferred_weights() if keep_blocks else contextlib.nullcontext()
-    with _default_dtype(model_config.dtype), torch.device(device), deferred:
+    building = offload.while_building() if offload is not None else contextlib.nullcontext()
+    with _default_dtype(model_config.dtype), torch.device(device), deferred, building:
         model = model_class(model_config.arch, max_model_len=model_config.max_model_len)
     if model_config.load_format == "dummy" and weights is None:
         from pagedlm.model_executor.loader.dummy import fill_dummy_weights
