@@ -165,8 +165,9 @@ class CudaPlatform(Platform):
         """Pinned by registering an exact allocation with the driver: torch's pinned
         allocator rounds each request up to a power of two (2.5 GiB asked took 4 GiB of
         host memory on an H100 host, torch 2.11), where this takes 2.5 (measured the same
-        way). Unregistered, after queued copies finish, when the tensor is collected."""
-        tensor = torch.empty(shape, dtype=dtype)
+        way). Unregistered, after queued copies finish, when the tensor is collected. On
+        the host even inside a ``torch.device`` context (a model being built)."""
+        tensor = torch.empty(shape, dtype=dtype, device="cpu")
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes == 0:
             return tensor
@@ -177,7 +178,7 @@ class CudaPlatform(Platform):
         except (AttributeError, RuntimeError):
             success = False
         if not success:
-            return torch.empty(shape, dtype=dtype, pin_memory=True)
+            return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
         weakref.finalize(tensor, _unregister_host, tensor.data_ptr())
         return tensor
 

@@ -138,3 +138,10 @@ def test_an_offloaded_model_computes_what_it_did(tiny_checkpoint, monkeypatch):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         assert got.outputs[0].logprobs == want.outputs[0].logprobs
         assert got.prompt_logprobs == want.prompt_logprobs
+
+
+def test_host_buffers_stay_on_the_host_while_a_model_is_built():
+    # load_model builds under ``torch.device(device)``; the offloader allocates inside it.
+    with torch.device("meta"):
+        host = CpuPlatform().empty_host((2, 3), torch.float32)
+    assert host.device.type == "cpu"

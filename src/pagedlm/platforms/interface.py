@@ -214,7 +214,7 @@ class Platform(ABC):
         """An uninitialized host tensor that device copies read and write without waiting
         (pinned where ``pin_host_memory``), taking its own size of host memory: for large,
         long-lived buffers such as a KV offloading pool."""
-        return torch.empty(shape, dtype=dtype, pin_memory=self.pin_host_memory)
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.pin_host_memory)
 
     def map_host_tensor(self, host: torch.Tensor) -> torch.Tensor | None:
         """A tensor on ``device`` over ``host``'s memory (an ``empty_host`` tensor), which the
