@@ -76,6 +76,17 @@ class StructuredOutputsParams:
             )
         if self.json_object is False:
             raise ValueError("json_object must be True or None.")
+        # The engine core decodes these with their declared types: a wrong type would
+        # fail there, for every request in flight, rather than here for this one.
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(
+                f"structured_outputs.json_object must be true or null, got {self.json_object!r}."
+            )
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(
+                "structured_outputs.disable_any_whitespace must be true or false, got "
+                f"{self.disable_any_whitespace!r}."
+            )
         if isinstance(self.json, str):
             try:
                 parsed = _json.loads(self.json)

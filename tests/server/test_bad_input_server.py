@@ -40,6 +40,9 @@ CASES = [
     ),
     ("/v1/completions", _completion(', "stop_token_ids": [100000000000000000000000]'), "stop_token_ids"),
     ("/v1/completions", b'"just a string"', "must be a JSON object"),
+    # These reached the engine core, whose decoder refused them and died.
+    ("/v1/completions", _completion(', "structured_outputs": {"json_object": "yes"}'), "json_object must be true or null"),
+    ("/v1/completions", _completion(', "structured_outputs": {"regex": "a", "disable_any_whitespace": 5}'), "disable_any_whitespace"),
     ("/v1/chat/completions", (CHAT % '[{"type": "text"}]' + "}").encode(), 'messages.0.content.0: a "text" part'),
     ("/v1/chat/completions", (CHAT % '[{"type": "image_url", "image_url": {"url": "u"}}]' + "}").encode(), "text-only"),
     ("/v1/messages", (CLAUDE % '"hi"' + ', "temperature": NaN}').encode(), "NaN"),

@@ -33,6 +33,9 @@ def test_exactly_one_kind(kwargs):
         ({"choice": ["a", ""]}, "non-empty list of strings"),
         ({"regex": "  "}, "regex must be a non-empty string"),
         ({"json_object": False}, "exactly one of"),
+        ({"json_object": "yes"}, "json_object must be true or null, got 'yes'"),
+        ({"json_object": 1}, "json_object must be true or null, got 1"),
+        ({"regex": "a", "disable_any_whitespace": 5}, "disable_any_whitespace must be true"),
     ],
 )
 def test_bad_values(kwargs, message):
