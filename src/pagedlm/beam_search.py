@@ -14,6 +14,7 @@ Score (vLLM's): the beam's cumulative logprob divided by its length to the power
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,11 @@ class BeamSearchParams:
         tokens = self.max_tokens
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {tokens!r}.")
+        penalty = self.length_penalty
+        if isinstance(penalty, bool) or not isinstance(penalty, int | float):
+            raise ValueError(f"length_penalty must be a number, got {penalty!r}.")
+        if not math.isfinite(penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {penalty!r}.")
 
 
 @dataclass
@@ -67,7 +73,10 @@ def beam_score(beam: BeamSearchSequence, eos_token_ids: set[int], length_penalty
     length = len(beam.tokens)
     if beam.tokens and beam.tokens[-1] in eos_token_ids:
         length -= 1
-    return beam.cum_logprob / (length**length_penalty)
+    try:
+        return beam.cum_logprob / (length**length_penalty)
+    except (OverflowError, ZeroDivisionError):  # length ** length_penalty is past a float
+        return 0.0 if length_penalty > 0 else -math.inf  # the limits of the score
 
 
 class BeamSearch:

@@ -76,6 +76,9 @@ def test_bad_parameters_name_the_fix(setup):
         llm.beam_search({"prompt_token_ids": [1, 2]}, BeamSearchParams(beam_width=11, max_tokens=4))
     with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
         BeamSearchParams(beam_width=2, max_tokens=0)
+    for bad in (math.nan, math.inf, "1"):
+        with pytest.raises(ValueError, match="length_penalty must be a"):
+            BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=bad)
 
 
 def _scripted(table: dict[int, dict[int, float]]):
@@ -123,6 +126,19 @@ def test_max_model_len_ends_beams():
     (output,) = search([[1, 2]], BeamSearchParams(1, 10), _scripted(table), set(), 4, None)
     (beam,) = output.sequences
     assert len(beam.tokens) == 4 and beam.finish_reason == "length"
+
+
+def test_extreme_length_penalties_score_by_their_limits():
+    # length ** length_penalty past a float's range raised OverflowError (a 500 over HTTP).
+    beam = BeamSearchSequence([1, 2, 3], cum_logprob=-2.0)
+    assert beam_score(beam, set(), 1e308) == 0.0
+    assert beam_score(beam, set(), -1e308) == -math.inf
+    assert beam_score(BeamSearchSequence([1], cum_logprob=-2.0), set(), 1e308) == -2.0
+    table = {1: {1: -0.1, 2: -0.2}, 2: {1: -0.1, 2: -0.2}}
+    for penalty in (1e308, -1e308):
+        params = BeamSearchParams(2, 3, length_penalty=penalty)
+        (output,) = search([[1, 2]], params, _scripted(table), set(), 100, None)
+        assert [len(s.tokens) for s in output.sequences] == [5, 5]
 
 
 def test_beam_score_drops_a_final_end_of_sequence_token():
