@@ -152,6 +152,27 @@ def test_required_schema_accepts_calls_to_the_tools_only():
         jsonschema.validate([], schema)
 
 
+def test_required_schema_keeps_the_tools_refs_resolvable():
+    import jsonschema
+
+    city = {"type": "string", "enum": ["Paris", "Oslo"]}
+    functions = [
+        {"name": "weather", "parameters": {"properties": {"city": {"$ref": "#/$defs/City"}}, "$defs": {"City": city}}},
+        {"name": "trip", "parameters": {"properties": {"to": {"$ref": "#/$defs/City"}}, "$defs": {"City": city}}},
+        {"name": "old", "parameters": {"properties": {"n": {"$ref": "#/definitions/N"}}, "definitions": {"N": {"type": "integer"}}}},
+    ]  # fmt: skip
+    schema = required_calls_schema(functions)
+    assert schema["$defs"] == {"City": city} and schema["definitions"] == {"N": {"type": "integer"}}
+    assert "$defs" in functions[0]["parameters"]  # the request's tools are left as they came
+    jsonschema.validate([{"name": "weather", "parameters": {"city": "Oslo"}}], schema)
+    jsonschema.validate([{"name": "old", "parameters": {"n": 3}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "trip", "parameters": {"to": "Rome"}}], schema)
+    functions[1]["parameters"]["$defs"] = {"City": {"type": "string"}}
+    with pytest.raises(ValueError, match=r"define \$defs.City differently"):
+        required_calls_schema(functions)
+
+
 def test_unknown_parser_name_lists_the_known_ones():
     with pytest.raises(ValueError, match="hermes"):
         get_tool_parser("nope")

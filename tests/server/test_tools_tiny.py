@@ -49,6 +49,22 @@ def test_named_and_required_tool_choice(client):
         assert names == ["get_time"] and arguments == call.function.arguments
 
 
+def test_required_tool_choice_with_refs_to_defs(client):
+    # pydantic writes nested models as $refs to "#/$defs/...": they must still resolve
+    # once the tools' schemas sit inside the required-calls array (a 400 before).
+    hour = {"type": "object", "properties": {"at": {"$ref": "#/$defs/Hour"}}, "required": ["at"]}
+    hour["additionalProperties"] = False
+    hour["$defs"] = {"Hour": {"enum": [7, 19]}}
+    tools = [{"type": "function", "function": {"name": "set_alarm", "parameters": hour}}]
+    reply = _chat(client, tools=tools, tool_choice="required")
+    (call,) = reply.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments)["at"] in (7, 19)
+    twice = tools + [{"type": "function", "function": {"name": "nap", "parameters": {**hour}}}]
+    twice[1]["function"]["parameters"]["$defs"] = {"Hour": {"enum": [1]}}
+    with pytest.raises(openai.BadRequestError, match=r"\$defs.Hour differently"):
+        _chat(client, tools=twice, tool_choice="required")
+
+
 def test_response_format_and_structured_outputs(client):
     # a schema without room for whitespace: a random model would fill it with blanks
     schema = {"enum": ["morning", "evening"]}

@@ -184,7 +184,10 @@ def plan_tools(
             needs_special_tokens=server_parser.needs_special_tokens,
         )
     if tool_choice == "required":
-        schema = required_calls_schema(functions)
+        try:
+            schema = required_calls_schema(functions)
+        except ValueError as error:
+            raise APIError(str(error), param="tools") from None
         if not parallel_tool_calls:
             schema["maxItems"] = 1
         structured = _params("tools", json=schema, disable_any_whitespace=True)

@@ -31,21 +31,41 @@ def parameters_schema(function: dict[str, Any]) -> dict[str, Any]:
     return parameters if parameters else ANY_OBJECT
 
 
+DEFINITION_KEYS = ("$defs", "definitions")
+"""Where a schema keeps the subschemas its ``$ref``s name ("#/$defs/Name")."""
+
+
 def required_calls_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
-    """JSON schema of a non-empty array of calls to any of ``functions``."""
-    items = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string", "enum": [function["name"]]},
-                "parameters": parameters_schema(function),
-            },
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for function in functions
-    ]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    """JSON schema of a non-empty array of calls to any of ``functions``.
+
+    Each function's ``$defs`` (and draft-07 ``definitions``) move to the top of the
+    schema, where its ``$ref``s ("#/$defs/Name") point once it is nested (vLLM's way);
+    ``ValueError`` when two functions define one name differently."""
+    definitions: dict[str, dict[str, Any]] = {key: {} for key in DEFINITION_KEYS}
+    items = []
+    for function in functions:
+        parameters = dict(parameters_schema(function))
+        for key in DEFINITION_KEYS:
+            for name, subschema in (parameters.pop(key, None) or {}).items():
+                if definitions[key].setdefault(name, subschema) != subschema:
+                    raise ValueError(
+                        f"tools define {key}.{name} differently; a required tool call "
+                        "needs one schema per name: rename one of them."
+                    )
+        items.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [function["name"]]},
+                    "parameters": parameters,
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    schema.update({key: found for key, found in definitions.items() if found})
+    return schema
 
 
 class NamedToolCallParser(ToolParser):
