@@ -100,6 +100,12 @@ class StructuredOutputsParams:
                 f"{type(self.json).__name__}."
             )
         if self.choice is not None:
+            # Not list() of any iterable: "ab" would silently be the choices "a" and "b".
+            if not isinstance(self.choice, list | tuple):
+                raise ValueError(
+                    "structured_outputs.choice must be a non-empty list of strings, got "
+                    f"{type(self.choice).__name__}."
+                )
             self.choice = list(self.choice)
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError("structured_outputs.choice must be a non-empty list of strings.")

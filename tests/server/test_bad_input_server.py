@@ -43,6 +43,7 @@ CASES = [
     # These reached the engine core, whose decoder refused them and died.
     ("/v1/completions", _completion(', "structured_outputs": {"json_object": "yes"}'), "json_object must be true or null"),
     ("/v1/completions", _completion(', "structured_outputs": {"regex": "a", "disable_any_whitespace": 5}'), "disable_any_whitespace"),
+    ("/v1/completions", _completion(', "structured_outputs": {"choice": "ab"}'), "choice must be a non-empty list of strings"),
     ("/v1/chat/completions", (CHAT % '[{"type": "text"}]' + "}").encode(), 'messages.0.content.0: a "text" part'),
     ("/v1/chat/completions", (CHAT % '[{"type": "image_url", "image_url": {"url": "u"}}]' + "}").encode(), "text-only"),
     ("/v1/messages", (CLAUDE % '"hi"' + ', "temperature": NaN}').encode(), "NaN"),

@@ -31,6 +31,8 @@ def test_exactly_one_kind(kwargs):
         ({"json": 3}, "must be a dict or a JSON string"),
         ({"choice": []}, "non-empty list of strings"),
         ({"choice": ["a", ""]}, "non-empty list of strings"),
+        ({"choice": "ab"}, "non-empty list of strings, got str"),  # not ["a", "b"]
+        ({"choice": {"a": 1}}, "non-empty list of strings, got dict"),
         ({"regex": "  "}, "regex must be a non-empty string"),
         ({"json_object": False}, "exactly one of"),
         ({"json_object": "yes"}, "json_object must be true or null, got 'yes'"),
