@@ -152,6 +152,9 @@ def test_max_logprobs_caps_what_a_request_may_ask(chat_checkpoint, llm):
         llm.generate(prompt, _greedy(logprobs=25), use_tqdm=False)
     with pytest.raises(ValueError, match="prompt_logprobs=21 exceeds max_logprobs=20"):
         llm.generate(prompt, _greedy(prompt_logprobs=21), use_tqdm=False)
+    # -1 is named as sent (the message said "prompt_logprobs=384", which nobody sent).
+    with pytest.raises(ValueError, match=r"prompt_logprobs=-1 \(the whole vocabulary, 384 "):
+        llm.generate(prompt, _greedy(prompt_logprobs=-1), use_tqdm=False)
     wide = LLM(str(chat_checkpoint), num_kv_blocks=32, max_model_len=64, max_logprobs=-1)
     try:
         vocab = wide.llm_engine.config.model.arch.vocab_size

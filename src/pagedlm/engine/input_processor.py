@@ -221,12 +221,13 @@ class InputProcessor:
         limit = self.model_config.max_logprobs
         counts = []
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
+            value = asked = getattr(params, name)
             if value == -1:
                 value = self.vocab_size
+                asked = f"-1 (the whole vocabulary, {value} tokens)"
             if value is not None and value > limit:
                 raise ValueError(
-                    f"{name}={value} exceeds max_logprobs={limit}; ask for at most {limit}, or "
+                    f"{name}={asked} exceeds max_logprobs={limit}; ask for at most {limit}, or "
                     "start the engine with a larger max_logprobs (--max-logprobs; -1 for the "
                     "whole vocabulary)."
                 )
