@@ -82,7 +82,9 @@ class ModelDrafter(Proposer):
             kv_cache=self.kv_cache,
             attn_backend=self.attn_backend,
             step_inputs=self.steps,
-            config=SimpleNamespace(scheduler=config.scheduler, speculative=None),
+            config=SimpleNamespace(
+                scheduler=config.scheduler, compilation=config.compilation, speculative=None
+            ),
         )
         self.graphs = self.target.platform.capture_graphs(drafts)
 
