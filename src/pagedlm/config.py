@@ -448,7 +448,7 @@ class SchedulerConfig:
         return self.max_num_batched_tokens < self.max_model_len
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "acceptance")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "acceptance")
 """``speculative_config["method"]`` values; "acceptance" is the benchmarks' proposer."""
 
 
@@ -468,7 +468,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     draft_model: ModelConfig | None = None
     """The draft model or EAGLE head ("draft_model", "eagle", "eagle3"), loaded like the
-    target (same dtype and ``max_model_len``)."""
+    target (same dtype and ``max_model_len``); for "mtp" the target's own checkpoint."""
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
     """"ngram": the shortest and longest suffix looked up in the request's tokens."""
@@ -485,7 +485,7 @@ class SpeculativeConfig:
     @property
     def proposer_writes_kv(self) -> bool:
         """The proposer keeps its own KV in the paged cache (so drafts need slots ahead)."""
-        return self.method in ("draft_model", "eagle", "eagle3")
+        return self.method in ("draft_model", "eagle", "eagle3", "mtp")
 
 
 @dataclass(frozen=True)

@@ -248,7 +248,8 @@ class EngineArgs:
     speculative_config: dict[str, Any] | str | None = None
     """Speculative decoding, vLLM's keys as a dict or JSON, e.g. '{"method": "ngram",
     "num_speculative_tokens": 4}'; methods ngram (prompt_lookup_min/max), draft_model,
-    eagle and eagle3 (with "model"). None: off."""
+    eagle and eagle3 (with "model"), mtp (a DeepSeek checkpoint's own
+    multi-token-prediction layer). None: off."""
 
     enable_lora: bool = False
     """Serve LoRA adapters (PEFT directories) named per request, batched with the base

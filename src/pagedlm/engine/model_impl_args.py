@@ -125,8 +125,8 @@ def check_transformers_backend(config: EngineConfig, is_gguf: bool) -> None:
             "serve the float checkpoint, unquantized or with quantization='fp8'",
         ),
         (
-            speculative is not None and speculative.method in ("eagle", "eagle3"),
-            "EAGLE draft heads (they read the target's own layers)",
+            speculative is not None and speculative.method in ("eagle", "eagle3", "mtp"),
+            "EAGLE and MTP draft heads (they read the target's own layers)",
             "use a draft_model or ngram speculator",
         ),
         (

@@ -1,8 +1,8 @@
 """``speculative_config`` (a dict, or its JSON on the command line) -> ``SpeculativeConfig``.
 
-The keys are vLLM's: ``method`` ("ngram", "draft_model", "eagle", "eagle3"),
-``num_speculative_tokens``, ``model`` (the draft or the EAGLE head: a directory, .gguf file
-or hub id), ``prompt_lookup_min``/``prompt_lookup_max`` (ngram, both 5 when neither is
+The keys are vLLM's: ``method`` ("ngram", "draft_model", "eagle", "eagle3", "mtp", which
+vLLM also spells "deepseek_mtp"), ``num_speculative_tokens``, ``model`` (the draft or the
+EAGLE head: a directory, .gguf file or hub id; "mtp" reads the target's own checkpoint), ``prompt_lookup_min``/``prompt_lookup_max`` (ngram, both 5 when neither is
 given, as in vLLM), ``disable_by_batch_size``, ``revision`` (of a hub ``model``), plus
 pagedlm's ``min_acceptance_rate`` (the never-hurts policy) and, for benchmarks only,
 method "acceptance" with ``acceptance_rate`` and ``reference_path``. Every error names the
@@ -12,6 +12,7 @@ key to change and how.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -31,6 +32,8 @@ _KEYS = {
     "reference_path",
 }
 _MODEL_METHODS = ("draft_model", "eagle", "eagle3")
+_METHOD_ALIASES = {"deepseek_mtp": "mtp"}
+"""vLLM's older per-model names for "mtp"."""
 _MAX_NUM_SPECULATIVE_TOKENS = 31
 """A verification step feeds 1 + k tokens per request; graphs capture up to 32."""
 
@@ -79,8 +82,11 @@ def _method(values: dict[str, Any]) -> str:
         lowered = str(model).lower()
         method = "eagle3" if "eagle3" in lowered else "eagle" if "eagle" in lowered else None
         method = method or "draft_model"
+    method = _METHOD_ALIASES.get(method, method)
     if method not in SPECULATIVE_METHODS:
-        raise _error(f"method={method!r} is unknown; use one of ngram, draft_model, eagle, eagle3.")
+        raise _error(
+            f"method={method!r} is unknown; use one of ngram, draft_model, eagle, eagle3, mtp."
+        )
     return str(method)
 
 
@@ -123,7 +129,40 @@ def parse_speculative_config(
             raise _error(f"{key} applies to method 'ngram' only; remove it for {method!r}.")
     if method == "acceptance":
         return _with_acceptance(config, values)
+    if method == "mtp":
+        return replace(config, draft_model=_mtp_model(values, target, resolve))
     return replace(config, draft_model=_draft_model(method, values, target, resolve))
+
+
+def _mtp_model(values: dict[str, Any], target: ModelConfig, resolve: Resolve) -> ModelConfig:
+    """The target's own checkpoint, read for its first multi-token-prediction layer."""
+    from pagedlm.model_executor.models.deepseek_moe import V2_ARCHITECTURE
+    from pagedlm.model_executor.models.deepseek_mtp import mtp_layer_count
+
+    arch = target.arch
+    families = (V2_ARCHITECTURE, "DeepseekV3ForCausalLM")
+    if arch.architecture not in families:
+        raise _error(
+            f"method 'mtp' drafts with a DeepSeek checkpoint's multi-token-prediction layer; "
+            f"the target is {arch.architecture}. Use ngram, draft_model or an EAGLE head."
+        )
+    if mtp_layer_count(arch) < 1:
+        raise _error(
+            f"the target {target.model} has no multi-token-prediction layer "
+            "(num_nextn_predict_layers is 0 or missing in its config.json); use ngram, "
+            "draft_model or an EAGLE head."
+        )
+    if target.is_gguf:
+        raise _error("method 'mtp' reads the layer from a safetensors checkpoint, not GGUF.")
+    name = values.get("model")
+    if name is not None:
+        path = resolve("MTP checkpoint (speculative_config.model)", name, values.get("revision"))
+        if os.path.realpath(path) != os.path.realpath(target.model):
+            raise _error(
+                f"method 'mtp' reads the target's own layers; \"model\" ({name}) must be the "
+                f"target ({target.model}) or left out."
+            )
+    return replace(target, tokenizer=None, skip_tokenizer_init=True)
 
 
 def _with_policy(config: SpeculativeConfig, values: dict[str, Any]) -> SpeculativeConfig:

@@ -2,7 +2,8 @@
 
 ``build_proposer`` makes the proposer of a ``SpeculativeConfig``: prompt lookup
 (``ngram.py``), a draft model (``draft_model.py``), EAGLE-1/EAGLE-3 heads (``eagle.py``),
-or the benchmarks' known-acceptance proposer (``acceptance.py``). The scheduler side is
+DeepSeek's multi-token-prediction layer (``mtp.py``), or the benchmarks' known-acceptance
+proposer (``acceptance.py``). The scheduler side is
 ``pagedlm.core.speculation``; verification is ``pagedlm.sample.rejection_sampler``.
 """
 
@@ -36,6 +37,10 @@ def build_proposer(
         from pagedlm.spec_decode.draft_model import DraftModelProposer
 
         return DraftModelProposer(batch, target, config.draft_model)
+    if method == "mtp":
+        from pagedlm.spec_decode.mtp import MTPProposer
+
+        return MTPProposer(batch, target, config.draft_model)
     from pagedlm.spec_decode.eagle import EagleProposer
 
     return EagleProposer(batch, target, method, config.draft_model)

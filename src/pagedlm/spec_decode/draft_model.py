@@ -15,7 +15,7 @@ from torch import nn
 
 from pagedlm.attention.backend import BatchLayout
 from pagedlm.config import ModelConfig
-from pagedlm.model_executor.layers.attention import model_kv_heads
+from pagedlm.model_executor.layers.attention import model_kv_geometry
 from pagedlm.model_executor.loader import load_model
 from pagedlm.platforms.interface import GraphRunner
 from pagedlm.spec_decode.model_drafter import ModelDrafter, TargetParts
@@ -28,8 +28,8 @@ class DraftModelProposer(ModelDrafter):
         model = load_model(draft, batch.device)
         target.platform.prepare_model(model)
         arch = draft.arch
-        num_kv_heads = model_kv_heads(model, arch.num_key_value_heads)
-        super().__init__(batch, target, arch.num_hidden_layers, num_kv_heads, arch.head_dim)
+        geometry = model_kv_geometry(model, arch.num_key_value_heads, arch.head_dim)
+        super().__init__(batch, target, arch.num_hidden_layers, geometry)
         self.model = model
         self.observe_graphs: GraphRunner | None = None
 

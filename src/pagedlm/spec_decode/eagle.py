@@ -19,7 +19,7 @@ from torch import nn
 from pagedlm.attention.backend import BatchLayout
 from pagedlm.config import ModelConfig
 from pagedlm.model_executor.forward_context import ForwardContext
-from pagedlm.model_executor.layers.attention import model_kv_heads
+from pagedlm.model_executor.layers.attention import model_kv_geometry
 from pagedlm.model_executor.loader import check_all_loaded, iter_model_weights
 from pagedlm.model_executor.models.eagle import Eagle3LlamaHead, EagleLlamaHead
 from pagedlm.sample.host_copy import tensor_to_device
@@ -70,8 +70,8 @@ class EagleProposer(ModelDrafter):
         head = load_head(method, config, batch.device)
         target.platform.prepare_model(head)
         num_layers = arch.num_hidden_layers if method == "eagle" else 1
-        num_kv_heads = model_kv_heads(head, arch.num_key_value_heads)
-        super().__init__(batch, target, num_layers, num_kv_heads, arch.head_dim)
+        geometry = model_kv_geometry(head, arch.num_key_value_heads, arch.head_dim)
+        super().__init__(batch, target, num_layers, geometry)
         self.head = head
         self.eagle3 = method == "eagle3"
         layers = _target_layers(target.model)

@@ -21,6 +21,7 @@ from torch import nn
 from pagedlm.attention.backend import AttentionBackend, BatchLayout
 from pagedlm.kv_cache.interface import KVCache, kv_bytes_per_block
 from pagedlm.model_executor.forward_context import ForwardContext
+from pagedlm.model_executor.layers.attention import KVGeometry
 from pagedlm.platforms import Platform
 from pagedlm.platforms.interface import GraphRunner
 from pagedlm.sample.host_copy import tensor_to_device
@@ -56,13 +57,13 @@ class ModelDrafter(Proposer):
         batch: InputBatch,
         target: TargetParts,
         num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
+        geometry: KVGeometry,
     ) -> None:
         super().__init__(batch)
         self.target = target
         self.attn_backend = target.attn_backend
-        self.kv_shape = (num_layers, num_kv_heads, head_dim)
+        self.num_layers = num_layers
+        self.geometry = geometry
         self.steps = DraftSteps(batch)
         self.kv_cache: KVCache | None = None
         self.graphs: GraphRunner | None = None
@@ -103,13 +104,25 @@ class ModelDrafter(Proposer):
         return self.step_module(ids, positions, self.context(layout))[:num_reqs]
 
     def kv_bytes_per_block(self) -> int:
-        num_layers, num_kv_heads, head_dim = self.kv_shape
+        geometry = self.geometry
         return kv_bytes_per_block(
-            self.batch.block_size, num_layers, num_kv_heads, head_dim, self.target.dtype
+            self.batch.block_size,
+            self.num_layers,
+            geometry.num_kv_heads,
+            geometry.head_dim,
+            self.target.dtype,
+            shares_values=geometry.shares_values,
         )
 
     def initialize_kv_cache(self, num_blocks: int, allocate: Allocate) -> None:
-        self.kv_cache = allocate(num_blocks, *self.kv_shape)  # type: ignore[assignment]
+        geometry = self.geometry
+        self.kv_cache = allocate(  # type: ignore[assignment]
+            num_blocks,
+            self.num_layers,
+            geometry.num_kv_heads,
+            geometry.head_dim,
+            shares_values=geometry.shares_values,
+        )
 
     def release_kv_cache(self) -> None:
         self.kv_cache = None

@@ -33,8 +33,9 @@ from pagedlm.step import NewRequestData
 from pagedlm.worker.input_batch import InputBatch
 from pagedlm.worker.step_inputs import StepInputs
 
-Allocate = Callable[[int, int, int, int], object]
-"""``(num_blocks, num_layers, num_kv_heads, head_dim) -> KVCache`` in the target's layout."""
+Allocate = Callable[..., object]
+"""``(num_blocks, num_layers, num_kv_heads, head_dim, shares_values=False) -> KVCache`` in
+the target's layout (``shares_values``: one latent tensor per layer, keys as values)."""
 
 
 @dataclass(frozen=True)

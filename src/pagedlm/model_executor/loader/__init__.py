@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -37,9 +37,21 @@ PyTorch .bin/.pt files), "safetensors", "pt" (PyTorch pickles, read with ``weigh
 "gguf", "dummy" (random weights)."""
 
 
-def iter_model_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_model_weights(
+    model_config: ModelConfig, select: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs of the checkpoint: a .gguf file, or a directory's safetensors
-    or PyTorch files (``weight_files.checkpoint_files`` says which)."""
+    or PyTorch files (``weight_files.checkpoint_files`` says which); with ``select``, only
+    the tensors whose names it accepts (safetensors files do not read the others)."""
+    weights = _iter_model_weights(model_config, select)
+    if select is None:
+        return weights
+    return ((name, tensor) for name, tensor in weights if select(name))
+
+
+def _iter_model_weights(
+    model_config: ModelConfig, select: Callable[[str], bool] | None
+) -> Iterator[tuple[str, torch.Tensor]]:
     if model_config.load_format not in ("auto", "safetensors", "pt", "gguf"):
         raise ValueError(
             f"load_format={model_config.load_format!r} reads no weights; "
@@ -72,7 +84,7 @@ def iter_model_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.T
 
     quantized = "quantization_config" in model_config.arch.raw
     slices = get_tensor_model_parallel_world_size() > 1 and not quantized
-    return iter_safetensors_weights(model_config.model, slices=slices)
+    return iter_safetensors_weights(model_config.model, slices=slices, select=select)
 
 
 def load_model(
@@ -83,6 +95,7 @@ def load_model(
     gguf_groups_of_16: bool = False,
     weights: Iterable[tuple[str, torch.Tensor]] | None = None,
     offload: WeightOffload | None = None,
+    model_class: type[nn.Module] | None = None,
 ) -> nn.Module:
     """The model of ``model_config``, in ``model_config.dtype`` on ``device``, in eval mode.
 
@@ -105,10 +118,17 @@ def load_model(
 
     ``offload``: parameters go to host memory as the model creates them, up to its budget
     (``WeightOffload.while_building``); the caller settles it once the model is final.
+
+    ``model_class``: build this class instead of the architecture's (a draft head read
+    from its target's checkpoint); a class with ``checkpoint_selector(arch)`` reads only
+    the tensors that selector accepts.
     """
     from pagedlm.model_executor.models.registry import get_model_class
 
-    model_class = get_model_class(model_config.arch.architecture, model_config.model_impl)
+    if model_class is None:
+        model_class = get_model_class(model_config.arch.architecture, model_config.model_impl)
+    selector = getattr(model_class, "checkpoint_selector", None)
+    select = selector(model_config.arch) if selector is not None else None
     keep_blocks = keep_weight_blocks and model_config.has_weight_blocks
     if weights is not None:
         _check_float_layers(model_config, keep_blocks)
@@ -127,7 +147,7 @@ def load_model(
         check_all_loaded(model, loaded, model_config)
     else:
         if weights is None:
-            weights = iter_model_weights(model_config)
+            weights = iter_model_weights(model_config, select)
         kv_scales: dict[tuple[int, str], float] = {}
         weights = fp8.split_kv_scales(weights, kv_scales)  # the models have no parameter
         if "quantization_config" in model_config.arch.raw:

@@ -337,18 +337,22 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
             if isinstance(module, MultiHeadLatentAttention):
                 module.enable_latent()
 
+    def skips_layer(self, index: int) -> bool:
+        """Whether checkpoint layer ``index`` is not this model's: the multi-token-prediction
+        layers after the decoder's (``deepseek_mtp.DeepSeekMTP`` loads those)."""
+        return index >= self.arch.num_hidden_layers
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        num_layers = self.arch.num_hidden_layers
 
         def remaining(
             weights: Iterable[tuple[str, torch.Tensor]],
         ) -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
                 layer = _LAYER_INDEX.match(name)
-                if layer is not None and int(layer.group(1)) >= num_layers:
-                    continue  # a multi-token-prediction layer
+                if layer is not None and self.skips_layer(int(layer.group(1))):
+                    continue
                 if self.is_other_stage(name):
                     continue
                 if name.endswith(".self_attn.kv_b_proj.weight") and name not in params:

@@ -1,0 +1,48 @@
+"""DeepSeek's multi-token-prediction layer as a proposer (vLLM's ``"mtp"`` method).
+
+It drafts as an EAGLE-1 head does (``eagle.py``): each step ``observe`` runs the layer over
+the step's rows (the token after each row's position with the target's final normed
+hidden state there), the row before a request's last emitted token yields its first
+draft, and each further draft feeds the previous one with the layer's own output. The
+layer is the checkpoint's own (``model_executor/models/deepseek_mtp.py``, read from the
+target's files), its logits the target's LM head over ``shared_head.norm``, its token
+embedding the target's. Its KV is latent where the target's is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedlm.config import ModelConfig
+from pagedlm.model_executor.layers.attention import model_kv_geometry
+from pagedlm.model_executor.loader import load_model
+from pagedlm.model_executor.models.deepseek_mtp import DeepSeekMTP
+from pagedlm.spec_decode.eagle import EagleProposer, _EagleStep
+from pagedlm.spec_decode.model_drafter import ModelDrafter, TargetParts
+from pagedlm.worker.input_batch import InputBatch
+
+
+class MTPProposer(EagleProposer):
+    def __init__(self, batch: InputBatch, target: TargetParts, config: ModelConfig) -> None:
+        arch = config.arch
+        head = load_model(config, batch.device, model_class=DeepSeekMTP)
+        target.platform.prepare_model(head)
+        target_geometry = model_kv_geometry(target.model, arch.num_key_value_heads, arch.head_dim)
+        if target_geometry.shares_values:
+            head.enable_latent_kv()  # type: ignore[operator]
+        geometry = model_kv_geometry(head, arch.num_key_value_heads, arch.head_dim)
+        ModelDrafter.__init__(self, batch, target, 1, geometry)
+        self.head = head
+        self.eagle3 = False
+        self.embed = target.model.decoder.embed_tokens
+        self._output = None
+        hidden_buffer = torch.zeros(
+            (batch.max_num_reqs, arch.hidden_size), dtype=target.dtype, device=batch.device
+        )
+        self._step = _EagleStep(head, self.embed, hidden_buffer)
+
+    def weight_modules(self) -> list[torch.nn.Module]:
+        return [self.head]  # the embedding and LM head are the target's
+
+    def _draft(self, output: torch.Tensor) -> torch.Tensor:
+        return self.target.model.compute_logits(self.head.final_norm(output)).argmax(dim=-1)

@@ -1,0 +1,186 @@
+"""DeepSeek's multi-token-prediction layer as a proposer (``"mtp"``): the head computes
+what the layer computes in a transformers-built reference (its block is transformers'
+``DeepseekV3DecoderLayer``, the embedding and LM head the target's), in the expanded and
+the latent cache form; greedy outputs with it are those without speculation; the
+configuration refuses targets without such a layer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model_executor.test_zoo_models_deepseek import CASES, save_deepseek
+from pagedlm import LLM, SamplingParams
+from pagedlm.attention.backend import BatchLayout
+from pagedlm.kv_cache.interface import TensorKVCache
+from pagedlm.model_executor.forward_context import ForwardContext
+from pagedlm.model_executor.layers.attention import model_kv_geometry
+from pagedlm.model_executor.loader import load_model
+from pagedlm.model_executor.models.deepseek_mtp import DeepSeekMTP
+from pagedlm_cpu.attention import CpuSdpaBackend
+from tiny_checkpoints import model_config
+
+CONFIG_CLASS, V3 = CASES["v3"]
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def write_mtp_checkpoint(path: Path):
+    """A tiny V3 checkpoint whose config declares one MTP layer and whose file holds it:
+    transformers' decoder layer at index ``num_hidden_layers`` (MoE), the MTP parts, and
+    the layer's own copies of the embedding and LM head, left random: the target's are
+    the ones to use. Returns (the transformers target, the layer, the MTP tensors)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    hf_model = save_deepseek(path, CONFIG_CLASS, {**V3, "num_nextn_predict_layers": 1})
+    config = hf_model.config
+    index = config.num_hidden_layers
+    torch.manual_seed(7)
+    layer = DeepseekV3DecoderLayer(config, index).eval()
+    hidden, vocab = config.hidden_size, config.vocab_size
+    with torch.no_grad():
+        for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
+            if "norm" in name:
+                tensor.uniform_(0.5, 1.5)
+            elif name.endswith("e_score_correction_bias"):
+                tensor.uniform_(-0.1, 0.1)
+            else:
+                tensor.normal_(0.0, 0.08)
+    prefix = f"model.layers.{index}."
+    parts = {
+        "enorm.weight": torch.rand(hidden) + 0.5,
+        "hnorm.weight": torch.rand(hidden) + 0.5,
+        "eh_proj.weight": torch.randn(hidden, 2 * hidden) * 0.08,
+        "shared_head.norm.weight": torch.rand(hidden) + 0.5,
+        "embed_tokens.weight": torch.randn(vocab, hidden),  # not read
+        "shared_head.head.weight": torch.randn(vocab, hidden),  # not read
+    }
+    tensors = load_file(path / "model.safetensors")
+    tensors.update({prefix + n: t.contiguous() for n, t in layer.state_dict().items()})
+    tensors.update({prefix + n: t for n, t in parts.items()})
+    save_file(tensors, path / "model.safetensors")
+    return hf_model, layer, parts
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mtp")
+    return (path, *write_mtp_checkpoint(path))
+
+
+def _reference(hf_model, layer, parts, tokens: list[int]):
+    """The layer's outputs and draft logits for rows 0..T-2 (row p: token p+1, the target's
+    final normed hidden state at p), as the MTP layer computes them."""
+    ids = torch.tensor([tokens])
+    rows = len(tokens) - 1
+    with torch.no_grad():
+        hidden = hf_model.model(ids).last_hidden_state[0, :rows]
+        embeds = hf_model.model.embed_tokens(ids[0, 1:]).clone()
+        embeds[0] = 0  # position 0
+        x = torch.cat(
+            [_rms(embeds, parts["enorm.weight"]), _rms(hidden, parts["hnorm.weight"])], -1
+        )
+        x = x @ parts["eh_proj.weight"].T
+        positions = torch.arange(rows)[None]
+        cos_sin = hf_model.model.rotary_emb(x[None], positions)
+        mask = torch.full((rows, rows), torch.finfo(torch.float32).min).triu(1)[None, None]
+        out = layer(
+            x[None], attention_mask=mask, position_ids=positions, position_embeddings=cos_sin
+        )
+        out = out[0] if isinstance(out, tuple) else out
+        out = out[0]
+        logits = _rms(out, parts["shared_head.norm.weight"]) @ hf_model.lm_head.weight.T
+    return hidden, out, logits
+
+
+@pytest.mark.parametrize("latent", [False, True], ids=["expanded", "latent"])
+def test_the_head_computes_the_layer(checkpoint, latent: bool) -> None:
+    path, hf_model, layer, parts = checkpoint
+    tokens = torch.randint(0, 320, (11,), generator=torch.Generator().manual_seed(3)).tolist()
+    hidden, expected, expected_logits = _reference(hf_model, layer, parts, tokens)
+    head = load_model(model_config(path), torch.device("cpu"), model_class=DeepSeekMTP)
+    if latent:
+        head.enable_latent_kv()
+    rows, block_size = len(tokens) - 1, 4
+    blocks = -(-rows // block_size)
+    layout = BatchLayout.from_lists(
+        [0, rows], [rows], [list(range(blocks))], range(rows), block_size
+    )
+    backend = CpuSdpaBackend(torch.device("cpu"))
+    g = model_kv_geometry(head, 0, 0)
+    assert g.shares_values == latent
+    cache = TensorKVCache(
+        backend.kv_cache_shape(blocks, block_size, g.num_kv_heads, g.head_dim),
+        1,
+        block_size,
+        torch.float32,
+        lambda shape, dtype: torch.zeros(shape, dtype=dtype),
+        shares_values=g.shares_values,
+    )
+    ctx = ForwardContext(backend, backend.build_metadata(layout), cache)
+    embeds_in = hf_model.model.embed_tokens(torch.tensor(tokens[1:]))  # the head zeroes row 0
+    with torch.no_grad():
+        out = head(embeds_in, hidden, torch.arange(rows, dtype=torch.int32), ctx)
+        logits = _rms(out, parts["shared_head.norm.weight"]) @ hf_model.lm_head.weight.T
+        torch.testing.assert_close(
+            head.final_norm(out), _rms(out, parts["shared_head.norm.weight"])
+        )
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
+
+
+PROMPTS = [[5, 17, 33, 8, 41, 12, 7, 29] * 3 + [1, 2], [9, 10, 11], [3, 4, 5, 6] * 6]
+
+
+def _generate(path: Path, speculative_config=None):
+    llm = LLM(
+        str(path),
+        skip_tokenizer_init=True,
+        max_model_len=128,
+        max_num_batched_tokens=24,  # chunked prefill
+        block_size=4,
+        num_kv_blocks=64,
+        speculative_config=speculative_config,
+    )
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    stats = llm.llm_engine.engine_core.make_stats()
+    llm.llm_engine.shutdown()
+    return [o.outputs[0].token_ids for o in outputs], stats
+
+
+@pytest.mark.parametrize(("method", "num_tokens"), [("mtp", 1), ("mtp", 3), ("deepseek_mtp", 2)])
+def test_greedy_outputs_are_those_without_speculation(checkpoint, method, num_tokens) -> None:
+    path = checkpoint[0]
+    expected, _ = _generate(path)
+    config = {"method": method, "num_speculative_tokens": num_tokens, "min_acceptance_rate": 0}
+    tokens, stats = _generate(path, config)
+    assert tokens == expected
+    spec = stats.spec_decoding
+    assert spec is not None and spec.num_draft_tokens > 0
+
+
+def test_targets_without_an_mtp_layer_are_refused(checkpoint, tmp_path, tiny_checkpoint) -> None:
+    config = {"method": "mtp", "num_speculative_tokens": 1}
+    with pytest.raises(ValueError, match="the target is LlamaForCausalLM"):
+        LLM(str(tiny_checkpoint("llama")), skip_tokenizer_init=True, speculative_config=config)
+    path = checkpoint[0]
+    bare = tmp_path / "no_mtp"
+    bare.mkdir()
+    raw = json.loads((path / "config.json").read_text())
+    (bare / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 0}))
+    (bare / "model.safetensors").symlink_to(path / "model.safetensors")
+    with pytest.raises(ValueError, match="has no multi-token-prediction layer"):
+        LLM(str(bare), skip_tokenizer_init=True, speculative_config=config)
+    with pytest.raises(ValueError, match="must be the target"):
+        LLM(
+            str(path),
+            skip_tokenizer_init=True,
+            speculative_config={**config, "model": str(tiny_checkpoint("llama"))},
+        )
