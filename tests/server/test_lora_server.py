@@ -70,6 +70,9 @@ def test_adapters_by_name_loaded_and_unloaded_at_run_time(lora_server):
          "does not exist or is not a directory"),
         (post("load_lora_adapter", lora_name="x"), 400, "Both 'lora_name' and 'lora_path'"),
         (post("unload_lora_adapter", lora_name="nope"), 404, "'nope' cannot be found"),
+        # An adapter named as the base model took over every request for the base model.
+        (post("load_lora_adapter", lora_name="tiny", lora_path=str(root / "first")), 400,
+         "'tiny' is a name this server serves the base model under"),
     ]  # fmt: skip
     for response, status, message in errors:
         assert response.status_code == status and message in response.json()["error"]["message"]
@@ -81,6 +84,7 @@ def test_adapters_by_name_loaded_and_unloaded_at_run_time(lora_server):
     with pytest.raises(openai.NotFoundError):
         _text(client, "again")
     assert _text(client, "first") == first  # nothing else was harmed
+    assert _text(client, "tiny") == base
     assert httpx.get(f"{server.url}/health").status_code == 200
     metrics = httpx.get(f"{server.url}/metrics").text
     assert 'pagedlm:lora_requests_info{max_lora="2"' in metrics

@@ -427,6 +427,12 @@ def _add_lora_routes(app: FastAPI, ctx: ServingContext) -> None:
     @_body_route(app, ctx, "/v1/load_lora_adapter", LoadLoRAAdapterRequest, anthropic=False)
     async def load_lora_adapter(request: Request, body: LoadLoRAAdapterRequest) -> Response:
         loras.require_runtime_updating()
+        if body.lora_name in ctx.model_names:  # requests for it must keep the base model
+            raise APIError(
+                f"lora_name {body.lora_name!r} is a name this server serves the base model "
+                "under; load the adapter under another name.",
+                param="lora_name",
+            )
         await loras.load(ctx.engine, body.lora_name, body.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 

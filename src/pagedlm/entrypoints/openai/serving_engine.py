@@ -175,13 +175,14 @@ class ServingContext:
     def response_model(self, model: str | None) -> str:
         """The ``model`` a response reports: the adapter's name for an adapter (as vLLM),
         else the first served name."""
-        return model if model in self.loras else self.model_name
+        is_adapter = model in self.loras and model not in self.model_names
+        return model if is_adapter else self.model_name
 
     def lora_request(self, model: str | None) -> LoRARequest | None:
-        """The adapter a request's ``model`` names (None: the base model); 404 for a name
-        unloaded since ``check_model``."""
+        """The adapter a request's ``model`` names (None: the base model, whose served names
+        win over an adapter's, as in vLLM); 404 for a name unloaded since ``check_model``."""
         self.check_model(model)
-        return self.loras.get(model)
+        return None if model in self.model_names else self.loras.get(model)
 
     def require_tokenizer(self) -> Any:
         if self.tokenizer is None:
