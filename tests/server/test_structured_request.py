@@ -34,6 +34,9 @@ def test_response_format_kinds():
         structured_outputs_from_request({"type": "json_object"}, {"regex": "a"})
     with pytest.raises(APIError, match="json_schema"):
         structured_outputs_from_request({"type": "json_schema"}, None)
+    # vLLM's type is required: {} is a 400, not a request without response_format.
+    with pytest.raises(APIError, match="response_format needs a type; use 'text'"):
+        structured_outputs_from_request({}, None)
 
 
 def test_a_structural_tag_response_format_is_the_tag_itself():

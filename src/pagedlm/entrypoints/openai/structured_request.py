@@ -41,7 +41,7 @@ def structured_outputs_from_request(
     response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None
 ) -> StructuredOutputsParams | None:
     """The constraint asked for by ``response_format`` or ``structured_outputs`` (not both)."""
-    from_format = _from_response_format(response_format) if response_format else None
+    from_format = None if response_format is None else _from_response_format(response_format)
     if structured_outputs is None:
         return from_format
     if from_format is not None:
@@ -76,9 +76,9 @@ def _from_response_format(response_format: dict[str, Any]) -> StructuredOutputsP
         return _params("response_format", json=schema)
     if kind == "structural_tag":  # vLLM's: the whole object is the tag
         return _params("response_format", structural_tag=json.dumps(response_format))
+    problem = "needs a type" if kind is None else f"type {kind!r} is not supported"
     raise APIError(
-        f"response_format type {kind!r} is not supported; use 'text', 'json_object', "
-        "'json_schema' or 'structural_tag'.",
+        f"response_format {problem}; use 'text', 'json_object', 'json_schema' or 'structural_tag'.",
         param="response_format",
     )
 
