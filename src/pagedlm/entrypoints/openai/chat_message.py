@@ -61,7 +61,10 @@ class ChatMessage(RequestModel):
         ``where`` ("messages.3") locates it in errors."""
         message: dict[str, Any] = {"role": self.role, "content": self.template_content(where)}
         if self.tool_calls:
-            message["tool_calls"] = [_template_tool_call(call) for call in self.tool_calls]
+            message["tool_calls"] = [
+                _template_tool_call(call, f"{where}.tool_calls.{j}")
+                for j, call in enumerate(self.tool_calls)
+            ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         if self.name is not None and self.role == "tool":
@@ -78,16 +81,18 @@ class ChatMessage(RequestModel):
         ]
 
 
-def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+def _template_tool_call(call: dict[str, Any], where: str) -> dict[str, Any]:
     # Templates (Qwen, Hermes, Llama 3) render arguments with tojson: they need an object.
     function = call.get("function")
     if isinstance(function, dict) and isinstance(function.get("arguments"), str):
         try:
             arguments = json.loads(function["arguments"])
-        except ValueError:
+        except ValueError as error:
+            place = f"{where}.function.arguments"
             raise APIError(
-                "An assistant message's tool_calls[].function.arguments is not valid JSON.",
-                param="messages",
+                f"{place} is not valid JSON ({error}); send the call's arguments as a JSON "
+                "object in a string.",
+                param=place,
             ) from None
         return {**call, "function": {**function, "arguments": arguments}}
     return call

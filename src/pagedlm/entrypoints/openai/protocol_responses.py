@@ -9,6 +9,7 @@ naming the field, never silently dropped: they change what the client gets back.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import Field, ValidationError
@@ -165,6 +166,14 @@ def _append_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
             raise APIError(
                 f"{where}: a function_call needs call_id, name and arguments.", param=where
             )
+        try:
+            json.loads(arguments)
+        except ValueError as error:
+            raise APIError(
+                f"{where}.arguments is not valid JSON ({error}); send the call's arguments as "
+                "a JSON object in a string.",
+                param=f"{where}.arguments",
+            ) from None
         call = {
             "id": call_id,
             "type": "function",
