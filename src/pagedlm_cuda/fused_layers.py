@@ -20,6 +20,7 @@ from pagedlm.model_executor.layers.linear_base import LinearBase
 from pagedlm.model_executor.layers.moe import FusedMoE
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from pagedlm.model_executor.layers.rotary_mrope import MRotaryEmbedding
+from pagedlm.model_executor.quantization.fp8 import FP8_DTYPE
 
 
 def _rms_norm_kernel(
@@ -161,6 +162,8 @@ def _gemv_silu_on() -> bool:
 _GEMV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+_16_BIT = (torch.float16, torch.bfloat16)
+
 FUSED_MOE_ENV = "PAGEDLM_FUSED_MOE"
 """``1``: MoE layers run through ``FusedExperts`` and their models under CUDA graphs. Off
 by default until its GPU tests (``tests/cuda/test_fused_moe_kernels.py``) have passed on a
@@ -178,15 +181,19 @@ class FusedExperts:
 
     @staticmethod
     def takes(layer: FusedMoE) -> bool:
-        """SiLU-and-mul experts with 16-bit weights of one dtype, no kernel of their own,
-        with ``PAGEDLM_FUSED_MOE=1``; others keep ``expert_groups``."""
+        """SiLU-and-mul experts with 16-bit weights of one dtype or E4M3 ones
+        (``FusedMoE.quantize_fp8``), no kernel of their own, with ``PAGEDLM_FUSED_MOE=1``;
+        others keep ``expert_groups``."""
         w13, w2 = layer.w13, layer.w2
         return (
             os.environ.get(FUSED_MOE_ENV, "0") == "1"
             and layer.kernel is None
             and type(layer.act_fn) is SiluAndMul
-            and w13.dtype in (torch.float16, torch.bfloat16)  # float32: tl.dot rounds to TF32
+            # float32: tl.dot rounds to TF32
+            and w13.dtype in (torch.float16, torch.bfloat16, FP8_DTYPE)
             and w2.dtype == w13.dtype
+            # E4M3 codes widen to the 16-bit activations (the router is in the model dtype)
+            and (w13.dtype != FP8_DTYPE or layer.gate.weight.dtype in _16_BIT)
             and not w13.is_meta
             and w13.stride(2) == 1
             and w2.stride(2) == 1
@@ -198,8 +205,16 @@ class FusedExperts:
         from pagedlm_cuda.kernels.fused_moe import fused_experts
 
         layer = self.layer
+        scales = (layer.w13_scale, layer.w2_scale) if layer.is_fp8 else None
         return fused_experts(
-            x, layer.w13, layer.w2, weights, expert_ids, layer.expert_start, layer.num_experts
+            x,
+            layer.w13,
+            layer.w2,
+            weights,
+            expert_ids,
+            layer.expert_start,
+            layer.num_experts,
+            scales=scales,
         )
 
 

@@ -192,6 +192,32 @@ def test_fused_path_matches_the_eager_one(dtype, num_tokens, start, num_local) -
         assert ((expert_ids < start) | (expert_ids >= start + num_local)).any()
 
 
+@pytest.mark.parametrize("num_tokens", [1, 17])
+@pytest.mark.parametrize(("start", "num_local"), [(0, None), (2, 4)], ids=["all", "ep"])
+def test_fp8_experts_match_their_eager_path(num_tokens, start, num_local) -> None:
+    """E4M3 experts (``FusedMoE.quantize_fp8``): codes widened to bf16 in the kernel, each
+    column times its row's scale, against the eager path's float32 products."""
+    moe = _moe(torch.bfloat16, start, num_local, seed=num_tokens)
+    moe.quantize_fp8()
+    x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    x = x.to(torch.bfloat16)
+    assert FusedExperts.takes(moe)
+    with torch.no_grad():
+        eager = moe.routed_partial(x)
+        scales = (moe.w13_scale, moe.w2_scale)
+        moe.set_kernel(
+            lambda x, w, e: fused_experts(x, moe.w13, moe.w2, w, e, start, 8, TINY, scales)
+        )
+        fused = moe.routed_partial(x)
+        moe.set_kernel(FusedExperts(moe), capturable=True)
+        default_tiles = moe.routed_partial(x)
+    assert fused.dtype == torch.bfloat16
+    assert rel_error(fused, eager) < tolerance(torch.bfloat16)
+    assert rel_error(default_tiles, eager) < tolerance(torch.bfloat16)
+    with pytest.raises(ValueError, match="E4M3 experts need w13_scale"):
+        fused_experts(x, moe.w13, moe.w2, *select_experts(moe.gate(x), TOP_K, True))
+
+
 def test_expert_slices_sum_to_the_whole_layer() -> None:
     x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     with torch.no_grad():

@@ -129,3 +129,66 @@ def test_moe_routers_stay_unquantized(tmp_path: Path) -> None:
     routers = [m for m in model.modules() if isinstance(m, MoERouter)]
     assert routers and all(m.weight.dtype == torch.float32 for m in routers)
     assert any(fp8.is_fp8_layer(m) for m in model.modules())
+
+
+def test_fp8_experts_compute_the_dequantized_product() -> None:
+    """``FusedMoE.quantize_fp8``: E4M3 codes and per-row scales per expert, and each
+    routed expert's products those of the dequantized weights (float32, one rounding)."""
+    from pagedlm.model_executor.layers.moe import FusedMoE
+
+    torch.manual_seed(2)
+    layer = FusedMoE(num_experts=4, top_k=2, hidden_size=32, intermediate_size=24,
+                     renormalize=True)  # fmt: skip
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_(0.0, 0.3)
+    x = torch.randn(9, 32)
+    float_out = layer(x)
+    float_w13 = layer.w13.detach().clone()
+    layer.quantize_fp8()
+    assert layer.is_fp8 and layer.w13.dtype == layer.w2.dtype == fp8.FP8_DTYPE
+    assert layer.w13_scale.shape == (4, 48) and layer.w2_scale.shape == (4, 32)
+    w13 = fp8.dequantize(layer.w13, layer.w13_scale[..., None])
+    w2 = fp8.dequantize(layer.w2, layer.w2_scale[..., None])
+    bound = torch.maximum(float_w13.abs() * 2**-4, layer.w13_scale[..., None] * 2**-10)
+    assert ((w13 - float_w13).abs() <= bound * (1 + 1e-6)).all()
+    # The same routing (the router stays float), then each expert on dequantized weights.
+    reference = FusedMoE(num_experts=4, top_k=2, hidden_size=32, intermediate_size=24,
+                         renormalize=True)  # fmt: skip
+    reference.load_state_dict({"gate.weight": layer.gate.weight, "w13": w13, "w2": w2}, strict=True)
+    torch.testing.assert_close(layer(x), reference(x), rtol=1e-5, atol=1e-5)
+    assert ((layer(x) - float_out).norm() / float_out.norm()).item() < 0.05
+    with pytest.raises(ValueError, match="quantized to FP8 at load"):
+        layer.w13.weight_loader(layer.w13, float_w13[0], 0, "gate")
+
+
+def test_quantize_at_load_quantizes_moe_experts(tmp_path: Path) -> None:
+    """``quantization="fp8"`` on a Mixtral- and a DeepSeek-shaped model: E4M3 experts
+    (shared experts are linear layers: quantized as such), logits close to the float
+    model's."""
+    from dataclasses import replace
+
+    from pagedlm.model_executor.layers.moe import FusedMoE
+
+    save_random_model(
+        tmp_path,
+        "MixtralConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
+    )
+    float_config = model_config(tmp_path)
+    quantized = load_model(replace(float_config, quantization="fp8"), torch.device("cpu"))
+    reference = load_model(float_config, torch.device("cpu"))
+    experts = [m for m in quantized.modules() if isinstance(m, FusedMoE)]
+    assert experts and all(m.is_fp8 and m.w2.dtype == fp8.FP8_DTYPE for m in experts)
+    float_bytes = sum(m.w13.numel() * 4 + m.w2.numel() * 4 for m in experts)
+    fp8_bytes = sum(
+        m.w13.numel() + m.w2.numel() + 4 * (m.w13_scale.numel() + m.w2_scale.numel())
+        for m in experts
+    )
+    assert fp8_bytes < 0.3 * float_bytes
+    backend = CpuSdpaBackend(torch.device("cpu"))
+    with torch.no_grad():
+        for prompt in random_prompts()[:3]:
+            got = full_logits(quantized, float_config.arch, backend, prompt)
+            want = full_logits(reference, float_config.arch, backend, prompt)
+            assert ((got - want).norm() / want.norm()).item() < 0.15

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedlm.model_executor.quantization.fp8 import FP8_DTYPE
 from pagedlm_cuda.kernels.activation import silu_times
 
 
@@ -179,9 +180,10 @@ def align_to_blocks(
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, pair_ids_ptr, block_experts_ptr, weights_ptr, num_pairs, N, K,
-    stride_a, stride_we, stride_wn, stride_out,
+    a_ptr, w_ptr, out_ptr, pair_ids_ptr, block_experts_ptr, weights_ptr, scale_ptr, num_pairs,
+    N, K, stride_a, stride_we, stride_wn, stride_out, stride_se,
     PAIRS_PER_A_ROW: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
+    SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     block = tl.program_id(0)
@@ -203,11 +205,16 @@ def _grouped_gemm_kernel(
         k_mask = k < K
         a = tl.load(a_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = col_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0).to(a.dtype)  # E4M3: exact
         acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.float32)
         if GATED:
-            up = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0)
+            up = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0).to(a.dtype)
             up_acc = tl.dot(a, tl.trans(up), up_acc, out_dtype=tl.float32)
+    if SCALED:  # FP8 codes: each output column times its row's scale
+        scales = scale_ptr + expert.to(tl.int64) * stride_se + cols
+        acc = acc * tl.load(scales, mask=col_mask, other=0.0)[None, :]
+        if GATED:
+            up_acc = up_acc * tl.load(scales + N, mask=col_mask, other=0.0)[None, :]
     dtype = out_ptr.dtype.element_ty
     out = acc.to(dtype)  # rounded as the eager path's matmul output
     if GATED:
@@ -249,6 +256,7 @@ def _check(
     w2: torch.Tensor,
     weights: torch.Tensor,
     expert_ids: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     num_local, two_i, hidden = w13.shape
     if x.dim() != 2 or x.shape[1] != hidden or two_i % 2:
@@ -261,11 +269,26 @@ def _check(
             f"w2 must be [experts, hidden, I] = {(num_local, hidden, two_i // 2)}; got "
             f"{tuple(w2.shape)}."
         )
-    if not x.dtype == w13.dtype == w2.dtype or x.dtype not in _DTYPES:
+    fp8 = w13.dtype == w2.dtype == FP8_DTYPE and x.dtype in (torch.float16, torch.bfloat16)
+    if not (fp8 or x.dtype == w13.dtype == w2.dtype) or x.dtype not in _DTYPES:
         raise ValueError(
             f"fused_experts multiplies x, w13 and w2 of one float dtype (float16, bfloat16 "
-            f"or float32); got {x.dtype}, {w13.dtype} and {w2.dtype}."
+            f"or float32), or 16-bit x with E4M3 experts; got {x.dtype}, {w13.dtype} and "
+            f"{w2.dtype}."
         )
+    if fp8 != (scales is not None):
+        raise ValueError("E4M3 experts need w13_scale and w2_scale, float ones neither.")
+    if scales is not None:
+        w13_scale, w2_scale = scales
+        if tuple(w13_scale.shape) != (num_local, two_i) or tuple(w2_scale.shape) != (
+            num_local,
+            hidden,
+        ):
+            raise ValueError(
+                f"w13_scale must be [experts, 2 * I] = {(num_local, two_i)} and w2_scale "
+                f"[experts, hidden] = {(num_local, hidden)}; got {tuple(w13_scale.shape)} "
+                f"and {tuple(w2_scale.shape)}."
+            )
     if expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0]:
         raise ValueError(
             f"expert_ids must be [T, top_k] for T={x.shape[0]}; got {tuple(expert_ids.shape)}."
@@ -288,6 +311,7 @@ def fused_experts(
     expert_start: int = 0,
     num_experts: int | None = None,
     config: FusedMoEConfig | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """This rank's routed-expert output [T, hidden] in x's dtype: for each token, the sum
     over its slots whose expert is local of ``weight * (silu(x gate^T) * (x up^T)) down^T``.
@@ -295,8 +319,11 @@ def fused_experts(
     x [T, hidden]; w13 [num_local_experts, 2 * I, hidden] (gate rows, then up rows); w2
     [num_local_experts, hidden, I]; weights float32 [T, top_k]; expert_ids [T, top_k]
     (global ids, experts ``expert_start ..`` local). ``num_experts`` (default: the local
-    count) only tells whether every expert is local, so every pair's row is written."""
-    _check(x, w13, w2, weights, expert_ids)
+    count) only tells whether every expert is local, so every pair's row is written.
+    ``scales``: (w13_scale [experts, 2 * I], w2_scale [experts, hidden]) float32 for E4M3
+    experts (``FusedMoE.quantize_fp8``): codes widened to x's dtype in registers, each
+    product column times its row's scale in float32 before the rounding."""
+    _check(x, w13, w2, weights, expert_ids, scales)
     num_tokens, top_k = expert_ids.shape
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
@@ -310,18 +337,22 @@ def fused_experts(
     weights = weights.to(torch.float32).contiguous()
     launch = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   num_warps=cfg.num_warps, num_stages=cfg.stages)  # fmt: skip
+    w13_scale, w2_scale = scales if scales is not None else (weights, weights)  # unread
+    scaled = scales is not None
     activated = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     _grouped_gemm_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n))](
-        x, w13, activated, blocks.pair_ids, blocks.block_experts, weights, num_pairs, inter,
-        hidden, x.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
-        PAIRS_PER_A_ROW=top_k, GATED=True, WEIGHTED=False, **launch,
+        x, w13, activated, blocks.pair_ids, blocks.block_experts, weights, w13_scale, num_pairs,
+        inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
+        w13_scale.stride(0), PAIRS_PER_A_ROW=top_k, GATED=True, WEIGHTED=False, SCALED=scaled,
+        **launch,
     )  # fmt: skip
     every_expert_local = expert_start == 0 and num_local == (num_experts or num_local)
     make = torch.empty if every_expert_local else torch.zeros  # other ranks' rows: zeros
     contributions = make((num_pairs, hidden), dtype=x.dtype, device=x.device)
     _grouped_gemm_kernel[(num_blocks, triton.cdiv(hidden, cfg.block_n))](
-        activated, w2, contributions, blocks.pair_ids, blocks.block_experts, weights,
+        activated, w2, contributions, blocks.pair_ids, blocks.block_experts, weights, w2_scale,
         num_pairs, hidden, inter, activated.stride(0), w2.stride(0), w2.stride(1),
-        contributions.stride(0), PAIRS_PER_A_ROW=1, GATED=False, WEIGHTED=True, **launch,
+        contributions.stride(0), w2_scale.stride(0), PAIRS_PER_A_ROW=1, GATED=False,
+        WEIGHTED=True, SCALED=scaled, **launch,
     )  # fmt: skip
     return contributions.view(num_tokens, top_k, hidden).sum(dim=1)

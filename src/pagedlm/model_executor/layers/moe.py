@@ -188,6 +188,14 @@ def expert_groups(
         start += count
 
 
+def _refuse_quantized_load(param: nn.Parameter, loaded: torch.Tensor, *args: object) -> None:
+    raise ValueError(
+        "these experts were quantized to FP8 at load; new float expert weights cannot be "
+        "copied into their codes in place: reload the model (reload_weights / "
+        "update_weights_from_disk) instead."
+    )
+
+
 MoEKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(x [T, hidden], weights float32 [T, top_k], expert ids [T, top_k]) -> this rank's
 routed-expert partial [T, hidden] in x's dtype, as ``FusedMoE.routed_partial`` computes it."""
@@ -204,6 +212,14 @@ class FusedMoE(nn.Module):
     "gate", "up" or "down"; experts of other ranks are skipped. ``routing`` (None: softmax
     top-k) chooses experts otherwise; with ``routing.correction_bias`` the layer also holds
     ``e_score_correction_bias`` [num_experts], float32 in any model dtype as the scores are.
+
+    FP8 experts (``quantize_fp8``, with ``quantization="fp8"``): ``w13``/``w2`` hold E4M3
+    codes and ``w13_scale`` [num_local_experts, 2 * intermediate / tp] / ``w2_scale``
+    [num_local_experts, hidden] float32 per-row scales, so that ``codes[e, r] *
+    scale[e, r]`` is row ``r`` of expert ``e``'s weight. They are weight-only: an expert's
+    product is ``(x . codes[e, r]) * scale[e, r]`` accumulated in float32 from activations
+    in the model's dtype (no activation quantization, unlike the FP8 linear layers), then
+    rounded to that dtype as the float experts' products are.
     """
 
     uncapturable: ClassVar[str] = HOST_GROUPING
@@ -260,6 +276,10 @@ class FusedMoE(nn.Module):
         )
         set_weight_loader(self.w13, self.weight_loader)
         set_weight_loader(self.w2, self.weight_loader)
+        self.w13_scale: nn.Parameter | None
+        self.w2_scale: nn.Parameter | None
+        self.register_parameter("w13_scale", None)  # FP8 experts' scales (quantize_fp8)
+        self.register_parameter("w2_scale", None)
         self.act_fn = get_act_and_mul(hidden_act)
 
     def weight_loader(
@@ -279,6 +299,38 @@ class FusedMoE(nn.Module):
             raise ValueError(f"unknown expert shard {shard!r}; use 'gate', 'up' or 'down'.")
         target = param.data[local].narrow(0, 0 if shard == "gate" else size, size)
         copy_checked(target, shard_of(loaded_weight, 0, self.slice_rank, size), f"expert {shard}")
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.w13_scale is not None
+
+    def quantize_fp8(self) -> None:
+        """Turn loaded float experts into E4M3 codes with per-row scales (see the class
+        docstring), each float tensor dropped as soon as its codes exist."""
+        from pagedlm.model_executor.quantization.fp8 import FP8_DTYPE, quantize_rows
+
+        if self.is_fp8:
+            return
+        for name in ("w13", "w2"):
+            weight = getattr(self, name).data
+            codes = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+            scales = torch.empty(weight.shape[:2], dtype=torch.float32, device=weight.device)
+            for expert in range(weight.shape[0]):  # one expert's float32 copy at a time
+                codes[expert], expert_scales = quantize_rows(weight[expert])
+                scales[expert] = expert_scales[:, 0]
+            del weight
+            setattr(self, name, nn.Parameter(codes, requires_grad=False))
+            set_weight_loader(getattr(self, name), _refuse_quantized_load)
+            setattr(self, f"{name}_scale", nn.Parameter(scales, requires_grad=False))
+
+    def expert_linear(self, x: torch.Tensor, name: str, local: int) -> torch.Tensor:
+        """``x @ expert local's w13 or w2 ^T`` in x's dtype, from codes and scales when the
+        experts are FP8 (float32 products, one rounding)."""
+        weight = getattr(self, name)[local]
+        scale = getattr(self, f"{name}_scale")
+        if scale is None:
+            return F.linear(x, weight)
+        return (F.linear(x.float(), weight.float()) * scale[local]).to(x.dtype)
 
     def set_kernel(self, kernel: MoEKernel | None, capturable: bool = False) -> None:
         """Compute the routed experts with ``kernel`` from now on (None: back to
@@ -311,15 +363,16 @@ class FusedMoE(nn.Module):
         for local, rows, row_weights in groups:
             if local >= self.num_local_experts:
                 break
-            hidden = self.act_fn(F.linear(x[rows], self.w13[local]))
-            hidden = F.linear(hidden, self.w2[local])
+            hidden = self.act_fn(self.expert_linear(x[rows], "w13", local))
+            hidden = self.expert_linear(hidden, "w2", local)
             out.index_add_(0, rows, (hidden * row_weights[:, None]).to(out.dtype))
         return out
 
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, top_k={self.top_k}, "
-            f"renormalize={self.renormalize}, local_experts={self.expert_start}.."
+            + ("fp8, " if self.is_fp8 else "")
+            + f"renormalize={self.renormalize}, local_experts={self.expert_start}.."
             f"{self.expert_start + self.num_local_experts - 1}, tp_size={self.tp_size}, "
             f"slices={self.slice_size}"
             + ("" if self.routing is None else f", routing={self.routing}")

@@ -139,11 +139,19 @@ def quantize_layer(layer: LinearBase) -> None:
 def quantize_model(model: nn.Module) -> int:
     """Quantize every linear layer of a loaded float model except the LM head (its error
     would land directly on the logits, and a tied head shares the embedding table) and MoE
-    routers (``LinearBase.quantized_at_load``); returns how many. Layers that are already
-    E4M3 (a pre-quantized checkpoint) are left."""
+    routers (``LinearBase.quantized_at_load``), and the experts of every ``FusedMoE`` that
+    computes them itself (``FusedMoE.quantize_fp8``: weight-only); returns how many layers.
+    Layers that are already E4M3 (a pre-quantized checkpoint) are left."""
+    from pagedlm.model_executor.layers.moe import FusedMoE
+
     count = 0
     with torch.no_grad():
         for module in model.modules():
+            if isinstance(module, FusedMoE):
+                if module.kernel is None and not module.is_fp8 and not module.w13.is_meta:
+                    module.quantize_fp8()
+                    count += 1
+                continue
             if (
                 isinstance(module, LinearBase)
                 and not isinstance(module, ParallelLMHead)
