@@ -284,6 +284,18 @@ def test_malformed_requests(tiny_server, content, headers, needle):
     assert error["code"] == 400
 
 
+@pytest.mark.parametrize(
+    "content_type", [None, "application/json; charset=utf-8", "application/vnd.api+json"]
+)
+def test_json_bodies_without_application_json(tiny_server, content_type):
+    """Read as JSON, as FastAPI (so vLLM) reads them: ``requests.post(url, data=...)``
+    sends no Content-Type at all."""
+    headers = {} if content_type is None else {"content-type": content_type}
+    body = b'{"model": "tiny", "prompt": "x", "max_tokens": 1}'
+    response = httpx.post(f"{tiny_server.url}/v1/completions", content=body, headers=headers)
+    assert response.status_code == 200, response.text
+
+
 def test_unknown_route_and_method(tiny_server):
     missing = httpx.get(f"{tiny_server.url}/v1/nothing")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == 404

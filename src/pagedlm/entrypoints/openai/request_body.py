@@ -227,12 +227,23 @@ def warning_header(warnings: list[str]) -> str:
     return ", ".join(f"299 pagedlm {json.dumps(warning)}" for warning in warnings)
 
 
+def is_json_content_type(content_type: str) -> bool:
+    """What FastAPI (so vLLM) reads as JSON: no Content-Type at all (``requests.post(url,
+    data=...)`` sends none), ``application/json`` or ``application/<anything>+json``. Other
+    types, ``text/plain`` among them (a browser's cross-site form post), are refused."""
+    media = content_type.split(";")[0].strip().lower()
+    if not media:
+        return True
+    kind, _, subtype = media.partition("/")
+    return kind == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
 async def parse_body(request: Request, model: type[ModelT], limits: RequestLimits) -> ModelT:
     """The JSON body validated as ``model`` and checked against ``limits``; every failure
     is an ``APIError`` 400 naming the field."""
     content_type = request.headers.get("content-type", "")
-    if content_type.split(";")[0].strip().lower() != "application/json":
-        raise APIError(f"Content-Type must be application/json, got {content_type or 'none'!r}.")
+    if not is_json_content_type(content_type):
+        raise APIError(f"Content-Type must be application/json, got {content_type!r}.")
     raw = loads_strict(await request.body())
     context: dict[str, Any] = {}
     try:
