@@ -132,3 +132,16 @@ def test_stream_interval_reaches_the_output_processor(tiny_checkpoint) -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="stream_interval"):
             EngineArgs(str(tiny_checkpoint("llama")), stream_interval=bad).create_engine_config()
+
+
+def test_num_gpu_blocks_override_is_vllms_name_for_num_kv_blocks() -> None:
+    args = EngineArgs(model="unused", num_gpu_blocks_override=12)
+    assert args._num_kv_blocks() == 12
+    assert (
+        EngineArgs(model="unused", num_kv_blocks=12, num_gpu_blocks_override=12)._num_kv_blocks()
+        == 12
+    )
+    with pytest.raises(ValueError, match="num_kv_blocks=8 and num_gpu_blocks_override=12 disagree"):
+        EngineArgs(model="unused", num_kv_blocks=8, num_gpu_blocks_override=12)._num_kv_blocks()
+    parsed = build_parser().parse_args(["serve", "m", "--num-gpu-blocks-override", "7"])
+    assert engine_args_from_cli(parsed).num_gpu_blocks_override == 7

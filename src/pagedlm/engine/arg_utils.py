@@ -88,6 +88,8 @@ class EngineArgs:
     """Tokens per KV-cache block."""
     num_kv_blocks: int | None = None
     """Fixed number of KV-cache blocks; None: as many as the platform's memory budget holds."""
+    num_gpu_blocks_override: int | None = None
+    """vLLM's name for num_kv_blocks (either may be given; both only with one value)."""
     max_num_seqs: int = 256
     """Most requests in one step's batch."""
     max_num_batched_tokens: int | None = None
@@ -390,8 +392,14 @@ class EngineArgs:
                 f"data_parallel_rank={self.data_parallel_rank} is outside 0 .. "
                 f"data_parallel_size - 1 = {self.data_parallel_size - 1}."
             )
-        for name in ("num_kv_blocks", "max_num_batched_tokens", "max_model_len"):
+        for name in (
+            "num_kv_blocks",
+            "num_gpu_blocks_override",
+            "max_num_batched_tokens",
+            "max_model_len",
+        ):
             validate_positive(name, getattr(self, name))
+        num_kv_blocks = self._num_kv_blocks()
         validate_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
         offload_budget_bytes(self.cpu_offload_gb)
         self._check_operability_limits()
@@ -497,7 +505,7 @@ class EngineArgs:
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
-                num_kv_blocks=self.num_kv_blocks,
+                num_kv_blocks=num_kv_blocks,
                 # A pooling model whose pooler reads every row (or whose attention looks
                 # ahead) takes nothing from the cache.
                 enable_prefix_caching=self.enable_prefix_caching
@@ -668,6 +676,16 @@ class EngineArgs:
                 "a module."
             )
         return name
+
+    def _num_kv_blocks(self) -> int | None:
+        """``num_kv_blocks``, or vLLM's ``num_gpu_blocks_override`` for it."""
+        ours, vllms = self.num_kv_blocks, self.num_gpu_blocks_override
+        if ours is not None and vllms is not None and ours != vllms:
+            raise ValueError(
+                f"num_kv_blocks={ours} and num_gpu_blocks_override={vllms} disagree; they "
+                "are one setting (vLLM's name and pagedlm's): give one of them."
+            )
+        return ours if ours is not None else vllms
 
     def _check_operability_limits(self) -> None:
         for name in ("structured_outputs_max_spec_chars", "structured_outputs_compile_timeout_s"):
