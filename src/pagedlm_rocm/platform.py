@@ -6,6 +6,8 @@ has run on AMD hardware.
 
 from __future__ import annotations
 
+import torch
+
 from pagedlm_cuda.platform import CudaPlatform
 
 
@@ -14,3 +16,9 @@ class RocmPlatform(CudaPlatform):
     device_type = "cuda"
     dist_backend = "nccl"  # RCCL answers to the nccl backend name
     default_attention_backend = "triton"
+
+    def map_host_tensor(self, host: torch.Tensor) -> None:
+        """None (``cpu_offload_gb`` has no effect): a HIP-registered host pointer need not
+        be its device address, and the kit's ``host_mapping`` check has not run on AMD
+        hardware."""
+        return None

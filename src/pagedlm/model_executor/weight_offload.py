@@ -9,33 +9,37 @@ step, with no copy and no change to any layer. It trades speed for memory: each 
 reads the offloaded bytes at the link's bandwidth (tens of GB/s, against the device
 memory's TB/s).
 
-Which parameters: the model's, in the order it creates them (the embedding and the first
-layers first), each whole tensor that still fits what is left of the budget (vLLM's order;
-vLLM lets the last tensor pass the budget, this never does).
-Offloading starts while the model is built, one parameter as it is registered, so the
-device never holds the offloaded part: a model larger than the device's memory loads.
-Loading then fills the host memory through the views. Layers that replace their
-parameters after loading (quantization at load, DeepSeek's folded projections) get new
-device tensors; ``settle`` offloads from those again up to the budget, after the model is
-final.
+Which parameters: as vLLM's, those of the layers between the embedding and the LM head
+(never a vocabulary table: every step would read all of it across the link), in the order
+the model creates them, while fewer than ``cpu_offload_gb`` GiB are offloaded (so the last
+one may pass the budget by its own size). Offloading starts while the model is built, one
+parameter as it is registered, so the device never holds what is offloaded: a float
+checkpoint larger than the device's memory loads. Layers that replace their parameters
+after loading (quantization at load or from a pre-quantized checkpoint, GGUF/GPTQ/AWQ
+layers kept on their blocks) allocate the new ones on the device first; ``settle``
+offloads from those again, before the platform installs its kernels (some keep
+references to a layer's tensors).
 
 Invariants:
 - an offloaded parameter keeps its ``Parameter`` object and attributes; only its
   ``data`` is the device view of a host tensor this object holds alive;
-- ``offloaded_bytes <= budget_bytes``; parameters on the meta device (layers a GGUF
-  kernel will compute on their blocks) are never offloaded;
-- a parameter shared by several modules (tied embeddings) is offloaded and counted once.
+- parameters on the meta device (layers a GGUF kernel will compute on their blocks) and
+  those of vocabulary tables are never offloaded;
+- a parameter shared by several modules is offloaded and counted once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
+
+from pagedlm.model_executor.layers.vocab_embedding import VocabParallelEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +50,17 @@ HostAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
 
 def offload_budget_bytes(cpu_offload_gb: float) -> int:
-    if not cpu_offload_gb >= 0:  # NaN too
+    value = cpu_offload_gb
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
         raise ValueError(
-            f"cpu_offload_gb={cpu_offload_gb!r} must be a number of GiB >= 0 (0: no offloading)."
+            f"cpu_offload_gb={value!r} must be a number of GiB >= 0 (0: no offloading)."
         )
-    return int(cpu_offload_gb * 2**30)
+    if not math.isfinite(value):
+        raise ValueError(
+            f"cpu_offload_gb={value!r} must be finite; give the GiB of weights to keep in "
+            "host memory (more than the model holds offloads all of it)."
+        )
+    return int(value * 2**30)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -76,13 +86,13 @@ class WeightOffload:
         return held is not None and held[0] is tensor and tensor.data_ptr() == held[2]
 
     def offer(self, param: nn.Parameter) -> bool:
-        """Offload ``param`` if it fits what is left of the budget; True if it is offloaded
-        (now or before)."""
+        """Offload ``param`` while less than the budget is offloaded; True if it is
+        offloaded (now or before)."""
         if self.holds(param):
             return True
         self._forget(id(param))  # its data was replaced since it was offloaded
         size = _nbytes(param)
-        if param.is_meta or size == 0 or self.offloaded_bytes + size > self.budget_bytes:
+        if param.is_meta or size == 0 or self.offloaded_bytes >= self.budget_bytes:
             return False
         host = self._empty_host(tuple(param.shape), param.dtype)
         host.copy_(param.detach())
@@ -105,7 +115,7 @@ class WeightOffload:
         holds at most one offloaded parameter at a time."""
 
         def offload_on_registration(module: nn.Module, name: str, param: nn.Parameter | None):
-            if param is not None:
+            if param is not None and not isinstance(module, VocabParallelEmbedding):
                 self.offer(param)
 
         handle = register_module_parameter_registration_hook(offload_on_registration)
@@ -114,14 +124,30 @@ class WeightOffload:
         finally:
             handle.remove()
 
-    def settle(self, modules: Iterable[nn.Module]) -> None:
-        """After the model is final: forget parameters that left it or were replaced, then
-        offload more, in module order, while the budget allows."""
+    def prune(self, modules: Iterable[nn.Module]) -> dict[int, nn.Parameter]:
+        """Forget (and free the host memory of) parameters that left ``modules`` or whose
+        data was replaced; returns the modules' parameters by id."""
         params = {id(p): p for module in modules for p in module.parameters()}
         for key in [k for k, (p, _, _) in self._held.items() if params.get(k) is not p]:
             self._forget(key)
-        for param in params.values():
-            self.offer(param)
+        return params
+
+    def settle(self, modules: Iterable[nn.Module]) -> None:
+        """After loading, before the platform's kernels: forget parameters that left the
+        model or were replaced, then offload more, in module order, while the budget
+        allows."""
+        modules = list(modules)
+        params = self.prune(modules)
+        tables = {
+            id(p)
+            for module in modules
+            for m in module.modules()
+            if isinstance(m, VocabParallelEmbedding)
+            for p in m.parameters(recurse=False)
+        }
+        for key, param in params.items():
+            if key not in tables:
+                self.offer(param)
         logger.info(
             "cpu_offload_gb: %.2f GiB of weights in host memory (%d tensors), read by the "
             "device in place at every step",

@@ -135,13 +135,15 @@ class ModelRunner:
             weights=weights,
             offload=self.weight_offload,
         )
+        if self.weight_offload is not None:  # before kernels keep references to tensors
+            self.weight_offload.settle([self.model])
+            platform.release_memory()  # the device copies of what settle moved
         platform.prepare_model(self.model)
         choose_latent_kv(self.model, config, attn_backend_cls)
         if config.batch_invariant:
             make_batch_invariant(self.model)
         if self.weight_offload is not None:
-            self.weight_offload.settle([self.model])
-            platform.release_memory()  # the device copies of what settle moved
+            self.weight_offload.prune([self.model])  # e.g. a folded kv_b_proj's host copy
         self.lora = make_lora(config, platform, self.model)
         self.encoder = make_encoder_runner(self.model, self.device, attn_backend_cls)
         self.prompt_embeds = make_prompt_embeds(config, self.model, self.device)
