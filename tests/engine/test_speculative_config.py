@@ -82,6 +82,7 @@ def test_the_cli_flag_takes_json() -> None:
     ("value", "message"),
     [
         ({"method": "medusa", "num_speculative_tokens": 2}, "method='medusa' is unknown"),
+        ({"method": ["mtp"], "num_speculative_tokens": 1}, r"method=\['mtp'\] is unknown"),
         (
             {"method": "ngram", "num_speculative_tokens": 0},
             "num_speculative_tokens must be an integer >= 1",

@@ -184,3 +184,56 @@ def test_targets_without_an_mtp_layer_are_refused(checkpoint, tmp_path, tiny_che
             skip_tokenizer_init=True,
             speculative_config={**config, "model": str(tiny_checkpoint("llama"))},
         )
+
+
+def test_each_first_draft_is_the_layers_argmax(checkpoint, monkeypatch) -> None:
+    """Through the engine: the draft for position n is the reference layer's prediction
+    from row n - 2 (token n - 1 with the target's hidden state at n - 2), at every step."""
+    from pagedlm.spec_decode.mtp import MTPProposer
+
+    path, hf_model, layer, parts = checkpoint
+    drafted: list[tuple[int, int]] = []
+    original = MTPProposer.propose
+
+    def recording(self, step, requests):
+        drafts, counts = original(self, step, requests)
+        for n, draft in zip(requests.num_tokens.tolist(), drafts[:, 0].tolist(), strict=True):
+            drafted.append((n, draft))
+        return drafts, counts
+
+    monkeypatch.setattr(MTPProposer, "propose", recording)
+    prompt = PROMPTS[0]
+    llm = LLM(str(path), skip_tokenizer_init=True, max_model_len=128, block_size=4,
+              num_kv_blocks=64, speculative_config={"method": "mtp", "num_speculative_tokens": 1,
+                                                    "min_acceptance_rate": 0})  # fmt: skip
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    llm.llm_engine.shutdown()
+    tokens = prompt + list(output.outputs[0].token_ids)
+    _, _, logits = _reference(hf_model, layer, parts, tokens)
+    assert len(drafted) >= 8
+    for n, draft in drafted:
+        assert draft == int(logits[n - 2].argmax()), (n, draft)
+
+
+def test_a_weight_update_from_disk_reloads_the_layer(checkpoint, tmp_path) -> None:
+    path = checkpoint[0]
+    moved = tmp_path / "step2"
+    moved.mkdir()
+    (moved / "config.json").write_text((path / "config.json").read_text())
+    tensors = load_file(path / "model.safetensors")
+    name = next(n for n in tensors if n.endswith(".enorm.weight"))
+    tensors[name] = tensors[name] * 2
+    save_file(tensors, moved / "model.safetensors")
+    llm = LLM(str(path), skip_tokenizer_init=True, max_model_len=64, num_kv_blocks=32,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 1})  # fmt: skip
+
+    def enorm(worker) -> torch.Tensor:
+        return worker.runner.speculator.proposer.head.layer.enorm.weight.detach().clone()
+
+    [before] = llm.collective_rpc(enorm)
+    llm.update_weights_from_disk(str(moved))
+    [after] = llm.collective_rpc(enorm)
+    llm.llm_engine.shutdown()
+    assert before.numel() > 0
+    torch.testing.assert_close(after, before * 2)

@@ -82,7 +82,8 @@ def _method(values: dict[str, Any]) -> str:
         lowered = str(model).lower()
         method = "eagle3" if "eagle3" in lowered else "eagle" if "eagle" in lowered else None
         method = method or "draft_model"
-    method = _METHOD_ALIASES.get(method, method)
+    if isinstance(method, str):
+        method = _METHOD_ALIASES.get(method, method)
     if method not in SPECULATIVE_METHODS:
         raise _error(
             f"method={method!r} is unknown; use one of ngram, draft_model, eagle, eagle3, mtp."
@@ -162,7 +163,7 @@ def _mtp_model(values: dict[str, Any], target: ModelConfig, resolve: Resolve) ->
                 f"method 'mtp' reads the target's own layers; \"model\" ({name}) must be the "
                 f"target ({target.model}) or left out."
             )
-    return replace(target, tokenizer=None, skip_tokenizer_init=True)
+    return replace(target, tokenizer=None, skip_tokenizer_init=True)  # workers: mtp_config
 
 
 def _with_policy(config: SpeculativeConfig, values: dict[str, Any]) -> SpeculativeConfig:

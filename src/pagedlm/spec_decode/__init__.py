@@ -12,16 +12,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pagedlm.config import SpeculativeConfig
+    from pagedlm.config import ModelConfig, SpeculativeConfig
     from pagedlm.spec_decode.model_drafter import TargetParts
     from pagedlm.spec_decode.proposer import Proposer
     from pagedlm.worker.input_batch import InputBatch
 
 
 def build_proposer(
-    config: SpeculativeConfig, batch: InputBatch, target: TargetParts, vocab_size: int
+    config: SpeculativeConfig, batch: InputBatch, target: TargetParts, target_model: ModelConfig
 ) -> Proposer:
-    """The proposer ``config.method`` names (its modules imported on first use)."""
+    """The proposer ``config.method`` names (its modules imported on first use).
+    ``target_model``: the target's current configuration ("mtp" reads its layer from the
+    target's checkpoint, the one weight updates last loaded)."""
+    vocab_size = target_model.arch.vocab_size
     method = config.method
     if method == "ngram":
         from pagedlm.spec_decode.ngram import NgramProposer
@@ -32,15 +35,15 @@ def build_proposer(
 
         assert config.reference_path is not None and config.acceptance_rate is not None
         return AcceptanceProposer(batch, config.reference_path, config.acceptance_rate, vocab_size)
+    if method == "mtp":
+        from pagedlm.spec_decode.mtp import MTPProposer, mtp_config
+
+        return MTPProposer(batch, target, mtp_config(target_model))
     assert config.draft_model is not None, f"method {method!r} needs a draft model"
     if method == "draft_model":
         from pagedlm.spec_decode.draft_model import DraftModelProposer
 
         return DraftModelProposer(batch, target, config.draft_model)
-    if method == "mtp":
-        from pagedlm.spec_decode.mtp import MTPProposer
-
-        return MTPProposer(batch, target, config.draft_model)
     from pagedlm.spec_decode.eagle import EagleProposer
 
     return EagleProposer(batch, target, method, config.draft_model)

@@ -11,7 +11,7 @@ the later forwards, so no KV is written past the slots the scheduler gave them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -40,6 +40,8 @@ class TargetParts:
     dtype: torch.dtype
     max_num_tokens: int
     """The most tokens one step feeds (``max_num_batched_tokens``)."""
+    kv_cache_dtype: torch.dtype | None = None
+    """What the KV caches store (an FP8 cache's float8); None: ``dtype``."""
 
 
 DraftStep = Callable[
@@ -78,13 +80,19 @@ class ModelDrafter(Proposer):
         """Capture the draft forwards through the platform's graph hooks (they see this
         proposer as a model runner of one token per request)."""
         config = runner.config  # type: ignore[attr-defined]
+        # Draft steps are uniform (one token per request): full graphs where the target's
+        # are on, never the piecewise graphs of mixed steps.
+        full = config.compilation.full_graphs
+        draft_graphs = replace(
+            config.compilation, cudagraph_mode="FULL_DECODE_ONLY" if full else "NONE"
+        )
         drafts = SimpleNamespace(
             model=self.step_module,
             kv_cache=self.kv_cache,
             attn_backend=self.attn_backend,
             step_inputs=self.steps,
             config=SimpleNamespace(
-                scheduler=config.scheduler, compilation=config.compilation, speculative=None
+                scheduler=config.scheduler, compilation=draft_graphs, speculative=None
             ),
         )
         self.graphs = self.target.platform.capture_graphs(drafts)
@@ -110,7 +118,7 @@ class ModelDrafter(Proposer):
             self.num_layers,
             geometry.num_kv_heads,
             geometry.head_dim,
-            self.target.dtype,
+            self.target.kv_cache_dtype or self.target.dtype,
             shares_values=geometry.shares_values,
         )
 

@@ -11,6 +11,8 @@ embedding the target's. Its KV is latent where the target's is.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from pagedlm.config import ModelConfig
@@ -20,6 +22,12 @@ from pagedlm.model_executor.models.deepseek_mtp import DeepSeekMTP
 from pagedlm.spec_decode.eagle import EagleProposer, _EagleStep
 from pagedlm.spec_decode.model_drafter import ModelDrafter, TargetParts
 from pagedlm.worker.input_batch import InputBatch
+
+
+def mtp_config(target: ModelConfig) -> ModelConfig:
+    """What the layer is loaded from: the target's checkpoint as the target was last loaded
+    (a weight update from disk moves both; one from tensors leaves the layer as it was)."""
+    return replace(target, tokenizer=None, skip_tokenizer_init=True)
 
 
 class MTPProposer(EagleProposer):

@@ -187,6 +187,7 @@ class ModelRunner:
             platform,
             config.model.dtype,
             sched.max_num_batched_tokens,
+            self.kv_cache_dtype,
         )
         self.speculator = Speculator(
             config,

@@ -66,11 +66,7 @@ class Speculator:
         self.host_lengths_exact = host_lengths_exact
         self.greedy_verifier = greedy_verifier
         spec = config.speculative
-        self.proposer = (
-            None
-            if spec is None
-            else build_proposer(spec, batch, target, config.model.arch.vocab_size)
-        )
+        self.proposer = None if spec is None else build_proposer(spec, batch, target, config.model)
         device = batch.device
         self.num_valid = torch.zeros(batch.max_num_reqs, dtype=torch.int64, device=device)
         self.num_rejected = torch.zeros(batch.max_num_reqs, dtype=torch.int32, device=device)

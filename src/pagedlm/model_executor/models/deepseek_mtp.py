@@ -23,6 +23,7 @@ cache (one layer, index 0), latent where the target's is.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -49,6 +50,12 @@ def mtp_layer_count(arch: ArchConfig) -> int:
     return int(arch.raw.get("num_nextn_predict_layers") or 0)
 
 
+class _EhProj(ReplicatedLinear):
+    """Never quantized at load (vLLM builds it as a plain linear layer)."""
+
+    quantized_at_load: ClassVar[bool] = False
+
+
 class _SharedHead(nn.Module):
     def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
@@ -68,7 +75,7 @@ class DeepSeekMTPLayer(DeepseekDecoderLayer):
         hidden = arch.hidden_size
         self.enorm = RMSNorm(hidden, arch.rms_norm_eps)
         self.hnorm = RMSNorm(hidden, arch.rms_norm_eps)
-        self.eh_proj = ReplicatedLinear(2 * hidden, hidden, bias=False)
+        self.eh_proj = _EhProj(2 * hidden, hidden, bias=False)
         self.shared_head = _SharedHead(arch)
 
 
