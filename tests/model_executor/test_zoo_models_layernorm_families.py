@@ -15,9 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from model_executor.test_tensor_parallel import _worker, paged_logits
+from model_executor.test_tensor_parallel import assert_two_ranks_match_one
 from model_utils import PagedRunner
 from pagedlm.config import ArchConfig
 from pagedlm.model_executor.layers.rotary_embedding import RotaryEmbedding
@@ -179,12 +178,4 @@ def test_two_ranks_match_one(tmp_path: Path, name: str) -> None:
     config_class, overrides = CASES[name]
     model_dir = tmp_path / "model"
     save_random_model(model_dir, config_class, {**overrides, **TENSOR_PARALLEL_CASES[name]})
-    expected = paged_logits(str(model_dir), 1)
-    mp.spawn(
-        _worker,
-        args=(2, str(model_dir), str(tmp_path / "init"), str(tmp_path)),
-        nprocs=2,
-        join=True,
-    )
-    for rank in range(2):
-        torch.testing.assert_close(torch.load(tmp_path / f"rank{rank}.pt"), expected)
+    assert_two_ranks_match_one([str(model_dir)], tmp_path)
