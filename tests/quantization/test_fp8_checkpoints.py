@@ -226,3 +226,73 @@ def test_modelopt_fp8_checkpoint_loads_as_vllm_fp8(
     EngineArgs(
         model=str(target), skip_tokenizer_init=True, quantization="modelopt"
     ).create_engine_config()
+
+
+_MIXTRAL_QUANTIZED = re.compile(
+    r"model\.layers\.\d+\.(self_attn\.\w+_proj|block_sparse_moe\.experts\.\d+\.w\d)\.weight$"
+)
+
+
+@pytest.mark.parametrize("layout", ["compressed-tensors", "fp8"])
+def test_fp8_experts_load_and_match_quantizing_at_load(tmp_path: Path, layout: str) -> None:
+    """A Mixtral whose attention and expert weights are E4M3 in the file (llm-compressor's
+    per-channel scales, or vLLM's per-tensor ones with static input scales): the experts
+    are E4M3 after loading (quantized again per row); per-channel checkpoints give exactly
+    the logits of quantizing the float model at load."""
+    from pagedlm.model_executor.layers.moe import FusedMoE
+
+    source = tmp_path / "float"
+    save_random_model(
+        source,
+        "MixtralConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
+    )
+    state = load_file(source / "model.safetensors")
+    for name in [n for n in state if _MIXTRAL_QUANTIZED.match(n)]:
+        weight = state[name]
+        if layout == "compressed-tensors":
+            codes, scales = fp8.quantize_rows(weight)
+        else:
+            scales = weight.abs().amax() / fp8.FP8_MAX
+            codes = fp8.quantize_with_scale(weight, scales)
+            state[name.removesuffix("weight") + "input_scale"] = torch.tensor(0.02)
+        state[name], state[name + "_scale"] = codes, scales
+    target = tmp_path / layout
+    target.mkdir()
+    save_file(state, target / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    if layout == "compressed-tensors":
+        scheme = {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                        "symmetric": True, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                  "symmetric": True, "dynamic": True},
+        }  # fmt: skip
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {"group_0": scheme},
+            "ignore": ["lm_head", "re:.*gate$"],
+        }
+    else:
+        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+    (target / "config.json").write_text(json.dumps(config))
+
+    checkpoint_config, _ = EngineArgs(
+        model=str(target), skip_tokenizer_init=True, dtype="float32"
+    ).create_engine_config()
+    model = load_model(checkpoint_config.model, CPU)
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert experts and all(m.is_fp8 for m in experts)
+    reference = load_model(replace(model_config(source), quantization="fp8"), CPU)
+    backend = CpuSdpaBackend(CPU)
+    arch = checkpoint_config.model.arch
+    with torch.no_grad():
+        for prompt in random_prompts()[:2]:
+            got = full_logits(model, arch, backend, prompt)
+            want = full_logits(reference, arch, backend, prompt)
+            if layout == "compressed-tensors":  # the same codes and scales
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            else:  # static input scales, per-tensor codes quantized again
+                assert ((got - want).norm() / want.norm()).item() < 0.15

@@ -10,9 +10,15 @@ either layout need no parsing. Per-tensor scales are repeated over their tensor'
 while streaming (a merged q/k/v layer then holds each projection's scale on its rows), so
 every layer ends up with per-row scales.
 
+E4M3 mixture-of-experts weights (per-tensor or per-row scales, one tensor per expert
+projection) are dequantized while they stream and quantized again per row with the
+model's other experts (``FusedMoE.quantize_fp8``; a per-row checkpoint's codes come back
+exactly); their static input scales are dropped, as experts take 16-bit activations.
+
 Refused with a message: block-wise or per-group weight scales, integer or non-8-bit
-compressed-tensors schemes, E4M3 tensors feeding anything but a linear layer (embeddings,
-mixture-of-experts weights) or the LM head, and a layer fed by both E4M3 and float tensors.
+compressed-tensors schemes, E4M3 tensors feeding anything but a linear layer or an
+expert (embeddings) or the LM head, experts stored stacked, and a layer fed by both E4M3
+and float tensors.
 """
 
 from __future__ import annotations
@@ -122,20 +128,29 @@ def _meta_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 @contextmanager
-def _probe(model: nn.Module) -> Iterator[dict[int, set[torch.dtype]]]:
+def _probe(
+    model: nn.Module, names: dict[int, set[str]] | None = None
+) -> Iterator[dict[int, set[torch.dtype]]]:
     """Every parameter replaced by one whose loader records the dtypes it is given and copies
-    nothing; yields ``{id(original parameter): dtypes}`` and puts the originals back."""
+    nothing; yields ``{id(original parameter): dtypes}`` and puts the originals back. With
+    ``names``, also the checkpoint names of the tensors each parameter was given, where the
+    model hands its loader the tensor it read (``_named_meta_tensor``'s tag)."""
     seen: dict[int, set[torch.dtype]] = {}
     holders: list[tuple[nn.Module, str, nn.Parameter]] = []
     probes: dict[int, nn.Parameter] = {}
+
+    def record(key: int, loaded: torch.Tensor) -> None:
+        seen.setdefault(key, set()).add(loaded.dtype)
+        name = getattr(loaded, "checkpoint_name", None)
+        if names is not None and name is not None:
+            names.setdefault(key, set()).add(name)
+
     for module in model.modules():
         for attr, param in list(module.named_parameters(recurse=False)):
             if id(param) not in probes:
                 key = id(param)
                 probe = nn.Parameter(_meta_tensor(param.shape, param.dtype), requires_grad=False)
-                probe.weight_loader = lambda _p, loaded, *_s, key=key: seen.setdefault(
-                    key, set()
-                ).add(loaded.dtype)
+                probe.weight_loader = lambda _p, loaded, *_s, key=key: record(key, loaded)
                 probes[key] = probe
             holders.append((module, attr, param))
             setattr(module, attr, probes[id(param)])
@@ -146,14 +161,43 @@ def _probe(model: nn.Module) -> Iterator[dict[int, set[torch.dtype]]]:
             setattr(module, attr, param)
 
 
+def _named_meta_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    tensor = _meta_tensor(shape, dtype)
+    tensor.checkpoint_name = name  # type: ignore[attr-defined]
+    return tensor
+
+
 def _fp8_layers(
     model: nn.Module, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
-) -> list[LinearBase]:
-    """The linear layers every weight tensor of which is E4M3 in the checkpoint."""
+) -> tuple[list[LinearBase], set[str]]:
+    """The linear layers every weight tensor of which is E4M3 in the checkpoint, and the
+    checkpoint names of the E4M3 tensors that fill ``FusedMoE`` experts."""
+    from pagedlm.model_executor.layers.moe import FusedMoE
+
     weights = [(n, s) for n, s in shapes.items() if not n.endswith(_SCALE_SUFFIXES)]
     weights = [(n, s) for n, s in weights if not n.endswith(_DROPPED_SUFFIXES)]
-    with _probe(model) as seen:
-        model.load_weights((name, _meta_tensor(*spec)) for name, spec in weights)
+    names: dict[int, set[str]] = {}
+    with _probe(model, names) as seen:
+        model.load_weights((name, _named_meta_tensor(name, *spec)) for name, spec in weights)
+    experts = {
+        id(param)
+        for module in model.modules()
+        if isinstance(module, FusedMoE)
+        for param in (module.w13, module.w2)
+    }
+    expert_names = {
+        name
+        for key in experts
+        if FP8_DTYPE in seen.get(key, set())
+        for name in names.get(key, set())
+        if shapes[name][1] == FP8_DTYPE
+    }
+    for key in experts:
+        if FP8_DTYPE in seen.get(key, set()):
+            given = {n for n in names.get(key, set()) if shapes[n][1] == FP8_DTYPE}
+            if not given:  # the model split the tensor before its loader saw it
+                raise _unsupported("E4M3 experts stored stacked")
+            seen[key].discard(FP8_DTYPE)
     owners = {id(p): (name, p) for name, p in model.named_parameters(remove_duplicate=False)}
     layers = []
     for name, module in model.named_modules():
@@ -169,7 +213,39 @@ def _fp8_layers(
     for key, dtypes in seen.items():
         if FP8_DTYPE in dtypes and key not in linear_weights:
             raise _unsupported(f"E4M3 tensors for {owners[key][0]}, which is no linear layer")
-    return layers
+    return layers, expert_names
+
+
+def _dequantize_experts(
+    weights: Iterable[tuple[str, torch.Tensor]], expert_names: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream with each E4M3 expert weight in ``expert_names`` and its ``weight_scale``
+    (per tensor or per row) joined into the float32 weight, and the experts' input scales
+    dropped (experts take 16-bit activations); ``quantize_model`` then makes the experts
+    E4M3 again with per-row scales (a per-row checkpoint's codes come back exactly)."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        layer = name.rsplit(".", 1)[0]
+        if f"{layer}.weight" not in expert_names:
+            yield name, tensor
+            continue
+        if name.endswith((".input_scale", *_DROPPED_SUFFIXES)):
+            continue
+        parts = pending.setdefault(layer, {})
+        parts["codes" if name.endswith(".weight") else "scale"] = tensor
+        if len(parts) == 2:
+            del pending[layer]
+            codes, scale = parts["codes"], parts["scale"].float()
+            if scale.numel() not in (1, codes.shape[0]):
+                raise _unsupported(f"{tuple(scale.shape)} scales for {layer}.weight")
+            rows = scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(1, 1)
+            yield f"{layer}.weight", codes.float() * rows
+    if pending:
+        layer = next(iter(pending))
+        raise ValueError(
+            f"the FP8 checkpoint has {layer}'s E4M3 weight or its weight_scale but not "
+            "both; it is incomplete."
+        )
 
 
 def _expand_scales(
@@ -207,11 +283,18 @@ def prepare_fp8_checkpoint(
     """Give the layers the checkpoint stores in E4M3 their quantized parameters; returns the
     weight stream to feed ``model.load_weights``. ``shapes``: HF name -> (shape, dtype) of
     every tensor, from the files' headers."""
-    layers = _fp8_layers(model, shapes)
+    layers, expert_names = _fp8_layers(model, shapes)
     for layer in layers:
         add_fp8_parameters(layer, scheme.static_input_scales)
-    logger.info("FP8 checkpoint (%s): %d linear layers in E4M3", scheme.method, len(layers))
+    logger.info(
+        "FP8 checkpoint (%s): %d linear layers in E4M3, %d expert tensors (re-quantized per "
+        "row after loading)",
+        scheme.method,
+        len(layers),
+        len(expert_names),
+    )
     rows_of = {name: spec[0][0] for name, spec in shapes.items() if name.endswith(".weight")}
+    weights = _dequantize_experts(weights, expert_names)
     return _expand_scales(weights, rows_of, scheme.static_input_scales)
 
 
