@@ -44,3 +44,39 @@ def test_force_include_usage_ends_every_stream_with_the_usage(chat_checkpoint):
         with TestClient(build_app(ctx)) as client:
             text = client.post("/v1/completions", json=body).text
         assert ('"usage"' in text) == forced
+
+
+DOC_TEMPLATE = (
+    "{% for d in documents or [] %}[{{ d['title'] }}]{% endfor %}"
+    "{% for t in tools or [] %}<{{ t['function']['name'] }}>{% endfor %}"
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ greeting or '' }}"
+)
+
+
+def test_documents_and_the_chat_tokenize_fields_reach_the_template(chat_checkpoint):
+    """vLLM's chat ``documents``, and ``/tokenize``'s chat fields (``tools``,
+    ``chat_template``, ``chat_template_kwargs``): the prompt a chat request would send."""
+    engine = FakeEngine(chat_checkpoint)
+    ctx = fake_context(engine, chat_template=DOC_TEMPLATE)
+    messages = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {}}}
+    with TestClient(build_app(ctx)) as client:
+        chat = client.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": messages, "max_tokens": 1, "return_token_ids": True,
+            "documents": [{"title": "a", "text": "x"}, {"title": "b", "text": "y"}],
+        })  # fmt: skip
+        tokenized = client.post("/tokenize", json={
+            "messages": messages, "tools": [tool], "chat_template_kwargs": {"greeting": "!"},
+        })  # fmt: skip
+        own = client.post(
+            "/tokenize", json={"messages": messages, "chat_template": "<{{ 1 + 1 }}>"}
+        )
+        reserved = client.post(
+            "/tokenize", json={"messages": messages, "chat_template_kwargs": {"tools": []}}
+        )
+    decode = engine.tokenizer.decode
+    assert decode(chat.json()["prompt_token_ids"]) == "[a][b]hi"
+    assert decode(tokenized.json()["tokens"]) == "<lookup>hi!"
+    # A request's own template needs --trust-request-chat-template, as in vLLM.
+    assert own.status_code == 400 and "trust-request-chat-template" in own.text
+    assert reserved.status_code == 400 and "chat_template_kwargs" in reserved.text

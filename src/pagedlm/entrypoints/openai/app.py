@@ -60,6 +60,7 @@ from pagedlm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    checked_template_kwargs,
 )
 from pagedlm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
 from pagedlm.entrypoints.openai.protocol_embedding import EmbeddingRequest
@@ -381,8 +382,17 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
             conversation = [
                 m.template_message(f"messages.{i}") for i, m in enumerate(body.messages)
             ]
+            kwargs = checked_template_kwargs(
+                body.chat_template_kwargs, body.add_generation_prompt, body.continue_final_message
+            )
+            if body.tools is not None:
+                kwargs["tools"] = body.tools
             tokens = await ctx.apply_chat_template(
-                conversation, None, body.add_generation_prompt, False, {}
+                conversation,
+                body.chat_template,
+                body.add_generation_prompt,
+                body.continue_final_message,
+                kwargs,
             )
         else:
             tokenizer = ctx.require_tokenizer()

@@ -350,26 +350,44 @@ class ChatTemplateFields(OpenAIModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    """vLLM's: documents the chat template shows the model (retrieval-augmented
+    generation), for templates that read ``documents``."""
 
     def conversation(self) -> list[dict[str, Any]]:
         return [m.template_message(f"messages.{i}") for i, m in enumerate(self.messages)]
 
     def template_kwargs(self) -> dict[str, Any]:
-        kwargs = dict(self.chat_template_kwargs or {})
-        reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
-        if reserved:
-            raise APIError(
-                f"chat_template_kwargs may not set {reserved}: the server sets these itself; "
-                "use the request's own fields (e.g. add_generation_prompt) instead.",
-                param="chat_template_kwargs",
-            )
-        if self.continue_final_message and self.add_generation_prompt:
-            raise APIError(
-                "continue_final_message=true continues the last message; send "
-                "add_generation_prompt=false with it.",
-                param="continue_final_message",
-            )
+        kwargs = checked_template_kwargs(
+            self.chat_template_kwargs, self.add_generation_prompt, self.continue_final_message
+        )
+        if self.documents is not None:
+            kwargs["documents"] = self.documents
         return kwargs
+
+
+def checked_template_kwargs(
+    chat_template_kwargs: dict[str, Any] | None,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+) -> dict[str, Any]:
+    """A request's ``chat_template_kwargs`` (a copy), refused where they set what the
+    server sets itself or where the two prompt options conflict."""
+    kwargs = dict(chat_template_kwargs or {})
+    reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise APIError(
+            f"chat_template_kwargs may not set {reserved}: the server sets these itself; "
+            "use the request's own fields (e.g. add_generation_prompt) instead.",
+            param="chat_template_kwargs",
+        )
+    if continue_final_message and add_generation_prompt:
+        raise APIError(
+            "continue_final_message=true continues the last message; send "
+            "add_generation_prompt=false with it.",
+            param="continue_final_message",
+        )
+    return kwargs
 
 
 class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
@@ -404,6 +422,11 @@ class TokenizeRequest(OpenAIModel):
     add_generation_prompt: bool = True
     return_token_strs: bool = False
     """Also answer with each token's string (vLLM's ``token_strs``)."""
+    # With messages, vLLM's chat-tokenize fields: the prompt a chat request would send.
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 class DetokenizeRequest(OpenAIModel):
