@@ -39,6 +39,7 @@ from pagedlm.model_executor.loader.weight_utils import (
     set_weight_loader,
     shard_of,
 )
+from pagedlm.model_executor.quantization.fp8 import FP8_DTYPE, quantize_rows
 
 
 class MoERouter(LinearBase):
@@ -307,8 +308,6 @@ class FusedMoE(nn.Module):
     def quantize_fp8(self) -> None:
         """Turn loaded float experts into E4M3 codes with per-row scales (see the class
         docstring), each float tensor dropped as soon as its codes exist."""
-        from pagedlm.model_executor.quantization.fp8 import FP8_DTYPE, quantize_rows
-
         if self.is_fp8:
             return
         for name in ("w13", "w2"):
