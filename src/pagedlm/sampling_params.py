@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 import json as _json
 import math
+import operator
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +27,14 @@ _FLOAT_FIELDS = (
     "temperature",
     "top_p",
     "min_p",
+)
+_OPTIONAL_INT_FIELDS = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
+_BOOL_FIELDS = (
+    "ignore_eos",
+    "detokenize",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
 )
 
 
@@ -145,6 +155,51 @@ def check_truncate_prompt_tokens(value: object) -> None:
         )
 
 
+def _integer(name: str, value: object) -> int:
+    """``value`` as an ``int``: any integer type (NumPy's too), never a bool or a float."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)  # type: ignore[call-overload]
+        except TypeError:
+            pass
+    raise ValueError(f"{name} must be an integer, got {value!r}.")
+
+
+def _token_id_list(name: str, value: object) -> list[int]:
+    if isinstance(value, str | bytes | Mapping) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name} must be a list of token ids (integers), got {value!r}.")
+    try:
+        return [_integer(name, token_id) for token_id in value]
+    except ValueError:
+        raise ValueError(f"{name} must be integers, got {value!r}.") from None
+
+
+def _string_list(name: str, value: object) -> list[str]:
+    if isinstance(value, bytes | Mapping) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name} must be a string or a list of strings, got {value!r}.")
+    strings = list(value)
+    if not all(isinstance(s, str) for s in strings):
+        raise ValueError(f"{name} must be a string or a list of strings, got {value!r}.")
+    return strings
+
+
+def _logit_bias(value: object) -> dict[int, float]:
+    """Token id -> bias; ids may be strings of digits (JSON object keys, as OpenAI's)."""
+    usage = "logit_bias must map token ids (integers) to numbers, e.g. {50256: -100}"
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{usage}; got {value!r}.")
+    bias = {}
+    for token_id, amount in value.items():
+        try:
+            if isinstance(token_id, bool) or isinstance(amount, bool | str):
+                raise TypeError
+            key = int(token_id) if isinstance(token_id, str) else operator.index(token_id)
+            bias[key] = float(amount)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise ValueError(f"{usage}; got {token_id!r}: {amount!r}.") from None
+    return bias
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. Field names and defaults follow vLLM.
@@ -202,24 +257,47 @@ class SamplingParams:
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
         else:
-            self.stop = list(self.stop)
+            self.stop = _string_list("stop", self.stop)
+        for name in ("logprobs", "prompt_logprobs"):
+            if isinstance(getattr(self, name), bool):  # vLLM's: True, the sampled token's alone
+                setattr(self, name, int(getattr(self, name)))
+        self._normalize_types()
         # Order kept, duplicates dropped (vLLM's semantics).
         self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
-        if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-        if self.seed is not None:
-            self.seed = int(self.seed)
         if self.seed == -1:  # vLLM's spelling of "no seed"
             self.seed = None
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is True:  # vLLM's: the sampled token's alone
-                setattr(self, name, 1)
         if self.top_k == 0:
             self.top_k = -1
         self._validate()
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
         self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _normalize_types(self) -> None:
+        """Every field as the type it is declared with (NumPy integers become ``int``):
+        the engine core decodes requests with these types, and a wrong one would fail
+        there, for every request in flight, rather than here for this one."""
+        for name in ("n", "top_k", "min_tokens"):
+            setattr(self, name, _integer(name, getattr(self, name)))
+        for name in _OPTIONAL_INT_FIELDS:
+            if getattr(self, name) is not None:
+                setattr(self, name, _integer(name, getattr(self, name)))
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}.")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _token_id_list(name, getattr(self, name)))
+        if self.bad_words is not None:
+            self.bad_words = _string_list("bad_words", self.bad_words)
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(
+                "output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), "
+                f"got {self.output_kind!r}."
+            )
 
     def _validate(self) -> None:
         self._validate_numbers()
@@ -276,10 +354,6 @@ class SamplingParams:
 
     def _validate_numbers(self) -> None:
         """Types and finiteness first: NaN passes every range comparison."""
-        for name in ("n", "top_k", "min_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name} must be an integer, got {value!r}.")
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
@@ -292,10 +366,6 @@ class SamplingParams:
             )
         if self.logit_bias and not all(math.isfinite(v) for v in self.logit_bias.values()):
             raise ValueError("logit_bias values must be finite numbers (-100 to 100).")
-        for name in ("stop_token_ids", "allowed_token_ids"):
-            token_ids = getattr(self, name) or ()
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
-                raise ValueError(f"{name} must be integers, got {getattr(self, name)}.")
         if self.bad_words is not None and not all(
             isinstance(word, str) and word.strip() for word in self.bad_words
         ):

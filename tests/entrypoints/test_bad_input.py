@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pagedlm import LLM, SamplingParams
@@ -34,6 +35,22 @@ def llm(tiny_checkpoint):
         ({"n": 0}, "n must be"),
         ({"logprobs": -2}, "logprobs must be -1"),  # the engine's max_logprobs caps it
         ({"max_tokens": 0}, "max_tokens"),
+        # Wrong types: each crashed a step (the engine then hung or, behind AsyncLLM,
+        # the engine core died decoding the request) instead of failing here.
+        ({"logprobs": 2.5}, "logprobs must be an integer"),
+        ({"prompt_logprobs": 2.5}, "prompt_logprobs must be an integer"),
+        ({"max_tokens": 2.5}, "max_tokens must be an integer"),
+        ({"max_tokens": "4"}, "max_tokens must be an integer"),
+        ({"seed": 1.5}, "seed must be an integer"),
+        ({"stop": [1]}, "stop must be a string or a list of strings"),
+        ({"stop_token_ids": 5}, "stop_token_ids must be a list of token ids"),
+        ({"allowed_token_ids": "12"}, "allowed_token_ids must be a list of token ids"),
+        ({"bad_words": 5}, "bad_words must be a string or a list of strings"),
+        ({"ignore_eos": "yes"}, "ignore_eos must be True or False"),
+        ({"detokenize": 1}, "detokenize must be True or False"),
+        ({"logit_bias": [1]}, "logit_bias must map token ids"),
+        ({"logit_bias": {"abc": 1.0}}, "logit_bias must map token ids"),
+        ({"output_kind": "delta"}, "output_kind must be a RequestOutputKind"),
     ],
 )
 def test_sampling_params_validation(kwargs, match):
@@ -49,6 +66,18 @@ def test_sampling_params_normalization():
     assert SamplingParams(seed=-1).seed is None  # vLLM's "no seed"
     params = SamplingParams(logprobs=True, prompt_logprobs=True)
     assert (params.logprobs, params.prompt_logprobs) == (1, 1)  # vLLM's: True is 1
+    # NumPy integers become ints (the engine core's wire format takes no others); JSON's
+    # string keys of logit_bias become token ids.
+    params = SamplingParams(
+        max_tokens=np.int64(3),
+        seed=np.uint64(2**64 - 1),
+        logprobs=np.int32(2),
+        stop_token_ids=np.array([4, 5]),
+        logit_bias={"6": 1, np.int64(7): np.float32(-2.0)},
+    )
+    assert (params.max_tokens, params.seed, params.logprobs) == (3, 2**64 - 1, 2)
+    assert params.stop_token_ids == [4, 5] and params.logit_bias == {6: 1.0, 7: -2.0}
+    assert all(type(v) is int for v in (params.max_tokens, params.seed, *params.stop_token_ids))
 
 
 def test_token_ids_and_ranges_checked_against_the_model(llm):
