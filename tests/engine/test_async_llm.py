@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -226,6 +227,12 @@ def test_bad_requests_raise_value_error_at_first_anext(engine):
             await _collect(engine, PROMPTS[0], SamplingParams(max_tokens=900), "huge")
         with pytest.raises(ValueError, match="token id"):
             await _collect(engine, {"prompt_token_ids": [10**6]}, SamplingParams(), "bad-id")
+        for token_ids in (5, [1.5]):
+            with pytest.raises(ValueError, match="prompt_token_ids must be a list of token"):
+                await _collect(engine, {"prompt_token_ids": token_ids}, SamplingParams(), "ids")
+        as_array = {"prompt_token_ids": np.array([1, 2])}
+        outputs = await _collect(engine, as_array, SamplingParams(max_tokens=2), "array")
+        assert outputs[-1].finished
         # A duplicate id while the first request is still running.
         running = engine.generate(PROMPTS[0], SamplingParams(max_tokens=50), "dup")
         await running.__anext__()

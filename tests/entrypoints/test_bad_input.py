@@ -121,12 +121,18 @@ def test_bad_prompts_leave_the_engine_untouched(llm):
         ({"prompt_token_ids": [1, 384]}, params, "outside the vocabulary"),
         ({"prompt_token_ids": [1] * 250}, SamplingParams(max_tokens=10), "max_model_len"),
         ("text prompt", params, "skip_tokenizer_init"),
+        # Not rounded or parsed into other tokens.
+        ({"prompt_token_ids": [1.7, 2.2]}, params, "prompt_token_ids must be a list of token"),
+        ({"prompt_token_ids": ["1"]}, params, "got '1' in them"),
+        ({"prompt_token_ids": [[1, 2]]}, params, "got \\[1, 2\\] in them"),
     ]
     for prompt, p, match in bad_cases:
         with pytest.raises(ValueError, match=match):
             llm.generate([good, prompt], [params, p], use_tqdm=False)
         assert not llm.llm_engine.has_unfinished_requests()
     assert llm.generate(good, params, use_tqdm=False)[0].outputs[0].token_ids == expected
+    as_array = {"prompt_token_ids": np.array([1, 2, 3])}
+    assert llm.generate(as_array, params, use_tqdm=False)[0].outputs[0].token_ids == expected
 
 
 def test_unknown_model_path():

@@ -24,7 +24,7 @@ import functools
 import itertools
 import logging
 import warnings
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence, Sized
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -350,7 +350,9 @@ class AsyncLLM:
         side effects, so a caller that gives up mid-way leaves nothing behind)."""
         text = prompt.get("prompt") if isinstance(prompt, Mapping) else prompt
         token_ids = prompt.get("prompt_token_ids") if isinstance(prompt, Mapping) else None
-        size = len(text) if isinstance(text, str) else len(token_ids or ())
+        # Any shape of token ids: the input processor says what is wrong with a bad one.
+        sized = text if isinstance(text, str) else token_ids
+        size = len(sized) if isinstance(sized, Sized) else 0
         process = functools.partial(
             self.input_processor.process,
             request_id,

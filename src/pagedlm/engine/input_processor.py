@@ -6,6 +6,7 @@ Every check happens here, before anything enters the engine, so a bad request ra
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -35,6 +36,23 @@ class ProcessedRequest:
     children: list[Request]
     """One engine-core request per sample (``n`` of them)."""
     arrival_time: float
+
+
+def _token_id_list(token_ids: object) -> list[int]:
+    """``prompt_token_ids`` as a list of ints (NumPy's and integer tensors' elements too);
+    a float or a string is an error, not a token id rounded or parsed."""
+    usage = "prompt_token_ids must be a list of token ids (integers)"
+    if isinstance(token_ids, str | bytes | Mapping) or not hasattr(token_ids, "__iter__"):
+        raise ValueError(f"{usage}, got {type(token_ids).__name__}.")
+    ids = []
+    for token_id in token_ids:
+        try:
+            if isinstance(token_id, bool):
+                raise TypeError
+            ids.append(operator.index(token_id))
+        except TypeError:
+            raise ValueError(f"{usage}, got {token_id!r} in them.") from None
+    return ids
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -144,7 +162,7 @@ class InputProcessor:
         return text, self._checked(token_ids)
 
     def _checked(self, token_ids: list[int]) -> list[int]:
-        token_ids = [int(t) for t in token_ids]
+        token_ids = _token_id_list(token_ids)
         if not token_ids:
             raise ValueError("The prompt is empty; pass at least one token.")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
