@@ -230,6 +230,8 @@ def test_bad_requests_raise_value_error_at_first_anext(engine):
         for token_ids in (5, [1.5]):
             with pytest.raises(ValueError, match="prompt_token_ids must be a list of token"):
                 await _collect(engine, {"prompt_token_ids": token_ids}, SamplingParams(), "ids")
+        with pytest.raises(TypeError, match="sampling_params must be a SamplingParams"):
+            await _collect(engine, PROMPTS[0], None, "no-params")
         as_array = {"prompt_token_ids": np.array([1, 2])}
         outputs = await _collect(engine, as_array, SamplingParams(max_tokens=2), "array")
         assert outputs[-1].finished

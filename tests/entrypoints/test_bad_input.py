@@ -131,6 +131,17 @@ def test_bad_prompts_leave_the_engine_untouched(llm):
             llm.generate([good, prompt], [params, p], use_tqdm=False)
         assert not llm.llm_engine.has_unfinished_requests()
     assert llm.generate(good, params, use_tqdm=False)[0].outputs[0].token_ids == expected
+    # A field set after the SamplingParams was built is checked too: logprobs=2.5 failed
+    # inside the step, and the request stayed queued, failing every later call.
+    mutated = SamplingParams(max_tokens=4)
+    mutated.logprobs = 2.5
+    with pytest.raises(ValueError, match="logprobs must be an integer"):
+        llm.generate([good, good], [params, mutated], use_tqdm=False)
+    for wrong in ({"temperature": 0}, [params, None], "params"):
+        with pytest.raises(TypeError, match="sampling_params must be a SamplingParams"):
+            llm.generate([good, good], wrong, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.generate(good, params, use_tqdm=False)[0].outputs[0].token_ids == expected
     as_array = {"prompt_token_ids": np.array([1, 2, 3])}
     assert llm.generate(as_array, params, use_tqdm=False)[0].outputs[0].token_ids == expected
 

@@ -366,7 +366,8 @@ class AsyncLLM:
         has_images = isinstance(prompt, Mapping) and (
             prompt.get("multi_modal_data") or prompt.get("prompt_embeds") is not None
         )
-        if size <= INLINE_PROMPT_CHARS and params.structured_outputs is None and not has_images:
+        structured = getattr(params, "structured_outputs", None)  # process() checks the type
+        if size <= INLINE_PROMPT_CHARS and structured is None and not has_images:
             return process()
         return await asyncio.get_running_loop().run_in_executor(self._input_pool, process)
 

@@ -55,6 +55,18 @@ def _token_id_list(token_ids: object) -> list[int]:
     return ids
 
 
+def checked_params(params: object) -> SamplingParams:
+    """A copy of ``params`` checked again: a field set after the object was built (users
+    set ``max_tokens`` and the like on a shared object) skipped its checks, and a bad one
+    would fail in an engine step, for every request in it."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(
+            f"sampling_params must be a SamplingParams, got {type(params).__name__}; e.g. "
+            "SamplingParams(max_tokens=16)."
+        )
+    return replace(params)
+
+
 def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 
@@ -322,6 +334,7 @@ class InputProcessor:
                 "send priority 0."
             )
         self.adapters.check(lora_request)
+        params = checked_params(params)
         keep = self.truncation_size(params.truncate_prompt_tokens)
         embeds = None
         if embeds_of(prompt) is not None:

@@ -116,13 +116,26 @@ def _arrivals_in_prompt_order(processed: list[ProcessedRequest]) -> list[Process
     return out
 
 
-def _one_per_prompt(params: ParamsT | Sequence[ParamsT], num_prompts: int) -> list[ParamsT]:
-    """``params`` for every prompt, or the list of one per prompt it already is."""
-    if isinstance(params, (SamplingParams, PoolingParams)):
-        return [params] * num_prompts  # type: ignore[list-item]
+def _one_per_prompt(
+    params: ParamsT | Sequence[ParamsT], num_prompts: int, kind: type[ParamsT]
+) -> list[ParamsT]:
+    """``params`` (a ``kind``) for every prompt, or the list of one per prompt it already is."""
+    name = kind.__name__
+    argument = "sampling_params" if kind is SamplingParams else "pooling_params"
+    if isinstance(params, kind):
+        return [params] * num_prompts
+    if not isinstance(params, Iterable) or isinstance(params, str | Mapping):
+        raise TypeError(
+            f"{argument} must be a {name} or a list of one per prompt, got {type(params).__name__}."
+        )
     params_list = list(params)
+    wrong = [p for p in params_list if not isinstance(p, kind)]
+    if wrong:
+        raise TypeError(
+            f"{argument} must be a {name} or a list of one per prompt, got a list holding a "
+            f"{type(wrong[0]).__name__}."
+        )
     if len(params_list) != num_prompts:
-        name = type(params_list[0]).__name__ if params_list else "params"
         raise ValueError(
             f"Got {len(params_list)} {name} for {num_prompts} prompts; pass one {name} or "
             "exactly one per prompt."
@@ -325,7 +338,7 @@ class LLM:
         prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params_list = _one_per_prompt(sampling_params, len(prompts))
+        params_list = _one_per_prompt(sampling_params, len(prompts), SamplingParams)
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(
@@ -394,7 +407,9 @@ class LLM:
         """``encode`` for prompts and text pairs (a cross-encoder's)."""
         from pagedlm.pooling.requests import process_pooling_request
 
-        params_list = _one_per_prompt(pooling_params or PoolingParams(), len(prompts))
+        params_list = _one_per_prompt(
+            pooling_params or PoolingParams(), len(prompts), PoolingParams
+        )
         if task is not None:
             params_list = [params.with_task(task) for params in params_list]
         if truncate_prompt_tokens is not None:
