@@ -181,3 +181,32 @@ def test_max_model_len_above_model_limit(tiny_checkpoint):
 def test_unknown_platform(tiny_checkpoint):
     with pytest.raises(ValueError, match="known platforms: cpu"):
         LLM(str(tiny_checkpoint("llama")), skip_tokenizer_init=True, platform="tpu")
+
+
+def test_a_failed_step_leaves_nothing_queued(llm, monkeypatch):
+    """A step that raises (an engine bug, or Ctrl-C) ends the call's requests: they stayed
+    queued, and every later generate stepped them again and spun forever."""
+    good = {"prompt_token_ids": [1, 2, 3]}
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = llm.generate([good, good], params, use_tqdm=False)
+    runner = llm.llm_engine.engine_core.executor.worker.runner
+    sampler = runner.sampler
+    calls = []
+
+    def fail_the_second_step(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == 2:
+            raise RuntimeError("sampler failed")
+        return sampler(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "sampler", fail_the_second_step)
+    with pytest.raises(RuntimeError, match="sampler failed"):
+        llm.generate([good, good], params, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    monkeypatch.setattr(runner, "sampler", sampler)
+    again = llm.generate([good, good], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in expected]
+    # A progress-bar callable that fails before the first step.
+    with pytest.raises(TypeError):
+        llm.generate(good, params, use_tqdm=lambda: None)
+    assert not llm.llm_engine.has_unfinished_requests()

@@ -725,30 +725,42 @@ class LLM:
     def _run_engine(
         self, request_ids: list[str], use_tqdm: UseTqdm
     ) -> list[RequestOutput | PoolingRequestOutput]:
-        engine = self.llm_engine
         final: dict[str, RequestOutput | PoolingRequestOutput] = {}
-        bar = _progress_bar(use_tqdm)(
-            total=len(request_ids),
-            desc="Processed prompts",
-            dynamic_ncols=True,
-            disable=not use_tqdm,
-            postfix="est. speed input: 0 toks/s, output: 0 toks/s",
-        )
-        input_tokens = output_tokens = 0
-        with bar:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        final[out.request_id] = out
-                        input_tokens += len(out.prompt_token_ids or ())
-                        if isinstance(out, RequestOutput):
-                            output_tokens += sum(len(c.token_ids) for c in out.outputs)
-                        bar.update(1)
-                        elapsed = bar.format_dict.get("elapsed") or 0
-                        if elapsed > 0:
-                            bar.set_postfix_str(
-                                f"est. speed input: {input_tokens / elapsed:.0f} toks/s, "
-                                f"output: {output_tokens / elapsed:.0f} toks/s",
-                                refresh=False,
-                            )
+        try:
+            bar = _progress_bar(use_tqdm)(
+                total=len(request_ids),
+                desc="Processed prompts",
+                dynamic_ncols=True,
+                disable=not use_tqdm,
+                postfix="est. speed input: 0 toks/s, output: 0 toks/s",
+            )
+            with bar:
+                self._step_until_done(final, bar)
+        except BaseException:
+            # Nothing of this call stays queued: after a failed step (or Ctrl-C) its
+            # requests would otherwise run in, or fail, every later call.
+            self.llm_engine.abort_request([r for r in request_ids if r not in final])
+            raise
         return [final[r] for r in request_ids]
+
+    def _step_until_done(
+        self, final: dict[str, RequestOutput | PoolingRequestOutput], bar: Any
+    ) -> None:
+        """Step the engine until no request is left, each finished output into ``final``."""
+        engine = self.llm_engine
+        input_tokens = output_tokens = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+                    input_tokens += len(out.prompt_token_ids or ())
+                    if isinstance(out, RequestOutput):
+                        output_tokens += sum(len(c.token_ids) for c in out.outputs)
+                    bar.update(1)
+                    elapsed = bar.format_dict.get("elapsed") or 0
+                    if elapsed > 0:
+                        bar.set_postfix_str(
+                            f"est. speed input: {input_tokens / elapsed:.0f} toks/s, "
+                            f"output: {output_tokens / elapsed:.0f} toks/s",
+                            refresh=False,
+                        )
