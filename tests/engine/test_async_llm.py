@@ -232,6 +232,9 @@ def test_bad_requests_raise_value_error_at_first_anext(engine):
                 await _collect(engine, {"prompt_token_ids": token_ids}, SamplingParams(), "ids")
         with pytest.raises(TypeError, match="sampling_params must be a SamplingParams"):
             await _collect(engine, PROMPTS[0], None, "no-params")
+        # Not a string: the core failed to decode the request and died.
+        with pytest.raises(TypeError, match="request_id must be a string"):
+            await _collect(engine, PROMPTS[0], SamplingParams(), 5)
         as_array = {"prompt_token_ids": np.array([1, 2])}
         outputs = await _collect(engine, as_array, SamplingParams(max_tokens=2), "array")
         assert outputs[-1].finished

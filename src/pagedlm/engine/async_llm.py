@@ -332,6 +332,11 @@ class AsyncLLM:
                 self._abort_now(request_id)
 
     def _check_unique(self, request_id: str) -> None:
+        if not isinstance(request_id, str):  # the core would fail to decode the request
+            raise TypeError(
+                f"request_id must be a string, got {type(request_id).__name__}; e.g. "
+                "str(uuid.uuid4())."
+            )
         if request_id in self._streams:
             raise ValueError(
                 f"Request id {request_id!r} is already in use; give each request a unique id."
@@ -375,6 +380,8 @@ class AsyncLLM:
         """Stop a request (or several, vLLM's form); each one's ``generate`` iterator
         ends. Unknown ids are ignored."""
         request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if not all(isinstance(one, str) for one in request_ids):
+            raise TypeError(f"abort takes a request id or a list of them, got {request_id!r}.")
         for one in request_ids:
             self._abort_now(one)
             stream = self._streams.get(one)
