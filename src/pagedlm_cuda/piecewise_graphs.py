@@ -107,8 +107,14 @@ class _CallHook:
         return self._on_call(query, key, value, key_cache, value_cache, scale, kwargs)
 
 
-def _output_like(query: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    return query.new_zeros((query.shape[0], query.shape[1], value.shape[2]))
+def _output_dim(value: torch.Tensor, kwargs: dict[str, Any]) -> int:
+    """Features per head of an attention call's output: the values' (latent attention:
+    the first ``value_dim`` features of the key that is also the value)."""
+    return kwargs.get("value_dim") or value.shape[2]
+
+
+def _output_like(query: torch.Tensor, dim: int) -> torch.Tensor:
+    return query.new_zeros((query.shape[0], query.shape[1], dim))
 
 
 def _unowned(tensor: torch.Tensor) -> torch.Tensor:
@@ -174,23 +180,23 @@ class PiecewiseGraphs:
                 self._pieces[size] = self._capture_one(size, pool, stream)
         torch.cuda.synchronize()
 
-    def _shared_output(self, index: int, query: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def _shared_output(self, index: int, query: torch.Tensor, dim: int) -> torch.Tensor:
         """Attention call ``index``'s output: rows of the largest size's where it fits."""
         out = self._outs[index] if index < len(self._outs) else None
-        rows, heads, dim = query.shape[0], query.shape[1], value.shape[2]
+        rows, heads = query.shape[0], query.shape[1]
         if out is None or out.shape[1:] != (heads, dim) or out.dtype != query.dtype:
-            out = _output_like(query, value)
+            out = _output_like(query, dim)
             if index == len(self._outs):
                 self._outs.append(out)
         return out[:rows]
 
     def _capture_one(self, size: int, pool: Any, stream: torch.cuda.Stream) -> _Pieces:
         input_ids, positions = self.step_inputs.token_buffers(size)
-        shapes: list[tuple[torch.Tensor, torch.Tensor]] = []
+        shapes: list[tuple[torch.Tensor, int]] = []
 
         def warm(query, key, value, key_cache, value_cache, scale, kwargs):
-            shapes.append((query, value))
-            return _output_like(query, value)
+            shapes.append((query, _output_dim(value, kwargs)))
+            return _output_like(query, _output_dim(value, kwargs))
 
         # Once eagerly: compiles every kernel for this shape and warms the allocator.
         self.model(
@@ -198,7 +204,7 @@ class PiecewiseGraphs:
             positions,
             ForwardContext(_CallHook(self.attn_backend, warm), None, self.kv_cache),
         )
-        outs = [self._shared_output(i, query, value) for i, (query, value) in enumerate(shapes)]
+        outs = [self._shared_output(i, query, dim) for i, (query, dim) in enumerate(shapes)]
         shapes.clear()  # drop the warm-up tensors before capturing
         graphs = [torch.cuda.CUDAGraph() for _ in range(len(outs) + 1)]
         calls: list[_AttentionCall] = []
