@@ -286,8 +286,8 @@ def test_shared_experts_keep_working() -> None:
 
 
 def test_float32_experts_keep_the_eager_path() -> None:
-    """tl.dot takes float32 inputs in TF32 on GPUs, where the eager path's matmuls are
-    full float32: float32 layers are not taken."""
+    """Float32 products are exact in the kernel only through FMA dots (``ieee``), slower
+    than the eager path's cuBLAS matmuls: float32 layers are not taken."""
     moe = _moe(torch.float32)
     install_fused_kernels(moe)
     assert moe.kernel is None and moe.uncapturable == HOST_GROUPING

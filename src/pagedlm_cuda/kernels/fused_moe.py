@@ -183,7 +183,7 @@ def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, pair_ids_ptr, block_experts_ptr, weights_ptr, scale_ptr, num_pairs,
     N, K, stride_a, stride_we, stride_wn, stride_out, stride_se,
     PAIRS_PER_A_ROW: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
-    SCALED: tl.constexpr,
+    SCALED: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     block = tl.program_id(0)
@@ -206,10 +206,12 @@ def _grouped_gemm_kernel(
         a = tl.load(a_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = col_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0).to(a.dtype)  # E4M3: exact
-        acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.float32)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION, out_dtype=tl.float32)
         if GATED:
             up = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0).to(a.dtype)
-            up_acc = tl.dot(a, tl.trans(up), up_acc, out_dtype=tl.float32)
+            up_acc = tl.dot(
+                a, tl.trans(up), up_acc, input_precision=PRECISION, out_dtype=tl.float32
+            )
     if SCALED:  # FP8 codes: each output column times its row's scale
         scales = scale_ptr + expert.to(tl.int64) * stride_se + cols
         acc = acc * tl.load(scales, mask=col_mask, other=0.0)[None, :]
@@ -335,8 +337,10 @@ def fused_experts(
     num_blocks = blocks.block_experts.numel()
     x = x if x.stride(1) == 1 else x.contiguous()
     weights = weights.to(torch.float32).contiguous()
+    # float32 x: full float32 products (tl.dot would take TF32), as the eager path's.
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
     launch = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  num_warps=cfg.num_warps, num_stages=cfg.stages)  # fmt: skip
+                  num_warps=cfg.num_warps, num_stages=cfg.stages, PRECISION=precision)  # fmt: skip
     w13_scale, w2_scale = scales if scales is not None else (weights, weights)  # unread
     scaled = scales is not None
     activated = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
