@@ -167,7 +167,9 @@ def test_eagle_on_the_backend_is_refused(tmp_path: Path) -> None:
         model_impl="transformers",
         speculative_config=spec,
     )
-    with pytest.raises(ValueError, match=r"does not support EAGLE and MTP draft heads.*draft_model"):
+    with pytest.raises(
+        ValueError, match=r"does not support EAGLE and MTP draft heads.*draft_model"
+    ):
         args.create_engine_config()
     args.model_impl = "vllm"
     assert args.create_engine_config()[0].speculative is not None
