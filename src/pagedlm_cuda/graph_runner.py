@@ -19,8 +19,8 @@ the step ran from a graph.
 
 A model with a module known not to be capturable (its ``uncapturable`` says why: MoE
 layers that group tokens by expert on the host, gpt-oss's and any ``FusedMoE`` the
-platform gave no grouped GEMM, which is every one unless ``PAGEDLM_FUSED_MOE=1``) gets no
-graphs: every step runs eagerly,
+platform gave no grouped GEMM: float32 experts, or all of them with
+``PAGEDLM_FUSED_MOE=0``) gets no graphs: every step runs eagerly,
 logged once at start-up. A model whose forward may not be capturable (``capture_may_fail``:
 the Transformers backend, whose forward may wait for the device, as ``.item()`` does)
 fails its first capture and then runs eagerly likewise. Any other model's failed capture

@@ -32,9 +32,8 @@ TINY = FusedMoEConfig(block_m=16, block_n=16, block_k=16, num_warps=1, stages=1)
 
 @pytest.fixture(autouse=True)
 def _fused_moe_on(monkeypatch) -> None:
-    """The path is opt-in (``PAGEDLM_FUSED_MOE=1``) until it has passed these tests on a
-    GPU; they test it on."""
-    monkeypatch.setenv(FUSED_MOE_ENV, "1")
+    """The path is on by default; these tests hold it on whatever the environment says."""
+    monkeypatch.delenv(FUSED_MOE_ENV, raising=False)
 
 
 @pytest.fixture(autouse=True)
@@ -319,16 +318,19 @@ def test_weights_it_cannot_take_keep_the_eager_path() -> None:
     assert moe.kernel is None and moe.uncapturable == HOST_GROUPING
 
 
-@pytest.mark.parametrize("switch", [None, "0"])
-def test_the_switch_keeps_the_host_grouping(monkeypatch, switch) -> None:
-    """Off by default (until the GPU tests have run on a GPU) and with ``0``."""
+@pytest.mark.parametrize(("switch", "fused"), [(None, True), ("1", True), ("0", False)])
+def test_the_switch(monkeypatch, switch, fused) -> None:
+    """On by default; ``PAGEDLM_FUSED_MOE=0`` keeps the host grouping (and eager steps)."""
     if switch is None:
         monkeypatch.delenv(FUSED_MOE_ENV, raising=False)
     else:
         monkeypatch.setenv(FUSED_MOE_ENV, switch)
     moe = _moe(torch.bfloat16)
     install_fused_kernels(moe)
-    assert moe.kernel is None and moe.uncapturable == HOST_GROUPING
+    if fused:
+        assert isinstance(moe.kernel, FusedExperts) and moe.uncapturable is None
+    else:
+        assert moe.kernel is None and moe.uncapturable == HOST_GROUPING
 
 
 def test_bad_shapes_are_explained() -> None:
