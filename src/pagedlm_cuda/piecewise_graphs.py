@@ -128,6 +128,14 @@ def _unowned(tensor: torch.Tensor) -> torch.Tensor:
     return view.set_(unowned, tensor.storage_offset(), tensor.shape, tensor.stride())
 
 
+def _unowned_inputs(call: _AttentionCall) -> _AttentionCall:
+    """``call`` with unowned views of its q/k/v; a value that is the key (latent
+    attention: ``value is key``) stays the key's view, as backends check."""
+    key = _unowned(call.key)
+    value = key if call.value is call.key else _unowned(call.value)
+    return dataclasses.replace(call, query=_unowned(call.query), key=key, value=value)
+
+
 class PiecewiseGraphs:
     def __init__(
         self,
@@ -239,12 +247,7 @@ class PiecewiseGraphs:
             )
         # q/k/v live from their piece's end to their attention call, within this size's
         # replay: their memory may serve the next size's capture.
-        calls = [
-            dataclasses.replace(
-                c, query=_unowned(c.query), key=_unowned(c.key), value=_unowned(c.value)
-            )
-            for c in calls
-        ]
+        calls = [_unowned_inputs(c) for c in calls]
         return _Pieces(graphs, calls, hidden)
 
     def padded_num_tokens(self, num_tokens: int) -> int | None:
@@ -265,10 +268,11 @@ class PiecewiseGraphs:
         backend, metadata = self.attn_backend, ctx.attn_metadata
         for graph, call in zip(pieces.graphs, pieces.calls, strict=False):
             graph.replay()
+            key = call.key[:num_tokens]
             out = backend.forward(
                 call.query[:num_tokens],
-                call.key[:num_tokens],
-                call.value[:num_tokens],
+                key,
+                key if call.value is call.key else call.value[:num_tokens],  # latent: one
                 call.key_cache,
                 call.value_cache,
                 metadata,
