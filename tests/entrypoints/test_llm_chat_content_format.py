@@ -50,3 +50,21 @@ def test_chat_content_format(llm, content_format, template, expected):
 def test_an_unknown_content_format_is_refused(llm):
     with pytest.raises(ValueError, match="chat_template_content_format='list' is not one of"):
         llm.chat(MESSAGES, use_tqdm=False, chat_template_content_format="list")
+
+
+@pytest.mark.parametrize(
+    ("messages", "kwargs", "match"),
+    [
+        ("hi", {}, "messages must be a conversation"),
+        (["hi", "there"], {}, r"messages\[0\] must be a list of message dicts"),
+        ([{"content": "hi"}], {}, "message 0 of conversation 0 must be a dict with a 'role'"),
+        ([{"role": "user", "content": 5}], {}, "content must be a string or a list"),
+        ([[{"role": "user", "content": "a"}], [5]], {}, "message 0 of conversation 1"),
+        (MESSAGES[:1], {"chat_template_kwargs": "x"}, "chat_template_kwargs must be a dict"),
+    ],
+)
+def test_malformed_chats_name_the_message(llm, messages, kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False, **kwargs)
+    (out,) = llm.chat(MESSAGES[:1], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2

@@ -83,6 +83,35 @@ def _has_multimodal_data(prompt: PromptType) -> bool:
     return isinstance(prompt, Mapping) and prompt.get("multi_modal_data") is not None
 
 
+def _check_conversations(conversations: Any) -> None:
+    """``chat``'s messages: a conversation (a list of message dicts with a ``role``) or a
+    list of them; anything else is a TypeError naming the message, instead of an error
+    from deep inside the chat template."""
+    if isinstance(conversations, (str, bytes, dict)) or not isinstance(conversations, Sequence):
+        raise TypeError(
+            "messages must be a conversation (a list of {'role': ..., 'content': ...} "
+            f"dicts) or a list of conversations, got {type(conversations).__name__}."
+        )
+    for i, conversation in enumerate(conversations):
+        if isinstance(conversation, (str, bytes)) or not isinstance(conversation, Sequence):
+            raise TypeError(
+                f"messages[{i}] must be a list of message dicts, got "
+                f"{type(conversation).__name__}: {conversation!r:.60}."
+            )
+        for j, message in enumerate(conversation):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise TypeError(
+                    f"message {j} of conversation {i} must be a dict with a 'role' (and its "
+                    f"'content'), got {message!r:.80}."
+                )
+            content = message.get("content")
+            if content is not None and not isinstance(content, (str, list)):
+                raise TypeError(
+                    f"message {j} of conversation {i}: content must be a string or a list "
+                    f"of content parts, got {type(content).__name__}."
+                )
+
+
 def _map_in_order(pool: ThreadPoolExecutor | None, fn: Callable[[T], R], items: list[T]) -> list[R]:
     """``[fn(item) for item in items]``, on ``pool`` when given: results in input order and,
     if any call raises, the error of the first such item, as the loop would raise it (the
@@ -668,6 +697,12 @@ class LLM:
                 "add_generation_prompt=False with it."
             )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        _check_conversations(conversations)
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise TypeError(
+                f"chat_template_kwargs must be a dict of template variables, got "
+                f"{type(chat_template_kwargs).__name__}."
+            )
         if tools is not None:
             chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         if mm_processor_kwargs is not None:  # checked once, images or not
