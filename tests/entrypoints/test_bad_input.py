@@ -144,6 +144,9 @@ def test_bad_prompts_leave_the_engine_untouched(llm):
     assert llm.generate(good, params, use_tqdm=False)[0].outputs[0].token_ids == expected
     as_array = {"prompt_token_ids": np.array([1, 2, 3])}
     assert llm.generate(as_array, params, use_tqdm=False)[0].outputs[0].token_ids == expected
+    for nothing in (None, 5):
+        with pytest.raises(TypeError, match="prompts must be a string, a prompt dict"):
+            llm.generate(nothing, params, use_tqdm=False)
 
 
 def test_unknown_model_path():

@@ -73,7 +73,15 @@ def _final_only(params: SamplingParams) -> SamplingParams:
 
 
 def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    return [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if not isinstance(prompts, Iterable):
+        raise TypeError(
+            f"prompts must be a string, a prompt dict ({{'prompt': str}} or "
+            f"{{'prompt_token_ids': [int, ...]}}) or a list of them, got "
+            f"{type(prompts).__name__}."
+        )
+    return list(prompts)
 
 
 ParamsT = TypeVar("ParamsT", SamplingParams, PoolingParams)
