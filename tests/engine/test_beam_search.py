@@ -79,6 +79,8 @@ def test_bad_parameters_name_the_fix(setup):
     for bad in (math.nan, math.inf, "1"):
         with pytest.raises(ValueError, match="length_penalty must be a"):
             BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=bad)
+    with pytest.raises(TypeError, match="beam_search takes a BeamSearchParams"):
+        llm.beam_search({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=4))
 
 
 def _scripted(table: dict[int, dict[int, float]]):

@@ -627,6 +627,11 @@ class LLM:
         (``pagedlm.beam_search``); every step sends all live beams to the engine at once."""
         from pagedlm.beam_search import search
 
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(
+                f"beam_search takes a BeamSearchParams (beam_width, max_tokens, ...), got "
+                f"{type(params).__name__}; use generate() for a SamplingParams."
+            )
         engine = self.llm_engine
         processor = engine.input_processor
         token_prompts = []
