@@ -237,3 +237,25 @@ def test_a_weight_update_from_disk_reloads_the_layer(checkpoint, tmp_path) -> No
     llm.llm_engine.shutdown()
     assert before.numel() > 0
     torch.testing.assert_close(after, before * 2)
+
+
+def test_a_weight_update_from_tensors_reaches_the_layer(checkpoint) -> None:
+    """``update_weights_from_tensor`` with the checkpoint's names: the MTP layer takes its
+    tensors from them (an RL loop's new policy), not from the files."""
+    path = checkpoint[0]
+    tensors = load_file(path / "model.safetensors")
+    name = next(n for n in tensors if n.endswith(".enorm.weight"))
+    tensors[name] = tensors[name] * 3
+    llm = LLM(str(path), skip_tokenizer_init=True, max_model_len=64, num_kv_blocks=32,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 1})  # fmt: skip
+
+    def enorm(worker) -> torch.Tensor:
+        return worker.runner.speculator.proposer.head.layer.enorm.weight.detach().clone()
+
+    [before] = llm.collective_rpc(enorm)
+    llm.llm_engine.update_weights_from_tensor(tensors)
+    [after] = llm.collective_rpc(enorm)
+    outputs = llm.generate([{"prompt_token_ids": PROMPTS[1]}], SamplingParams(max_tokens=4))
+    llm.llm_engine.shutdown()
+    torch.testing.assert_close(after, before * 3)
+    assert len(outputs[0].outputs[0].token_ids) == 4

@@ -42,6 +42,9 @@ class TargetParts:
     """The most tokens one step feeds (``max_num_batched_tokens``)."""
     kv_cache_dtype: torch.dtype | None = None
     """What the KV caches store (an FP8 cache's float8); None: ``dtype``."""
+    weights: list[tuple[str, torch.Tensor]] | None = None
+    """The ``(name, tensor)`` pairs the target was just loaded from (a weight update from
+    tensors); None: its checkpoint's files."""
 
 
 DraftStep = Callable[

@@ -26,14 +26,29 @@ from pagedlm.worker.input_batch import InputBatch
 
 def mtp_config(target: ModelConfig) -> ModelConfig:
     """What the layer is loaded from: the target's checkpoint as the target was last loaded
-    (a weight update from disk moves both; one from tensors leaves the layer as it was)."""
+    (a weight update from disk moves both; one from tensors moves the layer when they
+    include it)."""
     return replace(target, tokenizer=None, skip_tokenizer_init=True)
+
+
+def _layer_tensors(
+    config: ModelConfig, target: TargetParts
+) -> list[tuple[str, torch.Tensor]] | None:
+    """The MTP layer's tensors among those the target was just loaded from (a weight update
+    from tensors that carries them), else None: read them from the checkpoint."""
+    if target.weights is None:
+        return None
+    select = DeepSeekMTP.checkpoint_selector(config.arch)
+    tensors = [(name, tensor) for name, tensor in target.weights if select(name)]
+    return tensors or None
 
 
 class MTPProposer(EagleProposer):
     def __init__(self, batch: InputBatch, target: TargetParts, config: ModelConfig) -> None:
         arch = config.arch
-        head = load_model(config, batch.device, model_class=DeepSeekMTP)
+        head = load_model(
+            config, batch.device, model_class=DeepSeekMTP, weights=_layer_tensors(config, target)
+        )
         target.platform.prepare_model(head)
         target_geometry = model_kv_geometry(target.model, arch.num_key_value_heads, arch.head_dim)
         if target_geometry.shares_values:

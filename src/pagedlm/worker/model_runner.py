@@ -120,6 +120,7 @@ class ModelRunner:
         self.device = platform.device
         self.block_size = config.cache.block_size
         self.arch = config.model.arch
+        weights = None if weights is None else list(weights)  # the target's, and an MTP layer's
         self.weight_offload = make_weight_offload(
             config.cache.cpu_offload_gb,
             platform.name,
@@ -188,6 +189,7 @@ class ModelRunner:
             config.model.dtype,
             sched.max_num_batched_tokens,
             self.kv_cache_dtype,
+            weights,
         )
         self.speculator = Speculator(
             config,
