@@ -33,13 +33,20 @@ def float_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def write_fp8_checkpoint(source: Path, target: Path, layout: str) -> dict[str, torch.Tensor]:
-    """``source`` with its decoder linears in E4M3 (``layout``: "compressed-tensors" or
-    "fp8"); returns the tensors written."""
+def write_fp8_checkpoint(
+    source: Path,
+    target: Path,
+    layout: str,
+    quantized: re.Pattern[str] = _LINEAR,
+    ignore: tuple[str, ...] = ("lm_head",),
+) -> dict[str, torch.Tensor]:
+    """``source`` with the tensors ``quantized`` matches (its decoder linears) in E4M3
+    (``layout``: "compressed-tensors" or "fp8"; ``ignore``: compressed-tensors' list of
+    modules left float); returns the tensors written."""
     target.mkdir()
     state = load_file(source / "model.safetensors")
     generator = torch.Generator().manual_seed(3)
-    for name in [n for n in state if _LINEAR.match(n)]:
+    for name in [n for n in state if quantized.match(n)]:
         weight = state[name]
         if layout == "compressed-tensors":
             codes, scales = fp8.quantize_rows(weight)  # scales [rows, 1], as llm-compressor
@@ -64,7 +71,7 @@ def write_fp8_checkpoint(source: Path, target: Path, layout: str) -> dict[str, t
             "quant_method": "compressed-tensors",
             "format": "float-quantized",
             "config_groups": {"group_0": scheme},
-            "ignore": ["lm_head"],
+            "ignore": list(ignore),
         }
     else:
         config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
@@ -247,38 +254,8 @@ def test_fp8_experts_load_and_match_quantizing_at_load(tmp_path: Path, layout: s
         "MixtralConfig",
         {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
     )
-    state = load_file(source / "model.safetensors")
-    for name in [n for n in state if _MIXTRAL_QUANTIZED.match(n)]:
-        weight = state[name]
-        if layout == "compressed-tensors":
-            codes, scales = fp8.quantize_rows(weight)
-        else:
-            scales = weight.abs().amax() / fp8.FP8_MAX
-            codes = fp8.quantize_with_scale(weight, scales)
-            state[name.removesuffix("weight") + "input_scale"] = torch.tensor(0.02)
-        state[name], state[name + "_scale"] = codes, scales
     target = tmp_path / layout
-    target.mkdir()
-    save_file(state, target / "model.safetensors")
-    config = json.loads((source / "config.json").read_text())
-    if layout == "compressed-tensors":
-        scheme = {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
-                        "symmetric": True, "dynamic": False},
-            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
-                                  "symmetric": True, "dynamic": True},
-        }  # fmt: skip
-        config["quantization_config"] = {
-            "quant_method": "compressed-tensors",
-            "format": "float-quantized",
-            "config_groups": {"group_0": scheme},
-            "ignore": ["lm_head", "re:.*gate$"],
-        }
-    else:
-        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
-    (target / "config.json").write_text(json.dumps(config))
-
+    write_fp8_checkpoint(source, target, layout, _MIXTRAL_QUANTIZED, ("lm_head", "re:.*gate$"))
     checkpoint_config, _ = EngineArgs(
         model=str(target), skip_tokenizer_init=True, dtype="float32"
     ).create_engine_config()
