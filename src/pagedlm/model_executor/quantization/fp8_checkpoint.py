@@ -24,7 +24,7 @@ and float tensors.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -216,6 +216,40 @@ def _fp8_layers(
     return layers, expert_names
 
 
+_DROP = "drop"
+
+
+def _join_codes_and_scales(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    part_of: Callable[[str, torch.Tensor], tuple[str, str] | str | None],
+    join: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream with each layer's E4M3 codes and their float32 scale (``part_of`` names
+    them ``(layer, "codes" | "scale")``, in either order) yielded once both have come, as
+    ``<layer>.weight`` = ``join(layer, codes, scale)``; tensors ``part_of`` gives None pass
+    through, those it gives ``_DROP`` are left out. A layer missing one part fails."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        part = part_of(name, tensor)
+        if part is None:
+            yield name, tensor
+            continue
+        if part == _DROP:
+            continue
+        layer, kind = part
+        parts = pending.setdefault(layer, {})
+        parts[kind] = tensor
+        if len(parts) == 2:
+            del pending[layer]
+            yield f"{layer}.weight", join(layer, parts["codes"], parts["scale"].float())
+    if pending:
+        layer, parts = next(iter(pending.items()))
+        raise ValueError(
+            f"the FP8 checkpoint has {layer}'s {next(iter(parts))} but not its "
+            f"{'scale' if 'codes' in parts else 'E4M3 weight'}; it is incomplete."
+        )
+
+
 def _dequantize_experts(
     weights: Iterable[tuple[str, torch.Tensor]], expert_names: set[str]
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -223,29 +257,21 @@ def _dequantize_experts(
     (per tensor or per row) joined into the float32 weight, and the experts' input scales
     dropped (experts take 16-bit activations); ``quantize_model`` then makes the experts
     E4M3 again with per-row scales (a per-row checkpoint's codes come back exactly)."""
-    pending: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in weights:
+
+    def part_of(name: str, tensor: torch.Tensor) -> tuple[str, str] | str | None:
         layer = name.rsplit(".", 1)[0]
         if f"{layer}.weight" not in expert_names:
-            yield name, tensor
-            continue
+            return None
         if name.endswith((".input_scale", *_DROPPED_SUFFIXES)):
-            continue
-        parts = pending.setdefault(layer, {})
-        parts["codes" if name.endswith(".weight") else "scale"] = tensor
-        if len(parts) == 2:
-            del pending[layer]
-            codes, scale = parts["codes"], parts["scale"].float()
-            if scale.numel() not in (1, codes.shape[0]):
-                raise _unsupported(f"{tuple(scale.shape)} scales for {layer}.weight")
-            rows = scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(1, 1)
-            yield f"{layer}.weight", codes.float() * rows
-    if pending:
-        layer = next(iter(pending))
-        raise ValueError(
-            f"the FP8 checkpoint has {layer}'s E4M3 weight or its weight_scale but not "
-            "both; it is incomplete."
-        )
+            return _DROP
+        return layer, "codes" if name.endswith(".weight") else "scale"
+
+    def join(layer: str, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if scale.numel() not in (1, codes.shape[0]):
+            raise _unsupported(f"{tuple(scale.shape)} scales for {layer}.weight")
+        return codes.float() * scale.reshape(-1, 1)
+
+    return _join_codes_and_scales(weights, part_of, join)
 
 
 def _expand_scales(
@@ -306,36 +332,25 @@ def dequantize_blocks(
     scale of the block each element is in; edge blocks may be partial), exactly; every
     other tensor as it is."""
     rows_per_block, cols_per_block = block_size
-    pending: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in weights:
+
+    def part_of(name: str, tensor: torch.Tensor) -> tuple[str, str] | str | None:
         if name.endswith(".weight_scale_inv"):
-            layer, part = name.removesuffix(".weight_scale_inv"), "scale"
-        elif name.endswith(".weight") and tensor.dtype == FP8_DTYPE:
-            layer, part = name.removesuffix(".weight"), "codes"
-        else:
-            if not name.endswith(_DROPPED_SUFFIXES):
-                yield name, tensor
-            continue
-        parts = pending.setdefault(layer, {})
-        parts[part] = tensor
-        if len(parts) == 2:
-            del pending[layer]
-            codes, scale = parts["codes"], parts["scale"].float()
-            rows, cols = codes.shape
-            expected = (-(-rows // rows_per_block), -(-cols // cols_per_block))
-            if tuple(scale.shape) != expected:
-                raise _unsupported(f"{tuple(scale.shape)} block scales for {name} {rows}x{cols}")
-            scale = scale.repeat_interleave(rows_per_block, 0)[:rows]
-            yield (
-                f"{layer}.weight",
-                codes.float() * scale.repeat_interleave(cols_per_block, 1)[:, :cols],
+            return name.removesuffix(".weight_scale_inv"), "scale"
+        if name.endswith(".weight") and tensor.dtype == FP8_DTYPE:
+            return name.removesuffix(".weight"), "codes"
+        return _DROP if name.endswith(_DROPPED_SUFFIXES) else None
+
+    def join(layer: str, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        rows, cols = codes.shape
+        expected = (-(-rows // rows_per_block), -(-cols // cols_per_block))
+        if tuple(scale.shape) != expected:
+            raise _unsupported(
+                f"{tuple(scale.shape)} block scales for {layer}.weight {rows}x{cols}"
             )
-    if pending:
-        layer, parts = next(iter(pending.items()))
-        raise ValueError(
-            f"the FP8 checkpoint has {layer}'s {next(iter(parts))} but not its "
-            f"{'scale' if 'codes' in parts else 'E4M3 weight'}; it is incomplete."
-        )
+        scale = scale.repeat_interleave(rows_per_block, 0)[:rows]
+        return codes.float() * scale.repeat_interleave(cols_per_block, 1)[:, :cols]
+
+    return _join_codes_and_scales(weights, part_of, join)
 
 
 __all__ = [
