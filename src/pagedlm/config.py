@@ -468,7 +468,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     draft_model: ModelConfig | None = None
     """The draft model or EAGLE head ("draft_model", "eagle", "eagle3"), loaded like the
-    target (same dtype and ``max_model_len``); for "mtp" the target's own checkpoint."""
+    target (same dtype and ``max_model_len``); None for "ngram" and "mtp" (whose layer the
+    workers read from the target's own checkpoint)."""
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
     """"ngram": the shortest and longest suffix looked up in the request's tokens."""

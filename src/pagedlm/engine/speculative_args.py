@@ -130,13 +130,15 @@ def parse_speculative_config(
             raise _error(f"{key} applies to method 'ngram' only; remove it for {method!r}.")
     if method == "acceptance":
         return _with_acceptance(config, values)
-    if method == "mtp":
-        return replace(config, draft_model=_mtp_model(values, target, resolve))
+    if method == "mtp":  # the workers read the layer from the target's own checkpoint
+        _check_mtp_target(values, target, resolve)
+        return config
     return replace(config, draft_model=_draft_model(method, values, target, resolve))
 
 
-def _mtp_model(values: dict[str, Any], target: ModelConfig, resolve: Resolve) -> ModelConfig:
-    """The target's own checkpoint, read for its first multi-token-prediction layer."""
+def _check_mtp_target(values: dict[str, Any], target: ModelConfig, resolve: Resolve) -> None:
+    """Start-up errors for a target whose checkpoint has no multi-token-prediction layer
+    to draft with, or a ``model`` that is not the target."""
     from pagedlm.model_executor.models.deepseek_moe import V2_ARCHITECTURE
     from pagedlm.model_executor.models.deepseek_mtp import mtp_layer_count
 
@@ -163,7 +165,6 @@ def _mtp_model(values: dict[str, Any], target: ModelConfig, resolve: Resolve) ->
                 f"method 'mtp' reads the target's own layers; \"model\" ({name}) must be the "
                 f"target ({target.model}) or left out."
             )
-    return replace(target, tokenizer=None, skip_tokenizer_init=True)  # workers: mtp_config
 
 
 def _with_policy(config: SpeculativeConfig, values: dict[str, Any]) -> SpeculativeConfig:
