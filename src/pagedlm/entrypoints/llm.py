@@ -24,6 +24,12 @@ from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.core_profiler import CoreProfiler, profile_directory
 from pagedlm.engine.input_processor import ProcessedRequest, PromptType
 from pagedlm.engine.llm_engine import LLMEngine
+from pagedlm.entrypoints.llm_args import (
+    check_conversations,
+    one_per_prompt,
+    per_prompt,
+    prompt_list,
+)
 from pagedlm.lora.request import LoRARequest
 from pagedlm.metrics import Metric
 from pagedlm.multimodal.chat import has_images, split_images
@@ -72,52 +78,8 @@ def _final_only(params: SamplingParams) -> SamplingParams:
     return params
 
 
-def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    if not isinstance(prompts, Iterable):
-        raise TypeError(
-            f"prompts must be a string, a prompt dict ({{'prompt': str}} or "
-            f"{{'prompt_token_ids': [int, ...]}}) or a list of them, got "
-            f"{type(prompts).__name__}."
-        )
-    return list(prompts)
-
-
-ParamsT = TypeVar("ParamsT", SamplingParams, PoolingParams)
-
-
 def _has_multimodal_data(prompt: PromptType) -> bool:
     return isinstance(prompt, Mapping) and prompt.get("multi_modal_data") is not None
-
-
-def _check_conversations(conversations: Any) -> None:
-    """``chat``'s messages: a conversation (a list of message dicts with a ``role``) or a
-    list of them; anything else is a TypeError naming the message, instead of an error
-    from deep inside the chat template."""
-    if isinstance(conversations, (str, bytes, dict)) or not isinstance(conversations, Sequence):
-        raise TypeError(
-            "messages must be a conversation (a list of {'role': ..., 'content': ...} "
-            f"dicts) or a list of conversations, got {type(conversations).__name__}."
-        )
-    for i, conversation in enumerate(conversations):
-        if isinstance(conversation, (str, bytes)) or not isinstance(conversation, Sequence):
-            raise TypeError(
-                f"messages[{i}] must be a list of message dicts, got "
-                f"{type(conversation).__name__}: {conversation!r:.60}."
-            )
-        for j, message in enumerate(conversation):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise TypeError(
-                    f"message {j} of conversation {i} must be a dict with a 'role' (and its "
-                    f"'content'), got {message!r:.80}."
-                )
-            content = message.get("content")
-            if content is not None and not isinstance(content, (str, list)):
-                raise TypeError(
-                    f"message {j} of conversation {i}: content must be a string or a list "
-                    f"of content parts, got {type(content).__name__}."
-                )
 
 
 def _map_in_order(pool: ThreadPoolExecutor | None, fn: Callable[[T], R], items: list[T]) -> list[R]:
@@ -151,47 +113,6 @@ def _arrivals_in_prompt_order(processed: list[ProcessedRequest]) -> list[Process
         latest = request.arrival_time
         out.append(request)
     return out
-
-
-def _one_per_prompt(
-    params: ParamsT | Sequence[ParamsT], num_prompts: int, kind: type[ParamsT]
-) -> list[ParamsT]:
-    """``params`` (a ``kind``) for every prompt, or the list of one per prompt it already is."""
-    name = kind.__name__
-    argument = "sampling_params" if kind is SamplingParams else "pooling_params"
-    if isinstance(params, kind):
-        return [params] * num_prompts
-    if not isinstance(params, Iterable) or isinstance(params, str | Mapping):
-        raise TypeError(
-            f"{argument} must be a {name} or a list of one per prompt, got {type(params).__name__}."
-        )
-    params_list = list(params)
-    wrong = [p for p in params_list if not isinstance(p, kind)]
-    if wrong:
-        raise TypeError(
-            f"{argument} must be a {name} or a list of one per prompt, got a list holding a "
-            f"{type(wrong[0]).__name__}."
-        )
-    if len(params_list) != num_prompts:
-        raise ValueError(
-            f"Got {len(params_list)} {name} for {num_prompts} prompts; pass one {name} or "
-            "exactly one per prompt."
-        )
-    return params_list
-
-
-def _per_prompt(
-    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
-) -> list[LoRARequest | None]:
-    if lora_request is None or isinstance(lora_request, LoRARequest):
-        return [lora_request] * num_prompts
-    loras = list(lora_request)
-    if len(loras) != num_prompts:
-        raise ValueError(
-            f"Got {len(loras)} LoRA requests for {num_prompts} prompts; pass one "
-            "LoRARequest or exactly one (or None) per prompt."
-        )
-    return loras
 
 
 class LLM:
@@ -372,17 +293,17 @@ class LLM:
                 "generate, load "
                 "a generative model with runner='generate')."
             )
-        prompts = _prompt_list(prompts)
+        prompts = prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params_list = _one_per_prompt(sampling_params, len(prompts), SamplingParams)
+        params_list = one_per_prompt(sampling_params, len(prompts), SamplingParams)
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(
                 f"Got {len(priorities)} priorities for {len(prompts)} prompts; pass exactly "
                 "one per prompt."
             )
-        loras = _per_prompt(lora_request, len(prompts))
+        loras = per_prompt(lora_request, len(prompts))
         # The offline API returns finished outputs only; skip building intermediate ones.
         params_list = [_final_only(p) for p in params_list]
         engine = self.llm_engine
@@ -422,7 +343,7 @@ class LLM:
         ``tokenization_kwargs``: as in ``generate``."""
         if pooling_task is not None:
             self._check_task(pooling_task)
-        prompts = _prompt_list(prompts)
+        prompts = prompt_list(prompts)
         return self._pool(
             prompts,
             pooling_params,
@@ -444,9 +365,7 @@ class LLM:
         """``encode`` for prompts and text pairs (a cross-encoder's)."""
         from pagedlm.pooling.requests import process_pooling_request
 
-        params_list = _one_per_prompt(
-            pooling_params or PoolingParams(), len(prompts), PoolingParams
-        )
+        params_list = one_per_prompt(pooling_params or PoolingParams(), len(prompts), PoolingParams)
         if task is not None:
             params_list = [params.with_task(task) for params in params_list]
         if truncate_prompt_tokens is not None:
@@ -635,7 +554,7 @@ class LLM:
         engine = self.llm_engine
         processor = engine.input_processor
         token_prompts = []
-        for prompt in _prompt_list(prompts):
+        for prompt in prompt_list(prompts):
             if _has_multimodal_data(prompt):
                 raise ValueError("beam_search takes text or token-id prompts, not images.")
             if isinstance(prompt, Mapping) and "prompt_embeds" in prompt:
@@ -710,7 +629,7 @@ class LLM:
                 "add_generation_prompt=False with it."
             )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        _check_conversations(conversations)
+        check_conversations(conversations)
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise TypeError(
                 f"chat_template_kwargs must be a dict of template variables, got "
