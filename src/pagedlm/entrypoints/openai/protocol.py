@@ -405,6 +405,27 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     add_special_tokens: bool = False
     """vLLM's: the tokenizer's special tokens (BOS) on top of what the chat template
     writes (most templates write them; true would then double them)."""
+    echo: bool = False
+    """vLLM's: when the last message has the reply's role (``reply_role``), each choice's
+    content starts with that message's text; non-streaming answers also carry the
+    prompt's ``prompt_logprobs`` (``top_logprobs`` of them, unless ``prompt_logprobs``
+    says otherwise)."""
+
+    def reply_role(self, response_role: str) -> str:
+        """The role the reply is given (vLLM's rule): the server's ``--response-role``
+        after a generation prompt, else the last message's (the reply continues it)."""
+        return response_role if self.add_generation_prompt else self.messages[-1].role
+
+    def echoed_text(self, role: str) -> str:
+        """What ``echo`` puts before each choice's content: the last message's text (its
+        text parts joined by newlines) when it has the reply's ``role``, else ""."""
+        last = self.messages[-1]
+        if not self.echo or last.role != role or last.content is None:
+            return ""
+        if isinstance(last.content, str):
+            return last.content
+        texts = (part.text for part in last.content if part.type == "text")
+        return "\n".join(text for text in texts if isinstance(text, str))
 
     def num_logprobs(self) -> int | None:
         if not self.logprobs:

@@ -1,10 +1,12 @@
 """``POST /v1/chat/completions``: chat through the tokenizer's (or the server's) template.
 
-Streaming sends, per choice, a first chunk with ``{"role": "assistant", "content": ""}``,
-then content deltas (with ``reasoning_content`` and ``tool_calls`` pieces when a reasoning
-parser or tools apply, see ``chat_output``), then an empty delta with ``finish_reason``; with
-``stream_options.include_usage`` a last chunk with no choices carries the usage (and with
-vLLM's ``continuous_usage_stats`` every chunk its choice's usage so far).
+Streaming sends, per choice, a first chunk with ``{"role": "assistant", "content": ""}``
+(the role as vLLM picks it: ``ChatCompletionRequest.reply_role``), with vLLM's ``echo`` a
+chunk with the echoed last message, then content deltas (with ``reasoning_content`` and
+``tool_calls`` pieces when a reasoning parser or tools apply, see ``chat_output``), then an
+empty delta with ``finish_reason``; with ``stream_options.include_usage`` a last chunk with
+no choices carries the usage (and with vLLM's ``continuous_usage_stats`` every chunk its
+choice's usage so far). Echoed text counts in no usage: it is not generated.
 
 A request whose parsers read special tokens (Mistral's ``[TOOL_CALLS]``, ``[THINK]``) is
 detokenized with them kept; the token that ended the output (EOS) is still left out of the
@@ -108,6 +110,9 @@ class ChatServer:
             ctx.sampling_defaults,
             keep_special_tokens,
         )
+        if request.echo and request.prompt_logprobs is None and not request.stream:
+            # vLLM's: an echoing request scores its prompt too (a stream never sends them).
+            params.prompt_logprobs = request.top_logprobs or 0
         request_id = ctx.request_id("chatcmpl", request.request_id)
         prompts = request.engine_prompts([prompt])
         lora = ctx.lora_request(request.model)
@@ -151,6 +156,8 @@ class ChatServer:
             "model": self.ctx.response_model(request.model),
         }
         chunk_base = {**base, "object": "chat.completion.chunk"}
+        role = request.reply_role(self.ctx.response_role)
+        echoed = request.echoed_text(role)
 
         def chunk(index: int, delta: dict, finish: str | None = None, **extra) -> str:
             body = {
@@ -187,7 +194,9 @@ class ChatServer:
                     )
                     choice = choices[sample.index] = _ChatChoice(sample.index, parser)
                     if request.stream:
-                        yield chunk(sample.index, {"role": self.ctx.response_role, "content": ""})
+                        yield chunk(sample.index, {"role": role, "content": ""})
+                        if echoed:  # vLLM's place: the first content delta of each choice
+                            yield chunk(sample.index, {"content": echoed})
                 delta = choice.parser.feed(sample.text)
                 choice.num_tokens += len(sample.token_ids)
                 choice.token_ids += sample.token_ids
@@ -226,7 +235,7 @@ class ChatServer:
             "choices": [
                 {
                     "index": c.index,
-                    "message": c.parser.message(self.ctx.response_role),
+                    "message": _echoing(c.parser.message(role), request.echo, echoed),
                     "logprobs": {"content": c.logprobs} if request.logprobs else None,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
@@ -235,6 +244,18 @@ class ChatServer:
                 for c in sorted(choices.values(), key=lambda c: c.index)
             ],
             "usage": usage,
-            **({"prompt_logprobs": prompt_logprobs} if request.prompt_logprobs is not None else {}),
+            **(
+                {"prompt_logprobs": prompt_logprobs}
+                if request.prompt_logprobs is not None or request.echo
+                else {}
+            ),
             **({"prompt_token_ids": prompt_ids} if request.return_token_ids else {}),
         }
+
+
+def _echoing(message: dict, echo: bool, echoed: str) -> dict:
+    """A choice's ``message`` with ``echo``: its content after the echoed text (vLLM's: a
+    content-less message, such as a tool call's, gets the echoed text or "")."""
+    if echo:
+        message["content"] = echoed + (message["content"] or "")
+    return message
