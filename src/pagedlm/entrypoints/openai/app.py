@@ -193,6 +193,20 @@ async def _guard_stream(
         yield "data: [DONE]\n\n"
 
 
+class _EventStream(StreamingResponse):
+    """A ``StreamingResponse`` that closes its events however it ends. A client that
+    disconnects while a write is pending (a slow reader's full socket buffer) cancels the
+    response inside ``send``, outside the events' generator, which then stays suspended at
+    a yield: its request would generate on (holding KV blocks and its id) until the garbage
+    collector came across it. Closing it aborts the request at once."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
 async def _respond(
     request: Request, create: Awaitable[tuple[dict | None, Any]], anthropic: bool
 ) -> Response:
@@ -202,7 +216,7 @@ async def _respond(
     body, events = result
     if events is not None:
         headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-        return StreamingResponse(
+        return _EventStream(
             _guard_stream(events, anthropic, request.app.state.ctx),
             media_type="text/event-stream",
             headers=headers,
