@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
+import sys
 from pathlib import Path
 
 import httpx
@@ -171,3 +173,140 @@ def test_the_chat_form_embeds_the_rendered_conversation(app):
     assert both.status_code == neither.status_code == 400
     assert "not both" in both.json()["error"]["message"]
     assert "Send input" in neither.json()["error"]["message"]
+
+
+def test_add_special_tokens_as_vllm_defaults_it(app):
+    """vLLM's ``add_special_tokens``: true for ``input`` texts, false for ``messages`` (the
+    template writes what it needs); either way on request."""
+    tokenizer = app.tokenizer
+    messages = [{"role": "user", "content": "the quick fox"}]
+    rendered = tokenizer.apply_chat_template(
+        messages, chat_template=CHAT_TEMPLATE, tokenize=True, return_dict=False
+    )
+    bare = tokenizer.encode("hello world", add_special_tokens=False)
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+
+    async def work(client, http):
+        bodies = [
+            {"input": "hello world"},
+            {"input": "hello world", "add_special_tokens": False},
+            {"input": bare},
+            {"input": [cls, *bare, sep]},
+            {"messages": messages, "add_special_tokens": True},
+            {"input": [cls, *rendered, sep]},
+            {"messages": messages},
+        ]
+        answers = [await http.post("/v1/embeddings", json={"model": MODEL, **b}) for b in bodies]
+        return [answer.json() for answer in answers]
+
+    answers = _run(app, work)
+    default, without, _, _, chat_with, _, chat = answers
+    vector = [answer["data"][0]["embedding"] for answer in answers]
+    assert default["usage"]["prompt_tokens"] == len(bare) + 2
+    assert vector[0] == vector[3]  # input texts get [CLS] ... [SEP] by default
+    assert without["usage"]["prompt_tokens"] == len(bare) and vector[1] == vector[2]
+    assert chat["usage"]["prompt_tokens"] == len(rendered)  # messages: none added
+    assert chat_with["usage"]["prompt_tokens"] == len(rendered) + 2 and vector[4] == vector[5]
+
+
+def _encoded(values, embed_dtype: str, byteorder: str) -> list[float]:
+    """The values of a binary embedding decoded independently of the server's encoder."""
+    order = "<" if byteorder == "little" else ">"
+    if embed_dtype in ("float32", "float16"):
+        size = 4 if embed_dtype == "float32" else 2
+        return np.frombuffer(values, dtype=f"{order}f{size}").astype(np.float64).tolist()
+    if embed_dtype == "bfloat16":  # the high half of a float32
+        halves = np.frombuffer(values, dtype=f"{order}u2").astype(np.uint32) << 16
+        return halves.view(np.float32).astype(np.float64).tolist()
+    codes = torch.frombuffer(bytearray(values), dtype=torch.uint8)
+    fp8 = torch.float8_e4m3fn if embed_dtype == "fp8_e4m3" else torch.float8_e5m2
+    return codes.view(fp8).to(torch.float64).tolist()
+
+
+@pytest.mark.parametrize(
+    ("embed_dtype", "tolerance"),
+    [  # (rtol, atol): half the spacing of the format's numbers (fp8's small ones: absolute)
+        ("float32", (0.0, 0.0)),
+        ("float16", (1e-3, 1e-7)),
+        ("bfloat16", (4e-3, 1e-7)),
+        ("fp8_e4m3", (0.0625, 1e-3)),
+        ("fp8_e5m2", (0.125, 1e-5)),
+    ],
+)
+def test_embed_dtype_and_endianness_shape_the_binary_forms(app, embed_dtype, tolerance):
+    body = {"model": MODEL, "input": ["hello world", "a cat"], "embed_dtype": embed_dtype}
+
+    async def work(client, http):
+        floats = await http.post("/v1/embeddings", json={**body, "encoding_format": "float"})
+        encoded = {
+            endianness: await http.post(
+                "/v1/embeddings",
+                json={**body, "encoding_format": "base64", "endianness": endianness},
+            )
+            for endianness in ("native", "big", "little")
+        }
+        raw = await http.post("/v1/embeddings", json={**body, "encoding_format": "bytes"})
+        only = await http.post(
+            "/v1/embeddings", json={**body, "encoding_format": "bytes_only", "endianness": "big"}
+        )
+        pooled = await http.post(
+            "/pooling", json={**body, "encoding_format": "bytes_only", "endianness": "big"}
+        )
+        return floats.json(), {k: v.json() for k, v in encoded.items()}, raw, only, pooled
+
+    floats, encoded, raw, only, pooled = _run(app, work)
+    want = [item["embedding"] for item in floats["data"]]
+    for endianness, answer in encoded.items():
+        order = sys.byteorder if endianness == "native" else endianness
+        for item, values in zip(answer["data"], want, strict=True):
+            got = _encoded(base64.b64decode(item["embedding"]), embed_dtype, order)
+            np.testing.assert_allclose(got, values, rtol=tolerance[0], atol=tolerance[1])
+    assert encoded["native"]["usage"] == floats["usage"]
+    # vLLM's "bytes": the vectors back to back, where each lies in the metadata header.
+    assert raw.headers["content-type"] == "application/octet-stream"
+    metadata = json.loads(raw.headers["metadata"])
+    assert metadata["model"] == MODEL and metadata["id"].startswith("embd-")
+    assert metadata["usage"] == {
+        "prompt_tokens": floats["usage"]["prompt_tokens"],
+        "total_tokens": floats["usage"]["prompt_tokens"],
+    }
+    width = len(raw.content) // 2
+    assert [(d["index"], d["start"], d["end"], d["shape"]) for d in metadata["data"]] == [
+        (0, 0, width, [32]),
+        (1, width, 2 * width, [32]),
+    ]
+    assert {(d["embed_dtype"], d["endianness"]) for d in metadata["data"]} == {
+        (embed_dtype, "native")
+    }
+    for item, values in zip(metadata["data"], want, strict=True):
+        part = raw.content[item["start"] : item["end"]]
+        np.testing.assert_allclose(
+            _encoded(part, embed_dtype, sys.byteorder), values, rtol=tolerance[0], atol=tolerance[1]
+        )
+    assert "metadata" not in only.headers and len(only.content) == len(raw.content)
+    assert _encoded(only.content, embed_dtype, "big") == _encoded(
+        raw.content, embed_dtype, sys.byteorder
+    )
+    assert pooled.content == only.content  # /pooling encodes as /v1/embeddings
+
+
+def test_bad_encodings_get_400_naming_the_allowed_values(app):
+    async def work(client, http):
+        answers = []
+        for field, value in [
+            ("embed_dtype", "int8"),
+            ("endianness", "middle"),
+            ("encoding_format", "hex"),
+        ]:
+            response = await http.post(
+                "/v1/embeddings", json={"model": MODEL, "input": "hi", field: value}
+            )
+            answers.append((response.status_code, response.json()["error"]))
+        return answers
+
+    (s1, dtype), (s2, order), (s3, encoding) = _run(app, work)
+    assert (s1, s2, s3) == (400, 400, 400)
+    assert dtype["param"] == "embed_dtype"
+    assert all(name in dtype["message"] for name in ("float32", "bfloat16", "fp8_e5m2"))
+    assert all(name in order["message"] for name in ("native", "big", "little"))
+    assert all(name in encoding["message"] for name in ("float", "base64", "bytes_only"))

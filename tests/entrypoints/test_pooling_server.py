@@ -291,18 +291,30 @@ def test_an_embedding_server_embeds_every_token_on_pooling(tmp_path):
     model = write_bert(tmp_path, "cls", normalize=True)
     engine, app = _app(tmp_path)
     try:
-        (s1, tokens), (s2, reward) = _post_all(
+        (s1, tokens), (s2, reward), (s3, half) = _post_all(
             app,
             [
                 ("/pooling", {"input": QUERY, "task": "token_embed", "encoding_format": "base64"}),
                 ("/pooling", {"input": QUERY, "task": "token_classify"}),
+                (
+                    "/pooling",
+                    {
+                        "input": QUERY,
+                        "task": "token_embed",
+                        "encoding_format": "base64",
+                        "embed_dtype": "float16",
+                        "endianness": "big",
+                    },
+                ),
             ],
         )
     finally:
         engine.shutdown()
-    assert (s1, s2) == (200, 400)
+    assert (s1, s2, s3) == (200, 400, 200)
     want = F.normalize(hf_hidden(model, app.tokenizer.encode(QUERY)), dim=-1)
     got = np.frombuffer(base64.b64decode(tokens["data"][0]["data"]), dtype="<f4")
     got = torch.from_numpy(got.copy()).reshape(want.shape)
     assert (got - want).abs().max().item() < TOLERANCE
+    rows = np.frombuffer(base64.b64decode(half["data"][0]["data"]), dtype=">f2")
+    assert (torch.from_numpy(rows.astype(np.float32)).reshape(want.shape) - want).abs().max() < 1e-3
     assert "token_embed" in reward["error"]["message"]

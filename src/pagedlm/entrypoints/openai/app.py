@@ -208,12 +208,14 @@ class _EventStream(StreamingResponse):
 
 
 async def _respond(
-    request: Request, create: Awaitable[tuple[dict | None, Any]], anthropic: bool
+    request: Request, create: Awaitable[tuple[dict | Response | None, Any]], anthropic: bool
 ) -> Response:
     result = await until_disconnected(request, create)
     if result is None:  # the client went away; nobody reads this
         return Response(status_code=499)
     body, events = result
+    if isinstance(body, Response):  # an answer that is not JSON (vLLM's binary embeddings)
+        return body
     if events is not None:
         headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
         return _EventStream(

@@ -1,19 +1,15 @@
 """The ``/v1/embeddings`` request body (OpenAI's fields, and vLLM's ``normalize``,
-``truncate_prompt_tokens`` and chat form)."""
+``truncate_prompt_tokens``, ``add_special_tokens``, chat form and binary encodings)."""
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field
 
-from pagedlm.entrypoints.openai.protocol_pooling import InputOrMessages
+from pagedlm.entrypoints.openai.protocol_pooling import EncodingFields, InputOrMessages
 
 
-class EmbeddingRequest(InputOrMessages):
+class EmbeddingRequest(InputOrMessages, EncodingFields):
     model: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    """"base64": each embedding as little-endian float32 bytes in base64 (as OpenAI)."""
     dimensions: int | None = Field(None, ge=1)
     """Cut each embedding to its first this many values (Matryoshka models only)."""
     user: str | None = None

@@ -4,12 +4,13 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from pydantic import Field
 
 from pagedlm.entrypoints.openai.chat_message import ChatMessage
 from pagedlm.entrypoints.openai.errors import APIError
+from pagedlm.entrypoints.openai.pooling_encoding import EmbedDType, EncodingFormat, Endianness
 from pagedlm.entrypoints.openai.protocol import ChatTemplateFields, OpenAIModel, engine_prompts
 
 _USE_ACTIVATION = "use use_activation, which means the same"
@@ -26,6 +27,13 @@ class InputOrMessages(OpenAIModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None
+    """vLLM's: the tokenizer's special tokens (BOS, BERT's [CLS]/[SEP]) on text; None: as
+    vLLM, true for ``input`` texts, false for ``messages`` (the template writes them)."""
+
+    def tokenization_kwargs(self) -> dict[str, Any] | None:
+        """How the engine tokenizes the ``input`` texts (None: with special tokens)."""
+        return None if self.add_special_tokens is not False else {"add_special_tokens": False}
 
     def prompts(self) -> list[str | dict[str, Any]]:
         """The input field as engine prompts (text or token ids)."""
@@ -48,6 +56,16 @@ class InputOrMessages(OpenAIModel):
             chat_template=self.chat_template,
             chat_template_kwargs=self.chat_template_kwargs,
         )
+
+
+class EncodingFields(OpenAIModel):
+    """How the results go on the wire (``pooling_encoding``): OpenAI's
+    ``encoding_format`` with vLLM's "bytes" and "bytes_only", and vLLM's ``embed_dtype`` and
+    ``endianness`` of the binary forms."""
+
+    encoding_format: EncodingFormat = "float"
+    embed_dtype: EmbedDType = "float32"
+    endianness: Endianness = "native"
 
 
 class ActivationFields(OpenAIModel):
@@ -91,14 +109,13 @@ class RerankRequest(ActivationFields):
     """Return the best this many documents (0: all of them), best first."""
 
 
-class PoolingRequest(InputOrMessages, ActivationFields):
+class PoolingRequest(InputOrMessages, ActivationFields, EncodingFields):
     """The model's pooled output as it is: an embedding, or a classifier's probabilities;
     with ``task`` (vLLM's) "token_embed" or "token_classify", one row per prompt token."""
 
     model: str | None = None
     task: str | None = None
     """The pooling task (``pagedlm.pooling.tasks``; None: the model's own)."""
-    encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     normalize: bool | None = None
     user: str | None = None

@@ -1,7 +1,7 @@
 """``POST /classify``, ``/score``, ``/rerank`` and ``/pooling``: a pooling model's
 classifications, pair scores and raw outputs, with vLLM's request and response shapes
 (``/pooling`` takes vLLM's ``task``: a token-wise one answers with a row per prompt token,
-``data`` a list of lists).
+``data`` a list of lists; its results go on the wire as ``pooling_encoding`` says).
 
 Every prompt is its own engine request (``pool_all``: all started together, so they share
 steps; a bad one fails the whole request with 400 and aborts the others). Scoring follows
@@ -11,17 +11,18 @@ prompt, an embedding model scores the cosine similarity of the two texts' embedd
 
 from __future__ import annotations
 
-import base64
 import time
 from typing import Any
 
-import numpy as np
+from starlette.responses import Response
 
 from pagedlm.config import PoolerConfig
 from pagedlm.engine.concurrent_requests import final_output, gather_all
 from pagedlm.entrypoints.openai.errors import APIError, from_value_error
+from pagedlm.entrypoints.openai.pooling_encoding import BYTES_FORMATS, bytes_response, encode_vector
 from pagedlm.entrypoints.openai.protocol_pooling import (
     ClassificationRequest,
+    EncodingFields,
     InputOrMessages,
     PoolingRequest,
     RerankRequest,
@@ -31,19 +32,9 @@ from pagedlm.entrypoints.openai.serving_engine import ServingContext
 from pagedlm.pooling import PoolingParams, PoolingRequestOutput, scoring, tasks
 
 
-def encode_vector(vector: Any, encoding_format: str) -> list[Any] | str:
-    """A float32 vector (tensor; a token-wise task's rows) as a response's
-    ``embedding``/``data`` field: JSON floats (a list of rows), or base64 of its
-    little-endian float32 bytes (row after row)."""
-    values = np.asarray(vector, dtype="<f4")
-    if encoding_format == "base64":
-        return base64.b64encode(values.tobytes()).decode("ascii")
-    return values.tolist()
-
-
 async def body_prompts(ctx: ServingContext, body: InputOrMessages) -> list[Any]:
     """The engine prompts of a body's ``input``, or its conversation rendered by the chat
-    template (one prompt)."""
+    template (one prompt; the tokenizer's special tokens added only on request)."""
     chat = body.chat()
     if chat is None:
         return body.prompts()
@@ -53,15 +44,21 @@ async def body_prompts(ctx: ServingContext, body: InputOrMessages) -> list[Any]:
         chat.add_generation_prompt,
         chat.continue_final_message,
         chat.template_kwargs(),
+        bool(body.add_special_tokens),
     )
     return [{"prompt_token_ids": ids}]
 
 
 async def pool_all(
-    ctx: ServingContext, prompts: list[Any], params: PoolingParams, request_id: str
+    ctx: ServingContext,
+    prompts: list[Any],
+    params: PoolingParams,
+    request_id: str,
+    tokenization_kwargs: dict[str, Any] | None = None,
 ) -> list[PoolingRequestOutput]:
     """Each prompt's final output, in order; an engine-side ``ValueError`` becomes a 400,
-    and a failure (or the client leaving) aborts what still runs."""
+    and a failure (or the client leaving) aborts what still runs. ``tokenization_kwargs``:
+    how text prompts are tokenized (``InputOrMessages.tokenization_kwargs``)."""
     limit = ctx.limits.max_completion_prompts
     if len(prompts) > limit:
         raise APIError(
@@ -70,17 +67,23 @@ async def pool_all(
         )
     try:
         return await gather_all(
-            _one(ctx, prompt, params, f"{request_id}-{i}") for i, prompt in enumerate(prompts)
+            _one(ctx, prompt, params, f"{request_id}-{i}", tokenization_kwargs)
+            for i, prompt in enumerate(prompts)
         )
     except ValueError as error:
         raise from_value_error(error) from error
 
 
 async def _one(
-    ctx: ServingContext, prompt: Any, params: PoolingParams, request_id: str
+    ctx: ServingContext,
+    prompt: Any,
+    params: PoolingParams,
+    request_id: str,
+    tokenization_kwargs: dict[str, Any] | None,
 ) -> PoolingRequestOutput:
     ctx.log_request(request_id, prompt, params)
-    final = await final_output(ctx.engine.encode(prompt, params, request_id))
+    options = {} if tokenization_kwargs is None else {"tokenization_kwargs": tokenization_kwargs}
+    final = await final_output(ctx.engine.encode(prompt, params, request_id, **options))
     if final is None:
         raise APIError("The request was aborted before it finished.", status=503)
     return final
@@ -120,6 +123,24 @@ def pooling_params(ctx: ServingContext, pooler: PoolerConfig, **fields: Any) -> 
     return params
 
 
+def bytes_answer(
+    ctx: ServingContext,
+    request_id: str,
+    body: EncodingFields,
+    outputs: list[PoolingRequestOutput],
+) -> Response:
+    """vLLM's "bytes" / "bytes_only" answer of ``outputs`` (``pooling_encoding``)."""
+    header = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
+    return bytes_response(
+        [output.outputs.data for output in outputs],
+        _usage(outputs)["prompt_tokens"],
+        header,
+        body.encoding_format,
+        body.embed_dtype,
+        body.endianness,
+    )
+
+
 def _usage(outputs: list[PoolingRequestOutput]) -> dict[str, Any]:
     tokens = sum(len(output.prompt_token_ids) for output in outputs)
     return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
@@ -138,7 +159,8 @@ class PoolingServer:
             truncate_prompt_tokens=body.truncate_prompt_tokens,
         )
         request_id = self.ctx.request_id("classify")
-        outputs = await pool_all(self.ctx, await body_prompts(self.ctx, body), params, request_id)
+        prompts = await body_prompts(self.ctx, body)
+        outputs = await pool_all(self.ctx, prompts, params, request_id, body.tokenization_kwargs())
         labels = pooler.labels
         assert labels is not None
         data = []
@@ -179,7 +201,7 @@ class PoolingServer:
         }
         return response, None
 
-    async def pooling(self, body: PoolingRequest) -> tuple[dict[str, Any], None]:
+    async def pooling(self, body: PoolingRequest) -> tuple[dict[str, Any] | Response, None]:
         pooler = pooling_model(self.ctx, body.model, "/pooling", body.task)
         params = pooling_params(
             self.ctx,
@@ -191,14 +213,20 @@ class PoolingServer:
             task=body.task,
         )
         request_id = self.ctx.request_id("pool")
-        outputs = await pool_all(self.ctx, await body_prompts(self.ctx, body), params, request_id)
+        prompts = await body_prompts(self.ctx, body)
+        outputs = await pool_all(self.ctx, prompts, params, request_id, body.tokenization_kwargs())
+        vectors = [output.outputs.data for output in outputs]
+        if body.encoding_format in BYTES_FORMATS:
+            return bytes_answer(self.ctx, request_id, body, outputs), None
         data = [
             {
                 "index": index,
                 "object": "pooling",
-                "data": encode_vector(output.outputs.data, body.encoding_format),
+                "data": encode_vector(
+                    vector, body.encoding_format, body.embed_dtype, body.endianness
+                ),
             }
-            for index, output in enumerate(outputs)
+            for index, vector in enumerate(vectors)
         ]
         return self._listing(request_id, data, outputs), None
 
