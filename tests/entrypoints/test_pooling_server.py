@@ -318,3 +318,42 @@ def test_an_embedding_server_embeds_every_token_on_pooling(tmp_path):
     rows = np.frombuffer(base64.b64decode(half["data"][0]["data"]), dtype=">f2")
     assert (torch.from_numpy(rows.astype(np.float32)).reshape(want.shape) - want).abs().max() < 1e-3
     assert "token_embed" in reward["error"]["message"]
+
+
+def test_score_takes_vllms_newer_names(cross_encoder):
+    """vLLM's /score reads its two sides as queries and documents, queries and items,
+    data_1 and data_2, or text_1 and text_2: the first complete pair in that order, the
+    others' fields ignored; no complete pair is a 400 naming them."""
+    _, app = cross_encoder
+    answers = _post_all(
+        app,
+        [
+            ("/score", {"text_1": QUERY, "text_2": DOCUMENTS}),
+            ("/score", {"queries": QUERY, "documents": DOCUMENTS}),
+            ("/score", {"queries": [QUERY] * 3, "items": DOCUMENTS}),
+            ("/v1/score", {"data_1": QUERY, "data_2": DOCUMENTS}),
+            ("/score", {"queries": QUERY, "documents": DOCUMENTS, "text_1": "x", "text_2": "y"}),
+            ("/score", {"data_1": QUERY, "data_2": DOCUMENTS, "text_1": "x", "text_2": "y"}),
+            ("/score", {"queries": QUERY, "text_1": QUERY, "text_2": DOCUMENTS}),
+            ("/invocations", {"queries": QUERY, "documents": DOCUMENTS}),
+        ],
+    )
+    assert [status for status, _ in answers] == [200] * 8, answers
+    want = [d["score"] for d in answers[0][1]["data"]]
+    for _, body in answers[1:]:
+        assert [d["score"] for d in body["data"]] == want
+    errors = _post_all(
+        app,
+        [
+            ("/score", {"queries": QUERY, "text_2": DOCUMENTS}),
+            ("/score", {"queries": DOCUMENTS[:2], "documents": DOCUMENTS}),
+            ("/score", {}),
+        ],
+    )
+    assert [status for status, _ in errors] == [400] * 3
+    (_, mixed), (_, uneven), (_, empty) = errors
+    assert "queries with documents" in mixed["error"]["message"]
+    assert "text_1 with text_2" in mixed["error"]["message"]
+    assert mixed["error"]["param"] == "documents"
+    assert "queries has 2 items and documents 3" in uneven["error"]["message"]
+    assert "none of them" in empty["error"]["message"]

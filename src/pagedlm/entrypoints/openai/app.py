@@ -308,15 +308,15 @@ def _invocation_path(raw: Any, ctx: ServingContext) -> str:
             return "/v1/completions"
         if "query" in raw and "documents" in raw:
             return "/rerank"
-        if "text_1" in raw:
+        if any(name in raw for name in ("queries", "data_1", "text_1")):  # vLLM's names
             return "/score"
         if "input" in raw:
             pooler = ctx.engine.config.model.pooler if ctx.runner == "pooling" else None
             return "/classify" if pooler is not None and pooler.labels else "/v1/embeddings"
     raise APIError(
         "/invocations answers the body of another route: send messages (chat), prompt "
-        "(completions), input (embeddings, or classification on a classifier), text_1 and "
-        "text_2 (score) or query and documents (rerank)."
+        "(completions), input (embeddings, or classification on a classifier), queries and "
+        "documents or text_1 and text_2 (score) or query and documents (rerank)."
     )
 
 

@@ -94,11 +94,45 @@ class ClassificationRequest(InputOrMessages, ActivationFields):
     user: str | None = None
 
 
+SCORE_FIELD_PAIRS = (
+    ("queries", "documents"),
+    ("queries", "items"),
+    ("data_1", "data_2"),
+    ("text_1", "text_2"),
+)
+"""The names ``/score`` takes its two sides under, in vLLM's order of preference."""
+
+
 class ScoreRequest(ActivationFields):
+    """The two sides of the scores under any of vLLM's names (``SCORE_FIELD_PAIRS``): the
+    first side one text (scored against every text of the second) or as many as the
+    second (pairwise). As in vLLM, the first complete pair is read and the others'
+    fields are ignored."""
+
     model: str | None = None
-    text_1: str | list[str]
-    """One text (scored against every ``text_2``) or as many as ``text_2`` (pairwise)."""
-    text_2: str | list[str]
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+    items: str | list[str] | None = None
+    data_1: str | list[str] | None = None
+    data_2: str | list[str] | None = None
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+
+    def sides(self) -> tuple[tuple[str, str], str | list[str], str | list[str]]:
+        """(the pair's names, its first side, its second side); a 400 naming the pairs
+        when none is complete."""
+        for names in SCORE_FIELD_PAIRS:
+            first, second = (getattr(self, name) for name in names)
+            if first is not None and second is not None:
+                return names, first, second
+        sent = {n for pair in SCORE_FIELD_PAIRS for n in pair if getattr(self, n) is not None}
+        missing = next((b if a in sent else a for a, b in SCORE_FIELD_PAIRS if {a, b} & sent), None)
+        pairs = ", ".join(f"{a} with {b}" for a, b in SCORE_FIELD_PAIRS)
+        raise APIError(
+            f"Send the texts to score as one of these pairs: {pairs} (this request has "
+            f"{sorted(sent) or 'none of them'}).",
+            param=missing or "queries",
+        )
 
 
 class RerankRequest(ActivationFields):

@@ -174,10 +174,10 @@ class PoolingServer:
 
     async def score(self, body: ScoreRequest) -> tuple[dict[str, Any], None]:
         request_id = self.ctx.request_id("score")
+        names, first, second = body.sides()
         scores, outputs = await self._scores(
-            body, scoring.as_list(body.text_1), scoring.as_list(body.text_2),
-            ("text_1", "text_2"), request_id,
-        )  # fmt: skip
+            body, scoring.as_list(first), scoring.as_list(second), names, request_id
+        )
         data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
         return self._listing(request_id, data, outputs), None
 
