@@ -273,3 +273,43 @@ def test_fp8_experts_load_and_match_quantizing_at_load(tmp_path: Path, layout: s
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             else:  # static input scales, per-tensor codes quantized again
                 assert ((got - want).norm() / want.norm()).item() < 0.15
+
+
+_DEEPSEEK_QUANTIZED = re.compile(
+    r"model\.layers\.\d+\.(self_attn\.\w+_(proj|mqa)"
+    r"|mlp\.(experts\.\d+\.|shared_experts\.)?\w+_proj)\.weight$"
+)
+"""llm-compressor's FP8-dynamic recipe on DeepSeek: every linear layer but the LM head and
+the routers, so also the latent projections every rank holds whole (``q_a_proj``,
+``kv_a_proj_with_mqa``)."""
+
+
+def test_deepseek_fp8_checkpoint_matches_quantizing_at_load(tmp_path: Path) -> None:
+    """A DeepSeek-V3 checkpoint with every decoder linear in E4M3 (per-channel scales):
+    its replicated latent projections load too (they have no sharding loader), and the
+    logits are those of quantizing the float model at load."""
+    from model_executor.test_zoo_models_deepseek import CASES, save_deepseek
+    from pagedlm.model_executor.models.deepseek_v2 import ReplicatedLinear
+
+    config_class, overrides = CASES["v3"]
+    source = tmp_path / "float"
+    save_deepseek(source, config_class, overrides)
+    target = tmp_path / "ct"
+    state = write_fp8_checkpoint(
+        source, target, "compressed-tensors", _DEEPSEEK_QUANTIZED, ("lm_head", "re:.*mlp.gate$")
+    )
+    assert any(name.endswith("q_a_proj.weight_scale") for name in state)
+    checkpoint_config, _ = EngineArgs(
+        model=str(target), skip_tokenizer_init=True, dtype="float32"
+    ).create_engine_config()
+    model = load_model(checkpoint_config.model, CPU)
+    replicated = [m for m in model.modules() if isinstance(m, ReplicatedLinear)]
+    assert replicated and all(fp8.is_fp8_layer(m) for m in replicated)
+    reference = load_model(replace(model_config(source), quantization="fp8"), CPU)
+    backend = CpuSdpaBackend(CPU)
+    arch = checkpoint_config.model.arch
+    with torch.no_grad():
+        for prompt in random_prompts()[:2]:
+            got = full_logits(model, arch, backend, prompt)
+            want = full_logits(reference, arch, backend, prompt)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -28,7 +28,11 @@ from torch import nn
 from pagedlm.model_executor.layers.linear import RowParallelLinear
 from pagedlm.model_executor.layers.linear_base import LinearBase
 from pagedlm.model_executor.layers.vocab_embedding import ParallelLMHead
-from pagedlm.model_executor.loader.weight_utils import copy_checked, set_weight_loader
+from pagedlm.model_executor.loader.weight_utils import (
+    copy_checked,
+    get_weight_loader,
+    set_weight_loader,
+)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
@@ -91,12 +95,14 @@ class Fp8ReferenceLinear:
 def _scale_loader(layer: LinearBase):
     """A weight loader for ``weight_scale [out, 1]`` taking the checkpoint's per-row scales
     of one tensor (``[rows]`` or ``[rows, 1]``; per-tensor scales already repeated over
-    rows). Row-parallel layers split their inputs, not their rows: every rank holds them all."""
+    rows). Row-parallel layers split their inputs, not their rows, and replicated layers
+    (no ``weight_loader`` of their own: DeepSeek's ``q_a_proj``) split nothing: every rank
+    holds all of them."""
 
     def load(param: nn.Parameter, loaded: torch.Tensor, *shard_id: object) -> None:
         loaded = loaded.reshape(-1, 1)
-        if isinstance(layer, RowParallelLinear):
-            copy_checked(param.data, loaded, "row weight_scale")
+        if isinstance(layer, RowParallelLinear) or not hasattr(layer, "weight_loader"):
+            copy_checked(param.data, loaded, "weight_scale")
         else:
             layer.weight_loader(param, loaded, *shard_id)
 
@@ -115,7 +121,7 @@ def add_fp8_parameters(layer: LinearBase, static_input_scale: bool) -> None:
     with ``static_input_scale``, ``input_scale``; its kernel is the reference one."""
     old = layer.weight
     weight = nn.Parameter(torch.empty(old.shape, dtype=FP8_DTYPE, device=old.device), False)
-    set_weight_loader(weight, old.weight_loader)
+    set_weight_loader(weight, get_weight_loader(old))
     layer.weight = weight
     scale = nn.Parameter(torch.empty(old.shape[0], 1, device=old.device), requires_grad=False)
     set_weight_loader(scale, _scale_loader(layer))
