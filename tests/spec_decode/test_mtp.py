@@ -259,3 +259,26 @@ def test_a_weight_update_from_tensors_reaches_the_layer(checkpoint) -> None:
     llm.llm_engine.shutdown()
     torch.testing.assert_close(after, before * 3)
     assert len(outputs[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("layout", ["compressed-tensors", "fp8"])
+def test_the_head_loads_from_an_fp8_checkpoint(checkpoint, tmp_path, layout) -> None:
+    """An FP8 checkpoint (per-channel or per-tensor codes, the MTP layer's projections
+    included): the head reads its own layer's codes and scales, and none of the target's
+    tensors (their layers are not the head's)."""
+    import re
+
+    from pagedlm.model_executor.quantization import fp8
+    from quantization.test_fp8_checkpoints import write_fp8_checkpoint
+
+    quantized = re.compile(
+        r"model\.layers\.\d+\.(self_attn\.(q_b|kv_b|o)_proj|mlp\.(experts\.\d+\.|shared_experts\.)?"
+        r"\w+_proj)\.weight$"
+    )
+    state = write_fp8_checkpoint(checkpoint[0], tmp_path / layout, layout, quantized)
+    head = load_model(model_config(tmp_path / layout), torch.device("cpu"), model_class=DeepSeekMTP)
+    index = json.loads((checkpoint[0] / "config.json").read_text())["num_hidden_layers"]
+    layers = {n: m for n, m in head.named_modules() if fp8.is_fp8_layer(m)}
+    o_proj = next(m for n, m in layers.items() if n.endswith("self_attn.o_proj"))
+    codes = state[f"model.layers.{index}.self_attn.o_proj.weight"]
+    assert torch.equal(o_proj.weight.view(torch.uint8), codes.view(torch.uint8))

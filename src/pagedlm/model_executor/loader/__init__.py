@@ -151,7 +151,7 @@ def load_model(
         kv_scales: dict[tuple[int, str], float] = {}
         weights = fp8.split_kv_scales(weights, kv_scales)  # the models have no parameter
         if "quantization_config" in model_config.arch.raw:
-            weights = _prequantized_weights(model, model_config, weights)
+            weights = _prequantized_weights(model, model_config, weights, select)
         with torch.no_grad():
             loaded = model.load_weights(weights)
             install_kv_scales(model, kv_scales)
@@ -226,11 +226,15 @@ def quantized_linear_blocks(
 
 
 def _prequantized_weights(
-    model: nn.Module, model_config: ModelConfig, weights: Iterator[tuple[str, torch.Tensor]]
+    model: nn.Module,
+    model_config: ModelConfig,
+    weights: Iterator[tuple[str, torch.Tensor]],
+    select: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The weight stream of a bitsandbytes or int8 compressed-tensors checkpoint
     (dequantized) or an FP8 one (the model's quantized layers prepared to take its codes
-    and scales)."""
+    and scales). ``select``: the names ``weights`` was filtered by (a model read from part
+    of a checkpoint); the FP8 layers are found among those tensors only."""
     from pagedlm.model_executor.loader import bitsandbytes
     from pagedlm.model_executor.quantization.fp8_checkpoint import (
         fp8_checkpoint_scheme,
@@ -265,6 +269,8 @@ def _prequantized_weights(
     from pagedlm.model_executor.loader.safetensors_loader import safetensors_shapes
 
     shapes = safetensors_shapes(model_config.model)
+    if select is not None:
+        shapes = {name: shape for name, shape in shapes.items() if select(name)}
     return prepare_fp8_checkpoint(model, scheme, shapes, weights)
 
 
