@@ -104,3 +104,38 @@ def test_list_caps():
         limits.check(CompletionRequest(prompt=["a", "b", "c"]))
     with pytest.raises(ValueError, match="--max-tools must be at least 1"):
         RequestLimits(max_tools=0)
+
+
+def test_logit_bias_is_clamped_as_vllm_and_bad_values_name_the_fix():
+    """vLLM clamps a request's biases to [-100, 100] (OpenAI's range) when it builds the
+    sampling parameters; ``SamplingParams`` itself takes them as given (vLLM's too)."""
+    from pagedlm.sampling_params import SamplingParams
+
+    bias = {"5": 1000, "6": -1e9, "7": 3.5, "8": "-2"}
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for model, fields in ((CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest, chat)):
+        request = model.model_validate({**fields, "logit_bias": bias})
+        params = request.base_sampling_params(max_tokens=4, logprobs=None)
+        assert params.logit_bias == {5: 100.0, 6: -100.0, 7: 3.5, 8: -2.0}
+    assert SamplingParams(logit_bias={5: 1000.0}).logit_bias == {5: 1000.0}
+    with pytest.raises(ValueError, match="finite"):
+        SamplingParams(logit_bias={5: float("inf")})
+
+    for value, needle in [
+        ({"5": "abc"}, "the bias of token 5 is 'abc'; send a finite number from -100 to 100"),
+        ({"5": "Infinity"}, "send a finite number"),
+        ({"5": "NaN"}, "send a finite number"),
+        ({"5": None}, "send a finite number"),
+        ({"5": [1]}, "send a finite number"),
+        ([1, 2], 'send an object mapping token ids to biases, e.g. {"50256": -100}'),
+    ]:
+        with pytest.raises(ValidationError) as error:
+            CompletionRequest.model_validate({"prompt": "x", "logit_bias": value})
+        message, param = validation_message(error.value)
+        assert needle in message and param == "logit_bias", message
+    with pytest.raises(APIError, match="NaN is not a JSON value"):
+        loads_strict(b'{"prompt": "x", "logit_bias": {"5": NaN}}')
+    with pytest.raises(APIError, match="not a token id"):
+        CompletionRequest.model_validate(
+            {"prompt": "x", "logit_bias": {"abc": 1}}
+        ).base_sampling_params(max_tokens=4, logprobs=None)

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError, ValidatorFunctionWrapHandler, field_validator
+from pydantic_core import PydanticCustomError
 
 from pagedlm.beam_search import BeamSearchParams
 from pagedlm.entrypoints.openai.chat_message import ChatMessage
@@ -30,6 +31,9 @@ from pagedlm.sampling_params import (
 MAX_N = 64
 """The most samples one request may ask for (``n``)."""
 LOGIT_BIAS_LIMIT = 100.0
+"""A request's ``logit_bias`` values are clamped to +-this (OpenAI's documented range;
+vLLM clamps them when it builds a request's sampling parameters, ``SamplingParams`` does
+not)."""
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 """``seed`` and ``priority`` range (vLLM's: a torch.long)."""
 GUIDED_FIELDS = {
@@ -113,6 +117,27 @@ class SamplingFields(OpenAIModel):
         },
         "guided_decoding_backend": "the server's --structured-outputs-backend is used; drop it",
     }
+
+    @field_validator("logit_bias", mode="wrap")
+    @classmethod
+    def _check_logit_bias(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """pydantic's checks of the values, refused with a message that says what to send
+        (a finite number; strict JSON already refuses NaN and Infinity)."""
+        try:
+            return handler(value)
+        except ValidationError as error:
+            if not isinstance(value, dict):
+                raise PydanticCustomError(
+                    "logit_bias",
+                    'send an object mapping token ids to biases, e.g. {"50256": -100}.',
+                ) from None
+            key = next((str(e["loc"][0]) for e in error.errors() if e["loc"]), None)
+            got = repr(value.get(key))[:64]  # client-chosen: quoted short
+            raise PydanticCustomError(
+                "logit_bias",
+                f"the bias of token {key!s:.32} is {got}; send a finite number from "
+                f"-{LOGIT_BIAS_LIMIT:g} to {LOGIT_BIAS_LIMIT:g} (larger ones are clamped).",
+            ) from None
 
     def check_backend(self, server_backend: str) -> None:
         """vLLM's rule for ``guided_decoding_backend``: a request cannot pick its grammar
