@@ -6,7 +6,9 @@ configuration refuses targets without such a layer."""
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -241,7 +243,7 @@ def test_a_weight_update_from_disk_reloads_the_layer(checkpoint, tmp_path) -> No
 
 def test_a_weight_update_from_tensors_reaches_the_layer(checkpoint) -> None:
     """``update_weights_from_tensor`` with the checkpoint's names: the MTP layer takes its
-    tensors from them (an RL loop's new policy), not from the files."""
+    tensors from them (an RL loop's new policy), not from the files, and keeps none."""
     path = checkpoint[0]
     tensors = load_file(path / "model.safetensors")
     name = next(n for n in tensors if n.endswith(".enorm.weight"))
@@ -255,6 +257,11 @@ def test_a_weight_update_from_tensors_reaches_the_layer(checkpoint) -> None:
     [before] = llm.collective_rpc(enorm)
     llm.llm_engine.update_weights_from_tensor(tensors)
     [after] = llm.collective_rpc(enorm)
+    # The engine keeps none of the caller's tensors (a second copy of the weights).
+    alive = [weakref.ref(tensor) for tensor in tensors.values()]
+    del tensors
+    gc.collect()
+    assert sum(ref() is not None for ref in alive) == 0
     outputs = llm.generate([{"prompt_token_ids": PROMPTS[1]}], SamplingParams(max_tokens=4))
     llm.llm_engine.shutdown()
     torch.testing.assert_close(after, before * 3)

@@ -65,7 +65,9 @@ class ModelDrafter(Proposer):
         geometry: KVGeometry,
     ) -> None:
         super().__init__(batch)
-        self.target = target
+        # Not the tensors a weight update passed: a proposer lives as long as its runner,
+        # and they would keep a second copy of the target's weights alive after the caller's.
+        self.target = replace(target, weights=None)
         self.attn_backend = target.attn_backend
         self.num_layers = num_layers
         self.geometry = geometry
