@@ -78,7 +78,7 @@ def test_chat_batch_with_images_equals_one_conversation_at_a_time(llm, monkeypat
     alone = [llm.chat(c, PARAMS, use_tqdm=False)[0] for c in conversations]
     threads = _threads_used(llm, monkeypatch)
     batch = llm.chat(conversations, PARAMS, use_tqdm=False)
-    assert all(name.startswith("pagedlm-preprocess") for name in threads)
+    assert threads and all(name.startswith("pagedlm-preprocess") for name in threads), threads
     assert [o.prompt_token_ids for o in batch] == [o.prompt_token_ids for o in alone]
     assert [o.outputs[0].token_ids for o in batch] == [o.outputs[0].token_ids for o in alone]
 
