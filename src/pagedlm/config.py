@@ -468,8 +468,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     draft_model: ModelConfig | None = None
     """The draft model or EAGLE head ("draft_model", "eagle", "eagle3"), loaded like the
-    target (same dtype and ``max_model_len``); None for "ngram" and "mtp" (whose layer the
-    workers read from the target's own checkpoint)."""
+    target (same dtype and ``max_model_len``); None for "ngram", and for "mtp" while the
+    workers read its layer from the target's own checkpoint (set, to the last checkpoint
+    that held the layer, after a weight update from disk to one without it)."""
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
     """"ngram": the shortest and longest suffix looked up in the request's tokens."""

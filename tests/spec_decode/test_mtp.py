@@ -241,6 +241,50 @@ def test_a_weight_update_from_disk_reloads_the_layer(checkpoint, tmp_path) -> No
     torch.testing.assert_close(after, before * 2)
 
 
+def test_an_update_to_a_checkpoint_without_the_layer_keeps_it(checkpoint, tmp_path) -> None:
+    """A trainer's checkpoint saved by transformers has no MTP layer: the target's weights
+    are updated and the proposer keeps its layer (read again from the checkpoint that held
+    it, through any number of such updates), until a checkpoint with the layer comes."""
+    path = checkpoint[0]
+    index = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    tensors = load_file(path / "model.safetensors")
+    name = next(n for n in tensors if n.endswith(".enorm.weight"))
+    trained = tmp_path / "trained"
+    trained.mkdir()
+    (trained / "config.json").write_text((path / "config.json").read_text())
+    without = {n: t for n, t in tensors.items() if not n.startswith(f"model.layers.{index}.")}
+    norm = "model.norm.weight"
+    save_file({**without, norm: without[norm] * 2}, trained / "model.safetensors")
+    with_layer = tmp_path / "with_layer"
+    with_layer.mkdir()
+    (with_layer / "config.json").write_text((path / "config.json").read_text())
+    save_file({**tensors, name: tensors[name] * 3}, with_layer / "model.safetensors")
+    llm = LLM(str(path), skip_tokenizer_init=True, max_model_len=64, num_kv_blocks=32,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 1})  # fmt: skip
+
+    def weights(worker) -> tuple[torch.Tensor, torch.Tensor]:
+        runner = worker.runner
+        return (
+            runner.speculator.proposer.head.layer.enorm.weight.detach().clone(),
+            runner.model.decoder.norm.weight.detach().clone(),
+        )
+
+    [(enorm, final_norm)] = llm.collective_rpc(weights)
+    llm.update_weights_from_disk(str(trained))
+    [(enorm_1, final_norm_1)] = llm.collective_rpc(weights)
+    llm.update_weights_from_disk(str(trained))  # again: the layer's source is remembered
+    [(enorm_2, _)] = llm.collective_rpc(weights)
+    outputs = llm.generate([{"prompt_token_ids": PROMPTS[1]}], SamplingParams(max_tokens=4))
+    llm.update_weights_from_disk(str(with_layer))
+    [(enorm_3, final_norm_3)] = llm.collective_rpc(weights)
+    llm.llm_engine.shutdown()
+    torch.testing.assert_close(final_norm_1, final_norm * 2)
+    assert torch.equal(enorm_1, enorm) and torch.equal(enorm_2, enorm)
+    assert len(outputs[0].outputs[0].token_ids) == 4
+    torch.testing.assert_close(enorm_3, enorm * 3)
+    torch.testing.assert_close(final_norm_3, final_norm)
+
+
 def test_a_weight_update_from_tensors_reaches_the_layer(checkpoint) -> None:
     """``update_weights_from_tensor`` with the checkpoint's names: the MTP layer takes its
     tensors from them (an RL loop's new policy), not from the files, and keeps none."""

@@ -18,12 +18,26 @@ if TYPE_CHECKING:
     from pagedlm.worker.input_batch import InputBatch
 
 
+def after_update_from_disk(
+    config: SpeculativeConfig | None, previous: ModelConfig, updated: ModelConfig
+) -> SpeculativeConfig | None:
+    """``config`` once a weight update from disk moves the target's checkpoint from
+    ``previous`` to ``updated`` (only "mtp", whose layer is read from the target's
+    checkpoint, may change: ``mtp.after_update_from_disk``)."""
+    if config is None or config.method != "mtp":
+        return config
+    from pagedlm.spec_decode import mtp
+
+    return mtp.after_update_from_disk(config, previous, updated)
+
+
 def build_proposer(
     config: SpeculativeConfig, batch: InputBatch, target: TargetParts, target_model: ModelConfig
 ) -> Proposer:
     """The proposer ``config.method`` names (its modules imported on first use).
     ``target_model``: the target's current configuration ("mtp" reads its layer from the
-    target's checkpoint, the one weight updates last loaded)."""
+    target's checkpoint, the one weight updates last loaded, unless ``draft_model`` names
+    an earlier one: ``mtp.after_update_from_disk``)."""
     vocab_size = target_model.arch.vocab_size
     method = config.method
     if method == "ngram":
@@ -38,7 +52,7 @@ def build_proposer(
     if method == "mtp":
         from pagedlm.spec_decode.mtp import MTPProposer, mtp_config
 
-        return MTPProposer(batch, target, mtp_config(target_model))
+        return MTPProposer(batch, target, config.draft_model or mtp_config(target_model))
     assert config.draft_model is not None, f"method {method!r} needs a draft model"
     if method == "draft_model":
         from pagedlm.spec_decode.draft_model import DraftModelProposer

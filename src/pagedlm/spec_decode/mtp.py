@@ -11,11 +11,12 @@ embedding the target's. Its KV is latent where the target's is.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import torch
 
-from pagedlm.config import ModelConfig
+from pagedlm.config import ModelConfig, SpeculativeConfig
 from pagedlm.model_executor.layers.attention import model_kv_geometry
 from pagedlm.model_executor.loader import load_model
 from pagedlm.model_executor.models.deepseek_mtp import DeepSeekMTP
@@ -23,12 +24,48 @@ from pagedlm.spec_decode.eagle import EagleProposer, _EagleStep
 from pagedlm.spec_decode.model_drafter import ModelDrafter, TargetParts
 from pagedlm.worker.input_batch import InputBatch
 
+logger = logging.getLogger(__name__)
+
 
 def mtp_config(target: ModelConfig) -> ModelConfig:
     """What the layer is loaded from: the target's checkpoint as the target was last loaded
-    (a weight update from disk moves both; one from tensors moves the layer when they
-    include it)."""
+    (a weight update from disk moves both, unless the new checkpoint has no such layer:
+    ``after_update_from_disk``; one from tensors moves the layer when they include it)."""
     return replace(target, tokenizer=None, skip_tokenizer_init=True)
+
+
+def _holds_layer(model: ModelConfig) -> bool:
+    """Whether ``model``'s safetensors files hold the MTP layer (True where that cannot be
+    read from headers: loading then says)."""
+    from pagedlm.model_executor.loader.safetensors_loader import safetensors_shapes
+
+    try:
+        names = safetensors_shapes(model.model)
+    except (OSError, ValueError):
+        return True
+    select = DeepSeekMTP.checkpoint_selector(model.arch)
+    return not names or any(map(select, names))
+
+
+def after_update_from_disk(
+    config: SpeculativeConfig, previous: ModelConfig, updated: ModelConfig
+) -> SpeculativeConfig:
+    """The configuration of "mtp" once a weight update from disk moves the target from
+    ``previous`` to ``updated``: a checkpoint without the layer (what transformers'
+    DeepSeek-V3 saves: its model has no such layer) leaves the proposer the layer it has,
+    read from the last checkpoint that held it (``draft_model``), as vLLM keeps its
+    drafter's weights when the target's are reloaded."""
+    if _holds_layer(updated):
+        return replace(config, draft_model=None)
+    source = config.draft_model or mtp_config(previous)
+    logger.warning(
+        "%s has no multi-token-prediction layer (model.layers.%d.*); the MTP proposer keeps "
+        "the layer of %s.",
+        updated.model,
+        updated.arch.num_hidden_layers,
+        source.model,
+    )
+    return replace(config, draft_model=source)
 
 
 def _layer_tensors(

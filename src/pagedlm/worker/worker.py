@@ -22,6 +22,7 @@ from pagedlm.distributed import (
 from pagedlm.lora.manager import HostState
 from pagedlm.lora.request import LoRARequest
 from pagedlm.platforms import Platform
+from pagedlm.spec_decode import after_update_from_disk
 from pagedlm.step import GrammarBitmask, SchedulerOutput, StepResult
 from pagedlm.worker.model_runner import ModelRunner
 from pagedlm.worker.sleep import (
@@ -241,7 +242,8 @@ class Worker:
         config = self.config
         if model_path is not None:
             model = replace(config.model, model=model_path, load_format="auto")
-            config = replace(config, model=model)
+            speculative = after_update_from_disk(config.speculative, config.model, model)
+            config = replace(config, model=model, speculative=speculative)
         lora_host_state = self.runner.lora.host_state()
         self.model_runner = None
         self.platform.release_memory()
