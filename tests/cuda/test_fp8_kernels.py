@@ -14,7 +14,11 @@ from pagedlm_cuda.kernels.fp8_gemv import fp8_gemv, quantize_per_token
 
 # Rows not a multiple of the 16-row tile, columns not a multiple of the slice; the wider
 # tile configurations (beyond 4k and 8k outputs) on the GPU only (slow in the interpreter).
-_GPU_ONLY = pytest.mark.skipif(not ON_GPU, reason="thousands of programs: GPU only")
+# Marked cuda as well: run by the GPU's -m cuda, deselected (not skipped) on CPU.
+_GPU_ONLY = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not ON_GPU, reason="thousands of programs: GPU only"),
+]
 SHAPES = [(40, 600), (96, 1100), pytest.param((5000, 64), marks=_GPU_ONLY),
           pytest.param((8200, 64), marks=_GPU_ONLY)]  # fmt: skip
 

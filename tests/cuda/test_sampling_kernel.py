@@ -121,6 +121,7 @@ def test_one_compiled_kernel_serves_every_batch_size(monkeypatch) -> None:
     assert len(first.constexprs) == 1 and len(second.constexprs) == 1
 
 
+@pytest.mark.cuda  # run by the GPU's -m cuda, deselected (not skipped) on CPU
 @pytest.mark.skipif(not ON_GPU, reason="counts compilations (the interpreter compiles none)")
 def test_no_batch_size_compiles_the_sampler_again() -> None:
     from pagedlm.benchmarks.common import jit_compiles
