@@ -188,6 +188,25 @@ def test_targets_without_an_mtp_layer_are_refused(checkpoint, tmp_path, tiny_che
         )
 
 
+def test_several_mtp_layers_are_announced(checkpoint, tmp_path, caplog) -> None:
+    """A checkpoint with two MTP layers: the proposer drafts with the first, and says so
+    at start-up (vLLM would cycle through both)."""
+    from pagedlm.engine.arg_utils import EngineArgs
+
+    path = checkpoint[0]
+    two = tmp_path / "two_mtp"
+    two.mkdir()
+    raw = json.loads((path / "config.json").read_text())
+    (two / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 2}))
+    (two / "model.safetensors").symlink_to(path / "model.safetensors")
+    config = {"method": "mtp", "num_speculative_tokens": 2}
+    with caplog.at_level("WARNING", logger="pagedlm.engine.speculative_args"):
+        EngineArgs(
+            model=str(two), skip_tokenizer_init=True, speculative_config=config
+        ).create_engine_config()
+    assert "2 multi-token-prediction layers" in caplog.text
+
+
 def test_each_first_draft_is_the_layers_argmax(checkpoint, monkeypatch) -> None:
     """Through the engine: the draft for position n is the reference layer's prediction
     from row n - 2 (token n - 1 with the target's hidden state at n - 2), at every step."""

@@ -12,12 +12,15 @@ key to change and how.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from pagedlm.config import SPECULATIVE_METHODS, ArchConfig, ModelConfig, SpeculativeConfig
+
+logger = logging.getLogger(__name__)
 
 _KEYS = {
     "method",
@@ -154,6 +157,13 @@ def _check_mtp_target(values: dict[str, Any], target: ModelConfig, resolve: Reso
             f"the target {target.model} has no multi-token-prediction layer "
             "(num_nextn_predict_layers is 0 or missing in its config.json); use ngram, "
             "draft_model or an EAGLE head."
+        )
+    if mtp_layer_count(arch) > 1:
+        logger.warning(
+            "%s has %d multi-token-prediction layers; the MTP proposer drafts every token with "
+            "the first (vLLM cycles its drafts through them).",
+            target.model,
+            mtp_layer_count(arch),
         )
     if target.is_gguf:
         raise _error("method 'mtp' reads the layer from a safetensors checkpoint, not GGUF.")

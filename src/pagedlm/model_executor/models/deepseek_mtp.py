@@ -11,7 +11,9 @@ layer's MoE, ``mtp_block`` here, stored without that prefix) plus:
 
 The embedding and the LM head are the target's: the V3 report says the MTP modules share
 them, and the checkpoint's copies under the layer (``embed_tokens``, ``shared_head.head``)
-are not read. Only the first MTP layer is used, for every draft (as vLLM does).
+are not read. Only the first MTP layer is used, for every draft: V3 and R1 have one.
+(vLLM cycles drafts through several, draft ``j`` on layer ``j mod n``; the engine warns
+where a checkpoint has more than one.)
 
 A head row at position ``p`` takes the token at ``p + 1`` and a hidden state for position
 ``p``: the target's final normed one where the target computed ``p``, the head's own
