@@ -21,7 +21,7 @@ def test_logprobs_match_transformers(tiny_checkpoint):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         completion = out.outputs[0]
         full = prompt + completion.token_ids
         with torch.no_grad():

@@ -218,7 +218,8 @@ def test_a_bert_classifier_classifies_every_token_with_its_classifier_alone(tmp_
     try:
         tokenizer = llm.get_tokenizer()
         raw = PoolingParams(use_activation=False)
-        for text, output in zip(TEXTS, llm.reward(TEXTS, pooling_params=raw, use_tqdm=False)):
+        outputs = llm.reward(TEXTS, pooling_params=raw, use_tqdm=False)
+        for text, output in zip(TEXTS, outputs, strict=True):
             ids = torch.tensor([tokenizer.encode(text)])
             with torch.no_grad():
                 hidden = model.bert(input_ids=ids).last_hidden_state[0]

@@ -65,7 +65,8 @@ def test_ngram_lookup_is_the_longest_earliest_match() -> None:
         lengths = torch.tensor([len(c[0]) for c in group])
         wanted = torch.tensor([c[3] for c in group])
         drafts, num_valid = propose_ngrams(rows, lengths, min_n, max_n, 5, wanted)
-        for row, count, (tokens, *_, k) in zip(drafts.tolist(), num_valid.tolist(), group):
+        rows_out = zip(drafts.tolist(), num_valid.tolist(), group, strict=True)
+        for row, count, (tokens, *_, k) in rows_out:
             assert row[:count] == _brute_force_ngram(tokens, min_n, max_n, k), tokens
 
 
