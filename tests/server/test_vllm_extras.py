@@ -80,3 +80,25 @@ def test_documents_and_the_chat_tokenize_fields_reach_the_template(chat_checkpoi
     # A request's own template needs --trust-request-chat-template, as in vLLM.
     assert own.status_code == 400 and "trust-request-chat-template" in own.text
     assert reserved.status_code == 400 and "chat_template_kwargs" in reserved.text
+
+
+def test_tokenize_adds_special_tokens_as_vllm_does(chat_checkpoint):
+    """``add_special_tokens`` on ``/tokenize``: vLLM's defaults (true for a prompt, false for
+    messages, whose chat template writes its own) and the request's value when given."""
+    engine = FakeEngine(chat_checkpoint)
+    ctx = fake_context(engine)
+    seen: list[bool] = []  # what each tokenization was asked (the chat template's too)
+    encode = engine.tokenizer.encode
+    engine.tokenizer.encode = lambda text, **kw: seen.append(kw["add_special_tokens"]) or encode(
+        text, **kw
+    )
+    messages = [{"role": "user", "content": "hi"}]
+    with TestClient(build_app(ctx)) as client:
+        for body in (
+            {"messages": messages},
+            {"messages": messages, "add_special_tokens": True},
+            {"prompt": "hi"},
+            {"prompt": "hi", "add_special_tokens": False},
+        ):
+            assert client.post("/tokenize", json=body).status_code == 200
+    assert seen == [False, True, True, False]

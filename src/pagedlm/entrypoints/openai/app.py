@@ -409,11 +409,13 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
                 body.add_generation_prompt,
                 body.continue_final_message,
                 kwargs,
+                bool(body.add_special_tokens),
             )
         else:
             tokenizer = ctx.require_tokenizer()
+            add_special_tokens = body.add_special_tokens is not False
             encoded = await asyncio.to_thread(
-                tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+                tokenizer.encode, body.prompt, add_special_tokens=add_special_tokens
             )
             tokens = list(encoded)
         answer: dict[str, Any] = {

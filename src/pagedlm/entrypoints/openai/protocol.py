@@ -464,7 +464,9 @@ class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None
+    """The tokenizer's BOS and the like; unset, vLLM's defaults: true for a prompt, false
+    for messages (the chat template writes its own)."""
     add_generation_prompt: bool = True
     return_token_strs: bool = False
     """Also answer with each token's string (vLLM's ``token_strs``)."""
