@@ -89,8 +89,8 @@ def test_tokenize_adds_special_tokens_as_vllm_does(chat_checkpoint):
     ctx = fake_context(engine)
     seen: list[bool] = []  # what each tokenization was asked (the chat template's too)
     encode = engine.tokenizer.encode
-    engine.tokenizer.encode = lambda text, **kw: seen.append(kw["add_special_tokens"]) or encode(
-        text, **kw
+    engine.tokenizer.encode = lambda text, **kw: (
+        seen.append(kw["add_special_tokens"]) or encode(text, **kw)
     )
     messages = [{"role": "user", "content": "hi"}]
     with TestClient(build_app(ctx)) as client:
