@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 MAX_LOGPROBS = 20
 """Upper bound for ``logprobs`` and ``prompt_logprobs`` (the OpenAI API's cap)."""
 MAX_TEMPERATURE = 2.0
@@ -284,7 +286,9 @@ class SamplingParams:
                 setattr(self, name, _integer(name, getattr(self, name)))
         for name in _BOOL_FIELDS:
             value = getattr(self, name)
-            if not isinstance(value, bool):
+            if isinstance(value, np.bool_):  # NumPy's, from a sweep over np.array values
+                setattr(self, name, bool(value))
+            elif not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}.")
         for name in ("stop_token_ids", "allowed_token_ids"):
             if getattr(self, name) is not None:

@@ -74,7 +74,9 @@ def test_sampling_params_normalization():
         logprobs=np.int32(2),
         stop_token_ids=np.array([4, 5]),
         logit_bias={"6": 1, np.int64(7): np.float32(-2.0)},
+        skip_special_tokens=np.False_,  # NumPy's bools become bools
     )
+    assert params.skip_special_tokens is False
     assert (params.max_tokens, params.seed, params.logprobs) == (3, 2**64 - 1, 2)
     assert params.stop_token_ids == [4, 5] and params.logit_bias == {6: 1.0, 7: -2.0}
     assert all(type(v) is int for v in (params.max_tokens, params.seed, *params.stop_token_ids))
