@@ -89,7 +89,19 @@ def check_async_matches_sync(model_path: str, num_kv_blocks: int, **engine_args)
             max_model_len=128,
             max_num_batched_tokens=32,  # chunked prefill of the longer prompts
         )
+        core = llm.llm_engine.engine_core
+        step, left_in_flight = core.step, []
+
+        def recording_step(step=step, core=core, left_in_flight=left_in_flight):
+            outputs = step()
+            left_in_flight.append(core.has_step_in_flight)
+            return outputs
+
+        core.step = recording_step
         outputs = llm.generate(PROMPTS, mixed_params(), use_tqdm=False)
+        # The two runs took different paths: only asynchronous scheduling returns from a
+        # step with the next one still in flight.
+        assert any(left_in_flight) is async_scheduling, left_in_flight
         # Preempted mid-prompt, a request computes part of its prompt again: its prompt
         # logprobs are still reported once per position.
         assert len(outputs[2].prompt_logprobs) == len(outputs[2].prompt_token_ids)
