@@ -111,3 +111,39 @@ def test_a_disconnect_during_a_pending_write_aborts_the_request(served, path) ->
     finally:
         gc.enable()
     assert not engine.errored
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/invocations"])
+def test_a_disconnect_during_the_upload_is_no_server_error(served, path, caplog) -> None:
+    """A client that goes away before its body has arrived was an "Unhandled error" (a
+    traceback in the log per dropped upload) answered 500; nobody reads the answer, and
+    the server's fault it is not: 499, quietly, as for a disconnect during generation."""
+    engine, app = served
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
+        "raw_path": path.encode(), "query_string": b"", "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")],
+        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+    }  # fmt: skip
+    messages = [
+        {"type": "http.request", "body": b'{"model": "tiny", "mess', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    statuses = []
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop(0)
+        await asyncio.Event().wait()  # nothing more ever comes
+        return {}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            statuses.append(message["status"])
+
+    with caplog.at_level("ERROR"):
+        asyncio.run(asyncio.wait_for(app(scope, receive, send), 30))
+    assert statuses == [499]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    assert not engine.errored

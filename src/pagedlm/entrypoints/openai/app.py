@@ -29,7 +29,7 @@ from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from pagedlm.engine.exceptions import EngineDeadError
@@ -129,6 +129,8 @@ def _log_stack(ctx: ServingContext, error: BaseException) -> None:
 async def _answer(handler: Handler, request: Request, anthropic: bool) -> Response:
     try:
         return await handler(request)
+    except ClientDisconnect:  # gone before its body arrived: nobody reads this
+        return Response(status_code=499)
     except APIError as error:
         _log_stack(request.app.state.ctx, error)
         return error_response(error.message, error.status, error.param, anthropic=anthropic)
