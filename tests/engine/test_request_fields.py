@@ -129,6 +129,19 @@ def test_bad_words_are_never_generated(chat_checkpoint, async_scheduling):
         assert no_a.outputs[0].token_ids == [b] * 8
         with pytest.raises(ValueError, match="bad_words block every token of allowed_token_ids"):
             llm.generate("hi", _greedy(allowed_token_ids=[b], bad_words=["b"]), use_tqdm=False)
+        # Only stop tokens allowed while min_tokens forbids them: refused, not junk.
+        eos = tokenizer.eos_token_id
+        for params in (
+            SamplingParams(allowed_token_ids=[eos], min_tokens=2),
+            SamplingParams(allowed_token_ids=[a], stop_token_ids=[a], min_tokens=1),
+        ):
+            with pytest.raises(ValueError, match="allowed_token_ids holds only stop tokens"):
+                llm.generate("hi", params, use_tqdm=False)
+        # With ignore_eos the EOS is no stop token: min_tokens does not forbid it.
+        [eos_only] = llm.generate(
+            [prompt], _greedy(allowed_token_ids=[eos], min_tokens=2), use_tqdm=False
+        )
+        assert eos_only.outputs[0].token_ids == [eos] * 8
     finally:
         llm.llm_engine.shutdown()
     with pytest.raises(ValueError, match="bad_words must be non-empty strings"):
