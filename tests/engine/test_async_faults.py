@@ -89,6 +89,49 @@ def test_killed_core_fails_every_waiter_promptly(tiny_checkpoint):
     _assert_reaped(pid)
 
 
+def _traceback_length(error: BaseException) -> int:
+    length, entry = 0, error.__traceback__
+    while entry is not None:
+        length, entry = length + 1, entry.tb_next
+    return length
+
+
+def test_each_caller_of_a_dead_engine_gets_an_error_of_its_own(tiny_checkpoint):
+    """Every waiter, and every later call, raised the one EngineDeadError instance: each
+    raise grew its traceback by the caller's frames (100 frames after 20 requests in
+    flight, 1,100 after 200 more calls), keeping every failed request's frames and locals
+    alive for as long as the engine object lived, and making a logged stack quadratic."""
+    engine = _start(tiny_checkpoint)
+
+    async def main():
+        streams = [engine.generate(PROMPT, LONG, f"r{i}") for i in range(8)]
+        for stream in streams:
+            await stream.__anext__()
+        os.kill(engine.core_pid, signal.SIGKILL)
+
+        async def drain(stream):
+            async for _ in stream:
+                pass
+
+        errors = await asyncio.gather(*(drain(s) for s in streams), return_exceptions=True)
+        for _ in range(20):
+            with pytest.raises(EngineDeadError) as late:
+                await engine.generate(PROMPT, LONG, "late").__anext__()
+            errors.append(late.value)
+            with pytest.raises(EngineDeadError) as call:
+                await engine.get_scheduler_stats()
+            errors.append(call.value)
+        assert all(isinstance(error, EngineDeadError) for error in errors), errors
+        assert all("signal 9" in str(error) for error in errors)
+        assert len({id(error) for error in errors}) == len(errors)
+        assert max(_traceback_length(error) for error in errors) < 20
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
 def test_core_killed_while_idle_is_noticed_by_check_health(tiny_checkpoint):
     engine = _start(tiny_checkpoint)
     try:

@@ -26,7 +26,7 @@ import logging
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence, Sized
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from pagedlm.beam_search import BeamSearchParams
 from pagedlm.config import EngineConfig
@@ -66,6 +66,7 @@ from pagedlm.worker.rpc import RpcMethod, check_call, method_label
 from pagedlm.worker.sleep import check_tags
 
 logger = logging.getLogger(__name__)
+ErrorT = TypeVar("ErrorT", bound=BaseException)
 
 DEATH_POLL_MS = 200
 """The output task checks that the core process is alive at least this often."""
@@ -92,6 +93,13 @@ silence, so a stopped core's later 503s come at once."""
 
 class UtilityError(RuntimeError):
     """The engine core refused a utility call (its message says why)."""
+
+
+def _fresh(error: ErrorT) -> ErrorT:
+    """A copy of ``error`` to raise in one caller: raising the one shared instance in
+    every waiter and every later call grew its traceback by each caller's frames,
+    keeping them (and their locals) alive as long as the engine object."""
+    return type(error)(*error.args)
 
 
 class AsyncLLM:
@@ -536,7 +544,7 @@ class AsyncLLM:
                     if error is None:
                         future.set_result(None)
                     else:
-                        future.set_exception(error)
+                        future.set_exception(_fresh(error))
         waiters.clear()
 
     def _notify_if_idle(self) -> None:
@@ -647,7 +655,7 @@ class AsyncLLM:
         if self._dead_error is None and not self._client.is_alive():
             self._fail(EngineDeadError(f"The engine core died: {self._client.exit_description()}."))
         if self._dead_error is not None:
-            raise self._dead_error
+            raise _fresh(self._dead_error)
 
     # ------------------------------------------------------------------------- output task
 
@@ -741,7 +749,7 @@ class AsyncLLM:
         if not self._shut_down:
             logger.error("%s", error)
         for stream in self._streams.values():
-            stream.put(error)
+            stream.put(_fresh(error))
         self._release(list(self._calls.values()), error)
         self._calls.clear()
         self._release(self._resume_waiters, error)
