@@ -20,6 +20,8 @@ MAX_LOGPROBS = 20
 """Upper bound for ``logprobs`` and ``prompt_logprobs`` (the OpenAI API's cap)."""
 MAX_TEMPERATURE = 2.0
 """vLLM's (and OpenAI's) upper bound: hotter sampling is noise."""
+MAX_LOGIT_BIAS = 1e30
+"""Larger biases overflow float32 logits to infinities, whose softmax is NaN."""
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 """What a torch generator's ``manual_seed`` takes (and the engine's wire format carries)."""
 _FLOAT_FIELDS = (
@@ -368,8 +370,13 @@ class SamplingParams:
             raise ValueError(
                 f"seed must be a 64-bit integer (in [-2**63, 2**64 - 1]), got {self.seed}."
             )
-        if self.logit_bias and not all(math.isfinite(v) for v in self.logit_bias.values()):
-            raise ValueError("logit_bias values must be finite numbers (-100 to 100).")
+        if self.logit_bias and not all(
+            abs(v) <= MAX_LOGIT_BIAS for v in self.logit_bias.values()
+        ):  # (NaN fails the comparison too)
+            raise ValueError(
+                f"logit_bias values must be finite numbers of at most {MAX_LOGIT_BIAS:g} in "
+                "magnitude (-100 to 100 already forbids or forces a token)."
+            )
         if self.bad_words is not None and not all(
             isinstance(word, str) and word.strip() for word in self.bad_words
         ):

@@ -30,6 +30,7 @@ def llm(tiny_checkpoint):
         ({"seed": 2**64}, "seed must be a 64-bit integer"),
         ({"seed": -(2**63) - 1}, "seed must be a 64-bit integer"),
         ({"logit_bias": {5: float("nan")}}, "logit_bias values must be finite"),
+        ({"logit_bias": {5: 1e308}}, "logit_bias values must be finite"),  # inf in float32
         ({"stop_token_ids": [1, "2"]}, "stop_token_ids must be integers"),
         ({"min_p": 1.5}, "min_p"),
         ({"n": 0}, "n must be"),
