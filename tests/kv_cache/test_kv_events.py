@@ -8,13 +8,12 @@ from typing import Any
 
 import msgspec
 import pytest
+import zmq  # pyzmq: the server extra, part of the test extra
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.config import KVEventsConfig
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.kv_cache.hashing import hash_block_tokens
-
-zmq = pytest.importorskip("zmq")
 
 BLOCK_SIZE = 16
 
