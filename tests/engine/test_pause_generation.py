@@ -128,14 +128,19 @@ def test_abort_ends_in_flight_requests_and_holds_new_ones(engine):
             assert stream.final.finish_reason == "abort"
             assert 0 < len(stream.final.token_ids) < LONG.max_tokens
         held = Stream(engine, "held", SHORT)
+        dropped = Stream(engine, "dropped", SHORT)
         await asyncio.sleep(0.5)
         assert not held.outputs and not held.task.done()  # waiting, not failed
         assert await _idle(engine) == (0, 0)  # and not in the engine core
+        await engine.abort("dropped")  # a held request can be aborted: it ends unsent
+        await dropped.task
+        assert not dropped.outputs and not held.task.done()
         await engine.resume_generation()
         assert not await engine.is_paused()
         await held.task
         assert held.final.finish_reason == "length"
         assert len(held.final.token_ids) == SHORT.max_tokens
+        assert await _idle(engine) == (0, 0)  # the aborted one never ran
 
     run(scenario())
 

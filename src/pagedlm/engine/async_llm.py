@@ -159,6 +159,8 @@ class AsyncLLM:
         """``pause_generation`` was called: ``_run`` holds new requests until resumed."""
         self._resume_waiters: list[asyncio.Future] = []
         """Requests held by a pause (``resume_generation`` releases them)."""
+        self._held: dict[str, bool] = {}
+        """The ids of the requests a pause holds, each True once ``abort`` asked for it."""
         self._idle_waiters: list[asyncio.Future] = []
         """``pause_generation(mode="wait")``, until no request is unfinished."""
 
@@ -301,9 +303,16 @@ class AsyncLLM:
         """Send a processed request to the core and stream its outputs (see ``generate``).
         While generation is paused the request waits here, before anything is recorded."""
         request_id = processed.request_id
-        while self._paused:
-            self._check_alive()
-            await self._wait_on(self._resume_waiters)
+        if self._paused:
+            self._held[request_id] = False
+            try:
+                while self._paused and not self._held.get(request_id):
+                    self._check_alive()
+                    await self._wait_on(self._resume_waiters)
+                if self._held.get(request_id):
+                    return  # aborted while held: it never reached the core
+            finally:
+                self._held.pop(request_id, None)
         self._check_alive()
         self._check_unique(request_id)  # the same id may have started while we tokenized
         self.output_processor.add_request(
@@ -395,6 +404,9 @@ class AsyncLLM:
             stream = self._streams.get(one)
             if stream is not None:
                 stream.put(None)
+            if one in self._held:  # waiting out a pause: it ends without being sent
+                self._held[one] = True
+                self._release(self._resume_waiters)  # the others wait again
 
     def _abort_now(self, request_id: str) -> None:
         self.metrics.forget_request(request_id)
