@@ -139,3 +139,20 @@ def test_logit_bias_is_clamped_as_vllm_and_bad_values_name_the_fix():
         CompletionRequest.model_validate(
             {"prompt": "x", "logit_bias": {"abc": 1}}
         ).base_sampling_params(max_tokens=4, logprobs=None)
+
+
+@pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])
+def test_stream_options_without_stream_is_refused_as_vllm(model):
+    """vLLM's requests refuse ``stream_options`` unless ``stream`` is true (an empty or
+    null ``stream_options`` is not refused, as there)."""
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    fields = {"prompt": "x"} if model is CompletionRequest else chat
+    options = {"include_usage": True}
+    for stream in ({}, {"stream": False}):
+        message, param = _error(model, {**fields, **stream, "stream_options": options})
+        assert param == "stream_options", message
+        assert "stream_options can only be sent with stream=true" in message, message
+        assert "send stream=true or drop stream_options" in message, message
+    assert model.model_validate({**fields, "stream": True, "stream_options": options}).include_usage
+    for options in (None, {}):
+        model.model_validate({**fields, "stream": False, "stream_options": options})

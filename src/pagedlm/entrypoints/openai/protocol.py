@@ -12,7 +12,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, ValidationError, ValidatorFunctionWrapHandler, field_validator
+from pydantic import (
+    Field,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from pagedlm.beam_search import BeamSearchParams
@@ -117,6 +123,19 @@ class SamplingFields(OpenAIModel):
         },
         "guided_decoding_backend": "the server's --structured-outputs-backend is used; drop it",
     }
+
+    @field_validator("stream_options", mode="before")
+    @classmethod
+    def _check_stream_options(cls, value: Any, info: ValidationInfo) -> Any:
+        """vLLM's rule: ``stream_options`` only with ``stream=true`` (an empty or null one
+        is not refused, as there). ``stream`` is declared first, so it is in ``info.data``."""
+        if value and not info.data.get("stream"):
+            raise PydanticCustomError(
+                "stream_options",
+                "stream_options can only be sent with stream=true; send stream=true or "
+                "drop stream_options.",
+            )
+        return value
 
     @field_validator("logit_bias", mode="wrap")
     @classmethod
