@@ -15,6 +15,7 @@ Score (vLLM's): the beam's cumulative logprob divided by its length to the power
 from __future__ import annotations
 
 import math
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -215,7 +216,10 @@ def engine_step(
 ) -> AsyncStep:
     """An ``AsyncStep`` over an engine's ``generate(prompt, params, request_id, priority,
     lora_request)``: every beam a request of its own, all at once (``gather_all``: an
-    error, or the caller leaving, aborts the rest)."""
+    error, or the caller leaving, aborts the rest). The beams' ids are ``request_id``
+    plus a random part of this search's, so two searches given one id (a client's
+    reused ``X-Request-Id``) never share a beam's id, as in vLLM."""
+    search_id = f"{request_id}-{uuid.uuid4().hex[:16]}"
 
     async def last(tokens: list[int], sampling: SamplingParams, beam_id: str) -> RequestOutput:
         prompt = {"prompt_token_ids": tokens}
@@ -230,7 +234,7 @@ def engine_step(
         final_only = sampling.clone()
         final_only.output_kind = RequestOutputKind.FINAL_ONLY
         finals = await gather_all(
-            last(tokens, final_only, f"{request_id}-beam{number}-{j}")
+            last(tokens, final_only, f"{search_id}-beam{number}-{j}")
             for j, tokens in enumerate(beams)
         )
         return [final.outputs[0].logprobs[0] for final in finals]  # type: ignore[index]

@@ -46,7 +46,15 @@ def answers(chat_checkpoint):
                 for extra in ({"length_penalty": 1e308}, {"length_penalty": -1e308})
             ]
             bad += extreme
-            return completion.json(), [json.loads(x[6:]) for x in lines], chat.json(), bad
+            same_id = {"x-request-id": "twin"}  # the beams' internal ids once collided: a 400
+            twins = await asyncio.gather(
+                *(
+                    post("/v1/completions", json={**beam, "prompt": PROMPT}, headers=same_id)
+                    for _ in range(2)
+                )
+            )
+            streamed = [json.loads(x[6:]) for x in lines]
+            return completion.json(), streamed, chat.json(), bad, twins
 
     try:
         yield asyncio.run(main())
@@ -65,7 +73,7 @@ def offline(chat_checkpoint):
 
 
 def test_completion_choices_are_the_beams_best_first(answers, offline):
-    completion, chunks, _, _ = answers
+    completion, chunks, _, _, _ = answers
     choices = completion["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2]
     for choice, beam in zip(choices, offline, strict=True):
@@ -84,7 +92,7 @@ def test_completion_choices_are_the_beams_best_first(answers, offline):
 
 
 def test_chat_choices_are_beams_too_and_bad_combinations_are_400(answers):
-    _, _, chat, bad = answers
+    _, _, chat, bad, _ = answers
     assert len(chat["choices"]) == 3
     assert all(c["message"]["role"] == "assistant" for c in chat["choices"])
     statuses = [r.status_code for r in bad]
@@ -94,3 +102,14 @@ def test_chat_choices_are_beams_too_and_bad_combinations_are_400(answers):
     assert "does not combine with stop" in messages[0]
     assert "use at most 10" in messages[1]
     assert "does not combine with logit_bias" in messages[2]
+
+
+def test_two_searches_with_one_client_request_id_both_answer(answers):
+    """Each search's beam requests get ids of their own (vLLM adds a random part to them),
+    so a client reusing its X-Request-Id does not make either search fail."""
+    completion, *_, twins = answers
+    assert [r.status_code for r in twins] == [200, 200], [r.text for r in twins]
+    texts = [c["text"] for c in completion["choices"]]
+    for response in twins:
+        assert response.json()["id"] == "cmpl-twin"
+        assert [c["text"] for c in response.json()["choices"]] == texts

@@ -86,9 +86,15 @@ class FakeEngine:
             self._aborted.discard(request_id)
 
     async def beam_search(
-        self, prompt: Any, request_id: str, params: Any, lora_request: Any = None
+        self,
+        prompt: Any,
+        request_id: str,
+        params: Any,
+        lora_request: Any = None,
+        *,
+        generate: Any = None,
     ) -> AsyncIterator[RequestOutput]:
-        """``AsyncLLM.beam_search`` over this engine's ``generate``."""
+        """``AsyncLLM.beam_search`` over ``generate`` (default: this engine's)."""
         from pagedlm.beam_search import engine_step, request_output, search_async
 
         text, prompt_ids = self.input_processor.tokenize(prompt)
@@ -96,7 +102,7 @@ class FakeEngine:
         result = await search_async(
             prompt_ids,
             params,
-            engine_step(self.generate, request_id, lora_request),
+            engine_step(generate or self.generate, request_id, lora_request),
             set(self.input_processor.eos_token_ids),
             config.max_model_len,
             config.max_logprobs,

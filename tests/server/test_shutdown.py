@@ -68,6 +68,30 @@ def test_requests_cut_at_the_deadline_end_in_the_api_error_shapes(chat_checkpoin
     assert late.status_code == 503
 
 
+def test_a_beam_search_still_running_at_the_deadline_is_cut_too(chat_checkpoint):
+    """Beam search's requests are the server's like any others: the deadline aborts them
+    (the search ran on to its end, past the deadline)."""
+    engine = FakeEngine(chat_checkpoint, step_s=0.01)
+    ctx = fake_context(engine)
+    app = build_app(ctx)
+    beam = {"prompt": "a", "use_beam_search": True, "n": 2, **LONG}
+
+    async def run() -> tuple[httpx.Response, float]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            task = asyncio.ensure_future(client.post("/v1/completions", json=beam))
+            await asyncio.sleep(0.3)
+            ctx.begin_shutdown(0.1)
+            deadline = asyncio.get_running_loop().time() + 0.1
+            response = await task
+            return response, asyncio.get_running_loop().time() - deadline
+
+    response, late_s = asyncio.run(run())
+    assert response.status_code == 503, response.text
+    assert "shutting down" in response.json()["error"]["message"]
+    assert late_s < 2.0  # 400 steps of 10 ms would take 4 s
+
+
 @pytest.fixture
 def short_drain_server(chat_checkpoint, tmp_path):
     server = start_server(

@@ -245,11 +245,17 @@ class AsyncLLM:
         request_id: str,
         params: BeamSearchParams,
         lora_request: LoRARequest | None = None,
+        *,
+        generate: Callable[..., AsyncIterator[RequestOutput]] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """vLLM's beam search for one prompt (``pagedlm.beam_search``): one final output
         whose ``outputs`` are the ``beam_width`` best beams, best first (each one's
         generated tokens, text, cumulative logprob and logprobs). Each step runs every live
-        beam as a request of its own; closing the iterator aborts them."""
+        beam as a request of its own; closing the iterator aborts them.
+
+        ``generate``: what runs each beam's request, with ``generate``'s arguments
+        (default: this engine's ``generate``); a server passes its own, which tracks the
+        requests it must abort at shutdown."""
         from pagedlm.beam_search import engine_step, request_output, search_async
 
         self._check_alive()
@@ -257,7 +263,7 @@ class AsyncLLM:
         result = await search_async(
             prompt_ids,
             params,
-            engine_step(self.generate, request_id, lora_request),
+            engine_step(generate or self.generate, request_id, lora_request),
             set(self.input_processor.eos_token_ids),
             self.config.model.max_model_len,
             self.config.model.max_logprobs,

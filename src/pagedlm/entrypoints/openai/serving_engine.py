@@ -249,23 +249,35 @@ class ServingContext:
                 "/v1/embeddings for an embedding model, /classify, /score or /rerank for a "
                 "classifier (to generate, serve a generative model with --runner generate)."
             )
-        if request_id in self._generating:
-            # Refused here, before the cleanup below could abort the request that holds it.
-            raise APIError(
-                f"Request id {request_id!r} is already in use; give each request a unique "
-                "id (X-Request-Id, request_id).",
-            )
+        self._check_unused(request_id)
         output_log = self.log_request(request_id, prompt, params)
         stream = self.engine.generate(prompt, params, request_id, priority, lora_request)
         if self.tracer is not None:
             stream = self.tracer.trace(stream, request_id, params)
+        async with contextlib.aclosing(self._tracked(stream, request_id)) as outputs:
+            async for output in outputs:
+                if output_log is not None:
+                    output_log.add(output)
+                yield output
+
+    def _check_unused(self, request_id: str) -> None:
+        if request_id in self._generating:
+            # Refused here, before ``_tracked``'s cleanup could abort the request holding it.
+            raise APIError(
+                f"Request id {request_id!r} is already in use; give each request a unique "
+                "id (X-Request-Id, request_id).",
+            )
+
+    async def _tracked(
+        self, stream: AsyncIterator[RequestOutput], request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """``stream`` registered as generating (what shutdown aborts); leaving it early
+        aborts its request."""
         finished = False
         self._generating.add(request_id)
         try:
             async for output in stream:
                 finished = output.finished
-                if output_log is not None:
-                    output_log.add(output)
                 yield output
             if not finished and self._shutdown_expired:
                 raise APIError(SHUTDOWN_MESSAGE, status=503)
@@ -274,6 +286,24 @@ class ServingContext:
             if not finished:
                 self.spawn(self._abort_quietly(request_id))
             await stream.aclose()
+
+    async def _beam_request(
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """One step of one beam (``start_beam_search``): tracked like ``generate``'s
+        requests, not logged or traced one by one."""
+        if self._shutdown_expired:
+            raise APIError(SHUTDOWN_MESSAGE, status=503)
+        self._check_unused(request_id)
+        stream = self.engine.generate(prompt, params, request_id, priority, lora_request)
+        async with contextlib.aclosing(self._tracked(stream, request_id)) as outputs:
+            async for output in outputs:
+                yield output
 
     def begin_shutdown(self, timeout_s: float) -> None:
         """Called once the server stops accepting connections: in ``timeout_s`` seconds,
@@ -331,7 +361,11 @@ class ServingContext:
             raise APIError("This model is served with --runner pooling, which does not generate.")
 
         searches = (
-            final_output(self.engine.beam_search(prompt, f"{request_id}-{i}", params, lora_request))
+            final_output(
+                self.engine.beam_search(
+                    prompt, f"{request_id}-{i}", params, lora_request, generate=self._beam_request
+                )
+            )
             for i, prompt in enumerate(prompts)
         )
         try:
