@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -207,6 +207,8 @@ def _install_weight_routes(app: FastAPI, engine: Any, options: AdminOptions) -> 
             )
         try:
             body = await request.json()
+        except ClientDisconnect:  # gone before its body arrived: nobody reads this (as app.py)
+            return Response(status_code=499)
         except ValueError:
             body = None
         model_path = body.get("model_path") if isinstance(body, dict) else None
