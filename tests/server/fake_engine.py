@@ -193,6 +193,15 @@ class ScriptedEngine(FakeEngine):
         return EngineCoreOutput(child_id, [ids[step]], finish_reason=finish)
 
 
+class AbortingEngine(FakeEngine):
+    """Ends every request with finish reason "abort" after ``num_tokens`` tokens, as
+    ``pause_generation(mode="abort")`` ends the requests in flight."""
+
+    def _step(self, child_id, processed, step):
+        output = super()._step(child_id, processed, step)
+        return output._replace(finish_reason="abort") if output.finish_reason else output
+
+
 def scripted_chat(
     checkpoint: Path | str, script: str, body: dict[str, Any], **fields: Any
 ) -> tuple[dict[str, Any], str]:

@@ -154,3 +154,28 @@ def test_bad_tools_are_400(client):
     bad_block = [{"role": "user", "content": [{"type": "tool_use", "id": "x", "name": "f"}]}]
     with pytest.raises(anthropic.BadRequestError, match="tool_use"):
         client.messages.create(model="tiny", max_tokens=3, messages=bad_block)
+
+
+def test_an_aborted_message_has_no_stop_reason(chat_checkpoint):
+    """A request the engine aborts (``pause_generation(mode="abort")``) is no end of turn:
+    vLLM's Messages API maps only stop, length and tool calls, so "abort" gives a null
+    ``stop_reason``, whole or streamed."""
+    from fake_engine import AbortingEngine, fake_context
+    from starlette.testclient import TestClient
+
+    from pagedlm.entrypoints.openai.app import build_app
+
+    ctx = fake_context(AbortingEngine(chat_checkpoint, num_tokens=2))
+    body = {"model": "tiny", "max_tokens": 8, "messages": MESSAGES}
+    with TestClient(build_app(ctx)) as http:
+        whole = http.post("/v1/messages", json=body).json()
+        streamed = http.post("/v1/messages", json={**body, "stream": True}).text
+    assert whole["stop_reason"] is None and whole["stop_sequence"] is None, whole
+    assert whole["usage"]["output_tokens"] == 2
+    deltas = [
+        line.removeprefix("data: ")
+        for line in streamed.splitlines()
+        if line.startswith("data: ") and '"message_delta"' in line
+    ]
+    assert len(deltas) == 1
+    assert '"stop_reason": null' in deltas[0], deltas

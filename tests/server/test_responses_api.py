@@ -162,6 +162,26 @@ def test_max_output_tokens_cut_is_incomplete(client):
     assert events[-1].type == "response.incomplete"
 
 
+def test_an_aborted_response_is_cancelled(chat_checkpoint):
+    """A request the engine aborts (``pause_generation(mode="abort")``) did not complete:
+    vLLM reports finish reason "abort" as status "cancelled" (no incomplete_details);
+    the item it cut is "incomplete", and a stream still ends with response.completed."""
+    from fake_engine import AbortingEngine
+
+    engine = AbortingEngine(chat_checkpoint, num_tokens=2)
+    with in_process_app(chat_checkpoint, engine=engine) as http:
+        client = sdk_client(http)
+        response = client.responses.create(model="tiny", input="Hello")
+        events = list(client.responses.create(model="tiny", input="Hello", stream=True))
+        stored = client.responses.retrieve(response.id)
+    assert response.status == "cancelled" and response.incomplete_details is None
+    assert response.completed_at is None
+    assert response.output[0].status == "incomplete" and response.usage.output_tokens == 2
+    assert events[-1].type == "response.completed"
+    assert events[-1].response.status == "cancelled"
+    assert stored.status == "cancelled"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [

@@ -58,8 +58,10 @@ class OutputBuilder:
         return events
 
     def finish(self) -> list[dict[str, Any]]:
-        """Close the item still open (its status says whether the output was cut)."""
-        return self._close("incomplete" if self.finish_reason == "length" else "completed")
+        """Close the item still open (its status says whether the output was cut: by
+        ``max_output_tokens``, or by an abort)."""
+        cut = self.finish_reason in ("length", "abort")
+        return self._close("incomplete" if cut else "completed")
 
     def _start(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         events = self._close("completed")

@@ -36,8 +36,11 @@ logger = logging.getLogger(__name__)
 
 def _stop_reason(
     finish_reason: str | None, stop_reason: int | str | None
-) -> tuple[str, str | None]:
-    """(Anthropic stop_reason, stop_sequence) for an engine finish."""
+) -> tuple[str | None, str | None]:
+    """(Anthropic stop_reason, stop_sequence) for an engine finish; an aborted request
+    (``pause_generation``) has no stop reason (null, as vLLM's Messages API answers)."""
+    if finish_reason == "abort":
+        return None, None
     if finish_reason == "length":
         return "max_tokens", None
     if isinstance(stop_reason, str):
@@ -176,7 +179,7 @@ class MessagesServer:
             )
         parser = ChatOutputParser.build(None, plan.new_parser, plan.new_call_id)
         output_tokens = 0
-        finish: tuple[str, str | None] = ("end_turn", None)
+        finish: tuple[str | None, str | None] = ("end_turn", None)
         async for _, output in merge_streams(started):
             sample = output.outputs[0] if output.outputs else None
             if sample is None:
@@ -193,7 +196,7 @@ class MessagesServer:
                     {"type": "content_block_delta", "index": 0, "delta": delta},
                 )
         tool_uses = _tool_use_blocks(parser)
-        if tool_uses and finish[0] != "max_tokens":
+        if tool_uses and finish[0] not in ("max_tokens", None):
             finish = ("tool_use", None)
         stop_reason, stop_sequence = finish
         if request.stream:

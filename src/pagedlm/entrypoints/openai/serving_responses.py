@@ -5,7 +5,8 @@ There is one generation path: the request becomes a streaming chat request
 structured outputs, reasoning parser, metrics), and its chunks become output items
 (``responses_output``). A stream sends ``response.created``, ``response.in_progress``, the
 items' events, then ``response.completed`` (``response.incomplete`` when
-``max_output_tokens`` cut it), each with a ``sequence_number`` counting from 0.
+``max_output_tokens`` cut it), each with a ``sequence_number`` counting from 0. A request
+the engine aborted (``pause_generation``) has status "cancelled", as in vLLM.
 
 ``store`` (default true, as OpenAI's) keeps the finished response and its conversation
 for ``previous_response_id`` and GET/DELETE, per API key (``responses_store``).
@@ -101,6 +102,8 @@ class ResponsesServer:
             status = "completed"
             if builder.finish_reason == "length":
                 status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+            elif builder.finish_reason == "abort":  # pause_generation: vLLM's "cancelled"
+                status = "cancelled"
         text_format = request.text.format if request.text and request.text.format else None
         return {
             "id": response_id,
