@@ -134,7 +134,7 @@ def test_calculated_scales_and_prefix_hits(checkpoint):
     llm = _llm(checkpoint, kv_cache_dtype="fp8", calculate_kv_scales=True)
     first = _prompt_logprobs(llm)
     attn = [m for m in _runner(llm).model.modules() if type(m).__name__ == "Attention"]
-    assert all(a.k_scale.item() != 1.0 and not a.calculate_kv_scales for a in attn)
+    assert attn and all(a.k_scale.item() != 1.0 and not a.calculate_kv_scales for a in attn)
     # The second run hits the cached (quantized) prefix blocks: the same answer.
     again = _prompt_logprobs(llm)
     assert torch.allclose(first[-1], again[-1], atol=1e-4)
