@@ -88,7 +88,10 @@ def test_sdk_embeddings_match_transformers(app, bert_dir, encoding_format):
         assert (got - want).abs().max().item() < 1e-4
 
 
-def test_base64_is_little_endian_float32_of_the_float_answer(app):
+def test_base64_by_default_is_native_float32_of_the_float_answer(app):
+    """The default base64 form is the float answer as float32 in this machine's byte
+    order (vLLM's default ``endianness``, "native"); token-id list inputs, usage."""
+
     async def work(client, http):
         body = {"model": MODEL, "input": [[5, 6, 7, 8], [9, 10]]}  # token-id lists
         floats = await http.post("/v1/embeddings", json=body)
@@ -98,12 +101,12 @@ def test_base64_is_little_endian_float32_of_the_float_answer(app):
 
     floats, packed, single = _run(app, work)
     for plain, encoded in zip(floats["data"], packed["data"], strict=True):
-        decoded = np.frombuffer(base64.b64decode(encoded["embedding"]), dtype="<f4")
+        decoded = np.frombuffer(base64.b64decode(encoded["embedding"]), dtype="=f4")
         np.testing.assert_array_equal(decoded, np.asarray(plain["embedding"], dtype=np.float32))
     assert floats["usage"]["prompt_tokens"] == 6
     assert single["data"][0]["embedding"] == floats["data"][0]["embedding"]
     assert encode_vector(torch.tensor([1.0, -2.5]), "base64") == base64.b64encode(
-        np.array([1.0, -2.5], dtype="<f4").tobytes()
+        np.array([1.0, -2.5], dtype="=f4").tobytes()
     ).decode("ascii")
 
 
