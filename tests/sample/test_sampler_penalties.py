@@ -100,3 +100,17 @@ def test_pad_token_ids() -> None:
     padded = pad_token_ids([[3, 1], [], [2, 2, 2]], 9, CPU)
     assert padded.tolist() == [[3, 1, 9], [9, 9, 9], [2, 2, 2]]
     assert pad_token_ids([[], []], 9, CPU).shape == (2, 0)
+
+
+def test_a_tiny_repetition_penalty_samples_the_seen_token_not_nan() -> None:
+    """Seen positive logits divided by a tiny penalty leave float32's range: the sampler
+    keeps them at the largest finite logit (+inf would make the softmax NaN and the draw
+    junk), so each row samples one of them."""
+    rows = [
+        SamplingRow(SamplingParams(temperature=1.0, seed=seed, repetition_penalty=1e-39), None, 3)
+        for seed in range(8)
+    ]
+    logits = LOGITS.expand(len(rows), -1).clone()
+    metadata = SamplingMetadata.build(rows, 7, CPU, token_history=history(rows))
+    sampled = Sampler()(logits, metadata).sampled_token_ids.tolist()
+    assert set(sampled) <= {2, 4}  # the seen positive logits (0.5 and 2.0)

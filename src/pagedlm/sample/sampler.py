@@ -190,6 +190,9 @@ class Sampler:
             adjusted = processors.apply(adjusted, argmax_invariant=False)
         if metadata.penalties is not None:
             apply_penalties(adjusted, metadata.penalties)
+            # A tiny repetition penalty divides a seen positive logit past float32's range:
+            # +inf would make the row's softmax NaN (-inf, a mask, stays).
+            adjusted.clamp_(max=torch.finfo(torch.float32).max)
         return adjusted
 
     @staticmethod
