@@ -128,13 +128,13 @@ def test_abort_ends_in_flight_requests_and_holds_new_ones(engine):
             assert stream.final.finish_reason == "abort"
             assert 0 < len(stream.final.token_ids) < LONG.max_tokens
         held = Stream(engine, "held", SHORT)
-        dropped = Stream(engine, "dropped", SHORT)
+        dropped = [Stream(engine, "dropped", SHORT) for _ in range(2)]  # one id, two calls
         await asyncio.sleep(0.5)
         assert not held.outputs and not held.task.done()  # waiting, not failed
         assert await _idle(engine) == (0, 0)  # and not in the engine core
-        await engine.abort("dropped")  # a held request can be aborted: it ends unsent
-        await dropped.task
-        assert not dropped.outputs and not held.task.done()
+        await engine.abort("dropped")  # held requests can be aborted: they end unsent
+        await asyncio.gather(*(d.task for d in dropped))
+        assert not any(d.outputs for d in dropped) and not held.task.done()
         await engine.resume_generation()
         assert not await engine.is_paused()
         await held.task

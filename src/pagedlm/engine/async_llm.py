@@ -159,8 +159,10 @@ class AsyncLLM:
         """``pause_generation`` was called: ``_run`` holds new requests until resumed."""
         self._resume_waiters: list[asyncio.Future] = []
         """Requests held by a pause (``resume_generation`` releases them)."""
-        self._held: dict[str, bool] = {}
-        """The ids of the requests a pause holds, each True once ``abort`` asked for it."""
+        self._held: dict[object, str] = {}
+        """A token per call a pause holds -> its request id (two calls may share one)."""
+        self._aborted_holds: set[object] = set()
+        """The tokens of held calls that ``abort`` ended."""
         self._idle_waiters: list[asyncio.Future] = []
         """``pause_generation(mode="wait")``, until no request is unfinished."""
 
@@ -310,15 +312,17 @@ class AsyncLLM:
         While generation is paused the request waits here, before anything is recorded."""
         request_id = processed.request_id
         if self._paused:
-            self._held[request_id] = False
+            hold = object()
+            self._held[hold] = request_id
             try:
-                while self._paused and not self._held.get(request_id):
+                while self._paused and hold not in self._aborted_holds:
                     self._check_alive()
                     await self._wait_on(self._resume_waiters)
-                if self._held.get(request_id):
+                if hold in self._aborted_holds:
                     return  # aborted while held: it never reached the core
             finally:
-                self._held.pop(request_id, None)
+                del self._held[hold]
+                self._aborted_holds.discard(hold)
         self._check_alive()
         self._check_unique(request_id)  # the same id may have started while we tokenized
         self.output_processor.add_request(
@@ -410,8 +414,9 @@ class AsyncLLM:
             stream = self._streams.get(one)
             if stream is not None:
                 stream.put(None)
-            if one in self._held:  # waiting out a pause: it ends without being sent
-                self._held[one] = True
+            holds = [hold for hold, held_id in self._held.items() if held_id == one]
+            if holds:  # waiting out a pause: each such call ends without being sent
+                self._aborted_holds.update(holds)
                 self._release(self._resume_waiters)  # the others wait again
 
     def _abort_now(self, request_id: str) -> None:
