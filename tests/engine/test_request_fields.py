@@ -134,6 +134,7 @@ def test_bad_words_are_never_generated(chat_checkpoint, async_scheduling):
         for params in (
             SamplingParams(allowed_token_ids=[eos], min_tokens=2),
             SamplingParams(allowed_token_ids=[a], stop_token_ids=[a], min_tokens=1),
+            SamplingParams(allowed_token_ids=[eos, b], bad_words=["b"], min_tokens=1),
         ):
             with pytest.raises(ValueError, match="allowed_token_ids holds only stop tokens"):
                 llm.generate("hi", params, use_tqdm=False)

@@ -233,21 +233,22 @@ class InputProcessor:
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         resolved.all_stop_token_ids = stop_ids
-        allowed = None if params.allowed_token_ids is None else set(params.allowed_token_ids)
-        if allowed is not None and params.min_tokens and stop_ids >= allowed:
-            raise ValueError(
-                f"allowed_token_ids holds only stop tokens, which min_tokens={params.min_tokens} "
-                "forbids until that many tokens are generated, so nothing could be generated; "
-                "allow another token or drop min_tokens."
-            )
+        always: set[int] = set()  # tokens no step may sample
         if params.bad_words:
             resolved.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
             always = {ids[0] for ids in resolved.bad_words_token_ids if len(ids) == 1}
-            if allowed is not None and always >= allowed:
-                raise ValueError(
-                    "bad_words block every token of allowed_token_ids, so nothing could be "
-                    "generated; allow more tokens or drop a bad word."
-                )
+        allowed = None if params.allowed_token_ids is None else set(params.allowed_token_ids)
+        if allowed is not None and always >= allowed:
+            raise ValueError(
+                "bad_words block every token of allowed_token_ids, so nothing could be "
+                "generated; allow more tokens or drop a bad word."
+            )
+        if allowed is not None and params.min_tokens and always | stop_ids >= allowed:
+            raise ValueError(
+                "allowed_token_ids holds only stop tokens (and bad words), which "
+                f"min_tokens={params.min_tokens} forbids until that many tokens are generated, "
+                "so nothing could be generated; allow another token or drop min_tokens."
+            )
         if self.tokenizer is None:
             resolved.detokenize = False
         return resolved
