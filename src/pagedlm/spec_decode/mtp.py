@@ -54,13 +54,14 @@ def after_update_from_disk(
     ``previous`` to ``updated``: a checkpoint without the layer (what transformers'
     DeepSeek-V3 saves: its model has no such layer) leaves the proposer the layer it has,
     read from the last checkpoint that held it (``draft_model``), as vLLM keeps its
-    drafter's weights when the target's are reloaded."""
+    drafter's weights when the target's are reloaded. Read from that checkpoint's files:
+    a layer given since by a weight update from tensors is not what it keeps."""
     if _holds_layer(updated):
         return replace(config, draft_model=None)
     source = config.draft_model or mtp_config(previous)
     logger.warning(
-        "%s has no multi-token-prediction layer (model.layers.%d.*); the MTP proposer keeps "
-        "the layer of %s.",
+        "%s has no multi-token-prediction layer (model.layers.%d.*); the MTP proposer reads "
+        "its layer from %s again.",
         updated.model,
         updated.arch.num_hidden_layers,
         source.model,
