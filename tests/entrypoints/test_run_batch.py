@@ -30,6 +30,12 @@ LINES = [
     _line("streamed", "/v1/completions", {**COMPLETION, "stream": True}),
     _line("too hot", "/v1/completions", {**COMPLETION, "temperature": 9}),
     _line("nowhere", "/v1/nothing", COMPLETION),
+    # Lines whose custom_id cannot name their result, and a route that is no request's:
+    json.dumps({"method": "POST", "url": "/v1/completions", "body": COMPLETION}),
+    _line(7, "/v1/completions", COMPLETION),  # type: ignore[arg-type]
+    _line("chat", "/v1/completions", COMPLETION),
+    _line("admin", "/reset_prefix_cache", {}),
+    _line("after", "/v1/completions", COMPLETION),
 ]
 
 
@@ -52,11 +58,13 @@ def results(chat_checkpoint):
 
 def test_every_line_gets_its_result_in_order(results):
     outputs, direct = results
+    outputs = outputs[:6]
     assert [o["custom_id"] for o in outputs] == [
         "chat", "completion", None, "streamed", "too hot", "nowhere"
     ]  # fmt: skip
     statuses = [o["response"]["status_code"] for o in outputs]
-    assert statuses == [200, 200, 400, 400, 400, 404]
+    assert statuses == [200, 200, 400, 400, 400, 400]  # an unknown url: vLLM's 400
+    assert "/v1/chat/completions" in outputs[5]["error"]  # the routes it may name
     chat, completion = outputs[0], outputs[1]
     assert chat["error"] is None and chat["response"]["body"]["object"] == "chat.completion"
     assert chat["response"]["request_id"] == chat["response"]["body"]["id"]
@@ -66,6 +74,18 @@ def test_every_line_gets_its_result_in_order(results):
     assert "stream is not supported" in outputs[3]["error"]
     assert "temperature" in outputs[4]["error"] and outputs[4]["response"]["body"]["error"]
     assert all(o["id"].startswith("batch_req_") for o in outputs)
+
+
+def test_lines_without_their_own_custom_id_or_with_an_admin_url_are_refused(results):
+    outputs = results[0][6:]
+    assert [o["custom_id"] for o in outputs] == [None, 7, "chat", "admin", "after"]
+    statuses = [o["response"]["status_code"] for o in outputs]
+    assert statuses == [400, 400, 400, 400, 200]  # the line after them is answered
+    assert all(o["response"]["body"] is None for o in outputs[:4])  # never reached a route
+    assert "custom_id must be a non-empty string" in outputs[0]["error"]
+    assert "custom_id must be a non-empty string" in outputs[1]["error"]
+    assert "'chat' was used on line 1 already" in outputs[2]["error"]
+    assert "'/reset_prefix_cache' is not a route a batch can use" in outputs[3]["error"]
 
 
 def test_the_command_reads_and_writes_files(chat_checkpoint, tmp_path):

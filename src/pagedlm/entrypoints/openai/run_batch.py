@@ -8,8 +8,9 @@ in-process transport, so validation, defaults and errors are exactly the server'
 ``--max-concurrency`` run at once, and the engine batches them. Each output line, in input
 order, is ``{"id", "custom_id", "response": {"status_code", "request_id", "body"},
 "error"}``: ``error`` is None for a 200, else the error's message. A line that is not a
-request object (bad JSON, a missing field, ``stream``) gets its error without reaching the
-engine; the other lines are unaffected.
+request object (bad JSON, a missing or repeated ``custom_id``, a ``url`` that is not one of
+the server's request routes, ``stream``) gets its error (400, as vLLM's) without reaching
+the engine; the other lines are unaffected.
 """
 
 from __future__ import annotations
@@ -49,8 +50,24 @@ def _line_error(custom_id: Any, status: int, message: str) -> dict[str, Any]:
     }
 
 
-def _request(line: str) -> tuple[Any, str, dict[str, Any]] | dict[str, Any]:
-    """(custom_id, url, body) of a line, or the output line of its error."""
+TEXT_ROUTES = ("/tokenize", "/detokenize", "/v1/messages/count_tokens")
+
+
+def batch_routes() -> tuple[str, ...]:
+    """The routes a batch line may name: the ones that answer a request from the model, and
+    the tokenizer's (vLLM's run_batch takes chat, embeddings, score and rerank). Admin
+    routes (``/reset_prefix_cache``, ``/v1/load_lora_adapter``, ...) change the server
+    under the other lines' feet, and are none of them."""
+    from pagedlm.entrypoints.openai.admin import MODEL_ROUTES
+
+    return tuple(route for route in MODEL_ROUTES if route != "/invocations") + TEXT_ROUTES
+
+
+def _request(
+    line: str, routes: Sequence[str], seen: dict[str, int], line_number: int
+) -> tuple[str, str, dict[str, Any]] | dict[str, Any]:
+    """(custom_id, url, body) of a line, or the output line of its error. ``seen`` maps
+    each custom_id taken so far to its line number."""
     try:
         item = json.loads(line)
     except ValueError as error:
@@ -59,10 +76,29 @@ def _request(line: str) -> tuple[Any, str, dict[str, Any]] | dict[str, Any]:
         return _line_error(None, 400, "A batch line must be a JSON object.")
     custom_id = item.get("custom_id")
     method, url, body = item.get("method", "POST"), item.get("url"), item.get("body")
+    if not isinstance(custom_id, str) or not custom_id:
+        return _line_error(
+            custom_id,
+            400,
+            "custom_id must be a non-empty string, the id that matches this line's result "
+            f"to it; got {custom_id!r}.",
+        )
+    if custom_id in seen:
+        return _line_error(
+            custom_id,
+            400,
+            f"custom_id {custom_id!r} was used on line {seen[custom_id]} already; give each "
+            "line its own.",
+        )
+    seen[custom_id] = line_number
     if method != "POST":
         return _line_error(custom_id, 400, f"method {method!r} is not supported; use POST.")
-    if not isinstance(url, str) or not url.startswith("/"):
-        return _line_error(custom_id, 400, 'url must be a route such as "/v1/chat/completions".')
+    if url not in routes:
+        return _line_error(
+            custom_id,
+            400,
+            f"url {url!r} is not a route a batch can use; use one of {', '.join(routes)}.",
+        )
     if not isinstance(body, dict):
         return _line_error(custom_id, 400, "body must be a JSON object (the route's request).")
     if body.get("stream"):
@@ -76,9 +112,16 @@ async def run_lines(app: Any, lines: Sequence[str], max_concurrency: int) -> lis
 
     slots = asyncio.Semaphore(max_concurrency)
     transport = httpx.ASGITransport(app=app)
+    routes, seen = batch_routes(), dict[str, int]()
+    requests = [
+        _request(line, routes, seen, number)
+        for number, line in enumerate(lines, start=1)
+        if line.strip()
+    ]
 
-    async def one(client: httpx.AsyncClient, line: str) -> dict[str, Any]:
-        request = _request(line)
+    async def one(
+        client: httpx.AsyncClient, request: tuple[str, str, dict[str, Any]] | dict[str, Any]
+    ) -> dict[str, Any]:
         if isinstance(request, dict):
             return request
         custom_id, url, body = request
@@ -103,7 +146,7 @@ async def run_lines(app: Any, lines: Sequence[str], max_concurrency: int) -> lis
     async with httpx.AsyncClient(
         transport=transport, base_url="http://batch", timeout=None
     ) as client:
-        return await asyncio.gather(*(one(client, line) for line in lines if line.strip()))
+        return await asyncio.gather(*(one(client, request) for request in requests))
 
 
 def run_batch(args: argparse.Namespace) -> None:
