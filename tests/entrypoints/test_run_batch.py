@@ -109,3 +109,37 @@ def test_the_listeners_flags_are_refused_not_ignored(flag, capsys):
     with pytest.raises(SystemExit):
         main(["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", *flag])
     assert f"unrecognized arguments: {flag[0]}" in capsys.readouterr().err
+
+
+def _no_engine(*args, **kwargs):
+    raise AssertionError("the engine started before the files were checked")
+
+
+@pytest.mark.parametrize(
+    ("input_text", "output_name", "message"),
+    [
+        (None, "out.jsonl", "--input-file {tmp}/in.jsonl: No such file or directory"),
+        (b"\xff\xfe{}\n", "out.jsonl", "--input-file {tmp}/in.jsonl is not UTF-8 text"),
+        (b"", "absent/out.jsonl", "--output-file {tmp}/absent/out.jsonl: No such file"),
+    ],
+)
+def test_unusable_files_exit_2_before_the_model_loads(
+    tmp_path, monkeypatch, capsys, input_text, output_name, message
+):
+    monkeypatch.setattr("pagedlm.engine.async_llm.AsyncLLM.from_engine_args", _no_engine)
+    if input_text is not None:
+        (tmp_path / "in.jsonl").write_bytes(input_text)
+    argv = ["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / output_name)]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
+
+
+def test_a_bad_engine_flag_is_one_line(tmp_path, chat_checkpoint):
+    source = tmp_path / "in.jsonl"
+    source.write_text(LINES[0] + "\n")
+    argv = ["run-batch", "-i", str(source), "-o", str(tmp_path / "out.jsonl"),
+            str(chat_checkpoint), "--gpu-memory-utilization", "2"]  # fmt: skip
+    with pytest.raises(SystemExit, match="error: gpu_memory_utilization must be a fraction"):
+        main(argv)

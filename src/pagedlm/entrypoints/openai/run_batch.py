@@ -21,7 +21,7 @@ import json
 import sys
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn, TextIO
 
 DEFAULT_MAX_CONCURRENCY = 256
 
@@ -164,22 +164,55 @@ def run_batch(args: argparse.Namespace) -> None:
         )
     limits = check_serving_args(args)
     configure_logging(args.log_level)
-    if args.input_file == "-":
-        lines = sys.stdin.read().splitlines()
-    else:
-        with open(args.input_file, encoding="utf-8") as file:
-            lines = file.read().splitlines()
-    engine_args = engine_args_from_cli(args)
-    names = args.served_model_name or [engine_args.model or DEFAULT_MODEL_NAME]
-    engine = AsyncLLM.from_engine_args(engine_args)
+    lines = _read_lines(args.input_file)
+    # Opened before the model loads: an unwritable path must not cost the batch's work.
+    output = _open_output(args.output_file)
     try:
-        ctx = serving_context(args, engine, names, limits, read_chat_template(args.chat_template))
-        results = asyncio.run(run_lines(build_app(ctx), lines, args.max_concurrency))
+        engine_args = engine_args_from_cli(args)
+        names = args.served_model_name or [engine_args.model or DEFAULT_MODEL_NAME]
+        try:
+            engine = AsyncLLM.from_engine_args(engine_args)
+        except ValueError as error:  # a bad engine flag, as serve and generate say it
+            raise SystemExit(f"error: {error}") from None
+        try:
+            chat_template = read_chat_template(args.chat_template)
+            ctx = serving_context(args, engine, names, limits, chat_template)
+            results = asyncio.run(run_lines(build_app(ctx), lines, args.max_concurrency))
+        finally:
+            engine.shutdown()
+        output.write("".join(json.dumps(result, ensure_ascii=False) + "\n" for result in results))
     finally:
-        engine.shutdown()
-    text = "".join(json.dumps(result, ensure_ascii=False) + "\n" for result in results)
-    if args.output_file == "-":
-        sys.stdout.write(text)
-    else:
-        with open(args.output_file, "w", encoding="utf-8") as file:
-            file.write(text)
+        if output is not sys.stdout:
+            output.close()
+
+
+def _usage_error(message: str) -> NoReturn:
+    print(f"pagedlm run-batch: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _read_lines(path: str) -> list[str]:
+    """The input file's lines ('-': stdin); an unreadable file exits naming it."""
+    try:
+        if path == "-":
+            return sys.stdin.read().splitlines()
+        with open(path, encoding="utf-8") as file:
+            return file.read().splitlines()
+    except OSError as error:
+        _usage_error(f"--input-file {path}: {error.strerror}; give a readable JSONL file.")
+    except UnicodeDecodeError as error:
+        _usage_error(
+            f"--input-file {path} is not UTF-8 text ({error.reason} at byte {error.start}); "
+            "give a JSONL file of OpenAI batch requests."
+        )
+
+
+def _open_output(path: str) -> TextIO:
+    """The output file, opened for writing ('-': stdout); an unwritable path exits naming
+    it."""
+    if path == "-":
+        return sys.stdout
+    try:
+        return open(path, "w", encoding="utf-8")  # closed by run_batch
+    except OSError as error:
+        _usage_error(f"--output-file {path}: {error.strerror}; give a path that can be written.")
