@@ -54,3 +54,20 @@ def test_ctrl_c_in_chat_exits_130_without_traceback(monkeypatch, capsys):
     assert status == cli.INTERRUPTED_STATUS == 130
     err = capsys.readouterr().err
     assert err.strip() == "Interrupted." and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--port", "99999", "argument --port: '99999' is not a port; give 0-65535"),
+        ("--port", "-1", "argument --port: '-1' is not a port"),
+        ("--max-request-body-bytes", "0", "argument --max-request-body-bytes: '0' is not"),
+        ("--shutdown-timeout", "-5", "argument --shutdown-timeout: '-5' is not"),
+        ("--engine-death-grace-period", "nan", "argument --engine-death-grace-period: 'nan'"),
+    ],
+)
+def test_out_of_range_server_flags_exit_2_naming_the_flag(flag, value, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse_args(["serve", flag, value])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

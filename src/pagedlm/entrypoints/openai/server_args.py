@@ -24,6 +24,38 @@ API_KEY_ENV = "PAGEDLM_API_KEY"
 ENGINE_DEATH_EXIT_STATUS = 1
 
 
+def port(text: str) -> int:
+    """A TCP port, as ``--port`` takes it (0: any free one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port; give 0-65535 (0: any free one)")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A duration of zero or more seconds (not NaN or infinite)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """``pagedlm serve``'s flags: how requests are served (``add_serving_args``), then the
     listener's, the process's and the HTTP layer's."""
@@ -35,7 +67,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Address to bind (default: every IPv4 interface, as vLLM; 127.0.0.1 for this "
         "machine only).",
     )
-    group.add_argument("--port", type=int, default=8000, help="Port (default: %(default)s).")
+    group.add_argument("--port", type=port, default=8000, help="Port (default: %(default)s).")
     group.add_argument(
         "--uds",
         default=None,
@@ -60,20 +92,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--max-request-body-bytes",
-        type=int,
+        type=positive_int,
         default=10 << 20,
         help="Larger request bodies get 413 (default: %(default)s).",
     )
     group.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=seconds,
         default=30.0,
         help="Seconds in-flight requests may take to finish after SIGTERM; then they end "
         "with an error (default: %(default)s).",
     )
     group.add_argument(
         "--engine-death-grace-period",
-        type=float,
+        type=seconds,
         default=2.0,
         help="Seconds the server keeps answering 503 after the engine core died, before "
         f"it exits with status {ENGINE_DEATH_EXIT_STATUS} (default: %(default)s).",
