@@ -97,3 +97,24 @@ def test_vllms_dotted_json_flags() -> None:
 def test_a_dotted_flag_without_a_value_is_an_error(capsys) -> None:
     with pytest.raises(SystemExit, match=r"-cc.cudagraph_mode needs a value"):
         parse_args(["serve", "m", "-cc.cudagraph_mode"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        (["serve", "--swap-space", "4"], "--swap-space is vLLM's, which pagedlm does not take: "
+         "a preempted request is recomputed"),
+        (["generate", "--num-scheduler-steps=8"], "--num-scheduler-steps is vLLM's"),
+        (["serve", "--guided-decoding-backend", "xgrammar"], "--structured-outputs-config"),
+        (["run-batch", "-i", "a", "-o", "b", "--speculative-model", "m"], "--speculative-config"),
+        (["serve", "--device", "cpu"], "PAGEDLM_PLATFORM=cpu"),
+        (["serve", "--max-model-length", "4096"], "--max-model-length: did you mean --max-model-len?"),
+        (["bench", "latency", "--max-num-seqz", "4"], "did you mean --max-num-seqs?"),
+    ],
+)  # fmt: skip
+def test_an_unknown_flag_names_the_fix(argv, hint, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: " in err and hint in err

@@ -147,7 +147,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
     argv = dashed_flags(dotted_json_flags(argv))
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse_known(parser, argv)
     path = getattr(args, "config", None)
     if path is None:
         return args
@@ -159,7 +159,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if getattr(args, POSITIONAL_MODEL_DEST, None) is not None:
         defaults.pop("model", None)  # MODEL on the command line wins over the file's
     subparser.set_defaults(**defaults)
-    return parser.parse_args(argv)
+    return _parse_known(parser, argv)
+
+
+def _parse_known(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser.parse_args``, whose error for an unknown flag also says what to do: vLLM's
+    fix for a vLLM flag pagedlm does not take, or the nearest flag for a typo."""
+    from pagedlm.entrypoints.cli.unknown_flags import unknown_flags_message
+
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        subparser = args.subparsers[args.command]
+        if getattr(args, "bench_command", None) is not None:
+            subparser = subparser._subparsers._group_actions[0].choices[args.bench_command]
+        known = (flag for action in subparser._actions for flag in action.option_strings)
+        subparser.error(unknown_flags_message(extras, known))
+    return args
 
 
 def dashed_flags(argv: list[str]) -> list[str]:
