@@ -46,3 +46,19 @@ def test_opaque_images_are_unchanged():
     url = "data:image/png;base64," + base64.b64encode(_png(source)).decode()
     decoded = load_image_url(url, MultiModalConfig())
     np.testing.assert_array_equal(np.asarray(decoded), np.asarray(source))
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("data:image/png;base64", "the image data URL carries no image"),
+        ("data:image/png;base64,", "the image data URL carries no image"),
+        ("data:image/png;base64," + base64.b64encode(b"not an image").decode(),
+         "is not an image in a format PIL reads"),
+    ],
+)  # fmt: skip
+def test_empty_and_unknown_image_data_say_so(url, message):
+    # Not "cannot identify image file <_io.BytesIO object at 0x...>".
+    with pytest.raises(ValueError, match=message) as error:
+        load_image_url(url, MultiModalConfig())
+    assert "BytesIO" not in str(error.value)

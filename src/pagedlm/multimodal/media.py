@@ -48,6 +48,11 @@ def decode_image(data: bytes) -> Image.Image:
             f"the image is too large to decode ({exc}); the limit is {MAX_IMAGE_PIXELS} "
             "pixels: send a smaller image."
         ) from None
+    except Image.UnidentifiedImageError:  # its message shows only a BytesIO's repr
+        raise MediaError(
+            "the image data could not be decoded: it is not an image in a format PIL reads; "
+            "send a PNG, JPEG, WebP or GIF image."
+        ) from None
     except Exception as exc:  # PIL raises many types for corrupt data
         raise MediaError(
             f"the image data could not be decoded ({type(exc).__name__}: {exc}); send a "
@@ -79,6 +84,11 @@ def _data_url_bytes(url: str, config: MultiModalConfig) -> bytes:
     header, _, payload = url.partition(",")
     if not header.endswith(";base64"):
         raise MediaError("an image data URL must be base64: 'data:image/png;base64,...'.")
+    if not payload.strip():
+        raise MediaError(
+            "the image data URL carries no image after its comma: send "
+            "'data:image/png;base64,<the image's bytes in base64>'."
+        )
     _check_size(len(payload) * 3 // 4, config, "the data URL's image")
     try:
         return base64.b64decode(payload, validate=True)
