@@ -71,3 +71,23 @@ def test_out_of_range_server_flags_exit_2_naming_the_flag(flag, value, message, 
         cli.parse_args(["serve", flag, value])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--num-prompts", "-1"), ("--num-prompts", "0"), ("--output-len", "0"),
+     ("--max-concurrency", "0"), ("--client-processes", "0"), ("--request-rate", "0")],
+)  # fmt: skip
+def test_bench_serve_refuses_counts_below_one_before_sending(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse_args(["bench", "serve", flag, value])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: '{value}' is not" in capsys.readouterr().err
+
+
+def test_bench_serve_without_a_server_is_one_line():
+    url = f"http://127.0.0.1:{closed_port()}"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "serve", "--base-url", url, "--num-prompts", "1"])
+    assert str(exit_info.value).startswith(f"error: cannot connect to {url}")
+    assert "pagedlm serve" in str(exit_info.value)

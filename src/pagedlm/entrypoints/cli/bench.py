@@ -64,34 +64,58 @@ class RequestResult:
     """When the request ended (monotonic clock, shared by the client processes)."""
 
 
+def _at_least_one(kind: type) -> Any:
+    """A flag's type: a number of ``kind`` (int or float) above zero."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number above 0")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--base-url", default="http://127.0.0.1:8000", help="(default: %(default)s)"
     )
     parser.add_argument("--model", default=None, help="Model name (default: the server's first).")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--num-prompts", type=int, default=50, help="(default: %(default)s)")
+    parser.add_argument(
+        "--num-prompts", type=_at_least_one(int), default=50, help="(default: %(default)s)"
+    )
     parser.add_argument(
         "--request-rate",
-        type=float,
+        type=_at_least_one(float),
         default=float("inf"),
         help="Requests per second, Poisson arrivals; inf sends all at once (default: %(default)s).",
     )
     parser.add_argument(
-        "--input-len", type=int, default=32, help="Prompt length in words (default: %(default)s)."
+        "--input-len",
+        type=_at_least_one(int),
+        default=32,
+        help="Prompt length in words (default: %(default)s).",
     )
     parser.add_argument(
-        "--output-len", type=int, default=32, help="Tokens per request (default: %(default)s)."
+        "--output-len",
+        type=_at_least_one(int),
+        default=32,
+        help="Tokens per request (default: %(default)s).",
     )
     parser.add_argument(
         "--max-concurrency",
-        type=int,
+        type=_at_least_one(int),
         default=None,
         help="At most this many requests in flight at once (default: no limit).",
     )
     parser.add_argument(
         "--client-processes",
-        type=int,
+        type=_at_least_one(int),
         default=None,
         help="Client processes sharing the load (default: 1 up to 64 prompts, else up to 4, "
         "a quarter of the cores).",
@@ -264,7 +288,14 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
     base = args.base_url.rstrip("/")
     model = args.model
     if model is None:
-        model = httpx.get(f"{base}/v1/models", headers=headers).json()["data"][0]["id"]
+        try:
+            models = httpx.get(f"{base}/v1/models", headers=headers)
+        except httpx.ConnectError as error:
+            raise SystemExit(
+                f"error: cannot connect to {base} ({error}); start `pagedlm serve` there "
+                "first, or pass --base-url."
+            ) from None
+        model = models.json()["data"][0]["id"]
     bodies = [
         {
             "model": model,
