@@ -113,7 +113,7 @@ def test_one_compiled_kernel_serves_every_batch_size(monkeypatch) -> None:
     monkeypatch.setattr(sampling, "_pick_kernel", second)
     vocab = 6 * BLOCK_V + 100
     widths = set()
-    for rows in (1, 3, 40, 300):
+    for rows in (1, 3, 64):  # 64 rows: 4 x 64 programs of 2048 make the split 4096
         logits = torch.randn(rows, vocab, device=DEVICE)
         widths.add(split_width(rows, vocab))
         gumbel_sample(logits, None, None, seed(rows))
