@@ -173,6 +173,26 @@ def test_request_aborted_with_a_step_in_flight_reports_nothing_more() -> None:
     assert 2 <= len(results["r1"][0]) < 20
 
 
+def test_id_added_again_while_its_aborted_step_is_in_flight_names_a_new_request() -> None:
+    """The token the aborted request samples in the step still in flight is not the new
+    request's (it was appended to it, which the workers never saw)."""
+    core = make_core(True)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    core.add_request(Request("a", [5, 6, 7], params, {EOS}))
+    core.step()
+    core.step()  # its first token collected, its second in flight
+    core.abort_requests(["a"])
+    core.add_request(Request("a", [9, 8], params, {EOS}))
+    tokens = []
+    while core.has_unfinished_requests():
+        tokens += [token for out in core.step() for token in out.new_token_ids]
+    expected = [9, 8]
+    for _ in range(4):
+        expected.append(next_token(expected))
+    assert tokens == expected[2:]
+    assert core.scheduler.kv_manager.num_free_blocks == core.scheduler.num_blocks
+
+
 def test_last_token_in_flight_is_not_scheduled_again() -> None:
     core = make_core(True)
     params = SamplingParams(max_tokens=2, ignore_eos=True)

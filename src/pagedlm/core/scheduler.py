@@ -44,7 +44,8 @@ next step feeds them (the workers hold their values on the device), so a decodin
 request is scheduled one token as usual. A request whose in-flight token is its last by
 length (``max_tokens``, ``max_model_len``) is not scheduled again. ``update_from_output``
 resolves the placeholders into real tokens and applies stops; a request that stops on a
-token of the step in flight has the next step's token dropped (it is no longer known).
+token of the step in flight has the next step's token dropped (it is no longer known), as
+has a request aborted with its step in flight, even once its id names a new request.
 Blocks freed then are handed out only by later schedules, whose steps run on the device
 after every launched step that may still write them. Synchronous scheduling is the same
 code with every step collected before the next is scheduled (no placeholder survives).
@@ -187,6 +188,13 @@ class OneBudgetScheduler(Scheduler):
         self.disjoint_steps = disjoint_steps
         self._in_flight_req_ids: set[str] = set()
         """``disjoint_steps``: requests of the launched steps not collected yet."""
+        self._last_step: dict[str, int] = {}
+        """The last step's ``num_scheduled_tokens`` until it is collected: outside
+        ``disjoint_steps`` at most one step is in flight, and this is it."""
+        self._ended_in_flight: set[str] = set()
+        """Requests that ended while a launched step held them: that step's entries for
+        their ids are dropped when it is collected, whatever request has the id by then
+        (one aborted and added again before its step was collected)."""
         budget = scheduler_config.max_num_encoder_input_tokens
         self.encoder = EncoderCacheTracker(
             budget or scheduler_config.max_num_batched_tokens,
@@ -442,6 +450,7 @@ class OneBudgetScheduler(Scheduler):
             output = self.external.attach_metadata(output)
         self._finished_req_ids = set()
         self._preempted_req_ids = set()
+        self._last_step = num_scheduled
         if num_scheduled:
             self.num_model_steps += 1
             if self.disjoint_steps:
@@ -617,6 +626,12 @@ class OneBudgetScheduler(Scheduler):
         all_prompt_logprobs = runner_output.prompt_logprobs
         if self._in_flight_req_ids:
             self._in_flight_req_ids.difference_update(scheduled)
+        if scheduled is self._last_step:
+            self._last_step = {}
+        stale = None
+        if self._ended_in_flight:
+            stale = self._ended_in_flight.intersection(scheduled)
+            self._ended_in_flight -= stale
         if self.external is not None:
             self.external.finish_loads(runner_output.kv_connector_output)
         pooled_outputs = runner_output.pooler_output
@@ -628,6 +643,8 @@ class OneBudgetScheduler(Scheduler):
         for req_id, sampled in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, strict=True
         ):
+            if stale and req_id in stale:
+                continue  # its request ended after this step was scheduled
             request = requests.get(req_id)
             if request is None or req_id not in scheduled:
                 continue  # finished or aborted after this step was scheduled
@@ -738,13 +755,16 @@ class OneBudgetScheduler(Scheduler):
 
     def _finish(self, request: Request) -> None:
         """Release a request that has left ``running``/``waiting`` with a finished status."""
+        request_id = request.request_id
+        if request_id in self._last_step or request_id in self._in_flight_req_ids:
+            self._ended_in_flight.add(request_id)
         self.grammars.remove(request)
         self.kv_manager.free(request)
         self.encoder.release(request)
         if self.external is not None:
             self.external.finished(request)
-        del self.requests[request.request_id]
-        self._finished_req_ids.add(request.request_id)
+        del self.requests[request_id]
+        self._finished_req_ids.add(request_id)
 
 
 def _unreported_prompt_logprobs(
