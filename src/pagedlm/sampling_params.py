@@ -210,7 +210,9 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy. ``top_k == -1`` and ``top_p == 1`` disable those
     filters (``top_k == 0`` means -1, as in vLLM). ``seed`` makes the request's samples
-    independent of what else is batched; it may be any 64-bit integer, signed or unsigned.
+    independent of what else is batched (with speculative decoding, only as long as the
+    drafts its steps verify are: they depend on the batch and the token budget, and each
+    verified draft takes a draw); it may be any 64-bit integer, signed or unsigned.
     """
 
     n: int = 1
