@@ -14,7 +14,7 @@ from pagedlm.entrypoints.openai.app import build_app
 from pagedlm.entrypoints.openai.serving_engine import ServingContext
 from pagedlm.metrics.prometheus import PrometheusMetrics
 from server.fake_engine import FakeEngine
-from server.server_utils import start_server
+from server.server_utils import start_server, statuses_of_a_dropped_upload
 
 PROMPT = "a prompt long enough to fill two blocks of the prefix cache, or more"
 
@@ -197,38 +197,12 @@ def test_pause_routes_need_weight_updates_or_dev_mode(chat_checkpoint, monkeypat
 def test_a_dropped_weight_update_upload_is_499_quietly(chat_checkpoint, caplog):
     """A client gone before its ``/update_weights_from_disk`` body arrived got starlette's
     500 (and a traceback); the model routes answer 499 quietly, and so does this one."""
-    import asyncio
-
     from pagedlm.entrypoints.openai.admin import AdminOptions
 
     engine = FakeEngine(chat_checkpoint)
     ctx = ServingContext(engine=engine, model_names=["tiny"], metrics=PrometheusMetrics("tiny"))
     app = build_app(ctx, admin=AdminOptions(enable_weight_updates=True))
-    path = "/update_weights_from_disk"
-    scope = {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
-        "raw_path": path.encode(), "query_string": b"", "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
-        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
-    }  # fmt: skip
-    messages = [
-        {"type": "http.request", "body": b'{"model_pa', "more_body": True},
-        {"type": "http.disconnect"},
-    ]
-    statuses = []
-
-    async def receive() -> dict:
-        if messages:
-            return messages.pop(0)
-        await asyncio.Event().wait()  # nothing more ever comes
-        return {}
-
-    async def send(message: dict) -> None:
-        if message["type"] == "http.response.start":
-            statuses.append(message["status"])
-
     with caplog.at_level("ERROR"):
-        asyncio.run(asyncio.wait_for(app(scope, receive, send), 30))
+        statuses = statuses_of_a_dropped_upload(app, "/update_weights_from_disk", b'{"model_pa')
     assert statuses == [499]
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text

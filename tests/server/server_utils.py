@@ -180,3 +180,41 @@ def in_process_app(model: Path | str, name: str = "tiny", /, **options: object):
     app = build_app(ctx, admin=admin, http=http)
     app.tokenizer = engine.get_tokenizer()
     return engine, app
+
+
+def asgi_post_scope(path: str, headers: list[tuple[bytes, bytes]]) -> dict:
+    """The ASGI scope uvicorn builds for a POST to ``path`` (ASGI spec 2.3: starlette
+    then watches for ``http.disconnect``)."""
+    return {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
+        "raw_path": path.encode(), "query_string": b"", "root_path": "",
+        "headers": [(b"content-type", b"application/json"), *headers],
+        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+    }  # fmt: skip
+
+
+def statuses_of_a_dropped_upload(app, path: str, first_part: bytes) -> list[int]:
+    """POST to ``app`` a body announced longer than ``first_part``, whose client
+    disconnects after sending that part; the response statuses the app sent."""
+    import asyncio
+
+    scope = asgi_post_scope(path, [(b"content-length", str(10 * len(first_part)).encode())])
+    messages = [
+        {"type": "http.request", "body": first_part, "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    statuses = []
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop(0)
+        await asyncio.Event().wait()  # nothing more ever comes
+        return {}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            statuses.append(message["status"])
+
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 30))
+    return statuses

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from server.server_utils import in_process_app
+from server.server_utils import asgi_post_scope, in_process_app, statuses_of_a_dropped_upload
 
 LONG = {"max_tokens": 400, "ignore_eos": True, "stream": True}
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -40,13 +40,7 @@ async def drop_after(app, path: str, body: dict, num_chunks: int, pending_write:
     ``pending_write`` the disconnect lands while that chunk's write is still pending (a
     slow client's full socket buffer: uvicorn's ``send`` waits to drain). The status."""
     raw = json.dumps(body).encode()
-    scope = {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
-        "raw_path": path.encode(), "query_string": b"", "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"host", b"t")],
-        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
-    }  # fmt: skip
+    scope = asgi_post_scope(path, [(b"host", b"t")])
     gone = asyncio.Event()
     state = {"body_sent": False, "status": 0, "chunks": 0}
 
@@ -121,31 +115,8 @@ def test_a_disconnect_during_the_upload_is_no_server_error(served, path, caplog)
     traceback in the log per dropped upload) answered 500; nobody reads the answer, and
     the server's fault it is not: 499, quietly, as for a disconnect during generation."""
     engine, app = served
-    scope = {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
-        "raw_path": path.encode(), "query_string": b"", "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")],
-        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
-    }  # fmt: skip
-    messages = [
-        {"type": "http.request", "body": b'{"model": "tiny", "mess', "more_body": True},
-        {"type": "http.disconnect"},
-    ]
-    statuses = []
-
-    async def receive() -> dict:
-        if messages:
-            return messages.pop(0)
-        await asyncio.Event().wait()  # nothing more ever comes
-        return {}
-
-    async def send(message: dict) -> None:
-        if message["type"] == "http.response.start":
-            statuses.append(message["status"])
-
     with caplog.at_level("ERROR"):
-        asyncio.run(asyncio.wait_for(app(scope, receive, send), 30))
+        statuses = statuses_of_a_dropped_upload(app, path, b'{"model": "tiny", "mess')
     assert statuses == [499]
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
     assert not engine.errored
