@@ -91,3 +91,22 @@ def test_bench_serve_without_a_server_is_one_line():
         cli.main(["bench", "serve", "--base-url", url, "--num-prompts", "1"])
     assert str(exit_info.value).startswith(f"error: cannot connect to {url}")
     assert "pagedlm serve" in str(exit_info.value)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--lora-modules", "sql=/adapters/sql"], "--lora-modules needs --enable-lora."),
+        (["--enable-lora", "--lora-modules", "sql"], "'sql': use name=path."),
+        (["--enable-lora", "--lora-modules", '{"name": "sql"}'], "need 'name' and 'path'"),
+    ],
+)
+def test_bad_lora_modules_stop_serve_before_the_model_loads(monkeypatch, flags, message):
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine started before --lora-modules was checked")
+
+    monkeypatch.setattr("pagedlm.engine.async_llm.AsyncLLM.from_engine_args", no_engine)
+    args = cli.build_parser().parse_args(["serve", "--port", str(closed_port()), *flags])
+    with pytest.raises(SystemExit) as exit_info:
+        run_server(args)
+    assert message in str(exit_info.value)

@@ -274,6 +274,7 @@ def check_serving_args(args: argparse.Namespace) -> RequestLimits:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("error: --enable-auto-tool-choice needs --tool-call-parser (e.g. hermes).")
     check_parser_args(args)
+    _check_lora_modules(args)
     read_template_kwargs(args.default_chat_template_kwargs)
     if args.enable_log_outputs and not args.enable_log_requests:
         logger.warning("--enable-log-outputs logs nothing without --enable-log-requests; add it.")
@@ -281,6 +282,21 @@ def check_serving_args(args: argparse.Namespace) -> RequestLimits:
         return limits_from_args(args)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
+
+
+def _check_lora_modules(args: argparse.Namespace) -> None:
+    """``--lora-modules`` entries parse and have ``--enable-lora`` to run on; whether each
+    adapter fits the model is checked once it loads."""
+    from pagedlm.entrypoints.openai.serving_lora import parse_lora_module
+
+    modules = getattr(args, "lora_modules", None) or ()
+    if modules and not getattr(args, "enable_lora", False):
+        raise SystemExit("error: --lora-modules needs --enable-lora.")
+    for text in modules:
+        try:
+            parse_lora_module(text)
+        except ValueError as error:
+            raise SystemExit(f"error: {error}") from None
 
 
 def _parser_names(names: list[str], aliases: dict[str, str]) -> str:
