@@ -16,7 +16,7 @@ import asyncio
 from typing import Any
 
 from pagedlm.entrypoints.openai.errors import APIError
-from pagedlm.entrypoints.openai.protocol_anthropic import _blocks_text
+from pagedlm.entrypoints.openai.protocol_anthropic import system_content
 from pagedlm.multimodal.chat import has_images, split_images
 from pagedlm.multimodal.media import load_image_url_async
 
@@ -55,7 +55,7 @@ def anthropic_conversation(request: Any) -> list[dict[str, Any]] | None:
         return None
     conversation: list[dict[str, Any]] = []
     if request.system:
-        conversation.append({"role": "system", "content": _blocks_text(request.system, "system")})
+        conversation.append({"role": "system", "content": system_content(request.system)})
     for i, message in enumerate(messages):
         if isinstance(message.content, str) or all(b.type != "image" for b in message.content):
             conversation.extend(message.template_messages(f"messages.{i}.content"))

@@ -57,26 +57,33 @@ def _unsupported_block(block: ContentBlock, where: str, allowed: str) -> APIErro
     )
 
 
-def _blocks_text(content: str | list[ContentBlock], where: str) -> str:
+def _text_part(text: str) -> dict[str, str]:
+    return {"type": "text", "text": text}
+
+
+def system_content(content: str | list[ContentBlock]) -> str | list[dict[str, str]]:
+    """``system`` as chat-template content: a string, or its text blocks as text parts."""
     if isinstance(content, str):
         return content
-    texts = []
+    parts = []
     for j, block in enumerate(content):
         if block.type != "text":
-            raise _unsupported_block(block, f"{where}.{j}", "text blocks")
-        texts.append(_block_text(block, f"{where}.{j}"))
-    return "".join(texts)
+            raise _unsupported_block(block, f"system.{j}", "text blocks")
+        parts.append(_text_part(_block_text(block, f"system.{j}")))
+    return parts
 
 
-def _result_text(content: str | list[dict[str, Any]] | None, where: str) -> str:
+def _result_content(
+    content: str | list[dict[str, Any]] | None, where: str
+) -> str | list[dict[str, str]]:
     if content is None or isinstance(content, str):
         return content or ""
-    texts = []
+    parts = []
     for block in content:
         if block.get("type") != "text" or not isinstance(block.get("text"), str):
             raise APIError(f"{where}: a tool_result holds text blocks only.", param=where)
-        texts.append(block["text"])
-    return "".join(texts)
+        parts.append(_text_part(block["text"]))
+    return parts
 
 
 class AnthropicMessage(AnthropicModel):
@@ -86,14 +93,16 @@ class AnthropicMessage(AnthropicModel):
 
     def template_messages(self, where: str) -> list[dict[str, Any]]:
         """This turn as chat-template messages: tool results (as ``tool`` messages) first,
-        then the turn's text and tool calls."""
+        then the turn's text and tool calls. Text blocks stay content parts, as an OpenAI
+        chat message's text parts do: the server's content format (a template that prints
+        a string gets them joined by newlines) applies to both alike."""
         if isinstance(self.content, str):
             return [{"role": self.role, "content": self.content}]
-        texts, calls, results = [], [], []
+        parts, calls, results = [], [], []
         for j, block in enumerate(self.content):
             at = f"{where}.{j}"
             if block.type == "text":
-                texts.append(_block_text(block, at))
+                parts.append(_text_part(_block_text(block, at)))
             elif block.type == "tool_use" and self.role == "assistant":
                 if not block.name or block.id is None:
                     raise APIError(f"{at}: a tool_use block needs id and name.", param=at)
@@ -102,15 +111,17 @@ class AnthropicMessage(AnthropicModel):
             elif block.type == "tool_result" and self.role == "user":
                 if block.tool_use_id is None:
                     raise APIError(f"{at}: a tool_result block needs tool_use_id.", param=at)
-                text = _result_text(block.content, at)
-                results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": text})
+                content = _result_content(block.content, at)
+                results.append(
+                    {"role": "tool", "tool_call_id": block.tool_use_id, "content": content}
+                )
             else:
                 raise _unsupported_block(
                     block, at, "text, tool_use (assistant) or tool_result (user) blocks"
                 )
         messages = results
-        if texts or calls or not results:
-            message: dict[str, Any] = {"role": self.role, "content": "".join(texts)}
+        if parts or calls or not results:
+            message: dict[str, Any] = {"role": self.role, "content": parts or ""}
             if calls:
                 message["tool_calls"] = calls
             messages.append(message)
@@ -127,7 +138,7 @@ class CountTokensRequest(AnthropicModel):
     def conversation(self) -> list[dict[str, Any]]:
         conversation = []
         if self.system:
-            conversation.append({"role": "system", "content": _blocks_text(self.system, "system")})
+            conversation.append({"role": "system", "content": system_content(self.system)})
         for i, message in enumerate(self.messages):
             conversation.extend(message.template_messages(f"messages.{i}.content"))
         return conversation
