@@ -8,6 +8,9 @@ one token per byte, so a token count is a byte count of the rendered ChatML prom
 
 from __future__ import annotations
 
+import json
+
+import pytest
 from fake_engine import ScriptedEngine, fake_context
 from starlette.testclient import TestClient
 
@@ -58,3 +61,75 @@ def test_text_blocks_reach_the_template_as_parts(chat_checkpoint):
         assert _count(client, messages=result(_text_blocks("Hello", "world"))) == _count(
             client, messages=result(joined)
         )
+
+
+HERMES = {"tool_parser": "hermes", "enable_auto_tool_choice": True}
+CALL = '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>'
+TIME_TOOL = {"name": "get_time", "input_schema": {"type": "object"}}
+ASK = {"model": "tiny", "max_tokens": 200, "messages": [{"role": "user", "content": "Time?"}]}
+
+
+def _events(stream: str) -> list[dict]:
+    """The stream's events' data, each checked against its ``event:`` name."""
+    events, name = [], None
+    for line in stream.splitlines():
+        if line.startswith("event: "):
+            name = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            data = json.loads(line.removeprefix("data: "))
+            assert data["type"] == name, (name, data)
+            events.append(data)
+    return events
+
+
+def _streamed_content(events: list[dict]) -> list[dict]:
+    """The content blocks a client builds from the events (as the SDK accumulates them):
+    each block opens at the next index, gets its deltas, and closes before the next."""
+    blocks: list[dict] = []
+    open_index = None
+    for event in events:
+        if event["type"] == "content_block_start":
+            assert open_index is None and event["index"] == len(blocks), events
+            blocks.append(dict(event["content_block"]))
+            open_index = event["index"]
+        elif event["type"] == "content_block_delta":
+            assert event["index"] == open_index, events
+            delta, block = event["delta"], blocks[open_index]
+            if delta["type"] == "text_delta":
+                block["text"] += delta["text"]
+            elif delta["type"] == "input_json_delta":
+                block["partial_json"] = block.get("partial_json", "") + delta["partial_json"]
+            else:
+                raise AssertionError(delta)
+        elif event["type"] == "content_block_stop":
+            assert event["index"] == open_index, events
+            block = blocks[open_index]
+            if block["type"] == "tool_use":
+                block["input"] = json.loads(block.pop("partial_json", "{}"))
+            open_index = None
+    assert open_index is None
+    return blocks
+
+
+def _without_ids(blocks: list[dict]) -> list[dict]:
+    """Each request names its tool calls afresh."""
+    return [{k: v for k, v in block.items() if k != "id"} for block in blocks]
+
+
+@pytest.mark.parametrize(
+    ("script", "texts"), [(CALL, []), (f"Let me check.{CALL}", ["Let me check."])]
+)
+def test_a_reply_has_no_empty_text_block(chat_checkpoint, script, texts):
+    """A reply that only calls a tool is that tool_use block, at index 0, whole or
+    streamed: no empty text block before it (Anthropic never answers one, and refuses one
+    sent back; vLLM's Messages API opens a text block only for text)."""
+    body = {**ASK, "tools": [TIME_TOOL]}
+    with _client(chat_checkpoint, script, **HERMES) as client:
+        whole = client.post("/v1/messages", json=body).json()
+        events = _events(client.post("/v1/messages", json={**body, "stream": True}).text)
+    expected_texts = [{"type": "text", "text": text} for text in texts]
+    assert [b for b in whole["content"] if b["type"] == "text"] == expected_texts, whole
+    assert [b["type"] for b in whole["content"]] == ["text"] * len(texts) + ["tool_use"]
+    assert whole["content"][-1]["input"] == {"tz": "UTC"}
+    assert whole["stop_reason"] == "tool_use"
+    assert _without_ids(_streamed_content(events)) == _without_ids(whole["content"])

@@ -1,8 +1,10 @@
 """``POST /v1/messages`` and ``/v1/messages/count_tokens``: the Anthropic Messages API.
 
-A stream is the event sequence message_start, content_block_start, content_block_delta*,
-content_block_stop, message_delta (stop reason, output tokens), message_stop. The reply is
-a text block (index 0), then one ``tool_use`` block per tool call; tools are planned, forced
+A stream is the event sequence message_start, then per content block content_block_start,
+content_block_delta*, content_block_stop, then message_delta (stop reason, output tokens),
+message_stop. The reply is a text block when the model wrote text, then one ``tool_use``
+block per tool call, numbered from 0 as they come: no empty text block (a reply that only
+calls a tool is its ``tool_use`` blocks, one with nothing ``[]``). Tools are planned, forced
 and parsed exactly as for chat completions (``structured_request.plan_tools`` and the
 server's ``--tool-call-parser``), and a streamed tool call arrives whole, as one
 ``input_json_delta``, once the model has finished it. A call's id is Anthropic's ``toolu_``
@@ -167,16 +169,9 @@ class MessagesServer:
             "stop_sequence": None,
             "usage": {"input_tokens": input_tokens, "output_tokens": 0},
         }
+        blocks = _BlockEvents()
         if request.stream:
             yield _event("message_start", {"type": "message_start", "message": message})
-            yield _event(
-                "content_block_start",
-                {
-                    "type": "content_block_start",
-                    "index": 0,
-                    "content_block": {"type": "text", "text": ""},
-                },
-            )
         parser = ChatOutputParser.build(None, plan.new_parser, plan.new_call_id)
         output_tokens = 0
         finish: tuple[str | None, str | None] = ("end_turn", None)
@@ -190,29 +185,18 @@ class MessagesServer:
                 text += parser.finish().get("content", "")
                 finish = _stop_reason(sample.finish_reason, sample.stop_reason)
             if request.stream and text:
-                delta = {"type": "text_delta", "text": text}
-                yield _event(
-                    "content_block_delta",
-                    {"type": "content_block_delta", "index": 0, "delta": delta},
-                )
+                for event in blocks.delta({"type": "text", "text": ""}, _text_delta(text)):
+                    yield event
         tool_uses = _tool_use_blocks(parser)
         if tool_uses and finish[0] not in ("max_tokens", None):
             finish = ("tool_use", None)
         stop_reason, stop_sequence = finish
         if request.stream:
-            yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
-            for index, block in enumerate(tool_uses, start=1):
-                start = {**block, "input": {}}
-                yield _event(
-                    "content_block_start",
-                    {"type": "content_block_start", "index": index, "content_block": start},
-                )
-                delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-                yield _event(
-                    "content_block_delta",
-                    {"type": "content_block_delta", "index": index, "delta": delta},
-                )
-                yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
+            for block in tool_uses:
+                for event in blocks.whole_tool_use(block):
+                    yield event
+            for event in blocks.stop():
+                yield event
             yield _event(
                 "message_delta",
                 {
@@ -223,10 +207,60 @@ class MessagesServer:
             )
             yield _event("message_stop", {"type": "message_stop"})
             return
+        text = "".join(parser.content)
         yield {
             **message,
-            "content": [{"type": "text", "text": "".join(parser.content)}, *tool_uses],
+            "content": [*([{"type": "text", "text": text}] if text else []), *tool_uses],
             "stop_reason": stop_reason,
             "stop_sequence": stop_sequence,
             "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
         }
+
+
+def _text_delta(text: str) -> dict[str, str]:
+    return {"type": "text_delta", "text": text}
+
+
+class _BlockEvents:
+    """The content-block events of a streamed reply. Blocks are numbered from 0 in the
+    order they open; one is open at a time, and a block opens at its first delta, so the
+    stream holds no block a whole reply would leave out (an empty text block before a
+    tool call: Anthropic never answers one)."""
+
+    def __init__(self) -> None:
+        self.num_blocks = 0
+        self.open_type: str | None = None
+
+    def delta(self, empty_block: dict[str, Any], delta: dict[str, Any]) -> list[str]:
+        """Events for ``delta`` to a block of ``empty_block``'s type: the open one, or a new
+        one (``empty_block`` its start) after closing the open one of another type."""
+        events = []
+        if self.open_type != empty_block["type"]:
+            events = self.stop()
+            start = {
+                "type": "content_block_start",
+                "index": self.num_blocks,
+                "content_block": empty_block,
+            }
+            events.append(_event("content_block_start", start))
+            self.open_type = empty_block["type"]
+            self.num_blocks += 1
+        body = {"type": "content_block_delta", "index": self.num_blocks - 1, "delta": delta}
+        events.append(_event("content_block_delta", body))
+        return events
+
+    def whole_tool_use(self, block: dict[str, Any]) -> list[str]:
+        """A finished tool call as its own block: its input in one ``input_json_delta``."""
+        events = self.stop()
+        delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+        events += self.delta({**block, "input": {}}, delta)
+        events += self.stop()
+        return events
+
+    def stop(self) -> list[str]:
+        """The open block's ``content_block_stop`` (nothing when none is open)."""
+        if self.open_type is None:
+            return []
+        self.open_type = None
+        body = {"type": "content_block_stop", "index": self.num_blocks - 1}
+        return [_event("content_block_stop", body)]
