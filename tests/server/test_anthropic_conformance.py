@@ -133,3 +133,16 @@ def test_a_reply_has_no_empty_text_block(chat_checkpoint, script, texts):
     assert whole["content"][-1]["input"] == {"tz": "UTC"}
     assert whole["stop_reason"] == "tool_use"
     assert _without_ids(_streamed_content(events)) == _without_ids(whole["content"])
+
+
+def test_a_message_id_has_anthropics_form(chat_checkpoint):
+    """A message's id is "msg_...", as Anthropic's are (vLLM answers its chat id), whole
+    and in message_start; a client's X-Request-Id still names it."""
+    body = {**ASK, "max_tokens": 5}
+    with _client(chat_checkpoint) as client:
+        whole = client.post("/v1/messages", json=body).json()
+        events = _events(client.post("/v1/messages", json={**body, "stream": True}).text)
+        named = client.post("/v1/messages", json=body, headers={"X-Request-Id": "abc"}).json()
+    assert whole["id"].startswith("msg_") and "-" not in whole["id"][:5], whole
+    assert events[0]["message"]["id"].startswith("msg_"), events[0]
+    assert named["id"] == "msg_abc", named

@@ -145,7 +145,8 @@ class MessagesServer:
             )
         except ValueError as error:
             raise from_value_error(error) from error
-        message_id = self.ctx.request_id("msg")
+        # Anthropic's form, "msg_..." (request_id gives "msg-..."), for the engine too.
+        message_id = "msg_" + self.ctx.request_id("msg").removeprefix("msg-")
         started = await self.ctx.start(
             [prompt],
             params,
