@@ -97,6 +97,10 @@ def _streamed_content(events: list[dict]) -> list[dict]:
             delta, block = event["delta"], blocks[open_index]
             if delta["type"] == "text_delta":
                 block["text"] += delta["text"]
+            elif delta["type"] == "thinking_delta":
+                block["thinking"] += delta["thinking"]
+            elif delta["type"] == "signature_delta":
+                block["signature"] += delta["signature"]
             elif delta["type"] == "input_json_delta":
                 block["partial_json"] = block.get("partial_json", "") + delta["partial_json"]
             else:
@@ -146,3 +150,22 @@ def test_a_message_id_has_anthropics_form(chat_checkpoint):
     assert whole["id"].startswith("msg_") and "-" not in whole["id"][:5], whole
     assert events[0]["message"]["id"].startswith("msg_"), events[0]
     assert named["id"] == "msg_abc", named
+
+
+@pytest.mark.parametrize("tools", [False, True])
+def test_reasoning_is_a_thinking_block(chat_checkpoint, tools):
+    """With --reasoning-parser the model's reasoning is a "thinking" block before the text
+    (and the tool calls), whole and streamed (thinking_delta), as vLLM's Messages API
+    answers it and Anthropic's extended thinking does; it was left in the text."""
+    script = "<think>Ponder.</think>Answer." + (CALL if tools else "")
+    body = {**ASK, "tools": [TIME_TOOL]} if tools else ASK
+    flags = {"reasoning_parser": "deepseek_r1", **(HERMES if tools else {})}
+    with _client(chat_checkpoint, script, **flags) as client:
+        whole = client.post("/v1/messages", json=body).json()
+        events = _events(client.post("/v1/messages", json={**body, "stream": True}).text)
+    thinking, text = whole["content"][:2]
+    assert thinking["type"] == "thinking" and thinking["thinking"] == "Ponder.", whole
+    assert isinstance(thinking["signature"], str)
+    assert text == {"type": "text", "text": "Answer."}
+    assert [b["type"] for b in whole["content"][2:]] == (["tool_use"] if tools else [])
+    assert _without_ids(_streamed_content(events)) == _without_ids(whole["content"])

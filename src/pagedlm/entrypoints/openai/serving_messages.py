@@ -2,9 +2,10 @@
 
 A stream is the event sequence message_start, then per content block content_block_start,
 content_block_delta*, content_block_stop, then message_delta (stop reason, output tokens),
-message_stop. The reply is a text block when the model wrote text, then one ``tool_use``
-block per tool call, numbered from 0 as they come: no empty text block (a reply that only
-calls a tool is its ``tool_use`` blocks, one with nothing ``[]``). Tools are planned, forced
+message_stop. The reply is a ``thinking`` block when the server's ``--reasoning-parser``
+found reasoning, a text block when the model wrote text, then one ``tool_use`` block per
+tool call, numbered from 0 as they come: no empty block (a reply that only calls a tool is
+its ``tool_use`` blocks, one with nothing ``[]``). Tools are planned, forced
 and parsed exactly as for chat completions (``structured_request.plan_tools`` and the
 server's ``--tool-call-parser``), and a streamed tool call arrives whole, as one
 ``input_json_delta``, once the model has finished it. A call's id is Anthropic's ``toolu_``
@@ -24,6 +25,7 @@ from pagedlm.entrypoints.openai.chat_images import anthropic_conversation, multi
 from pagedlm.entrypoints.openai.chat_output import ChatOutputParser
 from pagedlm.entrypoints.openai.errors import from_value_error
 from pagedlm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
+from pagedlm.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from pagedlm.entrypoints.openai.serving_engine import (
     ServingContext,
     merge_streams,
@@ -129,6 +131,10 @@ class MessagesServer:
             add_generation_prompt=not continues,
             continue_final_message=continues,
         ) or {"prompt_token_ids": await self._prompt(request, plan)}
+        new_reasoning_parser = self._reasoning_parser(plan)
+        keep_special_tokens = plan.needs_special_tokens or (
+            new_reasoning_parser is not None and new_reasoning_parser.needs_special_tokens
+        )
         try:
             requested = {
                 "temperature": request.temperature,
@@ -139,7 +145,7 @@ class MessagesServer:
             params = SamplingParams(
                 **request_fields(requested, self.ctx.sampling_defaults),
                 stop=request.stop_sequences,
-                skip_special_tokens=not plan.needs_special_tokens,
+                skip_special_tokens=not keep_special_tokens,
                 output_kind=RequestOutputKind.DELTA,
                 structured_outputs=plan.structured_outputs,
             )
@@ -154,11 +160,24 @@ class MessagesServer:
             lora_request=self.ctx.lora_request(request.model),
         )
         input_tokens = len(started[0][0].prompt_token_ids)
-        events = self._events(request, message_id, started, input_tokens, plan)
+        parser = ChatOutputParser.build(new_reasoning_parser, plan.new_parser, plan.new_call_id)
+        events = self._events(request, message_id, started, input_tokens, parser)
         return await stream_or_collect(events, request.stream)
 
+    def _reasoning_parser(self, plan: ToolPlan) -> type[ReasoningParser] | None:
+        """The server's reasoning parser, unless a forced tool call is all the output (its
+        grammar leaves no room for a thought), as for chat completions."""
+        name = self.ctx.reasoning_parser
+        forced = plan.structured_outputs is not None
+        return get_reasoning_parser(name) if name and not forced else None
+
     async def _events(
-        self, request: MessagesRequest, message_id: str, started, input_tokens: int, plan: ToolPlan
+        self,
+        request: MessagesRequest,
+        message_id: str,
+        started,
+        input_tokens: int,
+        parser: ChatOutputParser,
     ) -> AsyncIterator:
         message = {
             "id": message_id,
@@ -173,7 +192,6 @@ class MessagesServer:
         blocks = _BlockEvents()
         if request.stream:
             yield _event("message_start", {"type": "message_start", "message": message})
-        parser = ChatOutputParser.build(None, plan.new_parser, plan.new_call_id)
         output_tokens = 0
         finish: tuple[str | None, str | None] = ("end_turn", None)
         async for _, output in merge_streams(started):
@@ -181,10 +199,17 @@ class MessagesServer:
             if sample is None:
                 continue
             output_tokens += len(sample.token_ids)
-            text = parser.feed(sample.text).get("content", "")
+            delta = parser.feed(sample.text)
+            thinking, text = delta.get("reasoning_content", ""), delta.get("content", "")
             if sample.finish_reason is not None:
-                text += parser.finish().get("content", "")
+                last = parser.finish()
+                thinking += last.get("reasoning_content", "")
+                text += last.get("content", "")
                 finish = _stop_reason(sample.finish_reason, sample.stop_reason)
+            if request.stream and thinking:
+                thinking_delta = {"type": "thinking_delta", "thinking": thinking}
+                for event in blocks.delta(_THINKING_START, thinking_delta):
+                    yield event
             if request.stream and text:
                 for event in blocks.delta({"type": "text", "text": ""}, _text_delta(text)):
                     yield event
@@ -208,14 +233,21 @@ class MessagesServer:
             )
             yield _event("message_stop", {"type": "message_stop"})
             return
-        text = "".join(parser.content)
+        thinking, text = "".join(parser.reasoning), "".join(parser.content)
+        content = [{**_THINKING_START, "thinking": thinking}] if thinking else []
+        content += [{"type": "text", "text": text}] if text else []
         yield {
             **message,
-            "content": [*([{"type": "text", "text": text}] if text else []), *tool_uses],
+            "content": [*content, *tool_uses],
             "stop_reason": stop_reason,
             "stop_sequence": stop_sequence,
             "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
         }
+
+
+_THINKING_START = {"type": "thinking", "thinking": "", "signature": ""}
+"""A thinking block as it opens. Its signature stays empty: Anthropic's signs the thought
+for its own servers to verify when it comes back; nothing here signs or verifies one."""
 
 
 def _text_delta(text: str) -> dict[str, str]:
