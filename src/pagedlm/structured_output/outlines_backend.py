@@ -89,12 +89,13 @@ _PROBE_VOCABULARY: Any = None
 
 
 def _probe_vocabulary() -> Any:
-    """Printable ASCII as single-byte tokens: enough to compile (and so check) a regex."""
+    """Every byte as a single-byte token, the way a byte-level tokenizer can spell any
+    text: enough to compile (and so check) a regex. (Printable ASCII alone refused valid
+    regexes, choices and schemas with a tab or any non-ASCII character.)"""
     global _PROBE_VOCABULARY
     if _PROBE_VOCABULARY is None:
-        tokens = {bytes([b]): [b] for b in range(32, 127)}
-        tokens[b"\n"] = [10]
-        _PROBE_VOCABULARY = outlines_core.Vocabulary(255, tokens)
+        tokens = {bytes([b]): [b] for b in range(256)}
+        _PROBE_VOCABULARY = outlines_core.Vocabulary(256, tokens)
     return _PROBE_VOCABULARY
 
 
