@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedlm import LLM
+from pagedlm import LLM, SamplingParams, StructuredOutputsParams
 from pagedlm.structured_output.backend import GrammarSpec
 from server.server_utils import write_chat_checkpoint
 
@@ -44,3 +44,25 @@ def test_outlines_takes_tabs_and_non_ascii(spec: GrammarSpec) -> None:
     from pagedlm.structured_output.outlines_backend import OutlinesBackend
 
     OutlinesBackend.validate(spec)
+
+
+@pytest.mark.parametrize("speculative", ["none", "draft_model"])
+def test_a_token_the_grammar_forbids_is_never_emitted(model_path: str, speculative: str) -> None:
+    # allowed_token_ids leave no token the grammar allows. Was: the token sampled from an
+    # all -inf row was emitted (finish "abort", stop reason "sampled a token the grammar
+    # does not allow"); the output kept text that breaks the grammar.
+    llm = _llm(model_path, speculative)
+    conflicting = SamplingParams(
+        temperature=0.0,
+        max_tokens=8,
+        allowed_token_ids=[70, 71],
+        structured_outputs=StructuredOutputsParams(choice=["zz"]),
+    )
+    free = SamplingParams(temperature=0.0, max_tokens=8)
+    bad, good = llm.generate(["zz", "hello"], [conflicting, free], use_tqdm=False)
+    alone = llm.generate(["hello"], free, use_tqdm=False)[0]
+    llm.llm_engine.shutdown()
+    out = bad.outputs[0]
+    assert (out.token_ids, out.text, out.finish_reason) == ([], "", "abort")
+    assert "allowed_token_ids" in out.stop_reason
+    assert good.outputs[0].token_ids == alone.outputs[0].token_ids

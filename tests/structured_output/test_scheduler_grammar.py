@@ -220,6 +220,7 @@ def test_token_outside_the_grammar_aborts(backend):
     _, outputs = _step(scheduler, ignore_mask=True)
     assert outputs[0].finish_reason == "abort"
     assert "does not allow" in outputs[0].stop_reason
+    assert outputs[0].new_token_ids == [], "a token that breaks the grammar is not emitted"
 
 
 def test_abort_while_compiling(backend):

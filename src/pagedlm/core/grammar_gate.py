@@ -22,6 +22,11 @@ if TYPE_CHECKING:
 
 GRAMMAR_WAIT_S = 0.05
 """How long an idle step blocks for a compiling grammar before returning empty."""
+GRAMMAR_DEAD_END = (
+    "sampled a token the grammar does not allow: the request's allowed_token_ids, "
+    "bad_words or logit_bias leave none of the tokens the grammar allows next; loosen them."
+)
+"""The stop reason of a constrained request whose sampled token broke its grammar."""
 
 
 class GrammarGate:
@@ -88,10 +93,13 @@ class GrammarGate:
         request_id = request.request_id
         for index, token_id in enumerate(token_ids):
             if not self.manager.accept_tokens(request_id, [token_id]):
-                # Only possible if the mask was not applied; never emit text that breaks it.
+                # The row had no token left that the grammar allows (its allowed_token_ids,
+                # bad words or a -inf logit bias took them all): never emit text that
+                # breaks the grammar, so the token and those after it are taken back.
                 request.status = RequestStatus.FINISHED_ABORTED
-                request.stop_reason = "sampled a token the grammar does not allow"
-                return len(token_ids)
+                request.stop_reason = GRAMMAR_DEAD_END
+                del request.all_token_ids[len(request.all_token_ids) - len(token_ids) + index :]
+                return index
             if self.manager.is_terminated(request_id):
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = None
