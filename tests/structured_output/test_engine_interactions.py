@@ -7,7 +7,7 @@ import pytest
 
 from pagedlm import LLM, SamplingParams, StructuredOutputsParams
 from pagedlm.structured_output.backend import GrammarSpec
-from server.server_utils import write_chat_checkpoint
+from server.server_utils import EOS_ID, write_chat_checkpoint
 
 SPECULATIVE = {
     "none": None,
@@ -44,6 +44,40 @@ def test_outlines_takes_tabs_and_non_ascii(spec: GrammarSpec) -> None:
     from pagedlm.structured_output.outlines_backend import OutlinesBackend
 
     OutlinesBackend.validate(spec)
+
+
+@pytest.mark.parametrize("speculative", ["none", "draft_model", "ngram"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_min_tokens_yields_to_a_grammar_that_has_ended(
+    model_path: str, speculative: str, async_scheduling: bool
+) -> None:
+    # Was: once "zz" matched, the grammar allowed only EOS and min_tokens masked it, so
+    # the row sampled from all -inf (token 0), which was emitted before an abort.
+    llm = _llm(model_path, speculative, async_scheduling=async_scheduling)
+    choice = SamplingParams(
+        temperature=0.0,
+        max_tokens=10,
+        min_tokens=6,
+        logprobs=1,
+        structured_outputs=StructuredOutputsParams(choice=["zz", "ab"]),
+    )
+    # A grammar that can go on still keeps EOS masked until min_tokens.
+    repeated = SamplingParams(
+        temperature=0.8,
+        seed=1,
+        max_tokens=12,
+        min_tokens=6,
+        structured_outputs=StructuredOutputsParams(regex="(ab)+"),
+    )
+    ended, going_on = llm.generate(["zz zz zz", "abababab"], [choice, repeated], use_tqdm=False)
+    llm.llm_engine.shutdown()
+    out = ended.outputs[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == ("zz", "stop", None)
+    assert out.token_ids[-1] == EOS_ID and len(out.logprobs) == len(out.token_ids)
+    assert all(row[t].logprob > float("-inf") for t, row in zip(out.token_ids, out.logprobs))
+    out = going_on.outputs[0]
+    assert out.finish_reason in ("stop", "length") and len(out.token_ids) >= 6
+    assert out.text == "ab" * (len(out.text) // 2) and len(out.text) >= 6
 
 
 @pytest.mark.parametrize("speculative", ["none", "draft_model"])

@@ -45,6 +45,11 @@ class LogitAdjustments:
     banned_if: torch.Tensor | None = None
     """Bad words of several tokens: ``[B]`` each; the logit of (row, token) becomes
     ``-inf`` where ``banned_if`` (bool, computed from the row's output so far) holds."""
+    stop_rows: torch.Tensor | None = None
+    stop_token_ids: torch.Tensor | None = None
+    """The ``min_tokens`` mask: ``[S]`` each; the stop token's logit becomes ``-inf``
+    unless the row allows nothing else (a grammar that has ended allows only its stop
+    tokens: the grammar wins over ``min_tokens``)."""
 
     @classmethod
     def build(
@@ -61,6 +66,8 @@ class LogitAdjustments:
         bias_values: list[float] = []
         masked_rows: list[int] = []
         masked_token_ids: list[int] = []
+        stop_rows: list[int] = []
+        stop_token_ids: list[int] = []
         allowed_rows: list[int] = []
         allowed_at: list[int] = []
         allowed_token_ids: list[int] = []
@@ -87,10 +94,10 @@ class LogitAdjustments:
                 for token_id in params.all_stop_token_ids:
                     # An id the LM head cannot produce can never be sampled: nothing to mask.
                     if 0 <= token_id < vocab_size:
-                        masked_rows.append(row_index)
-                        masked_token_ids.append(token_id)
+                        stop_rows.append(row_index)
+                        stop_token_ids.append(token_id)
         banned = _multi_token_bad_words(rows, vocab_size, device, token_history)
-        if not bias_rows and not masked_rows and not allowed_rows and banned is None:
+        if not (bias_rows or masked_rows or stop_rows or allowed_rows or banned):
             return None
 
         def as_index(values: list[int]) -> torch.Tensor:
@@ -115,6 +122,8 @@ class LogitAdjustments:
             masked_token_ids=as_index(masked_token_ids),
             allowed_rows=as_index(allowed_rows) if allowed_rows else None,
             allowed_mask=allowed_mask,
+            stop_rows=as_index(stop_rows) if stop_rows else None,
+            stop_token_ids=as_index(stop_token_ids) if stop_rows else None,
             **(banned or {}),
         )
 
@@ -163,12 +172,15 @@ def _multi_token_bad_words(
 
 
 def apply_logit_adjustments(logits: torch.Tensor, adjustments: LogitAdjustments) -> None:
-    """Add the biases, keep only the allowed tokens, then mask the stop tokens, in place.
-    ``logits``: ``[num_rows, vocab]``.
+    """Add the biases, keep only the allowed tokens, mask the bad words, then mask the
+    stop tokens, in place. ``logits``: ``[num_rows, vocab]``.
 
     The masks are written after the bias (not accumulated) so that a stop token stays
     unsamplable under ``min_tokens``, and a token outside ``allowed_token_ids`` always,
-    whatever bias the request put on it.
+    whatever bias the request put on it. The one exception: ``min_tokens`` does not
+    mask a row's stop tokens when nothing else is left to sample, which happens only where
+    the grammar mask (applied before) allows nothing but them: the grammar has ended, and
+    masking its stop tokens too would make the row sample a token the grammar forbids.
     """
     if adjustments.bias_rows.numel():
         logits.index_put_(
@@ -188,8 +200,14 @@ def apply_logit_adjustments(logits: torch.Tensor, adjustments: LogitAdjustments)
         logits.index_put_(
             (adjustments.banned_rows, adjustments.banned_token_ids), penalty, accumulate=True
         )
+    minus_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
     if adjustments.masked_rows.numel():
-        logits.index_put_(
-            (adjustments.masked_rows, adjustments.masked_token_ids),
-            torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device),
-        )
+        logits.index_put_((adjustments.masked_rows, adjustments.masked_token_ids), minus_inf)
+    if adjustments.stop_rows is not None:
+        assert adjustments.stop_token_ids is not None
+        coordinates = (adjustments.stop_rows, adjustments.stop_token_ids)
+        unmasked = logits[coordinates]
+        logits.index_put_(coordinates, minus_inf)
+        # Decided on the device (no sync): rows left with no finite logit keep their stops.
+        nothing_left = torch.isneginf(logits.index_select(0, adjustments.stop_rows)).all(dim=-1)
+        logits.index_put_(coordinates, torch.where(nothing_left, unmasked, minus_inf))
