@@ -169,3 +169,33 @@ def test_reasoning_is_a_thinking_block(chat_checkpoint, tools):
     assert text == {"type": "text", "text": "Answer."}
     assert [b["type"] for b in whole["content"][2:]] == (["tool_use"] if tools else [])
     assert _without_ids(_streamed_content(events)) == _without_ids(whole["content"])
+
+
+def test_thinking_blocks_come_back(chat_checkpoint):
+    """An assistant turn may carry its thinking and redacted_thinking blocks back (the SDK's
+    agent loops send a reply's content as it came, and Anthropic requires it around tool
+    use): they are accepted, the thought handed to the template as ``reasoning_content``
+    (which this ChatML template does not print; Qwen3's shows the latest), redacted ones
+    dropped. They were a 400."""
+    thought = {"type": "thinking", "thinking": "Ponder.", "signature": ""}
+    redacted = {"type": "redacted_thinking", "data": "opaque"}
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_time", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "9"}
+
+    def conversation(*blocks):
+        return [
+            {"role": "user", "content": "Time?"},
+            {"role": "assistant", "content": [*blocks, {"type": "text", "text": "It is"}, call]},
+            {"role": "user", "content": [result]},
+        ]
+
+    body = {**ASK, "tools": [TIME_TOOL], "tool_choice": {"type": "none"}}
+    with _client(chat_checkpoint, **HERMES) as client:
+        plain = _count(client, messages=conversation(), tools=[TIME_TOOL])
+        assert _count(client, messages=conversation(thought, redacted), tools=[TIME_TOOL]) == plain
+        reply = client.post("/v1/messages", json={**body, "messages": conversation(thought)})
+    assert reply.status_code == 200, reply.text
+    user_thought = [{"role": "user", "content": [thought]}]
+    with _client(chat_checkpoint) as client:
+        refused = client.post("/v1/messages", json={**ASK, "messages": user_thought})
+    assert refused.status_code == 400 and "thinking" in refused.json()["error"]["message"]

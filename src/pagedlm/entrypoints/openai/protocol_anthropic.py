@@ -32,6 +32,8 @@ class ContentBlock(BaseModel):
     # tool_result (user turns)
     tool_use_id: str | None = None
     content: str | list[dict[str, Any]] | None = None
+    # thinking (assistant turns)
+    thinking: Any = None
 
 
 def _block_text(block: ContentBlock, where: str) -> str:
@@ -95,10 +97,12 @@ class AnthropicMessage(AnthropicModel):
         """This turn as chat-template messages: tool results (as ``tool`` messages) first,
         then the turn's text and tool calls. Text blocks stay content parts, as an OpenAI
         chat message's text parts do: the server's content format (a template that prints
-        a string gets them joined by newlines) applies to both alike."""
+        a string gets them joined by newlines) applies to both alike. An assistant turn's
+        thinking is its ``reasoning_content`` (the templates that show thoughts read it and
+        choose which turns' to show); a redacted one, opaque, is left out."""
         if isinstance(self.content, str):
             return [{"role": self.role, "content": self.content}]
-        parts, calls, results = [], [], []
+        parts, calls, results, thoughts = [], [], [], []
         for j, block in enumerate(self.content):
             at = f"{where}.{j}"
             if block.type == "text":
@@ -108,6 +112,14 @@ class AnthropicMessage(AnthropicModel):
                     raise APIError(f"{at}: a tool_use block needs id and name.", param=at)
                 function = {"name": block.name, "arguments": block.input or {}}
                 calls.append({"id": block.id, "type": "function", "function": function})
+            elif block.type == "thinking" and self.role == "assistant":
+                if not isinstance(block.thinking, str):
+                    raise APIError(
+                        f'{at}: a "thinking" block needs "thinking" to be a string.', param=at
+                    )
+                thoughts.append(block.thinking)
+            elif block.type == "redacted_thinking" and self.role == "assistant":
+                continue
             elif block.type == "tool_result" and self.role == "user":
                 if block.tool_use_id is None:
                     raise APIError(f"{at}: a tool_result block needs tool_use_id.", param=at)
@@ -117,11 +129,15 @@ class AnthropicMessage(AnthropicModel):
                 )
             else:
                 raise _unsupported_block(
-                    block, at, "text, tool_use (assistant) or tool_result (user) blocks"
+                    block,
+                    at,
+                    "text, tool_use and thinking (assistant) or tool_result (user) blocks",
                 )
         messages = results
-        if parts or calls or not results:
+        if parts or calls or thoughts or not results:
             message: dict[str, Any] = {"role": self.role, "content": parts or ""}
+            if thoughts:
+                message["reasoning_content"] = "".join(thoughts)
             if calls:
                 message["tool_calls"] = calls
             messages.append(message)
