@@ -199,3 +199,23 @@ def test_thinking_blocks_come_back(chat_checkpoint):
     with _client(chat_checkpoint) as client:
         refused = client.post("/v1/messages", json={**ASK, "messages": user_thought})
     assert refused.status_code == 400 and "thinking" in refused.json()["error"]["message"]
+
+
+def test_a_turn_without_blocks_is_400(chat_checkpoint):
+    """A turn's content of no blocks is a 400 naming it (Anthropic: "all messages must have
+    non-empty content except for the optional final assistant message"; vLLM refuses an
+    empty list too), on count_tokens as on messages; a final assistant turn may be empty
+    (an empty prefill). It became an empty turn."""
+    hello = {"role": "user", "content": "Hello"}
+    empty_user = [hello, {"role": "assistant", "content": "Hi"}, {"role": "user", "content": []}]
+    empty_assistant = [hello, {"role": "assistant", "content": []}, hello]
+    with _client(chat_checkpoint) as client:
+        for messages, where in ((empty_user, "messages.2"), (empty_assistant, "messages.1")):
+            for path in ("/v1/messages", "/v1/messages/count_tokens"):
+                response = client.post(path, json={**ASK, "messages": messages})
+                assert response.status_code == 400, response.text
+                error = response.json()["error"]
+                assert error["type"] == "invalid_request_error", error
+                assert error["message"].startswith(where), error
+        prefill = [hello, {"role": "assistant", "content": []}]
+        assert client.post("/v1/messages", json={**ASK, "messages": prefill}).status_code == 200

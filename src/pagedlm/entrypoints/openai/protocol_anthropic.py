@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagedlm.entrypoints.openai.errors import APIError
 from pagedlm.entrypoints.openai.request_body import RequestModel
@@ -150,6 +150,20 @@ class CountTokensRequest(AnthropicModel):
     system: str | list[ContentBlock] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _turns_have_content(self) -> CountTokensRequest:
+        """Anthropic's rule: every turn holds a block, but a final assistant turn (an empty
+        prefill)."""
+        for i, message in enumerate(self.messages):
+            last_assistant = i == len(self.messages) - 1 and message.role == "assistant"
+            if message.content == [] and not last_assistant:
+                raise APIError(
+                    f"messages.{i}.content: a turn needs at least one content block (only "
+                    "a final assistant turn may be empty); send its text, or drop the turn.",
+                    param=f"messages.{i}.content",
+                )
+        return self
 
     def conversation(self) -> list[dict[str, Any]]:
         conversation = []
