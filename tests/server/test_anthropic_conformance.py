@@ -219,3 +219,13 @@ def test_a_turn_without_blocks_is_400(chat_checkpoint):
                 assert error["message"].startswith(where), error
         prefill = [hello, {"role": "assistant", "content": []}]
         assert client.post("/v1/messages", json={**ASK, "messages": prefill}).status_code == 200
+
+
+def test_message_delta_usage_counts_input_too(chat_checkpoint):
+    """message_delta's usage is the message's cumulative usage, input tokens with the
+    output ones (Anthropic's MessageDeltaUsage; vLLM sends both), equal to a whole reply's."""
+    with _client(chat_checkpoint) as client:
+        whole = client.post("/v1/messages", json=ASK).json()
+        events = _events(client.post("/v1/messages", json={**ASK, "stream": True}).text)
+    (delta,) = [event for event in events if event["type"] == "message_delta"]
+    assert delta["usage"] == whole["usage"], (delta, whole)

@@ -1,7 +1,7 @@
 """``POST /v1/messages`` and ``/v1/messages/count_tokens``: the Anthropic Messages API.
 
 A stream is the event sequence message_start, then per content block content_block_start,
-content_block_delta*, content_block_stop, then message_delta (stop reason, output tokens),
+content_block_delta*, content_block_stop, then message_delta (stop reason, usage),
 message_stop. The reply is a ``thinking`` block when the server's ``--reasoning-parser``
 found reasoning, a text block when the model wrote text, then one ``tool_use`` block per
 tool call, numbered from 0 as they come: no empty block (a reply that only calls a tool is
@@ -217,6 +217,7 @@ class MessagesServer:
         if tool_uses and finish[0] not in ("max_tokens", None):
             finish = ("tool_use", None)
         stop_reason, stop_sequence = finish
+        usage = {"input_tokens": input_tokens, "output_tokens": output_tokens}
         if request.stream:
             for block in tool_uses:
                 for event in blocks.whole_tool_use(block):
@@ -228,7 +229,7 @@ class MessagesServer:
                 {
                     "type": "message_delta",
                     "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                    "usage": {"output_tokens": output_tokens},
+                    "usage": usage,  # cumulative, as Anthropic's
                 },
             )
             yield _event("message_stop", {"type": "message_stop"})
@@ -241,7 +242,7 @@ class MessagesServer:
             "content": [*content, *tool_uses],
             "stop_reason": stop_reason,
             "stop_sequence": stop_sequence,
-            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
+            "usage": usage,
         }
 
 
