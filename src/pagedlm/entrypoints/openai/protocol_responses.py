@@ -10,7 +10,7 @@ naming the field, never silently dropped: they change what the client gets back.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
@@ -33,6 +33,23 @@ class TextConfig(OpenAIModel):
     verbosity: str | None = None
 
 
+class ReasoningConfig(OpenAIModel):
+    """OpenAI's ``reasoning``: ``effort`` is handed to the chat template (as chat's
+    ``reasoning_effort``; a template that does not read it ignores it). Summaries are
+    not written: a reasoning parser's output is the reasoning item's full text, as in
+    vLLM, which accepts ``summary`` the same way."""
+
+    field_path = "reasoning"
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+    """OpenAI's deprecated spelling of ``summary``."""
+
+    def echoed(self) -> dict[str, Any]:
+        """The response's ``reasoning``."""
+        return {"effort": self.effort, "summary": self.summary or self.generate_summary}
+
+
 class ResponsesRequest(OpenAIModel):
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -50,11 +67,11 @@ class ResponsesRequest(OpenAIModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     service_tier: str | None = None
+    reasoning: ReasoningConfig | None = None
     # OpenAI fields this server does not serve: sent with a value, they are a 400.
     background: bool | None = None
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
     max_tool_calls: int | None = None
     top_logprobs: int | None = None
@@ -66,9 +83,6 @@ class ResponsesRequest(OpenAIModel):
             "background": self.background is True,
             "conversation": self.conversation is not None,
             "prompt": self.prompt is not None,
-            "reasoning": bool(
-                self.reasoning and any(v is not None for v in self.reasoning.values())
-            ),
             "include": bool(self.include),
             "max_tool_calls": self.max_tool_calls is not None,
             "top_logprobs": bool(self.top_logprobs),
@@ -115,10 +129,16 @@ class ResponsesRequest(OpenAIModel):
                 "parallel_tool_calls": self.parallel_tool_calls,
                 "response_format": _response_format(self.text),
                 "user": self.user,
+                "chat_template_kwargs": self._template_kwargs(),
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
         )
+
+    def _template_kwargs(self) -> dict[str, Any] | None:
+        # not chat's reasoning_effort field: OpenAI's Responses efforts outnumber chat's
+        effort = self.reasoning.effort if self.reasoning is not None else None
+        return {"reasoning_effort": effort} if effort is not None else None
 
 
 def _text(content: Any, where: str) -> str:

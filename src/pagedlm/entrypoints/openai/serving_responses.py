@@ -121,6 +121,11 @@ class ResponsesServer:
             "metadata": request.metadata or {},
             "parallel_tool_calls": request.parallel_tool_calls,
             "previous_response_id": request.previous_response_id,
+            "reasoning": (
+                request.reasoning.echoed()
+                if request.reasoning is not None
+                else {"effort": None, "summary": None}
+            ),
             "temperature": self._effective(request.temperature, "temperature"),
             "top_p": self._effective(request.top_p, "top_p"),
             "tool_choice": request.tool_choice or self._default_tool_choice(request),

@@ -1,0 +1,53 @@
+"""``/v1/responses`` against OpenAI's documented Responses API (and vLLM's, where users rely
+on it), over HTTP to the app with a scripted engine: which request fields are served,
+which field a 400 names, what usage reports.
+
+``ScriptedEngine`` writes its script one token per byte, then EOS; the tiny tokenizer has
+one token per byte, so a token count is a byte count of the rendered prompt.
+"""
+
+from __future__ import annotations
+
+from fake_engine import ScriptedEngine, fake_context
+from starlette.testclient import TestClient
+
+from pagedlm.entrypoints.openai.app import build_app
+
+EFFORT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if reasoning_effort is defined %}effort={{ reasoning_effort }}\n{% endif %}assistant:"
+)
+
+
+def _client(checkpoint, script: str = "Hi.", engine=None, **server_flags) -> TestClient:
+    engine = engine or ScriptedEngine(checkpoint, script)
+    return TestClient(build_app(fake_context(engine, **server_flags)))
+
+
+def _create(client: TestClient, **body) -> dict:
+    response = client.post("/v1/responses", json={"model": "tiny", "input": "Hi", **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _error(client: TestClient, **body) -> dict:
+    response = client.post("/v1/responses", json={"model": "tiny", "input": "Hi", **body})
+    assert response.status_code == 400, response.text
+    return response.json()["error"]
+
+
+def test_reasoning_effort_reaches_the_chat_template_and_is_echoed(chat_checkpoint):
+    """OpenAI's ``reasoning`` ({"effort", "summary"}) is served as chat's
+    ``reasoning_effort`` (handed to the chat template, as vLLM hands it to gpt-oss's
+    prompt); the response echoes the config. It was a 400 for any effort."""
+    with _client(chat_checkpoint, chat_template=EFFORT_TEMPLATE) as client:
+        plain = _create(client)
+        assert plain["reasoning"] == {"effort": None, "summary": None}
+        reasoning = {"effort": "high", "summary": "auto"}
+        high = _create(client, reasoning=reasoning)
+        assert high["reasoning"] == reasoning
+        assert high["usage"]["input_tokens"] == plain["usage"]["input_tokens"] + len(
+            "effort=high\n"
+        )
+        error = _error(client, reasoning={"effort": "extreme"})
+        assert error["param"] == "reasoning.effort"
