@@ -8,6 +8,7 @@ one token per byte, so a token count is a byte count of the rendered prompt.
 
 from __future__ import annotations
 
+import pytest
 from fake_engine import ScriptedEngine, fake_context
 from starlette.testclient import TestClient
 
@@ -51,3 +52,28 @@ def test_reasoning_effort_reaches_the_chat_template_and_is_echoed(chat_checkpoin
         )
         error = _error(client, reasoning={"effort": "extreme"})
         assert error["param"] == "reasoning.effort"
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "not_named"),
+    [
+        ({"max_output_tokens": 100_000}, "max_output_tokens", "max_tokens"),
+        (
+            {"tools": [{"type": "function", "name": "f", "parameters": 5}]},
+            "tools.0.parameters",
+            "function",
+        ),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", "response_format"),
+    ],
+)  # fmt: skip
+def test_a_400_names_the_responses_field_not_the_chat_field(
+    chat_checkpoint, body, param, not_named
+):
+    """The request is served by the chat path; its errors named chat's fields
+    (max_tokens, tools.0.function.parameters, response_format), which a Responses
+    request does not have."""
+    with _client(chat_checkpoint) as client:
+        for stream in (False, True):
+            error = _error(client, stream=stream, **body)
+            assert error["param"] == param, error
+            assert param in error["message"] and not_named not in error["message"], error

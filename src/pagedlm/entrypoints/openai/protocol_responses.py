@@ -10,6 +10,7 @@ naming the field, never silently dropped: they change what the client gets back.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError
@@ -25,6 +26,13 @@ MESSAGE_ROLES = frozenset({"user", "assistant", "system", "developer"})
 SKIPPED_ITEM_TYPES = frozenset({"reasoning"})
 """Input items sent back from an earlier output that the prompt leaves out (as chat
 leaves out ``reasoning_content``)."""
+CHAT_FIELD_NAMES = (
+    (re.compile(r"\bmax_(?:completion_)?tokens\b"), "max_output_tokens"),
+    (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."),
+    (re.compile(r"\bresponse_format(?:\.json_schema)?\b"), "text.format"),
+)
+"""Chat's names of the fields ``chat_request`` fills, and the Responses fields they
+come from (chat's errors name its own fields)."""
 
 
 class TextConfig(OpenAIModel):
@@ -141,6 +149,16 @@ class ResponsesRequest(OpenAIModel):
         return {"reasoning_effort": effort} if effort is not None else None
 
 
+def responses_error(error: APIError) -> APIError:
+    """An error of the chat request that serves a response, naming the Responses
+    request's fields (``max_output_tokens``, not chat's ``max_tokens``)."""
+    message, param = error.message, error.param
+    for chat_name, name in CHAT_FIELD_NAMES:
+        message = chat_name.sub(name, message)
+        param = chat_name.sub(name, param) if param is not None else None
+    return APIError(message, error.status, param)
+
+
 def _text(content: Any, where: str) -> str:
     """A message's or tool output's content (a string or text parts) as text."""
     if isinstance(content, str):
@@ -250,7 +268,13 @@ def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
     if spec.get("type") == "json_object":
         return {"type": "json_object"}
     if spec.get("type") == "json_schema":
-        schema = {"name": spec.get("name", "output"), "schema": spec.get("schema")}
+        if not isinstance(spec.get("schema"), dict):
+            raise APIError(
+                'text.format.schema must be a JSON schema object: {"type": "json_schema", '
+                '"name": ..., "schema": {...}}.',
+                param="text.format.schema",
+            )
+        schema = {"name": spec.get("name", "output"), "schema": spec["schema"]}
         return {"type": "json_schema", "json_schema": schema}
     raise APIError(
         f"text.format type {spec.get('type')!r} is not supported; use 'text', 'json_object' "

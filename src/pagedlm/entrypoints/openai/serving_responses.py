@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedlm.entrypoints.openai.errors import APIError
-from pagedlm.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagedlm.entrypoints.openai.protocol_responses import ResponsesRequest, responses_error
 from pagedlm.entrypoints.openai.responses_output import OutputBuilder, new_item_id
 from pagedlm.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from pagedlm.entrypoints.openai.serving_chat import ChatServer
@@ -84,7 +84,10 @@ class ResponsesServer:
             previous = self._stored(owner, request.previous_response_id, "previous_response_id")
             conversation = list(previous.conversation)
         conversation += request.input_messages()
-        _, chunks = await self.chat.create(request.chat_request(conversation))
+        try:
+            _, chunks = await self.chat.create(request.chat_request(conversation))
+        except APIError as error:
+            raise responses_error(error) from error
         assert chunks is not None  # the chat request streams
         events = self._events(request, owner, conversation, _chat_chunks(chunks))
         return await stream_or_collect(events, request.stream)
