@@ -8,8 +8,9 @@ gpt-oss writes a sequence of messages, each a header and a body::
     <|start|>assistant<|channel|>final<|message|>The answer.<|return|>
 
 The generation prompt ends with ``<|start|>assistant``, so the first message's header starts
-at ``<|channel|>``. The recipient (``to=...``) may also come before the channel
-(``<|start|>assistant to=functions.x<|channel|>commentary``). ``<|call|>`` and ``<|return|>``
+at the output's start: at ``<|channel|>``, or at a recipient written before the channel
+(`` to=functions.x<|channel|>commentary``; later messages:
+``<|start|>assistant to=functions.x<|channel|>commentary``). ``<|call|>`` and ``<|return|>``
 are gpt-oss's stop tokens, so the server usually strips the last message's terminator: the
 text simply ends.
 
@@ -62,6 +63,10 @@ FUNCTIONS = "functions."
 _CONSTRAIN_TYPE = re.compile(re.escape(CONSTRAIN) + r"[^\s<]*")
 _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*([^\s<]*)")
 _RECIPIENT = re.compile(r"(?:^|\s|>)to=([^\s<]+)")
+_ROLE_RECIPIENT = re.compile(r"\s*to=[^\s<]+\s*")
+"""The first message's role section after the prompt's ``<|start|>assistant``: a recipient."""
+_ROLE_RECIPIENT_START = re.compile(r"\s*(?:t|to|to=[^\s<]*|to=[^\s<]+\s+)?")
+"""Text that may still become ``_ROLE_RECIPIENT``."""
 
 
 @dataclass(frozen=True)
@@ -105,9 +110,11 @@ Event = Text | Open | Body | Close
 
 
 class _Where(enum.Enum):
-    OUTSIDE = 0
-    HEADER = 1
-    BODY = 2
+    LEAD = 0
+    """The output's first text: a recipient of the first message, or text outside any."""
+    OUTSIDE = 1
+    HEADER = 2
+    BODY = 3
 
 
 def parse_header(text: str) -> Header:
@@ -136,7 +143,7 @@ class HarmonyScanner:
     def __init__(self) -> None:
         self._buffer = ""
         self._pos = 0
-        self._where = _Where.OUTSIDE
+        self._where = _Where.LEAD
         self._header_start = 0
 
     def feed(self, text: str) -> list[Event]:
@@ -149,6 +156,8 @@ class HarmonyScanner:
     def _advance(self, final: bool) -> list[Event]:
         events: list[Event] = []
         while True:
+            if self._where is _Where.LEAD and not self._lead(final):
+                break
             rest = self._buffer[self._pos :]
             if self._where is _Where.HEADER:
                 index, marker = _earliest(rest, _HEADER_MARKERS)
@@ -190,6 +199,22 @@ class HarmonyScanner:
                 self._where = _Where.HEADER
                 self._header_start = self._pos - (len(CHANNEL) if marker == CHANNEL else 0)
         return events
+
+    def _lead(self, final: bool) -> bool:
+        """Decide whether the output opens inside the first message's header (its role
+        section names the recipient: `` to=functions.x<|channel|>...``); False: not yet."""
+        index, marker = _earliest(self._buffer, MARKERS)
+        if index != -1:
+            header_follows = marker in (CHANNEL, CONSTRAIN, MESSAGE)
+            if header_follows and _ROLE_RECIPIENT.fullmatch(self._buffer[:index]):
+                self._where = _Where.HEADER
+                return True
+        elif not final:
+            held = max(held_tag_prefix(self._buffer, m) for m in MARKERS)
+            if _ROLE_RECIPIENT_START.fullmatch(self._buffer[: len(self._buffer) - held]):
+                return False
+        self._where = _Where.OUTSIDE
+        return True
 
 
 def call_arguments(body: str) -> str | None:
