@@ -77,3 +77,24 @@ def test_a_400_names_the_responses_field_not_the_chat_field(
             error = _error(client, stream=stream, **body)
             assert error["param"] == param, error
             assert param in error["message"] and not_named not in error["message"], error
+
+
+class CachingEngine(ScriptedEngine):
+    """Reports ``num_cached`` of every prompt's tokens as served by the prefix cache."""
+
+    num_cached = 16
+
+    def _step(self, child_id, processed, step):
+        output = super()._step(child_id, processed, step)
+        return output._replace(num_cached_tokens=self.num_cached)
+
+
+def test_usage_reports_cached_input_tokens(chat_checkpoint):
+    """With ``--enable-prompt-tokens-details`` chat reports the prompt's cached tokens;
+    a response's ``input_tokens_details.cached_tokens`` said 0 whatever the cache did."""
+    engine = CachingEngine(chat_checkpoint, "Hi.")
+    with _client(chat_checkpoint, engine=engine, enable_prompt_tokens_details=True) as client:
+        usage = _create(client)["usage"]
+        assert usage["input_tokens_details"] == {"cached_tokens": CachingEngine.num_cached}
+        stream = client.post("/v1/responses", json={"model": "tiny", "input": "Hi", "stream": True})
+        assert f'"cached_tokens": {CachingEngine.num_cached}' in stream.text.splitlines()[-2]

@@ -37,7 +37,7 @@ class OutputBuilder:
     def __init__(self) -> None:
         self.items: list[dict[str, Any]] = []
         self.finish_reason: str | None = None
-        self.usage: dict[str, int] | None = None
+        self.usage: dict[str, Any] | None = None
         self._open: dict[str, Any] | None = None
         self._pieces: list[str] = []
 
