@@ -187,7 +187,7 @@ def test_an_aborted_response_is_cancelled(chat_checkpoint):
     [
         ({"background": True}, "background"),
         ({"tools": [{"type": "web_search"}]}, "tools.0"),
-        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"include": ["file_search_call.results"]}, "include.0"),
         ({"truncation": "auto"}, "truncation"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input.0.content.0"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "item_reference"),

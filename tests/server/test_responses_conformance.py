@@ -8,6 +8,8 @@ one token per byte, so a token count is a byte count of the rendered prompt.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from fake_engine import ScriptedEngine, fake_context
 from starlette.testclient import TestClient
@@ -98,3 +100,48 @@ def test_usage_reports_cached_input_tokens(chat_checkpoint):
         assert usage["input_tokens_details"] == {"cached_tokens": CachingEngine.num_cached}
         stream = client.post("/v1/responses", json={"model": "tiny", "input": "Hi", "stream": True})
         assert f'"cached_tokens": {CachingEngine.num_cached}' in stream.text.splitlines()[-2]
+
+
+class LogprobEngine(ScriptedEngine):
+    """Writes its script with a logprob row for every token (when the request asks)."""
+
+    def _step(self, child_id, processed, step):
+        output = super()._step(child_id, processed, step)
+        rows = self._rows(output.new_token_ids, processed.params.logprobs)
+        return output._replace(new_logprobs=rows)
+
+
+def test_include_output_text_logprobs(chat_checkpoint):
+    """``include=["message.output_text.logprobs"]`` (with ``top_logprobs``) was a 400: the
+    output text's tokens now come with logprobs, in the part and on each delta, as OpenAI
+    documents and vLLM serves; the reasoning's tokens and the ``</think>`` tag the
+    reasoning parser swallowed are not output text. ``reasoning.encrypted_content`` is
+    accepted (reasoning items carry their text in the clear)."""
+    engine = LogprobEngine(chat_checkpoint, "<think>ab</think>Hi")
+    include = ["message.output_text.logprobs", "reasoning.encrypted_content"]
+    with _client(chat_checkpoint, engine=engine, reasoning_parser="qwen3") as client:
+        body = _create(client, include=include, top_logprobs=1)
+        assert body["top_logprobs"] == 1
+        reasoning, message = body["output"]
+        assert reasoning["content"] == [{"type": "reasoning_text", "text": "ab"}]
+        (part,) = message["content"]
+        assert part["text"] == "Hi" and [lp["token"] for lp in part["logprobs"]] == ["H", "i"]
+        assert all(lp["top_logprobs"] and lp["logprob"] <= 0 for lp in part["logprobs"])
+        plain = _create(client)["output"][1]["content"][0]
+        assert plain["text"] == "Hi" and plain["logprobs"] == []
+
+        stream = client.post(
+            "/v1/responses",
+            json={"model": "tiny", "input": "Hi", "include": include, "stream": True},
+        ).text
+        events = [json.loads(line[6:]) for line in stream.splitlines() if line[:6] == "data: "]
+        deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+        for delta in deltas:
+            assert "".join(lp["token"] for lp in delta["logprobs"]) == delta["delta"]
+        (done,) = [e for e in events if e["type"] == "response.output_text.done"]
+        assert done["logprobs"] == [lp for d in deltas for lp in d["logprobs"]]
+        final = events[-1]["response"]["output"][1]["content"][0]
+        assert final["logprobs"] == done["logprobs"] and len(done["logprobs"]) == 2
+
+        error = _error(client, include=["file_search_call.results"])
+        assert error["param"] == "include.0"

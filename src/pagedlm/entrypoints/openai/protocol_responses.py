@@ -26,6 +26,11 @@ MESSAGE_ROLES = frozenset({"user", "assistant", "system", "developer"})
 SKIPPED_ITEM_TYPES = frozenset({"reasoning"})
 """Input items sent back from an earlier output that the prompt leaves out (as chat
 leaves out ``reasoning_content``)."""
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE = frozenset({OUTPUT_LOGPROBS, "reasoning.encrypted_content"})
+"""``include`` values served. ``reasoning.encrypted_content`` asks for reasoning a
+stateless client can send back: reasoning items here carry their text in the clear (no
+``encrypted_content``), and reasoning sent back is left out of the prompt either way."""
 CHAT_FIELD_NAMES = (
     (re.compile(r"\bmax_(?:completion_)?tokens\b"), "max_output_tokens"),
     (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."),
@@ -76,13 +81,14 @@ class ResponsesRequest(OpenAIModel):
     user: str | None = None
     service_tier: str | None = None
     reasoning: ReasoningConfig | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    """Alternatives per token with ``include=["message.output_text.logprobs"]``."""
     # OpenAI fields this server does not serve: sent with a value, they are a 400.
     background: bool | None = None
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
-    include: list[str] | None = None
     max_tool_calls: int | None = None
-    top_logprobs: int | None = None
     truncation: str | None = None
 
     def check_served(self) -> None:
@@ -91,9 +97,7 @@ class ResponsesRequest(OpenAIModel):
             "background": self.background is True,
             "conversation": self.conversation is not None,
             "prompt": self.prompt is not None,
-            "include": bool(self.include),
             "max_tool_calls": self.max_tool_calls is not None,
-            "top_logprobs": bool(self.top_logprobs),
             "truncation": self.truncation not in (None, "disabled"),
         }
         for name, sent in refused.items():
@@ -101,6 +105,13 @@ class ResponsesRequest(OpenAIModel):
                 raise APIError(
                     f"{name} is not supported by this server's /v1/responses; leave it out.",
                     param=name,
+                )
+        for i, value in enumerate(self.include or []):
+            if value not in INCLUDABLE:
+                raise APIError(
+                    f"include.{i}: {value!r} is not served by this server's /v1/responses; "
+                    f"include may name {sorted(INCLUDABLE)}.",
+                    param=f"include.{i}",
                 )
 
     def input_messages(self) -> list[dict[str, Any]]:
@@ -137,11 +148,17 @@ class ResponsesRequest(OpenAIModel):
                 "parallel_tool_calls": self.parallel_tool_calls,
                 "response_format": _response_format(self.text),
                 "user": self.user,
+                "logprobs": self.output_logprobs,
+                "top_logprobs": self.top_logprobs if self.output_logprobs else None,
                 "chat_template_kwargs": self._template_kwargs(),
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
         )
+
+    @property
+    def output_logprobs(self) -> bool:
+        return OUTPUT_LOGPROBS in (self.include or [])
 
     def _template_kwargs(self) -> dict[str, Any] | None:
         # not chat's reasoning_effort field: OpenAI's Responses efforts outnumber chat's

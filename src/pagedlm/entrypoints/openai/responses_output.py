@@ -13,6 +13,12 @@ one open at a time, in the order the model produced them:
 
 each between ``response.output_item.added`` and ``response.output_item.done``. Events
 come without ``sequence_number``; the server numbers what it sends.
+
+Chat's token logprobs (``include=["message.output_text.logprobs"]``) go with the text
+deltas. A chat chunk's logprobs are those of the tokens since the last chunk, including
+tokens the parsers held back (a ``</think>`` tag, say) and wrote nothing for: a content
+delta gets the last of them whose text spells the delta (``_spelling``); the rest, and
+those of reasoning or tool-call deltas, are not output text and are dropped.
 """
 
 from __future__ import annotations
@@ -30,6 +36,19 @@ def _event(kind: str, **fields: Any) -> dict[str, Any]:
     return {"type": kind, **fields}
 
 
+def _spelling(logprobs: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """The fewest last ``logprobs`` whose tokens spell ``text``; all of them where no
+    run does (tokens that are not text: byte pieces, ``token_id:`` spellings)."""
+    spelled = ""
+    for start in range(len(logprobs) - 1, -1, -1):
+        spelled = logprobs[start]["token"] + spelled
+        if spelled == text:
+            return logprobs[start:]
+        if len(spelled) > len(text):
+            break
+    return logprobs
+
+
 class OutputBuilder:
     """Feed one choice's chat chunks (``feed``), then ``finish``; ``items`` is the
     response's ``output``, ``finish_reason`` and ``usage`` come from the chunks."""
@@ -40,6 +59,10 @@ class OutputBuilder:
         self.usage: dict[str, Any] | None = None
         self._open: dict[str, Any] | None = None
         self._pieces: list[str] = []
+        self._logprobs: list[dict[str, Any]] = []
+        """The open message's token logprobs."""
+        self._pending_logprobs: list[dict[str, Any]] = []
+        """Logprobs of tokens whose text the chat parsers still hold."""
 
     def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
@@ -47,10 +70,13 @@ class OutputBuilder:
             self.usage = chunk["usage"]
         for choice in chunk.get("choices", []):
             delta = choice.get("delta") or {}
+            self._pending_logprobs += (choice.get("logprobs") or {}).get("content") or []
             if delta.get("reasoning_content"):
                 events += self._text("reasoning", delta["reasoning_content"])
             if delta.get("content"):
                 events += self._text("message", delta["content"])
+            elif delta.get("reasoning_content") or delta.get("tool_calls"):
+                self._pending_logprobs = []
             for call in delta.get("tool_calls") or []:
                 events += self._call(call)
             if choice.get("finish_reason"):
@@ -65,7 +91,7 @@ class OutputBuilder:
 
     def _start(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         events = self._close("completed")
-        self._open, self._pieces = item, []
+        self._open, self._pieces, self._logprobs = item, [], []
         self.items.append(item)
         events.append(
             _event(
@@ -100,7 +126,11 @@ class OutputBuilder:
         name = (
             "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
         )
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra = {}
+        if kind == "message":
+            extra["logprobs"] = _spelling(self._pending_logprobs, text)
+            self._logprobs += extra["logprobs"]
+            self._pending_logprobs = []
         events.append(_event(name, **self._where(), content_index=0, delta=text, **extra))
         return events
 
@@ -126,11 +156,16 @@ class OutputBuilder:
         where, text = self._where(), "".join(self._pieces)
         events: list[dict[str, Any]] = []
         if item["type"] == "message":
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            logprobs = self._logprobs
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
             item["content"], item["status"] = [part], status
             events.append(
                 _event(
-                    "response.output_text.done", **where, content_index=0, text=text, logprobs=[]
+                    "response.output_text.done",
+                    **where,
+                    content_index=0,
+                    text=text,
+                    logprobs=logprobs,
                 )
             )
             events.append(_event("response.content_part.done", **where, content_index=0, part=part))

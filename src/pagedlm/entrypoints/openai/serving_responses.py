@@ -133,6 +133,7 @@ class ResponsesServer:
             ),
             "temperature": self._effective(request.temperature, "temperature"),
             "top_p": self._effective(request.top_p, "top_p"),
+            "top_logprobs": request.top_logprobs,
             "tool_choice": request.tool_choice or self._default_tool_choice(request),
             "tools": request.tools or [],
             "text": {"format": text_format or {"type": "text"}},
