@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedlm import LLM, SamplingParams
-from pagedlm.batch_invariant import RowTiledLinear, batch_invariant_from_env
+from pagedlm.batch_invariant import RowTiledLinear, batch_invariant_from_env, make_batch_invariant
 from pagedlm.model_executor.layers.linear_base import LinearBase
+from pagedlm.model_executor.layers.moe import FusedMoE
 from tiny_checkpoints import save_random_model
 
 NUM_REQUESTS = 32
@@ -124,3 +125,27 @@ def test_vllm_environment_switch(monkeypatch):
     assert not batch_invariant_from_env()
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     assert batch_invariant_from_env()
+
+
+def _experts_layer(hidden: int, intermediate: int) -> FusedMoE:
+    moe = FusedMoE(8, 2, hidden, intermediate, renormalize=True)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in moe.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) / hidden**0.5)
+    return moe
+
+
+def test_moe_experts_in_row_tiles_do_not_depend_on_the_batch():
+    """An expert's GEMM gets as many rows as chose it; in the mode, fixed tiles of them."""
+    moe = _experts_layer(1024, 256)
+    x = torch.randn(300, 1024, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        whole = moe(x)
+        # Not vacuous: MKL sums a lone row (its GEMV path) otherwise than 300 rows.
+        assert any(not torch.equal(moe(x[i : i + 1]), whole[i : i + 1]) for i in range(8))
+        assert make_batch_invariant(moe, tile=16) == 2  # the layer and its router
+        tiled = moe(x)
+        torch.testing.assert_close(tiled, whole)
+        for rows in (slice(0, 1), slice(3, 4), slice(10, 15), slice(250, 300)):
+            assert torch.equal(moe(x[rows]), tiled[rows])

@@ -3,7 +3,7 @@
 ``batch_invariant=True`` (``--batch-invariant``, or vLLM's ``VLLM_BATCH_INVARIANT=1``)
 makes every token's result a function of that token's own inputs: the same request gives
 bitwise the same logits alone, in a batch of 256, or with its prompt cut into any chunks.
-Three places decide a row's reduction order, and each is pinned:
+Four places decide a row's reduction order, and each is pinned:
 
 - GEMMs. A BLAS picks its blocking, and so the order in which it sums over K, from the
   matrix shapes: a row multiplied in a batch of 1 (often a GEMV) and in a batch of 300
@@ -17,6 +17,11 @@ Three places decide a row's reduction order, and each is pinned:
   runs every query token in its own call over exactly its keys; the Triton backend runs
   every token through the decode kernel with one fixed split, so a token computed in a
   prefill chunk and as a decode reduces in the same order.
+- MoE experts. An expert's GEMM gets the rows of the tokens that chose it, as many as the
+  batch sends; in the mode it gets them in tiles of ``ROW_TILE`` rows
+  (``FusedMoE.row_tile``), and a platform's expert kernel uses one tiling whatever the
+  batch and sums a token's top-k contributions in slot order. Each token adds its
+  experts' outputs in a fixed order (expert id or slot), never in an order the batch sets.
 - Norms, rotary, activations and the sampler are row-wise already (one row's reduction
   never spans rows, and a seeded request samples from its own generator).
 
@@ -27,6 +32,7 @@ The cost is the padding and the per-tile launches (``pagedlm bench``: see
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -68,25 +74,38 @@ class RowTiledLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:  # [..., in_features]: tile the flattened rows
             return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
-        num_rows = x.shape[0]
-        tile = self.tile
-        padded = -(-num_rows // tile) * tile
-        if padded == 0:
-            return self._apply(x)
-        x = F.pad(x, (0, 0, 0, padded - num_rows)) if padded != num_rows else x.contiguous()
-        outputs = [self._apply(x[start : start + tile]) for start in range(0, padded, tile)]
-        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        return out[:num_rows]
+        return in_row_tiles(self._apply, x, self.tile)
+
+
+def in_row_tiles(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int
+) -> torch.Tensor:
+    """``fn(x)`` for a row-wise ``fn`` of 2-d ``x``, computed on contiguous tiles of
+    exactly ``tile`` rows (the last zero-padded), so ``fn`` sees one shape whatever the
+    row count."""
+    num_rows = x.shape[0]
+    padded = -(-num_rows // tile) * tile
+    if padded == 0:
+        return fn(x)
+    x = F.pad(x, (0, 0, 0, padded - num_rows)) if padded != num_rows else x.contiguous()
+    outputs = [fn(x[start : start + tile]) for start in range(0, padded, tile)]
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    return out[:num_rows]
 
 
 def make_batch_invariant(model: nn.Module, tile: int = ROW_TILE) -> int:
-    """Route every linear layer of ``model`` through ``RowTiledLinear`` (after the
-    platform's ``prepare_model``, before LoRA); returns how many layers were wrapped."""
+    """Route every linear layer of ``model`` through ``RowTiledLinear``, and every MoE
+    layer's experts through tiles of ``tile`` rows (``FusedMoE.row_tile``), after the
+    platform's ``prepare_model``, before LoRA; returns how many layers were changed."""
     from pagedlm.model_executor.layers.linear_base import LinearBase
+    from pagedlm.model_executor.layers.moe import FusedMoE
 
     count = 0
     for module in model.modules():
         if isinstance(module, LinearBase) and not isinstance(module.kernel, RowTiledLinear):
             module.set_kernel(RowTiledLinear(module, tile))
+            count += 1
+        elif isinstance(module, FusedMoE) and module.row_tile != tile:
+            module.row_tile = tile
             count += 1
     return count

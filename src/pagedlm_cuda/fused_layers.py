@@ -216,6 +216,7 @@ class FusedExperts:
             layer.expert_start,
             layer.num_experts,
             scales=scales,
+            batch_invariant=bool(layer.row_tile),
         )
 
 

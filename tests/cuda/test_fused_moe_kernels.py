@@ -466,3 +466,22 @@ def test_gpu_engine_captures_moe_models_with_the_eager_tokens(tiny_checkpoint, a
     eager, captured = generate(enforce_eager=True)
     assert not captured
     assert with_graphs == eager
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_experts_give_a_token_the_same_bits_in_any_batch(dtype) -> None:
+    """``batch_invariant``: one tiling whatever the pair count (the default's row blocks
+    grow with it) and slot-order sums, so a token alone and among 40 agree to the bit."""
+    moe = _moe(dtype, top_k=3, seed=21)
+    x = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(22)).to(DEVICE, dtype)
+    weights, ids = select_experts(moe.gate(x), moe.top_k, True)
+
+    def experts(rows: slice) -> torch.Tensor:
+        return fused_experts(
+            x[rows], moe.w13, moe.w2, weights[rows], ids[rows], batch_invariant=True
+        )
+
+    whole = experts(slice(None))
+    for token in (0, 17, 39):
+        assert torch.equal(experts(slice(token, token + 1)), whole[token : token + 1])
+    assert rel_error(whole, _float64_reference(moe, x)) < tolerance(dtype)

@@ -314,6 +314,7 @@ def fused_experts(
     num_experts: int | None = None,
     config: FusedMoEConfig | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """This rank's routed-expert output [T, hidden] in x's dtype: for each token, the sum
     over its slots whose expert is local of ``weight * (silu(x gate^T) * (x up^T)) down^T``.
@@ -324,7 +325,10 @@ def fused_experts(
     count) only tells whether every expert is local, so every pair's row is written.
     ``scales``: (w13_scale [experts, 2 * I], w2_scale [experts, hidden]) float32 for E4M3
     experts (``FusedMoE.quantize_fp8``): codes widened to x's dtype in registers, each
-    product column times its row's scale in float32 before the rounding."""
+    product column times its row's scale in float32 before the rounding.
+    ``batch_invariant``: one tiling whatever the batch (the smallest row blocks) and each
+    token's contributions summed in slot order, so a token's bits do not depend on the
+    other tokens of the call (``pagedlm.batch_invariant``)."""
     _check(x, w13, w2, weights, expert_ids, scales)
     num_tokens, top_k = expert_ids.shape
     num_local, two_i, hidden = w13.shape
@@ -332,7 +336,7 @@ def fused_experts(
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
-    cfg = config or fused_moe_config(num_pairs, num_local, x.dtype)
+    cfg = config or fused_moe_config(0 if batch_invariant else num_pairs, num_local, x.dtype)
     blocks = align_to_blocks(expert_ids, expert_start, num_local, cfg.block_m)
     num_blocks = blocks.block_experts.numel()
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -359,4 +363,11 @@ def fused_experts(
         contributions.stride(0), w2_scale.stride(0), PAIRS_PER_A_ROW=1, GATED=False,
         WEIGHTED=True, SCALED=scaled, **launch,
     )  # fmt: skip
-    return contributions.view(num_tokens, top_k, hidden).sum(dim=1)
+    per_slot = contributions.view(num_tokens, top_k, hidden)
+    if not batch_invariant:
+        return per_slot.sum(dim=1)
+    # torch's reduction may split the slots across threads by the output's size.
+    out = per_slot[:, 0].clone()
+    for slot in range(1, top_k):
+        out += per_slot[:, slot]
+    return out

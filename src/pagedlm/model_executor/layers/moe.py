@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedlm.batch_invariant import in_row_tiles
 from pagedlm.distributed import (
     divide,
     expert_parallel_enabled,
@@ -225,6 +226,10 @@ class FusedMoE(nn.Module):
 
     uncapturable: ClassVar[str] = HOST_GROUPING
     kernel: MoEKernel | None = None
+    row_tile: int = 0
+    """Batch-invariant mode (``pagedlm.batch_invariant``): each expert's GEMMs take its
+    rows in tiles of exactly this many (0: as many as chose it), and a ``kernel`` uses
+    one configuration for every batch."""
 
     def __init__(
         self,
@@ -327,6 +332,16 @@ class FusedMoE(nn.Module):
         experts are FP8 (float32 products, one rounding)."""
         weight = getattr(self, name)[local]
         scale = getattr(self, f"{name}_scale")
+        if self.row_tile:
+            return in_row_tiles(
+                lambda tile: self._product(tile, weight, scale, local), x, self.row_tile
+            )
+        return self._product(x, weight, scale, local)
+
+    @staticmethod
+    def _product(
+        x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, local: int
+    ) -> torch.Tensor:
         if scale is None:
             return F.linear(x, weight)
         return (F.linear(x.float(), weight.float()) * scale[local]).to(x.dtype)
