@@ -377,6 +377,9 @@ def check_any_split_agrees(
     new_parser: Callable[[], ToolParser], text: str, rng: random.Random
 ) -> ParsedOutput:
     whole = parse_all(new_parser(), text)
+    for call in whole.calls:  # a response carries them as UTF-8
+        call.name.encode()
+        call.arguments.encode()
     for cuts in _random_cuts(text, rng):
         deltas = feed_in_pieces(new_parser(), text, cuts)
         _check_indexes(deltas)
@@ -607,3 +610,56 @@ def test_gpt_oss_first_message_may_name_its_recipient_before_the_channel():
     for plain in ("to be or not", " to=x and more", "t", "to="):
         assert parse_all(OpenAIToolParser(), plain) == ParsedOutput(plain, ())
         assert split_reasoning(OpenAIGptOssReasoningParser(), plain).content == plain
+
+
+LONE_SURROGATE_OUTPUTS = {
+    "hermes": '<tool_call>{"name": "echo", "arguments": {"text": "\\ud83d"}}</tool_call>',
+    "internlm": f'{ACTION_START}{{"name": "echo", "parameters": {{"text": "\\ud83d"}}}}{ACTION_END}',
+    "llama3_json": '{"name": "echo", "parameters": {"text": "\\ud83d"}}',
+    "granite": '<|tool_call|>[{"name": "echo", "arguments": {"text": "\\ud83d"}}]',
+    "mistral": '[TOOL_CALLS]echo[ARGS]{"text": "\\ud83d"}',
+    "deepseek_v31": f'{CALLS_BEGIN}{CALL_BEGIN}echo{SEP}{{"text": "\\ud83d"}}{CALL_END}{CALLS_END}',
+    "pythonic": "[echo(text='\\ud83d')]",
+    "qwen3_coder": "<tool_call>\n<function=echo>\n<parameter=text>\n"
+    '{"\\ud83d": 1}\n</parameter>\n</function>\n</tool_call>',
+    "openai": '<|channel|>commentary to=functions.echo<|message|>{"text": "\\ud83d"}<|call|>',
+}
+
+
+@pytest.mark.parametrize("name", list(LONE_SURROGATE_OUTPUTS))
+def test_arguments_with_half_a_surrogate_pair_stay_encodable(name):
+    """A model's JSON (or Python) may escape half of a surrogate pair. The arguments were
+    re-serialized with the lone surrogate as a character, which UTF-8 cannot encode: a
+    non-streaming response with such a call failed with a 500. It stays escaped now."""
+    output = LONE_SURROGATE_OUTPUTS[name]
+    (call,) = parse_all(TOOL_PARSERS[name](), output).calls
+    assert call.name == "echo"
+    assert "\\ud83d" in call.arguments
+    lone = {"\ud83d": 1} if name == "qwen3_coder" else "\ud83d"
+    assert json.loads(call.arguments.encode()) == {"text": lone}
+    # a whole surrogate pair, escaped, is the character it spells
+    pair = output.replace("\\ud83d", "\\ud83d\\ude00")
+    assert "😀" in parse_all(TOOL_PARSERS[name](), pair).calls[0].arguments
+
+
+def test_a_name_with_half_a_surrogate_pair_is_no_call():
+    output = '<tool_call>{"name": "echo\\udc00", "arguments": {}}</tool_call>'
+    assert parse_all(TOOL_PARSERS["hermes"](), output) == ParsedOutput(output, ())
+
+
+def test_a_lone_surrogate_in_a_call_does_not_fail_the_response(chat_checkpoint):
+    from server.fake_engine import scripted_chat
+
+    tool = {"type": "function", "function": {"name": "echo", "parameters": {"type": "object"}}}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Echo."}],
+            "tools": [tool], "max_tokens": 400}  # fmt: skip
+    message, stream = scripted_chat(
+        chat_checkpoint,
+        LONE_SURROGATE_OUTPUTS["hermes"],
+        body,
+        tool_parser="hermes",
+        enable_auto_tool_choice=True,
+    )
+    (call,) = message["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"text": "\ud83d"}
+    assert "\\\\ud83d" in stream

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import re
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -160,7 +161,7 @@ def call_from_json(value: Any) -> ToolCall | None:
     if not isinstance(value, dict):
         return None
     name = value.get("name")
-    if not isinstance(name, str) or not name:
+    if not isinstance(name, str) or not name or _SURROGATE.search(name):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):
@@ -170,7 +171,24 @@ def call_from_json(value: Any) -> ToolCall | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+    return ToolCall(name, arguments_json(arguments))
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def arguments_json(value: Any, allow_nan: bool = True) -> str:
+    """``value`` as call arguments: JSON text with non-ASCII characters as themselves.
+
+    A model's JSON (or Python) may escape half of a surrogate pair, which decodes to a lone
+    surrogate that no UTF-8 response can carry (the response would fail): those stay escaped
+    (``\\ud83d``); a pair written as two escapes is the character it spells.
+    """
+    text = json.dumps(value, ensure_ascii=False, allow_nan=allow_nan)
+    if _SURROGATE.search(text) is None:
+        return text
+    text = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "surrogatepass")
+    return _SURROGATE.sub(lambda match: f"\\u{ord(match.group()):04x}", text)
 
 
 def held_tag_prefix(text: str, tag: str) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 
-from pagedlm.entrypoints.openai.tool_parsers.abstract import ToolCall
+from pagedlm.entrypoints.openai.tool_parsers.abstract import ToolCall, arguments_json
 from pagedlm.entrypoints.openai.tool_parsers.tagged import TaggedBlockToolParser
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
@@ -77,4 +77,4 @@ def _call(name: str, arguments: str) -> ToolCall | None:
     value = json.loads(arguments)
     if not isinstance(value, dict):
         return None
-    return ToolCall(name, json.dumps(value, ensure_ascii=False))
+    return ToolCall(name, arguments_json(value))

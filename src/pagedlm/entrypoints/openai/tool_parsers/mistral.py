@@ -28,6 +28,7 @@ from pagedlm.entrypoints.openai.tool_parsers.abstract import (
     ParsedDelta,
     ToolCall,
     ToolCallDelta,
+    arguments_json,
     held_tag_prefix,
 )
 from pagedlm.entrypoints.openai.tool_parsers.json_array import ArrayStatus, read_call_items
@@ -179,4 +180,4 @@ def _read_named_call(text: str, final: bool) -> tuple[_Read, ToolCall | None, in
         return broken
     if not isinstance(value, dict):
         return broken
-    return _Read.DONE, ToolCall(name, json.dumps(value, ensure_ascii=False)), pos + end
+    return _Read.DONE, ToolCall(name, arguments_json(value)), pos + end

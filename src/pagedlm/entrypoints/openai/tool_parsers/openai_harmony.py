@@ -45,6 +45,7 @@ from pagedlm.entrypoints.openai.tool_parsers.abstract import (
     ParsedDelta,
     ToolCallDelta,
     ToolParser,
+    arguments_json,
     held_tag_prefix,
 )
 
@@ -228,7 +229,7 @@ def call_arguments(body: str) -> str | None:
     except (ValueError, RecursionError):
         return None
     try:
-        return json.dumps(value, ensure_ascii=False)
+        return arguments_json(value)
     except (ValueError, RecursionError):
         return None
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import ast
 import enum
-import json
 
 from pagedlm.entrypoints.openai.tool_parsers.abstract import (
     BufferedToolParser,
     ParsedDelta,
     ToolCall,
     ToolCallDelta,
+    arguments_json,
 )
 
 PYTHON_START = "<|python_start|>"
@@ -175,6 +175,6 @@ def _call_from_source(source: str) -> ToolCall | None:
             if keyword.arg is None:  # **kwargs
                 return None
             arguments[keyword.arg] = ast.literal_eval(keyword.value)
-        return ToolCall(node.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False))
+        return ToolCall(node.func.id, arguments_json(arguments, allow_nan=False))
     except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
         return None

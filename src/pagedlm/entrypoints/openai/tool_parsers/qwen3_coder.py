@@ -25,7 +25,7 @@ import ast
 import json
 from typing import Any
 
-from pagedlm.entrypoints.openai.tool_parsers.abstract import ToolCall
+from pagedlm.entrypoints.openai.tool_parsers.abstract import ToolCall, arguments_json
 from pagedlm.entrypoints.openai.tool_parsers.tagged import TaggedBlockToolParser
 
 TOOL_CALL = "<tool_call>"
@@ -74,7 +74,7 @@ class Qwen3CoderToolParser(TaggedBlockToolParser):
             key: _typed_value(value, None if schema is None else schema.get(key, {}))
             for key, value in raw_arguments.items()
         }
-        return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+        return ToolCall(name, arguments_json(arguments))
 
 
 def _read_function(
