@@ -145,3 +145,40 @@ def test_include_output_text_logprobs(chat_checkpoint):
 
         error = _error(client, include=["file_search_call.results"])
         assert error["param"] == "include.0"
+
+
+class FailingEngine(ScriptedEngine):
+    """Fails after writing two tokens of its script (an engine error mid-stream)."""
+
+    def _step(self, child_id, processed, step):
+        if step == 2:
+            raise RuntimeError("the GPU fell over")
+        return super()._step(child_id, processed, step)
+
+
+def test_a_stream_that_fails_ends_with_response_failed(chat_checkpoint):
+    """A stream whose generation fails after it started ends as OpenAI documents: the
+    item it cut closes (status "incomplete"), then ``response.failed`` carries the
+    response with status "failed" and ``error`` {code, message}, numbered like every
+    event. It ended with chat's bare ``data: {"error": ...}`` and ``data: [DONE]``,
+    neither a Responses event. The failed response is stored, as OpenAI's are."""
+    with _client(chat_checkpoint, engine=FailingEngine(chat_checkpoint, "Hello")) as client:
+        stream = client.post("/v1/responses", json={"model": "tiny", "input": "Hi", "stream": True})
+        lines = [line for line in stream.text.splitlines() if line]
+        assert "data: [DONE]" not in lines
+        names = [line[7:] for line in lines if line.startswith("event: ")]
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+        assert names == [e["type"] for e in events]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert names[-3:] == [
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.failed",
+        ]
+        assert events[-2]["item"]["status"] == "incomplete"
+        failed = events[-1]["response"]
+        assert failed["status"] == "failed" and failed["usage"] is None
+        assert failed["error"]["code"] == "server_error" and failed["error"]["message"]
+        assert failed["output"] == [events[-2]["item"]]
+        stored = client.get(f"/v1/responses/{failed['id']}").json()
+        assert stored["status"] == "failed"

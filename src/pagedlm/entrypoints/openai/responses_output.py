@@ -89,6 +89,10 @@ class OutputBuilder:
         cut = self.finish_reason in ("length", "abort")
         return self._close("incomplete" if cut else "completed")
 
+    def fail(self) -> list[dict[str, Any]]:
+        """Close the item still open as cut: the generation failed."""
+        return self._close("incomplete")
+
     def _start(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         events = self._close("completed")
         self._open, self._pieces, self._logprobs = item, [], []

@@ -6,7 +6,9 @@ structured outputs, reasoning parser, metrics), and its chunks become output ite
 (``responses_output``). A stream sends ``response.created``, ``response.in_progress``, the
 items' events, then ``response.completed`` (``response.incomplete`` when
 ``max_output_tokens`` cut it), each with a ``sequence_number`` counting from 0. A request
-the engine aborted (``pause_generation``) has status "cancelled", as in vLLM.
+the engine aborted (``pause_generation``) has status "cancelled", as in vLLM. A stream
+whose generation fails once it started (the HTTP status is sent) ends with
+``response.failed``: status "failed" and ``error`` {code, message}, as OpenAI's.
 
 ``store`` (default true, as OpenAI's) keeps the finished response and its conversation
 for ``previous_response_id`` and GET/DELETE, per API key (``responses_store``).
@@ -16,16 +18,20 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pagedlm.engine.exceptions import EngineDeadError
 from pagedlm.entrypoints.openai.errors import APIError
 from pagedlm.entrypoints.openai.protocol_responses import ResponsesRequest, responses_error
 from pagedlm.entrypoints.openai.responses_output import OutputBuilder, new_item_id
 from pagedlm.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from pagedlm.entrypoints.openai.serving_chat import ChatServer
 from pagedlm.entrypoints.openai.serving_engine import ServingContext, stream_or_collect
+
+logger = logging.getLogger("pagedlm.server")
 
 
 async def _chat_chunks(events: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
@@ -48,6 +54,18 @@ def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any]:
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage["total_tokens"],
     }
+
+
+def _failure(error: Exception) -> dict[str, str]:
+    """A failed response's ``error`` for what ended its generation."""
+    if isinstance(error, APIError):
+        message = error.message
+    elif isinstance(error, EngineDeadError):
+        message = f"The engine core is not running ({error}); restart the server."
+    else:
+        logger.exception("Unhandled error while streaming a response")
+        message = "Internal server error; see the server log."
+    return {"code": "server_error", "message": message}
 
 
 class ResponsesServer:
@@ -100,10 +118,14 @@ class ResponsesServer:
         response_id: str,
         created_at: int,
         builder: OutputBuilder | None,
+        error: dict[str, str] | None = None,
     ) -> dict[str, Any]:
-        """The response object; ``builder`` None: one that has just started."""
+        """The response object; ``builder`` None: one that has just started; ``error``:
+        one whose generation failed."""
         status, incomplete = "in_progress", None
-        if builder is not None:
+        if error is not None:
+            status = "failed"
+        elif builder is not None:
             status = "completed"
             if builder.finish_reason == "length":
                 status, incomplete = "incomplete", {"reason": "max_output_tokens"}
@@ -118,8 +140,8 @@ class ResponsesServer:
             "status": status,
             "model": self.ctx.response_model(request.model),
             "output": builder.items if builder is not None else [],
-            "usage": _usage(builder.usage) if builder is not None else None,
-            "error": None,
+            "usage": _usage(builder.usage) if builder is not None and not error else None,
+            "error": error,
             "incomplete_details": incomplete,
             "instructions": request.instructions,
             "max_output_tokens": request.max_output_tokens,
@@ -169,20 +191,27 @@ class ResponsesServer:
             started = self._body(request, response_id, created_at, None)
             yield sse({"type": "response.created", "response": started})
             yield sse({"type": "response.in_progress", "response": started})
-        builder = OutputBuilder()
-        async for chunk in chunks:
-            for event in builder.feed(chunk):
-                if request.stream:
-                    yield sse(event)
-        for event in builder.finish():
+        builder, error = OutputBuilder(), None
+        try:
+            async for chunk in chunks:
+                for event in builder.feed(chunk):
+                    if request.stream:
+                        yield sse(event)
+        except Exception as failure:
+            if not request.stream:
+                raise  # answered as an error: nothing was sent yet
+            error = _failure(failure)
+        for event in builder.fail() if error else builder.finish():
             if request.stream:
                 yield sse(event)
-        response = self._body(request, response_id, created_at, builder)
+        response = self._body(request, response_id, created_at, builder, error)
         if request.store:  # before the last event: a client may GET it right after
             history = [*conversation, builder.assistant_message()]
             self.store.put(owner, response_id, StoredResponse(response, history))
         if not request.stream:
             yield response
             return
-        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        yield sse({"type": kind, "response": response})
+        kind = {"incomplete": "response.incomplete", "failed": "response.failed"}
+        yield sse(
+            {"type": kind.get(response["status"], "response.completed"), "response": response}
+        )
