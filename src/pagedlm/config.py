@@ -489,6 +489,13 @@ class SpeculativeConfig:
         """The proposer keeps its own KV in the paged cache (so drafts need slots ahead)."""
         return self.method in ("draft_model", "eagle", "eagle3", "mtp")
 
+    @property
+    def proposer_kv_reads_next_token(self) -> bool:
+        """The proposer's KV at position ``p`` is computed from the token at ``p + 1``
+        (EAGLE and MTP heads take the next token's embedding with the target's hidden
+        state at ``p``), so it is not a function of the tokens up to ``p`` alone."""
+        return self.method in ("eagle", "eagle3", "mtp")
+
 
 @dataclass(frozen=True)
 class ParallelConfig:

@@ -94,6 +94,16 @@ def test_last_token_always_recomputed():
     assert manager.get_computed_blocks(_request("d", list(range(4)))).num_computed_tokens == 0
 
 
+def test_hits_end_a_block_early_for_proposers_reading_the_next_token():
+    # An EAGLE head's KV at a block's last position was computed with the token after the
+    # block, which the block's hash does not cover: that block is computed again.
+    manager = KVCacheManager(BLOCK, 8, enable_prefix_caching=True, hits_end_a_block_early=True)
+    _admit(manager, _request("a", [*range(12), 50]))
+    other_next = _request("b", [*range(12), 60])
+    assert manager.get_computed_blocks(other_next).num_computed_tokens == 8
+    assert manager.get_computed_blocks(_request("c", list(range(5)))).num_computed_tokens == 0
+
+
 def test_cache_salt_separates_prefixes():
     manager = KVCacheManager(BLOCK, 8, enable_prefix_caching=True)
     _admit(manager, _request("a", list(range(9)), cache_salt="alice"))

@@ -164,6 +164,8 @@ class OneBudgetScheduler(Scheduler):
             num_blocks,
             cache_config.enable_prefix_caching,
             consecutive_blocks=consecutive_blocks,
+            hits_end_a_block_early=speculative_config is not None
+            and speculative_config.proposer_kv_reads_next_token,
         )
         if record_kv_cache_events:
             self.kv_manager.pool.event_log = EventLog()

@@ -53,15 +53,22 @@ class KVCacheManager:
         num_blocks: int,
         enable_prefix_caching: bool,
         consecutive_blocks: bool = False,
+        hits_end_a_block_early: bool = False,
     ) -> None:
         """``consecutive_blocks``: a request's fresh blocks continue its table where the
-        blocks after its last one are free (a ``consecutive`` ``BlockPool``)."""
+        blocks after its last one are free (a ``consecutive`` ``BlockPool``).
+        ``hits_end_a_block_early``: a prefix hit leaves out its last block (vLLM's
+        ``use_eagle``), for a speculative proposer whose KV at a position depends on the
+        token after it (EAGLE and MTP heads): that block's last position was written with
+        the next token of the request that filled it, which the block's hash does not
+        cover."""
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}.")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching, consecutive_blocks)
+        self.hits_end_a_block_early = hits_end_a_block_early
         self._tables: dict[str, list[KVCacheBlock]] = {}
         self._num_hashed: dict[str, int] = {}
         self.prefix_cache_queries = 0
@@ -101,6 +108,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if hits and self.hits_end_a_block_early:
+            hits.pop()
         return ComputedBlocks(tuple(hits), len(hits) * self.block_size, request.num_tokens)
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
