@@ -209,20 +209,30 @@ async def search_async(
     return result
 
 
+def beam_prompt(tokens: list[int], cache_salt: str | None) -> dict[str, Any]:
+    """One beam's engine prompt: its tokens, with the searched prompt's ``cache_salt`` (a
+    beam shares prefix-cache blocks only with requests of the same salt, as its prompt)."""
+    if cache_salt is None:
+        return {"prompt_token_ids": tokens}
+    return {"prompt_token_ids": tokens, "cache_salt": cache_salt}
+
+
 def engine_step(
     generate: Callable[..., AsyncIterator[RequestOutput]],
     request_id: str,
     lora_request: Any = None,
+    cache_salt: str | None = None,
 ) -> AsyncStep:
     """An ``AsyncStep`` over an engine's ``generate(prompt, params, request_id, priority,
     lora_request)``: every beam a request of its own, all at once (``gather_all``: an
-    error, or the caller leaving, aborts the rest). The beams' ids are ``request_id``
-    plus a random part of this search's, so two searches given one id (a client's
-    reused ``X-Request-Id``) never share a beam's id, as in vLLM."""
+    error, or the caller leaving, aborts the rest), with the searched prompt's
+    ``cache_salt``. The beams' ids are ``request_id`` plus a random part of this
+    search's, so two searches given one id (a client's reused ``X-Request-Id``) never
+    share a beam's id, as in vLLM."""
     search_id = f"{request_id}-{uuid.uuid4().hex[:16]}"
 
     async def last(tokens: list[int], sampling: SamplingParams, beam_id: str) -> RequestOutput:
-        prompt = {"prompt_token_ids": tokens}
+        prompt = beam_prompt(tokens, cache_salt)
         final = await final_output(generate(prompt, sampling, beam_id, 0, lora_request))
         if final is None:
             raise ValueError(f"beam request {beam_id} was aborted before it finished.")

@@ -4,6 +4,7 @@ step (end-of-sequence beams, the length penalty, ``max_model_len``)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -11,8 +12,8 @@ import torch
 import transformers
 
 from pagedlm import LLM, BeamSearchParams, SamplingParams
-from pagedlm.beam_search import BeamSearchSequence, beam_score, search
-from pagedlm.outputs import Logprob
+from pagedlm.beam_search import BeamSearchSequence, beam_score, engine_step, search
+from pagedlm.outputs import CompletionOutput, Logprob, RequestOutput
 
 PROMPTS = [[5, 17, 33, 8, 2], [9, 10, 11]]
 
@@ -65,6 +66,56 @@ def test_width_one_is_greedy_decoding(setup):
     assert beam.tokens == PROMPTS[0] + completion.token_ids
     total = sum(lp[t].logprob for t, lp in zip(completion.token_ids, completion.logprobs))
     assert abs(beam.cum_logprob - total) < 1e-4
+
+
+def test_beams_carry_their_prompts_cache_salt(setup):
+    # Every beam is a request of its own: one without the prompt's salt shared prefix-cache
+    # blocks with unsalted requests, which a salt exists to prevent.
+    llm, _ = setup
+    scheduler = llm.llm_engine.engine_core.scheduler
+    seen: list[tuple[list[int], str | None]] = []
+    add_request = scheduler.add_request
+
+    def recording(request):
+        seen.append((request.prompt_token_ids, request.cache_salt))
+        add_request(request)
+
+    scheduler.add_request = recording
+    try:
+        params = BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True)
+        unsalted = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
+        prompts = [
+            {"prompt_token_ids": PROMPTS[0], "cache_salt": "alice"},
+            {"prompt_token_ids": PROMPTS[1]},
+            {"prompt_token_ids": PROMPTS[0], "cache_salt": "bob"},
+        ]
+        seen.clear()
+        outputs = llm.beam_search(prompts, params)
+    finally:
+        del scheduler.add_request
+    salts_of = {0: {"alice", "bob"}, 1: {None}}
+    for tokens, salt in seen:
+        index = 0 if tokens[: len(PROMPTS[0])] == PROMPTS[0] else 1
+        assert salt in salts_of[index]
+    assert {salt for _, salt in seen} == {"alice", "bob", None}
+    # The salt changes what is shared, never the beams; results stay in prompt order.
+    expected = [unsalted[0], unsalted[1], unsalted[0]]
+    for got, want in zip(outputs, expected, strict=True):
+        assert [s.tokens for s in got.sequences] == [s.tokens for s in want.sequences]
+
+
+def test_async_beam_steps_carry_the_cache_salt():
+    prompts = []
+
+    async def generate(prompt, sampling, request_id, priority, lora_request):
+        prompts.append(prompt)
+        logprobs = [{7: Logprob(-0.5, 1), 8: Logprob(-1.0, 2)}]
+        completion = CompletionOutput(0, "", [7], -0.5, logprobs, "length")
+        yield RequestOutput(request_id, None, prompt["prompt_token_ids"], None, [completion], True)
+
+    step = engine_step(generate, "r", None, "alice")
+    asyncio.run(step([[1, 2], [1, 3]], SamplingParams(max_tokens=1, logprobs=2), 0))
+    assert [p.get("cache_salt") for p in prompts] == ["alice", "alice"]
 
 
 def test_bad_parameters_name_the_fix(setup):

@@ -262,10 +262,11 @@ class AsyncLLM:
 
         self._check_alive()
         text, prompt_ids = self.input_processor.tokenize(prompt)
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
         result = await search_async(
             prompt_ids,
             params,
-            engine_step(generate or self.generate, request_id, lora_request),
+            engine_step(generate or self.generate, request_id, lora_request, cache_salt),
             set(self.input_processor.eos_token_ids),
             self.config.model.max_model_len,
             self.config.model.max_logprobs,

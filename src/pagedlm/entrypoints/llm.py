@@ -543,8 +543,10 @@ class LLM:
         lora_request: LoRARequest | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search (vLLM's): each prompt's ``params.beam_width`` best beams, best first
-        (``pagedlm.beam_search``); every step sends all live beams to the engine at once."""
-        from pagedlm.beam_search import search
+        (``pagedlm.beam_search``); every step sends all live beams to the engine at once,
+        each with its prompt's ``cache_salt`` (prompts of different salts are searched one
+        salt after the other)."""
+        from pagedlm.beam_search import beam_prompt, search
 
         if not isinstance(params, BeamSearchParams):
             raise TypeError(
@@ -554,6 +556,7 @@ class LLM:
         engine = self.llm_engine
         processor = engine.input_processor
         token_prompts = []
+        salts: list[str | None] = []
         for prompt in prompt_list(prompts):
             if _has_multimodal_data(prompt):
                 raise ValueError("beam_search takes text or token-id prompts, not images.")
@@ -563,36 +566,50 @@ class LLM:
                     "beam runs as a token prompt); use generate() for embeddings."
                 )
             token_prompts.append(processor.tokenize(prompt)[1])
+            salts.append(prompt.get("cache_salt") if isinstance(prompt, Mapping) else None)
+        # One search per cache salt: a beam carries its prompt's salt, as its prompt would.
+        groups: dict[str | None, list[int]] = {}
+        for index, salt in enumerate(salts):
+            groups.setdefault(salt, []).append(index)
 
-        def step(beams: list[list[int]], sampling: SamplingParams) -> list[dict[int, Logprob]]:
-            outputs = self.generate(
-                [{"prompt_token_ids": tokens} for tokens in beams],
-                sampling,
-                use_tqdm=False,
-                lora_request=lora_request,
-            )
-            return [output.outputs[0].logprobs[0] for output in outputs]  # type: ignore[index]
+        def step_for(salt: str | None) -> Callable[..., list[dict[int, Logprob]]]:
+            def step(beams: list[list[int]], sampling: SamplingParams) -> list[dict[int, Logprob]]:
+                outputs = self.generate(
+                    [beam_prompt(tokens, salt) for tokens in beams],
+                    sampling,
+                    use_tqdm=False,
+                    lora_request=lora_request,
+                )
+                return [output.outputs[0].logprobs[0] for output in outputs]  # type: ignore[index]
+
+            return step
 
         tokenizer = self.get_tokenizer()
+        total = params.max_tokens * len(groups)
         bar = (
-            _progress_bar(use_tqdm)(total=params.max_tokens, desc="Beam search", unit="token")
+            _progress_bar(use_tqdm)(total=total, desc="Beam search", unit="token")
             if use_tqdm
             else None
         )
+        results: list[BeamSearchOutput | None] = [None] * len(token_prompts)
         try:
-            return search(
-                token_prompts,
-                params,
-                step,
-                set(processor.eos_token_ids),
-                engine.config.model.max_model_len,
-                None if tokenizer is None else tokenizer.decode,
-                None if bar is None else bar.update,
-                engine.config.model.max_logprobs,
-            )
+            for salt, indices in groups.items():
+                found = search(
+                    [token_prompts[index] for index in indices],
+                    params,
+                    step_for(salt),
+                    set(processor.eos_token_ids),
+                    engine.config.model.max_model_len,
+                    None if tokenizer is None else tokenizer.decode,
+                    None if bar is None else bar.update,
+                    engine.config.model.max_logprobs,
+                )
+                for index, output in zip(indices, found, strict=True):
+                    results[index] = output
         finally:
             if bar is not None:
                 bar.close()
+        return results  # type: ignore[return-value]
 
     def chat(
         self,
