@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -116,6 +117,25 @@ def test_async_beam_steps_carry_the_cache_salt():
     step = engine_step(generate, "r", None, "alice")
     asyncio.run(step([[1, 2], [1, 3]], SamplingParams(max_tokens=1, logprobs=2), 0))
     assert [p.get("cache_salt") for p in prompts] == ["alice", "alice"]
+
+
+def test_async_beam_search_refuses_images_and_embeddings():
+    # Each beam runs as a token prompt: an image prompt's beams were generated from its
+    # placeholder ids as text (the image dropped), and shared blocks across images.
+    from pagedlm.engine.async_llm import AsyncLLM
+
+    engine = SimpleNamespace(
+        _check_alive=lambda: None,
+        input_processor=SimpleNamespace(tokenize=lambda prompt: ("<image>", [3, 3, 3])),
+    )
+    prompts = [
+        {"prompt": "<image>", "multi_modal_data": {"image": [object()]}},
+        {"prompt_embeds": object()},
+    ]
+    for prompt in prompts:
+        search = AsyncLLM.beam_search(engine, prompt, "r", BeamSearchParams(2, 2))
+        with pytest.raises(ValueError, match="use_beam_search takes text or token prompts"):
+            asyncio.run(anext(search))
 
 
 def test_bad_parameters_name_the_fix(setup):

@@ -261,6 +261,15 @@ class AsyncLLM:
         from pagedlm.beam_search import engine_step, request_output, search_async
 
         self._check_alive()
+        if isinstance(prompt, Mapping) and (
+            prompt.get("multi_modal_data") is not None or "prompt_embeds" in prompt
+        ):
+            # Each beam runs as a prompt of token ids: images or embedding rows would be
+            # dropped, their placeholder ids generated from (and prefix-cached) as text.
+            raise ValueError(
+                "use_beam_search takes text or token prompts, not images or prompt_embeds; "
+                "sample with n instead, or send the prompt without them."
+            )
         text, prompt_ids = self.input_processor.tokenize(prompt)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
         result = await search_async(
