@@ -302,3 +302,28 @@ def test_min_tokens_masks_stop_tokens_until_reached() -> None:
     ]
     sampled = sample(logits, rows)
     assert sampled.tolist() == [2, 2, eos, eos]
+
+
+def test_min_tokens_yields_only_to_a_grammar_that_left_nothing_else() -> None:
+    """A grammar row (its mask already applied: -inf but for its stop tokens) keeps its
+    stops; other rows under min_tokens never do, and each row is checked once."""
+    from pagedlm.sample.logit_bias import LogitAdjustments, apply_logit_adjustments
+    from pagedlm.sampling_params import StructuredOutputsParams
+
+    eos, stop_id = 5, 9
+    logits = torch.zeros(3, 12)
+    logits[0] = float("-inf")  # an ended grammar: only its stop tokens left
+    logits[0, [eos, stop_id]] = 1.0
+    logits[1, [eos, stop_id]] = 1.0  # a grammar with other tokens still open
+    logits[2] = float("-inf")  # no grammar (such a request is refused when added)
+    logits[2, [eos, stop_id]] = 1.0
+    grammar = StructuredOutputsParams(regex="a*")
+    rows = [make_row(0, min_tokens=3, structured_outputs=grammar) for _ in range(2)]
+    rows.append(make_row(0, min_tokens=3))
+    for row in rows:
+        row.params.all_stop_token_ids = {eos, stop_id}
+    adjustments = LogitAdjustments.build(rows, 12, CPU)
+    assert adjustments is not None and adjustments.stop_row_set.tolist() == [0, 1]
+    apply_logit_adjustments(logits, adjustments)
+    assert logits[0, [eos, stop_id]].tolist() == [1.0, 1.0]
+    assert torch.isneginf(logits[1:, [eos, stop_id]]).all()

@@ -12,7 +12,7 @@ output so far ends with the others, compared on the device against the batch's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,9 +47,14 @@ class LogitAdjustments:
     ``-inf`` where ``banned_if`` (bool, computed from the row's output so far) holds."""
     stop_rows: torch.Tensor | None = None
     stop_token_ids: torch.Tensor | None = None
-    """The ``min_tokens`` mask: ``[S]`` each; the stop token's logit becomes ``-inf``
-    unless the row allows nothing else (a grammar that has ended allows only its stop
-    tokens: the grammar wins over ``min_tokens``)."""
+    stop_row_set: torch.Tensor | None = None
+    stop_row_at: torch.Tensor | None = None
+    """The ``min_tokens`` mask of rows with a grammar: ``stop_rows``/``stop_token_ids``
+    ``[S]`` each; the stop token's logit becomes ``-inf`` unless the row allows nothing
+    else (a grammar that has ended allows only its stop tokens: the grammar wins over
+    ``min_tokens``). ``stop_row_set`` ``[U]``: those rows once each, and ``stop_row_at``
+    ``[S]``: each entry's place in it, so the check reads each row once. Rows without a
+    grammar always have another token left: their stops are in ``masked_rows``."""
 
     @classmethod
     def build(
@@ -91,11 +96,17 @@ class LogitAdjustments:
                     masked_rows.append(row_index)
                     masked_token_ids.append(ids[0])
             if row.num_output_tokens < params.min_tokens:
+                # Only a grammar can leave a row nothing but its stop tokens (requests
+                # whose allowed_token_ids or bad words would are refused when added).
+                guarded = params.structured_outputs is not None
+                rows_to, ids_to = (
+                    (stop_rows, stop_token_ids) if guarded else (masked_rows, masked_token_ids)
+                )
                 for token_id in params.all_stop_token_ids:
                     # An id the LM head cannot produce can never be sampled: nothing to mask.
                     if 0 <= token_id < vocab_size:
-                        stop_rows.append(row_index)
-                        stop_token_ids.append(token_id)
+                        rows_to.append(row_index)
+                        ids_to.append(token_id)
         banned = _multi_token_bad_words(rows, vocab_size, device, token_history)
         if not (bias_rows or masked_rows or stop_rows or allowed_rows or banned):
             return None
@@ -122,8 +133,7 @@ class LogitAdjustments:
             masked_token_ids=as_index(masked_token_ids),
             allowed_rows=as_index(allowed_rows) if allowed_rows else None,
             allowed_mask=allowed_mask,
-            stop_rows=as_index(stop_rows) if stop_rows else None,
-            stop_token_ids=as_index(stop_token_ids) if stop_rows else None,
+            **(_stop_rows(stop_rows, stop_token_ids, as_index) if stop_rows else {}),
             **(banned or {}),
         )
 
@@ -171,6 +181,19 @@ def _multi_token_bad_words(
     }
 
 
+def _stop_rows(
+    rows: list[int], token_ids: list[int], as_index: Callable[[list[int]], torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    row_set = sorted(set(rows))
+    place = {row: i for i, row in enumerate(row_set)}
+    return dict(
+        stop_rows=as_index(rows),
+        stop_token_ids=as_index(token_ids),
+        stop_row_set=as_index(row_set),
+        stop_row_at=as_index([place[row] for row in rows]),
+    )
+
+
 def apply_logit_adjustments(logits: torch.Tensor, adjustments: LogitAdjustments) -> None:
     """Add the biases, keep only the allowed tokens, mask the bad words, then mask the
     stop tokens, in place. ``logits``: ``[num_rows, vocab]``.
@@ -205,9 +228,11 @@ def apply_logit_adjustments(logits: torch.Tensor, adjustments: LogitAdjustments)
         logits.index_put_((adjustments.masked_rows, adjustments.masked_token_ids), minus_inf)
     if adjustments.stop_rows is not None:
         assert adjustments.stop_token_ids is not None
+        assert adjustments.stop_row_set is not None and adjustments.stop_row_at is not None
         coordinates = (adjustments.stop_rows, adjustments.stop_token_ids)
         unmasked = logits[coordinates]
         logits.index_put_(coordinates, minus_inf)
         # Decided on the device (no sync): rows left with no finite logit keep their stops.
-        nothing_left = torch.isneginf(logits.index_select(0, adjustments.stop_rows)).all(dim=-1)
+        rows = logits.index_select(0, adjustments.stop_row_set)
+        nothing_left = torch.isneginf(rows).all(dim=-1)[adjustments.stop_row_at]
         logits.index_put_(coordinates, torch.where(nothing_left, unmasked, minus_inf))
