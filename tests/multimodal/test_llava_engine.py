@@ -89,6 +89,25 @@ def test_same_text_other_image_no_prefix_hit(tiny_llava):
     assert again.outputs[0].token_ids == a.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("reload", ["update_weights", "sleep_level_2"])
+def test_images_encoded_again_once_the_workers_rebuild_their_runner(tiny_llava, reload):
+    # A weight update and a level-2 sleep build the workers' model runner again, with an
+    # empty encoder cache; the scheduler still counted the image as cached, so the next
+    # request with it failed ("neither cached nor scheduled for encoding") and the engine
+    # died.
+    path = tiny_llava[0]
+    llm = _llm(path, enable_sleep_mode=True)
+    before = _generate(llm, [PROMPTS[0]])[0]
+    if reload == "update_weights":
+        llm.llm_engine.update_weights_from_disk(str(path))
+    else:
+        llm.sleep(level=2)
+        llm.wake_up()
+    after = _generate(llm, [PROMPTS[0]])[0]
+    assert after.outputs[0].token_ids == before.outputs[0].token_ids
+    assert _runner(llm).encoder.num_encoded == 1  # encoded again, by the new runner
+
+
 def test_chat_with_image_parts(tiny_llava):
     path, model = tiny_llava
     llm = _llm(path)

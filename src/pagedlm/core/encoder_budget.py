@@ -80,6 +80,13 @@ class EncoderCacheTracker:
             freed.append(identifier)
         return freed
 
+    def reset(self) -> None:
+        """The workers' cache is empty (their model runner was built again): every image
+        is encoded again when next reached. Only between steps, with no request part-way
+        through an image (a weight update or a sleep has none running)."""
+        self.cached.clear()
+        self.refs.clear()
+
     def take_scheduled(self) -> dict[str, list[int]]:
         return self._step.scheduled
 

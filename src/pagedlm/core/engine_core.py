@@ -289,6 +289,9 @@ class EngineCore:
         # The KV cache's contents are lost: no later request may hit a cached prefix.
         self.reset_prefix_cache()
         self.executor.sleep(level)
+        if level == 2:
+            # The workers build their model runner again on waking, its encoder cache empty.
+            self.scheduler.reset_encoder_cache()
         self.sleep_level = level
         self.sleeping_tags = set(SLEEP_TAGS)
 
@@ -354,6 +357,9 @@ class EngineCore:
                 "updated. Abort the waiting requests (pause_generation(mode='abort')) and "
                 "update again."
             )
+        # The workers build their model runner again, its encoder cache empty (the old
+        # weights' image embeddings would be stale too), even when the new weights fail.
+        self.scheduler.reset_encoder_cache()
         self.executor.reload_weights(model_path, weights)
 
     def collective_rpc(

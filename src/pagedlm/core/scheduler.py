@@ -279,6 +279,9 @@ class OneBudgetScheduler(Scheduler):
             self.external.connector.reset_cache()  # a host pool's copies go too
         return reset
 
+    def reset_encoder_cache(self) -> None:
+        self.encoder.reset()
+
     def take_kv_cache_events(self) -> list[KVCacheEvent]:
         log = self.kv_manager.pool.event_log
         return [] if log is None else log.take()

@@ -80,6 +80,12 @@ class Scheduler(ABC):
         blocks."""
         return False
 
+    def reset_encoder_cache(self) -> None:  # noqa: B027 (optional; most keep none)
+        """Forget every encoder output (image embeddings) the workers were known to hold:
+        they built their model runner again (a weight update, a level-2 sleep), whose
+        encoder cache starts empty, and the old outputs came from the old weights anyway
+        (vLLM's ``reset_encoder_cache``)."""
+
     @abstractmethod
     def get_num_unfinished_requests(self) -> int: ...
 
