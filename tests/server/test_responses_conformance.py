@@ -182,3 +182,32 @@ def test_a_stream_that_fails_ends_with_response_failed(chat_checkpoint):
         assert failed["output"] == [events[-2]["item"]]
         stored = client.get(f"/v1/responses/{failed['id']}").json()
         assert stored["status"] == "failed"
+
+
+@pytest.mark.parametrize(
+    ("parser", "script", "reasoning_tokens"),
+    [
+        ("qwen3", "<think>ab</think>Hi", 2),  # the markers are not reasoning
+        ("qwen3", "<think>a<b</think>Hi", 3),  # a held "<" that was no marker is
+        ("deepseek_r1", " ab</think>Hi", 3),  # the template opened the thought
+        ("qwen3", "Hi", 0),
+    ],
+)
+def test_usage_counts_reasoning_tokens(chat_checkpoint, parser, script, reasoning_tokens):
+    """``output_tokens_details.reasoning_tokens`` said 0 whatever the model thought: it
+    now counts the output tokens of the reasoning, as vLLM's (the tokens between the
+    reasoning markers; one token per byte here), streamed or not; chat's usage reports
+    them as ``completion_tokens_details.reasoning_tokens``, as OpenAI's and vLLM's."""
+    engine = ScriptedEngine(chat_checkpoint, script)
+    with _client(chat_checkpoint, engine=engine, reasoning_parser=parser) as client:
+        usage = _create(client)["usage"]
+        assert usage["output_tokens_details"] == {"reasoning_tokens": reasoning_tokens}
+        assert usage["output_tokens"] == len(script) + 1  # and EOS
+        stream = client.post("/v1/responses", json={"model": "tiny", "input": "Hi", "stream": True})
+        final = json.loads(stream.text.splitlines()[-2][6:])["response"]
+        assert final["usage"] == usage
+        chat = client.post(
+            "/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]},
+        ).json()["usage"]
+        assert chat["completion_tokens_details"] == {"reasoning_tokens": reasoning_tokens}

@@ -29,6 +29,11 @@ class ChatOutputParser:
     call_ids: list[str] = field(default_factory=list)
     call_names: list[str] = field(default_factory=list)
     call_arguments: list[list[str]] = field(default_factory=list)
+    num_reasoning_tokens: int = 0
+    """Output tokens of the reasoning, its markers and framing left out (vLLM's
+    ``reasoning_tokens``); see ``_count_reasoning``."""
+    _held_tokens: int = field(default=0, repr=False)
+    _held_chars: int = field(default=0, repr=False)
 
     @classmethod
     def build(
@@ -43,11 +48,36 @@ class ChatOutputParser:
             new_call_id,
         )
 
-    def feed(self, text: str) -> dict[str, Any]:
-        return self._step(text, final=False)
+    def feed(self, text: str, num_tokens: int = 0) -> dict[str, Any]:
+        """The delta for the next ``text``, which ``num_tokens`` output tokens spell."""
+        delta = self._step(text, final=False)
+        self._count_reasoning(delta, text, num_tokens)
+        return delta
 
     def finish(self) -> dict[str, Any]:
-        return self._step("", final=True)
+        delta = self._step("", final=True)
+        self._count_reasoning(delta, "", 0)
+        return delta
+
+    def _count_reasoning(self, delta: dict[str, Any], text: str, num_tokens: int) -> None:
+        """A step's tokens are reasoning when all it wrote is reasoning. Tokens whose text
+        the parsers held (a marker, or what might have been one) wait for the step that
+        releases it: they are reasoning when all of their text came out as reasoning (no
+        marker was consumed). A step that ends the thought and starts the answer at once
+        (several tokens in one step) counts by the reasoning's share of its text."""
+        if not delta:
+            self._held_tokens += num_tokens
+            self._held_chars += len(text)
+            return
+        reasoning = len(delta.get("reasoning_content", ""))
+        other = len(delta.get("content", "")) + len(delta.get("tool_calls", []))
+        if reasoning and not other:
+            self.num_reasoning_tokens += num_tokens
+            if reasoning >= self._held_chars + len(text):
+                self.num_reasoning_tokens += self._held_tokens
+        elif reasoning:
+            self.num_reasoning_tokens += num_tokens * reasoning // (reasoning + other)
+        self._held_tokens = self._held_chars = 0
 
     def _step(self, text: str, final: bool) -> dict[str, Any]:
         reasoning, content = "", text

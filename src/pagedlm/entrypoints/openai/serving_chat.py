@@ -197,7 +197,7 @@ class ChatServer:
                         yield chunk(sample.index, {"role": role, "content": ""})
                         if echoed:  # vLLM's place: the first content delta of each choice
                             yield chunk(sample.index, {"content": echoed})
-                delta = choice.parser.feed(sample.text)
+                delta = choice.parser.feed(sample.text, len(sample.token_ids))
                 choice.num_tokens += len(sample.token_ids)
                 choice.token_ids += sample.token_ids
                 new_logprobs = None
@@ -224,6 +224,9 @@ class ChatServer:
                         )
         completion_tokens = sum(c.num_tokens for c in choices.values())
         usage = self.ctx.usage(prompt_tokens, completion_tokens, cached)
+        if new_reasoning_parser is not None:  # OpenAI's and vLLM's field
+            reasoning_tokens = sum(c.parser.num_reasoning_tokens for c in choices.values())
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
         if request.stream:
             if request.include_usage or self.ctx.force_include_usage:
                 yield f"data: {json.dumps({**chunk_base, 'choices': [], 'usage': usage})}\n\n"

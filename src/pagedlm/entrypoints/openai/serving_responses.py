@@ -47,11 +47,13 @@ def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any]:
     usage = chat_usage or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
     # chat reports the prefix cache's share with --enable-prompt-tokens-details only
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    # and the reasoning's tokens with a --reasoning-parser
+    reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
     return {
         "input_tokens": usage["prompt_tokens"],
         "input_tokens_details": {"cached_tokens": cached},
         "output_tokens": usage["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": usage["total_tokens"],
     }
 
