@@ -171,6 +171,24 @@ def test_reasoning_is_a_thinking_block(chat_checkpoint, tools):
     assert _without_ids(_streamed_content(events)) == _without_ids(whole["content"])
 
 
+def test_a_thought_the_template_opened_is_a_thinking_block(chat_checkpoint):
+    """Qwen3.5's template ends the prompt with ``<think>`` and a newline; the model writes
+    ``thought</think>answer``, whose thought and tag were the text block."""
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}<|im_start|>assistant\n<think>\n"
+    )
+    flags = {"reasoning_parser": "qwen3", "chat_template": template}
+    with _client(chat_checkpoint, "Ponder.\n</think>\n\nAnswer.", **flags) as client:
+        whole = client.post("/v1/messages", json=ASK).json()
+        events = _events(client.post("/v1/messages", json={**ASK, "stream": True}).text)
+    assert [(b["type"], b.get("thinking", b.get("text"))) for b in whole["content"]] == [
+        ("thinking", "Ponder.\n"),
+        ("text", "Answer."),
+    ], whole
+    assert _streamed_content(events) == whole["content"]
+
+
 def test_thinking_blocks_come_back(chat_checkpoint):
     """An assistant turn may carry its thinking and redacted_thinking blocks back (the SDK's
     agent loops send a reply's content as it came, and Anthropic requires it around tool
@@ -229,3 +247,23 @@ def test_message_delta_usage_counts_input_too(chat_checkpoint):
         events = _events(client.post("/v1/messages", json={**ASK, "stream": True}).text)
     (delta,) = [event for event in events if event["type"] == "message_delta"]
     assert delta["usage"] == whole["usage"], (delta, whole)
+
+
+def test_consecutive_turns_of_one_role_are_one_turn(chat_checkpoint):
+    """Anthropic combines consecutive user (or assistant) turns into one; a 400 still
+    names the block as the request numbers it."""
+    with _client(chat_checkpoint) as client:
+        merged = _count(client, messages=[{"role": "user", "content": _text_blocks("Hi", "there")}])
+        split = [{"role": "user", "content": "Hi"}, {"role": "user", "content": "there"}]
+        assert _count(client, messages=split) == merged
+        prefill = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "A"}]
+        assert _count(client, messages=[*prefill, {"role": "assistant", "content": "B"}]) == (
+            _count(
+                client,
+                messages=[prefill[0], {"role": "assistant", "content": _text_blocks("A", "B")}],
+            )
+        )
+        bad = [*split, {"role": "user", "content": [{"type": "text", "text": 3}]}]
+        response = client.post("/v1/messages/count_tokens", json={"model": "tiny", "messages": bad})
+        assert response.status_code == 400
+        assert response.json()["error"]["message"].startswith("messages.2.content.0:")

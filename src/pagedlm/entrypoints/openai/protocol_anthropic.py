@@ -75,6 +75,10 @@ def system_content(content: str | list[ContentBlock]) -> str | list[dict[str, st
     return parts
 
 
+def _blocks(content: str | list[ContentBlock]) -> list[ContentBlock]:
+    return [ContentBlock(type="text", text=content)] if isinstance(content, str) else content
+
+
 def _result_content(
     content: str | list[dict[str, Any]] | None, where: str
 ) -> str | list[dict[str, str]]:
@@ -166,11 +170,23 @@ class CountTokensRequest(AnthropicModel):
         return self
 
     def conversation(self) -> list[dict[str, Any]]:
+        """The chat-template messages. Consecutive turns of one role are one turn, their
+        blocks in order, as Anthropic combines them (a template that needs the roles to
+        alternate would refuse them otherwise); each turn is checked on its own first, so
+        a 400 names the block as the request numbers it."""
         conversation = []
         if self.system:
             conversation.append({"role": "system", "content": system_content(self.system)})
+        turns: list[AnthropicMessage] = []
         for i, message in enumerate(self.messages):
-            conversation.extend(message.template_messages(f"messages.{i}.content"))
+            message.template_messages(f"messages.{i}.content")
+            if turns and turns[-1].role == message.role:
+                blocks = _blocks(turns[-1].content) + _blocks(message.content)
+                turns[-1] = AnthropicMessage.model_construct(role=message.role, content=blocks)
+            else:
+                turns.append(message)
+        for turn in turns:
+            conversation.extend(turn.template_messages("messages"))
         return conversation
 
     @property
