@@ -263,7 +263,8 @@ def test_output_builder_regroups_reasoning_text_and_calls_in_order():
         *builder.finish(),
     ]  # fmt: skip
     assert [e["type"].removeprefix("response.") for e in events] == [
-        "output_item.added", "reasoning_text.delta", "reasoning_text.done", "output_item.done",
+        "output_item.added", "content_part.added", "reasoning_text.delta", "reasoning_text.done",
+        "content_part.done", "output_item.done",
         "output_item.added", "content_part.added", "output_text.delta", "output_text.delta",
         "output_text.done", "content_part.done", "output_item.done",
         "output_item.added", "function_call_arguments.delta", "function_call_arguments.delta",

@@ -211,3 +211,39 @@ def test_usage_counts_reasoning_tokens(chat_checkpoint, parser, script, reasonin
             json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]},
         ).json()["usage"]
         assert chat["completion_tokens_details"] == {"reasoning_tokens": reasoning_tokens}
+
+
+def test_a_streamed_reasoning_item_has_its_reasoning_text_part(chat_checkpoint):
+    """A reasoning item streams as OpenAI documents it: its ``reasoning_text`` part opens
+    with ``response.content_part.added`` and closes with ``response.content_part.done``
+    around the ``response.reasoning_text`` deltas and done, as a message's ``output_text``
+    part does; the part events were missing. The item events parse as the SDK's."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    engine = ScriptedEngine(chat_checkpoint, "<think>ab</think>Hi")
+    with _client(chat_checkpoint, engine=engine, reasoning_parser="qwen3") as client:
+        stream = client.post("/v1/responses", json={"model": "tiny", "input": "Hi", "stream": True})
+    events = [json.loads(line[6:]) for line in stream.text.splitlines() if line[:6] == "data: "]
+    adapter = TypeAdapter(ResponseStreamEvent)
+    for event in events:
+        if "response" not in event:  # the item and part events
+            adapter.validate_python(event)
+    kinds = [e["type"].removeprefix("response.") for e in events]
+    reasoning = kinds[kinds.index("output_item.added") : kinds.index("output_item.done") + 1]
+    assert reasoning == [
+        "output_item.added",
+        "content_part.added",
+        "reasoning_text.delta",
+        "reasoning_text.delta",
+        "reasoning_text.done",
+        "content_part.done",
+        "output_item.done",
+    ]
+    added, done = [e for e in events if e["type"].startswith("response.content_part")][:2]
+    item = events[-1]["response"]["output"][0]
+    assert added["part"] == {"type": "reasoning_text", "text": ""}
+    assert done["part"] == {"type": "reasoning_text", "text": "ab"} == item["content"][0]
+    for event in (added, done):
+        assert event["item_id"] == item["id"]
+        assert event["output_index"] == event["content_index"] == 0

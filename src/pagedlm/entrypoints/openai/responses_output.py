@@ -4,7 +4,9 @@ The chat path (``serving_chat``) already splits a choice's text into reasoning, 
 and tool-call deltas; ``OutputBuilder`` regroups those deltas as OpenAI's output items,
 one open at a time, in the order the model produced them:
 
-- reasoning  -> a ``reasoning`` item (``response.reasoning_text.delta``/``.done``),
+- reasoning  -> a ``reasoning`` item with one ``reasoning_text`` part
+  (``response.content_part.added``, ``response.reasoning_text.delta``*,
+  ``response.reasoning_text.done``, ``response.content_part.done``),
 - content    -> a ``message`` item with one ``output_text`` part
   (``response.content_part.added``, ``response.output_text.delta``*,
   ``response.output_text.done``, ``response.content_part.done``),
@@ -119,13 +121,14 @@ class OutputBuilder:
             else:
                 item = {"id": new_item_id("rs"), "type": "reasoning", "summary": [], "content": []}
             events += self._start(item)
-            if kind == "message":
-                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-                events.append(
-                    _event(
-                        "response.content_part.added", **self._where(), content_index=0, part=part
-                    )
-                )
+            part = (
+                {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                if kind == "message"
+                else {"type": "reasoning_text", "text": ""}
+            )
+            events.append(
+                _event("response.content_part.added", **self._where(), content_index=0, part=part)
+            )
         self._pieces.append(text)
         name = (
             "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
@@ -174,10 +177,12 @@ class OutputBuilder:
             )
             events.append(_event("response.content_part.done", **where, content_index=0, part=part))
         elif item["type"] == "reasoning":
-            item["content"] = [{"type": "reasoning_text", "text": text}]
+            part = {"type": "reasoning_text", "text": text}
+            item["content"] = [part]
             events.append(
                 _event("response.reasoning_text.done", **where, content_index=0, text=text)
             )
+            events.append(_event("response.content_part.done", **where, content_index=0, part=part))
         else:
             item["arguments"], item["status"] = text, status
             events.append(
