@@ -144,6 +144,24 @@ def test_stored_responses_belong_to_their_api_key(http, client):
     assert client.responses.retrieve(created.id).id == created.id  # untouched by key-b
 
 
+def test_cancel_refuses_a_synchronous_response(http, client):
+    """``POST /v1/responses/{id}/cancel`` was a 404 for every id (no route). Only a
+    background response can be cancelled, and this server runs none: a stored response
+    is a 400 saying so, as vLLM answers for one that is not a background one; an unknown
+    id, or another API key's response, is a 404 in the error shape."""
+    created = client.responses.create(model="tiny", input="Hello")
+    with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response"):
+        client.responses.cancel(created.id)
+    other = sdk_client(http, api_key="key-b")
+    for caller, response_id in ((client, "resp_unknown"), (other, created.id)):
+        with pytest.raises(openai.NotFoundError, match="No stored response"):
+            caller.responses.cancel(response_id)
+    reply = http.post("/v1/responses/resp_unknown/cancel")
+    assert reply.status_code == 404
+    assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
+    assert client.responses.retrieve(created.id).status == "completed"  # left as it was
+
+
 def test_store_false_keeps_nothing(client):
     created = client.responses.create(model="tiny", input="Hello", store=False)
     assert created.store is False

@@ -270,6 +270,11 @@ def _add_responses_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def delete_response(request: Request) -> Response:
         return JSONResponse(responses.delete(owner(request), request.path_params["response_id"]))
 
+    @app.post("/v1/responses/{response_id}/cancel")
+    @_guarded(anthropic=False)
+    async def cancel_response(request: Request) -> Response:
+        return JSONResponse(responses.cancel(owner(request), request.path_params["response_id"]))
+
 
 def _add_embedding_routes(app: FastAPI, ctx: ServingContext) -> None:
     embeddings = EmbeddingServer(ctx)

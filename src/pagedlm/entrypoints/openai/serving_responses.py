@@ -1,4 +1,5 @@
-"""``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``: OpenAI's Responses API.
+"""``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``, ``POST
+/v1/responses/{id}/cancel``: OpenAI's Responses API.
 
 There is one generation path: the request becomes a streaming chat request
 (``protocol_responses``), ``ChatServer`` serves it (chat template, tool plan and parsers,
@@ -11,7 +12,9 @@ whose generation fails once it started (the HTTP status is sent) ends with
 ``response.failed``: status "failed" and ``error`` {code, message}, as OpenAI's.
 
 ``store`` (default true, as OpenAI's) keeps the finished response and its conversation
-for ``previous_response_id`` and GET/DELETE, per API key (``responses_store``).
+for ``previous_response_id`` and GET/DELETE, per API key (``responses_store``). There is
+no background mode, so a stored response has finished and cancel refuses it, as vLLM
+refuses a response that is not a background one.
 """
 
 from __future__ import annotations
@@ -94,6 +97,15 @@ class ResponsesServer:
         self._stored(owner, response_id)
         self.store.delete(owner, response_id)
         return {"id": response_id, "object": "response", "deleted": True}
+
+    def cancel(self, owner: str, response_id: str) -> dict[str, Any]:
+        self._stored(owner, response_id)
+        raise APIError(
+            "Cannot cancel a synchronous response: only a background response can be "
+            "cancelled, and this server runs none (background=true is not served); "
+            f"{response_id!r} has already finished.",
+            param="response_id",
+        )
 
     async def create(
         self, request: ResponsesRequest, owner: str
