@@ -33,6 +33,7 @@ from pagedlm.entrypoints.openai.reasoning_parsers import (
     REASONING_PARSERS,
     OpenAIGptOssReasoningParser,
     ReasoningParser,
+    reasoning_parser_factory,
     split_reasoning,
 )
 from pagedlm.entrypoints.openai.tool_parsers import (
@@ -438,8 +439,9 @@ def test_garbled_output_never_raises_and_any_split_agrees(name):
 
 
 @st.composite
-def think_case(draw, parser_class) -> tuple[str, str, str]:
-    """(text, reasoning, content): an optional start marker, a thought, maybe its end."""
+def think_case(draw, parser_class, prompt_opened: bool = False) -> tuple[str, str, str]:
+    """(text, reasoning, content): an optional start marker, a thought, maybe its end;
+    ``prompt_opened``: after a prompt that ended with a start marker."""
     starts, ends = parser_class.start_tags, parser_class.end_tags
     lead, thought = draw(BLANKS), draw(content_without(*starts, *ends))
     opened, closed = draw(st.booleans()), draw(st.booleans())
@@ -447,7 +449,7 @@ def think_case(draw, parser_class) -> tuple[str, str, str]:
     answer = draw(_text(15))
     if closed:
         text += draw(st.sampled_from(ends)) + draw(BLANKS) + answer
-    if not opened and not parser_class.starts_in_reasoning:
+    if not opened and not (parser_class.starts_in_reasoning or prompt_opened):
         return text, "", text  # no thought: all of it is the answer
     return text, thought if opened else lead + thought, answer.lstrip() if closed else ""
 
@@ -475,23 +477,71 @@ def test_reasoning_parser_splits_thought_from_answer_whatever_the_split(name):
     check()
 
 
+WAITING_PARSERS = [name for name, parser in THINK_PARSERS.items()
+                   if not parser.starts_in_reasoning]  # fmt: skip
+"""The families whose output has a thought only when it opens one, unless the prompt did."""
+
+
+def _opened_by_the_prompt(parser_class) -> Callable[[], ReasoningParser]:
+    tail = f"<|im_start|>assistant\n{parser_class.start_tags[0]}\n"
+    return reasoning_parser_factory(parser_class, tail)
+
+
+@pytest.mark.parametrize("name", WAITING_PARSERS)
+def test_reasoning_parser_inside_a_thought_the_prompt_opened_whatever_the_split(name):
+    """The chat template ended the prompt with the start marker: the output is thought up
+    to the end marker (all of it when cut off), whether or not it writes the marker."""
+    parser_class = THINK_PARSERS[name]
+    new_parser = _opened_by_the_prompt(parser_class)
+
+    @FUZZ
+    @given(think_case(parser_class, prompt_opened=True), st.randoms(use_true_random=False))
+    def check(case: tuple[str, str, str], rng: random.Random) -> None:
+        text, reasoning, content = case
+        for cuts in [[], *_random_cuts(text, rng)]:
+            assert _joined(new_parser(), text, cuts) == (reasoning, content), (text, cuts)
+
+    check()
+
+
 REASONING_GARBLE = ["<think>", "</think>", "[THINK]", "[/THINK]", "<seed:think>",
                     "</seed:think>", "Here is my thought process:", "Here's my response:",
                     "<response>", "</response>", *HARMONY_MARKERS, " to=functions.f",
                     "analysis", "final", "<", "/", "Here", " ", "\n", "é"]  # fmt: skip
 
 
+REASONING_TEXTS = st.lists(st.sampled_from(REASONING_GARBLE) | _text(4), max_size=10).map("".join)
+
+
 @pytest.mark.parametrize("name", list(REASONING_PARSERS))
 def test_any_reasoning_parser_on_any_text_agrees_whatever_the_split(name):
     parser_class = REASONING_PARSERS[name]
-    texts = st.lists(st.sampled_from(REASONING_GARBLE) | _text(4), max_size=10).map("".join)
 
     @FUZZ
-    @given(texts, st.randoms(use_true_random=False))
+    @given(REASONING_TEXTS, st.randoms(use_true_random=False))
     def check(text: str, rng: random.Random) -> None:
         whole = _joined(parser_class(), text, [])
         for cuts in _random_cuts(text, rng):
             assert _joined(parser_class(), text, cuts) == whole, (text, cuts)
+
+    check()
+
+
+@pytest.mark.parametrize("name", WAITING_PARSERS)
+def test_after_a_prompt_that_opened_the_thought_any_text_agrees_whatever_the_split(name):
+    """Any text after such a prompt: no content before an end marker, and any split
+    agrees."""
+    parser_class = REASONING_PARSERS[name]
+    new_parser = _opened_by_the_prompt(parser_class)
+
+    @FUZZ
+    @given(REASONING_TEXTS, st.randoms(use_true_random=False))
+    def check(text: str, rng: random.Random) -> None:
+        whole = _joined(new_parser(), text, [])
+        if not any(tag in text for tag in parser_class.end_tags):
+            assert whole[1] == "", text
+        for cuts in _random_cuts(text, rng):
+            assert _joined(new_parser(), text, cuts) == whole, (text, cuts)
 
     check()
 
@@ -582,6 +632,26 @@ def test_reasoning_then_tool_parser_stream_what_they_answer(case, rng):
         streamed = _message_from_stream(_stream(parser, text, cuts))
         assert streamed == _message_as_stream(parser.message())
         assert streamed["content"] == content.lstrip()  # the blanks after </think> go
+        assert [(c["name"], c["args"]) for c in streamed["calls"]] == [
+            (c.name, c.arguments) for c in calls
+        ]
+
+
+@FUZZ
+@given(think_then_calls(), st.randoms(use_true_random=False))
+def test_a_thought_the_prompt_opened_then_tool_calls_stream_what_they_answer(case, rng):
+    """Qwen3.5's way: the template wrote ``<think>``, the model writes the rest."""
+    name, thought, (text, content, calls) = case
+    text = thought.removeprefix("<think>") + text
+    new_reasoning_parser = _opened_by_the_prompt(REASONING_PARSERS["qwen3"])
+    for cuts in [[], *_random_cuts(text, rng)]:
+        parser = ChatOutputParser.build(new_reasoning_parser, TOOL_PARSERS[name])
+        streamed = _message_from_stream(_stream(parser, text, cuts))
+        assert streamed == _message_as_stream(parser.message())
+        assert streamed["reasoning"] == thought.removeprefix("<think>").rstrip().removesuffix(
+            "</think>"
+        )
+        assert streamed["content"] == content.lstrip()
         assert [(c["name"], c["args"]) for c in streamed["calls"]] == [
             (c.name, c.arguments) for c in calls
         ]

@@ -6,6 +6,7 @@ from pagedlm.entrypoints.openai.parser_registry import registrar
 from pagedlm.entrypoints.openai.reasoning_parsers.abstract import (
     ReasoningDelta,
     ReasoningParser,
+    reasoning_parser_factory,
     split_reasoning,
 )
 from pagedlm.entrypoints.openai.reasoning_parsers.ernie45 import Ernie45ReasoningParser
@@ -62,6 +63,7 @@ __all__ = [
     "ReasoningParser",
     "SeedOssReasoningParser",
     "get_reasoning_parser",
+    "reasoning_parser_factory",
     "register_reasoning_parser",
     "split_reasoning",
 ]

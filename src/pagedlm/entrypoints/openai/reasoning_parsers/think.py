@@ -10,6 +10,14 @@ Two conventions exist:
 - otherwise (``qwen3``): reasoning only when the output opens with the start marker;
   otherwise it is all content (Qwen3 with thinking disabled).
 
+The rendered prompt decides too (``prompt_opens_reasoning``): a prompt that ends with a
+start marker, then nothing but whitespace, has opened the thought, so that request's output
+starts inside it as with ``starts_in_reasoning``, and one cut off before the end marker is
+all reasoning. Qwen3-*-Thinking-2507, Qwen3.5 and QwQ templates end their generation prompt
+with ``<think>`` and a newline, and the model writes ``thought</think>answer``. A prompt
+that closes an empty thought (Qwen3's ``enable_thinking=False`` renders ``<think>``, blank
+lines, ``</think>``) keeps the family's rule.
+
 A family may spell a marker several ways (``start_tags``/``end_tags``); the first end marker
 of any spelling closes the thought. Whitespace between the end marker and the answer is
 dropped. Parsers hold back text that may be the start of a marker, so any split of the same
@@ -45,12 +53,20 @@ class ThinkReasoningParser(ReasoningParser):
     start_tags: tuple[str, ...] = (OPEN,)
     end_tags: tuple[str, ...] = (CLOSE,)
     starts_in_reasoning = True
-    """Without a leading start marker: reasoning (True) or content (False)."""
+    """Without a leading start marker: reasoning (True) or content (False), unless the
+    prompt opened the thought (``prompt_opens_reasoning``: then always reasoning)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prompt_opens_reasoning: bool = False) -> None:
         self._buffer = ""
         self._pos = 0
         self._state = _State.START
+        # where an output that does not open with a start marker starts
+        self._in_reasoning = self.starts_in_reasoning or prompt_opens_reasoning
+
+    @classmethod
+    def prompt_opens_reasoning(cls, prompt_tail: str) -> bool:
+        tail = prompt_tail.rstrip()
+        return any(tail.endswith(tag) for tag in cls.start_tags)
 
     def feed(self, text: str) -> ReasoningDelta:
         self._buffer += text
@@ -70,7 +86,7 @@ class ThinkReasoningParser(ReasoningParser):
             elif not final and any(tag.startswith(head) for tag in self.start_tags):
                 return ReasoningDelta()
             else:
-                self._state = _State.REASONING if self.starts_in_reasoning else _State.ANSWER
+                self._state = _State.REASONING if self._in_reasoning else _State.ANSWER
         if self._state is _State.REASONING:
             rest = self._buffer[self._pos :]
             close, tag = _earliest(rest, self.end_tags)
@@ -100,4 +116,8 @@ class DeepSeekR1ReasoningParser(ThinkReasoningParser):
 
 
 class Qwen3ReasoningParser(ThinkReasoningParser):
+    """Qwen3 (its template leaves ``<think>`` to the model, or renders an empty closed
+    thought with ``enable_thinking=False``) and Qwen3-*-Thinking-2507, Qwen3.5 and QwQ
+    (their templates open the thought: ``prompt_opens_reasoning``)."""
+
     starts_in_reasoning = False
