@@ -12,6 +12,7 @@ from pagedlm.entrypoints.openai.parser_plugins import check_parser_args
 from pagedlm.entrypoints.openai.reasoning_parsers import (
     REASONING_PARSERS,
     get_reasoning_parser,
+    reasoning_parser_factory,
     register_reasoning_parser,
     split_reasoning,
 )
@@ -25,7 +26,11 @@ from pagedlm.entrypoints.openai.tool_parsers import (
 
 PLUGIN = textwrap.dedent(
     """
-    from pagedlm.entrypoints.openai.reasoning_parsers import register_reasoning_parser
+    from pagedlm.entrypoints.openai.reasoning_parsers import (
+        ReasoningDelta,
+        ReasoningParser,
+        register_reasoning_parser,
+    )
     from pagedlm.entrypoints.openai.reasoning_parsers.think import ThinkReasoningParser
     from pagedlm.entrypoints.openai.tool_parsers import HermesToolParser, register_tool_parser
 
@@ -40,6 +45,22 @@ PLUGIN = textwrap.dedent(
     class AngleReasoningParser(ThinkReasoningParser):
         start_tags = ("<<",)
         end_tags = (">>",)
+        starts_in_reasoning = False  # like qwen3: a thought only where one is opened
+
+
+    @register_reasoning_parser("shout")
+    class ShoutReasoningParser(ReasoningParser):
+        # written before prompt_opens_reasoning: its constructor takes nothing
+
+        def __init__(self):
+            self.text = ""
+
+        def feed(self, text):
+            self.text += text
+            return ReasoningDelta()
+
+        def finish(self):
+            return ReasoningDelta("", self.text.upper())
     """
 )
 
@@ -51,7 +72,7 @@ def plugin(tmp_path):
     yield str(path)
     for registry, names in (
         (TOOL_PARSERS, ("brackets", "double_brackets")),
-        (REASONING_PARSERS, ("angles",)),
+        (REASONING_PARSERS, ("angles", "shout")),
     ):
         for name in names:
             registry.pop(name, None)
@@ -105,3 +126,26 @@ def test_a_taken_name_or_a_class_of_another_kind_is_refused() -> None:
     with pytest.raises(TypeError, match="must subclass ReasoningParser"):
         register_reasoning_parser("mine")(HermesToolParser)
     assert "mine" not in REASONING_PARSERS
+
+
+def test_plugin_parsers_after_a_template_that_opened_the_thought(plugin, chat_checkpoint) -> None:
+    """A parser built on ``ThinkReasoningParser`` starts inside the thought the prompt
+    opened (its text was the content); one whose constructor takes no
+    ``prompt_opens_reasoning`` is built as before."""
+    from server.fake_engine import scripted_chat
+
+    check_parser_args(_args("--reasoning-parser-plugin", plugin))
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}|<<\n"
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50}
+    message, stream = scripted_chat(
+        chat_checkpoint, "hmm>>yes", body, reasoning_parser="angles", chat_template=template
+    )
+    assert (message["reasoning_content"], message["content"]) == ("hmm", "yes")
+    assert '"reasoning_content": "h' in stream
+    assert reasoning_parser_factory(get_reasoning_parser("shout"), "<<") is get_reasoning_parser(
+        "shout"
+    )
+    message, _ = scripted_chat(
+        chat_checkpoint, "hmm>>yes", body, reasoning_parser="shout", chat_template=template
+    )
+    assert (message["reasoning_content"], message["content"]) == (None, "HMM>>YES")

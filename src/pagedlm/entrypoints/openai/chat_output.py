@@ -3,17 +3,40 @@
 The model's text goes through the reasoning parser (if the server has one), and the
 content that comes out goes through the tool parser (if the request uses one). Streaming
 and non-streaming responses use the same deltas, so they always agree. Each call gets an id
-in its model family's form (``ToolParser.new_call_id``).
+in its model family's form (``ToolParser.new_call_id``). A request's reasoning parsers are
+made for its rendered prompt (``reasoning_factory``): a template may have opened the thought.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedlm.entrypoints.openai.reasoning_parsers import ReasoningParser
+from pagedlm.entrypoints.openai.reasoning_parsers import (
+    ReasoningParser,
+    reasoning_parser_factory,
+)
 from pagedlm.entrypoints.openai.tool_parsers import ParsedDelta, ToolCallDelta, ToolParser
+
+PROMPT_TAIL_TOKENS = 32
+"""How many of the prompt's last tokens a reasoning parser reads: enough for a marker in
+plain words (Granite's sentence) and the whitespace after it, however finely tokenized."""
+
+
+def reasoning_factory(
+    parser_class: type[ReasoningParser] | None, tokenizer: Any, prompt_token_ids: Sequence[int]
+) -> Callable[[], ReasoningParser] | None:
+    """Makes a request's reasoning parsers (one per choice) given how its prompt ends: its
+    last tokens decoded with special tokens kept (a template's ``<think>`` may be one); no
+    tokenizer, nothing known of the prompt."""
+    if parser_class is None:
+        return None
+    tail = ""
+    if tokenizer is not None and prompt_token_ids:
+        last = list(prompt_token_ids[-PROMPT_TAIL_TOKENS:])
+        tail = tokenizer.decode(last, skip_special_tokens=False)
+    return reasoning_parser_factory(parser_class, tail)
 
 
 @dataclass

@@ -16,11 +16,11 @@ text unless ``include_stop_str_in_output``.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from pagedlm.entrypoints.openai.chat_images import multimodal_prompt, openai_conversation
-from pagedlm.entrypoints.openai.chat_output import ChatOutputParser
+from pagedlm.entrypoints.openai.chat_output import ChatOutputParser, reasoning_factory
 from pagedlm.entrypoints.openai.errors import APIError
 from pagedlm.entrypoints.openai.logprobs_format import chat_logprobs, prompt_logprobs_json
 from pagedlm.entrypoints.openai.protocol import ChatCompletionRequest
@@ -99,9 +99,9 @@ class ChatServer:
             )
         }
         max_tokens = request.max_completion_tokens or request.max_tokens
-        new_reasoning_parser = self._reasoning_parser(plan)
+        reasoning_parser = self._reasoning_parser(plan)
         keep_special_tokens = plan.needs_special_tokens or (
-            new_reasoning_parser is not None and new_reasoning_parser.needs_special_tokens
+            reasoning_parser is not None and reasoning_parser.needs_special_tokens
         )
         params = request.base_sampling_params(
             max_tokens,
@@ -127,7 +127,7 @@ class ChatServer:
             started = await ctx.start_beam_search(prompts, beam, request_id, lora)
         else:
             started = await ctx.start(prompts, params, request_id, request.priority, lora)
-        events = self._events(request, request_id, started, plan, new_reasoning_parser)
+        events = self._events(request, request_id, started, plan, reasoning_parser)
         return await stream_or_collect(events, request.stream)
 
     def _reasoning_parser(self, plan: ToolPlan) -> type[ReasoningParser] | None:
@@ -143,13 +143,14 @@ class ChatServer:
         request_id: str,
         started,
         plan: ToolPlan,
-        new_reasoning_parser: Callable[[], ReasoningParser] | None,
+        reasoning_parser: type[ReasoningParser] | None,
     ) -> AsyncIterator:
         num_top = request.top_logprobs or 0
         as_ids = self.ctx.tokens_as_ids(request.return_tokens_as_token_ids)
         choices: dict[int, _ChatChoice] = {}
         prompt_ids = started[0][0].prompt_token_ids
         prompt_tokens = len(prompt_ids)
+        new_reasoning_parser = reasoning_factory(reasoning_parser, self.ctx.tokenizer, prompt_ids)
         base = {
             "id": request_id,
             "created": self.ctx.created,

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedlm.entrypoints.openai.chat_images import anthropic_conversation, multimodal_prompt
-from pagedlm.entrypoints.openai.chat_output import ChatOutputParser
+from pagedlm.entrypoints.openai.chat_output import ChatOutputParser, reasoning_factory
 from pagedlm.entrypoints.openai.errors import from_value_error
 from pagedlm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
 from pagedlm.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
@@ -131,9 +131,9 @@ class MessagesServer:
             add_generation_prompt=not continues,
             continue_final_message=continues,
         ) or {"prompt_token_ids": await self._prompt(request, plan)}
-        new_reasoning_parser = self._reasoning_parser(plan)
+        reasoning_parser = self._reasoning_parser(plan)
         keep_special_tokens = plan.needs_special_tokens or (
-            new_reasoning_parser is not None and new_reasoning_parser.needs_special_tokens
+            reasoning_parser is not None and reasoning_parser.needs_special_tokens
         )
         try:
             requested = {
@@ -159,7 +159,9 @@ class MessagesServer:
             message_id,
             lora_request=self.ctx.lora_request(request.model),
         )
-        input_tokens = len(started[0][0].prompt_token_ids)
+        prompt_ids = started[0][0].prompt_token_ids
+        input_tokens = len(prompt_ids)
+        new_reasoning_parser = reasoning_factory(reasoning_parser, self.ctx.tokenizer, prompt_ids)
         parser = ChatOutputParser.build(new_reasoning_parser, plan.new_parser, plan.new_call_id)
         events = self._events(request, message_id, started, input_tokens, parser)
         return await stream_or_collect(events, request.stream)
