@@ -100,3 +100,40 @@ def test_a_token_the_grammar_forbids_is_never_emitted(model_path: str, speculati
     assert (out.token_ids, out.text, out.finish_reason) == ([], "", "abort")
     assert "allowed_token_ids" in out.stop_reason
     assert good.outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def _accepts(backend, spec: GrammarSpec, text: str, end: bool = True) -> bool:
+    """Whether a fresh matcher of ``spec`` takes ``text`` (then EOS, with ``end``)."""
+    matcher = backend.make_matcher(backend.compile(spec))
+    token_ids = backend.tokenizer.encode(text, add_special_tokens=False)
+    return all(matcher.accept_token(t) for t in token_ids + [EOS_ID] * end)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+@pytest.mark.parametrize(
+    ("spec", "text"),
+    [
+        (GrammarSpec("regex", "(ab)+"), "abab"),
+        (GrammarSpec("regex", "[0-9]+(\\.[0-9]+)?"), "12.5"),
+        (GrammarSpec("choice", '["yes", "yes please"]'), "yes please"),
+        (GrammarSpec("regex", "a|b|ab"), "ab"),
+    ],
+)
+def test_outlines_goes_on_past_a_point_where_the_regex_may_end(
+    tokenizer, spec: GrammarSpec, text: str
+) -> None:
+    # Was: outlines-core dropped every token leading from a point where the regex may
+    # end to one where it may not, so "(ab)+" stopped at "ab", a number never took its
+    # decimals and "yes please" could not follow "yes".
+    from pagedlm.structured_output.outlines_backend import OutlinesBackend
+
+    backend = OutlinesBackend(tokenizer, 384, [EOS_ID])
+    assert _accepts(backend, spec, text)
+    assert not _accepts(backend, spec, text + "!", end=False)
+

@@ -85,6 +85,23 @@ def _regex(spec: GrammarSpec) -> str:
     raise ValueError(f"Unknown structured output kind {spec.kind!r}.")
 
 
+def _index(regex: str, vocabulary: Any) -> Any:
+    """outlines-core's index of ``regex`` over ``vocabulary``, anchored at the end.
+
+    outlines-core (0.2.14) drops every token that leads from a point where the regex may
+    end to one where it may not (its DFA reports a match one byte late, and such a
+    state looks like a match already left behind): "(ab)+" never went past "ab",
+    "[0-9]+(\\.[0-9]+)?" never took a decimal point, a choice never went past another
+    it begins with. Anchored at the end ("$"), the regex matches nowhere but the end and
+    no such point exists. outlines-core refuses to anchor a regex that matches the empty
+    string; that one is indexed as given, and keeps the flaw.
+    """
+    try:
+        return outlines_core.Index(f"(?:{regex})$", vocabulary)
+    except ValueError:
+        return outlines_core.Index(regex, vocabulary)
+
+
 _PROBE_VOCABULARY: Any = None
 
 
@@ -167,7 +184,7 @@ class OutlinesBackend(StructuredOutputBackend):
     @staticmethod
     def validate(spec: GrammarSpec) -> None:
         try:
-            outlines_core.Index(_regex(spec), _probe_vocabulary())
+            _index(_regex(spec), _probe_vocabulary())
         except ValueError as exc:
             message = backend_error(exc)
             if "outlines backend" in message:
@@ -177,7 +194,7 @@ class OutlinesBackend(StructuredOutputBackend):
             ) from None
 
     def compile(self, spec: GrammarSpec) -> Any:
-        return outlines_core.Index(_regex(spec), self._vocabulary)
+        return _index(_regex(spec), self._vocabulary)
 
     def make_matcher(self, compiled: Any) -> GrammarMatcher:
         return OutlinesMatcher(compiled, self.stop_token_ids[0])
