@@ -137,3 +137,16 @@ def test_outlines_goes_on_past_a_point_where_the_regex_may_end(
     assert _accepts(backend, spec, text)
     assert not _accepts(backend, spec, text + "!", end=False)
 
+
+def test_xgrammar_json_object_is_an_object(tokenizer) -> None:
+    # Was: xgrammar's builtin JSON grammar, which takes any JSON value (a fuzz case
+    # emitted "[-0e2325]") and free whitespace under disable_any_whitespace.
+    from pagedlm.structured_output.xgrammar_backend import XgrammarBackend
+
+    backend = XgrammarBackend(tokenizer, 384, [EOS_ID])
+    compact, spaced = GrammarSpec("json_object", "", True), GrammarSpec("json_object", "")
+    assert _accepts(backend, compact, '{"a": [1, "x"]}')
+    assert _accepts(backend, spaced, '{ "a" :\n1 }')
+    for not_an_object in ("[1]", "-0e2", '"x"', "true"):
+        assert not _accepts(backend, spaced, not_an_object, end=False)
+    assert not _accepts(backend, compact, '{ "a": 1}', end=False)

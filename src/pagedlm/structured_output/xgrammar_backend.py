@@ -23,7 +23,9 @@ def _grammar(spec: GrammarSpec) -> xgr.Grammar:
     if spec.kind == "json":
         return xgr.Grammar.from_json_schema(spec.spec, any_whitespace=not spec.compact)
     if spec.kind == "json_object":
-        return xgr.Grammar.builtin_json_grammar()
+        # An object, as the outlines backend and vLLM give (xgrammar's builtin JSON
+        # grammar takes any value, an array or a bare number too, with free whitespace).
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=not spec.compact)
     if spec.kind == "regex":
         return xgr.Grammar.from_regex(spec.spec)
     if spec.kind == "choice":
