@@ -409,3 +409,32 @@ def final_case(case: RequestCase, finals: dict[str, Any]) -> RequestCase:
     if case.replaced_by is not None and case.abort_at_step is not None:
         return case.replaced_by
     return case
+
+
+PIECES = ["a", "b", "c", "x", "y", "z", "0", "1", "9", "-", " ", "é", ":", "\t", "."]
+PIECES += ["xy", "ab", "cd", "e", "ok", "no"]
+
+
+def random_regex(rng: random.Random) -> str:
+    regex = "".join(_regex_atom(rng) for _ in range(rng.randint(1, 4)))
+    return regex if regex.strip() else regex + "[a-c]"
+
+
+def candidate_strings(rng: random.Random, regex: str, count: int) -> list[str]:
+    """Strings made of the pieces regexes are made of: about half match ``regex``."""
+    pieces = [p for p in PIECES if re.search(re.escape(p), regex)] or PIECES
+    found: set[str] = set()
+    for _ in range(count * 20):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 8)))
+        matches = re.fullmatch(regex, text) is not None
+        if matches or len(found) < count // 2:
+            found.add(text)
+        if len(found) >= count:
+            break
+    return sorted(found)
+
+
+def full_match_by_matcher(backend, compiled, token_ids: list[int]) -> bool:
+    """Whether a fresh matcher takes ``token_ids`` and then its stop token."""
+    matcher = backend.make_matcher(compiled)
+    return all(matcher.accept_token(t) for t in token_ids) and matcher.accept_token(EOS_ID)
