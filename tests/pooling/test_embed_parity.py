@@ -189,6 +189,30 @@ def test_a_decoder_embeds_cached_prefixes_as_transformers_does(tmp_path):
         _assert_close(torch.tensor(output.outputs.embedding), want)
 
 
+def test_a_cache_salt_keeps_embedding_prompts_apart(tmp_path):
+    """A pooling prompt's cache_salt (vLLM's, on any prompt) was dropped: salted prompts
+    hit the blocks of unsalted ones and of other salts."""
+    write_decoder(tmp_path, "Qwen3Config", "Qwen3Model")
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, **ENGINE)
+    ids = list(range(3, 43))  # two full blocks of 16, and 8 tokens
+    stats = llm.llm_engine.engine_core.make_stats
+
+    def hits_of(prompt: dict) -> int:
+        before = stats().prefix_cache_hits
+        llm.embed(prompt, use_tqdm=False)
+        return stats().prefix_cache_hits - before
+
+    try:
+        assert hits_of({"prompt_token_ids": ids}) == 0
+        assert hits_of({"prompt_token_ids": ids, "cache_salt": "alice"}) == 0
+        assert hits_of({"prompt_token_ids": ids, "cache_salt": "bob"}) == 0
+        assert hits_of({"prompt_token_ids": ids, "cache_salt": "alice"}) == 32
+        with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+            llm.embed({"prompt_token_ids": ids, "cache_salt": ""}, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_encoders_compute_every_token(tmp_path):
     write_bert(tmp_path, "cls")
     config = EngineArgs(model=str(tmp_path), **ENGINE).create_engine_config()[0]

@@ -55,6 +55,15 @@ def _token_id_list(token_ids: object) -> list[int]:
     return ids
 
 
+def cache_salt_of(prompt: object) -> str | None:
+    """A prompt's ``cache_salt`` (None: it has none): requests with different salts never
+    share prefix-cache blocks. ValueError unless it is a non-empty string."""
+    cache_salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValueError("cache_salt must be a non-empty string.")
+    return cache_salt
+
+
 def checked_params(params: object) -> SamplingParams:
     """A copy of ``params`` checked again: a field set after the object was built (users
     set ``max_tokens`` and the like on a shared object) skipped its checks, and a bad one
@@ -360,9 +369,7 @@ class InputProcessor:
                 )
             token_ids = token_ids[-keep:]
         resolved = self.resolve_params(params, len(token_ids))
-        cache_salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError("cache_salt must be a non-empty string.")
+        cache_salt = cache_salt_of(prompt)
         arrival = time.monotonic()
         children = []
         for i in range(resolved.n):

@@ -20,7 +20,12 @@ from typing import Any
 
 from pagedlm.config import ModelConfig
 from pagedlm.core.request import Request
-from pagedlm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
+from pagedlm.engine.input_processor import (
+    InputProcessor,
+    ProcessedRequest,
+    PromptType,
+    cache_salt_of,
+)
 from pagedlm.engine.tokenization_kwargs import check_tokenization_kwargs
 from pagedlm.pooling.model_config import reads_token_types
 from pagedlm.pooling.params import PoolingParams
@@ -82,7 +87,14 @@ def process_pooling_request(
     arrival = time.monotonic()
     task = params.resolved_task(config.pooler)
     spec = PoolingSpec(task, params.step_tag(config.pooler) if task in TOKEN_TASKS else None)
-    child = Request(request_id, engine_ids, sampling, arrival_time=arrival, pooling=spec)
+    child = Request(
+        request_id,
+        engine_ids,
+        sampling,
+        arrival_time=arrival,
+        cache_salt=cache_salt_of(prompt),
+        pooling=spec,
+    )
     return ProcessedRequest(request_id, text, token_ids, sampling, [child], arrival)
 
 
