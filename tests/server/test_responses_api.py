@@ -162,6 +162,60 @@ def test_cancel_refuses_a_synchronous_response(http, client):
     assert client.responses.retrieve(created.id).status == "completed"  # left as it was
 
 
+def test_input_items_lists_the_request_input(http, client):
+    """``GET /v1/responses/{id}/input_items`` was a 404 (no route): it lists the
+    response's input items in OpenAI's list object, each with an id (the client's, else
+    a new one), messages with their role and content parts; ``limit``, ``order`` (desc by
+    default) and ``after`` page through them."""
+    items = [
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+        {"role": "assistant", "content": "Hello", "id": "msg_mine"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "7"},
+    ]
+    created = client.responses.create(model="tiny", input=items)
+    listed = client.responses.input_items.list(created.id, order="asc")
+    assert listed.object == "list" and not listed.has_more
+    data = [item.model_dump(exclude_none=True) for item in listed.data]
+    assert len({item["id"] for item in data}) == 5 and data[2]["id"] == "msg_mine"
+    assert [(item["type"], item.get("role")) for item in data] == [
+        ("message", "developer"), ("message", "user"), ("message", "assistant"),
+        ("function_call", None), ("function_call_output", None),
+    ]  # fmt: skip
+    assert data[0]["content"] == [{"type": "input_text", "text": "Be brief."}]
+    assert data[1]["content"] == [{"type": "input_text", "text": "Hi"}]
+    assert data[2]["content"] == [{"type": "output_text", "text": "Hello", "annotations": []}]
+    assert (data[3]["call_id"], data[3]["name"], data[3]["arguments"]) == ("c1", "f", "{}")
+    assert (data[4]["call_id"], data[4]["output"]) == ("c1", "7")
+    assert listed.first_id == data[0]["id"] and listed.last_id == data[-1]["id"]
+
+    ids = [item["id"] for item in data]
+    url, key = f"/v1/responses/{created.id}/input_items", {"Authorization": "Bearer key-a"}
+    page = http.get(url, params={"limit": 2}, headers=key).json()
+    assert [item["id"] for item in page["data"]] == ids[::-1][:2] and page["has_more"]
+    query = {"limit": 2, "after": page["last_id"], "include[]": "message.output_text.logprobs"}
+    rest = http.get(url, params=query, headers=key).json()
+    assert [item["id"] for item in rest["data"]] == ids[::-1][2:4] and rest["has_more"]
+    paged = client.responses.input_items.list(created.id, limit=2, order="asc")
+    assert [item.id for item in paged]  # the SDK pages on with after == ids
+
+    text = client.responses.create(model="tiny", input="Hello")
+    (only,) = client.responses.input_items.list(text.id).data
+    assert only.role == "user" and only.content[0].text == "Hello"
+    for params, param in (
+        ({"limit": 0}, "limit"),
+        ({"order": "up"}, "order"),
+        ({"after": "x"}, "after"),
+    ):
+        reply = http.get(f"/v1/responses/{text.id}/input_items", params=params, headers=key)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")
+    with pytest.raises(openai.NotFoundError):
+        sdk_client(http, api_key="key-b").responses.input_items.list(text.id)
+
+
 def test_store_false_keeps_nothing(client):
     created = client.responses.create(model="tiny", input="Hello", store=False)
     assert created.store is False
@@ -245,7 +299,7 @@ def test_request_model_is_in_openapi(http):
 
 def test_store_is_bounded_least_recently_used_first():
     store = ResponseStore(max_entries=2)
-    entry = StoredResponse({}, [])
+    entry = StoredResponse({}, [], [])
     store.put("a", "r1", entry)
     store.put("a", "r2", entry)
     assert store.get("a", "r1") is entry  # r1 now the most recently used

@@ -247,3 +247,53 @@ def test_a_streamed_reasoning_item_has_its_reasoning_text_part(chat_checkpoint):
     for event in (added, done):
         assert event["item_id"] == item["id"]
         assert event["output_index"] == event["content_index"] == 0
+
+
+def test_a_chat_error_names_the_responses_field_not_a_chat_message(chat_checkpoint):
+    """The chat request's errors name its messages (``messages.2.tool_calls.0...``),
+    which a Responses request does not have, and whose indices are not its input's
+    (instructions come first, an earlier response's turns next). A call whose arguments
+    the model left unfinished, stored with the response, failed the follow-up naming
+    ``messages.2``: it names ``previous_response_id``, where that message came from."""
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    forced = {"type": "function", "name": "f"}
+    with _client(chat_checkpoint, script='{"a": 1') as client:
+        first = _create(client, tools=tools, tool_choice=forced)
+        assert first["output"][0]["arguments"] == '{"a": 1'
+        follow_up = {"previous_response_id": first["id"], "instructions": "Be brief."}
+        error = _error(client, **follow_up)
+        assert error["param"] == "previous_response_id", error
+        assert "messages." not in error["message"] and "previous_response_id" in error["message"]
+
+
+def test_chat_places_map_onto_input_items():
+    """Where the mapping is known, a chat place names the input item it came from: the
+    instructions' system message shifts the indices, a function_call item merges into
+    the assistant turn before it; a place no single item holds loses its index."""
+    from pagedlm.entrypoints.openai.protocol_responses import ResponsesRequest
+
+    items = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "Let me look."},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"},
+        {"type": "reasoning", "summary": []},
+        {"type": "function_call_output", "call_id": "c1", "output": "1"},
+    ]
+    request = ResponsesRequest.model_validate({"input": items, "instructions": "sys"})
+    layout = request.chat_layout(num_previous=2)  # chat: sys, 2 earlier turns, then input
+    assert [layout.place(i, "") for i in range(7)] == [
+        "instructions", "previous_response_id", "previous_response_id",
+        "input.0", "input", "input.5", "input",
+    ]  # fmt: skip
+    assert layout.place(4, ".content") == "input.1.content"
+    assert layout.place(4, ".tool_calls.1.function.arguments") == "input.3.arguments"
+    assert layout.place(4, ".tool_calls.0.id") == "input.2.call_id"
+    assert layout.place(4, ".tool_calls.2.function.name") == "input"
+    assert layout.place(5, ".content") == "input.5.output"
+    assert layout.place(5, ".tool_call_id") == "input.5.call_id"
+    assert layout.located("messages.4.tool_calls.0.function.arguments is bad.") == (
+        "input.2.arguments is bad."
+    )
+    text = ResponsesRequest.model_validate({"input": "hi"}).chat_layout(num_previous=0)
+    assert text.place(0, ".content") == "input"

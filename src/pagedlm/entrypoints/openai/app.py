@@ -270,6 +270,26 @@ def _add_responses_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def delete_response(request: Request) -> Response:
         return JSONResponse(responses.delete(owner(request), request.path_params["response_id"]))
 
+    @app.get("/v1/responses/{response_id}/input_items")
+    @_guarded(anthropic=False)
+    async def list_input_items(request: Request) -> Response:
+        query = request.query_params
+        try:
+            limit = int(query.get("limit", "20"))
+        except ValueError:
+            message = f"limit must be an integer, got {query['limit']!r}."
+            raise APIError(message, param="limit") from None
+        return JSONResponse(
+            responses.input_items(
+                owner(request),
+                request.path_params["response_id"],
+                limit=limit,
+                order=query.get("order", "desc"),
+                after=query.get("after"),
+                include=tuple(query.getlist("include") + query.getlist("include[]")),
+            )
+        )
+
     @app.post("/v1/responses/{response_id}/cancel")
     @_guarded(anthropic=False)
     async def cancel_response(request: Request) -> Response:

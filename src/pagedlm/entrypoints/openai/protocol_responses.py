@@ -18,6 +18,7 @@ from pydantic import Field, ValidationError
 from pagedlm.entrypoints.openai.errors import APIError
 from pagedlm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIModel
 from pagedlm.entrypoints.openai.request_body import validation_message
+from pagedlm.entrypoints.openai.responses_input import ChatLayout
 from pagedlm.sampling_params import MAX_TEMPERATURE
 
 TEXT_PART_TYPES = frozenset({"input_text", "output_text", "text"})
@@ -116,12 +117,31 @@ class ResponsesRequest(OpenAIModel):
 
     def input_messages(self) -> list[dict[str, Any]]:
         """``input`` as chat messages (``ChatMessage`` dicts), instructions excluded."""
+        return self._converted()[0]
+
+    def chat_layout(self, num_previous: int) -> ChatLayout:
+        """Where this request's parts land in its chat request, after ``num_previous``
+        messages of the previous response's conversation."""
+        sources = self._converted()[1]
+        types = (
+            [] if isinstance(self.input, str) else [i.get("type", "message") for i in self.input]
+        )
+        return ChatLayout(bool(self.instructions), num_previous, sources, tuple(types))
+
+    def _converted(self) -> tuple[list[dict[str, Any]], tuple[tuple[int, ...], ...]]:
+        """(chat messages, per message the indices of the input items it came from)."""
         if isinstance(self.input, str):
-            return [{"role": "user", "content": self.input}]
+            return [{"role": "user", "content": self.input}], ((0,),)
         messages: list[dict[str, Any]] = []
+        sources: list[list[int]] = []
         for i, item in enumerate(self.input):
+            before = len(messages)
             _append_item(messages, item, f"input.{i}")
-        return messages
+            if len(messages) > before:
+                sources.append([i])
+            elif item.get("type") == "function_call":  # merged into the turn before it
+                sources[-1].append(i)
+        return messages, tuple(tuple(source) for source in sources)
 
     def chat_request(self, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
         """The streaming chat request that generates this response from ``messages``."""
@@ -166,10 +186,12 @@ class ResponsesRequest(OpenAIModel):
         return {"reasoning_effort": effort} if effort is not None else None
 
 
-def responses_error(error: APIError) -> APIError:
+def responses_error(error: APIError, layout: ChatLayout) -> APIError:
     """An error of the chat request that serves a response, naming the Responses
-    request's fields (``max_output_tokens``, not chat's ``max_tokens``)."""
-    message, param = error.message, error.param
+    request's fields (``max_output_tokens``, not chat's ``max_tokens``; ``input.4``, not
+    chat's ``messages.3``: ``layout``)."""
+    message = layout.located(error.message)
+    param = layout.param(error.param) if error.param is not None else None
     for chat_name, name in CHAT_FIELD_NAMES:
         message = chat_name.sub(name, message)
         param = chat_name.sub(name, param) if param is not None else None

@@ -1,4 +1,5 @@
-"""Stored responses (``store=true``), for ``previous_response_id`` and GET/DELETE.
+"""Stored responses (``store=true``), for ``previous_response_id``, GET/DELETE and the
+listing of their input items.
 
 In memory and bounded: the least recently used response goes first once ``max_entries``
 are held, so a long-running server never grows without limit (a client that needs a
@@ -26,6 +27,9 @@ class StoredResponse:
     conversation: list[dict[str, Any]]
     """Chat messages of the whole exchange (input, then output; instructions excluded:
     a follow-up's own instructions apply, as OpenAI's)."""
+    input_items: list[dict[str, Any]]
+    """The request's own input items, as ``GET .../input_items`` lists them (no more than
+    the conversation holds: the store's bound on entries bounds them too)."""
 
 
 def owner_of(authorization: str | None) -> str:

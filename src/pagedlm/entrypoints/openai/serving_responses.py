@@ -1,5 +1,6 @@
-"""``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``, ``POST
-/v1/responses/{id}/cancel``: OpenAI's Responses API.
+"""``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``, ``GET
+/v1/responses/{id}/input_items``, ``POST /v1/responses/{id}/cancel``: OpenAI's Responses
+API.
 
 There is one generation path: the request becomes a streaming chat request
 (``protocol_responses``), ``ChatServer`` serves it (chat template, tool plan and parsers,
@@ -11,8 +12,9 @@ the engine aborted (``pause_generation``) has status "cancelled", as in vLLM. A 
 whose generation fails once it started (the HTTP status is sent) ends with
 ``response.failed``: status "failed" and ``error`` {code, message}, as OpenAI's.
 
-``store`` (default true, as OpenAI's) keeps the finished response and its conversation
-for ``previous_response_id`` and GET/DELETE, per API key (``responses_store``). There is
+``store`` (default true, as OpenAI's) keeps the finished response, its conversation and
+its input items for ``previous_response_id``, GET/DELETE and input_items, per API key
+(``responses_store``). There is
 no background mode, so a stored response has finished and cancel refuses it, as vLLM
 refuses a response that is not a background one.
 """
@@ -28,7 +30,12 @@ from typing import Any
 
 from pagedlm.engine.exceptions import EngineDeadError
 from pagedlm.entrypoints.openai.errors import APIError
-from pagedlm.entrypoints.openai.protocol_responses import ResponsesRequest, responses_error
+from pagedlm.entrypoints.openai.protocol_responses import (
+    INCLUDABLE,
+    ResponsesRequest,
+    responses_error,
+)
+from pagedlm.entrypoints.openai.responses_input import input_items
 from pagedlm.entrypoints.openai.responses_output import OutputBuilder, new_item_id
 from pagedlm.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from pagedlm.entrypoints.openai.serving_chat import ChatServer
@@ -98,6 +105,48 @@ class ResponsesServer:
         self.store.delete(owner, response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
+    def input_items(
+        self,
+        owner: str,
+        response_id: str,
+        limit: int = 20,
+        order: str = "desc",
+        after: str | None = None,
+        include: tuple[str, ...] = (),
+    ) -> dict[str, Any]:
+        """A page of the response's input items: OpenAI's list object, newest first
+        unless ``order`` is "asc", starting after the item ``after``."""
+        entry = self._stored(owner, response_id)
+        if not 1 <= limit <= 100:
+            raise APIError(f"limit must be between 1 and 100, got {limit}.", param="limit")
+        if order not in ("asc", "desc"):
+            raise APIError(f"order must be 'asc' or 'desc', got {order!r}.", param="order")
+        for value in include:
+            if value not in INCLUDABLE:
+                raise APIError(
+                    f"include: {value!r} is not served; include may name {sorted(INCLUDABLE)}.",
+                    param="include",
+                )
+        items = entry.input_items if order == "asc" else entry.input_items[::-1]
+        start = 0
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise APIError(
+                    f"after: {response_id!r} has no input item {after!r}; pass the id of an "
+                    "item a previous page listed (its last_id).",
+                    param="after",
+                )
+            start = ids.index(after) + 1
+        page = items[start : start + limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": start + limit < len(items),
+        }
+
     def cancel(self, owner: str, response_id: str) -> dict[str, Any]:
         self._stored(owner, response_id)
         raise APIError(
@@ -117,11 +166,12 @@ class ResponsesServer:
         if request.previous_response_id is not None:
             previous = self._stored(owner, request.previous_response_id, "previous_response_id")
             conversation = list(previous.conversation)
+        layout = request.chat_layout(num_previous=len(conversation))
         conversation += request.input_messages()
         try:
             _, chunks = await self.chat.create(request.chat_request(conversation))
         except APIError as error:
-            raise responses_error(error) from error
+            raise responses_error(error, layout) from error
         assert chunks is not None  # the chat request streams
         events = self._events(request, owner, conversation, _chat_chunks(chunks))
         return await stream_or_collect(events, request.stream)
@@ -221,7 +271,8 @@ class ResponsesServer:
         response = self._body(request, response_id, created_at, builder, error)
         if request.store:  # before the last event: a client may GET it right after
             history = [*conversation, builder.assistant_message()]
-            self.store.put(owner, response_id, StoredResponse(response, history))
+            entry = StoredResponse(response, history, input_items(request.input))
+            self.store.put(owner, response_id, entry)
         if not request.stream:
             yield response
             return
