@@ -47,6 +47,11 @@ def test_bad_adapters_fail_only_their_request(engine, tmp_path):
     make_adapter(tmp_path / "other", tmp_path / "mismatch", LLAMA_MODULES)
     make_adapter(base, tmp_path / "dora", LLAMA_MODULES)
     edit_config(tmp_path / "dora", use_dora=True)
+    make_adapter(base, tmp_path / "truncated", LLAMA_MODULES)
+    weights = tmp_path / "truncated" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])  # a copy cut short
+    make_adapter(base, tmp_path / "no_alpha", LLAMA_MODULES)
+    edit_config(tmp_path / "no_alpha", lora_alpha=None)
     cases = {
         "r16": "LoRA rank 16 is greater than max_lora_rank 8; start the engine with --max-lora-rank 16",
         "unknown": "target module 'model.layers.0.lm_proj' does not exist",
@@ -55,6 +60,8 @@ def test_bad_adapters_fail_only_their_request(engine, tmp_path):
         "another base model",
         "missing": "does not exist or is not a directory",
         "dora": "DoRA adapters are not supported",
+        "truncated": "adapter_model.safetensors is not a readable safetensors file",
+        "no_alpha": "lora_alpha must be a number, got None",
     }
     for index, (name, message) in enumerate(cases.items(), start=2):
         with pytest.raises(ValueError, match=message):

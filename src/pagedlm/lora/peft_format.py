@@ -96,6 +96,11 @@ def _read_config(file: Path, max_lora_rank: int) -> dict:
     rank = raw.get("r")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"{file}: r must be a positive integer, got {rank!r}.")
+    alpha = raw.get("lora_alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        # vLLM requires it too; PEFT writes it always. Guessing a default would scale the
+        # whole delta wrongly without a word.
+        raise ValueError(f"{file}: lora_alpha must be a number, got {alpha!r}.")
     if rank > max_lora_rank:
         raise ValueError(
             f"LoRA rank {rank} is greater than max_lora_rank {max_lora_rank}; start the "
@@ -159,7 +164,7 @@ def check_adapter(
     """Validate ``path`` for ``arch`` without reading tensors; raises ValueError naming
     the problem (missing files, rank above ``max_lora_rank``, a module the model lacks, a
     shape of another base model, MoE experts)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     config_file, weights_file = _files(path)
     raw = _read_config(config_file, max_lora_rank)
@@ -170,7 +175,14 @@ def check_adapter(
         for target in targets:
             _check_module(f"model.layers.0.{_our_leaf(target, arch, model_impl)}", arch, shapes)
     found: dict[str, set[str]] = {}
-    with safe_open(str(weights_file), framework="pt") as tensors:
+    try:
+        tensors = safe_open(str(weights_file), framework="pt")
+    except (SafetensorError, OSError) as exc:  # a truncated or corrupted file
+        raise ValueError(
+            f"LoRA adapter {path!r}: {weights_file.name} is not a readable safetensors file "
+            f"({exc}); save the adapter again."
+        ) from None
+    with tensors:
         for key in tensors.keys():  # noqa: SIM118 - safe_open has no __iter__
             match = _KEY.match(key)
             if match is None:
@@ -196,7 +208,7 @@ def check_adapter(
         raise ValueError(f"LoRA adapter {path!r} has no LoRA tensors.")
     return PeftAdapterConfig(
         rank=rank,
-        lora_alpha=float(raw.get("lora_alpha", rank)),
+        lora_alpha=float(raw["lora_alpha"]),
         use_rslora=bool(raw.get("use_rslora", False)),
         modules=tuple(sorted(found)),
     )
