@@ -150,3 +150,22 @@ def test_bare_tokenizers_tokenizer_is_accepted(bpe_tokenizer):
     detokenizer = factory.create([], SamplingParams())
     text = "日本語のテキスト。こんにちは世界。"
     assert "".join(stream(detokenizer, bpe_tokenizer.encode(text))) == text
+
+
+@pytest.mark.parametrize("kind", ["fast", "offset"])
+def test_whole_characters_before_an_incomplete_one_are_released_at_once(kind):
+    # In this small byte-level BPE most tokens of "こんにちは世界。" end one character and
+    # begin the next; the finished characters must not wait for a token that happens to
+    # end on a character boundary.
+    from offline_tokenizers import byte_level_bpe
+
+    tokenizer = byte_level_bpe()
+    ids = tokenizer.encode("こんにちは世界。")
+    prefixes = [tokenizer.decode(ids[: k + 1]) for k in range(len(ids))]
+    assert prefixes[0] == "こ\ufffd" and prefixes[1] == "こん\ufffd"
+    detokenizer = make(kind, tokenizer, [], True)
+    released = ""
+    for token_id, prefix in zip(ids, prefixes, strict=True):
+        released += detokenizer.decode_next(token_id)
+        assert released == prefix.rstrip("\ufffd")
+    assert released + detokenizer.flush() == "こんにちは世界。"

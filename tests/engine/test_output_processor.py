@@ -295,3 +295,22 @@ def test_stream_interval_keeps_every_held_child_of_n(bpe_tokenizer):
     }  # fmt: skip
     with pytest.raises(ValueError, match="stream_interval"):
         OutputProcessor(bpe_tokenizer, stream_interval=0)
+
+
+def test_stop_string_completed_by_a_token_that_begins_a_character_stops_there():
+    # "déj" + the first byte of "à" is one token: it completes the stop string "déj", so
+    # the sample ends with it (and the core is told to abort) rather than a token later.
+    from offline_tokenizers import byte_level_bpe
+
+    tokenizer = byte_level_bpe()
+    ids = tokenizer.encode("déjà vu")
+    assert tokenizer.decode(ids[:2]) == "déj\ufffd"
+    processor = OutputProcessor(tokenizer)
+    add(processor, SamplingParams(stop=["déj"], output_kind=DELTA))
+    results = [feed(processor, "r", [token_id]) for token_id in ids]
+    assert results[1].reqs_to_abort == ["r"]
+    completion = results[1].request_outputs[0].outputs[0]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", "déj")
+    assert texts(results) == ["", ""]
+    token_ids = [t for r in results for out in r.request_outputs for t in out.outputs[0].token_ids]
+    assert token_ids == ids[:2]

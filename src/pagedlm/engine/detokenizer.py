@@ -4,10 +4,14 @@ Decoding a growing id list from scratch each step is quadratic, and decoding eac
 alone is wrong (byte-level BPE splits multi-byte UTF-8 characters such as "é", "日" or
 emoji across tokens, and some decoders strip or add spaces depending on the neighbours).
 Both detokenizers here decode a short *window* of recent ids and release only the text
-that the newest token added, holding it back while the window's text ends in an
-incomplete character ("\\ufffd"). Invariant: for a context-free decoder (byte-level BPE)
-the concatenation of everything ``decode_next`` and ``flush`` return equals
-``decode(output_ids)`` with the same ``skip_special_tokens``.
+that the newest token added. While the window's text ends in an incomplete character
+("\\ufffd") only that character is held back: the whole characters before it are released
+at once, since a byte-level token often ends a character and begins the next (CJK text),
+and holding the whole token would stall streaming and let a stop string that the token
+completes go unseen until some later token ends on a character boundary. Invariant: for a
+context-free decoder (byte-level BPE) the concatenation of everything ``decode_next`` and
+``flush`` return equals ``decode(output_ids)`` with the same ``skip_special_tokens``, and
+after each token it is the longest prefix of that decode ending on a whole character.
 
 - ``FastIncrementalDetokenizer`` drives the ``tokenizers`` library's ``DecodeStream`` (the
   window logic runs in Rust) for tokenizers backed by ``tokenizers.Tokenizer``.
@@ -58,9 +62,9 @@ class OffsetIncrementalDetokenizer(IncrementalDetokenizer):
     """The prefix/read-offset algorithm over any ``decode(ids) -> str``.
 
     ``ids[prefix_offset:read_offset]`` is the window whose text was already released
-    (``prefix_text``); ``ids[read_offset:]`` are ids whose text is still held back.
-    Each step decodes ``ids[prefix_offset:]`` and releases what it adds beyond
-    ``prefix_text`` unless it ends in an incomplete character.
+    (``prefix_text``); ``ids[read_offset:]`` are ids whose text is only partly released
+    (``_early_text``: the whole characters before an incomplete one). Each step decodes
+    ``ids[prefix_offset:]`` and releases what it adds beyond both.
     """
 
     def __init__(self, decode: Callable[[list[int]], str], context_ids: Sequence[int]) -> None:
@@ -69,12 +73,18 @@ class OffsetIncrementalDetokenizer(IncrementalDetokenizer):
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._prefix_text = decode(self._ids) if self._ids else ""
+        self._early_text = ""
 
     def decode_next(self, token_id: int) -> str:
         self._ids.append(token_id)
         text = self._decode(self._ids[self._prefix_offset :])
-        if len(text) <= len(self._prefix_text) or text.endswith(REPLACEMENT_CHAR):
+        if len(text) <= len(self._prefix_text):
             return ""
+        if text.endswith(REPLACEMENT_CHAR):
+            whole = _whole_characters(text, self._prefix_text, self._early_text)
+            new_text = whole[len(self._early_text) :]
+            self._early_text = whole
+            return new_text
         return self._release(text)
 
     def flush(self) -> str:
@@ -89,6 +99,8 @@ class OffsetIncrementalDetokenizer(IncrementalDetokenizer):
             # A decoder that rewrites earlier text cannot be streamed exactly; release the
             # pending ids decoded on their own rather than repeat released text.
             new_text = self._decode(self._ids[self._read_offset :])
+        new_text = _after_early_text(new_text, self._early_text)
+        self._early_text = ""
         # Slide the window: the ids just released become the next prefix.
         del self._ids[: self._read_offset]
         self._prefix_offset = 0
@@ -105,6 +117,10 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
     (``_ids[_released:]``) to flush them at the end. It raises "Invalid prefix" when the
     decoder rewrites earlier text (a non-monotonic decoder); then we replay the pending
     ids on a fresh stream instead of failing the request.
+
+    While the stream holds text back, the whole characters before the incomplete one are
+    released early (``_early_text``) from our own decode of the pending ids, and cut from
+    the front of what the stream releases later.
 
     With ``skip_special_tokens=False`` and ``spaces_between_special_tokens=False``, an
     added token that directly follows another added token is rendered as its bare
@@ -128,6 +144,9 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         self._ids = list(context_ids)[-_MAX_PRIME_TOKENS:]
         self._released = len(self._ids)
         self._stream = self._new_stream(self._ids)
+        self._early_text = ""
+        self._released_text: str | None = None
+        """``decode(_ids[:_released])``, cached while text is held back."""
 
     def decode_next(self, token_id: int) -> str:
         if not 0 <= token_id <= _MAX_TOKEN_ID:
@@ -147,17 +166,41 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
             if text is not None and content is not None and self._previous_was_added:
                 text = content
             self._previous_was_added = content is not None
-        return text or ""
+        if text is None:
+            return self._release_early()
+        text = _after_early_text(text, self._early_text)
+        self._early_text = ""
+        return text
 
     def flush(self) -> str:
         if self._released == len(self._ids):
             return ""
-        context = self._ids[: self._released]
-        pending = self._ids[self._released :]
-        full = self._decode(context + pending)
-        prefix = self._decode(context)
+        text = self._pending_text()
         self._mark_released(len(self._ids))
-        return full[len(prefix) :] if full.startswith(prefix) else self._decode(pending)
+        text = _after_early_text(text, self._early_text)
+        self._early_text = ""
+        return text
+
+    def _pending_text(self) -> str:
+        """The text the ids not released by the stream add to the released ones."""
+        if self._released_text is None:
+            self._released_text = self._decode(self._ids[: self._released])
+        prefix = self._released_text
+        full = self._decode(self._ids)
+        return (
+            full[len(prefix) :]
+            if full.startswith(prefix)
+            else self._decode(self._ids[self._released :])
+        )
+
+    def _release_early(self) -> str:
+        """The whole characters the held-back ids decode to, beyond those released already."""
+        if self._released == len(self._ids):
+            return ""
+        whole = _whole_characters(self._pending_text(), "", self._early_text)
+        new_text = whole[len(self._early_text) :]
+        self._early_text = whole
+        return new_text
 
     def _decode(self, ids: list[int]) -> str:
         return self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
@@ -179,6 +222,7 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         drop = max(num_released - _CONTEXT_TOKENS, 0)
         del self._ids[:drop]
         self._released = num_released - drop
+        self._released_text = None
 
     def _restart(self) -> str | None:
         """Replay the pending ids on a fresh stream: primed with released context first,
@@ -205,6 +249,21 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         self._stream = self._new_stream([])
         self._mark_released(len(self._ids))
         return self._decode(pending)
+
+
+def _whole_characters(text: str, prefix: str, early_text: str) -> str:
+    """What ``text`` (which ends in an incomplete character) adds beyond ``prefix`` up to
+    that character, if it extends the ``early_text`` already released; else
+    ``early_text`` (release nothing more)."""
+    if not text.startswith(prefix):
+        return early_text
+    whole = text[len(prefix) :].rstrip(REPLACEMENT_CHAR)
+    return whole if len(whole) > len(early_text) and whole.startswith(early_text) else early_text
+
+
+def _after_early_text(text: str, early_text: str) -> str:
+    """``text`` without the ``early_text`` released ahead of it."""
+    return text[len(early_text) :] if text.startswith(early_text) else text
 
 
 def _is_invalid_prefix(error: Exception) -> bool:
