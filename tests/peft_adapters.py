@@ -58,3 +58,12 @@ def edit_config(adapter: Path, **changes) -> None:
     config = json.loads(path.read_text())
     config.update(changes)
     path.write_text(json.dumps(config))
+
+
+def rename_tensors(adapter: Path, old: str, new: str) -> None:
+    """Replace ``old`` with ``new`` in the tensor names of a saved adapter."""
+    from safetensors.torch import load_file, save_file
+
+    path = adapter / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    save_file({name.replace(old, new): t for name, t in tensors.items()}, str(path))

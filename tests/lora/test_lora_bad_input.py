@@ -12,7 +12,7 @@ from pagedlm import LLM, LoRARequest, SamplingParams
 from pagedlm.config import ArchConfig
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.lora.peft_format import check_adapter
-from peft_adapters import LLAMA_MODULES, edit_config, make_adapter
+from peft_adapters import LLAMA_MODULES, edit_config, make_adapter, rename_tensors
 from tiny_checkpoints import save_random_model
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
@@ -42,7 +42,7 @@ def test_bad_adapters_fail_only_their_request(engine, tmp_path):
 
     make_adapter(base, tmp_path / "r16", LLAMA_MODULES, rank=16)
     make_adapter(base, tmp_path / "unknown", LLAMA_MODULES)
-    edit_config(tmp_path / "unknown", target_modules=["q_proj", "lm_proj"])
+    rename_tensors(tmp_path / "unknown", "layers.0.self_attn.q_proj", "layers.0.self_attn.lm_proj")
     save_random_model(tmp_path / "other", "LlamaConfig", {"intermediate_size": 96})
     make_adapter(tmp_path / "other", tmp_path / "mismatch", LLAMA_MODULES)
     make_adapter(base, tmp_path / "dora", LLAMA_MODULES)
@@ -54,7 +54,7 @@ def test_bad_adapters_fail_only_their_request(engine, tmp_path):
     edit_config(tmp_path / "no_alpha", lora_alpha=None)
     cases = {
         "r16": "LoRA rank 16 is greater than max_lora_rank 8; start the engine with --max-lora-rank 16",
-        "unknown": "target module 'model.layers.0.lm_proj' does not exist",
+        "unknown": "target module 'model.layers.0.self_attn.lm_proj' does not exist",
         "mismatch": r"mlp\.\w+_proj\.lora_[AB]\.weight has shape \[(8, )?96(, 8)?\] but "
         r"LlamaForCausalLM with r=8 needs \[(8, )?128(, 8)?\]; the adapter was trained for "
         "another base model",
@@ -129,3 +129,14 @@ def test_an_id_keeps_its_path_however_many_adapters_came_after(
         checker.check(LoRARequest("other", 2, str(tmp_path / "c")))
     checker.forget(2)
     checker.check(LoRARequest("other", 2, str(tmp_path / "c")))  # removed: free again
+
+
+def test_target_modules_the_model_lacks_are_ignored(tiny_checkpoint, tmp_path):
+    """PEFT trains with ``target_modules`` entries that match nothing (a list shared across
+    architectures); the weights file says what is adapted, and vLLM serves such an
+    adapter. It was refused for naming a module the model lacks."""
+    base = tiny_checkpoint("llama")
+    make_adapter(base, tmp_path / "a", ["q_proj", "v_proj"])
+    edit_config(tmp_path / "a", target_modules=["q_proj", "v_proj", "c_attn", "query_key_value"])
+    config = check_adapter(str(tmp_path / "a"), ArchConfig.from_directory(base), 8)
+    assert {m.rpartition(".")[2] for m in config.modules} == {"q_proj", "v_proj"}

@@ -9,7 +9,7 @@ import openai
 import pytest
 from server_utils import start_server
 
-from peft_adapters import LLAMA_MODULES, edit_config, make_adapter
+from peft_adapters import LLAMA_MODULES, make_adapter, rename_tensors
 
 PROMPT = [5, 17, 99, 3, 42]
 
@@ -21,7 +21,7 @@ def lora_server(chat_checkpoint, tmp_path_factory):
     make_adapter(chat_checkpoint, root / "second", LLAMA_MODULES[:4], rank=4, seed=3, std=0.3)
     make_adapter(chat_checkpoint, root / "too_wide", LLAMA_MODULES, rank=16)
     make_adapter(chat_checkpoint, root / "unknown", LLAMA_MODULES)
-    edit_config(root / "unknown", target_modules=["q_proj", "c_attn"])
+    rename_tensors(root / "unknown", "layers.0.self_attn.q_proj", "layers.0.self_attn.c_attn")
     server = start_server(
         chat_checkpoint,
         tmp_path_factory.mktemp("logs") / "lora.log",
@@ -65,7 +65,7 @@ def test_adapters_by_name_loaded_and_unloaded_at_run_time(lora_server):
         (post("load_lora_adapter", lora_name="w", lora_path=str(root / "too_wide")), 400,
          "LoRA rank 16 is greater than max_lora_rank 8"),
         (post("load_lora_adapter", lora_name="u", lora_path=str(root / "unknown")), 400,
-         "target module 'model.layers.0.c_attn' does not exist"),
+         "target module 'model.layers.0.self_attn.c_attn' does not exist"),
         (post("load_lora_adapter", lora_name="m", lora_path=str(root / "missing")), 400,
          "does not exist or is not a directory"),
         (post("load_lora_adapter", lora_name="x"), 400, "Both 'lora_name' and 'lora_path'"),

@@ -125,14 +125,6 @@ def _our_module(module: str, arch: ArchConfig, model_impl: str) -> str:
     return name[1:-1]
 
 
-def _our_leaf(target: str, arch: ArchConfig, model_impl: str) -> str:
-    """A ``target_modules`` entry (a bare name such as ``fc1``) in the model's names."""
-    for theirs, ours in _renames(arch, model_impl):
-        if theirs.strip(".").rpartition(".")[2] == target:
-            return ours.strip(".").rpartition(".")[2]
-    return target
-
-
 def layer_index(module: str) -> int | None:
     """The decoder layer an adapter module belongs to (``model.layers.3.mlp.up_proj`` -> 3)."""
     match = _LAYER.search(f".{module}.")
@@ -169,11 +161,9 @@ def check_adapter(
     config_file, weights_file = _files(path)
     raw = _read_config(config_file, max_lora_rank)
     rank = raw["r"]
+    # The tensors say what the adapter adapts, not ``target_modules``: PEFT trains with
+    # entries that match no module of the model, and vLLM serves such adapters.
     shapes = module_shapes(arch, model_impl)
-    targets = raw.get("target_modules")
-    if isinstance(targets, list):
-        for target in targets:
-            _check_module(f"model.layers.0.{_our_leaf(target, arch, model_impl)}", arch, shapes)
     found: dict[str, set[str]] = {}
     try:
         tensors = safe_open(str(weights_file), framework="pt")
