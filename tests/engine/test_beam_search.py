@@ -94,6 +94,8 @@ def test_beams_carry_their_prompts_cache_salt(setup):
         outputs = llm.beam_search(prompts, params)
     finally:
         del scheduler.add_request
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        llm.beam_search({"prompt_token_ids": PROMPTS[0], "cache_salt": ["x"]}, params)
     salts_of = {0: {"alice", "bob"}, 1: {None}}
     for tokens, salt in seen:
         index = 0 if tokens[: len(PROMPTS[0])] == PROMPTS[0] else 1

@@ -38,7 +38,12 @@ from pagedlm.engine.core_launch import CoreLaunch
 from pagedlm.engine.core_profiler import profile_directory
 from pagedlm.engine.exceptions import EngineDeadError, EngineStalledError
 from pagedlm.engine.health import CoreLiveness, EngineHealth
-from pagedlm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
+from pagedlm.engine.input_processor import (
+    InputProcessor,
+    ProcessedRequest,
+    PromptType,
+    cache_salt_of,
+)
 from pagedlm.engine.messages import (
     AbortRequests,
     AddRequests,
@@ -271,7 +276,7 @@ class AsyncLLM:
                 "sample with n instead, or send the prompt without them."
             )
         text, prompt_ids = self.input_processor.tokenize(prompt)
-        cache_salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+        cache_salt = cache_salt_of(prompt)
         result = await search_async(
             prompt_ids,
             params,

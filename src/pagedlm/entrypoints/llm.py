@@ -22,7 +22,7 @@ from pagedlm.chat_content import (
 )
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.core_profiler import CoreProfiler, profile_directory
-from pagedlm.engine.input_processor import ProcessedRequest, PromptType
+from pagedlm.engine.input_processor import ProcessedRequest, PromptType, cache_salt_of
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.entrypoints.llm_args import (
     check_conversations,
@@ -566,7 +566,7 @@ class LLM:
                     "beam runs as a token prompt); use generate() for embeddings."
                 )
             token_prompts.append(processor.tokenize(prompt)[1])
-            salts.append(prompt.get("cache_salt") if isinstance(prompt, Mapping) else None)
+            salts.append(cache_salt_of(prompt))
         # One search per cache salt: a beam carries its prompt's salt, as its prompt would.
         groups: dict[str | None, list[int]] = {}
         for index, salt in enumerate(salts):
