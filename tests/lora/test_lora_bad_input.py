@@ -60,7 +60,7 @@ def test_bad_adapters_fail_only_their_request(engine, tmp_path):
         "another base model",
         "missing": "does not exist or is not a directory",
         "dora": "DoRA adapters are not supported",
-        "truncated": "adapter_model.safetensors is not a readable safetensors file",
+        "truncated": "adapter_model.safetensors cannot be read",
         "no_alpha": "lora_alpha must be a number, got None",
     }
     for index, (name, message) in enumerate(cases.items(), start=2):
@@ -140,3 +140,28 @@ def test_target_modules_the_model_lacks_are_ignored(tiny_checkpoint, tmp_path):
     edit_config(tmp_path / "a", target_modules=["q_proj", "v_proj", "c_attn", "query_key_value"])
     config = check_adapter(str(tmp_path / "a"), ArchConfig.from_directory(base), 8)
     assert {m.rpartition(".")[2] for m in config.modules} == {"q_proj", "v_proj"}
+
+
+@pytest.mark.parametrize("suffix", ["bin", "pt"])
+def test_pickled_adapters_are_read_as_vllm_reads_them(engine, tmp_path, suffix):
+    """PEFT's older adapter_model.bin (and .pt) hold the same tensors, pickled; vLLM reads
+    them with torch.load(weights_only=True). They were refused ("resave it with
+    safetensors"). A garbage one is a ValueError naming the file, the engine unharmed."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    llm, _, root = engine
+    lora_id = 20 if suffix == "bin" else 30  # the engine is the module's: ids stay apart
+    expected = _generate(llm, LoRARequest("good", 1, str(root / "good")))
+    pickled = tmp_path / "pickled"
+    shutil.copytree(root / "good", pickled)
+    weights = pickled / "adapter_model.safetensors"
+    torch.save(load_file(str(weights)), pickled / f"adapter_model.{suffix}")
+    weights.unlink()
+    assert _generate(llm, LoRARequest("pickled", lora_id, str(pickled))) == expected
+    (pickled / f"adapter_model.{suffix}").write_bytes(b"not a pickle")
+    with pytest.raises(ValueError, match=f"adapter_model.{suffix} cannot be read"):
+        _generate(llm, LoRARequest("garbage", lora_id + 1, str(pickled)))
+    assert _generate(llm, LoRARequest("good", 1, str(root / "good"))) == expected

@@ -1,8 +1,10 @@
-"""PEFT adapter directories: ``adapter_config.json`` + ``adapter_model.safetensors``.
+"""PEFT adapter directories: ``adapter_config.json`` + ``adapter_model.safetensors`` (or
+PEFT's older ``adapter_model.bin``, or ``.pt``, read as vLLM reads them).
 
 ``check_adapter`` validates an adapter against a model's shapes from the config and the
-safetensors *header* only (no tensor is read), so the front end can refuse a bad adapter
-before its request enters the engine. ``load_adapter`` then reads the tensors, with the
+safetensors *header* only (no tensor is read; a pickled file is read whole, with
+``torch.load(weights_only=True)``), so the front end can refuse a bad adapter before its
+request enters the engine. ``load_adapter`` then reads the tensors, with the
 scaling (``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA) folded into B, so
 applying an adapter is ``x A^T B^T`` with no per-step scale.
 
@@ -27,6 +29,10 @@ if TYPE_CHECKING:
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+WEIGHTS_FILES = (WEIGHTS_FILE, "adapter_model.bin", "adapter_model.pt")
+"""The weights files read, in vLLM's order of preference."""
+NOT_FOUND = "No adapter found for"
+"""vLLM's words for an adapter path with nothing there (its servers answer 404)."""
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<kind>A|B)\.weight$")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
@@ -57,21 +63,58 @@ class AdapterWeights:
 
 def _files(path: str) -> tuple[Path, Path]:
     directory = Path(path).expanduser()
-    if not directory.is_dir():
-        raise ValueError(
-            f"LoRA adapter path {path!r} does not exist or is not a directory; pass a local "
-            f"PEFT adapter directory ({CONFIG_FILE} + {WEIGHTS_FILE})."
+    if not directory.is_dir() or not (directory / CONFIG_FILE).is_file():
+        what = (
+            "has no " + CONFIG_FILE
+            if directory.is_dir()
+            else "does not exist or is not a directory"
         )
-    config, weights = directory / CONFIG_FILE, directory / WEIGHTS_FILE
-    for file in (config, weights):
-        if not file.is_file():
-            hint = (
-                " (adapter_model.bin is not read: resave it with safetensors)"
-                if file is weights and (directory / "adapter_model.bin").exists()
-                else ""
-            )
-            raise ValueError(f"LoRA adapter {path!r} has no {file.name}{hint}.")
-    return config, weights
+        raise ValueError(
+            f"{NOT_FOUND} {path!r}: the path {what}; pass a local PEFT adapter directory "
+            f"({CONFIG_FILE} + {WEIGHTS_FILE})."
+        )
+    for name in WEIGHTS_FILES:
+        if (directory / name).is_file():
+            return directory / CONFIG_FILE, directory / name
+    raise ValueError(f"LoRA adapter {path!r} has no {' or '.join(WEIGHTS_FILES)}.")
+
+
+def _unreadable(path: str, file: Path, error: Exception) -> ValueError:
+    return ValueError(
+        f"LoRA adapter {path!r}: {file.name} cannot be read ({error}); save the adapter again."
+    )
+
+
+def _tensor_shapes(path: str, file: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of a weights file (a safetensors file's header only)."""
+    if file.suffix != ".safetensors":
+        return {key: tuple(tensor.shape) for key, tensor in _read_tensors(path, file).items()}
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as tensors:
+            return {key: tuple(tensors.get_slice(key).get_shape()) for key in tensors.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError) as error:  # a truncated or corrupted file
+        raise _unreadable(path, file, error) from None
+
+
+def _read_tensors(path: str, file: Path) -> dict[str, torch.Tensor]:
+    import torch
+
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(file), device="cpu")
+        # weights_only: tensors and containers, never arbitrary objects (vLLM's call).
+        tensors = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as error:  # pickle, zip and safetensors each raise their own
+        raise _unreadable(path, file, error) from None
+    if not isinstance(tensors, dict) or not all(
+        isinstance(key, str) and isinstance(value, torch.Tensor) for key, value in tensors.items()
+    ):
+        raise ValueError(f"LoRA adapter {path!r}: {file.name} is not a dict of named tensors.")
+    return tensors
 
 
 def _read_config(file: Path, max_lora_rank: int) -> dict:
@@ -156,8 +199,6 @@ def check_adapter(
     """Validate ``path`` for ``arch`` without reading tensors; raises ValueError naming
     the problem (missing files, rank above ``max_lora_rank``, a module the model lacks, a
     shape of another base model, MoE experts)."""
-    from safetensors import SafetensorError, safe_open
-
     config_file, weights_file = _files(path)
     raw = _read_config(config_file, max_lora_rank)
     rank = raw["r"]
@@ -165,32 +206,23 @@ def check_adapter(
     # entries that match no module of the model, and vLLM serves such adapters.
     shapes = module_shapes(arch, model_impl)
     found: dict[str, set[str]] = {}
-    try:
-        tensors = safe_open(str(weights_file), framework="pt")
-    except (SafetensorError, OSError) as exc:  # a truncated or corrupted file
-        raise ValueError(
-            f"LoRA adapter {path!r}: {weights_file.name} is not a readable safetensors file "
-            f"({exc}); save the adapter again."
-        ) from None
-    with tensors:
-        for key in tensors.keys():  # noqa: SIM118 - safe_open has no __iter__
-            match = _KEY.match(key)
-            if match is None:
-                raise ValueError(
-                    f"LoRA adapter {path!r}: tensor {key!r} is not a lora_A/lora_B weight "
-                    "(embedding, bias or DoRA tensors are not supported)."
-                )
-            module, kind = _our_module(match["module"], arch, model_impl), match["kind"]
-            in_features, out_features = shapes[_check_module(module, arch, shapes)]
-            expected = (rank, in_features) if kind == "A" else (out_features, rank)
-            shape = tuple(tensors.get_slice(key).get_shape())
-            if shape != expected:
-                raise ValueError(
-                    f"LoRA adapter {path!r}: {key} has shape {list(shape)} but "
-                    f"{arch.architecture} with r={rank} needs {list(expected)}; the adapter "
-                    "was trained for another base model."
-                )
-            found.setdefault(module, set()).add(kind)
+    for key, shape in _tensor_shapes(path, weights_file).items():
+        match = _KEY.match(key)
+        if match is None:
+            raise ValueError(
+                f"LoRA adapter {path!r}: tensor {key!r} is not a lora_A/lora_B weight "
+                "(embedding, bias or DoRA tensors are not supported)."
+            )
+        module, kind = _our_module(match["module"], arch, model_impl), match["kind"]
+        in_features, out_features = shapes[_check_module(module, arch, shapes)]
+        expected = (rank, in_features) if kind == "A" else (out_features, rank)
+        if shape != expected:
+            raise ValueError(
+                f"LoRA adapter {path!r}: {key} has shape {list(shape)} but "
+                f"{arch.architecture} with r={rank} needs {list(expected)}; the adapter "
+                "was trained for another base model."
+            )
+        found.setdefault(module, set()).add(kind)
     incomplete = sorted(m for m, kinds in found.items() if kinds != {"A", "B"})
     if incomplete:
         raise ValueError(f"LoRA adapter {path!r}: {incomplete[0]} lacks lora_A or lora_B.")
@@ -209,10 +241,9 @@ def load_adapter(
 ) -> AdapterWeights:
     """Check, then read the adapter's tensors (float32, host), B scaled."""
     import torch
-    from safetensors.torch import load_file
 
     config = check_adapter(path, arch, max_lora_rank, model_impl)
-    tensors = load_file(str(_files(path)[1]), device="cpu")
+    tensors = _read_tensors(path, _files(path)[1])
     modules = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key)
