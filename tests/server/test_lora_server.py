@@ -66,8 +66,10 @@ def test_adapters_by_name_loaded_and_unloaded_at_run_time(lora_server):
          "LoRA rank 16 is greater than max_lora_rank 8"),
         (post("load_lora_adapter", lora_name="u", lora_path=str(root / "unknown")), 400,
          "target module 'model.layers.0.self_attn.c_attn' does not exist"),
-        (post("load_lora_adapter", lora_name="m", lora_path=str(root / "missing")), 400,
-         "does not exist or is not a directory"),
+        # vLLM's 404 for a path with no adapter.
+        (post("load_lora_adapter", lora_name="m", lora_path=str(root / "missing")), 404,
+         "No adapter found for"),
+        (post("unload_lora_adapter"), 400, "either 'lora_name' and 'lora_int_id'"),
         (post("load_lora_adapter", lora_name="x"), 400, "Both 'lora_name' and 'lora_path'"),
         (post("unload_lora_adapter", lora_name="nope"), 404, "'nope' cannot be found"),
         # An adapter named as the base model took over every request for the base model.

@@ -23,6 +23,7 @@ from typing import Any
 
 from pagedlm.entrypoints.openai.errors import APIError
 from pagedlm.entrypoints.openai.request_body import RequestModel
+from pagedlm.lora.peft_format import NOT_FOUND
 from pagedlm.lora.request import LoRARequest
 
 RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
@@ -99,14 +100,18 @@ class LoRARegistry:
         try:
             await engine.add_lora(lora)
         except ValueError as error:
-            raise APIError(str(error), param="lora_path") from None
+            # vLLM's statuses: nothing at the path is a 404, a bad adapter a 400.
+            status = 404 if NOT_FOUND in str(error) else 400
+            raise APIError(str(error), status=status, param="lora_path") from None
         self.adapters[name] = lora
         return lora
 
     def unload(self, name: str, lora_int_id: int | None = None) -> LoRARequest:
         """Forget ``name``; the adapter it named (which the engine may now drop too)."""
+        if not name and lora_int_id is None:
+            raise APIError("either 'lora_name' and 'lora_int_id' needs to be provided.")
         lora = self.adapters.get(name)
-        if not name or lora is None or lora_int_id not in (None, lora.lora_int_id):
+        if lora is None or lora_int_id not in (None, lora.lora_int_id):
             raise APIError(
                 f"The lora adapter '{name}' cannot be found.", status=404, param="lora_name"
             )
