@@ -169,3 +169,20 @@ def test_async_llm_manages_adapters_in_its_engine_core(base, loras):
         asyncio.run(asyncio.wait_for(run(), 120))
     finally:
         engine.shutdown()
+
+
+def test_a_failed_read_keeps_its_device_slot(base, loras, tmp_path):
+    """An adapter whose files are gone when a step first needs it (deleted after the front
+    end checked them, or evicted from the host cache and then deleted) fails that step; the
+    slot taken for it was lost, so with max_loras=1 every later adapter step died on an
+    AssertionError."""
+    arch = ArchConfig.from_directory(base)
+    config = LoRAConfig(max_loras=1, max_lora_rank=8, max_cpu_loras=1)
+    manager = LoRAManager(
+        config, arch, LlamaForCausalLM(arch), 16, TorchLoRAOps(), torch.float32, torch.device("cpu")
+    )
+    gone = LoRARequest("gone", 9, str(tmp_path / "deleted"))
+    with pytest.raises(ValueError, match="No adapter found for"):
+        manager.prepare_step([_State(gone)], np.array([0, 2]), 2)
+    manager.prepare_step([_State(loras[0])], np.array([0, 2]), 2)
+    assert manager.slot_of == {1: 0}

@@ -238,9 +238,12 @@ class LoRAManager:
         for lora_id, lora in wanted.items():
             if lora_id in self._slot_of:
                 continue
+            # Read first: a read that fails (files gone since the front end's check) must
+            # not cost a slot, or every later step finds one slot fewer.
+            weights = self._host_weights(lora)
             slot = self._take_slot(keep=set(wanted), evict_pinned=True)
             assert slot is not None  # at most max_loras wanted: one is free or not wanted
-            self._load_into(slot, self._host_weights(lora))
+            self._load_into(slot, weights)
             self._slot_of[lora_id] = slot
         return {lora_id: self._slot_of[lora_id] for lora_id in wanted}
 
