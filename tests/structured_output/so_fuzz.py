@@ -208,6 +208,18 @@ def random_request(rng: random.Random, request_id: str, backend: str) -> Request
         fields["stop"] = [rng.choice(['"', "a", "}", ",", "x"])]
     if rng.random() < 0.3:
         fields["logprobs"] = rng.randint(0, 3)
+    if rng.random() < 0.1:
+        fields["prompt_logprobs"] = rng.randint(0, 2)
+    if rng.random() < 0.15:
+        penalty = rng.choice(["repetition_penalty", "frequency_penalty", "presence_penalty"])
+        fields[penalty] = rng.choice([1.3, 0.5]) if penalty == "repetition_penalty" else 0.8
+    if rng.random() < 0.1:
+        fields["ignore_eos"] = True
+    if rng.random() < 0.1:
+        fields["stop_token_ids"] = [rng.choice([4, 28, 67, 93])]  # '"', ':', 'a', '{'
+    if rng.random() < 0.1 and not greedy:
+        name = rng.choice(["top_k", "top_p", "min_p"])
+        fields[name] = 2 if name == "top_k" else rng.choice([0.5, 0.1])
     add_at = 0 if rng.random() < 0.7 else rng.randint(1, 10)
     abort_at = add_at + rng.randint(0, 12) if rng.random() < 0.15 else None
     replaced_by = None
@@ -321,6 +333,7 @@ def run_case(engine, requests: list[RequestCase], max_steps: int = 2000) -> dict
     request without an output), and of those that finished before their abort."""
     finals: dict[str, Any] = {}
     pending = sorted(requests, key=lambda c: c.add_at_step)
+    last_abort = max((c.abort_at_step or 0 for c in requests), default=0)
     for step in range(max_steps + 1):
         while pending and pending[0].add_at_step <= step:
             _add(engine, pending.pop(0))
@@ -332,7 +345,7 @@ def run_case(engine, requests: list[RequestCase], max_steps: int = 2000) -> dict
                 if case.request_id in to_abort and case.replaced_by is not None:
                     _add(engine, case.replaced_by)
         if not engine.has_unfinished_requests():
-            if not pending:
+            if not pending and step >= last_abort:
                 break
             continue
         for output in engine.step():
@@ -363,8 +376,9 @@ def _add(engine, case: RequestCase) -> None:
         raise AssertionError(f"an invalid grammar was accepted: {case.params.structured_outputs}")
 
 
-def check_output(engine, case: RequestCase, completion) -> None:
-    """``completion`` of ``case`` obeys its grammar and its sampling fields."""
+def check_output(engine, case: RequestCase, output, completion) -> None:
+    """``completion`` (of the ``RequestOutput`` ``output``) of ``case`` obeys its grammar
+    and its sampling fields."""
     params = case.params
     tokens = completion.token_ids
     reason = completion.finish_reason
@@ -376,6 +390,15 @@ def check_output(engine, case: RequestCase, completion) -> None:
         assert completion.logprobs is not None and len(completion.logprobs) == len(tokens)
         for token, row in zip(tokens, completion.logprobs, strict=True):
             assert token in row and math.isfinite(row[token].logprob), (case, completion)
+    if params.prompt_logprobs is not None:
+        rows = output.prompt_logprobs
+        assert rows is not None and len(rows) == len(output.prompt_token_ids), (case, output)
+        assert rows[0] is None and all(
+            token in row for token, row in zip(output.prompt_token_ids[1:], rows[1:])
+        ), (case, output)
+    if reason == "stop" and isinstance(completion.stop_reason, int):
+        assert completion.stop_reason in params.stop_token_ids, (case, completion)
+        assert tokens[-1] == completion.stop_reason, (case, completion)
     if case.grammar is None:
         return
     backend = engine.engine_core.structured_output.compiler.backend

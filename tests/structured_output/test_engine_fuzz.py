@@ -15,8 +15,8 @@ Invariants:
 - an invalid grammar raises ValueError when its request is added, and nothing else changes;
 - nothing is left behind: no request in the scheduler, no matcher, every KV block free;
 - greedy outputs (and seeded ones without speculation) equal those of the same engine
-  without speculation and scheduled synchronously, and a greedy request's output alone
-  equals its output in the batch.
+  without speculation and scheduled synchronously, and a request's output alone equals
+  its output in the batch.
 
 A grammar whose mask is too tight passes all of these, so each backend's matcher is also
 checked against Python's ``re.fullmatch`` on random regexes and strings.
@@ -37,7 +37,9 @@ import pytest
 
 from structured_output import so_fuzz
 
-FAST_SEEDS = [0, 1, 2, 3, 4]
+FAST_SEEDS = [11, 13, 14, 19, 22, 23]
+"""Cheap cases that cover both backends, both schedulings, n-gram and draft-model
+speculation (the target as its own draft too), a 16-token budget and preemption."""
 SLOW_SEEDS = range(100, 100 + int(os.environ.get("PAGEDLM_SO_FUZZ_CASES", "60")))
 
 
@@ -62,7 +64,7 @@ def _logprobs(completion) -> list[float] | None:
     return rows and [row[t].logprob for t, row in zip(completion.token_ids, rows, strict=True)]
 
 
-def _same_greedy(case: so_fuzz.RequestCase, got, want, what: str) -> None:
+def _same_outputs(case: so_fuzz.RequestCase, got, want, what: str) -> None:
     assert so_fuzz.summary(got) == so_fuzz.summary(want), (what, case)
     for a, b in zip(got.outputs, want.outputs, strict=True):
         la, lb = _logprobs(a), _logprobs(b)
@@ -79,8 +81,9 @@ def check_case(seed: int, models: dict[str, str], engines: so_fuzz.Engines) -> N
             assert request.invalid or request.abort_at_step is not None, request
             continue
         request = so_fuzz.final_case(request, finals)
-        for completion in finals[request.request_id].outputs:
-            so_fuzz.check_output(engine, request, completion)
+        output = finals[request.request_id]
+        for completion in output.outputs:
+            so_fuzz.check_output(engine, request, output, completion)
 
     # Greedy equality: the same batch (no aborts) here and without speculation or
     # asynchronous scheduling; each greedy request alone.
@@ -91,12 +94,11 @@ def check_case(seed: int, models: dict[str, str], engines: so_fuzz.Engines) -> N
     speculating = case.engine.get("speculative_config") is not None
     for request in requests:
         got, want = here[request.request_id + "a"], there[request.request_id + "b"]
-        if request.greedy:
-            _same_greedy(request, got, want, "with and without speculation/async")
-            alone = so_fuzz.run_case(plain, _renamed([replace(request, add_at_step=0)], "s"))
-            _same_greedy(request, alone[request.request_id + "s"], want, "alone and batched")
-        elif not speculating:  # a seeded draw depends on the drafts verified
-            assert so_fuzz.summary(got) == so_fuzz.summary(want), ("seeded, async", request)
+        if not request.greedy and speculating:
+            continue  # a seeded draw depends on the drafts verified
+        _same_outputs(request, got, want, "with and without speculation/async")
+        alone = so_fuzz.run_case(plain, _renamed([replace(request, add_at_step=0)], "s"))
+        _same_outputs(request, alone[request.request_id + "s"], want, "alone and batched")
 
 
 @pytest.mark.parametrize("seed", FAST_SEEDS)
