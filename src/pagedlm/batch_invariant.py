@@ -32,12 +32,13 @@ The cost is the padding and the per-tile launches (``pagedlm bench``: see
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedlm.model_executor.layers.row_tiles import in_row_tiles
 
 if TYPE_CHECKING:
     from pagedlm.model_executor.layers.linear_base import LinearBase, LinearKernel
@@ -75,22 +76,6 @@ class RowTiledLinear:
         if x.dim() != 2:  # [..., in_features]: tile the flattened rows
             return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
         return in_row_tiles(self._apply, x, self.tile)
-
-
-def in_row_tiles(
-    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int
-) -> torch.Tensor:
-    """``fn(x)`` for a row-wise ``fn`` of 2-d ``x``, computed on contiguous tiles of
-    exactly ``tile`` rows (the last zero-padded), so ``fn`` sees one shape whatever the
-    row count."""
-    num_rows = x.shape[0]
-    padded = -(-num_rows // tile) * tile
-    if padded == 0:
-        return fn(x)
-    x = F.pad(x, (0, 0, 0, padded - num_rows)) if padded != num_rows else x.contiguous()
-    outputs = [fn(x[start : start + tile]) for start in range(0, padded, tile)]
-    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-    return out[:num_rows]
 
 
 def make_batch_invariant(model: nn.Module, tile: int = ROW_TILE) -> int:

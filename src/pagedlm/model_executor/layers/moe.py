@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedlm.batch_invariant import in_row_tiles
 from pagedlm.distributed import (
     divide,
     expert_parallel_enabled,
@@ -35,6 +34,7 @@ from pagedlm.distributed import (
 )
 from pagedlm.model_executor.layers.activation import get_act_and_mul
 from pagedlm.model_executor.layers.linear_base import LinearBase
+from pagedlm.model_executor.layers.row_tiles import in_row_tiles
 from pagedlm.model_executor.loader.weight_utils import (
     copy_checked,
     set_weight_loader,
