@@ -125,7 +125,9 @@ class StructuredOutputsParams:
                 raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
         for name in ("regex", "grammar", "structural_tag"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value.strip()):
+            # A regex of whitespace matches that whitespace; a blank grammar or tag is empty.
+            blank = not value if name == "regex" else not (isinstance(value, str) and value.strip())
+            if value is not None and (not isinstance(value, str) or blank):
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string.")
         if self.structural_tag is not None:
             try:

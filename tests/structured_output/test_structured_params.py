@@ -33,7 +33,8 @@ def test_exactly_one_kind(kwargs):
         ({"choice": ["a", ""]}, "non-empty list of strings"),
         ({"choice": "ab"}, "non-empty list of strings, got str"),  # not ["a", "b"]
         ({"choice": {"a": 1}}, "non-empty list of strings, got dict"),
-        ({"regex": "  "}, "regex must be a non-empty string"),
+        ({"regex": ""}, "regex must be a non-empty string"),
+        ({"grammar": " \n"}, "grammar must be a non-empty string"),
         ({"json_object": False}, "exactly one of"),
         ({"json_object": "yes"}, "json_object must be true or null, got 'yes'"),
         ({"json_object": 1}, "json_object must be true or null, got 1"),
@@ -43,6 +44,10 @@ def test_exactly_one_kind(kwargs):
 def test_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         StructuredOutputsParams(**kwargs)
+
+
+def test_a_regex_of_whitespace_is_a_regex():
+    assert StructuredOutputsParams(regex="\t ").regex == "\t "
 
 
 def test_sampling_params_field_and_kind():
