@@ -366,8 +366,9 @@ def fused_experts(
     per_slot = contributions.view(num_tokens, top_k, hidden)
     if not batch_invariant:
         return per_slot.sum(dim=1)
-    # torch's reduction may split the slots across threads by the output's size.
-    out = per_slot[:, 0].clone()
+    # torch's reduction may split the slots across threads by the output's size; this
+    # sums them in slot order, in float32 with one rounding as the reduction does.
+    out = per_slot[:, 0].to(torch.float32, copy=True)
     for slot in range(1, top_k):
         out += per_slot[:, slot]
-    return out
+    return out.to(x.dtype)
