@@ -257,3 +257,54 @@ def test_a_bad_request_leaves_others_unharmed(client, expected):
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
     )
     assert reply.choices[0].message.content is not None
+
+
+@pytest.mark.parametrize(
+    ("second_part", "message"),
+    [
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}, "not valid base64"),
+        ({"type": "text", "text": 3}, '"text" to be a string, got int'),
+        ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "not supported"),
+    ],
+    ids=["bad-second-image", "text-not-a-string", "audio-beside-an-image"],
+)  # fmt: skip
+def test_a_bad_part_beside_an_image_is_400_naming_it(server, second_part, message):
+    # Before: the param was "messages" (which image?), and a non-string text part or an
+    # audio part beside an image was answered 200, the template dropping or printing it.
+    image = {"type": "image_url", "image_url": {"url": _data_url(_png(IMAGES["two-a"]))}}
+    response = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"model": "tiny", "max_tokens": 2, "messages": [
+            {"role": "user", "content": [image, second_part]},
+        ]},
+    )  # fmt: skip
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "messages.0.content.1"
+    assert error["message"].startswith("messages.0.content.1: ") and message in error["message"]
+
+
+def test_input_image_part_is_an_image(client, expected):
+    # vLLM takes the Responses API's input_image part in chat; it was an unknown part.
+    url = _data_url(_png(IMAGES["two-a"]))
+    reply = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": url}, {"type": "text", "text": QUESTION},
+        ]}],
+        max_tokens=NEW_TOKENS, temperature=0, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert reply.choices[0].message.content == expected["two-a"]
+
+
+def test_anthropic_bad_image_is_named_by_its_request_place(server):
+    # The system prompt is the conversation's first message: not counted in the place.
+    source = {"type": "base64", "media_type": "image/png", "data": "@@"}
+    response = httpx.post(
+        f"{server.url}/v1/messages",
+        json={"model": "tiny", "max_tokens": 2, "system": "be brief", "messages": [
+            {"role": "user", "content": [{"type": "image", "source": source}]},
+        ]},
+    )  # fmt: skip
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith("messages.0.content.0: ")

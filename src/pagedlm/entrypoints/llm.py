@@ -32,7 +32,7 @@ from pagedlm.entrypoints.llm_args import (
 )
 from pagedlm.lora.request import LoRARequest
 from pagedlm.metrics import Metric
-from pagedlm.multimodal.chat import has_images, split_images
+from pagedlm.multimodal.chat import has_images, load_chat_image, split_images
 from pagedlm.outputs import Logprob, RequestOutput
 from pagedlm.pooling import (
     ClassificationRequestOutput,
@@ -693,13 +693,10 @@ class LLM:
     ) -> dict[str, Any]:
         """A conversation with image parts as a ``multi_modal_data`` prompt, rendered by
         the model processor's chat template (one placeholder per image)."""
-        from pagedlm.multimodal.media import load_image_url
-
         inputs = self.llm_engine.input_processor.multimodal
-        messages, sources = split_images(conversation)
-        inputs.check_count("image", len(sources))
-        config = inputs.config
-        images = [load_image_url(s, config) if isinstance(s, str) else s for s in sources]
+        messages, parts = split_images(conversation)
+        inputs.check_count("image", len(parts))
+        images = [load_chat_image(part, inputs.config) for part in parts]
         text = inputs.processor.render_chat(messages, **template_kwargs)
         prompt = {"prompt": text, "multi_modal_data": {"image": images}}
         if mm_processor_kwargs is not None:

@@ -1,56 +1,118 @@
 """Image parts of chat messages, as ``LLM.chat`` and the servers receive them.
 
 The accepted parts (vLLM's): ``{"type": "image_url", "image_url": {"url": ...}}`` (or the
-URL as a plain string), ``{"type": "image_pil", "image_pil": PIL.Image}`` and ``{"type":
-"image", "image": PIL.Image}`` (offline only). ``split_images`` replaces each with
-``{"type": "image"}``, what processors' chat templates render as the placeholder, and
-returns the images in order: PIL images as they are, URLs to load.
+URL as a plain string), the Responses API's ``{"type": "input_image", "image_url": ...}``,
+``{"type": "image_pil", "image_pil": PIL.Image}`` and ``{"type": "image", "image":
+PIL.Image}`` (offline only). ``split_images`` replaces each with ``{"type": "image"}``,
+what processors' chat templates render as the placeholder, and returns the images in
+order: PIL images as they are, URLs to load, each with its place in the conversation.
+
+Every other part of a conversation with images must be text (``{"type": "text", "text":
+str}``, or a plain string offline); anything else is a ``ValueError`` naming the part,
+since a processor's chat template would drop it without a word.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 ImageSource = Any
 """A PIL image, or a URL string (data:, http(s)://, file://)."""
 
+IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image_pil", "image"})
+REFUSED_PART_TYPES = frozenset(
+    {"image_embeds", "input_audio", "audio_url", "audio_embeds", "video_url", "file"}
+)
+"""Media parts vLLM may take that pagedlm does not (refused with a message, not dropped)."""
+_IMAGE_URL_FIX = (
+    'send the image as {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}'
+)
 
-def _image_source(part: dict[str, Any], where: str) -> ImageSource | None:
-    kind = part.get("type")
-    if kind == "image_url":
+
+class ContentPartError(ValueError):
+    """A content part that cannot be used; ``where`` is its place (``messages.0.content.1``)."""
+
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(f"{where}: {problem}")
+        self.where = where
+
+
+class ImagePart(NamedTuple):
+    source: ImageSource
+    where: str
+    """The part's place, ``"messages.0.content.1"``, for errors about the image."""
+
+
+def _image_source(part: dict[str, Any], where: str) -> ImageSource:
+    kind = part["type"]
+    if kind in ("image_url", "input_image"):
         value = part.get("image_url")
         url = value.get("url") if isinstance(value, dict) else value
         if not isinstance(url, str):
-            raise ValueError(f'{where}: an "image_url" part needs "image_url": {{"url": str}}.')
+            raise ContentPartError(
+                where,
+                f'an "{kind}" part needs "image_url": {{"url": str}} or the URL as a '
+                f"string; {_IMAGE_URL_FIX}.",
+            )
         return url
-    if kind in ("image_pil", "image"):
-        from PIL import Image
+    from PIL import Image
 
-        image = part.get(kind)
-        if not isinstance(image, Image.Image):
-            raise ValueError(f'{where}: an "{kind}" part needs a PIL image in "{kind}".')
-        return image
-    return None
+    image = part.get(kind)
+    if not isinstance(image, Image.Image):
+        raise ContentPartError(
+            where,
+            f'an "{kind}" part needs a PIL.Image.Image in "{kind}" (LLM.chat only), got '
+            f"{type(image).__name__}; over HTTP, or for an encoded image, {_IMAGE_URL_FIX}.",
+        )
+    return image
+
+
+def _check_text_part(part: Any, where: str) -> None:
+    if isinstance(part, str):
+        return
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            got = type(part.get("text")).__name__
+            raise ContentPartError(where, f'a "text" part needs "text" to be a string, got {got}.')
+        return
+    if kind in REFUSED_PART_TYPES:
+        raise ContentPartError(
+            where,
+            f"content parts of type {kind!r} are not supported (pagedlm takes images and "
+            f"text); {_IMAGE_URL_FIX}, or drop the part.",
+        )
+    got = f"type {kind!r}" if isinstance(kind, str) else f"(a {type(part).__name__})"
+    raise ContentPartError(
+        where,
+        f"unknown content part {got}; a message with images holds "
+        '{"type": "text", "text": ...} and {"type": "image_url", ...} parts.',
+    )
 
 
 def has_images(conversation: Sequence[dict[str, Any]]) -> bool:
+    """Whether any message has an image part, or a media part pagedlm refuses (so that
+    ``split_images`` names it instead of a text path dropping it)."""
+    media = IMAGE_PART_TYPES | REFUSED_PART_TYPES
     return any(
-        isinstance(message.get("content"), list)
-        and any(
-            isinstance(part, dict) and part.get("type") in ("image_url", "image_pil", "image")
-            for part in message["content"]
-        )
+        isinstance(message, dict)
+        and isinstance(message.get("content"), list)
+        and any(isinstance(part, dict) and part.get("type") in media for part in message["content"])
         for message in conversation
     )
 
 
 def split_images(
-    conversation: Sequence[dict[str, Any]],
-) -> tuple[list[dict[str, Any]], list[ImageSource]]:
-    """(the conversation with image parts as ``{"type": "image"}``, the images in order)."""
+    conversation: Sequence[dict[str, Any]], places: Sequence[str] | None = None
+) -> tuple[list[dict[str, Any]], list[ImagePart]]:
+    """(the conversation with image parts as ``{"type": "image"}``, the images in order).
+
+    ``places``: each message's place in the request (default ``"messages.{i}"``), for
+    errors. ``ContentPartError`` for a malformed image part or a part that is neither text
+    nor image."""
     messages: list[dict[str, Any]] = []
-    images: list[ImageSource] = []
+    images: list[ImagePart] = []
     for i, message in enumerate(conversation):
         content = message.get("content")
         if not isinstance(content, list):
@@ -58,13 +120,26 @@ def split_images(
             continue
         parts = []
         for j, part in enumerate(content):
-            source = (
-                _image_source(part, f"messages.{i}.content.{j}") if isinstance(part, dict) else None
-            )
-            if source is None:
-                parts.append(part)
-            else:
-                images.append(source)
+            where = f"{places[i] if places else f'messages.{i}'}.content.{j}"
+            if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                images.append(ImagePart(_image_source(part, where), where))
                 parts.append({"type": "image"})
+            else:
+                _check_text_part(part, where)
+                # A plain string part as a text part: processors' templates read part["type"].
+                parts.append({"type": "text", "text": part} if isinstance(part, str) else part)
         messages.append({**message, "content": parts})
     return messages, images
+
+
+def load_chat_image(part: ImagePart, config: Any) -> Any:
+    """The part's image for an offline caller (a URL loaded, a PIL image as it is); a
+    ``MediaError`` names the part (``config``: the engine's ``MultiModalConfig``)."""
+    if not isinstance(part.source, str):
+        return part.source
+    from pagedlm.multimodal.media import MediaError, load_image_url
+
+    try:
+        return load_image_url(part.source, config)
+    except MediaError as error:
+        raise MediaError(f"{part.where}: {error}") from None

@@ -38,6 +38,11 @@ def _images(value: Any) -> list[Any]:
                 f"multi_modal_data['image'][{index}] is a {type(item).__name__}, not a "
                 "PIL.Image.Image; open the image with PIL first."
             )
+        if item.width == 0 or item.height == 0:
+            raise ValueError(
+                f"multi_modal_data['image'][{index}] is {item.width}x{item.height} pixels; "
+                "send an image with at least one pixel."
+            )
     return items
 
 

@@ -93,7 +93,11 @@ def _data_url_bytes(url: str, config: MultiModalConfig) -> bytes:
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise MediaError("the image data URL is not valid base64.") from None
+        raise MediaError(
+            "the image data URL is not valid base64: encode the image's bytes in standard "
+            "base64 (A-Z, a-z, 0-9, '+', '/', '=' padding), with no line breaks, spaces or "
+            "URL-safe '-' and '_'."
+        ) from None
 
 
 def _local_file_bytes(url: str, config: MultiModalConfig) -> bytes:
@@ -101,7 +105,8 @@ def _local_file_bytes(url: str, config: MultiModalConfig) -> bytes:
     if allowed is None:
         raise MediaError(
             "file:// image URLs are refused: the server was started without "
-            "--allowed-local-media-path."
+            "--allowed-local-media-path (LLM: allowed_local_media_path=); set it to the "
+            "directory the images may come from, or send the image as a data: URL."
         )
     path = os.path.realpath(urllib.parse.unquote(urllib.parse.urlparse(url).path))
     if os.path.commonpath([path, allowed]) != allowed:
@@ -110,7 +115,8 @@ def _local_file_bytes(url: str, config: MultiModalConfig) -> bytes:
             "(--allowed-local-media-path)."
         )
     if not os.path.isfile(path):
-        raise MediaError(f"the image file {path!r} does not exist.")
+        missing = "is not a file" if os.path.exists(path) else "does not exist"
+        raise MediaError(f"the image file {path!r} {missing}; name an image file.")
     _check_size(os.path.getsize(path), config, "the image file")
     with open(path, "rb") as file:
         return file.read()
@@ -166,7 +172,10 @@ def _http_error(url: str, exc: Exception, config: MultiModalConfig) -> MediaErro
         return MediaError(
             f"fetching the image {url[:80]!r} timed out after {config.media_fetch_timeout_s} s."
         )
-    return MediaError(f"fetching the image {url[:80]!r} failed: {exc}")
+    return MediaError(
+        f"fetching the image {url[:80]!r} failed ({type(exc).__name__}: {exc}); check that "
+        "the server can reach the URL, or send the image inline as a data: URL."
+    )
 
 
 def _checked_response(response: Any, url: str) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from pagedlm.entrypoints.openai.errors import APIError
 from pagedlm.entrypoints.openai.protocol_anthropic import system_content
-from pagedlm.multimodal.chat import has_images, split_images
+from pagedlm.multimodal.chat import ImagePart, has_images, split_images
 from pagedlm.multimodal.media import load_image_url_async
 
 
@@ -44,9 +44,10 @@ def _anthropic_image_url(block: dict[str, Any], where: str) -> str:
     )
 
 
-def anthropic_conversation(request: Any) -> list[dict[str, Any]] | None:
+def anthropic_conversation(request: Any) -> tuple[list[dict[str, Any]], list[str]] | None:
     """An Anthropic request's conversation with image blocks as OpenAI ``image_url``
-    parts (None: no image block, or a text-only model: the text path answers)."""
+    parts, and each conversation message's place in the request (``"system"``,
+    ``"messages.2"``) for errors (None: no image block: the text path answers)."""
     messages = request.messages
     if not any(
         not isinstance(m.content, str) and any(b.type == "image" for b in m.content)
@@ -54,11 +55,15 @@ def anthropic_conversation(request: Any) -> list[dict[str, Any]] | None:
     ):
         return None
     conversation: list[dict[str, Any]] = []
+    places: list[str] = []
     if request.system:
         conversation.append({"role": "system", "content": system_content(request.system)})
+        places.append("system")
     for i, message in enumerate(messages):
         if isinstance(message.content, str) or all(b.type != "image" for b in message.content):
-            conversation.extend(message.template_messages(f"messages.{i}.content"))
+            turn = message.template_messages(f"messages.{i}.content")
+            conversation.extend(turn)
+            places.extend([f"messages.{i}"] * len(turn))
             continue
         parts = []
         for j, block in enumerate(message.content):
@@ -74,13 +79,22 @@ def anthropic_conversation(request: Any) -> list[dict[str, Any]] | None:
                     param=where,
                 )
         conversation.append({"role": message.role, "content": parts})
-    return conversation
+        places.append(f"messages.{i}")
+    return conversation, places
 
 
 def openai_conversation(messages: list[Any]) -> list[dict[str, Any]] | None:
     """The chat messages as dicts, content parts kept (None: no image part)."""
     conversation = [m.model_dump(exclude_none=True) for m in messages]
     return conversation if has_images(conversation) else None
+
+
+async def _load_image(part: ImagePart, config: Any) -> Any:
+    """The part's image; a failure is a 400 naming the part (``messages.0.content.1``)."""
+    try:
+        return await load_image_url_async(part.source, config)
+    except ValueError as error:
+        raise APIError(f"{part.where}: {error}", param=part.where) from None
 
 
 async def check_processor_kwargs(ctx: Any, kwargs: dict[str, Any]) -> None:
@@ -100,6 +114,7 @@ async def multimodal_prompt(
     conversation: list[dict[str, Any]] | None,
     request_template: str | None = None,
     mm_processor_kwargs: dict[str, Any] | None = None,
+    places: list[str] | None = None,
     **template_kwargs: Any,
 ) -> dict[str, Any] | None:
     """``{"prompt": text, "multi_modal_data": {"image": [...]}}`` for a conversation with
@@ -109,7 +124,8 @@ async def multimodal_prompt(
     ``chat_template`` is refused here (the text path renders those sandboxed). Content
     parts stay a list whatever ``--chat-template-content-format`` says (the processor's
     template places the images by them); ``--default-chat-template-kwargs`` apply.
-    ``mm_processor_kwargs`` (a chat request's, vLLM's) are checked, and go with the prompt."""
+    ``mm_processor_kwargs`` (a chat request's, vLLM's) are checked, and go with the prompt.
+    ``places``: each message's place in the request, for errors (``"messages.{i}"``)."""
     if mm_processor_kwargs is not None:
         await check_processor_kwargs(ctx, mm_processor_kwargs)
     inputs = _inputs(ctx)
@@ -124,9 +140,12 @@ async def multimodal_prompt(
     template_kwargs = {**ctx.default_chat_template_kwargs, **template_kwargs}
     template_kwargs["chat_template"] = ctx.chat_template
     try:
-        messages, sources = split_images(conversation)
-        inputs.check_count("image", len(sources))
-        images = await asyncio.gather(*(load_image_url_async(s, inputs.config) for s in sources))
+        messages, parts = split_images(conversation, places)
+        inputs.check_count("image", len(parts))
+    except ValueError as error:
+        raise APIError(str(error), param=getattr(error, "where", "messages")) from error
+    images = await asyncio.gather(*(_load_image(part, inputs.config) for part in parts))
+    try:
         text = await asyncio.to_thread(inputs.processor.render_chat, messages, **template_kwargs)
     except ValueError as error:
         raise APIError(str(error), param="messages") from error

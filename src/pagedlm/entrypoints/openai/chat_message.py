@@ -25,7 +25,9 @@ class TextPart(BaseModel):
     text: Any = None
 
 
-UNSERVED_PART_TYPES = frozenset({"image_url", "input_audio", "audio_url", "video_url", "file"})
+UNSERVED_PART_TYPES = frozenset(
+    {"image_url", "input_image", "image_embeds", "input_audio", "audio_url", "video_url", "file"}
+)
 
 
 def _part_text(part: TextPart, where: str) -> str:

@@ -104,9 +104,11 @@ class MessagesServer:
     async def count_tokens(self, request: CountTokensRequest) -> dict:
         self.ctx.check_model(request.model)
         continues = request.continues_assistant
+        conversation, places = anthropic_conversation(request) or (None, None)
         prompt = await multimodal_prompt(
             self.ctx,
-            anthropic_conversation(request),
+            conversation,
+            places=places,
             add_generation_prompt=not continues,
             continue_final_message=continues,
         )
@@ -125,9 +127,11 @@ class MessagesServer:
         self.ctx.check_model(request.model)
         plan = self._plan(request)
         continues = request.continues_assistant
+        conversation, places = anthropic_conversation(request) or (None, None)
         prompt: dict = await multimodal_prompt(
             self.ctx,
-            anthropic_conversation(request),
+            conversation,
+            places=places,
             add_generation_prompt=not continues,
             continue_final_message=continues,
         ) or {"prompt_token_ids": await self._prompt(request, plan)}
