@@ -57,7 +57,7 @@ def test_n2_request_counts_two_sequences_and_one_n():
         "request_prompt_tokens",
         "request_generation_tokens",
         "request_params_max_tokens",
-        "time_per_output_token_seconds",
+        "request_time_per_output_token_seconds",
         "time_to_first_token_seconds",
     ):
         assert count(stats, name) == 2, name
@@ -72,9 +72,13 @@ def test_n2_request_counts_two_sequences_and_one_n():
     assert total(stats, "request_generation_tokens") == 3 + 2
     assert total(stats, "request_prompt_tokens") == 20
     # r-0: 0.2 s over 2 later tokens; r-1: 1.0 s over 1 later token.
-    assert total(stats, "time_per_output_token_seconds") == pytest.approx(0.1 + 1.0)
-    assert count(stats, "inter_token_latency_seconds") == 3
-    assert total(stats, "inter_token_latency_seconds") == pytest.approx(0.2 + 1.0)
+    assert total(stats, "request_time_per_output_token_seconds") == pytest.approx(0.1 + 1.0)
+    # Every later token: r-0's two share 0.2 s, r-1's one took 1.0 s (vLLM's older name too).
+    for name in ("inter_token_latency_seconds", "time_per_output_token_seconds"):
+        assert count(stats, name) == 3
+        assert total(stats, name) == pytest.approx(0.2 + 1.0)
+    assert count(stats, "request_max_num_generation_tokens") == 1  # once per user request
+    assert total(stats, "request_max_num_generation_tokens") == 3  # r-0's 3 tokens, not r-1's 2
     # Step 1: two prefills of 10 tokens plus 2 tokens; then 2; then 1.
     assert count(stats, "iteration_tokens_total") == 3
     assert total(stats, "iteration_tokens_total") == 22 + 2 + 1
@@ -89,9 +93,11 @@ def test_stop_string_finish_and_abort():
     stats.record_stopped(["a-0"])
     assert count(stats, "e2e_request_latency_seconds") == 1
     assert count(stats, "request_params_max_tokens") == 0  # a had no max_tokens
-    assert stats.forget_request("b") == 0  # b had started: its prompt was processed
+    stats.forget_request("b")  # aborted by its client: nothing more is observed
     stats.record_outputs([EngineCoreOutput("b-0", [2], finish_reason="length")])
     assert count(stats, "e2e_request_latency_seconds") == 1
     assert count(stats, "request_params_n") == 1
+    assert stats.num_prompt_tokens == 8  # a and b reached their first token
     stats.add_request("c", ["c-0", "c-1"], 99.0, 4, 8)
-    assert stats.forget_request("c") == 8  # rejected before any token
+    stats.forget_request("c")  # aborted before any token: its prompt was never processed
+    assert stats.num_prompt_tokens == 8

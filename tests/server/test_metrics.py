@@ -119,7 +119,12 @@ def test_n2_request_is_two_sequences_everywhere(tiny_server):
     assert delta("request_success_total", finished_reason="length") == 2
     for name in HISTOGRAMS:
         if name not in ("request_params_n", "iteration_tokens_total"):
-            assert delta(f"{name}_count") == (4 if name == "inter_token_latency_seconds" else 2)
+            # One observation per sequence; per later token for ITL and vLLM's older TPOT.
+            per_token = name in ("inter_token_latency_seconds", "time_per_output_token_seconds")
+            assert delta(f"{name}_count") == (4 if per_token else 2)
+    assert delta("request_time_per_output_token_seconds_count") == 2
+    assert delta("request_max_num_generation_tokens_count") == 1
+    assert delta("request_max_num_generation_tokens_sum") == 3
     assert delta("request_params_n_count") == 1
     assert delta("request_params_n_sum") == 2
     assert delta("request_params_max_tokens_sum") == 6

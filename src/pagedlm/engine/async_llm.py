@@ -753,7 +753,7 @@ class AsyncLLM:
         elif isinstance(message, RequestRejected):
             self.output_processor.abort_requests([message.parent_id])
             stream = self._streams.get(message.parent_id)
-            self.metrics.forget_request(message.parent_id, rejected=True)
+            self.metrics.forget_request(message.parent_id)
             if stream is not None:
                 stream.put(ValueError(message.message))
             self._notify_if_idle()

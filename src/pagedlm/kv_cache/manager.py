@@ -72,7 +72,10 @@ class KVCacheManager:
         self._tables: dict[str, list[KVCacheBlock]] = {}
         self._num_hashed: dict[str, int] = {}
         self.prefix_cache_queries = 0
-        """Tokens looked up in the prefix cache by admitted requests (cumulative)."""
+        """Tokens looked up in the prefix cache by admitted requests (cumulative). A
+        preempted request's lookup when it resumes is left out, as vLLM leaves it out of
+        ``prefix_cache_queries``: it would mostly hit its own blocks and count its prompt
+        again."""
         self.prefix_cache_hits = 0
         """Of those, tokens served from the cache (cumulative)."""
 
@@ -164,8 +167,9 @@ class KVCacheManager:
         table = self._tables.setdefault(request.request_id, [])
         table.extend(computed.blocks)
         table.extend(new_blocks)
-        self.prefix_cache_queries += computed.num_queried_tokens
-        self.prefix_cache_hits += computed.num_computed_tokens
+        if not request.num_preemptions:
+            self.prefix_cache_queries += computed.num_queried_tokens
+            self.prefix_cache_hits += computed.num_computed_tokens
         if not delay_cache_blocks:
             self._cache_full_blocks(request, table, num_tokens_with_slots)
         return [block.block_id for block in new_blocks]

@@ -43,8 +43,10 @@ _DOCS = {
     "pagedlm:cache_config_info": "Information of the engine's CacheConfig (value: 1).",
     "pagedlm:time_to_first_token_seconds": "Histogram of time to first token in seconds.",
     "pagedlm:inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
-    "pagedlm:time_per_output_token_seconds": "Histogram of a sequence's mean time per "
-    "output token after the first, in seconds.",
+    "pagedlm:time_per_output_token_seconds": "Histogram of time per output token in seconds "
+    "(vLLM's older name of inter_token_latency_seconds).",
+    "pagedlm:request_time_per_output_token_seconds": "Histogram of "
+    "time_per_output_token_seconds per request.",
     "pagedlm:e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
     "pagedlm:request_queue_time_seconds": "Histogram of time spent in WAITING phase.",
     "pagedlm:request_prefill_time_seconds": "Histogram of time spent in PREFILL phase.",
@@ -54,6 +56,8 @@ _DOCS = {
     "pagedlm:request_generation_tokens": "Number of generation tokens processed, per sequence.",
     "pagedlm:request_params_max_tokens": "Histogram of the max_tokens request parameter.",
     "pagedlm:request_params_n": "Histogram of the n request parameter.",
+    "pagedlm:request_max_num_generation_tokens": "Histogram of the most generation tokens "
+    "one of a request's n sequences produced.",
     "pagedlm:iteration_tokens_total": "Histogram of number of tokens per engine step.",
 }
 

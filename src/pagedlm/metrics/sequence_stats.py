@@ -4,7 +4,8 @@ One user request with ``n`` samples is ``n`` engine-core sequences, and vLLM obs
 request-level histogram (time to first token, inter-token latency, end-to-end, queue,
 prefill, decode, inference, prompt/generation tokens, ``max_tokens``) once per *sequence*,
 the same unit as ``request_success_total``: an ``n=2`` request adds 2 to the success
-counter and 2 observations to each latency histogram. Only ``request_params_n`` is
+counter and 2 observations to each latency histogram. Only ``request_params_n`` and
+``request_max_num_generation_tokens`` (the most tokens any of its sequences generated) are
 observed once per user request (when its last sequence finishes).
 
 Times are ``time.monotonic()`` (the clock ``arrival_time`` uses), taken when the front end
@@ -14,7 +15,12 @@ handles a step's outputs. Phases, as in vLLM's ``FinishedRequestStats``:
 - prefill:   first scheduled -> first token
 - decode:    first token -> last token
 - inference: first scheduled -> last token
-- time per output token: decode / (generated tokens - 1), for sequences of 2+ tokens.
+- request time per output token: decode / (generated tokens - 1); 0 for one token.
+
+``inter_token_latency_seconds`` observes every token after a sequence's first: the time
+since its previous token (tokens that arrive together share the gap).
+``time_per_output_token_seconds`` is vLLM's older name for the same observations (vLLM
+observes the same values under both names while it keeps the old one).
 
 Pure Python (no prometheus_client): ``LLM.get_metrics()`` reports the same histograms as
 ``/metrics``; ``prometheus.py`` only renders them.
@@ -33,19 +39,19 @@ TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 )  # fmt: skip
-"""vLLM's ``time_to_first_token_seconds`` buckets (also used for inter-token latency)."""
+"""vLLM's ``time_to_first_token_seconds`` buckets."""
 TPOT_BUCKETS = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
-"""vLLM's ``time_per_output_token_seconds`` buckets."""
+"""vLLM's ``inter_token_latency_seconds`` and ``time_per_output_token_seconds`` buckets."""
 REQUEST_LATENCY_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
     40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 """vLLM's buckets for e2e, queue, prefill, decode and inference time."""
-ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8096)
-"""vLLM's ``iteration_tokens_total`` buckets without CUDA graphs."""
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+"""vLLM v1's ``iteration_tokens_total`` buckets (V0's ended at a mistyped 8096)."""
 N_BUCKETS = (1, 2, 5, 10, 20)
 
 
@@ -108,6 +114,16 @@ class _Sequence:
     num_generation_tokens: int = 0
 
 
+@dataclass
+class _Parent:
+    """A user request: its ``n``, its sequences still running, and the most tokens one
+    of its finished sequences generated."""
+
+    n: int
+    running: set[str]
+    max_generation_tokens: int = 0
+
+
 class SequenceStats:
     """The request-level histograms, fed with every step's ``EngineCoreOutput`` list."""
 
@@ -116,8 +132,9 @@ class SequenceStats:
         token_buckets = build_1_2_5_buckets(max(max_model_len, 1))
         self.histograms: dict[str, Histogram] = {
             "pagedlm:time_to_first_token_seconds": Histogram(TTFT_BUCKETS),
-            "pagedlm:inter_token_latency_seconds": Histogram(TTFT_BUCKETS),
+            "pagedlm:inter_token_latency_seconds": Histogram(TPOT_BUCKETS),
             "pagedlm:time_per_output_token_seconds": Histogram(TPOT_BUCKETS),
+            "pagedlm:request_time_per_output_token_seconds": Histogram(TPOT_BUCKETS),
             "pagedlm:e2e_request_latency_seconds": Histogram(REQUEST_LATENCY_BUCKETS),
             "pagedlm:request_queue_time_seconds": Histogram(REQUEST_LATENCY_BUCKETS),
             "pagedlm:request_prefill_time_seconds": Histogram(REQUEST_LATENCY_BUCKETS),
@@ -126,12 +143,17 @@ class SequenceStats:
             "pagedlm:request_prompt_tokens": Histogram(token_buckets),
             "pagedlm:request_generation_tokens": Histogram(token_buckets),
             "pagedlm:request_params_max_tokens": Histogram(token_buckets),
+            "pagedlm:request_max_num_generation_tokens": Histogram(token_buckets),
             "pagedlm:request_params_n": Histogram(N_BUCKETS),
             "pagedlm:iteration_tokens_total": Histogram(ITERATION_TOKEN_BUCKETS),
         }
         self._sequences: dict[str, _Sequence] = {}
-        self._parents: dict[str, tuple[int, set[str]]] = {}
-        """User request id -> (n, its sequences still running)."""
+        self._parents: dict[str, _Parent] = {}
+        self.num_prompt_tokens = 0
+        """Prompt tokens of the sequences whose prefill is done (``prompt_tokens_total``):
+        counted at a sequence's first token (or pooled vector), as vLLM counts them, so a
+        request aborted before then adds nothing and a preempted one's recomputation
+        nothing more."""
 
     def _observe(self, name: str, value: float) -> None:
         self.histograms[name].observe(value)
@@ -148,22 +170,16 @@ class SequenceStats:
             self._sequences[child_id] = _Sequence(
                 parent_id, arrival_time, num_prompt_tokens, max_tokens
             )
-        self._parents[parent_id] = (len(child_ids), set(child_ids))
+        self._parents[parent_id] = _Parent(len(child_ids), set(child_ids))
 
-    def forget_request(self, parent_id: str) -> int:
-        """An aborted or rejected request: nothing more is observed for it. Returns the
-        prompt tokens of the sequences that had not started generating."""
+    def forget_request(self, parent_id: str) -> None:
+        """An aborted or rejected request: nothing more is observed for it."""
         entry = self._parents.pop(parent_id, None)
-        unstarted_prompt_tokens = 0
-        for child_id in entry[1] if entry is not None else ():
-            sequence = self._sequences.pop(child_id, None)
-            if sequence is not None and sequence.first_token_time is None:
-                unstarted_prompt_tokens += sequence.num_prompt_tokens
-        return unstarted_prompt_tokens
+        for child_id in entry.running if entry is not None else ():
+            self._sequences.pop(child_id, None)
 
     def record_outputs(self, outputs: Iterable[EngineCoreOutput]) -> list[str]:
-        """Fold one step in; returns the finish reasons of the sequences it finished
-        (aborted ones excluded)."""
+        """Fold one step in; returns the finish reasons of the sequences it finished."""
         now = self.clock()
         step_tokens = 0
         finished: list[str] = []
@@ -192,16 +208,20 @@ class SequenceStats:
                     )
                     gaps += [0.0] * (num_new - 1)
                     step_tokens += sequence.num_prompt_tokens  # vLLM counts the prefill here
+                    self.num_prompt_tokens += sequence.num_prompt_tokens
                 sequence.last_token_time = now
                 sequence.num_generation_tokens += num_new
+            elif output.pooled is not None:  # a pooling request's only output
+                self.num_prompt_tokens += sequence.num_prompt_tokens
             if output.finish_reason is not None:
-                if output.finish_reason != "abort":
-                    finished.append(output.finish_reason)
-                    self._record_finished(output.req_id, now)
-                else:
-                    self._drop(output.req_id, observe_n=False)
+                # "abort" here is the core's own (a pause, a grammar that failed to
+                # compile): vLLM counts and observes those like any finish. A client's
+                # abort was forgotten before its sequences could report anything.
+                finished.append(output.finish_reason)
+                self._record_finished(output.req_id, now)
         if gaps:
             self.histograms["pagedlm:inter_token_latency_seconds"].observe_many(gaps)
+            self.histograms["pagedlm:time_per_output_token_seconds"].observe_many(gaps)
         if step_tokens:
             self._observe("pagedlm:iteration_tokens_total", step_tokens)
         return finished
@@ -232,22 +252,27 @@ class SequenceStats:
         observe("pagedlm:request_generation_tokens", sequence.num_generation_tokens)
         if sequence.max_tokens is not None:
             observe("pagedlm:request_params_max_tokens", sequence.max_tokens)
-        if sequence.num_generation_tokens > 1:
-            observe(
-                "pagedlm:time_per_output_token_seconds",
-                max(decode, 0.0) / (sequence.num_generation_tokens - 1),
-            )
-        self._drop(child_id, observe_n=True)
+        num_later_tokens = sequence.num_generation_tokens - 1
+        observe(
+            "pagedlm:request_time_per_output_token_seconds",
+            max(decode, 0.0) / num_later_tokens if num_later_tokens > 0 else 0.0,
+        )
+        self._drop(child_id)
 
-    def _drop(self, child_id: str, observe_n: bool) -> None:
-        """Forget a finished sequence; its request's ``n`` is observed when the last of
-        its sequences finishes (``observe_n``: not after an abort)."""
+    def _drop(self, child_id: str) -> None:
+        """Forget a finished sequence; its request's ``n`` and the most tokens one of its
+        sequences generated are observed when the last of its sequences finishes."""
         sequence = self._sequences.pop(child_id, None)
         if sequence is None:
             return
-        n, running = self._parents.get(sequence.parent_id, (0, set()))
-        running.discard(child_id)
-        if not running and sequence.parent_id in self._parents:
+        parent = self._parents.get(sequence.parent_id)
+        if parent is None:
+            return
+        parent.running.discard(child_id)
+        parent.max_generation_tokens = max(
+            parent.max_generation_tokens, sequence.num_generation_tokens
+        )
+        if not parent.running:
             del self._parents[sequence.parent_id]
-            if observe_n:
-                self._observe("pagedlm:request_params_n", n)
+            self._observe("pagedlm:request_params_n", parent.n)
+            self._observe("pagedlm:request_max_num_generation_tokens", parent.max_generation_tokens)

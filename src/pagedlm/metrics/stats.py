@@ -21,6 +21,12 @@ if TYPE_CHECKING:
     from pagedlm.core.request import Request
 
 
+FINISH_REASONS = ("stop", "length", "abort")
+"""The ``finished_reason`` labels of ``request_success`` (vLLM exports each, 0 included);
+"abort" counts the requests the engine core ended (a pause, a failed grammar), not the
+ones a client aborted."""
+
+
 @dataclass(frozen=True)
 class Metric:
     """One metric value (``LLM.get_metrics()`` returns a list of these)."""
@@ -40,7 +46,6 @@ class EngineMetrics:
 
     def __init__(self, max_model_len: int = 2048, cache_info: dict[str, str] | None = None) -> None:
         """``cache_info``: the labels of vLLM's ``cache_config_info`` (see ``cache_info``)."""
-        self.prompt_tokens = 0
         self.generation_tokens = 0
         self.request_success: Counter[str] = Counter()
         self.sequences = SequenceStats(max_model_len)
@@ -49,22 +54,21 @@ class EngineMetrics:
     def record_request(self, request_id: str, children: Sequence[Request]) -> None:
         """A user request whose ``n`` samples (``children``) entered the engine core."""
         first = children[0]
-        num_prompt_tokens = len(first.prompt_token_ids)
-        self.prompt_tokens += num_prompt_tokens * len(children)
         self.sequences.add_request(
             request_id,
             [child.request_id for child in children],
             first.arrival_time,
-            num_prompt_tokens,
+            len(first.prompt_token_ids),
             first.sampling_params.max_tokens,
         )
 
-    def forget_request(self, request_id: str, rejected: bool = False) -> None:
-        """An aborted request (``rejected``: refused by the core, so its prompt tokens
-        were never processed) observes nothing more."""
-        unstarted_prompt_tokens = self.sequences.forget_request(request_id)
-        if rejected:
-            self.prompt_tokens -= unstarted_prompt_tokens
+    def forget_request(self, request_id: str) -> None:
+        """An aborted request, or one the core refused, observes nothing more."""
+        self.sequences.forget_request(request_id)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.sequences.num_prompt_tokens
 
     def record_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         self.generation_tokens += sum(len(out.new_token_ids) for out in outputs)
@@ -91,7 +95,7 @@ class EngineMetrics:
         ]
         if stats.max_loras:
             metrics.append(_lora_requests_info(stats))
-        for reason in ("stop", "length"):
+        for reason in FINISH_REASONS:
             metrics.append(
                 Metric(
                     "pagedlm:request_success",

@@ -1,0 +1,189 @@
+"""The engine's metrics against vLLM's: bucket boundaries, and values after aborts,
+preemption, n > 1 and rejected requests, driven through ``LLMEngine`` on a tiny
+checkpoint (CPU)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import pytest
+
+from pagedlm import LLM, SamplingParams
+from pagedlm.core.outputs import EngineCoreOutput
+from pagedlm.core.scheduler_interface import SchedulerStats
+from pagedlm.metrics import EngineMetrics
+from pagedlm.metrics.sequence_stats import SequenceStats
+from pagedlm.outputs import RequestOutput
+
+VLLM_TPOT_BUCKETS = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+]  # fmt: skip
+VLLM_BUCKETS = {
+    "time_to_first_token_seconds": [
+        0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+        2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+    ],
+    "inter_token_latency_seconds": VLLM_TPOT_BUCKETS,
+    "time_per_output_token_seconds": VLLM_TPOT_BUCKETS,
+    "request_time_per_output_token_seconds": VLLM_TPOT_BUCKETS,
+    "e2e_request_latency_seconds": [
+        0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+        40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+    ],
+    "iteration_tokens_total": [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+    "request_params_n": [1, 2, 5, 10, 20],
+    "request_prompt_tokens": [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000],
+    "request_max_num_generation_tokens": [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000],
+}  # fmt: skip
+"""vLLM v1's ``PrometheusStatLogger`` buckets (token counts for max_model_len=2048)."""
+LATENCY_PHASES = ("queue", "prefill", "decode", "inference")
+
+
+def test_histogram_buckets_are_vllms():
+    histograms = SequenceStats(max_model_len=2048).histograms
+    for name, bounds in VLLM_BUCKETS.items():
+        assert list(histograms[f"pagedlm:{name}"].bounds) == bounds, name
+    for phase in LATENCY_PHASES:
+        assert histograms[f"pagedlm:request_{phase}_time_seconds"].bounds == tuple(
+            VLLM_BUCKETS["e2e_request_latency_seconds"]
+        )
+
+
+def _snapshot(engine_metrics: EngineMetrics) -> dict[tuple[str, tuple], float]:
+    stats = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+    return {
+        (metric.name, tuple(sorted(metric.labels.items()))): metric.value
+        for metric in engine_metrics.snapshot(stats)
+    }
+
+
+def test_request_the_core_aborted_is_counted_under_abort():
+    """vLLM counts a request the engine core ends with "abort" (a pause, a grammar that
+    failed to compile) in ``request_success{finished_reason="abort"}``; a client's abort
+    is not counted. Every reason vLLM can report here is exported, 0 included."""
+    metrics = EngineMetrics(max_model_len=64)
+    for request_id in ("paused", "client"):
+        child = SimpleNamespace(
+            request_id=f"{request_id}-0",
+            prompt_token_ids=[1, 2, 3],
+            arrival_time=0.0,
+            sampling_params=SimpleNamespace(max_tokens=8),
+        )
+        metrics.record_request(request_id, [child])
+    metrics.record_outputs([EngineCoreOutput("paused-0", [5]), EngineCoreOutput("client-0", [5])])
+    metrics.forget_request("client")
+    metrics.record_outputs(
+        [
+            EngineCoreOutput("paused-0", [6], finish_reason="abort"),
+            EngineCoreOutput("client-0", [], finish_reason="abort"),
+        ]
+    )
+    values = _snapshot(metrics)
+    success = "pagedlm:request_success"
+    assert values[(success, (("finished_reason", "abort"),))] == 1
+    assert values[(success, (("finished_reason", "stop"),))] == 0
+    assert values[(success, (("finished_reason", "length"),))] == 0
+    histograms = metrics.sequences.histograms
+    assert histograms["pagedlm:e2e_request_latency_seconds"].count == 1
+    assert histograms["pagedlm:request_params_n"].count == 1
+    assert values[("pagedlm:prompt_tokens", ())] == 6  # both prefills finished
+
+
+def _values(llm: LLM) -> dict[str, float]:
+    """Counter and gauge values by name (summed over labels); histograms' counts."""
+    values: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        value = metric.buckets[-1][1] if metric.kind == "histogram" else metric.value
+        values[metric.name] = values.get(metric.name, 0.0) + value
+    return values
+
+
+def _drain(llm: LLM, on_step: Callable[[list[RequestOutput]], None] | None = None) -> None:
+    engine = llm.llm_engine
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        usage = _values(llm)["pagedlm:kv_cache_usage_perc"]
+        assert 0.0 <= usage <= 1.0
+        if on_step is not None:
+            on_step(outputs)
+
+
+def _assert_idle(values: dict[str, float]) -> None:
+    assert values["pagedlm:num_requests_running"] == 0
+    assert values["pagedlm:num_requests_waiting"] == 0
+    assert values["pagedlm:kv_cache_usage_perc"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoint) -> str:
+    return str(tiny_checkpoint("llama"))
+
+
+def test_preemption_aborts_and_n_through_the_engine(llama):
+    # 12 blocks of 16 cannot hold four 80-token sequences: the scheduler preempts.
+    llm = LLM(llama, skip_tokenizer_init=True, num_kv_blocks=12, block_size=16, max_model_len=128)
+    engine = llm.llm_engine
+    rng = random.Random(0)
+
+    def prompt(length: int) -> dict:
+        return {"prompt_token_ids": [rng.randrange(384) for _ in range(length)]}
+
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"long-{i}", prompt(40), long)
+    n3 = SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=3, ignore_eos=True)
+    engine.add_request("n3", prompt(20), n3)
+    engine.add_request("never-scheduled", prompt(10), long)
+    engine.abort_request(["never-scheduled"])
+    # Aborted mid-decode: its prompt was processed, but it never finishes.
+    engine.add_request("mid-decode", prompt(10), long)
+
+    def abort_mid_decode(outputs) -> None:
+        if any(out.request_id == "mid-decode" for out in outputs):
+            engine.abort_request(["mid-decode"])
+
+    _drain(llm, abort_mid_decode)
+    values = _values(llm)
+    _assert_idle(values)
+    assert values["pagedlm:num_preemptions"] > 0
+    # Prefill tokens processed, once each: a preempted request's recomputation and the
+    # request aborted before it was scheduled add nothing.
+    assert values["pagedlm:prompt_tokens"] == 4 * 40 + 3 * 20 + 10
+    # Queried once per sequence, when first admitted (vLLM leaves a resumed request's
+    # lookup out); distinct random prompts hit nothing, the n=3 siblings at most their
+    # shared first block.
+    assert values["pagedlm:prefix_cache_queries"] == 4 * 40 + 3 * 20 + 10
+    assert values["pagedlm:prefix_cache_hits"] <= 2 * 16
+    assert values["pagedlm:request_success"] == 4 + 3  # per sequence; aborts excluded
+    assert values["pagedlm:time_to_first_token_seconds"] == 4 + 3 + 1  # once per sequence
+    assert values["pagedlm:e2e_request_latency_seconds"] == 4 + 3
+    assert values["pagedlm:request_params_n"] == 4 + 1  # once per user request
+    assert values["pagedlm:request_max_num_generation_tokens"] == 4 + 1
+    generated = values["pagedlm:generation_tokens"]
+    assert generated >= 4 * 40 + 3 * 3
+    # Every token after a sequence's first is one inter-token latency.
+    assert values["pagedlm:inter_token_latency_seconds"] == generated - (4 + 3 + 1)
+
+
+def test_rejected_requests_leave_no_trace(llama):
+    llm = LLM(llama, skip_tokenizer_init=True, num_kv_blocks=4, block_size=16, max_model_len=128)
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    with pytest.raises(ValueError, match="max_model_len"):  # refused at validation
+        engine.add_request("too-long", {"prompt_token_ids": [1] * 200}, params)
+    with pytest.raises(ValueError):  # refused by the core: 100 tokens need 7 of 4 blocks
+        engine.add_request("no-room", {"prompt_token_ids": [1] * 100}, params)
+    values = _values(llm)
+    _assert_idle(values)
+    assert values["pagedlm:prompt_tokens"] == 0
+    assert values["pagedlm:prefix_cache_queries"] == 0
+    engine.add_request("fits", {"prompt_token_ids": [3] * 20}, params)
+    _drain(llm)
+    values = _values(llm)
+    _assert_idle(values)
+    assert values["pagedlm:prompt_tokens"] == 20
+    assert values["pagedlm:request_success"] == 1
+    assert values["pagedlm:request_params_n"] == 1
