@@ -308,3 +308,26 @@ def test_anthropic_bad_image_is_named_by_its_request_place(server):
     )  # fmt: skip
     assert response.status_code == 400
     assert response.json()["error"]["message"].startswith("messages.0.content.0: ")
+
+
+def test_responses_input_image_is_an_image(client):
+    """/v1/responses' input_image parts reach the model (they were refused as "a
+    text-only model" on a vision model), and input_items lists them."""
+    url = _data_url(_png(IMAGES["two-a"]))
+    content = [{"type": "input_image", "image_url": url}, {"type": "input_text", "text": QUESTION}]
+    reply = client.responses.create(
+        model="tiny",
+        input=[{"role": "user", "content": content}],
+        max_output_tokens=NEW_TOKENS,
+        temperature=0,
+    )
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION},
+        ]}],
+        max_tokens=NEW_TOKENS, temperature=0,
+    )  # fmt: skip
+    assert reply.output_text == chat.choices[0].message.content
+    listed = client.responses.input_items.list(reply.id).data[0]
+    assert [part.type for part in listed.content] == ["input_image", "input_text"]

@@ -23,6 +23,7 @@ from pagedlm.sampling_params import MAX_TEMPERATURE
 
 TEXT_PART_TYPES = frozenset({"input_text", "output_text", "text"})
 UNSERVED_PART_TYPES = frozenset({"input_image", "input_file", "input_audio"})
+"""Parts ``_text`` refuses; a message's ``input_image`` parts go to the chat path instead."""
 MESSAGE_ROLES = frozenset({"user", "assistant", "system", "developer"})
 SKIPPED_ITEM_TYPES = frozenset({"reasoning"})
 """Input items sent back from an earlier output that the prompt leaves out (as chat
@@ -204,24 +205,49 @@ def _text(content: Any, where: str) -> str:
         return content
     if not isinstance(content, list):
         raise APIError(f"{where} must be a string or a list of content parts.", param=where)
-    texts = []
+    return "\n".join(_part_text(part, f"{where}.{j}") for j, part in enumerate(content))
+
+
+def _part_text(part: Any, place: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in TEXT_PART_TYPES and isinstance(part.get("text"), str):
+        return part["text"]
+    if kind in UNSERVED_PART_TYPES:
+        raise APIError(
+            f"{place}: {kind!r} parts are not supported: this server serves a text-only "
+            'model; send {"type": "input_text", "text": ...} parts.',
+            param=place,
+        )
+    raise APIError(
+        f'{place} must be {{"type": "input_text", "text": ...}} (or "output_text").',
+        param=place,
+    )
+
+
+def _message_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content for the chat template: text, or, where it holds ``input_image``
+    parts, chat parts (images by URL, which the chat path loads: a 400 there for a text-only
+    model or a bad image)."""
+    images = isinstance(content, list) and any(
+        isinstance(part, dict) and part.get("type") == "input_image" for part in content
+    )
+    if not images:
+        return _text(content, where)
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         place = f"{where}.{j}"
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in TEXT_PART_TYPES and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind in UNSERVED_PART_TYPES:
-            raise APIError(
-                f"{place}: {kind!r} parts are not supported: this server serves a text-only "
-                'model; send {"type": "input_text", "text": ...} parts.',
-                param=place,
-            )
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise APIError(
+                    f"{place}: an input_image part needs image_url (a data: URL or an http(s) "
+                    "URL); file_id is not served here.",
+                    param=place,
+                )
+            parts.append({"type": "input_image", "image_url": url})
         else:
-            raise APIError(
-                f'{place} must be {{"type": "input_text", "text": ...}} (or "output_text").',
-                param=place,
-            )
-    return "\n".join(texts)
+            parts.append({"type": "text", "text": _part_text(part, place)})
+    return parts
 
 
 def _append_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
@@ -236,7 +262,8 @@ def _append_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
             raise APIError(
                 f"{where}.role must be one of {sorted(MESSAGE_ROLES)}, got {role!r}.", param=where
             )
-        messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+        content = _message_content(item.get("content"), f"{where}.content")
+        messages.append({"role": role, "content": content})
     elif kind == "function_call":
         call_id, name, arguments = (item.get(key) for key in ("call_id", "name", "arguments"))
         if not all(isinstance(value, str) for value in (call_id, name, arguments)):

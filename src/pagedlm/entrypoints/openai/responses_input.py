@@ -60,8 +60,10 @@ class ChatLayout:
         if rest.startswith((".content", ".tool_call_id")) and text_item is not None:
             if rest.startswith(".tool_call_id"):
                 return f"input.{text_item}.call_id"
-            output = self.item_types[text_item] == "function_call_output"
-            return f"input.{text_item}.{'output' if output else 'content'}"
+            if self.item_types[text_item] == "function_call_output":
+                return f"input.{text_item}.output"
+            # A message with images keeps its parts one for one (else its text is joined).
+            return f"input.{text_item}.content{rest.removeprefix('.content')}"
         return f"input.{sources[0]}" if len(sources) == 1 else "input"
 
     def param(self, name: str) -> str:
@@ -106,7 +108,16 @@ def _message(item: dict[str, Any]) -> dict[str, Any]:
     if isinstance(content, str):
         content = [{"type": "text", "text": content}]
     kind = "output_text" if assistant else "input_text"
-    parts = [{"type": kind, "text": part["text"]} for part in content]
+    parts = [
+        {
+            "type": "input_image",
+            "image_url": part["image_url"],
+            "detail": part.get("detail", "auto"),
+        }
+        if part.get("type") == "input_image"
+        else {"type": kind, "text": part["text"]}
+        for part in content
+    ]
     if assistant:
         parts = [{**part, "annotations": []} for part in parts]
     return {
