@@ -177,16 +177,17 @@ class CountTokensRequest(AnthropicModel):
         conversation = []
         if self.system:
             conversation.append({"role": "system", "content": system_content(self.system)})
-        turns: list[AnthropicMessage] = []
+        turns: list[tuple[AnthropicMessage, list[dict[str, Any]]]] = []
         for i, message in enumerate(self.messages):
-            message.template_messages(f"messages.{i}.content")
-            if turns and turns[-1].role == message.role:
-                blocks = _blocks(turns[-1].content) + _blocks(message.content)
-                turns[-1] = AnthropicMessage.model_construct(role=message.role, content=blocks)
+            messages = message.template_messages(f"messages.{i}.content")
+            if turns and turns[-1][0].role == message.role:
+                blocks = _blocks(turns[-1][0].content) + _blocks(message.content)
+                merged = AnthropicMessage.model_construct(role=message.role, content=blocks)
+                turns[-1] = (merged, merged.template_messages("messages"))
             else:
-                turns.append(message)
-        for turn in turns:
-            conversation.extend(turn.template_messages("messages"))
+                turns.append((message, messages))
+        for _, messages in turns:
+            conversation.extend(messages)
         return conversation
 
     @property
