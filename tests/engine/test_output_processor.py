@@ -264,6 +264,26 @@ def test_cached_tokens_and_metrics_are_reported(bpe_tokenizer):
     assert last.metrics["num_generation_tokens"] == 2.0
 
 
+@pytest.mark.parametrize("kind", [DELTA, CUMULATIVE, FINAL_ONLY])
+def test_n_samples_report_the_most_cached_tokens_of_any_child(bpe_tokenizer, kind):
+    """The samples share the prompt's blocks: the first child computes them and the later
+    ones find them cached. The parent reported its first child's count (0) whatever the
+    others were served; it reports the largest, as vLLM's final output does when the
+    children finish together (it carries the last child's count)."""
+    processor = OutputProcessor(bpe_tokenizer)
+    add(processor, SamplingParams(n=3, output_kind=kind), children=["0_r", "1_r", "2_r"])
+    step = processor.process_outputs(
+        [
+            EngineCoreOutput("0_r", [7], num_cached_tokens=0),
+            EngineCoreOutput("1_r", [8], num_cached_tokens=32),
+            EngineCoreOutput("2_r", [9], num_cached_tokens=16),
+        ]
+    )
+    last = processor.process_outputs([EngineCoreOutput(f"{i}_r", [EOS], "stop") for i in range(3)])
+    outputs = step.request_outputs + last.request_outputs
+    assert outputs and all(out.num_cached_tokens == 32 for out in outputs)
+
+
 @pytest.mark.parametrize("kind", [DELTA, CUMULATIVE])
 def test_stream_interval_speaks_on_the_first_tokens_then_every_n(bpe_tokenizer, kind):
     ids = bpe_tokenizer.encode("one two three four five six seven")

@@ -65,8 +65,6 @@ class CompletionState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
-        self.has_output = False
-        """Whether any engine-core output reached this child yet."""
         self._sent_tokens = 0
         self._sent_text = 0
         self._ids_only = detokenizer is None and not (
@@ -82,7 +80,6 @@ class CompletionState:
     def update(self, output: EngineCoreOutput) -> UpdateResult:
         """Fold one step's engine-core output into this completion."""
         if self._ids_only:
-            self.has_output = True
             if output.num_cached_tokens > self.num_cached_tokens:
                 self.num_cached_tokens = output.num_cached_tokens
             self.token_ids += output.new_token_ids
@@ -90,7 +87,6 @@ class CompletionState:
                 self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
                 return _CHANGED
             return _CHANGED if output.new_token_ids else _UNCHANGED
-        self.has_output = True
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         self.logprobs.add_prompt_rows(output.new_prompt_logprobs)
         new_token_ids = output.new_token_ids

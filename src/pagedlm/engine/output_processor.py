@@ -142,10 +142,12 @@ class _ParentRequest:
         return prompt_logprobs
 
     def _num_cached_tokens(self) -> int:
-        for child in self.children:
-            if child.has_output:
-                return child.num_cached_tokens
-        return 0
+        """The prompt tokens the prefix cache served, the most any child was served. The
+        children share the prompt's blocks: those admitted after the first find the blocks
+        it computed, so the first child alone under-reports. vLLM gives an output the count
+        of the child that completed it, for a final output the last to finish, which is a
+        later-admitted child whenever the children finish together: the largest count."""
+        return max(child.num_cached_tokens for child in self.children)
 
 
 class OutputProcessor:
