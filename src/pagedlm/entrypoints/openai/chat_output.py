@@ -4,7 +4,8 @@ The model's text goes through the reasoning parser (if the server has one), and 
 content that comes out goes through the tool parser (if the request uses one). Streaming
 and non-streaming responses use the same deltas, so they always agree. Each call gets an id
 in its model family's form (``ToolParser.new_call_id``). A request's reasoning parsers are
-made for its rendered prompt (``reasoning_factory``): a template may have opened the thought.
+made for its rendered prompt (``reasoning_factory``): a template or a prefill may have opened
+the thought or closed it.
 """
 
 from __future__ import annotations
@@ -19,24 +20,58 @@ from pagedlm.entrypoints.openai.reasoning_parsers import (
 )
 from pagedlm.entrypoints.openai.tool_parsers import ParsedDelta, ToolCallDelta, ToolParser
 
-PROMPT_TAIL_TOKENS = 32
-"""How many of the prompt's last tokens a reasoning parser reads: enough for a marker in
-plain words (Granite's sentence) and the whitespace after it, however finely tokenized."""
+PROMPT_TAIL_TOKENS = 1024
+"""How many of the prompt's last tokens a reasoning parser may read: its current turn, cut
+there (a template's turn is short; a prefill of a thought may not be)."""
 
 
 def reasoning_factory(
-    parser_class: type[ReasoningParser] | None, tokenizer: Any, prompt_token_ids: Sequence[int]
+    parser_class: type[ReasoningParser] | None,
+    tokenizer: Any,
+    prompt_token_ids: Sequence[int],
+    constrained: bool = False,
 ) -> Callable[[], ReasoningParser] | None:
-    """Makes a request's reasoning parsers (one per choice) given how its prompt ends: its
-    last tokens decoded with special tokens kept (a template's ``<think>`` may be one); no
-    tokenizer, nothing known of the prompt."""
+    """Makes a request's reasoning parsers (one per choice) given how its prompt ends: the
+    text of its current turn (``current_turn``); no tokenizer, nothing known of the prompt.
+    ``constrained``: a grammar constrains the output from its first token (the engine
+    applies it to the whole output), so the output starts after any thought."""
     if parser_class is None:
         return None
     tail = ""
     if tokenizer is not None and prompt_token_ids:
-        last = list(prompt_token_ids[-PROMPT_TAIL_TOKENS:])
-        tail = tokenizer.decode(last, skip_special_tokens=False)
-    return reasoning_parser_factory(parser_class, tail)
+        tail = current_turn(parser_class, tokenizer, prompt_token_ids)
+    return reasoning_parser_factory(parser_class, tail, closed=constrained)
+
+
+def current_turn(
+    parser_class: type[ReasoningParser], tokenizer: Any, prompt_token_ids: Sequence[int]
+) -> str:
+    """The prompt's text after its last special token (a role header, an end of turn), of
+    at most ``PROMPT_TAIL_TOKENS`` tokens, special tokens kept: a marker the template put in
+    the generation prompt or a prefill counts, one in an earlier message does not. A
+    special token that is itself one of the parser's markers (``[THINK]``) is no
+    boundary."""
+    tail = list(prompt_token_ids[-PROMPT_TAIL_TOKENS:])
+    special = _special_ids(tokenizer)
+    for index in range(len(tail) - 1, -1, -1):
+        if tail[index] in special:
+            token = tokenizer.decode([tail[index]], skip_special_tokens=False)
+            is_marker = parser_class.prompt_opens_reasoning(
+                token
+            ) or parser_class.prompt_closes_reasoning(token)
+            if not is_marker:
+                tail = tail[index + 1 :]
+                break
+    return tokenizer.decode(tail, skip_special_tokens=False)
+
+
+def _special_ids(tokenizer: Any) -> set[int]:
+    """The tokenizer's special tokens: those it names (BOS, EOS, additional ones) and the
+    added tokens it flags special (Llama 3's headers are not always named)."""
+    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special.update(i for i, token in added.items() if getattr(token, "special", False))
+    return special
 
 
 @dataclass

@@ -127,7 +127,12 @@ class ChatServer:
             started = await ctx.start_beam_search(prompts, beam, request_id, lora)
         else:
             started = await ctx.start(prompts, params, request_id, request.priority, lora)
-        events = self._events(request, request_id, started, plan, reasoning_parser)
+        # The engine applies a grammar to the whole output: where one constrains it from the
+        # first token, the output starts after any thought, and the parser must say so too.
+        # A structural tag leaves free text (a thought may come first) until its triggers.
+        grammar = params.structured_outputs
+        constrained = grammar is not None and grammar.structural_tag is None
+        events = self._events(request, request_id, started, plan, reasoning_parser, constrained)
         return await stream_or_collect(events, request.stream)
 
     def _reasoning_parser(self, plan: ToolPlan) -> type[ReasoningParser] | None:
@@ -144,13 +149,16 @@ class ChatServer:
         started,
         plan: ToolPlan,
         reasoning_parser: type[ReasoningParser] | None,
+        constrained: bool,
     ) -> AsyncIterator:
         num_top = request.top_logprobs or 0
         as_ids = self.ctx.tokens_as_ids(request.return_tokens_as_token_ids)
         choices: dict[int, _ChatChoice] = {}
         prompt_ids = started[0][0].prompt_token_ids
         prompt_tokens = len(prompt_ids)
-        new_reasoning_parser = reasoning_factory(reasoning_parser, self.ctx.tokenizer, prompt_ids)
+        new_reasoning_parser = reasoning_factory(
+            reasoning_parser, self.ctx.tokenizer, prompt_ids, constrained
+        )
         base = {
             "id": request_id,
             "created": self.ctx.created,

@@ -6,11 +6,13 @@ raises on model output. Its content is what a tool parser (if any) reads next.
 
 Where the output starts may depend on the request: a chat template can open the thought
 itself (its generation prompt ends with ``<think>``), and the model then writes only its
-end. ``reasoning_parser_factory`` asks the parser class once per request whether the
-rendered prompt did so (``ReasoningParser.prompt_opens_reasoning``, on the prompt's last
-tokens as text) and hands the answer to each choice's parser whose constructor takes
-``prompt_opens_reasoning``; a parser whose constructor does not (a plugin written before)
-is built as before.
+end; or close it (thinking disabled renders an empty ``<think></think>``, a prefill may end
+the thought), and the model writes only the answer. ``reasoning_parser_factory`` asks the
+parser class once per request whether the rendered prompt did either
+(``ReasoningParser.prompt_opens_reasoning`` / ``prompt_closes_reasoning``, on the text of
+the prompt's current turn) and hands each answer to each choice's parser whose constructor
+takes an argument of that name; a parser whose constructor takes neither (a plugin written
+before) is built as before.
 """
 
 from __future__ import annotations
@@ -38,9 +40,17 @@ class ReasoningParser(ABC):
 
     @classmethod
     def prompt_opens_reasoning(cls, prompt_tail: str) -> bool:
-        """Whether a prompt ending with ``prompt_tail`` (its last tokens as text, special
-        tokens kept; "" when unknown) leaves the model inside a thought: the chat template
-        wrote the start marker. The default: never."""
+        """Whether a prompt ending with ``prompt_tail`` (the text of its current turn,
+        special tokens kept; "" when unknown) leaves the model inside a thought: the chat
+        template (or a prefill) wrote the start marker and no end marker after it. The
+        default: never."""
+        return False
+
+    @classmethod
+    def prompt_closes_reasoning(cls, prompt_tail: str) -> bool:
+        """Whether a prompt ending with ``prompt_tail`` has closed the thought: its last
+        marker is an end marker (a template with thinking disabled, a prefill that ended
+        the thought), so the model writes the answer. The default: never."""
         return False
 
     @abstractmethod
@@ -53,15 +63,20 @@ class ReasoningParser(ABC):
 
 
 def reasoning_parser_factory(
-    parser_class: type[ReasoningParser], prompt_tail: str
+    parser_class: type[ReasoningParser], prompt_tail: str, closed: bool = False
 ) -> Callable[[], ReasoningParser]:
     """Makes ``parser_class`` parsers (one per choice) for a request whose rendered prompt
-    ends with ``prompt_tail``: ``prompt_opens_reasoning`` is decided once, here, and given
-    to constructors that take it."""
-    if "prompt_opens_reasoning" in inspect.signature(parser_class).parameters:
-        opens = parser_class.prompt_opens_reasoning(prompt_tail)
-        return functools.partial(parser_class, prompt_opens_reasoning=opens)
-    return parser_class
+    ends with ``prompt_tail``: ``prompt_opens_reasoning`` and ``prompt_closes_reasoning``
+    are decided once, here, and given to constructors that take them. ``closed``: the
+    output is known to start after any thought (a grammar constrains it from its first
+    token), whatever the prompt says."""
+    decisions = {
+        "prompt_opens_reasoning": not closed and parser_class.prompt_opens_reasoning(prompt_tail),
+        "prompt_closes_reasoning": closed or parser_class.prompt_closes_reasoning(prompt_tail),
+    }
+    taken = inspect.signature(parser_class).parameters
+    given = {name: value for name, value in decisions.items() if name in taken}
+    return functools.partial(parser_class, **given) if given else parser_class
 
 
 def split_reasoning(parser: ReasoningParser, text: str) -> ReasoningDelta:

@@ -2,7 +2,7 @@
 as ``<response>answer</response>``.
 
 The chat template opens the thought, so the output starts inside it (``deepseek_r1``'s
-convention). The ``<response>`` wrapper is removed from the content, with the whitespace
+convention, the prompt's own markers deciding first). The ``<response>`` wrapper is removed from the content, with the whitespace
 just inside it and anything blank after ``</response>``; content that does not open with
 ``<response>`` is passed through as it is.
 """
@@ -81,9 +81,19 @@ class _ResponseUnwrapper:
 
 
 class Ernie45ReasoningParser(ReasoningParser):
-    def __init__(self) -> None:
-        self._think = DeepSeekR1ReasoningParser()
+    def __init__(
+        self, prompt_opens_reasoning: bool = False, prompt_closes_reasoning: bool = False
+    ) -> None:
+        self._think = DeepSeekR1ReasoningParser(prompt_opens_reasoning, prompt_closes_reasoning)
         self._response = _ResponseUnwrapper()
+
+    @classmethod
+    def prompt_opens_reasoning(cls, prompt_tail: str) -> bool:
+        return DeepSeekR1ReasoningParser.prompt_opens_reasoning(prompt_tail)
+
+    @classmethod
+    def prompt_closes_reasoning(cls, prompt_tail: str) -> bool:
+        return DeepSeekR1ReasoningParser.prompt_closes_reasoning(prompt_tail)
 
     def feed(self, text: str) -> ReasoningDelta:
         piece = self._think.feed(text)

@@ -10,13 +10,16 @@ Two conventions exist:
 - otherwise (``qwen3``): reasoning only when the output opens with the start marker;
   otherwise it is all content (Qwen3 with thinking disabled).
 
-The rendered prompt decides too (``prompt_opens_reasoning``): a prompt that ends with a
-start marker, then nothing but whitespace, has opened the thought, so that request's output
-starts inside it as with ``starts_in_reasoning``, and one cut off before the end marker is
-all reasoning. Qwen3-*-Thinking-2507, Qwen3.5 and QwQ templates end their generation prompt
-with ``<think>`` and a newline, and the model writes ``thought</think>answer``. A prompt
-that closes an empty thought (Qwen3's ``enable_thinking=False`` renders ``<think>``, blank
-lines, ``</think>``) keeps the family's rule.
+The rendered prompt decides first: the last marker of its current turn (the text after its
+last special token that is no marker) says where the output starts. A start marker
+(``prompt_opens_reasoning``): inside the thought, as with ``starts_in_reasoning``, and an
+output cut off before the end marker is all reasoning. Qwen3-*-Thinking-2507, Qwen3.5 and
+QwQ templates end their generation prompt with ``<think>`` and a newline, and the model
+writes ``thought</think>answer``; a prefill that opens a thought and goes on inside it is
+the same. An end marker (``prompt_closes_reasoning``): after the thought, so the output is
+content unless it opens a thought itself, for ``deepseek_r1`` too. Qwen3's
+``enable_thinking=False`` renders ``<think>``, blank lines, ``</think>``; a prefill may end
+the thought before the answer. A turn without a marker keeps the family's rule.
 
 A family may spell a marker several ways (``start_tags``/``end_tags``); the first end marker
 of any spelling closes the thought. Whitespace between the end marker and the answer is
@@ -49,24 +52,41 @@ def _earliest(text: str, tags: tuple[str, ...]) -> tuple[int, str]:
     return min(found, default=(-1, ""))
 
 
+def _last_marker(text: str, start_tags: tuple[str, ...], end_tags: tuple[str, ...]) -> str:
+    """Which kind of marker occurs last in ``text``: "start", "end", or "" (none)."""
+    last_start = max((text.rfind(tag) for tag in start_tags), default=-1)
+    last_end = max((text.rfind(tag) for tag in end_tags), default=-1)
+    if last_start == last_end == -1:
+        return ""
+    return "start" if last_start > last_end else "end"
+
+
 class ThinkReasoningParser(ReasoningParser):
     start_tags: tuple[str, ...] = (OPEN,)
     end_tags: tuple[str, ...] = (CLOSE,)
     starts_in_reasoning = True
     """Without a leading start marker: reasoning (True) or content (False), unless the
-    prompt opened the thought (``prompt_opens_reasoning``: then always reasoning)."""
+    prompt decided (``prompt_opens_reasoning``: reasoning; ``prompt_closes_reasoning``:
+    content)."""
 
-    def __init__(self, prompt_opens_reasoning: bool = False) -> None:
+    def __init__(
+        self, prompt_opens_reasoning: bool = False, prompt_closes_reasoning: bool = False
+    ) -> None:
         self._buffer = ""
         self._pos = 0
         self._state = _State.START
         # where an output that does not open with a start marker starts
-        self._in_reasoning = self.starts_in_reasoning or prompt_opens_reasoning
+        self._in_reasoning = prompt_opens_reasoning or (
+            self.starts_in_reasoning and not prompt_closes_reasoning
+        )
 
     @classmethod
     def prompt_opens_reasoning(cls, prompt_tail: str) -> bool:
-        tail = prompt_tail.rstrip()
-        return any(tail.endswith(tag) for tag in cls.start_tags)
+        return _last_marker(prompt_tail, cls.start_tags, cls.end_tags) == "start"
+
+    @classmethod
+    def prompt_closes_reasoning(cls, prompt_tail: str) -> bool:
+        return _last_marker(prompt_tail, cls.start_tags, cls.end_tags) == "end"
 
     def feed(self, text: str) -> ReasoningDelta:
         self._buffer += text
