@@ -143,12 +143,11 @@ class LoRARegistry:
 
 
 async def registry_from_args(args: argparse.Namespace, engine: Any, base_name: str) -> LoRARegistry:
-    """The registry with ``--lora-modules`` loaded; a bad entry is a ValueError."""
+    """The registry with ``--lora-modules`` loaded; a bad entry is a ValueError (entries
+    without ``--enable-lora`` were refused before the model loaded: ``check_serving_args``)."""
     enabled = getattr(engine.config, "lora", None) is not None
     registry = LoRARegistry(base_name, enabled, bool(args.allow_runtime_lora_updating))
     for text in args.lora_modules or ():
-        if not enabled:
-            raise ValueError("--lora-modules needs --enable-lora.")
         name, path, base = parse_lora_module(text)
         try:
             await registry.load(engine, name, path, base)
