@@ -308,3 +308,32 @@ def test_a_preempted_head_takes_back_blocks_loaded_while_its_step_was_in_flight(
         ended += sorted(before - set(scheduler.requests))
     collect_in_flight(scheduler, in_flight)
     assert ended == ["runs", "loads"] and not scheduler.has_unfinished_requests()
+
+
+def test_connector_queries_and_hits_count_once_per_admission():
+    """vLLM's ``external_prefix_cache_queries``/``_hits``: each admitted request's prompt
+    tokens past its local hit, and of those the ones the connector had; the admission of
+    a request whose load finished, and a preempted request's, add nothing."""
+    scheduler, connector = make()
+    store(connector, PROMPT, 3)
+
+    def counts() -> tuple[int, int]:
+        stats = scheduler.make_stats()
+        return stats.external_prefix_cache_queries, stats.external_prefix_cache_hits
+
+    def long_request(request_id: str, prompt: list[int]) -> Request:
+        return Request(request_id, prompt, SamplingParams(max_tokens=8), eos_token_ids=set())
+
+    scheduler.add_request(long_request("a", PROMPT))
+    collect(scheduler, scheduler.schedule())  # the load: 14 tokens asked for, 12 stored
+    assert counts() == (14, 12)
+    collect(scheduler, scheduler.schedule())  # admitted with its loaded blocks
+    assert counts() == (14, 12)
+    scheduler.add_request(long_request("b", PROMPT))  # its 3 blocks hit locally now
+    scheduler.add_request(long_request("c", [1, 2, 3, 4, 5, 6]))  # nothing stored
+    collect(scheduler, scheduler.schedule())
+    assert counts() == (14 + 2 + 6, 12)
+    assert scheduler.preempt_running() == 3
+    collect(scheduler, scheduler.schedule())  # all three resume
+    assert [req.num_preemptions for req in scheduler.requests.values()] == [1, 1, 1]
+    assert counts() == (14 + 2 + 6, 12)

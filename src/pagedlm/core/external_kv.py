@@ -57,6 +57,13 @@ class ExternalKV:
         """Tokens loaded and counted as computed (cumulative)."""
         self.num_failed_tokens = 0
         """Tokens planned for loading whose blocks failed and were computed (cumulative)."""
+        self.prefix_cache_queries = 0
+        """Tokens asked of the connector (vLLM's ``external_prefix_cache_queries``): each
+        admission's prompt tokens past its local hit, counted once its blocks are held (a
+        planned load, or the admission itself); resumed preemptions are left out, as
+        vLLM leaves them out."""
+        self.prefix_cache_hits = 0
+        """Of those, tokens the connector had (planned for loading)."""
 
     @property
     def num_holding(self) -> int:
@@ -91,12 +98,21 @@ class ExternalKV:
             request, self.kv_manager.get_block_ids(request), num_external
         )
         self.loading[request.request_id] = request
+        self._count_query(request, computed, num_external)
         return True
 
-    def admitted(self, request: Request) -> None:
-        """``request`` joins the step's batch (its external tokens, if any, loaded)."""
+    def admitted(self, request: Request, computed: ComputedBlocks | None = None) -> None:
+        """``request`` joins the step's batch (its external tokens, if any, loaded).
+        ``computed``: its local hit, when the connector was just asked and had nothing."""
+        if computed is not None:
+            self._count_query(request, computed, 0)
         self.loaded.pop(request.request_id, None)
         self.connector.update_state_after_alloc(request, self.kv_manager.get_block_ids(request), 0)
+
+    def _count_query(self, request: Request, computed: ComputedBlocks, num_hits: int) -> None:
+        if not request.num_preemptions:
+            self.prefix_cache_queries += request.num_tokens - computed.num_computed_tokens
+            self.prefix_cache_hits += num_hits
 
     def attach_metadata(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
         metadata = self.connector.build_connector_meta(scheduler_output)

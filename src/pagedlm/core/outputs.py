@@ -26,6 +26,9 @@ class EngineCoreOutput(NamedTuple):
     pooled: list[float] | TensorData | None = None
     """A pooling request's vector (float32 values, before normalization), or a token-wise
     task's rows (float32 ``[num_rows, dims]``), in the output that finishes it."""
+    engine_index: int = 0
+    """The data-parallel replica that ran the request (``engine.data_parallel``; 0 with one
+    engine): the ``engine`` label of its metrics, as vLLM's engine index."""
 
     @property
     def finished(self) -> bool:

@@ -287,6 +287,7 @@ class OneBudgetScheduler(Scheduler):
         return [] if log is None else log.take()
 
     def make_stats(self) -> SchedulerStats:
+        external = self.external
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -298,6 +299,8 @@ class OneBudgetScheduler(Scheduler):
             max_loras=self.loras.max_loras or 0,
             running_lora_adapters=self.loras.count_names(self.running),
             waiting_lora_adapters=self.loras.count_names(self.waiting),
+            external_prefix_cache_queries=external.prefix_cache_queries if external else 0,
+            external_prefix_cache_hits=external.prefix_cache_hits if external else 0,
         )
 
     # ------------------------------------------------------------------------- schedule
@@ -615,7 +618,7 @@ class OneBudgetScheduler(Scheduler):
         request.status = RequestStatus.RUNNING
         self.order.run(self.running, request)
         if self.external is not None:
-            self.external.admitted(request)
+            self.external.admitted(request, computed)
         return num_new_tokens
 
     # --------------------------------------------------------------- update from output

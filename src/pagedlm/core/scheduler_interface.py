@@ -31,6 +31,14 @@ class SchedulerStats:
     running_lora_adapters: dict[str, int] = field(default_factory=dict)
     """Adapter name -> running requests that use it (vLLM's ``lora_requests_info``)."""
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    external_prefix_cache_queries: int = 0
+    """Tokens a KV connector was asked for: each admitted request's prompt tokens past
+    its local prefix-cache hit, once, resumed preemptions left out (vLLM's)."""
+    external_prefix_cache_hits: int = 0
+    """Of those, tokens the connector had (to load)."""
+    engines: list[SchedulerStats] = field(default_factory=list)
+    """Data parallelism: each replica's own stats, in engine-index order (the fields above
+    are then their sums, the KV usage their mean); empty with one engine."""
 
 
 class Scheduler(ABC):

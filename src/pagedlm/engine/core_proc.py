@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable
 
@@ -125,7 +126,7 @@ class EngineCoreProc:
         self.work.update(outputs)
         outputs = self.reject_failed_grammars(outputs)
         if outputs or send_stats:
-            self.send(CoreOutputs(outputs, self.core.make_stats()))
+            self.send(CoreOutputs(outputs, self.core.make_stats(), time.monotonic()))
 
     def handle_inputs(self, block: bool) -> bool:
         """Handle every pending message (waiting for one first if ``block``); False on

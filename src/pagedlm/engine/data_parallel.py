@@ -8,7 +8,9 @@ config's ``data_parallel_rank`` set to its index, so an executor with worker pro
 places them on that replica's devices). ``DataParallelEngineCore`` offers the interface
 ``LLMEngine`` uses of one core: a new request goes to the least loaded replica (vLLM's
 score: four times its waiting requests plus its running ones, then KV-cache usage); an
-abort goes to the replica that holds the request; stats are summed.
+abort goes to the replica that holds the request; stats are summed, each replica's kept
+beside the sum, and every output names its replica (``engine_index``): the metrics carry
+vLLM's ``engine`` label per replica.
 
 One ``step()`` steps every replica that has work, in turn. With worker processes (the
 "mp" executor, the default for replicas on a device platform) and asynchronous scheduling
@@ -52,7 +54,8 @@ def least_loaded(stats: Sequence[SchedulerStats]) -> int:
 
 
 def sum_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
-    """One snapshot for the whole engine: counts added, KV usage averaged."""
+    """One snapshot for the whole engine: counts added, KV usage averaged, and each
+    replica's own in ``engines`` (the metrics' ``engine`` label)."""
     return SchedulerStats(
         num_running_reqs=sum(s.num_running_reqs for s in stats),
         num_waiting_reqs=sum(s.num_waiting_reqs for s in stats),
@@ -63,6 +66,9 @@ def sum_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
         max_loras=max(s.max_loras for s in stats),
         running_lora_adapters=_sum_counts(s.running_lora_adapters for s in stats),
         waiting_lora_adapters=_sum_counts(s.waiting_lora_adapters for s in stats),
+        external_prefix_cache_queries=sum(s.external_prefix_cache_queries for s in stats),
+        external_prefix_cache_hits=sum(s.external_prefix_cache_hits for s in stats),
+        engines=list(stats),
     )
 
 
@@ -130,10 +136,17 @@ class DataParallelEngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        for core in self.replicas:
+        for index, core in enumerate(self.replicas):
             if core.has_work():
-                outputs += core.step()
+                outputs += self._tagged(index, core.step())
         return self._forget_finished(outputs)
+
+    @staticmethod
+    def _tagged(index: int, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """``outputs`` of replica ``index``, each naming it (``engine_index``, 0 already)."""
+        if not index:
+            return outputs
+        return [output._replace(engine_index=index) for output in outputs]
 
     def _forget_finished(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         for output in outputs:
@@ -143,8 +156,9 @@ class DataParallelEngineCore:
 
     def pause(self, mode: str = "abort", clear_cache: bool = True) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        for core in self.replicas:  # the first refuses a bad mode before any replica pauses
-            outputs += core.pause(mode, clear_cache)
+        # The first refuses a bad mode before any replica pauses.
+        for index, core in enumerate(self.replicas):
+            outputs += self._tagged(index, core.pause(mode, clear_cache))
         return self._forget_finished(outputs)
 
     def resume(self) -> None:

@@ -165,6 +165,10 @@ class CoreOutputs(msgspec.Struct, tag=True):
 
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats
+    timestamp: float = 0.0
+    """``time.monotonic()`` in the core when the step ended (vLLM's engine-core timestamp):
+    a request's token times, so inter-token latencies do not depend on when the front end
+    got round to the message (the clock is the machine's, shared by both processes)."""
 
 
 class RequestRejected(msgspec.Struct, tag=True):
