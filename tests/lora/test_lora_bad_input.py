@@ -110,8 +110,8 @@ def test_an_id_keeps_its_path_however_many_adapters_came_after(
     tiny_checkpoint, tmp_path, monkeypatch
 ):
     """The checker forgets old adapters' checked configs (a bounded cache) but never which
-    path an id names: the workers cache weights by id, so reusing an id for another path
-    after many other adapters would serve the first path's weights."""
+    path an id names (one adapter per id, until ``remove_lora``), however many adapters
+    came between."""
     from pagedlm.config import LoRAConfig
     from pagedlm.lora import frontend
     from pagedlm.lora.frontend import AdapterChecker

@@ -40,6 +40,11 @@ def loras(base, tmp_path_factory) -> list[LoRARequest]:
     return made
 
 
+def _slots(manager: LoRAManager) -> dict[int, int]:
+    """Adapter id -> device slot (every adapter here has one path)."""
+    return {lora_id: slot for (lora_id, _), slot in manager.slot_of.items()}
+
+
 class _State:
     def __init__(self, lora: LoRARequest | None) -> None:
         self.lora_request = lora
@@ -57,19 +62,19 @@ def test_manager_add_list_remove_pin(base, loras):
         manager.prepare_step([_State(a) for a in adapters], np.array([0, 2, 4]), 8)
 
     assert manager.add(one) and manager.add(two)
-    assert manager.list_ids() == {1, 2} and manager.slot_of == {}  # host memory only
+    assert manager.list_ids() == {1, 2} and _slots(manager) == {}  # host memory only
     assert not manager.pin(3)  # not loaded
     assert manager.pin(1)
-    assert manager.slot_of == {1: 0}  # pinning gave it a device slot
+    assert _slots(manager) == {1: 0}  # pinning gave it a device slot
     manager.add(three)  # max_cpu_loras=2: the least recently used unpinned one goes
     assert manager.list_ids() == {1, 3}
     step(three, four)  # a step needing both slots takes the pinned adapter's
-    assert set(manager.slot_of) == {3, 4}
+    assert set(_slots(manager)) == {3, 4}
     assert 1 in manager.list_ids()  # but never drops it from the host cache
     step(one, None)  # back in a slot, from host memory, in place of adapter 3
-    assert set(manager.slot_of) == {1, 4} and manager.list_ids() == {1, 4}
+    assert set(_slots(manager)) == {1, 4} and manager.list_ids() == {1, 4}
     assert manager.remove(4) and not manager.remove(4) and not manager.remove(99)
-    assert manager.list_ids() == {1} and manager._free_slots == [1 - manager.slot_of[1]]
+    assert manager.list_ids() == {1} and manager._free_slots == [1 - _slots(manager)[1]]
     assert manager.remove(1)  # a pinned one too
     assert manager.list_ids() == set() and sorted(manager._free_slots) == [0, 1]
     manager.add(four)
@@ -79,7 +84,7 @@ def test_manager_add_list_remove_pin(base, loras):
         config, arch, LlamaForCausalLM(arch), 16, TorchLoRAOps(), torch.float32, torch.device("cpu")
     )
     fresh.adopt(manager.host_state())  # what a new model runner takes over
-    assert fresh.list_ids() == {4} and fresh.slot_of == {4: 0}
+    assert fresh.list_ids() == {4} and _slots(fresh) == {4: 0}
     assert state[1] == set()  # a snapshot: the later pin is not in it
 
 
@@ -114,7 +119,7 @@ def test_llm_engine_adapters_survive_a_level_2_sleep(base, loras):
         llm.wake_up()  # a new model runner: it takes the adapters over
         assert engine.list_loras() == {1, 2}
         worker = engine.engine_core.executor.worker
-        assert 2 in worker.model_runner.lora.slot_of  # pinned: back in a device slot
+        assert 2 in _slots(worker.model_runner.lora)  # pinned: back in a device slot
         assert _tokens(llm, two) == expected
         assert engine.remove_lora(1) is True and engine.remove_lora(1) is False
         assert engine.list_loras() == {2}
@@ -185,4 +190,48 @@ def test_a_failed_read_keeps_its_device_slot(base, loras, tmp_path):
     with pytest.raises(ValueError, match="No adapter found for"):
         manager.prepare_step([_State(gone)], np.array([0, 2]), 2)
     manager.prepare_step([_State(loras[0])], np.array([0, 2]), 2)
-    assert manager.slot_of == {1: 0}
+    assert _slots(manager) == {1: 0}
+
+
+def _run_to_end(engine, outputs: dict[str, list[int]]) -> None:
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs[output.request_id] = list(output.outputs[0].token_ids)
+
+
+def test_an_id_removed_while_its_requests_run_and_loaded_again_serves_each_its_own_weights(
+    base, loras
+):
+    """``remove_lora`` frees an id while requests of its adapter still run (their next step
+    reads it again); the id may then name another adapter. The workers found weights by id
+    alone, so the new adapter's request ran with the old one's weights (or the old one's
+    with the new ones'); every request now gets the tokens its adapter gives alone."""
+    one, two, *_ = loras
+    llm = LLM(
+        str(base),
+        skip_tokenizer_init=True,
+        enable_lora=True,
+        max_lora_rank=8,
+        max_loras=2,
+        num_kv_blocks=32,
+    )
+    engine = llm.llm_engine
+    long = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    try:
+        alone = {
+            "old": llm.generate([PROMPT], long, use_tqdm=False, lora_request=one),
+            "new": llm.generate([PROMPT], long, use_tqdm=False, lora_request=two),
+        }
+        alone = {key: list(out[0].outputs[0].token_ids) for key, out in alone.items()}
+        assert alone["old"] != alone["new"]
+        engine.add_request("old", PROMPT, long, lora_request=one)
+        engine.step()
+        engine.step()
+        assert engine.remove_lora(1)
+        moved = LoRARequest("moved", 1, two.lora_path)  # id 1 now names adapter two's files
+        engine.add_request("new", PROMPT, long, lora_request=moved)
+        outputs: dict[str, list[int]] = {}
+        _run_to_end(engine, outputs)
+        assert outputs == alone
+    finally:
+        engine.shutdown()

@@ -25,6 +25,11 @@ def _lora(index: int) -> LoRARequest:
     return LoRARequest(f"a{index}", index, f"/adapters/{index}")
 
 
+def _slots(manager: LoRAManager) -> dict[int, int]:
+    """Adapter id -> device slot (every adapter here has one path)."""
+    return {lora_id: slot for (lora_id, _), slot in manager.slot_of.items()}
+
+
 def _request(request_id: str, lora: LoRARequest | None, tokens: int = 4) -> Request:
     return Request(request_id, list(range(tokens)), SamplingParams(max_tokens=4), lora_request=lora)
 
@@ -42,22 +47,25 @@ def test_scheduler_runs_no_more_adapters_than_max_loras():
         _request("r3", _lora(3)),  # a third adapter: waits
         _request("r4", _lora(1)),  # a running adapter: admitted behind it
         _request("r5", None),  # the base model: admitted
+        # Another adapter under a running id (removed, then loaded again while its
+        # requests run): a third adapter, waits.
+        _request("r6", LoRARequest("moved", 1, "/adapters/elsewhere")),
     ]:
         scheduler.add_request(request)
     first = scheduler.schedule()
     assert [r.req_id for r in first.scheduled_new_reqs] == ["r1", "r2", "r4", "r5"]
     assert [r.lora_request for r in first.scheduled_new_reqs][-1] is None
-    assert [r.request_id for r in scheduler.waiting] == ["r3"]
+    assert [r.request_id for r in scheduler.waiting] == ["r3", "r6"]
     stats = scheduler.make_stats()
     assert (stats.running_lora_adapters, stats.waiting_lora_adapters) == (
         {"a1": 2, "a2": 1},
-        {"a3": 1},
+        {"a3": 1, "moved": 1},
     )
     (info,) = [m for m in EngineMetrics().snapshot(stats) if m.name == "pagedlm:lora_requests_info"]
     assert info.labels == {
         "max_lora": "2",
         "running_lora_adapters": "a1,a2",
-        "waiting_lora_adapters": "a3",
+        "waiting_lora_adapters": "a3,moved",
     }
     assert scheduler.schedule().scheduled_new_reqs == []  # still two adapters running
     scheduler.abort_requests(["r2"])
@@ -116,12 +124,13 @@ def test_manager_slots_are_lru_and_the_host_cache_is_bounded(tiny_checkpoint, tm
         manager.prepare_step([_State(a) for a in adapters], qsl, 8)
 
     step(loras[0], None, loras[1])
-    assert manager.slot_of == {1: 0, 2: 1}
+    assert _slots(manager) == {1: 0, 2: 1}
     assert manager.state.token_slots[:8].tolist() == [0, 0, -1, 1, 1, 1, -1, -1]
     step(loras[1], None, None)
     step(loras[2], loras[1], None)  # evicts adapter 1, the least recently used
-    assert manager.slot_of == {2: 1, 3: 0}
-    assert manager.cached_ids == [2, 3]  # max_cpu_loras=2: adapter 1 left the host too
+    assert _slots(manager) == {2: 1, 3: 0}
+    # max_cpu_loras=2: adapter 1 left the host too
+    assert [key[0] for key in manager.cached_keys] == [2, 3]
     assert [slot for slot, _ in manager.state.groups] == [0, 1]
     layer = manager.layers["model.layers.0.self_attn.qkv_proj"]
     assert layer.active == [True, True]

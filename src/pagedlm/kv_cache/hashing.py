@@ -85,7 +85,7 @@ def block_extra_keys(
     keys: tuple[ExtraKey, ...] = ()
     if block_index == 0:
         if request.lora_request is not None:
-            keys = (request.lora_request.lora_int_id, request.lora_request.lora_path)
+            keys = request.lora_request.adapter_key
         if request.cache_salt is not None:
             keys += (request.cache_salt,)
     if request.mm_features:

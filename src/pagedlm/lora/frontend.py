@@ -28,8 +28,8 @@ class AdapterChecker:
         self.arch = arch
         self.model_impl = model_impl
         self._paths: dict[int, str] = {}
-        """Adapter id -> the path it names, until ``forget``: the workers cache weights by
-        id, so an id must never name a second path, however many adapters came between."""
+        """Adapter id -> the path it names, until ``forget``: an id names one adapter
+        (``LoRARequest``), however many adapters came between."""
         self._checked: OrderedDict[int, tuple[str, PeftAdapterConfig]] = OrderedDict()
         """Adapter id -> (its path, its checked config), oldest first."""
 
@@ -49,8 +49,8 @@ class AdapterChecker:
         lora_id, path = lora_request.lora_int_id, lora_request.lora_path
         named = self._paths.get(lora_id)
         if named is not None and named != path:
-            # The workers cache weights by id: a second path under one id would be served
-            # the first path's weights.
+            # vLLM's contract (one adapter per id), checked: logs, metrics and ``list_loras``
+            # name adapters by id.
             raise ValueError(
                 f"lora_int_id {lora_id} already names the adapter at {named!r}, not "
                 f"{path!r}; give every adapter its own lora_int_id."

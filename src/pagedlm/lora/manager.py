@@ -1,6 +1,8 @@
 """The worker's adapters: ``max_loras`` device slots, LRU over a host cache.
 
-Every step, ``prepare_step`` makes sure each adapter the step's requests name sits in a
+An adapter is its ``LoRARequest.adapter_key``, (id, path): the requests of a removed
+adapter still running beside those of the next adapter under its id each get their own
+weights. Every step, ``prepare_step`` makes sure each adapter the step's requests name sits in a
 device slot (from the host cache, else read from its directory), evicting the least
 recently used adapter the step does not need, then writes each token's slot into the
 fixed-address ``token_slots`` buffer every ``LoRALinear`` reads.
@@ -8,14 +10,16 @@ fixed-address ``token_slots`` buffer every ``LoRALinear`` reads.
 vLLM's adapter management works on the host cache: ``add`` reads an adapter into it ahead
 of its first request, ``remove`` forgets one, ``list_ids`` names what it holds, ``pin``
 keeps one for good (never dropped from the host cache, and evicted from its device slot
-only when a step needs more slots than the unpinned adapters free). A new model runner
+only when a step needs more slots than the unpinned adapters free); these name adapters by
+id (every path the id names). A new model runner
 (level-2 wake-up, new weights) ``adopt``s the old one's ``host_state``.
 
 Invariants:
 - At most ``max_loras`` distinct adapters per step (the scheduler's ``LoRAGate`` admits no
   more), so a step's adapters always find slots (a pinned adapter gives its slot up when
   the step needs it).
-- An adapter's id names the same weights for the engine's lifetime (``LoRARequest``).
+- Weights are found by (id, path), never by id alone: a slot or host-cache entry of an id
+  never serves another path's requests.
 - A slot rewritten for step N+1 while step N is in flight is safe: the copies are queued
   on the device after step N's kernels, which read the old weights first.
 """
@@ -46,8 +50,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-HostState = tuple["OrderedDict[int, AdapterWeights]", set[int]]
-"""What outlives a model runner: the host cache (least recently used first) and the pins."""
+AdapterKey = tuple[int, str]
+"""``LoRARequest.adapter_key``: (lora_int_id, lora_path)."""
+HostState = tuple["OrderedDict[AdapterKey, AdapterWeights]", set[int]]
+"""What outlives a model runner: the host cache (least recently used first) and the
+pinned ids."""
 
 
 class NoLoRA:
@@ -117,20 +124,20 @@ class LoRAManager:
             )
             layer.set_kernel(wrapper)
             self.layers[target.module_name] = wrapper
-        self._host_cache: OrderedDict[int, AdapterWeights] = OrderedDict()
-        self._slot_of: OrderedDict[int, int] = OrderedDict()
-        """Adapter id -> device slot, least recently used first."""
+        self._host_cache: OrderedDict[AdapterKey, AdapterWeights] = OrderedDict()
+        self._slot_of: OrderedDict[AdapterKey, int] = OrderedDict()
+        """Adapter -> device slot, least recently used first."""
         self._free_slots = list(range(config.max_loras - 1, -1, -1))
         self._pinned: set[int] = set()
-        """Adapters ``pin`` keeps (see the module's docstring)."""
+        """Adapter ids ``pin`` keeps (see the module's docstring)."""
 
     @property
-    def slot_of(self) -> dict[int, int]:
+    def slot_of(self) -> dict[AdapterKey, int]:
         return dict(self._slot_of)
 
     @property
-    def cached_ids(self) -> list[int]:
-        """Adapter ids in the host cache, least recently used first."""
+    def cached_keys(self) -> list[AdapterKey]:
+        """The adapters in the host cache, least recently used first."""
         return list(self._host_cache)
 
     def prepare_step(
@@ -138,16 +145,16 @@ class LoRAManager:
     ) -> None:
         """Slots for the step's adapters and ``token_slots[:num_tokens]``; rows past the
         requests' (``query_start_loc[len(states)]``) are padding: -1."""
-        wanted: dict[int, LoRARequest] = {}
+        wanted: dict[AdapterKey, LoRARequest] = {}
         for state in states:
             if state.lora_request is not None:
-                wanted.setdefault(state.lora_request.lora_int_id, state.lora_request)
+                wanted.setdefault(state.lora_request.adapter_key, state.lora_request)
         if not wanted and num_tokens <= self._clean_rows:
             self.state.groups = []
             return
         slots = self._activate(wanted)
         req_slots = np.fromiter(
-            (-1 if s.lora_request is None else slots[s.lora_request.lora_int_id] for s in states),
+            (-1 if s.lora_request is None else slots[s.lora_request.adapter_key] for s in states),
             np.int64,
             len(states),
         )
@@ -175,19 +182,22 @@ class LoRAManager:
         return True
 
     def remove(self, lora_id: int) -> bool:
-        """Forget adapter ``lora_id``: host cache, device slot, pin. False if it was not
-        loaded. A request still running with it reads it again at its next step."""
-        found = self._host_cache.pop(lora_id, None) is not None
-        slot = self._slot_of.pop(lora_id, None)
-        if slot is not None:
-            self._free_slots.append(slot)
+        """Forget adapter ``lora_id`` (under every path): host cache, device slot, pin.
+        False if it was not loaded. A request still running with it reads it again at its
+        next step."""
+        found = False
+        for key in [key for key in self._host_cache if key[0] == lora_id]:
+            del self._host_cache[key]
+            found = True
+        for key in [key for key in self._slot_of if key[0] == lora_id]:
+            self._free_slots.append(self._slot_of.pop(key))
             found = True
         self._pinned.discard(lora_id)
         return found
 
     def list_ids(self) -> set[int]:
-        """The adapters loaded: in the host cache or a device slot."""
-        return set(self._host_cache) | set(self._slot_of)
+        """The ids of the adapters loaded: in the host cache or a device slot."""
+        return {key[0] for key in self._host_cache} | {key[0] for key in self._slot_of}
 
     def pin(self, lora_id: int) -> bool:
         """Keep adapter ``lora_id`` (see the module's docstring) and give it a device slot
@@ -195,11 +205,13 @@ class LoRAManager:
         if lora_id not in self.list_ids():
             return False
         self._pinned.add(lora_id)
-        if lora_id not in self._slot_of:
-            slot = self._take_slot(keep=set(), evict_pinned=False)
-            if slot is not None:
-                self._load_into(slot, self._host_cache[lora_id])
-                self._slot_of[lora_id] = slot
+        for key in [key for key in self._host_cache if key[0] == lora_id]:
+            if key not in self._slot_of:
+                slot = self._take_slot(keep=set(), evict_pinned=False)
+                if slot is None:
+                    break
+                self._load_into(slot, self._host_cache[key])
+                self._slot_of[key] = slot
         return True
 
     def host_state(self) -> HostState:
@@ -214,29 +226,29 @@ class LoRAManager:
         for lora_id in pinned:
             self.pin(lora_id)
 
-    def _take_slot(self, keep: set[int], evict_pinned: bool) -> int | None:
+    def _take_slot(self, keep: set[AdapterKey], evict_pinned: bool) -> int | None:
         """A free device slot, else the slot of the least recently used adapter outside
         ``keep``, unpinned first (pinned ones only if ``evict_pinned``); None if none."""
         if self._free_slots:
             return self._free_slots.pop()
-        candidates = [i for i in self._slot_of if i not in keep]
-        unpinned = [i for i in candidates if i not in self._pinned]
+        candidates = [key for key in self._slot_of if key not in keep]
+        unpinned = [key for key in candidates if key[0] not in self._pinned]
         if unpinned or (candidates and evict_pinned):
             return self._slot_of.pop((unpinned or candidates)[0])
         return None
 
-    def _activate(self, wanted: dict[int, LoRARequest]) -> dict[int, int]:
+    def _activate(self, wanted: dict[AdapterKey, LoRARequest]) -> dict[AdapterKey, int]:
         """A device slot for each wanted adapter, loading and evicting as needed."""
         if len(wanted) > self.config.max_loras:
             raise RuntimeError(
                 f"a step uses {len(wanted)} adapters but max_loras={self.config.max_loras}; "
                 "the scheduler must admit no more distinct adapters than slots"
             )
-        for lora_id in wanted:
-            if lora_id in self._slot_of:
-                self._slot_of.move_to_end(lora_id)
-        for lora_id, lora in wanted.items():
-            if lora_id in self._slot_of:
+        for key in wanted:
+            if key in self._slot_of:
+                self._slot_of.move_to_end(key)
+        for key, lora in wanted.items():
+            if key in self._slot_of:
                 continue
             # Read first: a read that fails (files gone since the front end's check) must
             # not cost a slot, or every later step finds one slot fewer.
@@ -244,24 +256,25 @@ class LoRAManager:
             slot = self._take_slot(keep=set(wanted), evict_pinned=True)
             assert slot is not None  # at most max_loras wanted: one is free or not wanted
             self._load_into(slot, weights)
-            self._slot_of[lora_id] = slot
-        return {lora_id: self._slot_of[lora_id] for lora_id in wanted}
+            self._slot_of[key] = slot
+        return {key: self._slot_of[key] for key in wanted}
 
     def _host_weights(self, lora: LoRARequest) -> AdapterWeights:
-        weights = self._host_cache.get(lora.lora_int_id)
+        key = lora.adapter_key
+        weights = self._host_cache.get(key)
         if weights is None:
             weights = load_adapter(
                 lora.lora_path, self.arch, self.config.max_lora_rank, self.model_impl
             )
             logger.info("LoRA adapter %r (id %d) loaded", lora.lora_name, lora.lora_int_id)
-            self._host_cache[lora.lora_int_id] = weights
+            self._host_cache[key] = weights
             while len(self._host_cache) > self.config.host_cache_size:
-                victim = next((i for i in self._host_cache if i not in self._pinned), None)
-                if victim is None or victim == lora.lora_int_id:
+                victim = next((k for k in self._host_cache if k[0] not in self._pinned), None)
+                if victim is None or victim == key:
                     break  # the rest are pinned: the cache holds them all
                 del self._host_cache[victim]
         else:
-            self._host_cache.move_to_end(lora.lora_int_id)
+            self._host_cache.move_to_end(key)
         return weights
 
     def _load_into(self, slot: int, weights: AdapterWeights) -> None:

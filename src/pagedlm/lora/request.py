@@ -13,10 +13,13 @@ from dataclasses import dataclass
 class LoRARequest:
     """An adapter, named for users by ``lora_name`` and for the engine by ``lora_int_id``.
 
-    Invariant: ``lora_int_id >= 1`` identifies the adapter's weights everywhere (device
-    slots, host cache, prefix-cache keys): two requests with the same id must mean the same
-    files. The server hands out a fresh id for every load, so reloading a name never hits
-    a stale cache entry.
+    ``lora_int_id >= 1`` names one adapter at a time: the front end refuses a second path
+    under a loaded id until ``remove_lora`` frees it (vLLM asks ids to be unique and does
+    not check). Below the front end an adapter is its ``adapter_key``, (id, path), in the
+    workers' slots and host cache, the scheduler's count of adapters per step and the
+    prefix-cache keys: requests of a removed adapter still running beside those of the
+    next adapter under its id each get their own weights and cached blocks. The server
+    hands out a fresh id for every load.
     """
 
     lora_name: str
@@ -38,3 +41,8 @@ class LoRARequest:
                 f"LoRARequest {self.lora_name!r} has no lora_path; pass the adapter's "
                 "directory (adapter_config.json + adapter_model.safetensors)."
             )
+
+    @property
+    def adapter_key(self) -> tuple[int, str]:
+        """What identifies the adapter's weights below the front end: (id, path)."""
+        return self.lora_int_id, self.lora_path
