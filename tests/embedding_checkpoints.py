@@ -92,7 +92,9 @@ def _write_wordpiece_tokenizer(path: Path, extra: tuple[str, ...] = ()) -> None:
     vocab += [c for c in "abcdefghijklmnopqrstuvwxyz" if c not in vocab]
     vocab_file = path / "vocab.txt"
     vocab_file.write_text("\n".join(dict.fromkeys(vocab)) + "\n")
-    transformers.BertTokenizerFast(vocab_file=str(vocab_file)).save_pretrained(path)
+    # transformers 5 reads the vocabulary from ``vocab`` (a ``vocab_file`` is ignored,
+    # leaving a tokenizer that reads every word as [UNK])
+    transformers.BertTokenizerFast(vocab=str(vocab_file)).save_pretrained(path)
 
 
 def write_sentence_transformers_files(path: Path, pooling: str, normalize: bool) -> None:
