@@ -7,8 +7,9 @@ the pooled vector or rows (``ModelRunnerOutput.pooler_output``). Its ``SamplingP
 only keep the core's length bookkeeping true: one output slot (``max_tokens=1``), never
 filled; its ``PoolingSpec`` tells the core and the workers its task.
 
-A cross-encoder scores a text pair as one prompt: a ``(text_1, text_2)`` tuple, joined by
-the tokenizer as it joins pairs (``[CLS] a [SEP] b [SEP]`` for BERT); a model that reads
+A cross-encoder scores a text pair as one prompt: a ``(text_1, text_2)`` tuple, or the
+same as a dict that may carry a ``cache_salt`` (``TextPairPrompt``), joined by the
+tokenizer as it joins pairs (``[CLS] a [SEP] b [SEP]`` for BERT); a model that reads
 token types gets the second segment's inside the engine-core ids (``encode_token_types``).
 """
 
@@ -17,6 +18,8 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from typing import Any
+
+from typing_extensions import NotRequired, TypedDict
 
 from pagedlm.config import ModelConfig
 from pagedlm.core.request import Request
@@ -33,8 +36,26 @@ from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 from pagedlm.step.pooling import TOKEN_TASKS, PoolingSpec
 from pagedlm.tokenizer import as_transformers
 
-PairPrompt = tuple[str, str]
+
+class TextPairPrompt(TypedDict):
+    """A cross-encoder's pair with the keys of the other prompt dicts (``pagedlm.inputs``)."""
+
+    text_1: str
+    text_2: str
+    cache_salt: NotRequired[str]
+
+
+PairPrompt = tuple[str, str] | TextPairPrompt
 """A cross-encoder's input: the query (or first text) and the document."""
+
+
+def pair_texts(prompt: object) -> tuple[object, object] | None:
+    """A pair prompt's two texts, unchecked (None: ``prompt`` is not a pair)."""
+    if isinstance(prompt, tuple):
+        return prompt if len(prompt) == 2 else (None, None)
+    if isinstance(prompt, Mapping) and ("text_1" in prompt or "text_2" in prompt):
+        return prompt.get("text_1"), prompt.get("text_2")
+    return None
 
 
 def pooling_sampling_params() -> SamplingParams:
@@ -73,8 +94,9 @@ def process_pooling_request(
     kwargs = check_tokenization_kwargs(tokenization_kwargs) or {}
     if keep is not None and kwargs.get("truncation") not in (None, False, "do_not_truncate"):
         keep = min(keep, kwargs.get("max_length") or keep)  # the tighter bound holds
-    if isinstance(prompt, tuple):
-        text, token_ids, engine_ids = _tokenize_pair(processor, prompt, keep, kwargs)
+    pair = pair_texts(prompt)
+    if pair is not None:
+        text, token_ids, engine_ids = _tokenize_pair(processor, pair, keep, kwargs)
     else:
         text, token_ids = _tokenize(processor, prompt, keep, kwargs)
         engine_ids = token_ids
@@ -115,11 +137,15 @@ def _tokenize(
 
 
 def _tokenize_pair(
-    processor: InputProcessor, pair: PairPrompt, keep: int | None, kwargs: dict[str, Any]
+    processor: InputProcessor,
+    pair: tuple[object, object],
+    keep: int | None,
+    kwargs: dict[str, Any],
 ) -> tuple[None, list[int], list[int]]:
     """(no single text, the joined prompt's ids, the ids the engine core runs), at most
     ``keep`` ids (the tokenizer's longest-first truncation)."""
-    if len(pair) != 2 or not all(isinstance(text, str) for text in pair):
+    text_1, text_2 = pair
+    if not isinstance(text_1, str) or not isinstance(text_2, str):
         raise ValueError("A text pair is two strings (text_1, text_2).")
     tokenizer = processor.tokenizer
     if tokenizer is None:
@@ -127,7 +153,6 @@ def _tokenize_pair(
             "skip_tokenizer_init=True: a cross-encoder's text pairs cannot be joined "
             "without the tokenizer; start the engine with its tokenizer."
         )
-    text_1, text_2 = pair
     truncation = {} if keep is None else {"truncation": True, "max_length": keep}
     encoded = as_transformers(tokenizer)(text_1, text_pair=text_2, **{**kwargs, **truncation})
     token_ids = [int(t) for t in encoded["input_ids"]]

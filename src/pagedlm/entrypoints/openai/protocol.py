@@ -22,6 +22,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from pagedlm.beam_search import BeamSearchParams
+from pagedlm.entrypoints.openai.cache_salt import CacheSalt, salted
 from pagedlm.entrypoints.openai.chat_message import ChatMessage
 from pagedlm.entrypoints.openai.errors import APIError, from_value_error
 from pagedlm.entrypoints.openai.request_body import RequestModel
@@ -100,7 +101,7 @@ class SamplingFields(OpenAIModel):
     """Beam search (``n`` beams, the choices best first) instead of sampling."""
     length_penalty: float = 1.0
     """Beam search: a beam's score is its cumulative logprob over its length to this."""
-    cache_salt: str | None = Field(None, min_length=1)
+    cache_salt: CacheSalt = None
     request_id: str | None = Field(None, min_length=1, max_length=256)
     """The id the response carries (``cmpl-<request_id>``); an ``X-Request-Id`` header
     wins over it (vLLM's order)."""
@@ -279,14 +280,7 @@ class SamplingFields(OpenAIModel):
     def engine_prompts(self, prompts: list[str | dict[str, Any]]) -> list[str | dict[str, Any]]:
         """``prompts`` as the engine takes them, each carrying this request's
         ``cache_salt`` (requests with different salts never share prefix-cache blocks)."""
-        if self.cache_salt is None:
-            return prompts
-        return [
-            {"prompt": p, "cache_salt": self.cache_salt}
-            if isinstance(p, str)
-            else {**p, "cache_salt": self.cache_salt}
-            for p in prompts
-        ]
+        return [salted(prompt, self.cache_salt) for prompt in prompts]
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:

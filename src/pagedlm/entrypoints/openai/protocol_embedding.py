@@ -1,14 +1,19 @@
 """The ``/v1/embeddings`` request body (OpenAI's fields, and vLLM's ``normalize``,
-``truncate_prompt_tokens``, ``add_special_tokens``, chat form and binary encodings)."""
+``truncate_prompt_tokens``, ``add_special_tokens``, ``cache_salt``, chat form and binary
+encodings)."""
 
 from __future__ import annotations
 
 from pydantic import Field
 
-from pagedlm.entrypoints.openai.protocol_pooling import EncodingFields, InputOrMessages
+from pagedlm.entrypoints.openai.protocol_pooling import (
+    EncodingFields,
+    InputOrMessages,
+    SaltField,
+)
 
 
-class EmbeddingRequest(InputOrMessages, EncodingFields):
+class EmbeddingRequest(InputOrMessages, EncodingFields, SaltField):
     model: str | None = None
     dimensions: int | None = Field(None, ge=1)
     """Cut each embedding to its first this many values (Matryoshka models only)."""

@@ -1,6 +1,7 @@
 """Request bodies of the pooling routes, with vLLM's fields: ``/classify``, ``/score``,
 ``/rerank`` (Jina's and Cohere's shape) and ``/pooling``; the input or chat form that
-``/v1/embeddings`` shares with ``/classify`` and ``/pooling`` (``InputOrMessages``)."""
+``/v1/embeddings`` shares with ``/classify`` and ``/pooling`` (``InputOrMessages``), and
+the ``cache_salt`` every one of them takes (``SaltField``), as vLLM's do."""
 
 from __future__ import annotations
 
@@ -8,12 +9,20 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
+from pagedlm.entrypoints.openai.cache_salt import CacheSalt
 from pagedlm.entrypoints.openai.chat_message import ChatMessage
 from pagedlm.entrypoints.openai.errors import APIError
 from pagedlm.entrypoints.openai.pooling_encoding import EmbedDType, EncodingFormat, Endianness
 from pagedlm.entrypoints.openai.protocol import ChatTemplateFields, OpenAIModel, engine_prompts
 
 _USE_ACTIVATION = "use use_activation, which means the same"
+
+
+class SaltField(OpenAIModel):
+    """vLLM's ``cache_salt`` (``cache_salt.py``): the request's prompts share prefix-cache
+    blocks only with prompts of the same salt."""
+
+    cache_salt: CacheSalt = None
 
 
 class InputOrMessages(OpenAIModel):
@@ -89,7 +98,7 @@ class ActivationFields(OpenAIModel):
         return None
 
 
-class ClassificationRequest(InputOrMessages, ActivationFields):
+class ClassificationRequest(InputOrMessages, ActivationFields, SaltField):
     model: str | None = None
     user: str | None = None
 
@@ -103,7 +112,7 @@ SCORE_FIELD_PAIRS = (
 """The names ``/score`` takes its two sides under, in vLLM's order of preference."""
 
 
-class ScoreRequest(ActivationFields):
+class ScoreRequest(ActivationFields, SaltField):
     """The two sides of the scores under any of vLLM's names (``SCORE_FIELD_PAIRS``): the
     first side one text (scored against every text of the second) or as many as the
     second (pairwise). As in vLLM, the first complete pair is read and the others'
@@ -135,7 +144,7 @@ class ScoreRequest(ActivationFields):
         )
 
 
-class RerankRequest(ActivationFields):
+class RerankRequest(ActivationFields, SaltField):
     model: str | None = None
     query: str
     documents: list[str]
@@ -143,7 +152,7 @@ class RerankRequest(ActivationFields):
     """Return the best this many documents (0: all of them), best first."""
 
 
-class PoolingRequest(InputOrMessages, ActivationFields, EncodingFields):
+class PoolingRequest(InputOrMessages, ActivationFields, EncodingFields, SaltField):
     """The model's pooled output as it is: an embedding, or a classifier's probabilities;
     with ``task`` (vLLM's) "token_embed" or "token_classify", one row per prompt token."""
 

@@ -45,7 +45,9 @@ class EmbeddingServer:
         params = self._check(body)
         request_id = self.ctx.request_id("embd")
         prompts = await body_prompts(self.ctx, body)
-        outputs = await pool_all(self.ctx, prompts, params, request_id, body.tokenization_kwargs())
+        outputs = await pool_all(
+            self.ctx, prompts, params, request_id, body.tokenization_kwargs(), body.cache_salt
+        )
         if body.encoding_format in BYTES_FORMATS:
             return bytes_answer(self.ctx, request_id, body, outputs), None
         num_tokens = sum(len(output.prompt_token_ids) for output in outputs)

@@ -18,6 +18,7 @@ from starlette.responses import Response
 
 from pagedlm.config import PoolerConfig
 from pagedlm.engine.concurrent_requests import final_output, gather_all
+from pagedlm.entrypoints.openai.cache_salt import salted
 from pagedlm.entrypoints.openai.errors import APIError, from_value_error
 from pagedlm.entrypoints.openai.pooling_encoding import BYTES_FORMATS, bytes_response, encode_vector
 from pagedlm.entrypoints.openai.protocol_pooling import (
@@ -55,10 +56,12 @@ async def pool_all(
     params: PoolingParams,
     request_id: str,
     tokenization_kwargs: dict[str, Any] | None = None,
+    cache_salt: str | None = None,
 ) -> list[PoolingRequestOutput]:
     """Each prompt's final output, in order; an engine-side ``ValueError`` becomes a 400,
     and a failure (or the client leaving) aborts what still runs. ``tokenization_kwargs``:
-    how text prompts are tokenized (``InputOrMessages.tokenization_kwargs``)."""
+    how text prompts are tokenized (``InputOrMessages.tokenization_kwargs``); every prompt
+    carries ``cache_salt`` (the request's)."""
     limit = ctx.limits.max_completion_prompts
     if len(prompts) > limit:
         raise APIError(
@@ -67,7 +70,7 @@ async def pool_all(
         )
     try:
         return await gather_all(
-            _one(ctx, prompt, params, f"{request_id}-{i}", tokenization_kwargs)
+            _one(ctx, salted(prompt, cache_salt), params, f"{request_id}-{i}", tokenization_kwargs)
             for i, prompt in enumerate(prompts)
         )
     except ValueError as error:
@@ -160,7 +163,9 @@ class PoolingServer:
         )
         request_id = self.ctx.request_id("classify")
         prompts = await body_prompts(self.ctx, body)
-        outputs = await pool_all(self.ctx, prompts, params, request_id, body.tokenization_kwargs())
+        outputs = await pool_all(
+            self.ctx, prompts, params, request_id, body.tokenization_kwargs(), body.cache_salt
+        )
         labels = pooler.labels
         assert labels is not None
         data = []
@@ -214,7 +219,9 @@ class PoolingServer:
         )
         request_id = self.ctx.request_id("pool")
         prompts = await body_prompts(self.ctx, body)
-        outputs = await pool_all(self.ctx, prompts, params, request_id, body.tokenization_kwargs())
+        outputs = await pool_all(
+            self.ctx, prompts, params, request_id, body.tokenization_kwargs(), body.cache_salt
+        )
         vectors = [output.outputs.data for output in outputs]
         if body.encoding_format in BYTES_FORMATS:
             return bytes_answer(self.ctx, request_id, body, outputs), None
@@ -252,7 +259,9 @@ class PoolingServer:
                 use_activation=body.activation_choice(),
                 truncate_prompt_tokens=truncate,
             )
-            outputs = await pool_all(self.ctx, pairs, params, request_id)
+            outputs = await pool_all(
+                self.ctx, pairs, params, request_id, cache_salt=body.cache_salt
+            )
             return [float(output.outputs.data[0]) for output in outputs], outputs
         if body.activation_choice() is not None:
             raise APIError(
@@ -262,7 +271,8 @@ class PoolingServer:
             )
         params = pooling_params(self.ctx, pooler, truncate_prompt_tokens=truncate)
         firsts = first[:1] if len(first) == 1 else first
-        outputs = await pool_all(self.ctx, firsts + [b for _, b in pairs], params, request_id)
+        texts = firsts + [b for _, b in pairs]
+        outputs = await pool_all(self.ctx, texts, params, request_id, cache_salt=body.cache_salt)
         vectors = [output.outputs.data for output in outputs]
         heads = vectors[:1] * len(pairs) if len(firsts) == 1 else vectors[: len(firsts)]
         tails = vectors[len(firsts) :]
