@@ -69,8 +69,8 @@ async def _assert_idle(engine):
     assert (stats.num_running_reqs, stats.num_waiting_reqs) == (0, 0)
     assert stats.kv_cache_usage == 0.0
     metrics = {(m.name, tuple(m.labels.items())): m.value for m in engine.get_metrics()}
-    assert metrics[("pagedlm:num_requests_running", ())] == 0
-    assert metrics[("pagedlm:kv_cache_usage_perc", ())] == 0.0
+    assert metrics[("pagedlm:num_requests_running", (("engine", "0"),))] == 0
+    assert metrics[("pagedlm:kv_cache_usage_perc", (("engine", "0"),))] == 0.0
 
 
 def test_config_and_tokenizer(engine, model_dir):

@@ -116,8 +116,18 @@ async def _idle(engine: AsyncLLM) -> tuple[int, int]:
     return stats.num_running_reqs, stats.num_waiting_reqs
 
 
+def _successes(engine: AsyncLLM) -> dict[str, float]:
+    """``request_success`` by finished reason (vLLM's metric)."""
+    return {
+        metric.labels["finished_reason"]: metric.value
+        for metric in engine.get_metrics()
+        if metric.name == "pagedlm:request_success"
+    }
+
+
 def test_abort_ends_in_flight_requests_and_holds_new_ones(engine):
     async def scenario() -> None:
+        before = _successes(engine)
         streams = [Stream(engine, f"abort-{i}", LONG) for i in range(3)]
         await asyncio.gather(*(s.first.wait() for s in streams))
         assert not await engine.is_paused()
@@ -141,6 +151,11 @@ def test_abort_ends_in_flight_requests_and_holds_new_ones(engine):
         assert held.final.finish_reason == "length"
         assert len(held.final.token_ids) == SHORT.max_tokens
         assert await _idle(engine) == (0, 0)  # the aborted one never ran
+        # vLLM counts the requests a pause ended as finished with reason "abort" (its core
+        # sends them an abort output); a client's abort ("dropped") is not counted.
+        after = _successes(engine)
+        delta = {reason: after[reason] - before[reason] for reason in after}
+        assert delta == {"stop": 0, "length": 1, "abort": 3, "error": 0, "repetition": 0}
 
     run(scenario())
 

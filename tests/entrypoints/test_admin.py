@@ -46,6 +46,17 @@ def complete(url: str) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
 
 
+def sleep_state(url: str) -> str:
+    """The state vLLM's ``engine_sleep_state`` gauge sets to 1 (the others are 0)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics").text
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name.endswith("sleep_state")]
+    values = {sample.labels["sleep_state"]: sample.value for sample in family.samples}
+    assert sorted(values.values()) == [0, 0, 1], values
+    return next(state for state, value in values.items() if value == 1)
+
+
 def prefix_hits(url: str) -> float:
     text = httpx.get(f"{url}/metrics").text
     name = "pagedlm:prefix_cache_hits_total"
@@ -67,10 +78,12 @@ def test_reset_prefix_cache(server):
 def test_sleep_and_wake_up(server, level):
     expected = complete(server.url).json()["choices"][0]["text"]
     assert httpx.get(f"{server.url}/is_sleeping").json() == {"is_sleeping": False}
+    assert sleep_state(server.url) == "awake"
     assert httpx.post(f"{server.url}/sleep", params={"level": 3}).status_code == 400
     response = httpx.post(f"{server.url}/sleep", params={"level": level}, timeout=60)
     assert response.status_code == 200, response.text
     assert httpx.get(f"{server.url}/is_sleeping").json() == {"is_sleeping": True}
+    assert sleep_state(server.url) == ("weights_offloaded" if level == 1 else "discard_all")
     asleep = complete(server.url)
     assert asleep.status_code == 503
     assert "/wake_up" in asleep.json()["error"]["message"]
@@ -83,12 +96,14 @@ def test_sleep_and_wake_up(server, level):
         response = httpx.post(wake_up, params={"tags": "weights"}, timeout=120)
         assert response.status_code == 200, response.text
         assert httpx.get(f"{server.url}/is_sleeping").json() == {"is_sleeping": True}
+        assert sleep_state(server.url) == "discard_all"  # asleep until both are awake
         assert complete(server.url).status_code == 503
         response = httpx.post(wake_up, params={"tags": "kv_cache"}, timeout=120)
     else:
         response = httpx.post(wake_up, timeout=120)
     assert response.status_code == 200, response.text
     assert httpx.get(f"{server.url}/is_sleeping").json() == {"is_sleeping": False}
+    assert sleep_state(server.url) == "awake"
     awake = complete(server.url)
     assert awake.status_code == 200
     assert awake.json()["choices"][0]["text"] == expected

@@ -27,7 +27,6 @@ VLLM_BUCKETS = {
         2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
     ],
     "inter_token_latency_seconds": VLLM_TPOT_BUCKETS,
-    "time_per_output_token_seconds": VLLM_TPOT_BUCKETS,
     "request_time_per_output_token_seconds": VLLM_TPOT_BUCKETS,
     "e2e_request_latency_seconds": [
         0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
@@ -43,9 +42,11 @@ LATENCY_PHASES = ("queue", "prefill", "decode", "inference")
 
 
 def test_histogram_buckets_are_vllms():
-    histograms = SequenceStats(max_model_len=2048).histograms
+    histograms = SequenceStats(max_model_len=2048).engines[0].histograms
     for name, bounds in VLLM_BUCKETS.items():
         assert list(histograms[f"pagedlm:{name}"].bounds) == bounds, name
+    # Removed from vLLM after its deprecation (inter_token_latency_seconds replaced it).
+    assert "pagedlm:time_per_output_token_seconds" not in histograms
     for phase in LATENCY_PHASES:
         assert histograms[f"pagedlm:request_{phase}_time_seconds"].bounds == tuple(
             VLLM_BUCKETS["e2e_request_latency_seconds"]
@@ -83,13 +84,13 @@ def test_request_the_core_aborted_is_counted_under_abort():
     )
     values = _snapshot(metrics)
     success = "pagedlm:request_success"
-    assert values[(success, (("finished_reason", "abort"),))] == 1
-    assert values[(success, (("finished_reason", "stop"),))] == 0
-    assert values[(success, (("finished_reason", "length"),))] == 0
-    histograms = metrics.sequences.histograms
+    reasons = {"abort": 1, "stop": 0, "length": 0, "error": 0, "repetition": 0}
+    for reason, expected in reasons.items():  # vLLM's FinishReason values, each exported
+        assert values[(success, (("engine", "0"), ("finished_reason", reason)))] == expected
+    histograms = metrics.sequences.engines[0].histograms
     assert histograms["pagedlm:e2e_request_latency_seconds"].count == 1
     assert histograms["pagedlm:request_params_n"].count == 1
-    assert values[("pagedlm:prompt_tokens", ())] == 6  # both prefills finished
+    assert values[("pagedlm:prompt_tokens", (("engine", "0"),))] == 6  # both prefills finished
 
 
 def _values(llm: LLM) -> dict[str, float]:
@@ -187,3 +188,87 @@ def test_rejected_requests_leave_no_trace(llama):
     assert values["pagedlm:prompt_tokens"] == 20
     assert values["pagedlm:request_success"] == 1
     assert values["pagedlm:request_params_n"] == 1
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_inter_token_latency_once_per_step_under_speculation(llama, async_scheduling):
+    """A verification step that accepts drafts brings several tokens: vLLM observes the
+    sequence's inter-token latency once for it (the time since its previous step), not
+    once per token. The target drafting for itself accepts every draft."""
+    speculative = {"method": "draft_model", "model": llama, "num_speculative_tokens": 3}
+    llm = LLM(
+        llama,
+        skip_tokenizer_init=True,
+        num_kv_blocks=32,
+        max_model_len=128,
+        speculative_config=speculative,
+        async_scheduling=async_scheduling,
+    )
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for i in range(2):
+        engine.add_request(f"s-{i}", {"prompt_token_ids": [5 + i, 6, 7, 8]}, params)
+    steps_with_tokens: dict[str, int] = {}
+    try:
+        while engine.has_unfinished_requests():
+            outputs = engine.engine_core.step()
+            for output in outputs:
+                if output.new_token_ids:
+                    steps_with_tokens[output.req_id] = steps_with_tokens.get(output.req_id, 0) + 1
+            engine.metrics.record_outputs(outputs)
+            engine.output_processor.process_outputs(outputs)
+    finally:
+        engine.shutdown()
+    values = _values(llm)
+    assert values["pagedlm:generation_tokens"] == 2 * 16
+    assert sum(steps_with_tokens.values()) < 2 * 16  # drafts were accepted
+    later_steps = sum(steps - 1 for steps in steps_with_tokens.values())
+    assert values["pagedlm:inter_token_latency_seconds"] == later_steps
+
+
+def test_every_series_is_per_engine_as_vllms():
+    """vLLM labels every series with ``engine`` (a data-parallel replica's index), but
+    ``lora_requests_info`` (no engine, no model) and ``cache_config_info`` (per engine);
+    ``engine_sleep_state`` says awake / weights_offloaded (level 1) / discard_all (2)."""
+    from pagedlm.engine.data_parallel import sum_stats
+
+    metrics = EngineMetrics(max_model_len=64, cache_info={"block_size": "16"}, num_engines=2)
+    replicas = [
+        SchedulerStats(2, 1, 0.5, 3, 40, 16, external_prefix_cache_queries=24),
+        SchedulerStats(1, 0, 0.25, 0, 8, 0, max_loras=2, running_lora_adapters={"sql": 1}),
+    ]
+    stats = sum_stats(replicas)
+    snapshot = metrics.snapshot(stats, sleep_level=1)
+    by_key = {(m.name, tuple(sorted(m.labels.items()))): m.value for m in snapshot}
+    for metric in snapshot:
+        if metric.name == "pagedlm:lora_requests_info":
+            assert "engine" not in metric.labels and metric.labels["running_lora_adapters"] == "sql"
+        else:
+            assert metric.labels["engine"] in ("0", "1"), metric
+    per_engine = {
+        ("pagedlm:num_requests_running", "0"): 2,
+        ("pagedlm:num_requests_running", "1"): 1,
+        ("pagedlm:kv_cache_usage_perc", "1"): 0.25,
+        ("pagedlm:num_preemptions", "0"): 3,
+        ("pagedlm:prefix_cache_queries", "1"): 8,
+        ("pagedlm:external_prefix_cache_queries", "0"): 24,
+        ("pagedlm:external_prefix_cache_hits", "1"): 0,
+    }
+    for (name, engine), expected in per_engine.items():
+        assert by_key[(name, (("engine", engine),))] == expected, name
+    for engine in ("0", "1"):
+        sleep = {
+            state: by_key[
+                ("pagedlm:engine_sleep_state", (("engine", engine), ("sleep_state", state)))
+            ]
+            for state in ("awake", "weights_offloaded", "discard_all")
+        }
+        assert sleep == {"awake": 0, "weights_offloaded": 1, "discard_all": 0}
+        info = ("pagedlm:cache_config_info", (("block_size", "16"), ("engine", engine)))
+        assert by_key[info] == 1
+    asleep = {
+        m.labels["sleep_state"]: m.value
+        for m in metrics.snapshot(stats, sleep_level=2)
+        if m.name == "pagedlm:engine_sleep_state" and m.labels["engine"] == "0"
+    }
+    assert asleep == {"awake": 0, "weights_offloaded": 0, "discard_all": 1}

@@ -1,4 +1,5 @@
-"""Per-sequence histograms (vLLM v1's semantics) on hand-made engine-core outputs."""
+"""Per-sequence histograms (vLLM v1's semantics) on hand-made engine-core outputs: per
+sequence, per engine (vLLM's ``engine`` label), inter-token latency once per step."""
 
 from __future__ import annotations
 
@@ -16,12 +17,12 @@ class Clock:
         return self.now
 
 
-def count(stats: SequenceStats, name: str) -> int:
-    return stats.histograms[f"pagedlm:{name}"].count
+def count(stats: SequenceStats, name: str, engine: int = 0) -> int:
+    return stats.engines[engine].histograms[f"pagedlm:{name}"].count
 
 
-def total(stats: SequenceStats, name: str) -> float:
-    return stats.histograms[f"pagedlm:{name}"].sum
+def total(stats: SequenceStats, name: str, engine: int = 0) -> float:
+    return stats.engines[engine].histograms[f"pagedlm:{name}"].sum
 
 
 def test_buckets_and_cumulative_counts():
@@ -39,14 +40,13 @@ def test_n2_request_counts_two_sequences_and_one_n():
     stats.add_request("r", ["r-0", "r-1"], 99.0, num_prompt_tokens=10, max_tokens=3)
     clock.now = 100.0  # scheduled at 99.5, first tokens at 100
     first = [EngineCoreOutput(f"r-{i}", [5], queued_seconds=0.5) for i in range(2)]
-    assert stats.record_outputs(first) == []
+    stats.record_outputs(first)
     clock.now = 100.2
-    assert stats.record_outputs([EngineCoreOutput("r-0", [6, 7], finish_reason="length")]) == [
-        "length"
-    ]
+    stats.record_outputs([EngineCoreOutput("r-0", [6, 7], finish_reason="length")])
     assert count(stats, "request_params_n") == 0  # r-1 still runs
     clock.now = 101.0
-    assert stats.record_outputs([EngineCoreOutput("r-1", [8], finish_reason="stop")]) == ["stop"]
+    stats.record_outputs([EngineCoreOutput("r-1", [8], finish_reason="stop")])
+    assert stats.engines[0].request_success == {"length": 1, "stop": 1}
 
     for name in (
         "e2e_request_latency_seconds",
@@ -73,10 +73,11 @@ def test_n2_request_counts_two_sequences_and_one_n():
     assert total(stats, "request_prompt_tokens") == 20
     # r-0: 0.2 s over 2 later tokens; r-1: 1.0 s over 1 later token.
     assert total(stats, "request_time_per_output_token_seconds") == pytest.approx(0.1 + 1.0)
-    # Every later token: r-0's two share 0.2 s, r-1's one took 1.0 s (vLLM's older name too).
-    for name in ("inter_token_latency_seconds", "time_per_output_token_seconds"):
-        assert count(stats, name) == 3
-        assert total(stats, name) == pytest.approx(0.2 + 1.0)
+    # Once per step after the first: r-0's two tokens came in one step 0.2 s later, r-1's
+    # one 1.0 s later.
+    assert count(stats, "inter_token_latency_seconds") == 2
+    assert total(stats, "inter_token_latency_seconds") == pytest.approx(0.2 + 1.0)
+    assert "pagedlm:time_per_output_token_seconds" not in stats.engines[0].histograms
     assert count(stats, "request_max_num_generation_tokens") == 1  # once per user request
     assert total(stats, "request_max_num_generation_tokens") == 3  # r-0's 3 tokens, not r-1's 2
     # Step 1: two prefills of 10 tokens plus 2 tokens; then 2; then 1.
@@ -97,7 +98,81 @@ def test_stop_string_finish_and_abort():
     stats.record_outputs([EngineCoreOutput("b-0", [2], finish_reason="length")])
     assert count(stats, "e2e_request_latency_seconds") == 1
     assert count(stats, "request_params_n") == 1
-    assert stats.num_prompt_tokens == 8  # a and b reached their first token
+    assert stats.engines[0].num_prompt_tokens == 8  # a and b reached their first token
+    assert stats.engines[0].num_generation_tokens == 2  # not b's token after its abort
+    assert stats.engines[0].request_success == {"stop": 1}
     stats.add_request("c", ["c-0", "c-1"], 99.0, 4, 8)
     stats.forget_request("c")  # aborted before any token: its prompt was never processed
-    assert stats.num_prompt_tokens == 8
+    assert stats.engines[0].num_prompt_tokens == 8
+
+
+def test_inter_token_latency_is_one_observation_per_step():
+    """vLLM observes a sequence's inter-token latency once per engine step, the time since
+    its previous step's tokens: a verification step that accepts drafts (several tokens)
+    is one observation, and so is the first step's (none: it is the first token)."""
+    clock = Clock()
+    stats = SequenceStats(max_model_len=64, clock=clock)
+    stats.add_request("s", ["s-0"], 99.0, 4, 16)
+    stats.record_outputs([EngineCoreOutput("s-0", [1, 2])])  # first token and a draft
+    assert count(stats, "inter_token_latency_seconds") == 0
+    for now, tokens in ((100.1, [3, 4, 5, 6]), (100.3, [7]), (100.6, [8, 9])):
+        clock.now = now
+        stats.record_outputs([EngineCoreOutput("s-0", tokens)])
+    assert count(stats, "inter_token_latency_seconds") == 3
+    assert total(stats, "inter_token_latency_seconds") == pytest.approx(0.6)
+    clock.now = 101.0
+    stats.record_outputs([EngineCoreOutput("s-0", [], finish_reason="abort")])  # a pause
+    assert count(stats, "inter_token_latency_seconds") == 3  # no tokens, no latency
+    # The per-sequence mean spreads the decode time over every later token.
+    assert total(stats, "request_time_per_output_token_seconds") == pytest.approx(0.6 / 8)
+
+
+def test_token_times_are_the_engine_cores():
+    """Two steps whose messages the front end handles at the same moment: their tokens
+    are timed by the core's clock at each step's end (``CoreOutputs.timestamp``), as vLLM
+    times them, so the gap is the steps' and not zero; TTFT and e2e are the front end's."""
+    clock = Clock()
+    stats = SequenceStats(max_model_len=64, clock=clock)
+    stats.add_request("s", ["s-0"], 99.0, 4, 16)
+    clock.now = 101.0  # the front end got round to both messages late
+    stats.record_outputs([EngineCoreOutput("s-0", [1], queued_seconds=0.5)], timestamp=100.0)
+    stats.record_outputs([EngineCoreOutput("s-0", [2])], timestamp=100.25)
+    stats.record_outputs([EngineCoreOutput("s-0", [3], finish_reason="length")], timestamp=100.75)
+    assert total(stats, "inter_token_latency_seconds") == pytest.approx(0.25 + 0.5)
+    assert total(stats, "time_to_first_token_seconds") == pytest.approx(2.0)
+    assert total(stats, "request_prefill_time_seconds") == pytest.approx(0.5)
+    assert total(stats, "request_decode_time_seconds") == pytest.approx(0.75)
+    assert total(stats, "e2e_request_latency_seconds") == pytest.approx(2.0)
+
+
+def test_each_engine_counts_its_own_sequences():
+    """With data parallelism a sequence counts on the replica that ran it (vLLM's
+    ``engine`` label); a user request's ``n`` on the engine of its last sequence."""
+    clock = Clock()
+    stats = SequenceStats(max_model_len=64, clock=clock, num_engines=2)
+    stats.add_request("r", ["r-0", "r-1"], 99.0, 4, 8)
+    stats.record_outputs(
+        [EngineCoreOutput("r-0", [1]), EngineCoreOutput("r-1", [1], engine_index=1)]
+    )
+    clock.now = 100.5
+    stats.record_outputs(
+        [
+            EngineCoreOutput("r-0", [2, 3], finish_reason="length"),
+            EngineCoreOutput("r-1", [2], engine_index=1),
+        ]
+    )
+    stats.record_outputs([EngineCoreOutput("r-1", [3], finish_reason="stop", engine_index=1)])
+    zero, one = stats.engines
+    assert (zero.num_prompt_tokens, one.num_prompt_tokens) == (4, 4)
+    assert (zero.num_generation_tokens, one.num_generation_tokens) == (3, 3)
+    assert zero.request_success == {"length": 1} and one.request_success == {"stop": 1}
+    for engine in (0, 1):
+        assert count(stats, "time_to_first_token_seconds", engine) == 1
+        assert count(stats, "e2e_request_latency_seconds", engine) == 1
+    assert count(stats, "inter_token_latency_seconds", 0) == 1
+    assert count(stats, "inter_token_latency_seconds", 1) == 2
+    # One observation of the step's tokens per engine that ran tokens in it.
+    assert count(stats, "iteration_tokens_total", 0) == 2
+    assert count(stats, "iteration_tokens_total", 1) == 3
+    assert total(stats, "iteration_tokens_total", 0) == 4 + 1 + 2
+    assert (count(stats, "request_params_n", 0), count(stats, "request_params_n", 1)) == (0, 1)

@@ -38,6 +38,28 @@ def test_the_line_gives_rates_since_the_last_and_stays_quiet_when_idle():
     assert line.line(_metrics(1000, 200, 0), now=20.0) is None  # idle: no line
 
 
+def test_the_line_sums_the_engines_counts_and_averages_their_kv_usage():
+    """With data parallelism each replica reports its own series (vLLM's ``engine``
+    label): the line adds their tokens and requests and shows their mean KV usage."""
+    line = StatsLine()
+
+    def replicas(generated: float) -> list[Metric]:
+        return [
+            metric
+            for engine, usage in (("0", 0.2), ("1", 0.6))
+            for metric in (
+                Metric("pagedlm:generation_tokens", generated, labels={"engine": engine}),
+                Metric("pagedlm:num_requests_running", 2, "gauge", {"engine": engine}),
+                Metric("pagedlm:kv_cache_usage_perc", usage, "gauge", {"engine": engine}),
+            )
+        ]
+
+    line.line(replicas(0), now=0.0)
+    text = line.line(replicas(50), now=10.0)
+    assert "Avg generation throughput: 10.0 tokens/s, Running: 4 reqs" in text
+    assert "KV cache usage: 40.0%" in text
+
+
 def _ctx(checkpoint, **fields):
     return fake_context(FakeEngine(checkpoint), **fields)
 

@@ -25,14 +25,16 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
 
 
 def value(samples, name: str, **labels) -> float:
-    return samples[(name, tuple(sorted({"model_name": "tiny", **labels}.items())))]
+    """A sample of the one engine's series (vLLM's ``model_name`` and ``engine`` labels)."""
+    return samples[(name, tuple(sorted({"model_name": "tiny", "engine": "0", **labels}.items())))]
 
 
 DASHBOARD = Path(__file__).parents[2] / "examples" / "grafana" / "pagedlm.json"
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 HISTOGRAMS = [
     "time_to_first_token_seconds",
     "inter_token_latency_seconds",
-    "time_per_output_token_seconds",
+    "request_time_per_output_token_seconds",
     "e2e_request_latency_seconds",
     "request_queue_time_seconds",
     "request_prefill_time_seconds",
@@ -76,6 +78,11 @@ def test_counters_match_requests(tiny_server):
         "pagedlm:prefix_cache_hits_total",
     ):
         assert value(after, name) >= 0
+    # No KV connector: asked nothing (vLLM exports the series anyway).
+    assert value(after, "pagedlm:external_prefix_cache_queries_total") == 0
+    assert value(after, "pagedlm:external_prefix_cache_hits_total") == 0
+    sleep = {s: value(after, "pagedlm:engine_sleep_state", sleep_state=s) for s in SLEEP_STATES}
+    assert sleep == {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
 
 
 def test_cache_salt_keeps_prefix_caches_apart(tiny_server):
@@ -119,10 +126,9 @@ def test_n2_request_is_two_sequences_everywhere(tiny_server):
     assert delta("request_success_total", finished_reason="length") == 2
     for name in HISTOGRAMS:
         if name not in ("request_params_n", "iteration_tokens_total"):
-            # One observation per sequence; per later token for ITL and vLLM's older TPOT.
-            per_token = name in ("inter_token_latency_seconds", "time_per_output_token_seconds")
-            assert delta(f"{name}_count") == (4 if per_token else 2)
-    assert delta("request_time_per_output_token_seconds_count") == 2
+            # One observation per sequence; ITL one per later step (a token each here).
+            per_step = name == "inter_token_latency_seconds"
+            assert delta(f"{name}_count") == (4 if per_step else 2)
     assert delta("request_max_num_generation_tokens_count") == 1
     assert delta("request_max_num_generation_tokens_sum") == 3
     assert delta("request_params_n_count") == 1
@@ -135,6 +141,8 @@ def test_n2_request_is_two_sequences_everywhere(tiny_server):
     assert delta("request_params_n_bucket", le="1.0") == 0
     info = [labels for (name, labels) in after if name == "pagedlm:cache_config_info"]
     assert len(info) == 1
+    # vLLM's labels: the cache config's fields and the engine, no model name.
+    assert "model_name" not in dict(info[0]) and dict(info[0])["engine"] == "0"
     assert dict(info[0])["num_gpu_blocks"] == "64"
     assert dict(info[0])["block_size"] == "16"
 
@@ -158,13 +166,44 @@ def test_vllm_metric_names_on_request():
     from pagedlm.metrics.prometheus import PrometheusMetrics
     from pagedlm.metrics.stats import Metric
 
-    sample = [Metric("pagedlm:num_requests_running", 3.0, "gauge")]
+    sample = [Metric("pagedlm:num_requests_running", 3.0, "gauge", {"engine": "0"})]
     ours, theirs = PrometheusMetrics("m"), PrometheusMetrics("m", "vllm")
     for metrics in (ours, theirs):
         metrics.update_engine_metrics(sample)
-    assert b'pagedlm:num_requests_running{model_name="m"} 3.0' in ours.render()
+    assert b'pagedlm:num_requests_running{engine="0",model_name="m"} 3.0' in ours.render()
     text = theirs.render()
-    assert b'vllm:num_requests_running{model_name="m"} 3.0' in text and b"pagedlm:" not in text
+    assert b'vllm:num_requests_running{engine="0",model_name="m"} 3.0' in text
+    assert b"pagedlm:" not in text
     assert b"# HELP vllm:num_requests_running Number of requests in model" in text
     with pytest.raises(ValueError, match="not one of"):
         PrometheusMetrics("m", "sglang")
+
+
+def test_label_sets_are_vllms():
+    """vLLM's label sets: ``model_name`` and ``engine`` on every series but
+    ``lora_requests_info`` (its adapters only) and ``cache_config_info`` (its fields and
+    ``engine``); ``engine_sleep_state`` adds ``sleep_state``."""
+    from pagedlm.core.scheduler_interface import SchedulerStats
+    from pagedlm.metrics.prometheus import PrometheusMetrics
+    from pagedlm.metrics.stats import EngineMetrics
+
+    engine = EngineMetrics(max_model_len=64, cache_info={"block_size": "16"})
+    stats = SchedulerStats(0, 0, 0.0, 0, 0, 0, max_loras=1, running_lora_adapters={"sql": 1})
+    metrics = PrometheusMetrics("m", "vllm")
+    metrics.update_engine_metrics(engine.snapshot(stats))
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    for name, family in families.items():
+        labels = set(family.samples[0].labels) - {"le"}
+        if name == "vllm:lora_requests_info":
+            assert labels == {"max_lora", "running_lora_adapters", "waiting_lora_adapters"}
+        elif name == "vllm:cache_config_info":
+            assert labels == {"block_size", "engine"}
+        elif name == "vllm:engine_sleep_state":
+            assert labels == {"model_name", "engine", "sleep_state"}
+        elif name == "vllm:request_success":
+            assert labels == {"model_name", "engine", "finished_reason"}
+            reasons = {sample.labels["finished_reason"] for sample in family.samples}
+            assert reasons == {"stop", "length", "abort", "error", "repetition"}
+        else:
+            assert labels == {"model_name", "engine"}, name
+    assert {"vllm:external_prefix_cache_queries", "vllm:engine_sleep_state"} <= set(families)

@@ -37,6 +37,8 @@ def test_sleep_frees_and_wake_up_restores(llm, level):
     expected = tokens(llm)
     llm.sleep(level)  # vLLM's LLM.sleep / LLM.wake_up
     assert worker.sleep_level == level and llm.llm_engine.is_sleeping()
+    state = {m.labels["sleep_state"]: m.value for m in llm.get_metrics() if "sleep" in m.name}
+    assert state == {"awake": 0, "weights_offloaded": level == 1, "discard_all": level == 2}
     if level == 1:
         assert worker.model_runner.kv_cache is None
     else:
@@ -46,6 +48,7 @@ def test_sleep_frees_and_wake_up_restores(llm, level):
     assert not llm.llm_engine.has_unfinished_requests()  # the refusal left nothing behind
     llm.wake_up()
     assert worker.sleep_level == 0 and worker.model_runner.kv_cache is not None
+    assert [m.value for m in llm.get_metrics() if m.labels.get("sleep_state") == "awake"] == [1]
     assert tokens(llm) == expected
 
 

@@ -147,7 +147,9 @@ class AsyncLLM:
         self._death_waiters: list[asyncio.Future] = []
         self.output_processor = OutputProcessor(tokenizer, config.scheduler.stream_interval)
         self.metrics = EngineMetrics(
-            config.model.max_model_len, cache_info(config.cache, ready.num_kv_blocks)
+            config.model.max_model_len,
+            cache_info(config.cache, ready.num_kv_blocks),
+            config.parallel.data_parallel_size,
         )
         self.num_kv_blocks = ready.num_kv_blocks
         self._client = client
@@ -513,7 +515,7 @@ class AsyncLLM:
 
     def get_metrics(self) -> list[Metric]:
         """Front-end counters plus the scheduler stats the core sent with its last step."""
-        return self.metrics.snapshot(self._last_stats)
+        return self.metrics.snapshot(self._last_stats, self.sleep_level)
 
     # ------------------------------------------------------------------------- admin
 
@@ -767,7 +769,7 @@ class AsyncLLM:
     def _handle_outputs(self, message: CoreOutputs) -> None:
         self._last_stats = message.stats
         outputs = message.outputs
-        self.metrics.record_outputs(outputs)
+        self.metrics.record_outputs(outputs, message.timestamp or None)
         processed = self.output_processor.process_outputs(outputs)
         if processed.reqs_to_abort:
             # Finished by a stop string, which only the front end can see.

@@ -53,7 +53,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, config.scheduler.stream_interval)
         self.engine_core = make_engine_core(config, platform)
         self.metrics = EngineMetrics(
-            config.model.max_model_len, cache_info(config.cache, self.engine_core.num_kv_blocks)
+            config.model.max_model_len,
+            cache_info(config.cache, self.engine_core.num_kv_blocks),
+            config.parallel.data_parallel_size,
         )
         freeze_startup_heap("engine")
 
@@ -162,7 +164,8 @@ class LLMEngine:
         return processed.request_outputs
 
     def get_metrics(self) -> list[Metric]:
-        return self.metrics.snapshot(self.engine_core.make_stats())
+        core = self.engine_core
+        return self.metrics.snapshot(core.make_stats(), core.sleep_level)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False while requests hold KV blocks."""

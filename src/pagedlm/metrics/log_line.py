@@ -1,6 +1,7 @@
 """vLLM's periodic engine log line: prompt and generation throughput since the last line,
 running and waiting requests, KV cache usage and the prefix cache's hit rate, computed
-from the engine's metrics (``LLMEngine/AsyncLLM.get_metrics()``)."""
+from the engine's metrics (``LLMEngine/AsyncLLM.get_metrics()``); with data parallelism
+the engines' counts summed and their KV usage averaged."""
 
 from __future__ import annotations
 
@@ -21,9 +22,13 @@ class StatsLine:
 
     def line(self, metrics: Sequence[Metric], now: float) -> str | None:
         values: dict[str, float] = {}
+        num_engines = 0
         for metric in metrics:
             if metric.kind != "histogram":
                 values[metric.name] = values.get(metric.name, 0.0) + metric.value
+                num_engines += metric.name == "pagedlm:kv_cache_usage_perc"
+        if num_engines > 1:  # the engines' mean usage, as vLLM's aggregated line shows
+            values["pagedlm:kv_cache_usage_perc"] /= num_engines
         last, self._last = self._last, (now, values)
         if last is None:
             return None

@@ -5,7 +5,9 @@ routers written for vLLM).
 The engine's front end (``AsyncLLM.get_metrics()``, refreshed with ``get_scheduler_stats()``
 before each scrape) keeps every counter, gauge and histogram (``metrics.stats``,
 ``metrics.sequence_stats``); a custom collector on a private registry (nothing is added to
-prometheus_client's global one) turns that list into metric families.
+prometheus_client's global one) turns that list into metric families. Labels as vLLM's:
+``model_name`` (the served name) and ``engine`` on every series, but ``cache_config_info``
+(its fields and ``engine``) and ``lora_requests_info`` (its adapters only).
 
 Importing this module imports ``prometheus_client``; only the server does.
 """
@@ -28,10 +30,15 @@ from pagedlm.metrics.stats import Metric as EngineMetric
 _DOCS = {
     "pagedlm:num_requests_running": "Number of requests in model execution batches.",
     "pagedlm:num_requests_waiting": "Number of requests waiting to be processed.",
+    "pagedlm:engine_sleep_state": "Engine sleep state: 1 for the state it is in (awake; "
+    "weights_offloaded: sleep level 1; discard_all: sleep level 2), 0 for the others.",
     "pagedlm:kv_cache_usage_perc": "KV-cache usage: 1 means 100 percent.",
     "pagedlm:num_preemptions": "Cumulative number of preemptions.",
     "pagedlm:prefix_cache_queries": "Prefix-cache queries, in tokens.",
     "pagedlm:prefix_cache_hits": "Prefix-cache hits, in tokens.",
+    "pagedlm:external_prefix_cache_queries": "Tokens asked of the KV connector (past the "
+    "local prefix-cache hit).",
+    "pagedlm:external_prefix_cache_hits": "Tokens the KV connector had, to load.",
     "pagedlm:prompt_tokens": "Number of prefill tokens processed.",
     "pagedlm:generation_tokens": "Number of generation tokens processed.",
     "pagedlm:request_success": "Count of successfully finished requests.",
@@ -43,8 +50,6 @@ _DOCS = {
     "pagedlm:cache_config_info": "Information of the engine's CacheConfig (value: 1).",
     "pagedlm:time_to_first_token_seconds": "Histogram of time to first token in seconds.",
     "pagedlm:inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
-    "pagedlm:time_per_output_token_seconds": "Histogram of time per output token in seconds "
-    "(vLLM's older name of inter_token_latency_seconds).",
     "pagedlm:request_time_per_output_token_seconds": "Histogram of "
     "time_per_output_token_seconds per request.",
     "pagedlm:e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
@@ -61,6 +66,9 @@ _DOCS = {
     "pagedlm:iteration_tokens_total": "Histogram of number of tokens per engine step.",
 }
 
+
+WITHOUT_MODEL_NAME = frozenset({"pagedlm:cache_config_info", "pagedlm:lora_requests_info"})
+"""The series vLLM exports without a ``model_name`` label (only their own labels)."""
 
 METRIC_NAME_PREFIXES = ("pagedlm", "vllm")
 """What a metric's name starts with (``--metric-name-prefix``): ``pagedlm:num_requests_running``
@@ -89,11 +97,15 @@ class _EngineMetricsCollector:
         for metric in self.latest:
             grouped[(metric.name, metric.kind)].append(metric)
         for (name, kind), samples in grouped.items():
-            label_names = ["model_name", *sorted(samples[0].labels)]
+            own = sorted(samples[0].labels)
+            named = name not in WITHOUT_MODEL_NAME
+            label_names = ["model_name", *own] if named else own
             family_type = _FAMILIES[kind]
             family = family_type(self._exposed(name), _DOCS.get(name, name), labels=label_names)
             for sample in samples:
-                values = [self.model_name, *(sample.labels[k] for k in label_names[1:])]
+                values = [sample.labels[k] for k in own]
+                if named:
+                    values.insert(0, self.model_name)
                 if kind == "histogram":
                     buckets = [(_bound(le), count) for le, count in sample.buckets]
                     family.add_metric(values, buckets, sample.value)

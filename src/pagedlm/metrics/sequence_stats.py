@@ -8,8 +8,9 @@ counter and 2 observations to each latency histogram. Only ``request_params_n`` 
 ``request_max_num_generation_tokens`` (the most tokens any of its sequences generated) are
 observed once per user request (when its last sequence finishes).
 
-Times are ``time.monotonic()`` (the clock ``arrival_time`` uses), taken when the front end
-handles a step's outputs. Phases, as in vLLM's ``FinishedRequestStats``:
+Times are ``time.monotonic()`` (the clock ``arrival_time`` uses, the machine's in every
+process): a token's time is when the engine core's step ended, a finish's when the front
+end handles it. Phases, as in vLLM's ``FinishedRequestStats``:
 
 - queue:     arrival -> first scheduled (``EngineCoreOutput.queued_seconds``)
 - prefill:   first scheduled -> first token
@@ -17,10 +18,17 @@ handles a step's outputs. Phases, as in vLLM's ``FinishedRequestStats``:
 - inference: first scheduled -> last token
 - request time per output token: decode / (generated tokens - 1); 0 for one token.
 
-``inter_token_latency_seconds`` observes every token after a sequence's first: the time
-since its previous token (tokens that arrive together share the gap).
-``time_per_output_token_seconds`` is vLLM's older name for the same observations (vLLM
-observes the same values under both names while it keeps the old one).
+``inter_token_latency_seconds`` observes, once per step in which a sequence gets tokens
+after its first, the time since its previous step's tokens (vLLM's: several tokens of one
+step, speculative decoding's accepted drafts, are one observation). Token times are the
+engine core's (``CoreOutputs.timestamp``), so a front end that handles several steps'
+messages at once does not squeeze their gaps; TTFT and end-to-end latency are measured
+when the front end handles the output, from the arrival time, as vLLM does.
+(vLLM's older ``time_per_output_token_seconds`` is gone from vLLM, and from here.)
+
+Everything is kept per engine (``EngineSeries``: vLLM's ``engine`` label, a data-parallel
+replica's index, taken from ``EngineCoreOutput.engine_index``); a sequence's finish and
+its user request's ``n`` count on the engine that ran it.
 
 Pure Python (no prometheus_client): ``LLM.get_metrics()`` reports the same histograms as
 ``/metrics``; ``prometheus.py`` only renders them.
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -44,7 +53,8 @@ TPOT_BUCKETS = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
-"""vLLM's ``inter_token_latency_seconds`` and ``time_per_output_token_seconds`` buckets."""
+"""vLLM's ``inter_token_latency_seconds`` and ``request_time_per_output_token_seconds``
+buckets."""
 REQUEST_LATENCY_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
     40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
@@ -112,6 +122,8 @@ class _Sequence:
     first_token_time: float | None = None
     last_token_time: float = 0.0
     num_generation_tokens: int = 0
+    engine: int = 0
+    """The engine of its latest output (a request runs on one replica)."""
 
 
 @dataclass
@@ -124,16 +136,14 @@ class _Parent:
     max_generation_tokens: int = 0
 
 
-class SequenceStats:
-    """The request-level histograms, fed with every step's ``EngineCoreOutput`` list."""
+class EngineSeries:
+    """One engine's counters and histograms (the series of one ``engine`` label value)."""
 
-    def __init__(self, max_model_len: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self.clock = clock
+    def __init__(self, max_model_len: int) -> None:
         token_buckets = build_1_2_5_buckets(max(max_model_len, 1))
         self.histograms: dict[str, Histogram] = {
             "pagedlm:time_to_first_token_seconds": Histogram(TTFT_BUCKETS),
             "pagedlm:inter_token_latency_seconds": Histogram(TPOT_BUCKETS),
-            "pagedlm:time_per_output_token_seconds": Histogram(TPOT_BUCKETS),
             "pagedlm:request_time_per_output_token_seconds": Histogram(TPOT_BUCKETS),
             "pagedlm:e2e_request_latency_seconds": Histogram(REQUEST_LATENCY_BUCKETS),
             "pagedlm:request_queue_time_seconds": Histogram(REQUEST_LATENCY_BUCKETS),
@@ -147,16 +157,44 @@ class SequenceStats:
             "pagedlm:request_params_n": Histogram(N_BUCKETS),
             "pagedlm:iteration_tokens_total": Histogram(ITERATION_TOKEN_BUCKETS),
         }
-        self._sequences: dict[str, _Sequence] = {}
-        self._parents: dict[str, _Parent] = {}
         self.num_prompt_tokens = 0
         """Prompt tokens of the sequences whose prefill is done (``prompt_tokens_total``):
         counted at a sequence's first token (or pooled vector), as vLLM counts them, so a
         request aborted before then adds nothing and a preempted one's recomputation
         nothing more."""
+        self.num_generation_tokens = 0
+        """Tokens generated for the sequences still tracked (``generation_tokens_total``;
+        like vLLM, not those a step produced for a request its client had aborted)."""
+        self.request_success: Counter[str] = Counter()
+        """Finished sequences by finish reason. "abort" here is the engine core's own (a
+        pause, a grammar that failed to compile): vLLM counts those like any finish; a
+        client's abort was forgotten before its sequences could report anything."""
 
-    def _observe(self, name: str, value: float) -> None:
+    def observe(self, name: str, value: float) -> None:
         self.histograms[name].observe(value)
+
+
+class SequenceStats:
+    """The request-level series, fed with every step's ``EngineCoreOutput`` list."""
+
+    def __init__(
+        self,
+        max_model_len: int,
+        clock: Callable[[], float] = time.monotonic,
+        num_engines: int = 1,
+    ) -> None:
+        self.clock = clock
+        self.max_model_len = max_model_len
+        self.engines = [EngineSeries(max_model_len) for _ in range(max(num_engines, 1))]
+        """Indexed by engine (``EngineCoreOutput.engine_index``)."""
+        self._sequences: dict[str, _Sequence] = {}
+        self._parents: dict[str, _Parent] = {}
+
+    def _engine(self, index: int) -> EngineSeries:
+        engines = self.engines
+        while index >= len(engines):  # more replicas than configured: series for them too
+            engines.append(EngineSeries(self.max_model_len))
+        return engines[index]
 
     def add_request(
         self,
@@ -178,71 +216,74 @@ class SequenceStats:
         for child_id in entry.running if entry is not None else ():
             self._sequences.pop(child_id, None)
 
-    def record_outputs(self, outputs: Iterable[EngineCoreOutput]) -> list[str]:
-        """Fold one step in; returns the finish reasons of the sequences it finished."""
+    def record_outputs(
+        self, outputs: Iterable[EngineCoreOutput], timestamp: float | None = None
+    ) -> None:
+        """Fold one engine-core step in; ``timestamp``: the core's clock when the step
+        ended (``CoreOutputs.timestamp``; None: now, for an engine core in this process)."""
         now = self.clock()
-        step_tokens = 0
-        finished: list[str] = []
-        gaps: list[float] = []  # the step's inter-token latencies, observed together
+        token_time = now if timestamp is None else timestamp
         sequences = self._sequences
+        engines = self.engines
+        # Per engine: [tokens of the step, the step's inter-token latencies].
+        steps: dict[int, list] = {}
         for output in outputs:
             sequence = sequences.get(output.req_id)
             if sequence is None:
                 continue
+            index = output.engine_index
+            series = engines[index] if index < len(engines) else self._engine(index)
+            sequence.engine = index
             if sequence.scheduled_time is None and output.queued_seconds is not None:
                 sequence.scheduled_time = sequence.arrival_time + output.queued_seconds
             num_new = len(output.new_token_ids)
             if num_new:
-                step_tokens += num_new
+                step = steps.get(index)
+                if step is None:
+                    step = steps[index] = [0, []]
+                step[0] += num_new
+                series.num_generation_tokens += num_new
                 if sequence.first_token_time is not None:
-                    # Tokens that arrive together (one step, or several merged) share the gap.
-                    gap = (now - sequence.last_token_time) / num_new
-                    if num_new == 1:
-                        gaps.append(gap)
-                    else:
-                        gaps += [gap] * num_new
+                    # One observation per step, however many tokens it brought.
+                    step[1].append(token_time - sequence.last_token_time)
                 else:
-                    sequence.first_token_time = now
-                    self._observe(
+                    sequence.first_token_time = token_time
+                    series.observe(
                         "pagedlm:time_to_first_token_seconds", now - sequence.arrival_time
                     )
-                    gaps += [0.0] * (num_new - 1)
-                    step_tokens += sequence.num_prompt_tokens  # vLLM counts the prefill here
-                    self.num_prompt_tokens += sequence.num_prompt_tokens
-                sequence.last_token_time = now
+                    step[0] += sequence.num_prompt_tokens  # vLLM counts the prefill here
+                    series.num_prompt_tokens += sequence.num_prompt_tokens
+                sequence.last_token_time = token_time
                 sequence.num_generation_tokens += num_new
             elif output.pooled is not None:  # a pooling request's only output
-                self.num_prompt_tokens += sequence.num_prompt_tokens
+                series.num_prompt_tokens += sequence.num_prompt_tokens
             if output.finish_reason is not None:
-                # "abort" here is the core's own (a pause, a grammar that failed to
-                # compile): vLLM counts and observes those like any finish. A client's
-                # abort was forgotten before its sequences could report anything.
-                finished.append(output.finish_reason)
-                self._record_finished(output.req_id, now)
-        if gaps:
-            self.histograms["pagedlm:inter_token_latency_seconds"].observe_many(gaps)
-            self.histograms["pagedlm:time_per_output_token_seconds"].observe_many(gaps)
-        if step_tokens:
-            self._observe("pagedlm:iteration_tokens_total", step_tokens)
-        return finished
+                self._record_finished(output.req_id, now, output.finish_reason)
+        for index, (num_tokens, gaps) in steps.items():
+            histograms = engines[index].histograms
+            if gaps:
+                histograms["pagedlm:inter_token_latency_seconds"].observe_many(gaps)
+            histograms["pagedlm:iteration_tokens_total"].observe(num_tokens)
 
     def record_stopped(self, child_ids: Iterable[str]) -> None:
         """Sequences a stop string finished (the front end saw it after the tokens)."""
         now = self.clock()
         for child_id in child_ids:
             if child_id in self._sequences:
-                self._record_finished(child_id, now)
+                self._record_finished(child_id, now, "stop")
 
-    def _record_finished(self, child_id: str, now: float) -> None:
+    def _record_finished(self, child_id: str, now: float, finish_reason: str) -> None:
         sequence = self._sequences.get(child_id)
         if sequence is None:
             return
+        series = self._engine(sequence.engine)
+        series.request_success[finish_reason] += 1
         arrival = sequence.arrival_time
         scheduled = sequence.scheduled_time if sequence.scheduled_time is not None else arrival
         first = sequence.first_token_time if sequence.first_token_time is not None else now
         last = sequence.last_token_time if sequence.first_token_time is not None else now
         decode = last - first
-        observe = self._observe
+        observe = series.observe
         observe("pagedlm:e2e_request_latency_seconds", now - arrival)
         observe("pagedlm:request_queue_time_seconds", max(scheduled - arrival, 0.0))
         observe("pagedlm:request_prefill_time_seconds", max(first - scheduled, 0.0))
@@ -257,11 +298,12 @@ class SequenceStats:
             "pagedlm:request_time_per_output_token_seconds",
             max(decode, 0.0) / num_later_tokens if num_later_tokens > 0 else 0.0,
         )
-        self._drop(child_id)
+        self._drop(child_id, series)
 
-    def _drop(self, child_id: str) -> None:
+    def _drop(self, child_id: str, series: EngineSeries) -> None:
         """Forget a finished sequence; its request's ``n`` and the most tokens one of its
-        sequences generated are observed when the last of its sequences finishes."""
+        sequences generated are observed (on ``series``, the engine of the last one) when
+        the last of its sequences finishes."""
         sequence = self._sequences.pop(child_id, None)
         if sequence is None:
             return
@@ -274,5 +316,7 @@ class SequenceStats:
         )
         if not parent.running:
             del self._parents[sequence.parent_id]
-            self._observe("pagedlm:request_params_n", parent.n)
-            self._observe("pagedlm:request_max_num_generation_tokens", parent.max_generation_tokens)
+            series.observe("pagedlm:request_params_n", parent.n)
+            series.observe(
+                "pagedlm:request_max_num_generation_tokens", parent.max_generation_tokens
+            )

@@ -2,29 +2,35 @@
 metric list (``LLM.get_metrics()``, ``AsyncLLM.get_metrics()``; ``/metrics`` renders it).
 
 Everything is counted per sequence (one of a request's ``n`` samples), as vLLM v1 does;
-see ``sequence_stats`` for the request-level histograms."""
+see ``sequence_stats`` for the request-level histograms. Every series carries vLLM's
+``engine`` label (a data-parallel replica's index, "0" with one engine), but two that
+vLLM keeps without it: ``lora_requests_info`` (the whole engine's adapters) and, per
+engine yet without a model name, ``cache_config_info``."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.core.scheduler_interface import SchedulerStats
-from pagedlm.metrics.sequence_stats import SequenceStats
+from pagedlm.metrics.sequence_stats import EngineSeries, SequenceStats
 
 if TYPE_CHECKING:
     from pagedlm.core.request import Request
 
 
-FINISH_REASONS = ("stop", "length", "abort")
-"""The ``finished_reason`` labels of ``request_success`` (vLLM exports each, 0 included);
-"abort" counts the requests the engine core ended (a pause, a failed grammar), not the
-ones a client aborted."""
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+"""The ``finished_reason`` labels of ``request_success``: vLLM's ``FinishReason`` values,
+each exported, 0 included. "abort" counts the requests the engine core ended (a pause, a
+failed grammar), not the ones a client aborted; "repetition" stays 0 (pagedlm has no
+repetition detector)."""
+
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+"""``engine_sleep_state``'s ``sleep_state`` labels: awake, sleep level 1, sleep level 2."""
 
 
 @dataclass(frozen=True)
@@ -44,11 +50,15 @@ class Metric:
 class EngineMetrics:
     """Accumulates per-step counts; ``snapshot`` merges them with the scheduler's stats."""
 
-    def __init__(self, max_model_len: int = 2048, cache_info: dict[str, str] | None = None) -> None:
-        """``cache_info``: the labels of vLLM's ``cache_config_info`` (see ``cache_info``)."""
-        self.generation_tokens = 0
-        self.request_success: Counter[str] = Counter()
-        self.sequences = SequenceStats(max_model_len)
+    def __init__(
+        self,
+        max_model_len: int = 2048,
+        cache_info: dict[str, str] | None = None,
+        num_engines: int = 1,
+    ) -> None:
+        """``cache_info``: the labels of vLLM's ``cache_config_info`` (see ``cache_info``);
+        ``num_engines``: the data-parallel replicas, each its own ``engine`` label value."""
+        self.sequences = SequenceStats(max_model_len, num_engines=num_engines)
         self.cache_info = cache_info
 
     def record_request(self, request_id: str, children: Sequence[Request]) -> None:
@@ -68,61 +78,113 @@ class EngineMetrics:
 
     @property
     def prompt_tokens(self) -> int:
-        return self.sequences.num_prompt_tokens
+        return sum(series.num_prompt_tokens for series in self.sequences.engines)
 
-    def record_outputs(self, outputs: list[EngineCoreOutput]) -> None:
-        self.generation_tokens += sum(len(out.new_token_ids) for out in outputs)
-        finished = self.sequences.record_outputs(outputs)
-        if finished:
-            self.request_success.update(finished)
+    @property
+    def generation_tokens(self) -> int:
+        return sum(series.num_generation_tokens for series in self.sequences.engines)
+
+    def record_outputs(
+        self, outputs: list[EngineCoreOutput], timestamp: float | None = None
+    ) -> None:
+        """One engine-core step's outputs (``timestamp``: ``SequenceStats.record_outputs``)."""
+        self.sequences.record_outputs(outputs, timestamp)
 
     def record_stopped(self, child_ids: Iterable[str]) -> None:
         """Sequences finished by a stop string (only the front end sees those)."""
-        child_ids = list(child_ids)
-        self.request_success["stop"] += len(child_ids)
         self.sequences.record_stopped(child_ids)
 
-    def snapshot(self, stats: SchedulerStats) -> list[Metric]:
-        metrics = [
-            Metric("pagedlm:num_requests_running", stats.num_running_reqs, "gauge"),
-            Metric("pagedlm:num_requests_waiting", stats.num_waiting_reqs, "gauge"),
-            Metric("pagedlm:kv_cache_usage_perc", stats.kv_cache_usage, "gauge"),
-            Metric("pagedlm:num_preemptions", stats.num_preemptions),
-            Metric("pagedlm:prefix_cache_queries", stats.prefix_cache_queries),
-            Metric("pagedlm:prefix_cache_hits", stats.prefix_cache_hits),
-            Metric("pagedlm:prompt_tokens", self.prompt_tokens),
-            Metric("pagedlm:generation_tokens", self.generation_tokens),
-        ]
+    def snapshot(self, stats: SchedulerStats, sleep_level: int = 0) -> list[Metric]:
+        """Every series: ``stats`` (the scheduler's, one engine's or the sum of the
+        replicas' with each in ``stats.engines``) and ``sleep_level`` (0 awake, else the
+        engine's sleep level) beside the front end's counts."""
+        per_engine = stats.engines or [stats]
+        series = self.sequences.engines
+        metrics: list[Metric] = []
+        for index in range(max(len(per_engine), len(series))):
+            engine = {"engine": str(index)}
+            if index < len(per_engine):
+                metrics += _scheduler_metrics(per_engine[index], engine)
+            metrics += _sleep_state(sleep_level, engine)
+            if index < len(series):
+                metrics += _front_end_metrics(series[index], engine)
+            if self.cache_info is not None:
+                labels = {**self.cache_info, **engine}
+                metrics.append(Metric("pagedlm:cache_config_info", 1.0, "gauge", labels))
         if stats.max_loras:
             metrics.append(_lora_requests_info(stats))
-        for reason in FINISH_REASONS:
-            metrics.append(
-                Metric(
-                    "pagedlm:request_success",
-                    self.request_success.get(reason, 0),
-                    labels={"finished_reason": reason},
-                )
-            )
-        spec = stats.spec_decoding
-        if spec is not None:
-            metrics += [
-                Metric("pagedlm:spec_decode_num_drafts", spec.num_drafts),
-                Metric("pagedlm:spec_decode_num_draft_tokens", spec.num_draft_tokens),
-                Metric("pagedlm:spec_decode_num_accepted_tokens", spec.num_accepted_tokens),
-            ]
-            metrics += [
-                Metric(
-                    "pagedlm:spec_decode_num_accepted_tokens_per_pos",
-                    count,
-                    labels={"position": str(position)},
-                )
-                for position, count in enumerate(spec.num_accepted_tokens_per_pos)
-            ]
-        if self.cache_info is not None:
-            metrics.append(Metric("pagedlm:cache_config_info", 1.0, "gauge", dict(self.cache_info)))
-        for name, histogram in self.sequences.histograms.items():
-            metrics.append(Metric(name, histogram.sum, "histogram", buckets=histogram.cumulative()))
         return metrics
+
+
+def _scheduler_metrics(stats: SchedulerStats, engine: dict[str, str]) -> list[Metric]:
+    metrics = [
+        Metric("pagedlm:num_requests_running", stats.num_running_reqs, "gauge", engine),
+        Metric("pagedlm:num_requests_waiting", stats.num_waiting_reqs, "gauge", engine),
+        Metric("pagedlm:kv_cache_usage_perc", stats.kv_cache_usage, "gauge", engine),
+        Metric("pagedlm:num_preemptions", stats.num_preemptions, labels=engine),
+        Metric("pagedlm:prefix_cache_queries", stats.prefix_cache_queries, labels=engine),
+        Metric("pagedlm:prefix_cache_hits", stats.prefix_cache_hits, labels=engine),
+        Metric(
+            "pagedlm:external_prefix_cache_queries",
+            stats.external_prefix_cache_queries,
+            labels=engine,
+        ),
+        Metric(
+            "pagedlm:external_prefix_cache_hits", stats.external_prefix_cache_hits, labels=engine
+        ),
+    ]
+    spec = stats.spec_decoding
+    if spec is not None:
+        metrics += [
+            Metric("pagedlm:spec_decode_num_drafts", spec.num_drafts, labels=engine),
+            Metric("pagedlm:spec_decode_num_draft_tokens", spec.num_draft_tokens, labels=engine),
+            Metric(
+                "pagedlm:spec_decode_num_accepted_tokens", spec.num_accepted_tokens, labels=engine
+            ),
+        ]
+        metrics += [
+            Metric(
+                "pagedlm:spec_decode_num_accepted_tokens_per_pos",
+                count,
+                labels={**engine, "position": str(position)},
+            )
+            for position, count in enumerate(spec.num_accepted_tokens_per_pos)
+        ]
+    return metrics
+
+
+def _sleep_state(sleep_level: int, engine: dict[str, str]) -> list[Metric]:
+    """vLLM's ``engine_sleep_state``: 1 for the state the engine is in, 0 for the others."""
+    state = SLEEP_STATES[sleep_level] if 0 <= sleep_level < len(SLEEP_STATES) else None
+    return [
+        Metric(
+            "pagedlm:engine_sleep_state",
+            float(name == state),
+            "gauge",
+            {**engine, "sleep_state": name},
+        )
+        for name in SLEEP_STATES
+    ]
+
+
+def _front_end_metrics(series: EngineSeries, engine: dict[str, str]) -> list[Metric]:
+    metrics = [
+        Metric("pagedlm:prompt_tokens", series.num_prompt_tokens, labels=engine),
+        Metric("pagedlm:generation_tokens", series.num_generation_tokens, labels=engine),
+    ]
+    metrics += [
+        Metric(
+            "pagedlm:request_success",
+            series.request_success.get(reason, 0),
+            labels={**engine, "finished_reason": reason},
+        )
+        for reason in FINISH_REASONS
+    ]
+    metrics += [
+        Metric(name, histogram.sum, "histogram", engine, histogram.cumulative())
+        for name, histogram in series.histograms.items()
+    ]
+    return metrics
 
 
 def cache_info(cache_config: object, num_gpu_blocks: int) -> dict[str, str]:
