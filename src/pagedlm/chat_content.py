@@ -13,13 +13,19 @@ parts. The format is one of
   ``"string"``, read from the template's syntax tree (nothing runs), as vLLM does: a
   ``{% for ... in X %}`` counts when X is ``messages`` or a name set from it (through
   filters, tests and slices) and Y is its loop variable's ``content``.
+
+A part's kind is vLLM's reading of it (``part_type``): its ``"type"``, or for a part
+without one the first key of ``TYPE_IMPLYING_KEYS`` it holds (``{"image_url": ...}`` is an
+image part); a part with neither is an error that says to add ``"type"``. Text comes from
+the text kinds of ``TEXT_PART_FIELDS`` (``"input_text"``, ``"refusal"``, ...) and from plain
+string parts.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 logger = logging.getLogger(__name__)
@@ -27,6 +33,87 @@ logger = logging.getLogger(__name__)
 ContentFormatOption = Literal["auto", "string", "openai"]
 ContentFormat = Literal["string", "openai"]
 CONTENT_FORMAT_OPTIONS: tuple[str, ...] = ("auto", "string", "openai")
+
+
+TEXT_PART_FIELDS: dict[str, str] = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+"""The part types that carry text (vLLM's), and the field that holds it."""
+TYPE_IMPLYING_KEYS: tuple[str, ...] = (
+    "image_url",
+    "image_pil",
+    "image_embeds",
+    "audio_embeds",
+    "prompt_embeds",
+    "audio_url",
+    "input_audio",
+    "video_url",
+    "tool_reference",
+)
+"""vLLM's reading of a part without ``"type"``: the first of these keys it holds is its
+type (``input_audio`` only when not null). Text keys imply nothing: ``{"text": ...}`` needs
+its ``"type"``, as in vLLM."""
+_NEEDS_TYPE_FIX = (
+    'add its "type", e.g. {"type": "text", "text": ...} or {"type": "image_url", '
+    '"image_url": {"url": ...}}'
+)
+
+
+class ContentPartError(ValueError):
+    """A content part that cannot be used; ``where`` is its place (``messages.0.content.1``)."""
+
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(f"{where}: {problem}")
+        self.where = where
+
+
+def implied_type(part: Mapping[str, Any]) -> str | None:
+    """The part's type: its ``"type"`` (a string), else the one its keys imply (see
+    ``TYPE_IMPLYING_KEYS``); None when it has neither."""
+    kind = part.get("type")
+    if kind is not None:
+        return kind if isinstance(kind, str) else None
+    for key in TYPE_IMPLYING_KEYS:
+        if key in part and (key != "input_audio" or part[key] is not None):
+            return key
+    return None
+
+
+def part_type(part: Mapping[str, Any], where: str) -> str:
+    """``implied_type``, or a ``ContentPartError`` that says what to send."""
+    kind = implied_type(part)
+    if kind is not None:
+        return kind
+    got = part.get("type")
+    if got is not None:
+        raise ContentPartError(
+            where,
+            f'"type" must be a string such as "text" or "image_url", got '
+            f"{type(got).__name__}; {_NEEDS_TYPE_FIX}.",
+        )
+    keys = ", ".join(repr(key)[:40] for key in list(part)[:8] if key != "type") or "none"
+    raise ContentPartError(
+        where,
+        f'the part has no "type", and none of its keys ({keys}) implies one (a part '
+        f'without "type" is read by its key: {", ".join(TYPE_IMPLYING_KEYS)}); '
+        f"{_NEEDS_TYPE_FIX}.",
+    )
+
+
+def part_text(part: Any) -> str | None:
+    """The text of a text part: a string, or a part of a ``TEXT_PART_FIELDS`` type whose
+    text field is a string; None for every other part."""
+    if isinstance(part, str):
+        return part
+    if not isinstance(part, Mapping):
+        return None
+    field = TEXT_PART_FIELDS.get(part.get("type"))  # type: ignore[arg-type]
+    text = part.get(field) if field is not None else None
+    return text if isinstance(text, str) else None
 
 
 def check_content_format(option: str) -> ContentFormatOption:
@@ -137,8 +224,9 @@ def format_conversation(
     conversation: Sequence[dict[str, Any]], content_format: ContentFormat
 ) -> list[dict[str, Any]]:
     """The messages (copies) with ``content`` in ``content_format``. Content is a string,
-    None, or a list of parts: strings or ``{"type": "text", "text": ...}``, and, kept
-    as they are in "openai", other parts (a ``ValueError`` in "string")."""
+    None, or a list of parts: text parts (``part_text``), rebuilt as ``{"type": "text",
+    "text": ...}``, and, kept as they are in "openai", other parts (a ``ValueError`` in
+    "string")."""
     formatted = []
     for i, message in enumerate(conversation):
         if not isinstance(message, dict):  # the renderer refuses it, naming it
@@ -150,7 +238,7 @@ def format_conversation(
             content = "\n".join(_texts(content, where))
         else:
             content = _parts(content, where)
-            if message.get("role") == "tool" and all(p.get("type") == "text" for p in content):
+            if message.get("role") == "tool" and all(_is_text_part(p) for p in content):
                 content = "\n".join(part["text"] for part in content)
         formatted.append({**message, "content": content})
     return formatted
@@ -163,9 +251,9 @@ def _texts(content: Any, where: str) -> list[str]:
         return [content]
     texts = []
     for j, part in enumerate(content):
-        text = _part_text(part)
+        text = part_text(part)
         if text is None:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            kind = implied_type(part) if isinstance(part, Mapping) else type(part).__name__
             raise ValueError(
                 f"{where}.{j}: a part of type {kind!r} cannot be joined into the string "
                 'content this chat template reads; send {"type": "text", "text": ...} '
@@ -182,15 +270,10 @@ def _parts(content: Any, where: str) -> list[Any]:
         return [{"type": "text", "text": content}]
     parts = []
     for part in content:
-        text = _part_text(part)
+        text = part_text(part)
         parts.append(part if text is None else {"type": "text", "text": text})
     return parts
 
 
-def _part_text(part: Any) -> str | None:
-    """The text of a text part (a string or a ``"text"`` part); None for other parts."""
-    if isinstance(part, str):
-        return part
-    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-        return part["text"]
-    return None
+def _is_text_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text"

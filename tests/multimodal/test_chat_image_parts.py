@@ -72,6 +72,28 @@ def test_media_parts_take_the_image_path(kind):
     assert has_images(_user({"type": kind}))
 
 
+def test_parts_without_a_type_are_read_by_their_key():
+    """vLLM reads a part without "type" by its key; they were refused as unknown parts."""
+    conversation = _user(
+        {"image_url": URL},
+        {"type": "input_text", "text": "and"},
+        {"image_pil": IMAGE, "text": "ignored"},
+        {"type": "refusal", "refusal": "no"},
+    )
+    assert has_images(_user({"image_url": {"url": URL}}))
+    messages, images = split_images(conversation)
+    assert [image.source for image in images] == [URL, IMAGE]
+    assert messages[0]["content"] == [
+        {"type": "image"},
+        {"type": "text", "text": "and"},
+        {"type": "image"},
+        {"type": "text", "text": "no"},
+    ]
+    with pytest.raises(ContentPartError, match=r'no "type".*add its "type"') as error:
+        split_images(_user({"image_url": URL}, {"text": "x"}))
+    assert error.value.where == "messages.0.content.1"
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_llava):
     return LLM(
@@ -92,11 +114,13 @@ def test_llm_chat_input_image_uses_the_image(llm):
         _user({"type": part, "image_url": url}, {"type": "text", "text": "hi"})
         for part in ("input_image", "image_url")
     ]
-    by_input_image, by_image_url = llm.chat(chats, params, use_tqdm=False)
+    chats.append(_user({"image_url": url}, {"type": "text", "text": "hi"}))  # no "type"
+    by_input_image, by_image_url, untyped = llm.chat(chats, params, use_tqdm=False)
     # Before: input_image went to the text path, whose template dropped it.
     assert len(by_input_image.prompt_token_ids) > IMAGE_TOKENS
     assert by_input_image.prompt_token_ids == by_image_url.prompt_token_ids
     assert by_input_image.outputs[0].token_ids == by_image_url.outputs[0].token_ids
+    assert untyped.prompt_token_ids == by_image_url.prompt_token_ids
 
 
 def test_llm_chat_and_generate_errors_name_the_input(llm):

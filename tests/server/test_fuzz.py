@@ -107,7 +107,7 @@ def test_every_body_route_is_described(fast_schema):
         "/v2/rerank": "#/components/schemas/RerankRequest",
     }
     schemas = raw["components"]["schemas"]
-    assert {"ChatMessage", "AnthropicMessage", "TextPart"} <= set(schemas)
+    assert {"ChatMessage", "AnthropicMessage", "ContentPart"} <= set(schemas)
     assert schemas["CompletionRequest"]["properties"]["guided_json"]["deprecated"] is True
 
 

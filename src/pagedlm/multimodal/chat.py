@@ -7,9 +7,11 @@ PIL.Image}`` (offline only). ``split_images`` replaces each with ``{"type": "ima
 what processors' chat templates render as the placeholder, and returns the images in
 order: PIL images as they are, URLs to load, each with its place in the conversation.
 
-Every other part of a conversation with images must be text (``{"type": "text", "text":
-str}``, or a plain string offline); anything else is a ``ValueError`` naming the part,
-since a processor's chat template would drop it without a word.
+Every other part of a conversation with images must be text (a text part of
+``chat_content.TEXT_PART_FIELDS``, rebuilt as ``{"type": "text", "text": str}``, or a plain
+string); anything else is a ``ValueError`` naming the part, since a processor's chat
+template would drop it without a word. A part without ``"type"`` is read as vLLM reads it
+(``chat_content.part_type``: ``{"image_url": ...}`` is an image part).
 """
 
 from __future__ import annotations
@@ -17,25 +19,35 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from pagedlm.chat_content import (
+    TEXT_PART_FIELDS,
+    ContentPartError,
+    implied_type,
+    part_text,
+    part_type,
+)
+
+__all__ = ["ContentPartError", "ImagePart", "has_images", "load_chat_image", "split_images"]
+
 ImageSource = Any
 """A PIL image, or a URL string (data:, http(s)://, file://)."""
 
 IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image_pil", "image"})
 REFUSED_PART_TYPES = frozenset(
-    {"image_embeds", "input_audio", "audio_url", "audio_embeds", "video_url", "file"}
+    {
+        "image_embeds",
+        "input_audio",
+        "audio_url",
+        "audio_embeds",
+        "video_url",
+        "file",
+        "prompt_embeds",
+    }
 )
 """Media parts vLLM may take that pagedlm does not (refused with a message, not dropped)."""
 _IMAGE_URL_FIX = (
     'send the image as {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}'
 )
-
-
-class ContentPartError(ValueError):
-    """A content part that cannot be used; ``where`` is its place (``messages.0.content.1``)."""
-
-    def __init__(self, where: str, problem: str) -> None:
-        super().__init__(f"{where}: {problem}")
-        self.where = where
 
 
 class ImagePart(NamedTuple):
@@ -44,8 +56,7 @@ class ImagePart(NamedTuple):
     """The part's place, ``"messages.0.content.1"``, for errors about the image."""
 
 
-def _image_source(part: dict[str, Any], where: str) -> ImageSource:
-    kind = part["type"]
+def _image_source(part: dict[str, Any], kind: str, where: str) -> ImageSource:
     if kind in ("image_url", "input_image"):
         value = part.get("image_url")
         url = value.get("url") if isinstance(value, dict) else value
@@ -68,15 +79,16 @@ def _image_source(part: dict[str, Any], where: str) -> ImageSource:
     return image
 
 
-def _check_text_part(part: Any, where: str) -> None:
-    if isinstance(part, str):
-        return
-    kind = part.get("type") if isinstance(part, dict) else None
-    if kind == "text":
-        if not isinstance(part.get("text"), str):
-            got = type(part.get("text")).__name__
-            raise ContentPartError(where, f'a "text" part needs "text" to be a string, got {got}.')
-        return
+def _text_part(part: Any, kind: str | None, where: str) -> dict[str, str]:
+    """The text part as ``{"type": "text", "text": ...}`` (processors' templates read
+    ``part["type"]``); ``ContentPartError`` for any other part."""
+    text = part_text(part)
+    if text is not None:
+        return {"type": "text", "text": text}
+    if kind in TEXT_PART_FIELDS:
+        field = TEXT_PART_FIELDS[kind]
+        got = type(part.get(field)).__name__
+        raise ContentPartError(where, f'a "{kind}" part needs "{field}" to be a string, got {got}.')
     if kind in REFUSED_PART_TYPES:
         raise ContentPartError(
             where,
@@ -98,7 +110,9 @@ def has_images(conversation: Sequence[dict[str, Any]]) -> bool:
     return any(
         isinstance(message, dict)
         and isinstance(message.get("content"), list)
-        and any(isinstance(part, dict) and part.get("type") in media for part in message["content"])
+        and any(
+            isinstance(part, dict) and implied_type(part) in media for part in message["content"]
+        )
         for message in conversation
     )
 
@@ -121,13 +135,12 @@ def split_images(
         parts = []
         for j, part in enumerate(content):
             where = f"{places[i] if places else f'messages.{i}'}.content.{j}"
-            if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
-                images.append(ImagePart(_image_source(part, where), where))
+            kind = part_type(part, where) if isinstance(part, dict) else None
+            if kind in IMAGE_PART_TYPES:
+                images.append(ImagePart(_image_source(part, kind, where), where))
                 parts.append({"type": "image"})
             else:
-                _check_text_part(part, where)
-                # A plain string part as a text part: processors' templates read part["type"].
-                parts.append({"type": "text", "text": part} if isinstance(part, str) else part)
+                parts.append(_text_part(part, kind, where))
         messages.append({**message, "content": parts})
     return messages, images
 

@@ -458,12 +458,9 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
         """What ``echo`` puts before each choice's content: the last message's text (its
         text parts joined by newlines) when it has the reply's ``role``, else ""."""
         last = self.messages[-1]
-        if not self.echo or last.role != role or last.content is None:
+        if not self.echo or last.role != role:
             return ""
-        if isinstance(last.content, str):
-            return last.content
-        texts = (part.text for part in last.content if part.type == "text")
-        return "\n".join(text for text in texts if isinstance(text, str))
+        return "\n".join(last.texts())
 
     def num_logprobs(self) -> int | None:
         if not self.logprobs:
