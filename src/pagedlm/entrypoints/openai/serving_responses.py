@@ -16,7 +16,8 @@ whose generation fails once it started (the HTTP status is sent) ends with
 its input items for ``previous_response_id``, GET/DELETE and input_items, per API key
 (``responses_store``); as OpenAI's, a response's input items are everything its model
 read: after ``previous_response_id`` the earlier responses' input and output items come
-before the request's own. There is
+before the request's own. ``usage`` has OpenAI's fields (``cache_write_tokens`` 0: the
+prefix cache is automatic, and OpenAI bills no cache write for automatic caching). There is
 no background mode, so a stored response has finished and cancel refuses it, as vLLM
 refuses a response that is not a background one.
 """
@@ -63,7 +64,7 @@ def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any]:
     reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
     return {
         "input_tokens": usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": cached},
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": usage["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": usage["total_tokens"],
