@@ -300,6 +300,30 @@ def test_chat_places_map_onto_input_items():
     assert text.place(0, ".content") == "input"
 
 
+class SaltRecordingEngine(ScriptedEngine):
+    """Keeps every prompt the engine is handed."""
+
+    def __init__(self, checkpoint, script: str = "Hi.") -> None:
+        super().__init__(checkpoint, script)
+        self.prompts: list = []
+
+    def generate(self, prompt, params, request_id, priority=0, lora_request=None):
+        self.prompts.append(prompt)
+        return super().generate(prompt, params, request_id, priority, lora_request)
+
+
+def test_cache_salt_reaches_the_engine_prompt(chat_checkpoint):
+    """vLLM's Responses request takes ``cache_salt`` (as its chat request does); it was
+    dropped as an unknown field. A bad salt is chat's 400 naming ``cache_salt``."""
+    engine = SaltRecordingEngine(chat_checkpoint)
+    with _client(chat_checkpoint, engine=engine) as client:
+        _create(client, cache_salt="tenant-a")
+        _create(client)
+        assert [p.get("cache_salt") for p in engine.prompts] == ["tenant-a", None]
+        for salt in ("", "a/b", "x" * 129, 5):
+            assert _error(client, cache_salt=salt)["param"] == "cache_salt"
+
+
 def test_bodies_validate_as_the_openai_sdks_types(chat_checkpoint):
     """Every body validates (pydantic, not the SDK's lenient construct) as the openai
     SDK's types: the response (created, retrieved, in each stream event), its input
