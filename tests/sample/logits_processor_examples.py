@@ -154,3 +154,65 @@ class StrictBatch(LogitsProcessor):
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         assert logits.shape[0] == len(self.slots), (logits.shape, len(self.slots))
         return logits
+
+
+class RaiseAt(AdapterLogitsProcessor):
+    """A per-request processor that fails: ``extra_args={"raise_at": k}`` makes the
+    request's callable raise once the request has ``k`` output tokens;
+    ``{"raise_on_params": True}`` makes ``new_req_logits_processor`` raise."""
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_req_logits_processor(self, params: SamplingParams):
+        args = params.extra_args or {}
+        if args.get("raise_on_params"):
+            raise KeyError("no callable for these parameters")
+        at = args.get("raise_at")
+        if at is None:
+            return None
+
+        def count(output_ids: list[int], row: torch.Tensor) -> torch.Tensor:
+            if len(output_ids) >= at:
+                raise ValueError(f"boom after {len(output_ids)} tokens")
+            return row
+
+        return count
+
+
+class BatchRaise(LogitsProcessor):
+    """A batch processor that fails: ``extra_args={"batch_raise": "apply"}`` makes ``apply``
+    raise while such a request is in the batch; ``"update_state"`` makes ``update_state``
+    raise when one is added, after taking the removals and the additions before it. Checks
+    on every update that the rows it holds are the batch's (so a stale state shows)."""
+
+    def __init__(self, config, device: torch.device, is_pin_memory: bool) -> None:
+        self.rows: dict[int, str | None] = {}
+        self.size = 0
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            self.rows.pop(index, None)
+        for index, params, _prompt, _output in batch_update.added:
+            how = (params.extra_args or {}).get("batch_raise")
+            if how == "update_state":
+                raise RuntimeError("cannot take this request")
+            self.rows[index] = how
+        for source, target, direction in batch_update.moved:
+            if direction is MoveDirectionality.SWAP:
+                self.rows[source], self.rows[target] = self.rows[target], self.rows[source]
+            else:
+                self.rows[target] = self.rows.pop(source)
+        self.size = batch_update.batch_size
+        assert sorted(self.rows) == list(range(self.size)), (self.rows, self.size)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        assert logits.shape[0] == self.size, (logits.shape, self.size)
+        if "apply" in self.rows.values():
+            raise RuntimeError("this batch breaks me")
+        return logits

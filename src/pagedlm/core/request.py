@@ -26,6 +26,9 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 6
     FINISHED_ABORTED = 7
     FINISHED_IGNORED = 8
+    FINISHED_ERROR = 9
+    """A callable of its own (a custom logits processor) failed in a step: vLLM's
+    "error"."""
 
     @property
     def is_finished(self) -> bool:
@@ -41,6 +44,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_IGNORED: "length",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

@@ -643,6 +643,7 @@ class OneBudgetScheduler(Scheduler):
         if self.external is not None:
             self.external.finish_loads(runner_output.kv_connector_output)
         pooled_outputs = runner_output.pooler_output
+        failed = runner_output.failed
         requests = self.requests
         # The common output, taken without the general path's lookups: one token sampled
         # for an unconstrained request, no logprobs, nothing pooled, not finished by it
@@ -656,6 +657,9 @@ class OneBudgetScheduler(Scheduler):
             request = requests.get(req_id)
             if request is None or req_id not in scheduled:
                 continue  # finished or aborted after this step was scheduled
+            if failed and req_id in failed:
+                outputs.append(self._fail(request, failed[req_id]))
+                continue
             if plain and len(sampled) == 1 and request.sampling_params.structured_outputs is None:
                 request.num_output_placeholders -= 1
                 request.all_token_ids.append(sampled[0])
@@ -752,6 +756,23 @@ class OneBudgetScheduler(Scheduler):
             # Tokens after one that ends the grammar (an accepted run of drafts) are dropped.
             del new_token_ids[self.grammars.advance(request, new_token_ids) :]
         return new_token_ids
+
+    def _fail(self, request: Request, message: str) -> EngineCoreOutput:
+        """End ``request`` with "error" and ``message``: a callable of its own failed in
+        the step collected, whose tokens for it are dropped (the next step's too, if one is
+        in flight, as for any request that ends then)."""
+        request.status = RequestStatus.FINISHED_ERROR
+        request.stop_reason = message
+        self._remove_from_queues(request)
+        self._finish(request)
+        return EngineCoreOutput(
+            request.request_id,
+            [],
+            request.status.finish_reason,
+            message,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            queued_seconds=request.queued_seconds,
+        )
 
     def _remove_from_queues(self, request: Request) -> None:
         """Take ``request`` out of ``running``, or of ``waiting`` where a schedule made while

@@ -36,7 +36,12 @@ from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.core_client import CoreClient
 from pagedlm.engine.core_launch import CoreLaunch
 from pagedlm.engine.core_profiler import profile_directory
-from pagedlm.engine.exceptions import EngineDeadError, EngineStalledError
+from pagedlm.engine.exceptions import (
+    EngineDeadError,
+    EngineStalledError,
+    RequestFailedError,
+    request_failure,
+)
 from pagedlm.engine.health import CoreLiveness, EngineHealth
 from pagedlm.engine.input_processor import (
     InputProcessor,
@@ -236,7 +241,8 @@ class AsyncLLM:
         Bad input raises ``ValueError`` at the first ``__anext__``, before anything reaches
         the core. Closing the iterator early (or cancelling its task) aborts the request;
         ``abort(request_id)`` ends it without a further output. A dead core raises
-        ``EngineDeadError``.
+        ``EngineDeadError``; a request the core failed (a custom logits processor raised
+        for it) raises ``RequestFailedError``, the other requests going on.
         """
         self._check_alive()
         self._ensure_output_task()
@@ -366,6 +372,9 @@ class AsyncLLM:
                     finished = True
                     return
                 finished = output.finished
+                failure = request_failure(output)
+                if failure is not None:  # its other samples, if any, are aborted
+                    raise RequestFailedError(request_id, failure)
                 yield output
                 if finished:
                     return

@@ -22,6 +22,7 @@ from pagedlm.chat_content import (
 )
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.core_profiler import CoreProfiler, profile_directory
+from pagedlm.engine.exceptions import RequestFailedError, request_failure
 from pagedlm.engine.input_processor import ProcessedRequest, PromptType, cache_salt_of
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.entrypoints.llm_args import (
@@ -98,6 +99,20 @@ def _map_in_order(pool: ThreadPoolExecutor | None, fn: Callable[[T], R], items: 
             if not future.cancelled():
                 future.exception()  # wait: nothing of this call runs on after it raises
         raise
+
+
+def _raise_failures(request_ids: list[str], outputs: list[Any]) -> None:
+    """A call whose every request finished, some failed by the engine core (a custom logits
+    processor raised for them): ``RequestFailedError`` naming the first, by its prompt's
+    place in the call, with every output on it."""
+    failed = [(i, m) for i, out in enumerate(outputs) if (m := request_failure(out)) is not None]
+    if not failed:
+        return
+    index, message = failed[0]
+    more = f" ({len(failed) - 1} more of this call's prompts failed too)" if len(failed) > 1 else ""
+    raise RequestFailedError(
+        request_ids[index], f"(prompt {index} of the call) {message}{more}", outputs
+    )
 
 
 def _arrivals_in_prompt_order(processed: list[ProcessedRequest]) -> list[ProcessedRequest]:
@@ -285,7 +300,8 @@ class LLM:
         ``lora_request``: the adapter of every prompt, or one (or None) per prompt; needs
         ``enable_lora=True``. ``tokenization_kwargs``: how text prompts are tokenized,
         e.g. ``{"add_special_tokens": False}`` (vLLM's;
-        ``pagedlm.engine.tokenization_kwargs``)."""
+        ``pagedlm.engine.tokenization_kwargs``). A request that a custom logits processor
+        fails raises ``RequestFailedError`` once the others finish (all outputs on it)."""
         if self.llm_engine.config.model.runner == "pooling":
             raise ValueError(
                 "This model runs with runner='pooling', which does not generate; use "
@@ -722,7 +738,9 @@ class LLM:
             # requests would otherwise run in, or fail, every later call.
             self.llm_engine.abort_request([r for r in request_ids if r not in final])
             raise
-        return [final[r] for r in request_ids]
+        outputs = [final[r] for r in request_ids]
+        _raise_failures(request_ids, outputs)
+        return outputs
 
     def _step_until_done(
         self, final: dict[str, RequestOutput | PoolingRequestOutput], bar: Any

@@ -44,6 +44,10 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None
     """A KV connector's outcome of the step's loads and saves (None: no connector)."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Requests that a callable of their own failed in this step (a custom logits
+    processor raised), with its message: their tokens of the step are not theirs, and the
+    scheduler ends them with finish reason "error"."""
 
 
 class StepResult(Protocol):

@@ -50,7 +50,8 @@ class LaunchedStep:
     ``sampled[i]`` is the index in ``req_ids`` of the request that sampled row ``i`` of
     ``token_ids`` (``[n]``, or ``[n, W]`` with ``verified``); ``logprobs`` (one row per
     logits row) and ``prompt_logprobs`` are trimmed per request. ``proposals``: drafts for
-    the next step, reported as ``draft_token_ids``.
+    the next step, reported as ``draft_token_ids``. ``failed``: requests a callable of
+    their own failed (known when the step was sampled), reported as they are.
     """
 
     def __init__(
@@ -64,8 +65,10 @@ class LaunchedStep:
         prompt_parts: list[PromptLogprobRows],
         verified: Verified | None = None,
         proposals: Proposals | None = None,
+        failed: dict[str, str] | None = None,
     ) -> None:
         self.req_ids = req_ids
+        self.failed = failed or {}
         self.sampled = sampled
         self.num_logprobs = num_logprobs
         self.prompt_parts = prompt_parts
@@ -130,6 +133,7 @@ class LaunchedStep:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             draft_token_ids=draft_token_ids,
+            failed=self.failed,
         )
 
     def _logprobs(self, rows: LogprobsTensors, num_emitted: list[int]) -> dict[str, LogprobsLists]:

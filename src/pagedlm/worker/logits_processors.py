@@ -10,6 +10,10 @@ wait costs nothing; the device never waits for the host.
 
 Invariant: when ``before_sampling`` tells the processors a batch, every request's output
 list holds every token sampled for it by the steps launched before the one being sampled.
+
+A processor that raises fails requests, never the step (``sample.logits_processor.batch``):
+``failures`` names them after the sampling, and the step reports them
+(``ModelRunnerOutput.failed``) for the scheduler to end with finish reason "error".
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ def make_logits_processors(
 
 class WorkerLogitsProcessors:
     """Calls: ``admit`` every step, before its forward; ``before_sampling`` with the rows
-    about to be sampled; ``launched`` with the step that sampled them."""
+    about to be sampled; ``failures`` and ``launched`` once they are sampled."""
 
     def __init__(self, processors: CustomLogitsProcessors) -> None:
         self.processors = processors
@@ -82,6 +86,12 @@ class WorkerLogitsProcessors:
             ]
         )
         return self.processors
+
+    def failures(self, states: Sequence[RequestState]) -> dict[str, str]:
+        """Request id -> message of each request a processor failed in the step just
+        sampled, whose rows were ``states`` (those given to ``before_sampling``)."""
+        failed = self.processors.take_failures()
+        return {states[index].req_id: message for index, message in failed.items()}
 
     def _catch_up(self) -> None:
         """Append the ids of the launched steps not yet taken in (see the invariant)."""

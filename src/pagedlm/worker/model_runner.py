@@ -509,6 +509,7 @@ class ModelRunner:
         num_rows = inputs.num_sampling_rows
         num_sampling_rows = int(num_rows.sum())
         token_ids, logprobs, verified = None, None, None
+        failed: dict[str, str] = {}
         if len(sampled):
             # One sampling row per logits row: a verifying request's rows follow its drafts.
             row_states, row_lens = verification_rows(
@@ -544,6 +545,8 @@ class ModelRunner:
                 batch.token_ids.view(-1).index_put_(
                     (inputs.sample_token_index,), token_ids.to(torch.int32)
                 )
+            if self.logits_processors is not None:
+                failed = self.logits_processors.failures(row_states)
         proposals = self.speculator.after_step(
             inputs, done.hidden, None if verified is None else verified.num_emitted, done.to_propose
         )
@@ -567,6 +570,7 @@ class ModelRunner:
             prompt_parts=inputs.prompt_logprob_rows,
             verified=verified,
             proposals=proposals,
+            failed=failed,
         )
         if self.logits_processors is not None and len(sampled):
             self.logits_processors.launched(launched, states, inputs.seq_lens[sampled])

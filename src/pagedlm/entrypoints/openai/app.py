@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from pagedlm.engine.exceptions import EngineDeadError
+from pagedlm.engine.exceptions import EngineDeadError, RequestFailedError
 from pagedlm.entrypoints.openai.admin import (
     MODEL_ROUTES,
     AdminOptions,
@@ -91,6 +91,10 @@ logger = logging.getLogger("pagedlm.server")
 
 HEALTH_TIMEOUT_S = 5.0
 ENGINE_DEAD_STATUS = 503
+REQUEST_FAILED_STATUS = 500
+"""A request the engine core failed alone (a custom logits processor raised for it): a
+server-side error, as vLLM answers its finish reason "error", with what failed."""
+
 Handler = Callable[[Request], Awaitable[Response]]
 BodyHandler = Callable[[Request, Any], Awaitable[Response]]
 
@@ -137,6 +141,9 @@ async def _answer(handler: Handler, request: Request, anthropic: bool) -> Respon
     except EngineDeadError as error:
         _log_stack(request.app.state.ctx, error)
         return error_response(_engine_dead_message(error), ENGINE_DEAD_STATUS, anthropic=anthropic)
+    except RequestFailedError as error:  # this request alone (vLLM's finish reason "error")
+        _log_stack(request.app.state.ctx, error)
+        return error_response(str(error), REQUEST_FAILED_STATUS, anthropic=anthropic)
     except ImportError as error:  # an optional package: name the extra, never a bare 500
         _log_stack(request.app.state.ctx, error)
         missing = missing_package_error(error)
@@ -184,6 +191,9 @@ async def _guard_stream(
     except EngineDeadError as error:
         _log_stack(ctx, error)
         yield sse_error_event(_engine_dead_message(error), ENGINE_DEAD_STATUS, anthropic)
+    except RequestFailedError as error:
+        _log_stack(ctx, error)
+        yield sse_error_event(str(error), REQUEST_FAILED_STATUS, anthropic)
     except ImportError as error:
         _log_stack(ctx, error)
         missing = missing_package_error(error)
