@@ -33,6 +33,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from pagedlm.engine.exceptions import EngineDeadError, RequestFailedError
+from pagedlm.entrypoints.openai import serving_tokenize
 from pagedlm.entrypoints.openai.admin import (
     MODEL_ROUTES,
     AdminOptions,
@@ -60,7 +61,6 @@ from pagedlm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    checked_template_kwargs,
 )
 from pagedlm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
 from pagedlm.entrypoints.openai.protocol_embedding import EmbeddingRequest
@@ -428,49 +428,11 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @_body_route(app, ctx, "/tokenize", TokenizeRequest, anthropic=False)
     async def tokenize(request: Request, body: TokenizeRequest) -> Response:
-        ctx.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError("Send exactly one of prompt or messages.")
-        if body.messages is not None:
-            conversation = [
-                m.template_message(f"messages.{i}") for i, m in enumerate(body.messages)
-            ]
-            kwargs = checked_template_kwargs(
-                body.chat_template_kwargs, body.add_generation_prompt, body.continue_final_message
-            )
-            if body.tools is not None:
-                kwargs["tools"] = body.tools
-            tokens = await ctx.apply_chat_template(
-                conversation,
-                body.chat_template,
-                body.add_generation_prompt,
-                body.continue_final_message,
-                kwargs,
-                bool(body.add_special_tokens),
-            )
-        else:
-            tokenizer = ctx.require_tokenizer()
-            add_special_tokens = body.add_special_tokens is not False
-            encoded = await asyncio.to_thread(
-                tokenizer.encode, body.prompt, add_special_tokens=add_special_tokens
-            )
-            tokens = list(encoded)
-        answer: dict[str, Any] = {
-            "tokens": tokens,
-            "count": len(tokens),
-            "max_model_len": ctx.max_model_len,
-        }
-        if body.return_token_strs:
-            answer["token_strs"] = ctx.require_tokenizer().convert_ids_to_tokens(tokens)
-        return JSONResponse(answer)
+        return JSONResponse(await serving_tokenize.tokenize(ctx, body))
 
     @_body_route(app, ctx, "/detokenize", DetokenizeRequest, anthropic=False)
     async def detokenize(request: Request, body: DetokenizeRequest) -> Response:
-        ctx.check_model(body.model)
-        tokenizer = ctx.require_tokenizer()
-        if any(not 0 <= t < len(tokenizer) for t in body.tokens):
-            raise APIError(f"tokens must be ids in [0, {len(tokenizer)}).", param="tokens")
-        return JSONResponse({"prompt": tokenizer.decode(body.tokens)})
+        return JSONResponse(serving_tokenize.detokenize(ctx, body))
 
 
 async def _log_stats(ctx: ServingContext, interval_s: float) -> None:

@@ -7,7 +7,8 @@ checked against ``--limit-mm-per-prompt`` before anything is fetched, the images
 concurrently (``multimodal.media``: size cap, timeout, allowed local directory, PIL's
 pixel limit), and the conversation, image parts as ``{"type": "image"}``, renders
 through the model processor's chat template on a thread. Every failure is a 400 naming
-the problem.
+the problem. ``/tokenize`` takes the same path, then the engine's own tokenization of the
+prompt (``multimodal_token_ids``), so its ids are the chat request's.
 """
 
 from __future__ import annotations
@@ -153,3 +154,15 @@ async def multimodal_prompt(
     if mm_processor_kwargs:
         prompt["mm_processor_kwargs"] = mm_processor_kwargs
     return prompt
+
+
+async def multimodal_token_ids(ctx: Any, prompt: dict[str, Any]) -> list[int]:
+    """The token ids the engine makes of ``multimodal_prompt``'s prompt (the model's
+    processor expands each image's placeholder), off the event loop; a 400 for what it
+    refuses, as a chat request with the prompt gets."""
+    processor = ctx.engine.input_processor
+    try:
+        _, token_ids = await asyncio.to_thread(processor.tokenize, prompt)
+    except ValueError as error:
+        raise APIError(str(error), param="messages") from error
+    return token_ids

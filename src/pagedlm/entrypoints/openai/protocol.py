@@ -485,6 +485,9 @@ class TokenizeRequest(OpenAIModel):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """With messages that hold images, the model's image processor options (as a chat
+    request's); a prompt ignores them, as vLLM's completion-style tokenize request does."""
 
 
 class DetokenizeRequest(OpenAIModel):
