@@ -4,6 +4,7 @@ it; the engine keeps serving (the same adapter directory, fixed, works afterward
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from safetensors.torch import save_file
@@ -165,3 +166,45 @@ def test_pickled_adapters_are_read_as_vllm_reads_them(engine, tmp_path, suffix):
     with pytest.raises(ValueError, match=f"adapter_model.{suffix} cannot be read"):
         _generate(llm, LoRARequest("garbage", lora_id + 1, str(pickled)))
     assert _generate(llm, LoRARequest("good", 1, str(root / "good"))) == expected
+
+
+def test_an_adapter_is_read_before_its_request_enters_the_engine(tiny_checkpoint, tmp_path):
+    """The workers read an adapter's tensors at the first step that needed them: files
+    deleted (or damaged) after the front end's check failed that whole step, the requests
+    beside it included. The engine core now has them read as the request is added: one
+    that cannot be read is refused alone, and one read then serves its request whatever
+    happens to its files afterwards."""
+    base = tiny_checkpoint("llama")
+    for name in ("first", "copy", "gone"):
+        make_adapter(base, tmp_path / name, LLAMA_MODULES, seed=3)  # the same weights
+    llm = LLM(
+        str(base),
+        skip_tokenizer_init=True,
+        enable_lora=True,
+        max_lora_rank=8,
+        max_loras=2,
+        num_kv_blocks=32,
+    )
+    engine = llm.llm_engine
+    prompts = {"base": {"prompt_token_ids": [9]}, "copy": {"prompt_token_ids": [5, 6, 7]}}
+    first = LoRARequest("first", 1, str(tmp_path / "first"))
+    alone = {
+        "base": llm.generate([prompts["base"]], PARAMS, use_tqdm=False)[0],
+        "copy": llm.generate([prompts["copy"]], PARAMS, use_tqdm=False, lora_request=first)[0],
+    }
+    engine.add_request("base", prompts["base"], PARAMS)
+    copy = LoRARequest("copy", 2, str(tmp_path / "copy"))
+    engine.add_request("copy", prompts["copy"], PARAMS, lora_request=copy)
+    shutil.rmtree(tmp_path / "copy")  # after its request was added: read already
+    gone = LoRARequest("gone", 3, str(tmp_path / "gone"))
+    engine.input_processor.adapters.check(gone)  # the front end's check passed, then
+    shutil.rmtree(tmp_path / "gone")
+    with pytest.raises(ValueError, match="No adapter found for"):
+        engine.add_request("gone", {"prompt_token_ids": [5]}, PARAMS, lora_request=gone)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.outputs[0].token_ids
+    assert finished == {key: output.outputs[0].token_ids for key, output in alone.items()}
+    engine.shutdown()

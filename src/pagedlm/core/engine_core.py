@@ -42,6 +42,7 @@ from pagedlm.core.scheduler import OneBudgetScheduler
 from pagedlm.core.scheduler_interface import Scheduler, SchedulerStats
 from pagedlm.executor import Executor
 from pagedlm.kv_transfer.factory import KVConnectorRole, check_weight_update, make_connector
+from pagedlm.lora.admission import AdapterAdmission
 from pagedlm.model_executor.loader.replacement import check_replacement
 from pagedlm.platforms import Platform
 from pagedlm.plugins.registry import select_executor
@@ -127,6 +128,7 @@ class EngineCore:
         """The parts asleep ("weights", "kv_cache"; ``wake_up(tags)`` wakes them)."""
         self.paused = False
         """``pause`` stopped scheduling until ``resume`` (``pagedlm.core.pause``)."""
+        self.adapters = AdapterAdmission(self._read_adapter)
 
     def add_request(self, request: Request) -> None:
         if self.sleeping_tags == {"kv_cache"}:
@@ -141,6 +143,7 @@ class EngineCore:
             )
         if self.paused:
             raise ValueError("Generation is paused; resume_generation() before adding requests.")
+        self.adapters.admit(request.lora_request)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -378,13 +381,18 @@ class EngineCore:
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Every worker reads the adapter ahead of its first request (checked by the front
         end first). ValueError if a worker cannot read it."""
+        return self.adapters.add(lora_request)
+
+    def _read_adapter(self, lora_request: LoRARequest) -> bool:
         with _worker_refusal():
             return self.executor.add_lora(lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:
         """Every worker forgets the adapter; False if it was not loaded."""
         with _worker_refusal():
-            return self.executor.remove_lora(lora_id)
+            removed = self.executor.remove_lora(lora_id)
+        self.adapters.remove(lora_id)
+        return removed
 
     def list_loras(self) -> set[int]:
         """The ids of the adapters loaded (added, or read for a request since)."""

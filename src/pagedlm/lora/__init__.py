@@ -11,4 +11,6 @@ Kept import-free so the step protocol may import ``pagedlm.lora.request`` (a lea
 - ``manager.py``: the worker's device slots (``max_loras``) with LRU eviction to a host
   cache (``max_cpu_loras``), and each step's per-token slot indices.
 - ``scheduler_gate.py``: the scheduler's limit of distinct adapters per step.
+- ``admission.py``: the engine core has the workers read an adapter before the first
+  request that names it enters the scheduler.
 """
