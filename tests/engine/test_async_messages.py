@@ -97,6 +97,20 @@ def test_core_outputs_round_trip():
     assert type(decoded.outputs[0].new_logprobs) is LogprobsLists
 
 
+def test_data_parallel_stats_outputs_and_the_step_time_round_trip():
+    """What the front end's per-engine metrics read: each replica's stats beside the sum,
+    the replica of each output, and the core's clock at the step's end."""
+    from pagedlm.engine.data_parallel import sum_stats
+
+    stats = sum_stats([SchedulerStats(2, 1, 0.25, 3, 40, 16), SchedulerStats(0, 0, 0.5, 0, 8, 0)])
+    outputs = [EngineCoreOutput("a", [3]), EngineCoreOutput("b", [4], engine_index=1)]
+    decoded = _round_trip(messages.CoreOutputs(outputs, stats, timestamp=12.5))
+    assert decoded.stats == stats and len(decoded.stats.engines) == 2
+    assert all(type(engine) is SchedulerStats for engine in decoded.stats.engines)
+    assert [o.engine_index for o in decoded.outputs] == [0, 1]
+    assert decoded.timestamp == 12.5
+
+
 def test_decoders_reject_the_other_direction():
     encoded = messages.make_encoder().encode(messages.Shutdown())
     with pytest.raises(msgspec.ValidationError):
