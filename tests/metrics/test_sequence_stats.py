@@ -176,3 +176,31 @@ def test_each_engine_counts_its_own_sequences():
     assert count(stats, "iteration_tokens_total", 1) == 3
     assert total(stats, "iteration_tokens_total", 0) == 4 + 1 + 2
     assert (count(stats, "request_params_n", 0), count(stats, "request_params_n", 1)) == (0, 1)
+
+
+def test_cached_prompt_tokens_and_the_prefill_each_sequence_computed():
+    """vLLM's ``prompt_tokens_cached`` and ``prompt_tokens_recomputed`` (counted when a
+    sequence's prefill is done) and ``request_prefill_kv_computed_tokens`` (per finished
+    sequence: its prompt less its cached tokens)."""
+    stats = SequenceStats(max_model_len=64, clock=Clock())
+    stats.add_request("a", ["a-0"], 99.0, 17, 4)  # 16 of 17 cached: the last recomputed
+    stats.add_request("b", ["b-0"], 99.0, 10, 4)
+    stats.add_request("c", ["c-0"], 99.0, 9, 4)  # a pause ends it before its prefill
+    stats.record_outputs(
+        [
+            EngineCoreOutput("a-0", [1], num_cached_tokens=16),
+            EngineCoreOutput("b-0", [1], num_cached_tokens=4),
+        ]
+    )
+    stats.record_outputs(
+        [
+            EngineCoreOutput("a-0", [2], "length", num_cached_tokens=16),
+            EngineCoreOutput("c-0", [], "abort"),
+        ]
+    )
+    stats.record_stopped(["b-0"])
+    series = stats.engines[0]
+    assert (series.num_cached_prompt_tokens, series.num_recomputed_prompt_tokens) == (20, 1)
+    assert series.num_prompt_tokens == 17 + 10
+    assert count(stats, "request_prefill_kv_computed_tokens") == 3
+    assert total(stats, "request_prefill_kv_computed_tokens") == 1 + 6 + 9

@@ -102,7 +102,11 @@ def test_cache_salt_keeps_prefix_caches_apart(tiny_server):
             assert response.status_code == 200, response.text
         after = scrape(tiny_server.url)
         name = "pagedlm:prefix_cache_hits_total"
-        return value(after, name) - value(before, name)
+        hits = value(after, name) - value(before, name)
+        # vLLM's prompt_tokens_cached: the same tokens, counted as the prefills finish.
+        cached = "pagedlm:prompt_tokens_cached_total"
+        assert value(after, cached) - value(before, cached) == hits
+        return hits
 
     assert hits_after("tenant-a") == 0  # first sight of both prompts under this salt
     assert hits_after("tenant-a") > 0  # the same prompts again: their blocks are reused
@@ -135,6 +139,7 @@ def test_n2_request_is_two_sequences_everywhere(tiny_server):
     assert delta("request_params_n_sum") == 2
     assert delta("request_params_max_tokens_sum") == 6
     assert delta("request_prompt_tokens_sum") == 2 * len("hello")
+    assert delta("request_prefill_kv_computed_tokens_count") == 2
     assert delta("request_generation_tokens_sum") == 6
     assert delta("iteration_tokens_total_sum") == 2 * len("hello") + 6
     assert delta("request_params_n_bucket", le="2.0") == 1

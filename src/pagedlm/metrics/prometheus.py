@@ -40,6 +40,12 @@ _DOCS = {
     "local prefix-cache hit).",
     "pagedlm:external_prefix_cache_hits": "Tokens the KV connector had, to load.",
     "pagedlm:prompt_tokens": "Number of prefill tokens processed.",
+    "pagedlm:prompt_tokens_cached": "Prompt tokens not computed: prefix-cache hits and "
+    "tokens a KV connector loaded.",
+    "pagedlm:prompt_tokens_recomputed": "Cached prompt tokens computed again (a whole cached "
+    "prompt's last token, for its logits).",
+    "pagedlm:request_prefill_kv_computed_tokens": "Histogram of the prompt tokens a "
+    "sequence's prefill computed (its cached ones left out).",
     "pagedlm:generation_tokens": "Number of generation tokens processed.",
     "pagedlm:request_success": "Count of successfully finished requests.",
     "pagedlm:spec_decode_num_drafts": "Number of spec decoding drafts (verification steps).",

@@ -122,6 +122,9 @@ class _Sequence:
     first_token_time: float | None = None
     last_token_time: float = 0.0
     num_generation_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens it did not compute (prefix-cache hits and loaded ones), as the core
+    last reported them."""
     engine: int = 0
     """The engine of its latest output (a request runs on one replica)."""
 
@@ -151,6 +154,7 @@ class EngineSeries:
             "pagedlm:request_decode_time_seconds": Histogram(REQUEST_LATENCY_BUCKETS),
             "pagedlm:request_inference_time_seconds": Histogram(REQUEST_LATENCY_BUCKETS),
             "pagedlm:request_prompt_tokens": Histogram(token_buckets),
+            "pagedlm:request_prefill_kv_computed_tokens": Histogram(token_buckets),
             "pagedlm:request_generation_tokens": Histogram(token_buckets),
             "pagedlm:request_params_max_tokens": Histogram(token_buckets),
             "pagedlm:request_max_num_generation_tokens": Histogram(token_buckets),
@@ -162,6 +166,12 @@ class EngineSeries:
         counted at a sequence's first token (or pooled vector), as vLLM counts them, so a
         request aborted before then adds nothing and a preempted one's recomputation
         nothing more."""
+        self.num_cached_prompt_tokens = 0
+        """Of those, the ones not computed: prefix-cache hits and tokens a KV connector
+        loaded (vLLM's ``prompt_tokens_cached``)."""
+        self.num_recomputed_prompt_tokens = 0
+        """Prompts whose every token but the last was cached: that last one is computed
+        again for its logits (vLLM's ``prompt_tokens_recomputed``, one per such prompt)."""
         self.num_generation_tokens = 0
         """Tokens generated for the sequences still tracked (``generation_tokens_total``;
         like vLLM, not those a step produced for a request its client had aborted)."""
@@ -252,18 +262,29 @@ class SequenceStats:
                         "pagedlm:time_to_first_token_seconds", now - sequence.arrival_time
                     )
                     step[0] += sequence.num_prompt_tokens  # vLLM counts the prefill here
-                    series.num_prompt_tokens += sequence.num_prompt_tokens
+                    self._prefilled(series, sequence, output.num_cached_tokens)
                 sequence.last_token_time = token_time
                 sequence.num_generation_tokens += num_new
             elif output.pooled is not None:  # a pooling request's only output
-                series.num_prompt_tokens += sequence.num_prompt_tokens
+                self._prefilled(series, sequence, output.num_cached_tokens)
             if output.finish_reason is not None:
+                sequence.num_cached_tokens = output.num_cached_tokens
                 self._record_finished(output.req_id, now, output.finish_reason)
         for index, (num_tokens, gaps) in steps.items():
             histograms = engines[index].histograms
             if gaps:
                 histograms["pagedlm:inter_token_latency_seconds"].observe_many(gaps)
             histograms["pagedlm:iteration_tokens_total"].observe(num_tokens)
+
+    @staticmethod
+    def _prefilled(series: EngineSeries, sequence: _Sequence, num_cached_tokens: int) -> None:
+        """A sequence's prompt is done: its tokens counted, and how many were cached."""
+        num_prompt_tokens = sequence.num_prompt_tokens
+        series.num_prompt_tokens += num_prompt_tokens
+        series.num_cached_prompt_tokens += num_cached_tokens
+        if num_cached_tokens + 1 == num_prompt_tokens:
+            series.num_recomputed_prompt_tokens += 1
+        sequence.num_cached_tokens = num_cached_tokens
 
     def record_stopped(self, child_ids: Iterable[str]) -> None:
         """Sequences a stop string finished (the front end saw it after the tokens)."""
@@ -290,6 +311,10 @@ class SequenceStats:
         observe("pagedlm:request_decode_time_seconds", max(decode, 0.0))
         observe("pagedlm:request_inference_time_seconds", max(last - scheduled, 0.0))
         observe("pagedlm:request_prompt_tokens", sequence.num_prompt_tokens)
+        observe(
+            "pagedlm:request_prefill_kv_computed_tokens",
+            sequence.num_prompt_tokens - sequence.num_cached_tokens,
+        )
         observe("pagedlm:request_generation_tokens", sequence.num_generation_tokens)
         if sequence.max_tokens is not None:
             observe("pagedlm:request_params_max_tokens", sequence.max_tokens)

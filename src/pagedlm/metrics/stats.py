@@ -170,6 +170,10 @@ def _sleep_state(sleep_level: int, engine: dict[str, str]) -> list[Metric]:
 def _front_end_metrics(series: EngineSeries, engine: dict[str, str]) -> list[Metric]:
     metrics = [
         Metric("pagedlm:prompt_tokens", series.num_prompt_tokens, labels=engine),
+        Metric("pagedlm:prompt_tokens_cached", series.num_cached_prompt_tokens, labels=engine),
+        Metric(
+            "pagedlm:prompt_tokens_recomputed", series.num_recomputed_prompt_tokens, labels=engine
+        ),
         Metric("pagedlm:generation_tokens", series.num_generation_tokens, labels=engine),
     ]
     metrics += [
