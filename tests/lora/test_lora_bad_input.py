@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from pagedlm import LLM, LoRARequest, SamplingParams
 from pagedlm.config import ArchConfig
 from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.exceptions import RequestFailedError
 from pagedlm.lora.peft_format import check_adapter
 from peft_adapters import LLAMA_MODULES, edit_config, make_adapter, rename_tensors
 from tiny_checkpoints import save_random_model
@@ -207,4 +208,54 @@ def test_an_adapter_is_read_before_its_request_enters_the_engine(tiny_checkpoint
             if output.finished:
                 finished[output.request_id] = output.outputs[0].token_ids
     assert finished == {key: output.outputs[0].token_ids for key, output in alone.items()}
+    engine.shutdown()
+
+
+def test_an_adapter_unreadable_when_a_step_needs_it_fails_only_its_requests(
+    tiny_checkpoint, tmp_path
+):
+    """An adapter read once, dropped from the workers' host cache, then deleted, is read
+    again by the step that needs it. That read failed the whole step (the call's other
+    requests too); now it fails the requests that name it (finish reason "error",
+    ``RequestFailedError`` once the others finish with the tokens they have alone), and the
+    blocks the step computed for them without the adapter are not hit later."""
+    base = tiny_checkpoint("llama")
+    make_adapter(base, tmp_path / "x", LLAMA_MODULES, seed=3)
+    make_adapter(base, tmp_path / "x_ref", LLAMA_MODULES, seed=3)  # x's weights, elsewhere
+    make_adapter(base, tmp_path / "y", LLAMA_MODULES, seed=4)
+    x = LoRARequest("x", 1, str(tmp_path / "x"))
+    y = LoRARequest("y", 2, str(tmp_path / "y"))
+    llm = LLM(
+        str(base),
+        skip_tokenizer_init=True,
+        enable_lora=True,
+        max_lora_rank=8,
+        max_loras=1,
+        max_cpu_loras=1,
+        num_kv_blocks=32,
+    )
+    prompts = [
+        {"prompt_token_ids": [5, 6, 7]},
+        {"prompt_token_ids": [9, 10]},
+        {"prompt_token_ids": list(range(3, 43))},  # two full blocks of 16
+    ]
+    loras = [y, None, x]
+    x_ref = LoRARequest("x_ref", 3, str(tmp_path / "x_ref"))
+    alone = [
+        llm.generate([prompt], PARAMS, use_tqdm=False, lora_request=lora)[0].outputs[0]
+        for prompt, lora in zip(prompts, [y, None, x_ref])
+    ]
+    engine = llm.llm_engine
+    assert engine.add_lora(x) and engine.add_lora(y)  # max_cpu_loras=1: x left the host
+    (tmp_path / "x").rename(tmp_path / "x_away")
+    with pytest.raises(RequestFailedError, match="prompt 2 of the call") as failure:
+        llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=loras)
+    outputs = [output.outputs[0] for output in failure.value.outputs]
+    assert [o.token_ids for o in outputs[:2]] == [o.token_ids for o in alone[:2]]
+    assert outputs[2].finish_reason == "error"
+    assert "LoRA adapter 'x' (lora_int_id 1) could not be read" in outputs[2].stop_reason
+    assert "No adapter found for" in outputs[2].stop_reason
+    (tmp_path / "x_away").rename(tmp_path / "x")  # back: its prompt's blocks were not kept
+    again = llm.generate([prompts[2]], PARAMS, use_tqdm=False, lora_request=x)[0].outputs[0]
+    assert again.token_ids == alone[2].token_ids
     engine.shutdown()

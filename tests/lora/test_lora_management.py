@@ -46,8 +46,9 @@ def _slots(manager: LoRAManager) -> dict[int, int]:
 
 
 class _State:
-    def __init__(self, lora: LoRARequest | None) -> None:
+    def __init__(self, lora: LoRARequest | None, req_id: str = "r") -> None:
         self.lora_request = lora
+        self.req_id = req_id
 
 
 def test_manager_add_list_remove_pin(base, loras):
@@ -177,9 +178,9 @@ def test_async_llm_manages_adapters_in_its_engine_core(base, loras):
 
 
 def test_a_failed_read_keeps_its_device_slot(base, loras, tmp_path):
-    """An adapter whose files are gone when a step first needs it (deleted after the front
-    end checked them, or evicted from the host cache and then deleted) fails that step; the
-    slot taken for it was lost, so with max_loras=1 every later adapter step died on an
+    """An adapter whose files are gone when a step needs it (evicted from the host cache
+    and then deleted) fails the requests that name it, which run without it; the slot taken
+    for it was lost, so with max_loras=1 every later adapter step died on an
     AssertionError."""
     arch = ArchConfig.from_directory(base)
     config = LoRAConfig(max_loras=1, max_lora_rank=8, max_cpu_loras=1)
@@ -187,9 +188,12 @@ def test_a_failed_read_keeps_its_device_slot(base, loras, tmp_path):
         config, arch, LlamaForCausalLM(arch), 16, TorchLoRAOps(), torch.float32, torch.device("cpu")
     )
     gone = LoRARequest("gone", 9, str(tmp_path / "deleted"))
-    with pytest.raises(ValueError, match="No adapter found for"):
-        manager.prepare_step([_State(gone)], np.array([0, 2]), 2)
-    manager.prepare_step([_State(loras[0])], np.array([0, 2]), 2)
+    failed = manager.prepare_step(
+        [_State(gone, "a"), _State(None, "b"), _State(gone, "c")], np.array([0, 2, 3, 5]), 6
+    )
+    assert sorted(failed) == ["a", "c"] and "No adapter found for" in failed["a"]
+    assert manager.state.token_slots[:6].tolist() == [-1] * 6  # run without it
+    assert manager.prepare_step([_State(loras[0], "d")], np.array([0, 2]), 2) == {}
     assert _slots(manager) == {1: 0}
 
 

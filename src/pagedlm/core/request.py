@@ -27,8 +27,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = 7
     FINISHED_IGNORED = 8
     FINISHED_ERROR = 9
-    """A callable of its own (a custom logits processor) failed in a step: vLLM's
-    "error"."""
+    """A callable of its own (a custom logits processor) failed in a step, or its LoRA
+    adapter could not be read for one: vLLM's "error"."""
 
     @property
     def is_finished(self) -> bool:

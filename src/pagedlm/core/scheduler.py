@@ -759,11 +759,15 @@ class OneBudgetScheduler(Scheduler):
 
     def _fail(self, request: Request, message: str) -> EngineCoreOutput:
         """End ``request`` with "error" and ``message``: a callable of its own failed in
-        the step collected, whose tokens for it are dropped (the next step's too, if one is
-        in flight, as for any request that ends then)."""
+        the step collected, or its LoRA adapter could not be read for it; its tokens of
+        that step are dropped (the next step's too, if one is in flight, as for any request
+        that ends then), and its blocks leave the prefix cache (a step that could not read
+        its adapter ran it without, so their K/V are not what their hashes promise; after a
+        callable's failure this only costs later hits)."""
         request.status = RequestStatus.FINISHED_ERROR
         request.stop_reason = message
         self._remove_from_queues(request)
+        self.kv_manager.uncache(request)
         self._finish(request)
         return EngineCoreOutput(
             request.request_id,

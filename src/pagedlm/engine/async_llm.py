@@ -242,7 +242,8 @@ class AsyncLLM:
         the core. Closing the iterator early (or cancelling its task) aborts the request;
         ``abort(request_id)`` ends it without a further output. A dead core raises
         ``EngineDeadError``; a request the core failed (a custom logits processor raised
-        for it) raises ``RequestFailedError``, the other requests going on.
+        for it, its adapter could not be read) raises ``RequestFailedError``, the other
+        requests going on.
         """
         self._check_alive()
         self._ensure_output_task()

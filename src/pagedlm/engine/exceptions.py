@@ -8,8 +8,8 @@ from typing import Any
 
 FAILED = "error"
 """The finish reason of a sample the engine core failed (vLLM's ``FinishReason.ERROR``): a
-callable of its own, a custom logits processor, raised in a step; its stop reason says
-how."""
+callable of its own, a custom logits processor, raised in a step, or its LoRA adapter could
+not be read when a step needed it; its stop reason says how."""
 
 
 class EngineDeadError(RuntimeError):
@@ -27,9 +27,10 @@ class EngineStalledError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """The engine core failed this request (finish reason "error"): a custom logits
-    processor raised for it in a step. The engine and its other requests carry on.
+    processor raised for it in a step, or its LoRA adapter could not be read when a step
+    needed it. The engine and its other requests carry on.
 
-    ``request_id`` and ``message`` (the processor and its exception); ``outputs``: where a
+    ``request_id`` and ``message`` (the processor or adapter, and why); ``outputs``: where a
     call ran several requests (``LLM.generate``), every one's final output in order, the
     others complete and the failed ones ending with finish reason "error"."""
 

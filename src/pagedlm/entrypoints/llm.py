@@ -301,7 +301,8 @@ class LLM:
         ``enable_lora=True``. ``tokenization_kwargs``: how text prompts are tokenized,
         e.g. ``{"add_special_tokens": False}`` (vLLM's;
         ``pagedlm.engine.tokenization_kwargs``). A request that a custom logits processor
-        fails raises ``RequestFailedError`` once the others finish (all outputs on it)."""
+        fails, or whose adapter cannot be read when a step needs it, raises
+        ``RequestFailedError`` once the others finish (all outputs on it)."""
         if self.llm_engine.config.model.runner == "pooling":
             raise ValueError(
                 "This model runs with runner='pooling', which does not generate; use "

@@ -140,6 +140,11 @@ class BlockPool:
         self._cached[block_hash] = block
         return True
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Take ``block`` out of the index (no request may hit it again); it stays with its
+        owners, and goes back blank once they free it."""
+        self._evict(block)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (returns False) while any block is in use,
         because running requests may still be about to hit them."""

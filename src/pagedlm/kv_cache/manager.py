@@ -192,6 +192,13 @@ class KVCacheManager:
         if table:
             self.pool.free(reversed(table))
 
+    def uncache(self, request: Request) -> None:
+        """Take every block of ``request``'s table out of the prefix cache: their K/V may
+        not be what their hashes promise (a step that failed the request may have run it
+        without its LoRA adapter)."""
+        for block in self._tables.get(request.request_id, ()):
+            self.pool.uncache(block)
+
     def get_block_ids(self, request: Request) -> list[int]:
         """The request's whole block table (empty if it holds no blocks)."""
         return [block.block_id for block in self._tables.get(request.request_id, ())]

@@ -5,7 +5,10 @@ adapter still running beside those of the next adapter under its id each get the
 weights. Every step, ``prepare_step`` makes sure each adapter the step's requests name sits in a
 device slot (from the host cache, else read from its directory), evicting the least
 recently used adapter the step does not need, then writes each token's slot into the
-fixed-address ``token_slots`` buffer every ``LoRALinear`` reads.
+fixed-address ``token_slots`` buffer every ``LoRALinear`` reads. An adapter that cannot be
+read then (the engine core had it read before its first request, but the host cache let it
+go and its files went too) fails the requests that name it, not the step: they run without
+it, and the step reports them (``ModelRunnerOutput.failed``) for the scheduler to end.
 
 vLLM's adapter management works on the host cache: ``add`` reads an adapter into it ahead
 of its first request, ``remove`` forgets one, ``list_ids`` names what it holds, ``pin``
@@ -64,8 +67,8 @@ class NoLoRA:
 
     def prepare_step(
         self, states: list[RequestState], query_start_loc: np.ndarray, num_tokens: int
-    ) -> None:
-        pass
+    ) -> dict[str, str]:
+        return {}
 
     def add(self, lora: LoRARequest) -> bool:
         raise ValueError(
@@ -142,17 +145,18 @@ class LoRAManager:
 
     def prepare_step(
         self, states: list[RequestState], query_start_loc: np.ndarray, num_tokens: int
-    ) -> None:
+    ) -> dict[str, str]:
         """Slots for the step's adapters and ``token_slots[:num_tokens]``; rows past the
-        requests' (``query_start_loc[len(states)]``) are padding: -1."""
+        requests' (``query_start_loc[len(states)]``) are padding: -1. Returns request id ->
+        message for the requests whose adapter could not be read (their rows are -1)."""
         wanted: dict[AdapterKey, LoRARequest] = {}
         for state in states:
             if state.lora_request is not None:
                 wanted.setdefault(state.lora_request.adapter_key, state.lora_request)
         if not wanted and num_tokens <= self._clean_rows:
             self.state.groups = []
-            return
-        slots = self._activate(wanted)
+            return {}
+        slots, unreadable = self._activate(wanted)
         req_slots = np.fromiter(
             (-1 if s.lora_request is None else slots[s.lora_request.adapter_key] for s in states),
             np.int64,
@@ -167,11 +171,18 @@ class LoRAManager:
             device = self.state.token_slots.device
             groups = [
                 (slot, torch.from_numpy(np.flatnonzero(host[:num_tokens] == slot)).to(device))
-                for slot in sorted(set(slots.values()))
+                for slot in sorted(set(slots.values()) - {-1})
             ]
         self._token_slots.copy(num_tokens)
         self._clean_rows = 0 if wanted else num_tokens
         self.state.groups = groups
+        if not unreadable:
+            return {}
+        return {
+            s.req_id: unreadable[s.lora_request.adapter_key]
+            for s in states
+            if s.lora_request is not None and s.lora_request.adapter_key in unreadable
+        }
 
     # ---- vLLM's add_lora / remove_lora / list_loras / pin_lora ----------------------
 
@@ -237,8 +248,11 @@ class LoRAManager:
             return self._slot_of.pop((unpinned or candidates)[0])
         return None
 
-    def _activate(self, wanted: dict[AdapterKey, LoRARequest]) -> dict[AdapterKey, int]:
-        """A device slot for each wanted adapter, loading and evicting as needed."""
+    def _activate(
+        self, wanted: dict[AdapterKey, LoRARequest]
+    ) -> tuple[dict[AdapterKey, int], dict[AdapterKey, str]]:
+        """A device slot (-1 for none) for each wanted adapter, loading and evicting as
+        needed; and the message of each that could not be read."""
         if len(wanted) > self.config.max_loras:
             raise RuntimeError(
                 f"a step uses {len(wanted)} adapters but max_loras={self.config.max_loras}; "
@@ -247,17 +261,27 @@ class LoRAManager:
         for key in wanted:
             if key in self._slot_of:
                 self._slot_of.move_to_end(key)
+        unreadable: dict[AdapterKey, str] = {}
         for key, lora in wanted.items():
             if key in self._slot_of:
                 continue
-            # Read first: a read that fails (files gone since the front end's check) must
+            # Read first: a read that fails (files gone since the engine core's read) must
             # not cost a slot, or every later step finds one slot fewer.
-            weights = self._host_weights(lora)
+            try:
+                weights = self._host_weights(lora)
+            except ValueError as error:
+                unreadable[key] = (
+                    f"LoRA adapter {lora.lora_name!r} (lora_int_id {lora.lora_int_id}) could "
+                    f"not be read when its request needed it: {error}"
+                )
+                logger.warning("%s", unreadable[key])
+                continue
             slot = self._take_slot(keep=set(wanted), evict_pinned=True)
             assert slot is not None  # at most max_loras wanted: one is free or not wanted
             self._load_into(slot, weights)
             self._slot_of[key] = slot
-        return {key: self._slot_of[key] for key in wanted}
+        slots = {key: self._slot_of.get(key, -1) for key in wanted}
+        return slots, unreadable
 
     def _host_weights(self, lora: LoRARequest) -> AdapterWeights:
         key = lora.adapter_key

@@ -46,8 +46,9 @@ class ModelRunnerOutput:
     """A KV connector's outcome of the step's loads and saves (None: no connector)."""
     failed: dict[str, str] = field(default_factory=dict)
     """Requests that a callable of their own failed in this step (a custom logits
-    processor raised), with its message: their tokens of the step are not theirs, and the
-    scheduler ends them with finish reason "error"."""
+    processor raised), or whose LoRA adapter could not be read for it, with the message:
+    their tokens of the step are not theirs, and the scheduler ends them with finish reason
+    "error"."""
 
 
 class StepResult(Protocol):

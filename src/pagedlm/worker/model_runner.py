@@ -208,6 +208,9 @@ class ModelRunner:
         self.graph_runner: GraphRunner | None = None
         self._measuring_kv_scales = False
         self._forward_done: _ForwardDone | None = None
+        self._unreadable_adapters: dict[str, str] = {}
+        """Requests of the queued forward whose adapter could not be read (they ran
+        without it): reported with the step's sampling, for the scheduler to fail."""
         self._sampling_metadata = SamplingMetadataCache()
         self.enforce_eager = (
             bool(getattr(config.model, "enforce_eager", False))
@@ -394,7 +397,9 @@ class ModelRunner:
             self.speculator.num_rejected,
         )
         layout = inputs.layout
-        self.lora.prepare_step(inputs.states, layout.query_start_loc_cpu, layout.num_tokens)
+        self._unreadable_adapters = self.lora.prepare_step(
+            inputs.states, layout.query_start_loc_cpu, layout.num_tokens
+        )
         if feeds_images or feeds_embeds:  # eager, from embeddings: images', prompts' rows
             spans: tuple[tuple[int, int, int], ...] = ()
             if feeds_images:
@@ -482,6 +487,9 @@ class ModelRunner:
         the next step's tokens; the result is collected later (with a KV connector's report
         of the step's transfers)."""
         result = self._sample_tokens(grammar_bitmask)
+        unreadable, self._unreadable_adapters = self._unreadable_adapters, {}
+        if unreadable:
+            result = _WithFailures(result, unreadable)
         if self.kv_connector is not None:
             report = self.kv_connector.get_connector_output()
             if report is not None:
@@ -582,6 +590,19 @@ class ModelRunner:
         """One whole step, waited for (tests and simple drivers)."""
         self.execute_model(scheduler_output)
         return self.sample_tokens(grammar_bitmask).result()
+
+
+class _WithFailures:
+    """A launched step whose output also fails requests the runner failed before sampling
+    (their adapter could not be read)."""
+
+    def __init__(self, step: StepResult, failed: dict[str, str]) -> None:
+        self.step = step
+        self.failed = failed
+
+    def result(self) -> ModelRunnerOutput:
+        output = self.step.result()
+        return replace(output, failed={**self.failed, **output.failed})
 
 
 class _WithConnectorOutput:
