@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedlm.engine.cli_args import engine_args_from_cli, human_readable_int
+from pagedlm.engine.vllm_aliases import check_vllm_args
 from pagedlm.entrypoints.cli.main import dashed_flags, parse_args
 
 
@@ -59,12 +60,14 @@ def test_vllms_short_flags() -> None:
     assert (args.data_parallel_size, args.data_parallel_rank) == (2, 1)
 
 
-def test_dpr_is_refused_since_vllm_means_another_rank_by_it(capsys) -> None:
+def test_dpr_is_vllms_start_rank_and_refused_but_for_zero() -> None:
     # vLLM's -dpr is --data-parallel-start-rank: taking it as the rank would run the wrong
     # replica without a word.
-    with pytest.raises(SystemExit):
-        parse_args(["serve", "m", "-dpr", "1"])
-    assert "unrecognized arguments: -dpr" in capsys.readouterr().err
+    args = engine_args_from_cli(parse_args(["serve", "m", "-dp", "2", "-dpr", "1"]))
+    assert (args.data_parallel_start_rank, args.data_parallel_rank) == (1, 0)
+    with pytest.raises(ValueError, match=r"data_parallel_start_rank=1 \(--data-parallel-start"):
+        check_vllm_args(args)
+    check_vllm_args(engine_args_from_cli(parse_args(["serve", "m", "-dpr", "0"])))
 
 
 def test_server_switches_have_vllms_no_forms_and_the_host_defaults_to_every_interface() -> None:
@@ -102,10 +105,10 @@ def test_a_dotted_flag_without_a_value_is_an_error(capsys) -> None:
 @pytest.mark.parametrize(
     ("argv", "hint"),
     [
-        (["serve", "--swap-space", "4"], "--swap-space is vLLM's, which pagedlm does not take: "
-         "a preempted request is recomputed"),
+        (["serve", "--use-v2-block-manager"], "--use-v2-block-manager is vLLM's, which "
+         "pagedlm does not take: removed in vLLM's V1 engine"),
         (["generate", "--num-scheduler-steps=8"], "--num-scheduler-steps is vLLM's"),
-        (["serve", "--guided-decoding-backend", "xgrammar"], "--structured-outputs-config"),
+        (["serve", "--eplb-window-size", "8"], "pagedlm has no expert-parallel load balancer"),
         (["run-batch", "-i", "a", "-o", "b", "--speculative-model", "m"], "--speculative-config"),
         (["serve", "--device", "cpu"], "PAGEDLM_PLATFORM=cpu"),
         (["serve", "--max-model-length", "4096"], "--max-model-length: did you mean --max-model-len?"),

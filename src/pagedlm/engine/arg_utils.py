@@ -38,6 +38,7 @@ from pagedlm.engine.prompt_embeds import check_prompt_embeds_config
 from pagedlm.engine.quantization_args import check_quantization_name, resolve_quantization
 from pagedlm.engine.speculative_args import parse_speculative_config
 from pagedlm.engine.structured_outputs_args import resolve_structured_outputs
+from pagedlm.engine.vllm_compat_args import VllmCompatArgs
 from pagedlm.generation_config import sampling_defaults
 from pagedlm.kv_cache.fp8 import validate_kv_cache_dtype
 from pagedlm.model_executor.loader.hub import looks_like_hub_id, resolve_model_path
@@ -50,7 +51,11 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
-class EngineArgs:
+class EngineArgs(VllmCompatArgs):
+    """Every engine argument, by vLLM's names. Those below act; ``VllmCompatArgs`` (whose
+    keyword-only fields come after these) holds the vLLM arguments taken for compatibility
+    that have no mechanism of pagedlm's behind them."""
+
     model: str | None = None
     """Local HF directory (config.json + safetensors), .gguf file, or hub id (``org/name``,
     fetched with huggingface_hub); None: the embedded default model (SmolLM2-135M-Instruct)."""
@@ -155,6 +160,13 @@ class EngineArgs:
     optimization_level: int = 2
     """vLLM's -O0 .. -O3: the default graph mode (0: no CUDA graphs, 1: piecewise, 2 and
     3: full and piecewise); compilation_config's cudagraph_mode wins."""
+    cudagraph_capture_sizes: list[int] | None = None
+    """Batch sizes captured as CUDA graphs (vLLM's flag, compilation_config's
+    cudagraph_capture_sizes; give it in one of the two places), e.g. 1 2 4 8; None: the
+    platform's sizes up to max_cudagraph_capture_size."""
+    max_cudagraph_capture_size: int | None = None
+    """The largest batch size captured as a CUDA graph (vLLM's flag, compilation_config's
+    max_cudagraph_capture_size; give it in one of the two places)."""
     enable_prompt_embeds: bool = False
     """Accept prompts given as input embeddings (vLLM's flag): ``{"prompt_embeds": tensor
     [num_tokens, hidden_size]}``, or base64 ``torch.save`` bytes over HTTP. Off by default:
@@ -183,6 +195,9 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     """A prompt computes at most this many tokens per step (vLLM's flag), so one long
     prompt does not take a step's whole budget from the others; 0: no cap."""
+    disable_log_stats: bool = False
+    """No periodic line of throughput, running and waiting requests and KV-cache usage
+    (vLLM's flag; the server logs one every 10 s while busy, LLM(...) none)."""
     stream_interval: int = 1
     """Hand a running request's output to the caller (a stream, an async generator) every
     this many new tokens after its first ones (vLLM's flag): larger values cost the front
@@ -374,8 +389,13 @@ class EngineArgs:
 
     def create_engine_config(self, log_defaults: bool = True) -> tuple[EngineConfig, Platform]:
         """The engine's configuration and platform; ``log_defaults=False`` keeps the
-        sampling defaults out of the log (the engine-core process: its front end logged
-        them when it resolved the same arguments)."""
+        sampling defaults and the notes on vLLM's arguments out of the log (the engine-core
+        process: its front end logged them when it resolved the same arguments)."""
+        from pagedlm.engine.vllm_aliases import resolve_vllm_args
+
+        return resolve_vllm_args(self, warn=log_defaults)._engine_config(log_defaults)
+
+    def _engine_config(self, log_defaults: bool) -> tuple[EngineConfig, Platform]:
         from pagedlm.multimodal.config_args import multimodal_config
         from pagedlm.plugins.registry import configure, select_platform
 
@@ -547,7 +567,11 @@ class EngineArgs:
             batch_invariant=self.batch_invariant or batch_invariant_from_env(),
             multimodal=multimodal_config(self),
             compilation=resolve_compilation(
-                self.compilation_config, self.optimization_level, self.enforce_eager
+                self.compilation_config,
+                self.optimization_level,
+                self.enforce_eager,
+                capture_sizes=self.cudagraph_capture_sizes,
+                max_capture_size=self.max_cudagraph_capture_size,
             ),
         )
         config = replace(

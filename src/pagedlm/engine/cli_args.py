@@ -1,8 +1,9 @@
 """Command-line flags for ``EngineArgs``, generated from its dataclass fields.
 
 The flags are derived once from ``dataclasses.fields(EngineArgs)``: a field added to
-``EngineArgs`` becomes a ``--kebab-case`` flag of every subcommand without touching this
-module. Help text comes from the attribute docstrings in ``arg_utils.py``.
+``EngineArgs`` becomes a ``--kebab-case`` flag of every subcommand (in the ``--help`` group
+``HELP_GROUPS`` gives it, vLLM's). Help text comes from the attribute docstrings in
+``arg_utils.py``, and for vLLM's compatibility arguments from ``vllm_compat_args.VLLM_ONLY``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 
 from pagedlm.config import MODEL_IMPL_ALIASES, MODEL_IMPLS
 from pagedlm.engine.arg_utils import EngineArgs, _merged
+from pagedlm.engine.vllm_aliases import VLLM_LOAD_FORMATS
+from pagedlm.engine.vllm_compat_args import VLLM_ONLY, vllm_only_help
 from pagedlm.model_executor.loader import LOAD_FORMATS
 
 # Fields that the subcommands take as a positional argument as well as a flag.
@@ -35,19 +38,96 @@ SHORT_FLAGS = {
     "enable_expert_parallel": "-ep",
     "optimization_level": "-O",
     "compilation_config": "-cc",
+    "attention_config": "-ac",
+    "decode_context_parallel_size": "-dcp",
+    "prefill_context_parallel_size": "-pcp",
+    "data_parallel_start_rank": "-dpr",
+    "data_parallel_size_local": "-dpl",
+    "data_parallel_address": "-dpa",
+    "data_parallel_rpc_port": "-dpp",
+    "data_parallel_backend": "-dpb",
+    "data_parallel_hybrid_lb": "-dph",
+    "data_parallel_external_lb": "-dpe",
+    "nnodes": "-n",
+    "node_rank": "-r",
 }
-"""vLLM's short spellings (its ``-dpr`` is the start rank of a node's replicas, which
-pagedlm does not have, so it is not the rank's)."""
+"""vLLM's short spellings (``-dpr`` is vLLM's start rank of a node's replicas, not the
+rank: pagedlm refuses it but for 0)."""
+HELP_GROUPS: dict[str | None, tuple[str, ...]] = {
+    "ModelConfig": (
+        "model", "tokenizer", "tokenizer_mode", "revision", "tokenizer_revision", "runner",
+        "model_impl", "dtype", "seed", "max_model_len", "quantization", "bnb_quant_type",
+        "enforce_eager", "max_logprobs", "logprobs_mode", "disable_sliding_window",
+        "skip_tokenizer_init", "enable_prompt_embeds", "trust_remote_code",
+        "allowed_local_media_path", "allowed_media_domains", "hf_token", "hf_overrides",
+        "pooler_config", "generation_config", "override_generation_config",
+        "enable_sleep_mode", "logits_processors",
+    ),
+    "LoadConfig": ("load_format", "download_dir"),
+    "AttentionConfig": ("attention_backend",),
+    "StructuredOutputsConfig": (
+        "structured_outputs_backend", "structured_outputs_max_spec_chars",
+        "structured_outputs_compile_timeout_s",
+    ),
+    "ParallelConfig": (
+        "distributed_executor_backend", "pipeline_parallel_size", "tensor_parallel_size",
+        "data_parallel_size", "data_parallel_rank", "enable_expert_parallel",
+        "worker_extension_cls",
+    ),
+    "CacheConfig": (
+        "block_size", "gpu_memory_utilization", "kv_cache_memory_bytes", "kv_cache_dtype",
+        "num_gpu_blocks_override", "num_kv_blocks", "enable_prefix_caching", "cpu_offload_gb",
+        "calculate_kv_scales", "kv_offloading_size", "kv_offloading_backend",
+    ),
+    "MultiModalConfig": (
+        "limit_mm_per_prompt", "mm_processor_kwargs", "media_fetch_timeout_s", "media_max_bytes",
+    ),
+    "LoRAConfig": ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras"),
+    "ObservabilityConfig": (),
+    "SchedulerConfig": (
+        "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
+        "scheduling_policy", "enable_chunked_prefill", "async_scheduling", "stream_interval",
+        "max_num_encoder_input_tokens", "encoder_cache_size",
+    ),
+    "CompilationConfig": ("cudagraph_capture_sizes", "max_cudagraph_capture_size"),
+    "VllmConfig": (
+        "speculative_config", "kv_transfer_config", "kv_events_config", "compilation_config",
+        "structured_outputs_config", "optimization_level",
+    ),
+    "pagedlm": (
+        "platform", "batch_invariant", "engine_iteration_timeout_s",
+        "engine_heartbeat_timeout_s",
+    ),
+    None: ("disable_log_stats",),
+}  # fmt: skip
+"""``EngineArgs``'s own fields by ``--help`` group, vLLM's (its config classes; None: the
+parser's options, as vLLM's ``--disable-log-stats``); ``VllmCompatArgs``'s fields by
+their ``VLLM_ONLY`` group."""
+GROUP_DESCRIPTIONS = {
+    "ModelConfig": "The model, its tokenizer and how it runs.",
+    "LoadConfig": "How the weights are read.",
+    "AttentionConfig": "The attention backend.",
+    "StructuredOutputsConfig": "Grammar-constrained outputs.",
+    "ParallelConfig": "Tensor, pipeline, data and expert parallelism.",
+    "CacheConfig": "The paged KV cache.",
+    "MultiModalConfig": "Image inputs.",
+    "LoRAConfig": "LoRA adapters.",
+    "ObservabilityConfig": "Metrics and traces.",
+    "SchedulerConfig": "What each step runs.",
+    "CompilationConfig": "CUDA graphs.",
+    "VllmConfig": "Whole-engine configurations, as JSON.",
+    "pagedlm": "pagedlm's own engine arguments.",
+}
 HUMAN_READABLE_INTS = {"max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"}
 """Fields whose flags take ``32k`` or ``1G``, as vLLM's do (``human_readable_int``)."""
 MODEL_MAX_SPELLINGS = {"auto", "-1"}
 """``--max-model-len auto`` (or -1): the model's own context length, as None gives."""
 FIELD_CHOICES = {
-    "load_format": LOAD_FORMATS,
+    "load_format": (*LOAD_FORMATS, "bitsandbytes", *VLLM_LOAD_FORMATS),
     "model_impl": (*MODEL_IMPLS, *MODEL_IMPL_ALIASES),
 }
 """Fields whose flags take one of a few names (argparse lists them in the usage and refuses
-others when parsing)."""
+others when parsing). vLLM's weight loaders parse, to be refused at start naming the fix."""
 
 _DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -77,7 +157,16 @@ human_readable_int.__name__ = "int"
 
 
 def _field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings (the string literal right after ``name: type = default``)."""
+    """Attribute docstrings (the string literal right after ``name: type = default``) of
+    ``cls`` and the dataclasses it derives from."""
+    docs: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(base):
+            docs.update(_own_field_docs(base))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):
@@ -153,8 +242,15 @@ def add_engine_args(
     unknown = (set(defaults) | set(help_texts)) - EngineArgs.field_names()
     if unknown:
         raise ValueError(f"Not EngineArgs fields: {sorted(unknown)}.")
-    group = parser.add_argument_group("engine arguments")
-    for field in dataclasses.fields(EngineArgs):
+    groups = _help_groups(parser)
+    titles = list(groups)
+    # By group, vLLM's order; in a group pagedlm's own fields first, then vLLM's others.
+    fields = sorted(
+        dataclasses.fields(EngineArgs),
+        key=lambda field: (titles.index(_help_group(field.name)), field.name in VLLM_ONLY),
+    )
+    for field in fields:
+        group = groups[_help_group(field.name)]
         flag = "--" + field.name.replace("_", "-")
         flags = (flag, SHORT_FLAGS[field.name]) if field.name in SHORT_FLAGS else (flag,)
         # vLLM's bool | str fields (--hf-token): bare, True; with a value, that string.
@@ -164,7 +260,12 @@ def add_engine_args(
         if default is dataclasses.MISSING and field.default_factory is not dataclasses.MISSING:
             default = field.default_factory()
         default = defaults.get(field.name, default)
-        help_text = help_texts.get(field.name) or docs.get(field.name, field.name.replace("_", " "))
+        help_text = (
+            help_texts.get(field.name)
+            or docs.get(field.name)
+            or vllm_only_help(field.name)
+            or field.name.replace("_", " ")
+        )
         if field.name in HUMAN_READABLE_INTS:
             help_text += " Takes 32k (x1000) or 16K (x1024) as well as digits."
         if field.name == "max_model_len":
@@ -181,8 +282,10 @@ def add_engine_args(
                 *flags, action=argparse.BooleanOptionalAction, default=default, help=help_text
             )
             continue
-        if typing.get_origin(kind) is list:  # names, one or more: --flag a b
-            group.add_argument(*flags, nargs="+", default=default, help=help_text)
+        if typing.get_origin(kind) is list:  # one or more: --flag a b
+            (item,) = typing.get_args(kind) or (str,)
+            item = item if item in (int, float) else None
+            group.add_argument(*flags, nargs="+", type=item, default=default, help=help_text)
             continue
         if kind is dict:
             converter: Any = _json_object
@@ -199,6 +302,24 @@ def add_engine_args(
         choices = FIELD_CHOICES.get(field.name)
         group.add_argument(*flags, type=converter, default=default, choices=choices, help=help_text)
     return parser
+
+
+def _help_group(name: str) -> str | None:
+    for title, names in HELP_GROUPS.items():
+        if name in names:
+            return title
+    return VLLM_ONLY[name].group
+
+
+def _help_groups(parser: argparse.ArgumentParser) -> dict[str | None, Any]:
+    """The engine flags' ``--help`` groups of ``parser``, in vLLM's order (None: the
+    parser's own options)."""
+    groups: dict[str | None, Any] = {}
+    for title in HELP_GROUPS:
+        groups[title] = (
+            parser if title is None else parser.add_argument_group(title, GROUP_DESCRIPTIONS[title])
+        )
+    return groups
 
 
 def json_flags() -> dict[str, str]:

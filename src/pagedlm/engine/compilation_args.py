@@ -13,6 +13,7 @@ accepted and logged as having no effect; its compiler options (``pass_config``,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from typing import Any
@@ -39,10 +40,15 @@ def resolve_compilation(
     value: dict[str, Any] | str | int | CompilationConfig | None,
     optimization_level: int = DEFAULT_OPTIMIZATION_LEVEL,
     enforce_eager: bool = False,
+    *,
+    capture_sizes: list[int] | None = None,
+    max_capture_size: int | None = None,
 ) -> CompilationConfig:
     """The graph settings of ``compilation_config`` (None, a dict, its JSON, a compile
     mode number as vLLM's older ``LLM(compilation_config=3)``, or a config) at
-    ``optimization_level``; ValueError naming the fix for what pagedlm cannot honour."""
+    ``optimization_level``, with vLLM's ``--cudagraph-capture-sizes`` and
+    ``--max-cudagraph-capture-size`` (``capture_sizes``, ``max_capture_size``) in it;
+    ValueError naming the fix for what pagedlm cannot honour."""
     if (
         isinstance(optimization_level, bool)
         or not isinstance(optimization_level, int)
@@ -51,10 +57,17 @@ def resolve_compilation(
         raise ValueError(
             f"optimization_level must be 0, 1, 2 or 3 (-O0 .. -O3), got {optimization_level!r}."
         )
+    flags = {
+        "cudagraph_capture_sizes": capture_sizes,
+        "max_cudagraph_capture_size": max_capture_size,
+    }
+    flags = {key: given for key, given in flags.items() if given is not None}
+    if isinstance(value, CompilationConfig) and flags:
+        value = dataclasses.asdict(value)
     if isinstance(value, CompilationConfig):
         config = value
     else:
-        values = _as_dict(value)
+        values = _with_flags(_as_dict(value), flags)
         _check_keys(values)
         if "mode" in values or "level" in values:
             _check_compile_mode(values.get("mode", values.get("level")))
@@ -77,6 +90,18 @@ def resolve_compilation(
             "eagerly (FULL_AND_PIECEWISE replays their other layers)."
         )
     return config
+
+
+def _with_flags(values: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with the graph fields given as flags of their own; a field given in both
+    places is an error, as in vLLM (they are one setting)."""
+    for key in flags:
+        if values.get(key) is not None:
+            raise ValueError(
+                f"{key} is given twice, as --{key.replace('_', '-')} and in "
+                "compilation_config; give it in one place."
+            )
+    return {**values, **flags}
 
 
 def _as_dict(value: dict[str, Any] | str | int | None) -> dict[str, Any]:

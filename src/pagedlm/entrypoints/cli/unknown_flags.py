@@ -1,8 +1,8 @@
 """What an unrecognized flag should have been: vLLM's flags that pagedlm does not take,
 each with what to do instead, and the nearest of the subcommand's own flags for a typo.
 
-Argparse alone says only "unrecognized arguments: --swap-space 4"; a command line written
-for vLLM deserves the fix.
+Argparse alone says only "unrecognized arguments: --num-scheduler-steps 8"; a command line
+written for vLLM deserves the fix.
 """
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ import difflib
 from collections.abc import Iterable
 
 _REMOVED_IN_VLLM_V1 = "removed in vLLM's V1 engine, which pagedlm follows; drop it"
+_REMOVED_EPLB = "removed in vLLM (now --eplb-config); pagedlm has no expert-parallel load balancer"
 VLLM_FLAGS_NOT_TAKEN = {
-    "--swap-space": "a preempted request is recomputed, never swapped to host memory; drop "
-    "it (--kv-offloading-size GiB keeps computed blocks in host memory)",
     "--preemption-mode": "preemption always recomputes; drop it",
     "--num-scheduler-steps": _REMOVED_IN_VLLM_V1,
     "--multi-step-stream-outputs": _REMOVED_IN_VLLM_V1,
@@ -23,7 +22,6 @@ VLLM_FLAGS_NOT_TAKEN = {
     "--num-lookahead-slots": _REMOVED_IN_VLLM_V1,
     "--max-seq-len-to-capture": _REMOVED_IN_VLLM_V1 + " (graph sizes: -cc "
     "'{\"max_cudagraph_capture_size\": N}')",
-    "--cuda-graph-sizes": "use -cc '{\"cudagraph_capture_sizes\": [1, 2, 4]}'",
     "--tokenizer-pool-size": _REMOVED_IN_VLLM_V1,
     "--enable-prompt-adapter": _REMOVED_IN_VLLM_V1,
     "--prompt-adapters": _REMOVED_IN_VLLM_V1,
@@ -35,27 +33,20 @@ VLLM_FLAGS_NOT_TAKEN = {
     '"num_speculative_tokens": N}\'',
     "--ngram-prompt-lookup-max": 'use --speculative-config \'{"method": "ngram", '
     '"prompt_lookup_max": N, "num_speculative_tokens": K}\'',
-    "--guided-decoding-backend": "use --structured-outputs-config '{\"backend\": ...}'",
     "--enable-reasoning": "--reasoning-parser NAME alone turns reasoning on; drop it",
-    "--rope-scaling": "use --hf-overrides '{\"rope_scaling\": {...}}'",
-    "--rope-theta": "use --hf-overrides '{\"rope_theta\": ...}'",
-    "--task": "use --runner generate or --runner pooling",
     "--device": "the platform is chosen by its plugin; set PAGEDLM_PLATFORM=cpu (or cuda, "
     "rocm) to choose one",
-    "--disable-frontend-multiprocessing": "the engine core always runs in its own process "
-    "behind the server; drop it",
-    "--api-server-count": "one API server process serves the engine; drop it (or start "
-    "several servers behind a load balancer)",
-    "--headless": "pagedlm has no headless data-parallel nodes; drop it",
-    "--lora-dtype": "adapters take the model's dtype; drop it",
-    "--lora-extra-vocab-size": "removed in vLLM; adapters cannot add tokens; drop it",
     "--long-lora-scaling-factors": "removed in vLLM; drop it",
-    "--fully-sharded-loras": "adapters are not sharded across tensor-parallel ranks; drop it",
-    "--disable-mm-preprocessor-cache": "there is no preprocessor cache to turn off; drop it",
-    "--mm-processor-cache-gb": "there is no preprocessor cache to size; drop it",
-    "--disable-custom-all-reduce": "pagedlm reduces with torch.distributed only; drop it",
+    "--enable-multimodal-encoder-data-parallel": "removed in vLLM (its --mm-encoder-tp-mode "
+    "data, which pagedlm does not have); drop it",
+    "--num-redundant-experts": _REMOVED_EPLB,
+    "--eplb-window-size": _REMOVED_EPLB,
+    "--eplb-step-interval": _REMOVED_EPLB,
+    "--eplb-log-balancedness": _REMOVED_EPLB,
 }
-"""vLLM's flags that pagedlm's parser does not take, and what to do instead."""
+"""vLLM's flags, removed from vLLM itself, that pagedlm's parser does not take either, and
+what to do instead. vLLM's current flags are all taken (``pagedlm.engine.vllm_compat_args``,
+``pagedlm.entrypoints.openai.vllm_server_args``)."""
 
 
 def unknown_flags_message(extras: list[str], known: Iterable[str]) -> str:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedlm.engine.cli_args import engine_args_from_cli
 from pagedlm.engine.core_launch import CoreLaunch
+from pagedlm.engine.vllm_aliases import resolve_vllm_args
 from pagedlm.entrypoints.openai.admin import AdminOptions
 from pagedlm.entrypoints.openai.http_options import (
     HttpOptions,
@@ -44,6 +45,7 @@ from pagedlm.entrypoints.openai.server_args import (
     read_template_kwargs,
 )
 from pagedlm.entrypoints.openai.serving_lora import registry_from_args
+from pagedlm.entrypoints.openai.vllm_server_args import check_vllm_server_args
 from pagedlm.logging_config import LOG_LEVEL_ENV, LOGGING_CONFIG_ENV, configure_logging
 from pagedlm.metrics.log_line import DEFAULT_INTERVAL_S
 
@@ -255,7 +257,7 @@ def serving_context(
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         response_role=args.response_role,
         force_include_usage=args.enable_force_include_usage,
-        log_requests=args.enable_log_requests and not args.disable_log_requests,
+        log_requests=args.enable_log_requests,
         log_outputs=args.enable_log_outputs,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         log_error_stack=args.log_error_stack,
@@ -275,6 +277,12 @@ def run_server(args: argparse.Namespace, core_launch: CoreLaunch | None = None) 
     if not args.engine_death_grace_period >= 0:
         raise SystemExit("error: --engine-death-grace-period must be >= 0 seconds.")
     _configure_logging(args)
+    check_vllm_server_args(args)
+    engine_args = engine_args_from_cli(args)
+    try:  # vLLM's flags that pagedlm refuses fail before the port is taken
+        resolve_vllm_args(engine_args, warn=False)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
     tracer_provider = _tracer_provider(args.otlp_traces_endpoint)
     middleware = load_middleware(args.middleware)
     # A busy port fails before the model loads.
@@ -282,7 +290,6 @@ def run_server(args: argparse.Namespace, core_launch: CoreLaunch | None = None) 
     # The engine-core process logs its loading progress at the server's level.
     os.environ.setdefault(LOG_LEVEL_ENV, args.log_level.upper())
     started = time.monotonic()
-    engine_args = engine_args_from_cli(args)
     chat_template = read_chat_template(args.chat_template)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if api_key is not None and not all(api_key):

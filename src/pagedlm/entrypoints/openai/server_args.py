@@ -14,6 +14,7 @@ from pagedlm.entrypoints.openai.admin import add_admin_args
 from pagedlm.entrypoints.openai.http_options import MAX_LOGGED_PROMPT_CHARS, add_http_args
 from pagedlm.entrypoints.openai.limits import add_limit_args, limits_from_args
 from pagedlm.entrypoints.openai.serving_lora import add_lora_args
+from pagedlm.entrypoints.openai.vllm_server_args import add_vllm_server_args
 
 if TYPE_CHECKING:
     from pagedlm.entrypoints.openai.limits import RequestLimits
@@ -132,15 +133,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "... (default), or vllm: for vLLM's own names, so dashboards, alerts, autoscalers "
         "and routers written for vLLM read them unchanged.",
     )
-    group.add_argument(
-        "--disable-log-stats",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="No periodic line of throughput, running and waiting requests and cache usage "
-        "(every 10 s while the engine is busy).",
-    )
     add_admin_args(group)
     add_http_args(group)
+    add_vllm_server_args(group)
     return parser
 
 
@@ -257,9 +252,10 @@ def add_serving_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument(
         "--disable-log-requests",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="Do not log requests: the default (vLLM's older spelling, kept for its command "
-        "lines).",
+        default=True,
+        help="[DEPRECATED] vLLM's older switch, replaced by --enable-log-requests: requests "
+        "are not logged unless that is given; --no-disable-log-requests is only warned about, "
+        "as in vLLM.",
     )
     _add_tool_args(group)
     add_lora_args(group)
@@ -278,6 +274,11 @@ def check_serving_args(args: argparse.Namespace) -> RequestLimits:
     read_template_kwargs(args.default_chat_template_kwargs)
     if args.enable_log_outputs and not args.enable_log_requests:
         logger.warning("--enable-log-outputs logs nothing without --enable-log-requests; add it.")
+    if args.disable_log_requests is not True:
+        logger.warning(
+            "argument 'disable_log_requests' is deprecated: vLLM replaced "
+            "--disable-log-requests with --enable-log-requests; use that to log requests."
+        )
     try:
         return limits_from_args(args)
     except ValueError as error:
