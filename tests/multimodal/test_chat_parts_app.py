@@ -136,3 +136,31 @@ def test_a_bad_part_beside_an_image_is_a_400_naming_it(client, part, fix):
 def test_more_images_than_the_limit_are_refused_before_loading(client):
     status, body = _tokenize(client, _messages(*[IMAGE] * 1000))
     assert status == 400 and "--limit-mm-per-prompt" in body["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("content", "place"),
+    [
+        ([IMAGE, QUESTION, IMAGE], "messages.1.content.2"),
+        ([IMAGE], "messages.1.content.0"),
+        ([{"image_url": URL}, "a", {"image_url": URL}, IMAGE], "messages.1.content.2"),
+    ],
+)
+def test_continuing_a_message_that_ends_with_an_image_names_the_image(client, content, place):
+    """continue_final_message cuts the rendered prompt after the last message's last text
+    part, so an image after it was lost, and the request refused as "the prompt has 1
+    image placeholder(s) but 2 image(s) were given; write one placeholder per image" (or
+    transformers' "could not find any text to continue"), a fix no chat client can do."""
+    messages = [*_messages(QUESTION), {"role": "assistant", "content": content}]
+    fields = {"add_generation_prompt": False, "continue_final_message": True}
+    for route in ("/tokenize", "/v1/chat/completions"):
+        body = {"model": "tiny", "messages": messages, "max_tokens": 1, **fields}
+        response = client.post(route, json=body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == place
+        assert error["message"].startswith(f"{place}: continue_final_message")
+        assert "end the message with a text part" in error["message"]
+    ends_with_text = [*messages[:-1], {"role": "assistant", "content": [IMAGE, QUESTION]}]
+    status, body = _tokenize(client, ends_with_text, **fields)
+    assert status == 200 and body["tokens"] == _prompt_tokens(client, ends_with_text, **fields)

@@ -145,6 +145,8 @@ async def multimodal_prompt(
         inputs.check_count("image", len(parts))
     except ValueError as error:
         raise APIError(str(error), param=getattr(error, "where", "messages")) from error
+    if template_kwargs.get("continue_final_message"):
+        _check_continuable(messages, places)
     images = await asyncio.gather(*(_load_image(part, inputs.config) for part in parts))
     try:
         text = await asyncio.to_thread(inputs.processor.render_chat, messages, **template_kwargs)
@@ -154,6 +156,28 @@ async def multimodal_prompt(
     if mm_processor_kwargs:
         prompt["mm_processor_kwargs"] = mm_processor_kwargs
     return prompt
+
+
+def _check_continuable(messages: list[dict[str, Any]], places: list[str] | None) -> None:
+    """``continue_final_message`` continues the last message from its last text part: the
+    template's output is cut there, so an image after it would be lost (and the prompt
+    refused for a placeholder short, naming no part); a 400 naming that image."""
+    content = messages[-1].get("content") if messages else None
+    if not isinstance(content, list):
+        return
+    kinds = [part.get("type") for part in content]
+    last_text = max((j for j, kind in enumerate(kinds) if kind == "text"), default=-1)
+    after = next((j for j in range(last_text + 1, len(kinds)) if kinds[j] == "image"), None)
+    if after is None:
+        return
+    place = places[-1] if places else f"messages.{len(messages) - 1}"
+    where = f"{place}.content.{after}"
+    raise APIError(
+        f"{where}: continue_final_message continues the last message from its last text "
+        "part, and this image comes after it (the rendered prompt ends at that text); end "
+        "the message with a text part, or drop continue_final_message.",
+        param=where,
+    )
 
 
 async def multimodal_token_ids(ctx: Any, prompt: dict[str, Any]) -> list[int]:
