@@ -67,3 +67,12 @@ def rename_tensors(adapter: Path, old: str, new: str) -> None:
     path = adapter / "adapter_model.safetensors"
     tensors = load_file(str(path))
     save_file({name.replace(old, new): t for name, t in tensors.items()}, str(path))
+
+
+def lora_llm(base: Path, **overrides):
+    """An offline ``LLM`` on ``base`` serving adapters of rank 8 or less (no tokenizer, a
+    small KV cache); ``overrides``: other engine arguments (``max_loras``, ...)."""
+    from pagedlm import LLM
+
+    args = {"enable_lora": True, "max_lora_rank": 8, "num_kv_blocks": 32} | overrides
+    return LLM(str(base), skip_tokenizer_init=True, **args)

@@ -14,7 +14,7 @@ from pagedlm.config import ArchConfig
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.exceptions import RequestFailedError
 from pagedlm.lora.peft_format import check_adapter
-from peft_adapters import LLAMA_MODULES, edit_config, make_adapter, rename_tensors
+from peft_adapters import LLAMA_MODULES, edit_config, lora_llm, make_adapter, rename_tensors
 from tiny_checkpoints import save_random_model
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
@@ -178,14 +178,7 @@ def test_an_adapter_is_read_before_its_request_enters_the_engine(tiny_checkpoint
     base = tiny_checkpoint("llama")
     for name in ("first", "copy", "gone"):
         make_adapter(base, tmp_path / name, LLAMA_MODULES, seed=3)  # the same weights
-    llm = LLM(
-        str(base),
-        skip_tokenizer_init=True,
-        enable_lora=True,
-        max_lora_rank=8,
-        max_loras=2,
-        num_kv_blocks=32,
-    )
+    llm = lora_llm(base, max_loras=2)
     engine = llm.llm_engine
     prompts = {"base": {"prompt_token_ids": [9]}, "copy": {"prompt_token_ids": [5, 6, 7]}}
     first = LoRARequest("first", 1, str(tmp_path / "first"))
@@ -225,15 +218,7 @@ def test_an_adapter_unreadable_when_a_step_needs_it_fails_only_its_requests(
     make_adapter(base, tmp_path / "y", LLAMA_MODULES, seed=4)
     x = LoRARequest("x", 1, str(tmp_path / "x"))
     y = LoRARequest("y", 2, str(tmp_path / "y"))
-    llm = LLM(
-        str(base),
-        skip_tokenizer_init=True,
-        enable_lora=True,
-        max_lora_rank=8,
-        max_loras=1,
-        max_cpu_loras=1,
-        num_kv_blocks=32,
-    )
+    llm = lora_llm(base, max_loras=1, max_cpu_loras=1)
     prompts = [
         {"prompt_token_ids": [5, 6, 7]},
         {"prompt_token_ids": [9, 10]},

@@ -18,7 +18,7 @@ from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.lora.manager import LoRAManager
 from pagedlm.lora.ops import TorchLoRAOps
 from pagedlm.model_executor.models.llama import LlamaForCausalLM
-from peft_adapters import LLAMA_MODULES, make_adapter
+from peft_adapters import LLAMA_MODULES, lora_llm, make_adapter
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPT = {"prompt_token_ids": list(range(5, 30))}
@@ -211,14 +211,7 @@ def test_an_id_removed_while_its_requests_run_and_loaded_again_serves_each_its_o
     alone, so the new adapter's request ran with the old one's weights (or the old one's
     with the new ones'); every request now gets the tokens its adapter gives alone."""
     one, two, *_ = loras
-    llm = LLM(
-        str(base),
-        skip_tokenizer_init=True,
-        enable_lora=True,
-        max_lora_rank=8,
-        max_loras=2,
-        num_kv_blocks=32,
-    )
+    llm = lora_llm(base, max_loras=2)
     engine = llm.llm_engine
     long = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     try:
