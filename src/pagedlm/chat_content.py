@@ -253,7 +253,8 @@ def _texts(content: Any, where: str) -> list[str]:
     for j, part in enumerate(content):
         text = part_text(part)
         if text is None:
-            kind = implied_type(part) if isinstance(part, Mapping) else type(part).__name__
+            _check_part(part, f"{where}.{j}")
+            kind = implied_type(part)
             raise ValueError(
                 f"{where}.{j}: a part of type {kind!r} cannot be joined into the string "
                 'content this chat template reads; send {"type": "text", "text": ...} '
@@ -269,10 +270,24 @@ def _parts(content: Any, where: str) -> list[Any]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     parts = []
-    for part in content:
+    for j, part in enumerate(content):
         text = part_text(part)
+        if text is None:
+            _check_part(part, f"{where}.{j}")
         parts.append(part if text is None else {"type": "text", "text": text})
     return parts
+
+
+def _check_part(part: Any, where: str) -> None:
+    """A part kept for the template: an object with a type (vLLM's reading); a
+    ``ContentPartError`` that says what to send for anything else."""
+    if not isinstance(part, Mapping):
+        raise ContentPartError(
+            where,
+            f"a content part is a string or a dict such as {{'type': 'text', 'text': ...}}, "
+            f"got {type(part).__name__}.",
+        )
+    part_type(part, where)
 
 
 def _is_text_part(part: Any) -> bool:

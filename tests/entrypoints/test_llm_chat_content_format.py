@@ -68,3 +68,31 @@ def test_malformed_chats_name_the_message(llm, messages, kwargs, match):
         llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False, **kwargs)
     (out,) = llm.chat(MESSAGES[:1], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("content_format", ["string", "openai"])
+def test_text_kinds_and_parts_without_a_type(llm, content_format):
+    """vLLM's text kinds are text in either format ("string" refused them as parts that
+    cannot be joined); a part without "type" whose keys imply none, or a part that is not
+    a string or a dict, is refused naming it, as vLLM refuses it ("openai" handed it to
+    the template as it was)."""
+    messages = [
+        {"role": "user", "content": ["a", {"type": "input_text", "text": "b"}]},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "c"}]},
+    ]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    kwargs = {
+        "chat_template": PARTS_TEMPLATE,
+        "add_generation_prompt": False,
+        "chat_template_content_format": content_format,
+        "use_tqdm": False,
+    }
+    (out,) = llm.chat(messages, params, **kwargs)
+    expected = "S:a\nb;S:c;" if content_format == "string" else "P:a,P:b,;P:c,;"
+    assert llm.get_tokenizer().decode(out.prompt_token_ids) == expected
+    for part, match in (
+        ({"text": "hi"}, r'^messages\.0\.content\.1: the part has no "type"'),
+        (None, r"^messages\.0\.content\.1: a content part is a string or a dict"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            llm.chat([{"role": "user", "content": ["a", part]}], params, **kwargs)

@@ -120,6 +120,7 @@ def test_image_parts_without_a_type(client, part):
         ({"type": "image_url", "image_url": {"url": "data:image/png;base64,R0lG"}}, "PNG"),
         ({"type": "image_url", "image_url": {"url": "file:///etc/hostname"}}, "media-path"),
         ({"type": "tool_reference", "name": "f"}, '"image_url"'),
+        ({"type": "x" * 100_000}, "unknown content part type 'xxx"),
     ],
 )
 def test_a_bad_part_beside_an_image_is_a_400_naming_it(client, part, fix):
@@ -130,6 +131,7 @@ def test_a_bad_part_beside_an_image_is_a_400_naming_it(client, part, fix):
         assert response.status_code == 400, response.text
         message = response.json()["error"]["message"]
         assert message.startswith("messages.0.content.1: ") and fix in message, message
+        assert len(message) < 1000  # a client's long string is not echoed whole
     assert _tokenize(client, _messages(IMAGE, QUESTION))[0] == 200
 
 

@@ -95,7 +95,7 @@ def _text_part(part: Any, kind: str | None, where: str) -> dict[str, str]:
             f"content parts of type {kind!r} are not supported (pagedlm takes images and "
             f"text); {_IMAGE_URL_FIX}, or drop the part.",
         )
-    got = f"type {kind!r}" if isinstance(kind, str) else f"(a {type(part).__name__})"
+    got = f"type {kind!r:.80}" if isinstance(kind, str) else f"(a {type(part).__name__})"
     raise ContentPartError(
         where,
         f"unknown content part {got}; a message with images holds "
