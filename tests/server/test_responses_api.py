@@ -216,6 +216,30 @@ def test_input_items_lists_the_request_input(http, client):
         sdk_client(http, api_key="key-b").responses.input_items.list(text.id)
 
 
+def test_input_items_of_a_follow_up_list_the_conversation_it_continues(client):
+    """A response made with ``previous_response_id`` is read by its model after the earlier
+    turns, and OpenAI lists those as its input items: each earlier response's input items
+    and output items (the same ids), then its own input. Only its own input was listed."""
+    first = client.responses.create(model="tiny", input="One", instructions="Count.")
+    second = client.responses.create(model="tiny", input="Two", previous_response_id=first.id)
+    third = client.responses.create(model="tiny", input="Three", previous_response_id=second.id)
+    listed = client.responses.input_items.list(third.id, order="asc").data
+    texts = [(item.role, item.content[0].text) for item in listed]
+    assert texts == [
+        ("user", "One"), ("assistant", first.output_text),
+        ("user", "Two"), ("assistant", second.output_text),
+        ("user", "Three"),
+    ]  # fmt: skip
+    assert [listed[1].id, listed[3].id] == [first.output[0].id, second.output[0].id]
+    assert [item.id for item in client.responses.input_items.list(third.id)] == [
+        item.id for item in reversed(listed)
+    ]  # newest first by default
+    own = client.responses.input_items.list(first.id).data  # the instructions are no item
+    assert [(item.role, item.content[0].text) for item in own] == [("user", "One")]
+    client.responses.delete(first.id)  # the follow-ups keep their copies
+    assert len(client.responses.input_items.list(second.id).data) == 3
+
+
 def test_store_false_keeps_nothing(client):
     created = client.responses.create(model="tiny", input="Hello", store=False)
     assert created.store is False

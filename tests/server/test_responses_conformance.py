@@ -97,7 +97,8 @@ def test_usage_reports_cached_input_tokens(chat_checkpoint):
     engine = CachingEngine(chat_checkpoint, "Hi.")
     with _client(chat_checkpoint, engine=engine, enable_prompt_tokens_details=True) as client:
         usage = _create(client)["usage"]
-        assert usage["input_tokens_details"] == {"cached_tokens": CachingEngine.num_cached}
+        details = {"cached_tokens": CachingEngine.num_cached, "cache_write_tokens": 0}
+        assert usage["input_tokens_details"] == details
         stream = client.post("/v1/responses", json={"model": "tiny", "input": "Hi", "stream": True})
         assert f'"cached_tokens": {CachingEngine.num_cached}' in stream.text.splitlines()[-2]
 
@@ -297,3 +298,56 @@ def test_chat_places_map_onto_input_items():
     )
     text = ResponsesRequest.model_validate({"input": "hi"}).chat_layout(num_previous=0)
     assert text.place(0, ".content") == "input"
+
+
+class SaltRecordingEngine(ScriptedEngine):
+    """Keeps every prompt the engine is handed."""
+
+    def __init__(self, checkpoint, script: str = "Hi.") -> None:
+        super().__init__(checkpoint, script)
+        self.prompts: list = []
+
+    def generate(self, prompt, params, request_id, priority=0, lora_request=None):
+        self.prompts.append(prompt)
+        return super().generate(prompt, params, request_id, priority, lora_request)
+
+
+def test_cache_salt_reaches_the_engine_prompt(chat_checkpoint):
+    """vLLM's Responses request takes ``cache_salt`` (as its chat request does); it was
+    dropped as an unknown field. A bad salt is chat's 400 naming ``cache_salt``."""
+    engine = SaltRecordingEngine(chat_checkpoint)
+    with _client(chat_checkpoint, engine=engine) as client:
+        _create(client, cache_salt="tenant-a")
+        _create(client)
+        assert [p.get("cache_salt") for p in engine.prompts] == ["tenant-a", None]
+        for salt in ("", "a/b", "x" * 129, 5):
+            assert _error(client, cache_salt=salt)["param"] == "cache_salt"
+
+
+def test_bodies_validate_as_the_openai_sdks_types(chat_checkpoint):
+    """Every body validates (pydantic, not the SDK's lenient construct) as the openai
+    SDK's types: the response (created, retrieved, in each stream event), its input
+    items. OpenAI's ``usage.input_tokens_details`` has a required ``cache_write_tokens``,
+    which was missing; it is 0 (no cache write is billed for automatic prefix caching)."""
+    from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    events = TypeAdapter(ResponseStreamEvent)
+    engine = LogprobEngine(chat_checkpoint, "<think>ab</think>Hi")
+    include = ["message.output_text.logprobs"]
+    with _client(chat_checkpoint, engine=engine, reasoning_parser="qwen3") as client:
+        first = _create(client, include=include, top_logprobs=1, instructions="Be brief.")
+        Response.model_validate(first)
+        stream = client.post(
+            "/v1/responses",
+            json={"model": "tiny", "input": "Two", "stream": True, "previous_response_id": first["id"]},
+        ).text  # fmt: skip
+        streamed = [json.loads(line[6:]) for line in stream.splitlines() if line[:6] == "data: "]
+        for event in streamed:
+            events.validate_python(event)
+        second = streamed[-1]["response"]
+        for body in (second, client.get(f"/v1/responses/{second['id']}").json()):
+            assert Response.model_validate(body).usage.input_tokens_details.cache_write_tokens == 0
+        items = client.get(f"/v1/responses/{second['id']}/input_items").json()
+        data = ResponseItemList.model_validate(items).data
+        assert [item.type for item in data] == ["message", "reasoning", "message", "message"]

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
+from pagedlm.entrypoints.openai.cache_salt import CacheSalt
 from pagedlm.entrypoints.openai.errors import APIError
 from pagedlm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIModel
 from pagedlm.entrypoints.openai.request_body import validation_message
@@ -86,6 +87,9 @@ class ResponsesRequest(OpenAIModel):
     include: list[str] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     """Alternatives per token with ``include=["message.output_text.logprobs"]``."""
+    cache_salt: CacheSalt = None
+    """vLLM's (``cache_salt.py``): the prompt shares prefix-cache blocks only with prompts
+    of the same salt."""
     # OpenAI fields this server does not serve: sent with a value, they are a 400.
     background: bool | None = None
     conversation: str | dict[str, Any] | None = None
@@ -172,6 +176,7 @@ class ResponsesRequest(OpenAIModel):
                 "logprobs": self.output_logprobs,
                 "top_logprobs": self.top_logprobs if self.output_logprobs else None,
                 "chat_template_kwargs": self._template_kwargs(),
+                "cache_salt": self.cache_salt,
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }

@@ -28,8 +28,15 @@ class StoredResponse:
     """Chat messages of the whole exchange (input, then output; instructions excluded:
     a follow-up's own instructions apply, as OpenAI's)."""
     input_items: list[dict[str, Any]]
-    """The request's own input items, as ``GET .../input_items`` lists them (no more than
-    the conversation holds: the store's bound on entries bounds them too)."""
+    """The input items, as ``GET .../input_items`` lists them: after
+    ``previous_response_id`` the earlier responses' (``items_read``), then the request's
+    own (no more than the conversation holds: the store's bound on entries bounds them
+    too)."""
+
+    def items_read(self) -> list[dict[str, Any]]:
+        """What a follow-up's model reads before its own input: this response's input items
+        and then its output items, as OpenAI lists a follow-up's input items."""
+        return [*self.input_items, *self.response["output"]]
 
 
 def owner_of(authorization: str | None) -> str:

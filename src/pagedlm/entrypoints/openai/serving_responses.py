@@ -14,7 +14,10 @@ whose generation fails once it started (the HTTP status is sent) ends with
 
 ``store`` (default true, as OpenAI's) keeps the finished response, its conversation and
 its input items for ``previous_response_id``, GET/DELETE and input_items, per API key
-(``responses_store``). There is
+(``responses_store``); as OpenAI's, a response's input items are everything its model
+read: after ``previous_response_id`` the earlier responses' input and output items come
+before the request's own. ``usage`` has OpenAI's fields (``cache_write_tokens`` 0: the
+prefix cache is automatic, and OpenAI bills no cache write for automatic caching). There is
 no background mode, so a stored response has finished and cancel refuses it, as vLLM
 refuses a response that is not a background one.
 """
@@ -61,7 +64,7 @@ def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any]:
     reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
     return {
         "input_tokens": usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": cached},
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": usage["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": usage["total_tokens"],
@@ -164,10 +167,11 @@ class ResponsesServer:
         """(response body, None) or (None, SSE event stream); raises ``APIError``."""
         self.ctx.check_model(request.model)
         request.check_served()
-        conversation = []
+        conversation, earlier_items = [], []
         if request.previous_response_id is not None:
             previous = self._stored(owner, request.previous_response_id, "previous_response_id")
             conversation = list(previous.conversation)
+            earlier_items = previous.items_read()
         layout = request.chat_layout(num_previous=len(conversation))
         conversation += request.input_messages()
         try:
@@ -175,7 +179,8 @@ class ResponsesServer:
         except APIError as error:
             raise responses_error(error, layout) from error
         assert chunks is not None  # the chat request streams
-        events = self._events(request, owner, conversation, _chat_chunks(chunks))
+        items = [*earlier_items, *input_items(request.input)]
+        events = self._events(request, owner, conversation, items, _chat_chunks(chunks))
         return await stream_or_collect(events, request.stream)
 
     def _body(
@@ -244,8 +249,11 @@ class ResponsesServer:
         request: ResponsesRequest,
         owner: str,
         conversation: list[dict[str, Any]],
+        items: list[dict[str, Any]],
         chunks: AsyncIterator[dict[str, Any]],
     ) -> AsyncIterator:
+        """The response's events (its body when not streaming); stored with
+        ``conversation`` (chat messages) and ``items`` (input items) before the last."""
         response_id, created_at = new_item_id("resp"), int(time.time())
         numbers = itertools.count()
 
@@ -273,7 +281,7 @@ class ResponsesServer:
         response = self._body(request, response_id, created_at, builder, error)
         if request.store:  # before the last event: a client may GET it right after
             history = [*conversation, builder.assistant_message()]
-            entry = StoredResponse(response, history, input_items(request.input))
+            entry = StoredResponse(response, history, items)
             self.store.put(owner, response_id, entry)
         if not request.stream:
             yield response
