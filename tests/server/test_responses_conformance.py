@@ -348,6 +348,6 @@ def test_bodies_validate_as_the_openai_sdks_types(chat_checkpoint):
         second = streamed[-1]["response"]
         for body in (second, client.get(f"/v1/responses/{second['id']}").json()):
             assert Response.model_validate(body).usage.input_tokens_details.cache_write_tokens == 0
-        items = client.get(f"/v1/responses/{second['id']}/input_items").json()
+        items = client.get(f"/v1/responses/{second['id']}/input_items?order=asc").json()
         data = ResponseItemList.model_validate(items).data
         assert [item.type for item in data] == ["message", "reasoning", "message", "message"]
