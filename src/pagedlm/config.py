@@ -408,7 +408,8 @@ class CacheConfig:
     """GiB of weights per device kept in pinned host memory and read in place
     (``pagedlm.model_executor.weight_offload``)."""
     cache_dtype: str = "auto"
-    """vLLM's ``kv_cache_dtype``: "auto" (the model's dtype) or "fp8" (= "fp8_e4m3"):
+    """vLLM's ``kv_cache_dtype``, canonical: "auto" (the model's dtype; also what
+    "float16"/"bfloat16" become where they name it) or "fp8" (= "fp8_e4m3"):
     keys and values stored in float8 E4M3 with per-layer ``k_scale``/``v_scale``
     (``pagedlm.kv_cache.fp8``)."""
     calculate_kv_scales: bool = False

@@ -58,14 +58,43 @@ def test_quantize_saturates_and_round_trips():
 
 
 def test_kv_cache_dtype_names():
-    assert fp8.validate_kv_cache_dtype("fp8") == "fp8"
-    assert fp8.validate_kv_cache_dtype("fp8_e4m3") == "fp8"
-    assert fp8.validate_kv_cache_dtype("auto") == "auto"
-    for bad in ("fp8_e5m2", "int8", "float8"):
+    assert fp8.validate_kv_cache_dtype("fp8", torch.bfloat16) == "fp8"
+    assert fp8.validate_kv_cache_dtype("fp8_e4m3", torch.float32) == "fp8"
+    assert fp8.validate_kv_cache_dtype("auto", torch.float16) == "auto"
+    # vLLM's 16-bit names: the model's own dtype spelled out.
+    assert fp8.validate_kv_cache_dtype("bfloat16", torch.bfloat16) == "auto"
+    assert fp8.validate_kv_cache_dtype("float16", torch.float16) == "auto"
+    for bad in ("fp8_e5m2", "int8", "float8", "float32"):
         with pytest.raises(ValueError, match="kv-cache-dtype"):
-            fp8.validate_kv_cache_dtype(bad)
+            fp8.validate_kv_cache_dtype(bad, torch.bfloat16)
     assert fp8.kv_cache_torch_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert fp8.kv_cache_torch_dtype("fp8", torch.bfloat16) == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize(
+    ("cache", "model"),
+    [("bfloat16", torch.float16), ("bfloat16", torch.float32), ("float16", torch.bfloat16)],
+)
+def test_sixteen_bit_cache_of_another_dtype_is_refused(cache, model):
+    """vLLM stores the model dtype's bits and reads them as the cache's (garbage)."""
+    with pytest.raises(ValueError, match=rf"differs from the model's dtype.*--dtype {cache}"):
+        fp8.validate_kv_cache_dtype(cache, model)
+
+
+def test_bfloat16_cache_of_a_bfloat16_model(checkpoint):
+    """--kv-cache-dtype bfloat16 on a bf16 model is its "auto" cache (it was refused)."""
+    config, _ = EngineArgs(
+        model=str(checkpoint), dtype="bfloat16", kv_cache_dtype="bfloat16"
+    ).create_engine_config()
+    assert config.cache.cache_dtype == "auto"
+    llm = _llm(checkpoint, dtype="bfloat16", kv_cache_dtype="bfloat16")
+    assert _runner(llm).kv_cache.layer(0)[0].dtype == torch.bfloat16
+    assert (
+        _prompt_logprobs(llm).tolist()
+        == _prompt_logprobs(_llm(checkpoint, dtype="bfloat16")).tolist()
+    )
+    with pytest.raises(ValueError, match=r"dtype float32.*kv_cache_dtype='auto'"):
+        _llm(checkpoint, dtype="float32", kv_cache_dtype="bfloat16")
 
 
 def test_engine_args_reach_the_cache_config(checkpoint):

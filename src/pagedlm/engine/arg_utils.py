@@ -137,8 +137,9 @@ class EngineArgs(VllmCompatArgs):
     device cannot otherwise hold, at the host link's speed for those weights; 0: none.
     No effect on the CPU platform."""
     kv_cache_dtype: str = "auto"
-    """"auto" (the model's dtype) or "fp8" (= "fp8_e4m3", vLLM's names): keys and values
-    stored in float8 E4M3 with per-layer scales, half the bytes, twice the blocks."""
+    """"auto" (the model's dtype; "float16"/"bfloat16" name it, refused for another model
+    dtype) or "fp8" (= "fp8_e4m3", vLLM's names): keys and values stored in float8 E4M3
+    with per-layer scales, half the bytes, twice the blocks."""
     calculate_kv_scales: bool = False
     """With kv_cache_dtype="fp8": measure each layer's k/v scales on the first step (vLLM's
     flag) instead of reading the checkpoint's k_scale/v_scale (default 1.0)."""
@@ -533,7 +534,7 @@ class EngineArgs(VllmCompatArgs):
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 cpu_offload_gb=self.cpu_offload_gb,
-                cache_dtype=validate_kv_cache_dtype(self.kv_cache_dtype),
+                cache_dtype=validate_kv_cache_dtype(self.kv_cache_dtype, dtype),
                 calculate_kv_scales=self.calculate_kv_scales,
             ),
             scheduler=SchedulerConfig(

@@ -21,8 +21,11 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-"""Accepted ``kv_cache_dtype`` values; "fp8" is "fp8_e4m3", as in vLLM."""
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3")
+"""Accepted ``kv_cache_dtype`` values; "fp8" is "fp8_e4m3", as in vLLM. A 16-bit name is
+the model's dtype spelled out, accepted where it is the model's dtype."""
+
+_SIXTEEN_BIT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -37,15 +40,29 @@ _SCALE_NAME = re.compile(
 )
 
 
-def validate_kv_cache_dtype(value: str) -> str:
-    """The canonical name ("auto" or "fp8") of a ``kv_cache_dtype``; a clear error else."""
+def validate_kv_cache_dtype(value: str, model_dtype: torch.dtype) -> str:
+    """The canonical name ("auto" or "fp8") of a ``kv_cache_dtype`` for a model of
+    ``model_dtype``; a clear error else.
+
+    "float16"/"bfloat16" name the model's own dtype ("auto"). Another dtype than the
+    model's is refused: vLLM takes it and its kernels store the model dtype's bits in the
+    cache, read back as the other dtype (garbage, vllm-project/vllm#54338)."""
     if value not in KV_CACHE_DTYPES:
         hint = " (E5M2 caches are not implemented)" if value == "fp8_e5m2" else ""
         raise ValueError(
             f"kv_cache_dtype={value!r} is not supported{hint}; use one of "
             f"{list(KV_CACHE_DTYPES)} (--kv-cache-dtype)."
         )
-    return "auto" if value == "auto" else "fp8"
+    named = _SIXTEEN_BIT.get(value)
+    if named is not None and named != model_dtype:
+        model_name = str(model_dtype).removeprefix("torch.")
+        raise ValueError(
+            f"kv_cache_dtype={value!r} differs from the model's dtype {model_name}: a "
+            "16-bit cache holds keys and values in the model's dtype. Use "
+            f"kv_cache_dtype='auto' (--kv-cache-dtype auto) or dtype={value!r} "
+            f"(--dtype {value})."
+        )
+    return "fp8" if value.startswith("fp8") else "auto"
 
 
 def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
