@@ -228,7 +228,7 @@ class ServingContext:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def generate(
+    def generate(
         self,
         prompt: Any,
         params: SamplingParams,
@@ -236,11 +236,40 @@ class ServingContext:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The engine's DELTA outputs for one prompt (the engine observes its metrics).
+        """The engine's DELTA outputs for one prompt (the engine observes its metrics),
+        logged (``--enable-log-requests``) and traced (``--otlp-traces-endpoint``).
 
         Leaving early (client gone, error elsewhere) aborts the request, even from inside a
         cancelled task, because the abort runs as its own task.
         """
+        return self._outputs(prompt, params, request_id, priority, lora_request, log_and_trace=True)
+
+    def _beam_request(
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """One step of one beam (``start_beam_search``): ``generate`` without its logging
+        and tracing, since the search, not each of its steps, is the client's request."""
+        return self._outputs(
+            prompt, params, request_id, priority, lora_request, log_and_trace=False
+        )
+
+    async def _outputs(
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        request_id: str,
+        priority: int,
+        lora_request: LoRARequest | None,
+        log_and_trace: bool,
+    ) -> AsyncIterator[RequestOutput]:
+        """What ``generate`` and ``_beam_request`` share: refused once shutdown has expired,
+        on a pooling runner (beam searches are refused before) or for an id in use; the
+        request registered as generating (``_tracked``); ``log_and_trace``: logged and traced."""
         if self._shutdown_expired:
             raise APIError(SHUTDOWN_MESSAGE, status=503)
         if self.runner == "pooling":
@@ -250,9 +279,9 @@ class ServingContext:
                 "classifier (to generate, serve a generative model with --runner generate)."
             )
         self._check_unused(request_id)
-        output_log = self.log_request(request_id, prompt, params)
+        output_log = self.log_request(request_id, prompt, params) if log_and_trace else None
         stream = self.engine.generate(prompt, params, request_id, priority, lora_request)
-        if self.tracer is not None:
+        if log_and_trace and self.tracer is not None:
             stream = self.tracer.trace(stream, request_id, params)
         async with contextlib.aclosing(self._tracked(stream, request_id)) as outputs:
             async for output in outputs:
@@ -286,24 +315,6 @@ class ServingContext:
             if not finished:
                 self.spawn(self._abort_quietly(request_id))
             await stream.aclose()
-
-    async def _beam_request(
-        self,
-        prompt: Any,
-        params: SamplingParams,
-        request_id: str,
-        priority: int = 0,
-        lora_request: LoRARequest | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """One step of one beam (``start_beam_search``): tracked like ``generate``'s
-        requests, not logged or traced one by one."""
-        if self._shutdown_expired:
-            raise APIError(SHUTDOWN_MESSAGE, status=503)
-        self._check_unused(request_id)
-        stream = self.engine.generate(prompt, params, request_id, priority, lora_request)
-        async with contextlib.aclosing(self._tracked(stream, request_id)) as outputs:
-            async for output in outputs:
-                yield output
 
     def begin_shutdown(self, timeout_s: float) -> None:
         """Called once the server stops accepting connections: in ``timeout_s`` seconds,
