@@ -320,7 +320,6 @@ def test_vllm_arguments_resolve_into_a_tiny_models_config(tiny_checkpoint, caplo
         (["-asc", "2"], "--api-server-count 2 is vLLM's.* one API server process serves"),
         (["--enable-ssl-refresh"], "restart the server after renewing the certificate"),
         (["--tool-server", "demo"], "no built-in tool servers"),
-        (["--h11-max-header-count", "64"], "use --h11-max-incomplete-event-size"),
         (["--tokens-only"], "no tokens-only serving mode"),
     ],
 )

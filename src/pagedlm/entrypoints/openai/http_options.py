@@ -19,9 +19,11 @@ from typing import Any
 from pagedlm.logging_config import LOGGING_CONFIG_ENV, read_logging_config
 
 MAX_LOGGED_PROMPT_CHARS = 200
+"""``--enable-log-requests`` shows this much of a prompt unless ``--max-log-len`` says."""
 H11_MAX_INCOMPLETE_EVENT_SIZE = 4 << 20
 """vLLM's default for ``--h11-max-incomplete-event-size`` (h11's own: 16 KiB)."""
-"""``--enable-log-requests`` shows this much of a prompt unless ``--max-log-len`` says."""
+H11_MAX_HEADER_COUNT = 256
+"""vLLM's default for ``--h11-max-header-count``."""
 
 
 def _json_list(value: str) -> list[str]:
@@ -103,10 +105,17 @@ def add_http_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--ssl-ciphers", default=None, help="TLS: the ciphers allowed.")
     group.add_argument(
         "--h11-max-incomplete-event-size",
-        type=int,
+        type=_positive_int,
         default=H11_MAX_INCOMPLETE_EVENT_SIZE,
         help="The most bytes of a request's head (line and headers) read before it is "
-        "refused (vLLM's flag; default: %(default)s).",
+        "refused with a 400 (vLLM's flag; default: %(default)s).",
+    )
+    group.add_argument(
+        "--h11-max-header-count",
+        type=_positive_int,
+        default=H11_MAX_HEADER_COUNT,
+        help="The most header fields a request may have; more is a 400 naming this flag "
+        "(vLLM's flag; default: %(default)s).",
     )
     group.add_argument(
         "--enable-request-id-headers",
@@ -132,6 +141,8 @@ class HttpOptions:
     docs: bool = True
     request_id_headers: bool = False
     track_server_load: bool = False
+    max_header_count: int = H11_MAX_HEADER_COUNT
+    max_header_bytes: int = H11_MAX_INCOMPLETE_EVENT_SIZE
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> HttpOptions:
@@ -143,21 +154,36 @@ class HttpOptions:
             not args.disable_fastapi_docs,
             args.enable_request_id_headers,
             args.enable_server_load_tracking,
+            args.h11_max_header_count,
+            args.h11_max_incomplete_event_size,
         )
 
     def wrap(self, app: Any) -> Any:
-        """``app`` behind the request-id and CORS middleware."""
+        """``app`` behind the header-limit, request-id and CORS middleware (CORS outermost,
+        so a browser reads the refusals too)."""
         from starlette.middleware.cors import CORSMiddleware
 
+        from pagedlm.entrypoints.openai.header_limits import HeaderLimitMiddleware
         from pagedlm.entrypoints.openai.middleware import RequestIdMiddleware
 
+        limited = HeaderLimitMiddleware(app, self.max_header_count, self.max_header_bytes)
         return CORSMiddleware(
-            RequestIdMiddleware(app, self.request_id_headers),
+            RequestIdMiddleware(limited, self.request_id_headers),
             allow_origins=list(self.allowed_origins),
             allow_methods=list(self.allowed_methods),
             allow_headers=list(self.allowed_headers),
             allow_credentials=self.allow_credentials,
         )
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive whole number.")
+    return number
 
 
 def _paths(value: str) -> frozenset[str]:

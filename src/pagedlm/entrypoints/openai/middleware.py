@@ -42,7 +42,7 @@ CANCELLED_MESSAGE = (
 )
 
 
-async def _send_error(send: Send, status: int, message: str, path: str) -> None:
+async def send_error(send: Send, status: int, message: str, path: str) -> None:
     body = error_bytes(message, status, path)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
@@ -92,7 +92,7 @@ class RequestIdMiddleware:
                     f"X-Request-Id must be 1-{MAX_REQUEST_ID_CHARS} printable ASCII "
                     "characters; send another or none."
                 )
-                await _send_error(send, 400, message, scope.get("path", ""))
+                await send_error(send, 400, message, scope.get("path", ""))
                 return
         token = INCOMING_REQUEST_ID.set(incoming)
         try:
@@ -143,7 +143,7 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         if not self._authorized(scope):
-            await _send_error(
+            await send_error(
                 send,
                 401,
                 "Missing or invalid API key: send 'Authorization: Bearer <key>' (or "
@@ -177,7 +177,7 @@ class BodySizeLimitMiddleware:
             return
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await _send_error(send, 413, self._too_large(), scope["path"])
+            await send_error(send, 413, self._too_large(), scope["path"])
             return
         chunks: list[bytes] = []
         size = 0
@@ -189,7 +189,7 @@ class BodySizeLimitMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await _send_error(send, 413, self._too_large(), scope["path"])
+                await send_error(send, 413, self._too_large(), scope["path"])
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -243,7 +243,7 @@ class CancelledRequestMiddleware:
                 return
             path = scope["path"]
             if not state["started"]:
-                await _send_error(send, 503, CANCELLED_MESSAGE, path)
+                await send_error(send, 503, CANCELLED_MESSAGE, path)
             elif state["stream"]:
                 anthropic = is_anthropic_path(path)
                 event = sse_error_event(CANCELLED_MESSAGE, 503, anthropic)

@@ -15,8 +15,6 @@ from pagedlm.engine.vllm_compat_args import IGNORED, UNSUPPORTED, VllmOnly
 logger = logging.getLogger("pagedlm.server")
 
 FRONTEND = "Frontend"
-H11_MAX_HEADER_COUNT = 256
-"""vLLM's default for ``--h11-max-header-count``."""
 
 _FLAGS: dict[str, tuple[dict[str, Any], VllmOnly]] = {
     "headless": (
@@ -49,13 +47,6 @@ _FLAGS: dict[str, tuple[dict[str, Any], VllmOnly]] = {
         VllmOnly(
             UNSUPPORTED, FRONTEND, "pagedlm runs no built-in tool servers (MCP, demo)",
             "have the client run the tools it passes in each request",
-        ),
-    ),
-    "h11_max_header_count": (
-        {"type": int, "default": H11_MAX_HEADER_COUNT},
-        VllmOnly(
-            UNSUPPORTED, FRONTEND, "uvicorn here bounds a request's headers by their size",
-            "use --h11-max-incomplete-event-size",
         ),
     ),
     "tokens_only": (
