@@ -11,7 +11,7 @@ import json as _json
 import math
 import operator
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -206,6 +206,17 @@ def _logit_bias(value: object) -> dict[int, float]:
     return bias
 
 
+PER_REQUEST_LOGITS_PROCESSORS = (
+    "SamplingParams(logits_processors=...) is not supported: like vLLM v1, pagedlm takes no "
+    "per-request logits processors. Pass a custom logits processor class to the engine "
+    "instead "
+    "(LLM(logits_processors=[MyProcessor]), or --logits-processors package.module:Class for "
+    "the server), a subclass of pagedlm.sample.logits_processor.LogitsProcessor that reads "
+    "each request's arguments from SamplingParams.extra_args; AdapterLogitsProcessor turns "
+    "a per-request callable into one (docs/logits_processors.md)."
+)
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. Field names and defaults follow vLLM.
@@ -256,8 +267,13 @@ class SamplingParams:
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the engine from the tokenizer: ``bad_words`` as token sequences.
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    logits_processors: InitVar[Any] = None
+    """vLLM's per-request callables, refused when given (as vLLM v1 refuses them); not a
+    field, so never stored or sent: always None."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, logits_processors: Any) -> None:
+        if logits_processors:
+            raise ValueError(PER_REQUEST_LOGITS_PROCESSORS)
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         if self.stop is None:

@@ -251,3 +251,21 @@ def test_classes_cross_to_worker_processes_by_name(chat_checkpoint) -> None:
         "sample.logits_processor_examples:TopOne",
     )
     assert [resolve(spec) for spec in remote.logits_processors] == [TargetToken, TopOne]
+
+
+def test_per_request_callables_are_refused_naming_the_engine_processors() -> None:
+    """vLLM v1 refuses SamplingParams(logits_processors=...); it was Python's TypeError."""
+    import dataclasses
+
+    def ban_token_zero(token_ids, logits):
+        return logits
+
+    with pytest.raises(ValueError, match=r"per-request logits processors") as refused:
+        SamplingParams(logits_processors=[ban_token_zero])
+    assert "LLM(logits_processors=[" in str(refused.value)
+    assert "AdapterLogitsProcessor" in str(refused.value)
+    # None or an empty list ask for nothing (as in vLLM), and nothing is stored or sent.
+    params = SamplingParams(logits_processors=[], temperature=0.0)
+    assert params.logits_processors is None and params.temperature == 0.0
+    assert "logits_processors" not in {f.name for f in dataclasses.fields(SamplingParams)}
+    assert dataclasses.replace(params, n=2).n == 2
