@@ -18,7 +18,10 @@ A part's kind is vLLM's reading of it (``part_type``): its ``"type"``, or for a 
 without one the first key of ``TYPE_IMPLYING_KEYS`` it holds (``{"image_url": ...}`` is an
 image part); a part with neither is an error that says to add ``"type"``. Text comes from
 the text kinds of ``TEXT_PART_FIELDS`` (``"input_text"``, ``"refusal"``, ...) and from plain
-string parts.
+string parts. As in vLLM, a ``"text"`` or ``"refusal"`` part whose text is null or missing
+is skipped (``skipped_part``), and a ``"tool_reference"`` part (a deferred tool, by its
+``"name"``) reaches the template as ``{"type": "tool_reference", "name": ...}``, or as its
+name among the text in "string" (``tool_reference``).
 """
 
 from __future__ import annotations
@@ -61,6 +64,12 @@ _NEEDS_TYPE_FIX = (
     'add its "type", e.g. {"type": "text", "text": ...} or {"type": "image_url", '
     '"image_url": {"url": ...}}'
 )
+
+
+SKIPPED_WHEN_NULL: tuple[str, ...] = ("text", "refusal")
+"""vLLM skips a part of these types whose text is null or missing (it refuses the other
+text kinds')."""
+TOOL_REFERENCE = "tool_reference"
 
 
 class ContentPartError(ValueError):
@@ -114,6 +123,31 @@ def part_text(part: Any) -> str | None:
     field = TEXT_PART_FIELDS.get(part.get("type"))  # type: ignore[arg-type]
     text = part.get(field) if field is not None else None
     return text if isinstance(text, str) else None
+
+
+def skipped_part(part: Any, where: str) -> bool:
+    """Whether the part is one vLLM skips (``SKIPPED_WHEN_NULL``), logged as vLLM does."""
+    if not isinstance(part, Mapping) or part.get("type") not in SKIPPED_WHEN_NULL:
+        return False
+    field = TEXT_PART_FIELDS[part["type"]]
+    if part.get(field) is not None:
+        return False
+    logger.warning('%s: skipped a "%s" part whose "%s" is null.', where, part["type"], field)
+    return True
+
+
+def tool_reference(part: Mapping[str, Any], where: str) -> dict[str, str]:
+    """A ``"tool_reference"`` part as templates get it, ``{"type": "tool_reference",
+    "name": ...}``; a ``ContentPartError`` when its ``"name"`` is not a string."""
+    name = part.get("name")
+    if not isinstance(name, str):
+        got = "none" if name is None else type(name).__name__
+        raise ContentPartError(
+            where,
+            f'a "tool_reference" part needs "name" to be a string (the tool it refers to), '
+            f'got {got}; send {{"type": "tool_reference", "name": "get_weather"}}.',
+        )
+    return {"type": TOOL_REFERENCE, "name": name}
 
 
 def check_content_format(option: str) -> ContentFormatOption:
@@ -225,8 +259,9 @@ def format_conversation(
 ) -> list[dict[str, Any]]:
     """The messages (copies) with ``content`` in ``content_format``. Content is a string,
     None, or a list of parts: text parts (``part_text``), rebuilt as ``{"type": "text",
-    "text": ...}``, and, kept as they are in "openai", other parts (a ``ValueError`` in
-    "string")."""
+    "text": ...}``, tool references (``tool_reference``; their names in "string"), and,
+    kept as they are in "openai", other parts (a ``ValueError`` in "string"). Null
+    ``"text"``/``"refusal"`` parts are left out (``skipped_part``)."""
     formatted = []
     for i, message in enumerate(conversation):
         if not isinstance(message, dict):  # the renderer refuses it, naming it
@@ -251,10 +286,15 @@ def _texts(content: Any, where: str) -> list[str]:
         return [content]
     texts = []
     for j, part in enumerate(content):
+        if skipped_part(part, f"{where}.{j}"):
+            continue
         text = part_text(part)
         if text is None:
             _check_part(part, f"{where}.{j}")
             kind = implied_type(part)
+            if kind == TOOL_REFERENCE:  # vLLM joins the tool's name in
+                texts.append(tool_reference(part, f"{where}.{j}")["name"])
+                continue
             raise ValueError(
                 f"{where}.{j}: a part of type {kind!r} cannot be joined into the string "
                 'content this chat template reads; send {"type": "text", "text": ...} '
@@ -271,10 +311,15 @@ def _parts(content: Any, where: str) -> list[Any]:
         return [{"type": "text", "text": content}]
     parts = []
     for j, part in enumerate(content):
+        if skipped_part(part, f"{where}.{j}"):
+            continue
         text = part_text(part)
-        if text is None:
-            _check_part(part, f"{where}.{j}")
-        parts.append(part if text is None else {"type": "text", "text": text})
+        if text is not None:
+            parts.append({"type": "text", "text": text})
+            continue
+        _check_part(part, f"{where}.{j}")
+        is_reference = implied_type(part) == TOOL_REFERENCE
+        parts.append(tool_reference(part, f"{where}.{j}") if is_reference else part)
     return parts
 
 

@@ -96,3 +96,37 @@ def test_text_kinds_and_parts_without_a_type(llm, content_format):
     ):
         with pytest.raises(ValueError, match=match):
             llm.chat([{"role": "user", "content": ["a", part]}], params, **kwargs)
+
+
+@pytest.mark.parametrize("content_format", ["string", "openai"])
+def test_null_text_parts_are_skipped_and_tool_references_kept(llm, content_format):
+    """vLLM skips a "text"/"refusal" part whose text is null ("string" refused it as a
+    part that cannot be joined, "openai" handed it on with its null) and hands a
+    tool_reference part on ("string": its name among the text)."""
+    template = (
+        "{% for m in messages %}{% if m['content'] is string %}S:{{ m['content'] }}"
+        "{% else %}{% for p in m['content'] %}P:{{ p['text'] }}{{ p['name'] }},{% endfor %}"
+        "{% endif %};{% endfor %}"
+    )
+    content = [
+        {"type": "text", "text": None},
+        "a",
+        {"type": "refusal"},
+        {"type": "tool_reference", "name": "get_weather"},
+    ]
+    (out,) = llm.chat(
+        [{"role": "user", "content": content}],
+        SamplingParams(temperature=0, max_tokens=1),
+        use_tqdm=False,
+        chat_template=template,
+        add_generation_prompt=False,
+        chat_template_content_format=content_format,
+    )
+    expected = "S:a\nget_weather;" if content_format == "string" else "P:a,P:get_weather,;"
+    assert llm.get_tokenizer().decode(out.prompt_token_ids) == expected
+    with pytest.raises(ValueError, match=r'content\.0: a "tool_reference" part needs "name"'):
+        llm.chat(
+            [{"role": "user", "content": [{"type": "tool_reference"}]}],
+            use_tqdm=False,
+            chat_template_content_format=content_format,
+        )

@@ -23,7 +23,7 @@ def _user(*parts) -> list[dict]:
     ("part", "message"),
     [
         ({"type": "text", "text": 3}, '"text" to be a string, got int'),
-        ({"type": "text"}, '"text" to be a string, got NoneType'),
+        ({"type": "output_text"}, '"text" to be a string, got NoneType'),  # "text": skipped
         ({"type": "input_audio", "input_audio": {}}, "'input_audio' are not supported"),
         ({"type": "video_url", "video_url": {"url": URL}}, "'video_url' are not supported"),
         ({"type": "foo"}, "unknown content part type 'foo'"),
@@ -38,6 +38,18 @@ def test_a_bad_part_beside_an_image_names_its_place(part, message):
         split_images(_user({"type": "image_pil", "image_pil": IMAGE}, part))
     assert error.value.where == "messages.0.content.1"
     assert str(error.value).startswith("messages.0.content.1: ")
+
+
+def test_null_text_parts_are_skipped_and_tool_references_kept():
+    """vLLM's reading: a null "text"/"refusal" part is left out, a tool reference is
+    handed to the processor's template (both were refused)."""
+    image = {"type": "image_pil", "image_pil": IMAGE}
+    content = [{"type": "text"}, image, {"type": "refusal", "refusal": None}]
+    content.append({"type": "tool_reference", "name": "get_weather"})
+    messages, images = split_images(_user(*content))
+    assert len(images) == 1
+    expected = [{"type": "image"}, {"type": "tool_reference", "name": "get_weather"}]
+    assert messages[0]["content"] == expected
 
 
 def test_input_image_and_string_parts():

@@ -107,7 +107,7 @@ def test_image_parts_without_a_type(client, part):
     ("part", "fix"),
     [
         ({"text": "hi"}, '{"type": "text", "text": ...}'),
-        ({"type": "text", "text": None}, '"text" to be a string'),
+        ({"type": "input_text", "text": None}, '"text" to be a string'),  # vLLM skips none
         ({"type": "refusal", "refusal": 3}, '"refusal" to be a string'),
         ({"video_url": URL}, "send the image as"),
         ({"image_embeds": "abc"}, "send the image as"),
@@ -119,7 +119,7 @@ def test_image_parts_without_a_type(client, part):
         ({"type": "image_url", "image_url": {"url": "data:image/png;base64,!!"}}, "base64"),
         ({"type": "image_url", "image_url": {"url": "data:image/png;base64,R0lG"}}, "PNG"),
         ({"type": "image_url", "image_url": {"url": "file:///etc/hostname"}}, "media-path"),
-        ({"type": "tool_reference", "name": "f"}, '"image_url"'),
+        ({"type": "tool_reference"}, '"name" to be a string'),
         ({"type": "x" * 100_000}, "unknown content part type 'xxx"),
     ],
 )
@@ -133,6 +133,19 @@ def test_a_bad_part_beside_an_image_is_a_400_naming_it(client, part, fix):
         assert message.startswith("messages.0.content.1: ") and fix in message, message
         assert len(message) < 1000  # a client's long string is not echoed whole
     assert _tokenize(client, _messages(IMAGE, QUESTION))[0] == 200
+
+
+def test_null_text_parts_are_skipped_and_tool_references_kept_beside_an_image(client):
+    """vLLM skips a "text" or "refusal" part whose text is null and hands a tool_reference
+    part to the template; both were a 400 beside an image (the tool reference as an
+    unknown part). The processor's template here prints text parts only."""
+    expected = _prompt_tokens(client, _messages(IMAGE, QUESTION))
+    skipped = [{"type": "text", "text": None}, {"type": "refusal"}, QUESTION]
+    reference = [{"type": "tool_reference", "name": "get_weather"}, QUESTION]
+    for parts in (skipped, reference):
+        assert _prompt_tokens(client, _messages(IMAGE, *parts)) == expected
+        status, body = _tokenize(client, _messages(IMAGE, *parts))
+        assert status == 200 and body["tokens"] == expected
 
 
 def test_more_images_than_the_limit_are_refused_before_loading(client):

@@ -16,7 +16,8 @@ from pagedlm.entrypoints.openai.app import build_app
 URL = "data:image/png;base64,iVBORw0KGgo="
 TEXT_TEMPLATE = (
     "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}"
-    "{% else %}{% for p in m['content'] %}[{{ p['type'] }}:{{ p['text'] }}]{% endfor %}"
+    "{% else %}{% for p in m['content'] %}[{{ p['type'] }}:{{ p['text'] }}{{ p['name'] }}]"
+    "{% endfor %}"
     "{% endif %};{% endfor %}"
 )
 
@@ -102,10 +103,12 @@ def test_strings_and_vllms_text_kinds_are_text_parts(client):
         # Wrong types for the type, the text, a part, the content.
         ([{"type": 3, "text": "x"}], "messages.0.content.0", '"type" must be a string'),
         ([{"type": ["text"], "text": "x"}], "messages.0.content.0", '"type" must be a string'),
-        ([{"type": "text", "text": None}], "messages.0.content.0", '"text" to be a string'),
+        ([{"type": "input_text", "text": None}], "messages.0.content.0", '"text" to be'),
         ([{"type": "text", "text": ["a"]}], "messages.0.content.0", '"text" to be a string'),
         ([{"type": "input_text", "text": 3}], "messages.0.content.0", '"text" to be a string'),
-        ([{"type": "refusal"}], "messages.0.content.0", '"refusal" to be a string'),
+        ([{"type": "refusal", "refusal": 3}], "messages.0.content.0", '"refusal" to be a'),
+        ([{"type": "tool_reference"}], "messages.0.content.0", '"name" to be a string'),
+        (["a", {"tool_reference": {}}], "messages.0.content.1", '"name" to be a string'),
         ([{"type": ""}], "messages.0.content.0", '{"type": "text", "text": ...}'),
         ([{"type": "x" * 10_000}], "messages.0.content.0", '{"type": "text", "text": ...}'),
         (["a", None], "messages.0.content.1", "a content part is a string or an object"),
@@ -123,6 +126,27 @@ def test_a_bad_part_is_a_400_naming_its_place_and_the_fix(client, content, place
         assert message.startswith(f"{place}: ") and fix in message, message
         assert body["error"]["param"] == place
     assert _chat(client, "still serving")[0] == 200
+
+
+def test_null_text_parts_are_skipped_and_tool_references_reach_the_template(client):
+    """As in vLLM: a "text" or "refusal" part whose text is null (or missing) is skipped,
+    and a tool_reference part reaches the template as {"type": "tool_reference", "name":
+    ...}; they were 400s ('"text" to be a string', "unknown content part type")."""
+    content = [
+        {"type": "text", "text": None},
+        "a",
+        {"type": "refusal", "refusal": None},
+        {"type": "text"},
+        {"type": "tool_reference", "name": "get_weather"},
+        {"tool_reference": "ignored", "name": "search"},  # its type implied, as in vLLM
+    ]
+    status, body = _tokenize(client, content)
+    assert status == 200, body
+    expected = "[text:a][tool_reference:get_weather][tool_reference:search];"
+    assert client.decode(body["tokens"]) == expected
+    assert _chat(client, content)[0] == 200
+    status, body = _tokenize(client, [{"type": "text", "text": None}])
+    assert status == 200 and client.decode(body["tokens"]) == ";"
 
 
 def test_many_parts_are_read_in_one_pass(client):

@@ -9,8 +9,9 @@ order: PIL images as they are, URLs to load, each with its place in the conversa
 
 Every other part of a conversation with images must be text (a text part of
 ``chat_content.TEXT_PART_FIELDS``, rebuilt as ``{"type": "text", "text": str}``, or a plain
-string); anything else is a ``ValueError`` naming the part, since a processor's chat
-template would drop it without a word. A part without ``"type"`` is read as vLLM reads it
+string) or a tool reference (handed on, as vLLM does); a null ``"text"``/``"refusal"``
+part is skipped, as vLLM skips it; anything else is a ``ValueError`` naming the part,
+since a processor's chat template would drop it without a word. A part without ``"type"`` is read as vLLM reads it
 (``chat_content.part_type``: ``{"image_url": ...}`` is an image part).
 """
 
@@ -21,10 +22,13 @@ from typing import Any, NamedTuple
 
 from pagedlm.chat_content import (
     TEXT_PART_FIELDS,
+    TOOL_REFERENCE,
     ContentPartError,
     implied_type,
     part_text,
     part_type,
+    skipped_part,
+    tool_reference,
 )
 
 __all__ = ["ContentPartError", "ImagePart", "has_images", "load_chat_image", "split_images"]
@@ -135,10 +139,14 @@ def split_images(
         parts = []
         for j, part in enumerate(content):
             where = f"{places[i] if places else f'messages.{i}'}.content.{j}"
+            if skipped_part(part, where):
+                continue
             kind = part_type(part, where) if isinstance(part, dict) else None
             if kind in IMAGE_PART_TYPES:
                 images.append(ImagePart(_image_source(part, kind, where), where))
                 parts.append({"type": "image"})
+            elif kind == TOOL_REFERENCE:
+                parts.append(tool_reference(part, where))
             else:
                 parts.append(_text_part(part, kind, where))
         messages.append({**message, "content": parts})

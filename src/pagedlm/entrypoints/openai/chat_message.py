@@ -3,7 +3,8 @@
 Content is a string or a list of parts: strings and objects, read as vLLM reads them
 (``pagedlm.chat_content``): a part without ``"type"`` takes the type its key implies
 (``{"image_url": ...}``), the text kinds (``"text"``, ``"input_text"``, ``"refusal"``, ...)
-are text. The text path serves text parts only; a conversation with image parts takes the
+are text, null ``"text"``/``"refusal"`` parts are skipped and tool references are handed
+on. The text path serves text parts only; a conversation with image parts takes the
 image path (``chat_images``) on a vision model. A malformed or unsupported part is a 400
 naming its place ("messages.2.content.1") and the fix. Templates get text parts as
 ``{"type": "text", "text": ...}``; the renderer hands them on as one string or as the list
@@ -18,7 +19,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, field_validator
 from pydantic_core import PydanticCustomError
 
-from pagedlm.chat_content import TEXT_PART_FIELDS, ContentPartError, part_text, part_type
+from pagedlm.chat_content import (
+    TEXT_PART_FIELDS,
+    TOOL_REFERENCE,
+    ContentPartError,
+    part_text,
+    part_type,
+    skipped_part,
+    tool_reference,
+)
 from pagedlm.entrypoints.openai.errors import APIError
 from pagedlm.entrypoints.openai.request_body import RequestModel
 
@@ -144,13 +153,25 @@ class ChatMessage(RequestModel):
         return [text for text in texts if text is not None]
 
     def template_content(self, where: str) -> str | list[dict[str, str]] | None:
-        """The content, its parts checked and rebuilt as ``{"type": "text", "text": ...}``."""
+        """The content, its parts checked and rebuilt as ``{"type": "text", "text": ...}``
+        (tool references as ``{"type": "tool_reference", "name": ...}``; null ``"text"``
+        and ``"refusal"`` parts skipped, as vLLM skips them)."""
         if self.content is None or isinstance(self.content, str):
             return self.content
-        return [
-            {"type": "text", "text": _part_text(part, f"{where}.content.{j}")}
-            for j, part in enumerate(self.content)
-        ]
+        parts = []
+        for j, part in enumerate(self.content):
+            place = f"{where}.content.{j}"
+            dumped = part if isinstance(part, str) else part.model_dump()
+            if skipped_part(dumped, place):
+                continue
+            if isinstance(part, ContentPart) and part.type == TOOL_REFERENCE:
+                try:
+                    parts.append(tool_reference(dumped, place))
+                except ContentPartError as error:
+                    raise APIError(str(error), param=place) from None
+                continue
+            parts.append({"type": "text", "text": _part_text(part, place)})
+        return parts
 
 
 def _template_tool_call(call: dict[str, Any], where: str) -> dict[str, Any]:
