@@ -434,3 +434,64 @@ def test_a_latent_model_sizes_the_pool_from_its_latent_blocks(tmp_path, monkeypa
     ).create_engine_config()
     assert host_block_bytes(config) == expanded
     assert num_host_blocks(config) == int(10.5 * latent) // expanded  # 2 of 10
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_blocks_saved_for_a_request_that_failed_are_not_loaded_later(
+    model, tmp_path, async_scheduling
+):
+    """A step that cannot read a request's adapter runs it without, fails it, and has
+    already copied the blocks it computed to the pool under the adapter's digests; the
+    connector is told (``request_finished`` of a request whose status is
+    ``FINISHED_ERROR``) and forgets them, so the adapter's next request, readable again,
+    computes its prompt rather than load keys and values of the base model."""
+    from pagedlm.engine.exceptions import RequestFailedError
+    from pagedlm.lora.request import LoRARequest
+    from peft_adapters import LLAMA_MODULES, make_adapter
+
+    for name, seed in (("x", 3), ("x_ref", 3), ("y", 4)):  # x_ref: x's weights elsewhere
+        make_adapter(Path(model), tmp_path / name, LLAMA_MODULES, rank=8, seed=seed)
+    names = ["x", "y", "x_ref"]
+    x, y, x_ref = (LoRARequest(n, i, str(tmp_path / n)) for i, n in enumerate(names, 1))
+    (prompt,) = random_prompts([17], seed=18)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    lora = dict(enable_lora=True, max_lora_rank=8, max_loras=1, max_cpu_loras=1)
+
+    def run(llm: LLM, adapter: LoRARequest):
+        request = {"prompt_token_ids": prompt}
+        (output,) = llm.generate([request], params, lora_request=adapter, use_tqdm=False)
+        return output
+
+    expected = run(LLM(model, **ENGINE, **lora), x_ref).outputs[0].token_ids
+    llm = offloading(model, 64, async_scheduling=async_scheduling, **lora)
+    engine = llm.llm_engine
+    assert engine.add_lora(x) and engine.add_lora(y)  # max_cpu_loras=1: x left the host
+    (tmp_path / "x").rename(tmp_path / "x_away")
+    with pytest.raises(RequestFailedError, match="could not be read"):
+        run(llm, x)
+    assert external(llm).connector.num_saved_blocks > 0  # its step saved them first
+    (tmp_path / "x_away").rename(tmp_path / "x")
+    output = run(llm, x)
+    assert output.outputs[0].token_ids == expected
+    assert output.num_cached_tokens == 0 and external(llm).num_loaded_tokens == 0
+
+
+def test_prefix_cache_hits_are_stored_again_once_the_pool_lost_them(model):
+    """A prompt whose blocks left the pool but not the device cache hits them locally; its
+    request stores them again (vLLM's connector stores every block the pool lacks, not only
+    those the request computes), so once the device loses them too the pool serves them."""
+    (prompt, *others) = random_prompts([9, 9, 9], seed=19)
+    (expected,) = tokens(generate(LLM(model, **ENGINE), [prompt], max_tokens=2))
+    llm = offloading(model, 4, enable_prefix_caching=True)  # 2 prompts of 2 blocks
+    generate(llm, [prompt], max_tokens=2)
+    generate(llm, others, max_tokens=2)  # the pool drops the prompt's blocks
+    index = external(llm).connector.index
+    digests = update_block_hashes(llm_request(prompt), BLOCK)
+    assert not any(digest in index for digest in digests)
+    (hit,) = generate(llm, [prompt], max_tokens=2)
+    assert hit.num_cached_tokens == 8 and external(llm).num_loaded_tokens == 0  # device hits
+    assert all(digest in index for digest in digests)
+    assert llm.llm_engine.engine_core.scheduler.kv_manager.reset_prefix_cache()  # device only
+    (again,) = generate(llm, [prompt], max_tokens=2)
+    assert again.outputs[0].token_ids == expected
+    assert again.num_cached_tokens == 8 and external(llm).num_loaded_tokens == 8

@@ -364,7 +364,7 @@ def test_the_scheduler_remembers_stored_blocks_within_a_bound(tmp_path):
         looked_up.append(key)
         return key in on_disk
 
-    stored = StoredBlocks(exists, max_remembered=2)
+    stored = StoredBlocks(exists, lambda key: None, max_remembered=2)
     assert stored.is_stored("a") and stored.is_stored("b") and stored.is_stored("c")
     assert len(stored) == 2  # "a" forgotten
     looked_up.clear()
@@ -400,3 +400,76 @@ def test_a_latent_cache_is_stored_once_and_loaded(tmp_path):
     got = generate(consumer, prompts)
     assert tokens(got) == tokens(expected)
     assert loaded_tokens(consumer) == 20 + 8
+
+
+def test_blocks_hit_in_the_prefix_cache_are_saved_for_other_engines(model, tmp_path):
+    """A conversation's next prompt holds the previous answer, whose blocks the producer
+    computed as generated tokens (never saved: only prompt blocks are) and now hits in its
+    own prefix cache. It saves them then, as vLLM's connector saves every prompt block the
+    store lacks, so another engine loads the whole conversation, not only its first prompt."""
+    (prompt, more) = random_prompts([10, 5], seed=13)
+    producer = engine(model, tmp_path, "kv_producer", enable_prefix_caching=True)
+    (first,) = producer.generate(
+        [{"prompt_token_ids": prompt}],
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )
+    follow_up = prompt + first.outputs[0].token_ids[:6] + more  # 16 known tokens, then 5
+    (hit,) = generate(producer, [follow_up])
+    assert hit.num_cached_tokens == 16  # the first turn's blocks, prompt and answer
+    consumer = engine(model, tmp_path, "kv_consumer")
+    (got,) = generate(consumer, [follow_up])
+    assert got.outputs[0].token_ids == hit.outputs[0].token_ids
+    assert got.num_cached_tokens == 20 and loaded_tokens(consumer) == 20
+
+
+def test_an_invalidated_block_is_removed_once_its_write_is_reported():
+    from pagedlm.kv_transfer.stored_blocks import StoredBlocks
+
+    on_disk: set[str] = set()
+    stored = StoredBlocks(on_disk.__contains__, on_disk.discard)
+    assert stored.plan_save("a") and stored.plan_save("b")
+    stored.end_step()
+    on_disk.update({"a", "b"})
+    stored.saved(num_failed=0)
+    assert stored.plan_save("c")  # written by the step in flight
+    stored.end_step()
+    stored.invalidate(["a", "c"])
+    assert on_disk == {"b"}  # "a" at once
+    on_disk.add("c")  # the step in flight writes it after all
+    assert not stored.plan_save("c")  # its write is still in flight
+    stored.saved(num_failed=0)
+    assert on_disk == {"b"} and not stored.is_stored("c") and not stored.is_stored("a")
+    assert stored.is_stored("b")
+    assert stored.plan_save("a") and stored.plan_save("c")  # computed again, written again
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_blocks_of_a_request_that_fails_are_removed(model, tmp_path, async_scheduling):
+    """A request that fails in a step (here its logits processor raises; a step that cannot
+    read a LoRA adapter fails its requests the same way) may have had its blocks written
+    with keys and values its digests do not promise: the connector is told
+    (``request_finished`` of a request whose status is ``FINISHED_ERROR``) and removes what
+    it wrote for it, so no engine loads them. Other requests' blocks stay."""
+    from pagedlm.engine.exceptions import RequestFailedError
+    from sample.logits_processor_examples import RaiseAt
+
+    failing, other = random_prompts([17, 13], seed=14)
+    producer = engine(
+        model,
+        tmp_path,
+        "kv_producer",
+        logits_processors=[RaiseAt],
+        async_scheduling=async_scheduling,
+    )
+    raising = SamplingParams(max_tokens=3, temperature=0.0, extra_args={"raise_at": 0})
+    with pytest.raises(RequestFailedError, match="boom"):
+        producer.generate(
+            [{"prompt_token_ids": failing}, {"prompt_token_ids": other}],
+            [raising, GREEDY],
+            use_tqdm=False,
+        )
+    connector = producer.llm_engine.engine_core.scheduler.external.connector
+    assert connector.num_saved_blocks == 4 + 3  # written first, then removed
+    assert not any(block_file(producer, failing, index).exists() for index in range(4))
+    assert all(block_file(producer, other, index).is_file() for index in range(3))

@@ -22,7 +22,9 @@ A step, seen from the connector:
 4. Scheduler, collecting the step: ``update_connector_output``; the scheduler counts each
    loading request's blocks up to its first failed one as computed (the rest are computed
    like any prompt) and admits it in a later step.
-5. Scheduler: ``request_finished`` when a request ends or is aborted; ``reset_cache``
+5. Scheduler: ``request_finished`` when a request ends or is aborted (a request that failed
+   in a step, ``kv_untrusted``, may have had blocks saved whose keys and values are not what
+   their digests promise: the connector must serve none of them later); ``reset_cache``
    when the engine's prefix cache is reset.
 
 Differences from vLLM's interface, on purpose: loads always complete within one worker
@@ -41,6 +43,7 @@ import enum
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
+from pagedlm.core.request import RequestStatus
 from pagedlm.step.kv_transfer import KVConnectorMetadata, KVConnectorOutput
 
 if TYPE_CHECKING:
@@ -117,7 +120,11 @@ class KVConnectorBase(ABC):
         """What the workers reported for a collected step (counters). Default: nothing."""
 
     def request_finished(self, request: Request) -> None:  # noqa: B027 - optional hook
-        """``request`` ended or was aborted; its blocks are being freed. Default: nothing."""
+        """``request`` ended or was aborted; its blocks are being freed. If
+        ``kv_untrusted(request)`` (it failed in a step), forget or remove every block saved
+        for it, those of steps still in flight included: the engine takes its blocks out of
+        its own prefix cache for the same reason. Default: nothing (a connector that saves
+        must override it)."""
 
     def reset_cache(self) -> None:  # noqa: B027 - optional hook
         """The engine forgot its cached prefixes (``reset_prefix_cache``: asked for, or
@@ -145,6 +152,14 @@ class KVConnectorBase(ABC):
     def get_connector_output(self) -> KVConnectorOutput | None:
         """What this step's ``start_load_kv`` and ``wait_for_save`` did (None: nothing);
         the connector forgets it."""
+
+
+def kv_untrusted(request: Request) -> bool:
+    """Whether the keys and values computed for a finished ``request`` may not be what its
+    block digests promise: it failed in a step (finish reason "error"), and a step that
+    could not read its LoRA adapter ran it without (a failing logits processor leaves them
+    right, but the engine does not tell the two apart)."""
+    return request.status == RequestStatus.FINISHED_ERROR
 
 
 KVConnectorBase_V1 = KVConnectorBase

@@ -1,13 +1,19 @@
 """The offloading connector (vLLM's ``OffloadingConnector``; ``--kv-offloading-size`` turns
 it on): a second tier under the prefix cache, in host memory.
 
-Every full block a step computes (a prompt's, or one filled by generated tokens) is copied
-into a bounded pool of host blocks under its chained prefix digest (``kv_cache/hashing.py``:
+Every full block of a scheduled request whose tokens are known (a prompt's, or one filled by
+generated tokens; its prefix-cache hits included, as vLLM's connector stores every block
+the pool lacks, not only those the request computes) is copied into a bounded pool of host
+blocks under its chained prefix digest (``kv_cache/hashing.py``:
 its tokens, every token before it, and its adapter, cache salt, image and embedding keys),
 the least recently used block giving way when the pool is full. A later request whose
 prompt continues, after its prefix-cache hit, with blocks the pool holds loads them in a
 step of its own (``core/external_kv.py``) instead of computing them, so a prefix evicted
 from the device cache by other prompts comes back at the cost of a copy.
+
+A request that fails in a step (finish reason "error": a step that could not read its LoRA
+adapter ran it without) may have had blocks copied to the pool under digests whose keys and
+values they do not hold: ``request_finished`` forgets every block that request stored.
 
 The pool's index lives with the scheduler (``host_pool.HostBlockIndex``): it picks the host
 block of every save and of every load, so the scheduler's view of the pool is never stale.
@@ -36,7 +42,7 @@ import math
 from typing import TYPE_CHECKING
 
 from pagedlm.kv_cache.hashing import update_block_hashes
-from pagedlm.kv_transfer.base import KVConnectorBase, KVConnectorRole
+from pagedlm.kv_transfer.base import KVConnectorBase, KVConnectorRole, kv_untrusted
 from pagedlm.kv_transfer.bookkeeping import (
     RequestTables,
     StepReport,
@@ -72,6 +78,8 @@ class OffloadingConnector(KVConnectorBase):
         self._requests = RequestTables()
         self._next_block: dict[str, int] = {}
         """Per scheduled request, the first of its blocks not yet considered for saving."""
+        self._stored_by: dict[str, list[bytes]] = {}
+        """Per request, the digests its saves put into the pool (forgotten if it fails)."""
         self._planned_loads: list[BlockTransfer] = []
         self.num_saved_blocks = 0
         # Worker side.
@@ -148,7 +156,8 @@ class OffloadingConnector(KVConnectorBase):
         for req_id in self._requests.update(scheduler_output):
             self._next_block.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:  # first scheduled, or resumed
-            self._next_block[new.req_id] = new.num_computed_tokens // self.block_size
+            # From its first block: those it hit in the prefix cache may have left the pool.
+            self._next_block[new.req_id] = 0
         saves: list[BlockTransfer] = []
         for req_id, start in zip(
             scheduler_output.req_ids, scheduler_output.num_computed_tokens, strict=True
@@ -162,8 +171,9 @@ class OffloadingConnector(KVConnectorBase):
         self, req_id: str, start: int, scheduler_output: SchedulerOutput
     ) -> BlockTransfer | None:
         """The full blocks of ``req_id`` whose tokens are all known and whose KV is written
-        by the end of this step (drafts and tokens still in flight are not known), not held
-        by the pool yet. The request is in this step, so it holds them until it ends."""
+        by the end of this step (drafts and tokens still in flight are not known), prefix-cache
+        hits included, not held by the pool yet. The request is in this step, so it holds
+        them until it ends."""
         request = self._requests.get(req_id)
         if request is None:
             return None
@@ -176,17 +186,25 @@ class OffloadingConnector(KVConnectorBase):
         hashes = update_block_hashes(request, self.block_size)
         table = self._requests.table(req_id)
         block_ids, keys = [], []
+        stored = self._stored_by.setdefault(req_id, [])
         for index in range(first, last):
             host = self.index.store(hashes[index])
             if host is not None:
                 block_ids.append(table[index])
                 keys.append(f"{host}:{hashes[index].hex()}")
+                stored.append(hashes[index])
         self.num_saved_blocks += len(keys)
         return BlockTransfer(req_id, block_ids, keys) if keys else None
 
     def request_finished(self, request: Request) -> None:
         self._requests.finish(request.request_id)
         self._next_block.pop(request.request_id, None)
+        stored = self._stored_by.pop(request.request_id, ())
+        if kv_untrusted(request):
+            # Saves still in flight write host blocks no digest names any more; a later
+            # step that reuses such a block writes it after them (steps run in order).
+            for digest in stored:
+                self.index.discard(digest)
 
     def reset_cache(self) -> None:
         self.index.reset()

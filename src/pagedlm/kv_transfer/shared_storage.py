@@ -1,7 +1,10 @@
 """The shared-storage connector (vLLM's ``ExampleConnector``, formerly
 ``SharedStorageConnector``): prompts' KV as files in a directory every engine can read.
 
-A producer writes each full block of a prompt once its step has computed it, one
+A producer writes each full block of a prompt that the directory lacks once a step of its
+request has computed it or, for a block the request hit in the local prefix cache (an
+earlier answer in a conversation's prompt, a block whose file went), once the request is
+scheduled, as vLLM's connectors store a whole prompt and not only what it computes; one
 safetensors file per block: ``<shared_storage_path>/pagedlm-<model>/<digest>.safetensors``,
 where ``<digest>`` is the block's chained prefix digest (``kv_cache/hashing.py``: the
 block's tokens, every token before it, and its adapter, cache salt, image and embedding
@@ -18,7 +21,8 @@ the tensors' bytes. A block whose file is missing, unreadable, of another shape 
 or whose bytes do not match is reported failed and computed instead. Files are written to a
 temporary name and renamed, so a reader never sees half a file; a block already stored is
 not written again, and one whose write failed is written by a later step that computes it
-(``stored_blocks.py``).
+(``stored_blocks.py``). The files a request wrote are removed if it fails in a step
+(``kv_untrusted``): their keys and values may not be what their digests promise.
 
 Differences from vLLM's ``ExampleConnector``: files per block (vLLM: per request and layer,
 under a digest of the whole prompt, so only a prompt whose every block matches loads
@@ -40,7 +44,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedlm.kv_cache.hashing import update_block_hashes
-from pagedlm.kv_transfer.base import KVConnectorBase, KVConnectorRole
+from pagedlm.kv_transfer.base import KVConnectorBase, KVConnectorRole, kv_untrusted
 from pagedlm.kv_transfer.bookkeeping import (
     RequestTables,
     StepReport,
@@ -102,7 +106,9 @@ class SharedStorageConnector(KVConnectorBase):
         # Scheduler side.
         self._requests = RequestTables()
         self._planned_loads: list[BlockTransfer] = []
-        self._stored = StoredBlocks(lambda key: self.path(key).is_file())
+        self._stored = StoredBlocks(lambda key: self.path(key).is_file(), self._remove_file)
+        self._saved_by: dict[str, list[str]] = {}
+        """Per request, the blocks it was planned to write (removed if it fails)."""
         self.num_loaded_blocks = 0
         self.num_failed_loads = 0
         self.num_saved_blocks = 0
@@ -125,6 +131,12 @@ class SharedStorageConnector(KVConnectorBase):
 
     def path(self, key: str) -> Path:
         return self.directory / f"{key}.safetensors"
+
+    def _remove_file(self, key: str) -> None:
+        try:
+            self.path(key).unlink(missing_ok=True)
+        except OSError as error:
+            logger.warning("KV block %s not removed: %s", self.path(key), error)
 
     # ---- scheduler side ------------------------------------------------------------
 
@@ -160,24 +172,29 @@ class SharedStorageConnector(KVConnectorBase):
         saves: list[BlockTransfer] = []
         self._requests.update(scheduler_output)
         if self.saves:
+            new_req_ids = {new.req_id for new in scheduler_output.scheduled_new_reqs}
             for req_id, start in zip(
                 scheduler_output.req_ids, scheduler_output.num_computed_tokens, strict=True
             ):
-                transfer = self._blocks_to_save(req_id, start, scheduler_output)
+                # A request scheduled as new (first, or resumed) from its first block: the
+                # blocks it hit in the prefix cache may be missing from the directory.
+                first = 0 if req_id in new_req_ids else start // self.block_size
+                transfer = self._blocks_to_save(req_id, first, start, scheduler_output)
                 if transfer is not None:
                     saves.append(transfer)
             self._stored.end_step()
         return KVConnectorMetadata(loads=loads, saves=saves)
 
     def _blocks_to_save(
-        self, req_id: str, start: int, scheduler_output: SchedulerOutput
+        self, req_id: str, first: int, start: int, scheduler_output: SchedulerOutput
     ) -> BlockTransfer | None:
-        """The prompt blocks that ``req_id``'s tokens of this step complete, not stored yet."""
+        """The prompt blocks from block ``first`` to those that ``req_id``'s tokens of this
+        step (from token ``start``) complete, not stored yet."""
         request = self._requests.get(req_id)
         if request is None or not _is_shared(request):
             return None
         end = min(start + scheduler_output.num_scheduled_tokens[req_id], request.num_prompt_tokens)
-        first, last = start // self.block_size, end // self.block_size
+        last = end // self.block_size
         if first >= last:
             return None
         hashes = update_block_hashes(request, self.block_size)
@@ -188,7 +205,10 @@ class SharedStorageConnector(KVConnectorBase):
             if self._stored.plan_save(key):  # one writer, and none for a stored block
                 block_ids.append(table[index])
                 keys.append(key)
-        return BlockTransfer(req_id, block_ids, keys) if keys else None
+        if not keys:
+            return None
+        self._saved_by.setdefault(req_id, []).extend(keys)
+        return BlockTransfer(req_id, block_ids, keys)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self.num_saved_blocks += output.num_saved_blocks
@@ -201,6 +221,9 @@ class SharedStorageConnector(KVConnectorBase):
 
     def request_finished(self, request: Request) -> None:
         self._requests.finish(request.request_id)
+        keys = self._saved_by.pop(request.request_id, None)
+        if keys and kv_untrusted(request):
+            self._stored.invalidate(keys)
 
     # ---- worker side ---------------------------------------------------------------
 

@@ -5,7 +5,8 @@ workers to write.
 Invariants: a block counts as stored only once a file for it was seen on disk or its write
 was reported done; a block whose write is in flight is planned by no other step; a step
 whose writes are reported with a failure leaves its blocks to be looked up on disk again,
-so those that were not written are planned again by a later step. Memory is bounded: at
+so those that were not written are planned again by a later step; an invalidated block is
+removed from disk, once its write is reported if that is still in flight. Memory is bounded: at
 most ``max_remembered`` stored blocks are remembered (least recently used forgotten, and
 looked up on disk again when asked about).
 """
@@ -21,13 +22,17 @@ MAX_REMEMBERED_BLOCKS = 1 << 16
 
 class StoredBlocks:
     """Stored and in-flight blocks by digest (module doc). ``exists(key)``: whether a file
-    for ``key`` is on disk now."""
+    for ``key`` is on disk now; ``remove(key)``: delete it (none: nothing to do)."""
 
     def __init__(
-        self, exists: Callable[[str], bool], max_remembered: int = MAX_REMEMBERED_BLOCKS
+        self,
+        exists: Callable[[str], bool],
+        remove: Callable[[str], None],
+        max_remembered: int = MAX_REMEMBERED_BLOCKS,
     ) -> None:
         assert max_remembered > 0
         self._exists = exists
+        self._remove = remove
         self.max_remembered = max_remembered
         self._stored: OrderedDict[str, None] = OrderedDict()
         self._saving: set[str] = set()
@@ -35,6 +40,8 @@ class StoredBlocks:
         """Per step with saves, in step order: the digests it writes."""
         self._step: list[str] = []
         """The saves of the step being planned."""
+        self._doomed: set[str] = set()
+        """Invalidated while their write was in flight: removed once it is reported."""
 
     def __len__(self) -> int:
         return len(self._stored)
@@ -67,10 +74,26 @@ class StoredBlocks:
         """The oldest step with saves reported, ``num_failed`` of its writes failing."""
         keys = self._saves_in_flight.popleft()
         self._saving.difference_update(keys)
+        doomed = self._doomed.intersection(keys)
+        if doomed:
+            self._doomed -= doomed
+            for key in doomed:
+                self._remove(key)
+            keys = [key for key in keys if key not in doomed]
         if not num_failed:
             for key in keys:
                 self._remember(key)
         # Else which ones failed is not reported: each is looked up on disk when next asked.
+
+    def invalidate(self, keys: list[str]) -> None:
+        """Blocks whose stored keys and values cannot be trusted: remove them from disk now,
+        or once their write in flight is reported."""
+        for key in keys:
+            self._stored.pop(key, None)
+            if key in self._saving:
+                self._doomed.add(key)
+            else:
+                self._remove(key)
 
     def forget(self) -> None:
         """Forget the stored blocks (files may have been removed); writes in flight stay."""
