@@ -119,6 +119,8 @@ def test_image_parts_without_a_type(client, part):
         ({"type": "image_url", "image_url": {"url": "data:image/png;base64,!!"}}, "base64"),
         ({"type": "image_url", "image_url": {"url": "data:image/png;base64,R0lG"}}, "PNG"),
         ({"type": "image_url", "image_url": {"url": "file:///etc/hostname"}}, "media-path"),
+        ({"type": "image_url", "image_url": {"url": "http://[::1"}}, "send a well-formed URL"),
+        ({"type": "image_url", "image_url": {"url": "http://[::1]:x/"}}, "a well-formed URL"),
         ({"type": "tool_reference"}, '"name" to be a string'),
         ({"type": "x" * 100_000}, "unknown content part type 'xxx"),
     ],

@@ -62,3 +62,29 @@ def test_empty_and_unknown_image_data_say_so(url, message):
     with pytest.raises(ValueError, match=message) as error:
         load_image_url(url, MultiModalConfig())
     assert "BytesIO" not in str(error.value)
+
+
+MALFORMED_URLS = [
+    ("http://[::1", "Invalid IPv6 URL"),  # Python's words, and nothing more, before
+    ("file://[::1", "Invalid IPv6 URL"),
+    ("https://[not-ipv6]/x.png", "does not appear to be an IPv4 or IPv6 address"),
+    ("http://[::1]:abc/x.png", "Invalid port"),  # httpx's InvalidURL: a 500 before
+    ("http://exa\x00mple/x.png", "non-printable"),
+    ("http:///x.png", "names no host"),
+    ("http://xn--/x.png", "Malformed A-label"),
+    ("http://" + "a" * 300 + "/x.png", "label too long"),  # failed when connecting
+]
+
+
+@pytest.mark.parametrize(("url", "problem"), MALFORMED_URLS)
+def test_a_url_that_does_not_parse_is_a_media_error_naming_the_fix(url, problem):
+    import asyncio
+
+    from pagedlm.multimodal.media import MediaError, load_image_url_async
+
+    config = MultiModalConfig(media_fetch_timeout_s=0.5)
+    for load in (load_image_url, lambda *args: asyncio.run(load_image_url_async(*args))):
+        with pytest.raises(MediaError, match="cannot be parsed") as error:
+            load(url, config)
+        assert problem in str(error.value)
+        assert "send a well-formed URL" in str(error.value)

@@ -1,7 +1,7 @@
 """Images from API content parts: data URLs, http(s) URLs and allowed local files.
 
-Every failure is a ``MediaError`` (a ``ValueError``: HTTP 400) naming the problem: an
-unsupported URL scheme, an http(s) URL, or a redirect it takes, to a host outside
+Every failure is a ``MediaError`` (a ``ValueError``: HTTP 400) naming the problem: a URL
+that does not parse, an unsupported URL scheme, an http(s) URL, or a redirect it takes, to a host outside
 ``--allowed-media-domains``, a download that times out or exceeds ``media_max_bytes``, a
 ``file://`` path outside ``--allowed-local-media-path`` (or none allowed), bytes PIL cannot
 decode, and decompression bombs.
@@ -122,14 +122,47 @@ def _local_file_bytes(url: str, config: MultiModalConfig) -> bytes:
         return file.read()
 
 
+_WELL_FORMED_FIX = (
+    "send a well-formed URL such as 'https://example.com/image.png', or the image inline "
+    "as a data: URL (base64)"
+)
+
+
+def _unparsable(url: str, problem: str) -> MediaError:
+    return MediaError(
+        f"the image URL {url[:80]!r} cannot be parsed ({problem[:120]}); {_WELL_FORMED_FIX}."
+    )
+
+
 def _scheme(url: str) -> str:
-    scheme = urllib.parse.urlparse(url).scheme.lower() if isinstance(url, str) else ""
+    """The URL's scheme, lower case; a ``MediaError`` naming the fix for a URL that does
+    not parse (Python's own "Invalid IPv6 URL" names none) or has another scheme."""
+    try:
+        scheme = urllib.parse.urlsplit(url).scheme.lower() if isinstance(url, str) else ""
+    except ValueError as error:
+        raise _unparsable(url, str(error)) from None
     if scheme not in ("data", "file", "http", "https"):
         raise MediaError(
             f"unsupported image URL {str(url)[:60]!r}; use a data: URL (base64), "
             "http(s):// or file:// (under --allowed-local-media-path)."
         )
+    if scheme in ("http", "https"):
+        _check_http_url(url)
     return scheme
+
+
+def _check_http_url(url: str) -> None:
+    """Refuse, naming the fix, an http(s) URL that httpx or the host-name encoding would
+    fail on with an error of their own (httpx's ``InvalidURL`` is no ``ValueError``)."""
+    import httpx
+
+    try:
+        host = httpx.URL(url).host
+        if not host:
+            raise ValueError("it names no host")
+        host.encode("idna")  # a label over 63 characters fails only when connecting
+    except (httpx.InvalidURL, ValueError) as error:  # IDNA's errors are ValueErrors
+        raise _unparsable(url, str(error)) from None
 
 
 def _offline_bytes(url: str, scheme: str, config: MultiModalConfig) -> bytes:
