@@ -85,11 +85,13 @@ def test_wire_request_mirrors_request_constructor():
 def test_core_outputs_round_trip():
     logprobs = LogprobsLists([[3, 1, 2]], [[-0.1, -2.5, -3.0]], [1])
     outputs = [
-        EngineCoreOutput("a", [3], new_logprobs=logprobs, num_cached_tokens=16),
+        EngineCoreOutput(
+            "a", [3], new_logprobs=logprobs, num_cached_tokens=16, num_external_computed_tokens=8
+        ),
         EngineCoreOutput("b", [9, 8], finish_reason="stop", stop_reason=8),
         EngineCoreOutput("c", [], new_prompt_logprobs=logprobs),
     ]
-    stats = SchedulerStats(2, 1, 0.25, 3, 40, 16)
+    stats = SchedulerStats(2, 1, 0.25, 3, 40, 16, num_deferred_reqs=1)
     decoded = _round_trip(messages.CoreOutputs(outputs, stats))
     assert decoded.stats == stats
     assert decoded.outputs == outputs
@@ -102,7 +104,13 @@ def test_data_parallel_stats_outputs_and_the_step_time_round_trip():
     the replica of each output, and the core's clock at the step's end."""
     from pagedlm.engine.data_parallel import sum_stats
 
-    stats = sum_stats([SchedulerStats(2, 1, 0.25, 3, 40, 16), SchedulerStats(0, 0, 0.5, 0, 8, 0)])
+    stats = sum_stats(
+        [
+            SchedulerStats(2, 1, 0.25, 3, 40, 16, num_deferred_reqs=1),
+            SchedulerStats(0, 2, 0.5, 0, 8, 0),
+        ]
+    )
+    assert (stats.num_waiting_reqs, stats.num_deferred_reqs) == (3, 1)
     outputs = [EngineCoreOutput("a", [3]), EngineCoreOutput("b", [4], engine_index=1)]
     decoded = _round_trip(messages.CoreOutputs(outputs, stats, timestamp=12.5))
     assert decoded.stats == stats and len(decoded.stats.engines) == 2

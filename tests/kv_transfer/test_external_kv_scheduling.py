@@ -4,6 +4,7 @@ a fake model runner: pure Python, no model."""
 from __future__ import annotations
 
 from pagedlm.config import CacheConfig, SchedulerConfig
+from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.core.request import Request, RequestStatus
 from pagedlm.core.scheduler import OneBudgetScheduler
 from pagedlm.kv_cache.hashing import update_block_hashes
@@ -91,8 +92,9 @@ def collect(
     scheduler: OneBudgetScheduler,
     output: SchedulerOutput,
     invalid: set[int] = frozenset(),
-) -> None:
-    """The fake workers: every load ends (``invalid`` blocks failing), samples token 7."""
+) -> list[EngineCoreOutput]:
+    """The fake workers: every load ends (``invalid`` blocks failing), samples token 7;
+    returns the scheduler's outputs."""
     report = None
     if output.kv_connector_metadata is not None:
         loads = output.kv_connector_metadata.loads
@@ -105,7 +107,7 @@ def collect(
         state = scheduler.requests[req_id]
         sampled.append([7] if state.num_computed_tokens >= state.num_tokens else [])
     runner_output = ModelRunnerOutput(req_ids, sampled, kv_connector_output=report)
-    scheduler.update_from_output(output, runner_output)
+    return scheduler.update_from_output(output, runner_output)
 
 
 PROMPT = list(range(100, 114))  # 14 tokens: 3 full blocks may load, the last is computed
@@ -337,3 +339,56 @@ def test_connector_queries_and_hits_count_once_per_admission():
     collect(scheduler, scheduler.schedule())  # all three resume
     assert [req.num_preemptions for req in scheduler.requests.values()] == [1, 1, 1]
     assert counts() == (14 + 2 + 6, 12)
+
+
+def test_outputs_split_the_cached_tokens_into_loaded_and_local_hits():
+    """vLLM's ``num_external_computed_tokens`` beside ``num_cached_tokens`` (the front
+    end's ``prompt_tokens_by_source``): a loaded prefix is external; the same prefix, in
+    the prefix cache since, is a local hit for the next request."""
+    scheduler, connector = make()
+    store(connector, PROMPT, 3)
+    scheduler.add_request(request("a", PROMPT))
+    collect(scheduler, scheduler.schedule())  # the load
+    (first,) = collect(scheduler, scheduler.schedule())
+    assert (first.num_cached_tokens, first.num_external_computed_tokens) == (12, 12)
+    scheduler.add_request(request("b", PROMPT))
+    (first,) = [out for out in collect(scheduler, scheduler.schedule()) if out.req_id == "b"]
+    assert (first.num_cached_tokens, first.num_external_computed_tokens) == (12, 0)
+
+
+def test_the_split_is_the_first_admissions_like_the_cached_count():
+    """A request preempted mid-prefill and loaded again (less, this time) reports the
+    split of its first admission, as its ``num_cached_tokens`` is: loaded tokens never
+    exceed the cached ones."""
+    scheduler, connector = make(long_prefill_token_threshold=4)
+    prompt = list(range(300, 324))  # 6 blocks
+    store(connector, prompt, 3)
+    scheduler.add_request(request("a", prompt))
+    collect(scheduler, scheduler.schedule())  # loads 12 tokens
+    assert collect(scheduler, scheduler.schedule()) == []  # 4 more computed, no token yet
+    scheduler.preempt_running()
+    scheduler.reset_prefix_cache()
+    connector.stored.clear()
+    store(connector, prompt, 1)
+    outputs = []
+    while not outputs:
+        outputs = collect(scheduler, scheduler.schedule())
+    assert scheduler.requests["a"].num_external_computed_tokens == 4  # the second load
+    (first,) = outputs
+    assert (first.num_cached_tokens, first.num_external_computed_tokens) == (12, 12)
+
+
+def test_a_loading_request_is_deferred_and_a_loaded_one_waits_for_capacity():
+    """vLLM's ``num_requests_waiting_by_reason``: a KV transfer in progress defers a
+    request ("deferred"); once loaded it waits for a seat like any other ("capacity")."""
+    scheduler, connector = make(max_seqs=2)
+    store(connector, PROMPT, 3)
+    scheduler.add_request(request("runs", [1, 2, 3]))
+    scheduler.add_request(request("loads", PROMPT))
+    output = scheduler.schedule()
+    stats = scheduler.make_stats()
+    assert (stats.num_waiting_reqs, stats.num_deferred_reqs) == (1, 1)
+    collect(scheduler, output)
+    assert scheduler.external.is_loaded(scheduler.requests["loads"])
+    stats = scheduler.make_stats()
+    assert (stats.num_waiting_reqs, stats.num_deferred_reqs) == (1, 0)

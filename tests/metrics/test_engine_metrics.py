@@ -106,8 +106,11 @@ def _drain(llm: LLM, on_step: Callable[[list[RequestOutput]], None] | None = Non
     engine = llm.llm_engine
     while engine.has_unfinished_requests():
         outputs = engine.step()
-        usage = _values(llm)["pagedlm:kv_cache_usage_perc"]
-        assert 0.0 <= usage <= 1.0
+        values = _values(llm)
+        assert 0.0 <= values["pagedlm:kv_cache_usage_perc"] <= 1.0
+        # vLLM's reasons (capacity, deferred) add up to the waiting requests.
+        waiting = values["pagedlm:num_requests_waiting"]
+        assert values["pagedlm:num_requests_waiting_by_reason"] == waiting
         if on_step is not None:
             on_step(outputs)
 
@@ -153,6 +156,11 @@ def test_preemption_aborts_and_n_through_the_engine(llama):
     # Prefill tokens processed, once each: a preempted request's recomputation and the
     # request aborted before it was scheduled add nothing.
     assert values["pagedlm:prompt_tokens"] == 4 * 40 + 3 * 20 + 10
+    # vLLM's split of them (summed over its sources): each token once, a recomputed last
+    # token twice (computed and hit).
+    assert values["pagedlm:prompt_tokens_by_source"] == (
+        values["pagedlm:prompt_tokens"] + values["pagedlm:prompt_tokens_recomputed"]
+    )
     # Queried once per sequence, when first admitted (vLLM leaves a resumed request's
     # lookup out); distinct random prompts hit nothing, the n=3 siblings at most their
     # shared first block.

@@ -204,3 +204,36 @@ def test_cached_prompt_tokens_and_the_prefill_each_sequence_computed():
     assert series.num_prompt_tokens == 17 + 10
     assert count(stats, "request_prefill_kv_computed_tokens") == 3
     assert total(stats, "request_prefill_kv_computed_tokens") == 1 + 6 + 9
+
+
+def test_prompt_tokens_by_source_as_vllm_splits_them():
+    """vLLM's ``prompt_tokens_by_source``: computed tokens ("local_compute"), loaded ones
+    ("external_kv_transfer") and the rest of the cached ones ("local_cache_hit"), counted
+    when a sequence's prefill is done, a pooled one's included; a whole cached prompt's
+    recomputed last token counts as computed and as a local hit, so the three sources
+    exceed the prompt tokens by the recomputed ones (vLLM's invariant)."""
+    stats = SequenceStats(max_model_len=64, clock=Clock())
+    stats.add_request("a", ["a-0"], 99.0, 17, 4)  # 8 loaded, 8 hit locally, last recomputed
+    stats.add_request("b", ["b-0"], 99.0, 10, 4)  # 4 loaded, 6 computed
+    stats.add_request("c", ["c-0"], 99.0, 12, 1)  # pooled: 8 hit locally, 4 computed
+    stats.add_request("d", ["d-0"], 99.0, 9, 4)  # aborted before its prefill: nothing
+    stats.record_outputs(
+        [
+            EngineCoreOutput("a-0", [1], num_cached_tokens=16, num_external_computed_tokens=8),
+            EngineCoreOutput("b-0", [1], num_cached_tokens=4, num_external_computed_tokens=4),
+            EngineCoreOutput("c-0", [], "stop", num_cached_tokens=8, pooled=[0.5]),
+            EngineCoreOutput("d-0", [], "abort"),
+        ]
+    )
+    stats.record_outputs([EngineCoreOutput("a-0", [2], num_cached_tokens=16)])  # counted once
+    series = stats.engines[0]
+    by_source = series.prompt_tokens_by_source
+    assert by_source == {
+        "local_compute": 1 + 6 + 4,
+        "local_cache_hit": (8 + 1) + 0 + 8,
+        "external_kv_transfer": 8 + 4,
+    }
+    assert sum(by_source.values()) - series.num_recomputed_prompt_tokens == 17 + 10 + 12
+    assert by_source["local_cache_hit"] + by_source["external_kv_transfer"] == (
+        series.num_cached_prompt_tokens + series.num_recomputed_prompt_tokens
+    )

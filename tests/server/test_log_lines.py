@@ -38,6 +38,21 @@ def test_the_line_gives_rates_since_the_last_and_stays_quiet_when_idle():
     assert line.line(_metrics(1000, 200, 0), now=20.0) is None  # idle: no line
 
 
+def test_the_line_has_the_kv_connectors_hit_rate_once_it_was_asked():
+    """vLLM adds "External prefix cache hit rate" with a KV connector, once it has seen a
+    request; every admission asks a connector for at least the prompt's last token, so
+    without one its queries stay 0 and the line has no such part."""
+    line = StatsLine()
+    line.line(_metrics(0, 0, 0), now=0.0)
+    assert "External" not in line.line(_metrics(1000, 200, 3), now=10.0)
+    external = [
+        Metric("pagedlm:external_prefix_cache_queries", 150),
+        Metric("pagedlm:external_prefix_cache_hits", 60),
+    ]
+    text = line.line(_metrics(2000, 400, 3) + external, now=20.0)
+    assert text.endswith("Prefix cache hit rate: 25.0%, External prefix cache hit rate: 40.0%")
+
+
 def test_the_line_sums_the_engines_counts_and_averages_their_kv_usage():
     """With data parallelism each replica reports its own series (vLLM's ``engine``
     label): the line adds their tokens and requests and shows their mean KV usage."""

@@ -5,6 +5,7 @@ examples/grafana reads only metrics that exist."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -63,6 +64,14 @@ def test_counters_match_requests(tiny_server):
         return value(after, name, **labels) - value(before, name, **labels)
 
     assert delta("pagedlm:prompt_tokens_total") == sum(len(p) for p in prompts)
+    # vLLM's split of them: computed, hit locally, loaded (no KV connector here).
+    by_source = {
+        source: delta("pagedlm:prompt_tokens_by_source_total", source=source)
+        for source in ("local_compute", "local_cache_hit", "external_kv_transfer")
+    }
+    recomputed = delta("pagedlm:prompt_tokens_recomputed_total")
+    assert sum(by_source.values()) - recomputed == sum(len(p) for p in prompts)
+    assert by_source["external_kv_transfer"] == 0
     assert delta("pagedlm:generation_tokens_total") == 4 * len(prompts)
     assert delta("pagedlm:request_success_total", finished_reason="length") == len(prompts)
     assert delta("pagedlm:time_to_first_token_seconds_count") == len(prompts)
@@ -71,6 +80,8 @@ def test_counters_match_requests(tiny_server):
     assert delta("pagedlm:inter_token_latency_seconds_count") == 3 * len(prompts)
     assert value(after, "pagedlm:num_requests_running") == 0
     assert value(after, "pagedlm:num_requests_waiting") == 0
+    for reason in ("capacity", "deferred"):  # vLLM's reasons, both exported
+        assert value(after, "pagedlm:num_requests_waiting_by_reason", reason=reason) == 0
     for name in (
         "pagedlm:kv_cache_usage_perc",
         "pagedlm:num_preemptions_total",
@@ -106,6 +117,13 @@ def test_cache_salt_keeps_prefix_caches_apart(tiny_server):
         # vLLM's prompt_tokens_cached: the same tokens, counted as the prefills finish.
         cached = "pagedlm:prompt_tokens_cached_total"
         assert value(after, cached) - value(before, cached) == hits
+
+        def by_source(sample, source: str) -> float:
+            return value(sample, "pagedlm:prompt_tokens_by_source_total", source=source)
+
+        recomputed = "pagedlm:prompt_tokens_recomputed_total"
+        local_hits = by_source(after, "local_cache_hit") - by_source(before, "local_cache_hit")
+        assert local_hits == hits + value(after, recomputed) - value(before, recomputed)
         return hits
 
     assert hits_after("tenant-a") == 0  # first sight of both prompts under this salt
@@ -184,6 +202,37 @@ def test_vllm_metric_names_on_request():
         PrometheusMetrics("m", "sglang")
 
 
+def _start_time(pid: int) -> float:
+    """A process's start time, seconds since the epoch, as prometheus_client reads it."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    ticks = float(stat.rpartition(")")[2].split()[19])
+    boot = next(
+        float(line.split()[1])
+        for line in Path("/proc/stat").read_text().splitlines()
+        if line.startswith("btime ")
+    )
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def test_process_and_gc_metrics_of_the_front_end(tiny_server):
+    """prometheus_client's default collectors, as on vLLM's /metrics (its global registry):
+    ``process_*`` of the process that serves /metrics (the front end, not the engine
+    core), ``python_gc_*`` per generation and ``python_info``, unprefixed."""
+    samples = scrape(tiny_server.url)
+    assert samples[("process_start_time_seconds", ())] == pytest.approx(
+        _start_time(tiny_server.process.pid), abs=0.02
+    )
+    assert samples[("process_resident_memory_bytes", ())] > 0
+    assert samples[("process_cpu_seconds_total", ())] > 0
+    assert samples[("process_open_fds", ())] > 0
+    for generation in ("0", "1", "2"):
+        labels = (("generation", generation),)
+        assert samples[("python_gc_collections_total", labels)] >= 0
+        assert ("python_gc_objects_collected_total", labels) in samples
+        assert ("python_gc_objects_uncollectable_total", labels) in samples
+    assert any(name == "python_info" for name, _ in samples)
+
+
 def test_label_sets_are_vllms():
     """vLLM's label sets: ``model_name`` and ``engine`` on every series but
     ``lora_requests_info`` (its adapters only) and ``cache_config_info`` (its fields and
@@ -197,6 +246,11 @@ def test_label_sets_are_vllms():
     metrics = PrometheusMetrics("m", "vllm")
     metrics.update_engine_metrics(engine.snapshot(stats))
     families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    # prometheus_client's default collectors, unprefixed beside vLLM's names.
+    assert {"process_resident_memory_bytes", "python_gc_collections", "python_info"} <= set(
+        families
+    )
+    families = {name: f for name, f in families.items() if name.startswith("vllm:")}
     for name, family in families.items():
         labels = set(family.samples[0].labels) - {"le"}
         if name == "vllm:lora_requests_info":
@@ -205,6 +259,14 @@ def test_label_sets_are_vllms():
             assert labels == {"block_size", "engine"}
         elif name == "vllm:engine_sleep_state":
             assert labels == {"model_name", "engine", "sleep_state"}
+        elif name == "vllm:num_requests_waiting_by_reason":
+            assert labels == {"model_name", "engine", "reason"}
+            reasons = {sample.labels["reason"] for sample in family.samples}
+            assert reasons == {"capacity", "deferred"}
+        elif name == "vllm:prompt_tokens_by_source":
+            assert labels == {"model_name", "engine", "source"}
+            sources = {sample.labels["source"] for sample in family.samples}
+            assert sources == {"local_compute", "local_cache_hit", "external_kv_transfer"}
         elif name == "vllm:request_success":
             assert labels == {"model_name", "engine", "finished_reason"}
             reasons = {sample.labels["finished_reason"] for sample in family.samples}

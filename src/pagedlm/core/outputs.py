@@ -29,6 +29,9 @@ class EngineCoreOutput(NamedTuple):
     engine_index: int = 0
     """The data-parallel replica that ran the request (``engine.data_parallel``; 0 with one
     engine): the ``engine`` label of its metrics, as vLLM's engine index."""
+    num_external_computed_tokens: int = 0
+    """Of ``num_cached_tokens``, the tokens a KV connector loaded (vLLM's name); the rest
+    hit the local prefix cache (``prompt_tokens_by_source``)."""
 
     @property
     def finished(self) -> bool:

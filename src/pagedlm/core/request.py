@@ -105,7 +105,10 @@ class Request:
         """Prompt tokens served from the prefix cache or a KV connector at first scheduling
         (-1: not yet)."""
         self.num_external_computed_tokens = 0
-        """Of those, tokens a KV connector loaded (vLLM's name)."""
+        """Tokens of its prompt a KV connector is loading or has loaded into the blocks it
+        holds (vLLM's name)."""
+        self.num_external_cached_tokens = 0
+        """Of ``num_cached_tokens``, those a KV connector had loaded (fixed with it)."""
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

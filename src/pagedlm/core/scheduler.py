@@ -117,6 +117,7 @@ from pagedlm.core.request import Request, RequestStatus
 from pagedlm.core.scheduler_interface import Scheduler, SchedulerStats
 from pagedlm.core.speculation import Speculation, StepDrafts
 from pagedlm.core.stop_checker import append_token_ids, check_stop
+from pagedlm.core.waiting_reasons import count_deferred
 from pagedlm.kv_cache.events import EventLog, KVCacheEvent
 from pagedlm.kv_cache.manager import ComputedBlocks, KVCacheManager
 from pagedlm.lora.scheduler_gate import LoRAGate
@@ -291,6 +292,9 @@ class OneBudgetScheduler(Scheduler):
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
+            num_deferred_reqs=count_deferred(
+                self.waiting, self.running, self.loras, self._in_flight_req_ids
+            ),
             kv_cache_usage=self.kv_manager.usage,
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv_manager.prefix_cache_queries,
@@ -614,6 +618,7 @@ class OneBudgetScheduler(Scheduler):
         request.num_computed_tokens = start
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = start
+            request.num_external_cached_tokens = request.num_external_computed_tokens
             request.queued_seconds = time.monotonic() - request.arrival_time
         request.status = RequestStatus.RUNNING
         self.order.run(self.running, request)
@@ -674,6 +679,9 @@ class OneBudgetScheduler(Scheduler):
                             None,
                             max(request.num_cached_tokens, 0),
                             request.queued_seconds,
+                            None,
+                            0,
+                            request.num_external_cached_tokens,
                         )
                     )
                     continue
@@ -708,6 +716,8 @@ class OneBudgetScheduler(Scheduler):
                     max(request.num_cached_tokens, 0),
                     request.queued_seconds,
                     pooled,
+                    0,
+                    request.num_external_cached_tokens,
                 )
             )
         return outputs
@@ -776,6 +786,7 @@ class OneBudgetScheduler(Scheduler):
             message,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             queued_seconds=request.queued_seconds,
+            num_external_computed_tokens=request.num_external_cached_tokens,
         )
 
     def _remove_from_queues(self, request: Request) -> None:

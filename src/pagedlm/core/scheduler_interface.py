@@ -36,6 +36,11 @@ class SchedulerStats:
     its local prefix-cache hit, once, resumed preemptions left out (vLLM's)."""
     external_prefix_cache_hits: int = 0
     """Of those, tokens the connector had (to load)."""
+    num_deferred_reqs: int = 0
+    """Of the waiting requests, those a transient constraint holds back while requests
+    behind them may start (a grammar compiling, a KV transfer, one LoRA adapter too many;
+    ``core/waiting_reasons.py``): vLLM's "deferred" ``num_requests_waiting_by_reason``,
+    the others its "capacity"."""
     engines: list[SchedulerStats] = field(default_factory=list)
     """Data parallelism: each replica's own stats, in engine-index order (the fields above
     are then their sums, the KV usage their mean); empty with one engine."""

@@ -68,6 +68,7 @@ def sum_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
         waiting_lora_adapters=_sum_counts(s.waiting_lora_adapters for s in stats),
         external_prefix_cache_queries=sum(s.external_prefix_cache_queries for s in stats),
         external_prefix_cache_hits=sum(s.external_prefix_cache_hits for s in stats),
+        num_deferred_reqs=sum(s.num_deferred_reqs for s in stats),
         engines=list(stats),
     )
 

@@ -1,7 +1,9 @@
 """vLLM's periodic engine log line: prompt and generation throughput since the last line,
-running and waiting requests, KV cache usage and the prefix cache's hit rate, computed
-from the engine's metrics (``LLMEngine/AsyncLLM.get_metrics()``); with data parallelism
-the engines' counts summed and their KV usage averaged."""
+running and waiting requests, KV cache usage and the prefix cache's hit rate, then, once a
+KV connector has been asked for tokens (as vLLM: only with a connector, once it has seen a
+request), the connector's ("External prefix cache hit rate"); computed from the engine's
+metrics (``LLMEngine/AsyncLLM.get_metrics()``), hit rates over the whole run; with data
+parallelism the engines' counts summed and their KV usage averaged."""
 
 from __future__ import annotations
 
@@ -43,12 +45,24 @@ class StatsLine:
         prompt, generated = delta("prompt_tokens"), delta("generation_tokens")
         if not (prompt or generated or running or waiting):
             return None
-        queries = values.get("pagedlm:prefix_cache_queries", 0.0)
-        hits = values.get("pagedlm:prefix_cache_hits", 0.0)
-        return (
+        text = (
             f"Avg prompt throughput: {prompt / seconds:.1f} tokens/s, "
             f"Avg generation throughput: {generated / seconds:.1f} tokens/s, "
             f"Running: {running:.0f} reqs, Waiting: {waiting:.0f} reqs, "
             f"KV cache usage: {100 * values.get('pagedlm:kv_cache_usage_perc', 0.0):.1f}%, "
-            f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"
+            f"Prefix cache hit rate: {_hit_rate(values, 'prefix_cache'):.1f}%"
         )
+        # Every admission asks a connector for at least the prompt's last token, so its
+        # queries are 0 only without a connector or before its first request.
+        if values.get("pagedlm:external_prefix_cache_queries"):
+            text += (
+                ", External prefix cache hit rate: "
+                f"{_hit_rate(values, 'external_prefix_cache'):.1f}%"
+            )
+        return text
+
+
+def _hit_rate(values: dict[str, float], cache: str) -> float:
+    """Percent of ``cache``'s queried tokens that hit."""
+    queries = values.get(f"pagedlm:{cache}_queries", 0.0)
+    return 100 * values.get(f"pagedlm:{cache}_hits", 0.0) / queries if queries else 0.0

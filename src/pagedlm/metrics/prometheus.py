@@ -9,6 +9,16 @@ prometheus_client's global one) turns that list into metric families. Labels as 
 ``model_name`` (the served name) and ``engine`` on every series, but ``cache_config_info``
 (its fields and ``engine``) and ``lora_requests_info`` (its adapters only).
 
+Beside them, as on vLLM's ``/metrics``, prometheus_client's default collectors, unprefixed:
+``process_*`` (CPU seconds, resident and virtual memory, open and maximum file
+descriptors, start time), ``python_gc_*`` (objects collected and uncollectable, and
+collections, per generation) and ``python_info``. They describe the process that answers
+``/metrics``, the server's front end, as vLLM's describe its API server: not the engine
+core's or the workers' processes. vLLM drops them in its multiprocess mode (several API
+server processes sharing one ``/metrics`` through ``PROMETHEUS_MULTIPROC_DIR`` files, which
+prometheus_client cannot merge process metrics across); pagedlm runs one front-end process
+(``--api-server-count`` above 1 is refused), so they are always the one server's.
+
 Importing this module imports ``prometheus_client``; only the server does.
 """
 
@@ -17,7 +27,13 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -30,6 +46,10 @@ from pagedlm.metrics.stats import Metric as EngineMetric
 _DOCS = {
     "pagedlm:num_requests_running": "Number of requests in model execution batches.",
     "pagedlm:num_requests_waiting": "Number of requests waiting to be processed.",
+    "pagedlm:num_requests_waiting_by_reason": "Number of waiting requests by reason: "
+    "capacity (waiting for the token budget, a seat or KV blocks), deferred (held back by a "
+    "grammar compiling, a KV transfer or one LoRA adapter too many, while requests behind "
+    "may start). The reasons add up to num_requests_waiting.",
     "pagedlm:engine_sleep_state": "Engine sleep state: 1 for the state it is in (awake; "
     "weights_offloaded: sleep level 1; discard_all: sleep level 2), 0 for the others.",
     "pagedlm:kv_cache_usage_perc": "KV-cache usage: 1 means 100 percent.",
@@ -40,6 +60,9 @@ _DOCS = {
     "local prefix-cache hit).",
     "pagedlm:external_prefix_cache_hits": "Tokens the KV connector had, to load.",
     "pagedlm:prompt_tokens": "Number of prefill tokens processed.",
+    "pagedlm:prompt_tokens_by_source": "Prompt tokens by source: local_compute (computed), "
+    "local_cache_hit (the prefix cache), external_kv_transfer (loaded by a KV connector); a "
+    "whole cached prompt's recomputed last token counts as computed and as a cache hit.",
     "pagedlm:prompt_tokens_cached": "Prompt tokens not computed: prefix-cache hits and "
     "tokens a KV connector loaded.",
     "pagedlm:prompt_tokens_recomputed": "Cached prompt tokens computed again (a whole cached "
@@ -136,6 +159,10 @@ class PrometheusMetrics:
 
     def __init__(self, model_name: str, prefix: str = "pagedlm") -> None:
         self.registry = CollectorRegistry(auto_describe=False)
+        # prometheus_client's defaults, first as in its global registry (vLLM's).
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         self._engine = _EngineMetricsCollector(model_name, prefix)
         self.registry.register(self._engine)
 

@@ -63,6 +63,8 @@ REQUEST_LATENCY_BUCKETS = (
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 """vLLM v1's ``iteration_tokens_total`` buckets (V0's ended at a mistyped 8096)."""
 N_BUCKETS = (1, 2, 5, 10, 20)
+PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+"""vLLM's ``source`` labels of ``prompt_tokens_by_source``."""
 
 
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
@@ -172,6 +174,11 @@ class EngineSeries:
         self.num_recomputed_prompt_tokens = 0
         """Prompts whose every token but the last was cached: that last one is computed
         again for its logits (vLLM's ``prompt_tokens_recomputed``, one per such prompt)."""
+        self.prompt_tokens_by_source = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)
+        """vLLM's ``prompt_tokens_by_source``, its way: "local_compute" the prompt tokens
+        computed (a recomputed last token included), "external_kv_transfer" those a KV
+        connector loaded, "local_cache_hit" the other cached ones plus a recomputed last
+        token (so the three exceed ``num_prompt_tokens`` by the recomputed ones)."""
         self.num_generation_tokens = 0
         """Tokens generated for the sequences still tracked (``generation_tokens_total``;
         like vLLM, not those a step produced for a request its client had aborted)."""
@@ -262,11 +269,11 @@ class SequenceStats:
                         "pagedlm:time_to_first_token_seconds", now - sequence.arrival_time
                     )
                     step[0] += sequence.num_prompt_tokens  # vLLM counts the prefill here
-                    self._prefilled(series, sequence, output.num_cached_tokens)
+                    self._prefilled(series, sequence, output)
                 sequence.last_token_time = token_time
                 sequence.num_generation_tokens += num_new
             elif output.pooled is not None:  # a pooling request's only output
-                self._prefilled(series, sequence, output.num_cached_tokens)
+                self._prefilled(series, sequence, output)
             if output.finish_reason is not None:
                 sequence.num_cached_tokens = output.num_cached_tokens
                 self._record_finished(output.req_id, now, output.finish_reason)
@@ -277,13 +284,20 @@ class SequenceStats:
             histograms["pagedlm:iteration_tokens_total"].observe(num_tokens)
 
     @staticmethod
-    def _prefilled(series: EngineSeries, sequence: _Sequence, num_cached_tokens: int) -> None:
-        """A sequence's prompt is done: its tokens counted, and how many were cached."""
+    def _prefilled(series: EngineSeries, sequence: _Sequence, output: EngineCoreOutput) -> None:
+        """A sequence's prompt is done: its tokens counted, how many were cached, and
+        where they came from."""
         num_prompt_tokens = sequence.num_prompt_tokens
+        num_cached_tokens = output.num_cached_tokens
+        num_external = output.num_external_computed_tokens
+        recomputed = int(num_cached_tokens + 1 == num_prompt_tokens)
         series.num_prompt_tokens += num_prompt_tokens
         series.num_cached_prompt_tokens += num_cached_tokens
-        if num_cached_tokens + 1 == num_prompt_tokens:
-            series.num_recomputed_prompt_tokens += 1
+        series.num_recomputed_prompt_tokens += recomputed
+        by_source = series.prompt_tokens_by_source
+        by_source["local_compute"] += num_prompt_tokens - num_cached_tokens
+        by_source["local_cache_hit"] += num_cached_tokens + recomputed - num_external
+        by_source["external_kv_transfer"] += num_external
         sequence.num_cached_tokens = num_cached_tokens
 
     def record_stopped(self, child_ids: Iterable[str]) -> None:

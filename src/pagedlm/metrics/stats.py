@@ -32,6 +32,11 @@ repetition detector)."""
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 """``engine_sleep_state``'s ``sleep_state`` labels: awake, sleep level 1, sleep level 2."""
 
+WAITING_REASONS = ("capacity", "deferred")
+"""``num_requests_waiting_by_reason``'s ``reason`` labels, vLLM's: waiting for the token
+budget, a seat or KV blocks; held back by a transient constraint while requests behind
+may start (``core/waiting_reasons.py``)."""
+
 
 @dataclass(frozen=True)
 class Metric:
@@ -120,6 +125,7 @@ def _scheduler_metrics(stats: SchedulerStats, engine: dict[str, str]) -> list[Me
     metrics = [
         Metric("pagedlm:num_requests_running", stats.num_running_reqs, "gauge", engine),
         Metric("pagedlm:num_requests_waiting", stats.num_waiting_reqs, "gauge", engine),
+        *_waiting_by_reason(stats, engine),
         Metric("pagedlm:kv_cache_usage_perc", stats.kv_cache_usage, "gauge", engine),
         Metric("pagedlm:num_preemptions", stats.num_preemptions, labels=engine),
         Metric("pagedlm:prefix_cache_queries", stats.prefix_cache_queries, labels=engine),
@@ -153,6 +159,21 @@ def _scheduler_metrics(stats: SchedulerStats, engine: dict[str, str]) -> list[Me
     return metrics
 
 
+def _waiting_by_reason(stats: SchedulerStats, engine: dict[str, str]) -> list[Metric]:
+    """vLLM's ``num_requests_waiting_by_reason``: its two reasons add up to the waiting."""
+    deferred = stats.num_deferred_reqs
+    counts = {"capacity": stats.num_waiting_reqs - deferred, "deferred": deferred}
+    return [
+        Metric(
+            "pagedlm:num_requests_waiting_by_reason",
+            counts[reason],
+            "gauge",
+            {**engine, "reason": reason},
+        )
+        for reason in WAITING_REASONS
+    ]
+
+
 def _sleep_state(sleep_level: int, engine: dict[str, str]) -> list[Metric]:
     """vLLM's ``engine_sleep_state``: 1 for the state the engine is in, 0 for the others."""
     state = SLEEP_STATES[sleep_level] if 0 <= sleep_level < len(SLEEP_STATES) else None
@@ -170,6 +191,10 @@ def _sleep_state(sleep_level: int, engine: dict[str, str]) -> list[Metric]:
 def _front_end_metrics(series: EngineSeries, engine: dict[str, str]) -> list[Metric]:
     metrics = [
         Metric("pagedlm:prompt_tokens", series.num_prompt_tokens, labels=engine),
+        *(
+            Metric("pagedlm:prompt_tokens_by_source", count, labels={**engine, "source": source})
+            for source, count in series.prompt_tokens_by_source.items()
+        ),
         Metric("pagedlm:prompt_tokens_cached", series.num_cached_prompt_tokens, labels=engine),
         Metric(
             "pagedlm:prompt_tokens_recomputed", series.num_recomputed_prompt_tokens, labels=engine
