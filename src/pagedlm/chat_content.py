@@ -150,6 +150,44 @@ def tool_reference(part: Mapping[str, Any], where: str) -> dict[str, str]:
     return {"type": TOOL_REFERENCE, "name": name}
 
 
+def check_continuable(messages: Sequence[Any], places: Sequence[str] | None = None) -> None:
+    """``continue_final_message`` continues the last message from its last part holding
+    ``"text"`` (transformers' reading; the rendered prompt is cut after it): a
+    ``ContentPartError`` naming the fix for a last message whose content (template-ready:
+    a string, or typed parts) has no such part (transformers' "could not find any text to
+    continue" named none), or has an image part after it (the image would be lost).
+    ``places``: each message's place in the request (default ``"messages.{i}"``)."""
+    content = messages[-1].get("content") if messages and isinstance(messages[-1], dict) else None
+    if not isinstance(content, list):
+        return
+    place = places[-1] if places else f"messages.{len(messages) - 1}"
+    texts = [j for j, part in enumerate(content) if isinstance(part, Mapping) and "text" in part]
+    last_text = texts[-1] if texts else -1
+    after = next(
+        (
+            j
+            for j in range(last_text + 1, len(content))
+            if isinstance(content[j], Mapping) and content[j].get("type") == "image"
+        ),
+        None,
+    )
+    if after is not None:
+        raise ContentPartError(
+            f"{place}.content.{after}",
+            "continue_final_message continues the last message from its last text part, "
+            "and this image comes after it (the rendered prompt ends at that text); end the "
+            "message with a text part, or drop continue_final_message.",
+        )
+    if not texts:
+        raise ContentPartError(
+            f"{place}.content",
+            "continue_final_message continues the last message's text, and this message "
+            "has none (no text part); end it with a text part such as "
+            '{"type": "text", "text": "..."} (or send its content as a string), or drop '
+            "continue_final_message.",
+        )
+
+
 def check_content_format(option: str) -> ContentFormatOption:
     if option not in CONTENT_FORMAT_OPTIONS:
         raise ValueError(

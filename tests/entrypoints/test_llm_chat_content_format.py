@@ -130,3 +130,21 @@ def test_null_text_parts_are_skipped_and_tool_references_kept(llm, content_forma
             use_tqdm=False,
             chat_template_content_format=content_format,
         )
+
+
+def test_continuing_a_last_message_without_text_names_the_fix(llm):
+    """transformers' "could not find any text to continue" named no fix; "string" content
+    continues the empty string, as in vLLM."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": []}]
+    kwargs = {"add_generation_prompt": False, "continue_final_message": True, "use_tqdm": False}
+    params = SamplingParams(max_tokens=1)
+    with pytest.raises(ValueError, match=r"^messages\.1\.content: continue_final_message"):
+        llm.chat(messages, params, chat_template=PARTS_TEMPLATE, **kwargs)
+    (out,) = llm.chat(
+        messages,
+        params,
+        chat_template=STRING_TEMPLATE,
+        chat_template_content_format="string",
+        **kwargs,
+    )
+    assert llm.get_tokenizer().decode(out.prompt_token_ids) == "hi;"

@@ -145,3 +145,17 @@ def test_llm_chat_and_generate_errors_name_the_input(llm):
         llm.generate({"prompt": "USER: <image>", "multi_modal_data": empty}, use_tqdm=False)
     params = SamplingParams(max_tokens=2)
     assert llm.chat(_user({"type": "image_pil", "image_pil": IMAGE}), params, use_tqdm=False)
+
+
+def test_llm_chat_continuing_a_message_without_text_names_the_fix(llm):
+    """Offline, an image conversation whose last message has no text got transformers'
+    "could not find any text to continue"; an image after the text was lost."""
+    image = {"type": "image_pil", "image_pil": IMAGE}
+    kwargs = {"add_generation_prompt": False, "continue_final_message": True, "use_tqdm": False}
+    for content, match in (
+        ([], r"^messages\.1\.content: continue_final_message .* end it with a text part"),
+        (["a", image], r"^messages\.1\.content\.1: continue_final_message .* this image"),
+    ):
+        chat = [*_user(image, "hi"), {"role": "assistant", "content": content}]
+        with pytest.raises(ValueError, match=match):
+            llm.chat(chat, SamplingParams(max_tokens=1), **kwargs)

@@ -181,3 +181,14 @@ def test_continuing_a_message_that_ends_with_an_image_names_the_image(client, co
     ends_with_text = [*messages[:-1], {"role": "assistant", "content": [IMAGE, QUESTION]}]
     status, body = _tokenize(client, ends_with_text, **fields)
     assert status == 200 and body["tokens"] == _prompt_tokens(client, ends_with_text, **fields)
+
+
+def test_continuing_a_last_message_without_text_is_a_400_naming_the_fix(client):
+    """An empty last message (after a message with an image) got transformers' "could not
+    find any text to continue", naming no fix."""
+    fields = {"add_generation_prompt": False, "continue_final_message": True}
+    for content in ([], [{"type": "text", "text": None}]):
+        messages = [*_messages(IMAGE, QUESTION), {"role": "assistant", "content": content}]
+        status, body = _tokenize(client, messages, **fields)
+        assert status == 400 and body["error"]["param"] == "messages.1.content"
+        assert "end it with a text part" in body["error"]["message"]

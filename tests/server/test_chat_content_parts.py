@@ -149,6 +149,35 @@ def test_null_text_parts_are_skipped_and_tool_references_reach_the_template(clie
     assert status == 200 and client.decode(body["tokens"]) == ";"
 
 
+@pytest.mark.parametrize(
+    "content",
+    [[], [{"type": "text", "text": None}], None, [{"type": "tool_reference", "name": "f"}]],
+)
+def test_continuing_a_last_message_without_text_is_a_400_naming_the_fix(client, content):
+    """It was transformers' "continue_final_message is set but we could not find any text
+    to continue in the final message!", which names no fix (vLLM answers the same)."""
+    body = {
+        "model": "tiny",
+        "max_tokens": 1,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": content}],
+    }
+    for route in ("/tokenize", "/v1/chat/completions"):
+        response = client.post(route, json=body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "messages.1.content"
+        assert error["message"].startswith("messages.1.content: continue_final_message")
+        assert '{"type": "text", "text": "..."}' in error["message"]
+        assert "drop continue_final_message" in error["message"]
+    continued = {
+        **body,
+        "messages": [*body["messages"][:1], {"role": "assistant", "content": ["a"]}],
+    }
+    assert client.post("/tokenize", json=continued).status_code == 200
+
+
 def test_many_parts_are_read_in_one_pass(client):
     """10,000 parts in one message: answered (a count, or a 400 for the one bad part at
     the end) without a 5xx."""

@@ -16,6 +16,7 @@ from pagedlm.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedlm.chat_content import (
     ContentFormatOption,
     check_content_format,
+    check_continuable,
     format_conversation,
     resolve_content_format,
     template_source,
@@ -684,8 +685,11 @@ class LLM:
                     continue_final_message=continue_final_message,
                     **(chat_template_kwargs or {}),
                 )
+            formatted = format_conversation(conversation, content_format)
+            if continue_final_message:
+                check_continuable(formatted)
             token_ids = tokenizer.apply_chat_template(
-                format_conversation(conversation, content_format),
+                formatted,
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
@@ -713,6 +717,8 @@ class LLM:
         inputs = self.llm_engine.input_processor.multimodal
         messages, parts = split_images(conversation)
         inputs.check_count("image", len(parts))
+        if template_kwargs.get("continue_final_message"):
+            check_continuable(messages)
         images = [load_chat_image(part, inputs.config) for part in parts]
         text = inputs.processor.render_chat(messages, **template_kwargs)
         prompt = {"prompt": text, "multi_modal_data": {"image": images}}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from pagedlm.chat_content import ContentPartError, check_continuable
 from pagedlm.entrypoints.openai.errors import APIError
 from pagedlm.entrypoints.openai.protocol_anthropic import system_content
 from pagedlm.multimodal.chat import ImagePart, has_images, split_images
@@ -159,25 +160,13 @@ async def multimodal_prompt(
 
 
 def _check_continuable(messages: list[dict[str, Any]], places: list[str] | None) -> None:
-    """``continue_final_message`` continues the last message from its last text part: the
-    template's output is cut there, so an image after it would be lost (and the prompt
-    refused for a placeholder short, naming no part); a 400 naming that image."""
-    content = messages[-1].get("content") if messages else None
-    if not isinstance(content, list):
-        return
-    kinds = [part.get("type") for part in content]
-    last_text = max((j for j, kind in enumerate(kinds) if kind == "text"), default=-1)
-    after = next((j for j in range(last_text + 1, len(kinds)) if kinds[j] == "image"), None)
-    if after is None:
-        return
-    place = places[-1] if places else f"messages.{len(messages) - 1}"
-    where = f"{place}.content.{after}"
-    raise APIError(
-        f"{where}: continue_final_message continues the last message from its last text "
-        "part, and this image comes after it (the rendered prompt ends at that text); end "
-        "the message with a text part, or drop continue_final_message.",
-        param=where,
-    )
+    """``chat_content.check_continuable`` as a 400: an image after the last message's last
+    text part would be lost (the prompt then refused for a placeholder short, naming no
+    part), and a last message without text has nothing to continue."""
+    try:
+        check_continuable(messages, places)
+    except ContentPartError as error:
+        raise APIError(str(error), param=error.where) from None
 
 
 async def multimodal_token_ids(ctx: Any, prompt: dict[str, Any]) -> list[int]:

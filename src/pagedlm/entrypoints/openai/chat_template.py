@@ -20,6 +20,7 @@ from typing import Any
 
 from pagedlm.chat_content import (
     ContentFormatOption,
+    check_continuable,
     format_conversation,
     resolve_content_format,
     template_source,
@@ -89,9 +90,11 @@ class ChatTemplateRenderer:
             # Parsed, never run, here; one past the limit is refused by the sandbox.
             source = request_template if len(request_template) <= MAX_TEMPLATE_CHARS else None
             if self.content_format == "auto":
-                conversation = await asyncio.to_thread(self._formatted, conversation, source)
+                conversation = await asyncio.to_thread(
+                    self._formatted, conversation, source, continue_final_message
+                )
             else:
-                conversation = self._formatted(conversation, source)
+                conversation = self._formatted(conversation, source, continue_final_message)
             try:
                 text = await self._get_sandbox().render(
                     request_template,
@@ -111,7 +114,7 @@ class ChatTemplateRenderer:
 
         def render_and_encode() -> list[int]:
             source = template_source(tokenizer, self.server_template, template_kwargs.get("tools"))
-            messages = self._formatted(conversation, source, log=True)
+            messages = self._formatted(conversation, source, continue_final_message, log=True)
             try:
                 text = tokenizer.apply_chat_template(
                     messages,
@@ -128,9 +131,14 @@ class ChatTemplateRenderer:
         return await asyncio.to_thread(render_and_encode)
 
     def _formatted(
-        self, conversation: list[dict[str, Any]], source: str | None, log: bool = False
+        self,
+        conversation: list[dict[str, Any]],
+        source: str | None,
+        continue_final_message: bool,
+        log: bool = False,
     ) -> list[dict[str, Any]]:
-        """``conversation`` with its content in the format for the template ``source``."""
+        """``conversation`` with its content in the format for the template ``source``,
+        checked for ``continue_final_message`` (``chat_content.check_continuable``)."""
         content_format = resolve_content_format(self.content_format, source)
         if log and self.content_format == "auto" and source not in self._logged_sources:
             self._logged_sources.add(source)  # type: ignore[arg-type]
@@ -140,9 +148,12 @@ class ChatTemplateRenderer:
                 content_format,
             )
         try:
-            return format_conversation(conversation, content_format)
+            formatted = format_conversation(conversation, content_format)
+            if continue_final_message:
+                check_continuable(formatted)
         except ValueError as error:
-            raise APIError(str(error), param="messages") from error
+            raise APIError(str(error), param=getattr(error, "where", "messages")) from error
+        return formatted
 
     def _get_sandbox(self) -> TemplateSandbox:
         if self._sandbox is None:
