@@ -1,24 +1,26 @@
 """Paged attention on CPU: gather each request's keys and values, then torch SDPA.
 
 Per step, ``build_metadata`` turns the block tables into index tensors and masks once, so
-the per-layer work is one scatter (the new K/V), a gather of whole blocks and the
-attention itself. A step's decodes skip the gather where they can: one decode whose
-blocks are consecutive reads them in place, and a decode group that continues the last
-step's reads the ``DecodeMirror`` (its keys kept kv head-major across steps, a token
-appended per step). Requests are split in two groups because they want different shapes:
+the per-layer work is one scatter (the new K/V), a gather of whole blocks (both in
+``paged_gather.py``) and the attention itself. A step's decodes skip the gather where they
+can: one decode whose blocks are consecutive reads them in place, and a decode group that
+continues the last step's reads the ``DecodeMirror`` (its keys kept kv head-major across
+steps, a token appended per step). Requests are split in two groups because they want
+different shapes:
 
-- decodes (one query token each) are padded to the longest context and run as a batched
-  SDPA call with a key-padding mask (16 or more bf16 decodes as two batched matmuls over
-  their keys copied kv head-major instead: ``decode_matmuls``); a large batch of decodes
-  whose contexts differ much is first sorted by context length and cut into up to
-  ``MAX_DECODE_GROUPS`` groups of equal size, one call each, so that short contexts are
-  not padded to the longest one (``decode_partition``: 256 decodes of 100-564 keys gather
-  30% fewer key slots in 4 groups and their SDPA calls take 1.8x less time; 256 prompts of
-  100-500 tokens decode 30% faster end to end), unless the ``DecodeMirror`` (above) can hold
-  them all as one group: appending to it costs less than gathering the groups;
-- chunks of more than one token (prompts, chunked prefills) run one SDPA call each, with a
-  causal mask shifted by the request's cached context length; a chunk without cached
-  context attends to its own new K/V directly.
+- decodes (one query token each; ``decode_groups.py``) are padded to the longest context
+  and run as a batched SDPA call with a key-padding mask (16 or more bf16 decodes as two
+  batched matmuls over their keys copied kv head-major instead: ``decode_matmuls``); a
+  large batch of decodes whose contexts differ much is first sorted by context length and
+  cut into up to ``MAX_DECODE_GROUPS`` groups of equal size, one call each, so that short
+  contexts are not padded to the longest one (``decode_partition``: 256 decodes of 100-564
+  keys gather 30% fewer key slots in 4 groups and their SDPA calls take 1.8x less time;
+  256 prompts of 100-500 tokens decode 30% faster end to end), unless the ``DecodeMirror``
+  (above) can hold them all as one group: appending to it costs less than gathering the
+  groups;
+- chunks of more than one token (prompts, chunked prefills; ``prefill_chunks.py``) run one
+  SDPA call each, with a causal mask shifted by the request's cached context length; a
+  chunk without cached context attends to its own new K/V directly.
 
 An FP8 cache (``kv_cache_dtype="fp8"``) is emulated: the new K/V are quantized on write,
 the gathered blocks stay float8 (half the copy) and are dequantized to the compute dtype
@@ -27,114 +29,44 @@ sees the same (quantized) keys whether it is computed in a prefill or in a decod
 
 Sliding windows (per layer), logit soft-capping (Gemma 2) and bidirectional image spans
 (Gemma 3: a chunk's mask also lets positions of one image see each other) change only the
-mask and the score function: window masks are built on first use per step and window size, and shared
-by every layer with that window; soft-capped scores are computed explicitly, because SDPA
-has no hook between the scores and the softmax; so are those of layers with attention
-sinks (gpt-oss: a per-head logit joins each softmax's denominator), which the decode
-matmuls and ``DecodeOnlyStep`` never see. ``causal=False`` (encoders) drops the causal
-mask: every row of a request sees all its keys (a decode's single row already does).
+mask and the score function: window masks are built on first use per step and window
+size, and shared by every layer with that window; soft-capped scores are computed
+explicitly, because SDPA has no hook between the scores and the softmax; so are those of
+layers with attention sinks (gpt-oss: a per-head logit joins each softmax's denominator),
+which the decode matmuls and ``DecodeOnlyStep`` never see. ``causal=False`` (encoders)
+drops the causal mask: every row of a request sees all its keys (a decode's single row
+already does).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from pagedlm.attention.backend import AttentionBackend, BatchLayout
-from pagedlm.kv_cache import fp8
-from pagedlm_cpu import decode_matmuls, decode_mirror
-from pagedlm_cpu.decode_mirror import DecodeMirror, MirrorPlan
+from pagedlm_cpu import decode_matmuls
+from pagedlm_cpu.decode_groups import DecodeGroup, decode_partition, plan_decode_groups
+from pagedlm_cpu.decode_mirror import DecodeMirror
 from pagedlm_cpu.invariant_attention import attend_per_token
+from pagedlm_cpu.paged_gather import GatherWorkspaces, write
+from pagedlm_cpu.prefill_chunks import ChunkRequest, chunk_request
 from pagedlm_cpu.sdpa import attend as _attend
+
+__all__ = [
+    "ChunkRequest",
+    "CpuSdpaBackend",
+    "CpuSdpaMetadata",
+    "DecodeGroup",
+    "DecodeOnlyStep",
+    "decode_partition",
+]
 
 DECODE_MIRROR_ENV = "PAGEDLM_CPU_DECODE_MIRROR"
 """Set to 0 to gather every decode's keys from the cache in every layer of every step
 instead of keeping them in a ``DecodeMirror``."""
-MAX_DECODE_GROUPS = 8
-"""Most SDPA calls the step's decodes are split into (``decode_partition``)."""
-MIN_DECODE_GROUP = 32
-"""Fewest decodes in a group: below, another call costs more than the padding it saves."""
-MAX_PADDING = 1.15
-"""Decodes stay in one group while their padded key blocks are at most this many times the
-blocks they hold."""
-
-
-def decode_partition(blocks: np.ndarray) -> list[np.ndarray]:
-    """Indices into ``blocks`` (each decode's number of key blocks) of the groups attended
-    in one call each: all of them in order when one call pads little or the batch is
-    small, else sorted by ``blocks`` and cut into equal-sized groups (at least
-    ``MIN_DECODE_GROUP`` decodes each, at most ``MAX_DECODE_GROUPS`` groups), the longest
-    contexts first: the first group's gather sizes the shared workspace for the others."""
-    count = len(blocks)
-    num_groups = min(MAX_DECODE_GROUPS, count // MIN_DECODE_GROUP)
-    if num_groups <= 1 or count * int(blocks.max()) <= MAX_PADDING * int(blocks.sum()):
-        return [np.arange(count)]
-    longest_first = np.argsort(-blocks, kind="stable")
-    return np.array_split(longest_first, num_groups)
-
-
-@dataclass(frozen=True)
-class DecodeGroup:
-    """Requests of the step that schedule exactly one token, attended in one call."""
-
-    num_decodes: int
-    token_rows: torch.Tensor | None
-    """[num_decodes] their query rows in the flattened batch; None when they are rows
-    ``0 .. num_decodes-1`` (no gather needed)."""
-    block_ids: torch.Tensor
-    """[num_decodes * max_blocks] each decode's block table, cut to ``max_blocks`` (the
-    longest one's; shorter tables read valid but unused blocks there, masked out),
-    flattened for ``index_select``."""
-    key_mask: torch.Tensor | None
-    """[num_decodes, 1, 1, max_blocks * block_size] True where the key position exists
-    (< seq_len); None when no position is padding."""
-    seq_lens: torch.Tensor
-    """[num_decodes] each decode's context length after this step (for window masks)."""
-    num_key_slots: int
-    """The key length attended: ``max_blocks * block_size`` (padding masked out), or the
-    one decode's ``seq_len`` (its keys cut to that length, no mask)."""
-    block_run: int | None = None
-    """The first block when there is one decode and its blocks are consecutive in the cache
-    (``block_ids`` is ``first .. first + max_blocks - 1``): its keys and values are then
-    read in place, a view of the cache, with no copy."""
-    mirror: MirrorPlan | None = None
-    """Where the step's one decode group is read from the backend's ``DecodeMirror``
-    (its keys kept kv head-major from step to step) instead of gathered: the group's plan;
-    None for a block run, several groups, or without the mirror."""
-    key_views: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict, compare=False, repr=False
-    )
-    """(workspace, cache dtype) -> (the workspace's rows the blocks are gathered into,
-    their [num_decodes, kv_heads, num_key_slots, head_dim] view for SDPA): made by the
-    step's first layer, reused by the others (same shapes every layer)."""
-    by_heads: dict[object, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
-    """For ``decode_matmuls`` (made by the step's first layer that uses them): "bias" the
-    key mask as the scores' bias, (workspace, cache dtype) the head workspace's
-    [num_decodes, kv_heads, num_key_slots, head_dim] view the gathered keys are copied to."""
-
-
-@dataclass(frozen=True)
-class ChunkRequest:
-    """One request scheduling several tokens: query rows ``query_start .. query_end-1``."""
-
-    query_start: int
-    query_end: int
-    seq_len: int
-    context_len: int
-    block_ids: torch.Tensor
-    """[ceil(seq_len / block_size)] the blocks holding key positions ``0 .. seq_len-1``."""
-    causal_mask: torch.Tensor | None
-    """[query_len, seq_len] True where row i may attend (key position <= context_len + i,
-    or both in one bidirectional span); None when there is no cached context and no span,
-    so plain ``is_causal`` applies."""
-    span_mask: torch.Tensor | None = None
-    """[query_len, seq_len] True where row i and the key sit in the same bidirectional
-    span (what the causal rule alone would hide); None without spans."""
 
 
 @dataclass(frozen=True)
@@ -150,15 +82,29 @@ class CpuSdpaMetadata:
     """(chunk index, or -1 - i for decode group i; window) -> that group's sliding-window
     mask, filled by the first layer that asks; later layers of the step reuse it."""
 
+    def decode_window_mask(self, index: int, window: int) -> torch.Tensor:
+        """Decode group ``index``'s ``DecodeGroup.window_mask``, made once per step."""
+        key = (-1 - index, window)
+        mask = self.window_masks.get(key)
+        if mask is None:
+            mask = self.window_masks[key] = self.decode_groups[index].window_mask(window)
+        return mask
+
+    def chunk_window_mask(self, index: int, window: int) -> torch.Tensor:
+        """Chunk ``index``'s ``ChunkRequest.window_mask``, made once per step."""
+        key = (index, window)
+        mask = self.window_masks.get(key)
+        if mask is None:
+            mask = self.window_masks[key] = self.chunks[index].window_mask(window)
+        return mask
+
 
 class CpuSdpaBackend(AttentionBackend):
     """Gather + ``scaled_dot_product_attention``; the reference every other backend matches.
 
-    Keys are gathered by whole blocks (``index_select`` of ``[block_size, kv_heads,
-    head_dim]`` rows), which copies far larger contiguous pieces than a per-slot gather,
-    into two workspaces kept across calls: a fresh multi-MB tensor per layer costs more in
-    page faults (transparent huge pages are zeroed on first touch) than the copy itself.
-    ``forward`` is therefore not reentrant: one backend instance serves one model runner.
+    Keys are gathered by whole blocks into workspaces kept across calls
+    (``paged_gather.GatherWorkspaces``), so ``forward`` is not reentrant: one backend
+    instance serves one model runner.
     """
 
     name = "cpu_sdpa"
@@ -173,8 +119,7 @@ class CpuSdpaBackend(AttentionBackend):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
-        self._workspaces: list[torch.Tensor | None] = [None, None]
-        self._head_workspaces: list[torch.Tensor | None] = [None, None]
+        self._workspaces = GatherWorkspaces()
         self._mirror = (
             DecodeMirror() if os.environ.get(DECODE_MIRROR_ENV, "1") not in ("0", "") else None
         )
@@ -183,125 +128,20 @@ class CpuSdpaBackend(AttentionBackend):
         prompt goes through ``forward`` before its first decode)."""
 
     def build_metadata(self, layout: BatchLayout) -> CpuSdpaMetadata:
-        query_lens = layout.query_lens_cpu
-        decode_reqs = np.flatnonzero(query_lens == 1)
         spans: dict[int, list[tuple[int, int]]] = {}
         for row, start, end in layout.bidirectional_spans:
             spans.setdefault(row, []).append((start, end))
         chunks = tuple(
-            self._chunk(layout, int(i), spans.get(int(i), ()))
-            for i in np.flatnonzero(query_lens > 1)
+            chunk_request(layout, int(i), spans.get(int(i), ()), self.device)
+            for i in np.flatnonzero(layout.query_lens_cpu > 1)
         )
-        groups: tuple[DecodeGroup, ...] = ()
-        if len(decode_reqs):
-            blocks = -(-layout.seq_lens_cpu[decode_reqs] // layout.block_size)
-            partition = decode_partition(blocks)
-            if len(partition) > 1 and self._mirrors_whole(blocks, layout.block_size):
-                partition = [np.arange(len(blocks))]
-            groups = tuple(
-                self._decode_group(layout, decode_reqs[members]) for members in partition
-            )
-        if self._mirror is not None:
-            groups = self._plan_mirror(layout, decode_reqs, groups)
+        groups = plan_decode_groups(
+            layout, self.device, self._mirror, self._cache_slots, self.batch_invariant
+        )
         return CpuSdpaMetadata(
             slot_mapping=layout.slot_mapping.to(self.device, torch.long),
             decode_groups=groups,
             chunks=chunks,
-        )
-
-    def _mirrors_whole(self, blocks: np.ndarray, block_size: int) -> bool:
-        """Whether the step's decodes, which ``decode_partition`` would split by length,
-        go as one group read from the mirror instead: where the mirror holds them all,
-        padded to the longest. Its appends replace the groups' gathers and head-major
-        copies in every layer, which cost more than the padded keys the matmuls then read.
-        64 decodes of SmolLM2 (bf16, one thread), median decode step, one group against
-        the partition's two: 205-228 against 286 ms for prompts of 100-500 tokens (one
-        group pads to 1.6x the keys), 255 against 366 for 30-700 (1.9x), 336-341 against
-        423 where 8 of the 64 are ~10x longer (5.2x), 379 against 501 at 10.5x
-        (docs/performance.md, session 36)."""
-        if self._mirror is None or self.batch_invariant or self._cache_slots is None:
-            return False
-        return decode_mirror.fits(len(blocks), int(blocks.max()) * block_size, self._cache_slots)
-
-    def _plan_mirror(
-        self, layout: BatchLayout, reqs: np.ndarray, groups: tuple[DecodeGroup, ...]
-    ) -> tuple[DecodeGroup, ...]:
-        """``groups`` with the mirror's plan on the one decode group that reads it: a step
-        with exactly one group, not read in place, outside batch-invariant mode. Any other
-        step makes the mirror forget its rows."""
-        mirror = self._mirror
-        assert mirror is not None
-        if len(groups) != 1 or groups[0].block_run is not None or self.batch_invariant:
-            mirror.forget()
-            return groups
-        group = groups[0]
-        seq_lens = layout.seq_lens_cpu[reqs]
-        tables = group.block_ids.view(group.num_decodes, -1).cpu().numpy()
-        rows = layout.query_start_loc_cpu[reqs]
-        slots = layout.slot_mapping.cpu().numpy()[rows]
-        plan = mirror.plan(tables, seq_lens, slots, layout.block_size)
-        return (dataclasses.replace(group, mirror=plan),)
-
-    def _decode_group(self, layout: BatchLayout, reqs: np.ndarray) -> DecodeGroup:
-        block_size = layout.block_size
-        seq_lens = layout.seq_lens_cpu[reqs]
-        max_blocks = -(-int(seq_lens.max()) // block_size)
-        self._check_width(layout, max_blocks)
-        rows = layout.query_start_loc_cpu[reqs]
-        contiguous = bool((rows == np.arange(len(rows))).all())
-        key_mask = None
-        seq_lens_t = torch.from_numpy(seq_lens.astype(np.int64)).to(self.device)
-        # One decode reads exactly its seq_len keys (a view cut from its blocks), so it
-        # needs no mask: SDPA with a mask converts it to scores per layer (two more ops).
-        num_key_slots = int(seq_lens[0]) if len(reqs) == 1 else max_blocks * block_size
-        if (seq_lens != num_key_slots).any():
-            positions = torch.arange(max_blocks * block_size, device=self.device)
-            key_mask = (positions < seq_lens_t[:, None])[:, None, None, :]
-        # Padding past a table's last needed block reads whatever block id is there: those
-        # keys are masked out, and block ids are always valid.
-        tables = layout.block_table.to(self.device)[torch.from_numpy(reqs), :max_blocks]
-        return DecodeGroup(
-            num_decodes=len(reqs),
-            token_rows=None if contiguous else self._to_device(rows),
-            block_ids=tables.reshape(-1).to(torch.long),
-            key_mask=key_mask,
-            seq_lens=seq_lens_t,
-            num_key_slots=num_key_slots,
-            block_run=_block_run(layout, reqs, max_blocks),
-        )
-
-    def _chunk(self, layout: BatchLayout, i: int, spans: Sequence[tuple[int, int]]) -> ChunkRequest:
-        seq_len = int(layout.seq_lens_cpu[i])
-        query_start = int(layout.query_start_loc_cpu[i])
-        query_end = int(layout.query_start_loc_cpu[i + 1])
-        context_len = seq_len - (query_end - query_start)
-        num_blocks = -(-seq_len // layout.block_size)
-        self._check_width(layout, num_blocks)
-        causal_mask = span_mask = None
-        query_positions = torch.arange(context_len, seq_len)[:, None]
-        key_positions = torch.arange(seq_len)[None, :]
-        if spans:
-            span_mask = torch.zeros(seq_len - context_len, seq_len, dtype=torch.bool)
-            for start, end in spans:
-                span_mask |= (
-                    (query_positions >= start)
-                    & (query_positions < end)
-                    & (key_positions >= start)
-                    & (key_positions < end)
-                )
-            span_mask = span_mask.to(self.device)
-        if context_len > 0 or span_mask is not None:
-            causal_mask = (key_positions <= query_positions).to(self.device)
-            if span_mask is not None:
-                causal_mask |= span_mask
-        return ChunkRequest(
-            query_start=query_start,
-            query_end=query_end,
-            seq_len=seq_len,
-            context_len=context_len,
-            block_ids=layout.block_table[i, :num_blocks].to(self.device, torch.long),
-            causal_mask=causal_mask,
-            span_mask=span_mask,
         )
 
     def forward(
@@ -339,12 +179,12 @@ class CpuSdpaBackend(AttentionBackend):
             )
         self._cache_slots = key_cache.shape[0] * key_cache.shape[1]
         # Write first: a request may read slots that another request fills in this step.
-        _write(key_cache, key, metadata.slot_mapping, k_scale)
+        write(key_cache, key, metadata.slot_mapping, k_scale)
         if value_cache is not key_cache:
-            _write(value_cache, value, metadata.slot_mapping, v_scale)
+            write(value_cache, value, metadata.slot_mapping, v_scale)
         if self.batch_invariant:
             return attend_per_token(
-                self._read, query, key_cache, value_cache, metadata, scale,
+                self._workspaces.read, query, key_cache, value_cache, metadata, scale,
                 sliding_window, logits_soft_cap, (k_scale, v_scale), sinks,
             )  # fmt: skip
 
@@ -352,7 +192,7 @@ class CpuSdpaBackend(AttentionBackend):
         for index, group in enumerate(metadata.decode_groups):
             mask = group.key_mask
             if sliding_window is not None:
-                mask = _decode_window_mask(metadata, index, sliding_window)
+                mask = metadata.decode_window_mask(index, sliding_window)
             out = self._decode(
                 query, key_cache, value_cache, group, scale, mask, logits_soft_cap,
                 (k_scale, v_scale), sinks,
@@ -368,31 +208,55 @@ class CpuSdpaBackend(AttentionBackend):
         if output is None:
             output = torch.empty_like(query)
         for index, chunk in enumerate(metadata.chunks):
-            rows = slice(chunk.query_start, chunk.query_end)
-            if chunk.context_len == 0 and k_scale is None:
-                # No cached context: the keys are exactly this step's, no gather needed.
-                k, v = key[rows], value[rows]
-            else:
-                k = self._read(0, key_cache, chunk.block_ids, query.dtype, k_scale)
-                v = self._read(1, value_cache, chunk.block_ids, query.dtype, v_scale)
-                k, v = k[: chunk.seq_len], v[: chunk.seq_len]
-            mask = chunk.causal_mask if causal else None
-            if sliding_window is not None and sliding_window < chunk.seq_len:
-                mask = _chunk_window_mask(metadata, index, sliding_window)
-            # [tokens, heads, head_dim] -> [1, heads, tokens, head_dim]: with 3-d inputs
-            # torch falls back from its fused CPU kernel to the ~3x slower math path.
-            out = _attend(
-                query[rows].transpose(0, 1)[None],
-                k.transpose(0, 1)[None],
-                v.transpose(0, 1)[None],
-                mask,
-                scale,
-                logits_soft_cap,
-                causal=causal,
-                sinks=None if sinks is None else sinks.view(1, -1, 1, 1),
-            )
-            output[rows] = out[0].transpose(0, 1)
+            output[chunk.query_start : chunk.query_end] = self._attend_chunk(
+                query, key, value, key_cache, value_cache, metadata, index, scale,
+                sliding_window, logits_soft_cap, (k_scale, v_scale), causal, sinks,
+            )  # fmt: skip
         return output
+
+    def _attend_chunk(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: CpuSdpaMetadata,
+        index: int,
+        scale: float,
+        sliding_window: int | None,
+        logits_soft_cap: float | None,
+        scales: tuple[torch.Tensor | None, torch.Tensor | None],
+        causal: bool,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One SDPA call for chunk ``index`` -> [query_len, heads, head_dim] (its rows of
+        ``forward``'s output)."""
+        chunk = metadata.chunks[index]
+        rows = slice(chunk.query_start, chunk.query_end)
+        if chunk.context_len == 0 and scales[0] is None:
+            # No cached context: the keys are exactly this step's, no gather needed.
+            k, v = key[rows], value[rows]
+        else:
+            k = self._workspaces.read(0, key_cache, chunk.block_ids, query.dtype, scales[0])
+            v = self._workspaces.read(1, value_cache, chunk.block_ids, query.dtype, scales[1])
+            k, v = k[: chunk.seq_len], v[: chunk.seq_len]
+        mask = chunk.causal_mask if causal else None
+        if sliding_window is not None and sliding_window < chunk.seq_len:
+            mask = metadata.chunk_window_mask(index, sliding_window)
+        # [tokens, heads, head_dim] -> [1, heads, tokens, head_dim]: with 3-d inputs
+        # torch falls back from its fused CPU kernel to the ~3x slower math path.
+        out = _attend(
+            query[rows].transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            mask,
+            scale,
+            logits_soft_cap,
+            causal=causal,
+            sinks=None if sinks is None else sinks.view(1, -1, 1, 1),
+        )
+        return out[0].transpose(0, 1)
 
     def decode_only_step(self, metadata: CpuSdpaMetadata, num_tokens: int) -> DecodeOnlyStep | None:
         """What ``forward`` computes for a step of ``num_tokens`` rows that are all
@@ -499,7 +363,7 @@ class CpuSdpaBackend(AttentionBackend):
     ) -> torch.Tensor:
         """[num_decodes, kv_heads, num_key_slots, head_dim] the group's keys (``which``
         0) or values (1), each (decode, kv head)'s contiguous: gathered by whole blocks as
-        for SDPA (``_decode_keys``), then copied kv head-major into a second workspace.
+        for SDPA (``_decode_keys``), then copied kv head-major into a head workspace.
         Gathering rows of one kv head's ``head_dim`` values straight into that order
         reads the same bytes in 9,216 pieces instead of 192 (32 decodes of 96 keys) and
         took 160-194 us per call in the engine against 72-101 for the blocks plus 36-49
@@ -512,19 +376,9 @@ class CpuSdpaBackend(AttentionBackend):
         blocks = self._gather_decode_keys(which, cache, group, cache.dtype)
         out = group.by_heads.get((which, cache.dtype))
         if out is None:
-            out = self._heads_workspace(which, blocks)
+            out = self._workspaces.heads(which, blocks)
             group.by_heads[(which, cache.dtype)] = out
         return out.copy_(blocks)
-
-    def _heads_workspace(self, which: int, like: torch.Tensor) -> torch.Tensor:
-        """A contiguous tensor of ``like``'s shape and dtype in head workspace ``which``,
-        grown as needed (kept across steps, as the gather workspaces are)."""
-        numel = like.numel()
-        workspace = self._head_workspaces[which]
-        if workspace is None or workspace.numel() < numel or workspace.dtype != like.dtype:
-            workspace = torch.empty(numel * 5 // 4, dtype=like.dtype, device=like.device)
-            self._head_workspaces[which] = workspace
-        return workspace[:numel].view(like.shape)
 
     def _decode_keys(
         self,
@@ -543,7 +397,7 @@ class CpuSdpaBackend(AttentionBackend):
         model is dominated by the number of torch calls)."""
         num_kv_heads, head_dim = cache.shape[-2], cache.shape[-1]
         if scale is not None:  # FP8: gathered as bytes, then dequantized
-            rows = self._read(which, cache, group.block_ids, dtype, scale)
+            rows = self._workspaces.read(which, cache, group.block_ids, dtype, scale)
             heads = rows.view(group.num_decodes, -1, num_kv_heads, head_dim)
             return heads[:, : group.num_key_slots].transpose(1, 2)
         mirrored = self._mirrored(which, cache, group, new) if cache.dtype == dtype else None
@@ -579,7 +433,7 @@ class CpuSdpaBackend(AttentionBackend):
         num_kv_heads, head_dim = cache.shape[-2], cache.shape[-1]
         views = group.key_views.get((which, cache.dtype))
         if views is None:
-            blocks = self._workspace_blocks(which, cache, group.block_ids.shape[0])
+            blocks = self._workspaces.blocks(which, cache, group.block_ids.shape[0])
             heads = blocks.view(group.num_decodes, -1, num_kv_heads, head_dim)
             heads = heads[:, : group.num_key_slots].transpose(1, 2)
             views = group.key_views[(which, cache.dtype)] = (blocks, heads)
@@ -587,56 +441,6 @@ class CpuSdpaBackend(AttentionBackend):
         # workspace later in the step, these rows remain this step's decodes' own.
         torch.index_select(cache, 0, group.block_ids, out=views[0])
         return views[1] if cache.dtype == dtype else views[1].to(dtype)
-
-    def _gather(self, which: int, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        """[len(block_ids) * block_size, kv_heads, head_dim] the cache rows of the blocks,
-        in workspace ``which`` (0 keys, 1 values); valid until the next gather into it."""
-        blocks = self._workspace_blocks(which, cache, block_ids.shape[0])
-        torch.index_select(cache, 0, block_ids, out=blocks)
-        return blocks.view(-1, cache.shape[-2], cache.shape[-1])
-
-    def _workspace_blocks(self, which: int, cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
-        """[num_blocks, *cache.shape[1:]] rows of workspace ``which``, grown as needed."""
-        numel = num_blocks * cache[0].numel()
-        workspace = self._workspaces[which]
-        if (
-            workspace is None
-            or workspace.numel() < numel
-            or workspace.dtype != cache.dtype
-            or workspace.device != cache.device
-        ):
-            # Headroom: contexts grow a block at a time, reallocating each time would be
-            # the cost the workspace exists to avoid.
-            workspace = torch.empty(numel * 5 // 4, dtype=cache.dtype, device=cache.device)
-            self._workspaces[which] = workspace
-        return workspace[:numel].view(num_blocks, *cache.shape[1:])
-
-    def _read(
-        self,
-        which: int,
-        cache: torch.Tensor,
-        block_ids: torch.Tensor,
-        dtype: torch.dtype,
-        scale: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The blocks' keys or values in ``dtype`` (dequantized from FP8 with ``scale``)."""
-        if scale is None:
-            return self._gather(which, cache, block_ids).to(dtype)
-        # torch's CPU index kernels have no float8 variants: gather the bytes.
-        rows = self._gather(which, cache.view(torch.uint8), block_ids)
-        return fp8.dequantize(rows.view(cache.dtype), scale, dtype)
-
-    def _to_device(self, values: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(values.astype(np.int64)).to(self.device)
-
-    @staticmethod
-    def _check_width(layout: BatchLayout, num_blocks: int) -> None:
-        if layout.block_table.shape[1] < num_blocks:
-            raise ValueError(
-                f"a request needs {num_blocks} blocks of {layout.block_size} slots but the "
-                f"block table has {layout.block_table.shape[1]} columns; the model runner "
-                "must pass a block table covering every position."
-            )
 
 
 class DecodeOnlyStep:
@@ -708,61 +512,3 @@ class DecodeOnlyStep:
             )
             self._run_of = of
         return self._run
-
-
-def _write(
-    cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor, scale: torch.Tensor | None
-) -> None:
-    """Store ``new`` [num_tokens, kv_heads, head_dim] at its slots; an FP8 cache gets it
-    quantized (saturating), copied as bytes (CPU ``index_copy_`` has no float8 kernel)."""
-    rows = cache.view(-1, *new.shape[1:])
-    if scale is None:
-        rows.index_copy_(0, slot_mapping, new if new.dtype == cache.dtype else new.to(cache.dtype))
-    else:
-        rows.view(torch.uint8).index_copy_(
-            0, slot_mapping, fp8.quantize(new, scale).view(torch.uint8)
-        )
-
-
-def _block_run(layout: BatchLayout, reqs: np.ndarray, max_blocks: int) -> int | None:
-    """The first block of the one decode's table when its ``max_blocks`` blocks are
-    consecutive in the cache, else None (``DecodeGroup.block_run``)."""
-    if len(reqs) != 1:
-        return None
-    table = layout.block_table[int(reqs[0]), :max_blocks]
-    first = int(table[0])
-    if max_blocks > 1 and not bool((table.diff() == 1).all()):
-        return None
-    return first
-
-
-def _decode_window_mask(metadata: CpuSdpaMetadata, index: int, window: int) -> torch.Tensor:
-    """[num_decodes, 1, 1, num_key_slots] of decode group ``index``: key positions
-    ``seq_len - window .. seq_len - 1``."""
-    key = (-1 - index, window)
-    mask = metadata.window_masks.get(key)
-    if mask is None:
-        group = metadata.decode_groups[index]
-        positions = torch.arange(group.num_key_slots, device=group.seq_lens.device)
-        seq_lens = group.seq_lens[:, None]
-        mask = ((positions < seq_lens) & (positions >= seq_lens - window))[:, None, None, :]
-        metadata.window_masks[key] = mask
-    return mask
-
-
-def _chunk_window_mask(metadata: CpuSdpaMetadata, index: int, window: int) -> torch.Tensor:
-    """[query_len, seq_len]: row i (position context_len + i) sees keys in
-    ``(position - window, position]``, and its span's later keys within the window."""
-    key = (index, window)
-    mask = metadata.window_masks.get(key)
-    if mask is None:
-        chunk = metadata.chunks[index]
-        device = chunk.block_ids.device
-        query_positions = torch.arange(chunk.context_len, chunk.seq_len, device=device)[:, None]
-        key_positions = torch.arange(chunk.seq_len, device=device)[None, :]
-        visible = key_positions <= query_positions
-        if chunk.span_mask is not None:
-            visible = visible | chunk.span_mask
-        mask = visible & (key_positions > query_positions - window)
-        metadata.window_masks[key] = mask
-    return mask

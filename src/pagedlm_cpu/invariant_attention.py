@@ -26,7 +26,8 @@ Scales = tuple[torch.Tensor | None, torch.Tensor | None]
 ReadBlocks = Callable[
     [int, torch.Tensor, torch.Tensor, torch.dtype, "torch.Tensor | None"], torch.Tensor
 ]
-"""``CpuSdpaBackend._read``: (workspace, cache, block ids, dtype, scale) -> [rows, kv_heads, d]."""
+"""``paged_gather.GatherWorkspaces.read``: (workspace, cache, block ids, dtype, scale) ->
+[rows, kv_heads, d]."""
 
 
 def _requests(metadata: CpuSdpaMetadata) -> Iterator[tuple[list[int], int, torch.Tensor]]:

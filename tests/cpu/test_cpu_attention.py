@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from pagedlm.attention.backend import BatchLayout
-from pagedlm_cpu import attention as cpu_attention
-from pagedlm_cpu import decode_matmuls
+from pagedlm_cpu import decode_groups, decode_matmuls
 from pagedlm_cpu.attention import CpuSdpaBackend, decode_partition
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_BLOCKS = 4, 2, 16, 64
@@ -134,7 +133,7 @@ RAGGED_DECODES = [(0, 1), (40, 1), (3, 1), (22, 1), (9, 1), (1, 1), (33, 1), (20
 
 @pytest.mark.parametrize("block_size", [16, 4])
 def test_decodes_split_by_context_length_match_the_reference(monkeypatch, block_size) -> None:
-    monkeypatch.setattr(cpu_attention, "MIN_DECODE_GROUP", 2)
+    monkeypatch.setattr(decode_groups, "MIN_DECODE_GROUP", 2)
     backend = CpuSdpaBackend(torch.device("cpu"))
     out, reference, *_ = run_step(RAGGED_DECODES, block_size, seed=3, backend=backend)
     torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=1e-5)
@@ -144,7 +143,7 @@ def test_decodes_split_by_context_length_match_the_reference(monkeypatch, block_
 
 
 def test_the_decode_groups_of_a_ragged_batch(monkeypatch) -> None:
-    monkeypatch.setattr(cpu_attention, "MIN_DECODE_GROUP", 2)
+    monkeypatch.setattr(decode_groups, "MIN_DECODE_GROUP", 2)
     requests = RAGGED_DECODES
     tables = [list(range(3 * i, 3 * i + 3)) for i in range(len(requests))]
     layout, _ = _two_layer_step(tables, requests, 16)

@@ -15,8 +15,7 @@ from pagedlm.attention.backend import BatchLayout
 from pagedlm.kv_cache.interface import TensorKVCache
 from pagedlm.model_executor.forward_context import ForwardContext
 from pagedlm.model_executor.layers.attention import Attention
-from pagedlm_cpu import attention as cpu_attention
-from pagedlm_cpu import decode_matmuls
+from pagedlm_cpu import decode_groups, decode_matmuls
 from pagedlm_cpu.attention import CpuSdpaBackend
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_BLOCKS, BLOCK_SIZE = 4, 2, 16, 96, 4
@@ -121,7 +120,7 @@ def test_sinks_match_the_reference(requests, window) -> None:
 
 
 def test_sinks_with_decodes_split_into_groups(monkeypatch) -> None:
-    monkeypatch.setattr(cpu_attention, "MIN_DECODE_GROUP", 2)
+    monkeypatch.setattr(decode_groups, "MIN_DECODE_GROUP", 2)
     requests = [(c, 1) for c in (0, 40, 3, 22, 9, 1, 33, 5)] + [(20, 7)]
     backend = CpuSdpaBackend(torch.device("cpu"))
     assert len(backend.build_metadata(_layout(requests)).decode_groups) > 1

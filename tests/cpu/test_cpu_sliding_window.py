@@ -124,9 +124,9 @@ def test_shared_window_masks_stay_right_across_layers():
 @pytest.mark.parametrize("soft_cap", [None, 2.0])
 def test_windows_of_decodes_split_by_context_length(monkeypatch, soft_cap):
     """Each decode group gets its own window mask (``decode_partition``)."""
-    from pagedlm_cpu import attention as cpu_attention
+    from pagedlm_cpu import decode_groups
 
-    monkeypatch.setattr(cpu_attention, "MIN_DECODE_GROUP", 2)
+    monkeypatch.setattr(decode_groups, "MIN_DECODE_GROUP", 2)
     decodes = [(30, 1), (3, 1), (40, 1), (0, 1), (12, 1), (25, 1), (7, 1)]
     run(decodes + [(17, 9)], 6, soft_cap, layers=2)
 

@@ -172,7 +172,7 @@ def test_the_mirror_goes_with_the_cache():
 def test_ragged_decodes_go_as_one_mirrored_group_where_the_mirror_holds_them(monkeypatch, fits):
     """Decodes that ``decode_partition`` splits by length are one group read from the
     mirror once the backend has seen the cache and the mirror fits its share of it."""
-    monkeypatch.setattr("pagedlm_cpu.attention.MIN_DECODE_GROUP", 2)
+    monkeypatch.setattr("pagedlm_cpu.decode_groups.MIN_DECODE_GROUP", 2)
     if not fits:
         monkeypatch.setattr(decode_mirror, "MAX_FRACTION", 1e-4)
     backend, reference, caches, rng, generator, free = _against_gathering(seed=3)
