@@ -42,6 +42,19 @@ class RankProbe:
     def hand_back_a_tensor(self) -> torch.Tensor:
         return torch.zeros(2)
 
+    def break_adapter_reads(self, rank: int) -> None:
+        """From now on, LoRA adapters cannot be read on worker ``rank`` (files this rank
+        cannot see); ``mend_adapter_reads`` undoes it."""
+        from pagedlm.lora import manager
+
+        if self.rank == rank:
+            manager.load_adapter = _unreadable_adapter
+
+    def mend_adapter_reads(self) -> None:
+        from pagedlm.lora import manager, peft_format
+
+        manager.load_adapter = peft_format.load_adapter
+
 
 class Clashing:
     """Names a method the worker has: refused at start-up."""
@@ -55,6 +68,10 @@ class InstanceClash:
 
     def config(self) -> None:
         raise AssertionError("hidden by the worker's config")
+
+
+def _unreadable_adapter(path: str, *args, **kwargs):
+    raise ValueError(f"{path} cannot be read here")
 
 
 def rank_plus(worker, offset: int) -> int:

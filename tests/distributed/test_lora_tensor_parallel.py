@@ -5,11 +5,20 @@ and add/list/remove/pin_lora reach every rank over collective_rpc."""
 
 from __future__ import annotations
 
+import os
+import threading
+from pathlib import Path
+
 import pytest
 from parity import PROMPTS, assert_same_run, make_llm, processes_gone
 
 from pagedlm import LoRARequest, SamplingParams
+from pagedlm.engine.exceptions import RequestFailedError
 from peft_adapters import LLAMA_MODULES, make_adapter
+
+TESTS = Path(__file__).resolve().parents[1]
+BOUND_S = 60.0
+"""Every call here is bounded: a hung worker fails the test instead of stalling it."""
 
 
 def _run(path, lora: LoRARequest, **parallel):
@@ -56,6 +65,78 @@ def test_adapter_management_reaches_every_rank(llama, tmp_path):
         assert sorted(map(sorted, llm.collective_rpc("list_loras"))) == [[2], [2]]
         with pytest.raises(ValueError, match="1 is not loaded"):
             engine.pin_lora(1)
+    finally:
+        engine.shutdown()
+    assert processes_gone(pids)
+
+
+def _bounded(call, timeout_s: float = BOUND_S):
+    """``call()``'s result or exception, or a failed test if it takes over ``timeout_s``
+    (ranks that disagree on a collective hang)."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as error:  # handed to the test's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), f"no answer in {timeout_s} s"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+@pytest.mark.slow
+def test_an_adapter_one_rank_cannot_read_fails_its_request(llama, tmp_path, monkeypatch):
+    """Each rank reads its shard of an adapter itself. An adapter that rank 1 alone cannot
+    read when a step needs it ran with the adapter on rank 0 and without it on rank 1, and
+    only rank 0 reports a step: the request got wrong tokens silently. The ranks now agree
+    (any rank's failure fails the request on every rank, none keeps the adapter), so the
+    request ends with "error" naming rank 1 and the adapter's next request, readable again,
+    gets the tokens of one worker; an ``add_lora`` that one rank cannot read leaves it on
+    no rank."""
+    make_adapter(llama, tmp_path / "x", LLAMA_MODULES, rank=8, seed=3)
+    make_adapter(llama, tmp_path / "y", LLAMA_MODULES, rank=8, seed=4)
+    x, y = (LoRARequest(n, i, str(tmp_path / n)) for i, n in enumerate(["x", "y"], 1))
+    z = LoRARequest("z", 3, str(tmp_path / "x"))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[2]}]
+    lora = dict(enable_lora=True, max_lora_rank=8, max_loras=1, max_cpu_loras=1)
+    single = make_llm(llama, **lora)
+    try:
+        expected = single.generate(prompts, params, use_tqdm=False, lora_request=[x, None])
+    finally:
+        single.llm_engine.shutdown()
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
+    )
+    llm = make_llm(
+        llama, tensor_parallel_size=2, worker_extension_cls="worker_extensions:RankProbe", **lora
+    )
+    engine = llm.llm_engine
+    pids = list(engine.engine_core.executor.worker_pids)
+    try:
+        assert engine.add_lora(x) and engine.add_lora(y)  # x left both ranks' host caches
+        llm.collective_rpc("break_adapter_reads", BOUND_S, args=(1,))
+        with pytest.raises(RequestFailedError) as failure:
+            _bounded(lambda: llm.generate(prompts, params, use_tqdm=False, lora_request=[x, None]))
+        failed, other = (output.outputs[0] for output in failure.value.outputs)
+        assert failed.finish_reason == "error"
+        assert "'x' (lora_int_id 1) could not be read" in failed.stop_reason
+        assert "cannot be read here (worker rank 1)" in failed.stop_reason
+        assert other.token_ids == expected[1].outputs[0].token_ids
+        with pytest.raises(ValueError, match="cannot be read here"):
+            _bounded(lambda: engine.add_lora(z))
+        assert [sorted(ids) for ids in llm.collective_rpc("list_loras", BOUND_S)] == [[2], [2]]
+        llm.collective_rpc("mend_adapter_reads", BOUND_S)
+        again = _bounded(
+            lambda: llm.generate(prompts, params, use_tqdm=False, lora_request=[x, None])
+        )
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in expected]
     finally:
         engine.shutdown()
     assert processes_gone(pids)

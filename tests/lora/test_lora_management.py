@@ -197,6 +197,49 @@ def test_a_failed_read_keeps_its_device_slot(base, loras, tmp_path):
     assert _slots(manager) == {1: 0}
 
 
+def test_an_adapter_another_rank_cannot_read_fails_here_too(base, loras, monkeypatch):
+    """Under tensor or pipeline parallelism each rank reads its shard of an adapter. One
+    that another rank cannot read fails its requests on this rank too (the output rank alone
+    reports a step, so a failure of another rank's own was silent, its request's tokens
+    wrong), and no rank keeps it: the ranks hold the same host cache and slots, and read
+    from disk (where they agree) at the same points. A step that reads nothing gathers
+    nothing."""
+    from pagedlm.lora import manager as lora_manager
+
+    gathered: list[list[str | None]] = []
+    other_rank = ["disk gone"]
+
+    def two_ranks(texts, device):
+        gathered.append(list(texts))
+        return [list(texts), [other_rank[0] for _ in texts]]
+
+    monkeypatch.setattr(lora_manager, "gather_from_every_rank", two_ranks)
+    arch = ArchConfig.from_directory(base)
+    config = LoRAConfig(max_loras=1, max_lora_rank=8, max_cpu_loras=1)
+    manager = LoRAManager(
+        config, arch, LlamaForCausalLM(arch), 16, TorchLoRAOps(), torch.float32, torch.device("cpu")
+    )
+    failed = manager.prepare_step(
+        [_State(loras[0], "a"), _State(None, "b")], np.array([0, 2, 3]), 3
+    )
+    assert failed == {
+        "a": "LoRA adapter 'a1' (lora_int_id 1) could not be read when its request needed "
+        "it: disk gone (worker rank 1)"
+    }
+    assert gathered == [[None]]  # read here
+    assert manager.list_ids() == set() and _slots(manager) == {}
+    assert manager.state.token_slots[:3].tolist() == [-1] * 3  # run without it
+    with pytest.raises(ValueError, match=r"^disk gone \(worker rank 1\)$"):
+        manager.add(loras[1])
+    assert manager.list_ids() == set()
+    other_rank[0] = None  # readable everywhere again
+    assert manager.prepare_step([_State(loras[0], "c")], np.array([0, 2]), 2) == {}
+    assert _slots(manager) == {1: 0} and manager.list_ids() == {1}
+    del gathered[:]
+    assert manager.prepare_step([_State(loras[0], "d")], np.array([0, 2]), 2) == {}
+    assert manager.add(loras[0]) and gathered == []
+
+
 def _run_to_end(engine, outputs: dict[str, list[int]]) -> None:
     while engine.has_unfinished_requests():
         for output in engine.step():

@@ -1,4 +1,5 @@
-"""This process's place in the tensor- and pipeline-parallel groups, and the TP collectives.
+"""This process's place in the tensor- and pipeline-parallel groups, the TP collectives, and
+the host-side facts every rank of the engine must agree on (``gather_from_every_rank``).
 
 A single-process engine is rank 0 of 1 in both groups, and the collectives are identities,
 so nothing needs ``torch.distributed``. A worker of a multi-process executor calls
@@ -12,6 +13,7 @@ rank across stages form a PP group.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -192,6 +194,34 @@ def tensor_model_parallel_all_gather(tensor: torch.Tensor, dim: int = -1) -> tor
     parts = [torch.empty_like(tensor) for _ in range(_tp.world_size)]
     torch.distributed.all_gather(parts, tensor.contiguous(), group=_tp.group)
     return torch.cat(parts, dim=dim)
+
+
+def gather_from_every_rank(texts: list[str | None], device: torch.device) -> list[list[str | None]]:
+    """Every rank's ``texts``, indexed by global rank, on every rank of the engine (each TP
+    rank of each pipeline stage): what one rank found on its host (a file it could not
+    read) that every rank must act on alike. ``[texts]`` in a single process.
+
+    Collective over the whole engine: every rank calls it at the same point of the same
+    calls, with as many texts. They cross as JSON bytes in ``device`` tensors (the
+    platform's backend), nothing pickled."""
+    import torch.distributed as dist
+
+    if _tp.world_size * _pp.world_size == 1 or not dist.is_initialized():
+        return [list(texts)]
+    payload = torch.tensor(list(json.dumps(texts).encode()), dtype=torch.uint8, device=device)
+    world_size = dist.get_world_size()
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world_size)]
+    dist.all_gather(sizes, size)
+    lengths = [int(length) for length in torch.cat(sizes).tolist()]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    parts = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(parts, padded)
+    return [
+        json.loads(bytes(part[:length].tolist()))
+        for part, length in zip(parts, lengths, strict=True)
+    ]
 
 
 def divide(numerator: int, denominator: int) -> int:

@@ -9,6 +9,9 @@ fixed-address ``token_slots`` buffer every ``LoRALinear`` reads. An adapter that
 read then (the engine core had it read before its first request, but the host cache let it
 go and its files went too) fails the requests that name it, not the step: they run without
 it, and the step reports them (``ModelRunnerOutput.failed``) for the scheduler to end.
+Under tensor or pipeline parallelism each rank reads its shard itself and the ranks agree
+on every read (``gather_from_every_rank``): one rank's failure fails the requests on every
+rank, including the output rank, which alone reports the step.
 
 vLLM's adapter management works on the host cache: ``add`` reads an adapter into it ahead
 of its first request, ``remove`` forgets one, ``list_ids`` names what it holds, ``pin``
@@ -18,6 +21,9 @@ id (every path the id names). A new model runner
 (level-2 wake-up, new weights) ``adopt``s the old one's ``host_state``.
 
 Invariants:
+- Every rank of an engine holds the same host cache and slots: they apply the same calls in
+  the same order, and an adapter that one rank cannot read (a step's, or ``add``'s) is kept
+  by none. So the ranks read from disk at the same points, where they agree.
 - At most ``max_loras`` distinct adapters per step (the scheduler's ``LoRAGate`` admits no
   more), so a step's adapters always find slots (a pinned adapter gives its slot up when
   the step needs it).
@@ -37,6 +43,7 @@ import numpy as np
 import torch
 
 from pagedlm.config import ArchConfig, EngineConfig, LoRAConfig
+from pagedlm.distributed.parallel_state import gather_from_every_rank
 from pagedlm.distributed.pipeline import this_stage_layers
 from pagedlm.lora.layers import LoRALinear
 from pagedlm.lora.ops import LoRAOps, LoRAStepState
@@ -108,6 +115,7 @@ class LoRAManager:
         self.arch = arch
         self.model_impl = model_impl
         self.graph_safe = ops.graph_safe
+        self._device = device
         self._token_slots = HostToDevice(max_num_tokens, torch.int32, device, fixed=True)
         self._token_slots.device.fill_(-1)
         self._clean_rows = max_num_tokens
@@ -188,8 +196,15 @@ class LoRAManager:
 
     def add(self, lora: LoRARequest) -> bool:
         """Read ``lora``'s weights into the host cache ahead of its first request (already
-        there: marked recently used). True."""
-        self._host_weights(lora)
+        there: marked recently used). True; ValueError if any rank cannot read it (then
+        no rank keeps it)."""
+        key = lora.adapter_key
+        if key in self._host_cache:
+            self._host_cache.move_to_end(key)
+            return True
+        _, unreadable = self._read_on_every_rank([lora])
+        if unreadable:
+            raise ValueError(unreadable[key])
         return True
 
     def remove(self, lora_id: int) -> bool:
@@ -261,45 +276,77 @@ class LoRAManager:
         for key in wanted:
             if key in self._slot_of:
                 self._slot_of.move_to_end(key)
+        needed = {key: lora for key, lora in wanted.items() if key not in self._slot_of}
+        weights: dict[AdapterKey, AdapterWeights] = {}
+        for key in needed:
+            if key in self._host_cache:
+                self._host_cache.move_to_end(key)
+                weights[key] = self._host_cache[key]
+        # Read first: a read that fails (files gone since the engine core's read) must not
+        # cost a slot, or every later step finds one slot fewer.
+        missing = [lora for key, lora in needed.items() if key not in weights]
+        read, reasons = self._read_on_every_rank(missing)
+        weights.update(read)
         unreadable: dict[AdapterKey, str] = {}
-        for key, lora in wanted.items():
-            if key in self._slot_of:
-                continue
-            # Read first: a read that fails (files gone since the engine core's read) must
-            # not cost a slot, or every later step finds one slot fewer.
-            try:
-                weights = self._host_weights(lora)
-            except ValueError as error:
+        for key, lora in needed.items():
+            if key in reasons:
                 unreadable[key] = (
                     f"LoRA adapter {lora.lora_name!r} (lora_int_id {lora.lora_int_id}) could "
-                    f"not be read when its request needed it: {error}"
+                    f"not be read when its request needed it: {reasons[key]}"
                 )
                 logger.warning("%s", unreadable[key])
                 continue
             slot = self._take_slot(keep=set(wanted), evict_pinned=True)
             assert slot is not None  # at most max_loras wanted: one is free or not wanted
-            self._load_into(slot, weights)
+            self._load_into(slot, weights[key])
             self._slot_of[key] = slot
         slots = {key: self._slot_of.get(key, -1) for key in wanted}
         return slots, unreadable
 
-    def _host_weights(self, lora: LoRARequest) -> AdapterWeights:
-        key = lora.adapter_key
-        weights = self._host_cache.get(key)
-        if weights is None:
-            weights = load_adapter(
-                lora.lora_path, self.arch, self.config.max_lora_rank, self.model_impl
-            )
+    def _read_on_every_rank(
+        self, loras: list[LoRARequest]
+    ) -> tuple[dict[AdapterKey, AdapterWeights], dict[AdapterKey, str]]:
+        """Read ``loras`` (none in the host cache) into the host cache: their weights, and
+        why each one that cannot be read failed. Each rank reads its shard itself, and an
+        adapter that any rank cannot read is kept by none, every rank failing its requests
+        alike (the output rank alone reports a step: a failure of another rank's own would
+        leave the request running with the adapter on some ranks only, its tokens wrong).
+
+        Ranks hold the same host cache and slots (they apply the same calls, and agree on
+        every read here), so they call this at the same point with the same adapters: a
+        collective exactly when ``loras`` is not empty."""
+        if not loras:
+            return {}, {}
+        read: dict[AdapterKey, AdapterWeights] = {}
+        errors: list[str | None] = []
+        for lora in loras:
+            try:
+                read[lora.adapter_key] = load_adapter(
+                    lora.lora_path, self.arch, self.config.max_lora_rank, self.model_impl
+                )
+                errors.append(None)
+            except ValueError as error:
+                errors.append(str(error) or type(error).__name__)
+        every_rank = gather_from_every_rank(errors, self._device)
+        reasons: dict[AdapterKey, str] = {}
+        for index, lora in enumerate(loras):
+            key = lora.adapter_key
+            failing = [
+                (rank, texts[index]) for rank, texts in enumerate(every_rank) if texts[index]
+            ]
+            if failing:
+                rank, reason = failing[0]
+                reasons[key] = reason if len(every_rank) == 1 else f"{reason} (worker rank {rank})"
+                read.pop(key, None)
+                continue
             logger.info("LoRA adapter %r (id %d) loaded", lora.lora_name, lora.lora_int_id)
-            self._host_cache[key] = weights
+            self._host_cache[key] = read[key]
             while len(self._host_cache) > self.config.host_cache_size:
                 victim = next((k for k in self._host_cache if k[0] not in self._pinned), None)
                 if victim is None or victim == key:
                     break  # the rest are pinned: the cache holds them all
                 del self._host_cache[victim]
-        else:
-            self._host_cache.move_to_end(key)
-        return weights
+        return read, reasons
 
     def _load_into(self, slot: int, weights: AdapterWeights) -> None:
         for layer in self.layers.values():
