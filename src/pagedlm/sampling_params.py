@@ -7,12 +7,13 @@ Validation happens here, once, when the object is built: a bad value raises
 from __future__ import annotations
 
 import enum
+import functools
 import json as _json
 import math
 import operator
 from collections.abc import Mapping
-from dataclasses import InitVar, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -267,13 +268,12 @@ class SamplingParams:
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the engine from the tokenizer: ``bad_words`` as token sequences.
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
-    logits_processors: InitVar[Any] = None
-    """vLLM's per-request callables, refused when given (as vLLM v1 refuses them); not a
-    field, so never stored or sent: always None."""
+    logits_processors: ClassVar[None] = None
+    """vLLM's per-request callables: always None here, since the constructor refuses them
+    (``_refusing_logits_processors``); no field, so nothing the wire carries (msgspec
+    takes no ``InitVar``)."""
 
-    def __post_init__(self, logits_processors: Any) -> None:
-        if logits_processors:
-            raise ValueError(PER_REQUEST_LOGITS_PROCESSORS)
+    def __post_init__(self) -> None:
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         if self.stop is None:
@@ -421,3 +421,20 @@ class SamplingParams:
         from copy import deepcopy
 
         return deepcopy(self)
+
+
+def _refusing_logits_processors(init: Any) -> Any:
+    """The dataclass's ``__init__`` taking vLLM's ``logits_processors`` keyword, refused
+    with ``PER_REQUEST_LOGITS_PROCESSORS`` when it asks for any (None and [] pass, as in
+    vLLM); it was Python's TypeError on an unexpected keyword."""
+
+    @functools.wraps(init)
+    def __init__(self: SamplingParams, *args: Any, logits_processors: Any = None, **kwargs: Any):
+        if logits_processors:
+            raise ValueError(PER_REQUEST_LOGITS_PROCESSORS)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+SamplingParams.__init__ = _refusing_logits_processors(SamplingParams.__init__)  # type: ignore[method-assign]

@@ -269,3 +269,7 @@ def test_per_request_callables_are_refused_naming_the_engine_processors() -> Non
     assert params.logits_processors is None and params.temperature == 0.0
     assert "logits_processors" not in {f.name for f in dataclasses.fields(SamplingParams)}
     assert dataclasses.replace(params, n=2).n == 2
+    # The step protocol decodes SamplingParams with msgspec, which refuses an InitVar.
+    from pagedlm.step import codec
+
+    assert codec.decode(codec.encode(params), SamplingParams) == params
