@@ -31,8 +31,9 @@ class RequestFailedError(RuntimeError):
     needed it. The engine and its other requests carry on.
 
     ``request_id`` and ``message`` (the processor or adapter, and why); ``outputs``: where a
-    call ran several requests (``LLM.generate``), every one's final output in order, the
-    others complete and the failed ones ending with finish reason "error"."""
+    call ran several requests (``LLM.generate``, ``LLM.embed``, ...), every one's final
+    output in order, the others complete (as the call returns them) and the failed ones
+    ending with finish reason "error" (a ``RequestOutput``, also for a pooling call)."""
 
     def __init__(self, request_id: str, message: str, outputs: Sequence[Any] | None = None) -> None:
         super().__init__(f"Request {request_id!r} failed: {message}")
@@ -42,9 +43,11 @@ class RequestFailedError(RuntimeError):
 
 
 def request_failure(output: Any) -> str | None:
-    """The message of a request output one of whose samples the core failed, else None."""
+    """The message of a request output one of whose samples the core failed, else None.
+    A pooling request the core failed pooled nothing: its output is a ``RequestOutput``
+    whose one sample says so, as a generating request's is."""
     samples = getattr(output, "outputs", None)
-    if not isinstance(samples, list):  # a pooling output: nothing sampled, nothing failed
+    if not isinstance(samples, list):  # a pooled output: its request finished pooling
         return None
     for sample in samples:
         if getattr(sample, "finish_reason", None) == FAILED:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -100,6 +101,43 @@ def _map_in_order(pool: ThreadPoolExecutor | None, fn: Callable[[T], R], items: 
             if not future.cancelled():
                 future.exception()  # wait: nothing of this call runs on after it raises
         raise
+
+
+def _finish_pooled(
+    outputs: list[Any], params_list: Sequence[PoolingParams], pooler: Any
+) -> list[Any]:
+    """The pooled outputs (in place) with their parameters' finish (normalization,
+    ``dimensions``, a classifier's activation); a failed request's output, which pooled
+    nothing, as it is."""
+    for output, params in zip(outputs, params_list):
+        if isinstance(output, PoolingRequestOutput):
+            output.outputs.data = params.finish(output.outputs.data, pooler)
+    return outputs
+
+
+@contextlib.contextmanager
+def _failure_outputs_as(convert: Callable[[Any], Any]) -> Iterator[None]:
+    """A ``RequestFailedError`` of a pooling call with its pooled outputs as ``convert``
+    makes them (what the call returns; the failed request's output stays as it is)."""
+    try:
+        yield
+    except RequestFailedError as failure:
+        if failure.outputs is not None:
+            failure.outputs = [
+                convert(out) if isinstance(out, PoolingRequestOutput) else out
+                for out in failure.outputs
+            ]
+        raise
+
+
+def _pair_score(output: PoolingRequestOutput) -> ScoringRequestOutput:
+    """A cross-encoder's pair output as ``LLM.score`` returns it."""
+    return ScoringRequestOutput(
+        output.request_id,
+        ScoringOutput(float(output.outputs.data[0])),
+        output.prompt_token_ids,
+        output.finished,
+    )
 
 
 def _raise_failures(request_ids: list[str], outputs: list[Any]) -> None:
@@ -404,13 +442,15 @@ class LLM:
         ]
         for request in processed:
             engine.add_processed_request(request)
-        outputs = self._run_engine([r.request_id for r in processed], use_tqdm)
         pooler = engine.config.model.pooler
         assert pooler is not None
-        for output, params in zip(outputs, params_list):
-            assert isinstance(output, PoolingRequestOutput)
-            output.outputs.data = params.finish(output.outputs.data, pooler)
-        return outputs  # type: ignore[return-value]
+        try:
+            outputs = self._run_engine([r.request_id for r in processed], use_tqdm)
+        except RequestFailedError as failure:  # the others' outputs as the call gives them
+            _finish_pooled(failure.outputs or [], params_list, pooler)
+            raise
+        assert all(isinstance(output, PoolingRequestOutput) for output in outputs)
+        return _finish_pooled(outputs, params_list, pooler)
 
     def embed(
         self,
@@ -424,14 +464,15 @@ class LLM:
         """One embedding per prompt (``outputs.embedding``, a list of floats), in input
         order; ``encode`` with vLLM's embedding output type."""
         self._check_task("embed")
-        outputs = self.encode(
-            prompts,
-            pooling_params,
-            use_tqdm=use_tqdm,
-            truncate_prompt_tokens=truncate_prompt_tokens,
-            pooling_task="embed",
-            tokenization_kwargs=tokenization_kwargs,
-        )
+        with _failure_outputs_as(EmbeddingRequestOutput.from_base):
+            outputs = self.encode(
+                prompts,
+                pooling_params,
+                use_tqdm=use_tqdm,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                pooling_task="embed",
+                tokenization_kwargs=tokenization_kwargs,
+            )
         return [EmbeddingRequestOutput.from_base(output) for output in outputs]
 
     def classify(
@@ -447,14 +488,15 @@ class LLM:
         needs a classification model (``*ForSequenceClassification``).
         ``PoolingParams(use_activation=False)`` gives the raw logits."""
         self._check_task("classify")
-        outputs = self.encode(
-            prompts,
-            pooling_params,
-            use_tqdm=use_tqdm,
-            truncate_prompt_tokens=truncate_prompt_tokens,
-            pooling_task="classify",
-            tokenization_kwargs=tokenization_kwargs,
-        )
+        with _failure_outputs_as(ClassificationRequestOutput.from_base):
+            outputs = self.encode(
+                prompts,
+                pooling_params,
+                use_tqdm=use_tqdm,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                pooling_task="classify",
+                tokenization_kwargs=tokenization_kwargs,
+            )
         return [ClassificationRequestOutput.from_base(output) for output in outputs]
 
     def reward(
@@ -511,23 +553,16 @@ class LLM:
                     "A cross-encoder joins each pair's texts with its tokenizer; pass strings "
                     "in data_1 and data_2."
                 )
-            outputs = self._pool(
-                pairs,
-                pooling_params,
-                use_tqdm,
-                truncate_prompt_tokens,
-                "score",
-                tokenization_kwargs=tokenization_kwargs,
-            )
-            return [
-                ScoringRequestOutput(
-                    output.request_id,
-                    ScoringOutput(float(output.outputs.data[0])),
-                    output.prompt_token_ids,
-                    output.finished,
+            with _failure_outputs_as(_pair_score):
+                outputs = self._pool(
+                    pairs,
+                    pooling_params,
+                    use_tqdm,
+                    truncate_prompt_tokens,
+                    "score",
+                    tokenization_kwargs=tokenization_kwargs,
                 )
-                for output in outputs
-            ]
+            return [_pair_score(output) for output in outputs]
         firsts = scoring.as_list(data_1)
         vectors = self._pool(
             firsts + [b for _, b in pairs],
