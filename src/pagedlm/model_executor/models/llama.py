@@ -185,6 +185,9 @@ class LlamaModel(nn.Module):
     """input_ids, positions [T] -> final-normed hidden states [T, hidden]; a pipeline
     stage holds only its layers (``stages.py``)."""
 
+    embedding_multiplier = 1.0
+    """Scales the token embeddings, ``inputs_embeds`` too (Granite's; 1.0: unscaled)."""
+
     def __init__(
         self,
         arch: ArchConfig,
@@ -193,21 +196,26 @@ class LlamaModel(nn.Module):
         max_model_len: int | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = on_first_stage(
-            lambda: VocabParallelEmbedding(arch.vocab_size, arch.hidden_size),
-            also_last=arch.tie_word_embeddings,  # the LM head shares its table
-        )
         # One cos/sin table for all layers: it can be tens of MB for long contexts.
         rotary_emb = get_rope_for_arch(arch, max_model_len)
         windows = layer_sliding_windows(arch)
-        self.layers = stage_layers(
-            arch.num_hidden_layers,
+        self._build_stack(
+            arch,
             lambda i: LlamaDecoderLayer(
                 arch,
                 LlamaAttention(arch, i, rotary_emb, options, windows[i]),
                 self._layer_mlp(arch, options, make_mlp, i),
             ),
         )
+
+    def _build_stack(self, arch: ArchConfig, build_layer: Callable[[int], nn.Module]) -> None:
+        """The token embedding, this pipeline stage's layers (``build_layer(i)`` makes layer
+        ``i``) and the final RMSNorm."""
+        self.embed_tokens = on_first_stage(
+            lambda: VocabParallelEmbedding(arch.vocab_size, arch.hidden_size),
+            also_last=arch.tie_word_embeddings,  # the LM head shares its table
+        )
+        self.layers = stage_layers(arch.num_hidden_layers, build_layer)
         self.start_layer, self.end_layer = this_stage_layers(arch.num_hidden_layers)
         self.is_last_stage = get_pipeline_state().is_last
         self.norm = on_last_stage(lambda: RMSNorm(arch.hidden_size, arch.rms_norm_eps))
@@ -227,9 +235,12 @@ class LlamaModel(nn.Module):
         intermediate: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
+        residual: torch.Tensor | None
         if intermediate is None:
             x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
             residual = None
+            if self.embedding_multiplier != 1.0:
+                x = x * self.embedding_multiplier
         else:
             x, residual = intermediate["hidden_states"], intermediate["residual"]
         for layer in itertools.islice(self.layers, self.start_layer, self.end_layer):
