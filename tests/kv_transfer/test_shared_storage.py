@@ -473,3 +473,20 @@ def test_the_blocks_of_a_request_that_fails_are_removed(model, tmp_path, async_s
     assert connector.num_saved_blocks == 4 + 3  # written first, then removed
     assert not any(block_file(producer, failing, index).exists() for index in range(4))
     assert all(block_file(producer, other, index).is_file() for index in range(3))
+
+
+def test_a_block_whose_file_went_is_written_again_by_the_request_that_computes_it(model, tmp_path):
+    """A stored block's file removed behind the engine's back (the store evicted it): the
+    scheduler still remembered it stored, planned a load that failed, and never wrote it
+    again, so every later prompt computed it. A failed load now makes the scheduler look
+    the block up on disk again, and the request that computes it writes it."""
+    (prompt,) = random_prompts([17], seed=15)
+    llm = engine(model, tmp_path, "kv_both")
+    (first,) = generate(llm, [prompt])
+    gone = block_file(llm, prompt, 1)
+    gone.unlink()
+    (second,) = generate(llm, [prompt])  # loads block 0, computes blocks 1 to 3
+    assert second.num_cached_tokens == 4 and second.outputs == first.outputs
+    assert gone.is_file()
+    (third,) = generate(llm, [prompt])
+    assert third.num_cached_tokens == 16 and third.outputs == first.outputs

@@ -21,8 +21,10 @@ the tensors' bytes. A block whose file is missing, unreadable, of another shape 
 or whose bytes do not match is reported failed and computed instead. Files are written to a
 temporary name and renamed, so a reader never sees half a file; a block already stored is
 not written again, and one whose write failed is written by a later step that computes it
-(``stored_blocks.py``). The files a request wrote are removed if it fails in a step
-(``kv_untrusted``): their keys and values may not be what their digests promise.
+(``stored_blocks.py``). A block that fails to load (its file removed or damaged since it
+was found) is looked up on disk again, so the request that computes it instead writes it.
+The files a request wrote are removed if it fails in a step (``kv_untrusted``): their keys
+and values may not be what their digests promise.
 
 Differences from vLLM's ``ExampleConnector``: files per block (vLLM: per request and layer,
 under a digest of the whole prompt, so only a prompt whose every block matches loads
@@ -106,6 +108,8 @@ class SharedStorageConnector(KVConnectorBase):
         # Scheduler side.
         self._requests = RequestTables()
         self._planned_loads: list[BlockTransfer] = []
+        self._loads_in_flight: dict[str, BlockTransfer] = {}
+        """Per request loading, its load (its failed blocks are looked up on disk again)."""
         self._stored = StoredBlocks(lambda key: self.path(key).is_file(), self._remove_file)
         self._saved_by: dict[str, list[str]] = {}
         """Per request, the blocks it was planned to write (removed if it fails)."""
@@ -159,13 +163,13 @@ class SharedStorageConnector(KVConnectorBase):
         first = request.num_computed_tokens // self.block_size
         end = first + num_external_tokens // self.block_size
         hashes = request.block_hashes
-        self._planned_loads.append(
-            BlockTransfer(
-                request.request_id,
-                list(block_ids[first:end]),
-                [block_hash.hex() for block_hash in hashes[first:end]],
-            )
+        transfer = BlockTransfer(
+            request.request_id,
+            list(block_ids[first:end]),
+            [block_hash.hex() for block_hash in hashes[first:end]],
         )
+        self._planned_loads.append(transfer)
+        self._loads_in_flight[request.request_id] = transfer
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         loads, self._planned_loads = self._planned_loads, []
@@ -211,6 +215,14 @@ class SharedStorageConnector(KVConnectorBase):
         return BlockTransfer(req_id, block_ids, keys)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for req_id in output.finished_recving:
+            transfer = self._loads_in_flight.pop(req_id, None)
+            if transfer is not None and output.invalid_block_ids:
+                self._stored.forget(
+                    key
+                    for block_id, key in zip(transfer.block_ids, transfer.keys, strict=True)
+                    if block_id in output.invalid_block_ids
+                )
         self.num_saved_blocks += output.num_saved_blocks
         self.num_failed_saves += output.num_failed_saves
         if output.num_saved_blocks or output.num_failed_saves:
@@ -221,6 +233,7 @@ class SharedStorageConnector(KVConnectorBase):
 
     def request_finished(self, request: Request) -> None:
         self._requests.finish(request.request_id)
+        self._loads_in_flight.pop(request.request_id, None)
         keys = self._saved_by.pop(request.request_id, None)
         if keys and kv_untrusted(request):
             self._stored.invalidate(keys)

@@ -14,7 +14,7 @@ looked up on disk again when asked about).
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 MAX_REMEMBERED_BLOCKS = 1 << 16
 """Stored block digests the scheduler side remembers (about 10 MiB of Python strings)."""
@@ -95,9 +95,14 @@ class StoredBlocks:
             else:
                 self._remove(key)
 
-    def forget(self) -> None:
-        """Forget the stored blocks (files may have been removed); writes in flight stay."""
-        self._stored.clear()
+    def forget(self, keys: Iterable[str] | None = None) -> None:
+        """Forget the stored blocks (``keys``, or all: files may have been removed; they
+        are looked up on disk when next asked); writes in flight stay."""
+        if keys is None:
+            self._stored.clear()
+            return
+        for key in keys:
+            self._stored.pop(key, None)
 
     def _remember(self, key: str) -> None:
         self._stored[key] = None
