@@ -779,6 +779,21 @@ class CompilationConfig:
 
 
 @dataclass(frozen=True)
+class ReasoningMarkers:
+    """The thought's markers as token ids, for grammars that apply after the thought
+    (vLLM's ``structured_outputs_config.reasoning_parser``, ``enable_in_reasoning`` off):
+    a constrained request is unconstrained until it generates an end marker, and its
+    grammar applies to the tokens after it (``structured_output/reasoning.py``)."""
+
+    reasoning_parser: str
+    """The reasoning parser whose markers these are (``--reasoning-parser``)."""
+    start_token_ids: tuple[int, ...]
+    """Tokens that open a thought (may be empty)."""
+    end_token_ids: tuple[int, ...]
+    """Tokens that end a thought (never empty)."""
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -793,6 +808,10 @@ class EngineConfig:
     structured_outputs_compact_json: bool = False
     """Every JSON-constrained request emits compact JSON (vLLM's
     ``structured_outputs_config.disable_any_whitespace``)."""
+    structured_outputs_reasoning: ReasoningMarkers | None = None
+    """Grammars apply after the model's thought, which ends at one of these markers; None:
+    from the first output token (no reasoning parser, ``enable_in_reasoning``, or a
+    parser whose markers are no single tokens)."""
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     kv_transfer: KVTransferConfig | None = None
     """A KV connector (``pagedlm.kv_transfer``), or None (off)."""

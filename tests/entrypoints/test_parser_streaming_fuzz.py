@@ -455,7 +455,7 @@ def think_case(draw, parser_class, prompt_opened: bool = False) -> tuple[str, st
 
 
 THINK_PARSERS = {name: parser for name, parser in REASONING_PARSERS.items()
-                 if hasattr(parser, "end_tags")}  # fmt: skip
+                 if parser.end_tags}  # fmt: skip
 
 
 def _joined(parser: ReasoningParser, text: str, cuts: list[int]) -> tuple[str, str]:

@@ -28,14 +28,21 @@ VOCAB_SIZE = 384
 EOS_ID = 2
 
 
-def _write_tokenizer(path: Path) -> None:
+THINK_TOKENS = ["<think>", "</think>"]
+"""With ``thinking``: Qwen3's markers as added tokens (not special, as Qwen3's), the last
+two ids of the vocabulary."""
+THINK_START_ID, THINK_END_ID = VOCAB_SIZE - 2, VOCAB_SIZE - 1
+
+
+def _write_tokenizer(path: Path, thinking: bool = False) -> None:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
     fillers = [f"{a}{b}" for a in "abcdefghijklmnop" for b in "qrstuvwxyz0123456"]
     tokens = SPECIAL_TOKENS + byte_chars
-    tokens += fillers[: VOCAB_SIZE - len(tokens)]
+    extra = THINK_TOKENS if thinking else []
+    tokens += fillers[: VOCAB_SIZE - len(tokens) - len(extra)] + extra
     assert len(tokens) == VOCAB_SIZE
     backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -43,6 +50,7 @@ def _write_tokenizer(path: Path) -> None:
     backend.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
     )
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in extra])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token="<|endoftext|>",
@@ -54,8 +62,9 @@ def _write_tokenizer(path: Path) -> None:
     tokenizer.save_pretrained(path)
 
 
-def write_chat_checkpoint(path: Path) -> Path:
-    """A tiny random llama with tokenizer and chat template (fp32, seeded) in ``path``."""
+def write_chat_checkpoint(path: Path, thinking: bool = False) -> Path:
+    """A tiny random llama with tokenizer and chat template (fp32, seeded) in ``path``;
+    ``thinking``: the tokenizer has ``<think>`` and ``</think>`` (``THINK_TOKENS``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -72,7 +81,7 @@ def write_chat_checkpoint(path: Path) -> Path:
         eos_token_id=EOS_ID,
     )
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
-    _write_tokenizer(path)
+    _write_tokenizer(path, thinking)
     return path
 
 

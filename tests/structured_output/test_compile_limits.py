@@ -155,6 +155,7 @@ def _scheduler(
     config = SimpleNamespace(
         structured_outputs_backend="gated",
         model=SimpleNamespace(arch=SimpleNamespace(vocab_size=64)),
+        structured_outputs_reasoning=None,
     )
     manager = StructuredOutputManager(config)  # type: ignore[arg-type]
     manager.compiler = GrammarCompiler(lambda: backend, small_workers=small_workers)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pagedlm.config import CacheConfig, SchedulerConfig
+from pagedlm.config import CacheConfig, ReasoningMarkers, SchedulerConfig
 from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.core.request import Request, RequestStatus
 from pagedlm.core.scheduler import OneBudgetScheduler
@@ -50,6 +50,9 @@ class _SequenceMatcher(GrammarMatcher):
     def is_terminated(self) -> bool:
         return self.position == len(self.sequence)
 
+    def rollback(self, num_tokens: int) -> None:
+        self.position -= num_tokens
+
 
 class _SequenceBackend(StructuredOutputBackend):
     name = "sequence"
@@ -78,10 +81,14 @@ def backend() -> _SequenceBackend:
     return _SequenceBackend()
 
 
-def _scheduler(backend: _SequenceBackend, *, budget: int = 64, num_blocks: int = 64):
+def _scheduler(
+    backend: _SequenceBackend, *, budget: int = 64, num_blocks: int = 64, reasoning=None
+):
+    """``reasoning``: a ``ReasoningMarkers`` (grammars after the thought), or None."""
     config = SimpleNamespace(
         structured_outputs_backend="sequence",
         model=SimpleNamespace(arch=SimpleNamespace(vocab_size=VOCAB)),
+        structured_outputs_reasoning=reasoning,
     )
     manager = StructuredOutputManager(config)  # type: ignore[arg-type]
     manager.compiler = GrammarCompiler(lambda: backend)
@@ -237,3 +244,151 @@ def test_scheduler_without_manager_rejects_constrained_requests():
     scheduler = OneBudgetScheduler(SchedulerConfig(), CacheConfig(block_size=BLOCK), 16)
     with pytest.raises(ValueError, match="without a StructuredOutputManager"):
         scheduler.add_request(_request("json", "1 2"))
+
+
+# -- grammars after the model's thought (structured_outputs_config.reasoning_parser) -----
+
+THINK, END_THINK = 60, 61
+MARKERS = ReasoningMarkers("qwen3", (THINK,), (END_THINK,))
+
+
+def _bit(token: int) -> np.int32:
+    return np.uint32(1 << (token % 32)).view(np.int32)
+
+
+def _allows(row: np.ndarray) -> set[int]:
+    bits = np.unpackbits(row.view(np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits).tolist())
+
+
+def _thinking(request_id: str, grammar: str, reasoning_ended, **params) -> Request:
+    request = _request(request_id, grammar, **params)
+    request.reasoning_ended = reasoning_ended
+    return request
+
+
+def _masks(scheduler, drafts: dict[str, list[int]] | None = None) -> dict[str, list[set[int]]]:
+    """Each constrained request's rows (allowed tokens per position) for a step that
+    samples them all, verifying ``drafts``."""
+    manager = scheduler.grammars.manager
+    for request_id in scheduler.requests:
+        manager._requests[request_id].future.result(timeout=10)
+        assert manager.is_ready(request_id)
+    bitmask = manager.grammar_bitmask(list(scheduler.requests), drafts)
+    if bitmask is None:
+        return {}
+    rows: dict[str, list[set[int]]] = {}
+    for req_id, row in zip(bitmask.req_ids, bitmask.bitmask, strict=True):
+        rows.setdefault(req_id, []).append(_allows(row))
+    return rows
+
+
+ALL = set(range(VOCAB))
+
+
+def test_a_thought_is_free_and_its_end_starts_the_grammar(backend):
+    scheduler = _scheduler(backend, reasoning=MARKERS)
+    scheduler.add_request(_thinking("opened", "20 21 2", False, max_tokens=10))
+    scheduler.add_request(_thinking("closed", "20 21 2", True, max_tokens=10))
+    assert _masks(scheduler) == {"opened": [ALL], "closed": [{20}]}
+    only_free = _scheduler(backend, reasoning=MARKERS)
+    only_free.add_request(_thinking("opened", "20 21 2", False))
+    _masks(only_free)
+    assert only_free.grammars.manager.grammar_bitmask(["opened"]) is None, "no row restricts"
+    # an engine without markers applies grammars from the first token, whatever the request
+    without = _scheduler(backend)
+    without.add_request(_thinking("opened", "20 21 2", False))
+    assert _masks(without) == {"opened": [{20}]}
+
+    # Two free tokens, the end marker and the grammar's first token arrive in one step.
+    request = scheduler.requests["opened"]
+    assert scheduler.grammars.advance(request, [FILLER, 33, END_THINK, 20]) == 4
+    assert scheduler.grammars.manager._requests["opened"].matcher.position == 1
+    assert _masks(scheduler)["opened"] == [{21}]
+    # A token the grammar forbids after the thought still ends the request.
+    assert scheduler.grammars.advance(request, [FILLER]) == 0
+    assert request.status is RequestStatus.FINISHED_ABORTED
+
+
+def test_the_first_token_decides_where_the_prompt_did_not(backend):
+    """``reasoning_ended`` None (Qwen3's template left ``<think>`` to the model): the first
+    row is the grammar's plus the start marker; a start marker opens a thought, any other
+    token is the answer's first."""
+    scheduler = _scheduler(backend, reasoning=MARKERS)
+    scheduler.add_request(_thinking("thinks", "20 21 2", None))
+    scheduler.add_request(_thinking("answers", "20 21 2", None))
+    assert _masks(scheduler) == {"thinks": [{20, THINK}], "answers": [{20, THINK}]}
+    scheduler.grammars.advance(scheduler.requests["thinks"], [THINK])
+    scheduler.grammars.advance(scheduler.requests["answers"], [20])
+    assert _masks(scheduler) == {"thinks": [ALL], "answers": [{21}]}
+    # in the answer, a start or end marker is the grammar's to allow (here: not)
+    scheduler.grammars.advance(scheduler.requests["thinks"], [END_THINK, 20])
+    assert _masks(scheduler) == {"thinks": [{21}], "answers": [{21}]}
+
+
+@pytest.mark.parametrize(
+    ("reasoning_ended", "drafts", "rows"),
+    [
+        # the end marker among the drafts: the positions after it are the grammar's
+        (False, [FILLER, END_THINK, 20, 21], [ALL, ALL, {20}, {21}, {2}]),
+        # a draft the grammar rejects right after the end: the rest are never used
+        (False, [END_THINK, 33, 20], [ALL, {20}, ALL, ALL]),
+        # still thinking at the last draft
+        (False, [FILLER, THINK, FILLER], [ALL, ALL, ALL, ALL]),
+        # the first draft decides: a thought, then its end
+        (None, [THINK, FILLER, END_THINK], [{20, THINK}, ALL, ALL, {20}]),
+        # the first draft decides: the answer (the end marker is then the grammar's)
+        (None, [20, END_THINK, 21], [{20, THINK}, {21}, ALL, ALL]),
+        (True, [20, 21], [{20}, {21}, {2}]),
+        # an unknown draft (-1): nothing is known after it
+        (False, [END_THINK, -1, 21], [ALL, {20}, ALL, ALL]),
+    ],
+)
+def test_rows_of_drafts_that_straddle_the_end_of_the_thought(
+    backend, reasoning_ended, drafts, rows
+):
+    scheduler = _scheduler(backend, reasoning=MARKERS)
+    scheduler.add_request(_thinking("r", "20 21 2", reasoning_ended))
+    free = all(row == ALL for row in rows)  # no bitmask at all then
+    assert _masks(scheduler, {"r": drafts}) == ({} if free else {"r": rows})
+    state = scheduler.grammars.manager._requests["r"]
+    assert state.matcher.position == 0 and state.reasoning == reasoning_ended, "rolled back"
+
+
+def test_thinking_through_steps_preemption_and_samples(backend):
+    """A scheduler run: the thought's tokens pass free, the answer follows the grammar; a
+    preempted request recomputes and keeps its state; each of n samples has its own."""
+    scheduler = _scheduler(backend, reasoning=MARKERS)
+    for index in range(2):  # two samples of one prompt: the engine's n=2 children
+        scheduler.add_request(_thinking(f"{index}_r", "20 21 2", False, max_tokens=12))
+    script = {"0_r": [FILLER, END_THINK], "1_r": [FILLER, FILLER, FILLER, END_THINK]}
+    tokens: dict[str, list[int]] = {}
+    finished = {}
+    for step in range(30):
+        if not scheduler.has_unfinished_requests():
+            break
+        output = scheduler.schedule()
+        bitmask = scheduler.get_grammar_bitmask(output)
+        masks = {}
+        if bitmask is not None:
+            masks = dict(zip(bitmask.req_ids, bitmask.bitmask, strict=True))
+        sampled = []
+        for req_id in output.req_ids:
+            request = scheduler.requests[req_id]
+            done = len(request.output_token_ids)
+            if done < len(script[req_id]):
+                assert req_id not in masks or _allows(masks[req_id]) == ALL
+                sampled.append([script[req_id][done]])
+            else:
+                sampled.append([_lowest_allowed(masks[req_id])])
+        for out in scheduler.update_from_output(output, ModelRunnerOutput(output.req_ids, sampled)):
+            tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finished[out.req_id] = out
+        if step == 2:
+            request = scheduler.requests["1_r"]
+            scheduler.running.remove(request)
+            scheduler._preempt(request)
+    assert tokens == {"0_r": [FILLER, END_THINK, 20, 21, 2], "1_r": [*script["1_r"], 20, 21, 2]}
+    assert all(out.finish_reason == "stop" for out in finished.values())
+    assert not scheduler.grammars.manager._requests

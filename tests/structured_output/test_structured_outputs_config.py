@@ -37,8 +37,8 @@ def test_the_backend_and_whitespace_rule(backend, config, expected):
         ("xgrammar", {"backend": "outlines"}, "given twice"),
         ("auto", {"whitespace": 1}, r"unknown key\(s\) \['whitespace'\]"),
         ("auto", {"disable_any_whitespace": "yes"}, "disable_any_whitespace must be true or"),
-        ("auto", {"reasoning_parser": "qwen3"}, "--reasoning-parser"),
-        ("auto", {"enable_in_reasoning": True}, "enable_in_reasoning is not supported"),
+        ("auto", {"reasoning_parser": 3}, "reasoning_parser must be a string"),
+        ("auto", {"enable_in_reasoning": "yes"}, "enable_in_reasoning must be true or false"),
     ],
 )
 def test_errors_name_the_key(backend, config, message):

@@ -4,7 +4,8 @@ A constrained request waits with status ``WAITING_FOR_GRAMMAR`` while its gramma
 on the manager's thread, and is skipped (requests behind it are admitted) until it is
 ready. Each step's sampling gets the allowed-token bitmask of the constrained requests that
 sample, computed once the previous step's tokens have advanced their matchers.
-Sampled tokens advance the request's matcher; a terminated grammar finishes the request
+Sampled tokens advance the request's matcher (those after its thought, where grammars
+apply after the model's thought); a terminated grammar finishes the request
 ("stop"), a grammar that failed to compile aborts it with the compiler's message. Without a
 ``StructuredOutputManager`` every method is a no-op except ``add``, which refuses.
 """
@@ -84,14 +85,17 @@ class GrammarGate:
         return []
 
     def advance(self, request: Request, token_ids: list[int]) -> int:
-        """Feed appended tokens to the request's matcher; finish it if the grammar ends.
+        """Feed appended tokens to the request's matcher, those of its thought left out
+        (grammars after the thought: the manager's ``answer_start``); finish it if the
+        grammar ends.
 
         Returns how many of ``token_ids`` stay: tokens after the one that ended the grammar
         (several arrive at once with speculative decoding) are taken off the request."""
         if self.manager is None or request.sampling_params.structured_outputs is None:
             return len(token_ids)
         request_id = request.request_id
-        for index, token_id in enumerate(token_ids):
+        for index in range(self.manager.answer_start(request_id, token_ids), len(token_ids)):
+            token_id = token_ids[index]
             if not self.manager.accept_tokens(request_id, [token_id]):
                 # The row had no token left that the grammar allows (its allowed_token_ids,
                 # bad words or a -inf logit bias took them all): never emit text that

@@ -79,6 +79,7 @@ class Request:
         mm_features: list[MultiModalFeature] | None = None,
         pooling: PoolingSpec | None = None,
         prompt_embeds: TensorData | None = None,
+        reasoning_ended: bool | None = True,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -96,6 +97,11 @@ class Request:
         self.prompt_embeds = prompt_embeds
         """A prompt given as embeddings ``[num_prompt_tokens, hidden]`` (the prompt's token
         ids are then placeholders); None: token ids."""
+        self.reasoning_ended = reasoning_ended
+        """Where its output starts, for a grammar that applies after the model's thought
+        (vLLM's name; the input processor reads it from the prompt): True, after it (the
+        grammar applies from the first token); False, inside a thought (it applies after
+        the end marker); None, the first token decides (a start marker opens a thought)."""
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.all_token_ids)

@@ -36,6 +36,7 @@ from pagedlm.engine.model_impl_args import (
 )
 from pagedlm.engine.prompt_embeds import check_prompt_embeds_config
 from pagedlm.engine.quantization_args import check_quantization_name, resolve_quantization
+from pagedlm.engine.reasoning_args import reasoning_markers
 from pagedlm.engine.speculative_args import parse_speculative_config
 from pagedlm.engine.structured_outputs_args import resolve_structured_outputs
 from pagedlm.engine.vllm_compat_args import VllmCompatArgs
@@ -224,7 +225,9 @@ class EngineArgs(VllmCompatArgs):
     default: xgrammar, or outlines where only it is installed)."""
     structured_outputs_config: dict[str, Any] | None = None
     """vLLM's JSON for structured outputs, e.g. '{"backend": "xgrammar",
-    "disable_any_whitespace": true}' (compact JSON for every request); keys in
+    "disable_any_whitespace": true}' (compact JSON for every request), or
+    '{"reasoning_parser": "qwen3"}' (grammars apply after the model's thought;
+    --reasoning-parser sets it for the server); keys in
     ``pagedlm.engine.structured_outputs_args``."""
     kv_events_config: str | None = None
     """Publish prefix-cache block events as vLLM does, as a JSON object (a dict from
@@ -588,6 +591,12 @@ class EngineArgs(VllmCompatArgs):
                     load_format="dummy" if self.load_format == "dummy" else "auto",
                     token=self.hf_token,
                 ),
+            ),
+        )
+        config = replace(
+            config,
+            structured_outputs_reasoning=reasoning_markers(
+                self.structured_outputs_config, config.model, log=log_defaults
             ),
         )
         if config.speculative is not None and config.parallel.pipeline_parallel_size > 1:

@@ -142,6 +142,7 @@ class AsyncLLM:
             multimodal_config=config.multimodal,
             logits_processors=config.logits_processors,
             compact_json=config.structured_outputs_compact_json,
+            reasoning=config.structured_outputs_reasoning,
         )
         # Not at a lower priority: a niced thread descheduled while it holds the GIL stalls
         # the event loop (a 2.5M-character prompt: /health p99 202 ms niced, 57 ms not).

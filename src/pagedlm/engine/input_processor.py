@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pagedlm.config import LoRAConfig, ModelConfig, MultiModalConfig
+from pagedlm.config import LoRAConfig, ModelConfig, MultiModalConfig, ReasoningMarkers
 from pagedlm.core.request import Request
 from pagedlm.engine.prompt_embeds import checked_prompt_embeds, embeds_of
 from pagedlm.engine.tokenization_kwargs import check_tokenization_kwargs, encode_text
@@ -98,10 +98,13 @@ class InputProcessor:
         multimodal_config: MultiModalConfig | None = None,
         logits_processors: tuple[type, ...] = (),
         compact_json: bool = False,
+        reasoning: ReasoningMarkers | None = None,
     ) -> None:
         """``logits_processors``: the engine's custom processor classes; each request's
         parameters pass their ``validate_params``. ``compact_json``: every JSON-constrained
-        request gets ``disable_any_whitespace`` (the engine's structured-outputs config)."""
+        request gets ``disable_any_whitespace`` (the engine's structured-outputs config).
+        ``reasoning``: grammars apply after the thought, so each constrained request is
+        told where its output starts (``Request.reasoning_ended``)."""
         from pagedlm.multimodal.inputs import MultiModalInputs
         from pagedlm.structured_output.params import DEFAULT_MAX_SPEC_CHARS
 
@@ -111,6 +114,7 @@ class InputProcessor:
         self.scheduling_policy = scheduling_policy
         self.logits_processors = logits_processors
         self.compact_json = compact_json
+        self.reasoning = reasoning
         self.tokenizer = tokenizer
         if tokenizer is not None and hasattr(tokenizer, "truncation_side"):
             # vLLM's: a generating model keeps a truncated prompt's end, a pooling one its
@@ -316,6 +320,19 @@ class InputProcessor:
                     f"{name} token id {bad[0]} is outside the vocabulary [0, {vocab})."
                 )
 
+    def _reasoning_ended(self, params: SamplingParams, prompt_token_ids: list[int]) -> bool | None:
+        """Where a constrained request's output starts (``Request.reasoning_ended``), by
+        the reasoning parser's rule for the prompt's current turn (the rule the server's
+        parsers follow: ``reasoning_parsers/prompt.py``); True without a grammar that
+        applies after the thought."""
+        if self.reasoning is None or params.structured_outputs is None:
+            return True
+        from pagedlm.engine.reasoning_args import reasoning_parser_class
+        from pagedlm.entrypoints.openai.reasoning_parsers.prompt import prompt_reasoning_ended
+
+        parser_class = reasoning_parser_class(self.reasoning.reasoning_parser)
+        return prompt_reasoning_ended(parser_class, self.tokenizer, prompt_token_ids)
+
     def _validate_structured_outputs(self, params: SamplingParams) -> None:
         from pagedlm.structured_output.params import validate_structured_outputs
 
@@ -369,6 +386,7 @@ class InputProcessor:
                 )
             token_ids = token_ids[-keep:]
         resolved = self.resolve_params(params, len(token_ids))
+        reasoning_ended = self._reasoning_ended(resolved, [] if embeds is not None else token_ids)
         cache_salt = cache_salt_of(prompt)
         arrival = time.monotonic()
         children = []
@@ -391,6 +409,7 @@ class InputProcessor:
                     lora_request=lora_request,
                     mm_features=mm_features,
                     prompt_embeds=embeds,
+                    reasoning_ended=reasoning_ended,
                 )
             )
         # An embeddings prompt reports no prompt token ids (vLLM's None), and its output

@@ -49,6 +49,7 @@ class LLMEngine:
             multimodal_config=config.multimodal,
             logits_processors=config.logits_processors,
             compact_json=config.structured_outputs_compact_json,
+            reasoning=config.structured_outputs_reasoning,
         )
         self.output_processor = OutputProcessor(self.tokenizer, config.scheduler.stream_interval)
         self.engine_core = make_engine_core(config, platform)

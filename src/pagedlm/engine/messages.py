@@ -67,6 +67,7 @@ class WireRequest(msgspec.Struct, array_like=True):
     mm_features: list[MultiModalFeature] = []
     pooling: PoolingSpec | None = None
     prompt_embeds: TensorData | None = None
+    reasoning_ended: bool | None = True
 
 
 def request_to_wire(request: Request) -> WireRequest:
@@ -82,6 +83,7 @@ def request_to_wire(request: Request) -> WireRequest:
         request.mm_features,
         request.pooling,
         request.prompt_embeds,
+        request.reasoning_ended,
     )
 
 
@@ -98,6 +100,7 @@ def request_from_wire(wire: WireRequest) -> Request:
         mm_features=wire.mm_features,
         pooling=wire.pooling,
         prompt_embeds=wire.prompt_embeds,
+        reasoning_ended=wire.reasoning_ended,
     )
 
 

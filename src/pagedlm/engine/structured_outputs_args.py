@@ -7,9 +7,10 @@ outlines does, and grammars and structural tags besides), ``disable_any_whitespa
 JSON-constrained request gets compact JSON, as if it set the field itself),
 ``disable_fallback`` (pagedlm never moves a request to another backend, which is what True
 asks), ``disable_additional_properties`` (vLLM reads it only in its guidance backend, so it
-changes nothing here, as in vLLM with xgrammar), ``reasoning_parser`` and
-``enable_in_reasoning`` (refused: the server's ``--reasoning-parser`` sets the parser, and a
-grammar constrains the whole output). Every error names the key and the fix.
+changes nothing here, as in vLLM with xgrammar), ``reasoning_parser``,
+``reasoning_parser_plugin`` and ``enable_in_reasoning`` (grammars after the model's thought:
+``reasoning_args.py``; the server's ``--reasoning-parser`` sets the parser). Every error
+names the key and the fix.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
+from pagedlm.engine.reasoning_args import REASONING_KEYS, check_reasoning_keys
 from pagedlm.structured_output.backend import BACKENDS
 
 AUTO = "auto"
 _FLAGS = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties")
-_KEYS = ("backend", *_FLAGS, "reasoning_parser", "enable_in_reasoning")
+_KEYS = ("backend", *_FLAGS, *REASONING_KEYS)
 
 
 def resolve_structured_outputs(backend: str, config: dict[str, Any] | None) -> tuple[str, bool]:
@@ -37,16 +39,7 @@ def resolve_structured_outputs(backend: str, config: dict[str, Any] | None) -> t
             raise ValueError(
                 f"structured_outputs_config.{name} must be true or false, got {config[name]!r}."
             )
-    if config.get("reasoning_parser"):
-        raise ValueError(
-            "structured_outputs_config.reasoning_parser is set by the server's "
-            "--reasoning-parser here; pass the parser there and drop the key."
-        )
-    if config.get("enable_in_reasoning"):
-        raise ValueError(
-            "structured_outputs_config.enable_in_reasoning is not supported: a request's "
-            "grammar constrains its whole output, thought included; drop the key."
-        )
+    check_reasoning_keys(config)
     asked = config.get("backend", AUTO)
     if asked != AUTO and backend not in (AUTO, asked):
         raise ValueError(

@@ -13,12 +13,16 @@ Lifecycle of a constrained request:
    that sample, in one ``[M, ceil(vocab / 32)]`` int32 array shipped with the
    ``SchedulerOutput``.
 4. ``accept_tokens`` on every token the scheduler appends; ``is_terminated`` ends the
-   request when its grammar is complete.
+   request when its grammar is complete. With ``ReasoningMarkers`` (grammars after the
+   model's thought), ``answer_start`` first moves the request's thought state past the
+   appended tokens, and only those after the thought reach the matcher; the bitmask rows of
+   positions inside a thought allow everything (``reasoning.py``).
 5. ``remove`` (finished or aborted): a compile that no other request waits for and that
    has not started is cancelled.
 
-Matchers live here, keyed by request id, and are never reset by preemption: a preempted
-request recomputes the same tokens, so its grammar state is still right.
+Matchers (and thought states) live here, keyed by request id, and are never reset by
+preemption: a preempted request recomputes the same tokens, so its grammar state is still
+right.
 """
 
 from __future__ import annotations
@@ -42,6 +46,12 @@ from pagedlm.structured_output.backend import (
 )
 from pagedlm.structured_output.compiler import GrammarCompiler
 from pagedlm.structured_output.params import GrammarLimits, backend_error, grammar_spec
+from pagedlm.structured_output.reasoning import (
+    ReasoningState,
+    after_token,
+    allow_tokens,
+    answer_start,
+)
 
 if TYPE_CHECKING:
     from pagedlm.config import EngineConfig
@@ -70,6 +80,9 @@ class _RequestGrammar:
     added: float = field(default_factory=time.monotonic)
     matcher: GrammarMatcher | None = None
     error: str | None = None
+    reasoning: ReasoningState = True
+    """Where its output stands against the thought (``reasoning.py``); True: the grammar
+    governs every token."""
 
 
 class StructuredOutputManager:
@@ -81,6 +94,8 @@ class StructuredOutputManager:
         self._model_config = config.model
         self.compiler = GrammarCompiler(self._make_backend)
         self.limits = GrammarLimits()
+        self.reasoning = config.structured_outputs_reasoning
+        """The thought's markers when grammars apply after it, else None."""
         self._requests: dict[str, _RequestGrammar] = {}
 
     def set_limits(self, limits: GrammarLimits) -> None:
@@ -105,7 +120,10 @@ class StructuredOutputManager:
         params = request.sampling_params.structured_outputs
         assert params is not None, "only constrained requests are added"
         spec = grammar_spec(params)
-        self._requests[request.request_id] = _RequestGrammar(spec, self.compiler.acquire(spec))
+        state = _RequestGrammar(spec, self.compiler.acquire(spec))
+        if self.reasoning is not None:
+            state.reasoning = request.reasoning_ended
+        self._requests[request.request_id] = state
 
     def is_ready(self, request_id: str) -> bool:
         """Compiled (or failed, or past the compile timeout): the request may be scheduled."""
@@ -163,6 +181,14 @@ class StructuredOutputManager:
         if pending:
             wait_futures(pending, timeout=timeout, return_when=FIRST_COMPLETED)
 
+    def answer_start(self, request_id: str, token_ids: list[int]) -> int:
+        """Move the request's thought state past ``token_ids`` (appended in this order);
+        returns the index of the first of them its grammar governs (``len(token_ids)``:
+        none, the thought goes on)."""
+        state = self._requests[request_id]
+        state.reasoning, start = answer_start(self.reasoning, state.reasoning, token_ids)
+        return start
+
     def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
         """Advance the request's matcher; False if a token was not allowed."""
         matcher = self._requests[request_id].matcher
@@ -183,11 +209,13 @@ class StructuredOutputManager:
     def grammar_bitmask(
         self, request_ids: list[str], drafts: dict[str, list[int]] | None = None
     ) -> GrammarBitmask | None:
-        """Allowed next tokens for the given sampling requests that have a matcher.
+        """Allowed next tokens for the given sampling requests that have a matcher; None
+        where no row would restrict anything (every such position inside a thought).
 
         A request with ``drafts[request_id]`` (speculative decoding: the ``k`` drafts its
         step verifies, ``-1`` where unknown) gets ``1 + k`` rows: row ``j`` allows what may
-        follow its first ``j`` drafts. Past a draft the grammar rejects (or an unknown
+        follow its first ``j`` drafts, a thought's end among them included (rows after an
+        end marker are the grammar's). Past a draft the grammar rejects (or an unknown
         one), rows allow everything: that draft is rejected by its own row's mask, so
         the positions after it are never used."""
         drafts = drafts or {}
@@ -197,23 +225,52 @@ class StructuredOutputManager:
         num_rows = sum(1 + len(drafts.get(r, ())) for r in requests)
         bitmask = np.full((num_rows, bitmask_width(self.vocab_size)), -1, dtype=np.int32)
         rows: list[str] = []
+        masked = False
         for request_id in requests:
-            matcher = self._matcher_of(request_id)
-            assert matcher is not None
             row = len(rows)
             request_drafts = drafts.get(request_id, ())
             rows.extend([request_id] * (1 + len(request_drafts)))
-            matcher.fill_bitmask(bitmask, row)
-            accepted = 0
-            for token_id in request_drafts:
-                if token_id < 0 or matcher.is_terminated() or not matcher.accept_token(token_id):
+            masked |= self._fill_rows(request_id, request_drafts, bitmask, row)
+        return GrammarBitmask(req_ids=rows, bitmask=bitmask) if masked else None
+
+    def _fill_rows(self, request_id: str, drafts: list[int], bitmask: np.ndarray, row: int) -> bool:
+        """Write a request's ``1 + len(drafts)`` rows from ``row`` on; whether any row
+        restricts."""
+        state = self._requests[request_id]
+        matcher = state.matcher
+        assert matcher is not None
+        reasoning = state.reasoning
+        masked = self._fill_row(matcher, reasoning, bitmask, row)
+        accepted = 0
+        for position, token_id in enumerate(drafts, start=1):
+            if token_id < 0:
+                break
+            after, governed = True, True
+            if self.reasoning is not None:
+                after, governed = after_token(self.reasoning, reasoning, token_id)
+            if governed:
+                if matcher.is_terminated() or not matcher.accept_token(token_id):
                     break
                 accepted += 1
-                if not matcher.is_terminated():
-                    matcher.fill_bitmask(bitmask, row + accepted)
-            if accepted:
-                matcher.rollback(accepted)
-        return GrammarBitmask(req_ids=rows, bitmask=bitmask)
+            reasoning = after
+            if not matcher.is_terminated():
+                masked |= self._fill_row(matcher, reasoning, bitmask, row + position)
+        if accepted:
+            matcher.rollback(accepted)
+        return masked
+
+    def _fill_row(
+        self, matcher: GrammarMatcher, reasoning: ReasoningState, bitmask: np.ndarray, row: int
+    ) -> bool:
+        """One position's row: the grammar's mask, all ones inside a thought, the grammar's
+        and the start markers where the token decides; whether it restricts."""
+        if reasoning is False:
+            return False
+        matcher.fill_bitmask(bitmask, row)
+        if reasoning is None:
+            assert self.reasoning is not None
+            allow_tokens(bitmask, row, self.reasoning.start_token_ids)
+        return True
 
     def _matcher_of(self, request_id: str) -> GrammarMatcher | None:
         state = self._requests.get(request_id)

@@ -18,11 +18,8 @@ from pagedlm.entrypoints.openai.reasoning_parsers import (
     ReasoningParser,
     reasoning_parser_factory,
 )
+from pagedlm.entrypoints.openai.reasoning_parsers.prompt import current_turn
 from pagedlm.entrypoints.openai.tool_parsers import ParsedDelta, ToolCallDelta, ToolParser
-
-PROMPT_TAIL_TOKENS = 1024
-"""How many of the prompt's last tokens a reasoning parser may read: its current turn, cut
-there (a template's turn is short; a prefill of a thought may not be)."""
 
 
 def reasoning_factory(
@@ -33,45 +30,13 @@ def reasoning_factory(
 ) -> Callable[[], ReasoningParser] | None:
     """Makes a request's reasoning parsers (one per choice) given how its prompt ends: the
     text of its current turn (``current_turn``); no tokenizer, nothing known of the prompt.
-    ``constrained``: a grammar constrains the output from its first token (the engine
-    applies it to the whole output), so the output starts after any thought."""
+    ``constrained``: the engine constrains the output with a grammar from its first token
+    (it applies grammars after the thought only with a reasoning parser of its own:
+    ``structured_outputs_config``), so the output starts after any thought."""
     if parser_class is None:
         return None
-    tail = ""
-    if tokenizer is not None and prompt_token_ids:
-        tail = current_turn(parser_class, tokenizer, prompt_token_ids)
+    tail = current_turn(parser_class, tokenizer, prompt_token_ids)
     return reasoning_parser_factory(parser_class, tail, closed=constrained)
-
-
-def current_turn(
-    parser_class: type[ReasoningParser], tokenizer: Any, prompt_token_ids: Sequence[int]
-) -> str:
-    """The prompt's text after its last special token (a role header, an end of turn), of
-    at most ``PROMPT_TAIL_TOKENS`` tokens, special tokens kept: a marker the template put in
-    the generation prompt or a prefill counts, one in an earlier message does not. A
-    special token that is itself one of the parser's markers (``[THINK]``) is no
-    boundary."""
-    tail = list(prompt_token_ids[-PROMPT_TAIL_TOKENS:])
-    special = _special_ids(tokenizer)
-    for index in range(len(tail) - 1, -1, -1):
-        if tail[index] in special:
-            token = tokenizer.decode([tail[index]], skip_special_tokens=False)
-            is_marker = parser_class.prompt_opens_reasoning(
-                token
-            ) or parser_class.prompt_closes_reasoning(token)
-            if not is_marker:
-                tail = tail[index + 1 :]
-                break
-    return tokenizer.decode(tail, skip_special_tokens=False)
-
-
-def _special_ids(tokenizer: Any) -> set[int]:
-    """The tokenizer's special tokens: those it names (BOS, EOS, additional ones) and the
-    added tokens it flags special (Llama 3's headers are not always named)."""
-    special = set(getattr(tokenizer, "all_special_ids", None) or ())
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    special.update(i for i, token in added.items() if getattr(token, "special", False))
-    return special
 
 
 @dataclass

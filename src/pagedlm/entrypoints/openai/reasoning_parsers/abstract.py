@@ -37,6 +37,18 @@ class ReasoningParser(ABC):
     needs_special_tokens: ClassVar[bool] = False
     """Its markers are special tokens of the model's tokenizer: a request it parses is
     detokenized with ``skip_special_tokens=False``, or it would never see them."""
+    start_tags: ClassVar[tuple[str, ...]] = ()
+    """The spellings of the marker that opens a thought (``<think>``); none: the parser
+    has no such marker."""
+    end_tags: ClassVar[tuple[str, ...]] = ()
+    """The spellings of the marker that ends a thought (``</think>``). The engine applies
+    a request's grammar only after it (``structured_outputs_config.reasoning_parser``)
+    where each spelling that is one token of the tokenizer is that token; none: the
+    engine applies grammars from the first output token."""
+    starts_in_reasoning: ClassVar[bool] = False
+    """Where the output starts when the prompt's current turn has no marker: inside a
+    thought (True: ``deepseek_r1``), or as the answer unless it opens with a start marker
+    (False: ``qwen3``)."""
 
     @classmethod
     def prompt_opens_reasoning(cls, prompt_tail: str) -> bool:
@@ -77,6 +89,19 @@ def reasoning_parser_factory(
     taken = inspect.signature(parser_class).parameters
     given = {name: value for name, value in decisions.items() if name in taken}
     return functools.partial(parser_class, **given) if given else parser_class
+
+
+def reasoning_ended_by_prompt(parser_class: type[ReasoningParser], prompt_tail: str) -> bool | None:
+    """Where the output of a prompt ending with ``prompt_tail`` starts, as the engine needs
+    it for a grammar that applies after the thought: True, after it (the prompt closed
+    the thought); False, inside one (the prompt opened it, or the family starts there:
+    ``starts_in_reasoning``); None, the output decides (a thought only if it opens with a
+    start marker). The same decisions ``reasoning_parser_factory`` gives its parsers."""
+    if parser_class.prompt_closes_reasoning(prompt_tail):
+        return True
+    if parser_class.prompt_opens_reasoning(prompt_tail):
+        return False
+    return False if parser_class.starts_in_reasoning else None
 
 
 def split_reasoning(parser: ReasoningParser, text: str) -> ReasoningDelta:

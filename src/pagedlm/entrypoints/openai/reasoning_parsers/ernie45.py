@@ -81,6 +81,10 @@ class _ResponseUnwrapper:
 
 
 class Ernie45ReasoningParser(ReasoningParser):
+    start_tags = DeepSeekR1ReasoningParser.start_tags
+    end_tags = DeepSeekR1ReasoningParser.end_tags
+    starts_in_reasoning = DeepSeekR1ReasoningParser.starts_in_reasoning
+
     def __init__(
         self, prompt_opens_reasoning: bool = False, prompt_closes_reasoning: bool = False
     ) -> None:

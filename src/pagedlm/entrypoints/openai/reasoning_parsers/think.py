@@ -30,6 +30,7 @@ text yields the same result.
 from __future__ import annotations
 
 import enum
+from typing import ClassVar
 
 from pagedlm.entrypoints.openai.reasoning_parsers.abstract import ReasoningDelta, ReasoningParser
 from pagedlm.entrypoints.openai.tool_parsers.abstract import held_tag_prefix
@@ -62,8 +63,8 @@ def _last_marker(text: str, start_tags: tuple[str, ...], end_tags: tuple[str, ..
 
 
 class ThinkReasoningParser(ReasoningParser):
-    start_tags: tuple[str, ...] = (OPEN,)
-    end_tags: tuple[str, ...] = (CLOSE,)
+    start_tags: ClassVar[tuple[str, ...]] = (OPEN,)
+    end_tags: ClassVar[tuple[str, ...]] = (CLOSE,)
     starts_in_reasoning = True
     """Without a leading start marker: reasoning (True) or content (False), unless the
     prompt decided (``prompt_opens_reasoning``: reasoning; ``prompt_closes_reasoning``:
