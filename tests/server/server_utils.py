@@ -177,6 +177,10 @@ def in_process_app(model: Path | str, name: str = "tiny", /, **options: object):
     engine_options = {k: v for k, v in options.items() if k in engine_fields}
     context_options = {k: v for k, v in options.items() if k not in engine_fields}
     engine = AsyncLLM.from_engine_args(EngineArgs(model=str(model), **engine_options))
+    context_options.setdefault(
+        "structured_outputs_after_reasoning",
+        engine.config.structured_outputs_reasoning is not None,
+    )
     ctx = ServingContext(
         engine=engine,
         model_names=[name],

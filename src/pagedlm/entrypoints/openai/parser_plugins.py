@@ -54,10 +54,12 @@ def load_plugin(location: str, flag: str) -> None:
 
 def check_parser_args(args: argparse.Namespace) -> None:
     """Load the plugins the flags name, then check ``--tool-call-parser`` and
-    ``--reasoning-parser`` against every registered parser."""
+    ``--reasoning-parser`` against every registered parser; the reasoning parser is the
+    engine's too (``reasoning_parser_to_engine``)."""
     from pagedlm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
     from pagedlm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
+    reasoning_parser_to_engine(args)
     for flag, location in (
         ("--tool-parser-plugin", args.tool_parser_plugin),
         ("--reasoning-parser-plugin", args.reasoning_parser_plugin),
@@ -78,3 +80,26 @@ def check_parser_args(args: argparse.Namespace) -> None:
                 f"error: {flag} {name!r} is unknown; choose one of {sorted(known)}, or register "
                 f"it in a file given to {plugin_flag}."
             )
+
+
+def reasoning_parser_to_engine(args: argparse.Namespace) -> None:
+    """``--reasoning-parser`` (and ``--reasoning-parser-plugin``) is vLLM's
+    ``structured_outputs_config.reasoning_parser`` (and ``reasoning_parser_plugin``): the
+    engine applies grammars after the thought its markers delimit. Either spelling sets
+    both the server's parser and the engine's; two different parsers exit naming both."""
+    config = dict(getattr(args, "structured_outputs_config", None) or {})
+    for flag, key in (
+        ("--reasoning-parser", "reasoning_parser"),
+        ("--reasoning-parser-plugin", "reasoning_parser_plugin"),
+    ):
+        given, configured = getattr(args, key, None), config.get(key) or None
+        if given and configured and given != configured:
+            raise SystemExit(
+                f"error: {flag} {given!r} and --structured-outputs-config's {key} "
+                f"{configured!r} name two; pass one."
+            )
+        if given or configured:
+            setattr(args, key, given or configured)
+            config[key] = given or configured
+    if config and hasattr(args, "structured_outputs_config"):
+        args.structured_outputs_config = config

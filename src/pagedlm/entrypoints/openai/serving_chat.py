@@ -24,7 +24,7 @@ from pagedlm.entrypoints.openai.chat_output import ChatOutputParser, reasoning_f
 from pagedlm.entrypoints.openai.errors import APIError
 from pagedlm.entrypoints.openai.logprobs_format import chat_logprobs, prompt_logprobs_json
 from pagedlm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedlm.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
+from pagedlm.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pagedlm.entrypoints.openai.serving_engine import (
     ServingContext,
     merge_streams,
@@ -127,20 +127,23 @@ class ChatServer:
             started = await ctx.start_beam_search(prompts, beam, request_id, lora)
         else:
             started = await ctx.start(prompts, params, request_id, request.priority, lora)
-        # The engine applies a grammar to the whole output: where one constrains it from the
-        # first token, the output starts after any thought, and the parser must say so too.
-        # A structural tag leaves free text (a thought may come first) until its triggers.
+        # Where the engine applies a grammar from the first token (it has no reasoning
+        # parser's markers), the output starts after any thought, and the parser must say
+        # so too; where it applies it after the thought, the model thinks first. A
+        # structural tag leaves free text (a thought may come first) until its triggers.
         grammar = params.structured_outputs
-        constrained = grammar is not None and grammar.structural_tag is None
+        constrained = (
+            grammar is not None
+            and grammar.structural_tag is None
+            and not ctx.structured_outputs_after_reasoning
+        )
         events = self._events(request, request_id, started, plan, reasoning_parser, constrained)
         return await stream_or_collect(events, request.stream)
 
     def _reasoning_parser(self, plan: ToolPlan) -> type[ReasoningParser] | None:
         """The server's reasoning parser, unless a forced tool call is all the output (its
-        grammar leaves no room for a thought)."""
-        name = self.ctx.reasoning_parser
-        forced = plan.structured_outputs is not None
-        return get_reasoning_parser(name) if name and not forced else None
+        grammar, applied from the first token, leaves no room for a thought)."""
+        return self.ctx.reasoning_parser_class(forced_call=plan.structured_outputs is not None)
 
     async def _events(
         self,

@@ -73,6 +73,10 @@ class ServingContext:
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
     """``--reasoning-parser``: splits ``reasoning_content`` from chat answers."""
+    structured_outputs_after_reasoning: bool = False
+    """The engine applies a request's grammar after the model's thought (it has the
+    reasoning parser's markers: ``EngineConfig.structured_outputs_reasoning``), so a
+    constrained output may start with a thought; False: from the first output token."""
     limits: RequestLimits = field(default_factory=RequestLimits)
     """The ``--max-...`` caps on a request's list sizes."""
     trust_request_chat_template: bool = False
@@ -125,6 +129,18 @@ class ServingContext:
     @property
     def model_name(self) -> str:
         return self.model_names[0]
+
+    def reasoning_parser_class(self, forced_call: bool = False) -> Any:
+        """The ``--reasoning-parser`` class (None: no parser) for a request; none for a
+        forced tool call (``tool_choice`` required or named) where the engine applies its
+        grammar from the first token, which leaves no room for a thought."""
+        from pagedlm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+
+        if not self.reasoning_parser or (
+            forced_call and not self.structured_outputs_after_reasoning
+        ):
+            return None
+        return get_reasoning_parser(self.reasoning_parser)
 
     def log_request(self, request_id: str, prompt: Any, params: Any) -> OutputLog | None:
         """Logs the request with ``--enable-log-requests``; its output log with

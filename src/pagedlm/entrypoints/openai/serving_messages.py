@@ -25,7 +25,7 @@ from pagedlm.entrypoints.openai.chat_images import anthropic_conversation, multi
 from pagedlm.entrypoints.openai.chat_output import ChatOutputParser, reasoning_factory
 from pagedlm.entrypoints.openai.errors import from_value_error
 from pagedlm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
-from pagedlm.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
+from pagedlm.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pagedlm.entrypoints.openai.serving_engine import (
     ServingContext,
     merge_streams,
@@ -172,10 +172,9 @@ class MessagesServer:
 
     def _reasoning_parser(self, plan: ToolPlan) -> type[ReasoningParser] | None:
         """The server's reasoning parser, unless a forced tool call is all the output (its
-        grammar leaves no room for a thought), as for chat completions."""
-        name = self.ctx.reasoning_parser
-        forced = plan.structured_outputs is not None
-        return get_reasoning_parser(name) if name and not forced else None
+        grammar, applied from the first token, leaves no room for a thought), as for chat
+        completions."""
+        return self.ctx.reasoning_parser_class(forced_call=plan.structured_outputs is not None)
 
     async def _events(
         self,
