@@ -1,12 +1,18 @@
 """Random structured-output workloads for the engine-level fuzz test (``test_engine_fuzz.py``).
 
 A case is an engine configuration (asynchronous scheduling, a speculative method, chunked
-prefill, prefix caching, a KV cache small enough to preempt) and a batch of requests, each
-with an optional grammar (JSON schema, regex, choice, EBNF) and random sampling fields
-(greedy or seeded, ``n``, stop strings, ``min_tokens``, logprobs, an abort after a few
-steps). ``run_case`` drives an ``LLMEngine`` step by step and returns every request's final
-completions; ``check_output`` checks one completion against its grammar with Python's own
-``re``/``json``/``jsonschema`` and with a fresh matcher of the engine's backend.
+prefill, prefix caching, a KV cache small enough to preempt, grammars after the model's
+thought: a reasoning parser) and a batch of requests, each with an optional grammar (JSON
+schema, regex, choice, EBNF) and random sampling fields (greedy or seeded, ``n``, stop
+strings, ``min_tokens``, logprobs, an abort after a few steps). ``run_case`` drives an
+``LLMEngine`` step by step and returns every request's final completions; ``check_output``
+checks one completion against its grammar with Python's own ``re``/``json``/``jsonschema``
+and with a fresh matcher of the engine's backend, from the token after its thought.
+
+With a reasoning parser, a prompt may end by opening the thought (``<think>``) or closing it,
+and a logit bias on ``</think>`` (and ``<think>``) makes the random model end (and open)
+thoughts; the thought's tokens are free, and where the answer starts is computed here from
+the prompt and the tokens, independently of the engine (``thought_end``).
 """
 
 from __future__ import annotations
@@ -23,20 +29,21 @@ import jsonschema
 import torch
 
 from pagedlm import SamplingParams, StructuredOutputsParams
+from pagedlm.core.grammar_gate import GRAMMAR_DEAD_END
 from pagedlm.structured_output.params import grammar_spec
-from server.server_utils import EOS_ID, write_chat_checkpoint
+from server.server_utils import EOS_ID, THINK_END_ID, THINK_START_ID, write_chat_checkpoint
 
 WORDS = ["cat", "dog", "abc", "red", "blue", "café", "x1", "tab", "zz", "ok", "no", "yes"]
 ALPHABET = "abcxyz019"
 
 
 def write_models(root: Path) -> dict[str, str]:
-    """The target (the server tests' tiny byte-level llama) and a one-layer draft with the
-    same vocabulary and tokenizer."""
+    """The target (the server tests' tiny byte-level llama, its tokenizer with ``<think>``
+    and ``</think>``) and a one-layer draft with the same vocabulary and tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    target = write_chat_checkpoint(root / "target")
-    draft = write_chat_checkpoint(root / "draft")
+    target = write_chat_checkpoint(root / "target", thinking=True)
+    draft = write_chat_checkpoint(root / "draft", thinking=True)
     config = LlamaConfig.from_pretrained(target)
     config.num_hidden_layers = 1
     torch.manual_seed(3)
@@ -175,6 +182,10 @@ class RequestCase:
     """Its grammar is invalid: adding it raises ValueError and nothing else changes."""
     replaced_by: RequestCase | None = None
     """Added under the same id right after the abort (its step may still be in flight)."""
+    reasoning_ended: bool | None = True
+    """Where its output starts against the thought (the engine's ``reasoning_ended``, found
+    here from the prompt): True, the answer; False, inside a thought; None, its first token
+    decides."""
 
     @property
     def greedy(self) -> bool:
@@ -189,7 +200,41 @@ def _prompt(rng: random.Random) -> str:
     return text[:64]  # one token per byte: at most 64 prompt tokens
 
 
-def random_request(rng: random.Random, request_id: str, backend: str) -> RequestCase:
+PROMPT_ENDINGS = ["", "<think>", "<think>\n", "<think>\n\n</think>\n\n", "<think>ok</think>"]
+"""How a prompt may end for an engine with a reasoning parser: no marker, a thought opened
+(Qwen3.5's template), a thought closed (thinking off, a prefill)."""
+
+
+def prompt_reasoning_ended(reasoning_parser: str | None, prompt: str) -> bool | None:
+    """Where the output of ``prompt`` starts: the last marker decides, else the family
+    (``deepseek_r1`` inside a thought, ``qwen3`` its first token); True without a parser."""
+    if reasoning_parser is None:
+        return True
+    opened, closed = prompt.rfind("<think>"), prompt.rfind("</think>")
+    if opened != closed:
+        return closed > opened
+    return False if reasoning_parser == "deepseek_r1" else None
+
+
+def thought_end(reasoning_ended: bool | None, tokens: list[int]) -> int:
+    """The index of the first token after the thought (``len(tokens)``: still inside)."""
+    state = reasoning_ended
+    for index, token in enumerate(tokens):
+        if state is True:
+            return index
+        if state is None:
+            if token != THINK_START_ID:
+                return index
+            state = False
+        elif token == THINK_END_ID:
+            return index + 1
+    return 0 if state is True else len(tokens)
+
+
+def random_request(
+    rng: random.Random, request_id: str, backend: str, reasoning_parser: str | None = None
+) -> RequestCase:
+    """``reasoning_parser``: the engine's (its grammars apply after the thought)."""
     if rng.random() < 0.05:
         params = SamplingParams(max_tokens=4, structured_outputs=rng.choice(INVALID))
         add_at = rng.randint(0, 6)
@@ -224,19 +269,38 @@ def random_request(rng: random.Random, request_id: str, backend: str) -> Request
     abort_at = add_at + rng.randint(0, 12) if rng.random() < 0.15 else None
     replaced_by = None
     if abort_at is not None and rng.random() < 0.5:
-        replaced_by = random_request(rng, request_id, backend)
+        replaced_by = random_request(rng, request_id, backend, reasoning_parser)
         replaced_by = replace(replaced_by, add_at_step=abort_at, abort_at_step=None)
         if replaced_by.invalid:
             replaced_by = None
+    prompt = _prompt(rng)
+    if reasoning_parser is not None:
+        # A separate stream: the cases without a parser stay what they were.
+        thinking = random.Random(f"{request_id}-{prompt}")
+        prompt += thinking.choice(PROMPT_ENDINGS)
+        bias = {THINK_END_ID: thinking.choice([4.0, 6.0, 9.0])}
+        if thinking.random() < 0.5:
+            bias[THINK_START_ID] = thinking.choice([3.0, 8.0])
+        if thinking.random() < 0.9:
+            fields["logit_bias"] = bias
     return RequestCase(
         request_id,
-        _prompt(rng),
+        prompt,
         SamplingParams(**fields, structured_outputs=grammar and grammar.params),
         grammar,
         abort_at,
         add_at,
         replaced_by=replaced_by,
+        reasoning_ended=prompt_reasoning_ended(reasoning_parser, prompt),
     )
+
+
+def engine_reasoning_parser(config: dict[str, Any]) -> str | None:
+    """The reasoning parser after whose thought the engine applies grammars, or None."""
+    reasoning = config.get("structured_outputs_config") or {}
+    if reasoning.get("enable_in_reasoning"):
+        return None
+    return reasoning.get("reasoning_parser")
 
 
 def random_engine_config(rng: random.Random, models: dict[str, str]) -> dict[str, Any]:
@@ -286,8 +350,17 @@ class Case:
 def random_case(seed: int, models: dict[str, str]) -> Case:
     rng = random.Random(seed)
     engine = random_engine_config(rng, models)
+    thinking = random.Random(f"reasoning-{seed}")  # apart: the other draws stay as they were
+    if thinking.random() < 0.4:
+        engine["structured_outputs_config"] = {
+            "reasoning_parser": thinking.choice(["qwen3", "deepseek_r1"]),
+            "enable_in_reasoning": thinking.random() < 0.15,
+        }
     backend = engine["structured_outputs_backend"]
-    requests = [random_request(rng, f"r{seed}-{i}", backend) for i in range(rng.randint(1, 7))]
+    parser = engine_reasoning_parser(engine)
+    requests = [
+        random_request(rng, f"r{seed}-{i}", backend, parser) for i in range(rng.randint(1, 7))
+    ]
     return Case(engine, requests)
 
 
@@ -401,19 +474,27 @@ def check_output(engine, case: RequestCase, output, completion) -> None:
         assert tokens[-1] == completion.stop_reason, (case, completion)
     if case.grammar is None:
         return
+    # No request here narrows what it may sample (no allowed_token_ids, bad_words or -inf
+    # bias), so a sampled token the grammar refuses means a mask let it through.
+    assert (reason, completion.stop_reason) != ("abort", GRAMMAR_DEAD_END), (case, completion)
+    # The thought's tokens are free; the grammar governs the answer, from the token after it.
+    start = thought_end(case.reasoning_ended, list(tokens))
+    answer = tokens[start:]
     backend = engine.engine_core.structured_output.compiler.backend
     matcher = backend.make_matcher(backend.compile(grammar_spec(case.grammar.params)))
-    for index, token in enumerate(tokens):
+    for index, token in enumerate(answer, start=start):
         assert matcher.accept_token(token), (
             f"token {index} ({token}) breaks the grammar",
             case,
             completion,
         )
-    ended_by_grammar = reason == "stop" and completion.stop_reason is None
+    # EOS ends a request inside its thought too, where the grammar has not begun.
+    ended_by_grammar = reason == "stop" and completion.stop_reason is None and start < len(tokens)
     if ended_by_grammar:
         assert tokens and tokens[-1] == EOS_ID, (case, completion)
         assert matcher.is_terminated(), ("stop before the grammar ended", case, completion)
-        assert grammar_matches(case.grammar, completion.text), (case, completion)
+        text = backend.tokenizer.decode(answer[:-1]) if start else completion.text
+        assert grammar_matches(case.grammar, text), (case, completion)
     if reason == "stop" and isinstance(completion.stop_reason, str):
         assert params.stop and completion.stop_reason in params.stop
 

@@ -3,15 +3,18 @@ tiny random byte-level llama (nothing downloads).
 
 Each case (``so_fuzz.random_case``, reproducible from its seed) is a random engine
 configuration (xgrammar or outlines, asynchronous scheduling, n-gram or draft-model
-speculation, chunked prefill, prefix caching, a KV cache small enough to preempt) and a
-batch of requests with random grammars (JSON schemas, regexes, choices, EBNF, any JSON
-object) and sampling fields (greedy or seeded, ``n``, stop strings, ``min_tokens``,
-logprobs), some arriving mid-run, some aborted (and their ids given to new requests at
-once, the aborted one's step maybe still in flight), some with an invalid grammar.
-Invariants:
+speculation, chunked prefill, prefix caching, a KV cache small enough to preempt, a
+reasoning parser after whose thought grammars apply) and a batch of requests with random
+grammars (JSON schemas, regexes, choices, EBNF, any JSON object) and sampling fields
+(greedy or seeded, ``n``, stop strings, ``min_tokens``, logprobs, a logit bias that ends
+thoughts), some arriving mid-run, some aborted (and their ids given to new requests at
+once, the aborted one's step maybe still in flight), some with an invalid grammar, some
+prompts opening or closing a thought. Invariants:
 
-- every completion is accepted token by token by a fresh matcher of its grammar, and one
-  the grammar ended is a complete match by Python's ``re``/``json``/``jsonschema``;
+- every completion is accepted token by token by a fresh matcher of its grammar from the
+  token after its thought (where the prompt and its tokens put the thought's end), no
+  sampled token is one the grammar refuses, and one the grammar ended is a complete match
+  by Python's ``re``/``json``/``jsonschema``;
 - an invalid grammar raises ValueError when its request is added, and nothing else changes;
 - nothing is left behind: no request in the scheduler, no matcher, every KV block free;
 - greedy outputs (and seeded ones without speculation) equal those of the same engine
@@ -39,7 +42,9 @@ from structured_output import so_fuzz
 
 FAST_SEEDS = [11, 13, 14, 19, 22, 23]
 """Cheap cases that cover both backends, both schedulings, n-gram and draft-model
-speculation (the target as its own draft too), a 16-token budget and preemption."""
+speculation (the target as its own draft too), a 16-token budget and preemption, and
+grammars after the thought (13, 22: qwen3, asynchronous, with n-gram drafts or none; 23:
+deepseek_r1, synchronous, with a draft model)."""
 SLOW_SEEDS = range(100, 100 + int(os.environ.get("PAGEDLM_SO_FUZZ_CASES", "60")))
 
 
