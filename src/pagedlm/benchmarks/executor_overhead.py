@@ -26,6 +26,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from pagedlm.benchmarks.cli import bench_parser
+
 BACKENDS = ("uni", "mp")
 RESULT_PREFIX = "EXECUTOR_OVERHEAD_RESULT "
 MODULE = "pagedlm.benchmarks.executor_overhead"
@@ -123,7 +125,7 @@ def summarize(samples: dict[str, dict[str, list[float]]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser = bench_parser(__doc__)
     parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=["w1", "w2"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from pagedlm import LLM, SamplingParams
+from pagedlm.benchmarks.cli import parse_bench_args
 
 
 def tiny_model(path: str, vocab_size: int) -> None:
@@ -208,9 +209,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    add_args(parser)
-    run(parser.parse_args(argv))
+    run(parse_bench_args(__doc__, add_args, argv))
 
 
 if __name__ == "__main__":

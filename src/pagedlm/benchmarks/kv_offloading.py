@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from pagedlm.benchmarks.cli import bench_parser
 from pagedlm.benchmarks.common import BENCH_ENGINE_DEFAULTS
 from pagedlm.benchmarks.latency import percentile
 from pagedlm.benchmarks.shapes import BUILTIN_SHAPES, resolve_model
@@ -189,7 +190,7 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Workload, list[str]]:
-    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser = bench_parser(__doc__)
     cli_args.add_engine_args(
         parser,
         defaults=ENGINE_DEFAULTS,

@@ -12,6 +12,7 @@ import statistics
 import time
 
 from pagedlm.benchmarks import spec_acceptance
+from pagedlm.benchmarks.cli import parse_bench_args
 from pagedlm.benchmarks.common import (
     add_engine_args,
     add_latency_args,
@@ -124,9 +125,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    add_args(parser)
-    run(parser.parse_args(argv))
+    run(parse_bench_args(__doc__, add_args, argv))
 
 
 if __name__ == "__main__":

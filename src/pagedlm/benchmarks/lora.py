@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from pagedlm.benchmarks.cli import parse_bench_args
 from pagedlm.benchmarks.common import add_engine_args, build_llm
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -255,9 +256,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    add_args(parser)
-    run(parser.parse_args(argv))
+    run(parse_bench_args(__doc__, add_args, argv))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pagedlm.benchmarks.cli import parse_bench_args
 from pagedlm.benchmarks.multimodal_shapes import FAMILIES, SHAPES
 
 
@@ -216,9 +217,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    add_args(parser)
-    run(parser.parse_args(argv))
+    run(parse_bench_args(__doc__, add_args, argv))
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedlm.benchmarks import latency
+from pagedlm.benchmarks.cli import parse_bench_args
 from pagedlm.benchmarks.shapes import BUILTIN_SHAPES
 
 H200_BANDWIDTH = 4.8e12
@@ -233,9 +234,7 @@ def _env(name: str, value: str | None):
 def main(argv: list[str] | None = None) -> None:
     from pagedlm.benchmarks import quantized_kernels
 
-    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    add_args(parser)
-    args = parser.parse_args(argv)
+    args = parse_bench_args(__doc__, add_args, argv)
     results: dict[str, Any] = {"model": args.model, "input_len": args.input_len,
                                "output_len": args.output_len, "batch_size": args.batch_size}  # fmt: skip
     if "fp8" in args.parts:

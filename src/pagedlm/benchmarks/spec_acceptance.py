@@ -54,6 +54,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
+from pagedlm.benchmarks.cli import bench_parser
 from pagedlm.benchmarks.common import build_llm, profile_steps
 
 ACCEPTANCE_ARGS = (
@@ -289,7 +290,7 @@ TARGETS = {"acceptance": _acceptance_target, "w1": _w1_target}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser = bench_parser(__doc__)
     parser.add_argument("--output-json", required=True, help="where the figures go")
     parser.add_argument("--targets", default="acceptance,w1", help="(default: %(default)s)")
     parser.add_argument("--acceptance-args", default=ACCEPTANCE_ARGS, help="latency flags")

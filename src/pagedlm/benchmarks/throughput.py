@@ -15,6 +15,7 @@ import random
 import sys
 import time
 
+from pagedlm.benchmarks.cli import parse_bench_args
 from pagedlm.benchmarks.common import (
     add_engine_args,
     build_llm,
@@ -204,9 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    add_args(parser)
-    run(parser.parse_args(argv))
+    run(parse_bench_args(__doc__, add_args, argv))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import json
 import shlex
 from typing import Any
 
+from pagedlm.benchmarks.cli import bench_parser
 from pagedlm.benchmarks.spec_acceptance import _call, _throughput
 
 W1_ARGS = "--dataset nanovllm --model qwen3-0.6b"
@@ -83,7 +84,7 @@ def _logprobs_target(options: argparse.Namespace, extra: list[str]) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser = bench_parser(__doc__)
     parser.add_argument("--output-json", required=True, help="where the figures go")
     parser.add_argument(
         "--targets", default="fp8,batch_invariant,logprobs", help="(default: %(default)s)"
