@@ -5,13 +5,17 @@ and what it takes (vLLM's names)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from pagedlm.engine.input_processor import PromptType
 from pagedlm.lora.request import LoRARequest
 from pagedlm.pooling import PoolingParams
 from pagedlm.sampling_params import SamplingParams
+
+UseTqdm = bool | Callable[..., Any]
+"""vLLM's ``use_tqdm``: a progress bar or none, or the callable that makes it (e.g.
+``functools.partial(tqdm, leave=False)``)."""
 
 
 def prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
