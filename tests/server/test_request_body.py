@@ -17,6 +17,7 @@ from pagedlm.entrypoints.openai.request_body import (
     validation_message,
     warning_header,
 )
+from pagedlm.entrypoints.openai.structured_request import GrammarCheck
 
 
 def _nested(depth: int) -> bytes:
@@ -115,7 +116,7 @@ def test_logit_bias_is_clamped_as_vllm_and_bad_values_name_the_fix():
     chat = {"messages": [{"role": "user", "content": "x"}]}
     for model, fields in ((CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest, chat)):
         request = model.model_validate({**fields, "logit_bias": bias})
-        params = request.base_sampling_params(max_tokens=4, logprobs=None)
+        params = request.base_sampling_params(max_tokens=4, logprobs=None, grammar=GrammarCheck())
         assert params.logit_bias == {5: 100.0, 6: -100.0, 7: 3.5, 8: -2.0}
     assert SamplingParams(logit_bias={5: 1000.0}).logit_bias == {5: 1000.0}
     with pytest.raises(ValueError, match="finite"):
@@ -138,7 +139,7 @@ def test_logit_bias_is_clamped_as_vllm_and_bad_values_name_the_fix():
     with pytest.raises(APIError, match="not a token id"):
         CompletionRequest.model_validate(
             {"prompt": "x", "logit_bias": {"abc": 1}}
-        ).base_sampling_params(max_tokens=4, logprobs=None)
+        ).base_sampling_params(max_tokens=4, logprobs=None, grammar=GrammarCheck())
 
 
 @pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])

@@ -11,11 +11,13 @@ from pagedlm.entrypoints.openai.chat_output import ChatOutputParser
 from pagedlm.entrypoints.openai.errors import APIError
 from pagedlm.entrypoints.openai.reasoning_parsers import DeepSeekR1ReasoningParser
 from pagedlm.entrypoints.openai.structured_request import (
+    GrammarCheck,
     plan_tools,
     structured_outputs_from_request,
 )
 from pagedlm.entrypoints.openai.tool_parsers import HermesToolParser, RequiredToolCallsParser
 
+XGRAMMAR = GrammarCheck()
 TOOLS = [
     {"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}},
     {"type": "function", "function": {"name": "b"}},
@@ -23,20 +25,21 @@ TOOLS = [
 
 
 def test_response_format_kinds():
-    assert structured_outputs_from_request({"type": "text"}, None) is None
-    assert structured_outputs_from_request({"type": "json_object"}, None).json_object is True
+    assert structured_outputs_from_request({"type": "text"}, None, XGRAMMAR) is None
+    json_object = structured_outputs_from_request({"type": "json_object"}, None, XGRAMMAR)
+    assert json_object.json_object is True
     schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
-    assert structured_outputs_from_request(fmt, None).json == schema
-    regex = structured_outputs_from_request(None, {"regex": "[a-z]+"})
+    assert structured_outputs_from_request(fmt, None, XGRAMMAR).json == schema
+    regex = structured_outputs_from_request(None, {"regex": "[a-z]+"}, XGRAMMAR)
     assert regex.kind == "regex"
     with pytest.raises(APIError, match="not both"):
-        structured_outputs_from_request({"type": "json_object"}, {"regex": "a"})
+        structured_outputs_from_request({"type": "json_object"}, {"regex": "a"}, XGRAMMAR)
     with pytest.raises(APIError, match="json_schema"):
-        structured_outputs_from_request({"type": "json_schema"}, None)
+        structured_outputs_from_request({"type": "json_schema"}, None, XGRAMMAR)
     # vLLM's type is required: {} is a 400, not a request without response_format.
     with pytest.raises(APIError, match="response_format needs a type; use 'text'"):
-        structured_outputs_from_request({}, None)
+        structured_outputs_from_request({}, None, XGRAMMAR)
 
 
 def test_a_structural_tag_response_format_is_the_tag_itself():
@@ -46,23 +49,26 @@ def test_a_structural_tag_response_format_is_the_tag_itself():
         "structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}],
         "triggers": ["<f"],
     }
-    params = structured_outputs_from_request(tag, None)
+    params = structured_outputs_from_request(tag, None, XGRAMMAR)
     assert params.kind == "structural_tag" and json.loads(params.structural_tag) == tag
-    from_field = structured_outputs_from_request(None, {"structural_tag": json.dumps(tag)})
+    from_field = structured_outputs_from_request(
+        None, {"structural_tag": json.dumps(tag)}, XGRAMMAR
+    )
     assert from_field.structural_tag == params.structural_tag
 
 
 def test_tool_plans():
-    assert plan_tools(None, None, True, None, False).mode == "none"
-    assert plan_tools(TOOLS, None, True, None, False).mode == "none"
-    auto = plan_tools(TOOLS, None, True, "hermes", True)
+    assert plan_tools(None, None, True, None, False, grammar=XGRAMMAR).mode == "none"
+    assert plan_tools(TOOLS, None, True, None, False, grammar=XGRAMMAR).mode == "none"
+    auto = plan_tools(TOOLS, None, True, "hermes", True, grammar=XGRAMMAR)
     assert auto.mode == "auto" and auto.new_parser is HermesToolParser
     assert auto.template_tools == TOOLS and auto.structured_outputs is None
-    required = plan_tools(TOOLS, "required", False, None, False)
+    required = plan_tools(TOOLS, "required", False, None, False, grammar=XGRAMMAR)
     assert required.new_parser is RequiredToolCallsParser
     assert required.structured_outputs.json["maxItems"] == 1  # parallel_tool_calls=False
     assert required.structured_outputs.disable_any_whitespace
-    named = plan_tools(TOOLS, {"type": "function", "function": {"name": "b"}}, True, None, False)
+    choice = {"type": "function", "function": {"name": "b"}}
+    named = plan_tools(TOOLS, choice, True, None, False, grammar=XGRAMMAR)
     assert named.mode == "named" and named.structured_outputs.json == {"type": "object"}
     for tools, choice, match in [
         (None, "required", "needs tools"),
@@ -71,7 +77,7 @@ def test_tool_plans():
         ([{"type": "retrieval"}], "required", "tools.0"),
     ]:
         with pytest.raises(APIError, match=match):
-            plan_tools(tools, choice, True, "hermes", True)
+            plan_tools(tools, choice, True, "hermes", True, grammar=XGRAMMAR)
 
 
 def test_chat_output_chain_splits_reasoning_then_calls_at_every_position():

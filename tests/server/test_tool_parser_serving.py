@@ -21,7 +21,7 @@ from starlette.testclient import TestClient
 from pagedlm.entrypoints.openai.app import build_app
 from pagedlm.entrypoints.openai.chat_output import ChatOutputParser
 from pagedlm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
-from pagedlm.entrypoints.openai.structured_request import plan_tools
+from pagedlm.entrypoints.openai.structured_request import GrammarCheck, plan_tools
 from pagedlm.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS,
     HermesToolParser,
@@ -82,10 +82,12 @@ def test_call_ids_take_the_parser_familys_form():
     [call] = parser.message()["tool_calls"]
     assert MISTRAL_ID.fullmatch(call["id"])
     # a forced call (tool_choice="required") is named by the server parser's family too
-    plan = plan_tools([WEATHER_TOOL], "required", True, "mistral", False)
+    plan = plan_tools([WEATHER_TOOL], "required", True, "mistral", False, grammar=GrammarCheck())
     assert MISTRAL_ID.fullmatch(plan.new_call_id())
     assert OPENAI_ID.fullmatch(
-        plan_tools([WEATHER_TOOL], "required", True, None, False).new_call_id()
+        plan_tools(
+            [WEATHER_TOOL], "required", True, None, False, grammar=GrammarCheck()
+        ).new_call_id()
     )
 
 

@@ -76,8 +76,8 @@ def test_spec_is_canonical_and_keeps_property_order():
 
 
 BAD_FOR_BOTH = [
-    (StructuredOutputsParams(json={"type": "integger"}), "Invalid JSON schema"),
-    (StructuredOutputsParams(json={"type": "object", "required": "a"}), "Invalid JSON schema"),
+    (StructuredOutputsParams(json={"type": "integger"}), "not a valid JSON schema"),
+    (StructuredOutputsParams(json={"type": "object", "required": "a"}), "not a valid JSON schema"),
     (StructuredOutputsParams(regex="a(b"), "regex"),
 ]
 

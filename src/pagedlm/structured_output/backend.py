@@ -82,7 +82,9 @@ class StructuredOutputBackend(ABC):
     @staticmethod
     @abstractmethod
     def validate(spec: GrammarSpec) -> None:
-        """Raise ``ValueError`` naming the problem if ``spec`` cannot be compiled.
+        """Raise ``params.InvalidStructuredOutputs`` (its reason without the field, which
+        the caller names) if ``spec`` cannot be compiled; another ``ValueError`` is wrapped
+        into one.
 
         Cheap and tokenizer-free: it runs in the input processor for every request.
         """

@@ -18,7 +18,7 @@ import outlines_core
 from outlines_core.json_schema import build_regex_from_schema
 
 from pagedlm.structured_output.backend import GrammarMatcher, GrammarSpec, StructuredOutputBackend
-from pagedlm.structured_output.params import backend_error
+from pagedlm.structured_output.params import InvalidStructuredOutputs, backend_error
 from pagedlm.structured_output.token_bytes import token_bytes
 
 MAX_INTEGER_ENUM = 1000
@@ -187,11 +187,9 @@ class OutlinesBackend(StructuredOutputBackend):
             _index(_regex(spec), _probe_vocabulary())
         except ValueError as exc:
             message = backend_error(exc)
-            if "outlines backend" in message:
-                raise ValueError(message) from None
-            raise ValueError(
-                f"Invalid structured_outputs.{spec.kind} for the outlines backend: {message}"
-            ) from None
+            if "outlines backend" not in message:
+                message = f"the outlines backend cannot compile it: {message}"
+            raise InvalidStructuredOutputs(spec.kind, message) from None
 
     def compile(self, spec: GrammarSpec) -> Any:
         return _index(_regex(spec), self._vocabulary)

@@ -41,6 +41,21 @@ class GrammarLimits:
         )
 
 
+class InvalidStructuredOutputs(ValueError):
+    """A spec that cannot be served: too long, an invalid schema, regex or grammar, or a
+    kind the backend cannot enforce. ``reason`` says what is wrong without naming a field;
+    the message names ``structured_outputs.<kind>`` and ``for_field`` names another (the
+    server's request field that carried the spec, such as ``response_format``'s)."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        self.kind = kind
+        self.reason = reason
+        super().__init__(self.for_field(f"structured_outputs.{kind}"))
+
+    def for_field(self, field: str) -> str:
+        return f"Invalid {field}: {self.reason}"
+
+
 def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
     """The canonical spec of ``params`` (already checked to hold exactly one kind)."""
     kind = params.kind
@@ -68,16 +83,18 @@ def validate_structured_outputs(
 ) -> GrammarSpec:
     """Check ``params`` against ``backend`` before the request enters the engine.
 
-    Raises ``ValueError`` that names the problem (a spec longer than ``max_spec_chars``
-    (0: no limit), an invalid schema, regex or grammar, or a kind the backend cannot
-    enforce). Returns the spec for convenience.
+    Raises ``InvalidStructuredOutputs`` that names the problem (a spec longer than
+    ``max_spec_chars`` (0: no limit), an invalid schema, regex or grammar, or a kind the
+    backend cannot enforce); ``ValueError`` for a backend that is unknown or not installed.
+    Returns the spec for convenience.
     """
     spec = grammar_spec(params)
     if max_spec_chars and len(spec.spec) > max_spec_chars:
-        raise ValueError(
-            f"structured_outputs.{spec.kind} is {len(spec.spec)} characters long, more than "
-            f"the {max_spec_chars} this server compiles (--structured-outputs-max-spec-chars); "
-            "send a smaller schema or grammar, or raise the limit."
+        raise InvalidStructuredOutputs(
+            spec.kind,
+            f"it is {len(spec.spec)} characters long, more than the {max_spec_chars} this "
+            "server compiles (--structured-outputs-max-spec-chars); send a smaller schema or "
+            "grammar, or raise the limit.",
         )
     _validate_spec(spec, backend)
     return spec
@@ -87,9 +104,15 @@ def validate_structured_outputs(
 def _validate_spec(spec: GrammarSpec, backend: str) -> None:
     """Cached: a large schema takes 0.2 s (xgrammar) to 2 s (outlines) to check, and
     clients tend to send the same schema again. Failures raise and are not cached."""
+    backend_type = backend_class(backend)
     if spec.kind == "json":
         _check_json_schema(spec.spec)
-    backend_class(backend).validate(spec)
+    try:
+        backend_type.validate(spec)
+    except InvalidStructuredOutputs:
+        raise
+    except ValueError as exc:  # a third-party backend's own wording
+        raise InvalidStructuredOutputs(spec.kind, str(exc)) from None
 
 
 def _check_json_schema(schema_text: str) -> None:
@@ -103,7 +126,9 @@ def _check_json_schema(schema_text: str) -> None:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         path = "/".join(str(p) for p in exc.absolute_path) or "(root)"
-        raise ValueError(f"Invalid JSON schema at {path}: {exc.message}") from None
+        raise InvalidStructuredOutputs(
+            "json", f"not a valid JSON schema at {path}: {exc.message}"
+        ) from None
 
 
 def backend_error(exc: Exception) -> str:

@@ -11,7 +11,7 @@ import torch
 import xgrammar as xgr
 
 from pagedlm.structured_output.backend import GrammarMatcher, GrammarSpec, StructuredOutputBackend
-from pagedlm.structured_output.params import backend_error
+from pagedlm.structured_output.params import InvalidStructuredOutputs, backend_error
 
 
 def _choice_ebnf(choices: list[str]) -> str:
@@ -91,9 +91,7 @@ class XgrammarBackend(StructuredOutputBackend):
         try:
             _grammar(spec)
         except (RuntimeError, ValueError) as exc:
-            raise ValueError(
-                f"Invalid structured_outputs.{spec.kind}: {backend_error(exc)}"
-            ) from None
+            raise InvalidStructuredOutputs(spec.kind, backend_error(exc)) from None
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         return self._compiler.compile_grammar(_grammar(spec))

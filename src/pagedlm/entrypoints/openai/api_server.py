@@ -252,6 +252,7 @@ def serving_context(
         trust_request_chat_template=args.trust_request_chat_template,
         loras=loras,
         structured_outputs_backend=engine.config.structured_outputs_backend,
+        structured_outputs_max_spec_chars=args.structured_outputs_max_spec_chars,
         runner=engine.config.model.runner,
         sampling_defaults=engine.config.model.sampling_defaults,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,

@@ -26,7 +26,11 @@ from pagedlm.entrypoints.openai.cache_salt import CacheSalt, salted
 from pagedlm.entrypoints.openai.chat_message import ChatMessage
 from pagedlm.entrypoints.openai.errors import APIError, from_value_error
 from pagedlm.entrypoints.openai.request_body import RequestModel
-from pagedlm.entrypoints.openai.structured_request import structured_outputs_from_request
+from pagedlm.entrypoints.openai.structured_request import (
+    GUIDED_FIELDS,
+    GrammarCheck,
+    structured_outputs_from_request,
+)
 from pagedlm.generation_config import request_fields
 from pagedlm.sampling_params import (
     MAX_TEMPERATURE,
@@ -43,13 +47,6 @@ vLLM clamps them when it builds a request's sampling parameters, ``SamplingParam
 not)."""
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 """``seed`` and ``priority`` range (vLLM's: a torch.long)."""
-GUIDED_FIELDS = {
-    "guided_json": "json",
-    "guided_choice": "choice",
-    "guided_regex": "regex",
-    "guided_grammar": "grammar",
-}
-"""vLLM's older names for ``structured_outputs`` keys, still accepted."""
 
 
 class OpenAIModel(RequestModel):
@@ -178,18 +175,21 @@ class SamplingFields(OpenAIModel):
         structured_outputs: StructuredOutputsParams | None = None,
         defaults: Mapping[str, Any] | None = None,
         keep_special_tokens: bool = False,
+        *,
+        grammar: GrammarCheck,
     ) -> SamplingParams:
         """Engine parameters for this request; bad values -> ``APIError`` 400.
 
         ``structured_outputs`` (forced tool calls) replaces the request's own
-        ``response_format``/``structured_outputs``. ``defaults``: the model's sampling
+        ``response_format``/``structured_outputs``/``guided_*``, which are checked against
+        the server's ``grammar`` backend. ``defaults``: the model's sampling
         defaults (``ModelConfig.sampling_defaults``) for the fields the request leaves unset.
         ``keep_special_tokens``: a parser reads markers that are special tokens, so the text
         keeps them whatever ``skip_special_tokens`` says (vLLM's parsers do the same).
         """
         if structured_outputs is None:
             structured_outputs = structured_outputs_from_request(
-                self.response_format, self.requested_structured_outputs()
+                self.response_format, self.structured_outputs, grammar, self.guided_fields()
             )
         requested = {
             "temperature": self.temperature,
@@ -236,7 +236,7 @@ class SamplingFields(OpenAIModel):
         unsupported = {
             "stop": bool(self.stop),
             "response_format": self.response_format is not None,
-            "structured_outputs": self.requested_structured_outputs() is not None,
+            "structured_outputs": self.asks_structured_outputs,
             "logit_bias": bool(self.logit_bias),
             "bad_words": bool(self.bad_words),
             "allowed_token_ids": self.allowed_token_ids is not None,
@@ -260,22 +260,15 @@ class SamplingFields(OpenAIModel):
         except ValueError as error:  # n is the beam width
             raise APIError(f"use_beam_search with n={self.n}: {error}", param="n") from None
 
-    def requested_structured_outputs(self) -> dict[str, Any] | None:
-        """``structured_outputs``, or the same built from the deprecated ``guided_*`` fields."""
-        guided = {
-            key: getattr(self, name)
-            for name, key in GUIDED_FIELDS.items()
-            if getattr(self, name) is not None
-        }
-        if not guided:
-            return self.structured_outputs
-        if self.structured_outputs is not None:
-            raise APIError(
-                f"Send structured_outputs or the deprecated {sorted(GUIDED_FIELDS)} fields, "
-                "not both.",
-                param="structured_outputs",
-            )
-        return guided
+    def guided_fields(self) -> dict[str, Any]:
+        """The deprecated ``guided_*`` fields sent, by name."""
+        sent = {name: getattr(self, name) for name in GUIDED_FIELDS}
+        return {name: value for name, value in sent.items() if value is not None}
+
+    @property
+    def asks_structured_outputs(self) -> bool:
+        """``structured_outputs`` or a deprecated ``guided_*`` field was sent."""
+        return self.structured_outputs is not None or bool(self.guided_fields())
 
     def engine_prompts(self, prompts: list[str | dict[str, Any]]) -> list[str | dict[str, Any]]:
         """``prompts`` as the engine takes them, each carrying this request's

@@ -66,9 +66,10 @@ class ChatServer:
             ctx.tool_parser,
             ctx.enable_auto_tool_choice,
             ctx.exclude_tools_when_tool_choice_none,
+            grammar=ctx.grammar_check,
         )
         if plan.structured_outputs is not None and (
-            request.response_format or request.requested_structured_outputs()
+            request.response_format or request.asks_structured_outputs
         ):
             raise APIError(
                 f'tool_choice="{plan.mode}" constrains the output itself; drop '
@@ -109,6 +110,7 @@ class ChatServer:
             plan.structured_outputs,
             ctx.sampling_defaults,
             keep_special_tokens,
+            grammar=ctx.grammar_check,
         )
         if request.echo and request.prompt_logprobs is None and not request.stream:
             # vLLM's: an echoing request scores its prompt too (a stream never sends them).

@@ -70,6 +70,7 @@ class CompletionServer:
             max_tokens=1 if score_only else request.max_tokens,
             logprobs=request.logprobs,
             defaults=ctx.sampling_defaults,
+            grammar=ctx.grammar_check,
         )
         if request.echo and request.logprobs is not None:
             params.prompt_logprobs = max(params.prompt_logprobs or 0, request.logprobs)

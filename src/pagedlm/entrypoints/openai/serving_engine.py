@@ -36,10 +36,12 @@ from pagedlm.entrypoints.openai.limits import RequestLimits
 from pagedlm.entrypoints.openai.middleware import INCOMING_REQUEST_ID
 from pagedlm.entrypoints.openai.request_log import OutputLog, log_received
 from pagedlm.entrypoints.openai.serving_lora import LoRARegistry
+from pagedlm.entrypoints.openai.structured_request import GrammarCheck
 from pagedlm.lora.request import LoRARequest
 from pagedlm.metrics.prometheus import PrometheusMetrics
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling_params import SamplingParams
+from pagedlm.structured_output.params import DEFAULT_MAX_SPEC_CHARS
 
 T = TypeVar("T")
 logger = logging.getLogger("pagedlm.server")
@@ -85,6 +87,8 @@ class ServingContext:
     """The LoRA adapters a request's ``model`` may name."""
     structured_outputs_backend: str = "xgrammar"
     """The engine's grammar backend (what a request's ``guided_decoding_backend`` must name)."""
+    structured_outputs_max_spec_chars: int = DEFAULT_MAX_SPEC_CHARS
+    """``--structured-outputs-max-spec-chars``: the longest schema or grammar compiled."""
     runner: str = "generate"
     """The engine's runner: "pooling" serves /v1/embeddings, /classify, /score, /rerank and
     /pooling, and answers 400 to generation."""
@@ -129,6 +133,12 @@ class ServingContext:
     @property
     def model_name(self) -> str:
         return self.model_names[0]
+
+    @property
+    def grammar_check(self) -> GrammarCheck:
+        """What a request's constraints are checked against as they are built from its
+        body (the engine's backend and spec limit), so their 400s name the body's field."""
+        return GrammarCheck(self.structured_outputs_backend, self.structured_outputs_max_spec_chars)
 
     def reasoning_parser_class(self, forced_call: bool = False) -> Any:
         """The ``--reasoning-parser`` class (None: no parser) for a request; none for a

@@ -88,6 +88,7 @@ class MessagesServer:
             self.ctx.tool_parser,
             self.ctx.enable_auto_tool_choice,
             self.ctx.exclude_tools_when_tool_choice_none,
+            grammar=self.ctx.grammar_check,
         )
 
     async def _prompt(self, request: CountTokensRequest, plan: ToolPlan) -> list[int]:

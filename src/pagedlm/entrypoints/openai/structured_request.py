@@ -1,9 +1,13 @@
 """Request fields that constrain the output: ``response_format``, vLLM's
-``structured_outputs``, and ``tools`` with ``tool_choice``.
+``structured_outputs`` (and its deprecated ``guided_*`` spellings), and ``tools`` with
+``tool_choice``: the one place that maps body fields to ``StructuredOutputsParams``.
 
 Everything is checked here, before the request reaches the engine: a bad field is an
-``APIError`` (400) naming it. The grammar itself is compiled (and checked again) by the
-engine's input processor.
+``APIError`` (400) naming it. Each constraint is also checked against the server's grammar
+backend (``GrammarCheck``), so a schema, regex or grammar the backend cannot compile is a
+400 naming the field the client sent (``response_format.json_schema.schema``,
+``guided_regex``, ``tools.0.function.parameters``), not the ``structured_outputs.<kind>``
+the engine's own check names.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pagedlm.entrypoints.openai.errors import APIError
+from pagedlm.entrypoints.openai.errors import APIError, from_value_error
 from pagedlm.entrypoints.openai.extras import missing_package_error
 from pagedlm.entrypoints.openai.tool_parsers import (
     NamedToolCallParser,
@@ -26,8 +30,20 @@ from pagedlm.entrypoints.openai.tool_parsers import (
 )
 from pagedlm.entrypoints.openai.tool_parsers.forced import parameters_schema
 from pagedlm.sampling_params import StructuredOutputsParams
+from pagedlm.structured_output.params import (
+    DEFAULT_MAX_SPEC_CHARS,
+    InvalidStructuredOutputs,
+    validate_structured_outputs,
+)
 
 _STRUCTURED_FIELDS = frozenset(f.name for f in dataclasses.fields(StructuredOutputsParams))
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_choice": "choice",
+    "guided_regex": "regex",
+    "guided_grammar": "grammar",
+}
+"""vLLM's older names for ``structured_outputs`` keys, still accepted."""
 
 
 def _params(param: str, **fields: Any) -> StructuredOutputsParams:
@@ -37,11 +53,51 @@ def _params(param: str, **fields: Any) -> StructuredOutputsParams:
         raise APIError(f"{param}: {error}", param=param) from None
 
 
+@dataclass(frozen=True)
+class GrammarCheck:
+    """The server's grammar backend and spec limit (``--structured-outputs-backend``,
+    ``--structured-outputs-max-spec-chars``), against which each constraint is checked
+    as it is built from the body."""
+
+    backend: str = "xgrammar"
+    max_spec_chars: int = DEFAULT_MAX_SPEC_CHARS
+
+    def params(self, field: str, **fields: Any) -> StructuredOutputsParams:
+        """``StructuredOutputsParams(**fields)``, checked; a 400 names ``field``."""
+        params = _params(field, **fields)
+        self.check(params, field)
+        return params
+
+    def check(self, params: StructuredOutputsParams, field: str) -> None:
+        """400 naming ``field`` (in the message and as ``param``) if the backend cannot
+        serve ``params``."""
+        try:
+            validate_structured_outputs(params, self.backend, self.max_spec_chars)
+        except InvalidStructuredOutputs as error:
+            raise APIError(error.for_field(field), param=field) from None
+        except ValueError as error:  # the backend's package is missing: the engine's 400
+            raise from_value_error(error) from None
+
+
 def structured_outputs_from_request(
-    response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None
+    response_format: dict[str, Any] | None,
+    structured_outputs: dict[str, Any] | None,
+    grammar: GrammarCheck,
+    guided: dict[str, Any] | None = None,
 ) -> StructuredOutputsParams | None:
-    """The constraint asked for by ``response_format`` or ``structured_outputs`` (not both)."""
-    from_format = None if response_format is None else _from_response_format(response_format)
+    """The constraint asked for by ``response_format``, ``structured_outputs`` or the
+    deprecated ``guided`` fields (their names -> values; one of the three at most)."""
+    from_format = (
+        None if response_format is None else _from_response_format(response_format, grammar)
+    )
+    if guided:
+        if structured_outputs is not None:
+            raise APIError(
+                f"Send structured_outputs or the deprecated {sorted(GUIDED_FIELDS)} fields, "
+                "not both.",
+                param="structured_outputs",
+            )
+        structured_outputs = {GUIDED_FIELDS[name]: value for name, value in guided.items()}
     if structured_outputs is None:
         return from_format
     if from_format is not None:
@@ -55,15 +111,20 @@ def structured_outputs_from_request(
             f"structured_outputs has unknown fields {unknown}; use {sorted(_STRUCTURED_FIELDS)}.",
             param="structured_outputs",
         )
-    return _params("structured_outputs", **structured_outputs)
+    sent_as = {key: name for name, key in GUIDED_FIELDS.items() if name in (guided or {})}
+    params = _params(next(iter(sent_as.values()), "structured_outputs"), **structured_outputs)
+    grammar.check(params, sent_as.get(params.kind, f"structured_outputs.{params.kind}"))
+    return params
 
 
-def _from_response_format(response_format: dict[str, Any]) -> StructuredOutputsParams | None:
+def _from_response_format(
+    response_format: dict[str, Any], grammar: GrammarCheck
+) -> StructuredOutputsParams | None:
     kind = response_format.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
-        return _params("response_format", json_object=True)
+        return grammar.params("response_format", json_object=True)
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
@@ -72,10 +133,11 @@ def _from_response_format(response_format: dict[str, Any]) -> StructuredOutputsP
                 'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}.',
                 param="response_format",
             )
-        _check_schema(schema, "response_format.json_schema.schema")
-        return _params("response_format", json=schema)
+        field = "response_format.json_schema.schema"
+        _check_schema(schema, field)
+        return grammar.params(field, json=schema)
     if kind == "structural_tag":  # vLLM's: the whole object is the tag
-        return _params("response_format", structural_tag=json.dumps(response_format))
+        return grammar.params("response_format", structural_tag=json.dumps(response_format))
     problem = "needs a type" if kind is None else f"type {kind!r} is not supported"
     raise APIError(
         f"response_format {problem}; use 'text', 'json_object', 'json_schema' or 'structural_tag'.",
@@ -149,6 +211,8 @@ def plan_tools(
     tool_parser: str | None,
     enable_auto_tool_choice: bool,
     exclude_tools_when_none: bool = False,
+    *,
+    grammar: GrammarCheck,
 ) -> ToolPlan:
     """Check ``tools``/``tool_choice`` and decide how the output is constrained and parsed.
 
@@ -156,7 +220,8 @@ def plan_tools(
     (``--enable-auto-tool-choice``), else "none". Under "auto" the server's parser reads the
     text; it is given ``tools`` where it takes them (to type values by their schema). Under
     "none" the template still sees the tools, as in vLLM, unless ``exclude_tools_when_none``
-    (``--exclude-tools-when-tool-choice-none``).
+    (``--exclude-tools-when-tool-choice-none``). A forcing choice (required, named)
+    constrains the output with the tools' parameter schemas, each checked by ``grammar``.
     """
     if not tools:
         if tool_choice not in (None, "none"):
@@ -190,18 +255,28 @@ def plan_tools(
             raise APIError(str(error), param="tools") from None
         if not parallel_tool_calls:
             schema["maxItems"] = 1
-        structured = _params("tools", json=schema, disable_any_whitespace=True)
+        for i, function in enumerate(functions):  # the tool whose schema fails is named
+            _forced_call(function, i, grammar)
+        structured = grammar.params("tools", json=schema, disable_any_whitespace=True)
         return ToolPlan("required", tools, structured, RequiredToolCallsParser, new_call_id)
     name = _named_choice(tool_choice)
-    function = next((f for f in functions if f["name"] == name), None)
-    if function is None:
+    index = next((i for i, f in enumerate(functions) if f["name"] == name), None)
+    if index is None:
         raise APIError(
             f"tool_choice names {name!r}, which is not among the tools "
             f"{[f['name'] for f in functions]}.",
             param="tool_choice",
         )
-    structured = _params("tools", json=parameters_schema(function), disable_any_whitespace=True)
+    structured = _forced_call(functions[index], index, grammar)
     return ToolPlan("named", tools, structured, lambda: NamedToolCallParser(name), new_call_id)
+
+
+def _forced_call(
+    function: dict[str, Any], index: int, grammar: GrammarCheck
+) -> StructuredOutputsParams:
+    """The constraint of a call's arguments to ``function`` (``tools.<index>``)."""
+    field = f"tools.{index}.function.parameters" if function.get("parameters") else "tools"
+    return grammar.params(field, json=parameters_schema(function), disable_any_whitespace=True)
 
 
 def _named_choice(tool_choice: str | dict[str, Any]) -> str:
