@@ -1,7 +1,12 @@
 """The server's per-request log lines (vLLM's flags): ``--enable-log-requests`` logs what
 each engine request received, ``--enable-log-outputs`` what it generated (with
 ``--enable-log-deltas``, each streamed piece too). Logged text is cut to ``--max-log-len``
-characters."""
+characters.
+
+What a line shows of a prompt is what vLLM's request logger shows: its text, token ids
+and embeddings' shape (and here its images or texts pair), never its ``cache_salt``, a
+secret that keeps one tenant from probing another's prefix-cache blocks. Headers (the API
+key among them) are never logged."""
 
 from __future__ import annotations
 
@@ -17,10 +22,25 @@ def cut(text: str, max_len: int) -> str:
     return text if len(text) <= max_len else text[:max_len] + "..."
 
 
+UNLOGGED_PROMPT_KEYS = frozenset({"cache_salt"})
+"""Engine-prompt keys a log line leaves out: secrets."""
+
+
+def loggable_prompt(prompt: Any) -> Any:
+    """``prompt`` as a log line shows it: without its secrets, embeddings as their shape,
+    and a text prompt that only carried a salt as the text alone (as if unsalted)."""
+    if not isinstance(prompt, dict):
+        return prompt
+    shown = {key: value for key, value in prompt.items() if key not in UNLOGGED_PROMPT_KEYS}
+    embeds = shown.get("prompt_embeds")
+    if hasattr(embeds, "shape"):
+        shown["prompt_embeds"] = f"<embeddings of shape {list(embeds.shape)}>"
+    return shown["prompt"] if shown.keys() == {"prompt"} else shown
+
+
 def log_received(request_id: str, prompt: Any, params: Any, max_len: int) -> None:
-    logger.info(
-        "Received request %s: prompt %s, params %s", request_id, cut(repr(prompt), max_len), params
-    )
+    shown = cut(repr(loggable_prompt(prompt)), max_len)
+    logger.info("Received request %s: prompt %s, params %s", request_id, shown, params)
 
 
 class OutputLog:
