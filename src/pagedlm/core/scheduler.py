@@ -194,10 +194,11 @@ class OneBudgetScheduler(Scheduler):
         self._last_step: dict[str, int] = {}
         """The last step's ``num_scheduled_tokens`` until it is collected: outside
         ``disjoint_steps`` at most one step is in flight, and this is it."""
-        self._ended_in_flight: set[str] = set()
-        """Requests that ended while a launched step held them: that step's entries for
-        their ids are dropped when it is collected, whatever request has the id by then
-        (one aborted and added again before its step was collected)."""
+        self._ended_in_flight: dict[str, Request] = {}
+        """Requests that ended while a launched step held them, by id: that step's entries
+        for their ids are dropped when it is collected, whatever request has the id by then
+        (one aborted and added again before its step was collected); a failure it reports
+        for one still takes that request's blocks out of the prefix cache."""
         budget = scheduler_config.max_num_encoder_input_tokens
         self.encoder = EncoderCacheTracker(
             budget or scheduler_config.max_num_batched_tokens,
@@ -643,8 +644,8 @@ class OneBudgetScheduler(Scheduler):
             self._last_step = {}
         stale = None
         if self._ended_in_flight:
-            stale = self._ended_in_flight.intersection(scheduled)
-            self._ended_in_flight -= stale
+            ended = self._ended_in_flight
+            stale = {req_id: ended.pop(req_id) for req_id in scheduled if req_id in ended}
         if self.external is not None:
             self.external.finish_loads(runner_output.kv_connector_output)
         pooled_outputs = runner_output.pooler_output
@@ -658,6 +659,10 @@ class OneBudgetScheduler(Scheduler):
             runner_output.req_ids, runner_output.sampled_token_ids, strict=True
         ):
             if stale and req_id in stale:
+                if failed and req_id in failed:
+                    # Ended (aborted) before the step that failed it was collected: its
+                    # blocks, freed still hashed, may hold K/V its hashes do not promise.
+                    self.kv_manager.uncache(stale[req_id])
                 continue  # its request ended after this step was scheduled
             request = requests.get(req_id)
             if request is None or req_id not in scheduled:
@@ -801,7 +806,7 @@ class OneBudgetScheduler(Scheduler):
         """Release a request that has left ``running``/``waiting`` with a finished status."""
         request_id = request.request_id
         if request_id in self._last_step or request_id in self._in_flight_req_ids:
-            self._ended_in_flight.add(request_id)
+            self._ended_in_flight[request_id] = request
         self.grammars.remove(request)
         self.kv_manager.free(request)
         self.encoder.release(request)

@@ -193,11 +193,17 @@ class KVCacheManager:
             self.pool.free(reversed(table))
 
     def uncache(self, request: Request) -> None:
-        """Take every block of ``request``'s table out of the prefix cache: their K/V may
-        not be what their hashes promise (a step that failed the request may have run it
-        without its LoRA adapter)."""
+        """Take ``request``'s blocks out of the prefix cache: their K/V may not be what
+        their hashes promise (a step that failed the request may have run it without its
+        LoRA adapter). Those of its table, and those its hashes still find: a request
+        preempted or aborted while that step was in flight freed its blocks still hashed."""
+        pool = self.pool
         for block in self._tables.get(request.request_id, ()):
-            self.pool.uncache(block)
+            pool.uncache(block)
+        for block_hash in request.block_hashes:
+            block = pool.get_cached_block(block_hash)
+            if block is not None:
+                pool.uncache(block)
 
     def get_block_ids(self, request: Request) -> list[int]:
         """The request's whole block table (empty if it holds no blocks)."""
