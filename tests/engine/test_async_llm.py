@@ -280,3 +280,23 @@ def test_long_prompt_is_tokenized_off_the_event_loop(engine):
     worst_gap = asyncio.run(main())
     print(f"tokenizing took {tokenize_s:.2f} s; the event loop's longest pause {worst_gap:.3f} s")
     assert worst_gap < max(0.1, tokenize_s / 3)
+
+
+def test_the_log_lines_hit_rate_window_sees_every_step(engine):
+    """The front end feeds each step's scheduler snapshot to the log line's hit-rate
+    windows (``EngineMetrics.hit_rates``): after a reset, two requests with one prompt
+    are the whole window, the second hitting the first's full blocks."""
+    prompt = " ".join(["shared"] * 40)
+    params = SamplingParams(temperature=0, max_tokens=2)
+
+    async def main():
+        assert await engine.reset_prefix_cache()
+        await _collect(engine, prompt, params, "window-1")
+        await _collect(engine, prompt, params, "window-2")
+
+    asyncio.run(main())
+    window = engine.metrics.hit_rates.engines[0].prefix_cache
+    num_tokens = len(engine.get_tokenizer()(prompt).input_ids)
+    cached = (num_tokens - 1) // 16 * 16
+    assert cached > 0
+    assert (window.requests, window.queries, window.hits) == (2, 2 * num_tokens, cached)

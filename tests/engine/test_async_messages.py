@@ -106,11 +106,12 @@ def test_data_parallel_stats_outputs_and_the_step_time_round_trip():
 
     stats = sum_stats(
         [
-            SchedulerStats(2, 1, 0.25, 3, 40, 16, num_deferred_reqs=1),
-            SchedulerStats(0, 2, 0.5, 0, 8, 0),
+            SchedulerStats(2, 1, 0.25, 3, 40, 16, num_deferred_reqs=1, prefix_cache_requests=2),
+            SchedulerStats(0, 2, 0.5, 0, 8, 0, prefix_cache_requests=1, prefix_cache_resets=1),
         ]
     )
     assert (stats.num_waiting_reqs, stats.num_deferred_reqs) == (3, 1)
+    assert (stats.prefix_cache_requests, stats.prefix_cache_resets) == (3, 1)
     outputs = [EngineCoreOutput("a", [3]), EngineCoreOutput("b", [4], engine_index=1)]
     decoded = _round_trip(messages.CoreOutputs(outputs, stats, timestamp=12.5))
     assert decoded.stats == stats and len(decoded.stats.engines) == 2

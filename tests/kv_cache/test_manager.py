@@ -222,3 +222,25 @@ def test_consecutive_blocks_continue_a_prefix_hit_in_place():
         assert manager.allocate_slots(again, 1) == [next_block]
         manager.free(again)
         _assert_all_free(manager)
+
+
+def test_admissions_and_resets_are_counted_for_the_log_lines_window():
+    """``prefix_cache_requests``: admissions that looked the cache up (not a resumed
+    preemption, not a request that skips the cache); ``prefix_cache_resets``: resets that
+    emptied it. The log line's hit rate covers the most recent of these requests."""
+    manager = KVCacheManager(BLOCK, 8, enable_prefix_caching=True)
+    first = _request("a", list(range(9)))
+    _admit(manager, first)
+    manager.free(first)
+    _admit(manager, _request("b", list(range(9))))
+    _admit(manager, _request("c", list(range(5)), prompt_logprobs=1))  # skips the cache
+    resumed = _request("d", list(range(5)))
+    resumed.num_preemptions = 1
+    _admit(manager, resumed)
+    assert (manager.prefix_cache_requests, manager.prefix_cache_queries) == (2, 18)
+    assert not manager.reset_prefix_cache()  # blocks are held: nothing emptied
+    assert manager.prefix_cache_resets == 0
+    for request_id in "bcd":
+        manager.free(_request(request_id, []))
+    assert manager.reset_prefix_cache()
+    assert manager.prefix_cache_resets == 1

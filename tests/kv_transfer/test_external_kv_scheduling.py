@@ -315,13 +315,17 @@ def test_a_preempted_head_takes_back_blocks_loaded_while_its_step_was_in_flight(
 def test_connector_queries_and_hits_count_once_per_admission():
     """vLLM's ``external_prefix_cache_queries``/``_hits``: each admitted request's prompt
     tokens past its local hit, and of those the ones the connector had; the admission of
-    a request whose load finished, and a preempted request's, add nothing."""
+    a request whose load finished, and a preempted request's, add nothing. The admissions
+    are counted too (``external_prefix_cache_requests``: the log line's hit-rate window)."""
     scheduler, connector = make()
     store(connector, PROMPT, 3)
 
     def counts() -> tuple[int, int]:
         stats = scheduler.make_stats()
+        requests.append(stats.external_prefix_cache_requests)
         return stats.external_prefix_cache_queries, stats.external_prefix_cache_hits
+
+    requests: list[int] = []
 
     def long_request(request_id: str, prompt: list[int]) -> Request:
         return Request(request_id, prompt, SamplingParams(max_tokens=8), eos_token_ids=set())
@@ -339,6 +343,7 @@ def test_connector_queries_and_hits_count_once_per_admission():
     collect(scheduler, scheduler.schedule())  # all three resume
     assert [req.num_preemptions for req in scheduler.requests.values()] == [1, 1, 1]
     assert counts() == (14 + 2 + 6, 12)
+    assert requests == [1, 1, 3, 3]
 
 
 def test_outputs_split_the_cached_tokens_into_loaded_and_local_hits():

@@ -64,6 +64,8 @@ class ExternalKV:
         vLLM leaves them out."""
         self.prefix_cache_hits = 0
         """Of those, tokens the connector had (planned for loading)."""
+        self.prefix_cache_requests = 0
+        """Admissions counted in ``prefix_cache_queries`` (cumulative)."""
 
     @property
     def num_holding(self) -> int:
@@ -111,6 +113,7 @@ class ExternalKV:
 
     def _count_query(self, request: Request, computed: ComputedBlocks, num_hits: int) -> None:
         if not request.num_preemptions:
+            self.prefix_cache_requests += 1
             self.prefix_cache_queries += request.num_tokens - computed.num_computed_tokens
             self.prefix_cache_hits += num_hits
 

@@ -306,6 +306,9 @@ class OneBudgetScheduler(Scheduler):
             waiting_lora_adapters=self.loras.count_names(self.waiting),
             external_prefix_cache_queries=external.prefix_cache_queries if external else 0,
             external_prefix_cache_hits=external.prefix_cache_hits if external else 0,
+            prefix_cache_requests=self.kv_manager.prefix_cache_requests,
+            external_prefix_cache_requests=external.prefix_cache_requests if external else 0,
+            prefix_cache_resets=self.kv_manager.prefix_cache_resets,
         )
 
     # ------------------------------------------------------------------------- schedule

@@ -36,6 +36,15 @@ class SchedulerStats:
     its local prefix-cache hit, once, resumed preemptions left out (vLLM's)."""
     external_prefix_cache_hits: int = 0
     """Of those, tokens the connector had (to load)."""
+    prefix_cache_requests: int = 0
+    """Admitted requests whose prompt was looked up in the prefix cache (resumed
+    preemptions left out, as from the queries): the unit of the log line's hit-rate
+    window (``metrics/caching_window.py``)."""
+    external_prefix_cache_requests: int = 0
+    """Admitted requests whose prompt a KV connector was asked for."""
+    prefix_cache_resets: int = 0
+    """Times the prefix cache was emptied (``reset_prefix_cache``); the log line's
+    window starts over, as vLLM's."""
     num_deferred_reqs: int = 0
     """Of the waiting requests, those a transient constraint holds back while requests
     behind them may start (a grammar compiling, a KV transfer, one LoRA adapter too many;

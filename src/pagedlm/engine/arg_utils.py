@@ -200,6 +200,9 @@ class EngineArgs(VllmCompatArgs):
     disable_log_stats: bool = False
     """No periodic line of throughput, running and waiting requests and KV-cache usage
     (vLLM's flag; the server logs one every 10 s while busy, LLM(...) none)."""
+    aggregate_engine_logging: bool = False
+    """One periodic stats line for all data-parallel replicas ("N Engines Aggregated:
+    ..."), instead of one per replica ("Engine 000: ..."), as vLLM's flag."""
     stream_interval: int = 1
     """Hand a running request's output to the caller (a stream, an async generator) every
     this many new tokens after its first ones (vLLM's flag): larger values cost the front

@@ -753,6 +753,7 @@ class AsyncLLM:
         elif isinstance(message, UtilityResult):
             if message.stats is not None:
                 self._last_stats = message.stats
+                self.metrics.record_stats(message.stats)
             future = self._calls.pop(message.call_id, None)
             if future is not None and not future.done():
                 if message.error is not None:
@@ -779,6 +780,7 @@ class AsyncLLM:
 
     def _handle_outputs(self, message: CoreOutputs) -> None:
         self._last_stats = message.stats
+        self.metrics.record_stats(message.stats)
         outputs = message.outputs
         self.metrics.record_outputs(outputs, message.timestamp or None)
         processed = self.output_processor.process_outputs(outputs)

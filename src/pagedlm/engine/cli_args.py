@@ -98,7 +98,7 @@ HELP_GROUPS: dict[str | None, tuple[str, ...]] = {
         "platform", "batch_invariant", "engine_iteration_timeout_s",
         "engine_heartbeat_timeout_s",
     ),
-    None: ("disable_log_stats",),
+    None: ("disable_log_stats", "aggregate_engine_logging"),
 }  # fmt: skip
 """``EngineArgs``'s own fields by ``--help`` group, vLLM's (its config classes; None: the
 parser's options, as vLLM's ``--disable-log-stats``); ``VllmCompatArgs``'s fields by

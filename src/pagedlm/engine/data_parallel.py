@@ -69,6 +69,9 @@ def sum_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
         external_prefix_cache_queries=sum(s.external_prefix_cache_queries for s in stats),
         external_prefix_cache_hits=sum(s.external_prefix_cache_hits for s in stats),
         num_deferred_reqs=sum(s.num_deferred_reqs for s in stats),
+        prefix_cache_requests=sum(s.prefix_cache_requests for s in stats),
+        external_prefix_cache_requests=sum(s.external_prefix_cache_requests for s in stats),
+        prefix_cache_resets=sum(s.prefix_cache_resets for s in stats),
         engines=list(stats),
     )
 

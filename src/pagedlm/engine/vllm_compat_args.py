@@ -126,7 +126,6 @@ class VllmCompatArgs:
     enable_layerwise_nvtx_tracing: bool = False
     enable_mfu_metrics: bool = False
     enable_logging_iteration_details: bool = False
-    aggregate_engine_logging: bool = False
     # SchedulerConfig
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
@@ -397,9 +396,6 @@ VLLM_ONLY: dict[str, VllmOnly] = {
     "enable_mfu_metrics": _NO_METRIC,
     "enable_logging_iteration_details": _ignored(
         OBSERVABILITY, "pagedlm logs no per-step details"
-    ),
-    "aggregate_engine_logging": _ignored(
-        OBSERVABILITY, "the periodic stats line covers all data-parallel replicas"
     ),
     "max_num_partial_prefills": _NO_PARTIAL,
     "max_long_partial_prefills": _NO_PARTIAL,

@@ -78,6 +78,10 @@ class KVCacheManager:
         again."""
         self.prefix_cache_hits = 0
         """Of those, tokens served from the cache (cumulative)."""
+        self.prefix_cache_requests = 0
+        """Admitted requests counted in ``prefix_cache_queries`` (cumulative)."""
+        self.prefix_cache_resets = 0
+        """Times ``reset_prefix_cache`` emptied the cache (cumulative)."""
 
     @property
     def usage(self) -> float:
@@ -167,7 +171,8 @@ class KVCacheManager:
         table = self._tables.setdefault(request.request_id, [])
         table.extend(computed.blocks)
         table.extend(new_blocks)
-        if not request.num_preemptions:
+        if computed.num_queried_tokens and not request.num_preemptions:
+            self.prefix_cache_requests += 1
             self.prefix_cache_queries += computed.num_queried_tokens
             self.prefix_cache_hits += computed.num_computed_tokens
         if not delay_cache_blocks:
@@ -211,7 +216,9 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; only possible while no request holds blocks."""
-        return self.pool.reset_prefix_cache()
+        reset = self.pool.reset_prefix_cache()
+        self.prefix_cache_resets += reset
+        return reset
 
     def _cache_full_blocks(
         self, request: Request, table: Sequence[KVCacheBlock], num_tokens_with_slots: int

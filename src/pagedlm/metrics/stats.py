@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from pagedlm.core.outputs import EngineCoreOutput
 from pagedlm.core.scheduler_interface import SchedulerStats
+from pagedlm.metrics.caching_window import EngineHitRates
 from pagedlm.metrics.sequence_stats import EngineSeries, SequenceStats
 
 if TYPE_CHECKING:
@@ -65,6 +66,8 @@ class EngineMetrics:
         ``num_engines``: the data-parallel replicas, each its own ``engine`` label value."""
         self.sequences = SequenceStats(max_model_len, num_engines=num_engines)
         self.cache_info = cache_info
+        self.hit_rates = EngineHitRates()
+        """The log line's cache hit rates over the most recent requests."""
 
     def record_request(self, request_id: str, children: Sequence[Request]) -> None:
         """A user request whose ``n`` samples (``children``) entered the engine core."""
@@ -94,6 +97,10 @@ class EngineMetrics:
     ) -> None:
         """One engine-core step's outputs (``timestamp``: ``SequenceStats.record_outputs``)."""
         self.sequences.record_outputs(outputs, timestamp)
+
+    def record_stats(self, stats: SchedulerStats) -> None:
+        """A scheduler snapshot (each step's, each call's), for the hit-rate windows."""
+        self.hit_rates.observe(stats)
 
     def record_stopped(self, child_ids: Iterable[str]) -> None:
         """Sequences finished by a stop string (only the front end sees those)."""

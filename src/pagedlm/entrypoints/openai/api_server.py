@@ -322,6 +322,7 @@ def run_server(args: argparse.Namespace, core_launch: CoreLaunch | None = None) 
             admin=AdminOptions.from_args(args),
             http=HttpOptions.from_args(args),
             log_stats_interval_s=None if args.disable_log_stats else DEFAULT_INTERVAL_S,
+            aggregate_engine_logging=args.aggregate_engine_logging,
             middleware=middleware,
         )
         if ctx.tracer is not None:

@@ -435,12 +435,14 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
         return JSONResponse(serving_tokenize.detokenize(ctx, body))
 
 
-async def _log_stats(ctx: ServingContext, interval_s: float) -> None:
-    line = StatsLine()
+async def _log_stats(ctx: ServingContext, interval_s: float, aggregate: bool) -> None:
+    line = StatsLine(aggregate)
     while True:
-        text = line.line(ctx.engine.get_metrics(), time.monotonic())
-        if text is not None:
-            logger.info(text)
+        engine = ctx.engine
+        for level, text in line.lines(
+            engine.get_metrics(), engine.metrics.hit_rates, time.monotonic()
+        ):
+            logger.log(level, text)
         await asyncio.sleep(interval_s)
 
 
@@ -481,6 +483,7 @@ def build_app(
     http: HttpOptions | None = None,
     log_stats_interval_s: float | None = None,
     middleware: Sequence[Any] = (),
+    aggregate_engine_logging: bool = False,
 ) -> Any:
     """The ASGI app: FastAPI routes inside the body-size and API-key middleware, those
     inside CORS (``http``: vLLM's defaults when None), and outermost the one that answers
@@ -488,7 +491,8 @@ def build_app(
 
     ``on_engine_death(error)`` is called once if the engine core dies while serving.
     ``admin``: the sleep-mode and profiler switches of the admin routes (``admin.py``).
-    ``log_stats_interval_s``: log vLLM's throughput line that often (None: never).
+    ``log_stats_interval_s``: log vLLM's engine stats lines that often (None: never): one
+    per engine, or with ``aggregate_engine_logging`` one for all (``metrics/log_line.py``).
     ``middleware``: ``--middleware``'s classes and ``(request, call_next)`` functions, run
     inside the API-key check, around the routes.
     """
@@ -500,7 +504,9 @@ def build_app(
         if on_engine_death is not None:
             watcher = asyncio.ensure_future(_watch_engine(ctx, on_engine_death))
         if log_stats_interval_s is not None:
-            stats = asyncio.ensure_future(_log_stats(ctx, log_stats_interval_s))
+            stats = asyncio.ensure_future(
+                _log_stats(ctx, log_stats_interval_s, aggregate_engine_logging)
+            )
         if ctx.tokenizer is not None:
             ctx.chat_templates().start()  # sandbox workers start meanwhile, if trusted
         try:
