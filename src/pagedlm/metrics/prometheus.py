@@ -19,7 +19,11 @@ server processes sharing one ``/metrics`` through ``PROMETHEUS_MULTIPROC_DIR`` f
 prometheus_client cannot merge process metrics across); pagedlm runs one front-end process
 (``--api-server-count`` above 1 is refused), so they are always the one server's.
 
-Importing this module imports ``prometheus_client``; only the server does.
+Also beside them, vLLM's ``http_*`` series of the server's HTTP requests
+(``http_metrics.py``; the app calls ``PrometheusMetrics.http.instrument``).
+
+Importing this module imports ``prometheus_client`` and prometheus-fastapi-instrumentator;
+only the server does.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from pagedlm.metrics.http_metrics import HttpMetrics
 from pagedlm.metrics.stats import Metric as EngineMetric
 
 _DOCS = {
@@ -165,6 +170,7 @@ class PrometheusMetrics:
         GCCollector(registry=self.registry)
         self._engine = _EngineMetricsCollector(model_name, prefix)
         self.registry.register(self._engine)
+        self.http = HttpMetrics(self.registry)
 
     def update_engine_metrics(self, metrics: list[EngineMetric]) -> None:
         self._engine.latest = list(metrics)

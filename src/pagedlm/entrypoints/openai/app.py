@@ -544,6 +544,8 @@ def build_app(
     install_admin_routes(app, ctx.engine, admin or AdminOptions())
     if http.docs:
         install_openapi(app, app.state.body_models)
+    # vLLM's http_* series, measured around the routes, inside every other middleware.
+    ctx.metrics.http.instrument(app)
     # ``--middleware``, the first outermost (each add_* wraps what was added before it).
     for extra in reversed(middleware):
         if isinstance(extra, type):
