@@ -62,7 +62,11 @@ def test_a_realistic_vllm_serve_command_line_parses_end_to_end(caplog) -> None:
         True,
         "fp8",
     )
-    assert engine.structured_outputs_config == {"backend": "xgrammar"}
+    # --reasoning-parser reaches the engine too: its grammars start after the thought.
+    assert engine.structured_outputs_config == {
+        "backend": "xgrammar",
+        "reasoning_parser": "deepseek_r1",
+    }
     assert engine.guided_decoding_backend is None  # moved, so it is not applied twice
     assert engine.cudagraph_capture_sizes == [1, 2, 4, 8] and engine.disable_log_stats is True
     assert args.served_model_name == ["qwen", "qwen-small"] and args.api_key == ["k1"]
@@ -337,6 +341,7 @@ def test_disable_log_requests_is_vllms_deprecated_no_op(caplog) -> None:
             lora=None,
             model=SimpleNamespace(max_model_len=64, runner="generate", sampling_defaults={}),
             structured_outputs_backend="xgrammar",
+            structured_outputs_reasoning=None,
         ),
         get_tokenizer=lambda: None,
     )
