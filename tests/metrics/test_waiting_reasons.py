@@ -30,6 +30,9 @@ class CompilingGrammars:
     def wait_for_any(self, request_ids: list[str], timeout: float) -> None:
         pass
 
+    def remove(self, request_id: str) -> None:
+        self.compiled.discard(request_id)
+
 
 def scheduler(max_num_seqs: int = 8, **kwargs) -> OneBudgetScheduler:
     return OneBudgetScheduler(
@@ -131,3 +134,32 @@ def test_the_reasons_are_exported_per_engine_and_add_up_to_the_waiting():
         if m.name == "pagedlm:num_requests_waiting_by_reason"
     }
     assert by_reason == {("0", "capacity"): 0, ("0", "deferred"): 0}  # both, 0 included
+
+
+def test_an_aborted_compiling_request_leaves_no_deferred_count_behind():
+    grammars = CompilingGrammars()
+    sched = scheduler(structured_output=grammars)
+    sched.add_request(request("constrained", grammar=True))
+    sched.add_request(request("plain"))
+    assert sched.grammars.compiling == {"constrained"}
+    sched.abort_requests(["constrained"])
+    assert sched.grammars.compiling == set()
+    assert waiting(sched) == (1, 0)
+
+
+class Unwalkable(list):
+    """A waiting queue that fails if walked: the common step must not walk it."""
+
+    def __iter__(self):
+        raise AssertionError("the waiting queue was walked")
+
+
+def test_a_step_where_nothing_is_held_back_does_not_walk_the_queue():
+    from pagedlm.core.waiting_reasons import count_deferred
+    from pagedlm.lora.scheduler_gate import LoRAGate
+
+    queue = Unwalkable([request(str(i)) for i in range(3)])
+    assert count_deferred(queue, [], LoRAGate(None), (), num_held=0) == 0
+    compiling = request("c", grammar=True)
+    compiling.status = RequestStatus.WAITING_FOR_GRAMMAR
+    assert count_deferred([request("a"), compiling], [], LoRAGate(None), (), num_held=1) == 1

@@ -33,6 +33,9 @@ GRAMMAR_DEAD_END = (
 class GrammarGate:
     def __init__(self, manager: StructuredOutputManager | None) -> None:
         self.manager = manager
+        self.compiling: set[str] = set()
+        """Ids of the requests with status ``WAITING_FOR_GRAMMAR`` (from ``add`` until
+        ``ready`` admits them or ``remove`` ends them)."""
 
     def add(self, request: Request) -> None:
         """Start compiling ``request``'s grammar; it waits until that is done."""
@@ -43,6 +46,7 @@ class GrammarGate:
             )
         self.manager.add_request(request)
         request.status = RequestStatus.WAITING_FOR_GRAMMAR
+        self.compiling.add(request.request_id)
 
     def ready(self, request: Request) -> bool:
         """Whether a waiting request may be admitted (its grammar, if any, compiled)."""
@@ -52,6 +56,7 @@ class GrammarGate:
         if not self.manager.is_ready(request.request_id):
             return False
         request.status = RequestStatus.WAITING
+        self.compiling.discard(request.request_id)
         return True
 
     def wait_while_idle(self, waiting: Iterable[Request]) -> None:
@@ -114,5 +119,6 @@ class GrammarGate:
         return len(token_ids)
 
     def remove(self, request: Request) -> None:
+        self.compiling.discard(request.request_id)
         if self.manager is not None:
             self.manager.remove(request.request_id)

@@ -294,7 +294,11 @@ class OneBudgetScheduler(Scheduler):
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             num_deferred_reqs=count_deferred(
-                self.waiting, self.running, self.loras, self._in_flight_req_ids
+                self.waiting,
+                self.running,
+                self.loras,
+                self._in_flight_req_ids,
+                len(self.grammars.compiling) + (len(external.loading) if external else 0),
             ),
             kv_cache_usage=self.kv_manager.usage,
             num_preemptions=self.num_preemptions,

@@ -36,14 +36,19 @@ def count_deferred(
     running: Iterable[Request],
     loras: LoRAGate,
     in_flight: Collection[str] = (),
+    num_held: int | None = None,
 ) -> int:
     """How many of ``waiting`` a transient constraint holds back (module doc), tested in
     queue order and in the order ``schedule()`` tests them, so a request ahead that takes
     the last adapter slot defers the ones behind it; ``in_flight``: the ids of requests
-    held by launched steps."""
+    held by launched steps; ``num_held``: how many requests compile a grammar or load
+    from a KV connector (None: unknown), so that the common step, where none does, costs
+    no walk over a long queue."""
     if not waiting:
         return 0
     if loras.max_loras is None and not in_flight:  # the common case, once per step
+        if num_held == 0:
+            return 0
         return sum(1 for r in waiting if r.status is _COMPILING or r.status is _LOADING)
     active = loras.active(running) if loras.max_loras is not None else None
     deferred = 0
