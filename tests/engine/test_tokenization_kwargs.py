@@ -60,10 +60,28 @@ def test_add_special_tokens_and_truncation(llm, bos_checkpoint):
     assert truncated[1:] == hf.encode(TEXT, add_special_tokens=False)[-3:]
 
 
+def test_truncation_side_picks_the_end_a_generation_prompt_keeps(llm, bos_checkpoint):
+    """vLLM's renderer key: "right" keeps the first tokens, "left" (a generating model's
+    default) the last, for truncate_prompt_tokens and for truncation alike; cut after
+    tokenizing, special tokens included."""
+    _, hf = bos_checkpoint
+    full = hf.encode(TEXT)
+    cut = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, truncate_prompt_tokens=3)
+    for side, want in (("right", full[:3]), ("left", full[-3:]), (None, full[-3:])):
+        kwargs = None if side is None else {"truncation_side": side}
+        (output,) = llm.generate([TEXT], cut, use_tqdm=False, tokenization_kwargs=kwargs)
+        assert output.prompt_token_ids == want, side
+    right = {"truncation": True, "max_length": 2, "truncation_side": "right"}
+    assert prompt_ids(llm, tokenization_kwargs=right) == full[:2]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"padding": True}, r"\['padding'\] are not supported; use \['add_special_tokens'"),
+        ({"return_tensors": "pt"}, r"\['return_tensors'\] are not supported; use \['add_"),
+        ({"padding": True}, "padding=True is not supported"),
+        ({"truncation_side": "middle"}, "truncation_side must be 'left'"),
+        ({"padding": "max_length"}, "applies to pooling requests"),
         ({"add_special_tokens": "no"}, "must be a bool"),
         ({"truncation": True, "max_length": 0}, "positive integer"),
         ({"truncation": "sideways"}, "truncation must be one of"),

@@ -306,10 +306,11 @@ class AsyncLLM:
         request_id: str,
         *,
         tokenization_kwargs: dict[str, Any] | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[PoolingRequestOutput]:
         """The one output of a pooling request (``outputs.data``: its vector, after
         ``pooling_params``; a classifier's label probabilities); needs a pooling model. A
-        ``(text_1, text_2)`` tuple is a cross-encoder's pair. Errors and
+        ``(text_1, text_2)`` tuple is a cross-encoder's pair. Errors, ``priority`` and
         ``tokenization_kwargs`` as in ``generate``."""
         from pagedlm.pooling.requests import process_pooling_request
 
@@ -318,7 +319,7 @@ class AsyncLLM:
         self._check_unique(request_id)
         params = pooling_params or PoolingParams()
         processed = process_pooling_request(
-            self.input_processor, request_id, prompt, params, tokenization_kwargs
+            self.input_processor, request_id, prompt, params, tokenization_kwargs, priority
         )
         pooler = self.config.model.pooler
         assert pooler is not None

@@ -15,7 +15,12 @@ from typing import Any
 from pagedlm.config import LoRAConfig, ModelConfig, MultiModalConfig, ReasoningMarkers
 from pagedlm.core.request import Request
 from pagedlm.engine.prompt_embeds import checked_prompt_embeds, embeds_of
-from pagedlm.engine.tokenization_kwargs import check_tokenization_kwargs, encode_text
+from pagedlm.engine.tokenization_kwargs import (
+    check_tokenization_kwargs,
+    encode_text,
+    pads,
+    truncate_ids,
+)
 from pagedlm.inputs import PromptType
 from pagedlm.lora.frontend import AdapterChecker
 from pagedlm.lora.request import LoRARequest
@@ -198,6 +203,20 @@ class InputProcessor:
             )
         return token_ids
 
+    def check_priority(self, priority: int) -> None:
+        """Raise ``ValueError`` naming the fix for a priority this engine cannot honour
+        (vLLM's rule: not 0 without the "priority" scheduling policy)."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}.")
+        if not INT64_MIN <= priority <= INT64_MAX:
+            raise ValueError(f"priority must be a 64-bit integer, got {priority}.")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(
+                f"Got priority {priority} but priority scheduling is not enabled; start the "
+                "engine with scheduling_policy='priority' (--scheduling-policy priority), or "
+                "send priority 0."
+            )
+
     def truncation_size(self, truncate_prompt_tokens: int | None) -> int | None:
         """How many prompt tokens a request's ``truncate_prompt_tokens`` keeps (None: all)."""
         max_model_len = self.model_config.max_model_len
@@ -357,18 +376,14 @@ class InputProcessor:
         lora_request: LoRARequest | None = None,
         tokenization_kwargs: Mapping[str, Any] | None = None,
     ) -> ProcessedRequest:
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}.")
-        if not INT64_MIN <= priority <= INT64_MAX:
-            raise ValueError(f"priority must be a 64-bit integer, got {priority}.")
-        if priority != 0 and self.scheduling_policy != "priority":
-            raise ValueError(
-                f"Got priority {priority} but priority scheduling is not enabled; start the "
-                "engine with scheduling_policy='priority' (--scheduling-policy priority), or "
-                "send priority 0."
-            )
+        self.check_priority(priority)
         self.adapters.check(lora_request)
         params = checked_params(params)
+        if pads(tokenization_kwargs):
+            raise ValueError(
+                "tokenization_kwargs padding='max_length' applies to pooling requests; drop "
+                "it (or send 'do_not_pad') for generation."
+            )
         keep = self.truncation_size(params.truncate_prompt_tokens)
         embeds = None
         if embeds_of(prompt) is not None:
@@ -384,7 +399,8 @@ class InputProcessor:
                     "truncate_prompt_tokens would cut through the prompt's images; drop it, "
                     "or shorten the text around them."
                 )
-            token_ids = token_ids[-keep:]
+            side = (tokenization_kwargs or {}).get("truncation_side") or "left"
+            token_ids = truncate_ids(token_ids, keep, side)
         resolved = self.resolve_params(params, len(token_ids))
         reasoning_ended = self._reasoning_ended(resolved, [] if embeds is not None else token_ids)
         cache_salt = cache_salt_of(prompt)

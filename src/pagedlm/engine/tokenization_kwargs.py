@@ -10,10 +10,20 @@ to that call as they are (``tokenizer(text, **kwargs)["input_ids"]``, as in vLLM
   for a generating model, the right for a pooling one; the special tokens stay. Without
   ``max_length`` the tokenizer's ``model_max_length`` bounds it.
 
+And two of vLLM's renderer keys, which pagedlm applies itself:
+
+- ``truncation_side`` ("left": keep the last tokens, "right": the first; None: as above):
+  the side both ``truncation`` and a request's ``truncate_prompt_tokens`` cut. Given, the
+  text is tokenized whole and its ids cut on that side (special tokens included), as vLLM
+  cuts them.
+- ``padding`` ("max_length": a pooling prompt is padded with the tokenizer's pad token to
+  the request's ``truncate_prompt_tokens``, else to ``max_model_len``; "do_not_pad" or
+  None: not padded). Pooling requests only; a generation request with it is refused.
+
 Anything else is refused (``ValueError`` naming these keys) before the request is queued,
 so a typo does not pass unnoticed. Without kwargs a prompt is tokenized as before
-(``tokenizer.encode(text)``). ``truncate_prompt_tokens`` (which keeps the *last* tokens)
-applies after this.
+(``tokenizer.encode(text)``). ``truncate_prompt_tokens`` (which keeps the *last* tokens
+unless ``truncation_side`` says otherwise) applies after this.
 """
 
 from __future__ import annotations
@@ -21,8 +31,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-TOKENIZATION_KEYS = ("add_special_tokens", "truncation", "max_length")
+TOKENIZER_KEYS = ("add_special_tokens", "truncation", "max_length")
+"""The keys that go to the tokenizer's call."""
+TOKENIZATION_KEYS = (*TOKENIZER_KEYS, "truncation_side", "padding")
 TRUNCATION_VALUES = (True, False, "longest_first", "only_first", "do_not_truncate")
+TRUNCATION_SIDES = ("left", "right")
+PADDING_VALUES = (False, "do_not_pad", "max_length")
 
 
 def check_tokenization_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -48,6 +62,18 @@ def check_tokenization_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any
             f"tokenization_kwargs truncation must be one of {list(TRUNCATION_VALUES)}, got "
             f"{truncation!r}."
         )
+    side = kwargs.get("truncation_side")
+    if side is not None and side not in TRUNCATION_SIDES:
+        raise ValueError(
+            f"tokenization_kwargs truncation_side must be 'left' (keep the last tokens), "
+            f"'right' (keep the first) or None, got {side!r}."
+        )
+    padding = kwargs.get("padding")
+    if padding is not None and not any(padding is v or padding == v for v in PADDING_VALUES):
+        raise ValueError(
+            f"tokenization_kwargs padding={padding!r} is not supported; use 'max_length', "
+            "'do_not_pad' or None."
+        )
     max_length = kwargs.get("max_length")
     if max_length is not None and (
         isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1
@@ -58,8 +84,40 @@ def check_tokenization_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any
     return dict(kwargs)
 
 
+def pads(kwargs: Mapping[str, Any] | None) -> bool:
+    """``kwargs`` ask for padding."""
+    return isinstance(kwargs, Mapping) and kwargs.get("padding") == "max_length"
+
+
+def tokenizer_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """What of checked ``kwargs`` goes to the tokenizer's call: with a ``truncation_side``,
+    no truncation (the ids are cut afterwards, ``truncate_ids``)."""
+    call = {key: kwargs[key] for key in TOKENIZER_KEYS if key in kwargs}
+    if kwargs.get("truncation_side") is not None:
+        call.pop("truncation", None)
+        call.pop("max_length", None)
+    return call
+
+
+def truncation_limit(tokenizer: Any, kwargs: Mapping[str, Any]) -> int | None:
+    """How many tokens checked ``kwargs``' ``truncation`` keeps (None: no truncation)."""
+    if kwargs.get("truncation") in (None, False, "do_not_truncate"):
+        return None
+    return kwargs.get("max_length") or getattr(tokenizer, "model_max_length", None)
+
+
+def truncate_ids(ids: list[int], keep: int | None, side: str) -> list[int]:
+    """At most ``keep`` of ``ids`` (None: all): the last ones for side "left", the first
+    for "right"."""
+    if keep is None or len(ids) <= keep:
+        return ids
+    return ids[len(ids) - keep :] if side == "left" else ids[:keep]
+
+
 def encode_text(tokenizer: Any, text: str, kwargs: Mapping[str, Any] | None) -> list[int]:
     """``text``'s token ids under checked ``kwargs`` (``check_tokenization_kwargs``)."""
     if not kwargs:
         return list(tokenizer.encode(text))
-    return list(tokenizer(text, **kwargs)["input_ids"])
+    ids = list(tokenizer(text, **tokenizer_kwargs(kwargs))["input_ids"])
+    side = kwargs.get("truncation_side")
+    return ids if side is None else truncate_ids(ids, truncation_limit(tokenizer, kwargs), side)

@@ -38,16 +38,15 @@ class EmbeddingServer:
             pooler,
             dimensions=body.dimensions,
             normalize=body.normalize,
+            use_activation=body.use_activation,
             truncate_prompt_tokens=body.truncate_prompt_tokens,
         )
 
     async def create(self, body: EmbeddingRequest) -> tuple[dict[str, Any] | Response, None]:
         params = self._check(body)
-        request_id = self.ctx.request_id("embd")
+        request_id = self.ctx.request_id("embd", body.request_id)
         prompts = await body_prompts(self.ctx, body)
-        outputs = await pool_all(
-            self.ctx, prompts, params, request_id, body.tokenization_kwargs(), body.cache_salt
-        )
+        outputs = await pool_all(self.ctx, prompts, params, request_id, body)
         if body.encoding_format in BYTES_FORMATS:
             return bytes_answer(self.ctx, request_id, body, outputs), None
         num_tokens = sum(len(output.prompt_token_ids) for output in outputs)

@@ -25,6 +25,7 @@ from pagedlm.entrypoints.openai.protocol_pooling import (
     ClassificationRequest,
     EncodingFields,
     InputOrMessages,
+    PoolingBodyFields,
     PoolingRequest,
     RerankRequest,
     ScoreRequest,
@@ -55,22 +56,27 @@ async def pool_all(
     prompts: list[Any],
     params: PoolingParams,
     request_id: str,
-    tokenization_kwargs: dict[str, Any] | None = None,
-    cache_salt: str | None = None,
+    body: PoolingBodyFields,
 ) -> list[PoolingRequestOutput]:
     """Each prompt's final output, in order; an engine-side ``ValueError`` becomes a 400,
-    and a failure (or the client leaving) aborts what still runs. ``tokenization_kwargs``:
-    how text prompts are tokenized (``InputOrMessages.tokenization_kwargs``); every prompt
-    carries ``cache_salt`` (the request's)."""
+    and a failure (or the client leaving) aborts what still runs. Every prompt is an engine
+    request ``<request_id>-<index>`` with the body's ``cache_salt`` and ``priority``,
+    tokenized as its fields say (``PoolingBodyFields.tokenization_kwargs``; an ``input``
+    body's ``add_special_tokens`` too)."""
     limit = ctx.limits.max_completion_prompts
     if len(prompts) > limit:
         raise APIError(
             f"The request has {len(prompts)} inputs; this server accepts at most {limit} (its "
             "--max-completion-prompts flag). Send fewer, or raise the flag.",
         )
+    special = not isinstance(body, InputOrMessages) or body.add_special_tokens is not False
+    options: dict[str, Any] = {"priority": body.priority}
+    tokenization_kwargs = body.tokenization_kwargs(special)
+    if tokenization_kwargs is not None:
+        options["tokenization_kwargs"] = tokenization_kwargs
     try:
         return await gather_all(
-            _one(ctx, salted(prompt, cache_salt), params, f"{request_id}-{i}", tokenization_kwargs)
+            _one(ctx, salted(prompt, body.cache_salt), params, f"{request_id}-{i}", options)
             for i, prompt in enumerate(prompts)
         )
     except ValueError as error:
@@ -82,10 +88,9 @@ async def _one(
     prompt: Any,
     params: PoolingParams,
     request_id: str,
-    tokenization_kwargs: dict[str, Any] | None,
+    options: dict[str, Any],
 ) -> PoolingRequestOutput:
     ctx.log_request(request_id, prompt, params)
-    options = {} if tokenization_kwargs is None else {"tokenization_kwargs": tokenization_kwargs}
     final = await final_output(ctx.engine.encode(prompt, params, request_id, **options))
     if final is None:
         raise APIError("The request was aborted before it finished.", status=503)
@@ -161,11 +166,9 @@ class PoolingServer:
             use_activation=body.activation_choice(),
             truncate_prompt_tokens=body.truncate_prompt_tokens,
         )
-        request_id = self.ctx.request_id("classify")
+        request_id = self.ctx.request_id("classify", body.request_id)
         prompts = await body_prompts(self.ctx, body)
-        outputs = await pool_all(
-            self.ctx, prompts, params, request_id, body.tokenization_kwargs(), body.cache_salt
-        )
+        outputs = await pool_all(self.ctx, prompts, params, request_id, body)
         labels = pooler.labels
         assert labels is not None
         data = []
@@ -178,7 +181,7 @@ class PoolingServer:
         return self._listing(request_id, data, outputs), None
 
     async def score(self, body: ScoreRequest) -> tuple[dict[str, Any], None]:
-        request_id = self.ctx.request_id("score")
+        request_id = self.ctx.request_id("score", body.request_id)
         names, first, second = body.sides()
         scores, outputs = await self._scores(
             body, scoring.as_list(first), scoring.as_list(second), names, request_id
@@ -187,7 +190,7 @@ class PoolingServer:
         return self._listing(request_id, data, outputs), None
 
     async def rerank(self, body: RerankRequest) -> tuple[dict[str, Any], None]:
-        request_id = self.ctx.request_id("rerank")
+        request_id = self.ctx.request_id("rerank", body.request_id)
         scores, outputs = await self._scores(
             body, [body.query], body.documents, ("query", "documents"), request_id
         )
@@ -217,11 +220,9 @@ class PoolingServer:
             truncate_prompt_tokens=body.truncate_prompt_tokens,
             task=body.task,
         )
-        request_id = self.ctx.request_id("pool")
+        request_id = self.ctx.request_id("pool", body.request_id)
         prompts = await body_prompts(self.ctx, body)
-        outputs = await pool_all(
-            self.ctx, prompts, params, request_id, body.tokenization_kwargs(), body.cache_salt
-        )
+        outputs = await pool_all(self.ctx, prompts, params, request_id, body)
         vectors = [output.outputs.data for output in outputs]
         if body.encoding_format in BYTES_FORMATS:
             return bytes_answer(self.ctx, request_id, body, outputs), None
@@ -259,9 +260,7 @@ class PoolingServer:
                 use_activation=body.activation_choice(),
                 truncate_prompt_tokens=truncate,
             )
-            outputs = await pool_all(
-                self.ctx, pairs, params, request_id, cache_salt=body.cache_salt
-            )
+            outputs = await pool_all(self.ctx, pairs, params, request_id, body)
             return [float(output.outputs.data[0]) for output in outputs], outputs
         if body.activation_choice() is not None:
             raise APIError(
@@ -272,7 +271,7 @@ class PoolingServer:
         params = pooling_params(self.ctx, pooler, truncate_prompt_tokens=truncate)
         firsts = first[:1] if len(first) == 1 else first
         texts = firsts + [b for _, b in pairs]
-        outputs = await pool_all(self.ctx, texts, params, request_id, cache_salt=body.cache_salt)
+        outputs = await pool_all(self.ctx, texts, params, request_id, body)
         vectors = [output.outputs.data for output in outputs]
         heads = vectors[:1] * len(pairs) if len(firsts) == 1 else vectors[: len(firsts)]
         tails = vectors[len(firsts) :]
