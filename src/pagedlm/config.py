@@ -791,6 +791,10 @@ class ReasoningMarkers:
     """Tokens that open a thought (may be empty)."""
     end_token_ids: tuple[int, ...]
     """Tokens that end a thought (never empty)."""
+    whitespace_token_ids: frozenset[int] = frozenset()
+    """Tokens whose text is only whitespace: where the output's first token decides, they
+    leave it undecided (free, unseen by the grammar), as the reasoning parsers skip
+    leading whitespace before looking for the start marker."""
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,12 @@ SCRIPT = {
     "o": ["q", "3"],
     "3": ["</think>", "4"],  # in the answer the end marker is the grammar's: masked
     "4": ["EOS"],
+    # w: a newline first, then the thought (the reasoning parsers skip leading whitespace)
+    "w": ["\u010a"],  # the byte-level spelling of "\n"
+    "\u010a": ["<think>", "3"],
 }
 DIGITS = StructuredOutputsParams(regex="[0-9]+")
+NEWLINE_DIGITS = StructuredOutputsParams(regex="\n?[0-9]+")
 PAD = "z" * 10
 """Before every prompt: chunks of 8 tokens, blocks shared in the prefix cache."""
 CASES = [
@@ -42,6 +46,8 @@ CASES = [
     # n-gram drafts after x: y </think> q; q falls to the mask of the position after </think>
     ("<think>xy</think>q567q<think>", {}, "xy</think>567"),
     ("ab<think>", {"structured_outputs": None}, "xy</think>q"),  # no grammar beside
+    # whitespace before the start marker leaves the first token to decide, as the parser
+    ("aw", {"structured_outputs": NEWLINE_DIGITS}, "\n<think>xy</think>567"),
 ]
 
 

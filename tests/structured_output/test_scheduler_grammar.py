@@ -326,6 +326,28 @@ def test_the_first_token_decides_where_the_prompt_did_not(backend):
     assert _masks(scheduler) == {"thinks": [{21}], "answers": [{21}]}
 
 
+def test_leading_whitespace_leaves_the_first_token_to_decide(backend):
+    """As the reasoning parsers skip leading whitespace before looking for the start
+    marker, a whitespace token where the first token decides is free and unseen by the
+    grammar: a start marker after it still opens a thought, and the grammar starts at the
+    first other token."""
+    space = 33
+    markers = ReasoningMarkers("qwen3", (THINK,), (END_THINK,), frozenset({space}))
+    scheduler = _scheduler(backend, reasoning=markers)
+    scheduler.add_request(_thinking("thinks", "20 21 2", None))
+    scheduler.add_request(_thinking("answers", "20 21 2", None))
+    assert _masks(scheduler) == {"thinks": [{20, THINK}], "answers": [{20, THINK}]}
+    assert scheduler.grammars.advance(scheduler.requests["thinks"], [space, THINK]) == 2
+    assert scheduler.grammars.advance(scheduler.requests["answers"], [space, space, 20]) == 3
+    assert _masks(scheduler) == {"thinks": [ALL], "answers": [{21}]}
+    assert scheduler.grammars.manager._requests["answers"].matcher.position == 1
+    # drafts: the rows after whitespace still let the next token decide
+    drafted = _scheduler(backend, reasoning=markers)
+    drafted.add_request(_thinking("r", "20 21 2", None))
+    rows = [{20, THINK}, {20, THINK}, ALL, {20}]
+    assert _masks(drafted, {"r": [space, THINK, END_THINK]}) == {"r": rows}
+
+
 @pytest.mark.parametrize(
     ("reasoning_ended", "drafts", "rows"),
     [

@@ -71,7 +71,11 @@ def reasoning_markers(
                 spelled,
             )
         return None
-    return ReasoningMarkers(name, start, end)
+    # Only where the output's first token may decide (a start marker of one token, and a
+    # family that does not start inside the thought) does leading whitespace matter.
+    undecided = bool(start) and not parser_class.starts_in_reasoning
+    whitespace = whitespace_token_ids(tokenizer) if undecided else frozenset()
+    return ReasoningMarkers(name, start, end, whitespace)
 
 
 def reasoning_parser_class(name: str, plugin: str = "") -> Any:
@@ -108,3 +112,15 @@ def single_token_ids(tokenizer: Any, spellings: tuple[str, ...]) -> tuple[int, .
         if decoded == text and encoded[0] not in ids:
             ids.append(encoded[0])
     return tuple(ids)
+
+
+def whitespace_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The tokens whose text, decoded alone with special tokens kept, is only whitespace
+    (the characters ``str.lstrip`` removes, as the reasoning parsers do) or nothing."""
+    ids = [[token_id] for token_id in range(len(tokenizer))]
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast tokenizer's Rust side
+    if backend is not None:
+        texts = backend.decode_batch(ids, skip_special_tokens=False)  # 0.3 s for 150k
+    else:
+        texts = [tokenizer.decode(one, skip_special_tokens=False) for one in ids]
+    return frozenset(i for i, text in enumerate(texts) if not text.strip())

@@ -7,8 +7,12 @@ the input processor, then moved by each token it generates):
 - True: the answer. Every token is the grammar's: masked by it, and advancing it.
 - False: inside a thought. Tokens are free and the grammar does not see them; an end
   marker (free too) ends the thought, and the grammar governs the next token.
-- None: the next token decides. A start marker opens a thought (False); any other token is
-  the answer's first (True). That token's mask is the grammar's plus the start markers.
+- None: the next token decides. A start marker opens a thought (False); a token of only
+  whitespace leaves it undecided (None: the reasoning parsers skip leading whitespace
+  before looking for the start marker, so a newline then ``<think>`` opens a thought
+  there too), free and unseen by the grammar (it stays in the answer's text, before what
+  the grammar governs); any other token is the answer's first (True). That token's mask
+  is the grammar's plus the start markers.
 
 Only the scheduler's side knows these states; the workers get a bitmask row per sampled
 position as always, all ones (-1) where the position is free.
@@ -34,6 +38,8 @@ def after_token(
         return token_id in markers.end_token_ids, False
     if token_id in markers.start_token_ids:
         return False, False
+    if token_id in markers.whitespace_token_ids:
+        return None, False
     return True, True
 
 

@@ -47,8 +47,9 @@ class ReasoningParser(ABC):
     engine applies grammars from the first output token."""
     starts_in_reasoning: ClassVar[bool] = False
     """Where the output starts when the prompt's current turn has no marker: inside a
-    thought (True: ``deepseek_r1``), or as the answer unless it opens with a start marker
-    (False: ``qwen3``)."""
+    thought (True: ``deepseek_r1``), or as the answer unless it opens with a start marker,
+    leading whitespace skipped (False: ``qwen3``; the engine's grammars follow the same
+    rule, ``structured_output/reasoning.py``)."""
 
     @classmethod
     def prompt_opens_reasoning(cls, prompt_tail: str) -> bool:

@@ -7,8 +7,9 @@ Two conventions exist:
   so the output starts inside the reasoning (a leading start marker is skipped if the model
   writes it anyway); everything up to the end marker is reasoning, and an output that never
   closes it is all reasoning (a thought cut off by max_tokens).
-- otherwise (``qwen3``): reasoning only when the output opens with the start marker;
-  otherwise it is all content (Qwen3 with thinking disabled).
+- otherwise (``qwen3``): reasoning only when the output opens with the start marker
+  (after any whitespace, as vLLM's parsers); otherwise it is all content (Qwen3 with
+  thinking disabled).
 
 The rendered prompt decides first: the last marker of its current turn (the text after its
 last special token that is no marker) says where the output starts. A start marker
