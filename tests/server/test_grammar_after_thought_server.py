@@ -127,7 +127,7 @@ def test_the_servers_reasoning_parser_is_the_engines(scripted_model, flags, pars
 
     args = parse_args(["serve", str(scripted_model), "--num-kv-blocks", "8", *flags])
     limits = check_serving_args(args)
-    assert args.reasoning_parser == parser
+    assert args.reasoning_parser == (parser or "")  # vLLM's default: ""
     config, _ = engine_args_from_cli(args).create_engine_config()
     markers = config.structured_outputs_reasoning
     assert (markers and markers.reasoning_parser) == parser

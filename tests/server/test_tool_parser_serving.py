@@ -237,5 +237,6 @@ def test_cli_help_lists_the_registries(capsys):
     assert "pythonic (llama4_pythonic)" in tool_help
     listed = set(re.findall(r"\w+", tool_help))
     assert set(TOOL_PARSERS) <= listed
-    reasoning_help = text[text.rindex("--reasoning-parser NAME") :]
+    # an engine argument, as in vLLM (its flag named after the field)
+    reasoning_help = text[text.rindex("--reasoning-parser REASONING_PARSER Return") :]
     assert set(REASONING_PARSERS) <= set(re.findall(r"\w+", reasoning_help[:600]))

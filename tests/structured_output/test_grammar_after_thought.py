@@ -204,3 +204,43 @@ def test_the_engine_takes_the_markers_that_are_single_tokens(
     args = EngineArgs(model=str(chat_thinking_checkpoint), structured_outputs_config=unknown)
     with pytest.raises(ValueError, match="'nope' is unknown; choose one of"):
         args.create_engine_config()
+
+
+def test_reasoning_parser_is_an_engine_argument_as_in_vllm(model_path, encode):
+    """vLLM's ``LLM(reasoning_parser=...)`` (an ``EngineArgs`` field, the CLI's one
+    ``--reasoning-parser``) is the ``structured_outputs_config`` key of that name: either
+    spelling sets both; two different parsers are refused naming both."""
+    from pagedlm.engine.arg_utils import EngineArgs
+
+    llm = LLM(model_path, dtype="float32", max_model_len=64, num_kv_blocks=16,
+              reasoning_parser="qwen3")  # fmt: skip
+    try:
+        assert llm.llm_engine.config.structured_outputs_reasoning.reasoning_parser == "qwen3"
+        params = SamplingParams(temperature=0, max_tokens=12, structured_outputs=DIGITS)
+        [output] = llm.generate({"prompt_token_ids": encode("ab<think>")}, params, use_tqdm=False)
+        assert output.outputs[0].text == "xy</think>567"
+    finally:
+        llm.llm_engine.shutdown()
+    same = EngineArgs(model=model_path, reasoning_parser="qwen3",
+                      structured_outputs_config={"reasoning_parser": "qwen3", "backend": "auto"})  # fmt: skip
+    assert same.structured_outputs_config == {"reasoning_parser": "qwen3", "backend": "auto"}
+    configured = EngineArgs(
+        model=model_path, structured_outputs_config={"reasoning_parser": "qwen3"}
+    )
+    assert configured.reasoning_parser == "qwen3"
+    with pytest.raises(ValueError, match="reasoning_parser='qwen3' and structured_outputs_config's "
+                       "reasoning_parser 'deepseek_r1' name two"):  # fmt: skip
+        EngineArgs(model=model_path, reasoning_parser="qwen3",
+                   structured_outputs_config={"reasoning_parser": "deepseek_r1"})  # fmt: skip
+
+
+def test_serve_has_one_reasoning_parser_flag():
+    """The engine's ``--reasoning-parser`` is the server's: one option, parsed once."""
+    from pagedlm.entrypoints.cli.main import build_parser
+
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    flags = [a for a in serve._actions if "--reasoning-parser" in a.option_strings]
+    assert len(flags) == 1 and flags[0].dest == "reasoning_parser"
+    args = parser.parse_args(["serve", "m", "--reasoning-parser", "qwen3"])
+    assert args.reasoning_parser == "qwen3"

@@ -36,7 +36,7 @@ from pagedlm.engine.model_impl_args import (
 )
 from pagedlm.engine.prompt_embeds import check_prompt_embeds_config
 from pagedlm.engine.quantization_args import check_quantization_name, resolve_quantization
-from pagedlm.engine.reasoning_args import reasoning_markers
+from pagedlm.engine.reasoning_args import merge_reasoning_fields, reasoning_markers
 from pagedlm.engine.speculative_args import parse_speculative_config
 from pagedlm.engine.structured_outputs_args import resolve_structured_outputs
 from pagedlm.engine.vllm_compat_args import VllmCompatArgs
@@ -232,6 +232,17 @@ class EngineArgs(VllmCompatArgs):
     '{"reasoning_parser": "qwen3"}' (grammars apply after the model's thought;
     --reasoning-parser sets it for the server); keys in
     ``pagedlm.engine.structured_outputs_args``."""
+    reasoning_parser: str = ""
+    """How the model's thought (<think>...</think> and kin) is told from its answer, by
+    vLLM's reasoning parser names (``--help`` of serve lists them): the server returns it as
+    reasoning_content, and grammars apply after it. vLLM's shorthand for
+    structured_outputs_config's reasoning_parser (either sets both; two different ones are
+    refused). deepseek_r1: the output starts inside the thought; qwen3: only after
+    <think>."""
+    reasoning_parser_plugin: str = ""
+    """A .py file (or module name) that registers reasoning parsers of its own with
+    pagedlm.entrypoints.openai.reasoning_parsers.register_reasoning_parser (shorthand for
+    structured_outputs_config's reasoning_parser_plugin)."""
     kv_events_config: str | None = None
     """Publish prefix-cache block events as vLLM does, as a JSON object (a dict from
     Python), e.g. '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557",
@@ -349,6 +360,7 @@ class EngineArgs(VllmCompatArgs):
             )
         if isinstance(self.kv_transfer_config, KVTransferConfig):
             self.kv_transfer_config = dataclasses.asdict(self.kv_transfer_config)
+        self.structured_outputs_config = merge_reasoning_fields(self)
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -67,7 +67,7 @@ HELP_GROUPS: dict[str | None, tuple[str, ...]] = {
     "AttentionConfig": ("attention_backend",),
     "StructuredOutputsConfig": (
         "structured_outputs_backend", "structured_outputs_max_spec_chars",
-        "structured_outputs_compile_timeout_s",
+        "structured_outputs_compile_timeout_s", "reasoning_parser", "reasoning_parser_plugin",
     ),
     "ParallelConfig": (
         "distributed_executor_backend", "pipeline_parallel_size", "tensor_parallel_size",

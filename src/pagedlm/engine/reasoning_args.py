@@ -41,6 +41,30 @@ def check_reasoning_keys(config: dict[str, Any]) -> None:
         )
 
 
+def merge_reasoning_fields(args: Any) -> dict[str, Any] | None:
+    """vLLM's ``reasoning_parser`` and ``reasoning_parser_plugin`` engine arguments (the
+    CLI's ``--reasoning-parser``) are shorthands for the ``structured_outputs_config`` keys
+    of the same names: either spelling sets both (on ``args`` too); two different values
+    are refused naming both. Returns the merged ``structured_outputs_config``."""
+    config = args.structured_outputs_config
+    if config is not None and not isinstance(config, dict):
+        return config  # refused with the rest of its checks (structured_outputs_args.py)
+    for key in ("reasoning_parser", "reasoning_parser_plugin"):
+        given = getattr(args, key) or ""
+        if not isinstance(given, str):
+            raise ValueError(f"{key} must be a parser's name (a string), got {given!r}.")
+        configured = (config or {}).get(key) or ""
+        if given and configured and given != configured:
+            raise ValueError(
+                f"{key}={given!r} and structured_outputs_config's {key} {configured!r} "
+                "name two; pass one."
+            )
+        if given or configured:
+            setattr(args, key, given or configured)
+            config = {**(config or {}), key: given or configured}
+    return config
+
+
 def reasoning_markers(
     config: dict[str, Any] | None, model: ModelConfig, log: bool = True
 ) -> ReasoningMarkers | None:

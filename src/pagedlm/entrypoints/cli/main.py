@@ -35,7 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedlm.engine.cli_args import add_engine_args
     from pagedlm.entrypoints.cli import bench, interactive
     from pagedlm.entrypoints.cli.config_file import add_config_arg
-    from pagedlm.entrypoints.openai.server_args import add_server_args, add_serving_args
+    from pagedlm.entrypoints.openai.server_args import (
+        add_server_args,
+        add_serving_args,
+        engine_help_texts,
+    )
 
     parser = argparse.ArgumentParser(
         prog="pagedlm", description="pagedlm: LLM inference and an OpenAI-compatible server."
@@ -52,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_positional(serve)
     add_server_args(serve)
-    add_engine_args(serve)
+    add_engine_args(serve, help_texts=engine_help_texts())
     add_config_arg(serve)
 
     generate = commands.add_parser(

@@ -246,7 +246,7 @@ def serving_context(
         max_model_len=engine.config.model.max_model_len,
         tool_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
-        reasoning_parser=args.reasoning_parser,
+        reasoning_parser=args.reasoning_parser or None,
         structured_outputs_after_reasoning=engine.config.structured_outputs_reasoning is not None,
         limits=limits,
         trust_request_chat_template=args.trust_request_chat_template,

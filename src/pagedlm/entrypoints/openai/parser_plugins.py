@@ -75,7 +75,7 @@ def check_parser_args(args: argparse.Namespace) -> None:
             "--reasoning-parser-plugin",
         ),
     ):
-        if name is not None and name not in known:
+        if name and name not in known:
             raise SystemExit(
                 f"error: {flag} {name!r} is unknown; choose one of {sorted(known)}, or register "
                 f"it in a file given to {plugin_flag}."

@@ -310,7 +310,6 @@ def _parser_names(names: list[str], aliases: dict[str, str]) -> str:
 
 
 def _add_tool_args(group: argparse._ArgumentGroup) -> None:
-    from pagedlm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
     from pagedlm.entrypoints.openai.tool_parsers import TOOL_PARSER_ALIASES, TOOL_PARSERS
 
     group.add_argument(
@@ -344,21 +343,21 @@ def _add_tool_args(group: argparse._ArgumentGroup) -> None:
         "(vLLM's flag; by default the template sees them, and the model is not asked to "
         "call one).",
     )
-    group.add_argument(
-        "--reasoning-parser",
-        default=None,
-        metavar="NAME",
-        help="Return the model's thought (<think>...</think> and kin) as reasoning_content "
-        f"in chat responses, by vLLM's names: {_parser_names(list(REASONING_PARSERS), {})}. "
-        "deepseek_r1: the output starts inside the thought; qwen3: only after <think>.",
-    )
-    group.add_argument(
-        "--reasoning-parser-plugin",
-        default=None,
-        metavar="FILE",
-        help="A .py file (or module name) that registers reasoning parsers of its own with "
-        "pagedlm.entrypoints.openai.reasoning_parsers.register_reasoning_parser.",
-    )
+
+
+def engine_help_texts() -> dict[str, str]:
+    """``serve``'s help for engine arguments the server reads too: ``--reasoning-parser``
+    (an ``EngineArgs`` field, as in vLLM, so ``LLM(reasoning_parser=...)`` takes it) with
+    the names registered here."""
+    from pagedlm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+
+    return {
+        "reasoning_parser": "Return the model's thought (<think>...</think> and kin) as "
+        "reasoning_content in chat responses, and apply grammars after it (vLLM's "
+        "structured_outputs_config.reasoning_parser), by vLLM's names: "
+        f"{_parser_names(list(REASONING_PARSERS), {})}. deepseek_r1: the output starts "
+        "inside the thought; qwen3: only after <think>.",
+    }
 
 
 def read_chat_template(value: str | None) -> str | None:
