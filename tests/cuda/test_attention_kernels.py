@@ -23,6 +23,8 @@ from pagedlm_cuda.kernels import paged_decode_attention, paged_prefill_attention
 SMALL_BF16 = torch.bfloat16 if ON_GPU else torch.float16
 
 cuda_only = pytest.mark.skipif(not ON_GPU, reason="full sizes need a GPU")
+SLOW = () if ON_GPU else pytest.mark.slow
+"""Cases slow under the interpreter only (a GPU runs them in the default selection)."""
 
 
 def make_cache(
@@ -200,9 +202,19 @@ def rotary_inputs(head_dim: int, dtype: torch.dtype, qk_norm: bool, gen: torch.G
     return cos_sin, (weights[0], weights[1], 1e-6)
 
 
-@pytest.mark.parametrize("neox", [True, False])
-@pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize("partition", [16, 128])
+# 16-key partitions take ~7 s a case under the interpreter: one runs by default (both
+# options on), the rest with -m slow.
+FUSED_ROTARY_CASES = [
+    pytest.param(
+        neox, qk_norm, partition, marks=() if partition == 128 or (neox and qk_norm) else SLOW
+    )
+    for partition in (16, 128)
+    for qk_norm in (False, True)
+    for neox in (True, False)
+]
+
+
+@pytest.mark.parametrize(("neox", "qk_norm", "partition"), FUSED_ROTARY_CASES)
 def test_decode_attention_fused_rotary(neox: bool, qk_norm: bool, partition: int) -> None:
     """With ``rotary`` the kernel rotates (after normalizing) the query and the new key
     itself: the cache gets exactly the key the separate rotary kernel makes, and the output
@@ -295,8 +307,15 @@ def test_decode_merge_kernel_and_in_kernel_merge_agree(monkeypatch, window) -> N
     assert torch.equal(outs[0][1], torch.zeros_like(outs[0][1]))
 
 
-@pytest.mark.parametrize("merge_in_kernel", [False, True])
-@pytest.mark.parametrize("window", [None, 150])
+@pytest.mark.parametrize(
+    ("merge_in_kernel", "window"),
+    [  # ~9 s a case under the interpreter: the two corners by default, the rest with -m slow
+        (False, None),
+        (True, 150),
+        pytest.param(True, None, marks=SLOW),
+        pytest.param(False, 150, marks=SLOW),
+    ],
+)
 def test_decode_programs_per_sequence_do_not_change_the_bits(merge_in_kernel, window) -> None:
     """With ``slots`` programs per (sequence, kv head), each takes every slots-th
     partition: the same partitions, the same merge, so the same bits for every count
