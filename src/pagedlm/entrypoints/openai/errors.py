@@ -51,12 +51,13 @@ _REQUEST_FIELDS = frozenset(
     | {"dimensions", "normalize", "use_activation"}  # PoolingParams'
     | {f.name for f in dataclasses.fields(SamplingParams)}
 )
-_LEADING_NAME = re.compile(r"([a-z][a-z_]*)\b")
+_LEADING_NAME = re.compile(r"(?:Got )?([a-z][a-z_]*)\b")
 
 
 def from_value_error(error: ValueError) -> APIError:
     """A 400 for an engine-side validation error, ``param`` set to the request field the
-    message starts with ("top_k=500 exceeds ...", "temperature must be ...")."""
+    message starts with ("top_k=500 exceeds ...", "temperature must be ...", vLLM's "Got
+    priority 1 but ...")."""
     message = str(error)
     match = _LEADING_NAME.match(message)
     param = match.group(1) if match and match.group(1) in _REQUEST_FIELDS else None
