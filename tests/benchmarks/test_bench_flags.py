@@ -102,8 +102,11 @@ def test_engine_flags_reach_the_engine_and_latency_runs_on_cpu(tmp_path, capsys)
     args.input_len, args.output_len, args.num_iters, args.num_iters_warmup = 8, 4, 1, 0
     result = latency.run(args)
     assert result["tok_per_s"] > 0
+    # The run splits into its first token and the three after it.
+    assert 0 < result["ttft_s"] < result["mean_s"]
+    assert 0 < result["decode_s_per_token"] * 3 < result["mean_s"]
     out = capsys.readouterr().out
-    assert "latency [" in out
+    assert "latency [" in out and "time to first token" in out
     assert "speed of light" not in out  # the H200's ceilings say nothing about a CPU
     args.bandwidth, args.flops = 1e11, 1e12
     latency.run(args)

@@ -1,6 +1,8 @@
 """``pagedlm bench latency``: time to generate ``--output-len`` tokens for a batch of
 ``--batch-size`` prompts of ``--input-len`` tokens (prefill included); mean and
-percentiles over ``--num-iters`` runs, the % of speed-of-light, and optionally
+percentiles over ``--num-iters`` runs, the run split into its time to the first token
+and its time per later token (from the requests' own timestamps, so a difference in the
+run time shows as prefill or per-step cost), the % of speed-of-light, and optionally
 transformers' eager ``generate`` on the same prompt. With ``--spec-acceptance A`` (and
 ``--speculative-config``) it compares speculative decoding at a known acceptance rate with
 no speculation instead (``spec_acceptance.py``)."""
@@ -67,6 +69,18 @@ def transformers_latency(model_dir: str, prompt: list[int], batch: int, output_l
     return elapsed
 
 
+def first_token_split(outputs: list, output_len: int) -> tuple[float, float]:
+    """``(time to first token, seconds per later token)`` of a run, averaged over its
+    requests, from the timestamps the output processor keeps (``RequestOutput.metrics``)."""
+    ttfts, per_token = [], []
+    for output in outputs:
+        metrics = output.metrics
+        ttfts.append(metrics["time_to_first_token"])
+        decode = metrics["last_token_time"] - metrics["first_token_time"]
+        per_token.append(decode / max(1, output_len - 1))
+    return statistics.mean(ttfts), statistics.mean(per_token)
+
+
 def run(args: argparse.Namespace) -> dict[str, float]:
     from pagedlm import SamplingParams
 
@@ -78,15 +92,19 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     # Prefix caching would turn every timed run after the first into a cache hit, so
     # each run changes the prompts' first token.
     times: list[float] = []
+    splits: list[tuple[float, float]] = []
     phases: dict[str, float] | None = None
     scheduler = llm.llm_engine.engine_core.scheduler
     for i in range(args.num_iters_warmup + args.num_iters):
         if i == args.num_iters_warmup and args.host_phases:  # the timed runs only
             phases, steps_before = instrument(llm), scheduler.num_model_steps
         start = time.perf_counter()
-        llm.generate([{"prompt_token_ids": [i] + p[1:]} for p in prompts], params, use_tqdm=False)
+        outputs = llm.generate(
+            [{"prompt_token_ids": [i] + p[1:]} for p in prompts], params, use_tqdm=False
+        )
         if i >= args.num_iters_warmup:
             times.append(time.perf_counter() - start)
+            splits.append(first_token_split(outputs, args.output_len))
     mean = statistics.mean(times)
     tokens = args.batch_size * args.output_len
     print(
@@ -94,6 +112,14 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         f"{args.output_len}]: mean {mean:.3f} s, p50 {percentile(times, 50):.3f}, "
         f"p90 {percentile(times, 90):.3f}, p99 {percentile(times, 99):.3f} "
         f"({tokens / mean:.1f} output tok/s, {mean / args.output_len * 1e3:.2f} ms/token)",
+        flush=True,
+    )
+    ttft = statistics.mean(s[0] for s in splits)
+    per_token = statistics.mean(s[1] for s in splits)
+    rest = mean - ttft - per_token * max(0, args.output_len - 1)
+    print(
+        f"  time to first token {ttft * 1e3:.2f} ms (from the request's arrival), then "
+        f"{per_token * 1e3:.4f} ms per token; the rest of a run {rest * 1e3:.2f} ms",
         flush=True,
     )
     line = speed_of_light_line(
@@ -104,7 +130,8 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     if phases is not None:
         steps = scheduler.num_model_steps - steps_before
         print(phases_report(phases, steps, sum(times)), flush=True)
-    result = {"mean_s": mean, "tok_per_s": tokens / mean}
+    result = {"mean_s": mean, "tok_per_s": tokens / mean, "ttft_s": ttft,
+              "decode_s_per_token": per_token}  # fmt: skip
     if args.profile_steps:
         print(
             profile_steps(
