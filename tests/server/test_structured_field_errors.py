@@ -77,3 +77,24 @@ def test_a_compilable_constraint_is_served(client):
     assert client.post("/v1/chat/completions", json=body).status_code == 200
     tools = {"tools": [_tool(GOOD_SCHEMA)], "tool_choice": "required"}
     assert client.post("/v1/chat/completions", json={**CHAT, **tools}).status_code == 200
+
+
+MESSAGES_BODY = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2}
+ANTHROPIC_CASES = [
+    ({"tools": [{"name": "f", "input_schema": GOOD_SCHEMA}, {"name": "g", "input_schema": BAD_SCHEMA}], "tool_choice": {"type": "any"}}, "tools.1.input_schema"),
+    ({"tools": [{"name": "f", "input_schema": BAD_SCHEMA}], "tool_choice": {"type": "tool", "name": "f"}}, "tools.0.input_schema"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "nope"}}], "tool_choice": {"type": "any"}}, "tools.0.input_schema"),
+    ({"tools": [{"name": "", "input_schema": GOOD_SCHEMA}]}, "tools.0.name"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+@pytest.mark.parametrize(("extra", "field"), ANTHROPIC_CASES)
+def test_an_anthropic_tool_schema_error_names_input_schema(client, path, extra, field):
+    """/v1/messages takes a tool's schema as ``input_schema``: its 400 names that field,
+    not the OpenAI ``function.parameters`` it is turned into."""
+    response = client.post(path, json={**MESSAGES_BODY, **extra})
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert field in message, message
+    assert "function.parameters" not in message

@@ -16,6 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pagedlm.entrypoints.openai.errors import APIError
 from pagedlm.entrypoints.openai.request_body import RequestModel
 
+TOOL_SCHEMA_FIELD = "tools.{index}.input_schema"
+"""Where a tool's parameter schema is (``structured_request.plan_tools``' ``schema_field``),
+so that a schema's 400 names the field the client sent."""
+
 
 class AnthropicModel(RequestModel):
     """Every request model of this API."""
@@ -208,6 +212,8 @@ class CountTokensRequest(AnthropicModel):
                     "tool); server tools are not supported.",
                     param=f"tools.{i}",
                 )
+            if not name:
+                raise APIError(f"tools.{i}.name must be a non-empty string.", param=f"tools.{i}")
             function = {"name": name, "parameters": schema}
             if tool.get("description") is not None:
                 function["description"] = tool["description"]

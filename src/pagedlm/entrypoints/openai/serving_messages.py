@@ -24,7 +24,11 @@ from typing import Any
 from pagedlm.entrypoints.openai.chat_images import anthropic_conversation, multimodal_prompt
 from pagedlm.entrypoints.openai.chat_output import ChatOutputParser, reasoning_factory
 from pagedlm.entrypoints.openai.errors import from_value_error
-from pagedlm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
+from pagedlm.entrypoints.openai.protocol_anthropic import (
+    TOOL_SCHEMA_FIELD,
+    CountTokensRequest,
+    MessagesRequest,
+)
 from pagedlm.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pagedlm.entrypoints.openai.serving_engine import (
     ServingContext,
@@ -89,6 +93,7 @@ class MessagesServer:
             self.ctx.enable_auto_tool_choice,
             self.ctx.exclude_tools_when_tool_choice_none,
             grammar=self.ctx.grammar_check,
+            schema_field=TOOL_SCHEMA_FIELD,
         )
 
     async def _prompt(self, request: CountTokensRequest, plan: ToolPlan) -> list[int]:

@@ -6,8 +6,8 @@ Everything is checked here, before the request reaches the engine: a bad field i
 ``APIError`` (400) naming it. Each constraint is also checked against the server's grammar
 backend (``GrammarCheck``), so a schema, regex or grammar the backend cannot compile is a
 400 naming the field the client sent (``response_format.json_schema.schema``,
-``guided_regex``, ``tools.0.function.parameters``), not the ``structured_outputs.<kind>``
-the engine's own check names.
+``guided_regex``, ``tools.0.function.parameters``, ``/v1/messages``' ``tools.0.input_schema``),
+not the ``structured_outputs.<kind>`` the engine's own check names.
 """
 
 from __future__ import annotations
@@ -181,7 +181,12 @@ class ToolPlan:
     needs_special_tokens: bool = False
 
 
-def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+OPENAI_SCHEMA_FIELD = "tools.{index}.function.parameters"
+"""Where a chat request's tool ``index`` has its parameter schema (``plan_tools``'
+``schema_field``; the Anthropic route names its ``input_schema``)."""
+
+
+def _functions(tools: list[dict[str, Any]], schema_field: str) -> list[dict[str, Any]]:
     functions = []
     for i, tool in enumerate(tools):
         param = f"tools.{i}"
@@ -196,7 +201,7 @@ def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not isinstance(name, str) or not name:
             raise APIError(f"{param}.function.name must be a non-empty string.", param=param)
         if function.get("parameters") is not None:
-            _check_schema(function["parameters"], f"{param}.function.parameters")
+            _check_schema(function["parameters"], schema_field.format(index=i))
         functions.append(function)
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
@@ -213,6 +218,7 @@ def plan_tools(
     exclude_tools_when_none: bool = False,
     *,
     grammar: GrammarCheck,
+    schema_field: str = OPENAI_SCHEMA_FIELD,
 ) -> ToolPlan:
     """Check ``tools``/``tool_choice`` and decide how the output is constrained and parsed.
 
@@ -221,13 +227,14 @@ def plan_tools(
     text; it is given ``tools`` where it takes them (to type values by their schema). Under
     "none" the template still sees the tools, as in vLLM, unless ``exclude_tools_when_none``
     (``--exclude-tools-when-tool-choice-none``). A forcing choice (required, named)
-    constrains the output with the tools' parameter schemas, each checked by ``grammar``.
+    constrains the output with the tools' parameter schemas, each checked by ``grammar``;
+    a schema's 400 names ``schema_field`` with the tool's index (the field the client sent).
     """
     if not tools:
         if tool_choice not in (None, "none"):
             raise APIError("tool_choice needs tools.", param="tool_choice")
         return ToolPlan("none")
-    functions = _functions(tools)
+    functions = _functions(tools, schema_field)
     if tool_choice is None:
         tool_choice = "auto" if enable_auto_tool_choice else "none"
     if tool_choice == "none":
@@ -256,7 +263,7 @@ def plan_tools(
         if not parallel_tool_calls:
             schema["maxItems"] = 1
         for i, function in enumerate(functions):  # the tool whose schema fails is named
-            _forced_call(function, i, grammar)
+            _forced_call(function, schema_field.format(index=i), grammar)
         structured = grammar.params("tools", json=schema, disable_any_whitespace=True)
         return ToolPlan("required", tools, structured, RequiredToolCallsParser, new_call_id)
     name = _named_choice(tool_choice)
@@ -267,15 +274,16 @@ def plan_tools(
             f"{[f['name'] for f in functions]}.",
             param="tool_choice",
         )
-    structured = _forced_call(functions[index], index, grammar)
+    structured = _forced_call(functions[index], schema_field.format(index=index), grammar)
     return ToolPlan("named", tools, structured, lambda: NamedToolCallParser(name), new_call_id)
 
 
 def _forced_call(
-    function: dict[str, Any], index: int, grammar: GrammarCheck
+    function: dict[str, Any], schema_field: str, grammar: GrammarCheck
 ) -> StructuredOutputsParams:
-    """The constraint of a call's arguments to ``function`` (``tools.<index>``)."""
-    field = f"tools.{index}.function.parameters" if function.get("parameters") else "tools"
+    """The constraint of a call's arguments to ``function``, whose schema the client sent
+    as ``schema_field``."""
+    field = schema_field if function.get("parameters") else "tools"
     return grammar.params(field, json=parameters_schema(function), disable_any_whitespace=True)
 
 
