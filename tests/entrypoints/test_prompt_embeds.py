@@ -137,6 +137,46 @@ def test_truncate_prompt_tokens_keeps_the_last_rows(models):
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
 
 
+def test_truncation_side_right_keeps_the_first_rows(models):
+    """vLLM cuts an embeddings prompt as it cuts token ids: ``truncation_side`` "right"
+    keeps the first rows."""
+    path, hf_model = models("llama")
+    ids = random_prompts([20])[0]
+    llm = LLM(str(path), **ENGINE)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, truncate_prompt_tokens=6)
+    (want,) = llm.generate([{"prompt_token_ids": ids[:6]}], GREEDY, use_tqdm=False)
+    (got,) = llm.generate(
+        [{"prompt_embeds": embeds(hf_model, ids)}],
+        params,
+        use_tqdm=False,
+        tokenization_kwargs={"truncation_side": "right"},
+    )
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    with pytest.raises(ValueError, match="truncation_side"):
+        llm.generate(
+            [{"prompt_embeds": embeds(hf_model, ids)}],
+            params,
+            use_tqdm=False,
+            tokenization_kwargs={"truncation_side": "middle"},
+        )
+
+
+def test_a_prompt_longer_than_the_context_is_truncated_first(models):
+    """As for token ids, ``truncate_prompt_tokens`` cuts the rows before their count is
+    checked against ``max_model_len`` (128 here); -1 keeps ``max_model_len`` of them."""
+    path, hf_model = models("llama")
+    ids = random_prompts([140], seed=3)[0]
+    rows = embeds(hf_model, ids)
+    llm = LLM(str(path), **ENGINE)
+    params = SamplingParams(max_tokens=1, temperature=0.0, truncate_prompt_tokens=12)
+    (want,) = llm.generate([{"prompt_token_ids": ids[-12:]}], params, use_tqdm=False)
+    (got,) = llm.generate([{"prompt_embeds": rows}], params, use_tqdm=False)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    whole = SamplingParams(max_tokens=1, temperature=0.0, truncate_prompt_tokens=-1)
+    with pytest.raises(ValueError, match="max_model_len"):  # 128 rows leave no room to generate
+        llm.generate([{"prompt_embeds": rows}], whole, use_tqdm=False)
+
+
 def test_bad_embeds_and_unsupported_features_are_refused(models):
     path, hf_model = models("llama")
     rows = embeds(hf_model, [1, 2, 3])

@@ -1,7 +1,8 @@
 """``prompt_embeds`` on ``/v1/completions`` (vLLM's): base64 of ``torch.save``'s bytes, a
 string or a list; their choices come before the ``prompt``'s. The real engine (its core in
 a child process, so the rows cross the wire) generates from them what it does from the
-ids; malformed data, a disabled engine and beam search are 400s naming the problem."""
+ids, and cuts them on the request's ``truncation_side``; malformed data, a disabled engine
+and beam search are 400s naming the problem."""
 
 from __future__ import annotations
 
@@ -59,11 +60,38 @@ def test_embeds_complete_as_their_ids_do(chat_checkpoint) -> None:
             assert choices[0]["token_ids"] == want.json()["choices"][0]["token_ids"]
             assert choices[0]["prompt_token_ids"] == []
             assert got.json()["usage"]["prompt_tokens"] == len(IDS) + 4
+            await _truncation_sides(client, body, chat_checkpoint)
 
     try:
         asyncio.run(run())
     finally:
         engine.shutdown()
+
+
+async def _truncation_sides(client: httpx.AsyncClient, body: dict, checkpoint) -> None:
+    """vLLM's ``truncation_side`` with ``truncate_prompt_tokens``: the rows of an
+    embeddings prompt are cut on that side as token ids are, on completions and chat."""
+    embedded = b64(rows(checkpoint, IDS))
+    for side, kept in (("left", IDS[-5:]), ("right", IDS[:5])):
+        want = await client.post("/v1/completions", json={**body, "prompt": kept})
+        cut = {"truncate_prompt_tokens": 5, "truncation_side": side}
+        for prompt in ({"prompt_embeds": embedded}, {"prompt": IDS}):
+            got = await client.post("/v1/completions", json={**body, **prompt, **cut})
+            assert got.status_code == 200, got.text
+            assert got.json()["choices"][0]["token_ids"] == want.json()["choices"][0]["token_ids"]
+            assert got.json()["usage"]["prompt_tokens"] == 5
+    chat = {**body, "messages": [{"role": "user", "content": "hello there"}]}
+    whole = (await client.post("/v1/chat/completions", json=chat)).json()
+    first = whole["prompt_token_ids"][:5]
+    want = await client.post("/v1/completions", json={**body, "prompt": first})
+    cut = {"truncate_prompt_tokens": 5, "truncation_side": "right"}
+    got = (await client.post("/v1/chat/completions", json={**chat, **cut})).json()
+    assert got["prompt_token_ids"] == first
+    assert got["choices"][0]["token_ids"] == want.json()["choices"][0]["token_ids"]
+    bad = await client.post(
+        "/v1/completions", json={**body, "prompt": IDS, "truncation_side": "up"}
+    )
+    assert bad.status_code == 400 and "truncation_side" in bad.text
 
 
 def _enabled_fake(checkpoint) -> FakeEngine:

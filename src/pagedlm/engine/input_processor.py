@@ -379,16 +379,18 @@ class InputProcessor:
         self.check_priority(priority)
         self.adapters.check(lora_request)
         params = checked_params(params)
+        tokenization_kwargs = check_tokenization_kwargs(tokenization_kwargs)  # embeds too
         if pads(tokenization_kwargs):
             raise ValueError(
                 "tokenization_kwargs padding='max_length' applies to pooling requests; drop "
                 "it (or send 'do_not_pad') for generation."
             )
         keep = self.truncation_size(params.truncate_prompt_tokens)
+        side = (tokenization_kwargs or {}).get("truncation_side") or "left"
         embeds = None
         if embeds_of(prompt) is not None:
             assert isinstance(prompt, Mapping)
-            embeds = checked_prompt_embeds(prompt, params, self.model_config, keep)
+            embeds = checked_prompt_embeds(prompt, params, self.model_config, keep, side)
             # Placeholder ids keep the scheduler's lengths; the rows are what is fed.
             text, token_ids, mm_features = None, [0] * embeds.shape[0], []
         else:
@@ -399,7 +401,6 @@ class InputProcessor:
                     "truncate_prompt_tokens would cut through the prompt's images; drop it, "
                     "or shorten the text around them."
                 )
-            side = (tokenization_kwargs or {}).get("truncation_side") or "left"
             token_ids = truncate_ids(token_ids, keep, side)
         resolved = self.resolve_params(params, len(token_ids))
         reasoning_ended = self._reasoning_ended(resolved, [] if embeds is not None else token_ids)

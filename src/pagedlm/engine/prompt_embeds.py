@@ -11,9 +11,10 @@ prompt's positions (``worker/prompt_embeds.py``); generated tokens go back in as
 
 Checked here, once, at the edge: the engine's flag, the tensor (2-D after an optional
 leading batch dimension of one, floating, dense, the model's hidden size, finite, at most
-``max_model_len`` rows), and the request features that need real prompt tokens or another
-input path (prompt logprobs, repetition penalty, images). LoRA adapters apply to the
-layers after the embeddings, as in vLLM.
+``max_model_len`` rows once ``truncate_prompt_tokens`` has cut them on the request's
+``truncation_side``, as token ids are cut), and the request features that need real
+prompt tokens or another input path (prompt logprobs, repetition penalty, images). LoRA
+adapters apply to the layers after the embeddings, as in vLLM.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedlm.engine.tokenization_kwargs import truncate_ids
 from pagedlm.multimodal.tensors import to_tensor_data
 from pagedlm.step.multimodal import TensorData
 
@@ -69,9 +71,12 @@ def checked_prompt_embeds(
     params: SamplingParams,
     model_config: ModelConfig,
     keep: int | None,
+    side: str = "left",
 ) -> TensorData:
     """The prompt's embeddings, checked and in the model's dtype, as the engine carries
-    them; ``keep``: the last rows kept (``truncate_prompt_tokens``). ValueError names what
+    them. ``keep`` rows at most are kept (``truncate_prompt_tokens``), the last ones for
+    ``side`` "left" and the first for "right", as token ids are cut; the cut comes before
+    the rows are counted against ``max_model_len``, as vLLM's does. ValueError names what
     is wrong."""
     if not model_config.enable_prompt_embeds:
         raise ValueError(
@@ -95,13 +100,13 @@ def checked_prompt_embeds(
             "embeddings does not have; use presence_penalty or frequency_penalty (they "
             "count the generated tokens only)."
         )
-    tensor = _checked_tensor(prompt["prompt_embeds"], model_config)
-    if keep is not None and tensor.shape[0] > keep:
-        tensor = tensor[-keep:]
+    tensor = _checked_tensor(prompt["prompt_embeds"], model_config, keep, side)
     return to_tensor_data(tensor.to(model_config.dtype))
 
 
-def _checked_tensor(value: Any, model_config: ModelConfig) -> torch.Tensor:
+def _checked_tensor(
+    value: Any, model_config: ModelConfig, keep: int | None, side: str
+) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise ValueError(
             f"prompt_embeds must be a torch.Tensor [num_tokens, hidden_size], got "
@@ -122,6 +127,7 @@ def _checked_tensor(value: Any, model_config: ModelConfig) -> torch.Tensor:
             f"prompt_embeds must be floating point (float32, float16 or bfloat16), got "
             f"{str(value.dtype).removeprefix('torch.')}."
         )
+    value = truncate_ids(value, keep, side)
     num_rows, limit = value.shape[0], model_config.max_model_len
     if not 0 < num_rows <= limit:
         raise ValueError(

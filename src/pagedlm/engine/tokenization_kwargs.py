@@ -29,7 +29,7 @@ unless ``truncation_side`` says otherwise) applies after this.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 TOKENIZER_KEYS = ("add_special_tokens", "truncation", "max_length")
 """The keys that go to the tokenizer's call."""
@@ -37,6 +37,7 @@ TOKENIZATION_KEYS = (*TOKENIZER_KEYS, "truncation_side", "padding")
 TRUNCATION_VALUES = (True, False, "longest_first", "only_first", "do_not_truncate")
 TRUNCATION_SIDES = ("left", "right")
 PADDING_VALUES = (False, "do_not_pad", "max_length")
+_Rows = TypeVar("_Rows")
 
 
 def check_tokenization_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -106,9 +107,9 @@ def truncation_limit(tokenizer: Any, kwargs: Mapping[str, Any]) -> int | None:
     return kwargs.get("max_length") or getattr(tokenizer, "model_max_length", None)
 
 
-def truncate_ids(ids: list[int], keep: int | None, side: str) -> list[int]:
+def truncate_ids(ids: _Rows, keep: int | None, side: str) -> _Rows:
     """At most ``keep`` of ``ids`` (None: all): the last ones for side "left", the first
-    for "right"."""
+    for "right". ``ids`` may be any sequence, e.g. a tensor of prompt embeddings' rows."""
     if keep is None or len(ids) <= keep:
         return ids
     return ids[len(ids) - keep :] if side == "left" else ids[:keep]

@@ -87,6 +87,9 @@ class SamplingFields(OpenAIModel):
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=-1)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    """vLLM's: the side ``truncate_prompt_tokens`` cuts, token ids and embeddings' rows
+    alike ("left": the last kept, the default for generation; "right": the first)."""
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     return_token_ids: bool | None = None
@@ -155,6 +158,10 @@ class SamplingFields(OpenAIModel):
                 f"the bias of token {key!s:.32} is {got}; send a finite number from "
                 f"-{LOGIT_BIAS_LIMIT:g} to {LOGIT_BIAS_LIMIT:g} (larger ones are clamped).",
             ) from None
+
+    def tokenization_kwargs(self) -> dict[str, Any] | None:
+        """The engine's ``tokenization_kwargs`` for this request (None: the defaults)."""
+        return None if self.truncation_side is None else {"truncation_side": self.truncation_side}
 
     def check_backend(self, server_backend: str) -> None:
         """vLLM's rule for ``guided_decoding_backend``: a request cannot pick its grammar

@@ -128,7 +128,9 @@ class ChatServer:
         if beam is not None:
             started = await ctx.start_beam_search(prompts, beam, request_id, lora)
         else:
-            started = await ctx.start(prompts, params, request_id, request.priority, lora)
+            started = await ctx.start(
+                prompts, params, request_id, request.priority, lora, request.tokenization_kwargs()
+            )
         # Where the engine applies a grammar from the first token (it has no reasoning
         # parser's markers), the output starts after any thought, and the parser must say
         # so too; where it applies it after the thought, the model thinks first. A

@@ -93,7 +93,9 @@ class CompletionServer:
         if beam is not None:
             started = await ctx.start_beam_search(prompts, beam, request_id, lora)
         else:
-            started = await ctx.start(prompts, params, request_id, request.priority, lora)
+            started = await ctx.start(
+                prompts, params, request_id, request.priority, lora, request.tokenization_kwargs()
+            )
         rows = [_embeds_rows(p, request.truncate_prompt_tokens) for p in prompts]
         events = self._events(request, request_id, started, score_only, rows)
         return await stream_or_collect(events, request.stream)

@@ -261,14 +261,24 @@ class ServingContext:
         request_id: str,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The engine's DELTA outputs for one prompt (the engine observes its metrics),
-        logged (``--enable-log-requests``) and traced (``--otlp-traces-endpoint``).
+        logged (``--enable-log-requests``) and traced (``--otlp-traces-endpoint``);
+        ``tokenization_kwargs`` as the engine's ``generate`` takes them (None: none).
 
         Leaving early (client gone, error elsewhere) aborts the request, even from inside a
         cancelled task, because the abort runs as its own task.
         """
-        return self._outputs(prompt, params, request_id, priority, lora_request, log_and_trace=True)
+        return self._outputs(
+            prompt,
+            params,
+            request_id,
+            priority,
+            lora_request,
+            log_and_trace=True,
+            tokenization_kwargs=tokenization_kwargs,
+        )
 
     def _beam_request(
         self,
@@ -292,6 +302,7 @@ class ServingContext:
         priority: int,
         lora_request: LoRARequest | None,
         log_and_trace: bool,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """What ``generate`` and ``_beam_request`` share: refused once shutdown has expired,
         on a pooling runner (beam searches are refused before) or for an id in use; the
@@ -306,7 +317,9 @@ class ServingContext:
             )
         self._check_unused(request_id)
         output_log = self.log_request(request_id, prompt, params) if log_and_trace else None
-        stream = self.engine.generate(prompt, params, request_id, priority, lora_request)
+        # Passed only when given: an engine whose generate lacks the keyword still serves.
+        extra = {} if tokenization_kwargs is None else {"tokenization_kwargs": tokenization_kwargs}
+        stream = self.engine.generate(prompt, params, request_id, priority, lora_request, **extra)
         if log_and_trace and self.tracer is not None:
             stream = self.tracer.trace(stream, request_id, params)
         async with contextlib.aclosing(self._tracked(stream, request_id)) as outputs:
@@ -363,6 +376,7 @@ class ServingContext:
         request_id: str,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]:
         """Start one request per prompt and wait for each one's first output.
 
@@ -370,7 +384,9 @@ class ServingContext:
         request of the batch stays in the engine.
         """
         streams = [
-            self.generate(prompt, params, f"{request_id}-{i}", priority, lora_request)
+            self.generate(
+                prompt, params, f"{request_id}-{i}", priority, lora_request, tokenization_kwargs
+            )
             for i, prompt in enumerate(prompts)
         ]
         firsts = await asyncio.gather(
