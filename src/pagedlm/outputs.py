@@ -34,6 +34,11 @@ class CompletionOutput:
     """"stop" (EOS, stop token or stop string), "length" (max_tokens or context), "abort"."""
     stop_reason: int | str | None = None
     """The stop string or stop token id that ended the sample; None for EOS or length."""
+    num_cached_tokens: int = field(default=0, compare=False)
+    """The prompt tokens the prefix cache (or a KV connector) served this sample, whose
+    request ran on its own (``RequestOutput.num_cached_tokens``: the most of them). The
+    samples of one prompt are admitted together, so the first computes the prompt's
+    blocks and the others find them. Not compared: it says how, not what, was generated."""
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -159,4 +159,5 @@ class CompletionState:
             logprobs=sample_logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            num_cached_tokens=self.num_cached_tokens,
         )

@@ -86,4 +86,5 @@ def _concat(old: CompletionOutput, new: CompletionOutput) -> CompletionOutput:
         logprobs=logprobs,
         finish_reason=new.finish_reason,
         stop_reason=new.stop_reason,
+        num_cached_tokens=max(old.num_cached_tokens, new.num_cached_tokens),
     )

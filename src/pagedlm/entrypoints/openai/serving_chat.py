@@ -28,6 +28,7 @@ from pagedlm.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pagedlm.entrypoints.openai.serving_engine import (
     ServingContext,
     merge_streams,
+    reported_cached_tokens,
     stream_or_collect,
 )
 from pagedlm.entrypoints.openai.structured_request import ToolPlan, plan_tools
@@ -199,7 +200,7 @@ class ChatServer:
         prompt_logprobs = None
         cached = 0
         async for _, output in merge_streams(started):
-            cached = max(cached, output.num_cached_tokens)
+            cached = max(cached, reported_cached_tokens(output, request.stream))
             if output.prompt_logprobs is not None and prompt_logprobs is None:
                 prompt_logprobs = prompt_logprobs_json(output.prompt_logprobs)
             for sample in output.outputs:

@@ -22,6 +22,7 @@ from pagedlm.entrypoints.openai.protocol import CompletionRequest
 from pagedlm.entrypoints.openai.serving_engine import (
     ServingContext,
     merge_streams,
+    reported_cached_tokens,
     stream_or_collect,
 )
 from pagedlm.outputs import CompletionOutput, RequestOutput
@@ -171,7 +172,8 @@ class CompletionServer:
         announced: set[int] = set()
         cached = [0] * len(started)
         async for prompt_index, output in merge_streams(started):
-            cached[prompt_index] = max(cached[prompt_index], output.num_cached_tokens)
+            reported = reported_cached_tokens(output, request.stream)
+            cached[prompt_index] = max(cached[prompt_index], reported)
             # DELTA outputs carry the prompt's logprobs once; later samples still echo them.
             if output.prompt_logprobs is not None:
                 prompt_logprobs.setdefault(prompt_index, output.prompt_logprobs)

@@ -428,6 +428,18 @@ class ServingContext:
         return [(final, _nothing()) for final in finals]
 
 
+def reported_cached_tokens(output: RequestOutput, stream: bool) -> int:
+    """What of ``output`` a response's ``cached_tokens`` counts, as vLLM's: a streamed one
+    the first sample's count (vLLM's stream keeps its first output's, the first child's:
+    for a new prompt 0, the later samples finding the blocks it computed), a whole one the
+    request's (vLLM's final output carries the last child to finish; here the most any
+    sample was served, the same when they finish together). A response reports the most
+    its outputs give."""
+    if not stream:
+        return output.num_cached_tokens
+    return max((s.num_cached_tokens for s in output.outputs if s.index == 0), default=0)
+
+
 async def _nothing() -> AsyncIterator[RequestOutput]:
     return
     yield  # an async generator that yields nothing
