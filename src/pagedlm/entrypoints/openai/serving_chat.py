@@ -48,8 +48,12 @@ class _ChatChoice:
 
 
 class ChatServer:
-    def __init__(self, ctx: ServingContext) -> None:
+    def __init__(self, ctx: ServingContext, report_cached_tokens: bool = False) -> None:
+        """``report_cached_tokens``: the final usage has ``prompt_tokens_details`` whatever
+        ``--enable-prompt-tokens-details`` says (the Responses API, whose usage always
+        counts the cached input tokens, as vLLM's)."""
         self.ctx = ctx
+        self.report_cached_tokens = report_cached_tokens
 
     def _decode(self, token_id: int) -> str:
         return self.ctx.tokenizer.decode([token_id]) if self.ctx.tokenizer is not None else ""
@@ -186,7 +190,7 @@ class ChatServer:
             body["choices"][0].update(extra)
             choice = choices[index]
             if request.continuous_usage:
-                body["usage"] = self.ctx.usage(prompt_tokens, choice.num_tokens, cached)
+                body["usage"] = self.ctx.usage(prompt_tokens, choice.num_tokens)
             if request.return_token_ids:
                 if not announced:  # vLLM's place: the stream's first chunk, top level
                     body["prompt_token_ids"] = prompt_ids
@@ -241,6 +245,8 @@ class ChatServer:
                         )
         completion_tokens = sum(c.num_tokens for c in choices.values())
         usage = self.ctx.usage(prompt_tokens, completion_tokens, cached)
+        if self.report_cached_tokens:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
         if new_reasoning_parser is not None:  # OpenAI's and vLLM's field
             reasoning_tokens = sum(c.parser.num_reasoning_tokens for c in choices.values())
             usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}

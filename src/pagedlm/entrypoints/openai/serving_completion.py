@@ -208,9 +208,7 @@ class CompletionServer:
                 if first_chunk and choice.prompt_logprobs is not None:
                     body["choices"][0]["prompt_logprobs"] = choice.prompt_logprobs
                 if request.continuous_usage:
-                    body["usage"] = self.ctx.usage(
-                        prompt_tokens[prompt_index], choice.num_tokens, cached[prompt_index]
-                    )
+                    body["usage"] = self.ctx.usage(prompt_tokens[prompt_index], choice.num_tokens)
                 if request.return_token_ids:
                     extra = body["choices"][0]
                     if first_chunk:

@@ -167,16 +167,19 @@ class ServingContext:
         return self.return_tokens_as_token_ids if requested is None else requested
 
     def usage(
-        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int
+        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
     ) -> dict[str, Any]:
-        """A response's ``usage`` (with ``--enable-prompt-tokens-details`` the prompt's
-        tokens the prefix cache served)."""
+        """A response's ``usage``; with ``--enable-prompt-tokens-details`` and a
+        ``cached_tokens`` (the prompt's tokens the prefix cache served, 0 included, as
+        vLLM's since it stopped omitting a zero count), its ``prompt_tokens_details``. A
+        stream's running usage (``continuous_usage_stats``) passes none, as vLLM's
+        chunks carry none."""
         usage: dict[str, Any] = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
         }
-        if self.enable_prompt_tokens_details:
+        if self.enable_prompt_tokens_details and cached_tokens is not None:
             usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
         return usage
 

@@ -58,7 +58,8 @@ async def _chat_chunks(events: AsyncIterator[str]) -> AsyncIterator[dict[str, An
 
 def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any]:
     usage = chat_usage or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    # chat reports the prefix cache's share with --enable-prompt-tokens-details only
+    # the prefix cache's share, which vLLM's responses report with or without
+    # --enable-prompt-tokens-details (ChatServer's report_cached_tokens)
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     # and the reasoning's tokens with a --reasoning-parser
     reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
@@ -88,7 +89,7 @@ def _failure(error: Exception) -> dict[str, str]:
 class ResponsesServer:
     def __init__(self, ctx: ServingContext, store: ResponseStore | None = None) -> None:
         self.ctx = ctx
-        self.chat = ChatServer(ctx)
+        self.chat = ChatServer(ctx, report_cached_tokens=True)
         self.store = store if store is not None else ResponseStore()
 
     def _stored(self, owner: str, response_id: str, param: str | None = None) -> StoredResponse:
