@@ -89,3 +89,19 @@ def test_a_response_reports_its_cached_input_tokens_without_the_flag(chat_checkp
         chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
         chat_usage = client.post("/v1/chat/completions", json=chat).json()["usage"]
         assert ("prompt_tokens_details" in chat_usage) is flag  # chat keeps to the flag
+
+
+def test_several_prompts_report_one_prompts_count(chat_checkpoint):
+    """A /v1/completions request of several prompts reports one prompt's count, as vLLM's:
+    a whole response the last prompt's (its last final output), a stream the first output's
+    (the first prompt's here, each prompt's first output coming in prompt order). It
+    summed them."""
+    prompts = [[16, 5, 6], [48, 5, 6], [32, 5, 6]]  # served 16, 48 and 32 tokens
+    body = {"model": "tiny", "prompt": prompts, "max_tokens": 3}
+    with _client(chat_checkpoint, enable_prompt_tokens_details=True) as client:
+        whole = client.post("/v1/completions", json=body).json()["usage"]
+        assert whole["prompt_tokens_details"] == {"cached_tokens": 32}
+        stream = {"stream": True, "stream_options": {"include_usage": True}}
+        streamed = _chunks(client, "/v1/completions", {**body, **stream})[-1]["usage"]
+        assert streamed["prompt_tokens_details"] == {"cached_tokens": 16}
+        assert whole["prompt_tokens"] == streamed["prompt_tokens"] == 9

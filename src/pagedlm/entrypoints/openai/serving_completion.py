@@ -171,7 +171,12 @@ class CompletionServer:
         prompt_logprobs: dict[int, list] = {}
         announced: set[int] = set()
         cached = [0] * len(started)
+        # vLLM's usage counts one prompt's cached tokens: a stream the prompt of its first
+        # output (here the first prompt: merge_streams yields the first outputs in order),
+        # a whole response the last prompt's.
+        counted = None if request.stream else len(started) - 1
         async for prompt_index, output in merge_streams(started):
+            counted = prompt_index if counted is None else counted
             reported = reported_cached_tokens(output, request.stream)
             cached[prompt_index] = max(cached[prompt_index], reported)
             # DELTA outputs carry the prompt's logprobs once; later samples still echo them.
@@ -217,7 +222,7 @@ class CompletionServer:
                     choice.num_token_ids_sent = len(choice.token_ids)
                 yield f"data: {json.dumps(body)}\n\n"
         usage = self.ctx.usage(
-            sum(prompt_tokens), sum(c.num_tokens for c in choices.values()), sum(cached)
+            sum(prompt_tokens), sum(c.num_tokens for c in choices.values()), cached[counted or 0]
         )
         prompt_ids = [first.prompt_token_ids for first, _ in started]
         if request.stream:
