@@ -75,6 +75,32 @@ def test_truncation_side_picks_the_end_a_generation_prompt_keeps(llm, bos_checkp
     assert prompt_ids(llm, tokenization_kwargs=right) == full[:2]
 
 
+def test_truncation_cuts_a_token_id_prompt(llm):
+    """vLLM's renderer turns ``truncation`` into ``truncate_prompt_tokens`` (``max_length``,
+    else the context) for every prompt, so it cuts a prompt given as token ids too, on
+    the ``truncation_side`` (a generating model's default: the left, the end kept). Only
+    text prompts were cut."""
+    ids = list(range(5, 15))
+
+    def cut(**kwargs) -> list[int]:
+        (output,) = llm.generate(
+            [{"prompt_token_ids": ids}], PARAMS, use_tqdm=False, tokenization_kwargs=kwargs
+        )
+        return output.prompt_token_ids
+
+    assert cut(truncation=True, max_length=4) == ids[-4:]
+    assert cut(truncation="longest_first", max_length=4, truncation_side="right") == ids[:4]
+    assert cut(truncation=False, max_length=4) == cut(max_length=4) == ids
+    tighter = SamplingParams(temperature=0, max_tokens=2, truncate_prompt_tokens=3)
+    (output,) = llm.generate(
+        [{"prompt_token_ids": ids}],
+        tighter,
+        use_tqdm=False,
+        tokenization_kwargs={"truncation": True, "max_length": 6},
+    )
+    assert output.prompt_token_ids == ids[-3:]  # the tighter bound holds
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -177,6 +177,23 @@ def test_a_prompt_longer_than_the_context_is_truncated_first(models):
         llm.generate([{"prompt_embeds": rows}], whole, use_tqdm=False)
 
 
+def test_tokenization_kwargs_truncation_cuts_the_rows(models):
+    """vLLM's renderer cuts an embeddings prompt's rows with ``tokenization_kwargs``'
+    ``truncation`` and ``max_length`` as it cuts token ids (they became its
+    ``truncate_prompt_tokens``); they were ignored for embeddings."""
+    path, hf_model = models("llama")
+    ids = random_prompts([20], seed=5)[0]
+    llm = LLM(str(path), **ENGINE)
+    (want,) = llm.generate([{"prompt_token_ids": ids[-6:]}], GREEDY, use_tqdm=False)
+    (got,) = llm.generate(
+        [{"prompt_embeds": embeds(hf_model, ids)}],
+        GREEDY,
+        use_tqdm=False,
+        tokenization_kwargs={"truncation": True, "max_length": 6},
+    )
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
 def test_bad_embeds_and_unsupported_features_are_refused(models):
     path, hf_model = models("llama")
     rows = embeds(hf_model, [1, 2, 3])

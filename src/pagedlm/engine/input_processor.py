@@ -19,6 +19,8 @@ from pagedlm.engine.tokenization_kwargs import (
     check_tokenization_kwargs,
     encode_text,
     pads,
+    pretokenized_limit,
+    tighter,
     truncate_ids,
 )
 from pagedlm.inputs import PromptType
@@ -217,6 +219,47 @@ class InputProcessor:
                 "send priority 0."
             )
 
+    def prompt_token_ids(
+        self,
+        prompt: PromptType,
+        truncate_prompt_tokens: int | None = None,
+        tokenization_kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[str | None, list[int], list[MultiModalFeature]]:
+        """A text or token prompt's ``(text, token ids, image features)`` as a request
+        carries them: tokenized under ``tokenization_kwargs``, then cut as the request
+        asks (``_truncation``)."""
+        kwargs = check_tokenization_kwargs(tokenization_kwargs)
+        keep, side = self._truncation(prompt, truncate_prompt_tokens, kwargs)
+        text, token_ids, mm_features = self.tokenize_multimodal(prompt, kwargs)
+        if keep is not None and len(token_ids) > keep:
+            if mm_features:
+                raise ValueError(
+                    "truncate_prompt_tokens would cut through the prompt's images; drop it, "
+                    "or shorten the text around them."
+                )
+            token_ids = truncate_ids(token_ids, keep, side)
+        return text, token_ids, mm_features
+
+    def _truncation(
+        self,
+        prompt: PromptType,
+        truncate_prompt_tokens: int | None,
+        kwargs: Mapping[str, Any] | None,
+    ) -> tuple[int | None, str]:
+        """How many of the prompt's ids (or embedding rows) a request keeps (None: all),
+        and the side it cuts (``kwargs``' ``truncation_side``, else the left: a generating
+        model keeps the prompt's end): ``truncate_prompt_tokens``, and for a prompt given
+        as ids or rows the kwargs' ``truncation`` too (the tokenizer cuts a text), the
+        tighter bound holding, as vLLM's renderer cuts them."""
+        keep = self.truncation_size(truncate_prompt_tokens)
+        given = isinstance(prompt, Mapping) and (
+            prompt.get("prompt_token_ids") is not None or embeds_of(prompt) is not None
+        )
+        if given:
+            limit = pretokenized_limit(kwargs, self.model_config.max_model_len)
+            keep = tighter(keep, limit)
+        return keep, (kwargs or {}).get("truncation_side") or "left"
+
     def truncation_size(self, truncate_prompt_tokens: int | None) -> int | None:
         """How many prompt tokens a request's ``truncate_prompt_tokens`` keeps (None: all)."""
         max_model_len = self.model_config.max_model_len
@@ -385,23 +428,19 @@ class InputProcessor:
                 "tokenization_kwargs padding='max_length' applies to pooling requests; drop "
                 "it (or send 'do_not_pad') for generation."
             )
-        keep = self.truncation_size(params.truncate_prompt_tokens)
-        side = (tokenization_kwargs or {}).get("truncation_side") or "left"
         embeds = None
         if embeds_of(prompt) is not None:
             assert isinstance(prompt, Mapping)
+            keep, side = self._truncation(
+                prompt, params.truncate_prompt_tokens, tokenization_kwargs
+            )
             embeds = checked_prompt_embeds(prompt, params, self.model_config, keep, side)
             # Placeholder ids keep the scheduler's lengths; the rows are what is fed.
             text, token_ids, mm_features = None, [0] * embeds.shape[0], []
         else:
-            text, token_ids, mm_features = self.tokenize_multimodal(prompt, tokenization_kwargs)
-        if keep is not None and len(token_ids) > keep:
-            if mm_features:
-                raise ValueError(
-                    "truncate_prompt_tokens would cut through the prompt's images; drop it, "
-                    "or shorten the text around them."
-                )
-            token_ids = truncate_ids(token_ids, keep, side)
+            text, token_ids, mm_features = self.prompt_token_ids(
+                prompt, params.truncate_prompt_tokens, tokenization_kwargs
+            )
         resolved = self.resolve_params(params, len(token_ids))
         reasoning_ended = self._reasoning_ended(resolved, [] if embeds is not None else token_ids)
         cache_salt = cache_salt_of(prompt)

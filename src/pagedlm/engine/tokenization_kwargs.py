@@ -8,7 +8,9 @@ to that call as they are (``tokenizer(text, **kwargs)["input_ids"]``, as in vLLM
 - ``truncation`` with ``max_length``: at most ``max_length`` tokens, cut on the tokenizer's
   ``truncation_side``, which the engine sets as vLLM does: the left (the prompt's end kept)
   for a generating model, the right for a pooling one; the special tokens stay. Without
-  ``max_length`` the tokenizer's ``model_max_length`` bounds it.
+  ``max_length`` the tokenizer's ``model_max_length`` bounds it. A generation prompt given
+  as token ids or embeddings is cut too (``pretokenized_limit``: ``max_length``, else
+  ``max_model_len``), as vLLM's renderer cuts every prompt.
 
 And two of vLLM's renderer keys, which pagedlm applies itself:
 
@@ -105,6 +107,21 @@ def truncation_limit(tokenizer: Any, kwargs: Mapping[str, Any]) -> int | None:
     if kwargs.get("truncation") in (None, False, "do_not_truncate"):
         return None
     return kwargs.get("max_length") or getattr(tokenizer, "model_max_length", None)
+
+
+def pretokenized_limit(kwargs: Mapping[str, Any] | None, max_model_len: int) -> int | None:
+    """How many of a prompt's ids given as such (token ids, embeddings' rows) checked
+    ``kwargs``' ``truncation`` keeps: ``max_length``, else ``max_model_len`` (None: no
+    truncation). vLLM's renderer turns ``truncation`` into the prompt's
+    ``truncate_prompt_tokens``, which cuts every kind of prompt, not only text."""
+    if not kwargs or kwargs.get("truncation") in (None, False, "do_not_truncate"):
+        return None
+    return kwargs.get("max_length") or max_model_len
+
+
+def tighter(keep: int | None, limit: int | None) -> int | None:
+    """The smaller of two bounds on the prompt's ids, either of which may be None (none)."""
+    return limit if keep is None else keep if limit is None else min(keep, limit)
 
 
 def truncate_ids(ids: _Rows, keep: int | None, side: str) -> _Rows:
