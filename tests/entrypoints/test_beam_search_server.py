@@ -113,3 +113,51 @@ def test_two_searches_with_one_client_request_id_both_answer(answers):
     for response in twins:
         assert response.json()["id"] == "cmpl-twin"
         assert [c["text"] for c in response.json()["choices"]] == texts
+
+
+def test_truncate_prompt_tokens_and_truncation_side_cut_the_searched_prompt(chat_checkpoint):
+    """vLLM's renderer cuts every prompt before it is searched, so ``truncate_prompt_tokens``
+    (and ``truncation_side``) apply to ``use_beam_search`` as to sampling: the beams
+    grow from the cut prompt. The search got the whole prompt."""
+    engine, app = in_process_app(chat_checkpoint, num_kv_blocks=64, max_model_len=64)
+    ids = list(range(5, 25))
+    beam = {"model": "tiny", "use_beam_search": True, "n": 2, "max_tokens": 3}
+    completion = {**beam, "return_token_ids": True}
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            got = {}
+            for name, prompt, extra in (
+                ("left", ids, {"truncate_prompt_tokens": 6}),
+                ("right", ids, {"truncate_prompt_tokens": 6, "truncation_side": "right"}),
+                ("last", ids[-6:], {}),
+                ("first", ids[:6], {}),
+                ("too_long", ids, {"truncate_prompt_tokens": 65}),
+            ):
+                body = {**completion, "prompt": prompt, **extra}
+                got[name] = await http.post("/v1/completions", json=body)
+            messages = [{"role": "user", "content": "a few words more than four"}]
+            got["chat"] = await http.post(
+                "/v1/chat/completions",
+                json={**beam, "messages": messages, "truncate_prompt_tokens": 4},
+            )
+            return got
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    answers = {name: response.json() for name, response in got.items()}
+    for cut, whole, want in (("left", "last", ids[-6:]), ("right", "first", ids[:6])):
+        assert got[cut].status_code == 200, got[cut].text
+        choices = answers[cut]["choices"]
+        assert [c["prompt_token_ids"] for c in choices] == [want, want]
+        assert [c["token_ids"] for c in choices] == [
+            c["token_ids"] for c in answers[whole]["choices"]
+        ]
+        assert answers[cut]["usage"]["prompt_tokens"] == 6
+    assert got["too_long"].status_code == 400
+    assert "truncate_prompt_tokens" in answers["too_long"]["error"]["message"]
+    assert got["chat"].status_code == 200, got["chat"].text
+    assert answers["chat"]["usage"]["prompt_tokens"] == 4

@@ -264,6 +264,8 @@ class AsyncLLM:
         lora_request: LoRARequest | None = None,
         *,
         generate: Callable[..., AsyncIterator[RequestOutput]] | None = None,
+        truncate_prompt_tokens: int | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """vLLM's beam search for one prompt (``pagedlm.beam_search``): one final output
         whose ``outputs`` are the ``beam_width`` best beams, best first (each one's
@@ -272,7 +274,9 @@ class AsyncLLM:
 
         ``generate``: what runs each beam's request, with ``generate``'s arguments
         (default: this engine's ``generate``); a server passes its own, which tracks the
-        requests it must abort at shutdown."""
+        requests it must abort at shutdown. ``truncate_prompt_tokens`` and
+        ``tokenization_kwargs`` (its ``truncation_side``) cut the prompt before the search,
+        as a sampled request's (vLLM's server cuts every prompt before it is searched)."""
         from pagedlm.beam_search import engine_step, request_output, search_async
 
         self._check_alive()
@@ -285,7 +289,9 @@ class AsyncLLM:
                 "use_beam_search takes text or token prompts, not images or prompt_embeds; "
                 "sample with n instead, or send the prompt without them."
             )
-        text, prompt_ids = self.input_processor.tokenize(prompt)
+        text, prompt_ids, _ = self.input_processor.prompt_token_ids(
+            prompt, truncate_prompt_tokens, tokenization_kwargs
+        )
         cache_salt = cache_salt_of(prompt)
         result = await search_async(
             prompt_ids,

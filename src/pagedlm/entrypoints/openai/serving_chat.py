@@ -131,7 +131,14 @@ class ChatServer:
                 param="tool_choice",
             )
         if beam is not None:
-            started = await ctx.start_beam_search(prompts, beam, request_id, lora)
+            started = await ctx.start_beam_search(
+                prompts,
+                beam,
+                request_id,
+                lora,
+                request.truncate_prompt_tokens,
+                request.tokenization_kwargs(),
+            )
         else:
             started = await ctx.start(
                 prompts, params, request_id, request.priority, lora, request.tokenization_kwargs()

@@ -92,7 +92,14 @@ class CompletionServer:
         if beam is not None and score_only:
             raise APIError("use_beam_search needs max_tokens >= 1.", param="max_tokens")
         if beam is not None:
-            started = await ctx.start_beam_search(prompts, beam, request_id, lora)
+            started = await ctx.start_beam_search(
+                prompts,
+                beam,
+                request_id,
+                lora,
+                request.truncate_prompt_tokens,
+                request.tokenization_kwargs(),
+            )
         else:
             started = await ctx.start(
                 prompts, params, request_id, request.priority, lora, request.tokenization_kwargs()

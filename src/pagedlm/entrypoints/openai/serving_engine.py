@@ -410,16 +410,30 @@ class ServingContext:
         params: BeamSearchParams,
         request_id: str,
         lora_request: LoRARequest | None = None,
+        truncate_prompt_tokens: int | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]:
         """``start`` for vLLM's ``use_beam_search``: each prompt's search runs to the end
-        (``AsyncLLM.beam_search``), and its one output holds the beams as its samples."""
+        (``AsyncLLM.beam_search``), and its one output holds the beams as its samples.
+        ``truncate_prompt_tokens`` and ``tokenization_kwargs`` cut each prompt first, as
+        ``start``'s requests are cut."""
         if self.runner == "pooling":
             raise APIError("This model is served with --runner pooling, which does not generate.")
-
+        # Passed only when given: an engine whose beam_search lacks them still serves.
+        cut: dict[str, Any] = {}
+        if truncate_prompt_tokens is not None:
+            cut["truncate_prompt_tokens"] = truncate_prompt_tokens
+        if tokenization_kwargs is not None:
+            cut["tokenization_kwargs"] = tokenization_kwargs
         searches = (
             final_output(
                 self.engine.beam_search(
-                    prompt, f"{request_id}-{i}", params, lora_request, generate=self._beam_request
+                    prompt,
+                    f"{request_id}-{i}",
+                    params,
+                    lora_request,
+                    generate=self._beam_request,
+                    **cut,
                 )
             )
             for i, prompt in enumerate(prompts)
