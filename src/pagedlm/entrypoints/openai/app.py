@@ -71,7 +71,7 @@ from pagedlm.entrypoints.openai.protocol_pooling import (
     ScoreRequest,
 )
 from pagedlm.entrypoints.openai.protocol_responses import ResponsesRequest
-from pagedlm.entrypoints.openai.request_body import loads_strict, parse_body, warning_header
+from pagedlm.entrypoints.openai.request_body import parse_body, read_json, warning_header
 from pagedlm.entrypoints.openai.responses_store import owner_of
 from pagedlm.entrypoints.openai.serving_chat import ChatServer
 from pagedlm.entrypoints.openai.serving_completion import CompletionServer
@@ -363,7 +363,7 @@ def _add_invocations_route(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/invocations")
     @_guarded(anthropic=False)
     async def invocations(request: Request) -> Response:
-        path = _invocation_path(loads_strict(await request.body()), ctx)
+        path = _invocation_path(await read_json(request), ctx)
         model, handler = app.state.body_routes[path]
         return await handler(request, await parse_body(request, model, ctx.limits))
 
@@ -432,7 +432,7 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @_body_route(app, ctx, "/detokenize", DetokenizeRequest, anthropic=False)
     async def detokenize(request: Request, body: DetokenizeRequest) -> Response:
-        return JSONResponse(serving_tokenize.detokenize(ctx, body))
+        return JSONResponse(await serving_tokenize.detokenize(ctx, body))
 
 
 async def _log_stats(ctx: ServingContext, interval_s: float, aggregate: bool) -> None:

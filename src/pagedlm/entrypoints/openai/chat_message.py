@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, field_validator
+from pydantic import BeforeValidator, ConfigDict, field_validator
 from pydantic_core import PydanticCustomError
 
 from pagedlm.chat_content import (
@@ -29,10 +29,11 @@ from pagedlm.chat_content import (
     tool_reference,
 )
 from pagedlm.entrypoints.openai.errors import APIError
+from pagedlm.entrypoints.openai.fail_fast import FailFastModel
 from pagedlm.entrypoints.openai.request_body import RequestModel
 
 
-class ContentPart(BaseModel):
+class ContentPart(FailFastModel):
     """A content part as an object: ``{"type": "text", "text": ...}``, ``{"type":
     "image_url", "image_url": {"url": ...}}``, ... (a part without ``"type"`` gets the one
     its key implies); what a type does not use is kept and ignored."""

@@ -341,16 +341,19 @@ def engine_prompts(
     value: str | list[str] | list[int] | list[list[int]], param: str
 ) -> list[str | dict[str, Any]]:
     """A text / texts / token ids / token-id lists field as engine prompts; a 400 naming
-    ``param`` when it is empty or mixes kinds."""
+    ``param`` when it is empty. The field is validated: pydantic's union validates a list
+    as one member, so its first item tells which kind all its items are (no pass over
+    a million token ids on the event loop)."""
     if isinstance(value, str):
         return [value]
     if not value:
         raise APIError(f"{param} is empty; pass a string or token ids.", param=param)
-    if all(isinstance(p, int) for p in value):
+    first = value[0]
+    if isinstance(first, int):
         return [{"prompt_token_ids": list(value)}]
-    if all(isinstance(p, str) for p in value):
+    if isinstance(first, str):
         return list(value)
-    if all(isinstance(p, list) for p in value):
+    if isinstance(first, list):
         return [{"prompt_token_ids": list(p)} for p in value]
     raise APIError(
         f"{param} must be a string, a list of strings, a list of token ids or a list of "

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from pagedlm.entrypoints.openai.errors import APIError
+from pagedlm.entrypoints.openai.fail_fast import FailFastModel
 from pagedlm.entrypoints.openai.request_body import RequestModel
 
 TOOL_SCHEMA_FIELD = "tools.{index}.input_schema"
@@ -25,7 +26,7 @@ class AnthropicModel(RequestModel):
     """Every request model of this API."""
 
 
-class ContentBlock(BaseModel):
+class ContentBlock(FailFastModel):
     model_config = ConfigDict(extra="allow")
     type: str
     text: Any = None

@@ -155,10 +155,12 @@ class ResponsesRequest(OpenAIModel):
         if not messages:
             raise APIError("input is empty; send a string or at least one item.", param="input")
         try:
-            return self._chat_request(messages)
+            chat = self._chat_request(messages)
         except ValidationError as error:  # an item that maps onto a malformed chat field
             message, param = validation_message(error)
             raise APIError(message, param=param) from None
+        chat._body_bytes = self.body_bytes  # its work grows with this body
+        return chat
 
     def _chat_request(self, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate(

@@ -25,6 +25,7 @@ from pagedlm.entrypoints.openai.errors import APIError
 from pagedlm.entrypoints.openai.logprobs_format import chat_logprobs, prompt_logprobs_json
 from pagedlm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedlm.entrypoints.openai.reasoning_parsers import ReasoningParser
+from pagedlm.entrypoints.openai.request_body import off_loop_if_large
 from pagedlm.entrypoints.openai.serving_engine import (
     ServingContext,
     merge_streams,
@@ -86,9 +87,10 @@ class ChatServer:
             template_kwargs["tools"] = plan.template_tools
         if request.reasoning_effort is not None:
             template_kwargs.setdefault("reasoning_effort", request.reasoning_effort)
+        size = request.body_bytes
         prompt: dict = await multimodal_prompt(
             ctx,
-            openai_conversation(request.messages),
+            await off_loop_if_large(size, openai_conversation, request.messages),
             request_template=request.chat_template,
             mm_processor_kwargs=request.mm_processor_kwargs,
             add_generation_prompt=request.add_generation_prompt,
@@ -96,7 +98,7 @@ class ChatServer:
             **template_kwargs,
         ) or {
             "prompt_token_ids": await ctx.apply_chat_template(
-                request.conversation(),
+                await off_loop_if_large(size, request.conversation),
                 request.chat_template,
                 request.add_generation_prompt,
                 request.continue_final_message,

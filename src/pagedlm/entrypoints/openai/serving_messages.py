@@ -30,6 +30,7 @@ from pagedlm.entrypoints.openai.protocol_anthropic import (
     MessagesRequest,
 )
 from pagedlm.entrypoints.openai.reasoning_parsers import ReasoningParser
+from pagedlm.entrypoints.openai.request_body import off_loop_if_large
 from pagedlm.entrypoints.openai.serving_engine import (
     ServingContext,
     merge_streams,
@@ -100,7 +101,7 @@ class MessagesServer:
         continues = request.continues_assistant
         template_kwargs = {} if plan.template_tools is None else {"tools": plan.template_tools}
         return await self.ctx.apply_chat_template(
-            request.conversation(),
+            await off_loop_if_large(request.body_bytes, request.conversation),
             None,
             add_generation_prompt=not continues,
             continue_final_message=continues,
@@ -110,7 +111,8 @@ class MessagesServer:
     async def count_tokens(self, request: CountTokensRequest) -> dict:
         self.ctx.check_model(request.model)
         continues = request.continues_assistant
-        conversation, places = anthropic_conversation(request) or (None, None)
+        images = await off_loop_if_large(request.body_bytes, anthropic_conversation, request)
+        conversation, places = images or (None, None)
         prompt = await multimodal_prompt(
             self.ctx,
             conversation,
@@ -133,7 +135,8 @@ class MessagesServer:
         self.ctx.check_model(request.model)
         plan = self._plan(request)
         continues = request.continues_assistant
-        conversation, places = anthropic_conversation(request) or (None, None)
+        images = await off_loop_if_large(request.body_bytes, anthropic_conversation, request)
+        conversation, places = images or (None, None)
         prompt: dict = await multimodal_prompt(
             self.ctx,
             conversation,

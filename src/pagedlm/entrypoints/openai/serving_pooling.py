@@ -30,6 +30,7 @@ from pagedlm.entrypoints.openai.protocol_pooling import (
     RerankRequest,
     ScoreRequest,
 )
+from pagedlm.entrypoints.openai.request_body import off_loop_if_large
 from pagedlm.entrypoints.openai.serving_engine import ServingContext
 from pagedlm.pooling import PoolingParams, PoolingRequestOutput, scoring, tasks
 
@@ -41,7 +42,7 @@ async def body_prompts(ctx: ServingContext, body: InputOrMessages) -> list[Any]:
     if chat is None:
         return body.prompts()
     ids = await ctx.apply_chat_template(
-        chat.conversation(),
+        await off_loop_if_large(body.body_bytes, chat.conversation),
         chat.chat_template,
         chat.add_generation_prompt,
         chat.continue_final_message,

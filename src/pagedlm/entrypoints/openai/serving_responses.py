@@ -38,6 +38,7 @@ from pagedlm.entrypoints.openai.protocol_responses import (
     ResponsesRequest,
     responses_error,
 )
+from pagedlm.entrypoints.openai.request_body import off_loop_if_large
 from pagedlm.entrypoints.openai.responses_input import input_items
 from pagedlm.entrypoints.openai.responses_output import OutputBuilder, new_item_id
 from pagedlm.entrypoints.openai.responses_store import ResponseStore, StoredResponse
@@ -173,14 +174,16 @@ class ResponsesServer:
             previous = self._stored(owner, request.previous_response_id, "previous_response_id")
             conversation = list(previous.conversation)
             earlier_items = previous.items_read()
-        layout = request.chat_layout(num_previous=len(conversation))
-        conversation += request.input_messages()
+        size = request.body_bytes
+        layout = await off_loop_if_large(size, request.chat_layout, len(conversation))
+        conversation += await off_loop_if_large(size, request.input_messages)
         try:
-            _, chunks = await self.chat.create(request.chat_request(conversation))
+            chat = await off_loop_if_large(size, request.chat_request, conversation)
+            _, chunks = await self.chat.create(chat)
         except APIError as error:
             raise responses_error(error, layout) from error
         assert chunks is not None  # the chat request streams
-        items = [*earlier_items, *input_items(request.input)]
+        items = [*earlier_items, *await off_loop_if_large(size, input_items, request.input)]
         events = self._events(request, owner, conversation, items, _chat_chunks(chunks))
         return await stream_or_collect(events, request.stream)
 

@@ -25,6 +25,7 @@ from pagedlm.entrypoints.openai.protocol import (
     TokenizeRequest,
     checked_template_kwargs,
 )
+from pagedlm.entrypoints.openai.request_body import off_loop_if_large
 from pagedlm.entrypoints.openai.serving_engine import ServingContext
 
 
@@ -49,7 +50,8 @@ async def tokenize(ctx: ServingContext, body: TokenizeRequest) -> dict[str, Any]
         "max_model_len": ctx.max_model_len,
     }
     if body.return_token_strs:
-        answer["token_strs"] = ctx.require_tokenizer().convert_ids_to_tokens(tokens)
+        to_strs = ctx.require_tokenizer().convert_ids_to_tokens
+        answer["token_strs"] = await off_loop_if_large(body.body_bytes, to_strs, tokens)
     return answer
 
 
@@ -60,9 +62,10 @@ async def _chat_tokens(ctx: ServingContext, body: TokenizeRequest) -> list[int]:
     )
     if body.tools is not None:
         kwargs["tools"] = body.tools
+    size = body.body_bytes
     prompt = await multimodal_prompt(
         ctx,
-        openai_conversation(body.messages),
+        await off_loop_if_large(size, openai_conversation, body.messages),
         request_template=body.chat_template,
         mm_processor_kwargs=body.mm_processor_kwargs,
         add_generation_prompt=body.add_generation_prompt,
@@ -71,7 +74,7 @@ async def _chat_tokens(ctx: ServingContext, body: TokenizeRequest) -> list[int]:
     )
     if prompt is not None:
         return await multimodal_token_ids(ctx, prompt)
-    conversation = [m.template_message(f"messages.{i}") for i, m in enumerate(body.messages)]
+    conversation = await off_loop_if_large(size, _template_messages, body.messages)
     return await ctx.apply_chat_template(
         conversation,
         body.chat_template,
@@ -82,9 +85,18 @@ async def _chat_tokens(ctx: ServingContext, body: TokenizeRequest) -> list[int]:
     )
 
 
-def detokenize(ctx: ServingContext, body: DetokenizeRequest) -> dict[str, str]:
+def _template_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    return [m.template_message(f"messages.{i}") for i, m in enumerate(messages)]
+
+
+async def detokenize(ctx: ServingContext, body: DetokenizeRequest) -> dict[str, str]:
     ctx.check_model(body.model)
     tokenizer = ctx.require_tokenizer()
-    if any(not 0 <= t < len(tokenizer) for t in body.tokens):
-        raise APIError(f"tokens must be ids in [0, {len(tokenizer)}).", param="tokens")
-    return {"prompt": tokenizer.decode(body.tokens)}
+    return await off_loop_if_large(body.body_bytes, _detokenized, tokenizer, body.tokens)
+
+
+def _detokenized(tokenizer: Any, tokens: list[int]) -> dict[str, str]:
+    vocab_size = len(tokenizer)  # a transformers tokenizer counts its vocabulary each time
+    if tokens and (min(tokens) < 0 or max(tokens) >= vocab_size):
+        raise APIError(f"tokens must be ids in [0, {vocab_size}).", param="tokens")
+    return {"prompt": tokenizer.decode(tokens)}
