@@ -82,10 +82,120 @@ def _patch_interpreter_bf16_dot() -> None:
     builder.create_dot = patched
 
 
+def _patch_interpreter_nested_calls() -> None:
+    """Triton 3.6's interpreter patches ``triton.language`` again (``inspect.getmembers``
+    over its modules, ~1 ms) at every call of a ``@triton.jit`` helper inside a kernel, a
+    third of the kernel tests' time. Within a launch whose patch already covers the
+    helper's language modules, the repeat changes nothing (the builtins are wrapped once,
+    the rest is set to the same closures): skip it. A launch's own patch, and a helper's
+    whose modules the launch has not patched, run as before."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang
+    if getattr(original, "_pagedlm_patched", False):
+        return
+    live: set[int] = set()  # ids of the language modules patched by the running launch
+    launch = {"active": False}
+    languages_of: dict[object, frozenset[int]] = {}
+
+    class _NoChanges:
+        def restore(self) -> None:
+            pass
+
+    def patched(fn):
+        languages = languages_of.get(fn)
+        if languages is None:
+            languages = frozenset(
+                id(value) for value in fn.__globals__.values() if value is tl or value is tl.core
+            )
+            languages_of[fn] = languages
+        if launch["active"] and languages and languages <= live:
+            return _NoChanges()
+        scope = original(fn)
+        live.update(languages)
+        if not launch["active"]:  # the launch's own patch: ends with its restore
+            launch["active"] = True
+            restore = scope.restore
+
+            def restore_and_end() -> None:
+                try:
+                    restore()
+                finally:
+                    live.clear()
+                    launch["active"] = False
+
+            scope.restore = restore_and_end
+        return scope
+
+    patched._pagedlm_patched = True
+    interpreter._patch_lang = patched
+
+
+def _patch_interpreter_generic_reduce() -> None:
+    """Triton 3.6's interpreter reduces with a custom combine function one element at a
+    time (a Python call per element: the float16-lane GEMV's emulated sums spent 90% of its
+    time there). Fold along the axis a whole slice at a time instead: each output element
+    sees the same combines in the same order (first element, then left to right), so the
+    results are the same bits."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    ops = interpreter.ReduceOps
+    original = ops.generic_reduce
+    if getattr(original, "_pagedlm_patched", False):
+        return
+
+    def patched(self, input):
+        original_axis = self.axis
+        input, axis = self.unravel(input, self.axis)
+        datas = [arg.handle.data for arg in input]
+        if datas[0].shape[axis] == 0:
+            return original(self, input)
+        out_shape = datas[0].shape[:axis] + datas[0].shape[axis + 1 :]
+
+        def slice_at(i: int) -> list:
+            return [self.to_tensor(np.take(d, i, axis=axis), a.dtype) for d, a in zip(datas, input)]
+
+        def as_output(value, d: np.ndarray) -> np.ndarray:
+            value = np.asarray(value.handle.data if isinstance(value, tl.tensor) else value)
+            if value.size == int(np.prod(out_shape)):
+                return value.reshape(out_shape).astype(d.dtype)
+            return np.broadcast_to(value, out_shape).astype(d.dtype)
+
+        acc = slice_at(0)
+        for i in range(1, datas[0].shape[axis]):
+            result = self.combine_fn.fn(*acc, *slice_at(i))
+            result = result if isinstance(result, tuple) else (result,)
+            acc = [
+                self.to_tensor(as_output(r, d), a.dtype) for r, d, a in zip(result, datas, input)
+            ]
+        ret = []
+        for value, d, arg in zip(acc, datas, input):
+            data = as_output(value, d)
+            if self.keep_dims:
+                if original_axis is not None:
+                    data = np.expand_dims(data, axis)
+                else:
+                    for _ in range(d.ndim):
+                        data = np.expand_dims(data, 0)
+            elif original_axis is None:
+                data = data.item()
+            ret.append(self.to_tensor(data, arg.dtype))
+        return ret
+
+    patched._pagedlm_patched = True
+    patched.original = original
+    ops.generic_reduce = patched
+
+
 if not ON_GPU:
     _patch_interpreter_index()
     _patch_interpreter_fp8_rounding()
     _patch_interpreter_bf16_dot()
+    _patch_interpreter_nested_calls()
+    _patch_interpreter_generic_reduce()
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
