@@ -114,11 +114,18 @@ class GGUFTokenizer:
 
     # ---- text <-> ids -------------------------------------------------------------------
 
+    def _encode(self, text: str, add_special_tokens: bool) -> Any:
+        """One text's ``tokenizers.Encoding``. Through ``encode_batch``, which lets other
+        Python threads run while it works (``encode`` holds the interpreter throughout:
+        a 1 MB prompt encoded on the server's tokenizer thread stalled its event loop for
+        seconds), and which transformers' fast tokenizers use for one text too."""
+        return self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[str]:
-        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).tokens
+        return self._encode(text, add_special_tokens).tokens
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._encode(text, add_special_tokens).ids
 
     def __call__(
         self,
@@ -131,7 +138,7 @@ class GGUFTokenizer:
         ``truncation`` cuts the text's tokens on ``truncation_side`` to ``max_length`` with
         the special tokens, which stay, as transformers does."""
         backend = self.backend_tokenizer
-        encoding = backend.encode(text, add_special_tokens=False)
+        encoding = self._encode(text, add_special_tokens=False)
         if truncation not in (False, "do_not_truncate") and max_length is not None:
             specials = backend.post_processor.num_special_tokens_to_add(False)
             encoding.truncate(

@@ -341,6 +341,37 @@ def test_gguf_tokenizer_encodes_and_decodes_like_transformers(byte_level_tokeniz
     )
 
 
+def test_encoding_a_long_text_lets_other_threads_run(byte_level_tokenizers):
+    """The server tokenizes on a worker thread; ``tokenizers``' ``encode`` held the
+    interpreter for the whole text, so the event loop stood still (~1 s here)."""
+    import threading
+    import time
+
+    ours = byte_level_tokenizers[0]
+    text = "ab 12 cd " * 60_000
+    worst, done = 0.0, threading.Event()
+
+    def tick() -> None:
+        nonlocal worst
+        last = time.perf_counter()
+        while not done.is_set():
+            time.sleep(0.002)
+            now = time.perf_counter()
+            worst, last = max(worst, now - last), now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    start = time.perf_counter()
+    try:
+        for encode in (ours.encode, lambda t: ours(t).input_ids):
+            assert len(encode(text)) > 100_000
+    finally:
+        done.set()
+        ticker.join()
+    took = time.perf_counter() - start
+    assert worst < max(0.25, took / 6), (worst, took)
+
+
 @pytest.mark.parametrize("template", sorted(CHAT_TEMPLATES))
 @pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
 def test_chat_templates_render_like_transformers(byte_level_tokenizers, template, conversation):
