@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -31,8 +33,9 @@ def test_chat_answers_paris(llm):
     assert out.outputs[0].finish_reason in ("stop", "length")
 
 
-def test_logits_match_transformers_gguf_loader(llm, smollm2_path):
+def test_logits_match_transformers_gguf_loader(llm, smollm2_path, monkeypatch):
     """Our GGUF loading + model vs transformers' own GGUF loading + LlamaForCausalLM."""
+    import gguf
     import transformers
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -45,6 +48,11 @@ def test_logits_match_transformers_gguf_loader(llm, smollm2_path):
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
     ours = full_logits(runner.model, runner.arch, runner.attn_backend, list(token_ids))
 
+    # transformers reads the file's metadata in each call below (the 49k-token vocabulary:
+    # ~5 s) and builds gguf's tensor-name map once per module it walks (~400 times, ~10 s);
+    # both are pure functions of their arguments, so each is built once here.
+    monkeypatch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
     parsed = load_gguf_checkpoint(smollm2_path, return_tensors=False)
     config = transformers.LlamaConfig(**parsed["config"])
     with torch.device("meta"):
