@@ -22,20 +22,34 @@ PROMPT_LENS = [1, 3, 17, 40, 90]
 NEW_TOKENS = 24
 
 
+@pytest.fixture(scope="module", params=["v2_lite", "v3"])
+def reference(request, tmp_path_factory):
+    """A case's checkpoint, prompts, and transformers' greedy tokens and prompt logprobs
+    (built once for both cache forms)."""
+    path = tmp_path_factory.mktemp(request.param)
+    hf_model = save_deepseek(path, *CASES[request.param], cache_head_dim=False)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(hf_model.config.vocab_size) for _ in range(n)] for n in PROMPT_LENS]
+    logprobs = []
+    for prompt in prompts:
+        want = torch.log_softmax(hf_logits(hf_model, prompt)[:-1], dim=-1)
+        logprobs.append(
+            want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:], dtype=torch.long)]
+        )
+    return path, prompts, hf_greedy(hf_model, prompts, NEW_TOKENS), logprobs
+
+
 @pytest.mark.parametrize("form", ["latent", "expanded"])
-@pytest.mark.parametrize("case", ["v2_lite", "v3"])
-def test_greedy_and_prompt_logprobs_match_transformers(
-    tmp_path, monkeypatch, case: str, form: str
-) -> None:
+def test_greedy_and_prompt_logprobs_match_transformers(reference, monkeypatch, form: str) -> None:
     """By default the cache holds one latent vector per token and layer (the CPU backend
     has latent attention); ``PAGEDLM_MLA_DISABLE=1`` keeps every head's expanded keys and
     values. Both give transformers' tokens, and prompt logprobs within 1e-4 (5e-3 on a GPU,
     whose kernels take float32 dots in TF32)."""
+    path, prompts, expected_tokens, expected_logprobs = reference
     if form == "expanded":
         monkeypatch.setenv("PAGEDLM_MLA_DISABLE", "1")
-    hf_model = save_deepseek(tmp_path, *CASES[case], cache_head_dim=False)
     llm = LLM(
-        str(tmp_path),
+        str(path),
         skip_tokenizer_init=True,
         max_model_len=128,
     )
@@ -45,18 +59,13 @@ def test_greedy_and_prompt_logprobs_match_transformers(
         assert runner.kv_geometry == KVGeometry(1, latent_width, shares_values=True)
     else:
         assert runner.kv_geometry == KVGeometry(MLA["num_key_value_heads"], KEY_HEAD_DIM)
-    rng = random.Random(0)
-    vocab_size = llm.llm_engine.config.model.arch.vocab_size
-    prompts = [[rng.randrange(vocab_size) for _ in range(n)] for n in PROMPT_LENS]
     params = SamplingParams(
         temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=1
     )
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf_model, prompts, NEW_TOKENS)
-    for prompt, out in zip(prompts, outs, strict=True):
-        want = torch.log_softmax(hf_logits(hf_model, prompt)[:-1], dim=-1)
-        want = want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:], dtype=torch.long)]
+    assert [o.outputs[0].token_ids for o in outs] == expected_tokens
+    for prompt, out, want in zip(prompts, outs, expected_logprobs, strict=True):
         got = torch.tensor(
             [out.prompt_logprobs[pos][prompt[pos]].logprob for pos in range(1, len(prompt))]
         )

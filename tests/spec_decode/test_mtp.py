@@ -157,13 +157,19 @@ def _generate(path: Path, speculative_config=None):
     return [o.outputs[0].token_ids for o in outputs], stats
 
 
+@pytest.fixture(scope="module")
+def without_speculation(checkpoint) -> list[list[int]]:
+    """The greedy tokens of an engine without a proposer (one run for every case)."""
+    return _generate(checkpoint[0])[0]
+
+
 @pytest.mark.parametrize(("method", "num_tokens"), [("mtp", 1), ("mtp", 3), ("deepseek_mtp", 2)])
-def test_greedy_outputs_are_those_without_speculation(checkpoint, method, num_tokens) -> None:
-    path = checkpoint[0]
-    expected, _ = _generate(path)
+def test_greedy_outputs_are_those_without_speculation(
+    checkpoint, without_speculation, method, num_tokens
+) -> None:
     config = {"method": method, "num_speculative_tokens": num_tokens, "min_acceptance_rate": 0}
-    tokens, stats = _generate(path, config)
-    assert tokens == expected
+    tokens, stats = _generate(checkpoint[0], config)
+    assert tokens == without_speculation
     spec = stats.spec_decoding
     assert spec is not None and spec.num_draft_tokens > 0
 
