@@ -242,7 +242,9 @@ def _on_triton_cpu(path: Path, prompts: list[list[int]]):
     from spec_decode.triton_cpu import NAME, triton_cpu_platform
 
     with triton_cpu_platform() as platform:
-        llm = _llm(path, platform=NAME, block_size=16, max_num_batched_tokens=64)
+        # Up to 4 requests a step: graphs at 1, 2 and 4 (64 sequences captured 11 sizes,
+        # each a step under the interpreter).
+        llm = _llm(path, platform=NAME, block_size=16, max_num_batched_tokens=64, max_num_seqs=4)
         tokens = _tokens(_generate(llm, prompts))
         llm.llm_engine.shutdown()
         return tokens, sum(g.num_replays(1) for g in platform.graph_runners)
