@@ -89,7 +89,7 @@ def test_the_flags() -> None:
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> str:
-    return str(write_llama(tmp_path_factory.mktemp("compilation") / "llama", 2, seed=0))
+    return str(write_llama(tmp_path_factory.mktemp("compilation") / "llama", 1, seed=0))
 
 
 def _run(target: str, **kwargs):
