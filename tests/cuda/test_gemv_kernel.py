@@ -13,13 +13,24 @@ from pagedlm_cuda.fused_layers import SingleRowLinear, install_fused_kernels
 from pagedlm_cuda.kernels.gemv import GemvConfig, gemv, gemv_config
 
 # Rows not a multiple of the 16-row tile; columns not a multiple of the slice; and each
-# of the three tile configurations (up to 4k, 8k and beyond 8k outputs).
-SHAPES = [(1, 64), (40, 600), (96, 1100), (5000, 64), (8200, 64)]
+# of the three tile configurations (up to 4k, 8k and beyond 8k outputs). Every dtype with
+# and without a bias on the first; the two larger tiles (hundreds of programs each under
+# the interpreter) once in each dtype, half of them with a bias.
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SHAPES = [(1, 64), (40, 600), (96, 1100)]
+GEMV_CASES = [
+    *((dtype, shape, with_bias) for with_bias in (False, True) for shape in SHAPES
+      for dtype in DTYPES),
+    *((dtype, shape, index % 2 == 1) for shape in [(5000, 64), (8200, 64)]
+      for index, dtype in enumerate(DTYPES)),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize(
+    ("dtype", "shape", "with_bias"),
+    GEMV_CASES,
+    ids=[f"{str(d)[6:]}-{n}x{k}{'-bias' * b}" for d, (n, k), b in GEMV_CASES],
+)
 def test_gemv_matches_float64(dtype: torch.dtype, shape: tuple[int, int], with_bias: bool):
     n, k = shape
     torch.manual_seed(n * 7 + k)
