@@ -54,7 +54,8 @@ def answers(chat_checkpoint):
                 )
             )
             streamed = [json.loads(x[6:]) for x in lines]
-            return completion.json(), streamed, chat.json(), bad, twins
+            truncated = await _truncation_requests(post)
+            return completion.json(), streamed, chat.json(), bad, twins, truncated
 
     try:
         yield asyncio.run(main())
@@ -73,7 +74,7 @@ def offline(chat_checkpoint):
 
 
 def test_completion_choices_are_the_beams_best_first(answers, offline):
-    completion, chunks, _, _, _ = answers
+    completion, chunks, *_ = answers
     choices = completion["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2]
     for choice, beam in zip(choices, offline, strict=True):
@@ -92,7 +93,7 @@ def test_completion_choices_are_the_beams_best_first(answers, offline):
 
 
 def test_chat_choices_are_beams_too_and_bad_combinations_are_400(answers):
-    _, _, chat, bad, _ = answers
+    _, _, chat, bad, *_ = answers
     assert len(chat["choices"]) == 3
     assert all(c["message"]["role"] == "assistant" for c in chat["choices"])
     statuses = [r.status_code for r in bad]
@@ -107,7 +108,7 @@ def test_chat_choices_are_beams_too_and_bad_combinations_are_400(answers):
 def test_two_searches_with_one_client_request_id_both_answer(answers):
     """Each search's beam requests get ids of their own (vLLM adds a random part to them),
     so a client reusing its X-Request-Id does not make either search fail."""
-    completion, *_, twins = answers
+    completion, *_, twins, _ = answers
     assert [r.status_code for r in twins] == [200, 200], [r.text for r in twins]
     texts = [c["text"] for c in completion["choices"]]
     for response in twins:
@@ -115,49 +116,47 @@ def test_two_searches_with_one_client_request_id_both_answer(answers):
         assert [c["text"] for c in response.json()["choices"]] == texts
 
 
-def test_truncate_prompt_tokens_and_truncation_side_cut_the_searched_prompt(chat_checkpoint):
+TRUNCATION_IDS = list(range(5, 25))
+
+
+async def _truncation_requests(post) -> dict:
+    """Searches of ``TRUNCATION_IDS`` cut by ``truncate_prompt_tokens`` (each side), of the
+    two cut prompts themselves, of too many tokens to keep, and of a cut chat prompt."""
+    ids = TRUNCATION_IDS
+    beam = {"model": "tiny", "use_beam_search": True, "n": 2, "max_tokens": 3}
+    completion = {**beam, "return_token_ids": True}
+    got = {}
+    for name, prompt, extra in (
+        ("left", ids, {"truncate_prompt_tokens": 6}),
+        ("right", ids, {"truncate_prompt_tokens": 6, "truncation_side": "right"}),
+        ("last", ids[-6:], {}),
+        ("first", ids[:6], {}),
+        ("too_long", ids, {"truncate_prompt_tokens": 65}),
+    ):
+        got[name] = await post("/v1/completions", json={**completion, "prompt": prompt, **extra})
+    messages = [{"role": "user", "content": "a few words more than four"}]
+    got["chat"] = await post(
+        "/v1/chat/completions", json={**beam, "messages": messages, "truncate_prompt_tokens": 4}
+    )
+    return got
+
+
+def test_truncate_prompt_tokens_and_truncation_side_cut_the_searched_prompt(answers):
     """vLLM's renderer cuts every prompt before it is searched, so ``truncate_prompt_tokens``
     (and ``truncation_side``) apply to ``use_beam_search`` as to sampling: the beams
     grow from the cut prompt. The search got the whole prompt."""
-    engine, app = in_process_app(chat_checkpoint, num_kv_blocks=64, max_model_len=64)
-    ids = list(range(5, 25))
-    beam = {"model": "tiny", "use_beam_search": True, "n": 2, "max_tokens": 3}
-    completion = {**beam, "return_token_ids": True}
-
-    async def main():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
-            got = {}
-            for name, prompt, extra in (
-                ("left", ids, {"truncate_prompt_tokens": 6}),
-                ("right", ids, {"truncate_prompt_tokens": 6, "truncation_side": "right"}),
-                ("last", ids[-6:], {}),
-                ("first", ids[:6], {}),
-                ("too_long", ids, {"truncate_prompt_tokens": 65}),
-            ):
-                body = {**completion, "prompt": prompt, **extra}
-                got[name] = await http.post("/v1/completions", json=body)
-            messages = [{"role": "user", "content": "a few words more than four"}]
-            got["chat"] = await http.post(
-                "/v1/chat/completions",
-                json={**beam, "messages": messages, "truncate_prompt_tokens": 4},
-            )
-            return got
-
-    try:
-        got = asyncio.run(main())
-    finally:
-        engine.shutdown()
-    answers = {name: response.json() for name, response in got.items()}
+    *_, got = answers
+    ids = TRUNCATION_IDS
+    bodies = {name: response.json() for name, response in got.items()}
     for cut, whole, want in (("left", "last", ids[-6:]), ("right", "first", ids[:6])):
         assert got[cut].status_code == 200, got[cut].text
-        choices = answers[cut]["choices"]
+        choices = bodies[cut]["choices"]
         assert [c["prompt_token_ids"] for c in choices] == [want, want]
         assert [c["token_ids"] for c in choices] == [
-            c["token_ids"] for c in answers[whole]["choices"]
+            c["token_ids"] for c in bodies[whole]["choices"]
         ]
-        assert answers[cut]["usage"]["prompt_tokens"] == 6
+        assert bodies[cut]["usage"]["prompt_tokens"] == 6
     assert got["too_long"].status_code == 400
-    assert "truncate_prompt_tokens" in answers["too_long"]["error"]["message"]
+    assert "truncate_prompt_tokens" in bodies["too_long"]["error"]["message"]
     assert got["chat"].status_code == 200, got["chat"].text
-    assert answers["chat"]["usage"]["prompt_tokens"] == 4
+    assert bodies["chat"]["usage"]["prompt_tokens"] == 4
