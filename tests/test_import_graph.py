@@ -98,3 +98,34 @@ def test_step_protocol_is_a_leaf() -> None:
     for name in step_modules:
         outside = {t for t in graph[name] if not t.startswith("pagedlm.step")}
         assert outside <= {"pagedlm.sampling_params", "pagedlm.lora.request"}, (name, outside)
+
+
+FIRST_IMPORT = """
+import importlib, pkgutil, sys
+import pagedlm.model_executor as package
+failed = []
+for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+    for key in [k for k in sys.modules if k == "pagedlm" or k.startswith("pagedlm.")]:
+        del sys.modules[key]
+    try:
+        importlib.import_module(info.name)
+    except ImportError as error:
+        failed.append(f"{info.name}: {error}")
+print("\\n".join(failed))
+"""
+
+
+def test_every_model_executor_module_imports_first() -> None:
+    """Importing a module runs its packages' ``__init__`` first, which the graph above does
+    not count: ``weight_offload`` -> ``layers.vocab_embedding`` -> ``loader.weight_utils``
+    ran ``loader/__init__``, which imported ``weight_offload`` back, so nine modules (every
+    model with a vocabulary embedding) failed when a program imported them first. Each
+    module is imported into a fresh ``pagedlm`` (torch stays loaded)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_IMPORT], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == ""

@@ -7,6 +7,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -16,7 +17,9 @@ from pagedlm.kv_cache import fp8
 from pagedlm.model_executor.layers.attention import install_kv_scales
 from pagedlm.model_executor.layers.linear_base import deferred_weights
 from pagedlm.model_executor.loader.gguf_blocks import AffineBlocks
-from pagedlm.model_executor.weight_offload import WeightOffload
+
+if TYPE_CHECKING:  # weight_offload imports the layers, whose weight loaders import this
+    from pagedlm.model_executor.weight_offload import WeightOffload
 
 logger = logging.getLogger(__name__)
 
