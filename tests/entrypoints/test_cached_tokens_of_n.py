@@ -36,14 +36,19 @@ def test_llm_generate_reports_the_shared_prompt_blocks(tiny_checkpoint):
     assert [sample.num_cached_tokens for sample in output.outputs] == [0, 32, 32]
 
 
-def test_usage_reports_the_shared_prompt_blocks_whole_and_streamed(chat_checkpoint):
-    engine, app = in_process_app(
+def _details_app(chat_checkpoint):
+    """An in-process server that reports cached tokens, on small blocks."""
+    return in_process_app(
         chat_checkpoint,
         num_kv_blocks=64,
         max_model_len=128,
         block_size=BLOCK,
         enable_prompt_tokens_details=True,
     )
+
+
+def test_usage_reports_the_shared_prompt_blocks_whole_and_streamed(chat_checkpoint):
+    engine, app = _details_app(chat_checkpoint)
     common = {"model": "tiny", "n": 2, "max_tokens": 2, "ignore_eos": True, "seed": 0}
     stream_options = {"stream": True, "stream_options": {"include_usage": True}}
 
@@ -87,13 +92,7 @@ def test_a_stream_reports_what_the_first_sample_found(chat_checkpoint):
     """The first sample finds the blocks an earlier request left (one here), the second
     also those the first computed (two): the whole response reports two blocks, the
     stream one, on completions and chat."""
-    engine, app = in_process_app(
-        chat_checkpoint,
-        num_kv_blocks=64,
-        max_model_len=128,
-        block_size=BLOCK,
-        enable_prompt_tokens_details=True,
-    )
+    engine, app = _details_app(chat_checkpoint)
     common = {"model": "tiny", "n": 2, "max_tokens": 2, "ignore_eos": True, "seed": 0}
     stream = {"stream": True, "stream_options": {"include_usage": True}}
     one = {"model": "tiny", "max_tokens": 1}
