@@ -6,6 +6,7 @@ import logging
 import math
 import mmap
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -255,6 +256,11 @@ class CpuPlatform(Platform):
             f", and from {dense_from_rows} rows a {kind} copy on oneDNN: +{size_mb:.0f} MB; "
             f"{DENSE_FROM_ROWS_ENV}=0 drops it"
         )
+
+    def argmax_rows(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        from pagedlm_cpu.argmax import chunked_argmax_rows
+
+        return chunked_argmax_rows
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         # An anonymous mapping: the OS hands out zero pages lazily, so a multi-GiB KV cache

@@ -7,6 +7,7 @@ Core code never branches on a device name: it asks the platform a capability que
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -171,6 +172,14 @@ class Platform(ABC):
         greedy rows get ``torch.argmax``'s answer (the first index among ties, which greedy
         parity across platforms relies on), and it never writes into the logits."""
         return None
+
+    def argmax_rows(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The sampler's argmax over each row of ``[N, vocab]`` logits (int64 ``[N]``,
+        the first index among ties, as ``torch.max`` gives it): ``torch.max``'s indices
+        unless the platform has a faster way to the same answer."""
+        from pagedlm.sample.sampler import argmax_rows
+
+        return argmax_rows
 
     def fused_greedy_verifier(self) -> FusedGreedyVerifier | None:
         """A kernel verifying an all-greedy speculative step with its bookkeeping (see

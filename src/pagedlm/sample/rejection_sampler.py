@@ -33,7 +33,7 @@ import torch
 from pagedlm.sample.host_copy import arrays_to_device
 from pagedlm.sample.logprobs import LogprobsTensors
 from pagedlm.sample.metadata import SamplingMetadata
-from pagedlm.sample.sampler import Sampler, argmax_rows
+from pagedlm.sample.sampler import Sampler
 from pagedlm.structured_output.bitmask import apply_token_bitmask
 
 
@@ -72,9 +72,9 @@ class RejectionSampler:
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's argmax through the kernel a plain greedy step takes: the platform's
         fused sampler where it has one (on the H100 ``torch.max`` took 27 us over five
-        Llama-3 logits rows), else ``argmax_rows``."""
+        Llama-3 logits rows), else the sampler's argmax."""
         fused = self.sampler.fused_random
-        return fused(logits, None, None, None) if fused is not None else argmax_rows(logits)
+        return fused(logits, None, None, None) if fused is not None else self.sampler.argmax(logits)
 
     def __call__(
         self,
@@ -131,8 +131,8 @@ class RejectionSampler:
             )
         return RejectionOutput(token_ids, num_accepted + 1, logprobs)
 
-    @staticmethod
     def _random(
+        self,
         probs: torch.Tensor,
         drafts: torch.Tensor,
         is_draft: torch.Tensor,
@@ -152,7 +152,7 @@ class RejectionSampler:
             residual = (probs - draft_probs).clamp_(min=0.0)
         # Rows without a verified draft (the bonus row) draw from p itself.
         residual = torch.where(is_draft[:, None], residual, probs)
-        return accepted, Sampler.race(residual, metadata)
+        return accepted, self.sampler.race(residual, metadata)
 
 
 def _uniforms(num_rows: int, metadata: SamplingMetadata, device: torch.device) -> torch.Tensor:

@@ -72,15 +72,19 @@ class Sampler:
     ``LOGPROBS_MODES``): the model's raw distribution, or the one sampled from ("processed":
     after stages 1-2, and for random rows temperature and the filters too), as logprobs or
     as logits.
+    ``argmax``: each row's first maximal index (``argmax_rows`` or the platform's own,
+    ``Platform.argmax_rows``): greedy rows and the exponential race end in it.
     """
 
     def __init__(
         self,
         fused_random: FusedRandomSampler | None = None,
         logprobs_mode: str = "raw_logprobs",
+        argmax: Callable[[torch.Tensor], torch.Tensor] = argmax_rows,
     ) -> None:
         check_logprobs_mode(logprobs_mode)
         self.fused_random = fused_random
+        self.argmax = argmax
         self.logprobs_mode = logprobs_mode
         self.reports_processed = logprobs_mode.startswith("processed")
 
@@ -110,12 +114,12 @@ class Sampler:
         else:
             logits = processed = self.adjust_logits(logits, metadata)
             if metadata.all_greedy:
-                sampled = argmax_rows(logits)
+                sampled = self.argmax(logits)
             else:
                 processed = self.processed_logits(logits, metadata)
                 sampled = self.race(processed.softmax(dim=-1), metadata)
                 if metadata.greedy_mask is not None:
-                    sampled = torch.where(metadata.greedy_mask, argmax_rows(logits), sampled)
+                    sampled = torch.where(metadata.greedy_mask, self.argmax(logits), sampled)
         logprobs = None
         if metadata.max_num_logprobs is not None:
             logprobs = self.logprobs(raw_logits, processed, sampled, metadata.max_num_logprobs)
@@ -215,8 +219,7 @@ class Sampler:
             apply_filters(logits, metadata.filters)
         return logits
 
-    @staticmethod
-    def race(probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def race(self, probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Stage 5: one token per row drawn from ``probs`` (unnormalized rows are fine) by
         the exponential race; ``probs`` is overwritten."""
         noise = torch.empty_like(probs)
@@ -229,4 +232,4 @@ class Sampler:
         # exponential_ may return 0 on some backends; 0 prob / 0 noise would be nan, which
         # argmax ranks highest. A tiny floor keeps zero-probability tokens unsamplable.
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        return argmax_rows(probs.div_(noise))
+        return self.argmax(probs.div_(noise))

@@ -163,7 +163,9 @@ class ModelRunner:
                 f"that reads an FP8 cache; {self.attn_backend.name!r} does not. Use "
                 "kv_cache_dtype='auto' or another attention_backend."
             )
-        self.sampler = Sampler(platform.fused_sampler(), config.model.logprobs_mode)
+        self.sampler = Sampler(
+            platform.fused_sampler(), config.model.logprobs_mode, platform.argmax_rows()
+        )
         self.logits_processors = make_logits_processors(
             config, self.device, platform.pin_host_memory
         )
