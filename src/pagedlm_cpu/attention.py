@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from pagedlm.attention.backend import AttentionBackend, BatchLayout
-from pagedlm_cpu import decode_matmuls
+from pagedlm_cpu import decode_matmuls, prefault
 from pagedlm_cpu.decode_groups import DecodeGroup, decode_partition, plan_decode_groups
 from pagedlm_cpu.decode_mirror import DecodeMirror
 from pagedlm_cpu.invariant_attention import attend_per_token
@@ -138,6 +138,10 @@ class CpuSdpaBackend(AttentionBackend):
         groups = plan_decode_groups(
             layout, self.device, self._mirror, self._cache_slots, self.batch_invariant
         )
+        if self._cache_slots and layout.num_tokens:
+            # How far into the cache this step writes: its pages are faulted in past that.
+            block = int(layout.slot_mapping.max()) // layout.block_size + 1
+            prefault.PREFAULTER.advance(block * layout.block_size / self._cache_slots)
         return CpuSdpaMetadata(
             slot_mapping=layout.slot_mapping.to(self.device, torch.long),
             decode_groups=groups,

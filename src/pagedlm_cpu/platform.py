@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from pagedlm.platforms import Platform
+from pagedlm_cpu import prefault
 
 if TYPE_CHECKING:
     from pagedlm.config import EngineConfig, ModelConfig
@@ -276,6 +277,8 @@ class CpuPlatform(Platform):
             # holds a reference to the mapping, which lives as long as it does.
             mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             raw = torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]
+            # Its pages are faulted in ahead of the attention's writes, off the steps.
+            prefault.PREFAULTER.register(mapping, raw.data_ptr(), nbytes)
         else:  # Windows: numpy's calloc, lazy there too
             raw = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8))
         return raw.view(dtype).view(shape)
