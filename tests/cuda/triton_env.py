@@ -56,10 +56,16 @@ def _patch_interpreter_fp8_rounding() -> None:
     builder.create_fp_to_fp = patched
 
 
-def _patch_interpreter_bf16_dot() -> None:
-    """Triton 3.6's interpreter holds bfloat16 as its 16-bit patterns (numpy has no
-    bfloat16) and multiplies those integers in ``tl.dot``; widen bfloat16 operands to
-    float32 first, as the tensor cores' products are exact and summed in float32."""
+def _patch_interpreter_dot() -> None:
+    """Two fixes to Triton 3.6's interpreter ``tl.dot``, which is numpy's ``matmul``:
+    - it holds bfloat16 as its 16-bit patterns (numpy has no bfloat16) and multiplies
+      those integers; bfloat16 operands are widened to float32 first, as the tensor cores'
+      products are exact and summed in float32;
+    - numpy's BLAS sums a row's products in an order that can depend on the row's place in
+      the tile (OpenBLAS's AVX-512 kernels on Zen 5: 10 of 16 rows of a 16 x 64 x 32 float32
+      product change bits when moved to row 0), where a GPU's dot gives each row the same
+      order. Batch-invariant kernels rely on that, so float dots go through ``einsum``'s
+      own loop, which sums every output element in the same order wherever its row is."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
@@ -76,7 +82,12 @@ def _patch_interpreter_bf16_dot() -> None:
         return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
 
     def patched(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return original(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+        a, b = widened(a), widened(b)
+        fp8 = any(h.dtype.primitive_bitwidth == 8 and h.dtype.is_floating() for h in (a, b))
+        if fp8 or not (a.dtype.is_floating() and b.dtype.is_floating()):
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        product = np.einsum("...mk,...kn->...mn", a.data, b.data, dtype=d.data.dtype)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
 
     patched._pagedlm_patched = True
     builder.create_dot = patched
@@ -193,7 +204,7 @@ def _patch_interpreter_generic_reduce() -> None:
 if not ON_GPU:
     _patch_interpreter_index()
     _patch_interpreter_fp8_rounding()
-    _patch_interpreter_bf16_dot()
+    _patch_interpreter_dot()
     _patch_interpreter_nested_calls()
     _patch_interpreter_generic_reduce()
 
