@@ -52,3 +52,27 @@ def test_other_prompt_forms_lose_only_the_salt(caplog):
     assert "{'prompt_token_ids': [5, 6, 7]}" in lines[1]
     assert "'<embeddings of shape [3, 8]>'" in lines[2]
     assert SALT not in caplog.text
+
+
+class _NeverWhole(list):
+    """A prompt's ids that fail if formatted whole (a slice is a plain list)."""
+
+    def __repr__(self) -> str:
+        raise AssertionError("formatted the whole list")
+
+
+def test_a_huge_prompt_is_cut_before_it_is_formatted(caplog):
+    from pagedlm.entrypoints.openai.request_log import shown
+
+    ids = _NeverWhole(range(2_000_000))
+    text = "word " * 400_000
+    prompt = {"prompt": text, "prompt_token_ids": ids}
+    with caplog.at_level(logging.INFO, logger="pagedlm.server"):
+        log_received("cmpl-huge", prompt, None, 40)
+    line = caplog.records[-1].getMessage()
+    assert line.startswith("Received request cmpl-huge: prompt {'prompt': 'word word")
+    assert len(line) < 150
+    # The first max_len characters are the whole repr's.
+    for value in ([*range(500)], "x" * 500, {"a": [1] * 300, "b": "y" * 300}, (3,) * 100):
+        assert shown(value, 40) == repr(value)[:40] + "..."
+    assert shown([1, 2], 40) == "[1, 2]"

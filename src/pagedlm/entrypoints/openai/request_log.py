@@ -22,6 +22,26 @@ def cut(text: str, max_len: int) -> str:
     return text if len(text) <= max_len else text[:max_len] + "..."
 
 
+def _head(value: Any, max_len: int) -> Any:
+    """``value`` with every string cut to ``max_len`` characters and every list or tuple to
+    ``max_len`` items (dicts' values likewise), as vLLM's request logger cuts a prompt's
+    text and ids before formatting them: a line's first ``max_len`` characters need no
+    more, and a prompt of millions of ids is not formatted whole on the event loop."""
+    if isinstance(value, str):
+        return value[: max_len + 1]
+    if isinstance(value, (list, tuple)):
+        items = [_head(item, max_len) for item in value[: max_len + 1]]
+        return tuple(items) if isinstance(value, tuple) else items
+    if isinstance(value, dict):
+        return {key: _head(item, max_len) for key, item in value.items()}
+    return value
+
+
+def shown(value: Any, max_len: int) -> str:
+    """``value``'s repr cut to ``max_len`` characters, formatting no more than that needs."""
+    return cut(repr(_head(value, max_len)), max_len)
+
+
 UNLOGGED_PROMPT_KEYS = frozenset({"cache_salt"})
 """Engine-prompt keys a log line leaves out: secrets."""
 
@@ -39,8 +59,12 @@ def loggable_prompt(prompt: Any) -> Any:
 
 
 def log_received(request_id: str, prompt: Any, params: Any, max_len: int) -> None:
-    shown = cut(repr(loggable_prompt(prompt)), max_len)
-    logger.info("Received request %s: prompt %s, params %s", request_id, shown, params)
+    logger.info(
+        "Received request %s: prompt %s, params %s",
+        request_id,
+        shown(loggable_prompt(prompt), max_len),
+        params,
+    )
 
 
 class OutputLog:
@@ -62,7 +86,7 @@ class OutputLog:
                 logger.info(
                     "Generated response %s (streaming delta): output %s, output_token_ids %s",
                     self._name(completion.index),
-                    cut(repr(completion.text), self.max_len),
+                    shown(completion.text, self.max_len),
                     completion.token_ids,
                 )
         if not output.finished:
@@ -72,8 +96,8 @@ class OutputLog:
             logger.info(
                 "Generated response %s: output %s, output_token_ids %s, finish_reason %s",
                 self._name(index),
-                cut(repr("".join(self.texts[index])), self.max_len),
-                cut(repr(self.token_ids[index]), self.max_len),
+                shown("".join(self.texts[index]), self.max_len),
+                shown(self.token_ids[index], self.max_len),
                 reasons.get(index),
             )
 
