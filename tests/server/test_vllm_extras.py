@@ -102,3 +102,21 @@ def test_tokenize_adds_special_tokens_as_vllm_does(chat_checkpoint):
         ):
             assert client.post("/tokenize", json=body).status_code == 200
     assert seen == [False, True, True, False]
+
+
+def test_tokenize_answers_are_the_json_starlette_renders(chat_checkpoint):
+    """/tokenize and /detokenize encode with msgspec (a long answer's ``json.dumps`` held
+    the event loop ~8x longer): the bytes are what ``JSONResponse`` would send."""
+    from starlette.responses import JSONResponse
+
+    engine = FakeEngine(chat_checkpoint)
+    with TestClient(build_app(fake_context(engine))) as client:
+        text = 'héllo wörld, "quoted" \u2028 tab\t ' * 50
+        tokens = client.post("/tokenize", json={"prompt": text, "return_token_strs": True})
+        ids = tokens.json()["tokens"]
+        words = client.post("/detokenize", json={"tokens": ids})
+    for response in (tokens, words):
+        assert response.status_code == 200
+        assert response.headers["content-type"] == "application/json"
+        assert response.content == JSONResponse(response.json()).body
+    assert words.json() == {"prompt": engine.tokenizer.decode(ids)}
