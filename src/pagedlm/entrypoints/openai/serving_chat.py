@@ -132,19 +132,7 @@ class ChatServer:
                 "call's grammar); use tool_choice='auto' or drop one.",
                 param="tool_choice",
             )
-        if beam is not None:
-            started = await ctx.start_beam_search(
-                prompts,
-                beam,
-                request_id,
-                lora,
-                request.truncate_prompt_tokens,
-                request.tokenization_kwargs(),
-            )
-        else:
-            started = await ctx.start(
-                prompts, params, request_id, request.priority, lora, request.tokenization_kwargs()
-            )
+        started = await ctx.start_for(request, prompts, params, beam, request_id, lora)
         # Where the engine applies a grammar from the first token (it has no reasoning
         # parser's markers), the output starts after any thought, and the parser must say
         # so too; where it applies it after the thought, the model thinks first. A

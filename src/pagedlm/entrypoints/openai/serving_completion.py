@@ -91,19 +91,7 @@ class CompletionServer:
             )
         if beam is not None and score_only:
             raise APIError("use_beam_search needs max_tokens >= 1.", param="max_tokens")
-        if beam is not None:
-            started = await ctx.start_beam_search(
-                prompts,
-                beam,
-                request_id,
-                lora,
-                request.truncate_prompt_tokens,
-                request.tokenization_kwargs(),
-            )
-        else:
-            started = await ctx.start(
-                prompts, params, request_id, request.priority, lora, request.tokenization_kwargs()
-            )
+        started = await ctx.start_for(request, prompts, params, beam, request_id, lora)
         rows = [_embeds_rows(p, request.truncate_prompt_tokens) for p in prompts]
         events = self._events(request, request_id, started, score_only, rows)
         return await stream_or_collect(events, request.stream)

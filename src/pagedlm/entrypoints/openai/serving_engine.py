@@ -404,6 +404,31 @@ class ServingContext:
             raise failure
         return list(zip(firsts, streams))
 
+    async def start_for(
+        self,
+        request: Any,
+        prompts: list[Any],
+        params: SamplingParams,
+        beam: BeamSearchParams | None,
+        request_id: str,
+        lora_request: LoRARequest | None,
+    ) -> list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]:
+        """``start``, or ``start_beam_search`` where the request asked for beams (``beam``),
+        with a completions or chat request's priority and prompt truncation."""
+        if beam is not None:
+            return await self.start_beam_search(
+                prompts,
+                beam,
+                request_id,
+                lora_request,
+                request.truncate_prompt_tokens,
+                request.tokenization_kwargs(),
+            )
+        return await self.start(
+            prompts, params, request_id, request.priority, lora_request,
+            request.tokenization_kwargs(),
+        )  # fmt: skip
+
     async def start_beam_search(
         self,
         prompts: list[Any],
