@@ -21,6 +21,7 @@ from pagedlm.testing import (
 )
 from pagedlm.testing.parity import check_greedy_parity
 from pagedlm.testing.platform_checks import (
+    check_argmax_rows,
     check_dtypes,
     check_fused_sampler,
     check_host_mapping,
@@ -214,6 +215,37 @@ def test_broken_fused_samplers_fail(sampler, expected) -> None:
         check_fused_sampler(
             sampler, torch.device("cpu"), sampler.__name__, rows_per_temperature=2048
         )
+
+
+def argmax_last_on_ties(logits: torch.Tensor) -> torch.Tensor:
+    return logits.shape[-1] - 1 - logits.flip(-1).max(dim=-1).indices
+
+
+def argmax_without_nan(logits: torch.Tensor) -> torch.Tensor:
+    return logits.nan_to_num(nan=-float("inf")).max(dim=-1).indices
+
+
+def argmax_in_place(logits: torch.Tensor) -> torch.Tensor:
+    return logits.clamp_(max=30.0).max(dim=-1).indices  # the kit plants 40s
+
+
+def argmax_as_int32(logits: torch.Tensor) -> torch.Tensor:
+    return logits.max(dim=-1).indices.int()
+
+
+@pytest.mark.parametrize(
+    ("argmax", "expected"),
+    [
+        (argmax_last_on_ties, "torch.max's indices"),
+        (argmax_without_nan, "torch.max's indices"),
+        (argmax_in_place, "wrote into the logits"),
+        (argmax_as_int32, "torch.int32"),
+    ],
+)
+def test_broken_argmaxes_fail(argmax, expected) -> None:
+    check_argmax_rows(CpuPlatform().argmax_rows(), torch.device("cpu"))
+    with pytest.raises(ConformanceFailure, match=rf"breaks promise 'argmax_rows'.*{expected}"):
+        check_argmax_rows(argmax, torch.device("cpu"), argmax.__name__)
 
 
 class LaxPlatform(CpuPlatform):

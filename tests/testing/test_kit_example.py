@@ -41,7 +41,7 @@ def test_documented_command_passes_for_the_example(example_platform, pytester, m
     )
     # Skipped: no fused sampler, greedy verifier, in-flight corrector or step gatherer; no
     # graphs; no view of host memory.
-    result.assert_outcomes(passed=14, skipped=6)
+    result.assert_outcomes(passed=15, skipped=6)
     result.stdout.fnmatch_lines(
         [
             "*test_attention_backend?example_attention-slot_mapping? PASSED*",
@@ -103,7 +103,7 @@ def test_pip_installed_example_passes_the_kit_in_a_fresh_venv(tmp_path) -> None:
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     # Skipped: no fused sampler, greedy verifier, in-flight corrector or step gatherer, no
     # graphs, and the soft cap its backend refuses by name.
-    assert "16 passed, 7 skipped" in result.stdout, result.stdout[-2000:]
+    assert "17 passed, 7 skipped" in result.stdout, result.stdout[-2000:]
     # The example came from the venv's site-packages, not from a path this test set up.
     origin = subprocess.run(
         [python, "-c", "import pagedlm_example_platform as m; print(m.__file__)"],

@@ -18,6 +18,7 @@ promise, or ``NotApplicable`` when the target does not offer what it checks.
 
 from pagedlm.testing.parity import TINY_MODELS, check_greedy_parity, tiny_checkpoint
 from pagedlm.testing.platform_checks import (
+    check_argmax_rows,
     check_fused_sampler,
     check_greedy_verifier,
     check_in_flight_corrector,
@@ -39,6 +40,7 @@ __all__ = [
     "NotApplicable",
     "Promise",
     "backend_targets",
+    "check_argmax_rows",
     "check_fused_sampler",
     "check_greedy_parity",
     "check_greedy_verifier",

@@ -7,6 +7,8 @@ it may put in place of torch ops: the fused sampler
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -159,6 +161,47 @@ def _kernel_of(platform: Platform, hook: str, without: str):
 def check_platform_sampler(platform: Platform) -> None:
     sampler = _kernel_of(platform, "fused_sampler", "hands the sampler no fused kernel")
     check_fused_sampler(sampler, platform.device, _subject(platform))
+
+
+def check_platform_argmax(platform: Platform) -> None:
+    check_argmax_rows(platform.argmax_rows(), platform.device, _subject(platform))
+
+
+def check_argmax_rows(
+    argmax: Callable[[torch.Tensor], torch.Tensor],
+    device: torch.device,
+    subject: str = "argmax_rows",
+) -> None:
+    """``argmax(logits)`` is ``logits.max(dim=-1).indices``: [N] int64 on the logits'
+    device, the first index among ties, a row's first NaN, 0 for a row of -inf; at short
+    and vocabulary-wide rows, float32 and bfloat16; the logits are not written."""
+
+    def fail(detail: str) -> ConformanceFailure:
+        return ConformanceFailure(subject, "argmax_rows", detail)
+
+    generator = torch.Generator().manual_seed(0)
+    for vocab in (1000, 49_153):
+        rows = torch.randn(6, vocab, generator=generator)
+        rows[1] = 0.0  # all tied: 0
+        rows[2, 9] = rows[2, vocab - 3] = float("nan")  # the first NaN
+        rows[3] = float("-inf")
+        rows[4, 300] = rows[4, vocab - 300] = 40.0  # tied maxima far apart: the first
+        rows[5, vocab - 1] = 40.0
+        for dtype in (torch.float32, torch.bfloat16):
+            logits = rows.to(dtype).to(device)
+            before = logits.clone()
+            ids = argmax(logits)
+            expected = rows.to(dtype).max(dim=-1).indices
+            if ids.dtype != torch.int64 or tuple(ids.shape) != (6,) or ids.device != logits.device:
+                raise fail(f"returned {ids.dtype} {tuple(ids.shape)} on {ids.device}")
+            if not torch.equal(ids.cpu(), expected):
+                raise fail(
+                    f"{vocab} {dtype} logits gave {ids.tolist()}, torch.max's indices are "
+                    f"{expected.tolist()}"
+                )
+            same = (logits == before) | (logits.isnan() & before.isnan())
+            if not bool(same.all()):
+                raise fail("it wrote into the logits")
 
 
 def check_fused_sampler(

@@ -135,6 +135,12 @@ PROMISES: dict[str, Promise] = {
             "pagedlm.sample.sampler:FusedRandomSampler",
         ),
         Promise(
+            "argmax_rows",
+            "argmax_rows() gives each row's first maximal index as [N] int64, torch.max's "
+            "indices (ties, NaN and -inf rows included), leaving the logits unchanged",
+            f"{_PLATFORM}:Platform.argmax_rows",
+        ),
+        Promise(
             "fused_greedy_verifier",
             "fused_greedy_verifier() is None or gives the rejection sampler's tokens and "
             "counts for all-greedy rows and writes the token table and rejected counts as "

@@ -44,6 +44,7 @@ PLATFORM_CHECKS: dict[str, Callable[[Platform], None]] = {
     "memory_sizing": platform_checks.check_memory_sizing,
     "host_mapping": platform_checks.check_host_mapping,
     "fused_sampler": platform_checks.check_platform_sampler,
+    "argmax_rows": platform_checks.check_platform_argmax,
     "fused_greedy_verifier": platform_checks.check_platform_greedy_verifier,
     "in_flight_corrector": platform_checks.check_platform_in_flight_corrector,
     "step_gatherer": platform_checks.check_platform_step_gatherer,
