@@ -83,6 +83,9 @@ class Request:
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
+        self.max_tokens: int = sampling_params.max_tokens  # type: ignore[assignment]
+        """Output tokens it may make (the input processor resolved ``max_tokens``): an
+        attribute, not a property, since every step reads it per request."""
         self.eos_token_ids = set() if sampling_params.ignore_eos else set(eos_token_ids or ())
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
@@ -156,11 +159,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_prompt_tokens
-
-    @property
-    def max_tokens(self) -> int:
-        assert self.sampling_params.max_tokens is not None, "set by the input processor"
-        return self.sampling_params.max_tokens
 
     @property
     def is_finished(self) -> bool:
