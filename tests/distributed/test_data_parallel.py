@@ -28,7 +28,7 @@ def test_least_loaded_counts_waiting_four_times_then_kv_usage() -> None:
 
 @pytest.fixture(scope="module")
 def dp_llm(llama):
-    llm = make_llm(llama, data_parallel_size=2)
+    llm = make_llm(llama, data_parallel_size=2, disable_log_stats=False)
     yield llm
     llm.llm_engine.shutdown()
 

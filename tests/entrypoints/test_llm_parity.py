@@ -56,7 +56,13 @@ def test_chunked_prefill_keeps_outputs(llama_reference):
 def test_preemption_keeps_outputs(llama_reference):
     path, prompts, expected = llama_reference
     # 8 requests need ~60 blocks at full length; 24 blocks force preemption by recompute.
-    llm = LLM(str(path), skip_tokenizer_init=True, num_kv_blocks=24, block_size=16)
+    llm = LLM(
+        str(path),
+        skip_tokenizer_init=True,
+        num_kv_blocks=24,
+        block_size=16,
+        disable_log_stats=False,
+    )
     assert _run(llm, prompts) == expected
     assert _metric(llm, "pagedlm:num_preemptions") > 0
 
@@ -67,7 +73,7 @@ def test_prefix_cache_hits_keep_outputs(tiny_checkpoint):
     shared = [rng.randrange(384) for _ in range(70)]
     prompts = [shared + [rng.randrange(384) for _ in range(n)] for n in (1, 5, 20, 40)]
     expected = _hf_greedy(path, prompts)
-    llm = LLM(str(path), skip_tokenizer_init=True)
+    llm = LLM(str(path), skip_tokenizer_init=True, disable_log_stats=False)
     assert _run(llm, prompts) == expected
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     second = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

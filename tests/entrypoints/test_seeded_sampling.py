@@ -31,7 +31,7 @@ def test_seed_reproducible_across_batches(tiny_checkpoint):
 
 
 def test_n_samples_differ_and_share_prompt_blocks(tiny_checkpoint):
-    llm = LLM(str(tiny_checkpoint("llama")), skip_tokenizer_init=True)
+    llm = LLM(str(tiny_checkpoint("llama")), skip_tokenizer_init=True, disable_log_stats=False)
     prompt = {"prompt_token_ids": list(range(1, 50))}
     params = SamplingParams(n=4, temperature=1.0, max_tokens=16, ignore_eos=True, seed=7)
     out = llm.generate(prompt, params, use_tqdm=False)[0]

@@ -128,7 +128,14 @@ def llama(tiny_checkpoint) -> str:
 
 def test_preemption_aborts_and_n_through_the_engine(llama):
     # 12 blocks of 16 cannot hold four 80-token sequences: the scheduler preempts.
-    llm = LLM(llama, skip_tokenizer_init=True, num_kv_blocks=12, block_size=16, max_model_len=128)
+    llm = LLM(
+        llama,
+        skip_tokenizer_init=True,
+        num_kv_blocks=12,
+        block_size=16,
+        max_model_len=128,
+        disable_log_stats=False,
+    )
     engine = llm.llm_engine
     rng = random.Random(0)
 
@@ -178,7 +185,14 @@ def test_preemption_aborts_and_n_through_the_engine(llama):
 
 
 def test_rejected_requests_leave_no_trace(llama):
-    llm = LLM(llama, skip_tokenizer_init=True, num_kv_blocks=4, block_size=16, max_model_len=128)
+    llm = LLM(
+        llama,
+        skip_tokenizer_init=True,
+        num_kv_blocks=4,
+        block_size=16,
+        max_model_len=128,
+        disable_log_stats=False,
+    )
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     with pytest.raises(ValueError, match="max_model_len"):  # refused at validation
@@ -211,6 +225,7 @@ def test_inter_token_latency_once_per_step_under_speculation(llama, async_schedu
         max_model_len=128,
         speculative_config=speculative,
         async_scheduling=async_scheduling,
+        disable_log_stats=False,
     )
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -280,3 +295,34 @@ def test_every_series_is_per_engine_as_vllms():
         if m.name == "pagedlm:engine_sleep_state" and m.labels["engine"] == "0"
     }
     assert asleep == {"awake": 0, "weights_offloaded": 0, "discard_all": 1}
+
+
+def test_llm_keeps_no_metrics_by_default_as_vllms(llama, monkeypatch):
+    """``LLM(...)`` defaults ``disable_log_stats`` to True, as vLLM's: its steps spend
+    nothing on metrics, and ``get_metrics`` says which flag brings them."""
+    from pagedlm.metrics import EngineMetrics
+
+    calls: list[str] = []
+    for method in ("record_request", "record_outputs", "record_stopped", "forget_request"):
+        original = getattr(EngineMetrics, method)
+
+        def spy(self, *args, _name=method, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(EngineMetrics, method, spy)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    quiet = LLM(llama, skip_tokenizer_init=True, num_kv_blocks=16, max_model_len=128)
+    quiet.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
+    assert calls == []
+    with pytest.raises(ValueError, match=r"disable_log_stats=False"):
+        quiet.get_metrics()
+    counted = LLM(
+        llama, skip_tokenizer_init=True, num_kv_blocks=16, max_model_len=128,
+        disable_log_stats=False,
+    )  # fmt: skip
+    counted.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
+    assert {"record_request", "record_outputs"} <= set(calls)
+    assert any(
+        m.name == "pagedlm:generation_tokens" and m.value == 4 for m in counted.get_metrics()
+    )

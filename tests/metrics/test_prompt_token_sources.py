@@ -31,6 +31,7 @@ def test_loaded_tokens_count_as_external_kv_transfer(tiny_checkpoint):
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"num_cpu_blocks": 64},
         },
+        disable_log_stats=False,
     )
     params = SamplingParams(max_tokens=1, temperature=0.0)
 

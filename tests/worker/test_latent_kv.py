@@ -110,6 +110,7 @@ def test_speculative_verification_over_the_latent_cache(tmp_path) -> None:
             skip_tokenizer_init=True,
             max_model_len=128,
             speculative_config=speculative,
+            disable_log_stats=False,
         )
         try:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -24,6 +24,7 @@ def llm(tiny_checkpoint):
     return LLM(
         str(tiny_checkpoint("llama")), skip_tokenizer_init=True, num_kv_blocks=32,
         enable_sleep_mode=True,
+        disable_log_stats=False,
     )  # fmt: skip
 
 

@@ -199,7 +199,9 @@ class EngineArgs(VllmCompatArgs):
     prompt does not take a step's whole budget from the others; 0: no cap."""
     disable_log_stats: bool = False
     """No periodic line of throughput, running and waiting requests and KV-cache usage
-    (vLLM's flag; the server logs one every 10 s while busy, LLM(...) none)."""
+    (vLLM's flag; the server logs one every 10 s while busy), and for an ``LLM``, no
+    metrics at all: ``LLM(...)`` defaults it to True, as vLLM's, and its ``get_metrics``
+    needs ``disable_log_stats=False``."""
     aggregate_engine_logging: bool = False
     """One periodic stats line for all data-parallel replicas ("N Engines Aggregated:
     ..."), instead of one per replica ("Engine 000: ..."), as vLLM's flag."""

@@ -153,6 +153,8 @@ class LLM(PoolingMethods):
                 f"LLM() got unknown argument(s) {sorted(unknown)}; known engine arguments: "
                 f"{sorted(EngineArgs.field_names())}."
             )
+        # As vLLM's LLM: no metrics unless asked for (get_metrics needs them).
+        kwargs.setdefault("disable_log_stats", True)
         args = EngineArgs(
             model=model,
             tokenizer=tokenizer,
@@ -210,6 +212,8 @@ class LLM(PoolingMethods):
         return SamplingParams(**self.llm_engine.config.model.sampling_defaults)
 
     def get_metrics(self) -> list[Metric]:
+        """The engine's metrics (vLLM's): needs ``LLM(..., disable_log_stats=False)``;
+        ValueError otherwise."""
         return self.llm_engine.get_metrics()
 
     def reset_prefix_cache(self) -> bool:
