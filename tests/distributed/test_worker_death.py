@@ -31,6 +31,7 @@ def test_killed_worker_fails_generate(llama, victim):
         tensor_parallel_size=2,
         num_kv_blocks=600,
         max_model_len=1024,
+        disable_log_stats=False,
     )
     engine = llm.llm_engine
     pids = list(engine.engine_core.executor.worker_pids)
