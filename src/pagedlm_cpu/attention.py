@@ -126,6 +126,9 @@ class CpuSdpaBackend(AttentionBackend):
         self._cache_slots: int | None = None
         """Slots of one layer's cache, as the last ``forward`` saw it (every request's
         prompt goes through ``forward`` before its first decode)."""
+        self._cache_addresses: set[int] = set()
+        """Where the caches ``forward`` wrote start: those whose pages ``prefault`` keeps
+        faulted in ahead of the writes."""
 
     def build_metadata(self, layout: BatchLayout) -> CpuSdpaMetadata:
         spans: dict[int, list[tuple[int, int]]] = {}
@@ -141,7 +144,8 @@ class CpuSdpaBackend(AttentionBackend):
         if self._cache_slots and layout.num_tokens:
             # How far into the cache this step writes: its pages are faulted in past that.
             block = int(layout.slot_mapping.max()) // layout.block_size + 1
-            prefault.PREFAULTER.advance(block * layout.block_size / self._cache_slots)
+            fraction = block * layout.block_size / self._cache_slots
+            prefault.PREFAULTER.advance(self._cache_addresses, fraction)
         return CpuSdpaMetadata(
             slot_mapping=layout.slot_mapping.to(self.device, torch.long),
             decode_groups=groups,
@@ -182,6 +186,9 @@ class CpuSdpaBackend(AttentionBackend):
                 "a layer asks for causal=False together with one of them."
             )
         self._cache_slots = key_cache.shape[0] * key_cache.shape[1]
+        addresses = self._cache_addresses
+        addresses.add(key_cache.data_ptr())
+        addresses.add(value_cache.data_ptr())
         # Write first: a request may read slots that another request fills in this step.
         write(key_cache, key, metadata.slot_mapping, k_scale)
         if value_cache is not key_cache:

@@ -8,10 +8,11 @@ K/V land in fresh pages, and each 4 KiB page costs a fault inside the step. On a
 that is ~0.45 s of system time in a 7.5 s SmolLM2 run of 32 new prompts (42,000 faults,
 one per page of the run's K/V), every run, until 4 GiB have been written.
 
-``Prefaulter`` keeps each cache's pages written ahead of the pool: ``advance(fraction)``
-says how far into every cache the step's writes reach (the block dimension comes first,
-``AttentionBackend.kv_cache_shape``, so a fraction of the blocks is the same fraction of
-each tensor's bytes), and a daemon thread at ``SCHED_IDLE`` priority asks the kernel to
+``Prefaulter`` keeps each cache's pages written ahead of the pool: ``advance(addresses,
+fraction)`` says how far into the caches at those addresses the step's writes reach (the
+block dimension comes first, ``AttentionBackend.kv_cache_shape``, so a fraction of the
+blocks is the same fraction of each tensor's bytes; each engine's attention backend names
+its own caches, so one engine's progress never faults in another's), and a daemon thread at ``SCHED_IDLE`` priority asks the kernel to
 fault in the pages up to ``LOOKAHEAD`` of each cache past it (``madvise``'s
 ``MADV_POPULATE_WRITE``, Linux 5.14+; elsewhere nothing happens and pages fault as
 before). Populated pages are the zero pages a first write would have made, so nothing a
@@ -32,6 +33,7 @@ import mmap
 import os
 import threading
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -55,6 +57,8 @@ class _Region:
     nbytes: int
     done: int = 0
     """Bytes from the start already faulted in."""
+    fraction: float = 0.0
+    """How far into it the writes have reached (``advance``)."""
 
 
 def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
@@ -75,8 +79,8 @@ class Prefaulter:
 
     def __init__(self) -> None:
         self._madvise = _madvise()
-        self._regions: list[_Region] = []
-        self._fraction = 0.0
+        self._regions: dict[int, _Region] = {}
+        """By address."""
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -91,7 +95,7 @@ class Prefaulter:
         if self._madvise is None or nbytes <= 0:
             return
         with self._lock:
-            self._regions.append(_Region(weakref.ref(mapping), address, nbytes))
+            self._regions[address] = _Region(weakref.ref(mapping), address, nbytes)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="pagedlm-kv-prefault", daemon=True
@@ -99,21 +103,30 @@ class Prefaulter:
                 self._thread.start()
         self._wake.set()
 
-    def advance(self, fraction: float) -> None:
-        """The step's writes reach ``fraction`` (0-1) of every registered cache."""
-        if fraction > self._fraction and self._regions:
-            self._fraction = fraction
+    def advance(self, addresses: Iterable[int], fraction: float) -> None:
+        """The step's writes reach ``fraction`` (0-1) of the caches that start at
+        ``addresses`` (others, and addresses of no registered cache, are left alone)."""
+        regions = self._regions
+        moved = False
+        for address in addresses:
+            region = regions.get(address)
+            if region is not None and fraction > region.fraction:
+                region.fraction = fraction
+                moved = True
+        if moved:
             self._wake.set()
 
-    def _target(self, region: _Region) -> int:
-        end = math.ceil(min(1.0, self._fraction + LOOKAHEAD) * region.nbytes)
+    @staticmethod
+    def _target(region: _Region) -> int:
+        end = math.ceil(min(1.0, region.fraction + LOOKAHEAD) * region.nbytes)
         return min(region.nbytes, -(-end // mmap.PAGESIZE) * mmap.PAGESIZE)
 
     def _next_chunk(self) -> tuple[mmap.mmap, _Region, int] | None:
         """The region furthest behind its target, alive (strongly held), and its chunk."""
         with self._lock:
-            self._regions = [r for r in self._regions if r.mapping() is not None]
-            behind = [r for r in self._regions if r.done < self._target(r)]
+            for address in [a for a, r in self._regions.items() if r.mapping() is None]:
+                del self._regions[address]
+            behind = [r for r in self._regions.values() if r.done < self._target(r)]
             if not behind:
                 return None
             region = min(behind, key=lambda r: r.done / r.nbytes)

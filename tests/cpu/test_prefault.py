@@ -51,7 +51,7 @@ def test_pages_are_faulted_in_ahead_of_the_writes_and_no_further(monkeypatch) ->
     resident = _settle(prefaulter, cache, ahead)
     assert all(resident[:ahead]) and not any(resident[ahead:])  # only the lookahead
 
-    prefaulter.advance(0.5)
+    prefaulter.advance([cache.data_ptr()], 0.5)
     resident = _settle(prefaulter, cache, pages // 2 + ahead)
     assert all(resident[: pages // 2 + ahead]) and not any(resident[pages // 2 + ahead :])
     assert not cache.any()  # the pages are zeros: nothing a step reads changed
@@ -62,11 +62,13 @@ def test_a_released_cache_is_let_go(monkeypatch) -> None:
     monkeypatch.setattr(prefault, "PREFAULTER", prefaulter)
     cache = CpuPlatform().zeros((256, 16, 2, 64), torch.bfloat16)
     _settle(prefaulter, cache, 1)
+    address = cache.data_ptr()
     del cache
-    prefaulter.advance(1.0)  # nothing to fault in: the mapping is gone
+    prefaulter.advance([address], 1.0)  # nothing to fault in: the mapping is gone
     deadline = time.monotonic() + 10
     while prefaulter._regions and time.monotonic() < deadline:
-        prefaulter.advance(1.0)
+        prefaulter.advance([address], 1.0)
+        prefaulter._wake.set()
         time.sleep(0.01)
     assert not prefaulter._regions
 
@@ -75,8 +77,8 @@ def test_the_attention_backend_advances_past_its_writes(monkeypatch) -> None:
     seen: list[float] = []
 
     class Recorder(prefault.Prefaulter):
-        def advance(self, fraction: float) -> None:
-            seen.append(fraction)
+        def advance(self, addresses, fraction: float) -> None:
+            seen.append((set(addresses), fraction))
 
     monkeypatch.setattr(prefault, "PREFAULTER", Recorder())
     from pagedlm.attention.backend import BatchLayout
@@ -84,6 +86,7 @@ def test_the_attention_backend_advances_past_its_writes(monkeypatch) -> None:
 
     backend = CpuSdpaBackend(torch.device("cpu"))
     backend._cache_slots = 64 * 16  # 64 blocks of 16 slots, as its first forward records
+    backend._cache_addresses = {1 << 20, 2 << 20}  # and where its caches start
     layout = BatchLayout.from_lists(
         query_start_loc=[0, 1, 2],
         seq_lens=[5, 40],
@@ -92,4 +95,36 @@ def test_the_attention_backend_advances_past_its_writes(monkeypatch) -> None:
         block_size=16,
     )
     backend.build_metadata(layout)
-    assert seen == [10 / 64]  # block 9 is the furthest written: 10 of 64 blocks
+    assert seen == [({1 << 20, 2 << 20}, 10 / 64)]  # block 9, the furthest: 10 of 64
+
+
+def test_one_engines_writes_fault_in_only_its_own_caches(monkeypatch) -> None:
+    prefaulter = prefault.Prefaulter()
+    monkeypatch.setattr(prefault, "PREFAULTER", prefaulter)
+    platform = CpuPlatform()
+    busy = platform.zeros((1024, 16, 2, 64), torch.bfloat16)
+    idle = platform.zeros((1024, 16, 2, 64), torch.bfloat16)
+    pages = len(_resident(busy))
+    ahead = int(pages * prefault.LOOKAHEAD)
+    prefaulter.advance([busy.data_ptr()], 1.0)
+    assert all(_settle(prefaulter, busy, pages))
+    resident = _settle(prefaulter, idle, ahead)
+    assert all(resident[:ahead]) and not any(resident[ahead:])  # its lookahead only
+
+
+def test_the_backend_names_the_caches_it_wrote() -> None:
+    from pagedlm.attention.backend import BatchLayout
+    from pagedlm_cpu.attention import CpuSdpaBackend
+
+    backend = CpuSdpaBackend(torch.device("cpu"))
+    key_cache = torch.zeros(8, 16, 1, 32)
+    value_cache = torch.zeros(8, 16, 1, 32)
+    layout = BatchLayout.from_lists(
+        query_start_loc=[0, 3], seq_lens=[3], block_tables=[[2]], slot_mapping=[32, 33, 34],
+        block_size=16,
+    )  # fmt: skip
+    metadata = backend.build_metadata(layout)
+    q = torch.randn(3, 2, 32)
+    kv = torch.randn(3, 1, 32)
+    backend.forward(q, kv, kv, key_cache, value_cache, metadata, 0.1)
+    assert backend._cache_addresses == {key_cache.data_ptr(), value_cache.data_ptr()}
